@@ -1,0 +1,19 @@
+"""moeshard: put Mixture-of-Experts weights on the right ranks, fast, bounded, verified."""
+
+from ._dist import DistributedError
+from .adapters import ExpertParam, ExpertsSpec, HF_EXPERTS, MIXTRAL_EXPERTS
+from .checkpoint import CheckpointError, CheckpointIndex, CheckpointReader, write_checkpoint
+from .load import LoadReport, load, materialize
+from .parallel import make_mesh, parallelize
+from .placement import Placement
+from .plan import TransferPlan, plan_transfers
+from .topology import Topology
+from .verify import VerificationError, VerifyReport, verify
+
+__all__ = [
+    "CheckpointError", "CheckpointIndex", "CheckpointReader", "DistributedError", "ExpertParam",
+    "ExpertsSpec", "HF_EXPERTS", "LoadReport", "MIXTRAL_EXPERTS", "Placement", "Topology",
+    "TransferPlan", "VerificationError", "VerifyReport", "load", "make_mesh", "materialize",
+    "parallelize", "plan_transfers", "verify", "write_checkpoint",
+]
+__version__ = "0.1.0"

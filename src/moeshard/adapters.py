@@ -1,0 +1,101 @@
+"""Checkpoint keys <-> model parameters.
+
+Non-expert parameters are stored under their own name (identity), or under the name of a
+parameter they are tied to (``lm_head.weight`` <-> ``model.embed_tokens.weight``).
+
+Expert parameters are fused in memory and split per expert on disk. An :class:`ExpertsSpec`
+declares, for one kind of experts module, how each fused parameter is assembled:
+
+* HF transformers 5 (Qwen3-MoE, DeepSeek-V3, ...)::
+
+      gate_up_proj [E, 2I, H] = concat(experts.{e}.gate_proj.weight [I, H],
+                                       experts.{e}.up_proj.weight   [I, H]) along dim 0
+      down_proj    [E, H, I]  = experts.{e}.down_proj.weight [H, I]
+
+* A custom (torchtitan-style) model declares its own::
+
+      ExpertsSpec(module=r"moe\\.experts$", params=(
+          ExpertParam("w1", ("{e}.w1.weight",)),
+          ExpertParam("w2", ("{e}.w2.weight",)),
+          ExpertParam("w3", ("{e}.w3.weight",))))
+
+Key templates are relative to the experts module's name (``{e}`` is the logical expert id);
+``dim`` is the dim of the per-expert slice (the expert dim excluded) along which the parts
+are concatenated. Part sizes along ``dim`` come from the checkpoint's headers.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .box import Box
+
+__all__ = ["ExpertParam", "ExpertsSpec", "HF_EXPERTS", "MIXTRAL_EXPERTS", "DEFAULT_SPECS", "expert_parts"]
+
+
+@dataclass(frozen=True)
+class ExpertParam:
+    """One fused expert parameter ``[num_experts, *slice_shape]`` of an experts module."""
+
+    name: str
+    parts: tuple[str, ...]
+    dim: int = 0
+
+    def keys(self, prefix: str, expert: int) -> tuple[str, ...]:
+        return tuple(f"{prefix}.{p.format(e=expert)}" if prefix else p.format(e=expert) for p in self.parts)
+
+
+@dataclass(frozen=True)
+class ExpertsSpec:
+    """Which modules are experts modules (``module``: a regex searched in the module's
+    qualified name) and how their fused parameters map to per-expert checkpoint keys."""
+
+    module: str
+    params: tuple[ExpertParam, ...]
+
+    def matches(self, module_name: str, param_names: set[str]) -> bool:
+        return re.search(self.module, module_name) is not None and {p.name for p in self.params} <= param_names
+
+
+HF_EXPERTS = ExpertsSpec(
+    module=r"(^|\.)experts$",
+    params=(
+        ExpertParam("gate_up_proj", ("{e}.gate_proj.weight", "{e}.up_proj.weight")),
+        ExpertParam("down_proj", ("{e}.down_proj.weight",)),
+    ),
+)
+MIXTRAL_EXPERTS = ExpertsSpec(
+    module=r"(^|\.)experts$",
+    params=(
+        ExpertParam("gate_up_proj", ("{e}.w1.weight", "{e}.w3.weight")),
+        ExpertParam("down_proj", ("{e}.w2.weight",)),
+    ),
+)
+DEFAULT_SPECS: tuple[ExpertsSpec, ...] = (HF_EXPERTS, MIXTRAL_EXPERTS)
+
+
+def expert_parts(
+    slice_box: Box, part_sizes: tuple[int, ...], dim: int
+) -> list[tuple[int, Box, Box]]:
+    """Split a box of one expert's slice into boxes of its checkpoint parts.
+
+    Args:
+        slice_box: box in the per-expert slice ``[*slice_shape]`` (expert dim excluded).
+        part_sizes: size of each part along ``dim`` (they sum to ``slice_shape[dim]``).
+        dim: the concatenation dim.
+
+    Returns:
+        ``[(part index, box in the part's tensor, box in slice coordinates)]`` in order.
+    """
+    out = []
+    start, length = slice_box[dim]
+    lo = 0
+    for j, size in enumerate(part_sizes):
+        a, b = max(start, lo), min(start + length, lo + size)
+        if a < b:
+            part_box = slice_box[:dim] + ((a - lo, b - a),) + slice_box[dim + 1 :]
+            sub = slice_box[:dim] + ((a, b - a),) + slice_box[dim + 1 :]
+            out.append((j, part_box, sub))
+        lo += size
+    return out

@@ -1,0 +1,163 @@
+"""Run a :class:`~moeshard.plan.TransferPlan` with torch.distributed.
+
+Every rank walks the same chunk list in the same order and posts only the ops that involve
+it, so P2P ops pair up without any loop over ranks and without deadlock (step k's
+participants all finished their earlier steps). Per chunk: read pieces for others into
+staging buffers, post phase A (batch_isend_irecv + node broadcasts), do a share of this rank's
+local reads while those are in flight, wait, deliver; then phase B (relays). Nothing calls a
+device synchronize: waits are on the ops' own work handles.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .box import box_shape, box_slices
+from .checkpoint import CheckpointIndex, CheckpointReader
+from .plan import TransferPlan
+
+__all__ = ["ExecStats", "execute_plan", "node_groups"]
+
+
+@dataclass
+class ExecStats:
+    bytes_read: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    peak_staging_bytes: int = 0
+
+
+def node_groups(local_world_size: int):
+    """Collective (all ranks): one process group per node; returns this rank's."""
+    group, _ = dist.new_subgroups(group_size=local_world_size)
+    return group
+
+
+def execute_plan(
+    plan: TransferPlan,
+    rank: int,
+    reader: CheckpointReader | None,
+    index: CheckpointIndex,
+    dests: Sequence[torch.Tensor | None],
+    device: torch.device,
+    node_group=None,
+    progress: Callable[[int], None] | None = None,
+) -> ExecStats:
+    """Collective (every rank of the default group): run ``plan`` on this rank.
+
+    Args:
+        rank: this process's global rank.
+        reader: reads this rank's pieces; None if the plan gives this rank no reads.
+        index: checkpoint headers (dtype and shape of each piece).
+        dests: local tensor of every parameter of the plan's needs (None where this rank
+            holds nothing); written in place, cast to their dtype.
+        device: where staging buffers live (the device of the model's local tensors).
+        node_group: this rank's node group, required if the plan has broadcasts.
+    """
+    stats = ExecStats()
+    pieces, needs = plan.pieces, plan.needs
+    my_local = list(plan.local_reads[rank])
+    if (my_local or any(r == rank for c in plan.chunks for r, _ in c.reads)) and reader is None:
+        raise ValueError(f"rank {rank}: the plan has this rank read the checkpoint, but it cannot")
+    my_chunks = [c for c in plan.chunks if _involves(c, rank, plan)]
+
+    def deliver(pid: int, buf: torch.Tensor) -> None:
+        for r, idx in pieces[pid].needs:
+            if r != rank:
+                continue
+            for i in idx:
+                n = needs[i]
+                dest = dests[n.param]
+                assert dest is not None, f"rank {rank} has no tensor for {n}"
+                # The dest box may carry extra leading dims of length 1 (an expert slot).
+                dest[box_slices(n.dest)].copy_(buf.view(box_shape(n.dest)))
+
+    def local_read(pid: int) -> None:
+        assert reader is not None
+        piece = pieces[pid]
+        # In scope "node" the piece may also be needed (and read) on other nodes.
+        (idx,) = [idx for r, idx in piece.needs if r == rank]
+        view = dests[needs[idx[0]].param][box_slices(needs[idx[0]].dest)]
+        if len(idx) == 1 and view.is_contiguous():
+            # Straight from storage into the parameter (cast on the way): no staging.
+            reader.read(piece.key, piece.src, out=view.view(box_shape(piece.src)))
+        else:
+            deliver(pid, reader.read(piece.key, piece.src))
+        if progress:
+            progress(piece.nbytes)
+
+    def empty(pid: int) -> torch.Tensor:
+        p = pieces[pid]
+        return torch.empty(box_shape(p.src), dtype=index.info(p.key).torch_dtype, device=device)
+
+    remaining_chunks = len(my_chunks)
+    for chunk in my_chunks:
+        bufs: dict[int, torch.Tensor] = {}
+        staged = 0
+        for r, pid in chunk.reads:
+            if r == rank:
+                assert reader is not None
+                buf = reader.read(pieces[pid].key, pieces[pid].src)
+                bufs[pid] = buf.to(device, non_blocking=True) if buf.device != device else buf
+                staged += pieces[pid].nbytes
+                deliver(pid, bufs[pid])
+                if progress:
+                    progress(pieces[pid].nbytes)
+        for phase in chunk.phases:
+            ops = []
+            received: list[int] = []
+            for s in phase.sends:
+                if s.src == rank:
+                    ops.append(dist.P2POp(dist.isend, bufs[s.piece], s.dst))
+                    stats.bytes_sent += pieces[s.piece].nbytes
+                elif s.dst == rank:
+                    bufs[s.piece] = empty(s.piece)
+                    ops.append(dist.P2POp(dist.irecv, bufs[s.piece], s.src))
+                    received.append(s.piece)
+                    staged += pieces[s.piece].nbytes
+            works = dist.batch_isend_irecv(ops) if ops else []
+            # Overlap: this rank's own reads while the batch is in flight.
+            share = math.ceil(len(my_local) / max(remaining_chunks * 2, 1))
+            for _ in range(min(share, len(my_local))):
+                local_read(my_local.pop())
+            for w in works:
+                w.wait()
+            for b in phase.broadcasts:
+                if rank not in plan.topology.node_ranks(b.node):
+                    continue
+                if node_group is None:
+                    raise ValueError("the plan has node broadcasts but no node group was given")
+                if b.root != rank:
+                    bufs[b.piece] = empty(b.piece)
+                    received.append(b.piece)
+                    staged += pieces[b.piece].nbytes
+                else:
+                    stats.bytes_sent += pieces[b.piece].nbytes * (plan.topology.local_world_size - 1)
+                dist.broadcast(bufs[b.piece], src=b.root, group=node_group)
+            for pid in received:
+                stats.bytes_received += pieces[pid].nbytes
+                deliver(pid, bufs[pid])
+        stats.peak_staging_bytes = max(stats.peak_staging_bytes, staged)
+        remaining_chunks -= 1
+        del bufs
+    while my_local:
+        local_read(my_local.pop())
+    if reader is not None:
+        stats.bytes_read = reader.bytes_read
+    return stats
+
+
+def _involves(chunk, rank: int, plan: TransferPlan) -> bool:
+    if any(r == rank for r, _ in chunk.reads):
+        return True
+    for phase in chunk.phases:
+        if any(s.src == rank or s.dst == rank for s in phase.sends):
+            return True
+        if any(rank in plan.topology.node_ranks(b.node) for b in phase.broadcasts):
+            return True
+    return False

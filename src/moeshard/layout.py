@@ -1,0 +1,324 @@
+"""Needs: which box of which checkpoint tensor every rank must hold, and where.
+
+Derived from the model itself, for *every* rank, without communication: a DTensor's
+placements and device mesh say what each mesh coordinate holds (torch's own
+local-shape/offset computation), and the :class:`~moeshard.placement.Placement` says which
+logical expert each physical slot of an expert parameter holds. Every rank computes the same
+needs, so the planner gives the same plan everywhere.
+
+Two halves: :func:`describe_model` turns a model into plain :class:`ParamDesc` records (the
+only part that looks at torch modules); :func:`compute_needs` is pure and works for any
+world size.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from .adapters import DEFAULT_SPECS, ExpertParam, ExpertsSpec, expert_parts
+from .box import Box, full_box
+from .checkpoint import CheckpointIndex, DTYPES
+from .placement import Placement
+
+__all__ = ["ExpertRef", "ParamDesc", "Need", "describe_model", "compute_needs", "local_tensor", "expert_layers"]
+
+
+@dataclass(frozen=True)
+class ExpertRef:
+    """An expert parameter: MoE ``layer`` index, experts-module name, and its spec."""
+
+    layer: int
+    module: str
+    param: ExpertParam
+
+
+@dataclass(frozen=True, eq=False)
+class ParamDesc:
+    """What one parameter (or persistent buffer) of the model is, as the planner sees it.
+
+    Args:
+        name: qualified name in the model.
+        shape: global shape. For an expert parameter: ``[num_physical, *slice_shape]``.
+        dtype: the model's dtype (checkpoint values are cast to it).
+        mesh: ``int[*mesh_shape]`` global ranks of the DTensor's mesh, or None for a plain
+            tensor held in full by every rank.
+        placements: the DTensor's placements (one per mesh dim); empty for a plain tensor.
+        keys: checkpoint keys the tensor may be stored under (own name first, then tied
+            aliases); unused for expert parameters.
+        expert: set for expert parameters.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    mesh: np.ndarray | None
+    placements: tuple = ()
+    keys: tuple[str, ...] = ()
+    expert: ExpertRef | None = None
+
+
+class Need(NamedTuple):
+    """Rank ``rank`` must hold box ``src`` of checkpoint tensor ``key`` at box ``dest`` of
+    the local tensor of parameter number ``param``."""
+
+    rank: int
+    param: int
+    dest: Box
+    key: str
+    src: Box
+
+
+# -- model -> ParamDesc -------------------------------------------------------------------
+
+
+def expert_layers(model: nn.Module, specs: Sequence[ExpertsSpec] = DEFAULT_SPECS) -> list[tuple[str, nn.Module, ExpertsSpec]]:
+    """Experts modules of ``model`` in module order (their index is the MoE layer)."""
+    out = []
+    for name, mod in model.named_modules():
+        names = {n for n, _ in mod.named_parameters(recurse=False)}
+        for spec in specs:
+            if spec.matches(name, names):
+                out.append((name, mod, spec))
+                break
+    return out
+
+
+def _choose_spec(candidates: Sequence[ExpertsSpec], module: str, index: CheckpointIndex | None) -> ExpertsSpec:
+    if index is None or len(candidates) == 1:
+        return candidates[0]
+    for spec in candidates:
+        if all(k in index for p in spec.params for k in p.keys(module, 0)):
+            return spec
+    return candidates[0]
+
+
+def describe_model(
+    model: nn.Module,
+    index: CheckpointIndex | None = None,
+    specs: Sequence[ExpertsSpec] = DEFAULT_SPECS,
+) -> list[ParamDesc]:
+    """Describe every parameter and persistent buffer of ``model`` (deduplicated; tied
+    parameters list all their names as checkpoint keys)."""
+    experts: dict[str, tuple[int, ExpertsSpec]] = {}
+    layer = 0
+    for name, mod in model.named_modules():
+        names = {n for n, _ in mod.named_parameters(recurse=False)}
+        matching = [s for s in specs if s.matches(name, names)]
+        if matching:
+            experts[name] = (layer, _choose_spec(matching, name, index))
+            layer += 1
+    aliases: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + _persistent_buffers(model):
+        aliases.setdefault(id(t), []).append(name)
+        tensors[id(t)] = t
+    descs = []
+    for tid, names in aliases.items():
+        t = tensors[tid]
+        name = names[0]
+        module, _, attr = name.rpartition(".")
+        expert = None
+        if module in experts:
+            layer_idx, spec = experts[module]
+            for p in spec.params:
+                if p.name == attr:
+                    expert = ExpertRef(layer_idx, module, p)
+        if _is_dtensor(t):
+            if any(p.is_partial() for p in t.placements):
+                raise ValueError(f"parameter {name}: Partial DTensor placements cannot be loaded")
+            mesh = t.device_mesh.mesh.cpu().numpy()
+            placements = tuple(t.placements)
+        else:
+            mesh, placements = None, ()
+        descs.append(ParamDesc(name, tuple(t.shape), t.dtype, mesh, placements, tuple(names), expert))
+    return descs
+
+
+def _persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    out = []
+    for mod_name, mod in model.named_modules():
+        for b_name, b in mod.named_buffers(recurse=False):
+            if b_name not in mod._non_persistent_buffers_set:
+                out.append((f"{mod_name}.{b_name}" if mod_name else b_name, b))
+    return out
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local tensor behind a parameter (DTensor or plain), writable in place."""
+    t = t.data if isinstance(t, nn.Parameter) else t
+    return t._local_tensor if _is_dtensor(t) else t
+
+
+# -- ParamDesc -> needs (pure) ------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=4096)
+def _local_boxes(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple) -> tuple[Box, ...]:
+    """Local box (in global coordinates) of every mesh coordinate, in row-major order."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import Replicate, Shard
+
+    for p in placements:
+        if not isinstance(p, (Shard, Replicate)) or type(p).__name__ == "_StridedShard":
+            raise ValueError(
+                f"placement {p} is not supported (Shard and Replicate are); "
+                "shard expert parameters with Shard(1) on the expert-FSDP axis"
+            )
+    boxes = []
+    for coord in np.ndindex(*mesh_shape):
+        lshape, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coord), placements)
+        boxes.append(tuple(zip(offset, lshape)))
+    return tuple(boxes)
+
+
+def compute_needs(
+    descs: Sequence[ParamDesc],
+    index: CheckpointIndex,
+    placement: Placement | None,
+    world_size: int,
+) -> list[Need]:
+    """Every rank's needs, from parameter descriptions (pure; any world size).
+
+    Raises ValueError for a key missing from the checkpoint, a shape that disagrees, a dtype
+    that cannot be cast, or a placement inconsistent with the model's expert parameters.
+    """
+    needs: list[Need] = []
+    num_layers = 1 + max((d.expert.layer for d in descs if d.expert), default=-1)
+    if placement is not None and num_layers:
+        placement.check_layers(num_layers)
+    for i, d in enumerate(descs):
+        if d.mesh is None:
+            per_rank = [(r, full_box(d.shape), (0,) * len(d.shape)) for r in range(world_size)]
+        else:
+            boxes = _local_boxes(d.shape, d.mesh.shape, d.placements)
+            per_rank = []
+            for rank, box in zip(d.mesh.reshape(-1).tolist(), boxes):
+                if rank >= world_size:
+                    raise ValueError(f"parameter {d.name}: its mesh names rank {rank} >= world size {world_size}")
+                per_rank.append((rank, box, tuple(o for o, _ in box)))
+        if d.expert is None:
+            key = _find_key(d, index)
+            info = index.info(key)
+            _check_dtype(d, key, info.dtype)
+            if tuple(info.shape) != d.shape:
+                raise ValueError(
+                    f"parameter {d.name}: checkpoint tensor {key!r} has shape {list(info.shape)}, "
+                    f"the model expects {list(d.shape)}"
+                )
+            for rank, box, origin in per_rank:
+                if all(n for _, n in box):
+                    needs.append(Need(rank, i, _shift(box, origin), key, box))
+        else:
+            _expert_needs(i, d, index, placement, per_rank, needs)
+    return needs
+
+
+def _shift(box: Box, origin: Sequence[int]) -> Box:
+    return tuple((off - o, n) for (off, n), o in zip(box, origin))
+
+
+def _find_key(d: ParamDesc, index: CheckpointIndex) -> str:
+    for key in d.keys:
+        if key in index:
+            return key
+    also = f" (nor under its tied names {list(d.keys[1:])})" if len(d.keys) > 1 else ""
+    raise ValueError(f"parameter {d.name}: checkpoint {index.root} has no tensor {d.keys[0]!r}{also}")
+
+
+def _check_dtype(d: ParamDesc, key: str, ckpt_dtype: str) -> None:
+    src = DTYPES[ckpt_dtype]
+    if src.is_floating_point != d.dtype.is_floating_point or (src == torch.bool) != (d.dtype == torch.bool):
+        raise ValueError(
+            f"parameter {d.name}: checkpoint tensor {key!r} has dtype {ckpt_dtype}, which cannot be "
+            f"cast to the model's {d.dtype}"
+        )
+
+
+def _expert_needs(
+    i: int,
+    d: ParamDesc,
+    index: CheckpointIndex,
+    placement: Placement | None,
+    per_rank: list[tuple[int, Box, tuple[int, ...]]],
+    needs: list[Need],
+) -> None:
+    ref = d.expert
+    assert ref is not None
+    num_physical, slice_shape = d.shape[0], d.shape[1:]
+    if placement is None:
+        phy2log = np.arange(num_physical)
+        num_logical = num_physical
+    else:
+        if placement.num_physical != num_physical:
+            raise ValueError(
+                f"parameter {d.name} has {num_physical} expert slots per layer, the placement has "
+                f"{placement.num_physical} physical slots"
+            )
+        phy2log = placement.phy2log[ref.layer]
+        num_logical = placement.num_logical
+    if d.mesh is not None and placement is not None and placement.num_ranks is not None:
+        spr = num_physical // placement.num_ranks
+        for _, box, _ in per_rank:
+            if box[0][1] and (box[0][0] // spr != (box[0][0] + box[0][1] - 1) // spr):
+                raise ValueError(f"parameter {d.name}: local box {list(box)} spans several EP ranks' slots")
+    # The parts of expert 0 give the part sizes; every expert must agree.
+    part_sizes = _part_sizes(d, index, 0, slice_shape)
+    extra = ref.param.keys(ref.module, num_logical)
+    if extra[0] in index:
+        raise ValueError(
+            f"parameter {d.name}: the checkpoint has expert {num_logical} ({extra[0]!r}) but the "
+            f"placement has only {num_logical} logical experts"
+        )
+    checked: set[int] = {0}
+    for rank, box, origin in per_rank:
+        (s0, ns), rest = box[0], box[1:]
+        if not ns or not all(n for _, n in rest):
+            continue
+        for slot in range(s0, s0 + ns):
+            expert = int(phy2log[slot])
+            if expert not in checked:
+                if _part_sizes(d, index, expert, slice_shape) != part_sizes:
+                    raise ValueError(f"parameter {d.name}: expert {expert}'s checkpoint tensors differ in shape from expert 0's")
+                checked.add(expert)
+            keys = ref.param.keys(ref.module, expert)
+            for j, part_box, sub in expert_parts(rest, part_sizes, ref.param.dim):
+                dest = ((slot - origin[0], 1),) + _shift(sub, origin[1:])
+                needs.append(Need(rank, i, dest, keys[j], part_box))
+
+
+def _part_sizes(d: ParamDesc, index: CheckpointIndex, expert: int, slice_shape: tuple[int, ...]) -> tuple[int, ...]:
+    ref = d.expert
+    assert ref is not None
+    sizes = []
+    for key in ref.param.keys(ref.module, expert):
+        if key not in index:
+            raise ValueError(f"parameter {d.name}: checkpoint {index.root} has no tensor {key!r} (logical expert {expert})")
+        info = index.info(key)
+        _check_dtype(d, key, info.dtype)
+        shape = list(info.shape)
+        want = list(slice_shape)
+        dim = ref.param.dim
+        if len(shape) != len(want) or any(a != b for k, (a, b) in enumerate(zip(shape, want)) if k != dim):
+            raise ValueError(
+                f"parameter {d.name}: checkpoint tensor {key!r} has shape {shape}, which does not fit "
+                f"an expert slice of shape {want} (parts concatenated along dim {dim})"
+            )
+        sizes.append(shape[dim])
+    if sum(sizes) != slice_shape[ref.param.dim]:
+        raise ValueError(
+            f"parameter {d.name}: parts {list(ref.param.parts)} of expert {expert} have sizes {sizes} "
+            f"along dim {ref.param.dim}, summing to {sum(sizes)}, not {slice_shape[ref.param.dim]}"
+        )
+    return tuple(sizes)

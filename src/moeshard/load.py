@@ -1,0 +1,249 @@
+"""``moeshard.load``: put checkpoint weights into an (EP + FSDP2) model, every rank its own.
+
+Steps (all collective, every rank of the default group calls ``load``):
+materialize a meta model -> decide who can read -> one rank reads the headers and shares them ->
+every rank plans the same :class:`TransferPlan` from its own model (errors and fingerprints
+agreed before any data moves) -> execute -> report.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Literal, Sequence
+
+import numpy as np
+import psutil
+import torch
+from torch import nn
+
+from . import _dist
+from .adapters import DEFAULT_SPECS, ExpertsSpec
+from .checkpoint import CheckpointIndex, CheckpointReader
+from .execute import execute_plan, node_groups
+from .layout import compute_needs, describe_model, local_tensor
+from .placement import Placement
+from .plan import DEFAULT_STAGING_BYTES, TransferPlan, minimal_cost, plan_transfers
+from .topology import Topology
+
+__all__ = ["LoadReport", "load", "plan_load", "storage_sources", "materialize"]
+
+Storage = Literal["auto", "shared", "node", "single"]
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What a load did. ``*_rank`` fields are this rank's; ``plan`` holds job-wide counters
+    (bytes read/sent per rank summarized, bytes crossing nodes, ops, batches)."""
+
+    storage: str
+    rank: int
+    world_size: int
+    wall_seconds: float
+    plan_seconds: float
+    checkpoint_bytes: int
+    bytes_read_rank: int
+    bytes_sent_rank: int
+    bytes_received_rank: int
+    peak_staging_bytes_rank: int
+    rss_before_bytes: int
+    peak_rss_bytes: int
+    plan: dict = field(default_factory=dict)
+    minimal: dict = field(default_factory=dict)
+    fingerprint: str = ""
+
+
+def _target_device(model: nn.Module) -> torch.device:
+    from torch.distributed.tensor import DTensor
+
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            kind = p.device_mesh.device_type
+            break
+        if p.device.type != "meta":
+            return p.device
+    else:
+        kind = "cuda" if (_dist.is_dist() and torch.distributed.get_backend() == "nccl") else "cpu"
+    if kind == "cpu":
+        return torch.device("cpu")
+    mod = getattr(torch, kind)
+    return torch.device(kind, mod.current_device())
+
+
+def materialize(model: nn.Module, device: torch.device | None = None) -> torch.device:
+    """Allocate a meta-device model on its device (``to_empty``) and recompute its
+    non-persistent buffers (e.g. RoPE ``inv_freq``), which no checkpoint holds.
+
+    A module's non-persistent buffers are rebuilt by constructing a fresh module of the same
+    class from its ``config`` (as transformers' rotary modules allow); a module that cannot be
+    rebuilt that way raises ValueError naming the buffer.
+    """
+    device = _target_device(model) if device is None else device
+    meta_buffers = [
+        (name, mod)
+        for name, mod in model.named_modules()
+        if any(b.is_meta for n, b in mod.named_buffers(recurse=False) if n in mod._non_persistent_buffers_set)
+    ]
+    if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
+        model.to_empty(device=device)
+    for name, mod in meta_buffers:
+        config = getattr(mod, "config", None)
+        if config is None:
+            names = sorted(mod._non_persistent_buffers_set)
+            raise ValueError(
+                f"module {name!r} ({type(mod).__name__}) has non-persistent buffers {names} that no "
+                "checkpoint holds and no config to recompute them from; initialize them before loading"
+            )
+        with torch.device("cpu"):
+            fresh = type(mod)(config)
+        for b_name in mod._non_persistent_buffers_set:
+            local_tensor(getattr(mod, b_name)).copy_(getattr(fresh, b_name))
+    return device
+
+
+def storage_sources(storage: Storage, can_read: Sequence[bool], topology: Topology) -> tuple[str, np.ndarray, str]:
+    """Resolve a storage mode from which ranks can see the checkpoint (pure).
+
+    Returns ``(mode, readers: bool[world], scope)``. Raises ValueError when the mode's
+    assumption is false (e.g. "shared" but some ranks cannot read), naming the ranks.
+    """
+    can = np.asarray(can_read, dtype=bool)
+    blind = np.flatnonzero(~can).tolist()
+    if not can.any():
+        raise ValueError("no rank can read the checkpoint")
+    if storage == "auto":
+        if can.all():
+            storage = "shared"
+        elif can.sum() == 1 and can[0]:
+            storage = "single"
+        elif all(can[list(topology.node_ranks(n))].any() for n in range(topology.num_nodes)):
+            storage = "node"
+        else:
+            return "shared", can, "job"
+    if storage == "shared":
+        if blind:
+            raise ValueError(f"storage='shared' but ranks {blind[:16]} cannot read the checkpoint")
+        return "shared", can, "job"
+    if storage == "single":
+        if not can[0]:
+            raise ValueError("storage='single' but rank 0 cannot read the checkpoint")
+        only0 = np.zeros_like(can)
+        only0[0] = True
+        return "single", only0, "job"
+    if storage == "node":
+        for n in range(topology.num_nodes):
+            if not can[list(topology.node_ranks(n))].any():
+                raise ValueError(f"storage='node' but no rank of node {n} can read the checkpoint")
+        return "node", can, "node"
+    raise ValueError(f"storage must be 'auto', 'shared', 'node' or 'single', got {storage!r}")
+
+
+def plan_load(
+    model: nn.Module,
+    index: CheckpointIndex,
+    placement: Placement | None,
+    topology: Topology,
+    readers: np.ndarray,
+    scope: str,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+    specs: Sequence[ExpertsSpec] = DEFAULT_SPECS,
+) -> TransferPlan:
+    """The plan :func:`load` would run (pure given the model; no communication)."""
+    descs = describe_model(model, index, specs)
+    needs = compute_needs(descs, index, placement, topology.world_size)
+    return plan_transfers(needs, index, topology, readers, scope=scope, staging_bytes=staging_bytes)
+
+
+def load(
+    model: nn.Module,
+    checkpoint: str | os.PathLike,
+    placement: Placement | None = None,
+    storage: Storage = "auto",
+    *,
+    topology: Topology | None = None,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+    specs: Sequence[ExpertsSpec] = DEFAULT_SPECS,
+    device: torch.device | None = None,
+) -> LoadReport:
+    """Collective (every rank): load ``checkpoint`` into ``model`` in place.
+
+    Args:
+        model: parameters are DTensors (FSDP2 / EP, e.g. from :func:`moeshard.parallelize`)
+            or plain tensors (held in full by every rank); may be on the meta device.
+            Expert parameters have global shape ``[num_physical, *slice_shape]``.
+        checkpoint: HF safetensors directory (with index) or a ``.safetensors`` file.
+        placement: which logical expert each physical slot holds (None: slot p = expert p).
+        storage: "shared", "node", "single" or "auto" (detect which ranks see the files).
+        topology: ranks per node (default: torchrun's environment).
+        staging_bytes: per-rank budget for pieces in flight.
+
+    Raises:
+        DistributedError: on every rank, if any rank hit a bad input (missing key, shape or
+            dtype mismatch, bad file, inconsistent placement) or the ranks' plans differ.
+    """
+    t0 = time.perf_counter()
+    rss0 = psutil.Process().memory_info().rss
+    topo = topology or Topology.from_env()
+    rank = _dist.rank_and_world()[0]
+    if topo.world_size != _dist.rank_and_world()[1]:
+        raise ValueError(f"topology has world_size {topo.world_size}, the process group has {_dist.rank_and_world()[1]}")
+    topo = topo.with_rank(rank)
+    path = os.fspath(checkpoint)
+
+    def prepare():
+        dev = materialize(model, device)
+        return dev, os.path.exists(path)
+
+    dev, can = _dist.agree(prepare, "moeshard.load: materializing the model")
+    can_read = _dist.all_gather_object(can)
+    mode, readers, scope = _dist.agree(lambda: storage_sources(storage, can_read, topo), "moeshard.load: storage")
+    first_reader = int(np.flatnonzero(readers)[0])
+    index = _dist.agree(lambda: CheckpointIndex.open(path) if rank == first_reader else None,
+                        f"moeshard.load: reading the headers of {path}")
+    index = _dist.broadcast_object(index, src=first_reader)
+    reader = CheckpointReader(index, path if os.path.isdir(path) else os.path.dirname(path) or ".") if readers[rank] else None
+
+    def make_plan() -> TransferPlan:
+        plan = plan_load(model, index, placement, topo, readers, scope, staging_bytes, specs)
+        mine = {index.info(plan.pieces[p].key).file for p in plan.local_reads[rank]}
+        mine |= {index.info(plan.pieces[p].key).file for c in plan.chunks for r, p in c.reads if r == rank}
+        if mine:
+            assert reader is not None
+            reader.check_files(mine)
+        return plan
+
+    plan = _dist.agree(make_plan, "moeshard.load: planning", fingerprint=lambda p: p.fingerprint)
+    t_plan = time.perf_counter() - t0
+    group = node_groups(topo.local_world_size) if any(ph.broadcasts for c in plan.chunks for ph in c.phases) else None
+    descs = describe_model(model, index, specs)
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(model.named_buffers())
+    dests = [local_tensor(tensors[d.name]) for d in descs]
+    try:
+        with torch.no_grad():
+            stats = execute_plan(plan, rank, reader, index, dests, dev, node_group=group)
+    finally:
+        if reader is not None:
+            reader.close()
+    if _dist.is_dist():
+        torch.distributed.barrier()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return LoadReport(
+        storage=mode,
+        rank=rank,
+        world_size=topo.world_size,
+        wall_seconds=time.perf_counter() - t0,
+        plan_seconds=t_plan,
+        checkpoint_bytes=index.total_bytes,
+        bytes_read_rank=stats.bytes_read,
+        bytes_sent_rank=stats.bytes_sent,
+        bytes_received_rank=stats.bytes_received,
+        peak_staging_bytes_rank=stats.peak_staging_bytes,
+        rss_before_bytes=rss0,
+        peak_rss_bytes=peak,
+        plan=plan.cost.summary(),
+        minimal=minimal_cost(plan.needs, index, topo, readers, scope),
+        fingerprint=plan.fingerprint,
+    )

@@ -1,0 +1,110 @@
+"""``moeshard.parallelize``: expert parallelism + FSDP2 for a (meta-device) HF MoE model.
+
+Mesh convention (torchtitan's): a 2D mesh ``("efsdp", "ep")`` with EP innermost, so an EP
+group is ``ep`` consecutive ranks (one node, when EP fits in a node). Expert parameters
+become DTensors whose global view is the physical tensor ``[num_physical, ...]`` (EP rank k
+holds slots k*S..(k+1)*S-1, ``Shard(0)`` on "ep"); with efsdp > 1 FSDP2 shards them further
+along dim 1 (``Shard(1)``, so the local box stays contiguous whatever the slot count). Every
+other parameter gets ``fully_shard`` on the flattened data-parallel axis ("dp" = all ranks).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+from .adapters import DEFAULT_SPECS, ExpertsSpec
+from .layout import expert_layers
+from .placement import Placement
+
+__all__ = ["make_mesh", "parallelize"]
+
+
+def make_mesh(device_type: str, ep: int, efsdp: int = 1) -> DeviceMesh:
+    """Collective (all ranks): a ``("efsdp", "ep")`` mesh over all ranks (world = efsdp * ep)."""
+    world = torch.distributed.get_world_size()
+    if ep * efsdp != world:
+        raise ValueError(f"ep={ep} x efsdp={efsdp} must equal the world size {world}")
+    return init_device_mesh(device_type, (efsdp, ep), mesh_dim_names=("efsdp", "ep"))
+
+
+def _dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    names = mesh.mesh_dim_names or ()
+    if names == ("ep",):
+        return mesh
+    return mesh[tuple(names)]._flatten("dp")
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    placement: Placement,
+    specs: Sequence[ExpertsSpec] = DEFAULT_SPECS,
+) -> nn.Module:
+    """Collective (all ranks): shard ``model`` in place for EP (+ expert FSDP) and FSDP2.
+
+    Args:
+        model: built on the meta device (``with torch.device("meta")``); its experts modules'
+            parameters are ``[num_logical, *slice_shape]``.
+        mesh: from :func:`make_mesh` (dims "ep", optionally "efsdp").
+        placement: num_physical must be a multiple of the EP size; its num_logical must
+            match the model's expert count and its num_layers its MoE layer count.
+    Returns:
+        the same model (call :func:`moeshard.load` next).
+    """
+    names = mesh.mesh_dim_names or ()
+    if "ep" not in names:
+        raise ValueError(f"mesh must have an 'ep' dim, got dims {names}")
+    ep_mesh = mesh["ep"]
+    ep = ep_mesh.size()
+    efsdp = mesh["efsdp"].size() if "efsdp" in names else 1
+    spr = placement.slots_per_rank(ep)
+    layers = expert_layers(model, specs)
+    placement.check_layers(len(layers))
+    expert_params: set[nn.Parameter] = set()
+    for module_name, module, spec in layers:
+        for p in spec.params:
+            old = getattr(module, p.name)
+            if old.shape[0] != placement.num_logical:
+                raise ValueError(
+                    f"{module_name}.{p.name} has {old.shape[0]} experts, the placement {placement.num_logical}"
+                )
+            local = torch.empty((spr, *old.shape[1:]), dtype=old.dtype, device=old.device)
+            dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False,
+                                    shape=torch.Size((placement.num_physical, *old.shape[1:])),
+                                    stride=_contiguous_stride((placement.num_physical, *old.shape[1:])))
+            new = nn.Parameter(dt, requires_grad=old.requires_grad)
+            setattr(module, p.name, new)
+            expert_params.add(new)
+        # The module now holds this rank's slots only; record the layout for forward code.
+        module.num_local_experts = spr
+        if efsdp > 1:
+            fully_shard(module, mesh=mesh["efsdp"], shard_placement_fn=lambda _: Shard(1))
+    dp = _dp_mesh(mesh)
+    ignored = expert_params if efsdp == 1 else None
+    blocks = _blocks(model)
+    for block in blocks:
+        fully_shard(block, mesh=dp, ignored_params=ignored)
+    fully_shard(model, mesh=dp, ignored_params=ignored)
+    return model
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= n
+    return tuple(reversed(stride))
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """Transformer blocks: children of the first ModuleList named 'layers'."""
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and name.endswith("layers"):
+            return list(mod)
+    return []

@@ -1,0 +1,165 @@
+"""Where each logical expert lives: phy2log / log2phy / logcnt, as deepseek-ai/EPLB defines them.
+
+Vocabulary: a *logical expert* is an expert id of the checkpoint (0..num_logical-1); a
+*physical slot* is a place for one expert copy. With ``num_ranks`` EP ranks and
+``num_physical`` slots per layer, slot ``p`` lives on EP rank ``p // slots_per_rank`` at local
+slot ``p % slots_per_rank``. Redundant experts: ``num_physical > num_logical``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["Placement"]
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a = np.ascontiguousarray(a, dtype=np.int64)
+    a.setflags(write=False)
+    return a
+
+
+@dataclass(frozen=True, eq=False)
+class Placement:
+    """Expert placement of every MoE layer.
+
+    Args:
+        phy2log: ``int[num_layers, num_physical]``: logical expert held by each physical slot.
+            The layer index counts MoE layers only, in module order (dense layers are skipped).
+        num_logical: number of logical experts per layer; inferred as ``phy2log.max() + 1``
+            when omitted (pass it to catch a trailing expert with no copy).
+        num_ranks: EP size, when known. ``num_physical`` must be a multiple of it.
+
+    Raises:
+        ValueError: an expert id out of range, a logical expert with no copy, slot count not
+            divisible by ``num_ranks``.
+    """
+
+    phy2log: np.ndarray
+    num_logical: int | None = None
+    num_ranks: int | None = None
+    # Derived tables (computed in __post_init__; not constructor arguments).
+    log2phy: np.ndarray = field(init=False, repr=False)
+    logcnt: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        p2l = np.asarray(self.phy2log)
+        if p2l.ndim != 2 or p2l.shape[1] == 0:
+            raise ValueError(f"phy2log must be int[num_layers, num_physical], got shape {p2l.shape}")
+        if not np.issubdtype(p2l.dtype, np.integer):
+            raise ValueError(f"phy2log must hold integer expert ids, got dtype {p2l.dtype}")
+        num_logical = int(p2l.max()) + 1 if self.num_logical is None else int(self.num_logical)
+        bad = np.argwhere((p2l < 0) | (p2l >= num_logical))
+        if len(bad):
+            layer, slot = bad[0]
+            raise ValueError(
+                f"phy2log[{layer}, {slot}] = {p2l[layer, slot]} is not a logical expert id in "
+                f"[0, {num_logical})"
+            )
+        num_layers, num_physical = p2l.shape
+        if self.num_ranks is not None and (self.num_ranks < 1 or num_physical % self.num_ranks):
+            raise ValueError(
+                f"num_physical={num_physical} slots per layer is not divisible by the EP size "
+                f"num_ranks={self.num_ranks}"
+            )
+        logcnt = np.zeros((num_layers, num_logical), dtype=np.int64)
+        np.add.at(logcnt, (np.arange(num_layers)[:, None], p2l), 1)
+        missing = np.argwhere(logcnt == 0)
+        if len(missing):
+            layer, expert = missing[0]
+            raise ValueError(
+                f"logical expert {expert} of layer {layer} has no physical slot "
+                f"({len(missing)} expert(s) without a copy in all)"
+            )
+        max_copies = int(logcnt.max())
+        log2phy = np.full((num_layers, num_logical, max_copies), -1, dtype=np.int64)
+        # Copies of an expert in slot order: a stable sort groups slots by logical expert.
+        order = np.argsort(p2l, axis=1, kind="stable")
+        sorted_log = np.take_along_axis(p2l, order, axis=1)
+        starts = np.cumsum(logcnt, axis=1) - logcnt
+        rank_in_expert = np.arange(num_physical)[None, :] - np.take_along_axis(starts, sorted_log, axis=1)
+        layer_idx = np.broadcast_to(np.arange(num_layers)[:, None], p2l.shape)
+        log2phy[layer_idx, sorted_log, rank_in_expert] = order
+        object.__setattr__(self, "phy2log", _frozen(p2l))
+        object.__setattr__(self, "num_logical", num_logical)
+        object.__setattr__(self, "log2phy", _frozen(log2phy))
+        object.__setattr__(self, "logcnt", _frozen(logcnt))
+
+    # -- constructors -------------------------------------------------------------------
+    @classmethod
+    def contiguous(
+        cls, num_layers: int, num_logical: int, num_ranks: int, num_redundant: int = 0
+    ) -> "Placement":
+        """Slot ``p`` holds logical expert ``p % num_logical``: experts in order, redundant
+        copies of experts 0..num_redundant-1 in the last slots."""
+        if num_layers < 1 or num_logical < 1 or num_redundant < 0:
+            raise ValueError(
+                f"need num_layers >= 1, num_logical >= 1, num_redundant >= 0; got "
+                f"{num_layers}, {num_logical}, {num_redundant}"
+            )
+        num_physical = num_logical + num_redundant
+        row = np.arange(num_physical) % num_logical
+        return cls(np.tile(row, (num_layers, 1)), num_logical=num_logical, num_ranks=num_ranks)
+
+    @classmethod
+    def from_log2phy(cls, log2phy: np.ndarray, num_physical: int, num_ranks: int | None = None) -> "Placement":
+        """Inverse of :attr:`log2phy` (``-1`` pads); every slot must be named exactly once."""
+        l2p = np.asarray(log2phy)
+        num_layers, num_logical, _ = l2p.shape
+        p2l = np.full((num_layers, num_physical), -1, dtype=np.int64)
+        for layer, expert, copy in np.argwhere(l2p >= 0):
+            slot = l2p[layer, expert, copy]
+            if not 0 <= slot < num_physical or p2l[layer, slot] != -1:
+                raise ValueError(f"log2phy[{layer}, {expert}, {copy}] = {slot}: slot out of range or used twice")
+            p2l[layer, slot] = expert
+        if (p2l < 0).any():
+            layer, slot = np.argwhere(p2l < 0)[0]
+            raise ValueError(f"log2phy leaves slot {slot} of layer {layer} empty")
+        return cls(p2l, num_logical=num_logical, num_ranks=num_ranks)
+
+    # -- queries ------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return int(self.phy2log.shape[0])
+
+    @property
+    def num_physical(self) -> int:
+        return int(self.phy2log.shape[1])
+
+    def slots_per_rank(self, num_ranks: int | None = None) -> int:
+        """Physical slots per EP rank; ``num_ranks`` defaults to the placement's own."""
+        n = self.num_ranks if num_ranks is None else num_ranks
+        if n is None:
+            raise ValueError("the EP size is unknown: pass num_ranks")
+        if n < 1 or self.num_physical % n:
+            raise ValueError(
+                f"num_physical={self.num_physical} slots per layer is not divisible by the EP size {n}"
+            )
+        if self.num_ranks is not None and n != self.num_ranks:
+            raise ValueError(f"placement was made for EP size {self.num_ranks}, the model has EP size {n}")
+        return self.num_physical // n
+
+    def check_layers(self, num_layers: int) -> None:
+        if num_layers != self.num_layers:
+            raise ValueError(
+                f"the model has {num_layers} MoE layers, the placement describes {self.num_layers}"
+            )
+
+    def fingerprint(self) -> str:
+        import hashlib
+
+        h = hashlib.sha256(self.phy2log.tobytes())
+        h.update(f"{self.phy2log.shape}/{self.num_logical}/{self.num_ranks}".encode())
+        return h.hexdigest()[:16]
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, Placement)
+            and self.num_logical == other.num_logical
+            and np.array_equal(self.phy2log, other.phy2log)
+        )
+
+    def __hash__(self) -> int:
+        return hash(self.fingerprint())

@@ -1,0 +1,403 @@
+"""The planner: needs + sources -> :class:`TransferPlan` (pure, deterministic, any world size).
+
+A *piece* is one box of one checkpoint tensor that at least one rank needs. Every piece is
+read from storage by exactly one rank per *read scope* ("job": once in the whole job;
+"node": once per node that needs it) and then delivered:
+
+* to needers on the reader's node directly (phase A);
+* to each other node that needs it: once across nodes, to one needer there (phase A), which
+  relays it to the rest of its node (phase B).
+
+Where every rank of a node needs a piece (and the node has >= 3 ranks) the in-node fan-out is
+one node-group broadcast instead of P2P sends. Pieces needed only by the rank that reads
+them are *local reads*: straight from storage into the destination, never staged.
+
+Transfers are packed into *chunks*: in each chunk every rank stages at most
+``staging_bytes`` (pieces it reads for others, pieces it receives) and posts at most
+``max_ops`` P2P ops per phase, so memory stays bounded and NCCL batches stay small. Pieces
+larger than a quarter of the budget are split along their first dim.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Literal, Sequence
+
+import numpy as np
+
+from .box import Box, box_numel, split_box
+from .checkpoint import CheckpointIndex
+from .layout import Need
+from .topology import Topology
+
+__all__ = ["Piece", "Send", "Broadcast", "Phase", "Chunk", "PlanCost", "TransferPlan", "plan_transfers", "minimal_cost"]
+
+Scope = Literal["job", "node"]
+DEFAULT_STAGING_BYTES = 256 * 2**20
+DEFAULT_MAX_OPS = 64
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Box ``src`` of checkpoint tensor ``key`` (``nbytes`` in the checkpoint's dtype) and
+    the needs it satisfies (indices into the plan's needs), per receiving rank."""
+
+    key: str
+    src: Box
+    nbytes: int
+    needs: tuple[tuple[int, tuple[int, ...]], ...]  # ((rank, (need index, ...)), ...)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(r for r, _ in self.needs)
+
+
+@dataclass(frozen=True)
+class Send:
+    src: int
+    dst: int
+    piece: int
+
+
+@dataclass(frozen=True)
+class Broadcast:
+    """``root`` broadcasts ``piece`` to every rank of ``node`` (over the node's group)."""
+
+    node: int
+    root: int
+    piece: int
+
+
+@dataclass(frozen=True)
+class Phase:
+    sends: tuple[Send, ...] = ()
+    broadcasts: tuple[Broadcast, ...] = ()
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Pieces read for others (``reads``: (reader, piece)), then phase A, then phase B."""
+
+    reads: tuple[tuple[int, int], ...]
+    phases: tuple[Phase, Phase]
+
+
+@dataclass(frozen=True)
+class PlanCost:
+    """Cost counters of a plan (bytes are checkpoint-dtype bytes). Arrays are per rank."""
+
+    read_bytes: np.ndarray
+    sent_bytes: np.ndarray
+    recv_bytes: np.ndarray
+    peak_staging_bytes: np.ndarray
+    cross_node_bytes: int
+    num_p2p_ops: int
+    num_batches: int
+    num_broadcasts: int
+
+    def summary(self) -> dict:
+        return {
+            "read_bytes_total": int(self.read_bytes.sum()),
+            "read_bytes_max_rank": int(self.read_bytes.max(initial=0)),
+            "sent_bytes_total": int(self.sent_bytes.sum()),
+            "sent_bytes_max_rank": int(self.sent_bytes.max(initial=0)),
+            "recv_bytes_max_rank": int(self.recv_bytes.max(initial=0)),
+            "cross_node_bytes": self.cross_node_bytes,
+            "peak_staging_bytes_max_rank": int(self.peak_staging_bytes.max(initial=0)),
+            "num_p2p_ops": self.num_p2p_ops,
+            "num_batches": self.num_batches,
+            "num_broadcasts": self.num_broadcasts,
+        }
+
+
+@dataclass(frozen=True, eq=False)
+class TransferPlan:
+    """Everything every rank does, in order. Identical on every rank."""
+
+    topology: Topology
+    needs: tuple[Need, ...]
+    pieces: tuple[Piece, ...]
+    local_reads: tuple[tuple[int, ...], ...]  # per rank: pieces it reads for itself only
+    chunks: tuple[Chunk, ...]
+    cost: PlanCost
+    staging_bytes: int
+    fingerprint: str = field(default="")
+
+
+def plan_transfers(
+    needs: Sequence[Need],
+    index: CheckpointIndex,
+    topology: Topology,
+    readers: Sequence[bool] | np.ndarray,
+    scope: Scope = "job",
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+    max_ops: int = DEFAULT_MAX_OPS,
+) -> TransferPlan:
+    """Plan reads and transfers so every need is met exactly once (pure).
+
+    Args:
+        needs: every rank's needs (:func:`~moeshard.layout.compute_needs`).
+        index: checkpoint headers (dtypes and file offsets of the keys).
+        topology: world size and ranks per node.
+        readers: ``bool[world_size]``: which ranks can read the checkpoint.
+        scope: "job" reads each piece once in the job; "node" once per node needing it.
+        staging_bytes: per-rank staging budget for pieces in flight.
+        max_ops: at most this many P2P ops per rank in one batch.
+
+    Raises:
+        ValueError: no rank can read (or, for scope "node", a node that needs data has no
+            reader), or the budget is too small for a single element.
+    """
+    world, lws = topology.world_size, topology.local_world_size
+    readers = np.asarray(readers, dtype=bool)
+    if readers.shape != (world,):
+        raise ValueError(f"readers must be bool[{world}], got shape {readers.shape}")
+    if not readers.any():
+        raise ValueError("no rank can read the checkpoint")
+    if staging_bytes < 1 or max_ops < 2:
+        raise ValueError(f"staging_bytes must be >= 1 and max_ops >= 2, got {staging_bytes}, {max_ops}")
+    node = topology.nodes_array()
+    max_piece = max(1, staging_bytes // 4)
+
+    # 1. Pieces: unique (key, box), split to fit the budget, in file order for sequential reads.
+    grouped: dict[tuple[str, Box], list[int]] = defaultdict(list)
+    for i, n in enumerate(needs):
+        grouped[(n.key, n.src)].append(i)
+
+    def file_order(item):
+        (key, src), _ = item
+        info = index.info(key)
+        return (info.file, info.offset, src)
+
+    pieces: list[Piece] = []
+    for (key, src), idx in sorted(grouped.items(), key=file_order):
+        info = index.info(key)
+        if info.itemsize > staging_bytes:
+            raise ValueError(f"staging budget of {staging_bytes} bytes cannot hold one element of {key!r}")
+        for sub in split_box(src, max(1, max_piece // info.itemsize)):
+            per_rank: dict[int, list[int]] = defaultdict(list)
+            for i in idx:
+                per_rank[needs[i].rank].append(i)
+            pieces.append(Piece(key, sub, box_numel(sub) * info.itemsize, tuple((r, tuple(v)) for r, v in sorted(per_rank.items()))))
+    pieces, needs_out = _split_needs(pieces, needs)
+
+    read_load = np.zeros(world, dtype=np.int64)
+    recv_load = np.zeros(world, dtype=np.int64)
+    local_reads: list[list[int]] = [[] for _ in range(world)]
+    trees: list[tuple[int, list[int], list[tuple[int, int]], list[tuple[int, int]], list[Broadcast], list[Broadcast]]] = []
+    reader_idx = np.flatnonzero(readers)
+
+    def least(cands: np.ndarray, load: np.ndarray) -> int:
+        return int(cands[np.argmin(load[cands])])
+
+    for pid, piece in enumerate(pieces):
+        ranks = np.asarray(piece.ranks, dtype=np.int64)
+        groups = [ranks] if scope == "job" else [ranks[node[ranks] == n] for n in np.unique(node[ranks])]
+        for grp in groups:
+            cands = grp[readers[grp]]
+            if len(cands):
+                reader = least(cands, read_load)
+            else:
+                pool = reader_idx if scope == "job" else reader_idx[node[reader_idx] == node[grp[0]]]
+                if not len(pool):
+                    raise ValueError(
+                        f"storage scope 'node': node {int(node[grp[0]])} needs {piece.key!r} but none of its "
+                        "ranks can read the checkpoint"
+                    )
+                near = pool[np.isin(node[pool], node[grp])]
+                reader = least(near if len(near) else pool, read_load)
+            read_load[reader] += piece.nbytes
+            if len(grp) == 1 and grp[0] == reader:
+                local_reads[reader].append(pid)
+                continue
+            phase_a: list[tuple[int, int]] = []
+            phase_b: list[tuple[int, int]] = []
+            bc_a: list[Broadcast] = []
+            bc_b: list[Broadcast] = []
+            for n in np.unique(node[grp]).tolist():
+                on_node = grp[node[grp] == n].tolist()
+                if n == node[reader]:
+                    holder = reader
+                else:
+                    holder = min(on_node, key=lambda r: (recv_load[r], r))
+                    phase_a.append((reader, holder))
+                    recv_load[holder] += piece.nbytes
+                rest = [r for r in on_node if r != holder]
+                if not rest:
+                    continue
+                bc_list, p2p = (bc_a, phase_a) if holder == reader else (bc_b, phase_b)
+                if lws >= 3 and len(on_node) == lws:
+                    bc_list.append(Broadcast(n, holder, pid))
+                else:
+                    p2p.extend((holder, r) for r in rest)
+                for r in rest:
+                    recv_load[r] += piece.nbytes
+            trees.append((pid, [reader], phase_a, phase_b, bc_a, bc_b))
+
+    # 2. Chunks within the staging budget and op limit.
+    chunks, cost = _pack(pieces, trees, topology, staging_bytes, max_ops)
+    cost.read_bytes[:] = read_load
+    plan = TransferPlan(
+        topology=topology.with_rank(0),
+        needs=tuple(needs_out),
+        pieces=tuple(pieces),
+        local_reads=tuple(tuple(v) for v in local_reads),
+        chunks=tuple(chunks),
+        cost=cost,
+        staging_bytes=staging_bytes,
+    )
+    object.__setattr__(plan, "fingerprint", _fingerprint(plan))
+    return plan
+
+
+def _split_needs(pieces: list[Piece], needs: Sequence[Need]) -> tuple[list[Piece], list[Need]]:
+    """Renumber needs piece by piece; a sub-piece's needs get dest boxes covering just it."""
+    out_pieces: list[Piece] = []
+    out_needs: list[Need] = []
+    for p in pieces:
+        new_needs = []
+        for rank, idx in p.needs:
+            new_idx = []
+            for i in idx:
+                n = needs[i]
+                if n.src != p.src:
+                    # Source dims map to the trailing dest dims (an expert slot adds a leading 1).
+                    delta = len(n.dest) - len(n.src)
+                    dest = list(n.dest)
+                    for d, ((so, _), (po, pl)) in enumerate(zip(n.src, p.src)):
+                        dest[d + delta] = (n.dest[d + delta][0] + po - so, pl)
+                    n = Need(n.rank, n.param, tuple(dest), n.key, p.src)
+                out_needs.append(n)
+                new_idx.append(len(out_needs) - 1)
+            new_needs.append((rank, tuple(new_idx)))
+        out_pieces.append(Piece(p.key, p.src, p.nbytes, tuple(new_needs)))
+    return out_pieces, out_needs
+
+
+def _pack(pieces, trees, topology: Topology, budget: int, max_ops: int) -> tuple[list[Chunk], PlanCost]:
+    world = topology.world_size
+    node = topology.nodes_array()
+    sent = np.zeros(world, dtype=np.int64)
+    recv = np.zeros(world, dtype=np.int64)
+    peak = np.zeros(world, dtype=np.int64)
+    cross = 0
+    num_ops = num_batches = num_bc = 0
+    chunks: list[Chunk] = []
+    cur: list = []
+    stage: dict[int, int] = defaultdict(int)
+    ops_a: dict[int, int] = defaultdict(int)
+    ops_b: dict[int, int] = defaultdict(int)
+
+    def flush():
+        nonlocal num_batches
+        if not cur:
+            return
+        reads = tuple((readers[0], pid) for pid, readers, *_ in cur)
+        pa = Phase(tuple(Send(s, d, pid) for pid, _, a, *_ in cur for s, d in a), tuple(b for *_, ba, _ in cur for b in ba))
+        pb = Phase(tuple(Send(s, d, pid) for pid, _, _, b, *_ in cur for s, d in b), tuple(b for *_, bb in cur for b in bb))
+        num_batches += bool(pa.sends) + bool(pb.sends)
+        chunks.append(Chunk(reads, (pa, pb)))
+        for r, v in stage.items():
+            peak[r] = max(peak[r], v)
+        cur.clear()
+        stage.clear()
+        ops_a.clear()
+        ops_b.clear()
+
+    for tree in trees:
+        pid, (reader,), a, b, bca, bcb = tree
+        nbytes = pieces[pid].nbytes
+        add_stage: dict[int, int] = defaultdict(int)
+        add_a: dict[int, int] = defaultdict(int)
+        add_b: dict[int, int] = defaultdict(int)
+        add_stage[reader] += nbytes
+        for s, d in a:
+            add_stage[d] += nbytes
+            add_a[s] += 1
+            add_a[d] += 1
+        for s, d in b:
+            add_stage[d] += nbytes
+            add_b[s] += 1
+            add_b[d] += 1
+        for bc in bca + bcb:
+            for r in topology.node_ranks(bc.node):
+                if r != bc.root:
+                    add_stage[r] += nbytes
+        fits = all(stage[r] + v <= budget for r, v in add_stage.items()) and all(
+            ops_a[r] + v <= max_ops for r, v in add_a.items()
+        ) and all(ops_b[r] + v <= max_ops for r, v in add_b.items())
+        if not fits:
+            flush()
+        cur.append(tree)
+        for r, v in add_stage.items():
+            stage[r] += v
+        for r, v in add_a.items():
+            ops_a[r] += v
+        for r, v in add_b.items():
+            ops_b[r] += v
+        for s, d in a + b:
+            sent[s] += nbytes
+            recv[d] += nbytes
+            num_ops += 1
+            if node[s] != node[d]:
+                cross += nbytes
+        for bc in bca + bcb:
+            num_bc += 1
+            k = topology.local_world_size - 1
+            sent[bc.root] += k * nbytes
+            for r in topology.node_ranks(bc.node):
+                if r != bc.root:
+                    recv[r] += nbytes
+    flush()
+    cost = PlanCost(
+        read_bytes=np.zeros(world, dtype=np.int64),
+        sent_bytes=sent,
+        recv_bytes=recv,
+        peak_staging_bytes=peak,
+        cross_node_bytes=cross,
+        num_p2p_ops=num_ops,
+        num_batches=num_batches,
+        num_broadcasts=num_bc,
+    )
+    return chunks, cost
+
+
+def _fingerprint(plan: TransferPlan) -> str:
+    h = hashlib.sha256()
+    h.update(repr((plan.topology.world_size, plan.topology.local_world_size, plan.staging_bytes)).encode())
+    for n in plan.needs:
+        h.update(repr(n).encode())
+    for p in plan.pieces:
+        h.update(repr((p.key, p.src, p.needs)).encode())
+    h.update(repr(plan.local_reads).encode())
+    h.update(repr(plan.chunks).encode())
+    return h.hexdigest()[:16]
+
+
+def minimal_cost(needs: Sequence[Need], index: CheckpointIndex, topology: Topology, readers, scope: Scope = "job") -> dict:
+    """Lower bounds for any plan of these needs: storage bytes (each needed byte once per
+    scope), network bytes (every needer that cannot read it itself... or that is not the
+    one reader) and bytes crossing nodes."""
+    readers = np.asarray(readers, dtype=bool)
+    node = topology.nodes_array()
+    by_piece: dict[tuple[str, Box], set[int]] = defaultdict(set)
+    for n in needs:
+        by_piece[(n.key, n.src)].add(n.rank)
+    read = net = cross = 0
+    for (key, src), ranks in by_piece.items():
+        nbytes = box_numel(src) * index.info(key).itemsize
+        r = np.fromiter(sorted(ranks), dtype=np.int64)
+        nodes = np.unique(node[r])
+        if scope == "job":
+            read += nbytes
+            net += (len(r) - int(readers[r].any())) * nbytes
+            has_reader_node = bool(np.isin(node[readers], nodes).any())
+            cross += (len(nodes) - int(has_reader_node)) * nbytes
+        else:
+            for n in nodes:
+                rn = r[node[r] == n]
+                read += nbytes
+                net += (len(rn) - int(readers[rn].any())) * nbytes
+    return {"read_bytes": read, "network_bytes": net, "cross_node_bytes": cross}
