@@ -1,0 +1,70 @@
+"""Start N local ranks (spawned processes, gloo on CPU) and collect each rank's result.
+
+Used by ``moeshard demo`` and the benchmarks to simulate several nodes on one host: the
+ranks see torchrun-style RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE variables.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+__all__ = ["run_local_ranks"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, local_world, port, backend, fn, args, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank % local_world), LOCAL_WORLD_SIZE=str(local_world))
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    try:
+        result = ("ok", fn(*args))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+    with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+    # Let every rank finish its sends before any process group goes away.
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_local_ranks(fn: Callable[..., Any], *args: Any, world: int = 4, local_world: int | None = None,
+                    backend: str = "gloo", timeout: float = 600) -> list[Any]:
+    """Run ``fn(*args)`` (a top-level, importable function) on ``world`` local ranks.
+
+    Returns the per-rank results. Raises RuntimeError with every failing rank's traceback,
+    TimeoutError if the ranks do not finish within ``timeout`` seconds.
+    """
+    import torch.multiprocessing as mp
+
+    local_world = local_world or world
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(_worker, args=(world, local_world, _free_port(), backend, fn, args, out_dir),
+                                 nprocs=world, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"ranks did not finish within {timeout}s")
+        results = []
+        for r in range(world):
+            with open(os.path.join(out_dir, f"{r}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+    errors = [f"rank {r}: {v}" for r, (k, v) in enumerate(results) if k == "error"]
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [v for _, v in results]
