@@ -23,12 +23,12 @@ from . import _dist
 from .adapters import DEFAULT_SPECS, ExpertsSpec
 from .checkpoint import CheckpointIndex, CheckpointReader
 from .execute import execute_plan, node_groups
-from .layout import compute_needs, describe_model, local_tensor
+from .layout import ParamDesc, compute_needs, describe_model, local_tensor
 from .placement import Placement
 from .plan import DEFAULT_STAGING_BYTES, TransferPlan, minimal_cost, plan_transfers
 from .topology import Topology
 
-__all__ = ["LoadReport", "load", "plan_load", "storage_sources", "materialize"]
+__all__ = ["LoadReport", "load", "plan_load", "resolve_sources", "storage_sources", "materialize"]
 
 Storage = Literal["auto", "shared", "node", "single"]
 
@@ -140,6 +140,28 @@ def storage_sources(storage: Storage, can_read: Sequence[bool], topology: Topolo
     raise ValueError(f"storage must be 'auto', 'shared', 'node' or 'single', got {storage!r}")
 
 
+def resolve_sources(path: str, storage: Storage, topology: Topology,
+                    can_read: bool) -> tuple[str, np.ndarray, str, CheckpointIndex]:
+    """Collective (every rank): agree on the storage mode from which ranks can see ``path``;
+    the first reader reads the headers and sends them to all ranks.
+
+    Returns ``(mode, readers: bool[world], scope, index)``, the same on every rank.
+    """
+    rank = topology.rank
+    everyone = _dist.all_gather_object(can_read)
+    mode, readers, scope = _dist.agree(lambda: storage_sources(storage, everyone, topology),
+                                       f"moeshard: storage of {path}")
+    first = int(np.flatnonzero(readers)[0])
+    index = _dist.agree(lambda: CheckpointIndex.open(path) if rank == first else None,
+                        f"moeshard: reading the headers of {path}")
+    return mode, readers, scope, _dist.broadcast_object(index, src=first)
+
+
+def reader_root(path: str) -> str:
+    """Directory that a checkpoint's file names are relative to."""
+    return path if os.path.isdir(path) else os.path.dirname(path) or "."
+
+
 def plan_load(
     model: nn.Module,
     index: CheckpointIndex,
@@ -149,11 +171,12 @@ def plan_load(
     scope: str,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     specs: Sequence[ExpertsSpec] = DEFAULT_SPECS,
-) -> TransferPlan:
-    """The plan :func:`load` would run (pure given the model; no communication)."""
+) -> tuple[list[ParamDesc], TransferPlan]:
+    """The parameter descriptions and the plan :func:`load` would run (pure given the model;
+    no communication). Plan needs refer to parameters by their index in the descriptions."""
     descs = describe_model(model, index, specs)
     needs = compute_needs(descs, index, placement, topology.world_size)
-    return plan_transfers(needs, index, topology, readers, scope=scope, staging_bytes=staging_bytes)
+    return descs, plan_transfers(needs, index, topology, readers, scope=scope, staging_bytes=staging_bytes)
 
 
 def load(
@@ -197,27 +220,21 @@ def load(
         return dev, os.path.exists(path)
 
     dev, can = _dist.agree(prepare, "moeshard.load: materializing the model")
-    can_read = _dist.all_gather_object(can)
-    mode, readers, scope = _dist.agree(lambda: storage_sources(storage, can_read, topo), "moeshard.load: storage")
-    first_reader = int(np.flatnonzero(readers)[0])
-    index = _dist.agree(lambda: CheckpointIndex.open(path) if rank == first_reader else None,
-                        f"moeshard.load: reading the headers of {path}")
-    index = _dist.broadcast_object(index, src=first_reader)
-    reader = CheckpointReader(index, path if os.path.isdir(path) else os.path.dirname(path) or ".") if readers[rank] else None
+    mode, readers, scope, index = resolve_sources(path, storage, topo, can)
+    reader = CheckpointReader(index, reader_root(path)) if readers[rank] else None
 
-    def make_plan() -> TransferPlan:
-        plan = plan_load(model, index, placement, topo, readers, scope, staging_bytes, specs)
+    def make_plan() -> tuple[list[ParamDesc], TransferPlan]:
+        descs, plan = plan_load(model, index, placement, topo, readers, scope, staging_bytes, specs)
         mine = {index.info(plan.pieces[p].key).file for p in plan.local_reads[rank]}
         mine |= {index.info(plan.pieces[p].key).file for c in plan.chunks for r, p in c.reads if r == rank}
         if mine:
             assert reader is not None
             reader.check_files(mine)
-        return plan
+        return descs, plan
 
-    plan = _dist.agree(make_plan, "moeshard.load: planning", fingerprint=lambda p: p.fingerprint)
+    descs, plan = _dist.agree(make_plan, "moeshard.load: planning", fingerprint=lambda dp: dp[1].fingerprint)
     t_plan = time.perf_counter() - t0
     group = node_groups(topo.local_world_size) if any(ph.broadcasts for c in plan.chunks for ph in c.phases) else None
-    descs = describe_model(model, index, specs)
     tensors = dict(model.named_parameters(remove_duplicate=False))
     tensors.update(model.named_buffers())
     dests = [local_tensor(tensors[d.name]) for d in descs]

@@ -20,9 +20,9 @@ from torch import nn
 from . import _dist
 from .adapters import DEFAULT_SPECS, ExpertsSpec
 from .box import box_shape, box_slices
-from .checkpoint import CheckpointIndex, CheckpointReader
-from .layout import describe_model, local_tensor
-from .load import Storage, plan_load, storage_sources
+from .checkpoint import CheckpointReader
+from .layout import local_tensor
+from .load import Storage, plan_load, reader_root, resolve_sources
 from .placement import Placement
 from .topology import Topology
 
@@ -64,14 +64,9 @@ def verify(
     rank = _dist.rank_and_world()[0]
     topo = topo.with_rank(rank)
     path = os.fspath(checkpoint)
-    can_read = _dist.all_gather_object(os.path.exists(path))
-    _, readers, scope = _dist.agree(lambda: storage_sources(storage, can_read, topo), "moeshard.verify: storage")
-    first = int(readers.nonzero()[0][0])
-    index = _dist.agree(lambda: CheckpointIndex.open(path) if rank == first else None, "moeshard.verify: headers")
-    index = _dist.broadcast_object(index, src=first)
-    descs = describe_model(model, index, specs)
-    plan = _dist.agree(lambda: plan_load(model, index, placement, topo, readers, "job", specs=specs),
-                       "moeshard.verify: planning", fingerprint=lambda p: p.fingerprint)
+    _, readers, _, index = resolve_sources(path, storage, topo, os.path.exists(path))
+    descs, plan = _dist.agree(lambda: plan_load(model, index, placement, topo, readers, "job", specs=specs),
+                              "moeshard.verify: planning", fingerprint=lambda dp: dp[1].fingerprint)
 
     # Digests of the pieces this rank reads (for every needer's dtype).
     mine = list(plan.local_reads[rank]) + [p for c in plan.chunks for r, p in c.reads if r == rank]
@@ -80,8 +75,7 @@ def verify(
         out = {}
         if not mine:
             return out
-        root = path if os.path.isdir(path) else os.path.dirname(path) or "."
-        with CheckpointReader(index, root) as reader:
+        with CheckpointReader(index, reader_root(path)) as reader:
             for pid in mine:
                 piece = plan.pieces[pid]
                 raw = reader.read(piece.key, piece.src)
