@@ -84,9 +84,12 @@ class CheckpointIndex:
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> "CheckpointIndex":
-        """Read the index (a directory with ``model.safetensors.index.json``, a directory
-        with one ``.safetensors`` file, or a ``.safetensors`` file) and every header."""
+        """Read the index (a directory with ``model.safetensors.index.json`` or that file
+        itself, a directory with one ``.safetensors`` file, or a ``.safetensors`` file) and
+        every header."""
         p = Path(path)
+        if p.name == INDEX_NAME and p.is_file():
+            p = p.parent  # the index file stands for its checkpoint directory
         if p.is_file():
             root, files = p.parent, {p.name: None}
         elif (p / INDEX_NAME).is_file():
@@ -137,19 +140,20 @@ def _read_index(root: Path) -> dict[str, list[str]]:
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{root / INDEX_NAME}: no 'weight_map' object")
     files: dict[str, list[str]] = {}
-    real_root = root.resolve()
     for key, name in weight_map.items():
         if not isinstance(name, str) or not name:
             raise CheckpointError(f"{root / INDEX_NAME}: key {key!r} maps to {name!r}, not a file name")
-        target = (root / name).resolve()
         # Untrusted index: "../x" or an absolute path must not escape the checkpoint directory.
-        if real_root not in target.parents:
+        # The check is on the name, not on the resolved file: the directory's own symlinks
+        # (a Hugging Face cache snapshot links every file to ../../blobs/) are followed.
+        norm = os.path.normpath(name)
+        if os.path.isabs(norm) or norm == os.pardir or norm.startswith(os.pardir + os.sep):
             raise CheckpointError(
                 f"{root / INDEX_NAME}: key {key!r} names {name!r}, which is outside the checkpoint directory"
             )
-        if not target.is_file():
+        if not (root / norm).is_file():
             raise CheckpointError(f"{root / INDEX_NAME}: key {key!r} names {name!r}, which does not exist")
-        files.setdefault(name, []).append(key)
+        files.setdefault(norm, []).append(key)
     return files
 
 
@@ -270,6 +274,9 @@ class CheckpointReader:
     def _read_into(self, info: TensorInfo, box: Box, flat: torch.Tensor, key: str) -> None:
         fd = self._fd(info.file)
         shape, item = info.shape, info.itemsize
+        if not shape:  # a 0-dim tensor: one element
+            self._pread(fd, flat, info.offset, info.file)
+            return
         # Collapse trailing dims the box covers fully: each run is then one contiguous read.
         k = len(shape) - 1
         while k > 0 and box[k] == (0, shape[k]):

@@ -290,7 +290,10 @@ def _expert_needs(
             expert = int(phy2log[slot])
             if expert not in checked:
                 if _part_sizes(d, index, expert, slice_shape) != part_sizes:
-                    raise ValueError(f"parameter {d.name}: expert {expert}'s checkpoint tensors differ in shape from expert 0's")
+                    raise ValueError(
+                        f"parameter {d.name}: checkpoint tensors {list(ref.param.keys(ref.module, expert))} of "
+                        f"logical expert {expert} differ in shape from expert 0's"
+                    )
                 checked.add(expert)
             keys = ref.param.keys(ref.module, expert)
             for j, part_box, sub in expert_parts(rest, part_sizes, ref.param.dim):
@@ -318,7 +321,8 @@ def _part_sizes(d: ParamDesc, index: CheckpointIndex, expert: int, slice_shape: 
         sizes.append(shape[dim])
     if sum(sizes) != slice_shape[ref.param.dim]:
         raise ValueError(
-            f"parameter {d.name}: parts {list(ref.param.parts)} of expert {expert} have sizes {sizes} "
-            f"along dim {ref.param.dim}, summing to {sum(sizes)}, not {slice_shape[ref.param.dim]}"
+            f"parameter {d.name}: checkpoint tensors {list(ref.param.keys(ref.module, expert))} of logical "
+            f"expert {expert} have sizes {sizes} along dim {ref.param.dim}, summing to {sum(sizes)}, "
+            f"not {slice_shape[ref.param.dim]}"
         )
     return tuple(sizes)

@@ -78,10 +78,14 @@ class Phase:
 
 @dataclass(frozen=True)
 class Chunk:
-    """Pieces read for others (``reads``: (reader, piece)), then phase A, then phase B."""
+    """Pieces read for others (``reads``: (reader, piece)), then phase A, then phase B.
+
+    A phase in which some rank would post more than ``max_ops`` P2P ops (one piece fanned
+    out to many nodes) is split into consecutive phases, so ``phases`` holds at least two.
+    """
 
     reads: tuple[tuple[int, int], ...]
-    phases: tuple[Phase, Phase]
+    phases: tuple[Phase, ...]
 
 
 @dataclass(frozen=True)
@@ -295,10 +299,10 @@ def _pack(pieces, trees, topology: Topology, budget: int, max_ops: int) -> tuple
         if not cur:
             return
         reads = tuple((readers[0], pid) for pid, readers, *_ in cur)
-        pa = Phase(tuple(Send(s, d, pid) for pid, _, a, *_ in cur for s, d in a), tuple(b for *_, ba, _ in cur for b in ba))
-        pb = Phase(tuple(Send(s, d, pid) for pid, _, _, b, *_ in cur for s, d in b), tuple(b for *_, bb in cur for b in bb))
-        num_batches += bool(pa.sends) + bool(pb.sends)
-        chunks.append(Chunk(reads, (pa, pb)))
+        pa = _split_phase([Send(s, d, pid) for pid, _, a, *_ in cur for s, d in a], [b for *_, ba, _ in cur for b in ba], max_ops)
+        pb = _split_phase([Send(s, d, pid) for pid, _, _, b, *_ in cur for s, d in b], [b for *_, bb in cur for b in bb], max_ops)
+        num_batches += sum(bool(ph.sends) for ph in pa + pb)
+        chunks.append(Chunk(reads, tuple(pa + pb)))
         for r, v in stage.items():
             peak[r] = max(peak[r], v)
         cur.clear()
@@ -362,6 +366,23 @@ def _pack(pieces, trees, topology: Topology, budget: int, max_ops: int) -> tuple
         num_broadcasts=num_bc,
     )
     return chunks, cost
+
+
+def _split_phase(sends: list[Send], broadcasts: list[Broadcast], max_ops: int) -> list[Phase]:
+    """One phase, or several in a row where a rank would post more than ``max_ops`` ops
+    (a single piece's fan-out can exceed the limit on its own). Broadcasts go last."""
+    phases: list[Phase] = []
+    cur: list[Send] = []
+    ops: dict[int, int] = defaultdict(int)
+    for s in sends:
+        if cur and (ops[s.src] >= max_ops or ops[s.dst] >= max_ops):
+            phases.append(Phase(tuple(cur)))
+            cur, ops = [], defaultdict(int)
+        cur.append(s)
+        ops[s.src] += 1
+        ops[s.dst] += 1
+    phases.append(Phase(tuple(cur), tuple(broadcasts)))
+    return phases
 
 
 def _fingerprint(plan: TransferPlan) -> str:

@@ -1,0 +1,1 @@
+"""Benchmarks: moeshard against the loading strategies of the projects it was started from."""

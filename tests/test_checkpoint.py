@@ -1,0 +1,364 @@
+"""Tier 1: safetensors index/header parsing, box reads, the writer, and untrusted input."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import moeshard
+from moeshard import CheckpointError, CheckpointIndex, CheckpointReader, write_checkpoint
+from moeshard.box import box_slices, full_box
+
+INDEX = "model.safetensors.index.json"
+
+
+def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "a.weight": torch.randn(5, 10, generator=g).to(torch.bfloat16),
+        "b.weight": torch.randn(4, 6, 7, generator=g),
+        "c.bias": torch.randn(3, generator=g, dtype=torch.float64),
+        "d.ids": torch.randint(-100, 100, (2, 3, 4, 5), generator=g, dtype=torch.int32),
+        "e.half": torch.randn(6, 2, generator=g).half(),
+        "f.scalar": torch.tensor(3.5),
+        "g.empty": torch.zeros(0, 4),
+    }
+
+
+def _write_raw(path: Path, header: dict, data: bytes, header_len: int | None = None) -> None:
+    raw = json.dumps(header).encode()
+    n = len(raw) if header_len is None else header_len
+    path.write_bytes(struct.pack("<Q", n) + raw + data)
+
+
+def _write_index(root: Path, weight_map: dict[str, str]) -> None:
+    (root / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+# -- writing and reading --------------------------------------------------------------------
+
+
+def test_write_checkpoint_roundtrip_sharded(tmp_path):
+    ts = _tensors()
+    idx = write_checkpoint(tmp_path, ts.items(), max_shard_bytes=300)
+    files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert len(files) > 1
+    assert all(f.endswith(f"-of-{len(files):05d}.safetensors") for f in files)
+    assert not list(tmp_path.glob("*.tmp"))
+    index_json = json.loads((tmp_path / INDEX).read_text())
+    assert set(index_json["weight_map"]) == set(ts)
+    assert index_json["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in ts.values())
+    assert set(idx.tensors) == set(ts)
+    assert idx.total_bytes == index_json["metadata"]["total_size"]
+    # The index returned by the writer equals one opened from disk.
+    again = CheckpointIndex.open(tmp_path)
+    assert again.tensors == idx.tensors and again.file_sizes == idx.file_sizes
+    with CheckpointReader(idx) as r:
+        for key, t in ts.items():
+            info = idx.info(key)
+            assert info.shape == tuple(t.shape) and info.torch_dtype == t.dtype
+            assert info.file == index_json["weight_map"][key]
+            got = r.read(key)
+            assert got.dtype == t.dtype and torch.equal(got, t)
+    with pytest.raises(ValueError, match="given twice"):
+        write_checkpoint(tmp_path / "dup", [("x", torch.zeros(1)), ("x", torch.zeros(1))])
+
+
+def test_index_file_path_opens_its_directory(tmp_path):
+    ts = _tensors(5)
+    write_checkpoint(tmp_path, ts.items(), max_shard_bytes=200)
+    idx = CheckpointIndex.open(tmp_path / INDEX)
+    assert Path(idx.root) == tmp_path and idx.tensors == CheckpointIndex.open(tmp_path).tensors
+    with CheckpointReader(idx) as r:
+        assert torch.equal(r.read("b.weight"), ts["b.weight"])
+
+
+def test_scalar_tensor(tmp_path):
+    save_file({"s": torch.tensor(2.5), "v": torch.arange(3.0)}, str(tmp_path / "m.safetensors"))
+    idx = CheckpointIndex.open(tmp_path / "m.safetensors")
+    with CheckpointReader(idx) as r:
+        got = r.read("s")
+        assert got.shape == () and got.item() == 2.5 and r.bytes_read == 4
+        out = torch.empty((), dtype=torch.float64)
+        r.read("s", (), out=out)
+        assert out.item() == 2.5
+
+
+def test_safetensors_written_directly_with_index(tmp_path):
+    ts = _tensors(1)
+    keys = list(ts)
+    save_file({k: ts[k] for k in keys[:3]}, str(tmp_path / "part-a.safetensors"))
+    save_file({k: ts[k] for k in keys[3:]}, str(tmp_path / "part-b.safetensors"), metadata={"format": "pt"})
+    _write_index(tmp_path, {k: ("part-a.safetensors" if i < 3 else "part-b.safetensors") for i, k in enumerate(keys)})
+    idx = CheckpointIndex.open(tmp_path)
+    assert set(idx.tensors) == set(ts)
+    assert set(idx.file_sizes) == {"part-a.safetensors", "part-b.safetensors"}
+    assert idx.file_sizes["part-a.safetensors"] == (tmp_path / "part-a.safetensors").stat().st_size
+    with CheckpointReader(idx) as r:
+        for k, t in ts.items():
+            assert torch.equal(r.read(k), t)
+
+
+def test_single_file_and_directory_with_one_file(tmp_path):
+    ts = _tensors(2)
+    save_file(ts, str(tmp_path / "model.safetensors"))
+    by_file = CheckpointIndex.open(tmp_path / "model.safetensors")
+    by_dir = CheckpointIndex.open(tmp_path)
+    assert by_file.tensors == by_dir.tensors
+    assert Path(by_file.root) == tmp_path and Path(by_dir.root) == tmp_path
+    for idx in (by_file, by_dir):
+        with CheckpointReader(idx) as r:
+            for k, t in ts.items():
+                assert torch.equal(r.read(k), t)
+    # Two .safetensors files and no index: ambiguous.
+    save_file({"x": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(CheckpointError, match="exactly one .safetensors file, found 2"):
+        CheckpointIndex.open(tmp_path)
+    with pytest.raises(CheckpointError, match="no such checkpoint"):
+        CheckpointIndex.open(tmp_path / "nope")
+
+
+def _random_box(rng, shape):
+    box = []
+    for n in shape:
+        off = int(rng.integers(0, n + 1))
+        length = int(rng.integers(0, n - off + 1))
+        box.append((off, length))
+    return tuple(box)
+
+
+def test_read_boxes_equal_tensor_slices(tmp_path):
+    ts = _tensors(3)
+    idx = write_checkpoint(tmp_path, ts.items())
+    rng = np.random.default_rng(0)
+    with CheckpointReader(idx) as r:
+        a = ts["a.weight"]
+        cases = [
+            ("a.weight", ((0, 5), (0, 10))),  # full
+            ("a.weight", ((1, 3), (0, 10))),  # dim-0 slice: one contiguous run
+            ("a.weight", ((0, 5), (3, 4))),  # [:, 3:7]: one run per row
+            ("a.weight", ((2, 1), (9, 1))),  # one element
+            ("b.weight", ((1, 2), (0, 6), (2, 3))),
+            ("b.weight", ((0, 4), (2, 3), (0, 7))),
+            ("b.weight", ((3, 1), (5, 1), (0, 7))),
+            ("d.ids", ((1, 1), (0, 3), (1, 2), (0, 5))),
+            ("d.ids", ((0, 2), (1, 2), (0, 4), (2, 3))),
+            ("a.weight", ((0, 0), (0, 10))),  # empty box
+        ]
+        for key in ts:
+            shape = tuple(ts[key].shape)
+            for _ in range(12):
+                cases.append((key, _random_box(rng, shape)))
+        for key, box in cases:
+            before = r.bytes_read
+            got = r.read(key, box)
+            want = ts[key][box_slices(box)]
+            assert got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape), (key, box)
+            assert torch.equal(got, want), (key, box)
+            # Exactly the box's bytes are read, nothing more.
+            assert r.bytes_read - before == want.numel() * want.element_size(), (key, box)
+        assert torch.equal(r.read("a.weight", full_box(a.shape)), a)
+
+
+def test_read_casts_into_out(tmp_path):
+    ts = _tensors(4)
+    idx = write_checkpoint(tmp_path, ts.items())
+    a = ts["a.weight"]  # bf16
+    with CheckpointReader(idx) as r:
+        out = torch.full((5, 4), -1.0, dtype=torch.float32)
+        before = r.bytes_read
+        ret = r.read("a.weight", ((0, 5), (3, 4)), out=out)
+        assert ret is out
+        assert torch.equal(out, a[:, 3:7].float())
+        assert r.bytes_read - before == 5 * 4 * 2  # bf16 bytes of the box, not fp32 bytes
+        # Same dtype, contiguous: read straight into out.
+        out2 = torch.empty(2, 10, dtype=torch.bfloat16)
+        assert r.read("a.weight", ((1, 2), (0, 10)), out=out2) is out2
+        assert torch.equal(out2, a[1:3])
+        # A non-contiguous destination view is filled correctly too.
+        big = torch.zeros(10, 10, dtype=torch.bfloat16)
+        view = big[::2]
+        r.read("a.weight", out=view)
+        assert torch.equal(big[::2], a) and (big[1::2] == 0).all()
+        # fp32 -> bf16 cast (rounding like torch's own cast).
+        b = ts["b.weight"]
+        out3 = torch.empty(4, 6, 7, dtype=torch.bfloat16)
+        r.read("b.weight", out=out3)
+        assert torch.equal(out3, b.to(torch.bfloat16))
+        with pytest.raises(ValueError, match=r"destination of shape \[5, 5\]"):
+            r.read("a.weight", ((0, 5), (3, 4)), out=torch.empty(5, 5))
+        with pytest.raises(ValueError, match="does not fit in shape"):
+            r.read("a.weight", ((0, 5), (8, 4)))
+        with pytest.raises(CheckpointError, match="no tensor 'zzz'"):
+            r.read("zzz")
+
+
+# -- untrusted input ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def good_dir(tmp_path):
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    save_file({"x": torch.arange(12, dtype=torch.float32).reshape(3, 4)}, str(d / "m1.safetensors"))
+    save_file({"y": torch.ones(5, dtype=torch.bfloat16)}, str(d / "m2.safetensors"))
+    _write_index(d, {"x": "m1.safetensors", "y": "m2.safetensors"})
+    CheckpointIndex.open(d)  # sanity: the good checkpoint opens
+    return d
+
+
+def test_index_path_escaping_directory(good_dir, tmp_path):
+    outside = tmp_path / "x.safetensors"
+    save_file({"x": torch.zeros(3, 4)}, str(outside))
+    _write_index(good_dir, {"x": "../x.safetensors", "y": "m2.safetensors"})
+    with pytest.raises(CheckpointError, match=r"'\.\./x\.safetensors'.*outside the checkpoint directory"):
+        CheckpointIndex.open(good_dir)
+    _write_index(good_dir, {"x": str(outside), "y": "m2.safetensors"})
+    with pytest.raises(CheckpointError, match=r"x\.safetensors.*outside the checkpoint directory"):
+        CheckpointIndex.open(good_dir)
+    # Escapes hidden in a longer name.
+    (good_dir / "sub").mkdir()
+    _write_index(good_dir, {"x": "sub/../../x.safetensors", "y": "m2.safetensors"})
+    with pytest.raises(CheckpointError, match=r"'sub/\.\./\.\./x\.safetensors'.*outside the checkpoint directory"):
+        CheckpointIndex.open(good_dir)
+    _write_index(good_dir, {"x": "m1.safetensors", "y": ".."})
+    with pytest.raises(CheckpointError, match=r"'\.\.'.*outside the checkpoint directory"):
+        CheckpointIndex.open(good_dir)
+    # A name that stays inside is fine, and is normalized.
+    _write_index(good_dir, {"x": "sub/../m1.safetensors", "y": "./m2.safetensors"})
+    idx = CheckpointIndex.open(good_dir)
+    assert idx.info("x").file == "m1.safetensors" and idx.info("y").file == "m2.safetensors"
+
+
+def test_hf_cache_snapshot_with_symlinked_blobs(tmp_path):
+    """A Hugging Face hub cache: snapshots/<rev>/ holds symlinks to ../../blobs/<hash>."""
+    ts = _tensors(6)
+    src = tmp_path / "src"
+    write_checkpoint(src, ts.items(), max_shard_bytes=300)
+    blobs, snap = tmp_path / "blobs", tmp_path / "snapshots" / "abc123"
+    blobs.mkdir()
+    snap.mkdir(parents=True)
+    for i, f in enumerate(sorted(src.iterdir())):
+        f.rename(blobs / f"blob{i}")
+        os.symlink(f"../../blobs/blob{i}", snap / f.name)
+    idx = CheckpointIndex.open(snap)
+    assert set(idx.tensors) == set(ts)
+    with CheckpointReader(idx) as r:
+        for k, t in ts.items():
+            assert torch.equal(r.read(k), t)
+
+
+def test_index_naming_missing_file(good_dir):
+    _write_index(good_dir, {"x": "m1.safetensors", "y": "m3.safetensors"})
+    with pytest.raises(CheckpointError, match=r"'m3\.safetensors', which does not exist"):
+        CheckpointIndex.open(good_dir)
+
+
+def test_index_naming_key_file_lacks(good_dir):
+    _write_index(good_dir, {"x": "m1.safetensors", "y": "m1.safetensors"})
+    with pytest.raises(CheckpointError, match=r"'y' in m1\.safetensors, but m1\.safetensors has no such tensor"):
+        CheckpointIndex.open(good_dir)
+
+
+def test_garbage_index(good_dir):
+    (good_dir / INDEX).write_text("{not json")
+    with pytest.raises(CheckpointError, match=f"{INDEX}: unreadable index"):
+        CheckpointIndex.open(good_dir)
+    (good_dir / INDEX).write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(CheckpointError, match="no 'weight_map'"):
+        CheckpointIndex.open(good_dir)
+    (good_dir / INDEX).write_text(json.dumps({"weight_map": {"x": 3}}))
+    with pytest.raises(CheckpointError, match="not a file name"):
+        CheckpointIndex.open(good_dir)
+
+
+@pytest.mark.parametrize("cut", [4, 20, -1, -8])
+def test_truncated_file(good_dir, cut):
+    f = good_dir / "m1.safetensors"
+    raw = f.read_bytes()
+    f.write_bytes(raw[:cut])
+    with pytest.raises(CheckpointError, match=r"m1\.safetensors.*truncated"):
+        CheckpointIndex.open(good_dir)
+
+
+def test_file_truncated_after_index_was_read(good_dir):
+    idx = CheckpointIndex.open(good_dir)
+    f = good_dir / "m1.safetensors"
+    f.write_bytes(f.read_bytes()[:-4])
+    with CheckpointReader(idx) as r:
+        assert torch.equal(r.read("y"), torch.ones(5, dtype=torch.bfloat16))
+        with pytest.raises(CheckpointError, match=r"m1\.safetensors.*truncated or different file"):
+            r.read("x")
+
+
+def test_header_length_larger_than_file(tmp_path):
+    f = tmp_path / "bad.safetensors"
+    header = {"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+    _write_raw(f, header, b"\0" * 8, header_len=10_000)
+    with pytest.raises(CheckpointError, match=r"bad\.safetensors: header length 10000 does not fit"):
+        CheckpointIndex.open(f)
+    _write_raw(f, header, b"\0" * 8, header_len=2**63)
+    with pytest.raises(CheckpointError, match=r"bad\.safetensors: header length"):
+        CheckpointIndex.open(f)
+
+
+@pytest.mark.parametrize(
+    "entry, data_len",
+    [
+        ({"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 48]}, 24),  # past the end of the file
+        ({"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 20]}, 24),  # too few bytes for dtype x shape
+        ({"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 28]}, 32),  # too many bytes
+        ({"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, 24]}, 24),  # wrong dtype size
+        ({"dtype": "F32", "shape": [2, 3], "data_offsets": [8, 32]}, 24),  # shifted past the end
+        ({"dtype": "F32", "shape": [2, 3], "data_offsets": [-8, 16]}, 24),  # negative
+        ({"dtype": "F32", "shape": [2, 3], "data_offsets": [24, 0]}, 24),  # reversed
+    ],
+)
+def test_data_offsets_invalid(tmp_path, entry, data_len):
+    f = tmp_path / "offs.safetensors"
+    _write_raw(f, {"x": entry}, b"\1" * data_len)
+    with pytest.raises(CheckpointError, match=r"offs\.safetensors: tensor 'x' has data_offsets"):
+        CheckpointIndex.open(f)
+
+
+@pytest.mark.parametrize(
+    "entry, msg",
+    [
+        ({"dtype": "F32", "shape": [2]}, "lacks dtype/shape/data_offsets"),
+        ("a string", "lacks dtype/shape/data_offsets"),
+        ({"dtype": "F32", "shape": [2], "data_offsets": [0, 4, 8]}, "lacks dtype/shape/data_offsets"),
+        ({"dtype": "Q7", "shape": [2], "data_offsets": [0, 8]}, "unsupported dtype 'Q7'"),
+        ({"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}, "malformed shape or offsets"),
+        ({"dtype": "F32", "shape": [2], "data_offsets": [0.0, 8]}, "malformed shape or offsets"),
+    ],
+)
+def test_malformed_header_entries(tmp_path, entry, msg):
+    f = tmp_path / "ent.safetensors"
+    _write_raw(f, {"x": entry}, b"\0" * 8)
+    with pytest.raises(CheckpointError, match=rf"ent\.safetensors: .*{msg}"):
+        CheckpointIndex.open(f)
+
+
+@pytest.mark.parametrize("raw", [b"{not json at all}", b"\xff\xfe\x00garbage", b"[1, 2, 3]", b'"str"'])
+def test_garbage_header_json(tmp_path, raw):
+    f = tmp_path / "junk.safetensors"
+    f.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * 16)
+    with pytest.raises(CheckpointError, match=r"junk\.safetensors: corrupt safetensors header"):
+        CheckpointIndex.open(f)
+
+
+def test_garbage_file_in_index(good_dir):
+    (good_dir / "m2.safetensors").write_bytes(os.urandom(64))
+    with pytest.raises(CheckpointError, match=r"m2\.safetensors"):
+        CheckpointIndex.open(good_dir)
+
+
+def test_checkpoint_error_is_value_error():
+    assert issubclass(moeshard.CheckpointError, ValueError)

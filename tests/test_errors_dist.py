@@ -1,0 +1,236 @@
+"""Tier 2: every bad input raises moeshard.DistributedError on EVERY rank, names what is wrong,
+and leaves the process group usable (no hang, no rank left behind in a collective).
+
+One spawned group (4 ranks = 2 nodes x 2) runs every scenario; each rank catches the error and
+returns its type and text.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+import moeshard
+import tiny_moe
+from mp import run_ranks
+
+pytestmark = pytest.mark.dist
+
+WORLD, LWS = 4, 2
+
+
+def _attempt(fn):
+    try:
+        fn()
+    except moeshard.DistributedError as e:
+        return ("DistributedError", str(e))
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        return (type(e).__name__, str(e))
+    return None
+
+
+def errors_worker(root: str) -> dict:
+    import numpy as np
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    node = rank // LWS
+    good = os.path.join(root, "good")
+    ckpt = tiny_moe.read_all(good)
+    mesh = moeshard.make_mesh("cpu", ep=2, efsdp=2)
+    pl = moeshard.Placement.contiguous(2, tiny_moe.NUM_EXPERTS, 2, num_redundant=2)  # 10 slots
+    with torch.device("meta"):
+        model = tiny_moe.TinyMoE()
+    moeshard.parallelize(model, mesh, pl)
+
+    def load(path, placement=pl, storage="auto"):
+        return lambda: moeshard.load(model, path, placement=placement, storage=storage)
+
+    res = {}
+    d = lambda name: os.path.join(root, name)  # noqa: E731
+    res["missing-key"] = _attempt(load(d("missing-key")))
+    res["missing-expert-key"] = _attempt(load(d("missing-expert-key")))
+    res["wrong-shape"] = _attempt(load(d("wrong-shape")))
+    res["wrong-expert-shape"] = _attempt(load(d("wrong-expert-shape")))
+    res["int-dtype"] = _attempt(load(d("int-dtype")))
+    res["truncated"] = _attempt(load(d("truncated")))
+    res["garbage-header"] = _attempt(load(d("garbage-header")))
+    res["bad-index"] = _attempt(load(d("bad-index")))
+    # Node 1's copy of one file is truncated; node 0's copy (which the headers come from) is fine.
+    res["truncated-node-copy"] = _attempt(load(d(f"copy{node}"), storage="node"))
+    # Same, but the bad copy sits behind rank 0's index in shared mode: only rank 0 reads headers.
+    res["num-physical"] = _attempt(load(good, placement=moeshard.Placement.contiguous(2, tiny_moe.NUM_EXPERTS, 2, 4)))
+    res["num-layers"] = _attempt(load(good, placement=moeshard.Placement.contiguous(3, tiny_moe.NUM_EXPERTS, 2, 2)))
+    res["too-few-logical"] = _attempt(load(good, placement=moeshard.Placement(
+        np.array([[0, 1, 2, 3, 4, 5, 6, 0, 1, 2]] * 2), num_logical=7, num_ranks=2)))
+    # The checkpoint is visible to rank 0 only (rank r passes the name view-r; only view-0 exists).
+    res["shared-not-visible"] = _attempt(load(d(f"view-{rank}"), storage="shared"))
+    # Only node 0 sees the files.
+    res["node-not-visible"] = _attempt(load(good if node == 0 else d(f"view-{rank}"), storage="node"))
+    res["single-rank0-blind"] = _attempt(load(good if rank != 0 else d("view-nope"), storage="single"))
+    res["nothing-visible"] = _attempt(load(d("view-nope")))
+    res["bad-storage"] = _attempt(load(good, storage="nfs"))
+    # Rank 3 has another placement (same shape): plans disagree.
+    other = tiny_moe.shuffled_placement(2, tiny_moe.NUM_EXPERTS, 2, 10, seed=5)
+    res["placement-differs"] = _attempt(load(good, placement=other if rank == 3 else pl))
+    res["verify-placement-differs"] = _attempt(lambda: moeshard.verify(model, good, placement=other if rank == 3 else pl))
+    res["verify-missing-key"] = _attempt(lambda: moeshard.verify(model, d("missing-key"), placement=pl))
+    # After all that, the group still works: a good load is exact and verifies.
+    tiny_moe.scramble(model)
+    moeshard.load(model, good, placement=pl)
+    v = moeshard.verify(model, good, placement=pl)
+    res["final"] = (tiny_moe.compare(model, ckpt, pl), v.num_boxes_checked)
+    return res
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = tmp_path_factory.mktemp("errors")
+    good = tiny_moe.checkpoint_tensors()
+    mb = 3000
+
+    def write(name, tensors):
+        moeshard.write_checkpoint(root / name, tensors.items(), max_shard_bytes=mb)
+
+    write("good", good)
+    t = dict(good)
+    del t["layers.0.attn.bias"]
+    write("missing-key", t)
+    t = dict(good)
+    del t["layers.2.mlp.experts.5.up_proj.weight"]
+    write("missing-expert-key", t)
+    t = dict(good)
+    t["embed.weight"] = torch.zeros(tiny_moe.VOCAB + 1, tiny_moe.HIDDEN)
+    write("wrong-shape", t)
+    t = dict(good)
+    t["layers.0.mlp.experts.3.gate_proj.weight"] = torch.zeros(tiny_moe.INTER + 1, tiny_moe.HIDDEN, dtype=torch.bfloat16)
+    write("wrong-expert-shape", t)
+    t = dict(good)
+    t["norm.weight"] = torch.arange(tiny_moe.HIDDEN, dtype=torch.int32)
+    write("int-dtype", t)
+    index = moeshard.CheckpointIndex.open(root / "good")
+    victim = index.info("embed.weight").file
+    for name in ("truncated", "garbage-header", "bad-index", "copy0", "copy1"):
+        shutil.copytree(root / "good", root / name)
+    for name in ("truncated", "copy1"):
+        f = root / name / victim
+        f.write_bytes(f.read_bytes()[:-10])
+    (root / "garbage-header" / victim).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage garbage" + bytes(64))
+    (root / "bad-index" / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"embed.weight": "../good/' + victim + '"}}')
+    os.symlink(root / "good", root / "view-0")
+    out = run_ranks(errors_worker, str(root), world=WORLD, local_world=LWS, timeout=200)
+    return out, victim
+
+
+class _Texts:
+    """Every rank's error text; ``s in texts`` holds when every rank's text contains ``s``."""
+
+    def __init__(self, texts):
+        self.texts = texts
+
+    def __contains__(self, s):
+        return all(s in t for t in self.texts)
+
+    def __repr__(self):
+        return "\n---\n".join(self.texts)
+
+
+def _all_raise(results, name):
+    per_rank = [r[name] for r in results]
+    for rank, got in enumerate(per_rank):
+        assert got is not None, f"{name}: rank {rank} did not raise"
+        kind, text = got
+        assert kind == "DistributedError", f"{name}: rank {rank} raised {kind}: {text}"
+    return _Texts([text for _, text in per_rank])
+
+
+def test_missing_key(results):
+    res, _ = results
+    text = _all_raise(res, "missing-key")
+    assert "failed on 4 of 4 rank(s)" in text
+    assert "rank 0: ValueError: parameter layers.0.attn.bias" in text and "no tensor 'layers.0.attn.bias'" in text
+    text = _all_raise(res, "missing-expert-key")
+    assert "'layers.2.mlp.experts.5.up_proj.weight' (logical expert 5)" in text
+    text = _all_raise(res, "verify-missing-key")
+    assert "no tensor 'layers.0.attn.bias'" in text
+
+
+def test_wrong_shape(results):
+    res, _ = results
+    text = _all_raise(res, "wrong-shape")
+    assert "parameter embed.weight: checkpoint tensor 'embed.weight' has shape [14, 8]" in text
+    assert "expects [13, 8]" in text
+    text = _all_raise(res, "wrong-expert-shape")
+    assert "layers.0.mlp.experts.gate_up_proj" in text and "expert 3" in text
+    assert "layers.0.mlp.experts.3.gate_proj.weight" in text
+
+
+def test_int_dtype_for_float_param(results):
+    res, _ = results
+    text = _all_raise(res, "int-dtype")
+    assert "checkpoint tensor 'norm.weight' has dtype I32, which cannot be cast" in text
+
+
+def test_corrupt_files(results):
+    res, victim = results
+    text = _all_raise(res, "truncated")
+    assert f"truncated/{victim}" in text and "truncated or corrupt" in text
+    assert "rank 0: CheckpointError: " in text
+    text = _all_raise(res, "garbage-header")
+    assert f"garbage-header/{victim}" in text and "corrupt safetensors header" in text
+    text = _all_raise(res, "bad-index")
+    assert "outside the checkpoint directory" in text and victim in text
+
+
+def test_truncated_copy_on_one_node(results):
+    res, victim = results
+    text = _all_raise(res, "truncated-node-copy")
+    # The ranks of node 1 (2 and 3) read from their own, truncated copy and say which file.
+    assert "failed on 2 of 4 rank(s)" in text
+    for r in (2, 3):
+        assert f"rank {r}: CheckpointError: " in text
+    assert f"copy1/{victim}" in text and "truncated or different file" in text
+    assert not any("rank 0: " in t or "rank 1: " in t for t in text.texts)
+
+
+def test_placement_inconsistent_with_model(results):
+    res, _ = results
+    text = _all_raise(res, "num-physical")
+    assert "parameter layers.0.mlp.experts.gate_up_proj has 10 expert slots per layer, the placement has 12" in text
+    text = _all_raise(res, "num-layers")
+    assert "the model has 2 MoE layers, the placement describes 3" in text
+    text = _all_raise(res, "too-few-logical")
+    assert "the checkpoint has expert 7" in text and "only 7 logical experts" in text
+
+
+def test_storage_not_visible(results):
+    res, _ = results
+    text = _all_raise(res, "shared-not-visible")
+    assert "storage='shared' but ranks [1, 2, 3] cannot read the checkpoint" in text
+    text = _all_raise(res, "node-not-visible")
+    assert "storage='node' but no rank of node 1 can read the checkpoint" in text
+    text = _all_raise(res, "single-rank0-blind")
+    assert "storage='single' but rank 0 cannot read the checkpoint" in text
+    text = _all_raise(res, "nothing-visible")
+    assert "no rank can read the checkpoint" in text
+    text = _all_raise(res, "bad-storage")
+    assert "storage must be 'auto', 'shared', 'node' or 'single', got 'nfs'" in text
+
+
+def test_placement_differs_across_ranks(results):
+    res, _ = results
+    for name in ("placement-differs", "verify-placement-differs"):
+        text = _all_raise(res, name)
+        assert "ranks disagree on the plan fingerprint" in text
+        assert "rank 0: " in text and "rank 3: " in text
+
+
+def test_group_usable_after_errors(results):
+    res, _ = results
+    for rank, r in enumerate(res):
+        problems, boxes = r["final"]
+        assert problems == [] and boxes > 0, f"rank {rank}: {problems}"

@@ -1,0 +1,105 @@
+"""Tier 1: load / verify in one process without torch.distributed (plain tensors)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import moeshard
+import tiny_moe
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    d = tmp_path_factory.mktemp("local")
+    tiny_moe.write(d / "sharded")
+    tensors = tiny_moe.checkpoint_tensors()
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(d / "one.safetensors"))
+    return d, tiny_moe.read_all(d / "sharded")
+
+
+def _meta_model():
+    with torch.device("meta"):
+        return tiny_moe.TinyMoE()
+
+
+@pytest.mark.parametrize("source", ["sharded", "one.safetensors"])
+def test_load_plain_model(ckpt, source):
+    root, values = ckpt
+    model = _meta_model()
+    rep = moeshard.load(model, root / source)
+    assert rep.world_size == 1 and rep.storage == "shared"
+    assert rep.bytes_read_rank == rep.checkpoint_bytes == sum(t.numel() * t.element_size() for t in values.values())
+    assert tiny_moe.compare(model, values, moeshard.Placement.contiguous(2, tiny_moe.NUM_EXPERTS, 1)) == []
+    v = moeshard.verify(model, root / source)
+    assert v.num_boxes_checked > 0
+
+
+def test_load_plain_model_with_permuted_placement(ckpt):
+    root, values = ckpt
+    rng = np.random.default_rng(0)
+    pl = moeshard.Placement(np.stack([rng.permutation(tiny_moe.NUM_EXPERTS) for _ in range(2)]))
+    model = _meta_model()
+    moeshard.load(model, root / "sharded", placement=pl)
+    assert tiny_moe.compare(model, values, pl) == []
+    moeshard.verify(model, root / "sharded", placement=pl)
+    # The identity placement is not what the model holds.
+    with pytest.raises(moeshard.VerificationError, match=r"rank 0: parameter layers\.0\.mlp\.experts\.\w+, physical slot"):
+        moeshard.verify(model, root / "sharded")
+    # Corrupt one element of a dense parameter.
+    with torch.no_grad():
+        model.lm_head.weight[3, 1] += 1
+    with pytest.raises(moeshard.VerificationError, match=r"parameter lm_head\.weight: .*'lm_head\.weight'"):
+        moeshard.verify(model, root / "sharded", placement=pl)
+
+
+def test_bf16_model_from_mixed_checkpoint(ckpt):
+    root, values = ckpt
+    model = _meta_model().to(torch.bfloat16)
+    moeshard.load(model, root / "sharded")
+    pl = moeshard.Placement.contiguous(2, tiny_moe.NUM_EXPERTS, 1)
+    assert tiny_moe.compare(model, values, pl) == []
+    moeshard.verify(model, root / "sharded")
+
+
+def test_errors_without_process_group(ckpt, tmp_path):
+    root, _ = ckpt
+    with pytest.raises(ValueError, match="no rank can read the checkpoint"):
+        moeshard.load(_meta_model(), tmp_path / "nope")
+    with pytest.raises(ValueError, match="has 8 expert slots per layer, the placement has 9"):
+        moeshard.load(_meta_model(), root / "sharded",
+                      placement=moeshard.Placement(np.array([[0, 1, 2, 3, 4, 5, 6, 7, 0]] * 2)))
+
+
+class _NoConfigRotary(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("inv_freq", torch.ones(4), persistent=False)
+
+
+def test_materialize_needs_config_for_non_persistent_buffers():
+    with torch.device("meta"):
+        model = nn.Sequential(_NoConfigRotary())
+    with pytest.raises(ValueError, match=r"module '0' \(_NoConfigRotary\) has non-persistent buffers \['inv_freq'\]"):
+        moeshard.materialize(model, torch.device("cpu"))
+
+
+class _WithScalar(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.empty(()))
+        self.w = nn.Parameter(torch.empty(3, 2))
+
+
+def test_load_scalar_parameter(tmp_path):
+    moeshard.write_checkpoint(tmp_path, [("scale", torch.tensor(1.75)), ("w", torch.arange(6.0).reshape(3, 2))])
+    with torch.device("meta"):
+        model = _WithScalar()
+    moeshard.load(model, tmp_path / "model.safetensors.index.json")
+    assert model.scale.shape == () and model.scale.item() == 1.75
+    assert torch.equal(model.w.detach(), torch.arange(6.0).reshape(3, 2))
+    assert moeshard.verify(model, tmp_path).num_boxes_checked == 2
