@@ -61,7 +61,6 @@ def errors_worker(root: str) -> dict:
     res["bad-index"] = _attempt(load(d("bad-index")))
     # Node 1's copy of one file is truncated; node 0's copy (which the headers come from) is fine.
     res["truncated-node-copy"] = _attempt(load(d(f"copy{node}"), storage="node"))
-    # Same, but the bad copy sits behind rank 0's index in shared mode: only rank 0 reads headers.
     res["num-physical"] = _attempt(load(good, placement=moeshard.Placement.contiguous(2, tiny_moe.NUM_EXPERTS, 2, 4)))
     res["num-layers"] = _attempt(load(good, placement=moeshard.Placement.contiguous(3, tiny_moe.NUM_EXPERTS, 2, 2)))
     res["too-few-logical"] = _attempt(load(good, placement=moeshard.Placement(
@@ -78,6 +77,21 @@ def errors_worker(root: str) -> dict:
     res["placement-differs"] = _attempt(load(good, placement=other if rank == 3 else pl))
     res["verify-placement-differs"] = _attempt(lambda: moeshard.verify(model, good, placement=other if rank == 3 else pl))
     res["verify-missing-key"] = _attempt(lambda: moeshard.verify(model, d("missing-key"), placement=pl))
+    # A read fails in the middle of the transfers (the file changed under the job, an I/O
+    # error): the failing rank keeps serving its peers and every rank raises afterwards.
+    from unittest import mock
+
+    victim = moeshard.CheckpointIndex.open(good).info("layers.2.mlp.experts.3.down_proj.weight").file
+    real_pread = moeshard.CheckpointReader._pread
+
+    def failing_pread(self, fd, buf, offset, name):
+        if name == victim:
+            raise moeshard.CheckpointError(f"{self.root / name}: unexpected end of file at byte {offset}")
+        return real_pread(self, fd, buf, offset, name)
+
+    for failing_rank, storage in ((0, "single"), (2, "shared")):
+        with mock.patch.object(moeshard.CheckpointReader, "_pread", failing_pread if rank == failing_rank else real_pread):
+            res[f"read-fails-{storage}"] = _attempt(load(good, storage=storage))
     # After all that, the group still works: a good load is exact and verifies.
     tiny_moe.scramble(model)
     moeshard.load(model, good, placement=pl)
@@ -227,6 +241,15 @@ def test_placement_differs_across_ranks(results):
         text = _all_raise(res, name)
         assert "ranks disagree on the plan fingerprint" in text
         assert "rank 0: " in text and "rank 3: " in text
+
+
+def test_read_failure_during_transfers(results):
+    res, _ = results
+    for name, failing_rank in (("read-fails-single", 0), ("read-fails-shared", 2)):
+        text = _all_raise(res, name)
+        assert "failed on 1 of 4 rank(s)" in text
+        assert f"rank {failing_rank}: CheckpointError: " in text and "unexpected end of file" in text
+        assert "good/model-0000" in text
 
 
 def test_group_usable_after_errors(results):

@@ -21,7 +21,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 from moeshard import HF_EXPERTS, Placement, Topology
 from moeshard.box import box_numel, box_shape, box_slices
 from moeshard.checkpoint import DTYPES, CheckpointIndex, TensorInfo
-from moeshard.layout import ExpertRef, Need, ParamDesc, compute_needs
+from moeshard.layout import ExpertRef, ParamDesc, compute_needs
 from moeshard.plan import Broadcast, Send, minimal_cost, plan_transfers
 
 GATE_UP, DOWN = HF_EXPERTS.params
@@ -354,16 +354,16 @@ def test_plan_large_worlds(world, lws, ep, efsdp, mode):
     case = build_case(world, lws, ep, efsdp, num_layers=1, num_logical=8, spr=1, inter=1, hidden=2,
                       seed=world, dense=("shard", "replicate"))
     plan, _ = check_plan(case, mode)
-    # No rank reads more than its share in shared mode.
     if mode == "shared":
-        assert plan.cost.read_bytes.max() <= plan.cost.read_bytes.sum()
+        # Reads are spread over many ranks, not funnelled through one.
+        assert (plan.cost.read_bytes > 0).sum() > 8
 
 
 @pytest.mark.parametrize("mode", ["shared", "node", "single"])
 def test_plan_1024_ranks(mode):
     case = build_case(1024, 8, 256, 4, num_layers=1, num_logical=16, spr=1, inter=1, hidden=1,
                       seed=7, dense=("shard", "replicate", "plain"), ckpt_dtype="F32")
-    plan, sim = check_plan(case, mode)
+    plan, _ = check_plan(case, mode)
     assert plan.topology.world_size == 1024
 
 
@@ -500,11 +500,6 @@ def test_plan_errors():
         plan_transfers(needs, case.index, topo, np.ones(4, bool), max_ops=1)
     with pytest.raises(ValueError, match="must divide world_size"):
         Topology(6, 4)
-
-
-def test_need_is_plain_data():
-    n = Need(0, 1, ((0, 1),), "k", ((0, 1),))
-    assert n.rank == 0 and n.param == 1 and n.key == "k"
 
 
 @pytest.mark.parametrize("mode", ["shared", "single"])

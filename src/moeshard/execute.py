@@ -6,6 +6,10 @@ participants all finished their earlier steps). Per chunk: read pieces for other
 staging buffers, post phase A (batch_isend_irecv + node broadcasts), do a share of this rank's
 local reads while those are in flight, wait, deliver; then phase B (relays). Nothing calls a
 device synchronize: waits are on the ops' own work handles.
+
+A read that fails on one rank (an I/O error, a file changed under the job) does not leave its
+peers blocked in a receive: the rank keeps running the plan with zeros in place of the piece,
+and after the last chunk every rank raises one DistributedError naming the failing rank.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from . import _dist
 from .box import box_shape, box_slices
 from .checkpoint import CheckpointIndex, CheckpointReader
 from .plan import TransferPlan
@@ -58,8 +63,13 @@ def execute_plan(
             holds nothing); written in place, cast to their dtype.
         device: where staging buffers live (the device of the model's local tensors).
         node_group: this rank's node group, required if the plan has broadcasts.
+
+    Raises:
+        DistributedError: on every rank, after the whole plan ran, if any rank failed a read
+            (without a process group: that read's own error).
     """
     stats = ExecStats()
+    failure: list[Exception] = []  # this rank's failed reads (the first is reported)
     pieces, needs = plan.pieces, plan.needs
     my_local = list(plan.local_reads[rank])
     if (my_local or any(r == rank for c in plan.chunks for r, _ in c.reads)) and reader is None:
@@ -83,13 +93,25 @@ def execute_plan(
         # In scope "node" the piece may also be needed (and read) on other nodes.
         (idx,) = [idx for r, idx in piece.needs if r == rank]
         view = dests[needs[idx[0]].param][box_slices(needs[idx[0]].dest)]
-        if len(idx) == 1 and view.is_contiguous():
-            # Straight from storage into the parameter (cast on the way): no staging.
-            reader.read(piece.key, piece.src, out=view.view(box_shape(piece.src)))
-        else:
-            deliver(pid, reader.read(piece.key, piece.src))
+        try:
+            if len(idx) == 1 and view.is_contiguous():
+                # Straight from storage into the parameter (cast on the way): no staging.
+                reader.read(piece.key, piece.src, out=view.view(box_shape(piece.src)))
+            else:
+                deliver(pid, reader.read(piece.key, piece.src))
+        except Exception as e:  # noqa: BLE001 - reported on every rank after the plan
+            failure.append(e)
         if progress:
             progress(piece.nbytes)
+
+    def read_for_others(pid: int) -> torch.Tensor:
+        assert reader is not None
+        try:
+            return reader.read(pieces[pid].key, pieces[pid].src)
+        except Exception as e:  # noqa: BLE001 - reported on every rank after the plan
+            failure.append(e)
+            # Peers still expect this piece: send zeros rather than leave them waiting.
+            return torch.zeros(box_shape(pieces[pid].src), dtype=index.info(pieces[pid].key).torch_dtype)
 
     def empty(pid: int) -> torch.Tensor:
         p = pieces[pid]
@@ -101,8 +123,7 @@ def execute_plan(
         staged = 0
         for r, pid in chunk.reads:
             if r == rank:
-                assert reader is not None
-                buf = reader.read(pieces[pid].key, pieces[pid].src)
+                buf = read_for_others(pid)
                 bufs[pid] = buf.to(device, non_blocking=True) if buf.device != device else buf
                 staged += pieces[pid].nbytes
                 deliver(pid, bufs[pid])
@@ -149,7 +170,13 @@ def execute_plan(
         local_read(my_local.pop())
     if reader is not None:
         stats.bytes_read = reader.bytes_read
-    return stats
+
+    def outcome() -> ExecStats:
+        if failure:
+            raise failure[0]
+        return stats
+
+    return _dist.agree(outcome, "moeshard: running the transfer plan")
 
 
 def _involves(chunk, rank: int, plan: TransferPlan) -> bool:
