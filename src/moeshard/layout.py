@@ -288,6 +288,8 @@ def _expert_needs(
             continue
         for slot in range(s0, s0 + ns):
             expert = int(phy2log[slot])
+            if expert < 0:
+                continue  # an empty slot (dead or not-yet-joined rank): nothing to load
             if expert not in checked:
                 if _part_sizes(d, index, expert, slice_shape) != part_sizes:
                     raise ValueError(

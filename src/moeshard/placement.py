@@ -4,6 +4,10 @@ Vocabulary: a *logical expert* is an expert id of the checkpoint (0..num_logical
 *physical slot* is a place for one expert copy. With ``num_ranks`` EP ranks and
 ``num_physical`` slots per layer, slot ``p`` lives on EP rank ``p // slots_per_rank`` at local
 slot ``p % slots_per_rank``. Redundant experts: ``num_physical > num_logical``.
+
+An *empty* slot (``phy2log == -1``) holds no expert: the slots of a dead rank, or of a rank
+that has not joined yet. Slot ids stay those of the full job, so nothing else renumbers when
+ranks leave or join (elastic EP).
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ class Placement:
     """Expert placement of every MoE layer.
 
     Args:
-        phy2log: ``int[num_layers, num_physical]``: logical expert held by each physical slot.
-            The layer index counts MoE layers only, in module order (dense layers are skipped).
+        phy2log: ``int[num_layers, num_physical]``: logical expert held by each physical slot,
+            ``-1`` for an empty slot. The layer index counts MoE layers only, in module order
+            (dense layers are skipped).
         num_logical: number of logical experts per layer; inferred as ``phy2log.max() + 1``
             when omitted (pass it to catch a trailing expert with no copy).
         num_ranks: EP size, when known. ``num_physical`` must be a multiple of it.
@@ -51,12 +56,12 @@ class Placement:
         if not np.issubdtype(p2l.dtype, np.integer):
             raise ValueError(f"phy2log must hold integer expert ids, got dtype {p2l.dtype}")
         num_logical = int(p2l.max()) + 1 if self.num_logical is None else int(self.num_logical)
-        bad = np.argwhere((p2l < 0) | (p2l >= num_logical))
+        bad = np.argwhere((p2l < -1) | (p2l >= num_logical))
         if len(bad):
             layer, slot = bad[0]
             raise ValueError(
                 f"phy2log[{layer}, {slot}] = {p2l[layer, slot]} is not a logical expert id in "
-                f"[0, {num_logical})"
+                f"[0, {num_logical}) nor -1 (empty slot)"
             )
         num_layers, num_physical = p2l.shape
         if self.num_ranks is not None and (self.num_ranks < 1 or num_physical % self.num_ranks):
@@ -64,8 +69,10 @@ class Placement:
                 f"num_physical={num_physical} slots per layer is not divisible by the EP size "
                 f"num_ranks={self.num_ranks}"
             )
-        logcnt = np.zeros((num_layers, num_logical), dtype=np.int64)
-        np.add.at(logcnt, (np.arange(num_layers)[:, None], p2l), 1)
+        # Empty slots are counted in an extra column, then dropped.
+        logcnt = np.zeros((num_layers, num_logical + 1), dtype=np.int64)
+        np.add.at(logcnt, (np.arange(num_layers)[:, None], np.where(p2l < 0, num_logical, p2l)), 1)
+        logcnt = np.ascontiguousarray(logcnt[:, :num_logical])
         missing = np.argwhere(logcnt == 0)
         if len(missing):
             layer, expert = missing[0]
@@ -75,13 +82,16 @@ class Placement:
             )
         max_copies = int(logcnt.max())
         log2phy = np.full((num_layers, num_logical, max_copies), -1, dtype=np.int64)
-        # Copies of an expert in slot order: a stable sort groups slots by logical expert.
+        # Copies of an expert in slot order: a stable sort groups slots by logical expert
+        # (empty slots sort first and are skipped).
         order = np.argsort(p2l, axis=1, kind="stable")
         sorted_log = np.take_along_axis(p2l, order, axis=1)
-        starts = np.cumsum(logcnt, axis=1) - logcnt
-        rank_in_expert = np.arange(num_physical)[None, :] - np.take_along_axis(starts, sorted_log, axis=1)
+        num_empty = (p2l < 0).sum(axis=1, keepdims=True)
+        starts = np.cumsum(logcnt, axis=1) - logcnt + num_empty
+        full = sorted_log >= 0
+        rank_in_expert = np.arange(num_physical)[None, :] - np.take_along_axis(starts, np.maximum(sorted_log, 0), axis=1)
         layer_idx = np.broadcast_to(np.arange(num_layers)[:, None], p2l.shape)
-        log2phy[layer_idx, sorted_log, rank_in_expert] = order
+        log2phy[layer_idx[full], sorted_log[full], rank_in_expert[full]] = order[full]
         object.__setattr__(self, "phy2log", _frozen(p2l))
         object.__setattr__(self, "num_logical", num_logical)
         object.__setattr__(self, "log2phy", _frozen(log2phy))
@@ -127,6 +137,17 @@ class Placement:
     @property
     def num_physical(self) -> int:
         return int(self.phy2log.shape[1])
+
+    @property
+    def empty(self) -> np.ndarray:
+        """``bool[num_layers, num_physical]``: slots that hold no expert."""
+        return self.phy2log < 0
+
+    def rank_empty(self, num_ranks: int | None = None) -> np.ndarray:
+        """``bool[num_ranks]``: EP ranks all of whose slots are empty in every layer."""
+        n = self.num_ranks if num_ranks is None else num_ranks
+        spr = self.slots_per_rank(n)
+        return self.empty.reshape(self.num_layers, n, spr).all(axis=(0, 2))
 
     def slots_per_rank(self, num_ranks: int | None = None) -> int:
         """Physical slots per EP rank; ``num_ranks`` defaults to the placement's own."""
