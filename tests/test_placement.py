@@ -118,8 +118,22 @@ def test_error_slots_not_divisible_by_ep_size():
 def test_error_id_out_of_range():
     with pytest.raises(ValueError, match=r"phy2log\[1, 2\] = 7 is not a logical expert id in \[0, 4\)"):
         Placement(np.array([[0, 1, 2, 3], [0, 1, 7, 3]]), num_logical=4)
-    with pytest.raises(ValueError, match=r"phy2log\[0, 1\] = -1 is not a logical expert id"):
-        Placement(np.array([[0, -1, 2, 3]]))
+    with pytest.raises(ValueError, match=r"phy2log\[0, 1\] = -2 is not a logical expert id"):
+        Placement(np.array([[0, -2, 2, 3]]))
+
+
+def test_empty_slots():
+    # Rank 1 of 3 is dead in layer 0 (slots 2, 3 empty); layer 1 is shuffled with its own gaps.
+    p = Placement(np.array([[0, 1, -1, -1, 2, 0], [-1, -1, 2, 1, 0, 0]]), num_ranks=3)
+    assert p.logcnt.tolist() == [[2, 1, 1], [2, 1, 1]]
+    assert p.log2phy[0].tolist() == [[0, 5], [1, -1], [4, -1]]
+    assert p.log2phy[1].tolist() == [[4, 5], [3, -1], [2, -1]]
+    assert p.empty.sum() == 4
+    assert p.rank_empty().tolist() == [False, False, False]
+    dead = Placement(np.array([[0, 1, -1, -1, 2, 0]]), num_ranks=3)
+    assert dead.rank_empty().tolist() == [False, True, False]
+    with pytest.raises(ValueError, match="logical expert 1 of layer 0 has no physical slot"):
+        Placement(np.array([[0, -1, 2, 3]]), num_logical=4)
 
 
 def test_error_logical_expert_without_copy():
