@@ -7,6 +7,8 @@ from .load import LoadReport, load, materialize
 from .parallel import make_mesh, parallelize
 from .placement import Placement
 from .plan import TransferPlan, plan_transfers
+from .relocate import RelocationReport, relocate
+from .relocation import RelocationPlan, plan_relocation
 from .topology import Topology
 from .verify import VerificationError, VerifyReport, verify
 
@@ -14,6 +16,7 @@ __all__ = [
     "CheckpointError", "CheckpointIndex", "CheckpointReader", "DistributedError", "ExpertParam",
     "ExpertsSpec", "HF_EXPERTS", "LoadReport", "MIXTRAL_EXPERTS", "Placement", "Topology",
     "TransferPlan", "VerificationError", "VerifyReport", "load", "make_mesh", "materialize",
-    "parallelize", "plan_transfers", "verify", "write_checkpoint",
+    "parallelize", "plan_relocation", "plan_transfers", "RelocationPlan", "RelocationReport", "relocate",
+    "verify", "write_checkpoint",
 ]
 __version__ = "0.1.0"

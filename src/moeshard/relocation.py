@@ -337,6 +337,7 @@ def _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops) 
         raise ValueError(f"active and readers must be bool[{world}], got shapes {active.shape} and {readers.shape}")
     if not active.any():
         raise ValueError("no rank is active")
+    readers = readers & active  # a dead rank reads nothing
     if old.phy2log.shape != new.phy2log.shape or old.num_logical != new.num_logical:
         raise ValueError(
             f"old placement has {old.num_layers} layers x {old.num_physical} slots and {old.num_logical} "

@@ -1,0 +1,449 @@
+"""``moeshard.relocate``: move expert weights in place from one placement to another.
+
+Steps (all collective, every rank of the default group calls ``relocate``): describe the
+expert tensors (a model prepared by moeshard, or plain per-layer tensors as serving engines
+keep them) -> check that every rank sees the same tensors and placements -> plan
+(:func:`~moeshard.relocation.plan_relocation`; the checkpoint is opened only if some expert
+has no live copy) -> agree on the plan's fingerprint -> run its rounds -> report.
+
+Every check runs before any weight changes, so a bad input leaves the weights as they were.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence, Union
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _dist
+from .adapters import DEFAULT_SPECS, ExpertParam, ExpertsSpec, expert_parts
+from .box import Box, box_shape, full_box
+from .checkpoint import CheckpointIndex, CheckpointReader
+from .layout import ExpertRef, ParamDesc, _local_boxes, _part_sizes, describe_model, local_tensor
+from .load import Storage, reader_root, resolve_sources
+from .placement import Placement
+from .relocation import DEFAULT_MAX_OPS, DEFAULT_STAGING_BYTES, ExpertTensor, RelocationPlan, plan_relocation
+from .topology import Topology
+
+__all__ = ["RelocationReport", "relocate", "describe_expert_tensors"]
+
+ExpertTensors = Mapping[int, Sequence[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class RelocationReport:
+    """What a relocation did. Job-wide: ``copies`` / ``bytes`` per class (local, same_node,
+    cross_node, disk; a copy is one slot box, see :class:`~moeshard.relocation.RelocationCost`),
+    network and cross-node bytes beside their lower bounds, rounds, stashes and the experts
+    read from the checkpoint. ``*_rank`` fields are this rank's."""
+
+    rank: int
+    world_size: int
+    wall_seconds: float
+    plan_seconds: float
+    copies: dict
+    bytes: dict
+    network_bytes: int
+    min_network_bytes: int
+    cross_node_bytes: int
+    min_cross_node_bytes: int
+    num_rounds: int
+    num_stashes: int
+    disk_experts: list
+    bytes_sent_rank: int
+    bytes_received_rank: int
+    bytes_read_rank: int
+    peak_staging_bytes_rank: int
+    plan: dict = field(default_factory=dict)
+    fingerprint: str = ""
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where a layer's expert tensors come from in the checkpoint (for experts no live rank
+    holds): the experts module's name and the tensor's :class:`ExpertParam`."""
+
+    module: str
+    param: ExpertParam
+
+
+def describe_expert_tensors(
+    target: Union[nn.Module, ExpertTensors],
+    world_size: int,
+    specs: Sequence[ExpertsSpec] = DEFAULT_SPECS,
+    expert_params: Sequence[ExpertParam] | None = None,
+    module: Union[str, Callable[[int], str]] = "model.layers.{layer}.mlp.experts",
+) -> tuple[list[ExpertTensor], list[torch.Tensor | None], list[_Source | None]]:
+    """The planner's view of ``target``'s expert tensors (no communication).
+
+    ``target`` is a model (expert parameters: DTensors or plain tensors of global shape
+    ``[num_physical, *slice_shape]``) or ``{layer: [tensor[num_local_slots, *slice_shape], ...]}``
+    with the EP group = the default group (rank ``r`` holds slots ``r * num_local_slots ...``);
+    dict keys are model layer ids, sorted into MoE layer order.
+
+    Returns ``(tensors, local tensors of this rank (None where it holds nothing), sources)``.
+    """
+    rank = _dist.rank_and_world()[0]
+    if isinstance(target, nn.Module):
+        out, locals_, sources = [], [], []
+        params = dict(target.named_parameters(remove_duplicate=False))
+        for d in describe_model(target, None, specs):
+            if d.expert is None:
+                continue
+            slice_shape = d.shape[1:]
+            if d.mesh is None:
+                holdings = tuple((r, 0, d.shape[0], full_box(slice_shape)) for r in range(world_size))
+            else:
+                boxes = _local_boxes(d.shape, d.mesh.shape, d.placements)
+                holdings = tuple((r, b[0][0], b[0][1], b[1:]) for r, b in zip(d.mesh.reshape(-1).tolist(), boxes))
+            out.append(ExpertTensor(d.expert.layer, d.name, slice_shape, d.dtype.itemsize, holdings))
+            mine = any(r == rank for r, *_ in holdings)
+            locals_.append(local_tensor(params[d.name]) if mine else None)
+            sources.append(_Source(d.expert.module, d.expert.param))
+        if not out:
+            raise ValueError("the model has no experts module that the expert specs match")
+        return out, locals_, sources
+    if expert_params is not None and not isinstance(expert_params, (list, tuple)):
+        raise ValueError("expert_params must be a sequence of ExpertParam, one per tensor of a layer")
+    out, locals_, sources = [], [], []
+    for moe_layer, key in enumerate(sorted(target)):
+        layer_tensors = list(target[key])
+        if expert_params is not None and len(expert_params) != len(layer_tensors):
+            raise ValueError(f"layer {key}: {len(layer_tensors)} tensors but {len(expert_params)} expert_params")
+        name = module(key) if callable(module) else module.format(layer=key)
+        for j, t in enumerate(layer_tensors):
+            if t.dim() < 1:
+                raise ValueError(f"layer {key} tensor {j}: expected [num_local_slots, ...], got a 0-dim tensor")
+            slots, slice_shape = t.shape[0], tuple(t.shape[1:])
+            holdings = tuple((r, r * slots, slots, full_box(slice_shape)) for r in range(world_size))
+            out.append(ExpertTensor(moe_layer, f"layer {key} tensor {j}", slice_shape, t.element_size(), holdings))
+            locals_.append(t)
+            sources.append(_Source(name, expert_params[j]) if expert_params is not None else None)
+    return out, locals_, sources
+
+
+def _signature(target: ExpertTensors) -> list:
+    return [(key, [(tuple(t.shape), str(t.dtype)) for t in target[key]]) for key in sorted(target)]
+
+
+def _check_same_tensors(everyone: list) -> None:
+    """Plain expert tensors must agree in layers, shapes and dtypes on every rank (given
+    every rank's :func:`_signature`)."""
+    ref = everyone[0]
+    for r, sig in enumerate(everyone):
+        if [k for k, _ in sig] != [k for k, _ in ref]:
+            raise ValueError(f"rank {r} has expert layers {[k for k, _ in sig]}, rank 0 has {[k for k, _ in ref]}")
+        for (key, a), (_, b) in zip(sig, ref):
+            if len(a) != len(b):
+                raise ValueError(f"layer {key}: rank {r} has {len(a)} expert tensors, rank 0 has {len(b)}")
+            for j, (x, y) in enumerate(zip(a, b)):
+                if x != y:
+                    raise ValueError(
+                        f"layer {key} tensor {j}: rank {r} has shape {list(x[0])} {x[1]}, rank 0 has "
+                        f"shape {list(y[0])} {y[1]}"
+                    )
+
+
+def _active_global(active_ranks, tensors: Sequence[ExpertTensor], num_physical: int, world: int) -> np.ndarray:
+    """``bool[world]`` from ``active_ranks`` given per EP rank (or per global rank)."""
+    if active_ranks is None:
+        return np.ones(world, dtype=bool)
+    act = np.asarray(active_ranks, dtype=bool).reshape(-1)
+    if len(act) == world:
+        return act
+    spr = min(ns for t in tensors for _, _, ns, _ in t.holdings if ns) if tensors else 0
+    if not spr or num_physical % spr or len(act) != num_physical // spr:
+        raise ValueError(
+            f"active_ranks has {len(act)} entries; expected one per EP rank "
+            f"({num_physical // spr if spr else '?'}) or one per rank ({world})"
+        )
+    out = np.ones(world, dtype=bool)
+    for t in tensors:
+        for r, s0, ns, _ in t.holdings:
+            if ns:
+                out[r] &= act[s0 // spr]
+    return out
+
+
+def _check_disk_keys(plan: RelocationPlan, index: CheckpointIndex, sources, dtypes) -> None:
+    """Every tensor of every expert read from the checkpoint exists there with a fitting shape."""
+    for layer, expert in plan.disk_experts:
+        for t, et in enumerate(plan.tensors):
+            if et.layer != layer:
+                continue
+            src = sources[t]
+            if src is None:
+                raise ValueError(
+                    f"{et.name}: logical expert {expert} must be read from the checkpoint, but no "
+                    "expert_params say which checkpoint keys hold it"
+                )
+            desc = ParamDesc(et.name, (0, *et.slice_shape), dtypes[t], None, (), (), ExpertRef(layer, src.module, src.param))
+            _part_sizes(desc, index, expert, et.slice_shape)
+
+
+def relocate(
+    target: Union[nn.Module, ExpertTensors],
+    old: Placement,
+    new: Placement,
+    checkpoint: str | os.PathLike | None = None,
+    active_ranks: Sequence[bool] | np.ndarray | None = None,
+    *,
+    storage: Storage = "auto",
+    topology: Topology | None = None,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+    max_ops: int = DEFAULT_MAX_OPS,
+    specs: Sequence[ExpertsSpec] = DEFAULT_SPECS,
+    expert_params: Sequence[ExpertParam] | None = None,
+    module: Union[str, Callable[[int], str]] = "model.layers.{layer}.mlp.experts",
+) -> RelocationReport:
+    """Collective (every rank of the default group): move expert weights from placement
+    ``old`` to ``new`` in place; only slots whose expert changes are written.
+
+    Args:
+        target: a model prepared by moeshard (expert params ``[num_physical, ...]``, DTensor
+            or plain), or plain expert tensors ``{layer: [tensor[num_local_slots, ...], ...]}``
+            (every tensor of an expert: weights, biases, scales), EP group = default group.
+        old, new: the current placement and the wanted one (e.g. from
+            :func:`moeshard.eplb.rebalance`); slots of inactive ranks must be empty in ``new``.
+        checkpoint: read experts that no live rank holds from here (just those slices).
+        active_ranks: ``bool`` per EP rank (or per rank): dead ranks' memory is not used.
+            Dead ranks still call this function (they send and receive nothing).
+        storage: which ranks read the checkpoint ("auto", "shared", "node", "single").
+        topology: ranks per node (default: torchrun's environment).
+        staging_bytes: per-rank budget for data in flight in one round.
+        max_ops: P2P ops per rank in one batch.
+        expert_params, module: for plain tensors, the checkpoint keys of tensor ``j`` of a
+            layer are ``expert_params[j].keys(module.format(layer=key), expert)``.
+
+    Raises:
+        DistributedError: on every rank, before any weight changes, for a bad input (placements
+            that differ across ranks or do not fit the tensors, a new slot on a dead rank, an
+            expert with no live copy and no checkpoint, tensors that disagree across ranks).
+    """
+    t0 = time.perf_counter()
+    rank, world = _dist.rank_and_world()
+    topo = (topology or Topology.from_env()).with_rank(rank)
+    if topo.world_size != world:
+        raise ValueError(f"topology has world_size {topo.world_size}, the process group has {world}")
+    # Plain tensors: every rank's shapes, checked in the planning step below.
+    signatures = None if isinstance(target, nn.Module) else _dist.all_gather_object(_signature(target))
+
+    def describe():
+        if signatures is not None:
+            _check_same_tensors(signatures)
+        tensors, locals_, sources = describe_expert_tensors(target, world, specs, expert_params, module)
+        for p, what in ((old, "old"), (new, "new")):
+            layers = 1 + max(t.layer for t in tensors)
+            if p.num_layers != layers:
+                raise ValueError(f"the {what} placement has {p.num_layers} layers, the experts have {layers} MoE layers")
+            for t in tensors:
+                top = max(s0 + ns for _, s0, ns, _ in t.holdings)
+                if top != p.num_physical:
+                    raise ValueError(f"{t.name} has {top} expert slots, the {what} placement has {p.num_physical}")
+        active = _active_global(active_ranks, tensors, new.num_physical, world)
+        # First plan as if every live rank could read: it tells whether the checkpoint is needed.
+        plan = plan_relocation(tensors, old, new, topo, active, active, staging_bytes, max_ops)
+        return tensors, locals_, sources, active, plan
+
+    tensors, locals_, sources, active, plan = _dist.agree(
+        describe, "moeshard.relocate: planning", fingerprint=lambda x: x[4].fingerprint)
+    reader = None
+    index = None
+    if plan.disk_experts:
+        if checkpoint is None:
+            lost = plan.disk_experts
+            raise _dist.DistributedError(
+                f"moeshard.relocate: {len(lost)} expert(s) have no live copy and no checkpoint was given "
+                f"(layer, logical expert): {lost[:8]}{' ...' if len(lost) > 8 else ''}"
+            )
+        path = os.fspath(checkpoint)
+        _, readers, _, index = resolve_sources(path, storage, topo, os.path.exists(path))
+        dtypes = [t.dtype if t is not None else None for t in locals_]
+
+        def replan():
+            p = plan_relocation(tensors, old, new, topo, active, readers, staging_bytes, max_ops)
+            _check_disk_keys(p, index, sources, dtypes)
+            if p.moves and any(m.read == rank for m in p.moves):
+                r = CheckpointReader(index, reader_root(path))
+                r.check_files({index.info(k).file for k in _disk_keys(p, rank, sources, index)})
+                return p, r
+            return p, None
+
+        plan, reader = _dist.agree(replan, "moeshard.relocate: planning checkpoint reads",
+                                   fingerprint=lambda x: x[0].fingerprint)
+    t_plan = time.perf_counter() - t0
+    try:
+        with torch.no_grad():
+            stats = _dist.agree(lambda: _execute(plan, rank, locals_, reader, index, sources),
+                                "moeshard.relocate: running the plan")
+    finally:
+        if reader is not None:
+            reader.close()
+    c = plan.cost
+    return RelocationReport(
+        rank=rank,
+        world_size=world,
+        wall_seconds=time.perf_counter() - t0,
+        plan_seconds=t_plan,
+        copies=dict(c.copies),
+        bytes=dict(c.bytes),
+        network_bytes=c.network_bytes,
+        min_network_bytes=c.min_network_bytes,
+        cross_node_bytes=c.cross_node_bytes,
+        min_cross_node_bytes=c.min_cross_node_bytes,
+        num_rounds=c.num_rounds,
+        num_stashes=c.num_stashes,
+        disk_experts=plan.disk_experts,
+        bytes_sent_rank=stats["sent"],
+        bytes_received_rank=stats["received"],
+        bytes_read_rank=stats["read"],
+        peak_staging_bytes_rank=stats["peak"],
+        plan=c.summary(),
+        fingerprint=plan.fingerprint,
+    )
+
+
+def _disk_keys(plan: RelocationPlan, rank: int, sources, index: CheckpointIndex) -> set[str]:
+    keys = set()
+    for m in plan.moves:
+        if m.read == rank:
+            for part in plan.parts[(m.layer, m.column)][m.part]:
+                src = sources[part.tensor]
+                keys.update(src.param.keys(src.module, m.expert))
+    return keys
+
+
+def _execute(plan: RelocationPlan, rank: int, locals_, reader, index, sources) -> dict:
+    """Run this rank's share of ``plan``. Every rank walks the same rounds in the same order
+    and posts only its own ops, so sends and receives pair up without deadlock."""
+    stats = {"sent": 0, "received": 0, "read": 0, "peak": 0}
+    failure: list[str] = []
+    moves, tensors = plan.moves, plan.tensors
+    my_box: dict[int, tuple[int, Box]] = {}
+    for t, et in enumerate(tensors):
+        for r, s0, _, box in et.holdings:
+            if r == rank:
+                my_box[t] = (s0, box)
+
+    def view(part, slot: int) -> torch.Tensor:
+        s0, box = my_box[part.tensor]
+        idx = (slot - s0,) + tuple(slice(o - mo, o - mo + n) for (o, n), (mo, _) in zip(part.box, box))
+        return locals_[part.tensor][idx]
+
+    # Rounds this rank takes part in, and the last round that reads each stash.
+    stash_last: dict[tuple, int] = {}
+    stash_keys = {(s.rank, s.layer, s.slot, s.part) for s in plan.stashes}
+    mine = []
+    for k, rnd in enumerate(plan.rounds):
+        involved = any(plan.stashes[i].rank == rank for i in rnd.stashes)
+        for i in rnd.moves:
+            m = moves[i]
+            involved = involved or rank in m.ranks()
+            for r, s in m.reads():
+                if (r, m.layer, s, m.part) in stash_keys:
+                    stash_last[(r, m.layer, s, m.part)] = k
+        if involved:
+            mine.append(k)
+    stash: dict[tuple, list[torch.Tensor]] = {}
+
+    def source(m, slot: int) -> list[torch.Tensor]:
+        got = stash.get((m.layer, slot, m.part))
+        if got is not None:
+            return got
+        return [view(p, slot) for p in plan.parts[(m.layer, m.column)][m.part]]
+
+    def empty(m) -> list[torch.Tensor]:
+        return [torch.empty(box_shape(p.box), dtype=locals_[p.tensor].dtype, device=locals_[p.tensor].device)
+                for p in plan.parts[(m.layer, m.column)][m.part]]
+
+    def read(m) -> list[torch.Tensor]:
+        bufs = empty(m)
+        for buf, p in zip(bufs, plan.parts[(m.layer, m.column)][m.part]):
+            src = sources[p.tensor]
+            keys = src.param.keys(src.module, m.expert)
+            sizes = tuple(index.info(k).shape[src.param.dim] for k in keys)
+            base = tuple(o for o, _ in p.box)
+            for j, part_box, sub in expert_parts(p.box, sizes, src.param.dim):
+                dst = buf[tuple(slice(o - b, o - b + n) for (o, n), b in zip(sub, base))]
+                reader.read(keys[j], part_box, out=dst)
+        return bufs
+
+    for k in mine:
+        rnd = plan.rounds[k]
+        staged = sum(plan.stashes[i].nbytes for i in rnd.stashes if plan.stashes[i].rank == rank)
+        staged += sum(s.nbytes for s in plan.stashes if s.rank == rank and s.round < k
+                      and stash_last.get((s.rank, s.layer, s.slot, s.part), -1) >= k)
+        for i in rnd.stashes:
+            st = plan.stashes[i]
+            if st.rank == rank:
+                m_parts = plan.parts[(st.layer, plan.columns[st.layer][rank][0])][st.part]
+                stash[(st.layer, st.slot, st.part)] = [view(p, st.slot).clone() for p in m_parts]
+        bufs: dict[int, list[torch.Tensor]] = {}
+        ops_a, ops_b = [], []
+        for i in rnd.moves:
+            m = moves[i]
+            if m.read == rank:
+                try:
+                    bufs[i] = read(m)
+                except Exception as e:  # noqa: BLE001 - raised on every rank after the plan
+                    # Peers wait for this part: send zeros rather than leave them hanging.
+                    failure.append(f"reading logical expert {m.expert} of layer {m.layer}: {e}")
+                    bufs[i] = [x.zero_() for x in empty(m)]
+                stats["read"] += m.nbytes
+                staged += m.nbytes
+            for r, s in m.copies:
+                if r == rank:
+                    bufs[i] = [x.clone() for x in source(m, s)]
+                    staged += m.nbytes
+            for src, s, dst in m.sends:
+                if src == rank:
+                    data = source(m, s) if s >= 0 else bufs[i]
+                    ops_a.extend(dist.P2POp(dist.isend, x.contiguous(), dst) for x in data)
+                    stats["sent"] += m.nbytes
+                elif dst == rank:
+                    bufs[i] = empty(m)
+                    ops_a.extend(dist.P2POp(dist.irecv, x, src) for x in bufs[i])
+                    stats["received"] += m.nbytes
+                    staged += m.nbytes
+        _run(ops_a)
+        for i in rnd.moves:
+            m = moves[i]
+            for src, dst in m.relays:
+                if src == rank:
+                    ops_b.extend(dist.P2POp(dist.isend, x, dst) for x in bufs[i])
+                    stats["sent"] += m.nbytes
+                elif dst == rank:
+                    bufs[i] = empty(m)
+                    ops_b.extend(dist.P2POp(dist.irecv, x, src) for x in bufs[i])
+                    stats["received"] += m.nbytes
+                    staged += m.nbytes
+        _run(ops_b)
+        # The round's writes, after every read of old slot contents in it.
+        for i in rnd.moves:
+            m = moves[i]
+            for r, slots in m.writes:
+                if r != rank:
+                    continue
+                for s in slots:
+                    for p, x in zip(plan.parts[(m.layer, m.column)][m.part], bufs[i]):
+                        view(p, s).copy_(x)
+        stats["peak"] = max(stats["peak"], staged)
+        for key, last in list(stash_last.items()):
+            if last == k and key[0] == rank:
+                stash.pop(key[1:], None)
+    if failure:
+        raise OSError(f"{failure[0]} (the slots it was meant for now hold zeros; "
+                      f"{len(failure)} failed read(s) in all)")
+    return stats
+
+
+def _run(ops: list) -> None:
+    if ops:
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
