@@ -221,3 +221,18 @@ def test_deterministic_fingerprint():
     b = plan_relocation(expert_tensors(4, 32, 8), old, new, topo, staging_bytes=300)
     c = plan_relocation(expert_tensors(4, 32, 8), old, new, topo, staging_bytes=301)
     assert a.fingerprint == b.fingerprint != c.fingerprint
+
+
+def test_initial_fill_from_checkpoint():
+    # old=None: nothing is held; every slot box is read (once per job) and sent where needed.
+    topo = Topology(8, 4)
+    new = Placement.contiguous(2, 12, 8, 4)
+    tensors = expert_tensors(2, 16, 8)
+    plan = plan_relocation(tensors, None, new, topo, readers=np.ones(8, bool))
+    boxes = sum(len(plan.parts[(layer, 0)]) * 16 for layer in range(2))
+    assert plan.cost.copies["disk"] == boxes
+    per_expert = sum(m.nbytes for m in plan.moves if m.layer == 0 and m.expert == 0)
+    assert plan.cost.read_bytes.sum() == 2 * 12 * per_expert  # each logical expert read once
+    assert sorted(plan.disk_experts) == [(layer, e) for layer in range(2) for e in range(12)]
+    with pytest.raises(ValueError, match="no live copy"):
+        plan_relocation(tensors, None, new, topo)

@@ -1,5 +1,6 @@
 """moeshard: put Mixture-of-Experts weights on the right ranks, fast, bounded, verified."""
 
+from . import eplb
 from ._dist import DistributedError
 from .adapters import ExpertParam, ExpertsSpec, HF_EXPERTS, MIXTRAL_EXPERTS
 from .checkpoint import CheckpointError, CheckpointIndex, CheckpointReader, write_checkpoint
@@ -15,7 +16,7 @@ from .verify import VerificationError, VerifyReport, verify
 __all__ = [
     "CheckpointError", "CheckpointIndex", "CheckpointReader", "DistributedError", "ExpertParam",
     "ExpertsSpec", "HF_EXPERTS", "LoadReport", "MIXTRAL_EXPERTS", "Placement", "Topology",
-    "TransferPlan", "VerificationError", "VerifyReport", "load", "make_mesh", "materialize",
+    "TransferPlan", "VerificationError", "VerifyReport", "eplb", "load", "make_mesh", "materialize",
     "parallelize", "plan_relocation", "plan_transfers", "RelocationPlan", "RelocationReport", "relocate",
     "verify", "write_checkpoint",
 ]

@@ -189,7 +189,7 @@ def _check_disk_keys(plan: RelocationPlan, index: CheckpointIndex, sources, dtyp
 
 def relocate(
     target: Union[nn.Module, ExpertTensors],
-    old: Placement,
+    old: Placement | None,
     new: Placement,
     checkpoint: str | os.PathLike | None = None,
     active_ranks: Sequence[bool] | np.ndarray | None = None,
@@ -201,6 +201,7 @@ def relocate(
     specs: Sequence[ExpertsSpec] = DEFAULT_SPECS,
     expert_params: Sequence[ExpertParam] | None = None,
     module: Union[str, Callable[[int], str]] = "model.layers.{layer}.mlp.experts",
+    from_checkpoint: bool = False,
 ) -> RelocationReport:
     """Collective (every rank of the default group): move expert weights from placement
     ``old`` to ``new`` in place; only slots whose expert changes are written.
@@ -211,6 +212,7 @@ def relocate(
             (every tensor of an expert: weights, biases, scales), EP group = default group.
         old, new: the current placement and the wanted one (e.g. from
             :func:`moeshard.eplb.rebalance`); slots of inactive ranks must be empty in ``new``.
+            ``old=None``: the tensors hold nothing yet; fill them all from the checkpoint.
         checkpoint: read experts that no live rank holds from here (just those slices).
         active_ranks: ``bool`` per EP rank (or per rank): dead ranks' memory is not used.
             Dead ranks still call this function (they send and receive nothing).
@@ -220,6 +222,7 @@ def relocate(
         max_ops: P2P ops per rank in one batch.
         expert_params, module: for plain tensors, the checkpoint keys of tensor ``j`` of a
             layer are ``expert_params[j].keys(module.format(layer=key), expert)``.
+        from_checkpoint: read every changed slot from the checkpoint, ignoring live copies.
 
     Raises:
         DistributedError: on every rank, before any weight changes, for a bad input (placements
@@ -239,6 +242,8 @@ def relocate(
             _check_same_tensors(signatures)
         tensors, locals_, sources = describe_expert_tensors(target, world, specs, expert_params, module)
         for p, what in ((old, "old"), (new, "new")):
+            if p is None:
+                continue
             layers = 1 + max(t.layer for t in tensors)
             if p.num_layers != layers:
                 raise ValueError(f"the {what} placement has {p.num_layers} layers, the experts have {layers} MoE layers")
@@ -248,7 +253,7 @@ def relocate(
                     raise ValueError(f"{t.name} has {top} expert slots, the {what} placement has {p.num_physical}")
         active = _active_global(active_ranks, tensors, new.num_physical, world)
         # First plan as if every live rank could read: it tells whether the checkpoint is needed.
-        plan = plan_relocation(tensors, old, new, topo, active, active, staging_bytes, max_ops)
+        plan = plan_relocation(tensors, old, new, topo, active, active, staging_bytes, max_ops, from_checkpoint)
         return tensors, locals_, sources, active, plan
 
     tensors, locals_, sources, active, plan = _dist.agree(
@@ -267,7 +272,7 @@ def relocate(
         dtypes = [t.dtype if t is not None else None for t in locals_]
 
         def replan():
-            p = plan_relocation(tensors, old, new, topo, active, readers, staging_bytes, max_ops)
+            p = plan_relocation(tensors, old, new, topo, active, readers, staging_bytes, max_ops, from_checkpoint)
             _check_disk_keys(p, index, sources, dtypes)
             if p.moves and any(m.read == rank for m in p.moves):
                 r = CheckpointReader(index, reader_root(path))

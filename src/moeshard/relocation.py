@@ -272,9 +272,9 @@ def _part_groups(tensors: Sequence[ExpertTensor], layer_tensors: list[int], boxe
     return [tuple(g) for g in groups if g]
 
 
-def live_holders(placement: Placement, layer: int, cols: dict, active: np.ndarray) -> dict[tuple[int, int], list[tuple[int, int]]]:
-    """``{(column, logical expert): [(rank, slot), ...]}`` of live ranks in ``layer``."""
-    row = placement.phy2log[layer].tolist()
+def live_holders(phy2log_row: np.ndarray, cols: dict, active: np.ndarray) -> dict[tuple[int, int], list[tuple[int, int]]]:
+    """``{(column, logical expert): [(rank, slot), ...]}`` of live ranks in one layer."""
+    row = phy2log_row.tolist()
     out: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
     for rank, (c, s0, ns) in cols.items():
         if not active[rank]:
@@ -300,35 +300,39 @@ def _no_gc():
 
 def plan_relocation(
     tensors: Sequence[ExpertTensor],
-    old: Placement,
+    old: Placement | None,
     new: Placement,
     topology: Topology,
     active: Sequence[bool] | np.ndarray | None = None,
     readers: Sequence[bool] | np.ndarray | None = None,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     max_ops: int = DEFAULT_MAX_OPS,
+    from_checkpoint: bool = False,
 ) -> RelocationPlan:
     """Plan moving expert tensors from placement ``old`` to ``new`` (pure, deterministic).
 
     Args:
         tensors: every expert tensor of every MoE layer (see :class:`ExpertTensor`).
         old, new: placements of the same shape; a rank that is not ``active`` must hold only
-            empty slots in ``new``.
+            empty slots in ``new``. ``old=None``: nothing is held yet (an initial fill from
+            the checkpoint).
         topology: world size and ranks per node.
         active: ``bool[world_size]``: live ranks (None: all). Dead ranks' memory is lost.
         readers: ``bool[world_size]``: ranks that can read the checkpoint (None: nobody).
         staging_bytes: per-rank budget for staged data in one round.
         max_ops: P2P ops per rank and phase before a round is closed.
+        from_checkpoint: ignore live copies and read every changed slot from the checkpoint
+            (what engines without P2P relocation do; a baseline, or for suspect peers).
 
     Raises:
         ValueError: placements that disagree in shape, a new slot on a dead rank, an expert
             with no live copy when no rank can read the checkpoint, or inconsistent tensors.
     """
     with _no_gc():
-        return _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops)
+        return _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops, from_checkpoint)
 
 
-def _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops) -> RelocationPlan:
+def _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops, from_checkpoint) -> RelocationPlan:
     world = topology.world_size
     node = topology.nodes_array()
     active = np.ones(world, dtype=bool) if active is None else np.asarray(active, dtype=bool)
@@ -338,11 +342,16 @@ def _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops) 
     if not active.any():
         raise ValueError("no rank is active")
     readers = readers & active  # a dead rank reads nothing
-    if old.phy2log.shape != new.phy2log.shape or old.num_logical != new.num_logical:
+    if old is None:
+        old_p2l = np.full_like(new.phy2log, -1)
+        from_checkpoint = True
+    elif old.phy2log.shape != new.phy2log.shape or old.num_logical != new.num_logical:
         raise ValueError(
             f"old placement has {old.num_layers} layers x {old.num_physical} slots and {old.num_logical} "
             f"experts, the new one {new.num_layers} x {new.num_physical} and {new.num_logical}"
         )
+    else:
+        old_p2l = old.phy2log
     if staging_bytes < 1 or max_ops < 2:
         raise ValueError(f"staging_bytes must be >= 1 and max_ops >= 2, got {staging_bytes}, {max_ops}")
     by_layer: dict[int, list[int]] = defaultdict(list)
@@ -368,7 +377,7 @@ def _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops) 
         columns[layer] = cols
         for c, boxes in enumerate(col_boxes):
             parts[(layer, c)] = _part_groups(tensors, by_layer[layer], boxes, max_part)
-        old_row, new_row = old.phy2log[layer], new.phy2log[layer]
+        old_row, new_row = old_p2l[layer], new.phy2log[layer]
         old_list, new_list = old_row.tolist(), new_row.tolist()
         # Needs: (column, expert) -> {rank: [slots]}
         needs: dict[tuple[int, int], dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
@@ -386,7 +395,7 @@ def _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops) 
                     needs[(c, e)][rank].append(s)
         if not needs:
             continue
-        holders = live_holders(old, layer, cols, active)
+        holders = {} if from_checkpoint else live_holders(old_p2l[layer], cols, active)
         for (c, e) in sorted(needs):
             need = needs[(c, e)]
             held = holders.get((c, e), [])

@@ -1,0 +1,1 @@
+"""Benchmarks shipped with the ``moeshard bench`` command (figures, not tests)."""

@@ -1,0 +1,303 @@
+"""Tier 1: EPLB balancing policies (pure numpy): the reference's answer, properties of the
+oblivious and migration-aware policies, elastic ranks, metrics, bad inputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moeshard import Placement, eplb
+from moeshard.bench.traces import zipf_trace
+
+README_WEIGHT = np.array([
+    [90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
+    [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27],
+])
+# deepseek-ai/EPLB README: rebalance_experts(weight, 16, 4, 2, 8) prints this phy2log.
+README_PHY2LOG = np.array([
+    [5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
+    [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1],
+])
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+def _hierarchical(cfg, active) -> bool:
+    g, n = cfg["num_groups"], cfg["num_nodes"]
+    per_node = active.reshape(n, -1).sum(1)
+    return g is not None and g % n == 0 and (per_node == per_node[0]).all()
+
+
+def _check(pl: Placement, load, cfg, active) -> None:
+    """Properties every answer of either policy has."""
+    r, p = cfg["num_ranks"], cfg["num_physical"]
+    s = p // r
+    num_layers, num_logical = load.shape
+    assert pl.phy2log.shape == (num_layers, p)
+    assert pl.num_ranks == r and pl.num_logical == num_logical
+    p2l = pl.phy2log.reshape(num_layers, r, s)
+    # empty slots exactly on dead ranks
+    assert ((p2l < 0) == ~active[None, :, None]).all()
+    assert (pl.logcnt >= 1).all()  # also checked by Placement itself
+    hier = _hierarchical(cfg, active)
+    n = cfg["num_nodes"] if hier else 1
+    live_per_domain = active.reshape(n, -1).sum(1)[0] if hier else active.sum()
+    # no two copies of an expert on a rank unless it has more copies than its domain has ranks
+    for layer in range(num_layers):
+        for rank in np.flatnonzero(active):
+            e, c = np.unique(p2l[layer, rank], return_counts=True)
+            allowed = np.maximum(1, -(-pl.logcnt[layer, e] // live_per_domain))
+            assert (c <= allowed).all(), (layer, rank, p2l[layer, rank])
+    if hier:
+        # every group lives on one node, num_groups / num_nodes groups per node
+        g = cfg["num_groups"]
+        gsize = num_logical // g
+        node_of_slot = np.repeat(np.arange(n), p // n)
+        for layer in range(num_layers):
+            nodes = [set() for _ in range(g)]
+            for slot, e in enumerate(pl.phy2log[layer]):
+                if e >= 0:
+                    nodes[e // gsize].add(node_of_slot[slot])
+            assert all(len(x) == 1 for x in nodes), nodes
+            per_node = np.bincount([next(iter(x)) for x in nodes], minlength=n)
+            assert (per_node == g // n).all()
+
+
+def _kept_slots(old: Placement, new: Placement, num_ranks: int) -> bool:
+    """An expert held by a rank before and after sits in one of its old slots."""
+    s = old.num_physical // num_ranks
+    o = old.phy2log.reshape(old.num_layers, num_ranks, s)
+    n = new.phy2log.reshape(new.num_layers, num_ranks, s)
+    for layer in range(o.shape[0]):
+        for rank in range(num_ranks):
+            for e in set(o[layer, rank].tolist()) & set(n[layer, rank].tolist()) - {-1}:
+                if not ((o[layer, rank] == e) & (n[layer, rank] == e)).any():
+                    return False
+    return True
+
+
+CONFIGS = [
+    # global, no redundancy
+    dict(num_physical=16, num_ranks=4, num_nodes=1, num_groups=None),
+    # global, redundant
+    dict(num_physical=24, num_ranks=4, num_nodes=2, num_groups=None),
+    dict(num_physical=40, num_ranks=8, num_nodes=2, num_groups=None),
+    # hierarchical
+    dict(num_physical=16, num_ranks=8, num_nodes=2, num_groups=4),
+    dict(num_physical=48, num_ranks=8, num_nodes=2, num_groups=4),
+    dict(num_physical=72, num_ranks=12, num_nodes=3, num_groups=6),
+    # groups that do not divide into nodes: global
+    dict(num_physical=24, num_ranks=6, num_nodes=2, num_groups=3),
+]
+NUM_LOGICAL = {16: 16, 24: 16, 40: 32, 48: 32, 72: 48}
+
+
+def _loads(rng, num_layers, num_logical, kind):
+    if kind == "zipf":
+        return zipf_trace(num_layers, num_logical, 1, seed=int(rng.integers(1 << 30)), alpha=1.0)[0]
+    if kind == "int":
+        return rng.integers(0, 200, size=(num_layers, num_logical))
+    return rng.random((num_layers, num_logical)) * 100
+
+
+# -- the reference --------------------------------------------------------------------------------
+
+
+def test_readme_example_exact():
+    pl = eplb.rebalance(README_WEIGHT, num_physical=16, num_ranks=8, num_nodes=2, num_groups=4,
+                        migration_aware=False)
+    np.testing.assert_array_equal(pl.phy2log, README_PHY2LOG)
+    ref = Placement(README_PHY2LOG, num_logical=12, num_ranks=8)
+    np.testing.assert_array_equal(pl.logcnt, ref.logcnt)
+    np.testing.assert_allclose(eplb.balance(README_WEIGHT, pl, 8), eplb.balance(README_WEIGHT, ref, 8))
+    cfg = dict(num_physical=16, num_ranks=8, num_nodes=2, num_groups=4)
+    _check(pl, README_WEIGHT, cfg, np.ones(8, dtype=bool))
+
+
+def test_readme_example_aware_without_placement_is_oblivious():
+    kw = dict(num_physical=16, num_ranks=8, num_nodes=2, num_groups=4)
+    assert eplb.rebalance(README_WEIGHT, **kw) == eplb.rebalance(README_WEIGHT, **kw, migration_aware=False)
+
+
+# -- properties -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"P{c['num_physical']}R{c['num_ranks']}N{c['num_nodes']}G{c['num_groups']}")
+@pytest.mark.parametrize("kind", ["zipf", "int", "uniform"])
+def test_policies_properties(cfg, kind):
+    rng = np.random.default_rng(hash((cfg["num_physical"], cfg["num_ranks"], kind)) % (1 << 32))
+    num_logical = NUM_LOGICAL[cfg["num_physical"]]
+    num_layers = 4
+    r = cfg["num_ranks"]
+    tol = 0.01
+    full = np.ones(r, dtype=bool)
+    for trial in range(3):
+        load0 = _loads(rng, num_layers, num_logical, kind)
+        old = eplb.rebalance(load0, **cfg, migration_aware=False)
+        _check(old, load0, cfg, full)
+        # a drifted load: some experts change popularity
+        load1 = load0 * rng.lognormal(0, 0.3, size=load0.shape)
+        obl = eplb.rebalance(load1, old, **cfg, migration_aware=False)
+        aware = eplb.rebalance(load1, old, **cfg, tolerance=tol)
+        _check(obl, load1, cfg, full)
+        _check(aware, load1, cfg, full)
+        b_obl, b_aw = eplb.balance(load1, obl, r), eplb.balance(load1, aware, r)
+        assert (b_aw <= b_obl * (1 + tol) + 1e-9).all(), (b_aw, b_obl)
+        assert eplb.copies_moved(old, aware, r) <= eplb.copies_moved(old, obl, r)
+        assert _kept_slots(old, aware, r)
+        # the same load again: nothing moves
+        again = eplb.rebalance(load0, old, **cfg)
+        assert eplb.copies_moved(old, again, r) == 0
+        assert again == old
+
+
+@pytest.mark.parametrize("cfg", CONFIGS[1:6], ids=lambda c: f"P{c['num_physical']}R{c['num_ranks']}N{c['num_nodes']}G{c['num_groups']}")
+def test_dead_ranks_and_scale_up(cfg):
+    rng = np.random.default_rng(cfg["num_physical"] * 7 + cfg["num_ranks"])
+    num_logical = NUM_LOGICAL[cfg["num_physical"]]
+    r, n = cfg["num_ranks"], cfg["num_nodes"]
+    s = cfg["num_physical"] // r
+    rpn = r // n
+    full = np.ones(r, dtype=bool)
+    load = _loads(rng, 3, num_logical, "zipf")
+    old = eplb.rebalance(load, **cfg, migration_aware=False)
+    patterns = []
+    one_dead = full.copy()
+    one_dead[1] = False
+    patterns.append(one_dead)
+    if n > 1:
+        even = full.copy()
+        even[[0, rpn]] = False  # one dead rank per node (2 nodes): hierarchical still possible
+        if n == 2:
+            patterns.append(even)
+    for active in patterns:
+        if active.sum() * s < num_logical:
+            continue
+        for aware in (False, True):
+            new = eplb.rebalance(load, old, **cfg, active_ranks=active, migration_aware=aware)
+            _check(new, load, cfg, active)
+        obl = eplb.rebalance(load, old, **cfg, active_ranks=active, migration_aware=False)
+        aw = eplb.rebalance(load, old, **cfg, active_ranks=active)
+        b_obl = eplb.balance(load, obl, r, active)
+        assert (eplb.balance(load, aw, r, active) <= b_obl * 1.01 + 1e-9).all()
+        assert eplb.copies_moved(old, aw, r) <= eplb.copies_moved(old, obl, r)
+        # most copies of live ranks stay where they are (only the dead ranks' copies move)
+        assert eplb.copies_moved(old, aw, r) < eplb.copies_moved(old, obl, r) or eplb.copies_moved(old, obl, r) == 0
+        # scale-up: the dead ranks come back empty and are filled again
+        up = eplb.rebalance(load, aw, **cfg)
+        _check(up, load, cfg, full)
+        assert (up.phy2log.reshape(3, r, s)[:, ~active] >= 0).all()
+        b_up = eplb.balance(load, up, r)
+        assert (b_up <= eplb.balance(load, eplb.rebalance(load, aw, **cfg, migration_aware=False), r) * 1.01 + 1e-9).all()
+
+
+def test_placement_none_and_oblivious_answer_move_nothing():
+    cfg = dict(num_physical=48, num_ranks=8, num_nodes=2, num_groups=4)
+    load = zipf_trace(5, 32, 1, seed=3)[0]
+    obl = eplb.rebalance(load, **cfg, migration_aware=False)
+    assert eplb.rebalance(load, None, **cfg) == obl
+    assert eplb.rebalance(load, obl, **cfg) == obl
+    assert eplb.copies_moved(obl, eplb.rebalance(load, obl, **cfg), 8) == 0
+    assert eplb.slots_changed(obl, eplb.rebalance(load, obl, **cfg)) == 0
+
+
+def test_from_contiguous_placement():
+    cfg = dict(num_physical=40, num_ranks=8, num_nodes=2, num_groups=None)
+    load = zipf_trace(3, 32, 1, seed=5)[0]
+    old = Placement.contiguous(3, 32, 8, num_redundant=8)
+    aw = eplb.rebalance(load, old, **cfg)
+    obl = eplb.rebalance(load, old, **cfg, migration_aware=False)
+    _check(aw, load, cfg, np.ones(8, dtype=bool))
+    assert (eplb.balance(load, aw, 8) <= eplb.balance(load, obl, 8) * 1.01 + 1e-9).all()
+    assert eplb.copies_moved(old, aw, 8) <= eplb.copies_moved(old, obl, 8)
+    assert _kept_slots(old, aw, 8)
+
+
+@pytest.mark.parametrize("hier", [True, False])
+def test_drifting_load_moves_few_copies(hier):
+    """Over a drifting trace, the aware policy moves a small fraction of what the oblivious
+    one moves, at a balance within 1 % per layer."""
+    cfg = dict(num_physical=144, num_ranks=16, num_nodes=2, num_groups=8 if hier else None)
+    trace = zipf_trace(8, 128, 6, seed=11, alpha=1.0, drift=0.1)
+    cur_o = cur_a = eplb.rebalance(trace[0], **cfg, migration_aware=False)
+    moved_o = moved_a = 0
+    for load in trace[1:]:
+        o = eplb.rebalance(load, cur_o, **cfg, migration_aware=False)
+        a = eplb.rebalance(load, cur_a, **cfg)
+        assert (eplb.balance(load, a, 16) <= eplb.balance(load, o, 16) * 1.01 + 1e-9).all()
+        moved_o += eplb.copies_moved(cur_o, o, 16)
+        moved_a += eplb.copies_moved(cur_a, a, 16)
+        cur_o, cur_a = o, a
+    assert moved_a <= 0.3 * moved_o, (moved_a, moved_o)
+
+
+def test_zero_load_layer():
+    cfg = dict(num_physical=24, num_ranks=4)
+    load = np.zeros((2, 16))
+    load[1] = np.arange(16)
+    old = eplb.rebalance(load, **cfg, migration_aware=False)
+    assert eplb.balance(load, old, 4)[0] == 1.0
+    new = eplb.rebalance(load, old, **cfg)
+    assert eplb.copies_moved(old, new, 4) == 0
+
+
+def test_deterministic():
+    cfg = dict(num_physical=72, num_ranks=12, num_nodes=3, num_groups=6)
+    trace = zipf_trace(4, 48, 2, seed=1)
+    old = eplb.rebalance(trace[0], **cfg, migration_aware=False)
+    a = eplb.rebalance(trace[1], old, **cfg)
+    b = eplb.rebalance(trace[1].copy(), old, **cfg)
+    assert a == b
+
+
+# -- metrics --------------------------------------------------------------------------------------
+
+
+def test_metrics():
+    load = np.array([[10.0, 20.0, 30.0, 40.0]])
+    pl = Placement(np.array([[3, 0, 3, 1, 2, 1]]), num_logical=4, num_ranks=3)  # 3 ranks x 2 slots
+    loads = eplb.rank_loads(load, pl, 3)
+    np.testing.assert_allclose(loads, [[20 + 10, 20 + 10, 30 + 10]])
+    np.testing.assert_allclose(loads.sum(), load.sum())
+    np.testing.assert_allclose(eplb.balance(load, pl, 3), [40 / (100 / 3)])
+    np.testing.assert_allclose(eplb.balance(load, pl, 3, np.array([True, True, False])), [1.0])
+    same = Placement(np.array([[0, 3, 1, 3, 2, 1]]), num_logical=4, num_ranks=3)
+    assert eplb.copies_moved(pl, same, 3) == 0  # only local reordering
+    assert eplb.slots_changed(pl, same) == 4
+    other = Placement(np.array([[3, 2, 3, 1, 0, 1]]), num_logical=4, num_ranks=3)
+    assert eplb.copies_moved(pl, other, 3) == 2
+    empty = Placement(np.array([[-1, -1, 3, 1, 2, 0]]), num_logical=4, num_ranks=3)
+    assert eplb.copies_moved(empty, pl, 3) == 3  # rank 0 had nothing; rank 2 lacked expert 1
+    assert eplb.copies_moved(pl, empty, 3) == 1  # rank 2 lacked expert 0; empty slots move nothing
+    assert eplb.slots_changed(pl, empty) == 1
+
+
+# -- bad inputs -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(load=np.ones(8)), "load must be"),
+    (dict(load=np.ones((2, 8, 1))), "load must be"),
+    (dict(load=-np.ones((2, 8))), "negative"),
+    (dict(load=np.full((2, 8), np.nan)), "not finite"),
+    (dict(num_physical=10), "not divisible by num_ranks"),
+    (dict(num_ranks=3, num_physical=12, num_nodes=2), "not divisible by num_nodes"),
+    (dict(num_physical=4, num_ranks=4), "live slots"),
+    (dict(active_ranks=np.array([True, False, False, False])), "live slots"),
+    (dict(active_ranks=np.ones(3, dtype=bool)), "active_ranks must be"),
+    (dict(active_ranks=np.zeros(4, dtype=bool)), "all ranks are dead"),
+    (dict(num_groups=3), "equal groups"),
+    (dict(placement=Placement.contiguous(2, 9, 4, num_redundant=3)), "num_logical"),
+    (dict(placement=Placement.contiguous(2, 8, 4, num_redundant=8)), "num_physical"),
+    (dict(placement=Placement.contiguous(3, 8, 4, num_redundant=4)), "layers"),
+    (dict(placement=Placement.contiguous(2, 8, 2, num_redundant=4)), "num_ranks"),
+    (dict(tolerance=-0.1), "tolerance"),
+])
+def test_bad_inputs(kwargs, match):
+    args = dict(load=np.ones((2, 8)), placement=None, num_physical=12, num_ranks=4, num_nodes=1)
+    args.update(kwargs)
+    load = args.pop("load")
+    placement = args.pop("placement")
+    with pytest.raises(ValueError, match=match):
+        eplb.rebalance(load, placement, **args)
