@@ -103,3 +103,28 @@ def test_load_scalar_parameter(tmp_path):
     assert model.scale.shape == () and model.scale.item() == 1.75
     assert torch.equal(model.w.detach(), torch.arange(6.0).reshape(3, 2))
     assert moeshard.verify(model, tmp_path).num_boxes_checked == 2
+
+
+def test_relocate_plain_model_in_one_process(ckpt):
+    # One process holds every slot: a rebalance is local copies only (stashes for cycles).
+    root, values = ckpt
+    model = _meta_model()
+    E = tiny_moe.NUM_EXPERTS
+    old = moeshard.Placement.contiguous(2, E, 1)
+    moeshard.load(model, root / "sharded", placement=old)
+    new = moeshard.Placement(np.stack([np.roll(np.arange(E), 3), np.arange(E)[::-1]]), num_ranks=1)
+    rep = moeshard.relocate(model, old, new, staging_bytes=700)
+    assert tiny_moe.compare(model, values, new) == []
+    assert rep.copies["local"] > 0 and rep.network_bytes == 0 and rep.disk_experts == []
+    assert rep.num_rounds > 1
+
+
+def test_relocate_refuses_undeclared_per_expert_param(ckpt):
+    root, _ = ckpt
+    model = _meta_model()
+    moeshard.load(model, root / "sharded")
+    experts = model.layers[0].mlp.experts
+    experts.gate_up_proj_bias = nn.Parameter(torch.zeros(tiny_moe.NUM_EXPERTS, 2 * tiny_moe.INTER))
+    old = moeshard.Placement.contiguous(2, tiny_moe.NUM_EXPERTS, 1)
+    with pytest.raises(ValueError, match=r"layers.0.mlp.experts.gate_up_proj_bias of shape \[8, 12\] looks per-expert"):
+        moeshard.relocate(model, old, old)

@@ -25,7 +25,7 @@ from . import _dist
 from .adapters import DEFAULT_SPECS, ExpertParam, ExpertsSpec, expert_parts
 from .box import Box, box_shape, full_box
 from .checkpoint import CheckpointIndex, CheckpointReader
-from .layout import ExpertRef, ParamDesc, _local_boxes, _part_sizes, describe_model, local_tensor
+from .layout import ExpertRef, ParamDesc, _local_boxes, _part_sizes, describe_model, expert_layers, local_tensor
 from .load import Storage, reader_root, resolve_sources
 from .placement import Placement
 from .relocation import DEFAULT_MAX_OPS, DEFAULT_STAGING_BYTES, ExpertTensor, RelocationPlan, plan_relocation
@@ -108,6 +108,7 @@ def describe_expert_tensors(
             sources.append(_Source(d.expert.module, d.expert.param))
         if not out:
             raise ValueError("the model has no experts module that the expert specs match")
+        _check_undeclared(target, specs, out)
         return out, locals_, sources
     if expert_params is not None and not isinstance(expert_params, (list, tuple)):
         raise ValueError("expert_params must be a sequence of ExpertParam, one per tensor of a layer")
@@ -126,6 +127,20 @@ def describe_expert_tensors(
             locals_.append(t)
             sources.append(_Source(name, expert_params[j]) if expert_params is not None else None)
     return out, locals_, sources
+
+
+def _check_undeclared(model: nn.Module, specs: Sequence[ExpertsSpec], tensors: list[ExpertTensor]) -> None:
+    """An experts module's parameter that the spec does not declare would stay behind while
+    its expert moves: refuse when it looks per-expert (leading dim = number of slots)."""
+    num_physical = max(s0 + ns for t in tensors for _, s0, ns, _ in t.holdings)
+    for name, mod, spec in expert_layers(model, specs):
+        declared = {p.name for p in spec.params}
+        for pname, p in mod.named_parameters(recurse=False):
+            if pname not in declared and p.dim() and p.shape[0] == num_physical:
+                raise ValueError(
+                    f"parameter {name}.{pname} of shape {list(p.shape)} looks per-expert but its experts "
+                    f"spec declares only {sorted(declared)}: declare it (ExpertsSpec) so it moves with its expert"
+                )
 
 
 def _signature(target: ExpertTensors) -> list:

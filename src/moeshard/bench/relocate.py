@@ -38,7 +38,7 @@ __all__ = ["main"]
 class Config:
     layers: int = 8
     experts: int = 32
-    redundant: int = 8
+    redundant: int = 16
     hidden: int = 1024
     inter: int = 512
     world: int = 8
