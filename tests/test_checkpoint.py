@@ -362,3 +362,44 @@ def test_garbage_file_in_index(good_dir):
 
 def test_checkpoint_error_is_value_error():
     assert issubclass(moeshard.CheckpointError, ValueError)
+
+
+def test_index_of_many_keys_checks_each_file_once(tmp_path, monkeypatch):
+    """A big MoE index names ~100,000 keys in a few dozen files: each distinct file name is
+    validated and stat-ed once, not once per key."""
+    num_files, per_file = 3, 2000
+    weight_map = {}
+    for f in range(num_files):
+        name = f"model-{f + 1:05d}-of-{num_files:05d}.safetensors"
+        tensors = {f"layers.{f}.experts.{k}.weight": torch.full((2,), float(f * per_file + k)) for k in range(per_file)}
+        save_file(tensors, str(tmp_path / name))
+        # The same file spelled two ways: still one file, one check each spelling.
+        weight_map.update({key: (name if k % 2 else f"./{name}") for k, key in enumerate(tensors)})
+    _write_index(tmp_path, weight_map)
+    calls = []
+    real = Path.is_file
+
+    def counting(self):
+        calls.append(self.name)
+        return real(self)
+
+    monkeypatch.setattr(Path, "is_file", counting)
+    idx = CheckpointIndex.open(tmp_path)
+    monkeypatch.undo()
+    checked = [c for c in calls if c.endswith(".safetensors")]
+    assert sorted(checked) == sorted(f"model-{f + 1:05d}-of-{num_files:05d}.safetensors" for f in range(num_files)
+                                     for _ in range(2))
+    assert len(idx.tensors) == num_files * per_file
+    assert set(idx.file_sizes) == {f"model-{f + 1:05d}-of-{num_files:05d}.safetensors" for f in range(num_files)}
+    with CheckpointReader(idx) as r:
+        for f in range(num_files):
+            for k in (0, 1, per_file - 1):
+                key = f"layers.{f}.experts.{k}.weight"
+                assert idx.info(key).file == f"model-{f + 1:05d}-of-{num_files:05d}.safetensors"
+                assert torch.equal(r.read(key), torch.full((2,), float(f * per_file + k)))
+    # A bad name is still reported with the first key that uses it.
+    weight_map["zz.extra"] = "missing.safetensors"
+    weight_map["zz.extra2"] = "missing.safetensors"
+    _write_index(tmp_path, weight_map)
+    with pytest.raises(CheckpointError, match=r"key 'zz\.extra' names 'missing\.safetensors', which does not exist"):
+        CheckpointIndex.open(tmp_path)

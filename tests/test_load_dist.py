@@ -121,7 +121,8 @@ def load_worker(root: str, configs: list[tuple[int, int]], placements: tuple[str
             moeshard.parallelize(model, mesh, pl)
             for label, storage, path, staging, resolved in _storage_scenarios(root, rank, lws):
                 tiny_moe.scramble(model)
-                rep = moeshard.load(model, path, placement=pl, storage=storage, staging_bytes=staging)
+                rep = moeshard.load(model, path, placement=pl, storage=storage, staging_bytes=staging,
+                                    report_minimal=True)
                 problems = tiny_moe.compare(model, ckpt, pl)
                 try:
                     v = moeshard.verify(model, path, placement=pl)

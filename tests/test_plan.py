@@ -512,3 +512,46 @@ def test_wide_fanout_is_split_into_batches_of_max_ops(mode):
     assert max(len(c.phases) for c in plan.chunks) > 2
     assert sim.max_ops <= 4
     assert plan.cost.num_batches >= 8
+
+
+def _minimal_cost_reference(needs, index, topology, readers, scope):
+    """The original per-piece loop of minimal_cost (a reference for the vectorized one)."""
+    readers = np.asarray(readers, dtype=bool)
+    node = topology.nodes_array()
+    by_piece = defaultdict(set)
+    for n in needs:
+        by_piece[(n.key, n.src)].add(n.rank)
+    read = net = cross = 0
+    for (key, src), ranks in by_piece.items():
+        nbytes = box_numel(src) * index.info(key).itemsize
+        r = np.fromiter(sorted(ranks), dtype=np.int64)
+        nodes = np.unique(node[r])
+        if scope == "job":
+            read += nbytes
+            net += (len(r) - int(readers[r].any())) * nbytes
+            cross += (len(nodes) - int(bool(np.isin(node[readers], nodes).any()))) * nbytes
+        else:
+            for n in nodes:
+                rn = r[node[r] == n]
+                read += nbytes
+                net += (len(rn) - int(readers[rn].any())) * nbytes
+    return {"read_bytes": read, "network_bytes": net, "cross_node_bytes": cross}
+
+
+@pytest.mark.parametrize("world, lws, ep, efsdp, eplace", SMALL + [(64, 8, 16, 4, "shard"), (128, 4, 32, 4, "replicate")])
+def test_minimal_cost_matches_reference(world, lws, ep, efsdp, eplace):
+    case = build_case(world, lws, ep, efsdp, expert_placements=eplace, seed=world + 3 * ep)
+    topo = Topology(world, lws)
+    needs = compute_needs(case.descs, case.index, case.placement, world)
+    rng = np.random.default_rng(world)
+    mixed = rng.random(world) < 0.3
+    mixed[rng.integers(world)] = True
+    for readers in (np.ones(world, bool), np.arange(world) == 0, np.arange(world) == world - 1, mixed):
+        for scope in ("job", "node"):
+            got = minimal_cost(needs, case.index, topo, readers, scope)
+            assert got == _minimal_cost_reference(needs, case.index, topo, readers, scope)
+            assert all(type(v) is int for v in got.values())
+    assert minimal_cost([], case.index, topo, np.ones(world, bool)) == {
+        "read_bytes": 0, "network_bytes": 0, "cross_node_bytes": 0}
+    with pytest.raises(ValueError, match="scope must be"):
+        minimal_cost(needs, case.index, topo, np.ones(world, bool), "rack")

@@ -164,12 +164,9 @@ def test_random_maps(tmp_path):
 
 
 def model_worker(root: str) -> dict:
-    import torch.distributed as dist
-
     import moeshard
     import tiny_moe
 
-    rank = dist.get_rank()
     path = os.path.join(root, "tiny")
     ckpt = tiny_moe.read_all(path)
     out = {}

@@ -140,21 +140,32 @@ def _read_index(root: Path) -> dict[str, list[str]]:
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{root / INDEX_NAME}: no 'weight_map' object")
     files: dict[str, list[str]] = {}
+    # Each distinct file name is validated (and stat-ed) once, not once per key: a large
+    # MoE index maps ~100,000 keys to a few dozen files.
+    checked: dict[str, list[str]] = {}  # name as written -> its keys (in files[normalized])
     for key, name in weight_map.items():
-        if not isinstance(name, str) or not name:
-            raise CheckpointError(f"{root / INDEX_NAME}: key {key!r} maps to {name!r}, not a file name")
-        # Untrusted index: "../x" or an absolute path must not escape the checkpoint directory.
-        # The check is on the name, not on the resolved file: the directory's own symlinks
-        # (a Hugging Face cache snapshot links every file to ../../blobs/) are followed.
-        norm = os.path.normpath(name)
-        if os.path.isabs(norm) or norm == os.pardir or norm.startswith(os.pardir + os.sep):
-            raise CheckpointError(
-                f"{root / INDEX_NAME}: key {key!r} names {name!r}, which is outside the checkpoint directory"
-            )
-        if not (root / norm).is_file():
-            raise CheckpointError(f"{root / INDEX_NAME}: key {key!r} names {name!r}, which does not exist")
-        files.setdefault(norm, []).append(key)
+        keys = checked.get(name) if isinstance(name, str) else None
+        if keys is None:
+            keys = checked[name] = files.setdefault(_check_index_name(root, key, name), [])
+        keys.append(key)
     return files
+
+
+def _check_index_name(root: Path, key: str, name: object) -> str:
+    """Validate one file name of an index (first named by ``key``); its normalized form."""
+    if not isinstance(name, str) or not name:
+        raise CheckpointError(f"{root / INDEX_NAME}: key {key!r} maps to {name!r}, not a file name")
+    # Untrusted index: "../x" or an absolute path must not escape the checkpoint directory.
+    # The check is on the name, not on the resolved file: the directory's own symlinks
+    # (a Hugging Face cache snapshot links every file to ../../blobs/) are followed.
+    norm = os.path.normpath(name)
+    if os.path.isabs(norm) or norm == os.pardir or norm.startswith(os.pardir + os.sep):
+        raise CheckpointError(
+            f"{root / INDEX_NAME}: key {key!r} names {name!r}, which is outside the checkpoint directory"
+        )
+    if not (root / norm).is_file():
+        raise CheckpointError(f"{root / INDEX_NAME}: key {key!r} names {name!r}, which does not exist")
+    return norm
 
 
 def _read_header(path: Path) -> tuple[dict[str, tuple[int, str, tuple[int, ...]]], int]:

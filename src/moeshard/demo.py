@@ -3,9 +3,10 @@
 Builds a small Qwen3-MoE checkpoint with transformers' own ``save_pretrained`` (per-expert
 keys, bf16, several shards), starts 8 local gloo ranks as 2 simulated nodes x 4, and on them:
 parallelizes a meta-device model (EP=8 with redundant experts), loads it with each storage
-mode, verifies every slice against the checkpoint, moves to a rebalanced placement, shows
-that ``verify`` catches the transformers #45662 bug (every rank holding rank 0's experts),
-and prints a report.
+mode, verifies every slice against the checkpoint, rebalances for a skewed load with the
+migration-aware EPLB policy and relocates in place, loses a rank and recovers its experts
+from live replicas (the checkpoint only for experts with no live copy), shows that ``verify``
+catches the transformers #45662 bug (every rank holding rank 0's experts), and prints a report.
 """
 
 from __future__ import annotations
@@ -42,17 +43,27 @@ def build_checkpoint(path: str) -> int:
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
-def rebalanced_placement(seed: int = 0):
-    """A skewed load -> hot experts get the redundant slots, experts shuffled over ranks."""
-    from .placement import Placement
+def rebalance_plans(placement):
+    """Pure, the same on every rank: a skewed load (a Zipf trace) -> the oblivious and the
+    migration-aware EPLB placements; then rank 5 dies -> a placement on the live ranks."""
+    from . import eplb
+    from .bench.traces import zipf_trace
 
-    rng = np.random.default_rng(seed)
-    rows = []
-    for _ in range(NUM_LAYERS):
-        load = rng.zipf(1.5, NUM_EXPERTS).astype(float)
-        hot = np.argsort(-load)[:NUM_REDUNDANT]
-        rows.append(rng.permutation(np.concatenate([np.arange(NUM_EXPERTS), hot])))
-    return Placement(np.stack(rows), num_logical=NUM_EXPERTS, num_ranks=EP)
+    load = zipf_trace(NUM_LAYERS, NUM_EXPERTS, 1, seed=3)[0]
+    kw = dict(num_physical=placement.num_physical, num_ranks=EP, num_nodes=2, num_groups=4)
+    oblivious = eplb.rebalance(load, placement, migration_aware=False, **kw)
+    aware = eplb.rebalance(load, placement, migration_aware=True, **kw)
+    alive = np.ones(EP, dtype=bool)
+    alive[5] = False
+    dead = eplb.rebalance(load, aware, active_ranks=alive, **kw)
+    stats = {
+        "balance_before": float(eplb.balance(load, placement, EP).mean()),
+        "balance_oblivious": float(eplb.balance(load, oblivious, EP).mean()),
+        "balance_aware": float(eplb.balance(load, aware, EP).mean()),
+        "moved_oblivious": eplb.copies_moved(placement, oblivious, EP),
+        "moved_aware": eplb.copies_moved(placement, aware, EP),
+    }
+    return aware, alive, dead, stats
 
 
 def _rank_main(ckpt: str):
@@ -70,16 +81,23 @@ def _rank_main(ckpt: str):
     moeshard.parallelize(model, mesh, placement)
     out = {"loads": []}
     for storage in ("shared", "node", "single"):
-        rep = moeshard.load(model, ckpt, placement=placement, storage=storage)
+        rep = moeshard.load(model, ckpt, placement=placement, storage=storage, report_minimal=True)
         ver = moeshard.verify(model, ckpt, placement=placement)
         out["loads"].append({"storage": storage, "wall_s": rep.wall_seconds, "plan": rep.plan,
                              "minimal": rep.minimal, "checked": ver.num_boxes_checked})
-    new = rebalanced_placement()
-    rep = moeshard.load(model, ckpt, placement=new, storage="shared")
+    new, alive, dead, stats = rebalance_plans(placement)
+    rep = moeshard.relocate(model, placement, new)
     moeshard.verify(model, ckpt, placement=new)
     rank, spr = dist.get_rank(), new.slots_per_rank(EP)
-    out["rebalance"] = {"wall_s": rep.wall_seconds, "plan": rep.plan,
+    out["rebalance"] = {"wall_s": rep.wall_seconds, "copies": rep.copies, "sent": rep.network_bytes,
+                        "min_sent": rep.min_network_bytes, "policy": stats,
                         "slots": new.phy2log[0, rank * spr:(rank + 1) * spr].tolist()}
+    rep = moeshard.relocate(model, new, dead, checkpoint=ckpt, active_ranks=alive)
+    ver = moeshard.verify(model, ckpt, placement=dead)
+    out["dead"] = {"wall_s": rep.wall_seconds, "copies": rep.copies, "disk_experts": rep.disk_experts,
+                   "checked": ver.num_boxes_checked,
+                   "slots": dead.phy2log[0, rank * spr:(rank + 1) * spr].tolist()}
+    new = dead
     # The transformers #45662 bug: every rank ends up with rank 0's experts.
     for _, module, spec in expert_layers(model):
         for p in spec.params:
@@ -118,9 +136,22 @@ def main(out_dir: str | None = None) -> int:
         print(f"{row['storage']:8} {row['wall_s']:7.2f}s {_mib(p['read_bytes_total']):>13} "
               f"{_mib(p['read_bytes_max_rank']):>14} {_mib(p['sent_bytes_total']):>13} "
               f"{_mib(m['network_bytes']):>13} {_mib(p['cross_node_bytes']):>13} {checked:>15}")
-    print("\nrebalanced placement (hot experts replicated, experts shuffled), loaded and verified:")
+    reb, st = r0["rebalance"], r0["rebalance"]["policy"]
+    print(f"\nrebalance for a skewed load (EPLB, max/mean rank load averaged over layers): "
+          f"{st['balance_before']:.2f} -> {st['balance_aware']:.2f} (oblivious policy: {st['balance_oblivious']:.2f});"
+          f"\n  expert copies moved: migration-aware {st['moved_aware']}, oblivious {st['moved_oblivious']}")
+    c = reb["copies"]
+    print(f"  relocate (P2P, in place): {reb['wall_s']:.2f}s, copies local {c['local']} / same node {c['same_node']}"
+          f" / cross node {c['cross_node']} / disk {c['disk']}, sent {_mib(reb['sent']).strip()} "
+          f"(minimum {_mib(reb['min_sent']).strip()}), verified")
+    d = r0["dead"]
+    c = d["copies"]
+    print(f"rank 5 dies: its experts move to live ranks in {d['wall_s']:.2f}s: from live replicas "
+          f"{c['local'] + c['same_node'] + c['cross_node']}, from the checkpoint {c['disk']} "
+          f"(experts with no live copy: {len(d['disk_experts'])}); "
+          f"{sum(res['dead']['checked'] for res in results)} boxes verified")
     for rank, res in enumerate(results):
-        print(f"  rank {rank} (node {rank // 4}) layer 0 slots -> logical experts {res['rebalance']['slots']}")
+        print(f"  rank {rank} (node {rank // 4}) layer 0 slots -> logical experts {res['dead']['slots']}")
     caught = r0["bug_caught"]
     print("\nsimulated transformers #45662 (all ranks hold rank 0's experts): "
           + ("verify caught it:\n    " + "\n    ".join(caught) if caught else "NOT CAUGHT"))

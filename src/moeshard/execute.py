@@ -37,10 +37,48 @@ class ExecStats:
     peak_staging_bytes: int = 0
 
 
+# The default process group that the cached node groups belong to, its world size, and
+# {local_world_size: this rank's node group}. A load in a new default group (destroyed and
+# re-initialized) clears it. The cache holds the default group object itself, so that object
+# cannot be freed and its id reused by a new group while the cache still names it.
+_NODE_GROUP_CACHE: dict = {"default": None, "world": 0, "groups": {}}
+
+
 def node_groups(local_world_size: int):
-    """Collective (all ranks): one process group per node; returns this rank's."""
-    group, _ = dist.new_subgroups(group_size=local_world_size)
+    """Collective (every rank of the default group, in the same order): one process group
+    per node; returns this rank's.
+
+    The groups are created once per default process group and ``local_world_size`` and
+    reused by later calls (``dist.new_subgroups`` makes communicators that nothing frees;
+    on NCCL each costs device memory and setup time). Every rank sees the same sequence of
+    calls with the same arguments, so every rank hits or misses the cache alike and the
+    collective creation stays matched. A destroyed and re-initialized default group is a new
+    object: it gets new node groups.
+
+    Raises:
+        ValueError: no initialized process group, or ``local_world_size`` does not divide
+            the world size.
+    """
+    if not _dist.is_dist():
+        raise ValueError("node_groups needs an initialized default process group")
+    world = dist.get_world_size()
+    if local_world_size < 1 or world % local_world_size:
+        raise ValueError(f"local_world_size={local_world_size} must divide the world size {world}")
+    default = dist.distributed_c10d._get_default_group()
+    cache = _NODE_GROUP_CACHE
+    if cache["default"] is not default or cache["world"] != world:
+        cache.update(default=default, world=world, groups={})
+    group = cache["groups"].get(local_world_size)
+    if group is None or not _is_live(group):
+        group, _ = dist.new_subgroups(group_size=local_world_size)
+        cache["groups"][local_world_size] = group
     return group
+
+
+def _is_live(group) -> bool:
+    """Whether ``group`` is still registered (not destroyed by ``destroy_process_group``)."""
+    pg_map = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
+    return pg_map is None or group in pg_map
 
 
 def execute_plan(

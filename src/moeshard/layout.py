@@ -119,6 +119,7 @@ def describe_model(
         aliases.setdefault(id(t), []).append(name)
         tensors[id(t)] = t
     descs = []
+    meshes: dict[int, np.ndarray] = {}  # id(DeviceMesh) -> its ranks (computing it is not free)
     for tid, names in aliases.items():
         t = tensors[tid]
         name = names[0]
@@ -132,7 +133,10 @@ def describe_model(
         if _is_dtensor(t):
             if any(p.is_partial() for p in t.placements):
                 raise ValueError(f"parameter {name}: Partial DTensor placements cannot be loaded")
-            mesh = t.device_mesh.mesh.cpu().numpy()
+            dm = t.device_mesh
+            mesh = meshes.get(id(dm))
+            if mesh is None:
+                mesh = meshes[id(dm)] = dm.mesh.cpu().numpy()
             placements = tuple(t.placements)
         else:
             mesh, placements = None, ()
@@ -237,9 +241,14 @@ def _find_key(d: ParamDesc, index: CheckpointIndex) -> str:
     raise ValueError(f"parameter {d.name}: checkpoint {index.root} has no tensor {d.keys[0]!r}{also}")
 
 
-def _check_dtype(d: ParamDesc, key: str, ckpt_dtype: str) -> None:
+@functools.lru_cache(maxsize=256)
+def _castable(ckpt_dtype: str, dtype: torch.dtype) -> bool:
     src = DTYPES[ckpt_dtype]
-    if src.is_floating_point != d.dtype.is_floating_point or (src == torch.bool) != (d.dtype == torch.bool):
+    return src.is_floating_point == dtype.is_floating_point and (src == torch.bool) == (dtype == torch.bool)
+
+
+def _check_dtype(d: ParamDesc, key: str, ckpt_dtype: str) -> None:
+    if not _castable(ckpt_dtype, d.dtype):
         raise ValueError(
             f"parameter {d.name}: checkpoint tensor {key!r} has dtype {ckpt_dtype}, which cannot be "
             f"cast to the model's {d.dtype}"
@@ -282,10 +291,13 @@ def _expert_needs(
             f"placement has only {num_logical} logical experts"
         )
     checked: set[int] = {0}
+    keys_of: dict[int, tuple[str, ...]] = {}
     for rank, box, origin in per_rank:
         (s0, ns), rest = box[0], box[1:]
         if not ns or not all(n for _, n in rest):
             continue
+        # The same parts for every slot of this box: (part index, part box, dest box tail).
+        parts = [(j, part_box, _shift(sub, origin[1:])) for j, part_box, sub in expert_parts(rest, part_sizes, ref.param.dim)]
         for slot in range(s0, s0 + ns):
             expert = int(phy2log[slot])
             if expert < 0:
@@ -297,10 +309,12 @@ def _expert_needs(
                         f"logical expert {expert} differ in shape from expert 0's"
                     )
                 checked.add(expert)
-            keys = ref.param.keys(ref.module, expert)
-            for j, part_box, sub in expert_parts(rest, part_sizes, ref.param.dim):
-                dest = ((slot - origin[0], 1),) + _shift(sub, origin[1:])
-                needs.append(Need(rank, i, dest, keys[j], part_box))
+            keys = keys_of.get(expert)
+            if keys is None:
+                keys = keys_of[expert] = ref.param.keys(ref.module, expert)
+            lead = ((slot - origin[0], 1),)
+            for j, part_box, tail in parts:
+                needs.append(Need(rank, i, lead + tail, keys[j], part_box))
 
 
 def _part_sizes(d: ParamDesc, index: CheckpointIndex, expert: int, slice_shape: tuple[int, ...]) -> tuple[int, ...]:

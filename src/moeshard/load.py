@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import resource
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
@@ -36,7 +37,17 @@ Storage = Literal["auto", "shared", "node", "single"]
 @dataclass(frozen=True)
 class LoadReport:
     """What a load did. ``*_rank`` fields are this rank's; ``plan`` holds job-wide counters
-    (bytes read/sent per rank summarized, bytes crossing nodes, ops, batches)."""
+    (bytes read/sent per rank summarized, bytes crossing nodes, ops, batches).
+
+    ``peak_rss_bytes`` is this process's peak resident set size *during this load*, as the
+    kernel counts it (``peak_rss_source == "vmhwm"``: Linux VmHWM, reset at the start of the
+    load by writing 5 to ``/proc/self/clear_refs`` and read at its end). Where the high-water
+    mark cannot be reset (not Linux, or /proc not writable) it falls back to ``"ru_maxrss"``:
+    the peak over the process's whole life, which may be an earlier load's or allocation's.
+
+    ``minimal`` holds :func:`moeshard.plan.minimal_cost` of the plan (lower bounds on bytes
+    read, sent and crossing nodes) only when ``load(..., report_minimal=True)``; else ``{}``.
+    """
 
     storage: str
     rank: int
@@ -53,6 +64,7 @@ class LoadReport:
     plan: dict = field(default_factory=dict)
     minimal: dict = field(default_factory=dict)
     fingerprint: str = ""
+    peak_rss_source: str = "vmhwm"
 
 
 def _target_device(model: nn.Module) -> torch.device:
@@ -189,6 +201,7 @@ def load(
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     specs: Sequence[ExpertsSpec] = DEFAULT_SPECS,
     device: torch.device | None = None,
+    report_minimal: bool = False,
 ) -> LoadReport:
     """Collective (every rank): load ``checkpoint`` into ``model`` in place.
 
@@ -201,12 +214,18 @@ def load(
         storage: "shared", "node", "single" or "auto" (detect which ranks see the files).
         topology: ranks per node (default: torchrun's environment).
         staging_bytes: per-rank budget for pieces in flight.
+        report_minimal: also compute the plan's lower bounds (``LoadReport.minimal``; pure,
+            costs time proportional to the number of needs).
+
+    On Linux the process's peak-RSS high-water mark (VmHWM) is reset at the start of the
+    load, so that ``LoadReport.peak_rss_bytes`` is this load's peak.
 
     Raises:
         DistributedError: on every rank, if any rank hit a bad input (missing key, shape or
             dtype mismatch, bad file, inconsistent placement) or the ranks' plans differ.
     """
     t0 = time.perf_counter()
+    hwm_reset = _reset_peak_rss()
     rss0 = psutil.Process().memory_info().rss
     topo = topology or Topology.from_env()
     rank = _dist.rank_and_world()[0]
@@ -246,7 +265,11 @@ def load(
             reader.close()
     if _dist.is_dist():
         torch.distributed.barrier()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _read_peak_rss() if hwm_reset else None
+    peak_source = "vmhwm" if peak is not None else "ru_maxrss"
+    if peak is None:
+        peak = _ru_maxrss_bytes()
+    minimal = minimal_cost(plan.needs, index, topo, readers, scope) if report_minimal else {}
     return LoadReport(
         storage=mode,
         rank=rank,
@@ -261,6 +284,36 @@ def load(
         rss_before_bytes=rss0,
         peak_rss_bytes=peak,
         plan=plan.cost.summary(),
-        minimal=minimal_cost(plan.needs, index, topo, readers, scope),
+        minimal=minimal,
         fingerprint=plan.fingerprint,
+        peak_rss_source=peak_source,
     )
+
+
+def _reset_peak_rss() -> bool:
+    """Reset this process's peak RSS (Linux VmHWM: write 5 to /proc/self/clear_refs);
+    False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def _read_peak_rss() -> int | None:
+    """VmHWM of this process in bytes (Linux), or None."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _ru_maxrss_bytes() -> int:
+    """Peak RSS over the process's life (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024

@@ -27,6 +27,7 @@ from typing import Literal, Sequence
 
 import numpy as np
 
+from ._gc import paused_gc
 from .box import Box, box_numel, split_box
 from .checkpoint import CheckpointIndex
 from .layout import Need
@@ -154,6 +155,11 @@ def plan_transfers(
         ValueError: no rank can read (or, for scope "node", a node that needs data has no
             reader), or the budget is too small for a single element.
     """
+    with paused_gc():
+        return _plan_transfers(needs, index, topology, readers, scope, staging_bytes, max_ops)
+
+
+def _plan_transfers(needs, index, topology, readers, scope, staging_bytes, max_ops) -> TransferPlan:
     world, lws = topology.world_size, topology.local_world_size
     readers = np.asarray(readers, dtype=bool)
     if readers.shape != (world,):
@@ -162,57 +168,88 @@ def plan_transfers(
         raise ValueError("no rank can read the checkpoint")
     if staging_bytes < 1 or max_ops < 2:
         raise ValueError(f"staging_bytes must be >= 1 and max_ops >= 2, got {staging_bytes}, {max_ops}")
-    node = topology.nodes_array()
     max_piece = max(1, staging_bytes // 4)
 
     # 1. Pieces: unique (key, box), split to fit the budget, in file order for sequential reads.
-    grouped: dict[tuple[str, Box], list[int]] = defaultdict(list)
+    grouped: dict[tuple[str, Box], list[int]] = {}
     for i, n in enumerate(needs):
-        grouped[(n.key, n.src)].append(i)
+        k = (n.key, n.src)
+        idx = grouped.get(k)
+        if idx is None:
+            grouped[k] = [i]
+        else:
+            idx.append(i)
+    infos = {key: index.info(key) for key in {key for key, _ in grouped}}
 
     def file_order(item):
         (key, src), _ = item
-        info = index.info(key)
+        info = infos[key]
         return (info.file, info.offset, src)
 
     pieces: list[Piece] = []
     for (key, src), idx in sorted(grouped.items(), key=file_order):
-        info = index.info(key)
-        if info.itemsize > staging_bytes:
+        info = infos[key]
+        itemsize = info.itemsize
+        if itemsize > staging_bytes:
             raise ValueError(f"staging budget of {staging_bytes} bytes cannot hold one element of {key!r}")
-        for sub in split_box(src, max(1, max_piece // info.itemsize)):
-            per_rank: dict[int, list[int]] = defaultdict(list)
-            for i in idx:
-                per_rank[needs[i].rank].append(i)
-            pieces.append(Piece(key, sub, box_numel(sub) * info.itemsize, tuple((r, tuple(v)) for r, v in sorted(per_rank.items()))))
+        per_rank: dict[int, list[int]] = {}
+        for i in idx:
+            r = needs[i].rank
+            v = per_rank.get(r)
+            if v is None:
+                per_rank[r] = [i]
+            else:
+                v.append(i)
+        piece_needs = tuple((r, tuple(per_rank[r])) for r in sorted(per_rank))
+        subs = split_box(src, max(1, max_piece // itemsize))
+        for sub in subs:
+            pieces.append(Piece(key, sub, box_numel(sub) * itemsize, piece_needs))
     pieces, needs_out = _split_needs(pieces, needs)
 
-    read_load = np.zeros(world, dtype=np.int64)
-    recv_load = np.zeros(world, dtype=np.int64)
+    # Pure-Python bookkeeping: most pieces have a handful of needers, where numpy's per-call
+    # overhead would dominate. Ties go to the lowest rank, as np.argmin would.
+    read_load = [0] * world
+    recv_load = [0] * world
     local_reads: list[list[int]] = [[] for _ in range(world)]
     trees: list[tuple[int, list[int], list[tuple[int, int]], list[tuple[int, int]], list[Broadcast], list[Broadcast]]] = []
-    reader_idx = np.flatnonzero(readers)
+    can_read = readers.tolist()
+    reader_idx = [r for r in range(world) if can_read[r]]
+    whole_nodes = lws >= 3
+    load_of = read_load.__getitem__
 
-    def least(cands: np.ndarray, load: np.ndarray) -> int:
-        return int(cands[np.argmin(load[cands])])
+    def by_node(ranks: Sequence[int]) -> list[tuple[int, list[int]]]:
+        """``ranks`` (ascending) grouped by node, nodes ascending."""
+        out: list[tuple[int, list[int]]] = []
+        last = -1
+        for r in ranks:
+            n = r // lws
+            if n != last:
+                out.append((n, [r]))
+                last = n
+            else:
+                out[-1][1].append(r)
+        return out
 
     for pid, piece in enumerate(pieces):
-        ranks = np.asarray(piece.ranks, dtype=np.int64)
-        groups = [ranks] if scope == "job" else [ranks[node[ranks] == n] for n in np.unique(node[ranks])]
+        nbytes = piece.nbytes
+        ranks = [r for r, _ in piece.needs]  # ascending
+        groups = [ranks] if scope == "job" else [g for _, g in by_node(ranks)]
         for grp in groups:
-            cands = grp[readers[grp]]
-            if len(cands):
-                reader = least(cands, read_load)
+            cands = [r for r in grp if can_read[r]]
+            if cands:
+                reader = min(cands, key=load_of)
             else:
-                pool = reader_idx if scope == "job" else reader_idx[node[reader_idx] == node[grp[0]]]
-                if not len(pool):
+                first_node = grp[0] // lws
+                pool = reader_idx if scope == "job" else [r for r in reader_idx if r // lws == first_node]
+                if not pool:
                     raise ValueError(
-                        f"storage scope 'node': node {int(node[grp[0]])} needs {piece.key!r} but none of its "
+                        f"storage scope 'node': node {first_node} needs {piece.key!r} but none of its "
                         "ranks can read the checkpoint"
                     )
-                near = pool[np.isin(node[pool], node[grp])]
-                reader = least(near if len(near) else pool, read_load)
-            read_load[reader] += piece.nbytes
+                grp_nodes = {r // lws for r in grp}
+                near = [r for r in pool if r // lws in grp_nodes]
+                reader = min(near or pool, key=load_of)
+            read_load[reader] += nbytes
             if len(grp) == 1 and grp[0] == reader:
                 local_reads[reader].append(pid)
                 continue
@@ -220,29 +257,29 @@ def plan_transfers(
             phase_b: list[tuple[int, int]] = []
             bc_a: list[Broadcast] = []
             bc_b: list[Broadcast] = []
-            for n in np.unique(node[grp]).tolist():
-                on_node = grp[node[grp] == n].tolist()
-                if n == node[reader]:
+            reader_node = reader // lws
+            for n, on_node in by_node(grp):
+                if n == reader_node:
                     holder = reader
                 else:
                     holder = min(on_node, key=lambda r: (recv_load[r], r))
                     phase_a.append((reader, holder))
-                    recv_load[holder] += piece.nbytes
+                    recv_load[holder] += nbytes
                 rest = [r for r in on_node if r != holder]
                 if not rest:
                     continue
                 bc_list, p2p = (bc_a, phase_a) if holder == reader else (bc_b, phase_b)
-                if lws >= 3 and len(on_node) == lws:
+                if whole_nodes and len(on_node) == lws:
                     bc_list.append(Broadcast(n, holder, pid))
                 else:
                     p2p.extend((holder, r) for r in rest)
                 for r in rest:
-                    recv_load[r] += piece.nbytes
+                    recv_load[r] += nbytes
             trees.append((pid, [reader], phase_a, phase_b, bc_a, bc_b))
 
     # 2. Chunks within the staging budget and op limit.
     chunks, cost = _pack(pieces, trees, topology, staging_bytes, max_ops)
-    cost.read_bytes[:] = read_load
+    cost.read_bytes[:] = np.asarray(read_load, dtype=np.int64)
     plan = TransferPlan(
         topology=topology.with_rank(0),
         needs=tuple(needs_out),
@@ -386,39 +423,80 @@ def _split_phase(sends: list[Send], broadcasts: list[Broadcast], max_ops: int) -
 
 
 def _fingerprint(plan: TransferPlan) -> str:
+    """A digest of everything the plan makes ranks do. Built from plain tuples, whose repr
+    is computed in C (the dataclasses' and NamedTuples' generated reprs are Python code)."""
     h = hashlib.sha256()
     h.update(repr((plan.topology.world_size, plan.topology.local_world_size, plan.staging_bytes)).encode())
-    for n in plan.needs:
-        h.update(repr(n).encode())
-    for p in plan.pieces:
-        h.update(repr((p.key, p.src, p.needs)).encode())
+    h.update(repr([tuple(n) for n in plan.needs]).encode())
+    h.update(repr([(p.key, p.src, p.needs) for p in plan.pieces]).encode())
     h.update(repr(plan.local_reads).encode())
-    h.update(repr(plan.chunks).encode())
+    h.update(repr([
+        (c.reads, [([(s.src, s.dst, s.piece) for s in ph.sends], [(b.node, b.root, b.piece) for b in ph.broadcasts])
+                   for ph in c.phases])
+        for c in plan.chunks
+    ]).encode())
     return h.hexdigest()[:16]
 
 
 def minimal_cost(needs: Sequence[Need], index: CheckpointIndex, topology: Topology, readers, scope: Scope = "job") -> dict:
-    """Lower bounds for any plan of these needs: storage bytes (each needed byte once per
-    scope), network bytes (every needer that cannot read it itself... or that is not the
-    one reader) and bytes crossing nodes."""
+    """Lower bounds for any plan of these needs (pure): storage bytes (each needed byte once
+    per scope), network bytes (every needer that cannot read it itself... or that is not the
+    one reader) and bytes crossing nodes.
+
+    Vectorized: needs are grouped by (key, src box) once in Python, the per-piece counting is
+    numpy over (piece, rank) and (piece, node) pairs.
+    """
     readers = np.asarray(readers, dtype=bool)
-    node = topology.nodes_array()
-    by_piece: dict[tuple[str, Box], set[int]] = defaultdict(set)
-    for n in needs:
-        by_piece[(n.key, n.src)].add(n.rank)
-    read = net = cross = 0
-    for (key, src), ranks in by_piece.items():
-        nbytes = box_numel(src) * index.info(key).itemsize
-        r = np.fromiter(sorted(ranks), dtype=np.int64)
-        nodes = np.unique(node[r])
-        if scope == "job":
-            read += nbytes
-            net += (len(r) - int(readers[r].any())) * nbytes
-            has_reader_node = bool(np.isin(node[readers], nodes).any())
-            cross += (len(nodes) - int(has_reader_node)) * nbytes
-        else:
-            for n in nodes:
-                rn = r[node[r] == n]
-                read += nbytes
-                net += (len(rn) - int(readers[rn].any())) * nbytes
+    world = topology.world_size
+    if readers.shape != (world,):
+        raise ValueError(f"readers must be bool[{world}], got shape {readers.shape}")
+    if scope not in ("job", "node"):
+        raise ValueError(f"scope must be 'job' or 'node', got {scope!r}")
+    lws = topology.local_world_size
+    num_nodes = topology.num_nodes
+    piece_of: dict[tuple[str, Box], int] = {}
+    piece_ids = np.empty(len(needs), dtype=np.int64)
+    ranks = np.empty(len(needs), dtype=np.int64)
+    sizes: list[int] = []
+    itemsize: dict[str, int] = {}
+    for i, n in enumerate(needs):
+        k = (n.key, n.src)
+        pid = piece_of.get(k)
+        if pid is None:
+            pid = piece_of[k] = len(sizes)
+            item = itemsize.get(n.key)
+            if item is None:
+                item = itemsize[n.key] = index.info(n.key).itemsize
+            sizes.append(box_numel(n.src) * item)
+        piece_ids[i] = pid
+        ranks[i] = n.rank
+    if not sizes:
+        return {"read_bytes": 0, "network_bytes": 0, "cross_node_bytes": 0}
+    nbytes = np.asarray(sizes, dtype=np.int64)
+    num_pieces = len(sizes)
+    # Distinct (piece, rank) pairs: a rank needing several boxes of one piece counts once.
+    pairs = np.unique(piece_ids * world + ranks)
+    p_pid, p_rank = pairs // world, pairs % world
+    p_node = p_rank // lws
+    p_reader = readers[p_rank]
+    if scope == "job":
+        count = np.bincount(p_pid, minlength=num_pieces)
+        has_reader = np.bincount(p_pid, weights=p_reader, minlength=num_pieces) > 0
+        read = int(nbytes.sum())
+        net = int(((count - has_reader) * nbytes).sum())
+        # Distinct (piece, node) pairs; a piece needs no crossing into a node holding a reader.
+        pn = np.unique(p_pid * num_nodes + p_node)
+        pn_pid, pn_node = pn // num_nodes, pn % num_nodes
+        node_has_reader = np.bincount(np.flatnonzero(readers) // lws, minlength=num_nodes) > 0
+        num_nodes_of = np.bincount(pn_pid, minlength=num_pieces)
+        reader_node_of = np.bincount(pn_pid, weights=node_has_reader[pn_node], minlength=num_pieces) > 0
+        cross = int(((num_nodes_of - reader_node_of) * nbytes).sum())
+    else:
+        pn_key = p_pid * num_nodes + p_node
+        pn, inverse, count = np.unique(pn_key, return_inverse=True, return_counts=True)
+        has_reader = np.bincount(inverse, weights=p_reader, minlength=len(pn)) > 0
+        pn_bytes = nbytes[pn // num_nodes]
+        read = int(pn_bytes.sum())
+        net = int(((count - has_reader) * pn_bytes).sum())
+        cross = 0
     return {"read_bytes": read, "network_bytes": net, "cross_node_bytes": cross}

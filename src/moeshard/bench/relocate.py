@@ -47,6 +47,7 @@ class Config:
     steps: int = 5
     seed: int = 0
     staging_mib: int = 64
+    repeat: int = 3
     warm: bool = False
 
     @property
@@ -191,13 +192,19 @@ def rank_worker(cfg: Config, path: str, aware: list, dead: list) -> dict:
     out = {"initial": timed(None, aware[0]), "steps": [], "dead": []}
     for s in range(1, len(aware)):
         cur, new = aware[s - 1], aware[s]
-        cold()
-        disk = timed(cur, new, from_checkpoint=True)
-        timed(new, cur)  # back to the step's start state
-        p2p = timed(cur, new)
-        cold()
-        full = timed(None, new)
-        out["steps"].append(dict(step=s, p2p=p2p, disk=disk, full=full))
+        runs = {"p2p": [], "disk": [], "full": []}
+        for _ in range(cfg.repeat):
+            # Each variant starts from the step's start state `cur` and ends in `new`.
+            cold()
+            runs["disk"].append(timed(cur, new, from_checkpoint=True))
+            timed(new, cur)
+            runs["p2p"].append(timed(cur, new))
+            timed(new, cur)
+            cold()
+            runs["full"].append(timed(None, new))
+            timed(new, cur)
+        timed(cur, new)
+        out["steps"].append(dict(step=s, **runs))
     index = CheckpointIndex.open(path)
     base = aware[-1]
     with CheckpointReader(index) as reader:
@@ -247,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     d = Config()
     for name in ("layers", "experts", "redundant", "hidden", "inter", "world", "local_world", "groups", "steps",
-                 "seed", "staging_mib"):
+                 "seed", "staging_mib", "repeat"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     parser.add_argument("--warm", action="store_true", help="keep the checkpoint in the page cache")
     parser.add_argument("--out", default="bench_out", help="directory for the checkpoint and bench_relocate.json")
@@ -279,14 +286,18 @@ def main(argv: list[str] | None = None) -> int:
     def job(key_fn):
         return max(key_fn(r) for r in results)  # the job's wall time is its slowest rank's
 
-    print("\n2. relocation wall time (slowest rank), same start state each")
+    print(f"\n2. relocation wall time (slowest rank, median of {cfg.repeat}), same start state each: P2P = "
+          "moeshard.relocate; disk = re-read the changed experts from the checkpoint; full = read every slot")
     print(f"{'step':>4} {'P2P s':>7} {'disk s':>7} {'full s':>7} {'disk/P2P':>9} {'full/P2P':>9} {'sent MiB':>9}"
           f" {'min MiB':>8} {'cross MiB':>10} {'rounds':>7}")
     steps = []
     for i in range(len(results[0]["steps"])):
-        get = lambda kind, f, i=i: job(lambda r: r["steps"][i][kind][f])  # noqa: E731
-        p2p, disk, full = get("p2p", "wall"), get("disk", "wall"), get("full", "wall")
-        rep = results[0]["steps"][i]["p2p"]
+        def get(kind: str, i: int = i) -> float:
+            # Per repetition the job's time is its slowest rank's; then the median repetition.
+            return statistics.median(max(r["steps"][i][kind][k]["wall"] for r in results) for k in range(cfg.repeat))
+
+        p2p, disk, full = get("p2p"), get("disk"), get("full")
+        rep = results[0]["steps"][i]["p2p"][0]
         steps.append(dict(step=i + 1, p2p_s=p2p, disk_s=disk, full_s=full, disk_over_p2p=disk / p2p,
                           full_over_p2p=full / p2p, network_bytes=rep["network"], min_network_bytes=rep["min_network"],
                           cross_node_bytes=rep["cross"], min_cross_node_bytes=rep["min_cross"],
