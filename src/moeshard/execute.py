@@ -26,7 +26,7 @@ from .box import box_shape, box_slices
 from .checkpoint import CheckpointIndex, CheckpointReader
 from .plan import TransferPlan
 
-__all__ = ["ExecStats", "execute_plan", "node_groups"]
+__all__ = ["ExecStats", "execute_plan", "node_groups", "rank_bytes"]
 
 
 @dataclass
@@ -101,6 +101,8 @@ def execute_plan(
             holds nothing); written in place, cast to their dtype.
         device: where staging buffers live (the device of the model's local tensors).
         node_group: this rank's node group, required if the plan has broadcasts.
+        progress: called with the bytes of each piece this rank reads or receives
+            (:func:`rank_bytes` is their total).
 
     Raises:
         DistributedError: on every rank, after the whole plan ran, if any rank failed a read
@@ -201,6 +203,8 @@ def execute_plan(
             for pid in received:
                 stats.bytes_received += pieces[pid].nbytes
                 deliver(pid, bufs[pid])
+                if progress:
+                    progress(pieces[pid].nbytes)
         stats.peak_staging_bytes = max(stats.peak_staging_bytes, staged)
         remaining_chunks -= 1
         del bufs
@@ -215,6 +219,19 @@ def execute_plan(
         return stats
 
     return _dist.agree(outcome, "moeshard: running the transfer plan")
+
+
+def rank_bytes(plan: TransferPlan, rank: int) -> int:
+    """Bytes of the pieces ``rank`` reads or receives when running ``plan`` (pure)."""
+    lws = plan.topology.local_world_size
+    total = sum(plan.pieces[p].nbytes for p in plan.local_reads[rank])
+    for chunk in plan.chunks:
+        total += sum(plan.pieces[p].nbytes for r, p in chunk.reads if r == rank)
+        for phase in chunk.phases:
+            total += sum(plan.pieces[s.piece].nbytes for s in phase.sends if s.dst == rank)
+            total += sum(plan.pieces[b.piece].nbytes for b in phase.broadcasts
+                         if b.root != rank and rank // lws == b.node)
+    return total
 
 
 def _involves(chunk, rank: int, plan: TransferPlan) -> bool:

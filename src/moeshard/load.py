@@ -23,9 +23,10 @@ from torch import nn
 from . import _dist
 from .adapters import DEFAULT_SPECS, ExpertsSpec
 from .checkpoint import CheckpointIndex, CheckpointReader
-from .execute import execute_plan, node_groups
+from .execute import execute_plan, node_groups, rank_bytes
 from .layout import ParamDesc, compute_needs, describe_model, local_tensor
 from .placement import Placement
+from .progress import Progress, progress_enabled
 from .plan import DEFAULT_STAGING_BYTES, TransferPlan, minimal_cost, plan_transfers
 from .topology import Topology
 
@@ -202,6 +203,7 @@ def load(
     specs: Sequence[ExpertsSpec] = DEFAULT_SPECS,
     device: torch.device | None = None,
     report_minimal: bool = False,
+    progress: bool | None = None,
 ) -> LoadReport:
     """Collective (every rank): load ``checkpoint`` into ``model`` in place.
 
@@ -214,6 +216,8 @@ def load(
         storage: "shared", "node", "single" or "auto" (detect which ranks see the files).
         topology: ranks per node (default: torchrun's environment).
         staging_bytes: per-rank budget for pieces in flight.
+        progress: show progress on local rank 0 of each node (a bar on a terminal, log
+            lines otherwise); default: the ``MOESHARD_PROGRESS`` environment variable.
         report_minimal: also compute the plan's lower bounds (``LoadReport.minimal``; pure,
             costs time proportional to the number of needs).
 
@@ -259,7 +263,10 @@ def load(
     dests = [local_tensor(tensors[d.name]) for d in descs]
     try:
         with torch.no_grad():
-            stats = execute_plan(plan, rank, reader, index, dests, dev, node_group=group)
+            bar = Progress("load", rank_bytes(plan, rank), enabled=progress_enabled(progress),
+                           local_rank=topo.local_rank, node=topo.node)
+            stats = execute_plan(plan, rank, reader, index, dests, dev, node_group=group, progress=bar.update)
+            bar.close()
     finally:
         if reader is not None:
             reader.close()

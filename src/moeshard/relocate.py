@@ -28,6 +28,7 @@ from .checkpoint import CheckpointIndex, CheckpointReader
 from .layout import ExpertRef, ParamDesc, _local_boxes, _part_sizes, describe_model, expert_layers, local_tensor
 from .load import Storage, reader_root, resolve_sources
 from .placement import Placement
+from .progress import Progress, progress_enabled
 from .relocation import DEFAULT_MAX_OPS, DEFAULT_STAGING_BYTES, ExpertTensor, RelocationPlan, plan_relocation
 from .topology import Topology
 
@@ -217,6 +218,7 @@ def relocate(
     expert_params: Sequence[ExpertParam] | None = None,
     module: Union[str, Callable[[int], str]] = "model.layers.{layer}.mlp.experts",
     from_checkpoint: bool = False,
+    progress: bool | None = None,
 ) -> RelocationReport:
     """Collective (every rank of the default group): move expert weights from placement
     ``old`` to ``new`` in place; only slots whose expert changes are written.
@@ -238,6 +240,8 @@ def relocate(
         expert_params, module: for plain tensors, the checkpoint keys of tensor ``j`` of a
             layer are ``expert_params[j].keys(module.format(layer=key), expert)``.
         from_checkpoint: read every changed slot from the checkpoint, ignoring live copies.
+        progress: show progress on local rank 0 of each node (a bar on a terminal, log
+            lines otherwise); default: the ``MOESHARD_PROGRESS`` environment variable.
 
     Raises:
         DistributedError: on every rank, before any weight changes, for a bad input (placements
@@ -300,8 +304,12 @@ def relocate(
     t_plan = time.perf_counter() - t0
     try:
         with torch.no_grad():
-            stats = _dist.agree(lambda: _execute(plan, rank, locals_, reader, index, sources),
+            mine = sum(m.nbytes for m in plan.moves for r, _ in m.writes if r == rank)
+            bar = Progress("relocate", mine, enabled=progress_enabled(progress), local_rank=topo.local_rank,
+                           node=topo.node)
+            stats = _dist.agree(lambda: _execute(plan, rank, locals_, reader, index, sources, bar.update),
                                 "moeshard.relocate: running the plan")
+            bar.close()
     finally:
         if reader is not None:
             reader.close()
@@ -339,7 +347,7 @@ def _disk_keys(plan: RelocationPlan, rank: int, sources, index: CheckpointIndex)
     return keys
 
 
-def _execute(plan: RelocationPlan, rank: int, locals_, reader, index, sources) -> dict:
+def _execute(plan: RelocationPlan, rank: int, locals_, reader, index, sources, progress=None) -> dict:
     """Run this rank's share of ``plan``. Every rank walks the same rounds in the same order
     and posts only its own ops, so sends and receives pair up without deadlock."""
     stats = {"sent": 0, "received": 0, "read": 0, "peak": 0}
@@ -453,6 +461,8 @@ def _execute(plan: RelocationPlan, rank: int, locals_, reader, index, sources) -
                 for s in slots:
                     for p, x in zip(plan.parts[(m.layer, m.column)][m.part], bufs[i]):
                         view(p, s).copy_(x)
+                if progress:
+                    progress(m.nbytes)
         stats["peak"] = max(stats["peak"], staged)
         for key, last in list(stash_last.items()):
             if last == k and key[0] == rank:
