@@ -115,7 +115,15 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:8.2f} MiB"
 
 
-def main(out_dir: str | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="moeshard demo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", help="keep the demo checkpoint in this directory")
+    return run(parser.parse_args(argv).out)
+
+
+def run(out_dir: str | None = None) -> int:
     from ._launch import run_local_ranks
 
     t0 = time.perf_counter()

@@ -1,0 +1,588 @@
+"""``moeshard inspect CKPT``: what a checkpoint holds and what is wrong with it, from headers.
+
+Reads the index (``model.safetensors.index.json``) and the safetensors header of every file
+it names; never a byte of tensor data, so a 700 GB checkpoint is inspected in seconds. It
+reports tensor counts and bytes (per dtype, per file), the Mixture-of-Experts layout found in
+the key names (experts modules in layer order, experts per layer, the per-expert tensors with
+shape, dtype and bytes, expert vs dense bytes), and the problems a load would trip over or
+silently get wrong: missing experts, per-expert tensors that differ between experts or layers,
+mixed floating dtypes, tensors and files the index does not name, files it names that are
+missing.
+
+Exit codes: 0 no problems; 1 problems found (listed); 2 the input is not a readable
+checkpoint (one line on stderr). A checkpoint with no MoE layers is reported as a problem
+(exit 1): moeshard exists to place experts, and a dense checkpoint given to it is most likely
+the wrong path or an unsupported naming scheme, which a script should notice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from ._gc import paused_gc
+from .checkpoint import DTYPES, INDEX_NAME, CheckpointError, CheckpointIndex, TensorInfo
+
+__all__ = [
+    "CheckpointSummary",
+    "DtypeStat",
+    "ExpertTensor",
+    "FileStat",
+    "MoeLayer",
+    "MoeLayout",
+    "Problem",
+    "inspect_checkpoint",
+    "format_summary",
+    "main",
+]
+
+# Per-expert keys: HF Qwen3-MoE / DeepSeek-V3 (``mlp.experts.17.gate_proj.weight``) and Mixtral
+# (``block_sparse_moe.experts.17.w1.weight``). The module must be exactly ``experts``, so
+# DeepSeek's ``shared_experts`` (a dense MLP) is not taken for one.
+_PER_EXPERT = re.compile(r"^(?P<module>(?:.*\.)?experts)\.(?P<e>\d+)\.(?P<rest>.+)$")
+# Fused on-disk experts (``mlp.experts.gate_up_proj`` of shape [num_experts, ...]).
+_FUSED = re.compile(r"^(?P<module>(?:.*\.)?experts)\.(?P<rest>[^.\d][^.]*)$")
+_FLOATING = frozenset(name for name, dt in DTYPES.items() if dt.is_floating_point)
+# A broken checkpoint can have 90,000 bad tensors: list the first few of each kind and count
+# the rest, so the report stays readable.
+MAX_LISTED = 20
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with the checkpoint. ``kind`` is a stable identifier (for scripts and
+    tests): missing_files, unindexed_files, missing_keys, unindexed_keys, mixed_dtypes,
+    no_moe, missing_experts, missing_expert_tensors, expert_mismatch, mixed_layout."""
+
+    kind: str
+    message: str
+
+
+@dataclass(frozen=True)
+class DtypeStat:
+    dtype: str
+    num_tensors: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class FileStat:
+    """A file the checkpoint is made of: the tensors the index maps to it, their bytes, and
+    the file's size on disk (headers included)."""
+
+    name: str
+    num_tensors: int
+    nbytes: int
+    file_size: int
+
+
+@dataclass(frozen=True)
+class ExpertTensor:
+    """One tensor of one expert, ``name`` relative to the expert (``gate_proj.weight``) or,
+    when ``fused``, to the experts module (``gate_up_proj``, stored ``[num_experts, *shape]``).
+    ``shape``/``dtype``/``nbytes`` are those of one expert's slice (the most common ones when
+    experts disagree; the disagreements are problems)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    fused: bool
+
+
+@dataclass(frozen=True)
+class MoeLayer:
+    """One experts module: its prefix, how many experts it holds, their bytes."""
+
+    module: str
+    num_experts: int
+    nbytes: int
+    fused: bool
+
+
+@dataclass(frozen=True)
+class MoeLayout:
+    layers: tuple[MoeLayer, ...]
+    num_experts: int  # the most experts any layer has: what every layer should have
+    expert_tensors: tuple[ExpertTensor, ...]
+    bytes_per_expert: int
+    expert_bytes: int
+    dense_bytes: int
+
+
+@dataclass(frozen=True)
+class CheckpointSummary:
+    """Everything ``moeshard inspect`` reports. ``index`` is None for a single-file checkpoint.
+    Counts and bytes cover the tensors the index maps to files that hold them."""
+
+    root: str
+    index: str | None
+    num_tensors: int
+    total_bytes: int
+    dtypes: tuple[DtypeStat, ...]
+    files: tuple[FileStat, ...]
+    moe: MoeLayout | None
+    problems: tuple[Problem, ...]
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading: index + headers, tolerant of the problems we want to report
+
+
+@dataclass(frozen=True)
+class _Headers:
+    root: Path
+    index: str | None
+    tensors: dict[str, TensorInfo]  # indexed keys found in their file
+    file_sizes: dict[str, int]  # files read (index order)
+    problems: tuple[Problem, ...]
+
+
+def _read_headers(path: str | os.PathLike) -> _Headers:
+    """Index + every header it names. Missing files and keys become problems (not errors) so
+    the rest of the checkpoint is still summarized; anything unreadable raises
+    CheckpointError."""
+    p = Path(path)
+    if p.name == INDEX_NAME and p.is_file():
+        p = p.parent
+    if not p.exists():
+        raise CheckpointError(f"{p}: no such file or directory")
+    if p.is_dir() and (p / INDEX_NAME).is_file():
+        return _read_sharded(p)
+    # A single file (or a directory holding exactly one): CheckpointIndex.open validates it
+    # and says clearly what is wrong when it is neither.
+    index = CheckpointIndex.open(p)
+    return _Headers(Path(index.root), None, dict(index.tensors), dict(index.file_sizes), ())
+
+
+def _read_sharded(root: Path) -> _Headers:
+    weight_map = _read_weight_map(root)
+    problems: list[Problem] = []
+    present: dict[str, list[str]] = {}
+    for name, keys in weight_map.items():
+        if (root / name).is_file():
+            present[name] = keys
+        else:
+            problems.append(Problem(
+                "missing_files", f"{INDEX_NAME} names {name}, which does not exist ({len(keys)} tensors)"))
+    tensors: dict[str, TensorInfo] = {}
+    sizes: dict[str, int] = {}
+    for name, keys in present.items():
+        # One file at a time through the validated reader: every key of the file (not only
+        # the indexed ones), so keys the index forgot are found too.
+        one = CheckpointIndex.open(root / name)
+        sizes[name] = one.file_sizes[os.path.basename(name)]
+        in_file = one.tensors
+        missing = [k for k in keys if k not in in_file]
+        if missing:
+            problems.append(Problem(
+                "missing_keys", f"{INDEX_NAME} places {len(missing)} tensors in {name}, which lacks them: "
+                f"{_some(missing)}"))
+        for k in keys:
+            info = in_file.get(k)
+            if info is not None:
+                tensors[k] = TensorInfo(name, info.offset, info.dtype, info.shape)
+        if len(in_file) > len(keys) - len(missing):
+            indexed = set(keys)
+            stray = [k for k in in_file if k not in indexed]
+            problems.append(Problem(
+                "unindexed_keys", f"{name} holds {len(stray)} tensors that {INDEX_NAME} does not name: "
+                f"{_some(stray)}"))
+    named = set(weight_map)
+    for extra in sorted(x.name for x in root.glob("*.safetensors")):
+        if extra not in named:
+            problems.append(Problem(
+                "unindexed_files", f"{extra} is in the checkpoint directory but {INDEX_NAME} does not name it"))
+    return _Headers(root, INDEX_NAME, tensors, sizes, tuple(problems))
+
+
+def _read_weight_map(root: Path) -> dict[str, list[str]]:
+    """The index's ``weight_map`` as {normalized file name: [keys]} (file names validated the
+    way CheckpointIndex.open validates them, except that a missing file is not an error)."""
+    try:
+        index = json.loads((root / INDEX_NAME).read_bytes())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{root / INDEX_NAME}: unreadable index: {e}") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{root / INDEX_NAME}: no 'weight_map' object")
+    files: dict[str, list[str]] = {}
+    seen: dict[object, list[str]] = {}  # each distinct name is checked once, not once per key
+    for key, name in weight_map.items():
+        keys = seen.get(name) if isinstance(name, str) else None
+        if keys is None:
+            keys = seen[name] = files.setdefault(_check_name(root, key, name), [])
+        keys.append(key)
+    return files
+
+
+def _check_name(root: Path, key: str, name: object) -> str:
+    if not isinstance(name, str) or not name:
+        raise CheckpointError(f"{root / INDEX_NAME}: key {key!r} maps to {name!r}, not a file name")
+    norm = os.path.normpath(name)
+    # Untrusted index: a name outside the directory is refused, never followed.
+    if os.path.isabs(norm) or norm == os.pardir or norm.startswith(os.pardir + os.sep):
+        raise CheckpointError(
+            f"{root / INDEX_NAME}: key {key!r} names {name!r}, which is outside the checkpoint directory")
+    return norm
+
+
+# ---------------------------------------------------------------------------------------------
+# Analysis: pure functions of the headers
+
+
+def inspect_checkpoint(path: str | os.PathLike) -> CheckpointSummary:
+    """Summarize the checkpoint at ``path`` (a directory, its index file, or a .safetensors
+    file) from its headers alone.
+
+    Raises:
+        CheckpointError (a ValueError): the path is not a readable checkpoint (missing, not
+            safetensors, corrupt header or index).
+    """
+    # ~90,000 small objects and no reference cycles: the cyclic collector's passes would
+    # cost as much as the parsing.
+    with paused_gc():
+        h = _read_headers(path)
+        problems = list(h.problems)
+        problems += _dtype_problems(h.tensors)
+        moe, moe_problems = _moe_layout(h.tensors)
+        problems += moe_problems
+        return CheckpointSummary(
+            root=str(h.root),
+            index=h.index,
+            num_tensors=len(h.tensors),
+            total_bytes=sum(t.nbytes for t in h.tensors.values()),
+            dtypes=_dtype_stats(h.tensors),
+            files=_file_stats(h.tensors, h.file_sizes),
+            moe=moe,
+            problems=tuple(problems),
+        )
+
+
+def _dtype_stats(tensors: dict[str, TensorInfo]) -> tuple[DtypeStat, ...]:
+    count: Counter[str] = Counter()
+    nbytes: Counter[str] = Counter()
+    for t in tensors.values():
+        count[t.dtype] += 1
+        nbytes[t.dtype] += t.nbytes
+    return tuple(DtypeStat(d, count[d], nbytes[d]) for d in sorted(count, key=lambda d: -nbytes[d]))
+
+
+def _file_stats(tensors: dict[str, TensorInfo], sizes: dict[str, int]) -> tuple[FileStat, ...]:
+    count: Counter[str] = Counter()
+    nbytes: Counter[str] = Counter()
+    for t in tensors.values():
+        count[t.file] += 1
+        nbytes[t.file] += t.nbytes
+    return tuple(FileStat(f, count[f], nbytes[f], sizes[f]) for f in sorted(sizes))
+
+
+# Tensors that are routinely kept in another dtype than the model's: quantization scales and
+# biases (e.g. DeepSeek-V3's F32 weight_scale_inv and e_score_correction_bias), and fp8
+# weights beside bf16 norms in a quantized checkpoint.
+_OWN_DTYPE_SUFFIXES = ("scale_inv", "_scale", "scale", "bias")
+
+
+def _counts_for_dtype(key: str, t: TensorInfo) -> bool:
+    return t.dtype in _FLOATING and not t.dtype.startswith("F8") and not key.endswith(_OWN_DTYPE_SUFFIXES)
+
+
+def _dtype_problems(tensors: dict[str, TensorInfo]) -> list[Problem]:
+    """Floating tensors in more than one dtype: usually a partial cast (a bf16 model with an
+    fp32 layer doubles that layer's memory, and a load casting into one dtype hides it)."""
+    count: Counter[str] = Counter()
+    nbytes: Counter[str] = Counter()
+    for key, t in tensors.items():
+        if _counts_for_dtype(key, t):
+            count[t.dtype] += 1
+            nbytes[t.dtype] += t.nbytes
+    if len(count) < 2:
+        return []
+    # The model's dtype is the one holding the most bytes; the others are the odd ones out.
+    main = nbytes.most_common(1)[0][0]
+    others = sorted(k for k, t in tensors.items() if _counts_for_dtype(k, t) and t.dtype != main)
+    parts = ", ".join(f"{d} ({count[d]:,} tensors, {nbytes[d]:,} bytes)" for d, _ in nbytes.most_common())
+    return [Problem("mixed_dtypes", f"floating tensors in {len(count)} dtypes: {parts}; not {main}: {_some(others)}")]
+
+
+def _moe_layout(tensors: dict[str, TensorInfo]) -> tuple[MoeLayout | None, list[Problem]]:
+    # per_expert[module][e][rest] and fused[module][rest]: the keys, grouped.
+    per_expert: dict[str, dict[int, dict[str, TensorInfo]]] = defaultdict(lambda: defaultdict(dict))
+    fused: dict[str, dict[str, TensorInfo]] = defaultdict(dict)
+    for key, t in tensors.items():
+        if ".experts." not in key and not key.startswith("experts."):
+            continue  # most dense keys: skip the regexes
+        m = _PER_EXPERT.match(key)
+        if m:
+            per_expert[m["module"]][int(m["e"])][m["rest"]] = t
+            continue
+        m = _FUSED.match(key)
+        if m and t.shape:
+            fused[m["module"]][m["rest"]] = t
+    if not per_expert and not fused:
+        return None, [Problem(
+            "no_moe", "no MoE layers found: no keys like <module>.experts.<e>.<name> "
+            "(per-expert) or <module>.experts.<name> (fused, [num_experts, ...])")]
+    problems: list[Problem] = []
+    for module in sorted(set(per_expert) & set(fused), key=_natural):
+        problems.append(Problem(
+            "mixed_layout", f"{module}: both per-expert keys and fused tensors ({', '.join(sorted(fused[module]))})"))
+    counts = {m: len(ex) for m, ex in per_expert.items()}
+    num_experts = max([max(ex) + 1 for ex in per_expert.values()] + [_fused_count(f) for f in fused.values()])
+    problems += _missing_experts(per_expert, fused, num_experts)
+    refs = _reference_tensors(per_expert, fused)
+    problems += _per_expert_problems(per_expert, refs)
+    problems += _fused_problems(fused, refs, num_experts)
+
+    layers = []
+    for module in sorted(set(per_expert) | set(fused), key=_natural):
+        nbytes = sum(t.nbytes for ex in per_expert.get(module, {}).values() for t in ex.values())
+        nbytes += sum(t.nbytes for t in fused.get(module, {}).values())
+        n = counts.get(module, 0) or _fused_count(fused[module])
+        layers.append(MoeLayer(module, n, nbytes, module in fused and module not in per_expert))
+    expert_bytes = sum(layer.nbytes for layer in layers)
+    total = sum(t.nbytes for t in tensors.values())
+    ref_list = tuple(refs.values())
+    moe = MoeLayout(
+        layers=tuple(layers),
+        num_experts=num_experts,
+        expert_tensors=ref_list,
+        bytes_per_expert=sum(r.nbytes for r in ref_list),
+        expert_bytes=expert_bytes,
+        dense_bytes=total - expert_bytes,
+    )
+    return moe, problems
+
+
+def _fused_count(fused: dict[str, TensorInfo]) -> int:
+    """Experts in a fused module: the leading dim its tensors agree on (the most common)."""
+    return Counter(t.shape[0] for t in fused.values()).most_common(1)[0][0]
+
+
+def _reference_tensors(per_expert, fused) -> dict[tuple[str, bool], ExpertTensor]:
+    """The expected shape/dtype of each per-expert tensor: the most common over all experts of
+    all layers (so the odd one out is the one reported)."""
+    seen: dict[tuple[str, bool], Counter] = defaultdict(Counter)
+    for experts in per_expert.values():
+        for ex in experts.values():
+            for rest, t in ex.items():
+                seen[(rest, False)][(t.shape, t.dtype)] += 1
+    for ts in fused.values():
+        for rest, t in ts.items():
+            seen[(rest, True)][(t.shape[1:], t.dtype)] += 1
+    refs = {}
+    for (rest, is_fused), counter in seen.items():
+        (shape, dtype), _ = counter.most_common(1)[0]
+        refs[(rest, is_fused)] = ExpertTensor(rest, shape, dtype, math.prod(shape) * DTYPES[dtype].itemsize, is_fused)
+    # Checkpoint order (gate, up, down as first seen), per-expert keys before fused tensors.
+    return dict(sorted(refs.items(), key=lambda kv: kv[0][1]))
+
+
+def _missing_experts(per_expert, fused, num_experts: int) -> list[Problem]:
+    """Layers whose expert ids have gaps or stop short of the largest layer's count."""
+    out = []
+    for module in sorted(per_expert, key=_natural):
+        ids = per_expert[module]
+        missing = [e for e in range(num_experts) if e not in ids]
+        if missing:
+            out.append(Problem(
+                "missing_experts", f"{module}: experts {_ranges(missing)} missing "
+                f"({len(ids)} of {num_experts} present)"))
+    for module in sorted(set(fused) - set(per_expert), key=_natural):
+        n = _fused_count(fused[module])
+        if n < num_experts:
+            out.append(Problem(
+                "missing_experts", f"{module}: fused tensors hold {n} experts, other layers {num_experts}"))
+    return _capped(out)
+
+
+def _per_expert_problems(per_expert, refs) -> list[Problem]:
+    """Experts lacking a tensor the others have, and tensors whose shape/dtype differs from
+    the same tensor of the other experts (in any layer)."""
+    expected = sorted(rest for rest, is_fused in refs if not is_fused)
+    lacking, mismatch = [], []
+    for module in sorted(per_expert, key=_natural):
+        experts = per_expert[module]
+        for rest in expected:
+            absent = [e for e in sorted(experts) if rest not in experts[e]]
+            if absent:
+                lacking.append(Problem(
+                    "missing_expert_tensors", f"{module}: {rest} missing for experts {_ranges(absent)}"))
+        for e in sorted(experts):
+            for rest, t in experts[e].items():
+                ref = refs[(rest, False)]
+                if t.shape != ref.shape or t.dtype != ref.dtype:
+                    mismatch.append(Problem(
+                        "expert_mismatch", f"{module}.{e}.{rest}: {_fmt_shape(t.shape)} {t.dtype}, "
+                        f"other experts {_fmt_shape(ref.shape)} {ref.dtype}"))
+    return _capped(lacking) + _capped(mismatch)
+
+
+def _fused_problems(fused, refs, num_experts: int) -> list[Problem]:
+    expected = sorted(rest for rest, is_fused in refs if is_fused)
+    out = []
+    for module in sorted(fused, key=_natural):
+        ts = fused[module]
+        absent = [rest for rest in expected if rest not in ts]
+        if absent:
+            out.append(Problem("missing_expert_tensors", f"{module}: fused {', '.join(absent)} missing"))
+        n = _fused_count(ts)
+        for rest, t in sorted(ts.items()):
+            ref = refs[(rest, True)]
+            if t.shape[1:] != ref.shape or t.dtype != ref.dtype or t.shape[0] != n:
+                out.append(Problem(
+                    "expert_mismatch", f"{module}.{rest}: {_fmt_shape(t.shape)} {t.dtype}, other layers "
+                    f"{_fmt_shape((n,) + ref.shape)} {ref.dtype}"))
+    return _capped(out)
+
+
+def _capped(problems: list[Problem]) -> list[Problem]:
+    if len(problems) <= MAX_LISTED:
+        return problems
+    rest = len(problems) - MAX_LISTED
+    return problems[:MAX_LISTED] + [Problem(problems[0].kind, f"... and {rest} more {problems[0].kind} problems")]
+
+
+def _natural(s: str) -> tuple:
+    """Sort key putting ``layers.10`` after ``layers.9`` (numbers compared as numbers)."""
+    return tuple(int(t) if i % 2 else t for i, t in enumerate(re.split(r"(\d+)", s)))
+
+
+def _ranges(ids: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
+    out, start = [], None
+    for i, e in enumerate(ids):
+        if start is None:
+            start = e
+        if i + 1 == len(ids) or ids[i + 1] != e + 1:
+            out.append(str(start) if start == e else f"{start}-{e}")
+            start = None
+    return ", ".join(out)
+
+
+def _some(keys: list[str], n: int = 3) -> str:
+    shown = ", ".join(keys[:n])
+    return shown if len(keys) <= n else f"{shown}, ... ({len(keys) - n:,} more)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Text report
+
+
+def _fmt_shape(shape: tuple[int, ...]) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def _table(rows: list[tuple], header: tuple, indent: str = "  ") -> list[str]:
+    """Left-aligned first column, right-aligned numbers."""
+    cells = [tuple(str(c) for c in header)] + [tuple(str(c) for c in r) for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    return [
+        indent + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+        for r in cells
+    ]
+
+
+def _layer_lines(layers: tuple[MoeLayer, ...]) -> list[str]:
+    """Few layers: one line each. Many: grouped by name pattern with the layer numbers as
+    ranges (``model.layers.{3-60}.mlp.experts``), so 58 layers fit on one line."""
+    if len(layers) <= 4:
+        return [f"    {layer.module}: {layer.num_experts} experts, {_fmt_bytes(layer.nbytes)}"
+                + (" (fused)" if layer.fused else "") for layer in layers]
+    groups: dict[tuple[str, int, bool], list[int]] = defaultdict(list)
+    loose = []
+    for layer in layers:
+        nums = re.findall(r"\d+", layer.module)
+        if len(nums) == 1:
+            template = re.sub(r"\d+", "{}", layer.module)
+            groups[(template, layer.num_experts, layer.fused)].append(int(nums[0]))
+        else:
+            loose.append(f"    {layer.module}: {layer.num_experts} experts" + (" (fused)" if layer.fused else ""))
+    lines = []
+    for (template, n, is_fused), nums in groups.items():
+        name = template.replace("{}", "{" + _ranges(sorted(nums)) + "}")
+        lines.append(f"    {name}: {len(nums)} layers x {n} experts" + (" (fused)" if is_fused else ""))
+    return lines + loose
+
+
+def format_summary(s: CheckpointSummary) -> str:
+    """The human-readable report ``moeshard inspect`` prints."""
+    lines = [f"checkpoint {s.root}" + (f" ({s.index})" if s.index else " (single file)")]
+    lines.append(f"  {s.num_tensors:,} tensors, {_fmt_bytes(s.total_bytes)} ({s.total_bytes:,} bytes) "
+                 f"in {len(s.files)} files")
+    lines += ["", "dtypes"]
+    lines += _table([(d.dtype, f"{d.num_tensors:,}", f"{d.nbytes:,}") for d in s.dtypes], ("dtype", "tensors", "bytes"))
+    lines += ["", "files"]
+    lines += _table([(f.name, f"{f.num_tensors:,}", f"{f.nbytes:,}", f"{f.file_size:,}") for f in s.files],
+                    ("file", "tensors", "tensor bytes", "file size"))
+    lines.append("")
+    moe = s.moe
+    if moe is None:
+        lines.append("MoE layout: no MoE layers found")
+    else:
+        lines.append(f"MoE layout: {len(moe.layers)} layers x {moe.num_experts} experts")
+        lines.append("  layers:")
+        lines += _layer_lines(moe.layers)
+        lines.append("  per-expert tensors:")
+        lines += _table([(t.name + (" (fused)" if t.fused else ""), _fmt_shape(t.shape), t.dtype, f"{t.nbytes:,}")
+                         for t in moe.expert_tensors], ("name", "shape", "dtype", "bytes"), indent="    ")
+        total = moe.expert_bytes + moe.dense_bytes
+        pct = 100 * moe.expert_bytes / total if total else 0.0
+        lines.append(f"  bytes per expert: {moe.bytes_per_expert:,}")
+        lines.append(f"  expert bytes: {_fmt_bytes(moe.expert_bytes)} ({pct:.1f}%), "
+                     f"dense bytes: {_fmt_bytes(moe.dense_bytes)}")
+    lines.append("")
+    if s.problems:
+        lines.append(f"problems ({len(s.problems)}):")
+        lines += [f"  - {p.message}" for p in s.problems]
+    else:
+        lines.append("problems: none")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``moeshard inspect [--json] CKPT``: 0 no problems, 1 problems, 2 unreadable input."""
+    parser = argparse.ArgumentParser(
+        prog="moeshard inspect",
+        description="Summarize a safetensors checkpoint from its headers (no tensor data is read): "
+        "tensors, dtypes, files, the MoE layout, and problems. Exit code 0: no problems; "
+        "1: problems found (a checkpoint without MoE layers is one); 2: not a readable checkpoint.",
+    )
+    parser.add_argument("checkpoint", help="checkpoint directory, its model.safetensors.index.json, or a .safetensors file")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON instead of a report")
+    args = parser.parse_args(argv)
+    try:
+        summary = inspect_checkpoint(args.checkpoint)
+    except (ValueError, OSError) as e:  # CheckpointError is a ValueError
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        print(summary.to_json() if args.json else format_summary(summary))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # ``moeshard inspect CKPT | head``: the reader left; no traceback. Point stdout at
+        # devnull so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 1 if summary.problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
