@@ -1,33 +1,46 @@
-"""The ``moeshard`` command."""
+"""The ``moeshard`` command: demo, inspect, verify, bench.
+
+Each subcommand lives in its own module with a ``main(argv) -> int``; this file only
+dispatches. A user error (a path that does not exist, a checkpoint that is not MoE, shapes
+that do not divide) ends with one line on stderr and exit code 2, never a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 __all__ = ["main"]
 
+# subcommand -> (module, help)
+COMMANDS = {
+    "demo": ("moeshard.demo", "build a small MoE checkpoint, load it on 8 local ranks, rebalance, verify, report"),
+    "inspect": ("moeshard.inspection", "what a checkpoint holds, from its headers only: layout, bytes, problems"),
+    "verify": ("moeshard.verify_cli", "under torchrun: load a checkpoint with a saved placement, verify, report slots"),
+    "bench": ("moeshard.bench.relocate", "benchmarks that print figures and write JSON ('bench relocate')"),
+}
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="moeshard", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="build a small MoE checkpoint, load it on 8 local ranks, verify, report")
-    demo.add_argument("--out", help="keep the demo checkpoint in this directory")
-    bench = sub.add_parser("bench", help="benchmarks that print figures and write JSON", add_help=False)
-    bench.add_argument("name", choices=["relocate"], help="which benchmark ('moeshard bench relocate -h')")
-    args, rest = parser.parse_known_args(argv)
-    if args.command == "demo":
-        if rest:
-            parser.error(f"unrecognized arguments: {' '.join(rest)}")
-        from .demo import main as demo_main
-
-        return demo_main(args.out)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = argparse.ArgumentParser(prog="moeshard", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
+    for name, (_, help_) in COMMANDS.items():
+        sub.add_parser(name, help=help_, add_help=False)
+    args, rest = parser.parse_known_args(argv[:1])
+    rest += argv[1:]
     if args.command == "bench":
-        from .bench.relocate import main as bench_relocate
-
-        return bench_relocate(rest)
-    parser.error(f"unknown command {args.command}")
-    return 2
+        if not rest or rest[0] not in ("relocate",):
+            parser.error("usage: moeshard bench relocate [options] ('moeshard bench relocate -h')")
+        rest = rest[1:]
+    module = importlib.import_module(COMMANDS[args.command][0])
+    try:
+        return int(module.main(rest) or 0)
+    except (ValueError, OSError) as e:
+        # Subcommands report their own bad input; this is the last line of defence.
+        print(f"moeshard {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
