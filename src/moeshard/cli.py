@@ -1,4 +1,4 @@
-"""The ``moeshard`` command: demo, inspect, verify, bench.
+"""The ``moeshard`` command: demo, inspect, plan, verify, bench.
 
 Each subcommand lives in its own module with a ``main(argv) -> int``; this file only
 dispatches. A user error (a path that does not exist, a checkpoint that is not MoE, shapes
@@ -17,6 +17,7 @@ __all__ = ["main"]
 COMMANDS = {
     "demo": ("moeshard.demo", "build a small MoE checkpoint, load it on 8 local ranks, rebalance, verify, report"),
     "inspect": ("moeshard.inspection", "what a checkpoint holds, from its headers only: layout, bytes, problems"),
+    "plan": ("moeshard.cluster", "the transfer plan of a load or rebalance on a given cluster, without a cluster"),
     "verify": ("moeshard.verify_cli", "under torchrun: load a checkpoint with a saved placement, verify, report slots"),
     "bench": ("moeshard.bench.relocate", "benchmarks that print figures and write JSON ('bench relocate')"),
 }
