@@ -130,11 +130,14 @@ class CheckpointIndex:
             raise CheckpointError(f"checkpoint {self.root} has no tensor {key!r}") from None
 
 
-def _read_index(root: Path) -> dict[str, list[str]]:
+def _read_index(root: Path, require_files: bool = True) -> dict[str, list[str]]:
+    """The index's ``weight_map`` as ``{normalized file name: [keys]}``, every file name
+    validated; ``require_files=False`` accepts names of files that do not exist (for a
+    report that lists them rather than stopping at the first)."""
     try:
         with open(root / INDEX_NAME, "rb") as f:
             index = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{root / INDEX_NAME}: unreadable index: {e}") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
@@ -146,12 +149,12 @@ def _read_index(root: Path) -> dict[str, list[str]]:
     for key, name in weight_map.items():
         keys = checked.get(name) if isinstance(name, str) else None
         if keys is None:
-            keys = checked[name] = files.setdefault(_check_index_name(root, key, name), [])
+            keys = checked[name] = files.setdefault(_check_index_name(root, key, name, require_files), [])
         keys.append(key)
     return files
 
 
-def _check_index_name(root: Path, key: str, name: object) -> str:
+def _check_index_name(root: Path, key: str, name: object, require_file: bool = True) -> str:
     """Validate one file name of an index (first named by ``key``); its normalized form."""
     if not isinstance(name, str) or not name:
         raise CheckpointError(f"{root / INDEX_NAME}: key {key!r} maps to {name!r}, not a file name")
@@ -163,7 +166,7 @@ def _check_index_name(root: Path, key: str, name: object) -> str:
         raise CheckpointError(
             f"{root / INDEX_NAME}: key {key!r} names {name!r}, which is outside the checkpoint directory"
         )
-    if not (root / norm).is_file():
+    if require_file and not (root / norm).is_file():
         raise CheckpointError(f"{root / INDEX_NAME}: key {key!r} names {name!r}, which does not exist")
     return norm
 

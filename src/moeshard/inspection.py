@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ._gc import paused_gc
-from .checkpoint import DTYPES, INDEX_NAME, CheckpointError, CheckpointIndex, TensorInfo
+from .checkpoint import DTYPES, INDEX_NAME, CheckpointError, CheckpointIndex, TensorInfo, _read_index
 
 __all__ = [
     "CheckpointSummary",
@@ -167,7 +167,8 @@ def _read_headers(path: str | os.PathLike) -> _Headers:
 
 
 def _read_sharded(root: Path) -> _Headers:
-    weight_map = _read_weight_map(root)
+    # Names validated as a load validates them; a missing file is reported, not fatal.
+    weight_map = _read_index(root, require_files=False)
     problems: list[Problem] = []
     present: dict[str, list[str]] = {}
     for name, keys in weight_map.items():
@@ -205,37 +206,6 @@ def _read_sharded(root: Path) -> _Headers:
             problems.append(Problem(
                 "unindexed_files", f"{extra} is in the checkpoint directory but {INDEX_NAME} does not name it"))
     return _Headers(root, INDEX_NAME, tensors, sizes, tuple(problems))
-
-
-def _read_weight_map(root: Path) -> dict[str, list[str]]:
-    """The index's ``weight_map`` as {normalized file name: [keys]} (file names validated the
-    way CheckpointIndex.open validates them, except that a missing file is not an error)."""
-    try:
-        index = json.loads((root / INDEX_NAME).read_bytes())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{root / INDEX_NAME}: unreadable index: {e}") from None
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict):
-        raise CheckpointError(f"{root / INDEX_NAME}: no 'weight_map' object")
-    files: dict[str, list[str]] = {}
-    seen: dict[object, list[str]] = {}  # each distinct name is checked once, not once per key
-    for key, name in weight_map.items():
-        keys = seen.get(name) if isinstance(name, str) else None
-        if keys is None:
-            keys = seen[name] = files.setdefault(_check_name(root, key, name), [])
-        keys.append(key)
-    return files
-
-
-def _check_name(root: Path, key: str, name: object) -> str:
-    if not isinstance(name, str) or not name:
-        raise CheckpointError(f"{root / INDEX_NAME}: key {key!r} maps to {name!r}, not a file name")
-    norm = os.path.normpath(name)
-    # Untrusted index: a name outside the directory is refused, never followed.
-    if os.path.isabs(norm) or norm == os.pardir or norm.startswith(os.pardir + os.sep):
-        raise CheckpointError(
-            f"{root / INDEX_NAME}: key {key!r} names {name!r}, which is outside the checkpoint directory")
-    return norm
 
 
 # ---------------------------------------------------------------------------------------------
