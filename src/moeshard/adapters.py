@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 from .box import Box
 
-__all__ = ["ExpertParam", "ExpertsSpec", "HF_EXPERTS", "MIXTRAL_EXPERTS", "DEFAULT_SPECS", "expert_parts"]
+__all__ = ["ExpertParam", "ExpertsSpec", "HF_EXPERTS", "MIXTRAL_EXPERTS", "DEFAULT_SPECS", "expert_parts",
+           "read_expert_box"]
 
 
 @dataclass(frozen=True)
@@ -98,4 +99,18 @@ def expert_parts(
             sub = slice_box[:dim] + ((a, b - a),) + slice_box[dim + 1 :]
             out.append((j, part_box, sub))
         lo += size
+    return out
+
+
+def read_expert_box(reader, param: ExpertParam, module: str, expert: int, box: Box, out):
+    """Read ``box`` (slice coordinates, expert dim excluded) of logical ``expert``'s slice of
+    ``param`` from its checkpoint parts into ``out`` (a tensor of shape ``box_shape(box)``;
+    values are cast to its dtype). ``reader`` is a :class:`~moeshard.checkpoint.CheckpointReader`.
+    """
+    keys = param.keys(module, expert)
+    sizes = tuple(reader.index.info(k).shape[param.dim] for k in keys)
+    base = tuple(o for o, _ in box)
+    for j, part_box, sub in expert_parts(box, sizes, param.dim):
+        dst = out[tuple(slice(o - b, o - b + n) for (o, n), b in zip(sub, base))]
+        reader.read(keys[j], part_box, out=dst)
     return out

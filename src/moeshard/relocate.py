@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _dist
-from .adapters import DEFAULT_SPECS, ExpertParam, ExpertsSpec, expert_parts
+from .adapters import DEFAULT_SPECS, ExpertParam, ExpertsSpec, read_expert_box
 from .box import Box, box_shape, full_box
 from .checkpoint import CheckpointIndex, CheckpointReader
 from .layout import ExpertRef, ParamDesc, _local_boxes, _part_sizes, describe_model, expert_layers, local_tensor
@@ -295,7 +295,7 @@ def relocate(
             _check_disk_keys(p, index, sources, dtypes)
             if p.moves and any(m.read == rank for m in p.moves):
                 r = CheckpointReader(index, reader_root(path))
-                r.check_files({index.info(k).file for k in _disk_keys(p, rank, sources, index)})
+                r.check_files({index.info(k).file for k in _disk_keys(p, rank, sources)})
                 return p, r
             return p, None
 
@@ -307,7 +307,7 @@ def relocate(
             mine = sum(m.nbytes for m in plan.moves for r, _ in m.writes if r == rank)
             bar = Progress("relocate", mine, enabled=progress_enabled(progress), local_rank=topo.local_rank,
                            node=topo.node)
-            stats = _dist.agree(lambda: _execute(plan, rank, locals_, reader, index, sources, bar.update),
+            stats = _dist.agree(lambda: _execute(plan, rank, locals_, reader, sources, bar.update),
                                 "moeshard.relocate: running the plan")
             bar.close()
     finally:
@@ -337,7 +337,7 @@ def relocate(
     )
 
 
-def _disk_keys(plan: RelocationPlan, rank: int, sources, index: CheckpointIndex) -> set[str]:
+def _disk_keys(plan: RelocationPlan, rank: int, sources) -> set[str]:
     keys = set()
     for m in plan.moves:
         if m.read == rank:
@@ -347,7 +347,7 @@ def _disk_keys(plan: RelocationPlan, rank: int, sources, index: CheckpointIndex)
     return keys
 
 
-def _execute(plan: RelocationPlan, rank: int, locals_, reader, index, sources, progress=None) -> dict:
+def _execute(plan: RelocationPlan, rank: int, locals_, reader, sources, progress=None) -> dict:
     """Run this rank's share of ``plan``. Every rank walks the same rounds in the same order
     and posts only its own ops, so sends and receives pair up without deadlock."""
     stats = {"sent": 0, "received": 0, "read": 0, "peak": 0}
@@ -378,7 +378,11 @@ def _execute(plan: RelocationPlan, rank: int, locals_, reader, index, sources, p
                     stash_last[(r, m.layer, s, m.part)] = k
         if involved:
             mine.append(k)
-    stash: dict[tuple, list[torch.Tensor]] = {}
+    release: dict[int, list[tuple]] = {}  # round -> this rank's stashes read for the last time
+    for key, last in stash_last.items():
+        if key[0] == rank:
+            release.setdefault(last, []).append(key[1:])
+    stash: dict[tuple, list[torch.Tensor]] = {}  # (layer, slot, part) -> old slot content
 
     def source(m, slot: int) -> list[torch.Tensor]:
         got = stash.get((m.layer, slot, m.part))
@@ -394,26 +398,18 @@ def _execute(plan: RelocationPlan, rank: int, locals_, reader, index, sources, p
         bufs = empty(m)
         for buf, p in zip(bufs, plan.parts[(m.layer, m.column)][m.part]):
             src = sources[p.tensor]
-            keys = src.param.keys(src.module, m.expert)
-            sizes = tuple(index.info(k).shape[src.param.dim] for k in keys)
-            base = tuple(o for o, _ in p.box)
-            for j, part_box, sub in expert_parts(p.box, sizes, src.param.dim):
-                dst = buf[tuple(slice(o - b, o - b + n) for (o, n), b in zip(sub, base))]
-                reader.read(keys[j], part_box, out=dst)
+            read_expert_box(reader, src.param, src.module, m.expert, p.box, buf)
         return bufs
 
     for k in mine:
         rnd = plan.rounds[k]
-        staged = sum(plan.stashes[i].nbytes for i in rnd.stashes if plan.stashes[i].rank == rank)
-        staged += sum(s.nbytes for s in plan.stashes if s.rank == rank and s.round < k
-                      and stash_last.get((s.rank, s.layer, s.slot, s.part), -1) >= k)
         for i in rnd.stashes:
             st = plan.stashes[i]
             if st.rank == rank:
                 m_parts = plan.parts[(st.layer, plan.columns[st.layer][rank][0])][st.part]
                 stash[(st.layer, st.slot, st.part)] = [view(p, st.slot).clone() for p in m_parts]
+        staged = sum(x.numel() * x.element_size() for xs in stash.values() for x in xs)
         bufs: dict[int, list[torch.Tensor]] = {}
-        ops_a, ops_b = [], []
         for i in rnd.moves:
             m = moves[i]
             if m.read == rank:
@@ -429,29 +425,24 @@ def _execute(plan: RelocationPlan, rank: int, locals_, reader, index, sources, p
                 if r == rank:
                     bufs[i] = [x.clone() for x in source(m, s)]
                     staged += m.nbytes
-            for src, s, dst in m.sends:
-                if src == rank:
-                    data = source(m, s) if s >= 0 else bufs[i]
-                    ops_a.extend(dist.P2POp(dist.isend, x.contiguous(), dst) for x in data)
-                    stats["sent"] += m.nbytes
-                elif dst == rank:
-                    bufs[i] = empty(m)
-                    ops_a.extend(dist.P2POp(dist.irecv, x, src) for x in bufs[i])
-                    stats["received"] += m.nbytes
-                    staged += m.nbytes
-        _run(ops_a)
-        for i in rnd.moves:
-            m = moves[i]
-            for src, dst in m.relays:
-                if src == rank:
-                    ops_b.extend(dist.P2POp(dist.isend, x, dst) for x in bufs[i])
-                    stats["sent"] += m.nbytes
-                elif dst == rank:
-                    bufs[i] = empty(m)
-                    ops_b.extend(dist.P2POp(dist.irecv, x, src) for x in bufs[i])
-                    stats["received"] += m.nbytes
-                    staged += m.nbytes
-        _run(ops_b)
+        # Phase A sends from old slot contents (src slot >= 0) or a read buffer (-1); phase B
+        # relays what phase A delivered. Each phase is one batch of P2P ops.
+        for phase in ("sends", "relays"):
+            ops = []
+            for i in rnd.moves:
+                m = moves[i]
+                edges = m.sends if phase == "sends" else [(src, -1, dst) for src, dst in m.relays]
+                for src, s, dst in edges:
+                    if src == rank:
+                        data = source(m, s) if s >= 0 else bufs[i]
+                        ops.extend(dist.P2POp(dist.isend, x.contiguous(), dst) for x in data)
+                        stats["sent"] += m.nbytes
+                    elif dst == rank:
+                        bufs[i] = empty(m)
+                        ops.extend(dist.P2POp(dist.irecv, x, src) for x in bufs[i])
+                        stats["received"] += m.nbytes
+                        staged += m.nbytes
+            _run(ops)
         # The round's writes, after every read of old slot contents in it.
         for i in rnd.moves:
             m = moves[i]
@@ -464,9 +455,8 @@ def _execute(plan: RelocationPlan, rank: int, locals_, reader, index, sources, p
                 if progress:
                     progress(m.nbytes)
         stats["peak"] = max(stats["peak"], staged)
-        for key, last in list(stash_last.items()):
-            if last == k and key[0] == rank:
-                stash.pop(key[1:], None)
+        for key in release.get(k, ()):
+            del stash[key]
     if failure:
         raise OSError(f"{failure[0]} (the slots it was meant for now hold zeros; "
                       f"{len(failure)} failed read(s) in all)")

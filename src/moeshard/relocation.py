@@ -363,6 +363,9 @@ def _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops, 
         columns[layer] = cols
         for c, boxes in enumerate(col_boxes):
             parts[(layer, c)] = _part_groups(tensors, by_layer[layer], boxes, max_part)
+        # Bytes of each part group of each column (the same for every expert of the layer).
+        sizes_of = {c: [sum(box_numel(p.box) * tensors[p.tensor].itemsize for p in g) for g in parts[(layer, c)]]
+                    for c in range(len(col_boxes))}
         old_row, new_row = old_p2l[layer], new.phy2log[layer]
         old_list, new_list = old_row.tolist(), new_row.tolist()
         # Needs: (column, expert) -> {rank: [slots]}
@@ -389,7 +392,7 @@ def _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops, 
             for r, s in held:
                 held_by.setdefault(r, s)
             groups = parts[(layer, c)]
-            sizes = [sum(box_numel(p.box) * tensors[p.tensor].itemsize for p in g) for g in groups]
+            sizes = sizes_of[c]
             total = sum(sizes)
             local = [(r, held_by[r]) for r in sorted(need) if r in held_by]
             remote = [r for r in sorted(need) if r not in held_by]

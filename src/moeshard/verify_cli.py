@@ -12,7 +12,6 @@ each one checksum-verified (a blake2b of the slot's bytes, compared with the che
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import sys
 
@@ -38,19 +37,15 @@ def _placement(args, num_layers: int, num_logical: int, ep: int):
     return Placement(p2l, num_logical=num_logical, num_ranks=ep)
 
 
-def _digest(t) -> str:
-    flat = t.detach().contiguous().view(-1).view(__import__("torch").uint8).cpu()
-    return hashlib.blake2b(flat.numpy().tobytes(), digest_size=8).hexdigest()
-
-
 def _slot_report(model, placement, index, reader_root_dir: str) -> list[tuple[int, str, list]]:
     """This rank's slots: ``[(layer, module, [(slot, logical expert, checksum, ok)])]``; each
     checksum is of the slot's bytes, ``ok`` compares it with the checkpoint's (cast alike)."""
     import torch
 
-    from .adapters import expert_parts
+    from .adapters import read_expert_box
     from .checkpoint import CheckpointReader
     from .layout import _local_boxes, expert_layers, local_tensor
+    from .verify import _digest
 
     out = []
     with CheckpointReader(index, reader_root_dir) as reader:
@@ -70,16 +65,10 @@ def _slot_report(model, placement, index, reader_root_dir: str) -> list[tuple[in
                     if e < 0:
                         rows.setdefault(slot, [slot, -1, "", True])
                         continue
-                    keys = p.keys(name, e)
-                    sizes = tuple(index.info(key).shape[p.dim] for key in keys)
-                    want = torch.empty_like(loc[k])
-                    base = tuple(o for o, _ in rest)
-                    for j, part_box, sub in expert_parts(rest, sizes, p.dim):
-                        dst = want[tuple(slice(o - b, o - b + n) for (o, n), b in zip(sub, base))]
-                        reader.read(keys[j], part_box, out=dst)
+                    want = read_expert_box(reader, p, name, e, rest, torch.empty_like(loc[k]))
                     ok = torch.equal(loc[k], want)
                     row = rows.setdefault(slot, [slot, e, "", True])
-                    row[2] += _digest(loc[k])[:8]
+                    row[2] += _digest(loc[k])[:8]  # one short checksum per expert tensor
                     row[3] = row[3] and ok
             out.append((layer, name, [tuple(r) for _, r in sorted(rows.items())]))
     return out
