@@ -3,6 +3,7 @@
 from . import eplb
 from ._dist import DistributedError
 from .adapters import ExpertParam, ExpertsSpec, HF_EXPERTS, MIXTRAL_EXPERTS
+from .ep import clip_grad_norm_, grad_norm, sync_redundant_grads
 from .checkpoint import CheckpointError, CheckpointIndex, CheckpointReader, write_checkpoint
 from .load import LoadReport, load, materialize
 from .parallel import make_mesh, parallelize
@@ -18,6 +19,6 @@ __all__ = [
     "ExpertsSpec", "HF_EXPERTS", "LoadReport", "MIXTRAL_EXPERTS", "Placement", "Topology",
     "TransferPlan", "VerificationError", "VerifyReport", "eplb", "load", "make_mesh", "materialize",
     "parallelize", "plan_relocation", "plan_transfers", "RelocationPlan", "RelocationReport", "relocate",
-    "verify", "write_checkpoint",
+    "verify", "write_checkpoint", "clip_grad_norm_", "grad_norm", "sync_redundant_grads",
 ]
 __version__ = "0.1.0"

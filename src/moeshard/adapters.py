@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 from .box import Box
 
-__all__ = ["ExpertParam", "ExpertsSpec", "HF_EXPERTS", "MIXTRAL_EXPERTS", "DEFAULT_SPECS", "expert_parts",
-           "read_expert_box"]
+__all__ = ["ExpertParam", "ExpertsSpec", "HF_EXPERTS", "MIXTRAL_EXPERTS", "DEFAULT_SPECS", "KEY_RENAMES",
+           "checkpoint_names", "expert_parts", "read_expert_box", "specs_for"]
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,35 @@ MIXTRAL_EXPERTS = ExpertsSpec(
     ),
 )
 DEFAULT_SPECS: tuple[ExpertsSpec, ...] = (HF_EXPERTS, MIXTRAL_EXPERTS)
+
+# Names a checkpoint may use for a model name, besides the name itself: ``(regex, replacement)``.
+# Mixtral-family checkpoints keep the pre-v5 module name ``block_sparse_moe`` for what
+# transformers 5 builds as ``mlp`` (transformers renames it at load time, and so do we).
+KEY_RENAMES: tuple[tuple[str, str], ...] = ((r"\.mlp\.(experts|gate)(\.|$)", r".block_sparse_moe.\1\2"),)
+
+# model_type of a HF config -> (specs to try first, whether its checkpoints use KEY_RENAMES).
+_HF_FAMILIES = {"mixtral": (MIXTRAL_EXPERTS, True), "minimax": (MIXTRAL_EXPERTS, True)}
+
+
+def checkpoint_names(name: str, renames: tuple[tuple[str, str], ...] = KEY_RENAMES) -> tuple[str, ...]:
+    """``name`` and the other names a checkpoint may store it under (own name first)."""
+    out = [name]
+    for pattern, repl in renames:
+        alt = re.sub(pattern, repl, name)
+        if alt not in out:
+            out.append(alt)
+    return tuple(out)
+
+
+def specs_for(model, specs) -> tuple[tuple[ExpertsSpec, ...], bool]:
+    """Order ``specs`` for ``model`` when no checkpoint tells: a HF model's ``config.model_type``
+    picks its family's spec and naming. Returns ``(specs, prefer_renamed_names)``."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    family = _HF_FAMILIES.get(model_type)
+    if family is None or family[0] not in specs:
+        return tuple(specs), False
+    spec, renamed = family
+    return (spec, *(s for s in specs if s is not spec)), renamed
 
 
 def expert_parts(

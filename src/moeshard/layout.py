@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .adapters import DEFAULT_SPECS, ExpertParam, ExpertsSpec, expert_parts
+from .adapters import DEFAULT_SPECS, ExpertParam, ExpertsSpec, checkpoint_names, expert_parts, specs_for
 from .box import Box, full_box
 from .checkpoint import CheckpointIndex, DTYPES
 from .placement import Placement
@@ -31,7 +31,9 @@ __all__ = ["ExpertRef", "ParamDesc", "Need", "describe_model", "compute_needs", 
 
 @dataclass(frozen=True)
 class ExpertRef:
-    """An expert parameter: MoE ``layer`` index, experts-module name, and its spec."""
+    """An expert parameter: MoE ``layer`` index, the checkpoint key prefix of its experts
+    module (the module's name, or the name its checkpoint uses, e.g. ``block_sparse_moe``),
+    and its spec."""
 
     layer: int
     module: str
@@ -89,13 +91,18 @@ def expert_layers(model: nn.Module, specs: Sequence[ExpertsSpec] = DEFAULT_SPECS
     return out
 
 
-def _choose_spec(candidates: Sequence[ExpertsSpec], module: str, index: CheckpointIndex | None) -> ExpertsSpec:
-    if index is None or len(candidates) == 1:
-        return candidates[0]
-    for spec in candidates:
-        if all(k in index for p in spec.params for k in p.keys(module, 0)):
-            return spec
-    return candidates[0]
+def _choose_spec(
+    candidates: Sequence[ExpertsSpec], module: str, index: CheckpointIndex | None, renamed: bool
+) -> tuple[ExpertsSpec, str]:
+    """The spec and checkpoint key prefix of experts module ``module``: the first whose keys
+    the checkpoint has; without a checkpoint, the model family's (``renamed``: its names)."""
+    prefixes = checkpoint_names(module)
+    if index is not None:
+        for spec in candidates:
+            for prefix in prefixes:
+                if all(k in index for p in spec.params for k in p.keys(prefix, 0)):
+                    return spec, prefix
+    return candidates[0], prefixes[-1] if renamed else module
 
 
 def describe_model(
@@ -104,14 +111,19 @@ def describe_model(
     specs: Sequence[ExpertsSpec] = DEFAULT_SPECS,
 ) -> list[ParamDesc]:
     """Describe every parameter and persistent buffer of ``model`` (deduplicated; tied
-    parameters list all their names as checkpoint keys)."""
-    experts: dict[str, tuple[int, ExpertsSpec]] = {}
+    parameters list all their names as checkpoint keys, then the names a checkpoint of the
+    model's family may use instead, :func:`~moeshard.adapters.checkpoint_names`).
+
+    Without ``index`` the names are those the model's family writes (``config.model_type``).
+    """
+    ordered, renamed = specs_for(model, specs)
+    experts: dict[str, tuple[int, ExpertsSpec, str]] = {}
     layer = 0
     for name, mod in model.named_modules():
         names = {n for n, _ in mod.named_parameters(recurse=False)}
-        matching = [s for s in specs if s.matches(name, names)]
+        matching = [s for s in ordered if s.matches(name, names)]
         if matching:
-            experts[name] = (layer, _choose_spec(matching, name, index))
+            experts[name] = (layer, *_choose_spec(matching, name, index, renamed))
             layer += 1
     aliases: dict[int, list[str]] = {}
     tensors: dict[int, torch.Tensor] = {}
@@ -126,10 +138,10 @@ def describe_model(
         module, _, attr = name.rpartition(".")
         expert = None
         if module in experts:
-            layer_idx, spec = experts[module]
+            layer_idx, spec, prefix = experts[module]
             for p in spec.params:
                 if p.name == attr:
-                    expert = ExpertRef(layer_idx, module, p)
+                    expert = ExpertRef(layer_idx, prefix, p)
         if _is_dtensor(t):
             if any(p.is_partial() for p in t.placements):
                 raise ValueError(f"parameter {name}: Partial DTensor placements cannot be loaded")
@@ -140,7 +152,10 @@ def describe_model(
             placements = tuple(t.placements)
         else:
             mesh, placements = None, ()
-        descs.append(ParamDesc(name, tuple(t.shape), t.dtype, mesh, placements, tuple(names), expert))
+        keys = [k for n in names for k in checkpoint_names(n)]
+        if renamed and index is None:  # the family's names first: they are what it writes
+            keys = [k for n in names for k in reversed(checkpoint_names(n))]
+        descs.append(ParamDesc(name, tuple(t.shape), t.dtype, mesh, placements, tuple(dict.fromkeys(keys)), expert))
     return descs
 
 
@@ -237,7 +252,7 @@ def _find_key(d: ParamDesc, index: CheckpointIndex) -> str:
     for key in d.keys:
         if key in index:
             return key
-    also = f" (nor under its tied names {list(d.keys[1:])})" if len(d.keys) > 1 else ""
+    also = f" (nor under its other names {list(d.keys[1:])})" if len(d.keys) > 1 else ""
     raise ValueError(f"parameter {d.name}: checkpoint {index.root} has no tensor {d.keys[0]!r}{also}")
 
 

@@ -19,6 +19,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from .adapters import DEFAULT_SPECS, ExpertsSpec
+from .ep import EPLayer, install_ep_forward
 from .layout import expert_layers
 from .placement import Placement
 
@@ -45,6 +46,7 @@ def parallelize(
     mesh: DeviceMesh,
     placement: Placement,
     specs: Sequence[ExpertsSpec] = DEFAULT_SPECS,
+    ep_forward: bool = True,
 ) -> nn.Module:
     """Collective (all ranks): shard ``model`` in place for EP (+ expert FSDP) and FSDP2.
 
@@ -54,6 +56,10 @@ def parallelize(
         mesh: from :func:`make_mesh` (dims "ep", optionally "efsdp").
         placement: num_physical must be a multiple of the EP size; its num_logical must
             match the model's expert count and its num_layers its MoE layer count.
+        ep_forward: give HF-style experts modules (``gate_up_proj``, ``down_proj``,
+            ``act_fn``) the EP forward of :mod:`moeshard.ep` (tokens reach the ranks that hold
+            their experts). A custom experts module keeps its forward: it must do its own
+            dispatch over ``module.num_local_experts`` local slots.
     Returns:
         the same model (call :func:`moeshard.load` next).
     """
@@ -67,6 +73,7 @@ def parallelize(
     layers = expert_layers(model, specs)
     placement.check_layers(len(layers))
     expert_params: set[nn.Parameter] = set()
+    ep_tables: list[EPLayer | None] = []
     for module_name, module, spec in layers:
         for p in spec.params:
             old = getattr(module, p.name)
@@ -84,7 +91,18 @@ def parallelize(
         # The module now holds this rank's slots only; record the layout for forward code.
         module.num_local_experts = spr
         if efsdp > 1:
+            # Shard(1), not Shard(0): the local box stays one contiguous run of whole slots
+            # whether or not the slot count divides by efsdp (torchtitan's fallback).
             fully_shard(module, mesh=mesh["efsdp"], shard_placement_fn=lambda _: Shard(1))
+        if ep_forward and all(hasattr(module, a) for a in ("gate_up_proj", "down_proj", "act_fn")):
+            layer = len(ep_tables)
+            ep_tables.append(EPLayer(
+                layer, placement.phy2log[layer], placement.log2phy[layer], placement.logcnt[layer], spr,
+                ep_mesh.get_local_rank(), ep_mesh.get_group(), 1.0 / ep,
+            ))
+            install_ep_forward(module, ep_tables[-1])
+        else:
+            ep_tables.append(None)
     dp = _dp_mesh(mesh)
     ignored = expert_params if efsdp == 1 else None
     blocks = _blocks(model)
