@@ -7,10 +7,13 @@
   plans meet their lower bounds in every storage mode.
 * A DeepSeek-V3 config.json (public values) synthesizes a ~671B-parameter index.
 * Bad input: one line on stderr, exit code 2; ``--json`` parses.
+* The pieces: per-rank link counters, Mixtral / Qwen2-MoE synthetic headers, the garbage
+  collector restored after a run.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 
@@ -22,10 +25,11 @@ from moeshard import Placement
 from moeshard.box import box_slices
 from moeshard.checkpoint import CheckpointIndex, write_checkpoint
 from moeshard.cluster import (
-    ClusterSpec, baseline_costs, find_experts, main, make_placement, num_params, parse_bandwidth,
+    ClusterSpec, LinkBytes, baseline_costs, find_experts, main, make_placement, num_params, parse_bandwidth,
     plan_storage_modes, synthesize_descs, synthetic_index,
 )
 from moeshard.layout import compute_needs
+from moeshard.topology import Topology
 
 NUM_LAYERS, NUM_EXPERTS = 2, 8
 
@@ -290,3 +294,65 @@ def test_parse_bandwidth_and_placement_roundtrip(qwen_ckpt):
     layout = find_experts(index)
     pl = _placements(4, 4)[1]
     assert make_placement(layout, ClusterSpec.build(1, 8, 4, 2, 4), pl.phy2log) == pl
+
+
+def test_link_bytes():
+    """A ring broadcast adds one hop per member; a rank's link load is max(sent, received)."""
+    links = LinkBytes(Topology(4, 2))  # nodes {0, 1} and {2, 3}
+    links.ring([0, 1, 2, 3], root=1, nbytes=10)  # 1 -> 0 (intra), 0 -> 2 (inter), 2 -> 3 (intra)
+    assert links.max_rank() == (10, 10)
+    links.add(1, 0, 7)  # rank 0 now receives 17 intra-node
+    links.add(3, 1, 4)
+    assert links.max_rank() == (17, 10)
+    links.add(3, 0, 30)
+    assert links.max_rank() == (17, 34)  # rank 0 receives 34 across nodes
+
+
+MIXTRAL = {"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "num_local_experts": 8,
+           "torch_dtype": "float16"}
+QWEN2_MOE = {"model_type": "qwen2_moe", "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+             "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
+             "num_experts": 16, "shared_expert_intermediate_size": 64, "decoder_sparse_step": 2,
+             "mlp_only_layers": [0], "tie_word_embeddings": True}
+
+
+def test_synthetic_mixtral_and_qwen2_moe():
+    index = synthetic_index(MIXTRAL)
+    layout = find_experts(index)
+    assert (layout.num_layers, layout.num_logical) == (3, 8)
+    assert layout.experts[0].module == "model.layers.0.block_sparse_moe.experts"
+    assert [p.name for p in layout.experts[0].params] == ["gate_up_proj", "down_proj"]  # w1 + w3, w2
+    w2 = index.info("model.layers.2.block_sparse_moe.experts.7.w2.weight")
+    assert (w2.dtype, w2.shape) == ("F16", (64, 128))
+    assert index.info("model.layers.0.self_attn.k_proj.weight").shape == (2 * 16, 64)
+    assert "lm_head.weight" in index
+
+    index = synthetic_index(QWEN2_MOE)
+    layout = find_experts(index)
+    # decoder_sparse_step 2 makes layers 1 and 3 sparse; mlp_only_layers [0] changes nothing more.
+    assert [em.module for em in layout.experts] == ["model.layers.1.mlp.experts", "model.layers.3.mlp.experts"]
+    assert layout.num_logical == 16
+    assert index.info("model.layers.1.mlp.shared_expert.down_proj.weight").shape == (64, 64)
+    assert index.info("model.layers.1.mlp.shared_expert_gate.weight").shape == (1, 64)
+    assert index.info("model.layers.0.mlp.gate_proj.weight").shape == (128, 64)
+    assert index.info("model.layers.3.self_attn.q_proj.bias").shape == (64,)  # Qwen2's qkv bias
+    assert "lm_head.weight" not in index  # tied embeddings
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_run_restores_the_garbage_collector(tmp_path, capsys, enabled):
+    """Planning pauses the cyclic collector; the command leaves it as it found it, on success
+    and on bad input."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(MIXTRAL))
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        assert main(["--synthetic-from-config", str(cfg), "--nodes", "1", "--ranks-per-node", "4", "--ep", "4"]) == 0
+        assert gc.isenabled() == enabled
+        assert main(["--synthetic-from-config", str(cfg), "--nodes", "1", "--ranks-per-node", "4", "--ep", "3"]) == 2
+        assert gc.isenabled() == enabled
+    finally:
+        (gc.enable if was else gc.disable)()
+    capsys.readouterr()

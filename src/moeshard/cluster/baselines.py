@@ -1,0 +1,133 @@
+"""The three baselines of ``benchmarks/baselines.py``, costed analytically from what each of
+them sends (nothing is planned or executed)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from ..box import box_numel
+from ..checkpoint import DTYPES, CheckpointIndex
+from ..layout import Need, ParamDesc, _local_boxes
+from .cost import StrategyCost
+from .spec import ClusterSpec
+
+__all__ = ["baseline_costs"]
+
+
+def _local_bytes(d: ParamDesc, itemsize: int) -> list[tuple[int, int]]:
+    """``[(rank, bytes of its local tensor)]`` of one DTensor parameter."""
+    boxes = _local_boxes(d.shape, d.mesh.shape, d.placements)
+    return [(r, box_numel(b) * itemsize) for r, b in zip(d.mesh.reshape(-1).tolist(), boxes)]
+
+
+def baseline_costs(needs: Sequence[Need], descs: Sequence[ParamDesc], index: CheckpointIndex,
+                   cluster: ClusterSpec) -> list[StrategyCost]:
+    """Costs of the three baselines of ``benchmarks/baselines.py``, computed from what each
+    sends (no execution):
+
+    * rank0-broadcast: rank 0 reads every tensor and broadcasts it whole to all ranks;
+    * chunk-broadcast-loop: dense tensors as above; for every fused expert parameter rank 0
+      reads all its per-expert tensors and, for each rank r = 1..world-1, broadcasts r's local
+      shard to all ranks (one collective + device synchronize each);
+    * node-local-p2p: local rank 0 of every node reads the whole checkpoint and sends each rank
+      of its node each of its boxes with one blocking send.
+    """
+    world, lws = cluster.world_size, cluster.ranks_per_node
+    num_nodes = cluster.num_nodes
+    infos = index.tensors
+    total = sum(t.nbytes for t in infos.values())
+    max_tensor = max((t.nbytes for t in infos.values()), default=0)
+    # Ring-broadcast link bytes over all ranks: a middle rank forwards intra-node, a node's
+    # first/last rank receives/sends across nodes.
+    intra_ring = 1 if lws > 1 else 0
+    inter_ring = 1 if num_nodes > 1 else 0
+    out = []
+
+    # rank0-broadcast: every checkpoint tensor once, to every rank.
+    out.append(StrategyCost(
+        name="rank0-broadcast", kind="baseline",
+        read_bytes_total=total, read_bytes_max_node=total,
+        cross_node_bytes=total * (world - lws),
+        sent_bytes_max_rank=total * (world - 1), recv_bytes_max_rank=total if world > 1 else 0,
+        num_p2p_ops=0, num_collectives=len(infos), num_batches=len(infos),
+        peak_staging_bytes_max_rank=max_tensor,
+        intra_bytes_max_rank=total * intra_ring, inter_bytes_max_rank=total * inter_ring,
+        note="accelerate fsdp2_load_full_state_dict (transformers #45662)",
+    ))
+
+    # chunk-broadcast-loop.
+    expert_keys: set[str] = set()
+    bcast_bytes = 0  # sum of the payloads of all broadcasts
+    num_bcast = 0
+    peak0 = 0
+    num_logical = _num_logical(descs, index)
+    for d in descs:
+        if d.expert is None:
+            continue
+        ref = d.expert
+        keys = [k for e in range(num_logical) for k in ref.param.keys(ref.module, e)]
+        expert_keys.update(keys)
+        full = sum(infos[k].nbytes for k in keys)
+        per_rank = _local_bytes(d, DTYPES[infos[keys[0]].dtype].itemsize)
+        local = [b for r, b in per_rank if r != 0 and b]
+        bcast_bytes += sum(local)
+        num_bcast += len(local)
+        peak0 = max(peak0, full + max(local, default=0))
+    dense_bytes = sum(t.nbytes for k, t in infos.items() if k not in expert_keys)
+    num_dense = len(infos) - len(expert_keys)
+    payload = dense_bytes + bcast_bytes
+    out.append(StrategyCost(
+        name="chunk-broadcast-loop", kind="baseline",
+        read_bytes_total=total, read_bytes_max_node=total,
+        cross_node_bytes=payload * (world - lws),
+        sent_bytes_max_rank=payload * (world - 1), recv_bytes_max_rank=payload if world > 1 else 0,
+        num_p2p_ops=0, num_collectives=num_dense + num_bcast, num_batches=num_dense + num_bcast,
+        peak_staging_bytes_max_rank=max(max_tensor, peak0),
+        intra_bytes_max_rank=payload * intra_ring, inter_bytes_max_rank=payload * inter_ring,
+        note=f"twinkle #200: {num_bcast} expert broadcasts, each followed by a device synchronize",
+    ))
+
+    # node-local-p2p: one blocking send per need of a rank other than its node's local rank 0.
+    # Per-need sizes through a cache: the same few box shapes recur across many thousands of
+    # needs (every expert tensor of a layer, every rank's shard of same-shaped tensors).
+    item = {k: DTYPES[t.dtype].itemsize for k, t in infos.items()}
+    numel: dict = {}
+    ranks = np.fromiter((n.rank for n in needs), dtype=np.int64, count=len(needs))
+    sizes = np.empty(len(needs), dtype=np.int64)
+    for i, n in enumerate(needs):
+        k = numel.get(n.src)
+        if k is None:
+            k = numel[n.src] = box_numel(n.src)
+        sizes[i] = k * item[n.key]
+    need_bytes = np.zeros(world, dtype=np.int64)
+    np.add.at(need_bytes, ranks, sizes)  # exact int64 sums (bincount's weights are float64)
+    need_ops = np.bincount(ranks, minlength=world)
+    is_source = (np.arange(world) % lws) == 0
+    recv = np.where(is_source, 0, need_bytes)
+    sent_node = recv.reshape(num_nodes, lws).sum(1)
+    ops_node = np.where(is_source, 0, need_ops).reshape(num_nodes, lws).sum(1)
+    ops = int(ops_node.sum())  # job-wide, as PlanCost counts; nodes send in parallel, so the
+    # sequential steps (batches) are the busiest node's sends
+    max_need = int(sizes[~is_source[ranks]].max(initial=0))
+    out.append(StrategyCost(
+        name="node-local-p2p", kind="baseline",
+        read_bytes_total=total * num_nodes, read_bytes_max_node=total,
+        cross_node_bytes=0,
+        sent_bytes_max_rank=int(sent_node.max()), recv_bytes_max_rank=int(recv.max()),
+        num_p2p_ops=ops, num_collectives=0, num_batches=int(ops_node.max()),
+        peak_staging_bytes_max_rank=max(max_tensor, max_need),
+        intra_bytes_max_rank=int(max(sent_node.max(), recv.max())), inter_bytes_max_rank=0,
+        note="twinkle #207: every node reads the whole checkpoint; blocking sends one at a time",
+    ))
+    return out
+
+
+def _num_logical(descs: Sequence[ParamDesc], index: CheckpointIndex) -> int:
+    d = next(d for d in descs if d.expert is not None)
+    ref = d.expert
+    n = 0
+    while ref.param.keys(ref.module, n)[0] in index:
+        n += 1
+    return n
