@@ -6,7 +6,8 @@ moeshard and trained 4 AdamW steps on fixed data, each rank on its quarter of th
 (tokens reach their experts through the EP all-to-all). The mean loss over ranks and the
 global gradient norm of every step must match ``from_pretrained`` + the same 4 steps on the
 whole batch in one process within 1e-5 relative. Redundant placements (hot experts copied)
-exercise copy selection and :func:`moeshard.sync_redundant_grads`.
+exercise copy selection and :func:`moeshard.sync_redundant_grads`. After training, a relocation
+to another placement must leave the logits unchanged (tokens follow their experts).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from mp import run_ranks
+from training import one_process_steps
 
 transformers = pytest.importorskip("transformers")
 
@@ -91,23 +93,28 @@ def train_worker(ckpts: dict, scenarios: list) -> list:
             mean = loss.detach().clone()
             dist.all_reduce(mean)
             losses.append(float(mean) / dist.get_world_size())
-        out.append(dict(losses=losses, norms=norms, all_dtensors=all_dtensors, synced=synced))
+        rec = dict(losses=losses, norms=norms, all_dtensors=all_dtensors, synced=synced)
+        if not redundant:
+            # Rebalance the trained model: after relocate, tokens must follow their experts to
+            # their new slots, so the logits stay those of the same logical model.
+            with torch.no_grad():
+                before = model(input_ids=ids).logits
+                rng = np.random.default_rng(1)
+                new = moeshard.Placement(np.stack([rng.permutation(pl.num_physical) for _ in range(NUM_LAYERS[family])]),
+                                         num_logical=pl.num_logical, num_ranks=ep)
+                moeshard.relocate(model, pl, new)
+                after = model(input_ids=ids).logits
+            spr = new.slots_per_rank(ep)
+            mine = slice((rank % ep) * spr, (rank % ep + 1) * spr)
+            rec["relocated_logits_diff"] = float((after - before).abs().max() / before.abs().max())
+            rec["slots_changed"] = not np.array_equal(new.phy2log[:, mine], pl.phy2log[:, mine])
+        out.append(rec)
     return out
 
 
 def _reference(ckpt: str) -> tuple[list[float], list[float]]:
     model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    ids = _data()
-    losses, norms = [], []
-    for _ in range(STEPS):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])))
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, norms
+    return one_process_steps(model, _data(), STEPS, LR)
 
 
 SCENARIOS = [
@@ -150,3 +157,6 @@ def test_loss_and_grad_norm_match_one_process(trained, i):
         np.testing.assert_allclose(got["norms"], ref_norms, rtol=RTOL, atol=0)
         # Redundant placements: every MoE layer was synchronized at every step.
         assert got["synced"] == (STEPS * NUM_LAYERS[family] if redundant else 0)
+        if not redundant:
+            assert got["slots_changed"]
+            assert got["relocated_logits_diff"] < 1e-5

@@ -1,6 +1,6 @@
 """moeshard: put Mixture-of-Experts weights on the right ranks, fast, bounded, verified."""
 
-from . import eplb
+from . import eplb, lora
 from ._dist import DistributedError
 from .adapters import ExpertParam, ExpertsSpec, HF_EXPERTS, MIXTRAL_EXPERTS
 from .ep import clip_grad_norm_, grad_norm, sync_redundant_grads
@@ -17,7 +17,7 @@ from .verify import VerificationError, VerifyReport, verify
 __all__ = [
     "CheckpointError", "CheckpointIndex", "CheckpointReader", "DistributedError", "ExpertParam",
     "ExpertsSpec", "HF_EXPERTS", "LoadReport", "MIXTRAL_EXPERTS", "Placement", "Topology",
-    "TransferPlan", "VerificationError", "VerifyReport", "eplb", "load", "make_mesh", "materialize",
+    "TransferPlan", "VerificationError", "VerifyReport", "eplb", "load", "lora", "make_mesh", "materialize",
     "parallelize", "plan_relocation", "plan_transfers", "RelocationPlan", "RelocationReport", "relocate",
     "verify", "write_checkpoint", "clip_grad_norm_", "grad_norm", "sync_redundant_grads",
 ]

@@ -27,10 +27,11 @@ counts each logical expert once.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import types
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable
 
 import numpy as np
 import torch
@@ -39,7 +40,8 @@ from torch import nn
 
 from .layout import local_tensor
 
-__all__ = ["EPLayer", "install_ep_forward", "sync_redundant_grads", "grad_norm", "clip_grad_norm_"]
+__all__ = ["EPLayer", "SlotLora", "install_ep_forward", "set_placement", "slot_params", "sync_redundant_grads", "grad_norm",
+           "clip_grad_norm_"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -79,12 +81,83 @@ class EPLayer:
         return (experts >= 0) & (self.log2phy[np.maximum(experts, 0), 0] == slots)
 
 
-def install_ep_forward(module: nn.Module, ep_layer: EPLayer) -> None:
+@dataclass(frozen=True, eq=False)
+class SlotLora:
+    """A peft LoRA adapter (``lora.ParamWrapper``) on expert parameter ``param`` of an EP experts
+    module, restricted to this rank's slots (see :mod:`moeshard.lora`).
+
+    Local tensors (``S`` slots, rank ``r``): ``lora_A`` ``[r*S, in]``, rows slot-major (peft's
+    expert-major order over local slots); ``lora_B`` ``[out, r*S]``, columns ``(r, S)`` with the
+    slot fastest (peft's ``(r, experts)`` order). Slot ``s``'s weight is
+    ``W[s] + scaling * B[:, :, s] @ A[s]``.
+    """
+
+    param: str
+    wrapper: nn.Module  # the peft ParamWrapper holding lora_A / lora_B
+    adapter: str
+    scaling: float
+    slots_per_rank: int
+
+    def a(self) -> torch.Tensor:
+        return self.wrapper.lora_A[self.adapter].weight
+
+    def b(self) -> torch.Tensor:
+        return self.wrapper.lora_B[self.adapter].weight
+
+    def a_slots(self, t: torch.Tensor) -> torch.Tensor:
+        """``[r*S, in] -> [S, r, in]`` (a view)."""
+        return t.unflatten(0, (self.slots_per_rank, -1))
+
+    def b_slots(self, t: torch.Tensor) -> torch.Tensor:
+        """``[out, r*S] -> [S, out, r]`` (a view)."""
+        return t.unflatten(1, (-1, self.slots_per_rank)).permute(2, 0, 1)
+
+    def active(self) -> bool:
+        w = self.wrapper
+        return not w.disable_adapters and not w.merged and self.adapter in w.active_adapters
+
+
+def install_ep_forward(module: nn.Module, ep_layer: EPLayer, loras: tuple[SlotLora, ...] = ()) -> None:
     """Replace ``module``'s forward (HF experts: ``gate_up_proj``, ``down_proj``, ``act_fn``)
-    with the EP forward for ``ep_layer``. Called by :func:`moeshard.parallelize`."""
+    with the EP forward for ``ep_layer``, adding ``loras``' deltas to the local slots' weights.
+    Called by :func:`moeshard.parallelize`."""
     module.moeshard_ep = ep_layer
+    module.moeshard_lora = tuple(loras)
     module._moeshard_route = {}
     module.forward = types.MethodType(_ep_forward, module)
+
+
+def set_placement(model: nn.Module, placement) -> int:
+    """Point every EP experts module of ``model`` at ``placement`` (after its weights moved:
+    :func:`moeshard.relocate` calls this), so tokens are routed to the slots that now hold
+    their experts. Local, no communication; every rank must do it with the same placement.
+    Returns the number of layers updated."""
+    layers = ep_layers(model)
+    if not layers:  # custom experts modules route tokens themselves
+        return 0
+    placement.check_layers(len(layers))
+    for module, ep in layers:
+        if placement.num_physical != len(ep.phy2log):
+            raise ValueError(f"the placement has {placement.num_physical} slots per layer, the model {len(ep.phy2log)}")
+        module.moeshard_ep = dataclasses.replace(
+            ep, phy2log=placement.phy2log[ep.layer], log2phy=placement.log2phy[ep.layer],
+            logcnt=placement.logcnt[ep.layer])
+        module._moeshard_route = {}
+    return len(layers)
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def slot_params(module: nn.Module) -> list[tuple[nn.Parameter, Callable[[torch.Tensor], torch.Tensor]]]:
+    """Per-slot parameters of an EP experts module, each with the view of a local tensor (the
+    parameter's or its gradient's) that puts the slots first: the fused expert weights
+    ``[S, ...]`` as they are, and the LoRA factors of :class:`SlotLora`."""
+    out: list = [(p, _identity) for p in module.parameters(recurse=False)]
+    for lora in getattr(module, "moeshard_lora", ()):
+        out += [(lora.a(), lora.a_slots), (lora.b(), lora.b_slots)]
+    return out
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -177,16 +250,19 @@ def _ep_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, to
 
 def _local_experts(self, x: torch.Tensor, local_slots: torch.Tensor, ep: EPLayer) -> torch.Tensor:
     """Run this rank's slots: ``x [R, H]`` rows for local slots ``local_slots int[R]`` -> ``[R, H]``."""
-    gate_up = _local_weight(self.gate_up_proj, ep.grad_scale)  # [S, 2I, H]
-    down = _local_weight(self.down_proj, ep.grad_scale)  # [S, H, I]
+    gate_up = _with_lora(self, "gate_up_proj", _local_weight(self.gate_up_proj, ep.grad_scale), ep)  # [S, 2I, H]
+    down = _with_lora(self, "down_proj", _local_weight(self.down_proj, ep.grad_scale), ep)  # [S, H, I]
     order = torch.argsort(local_slots, stable=True)
     counts = torch.bincount(local_slots, minlength=ep.slots_per_rank).tolist()
+    # unbind, not gate_up[s]: its backward stacks the slots' gradients into one tensor, where
+    # indexing would allocate a zero-filled [S, ...] gradient for every slot.
+    gate_ups, downs = gate_up.unbind(0), down.unbind(0)
     outs = []
     for s, rows in enumerate(torch.split(x[order], counts)):
         if not counts[s]:
             continue
-        gate, up = nn.functional.linear(rows, gate_up[s]).chunk(2, dim=-1)
-        outs.append(nn.functional.linear(self.act_fn(gate) * up, down[s]))
+        gate, up = nn.functional.linear(rows, gate_ups[s]).chunk(2, dim=-1)
+        outs.append(nn.functional.linear(self.act_fn(gate) * up, downs[s]))
     if not outs:
         # Keep rows and weights in the graph: every rank's backward must run the same
         # collectives (the return all-to-all's and the dispatch all-to-all's).
@@ -196,13 +272,20 @@ def _local_experts(self, x: torch.Tensor, local_slots: torch.Tensor, ep: EPLayer
     return torch.empty_like(y).index_copy(0, order, y)
 
 
+def _with_lora(self, name: str, w: torch.Tensor, ep: EPLayer) -> torch.Tensor:
+    """``w [S, out, in]`` plus the active LoRA deltas on parameter ``name`` (peft's factored
+    form: ``baddbmm(W, B, A, alpha=scaling)`` over the local slots)."""
+    for lora in self.moeshard_lora:
+        if lora.param == name and lora.active():
+            a = lora.a_slots(_local_weight(lora.a(), ep.grad_scale))  # [S, r, in]
+            b = lora.b_slots(_local_weight(lora.b(), ep.grad_scale))  # [S, out, r]
+            w = torch.baddbmm(w, b.to(w.dtype), a.to(w.dtype), alpha=lora.scaling)
+    return w
+
+
 def ep_layers(model: nn.Module) -> list[tuple[nn.Module, EPLayer]]:
     """Experts modules of ``model`` with an EP forward installed, in layer order."""
     return [(m, m.moeshard_ep) for m in model.modules() if isinstance(getattr(m, "moeshard_ep", None), EPLayer)]
-
-
-def _expert_params(module: nn.Module) -> Iterable[nn.Parameter]:
-    return (p for p in module.parameters(recurse=False) if p.grad is not None)
 
 
 @torch.no_grad()
@@ -222,8 +305,10 @@ def sync_redundant_grads(model: nn.Module) -> int:
         lo = ep.ep_rank * ep.slots_per_rank
         experts = torch.tensor(ep.phy2log[lo : lo + ep.slots_per_rank])
         live = experts >= 0
-        for p in _expert_params(module):
-            g = local_tensor(p.grad)  # [S, ...]
+        for p, slots in slot_params(module):
+            if p.grad is None:
+                continue
+            g = slots(local_tensor(p.grad))  # [S, ...]
             idx = experts[live].to(g.device)
             total = g.new_zeros((len(ep.logcnt), *g.shape[1:]))
             total.index_add_(0, idx, g[live.to(g.device)])
@@ -241,7 +326,7 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     unsharded model. Returns a scalar tensor on the gradients' device."""
     if norm_type != 2.0:
         raise ValueError(f"only the 2-norm is supported, got norm_type={norm_type}")
-    experts = {id(p): (ep, m) for m, ep in ep_layers(model) for p in m.parameters(recurse=False)}
+    experts = {id(p): (ep, slots) for m, ep in ep_layers(model) for p, slots in slot_params(m)}
     total, device = None, None
     rank = dist.get_rank()
     for p in model.parameters():
@@ -250,9 +335,9 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
         g = local_tensor(p.grad).float()
         device = g.device
         if id(p) in experts:
-            ep, _ = experts[id(p)]
+            ep, slots = experts[id(p)]
             keep = torch.tensor(ep.first_copy(), device=g.device)
-            sq = g[keep].pow(2).sum()
+            sq = slots(g)[keep].pow(2).sum()
         elif hasattr(p.grad, "placements"):
             from torch.distributed.tensor import Replicate
 

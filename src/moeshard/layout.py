@@ -14,6 +14,7 @@ world size.
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
@@ -26,7 +27,8 @@ from .box import Box, full_box
 from .checkpoint import CheckpointIndex, DTYPES
 from .placement import Placement
 
-__all__ = ["ExpertRef", "ParamDesc", "Need", "describe_model", "compute_needs", "local_tensor", "expert_layers"]
+__all__ = ["ExpertRef", "ParamDesc", "Need", "describe_model", "compute_needs", "local_tensor", "expert_layers",
+           "base_names", "is_adapter_param"]
 
 
 @dataclass(frozen=True)
@@ -79,13 +81,44 @@ class Need(NamedTuple):
 # -- model -> ParamDesc -------------------------------------------------------------------
 
 
+# A peft (LoRA) model: ``get_peft_model`` prefixes every name with ``base_model.model.`` and
+# a wrapped module's own parameters move under ``<module>.base_layer``; adapter weights live in
+# ``lora_A`` / ``lora_B`` containers of the wrapper. Checkpoints of the base model use
+# the names without peft's segments.
+_PEFT_PREFIX = "base_model.model."
+_BASE_LAYER = re.compile(r"\.base_layer(?=\.|$)")
+_ADAPTER_SEGMENTS = re.compile(r"(^|\.)(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)\.")
+
+
+def _is_peft(model: nn.Module) -> bool:
+    return any(hasattr(m, "base_layer") and hasattr(m, "lora_A") for m in model.modules())
+
+
+def _strip_peft(name: str) -> str:
+    name = name[len(_PEFT_PREFIX):] if name.startswith(_PEFT_PREFIX) else name
+    return _BASE_LAYER.sub("", name)
+
+
+def base_names(model: nn.Module):
+    """``name -> name in the base model``: identity, or for a peft model the name without
+    peft's ``base_model.model.`` prefix and ``.base_layer`` segments."""
+    return _strip_peft if _is_peft(model) else (lambda name: name)
+
+
+def is_adapter_param(name: str) -> bool:
+    """Whether a parameter name is a peft LoRA adapter weight (not in the base checkpoint)."""
+    return _ADAPTER_SEGMENTS.search(name) is not None
+
+
 def expert_layers(model: nn.Module, specs: Sequence[ExpertsSpec] = DEFAULT_SPECS) -> list[tuple[str, nn.Module, ExpertsSpec]]:
-    """Experts modules of ``model`` in module order (their index is the MoE layer)."""
+    """Experts modules of ``model`` in module order (their index is the MoE layer). In a peft
+    model the experts module is the innermost one (under its ``ParamWrapper`` chain)."""
     out = []
+    base = base_names(model)
     for name, mod in model.named_modules():
         names = {n for n, _ in mod.named_parameters(recurse=False)}
         for spec in specs:
-            if spec.matches(name, names):
+            if spec.matches(base(name), names):
                 out.append((name, mod, spec))
                 break
     return out
@@ -115,19 +148,24 @@ def describe_model(
     model's family may use instead, :func:`~moeshard.adapters.checkpoint_names`).
 
     Without ``index`` the names are those the model's family writes (``config.model_type``).
+    A peft model is described as its base model (checkpoint names without peft's segments;
+    adapter weights left out, see :mod:`moeshard.lora`).
     """
     ordered, renamed = specs_for(model, specs)
+    base, peft = base_names(model), _is_peft(model)
     experts: dict[str, tuple[int, ExpertsSpec, str]] = {}
     layer = 0
     for name, mod in model.named_modules():
         names = {n for n, _ in mod.named_parameters(recurse=False)}
-        matching = [s for s in ordered if s.matches(name, names)]
+        matching = [s for s in ordered if s.matches(base(name), names)]
         if matching:
-            experts[name] = (layer, *_choose_spec(matching, name, index, renamed))
+            experts[name] = (layer, *_choose_spec(matching, base(name), index, renamed))
             layer += 1
     aliases: dict[int, list[str]] = {}
     tensors: dict[int, torch.Tensor] = {}
     for name, t in list(model.named_parameters(remove_duplicate=False)) + _persistent_buffers(model):
+        if peft and is_adapter_param(name):
+            continue  # a peft adapter's weight: moeshard.lora loads and saves those
         aliases.setdefault(id(t), []).append(name)
         tensors[id(t)] = t
     descs = []
@@ -152,9 +190,9 @@ def describe_model(
             placements = tuple(t.placements)
         else:
             mesh, placements = None, ()
-        keys = [k for n in names for k in checkpoint_names(n)]
+        keys = [k for n in names for k in checkpoint_names(base(n))]
         if renamed and index is None:  # the family's names first: they are what it writes
-            keys = [k for n in names for k in reversed(checkpoint_names(n))]
+            keys = [k for n in names for k in reversed(checkpoint_names(base(n)))]
         descs.append(ParamDesc(name, tuple(t.shape), t.dtype, mesh, placements, tuple(dict.fromkeys(keys)), expert))
     return descs
 

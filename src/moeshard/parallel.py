@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Shard
 from .adapters import DEFAULT_SPECS, ExpertsSpec
 from .ep import EPLayer, install_ep_forward
 from .layout import expert_layers
+from .lora import expert_lora_wrappers, shard_expert_lora
 from .placement import Placement
 
 __all__ = ["make_mesh", "parallelize"]
@@ -52,7 +53,10 @@ def parallelize(
 
     Args:
         model: built on the meta device (``with torch.device("meta")``); its experts modules'
-            parameters are ``[num_logical, *slice_shape]``.
+            parameters are ``[num_logical, *slice_shape]``. A peft LoRA model
+            (``get_peft_model``) works too: adapters on expert parameters (``target_parameters``)
+            keep this rank's slots' rows of ``lora_A`` and columns of ``lora_B`` (see
+            :mod:`moeshard.lora`); other adapters are sharded by FSDP2 like any parameter.
         mesh: from :func:`make_mesh` (dims "ep", optionally "efsdp").
         placement: num_physical must be a multiple of the EP size; its num_logical must
             match the model's expert count and its num_layers its MoE layer count.
@@ -75,6 +79,11 @@ def parallelize(
     expert_params: set[nn.Parameter] = set()
     ep_tables: list[EPLayer | None] = []
     for module_name, module, spec in layers:
+        # peft LoRA on expert params (ParamWrappers around the module): per-slot local factors.
+        wrappers = expert_lora_wrappers(model, module_name, spec)
+        loras = tuple(shard_expert_lora(w, ep_mesh, placement) for w in wrappers)
+        lora_b = {id(lora.b()) for lora in loras}
+        expert_params.update(t for lora in loras for t in (lora.a(), lora.b()))
         for p in spec.params:
             old = getattr(module, p.name)
             if old.shape[0] != placement.num_logical:
@@ -93,14 +102,19 @@ def parallelize(
         if efsdp > 1:
             # Shard(1), not Shard(0): the local box stays one contiguous run of whole slots
             # whether or not the slot count divides by efsdp (torchtitan's fallback).
-            fully_shard(module, mesh=mesh["efsdp"], shard_placement_fn=lambda _: Shard(1))
+            # LoRA B [out, r*S] shards its rows instead (its columns are EP's).
+            fully_shard(wrappers[-1] if wrappers else module, mesh=mesh["efsdp"],
+                        shard_placement_fn=lambda t, b=lora_b: Shard(0) if id(t) in b else Shard(1))
         if ep_forward and all(hasattr(module, a) for a in ("gate_up_proj", "down_proj", "act_fn")):
             layer = len(ep_tables)
             ep_tables.append(EPLayer(
                 layer, placement.phy2log[layer], placement.log2phy[layer], placement.logcnt[layer], spr,
                 ep_mesh.get_local_rank(), ep_mesh.get_group(), 1.0 / ep,
             ))
-            install_ep_forward(module, ep_tables[-1])
+            install_ep_forward(module, ep_tables[-1], loras)
+        elif loras:
+            raise ValueError(f"{module_name}: LoRA adapters on expert parameters need moeshard's EP forward "
+                             "(ep_forward=True and an HF-style experts module)")
         else:
             ep_tables.append(None)
     dp = _dp_mesh(mesh)

@@ -25,6 +25,7 @@ from . import _dist
 from .adapters import DEFAULT_SPECS, ExpertParam, ExpertsSpec, read_expert_box
 from .box import Box, box_shape, full_box
 from .checkpoint import CheckpointIndex, CheckpointReader
+from .ep import set_placement
 from .layout import ExpertRef, ParamDesc, _local_boxes, _part_sizes, describe_model, expert_layers, local_tensor
 from .load import Storage, reader_root, resolve_sources
 from .placement import Placement
@@ -135,6 +136,11 @@ def _check_undeclared(model: nn.Module, specs: Sequence[ExpertsSpec], tensors: l
     its expert moves: refuse when it looks per-expert (leading dim = number of slots)."""
     num_physical = max(s0 + ns for t in tensors for _, s0, ns, _ in t.holdings)
     for name, mod, spec in expert_layers(model, specs):
+        if getattr(mod, "moeshard_lora", ()):
+            raise ValueError(
+                f"experts module {name} carries LoRA adapters (peft), which relocate does not move yet: "
+                "save the adapter (moeshard.lora.save_adapter), relocate the base model, load the adapter again"
+            )
         declared = {p.name for p in spec.params}
         for pname, p in mod.named_parameters(recurse=False):
             if pname not in declared and p.dim() and p.shape[0] == num_physical:
@@ -313,6 +319,8 @@ def relocate(
     finally:
         if reader is not None:
             reader.close()
+    if isinstance(target, nn.Module):
+        set_placement(target, new)  # route tokens to where the experts are now
     c = plan.cost
     return RelocationReport(
         rank=rank,

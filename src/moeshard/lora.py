@@ -1,0 +1,589 @@
+"""peft LoRA adapters on an EP + FSDP2 model: load and save them through moeshard's planner.
+
+The user builds the model on meta, applies peft, parallelizes, loads::
+
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(config)
+    model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"],
+                                             target_parameters=["mlp.experts.gate_up_proj",
+                                                                "mlp.experts.down_proj"]))
+    moeshard.parallelize(model, mesh, placement)
+    moeshard.lora.load(model, "base_ckpt", "adapter_dir", placement=placement)
+    ...train...
+    moeshard.lora.save_adapter(model, "out_adapter", placement=placement)
+
+Layouts. peft's ``lora.ParamWrapper`` on a fused expert parameter ``[E, out, in]`` holds
+``lora_A.weight [r*E, in]`` (rows expert-major: ``reshape(E, r, in)``) and ``lora_B.weight
+[out, r*E]`` (columns ``reshape(out, r, E)``: the expert is the *fast* index). Expert ``e``'s
+delta is ``scaling * B[:, :, e] @ A[e]``. Under EP a rank keeps its ``S`` slots only:
+
+* ``lora_A``: DTensor ``[r*P, in]``, ``Shard(0)`` on "ep" (local ``[r*S, in]``, slot-major; the
+  rows of physical slot ``p`` are ``p*r .. p*r+r-1``); with expert FSDP also ``Shard(1)``;
+* ``lora_B``: DTensor ``[out, r*P]``, ``Shard(1)`` on "ep" (local ``[out, r*S]`` in peft's
+  ``(r, slot)`` column order, slot fastest); with expert FSDP also ``Shard(0)`` (its rows).
+
+So for EP the A and B of one expert split on different dims, and B's columns of one expert
+are strided: loading and saving use one box per (expert, rank row) of B. Every copy of a
+redundant expert gets its logical expert's factors; saving writes each logical expert once,
+from its first copy. Other LoRA weights (``lora.Linear`` on attention projections) are plain
+FSDP2 parameters: ``Shard(0)`` boxes like any dense weight.
+
+Adapter files are peft's: ``adapter_model.safetensors`` (keys like
+``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``, the model's parameter
+names without the adapter name) and ``adapter_config.json``. One adapter per model
+(``default`` or any single name); LoRA variants (DoRA, biases, embeddings) are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _dist
+from .adapters import ExpertsSpec
+from .box import Box, box_numel, box_shape, box_slices
+from .checkpoint import DTYPES, CheckpointIndex, CheckpointReader
+from .ep import SlotLora, ep_layers
+from .layout import Need, ParamDesc, _local_boxes, compute_needs, is_adapter_param, local_tensor
+from .placement import Placement
+from .plan import DEFAULT_STAGING_BYTES, plan_transfers
+from .topology import Topology
+
+__all__ = ["AdapterError", "AdapterReport", "ADAPTER_WEIGHTS", "ADAPTER_CONFIG", "adapter_tensors", "load",
+           "load_adapter", "save_adapter"]
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+class AdapterError(_dist.DistributedError, ValueError):
+    """Raised on every rank when an adapter does not fit the model (missing or unexpected key,
+    a shape of another LoRA rank ``r``, a config with other ``r`` / ``lora_alpha``) or when
+    loading or saving it failed on any rank; names each failing rank and its message."""
+
+
+# -- parallelize's part: expert LoRA wrappers -> per-slot local factors --------------------
+
+
+def _is_param_wrapper(m: nn.Module) -> bool:
+    return hasattr(m, "parameter_name") and hasattr(m, "lora_A") and hasattr(m, "base_layer")
+
+
+def expert_lora_wrappers(model: nn.Module, module_name: str, spec: ExpertsSpec) -> list[nn.Module]:
+    """peft ``ParamWrapper`` modules around experts module ``module_name`` (its
+    ``...base_layer`` parents), innermost first; [] without peft."""
+    out = []
+    names = {p.name for p in spec.params}
+    while module_name.endswith(".base_layer"):
+        module_name = module_name[: -len(".base_layer")]
+        wrapper = model.get_submodule(module_name)
+        if not _is_param_wrapper(wrapper):
+            break
+        if wrapper.parameter_name not in names:
+            raise ValueError(f"{module_name}: a LoRA adapter on {wrapper.parameter_name!r}, which is not an "
+                             f"expert parameter of its spec ({sorted(names)})")
+        out.append(wrapper)
+    return out
+
+
+def _passthrough(self, *args, **kwargs):
+    # The EP forward adds the delta for the local slots (peft's parametrization would add a
+    # [num_logical, ...] delta to a [num_physical, ...] DTensor).
+    return self.base_layer(*args, **kwargs)
+
+
+def shard_expert_lora(wrapper: nn.Module, ep_mesh, placement: Placement) -> SlotLora:
+    """Replace ``wrapper``'s (meta) ``lora_A`` ``[r*E, in]`` / ``lora_B`` ``[out, r*E]`` by EP
+    DTensors holding this rank's slots (module doc), bypass peft's forward, and return the
+    :class:`SlotLora` the EP forward uses. Called by :func:`moeshard.parallelize`."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    adapters = list(wrapper.lora_A.keys())
+    if len(adapters) != 1:
+        raise ValueError(f"{type(wrapper).__name__} on {wrapper.parameter_name!r}: moeshard supports one LoRA "
+                         f"adapter per model, found {adapters}")
+    name = adapters[0]
+    if wrapper.lora_bias.get(name) or wrapper.use_dora.get(name):
+        raise ValueError(f"LoRA adapter {name!r} on {wrapper.parameter_name!r}: lora_bias / DoRA are not supported")
+    r, num_logical, num_physical = wrapper.r[name], placement.num_logical, placement.num_physical
+    spr = placement.slots_per_rank(ep_mesh.size())
+    a, b = wrapper.lora_A[name].weight, wrapper.lora_B[name].weight
+    if a.shape[0] != r * num_logical or b.shape[1] != r * num_logical:
+        raise ValueError(f"LoRA adapter on {wrapper.parameter_name!r}: lora_A {list(a.shape)} / lora_B "
+                         f"{list(b.shape)} do not hold r={r} x {num_logical} experts")
+    for lin, old, local, dim in ((wrapper.lora_A[name], a, (r * spr, a.shape[1]), 0),
+                                 (wrapper.lora_B[name], b, (b.shape[0], r * spr), 1)):
+        shape = list(old.shape)
+        shape[dim] = r * num_physical
+        t = torch.empty(local, dtype=old.dtype, device=old.device)
+        dt = DTensor.from_local(t, ep_mesh, [Shard(dim)], run_check=False, shape=torch.Size(shape),
+                                stride=(shape[1], 1))
+        lin.weight = nn.Parameter(dt, requires_grad=old.requires_grad)
+    wrapper.forward = types.MethodType(_passthrough, wrapper)
+    return SlotLora(wrapper.parameter_name, wrapper, name, float(wrapper.scaling[name]), spr)
+
+
+# -- the model's adapter tensors ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AdapterTensor:
+    """One LoRA weight of the model as the adapter file stores it.
+
+    Args:
+        name: parameter name in the model.
+        key: key in ``adapter_model.safetensors`` (``name`` without the adapter name).
+        shape: shape in the file (expert factors: over all ``num_logical`` experts).
+        factor: "A" or "B" for a factor of an expert parameter, "" otherwise.
+        layer: MoE layer of an expert factor (-1 otherwise).
+        rank: LoRA rank r.
+        what: for messages (``r=8`` and, for expert factors, the number of experts).
+    """
+
+    name: str
+    key: str
+    shape: tuple[int, ...]
+    factor: str = ""
+    layer: int = -1
+    rank: int = 0
+    what: str = ""
+
+
+def _adapter_key(name: str, adapter: str) -> str:
+    return re.sub(rf"\.(lora_A|lora_B)\.{re.escape(adapter)}(?=\.)", r".\1", name)
+
+
+def _lora_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """peft LoRA layers (``lora_A`` ModuleDicts) by qualified name."""
+    return {n: m for n, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")}
+
+
+def adapter_tensors(model: nn.Module, placement: Placement | None) -> list[tuple[AdapterTensor, nn.Parameter]]:
+    """Every LoRA weight of a (peft, parallelized) model with its file key and file shape."""
+    experts = {}
+    for module, ep in ep_layers(model):
+        for lora in module.moeshard_lora:
+            experts[id(lora.a())] = ("A", ep.layer, lora)
+            experts[id(lora.b())] = ("B", ep.layer, lora)
+    layers = _lora_modules(model)
+    out = []
+    for name, p in model.named_parameters():
+        if not is_adapter_param(name):
+            continue
+        owner = next((layers[m] for m in _prefixes(name) if m in layers), None)
+        if owner is None or not re.search(r"\.lora_(A|B)\.[^.]+\.weight$", name):
+            raise ValueError(f"parameter {name}: only LoRA A/B weights are supported (no DoRA, embeddings, biases)")
+        adapter = name.rsplit(".", 2)[-2]
+        r = owner.r[adapter]
+        key = _adapter_key(name, adapter)
+        if id(p) in experts:
+            factor, layer, _ = experts[id(p)]
+            if placement is None:
+                raise ValueError("a model with LoRA on expert parameters needs its placement")
+            shape = list(p.shape)
+            dim = 0 if factor == "A" else 1
+            shape[dim] = r * placement.num_logical
+            out.append((AdapterTensor(name, key, tuple(shape), factor, layer, r,
+                                      f"r={r} x {placement.num_logical} experts"), p))
+        else:
+            out.append((AdapterTensor(name, key, tuple(p.shape), rank=r, what=f"r={r}"), p))
+    return out
+
+
+def _prefixes(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
+
+
+def _desc(t: AdapterTensor, p: torch.Tensor) -> ParamDesc:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(p, DTensor):
+        mesh, placements = p.device_mesh.mesh.cpu().numpy(), tuple(p.placements)
+    else:
+        mesh, placements = None, ()
+    return ParamDesc(t.name, tuple(p.shape), p.dtype, mesh, placements, (t.key,))
+
+
+def _rank_boxes(d: ParamDesc, world_size: int) -> list[tuple[int, Box]]:
+    if d.mesh is None:
+        return [(r, tuple((0, n) for n in d.shape)) for r in range(world_size)]
+    boxes = _local_boxes(d.shape, d.mesh.shape, d.placements)
+    return list(zip(d.mesh.reshape(-1).tolist(), boxes))
+
+
+def _slot_boxes(t: AdapterTensor, d: ParamDesc, placement: Placement, world_size: int):
+    """For an expert factor: ``(rank, slot, local box, file box)`` of every slot's rows of A /
+    columns of B on every rank (B: one box per rank-r column). Slot ``p`` of A is global rows
+    ``p*r ..``; B's global columns are ``(ep rank, r, slot)``: rank k's block is
+    ``k*r*S .. (k+1)*r*S``."""
+    r, num_logical = t.rank, placement.num_logical
+    num_physical = placement.num_physical
+    phy2log = placement.phy2log[t.layer]
+    spr = num_physical // placement.num_ranks
+    for rank, box in _rank_boxes(d, world_size):
+        if not all(n for _, n in box):
+            continue
+        (r0, nr), (c0, nc) = box
+        if t.factor == "A":
+            for p in range(r0 // r, (r0 + nr) // r):
+                if phy2log[p] < 0:
+                    continue  # an empty slot: nothing to load or save
+                yield rank, p, ((p * r - r0, r), (0, nc)), ((int(phy2log[p]) * r, r), (c0, nc))
+        else:
+            k = c0 // (r * spr)
+            for s in range(spr):
+                p = k * spr + s
+                if phy2log[p] < 0:
+                    continue
+                for j in range(r):
+                    col = j * spr + s
+                    yield rank, p, ((0, nr), (k * r * spr + col - c0, 1)), ((r0, nr), (j * num_logical + int(phy2log[p]), 1))
+
+
+# -- load -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AdapterReport:
+    """What :func:`load_adapter` or :func:`save_adapter` did on this rank."""
+
+    rank: int
+    num_tensors: int
+    num_boxes: int
+    bytes_rank: int
+    plan: dict
+
+
+def _check_adapter(tensors: list[AdapterTensor], index: CheckpointIndex, config: dict | None, path: str,
+                   scalings: dict[str, tuple[int, float]]) -> None:
+    """ValueError for a key set, shape or config that does not fit the model's adapter."""
+    want = {t.key: t for t in tensors}
+    for key in want:
+        if key not in index:
+            t = want[key]
+            raise ValueError(f"adapter {path} has no tensor {key!r} (the model expects a LoRA weight of shape "
+                             f"{list(t.shape)}, {t.what})")
+    extra = sorted(k for k in index.tensors if k not in want)
+    if extra:
+        raise ValueError(f"adapter {path} has tensor {extra[0]!r} ({len(extra)} such), which the model has no LoRA "
+                         f"weight for; the model's adapter keys are like {sorted(want)[0]!r}")
+    for key, t in want.items():
+        info = index.info(key)
+        if tuple(info.shape) != t.shape:
+            raise ValueError(f"adapter tensor {key!r} has shape {list(info.shape)}, the model expects "
+                             f"{list(t.shape)} ({t.what})")
+        if not DTYPES[info.dtype].is_floating_point:
+            raise ValueError(f"adapter tensor {key!r} has dtype {info.dtype}, not a floating-point type")
+    if config is not None:
+        for adapter, (r, scaling) in scalings.items():
+            cr = config.get("r")
+            alpha = config.get("lora_alpha", cr)
+            if cr != r:
+                raise ValueError(f"{path}/{ADAPTER_CONFIG}: r={cr}, the model's adapter {adapter!r} has r={r}")
+            cs = alpha / (cr ** 0.5 if config.get("use_rslora") else cr)
+            if not np.isclose(cs, scaling, rtol=1e-6):
+                raise ValueError(f"{path}/{ADAPTER_CONFIG}: lora_alpha={alpha} gives scaling {cs}, the model's "
+                                 f"adapter {adapter!r} has scaling {scaling}")
+
+
+def _needs(items: list[tuple[AdapterTensor, ParamDesc]], index: CheckpointIndex, placement: Placement | None,
+           world_size: int) -> list[Need]:
+    plain = [(i, d) for i, (t, d) in enumerate(items) if not t.factor]
+    needs = [n._replace(param=plain[n.param][0]) for n in compute_needs([d for _, d in plain], index, None, world_size)]
+    for i, (t, d) in enumerate(items):
+        if t.factor:
+            assert placement is not None
+            needs.extend(Need(rank, i, dest, t.key, src) for rank, _, dest, src in _slot_boxes(t, d, placement, world_size))
+    return needs
+
+
+def _scalings(model: nn.Module) -> dict[str, tuple[int, float]]:
+    out = {}
+    for m in _lora_modules(model).values():
+        for adapter in m.lora_A.keys():
+            out[adapter] = (int(m.r[adapter]), float(m.scaling[adapter]))
+    return out
+
+
+def _agree(step, what: str, fingerprint=None):
+    try:
+        return _dist.agree(step, what, fingerprint=fingerprint)
+    except _dist.DistributedError as e:
+        raise AdapterError(str(e)) from None
+
+
+def load_adapter(
+    model: nn.Module,
+    adapter: str | os.PathLike,
+    placement: Placement | None = None,
+    storage: str = "auto",
+    *,
+    topology: Topology | None = None,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+    device: torch.device | None = None,
+) -> AdapterReport:
+    """Collective (every rank): load a peft adapter directory (or its ``.safetensors`` file)
+    into the LoRA weights of a parallelized peft model, every rank its own boxes: FSDP shards
+    of attention adapters, its slots' rows of expert ``lora_A`` and columns of ``lora_B``
+    (every copy of a redundant expert gets its logical expert's). Reads, P2P and storage
+    modes are :func:`moeshard.load`'s (the same planner and executor).
+
+    Raises:
+        AdapterError (a ValueError) on every rank: an adapter key missing or unexpected, a
+            shape of another rank r or expert count, ``adapter_config.json``'s r / lora_alpha
+            different from the model's, a failed read.
+    """
+    from .execute import execute_plan, node_groups
+    from .load import materialize, resolve_sources
+
+    topo = (topology or Topology.from_env())
+    rank = _dist.rank_and_world()[0]
+    topo = topo.with_rank(rank)
+    path = Path(os.fspath(adapter))
+    weights = path if path.suffix == ".safetensors" else path / ADAPTER_WEIGHTS
+    root = weights.parent
+
+    dev = _agree(lambda: materialize(model, device), "moeshard.lora.load_adapter: materializing the model")
+    mode, readers, scope, index = resolve_sources(str(weights), storage, topo, weights.is_file())
+    first = int(np.flatnonzero(readers)[0])
+
+    def read_config():
+        if rank != first or not (root / ADAPTER_CONFIG).is_file():
+            return None
+        return json.loads((root / ADAPTER_CONFIG).read_text())
+
+    config = _dist.broadcast_object(_agree(read_config, f"moeshard.lora.load_adapter: reading {ADAPTER_CONFIG}"),
+                                    src=first)
+
+    def make_plan():
+        pairs = adapter_tensors(model, placement)
+        _check_adapter([t for t, _ in pairs], index, config, str(root), _scalings(model))
+        items = [(t, _desc(t, p)) for t, p in pairs]
+        needs = _needs(items, index, placement, topo.world_size)
+        return pairs, plan_transfers(needs, index, topo, readers, scope=scope, staging_bytes=staging_bytes)
+
+    pairs, plan = _agree(make_plan, f"moeshard.lora.load_adapter: planning {weights}",
+                         fingerprint=lambda pp: pp[1].fingerprint)
+    reader = CheckpointReader(index, str(root)) if readers[rank] else None
+    group = node_groups(topo.local_world_size) if any(ph.broadcasts for c in plan.chunks for ph in c.phases) else None
+    try:
+        with torch.no_grad():
+            stats = execute_plan(plan, rank, reader, index, [local_tensor(p) for _, p in pairs], dev, node_group=group)
+    except _dist.DistributedError as e:
+        raise AdapterError(str(e)) from None
+    finally:
+        if reader is not None:
+            reader.close()
+    if _dist.is_dist():
+        dist.barrier()
+    return AdapterReport(rank, len(pairs), sum(1 for n in plan.needs if n.rank == rank),
+                         stats.bytes_read + stats.bytes_received, plan.cost.summary())
+
+
+def load(model: nn.Module, checkpoint, adapter, placement: Placement | None = None, storage: str = "auto", **kwargs):
+    """Collective: :func:`moeshard.load` of the base ``checkpoint`` (its keys have no peft
+    prefixes), then :func:`load_adapter`. Returns ``(LoadReport, AdapterReport)``."""
+    from .load import load as load_base
+
+    base = load_base(model, checkpoint, placement=placement, storage=storage, **kwargs)
+    keep = {k: kwargs[k] for k in ("topology", "staging_bytes", "device") if k in kwargs}
+    return base, load_adapter(model, adapter, placement=placement, storage=storage, **keep)
+
+
+# -- save -----------------------------------------------------------------------------------
+
+
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def _segments(items, placement, world_size) -> list[list[tuple[int, int, Box, Box]]]:
+    """Per adapter tensor, ``(rank, param, local box, file box)`` covering the file tensor
+    exactly once: an expert's factors from its first copy, a dense box from its first holder."""
+    out = []
+    for i, (t, d) in enumerate(items):
+        segs = []
+        if t.factor:
+            first = placement.log2phy[t.layer, :, 0]
+            segs = [(rank, i, dest, src) for rank, p, dest, src in _slot_boxes(t, d, placement, world_size)
+                    if first[int(placement.phy2log[t.layer, p])] == p]
+        else:
+            seen = set()
+            for rank, box in _rank_boxes(d, world_size):
+                if all(n for _, n in box) and box not in seen:
+                    seen.add(box)
+                    segs.append((rank, i, tuple((0, n) for _, n in box), box))
+        total = sum(box_numel(s[3]) for s in segs)
+        if total != int(np.prod(t.shape)):
+            raise ValueError(f"adapter tensor {t.key!r}: the ranks hold {total} of its {int(np.prod(t.shape))} "
+                             "elements (a logical expert with no slot?)")
+        out.append(segs)
+    return out
+
+
+def _header(items) -> tuple[bytes, list[int]]:
+    """safetensors header (keys sorted, 8-byte aligned) and each item's data offset."""
+    order = sorted(range(len(items)), key=lambda i: items[i][0].key)
+    meta: dict = {"__metadata__": {"format": "pt"}}
+    offsets = [0] * len(items)
+    pos = 0
+    for i in order:
+        t, d = items[i]
+        n = int(np.prod(t.shape)) * d.dtype.itemsize
+        meta[t.key] = {"dtype": _DTYPE_NAMES[d.dtype], "shape": list(t.shape), "data_offsets": [pos, pos + n]}
+        offsets[i] = pos
+        pos += n
+    head = json.dumps(meta, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    return len(head).to_bytes(8, "little") + head, offsets
+
+
+def save_adapter(
+    model: nn.Module,
+    out_dir: str | os.PathLike,
+    placement: Placement | None = None,
+    *,
+    single_writer: bool = False,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+) -> AdapterReport:
+    """Collective (every rank): write the model's LoRA weights as a peft adapter
+    (``adapter_model.safetensors`` + ``adapter_config.json``) that ``PeftModel.from_pretrained``
+    loads on one process.
+
+    Each adapter tensor is assembled by one writer rank (tensors spread round-robin over the
+    ranks; ``single_writer=True``: all by rank 0, for ``out_dir`` on storage only rank 0 sees),
+    from the holders of its boxes by P2P; an expert's factors come from its first copy, once.
+    Writers write their tensors at their offsets (known to every rank from the header) in the
+    one file, so ``out_dir`` must be on storage all ranks share unless ``single_writer``. The
+    file is written under a temporary name and renamed once every rank succeeded.
+
+    Raises:
+        AdapterError on every rank if any rank failed.
+    """
+    rank, world = _dist.rank_and_world()
+    out = Path(os.fspath(out_dir))
+
+    def make_plan():
+        items = [(t, _desc(t, p)) for t, p in adapter_tensors(model, placement)]
+        if not items:
+            raise ValueError("the model has no LoRA weights")
+        for t, d in items:
+            if d.dtype not in _DTYPE_NAMES:
+                raise ValueError(f"adapter tensor {t.key!r}: dtype {d.dtype} cannot be stored in safetensors")
+        segs = _segments(items, placement, world)
+        writers = [0 if single_writer else i % world for i in range(len(items))]
+        head, offsets = _header(items)
+        return items, segs, writers, head, offsets
+
+    items, segs, writers, head, offsets = _agree(make_plan, "moeshard.lora.save_adapter: planning",
+                                                 fingerprint=lambda x: repr((x[3], x[2])))
+    params = dict(model.named_parameters())
+    locals_ = [local_tensor(params[t.name]) for t, _ in items]
+    tmp = out / f".{ADAPTER_WEIGHTS}.moeshard-tmp"
+
+    def create():
+        if rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(head)
+                f.truncate(len(head) + sum(int(np.prod(t.shape)) * d.dtype.itemsize for t, d in items))
+
+    _agree(create, f"moeshard.lora.save_adapter: creating {tmp}")
+    written = [0]
+
+    def write():
+        _write_tensors(items, segs, writers, offsets, len(head), locals_, tmp, rank, staging_bytes, written)
+
+    _agree(write, f"moeshard.lora.save_adapter: writing {tmp}")
+
+    def finish():
+        if rank == 0:
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, out / ADAPTER_WEIGHTS)
+            config = getattr(model, "peft_config", None)
+            if config:
+                (next(iter(config.values()))).save_pretrained(str(out))
+
+    _agree(finish, f"moeshard.lora.save_adapter: renaming into {out}")
+    mine = sum(1 for s in segs for seg in s if seg[0] == rank)
+    return AdapterReport(rank, len(items), mine, written[0], {"writers": sorted(set(writers))})
+
+
+def _write_tensors(items, segs, writers, offsets, data_start, locals_, path, rank, staging_bytes, written) -> None:
+    """Rounds of whole tensors (at most ``staging_bytes`` of them per round, at least one):
+    holders send their boxes to the tensor's writer in one message per (holder, tensor); the
+    writer assembles the tensor and writes it at its offset. The same rounds on every rank."""
+    rounds, cur, size = [], [], 0
+    for i, (t, d) in enumerate(items):
+        n = int(np.prod(t.shape)) * d.dtype.itemsize
+        if cur and size + n > staging_bytes:
+            rounds.append(cur)
+            cur, size = [], 0
+        cur.append(i)
+        size += n
+    if cur:
+        rounds.append(cur)
+    fd = None
+    if rank in writers:
+        fd = os.open(path, os.O_WRONLY)
+    try:
+        for tensors in rounds:
+            ops, recvs = [], []
+            for i in tensors:
+                w = writers[i]
+                by_holder: dict[int, list] = {}
+                for seg in segs[i]:
+                    by_holder.setdefault(seg[0], []).append(seg)
+                for h in sorted(by_holder):
+                    if h == w:
+                        continue
+                    if rank == h:
+                        buf = torch.cat([locals_[p][box_slices(lb)].reshape(-1) for _, p, lb, _ in by_holder[h]])
+                        ops.append(dist.P2POp(dist.isend, buf, w))
+                    elif rank == w:
+                        n = sum(box_numel(fb) for *_, fb in by_holder[h])
+                        buf = locals_[i].new_empty(n)
+                        ops.append(dist.P2POp(dist.irecv, buf, h))
+                        recvs.append((i, by_holder[h], buf))
+            if ops:
+                for req in dist.batch_isend_irecv(ops):
+                    req.wait()
+            for i in tensors:
+                if writers[i] != rank:
+                    continue
+                t, d = items[i]
+                full = torch.empty(t.shape, dtype=d.dtype)
+                for holder, p, lb, fb in segs[i]:
+                    if holder == rank:
+                        full[box_slices(fb)] = locals_[p][box_slices(lb)].cpu()
+                for j, hsegs, buf in recvs:
+                    if j != i:
+                        continue
+                    pos = 0
+                    for *_, fb in hsegs:
+                        n = box_numel(fb)
+                        full[box_slices(fb)] = buf[pos : pos + n].view(box_shape(fb)).cpu()
+                        pos += n
+                data = full.contiguous().view(torch.uint8).numpy().tobytes()
+                _pwrite_all(fd, data, data_start + offsets[i])
+                written[0] += len(data)
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
