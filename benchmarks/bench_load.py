@@ -536,6 +536,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def checkpoint_path(ckpt: str | None, size_mib: float) -> Path:
+    """The checkpoint directory: ``ckpt`` if given, else the cache for ``size_mib``."""
+    if ckpt:
+        return Path(ckpt)
+    return Path("bench_out") / ("ckpt" if size_mib == 1024 else f"ckpt_{size_mib:g}mib")
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     t_start = time.perf_counter()
@@ -544,8 +551,7 @@ def main(argv=None) -> dict:
     from benchmarks.bench_load import rank_main  # importable by name in the spawned ranks
 
     dims = model_dims(args.size_mib)
-    ckpt = Path(args.ckpt) if args.ckpt else Path("bench_out") / (
-        "ckpt" if args.size_mib == 1024 else f"ckpt_{args.size_mib:g}mib")
+    ckpt = checkpoint_path(args.ckpt, args.size_mib)
     print(f"[bench_load] checkpoint {ckpt} (~{checkpoint_bytes(dims) / MiB:,.0f} MiB) ...", flush=True)
     built, build_s = ensure_checkpoint(ckpt, dims, args.rebuild)
     print(f"[bench_load] {'built in %.1f s' % build_s if built else 'reusing the cached checkpoint'}", flush=True)

@@ -11,6 +11,7 @@ from .placement import Placement
 from .plan import TransferPlan, plan_transfers
 from .relocate import RelocationReport, relocate
 from .relocation import RelocationPlan, plan_relocation
+from .save import SaveError, SaveReport, save
 from .topology import Topology
 from .verify import VerificationError, VerifyReport, verify
 
@@ -19,6 +20,6 @@ __all__ = [
     "ExpertsSpec", "HF_EXPERTS", "LoadReport", "MIXTRAL_EXPERTS", "Placement", "Topology",
     "TransferPlan", "VerificationError", "VerifyReport", "eplb", "load", "lora", "make_mesh", "materialize",
     "parallelize", "plan_relocation", "plan_transfers", "RelocationPlan", "RelocationReport", "relocate",
-    "verify", "write_checkpoint", "clip_grad_norm_", "grad_norm", "sync_redundant_grads",
+    "SaveError", "SaveReport", "save", "verify", "write_checkpoint", "clip_grad_norm_", "grad_norm", "sync_redundant_grads",
 ]
 __version__ = "0.1.0"

@@ -27,7 +27,7 @@ from .box import Box, full_box
 from .checkpoint import CheckpointIndex, DTYPES
 from .placement import Placement
 
-__all__ = ["ExpertRef", "ParamDesc", "Need", "describe_model", "compute_needs", "local_tensor", "expert_layers",
+__all__ = ["ExpertRef", "ParamDesc", "Need", "describe_model", "compute_needs", "rank_boxes", "local_tensor", "expert_layers",
            "base_names", "is_adapter_param"]
 
 
@@ -240,6 +240,19 @@ def _local_boxes(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements
     return tuple(boxes)
 
 
+def rank_boxes(d: ParamDesc, world_size: int) -> list[tuple[int, Box]]:
+    """``[(rank, box)]``: the box (global coordinates) of ``d`` each rank holds; a plain tensor
+    is held in full by every rank. Raises ValueError for a mesh naming a rank >= world_size."""
+    if d.mesh is None:
+        return [(r, full_box(d.shape)) for r in range(world_size)]
+    out = []
+    for rank, box in zip(d.mesh.reshape(-1).tolist(), _local_boxes(d.shape, d.mesh.shape, d.placements)):
+        if rank >= world_size:
+            raise ValueError(f"parameter {d.name}: its mesh names rank {rank} >= world size {world_size}")
+        out.append((rank, box))
+    return out
+
+
 def compute_needs(
     descs: Sequence[ParamDesc],
     index: CheckpointIndex,
@@ -256,15 +269,7 @@ def compute_needs(
     if placement is not None and num_layers:
         placement.check_layers(num_layers)
     for i, d in enumerate(descs):
-        if d.mesh is None:
-            per_rank = [(r, full_box(d.shape), (0,) * len(d.shape)) for r in range(world_size)]
-        else:
-            boxes = _local_boxes(d.shape, d.mesh.shape, d.placements)
-            per_rank = []
-            for rank, box in zip(d.mesh.reshape(-1).tolist(), boxes):
-                if rank >= world_size:
-                    raise ValueError(f"parameter {d.name}: its mesh names rank {rank} >= world size {world_size}")
-                per_rank.append((rank, box, tuple(o for o, _ in box)))
+        per_rank = [(rank, box, tuple(o for o, _ in box)) for rank, box in rank_boxes(d, world_size)]
         if d.expert is None:
             key = _find_key(d, index)
             info = index.info(key)

@@ -1,0 +1,594 @@
+"""``moeshard.save``: write an (EP + FSDP2) model as a Hugging Face safetensors checkpoint.
+
+Collective (every rank of the default group calls :func:`save`). The inverse of
+:func:`moeshard.load`: each checkpoint tensor (a dense parameter or persistent buffer under its
+checkpoint name; each part of each logical expert of a fused expert parameter, e.g.
+``experts.{e}.gate_proj.weight``) is written once, whole, into one file, by one *writer* rank
+that holds part of it; the other holders of its boxes send them to the writer by P2P
+(``batch_isend_irecv`` in bounded batches, on the model's own device). Every rank writes its own
+shard files; there is no gather to rank 0. The plan (:mod:`moeshard.save_plan`) is pure, so
+every rank knows every file name (``model-00001-of-0000N.safetensors``) in advance, and the
+ranks agree on its fingerprint before anything is written.
+
+Files are streamed: each shard's safetensors header is written first (every offset is known
+from the plan), then every box is written at its place in the file as soon as it is local
+(``pwrite``), so a rank holds at most its staging budget of tensor data, never a whole shard.
+
+Atomic: everything is written into a temporary directory inside ``out_dir``, fsync-ed, and the
+ranks agree that every rank succeeded; then shard files and config files are renamed into
+place and the index (``model.safetensors.index.json``) is renamed last. A failure on any rank
+raises the same :class:`SaveError` on every rank and removes what was written; a crash leaves
+no index, so the directory never looks like a complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import json
+import math
+import os
+import re
+import shutil
+import struct
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import psutil
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _dist
+from ._dist import DistributedError
+from .adapters import DEFAULT_SPECS, ExpertsSpec
+from .box import Box, box_shape, box_slices
+from .checkpoint import DTYPES, INDEX_NAME, CheckpointIndex, _read_header
+from .layout import ParamDesc, _persistent_buffers, describe_model, expert_layers, local_tensor
+from .load import _read_peak_rss, _reset_peak_rss, _ru_maxrss_bytes, _target_device, resolve_sources
+from .placement import Placement
+from .plan import DEFAULT_STAGING_BYTES
+from .progress import Progress, progress_enabled
+from .save_plan import SavePlan, describe_outputs, plan_save
+from .topology import Topology
+
+__all__ = ["SaveError", "SaveReport", "save", "plan_model_save", "DEFAULT_MAX_SHARD_BYTES"]
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+_SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+_TMP_PREFIX = ".moeshard-save-"
+
+# File operations, module-level so that tests can make one of them fail on one rank.
+_replace = os.replace
+
+
+class SaveError(DistributedError, ValueError):
+    """Raised on every rank when saving failed on any rank (bad input, an existing checkpoint,
+    a failed write or rename); the message names each failing rank and its error."""
+
+
+@dataclass(frozen=True)
+class SaveReport:
+    """What a save did. ``*_rank`` fields and ``files`` are this rank's; ``plan`` holds job-wide
+    counters (bytes written per rank, bytes sent, P2P ops, batches).
+
+    ``peak_rss_bytes`` is this process's peak resident set size during the save (Linux VmHWM
+    reset at its start, ``peak_rss_source == "vmhwm"``; else the process's lifetime peak).
+    """
+
+    rank: int
+    world_size: int
+    out_dir: str
+    files: tuple[str, ...]
+    num_files: int
+    bytes_written_rank: int
+    total_bytes: int
+    wall_seconds: float
+    plan_seconds: float
+    bytes_sent_rank: int
+    bytes_received_rank: int
+    peak_staging_bytes_rank: int
+    rss_before_bytes: int
+    peak_rss_bytes: int
+    peak_rss_source: str = "vmhwm"
+    plan: dict = field(default_factory=dict)
+    fingerprint: str = ""
+
+
+def plan_model_save(
+    model: nn.Module,
+    placement: Placement | None,
+    world_size: int,
+    reference: CheckpointIndex | None = None,
+    specs: Sequence[ExpertsSpec] = DEFAULT_SPECS,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+) -> tuple[list[ParamDesc], SavePlan]:
+    """The parameter descriptions and the plan :func:`save` would run (no communication).
+
+    Names are those the model's family writes (``reference``: that checkpoint's); a tied
+    parameter is written once, under the name transformers keeps; non-persistent buffers and
+    the model's ``_keys_to_ignore_on_save`` are not written.
+    """
+    descs = describe_model(model, reference, specs)
+    hints = {}
+    for layer, (_, mod, _) in enumerate(expert_layers(model, specs)):
+        n = getattr(mod, "num_experts", None)
+        if isinstance(n, int):
+            hints[layer] = n
+    outs = describe_outputs(
+        descs, placement, world_size, reference,
+        tied_targets=_tied_targets(model),
+        skip_keys=frozenset(getattr(model, "_keys_to_ignore_on_save", None) or ()),
+        buffers=frozenset(name for name, _ in _persistent_buffers(model)),
+        num_experts=hints,
+    )
+    return descs, plan_save(outs, world_size, max_shard_bytes, staging_bytes)
+
+
+def _tied_targets(model: nn.Module) -> frozenset[str]:
+    """Names transformers drops from a checkpoint when weights are tied (the keys of
+    ``_tied_weights_keys``, e.g. ``lm_head.weight``)."""
+    out = set()
+    for name, mod in model.named_modules():
+        keys = getattr(mod, "_tied_weights_keys", None)
+        if isinstance(keys, dict):
+            out.update(f"{name}.{k}" if name else k for k in keys)
+    return frozenset(out)
+
+
+def save(
+    model: nn.Module,
+    out_dir: str | os.PathLike,
+    placement: Placement | None = None,
+    *,
+    specs: Sequence[ExpertsSpec] = DEFAULT_SPECS,
+    reference: str | os.PathLike | CheckpointIndex | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+    topology: Topology | None = None,
+    fsync: bool = True,
+    progress: bool | None = None,
+) -> SaveReport:
+    """Collective (every rank of the default group): write ``model`` to ``out_dir`` as a
+    Hugging Face safetensors checkpoint (shards + ``model.safetensors.index.json``, plus
+    ``config.json`` / ``generation_config.json`` for a transformers model).
+
+    Args:
+        model: prepared by :func:`moeshard.parallelize` and loaded (expert parameters are
+            DTensors ``[num_physical, *slice]``; other parameters FSDP2-sharded), or plain
+            tensors held in full by every rank.
+        out_dir: a directory every rank sees (a shared filesystem); created if missing.
+        placement: the placement the model was parallelized with (None: slot p = expert p).
+            Every logical expert must have a slot; with redundant experts one copy is written.
+        reference: a checkpoint (directory or index) whose names and expert part sizes to
+            mirror; without it, names are the model family's and fused experts split into
+            equal parts.
+        max_shard_bytes: tensor bytes per file at most (a larger tensor gets its own file).
+        overwrite: replace a checkpoint already in ``out_dir`` (its index is removed first, so
+            a failure leaves no complete-looking checkpoint); otherwise such a directory is
+            refused.
+        staging_bytes: per-rank budget for boxes in flight.
+        fsync: fsync every file and the directory before the index is published.
+        progress: bytes written / total on local rank 0 of each node (default: the
+            ``MOESHARD_PROGRESS`` environment variable).
+
+    Raises:
+        SaveError (a ValueError and a DistributedError): on every rank, before any file is
+            written, for bad input (a logical expert with no slot, a model on the meta device,
+            an existing checkpoint, a directory some rank cannot see); or after a failed write
+            or rename on any rank, with every file of this save removed. Without a process
+            group the underlying error is raised as is.
+    """
+    try:
+        return _save(model, out_dir, placement, specs, reference, max_shard_bytes, overwrite, staging_bytes,
+                     topology, fsync, progress)
+    except SaveError:
+        raise
+    except DistributedError as e:
+        raise SaveError(str(e)) from None
+
+
+def _save(model, out_dir, placement, specs, reference, max_shard_bytes, overwrite, staging_bytes, topology,
+          fsync, progress) -> SaveReport:
+    t0 = time.perf_counter()
+    hwm_reset = _reset_peak_rss()
+    rss0 = psutil.Process().memory_info().rss
+    rank, world = _dist.rank_and_world()
+    topo = topology or Topology.from_env()
+    if topo.world_size != world:
+        raise ValueError(f"topology has world_size {topo.world_size}, the process group has {world}")
+    topo = topo.with_rank(rank)
+    out = Path(out_dir)
+    index = reference
+    if reference is not None and not isinstance(reference, CheckpointIndex):
+        path = os.fspath(reference)
+        index = resolve_sources(path, "auto", topo, os.path.exists(path))[3]
+
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(model.named_buffers())
+    made: list[Path] = []  # directories rank 0 created (removed again if the save fails)
+
+    def make_plan():
+        descs, plan = plan_model_save(model, placement, world, index, specs, max_shard_bytes, staging_bytes)
+        meta = [d.name for d in descs if local_tensor(tensors[d.name]).is_meta]
+        if meta:
+            raise ValueError(f"parameter {meta[0]} is on the meta device ({len(meta)} in all): load the model "
+                             "before saving it")
+        if rank == 0:
+            _prepare_dir(out, out / f"{_TMP_PREFIX}{plan.fingerprint}", overwrite, made)
+        return descs, plan, _target_device(model)
+
+    def unmake() -> None:
+        for d in reversed(made):
+            if d.name.startswith(_TMP_PREFIX):
+                shutil.rmtree(d, ignore_errors=True)
+            else:
+                _rmdir(d)
+
+    # One round: every rank's plan (the same fingerprint, the same overwrite flag, so the same
+    # collectives follow) and rank 0's check of out_dir; nothing is written if any rank failed.
+    descs, plan, device = _agree_or_undo(make_plan, "moeshard.save: planning and checking the output directory",
+                                         unmake, fingerprint=lambda r: f"{r[1].fingerprint}/{overwrite}")
+    t_plan = time.perf_counter() - t0
+    tmp = out / f"{_TMP_PREFIX}{plan.fingerprint}"
+    dests = [local_tensor(tensors[d.name]) for d in descs]
+    created: list[Path] = []
+    failure: list[Exception] = []
+    if not tmp.is_dir():
+        failure.append(ValueError(f"{out} is not shared with rank 0 (its temporary directory {tmp.name} is not "
+                                  "visible here): save needs a directory that every rank sees"))
+    bar = Progress("save", int(plan.cost.write_bytes[rank]), enabled=progress_enabled(progress),
+                   local_rank=topo.local_rank, node=topo.node)
+    with torch.no_grad():
+        stats = _write_shards(plan, rank, dests, device, tmp, fsync, bar, created, failure)
+    bar.close()
+    extra: list[str] = []  # config files (rank 0)
+    if rank == 0 and not failure:
+        try:
+            extra = _write_configs(model, tmp, fsync)
+            _write_index(plan, tmp / INDEX_NAME, fsync)
+        except Exception as e:  # noqa: BLE001 - reported on every rank
+            failure.append(e)
+    renamed: list[Path] = []
+
+    def undo() -> None:
+        for p in created + renamed:
+            _unlink(p)
+        if rank == 0:
+            unmake()
+
+    def outcome() -> None:
+        if failure:
+            raise failure[0]
+
+    _agree_or_undo(outcome, "moeshard.save: writing the shard files", undo)
+    mine = [plan.files[i].name for i in plan.files_of(rank)]
+    if overwrite:  # the old index goes first: from now on the directory is not a complete checkpoint
+        def remove_old_index() -> None:
+            if rank == 0:
+                for name in (INDEX_NAME, "model.safetensors"):
+                    _unlink(out / name, strict=True)
+                _fsync_dir(out, fsync)
+
+        _agree_or_undo(remove_old_index, "moeshard.save: removing the old index", undo)
+
+    def move_into_place() -> None:
+        for name in mine + extra:
+            _replace(tmp / name, out / name)
+            renamed.append(out / name)
+        if mine or extra:
+            _fsync_dir(out, fsync)
+
+    _agree_or_undo(move_into_place, "moeshard.save: moving the files into place", undo)
+
+    def publish() -> None:
+        if rank != 0:
+            return
+        if overwrite:
+            new = {f.name for f in plan.files}
+            for p in out.iterdir():
+                if _SHARD_RE.fullmatch(p.name) and p.name not in new:
+                    _unlink(p, strict=True)
+        _replace(tmp / INDEX_NAME, out / INDEX_NAME)  # last: now the checkpoint is complete
+        shutil.rmtree(tmp, ignore_errors=True)
+        _fsync_dir(out, fsync, strict=False)
+
+    _agree_or_undo(publish, "moeshard.save: writing the index", undo)
+    peak = _read_peak_rss() if hwm_reset else None
+    return SaveReport(
+        rank=rank,
+        world_size=world,
+        out_dir=str(out),
+        files=tuple(mine),
+        num_files=len(plan.files),
+        bytes_written_rank=stats["written"],
+        total_bytes=plan.total_bytes,
+        wall_seconds=time.perf_counter() - t0,
+        plan_seconds=t_plan,
+        bytes_sent_rank=stats["sent"],
+        bytes_received_rank=stats["received"],
+        peak_staging_bytes_rank=int(plan.cost.peak_staging_bytes[rank]),
+        rss_before_bytes=rss0,
+        peak_rss_bytes=peak if peak is not None else _ru_maxrss_bytes(),
+        peak_rss_source="vmhwm" if peak is not None else "ru_maxrss",
+        plan=plan.cost.summary(),
+        fingerprint=plan.fingerprint,
+    )
+
+
+def _agree_or_undo(step, what: str, undo, fingerprint=None):
+    """Collective: run ``step``; if it failed on any rank, run ``undo`` on every rank, then raise."""
+    try:
+        return _dist.agree(step, what, fingerprint=fingerprint)
+    except BaseException:
+        undo()
+        if _dist.is_dist():
+            dist.barrier()  # nobody returns before every rank has cleaned up
+        raise
+
+
+def _prepare_dir(out: Path, tmp: Path, overwrite: bool, made: list[Path]) -> None:
+    """Rank 0: refuse an existing checkpoint (unless ``overwrite``), create ``out`` and the
+    temporary directory ``tmp`` in it (temporary directories of saves that crashed are
+    removed; saving into one directory from two jobs at once is not supported); ``made`` gets
+    the directories created."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} exists and is not a directory")
+    if out.is_dir() and not overwrite:
+        found = sorted(p.name for p in out.iterdir() if p.name == INDEX_NAME or p.name.endswith(".safetensors"))
+        if found:
+            raise ValueError(f"{out} already holds a checkpoint ({', '.join(found[:3])}"
+                             f"{', ...' if len(found) > 3 else ''}); pass overwrite=True to replace it")
+    missing = [p for p in [out, *out.parents] if not p.exists()]
+    out.mkdir(parents=True, exist_ok=True)
+    made.extend(reversed(missing))
+    for stale in out.glob(f"{_TMP_PREFIX}*"):  # left by a save that crashed
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp.mkdir()
+    made.append(tmp)
+
+
+def _rmdir(path: Path) -> None:
+    try:
+        path.rmdir()  # only if empty
+    except OSError:
+        pass
+
+
+# -- writing ------------------------------------------------------------------------------------
+
+
+class _ShardWriter:
+    """One safetensors file, written in place: the header first (every offset is known), then
+    boxes at their offsets, in any order. Counts the data bytes written."""
+
+    def __init__(self, path: Path, plan: SavePlan, file: int):
+        self.path, self.plan, self.file = path, plan, file
+        header = _header(plan, file)
+        self.data_start = len(header)
+        self.expected = plan.files[file].data_bytes
+        self.done = 0
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        _pwrite(self.fd, memoryview(header), 0)
+
+    def write(self, tensor: int, box: Box, data: torch.Tensor) -> int:
+        t = self.plan.tensors[tensor]
+        flat = memoryview(data.reshape(-1).view(torch.uint8).numpy())
+        pos = 0
+        for off, n in _runs(t.shape, box, DTYPES[t.dtype].itemsize):
+            _pwrite(self.fd, flat[pos:pos + n], self.data_start + t.offset + off)
+            pos += n
+        self.done += pos
+        return pos
+
+    def close(self, fsync: bool) -> None:
+        try:
+            if self.done != self.expected:
+                raise RuntimeError(f"{self.path}: {self.done} data bytes written, the plan has {self.expected}")
+            if fsync:
+                os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
+        self._check()
+
+    def _check(self) -> None:
+        """Read the header back with the checkpoint reader's validation."""
+        header, size = _read_header(self.path)
+        want = {self.plan.tensors[i].key: self.plan.tensors[i] for i in self.plan.files[self.file].tensors}
+        if size != self.data_start + self.expected or set(header) != set(want):
+            raise RuntimeError(f"{self.path}: the written file does not match its plan")
+        for key, (offset, dtype, shape) in header.items():
+            t = want[key]
+            if (offset, dtype, tuple(shape)) != (self.data_start + t.offset, t.dtype, t.shape):
+                raise RuntimeError(f"{self.path}: header entry {key!r} does not match its plan")
+
+
+def _header(plan: SavePlan, file: int) -> bytes:
+    """safetensors header of ``file``: 8-byte length, JSON padded with spaces to 8 bytes."""
+    entries: dict = {"__metadata__": {"format": "pt"}}
+    for i in plan.files[file].tensors:
+        t = plan.tensors[i]
+        entries[t.key] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [t.offset, t.offset + t.nbytes]}
+    raw = json.dumps(entries, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _runs(shape: tuple[int, ...], box: Box, itemsize: int):
+    """``(byte offset, byte length)`` of the contiguous runs of ``box`` in a row-major tensor
+    of ``shape``, in row-major order."""
+    if not shape:
+        yield 0, itemsize
+        return
+    k = len(shape) - 1
+    while k > 0 and box[k] == (0, shape[k]):
+        k -= 1  # dims after k are whole: each run spans them
+    inner = math.prod(shape[k + 1:]) * itemsize
+    strides = [math.prod(shape[d + 1:]) * itemsize for d in range(k)]
+    start = box[k][0] * inner
+    for idx in np.ndindex(*(n for _, n in box[:k])):
+        yield start + sum((box[d][0] + i) * strides[d] for d, i in enumerate(idx)), box[k][1] * inner
+
+
+def _pwrite(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(data):
+        n = os.pwrite(fd, data[done:], offset + done)
+        if n <= 0:
+            raise OSError(f"pwrite wrote {n} bytes")
+        done += n
+
+
+def _to_host(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Contiguous CPU copies (or the tensors themselves on CPU); one stream sync for all."""
+    if device.type == "cpu":
+        return [t if t.is_contiguous() else t.contiguous() for t in tensors]
+    out = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for o, t in zip(out, tensors):
+        o.copy_(t, non_blocking=True)
+    torch.accelerator.current_stream(device).synchronize()
+    return out
+
+
+def _write_shards(plan: SavePlan, rank: int, dests, device: torch.device, tmp: Path, fsync: bool, bar,
+                  created: list[Path], failure: list[Exception]) -> dict:
+    """Collective: run the plan's transfers and write this rank's files. A write that fails
+    stops this rank's writing (recorded in ``failure``) but not its sends and receives, so no
+    peer is left waiting."""
+    stats = {"written": 0, "sent": 0, "received": 0}
+    writers: dict[int, _ShardWriter] = {}
+    try:
+        for i in plan.files_of(rank):
+            path = tmp / plan.files[i].name
+            writers[i] = _ShardWriter(path, plan, i)
+            created.append(path)
+    except Exception as e:  # noqa: BLE001 - reported on every rank
+        failure.append(e)
+
+    def view(tensor: int, segment: int, box: Box) -> torch.Tensor:
+        seg = plan.tensors[tensor].segments[segment]
+        return dests[seg.param][box_slices(seg.local_box(box))].reshape(box_shape(box))
+
+    def write(items: list[tuple[int, Box, torch.Tensor]]) -> None:
+        if failure:
+            return
+        try:
+            for (tensor, box, _), data in zip(items, _to_host([x for *_, x in items], device)):
+                n = writers[plan.tensors[tensor].file].write(tensor, box, data)
+                stats["written"] += n
+                bar.update(n)
+        except Exception as e:  # noqa: BLE001 - reported on every rank after the plan
+            failure.append(e)
+
+    # This rank's own boxes, in groups within the staging budget (one device sync per group).
+    local: collections.deque[list] = collections.deque()
+    group_bytes = plan.staging_bytes
+    for w in plan.local_writes[rank]:
+        if not local or group_bytes + w.nbytes > plan.staging_bytes // 2:
+            local.append([])
+            group_bytes = 0
+        local[-1].append(w)
+        group_bytes += w.nbytes
+
+    def write_local(k: int) -> None:
+        for _ in range(min(k, len(local))):
+            write([(w.tensor, w.box, view(w.tensor, w.segment, w.box)) for w in local.popleft()])
+
+    mine = [b for b in plan.batches if any(x.src == rank or x.dst == rank for x in b)]
+    for k, batch in enumerate(mine):
+        ops, received = [], []
+        for x in batch:
+            if x.src == rank:
+                src = view(x.tensor, x.segment, x.box)
+                ops.append(dist.P2POp(dist.isend, src if src.is_contiguous() else src.contiguous(), x.dst))
+                stats["sent"] += x.nbytes
+            elif x.dst == rank:
+                buf = torch.empty(box_shape(x.box), dtype=DTYPES[plan.tensors[x.tensor].dtype], device=device)
+                ops.append(dist.P2POp(dist.irecv, buf, x.src))
+                received.append((x.tensor, x.box, buf))
+        works = dist.batch_isend_irecv(ops)
+        write_local(math.ceil(len(local) / (len(mine) - k)))  # overlap: own boxes while the batch flies
+        for w in works:
+            w.wait()
+        stats["received"] += sum(b.numel() * b.element_size() for *_, b in received)
+        write(received)
+    write_local(len(local))
+    for i, w in writers.items():
+        try:
+            w.close(fsync and not failure)
+        except Exception as e:  # noqa: BLE001 - reported on every rank
+            failure.append(e)
+    if fsync and writers and not failure:
+        try:
+            _fsync_dir(tmp, True)
+        except Exception as e:  # noqa: BLE001 - reported on every rank
+            failure.append(e)
+    return stats
+
+
+def _write_configs(model: nn.Module, tmp: Path, fsync: bool) -> list[str]:
+    """config.json (and generation_config.json for a generative model) as transformers'
+    save_pretrained writes them: dtype and architectures set. Returns the file names."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "save_pretrained"):
+        return []
+    before = set(os.listdir(tmp))
+    config = copy.deepcopy(config)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    if dtype is not None:
+        config.dtype = str(dtype).split(".")[1]
+    config.architectures = [type(model).__name__.removeprefix("FSDP")]
+    config.save_pretrained(tmp)
+    can_generate = getattr(model, "can_generate", None)
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and callable(can_generate) and can_generate():
+        gen.save_pretrained(tmp)
+    names = sorted(set(os.listdir(tmp)) - before)
+    if fsync:
+        for name in names:
+            _fsync_file(tmp / name)
+    return names
+
+
+def _write_index(plan: SavePlan, path: Path, fsync: bool) -> None:
+    num_params = sum(math.prod(t.shape) for t in plan.tensors if not t.is_buffer)
+    index = {"metadata": {"total_parameters": num_params, "total_size": plan.total_bytes},
+             "weight_map": plan.weight_map()}
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path, enabled: bool, strict: bool = True) -> None:
+    """fsync a directory (makes renames in it durable); not possible on every platform."""
+    if not enabled or sys.platform == "win32":
+        return
+    try:
+        _fsync_file(path)
+    except OSError:
+        if strict:
+            raise
+
+
+def _unlink(path: Path, strict: bool = False) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        if strict:
+            raise
