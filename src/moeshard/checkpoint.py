@@ -21,7 +21,8 @@ import torch
 
 from .box import Box, box_numel, box_shape, check_box, full_box
 
-__all__ = ["TensorInfo", "CheckpointIndex", "CheckpointReader", "CheckpointError", "write_checkpoint"]
+__all__ = ["TensorInfo", "CheckpointIndex", "CheckpointReader", "CheckpointError", "write_checkpoint",
+           "safetensors_header", "pwrite_all"]
 
 INDEX_NAME = "model.safetensors.index.json"
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit
@@ -328,6 +329,30 @@ class CheckpointReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def safetensors_header(entries: Iterable[tuple[str, str, Iterable[int], int, int]]) -> bytes:
+    """The bytes a safetensors file starts with, for writers that place tensor data themselves:
+    ``entries`` are ``(key, dtype name, shape, begin, end)`` with data offsets relative to the
+    end of the header. Returns the 8-byte little-endian length + JSON padded with spaces to a
+    multiple of 8 (as safetensors writes it)."""
+    meta: dict = {"__metadata__": {"format": "pt"}}
+    for key, dtype, shape, begin, end in entries:
+        meta[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, end]}
+    raw = json.dumps(meta, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def pwrite_all(fd: int, data, offset: int) -> None:
+    """Write all of ``data`` (bytes-like) at ``offset`` of ``fd`` (``pwrite`` may write less)."""
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        n = os.pwrite(fd, view[done:], offset + done)
+        if n <= 0:
+            raise OSError(f"pwrite wrote {n} bytes")
+        done += n
 
 
 def write_checkpoint(

@@ -303,17 +303,18 @@ def sync_redundant_grads(model: nn.Module) -> int:
         if int(ep.logcnt.max()) <= 1:
             continue
         lo = ep.ep_rank * ep.slots_per_rank
-        experts = torch.tensor(ep.phy2log[lo : lo + ep.slots_per_rank])
-        live = experts >= 0
+        experts = ep.phy2log[lo : lo + ep.slots_per_rank]
+        live_slots = np.flatnonzero(experts >= 0)  # local slots holding an expert
         for p, slots in slot_params(module):
             if p.grad is None:
                 continue
             g = slots(local_tensor(p.grad))  # [S, ...]
-            idx = experts[live].to(g.device)
+            live = torch.tensor(live_slots, device=g.device)
+            idx = torch.tensor(experts[live_slots], device=g.device)
             total = g.new_zeros((len(ep.logcnt), *g.shape[1:]))
-            total.index_add_(0, idx, g[live.to(g.device)])
+            total.index_add_(0, idx, g[live])
             dist.all_reduce(total, group=ep.ep_group)
-            g[live.to(g.device)] = total[idx]
+            g[live] = total[idx]
         done += 1
     return done
 
@@ -348,8 +349,9 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
         else:
             sq = g.pow(2).sum() if rank == 0 else g.new_zeros(())
         total = sq if total is None else total + sq
-    if total is None:
-        total = torch.zeros((), device=device or "cpu")
+    if total is None:  # no gradients here: still join the all-reduce, on the model's device
+        device = device or local_tensor(next(model.parameters())).device
+        total = torch.zeros((), device=device)
     dist.all_reduce(total)
     return total.sqrt()
 

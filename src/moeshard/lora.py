@@ -51,9 +51,9 @@ from torch import nn
 from . import _dist
 from .adapters import ExpertsSpec
 from .box import Box, box_numel, box_shape, box_slices
-from .checkpoint import DTYPES, CheckpointIndex, CheckpointReader
+from .checkpoint import DTYPE_NAMES, DTYPES, CheckpointIndex, CheckpointReader, pwrite_all, safetensors_header
 from .ep import SlotLora, ep_layers
-from .layout import Need, ParamDesc, _local_boxes, compute_needs, is_adapter_param, local_tensor
+from .layout import Need, ParamDesc, compute_needs, is_adapter_param, local_tensor, rank_boxes
 from .placement import Placement
 from .plan import DEFAULT_STAGING_BYTES, plan_transfers
 from .topology import Topology
@@ -214,13 +214,6 @@ def _desc(t: AdapterTensor, p: torch.Tensor) -> ParamDesc:
     return ParamDesc(t.name, tuple(p.shape), p.dtype, mesh, placements, (t.key,))
 
 
-def _rank_boxes(d: ParamDesc, world_size: int) -> list[tuple[int, Box]]:
-    if d.mesh is None:
-        return [(r, tuple((0, n) for n in d.shape)) for r in range(world_size)]
-    boxes = _local_boxes(d.shape, d.mesh.shape, d.placements)
-    return list(zip(d.mesh.reshape(-1).tolist(), boxes))
-
-
 def _slot_boxes(t: AdapterTensor, d: ParamDesc, placement: Placement, world_size: int):
     """For an expert factor: ``(rank, slot, local box, file box)`` of every slot's rows of A /
     columns of B on every rank (B: one box per rank-r column). Slot ``p`` of A is global rows
@@ -230,7 +223,7 @@ def _slot_boxes(t: AdapterTensor, d: ParamDesc, placement: Placement, world_size
     num_physical = placement.num_physical
     phy2log = placement.phy2log[t.layer]
     spr = num_physical // placement.num_ranks
-    for rank, box in _rank_boxes(d, world_size):
+    for rank, box in rank_boxes(d, world_size):
         if not all(n for _, n in box):
             continue
         (r0, nr), (c0, nc) = box
@@ -403,9 +396,6 @@ def load(model: nn.Module, checkpoint, adapter, placement: Placement | None = No
 # -- save -----------------------------------------------------------------------------------
 
 
-_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-
-
 def _segments(items, placement, world_size) -> list[list[tuple[int, int, Box, Box]]]:
     """Per adapter tensor, ``(rank, param, local box, file box)`` covering the file tensor
     exactly once: an expert's factors from its first copy, a dense box from its first holder."""
@@ -418,7 +408,7 @@ def _segments(items, placement, world_size) -> list[list[tuple[int, int, Box, Bo
                     if first[int(placement.phy2log[t.layer, p])] == p]
         else:
             seen = set()
-            for rank, box in _rank_boxes(d, world_size):
+            for rank, box in rank_boxes(d, world_size):
                 if all(n for _, n in box) and box not in seen:
                     seen.add(box)
                     segs.append((rank, i, tuple((0, n) for _, n in box), box))
@@ -431,20 +421,16 @@ def _segments(items, placement, world_size) -> list[list[tuple[int, int, Box, Bo
 
 
 def _header(items) -> tuple[bytes, list[int]]:
-    """safetensors header (keys sorted, 8-byte aligned) and each item's data offset."""
+    """safetensors header (keys sorted) and each item's data offset."""
     order = sorted(range(len(items)), key=lambda i: items[i][0].key)
-    meta: dict = {"__metadata__": {"format": "pt"}}
-    offsets = [0] * len(items)
-    pos = 0
+    offsets, entries, pos = [0] * len(items), [], 0
     for i in order:
         t, d = items[i]
         n = int(np.prod(t.shape)) * d.dtype.itemsize
-        meta[t.key] = {"dtype": _DTYPE_NAMES[d.dtype], "shape": list(t.shape), "data_offsets": [pos, pos + n]}
+        entries.append((t.key, DTYPE_NAMES[d.dtype], t.shape, pos, pos + n))
         offsets[i] = pos
         pos += n
-    head = json.dumps(meta, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-    return len(head).to_bytes(8, "little") + head, offsets
+    return safetensors_header(entries), offsets
 
 
 def save_adapter(
@@ -477,7 +463,7 @@ def save_adapter(
         if not items:
             raise ValueError("the model has no LoRA weights")
         for t, d in items:
-            if d.dtype not in _DTYPE_NAMES:
+            if d.dtype not in DTYPE_NAMES:
                 raise ValueError(f"adapter tensor {t.key!r}: dtype {d.dtype} cannot be stored in safetensors")
         segs = _segments(items, placement, world)
         writers = [0 if single_writer else i % world for i in range(len(items))]
@@ -575,15 +561,8 @@ def _write_tensors(items, segs, writers, offsets, data_start, locals_, path, ran
                         full[box_slices(fb)] = buf[pos : pos + n].view(box_shape(fb)).cpu()
                         pos += n
                 data = full.contiguous().view(torch.uint8).numpy().tobytes()
-                _pwrite_all(fd, data, data_start + offsets[i])
+                pwrite_all(fd, data, data_start + offsets[i])
                 written[0] += len(data)
     finally:
         if fd is not None:
             os.close(fd)
-
-
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n

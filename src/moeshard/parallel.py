@@ -77,8 +77,7 @@ def parallelize(
     layers = expert_layers(model, specs)
     placement.check_layers(len(layers))
     expert_params: set[nn.Parameter] = set()
-    ep_tables: list[EPLayer | None] = []
-    for module_name, module, spec in layers:
+    for layer, (module_name, module, spec) in enumerate(layers):
         # peft LoRA on expert params (ParamWrappers around the module): per-slot local factors.
         wrappers = expert_lora_wrappers(model, module_name, spec)
         loras = tuple(shard_expert_lora(w, ep_mesh, placement) for w in wrappers)
@@ -106,17 +105,13 @@ def parallelize(
             fully_shard(wrappers[-1] if wrappers else module, mesh=mesh["efsdp"],
                         shard_placement_fn=lambda t, b=lora_b: Shard(0) if id(t) in b else Shard(1))
         if ep_forward and all(hasattr(module, a) for a in ("gate_up_proj", "down_proj", "act_fn")):
-            layer = len(ep_tables)
-            ep_tables.append(EPLayer(
+            install_ep_forward(module, EPLayer(
                 layer, placement.phy2log[layer], placement.log2phy[layer], placement.logcnt[layer], spr,
                 ep_mesh.get_local_rank(), ep_mesh.get_group(), 1.0 / ep,
-            ))
-            install_ep_forward(module, ep_tables[-1], loras)
+            ), loras)
         elif loras:
             raise ValueError(f"{module_name}: LoRA adapters on expert parameters need moeshard's EP forward "
                              "(ep_forward=True and an HF-style experts module)")
-        else:
-            ep_tables.append(None)
     dp = _dp_mesh(mesh)
     ignored = expert_params if efsdp == 1 else None
     blocks = _blocks(model)

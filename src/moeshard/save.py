@@ -30,7 +30,6 @@ import math
 import os
 import re
 import shutil
-import struct
 import sys
 import time
 from dataclasses import dataclass, field
@@ -47,7 +46,7 @@ from . import _dist
 from ._dist import DistributedError
 from .adapters import DEFAULT_SPECS, ExpertsSpec
 from .box import Box, box_shape, box_slices
-from .checkpoint import DTYPES, INDEX_NAME, CheckpointIndex, _read_header
+from .checkpoint import DTYPES, INDEX_NAME, CheckpointIndex, _read_header, pwrite_all, safetensors_header
 from .layout import ParamDesc, _persistent_buffers, describe_model, expert_layers, local_tensor
 from .load import _read_peak_rss, _reset_peak_rss, _ru_maxrss_bytes, _target_device, resolve_sources
 from .placement import Placement
@@ -375,14 +374,14 @@ class _ShardWriter:
         self.expected = plan.files[file].data_bytes
         self.done = 0
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        _pwrite(self.fd, memoryview(header), 0)
+        pwrite_all(self.fd, header, 0)
 
     def write(self, tensor: int, box: Box, data: torch.Tensor) -> int:
         t = self.plan.tensors[tensor]
         flat = memoryview(data.reshape(-1).view(torch.uint8).numpy())
         pos = 0
         for off, n in _runs(t.shape, box, DTYPES[t.dtype].itemsize):
-            _pwrite(self.fd, flat[pos:pos + n], self.data_start + t.offset + off)
+            pwrite_all(self.fd, flat[pos:pos + n], self.data_start + t.offset + off)
             pos += n
         self.done += pos
         return pos
@@ -410,14 +409,9 @@ class _ShardWriter:
 
 
 def _header(plan: SavePlan, file: int) -> bytes:
-    """safetensors header of ``file``: 8-byte length, JSON padded with spaces to 8 bytes."""
-    entries: dict = {"__metadata__": {"format": "pt"}}
-    for i in plan.files[file].tensors:
-        t = plan.tensors[i]
-        entries[t.key] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [t.offset, t.offset + t.nbytes]}
-    raw = json.dumps(entries, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw
+    """safetensors header of ``file``."""
+    tensors = (plan.tensors[i] for i in plan.files[file].tensors)
+    return safetensors_header((t.key, t.dtype, t.shape, t.offset, t.offset + t.nbytes) for t in tensors)
 
 
 def _runs(shape: tuple[int, ...], box: Box, itemsize: int):
@@ -434,15 +428,6 @@ def _runs(shape: tuple[int, ...], box: Box, itemsize: int):
     start = box[k][0] * inner
     for idx in np.ndindex(*(n for _, n in box[:k])):
         yield start + sum((box[d][0] + i) * strides[d] for d, i in enumerate(idx)), box[k][1] * inner
-
-
-def _pwrite(fd: int, data: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(data):
-        n = os.pwrite(fd, data[done:], offset + done)
-        if n <= 0:
-            raise OSError(f"pwrite wrote {n} bytes")
-        done += n
 
 
 def _to_host(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
