@@ -21,7 +21,6 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import json
 import os
@@ -32,7 +31,11 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import psutil
 import torch
+
+from benchmarks.bench_load import _malloc_trim  # noqa: E402
+from moeshard.load import _read_peak_rss, _reset_peak_rss  # noqa: E402
 
 STEPS, LR, SEQ = 2, 1e-3, 64
 
@@ -51,23 +54,23 @@ def _settle() -> None:
     """Free what is garbage and hand freed heap back to the OS (glibc keeps it otherwise), so
     an RSS baseline counts live memory only."""
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    _malloc_trim()
+
+
+def _rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def _peak_rss() -> int:
+    peak = _read_peak_rss()
+    if peak is None:
+        raise RuntimeError("this benchmark needs Linux's VmHWM (/proc/self/status)")
+    return peak
 
 
 def _vmhwm_reset() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
+    if not _reset_peak_rss():
+        raise RuntimeError("this benchmark needs a resettable VmHWM (/proc/self/clear_refs)")
 
 
 def _batch(world: int, vocab: int) -> torch.Tensor:
@@ -78,7 +81,7 @@ def _steps(model, ids, opt, step_fn=None) -> list[dict]:
     out = []
     for _ in range(STEPS):
         _settle()
-        base = _status("VmRSS")
+        base = _rss()
         _vmhwm_reset()
         t0 = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
@@ -88,7 +91,7 @@ def _steps(model, ids, opt, step_fn=None) -> list[dict]:
         opt.step()
         opt.zero_grad()
         out.append({"loss": loss.item(), "wall_s": time.perf_counter() - t0, "rss_before": base,
-                    "peak_rss": _status("VmHWM")})
+                    "peak_rss": _peak_rss()})
     return out
 
 
@@ -108,7 +111,7 @@ def rank_main(ckpt: str, hidden: int, layouts: list) -> list:
         pl = moeshard.Placement.contiguous(4, 16, ep)
         moeshard.parallelize(model, moeshard.make_mesh("cpu", ep=ep, efsdp=efsdp), pl)
         _settle()
-        rss0 = _status("VmRSS")
+        rss0 = _rss()
         rep = moeshard.load(model, ckpt, placement=pl)
         shard = sum(local_tensor(p).numel() * local_tensor(p).element_size() for p in model.parameters())
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -123,10 +126,10 @@ def one_process(ckpt: str, hidden: int, world: int) -> dict:
     from transformers import Qwen3MoeForCausalLM
 
     _settle()
-    rss0 = _status("VmRSS")
+    rss0 = _rss()
     _vmhwm_reset()
     model = Qwen3MoeForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
-    load_peak = _status("VmHWM")
+    load_peak = _peak_rss()
     shard = sum(p.numel() * p.element_size() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     steps = _steps(model, _batch(world, model.config.vocab_size), opt)
