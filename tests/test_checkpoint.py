@@ -403,3 +403,264 @@ def test_index_of_many_keys_checks_each_file_once(tmp_path, monkeypatch):
     _write_index(tmp_path, weight_map)
     with pytest.raises(CheckpointError, match=r"key 'zz\.extra' names 'missing\.safetensors', which does not exist"):
         CheckpointIndex.open(tmp_path)
+
+
+# -- the header as a whole: the safetensors library's rules ----------------------------------
+
+
+def _u8(begin: int, end: int) -> dict:
+    return {"dtype": "U8", "shape": [end - begin], "data_offsets": [begin, end]}
+
+
+def _safetensors_accepts(path: Path) -> bool:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            for k in f.keys():
+                f.get_tensor(k)
+        return True
+    except SafetensorError:
+        return False
+
+
+@pytest.mark.parametrize(
+    "header, data_len, msg",
+    [
+        ({"a": _u8(0, 4), "b": _u8(4, 8)}, 8, None),
+        ({"b": _u8(4, 8), "a": _u8(0, 4)}, 8, None),  # key order is not offset order
+        ({"a": _u8(0, 4), "z": _u8(4, 4), "y": _u8(4, 4), "b": _u8(4, 8)}, 8, None),  # zero-byte tensors
+        ({"z": _u8(0, 0)}, 0, None),
+        ({}, 0, None),
+        # Two keys over the same bytes: expert 1 would silently get expert 0's weights.
+        ({"experts.0.w": _u8(0, 4), "experts.1.w": _u8(0, 4)}, 4,
+         r"tensors 'experts\.0\.w' \(data bytes \[0, 4\)\) and 'experts\.1\.w' \(\[0, 4\)\) overlap"),
+        ({"a": _u8(0, 4), "b": _u8(2, 6)}, 6, r"tensors 'a' .* and 'b' \(\[2, 6\)\) overlap"),
+        ({"a": _u8(0, 4), "z": _u8(2, 2)}, 4, r"tensors 'a' .* and 'z' \(\[2, 2\)\) overlap"),
+        ({"a": _u8(0, 4), "b": _u8(6, 10)}, 10, r"bytes \[4, 6\) of the data section, between tensors 'a' and 'b'"),
+        ({"a": _u8(2, 6)}, 6, r"bytes \[0, 2\) of the data section belong to no tensor \(the first, 'a'"),
+        ({"a": _u8(0, 4)}, 6, r"bytes \[4, 6\) at the end of the data section belong to no tensor"),
+        ({}, 3, "a header with no tensors, but 3 data bytes follow it"),
+    ],
+)
+def test_byte_ranges_tile_the_data_section(tmp_path, header, data_len, msg):
+    """The rule safetensors' own reader enforces, checked against it on every case."""
+    f = tmp_path / "tile.safetensors"
+    _write_raw(f, header, bytes(range(data_len)))
+    assert _safetensors_accepts(f) == (msg is None)
+    if msg is not None:
+        with pytest.raises(CheckpointError, match=rf"tile\.safetensors: {msg}"):
+            CheckpointIndex.open(f)
+        return
+    idx = CheckpointIndex.open(f)
+    with CheckpointReader(idx) as r:
+        for key, e in header.items():
+            assert r.read(key).tolist() == list(range(*e["data_offsets"]))
+
+
+def test_overlap_in_an_indexed_shard_names_the_file(good_dir):
+    """Through the index, as a load opens it."""
+    f = good_dir / "m1.safetensors"
+    data = f.read_bytes()[-48:]
+    _write_raw(f, {"x": {"dtype": "F32", "shape": [3, 4], "data_offsets": [0, 48]},
+                   "x2": {"dtype": "F32", "shape": [2, 4], "data_offsets": [16, 48]}}, data)
+    _write_index(good_dir, {"x": "m1.safetensors", "y": "m2.safetensors"})
+    with pytest.raises(CheckpointError, match=r"m1\.safetensors: tensors 'x' .* and 'x2' .* overlap"):
+        CheckpointIndex.open(good_dir)
+
+
+def test_project_writers_produce_tiled_files(tmp_path):
+    """write_checkpoint (safetensors) and safetensors_header + pwrite_all (save, LoRA) both
+    write files that safetensors and the validation accept."""
+    ts = _tensors(7)
+    idx = write_checkpoint(tmp_path / "w", ts.items(), max_shard_bytes=200)
+    for name in idx.file_sizes:
+        assert _safetensors_accepts(tmp_path / "w" / name)
+    entries, pos = [], 0
+    for key, t in ts.items():
+        n = t.numel() * t.element_size()
+        entries.append((key, moeshard.checkpoint.DTYPE_NAMES[t.dtype], t.shape, pos, pos + n))
+        pos += n
+    head = moeshard.checkpoint.safetensors_header(entries)
+    f = tmp_path / "streamed.safetensors"
+    fd = os.open(f, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        for (key, *_, begin, _end), t in zip(entries, ts.values()):
+            moeshard.checkpoint.pwrite_all(fd, t.contiguous().view(-1).view(torch.uint8).numpy(), len(head) + begin)
+        moeshard.checkpoint.pwrite_all(fd, head, 0)
+    finally:
+        os.close(fd)
+    assert _safetensors_accepts(f)
+    with CheckpointReader(CheckpointIndex.open(f)) as r:
+        for key, t in ts.items():
+            assert torch.equal(r.read(key), t)
+
+
+def test_header_size_limit_is_the_formats(tmp_path):
+    """100,000,000 bytes (safetensors' MAX_HEADER_SIZE), not 100 MiB."""
+    from moeshard.checkpoint import _MAX_HEADER_BYTES
+
+    assert _MAX_HEADER_BYTES == 100_000_000
+    f = tmp_path / "big.safetensors"
+    with open(f, "wb") as fh:
+        fh.write(struct.pack("<Q", 100_000_001) + b"{}")
+        fh.truncate(200_000_000)  # sparse: the length fits in the file, but not in the format
+    with pytest.raises(CheckpointError, match=r"big\.safetensors: header length 100000001 .*100,000,000-byte limit"):
+        CheckpointIndex.open(f)
+
+
+def _nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+@pytest.mark.parametrize(
+    "raw, msg",
+    [
+        (b'{"__metadata__": {"x": ' + _nested(50_000) + b"}}", "JSON nested too deeply"),
+        (b'{"x": ' + b'{"a": ' * 50_000 + b"1" + b"}" * 50_000 + b"}", "JSON nested too deeply"),
+        (b'{"x": {"dtype": "U8", "shape": [4], "data_offsets": [0, ' + b"9" * 5000 + b"]}}", "a number too long"),
+        (b'{"x": {"dtype": "U8", "shape": [' + b"9" * 5000 + b'], "data_offsets": [0, 4]}}', "a number too long"),
+        (b'{"x": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}, "x": '
+         b'{"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}', "key 'x' appears twice"),
+        (b'{"x": {"dtype": "U8", "dtype": "F32", "shape": [4], "data_offsets": [0, 4]}}', "key 'dtype' appears twice"),
+        (b'{"__metadata__": {}, "__metadata__": {}, "x": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}',
+         "key '__metadata__' appears twice"),
+        (b'{"__metadata__": {"a": NaN}, "x": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}',
+         "NaN is not valid JSON"),
+        (b'{"x": {"dtype": "U8", "shape": [4], "data_offsets": [0, Infinity]}}', "Infinity is not valid JSON"),
+        (b'{"__metadata__": {"a": 1}, "x": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}',
+         "__metadata__ must map strings to strings"),
+        (b'{"x\xff": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}', "not UTF-8"),
+        (b'{"x": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}\x00\x00', "Extra data"),
+    ],
+)
+def test_hostile_header_json(tmp_path, raw, msg):
+    """Parser limits (recursion, int digits) and JSON that strict readers refuse: one
+    CheckpointError naming the file, never RecursionError or a bare ValueError."""
+    f = tmp_path / "hostile.safetensors"
+    f.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * 4)
+    with pytest.raises(CheckpointError, match=rf"hostile\.safetensors: .*{msg}"):
+        CheckpointIndex.open(f)
+
+
+@pytest.mark.parametrize(
+    "shape, offsets, msg",
+    [
+        ([True, 4], [0, 4], r"shape \[True, 4\] is not non-negative integers"),  # bool is an int in Python
+        ([4.0], [0, 4], r"shape \[4\.0\] is not non-negative"),
+        ([-4], [0, 4], r"shape \[-4\] is not non-negative"),
+        ([2**63], [0, 4], r"is not non-negative integers below 2\*\*63"),
+        ([2**40, 2**40, 0], [0, 0], r"has 2\*\*63 elements or more"),  # safetensors: usize overflow
+        ([4], [False, 4], r"data_offsets \[False, 4\] are not integers"),
+        ([4], [0, 4.0], r"data_offsets \[0, 4\.0\] are not integers"),
+        ([4], [0, 10**30], r"data_offsets \[0, 1000000000000000000000000000000\] but .* needs 4 bytes"),
+    ],
+)
+def test_absurd_shapes_and_offsets(tmp_path, shape, offsets, msg):
+    f = tmp_path / "absurd.safetensors"
+    _write_raw(f, {"x": {"dtype": "U8", "shape": shape, "data_offsets": offsets}}, b"\0" * 4)
+    with pytest.raises(CheckpointError, match=rf"absurd\.safetensors: tensor 'x' .*{msg}"):
+        CheckpointIndex.open(f)
+
+
+def test_hostile_index_json(good_dir):
+    index = good_dir / INDEX
+    index.write_bytes(b'{"weight_map": ' + _nested(50_000) + b"}")
+    with pytest.raises(CheckpointError, match=rf"{INDEX}: unreadable index: JSON nested too deeply"):
+        CheckpointIndex.open(good_dir)
+    index.write_text('{"weight_map": {"x": "m1.safetensors", "x": "m2.safetensors"}}')
+    with pytest.raises(CheckpointError, match=rf"{INDEX}: unreadable index: key 'x' appears twice"):
+        CheckpointIndex.open(good_dir)
+    index.write_text('{"metadata": {"total_size": ' + "9" * 5000 + '}, "weight_map": {}}')
+    with pytest.raises(CheckpointError, match=rf"{INDEX}: unreadable index: a number too long"):
+        CheckpointIndex.open(good_dir)
+
+
+def test_load_json_names_the_file(tmp_path):
+    from moeshard.checkpoint import load_json
+
+    cfg = tmp_path / "config.json"
+    cfg.write_bytes(b'{"a": ' + _nested(100_000) + b"}")
+    with pytest.raises(CheckpointError, match=r"config\.json: config: JSON nested too deeply"):
+        load_json(cfg, "config")
+    with pytest.raises(CheckpointError, match=r"nope\.json: config: .*No such file"):
+        load_json(tmp_path / "nope.json", "config")
+    cfg.write_text('{"a": [1, 2], "b": {"c": "d"}}')
+    assert load_json(cfg, "config") == {"a": [1, 2], "b": {"c": "d"}}
+
+
+def test_tensor_info_is_compact_and_picklable():
+    """A maximal header holds ~1M TensorInfos (slotted: no per-object __dict__); indexes
+    travel between ranks pickled."""
+    import pickle
+
+    from moeshard.checkpoint import TensorInfo
+
+    t = TensorInfo("f.safetensors", 8, "BF16", (2, 3))
+    assert not hasattr(t, "__dict__")
+    assert pickle.loads(pickle.dumps(t)) == t and t.nbytes == 12 and t.itemsize == 2
+
+
+_ENTRY = b'"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]'
+
+
+@pytest.mark.parametrize(
+    "raw, msg",
+    [
+        (b"{" + _ENTRY + b', "zz": 1e308}}', None),  # unknown fields are ignored, as safetensors does
+        (b"{" + _ENTRY + b', "zz": 1e400}}', "number '1e400' is out of range"),  # Python: inf
+        (b"{" + _ENTRY + b', "zz": -0}}', None),
+        (b'{"a": {"dtype": "U8", "shape": [-0], "data_offsets": [0, 0]}}', r"shape \[-0\.0\]"),  # serde: a float
+        (b'{"__metadata__": {"x": "\\ud83d\\ude00"}, ' + _ENTRY + b"}}", None),  # a pair: one character
+        (b'{"__metadata__": {"x": "\\\\ud800"}, ' + _ENTRY + b"}}", None),  # an escaped backslash, then text
+        (b'{"__metadata__": {"x": "\\ud7ff"}, ' + _ENTRY + b"}}", None),  # below the surrogates
+        (b'{"__metadata__": {"x": "\\ud800"}, ' + _ENTRY + b"}}", "unpaired UTF-16 surrogate"),
+        (b'{"a\\udc00": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}', "unpaired UTF-16 surrogate"),
+        (b'{"__metadata__": {"x": "\\ud83dx\\ude00"}, ' + _ENTRY + b"}}", "unpaired UTF-16 surrogate"),
+        (b"{" + _ENTRY + b', "zz": ' + _nested(125) + b"}}", None),  # 127 levels in all
+        (b"{" + _ENTRY + b', "zz": ' + _nested(126) + b"}}", "JSON nested 128 levels deep"),
+        (b"{" + _ENTRY + b', "zz": "' + b"[" * 200 + b'"}}', None),  # brackets in a string nest nothing
+    ],
+)
+def test_header_json_as_safetensors_reads_it(tmp_path, raw, msg):
+    """Where Python's json and serde_json (safetensors' parser) disagree, the header is read
+    as safetensors reads it (checked against safetensors itself on every case)."""
+    f = tmp_path / "serde.safetensors"
+    f.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\1" * (0 if b"[-0]" in raw else 4))
+    assert _safetensors_accepts(f) == (msg is None)
+    if msg is None:
+        assert set(CheckpointIndex.open(f).tensors) == {"a"}
+    else:
+        with pytest.raises(CheckpointError, match=rf"serde\.safetensors: .*{msg}"):
+            CheckpointIndex.open(f)
+
+
+def test_load_refuses_experts_aliasing_the_same_bytes(tmp_path):
+    """The issue's case: expert 1's header entry pointing at expert 0's bytes. The load (and
+    verify, which would have agreed with the wrong bytes) refuse the file, naming it and both keys."""
+    import shutil
+
+    import tiny_moe
+
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    tiny_moe.write(good)
+    shutil.copytree(good, bad)
+    weight_map = json.loads((bad / INDEX).read_text())["weight_map"]
+    e0, e1 = "layers.0.mlp.experts.0.up_proj.weight", "layers.0.mlp.experts.1.up_proj.weight"
+    shard = bad / weight_map[e0]
+    assert weight_map[e1] == weight_map[e0]
+    raw = shard.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    header[e1]["data_offsets"] = header[e0]["data_offsets"]
+    _write_raw(shard, header, raw[8 + n:])
+    want = rf"{shard.name}: tensors '{e0}' .* and '{e1}' .* overlap"
+    with torch.device("meta"):
+        model = tiny_moe.TinyMoE()
+    with pytest.raises(CheckpointError, match=want):
+        moeshard.load(model, bad)
+    with torch.device("meta"):
+        model = tiny_moe.TinyMoE()
+    moeshard.load(model, good)
+    with pytest.raises(CheckpointError, match=want):
+        moeshard.verify(model, bad)

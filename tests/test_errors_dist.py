@@ -32,6 +32,16 @@ def _attempt(fn):
     return None
 
 
+class OddHiddenMoE(torch.nn.Module):
+    """One MoE layer with hidden size 41: ``down_proj`` [E, 41, INTER] has an odd dim 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Module()])
+        self.layers[0].mlp = torch.nn.Module()
+        self.layers[0].mlp.experts = tiny_moe.Experts(tiny_moe.NUM_EXPERTS, 41, tiny_moe.INTER)
+
+
 def errors_worker(root: str) -> dict:
     import numpy as np
     import torch.distributed as dist
@@ -92,6 +102,26 @@ def errors_worker(root: str) -> dict:
     for failing_rank, storage in ((0, "single"), (2, "shared")):
         with mock.patch.object(moeshard.CheckpointReader, "_pread", failing_pread if rank == failing_rank else real_pread):
             res[f"read-fails-{storage}"] = _attempt(load(good, storage=storage))
+    # The same failure in verify: with "single", rank 0 reads for every rank; its needers get
+    # all-zero digests (no hang) and report nothing themselves.
+    moeshard.load(model, good, placement=pl)
+    for failing_rank, storage in ((0, "single"), (2, "shared")):
+        with mock.patch.object(moeshard.CheckpointReader, "_pread", failing_pread if rank == failing_rank else real_pread):
+            res[f"verify-read-fails-{storage}"] = _attempt(
+                lambda s=storage: moeshard.verify(model, good, placement=pl, storage=s))
+    # Stray expert keys (strict: refused on every rank; strict=False: loaded, exact) and FP8
+    # weights with their scale for a fp32 model (refused, also by ranks that hold no copy).
+    res["stray-expert"] = _attempt(load(d("stray-expert")))
+    res["verify-stray-expert"] = _attempt(lambda: moeshard.verify(model, d("stray-expert"), placement=pl))
+    tiny_moe.scramble(model)
+    rep = moeshard.load(model, d("stray-expert"), placement=pl, strict=False)
+    res["stray-not-strict"] = (rep.unused_keys, tiny_moe.compare(model, ckpt, pl))
+    res["fp8-scale"] = _attempt(load(d("fp8-scale")))
+    # Expert FSDP shards dim 1 (here the hidden size, 41) over efsdp=2: refused before FSDP2.
+    with torch.device("meta"):
+        odd = OddHiddenMoE()
+    res["efsdp-uneven"] = _attempt(lambda: moeshard.parallelize(
+        odd, mesh, moeshard.Placement.contiguous(1, tiny_moe.NUM_EXPERTS, 2)))
     # After all that, the group still works: a good load is exact and verifies.
     tiny_moe.scramble(model)
     moeshard.load(model, good, placement=pl)
@@ -125,6 +155,14 @@ def results(tmp_path_factory):
     t = dict(good)
     t["norm.weight"] = torch.arange(tiny_moe.HIDDEN, dtype=torch.int32)
     write("int-dtype", t)
+    t = dict(good)
+    for part in ("gate", "up", "down"):
+        t[f"layers.2.mlp.experts.99.{part}_proj.weight"] = good[f"layers.2.mlp.experts.0.{part}_proj.weight"]
+    write("stray-expert", t)
+    t = dict(good)
+    t["layers.2.mlp.experts.5.up_proj.weight"] = good["layers.2.mlp.experts.5.up_proj.weight"].to(torch.float8_e4m3fn)
+    t["layers.2.mlp.experts.5.up_proj.weight_scale_inv"] = torch.ones(1, 1)
+    write("fp8-scale", t)
     index = moeshard.CheckpointIndex.open(root / "good")
     victim = index.info("embed.weight").file
     for name in ("truncated", "garbage-header", "bad-index", "copy0", "copy1"):
@@ -245,11 +283,43 @@ def test_placement_differs_across_ranks(results):
 
 def test_read_failure_during_transfers(results):
     res, _ = results
-    for name, failing_rank in (("read-fails-single", 0), ("read-fails-shared", 2)):
+    for name, failing_rank in (("read-fails-single", 0), ("read-fails-shared", 2),
+                               ("verify-read-fails-single", 0), ("verify-read-fails-shared", 2)):
         text = _all_raise(res, name)
         assert "failed on 1 of 4 rank(s)" in text
         assert f"rank {failing_rank}: CheckpointError: " in text and "unexpected end of file" in text
         assert "good/model-0000" in text
+
+
+def test_strict_and_fp8_raise_on_every_rank(results):
+    res, _ = results
+    for name in ("stray-expert", "verify-stray-expert"):
+        text = _all_raise(res, name)
+        assert "failed on 4 of 4 rank(s)" in text
+        assert ("has 3 key(s) that no parameter or buffer of the model reads: 3 name experts or expert tensors the "
+                "model does not have: ['layers.2.mlp.experts.99.down_proj.weight', "
+                "'layers.2.mlp.experts.99.gate_proj.weight', 'layers.2.mlp.experts.99.up_proj.weight']; "
+                "pass strict=False") in text
+    stray = ("layers.2.mlp.experts.99.down_proj.weight", "layers.2.mlp.experts.99.gate_proj.weight",
+             "layers.2.mlp.experts.99.up_proj.weight")
+    for rank, r in enumerate(res):
+        assert r["stray-not-strict"] == (stray, []), f"rank {rank}: {r['stray-not-strict']}"
+    text = _all_raise(res, "fp8-scale")
+    assert "failed on 4 of 4 rank(s)" in text
+    assert ("checkpoint tensor 'layers.2.mlp.experts.5.up_proj.weight' has dtype F8_E4M3 (FP8), the model's tensor "
+            "is torch.float32: its scale tensor 'layers.2.mlp.experts.5.up_proj.weight_scale_inv' (F32 [1, 1]) would "
+            "be dropped") in text
+
+
+def test_efsdp_uneven_dim_refused_up_front(results):
+    res, _ = results
+    for rank, r in enumerate(res):
+        kind, text = r["efsdp-uneven"]
+        assert kind == "ValueError", (rank, kind, text)
+        assert text.startswith("parameter layers.0.mlp.experts.down_proj of shape [8, 41, 6]: expert FSDP shards "
+                               "its dim 1 (41) over efsdp=2 ranks"), text
+        assert "use an efsdp size that divides 41 (of the sizes dividing the world size 4: [1])" in text
+        assert "or a hidden / intermediate size that divides by 2" in text
 
 
 def test_group_usable_after_errors(results):

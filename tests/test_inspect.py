@@ -446,6 +446,22 @@ def _bad_inputs(tmp: Path) -> dict[str, Path]:
     shard = sorted(d.glob("*.safetensors"))[0]
     shard.write_bytes(shard.read_bytes()[:-1])  # truncated: offsets no longer fit
     out["truncated shard"] = d
+    # Hostile headers: the safetensors library refuses each; so does inspect (a summary of
+    # them would report "problems: none" for a file that loads wrong weights).
+    entry = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
+    for name, raw in (
+        ("overlapping offsets", json.dumps({"experts.0.w": entry, "experts.1.w": entry}).encode()),
+        ("gap in data", json.dumps({"experts.0.w": {**entry, "data_offsets": [4, 20]}}).encode()),
+        ("nested header", b'{"__metadata__": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"),
+        ("huge integer", b'{"experts.0.w": {"dtype": "F32", "shape": [4], "data_offsets": [0, ' + b"9" * 5000 + b"]}}"),
+    ):
+        f = tmp / (name.replace(" ", "_") + ".safetensors")
+        f.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * 20)
+        out[name] = f
+    d = tmp / "nested_index"
+    write(d, moe_tensors())
+    (d / INDEX).write_bytes(b'{"weight_map": ' + b"[" * 50_000 + b"]" * 50_000 + b"}")
+    out["nested index"] = d
     return out
 
 
@@ -457,6 +473,35 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path, capsys):
         lines = err.splitlines()
         assert len(lines) == 1 and lines[0].startswith("moeshard inspect: error: "), (what, err)
         assert "Traceback" not in err
+        if what in ("overlapping offsets", "gap in data", "nested header", "huge integer", "nested index"):
+            assert str(path) in err, (what, err)  # the file is named
+    err = run(capsys, tmp_path / "overlapping_offsets.safetensors")[2]
+    assert "tensors 'experts.0.w' (data bytes [0, 16)) and 'experts.1.w' ([0, 16)) overlap" in err
+
+
+def test_maximal_header_memory(tmp_path):
+    """A header of the format's maximum size (100,000,000 bytes, ~1M per-expert tensors over a
+    sparse ~8 GiB file): ``moeshard inspect`` in its own process stays well under 1 GiB of
+    peak RSS (1.2 GiB before compact TensorInfos and member-by-member parsing)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root))  # benchmarks/ (a checkout, not an installed package)
+    try:
+        from benchmarks.bench_inspect import MAX_HEADER_BYTES, write_max_header_file
+    finally:
+        sys.path.remove(str(root))
+    f = tmp_path / "model.safetensors"
+    num_tensors, _ = write_max_header_file(f, MAX_HEADER_BYTES)
+    assert num_tensors > 900_000
+    with open(tmp_path / "out", "w+") as out_f, open(tmp_path / "err", "w+") as err_f:
+        proc = subprocess.Popen([sys.executable, "-m", "moeshard.cli", "inspect", str(f)], stdout=out_f, stderr=err_f)
+        _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak RSS (KiB on Linux)
+    out, err = (tmp_path / "out").read_text(), (tmp_path / "err").read_text()
+    assert os.waitstatus_to_exitcode(status) == 0, err
+    assert f"{num_tensors:,} tensors" in out and "problems: none" in out
+    assert usage.ru_maxrss * 1024 < 2**30, f"peak RSS {usage.ru_maxrss / 2**10:.0f} MiB"
 
 
 def test_json_output(tmp_path, capsys):

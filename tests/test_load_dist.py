@@ -93,6 +93,27 @@ def _run_low_level(model, pl, path, config, pname, ckpt) -> dict:
                 recv_plan=int(plan.cost.recv_bytes[rank]), peak=stats.peak_staging_bytes)
 
 
+def _expected_digests(model, path: str, pl, storage: str) -> dict:
+    """What verify's digest exchange must be for this rank, from the plan verify makes
+    (scope "job": one reader per piece): the (piece, needer) pairs whose needer is not the
+    piece's reader, job-wide and towards this rank."""
+    import torch.distributed as dist
+
+    import moeshard
+    from moeshard.load import plan_load, resolve_sources
+    from moeshard.verify import _piece_readers
+
+    rank = dist.get_rank()
+    topo = moeshard.Topology.from_env().with_rank(rank)
+    mode, readers, _, index = resolve_sources(path, storage, topo, os.path.exists(path))
+    _, plan = plan_load(model, index, pl, topo, readers, "job")
+    reader_of = _piece_readers(plan)
+    pairs = [(r, reader_of[pid]) for pid, p in enumerate(plan.pieces) for r, _ in p.needs]
+    return dict(mode=mode, all_read=bool(readers.all()), remote=sum(r != rd for r, rd in pairs),
+                to_me=sum(r == rank != rd for r, rd in pairs), needed=sum(r == rank for r, _ in pairs),
+                shared_pieces=sum(len(p.needs) - 1 for p in plan.pieces), readers=sorted(set(reader_of)))
+
+
 def load_worker(root: str, configs: list[tuple[int, int]], placements: tuple[str, ...]) -> dict:
     import numpy as np
     import torch
@@ -124,14 +145,17 @@ def load_worker(root: str, configs: list[tuple[int, int]], placements: tuple[str
                 rep = moeshard.load(model, path, placement=pl, storage=storage, staging_bytes=staging,
                                     report_minimal=True)
                 problems = tiny_moe.compare(model, ckpt, pl)
+                digests = None
                 try:
-                    v = moeshard.verify(model, path, placement=pl)
+                    v = moeshard.verify(model, path, placement=pl, storage=storage)
                     verified = (v.num_boxes_checked, v.bytes_checked)
+                    digests = dict(sent=v.digests_sent, received=v.digests_received,
+                                   **_expected_digests(model, path, pl, storage))
                 except Exception as e:  # noqa: BLE001 - reported to the test
                     verified = f"{type(e).__name__}: {e}"
                 out["loads"].append(dict(
                     config=(ep, efsdp), placement=pname, label=label, storage=rep.storage, expected_storage=resolved,
-                    problems=problems, verified=verified, bytes_read=rep.bytes_read_rank,
+                    problems=problems, verified=verified, digests=digests, bytes_read=rep.bytes_read_rank,
                     bytes_received=rep.bytes_received_rank, bytes_sent=rep.bytes_sent_rank,
                     peak_staging=rep.peak_staging_bytes_rank, staging=staging, plan=rep.plan,
                     minimal=rep.minimal, fingerprint=rep.fingerprint, elements=tiny_moe.num_elements(model),
@@ -144,9 +168,13 @@ def load_worker(root: str, configs: list[tuple[int, int]], placements: tuple[str
             experts = {n: t for n, t in tensors.items() if n.endswith(("gate_up_proj", "down_proj"))}
 
             def expect_failure(kind: str) -> None:
+                for storage in ("shared", "node", "single"):
+                    expect_failure_with(kind, storage)
+
+            def expect_failure_with(kind: str, storage: str) -> None:
                 wrong = bool(tiny_moe.compare(model, ckpt, pl))
                 try:
-                    moeshard.verify(model, shared, placement=pl)
+                    moeshard.verify(model, shared, placement=pl, storage=storage)
                     text = None
                 except moeshard.DistributedError as e:
                     text = str(e)
@@ -168,8 +196,8 @@ def load_worker(root: str, configs: list[tuple[int, int]], placements: tuple[str
                     i = slot - origin
                     consistent = (r == rank and logical == int(pl.phy2log[layer, slot]) and 0 <= i < loc.shape[0]
                                   and not torch.equal(loc[i], want[i]))
-                out["corrupt"].append(dict(config=(ep, efsdp), placement=pname, kind=kind, wrong=wrong, text=text,
-                                           own_line=own, consistent=consistent))
+                out["corrupt"].append(dict(config=(ep, efsdp), placement=pname, kind=kind, storage=storage,
+                                           wrong=wrong, text=text, own_line=own, consistent=consistent))
 
             # 1. transformers #45662: every rank ends up with rank 0's experts.
             with torch.no_grad():
@@ -233,6 +261,7 @@ def _check_loads(results, world):
             assert rec["storage"] == rec["expected_storage"], what
             assert rec["peak_staging"] <= rec["staging"], what
             assert rec["fingerprint"] == first["fingerprint"], what
+        _check_digests(per_rank, what)
         plan, minimal = first["plan"], first["minimal"]
         read = [rec["bytes_read"] for rec in per_rank]
         received = [rec["bytes_received"] for rec in per_rank]
@@ -259,13 +288,31 @@ def _check_loads(results, world):
             assert all(read[r] == 0 for r in range(world) if r % lws), what
 
 
+def _check_digests(per_rank, what):
+    """verify sent each digest only to a rank that needs it and cannot read it itself."""
+    digests = [rec["digests"] for rec in per_rank]
+    first = digests[0]
+    sent = [d["sent"] for d in digests]
+    received = [d["received"] for d in digests]
+    assert sum(sent) == sum(received) == first["remote"], f"{what}: {sent} {received} {first}"
+    assert received == [d["to_me"] for d in digests], f"{what}: {received}"
+    if first["mode"] == "single":
+        # Rank 0 reads everything and sends every other rank one digest per piece it needs.
+        assert first["readers"] == [0] and received[0] == 0 and sum(sent[1:]) == 0, what
+        assert received[1:] == [d["needed"] for d in digests[1:]], what
+    if first["all_read"]:
+        # Every rank reads what it needs: a piece needed by one rank crosses nothing, a piece
+        # needed by k ranks is read by one of them and k - 1 digests go out.
+        assert first["remote"] == first["shared_pieces"], what
+
+
 def _check_corruption(results, world):
     num = len(results[0]["corrupt"])
     assert num > 0
     for i in range(num):
         per_rank = [r["corrupt"][i] for r in results]
         first = per_rank[0]
-        what = f"{first['config']} {first['placement']} {first['kind']}"
+        what = f"{first['config']} {first['placement']} {first['kind']} {first.get('storage')}"
         if first["kind"] == "repaired":
             assert all(rec["problems"] == [] and rec["boxes"] > 0 for rec in per_rank), what
             continue

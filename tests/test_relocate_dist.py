@@ -287,6 +287,39 @@ def bad_input_worker(root: str) -> dict:
     except moeshard.DistributedError as e:
         out["shapes differ"] = str(e)
     out["shapes differ unchanged"] = all(torch.equal(a, b) for k in tensors for a, b in zip(tensors[k], before[k]))
+    out.update(_dead_reader_cases(rank, old, ckpt, topo))
+    return out
+
+
+def _dead_reader_cases(rank: int, old: np.ndarray, ckpt: str, topo) -> dict:
+    """Rank 0 dies holding the only copy of expert 0 of layer 0. storage="single": every rank
+    sees the files, so a live rank reads it instead; only rank 0 sees them: an error saying so."""
+    import moeshard
+
+    num_logical, slots = 5, 2
+    solo = old.copy()
+    solo[0][solo[0] == 0] = 1
+    solo[0, 0] = 0  # slot 0 is rank 0's
+    solo_pl = moeshard.Placement(solo, num_logical=num_logical, num_ranks=WORLD)
+    away = random_placement(np.random.default_rng(13), num_logical, slots, dead=(0,))
+    away_pl = moeshard.Placement(away, num_logical=num_logical, num_ranks=WORLD)
+    alive = np.arange(WORLD) != 0
+    out = {}
+
+    def run(storage: str, path: str):
+        tensors = {layer: [torch.empty(slots, *s, dtype=torch.float64) for s in SHAPES] for layer in range(NUM_LAYERS)}
+        fill(tensors, solo, rank, slots)
+        rep = moeshard.relocate(tensors, solo_pl, away_pl, checkpoint=path, active_ranks=alive, storage=storage,
+                                topology=topo, expert_params=params(), module=MODULE)
+        return rep.disk_experts, check(tensors, away, rank, slots) if alive[rank] else []
+
+    out["single, rank 0 dead"] = run("single", ckpt)
+    for storage in ("single", "auto"):
+        try:
+            run(storage, ckpt if rank == 0 else ckpt + "-not-here")
+            out[f"only dead rank 0 sees the files ({storage})"] = "no error"
+        except moeshard.DistributedError as e:
+            out[f"only dead rank 0 sees the files ({storage})"] = str(e)
     return out
 
 
@@ -308,3 +341,9 @@ def test_bad_input_every_rank_weights_unchanged(tmp_path):
         for label, pattern in expect.items():
             assert re.search(pattern, res[label]), (label, res[label])
             assert res[label + " unchanged"], label
+        disk, bad = res["single, rank 0 dead"]
+        assert (0, 0) in disk and bad == []
+        for storage in ("single", "auto"):
+            text = res[f"only dead rank 0 sees the files ({storage})"]
+            assert ("logical expert 0 of layer 0 has no live copy (held only by dead ranks [0]) and the only "
+                    "rank(s) that can read the checkpoint (rank 0) are not active") in text, text

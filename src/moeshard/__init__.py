@@ -1,7 +1,7 @@
 """moeshard: put Mixture-of-Experts weights on the right ranks, fast, bounded, verified."""
 
 from . import eplb, lora
-from ._dist import DistributedError
+from ._dist import DistributedError, PeerLostError
 from .adapters import ExpertParam, ExpertsSpec, HF_EXPERTS, MIXTRAL_EXPERTS
 from .ep import clip_grad_norm_, grad_norm, sync_redundant_grads
 from .checkpoint import CheckpointError, CheckpointIndex, CheckpointReader, write_checkpoint
@@ -17,7 +17,7 @@ from .verify import VerificationError, VerifyReport, verify
 
 __all__ = [
     "CheckpointError", "CheckpointIndex", "CheckpointReader", "DistributedError", "ExpertParam",
-    "ExpertsSpec", "HF_EXPERTS", "LoadReport", "MIXTRAL_EXPERTS", "Placement", "Topology",
+    "ExpertsSpec", "HF_EXPERTS", "LoadReport", "MIXTRAL_EXPERTS", "PeerLostError", "Placement", "Topology",
     "TransferPlan", "VerificationError", "VerifyReport", "eplb", "load", "lora", "make_mesh", "materialize",
     "parallelize", "plan_relocation", "plan_transfers", "RelocationPlan", "RelocationReport", "relocate",
     "SaveError", "SaveReport", "save", "verify", "write_checkpoint", "clip_grad_norm_", "grad_norm", "sync_redundant_grads",

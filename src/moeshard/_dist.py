@@ -6,21 +6,121 @@ Pattern: every rank runs a step, catches its own exception, and all ranks exchan
 ranks disagree about the plan and every rank raises. All functions here are collective: every
 rank of ``group`` must call them, in the same order. Without an initialized process group
 they run locally.
+
+A rank that dies (killed, out of memory, its node lost) cannot report anything: its peers see
+the communication backend fail instead (gloo: "Connection closed by peer", NCCL: an aborted
+communicator). Every torch.distributed call of moeshard runs inside :func:`collective`, which
+turns that failure into :class:`PeerLostError` naming the moeshard operation and, where
+known, the peers it was talking to.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
+import contextlib
+import re
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import torch.distributed as dist
 
-__all__ = ["DistributedError", "is_dist", "rank_and_world", "agree", "all_gather_object", "broadcast_object"]
+__all__ = ["DistributedError", "PeerLostError", "is_dist", "rank_and_world", "agree", "all_gather_object",
+           "broadcast_object", "barrier", "collective", "errors_as", "start_p2p"]
 
 T = TypeVar("T")
 
 
 class DistributedError(RuntimeError):
     """Raised on every rank when any rank failed a collective step."""
+
+
+class PeerLostError(DistributedError):
+    """The communication backend failed during a moeshard operation: a peer rank died or the
+    network failed. Raised on each rank that saw the failure (a rank cannot tell its peers
+    after the group broke); ``__cause__`` is the backend's own exception.
+
+    Attributes:
+        operation: the moeshard step, e.g. ``"moeshard.load: executing the plan"``.
+        peers: the ranks the failed step talked to (the lost one is among them); empty when
+            the step was a collective of the whole group (the backend does not say which
+            rank it lost).
+    """
+
+    def __init__(self, message: str, operation: str = "", peers: Iterable[int] = ()):
+        super().__init__(message)
+        self.operation = operation
+        self.peers = tuple(peers)
+
+    def __reduce__(self):
+        return type(self), (str(self), self.operation, self.peers)
+
+
+# What a user does about a lost peer (part of every PeerLostError's text).
+_NEXT_STEP = ("a rank of the job died or the network failed; restart the job, or recover with the survivors "
+              "(a new process group of the live ranks, then moeshard.relocate with active_ranks or load again)")
+
+
+@contextlib.contextmanager
+def collective(what: str, peers: Iterable[int] | None = None) -> Iterator[None]:
+    """Run torch.distributed calls (and waits on their work handles) of step ``what``;
+    a failure of the backend becomes :class:`PeerLostError` chained to it.
+
+    Wrap only communication: a RuntimeError raised inside comes from the process group
+    (torch.distributed.DistBackendError is one), not from the user's input, which goes
+    through :func:`agree` instead. ``peers``: the ranks the calls talk to, if not the whole
+    group (named in the message).
+    """
+    try:
+        yield
+    except DistributedError:
+        raise
+    except RuntimeError as e:
+        ranks = sorted(set(peers or ()))
+        raise PeerLostError(_lost_message(what, e, ranks), what, ranks) from e
+
+
+@contextlib.contextmanager
+def errors_as(cls: type[DistributedError]) -> Iterator[None]:
+    """Re-raise a DistributedError from the block as ``cls`` (an operation's own error type,
+    e.g. SaveError), with the same text. A :class:`PeerLostError` stays as it is: it is not
+    the operation's input that failed, and its ``__cause__`` is the backend's error."""
+    try:
+        yield
+    except (PeerLostError, cls):
+        raise
+    except DistributedError as e:
+        raise cls(str(e)) from None
+
+
+def _lost_message(what: str, error: BaseException, ranks: list[int]) -> str:
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else f"one of ranks {ranks}" if ranks else "a peer"
+    said = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    # gloo's: "[.../pair.cc:553] Connection closed by peer [addr]:port. This is typically ...":
+    # the first sentence without its source location (the whole text is the __cause__).
+    said = re.sub(r"^\[[^\]]*:\d+\]\s*", "", said).split(". ")[0]
+    said = said if len(said) <= 300 else said[:300] + "..."
+    return f"{what}: lost contact with {who} ({type(error).__name__}: {said}): {_NEXT_STEP}"
+
+
+def start_p2p(ops: list, what: str) -> Callable[[], None]:
+    """Post ``ops`` (``torch.distributed.P2POp``) as one batch; return a function that waits
+    for all of them. Only the ops' peers take part (each must post the matching ops); a
+    backend failure in posting or waiting raises :class:`PeerLostError` naming them."""
+    peers = sorted({op.peer for op in ops})
+    with collective(what, peers):
+        works = dist.batch_isend_irecv(ops) if ops else []
+
+    def wait() -> None:
+        with collective(what, peers):
+            for w in works:
+                w.wait()
+
+    return wait
+
+
+def barrier(what: str, group=None) -> None:
+    """Collective: ``torch.distributed.barrier`` (nothing without a process group)."""
+    if is_dist():
+        with collective(what):
+            dist.barrier(group=group)
 
 
 def is_dist() -> bool:
@@ -33,21 +133,25 @@ def rank_and_world(group=None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def all_gather_object(obj: Any, group=None) -> list[Any]:
-    """Collective: every rank's ``obj`` (a list indexed by group rank)."""
+def all_gather_object(obj: Any, group=None, what: str = "moeshard: exchanging objects") -> list[Any]:
+    """Collective: every rank's ``obj`` (a list indexed by group rank). ``what`` names the
+    step in a :class:`PeerLostError`."""
     if not is_dist():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
+    with collective(what):
+        dist.all_gather_object(out, obj, group=group)
     return out
 
 
-def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
-    """Collective: ``obj`` of rank ``src`` (global rank) on every rank."""
+def broadcast_object(obj: Any, src: int = 0, group=None, what: str = "moeshard: broadcasting an object") -> Any:
+    """Collective: ``obj`` of rank ``src`` (global rank) on every rank. ``what`` names the
+    step in a :class:`PeerLostError`."""
     if not is_dist():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
+    with collective(what):
+        dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 
@@ -58,17 +162,20 @@ def agree(step: Callable[[], T], what: str, fingerprint: Callable[[T], str] | No
     Raises:
         ValueError: this rank's own error when no process group is initialized.
         DistributedError: on every rank, naming each failing rank and its message.
+        PeerLostError: on the ranks that saw a peer die, in ``step`` or in the exchange.
     """
     result: Any = None
     error: str | None = None
     try:
         result = step()
+    except PeerLostError:
+        raise  # the group is broken: no exchange can follow
     except Exception as e:  # noqa: BLE001 - every error must reach the other ranks
         if not is_dist():
             raise
         error = f"{type(e).__name__}: {e}"
     fp = fingerprint(result) if (fingerprint is not None and error is None) else None
-    gathered = all_gather_object((error, fp), group=group)
+    gathered = all_gather_object((error, fp), group=group, what=what)
     failed = [(r, err) for r, (err, _) in enumerate(gathered) if err is not None]
     if failed:
         lines = "\n".join(f"  rank {r}: {err}" for r, err in failed)

@@ -5,27 +5,61 @@ may only name files inside its directory, header offsets must lie inside the fil
 with dtype x shape, and a truncated file is reported with its name. Data is read with
 ``pread`` into bounded buffers (never mmap-ed whole, never unpickled), so a rank's memory
 grows by what it reads, not by the files it touches.
+
+A header is accepted only if the safetensors library itself (the Rust crate behind
+``safe_open``, checked against safetensors 0.8) would accept it, so a file moeshard loads is
+a file every other reader loads identically:
+
+* the JSON is at most 100,000,000 bytes (the format's ``MAX_HEADER_SIZE``), UTF-8, and
+  JSON as serde_json (safetensors' parser) reads it: no NaN / Infinity, no number beyond
+  float range, no unpaired UTF-16 surrogate escape, at most 127 levels of nesting. No
+  object repeats a key: stricter than safetensors, which keeps the last of two entries for
+  one tensor; which one a reader sees is ambiguous, so that is an error here;
+* each entry has a dtype torch has (safetensors also knows U16 / U32 / U64 / F4...: loud
+  here), a shape of integers >= 0 (not bools, floats or ``-0``) whose running product stays
+  below 2**63, and ``data_offsets`` ``[begin, end]`` with ``end - begin`` = dtype x shape
+  bytes; unknown fields are ignored, as safetensors ignores them; ``__metadata__`` maps
+  strings to strings;
+* sorted by ``(begin, end)``, the byte ranges tile the data section exactly: the first
+  begins at 0, each begins where the previous one ends, the last ends at the end of the
+  file. Zero-byte tensors are allowed (at a boundary). This is safetensors'
+  ``Metadata::validate`` + ``MetadataIncompleteBuffer`` rule. It makes ranges disjoint, so
+  two keys can never alias the same bytes (expert 1 silently loading expert 0's weights),
+  and leaves no unexplained bytes (a file that grew or was concatenated).
+
+Every error is a :class:`CheckpointError` naming the file (and the keys or byte range at
+fault); JSON nested too deeply or holding a number too long to parse included. JSON read
+from checkpoint directories elsewhere (``config.json``) goes through :func:`load_json`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import math
 import os
+import re
+import reprlib
 import struct
 from dataclasses import dataclass
+from json.decoder import WHITESPACE, JSONDecodeError, scanstring
 from pathlib import Path
 from typing import Iterable, Iterator
 
+import numpy as np
 import torch
 
 from .box import Box, box_numel, box_shape, check_box, full_box
 
 __all__ = ["TensorInfo", "CheckpointIndex", "CheckpointReader", "CheckpointError", "write_checkpoint",
-           "safetensors_header", "pwrite_all"]
+           "safetensors_header", "pwrite_all", "load_json"]
 
 INDEX_NAME = "model.safetensors.index.json"
-_MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit
+_MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own limit (MAX_HEADER_SIZE): bytes, not MiB
+# Shapes and byte offsets are int64 in torch; safetensors itself refuses a shape whose product
+# overflows its usize (checked dim by dim, in order).
+_MAX_INT = 2**63
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -42,16 +76,19 @@ DTYPES: dict[str, torch.dtype] = {
     "F8_E5M2": torch.float8_e5m2,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+_ITEMSIZE = {k: v.itemsize for k, v in DTYPES.items()}  # a plain dict: 3x faster than dtype.itemsize
 
 
 class CheckpointError(ValueError):
     """A checkpoint file, index or header is missing, malformed or inconsistent."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorInfo:
     """Where a tensor lives: ``file`` (relative to the checkpoint root), absolute byte
-    ``offset`` of its first element, dtype name (safetensors spelling) and shape."""
+    ``offset`` of its first element, dtype name (safetensors spelling) and shape.
+
+    Slotted: a maximal header holds about a million of them (64 bytes each instead of ~180)."""
 
     file: str
     offset: int
@@ -64,11 +101,11 @@ class TensorInfo:
 
     @property
     def itemsize(self) -> int:
-        return self.torch_dtype.itemsize
+        return _ITEMSIZE[self.dtype]
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * self.itemsize
+        return math.prod(self.shape) * _ITEMSIZE[self.dtype]
 
 
 @dataclass(frozen=True)
@@ -107,14 +144,16 @@ class CheckpointIndex:
         tensors: dict[str, TensorInfo] = {}
         sizes: dict[str, int] = {}
         for name, expected_keys in files.items():
-            header, size = _read_header(root / name)
+            header, size = _read_header(root / name, name)
             sizes[name] = size
-            if expected_keys is None:
-                expected_keys = list(header)
+            if expected_keys is None:  # the only file: its header is the index (no copy)
+                tensors = header
+                continue
             for key in expected_keys:
-                if key not in header:
+                info = header.get(key)
+                if info is None:
                     raise CheckpointError(f"{INDEX_NAME} places {key!r} in {name}, but {name} has no such tensor")
-                tensors[key] = TensorInfo(name, *header[key])
+                tensors[key] = info
         return cls(str(root), tensors, sizes)
 
     @property
@@ -135,11 +174,7 @@ def _read_index(root: Path, require_files: bool = True) -> dict[str, list[str]]:
     """The index's ``weight_map`` as ``{normalized file name: [keys]}``, every file name
     validated; ``require_files=False`` accepts names of files that do not exist (for a
     report that lists them rather than stopping at the first)."""
-    try:
-        with open(root / INDEX_NAME, "rb") as f:
-            index = json.load(f)
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{root / INDEX_NAME}: unreadable index: {e}") from None
+    index = load_json(root / INDEX_NAME, "unreadable index")
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{root / INDEX_NAME}: no 'weight_map' object")
@@ -172,8 +207,255 @@ def _check_index_name(root: Path, key: str, name: object, require_file: bool = T
     return norm
 
 
-def _read_header(path: Path) -> tuple[dict[str, tuple[int, str, tuple[int, ...]]], int]:
-    """Parse and validate a safetensors header -> {key: (abs offset, dtype, shape)}, file size."""
+class _JsonRejected(ValueError):
+    """Valid for Python's json module, not for a strict JSON reader (serde_json, as
+    safetensors uses): NaN / Infinity, 1e400, an unpaired surrogate, deep nesting; or
+    ambiguous: a repeated key."""
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """``object_pairs_hook``: the object as a dict; a key given twice is an error, since
+    readers disagree on which value wins."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise _JsonRejected(f"key {_brief(dup)} appears twice in one object")
+    return obj
+
+
+def _reject_constant(name: str) -> None:
+    raise _JsonRejected(f"{name} is not valid JSON")
+
+
+def _finite_float(text: str) -> float:
+    """``parse_float``: 1e400 is out of range for every reader but Python's (which makes it inf)."""
+    value = float(text)
+    if math.isinf(value):
+        raise _JsonRejected(f"number {_brief(text)} is out of range")
+    return value
+
+
+def _serde_int(text: str) -> int | float:
+    """``parse_int`` of a safetensors header: serde reads ``-0`` as the float -0.0, so it is
+    no shape dim or offset (and harmless in a field nobody reads)."""
+    return -0.0 if text == "-0" else int(text)
+
+
+# A UTF-16 surrogate escape (\uD800-\uDFFF) that really is an escape: not preceded by an odd
+# run of backslashes (outside strings, valid JSON has none).
+_SURROGATE_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u[dD]([89a-fA-F])[0-9a-fA-F]{2}")
+
+
+def _check_surrogates(text: str) -> None:
+    """An unpaired surrogate escape decodes (in Python only) to a str no encoder accepts:
+    printing such a key ends ``moeshard inspect`` with a traceback; serde refuses the file."""
+    if "\\u" not in text:  # the common case: one fast scan
+        return
+    low_at = None  # where the low half of a pair must start
+    for m in _SURROGATE_ESCAPE.finditer(text):
+        start, high = m.end() - 6, m.group(1) in "89abAB"
+        if high and low_at is None:
+            low_at = m.end()
+        elif not high and start == low_at:
+            low_at = None
+        else:
+            break
+    else:
+        if low_at is None:
+            return
+    raise _JsonRejected("an unpaired UTF-16 surrogate escape (\\uD800-\\uDFFF) is not a character")
+
+
+# serde_json's recursion limit, which safetensors parses with: 127 levels (the header object
+# itself is one) parse, 128 do not.
+_MAX_DEPTH = 127
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+
+
+def _check_depth(text: str) -> None:
+    """Nesting deeper than safetensors reads (only an entry's unknown fields can nest)."""
+    skeleton = np.frombuffer(_JSON_STRING.sub("", text).encode("latin-1", "replace"), dtype=np.uint8)
+    step = np.isin(skeleton, (ord("["), ord("{"))).astype(np.int64) - np.isin(skeleton, (ord("]"), ord("}")))
+    depth = int(np.cumsum(step).max()) if step.size else 0
+    if depth > _MAX_DEPTH:
+        raise _JsonRejected(f"JSON nested {depth} levels deep; safetensors reads at most {_MAX_DEPTH}")
+
+
+def _decode_utf8(raw: bytes, where: object, what: str) -> str:
+    """``raw`` as text; not UTF-8 (what JSON and safetensors require) is a CheckpointError."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{where}: {what}: not UTF-8 ({e})") from None
+
+
+@contextlib.contextmanager
+def _json_errors(where: object, what: str) -> Iterator[None]:
+    """Turn every way parsing untrusted JSON can fail into a CheckpointError ``"{where}:
+    {what}: why"``: nesting deeper than the recursion limit, an integer of more than 4,300
+    digits (Python's int-conversion limit) and memory running out included."""
+    try:
+        yield
+        return
+    except CheckpointError:
+        raise
+    except json.JSONDecodeError as e:
+        reason = str(e)
+    except _JsonRejected as e:
+        reason = str(e)
+    except ValueError as e:  # json raises int()'s own error for a number of > 4,300 digits
+        reason = f"a number too long to parse ({e})"
+    except RecursionError:
+        reason = "JSON nested too deeply"
+    except MemoryError:
+        reason = "out of memory while parsing"
+    raise CheckpointError(f"{where}: {what}: {reason}") from None
+
+
+def _decoder(object_pairs_hook=_unique_keys, parse_int=None) -> json.JSONDecoder:
+    """Stricter than ``json.loads`` where other readers are: no duplicate keys, no NaN /
+    Infinity, no number out of float range."""
+    return json.JSONDecoder(object_pairs_hook=object_pairs_hook, parse_constant=_reject_constant,
+                            parse_float=_finite_float, parse_int=parse_int)
+
+
+def _parse_json(text: str, where: object, what: str) -> object:
+    """Parse untrusted JSON text (see :func:`_decoder`, :func:`_json_errors`)."""
+    with _json_errors(where, what):
+        _check_surrogates(text)
+        return _decoder().decode(text)
+
+
+def load_json(path: str | os.PathLike, what: str) -> object:
+    """Read and :func:`_parse_json` the file at ``path`` (a config.json, an index): an error
+    is a CheckpointError (a ValueError) ``"{path}: {what}: why"``."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise CheckpointError(f"{path}: {what}: {e}") from None
+    except MemoryError:
+        raise CheckpointError(f"{path}: {what}: out of memory reading the file") from None
+    text = _decode_utf8(raw, path, what)
+    del raw
+    return _parse_json(text, path, what)
+
+
+def _object_items(text: str, decoder: json.JSONDecoder) -> Iterator[tuple[str, object]]:
+    """The members of the JSON object ``text`` holds, one at a time, values decoded by
+    ``decoder``: unlike ``json.loads``, never a list of all the members' pairs and a dict of
+    all their keys besides the caller's own structure (about 110 MB for a maximal header).
+    The grammar is ``json.decoder.JSONObject``'s, the errors its JSONDecodeErrors."""
+    def skip(pos: int) -> int:  # past any whitespace at pos (compact JSON has none: no regex call)
+        return ws(text, pos).end() if text[pos:pos + 1] in _WS_CHARS else pos
+
+    ws, scan = WHITESPACE.match, decoder.scan_once
+    end = skip(0)
+    if text[end:end + 1] != "{":
+        raise JSONDecodeError("Expecting '{' (a safetensors header is a JSON object)", text, end)
+    end = skip(end + 1)
+    if text[end:end + 1] == "}":
+        end += 1
+    else:
+        while True:
+            if text[end:end + 1] != '"':
+                raise JSONDecodeError("Expecting property name enclosed in double quotes", text, end)
+            key, end = scanstring(text, end + 1)
+            end = skip(end)
+            if text[end:end + 1] != ":":
+                raise JSONDecodeError("Expecting ':' delimiter", text, end)
+            try:  # scan_once is raw_decode's C core, without its Python frame
+                value, end = scan(text, skip(end + 1))
+            except StopIteration as e:
+                raise JSONDecodeError("Expecting value", text, e.value) from None
+            yield key, value
+            end = skip(end)
+            sep = text[end:end + 1]
+            end = skip(end + 1)
+            if sep == "}":
+                break
+            if sep != ",":
+                raise JSONDecodeError("Expecting ',' delimiter", text, end - 1)
+    end = skip(end)
+    if end != len(text):
+        raise JSONDecodeError("Extra data", text, end)
+
+
+_WS_CHARS = frozenset(" \t\n\r")  # JSON's whitespace
+
+
+class _BadEntry(dict):
+    """A header object that looked like a tensor entry but is not valid; ``reason`` says why
+    (reported with its key by the caller, which knows it)."""
+
+    reason = ""
+
+
+class _EntryParser:
+    """``object_pairs_hook`` turning each tensor entry of one header into its TensorInfo
+    the moment it is parsed, so a million-entry header never exists as dicts of lists.
+    dtype names, shapes (tuples) and the file name are shared between entries."""
+
+    def __init__(self, name: str, data_start: int, data_len: int):
+        self.name, self.data_start, self.data_len = name, data_start, data_len
+        self.dtypes = {k: k for k in DTYPES}  # the canonical (shared) str of each dtype name
+        self.shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
+        self.has_extra_fields = False  # fields safetensors ignores (they may nest deep)
+
+    def __call__(self, pairs: list[tuple[str, object]]) -> object:
+        obj = dict(pairs)
+        if len(obj) != len(pairs):
+            _unique_keys(pairs)  # raises, naming the key
+        if len(obj) < 3 or "data_offsets" not in obj:
+            return obj  # __metadata__ or an entry lacking fields (reported by the caller)
+        self.has_extra_fields |= len(obj) > 3
+        try:
+            return self._info(obj)
+        except _JsonRejected as e:
+            bad = _BadEntry(obj)
+            bad.reason = str(e)
+            return bad
+
+    def _info(self, obj: dict) -> TensorInfo:
+        dtype, shape, offsets = obj.get("dtype"), obj.get("shape"), obj["data_offsets"]
+        if not (isinstance(dtype, str) and isinstance(shape, list) and isinstance(offsets, list)
+                and len(offsets) == 2):
+            raise _JsonRejected("lacks dtype/shape/data_offsets (a string, a list and [begin, end])")
+        canonical = self.dtypes.get(dtype)
+        if canonical is None:
+            raise _JsonRejected(f"has unsupported dtype {_brief(dtype)}")
+        numel = _numel(shape)
+        begin, end = offsets
+        if not (type(begin) is int and type(end) is int):  # noqa: E721 -- bool is an int subclass
+            raise _JsonRejected(f"has a malformed shape or offsets: data_offsets {_brief(offsets)} are not integers")
+        nbytes = numel * _ITEMSIZE[canonical]
+        if not 0 <= begin <= end <= self.data_len or end - begin != nbytes:
+            raise _JsonRejected(
+                f"has data_offsets [{begin}, {end}] but dtype {dtype} x shape {_brief(shape)} needs {nbytes} bytes "
+                f"inside a data section of {self.data_len} bytes (truncated or corrupt file)")
+        key = tuple(shape)
+        return TensorInfo(self.name, self.data_start + begin, canonical, self.shapes.setdefault(key, key))
+
+
+def _numel(shape: list) -> int:
+    """Elements of ``shape``; every dim an int >= 0 (not a bool, not a float) and the running
+    product below 2**63, as safetensors checks it (so no product of huge dims is ever built)."""
+    n = 1
+    for d in shape:
+        if type(d) is not int or not 0 <= d < _MAX_INT:  # noqa: E721 -- bool is an int subclass
+            raise _JsonRejected(f"has a malformed shape or offsets: shape {_brief(shape)} is not non-negative "
+                                "integers below 2**63")
+        n *= d
+        if n >= _MAX_INT:
+            raise _JsonRejected(f"has a malformed shape or offsets: shape {_brief(shape)} has 2**63 elements or more")
+    return n
+
+
+def _read_header(path: Path, name: str | None = None) -> tuple[dict[str, TensorInfo], int]:
+    """Parse and validate a safetensors header -> ``({key: TensorInfo}, file size)``; ``name``
+    (default: the file's own name) is the ``file`` the TensorInfos carry. The rules are the
+    module docstring's; any violation is a CheckpointError naming ``path``."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -183,41 +465,89 @@ def _read_header(path: Path) -> tuple[dict[str, tuple[int, str, tuple[int, ...]]
             (n,) = struct.unpack("<Q", head)
             if n > _MAX_HEADER_BYTES or 8 + n > size:
                 raise CheckpointError(
-                    f"{path}: header length {n} does not fit in the file ({size} bytes): truncated or not safetensors"
+                    f"{path}: header length {n} does not fit in the file ({size} bytes) or exceeds the format's "
+                    f"{_MAX_HEADER_BYTES:,}-byte limit: truncated or not safetensors"
                 )
             raw = f.read(n)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read: {e}") from None
-    try:
-        header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: corrupt safetensors header: {e}") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: corrupt safetensors header: not a JSON object")
-    data_start, data_len = 8 + n, size - 8 - n
-    out: dict[str, tuple[int, str, tuple[int, ...]]] = {}
-    for key, entry in header.items():
-        if key == "__metadata__":
-            continue
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: header entry {key!r} lacks dtype/shape/data_offsets") from None
-        if dtype not in DTYPES:
-            raise CheckpointError(f"{path}: tensor {key!r} has unsupported dtype {dtype!r}")
-        if not all(isinstance(d, int) and d >= 0 for d in shape) or not all(
-            isinstance(o, int) for o in (begin, end)
-        ):
-            raise CheckpointError(f"{path}: tensor {key!r} has a malformed shape or offsets")
-        nbytes = math.prod(shape) * DTYPES[dtype].itemsize
-        if not 0 <= begin <= end <= data_len or end - begin != nbytes:
-            raise CheckpointError(
-                f"{path}: tensor {key!r} has data_offsets [{begin}, {end}] but dtype {dtype} x shape "
-                f"{list(shape)} needs {nbytes} bytes inside a data section of {data_len} bytes "
-                "(truncated or corrupt file)"
-            )
-        out[key] = (data_start + begin, dtype, shape)
-    return out, size
+    what = "corrupt safetensors header"
+    text = _decode_utf8(raw, path, what)
+    del raw  # up to 100 MB, not kept while parsing
+    data_len = size - 8 - n
+    parser = _EntryParser(path.name if name is None else name, 8 + n, data_len)
+    # parse_int costs a Python call per number: only where a "-0" may hide.
+    decoder = _decoder(parser, _serde_int if "-0" in text else None)
+    header: dict[str, TensorInfo] = {}
+    meta: object = None
+    with _json_errors(path, what):
+        _check_surrogates(text)
+        for key, value in _object_items(text, decoder):
+            if key in header or (key == "__metadata__" and meta is not None):
+                raise _JsonRejected(f"key {_brief(key)} appears twice in the header")
+            if key == "__metadata__":
+                meta = value
+            elif type(value) is TensorInfo:  # noqa: E721 -- the parser's own class, fast
+                header[key] = value
+            else:
+                why = value.reason if isinstance(value, _BadEntry) else "lacks dtype/shape/data_offsets"
+                raise CheckpointError(f"{path}: tensor {_brief(key)} {why}")
+        if parser.has_extra_fields:
+            _check_depth(text)
+    del text
+    meta = {} if meta is None else meta
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise CheckpointError(f"{path}: {what}: __metadata__ must map strings to strings")
+    _check_tiling(path, header, 8 + n, data_len)
+    return header, size
+
+
+def _check_tiling(path: Path, header: dict[str, TensorInfo], data_start: int, data_len: int) -> None:
+    """The tensors' byte ranges, sorted by (begin, end), tile ``[0, data_len)`` exactly."""
+    num = len(header)
+    if not num:
+        if data_len:
+            raise CheckpointError(f"{path}: a header with no tensors, but {data_len} data bytes follow it: "
+                                  "corrupt file")
+        return
+    begin = np.fromiter((t.offset for t in header.values()), dtype=np.int64, count=num) - data_start
+    end = begin + np.fromiter((t.nbytes for t in header.values()), dtype=np.int64, count=num)
+    order = np.lexsort((end, begin))
+    begin, end = begin[order], end[order]
+    # prev_end[i]: where the bytes before range i end (0 for the first range).
+    prev_end = np.concatenate(([0], end[:-1]))
+    bad = np.flatnonzero(begin != prev_end)
+    if bad.size:
+        i = int(bad[0])
+        if i == 0:
+            first = _brief(_key_at(header, order[0]))
+            raise CheckpointError(f"{path}: bytes [0, {begin[0]}) of the data section belong to no tensor "
+                                  f"(the first, {first}, begins at {begin[0]}): corrupt file")
+        a, b = _brief(_key_at(header, order[i - 1])), _brief(_key_at(header, order[i]))
+        if begin[i] < prev_end[i]:
+            raise CheckpointError(f"{path}: tensors {a} (data bytes [{begin[i - 1]}, {end[i - 1]})) and {b} "
+                                  f"([{begin[i]}, {end[i]})) overlap: corrupt file")
+        raise CheckpointError(f"{path}: bytes [{prev_end[i]}, {begin[i]}) of the data section, between tensors "
+                              f"{a} and {b}, belong to no tensor: corrupt file")
+    last = int(end[-1])
+    if last != data_len:
+        raise CheckpointError(f"{path}: bytes [{last}, {data_len}) at the end of the data section belong to no "
+                              "tensor (safetensors requires the tensors to cover the file): corrupt or appended file")
+
+
+def _brief(value: object) -> str:
+    """A short ``repr`` of ``value``: a hostile header's key or shape can be megabytes long,
+    and an error message is one line (reprlib never builds the whole repr)."""
+    return _BRIEF.repr(value)
+
+
+_BRIEF = reprlib.Repr()
+_BRIEF.maxstring, _BRIEF.maxlist, _BRIEF.maxlevel = 160, 8, 2
+
+
+def _key_at(header: dict, position: int) -> str:
+    """The key at ``position`` in ``header``'s order (only on the error path: O(n))."""
+    return next(itertools.islice(header, int(position), None))
 
 
 class CheckpointReader:

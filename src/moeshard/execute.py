@@ -70,7 +70,8 @@ def node_groups(local_world_size: int):
         cache.update(default=default, world=world, groups={})
     group = cache["groups"].get(local_world_size)
     if group is None or not _is_live(group):
-        group, _ = dist.new_subgroups(group_size=local_world_size)
+        with _dist.collective("moeshard: creating the node process groups"):
+            group, _ = dist.new_subgroups(group_size=local_world_size)
         cache["groups"][local_world_size] = group
     return group
 
@@ -90,6 +91,7 @@ def execute_plan(
     device: torch.device,
     node_group=None,
     progress: Callable[[int], None] | None = None,
+    what: str = "moeshard: running the transfer plan",
 ) -> ExecStats:
     """Collective (every rank of the default group): run ``plan`` on this rank.
 
@@ -103,10 +105,13 @@ def execute_plan(
         node_group: this rank's node group, required if the plan has broadcasts.
         progress: called with the bytes of each piece this rank reads or receives
             (:func:`rank_bytes` is their total).
+        what: the operation, for error messages (e.g. "moeshard.load: executing the plan").
 
     Raises:
         DistributedError: on every rank, after the whole plan ran, if any rank failed a read
             (without a process group: that read's own error).
+        PeerLostError: on the ranks that saw a peer die (a P2P batch or node broadcast with
+            it, or the final exchange), naming the peers where known.
     """
     stats = ExecStats()
     failure: list[Exception] = []  # this rank's failed reads (the first is reported)
@@ -181,13 +186,12 @@ def execute_plan(
                     ops.append(dist.P2POp(dist.irecv, bufs[s.piece], s.src))
                     received.append(s.piece)
                     staged += pieces[s.piece].nbytes
-            works = dist.batch_isend_irecv(ops) if ops else []
+            wait = _dist.start_p2p(ops, what)
             # Overlap: this rank's own reads while the batch is in flight.
             share = math.ceil(len(my_local) / max(remaining_chunks * 2, 1))
             for _ in range(min(share, len(my_local))):
                 local_read(my_local.pop())
-            for w in works:
-                w.wait()
+            wait()
             for b in phase.broadcasts:
                 if rank not in plan.topology.node_ranks(b.node):
                     continue
@@ -199,7 +203,8 @@ def execute_plan(
                     staged += pieces[b.piece].nbytes
                 else:
                     stats.bytes_sent += pieces[b.piece].nbytes * (plan.topology.local_world_size - 1)
-                dist.broadcast(bufs[b.piece], src=b.root, group=node_group)
+                with _dist.collective(what, set(plan.topology.node_ranks(b.node)) - {rank}):
+                    dist.broadcast(bufs[b.piece], src=b.root, group=node_group)
             for pid in received:
                 stats.bytes_received += pieces[pid].nbytes
                 deliver(pid, bufs[pid])
@@ -218,7 +223,7 @@ def execute_plan(
             raise failure[0]
         return stats
 
-    return _dist.agree(outcome, "moeshard: running the transfer plan")
+    return _dist.agree(outcome, what)
 
 
 def rank_bytes(plan: TransferPlan, rank: int) -> int:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ._gc import paused_gc
-from .checkpoint import DTYPES, INDEX_NAME, CheckpointError, CheckpointIndex, TensorInfo, _read_index
+from .checkpoint import DTYPES, INDEX_NAME, CheckpointError, CheckpointIndex, TensorInfo, _read_header, _read_index
 
 __all__ = [
     "CheckpointSummary",
@@ -163,7 +163,7 @@ def _read_headers(path: str | os.PathLike) -> _Headers:
     # A single file (or a directory holding exactly one): CheckpointIndex.open validates it
     # and says clearly what is wrong when it is neither.
     index = CheckpointIndex.open(p)
-    return _Headers(Path(index.root), None, dict(index.tensors), dict(index.file_sizes), ())
+    return _Headers(Path(index.root), None, index.tensors, index.file_sizes, ())
 
 
 def _read_sharded(root: Path) -> _Headers:
@@ -182,9 +182,7 @@ def _read_sharded(root: Path) -> _Headers:
     for name, keys in present.items():
         # One file at a time through the validated reader: every key of the file (not only
         # the indexed ones), so keys the index forgot are found too.
-        one = CheckpointIndex.open(root / name)
-        sizes[name] = one.file_sizes[os.path.basename(name)]
-        in_file = one.tensors
+        in_file, sizes[name] = _read_header(root / name, name)
         missing = [k for k in keys if k not in in_file]
         if missing:
             problems.append(Problem(
@@ -193,7 +191,7 @@ def _read_sharded(root: Path) -> _Headers:
         for k in keys:
             info = in_file.get(k)
             if info is not None:
-                tensors[k] = TensorInfo(name, info.offset, info.dtype, info.shape)
+                tensors[k] = info
         if len(in_file) > len(keys) - len(missing):
             indexed = set(keys)
             stray = [k for k in in_file if k not in indexed]
@@ -290,12 +288,16 @@ def _moe_layout(tensors: dict[str, TensorInfo]) -> tuple[MoeLayout | None, list[
     # per_expert[module][e][rest] and fused[module][rest]: the keys, grouped.
     per_expert: dict[str, dict[int, dict[str, TensorInfo]]] = defaultdict(lambda: defaultdict(dict))
     fused: dict[str, dict[str, TensorInfo]] = defaultdict(dict)
+    # One str object per distinct tensor name (``gate_proj.weight``), not one per key: a
+    # maximal header has a million per-expert keys and a handful of names.
+    names: dict[str, str] = {}
     for key, t in tensors.items():
         if ".experts." not in key and not key.startswith("experts."):
             continue  # most dense keys: skip the regexes
         m = _PER_EXPERT.match(key)
         if m:
-            per_expert[m["module"]][int(m["e"])][m["rest"]] = t
+            rest = m["rest"]
+            per_expert[m["module"]][int(m["e"])][names.setdefault(rest, rest)] = t
             continue
         m = _FUSED.match(key)
         if m and t.shape:

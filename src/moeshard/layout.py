@@ -28,7 +28,8 @@ from .checkpoint import CheckpointIndex, DTYPES
 from .placement import Placement
 
 __all__ = ["ExpertRef", "ParamDesc", "Need", "describe_model", "compute_needs", "rank_boxes", "local_tensor", "expert_layers",
-           "base_names", "is_adapter_param"]
+           "base_names", "is_adapter_param", "cast_refusal", "check_cast", "UnusedKeys", "unused_keys",
+           "ignored_patterns"]
 
 
 @dataclass(frozen=True)
@@ -262,7 +263,8 @@ def compute_needs(
     """Every rank's needs, from parameter descriptions (pure; any world size).
 
     Raises ValueError for a key missing from the checkpoint, a shape that disagrees, a dtype
-    that cannot be cast, or a placement inconsistent with the model's expert parameters.
+    the cast rule refuses (:func:`cast_refusal`: e.g. FP8 into bf16), or a placement
+    inconsistent with the model's expert parameters.
     """
     needs: list[Need] = []
     num_layers = 1 + max((d.expert.layer for d in descs if d.expert), default=-1)
@@ -273,7 +275,7 @@ def compute_needs(
         if d.expert is None:
             key = _find_key(d, index)
             info = index.info(key)
-            _check_dtype(d, key, info.dtype)
+            check_cast(f"parameter {d.name}", key, index, d.dtype)
             if tuple(info.shape) != d.shape:
                 raise ValueError(
                     f"parameter {d.name}: checkpoint tensor {key!r} has shape {list(info.shape)}, "
@@ -299,18 +301,79 @@ def _find_key(d: ParamDesc, index: CheckpointIndex) -> str:
     raise ValueError(f"parameter {d.name}: checkpoint {index.root} has no tensor {d.keys[0]!r}{also}")
 
 
+def _is_float8(dtype: torch.dtype) -> bool:
+    # One-byte floats (float8_e4m3fn, float8_e5m2, their fnuz variants): block-quantized
+    # checkpoints store them scaled, so a value means something only with its scale.
+    return dtype.is_floating_point and dtype.itemsize == 1
+
+
+# Scale tensors a quantized checkpoint stores beside weight ``key`` (DeepSeek-V3:
+# ``<key>_scale_inv`` = ``<module>.weight_scale_inv``; compressed-tensors / FBGEMM: ``_scale``).
+SCALE_SUFFIXES = ("_scale_inv", "_scale")
+
+
 @functools.lru_cache(maxsize=256)
-def _castable(ckpt_dtype: str, dtype: torch.dtype) -> bool:
+def cast_refusal(ckpt_dtype: str, dtype: torch.dtype) -> str | None:
+    """The one cast rule for checkpoint data: None when values of safetensors dtype
+    ``ckpt_dtype`` may be cast to a model tensor of ``dtype``, else why not ("kind",
+    "from_fp8", "to_fp8", "fp8_formats").
+
+    Allowed: the same dtype (FP8 -> the same FP8 included: a model keeping FP8 parameters),
+    float <-> float and int <-> int. Refused: int/bool <-> float, bool <-> int, and every cast
+    from or to a one-byte float: FP8 values are meaningful only with their scale (DESIGN.md),
+    a cast to FP8 is a quantization that needs a scale, and e4m3 <-> e5m2 loses precision or
+    overflows. Every path that reads checkpoint data into a tensor checks it before any data
+    moves: load (dense and expert needs), verify (through load's plan), relocate's disk reads
+    and LoRA adapters (:func:`check_cast`).
+    """
     src = DTYPES[ckpt_dtype]
-    return src.is_floating_point == dtype.is_floating_point and (src == torch.bool) == (dtype == torch.bool)
+    if src == dtype:
+        return None
+    if _is_float8(src) and _is_float8(dtype):
+        return "fp8_formats"
+    if _is_float8(src):
+        return "from_fp8"
+    if _is_float8(dtype):
+        return "to_fp8"
+    if src.is_floating_point != dtype.is_floating_point or (src == torch.bool) != (dtype == torch.bool):
+        return "kind"
+    return None
 
 
-def _check_dtype(d: ParamDesc, key: str, ckpt_dtype: str) -> None:
-    if not _castable(ckpt_dtype, d.dtype):
+def check_cast(what: str, key: str, index: CheckpointIndex, dtype: torch.dtype) -> None:
+    """Raise ValueError when checkpoint tensor ``key`` may not be cast to ``dtype``
+    (:func:`cast_refusal`); ``what`` names the destination ("parameter x"). Pure; every rank
+    that plans a read calls it."""
+    ckpt_dtype = index.info(key).dtype
+    why = cast_refusal(ckpt_dtype, dtype)
+    if why is None:
+        return
+    src = DTYPES[ckpt_dtype]
+    head = f"{what}: checkpoint tensor {key!r} has dtype {ckpt_dtype}"
+    if why == "kind":
+        raise ValueError(f"{head}, which cannot be cast to the model's {dtype}")
+    if why == "to_fp8":
         raise ValueError(
-            f"parameter {d.name}: checkpoint tensor {key!r} has dtype {ckpt_dtype}, which cannot be "
-            f"cast to the model's {d.dtype}"
-        )
+            f"{head}, the model's tensor is {dtype}: casting to FP8 is a quantization that needs a scale, "
+            "which moeshard does not do; quantize the checkpoint (with its scales) or keep this tensor "
+            f"in a wider dtype")
+    keep = f"load it into a model that keeps this tensor in {src}"
+    if why == "fp8_formats":
+        raise ValueError(
+            f"{head}, the model's tensor is {dtype}: converting between FP8 formats without rescaling "
+            f"loses precision or overflows (float8_e4m3fn's largest value is 448, float8_e5m2 has 2 "
+            f"mantissa bits); {keep}")
+    scales = [key + s for s in SCALE_SUFFIXES if key + s in index]
+    if scales:
+        info = index.info(scales[0])
+        scale = (f"its scale tensor {scales[0]!r} ({info.dtype} {list(info.shape)}) would be dropped and "
+                 f"the raw FP8 values loaded unscaled")
+    else:
+        scale = (f"the checkpoint has no scale tensor for it (no {key + SCALE_SUFFIXES[0]!r}), and its raw FP8 "
+                 f"values would be meaningless as {dtype}")
+    raise ValueError(
+        f"{head} (FP8), the model's tensor is {dtype}: {scale}. moeshard does not dequantize FP8 "
+        f"checkpoints yet: use a dequantized checkpoint, or {keep}")
 
 
 def _expert_needs(
@@ -383,7 +446,7 @@ def _part_sizes(d: ParamDesc, index: CheckpointIndex, expert: int, slice_shape: 
         if key not in index:
             raise ValueError(f"parameter {d.name}: checkpoint {index.root} has no tensor {key!r} (logical expert {expert})")
         info = index.info(key)
-        _check_dtype(d, key, info.dtype)
+        check_cast(f"parameter {d.name}", key, index, d.dtype)
         shape = list(info.shape)
         want = list(slice_shape)
         dim = ref.param.dim
@@ -400,3 +463,143 @@ def _part_sizes(d: ParamDesc, index: CheckpointIndex, expert: int, slice_shape: 
             f"not {slice_shape[ref.param.dim]}"
         )
     return tuple(sizes)
+
+
+# -- checkpoint keys that no parameter reads (pure) -----------------------------------------
+
+# A per-expert key whatever the experts module's name; a key of block N of a layer stack.
+_EXPERT_KEY = re.compile(r"(^|\.)experts\.\d+\.")
+_LAYER_KEY = re.compile(r"^(.*?(?:^|\.)layers)\.(\d+)\.")
+_EXPERTS_REASON = "name experts or expert tensors the model does not have"
+_SCALES_REASON = "are scales of weights the model loads, which no parameter holds"
+
+
+@dataclass(frozen=True)
+class UnusedKeys:
+    """Checkpoint keys that no parameter or buffer of the model reads.
+
+    Args:
+        keys: all of them, sorted.
+        suspicious: ``{reason: sorted keys}``, those that say the checkpoint does not fit the
+            model: a key under an experts module's prefix or like ``experts.<N>.`` (an expert
+            the model does not have, or an expert tensor its spec does not declare), a key of a
+            layer beyond the model's layers under the same prefix, the scale of a weight the
+            model loads. The others (a stored rotary ``inv_freq``, the tied alias not read,
+            keys the model's ``_keys_to_ignore_on_load_unexpected`` matches) are harmless.
+    """
+
+    keys: tuple[str, ...]
+    suspicious: dict[str, tuple[str, ...]]
+
+    def problem(self, root: str, limit: int = 5) -> str | None:
+        """One line naming the suspicious keys (the first ``limit`` of each kind, and how
+        many), or None when there are none."""
+        if not self.suspicious:
+            return None
+        parts = []
+        for reason, keys in self.suspicious.items():
+            more = f" ... ({len(keys)} in all)" if len(keys) > limit else ""
+            parts.append(f"{len(keys)} {reason}: {list(keys[:limit])}{more}")
+        n = sum(len(k) for k in self.suspicious.values())
+        return f"checkpoint {root} has {n} key(s) that no parameter or buffer of the model reads: " + "; ".join(parts)
+
+
+def ignored_patterns(model: nn.Module) -> tuple[str, ...]:
+    """Regexes of checkpoint keys the model expects to leave unread: transformers'
+    ``_keys_to_ignore_on_load_unexpected`` of every module (transformers gathers the
+    children's too; e.g. DeepSeek-V3's ``model\\.layers\\.61.*``, its MTP layer)."""
+    out: dict[str, None] = {}
+    for m in model.modules():
+        for pattern in getattr(m, "_keys_to_ignore_on_load_unexpected", None) or ():
+            out[pattern] = None
+    return tuple(sorted(out))
+
+
+def unused_keys(
+    descs: Sequence[ParamDesc],
+    index: CheckpointIndex,
+    placement: Placement | None,
+    ignore: Sequence[str] = (),
+) -> UnusedKeys:
+    """Checkpoint keys that no parameter or buffer of ``descs`` reads (pure, no communication:
+    every rank computes the same). Call it after :func:`compute_needs`, which raises for
+    missing keys.
+
+    A key is consumed when some parameter reads it given the model, whatever the placement:
+    a dense parameter's first key present in the checkpoint (the tied aliases after it are
+    unused but harmless), and every part of every logical expert ``0 .. num_logical - 1`` of
+    an expert parameter (an expert no slot holds, e.g. on a dead rank, is still the model's).
+    ``ignore``: regexes (``re.search``) of keys never suspicious (:func:`ignored_patterns`).
+    Cost: set operations over the index's keys, plus a regex per unused key.
+    """
+    consumed: set[str] = set()
+    dense: list[str] = []
+    aliases: set[str] = set()
+    prefixes: dict[str, None] = {}
+    for d in descs:
+        if d.expert is None:
+            present = [k for k in d.keys if k in index]
+            dense.extend(present[:1])
+            aliases.update(present[1:])
+        else:
+            num_logical = placement.num_logical if placement is not None else d.shape[0]
+            prefixes[f"{d.expert.module}."] = None
+            consumed.update(_expert_keys(d.expert, num_logical))
+    consumed.update(dense)
+    unused = sorted(index.tensors.keys() - consumed)
+    counts = _layer_counts(dense + list(prefixes))
+    ignored = re.compile("|".join(f"(?:{p})" for p in ignore)) if ignore else None
+    experts = tuple(prefixes)
+    suspicious: dict[str, list[str]] = {}
+    for key in unused:
+        if key in aliases or (ignored is not None and ignored.search(key)):
+            continue
+        reason = None
+        layer = _LAYER_KEY.match(key)
+        if layer is not None and layer[1] in counts and int(layer[2]) >= counts[layer[1]]:
+            reason = f"are in layers beyond the model's {counts[layer[1]]} under {layer[1]!r}"
+        elif key.startswith(experts) or _EXPERT_KEY.search(key):
+            reason = _EXPERTS_REASON
+        elif _scaled_weight(key) in consumed:
+            reason = _SCALES_REASON
+        if reason is not None:
+            suspicious.setdefault(reason, []).append(key)
+    return UnusedKeys(tuple(unused), {r: tuple(k) for r, k in suspicious.items()})
+
+
+def _expert_keys(ref: ExpertRef, num_logical: int) -> list[str]:
+    """Every checkpoint key of logical experts ``0 .. num_logical - 1`` of ``ref``. DeepSeek-V3
+    has ~45,000: each is one string concatenation (head + id + tail of the key template), not
+    a ``str.format`` call."""
+    ids = [str(e) for e in range(num_logical)]
+    out: list[str] = []
+    try:
+        templates = ref.param.keys(ref.module, "{e}")  # the keys with their expert id left as "{e}"
+    except ValueError:  # a template with a format spec (e.g. "{e:03d}"): one format per key
+        return [k for e in range(num_logical) for k in ref.param.keys(ref.module, e)]
+    for j, template in enumerate(templates):
+        head, _, tail = template.partition("{e}")
+        if "{e}" in tail or head == template:  # the id not exactly once: one format per key
+            out.extend(ref.param.keys(ref.module, e)[j] for e in range(num_logical))
+        else:
+            out.extend([head + i + tail for i in ids])
+    return out
+
+
+def _scaled_weight(key: str) -> str | None:
+    """The weight whose scale ``key`` would be (``x.weight_scale_inv`` -> ``x.weight``), or None."""
+    for suffix in SCALE_SUFFIXES:
+        if key.endswith(suffix):
+            return key[: -len(suffix)]
+    return None
+
+
+def _layer_counts(keys: Sequence[str]) -> dict[str, int]:
+    """``{layer stack prefix: number of layers}`` from keys the model reads (the stack is the
+    first ``...layers.<N>.`` of a key)."""
+    counts: dict[str, int] = {}
+    for key in keys:
+        m = _LAYER_KEY.match(key)
+        if m is not None:
+            counts[m[1]] = max(counts.get(m[1], 0), int(m[2]) + 1)
+    return counts

@@ -8,6 +8,7 @@ agreed before any data moves) -> execute -> report.
 
 from __future__ import annotations
 
+import logging
 import os
 import resource
 import sys
@@ -24,15 +25,17 @@ from . import _dist
 from .adapters import DEFAULT_SPECS, ExpertsSpec
 from .checkpoint import CheckpointIndex, CheckpointReader
 from .execute import execute_plan, node_groups, rank_bytes
-from .layout import ParamDesc, compute_needs, describe_model, local_tensor
+from .layout import ParamDesc, compute_needs, describe_model, ignored_patterns, local_tensor, unused_keys
 from .placement import Placement
 from .progress import Progress, progress_enabled
 from .plan import DEFAULT_STAGING_BYTES, TransferPlan, minimal_cost, plan_transfers
 from .topology import Topology
 
-__all__ = ["LoadReport", "load", "plan_load", "resolve_sources", "storage_sources", "materialize"]
+__all__ = ["LoadReport", "load", "plan_load", "resolve_sources", "storage_sources", "materialize",
+           "checked_unused_keys"]
 
 Storage = Literal["auto", "shared", "node", "single"]
+logger = logging.getLogger("moeshard")
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,9 @@ class LoadReport:
 
     ``minimal`` holds :func:`moeshard.plan.minimal_cost` of the plan (lower bounds on bytes
     read, sent and crossing nodes) only when ``load(..., report_minimal=True)``; else ``{}``.
+
+    ``unused_keys`` are the checkpoint keys no parameter or buffer reads (sorted; the same on
+    every rank), see :func:`checked_unused_keys`.
     """
 
     storage: str
@@ -66,6 +72,7 @@ class LoadReport:
     minimal: dict = field(default_factory=dict)
     fingerprint: str = ""
     peak_rss_source: str = "vmhwm"
+    unused_keys: tuple[str, ...] = ()
 
 
 def _target_device(model: nn.Module) -> torch.device:
@@ -86,8 +93,9 @@ def _target_device(model: nn.Module) -> torch.device:
 
 
 def materialize(model: nn.Module, device: torch.device | None = None) -> torch.device:
-    """Allocate a meta-device model on its device (``to_empty``) and recompute its
-    non-persistent buffers (e.g. RoPE ``inv_freq``), which no checkpoint holds.
+    """Allocate a meta-device model on its device (``to_empty``, keeping tied parameters
+    tied) and recompute its non-persistent buffers (e.g. RoPE ``inv_freq``), which no
+    checkpoint holds.
 
     A module's non-persistent buffers are rebuilt by constructing a fresh module of the same
     class from its ``config`` (as transformers' rotary modules allow); a module that cannot be
@@ -100,7 +108,11 @@ def materialize(model: nn.Module, device: torch.device | None = None) -> torch.d
         if any(b.is_meta for n, b in mod.named_buffers(recurse=False) if n in mod._non_persistent_buffers_set)
     ]
     if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
+        tied = _tied_parameters(model)
         model.to_empty(device=device)
+        for (mod, name), *aliases in tied:  # to_empty gives each module its own new tensor
+            for alias_mod, alias in aliases:
+                setattr(alias_mod, alias, getattr(mod, name))
     for name, mod in meta_buffers:
         config = getattr(mod, "config", None)
         if config is None:
@@ -116,16 +128,45 @@ def materialize(model: nn.Module, device: torch.device | None = None) -> torch.d
     return device
 
 
-def storage_sources(storage: Storage, can_read: Sequence[bool], topology: Topology) -> tuple[str, np.ndarray, str]:
+def _tied_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Groups of ``(module, attribute)`` holding one parameter object (tied weights, e.g. an
+    LM head sharing the embedding), each group of 2 or more."""
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for mod in model.modules():
+        for name, p in mod._parameters.items():
+            if p is not None:
+                holders.setdefault(id(p), []).append((mod, name))
+    return [group for group in holders.values() if len(group) > 1]
+
+
+def storage_sources(storage: Storage, can_read: Sequence[bool], topology: Topology,
+                    active: Sequence[bool] | np.ndarray | None = None) -> tuple[str, np.ndarray, str]:
     """Resolve a storage mode from which ranks can see the checkpoint (pure).
+
+    ``active`` (relocation: ``bool[world]``, the live ranks; None: all): a rank that is not
+    active reads nothing, so what it sees does not matter to the mode's checks. "single" means
+    "only rank 0 reads while it is alive": with rank 0 not active, the ranks that can read take
+    its place. The readers returned may include inactive ranks (the relocation planner drops
+    them, and names them when an expert then has no live source).
 
     Returns ``(mode, readers: bool[world], scope)``. Raises ValueError when the mode's
     assumption is false (e.g. "shared" but some ranks cannot read), naming the ranks.
     """
     can = np.asarray(can_read, dtype=bool)
-    blind = np.flatnonzero(~can).tolist()
     if not can.any():
         raise ValueError("no rank can read the checkpoint")
+    if active is None:
+        return _storage_mode(storage, can, topology)
+    live = np.asarray(active, dtype=bool)
+    mode, readers, scope = _storage_mode(storage, can | ~live, topology)
+    if mode == "single" and not live[0]:
+        return mode, can, scope
+    return mode, readers & can, scope
+
+
+def _storage_mode(storage: Storage, can: np.ndarray, topology: Topology) -> tuple[str, np.ndarray, str]:
+    """:func:`storage_sources` given which ranks can read (``can``: some rank can)."""
+    blind = np.flatnonzero(~can).tolist()
     if storage == "auto":
         if can.all():
             storage = "shared"
@@ -153,21 +194,23 @@ def storage_sources(storage: Storage, can_read: Sequence[bool], topology: Topolo
     raise ValueError(f"storage must be 'auto', 'shared', 'node' or 'single', got {storage!r}")
 
 
-def resolve_sources(path: str, storage: Storage, topology: Topology,
-                    can_read: bool) -> tuple[str, np.ndarray, str, CheckpointIndex]:
+def resolve_sources(path: str, storage: Storage, topology: Topology, can_read: bool,
+                    active: Sequence[bool] | np.ndarray | None = None) -> tuple[str, np.ndarray, str, CheckpointIndex]:
     """Collective (every rank): agree on the storage mode from which ranks can see ``path``;
-    the first reader reads the headers and sends them to all ranks.
+    the first reader (the first active one, given ``active``; see :func:`storage_sources`)
+    reads the headers and sends them to all ranks.
 
     Returns ``(mode, readers: bool[world], scope, index)``, the same on every rank.
     """
     rank = topology.rank
-    everyone = _dist.all_gather_object(can_read)
-    mode, readers, scope = _dist.agree(lambda: storage_sources(storage, everyone, topology),
-                                       f"moeshard: storage of {path}")
-    first = int(np.flatnonzero(readers)[0])
-    index = _dist.agree(lambda: CheckpointIndex.open(path) if rank == first else None,
-                        f"moeshard: reading the headers of {path}")
-    return mode, readers, scope, _dist.broadcast_object(index, src=first)
+    what = f"moeshard: storage of {path}"
+    everyone = _dist.all_gather_object(can_read, what=what)
+    mode, readers, scope = _dist.agree(lambda: storage_sources(storage, everyone, topology, active), what)
+    live = readers if active is None else readers & np.asarray(active, dtype=bool)
+    first = int(np.flatnonzero(live if live.any() else readers)[0])
+    what = f"moeshard: reading the headers of {path}"
+    index = _dist.agree(lambda: CheckpointIndex.open(path) if rank == first else None, what)
+    return mode, readers, scope, _dist.broadcast_object(index, src=first, what=what)
 
 
 def reader_root(path: str) -> str:
@@ -192,6 +235,26 @@ def plan_load(
     return descs, plan_transfers(needs, index, topology, readers, scope=scope, staging_bytes=staging_bytes)
 
 
+def checked_unused_keys(model: nn.Module, descs: Sequence[ParamDesc], index: CheckpointIndex,
+                        placement: Placement | None, strict: bool, op: str) -> tuple[str, ...]:
+    """The checkpoint keys no parameter or buffer of ``model`` reads, sorted (pure: every rank
+    computes the same inside its planning step, so a strict error is raised on every rank).
+
+    Raises ValueError when ``strict`` and some of them say the checkpoint does not fit the
+    model (a stray expert, a layer beyond the model's, the scale of a loaded weight; see
+    :class:`~moeshard.layout.UnusedKeys`), naming the first few and their count. With
+    ``strict=False`` rank 0 logs the same text as a warning on the ``moeshard`` logger.
+    """
+    unused = unused_keys(descs, index, placement, ignored_patterns(model))
+    problem = unused.problem(index.root)
+    if problem is not None:
+        if strict:
+            raise ValueError(f"{problem}; pass strict=False to load it anyway")
+        if _dist.rank_and_world()[0] == 0:
+            logger.warning("%s: %s (strict=False: ignored)", op, problem)
+    return unused.keys
+
+
 def load(
     model: nn.Module,
     checkpoint: str | os.PathLike,
@@ -204,6 +267,7 @@ def load(
     device: torch.device | None = None,
     report_minimal: bool = False,
     progress: bool | None = None,
+    strict: bool = True,
 ) -> LoadReport:
     """Collective (every rank): load ``checkpoint`` into ``model`` in place.
 
@@ -220,13 +284,19 @@ def load(
             lines otherwise); default: the ``MOESHARD_PROGRESS`` environment variable.
         report_minimal: also compute the plan's lower bounds (``LoadReport.minimal``; pure,
             costs time proportional to the number of needs).
+        strict: refuse a checkpoint with keys that no parameter reads and that say it does not
+            fit the model (stray experts, layers beyond the model's, scales of loaded weights;
+            as torch's ``load_state_dict(strict=True)``); False: log a warning and load. Every
+            unused key is in ``LoadReport.unused_keys`` either way.
 
     On Linux the process's peak-RSS high-water mark (VmHWM) is reset at the start of the
     load, so that ``LoadReport.peak_rss_bytes`` is this load's peak.
 
     Raises:
         DistributedError: on every rank, if any rank hit a bad input (missing key, shape or
-            dtype mismatch, bad file, inconsistent placement) or the ranks' plans differ.
+            dtype mismatch, a cast the cast rule refuses (:func:`moeshard.layout.cast_refusal`:
+            e.g. FP8 weights into a bf16 model), bad file, inconsistent placement, a strict
+            unused-key error) or the ranks' plans differ.
     """
     t0 = time.perf_counter()
     hwm_reset = _reset_peak_rss()
@@ -246,16 +316,17 @@ def load(
     mode, readers, scope, index = resolve_sources(path, storage, topo, can)
     reader = CheckpointReader(index, reader_root(path)) if readers[rank] else None
 
-    def make_plan() -> tuple[list[ParamDesc], TransferPlan]:
+    def make_plan() -> tuple[list[ParamDesc], TransferPlan, tuple[str, ...]]:
         descs, plan = plan_load(model, index, placement, topo, readers, scope, staging_bytes, specs)
+        unused = checked_unused_keys(model, descs, index, placement, strict, "moeshard.load")
         mine = {index.info(plan.pieces[p].key).file for p in plan.local_reads[rank]}
         mine |= {index.info(plan.pieces[p].key).file for c in plan.chunks for r, p in c.reads if r == rank}
         if mine:
             assert reader is not None
             reader.check_files(mine)
-        return descs, plan
+        return descs, plan, unused
 
-    descs, plan = _dist.agree(make_plan, "moeshard.load: planning", fingerprint=lambda dp: dp[1].fingerprint)
+    descs, plan, unused = _dist.agree(make_plan, "moeshard.load: planning", fingerprint=lambda dp: dp[1].fingerprint)
     t_plan = time.perf_counter() - t0
     group = node_groups(topo.local_world_size) if any(ph.broadcasts for c in plan.chunks for ph in c.phases) else None
     tensors = dict(model.named_parameters(remove_duplicate=False))
@@ -265,13 +336,13 @@ def load(
         with torch.no_grad():
             bar = Progress("load", rank_bytes(plan, rank), enabled=progress_enabled(progress),
                            local_rank=topo.local_rank, node=topo.node)
-            stats = execute_plan(plan, rank, reader, index, dests, dev, node_group=group, progress=bar.update)
+            stats = execute_plan(plan, rank, reader, index, dests, dev, node_group=group, progress=bar.update,
+                                 what="moeshard.load: executing the plan")
             bar.close()
     finally:
         if reader is not None:
             reader.close()
-    if _dist.is_dist():
-        torch.distributed.barrier()
+    _dist.barrier("moeshard.load: finishing")
     peak = _read_peak_rss() if hwm_reset else None
     peak_source = "vmhwm" if peak is not None else "ru_maxrss"
     if peak is None:
@@ -294,6 +365,7 @@ def load(
         minimal=minimal,
         fingerprint=plan.fingerprint,
         peak_rss_source=peak_source,
+        unused_keys=unused,
     )
 
 

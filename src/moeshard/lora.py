@@ -36,7 +36,7 @@ names without the adapter name) and ``adapter_config.json``. One adapter per mod
 
 from __future__ import annotations
 
-import json
+import logging
 import os
 import re
 import types
@@ -51,9 +51,9 @@ from torch import nn
 from . import _dist
 from .adapters import ExpertsSpec
 from .box import Box, box_numel, box_shape, box_slices
-from .checkpoint import DTYPE_NAMES, DTYPES, CheckpointIndex, CheckpointReader, pwrite_all, safetensors_header
+from .checkpoint import DTYPE_NAMES, CheckpointIndex, CheckpointReader, load_json, pwrite_all, safetensors_header
 from .ep import SlotLora, ep_layers
-from .layout import Need, ParamDesc, compute_needs, is_adapter_param, local_tensor, rank_boxes
+from .layout import Need, ParamDesc, check_cast, compute_needs, is_adapter_param, local_tensor, rank_boxes
 from .placement import Placement
 from .plan import DEFAULT_STAGING_BYTES, plan_transfers
 from .topology import Topology
@@ -63,6 +63,7 @@ __all__ = ["AdapterError", "AdapterReport", "ADAPTER_WEIGHTS", "ADAPTER_CONFIG",
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
+logger = logging.getLogger("moeshard")
 
 
 class AdapterError(_dist.DistributedError, ValueError):
@@ -248,35 +249,43 @@ def _slot_boxes(t: AdapterTensor, d: ParamDesc, placement: Placement, world_size
 
 @dataclass(frozen=True)
 class AdapterReport:
-    """What :func:`load_adapter` or :func:`save_adapter` did on this rank."""
+    """What :func:`load_adapter` or :func:`save_adapter` did on this rank; ``unused_keys``:
+    adapter keys the model has no LoRA weight for (only with ``strict=False``)."""
 
     rank: int
     num_tensors: int
     num_boxes: int
     bytes_rank: int
     plan: dict
+    unused_keys: tuple[str, ...] = ()
 
 
-def _check_adapter(tensors: list[AdapterTensor], index: CheckpointIndex, config: dict | None, path: str,
-                   scalings: dict[str, tuple[int, float]]) -> None:
-    """ValueError for a key set, shape or config that does not fit the model's adapter."""
-    want = {t.key: t for t in tensors}
+def _check_adapter(pairs: list[tuple[AdapterTensor, torch.Tensor]], index: CheckpointIndex, config: dict | None,
+                   path: str, scalings: dict[str, tuple[int, float]], strict: bool = True) -> tuple[str, ...]:
+    """ValueError for a key set, shape, dtype (the cast rule, :func:`moeshard.layout.check_cast`)
+    or config that does not fit the model's adapter. Returns the adapter's keys the model has
+    no LoRA weight for (an error when ``strict``, else logged as a warning on rank 0)."""
+    want = {t.key: (t, p) for t, p in pairs}
     for key in want:
         if key not in index:
-            t = want[key]
+            t = want[key][0]
             raise ValueError(f"adapter {path} has no tensor {key!r} (the model expects a LoRA weight of shape "
                              f"{list(t.shape)}, {t.what})")
-    extra = sorted(k for k in index.tensors if k not in want)
+    extra = tuple(sorted(index.tensors.keys() - want.keys()))
     if extra:
-        raise ValueError(f"adapter {path} has tensor {extra[0]!r} ({len(extra)} such), which the model has no LoRA "
-                         f"weight for; the model's adapter keys are like {sorted(want)[0]!r}")
-    for key, t in want.items():
+        problem = (f"adapter {path} has tensor {extra[0]!r} ({len(extra)} such), which the model has no LoRA "
+                   f"weight for; the model's adapter keys are like {sorted(want)[0]!r}")
+        if strict:
+            raise ValueError(f"{problem}; pass strict=False to load it anyway")
+        if _dist.rank_and_world()[0] == 0:
+            logger.warning("moeshard.lora.load_adapter: %s (strict=False: ignored)", problem)
+    for key, (t, p) in want.items():
         info = index.info(key)
         if tuple(info.shape) != t.shape:
             raise ValueError(f"adapter tensor {key!r} has shape {list(info.shape)}, the model expects "
                              f"{list(t.shape)} ({t.what})")
-        if not DTYPES[info.dtype].is_floating_point:
-            raise ValueError(f"adapter tensor {key!r} has dtype {info.dtype}, not a floating-point type")
+        check_cast(f"LoRA weight {t.name}", key, index, p.dtype)
+    return extra
     if config is not None:
         for adapter, (r, scaling) in scalings.items():
             cr = config.get("r")
@@ -309,10 +318,8 @@ def _scalings(model: nn.Module) -> dict[str, tuple[int, float]]:
 
 
 def _agree(step, what: str, fingerprint=None):
-    try:
+    with _dist.errors_as(AdapterError):
         return _dist.agree(step, what, fingerprint=fingerprint)
-    except _dist.DistributedError as e:
-        raise AdapterError(str(e)) from None
 
 
 def load_adapter(
@@ -324,6 +331,7 @@ def load_adapter(
     topology: Topology | None = None,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     device: torch.device | None = None,
+    strict: bool = True,
 ) -> AdapterReport:
     """Collective (every rank): load a peft adapter directory (or its ``.safetensors`` file)
     into the LoRA weights of a parallelized peft model, every rank its own boxes: FSDP shards
@@ -331,9 +339,12 @@ def load_adapter(
     (every copy of a redundant expert gets its logical expert's). Reads, P2P and storage
     modes are :func:`moeshard.load`'s (the same planner and executor).
 
+    ``strict=False`` loads an adapter with keys the model has no LoRA weight for (a warning;
+    ``AdapterReport.unused_keys``); a missing key is always an error.
+
     Raises:
         AdapterError (a ValueError) on every rank: an adapter key missing or unexpected, a
-            shape of another rank r or expert count, ``adapter_config.json``'s r / lora_alpha
+            shape of another rank r or expert count, a dtype the cast rule refuses, ``adapter_config.json``'s r / lora_alpha
             different from the model's, a failed read.
     """
     from .execute import execute_plan, node_groups
@@ -353,43 +364,42 @@ def load_adapter(
     def read_config():
         if rank != first or not (root / ADAPTER_CONFIG).is_file():
             return None
-        return json.loads((root / ADAPTER_CONFIG).read_text())
+        return load_json(root / ADAPTER_CONFIG, "unreadable adapter config")  # untrusted: errors name the file
 
-    config = _dist.broadcast_object(_agree(read_config, f"moeshard.lora.load_adapter: reading {ADAPTER_CONFIG}"),
-                                    src=first)
+    what = f"moeshard.lora.load_adapter: reading {ADAPTER_CONFIG}"
+    config = _dist.broadcast_object(_agree(read_config, what), src=first, what=what)
 
     def make_plan():
         pairs = adapter_tensors(model, placement)
-        _check_adapter([t for t, _ in pairs], index, config, str(root), _scalings(model))
+        unused = _check_adapter(pairs, index, config, str(root), _scalings(model), strict)
         items = [(t, _desc(t, p)) for t, p in pairs]
         needs = _needs(items, index, placement, topo.world_size)
-        return pairs, plan_transfers(needs, index, topo, readers, scope=scope, staging_bytes=staging_bytes)
+        return pairs, plan_transfers(needs, index, topo, readers, scope=scope, staging_bytes=staging_bytes), unused
 
-    pairs, plan = _agree(make_plan, f"moeshard.lora.load_adapter: planning {weights}",
+    pairs, plan, unused = _agree(make_plan, f"moeshard.lora.load_adapter: planning {weights}",
                          fingerprint=lambda pp: pp[1].fingerprint)
     reader = CheckpointReader(index, str(root)) if readers[rank] else None
     group = node_groups(topo.local_world_size) if any(ph.broadcasts for c in plan.chunks for ph in c.phases) else None
     try:
-        with torch.no_grad():
-            stats = execute_plan(plan, rank, reader, index, [local_tensor(p) for _, p in pairs], dev, node_group=group)
-    except _dist.DistributedError as e:
-        raise AdapterError(str(e)) from None
+        with torch.no_grad(), _dist.errors_as(AdapterError):
+            stats = execute_plan(plan, rank, reader, index, [local_tensor(p) for _, p in pairs], dev, node_group=group,
+                                 what="moeshard.lora.load_adapter: executing the plan")
     finally:
         if reader is not None:
             reader.close()
-    if _dist.is_dist():
-        dist.barrier()
+    _dist.barrier("moeshard.lora.load_adapter: finishing")
     return AdapterReport(rank, len(pairs), sum(1 for n in plan.needs if n.rank == rank),
-                         stats.bytes_read + stats.bytes_received, plan.cost.summary())
+                         stats.bytes_read + stats.bytes_received, plan.cost.summary(), unused_keys=unused)
 
 
 def load(model: nn.Module, checkpoint, adapter, placement: Placement | None = None, storage: str = "auto", **kwargs):
     """Collective: :func:`moeshard.load` of the base ``checkpoint`` (its keys have no peft
-    prefixes), then :func:`load_adapter`. Returns ``(LoadReport, AdapterReport)``."""
+    prefixes), then :func:`load_adapter`; ``strict`` (default True) applies to both. Returns
+    ``(LoadReport, AdapterReport)``."""
     from .load import load as load_base
 
     base = load_base(model, checkpoint, placement=placement, storage=storage, **kwargs)
-    keep = {k: kwargs[k] for k in ("topology", "staging_bytes", "device") if k in kwargs}
+    keep = {k: kwargs[k] for k in ("topology", "staging_bytes", "device", "strict") if k in kwargs}
     return base, load_adapter(model, adapter, placement=placement, storage=storage, **keep)
 
 
@@ -541,9 +551,7 @@ def _write_tensors(items, segs, writers, offsets, data_start, locals_, path, ran
                         buf = locals_[i].new_empty(n)
                         ops.append(dist.P2POp(dist.irecv, buf, h))
                         recvs.append((i, by_holder[h], buf))
-            if ops:
-                for req in dist.batch_isend_irecv(ops):
-                    req.wait()
+            _dist.start_p2p(ops, "moeshard.lora.save_adapter: sending the tensors to their writers")()
             for i in tensors:
                 if writers[i] != rank:
                     continue

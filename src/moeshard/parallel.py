@@ -66,6 +66,10 @@ def parallelize(
             dispatch over ``module.num_local_experts`` local slots.
     Returns:
         the same model (call :func:`moeshard.load` next).
+
+    Raises:
+        ValueError (before the model changes): with efsdp > 1, a parameter of an experts
+            module whose dim 1 does not divide by efsdp (FSDP2 shards it there, evenly only).
     """
     names = mesh.mesh_dim_names or ()
     if "ep" not in names:
@@ -76,6 +80,8 @@ def parallelize(
     spr = placement.slots_per_rank(ep)
     layers = expert_layers(model, specs)
     placement.check_layers(len(layers))
+    if efsdp > 1:
+        _check_efsdp_dims(model, layers, efsdp, mesh.size())
     expert_params: set[nn.Parameter] = set()
     for layer, (module_name, module, spec) in enumerate(layers):
         # peft LoRA on expert params (ParamWrappers around the module): per-slot local factors.
@@ -119,6 +125,30 @@ def parallelize(
         fully_shard(block, mesh=dp, ignored_params=ignored)
     fully_shard(model, mesh=dp, ignored_params=ignored)
     return model
+
+
+def _check_efsdp_dims(model: nn.Module, layers, efsdp: int, world: int) -> None:
+    """Every parameter that expert FSDP will shard on dim 1 (each experts module's, or its peft
+    wrappers', except LoRA B which shards dim 0) has a dim 1 that divides by ``efsdp``: FSDP2
+    (torch 2.11 to 2.13) supports uneven sharding on dim 0 only, and otherwise fails deep in
+    ``fully_shard`` without naming the parameter. EP sharding changes dim 0 only, so the
+    unsharded shapes tell."""
+    names = {id(m): n for n, m in model.named_modules()}
+    for module_name, module, spec in layers:
+        wrappers = expert_lora_wrappers(model, module_name, spec)
+        target = wrappers[-1] if wrappers else module
+        lora_b = {id(lin.weight) for w in wrappers for lin in w.lora_B.values()}
+        for pname, p in target.named_parameters():
+            if id(p) in lora_b or p.dim() < 2 or p.shape[1] % efsdp == 0:
+                continue
+            n = p.shape[1]
+            fits = [d for d in range(1, world + 1) if world % d == 0 and n % d == 0]
+            raise ValueError(
+                f"parameter {names[id(target)]}.{pname} of shape {list(p.shape)}: expert FSDP shards its dim 1 "
+                f"({n}) over efsdp={efsdp} ranks, and FSDP2 shards dims other than 0 only evenly; use an "
+                f"efsdp size that divides {n} (of the sizes dividing the world size {world}: {fits}), or a "
+                f"hidden / intermediate size that divides by {efsdp}"
+            )
 
 
 def _contiguous_stride(shape) -> tuple[int, ...]:

@@ -69,10 +69,12 @@ class RelocationReport:
 @dataclass(frozen=True)
 class _Source:
     """Where a layer's expert tensors come from in the checkpoint (for experts no live rank
-    holds): the experts module's name and the tensor's :class:`ExpertParam`."""
+    holds): the experts module's name, the tensor's :class:`ExpertParam`, and the tensor's
+    dtype (known on every rank, also where it holds no slot: the cast rule is checked there)."""
 
     module: str
     param: ExpertParam
+    dtype: torch.dtype
 
 
 def describe_expert_tensors(
@@ -107,7 +109,7 @@ def describe_expert_tensors(
             out.append(ExpertTensor(d.expert.layer, d.name, slice_shape, d.dtype.itemsize, holdings))
             mine = any(r == rank for r, *_ in holdings)
             locals_.append(local_tensor(params[d.name]) if mine else None)
-            sources.append(_Source(d.expert.module, d.expert.param))
+            sources.append(_Source(d.expert.module, d.expert.param, d.dtype))
         if not out:
             raise ValueError("the model has no experts module that the expert specs match")
         _check_undeclared(target, specs, out)
@@ -127,7 +129,7 @@ def describe_expert_tensors(
             holdings = tuple((r, r * slots, slots, full_box(slice_shape)) for r in range(world_size))
             out.append(ExpertTensor(moe_layer, f"layer {key} tensor {j}", slice_shape, t.element_size(), holdings))
             locals_.append(t)
-            sources.append(_Source(name, expert_params[j]) if expert_params is not None else None)
+            sources.append(_Source(name, expert_params[j], t.dtype) if expert_params is not None else None)
     return out, locals_, sources
 
 
@@ -193,8 +195,9 @@ def _active_global(active_ranks, tensors: Sequence[ExpertTensor], num_physical: 
     return out
 
 
-def _check_disk_keys(plan: RelocationPlan, index: CheckpointIndex, sources, dtypes) -> None:
-    """Every tensor of every expert read from the checkpoint exists there with a fitting shape."""
+def _check_disk_keys(plan: RelocationPlan, index: CheckpointIndex, sources) -> None:
+    """Every tensor of every expert read from the checkpoint exists there with a fitting shape
+    and a dtype the cast rule allows into the tensor's (load's check: no FP8 without its scale)."""
     for layer, expert in plan.disk_experts:
         for t, et in enumerate(plan.tensors):
             if et.layer != layer:
@@ -205,7 +208,7 @@ def _check_disk_keys(plan: RelocationPlan, index: CheckpointIndex, sources, dtyp
                     f"{et.name}: logical expert {expert} must be read from the checkpoint, but no "
                     "expert_params say which checkpoint keys hold it"
                 )
-            desc = ParamDesc(et.name, (0, *et.slice_shape), dtypes[t], None, (), (), ExpertRef(layer, src.module, src.param))
+            desc = ParamDesc(et.name, (0, *et.slice_shape), src.dtype, None, (), (), ExpertRef(layer, src.module, src.param))
             _part_sizes(desc, index, expert, et.slice_shape)
 
 
@@ -239,7 +242,9 @@ def relocate(
         checkpoint: read experts that no live rank holds from here (just those slices).
         active_ranks: ``bool`` per EP rank (or per rank): dead ranks' memory is not used.
             Dead ranks still call this function (they send and receive nothing).
-        storage: which ranks read the checkpoint ("auto", "shared", "node", "single").
+        storage: which ranks read the checkpoint ("auto", "shared", "node", "single"); only
+            active ranks read. "single" means "only rank 0 reads while it is active": with
+            rank 0 dead, the active ranks that see the files read instead.
         topology: ranks per node (default: torchrun's environment).
         staging_bytes: per-rank budget for data in flight in one round.
         max_ops: P2P ops per rank in one batch.
@@ -253,6 +258,8 @@ def relocate(
         DistributedError: on every rank, before any weight changes, for a bad input (placements
             that differ across ranks or do not fit the tensors, a new slot on a dead rank, an
             expert with no live copy and no checkpoint, tensors that disagree across ranks).
+        PeerLostError: on the ranks that saw a peer die or the network fail (a
+            DistributedError naming the step and, for P2P, the peers).
     """
     t0 = time.perf_counter()
     rank, world = _dist.rank_and_world()
@@ -260,7 +267,8 @@ def relocate(
     if topo.world_size != world:
         raise ValueError(f"topology has world_size {topo.world_size}, the process group has {world}")
     # Plain tensors: every rank's shapes, checked in the planning step below.
-    signatures = None if isinstance(target, nn.Module) else _dist.all_gather_object(_signature(target))
+    signatures = None if isinstance(target, nn.Module) else _dist.all_gather_object(
+        _signature(target), what="moeshard.relocate: comparing the expert tensors")
 
     def describe():
         if signatures is not None:
@@ -293,12 +301,11 @@ def relocate(
                 f"(layer, logical expert): {lost[:8]}{' ...' if len(lost) > 8 else ''}"
             )
         path = os.fspath(checkpoint)
-        _, readers, _, index = resolve_sources(path, storage, topo, os.path.exists(path))
-        dtypes = [t.dtype if t is not None else None for t in locals_]
+        _, readers, _, index = resolve_sources(path, storage, topo, os.path.exists(path), active=active)
 
         def replan():
             p = plan_relocation(tensors, old, new, topo, active, readers, staging_bytes, max_ops, from_checkpoint)
-            _check_disk_keys(p, index, sources, dtypes)
+            _check_disk_keys(p, index, sources)
             if p.moves and any(m.read == rank for m in p.moves):
                 r = CheckpointReader(index, reader_root(path))
                 r.check_files({index.info(k).file for k in _disk_keys(p, rank, sources)})
@@ -450,7 +457,7 @@ def _execute(plan: RelocationPlan, rank: int, locals_, reader, sources, progress
                         ops.extend(dist.P2POp(dist.irecv, x, src) for x in bufs[i])
                         stats["received"] += m.nbytes
                         staged += m.nbytes
-            _run(ops)
+            _dist.start_p2p(ops, "moeshard.relocate: running the plan")()
         # The round's writes, after every read of old slot contents in it.
         for i in rnd.moves:
             m = moves[i]
@@ -470,8 +477,3 @@ def _execute(plan: RelocationPlan, rank: int, locals_, reader, sources, progress
                       f"{len(failure)} failed read(s) in all)")
     return stats
 
-
-def _run(ops: list) -> None:
-    if ops:
-        for w in dist.batch_isend_irecv(ops):
-            w.wait()

@@ -327,6 +327,7 @@ def _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops, 
         raise ValueError(f"active and readers must be bool[{world}], got shapes {active.shape} and {readers.shape}")
     if not active.any():
         raise ValueError("no rank is active")
+    dead_readers = np.flatnonzero(readers & ~active).tolist()  # named when an expert has no source
     readers = readers & active  # a dead rank reads nothing
     if old is None:
         old_p2l = np.full_like(new.phy2log, -1)
@@ -412,9 +413,13 @@ def _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops, 
                 if not len(cands):
                     dead = sorted({r for r, (cc, s0, ns) in cols.items() if cc == c and not active[r]
                                    and (old_row[s0:s0 + ns] == e).any()})
+                    why = "no checkpoint to read it from"
+                    if dead_readers:  # a checkpoint was given, but every rank that sees it died
+                        who = f"rank {dead_readers[0]}" if len(dead_readers) == 1 else f"ranks {dead_readers}"
+                        why = f"the only rank(s) that can read the checkpoint ({who}) are not active"
                     raise ValueError(
                         f"logical expert {e} of layer {layer} has no live copy (held only by dead "
-                        f"ranks {dead}) and no checkpoint to read it from"
+                        f"ranks {dead}) and {why}"
                     )
                 read = int(cands[np.argmin(read_load[cands])])
                 read_load[read] += total

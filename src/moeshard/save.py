@@ -183,14 +183,12 @@ def save(
             an existing checkpoint, a directory some rank cannot see); or after a failed write
             or rename on any rank, with every file of this save removed. Without a process
             group the underlying error is raised as is.
+        PeerLostError: on the ranks that saw a peer die or the network fail; each removes the
+            files it wrote, the index is not published.
     """
-    try:
+    with _dist.errors_as(SaveError):
         return _save(model, out_dir, placement, specs, reference, max_shard_bytes, overwrite, staging_bytes,
                      topology, fsync, progress)
-    except SaveError:
-        raise
-    except DistributedError as e:
-        raise SaveError(str(e)) from None
 
 
 def _save(model, out_dir, placement, specs, reference, max_shard_bytes, overwrite, staging_bytes, topology,
@@ -242,10 +240,22 @@ def _save(model, out_dir, placement, specs, reference, max_shard_bytes, overwrit
     if not tmp.is_dir():
         failure.append(ValueError(f"{out} is not shared with rank 0 (its temporary directory {tmp.name} is not "
                                   "visible here): save needs a directory that every rank sees"))
+    renamed: list[Path] = []
+
+    def undo() -> None:
+        for p in created + renamed:
+            _unlink(p)
+        if rank == 0:
+            unmake()
+
     bar = Progress("save", int(plan.cost.write_bytes[rank]), enabled=progress_enabled(progress),
                    local_rank=topo.local_rank, node=topo.node)
-    with torch.no_grad():
-        stats = _write_shards(plan, rank, dests, device, tmp, fsync, bar, created, failure)
+    try:
+        with torch.no_grad():
+            stats = _write_shards(plan, rank, dests, device, tmp, fsync, bar, created, failure)
+    except _dist.PeerLostError:
+        undo()  # this rank's files; no exchange can follow
+        raise
     bar.close()
     extra: list[str] = []  # config files (rank 0)
     if rank == 0 and not failure:
@@ -254,13 +264,6 @@ def _save(model, out_dir, placement, specs, reference, max_shard_bytes, overwrit
             _write_index(plan, tmp / INDEX_NAME, fsync)
         except Exception as e:  # noqa: BLE001 - reported on every rank
             failure.append(e)
-    renamed: list[Path] = []
-
-    def undo() -> None:
-        for p in created + renamed:
-            _unlink(p)
-        if rank == 0:
-            unmake()
 
     def outcome() -> None:
         if failure:
@@ -322,13 +325,16 @@ def _save(model, out_dir, placement, specs, reference, max_shard_bytes, overwrit
 
 
 def _agree_or_undo(step, what: str, undo, fingerprint=None):
-    """Collective: run ``step``; if it failed on any rank, run ``undo`` on every rank, then raise."""
+    """Collective: run ``step``; if it failed on any rank, run ``undo`` on every rank, then raise.
+    After a lost peer (:class:`PeerLostError`) each rank undoes its own part and raises at once."""
     try:
         return _dist.agree(step, what, fingerprint=fingerprint)
+    except _dist.PeerLostError:
+        undo()
+        raise
     except BaseException:
         undo()
-        if _dist.is_dist():
-            dist.barrier()  # nobody returns before every rank has cleaned up
+        _dist.barrier(what)  # nobody returns before every rank has cleaned up
         raise
 
 
@@ -402,9 +408,9 @@ class _ShardWriter:
         want = {self.plan.tensors[i].key: self.plan.tensors[i] for i in self.plan.files[self.file].tensors}
         if size != self.data_start + self.expected or set(header) != set(want):
             raise RuntimeError(f"{self.path}: the written file does not match its plan")
-        for key, (offset, dtype, shape) in header.items():
+        for key, info in header.items():
             t = want[key]
-            if (offset, dtype, tuple(shape)) != (self.data_start + t.offset, t.dtype, t.shape):
+            if (info.offset, info.dtype, info.shape) != (self.data_start + t.offset, t.dtype, t.shape):
                 raise RuntimeError(f"{self.path}: header entry {key!r} does not match its plan")
 
 
@@ -497,10 +503,9 @@ def _write_shards(plan: SavePlan, rank: int, dests, device: torch.device, tmp: P
                 buf = torch.empty(box_shape(x.box), dtype=DTYPES[plan.tensors[x.tensor].dtype], device=device)
                 ops.append(dist.P2POp(dist.irecv, buf, x.src))
                 received.append((x.tensor, x.box, buf))
-        works = dist.batch_isend_irecv(ops)
+        wait = _dist.start_p2p(ops, "moeshard.save: sending the boxes to their writers")
         write_local(math.ceil(len(local) / (len(mine) - k)))  # overlap: own boxes while the batch flies
-        for w in works:
-            w.wait()
+        wait()
         stats["received"] += sum(b.numel() * b.element_size() for *_, b in received)
         write(received)
     write_local(len(local))

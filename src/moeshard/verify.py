@@ -1,32 +1,50 @@
 """``moeshard.verify``: prove every rank holds exactly its checkpoint slices.
 
-Each rank checks each of its local boxes against a digest of the same box read from disk
-(cast to the model's dtype). Digests of boxes are computed by the ranks the load plan makes
-readers (so a rank that cannot see the files is still checked) and exchanged as small
-digests, never as tensors: no gather of weights. Catches transformers #45662 (every rank
-holding rank 0's experts): a wrong slot's bytes do not match its logical expert's digest.
+Each rank checks each of its local boxes against the same box read from disk (cast to the
+model's dtype; a cast the cast rule refuses, such as FP8 without its scale into bf16, fails
+the planning step as it does in ``load``, so no value produced by a meaningless cast is ever
+declared correct). Boxes are read by the ranks the load plan makes readers (scope "job": each
+piece once in the job), so a rank that cannot see the files is still checked:
+
+* a piece its reader also needs is compared on the reader, byte for byte, on the model's
+  device: no communication;
+* for every other rank that needs it, the reader sends a 16-byte digest (blake2b, one per
+  dtype that rank needs) point to point to exactly that rank, and the needer compares it with
+  the digest of its own box. Every rank knows from the plan which digests it sends and
+  receives, in which order: one ``batch_isend_irecv`` of uint8 tensors, no pickling, no
+  gather. A rank receives 16 bytes per remotely-read box it holds, whatever the world size.
+
+Catches transformers #45662 (every rank holding rank 0's experts): a wrong slot's bytes do not
+match its logical expert's. A read that fails on a reader does not leave its needers waiting:
+it sends all-zero digests (which the needers skip) and every rank raises after the exchange.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass
+from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from . import _dist
 from .adapters import DEFAULT_SPECS, ExpertsSpec
-from .box import box_shape, box_slices
+from .box import box_numel, box_shape, box_slices
 from .checkpoint import CheckpointReader
 from .layout import local_tensor
-from .load import Storage, plan_load, reader_root, resolve_sources
+from .load import Storage, _target_device, checked_unused_keys, plan_load, reader_root, resolve_sources
 from .placement import Placement
+from .plan import TransferPlan
 from .topology import Topology
 
 __all__ = ["VerifyReport", "VerificationError", "verify"]
+
+DIGEST_BYTES = 16
 
 
 class VerificationError(ValueError):
@@ -35,14 +53,92 @@ class VerificationError(ValueError):
 
 @dataclass(frozen=True)
 class VerifyReport:
+    """This rank's checked boxes and bytes; ``unused_keys``: the checkpoint keys no parameter
+    or buffer reads (as :attr:`moeshard.LoadReport.unused_keys`). ``digests_sent`` /
+    ``digests_received``: 16-byte digests this rank sent to / received from other ranks (one
+    per piece, needer and dtype that needer holds it in, where the needer is not the piece's
+    reader); a box its own rank read is compared locally and counts in neither."""
+
     rank: int
     num_boxes_checked: int
     bytes_checked: int
+    unused_keys: tuple[str, ...] = ()
+    digests_sent: int = 0
+    digests_received: int = 0
+
+
+def _digest_bytes(t: torch.Tensor) -> bytes:
+    flat = t.detach().contiguous().view(-1).view(torch.uint8).cpu()
+    return hashlib.blake2b(flat.numpy().tobytes(), digest_size=DIGEST_BYTES).digest()
 
 
 def _digest(t: torch.Tensor) -> str:
-    flat = t.detach().contiguous().view(-1).view(torch.uint8).cpu()
-    return hashlib.blake2b(flat.numpy().tobytes(), digest_size=16).hexdigest()
+    return _digest_bytes(t).hex()
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as a flat uint8 tensor (a copy only where ``t`` is not contiguous)."""
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+@dataclass
+class _Routes:
+    """What one rank does in :func:`verify` (pure, from the plan).
+
+    reads: ``(piece, this rank's need indices, ((needer, dtypes), ...))`` for each piece it
+        reads, in piece order: its own needs are compared locally, each needer gets one digest
+        per dtype (sorted by name).
+    sends / recvs: per peer, the ``(piece, dtype)`` digests sent to / received from it, in the
+        order both sides build them.
+    remote: ``(piece, need index)`` of this rank's needs checked against a received digest.
+    """
+
+    reads: list = field(default_factory=list)
+    sends: dict = field(default_factory=lambda: defaultdict(list))
+    recvs: dict = field(default_factory=lambda: defaultdict(list))
+    remote: list = field(default_factory=list)
+
+
+def _piece_readers(plan: TransferPlan) -> list[int]:
+    """The rank that reads each piece of ``plan`` (a plan of scope "job": one reader each)."""
+    reader_of = [-1] * len(plan.pieces)
+    for r, pids in enumerate(plan.local_reads):
+        for pid in pids:
+            reader_of[pid] = r
+    for chunk in plan.chunks:
+        for r, pid in chunk.reads:
+            reader_of[pid] = r
+    return reader_of
+
+
+def _routes(plan: TransferPlan, dtype_of: Sequence[torch.dtype], rank: int) -> _Routes:
+    """This rank's reads, digests to send and receive, and remote checks (pure). ``dtype_of``:
+    the model's dtype per parameter index."""
+    out = _Routes()
+    needs = plan.needs
+    for pid, (piece, reader) in enumerate(zip(plan.pieces, _piece_readers(plan))):
+        if reader == rank:
+            mine: tuple[int, ...] = ()
+            others = []
+            for r, idx in piece.needs:
+                if r == rank:
+                    mine = idx
+                    continue
+                dtypes = _dtypes(dtype_of, needs, idx)
+                others.append((r, dtypes))
+                out.sends[r].extend((pid, dt) for dt in dtypes)
+            out.reads.append((pid, mine, tuple(others)))
+            continue
+        for r, idx in piece.needs:
+            if r == rank:
+                out.recvs[reader].extend((pid, dt) for dt in _dtypes(dtype_of, needs, idx))
+                out.remote.extend((pid, i) for i in idx)
+    return out
+
+
+def _dtypes(dtype_of: Sequence[torch.dtype], needs, idx: Sequence[int]) -> tuple[torch.dtype, ...]:
+    """The distinct dtypes of needs ``idx``, in the order both ends of a digest use."""
+    return tuple(sorted({dtype_of[needs[i].param] for i in idx}, key=str))
 
 
 def verify(
@@ -53,70 +149,140 @@ def verify(
     *,
     topology: Topology | None = None,
     specs: Sequence[ExpertsSpec] = DEFAULT_SPECS,
+    strict: bool = True,
 ) -> VerifyReport:
     """Collective (every rank): check every local slice of ``model`` against ``checkpoint``.
 
+    ``strict``: as in :func:`moeshard.load`, refuse a checkpoint whose unused keys say it does
+    not fit the model (stray experts, layers beyond the model's); False: a warning.
+
+    Communication: a rank receives one 16-byte digest per (piece, dtype) it holds that another
+    rank read, from that rank only; a piece its own rank read is checked with no communication.
+
     Raises:
-        DistributedError: on every rank if any rank's slice differs; each rank's message names
-            the rank, parameter, logical expert (for expert params) and box of its first mismatch.
+        DistributedError: on every rank if any rank's slice differs or a read failed; each
+            rank's message names the rank, parameter, physical slot and logical expert (for
+            expert params), box and checkpoint key of its first mismatch.
     """
     topo = topology or Topology.from_env()
     rank = _dist.rank_and_world()[0]
     topo = topo.with_rank(rank)
     path = os.fspath(checkpoint)
     _, readers, _, index = resolve_sources(path, storage, topo, os.path.exists(path))
-    descs, plan = _dist.agree(lambda: plan_load(model, index, placement, topo, readers, "job", specs=specs),
-                              "moeshard.verify: planning", fingerprint=lambda dp: dp[1].fingerprint)
 
-    # Digests of the pieces this rank reads (for every needer's dtype).
-    mine = list(plan.local_reads[rank]) + [p for c in plan.chunks for r, p in c.reads if r == rank]
+    def make_plan():
+        descs, plan = plan_load(model, index, placement, topo, readers, "job", specs=specs)
+        return descs, plan, checked_unused_keys(model, descs, index, placement, strict, "moeshard.verify")
 
-    def read_digests() -> dict:
-        out = {}
-        if not mine:
-            return out
-        with CheckpointReader(index, reader_root(path)) as reader:
-            for pid in mine:
-                piece = plan.pieces[pid]
-                raw = reader.read(piece.key, piece.src)
-                for dtype in {descs[plan.needs[i].param].dtype for _, idx in piece.needs for i in idx}:
-                    out[(pid, str(dtype))] = _digest(raw.to(dtype))
-        return out
+    def fingerprint(dp) -> str:
+        # Both ends of a digest count the dtypes of its needs: ranks must agree on them too.
+        dtypes = hashlib.blake2b(repr([str(d.dtype) for d in dp[0]]).encode(), digest_size=8).hexdigest()
+        return f"{dp[1].fingerprint}:{dtypes}"
 
-    digests: dict = {}
-    for part in _dist.all_gather_object(_dist.agree(read_digests, "moeshard.verify: reading")):
-        digests.update(part)
-
+    descs, plan, unused = _dist.agree(make_plan, "moeshard.verify: planning", fingerprint=fingerprint)
     tensors = dict(model.named_parameters(remove_duplicate=False))
     tensors.update(model.named_buffers())
     locals_ = [local_tensor(tensors[d.name]) for d in descs]
+    dtype_of = [d.dtype for d in descs]
+    routes = _routes(plan, dtype_of, rank)
+    device = _target_device(model)
+    what = "moeshard.verify"
+    failure: list[Exception] = []  # this rank's errors before the final agreement
+
+    def box(i: int) -> torch.Tensor:
+        n = plan.needs[i]
+        return locals_[n.param][box_slices(n.dest)].reshape(box_shape(n.src))
+
+    # 1. Read this rank's pieces, one in memory at a time: compare its own boxes locally (the
+    # flags stay on the device: no synchronize per box), digest the boxes of the other needers.
+    flags: list[tuple[int, torch.Tensor]] = []  # (need index, bool: the box differs)
+    outbox = {r: np.zeros((len(v), DIGEST_BYTES), dtype=np.uint8) for r, v in routes.sends.items()}
+    filled = dict.fromkeys(outbox, 0)
+
+    def read_and_check(reader: CheckpointReader, pid: int, mine: tuple[int, ...], others) -> None:
+        piece = plan.pieces[pid]
+        try:
+            raw = reader.read(piece.key, piece.src)
+        except Exception as e:  # noqa: BLE001 - the needers still expect digests: all-zero ones
+            failure.append(e)
+            for r, dtypes in others:
+                filled[r] += len(dtypes)
+            return
+        cast = {dt: raw.to(dt) for dt in {dtype_of[plan.needs[i].param] for i in mine}}
+        for i in mine:
+            got = box(i)
+            want = cast[dtype_of[plan.needs[i].param]].to(got.device)
+            flags.append((i, torch.ne(_as_bytes(got), _as_bytes(want)).any()))
+        digests: dict[torch.dtype, bytes] = {}
+        for r, dtypes in others:
+            for dt in dtypes:
+                if dt not in digests:
+                    digests[dt] = _digest_bytes(cast[dt] if dt in cast else raw.to(dt))
+                outbox[r][filled[r]] = np.frombuffer(digests[dt], dtype=np.uint8)
+                filled[r] += 1
+
+    if routes.reads:
+        try:
+            with CheckpointReader(index, reader_root(path)) as reader:
+                for pid, mine, others in routes.reads:
+                    read_and_check(reader, pid, mine, others)
+        except Exception as e:  # noqa: BLE001 - e.g. a file that cannot be opened; reported below
+            failure.append(e)
+
+    # 2. Digests point to point: each reader to exactly the ranks that need its pieces.
+    ops, inbox = [], {}
+    for r in sorted(outbox):
+        ops.append(dist.P2POp(dist.isend, torch.from_numpy(outbox[r]).view(-1).to(device), r))
+    for r in sorted(routes.recvs):
+        inbox[r] = torch.empty(len(routes.recvs[r]) * DIGEST_BYTES, dtype=torch.uint8, device=device)
+        ops.append(dist.P2POp(dist.irecv, inbox[r], r))
+    wait = _dist.start_p2p(ops, f"{what}: exchanging digests")
+    own: dict[int, bytes] = {}  # need index -> digest of this rank's box, while digests fly
+    try:
+        for _, i in routes.remote:
+            own[i] = _digest_bytes(box(i))
+    except Exception as e:  # noqa: BLE001 - reported below
+        failure.append(e)
+    wait()
+    got: dict[tuple[int, torch.dtype], bytes] = {}
+    for r, buf in inbox.items():
+        rows = buf.cpu().numpy().reshape(-1, DIGEST_BYTES)
+        got.update((key, rows[k].tobytes()) for k, key in enumerate(routes.recvs[r]))
 
     def check() -> VerifyReport:
-        count = nbytes = 0
-        for pid, piece in enumerate(plan.pieces):
-            for r, idx in piece.needs:
-                if r != rank:
-                    continue
-                for i in idx:
-                    n = plan.needs[i]
-                    d = descs[n.param]
-                    got = locals_[n.param][box_slices(n.dest)].reshape(box_shape(piece.src))
-                    if _digest(got) != digests[(pid, str(d.dtype))]:
-                        where = f"box {list(n.dest)} of its local tensor"
-                        expert = ""
-                        if d.expert is not None:
-                            slot = n.dest[0][0] + _slot_origin(d, rank)
-                            logical = placement.phy2log[d.expert.layer, slot] if placement is not None else slot
-                            expert = f", physical slot {slot} = logical expert {int(logical)}"
-                        raise VerificationError(
-                            f"rank {rank}: parameter {d.name}{expert}: {where} differs from checkpoint "
-                            f"tensor {n.key!r} box {list(n.src)}"
-                        )
-                    count += 1
-                    nbytes += got.numel() * got.element_size()
-        return VerifyReport(rank, count, nbytes)
+        if failure:
+            raise failure[0]
+        bad = []
+        if flags:
+            differs = torch.stack([f for _, f in flags]).cpu().tolist()
+            bad += [i for (i, _), d in zip(flags, differs) if d]
+        unread = bytes(DIGEST_BYTES)  # a reader that failed sent this and reports its error
+        for pid, i in routes.remote:
+            want = got[(pid, dtype_of[plan.needs[i].param])]
+            if want != unread and own[i] != want:
+                bad.append(i)
+        if bad:
+            raise VerificationError(_mismatch(plan, descs, placement, rank, min(bad)))
+        checked = [i for i, _ in flags] + [i for _, i in routes.remote]
+        nbytes = sum(box_numel(plan.needs[i].dest) * locals_[plan.needs[i].param].element_size() for i in checked)
+        return VerifyReport(rank, len(checked), nbytes, unused, digests_sent=sum(len(v) for v in outbox.values()),
+                            digests_received=sum(len(v) for v in routes.recvs.values()))
 
-    return _dist.agree(check, "moeshard.verify")
+    return _dist.agree(check, what)
+
+
+def _mismatch(plan: TransferPlan, descs, placement: Placement | None, rank: int, i: int) -> str:
+    """The message for need ``i`` of ``rank`` whose box differs from the checkpoint."""
+    n = plan.needs[i]
+    d = descs[n.param]
+    where = f"box {list(n.dest)} of its local tensor"
+    expert = ""
+    if d.expert is not None:
+        slot = n.dest[0][0] + _slot_origin(d, rank)
+        logical = placement.phy2log[d.expert.layer, slot] if placement is not None else slot
+        expert = f", physical slot {slot} = logical expert {int(logical)}"
+    return (f"rank {rank}: parameter {d.name}{expert}: {where} differs from checkpoint "
+            f"tensor {n.key!r} box {list(n.src)}")
 
 
 def _slot_origin(d, rank: int) -> int:

@@ -81,9 +81,16 @@ def _build_model(path: str):
         raise ValueError("moeshard verify builds the model with transformers: pip install transformers") from None
     import torch
 
+    from .checkpoint import load_json
+
+    cfg = os.path.join(path, "config.json")
+    if os.path.isfile(cfg):
+        # Untrusted: transformers' own json.load lets a RecursionError (deep nesting) or a
+        # bare int-digits ValueError escape without the file's name; parse it strictly first.
+        load_json(cfg, "cannot read a transformers config.json")
     try:
         config = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise ValueError(f"{path}: cannot read a transformers config.json: {e}") from None
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)

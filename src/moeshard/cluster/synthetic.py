@@ -6,12 +6,11 @@ experts, FP8 block quantization with ``weight_scale_inv``), Qwen3-MoE / Qwen2-Mo
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
 
-from ..checkpoint import DTYPES, CheckpointIndex, TensorInfo
+from ..checkpoint import DTYPES, CheckpointIndex, TensorInfo, load_json
 
 __all__ = ["read_config", "synthetic_index", "num_params"]
 
@@ -19,6 +18,11 @@ __all__ = ["read_config", "synthetic_index", "num_params"]
 _SHARD_BYTES = 5 * 10**9
 _TORCH_DTYPES = {"bfloat16": "BF16", "float16": "F16", "half": "F16", "float32": "F32", "float": "F32"}
 _WHAT = "config"
+# A config is untrusted input: any count or size above these describes no real model and
+# would only make planning hang (10**9 layers) or overflow the planner's int64 byte counts.
+_MAX_CONFIG_INT = 2**31 - 1
+_MAX_TENSORS = 1_000_000  # DeepSeek-V3 (FP8): ~91,000; one maximal safetensors header: ~1,000,000
+_MAX_BYTES = 2**48  # 256 TiB; DeepSeek-V3 in BF16: 1.3 TB
 
 Spec = tuple[str, str, tuple[int, ...]]  # (key, safetensors dtype, shape)
 
@@ -28,10 +32,7 @@ def read_config(path: str | os.PathLike) -> dict:
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"{p}: no such config file")
-    try:
-        cfg = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{p}: not a readable JSON config: {e}") from None
+    cfg = load_json(p, "not a readable JSON config")  # untrusted: any parse failure names the file
     if not isinstance(cfg, dict):
         raise ValueError(f"{p}: a config must be a JSON object")
     return cfg
@@ -41,12 +42,20 @@ def _get_int(cfg: dict, *names: str, default: int | None = None) -> int:
     for name in names:
         v = cfg.get(name)
         if v is not None:
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{_WHAT}: {name}={v!r} is not a non-negative integer")
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= _MAX_CONFIG_INT:
+                raise ValueError(f"{_WHAT}: {name}={v!r} is not a non-negative integer below 2**31")
             return v
     if default is None:
         raise ValueError(f"{_WHAT}: missing {' / '.join(names)}")
     return default
+
+
+def _int_set(cfg: dict, name: str) -> set[int]:
+    """A list of layer numbers (``mlp_only_layers``), validated."""
+    v = cfg.get(name) or []
+    if not isinstance(v, list) or not all(type(i) is int for i in v):  # noqa: E721 -- not bool
+        raise ValueError(f"{_WHAT}: {name}={v!r} is not a list of integers")
+    return set(v)
 
 
 def _model_kind(cfg: dict) -> str:
@@ -81,17 +90,21 @@ class _Specs:
         self.block = block
         self.out: list[Spec] = []
 
+    def _add(self, spec: Spec) -> None:
+        if len(self.out) >= _MAX_TENSORS:
+            raise ValueError(f"{_WHAT}: describes more than {_MAX_TENSORS:,} tensors (layers x experts too large)")
+        self.out.append(spec)
+
     def lin(self, key: str, rows: int, cols: int, quantized: bool = True) -> None:
         """A projection ``key.weight [rows, cols]`` (plus its block scales when quantized)."""
         if quantized and self.fp8:
-            self.out.append((f"{key}.weight", self.qdtype, (rows, cols)))
-            self.out.append((f"{key}.weight_scale_inv", "F32",
-                             (-(-rows // self.block[0]), -(-cols // self.block[1]))))
+            self._add((f"{key}.weight", self.qdtype, (rows, cols)))
+            self._add((f"{key}.weight_scale_inv", "F32", (-(-rows // self.block[0]), -(-cols // self.block[1]))))
         else:
-            self.out.append((f"{key}.weight", self.dtype, (rows, cols)))
+            self._add((f"{key}.weight", self.dtype, (rows, cols)))
 
     def vec(self, key: str, n: int, dt: str | None = None) -> None:
-        self.out.append((key, dt or self.dtype, (n,)))
+        self._add((key, dt or self.dtype, (n,)))
 
     def mlp(self, prefix: str, inter: int, hidden: int) -> None:
         """A gated MLP: ``gate_proj``, ``up_proj`` ``[inter, hidden]``, ``down_proj`` ``[hidden, inter]``."""
@@ -105,7 +118,7 @@ def _deepseek_layers(cfg: dict, s: _Specs, H: int, L: int, heads: int) -> None:
     E = _get_int(cfg, "n_routed_experts")
     mI = _get_int(cfg, "moe_intermediate_size")
     dI = _get_int(cfg, "intermediate_size")
-    q_lora = cfg.get("q_lora_rank")
+    q_lora = _get_int(cfg, "q_lora_rank", default=0)
     kv_lora = _get_int(cfg, "kv_lora_rank")
     rope = _get_int(cfg, "qk_rope_head_dim")
     nope = _get_int(cfg, "qk_nope_head_dim")
@@ -118,9 +131,9 @@ def _deepseek_layers(cfg: dict, s: _Specs, H: int, L: int, heads: int) -> None:
         p = f"model.layers.{i}"
         a = f"{p}.self_attn"
         if q_lora:
-            s.lin(f"{a}.q_a_proj", int(q_lora), H)
-            s.vec(f"{a}.q_a_layernorm.weight", int(q_lora))
-            s.lin(f"{a}.q_b_proj", heads * (nope + rope), int(q_lora))
+            s.lin(f"{a}.q_a_proj", q_lora, H)
+            s.vec(f"{a}.q_a_layernorm.weight", q_lora)
+            s.lin(f"{a}.q_b_proj", heads * (nope + rope), q_lora)
         else:
             s.lin(f"{a}.q_proj", heads * (nope + rope), H)
         s.lin(f"{a}.kv_a_proj_with_mqa", kv_lora + rope, H)
@@ -148,11 +161,11 @@ def _qwen_mixtral_layers(cfg: dict, s: _Specs, kind: str, H: int, L: int, heads:
     mixtral = kind == "mixtral"
     E = _get_int(cfg, "num_local_experts" if mixtral else "num_experts")
     kv = _get_int(cfg, "num_key_value_heads", default=heads)
-    hd = cfg.get("head_dim") or H // heads
+    hd = _get_int(cfg, "head_dim", default=0) or H // heads
     mI = _get_int(cfg, "intermediate_size" if mixtral else "moe_intermediate_size")
     dI = _get_int(cfg, "intermediate_size")
     step = max(1, _get_int(cfg, "decoder_sparse_step", default=1))
-    dense_layers = set(cfg.get("mlp_only_layers") or [])
+    dense_layers = _int_set(cfg, "mlp_only_layers")
     qkv_bias = bool(cfg.get("qkv_bias", kind == "qwen2_moe")) or bool(cfg.get("attention_bias", False))
     for i in range(L):
         p = f"model.layers.{i}"
@@ -218,9 +231,12 @@ def synthetic_index(cfg: dict, root: str = "<synthetic>", shard_bytes: int = _SH
     load it).
     """
     files: list[list[tuple[str, str, tuple[int, ...], int]]] = [[]]
-    size = 0
+    size = total = 0
     for key, dt, shape in _tensor_specs(cfg):
         nbytes = math.prod(shape) * DTYPES[dt].itemsize
+        total += nbytes
+        if total > _MAX_BYTES:
+            raise ValueError(f"{_WHAT}: describes a checkpoint of more than 2**48 bytes (256 TiB): sizes too large")
         if files[-1] and size + nbytes > shard_bytes:
             files.append([])
             size = 0
