@@ -101,13 +101,12 @@ def _expected_digests(model, path: str, pl, storage: str) -> dict:
 
     import moeshard
     from moeshard.load import plan_load, resolve_sources
-    from moeshard.verify import _piece_readers
 
     rank = dist.get_rank()
     topo = moeshard.Topology.from_env().with_rank(rank)
     mode, readers, _, index = resolve_sources(path, storage, topo, os.path.exists(path))
     _, plan = plan_load(model, index, pl, topo, readers, "job")
-    reader_of = _piece_readers(plan)
+    reader_of = plan.piece_readers()
     pairs = [(r, reader_of[pid]) for pid, p in enumerate(plan.pieces) for r, _ in p.needs]
     return dict(mode=mode, all_read=bool(readers.all()), remote=sum(r != rd for r, rd in pairs),
                 to_me=sum(r == rank != rd for r, rd in pairs), needed=sum(r == rank for r, _ in pairs),

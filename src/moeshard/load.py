@@ -31,7 +31,7 @@ from .progress import Progress, progress_enabled
 from .plan import DEFAULT_STAGING_BYTES, TransferPlan, minimal_cost, plan_transfers
 from .topology import Topology
 
-__all__ = ["LoadReport", "load", "plan_load", "resolve_sources", "storage_sources", "materialize",
+__all__ = ["LoadReport", "load", "plan_load", "resolve_sources", "storage_sources", "materialize", "target_device",
            "checked_unused_keys"]
 
 Storage = Literal["auto", "shared", "node", "single"]
@@ -75,7 +75,9 @@ class LoadReport:
     unused_keys: tuple[str, ...] = ()
 
 
-def _target_device(model: nn.Module) -> torch.device:
+def target_device(model: nn.Module) -> torch.device:
+    """Where ``model``'s local tensors live: its DTensor mesh's device type (the current
+    device of that type), else the first non-meta parameter's device, else CUDA under NCCL."""
     from torch.distributed.tensor import DTensor
 
     for p in model.parameters():
@@ -101,7 +103,7 @@ def materialize(model: nn.Module, device: torch.device | None = None) -> torch.d
     class from its ``config`` (as transformers' rotary modules allow); a module that cannot be
     rebuilt that way raises ValueError naming the buffer.
     """
-    device = _target_device(model) if device is None else device
+    device = target_device(model) if device is None else device
     meta_buffers = [
         (name, mod)
         for name, mod in model.named_modules()

@@ -130,6 +130,17 @@ class TransferPlan:
     cost: PlanCost
     staging_bytes: int
 
+    def piece_readers(self) -> list[int]:
+        """The rank that reads each piece (a plan of scope "job" has one reader per piece)."""
+        reader_of = [-1] * len(self.pieces)
+        for r, pids in enumerate(self.local_reads):
+            for pid in pids:
+                reader_of[pid] = r
+        for chunk in self.chunks:
+            for r, pid in chunk.reads:
+                reader_of[pid] = r
+        return reader_of
+
     @functools.cached_property
     def fingerprint(self) -> str:
         """A digest of everything the plan makes ranks do (ranks compare it before data moves).

@@ -48,7 +48,7 @@ from .adapters import DEFAULT_SPECS, ExpertsSpec
 from .box import Box, box_shape, box_slices
 from .checkpoint import DTYPES, INDEX_NAME, CheckpointIndex, _read_header, pwrite_all, safetensors_header
 from .layout import ParamDesc, _persistent_buffers, describe_model, expert_layers, local_tensor
-from .load import _read_peak_rss, _reset_peak_rss, _ru_maxrss_bytes, _target_device, resolve_sources
+from .load import _read_peak_rss, _reset_peak_rss, _ru_maxrss_bytes, target_device, resolve_sources
 from .placement import Placement
 from .plan import DEFAULT_STAGING_BYTES
 from .progress import Progress, progress_enabled
@@ -219,7 +219,7 @@ def _save(model, out_dir, placement, specs, reference, max_shard_bytes, overwrit
                              "before saving it")
         if rank == 0:
             _prepare_dir(out, out / f"{_TMP_PREFIX}{plan.fingerprint}", overwrite, made)
-        return descs, plan, _target_device(model)
+        return descs, plan, target_device(model)
 
     def unmake() -> None:
         for d in reversed(made):

@@ -37,7 +37,7 @@ from .adapters import DEFAULT_SPECS, ExpertsSpec
 from .box import box_numel, box_shape, box_slices
 from .checkpoint import CheckpointReader
 from .layout import local_tensor
-from .load import Storage, _target_device, checked_unused_keys, plan_load, reader_root, resolve_sources
+from .load import Storage, target_device, checked_unused_keys, plan_load, reader_root, resolve_sources
 from .placement import Placement
 from .plan import TransferPlan
 from .topology import Topology
@@ -99,24 +99,12 @@ class _Routes:
     remote: list = field(default_factory=list)
 
 
-def _piece_readers(plan: TransferPlan) -> list[int]:
-    """The rank that reads each piece of ``plan`` (a plan of scope "job": one reader each)."""
-    reader_of = [-1] * len(plan.pieces)
-    for r, pids in enumerate(plan.local_reads):
-        for pid in pids:
-            reader_of[pid] = r
-    for chunk in plan.chunks:
-        for r, pid in chunk.reads:
-            reader_of[pid] = r
-    return reader_of
-
-
 def _routes(plan: TransferPlan, dtype_of: Sequence[torch.dtype], rank: int) -> _Routes:
     """This rank's reads, digests to send and receive, and remote checks (pure). ``dtype_of``:
     the model's dtype per parameter index."""
     out = _Routes()
     needs = plan.needs
-    for pid, (piece, reader) in enumerate(zip(plan.pieces, _piece_readers(plan))):
+    for pid, (piece, reader) in enumerate(zip(plan.pieces, plan.piece_readers())):
         if reader == rank:
             mine: tuple[int, ...] = ()
             others = []
@@ -185,7 +173,7 @@ def verify(
     locals_ = [local_tensor(tensors[d.name]) for d in descs]
     dtype_of = [d.dtype for d in descs]
     routes = _routes(plan, dtype_of, rank)
-    device = _target_device(model)
+    device = target_device(model)
     what = "moeshard.verify"
     failure: list[Exception] = []  # this rank's errors before the final agreement
 
