@@ -376,3 +376,18 @@ def test_expert_keys_match_the_spec_templates():
         for module in ("model.layers.3.mlp.experts", ""):
             want = [k for e in range(12) for k in p.keys(module, e)]
             assert sorted(_expert_keys(ExpertRef(0, module, p), 12)) == sorted(want)
+
+
+def test_adapter_config_is_checked_after_the_key_checks():
+    """The adapter checks go on past the key and dtype checks to adapter_config.json's r and
+    lora_alpha (a regression: an early return once skipped them)."""
+    from moeshard.checkpoint import CheckpointIndex
+    from moeshard.lora import _check_adapter
+
+    empty = CheckpointIndex("adapter", {}, {})
+    scalings = {"default": (8, 2.0)}
+    with pytest.raises(ValueError, match=r"r=4, the model's adapter 'default' has r=8"):
+        _check_adapter([], empty, {"r": 4, "lora_alpha": 8}, "adapter", scalings)
+    with pytest.raises(ValueError, match=r"lora_alpha=8 gives scaling 1\.0, the model's adapter 'default' has scaling 2\.0"):
+        _check_adapter([], empty, {"r": 8, "lora_alpha": 8}, "adapter", scalings)
+    assert _check_adapter([], empty, {"r": 8, "lora_alpha": 16}, "adapter", scalings) == ()

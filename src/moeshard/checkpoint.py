@@ -404,9 +404,7 @@ class _EntryParser:
         self.has_extra_fields = False  # fields safetensors ignores (they may nest deep)
 
     def __call__(self, pairs: list[tuple[str, object]]) -> object:
-        obj = dict(pairs)
-        if len(obj) != len(pairs):
-            _unique_keys(pairs)  # raises, naming the key
+        obj = _unique_keys(pairs)
         if len(obj) < 3 or "data_offsets" not in obj:
             return obj  # __metadata__ or an entry lacking fields (reported by the caller)
         self.has_extra_fields |= len(obj) > 3

@@ -32,7 +32,7 @@ from .plan import DEFAULT_STAGING_BYTES, TransferPlan, minimal_cost, plan_transf
 from .topology import Topology
 
 __all__ = ["LoadReport", "load", "plan_load", "resolve_sources", "storage_sources", "materialize", "target_device",
-           "checked_unused_keys"]
+           "checked_unused_keys", "refuse_or_warn"]
 
 Storage = Literal["auto", "shared", "node", "single"]
 logger = logging.getLogger("moeshard")
@@ -248,13 +248,20 @@ def checked_unused_keys(model: nn.Module, descs: Sequence[ParamDesc], index: Che
     ``strict=False`` rank 0 logs the same text as a warning on the ``moeshard`` logger.
     """
     unused = unused_keys(descs, index, placement, ignored_patterns(model))
-    problem = unused.problem(index.root)
-    if problem is not None:
-        if strict:
-            raise ValueError(f"{problem}; pass strict=False to load it anyway")
-        if _dist.rank_and_world()[0] == 0:
-            logger.warning("%s: %s (strict=False: ignored)", op, problem)
+    refuse_or_warn(unused.problem(index.root), strict, op)
     return unused.keys
+
+
+def refuse_or_warn(problem: str | None, strict: bool, op: str) -> None:
+    """What ``strict`` does with a checkpoint that does not fit the model: ValueError naming
+    ``problem`` when ``strict``, else a warning on the ``moeshard`` logger (rank 0 only, once
+    for the job). Called inside a planning step, so the error reaches every rank."""
+    if problem is None:
+        return
+    if strict:
+        raise ValueError(f"{problem}; pass strict=False to load it anyway")
+    if _dist.rank_and_world()[0] == 0:
+        logger.warning("%s: %s (strict=False: ignored)", op, problem)
 
 
 def load(

@@ -36,7 +36,6 @@ names without the adapter name) and ``adapter_config.json``. One adapter per mod
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import types
@@ -54,6 +53,7 @@ from .box import Box, box_numel, box_shape, box_slices
 from .checkpoint import DTYPE_NAMES, CheckpointIndex, CheckpointReader, load_json, pwrite_all, safetensors_header
 from .ep import SlotLora, ep_layers
 from .layout import Need, ParamDesc, check_cast, compute_needs, is_adapter_param, local_tensor, rank_boxes
+from .load import refuse_or_warn
 from .placement import Placement
 from .plan import DEFAULT_STAGING_BYTES, plan_transfers
 from .topology import Topology
@@ -63,7 +63,6 @@ __all__ = ["AdapterError", "AdapterReport", "ADAPTER_WEIGHTS", "ADAPTER_CONFIG",
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
-logger = logging.getLogger("moeshard")
 
 
 class AdapterError(_dist.DistributedError, ValueError):
@@ -273,19 +272,15 @@ def _check_adapter(pairs: list[tuple[AdapterTensor, torch.Tensor]], index: Check
                              f"{list(t.shape)}, {t.what})")
     extra = tuple(sorted(index.tensors.keys() - want.keys()))
     if extra:
-        problem = (f"adapter {path} has tensor {extra[0]!r} ({len(extra)} such), which the model has no LoRA "
-                   f"weight for; the model's adapter keys are like {sorted(want)[0]!r}")
-        if strict:
-            raise ValueError(f"{problem}; pass strict=False to load it anyway")
-        if _dist.rank_and_world()[0] == 0:
-            logger.warning("moeshard.lora.load_adapter: %s (strict=False: ignored)", problem)
+        refuse_or_warn(f"adapter {path} has tensor {extra[0]!r} ({len(extra)} such), which the model has no LoRA "
+                       f"weight for; the model's adapter keys are like {sorted(want)[0]!r}",
+                       strict, "moeshard.lora.load_adapter")
     for key, (t, p) in want.items():
         info = index.info(key)
         if tuple(info.shape) != t.shape:
             raise ValueError(f"adapter tensor {key!r} has shape {list(info.shape)}, the model expects "
                              f"{list(t.shape)} ({t.what})")
         check_cast(f"LoRA weight {t.name}", key, index, p.dtype)
-    return extra
     if config is not None:
         for adapter, (r, scaling) in scalings.items():
             cr = config.get("r")
@@ -296,6 +291,7 @@ def _check_adapter(pairs: list[tuple[AdapterTensor, torch.Tensor]], index: Check
             if not np.isclose(cs, scaling, rtol=1e-6):
                 raise ValueError(f"{path}/{ADAPTER_CONFIG}: lora_alpha={alpha} gives scaling {cs}, the model's "
                                  f"adapter {adapter!r} has scaling {scaling}")
+    return extra
 
 
 def _needs(items: list[tuple[AdapterTensor, ParamDesc]], index: CheckpointIndex, placement: Placement | None,
