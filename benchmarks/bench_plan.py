@@ -1,5 +1,6 @@
 """Sizing-tool benchmark: wall time of ``moeshard inspect`` and ``moeshard plan`` at DeepSeek-V3's
-shape, and the bytes ``moeshard plan`` predicts for every strategy.
+shape, the bytes ``moeshard plan`` predicts for every strategy, and how planning grows with
+the world size.
 
 1. ``moeshard inspect`` on header-only DeepSeek-V3 checkpoints: the safetensors files of
    ``docs/deepseek_v3_config.json`` (BF16, 45,395 tensors, 1.22 TiB) and of its FP8 release
@@ -9,17 +10,37 @@ shape, and the bytes ``moeshard plan`` predicts for every strategy.
 2. ``moeshard plan --synthetic-from-config docs/deepseek_v3_config.json`` for 256 ranks
    (32 nodes x 8, EP 64 x expert-FSDP 4) and 1,024 ranks (128 x 8, EP 256 x expert-FSDP 4),
    every storage mode, with ``--bandwidth``.
+3. World-size sweep (``--worlds``, default 64,256,1024,8192): for each world W, 8 ranks per
+   node, EP = min(256, W), expert-FSDP = W / EP (8,192 = 1,024 nodes x 8, EP 256 x eFSDP 32).
+
+   a. the whole ``moeshard plan ... --storage all`` command, as in 2., with the planner's own
+      timings (its ``--json`` report's ``timings_s``: headers, synthesize, needs, the plans of
+      all storage modes, baselines, total; and each mode's ``plan_seconds``: plan + lower
+      bounds + link bytes);
+   b. what ONE RANK of a real job computes inside ``moeshard.load`` with storage "shared",
+      measured in a child process of its own (``--one-rank W``, so its peak RSS is its own):
+      the synthetic ParamDescs and placement are built as ``moeshard plan`` builds them, then
+      ``need_table``, ``plan_transfers(scope="job", every rank a reader)``,
+      ``Schedule.for_rank(0)`` and ``Schedule.fingerprint`` (what ranks compare) are timed,
+      with the number of needs, pieces, sends and rounds.
+
+   Printed (as 4a and 4b, after the predicted bytes of 2.) with the growth of the seconds
+   and of peak RSS between worlds 4x and 8x apart; JSON section ``sweep``.
 
 Every command runs as its own process, one after the other (``--repeat`` times, median), as a
 user would run it: wall time includes starting Python and importing torch. CPU seconds (user +
 sys of the child) are recorded too (less sensitive to other load on a shared host), and the
-child's peak RSS. Prints the figures and the predicted bytes per strategy (256 ranks); writes
-JSON.
+child's peak RSS (``os.wait4``: that child's own ``ru_maxrss``). Prints the figures and the
+predicted bytes per strategy (256 ranks); writes JSON (sections ``inspect``, ``plan``,
+``sweep``).
 
 Run from the repository root::
 
     python -m benchmarks.bench_plan                 # writes bench_out/bench_plan.json
     python -m benchmarks.bench_plan --repeat 3 --skip-inspect
+    python -m benchmarks.bench_plan --skip-inspect --worlds 64,256,1024,2048,4096,8192
+    python -m benchmarks.bench_plan --skip-sweep    # sections 1 and 2 only
+    python -m benchmarks.bench_plan --one-rank 1024 # 3b for one world, as JSON on stdout
 """
 
 from __future__ import annotations
@@ -28,6 +49,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -38,15 +60,24 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `moeshard` importable from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+import numpy as np  # noqa: E402
+
 from moeshard.checkpoint import INDEX_NAME, CheckpointIndex  # noqa: E402
-from moeshard.cluster import read_config, synthetic_index  # noqa: E402
+from moeshard.cluster import (  # noqa: E402
+    ClusterSpec, find_experts, make_placement, read_config, synthesize_descs, synthetic_index)
 from moeshard.cluster.render import format_bytes  # noqa: E402
+from moeshard.layout import need_table  # noqa: E402
+from moeshard.plan import plan_transfers  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "docs" / "deepseek_v3_config.json"
 FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
 # (label, nodes, ranks per node, ep): expert-FSDP is world / ep = 4 in both.
 CLUSTERS = (("256 ranks", 32, 8, 64), ("1024 ranks", 128, 8, 256))
+# The world-size sweep: 8 ranks per node, EP = min(MAX_EP, world), expert-FSDP = world / EP.
+SWEEP_RANKS_PER_NODE, SWEEP_MAX_EP = 8, 256
+DEFAULT_WORLDS = "64,256,1024,8192"
+MIB = 2**20
 
 
 def write_sparse_checkpoint(index: CheckpointIndex, cfg: dict, root: Path) -> int:
@@ -115,18 +146,141 @@ def bench_inspect(cfg: dict, repeat: int) -> list[dict]:
     return rows
 
 
+def _plan_command(config: Path, nodes: int, rpn: int, ep: int, bandwidth: str, repeat: int) -> dict:
+    """``moeshard plan --synthetic-from-config ... --storage all --json`` run ``repeat`` times:
+    the command line, cluster, needs, strategies, the child's figures (:func:`_repeated`), the
+    planner's stage timings and each storage mode's ``plan_seconds`` (medians)."""
+    cmd = [sys.executable, "-m", "moeshard.cli", "plan", "--synthetic-from-config", str(config), "--nodes", str(nodes),
+           "--ranks-per-node", str(rpn), "--ep", str(ep), "--storage", "all", "--bandwidth", bandwidth, "--json"]
+    outs, t = _repeated(cmd, repeat)
+    reps = [json.loads(o) for o in outs]
+    rep = reps[-1]  # the plans are deterministic; only the timings differ between runs
+    stages = {k: statistics.median(r["timings_s"][k] for r in reps) for k in rep["timings_s"]}
+    modes = [s["name"] for s in rep["strategies"] if s["kind"] == "moeshard"]
+    mode_s = {m.split()[-1]: statistics.median(next(s["plan_seconds"] for s in r["strategies"] if s["name"] == m)
+                                               for r in reps) for m in modes}
+    return {"command": "moeshard plan " + " ".join(cmd[4:-1]), **rep["cluster"], "num_needs": rep["num_needs"], **t,
+            "timings_s": stages, "mode_plan_s": mode_s, "strategies": rep["strategies"]}
+
+
 def bench_plan(config: Path, bandwidth: str, repeat: int) -> list[dict]:
+    return [{"cluster": label, **_plan_command(config, nodes, rpn, ep, bandwidth, repeat)}
+            for label, nodes, rpn, ep in CLUSTERS]
+
+
+def sweep_cluster(world: int) -> ClusterSpec:
+    """The sweep's cluster for ``world`` ranks: 8 per node, EP = min(256, world), the rest expert-FSDP."""
+    if world < SWEEP_RANKS_PER_NODE or world % SWEEP_RANKS_PER_NODE:
+        raise ValueError(f"world size {world}: not a positive multiple of {SWEEP_RANKS_PER_NODE} ranks per node")
+    return ClusterSpec.build(world // SWEEP_RANKS_PER_NODE, SWEEP_RANKS_PER_NODE, min(SWEEP_MAX_EP, world), None)
+
+
+def _peak_rss_self() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def one_rank(config: Path, world: int) -> dict:
+    """What one rank (rank 0) of a ``world``-rank job plans inside ``moeshard.load`` with
+    storage "shared": need table, schedule (scope "job", every rank reads), its rows, the
+    schedule's fingerprint. Seconds of each and the sizes; peak RSS before and after planning."""
+    t0 = time.perf_counter()
+    cluster = sweep_cluster(world)
+    index = synthetic_index(read_config(config))
+    layout = find_experts(index)
+    placement = make_placement(layout, cluster)
+    descs = synthesize_descs(layout, index, cluster)
+    topo = cluster.topology()
+    setup = time.perf_counter() - t0
+    rss_setup = _peak_rss_self()
+    t = time.perf_counter()
+    table = need_table(descs, index, placement, world)
+    t_needs = time.perf_counter() - t
+    t = time.perf_counter()
+    schedule = plan_transfers(table, index, topo, readers=np.ones(world, dtype=bool), scope="job")
+    t_plan = time.perf_counter() - t
+    t = time.perf_counter()
+    mine = schedule.for_rank(0)
+    t_rank = time.perf_counter() - t
+    t = time.perf_counter()
+    _ = schedule.fingerprint
+    t_fp = time.perf_counter() - t
+    return {"world_size": world, "setup_s": setup, "need_table_s": t_needs, "plan_transfers_s": t_plan,
+            "for_rank_s": t_rank, "fingerprint_s": t_fp, "planning_s": t_needs + t_plan + t_rank + t_fp,
+            "num_needs": len(table), "num_pieces": schedule.num_pieces, "num_reads": len(schedule.read_rank),
+            "num_sends": len(schedule.send_src), "num_broadcasts": len(schedule.bcast_piece),
+            "num_rounds": schedule.num_rounds, "rank0_reads": len(mine.reads), "rank0_sends": len(mine.sends),
+            "rank0_deliveries": len(mine.deliveries), "rank0_rounds": len(mine.rounds),
+            "peak_rss_after_setup_bytes": rss_setup, "peak_rss_self_bytes": _peak_rss_self()}
+
+
+def bench_sweep(config: Path, bandwidth: str, repeat: int, worlds: list[int]) -> dict:
+    """The sweep: per world size, the whole command and one rank's planning (each its own process)."""
     rows = []
-    for label, nodes, rpn, ep in CLUSTERS:
-        cmd = [sys.executable, "-m", "moeshard.cli", "plan", "--synthetic-from-config", str(config),
-               "--nodes", str(nodes), "--ranks-per-node", str(rpn), "--ep", str(ep), "--bandwidth", bandwidth, "--json"]
+    for world in worlds:
+        c = sweep_cluster(world)
+        row = {"world_size": world, **_plan_command(config, c.num_nodes, c.ranks_per_node, c.ep, bandwidth, repeat)}
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--config", str(config), "--one-rank", str(world)]
         outs, t = _repeated(cmd, repeat)
         reps = [json.loads(o) for o in outs]
-        rep = reps[-1]  # the plans are deterministic; only the timings differ between runs
-        stages = {k: statistics.median(r["timings_s"][k] for r in reps) for k in rep["timings_s"]}
-        rows.append({"cluster": label, "command": "moeshard plan " + " ".join(cmd[4:-1]), **rep["cluster"],
-                     "num_needs": rep["num_needs"], **t, "timings_s": stages, "strategies": rep["strategies"]})
-    return rows
+        timed = [k for k, v in reps[-1].items() if k.endswith("_s")]
+        row["one_rank"] = {**reps[-1], **{k: statistics.median(r[k] for r in reps) for k in timed},
+                           "process": {"command": " ".join(["python", *cmd[1:]]), **t}}
+        rows.append(row)
+        print(f"  swept {world:,} ranks: command {row['wall_s']:.1f} s, one rank {t['wall_s']:.1f} s", flush=True)
+    return {"ranks_per_node": SWEEP_RANKS_PER_NODE, "max_ep": SWEEP_MAX_EP, "rows": rows, "growth": _growth(rows)}
+
+
+def _growth(rows: list[dict]) -> list[dict]:
+    """Ratios of seconds (and RSS) between every pair of swept worlds 4x or 8x apart."""
+    def figures(r: dict) -> dict:
+        o = r["one_rank"]
+        return {"command_wall_s": r["wall_s"], "command_cpu_s": r["cpu_s"], "needs_s": r["timings_s"]["needs"],
+                **{f"plan_{m}_s": v for m, v in r["mode_plan_s"].items()}, "one_rank_need_table_s": o["need_table_s"],
+                "one_rank_plan_transfers_s": o["plan_transfers_s"], "one_rank_planning_s": o["planning_s"],
+                "num_needs": r["num_needs"], "command_peak_rss": r["peak_rss_bytes"],
+                "one_rank_peak_rss": o["process"]["peak_rss_bytes"]}
+    out = []
+    for a in rows:
+        for b in rows:
+            if b["world_size"] / a["world_size"] in (4, 8):
+                fa, fb = figures(a), figures(b)
+                out.append({"from": a["world_size"], "to": b["world_size"],
+                            "ratios": {k: fb[k] / fa[k] if fa[k] else None for k in fa}})
+    return out
+
+
+def print_sweep(sweep: dict) -> None:
+    rows = sweep["rows"]
+    modes = list(rows[0]["mode_plan_s"])
+    print(f"4a. world-size sweep, whole command ({sweep['ranks_per_node']} ranks/node, "
+          f"EP = min({sweep['max_ep']}, W)); per-mode = plan + lower bounds + link bytes (s)")
+    print(f"{'W':>6}{'nodes':>7}{'EP x eFSDP':>12}{'needs':>12}{'wall s':>9}{'cpu s':>8}{'RSS MiB':>9}{'needs s':>9}"
+          + "".join(f"{m + ' s':>10}" for m in modes) + f"{'baselines s':>13}{'planning s':>12}")
+    for r in rows:
+        t = r["timings_s"]
+        shape = f"{r['ep']} x {r['efsdp']}"
+        print(f"{r['world_size']:>6,}{r['num_nodes']:>7,}{shape:>12}{r['num_needs']:>12,}"
+              f"{r['wall_s']:>9.1f}{r['cpu_s']:>8.1f}{r['peak_rss_bytes'] / MIB:>9,.0f}{t['needs']:>9.2f}"
+              + "".join(f"{r['mode_plan_s'][m]:>10.2f}" for m in modes) + f"{t['baselines']:>13.2f}{t['total']:>12.2f}")
+    print("\n4b. one rank inside moeshard.load, storage \"shared\" (own process; seconds; RSS = that process's peak)")
+    print(f"{'W':>6}{'needs':>12}{'pieces':>11}{'sends':>11}{'rounds':>8}{'need_table':>12}{'plan':>8}{'for_rank':>10}"
+          f"{'fingerpr.':>11}{'total':>8}{'RSS MiB':>9}{'setup MiB':>11}{'r0 sends':>10}{'r0 dlv':>9}")
+    for r in rows:
+        o = r["one_rank"]
+        print(f"{r['world_size']:>6,}{o['num_needs']:>12,}{o['num_pieces']:>11,}{o['num_sends']:>11,}"
+              f"{o['num_rounds']:>8}{o['need_table_s']:>12.2f}{o['plan_transfers_s']:>8.2f}{o['for_rank_s']:>10.3f}"
+              f"{o['fingerprint_s']:>11.3f}"
+              f"{o['planning_s']:>8.2f}{o['process']['peak_rss_bytes'] / MIB:>9,.0f}"
+              f"{o['peak_rss_after_setup_bytes'] / MIB:>11,.0f}{o['rank0_sends']:>10,}{o['rank0_deliveries']:>9,}")
+    if sweep["growth"]:
+        print("\ngrowth (ratio of the larger world's figure to the smaller's)")
+        cols = (("needs", "num_needs"), ("cmd wall", "command_wall_s"), ("cmd cpu", "command_cpu_s"),
+                ("needs s", "needs_s"), *((m, f"plan_{m}_s") for m in modes), ("1-rank", "one_rank_planning_s"),
+                ("cmd RSS", "command_peak_rss"), ("1-rank RSS", "one_rank_peak_rss"))
+        print(f"{'W':>14}" + "".join(f"{label:>11}" for label, _ in cols))
+        for g in sweep["growth"]:
+            cells = ("" if g["ratios"][k] is None else f"x{g['ratios'][k]:.1f}" for _, k in cols)
+            print(f"{str(g['from']) + ' -> ' + str(g['to']):>14}" + "".join(f"{c:>11}" for c in cells))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,8 +290,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="GB/s: storage per node, per-rank intra-node and inter-node links")
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--skip-inspect", action="store_true")
+    ap.add_argument("--skip-sweep", action="store_true", help="skip the world-size sweep")
+    ap.add_argument("--worlds", default=DEFAULT_WORLDS, help="world sizes of the sweep, comma-separated")
+    ap.add_argument("--one-rank", type=int, metavar="W",
+                    help="only time one rank's planning at world size W and print it as JSON (the sweep runs this)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench_out" / "bench_plan.json")
     args = ap.parse_args(argv)
+    if args.one_rank is not None:
+        print(json.dumps(one_rank(args.config, args.one_rank)))
+        return 0
+    try:  # bad world sizes fail before anything runs
+        worlds = [sweep_cluster(int(w)).world_size for w in args.worlds.split(",") if w.strip()]
+    except ValueError as e:
+        ap.error(f"--worlds {args.worlds}: {e}")
     cfg = read_config(args.config)
     result = {"host": {"python": platform.python_version(), "cpus": os.cpu_count(), "machine": platform.machine()},
               "config": str(args.config), "bandwidth": args.bandwidth, "repeat": args.repeat}
@@ -171,6 +336,12 @@ def main(argv: list[str] | None = None) -> int:
         vals = [format_bytes(s[k]) for k in ("read_bytes_total", "read_bytes_max_node", "cross_node_bytes",
                                              "sent_bytes_max_rank", "recv_bytes_max_rank")]
         print(f"{s['name']:<22}" + "".join(f"{v:>15}" for v in vals) + f"{s['time_s']:>13.1f} s{s['bottleneck']:>15}")
+
+    if not args.skip_sweep:
+        print()
+        result["sweep"] = bench_sweep(args.config, args.bandwidth, args.repeat, worlds)
+        print()
+        print_sweep(result["sweep"])
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

@@ -8,7 +8,7 @@ from .checkpoint import CheckpointError, CheckpointIndex, CheckpointReader, writ
 from .load import LoadReport, load, materialize
 from .parallel import make_mesh, parallelize
 from .placement import Placement
-from .plan import TransferPlan, plan_transfers
+from .plan import Schedule, plan_transfers
 from .relocate import RelocationReport, relocate
 from .relocation import RelocationPlan, plan_relocation
 from .save import SaveError, SaveReport, save
@@ -18,7 +18,7 @@ from .verify import VerificationError, VerifyReport, verify
 __all__ = [
     "CheckpointError", "CheckpointIndex", "CheckpointReader", "DistributedError", "ExpertParam",
     "ExpertsSpec", "HF_EXPERTS", "LoadReport", "MIXTRAL_EXPERTS", "PeerLostError", "Placement", "Topology",
-    "TransferPlan", "VerificationError", "VerifyReport", "eplb", "load", "lora", "make_mesh", "materialize",
+    "Schedule", "VerificationError", "VerifyReport", "eplb", "load", "lora", "make_mesh", "materialize",
     "parallelize", "plan_relocation", "plan_transfers", "RelocationPlan", "RelocationReport", "relocate",
     "SaveError", "SaveReport", "save", "verify", "write_checkpoint", "clip_grad_norm_", "grad_norm", "sync_redundant_grads",
 ]

@@ -1,15 +1,16 @@
-"""Run a :class:`~moeshard.plan.TransferPlan` with torch.distributed.
+"""The one runner: a :class:`~moeshard.plan.schedule.Schedule` with torch.distributed.
 
-Every rank walks the same chunk list in the same order and posts only the ops that involve
-it, so P2P ops pair up without any loop over ranks and without deadlock (step k's
-participants all finished their earlier steps). Per chunk: read pieces for others into
-staging buffers, post phase A (batch_isend_irecv + node broadcasts), do a share of this rank's
-local reads while those are in flight, wait, deliver; then phase B (relays). Nothing calls a
-device synchronize: waits are on the ops' own work handles.
+Every rank runs the rounds it takes part in, in the schedule's order, and posts only its own
+rows, so P2P ops pair up without any loop over ranks and without deadlock (round t's
+participants all finished their earlier rounds). Per round: read the pieces it sends first in
+this round into staging buffers, post the round's P2P ops as one batch, do a share of this
+rank's local reads while the batch is in flight, wait, join the round's node broadcasts,
+deliver what arrived, free the buffers it no longer sends. Nothing calls a device synchronize:
+waits are on the ops' own work handles.
 
 A read that fails on one rank (an I/O error, a file changed under the job) does not leave its
-peers blocked in a receive: the rank keeps running the plan with zeros in place of the piece,
-and after the last chunk every rank raises one DistributedError naming the failing rank.
+peers blocked in a receive: the rank keeps running the schedule with zeros in place of the
+piece, and after the last round every rank raises one DistributedError naming the failing rank.
 """
 
 from __future__ import annotations
@@ -18,15 +19,15 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from . import _dist
-from .box import box_shape, box_slices
 from .checkpoint import CheckpointIndex, CheckpointReader
-from .plan import TransferPlan
+from .plan.schedule import Schedule
 
-__all__ = ["ExecStats", "execute_plan", "node_groups", "rank_bytes"]
+__all__ = ["ExecStats", "execute_schedule", "node_groups"]
 
 
 @dataclass
@@ -82,8 +83,8 @@ def _is_live(group) -> bool:
     return pg_map is None or group in pg_map
 
 
-def execute_plan(
-    plan: TransferPlan,
+def execute_schedule(
+    schedule: Schedule,
     rank: int,
     reader: CheckpointReader | None,
     index: CheckpointIndex,
@@ -91,128 +92,149 @@ def execute_plan(
     device: torch.device,
     node_group=None,
     progress: Callable[[int], None] | None = None,
-    what: str = "moeshard: running the transfer plan",
+    what: str = "moeshard: running the schedule",
 ) -> ExecStats:
-    """Collective (every rank of the default group): run ``plan`` on this rank.
+    """Collective (every rank of the default group): run ``schedule`` on this rank.
 
     Args:
         rank: this process's global rank.
-        reader: reads this rank's pieces; None if the plan gives this rank no reads.
-        index: checkpoint headers (dtype and shape of each piece).
-        dests: local tensor of every parameter of the plan's needs (None where this rank
+        reader: reads this rank's pieces; None if the schedule gives this rank no reads.
+        index: checkpoint headers (the dtype of each piece).
+        dests: local tensor of every parameter the deliveries name (None where this rank
             holds nothing); written in place, cast to their dtype.
         device: where staging buffers live (the device of the model's local tensors).
-        node_group: this rank's node group, required if the plan has broadcasts.
+        node_group: this rank's node group, required if the schedule has broadcasts.
         progress: called with the bytes of each piece this rank reads or receives
-            (:func:`rank_bytes` is their total).
+            (:meth:`Schedule.rank_bytes` is their total).
         what: the operation, for error messages (e.g. "moeshard.load: executing the plan").
 
     Raises:
-        DistributedError: on every rank, after the whole plan ran, if any rank failed a read
-            (without a process group: that read's own error).
+        DistributedError: on every rank, after the whole schedule ran, if any rank failed a
+            read (without a process group: that read's own error).
         PeerLostError: on the ranks that saw a peer die (a P2P batch or node broadcast with
             it, or the final exchange), naming the peers where known.
     """
+    s = schedule
+    mine = s.for_rank(rank)
     stats = ExecStats()
     failure: list[Exception] = []  # this rank's failed reads (the first is reported)
-    pieces, needs = plan.pieces, plan.needs
-    my_local = list(plan.local_reads[rank])
-    if (my_local or any(r == rank for c in plan.chunks for r, _ in c.reads)) and reader is None:
-        raise ValueError(f"rank {rank}: the plan has this rank read the checkpoint, but it cannot")
-    my_chunks = [c for c in plan.chunks if _involves(c, rank, plan)]
+    if len(mine.reads) and reader is None:
+        raise ValueError(f"rank {rank}: the schedule has this rank read the checkpoint, but it cannot")
+    if len(mine.bcasts) and node_group is None:
+        raise ValueError("the schedule has node broadcasts but no node group was given")
+    lws = s.topology.local_world_size
+
+    # This rank's deliveries per piece: (local tensor view of the whole box target).
+    targets: dict[int, list[tuple[int, int, tuple[slice, ...]]]] = {}
+    for i in mine.deliveries.tolist():
+        pid = int(s.dlv_piece[i])
+        nd = int(s.key_ndim[s.piece_key[pid]])
+        off, ln = s.dlv_off[i, :nd].tolist(), s.piece_len[pid, :nd].tolist()
+        sl = tuple(slice(o, o + n) for o, n in zip(off, ln))
+        targets.setdefault(pid, []).append((int(s.dlv_param[i]), int(s.dlv_slot[i]), sl))
+
+    def shape(pid: int) -> tuple[int, ...]:
+        return tuple(s.piece_len[pid, : int(s.key_ndim[s.piece_key[pid]])].tolist())
+
+    def view(param: int, slot: int, sl: tuple[slice, ...]) -> torch.Tensor:
+        dest = dests[param]
+        assert dest is not None, f"rank {rank} has no tensor for parameter {param}"
+        return (dest[slot] if slot >= 0 else dest)[sl]
 
     def deliver(pid: int, buf: torch.Tensor) -> None:
-        for r, idx in pieces[pid].needs:
-            if r != rank:
-                continue
-            for i in idx:
-                n = needs[i]
-                dest = dests[n.param]
-                assert dest is not None, f"rank {rank} has no tensor for {n}"
-                # The dest box may carry extra leading dims of length 1 (an expert slot).
-                dest[box_slices(n.dest)].copy_(buf.view(box_shape(n.dest)))
+        for param, slot, sl in targets.get(pid, ()):
+            view(param, slot, sl).copy_(buf.view(shape(pid)))
+
+    def read(pid: int) -> torch.Tensor:
+        assert reader is not None
+        try:
+            return reader.read(s.piece_name(pid), s.piece_box(pid))
+        except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
+            failure.append(e)
+            # Peers still expect this piece: send zeros rather than leave them waiting.
+            return torch.zeros(shape(pid), dtype=index.info(s.piece_name(pid)).torch_dtype)
 
     def local_read(pid: int) -> None:
         assert reader is not None
-        piece = pieces[pid]
-        # In scope "node" the piece may also be needed (and read) on other nodes.
-        (idx,) = [idx for r, idx in piece.needs if r == rank]
-        view = dests[needs[idx[0]].param][box_slices(needs[idx[0]].dest)]
+        (dst, *more) = targets[pid]
+        out = view(*dst)
         try:
-            if len(idx) == 1 and view.is_contiguous():
+            if not more and out.is_contiguous():
                 # Straight from storage into the parameter (cast on the way): no staging.
-                reader.read(piece.key, piece.src, out=view.view(box_shape(piece.src)))
+                reader.read(s.piece_name(pid), s.piece_box(pid), out=out.view(shape(pid)))
             else:
-                deliver(pid, reader.read(piece.key, piece.src))
-        except Exception as e:  # noqa: BLE001 - reported on every rank after the plan
+                deliver(pid, reader.read(s.piece_name(pid), s.piece_box(pid)))
+        except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
             failure.append(e)
         if progress:
-            progress(piece.nbytes)
-
-    def read_for_others(pid: int) -> torch.Tensor:
-        assert reader is not None
-        try:
-            return reader.read(pieces[pid].key, pieces[pid].src)
-        except Exception as e:  # noqa: BLE001 - reported on every rank after the plan
-            failure.append(e)
-            # Peers still expect this piece: send zeros rather than leave them waiting.
-            return torch.zeros(box_shape(pieces[pid].src), dtype=index.info(pieces[pid].key).torch_dtype)
+            progress(int(s.piece_bytes[pid]))
 
     def empty(pid: int) -> torch.Tensor:
-        p = pieces[pid]
-        return torch.empty(box_shape(p.src), dtype=index.info(p.key).torch_dtype, device=device)
+        return torch.empty(shape(pid), dtype=index.info(s.piece_name(pid)).torch_dtype, device=device)
 
-    remaining_chunks = len(my_chunks)
-    for chunk in my_chunks:
-        bufs: dict[int, torch.Tensor] = {}
-        staged = 0
-        for r, pid in chunk.reads:
-            if r == rank:
-                buf = read_for_others(pid)
-                bufs[pid] = buf.to(device, non_blocking=True) if buf.device != device else buf
-                staged += pieces[pid].nbytes
-                deliver(pid, bufs[pid])
-                if progress:
-                    progress(pieces[pid].nbytes)
-        for phase in chunk.phases:
-            ops = []
-            received: list[int] = []
-            for s in phase.sends:
-                if s.src == rank:
-                    ops.append(dist.P2POp(dist.isend, bufs[s.piece], s.dst))
-                    stats.bytes_sent += pieces[s.piece].nbytes
-                elif s.dst == rank:
-                    bufs[s.piece] = empty(s.piece)
-                    ops.append(dist.P2POp(dist.irecv, bufs[s.piece], s.src))
-                    received.append(s.piece)
-                    staged += pieces[s.piece].nbytes
-            wait = _dist.start_p2p(ops, what)
-            # Overlap: this rank's own reads while the batch is in flight.
-            share = math.ceil(len(my_local) / max(remaining_chunks * 2, 1))
-            for _ in range(min(share, len(my_local))):
-                local_read(my_local.pop())
-            wait()
-            for b in phase.broadcasts:
-                if rank not in plan.topology.node_ranks(b.node):
-                    continue
-                if node_group is None:
-                    raise ValueError("the plan has node broadcasts but no node group was given")
-                if b.root != rank:
-                    bufs[b.piece] = empty(b.piece)
-                    received.append(b.piece)
-                    staged += pieces[b.piece].nbytes
-                else:
-                    stats.bytes_sent += pieces[b.piece].nbytes * (plan.topology.local_world_size - 1)
-                with _dist.collective(what, set(plan.topology.node_ranks(b.node)) - {rank}):
-                    dist.broadcast(bufs[b.piece], src=b.root, group=node_group)
-            for pid in received:
-                stats.bytes_received += pieces[pid].nbytes
-                deliver(pid, bufs[pid])
-                if progress:
-                    progress(pieces[pid].nbytes)
+    # Per round: pieces to read, P2P rows, broadcast rows; and the last round each buffer of
+    # this rank is sent from (it is freed after it).
+    reads_at = _by_round(s.read_round[mine.reads], s.read_piece[mine.reads])
+    sends_at = _by_round(s.send_round[mine.sends], mine.sends)
+    order = np.lexsort((s.bcast_piece[mine.bcasts], s.bcast_round[mine.bcasts]))
+    bcasts_at = _by_round(s.bcast_round[mine.bcasts][order], mine.bcasts[order])
+    last_use: dict[int, int] = {}
+    out_rows = mine.sends[s.send_src[mine.sends] == rank]
+    out_b = mine.bcasts[s.bcast_root[mine.bcasts] == rank]
+    for pid, t in zip(np.concatenate([s.send_piece[out_rows], s.bcast_piece[out_b]]).tolist(),
+                      np.concatenate([s.send_round[out_rows], s.bcast_round[out_b]]).tolist()):
+        last_use[pid] = max(last_use.get(pid, -1), t)
+    my_local = list(mine.local_reads().tolist())[::-1]
+    rounds = mine.rounds.tolist()
+    bufs: dict[int, torch.Tensor] = {}
+    staged = 0
+    for step, t in enumerate(rounds):
+        for pid in reads_at.get(t, ()):
+            buf = read(pid)
+            bufs[pid] = buf.to(device, non_blocking=True) if buf.device != device else buf
+            staged += int(s.piece_bytes[pid])
+            deliver(pid, bufs[pid])
+            if progress:
+                progress(int(s.piece_bytes[pid]))
+        ops = []
+        received: list[int] = []
+        for row in sends_at.get(t, ()):
+            pid = int(s.send_piece[row])
+            if s.send_src[row] == rank:
+                ops.append(dist.P2POp(dist.isend, bufs[pid], int(s.send_dst[row])))
+                stats.bytes_sent += int(s.piece_bytes[pid])
+            else:
+                bufs[pid] = empty(pid)
+                ops.append(dist.P2POp(dist.irecv, bufs[pid], int(s.send_src[row])))
+                received.append(pid)
+                staged += int(s.piece_bytes[pid])
         stats.peak_staging_bytes = max(stats.peak_staging_bytes, staged)
-        remaining_chunks -= 1
-        del bufs
+        wait = _dist.start_p2p(ops, what) if ops else (lambda: None)
+        # Overlap: a share of this rank's own reads while the batch is in flight.
+        share = math.ceil(len(my_local) / max(len(rounds) - step, 1))
+        for _ in range(min(share, len(my_local))):
+            local_read(my_local.pop())
+        wait()
+        for row in bcasts_at.get(t, ()):
+            pid, root = int(s.bcast_piece[row]), int(s.bcast_root[row])
+            if root != rank:
+                bufs[pid] = empty(pid)
+                received.append(pid)
+                staged += int(s.piece_bytes[pid])
+                stats.peak_staging_bytes = max(stats.peak_staging_bytes, staged)
+            else:
+                stats.bytes_sent += int(s.piece_bytes[pid]) * (lws - 1)
+            node = int(s.bcast_node[row])
+            with _dist.collective(what, set(s.topology.node_ranks(node)) - {rank}):
+                dist.broadcast(bufs[pid], src=root, group=node_group)
+        for pid in received:
+            stats.bytes_received += int(s.piece_bytes[pid])
+            deliver(pid, bufs[pid])
+            if progress:
+                progress(int(s.piece_bytes[pid]))
+        for pid in [p for p in bufs if last_use.get(p, -1) <= t]:
+            staged -= int(s.piece_bytes[pid])
+            del bufs[pid]
     while my_local:
         local_read(my_local.pop())
     if reader is not None:
@@ -226,25 +248,10 @@ def execute_plan(
     return _dist.agree(outcome, what)
 
 
-def rank_bytes(plan: TransferPlan, rank: int) -> int:
-    """Bytes of the pieces ``rank`` reads or receives when running ``plan`` (pure)."""
-    lws = plan.topology.local_world_size
-    total = sum(plan.pieces[p].nbytes for p in plan.local_reads[rank])
-    for chunk in plan.chunks:
-        total += sum(plan.pieces[p].nbytes for r, p in chunk.reads if r == rank)
-        for phase in chunk.phases:
-            total += sum(plan.pieces[s.piece].nbytes for s in phase.sends if s.dst == rank)
-            total += sum(plan.pieces[b.piece].nbytes for b in phase.broadcasts
-                         if b.root != rank and rank // lws == b.node)
-    return total
-
-
-def _involves(chunk, rank: int, plan: TransferPlan) -> bool:
-    if any(r == rank for r, _ in chunk.reads):
-        return True
-    for phase in chunk.phases:
-        if any(s.src == rank or s.dst == rank for s in phase.sends):
-            return True
-        if any(rank in plan.topology.node_ranks(b.node) for b in phase.broadcasts):
-            return True
-    return False
+def _by_round(rounds: np.ndarray, values: np.ndarray) -> dict[int, list[int]]:
+    """``{round: [value, ...]}`` in the given order within each round."""
+    out: dict[int, list[int]] = {}
+    for t, v in zip(rounds.tolist(), values.tolist()):
+        if t >= 0:
+            out.setdefault(t, []).append(v)
+    return out

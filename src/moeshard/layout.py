@@ -1,13 +1,15 @@
 """Needs: which box of which checkpoint tensor every rank must hold, and where.
 
 Derived from the model itself, for *every* rank, without communication: a DTensor's
-placements and device mesh say what each mesh coordinate holds (torch's own
-local-shape/offset computation), and the :class:`~moeshard.placement.Placement` says which
-logical expert each physical slot of an expert parameter holds. Every rank computes the same
+placements and device mesh say what each mesh coordinate holds (torch's rule for local
+shapes and offsets, done with numpy: :func:`shard_boxes`), and the
+:class:`~moeshard.placement.Placement` says which logical expert each physical slot of an
+expert parameter holds. Every rank computes the same
 needs, so the planner gives the same plan everywhere.
 
 Two halves: :func:`describe_model` turns a model into plain :class:`ParamDesc` records (the
-only part that looks at torch modules); :func:`compute_needs` is pure and works for any
+only part that looks at torch modules); :func:`need_table` (arrays, one row per need) and
+:func:`compute_needs` (the same rows as :class:`Need` tuples) are pure and work for any
 world size.
 """
 
@@ -26,8 +28,10 @@ from .adapters import DEFAULT_SPECS, ExpertParam, ExpertsSpec, checkpoint_names,
 from .box import Box, full_box
 from .checkpoint import CheckpointIndex, DTYPES
 from .placement import Placement
+from .plan.needs import NeedTable
 
-__all__ = ["ExpertRef", "ParamDesc", "Need", "describe_model", "compute_needs", "rank_boxes", "local_tensor", "expert_layers",
+__all__ = ["ExpertRef", "ParamDesc", "Need", "describe_model", "need_table", "compute_needs", "shard_boxes",
+           "param_boxes", "rank_boxes", "local_tensor", "expert_layers",
            "base_names", "is_adapter_param", "cast_refusal", "check_cast", "UnusedKeys", "unused_keys",
            "ignored_patterns"]
 
@@ -219,39 +223,135 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if _is_dtensor(t) else t
 
 
-# -- ParamDesc -> needs (pure) ------------------------------------------------------------
+# -- DTensor shards -> boxes (pure, numpy) -------------------------------------------------
 
 
-@functools.lru_cache(maxsize=4096)
-def _local_boxes(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple) -> tuple[Box, ...]:
-    """Local box (in global coordinates) of every mesh coordinate, in row-major order."""
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+def _shard_dims(placements: Sequence, ndim: int) -> tuple[int, ...]:
+    """Per mesh dim, the tensor dim its ``Shard`` splits, or -1 for ``Replicate``. Raises
+    ValueError for any other placement (``_StridedShard``, ``Partial``)."""
     from torch.distributed.tensor.placement_types import Replicate, Shard
 
+    dims = []
     for p in placements:
         if not isinstance(p, (Shard, Replicate)) or type(p).__name__ == "_StridedShard":
             raise ValueError(
                 f"placement {p} is not supported (Shard and Replicate are); "
                 "shard expert parameters with Shard(1) on the expert-FSDP axis"
             )
-    boxes = []
-    for coord in np.ndindex(*mesh_shape):
-        lshape, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coord), placements)
-        boxes.append(tuple(zip(offset, lshape)))
-    return tuple(boxes)
+        if isinstance(p, Shard):
+            dim = p.dim + ndim if p.dim < 0 else p.dim
+            if not 0 <= dim < ndim:
+                raise ValueError(f"placement {p} shards dim {p.dim} of a {ndim}-dim tensor")
+            dims.append(dim)
+        else:
+            dims.append(-1)
+    return tuple(dims)
+
+
+@functools.lru_cache(maxsize=4096)
+def _shard_boxes(shape: tuple[int, ...], mesh_shape: tuple[int, ...], dims: tuple[int, ...]) -> np.ndarray:
+    """:func:`shard_boxes` for placements given as :func:`_shard_dims` (read-only: cached)."""
+    num = int(np.prod(mesh_shape, dtype=np.int64))
+    coords = np.indices(mesh_shape, dtype=np.int64).reshape(len(mesh_shape), num)  # row-major
+    off = np.zeros((num, len(shape)), dtype=np.int64)
+    size = np.tile(np.asarray(shape, dtype=np.int64), (num, 1))
+    for mesh_dim, dim in enumerate(dims):
+        if dim < 0:
+            continue
+        # torch.chunk of what the earlier mesh dims left: chunks of ceil(size / n), the last
+        # ones short or empty. Mesh dims sharding the same dim nest in mesh-dim order.
+        cur, k = size[:, dim], coords[mesh_dim]
+        chunk = -(-cur // mesh_shape[mesh_dim])
+        start = np.minimum(chunk * k, cur)
+        size[:, dim] = np.minimum(cur - start, chunk)
+        off[:, dim] += start
+    # torch gives an empty shard the dim's global size as its offset.
+    for dim in {d for d in dims if d >= 0}:
+        off[:, dim] = np.where(size[:, dim] == 0, shape[dim], off[:, dim])
+    out = np.stack([off, size], axis=-1)
+    out.setflags(write=False)
+    return out
+
+
+def shard_boxes(shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence) -> np.ndarray:
+    """Box (global coordinates) of every mesh coordinate of a DTensor of global ``shape``.
+
+    ``placements``: one torch ``Shard(dim)`` / ``Replicate()`` per mesh dim. The rule is
+    torch's (``_compute_local_shape_and_global_offset``) done with numpy, cached.
+
+    Returns:
+        ``int64[prod(mesh_shape), len(shape), 2]`` of ``(offset, length)``, mesh coordinates in
+        row-major order; read-only.
+
+    Raises ValueError for another placement (``_StridedShard``, ``Partial``).
+    """
+    shape = tuple(int(n) for n in shape)
+    return _shard_boxes(shape, tuple(int(n) for n in mesh_shape), _shard_dims(placements, len(shape)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _local_boxes(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple) -> tuple[Box, ...]:
+    """Local box (in global coordinates) of every mesh coordinate, in row-major order."""
+    return tuple(tuple(map(tuple, box)) for box in shard_boxes(shape, mesh_shape, placements).tolist())
+
+
+def param_boxes(d: ParamDesc, world_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(ranks, boxes)``: ``int64[M]`` ranks and ``int64[M, ndim, 2]`` the box (global
+    coordinates) each holds, in mesh order (read-only); a plain tensor is held in full by
+    ranks ``0 .. world_size - 1``. Raises ValueError for a mesh naming a rank >= world_size."""
+    if d.mesh is None:
+        full = np.stack([np.zeros(len(d.shape), np.int64), np.asarray(d.shape, np.int64)], axis=-1)
+        return np.arange(world_size, dtype=np.int64), np.broadcast_to(full, (world_size, *full.shape))
+    ranks = np.asarray(d.mesh, dtype=np.int64).reshape(-1)
+    bad = np.flatnonzero(ranks >= world_size)
+    if bad.size:
+        raise ValueError(f"parameter {d.name}: its mesh names rank {ranks[bad[0]]} >= world size {world_size}")
+    return ranks, shard_boxes(d.shape, d.mesh.shape, d.placements)
 
 
 def rank_boxes(d: ParamDesc, world_size: int) -> list[tuple[int, Box]]:
     """``[(rank, box)]``: the box (global coordinates) of ``d`` each rank holds; a plain tensor
     is held in full by every rank. Raises ValueError for a mesh naming a rank >= world_size."""
+    ranks, _ = param_boxes(d, world_size)  # checks the mesh's ranks
     if d.mesh is None:
-        return [(r, full_box(d.shape)) for r in range(world_size)]
-    out = []
-    for rank, box in zip(d.mesh.reshape(-1).tolist(), _local_boxes(d.shape, d.mesh.shape, d.placements)):
-        if rank >= world_size:
-            raise ValueError(f"parameter {d.name}: its mesh names rank {rank} >= world size {world_size}")
-        out.append((rank, box))
-    return out
+        boxes = (full_box(d.shape),) * world_size
+    else:
+        boxes = _local_boxes(d.shape, d.mesh.shape, d.placements)
+    return list(zip(ranks.tolist(), boxes))
+
+
+# -- ParamDesc -> needs (pure) ------------------------------------------------------------
+
+
+def need_table(
+    descs: Sequence[ParamDesc],
+    index: CheckpointIndex,
+    placement: Placement | None,
+    world_size: int,
+) -> NeedTable:
+    """Every rank's needs as a :class:`~moeshard.plan.needs.NeedTable`, from parameter
+    descriptions (pure; any world size). Rows: parameters in order; a parameter's rows in
+    mesh order, then local slot, then checkpoint part.
+
+    Raises ValueError for a key missing from the checkpoint, a shape that disagrees, a dtype
+    the cast rule refuses (:func:`cast_refusal`: e.g. FP8 into bf16), or a placement
+    inconsistent with the model's expert parameters.
+
+    Cost: O(keys) Python (each check once per parameter and logical expert) plus numpy over
+    the rows.
+    """
+
+    num_layers = 1 + max((d.expert.layer for d in descs if d.expert), default=-1)
+    if placement is not None and num_layers:
+        placement.check_layers(num_layers)
+    tables = []
+    for i, d in enumerate(descs):
+        ranks, boxes = param_boxes(d, world_size)
+        if d.expert is None:
+            tables.append(_dense_table(i, d, index, ranks, boxes))
+        else:
+            tables.append(_expert_table(i, d, index, placement, ranks, boxes))
+    return NeedTable.concat(tables)
 
 
 def compute_needs(
@@ -260,37 +360,41 @@ def compute_needs(
     placement: Placement | None,
     world_size: int,
 ) -> list[Need]:
-    """Every rank's needs, from parameter descriptions (pure; any world size).
-
-    Raises ValueError for a key missing from the checkpoint, a shape that disagrees, a dtype
-    the cast rule refuses (:func:`cast_refusal`: e.g. FP8 into bf16), or a placement
-    inconsistent with the model's expert parameters.
-    """
-    needs: list[Need] = []
-    num_layers = 1 + max((d.expert.layer for d in descs if d.expert), default=-1)
-    if placement is not None and num_layers:
-        placement.check_layers(num_layers)
-    for i, d in enumerate(descs):
-        per_rank = [(rank, box, tuple(o for o, _ in box)) for rank, box in rank_boxes(d, world_size)]
-        if d.expert is None:
-            key = _find_key(d, index)
-            info = index.info(key)
-            check_cast(f"parameter {d.name}", key, index, d.dtype)
-            if tuple(info.shape) != d.shape:
-                raise ValueError(
-                    f"parameter {d.name}: checkpoint tensor {key!r} has shape {list(info.shape)}, "
-                    f"the model expects {list(d.shape)}"
-                )
-            for rank, box, origin in per_rank:
-                if all(n for _, n in box):
-                    needs.append(Need(rank, i, _shift(box, origin), key, box))
-        else:
-            _expert_needs(i, d, index, placement, per_rank, needs)
-    return needs
+    """Every rank's needs as :class:`Need` tuples: :func:`need_table`'s rows (same checks).
+    A Python object per need: planning at scale should use :func:`need_table`."""
+    return need_table(descs, index, placement, world_size).to_needs()
 
 
-def _shift(box: Box, origin: Sequence[int]) -> Box:
-    return tuple((off - o, n) for (off, n), o in zip(box, origin))
+def _dense_table(i: int, d: ParamDesc, index: CheckpointIndex, ranks: np.ndarray, boxes: np.ndarray) -> NeedTable:
+    """The rows of dense parameter number ``i``: one per rank in ``ranks`` (``int64[M]``)
+    whose box (``int64[M, ndim, 2]``) is not empty, placed at the local tensor's origin."""
+
+    key = _find_key(d, index)
+    info = index.info(key)
+    check_cast(f"parameter {d.name}", key, index, d.dtype)
+    if tuple(info.shape) != d.shape:
+        raise ValueError(
+            f"parameter {d.name}: checkpoint tensor {key!r} has shape {list(info.shape)}, "
+            f"the model expects {list(d.shape)}"
+        )
+    keep = (boxes[:, :, 1] > 0).all(axis=1)
+    num = int(keep.sum())
+    return NeedTable(
+        keys=(key,)[:num], ndim=np.asarray([len(d.shape)][:num], np.int8), rank=ranks[keep].astype(np.int32),
+        param=np.full(num, i, np.int32), key=np.zeros(num, np.int32), slot=np.full(num, -1, np.int64),
+        src_off=np.ascontiguousarray(boxes[keep, :, 0]), src_len=np.ascontiguousarray(boxes[keep, :, 1]),
+        dst_off=np.zeros((num, len(d.shape)), np.int64),
+    )
+
+
+def _runs(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Expand runs: run ``r`` is ``starts[r], starts[r] + 1, ..., starts[r] + counts[r] - 1``.
+
+    Returns ``(owner, value)``, both ``int64[counts.sum()]``: each element's run and value, runs
+    in order."""
+    owner = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    first = np.cumsum(counts) - counts  # position of each run's first element
+    return owner, np.arange(len(owner), dtype=np.int64) - first[owner] + starts[owner]
 
 
 def _find_key(d: ParamDesc, index: CheckpointIndex) -> str:
@@ -376,91 +480,177 @@ def check_cast(what: str, key: str, index: CheckpointIndex, dtype: torch.dtype) 
         f"checkpoints yet: use a dequantized checkpoint, or {keep}")
 
 
-def _expert_needs(
+def _slot_experts(d: ParamDesc, placement: Placement | None) -> tuple[np.ndarray, int]:
+    """``(phy2log, num_logical)`` for expert parameter ``d``: ``int64[num_physical]`` the logical
+    expert of each slot of its layer (-1: empty); without a placement, slot p holds expert p."""
+    assert d.expert is not None
+    num_physical = d.shape[0]
+    if placement is None:
+        return np.arange(num_physical, dtype=np.int64), num_physical
+    if placement.num_physical != num_physical:
+        raise ValueError(
+            f"parameter {d.name} has {num_physical} expert slots per layer, the placement has "
+            f"{placement.num_physical} physical slots"
+        )
+    return np.asarray(placement.phy2log[d.expert.layer], dtype=np.int64), placement.num_logical
+
+
+def _check_spans(d: ParamDesc, boxes: np.ndarray, slots_per_rank: int) -> None:
+    """Raise ValueError when a non-empty box (``int64[M, ndim, 2]``) of expert parameter
+    ``d`` covers slots of more than one EP rank (``slots_per_rank`` slots each)."""
+    s0, ns = boxes[:, 0, 0], boxes[:, 0, 1]
+    bad = np.flatnonzero((ns > 0) & (s0 // slots_per_rank != (s0 + ns - 1) // slots_per_rank))
+    if bad.size:
+        box = tuple(map(tuple, boxes[bad[0]].tolist()))
+        raise ValueError(f"parameter {d.name}: local box {list(box)} spans several EP ranks' slots")
+
+
+def _expert_table(
     i: int,
     d: ParamDesc,
     index: CheckpointIndex,
     placement: Placement | None,
-    per_rank: list[tuple[int, Box, tuple[int, ...]]],
-    needs: list[Need],
-) -> None:
+    ranks: np.ndarray,
+    boxes: np.ndarray,
+) -> NeedTable:
+    """The rows of expert parameter number ``i``: for each rank in ``ranks`` (``int64[M]``)
+    with a non-empty box (``int64[M, ndim, 2]``, dim 0 = slots), each slot of its box holding
+    a logical expert, each checkpoint part of that expert the box overlaps."""
+
     ref = d.expert
     assert ref is not None
-    num_physical, slice_shape = d.shape[0], d.shape[1:]
-    if placement is None:
-        phy2log = np.arange(num_physical)
-        num_logical = num_physical
-    else:
-        if placement.num_physical != num_physical:
-            raise ValueError(
-                f"parameter {d.name} has {num_physical} expert slots per layer, the placement has "
-                f"{placement.num_physical} physical slots"
-            )
-        phy2log = placement.phy2log[ref.layer]
-        num_logical = placement.num_logical
+    slice_shape = d.shape[1:]
+    phy2log, num_logical = _slot_experts(d, placement)
     if d.mesh is not None and placement is not None and placement.num_ranks is not None:
-        spr = num_physical // placement.num_ranks
-        for _, box, _ in per_rank:
-            if box[0][1] and (box[0][0] // spr != (box[0][0] + box[0][1] - 1) // spr):
-                raise ValueError(f"parameter {d.name}: local box {list(box)} spans several EP ranks' slots")
-    # The parts of expert 0 give the part sizes; every expert must agree.
-    part_sizes = _part_sizes(d, index, 0, slice_shape)
+        _check_spans(d, boxes, d.shape[0] // placement.num_ranks)
+    part_sizes = _part_sizes(d, index, 0, slice_shape)  # expert 0's: every expert must agree
     extra = ref.param.keys(ref.module, num_logical)
     if extra[0] in index:
         raise ValueError(
             f"parameter {d.name}: the checkpoint has expert {num_logical} ({extra[0]!r}) but the "
             f"placement has only {num_logical} logical experts"
         )
-    checked: set[int] = {0}
-    keys_of: dict[int, tuple[str, ...]] = {}
-    for rank, box, origin in per_rank:
-        (s0, ns), rest = box[0], box[1:]
-        if not ns or not all(n for _, n in rest):
-            continue
-        # The same parts for every slot of this box: (part index, part box, dest box tail).
-        parts = [(j, part_box, _shift(sub, origin[1:])) for j, part_box, sub in expert_parts(rest, part_sizes, ref.param.dim)]
-        for slot in range(s0, s0 + ns):
-            expert = int(phy2log[slot])
-            if expert < 0:
-                continue  # an empty slot (dead or not-yet-joined rank): nothing to load
-            if expert not in checked:
-                if _part_sizes(d, index, expert, slice_shape) != part_sizes:
-                    raise ValueError(
-                        f"parameter {d.name}: checkpoint tensors {list(ref.param.keys(ref.module, expert))} of "
-                        f"logical expert {expert} differ in shape from expert 0's"
-                    )
-                checked.add(expert)
-            keys = keys_of.get(expert)
-            if keys is None:
-                keys = keys_of[expert] = ref.param.keys(ref.module, expert)
-            lead = ((slot - origin[0], 1),)
-            for j, part_box, tail in parts:
-                needs.append(Need(rank, i, lead + tail, keys[j], part_box))
+    keep = (boxes[:, :, 1] > 0).all(axis=1)
+    ranks, boxes = ranks[keep], boxes[keep]
+    # One row per (rank, slot) holding an expert, in mesh order then slot order.
+    owner, slot = _runs(boxes[:, 0, 0], boxes[:, 0, 1])
+    expert = phy2log[slot]
+    live = expert >= 0  # -1: an empty slot (dead or not-yet-joined rank), nothing to load
+    owner, slot, expert = owner[live], slot[live], expert[live]
+    held = np.flatnonzero(np.bincount(expert, minlength=num_logical))  # the experts some slot holds
+    keys = _held_expert_keys(d, index, held.tolist(), part_sizes)
+    # The parts a box overlaps depend only on its slice dims: computed once per distinct tail.
+    tails, tail_of = _unique_rows(boxes[:, 1:, :].reshape(len(boxes), -1))
+    parts = _part_rows(tails.reshape(len(tails), -1, 2), part_sizes, ref.param.dim)
+    first, count, part, src_off, src_len, dst_off = parts
+    tail = tail_of[owner]
+    row, prow = _runs(first[tail], count[tail])
+    # Keys are part by part. Each is used: the boxes of a held slot tile its slice, so they
+    # overlap every part.
+    key = part[prow] * len(held) + np.searchsorted(held, expert[row])
+    num = len(row)
+    return NeedTable(
+        keys=tuple(keys), ndim=np.full(len(keys), len(slice_shape), np.int8), rank=ranks[owner[row]].astype(np.int32),
+        param=np.full(num, i, np.int32), key=key.astype(np.int32), slot=slot[row] - boxes[owner[row], 0, 0],
+        src_off=src_off[prow], src_len=src_len[prow], dst_off=dst_off[prow],
+    )
+
+
+def _unique_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(rows, inverse)``: the distinct rows of ``int64[M, K]`` (sorted) and each row's
+    index among them, ``int64[M]``. A lexsort: ``np.unique(axis=0)`` sorts rows as opaque
+    bytes, ~10x slower at 8,192 rows."""
+    if a.shape[1] == 0:  # every row is the empty row
+        return np.zeros((1 if len(a) else 0, 0), a.dtype), np.zeros(len(a), np.int64)
+    order = np.lexsort(a.T[::-1])  # column 0 the primary key
+    ranked = a[order]
+    first = np.ones(len(a), bool)  # the first row of each run of equal rows
+    first[1:] = (ranked[1:] != ranked[:-1]).any(axis=1)
+    inverse = np.empty(len(a), np.int64)
+    inverse[order] = np.cumsum(first) - 1
+    return ranked[first], inverse
+
+
+def _held_expert_keys(d: ParamDesc, index: CheckpointIndex, held: Sequence[int], part_sizes: tuple[int, ...]) -> list[str]:
+    """The checkpoint keys of logical experts ``held`` (ascending) of expert parameter ``d``,
+    part by part (:func:`_keys_of_experts`). Raises ValueError for an expert whose parts do not
+    fit the slice as expert 0's (``part_sizes``) do: checked once per expert."""
+    ref = d.expert
+    assert ref is not None
+    keys = _keys_of_experts(ref, held)
+    # An expert whose parts have expert 0's dtypes and shapes passes every check expert 0
+    # passed; only the others go through the full check, for its error message.
+    suspect: set[int] = set()
+    for j, key0 in enumerate(ref.param.keys(ref.module, 0)):
+        want = index.info(key0)
+        for e, key in zip(held, keys[j * len(held):(j + 1) * len(held)]):
+            t = index.tensors.get(key)
+            if t is None or t.dtype != want.dtype or t.shape != want.shape:
+                suspect.add(e)
+    for e in sorted(suspect):
+        if _part_sizes(d, index, e, d.shape[1:]) != part_sizes:
+            raise ValueError(
+                f"parameter {d.name}: checkpoint tensors {list(ref.param.keys(ref.module, e))} of "
+                f"logical expert {e} differ in shape from expert 0's"
+            )
+    return keys
+
+
+def _part_rows(tails: np.ndarray, part_sizes: tuple[int, ...], dim: int) -> tuple[np.ndarray, ...]:
+    """The checkpoint parts of each distinct slice box (``tails``: ``int64[T, ndim, 2]``,
+    expert dim excluded), by :func:`~moeshard.adapters.expert_parts`.
+
+    Returns ``(first, count, part, src_off, src_len, dst_off)``: tail ``t``'s parts are rows
+    ``first[t] .. first[t] + count[t] - 1`` (``int64[T]``); per row (``P`` of them) the part
+    index ``int64[P]``, the box in the part's tensor ``int64[P, ndim]`` (offsets, lengths) and
+    where it lands relative to the tail's origin ``int64[P, ndim]``.
+    """
+    ndim = tails.shape[1]
+    count = np.zeros(len(tails), np.int64)
+    part, src, dst = [], [], []
+    for t, tail in enumerate(tails.tolist()):
+        box = tuple(map(tuple, tail))
+        # A 0-dim slice (a per-expert scalar) is its one part, whole.
+        pieces = expert_parts(box, part_sizes, dim) if ndim else [(0, (), ())]
+        count[t] = len(pieces)
+        for j, part_box, sub in pieces:
+            part.append(j)
+            src.append(part_box)
+            dst.append([o - b for (o, _), (b, _) in zip(sub, box)])
+    src_arr = np.asarray(src, np.int64).reshape(len(src), ndim, 2)
+    return (np.cumsum(count) - count, count, np.asarray(part, np.int64), np.ascontiguousarray(src_arr[:, :, 0]),
+            np.ascontiguousarray(src_arr[:, :, 1]), np.asarray(dst, np.int64).reshape(len(dst), ndim))
 
 
 def _part_sizes(d: ParamDesc, index: CheckpointIndex, expert: int, slice_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Sizes along the concatenation dim of the checkpoint parts of logical ``expert``'s
+    slice of expert parameter ``d`` (``(1,)`` for a 0-dim slice: one scalar part). Raises
+    ValueError for a missing part, a dtype the cast rule refuses or parts that do not make up
+    a slice of ``slice_shape``."""
     ref = d.expert
     assert ref is not None
+    keys = ref.param.keys(ref.module, expert)
+    dim = ref.param.dim
     sizes = []
-    for key in ref.param.keys(ref.module, expert):
+    for key in keys:
         if key not in index:
             raise ValueError(f"parameter {d.name}: checkpoint {index.root} has no tensor {key!r} (logical expert {expert})")
         info = index.info(key)
         check_cast(f"parameter {d.name}", key, index, d.dtype)
         shape = list(info.shape)
         want = list(slice_shape)
-        dim = ref.param.dim
         if len(shape) != len(want) or any(a != b for k, (a, b) in enumerate(zip(shape, want)) if k != dim):
             raise ValueError(
                 f"parameter {d.name}: checkpoint tensor {key!r} has shape {shape}, which does not fit "
                 f"an expert slice of shape {want} (parts concatenated along dim {dim})"
             )
-        sizes.append(shape[dim])
-    if sum(sizes) != slice_shape[ref.param.dim]:
+        sizes.append(shape[dim] if shape else 1)
+    total = slice_shape[dim] if slice_shape else 1
+    if sum(sizes) != total:
         raise ValueError(
-            f"parameter {d.name}: checkpoint tensors {list(ref.param.keys(ref.module, expert))} of logical "
-            f"expert {expert} have sizes {sizes} along dim {ref.param.dim}, summing to {sum(sizes)}, "
-            f"not {slice_shape[ref.param.dim]}"
+            f"parameter {d.name}: checkpoint tensors {list(keys)} of logical "
+            f"expert {expert} have sizes {sizes} along dim {dim}, summing to {sum(sizes)}, "
+            f"not {total}"
         )
     return tuple(sizes)
 
@@ -568,19 +758,25 @@ def unused_keys(
 
 
 def _expert_keys(ref: ExpertRef, num_logical: int) -> list[str]:
-    """Every checkpoint key of logical experts ``0 .. num_logical - 1`` of ``ref``. DeepSeek-V3
-    has ~45,000: each is one string concatenation (head + id + tail of the key template), not
-    a ``str.format`` call."""
-    ids = [str(e) for e in range(num_logical)]
+    """Every checkpoint key of logical experts ``0 .. num_logical - 1`` of ``ref``
+    (:func:`_keys_of_experts`)."""
+    return _keys_of_experts(ref, range(num_logical))
+
+
+def _keys_of_experts(ref: ExpertRef, experts: Sequence[int]) -> list[str]:
+    """Every checkpoint key of logical ``experts`` of ``ref``, part by part: part 0 of each
+    expert, then part 1... DeepSeek-V3 has ~45,000: each is one string concatenation (head + id
+    + tail of the key template), not a ``str.format`` call."""
+    ids = [str(e) for e in experts]
     out: list[str] = []
     try:
         templates = ref.param.keys(ref.module, "{e}")  # the keys with their expert id left as "{e}"
     except ValueError:  # a template with a format spec (e.g. "{e:03d}"): one format per key
-        return [k for e in range(num_logical) for k in ref.param.keys(ref.module, e)]
+        return [ref.param.keys(ref.module, e)[j] for j in range(len(ref.param.parts)) for e in experts]
     for j, template in enumerate(templates):
         head, _, tail = template.partition("{e}")
         if "{e}" in tail or head == template:  # the id not exactly once: one format per key
-            out.extend(ref.param.keys(ref.module, e)[j] for e in range(num_logical))
+            out.extend(ref.param.keys(ref.module, e)[j] for e in experts)
         else:
             out.extend([head + i + tail for i in ids])
     return out

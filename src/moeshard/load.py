@@ -2,7 +2,7 @@
 
 Steps (all collective, every rank of the default group calls ``load``):
 materialize a meta model -> decide who can read -> one rank reads the headers and shares them ->
-every rank plans the same :class:`TransferPlan` from its own model (errors and fingerprints
+every rank plans the same :class:`~moeshard.plan.Schedule` from its own model (errors and fingerprints
 agreed before any data moves) -> execute -> report.
 """
 
@@ -24,11 +24,11 @@ from torch import nn
 from . import _dist
 from .adapters import DEFAULT_SPECS, ExpertsSpec
 from .checkpoint import CheckpointIndex, CheckpointReader
-from .execute import execute_plan, node_groups, rank_bytes
-from .layout import ParamDesc, compute_needs, describe_model, ignored_patterns, local_tensor, unused_keys
+from .execute import execute_schedule, node_groups
+from .layout import ParamDesc, describe_model, need_table, ignored_patterns, local_tensor, unused_keys
 from .placement import Placement
 from .progress import Progress, progress_enabled
-from .plan import DEFAULT_STAGING_BYTES, TransferPlan, minimal_cost, plan_transfers
+from .plan import DEFAULT_STAGING_BYTES, Schedule, minimal_cost, plan_transfers
 from .topology import Topology
 
 __all__ = ["LoadReport", "load", "plan_load", "resolve_sources", "storage_sources", "materialize", "target_device",
@@ -229,11 +229,11 @@ def plan_load(
     scope: str,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     specs: Sequence[ExpertsSpec] = DEFAULT_SPECS,
-) -> tuple[list[ParamDesc], TransferPlan]:
-    """The parameter descriptions and the plan :func:`load` would run (pure given the model;
-    no communication). Plan needs refer to parameters by their index in the descriptions."""
+) -> tuple[list[ParamDesc], Schedule]:
+    """The parameter descriptions and the schedule :func:`load` would run (pure given the
+    model; no communication). Deliveries refer to parameters by their index in the descriptions."""
     descs = describe_model(model, index, specs)
-    needs = compute_needs(descs, index, placement, topology.world_size)
+    needs = need_table(descs, index, placement, topology.world_size)
     return descs, plan_transfers(needs, index, topology, readers, scope=scope, staging_bytes=staging_bytes)
 
 
@@ -325,11 +325,11 @@ def load(
     mode, readers, scope, index = resolve_sources(path, storage, topo, can)
     reader = CheckpointReader(index, reader_root(path)) if readers[rank] else None
 
-    def make_plan() -> tuple[list[ParamDesc], TransferPlan, tuple[str, ...]]:
+    def make_plan() -> tuple[list[ParamDesc], Schedule, tuple[str, ...]]:
         descs, plan = plan_load(model, index, placement, topo, readers, scope, staging_bytes, specs)
         unused = checked_unused_keys(model, descs, index, placement, strict, "moeshard.load")
-        mine = {index.info(plan.pieces[p].key).file for p in plan.local_reads[rank]}
-        mine |= {index.info(plan.pieces[p].key).file for c in plan.chunks for r, p in c.reads if r == rank}
+        keys = np.unique(plan.piece_key[plan.read_piece[plan.read_rank == rank]])
+        mine = {index.info(plan.keys[k]).file for k in keys.tolist()}
         if mine:
             assert reader is not None
             reader.check_files(mine)
@@ -337,15 +337,15 @@ def load(
 
     descs, plan, unused = _dist.agree(make_plan, "moeshard.load: planning", fingerprint=lambda dp: dp[1].fingerprint)
     t_plan = time.perf_counter() - t0
-    group = node_groups(topo.local_world_size) if any(ph.broadcasts for c in plan.chunks for ph in c.phases) else None
+    group = node_groups(topo.local_world_size) if plan.has_broadcasts else None
     tensors = dict(model.named_parameters(remove_duplicate=False))
     tensors.update(model.named_buffers())
     dests = [local_tensor(tensors[d.name]) for d in descs]
     try:
         with torch.no_grad():
-            bar = Progress("load", rank_bytes(plan, rank), enabled=progress_enabled(progress),
+            bar = Progress("load", plan.rank_bytes(rank), enabled=progress_enabled(progress),
                            local_rank=topo.local_rank, node=topo.node)
-            stats = execute_plan(plan, rank, reader, index, dests, dev, node_group=group, progress=bar.update,
+            stats = execute_schedule(plan, rank, reader, index, dests, dev, node_group=group, progress=bar.update,
                                  what="moeshard.load: executing the plan")
             bar.close()
     finally:

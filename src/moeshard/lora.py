@@ -343,7 +343,7 @@ def load_adapter(
             shape of another rank r or expert count, a dtype the cast rule refuses, ``adapter_config.json``'s r / lora_alpha
             different from the model's, a failed read.
     """
-    from .execute import execute_plan, node_groups
+    from .execute import execute_schedule, node_groups
     from .load import materialize, resolve_sources
 
     topo = (topology or Topology.from_env())
@@ -375,16 +375,16 @@ def load_adapter(
     pairs, plan, unused = _agree(make_plan, f"moeshard.lora.load_adapter: planning {weights}",
                          fingerprint=lambda pp: pp[1].fingerprint)
     reader = CheckpointReader(index, str(root)) if readers[rank] else None
-    group = node_groups(topo.local_world_size) if any(ph.broadcasts for c in plan.chunks for ph in c.phases) else None
+    group = node_groups(topo.local_world_size) if plan.has_broadcasts else None
     try:
         with torch.no_grad(), _dist.errors_as(AdapterError):
-            stats = execute_plan(plan, rank, reader, index, [local_tensor(p) for _, p in pairs], dev, node_group=group,
+            stats = execute_schedule(plan, rank, reader, index, [local_tensor(p) for _, p in pairs], dev, node_group=group,
                                  what="moeshard.lora.load_adapter: executing the plan")
     finally:
         if reader is not None:
             reader.close()
     _dist.barrier("moeshard.lora.load_adapter: finishing")
-    return AdapterReport(rank, len(pairs), sum(1 for n in plan.needs if n.rank == rank),
+    return AdapterReport(rank, len(pairs), int((plan.dlv_rank == rank).sum()),
                          stats.bytes_read + stats.bytes_received, plan.cost.summary(), unused_keys=unused)
 
 

@@ -22,6 +22,7 @@ it sends all-zero digests (which the needers skip) and every rank raises after t
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -36,10 +37,10 @@ from . import _dist
 from .adapters import DEFAULT_SPECS, ExpertsSpec
 from .box import box_numel, box_shape, box_slices
 from .checkpoint import CheckpointReader
-from .layout import local_tensor
+from .layout import Need, local_tensor
 from .load import Storage, target_device, checked_unused_keys, plan_load, reader_root, resolve_sources
 from .placement import Placement
-from .plan import TransferPlan
+from .plan import Schedule
 from .topology import Topology
 
 __all__ = ["VerifyReport", "VerificationError", "verify"]
@@ -99,34 +100,38 @@ class _Routes:
     remote: list = field(default_factory=list)
 
 
-def _routes(plan: TransferPlan, dtype_of: Sequence[torch.dtype], rank: int) -> _Routes:
+def _routes(plan: Schedule, dtype_of: Sequence[torch.dtype], rank: int) -> _Routes:
     """This rank's reads, digests to send and receive, and remote checks (pure). ``dtype_of``:
-    the model's dtype per parameter index."""
+    the model's dtype per parameter index. Needs are the schedule's delivery rows; only the
+    rows of pieces this rank reads or needs are visited."""
     out = _Routes()
-    needs = plan.needs
-    for pid, (piece, reader) in enumerate(zip(plan.pieces, plan.piece_readers())):
+    readers = plan.piece_readers()
+    rows = np.flatnonzero((readers[plan.dlv_piece] == rank) | (plan.dlv_rank == rank))  # sorted by (piece, rank)
+    pieces, ranks = plan.dlv_piece[rows].tolist(), plan.dlv_rank[rows].tolist()
+    for pid, grp in itertools.groupby(range(len(rows)), key=pieces.__getitem__):
+        by_rank: dict[int, list[int]] = {}
+        for j in grp:
+            by_rank.setdefault(ranks[j], []).append(int(rows[j]))
+        reader = int(readers[pid])
         if reader == rank:
-            mine: tuple[int, ...] = ()
             others = []
-            for r, idx in piece.needs:
+            for r, idx in by_rank.items():
                 if r == rank:
-                    mine = idx
                     continue
-                dtypes = _dtypes(dtype_of, needs, idx)
+                dtypes = _dtypes(dtype_of, plan, idx)
                 others.append((r, dtypes))
                 out.sends[r].extend((pid, dt) for dt in dtypes)
-            out.reads.append((pid, mine, tuple(others)))
-            continue
-        for r, idx in piece.needs:
-            if r == rank:
-                out.recvs[reader].extend((pid, dt) for dt in _dtypes(dtype_of, needs, idx))
-                out.remote.extend((pid, i) for i in idx)
+            out.reads.append((pid, tuple(by_rank.get(rank, ())), tuple(others)))
+        elif rank in by_rank:
+            idx = by_rank[rank]
+            out.recvs[reader].extend((pid, dt) for dt in _dtypes(dtype_of, plan, idx))
+            out.remote.extend((pid, i) for i in idx)
     return out
 
 
-def _dtypes(dtype_of: Sequence[torch.dtype], needs, idx: Sequence[int]) -> tuple[torch.dtype, ...]:
-    """The distinct dtypes of needs ``idx``, in the order both ends of a digest use."""
-    return tuple(sorted({dtype_of[needs[i].param] for i in idx}, key=str))
+def _dtypes(dtype_of: Sequence[torch.dtype], plan: Schedule, idx: Sequence[int]) -> tuple[torch.dtype, ...]:
+    """The distinct dtypes of delivery rows ``idx``, in the order both ends of a digest use."""
+    return tuple(sorted({dtype_of[int(plan.dlv_param[i])] for i in idx}, key=str))
 
 
 def verify(
@@ -173,12 +178,16 @@ def verify(
     locals_ = [local_tensor(tensors[d.name]) for d in descs]
     dtype_of = [d.dtype for d in descs]
     routes = _routes(plan, dtype_of, rank)
+
+    def need(i: int) -> Need:
+        return Need(*plan.delivery(i))
+
     device = target_device(model)
     what = "moeshard.verify"
     failure: list[Exception] = []  # this rank's errors before the final agreement
 
     def box(i: int) -> torch.Tensor:
-        n = plan.needs[i]
+        n = need(i)
         return locals_[n.param][box_slices(n.dest)].reshape(box_shape(n.src))
 
     # 1. Read this rank's pieces, one in memory at a time: compare its own boxes locally (the
@@ -188,18 +197,17 @@ def verify(
     filled = dict.fromkeys(outbox, 0)
 
     def read_and_check(reader: CheckpointReader, pid: int, mine: tuple[int, ...], others) -> None:
-        piece = plan.pieces[pid]
         try:
-            raw = reader.read(piece.key, piece.src)
+            raw = reader.read(plan.piece_name(pid), plan.piece_box(pid))
         except Exception as e:  # noqa: BLE001 - the needers still expect digests: all-zero ones
             failure.append(e)
             for r, dtypes in others:
                 filled[r] += len(dtypes)
             return
-        cast = {dt: raw.to(dt) for dt in {dtype_of[plan.needs[i].param] for i in mine}}
+        cast = {dt: raw.to(dt) for dt in {dtype_of[int(plan.dlv_param[i])] for i in mine}}
         for i in mine:
             got = box(i)
-            want = cast[dtype_of[plan.needs[i].param]].to(got.device)
+            want = cast[dtype_of[int(plan.dlv_param[i])]].to(got.device)
             flags.append((i, torch.ne(_as_bytes(got), _as_bytes(want)).any()))
         digests: dict[torch.dtype, bytes] = {}
         for r, dtypes in others:
@@ -246,22 +254,22 @@ def verify(
             bad += [i for (i, _), d in zip(flags, differs) if d]
         unread = bytes(DIGEST_BYTES)  # a reader that failed sent this and reports its error
         for pid, i in routes.remote:
-            want = got[(pid, dtype_of[plan.needs[i].param])]
+            want = got[(pid, dtype_of[int(plan.dlv_param[i])])]
             if want != unread and own[i] != want:
                 bad.append(i)
         if bad:
             raise VerificationError(_mismatch(plan, descs, placement, rank, min(bad)))
         checked = [i for i, _ in flags] + [i for _, i in routes.remote]
-        nbytes = sum(box_numel(plan.needs[i].dest) * locals_[plan.needs[i].param].element_size() for i in checked)
+        nbytes = sum(box_numel(need(i).src) * locals_[int(plan.dlv_param[i])].element_size() for i in checked)
         return VerifyReport(rank, len(checked), nbytes, unused, digests_sent=sum(len(v) for v in outbox.values()),
                             digests_received=sum(len(v) for v in routes.recvs.values()))
 
     return _dist.agree(check, what)
 
 
-def _mismatch(plan: TransferPlan, descs, placement: Placement | None, rank: int, i: int) -> str:
+def _mismatch(plan: Schedule, descs, placement: Placement | None, rank: int, i: int) -> str:
     """The message for need ``i`` of ``rank`` whose box differs from the checkpoint."""
-    n = plan.needs[i]
+    n = Need(*plan.delivery(i))
     d = descs[n.param]
     where = f"box {list(n.dest)} of its local tensor"
     expert = ""

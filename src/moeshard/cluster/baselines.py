@@ -9,7 +9,8 @@ import numpy as np
 
 from ..box import box_numel
 from ..checkpoint import DTYPES, CheckpointIndex
-from ..layout import Need, ParamDesc, _local_boxes
+from ..layout import ParamDesc, _local_boxes
+from ..plan import NeedTable
 from .cost import StrategyCost
 from .spec import ClusterSpec
 
@@ -22,7 +23,7 @@ def _local_bytes(d: ParamDesc, itemsize: int) -> list[tuple[int, int]]:
     return [(r, box_numel(b) * itemsize) for r, b in zip(d.mesh.reshape(-1).tolist(), boxes)]
 
 
-def baseline_costs(needs: Sequence[Need], descs: Sequence[ParamDesc], index: CheckpointIndex,
+def baseline_costs(needs: NeedTable, descs: Sequence[ParamDesc], index: CheckpointIndex,
                    cluster: ClusterSpec) -> list[StrategyCost]:
     """Costs of the three baselines of ``benchmarks/baselines.py``, computed from what each
     sends (no execution):
@@ -90,17 +91,9 @@ def baseline_costs(needs: Sequence[Need], descs: Sequence[ParamDesc], index: Che
     ))
 
     # node-local-p2p: one blocking send per need of a rank other than its node's local rank 0.
-    # Per-need sizes through a cache: the same few box shapes recur across many thousands of
-    # needs (every expert tensor of a layer, every rank's shard of same-shaped tensors).
-    item = {k: DTYPES[t.dtype].itemsize for k, t in infos.items()}
-    numel: dict = {}
-    ranks = np.fromiter((n.rank for n in needs), dtype=np.int64, count=len(needs))
-    sizes = np.empty(len(needs), dtype=np.int64)
-    for i, n in enumerate(needs):
-        k = numel.get(n.src)
-        if k is None:
-            k = numel[n.src] = box_numel(n.src)
-        sizes[i] = k * item[n.key]
+    item = np.asarray([DTYPES[infos[k].dtype].itemsize for k in needs.keys], dtype=np.int64)
+    ranks = needs.rank.astype(np.int64)
+    sizes = needs.src_len.prod(axis=1) * item[needs.key]
     need_bytes = np.zeros(world, dtype=np.int64)
     np.add.at(need_bytes, ranks, sizes)  # exact int64 sums (bincount's weights are float64)
     need_ops = np.bincount(ranks, minlength=world)

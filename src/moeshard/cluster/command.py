@@ -15,7 +15,7 @@ import numpy as np
 
 from .._gc import paused_gc
 from ..checkpoint import CheckpointIndex
-from ..layout import compute_needs
+from ..layout import need_table
 from ..load import storage_sources
 from ..placement import Placement
 from ..plan import DEFAULT_STAGING_BYTES
@@ -137,7 +137,7 @@ def _strategies(descs, index: CheckpointIndex, placement: Placement, cluster: Cl
     """``(num_needs, strategies)``: moeshard's plan per storage mode, then the baselines."""
     topo = cluster.topology()
     t = time.perf_counter()
-    needs = compute_needs(descs, index, placement, topo.world_size)
+    needs = need_table(descs, index, placement, topo.world_size)
     timings["needs"] = time.perf_counter() - t
     t = time.perf_counter()
     strategies = plan_storage_modes(needs, index, topo, modes, staging)

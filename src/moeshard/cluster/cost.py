@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
+
 from ..topology import Topology
 
 __all__ = ["StrategyCost", "LinkBytes"]
@@ -74,6 +76,25 @@ class LinkBytes:
         ring = [root] + [r for r in ranks if r != root]
         for a, b in zip(ring, ring[1:]):
             self.add(a, b, nbytes)
+
+    def add_many(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
+        """Many transfers at once: ``int[n]`` each."""
+        node = np.asarray(self._node)
+        world = len(node)
+        for k, sel in enumerate((node[src] == node[dst], node[src] != node[dst])):
+            sent = np.bincount(src[sel], weights=nbytes[sel], minlength=world).astype(np.int64).tolist()
+            recv = np.bincount(dst[sel], weights=nbytes[sel], minlength=world).astype(np.int64).tolist()
+            self._sent[k][:] = [a + b for a, b in zip(self._sent[k], sent)]
+            self._recv[k][:] = [a + b for a, b in zip(self._recv[k], recv)]
+
+    def ring_many(self, node: np.ndarray, root: np.ndarray, nbytes: np.ndarray, lws: int) -> None:
+        """Many :meth:`ring` broadcasts at once, each over every rank of its node."""
+        members = node[:, None] * lws + np.arange(lws)[None, :]
+        # Ring order: the root, then the node's other ranks in rank order.
+        later = np.sort(np.where(members == root[:, None], np.iinfo(np.int64).max, members), axis=1)[:, : lws - 1]
+        ring = np.concatenate([root[:, None], later], axis=1)
+        n = np.repeat(nbytes, lws - 1)
+        self.add_many(ring[:, :-1].reshape(-1), ring[:, 1:].reshape(-1), n)
 
     def max_rank(self) -> tuple[int, int]:
         """``(intra, inter)``: the busiest rank's bytes on each kind of link."""

@@ -1,4 +1,4 @@
-"""moeshard's own plans, one per storage mode: the real planner's TransferPlan and lower
+"""moeshard's own plans, one per storage mode: the real planner's Schedule and lower
 bounds, reduced to a :class:`StrategyCost` (with per-rank intra/inter-node link bytes)."""
 
 from __future__ import annotations
@@ -10,26 +10,22 @@ from typing import Sequence
 import numpy as np
 
 from ..checkpoint import CheckpointIndex
-from ..layout import Need
 from ..load import storage_sources
-from ..plan import TransferPlan, minimal_cost, plan_transfers
+from ..plan import NeedTable, Schedule, minimal_cost, plan_transfers
 from ..topology import Topology
 from .cost import LinkBytes, StrategyCost
 
 __all__ = ["moeshard_cost", "plan_storage_modes"]
 
 
-def moeshard_cost(name: str, plan: TransferPlan, minimal: dict, seconds: float) -> StrategyCost:
+def moeshard_cost(name: str, plan: Schedule, minimal: dict, seconds: float) -> StrategyCost:
     """Counters of a moeshard plan, plus its per-rank intra/inter-node link bytes."""
     topo = plan.topology
     links = LinkBytes(topo)
-    sizes = [p.nbytes for p in plan.pieces]
-    for c in plan.chunks:
-        for ph in c.phases:
-            for s in ph.sends:
-                links.add(s.src, s.dst, sizes[s.piece])
-            for b in ph.broadcasts:
-                links.ring(topo.node_ranks(b.node), b.root, sizes[b.piece])
+    links.add_many(plan.send_src, plan.send_dst, plan.piece_bytes[plan.send_piece])
+    if topo.local_world_size > 1:
+        links.ring_many(plan.bcast_node.astype(np.int64), plan.bcast_root.astype(np.int64),
+                        plan.piece_bytes[plan.bcast_piece], topo.local_world_size)
     intra, inter = links.max_rank()
     c = plan.cost
     read_node = c.read_bytes.reshape(-1, topo.local_world_size).sum(1)
@@ -52,7 +48,7 @@ def moeshard_cost(name: str, plan: TransferPlan, minimal: dict, seconds: float) 
     )
 
 
-def _plan_mode(mode: str, needs: Sequence[Need], index: CheckpointIndex, topo: Topology, staging: int) -> StrategyCost:
+def _plan_mode(mode: str, needs: NeedTable, index: CheckpointIndex, topo: Topology, staging: int) -> StrategyCost:
     t = time.perf_counter()
     name, readers, scope = storage_sources(mode, np.ones(topo.world_size, dtype=bool), topo)
     plan = plan_transfers(needs, index, topo, readers, scope=scope, staging_bytes=staging)
@@ -61,7 +57,7 @@ def _plan_mode(mode: str, needs: Sequence[Need], index: CheckpointIndex, topo: T
     return StrategyCost(**{**asdict(cost), "plan_seconds": time.perf_counter() - t})
 
 
-def plan_storage_modes(needs: Sequence[Need], index: CheckpointIndex, topo: Topology, modes: Sequence[str],
+def plan_storage_modes(needs: NeedTable, index: CheckpointIndex, topo: Topology, modes: Sequence[str],
                        staging: int) -> list[StrategyCost]:
     """Plan every storage mode in ``modes`` and cost each plan (pure), one plan in memory at
     a time (each holds every need). Running the modes in forked processes was tried: faster

@@ -1,0 +1,215 @@
+"""The :class:`Schedule`: what every rank does to move pieces of tensors, as arrays.
+
+A *piece* is one box of one source tensor (a checkpoint tensor). A schedule says, for every
+piece: which rank reads it, which ranks receive it from whom (P2P sends, node broadcasts), in
+which *round*, and where each receiver puts it (*deliveries*: a box of a local tensor).
+
+Rounds are totally ordered. Every rank runs the rounds it takes part in, in that order; in one
+round it posts all its P2P ops as one batch, waits, then joins the round's node broadcasts
+(sorted by node and piece). Because every op of round ``t`` is posted by both of its ranks in
+round ``t``, and every rank finishes its rounds before ``t`` first, the lowest unfinished round
+can always complete: no deadlock, whatever the interleaving. A rank holds a buffer from the
+round it reads or receives it to the last round it sends it from; ``cost.peak_staging_bytes``
+is the exact maximum of that sum per rank, and the planners keep it within ``staging_bytes``
+and the P2P ops of one rank in one round within ``max_ops``.
+
+Pure and torch-free. Every rank computes the same schedule (compared by :attr:`fingerprint`)
+and runs only its own rows (:meth:`Schedule.for_rank`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..topology import Topology
+from .needs import NeedTable
+
+__all__ = ["PlanCost", "Schedule", "RankSchedule"]
+
+
+@dataclass(frozen=True)
+class PlanCost:
+    """Cost counters of a schedule (bytes are source-dtype bytes). Arrays are per rank."""
+
+    read_bytes: np.ndarray
+    sent_bytes: np.ndarray
+    recv_bytes: np.ndarray
+    peak_staging_bytes: np.ndarray
+    cross_node_bytes: int
+    num_p2p_ops: int
+    num_batches: int
+    num_broadcasts: int
+
+    def summary(self) -> dict:
+        return {
+            "read_bytes_total": int(self.read_bytes.sum()),
+            "read_bytes_max_rank": int(self.read_bytes.max(initial=0)),
+            "sent_bytes_total": int(self.sent_bytes.sum()),
+            "sent_bytes_max_rank": int(self.sent_bytes.max(initial=0)),
+            "recv_bytes_max_rank": int(self.recv_bytes.max(initial=0)),
+            "cross_node_bytes": self.cross_node_bytes,
+            "peak_staging_bytes_max_rank": int(self.peak_staging_bytes.max(initial=0)),
+            "num_p2p_ops": self.num_p2p_ops,
+            "num_batches": self.num_batches,
+            "num_broadcasts": self.num_broadcasts,
+        }
+
+
+@dataclass(frozen=True, eq=False)
+class Schedule:
+    """Everything every rank does, in order (``P`` pieces, ``R`` reads, ``S`` sends, ``B``
+    broadcasts, ``N`` deliveries; ``D`` padded box dims as in :class:`NeedTable`).
+
+    Args:
+        topology: world size and ranks per node (``rank`` 0: the schedule is the job's).
+        staging_bytes, max_ops: the budgets it was planned for.
+        keys, key_ndim: source tensor names and their ranks.
+        piece_key: ``int32[P]``; piece_off, piece_len: ``int64[P, D]`` its box;
+            piece_bytes: ``int64[P]``.
+        read_rank, read_piece: ``int32[R]`` who reads which piece; read_round: ``int64[R]``
+            the round it is read in (the first it is sent in), or -1 for a piece only its
+            reader needs (read straight into place, at any time).
+        send_src, send_dst, send_piece: ``int32[S]``; send_round: ``int64[S]``.
+        bcast_node, bcast_root, bcast_piece: ``int32[B]``; bcast_round: ``int64[B]``.
+        dlv_piece, dlv_rank, dlv_param: ``int32[N]``; dlv_slot: ``int64[N]`` (-1: no expert
+            slot); dlv_off: ``int64[N, D]``: where rank ``dlv_rank`` puts the piece in the local
+            tensor of parameter ``dlv_param`` (in slot ``dlv_slot``). Sorted by (piece, rank).
+        num_rounds: rounds are ``0 .. num_rounds - 1``.
+        cost: counters; ``cost.peak_staging_bytes`` follows the buffer lifetimes above.
+    """
+
+    topology: Topology
+    staging_bytes: int
+    max_ops: int
+    keys: tuple[str, ...]
+    key_ndim: np.ndarray
+    piece_key: np.ndarray
+    piece_off: np.ndarray
+    piece_len: np.ndarray
+    piece_bytes: np.ndarray
+    read_rank: np.ndarray
+    read_piece: np.ndarray
+    read_round: np.ndarray
+    send_src: np.ndarray
+    send_dst: np.ndarray
+    send_piece: np.ndarray
+    send_round: np.ndarray
+    bcast_node: np.ndarray
+    bcast_root: np.ndarray
+    bcast_piece: np.ndarray
+    bcast_round: np.ndarray
+    dlv_piece: np.ndarray
+    dlv_rank: np.ndarray
+    dlv_param: np.ndarray
+    dlv_slot: np.ndarray
+    dlv_off: np.ndarray
+    num_rounds: int
+    cost: PlanCost
+
+    @property
+    def num_pieces(self) -> int:
+        return len(self.piece_key)
+
+    @property
+    def has_broadcasts(self) -> bool:
+        return len(self.bcast_piece) > 0
+
+    def piece_box(self, pid: int) -> tuple[tuple[int, int], ...]:
+        """Box of piece ``pid`` in its tensor (its real dims, no padding)."""
+        nd = int(self.key_ndim[self.piece_key[pid]])
+        return tuple(zip(self.piece_off[pid, :nd].tolist(), self.piece_len[pid, :nd].tolist()))
+
+    def piece_name(self, pid: int) -> str:
+        return self.keys[int(self.piece_key[pid])]
+
+    def delivery(self, i: int) -> tuple[int, int, tuple, str, tuple]:
+        """Delivery row ``i`` as ``(rank, param, dest box, key, src box)`` (the fields of a
+        :class:`~moeshard.layout.Need`; the dest box starts with ``(slot, 1)`` for a slot)."""
+        pid = int(self.dlv_piece[i])
+        src = self.piece_box(pid)
+        dest = tuple(zip(self.dlv_off[i, : len(src)].tolist(), (n for _, n in src)))
+        slot = int(self.dlv_slot[i])
+        if slot >= 0:
+            dest = ((slot, 1),) + dest
+        return int(self.dlv_rank[i]), int(self.dlv_param[i]), dest, self.piece_name(pid), src
+
+    @property
+    def needs(self) -> NeedTable:
+        """The deliveries as a need table (the needs the schedule meets, split as its pieces)."""
+        return NeedTable(
+            keys=self.keys, ndim=self.key_ndim, rank=self.dlv_rank, param=self.dlv_param,
+            key=self.piece_key[self.dlv_piece], slot=self.dlv_slot,
+            src_off=self.piece_off[self.dlv_piece], src_len=self.piece_len[self.dlv_piece], dst_off=self.dlv_off,
+        )
+
+    def piece_readers(self) -> np.ndarray:
+        """``int32[P]``: the rank that reads each piece (for a schedule with one reader per
+        piece, e.g. scope "job"; with several, the last)."""
+        out = np.full(self.num_pieces, -1, dtype=np.int32)
+        out[self.read_piece] = self.read_rank
+        return out
+
+    def rank_bytes(self, rank: int) -> int:
+        """Bytes of the pieces ``rank`` reads or receives."""
+        lws = self.topology.local_world_size
+        b = self.piece_bytes
+        total = int(b[self.read_piece[self.read_rank == rank]].sum())
+        total += int(b[self.send_piece[self.send_dst == rank]].sum())
+        mine = (self.bcast_node == rank // lws) & (self.bcast_root != rank)
+        return total + int(b[self.bcast_piece[mine]].sum())
+
+    def for_rank(self, rank: int) -> "RankSchedule":
+        """This rank's rows (what :func:`moeshard.execute.execute_schedule` runs)."""
+        lws = self.topology.local_world_size
+        reads = np.flatnonzero(self.read_rank == rank)
+        sends = np.flatnonzero((self.send_src == rank) | (self.send_dst == rank))
+        bcasts = np.flatnonzero(self.bcast_node == rank // lws)
+        dlv = np.flatnonzero(self.dlv_rank == rank)
+        return RankSchedule(self, rank, reads, sends, bcasts, dlv)
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """A digest of everything the schedule makes ranks do (ranks compare it before data
+        moves): the bytes of every array, the keys, the topology and the budgets."""
+        h = hashlib.sha256()
+        h.update(repr((self.topology.world_size, self.topology.local_world_size, self.staging_bytes,
+                       self.max_ops, self.num_rounds, self.keys)).encode())
+        for name in _ARRAYS:
+            a = np.ascontiguousarray(getattr(self, name))
+            h.update(name.encode())
+            h.update(repr((a.dtype.str, a.shape)).encode())
+            h.update(a.tobytes())
+        return h.hexdigest()[:16]
+
+
+_ARRAYS = ("key_ndim", "piece_key", "piece_off", "piece_len", "piece_bytes", "read_rank", "read_piece", "read_round",
+           "send_src", "send_dst", "send_piece", "send_round", "bcast_node", "bcast_root", "bcast_piece",
+           "bcast_round", "dlv_piece", "dlv_rank", "dlv_param", "dlv_slot", "dlv_off")
+
+
+@dataclass(frozen=True, eq=False)
+class RankSchedule:
+    """One rank's rows of a :class:`Schedule` (indices into its arrays)."""
+
+    schedule: Schedule
+    rank: int
+    reads: np.ndarray
+    sends: np.ndarray
+    bcasts: np.ndarray
+    deliveries: np.ndarray
+
+    @property
+    def rounds(self) -> np.ndarray:
+        """The rounds this rank takes part in, ascending."""
+        s = self.schedule
+        return np.unique(np.concatenate([
+            s.read_round[self.reads][s.read_round[self.reads] >= 0], s.send_round[self.sends], s.bcast_round[self.bcasts]]))
+
+    def local_reads(self) -> np.ndarray:
+        """Pieces this rank reads for itself only (round -1), in schedule order."""
+        s = self.schedule
+        return s.read_piece[self.reads[s.read_round[self.reads] < 0]]
