@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from test_cluster_plan import DEEPSEEK_V3, MIXTRAL, QWEN2_MOE
-from test_plan import DOWN, GATE_UP, SMALL, build_case
+from test_plan import DOWN, SMALL, build_case
 
 from moeshard import Placement
 from moeshard.adapters import ExpertParam, expert_parts

@@ -19,7 +19,7 @@ import torch
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from moeshard import HF_EXPERTS, Placement, Topology
-from moeshard.box import box_numel, box_shape, box_slices
+from moeshard.box import box_numel, box_slices
 from moeshard.checkpoint import DTYPES, CheckpointIndex, TensorInfo
 from moeshard.layout import ExpertRef, ParamDesc, compute_needs
 from moeshard.plan import STAGING_PARTS, minimal_cost, plan_transfers
@@ -173,7 +173,7 @@ def simulate(plan, case: Case, readers: np.ndarray) -> SimResult:
     the piece before the round), then node broadcasts (the root must hold it before); a rank
     holds a buffer from the round it gets it to the last round it sends it."""
     topo = plan.topology
-    world, lws = topo.world_size, topo.local_world_size
+    world = topo.world_size
     node = topo.nodes_array()
     exp = expected_locals(case)
     local = {k: np.full(v.shape, -1, dtype=np.int64) for k, v in exp.items()}
@@ -203,7 +203,6 @@ def simulate(plan, case: Case, readers: np.ndarray) -> SimResult:
             (count[(rank, param)][slot] if slot >= 0 else count[(rank, param)])[sl] += 1
 
     held: dict[tuple[int, int], np.ndarray] = {}
-    since: dict[tuple[int, int], int] = {}
     reads_at = defaultdict(list)
     for r, pid, t in zip(plan.read_rank.tolist(), plan.read_piece.tolist(), plan.read_round.tolist()):
         assert readers[r], f"rank {r} cannot read but the plan has it read piece {pid}"

@@ -28,6 +28,7 @@ from .adapters import DEFAULT_SPECS, ExpertParam, ExpertsSpec, checkpoint_names,
 from .box import Box, full_box
 from .checkpoint import CheckpointIndex, DTYPES
 from .placement import Placement
+from .plan.arrays import expand_runs, unique_rows
 from .plan.needs import NeedTable
 
 __all__ = ["ExpertRef", "ParamDesc", "Need", "describe_model", "need_table", "compute_needs", "shard_boxes",
@@ -387,16 +388,6 @@ def _dense_table(i: int, d: ParamDesc, index: CheckpointIndex, ranks: np.ndarray
     )
 
 
-def _runs(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Expand runs: run ``r`` is ``starts[r], starts[r] + 1, ..., starts[r] + counts[r] - 1``.
-
-    Returns ``(owner, value)``, both ``int64[counts.sum()]``: each element's run and value, runs
-    in order."""
-    owner = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
-    first = np.cumsum(counts) - counts  # position of each run's first element
-    return owner, np.arange(len(owner), dtype=np.int64) - first[owner] + starts[owner]
-
-
 def _find_key(d: ParamDesc, index: CheckpointIndex) -> str:
     for key in d.keys:
         if key in index:
@@ -533,18 +524,18 @@ def _expert_table(
     keep = (boxes[:, :, 1] > 0).all(axis=1)
     ranks, boxes = ranks[keep], boxes[keep]
     # One row per (rank, slot) holding an expert, in mesh order then slot order.
-    owner, slot = _runs(boxes[:, 0, 0], boxes[:, 0, 1])
+    owner, slot = expand_runs(boxes[:, 0, 0], boxes[:, 0, 1])
     expert = phy2log[slot]
     live = expert >= 0  # -1: an empty slot (dead or not-yet-joined rank), nothing to load
     owner, slot, expert = owner[live], slot[live], expert[live]
     held = np.flatnonzero(np.bincount(expert, minlength=num_logical))  # the experts some slot holds
     keys = _held_expert_keys(d, index, held.tolist(), part_sizes)
     # The parts a box overlaps depend only on its slice dims: computed once per distinct tail.
-    tails, tail_of = _unique_rows(boxes[:, 1:, :].reshape(len(boxes), -1))
+    tails, tail_of = unique_rows(boxes[:, 1:, :].reshape(len(boxes), -1))
     parts = _part_rows(tails.reshape(len(tails), -1, 2), part_sizes, ref.param.dim)
     first, count, part, src_off, src_len, dst_off = parts
     tail = tail_of[owner]
-    row, prow = _runs(first[tail], count[tail])
+    row, prow = expand_runs(first[tail], count[tail])
     # Keys are part by part. Each is used: the boxes of a held slot tile its slice, so they
     # overlap every part.
     key = part[prow] * len(held) + np.searchsorted(held, expert[row])
@@ -554,21 +545,6 @@ def _expert_table(
         param=np.full(num, i, np.int32), key=key.astype(np.int32), slot=slot[row] - boxes[owner[row], 0, 0],
         src_off=src_off[prow], src_len=src_len[prow], dst_off=dst_off[prow],
     )
-
-
-def _unique_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(rows, inverse)``: the distinct rows of ``int64[M, K]`` (sorted) and each row's
-    index among them, ``int64[M]``. A lexsort: ``np.unique(axis=0)`` sorts rows as opaque
-    bytes, ~10x slower at 8,192 rows."""
-    if a.shape[1] == 0:  # every row is the empty row
-        return np.zeros((1 if len(a) else 0, 0), a.dtype), np.zeros(len(a), np.int64)
-    order = np.lexsort(a.T[::-1])  # column 0 the primary key
-    ranked = a[order]
-    first = np.ones(len(a), bool)  # the first row of each run of equal rows
-    first[1:] = (ranked[1:] != ranked[:-1]).any(axis=1)
-    inverse = np.empty(len(a), np.int64)
-    inverse[order] = np.cumsum(first) - 1
-    return ranked[first], inverse
 
 
 def _held_expert_keys(d: ParamDesc, index: CheckpointIndex, held: Sequence[int], part_sizes: tuple[int, ...]) -> list[str]:

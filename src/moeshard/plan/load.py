@@ -35,6 +35,7 @@ from .._gc import paused_gc
 from ..box import split_box
 from ..checkpoint import CheckpointIndex
 from ..topology import Topology
+from .arrays import expand_runs, run_starts, seg_excl_cumsum
 from .needs import NeedTable
 from .schedule import PlanCost, Schedule
 
@@ -43,7 +44,8 @@ __all__ = ["plan_transfers", "minimal_cost", "DEFAULT_STAGING_BYTES", "DEFAULT_M
 Scope = Literal["job", "node"]
 DEFAULT_STAGING_BYTES = 256 * 2**20
 DEFAULT_MAX_OPS = 64
-# The staging budget in parts: a piece and a window are each one part (see the module doc).
+# The staging budget in parts: a piece is at most one part; a rank's windows share what its
+# pieces leave of the budget (see the module doc).
 STAGING_PARTS = 11
 
 
@@ -77,27 +79,7 @@ def plan_transfers(
         return _plan(needs, index, topology, readers, scope, staging_bytes, max_ops)
 
 
-# -- array helpers ----------------------------------------------------------------------------
-
-
-def _starts(*cols: np.ndarray) -> np.ndarray:
-    """``bool[n]``: where a run of equal rows (over ``cols``, already sorted) begins."""
-    n = len(cols[0])
-    out = np.zeros(n, dtype=bool)
-    if n:
-        out[0] = True
-        for c in cols:
-            out[1:] |= c[1:] != c[:-1]
-    return out
-
-
-def _seg_excl_cumsum(start: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """Exclusive running sum of ``values`` restarted where ``start`` is set."""
-    if not len(values):
-        return np.zeros(0, dtype=np.int64)
-    cs = np.cumsum(values, dtype=np.int64) - values
-    seg = np.cumsum(start) - 1
-    return cs - cs[np.flatnonzero(start)][seg]
+# -- windows --------------------------------------------------------------------------------
 
 
 def _windows(stream: Sequence[np.ndarray], order: Sequence[np.ndarray], nbytes: np.ndarray, ops: np.ndarray,
@@ -109,10 +91,10 @@ def _windows(stream: Sequence[np.ndarray], order: Sequence[np.ndarray], nbytes: 
     if not len(stream[0]):
         return np.zeros(0, dtype=np.int64)
     perm = np.lexsort(tuple(reversed((*stream, *order))))
-    start = _starts(*(c[perm] for c in stream))
+    start = run_starts(*(c[perm] for c in stream))
     window = window[perm] if isinstance(window, np.ndarray) else window
     ops_window = ops_window[perm] if isinstance(ops_window, np.ndarray) else ops_window
-    k = _seg_excl_cumsum(start, nbytes[perm]) // window + _seg_excl_cumsum(start, ops[perm]) // ops_window
+    k = seg_excl_cumsum(start, nbytes[perm]) // window + seg_excl_cumsum(start, ops[perm]) // ops_window
     out = np.empty(len(perm), dtype=np.int64)
     out[perm] = k
     return out
@@ -138,7 +120,7 @@ def _group_pieces(table: NeedTable, file_no: np.ndarray, offset: np.ndarray) -> 
     key_order[np.lexsort((np.arange(len(table.keys)), offset, file_no))] = np.arange(len(table.keys))
     cols = (key_order[table.key], *_box_columns(table.src_off, table.src_len))
     order = np.lexsort(tuple(reversed(cols)))
-    start = _starts(*(c[order] for c in cols))
+    start = run_starts(*(c[order] for c in cols))
     return order, np.cumsum(start) - 1
 
 
@@ -221,7 +203,7 @@ def _plan(needs, index, topology, readers, scope, staging_bytes, max_ops) -> Sch
 
     # 1. Pieces: distinct (key, box) in file order, split to at most one part each.
     order, row_piece = _group_pieces(table, file_no, offset)
-    first_row = order[np.flatnonzero(_starts(row_piece))]
+    first_row = order[np.flatnonzero(run_starts(row_piece))]
     pkey = table.key[first_row].astype(np.int64)
     parent, poff, plen = _split(pkey, table.src_off[first_row], table.src_len[first_row], table.ndim,
                                 np.maximum(1, part // itemsize[pkey]))
@@ -229,21 +211,18 @@ def _plan(needs, index, topology, readers, scope, staging_bytes, max_ops) -> Sch
     pbytes = plen.prod(axis=1) * itemsize[pkey]
     # Deliveries: each need row once per piece of its (split) parent piece.
     counts = np.bincount(parent, minlength=len(first_row))
-    first_sub = np.cumsum(counts) - counts
-    rows = np.repeat(order, counts[row_piece])
-    rep_parent = np.repeat(row_piece, counts[row_piece])
-    sub = np.arange(len(rows)) - np.repeat(np.cumsum(counts[row_piece]) - counts[row_piece], counts[row_piece])
-    d_piece = first_sub[rep_parent] + sub
+    owner, d_piece = expand_runs((np.cumsum(counts) - counts)[row_piece], counts[row_piece])
+    rows = order[owner]
     d_off = table.dst_off[rows] + poff[d_piece] - table.src_off[rows]
     perm = np.lexsort((table.rank[rows], d_piece))
     d_piece, rows, d_off = d_piece[perm], rows[perm], d_off[perm]
     d_rank = table.rank[rows].astype(np.int64)
 
     # 2. (piece, rank) pairs and read groups (a piece in "job" scope, (piece, node) in "node").
-    pair_start = _starts(d_piece, d_rank)
+    pair_start = run_starts(d_piece, d_rank)
     pair_piece, pair_rank = d_piece[pair_start], d_rank[pair_start]
     pair_node = node_of[pair_rank]
-    gstart = _starts(pair_piece, pair_node) if scope == "node" else _starts(pair_piece)
+    gstart = run_starts(pair_piece, pair_node) if scope == "node" else run_starts(pair_piece)
     gid = np.cumsum(gstart) - 1
     g_first = np.flatnonzero(gstart)
     g_piece, g_node = pair_piece[g_first], pair_node[g_first]
@@ -287,28 +266,25 @@ def _plan(needs, index, topology, readers, scope, staging_bytes, max_ops) -> Sch
     # 4. Trees. Local reads: groups whose only needer is their reader.
     local = (g_size == 1) & (pair_rank[g_first] == reader)
     pair_reader = reader[gid]
-    remote = ~local[gid]
-    p_idx = np.flatnonzero(remote)
-    r_node = node_of[pair_reader]
-    sstart = np.zeros(len(pair_rank), dtype=bool)
-    sstart[p_idx] = _starts(gid[p_idx], pair_node[p_idx])
-    sub_first = np.flatnonzero(sstart)
-    sub_of = np.cumsum(sstart) - 1  # valid on remote pairs
-    sub_size = np.diff(np.append(sub_first, len(pair_rank)))
-    # A subgroup ends at the next subgroup or at the next local group's pair.
-    sub_end = np.minimum(sub_first + sub_size, _next_break(remote, sub_first))
-    sub_size = sub_end - sub_first
+    p_idx = np.flatnonzero(~local[gid])
+    # Subgroups: the pairs of one remote group on one node. A group's pairs are contiguous
+    # (sorted by piece, then rank), so a subgroup's are pairs sub_first .. + sub_size - 1.
+    sstart = run_starts(gid[p_idx], pair_node[p_idx])
+    s_of_pair = np.cumsum(sstart) - 1  # per remote pair
+    sub_first = p_idx[sstart]
+    sub_size = np.bincount(s_of_pair, minlength=len(sub_first))
     sub_node = pair_node[sub_first]
     sub_reader = pair_reader[sub_first]
     sub_piece = pair_piece[sub_first]
     at_reader = sub_node == node_of[sub_reader]
     whole = (sub_size == lws) & (lws >= 3)
-    holder = np.where(at_reader, sub_reader, pair_rank[sub_first + sub_piece % np.maximum(sub_size, 1)])
+    holder = np.where(at_reader, sub_reader, pair_rank[sub_first + sub_piece % sub_size])
     # Level 0: the reader to the holder of each other node; to each needer on its own node, or
     # one broadcast there when the whole node needs it.
-    s_of_pair = sub_of[p_idx]
-    is_rest = (pair_rank[p_idx] != holder[s_of_pair])
-    direct = p_idx[at_reader[s_of_pair] & ~whole[s_of_pair] & is_rest]
+    is_rest = pair_rank[p_idx] != holder[s_of_pair]
+    near = at_reader[s_of_pair] & ~whole[s_of_pair] & is_rest
+    far = ~at_reader[s_of_pair] & ~whole[s_of_pair] & is_rest
+    direct = p_idx[near]
     cross = np.flatnonzero(~at_reader)
     e0_src = np.concatenate([pair_reader[direct], sub_reader[cross]])
     e0_dst = np.concatenate([pair_rank[direct], holder[cross]])
@@ -316,23 +292,26 @@ def _plan(needs, index, topology, readers, scope, staging_bytes, max_ops) -> Sch
     b0 = np.flatnonzero(at_reader & whole)
     b0_root, b0_node, b0_piece = sub_reader[b0], sub_node[b0], sub_piece[b0]
     # Level 1: the holder of each other node to the rest of it (P2P, or one broadcast).
-    relay = p_idx[~at_reader[s_of_pair] & ~whole[s_of_pair] & is_rest]
-    e1_src, e1_dst, e1_piece = holder[sub_of[relay]], pair_rank[relay], pair_piece[relay]
+    relay = p_idx[far]
+    e1_src, e1_dst, e1_piece = holder[s_of_pair[far]], pair_rank[relay], pair_piece[relay]
     b1 = np.flatnonzero(~at_reader & whole)
     b1_root, b1_node, b1_piece = holder[b1], sub_node[b1], sub_piece[b1]
 
     # 5. Rounds from streams (module doc). A rank's budget is shared only by the kinds of
     # buffer it holds: a reader that receives nothing gets windows of 9 parts, not 1.
     n0, n1 = len(e0_src), len(e1_src)
-    bc0_recv, _ = _broadcast_receivers(b0_node, b0_root, lws)
-    bc1_recv, _ = _broadcast_receivers(b1_node, b1_root, lws)
+    bc_root = np.concatenate([b0_root, b1_root])
+    bc_node = np.concatenate([b0_node, b1_node])
+    bc_piece = np.concatenate([b0_piece, b1_piece])
+    bc_ranks, bc_of = _broadcast_receivers(bc_node, bc_root, lws)
+    relayed_bc = bc_of >= len(b0)
 
     def has(ranks: np.ndarray) -> np.ndarray:
         return np.bincount(ranks, minlength=world) > 0
 
     sends0, relays = has(np.concatenate([e0_src, b0_root])), has(np.concatenate([e1_src, b1_root]))
     recv0, recv1 = has(e0_dst), has(e1_dst)
-    kinds = recv0.astype(np.int64) + has(bc0_recv) + recv1 + has(bc1_recv)
+    kinds = recv0.astype(np.int64) + has(bc_ranks[~relayed_bc]) + recv1 + has(bc_ranks[relayed_bc])
     w_rank = (staging_bytes - (2 * sends0 + kinds) * part) // np.maximum(sends0 + kinds, 1)
     assert (w_rank >= part).all()
     w_node = w_rank.reshape(-1, lws).min(axis=1)
@@ -349,7 +328,7 @@ def _plan(needs, index, topology, readers, scope, staging_bytes, max_ops) -> Sch
     perm = np.lexsort((l0_dst, l0_kind, l0_piece, l0_src))
     last = np.zeros(len(perm), dtype=bool)
     if len(perm):
-        last[perm] = np.append(_starts(l0_src[perm], l0_piece[perm])[1:], True)
+        last[perm] = np.append(run_starts(l0_src[perm], l0_piece[perm])[1:], True)
     k_send = _windows((l0_src,), (l0_piece, l0_kind, l0_dst), np.where(last, pbytes[l0_piece], 0), 1 - l0_kind,
                       w_rank[l0_src], o_send0[l0_src])
     # A receiver's windows restart with each sender window: one sender's window of sends to
@@ -382,7 +361,7 @@ def _plan(needs, index, topology, readers, scope, staging_bytes, max_ops) -> Sch
                         np.concatenate([k_recv1, k_b1])[:, None]], axis=1),
     ]).reshape(-1, 5)
     kperm = np.lexsort(keys.T[::-1])
-    rstart = _starts(*(keys[kperm, c] for c in range(5)))
+    rstart = run_starts(*(keys[kperm, c] for c in range(5)))
     rounds = np.empty(len(keys), dtype=np.int64)
     rounds[kperm] = np.cumsum(rstart) - 1
     num_rounds = int(rstart.sum())
@@ -394,29 +373,23 @@ def _plan(needs, index, topology, readers, scope, staging_bytes, max_ops) -> Sch
     r_groups = np.flatnonzero(~local)
     read_round = np.full(num_groups, -1, dtype=np.int64)
     read_end = np.full(num_groups, -1, dtype=np.int64)
-    if len(l0_src):
-        # Level-0 items of a group are those of its (reader, piece).
-        code = l0_piece * world + l0_src
-        g_code = g_piece[r_groups] * world + reader[r_groups]
-        srt = np.argsort(code, kind="stable")
-        at = np.searchsorted(code[srt], g_code)
-        bounds = np.append(np.flatnonzero(_starts(code[srt])), len(srt))
-        ends = bounds[np.searchsorted(bounds, at, side="right")]
-        rr = l0_round[srt]
-        read_round[r_groups] = np.minimum.reduceat(rr, at) if len(at) else at
-        read_end[r_groups] = np.maximum.reduceat(rr, at) if len(at) else at
-        assert (ends > at).all(), "every remote group sends its piece"
+    # Level-0 items of a group are those of its (reader, piece): their runs, in (piece,
+    # reader) order, are the remote groups in order.
+    code = l0_piece * world + l0_src
+    srt = np.argsort(code, kind="stable")
+    first = np.flatnonzero(run_starts(code[srt]))
+    assert np.array_equal(code[srt][first], g_piece[r_groups] * world + reader[r_groups]), \
+        "every remote group sends its piece, and only those send"
+    if len(first):
+        read_round[r_groups] = np.minimum.reduceat(l0_round[srt], first)
+        read_end[r_groups] = np.maximum.reduceat(l0_round[srt], first)
 
     # 7. Costs and the exact staging peak.
     sends_src = np.concatenate([e0_src, e1_src])
     sends_dst = np.concatenate([e0_dst, e1_dst])
     sends_piece = np.concatenate([e0_piece, e1_piece])
     sends_round = np.concatenate([e0_round, e1_round])
-    bc_root = np.concatenate([b0_root, b1_root])
-    bc_node = np.concatenate([b0_node, b1_node])
-    bc_piece = np.concatenate([b0_piece, b1_piece])
     bc_round = np.concatenate([b0_round, b1_round])
-    bc_ranks, bc_of = _broadcast_receivers(bc_node, bc_root, lws)
     sb = pbytes[sends_piece]
     read_bytes = np.bincount(reader, weights=g_bytes, minlength=world).astype(np.int64)
     sent = (np.bincount(sends_src, weights=sb, minlength=world)
@@ -454,13 +427,6 @@ def _plan(needs, index, topology, readers, scope, staging_bytes, max_ops) -> Sch
     )
 
 
-def _next_break(remote: np.ndarray, first: np.ndarray) -> np.ndarray:
-    """For each index in ``first``: the next index at or after it where ``remote`` is False
-    (or the length)."""
-    breaks = np.append(np.flatnonzero(~remote), len(remote))
-    return breaks[np.searchsorted(breaks, first)]
-
-
 def _broadcast_receivers(node: np.ndarray, root: np.ndarray, lws: int) -> tuple[np.ndarray, np.ndarray]:
     """``(rank, broadcast)``: every receiving rank of every broadcast (its node but the root)."""
     ranks = (node[:, None] * lws + np.arange(lws)[None, :]).reshape(-1)
@@ -482,7 +448,7 @@ def _peak(world: int, holds: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.n
     perm = np.argsort((rank * (int(time.max()) + 1) + time) * 2 + (delta > 0), kind="stable")
     running = np.cumsum(delta[perm])  # every rank's holds net to zero: no reset needed
     r = rank[perm]
-    first = np.flatnonzero(_starts(r))
+    first = np.flatnonzero(run_starts(r))
     out = np.zeros(world, dtype=np.int64)
     out[r[first]] = np.maximum.reduceat(running, first)
     return out
@@ -505,13 +471,13 @@ def minimal_cost(needs: NeedTable | Sequence, index: CheckpointIndex, topology: 
     lws, num_nodes = topology.local_world_size, topology.num_nodes
     file_no, offset, itemsize = _key_columns(table, index)
     order, piece = _group_pieces(table, file_no, offset)
-    first = order[np.flatnonzero(_starts(piece))]
+    first = order[np.flatnonzero(run_starts(piece))]
     nbytes = table.src_len[first].prod(axis=1) * itemsize[table.key[first]]
     num_pieces = len(first)
     ranks = table.rank[order].astype(np.int64)
     # Distinct (piece, rank) pairs: a rank needing several boxes of one piece counts once.
     perm = np.lexsort((ranks, piece))
-    pair = _starts(piece[perm], ranks[perm])
+    pair = run_starts(piece[perm], ranks[perm])
     p_pid, p_rank = piece[perm][pair], ranks[perm][pair]
     p_node = p_rank // lws
     p_reader = readers[p_rank]
@@ -522,14 +488,14 @@ def minimal_cost(needs: NeedTable | Sequence, index: CheckpointIndex, topology: 
         net = int(((count - has_reader) * nbytes).sum())
         # Distinct (piece, node) pairs (ranks ascend within a piece, so nodes do too); a piece
         # needs no crossing into a node holding a reader.
-        pn = _starts(p_pid, p_node)
+        pn = run_starts(p_pid, p_node)
         pn_pid, pn_node = p_pid[pn], p_node[pn]
         node_has_reader = np.bincount(np.flatnonzero(readers) // lws, minlength=num_nodes) > 0
         num_nodes_of = np.bincount(pn_pid, minlength=num_pieces)
         reader_node_of = np.bincount(pn_pid, weights=node_has_reader[pn_node], minlength=num_pieces) > 0
         cross = int(((num_nodes_of - reader_node_of) * nbytes).sum())
     else:
-        start = _starts(p_pid, p_node)
+        start = run_starts(p_pid, p_node)
         inverse = np.cumsum(start) - 1
         count = np.bincount(inverse)
         has_reader = np.bincount(inverse, weights=p_reader, minlength=len(count)) > 0
