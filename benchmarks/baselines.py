@@ -40,10 +40,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moeshard.adapters import DEFAULT_SPECS, ExpertsSpec
+from moeshard.models.adapters import DEFAULT_SPECS, ExpertsSpec
 from moeshard.box import box_shape, box_slices
-from moeshard.checkpoint import CheckpointIndex, CheckpointReader
-from moeshard.layout import Need, ParamDesc, compute_needs, describe_model, local_tensor
+from moeshard.io.checkpoint import CheckpointIndex, CheckpointReader
+from moeshard.models.layout import Need, ParamDesc, compute_needs, describe_model, local_tensor
 from moeshard.placement import Placement
 
 __all__ = ["Target", "BaselineStats", "BASELINES", "rank0_broadcast", "chunk_broadcast_loop", "node_local_p2p"]

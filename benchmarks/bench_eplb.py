@@ -29,7 +29,7 @@ import numpy as np
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moeshard.bench.traces import zipf_trace  # noqa: E402
+from moeshard.cli.bench.traces import zipf_trace  # noqa: E402
 from moeshard import eplb  # noqa: E402
 
 

@@ -39,7 +39,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moeshard.load import _read_peak_rss, _reset_peak_rss  # noqa: E402
+from moeshard.ops.load import _read_peak_rss, _reset_peak_rss  # noqa: E402
 
 MOESHARD_MODES = ("shared", "node", "single")
 BASELINE_NAMES = ("rank0-broadcast", "chunk-broadcast-loop", "node-local-p2p")
@@ -131,7 +131,7 @@ def ensure_checkpoint(path: Path, d: dict, rebuild: bool = False) -> tuple[bool,
     """Write the checkpoint unless ``path`` already holds one with these dims.
     Returns ``(built, seconds)``."""
     from moeshard import write_checkpoint
-    from moeshard.checkpoint import INDEX_NAME
+    from moeshard.io.checkpoint import INDEX_NAME
 
     dims_path = path / DIMS_FILE
     if not rebuild and (path / INDEX_NAME).is_file() and dims_path.is_file():

@@ -62,11 +62,11 @@ if __package__ in (None, ""):  # run as a script: make `moeshard` importable fro
 
 import numpy as np  # noqa: E402
 
-from moeshard.checkpoint import INDEX_NAME, CheckpointIndex  # noqa: E402
+from moeshard.io.checkpoint import INDEX_NAME, CheckpointIndex  # noqa: E402
 from moeshard.cluster import (  # noqa: E402
     ClusterSpec, find_experts, make_placement, read_config, synthesize_descs, synthetic_index)
 from moeshard.cluster.render import format_bytes  # noqa: E402
-from moeshard.layout import need_table  # noqa: E402
+from moeshard.models.layout import need_table  # noqa: E402
 from moeshard.plan import plan_transfers  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -55,8 +55,8 @@ def rank_main(spec: dict) -> list[dict]:
     from torch.distributed.tensor import DTensor
 
     import moeshard
-    from moeshard.layout import local_tensor
-    from moeshard.save import save
+    from moeshard.models.layout import local_tensor
+    from moeshard.ops.save import save
 
     torch.set_num_threads(1)
     rank = dist.get_rank()
@@ -103,7 +103,7 @@ def single_process(ckpt: Path, dims: dict, out_root: Path, shard_bytes: int, rep
     import torch
 
     import moeshard
-    from moeshard.save import save
+    from moeshard.ops.save import save
 
     model = meta_model(dims, torch.bfloat16)
     moeshard.load(model, ckpt)  # no process group: the whole model, plain tensors

@@ -35,7 +35,7 @@ import psutil
 import torch
 
 from benchmarks.bench_load import _malloc_trim  # noqa: E402
-from moeshard.load import _read_peak_rss, _reset_peak_rss  # noqa: E402
+from moeshard.ops.load import _read_peak_rss, _reset_peak_rss  # noqa: E402
 
 STEPS, LR, SEQ = 2, 1e-3, 64
 
@@ -100,7 +100,7 @@ def rank_main(ckpt: str, hidden: int, layouts: list) -> list:
     from transformers import Qwen3MoeForCausalLM
 
     import moeshard
-    from moeshard.layout import local_tensor
+    from moeshard.models.layout import local_tensor
 
     rank, world = dist.get_rank(), dist.get_world_size()
     ids = _batch(world, _config(hidden).vocab_size)[rank : rank + 1]

@@ -479,15 +479,15 @@ def test_project_writers_produce_tiled_files(tmp_path):
     entries, pos = [], 0
     for key, t in ts.items():
         n = t.numel() * t.element_size()
-        entries.append((key, moeshard.checkpoint.DTYPE_NAMES[t.dtype], t.shape, pos, pos + n))
+        entries.append((key, moeshard.io.checkpoint.DTYPE_NAMES[t.dtype], t.shape, pos, pos + n))
         pos += n
-    head = moeshard.checkpoint.safetensors_header(entries)
+    head = moeshard.io.checkpoint.safetensors_header(entries)
     f = tmp_path / "streamed.safetensors"
     fd = os.open(f, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
         for (key, *_, begin, _end), t in zip(entries, ts.values()):
-            moeshard.checkpoint.pwrite_all(fd, t.contiguous().view(-1).view(torch.uint8).numpy(), len(head) + begin)
-        moeshard.checkpoint.pwrite_all(fd, head, 0)
+            moeshard.io.checkpoint.pwrite_all(fd, t.contiguous().view(-1).view(torch.uint8).numpy(), len(head) + begin)
+        moeshard.io.checkpoint.pwrite_all(fd, head, 0)
     finally:
         os.close(fd)
     assert _safetensors_accepts(f)
@@ -498,7 +498,7 @@ def test_project_writers_produce_tiled_files(tmp_path):
 
 def test_header_size_limit_is_the_formats(tmp_path):
     """100,000,000 bytes (safetensors' MAX_HEADER_SIZE), not 100 MiB."""
-    from moeshard.checkpoint import _MAX_HEADER_BYTES
+    from moeshard.io.checkpoint import _MAX_HEADER_BYTES
 
     assert _MAX_HEADER_BYTES == 100_000_000
     f = tmp_path / "big.safetensors"
@@ -577,7 +577,7 @@ def test_hostile_index_json(good_dir):
 
 
 def test_load_json_names_the_file(tmp_path):
-    from moeshard.checkpoint import load_json
+    from moeshard.io.checkpoint import load_json
 
     cfg = tmp_path / "config.json"
     cfg.write_bytes(b'{"a": ' + _nested(100_000) + b"}")
@@ -594,7 +594,7 @@ def test_tensor_info_is_compact_and_picklable():
     travel between ranks pickled."""
     import pickle
 
-    from moeshard.checkpoint import TensorInfo
+    from moeshard.io.checkpoint import TensorInfo
 
     t = TensorInfo("f.safetensors", 8, "BF16", (2, 3))
     assert not hasattr(t, "__dict__")

@@ -34,7 +34,7 @@ def _write_tiny(path: str) -> None:
 
 
 def verify_worker(argvs: list[list[str]]) -> list:
-    from moeshard import verify_cli
+    from moeshard.cli import verify as verify_cli
 
     out = []
     for argv in argvs:
@@ -184,7 +184,7 @@ def test_verify_reads_config_strictly(tmp_path):
     json.load would raise a bare RecursionError: the file is parsed strictly first."""
     pytest.importorskip("transformers")
     from moeshard import CheckpointError
-    from moeshard.verify_cli import _build_model
+    from moeshard.cli.verify import _build_model
 
     (tmp_path / "config.json").write_bytes(b'{"model_type": ' + NESTED + b"}")
     with pytest.raises(CheckpointError, match=r"config\.json: cannot read a transformers config\.json: JSON nested"):

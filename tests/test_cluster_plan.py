@@ -23,12 +23,13 @@ import torch
 
 from moeshard import Placement
 from moeshard.box import box_slices
-from moeshard.checkpoint import CheckpointIndex, write_checkpoint
+from moeshard.io.checkpoint import CheckpointIndex, write_checkpoint
+from moeshard.cli.plan import main
 from moeshard.cluster import (
-    ClusterSpec, LinkBytes, baseline_costs, find_experts, main, make_placement, num_params, parse_bandwidth,
+    ClusterSpec, LinkBytes, baseline_costs, find_experts, make_placement, num_params, parse_bandwidth,
     plan_storage_modes, synthesize_descs, synthetic_index,
 )
-from moeshard.layout import compute_needs, need_table
+from moeshard.models.layout import compute_needs, need_table
 from moeshard.topology import Topology
 
 NUM_LAYERS, NUM_EXPERTS = 2, 8
@@ -92,7 +93,7 @@ def test_needs_equal_a_parallelized_model(qwen_ckpt):
     from transformers import Qwen3MoeForCausalLM
 
     import moeshard
-    from moeshard.layout import describe_model
+    from moeshard.models.layout import describe_model
 
     if dist.is_initialized():
         pytest.skip("a process group is already initialized in this process")

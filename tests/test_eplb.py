@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from moeshard import Placement, eplb
-from moeshard.bench.traces import zipf_trace
+from moeshard.cli.bench.traces import zipf_trace
 
 README_WEIGHT = np.array([
     [90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],

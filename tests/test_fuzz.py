@@ -34,8 +34,8 @@ import torch
 import moeshard
 import tiny_moe
 from moeshard import CheckpointError, CheckpointIndex, CheckpointReader
-from moeshard.cluster import main as plan_main
-from moeshard.inspection import main as inspect_main
+from moeshard.cli.plan import main as plan_main
+from moeshard.cli.inspect import main as inspect_main
 
 INDEX = "model.safetensors.index.json"
 CONFIG = {  # a Qwen3-MoE-shaped config.json (what `moeshard plan` reads beside the checkpoint)

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moeshard import write_checkpoint
-from moeshard.inspection import MAX_LISTED, inspect_checkpoint, main
+from moeshard.cli.inspect import MAX_LISTED, inspect_checkpoint, main
 
 INDEX = "model.safetensors.index.json"
 ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,

@@ -65,7 +65,7 @@ def _run_low_level(model, pl, path, config, pname, ckpt) -> dict:
 
     import moeshard
     from moeshard.execute import execute_schedule, node_groups
-    from moeshard.layout import compute_needs, describe_model, local_tensor
+    from moeshard.models.layout import compute_needs, describe_model, local_tensor
     from moeshard.plan import plan_transfers
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -110,7 +110,8 @@ def _expected_digests(model, path: str, pl, storage: str) -> dict:
     import torch.distributed as dist
 
     import moeshard
-    from moeshard.load import plan_load, resolve_sources
+    from moeshard.io.sources import resolve_sources
+    from moeshard.ops.load import plan_load
 
     rank = dist.get_rank()
     topo = moeshard.Topology.from_env().with_rank(rank)

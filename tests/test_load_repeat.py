@@ -124,7 +124,7 @@ def test_peak_rss_is_this_loads_peak(ckpt):
 
 
 def test_minimal_only_when_asked(ckpt):
-    from moeshard.load import plan_load
+    from moeshard.ops.load import plan_load
     from moeshard.plan import minimal_cost
 
     model = _meta_model()

@@ -99,7 +99,7 @@ def lora_worker(paths: dict, scenarios: list) -> list:
         with torch.no_grad():
             rec["logits"] = model(input_ids=ids).logits[0].clone()
         # Every LoRA tensor, gathered: per logical expert (every copy) equal to the file's.
-        experts = {id(t): (layer, f) for layer, (m, _) in enumerate(moeshard.ep.ep_layers(model))
+        experts = {id(t): (layer, f) for layer, (m, _) in enumerate(moeshard.models.ep.ep_layers(model))
                    for lora in m.moeshard_lora for t, f in ((lora.a(), "A"), (lora.b(), "B"))}
         bad = []
         for t, p in mlora.adapter_tensors(model, pl):

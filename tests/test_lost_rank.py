@@ -97,11 +97,11 @@ def _steps(model, pl, root: str) -> dict:
     return {
         "load-enter": (moeshard, "load", lambda: moeshard.load(model, ckpt, placement=pl)),
         # storage="single": rank 0 reads everything and sends to the others, the victim too.
-        "load-execute": (module("moeshard.load"), "execute_schedule",
+        "load-execute": (module("moeshard.ops.load"), "execute_schedule",
                          lambda: moeshard.load(model, ckpt, placement=pl, storage="single")),
         "load-barrier": (_dist, "barrier", lambda: moeshard.load(model, ckpt, placement=pl)),
-        "relocate": (module("moeshard.relocate"), "_execute", lambda: moeshard.relocate(model, pl, new)),
-        "save": (module("moeshard.save"), "_write_shards",
+        "relocate": (module("moeshard.ops.relocate"), "_execute", lambda: moeshard.relocate(model, pl, new)),
+        "save": (module("moeshard.ops.save"), "_write_shards",
                  lambda: moeshard.save(model, os.path.join(root, "out"), placement=pl, fsync=False)),
     }
 

@@ -19,11 +19,11 @@ from test_cluster_plan import DEEPSEEK_V3, MIXTRAL, QWEN2_MOE
 from test_plan import DOWN, SMALL, build_case
 
 from moeshard import Placement
-from moeshard.adapters import ExpertParam, expert_parts
+from moeshard.models.adapters import ExpertParam, expert_parts
 from moeshard.box import Box, full_box
-from moeshard.checkpoint import CheckpointIndex, TensorInfo
+from moeshard.io.checkpoint import CheckpointIndex, TensorInfo
 from moeshard.cluster import ClusterSpec, find_experts, make_placement, synthesize_descs, synthetic_index
-from moeshard.layout import (
+from moeshard.models.layout import (
     ExpertRef, Need, ParamDesc, _find_key, check_cast, compute_needs, need_table, param_boxes, rank_boxes, shard_boxes,
 )
 from moeshard.plan.needs import NeedTable

@@ -14,7 +14,7 @@ import pytest
 
 from moeshard import Placement, Topology
 from moeshard.box import full_box
-from moeshard.relocation import ExpertTensor, plan_relocation
+from moeshard.plan.relocation import ExpertTensor, plan_relocation
 
 SLICE = [(6, 4), (4, 3)]  # two tensors per layer: gate_up-like [6, 4], down-like [4, 3]
 

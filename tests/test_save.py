@@ -117,7 +117,7 @@ def save_worker(ckpts: dict, out_root: str, scenarios: list) -> list:
     import moeshard
 
     # The module, even where the package exports a function of the same name (moeshard.save).
-    msave = importlib.import_module("moeshard.save")
+    msave = importlib.import_module("moeshard.ops.save")
     rank = dist.get_rank()
     meshes = {}
     results = []
@@ -368,7 +368,7 @@ def test_single_process_plain_model(tmp_path, caplog):
     """Without a process group, a plain model is written like save_pretrained writes it."""
     import logging
 
-    from moeshard.save import save
+    from moeshard.ops.save import save
 
     torch.manual_seed(0)
     model = build("qwen-bf16-tied", meta=False)
@@ -397,8 +397,8 @@ def test_writer_boxes_any_order(tmp_path):
     """The streaming writer puts boxes cut along any dims, written in any order, in place."""
     from safetensors.torch import load_file
 
-    from moeshard.save import _ShardWriter
-    from moeshard.save_plan import Segment, _Out, plan_save
+    from moeshard.ops.save import _ShardWriter
+    from moeshard.plan.save import Segment, _Out, plan_save
 
     a = torch.arange(5 * 6 * 7, dtype=torch.float32).reshape(5, 6, 7)
     b = torch.arange(3, dtype=torch.bfloat16)
@@ -424,7 +424,7 @@ def test_writer_boxes_any_order(tmp_path):
 
 
 def test_plan_balances_and_checks_tiling():
-    from moeshard.save_plan import Segment, _Out, plan_save
+    from moeshard.plan.save import Segment, _Out, plan_save
 
     # A [64, 8] tensor FSDP-sharded over 4 ranks, and 8 whole tensors each held by two ranks.
     outs = [_Out("dense", (64, 8), "F32", [Segment(r, 0, ((16 * r, 16), (0, 8)), (), (-16 * r, 0)) for r in range(4)])]

@@ -19,7 +19,7 @@ import torch
 
 import moeshard
 import tiny_moe
-from moeshard.layout import cast_refusal
+from moeshard.models.layout import cast_refusal
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 E = tiny_moe.NUM_EXPERTS
@@ -368,7 +368,7 @@ def test_lora_load_applies_the_cast_rule_and_strict(tmp_path):
 
 def test_expert_keys_match_the_spec_templates():
     # unused_keys builds every expert's keys by concatenation; any template gives keys() alike.
-    from moeshard.layout import ExpertRef, _expert_keys
+    from moeshard.models.layout import ExpertRef, _expert_keys
 
     params = list(moeshard.HF_EXPERTS.params) + [moeshard.ExpertParam("w", ("{e:03d}.w.weight",)),
                                                  moeshard.ExpertParam("w", ("{e}.w{e}.weight", "bias"))]
@@ -381,8 +381,8 @@ def test_expert_keys_match_the_spec_templates():
 def test_adapter_config_is_checked_after_the_key_checks():
     """The adapter checks go on past the key and dtype checks to adapter_config.json's r and
     lora_alpha (a regression: an early return once skipped them)."""
-    from moeshard.checkpoint import CheckpointIndex
-    from moeshard.lora import _check_adapter
+    from moeshard.io.checkpoint import CheckpointIndex
+    from moeshard.ops.lora import _check_adapter
 
     empty = CheckpointIndex("adapter", {}, {})
     scalings = {"default": (8, 2.0)}

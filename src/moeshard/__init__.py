@@ -2,18 +2,18 @@
 
 from . import eplb, lora
 from ._dist import DistributedError, PeerLostError
-from .adapters import ExpertParam, ExpertsSpec, HF_EXPERTS, MIXTRAL_EXPERTS
-from .ep import clip_grad_norm_, grad_norm, sync_redundant_grads
-from .checkpoint import CheckpointError, CheckpointIndex, CheckpointReader, write_checkpoint
-from .load import LoadReport, load, materialize
-from .parallel import make_mesh, parallelize
+from .io.checkpoint import CheckpointError, CheckpointIndex, CheckpointReader, write_checkpoint
+from .models.adapters import HF_EXPERTS, MIXTRAL_EXPERTS, ExpertParam, ExpertsSpec
+from .models.ep import clip_grad_norm_, grad_norm, sync_redundant_grads
+from .models.parallel import make_mesh, parallelize
+from .ops.load import LoadReport, load, materialize
+from .ops.relocate import RelocationReport, relocate
+from .ops.save import SaveError, SaveReport, save
+from .ops.verify import VerificationError, VerifyReport, verify
 from .placement import Placement
 from .plan import Schedule, plan_transfers
-from .relocate import RelocationReport, relocate
-from .relocation import RelocationPlan, plan_relocation
-from .save import SaveError, SaveReport, save
+from .plan.relocation import RelocationPlan, plan_relocation
 from .topology import Topology
-from .verify import VerificationError, VerifyReport, verify
 
 __all__ = [
     "CheckpointError", "CheckpointIndex", "CheckpointReader", "DistributedError", "ExpertParam",

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from . import _dist
-from .checkpoint import CheckpointIndex, CheckpointReader
+from .io.checkpoint import CheckpointIndex, CheckpointReader
 from .plan.schedule import Schedule
 
 __all__ = ["ExecStats", "execute_schedule", "node_groups"]

@@ -39,7 +39,6 @@ Docs: ``docs/storage-and-cost-model.md``.
 from __future__ import annotations
 
 from .baselines import baseline_costs
-from .command import STORAGE_MODES, main, run
 from .cost import LinkBytes, StrategyCost
 from .estimate import Bandwidth, estimate_time, parse_bandwidth
 from .experts import ExpertModule, MoeLayout, find_experts
@@ -52,7 +51,7 @@ from .synthetic import num_params, read_config, synthetic_index
 
 __all__ = [
     "ClusterSpec", "Bandwidth", "ExpertModule", "MoeLayout", "StrategyCost", "RelocationSummary", "LinkBytes",
-    "STORAGE_MODES", "read_config", "synthetic_index", "num_params", "make_placement", "run", "find_experts",
+    "read_config", "synthetic_index", "num_params", "make_placement", "find_experts",
     "synthesize_descs", "moeshard_cost", "plan_storage_modes", "baseline_costs", "estimate_time",
-    "plan_relocation_summary", "parse_bandwidth", "format_report", "main",
+    "plan_relocation_summary", "parse_bandwidth", "format_report",
 ]

@@ -8,8 +8,8 @@ from typing import Sequence
 import numpy as np
 
 from ..box import box_numel
-from ..checkpoint import DTYPES, CheckpointIndex
-from ..layout import ParamDesc, _local_boxes
+from ..io.checkpoint import DTYPES, CheckpointIndex
+from ..models.layout import ParamDesc, _local_boxes
 from ..plan import NeedTable
 from .cost import StrategyCost
 from .spec import ClusterSpec

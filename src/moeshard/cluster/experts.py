@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..adapters import ExpertParam
-from ..checkpoint import CheckpointIndex
+from ..io.checkpoint import CheckpointIndex
+from ..models.adapters import ExpertParam
 
 __all__ = ["ExpertModule", "MoeLayout", "find_experts"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..checkpoint import DTYPES, CheckpointIndex
-from ..layout import ExpertRef, ParamDesc
+from ..io.checkpoint import DTYPES, CheckpointIndex
+from ..models.layout import ExpertRef, ParamDesc
 from ..placement import Placement
 from .experts import MoeLayout
 from .spec import ClusterSpec

@@ -9,8 +9,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..checkpoint import CheckpointIndex
-from ..load import storage_sources
+from ..io.checkpoint import CheckpointIndex
+from ..io.sources import storage_sources
 from ..plan import NeedTable, Schedule, minimal_cost, plan_transfers
 from ..topology import Topology
 from .cost import LinkBytes, StrategyCost

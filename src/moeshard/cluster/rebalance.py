@@ -9,7 +9,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..layout import ParamDesc, _local_boxes
+from ..models.layout import ParamDesc, _local_boxes
 from ..placement import Placement
 from .cost import LinkBytes
 from .spec import ClusterSpec
@@ -38,7 +38,7 @@ def plan_relocation_summary(descs: Sequence[ParamDesc], old: Placement, loads: n
     """Rebalance ``loads`` (``float[num_moe_layers, num_logical]``) from ``old`` with EPLB's
     migration-aware policy and plan the relocation of every expert tensor (pure)."""
     from .. import eplb
-    from ..relocation import ExpertTensor, plan_relocation
+    from ..plan.relocation import ExpertTensor, plan_relocation
 
     loads = np.asarray(loads)
     if loads.ndim != 2 or loads.shape != (old.num_layers, old.num_logical):

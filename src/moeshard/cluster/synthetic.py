@@ -10,7 +10,7 @@ import math
 import os
 from pathlib import Path
 
-from ..checkpoint import DTYPES, CheckpointIndex, TensorInfo, load_json
+from ..io.checkpoint import DTYPES, CheckpointIndex, TensorInfo, load_json
 
 __all__ = ["read_config", "synthetic_index", "num_params"]
 

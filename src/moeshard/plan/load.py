@@ -33,7 +33,7 @@ import numpy as np
 
 from .._gc import paused_gc
 from ..box import split_box
-from ..checkpoint import CheckpointIndex
+from ..io.checkpoint import CheckpointIndex
 from ..topology import Topology
 from .arrays import expand_runs, run_starts, seg_excl_cumsum
 from .needs import NeedTable

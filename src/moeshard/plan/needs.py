@@ -134,7 +134,7 @@ class NeedTable:
 
     def to_needs(self) -> list:
         """The rows as :class:`~moeshard.layout.Need` tuples (for tests and small tools)."""
-        from ..layout import Need
+        from ..models.layout import Need
 
         out = []
         ndim = self.ndim.tolist()

@@ -15,11 +15,11 @@ __all__ = ["main"]
 
 # subcommand -> (module, help)
 COMMANDS = {
-    "demo": ("moeshard.demo", "build a small MoE checkpoint, load it on 8 local ranks, rebalance, verify, report"),
-    "inspect": ("moeshard.inspection", "what a checkpoint holds, from its headers only: layout, bytes, problems"),
-    "plan": ("moeshard.cluster", "the transfer plan of a load or rebalance on a given cluster, without a cluster"),
-    "verify": ("moeshard.verify_cli", "under torchrun: load a checkpoint with a saved placement, verify, report slots"),
-    "bench": ("moeshard.bench.relocate", "benchmarks that print figures and write JSON ('bench relocate')"),
+    "demo": ("moeshard.cli.demo", "build a small MoE checkpoint, load it on 8 local ranks, rebalance, verify, report"),
+    "inspect": ("moeshard.cli.inspect", "what a checkpoint holds, from its headers only: layout, bytes, problems"),
+    "plan": ("moeshard.cli.plan", "the transfer plan of a load or rebalance on a given cluster, without a cluster"),
+    "verify": ("moeshard.cli.verify", "under torchrun: load a checkpoint with a saved placement, verify, report slots"),
+    "bench": ("moeshard.cli.bench.relocate", "benchmarks that print figures and write JSON ('bench relocate')"),
 }
 
 

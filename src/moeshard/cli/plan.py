@@ -14,21 +14,21 @@ from pathlib import Path
 import numpy as np
 
 from .._gc import paused_gc
-from ..checkpoint import CheckpointIndex
-from ..layout import need_table
-from ..load import storage_sources
+from ..cluster.baselines import baseline_costs
+from ..cluster.cost import StrategyCost
+from ..cluster.estimate import Bandwidth, estimate_time, parse_bandwidth
+from ..cluster.experts import MoeLayout, find_experts
+from ..cluster.model import make_placement, synthesize_descs
+from ..cluster.plans import plan_storage_modes
+from ..cluster.rebalance import plan_relocation_summary
+from ..cluster.render import format_report
+from ..cluster.spec import ClusterSpec
+from ..cluster.synthetic import num_params, read_config, synthetic_index
+from ..io.checkpoint import CheckpointIndex
+from ..io.sources import storage_sources
+from ..models.layout import need_table
 from ..placement import Placement
 from ..plan import DEFAULT_STAGING_BYTES
-from .baselines import baseline_costs
-from .cost import StrategyCost
-from .estimate import Bandwidth, estimate_time, parse_bandwidth
-from .experts import MoeLayout, find_experts
-from .model import make_placement, synthesize_descs
-from .plans import plan_storage_modes
-from .rebalance import plan_relocation_summary
-from .render import format_report
-from .spec import ClusterSpec
-from .synthetic import num_params, read_config, synthetic_index
 
 __all__ = ["STORAGE_MODES", "run", "main"]
 

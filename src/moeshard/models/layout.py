@@ -24,12 +24,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..box import Box, full_box
+from ..io.checkpoint import DTYPES, CheckpointIndex
+from ..placement import Placement
+from ..plan.arrays import expand_runs, unique_rows
+from ..plan.needs import NeedTable
 from .adapters import DEFAULT_SPECS, ExpertParam, ExpertsSpec, checkpoint_names, expert_parts, specs_for
-from .box import Box, full_box
-from .checkpoint import CheckpointIndex, DTYPES
-from .placement import Placement
-from .plan.arrays import expand_runs, unique_rows
-from .plan.needs import NeedTable
 
 __all__ = ["ExpertRef", "ParamDesc", "Need", "describe_model", "need_table", "compute_needs", "shard_boxes",
            "param_boxes", "rank_boxes", "local_tensor", "expert_layers",

@@ -21,17 +21,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _dist
-from .adapters import DEFAULT_SPECS, ExpertParam, ExpertsSpec, read_expert_box
-from .box import Box, box_shape, full_box
-from .checkpoint import CheckpointIndex, CheckpointReader
-from .ep import set_placement
-from .layout import ExpertRef, ParamDesc, _local_boxes, _part_sizes, describe_model, expert_layers, local_tensor
-from .load import Storage, reader_root, resolve_sources
-from .placement import Placement
-from .progress import Progress, progress_enabled
-from .relocation import DEFAULT_MAX_OPS, DEFAULT_STAGING_BYTES, ExpertTensor, RelocationPlan, plan_relocation
-from .topology import Topology
+from .. import _dist
+from ..box import Box, box_shape, full_box
+from ..io.checkpoint import CheckpointIndex, CheckpointReader
+from ..io.sources import Storage, reader_root, resolve_sources
+from ..models.adapters import DEFAULT_SPECS, ExpertParam, ExpertsSpec, read_expert_box
+from ..models.ep import set_placement
+from ..models.layout import ExpertRef, ParamDesc, _local_boxes, _part_sizes, describe_model, expert_layers, local_tensor
+from ..placement import Placement
+from ..plan.relocation import DEFAULT_MAX_OPS, DEFAULT_STAGING_BYTES, ExpertTensor, RelocationPlan, plan_relocation
+from ..progress import Progress, progress_enabled
+from ..topology import Topology
 
 __all__ = ["RelocationReport", "relocate", "describe_expert_tensors"]
 

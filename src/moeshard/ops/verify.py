@@ -33,15 +33,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _dist
-from .adapters import DEFAULT_SPECS, ExpertsSpec
-from .box import box_numel, box_shape, box_slices
-from .checkpoint import CheckpointReader
-from .layout import Need, local_tensor
-from .load import Storage, target_device, checked_unused_keys, plan_load, reader_root, resolve_sources
-from .placement import Placement
-from .plan import Schedule
-from .topology import Topology
+from .. import _dist
+from ..box import box_numel, box_shape, box_slices
+from ..io.checkpoint import CheckpointReader
+from ..io.sources import Storage, reader_root, resolve_sources
+from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
+from ..models.layout import Need, local_tensor
+from ..placement import Placement
+from ..plan import Schedule
+from ..topology import Topology
+from .load import checked_unused_keys, plan_load, target_device
 
 __all__ = ["VerifyReport", "VerificationError", "verify"]
 
@@ -285,7 +286,7 @@ def _slot_origin(d, rank: int) -> int:
     """Global slot offset of this rank's local expert tensor."""
     if d.mesh is None:
         return 0
-    from .layout import _local_boxes
+    from ..models.layout import _local_boxes
 
     boxes = _local_boxes(d.shape, d.mesh.shape, d.placements)
     flat = d.mesh.reshape(-1).tolist()

@@ -40,10 +40,10 @@ from typing import Sequence
 
 import numpy as np
 
-from ._gc import paused_gc
-from .box import Box, box_numel, split_box
-from .placement import Placement
-from .topology import Topology
+from .._gc import paused_gc
+from ..box import Box, box_numel, split_box
+from ..placement import Placement
+from ..topology import Topology
 
 __all__ = [
     "ExpertTensor", "Part", "Move", "Stash", "Round", "RelocationCost", "RelocationPlan",

@@ -26,12 +26,12 @@ from typing import Sequence
 
 import numpy as np
 
-from ._gc import paused_gc
-from .adapters import expert_parts
-from .box import Box, box_numel, split_box
-from .checkpoint import DTYPE_NAMES, DTYPES, CheckpointIndex
-from .layout import ParamDesc, rank_boxes
-from .placement import Placement
+from .._gc import paused_gc
+from ..box import Box, box_numel, split_box
+from ..io.checkpoint import DTYPE_NAMES, DTYPES, CheckpointIndex
+from ..models.adapters import expert_parts
+from ..models.layout import ParamDesc, rank_boxes
+from ..placement import Placement
 
 __all__ = ["Segment", "OutTensor", "SaveFile", "Transfer", "LocalWrite", "SaveCost", "SavePlan",
            "describe_outputs", "plan_save", "shard_name"]

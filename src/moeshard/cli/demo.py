@@ -49,7 +49,7 @@ def build_checkpoint(path: str) -> int:
 def rebalance_plans(placement):
     """Pure, the same on every rank: a skewed load (a Zipf trace) -> the oblivious and the
     migration-aware EPLB placements; then rank 5 dies -> a placement on the live ranks."""
-    from . import eplb
+    from .. import eplb
     from .bench.traces import zipf_trace
 
     load = zipf_trace(NUM_LAYERS, NUM_EXPERTS, 1, seed=3)[0]
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(out_dir: str | None = None) -> int:
-    from ._launch import run_local_ranks
+    from .._launch import run_local_ranks
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

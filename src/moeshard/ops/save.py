@@ -42,18 +42,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _dist
-from ._dist import DistributedError
-from .adapters import DEFAULT_SPECS, ExpertsSpec
-from .box import Box, box_shape, box_slices
-from .checkpoint import DTYPES, INDEX_NAME, CheckpointIndex, _read_header, pwrite_all, safetensors_header
-from .layout import ParamDesc, _persistent_buffers, describe_model, expert_layers, local_tensor
-from .load import _read_peak_rss, _reset_peak_rss, _ru_maxrss_bytes, target_device, resolve_sources
-from .placement import Placement
-from .plan import DEFAULT_STAGING_BYTES
-from .progress import Progress, progress_enabled
-from .save_plan import SavePlan, describe_outputs, plan_save
-from .topology import Topology
+from .. import _dist
+from .._dist import DistributedError
+from ..box import Box, box_shape, box_slices
+from ..io.checkpoint import DTYPES, INDEX_NAME, CheckpointIndex, _read_header, pwrite_all, safetensors_header
+from ..io.sources import resolve_sources
+from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
+from ..models.layout import ParamDesc, _persistent_buffers, describe_model, expert_layers, local_tensor
+from ..placement import Placement
+from ..plan import DEFAULT_STAGING_BYTES
+from ..plan.save import SavePlan, describe_outputs, plan_save
+from ..progress import Progress, progress_enabled
+from ..topology import Topology
+from .load import _read_peak_rss, _reset_peak_rss, _ru_maxrss_bytes, target_device
 
 __all__ = ["SaveError", "SaveReport", "save", "plan_model_save", "DEFAULT_MAX_SHARD_BYTES"]
 

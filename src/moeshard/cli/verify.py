@@ -21,7 +21,7 @@ __all__ = ["main"]
 
 
 def _placement(args, num_layers: int, num_logical: int, ep: int):
-    from .placement import Placement
+    from ..placement import Placement
 
     if args.placement is None:
         return Placement.contiguous(num_layers, num_logical, ep, args.redundant)
@@ -42,10 +42,10 @@ def _slot_report(model, placement, index, reader_root_dir: str) -> list[tuple[in
     checksum is of the slot's bytes, ``ok`` compares it with the checkpoint's (cast alike)."""
     import torch
 
-    from .adapters import read_expert_box
-    from .checkpoint import CheckpointReader
-    from .layout import _local_boxes, expert_layers, local_tensor
-    from .verify import _digest
+    from ..io.checkpoint import CheckpointReader
+    from ..models.adapters import read_expert_box
+    from ..models.layout import _local_boxes, expert_layers, local_tensor
+    from ..ops.verify import _digest
 
     out = []
     with CheckpointReader(index, reader_root_dir) as reader:
@@ -81,7 +81,7 @@ def _build_model(path: str):
         raise ValueError("moeshard verify builds the model with transformers: pip install transformers") from None
     import torch
 
-    from .checkpoint import load_json
+    from ..io.checkpoint import load_json
 
     cfg = os.path.join(path, "config.json")
     if os.path.isfile(cfg):
@@ -109,12 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from . import _dist
-    from .checkpoint import CheckpointIndex
-    from .layout import expert_layers
-    from .load import load, reader_root
-    from .parallel import make_mesh, parallelize
-    from .verify import verify
+    from .. import _dist
+    from ..io.checkpoint import CheckpointIndex
+    from ..io.sources import reader_root
+    from ..models.layout import expert_layers
+    from ..models.parallel import make_mesh, parallelize
+    from ..ops.load import load
+    from ..ops.verify import verify
 
     if not os.path.exists(args.checkpoint):
         print(f"moeshard verify: error: {args.checkpoint} does not exist", file=sys.stderr)

@@ -28,8 +28,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from ._gc import paused_gc
-from .checkpoint import DTYPES, INDEX_NAME, CheckpointError, CheckpointIndex, TensorInfo, _read_header, _read_index
+from .._gc import paused_gc
+from ..io.checkpoint import DTYPES, INDEX_NAME, CheckpointError, CheckpointIndex, TensorInfo, _read_header, _read_index
 
 __all__ = [
     "CheckpointSummary",

@@ -29,7 +29,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .box import Box
+from ..box import Box
 
 __all__ = ["ExpertParam", "ExpertsSpec", "HF_EXPERTS", "MIXTRAL_EXPERTS", "DEFAULT_SPECS", "KEY_RENAMES",
            "checkpoint_names", "expert_parts", "read_expert_box", "specs_for"]

@@ -18,11 +18,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+from ..placement import Placement
 from .adapters import DEFAULT_SPECS, ExpertsSpec
 from .ep import EPLayer, install_ep_forward
 from .layout import expert_layers
 from .lora import expert_lora_wrappers, shard_expert_lora
-from .placement import Placement
 
 __all__ = ["make_mesh", "parallelize"]
 

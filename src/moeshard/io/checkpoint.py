@@ -50,7 +50,7 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
-from .box import Box, box_numel, box_shape, check_box, full_box
+from ..box import Box, box_numel, box_shape, check_box, full_box
 
 __all__ = ["TensorInfo", "CheckpointIndex", "CheckpointReader", "CheckpointError", "write_checkpoint",
            "safetensors_header", "pwrite_all", "load_json"]

@@ -66,7 +66,7 @@ MODULE = "model.layers.{layer}.mlp.experts"
 
 
 def _params():
-    from ..adapters import ExpertParam
+    from ...models.adapters import ExpertParam
 
     return [ExpertParam("w13", ("{e}.w13.weight",)), ExpertParam("w2", ("{e}.w2.weight",))]
 
@@ -75,7 +75,7 @@ def write_checkpoint(cfg: Config, path: str) -> None:
     """Random bf16 experts, one key per (layer, expert, tensor); skipped when already there."""
     import torch
 
-    from ..checkpoint import write_checkpoint as write
+    from ...io.checkpoint import write_checkpoint as write
 
     marker = os.path.join(path, "bench-config.json")
     want = json.dumps({k: v for k, v in asdict(cfg).items() if k in ("layers", "experts", "hidden", "inter")})
@@ -109,7 +109,7 @@ def drop_cache(path: str) -> None:
 
 def policy_trace(cfg: Config) -> tuple[list[dict], list, list]:
     """Both policies over the trace, each following its own chain of placements (pure)."""
-    from .. import eplb
+    from ... import eplb
     from .traces import zipf_trace
 
     loads = zipf_trace(cfg.layers, cfg.experts, cfg.steps + 1, seed=cfg.seed)
@@ -164,9 +164,9 @@ def rank_worker(cfg: Config, path: str, aware: list, dead: list) -> dict:
     import torch
     import torch.distributed as dist
 
-    from ..checkpoint import CheckpointIndex, CheckpointReader
-    from ..relocate import relocate
-    from ..topology import Topology
+    from ...io.checkpoint import CheckpointIndex, CheckpointReader
+    from ...ops.relocate import relocate
+    from ...topology import Topology
 
     rank = dist.get_rank()
     topo = Topology(cfg.world, cfg.local_world)
@@ -221,10 +221,10 @@ def rank_worker(cfg: Config, path: str, aware: list, dead: list) -> dict:
 def plan_dsv3(repeat: int = 5) -> dict:
     """Policy + relocation plan for DeepSeek-V3's shape: 58 MoE layers, 256 logical experts,
     288 slots, 8 groups, 32 ranks on 4 nodes (pure; median of ``repeat``)."""
-    from .. import eplb
-    from ..box import full_box
-    from ..relocation import ExpertTensor, plan_relocation
-    from ..topology import Topology
+    from ... import eplb
+    from ...box import full_box
+    from ...plan.relocation import ExpertTensor, plan_relocation
+    from ...topology import Topology
     from .traces import zipf_trace
 
     L, E, P, R, N, G = 58, 256, 288, 32, 4, 8
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = Config(**{k: getattr(args, k) for k in asdict(d)})
     if cfg.num_physical % cfg.world or cfg.world % cfg.local_world or cfg.experts % cfg.groups:
         parser.error("experts + redundant must divide by --world, --world by --local-world, experts by --groups")
-    from .._launch import run_local_ranks
+    from ..._launch import run_local_ranks
 
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "relocate_ckpt")

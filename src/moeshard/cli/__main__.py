@@ -1,0 +1,7 @@
+"""``python -m moeshard.cli``: the ``moeshard`` command."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

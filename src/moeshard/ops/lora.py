@@ -1,0 +1,397 @@
+"""peft LoRA adapters on an EP + FSDP2 model: load and save them through moeshard's planner.
+
+The user builds the model on meta, applies peft, parallelizes, loads::
+
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(config)
+    model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"],
+                                             target_parameters=["mlp.experts.gate_up_proj",
+                                                                "mlp.experts.down_proj"]))
+    moeshard.parallelize(model, mesh, placement)
+    moeshard.lora.load(model, "base_ckpt", "adapter_dir", placement=placement)
+    ...train...
+    moeshard.lora.save_adapter(model, "out_adapter", placement=placement)
+
+Layouts. peft's ``lora.ParamWrapper`` on a fused expert parameter ``[E, out, in]`` holds
+``lora_A.weight [r*E, in]`` (rows expert-major: ``reshape(E, r, in)``) and ``lora_B.weight
+[out, r*E]`` (columns ``reshape(out, r, E)``: the expert is the *fast* index). Expert ``e``'s
+delta is ``scaling * B[:, :, e] @ A[e]``. Under EP a rank keeps its ``S`` slots only:
+
+* ``lora_A``: DTensor ``[r*P, in]``, ``Shard(0)`` on "ep" (local ``[r*S, in]``, slot-major; the
+  rows of physical slot ``p`` are ``p*r .. p*r+r-1``); with expert FSDP also ``Shard(1)``;
+* ``lora_B``: DTensor ``[out, r*P]``, ``Shard(1)`` on "ep" (local ``[out, r*S]`` in peft's
+  ``(r, slot)`` column order, slot fastest); with expert FSDP also ``Shard(0)`` (its rows).
+
+So for EP the A and B of one expert split on different dims, and B's columns of one expert
+are strided: loading and saving use one box per (expert, rank row) of B. Every copy of a
+redundant expert gets its logical expert's factors; saving writes each logical expert once,
+from its first copy. Other LoRA weights (``lora.Linear`` on attention projections) are plain
+FSDP2 parameters: ``Shard(0)`` boxes like any dense weight.
+
+Adapter files are peft's: ``adapter_model.safetensors`` (keys like
+``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``, the model's parameter
+names without the adapter name) and ``adapter_config.json``. One adapter per model
+(``default`` or any single name); LoRA variants (DoRA, biases, embeddings) are refused.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import _dist
+from ..box import Box, box_numel, box_shape, box_slices
+from ..io.checkpoint import DTYPE_NAMES, CheckpointIndex, CheckpointReader, load_json, pwrite_all, safetensors_header
+from ..models.layout import Need, ParamDesc, check_cast, compute_needs, local_tensor, rank_boxes
+from ..models.lora import AdapterTensor, adapter_desc, adapter_tensors, lora_modules, slot_boxes
+from ..placement import Placement
+from ..plan import DEFAULT_STAGING_BYTES, plan_transfers
+from ..topology import Topology
+from .load import refuse_or_warn
+
+__all__ = ["AdapterError", "AdapterReport", "ADAPTER_WEIGHTS", "ADAPTER_CONFIG", "adapter_tensors", "load",
+           "load_adapter", "save_adapter"]
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+class AdapterError(_dist.DistributedError, ValueError):
+    """Raised on every rank when an adapter does not fit the model (missing or unexpected key,
+    a shape of another LoRA rank ``r``, a config with other ``r`` / ``lora_alpha``) or when
+    loading or saving it failed on any rank; names each failing rank and its message."""
+
+
+
+
+@dataclass(frozen=True)
+class AdapterReport:
+    """What :func:`load_adapter` or :func:`save_adapter` did on this rank; ``unused_keys``:
+    adapter keys the model has no LoRA weight for (only with ``strict=False``)."""
+
+    rank: int
+    num_tensors: int
+    num_boxes: int
+    bytes_rank: int
+    plan: dict
+    unused_keys: tuple[str, ...] = ()
+
+
+def _check_adapter(pairs: list[tuple[AdapterTensor, torch.Tensor]], index: CheckpointIndex, config: dict | None,
+                   path: str, scalings: dict[str, tuple[int, float]], strict: bool = True) -> tuple[str, ...]:
+    """ValueError for a key set, shape, dtype (the cast rule, :func:`moeshard.layout.check_cast`)
+    or config that does not fit the model's adapter. Returns the adapter's keys the model has
+    no LoRA weight for (an error when ``strict``, else logged as a warning on rank 0)."""
+    want = {t.key: (t, p) for t, p in pairs}
+    for key in want:
+        if key not in index:
+            t = want[key][0]
+            raise ValueError(f"adapter {path} has no tensor {key!r} (the model expects a LoRA weight of shape "
+                             f"{list(t.shape)}, {t.what})")
+    extra = tuple(sorted(index.tensors.keys() - want.keys()))
+    if extra:
+        refuse_or_warn(f"adapter {path} has tensor {extra[0]!r} ({len(extra)} such), which the model has no LoRA "
+                       f"weight for; the model's adapter keys are like {sorted(want)[0]!r}",
+                       strict, "moeshard.lora.load_adapter")
+    for key, (t, p) in want.items():
+        info = index.info(key)
+        if tuple(info.shape) != t.shape:
+            raise ValueError(f"adapter tensor {key!r} has shape {list(info.shape)}, the model expects "
+                             f"{list(t.shape)} ({t.what})")
+        check_cast(f"LoRA weight {t.name}", key, index, p.dtype)
+    if config is not None:
+        for adapter, (r, scaling) in scalings.items():
+            cr = config.get("r")
+            alpha = config.get("lora_alpha", cr)
+            if cr != r:
+                raise ValueError(f"{path}/{ADAPTER_CONFIG}: r={cr}, the model's adapter {adapter!r} has r={r}")
+            cs = alpha / (cr ** 0.5 if config.get("use_rslora") else cr)
+            if not np.isclose(cs, scaling, rtol=1e-6):
+                raise ValueError(f"{path}/{ADAPTER_CONFIG}: lora_alpha={alpha} gives scaling {cs}, the model's "
+                                 f"adapter {adapter!r} has scaling {scaling}")
+    return extra
+
+
+def _needs(items: list[tuple[AdapterTensor, ParamDesc]], index: CheckpointIndex, placement: Placement | None,
+           world_size: int) -> list[Need]:
+    plain = [(i, d) for i, (t, d) in enumerate(items) if not t.factor]
+    needs = [n._replace(param=plain[n.param][0]) for n in compute_needs([d for _, d in plain], index, None, world_size)]
+    for i, (t, d) in enumerate(items):
+        if t.factor:
+            assert placement is not None
+            needs.extend(Need(rank, i, dest, t.key, src) for rank, _, dest, src in slot_boxes(t, d, placement, world_size))
+    return needs
+
+
+def _scalings(model: nn.Module) -> dict[str, tuple[int, float]]:
+    out = {}
+    for m in lora_modules(model).values():
+        for adapter in m.lora_A.keys():
+            out[adapter] = (int(m.r[adapter]), float(m.scaling[adapter]))
+    return out
+
+
+def _agree(step, what: str, fingerprint=None):
+    with _dist.errors_as(AdapterError):
+        return _dist.agree(step, what, fingerprint=fingerprint)
+
+
+def load_adapter(
+    model: nn.Module,
+    adapter: str | os.PathLike,
+    placement: Placement | None = None,
+    storage: str = "auto",
+    *,
+    topology: Topology | None = None,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+    device: torch.device | None = None,
+    strict: bool = True,
+) -> AdapterReport:
+    """Collective (every rank): load a peft adapter directory (or its ``.safetensors`` file)
+    into the LoRA weights of a parallelized peft model, every rank its own boxes: FSDP shards
+    of attention adapters, its slots' rows of expert ``lora_A`` and columns of ``lora_B``
+    (every copy of a redundant expert gets its logical expert's). Reads, P2P and storage
+    modes are :func:`moeshard.load`'s (the same planner and executor).
+
+    ``strict=False`` loads an adapter with keys the model has no LoRA weight for (a warning;
+    ``AdapterReport.unused_keys``); a missing key is always an error.
+
+    Raises:
+        AdapterError (a ValueError) on every rank: an adapter key missing or unexpected, a
+            shape of another rank r or expert count, a dtype the cast rule refuses, ``adapter_config.json``'s r / lora_alpha
+            different from the model's, a failed read.
+    """
+    from ..execute import execute_schedule, node_groups
+    from ..io.sources import resolve_sources
+    from .load import materialize
+
+    topo = (topology or Topology.from_env())
+    rank = _dist.rank_and_world()[0]
+    topo = topo.with_rank(rank)
+    path = Path(os.fspath(adapter))
+    weights = path if path.suffix == ".safetensors" else path / ADAPTER_WEIGHTS
+    root = weights.parent
+
+    dev = _agree(lambda: materialize(model, device), "moeshard.lora.load_adapter: materializing the model")
+    mode, readers, scope, index = resolve_sources(str(weights), storage, topo, weights.is_file())
+    first = int(np.flatnonzero(readers)[0])
+
+    def read_config():
+        if rank != first or not (root / ADAPTER_CONFIG).is_file():
+            return None
+        return load_json(root / ADAPTER_CONFIG, "unreadable adapter config")  # untrusted: errors name the file
+
+    what = f"moeshard.lora.load_adapter: reading {ADAPTER_CONFIG}"
+    config = _dist.broadcast_object(_agree(read_config, what), src=first, what=what)
+
+    def make_plan():
+        pairs = adapter_tensors(model, placement)
+        unused = _check_adapter(pairs, index, config, str(root), _scalings(model), strict)
+        items = [(t, adapter_desc(t, p)) for t, p in pairs]
+        needs = _needs(items, index, placement, topo.world_size)
+        return pairs, plan_transfers(needs, index, topo, readers, scope=scope, staging_bytes=staging_bytes), unused
+
+    pairs, plan, unused = _agree(make_plan, f"moeshard.lora.load_adapter: planning {weights}",
+                         fingerprint=lambda pp: pp[1].fingerprint)
+    reader = CheckpointReader(index, str(root)) if readers[rank] else None
+    group = node_groups(topo.local_world_size) if plan.has_broadcasts else None
+    try:
+        with torch.no_grad(), _dist.errors_as(AdapterError):
+            stats = execute_schedule(plan, rank, reader, index, [local_tensor(p) for _, p in pairs], dev, node_group=group,
+                                 what="moeshard.lora.load_adapter: executing the plan")
+    finally:
+        if reader is not None:
+            reader.close()
+    _dist.barrier("moeshard.lora.load_adapter: finishing")
+    return AdapterReport(rank, len(pairs), int((plan.dlv_rank == rank).sum()),
+                         stats.bytes_read + stats.bytes_received, plan.cost.summary(), unused_keys=unused)
+
+
+def load(model: nn.Module, checkpoint, adapter, placement: Placement | None = None, storage: str = "auto", **kwargs):
+    """Collective: :func:`moeshard.load` of the base ``checkpoint`` (its keys have no peft
+    prefixes), then :func:`load_adapter`; ``strict`` (default True) applies to both. Returns
+    ``(LoadReport, AdapterReport)``."""
+    from .load import load as load_base
+
+    base = load_base(model, checkpoint, placement=placement, storage=storage, **kwargs)
+    keep = {k: kwargs[k] for k in ("topology", "staging_bytes", "device", "strict") if k in kwargs}
+    return base, load_adapter(model, adapter, placement=placement, storage=storage, **keep)
+
+
+# -- save -----------------------------------------------------------------------------------
+
+
+def _segments(items, placement, world_size) -> list[list[tuple[int, int, Box, Box]]]:
+    """Per adapter tensor, ``(rank, param, local box, file box)`` covering the file tensor
+    exactly once: an expert's factors from its first copy, a dense box from its first holder."""
+    out = []
+    for i, (t, d) in enumerate(items):
+        segs = []
+        if t.factor:
+            first = placement.log2phy[t.layer, :, 0]
+            segs = [(rank, i, dest, src) for rank, p, dest, src in slot_boxes(t, d, placement, world_size)
+                    if first[int(placement.phy2log[t.layer, p])] == p]
+        else:
+            seen = set()
+            for rank, box in rank_boxes(d, world_size):
+                if all(n for _, n in box) and box not in seen:
+                    seen.add(box)
+                    segs.append((rank, i, tuple((0, n) for _, n in box), box))
+        total = sum(box_numel(s[3]) for s in segs)
+        if total != int(np.prod(t.shape)):
+            raise ValueError(f"adapter tensor {t.key!r}: the ranks hold {total} of its {int(np.prod(t.shape))} "
+                             "elements (a logical expert with no slot?)")
+        out.append(segs)
+    return out
+
+
+def _header(items) -> tuple[bytes, list[int]]:
+    """safetensors header (keys sorted) and each item's data offset."""
+    order = sorted(range(len(items)), key=lambda i: items[i][0].key)
+    offsets, entries, pos = [0] * len(items), [], 0
+    for i in order:
+        t, d = items[i]
+        n = int(np.prod(t.shape)) * d.dtype.itemsize
+        entries.append((t.key, DTYPE_NAMES[d.dtype], t.shape, pos, pos + n))
+        offsets[i] = pos
+        pos += n
+    return safetensors_header(entries), offsets
+
+
+def save_adapter(
+    model: nn.Module,
+    out_dir: str | os.PathLike,
+    placement: Placement | None = None,
+    *,
+    single_writer: bool = False,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+) -> AdapterReport:
+    """Collective (every rank): write the model's LoRA weights as a peft adapter
+    (``adapter_model.safetensors`` + ``adapter_config.json``) that ``PeftModel.from_pretrained``
+    loads on one process.
+
+    Each adapter tensor is assembled by one writer rank (tensors spread round-robin over the
+    ranks; ``single_writer=True``: all by rank 0, for ``out_dir`` on storage only rank 0 sees),
+    from the holders of its boxes by P2P; an expert's factors come from its first copy, once.
+    Writers write their tensors at their offsets (known to every rank from the header) in the
+    one file, so ``out_dir`` must be on storage all ranks share unless ``single_writer``. The
+    file is written under a temporary name and renamed once every rank succeeded.
+
+    Raises:
+        AdapterError on every rank if any rank failed.
+    """
+    rank, world = _dist.rank_and_world()
+    out = Path(os.fspath(out_dir))
+
+    def make_plan():
+        items = [(t, adapter_desc(t, p)) for t, p in adapter_tensors(model, placement)]
+        if not items:
+            raise ValueError("the model has no LoRA weights")
+        for t, d in items:
+            if d.dtype not in DTYPE_NAMES:
+                raise ValueError(f"adapter tensor {t.key!r}: dtype {d.dtype} cannot be stored in safetensors")
+        segs = _segments(items, placement, world)
+        writers = [0 if single_writer else i % world for i in range(len(items))]
+        head, offsets = _header(items)
+        return items, segs, writers, head, offsets
+
+    items, segs, writers, head, offsets = _agree(make_plan, "moeshard.lora.save_adapter: planning",
+                                                 fingerprint=lambda x: repr((x[3], x[2])))
+    params = dict(model.named_parameters())
+    locals_ = [local_tensor(params[t.name]) for t, _ in items]
+    tmp = out / f".{ADAPTER_WEIGHTS}.moeshard-tmp"
+
+    def create():
+        if rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(head)
+                f.truncate(len(head) + sum(int(np.prod(t.shape)) * d.dtype.itemsize for t, d in items))
+
+    _agree(create, f"moeshard.lora.save_adapter: creating {tmp}")
+    written = [0]
+
+    def write():
+        _write_tensors(items, segs, writers, offsets, len(head), locals_, tmp, rank, staging_bytes, written)
+
+    _agree(write, f"moeshard.lora.save_adapter: writing {tmp}")
+
+    def finish():
+        if rank == 0:
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, out / ADAPTER_WEIGHTS)
+            config = getattr(model, "peft_config", None)
+            if config:
+                (next(iter(config.values()))).save_pretrained(str(out))
+
+    _agree(finish, f"moeshard.lora.save_adapter: renaming into {out}")
+    mine = sum(1 for s in segs for seg in s if seg[0] == rank)
+    return AdapterReport(rank, len(items), mine, written[0], {"writers": sorted(set(writers))})
+
+
+def _write_tensors(items, segs, writers, offsets, data_start, locals_, path, rank, staging_bytes, written) -> None:
+    """Rounds of whole tensors (at most ``staging_bytes`` of them per round, at least one):
+    holders send their boxes to the tensor's writer in one message per (holder, tensor); the
+    writer assembles the tensor and writes it at its offset. The same rounds on every rank."""
+    rounds, cur, size = [], [], 0
+    for i, (t, d) in enumerate(items):
+        n = int(np.prod(t.shape)) * d.dtype.itemsize
+        if cur and size + n > staging_bytes:
+            rounds.append(cur)
+            cur, size = [], 0
+        cur.append(i)
+        size += n
+    if cur:
+        rounds.append(cur)
+    fd = None
+    if rank in writers:
+        fd = os.open(path, os.O_WRONLY)
+    try:
+        for tensors in rounds:
+            ops, recvs = [], []
+            for i in tensors:
+                w = writers[i]
+                by_holder: dict[int, list] = {}
+                for seg in segs[i]:
+                    by_holder.setdefault(seg[0], []).append(seg)
+                for h in sorted(by_holder):
+                    if h == w:
+                        continue
+                    if rank == h:
+                        buf = torch.cat([locals_[p][box_slices(lb)].reshape(-1) for _, p, lb, _ in by_holder[h]])
+                        ops.append(dist.P2POp(dist.isend, buf, w))
+                    elif rank == w:
+                        n = sum(box_numel(fb) for *_, fb in by_holder[h])
+                        buf = locals_[i].new_empty(n)
+                        ops.append(dist.P2POp(dist.irecv, buf, h))
+                        recvs.append((i, by_holder[h], buf))
+            _dist.start_p2p(ops, "moeshard.lora.save_adapter: sending the tensors to their writers")()
+            for i in tensors:
+                if writers[i] != rank:
+                    continue
+                t, d = items[i]
+                full = torch.empty(t.shape, dtype=d.dtype)
+                for holder, p, lb, fb in segs[i]:
+                    if holder == rank:
+                        full[box_slices(fb)] = locals_[p][box_slices(lb)].cpu()
+                for j, hsegs, buf in recvs:
+                    if j != i:
+                        continue
+                    pos = 0
+                    for *_, fb in hsegs:
+                        n = box_numel(fb)
+                        full[box_slices(fb)] = buf[pos : pos + n].view(box_shape(fb)).cpu()
+                        pos += n
+                data = full.contiguous().view(torch.uint8).numpy().tobytes()
+                pwrite_all(fd, data, data_start + offsets[i])
+                written[0] += len(data)
+    finally:
+        if fd is not None:
+            os.close(fd)
