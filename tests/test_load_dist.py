@@ -64,7 +64,7 @@ def _run_low_level(model, pl, path, config, pname, ckpt) -> dict:
     import torch.distributed as dist
 
     import moeshard
-    from moeshard.execute import execute_schedule, node_groups
+    from moeshard.execute import ReaderSource, TensorSink, execute_schedule, node_groups
     from moeshard.models.layout import compute_needs, describe_model, local_tensor
     from moeshard.plan import plan_transfers
 
@@ -83,7 +83,8 @@ def _run_low_level(model, pl, path, config, pname, ckpt) -> dict:
     tiny_moe.scramble(model)
     reader = moeshard.CheckpointReader(index) if rank == 0 else None
     with torch.no_grad():
-        stats = execute_schedule(plan, rank, reader, index, dests, torch.device("cpu"), node_group=group)
+        stats = execute_schedule(plan, rank, ReaderSource(plan, reader, index), TensorSink(plan, dests, rank),
+                                 torch.device("cpu"), node_group=group).check()
     if reader is not None:
         reader.close()
     dist.barrier()

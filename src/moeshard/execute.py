@@ -1,22 +1,30 @@
 """The one runner: a :class:`~moeshard.plan.schedule.Schedule` with torch.distributed.
 
+Load, LoRA load, relocation, save and LoRA save all run here; they differ only in their
+*source* (where pieces come from: a checkpoint reader, or views of local tensors) and their
+*sink* (where pieces go: views of local tensors, or a shard writer).
+
 Every rank runs the rounds it takes part in, in the schedule's order, and posts only its own
 rows, so P2P ops pair up without any loop over ranks and without deadlock (round t's
-participants all finished their earlier rounds). Per round: read the pieces it sends first in
-this round into staging buffers, post the round's P2P ops as one batch, do a share of this
-rank's local reads while the batch is in flight, wait, join the round's node broadcasts,
-deliver what arrived, free the buffers it no longer sends. Nothing calls a device synchronize:
-waits are on the ops' own work handles.
+participants all finished their earlier rounds). Per round: copy the views the schedule
+stashes or copies, read the pieces it sends first in this round, post the round's P2P ops as
+one batch, do a share of this rank's local work (reads and copies of round -1, which go
+straight from storage or a view into place) while the batch is in flight, wait, join the
+round's node broadcasts, make the round's deliveries (after every op of the round: a delivery
+may overwrite a slot that a send of the same round reads), free the buffers it no longer
+needs. Nothing calls a device synchronize: waits are on the ops' own work handles.
 
-A read that fails on one rank (an I/O error, a file changed under the job) does not leave its
-peers blocked in a receive: the rank keeps running the schedule with zeros in place of the
-piece, and after the last round every rank raises one DistributedError naming the failing rank.
+A read or a delivery that fails on one rank (an I/O error, a file changed under the job) does
+not leave its peers blocked in a receive: the rank keeps running the schedule (sending zeros
+in place of a piece it could not read) and records the error in :attr:`ExecStats.failures`;
+:meth:`ExecStats.check` raises the first, and the callers agree on it so that every rank
+raises one DistributedError naming the failing rank.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
@@ -27,15 +35,25 @@ from . import _dist
 from .io.checkpoint import CheckpointIndex, CheckpointReader
 from .plan.schedule import Schedule
 
-__all__ = ["ExecStats", "execute_schedule", "node_groups"]
+__all__ = ["ExecStats", "Source", "Sink", "ReaderSource", "TensorSink", "execute_schedule", "node_groups"]
 
 
 @dataclass
 class ExecStats:
+    """What one rank did: bytes read from storage, sent, received (staging buffers), the
+    peak of staging bytes held at once, and the errors of its failed reads and deliveries."""
+
     bytes_read: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
     peak_staging_bytes: int = 0
+    failures: list = field(default_factory=list)
+
+    def check(self) -> "ExecStats":
+        """Raise this rank's first failure, if any (callers run it inside ``_dist.agree``)."""
+        if self.failures:
+            raise self.failures[0]
+        return self
 
 
 # The default process group that the cached node groups belong to, its world size, and
@@ -83,12 +101,104 @@ def _is_live(group) -> bool:
     return pg_map is None or group in pg_map
 
 
+class Source:
+    """Where one rank's pieces come from. Override what the schedules it runs use."""
+
+    def read(self, pid: int) -> torch.Tensor:
+        """Piece ``pid`` from storage (shape ``piece_len``, any device)."""
+        raise NotImplementedError(f"this source cannot read piece {pid}")
+
+    def read_into(self, pid: int, out: torch.Tensor) -> None:
+        """Piece ``pid`` from storage straight into ``out`` (its shape, cast to its dtype)."""
+        out.copy_(self.read(pid))
+
+    def view(self, v: int) -> torch.Tensor:
+        """The local tensor view of view row ``v`` (shape of the piece that names it)."""
+        raise NotImplementedError(f"this source has no local view {v}")
+
+    def dtype(self, pid: int) -> torch.dtype:
+        """dtype of a buffer that receives piece ``pid``."""
+        raise NotImplementedError
+
+
+class Sink:
+    """Where one rank's pieces go."""
+
+    def target(self, row: int) -> torch.Tensor | None:
+        """The tensor delivery ``row`` writes into in place, if it is one (reads go straight
+        into it); None for a sink that is not memory (a file)."""
+        return None
+
+    def put(self, items: list[tuple[int, torch.Tensor]]) -> None:
+        """Make deliveries: ``(delivery row, data of the piece's shape)`` each. One call per
+        round (a file sink moves them to the host with one synchronization)."""
+        raise NotImplementedError
+
+
+class LocalTensors:
+    """Views ``tensors[param][slot][box]`` of one rank's local tensors, addressed by a
+    schedule's ``(param, slot, off)`` rows and the piece's lengths (slot -1: no slot)."""
+
+    def __init__(self, schedule: Schedule, tensors: Sequence[torch.Tensor | None], rank: int):
+        self.s, self.tensors, self.rank = schedule, tensors, rank
+
+    def at(self, param: int, slot: int, off: np.ndarray, pid: int) -> torch.Tensor:
+        s = self.s
+        nd = int(s.key_ndim[s.piece_key[pid]])
+        t = self.tensors[param]
+        assert t is not None, f"rank {self.rank} has no tensor for parameter {param}"
+        if slot >= 0:
+            t = t[slot]
+        ln = s.piece_len[pid, :nd].tolist()
+        return t[tuple(slice(o, o + n) for o, n in zip(off[:nd].tolist(), ln))]
+
+
+class TensorSink(Sink):
+    """Deliveries into local tensors (parameters, expert slots), cast to their dtype."""
+
+    def __init__(self, schedule: Schedule, tensors: Sequence[torch.Tensor | None], rank: int):
+        self.s, self.local = schedule, LocalTensors(schedule, tensors, rank)
+
+    def target(self, row: int) -> torch.Tensor:
+        s = self.s
+        return self.local.at(int(s.dlv_param[row]), int(s.dlv_slot[row]), s.dlv_off[row], int(s.dlv_piece[row]))
+
+    def put(self, items: list[tuple[int, torch.Tensor]]) -> None:
+        for row, data in items:
+            out = self.target(row)
+            out.copy_(data.view(out.shape))
+
+
+class ReaderSource(Source):
+    """Pieces of checkpoint tensors (a schedule's keys are checkpoint keys), and views of
+    this rank's local tensors (for schedules that send from them)."""
+
+    def __init__(self, schedule: Schedule, reader: CheckpointReader | None, index: CheckpointIndex,
+                 tensors: Sequence[torch.Tensor | None] = (), rank: int = 0):
+        self.s, self.reader, self.index = schedule, reader, index
+        self.local = LocalTensors(schedule, tensors, rank)
+
+    def read(self, pid: int) -> torch.Tensor:
+        assert self.reader is not None
+        return self.reader.read(self.s.piece_name(pid), self.s.piece_box(pid))
+
+    def read_into(self, pid: int, out: torch.Tensor) -> None:
+        assert self.reader is not None
+        self.reader.read(self.s.piece_name(pid), self.s.piece_box(pid), out=out)
+
+    def view(self, v: int) -> torch.Tensor:
+        s = self.s
+        raise NotImplementedError(f"rank {s.view_rank[v]}: a checkpoint source has no local views")
+
+    def dtype(self, pid: int) -> torch.dtype:
+        return self.index.info(self.s.piece_name(pid)).torch_dtype
+
+
 def execute_schedule(
     schedule: Schedule,
     rank: int,
-    reader: CheckpointReader | None,
-    index: CheckpointIndex,
-    dests: Sequence[torch.Tensor | None],
+    source: Source,
+    sink: Sink,
     device: torch.device,
     node_group=None,
     progress: Callable[[int], None] | None = None,
@@ -98,128 +208,139 @@ def execute_schedule(
 
     Args:
         rank: this process's global rank.
-        reader: reads this rank's pieces; None if the schedule gives this rank no reads.
-        index: checkpoint headers (the dtype of each piece).
-        dests: local tensor of every parameter the deliveries name (None where this rank
-            holds nothing); written in place, cast to their dtype.
-        device: where staging buffers live (the device of the model's local tensors).
+        source: reads this rank's pieces (its reads) and gives its views (its copies and the
+            sends from views).
+        sink: takes this rank's deliveries.
+        device: where staging buffers live (the device of the local tensors).
         node_group: this rank's node group, required if the schedule has broadcasts.
-        progress: called with the bytes of each piece this rank reads or receives
-            (:meth:`Schedule.rank_bytes` is their total).
+        progress: called with the bytes of each piece this rank delivers (once per piece,
+            however many places it goes to).
         what: the operation, for error messages (e.g. "moeshard.load: executing the plan").
 
+    Returns this rank's :class:`ExecStats`; failed reads and deliveries are in its
+    ``failures`` (:meth:`ExecStats.check` raises the first).
+
     Raises:
-        DistributedError: on every rank, after the whole schedule ran, if any rank failed a
-            read (without a process group: that read's own error).
         PeerLostError: on the ranks that saw a peer die (a P2P batch or node broadcast with
-            it, or the final exchange), naming the peers where known.
+            it), naming the peers where known.
     """
     s = schedule
     mine = s.for_rank(rank)
     stats = ExecStats()
-    failure: list[Exception] = []  # this rank's failed reads (the first is reported)
-    if len(mine.reads) and reader is None:
-        raise ValueError(f"rank {rank}: the schedule has this rank read the checkpoint, but it cannot")
+    failure = stats.failures
     if len(mine.bcasts) and node_group is None:
         raise ValueError("the schedule has node broadcasts but no node group was given")
     lws = s.topology.local_world_size
 
-    # This rank's deliveries per piece: (local tensor view of the whole box target).
-    targets: dict[int, list[tuple[int, int, tuple[slice, ...]]]] = {}
-    for i in mine.deliveries.tolist():
-        pid = int(s.dlv_piece[i])
-        nd = int(s.key_ndim[s.piece_key[pid]])
-        off, ln = s.dlv_off[i, :nd].tolist(), s.piece_len[pid, :nd].tolist()
-        sl = tuple(slice(o, o + n) for o, n in zip(off, ln))
-        targets.setdefault(pid, []).append((int(s.dlv_param[i]), int(s.dlv_slot[i]), sl))
+    # This rank's deliveries: {round: {piece: [rows]}} in schedule order.
+    dlv_at: dict[int, dict[int, list[int]]] = {}
+    for row, t in zip(mine.deliveries.tolist(), mine.delivery_rounds.tolist()):
+        dlv_at.setdefault(t, {}).setdefault(int(s.dlv_piece[row]), []).append(row)
+    local_rows = dlv_at.pop(-1, {})
 
     def shape(pid: int) -> tuple[int, ...]:
         return tuple(s.piece_len[pid, : int(s.key_ndim[s.piece_key[pid]])].tolist())
 
-    def view(param: int, slot: int, sl: tuple[slice, ...]) -> torch.Tensor:
-        dest = dests[param]
-        assert dest is not None, f"rank {rank} has no tensor for parameter {param}"
-        return (dest[slot] if slot >= 0 else dest)[sl]
-
-    def deliver(pid: int, buf: torch.Tensor) -> None:
-        for param, slot, sl in targets.get(pid, ()):
-            view(param, slot, sl).copy_(buf.view(shape(pid)))
+    def deliver(items: list[tuple[int, torch.Tensor]], nbytes: int) -> None:
+        try:
+            sink.put(items)
+        except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
+            failure.append(e)
+        if progress and nbytes:
+            progress(nbytes)
 
     def read(pid: int) -> torch.Tensor:
-        assert reader is not None
         try:
-            return reader.read(s.piece_name(pid), s.piece_box(pid))
+            buf = source.read(pid)
         except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
             failure.append(e)
             # Peers still expect this piece: send zeros rather than leave them waiting.
-            return torch.zeros(shape(pid), dtype=index.info(s.piece_name(pid)).torch_dtype)
+            buf = torch.zeros(shape(pid), dtype=source.dtype(pid), device=device)
+        stats.bytes_read += int(s.piece_bytes[pid])
+        return buf.to(device, non_blocking=True) if buf.device != device else buf
 
     def local_read(pid: int) -> None:
-        assert reader is not None
-        (dst, *more) = targets[pid]
-        out = view(*dst)
+        rows = local_rows.get(pid, [])
+        out = sink.target(rows[0]) if len(rows) == 1 else None
         try:
-            if not more and out.is_contiguous():
-                # Straight from storage into the parameter (cast on the way): no staging.
-                reader.read(s.piece_name(pid), s.piece_box(pid), out=out.view(shape(pid)))
-            else:
-                deliver(pid, reader.read(s.piece_name(pid), s.piece_box(pid)))
+            if out is not None and out.is_contiguous():
+                # Straight from storage into place (cast on the way): no staging.
+                source.read_into(pid, out.view(shape(pid)))
+                stats.bytes_read += int(s.piece_bytes[pid])
+                if progress:
+                    progress(int(s.piece_bytes[pid]))
+                return
         except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
             failure.append(e)
-        if progress:
-            progress(int(s.piece_bytes[pid]))
+            return
+        buf = read(pid)
+        deliver([(r, buf) for r in rows], int(s.piece_bytes[pid]))
+
+    def local_copy(c: int) -> None:
+        pid = int(s.copy_piece[c])
+        data = source.view(int(s.copy_view[c]))
+        deliver([(r, data) for r in local_rows.get(pid, [])], int(s.piece_bytes[pid]))
 
     def empty(pid: int) -> torch.Tensor:
-        return torch.empty(shape(pid), dtype=index.info(s.piece_name(pid)).torch_dtype, device=device)
+        return torch.empty(shape(pid), dtype=source.dtype(pid), device=device)
 
-    # Per round: pieces to read, P2P rows, broadcast rows; and the last round each buffer of
-    # this rank is sent from (it is freed after it).
+    # Per round: pieces to read, views to copy, P2P rows, broadcast rows; and the last round
+    # each buffer of this rank is used in (it is freed after it).
     reads_at = _by_round(s.read_round[mine.reads], s.read_piece[mine.reads])
+    copies_at = _by_round(s.copy_round[mine.copies], mine.copies)
     sends_at = _by_round(s.send_round[mine.sends], mine.sends)
     order = np.lexsort((s.bcast_piece[mine.bcasts], s.bcast_round[mine.bcasts]))
     bcasts_at = _by_round(s.bcast_round[mine.bcasts][order], mine.bcasts[order])
     last_use: dict[int, int] = {}
-    out_rows = mine.sends[s.send_src[mine.sends] == rank]
+    out_rows = mine.sends[(s.send_src[mine.sends] == rank) & (s.send_view[mine.sends] < 0)]
     out_b = mine.bcasts[s.bcast_root[mine.bcasts] == rank]
-    for pid, t in zip(np.concatenate([s.send_piece[out_rows], s.bcast_piece[out_b]]).tolist(),
-                      np.concatenate([s.send_round[out_rows], s.bcast_round[out_b]]).tolist()):
+    for pid, t in zip(np.concatenate([s.send_piece[out_rows], s.bcast_piece[out_b], s.dlv_piece[mine.deliveries]]).tolist(),
+                      np.concatenate([s.send_round[out_rows], s.bcast_round[out_b], mine.delivery_rounds]).tolist()):
         last_use[pid] = max(last_use.get(pid, -1), t)
-    my_local = list(mine.local_reads().tolist())[::-1]
+    my_local = [("read", p) for p in mine.local_reads().tolist()] + [("copy", c) for c in mine.local_copies().tolist()]
+    my_local.reverse()
+
+    def local_work(n: int) -> None:
+        for _ in range(min(n, len(my_local))):
+            kind, x = my_local.pop()
+            (local_read if kind == "read" else local_copy)(x)
+
     rounds = mine.rounds.tolist()
     bufs: dict[int, torch.Tensor] = {}
     staged = 0
     for step, t in enumerate(rounds):
+        for c in copies_at.get(t, ()):
+            pid = int(s.copy_piece[c])
+            if pid not in bufs:  # a second copy of the same piece (another slot) is the same data
+                bufs[pid] = source.view(int(s.copy_view[c])).clone()
+                staged += int(s.piece_bytes[pid])
         for pid in reads_at.get(t, ()):
-            buf = read(pid)
-            bufs[pid] = buf.to(device, non_blocking=True) if buf.device != device else buf
+            bufs[pid] = read(pid)
             staged += int(s.piece_bytes[pid])
-            deliver(pid, bufs[pid])
-            if progress:
-                progress(int(s.piece_bytes[pid]))
         ops = []
-        received: list[int] = []
         for row in sends_at.get(t, ()):
             pid = int(s.send_piece[row])
             if s.send_src[row] == rank:
-                ops.append(dist.P2POp(dist.isend, bufs[pid], int(s.send_dst[row])))
+                v = int(s.send_view[row])
+                data = bufs[pid] if v < 0 else source.view(v)
+                ops.append(dist.P2POp(dist.isend, data if data.is_contiguous() else data.contiguous(),
+                                      int(s.send_dst[row])))
                 stats.bytes_sent += int(s.piece_bytes[pid])
             else:
                 bufs[pid] = empty(pid)
                 ops.append(dist.P2POp(dist.irecv, bufs[pid], int(s.send_src[row])))
-                received.append(pid)
+                stats.bytes_received += int(s.piece_bytes[pid])
                 staged += int(s.piece_bytes[pid])
         stats.peak_staging_bytes = max(stats.peak_staging_bytes, staged)
         wait = _dist.start_p2p(ops, what) if ops else (lambda: None)
-        # Overlap: a share of this rank's own reads while the batch is in flight.
-        share = math.ceil(len(my_local) / max(len(rounds) - step, 1))
-        for _ in range(min(share, len(my_local))):
-            local_read(my_local.pop())
+        # Overlap: a share of this rank's own work while the batch is in flight.
+        local_work(math.ceil(len(my_local) / max(len(rounds) - step, 1)))
         wait()
         for row in bcasts_at.get(t, ()):
             pid, root = int(s.bcast_piece[row]), int(s.bcast_root[row])
             if root != rank:
                 bufs[pid] = empty(pid)
-                received.append(pid)
+                stats.bytes_received += int(s.piece_bytes[pid])
                 staged += int(s.piece_bytes[pid])
                 stats.peak_staging_bytes = max(stats.peak_staging_bytes, staged)
             else:
@@ -227,25 +348,15 @@ def execute_schedule(
             node = int(s.bcast_node[row])
             with _dist.collective(what, set(s.topology.node_ranks(node)) - {rank}):
                 dist.broadcast(bufs[pid], src=root, group=node_group)
-        for pid in received:
-            stats.bytes_received += int(s.piece_bytes[pid])
-            deliver(pid, bufs[pid])
-            if progress:
-                progress(int(s.piece_bytes[pid]))
+        due = dlv_at.get(t, {})
+        if due:
+            deliver([(r, bufs[pid]) for pid, rows in due.items() for r in rows],
+                    sum(int(s.piece_bytes[pid]) for pid in due))
         for pid in [p for p in bufs if last_use.get(p, -1) <= t]:
             staged -= int(s.piece_bytes[pid])
             del bufs[pid]
-    while my_local:
-        local_read(my_local.pop())
-    if reader is not None:
-        stats.bytes_read = reader.bytes_read
-
-    def outcome() -> ExecStats:
-        if failure:
-            raise failure[0]
-        return stats
-
-    return _dist.agree(outcome, what)
+    local_work(len(my_local))
+    return stats
 
 
 def _by_round(rounds: np.ndarray, values: np.ndarray) -> dict[int, list[int]]:

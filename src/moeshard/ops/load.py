@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .. import _dist
-from ..execute import execute_schedule, node_groups
+from ..execute import ReaderSource, TensorSink, execute_schedule, node_groups
 from ..io.checkpoint import CheckpointIndex, CheckpointReader
 from ..io.sources import Storage, reader_root, resolve_sources
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
@@ -263,10 +263,12 @@ def load(
     dests = [local_tensor(tensors[d.name]) for d in descs]
     try:
         with torch.no_grad():
-            bar = Progress("load", plan.rank_bytes(rank), enabled=progress_enabled(progress),
+            bar = Progress("load", plan.delivered_bytes(rank), enabled=progress_enabled(progress),
                            local_rank=topo.local_rank, node=topo.node)
-            stats = execute_schedule(plan, rank, reader, index, dests, dev, node_group=group, progress=bar.update,
-                                 what="moeshard.load: executing the plan")
+            what = "moeshard.load: executing the plan"
+            stats = _dist.agree(lambda: execute_schedule(
+                plan, rank, ReaderSource(plan, reader, index), TensorSink(plan, dests, rank), dev, node_group=group,
+                progress=bar.update, what=what).check(), what)
             bar.close()
     finally:
         if reader is not None:

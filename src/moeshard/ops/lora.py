@@ -167,7 +167,7 @@ def load_adapter(
             shape of another rank r or expert count, a dtype the cast rule refuses, ``adapter_config.json``'s r / lora_alpha
             different from the model's, a failed read.
     """
-    from ..execute import execute_schedule, node_groups
+    from ..execute import ReaderSource, TensorSink, execute_schedule, node_groups
     from ..io.sources import resolve_sources
     from .load import materialize
 
@@ -203,8 +203,11 @@ def load_adapter(
     group = node_groups(topo.local_world_size) if plan.has_broadcasts else None
     try:
         with torch.no_grad(), _dist.errors_as(AdapterError):
-            stats = execute_schedule(plan, rank, reader, index, [local_tensor(p) for _, p in pairs], dev, node_group=group,
-                                 what="moeshard.lora.load_adapter: executing the plan")
+            what = "moeshard.lora.load_adapter: executing the plan"
+            dests = [local_tensor(p) for _, p in pairs]
+            stats = _dist.agree(lambda: execute_schedule(
+                plan, rank, ReaderSource(plan, reader, index), TensorSink(plan, dests, rank), dev, node_group=group,
+                what=what).check(), what)
     finally:
         if reader is not None:
             reader.close()

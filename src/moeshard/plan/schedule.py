@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -29,6 +29,15 @@ from ..topology import Topology
 from .needs import NeedTable
 
 __all__ = ["PlanCost", "Schedule", "RankSchedule"]
+
+
+
+def _i32() -> np.ndarray:
+    return np.zeros(0, dtype=np.int32)
+
+
+def _i64() -> np.ndarray:
+    return np.zeros(0, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -80,6 +89,24 @@ class Schedule:
             tensor of parameter ``dlv_param`` (in slot ``dlv_slot``). Sorted by (piece, rank).
         num_rounds: rounds are ``0 .. num_rounds - 1``.
         cost: counters; ``cost.peak_staging_bytes`` follows the buffer lifetimes above.
+
+    Local tensors as sources (relocation, save; a load has none):
+
+        view_rank, view_param: ``int32[V]``; view_slot: ``int64[V]``; view_off: ``int64[V, D]``:
+            rank ``view_rank`` holds a piece at ``view_off`` in the local tensor of
+            ``view_param`` (in slot ``view_slot``), addressed like a delivery.
+        send_view: ``int32[S]``: the view a send reads (-1: the sender's buffer of the piece,
+            read, received or copied earlier). Default: all -1.
+        copy_view, copy_piece: ``int32[C]``; copy_round: ``int64[C]``: the view's rank copies
+            the piece into a buffer at the start of the round (before any send of the round
+            and any delivery: a *stash* of a slot that a delivery overwrites before a later
+            send, or a local copy from one slot into another). Round -1: no buffer; the
+            rank's deliveries of that piece are made straight from the view, at any time
+            (like a read of round -1).
+        dlv_round: ``int64[N]``: the round whose end the delivery is made at (after every op
+            of the round on that rank: a delivery may overwrite what a send of the same round
+            reads). Default (None): the round the piece arrives in on that rank (read,
+            received or copied; -1 for a piece read or copied in round -1).
     """
 
     topology: Topology
@@ -109,6 +136,26 @@ class Schedule:
     dlv_off: np.ndarray
     num_rounds: int
     cost: PlanCost
+    view_rank: np.ndarray = field(default_factory=_i32)
+    view_param: np.ndarray = field(default_factory=_i32)
+    view_slot: np.ndarray = field(default_factory=_i64)
+    view_off: np.ndarray | None = None
+    send_view: np.ndarray | None = None
+    copy_view: np.ndarray = field(default_factory=_i32)
+    copy_piece: np.ndarray = field(default_factory=_i32)
+    copy_round: np.ndarray = field(default_factory=_i64)
+    dlv_round: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        # Defaults that depend on the other arrays' sizes (frozen: set once, here).
+        d = self.piece_off.shape[1] if self.piece_off.ndim == 2 else 0
+        if self.view_off is None:
+            object.__setattr__(self, "view_off", np.zeros((len(self.view_rank), d), dtype=np.int64))
+        if self.send_view is None:
+            object.__setattr__(self, "send_view", np.full(len(self.send_src), -1, dtype=np.int32))
+        assert len(self.send_view) == len(self.send_src)
+        assert self.dlv_round is None or len(self.dlv_round) == len(self.dlv_piece)
+        assert len(self.copy_view) == len(self.copy_piece) == len(self.copy_round)
 
     @property
     def num_pieces(self) -> int:
@@ -162,6 +209,11 @@ class Schedule:
         mine = (self.bcast_node == rank // lws) & (self.bcast_root != rank)
         return total + int(b[self.bcast_piece[mine]].sum())
 
+    def delivered_bytes(self, rank: int) -> int:
+        """Bytes of the pieces ``rank`` delivers (each piece once, however many places it
+        goes to): the total of the runner's ``progress`` calls on that rank."""
+        return int(self.piece_bytes[np.unique(self.dlv_piece[self.dlv_rank == rank])].sum())
+
     def for_rank(self, rank: int) -> "RankSchedule":
         """This rank's rows (what :func:`moeshard.execute.execute_schedule` runs)."""
         lws = self.topology.local_world_size
@@ -169,7 +221,8 @@ class Schedule:
         sends = np.flatnonzero((self.send_src == rank) | (self.send_dst == rank))
         bcasts = np.flatnonzero(self.bcast_node == rank // lws)
         dlv = np.flatnonzero(self.dlv_rank == rank)
-        return RankSchedule(self, rank, reads, sends, bcasts, dlv)
+        copies = np.flatnonzero(self.view_rank[self.copy_view] == rank)
+        return RankSchedule(self, rank, reads, sends, bcasts, dlv, copies)
 
     @functools.cached_property
     def fingerprint(self) -> str:
@@ -179,6 +232,8 @@ class Schedule:
         h.update(repr((self.topology.world_size, self.topology.local_world_size, self.staging_bytes,
                        self.max_ops, self.num_rounds, self.keys)).encode())
         for name in _ARRAYS:
+            if getattr(self, name) is None:
+                continue  # dlv_round by default: derived from the other arrays
             a = np.ascontiguousarray(getattr(self, name))
             h.update(name.encode())
             h.update(repr((a.dtype.str, a.shape)).encode())
@@ -188,7 +243,8 @@ class Schedule:
 
 _ARRAYS = ("key_ndim", "piece_key", "piece_off", "piece_len", "piece_bytes", "read_rank", "read_piece", "read_round",
            "send_src", "send_dst", "send_piece", "send_round", "bcast_node", "bcast_root", "bcast_piece",
-           "bcast_round", "dlv_piece", "dlv_rank", "dlv_param", "dlv_slot", "dlv_off")
+           "bcast_round", "dlv_piece", "dlv_rank", "dlv_param", "dlv_slot", "dlv_off", "view_rank", "view_param",
+           "view_slot", "view_off", "send_view", "copy_view", "copy_piece", "copy_round", "dlv_round")
 
 
 @dataclass(frozen=True, eq=False)
@@ -201,15 +257,38 @@ class RankSchedule:
     sends: np.ndarray
     bcasts: np.ndarray
     deliveries: np.ndarray
+    copies: np.ndarray
+
+    @functools.cached_property
+    def delivery_rounds(self) -> np.ndarray:
+        """``int64[len(deliveries)]``: the round at whose end each of this rank's deliveries
+        is made (the schedule's ``dlv_round``, or by default the round the piece arrives)."""
+        s = self.schedule
+        if s.dlv_round is not None:
+            return s.dlv_round[self.deliveries]
+        into = self.sends[s.send_dst[self.sends] == self.rank]
+        bc = self.bcasts[s.bcast_root[self.bcasts] != self.rank]
+        pieces = np.concatenate([s.read_piece[self.reads], s.send_piece[into], s.bcast_piece[bc],
+                                 s.copy_piece[self.copies]])
+        rounds = np.concatenate([s.read_round[self.reads], s.send_round[into], s.bcast_round[bc],
+                                 s.copy_round[self.copies]])
+        arrival = dict(zip(pieces.tolist(), rounds.tolist()))
+        return np.asarray([arrival[p] for p in s.dlv_piece[self.deliveries].tolist()], dtype=np.int64)
 
     @property
     def rounds(self) -> np.ndarray:
         """The rounds this rank takes part in, ascending."""
         s = self.schedule
-        return np.unique(np.concatenate([
-            s.read_round[self.reads][s.read_round[self.reads] >= 0], s.send_round[self.sends], s.bcast_round[self.bcasts]]))
+        every = np.concatenate([s.read_round[self.reads], s.send_round[self.sends], s.bcast_round[self.bcasts],
+                                s.copy_round[self.copies], self.delivery_rounds])
+        return np.unique(every[every >= 0])
 
     def local_reads(self) -> np.ndarray:
         """Pieces this rank reads for itself only (round -1), in schedule order."""
         s = self.schedule
         return s.read_piece[self.reads[s.read_round[self.reads] < 0]]
+
+    def local_copies(self) -> np.ndarray:
+        """Copy rows of round -1 (deliveries straight from a view), in schedule order."""
+        s = self.schedule
+        return self.copies[s.copy_round[self.copies] < 0]
