@@ -100,7 +100,7 @@ def _steps(model, pl, root: str) -> dict:
         "load-execute": (module("moeshard.ops.load"), "execute_schedule",
                          lambda: moeshard.load(model, ckpt, placement=pl, storage="single")),
         "load-barrier": (_dist, "barrier", lambda: moeshard.load(model, ckpt, placement=pl)),
-        "relocate": (module("moeshard.ops.relocate"), "_execute", lambda: moeshard.relocate(model, pl, new)),
+        "relocate": (module("moeshard.ops.relocate"), "execute_schedule", lambda: moeshard.relocate(model, pl, new)),
         "save": (module("moeshard.ops.save"), "_write_shards",
                  lambda: moeshard.save(model, os.path.join(root, "out"), placement=pl, fsync=False)),
     }

@@ -112,8 +112,8 @@ class Source:
         """Piece ``pid`` from storage straight into ``out`` (its shape, cast to its dtype)."""
         out.copy_(self.read(pid))
 
-    def view(self, v: int) -> torch.Tensor:
-        """The local tensor view of view row ``v`` (shape of the piece that names it)."""
+    def view(self, v: int, pid: int) -> torch.Tensor:
+        """The local tensor view of view row ``v``, which holds piece ``pid`` (its shape)."""
         raise NotImplementedError(f"this source has no local view {v}")
 
     def dtype(self, pid: int) -> torch.dtype:
@@ -152,6 +152,12 @@ class LocalTensors:
         ln = s.piece_len[pid, :nd].tolist()
         return t[tuple(slice(o, o + n) for o, n in zip(off[:nd].tolist(), ln))]
 
+    def view(self, v: int, pid: int) -> torch.Tensor:
+        """View row ``v`` of the schedule, holding piece ``pid``."""
+        s = self.s
+        assert s.view_rank[v] == self.rank, f"view {v} is rank {s.view_rank[v]}'s, not rank {self.rank}'s"
+        return self.at(int(s.view_param[v]), int(s.view_slot[v]), s.view_off[v], pid)
+
 
 class TensorSink(Sink):
     """Deliveries into local tensors (parameters, expert slots), cast to their dtype."""
@@ -186,9 +192,8 @@ class ReaderSource(Source):
         assert self.reader is not None
         self.reader.read(self.s.piece_name(pid), self.s.piece_box(pid), out=out)
 
-    def view(self, v: int) -> torch.Tensor:
-        s = self.s
-        raise NotImplementedError(f"rank {s.view_rank[v]}: a checkpoint source has no local views")
+    def view(self, v: int, pid: int) -> torch.Tensor:
+        return self.local.view(v, pid)
 
     def dtype(self, pid: int) -> torch.dtype:
         return self.index.info(self.s.piece_name(pid)).torch_dtype
@@ -278,7 +283,7 @@ def execute_schedule(
 
     def local_copy(c: int) -> None:
         pid = int(s.copy_piece[c])
-        data = source.view(int(s.copy_view[c]))
+        data = source.view(int(s.copy_view[c]), pid)
         deliver([(r, data) for r in local_rows.get(pid, [])], int(s.piece_bytes[pid]))
 
     def empty(pid: int) -> torch.Tensor:
@@ -312,7 +317,7 @@ def execute_schedule(
         for c in copies_at.get(t, ()):
             pid = int(s.copy_piece[c])
             if pid not in bufs:  # a second copy of the same piece (another slot) is the same data
-                bufs[pid] = source.view(int(s.copy_view[c])).clone()
+                bufs[pid] = source.view(int(s.copy_view[c]), pid).clone()
                 staged += int(s.piece_bytes[pid])
         for pid in reads_at.get(t, ()):
             bufs[pid] = read(pid)
@@ -322,7 +327,7 @@ def execute_schedule(
             pid = int(s.send_piece[row])
             if s.send_src[row] == rank:
                 v = int(s.send_view[row])
-                data = bufs[pid] if v < 0 else source.view(v)
+                data = bufs[pid] if v < 0 else source.view(v, pid)
                 ops.append(dist.P2POp(dist.isend, data if data.is_contiguous() else data.contiguous(),
                                       int(s.send_dst[row])))
                 stats.bytes_sent += int(s.piece_bytes[pid])

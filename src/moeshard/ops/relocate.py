@@ -18,11 +18,11 @@ from typing import Callable, Mapping, Sequence, Union
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .. import _dist
-from ..box import Box, box_shape, full_box
+from ..box import box_shape, full_box
+from ..execute import LocalTensors, Source, TensorSink, execute_schedule
 from ..io.checkpoint import CheckpointIndex, CheckpointReader
 from ..io.sources import Storage, reader_root, resolve_sources
 from ..models.adapters import DEFAULT_SPECS, ExpertParam, ExpertsSpec, read_expert_box
@@ -32,6 +32,7 @@ from ..placement import Placement
 from ..plan.relocation import DEFAULT_MAX_OPS, DEFAULT_STAGING_BYTES, ExpertTensor, RelocationPlan, plan_relocation
 from ..progress import Progress, progress_enabled
 from ..topology import Topology
+from .load import target_device
 
 __all__ = ["RelocationReport", "relocate", "describe_expert_tensors"]
 
@@ -317,11 +318,15 @@ def relocate(
     t_plan = time.perf_counter() - t0
     try:
         with torch.no_grad():
-            mine = sum(m.nbytes for m in plan.moves for r, _ in m.writes if r == rank)
-            bar = Progress("relocate", mine, enabled=progress_enabled(progress), local_rank=topo.local_rank,
-                           node=topo.node)
-            stats = _dist.agree(lambda: _execute(plan, rank, locals_, reader, sources, bar.update),
-                                "moeshard.relocate: running the plan")
+            s = plan.schedule
+            bar = Progress("relocate", s.delivered_bytes(rank), enabled=progress_enabled(progress),
+                           local_rank=topo.local_rank, node=topo.node)
+            device = target_device(target) if isinstance(target, nn.Module) else \
+                next((x.device for x in locals_ if x is not None), torch.device("cpu"))
+            what = "moeshard.relocate: running the plan"
+            stats = _dist.agree(lambda: execute_schedule(
+                s, rank, _ExpertSource(plan, rank, locals_, reader, sources, device), TensorSink(s, locals_, rank),
+                device, progress=bar.update, what=what).check(), what)
             bar.close()
     finally:
         if reader is not None:
@@ -343,10 +348,10 @@ def relocate(
         num_rounds=c.num_rounds,
         num_stashes=c.num_stashes,
         disk_experts=plan.disk_experts,
-        bytes_sent_rank=stats["sent"],
-        bytes_received_rank=stats["received"],
-        bytes_read_rank=stats["read"],
-        peak_staging_bytes_rank=stats["peak"],
+        bytes_sent_rank=stats.bytes_sent,
+        bytes_received_rank=stats.bytes_received,
+        bytes_read_rank=stats.bytes_read,
+        peak_staging_bytes_rank=stats.peak_staging_bytes,
         plan=c.summary(),
         fingerprint=plan.fingerprint,
     )
@@ -362,118 +367,33 @@ def _disk_keys(plan: RelocationPlan, rank: int, sources) -> set[str]:
     return keys
 
 
-def _execute(plan: RelocationPlan, rank: int, locals_, reader, sources, progress=None) -> dict:
-    """Run this rank's share of ``plan``. Every rank walks the same rounds in the same order
-    and posts only its own ops, so sends and receives pair up without deadlock."""
-    stats = {"sent": 0, "received": 0, "read": 0, "peak": 0}
-    failure: list[str] = []
-    moves, tensors = plan.moves, plan.tensors
-    my_box: dict[int, tuple[int, Box]] = {}
-    for t, et in enumerate(tensors):
-        for r, s0, _, box in et.holdings:
-            if r == rank:
-                my_box[t] = (s0, box)
+class _ExpertSource(Source):
+    """Pieces of a relocation schedule: old slot contents (views of the local expert tensors)
+    and, for experts no live rank holds, expert slices read from the checkpoint."""
 
-    def view(part, slot: int) -> torch.Tensor:
-        s0, box = my_box[part.tensor]
-        idx = (slot - s0,) + tuple(slice(o - mo, o - mo + n) for (o, n), (mo, _) in zip(part.box, box))
-        return locals_[part.tensor][idx]
+    def __init__(self, plan: RelocationPlan, rank: int, locals_, reader, sources, device: torch.device):
+        self.s, self.plan, self.reader, self.sources, self.device = plan.schedule, plan, reader, sources, device
+        self.local = LocalTensors(plan.schedule, locals_, rank)
 
-    # Rounds this rank takes part in, and the last round that reads each stash.
-    stash_last: dict[tuple, int] = {}
-    stash_keys = {(s.rank, s.layer, s.slot, s.part) for s in plan.stashes}
-    mine = []
-    for k, rnd in enumerate(plan.rounds):
-        involved = any(plan.stashes[i].rank == rank for i in rnd.stashes)
-        for i in rnd.moves:
-            m = moves[i]
-            involved = involved or rank in m.ranks()
-            for r, s in m.reads():
-                if (r, m.layer, s, m.part) in stash_keys:
-                    stash_last[(r, m.layer, s, m.part)] = k
-        if involved:
-            mine.append(k)
-    release: dict[int, list[tuple]] = {}  # round -> this rank's stashes read for the last time
-    for key, last in stash_last.items():
-        if key[0] == rank:
-            release.setdefault(last, []).append(key[1:])
-    stash: dict[tuple, list[torch.Tensor]] = {}  # (layer, slot, part) -> old slot content
+    def dtype(self, pid: int) -> torch.dtype:
+        t = int(self.s.piece_key[pid])
+        src = self.sources[t]
+        return src.dtype if src is not None else self.local.tensors[t].dtype
 
-    def source(m, slot: int) -> list[torch.Tensor]:
-        got = stash.get((m.layer, slot, m.part))
-        if got is not None:
-            return got
-        return [view(p, slot) for p in plan.parts[(m.layer, m.column)][m.part]]
+    def view(self, v: int, pid: int) -> torch.Tensor:
+        return self.local.view(v, pid)
 
-    def empty(m) -> list[torch.Tensor]:
-        return [torch.empty(box_shape(p.box), dtype=locals_[p.tensor].dtype, device=locals_[p.tensor].device)
-                for p in plan.parts[(m.layer, m.column)][m.part]]
-
-    def read(m) -> list[torch.Tensor]:
-        bufs = empty(m)
-        for buf, p in zip(bufs, plan.parts[(m.layer, m.column)][m.part]):
-            src = sources[p.tensor]
-            read_expert_box(reader, src.param, src.module, m.expert, p.box, buf)
-        return bufs
-
-    for k in mine:
-        rnd = plan.rounds[k]
-        for i in rnd.stashes:
-            st = plan.stashes[i]
-            if st.rank == rank:
-                m_parts = plan.parts[(st.layer, plan.columns[st.layer][rank][0])][st.part]
-                stash[(st.layer, st.slot, st.part)] = [view(p, st.slot).clone() for p in m_parts]
-        staged = sum(x.numel() * x.element_size() for xs in stash.values() for x in xs)
-        bufs: dict[int, list[torch.Tensor]] = {}
-        for i in rnd.moves:
-            m = moves[i]
-            if m.read == rank:
-                try:
-                    bufs[i] = read(m)
-                except Exception as e:  # noqa: BLE001 - raised on every rank after the plan
-                    # Peers wait for this part: send zeros rather than leave them hanging.
-                    failure.append(f"reading logical expert {m.expert} of layer {m.layer}: {e}")
-                    bufs[i] = [x.zero_() for x in empty(m)]
-                stats["read"] += m.nbytes
-                staged += m.nbytes
-            for r, s in m.copies:
-                if r == rank:
-                    bufs[i] = [x.clone() for x in source(m, s)]
-                    staged += m.nbytes
-        # Phase A sends from old slot contents (src slot >= 0) or a read buffer (-1); phase B
-        # relays what phase A delivered. Each phase is one batch of P2P ops.
-        for phase in ("sends", "relays"):
-            ops = []
-            for i in rnd.moves:
-                m = moves[i]
-                edges = m.sends if phase == "sends" else [(src, -1, dst) for src, dst in m.relays]
-                for src, s, dst in edges:
-                    if src == rank:
-                        data = source(m, s) if s >= 0 else bufs[i]
-                        ops.extend(dist.P2POp(dist.isend, x.contiguous(), dst) for x in data)
-                        stats["sent"] += m.nbytes
-                    elif dst == rank:
-                        bufs[i] = empty(m)
-                        ops.extend(dist.P2POp(dist.irecv, x, src) for x in bufs[i])
-                        stats["received"] += m.nbytes
-                        staged += m.nbytes
-            _dist.start_p2p(ops, "moeshard.relocate: running the plan")()
-        # The round's writes, after every read of old slot contents in it.
-        for i in rnd.moves:
-            m = moves[i]
-            for r, slots in m.writes:
-                if r != rank:
-                    continue
-                for s in slots:
-                    for p, x in zip(plan.parts[(m.layer, m.column)][m.part], bufs[i]):
-                        view(p, s).copy_(x)
-                if progress:
-                    progress(m.nbytes)
-        stats["peak"] = max(stats["peak"], staged)
-        for key in release.get(k, ()):
-            del stash[key]
-    if failure:
-        raise OSError(f"{failure[0]} (the slots it was meant for now hold zeros; "
-                      f"{len(failure)} failed read(s) in all)")
-    return stats
-
+    def read(self, pid: int) -> torch.Tensor:
+        s = self.s
+        t, nd = int(s.piece_key[pid]), int(s.key_ndim[s.piece_key[pid]])
+        expert = int(s.piece_off[pid, 0])
+        box = tuple(zip(s.piece_off[pid, 1:nd].tolist(), s.piece_len[pid, 1:nd].tolist()))
+        src = self.sources[t]
+        buf = torch.empty((1, *box_shape(box)), dtype=self.dtype(pid), device=self.device)
+        try:
+            read_expert_box(self.reader, src.param, src.module, expert, box, buf[0])
+        except Exception as e:
+            layer = self.plan.tensors[t].layer
+            raise OSError(f"reading logical expert {expert} of layer {layer}: {e} "
+                          "(the slots it was meant for now hold zeros)") from e
+        return buf

@@ -44,6 +44,7 @@ from .._gc import paused_gc
 from ..box import Box, box_numel, split_box
 from ..placement import Placement
 from ..topology import Topology
+from .schedule import PlanCost, Schedule
 
 __all__ = [
     "ExpertTensor", "Part", "Move", "Stash", "Round", "RelocationCost", "RelocationPlan",
@@ -188,6 +189,13 @@ class RelocationPlan:
 
     ``parts[(layer, column)]`` lists each part group's :class:`Part` s; ``columns[layer]`` maps
     each rank holding slots of the layer to ``(column, first_slot, num_slots)``.
+
+    ``schedule`` is what the runner executes (:func:`moeshard.execute.execute_schedule`): its
+    keys are the tensors (key ``t`` = ``tensors[t]``, of shape ``[num_logical, *slice_shape]``),
+    a piece is one part of one logical expert (box ``[(expert, 1), *part box]``), views and
+    deliveries address the local tensor ``[num_slots, *box]`` of a holder (slot -1, dim 0 the
+    local slot). Round ``k`` of ``rounds`` is schedule rounds ``2k`` (stashes, copies, reads,
+    sends from old slot contents) and ``2k + 1`` (relays), its writes at the end of ``2k + 1``.
     """
 
     topology: Topology
@@ -199,6 +207,7 @@ class RelocationPlan:
     rounds: tuple[Round, ...]
     cost: RelocationCost
     staging_bytes: int
+    schedule: Schedule | None = None
     fingerprint: str = field(default="")
 
     @property
@@ -493,6 +502,7 @@ def _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops, 
         cost=cost,
         staging_bytes=staging_bytes,
     )
+    object.__setattr__(plan, "schedule", _as_schedule(plan, old_p2l, max_ops))
     object.__setattr__(plan, "fingerprint", _fingerprint(plan))
     return plan
 
@@ -644,6 +654,100 @@ def _schedule(moves: list[Move], num_parts: list[int], world: int, budget: int, 
         for i in deferred:
             heapq.heappush(ready, i)
     return rounds, stashes, peak, num_ops
+
+
+def _as_schedule(plan: RelocationPlan, old_p2l: np.ndarray, max_ops: int) -> Schedule:
+    """The plan as a :class:`Schedule` (see :class:`RelocationPlan` for its conventions)."""
+    tensors = plan.tensors
+    width = 1 + max((len(x.slice_shape) for x in tensors), default=0)
+    # Each rank's holding of each tensor: (first slot, slice box).
+    held = [{r: (s0, box) for r, s0, _, box in x.holdings} for x in tensors]
+    pieces: dict[tuple, int] = {}
+    p_key, p_off, p_len, p_bytes = [], [], [], []
+    views: dict[tuple, int] = {}
+    v_rank, v_param, v_off = [], [], []
+    reads, sends, copies, dlv = [], [], [], []
+
+    def piece(ti: int, expert: int, box: Box) -> int:
+        k = (ti, expert, box)
+        pid = pieces.get(k)
+        if pid is None:
+            pid = pieces[k] = len(p_key)
+            pad = width - 1 - len(box)
+            p_key.append(ti)
+            p_off.append([expert, *(o for o, _ in box)] + [0] * pad)
+            p_len.append([1, *(n for _, n in box)] + [1] * pad)
+            p_bytes.append(box_numel(box) * tensors[ti].itemsize)
+        return pid
+
+    def local_off(rank: int, ti: int, slot: int, box: Box) -> list[int]:
+        s0, mine = held[ti][rank]
+        return [slot - s0, *(o - mo for (o, _), (mo, _) in zip(box, mine))] + [0] * (width - 1 - len(box))
+
+    def view(rank: int, ti: int, slot: int, box: Box) -> int:
+        k = (rank, ti, slot, box)
+        v = views.get(k)
+        if v is None:
+            v = views[k] = len(v_rank)
+            v_rank.append(rank)
+            v_param.append(ti)
+            v_off.append(local_off(rank, ti, slot, box))
+        return v
+
+    stashed: set[tuple] = set()  # (rank, layer, slot, part) stashed so far
+    for k, rnd in enumerate(plan.rounds):
+        a, b = 2 * k, 2 * k + 1
+        for i in rnd.stashes:
+            st = plan.stashes[i]
+            stashed.add((st.rank, st.layer, st.slot, st.part))
+            col = plan.columns[st.layer][st.rank][0]
+            for part in plan.parts[(st.layer, col)][st.part]:
+                pid = piece(part.tensor, int(old_p2l[st.layer, st.slot]), part.box)
+                copies.append((view(st.rank, part.tensor, st.slot, part.box), pid, a))
+        for i in rnd.moves:
+            m = plan.moves[i]
+            for part in plan.parts[(m.layer, m.column)][m.part]:
+                pid = piece(part.tensor, m.expert, part.box)
+                if m.read >= 0:
+                    reads.append((m.read, pid, a))
+                for r, s in m.copies:
+                    if (r, m.layer, s, m.part) not in stashed:  # a stash is already this piece's buffer
+                        copies.append((view(r, part.tensor, s, part.box), pid, a))
+                for src, s, dst in m.sends:
+                    from_view = s >= 0 and (src, m.layer, s, m.part) not in stashed
+                    sends.append((src, dst, pid, a, view(src, part.tensor, s, part.box) if from_view else -1))
+                for src, dst in m.relays:
+                    sends.append((src, dst, pid, b, -1))
+                for r, slots in m.writes:
+                    for s in slots:
+                        dlv.append((pid, r, part.tensor, local_off(r, part.tensor, s, part.box), b))
+
+    def col(rows: list, j: int, dtype) -> np.ndarray:
+        return np.asarray([x[j] for x in rows], dtype=dtype)
+
+    dlv.sort(key=lambda x: (x[0], x[1]))
+    c = plan.cost
+    cost = PlanCost(read_bytes=c.read_bytes, sent_bytes=c.sent_bytes, recv_bytes=c.recv_bytes,
+                    peak_staging_bytes=c.peak_staging_bytes, cross_node_bytes=c.cross_node_bytes,
+                    num_p2p_ops=c.num_p2p_ops, num_batches=2 * len(plan.rounds), num_broadcasts=0)
+    i64 = np.int64
+    return Schedule(
+        topology=plan.topology, staging_bytes=plan.staging_bytes, max_ops=max_ops,
+        keys=tuple(x.name for x in tensors), key_ndim=np.asarray([1 + len(x.slice_shape) for x in tensors], np.int8),
+        piece_key=np.asarray(p_key, np.int32), piece_off=np.asarray(p_off, i64).reshape(-1, width),
+        piece_len=np.asarray(p_len, i64).reshape(-1, width), piece_bytes=np.asarray(p_bytes, i64),
+        read_rank=col(reads, 0, np.int32), read_piece=col(reads, 1, np.int32), read_round=col(reads, 2, i64),
+        send_src=col(sends, 0, np.int32), send_dst=col(sends, 1, np.int32), send_piece=col(sends, 2, np.int32),
+        send_round=col(sends, 3, i64), send_view=col(sends, 4, np.int32),
+        bcast_node=np.zeros(0, np.int32), bcast_root=np.zeros(0, np.int32), bcast_piece=np.zeros(0, np.int32),
+        bcast_round=np.zeros(0, i64),
+        dlv_piece=col(dlv, 0, np.int32), dlv_rank=col(dlv, 1, np.int32), dlv_param=col(dlv, 2, np.int32),
+        dlv_slot=np.full(len(dlv), -1, i64), dlv_off=np.asarray([x[3] for x in dlv], i64).reshape(-1, width),
+        dlv_round=col(dlv, 4, i64), num_rounds=2 * len(plan.rounds), cost=cost,
+        view_rank=np.asarray(v_rank, np.int32), view_param=np.asarray(v_param, np.int32),
+        view_slot=np.full(len(v_rank), -1, i64), view_off=np.asarray(v_off, i64).reshape(-1, width),
+        copy_view=col(copies, 0, np.int32), copy_piece=col(copies, 1, np.int32), copy_round=col(copies, 2, i64),
+    )
 
 
 def _fingerprint(plan: RelocationPlan) -> str:
