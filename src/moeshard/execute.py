@@ -281,10 +281,21 @@ def execute_schedule(
         buf = read(pid)
         deliver([(r, buf) for r in rows], int(s.piece_bytes[pid]))
 
-    def local_copy(c: int) -> None:
-        pid = int(s.copy_piece[c])
-        data = source.view(int(s.copy_view[c]), pid)
-        deliver([(r, data) for r in local_rows.get(pid, [])], int(s.piece_bytes[pid]))
+    def local_copies(copies: list[int]) -> None:
+        # Grouped up to half the staging budget: a file sink moves a group to the host with
+        # one synchronization.
+        items: list[tuple[int, torch.Tensor]] = []
+        nbytes = 0
+        for c in copies:
+            pid = int(s.copy_piece[c])
+            if items and nbytes + int(s.piece_bytes[pid]) > s.staging_bytes // 2:
+                deliver(items, nbytes)
+                items, nbytes = [], 0
+            data = source.view(int(s.copy_view[c]), pid)
+            items.extend((r, data) for r in local_rows.get(pid, []))
+            nbytes += int(s.piece_bytes[pid])
+        if items:
+            deliver(items, nbytes)
 
     def empty(pid: int) -> torch.Tensor:
         return torch.empty(shape(pid), dtype=source.dtype(pid), device=device)
@@ -306,9 +317,14 @@ def execute_schedule(
     my_local.reverse()
 
     def local_work(n: int) -> None:
+        copies = []
         for _ in range(min(n, len(my_local))):
             kind, x = my_local.pop()
-            (local_read if kind == "read" else local_copy)(x)
+            if kind == "read":
+                local_read(x)
+            else:
+                copies.append(x)
+        local_copies(copies)
 
     rounds = mine.rounds.tolist()
     bufs: dict[int, torch.Tensor] = {}

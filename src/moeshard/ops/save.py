@@ -23,7 +23,6 @@ no index, so the directory never looks like a complete checkpoint.
 
 from __future__ import annotations
 
-import collections
 import copy
 import json
 import math
@@ -39,12 +38,12 @@ from typing import Sequence
 import numpy as np
 import psutil
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .. import _dist
 from .._dist import DistributedError
-from ..box import Box, box_shape, box_slices
+from ..box import Box
+from ..execute import LocalTensors, Sink, Source, execute_schedule
 from ..io.checkpoint import DTYPES, INDEX_NAME, CheckpointIndex, _read_header, pwrite_all, safetensors_header
 from ..io.sources import resolve_sources
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
@@ -448,12 +447,50 @@ def _to_host(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Te
     return out
 
 
+class _ViewSource(Source):
+    """A save reads nothing from storage: every piece is a view of a holder's local tensor."""
+
+    def __init__(self, plan: SavePlan, dests, rank: int):
+        self.plan, self.local = plan, LocalTensors(plan.schedule, dests, rank)
+
+    def view(self, v: int, pid: int) -> torch.Tensor:
+        return self.local.view(v, pid)
+
+    def dtype(self, pid: int) -> torch.dtype:
+        return DTYPES[self.plan.tensors[int(self.plan.schedule.piece_key[pid])].dtype]
+
+
+class _FileSink(Sink):
+    """This rank's shard files: each delivery is a box of a checkpoint tensor, written at its
+    place in the tensor's file. After the first failed write it writes nothing more (the
+    save is undone), but the runner goes on sending, so no peer is left waiting."""
+
+    def __init__(self, plan: SavePlan, writers: dict, device: torch.device, bar, failure: list):
+        self.plan, self.s, self.writers, self.device, self.bar = plan, plan.schedule, writers, device, bar
+        self.failure = failure
+        self.written = 0
+
+    def put(self, items: list[tuple[int, torch.Tensor]]) -> None:
+        if self.failure:
+            return
+        s = self.s
+        try:
+            for (row, _), data in zip(items, _to_host([x for _, x in items], self.device)):
+                pid = int(s.dlv_piece[row])
+                tensor = int(s.piece_key[pid])
+                n = self.writers[self.plan.tensors[tensor].file].write(tensor, s.piece_box(pid), data)
+                self.written += n
+                self.bar.update(n)
+        except Exception as e:
+            self.failure.append(e)
+            raise
+
+
 def _write_shards(plan: SavePlan, rank: int, dests, device: torch.device, tmp: Path, fsync: bool, bar,
                   created: list[Path], failure: list[Exception]) -> dict:
-    """Collective: run the plan's transfers and write this rank's files. A write that fails
+    """Collective: run the plan's schedule and write this rank's files. A write that fails
     stops this rank's writing (recorded in ``failure``) but not its sends and receives, so no
     peer is left waiting."""
-    stats = {"written": 0, "sent": 0, "received": 0}
     writers: dict[int, _ShardWriter] = {}
     try:
         for i in plan.files_of(rank):
@@ -462,54 +499,12 @@ def _write_shards(plan: SavePlan, rank: int, dests, device: torch.device, tmp: P
             created.append(path)
     except Exception as e:  # noqa: BLE001 - reported on every rank
         failure.append(e)
-
-    def view(tensor: int, segment: int, box: Box) -> torch.Tensor:
-        seg = plan.tensors[tensor].segments[segment]
-        return dests[seg.param][box_slices(seg.local_box(box))].reshape(box_shape(box))
-
-    def write(items: list[tuple[int, Box, torch.Tensor]]) -> None:
-        if failure:
-            return
-        try:
-            for (tensor, box, _), data in zip(items, _to_host([x for *_, x in items], device)):
-                n = writers[plan.tensors[tensor].file].write(tensor, box, data)
-                stats["written"] += n
-                bar.update(n)
-        except Exception as e:  # noqa: BLE001 - reported on every rank after the plan
+    sink = _FileSink(plan, writers, device, bar, failure)
+    stats = execute_schedule(plan.schedule, rank, _ViewSource(plan, dests, rank), sink, device,
+                             what="moeshard.save: sending the boxes to their writers")
+    for e in stats.failures:
+        if e not in failure:
             failure.append(e)
-
-    # This rank's own boxes, in groups within the staging budget (one device sync per group).
-    local: collections.deque[list] = collections.deque()
-    group_bytes = plan.staging_bytes
-    for w in plan.local_writes[rank]:
-        if not local or group_bytes + w.nbytes > plan.staging_bytes // 2:
-            local.append([])
-            group_bytes = 0
-        local[-1].append(w)
-        group_bytes += w.nbytes
-
-    def write_local(k: int) -> None:
-        for _ in range(min(k, len(local))):
-            write([(w.tensor, w.box, view(w.tensor, w.segment, w.box)) for w in local.popleft()])
-
-    mine = [b for b in plan.batches if any(x.src == rank or x.dst == rank for x in b)]
-    for k, batch in enumerate(mine):
-        ops, received = [], []
-        for x in batch:
-            if x.src == rank:
-                src = view(x.tensor, x.segment, x.box)
-                ops.append(dist.P2POp(dist.isend, src if src.is_contiguous() else src.contiguous(), x.dst))
-                stats["sent"] += x.nbytes
-            elif x.dst == rank:
-                buf = torch.empty(box_shape(x.box), dtype=DTYPES[plan.tensors[x.tensor].dtype], device=device)
-                ops.append(dist.P2POp(dist.irecv, buf, x.src))
-                received.append((x.tensor, x.box, buf))
-        wait = _dist.start_p2p(ops, "moeshard.save: sending the boxes to their writers")
-        write_local(math.ceil(len(local) / (len(mine) - k)))  # overlap: own boxes while the batch flies
-        wait()
-        stats["received"] += sum(b.numel() * b.element_size() for *_, b in received)
-        write(received)
-    write_local(len(local))
     for i, w in writers.items():
         try:
             w.close(fsync and not failure)
@@ -520,7 +515,7 @@ def _write_shards(plan: SavePlan, rank: int, dests, device: torch.device, tmp: P
             _fsync_dir(tmp, True)
         except Exception as e:  # noqa: BLE001 - reported on every rank
             failure.append(e)
-    return stats
+    return {"written": sink.written, "sent": stats.bytes_sent, "received": stats.bytes_received}
 
 
 def _write_configs(model: nn.Module, tmp: Path, fsync: bool) -> list[str]:

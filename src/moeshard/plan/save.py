@@ -32,6 +32,8 @@ from ..io.checkpoint import DTYPE_NAMES, DTYPES, CheckpointIndex
 from ..models.adapters import expert_parts
 from ..models.layout import ParamDesc, rank_boxes
 from ..placement import Placement
+from ..topology import Topology
+from .schedule import PlanCost, Schedule
 
 __all__ = ["Segment", "OutTensor", "SaveFile", "Transfer", "LocalWrite", "SaveCost", "SavePlan",
            "describe_outputs", "plan_save", "shard_name"]
@@ -136,7 +138,13 @@ class SaveCost:
 
 @dataclass(frozen=True, eq=False)
 class SavePlan:
-    """Everything every rank does to save, in order. Identical on every rank."""
+    """Everything every rank does to save, in order. Identical on every rank.
+
+    ``schedule`` is what the runner executes: its keys are the checkpoint tensors (key ``t`` =
+    ``tensors[t]``), a piece is a transfer's or local write's box; batch ``k`` is round ``k``;
+    sends read views of the holders' local tensors; a writer's own boxes are copies of round
+    -1 (straight from its tensors to the file); deliveries (param = the tensor) go to the file.
+    """
 
     world_size: int
     tensors: tuple[OutTensor, ...]
@@ -146,6 +154,7 @@ class SavePlan:
     cost: SaveCost
     staging_bytes: int
     fingerprint: str = ""
+    schedule: Schedule | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -460,7 +469,71 @@ def _plan_save(outs, world, max_shard_bytes, staging_bytes, max_ops) -> SavePlan
     cost = SaveCost(np.asarray(write_load, dtype=np.int64), sent, recv, peak, len(transfers), len(batches))
     plan = SavePlan(world, tensors, tuple(files), batches, tuple(tuple(v) for v in local), cost, staging_bytes)
     object.__setattr__(plan, "fingerprint", _fingerprint(plan))
+    object.__setattr__(plan, "schedule", _as_schedule(plan, max_ops))
     return plan
+
+
+def _as_schedule(plan: SavePlan, max_ops: int) -> Schedule:
+    """The plan as a :class:`Schedule` (see :class:`SavePlan` for its conventions)."""
+    width = max((len(t.shape) for t in plan.tensors), default=1) or 1  # a column even for scalars
+    p_key, p_off, p_len, p_bytes = [], [], [], []
+    v_rank, v_param, v_slot, v_off = [], [], [], []
+    sends, copies, dlv = [], [], []
+
+    def piece(tensor: int, box: Box, nbytes: int) -> int:
+        pad = width - len(box)
+        p_key.append(tensor)
+        p_off.append([o for o, _ in box] + [0] * pad)
+        p_len.append([n for _, n in box] + [1] * pad)
+        p_bytes.append(nbytes)
+        return len(p_key) - 1
+
+    def view(tensor: int, segment: int, box: Box) -> int:
+        seg = plan.tensors[tensor].segments[segment]
+        v_rank.append(seg.rank)
+        v_param.append(seg.param)
+        v_slot.append(seg.lead[0][0] if seg.lead else -1)
+        delta = seg.delta + (0,) * (len(box) - len(seg.delta))
+        v_off.append([o + d for (o, _), d in zip(box, delta)] + [0] * (width - len(box)))
+        return len(v_rank) - 1
+
+    for k, batch in enumerate(plan.batches):
+        for x in batch:
+            pid = piece(x.tensor, x.box, x.nbytes)
+            sends.append((x.src, x.dst, pid, k, view(x.tensor, x.segment, x.box)))
+            dlv.append((pid, x.dst, x.tensor))
+    for rank, writes in enumerate(plan.local_writes):
+        for w in writes:
+            pid = piece(w.tensor, w.box, w.nbytes)
+            copies.append((view(w.tensor, w.segment, w.box), pid))
+            dlv.append((pid, rank, w.tensor))
+    dlv.sort()
+    i32, i64 = np.int32, np.int64
+    c = plan.cost
+    zeros = np.zeros(plan.world_size, dtype=i64)
+    return Schedule(
+        topology=Topology(plan.world_size, 1), staging_bytes=plan.staging_bytes, max_ops=max_ops,
+        keys=tuple(t.key for t in plan.tensors), key_ndim=np.asarray([len(t.shape) for t in plan.tensors], np.int8),
+        piece_key=np.asarray(p_key, i32), piece_off=np.asarray(p_off, i64).reshape(-1, width),
+        piece_len=np.asarray(p_len, i64).reshape(-1, width), piece_bytes=np.asarray(p_bytes, i64),
+        read_rank=np.zeros(0, i32), read_piece=np.zeros(0, i32), read_round=np.zeros(0, i64),
+        send_src=np.asarray([x[0] for x in sends], i32), send_dst=np.asarray([x[1] for x in sends], i32),
+        send_piece=np.asarray([x[2] for x in sends], i32), send_round=np.asarray([x[3] for x in sends], i64),
+        send_view=np.asarray([x[4] for x in sends], i32),
+        bcast_node=np.zeros(0, i32), bcast_root=np.zeros(0, i32), bcast_piece=np.zeros(0, i32),
+        bcast_round=np.zeros(0, i64),
+        dlv_piece=np.asarray([x[0] for x in dlv], i32), dlv_rank=np.asarray([x[1] for x in dlv], i32),
+        dlv_param=np.asarray([x[2] for x in dlv], i32), dlv_slot=np.full(len(dlv), -1, i64),
+        dlv_off=np.asarray(p_off, i64).reshape(-1, width)[[x[0] for x in dlv]].reshape(-1, width),
+        num_rounds=len(plan.batches),
+        cost=PlanCost(read_bytes=zeros, sent_bytes=c.sent_bytes, recv_bytes=c.recv_bytes,
+                      peak_staging_bytes=c.peak_staging_bytes, cross_node_bytes=0, num_p2p_ops=c.num_p2p_ops,
+                      num_batches=c.num_batches, num_broadcasts=0),
+        view_rank=np.asarray(v_rank, i32), view_param=np.asarray(v_param, i32), view_slot=np.asarray(v_slot, i64),
+        view_off=np.asarray(v_off, i64).reshape(-1, width),
+        copy_view=np.asarray([x[0] for x in copies], i32), copy_piece=np.asarray([x[1] for x in copies], i32),
+        copy_round=np.full(len(copies), -1, i64),
+    )
 
 
 def _check_tiling(key: str, shape: tuple[int, ...], boxes: list[Box], nbytes: int) -> None:
