@@ -42,16 +42,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .. import _dist
 from ..box import Box, box_numel, box_shape, box_slices
+from ..execute import LocalTensors, Sink, Source, execute_schedule
 from ..io.checkpoint import DTYPE_NAMES, CheckpointIndex, CheckpointReader, load_json, pwrite_all, safetensors_header
 from ..models.layout import Need, ParamDesc, check_cast, compute_needs, local_tensor, rank_boxes
 from ..models.lora import AdapterTensor, adapter_desc, adapter_tensors, lora_modules, slot_boxes
 from ..placement import Placement
 from ..plan import DEFAULT_STAGING_BYTES, plan_transfers
+from ..plan.save import tensor_schedule
 from ..topology import Topology
 from .load import refuse_or_warn
 
@@ -167,7 +168,7 @@ def load_adapter(
             shape of another rank r or expert count, a dtype the cast rule refuses, ``adapter_config.json``'s r / lora_alpha
             different from the model's, a failed read.
     """
-    from ..execute import ReaderSource, TensorSink, execute_schedule, node_groups
+    from ..execute import ReaderSource, TensorSink, node_groups
     from ..io.sources import resolve_sources
     from .load import materialize
 
@@ -339,62 +340,61 @@ def save_adapter(
     return AdapterReport(rank, len(items), mine, written[0], {"writers": sorted(set(writers))})
 
 
+class _AdapterFile(Sink):
+    """The writer's side of one adapter file: boxes of a tensor are assembled in host memory
+    and the tensor is written at its offset once complete (its boxes can be many thin
+    columns: one write per tensor, not per run)."""
+
+    def __init__(self, schedule, items, offsets, data_start: int, fd: int | None):
+        self.s, self.items, self.offsets, self.data_start, self.fd = schedule, items, offsets, data_start, fd
+        self.partial: dict[int, tuple[torch.Tensor, list[int]]] = {}
+        self.written = 0
+
+    def put(self, entries: list[tuple[int, torch.Tensor]]) -> None:
+        s = self.s
+        for row, data in entries:
+            pid = int(s.dlv_piece[row])
+            i = int(s.piece_key[pid])
+            t, d = self.items[i]
+            if i not in self.partial:
+                self.partial[i] = (torch.empty(t.shape, dtype=d.dtype), [0])
+            full, filled = self.partial[i]
+            box = s.piece_box(pid)
+            full[box_slices(box)] = data.view(box_shape(box)).cpu()
+            filled[0] += box_numel(box)
+            if filled[0] == full.numel():
+                del self.partial[i]
+                assert self.fd is not None
+                raw = full.contiguous().view(torch.uint8).numpy().tobytes()
+                pwrite_all(self.fd, raw, self.data_start + self.offsets[i])
+                self.written += len(raw)
+
+
+class _AdapterViews(Source):
+    def __init__(self, schedule, locals_, rank: int, items):
+        self.s, self.items, self.local = schedule, items, LocalTensors(schedule, locals_, rank)
+
+    def view(self, v: int, pid: int) -> torch.Tensor:
+        return self.local.view(v, pid)
+
+    def dtype(self, pid: int) -> torch.dtype:
+        return self.items[int(self.s.piece_key[pid])][1].dtype
+
+
 def _write_tensors(items, segs, writers, offsets, data_start, locals_, path, rank, staging_bytes, written) -> None:
-    """Rounds of whole tensors (at most ``staging_bytes`` of them per round, at least one):
-    holders send their boxes to the tensor's writer in one message per (holder, tensor); the
-    writer assembles the tensor and writes it at its offset. The same rounds on every rank."""
-    rounds, cur, size = [], [], 0
-    for i, (t, d) in enumerate(items):
-        n = int(np.prod(t.shape)) * d.dtype.itemsize
-        if cur and size + n > staging_bytes:
-            rounds.append(cur)
-            cur, size = [], 0
-        cur.append(i)
-        size += n
-    if cur:
-        rounds.append(cur)
-    fd = None
-    if rank in writers:
-        fd = os.open(path, os.O_WRONLY)
+    """Collective: run the adapter's schedule (:func:`~moeshard.plan.save.tensor_schedule`);
+    writers assemble their tensors and write them at their offsets."""
+    world = _dist.rank_and_world()[1]
+    schedule = tensor_schedule([t.key for t, _ in items], [tuple(t.shape) for t, _ in items],
+                               [d.dtype.itemsize for _, d in items], segs, writers, world, staging_bytes)
+    device = next((x.device for x in locals_ if x is not None), torch.device("cpu"))
+    fd = os.open(path, os.O_WRONLY) if rank in writers else None
     try:
-        for tensors in rounds:
-            ops, recvs = [], []
-            for i in tensors:
-                w = writers[i]
-                by_holder: dict[int, list] = {}
-                for seg in segs[i]:
-                    by_holder.setdefault(seg[0], []).append(seg)
-                for h in sorted(by_holder):
-                    if h == w:
-                        continue
-                    if rank == h:
-                        buf = torch.cat([locals_[p][box_slices(lb)].reshape(-1) for _, p, lb, _ in by_holder[h]])
-                        ops.append(dist.P2POp(dist.isend, buf, w))
-                    elif rank == w:
-                        n = sum(box_numel(fb) for *_, fb in by_holder[h])
-                        buf = locals_[i].new_empty(n)
-                        ops.append(dist.P2POp(dist.irecv, buf, h))
-                        recvs.append((i, by_holder[h], buf))
-            _dist.start_p2p(ops, "moeshard.lora.save_adapter: sending the tensors to their writers")()
-            for i in tensors:
-                if writers[i] != rank:
-                    continue
-                t, d = items[i]
-                full = torch.empty(t.shape, dtype=d.dtype)
-                for holder, p, lb, fb in segs[i]:
-                    if holder == rank:
-                        full[box_slices(fb)] = locals_[p][box_slices(lb)].cpu()
-                for j, hsegs, buf in recvs:
-                    if j != i:
-                        continue
-                    pos = 0
-                    for *_, fb in hsegs:
-                        n = box_numel(fb)
-                        full[box_slices(fb)] = buf[pos : pos + n].view(box_shape(fb)).cpu()
-                        pos += n
-                data = full.contiguous().view(torch.uint8).numpy().tobytes()
-                pwrite_all(fd, data, data_start + offsets[i])
-                written[0] += len(data)
+        sink = _AdapterFile(schedule, items, offsets, data_start, fd)
+        execute_schedule(schedule, rank, _AdapterViews(schedule, locals_, rank, items), sink, device,
+                         what="moeshard.lora.save_adapter: sending the tensors to their writers").check()
+        assert not sink.partial, f"rank {rank}: adapter tensors left incomplete: {sorted(sink.partial)}"
+        written[0] += sink.written
     finally:
         if fd is not None:
             os.close(fd)

@@ -36,7 +36,7 @@ from ..topology import Topology
 from .schedule import PlanCost, Schedule
 
 __all__ = ["Segment", "OutTensor", "SaveFile", "Transfer", "LocalWrite", "SaveCost", "SavePlan",
-           "describe_outputs", "plan_save", "shard_name"]
+           "describe_outputs", "plan_save", "shard_name", "tensor_schedule"]
 
 DEFAULT_MAX_OPS = 64
 
@@ -471,6 +471,87 @@ def _plan_save(outs, world, max_shard_bytes, staging_bytes, max_ops) -> SavePlan
     object.__setattr__(plan, "fingerprint", _fingerprint(plan))
     object.__setattr__(plan, "schedule", _as_schedule(plan, max_ops))
     return plan
+
+
+def tensor_schedule(
+    keys: Sequence[str],
+    shapes: Sequence[tuple[int, ...]],
+    itemsizes: Sequence[int],
+    segments: Sequence[Sequence[tuple[int, int, Box, Box]]],
+    writers: Sequence[int],
+    world_size: int,
+    staging_bytes: int,
+) -> Schedule:
+    """Whole tensors to their writers, as a :class:`Schedule` (pure; LoRA adapters: a few
+    small tensors in one file).
+
+    Tensor ``i`` (``keys[i]``, ``shapes[i]``) is written by rank ``writers[i]`` from its
+    ``segments[i]``: ``(holder rank, local tensor index, local box, tensor box)`` tiling it.
+    A piece is one segment; a holder other than the writer sends it from its view, the
+    writer's own are round -1 copies; deliveries (param = ``i``) carry the tensor box.
+    Tensors are packed into rounds of at most ``staging_bytes`` (at least one tensor).
+    """
+    width = max((len(s) for s in shapes), default=1) or 1
+    p_key, p_off, p_len, p_bytes = [], [], [], []
+    v_rank, v_param, v_off = [], [], []
+    sends, copies, dlv = [], [], []
+    rnd, size = 0, 0
+    for i, segs in enumerate(segments):
+        n = math.prod(shapes[i]) * itemsizes[i]
+        if size and size + n > staging_bytes:
+            rnd, size = rnd + 1, 0
+        size += n
+        for holder, local, lbox, box in segs:
+            pid = len(p_key)
+            pad = [0] * (width - len(box))
+            p_key.append(i)
+            p_off.append([o for o, _ in box] + pad)
+            p_len.append([m for _, m in box] + [1] * len(pad))
+            p_bytes.append(box_numel(box) * itemsizes[i])
+            v = len(v_rank)
+            v_rank.append(holder)
+            v_param.append(local)
+            v_off.append([o for o, _ in lbox] + [0] * (width - len(lbox)))
+            if holder == writers[i]:
+                copies.append((v, pid))
+            else:
+                sends.append((holder, writers[i], pid, rnd, v))
+            dlv.append((pid, writers[i], i))
+    dlv.sort()
+    i32, i64 = np.int32, np.int64
+    sent = np.zeros(world_size, dtype=i64)
+    recv = np.zeros(world_size, dtype=i64)
+    held: dict[tuple[int, int], int] = {}  # (rank, round) -> bytes received in it
+    for src, dst, pid, r, _ in sends:
+        sent[src] += p_bytes[pid]
+        recv[dst] += p_bytes[pid]
+        held[(dst, r)] = held.get((dst, r), 0) + p_bytes[pid]
+    peak = np.zeros(world_size, dtype=i64)
+    for (dst, _), b in held.items():
+        peak[dst] = max(peak[dst], b)
+    off = np.asarray(p_off, i64).reshape(-1, width)
+    return Schedule(
+        topology=Topology(world_size, 1), staging_bytes=staging_bytes, max_ops=max(2, len(sends)),
+        keys=tuple(keys), key_ndim=np.asarray([len(s) for s in shapes], np.int8),
+        piece_key=np.asarray(p_key, i32), piece_off=off, piece_len=np.asarray(p_len, i64).reshape(-1, width),
+        piece_bytes=np.asarray(p_bytes, i64),
+        read_rank=np.zeros(0, i32), read_piece=np.zeros(0, i32), read_round=np.zeros(0, i64),
+        send_src=np.asarray([x[0] for x in sends], i32), send_dst=np.asarray([x[1] for x in sends], i32),
+        send_piece=np.asarray([x[2] for x in sends], i32), send_round=np.asarray([x[3] for x in sends], i64),
+        send_view=np.asarray([x[4] for x in sends], i32),
+        bcast_node=np.zeros(0, i32), bcast_root=np.zeros(0, i32), bcast_piece=np.zeros(0, i32),
+        bcast_round=np.zeros(0, i64),
+        dlv_piece=np.asarray([x[0] for x in dlv], i32), dlv_rank=np.asarray([x[1] for x in dlv], i32),
+        dlv_param=np.asarray([x[2] for x in dlv], i32), dlv_slot=np.full(len(dlv), -1, i64),
+        dlv_off=off[[x[0] for x in dlv]].reshape(-1, width), num_rounds=rnd + 1,
+        cost=PlanCost(read_bytes=np.zeros(world_size, dtype=i64), sent_bytes=sent, recv_bytes=recv,
+                      peak_staging_bytes=peak, cross_node_bytes=0, num_p2p_ops=len(sends),
+                      num_batches=rnd + 1, num_broadcasts=0),
+        view_rank=np.asarray(v_rank, i32), view_param=np.asarray(v_param, i32),
+        view_slot=np.full(len(v_rank), -1, i64), view_off=np.asarray(v_off, i64).reshape(-1, width),
+        copy_view=np.asarray([x[0] for x in copies], i32), copy_piece=np.asarray([x[1] for x in copies], i32),
+        copy_round=np.full(len(copies), -1, i64),
+    )
 
 
 def _as_schedule(plan: SavePlan, max_ops: int) -> Schedule:
