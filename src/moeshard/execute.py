@@ -35,7 +35,8 @@ from . import _dist
 from .io.checkpoint import CheckpointIndex, CheckpointReader
 from .plan.schedule import Schedule
 
-__all__ = ["ExecStats", "Source", "Sink", "ReaderSource", "TensorSink", "execute_schedule", "node_groups"]
+__all__ = ["ExecStats", "Source", "Sink", "LocalTensors", "ReaderSource", "TensorSink", "execute_schedule", "exchange",
+           "node_groups"]
 
 
 @dataclass
@@ -378,6 +379,16 @@ def execute_schedule(
             del bufs[pid]
     local_work(len(my_local))
     return stats
+
+
+def exchange(outbox: dict[int, torch.Tensor], inbox: dict[int, torch.Tensor], what: str) -> Callable[[], None]:
+    """Collective among the peers named: send ``outbox[r]`` to rank ``r`` and receive
+    ``inbox[r]`` from rank ``r`` in one P2P batch (every peer posts the matching op, e.g.
+    verify's digests, whose sizes both sides derive from the same schedule). Returns the
+    wait; do local work before calling it."""
+    ops = [dist.P2POp(dist.isend, outbox[r], r) for r in sorted(outbox)]
+    ops += [dist.P2POp(dist.irecv, inbox[r], r) for r in sorted(inbox)]
+    return _dist.start_p2p(ops, what) if ops else (lambda: None)
 
 
 def _by_round(rounds: np.ndarray, values: np.ndarray) -> dict[int, list[int]]:

@@ -30,11 +30,11 @@ from typing import Sequence
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .. import _dist
 from ..box import box_numel, box_shape, box_slices
+from ..execute import exchange
 from ..io.checkpoint import CheckpointReader
 from ..io.sources import Storage, reader_root, resolve_sources
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
@@ -227,13 +227,10 @@ def verify(
             failure.append(e)
 
     # 2. Digests point to point: each reader to exactly the ranks that need its pieces.
-    ops, inbox = [], {}
-    for r in sorted(outbox):
-        ops.append(dist.P2POp(dist.isend, torch.from_numpy(outbox[r]).view(-1).to(device), r))
-    for r in sorted(routes.recvs):
-        inbox[r] = torch.empty(len(routes.recvs[r]) * DIGEST_BYTES, dtype=torch.uint8, device=device)
-        ops.append(dist.P2POp(dist.irecv, inbox[r], r))
-    wait = _dist.start_p2p(ops, f"{what}: exchanging digests")
+    inbox = {r: torch.empty(len(routes.recvs[r]) * DIGEST_BYTES, dtype=torch.uint8, device=device)
+             for r in sorted(routes.recvs)}
+    wait = exchange({r: torch.from_numpy(outbox[r]).view(-1).to(device) for r in sorted(outbox)}, inbox,
+                    f"{what}: exchanging digests")
     own: dict[int, bytes] = {}  # need index -> digest of this rank's box, while digests fly
     try:
         for _, i in routes.remote:
