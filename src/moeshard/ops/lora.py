@@ -55,6 +55,7 @@ from ..plan import DEFAULT_STAGING_BYTES, plan_transfers
 from ..plan.save import tensor_schedule
 from ..topology import Topology
 from .load import refuse_or_warn
+from .report import OpReport
 
 __all__ = ["AdapterError", "AdapterReport", "ADAPTER_WEIGHTS", "ADAPTER_CONFIG", "adapter_tensors", "load",
            "load_adapter", "save_adapter"]
@@ -72,15 +73,13 @@ class AdapterError(_dist.DistributedError, ValueError):
 
 
 @dataclass(frozen=True)
-class AdapterReport:
+class AdapterReport(OpReport):
     """What :func:`load_adapter` or :func:`save_adapter` did on this rank; ``unused_keys``:
     adapter keys the model has no LoRA weight for (only with ``strict=False``)."""
 
-    rank: int
     num_tensors: int
     num_boxes: int
     bytes_rank: int
-    plan: dict
     unused_keys: tuple[str, ...] = ()
 
 
@@ -213,8 +212,11 @@ def load_adapter(
         if reader is not None:
             reader.close()
     _dist.barrier("moeshard.lora.load_adapter: finishing")
-    return AdapterReport(rank, len(pairs), int((plan.dlv_rank == rank).sum()),
-                         stats.bytes_read + stats.bytes_received, plan.cost.summary(), unused_keys=unused)
+    return AdapterReport(rank=rank, world_size=topo.world_size, num_tensors=len(pairs),
+                         num_boxes=int((plan.dlv_rank == rank).sum()), bytes_rank=stats.bytes_read + stats.bytes_received,
+                         plan=plan.cost.summary(), fingerprint=plan.fingerprint, bytes_read_rank=stats.bytes_read,
+                         bytes_sent_rank=stats.bytes_sent, bytes_received_rank=stats.bytes_received,
+                         peak_staging_bytes_rank=stats.peak_staging_bytes, unused_keys=unused)
 
 
 def load(model: nn.Module, checkpoint, adapter, placement: Placement | None = None, storage: str = "auto", **kwargs):
@@ -337,7 +339,8 @@ def save_adapter(
 
     _agree(finish, f"moeshard.lora.save_adapter: renaming into {out}")
     mine = sum(1 for s in segs for seg in s if seg[0] == rank)
-    return AdapterReport(rank, len(items), mine, written[0], {"writers": sorted(set(writers))})
+    return AdapterReport(rank=rank, world_size=world, num_tensors=len(items), num_boxes=mine, bytes_rank=written[0],
+                         plan={"writers": sorted(set(writers))})
 
 
 class _AdapterFile(Sink):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence, Union
 
 import numpy as np
@@ -33,6 +33,7 @@ from ..plan.relocation import DEFAULT_MAX_OPS, DEFAULT_STAGING_BYTES, ExpertTens
 from ..progress import Progress, progress_enabled
 from ..topology import Topology
 from .load import target_device
+from .report import OpReport
 
 __all__ = ["RelocationReport", "relocate", "describe_expert_tensors"]
 
@@ -40,16 +41,12 @@ ExpertTensors = Mapping[int, Sequence[torch.Tensor]]
 
 
 @dataclass(frozen=True)
-class RelocationReport:
+class RelocationReport(OpReport):
     """What a relocation did. Job-wide: ``copies`` / ``bytes`` per class (local, same_node,
     cross_node, disk; a copy is one slot box, see :class:`~moeshard.relocation.RelocationCost`),
     network and cross-node bytes beside their lower bounds, rounds, stashes and the experts
     read from the checkpoint. ``*_rank`` fields are this rank's."""
 
-    rank: int
-    world_size: int
-    wall_seconds: float
-    plan_seconds: float
     copies: dict
     bytes: dict
     network_bytes: int
@@ -59,12 +56,6 @@ class RelocationReport:
     num_rounds: int
     num_stashes: int
     disk_experts: list
-    bytes_sent_rank: int
-    bytes_received_rank: int
-    bytes_read_rank: int
-    peak_staging_bytes_rank: int
-    plan: dict = field(default_factory=dict)
-    fingerprint: str = ""
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ import re
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -54,6 +54,7 @@ from ..plan.save import SavePlan, describe_outputs, plan_save
 from ..progress import Progress, progress_enabled
 from ..topology import Topology
 from .load import _read_peak_rss, _reset_peak_rss, _ru_maxrss_bytes, target_device
+from .report import OpReport
 
 __all__ = ["SaveError", "SaveReport", "save", "plan_model_save", "DEFAULT_MAX_SHARD_BYTES"]
 
@@ -71,7 +72,7 @@ class SaveError(DistributedError, ValueError):
 
 
 @dataclass(frozen=True)
-class SaveReport:
+class SaveReport(OpReport):
     """What a save did. ``*_rank`` fields and ``files`` are this rank's; ``plan`` holds job-wide
     counters (bytes written per rank, bytes sent, P2P ops, batches).
 
@@ -79,23 +80,14 @@ class SaveReport:
     reset at its start, ``peak_rss_source == "vmhwm"``; else the process's lifetime peak).
     """
 
-    rank: int
-    world_size: int
     out_dir: str
     files: tuple[str, ...]
     num_files: int
     bytes_written_rank: int
     total_bytes: int
-    wall_seconds: float
-    plan_seconds: float
-    bytes_sent_rank: int
-    bytes_received_rank: int
-    peak_staging_bytes_rank: int
     rss_before_bytes: int
     peak_rss_bytes: int
     peak_rss_source: str = "vmhwm"
-    plan: dict = field(default_factory=dict)
-    fingerprint: str = ""
 
 
 def plan_model_save(
@@ -315,7 +307,7 @@ def _save(model, out_dir, placement, specs, reference, max_shard_bytes, overwrit
         plan_seconds=t_plan,
         bytes_sent_rank=stats["sent"],
         bytes_received_rank=stats["received"],
-        peak_staging_bytes_rank=int(plan.cost.peak_staging_bytes[rank]),
+        peak_staging_bytes_rank=stats["peak"],
         rss_before_bytes=rss0,
         peak_rss_bytes=peak if peak is not None else _ru_maxrss_bytes(),
         peak_rss_source="vmhwm" if peak is not None else "ru_maxrss",
@@ -515,7 +507,8 @@ def _write_shards(plan: SavePlan, rank: int, dests, device: torch.device, tmp: P
             _fsync_dir(tmp, True)
         except Exception as e:  # noqa: BLE001 - reported on every rank
             failure.append(e)
-    return {"written": sink.written, "sent": stats.bytes_sent, "received": stats.bytes_received}
+    return {"written": sink.written, "sent": stats.bytes_sent, "received": stats.bytes_received,
+            "peak": stats.peak_staging_bytes}
 
 
 def _write_configs(model: nn.Module, tmp: Path, fsync: bool) -> list[str]:

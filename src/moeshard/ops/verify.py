@@ -43,6 +43,7 @@ from ..placement import Placement
 from ..plan import Schedule
 from ..topology import Topology
 from .load import checked_unused_keys, plan_load, target_device
+from .report import OpReport
 
 __all__ = ["VerifyReport", "VerificationError", "verify"]
 
@@ -54,14 +55,13 @@ class VerificationError(ValueError):
 
 
 @dataclass(frozen=True)
-class VerifyReport:
+class VerifyReport(OpReport):
     """This rank's checked boxes and bytes; ``unused_keys``: the checkpoint keys no parameter
     or buffer reads (as :attr:`moeshard.LoadReport.unused_keys`). ``digests_sent`` /
     ``digests_received``: 16-byte digests this rank sent to / received from other ranks (one
     per piece, needer and dtype that needer holds it in, where the needer is not the piece's
     reader); a box its own rank read is compared locally and counts in neither."""
 
-    rank: int
     num_boxes_checked: int
     bytes_checked: int
     unused_keys: tuple[str, ...] = ()
@@ -159,7 +159,7 @@ def verify(
             expert params), box and checkpoint key of its first mismatch.
     """
     topo = topology or Topology.from_env()
-    rank = _dist.rank_and_world()[0]
+    rank, world_size = _dist.rank_and_world()
     topo = topo.with_rank(rank)
     path = os.fspath(checkpoint)
     _, readers, _, index = resolve_sources(path, storage, topo, os.path.exists(path))
@@ -259,7 +259,8 @@ def verify(
             raise VerificationError(_mismatch(plan, descs, placement, rank, min(bad)))
         checked = [i for i, _ in flags] + [i for _, i in routes.remote]
         nbytes = sum(box_numel(need(i).src) * locals_[int(plan.dlv_param[i])].element_size() for i in checked)
-        return VerifyReport(rank, len(checked), nbytes, unused, digests_sent=sum(len(v) for v in outbox.values()),
+        return VerifyReport(rank=rank, world_size=world_size, num_boxes_checked=len(checked), bytes_checked=nbytes,
+                            fingerprint=plan.fingerprint, unused_keys=unused, digests_sent=sum(len(v) for v in outbox.values()),
                             digests_received=sum(len(v) for v in routes.recvs.values()))
 
     return _dist.agree(check, what)
