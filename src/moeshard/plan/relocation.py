@@ -25,8 +25,10 @@ contents, then receives into staging buffers, and only at the round's end writes
 data into its slots. A move that reads slot ``X`` must run no later than the move that
 overwrites ``X``; a cycle of such constraints (experts swapping slots) is broken by
 *stashing* one slot: its rank copies the old content aside before it is overwritten. Every
-rank stages at most ``staging_bytes`` per round (stashes included, except for a single move
-larger than the budget, which gets a round of its own) and posts at most ``max_ops`` P2P ops
+rank stages at most ``staging_bytes`` per round (stashes included), provided a part fits in a
+quarter of it; a part is at least one element, so below four elements of budget a single move
+may exceed it (it gets a round of its own) and a round may hold a stash beside a move
+(``cost.peak_staging_bytes`` is the exact figure either way) and posts at most ``max_ops`` P2P ops
 per phase (a single move's fan-out excepted).
 """
 
@@ -253,8 +255,8 @@ def _columns(tensors: Sequence[ExpertTensor], layer_tensors: list[int], world: i
     cols: dict[int, tuple[int, int, int]] = {}
     for rank in sorted(per_rank):
         s0, ns, boxes = per_rank[rank]
-        if ns == 0 or any(box_numel(b) == 0 for b in boxes):
-            continue
+        if ns == 0 or all(box_numel(b) == 0 for b in boxes):
+            continue  # holds nothing of this layer (an empty box of one tensor is no reason)
         key = tuple(boxes)
         if key not in col_ids:
             col_ids[key] = len(col_boxes)
@@ -270,6 +272,8 @@ def _part_groups(tensors: Sequence[ExpertTensor], layer_tensors: list[int], boxe
     size = 0
     for ti, box in zip(layer_tensors, boxes):
         item = tensors[ti].itemsize
+        if box_numel(box) == 0:
+            continue  # this column holds nothing of this tensor
         for sub in split_box(box, max(1, max_part // item)):
             nbytes = box_numel(sub) * item
             if groups[-1] and size + nbytes > max_part:
@@ -668,8 +672,10 @@ def _as_schedule(plan: RelocationPlan, old_p2l: np.ndarray, max_ops: int) -> Sch
     v_rank, v_param, v_off = [], [], []
     reads, sends, copies, dlv = [], [], [], []
 
-    def piece(ti: int, expert: int, box: Box) -> int:
-        k = (ti, expert, box)
+    def piece(ti: int, expert: int, box: Box, column: int) -> int:
+        # Per column: columns may share a box of a tensor (a tensor whole on every expert-FSDP
+        # rank), but each column's move is its own, with its own buffers.
+        k = (ti, expert, box, column)
         pid = pieces.get(k)
         if pid is None:
             pid = pieces[k] = len(p_key)
@@ -702,12 +708,12 @@ def _as_schedule(plan: RelocationPlan, old_p2l: np.ndarray, max_ops: int) -> Sch
             stashed.add((st.rank, st.layer, st.slot, st.part))
             col = plan.columns[st.layer][st.rank][0]
             for part in plan.parts[(st.layer, col)][st.part]:
-                pid = piece(part.tensor, int(old_p2l[st.layer, st.slot]), part.box)
+                pid = piece(part.tensor, int(old_p2l[st.layer, st.slot]), part.box, col)
                 copies.append((view(st.rank, part.tensor, st.slot, part.box), pid, a))
         for i in rnd.moves:
             m = plan.moves[i]
             for part in plan.parts[(m.layer, m.column)][m.part]:
-                pid = piece(part.tensor, m.expert, part.box)
+                pid = piece(part.tensor, m.expert, part.box, m.column)
                 if m.read >= 0:
                     reads.append((m.read, pid, a))
                 for r, s in m.copies:
