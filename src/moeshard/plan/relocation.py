@@ -34,6 +34,7 @@ per phase (a single move's fan-out excepted).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import heapq
 from collections import defaultdict
@@ -209,8 +210,16 @@ class RelocationPlan:
     rounds: tuple[Round, ...]
     cost: RelocationCost
     staging_bytes: int
-    schedule: Schedule | None = None
+    max_ops: int = DEFAULT_MAX_OPS
+    old_phy2log: np.ndarray | None = None
     fingerprint: str = field(default="")
+
+    @functools.cached_property
+    def schedule(self) -> Schedule:
+        """The plan as the runner's :class:`Schedule` (built on first use: evaluating
+        policies or costing a plan does not need it)."""
+        assert self.old_phy2log is not None
+        return _as_schedule(self, self.old_phy2log, self.max_ops)
 
     @property
     def disk_experts(self) -> list[tuple[int, int]]:
@@ -505,8 +514,9 @@ def _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops, 
         rounds=tuple(rounds),
         cost=cost,
         staging_bytes=staging_bytes,
+        max_ops=max_ops,
+        old_phy2log=old_p2l,
     )
-    object.__setattr__(plan, "schedule", _as_schedule(plan, old_p2l, max_ops))
     object.__setattr__(plan, "fingerprint", _fingerprint(plan))
     return plan
 
