@@ -27,8 +27,14 @@ the world size.
    Printed (as 4a and 4b, after the predicted bytes of 2.) with the growth of the seconds
    and of peak RSS between worlds 4x and 8x apart; JSON section ``sweep``.
 
+With ``--compare SRC_TREE`` only one thing runs: the command of 3a at each ``--worlds`` size by
+another source tree's package (``SRC_TREE/src`` on PYTHONPATH: e.g. a worktree of HEAD) and by
+this checkout's, interleaved, side by side (wall, CPU, peak RSS, and whether both give the same
+strategies); JSON ``bench_out/bench_plan_compare.json``.
+
 Every command runs as its own process, one after the other (``--repeat`` times, median), as a
-user would run it: wall time includes starting Python and importing torch. CPU seconds (user +
+user would run it: wall time includes starting Python and importing moeshard (not torch: the
+plan command does not import it). CPU seconds (user +
 sys of the child) are recorded too (less sensitive to other load on a shared host), and the
 child's peak RSS (``os.wait4``: that child's own ``ru_maxrss``). Prints the figures and the
 predicted bytes per strategy (256 ranks); writes JSON (sections ``inspect``, ``plan``,
@@ -41,6 +47,8 @@ Run from the repository root::
     python -m benchmarks.bench_plan --skip-inspect --worlds 64,256,1024,2048,4096,8192
     python -m benchmarks.bench_plan --skip-sweep    # sections 1 and 2 only
     python -m benchmarks.bench_plan --one-rank 1024 # 3b for one world, as JSON on stdout
+    git worktree add /tmp/old HEAD && python -m benchmarks.bench_plan --compare /tmp/old --worlds 1024,8192 --repeat 3
+                                                    # before / after, interleaved: bench_plan_compare.json
 """
 
 from __future__ import annotations
@@ -104,11 +112,12 @@ def write_sparse_checkpoint(index: CheckpointIndex, cfg: dict, root: Path) -> in
     return sum(p.stat().st_blocks * 512 for p in root.iterdir())
 
 
-def _run(cmd: list[str]) -> tuple[str, float, float, int]:
-    """stdout, wall seconds, CPU seconds (user + sys) and peak RSS bytes of one child process."""
+def _run(cmd: list[str], env: dict | None = None) -> tuple[str, float, float, int]:
+    """stdout, wall seconds, CPU seconds (user + sys) and peak RSS bytes of one child process
+    (``env``: variables set for it on top of this process's)."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         t0 = time.perf_counter()
-        p = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=ROOT)
+        p = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=ROOT, env={**os.environ, **(env or {})})
         _, status, ru = os.wait4(p.pid, 0)  # this child's own resource usage
         wall = time.perf_counter() - t0
         p.returncode = os.waitstatus_to_exitcode(status)
@@ -249,6 +258,39 @@ def _growth(rows: list[dict]) -> list[dict]:
     return out
 
 
+def bench_compare(config: Path, baseline: Path, worlds: list[int], repeat: int) -> list[dict]:
+    """``moeshard plan --synthetic-from-config`` (all storage modes) at each swept world size,
+    by the package of ``baseline`` (a source tree, e.g. a ``git worktree`` of HEAD: its
+    ``src`` on PYTHONPATH) and by this checkout's, runs interleaved (drift on a shared host hits
+    both alike). Per side: median wall and CPU seconds, peak RSS; and whether both printed the
+    same strategies (every counter but the timings)."""
+    rows = []
+    sides = {"before": str(baseline.resolve() / "src"), "after": str(ROOT / "src")}
+    for world in worlds:
+        c = sweep_cluster(world)
+        cmd = [sys.executable, "-m", "moeshard.cli", "plan", "--synthetic-from-config", str(config),
+               "--nodes", str(c.num_nodes), "--ranks-per-node", str(c.ranks_per_node), "--ep", str(c.ep),
+               "--efsdp", str(c.efsdp), "--json"]
+        runs: dict[str, list] = {k: [] for k in sides}
+        for _ in range(repeat):
+            for side, src in sides.items():
+                runs[side].append(_run(cmd, {"PYTHONPATH": src}))
+        row = {"world_size": world, "command": "moeshard plan " + " ".join(cmd[4:-1])}
+        strategies = {}
+        for side, rs in runs.items():
+            row[side] = {"wall_s": statistics.median(r[1] for r in rs), "cpu_s": statistics.median(r[2] for r in rs),
+                         "peak_rss_bytes": max(r[3] for r in rs), "wall_s_all": [r[1] for r in rs]}
+            rep = json.loads(rs[-1][0])
+            strategies[side] = [{k: v for k, v in s.items() if k != "plan_seconds"} for s in rep["strategies"]]
+        row["same_strategies"] = strategies["before"] == strategies["after"]
+        rows.append(row)
+        b, a = row["before"], row["after"]
+        print(f"{world:>6}{b['wall_s']:>10.2f}{b['cpu_s']:>8.2f}{format_bytes(b['peak_rss_bytes']):>12}"
+              f"{a['wall_s']:>10.2f}{a['cpu_s']:>8.2f}{format_bytes(a['peak_rss_bytes']):>12}"
+              f"{b['wall_s'] / a['wall_s']:>9.1f}x{'yes' if row['same_strategies'] else 'NO':>8}", flush=True)
+    return rows
+
+
 def print_sweep(sweep: dict) -> None:
     rows = sweep["rows"]
     modes = list(rows[0]["mode_plan_s"])
@@ -294,7 +336,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worlds", default=DEFAULT_WORLDS, help="world sizes of the sweep, comma-separated")
     ap.add_argument("--one-rank", type=int, metavar="W",
                     help="only time one rank's planning at world size W and print it as JSON (the sweep runs this)")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench_out" / "bench_plan.json")
+    ap.add_argument("--compare", type=Path, metavar="SRC_TREE",
+                    help="only compare the plan command of another source tree (e.g. `git worktree add /tmp/old "
+                         "HEAD`) with this checkout's at the --worlds sizes, interleaved; writes bench_plan_compare.json")
+    ap.add_argument("--out", type=Path, default=None, help="JSON path (default bench_out/bench_plan.json)")
     args = ap.parse_args(argv)
     if args.one_rank is not None:
         print(json.dumps(one_rank(args.config, args.one_rank)))
@@ -303,6 +348,21 @@ def main(argv: list[str] | None = None) -> int:
         worlds = [sweep_cluster(int(w)).world_size for w in args.worlds.split(",") if w.strip()]
     except ValueError as e:
         ap.error(f"--worlds {args.worlds}: {e}")
+    if args.compare is not None:
+        if not (args.compare / "src" / "moeshard").is_dir():
+            ap.error(f"--compare {args.compare}: no src/moeshard there")
+        print(f"moeshard plan --synthetic-from-config (all storage modes), {args.repeat} interleaved run(s) each: "
+              f"before = {args.compare}, after = {ROOT}")
+        print(f"{'W':>6}{'before s':>10}{'cpu s':>8}{'peak RSS':>12}{'after s':>10}{'cpu s':>8}{'peak RSS':>12}"
+              f"{'speedup':>10}{'same':>8}")
+        rows = bench_compare(args.config, args.compare, worlds, args.repeat)
+        out = args.out or ROOT / "bench_out" / "bench_plan_compare.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"host": {"python": platform.python_version(), "cpus": os.cpu_count()},
+                                   "baseline": str(args.compare), "repeat": args.repeat, "rows": rows}, indent=2))
+        print(f"wrote {out}")
+        return 0
+    args.out = args.out or ROOT / "bench_out" / "bench_plan.json"
     cfg = read_config(args.config)
     result = {"host": {"python": platform.python_version(), "cpus": os.cpu_count(), "machine": platform.machine()},
               "config": str(args.config), "bandwidth": args.bandwidth, "repeat": args.repeat}

@@ -32,9 +32,12 @@ from moeshard.plan.needs import NeedTable
 
 
 def _torch_boxes(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple) -> list[Box]:
-    """Every mesh coordinate's box by torch itself, in row-major order."""
+    """Every mesh coordinate's box by torch itself, in row-major order (placements spelled
+    torch-free, as ``moeshard plan`` synthesizes them, become torch's: int -> Shard, None ->
+    Replicate)."""
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
+    placements = tuple(Replicate() if p is None else Shard(p) if isinstance(p, int) else p for p in placements)
     out = []
     for coord in np.ndindex(*mesh_shape):
         lshape, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coord), placements)

@@ -1,19 +1,38 @@
-"""moeshard: put Mixture-of-Experts weights on the right ranks, fast, bounded, verified."""
+"""moeshard: put Mixture-of-Experts weights on the right ranks, fast, bounded, verified.
 
-from . import eplb, lora
-from ._dist import DistributedError, PeerLostError
-from .io.checkpoint import CheckpointError, CheckpointIndex, CheckpointReader, write_checkpoint
-from .models.adapters import HF_EXPERTS, MIXTRAL_EXPERTS, ExpertParam, ExpertsSpec
-from .models.ep import clip_grad_norm_, grad_norm, sync_redundant_grads
-from .models.parallel import make_mesh, parallelize
-from .ops.load import LoadReport, load, materialize
-from .ops.relocate import RelocationReport, relocate
-from .ops.save import SaveError, SaveReport, save
-from .ops.verify import VerificationError, VerifyReport, verify
-from .placement import Placement
-from .plan import Schedule, plan_transfers
-from .plan.relocation import RelocationPlan, plan_relocation
-from .topology import Topology
+The public names are imported on first use (PEP 562): ``import moeshard.plan`` or
+``moeshard.cluster`` (``moeshard plan``) must not pay for importing torch, which the
+operations (load, verify, relocate, save) need.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+# public name -> the module that defines it (relative to this package)
+_EXPORTS = {
+    "eplb": (".eplb", None), "lora": (".lora", None),
+    "DistributedError": ("._dist", "DistributedError"), "PeerLostError": ("._dist", "PeerLostError"),
+    "CheckpointError": (".io.checkpoint", "CheckpointError"), "CheckpointIndex": (".io.checkpoint", "CheckpointIndex"),
+    "CheckpointReader": (".io.checkpoint", "CheckpointReader"),
+    "write_checkpoint": (".io.checkpoint", "write_checkpoint"),
+    "HF_EXPERTS": (".models.adapters", "HF_EXPERTS"), "MIXTRAL_EXPERTS": (".models.adapters", "MIXTRAL_EXPERTS"),
+    "ExpertParam": (".models.adapters", "ExpertParam"), "ExpertsSpec": (".models.adapters", "ExpertsSpec"),
+    "clip_grad_norm_": (".models.ep", "clip_grad_norm_"), "grad_norm": (".models.ep", "grad_norm"),
+    "sync_redundant_grads": (".models.ep", "sync_redundant_grads"),
+    "make_mesh": (".models.parallel", "make_mesh"), "parallelize": (".models.parallel", "parallelize"),
+    "LoadReport": (".ops.load", "LoadReport"), "load": (".ops.load", "load"),
+    "materialize": (".ops.load", "materialize"),
+    "RelocationReport": (".ops.relocate", "RelocationReport"), "relocate": (".ops.relocate", "relocate"),
+    "SaveError": (".ops.save", "SaveError"), "SaveReport": (".ops.save", "SaveReport"), "save": (".ops.save", "save"),
+    "VerificationError": (".ops.verify", "VerificationError"), "VerifyReport": (".ops.verify", "VerifyReport"),
+    "verify": (".ops.verify", "verify"),
+    "Placement": (".placement", "Placement"),
+    "Schedule": (".plan", "Schedule"), "plan_transfers": (".plan", "plan_transfers"),
+    "RelocationPlan": (".plan.relocation", "RelocationPlan"), "plan_relocation": (".plan.relocation", "plan_relocation"),
+    "Topology": (".topology", "Topology"),
+}
 
 __all__ = [
     "CheckpointError", "CheckpointIndex", "CheckpointReader", "DistributedError", "ExpertParam",
@@ -23,3 +42,47 @@ __all__ = [
     "SaveError", "SaveReport", "save", "verify", "write_checkpoint", "clip_grad_norm_", "grad_norm", "sync_redundant_grads",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        module, attr = _EXPORTS[name]
+        mod = importlib.import_module(module, __name__)
+        value = mod if attr is None else getattr(mod, attr)
+        globals()[name] = value  # once: later lookups do not come here
+        return value
+    if name.startswith("__"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        sub = importlib.import_module(f".{name}", __name__)  # a submodule: moeshard.io, moeshard._dist ...
+    except ModuleNotFoundError as e:
+        if e.name != f"{__name__}.{name}":
+            raise
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    # An eager ``import moeshard`` bound the API's modules under it (``moeshard.io.checkpoint``,
+    # ``moeshard.ops.load``): so does the first use of the subpackage.
+    for module, _ in _EXPORTS.values():
+        if module.startswith(f".{name}."):
+            importlib.import_module(module, __name__)
+    return sub
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the names as eager imports would bind them
+    from . import eplb, lora
+    from ._dist import DistributedError, PeerLostError
+    from .io.checkpoint import CheckpointError, CheckpointIndex, CheckpointReader, write_checkpoint
+    from .models.adapters import HF_EXPERTS, MIXTRAL_EXPERTS, ExpertParam, ExpertsSpec
+    from .models.ep import clip_grad_norm_, grad_norm, sync_redundant_grads
+    from .models.parallel import make_mesh, parallelize
+    from .ops.load import LoadReport, load, materialize
+    from .ops.relocate import RelocationReport, relocate
+    from .ops.save import SaveError, SaveReport, save
+    from .ops.verify import VerificationError, VerifyReport, verify
+    from .placement import Placement
+    from .plan import Schedule, plan_transfers
+    from .plan.relocation import RelocationPlan, plan_relocation
+    from .topology import Topology

@@ -22,8 +22,9 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import torch.distributed as dist
 
-__all__ = ["DistributedError", "PeerLostError", "is_dist", "rank_and_world", "agree", "all_gather_object",
-           "broadcast_object", "barrier", "collective", "errors_as", "start_p2p"]
+__all__ = ["DistributedError", "PeerLostError", "is_dist", "rank_and_world", "agree", "agree_and_gather",
+           "broadcast_result", "all_gather_object", "broadcast_object", "barrier", "collective", "errors_as",
+           "start_p2p"]
 
 T = TypeVar("T")
 
@@ -164,6 +165,40 @@ def agree(step: Callable[[], T], what: str, fingerprint: Callable[[T], str] | No
         DistributedError: on every rank, naming each failing rank and its message.
         PeerLostError: on the ranks that saw a peer die, in ``step`` or in the exchange.
     """
+    return _agree(step, what, fingerprint, None, group)[0]
+
+
+def agree_and_gather(step: Callable[[], T], what: str, share: Callable[[T], Any], group=None) -> tuple[T, list[Any]]:
+    """Collective: :func:`agree` on ``step``, and every rank's ``share(result)`` (a list
+    indexed by group rank) on every rank, in the same exchange: one all-gather where
+    :func:`agree` then :func:`all_gather_object` take two."""
+    return _agree(step, what, None, share, group)
+
+
+def broadcast_result(step: Callable[[], T], src: int, what: str) -> T:
+    """Collective: run ``step`` on rank ``src`` only and return its result on every rank; if it
+    raised, every rank raises the :class:`DistributedError` :func:`agree` would raise (naming
+    rank ``src``). One broadcast where :func:`agree` then :func:`broadcast_object` take two
+    exchanges."""
+    if not is_dist():
+        return step()
+    payload: tuple[str | None, Any] = (None, None)
+    if dist.get_rank() == src:
+        try:
+            payload = (None, step())
+        except PeerLostError:
+            raise  # the group is broken: no exchange can follow
+        except Exception as e:  # noqa: BLE001 - every error must reach the other ranks
+            payload = (f"{type(e).__name__}: {e}", None)
+    error, result = broadcast_object(payload, src=src, what=what)
+    if error is not None:
+        raise DistributedError(f"{what} failed on 1 of {dist.get_world_size()} rank(s):\n  rank {src}: {error}")
+    return result
+
+
+def _agree(step: Callable[[], T], what: str, fingerprint: Callable[[T], str] | None, share: Callable[[T], Any] | None,
+           group) -> tuple[T, list[Any]]:
+    """:func:`agree` (and :func:`agree_and_gather`): ``(result, every rank's share(result))``."""
     result: Any = None
     error: str | None = None
     try:
@@ -175,14 +210,15 @@ def agree(step: Callable[[], T], what: str, fingerprint: Callable[[T], str] | No
             raise
         error = f"{type(e).__name__}: {e}"
     fp = fingerprint(result) if (fingerprint is not None and error is None) else None
-    gathered = all_gather_object((error, fp), group=group, what=what)
-    failed = [(r, err) for r, (err, _) in enumerate(gathered) if err is not None]
+    mine = share(result) if (share is not None and error is None) else None
+    gathered = all_gather_object((error, fp, mine) if share is not None else (error, fp), group=group, what=what)
+    failed = [(r, g[0]) for r, g in enumerate(gathered) if g[0] is not None]
     if failed:
         lines = "\n".join(f"  rank {r}: {err}" for r, err in failed)
         raise DistributedError(f"{what} failed on {len(failed)} of {len(gathered)} rank(s):\n{lines}")
-    fps = {fp for _, fp in gathered}
+    fps = {g[1] for g in gathered}
     if len(fps) > 1:
-        by = ", ".join(f"rank {r}: {fp}" for r, (_, fp) in enumerate(gathered))
+        by = ", ".join(f"rank {r}: {g[1]}" for r, g in enumerate(gathered))
         raise DistributedError(f"{what}: ranks disagree on the plan fingerprint ({by}); "
                                "every rank must build the same model, placement and checkpoint index")
-    return result
+    return result, [g[2] for g in gathered] if share is not None else []

@@ -7,7 +7,8 @@ the key names (experts modules in layer order, experts per layer, the per-expert
 shape, dtype and bytes, expert vs dense bytes), and the problems a load would trip over or
 silently get wrong: missing experts, per-expert tensors that differ between experts or layers,
 mixed floating dtypes, tensors and files the index does not name, files it names that are
-missing.
+missing. The MoE layout and its problems come from :mod:`moeshard.io.formats`, the recognizer
+``moeshard plan`` and ``moeshard.load`` use too.
 
 Exit codes: 0 no problems; 1 problems found (listed); 2 the input is not a readable
 checkpoint (one line on stderr). A checkpoint with no MoE layers is reported as a problem
@@ -20,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import re
 import sys
@@ -30,12 +30,14 @@ from pathlib import Path
 
 from .._gc import paused_gc
 from ..io.checkpoint import DTYPES, INDEX_NAME, CheckpointError, CheckpointIndex, TensorInfo, _read_header, _read_index
+from ..io.formats import MAX_LISTED, ExpertTensor, Problem, check, id_ranges, recognize, shape_str
 
 __all__ = [
     "CheckpointSummary",
     "DtypeStat",
     "ExpertTensor",
     "FileStat",
+    "MAX_LISTED",
     "MoeLayer",
     "MoeLayout",
     "Problem",
@@ -44,26 +46,7 @@ __all__ = [
     "main",
 ]
 
-# Per-expert keys: HF Qwen3-MoE / DeepSeek-V3 (``mlp.experts.17.gate_proj.weight``) and Mixtral
-# (``block_sparse_moe.experts.17.w1.weight``). The module must be exactly ``experts``, so
-# DeepSeek's ``shared_experts`` (a dense MLP) is not taken for one.
-_PER_EXPERT = re.compile(r"^(?P<module>(?:.*\.)?experts)\.(?P<e>\d+)\.(?P<rest>.+)$")
-# Fused on-disk experts (``mlp.experts.gate_up_proj`` of shape [num_experts, ...]).
-_FUSED = re.compile(r"^(?P<module>(?:.*\.)?experts)\.(?P<rest>[^.\d][^.]*)$")
 _FLOATING = frozenset(name for name, dt in DTYPES.items() if dt.is_floating_point)
-# A broken checkpoint can have 90,000 bad tensors: list the first few of each kind and count
-# the rest, so the report stays readable.
-MAX_LISTED = 20
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One thing wrong with the checkpoint. ``kind`` is a stable identifier (for scripts and
-    tests): missing_files, unindexed_files, missing_keys, unindexed_keys, mixed_dtypes,
-    no_moe, missing_experts, missing_expert_tensors, expert_mismatch, mixed_layout."""
-
-    kind: str
-    message: str
 
 
 @dataclass(frozen=True)
@@ -82,20 +65,6 @@ class FileStat:
     num_tensors: int
     nbytes: int
     file_size: int
-
-
-@dataclass(frozen=True)
-class ExpertTensor:
-    """One tensor of one expert, ``name`` relative to the expert (``gate_proj.weight``) or,
-    when ``fused``, to the experts module (``gate_up_proj``, stored ``[num_experts, *shape]``).
-    ``shape``/``dtype``/``nbytes`` are those of one expert's slice (the most common ones when
-    experts disagree; the disagreements are problems)."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    nbytes: int
-    fused: bool
 
 
 @dataclass(frozen=True)
@@ -285,162 +254,23 @@ def _dtype_problems(tensors: dict[str, TensorInfo]) -> list[Problem]:
 
 
 def _moe_layout(tensors: dict[str, TensorInfo]) -> tuple[MoeLayout | None, list[Problem]]:
-    # per_expert[module][e][rest] and fused[module][rest]: the keys, grouped.
-    per_expert: dict[str, dict[int, dict[str, TensorInfo]]] = defaultdict(lambda: defaultdict(dict))
-    fused: dict[str, dict[str, TensorInfo]] = defaultdict(dict)
-    # One str object per distinct tensor name (``gate_proj.weight``), not one per key: a
-    # maximal header has a million per-expert keys and a handful of names.
-    names: dict[str, str] = {}
-    for key, t in tensors.items():
-        if ".experts." not in key and not key.startswith("experts."):
-            continue  # most dense keys: skip the regexes
-        m = _PER_EXPERT.match(key)
-        if m:
-            rest = m["rest"]
-            per_expert[m["module"]][int(m["e"])][names.setdefault(rest, rest)] = t
-            continue
-        m = _FUSED.match(key)
-        if m and t.shape:
-            fused[m["module"]][m["rest"]] = t
-    if not per_expert and not fused:
-        return None, [Problem(
-            "no_moe", "no MoE layers found: no keys like <module>.experts.<e>.<name> "
-            "(per-expert) or <module>.experts.<name> (fused, [num_experts, ...])")]
-    problems: list[Problem] = []
-    for module in sorted(set(per_expert) & set(fused), key=_natural):
-        problems.append(Problem(
-            "mixed_layout", f"{module}: both per-expert keys and fused tensors ({', '.join(sorted(fused[module]))})"))
-    counts = {m: len(ex) for m, ex in per_expert.items()}
-    num_experts = max([max(ex) + 1 for ex in per_expert.values()] + [_fused_count(f) for f in fused.values()])
-    problems += _missing_experts(per_expert, fused, num_experts)
-    refs = _reference_tensors(per_expert, fused)
-    problems += _per_expert_problems(per_expert, refs)
-    problems += _fused_problems(fused, refs, num_experts)
-
-    layers = []
-    for module in sorted(set(per_expert) | set(fused), key=_natural):
-        nbytes = sum(t.nbytes for ex in per_expert.get(module, {}).values() for t in ex.values())
-        nbytes += sum(t.nbytes for t in fused.get(module, {}).values())
-        n = counts.get(module, 0) or _fused_count(fused[module])
-        layers.append(MoeLayer(module, n, nbytes, module in fused and module not in per_expert))
+    """The report's MoE section from the one recognizer (:mod:`moeshard.io.formats`), and the
+    problems it finds."""
+    fmt = recognize(tensors)
+    problems = list(check(fmt))
+    if fmt is None:
+        return None, problems
+    layers = tuple(MoeLayer(m.module, len(m.experts), m.nbytes, m.fused) for m in fmt.modules)
     expert_bytes = sum(layer.nbytes for layer in layers)
-    total = sum(t.nbytes for t in tensors.values())
-    ref_list = tuple(refs.values())
     moe = MoeLayout(
-        layers=tuple(layers),
-        num_experts=num_experts,
-        expert_tensors=ref_list,
-        bytes_per_expert=sum(r.nbytes for r in ref_list),
+        layers=layers,
+        num_experts=fmt.num_experts,
+        expert_tensors=fmt.expert_tensors,
+        bytes_per_expert=sum(r.nbytes for r in fmt.expert_tensors),
         expert_bytes=expert_bytes,
-        dense_bytes=total - expert_bytes,
+        dense_bytes=sum(t.nbytes for t in tensors.values()) - expert_bytes,
     )
     return moe, problems
-
-
-def _fused_count(fused: dict[str, TensorInfo]) -> int:
-    """Experts in a fused module: the leading dim its tensors agree on (the most common)."""
-    return Counter(t.shape[0] for t in fused.values()).most_common(1)[0][0]
-
-
-def _reference_tensors(per_expert, fused) -> dict[tuple[str, bool], ExpertTensor]:
-    """The expected shape/dtype of each per-expert tensor: the most common over all experts of
-    all layers (so the odd one out is the one reported)."""
-    seen: dict[tuple[str, bool], Counter] = defaultdict(Counter)
-    for experts in per_expert.values():
-        for ex in experts.values():
-            for rest, t in ex.items():
-                seen[(rest, False)][(t.shape, t.dtype)] += 1
-    for ts in fused.values():
-        for rest, t in ts.items():
-            seen[(rest, True)][(t.shape[1:], t.dtype)] += 1
-    refs = {}
-    for (rest, is_fused), counter in seen.items():
-        (shape, dtype), _ = counter.most_common(1)[0]
-        refs[(rest, is_fused)] = ExpertTensor(rest, shape, dtype, math.prod(shape) * DTYPES[dtype].itemsize, is_fused)
-    # Checkpoint order (gate, up, down as first seen), per-expert keys before fused tensors.
-    return dict(sorted(refs.items(), key=lambda kv: kv[0][1]))
-
-
-def _missing_experts(per_expert, fused, num_experts: int) -> list[Problem]:
-    """Layers whose expert ids have gaps or stop short of the largest layer's count."""
-    out = []
-    for module in sorted(per_expert, key=_natural):
-        ids = per_expert[module]
-        missing = [e for e in range(num_experts) if e not in ids]
-        if missing:
-            out.append(Problem(
-                "missing_experts", f"{module}: experts {_ranges(missing)} missing "
-                f"({len(ids)} of {num_experts} present)"))
-    for module in sorted(set(fused) - set(per_expert), key=_natural):
-        n = _fused_count(fused[module])
-        if n < num_experts:
-            out.append(Problem(
-                "missing_experts", f"{module}: fused tensors hold {n} experts, other layers {num_experts}"))
-    return _capped(out)
-
-
-def _per_expert_problems(per_expert, refs) -> list[Problem]:
-    """Experts lacking a tensor the others have, and tensors whose shape/dtype differs from
-    the same tensor of the other experts (in any layer)."""
-    expected = sorted(rest for rest, is_fused in refs if not is_fused)
-    lacking, mismatch = [], []
-    for module in sorted(per_expert, key=_natural):
-        experts = per_expert[module]
-        for rest in expected:
-            absent = [e for e in sorted(experts) if rest not in experts[e]]
-            if absent:
-                lacking.append(Problem(
-                    "missing_expert_tensors", f"{module}: {rest} missing for experts {_ranges(absent)}"))
-        for e in sorted(experts):
-            for rest, t in experts[e].items():
-                ref = refs[(rest, False)]
-                if t.shape != ref.shape or t.dtype != ref.dtype:
-                    mismatch.append(Problem(
-                        "expert_mismatch", f"{module}.{e}.{rest}: {_fmt_shape(t.shape)} {t.dtype}, "
-                        f"other experts {_fmt_shape(ref.shape)} {ref.dtype}"))
-    return _capped(lacking) + _capped(mismatch)
-
-
-def _fused_problems(fused, refs, num_experts: int) -> list[Problem]:
-    expected = sorted(rest for rest, is_fused in refs if is_fused)
-    out = []
-    for module in sorted(fused, key=_natural):
-        ts = fused[module]
-        absent = [rest for rest in expected if rest not in ts]
-        if absent:
-            out.append(Problem("missing_expert_tensors", f"{module}: fused {', '.join(absent)} missing"))
-        n = _fused_count(ts)
-        for rest, t in sorted(ts.items()):
-            ref = refs[(rest, True)]
-            if t.shape[1:] != ref.shape or t.dtype != ref.dtype or t.shape[0] != n:
-                out.append(Problem(
-                    "expert_mismatch", f"{module}.{rest}: {_fmt_shape(t.shape)} {t.dtype}, other layers "
-                    f"{_fmt_shape((n,) + ref.shape)} {ref.dtype}"))
-    return _capped(out)
-
-
-def _capped(problems: list[Problem]) -> list[Problem]:
-    if len(problems) <= MAX_LISTED:
-        return problems
-    rest = len(problems) - MAX_LISTED
-    return problems[:MAX_LISTED] + [Problem(problems[0].kind, f"... and {rest} more {problems[0].kind} problems")]
-
-
-def _natural(s: str) -> tuple:
-    """Sort key putting ``layers.10`` after ``layers.9`` (numbers compared as numbers)."""
-    return tuple(int(t) if i % 2 else t for i, t in enumerate(re.split(r"(\d+)", s)))
-
-
-def _ranges(ids: list[int]) -> str:
-    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
-    out, start = [], None
-    for i, e in enumerate(ids):
-        if start is None:
-            start = e
-        if i + 1 == len(ids) or ids[i + 1] != e + 1:
-            out.append(str(start) if start == e else f"{start}-{e}")
-            start = None
-    return ", ".join(out)
 
 
 def _some(keys: list[str], n: int = 3) -> str:
@@ -450,10 +280,6 @@ def _some(keys: list[str], n: int = 3) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # Text report
-
-
-def _fmt_shape(shape: tuple[int, ...]) -> str:
-    return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
 def _fmt_bytes(n: int) -> str:
@@ -490,7 +316,7 @@ def _layer_lines(layers: tuple[MoeLayer, ...]) -> list[str]:
             loose.append(f"    {layer.module}: {layer.num_experts} experts" + (" (fused)" if layer.fused else ""))
     lines = []
     for (template, n, is_fused), nums in groups.items():
-        name = template.replace("{}", "{" + _ranges(sorted(nums)) + "}")
+        name = template.replace("{}", "{" + id_ranges(sorted(nums)) + "}")
         lines.append(f"    {name}: {len(nums)} layers x {n} experts" + (" (fused)" if is_fused else ""))
     return lines + loose
 
@@ -514,7 +340,7 @@ def format_summary(s: CheckpointSummary) -> str:
         lines.append("  layers:")
         lines += _layer_lines(moe.layers)
         lines.append("  per-expert tensors:")
-        lines += _table([(t.name + (" (fused)" if t.fused else ""), _fmt_shape(t.shape), t.dtype, f"{t.nbytes:,}")
+        lines += _table([(t.name + (" (fused)" if t.fused else ""), shape_str(t.shape), t.dtype, f"{t.nbytes:,}")
                          for t in moe.expert_tensors], ("name", "shape", "dtype", "bytes"), indent="    ")
         total = moe.expert_bytes + moe.dense_bytes
         pct = 100 * moe.expert_bytes / total if total else 0.0

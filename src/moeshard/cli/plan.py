@@ -28,7 +28,7 @@ from ..io.checkpoint import CheckpointIndex
 from ..io.sources import storage_sources
 from ..models.layout import need_table
 from ..placement import Placement
-from ..plan import DEFAULT_STAGING_BYTES
+from ..plan import DEFAULT_STAGING_BYTES, cut_pieces
 
 __all__ = ["STORAGE_MODES", "run", "main"]
 
@@ -139,12 +139,20 @@ def _strategies(descs, index: CheckpointIndex, placement: Placement, cluster: Cl
     t = time.perf_counter()
     needs = need_table(descs, index, placement, topo.world_size)
     timings["needs"] = time.perf_counter() - t
+    # Every mode plans from the same pieces; the baselines are costed from the needs, which are
+    # then dropped: the plans do not need them (they are as large as the pieces).
     t = time.perf_counter()
-    strategies = plan_storage_modes(needs, index, topo, modes, staging)
+    pieces = cut_pieces(needs, index, staging)
+    timings["pieces"] = time.perf_counter() - t
+    t = time.perf_counter()
+    baselines = baseline_costs(needs, descs, index, cluster)
+    t_baselines = time.perf_counter() - t
+    num_needs = len(needs)
+    del needs
+    t = time.perf_counter()
+    strategies = plan_storage_modes(pieces, index, topo, modes, staging) + baselines
     timings["plan " + "+".join(modes)] = time.perf_counter() - t
-    t = time.perf_counter()
-    strategies += baseline_costs(needs, descs, index, cluster)
-    timings["baselines"] = time.perf_counter() - t
+    timings["baselines"] = t_baselines
     out = []
     for s in strategies:
         d = asdict(s)
@@ -152,7 +160,7 @@ def _strategies(descs, index: CheckpointIndex, placement: Placement, cluster: Cl
         if bw is not None:
             d["time_s"], d["bottleneck"] = estimate_time(s, bw)
         out.append(d)
-    return len(needs), out
+    return num_needs, out
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -7,9 +7,9 @@ from typing import Sequence
 
 import numpy as np
 
-from ..box import box_numel
-from ..io.checkpoint import DTYPES, CheckpointIndex
-from ..models.layout import ParamDesc, _local_boxes
+from ..dtypes import ITEMSIZE
+from ..io.checkpoint import CheckpointIndex
+from ..models.layout import ParamDesc, param_boxes
 from ..plan import NeedTable
 from .cost import StrategyCost
 from .spec import ClusterSpec
@@ -17,10 +17,11 @@ from .spec import ClusterSpec
 __all__ = ["baseline_costs"]
 
 
-def _local_bytes(d: ParamDesc, itemsize: int) -> list[tuple[int, int]]:
-    """``[(rank, bytes of its local tensor)]`` of one DTensor parameter."""
-    boxes = _local_boxes(d.shape, d.mesh.shape, d.placements)
-    return [(r, box_numel(b) * itemsize) for r, b in zip(d.mesh.reshape(-1).tolist(), boxes)]
+def _local_bytes(d: ParamDesc, itemsize: int, world: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(ranks, bytes)``, ``int64[M]`` each: every mesh rank of one DTensor parameter and
+    the bytes of its local tensor (numpy: one row per rank)."""
+    ranks, boxes = param_boxes(d, world)
+    return ranks, boxes[:, :, 1].prod(axis=1) * itemsize
 
 
 def baseline_costs(needs: NeedTable, descs: Sequence[ParamDesc], index: CheckpointIndex,
@@ -38,8 +39,9 @@ def baseline_costs(needs: NeedTable, descs: Sequence[ParamDesc], index: Checkpoi
     world, lws = cluster.world_size, cluster.ranks_per_node
     num_nodes = cluster.num_nodes
     infos = index.tensors
-    total = sum(t.nbytes for t in infos.values())
-    max_tensor = max((t.nbytes for t in infos.values()), default=0)
+    nbytes = {k: t.nbytes for k, t in infos.items()}
+    total = sum(nbytes.values())
+    max_tensor = max(nbytes.values(), default=0)
     # Ring-broadcast link bytes over all ranks: a middle rank forwards intra-node, a node's
     # first/last rank receives/sends across nodes.
     intra_ring = 1 if lws > 1 else 0
@@ -70,13 +72,13 @@ def baseline_costs(needs: NeedTable, descs: Sequence[ParamDesc], index: Checkpoi
         ref = d.expert
         keys = [k for e in range(num_logical) for k in ref.param.keys(ref.module, e)]
         expert_keys.update(keys)
-        full = sum(infos[k].nbytes for k in keys)
-        per_rank = _local_bytes(d, DTYPES[infos[keys[0]].dtype].itemsize)
-        local = [b for r, b in per_rank if r != 0 and b]
-        bcast_bytes += sum(local)
+        full = sum(nbytes[k] for k in keys)
+        ranks, local = _local_bytes(d, ITEMSIZE[infos[keys[0]].dtype], world)
+        local = local[(ranks != 0) & (local > 0)]
+        bcast_bytes += int(local.sum())
         num_bcast += len(local)
-        peak0 = max(peak0, full + max(local, default=0))
-    dense_bytes = sum(t.nbytes for k, t in infos.items() if k not in expert_keys)
+        peak0 = max(peak0, full + int(local.max(initial=0)))
+    dense_bytes = sum(b for k, b in nbytes.items() if k not in expert_keys)
     num_dense = len(infos) - len(expert_keys)
     payload = dense_bytes + bcast_bytes
     out.append(StrategyCost(
@@ -91,7 +93,7 @@ def baseline_costs(needs: NeedTable, descs: Sequence[ParamDesc], index: Checkpoi
     ))
 
     # node-local-p2p: one blocking send per need of a rank other than its node's local rank 0.
-    item = np.asarray([DTYPES[infos[k].dtype].itemsize for k in needs.keys], dtype=np.int64)
+    item = np.asarray([ITEMSIZE[infos[k].dtype] for k in needs.keys], dtype=np.int64)
     ranks = needs.rank.astype(np.int64)
     sizes = needs.src_len.prod(axis=1) * item[needs.key]
     need_bytes = np.zeros(world, dtype=np.int64)

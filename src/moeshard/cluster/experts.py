@@ -1,18 +1,25 @@
 """Checkpoint headers -> the MoE layout a model built from them has: experts modules (one per
-MoE layer), their fused parameters (as the adapters fuse per-expert keys), dense keys."""
+MoE layer), their fused parameters (as the adapters fuse per-expert keys), dense keys.
+
+Which keys are experts is :mod:`moeshard.io.formats`' call (the recognizer ``moeshard
+inspect`` and the load path use too); this module adds what ``moeshard plan`` needs on top:
+layers the model does not load left out, and the model's parameter names."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from ..io.checkpoint import CheckpointIndex
-from ..models.adapters import ExpertParam
+from ..io.formats import MoeFormat, check, layer_of, recognize
+from ..models.adapters import ExpertParam, expert_params
 
 __all__ = ["ExpertModule", "MoeLayout", "find_experts"]
 
-_EXPERT_KEY = re.compile(r"^(?P<module>(?:.*\.)?experts)\.(?P<e>\d+)\.(?P<suffix>.+)$")
-_LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# What makes a layout unusable for planning: experts or expert tensors some layer lacks, a
+# layer both per-expert and fused. (Shapes that disagree are the load planner's to report,
+# naming the parameter.)
+_REFUSED = ("mixed_layout", "missing_experts", "missing_expert_tensors")
+
 
 @dataclass(frozen=True)
 class ExpertModule:
@@ -38,94 +45,50 @@ class MoeLayout:
         return len(self.experts)
 
 
-def _natural(s: str) -> tuple:
-    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s))
-
-
-# Per-expert checkpoint parts fused into one parameter, as HF_EXPERTS / MIXTRAL_EXPERTS do:
-# (first part prefix, second part prefix, fused name); weights and their scales/biases alike.
-_FUSED = (("gate_proj.", "up_proj.", "gate_up_proj"), ("w1.", "w3.", "gate_up_proj"))
-_SINGLE = {"down_proj.": "down_proj", "w2.": "down_proj"}
-
-
-def _expert_params(module: str, suffixes: list[str], index: CheckpointIndex) -> tuple[ExpertParam, ...]:
-    """Fused parameters of one experts module from the suffixes of expert 0's keys."""
-    info = {s: index.info(f"{module}.0.{s}") for s in suffixes}
-    used: set[str] = set()
-    params: list[ExpertParam] = []
-
-    def name_of(base: str, rest: str) -> str:
-        return base if rest == "weight" else f"{base}_{rest.replace('.', '_')}"
-
-    for s in suffixes:
-        if s in used:
-            continue
-        for first, second, fused in _FUSED:
-            if s.startswith(first):
-                rest = s[len(first):]
-                other = second + rest
-                a, b = info[s], info.get(other)
-                # Parts concatenate along dim 0 of the slice: same dtype, same trailing dims.
-                if b is not None and a.dtype == b.dtype and len(a.shape) >= 1 and a.shape[1:] == b.shape[1:] \
-                        and len(a.shape) == len(b.shape):
-                    params.append(ExpertParam(name_of(fused, rest), (f"{{e}}.{s}", f"{{e}}.{other}")))
-                    used.update((s, other))
-                break
-        if s in used:
-            continue
-        base = next((v for k, v in _SINGLE.items() if s.startswith(k)), None)
-        name = name_of(base, s.split(".", 1)[1]) if base else s.replace(".", "_")
-        params.append(ExpertParam(name, (f"{{e}}.{s}",)))
-        used.add(s)
-    return tuple(params)
-
-
 def find_experts(index: CheckpointIndex, num_hidden_layers: int | None = None) -> MoeLayout:
     """Experts modules of a checkpoint from its per-expert keys (``<module>.experts.<e>.<rest>``).
 
     ``num_hidden_layers`` (from the checkpoint's config.json): keys of decoder layers at or
     beyond it are skipped (DeepSeek-V3's multi-token-prediction layer 61, which transformers
-    does not load). Raises ValueError for a checkpoint without experts (not MoE) or experts
-    modules that disagree (expert ids not 0..E-1, a tensor missing for some expert).
+    does not load). Raises ValueError for a checkpoint without experts (not MoE), experts
+    stored fused (``<module>.experts.gate_up_proj``: not loadable yet) or experts modules that
+    disagree (expert ids not 0..E-1, a tensor missing for some expert).
     """
-    modules: dict[str, dict[str, set[int]]] = {}
-    dense: list[str] = []
-    skipped: list[str] = []
-    for key in index.tensors:
-        if num_hidden_layers is not None:
-            m = _LAYER_KEY.search(key)
-            if m and int(m.group(1)) >= num_hidden_layers:
+    tensors, skipped = index.tensors, []
+    if num_hidden_layers is not None:
+        tensors = {}
+        for key, t in index.tensors.items():
+            block = layer_of(key)
+            if block is not None and block[1] >= num_hidden_layers:
                 skipped.append(key)
-                continue
-        m = _EXPERT_KEY.match(key)
-        if m is None:
-            dense.append(key)
-            continue
-        modules.setdefault(m.group("module"), {}).setdefault(m.group("suffix"), set()).add(int(m.group("e")))
-    if not modules:
-        raise ValueError(
-            f"checkpoint {index.root} has no per-expert tensors (keys like '<module>.experts.<e>.gate_proj.weight'): "
-            "not a MoE checkpoint"
-        )
-    num_logical = None
+            else:
+                tensors[key] = t
+    fmt = recognize(tensors)
+    _check_loadable(index.root, fmt)
+    assert fmt is not None
     experts = []
-    for layer, module in enumerate(sorted(modules, key=_natural)):
-        by_suffix = modules[module]
-        for suffix, ids in sorted(by_suffix.items()):
-            n = len(ids)
-            if ids != set(range(n)):
-                missing = sorted(set(range(max(ids) + 1)) - ids)[:8]
-                raise ValueError(f"checkpoint {index.root}: {module}.<e>.{suffix} lacks experts {missing}")
-            if num_logical is None:
-                num_logical = n
-            elif n != num_logical:
-                raise ValueError(
-                    f"checkpoint {index.root}: {module}.<e>.{suffix} has {n} experts, other experts tensors "
-                    f"have {num_logical}"
-                )
-        suffixes = sorted(by_suffix, key=lambda s: (index.info(f"{module}.0.{s}").file, index.info(f"{module}.0.{s}").offset))
-        experts.append(ExpertModule(layer, module, _expert_params(module, suffixes, index)))
-    order = {k: (t.file, t.offset) for k, t in index.tensors.items()}
-    dense.sort(key=order.__getitem__)
-    assert num_logical is not None
-    return MoeLayout(tuple(experts), num_logical, tuple(dense), tuple(skipped))
+    for layer, m in enumerate(fmt.modules):
+        # Expert 0's tensors in checkpoint order (file, offset): the order of the parameters.
+        first = sorted(((g.name, g.infos[0]) for g in m.tensors), key=lambda x: (x[1].file, x[1].offset))
+        experts.append(ExpertModule(layer, m.module, expert_params(dict(first))))
+    order = {k: (t.file, t.offset) for k, t in tensors.items()}
+    dense = sorted(fmt.dense_keys, key=order.__getitem__)
+    return MoeLayout(tuple(experts), fmt.num_experts, tuple(dense), tuple(skipped))
+
+
+def _check_loadable(root: str, fmt: MoeFormat | None) -> None:
+    """Raise ValueError, naming ``root`` and the first problem, unless ``fmt`` is a layout of
+    per-expert keys whose layers all hold experts ``0 .. E-1`` with the same tensors."""
+    if fmt is None:
+        raise ValueError(f"checkpoint {root}: {check(None)[0].message}: not a MoE checkpoint")
+    fused = [m.module for m in fmt.modules if m.fused or m.mixed]
+    if fused:
+        names = sorted({g.name for m in fmt.modules for g in m.tensors if g.fused})
+        raise ValueError(
+            f"checkpoint {root}: {fused[0]} stores its experts fused ({', '.join(names)}"
+            f"{f'; {len(fused) - 1} more such layers' if len(fused) > 1 else ''}); moeshard reads experts "
+            "stored per expert (<module>.experts.<e>.<name>)")
+    problems = [p for p in check(fmt) if p.kind in _REFUSED]
+    if problems:
+        more = f" (and {len(problems) - 1} more problems: `moeshard inspect` lists them)" if len(problems) > 1 else ""
+        raise ValueError(f"checkpoint {root}: {problems[0].message}{more}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..io.checkpoint import DTYPES, CheckpointIndex
+from ..io.checkpoint import CheckpointIndex
 from ..models.layout import ExpertRef, ParamDesc
 from ..placement import Placement
 from .experts import MoeLayout
@@ -19,32 +19,33 @@ _PLAIN_SUFFIXES = ("e_score_correction_bias",)
 
 def synthesize_descs(layout: MoeLayout, index: CheckpointIndex, cluster: ClusterSpec) -> list[ParamDesc]:
     """The :class:`ParamDesc` records ``moeshard.parallelize`` would give the model of this
-    checkpoint on ``cluster`` (model dtype = checkpoint dtype, so bytes are checkpoint bytes)."""
-    from torch.distributed.tensor.placement_types import Replicate, Shard
+    checkpoint on ``cluster`` (model dtype = checkpoint dtype, so bytes are checkpoint bytes).
 
+    Torch-free: dtypes are safetensors names and placements their plain spelling (the int dim
+    of a ``Shard``, None for ``Replicate``; :class:`~moeshard.models.layout.ParamDesc`)."""
     world = cluster.world_size
     dp = np.arange(world)  # the flattened ("efsdp", "ep") mesh is ranks 0..world-1 in order
     if cluster.efsdp == 1:
-        emesh, eplace, eplace0 = dp, (Shard(0),), (Shard(0),)
+        emesh, eplace, eplace0 = dp, (0,), (0,)
     else:
         emesh = dp.reshape(cluster.efsdp, cluster.ep)
-        # A 0-dim per-expert tensor (a per-expert scalar scale) has no dim 1 to shard.
-        eplace, eplace0 = (Shard(1), Shard(0)), (Replicate(), Shard(0))
+        # (Shard(1), Shard(0)); a 0-dim per-expert tensor (a per-expert scalar scale) has no dim
+        # 1 to shard: (Replicate(), Shard(0)).
+        eplace, eplace0 = (1, 0), (None, 0)
     num_physical = layout.num_logical + cluster.num_redundant
     descs: list[ParamDesc] = []
     for key in layout.dense_keys:
         info = index.info(key)
-        dt = DTYPES[info.dtype]
         if not info.shape or key.endswith(_PLAIN_SUFFIXES):
-            descs.append(ParamDesc(key, tuple(info.shape), dt, None, (), (key,)))
+            descs.append(ParamDesc(key, tuple(info.shape), info.dtype, None, (), (key,)))
         else:
-            descs.append(ParamDesc(key, tuple(info.shape), dt, dp, (Shard(0),), (key,)))
+            descs.append(ParamDesc(key, tuple(info.shape), info.dtype, dp, (0,), (key,)))
     for em in layout.experts:
         for p in em.params:
             parts = [index.info(k) for k in p.keys(em.module, 0)]
             slice_shape = (sum(t.shape[0] for t in parts), *parts[0].shape[1:]) if parts[0].shape else ()
             place = eplace if slice_shape else eplace0
-            descs.append(ParamDesc(f"{em.module}.{p.name}", (num_physical, *slice_shape), DTYPES[parts[0].dtype],
+            descs.append(ParamDesc(f"{em.module}.{p.name}", (num_physical, *slice_shape), parts[0].dtype,
                                    emesh, place, (), ExpertRef(em.layer, em.module, p)))
     return descs
 

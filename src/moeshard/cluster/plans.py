@@ -11,7 +11,7 @@ import numpy as np
 
 from ..io.checkpoint import CheckpointIndex
 from ..io.sources import storage_sources
-from ..plan import NeedTable, Schedule, minimal_cost, plan_transfers
+from ..plan import NeedTable, Pieces, Schedule, cut_pieces, minimal_cost, plan_transfers
 from ..topology import Topology
 from .cost import LinkBytes, StrategyCost
 
@@ -48,19 +48,23 @@ def moeshard_cost(name: str, plan: Schedule, minimal: dict, seconds: float) -> S
     )
 
 
-def _plan_mode(mode: str, needs: NeedTable, index: CheckpointIndex, topo: Topology, staging: int) -> StrategyCost:
+def _plan_mode(mode: str, pieces: Pieces, index: CheckpointIndex, topo: Topology, staging: int) -> StrategyCost:
     t = time.perf_counter()
     name, readers, scope = storage_sources(mode, np.ones(topo.world_size, dtype=bool), topo)
-    plan = plan_transfers(needs, index, topo, readers, scope=scope, staging_bytes=staging)
-    minimal = minimal_cost(needs, index, topo, readers, scope)
+    minimal = minimal_cost(pieces, index, topo, readers, scope)
+    plan = plan_transfers(pieces, index, topo, readers, scope=scope, staging_bytes=staging)
     cost = moeshard_cost(f"moeshard {name}", plan, minimal, 0.0)
     return StrategyCost(**{**asdict(cost), "plan_seconds": time.perf_counter() - t})
 
 
-def plan_storage_modes(needs: NeedTable, index: CheckpointIndex, topo: Topology, modes: Sequence[str],
+def plan_storage_modes(needs: NeedTable | Pieces, index: CheckpointIndex, topo: Topology, modes: Sequence[str],
                        staging: int) -> list[StrategyCost]:
-    """Plan every storage mode in ``modes`` and cost each plan (pure), one plan in memory at
-    a time (each holds every need). Running the modes in forked processes was tried: faster
-    at 256 ranks on 2 cores (16 -> 11 s), slower at 1,024 ranks (45 -> 53 s, 79 -> 114 s),
-    so it is not done."""
-    return [_plan_mode(mode, needs, index, topo, staging) for mode in modes]
+    """Plan every storage mode in ``modes`` and cost each plan (pure).
+
+    The needs are cut into pieces once (:func:`~moeshard.plan.cut_pieces`, the same for every
+    mode; or pass the :class:`~moeshard.plan.Pieces` for ``staging``) and each mode's schedule
+    is reduced to its counters before the next is planned: one schedule in memory at a time.
+    Running the modes in forked processes was tried: faster at 256 ranks on 2 cores (16 ->
+    11 s), slower at 1,024 ranks (45 -> 53 s, 79 -> 114 s), so it is not done."""
+    pieces = needs if isinstance(needs, Pieces) else cut_pieces(needs, index, staging)
+    return [_plan_mode(mode, pieces, index, topo, staging) for mode in modes]

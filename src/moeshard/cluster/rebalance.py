@@ -9,6 +9,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..dtypes import itemsize
 from ..models.layout import ParamDesc, _local_boxes
 from ..placement import Placement
 from .cost import LinkBytes
@@ -58,7 +59,7 @@ def plan_relocation_summary(descs: Sequence[ParamDesc], old: Placement, loads: n
             continue
         boxes = _local_boxes(d.shape, d.mesh.shape, d.placements)
         holdings = tuple((r, b[0][0], b[0][1], b[1:]) for r, b in zip(d.mesh.reshape(-1).tolist(), boxes))
-        tensors.append(ExpertTensor(d.expert.layer, d.name, d.shape[1:], d.dtype.itemsize, holdings))
+        tensors.append(ExpertTensor(d.expert.layer, d.name, d.shape[1:], itemsize(d.dtype), holdings))
     topo = cluster.topology()
     plan = plan_relocation(tensors, old, new, topo, readers=readers, staging_bytes=staging_bytes)
     t2 = time.perf_counter()

@@ -10,7 +10,8 @@ import math
 import os
 from pathlib import Path
 
-from ..io.checkpoint import DTYPES, CheckpointIndex, TensorInfo, load_json
+from ..dtypes import ITEMSIZE
+from ..io.checkpoint import CheckpointIndex, TensorInfo, load_json
 
 __all__ = ["read_config", "synthetic_index", "num_params"]
 
@@ -233,7 +234,7 @@ def synthetic_index(cfg: dict, root: str = "<synthetic>", shard_bytes: int = _SH
     files: list[list[tuple[str, str, tuple[int, ...], int]]] = [[]]
     size = total = 0
     for key, dt, shape in _tensor_specs(cfg):
-        nbytes = math.prod(shape) * DTYPES[dt].itemsize
+        nbytes = math.prod(shape) * ITEMSIZE[dt]
         total += nbytes
         if total > _MAX_BYTES:
             raise ValueError(f"{_WHAT}: describes a checkpoint of more than 2**48 bytes (256 TiB): sizes too large")

@@ -45,12 +45,15 @@ import struct
 from dataclasses import dataclass
 from json.decoder import WHITESPACE, JSONDecodeError, scanstring
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator, Mapping
 
 import numpy as np
-import torch
 
 from ..box import Box, box_numel, box_shape, check_box, full_box
+from ..dtypes import ITEMSIZE, LazyTable, torch_dtypes
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["TensorInfo", "CheckpointIndex", "CheckpointReader", "CheckpointError", "write_checkpoint",
            "safetensors_header", "pwrite_all", "load_json"]
@@ -61,22 +64,11 @@ _MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own limit (MAX_HEADE
 # overflows its usize (checked dim by dim, in order).
 _MAX_INT = 2**63
 
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-_ITEMSIZE = {k: v.itemsize for k, v in DTYPES.items()}  # a plain dict: 3x faster than dtype.itemsize
+# Safetensors dtype name -> torch dtype, and back: built on first use (importing this module
+# must not import torch: ``moeshard plan`` reads headers without it; :mod:`moeshard.dtypes`).
+DTYPES: Mapping[str, torch.dtype] = LazyTable(torch_dtypes)
+DTYPE_NAMES: Mapping[torch.dtype, str] = LazyTable(lambda: {v: k for k, v in torch_dtypes().items()})
+_ITEMSIZE = ITEMSIZE  # a plain dict: 3x faster than dtype.itemsize
 
 
 class CheckpointError(ValueError):
@@ -97,7 +89,7 @@ class TensorInfo:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return torch_dtypes()[self.dtype]
 
     @property
     def itemsize(self) -> int:
@@ -168,6 +160,24 @@ class CheckpointIndex:
             return self.tensors[key]
         except KeyError:
             raise CheckpointError(f"checkpoint {self.root} has no tensor {key!r}") from None
+
+    def __reduce__(self):
+        # One rank reads the headers and sends them to every rank (moeshard.load): pickled as
+        # columns, not as a TensorInfo object per key, which costs ~20x more to pickle and to
+        # unpickle (DeepSeek-V3's 45,000 keys: ~1 s on every rank). Shapes and dtype names are
+        # shared objects, so pickle writes each distinct one once.
+        infos = self.tensors.values()
+        files = {f: i for i, f in enumerate(dict.fromkeys(t.file for t in infos))}
+        columns = (tuple(self.tensors), tuple(files), [files[t.file] for t in infos], [t.offset for t in infos],
+                   [t.dtype for t in infos], [t.shape for t in infos])
+        return _index_from_columns, (self.root, columns, self.file_sizes)
+
+
+def _index_from_columns(root: str, columns: tuple, file_sizes: dict[str, int]) -> CheckpointIndex:
+    """The :class:`CheckpointIndex` that :meth:`CheckpointIndex.__reduce__` pickled."""
+    keys, files, file_of, offsets, dtypes, shapes = columns
+    tensors = {k: TensorInfo(files[f], o, d, s) for k, f, o, d, s in zip(keys, file_of, offsets, dtypes, shapes)}
+    return CheckpointIndex(root, tensors, file_sizes)
 
 
 def _read_index(root: Path, require_files: bool = True) -> dict[str, list[str]]:
@@ -399,7 +409,7 @@ class _EntryParser:
 
     def __init__(self, name: str, data_start: int, data_len: int):
         self.name, self.data_start, self.data_len = name, data_start, data_len
-        self.dtypes = {k: k for k in DTYPES}  # the canonical (shared) str of each dtype name
+        self.dtypes = {k: k for k in ITEMSIZE}  # the canonical (shared) str of each dtype name
         self.shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
         self.has_extra_fields = False  # fields safetensors ignores (they may nest deep)
 
@@ -606,6 +616,8 @@ class CheckpointReader:
         shape = box_shape(box)
         if out is not None and tuple(out.shape) != shape:
             raise ValueError(f"{key}: destination of shape {list(out.shape)} for a box of shape {list(shape)}")
+        import torch  # the reader allocates tensors; the headers (above) need no torch
+
         direct = out is not None and out.device.type == "cpu" and out.dtype == info.torch_dtype and out.is_contiguous()
         buf = out if direct else torch.empty(shape, dtype=info.torch_dtype)
         if box_numel(box):

@@ -14,7 +14,6 @@ from typing import Literal, Sequence
 
 import numpy as np
 
-from .. import _dist
 from ..topology import Topology
 from .checkpoint import CheckpointIndex
 
@@ -79,22 +78,27 @@ def _storage_mode(storage: Storage, can: np.ndarray, topology: Topology) -> tupl
 
 
 def resolve_sources(path: str, storage: Storage, topology: Topology, can_read: bool,
-                    active: Sequence[bool] | np.ndarray | None = None) -> tuple[str, np.ndarray, str, CheckpointIndex]:
+                    active: Sequence[bool] | np.ndarray | None = None,
+                    everyone: Sequence[bool] | None = None) -> tuple[str, np.ndarray, str, CheckpointIndex]:
     """Collective (every rank): agree on the storage mode from which ranks can see ``path``;
     the first reader (the first active one, given ``active``; see :func:`storage_sources`)
-    reads the headers and sends them to all ranks.
+    reads the headers and sends them to all ranks. ``everyone``: every rank's ``can_read``
+    when the caller has gathered it already (one exchange fewer).
 
     Returns ``(mode, readers: bool[world], scope, index)``, the same on every rank.
     """
-    rank = topology.rank
+    from .. import _dist  # torch.distributed: only this collective needs it (storage_sources is pure)
+
     what = f"moeshard: storage of {path}"
-    everyone = _dist.all_gather_object(can_read, what=what)
+    if everyone is None:
+        everyone = _dist.all_gather_object(can_read, what=what)
     mode, readers, scope = _dist.agree(lambda: storage_sources(storage, everyone, topology, active), what)
     live = readers if active is None else readers & np.asarray(active, dtype=bool)
     first = int(np.flatnonzero(live if live.any() else readers)[0])
     what = f"moeshard: reading the headers of {path}"
-    index = _dist.agree(lambda: CheckpointIndex.open(path) if rank == first else None, what)
-    return mode, readers, scope, _dist.broadcast_object(index, src=first, what=what)
+    # One broadcast: the headers, or the first reader's error on every rank.
+    index = _dist.broadcast_result(lambda: CheckpointIndex.open(path), first, what)
+    return mode, readers, scope, index
 
 
 def reader_root(path: str) -> str:

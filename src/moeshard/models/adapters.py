@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from ..box import Box
 
 __all__ = ["ExpertParam", "ExpertsSpec", "HF_EXPERTS", "MIXTRAL_EXPERTS", "DEFAULT_SPECS", "KEY_RENAMES",
-           "checkpoint_names", "expert_parts", "read_expert_box", "specs_for"]
+           "checkpoint_names", "expert_params", "expert_parts", "read_expert_box", "specs_for"]
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,67 @@ def checkpoint_names(name: str, renames: tuple[tuple[str, str], ...] = KEY_RENAM
         if alt not in out:
             out.append(alt)
     return tuple(out)
+
+
+def _spec_stems(specs) -> tuple[tuple[tuple[str, str, str], ...], dict[str, str]]:
+    """The checkpoint module names of the specs' parts: ``((first, second, fused name), ...)``
+    for two-part parameters (``("gate_proj.", "up_proj.", "gate_up_proj")``) and ``{stem:
+    name}`` for one-part ones (``{"down_proj.": "down_proj"}``), from part templates
+    ``{e}.<stem>.weight`` (other templates are left out)."""
+    pairs: list[tuple[str, str, str]] = []
+    singles: dict[str, str] = {}
+    for spec in specs:
+        for p in spec.params:
+            stems = [part[len("{e}."):-len("weight")] for part in p.parts
+                     if part.startswith("{e}.") and part.endswith(".weight") and part.count(".") == 2]
+            if len(stems) == len(p.parts) == 2 and p.dim == 0:
+                pairs.append((stems[0], stems[1], p.name))
+            elif len(stems) == len(p.parts) == 1:
+                singles.setdefault(stems[0], p.name)
+    return tuple(pairs), singles
+
+
+# How transformers fuses the per-expert tensors of the known families (HF_EXPERTS,
+# MIXTRAL_EXPERTS): weights and the scales or biases stored beside them alike.
+_PAIRS, _SINGLES = _spec_stems(DEFAULT_SPECS)
+
+
+def expert_params(tensors) -> tuple[ExpertParam, ...]:
+    """The fused parameters a model of a known family (:data:`DEFAULT_SPECS`) has for an
+    experts module whose per-expert tensors are ``tensors`` (name -> one expert's header info,
+    with ``dtype`` and ``shape``; in checkpoint order).
+
+    ``gate_proj.<x>`` + ``up_proj.<x>`` (Mixtral: ``w1`` + ``w3``) become ``gate_up_proj``
+    (``<x>`` = weight) or ``gate_up_proj_<x>`` (``weight_scale_inv`` ...) when they concatenate
+    along dim 0 (same dtype, same trailing dims); ``down_proj.<x>`` (``w2``) becomes
+    ``down_proj[_<x>]``; any other tensor a parameter of its own (dots made underscores)."""
+    used: set[str] = set()
+    params: list[ExpertParam] = []
+
+    def name_of(base: str, rest: str) -> str:
+        return base if rest == "weight" else f"{base}_{rest.replace('.', '_')}"
+
+    for s in tensors:
+        if s in used:
+            continue
+        for first, second, fused in _PAIRS:
+            if s.startswith(first):
+                rest = s[len(first):]
+                other = second + rest
+                a, b = tensors[s], tensors.get(other)
+                # Parts concatenate along dim 0 of the slice: same dtype, same trailing dims.
+                if b is not None and a.dtype == b.dtype and len(a.shape) >= 1 and a.shape[1:] == b.shape[1:] \
+                        and len(a.shape) == len(b.shape):
+                    params.append(ExpertParam(name_of(fused, rest), (f"{{e}}.{s}", f"{{e}}.{other}")))
+                    used.update((s, other))
+                break
+        if s in used:
+            continue
+        base = next((v for k, v in _SINGLES.items() if s.startswith(k)), None)
+        name = name_of(base, s.split(".", 1)[1]) if base else s.replace(".", "_")
+        params.append(ExpertParam(name, (f"{{e}}.{s}",)))
+        used.add(s)
+    return tuple(params)
 
 
 def specs_for(model, specs) -> tuple[tuple[ExpertsSpec, ...], bool]:

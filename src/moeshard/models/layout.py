@@ -10,7 +10,8 @@ needs, so the planner gives the same plan everywhere.
 Two halves: :func:`describe_model` turns a model into plain :class:`ParamDesc` records (the
 only part that looks at torch modules); :func:`need_table` (arrays, one row per need) and
 :func:`compute_needs` (the same rows as :class:`Need` tuples) are pure and work for any
-world size.
+world size. Importing this module does not import torch (``moeshard plan`` plans without it);
+the functions that look at a model import it when called.
 """
 
 from __future__ import annotations
@@ -18,18 +19,22 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import numpy as np
-import torch
-from torch import nn
 
 from ..box import Box, full_box
-from ..io.checkpoint import DTYPES, CheckpointIndex
+from ..dtypes import TORCH_NAMES, cast_refusal
+from ..io.checkpoint import CheckpointIndex
+from ..io.formats import layer_of, parse_expert_key, scale_keys, scaled_weight
 from ..placement import Placement
 from ..plan.arrays import expand_runs, unique_rows
 from ..plan.needs import NeedTable
 from .adapters import DEFAULT_SPECS, ExpertParam, ExpertsSpec, checkpoint_names, expert_parts, specs_for
+
+if TYPE_CHECKING:  # torch only where a model is looked at: need_table and its helpers run without it
+    import torch
+    from torch import nn
 
 __all__ = ["ExpertRef", "ParamDesc", "Need", "describe_model", "need_table", "compute_needs", "shard_boxes",
            "param_boxes", "rank_boxes", "local_tensor", "expert_layers",
@@ -55,10 +60,13 @@ class ParamDesc:
     Args:
         name: qualified name in the model.
         shape: global shape. For an expert parameter: ``[num_physical, *slice_shape]``.
-        dtype: the model's dtype (checkpoint values are cast to it).
+        dtype: the model's dtype (checkpoint values are cast to it): a torch dtype, or its
+            safetensors name (``"BF16"``; torch-free descriptions, e.g. ``moeshard plan``'s).
         mesh: ``int[*mesh_shape]`` global ranks of the DTensor's mesh, or None for a plain
             tensor held in full by every rank.
         placements: the DTensor's placements (one per mesh dim); empty for a plain tensor.
+            Torch's ``Shard(dim)`` / ``Replicate()``, or torch-free: the int ``dim`` a Shard
+            splits, None for Replicate.
         keys: checkpoint keys the tensor may be stored under (own name first, then tied
             aliases); unused for expert parameters.
         expert: set for expert parameters.
@@ -66,7 +74,7 @@ class ParamDesc:
 
     name: str
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: "torch.dtype | str"
     mesh: np.ndarray | None
     placements: tuple = ()
     keys: tuple[str, ...] = ()
@@ -212,40 +220,59 @@ def _persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+@functools.lru_cache(maxsize=1)
+def _torch_classes() -> tuple[type, type]:
+    """``(nn.Parameter, DTensor)``, imported on first use (this module is imported without
+    torch by ``moeshard plan``)."""
+    from torch import nn
     from torch.distributed.tensor import DTensor
 
-    return isinstance(t, DTensor)
+    return nn.Parameter, DTensor
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return isinstance(t, _torch_classes()[1])
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The rank-local tensor behind a parameter (DTensor or plain), writable in place."""
-    t = t.data if isinstance(t, nn.Parameter) else t
-    return t._local_tensor if _is_dtensor(t) else t
+    parameter, dtensor = _torch_classes()
+    t = t.data if isinstance(t, parameter) else t
+    return t._local_tensor if isinstance(t, dtensor) else t
 
 
 # -- DTensor shards -> boxes (pure, numpy) -------------------------------------------------
 
 
 def _shard_dims(placements: Sequence, ndim: int) -> tuple[int, ...]:
-    """Per mesh dim, the tensor dim its ``Shard`` splits, or -1 for ``Replicate``. Raises
+    """Per mesh dim, the tensor dim its ``Shard`` splits, or -1 for ``Replicate``. A placement
+    is torch's ``Shard`` / ``Replicate`` or its torch-free spelling (an int dim, None). Raises
     ValueError for any other placement (``_StridedShard``, ``Partial``)."""
-    from torch.distributed.tensor.placement_types import Replicate, Shard
-
     dims = []
     for p in placements:
-        if not isinstance(p, (Shard, Replicate)) or type(p).__name__ == "_StridedShard":
-            raise ValueError(
-                f"placement {p} is not supported (Shard and Replicate are); "
-                "shard expert parameters with Shard(1) on the expert-FSDP axis"
-            )
-        if isinstance(p, Shard):
-            dim = p.dim + ndim if p.dim < 0 else p.dim
-            if not 0 <= dim < ndim:
-                raise ValueError(f"placement {p} shards dim {p.dim} of a {ndim}-dim tensor")
-            dims.append(dim)
-        else:
+        if p is None:
             dims.append(-1)
+            continue
+        if isinstance(p, int) and not isinstance(p, bool):
+            dim = p
+        else:
+            # A torch placement: torch is already imported by whoever made it.
+            from torch.distributed.tensor.placement_types import Replicate, Shard
+
+            if not isinstance(p, (Shard, Replicate)) or type(p).__name__ == "_StridedShard":
+                raise ValueError(
+                    f"placement {p} is not supported (Shard and Replicate are); "
+                    "shard expert parameters with Shard(1) on the expert-FSDP axis"
+                )
+            if not isinstance(p, Shard):
+                dims.append(-1)
+                continue
+            dim = p.dim
+        norm = dim + ndim if dim < 0 else dim
+        if not 0 <= norm < ndim:
+            name = f"Shard({p})" if isinstance(p, int) else p
+            raise ValueError(f"placement {name} shards dim {dim} of a {ndim}-dim tensor")
+        dims.append(norm)
     return tuple(dims)
 
 
@@ -277,8 +304,9 @@ def _shard_boxes(shape: tuple[int, ...], mesh_shape: tuple[int, ...], dims: tupl
 def shard_boxes(shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence) -> np.ndarray:
     """Box (global coordinates) of every mesh coordinate of a DTensor of global ``shape``.
 
-    ``placements``: one torch ``Shard(dim)`` / ``Replicate()`` per mesh dim. The rule is
-    torch's (``_compute_local_shape_and_global_offset``) done with numpy, cached.
+    ``placements``: one torch ``Shard(dim)`` / ``Replicate()`` per mesh dim (or the torch-free
+    spelling, :class:`ParamDesc`). The rule is torch's (``_compute_local_shape_and_global_offset``)
+    done with numpy, cached.
 
     Returns:
         ``int64[prod(mesh_shape), len(shape), 2]`` of ``(offset, length)``, mesh coordinates in
@@ -345,14 +373,14 @@ def need_table(
     num_layers = 1 + max((d.expert.layer for d in descs if d.expert), default=-1)
     if placement is not None and num_layers:
         placement.check_layers(num_layers)
-    tables = []
+    parts: list[_DenseRows | NeedTable] = []
     for i, d in enumerate(descs):
         ranks, boxes = param_boxes(d, world_size)
         if d.expert is None:
-            tables.append(_dense_table(i, d, index, ranks, boxes))
+            parts.append(_dense_rows(i, d, index, ranks, boxes))
         else:
-            tables.append(_expert_table(i, d, index, placement, ranks, boxes))
-    return NeedTable.concat(tables)
+            parts.append(_expert_table(i, d, index, placement, ranks, boxes))
+    return NeedTable.concat(parts)
 
 
 def compute_needs(
@@ -366,9 +394,49 @@ def compute_needs(
     return need_table(descs, index, placement, world_size).to_needs()
 
 
-def _dense_table(i: int, d: ParamDesc, index: CheckpointIndex, ranks: np.ndarray, boxes: np.ndarray) -> NeedTable:
-    """The rows of dense parameter number ``i``: one per rank in ``ranks`` (``int64[M]``)
-    whose box (``int64[M, ndim, 2]``) is not empty, placed at the local tensor's origin."""
+class _DenseRows(NamedTuple):
+    """The rows of dense parameter number ``param`` until :meth:`NeedTable.concat` writes them:
+    one per rank in ``ranks`` (``int64[M]``) whose box (``boxes``: ``int64[M, ndim, 2]``) is
+    not empty (``keep``: ``bool[M]``, None for all), placed at the local tensor's origin.
+    ``ranks`` and ``boxes`` are the cached arrays of the parameter's layout, not copies."""
+
+    param: int
+    key_name: str
+    ranks: np.ndarray
+    boxes: np.ndarray
+    keep: np.ndarray | None
+    num: int
+
+    def __len__(self) -> int:
+        return self.num
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return (self.key_name,) if self.num else ()
+
+    @property
+    def ndim(self) -> np.ndarray:
+        return np.asarray([self.boxes.shape[1]] if self.num else [], dtype=np.int8)
+
+    @property
+    def width(self) -> int:
+        return self.boxes.shape[1]
+
+    def fill(self, table: NeedTable, rows: slice, key_ids: np.ndarray) -> None:
+        ranks, boxes = (self.ranks, self.boxes) if self.keep is None else (self.ranks[self.keep], self.boxes[self.keep])
+        table.rank[rows] = ranks
+        table.param[rows] = self.param
+        table.key[rows] = key_ids[0]
+        table.slot[rows] = -1
+        d = self.width
+        table.src_off[rows, :d] = boxes[:, :, 0]
+        table.src_len[rows, :d] = boxes[:, :, 1]
+        table.dst_off[rows, :d] = 0
+
+
+def _dense_rows(i: int, d: ParamDesc, index: CheckpointIndex, ranks: np.ndarray, boxes: np.ndarray) -> _DenseRows:
+    """The rows of dense parameter number ``i`` (checked against the checkpoint): one per rank
+    in ``ranks`` (``int64[M]``) whose box (``int64[M, ndim, 2]``) is not empty."""
 
     key = _find_key(d, index)
     info = index.info(key)
@@ -380,12 +448,7 @@ def _dense_table(i: int, d: ParamDesc, index: CheckpointIndex, ranks: np.ndarray
         )
     keep = (boxes[:, :, 1] > 0).all(axis=1)
     num = int(keep.sum())
-    return NeedTable(
-        keys=(key,)[:num], ndim=np.asarray([len(d.shape)][:num], np.int8), rank=ranks[keep].astype(np.int32),
-        param=np.full(num, i, np.int32), key=np.zeros(num, np.int32), slot=np.full(num, -1, np.int64),
-        src_off=np.ascontiguousarray(boxes[keep, :, 0]), src_len=np.ascontiguousarray(boxes[keep, :, 1]),
-        dst_off=np.zeros((num, len(d.shape)), np.int64),
-    )
+    return _DenseRows(i, key, ranks, boxes, None if num == len(keep) else keep, num)
 
 
 def _find_key(d: ParamDesc, index: CheckpointIndex) -> str:
@@ -396,54 +459,15 @@ def _find_key(d: ParamDesc, index: CheckpointIndex) -> str:
     raise ValueError(f"parameter {d.name}: checkpoint {index.root} has no tensor {d.keys[0]!r}{also}")
 
 
-def _is_float8(dtype: torch.dtype) -> bool:
-    # One-byte floats (float8_e4m3fn, float8_e5m2, their fnuz variants): block-quantized
-    # checkpoints store them scaled, so a value means something only with its scale.
-    return dtype.is_floating_point and dtype.itemsize == 1
-
-
-# Scale tensors a quantized checkpoint stores beside weight ``key`` (DeepSeek-V3:
-# ``<key>_scale_inv`` = ``<module>.weight_scale_inv``; compressed-tensors / FBGEMM: ``_scale``).
-SCALE_SUFFIXES = ("_scale_inv", "_scale")
-
-
-@functools.lru_cache(maxsize=256)
-def cast_refusal(ckpt_dtype: str, dtype: torch.dtype) -> str | None:
-    """The one cast rule for checkpoint data: None when values of safetensors dtype
-    ``ckpt_dtype`` may be cast to a model tensor of ``dtype``, else why not ("kind",
-    "from_fp8", "to_fp8", "fp8_formats").
-
-    Allowed: the same dtype (FP8 -> the same FP8 included: a model keeping FP8 parameters),
-    float <-> float and int <-> int. Refused: int/bool <-> float, bool <-> int, and every cast
-    from or to a one-byte float: FP8 values are meaningful only with their scale (DESIGN.md),
-    a cast to FP8 is a quantization that needs a scale, and e4m3 <-> e5m2 loses precision or
-    overflows. Every path that reads checkpoint data into a tensor checks it before any data
-    moves: load (dense and expert needs), verify (through load's plan), relocate's disk reads
-    and LoRA adapters (:func:`check_cast`).
-    """
-    src = DTYPES[ckpt_dtype]
-    if src == dtype:
-        return None
-    if _is_float8(src) and _is_float8(dtype):
-        return "fp8_formats"
-    if _is_float8(src):
-        return "from_fp8"
-    if _is_float8(dtype):
-        return "to_fp8"
-    if src.is_floating_point != dtype.is_floating_point or (src == torch.bool) != (dtype == torch.bool):
-        return "kind"
-    return None
-
-
-def check_cast(what: str, key: str, index: CheckpointIndex, dtype: torch.dtype) -> None:
+def check_cast(what: str, key: str, index: CheckpointIndex, dtype: torch.dtype | str) -> None:
     """Raise ValueError when checkpoint tensor ``key`` may not be cast to ``dtype``
-    (:func:`cast_refusal`); ``what`` names the destination ("parameter x"). Pure; every rank
-    that plans a read calls it."""
+    (:func:`~moeshard.dtypes.cast_refusal`); ``what`` names the destination ("parameter x").
+    Pure; every rank that plans a read calls it."""
     ckpt_dtype = index.info(key).dtype
     why = cast_refusal(ckpt_dtype, dtype)
     if why is None:
         return
-    src = DTYPES[ckpt_dtype]
+    src = f"torch.{TORCH_NAMES[ckpt_dtype]}"  # as a torch dtype prints
     head = f"{what}: checkpoint tensor {key!r} has dtype {ckpt_dtype}"
     if why == "kind":
         raise ValueError(f"{head}, which cannot be cast to the model's {dtype}")
@@ -458,13 +482,14 @@ def check_cast(what: str, key: str, index: CheckpointIndex, dtype: torch.dtype) 
             f"{head}, the model's tensor is {dtype}: converting between FP8 formats without rescaling "
             f"loses precision or overflows (float8_e4m3fn's largest value is 448, float8_e5m2 has 2 "
             f"mantissa bits); {keep}")
-    scales = [key + s for s in SCALE_SUFFIXES if key + s in index]
+    # The scale tensors a quantized checkpoint stores beside weight ``key`` (io.formats).
+    scales = [k for k in scale_keys(key) if k in index]
     if scales:
         info = index.info(scales[0])
         scale = (f"its scale tensor {scales[0]!r} ({info.dtype} {list(info.shape)}) would be dropped and "
                  f"the raw FP8 values loaded unscaled")
     else:
-        scale = (f"the checkpoint has no scale tensor for it (no {key + SCALE_SUFFIXES[0]!r}), and its raw FP8 "
+        scale = (f"the checkpoint has no scale tensor for it (no {scale_keys(key)[0]!r}), and its raw FP8 "
                  f"values would be meaningless as {dtype}")
     raise ValueError(
         f"{head} (FP8), the model's tensor is {dtype}: {scale}. moeshard does not dequantize FP8 "
@@ -633,9 +658,6 @@ def _part_sizes(d: ParamDesc, index: CheckpointIndex, expert: int, slice_shape: 
 
 # -- checkpoint keys that no parameter reads (pure) -----------------------------------------
 
-# A per-expert key whatever the experts module's name; a key of block N of a layer stack.
-_EXPERT_KEY = re.compile(r"(^|\.)experts\.\d+\.")
-_LAYER_KEY = re.compile(r"^(.*?(?:^|\.)layers)\.(\d+)\.")
 _EXPERTS_REASON = "name experts or expert tensors the model does not have"
 _SCALES_REASON = "are scales of weights the model loads, which no parameter holds"
 
@@ -721,12 +743,12 @@ def unused_keys(
         if key in aliases or (ignored is not None and ignored.search(key)):
             continue
         reason = None
-        layer = _LAYER_KEY.match(key)
-        if layer is not None and layer[1] in counts and int(layer[2]) >= counts[layer[1]]:
-            reason = f"are in layers beyond the model's {counts[layer[1]]} under {layer[1]!r}"
-        elif key.startswith(experts) or _EXPERT_KEY.search(key):
+        layer = layer_of(key)
+        if layer is not None and layer[0] in counts and layer[1] >= counts[layer[0]]:
+            reason = f"are in layers beyond the model's {counts[layer[0]]} under {layer[0]!r}"
+        elif key.startswith(experts) or parse_expert_key(key) is not None:
             reason = _EXPERTS_REASON
-        elif _scaled_weight(key) in consumed:
+        elif scaled_weight(key) in consumed:
             reason = _SCALES_REASON
         if reason is not None:
             suspicious.setdefault(reason, []).append(key)
@@ -758,20 +780,12 @@ def _keys_of_experts(ref: ExpertRef, experts: Sequence[int]) -> list[str]:
     return out
 
 
-def _scaled_weight(key: str) -> str | None:
-    """The weight whose scale ``key`` would be (``x.weight_scale_inv`` -> ``x.weight``), or None."""
-    for suffix in SCALE_SUFFIXES:
-        if key.endswith(suffix):
-            return key[: -len(suffix)]
-    return None
-
-
 def _layer_counts(keys: Sequence[str]) -> dict[str, int]:
     """``{layer stack prefix: number of layers}`` from keys the model reads (the stack is the
     first ``...layers.<N>.`` of a key)."""
     counts: dict[str, int] = {}
     for key in keys:
-        m = _LAYER_KEY.match(key)
-        if m is not None:
-            counts[m[1]] = max(counts.get(m[1], 0), int(m[2]) + 1)
+        layer = layer_of(key)
+        if layer is not None:
+            counts[layer[0]] = max(counts.get(layer[0], 0), layer[1] + 1)
     return counts

@@ -31,6 +31,7 @@ from ..placement import Placement
 from ..plan import DEFAULT_STAGING_BYTES, Schedule, minimal_cost, plan_transfers
 from ..progress import Progress, progress_enabled
 from ..topology import Topology
+from .report import OpReport
 
 __all__ = ["LoadReport", "load", "plan_load", "materialize", "target_device", "checked_unused_keys", "refuse_or_warn"]
 
@@ -38,7 +39,7 @@ logger = logging.getLogger("moeshard")
 
 
 @dataclass(frozen=True)
-class LoadReport:
+class LoadReport(OpReport):
     """What a load did. ``*_rank`` fields are this rank's; ``plan`` holds job-wide counters
     (bytes read/sent per rank summarized, bytes crossing nodes, ops, batches).
 
@@ -56,20 +57,10 @@ class LoadReport:
     """
 
     storage: str
-    rank: int
-    world_size: int
-    wall_seconds: float
-    plan_seconds: float
     checkpoint_bytes: int
-    bytes_read_rank: int
-    bytes_sent_rank: int
-    bytes_received_rank: int
-    peak_staging_bytes_rank: int
     rss_before_bytes: int
     peak_rss_bytes: int
-    plan: dict = field(default_factory=dict)
     minimal: dict = field(default_factory=dict)
-    fingerprint: str = ""
     peak_rss_source: str = "vmhwm"
     unused_keys: tuple[str, ...] = ()
 
@@ -241,8 +232,10 @@ def load(
         dev = materialize(model, device)
         return dev, os.path.exists(path)
 
-    dev, can = _dist.agree(prepare, "moeshard.load: materializing the model")
-    mode, readers, scope, index = resolve_sources(path, storage, topo, can)
+    # One exchange: every rank's errors and whether it can see the checkpoint.
+    (dev, can), everyone = _dist.agree_and_gather(prepare, "moeshard.load: materializing the model",
+                                                  share=lambda dc: dc[1])
+    mode, readers, scope, index = resolve_sources(path, storage, topo, can, everyone=everyone)
     reader = CheckpointReader(index, reader_root(path)) if readers[rank] else None
 
     def make_plan() -> tuple[list[ParamDesc], Schedule, tuple[str, ...]]:

@@ -27,16 +27,16 @@ of receipt at once: ``<= staging_bytes``; and it posts ``<= max_ops`` P2P ops pe
 
 from __future__ import annotations
 
-from typing import Literal, Sequence
+from typing import Literal, NamedTuple, Sequence
 
 import numpy as np
 
 from .._gc import paused_gc
-from ..box import split_box
 from ..io.checkpoint import CheckpointIndex
 from ..topology import Topology
-from .arrays import expand_runs, run_starts, seg_excl_cumsum
+from .arrays import dense_rank, expand_runs, lex_order, run_starts, seg_excl_cumsum
 from .needs import NeedTable
+from .pieces import STAGING_PARTS, Pieces, cut_pieces
 from .schedule import PlanCost, Schedule
 
 __all__ = ["plan_transfers", "minimal_cost", "DEFAULT_STAGING_BYTES", "DEFAULT_MAX_OPS", "STAGING_PARTS"]
@@ -44,13 +44,10 @@ __all__ = ["plan_transfers", "minimal_cost", "DEFAULT_STAGING_BYTES", "DEFAULT_M
 Scope = Literal["job", "node"]
 DEFAULT_STAGING_BYTES = 256 * 2**20
 DEFAULT_MAX_OPS = 64
-# The staging budget in parts: a piece is at most one part; a rank's windows share what its
-# pieces leave of the budget (see the module doc).
-STAGING_PARTS = 11
 
 
 def plan_transfers(
-    needs: NeedTable | Sequence,
+    needs: NeedTable | Pieces | Sequence,
     index: CheckpointIndex,
     topology: Topology,
     readers: Sequence[bool] | np.ndarray,
@@ -61,7 +58,9 @@ def plan_transfers(
     """Plan reads and transfers so every need is met exactly once (pure, deterministic).
 
     Args:
-        needs: every rank's needs (a :class:`NeedTable`, or :class:`~moeshard.layout.Need` rows).
+        needs: every rank's needs (a :class:`NeedTable`, or :class:`~moeshard.layout.Need`
+            rows), or their :class:`~moeshard.plan.pieces.Pieces` cut for ``staging_bytes``
+            (to plan several storage modes from one cut: the schedule is the same).
         index: checkpoint headers (dtypes and file offsets of the keys).
         topology: world size and ranks per node.
         readers: ``bool[world_size]``: which ranks can read the checkpoint.
@@ -73,92 +72,78 @@ def plan_transfers(
 
     Raises:
         ValueError: no rank can read (or, for scope "node", a node that needs data has no
-            reader), or the budget is too small for the elements of some tensor.
+            reader), the budget is too small for the elements of some tensor, or ``needs``
+            are pieces cut for another budget.
     """
     with paused_gc():
-        return _plan(needs, index, topology, readers, scope, staging_bytes, max_ops)
+        readers = _check_args(topology, readers, scope)
+        if staging_bytes < 1 or max_ops < 2:
+            raise ValueError(f"staging_bytes must be >= 1 and max_ops >= 2, got {staging_bytes}, {max_ops}")
+        pieces = _pieces(needs, index, staging_bytes)
+        return _plan(pieces, topology, readers, scope, staging_bytes, max_ops)
+
+
+def _check_args(topology: Topology, readers, scope: str) -> np.ndarray:
+    """``readers`` as ``bool[world_size]``; ValueError for a bad shape, no reader or a bad scope."""
+    readers = np.asarray(readers, dtype=bool)
+    if readers.shape != (topology.world_size,):
+        raise ValueError(f"readers must be bool[{topology.world_size}], got shape {readers.shape}")
+    if not readers.any():
+        raise ValueError("no rank can read the checkpoint")
+    if scope not in ("job", "node"):
+        raise ValueError(f"scope must be 'job' or 'node', got {scope!r}")
+    return readers
+
+
+def _pieces(needs, index: CheckpointIndex, staging_bytes: int | None) -> Pieces:
+    """The pieces of ``needs`` cut for ``staging_bytes`` (given pieces: checked, as they are)."""
+    if isinstance(needs, Pieces):
+        if staging_bytes is not None and needs.staging_bytes != staging_bytes:
+            raise ValueError(f"the pieces were cut for a staging budget of {needs.staging_bytes} bytes, "
+                             f"not {staging_bytes}")
+        return needs
+    table = needs if isinstance(needs, NeedTable) else NeedTable.from_needs(needs)
+    return cut_pieces(table, index, staging_bytes)
 
 
 # -- windows --------------------------------------------------------------------------------
 
 
-def _windows(stream: Sequence[np.ndarray], order: Sequence[np.ndarray], nbytes: np.ndarray, ops: np.ndarray,
-             window, ops_window) -> np.ndarray:
-    """Window index of each element of the sequences that the columns ``stream`` name (one
-    sequence per distinct row), each ordered by ``order`` (most significant first):
-    ``bytes before // window + ops before // ops_window`` (scalars, or one value per element,
-    the same within a sequence)."""
-    if not len(stream[0]):
-        return np.zeros(0, dtype=np.int64)
-    perm = np.lexsort(tuple(reversed((*stream, *order))))
-    start = run_starts(*(c[perm] for c in stream))
-    window = window[perm] if isinstance(window, np.ndarray) else window
-    ops_window = ops_window[perm] if isinstance(ops_window, np.ndarray) else ops_window
-    k = seg_excl_cumsum(start, nbytes[perm]) // window + seg_excl_cumsum(start, ops[perm]) // ops_window
+def _stream_order(stream: Sequence[np.ndarray], order: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """``(perm, start)``: the elements sorted by sequence (the distinct rows of the columns
+    ``stream``), each sequence ordered by ``order`` (most significant first), and ``bool``:
+    where a sequence begins in that order."""
+    perm = lex_order(*stream, *order)
+    return perm, run_starts(*(c[perm] for c in stream))
+
+
+def _windows(perm: np.ndarray, start: np.ndarray, nbytes: np.ndarray, ops: np.ndarray, window,
+             ops_window) -> np.ndarray:
+    """Window index of each element of sequences sorted as ``perm`` says (``start``: where a
+    sequence begins, :func:`_stream_order`): ``bytes before // window + ops before //
+    ops_window`` within its sequence. ``nbytes``, ``ops`` and (arrays, or scalars) the windows
+    are per element in sorted order."""
     out = np.empty(len(perm), dtype=np.int64)
-    out[perm] = k
+    if len(perm):
+        k = seg_excl_cumsum(start, nbytes) // window
+        k += seg_excl_cumsum(start, ops) // ops_window
+        out[perm] = k
     return out
 
 
-# -- pieces ---------------------------------------------------------------------------------
+def _window_of(stream: Sequence[np.ndarray], order: Sequence[np.ndarray], nbytes: np.ndarray, ops: np.ndarray,
+               window, ops_window) -> np.ndarray:
+    """:func:`_windows` of elements given in their own order (``nbytes``, ``ops`` and array
+    windows per element)."""
+    perm, start = _stream_order(stream, order)
+
+    def sort(x):
+        return x[perm] if isinstance(x, np.ndarray) else x
+
+    return _windows(perm, start, sort(nbytes), sort(ops), sort(window), sort(ops_window))
 
 
-def _key_columns(table: NeedTable, index: CheckpointIndex) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per key of ``table``: file number (files in name order), byte offset, item size."""
-    infos = [index.info(k) for k in table.keys]
-    files = {f: i for i, f in enumerate(sorted({i.file for i in infos}))}
-    return (np.asarray([files[i.file] for i in infos], dtype=np.int64),
-            np.asarray([i.offset for i in infos], dtype=np.int64),
-            np.asarray([i.itemsize for i in infos], dtype=np.int64))
-
-
-def _group_pieces(table: NeedTable, file_no: np.ndarray, offset: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(order, piece)``: the rows in file order (file, offset, box) and the piece number of
-    each row in that order (distinct (key, box) pairs are pieces)."""
-    # Keys ranked in file order: one column instead of (file, offset, key).
-    key_order = np.empty(len(table.keys), dtype=np.int64)
-    key_order[np.lexsort((np.arange(len(table.keys)), offset, file_no))] = np.arange(len(table.keys))
-    cols = (key_order[table.key], *_box_columns(table.src_off, table.src_len))
-    order = np.lexsort(tuple(reversed(cols)))
-    start = run_starts(*(c[order] for c in cols))
-    return order, np.cumsum(start) - 1
-
-
-def _box_columns(off: np.ndarray, ln: np.ndarray) -> list[np.ndarray]:
-    """Columns that order boxes as ``(off[0], len[0], off[1], len[1], ...)`` does: one per dim
-    (offset and length packed in one int64) where both fit in 31 bits, else two."""
-    cols = []
-    for d in range(off.shape[1]):
-        if off.shape[0] and max(int(off[:, d].max()), int(ln[:, d].max())) < 2**31:
-            cols.append((off[:, d] << 32) | ln[:, d])
-        else:
-            cols += [off[:, d], ln[:, d]]
-    return cols
-
-
-def _split(pkey, poff, plen, ndim, limit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(parent, off, len)``: pieces of more than ``limit[p]`` elements split along their
-    first dims (:func:`~moeshard.box.split_box`), in order; ``parent`` maps new to old."""
-    numel = plen.prod(axis=1)
-    big = np.flatnonzero(numel > limit)
-    counts = np.ones(len(pkey), dtype=np.int64)
-    subs: dict[int, np.ndarray] = {}
-    for p in big.tolist():
-        nd = int(ndim[pkey[p]])
-        box = tuple(zip(poff[p, :nd].tolist(), plen[p, :nd].tolist()))
-        subs[p] = np.asarray(split_box(box, int(limit[p])), dtype=np.int64).reshape(-1, nd, 2)
-        counts[p] = len(subs[p])
-    parent = np.repeat(np.arange(len(pkey)), counts)
-    off, ln = poff[parent], plen[parent]
-    first = np.cumsum(counts) - counts
-    for p, arr in subs.items():
-        nd = arr.shape[1]
-        off[first[p]:first[p] + len(arr), :nd] = arr[:, :, 0]
-        ln[first[p]:first[p] + len(arr), :nd] = arr[:, :, 1]
-    return parent, off, ln
-
-
-# -- readers --------------------------------------------------------------------------------
+# -- readers and trees ------------------------------------------------------------------------
 
 
 def _spread(cls: np.ndarray, nbytes: np.ndarray, pools: list[np.ndarray]) -> np.ndarray:
@@ -175,143 +160,183 @@ def _spread(cls: np.ndarray, nbytes: np.ndarray, pools: list[np.ndarray]) -> np.
     return out
 
 
-# -- the planner ------------------------------------------------------------------------------
+class _Trees(NamedTuple):
+    """Who reads each piece and how it travels (``G`` read groups; ranks, nodes and pieces
+    ``int32``).
+
+    g_piece, reader: ``[G]`` each group's piece and reader; local: ``bool[G]``, the reader is
+    the group's only needer. Level 0: P2P sends ``e0_*`` from readers, node broadcasts
+    ``b0_*`` rooted at readers; level 1: relays ``e1_*`` / ``b1_*`` from the holder of a piece
+    on another node.
+    """
+
+    g_piece: np.ndarray
+    reader: np.ndarray
+    local: np.ndarray
+    e0_src: np.ndarray
+    e0_dst: np.ndarray
+    e0_piece: np.ndarray
+    b0_root: np.ndarray
+    b0_node: np.ndarray
+    b0_piece: np.ndarray
+    e1_src: np.ndarray
+    e1_dst: np.ndarray
+    e1_piece: np.ndarray
+    b1_root: np.ndarray
+    b1_node: np.ndarray
+    b1_piece: np.ndarray
 
 
-def _plan(needs, index, topology, readers, scope, staging_bytes, max_ops) -> Schedule:
+def _trees(pieces: Pieces, topology: Topology, readers: np.ndarray, scope: str) -> _Trees:
+    """Read groups (a piece in "job" scope, (piece, node) in "node"), one reader each, and the
+    trees that take each piece from its reader to its needers (module doc).
+
+    Columns over (piece, rank) pairs are ``int32`` (ranks, nodes, pieces) and temporaries are
+    dropped as soon as they are used: at 1,024 ranks there are ~860,000 pairs per column."""
     world, lws = topology.world_size, topology.local_world_size
-    readers = np.asarray(readers, dtype=bool)
-    if readers.shape != (world,):
-        raise ValueError(f"readers must be bool[{world}], got shape {readers.shape}")
-    if not readers.any():
-        raise ValueError("no rank can read the checkpoint")
-    if scope not in ("job", "node"):
-        raise ValueError(f"scope must be 'job' or 'node', got {scope!r}")
-    if staging_bytes < 1 or max_ops < 2:
-        raise ValueError(f"staging_bytes must be >= 1 and max_ops >= 2, got {staging_bytes}, {max_ops}")
-    table = needs if isinstance(needs, NeedTable) else NeedTable.from_needs(needs)
-    part = staging_bytes // STAGING_PARTS
-    file_no, offset, itemsize = _key_columns(table, index)
-    used = np.unique(table.key)
-    too_big = used[itemsize[used] > part]
-    if len(too_big):
-        k = int(too_big[0])
-        raise ValueError(
-            f"staging budget of {staging_bytes} bytes cannot hold one element of {table.keys[k]!r} in each of its "
-            f"{STAGING_PARTS} parts (at least {STAGING_PARTS * int(itemsize[k])} bytes)")
-    node_of = np.arange(world) // lws
-
-    # 1. Pieces: distinct (key, box) in file order, split to at most one part each.
-    order, row_piece = _group_pieces(table, file_no, offset)
-    first_row = order[np.flatnonzero(run_starts(row_piece))]
-    pkey = table.key[first_row].astype(np.int64)
-    parent, poff, plen = _split(pkey, table.src_off[first_row], table.src_len[first_row], table.ndim,
-                                np.maximum(1, part // itemsize[pkey]))
-    pkey = pkey[parent]
-    pbytes = plen.prod(axis=1) * itemsize[pkey]
-    # Deliveries: each need row once per piece of its (split) parent piece.
-    counts = np.bincount(parent, minlength=len(first_row))
-    owner, d_piece = expand_runs((np.cumsum(counts) - counts)[row_piece], counts[row_piece])
-    rows = order[owner]
-    d_off = table.dst_off[rows] + poff[d_piece] - table.src_off[rows]
-    perm = np.lexsort((table.rank[rows], d_piece))
-    d_piece, rows, d_off = d_piece[perm], rows[perm], d_off[perm]
-    d_rank = table.rank[rows].astype(np.int64)
-
-    # 2. (piece, rank) pairs and read groups (a piece in "job" scope, (piece, node) in "node").
-    pair_start = run_starts(d_piece, d_rank)
-    pair_piece, pair_rank = d_piece[pair_start], d_rank[pair_start]
+    node_of = (np.arange(world) // lws).astype(np.int32)
+    pair_piece, pair_rank = pieces.pairs()
     pair_node = node_of[pair_rank]
     gstart = run_starts(pair_piece, pair_node) if scope == "node" else run_starts(pair_piece)
-    gid = np.cumsum(gstart) - 1
+    gid = np.cumsum(gstart, dtype=np.int64) - 1
     g_first = np.flatnonzero(gstart)
-    g_piece, g_node = pair_piece[g_first], pair_node[g_first]
+    del gstart
+    g_piece = pair_piece[g_first]
     g_size = np.diff(np.append(g_first, len(pair_piece)))
-    g_bytes = pbytes[g_piece]
-    num_groups = len(g_first)
+    reader = _readers(pieces, topology, readers, scope, pair_rank, pair_node, gid, g_first, g_piece, g_size)
 
-    # 3. One reader per group: a needer that can read if there is one (the least loaded of
-    # several), else a reader near the needers, spread over the pool by bytes.
+    # Local reads: groups whose only needer is their reader.
+    local = (g_size == 1) & (pair_rank[g_first] == reader)
+    del g_size, g_first
+    p_idx = np.flatnonzero(~local[gid])
+    # Subgroups: the pairs of one remote group on one node. A group's pairs are contiguous
+    # (sorted by piece, then rank), so a subgroup's are pairs sub_first .. + sub_size - 1.
+    sstart = run_starts(gid[p_idx], pair_node[p_idx])
+    s_of_pair = np.cumsum(sstart, dtype=np.int64) - 1  # per remote pair
+    sub_first = p_idx[sstart]
+    del sstart
+    sub_size = np.bincount(s_of_pair, minlength=len(sub_first))
+    sub_node = pair_node[sub_first]
+    sub_reader = reader[gid[sub_first]]
+    del gid, pair_node
+    sub_piece = pair_piece[sub_first]
+    at_reader = sub_node == node_of[sub_reader]
+    whole = (sub_size == lws) & (lws >= 3)
+    holder = np.where(at_reader, sub_reader, pair_rank[sub_first + sub_piece % sub_size])
+    del sub_size, sub_first
+    # Level 0: the reader to the holder of each other node; to each needer on its own node, or
+    # one broadcast there when the whole node needs it. Level 1: the holder of each other node
+    # to the rest of it (P2P, or one broadcast).
+    rest = (pair_rank[p_idx] != holder[s_of_pair]) & ~whole[s_of_pair]
+    near = at_reader[s_of_pair]
+    far = rest & ~near
+    near &= rest
+    del rest
+    direct, relay = p_idx[near], p_idx[far]
+    direct_sub, relay_sub = s_of_pair[near], s_of_pair[far]
+    del p_idx, near, far, s_of_pair
+    cross = np.flatnonzero(~at_reader)
+    b0, b1 = np.flatnonzero(at_reader & whole), np.flatnonzero(~at_reader & whole)
+    return _Trees(
+        g_piece=g_piece, reader=reader, local=local,
+        e0_src=np.concatenate([sub_reader[direct_sub], sub_reader[cross]]),
+        e0_dst=np.concatenate([pair_rank[direct], holder[cross]]),
+        e0_piece=np.concatenate([pair_piece[direct], sub_piece[cross]]),
+        b0_root=sub_reader[b0], b0_node=sub_node[b0], b0_piece=sub_piece[b0],
+        e1_src=holder[relay_sub], e1_dst=pair_rank[relay], e1_piece=pair_piece[relay],
+        b1_root=holder[b1], b1_node=sub_node[b1], b1_piece=sub_piece[b1],
+    )
+
+
+def _readers(pieces: Pieces, topology: Topology, readers: np.ndarray, scope: str, pair_rank: np.ndarray,
+             pair_node: np.ndarray, gid: np.ndarray, g_first: np.ndarray, g_piece: np.ndarray,
+             g_size: np.ndarray) -> np.ndarray:
+    """``int32[G]``: one reader per group (pairs ``g_first[g] .. + g_size[g] - 1``, each pair's
+    group ``gid``): a needer that can read if there is one (the least loaded of several), else a
+    reader near the needers, spread over the pool by bytes."""
+    world = topology.world_size
+    node_of = np.arange(world) // topology.local_world_size
+    num_groups = len(g_first)
+    g_bytes = pieces.piece_bytes[g_piece]
     cand = readers[pair_rank]
     ncand = np.bincount(gid, weights=cand, minlength=num_groups).astype(np.int64)
-    reader = np.full(num_groups, -1, dtype=np.int64)
+    reader = np.full(num_groups, -1, dtype=np.int32)
     only = cand & (ncand[gid] == 1)
     reader[gid[only]] = pair_rank[only]
+    del only
     pool_all = np.flatnonzero(readers)
-    node_pools = [pool_all[node_of[pool_all] == n] for n in range(topology.num_nodes)]
+    node_pools = np.split(pool_all, np.searchsorted(node_of[pool_all], np.arange(1, topology.num_nodes)))
     none = np.flatnonzero(ncand == 0)
     if len(none):
         if scope == "node":
-            near = g_node[none]
+            near = pair_node[g_first[none]]
             empty = [n for n in np.unique(near).tolist() if not len(node_pools[n])]
             if empty:
                 g = none[np.flatnonzero(near == empty[0])[0]]
                 raise ValueError(
-                    f"storage scope 'node': node {empty[0]} needs {table.keys[pkey[g_piece[g]]]!r} but none of its "
-                    "ranks can read the checkpoint")
+                    f"storage scope 'node': node {empty[0]} needs {pieces.keys[pieces.piece_key[g_piece[g]]]!r} but "
+                    "none of its ranks can read the checkpoint")
         else:
             has = np.asarray([len(p) > 0 for p in node_pools])[pair_node]
             big = np.iinfo(np.int64).max
             first_near = np.minimum.reduceat(np.where(has, np.arange(len(pair_node)), big), g_first)[none]
             near = np.where(first_near < big, pair_node[np.minimum(first_near, len(pair_node) - 1)], topology.num_nodes)
         reader[none] = _spread(near, g_bytes[none], node_pools + [pool_all])
-    read_load = np.bincount(reader[reader >= 0], weights=g_bytes[reader >= 0], minlength=world)
-    for g in np.flatnonzero(ncand >= 2).tolist():
-        s = g_first[g]
-        ranks = pair_rank[s:s + g_size[g]][cand[s:s + g_size[g]]]
-        r = int(ranks[np.argmin(read_load[ranks])])
-        reader[g] = r
-        read_load[r] += g_bytes[g]
+    multi = np.flatnonzero(ncand >= 2)
+    if len(multi):
+        # Greedy, group by group: each takes its least loaded candidate (the first of equals),
+        # whose load then grows. Sequential, so in plain Python over lists (numpy per group
+        # costs ~10 us each; "node" scope at 1,024 ranks has ~7,000 such groups).
+        load = np.bincount(reader[reader >= 0], weights=g_bytes[reader >= 0], minlength=world).tolist()
+        _, pos = expand_runs(g_first[multi], g_size[multi])
+        ranks = pair_rank[pos[cand[pos]]].tolist()
+        chosen = []
+        i = 0
+        for n, b in zip(ncand[multi].tolist(), g_bytes[multi].tolist()):
+            r = min(ranks[i:i + n], key=load.__getitem__)
+            i += n
+            load[r] += b
+            chosen.append(r)
+        reader[multi] = chosen
+    return reader
 
-    # 4. Trees. Local reads: groups whose only needer is their reader.
-    local = (g_size == 1) & (pair_rank[g_first] == reader)
-    pair_reader = reader[gid]
-    p_idx = np.flatnonzero(~local[gid])
-    # Subgroups: the pairs of one remote group on one node. A group's pairs are contiguous
-    # (sorted by piece, then rank), so a subgroup's are pairs sub_first .. + sub_size - 1.
-    sstart = run_starts(gid[p_idx], pair_node[p_idx])
-    s_of_pair = np.cumsum(sstart) - 1  # per remote pair
-    sub_first = p_idx[sstart]
-    sub_size = np.bincount(s_of_pair, minlength=len(sub_first))
-    sub_node = pair_node[sub_first]
-    sub_reader = pair_reader[sub_first]
-    sub_piece = pair_piece[sub_first]
-    at_reader = sub_node == node_of[sub_reader]
-    whole = (sub_size == lws) & (lws >= 3)
-    holder = np.where(at_reader, sub_reader, pair_rank[sub_first + sub_piece % sub_size])
-    # Level 0: the reader to the holder of each other node; to each needer on its own node, or
-    # one broadcast there when the whole node needs it.
-    is_rest = pair_rank[p_idx] != holder[s_of_pair]
-    near = at_reader[s_of_pair] & ~whole[s_of_pair] & is_rest
-    far = ~at_reader[s_of_pair] & ~whole[s_of_pair] & is_rest
-    direct = p_idx[near]
-    cross = np.flatnonzero(~at_reader)
-    e0_src = np.concatenate([pair_reader[direct], sub_reader[cross]])
-    e0_dst = np.concatenate([pair_rank[direct], holder[cross]])
-    e0_piece = np.concatenate([pair_piece[direct], sub_piece[cross]])
-    b0 = np.flatnonzero(at_reader & whole)
-    b0_root, b0_node, b0_piece = sub_reader[b0], sub_node[b0], sub_piece[b0]
-    # Level 1: the holder of each other node to the rest of it (P2P, or one broadcast).
-    relay = p_idx[far]
-    e1_src, e1_dst, e1_piece = holder[s_of_pair[far]], pair_rank[relay], pair_piece[relay]
-    b1 = np.flatnonzero(~at_reader & whole)
-    b1_root, b1_node, b1_piece = holder[b1], sub_node[b1], sub_piece[b1]
 
-    # 5. Rounds from streams (module doc). A rank's budget is shared only by the kinds of
-    # buffer it holds: a reader that receives nothing gets windows of 9 parts, not 1.
-    n0, n1 = len(e0_src), len(e1_src)
-    bc_root = np.concatenate([b0_root, b1_root])
-    bc_node = np.concatenate([b0_node, b1_node])
-    bc_piece = np.concatenate([b0_piece, b1_piece])
-    bc_ranks, bc_of = _broadcast_receivers(bc_node, bc_root, lws)
-    relayed_bc = bc_of >= len(b0)
+# -- rounds -----------------------------------------------------------------------------------
 
-    def has(ranks: np.ndarray) -> np.ndarray:
-        return np.bincount(ranks, minlength=world) > 0
 
-    sends0, relays = has(np.concatenate([e0_src, b0_root])), has(np.concatenate([e1_src, b1_root]))
-    recv0, recv1 = has(e0_dst), has(e1_dst)
+class _Rounds(NamedTuple):
+    """The round of every transfer of :class:`_Trees` (``int64``), and ``brought``: for each
+    level-1 transfer (P2P relays, then broadcasts) the level-0 P2P send that took its piece to
+    its holder."""
+
+    e0: np.ndarray
+    b0: np.ndarray
+    e1: np.ndarray
+    b1: np.ndarray
+    brought: np.ndarray
+    num_rounds: int
+
+
+def _rounds(t: _Trees, pbytes: np.ndarray, topology: Topology, staging_bytes: int, max_ops: int) -> _Rounds:
+    """Rounds from streams (module doc). A rank's budget is shared only by the kinds of buffer
+    it holds: a reader that receives nothing gets windows of 9 parts, not 1."""
+    world, lws = topology.world_size, topology.local_world_size
+    part = staging_bytes // STAGING_PARTS
+    n0, n1, nb0, nb1 = len(t.e0_src), len(t.e1_src), len(t.b0_root), len(t.b1_root)
+    bc_ranks, bc_of = _broadcast_receivers(np.concatenate([t.b0_node, t.b1_node]),
+                                           np.concatenate([t.b0_root, t.b1_root]), lws)
+    relayed_bc = bc_of >= nb0
+
+    def has(*ranks: np.ndarray) -> np.ndarray:
+        out = np.zeros(world, dtype=bool)
+        for r in ranks:
+            out[r] = True
+        return out
+
+    sends0, relays = has(t.e0_src, t.b0_root), has(t.e1_src, t.b1_root)
+    recv0, recv1 = has(t.e0_dst), has(t.e1_dst)
     kinds = recv0.astype(np.int64) + has(bc_ranks[~relayed_bc]) + recv1 + has(bc_ranks[relayed_bc])
+    del bc_ranks, bc_of, relayed_bc
     w_rank = (staging_bytes - (2 * sends0 + kinds) * part) // np.maximum(sends0 + kinds, 1)
     assert (w_rank >= part).all()
     w_node = w_rank.reshape(-1, lws).min(axis=1)
@@ -320,110 +345,153 @@ def _plan(needs, index, topology, readers, scope, staging_bytes, max_ops) -> Sch
     o_recv0 = max_ops - np.where(sends0, half, 0)
     o_send1 = np.where(recv1, half, max_ops)
     o_recv1 = max_ops - np.where(relays, half, 0)
-    l0_src = np.concatenate([e0_src, b0_root])
-    l0_piece = np.concatenate([e0_piece, b0_piece])
-    l0_kind = np.concatenate([np.zeros(n0, np.int64), np.ones(len(b0), np.int64)])
-    l0_dst = np.concatenate([e0_dst, np.full(len(b0), -1, np.int64)])
-    # A reader's stream counts a piece's bytes once (on its last item) and one op per send.
-    perm = np.lexsort((l0_dst, l0_kind, l0_piece, l0_src))
-    last = np.zeros(len(perm), dtype=bool)
-    if len(perm):
-        last[perm] = np.append(run_starts(l0_src[perm], l0_piece[perm])[1:], True)
-    k_send = _windows((l0_src,), (l0_piece, l0_kind, l0_dst), np.where(last, pbytes[l0_piece], 0), 1 - l0_kind,
-                      w_rank[l0_src], o_send0[l0_src])
+
+    # Level 0. A reader's stream counts a piece's bytes once (on its last item) and one op per
+    # send (broadcasts after sends of the same piece).
+    l0_src = np.concatenate([t.e0_src, t.b0_root])
+    l0_piece = np.concatenate([t.e0_piece, t.b0_piece])
+    l0_kind = np.repeat(np.array([0, 1], np.int64), [n0, nb0])
+    l0_dst = np.concatenate([t.e0_dst, np.full(nb0, -1, np.int64)])
+    perm, start = _stream_order((l0_src,), (l0_piece, l0_kind, l0_dst))
+    src_s, piece_s = l0_src[perm], l0_piece[perm]
+    last = np.append(run_starts(src_s, piece_s)[1:], True)
+    k_send = _windows(perm, start, np.where(last, pbytes[piece_s], 0), 1 - l0_kind[perm], w_rank[src_s],
+                      o_send0[src_s])
+    del l0_src, l0_piece, l0_kind, l0_dst, perm, start, src_s, piece_s, last
     # A receiver's windows restart with each sender window: one sender's window of sends to
     # it is one round, not one per position in the receiver's own stream.
     e0_a, b0_a = k_send[:n0], k_send[n0:]
-    k_recv0 = _windows((e0_dst, e0_a), (e0_src, e0_piece), pbytes[e0_piece], np.ones(n0, np.int64),
-                       w_rank[e0_dst], o_recv0[e0_dst])
-    k_b0 = _windows((b0_node, b0_a), (b0_root, b0_piece), pbytes[b0_piece], np.zeros(len(b0), np.int64),
-                    w_node[b0_node], 1)
-    l0_key = np.stack([k_send, np.concatenate([k_recv0, k_b0])], axis=1)
-    # The level-0 transfer that brought each relayed piece to its holder.
-    e0_code = e0_piece * world + e0_dst
-    e0_sort = np.argsort(e0_code, kind="stable")
-    l1_src = np.concatenate([e1_src, b1_root])
-    l1_piece = np.concatenate([e1_piece, b1_piece])
-    l1_kind = np.concatenate([np.zeros(n1, np.int64), np.ones(len(b1), np.int64)])
-    l1_dst = np.concatenate([e1_dst, np.full(len(b1), -1, np.int64)])
-    brought = e0_sort[np.searchsorted(e0_code[e0_sort], l1_piece * world + l1_src)] if len(l1_src) else np.zeros(0, np.int64)
-    k_relay = _windows((l1_src,), (l1_piece, l1_kind, l1_dst), np.zeros(len(l1_src), np.int64), 1 - l1_kind, 1,
-                       o_send1[l1_src])
-    fam = l0_key[brought]  # (x, b) of each relay's family
-    e1_f, b1_f = slice(0, n1), slice(n1, None)
-    k_recv1 = _windows((e1_dst, fam[e1_f, 0], fam[e1_f, 1], k_relay[e1_f]), (e1_src, e1_piece), pbytes[e1_piece],
-                       np.ones(n1, np.int64), w_rank[e1_dst], o_recv1[e1_dst])
-    k_b1 = _windows((b1_node, fam[b1_f, 0], fam[b1_f, 1], k_relay[b1_f]), (b1_root, b1_piece), pbytes[b1_piece],
-                    np.zeros(len(b1), np.int64), w_node[b1_node], 1)
-    keys = np.concatenate([
-        np.concatenate([l0_key, np.zeros((len(l0_key), 3), np.int64)], axis=1),
-        np.concatenate([fam, np.ones((len(l1_src), 1), np.int64), k_relay[:, None],
-                        np.concatenate([k_recv1, k_b1])[:, None]], axis=1),
-    ]).reshape(-1, 5)
-    kperm = np.lexsort(keys.T[::-1])
-    rstart = run_starts(*(keys[kperm, c] for c in range(5)))
-    rounds = np.empty(len(keys), dtype=np.int64)
-    rounds[kperm] = np.cumsum(rstart) - 1
-    num_rounds = int(rstart.sum())
-    l0_round, l1_round = rounds[:len(l0_src)], rounds[len(l0_src):]
-    e0_round, b0_round = l0_round[:n0], l0_round[n0:]
-    e1_round, b1_round = l1_round[:n1], l1_round[n1:]
+    k_recv0 = _window_of((t.e0_dst, e0_a), (t.e0_src, t.e0_piece), pbytes[t.e0_piece], np.ones(n0, np.int64),
+                         w_rank[t.e0_dst], o_recv0[t.e0_dst])
+    k_b0 = _window_of((t.b0_node, b0_a), (t.b0_root, t.b0_piece), pbytes[t.b0_piece], np.zeros(nb0, np.int64),
+                      w_node[t.b0_node], 1)
+    l0_b = np.concatenate([k_recv0, k_b0])
+    del k_recv0, k_b0
 
-    # 6. Reads: each group's reader, in the first round it sends the piece (-1: local).
-    r_groups = np.flatnonzero(~local)
-    read_round = np.full(num_groups, -1, dtype=np.int64)
-    read_end = np.full(num_groups, -1, dtype=np.int64)
-    # Level-0 items of a group are those of its (reader, piece): their runs, in (piece,
-    # reader) order, are the remote groups in order.
-    code = l0_piece * world + l0_src
-    srt = np.argsort(code, kind="stable")
-    first = np.flatnonzero(run_starts(code[srt]))
-    assert np.array_equal(code[srt][first], g_piece[r_groups] * world + reader[r_groups]), \
-        "every remote group sends its piece, and only those send"
-    if len(first):
-        read_round[r_groups] = np.minimum.reduceat(l0_round[srt], first)
-        read_end[r_groups] = np.maximum.reduceat(l0_round[srt], first)
+    # Level 1: the level-0 transfer that brought each relayed piece to its holder.
+    l1_src = np.concatenate([t.e1_src, t.b1_root])
+    l1_piece = np.concatenate([t.e1_piece, t.b1_piece])
+    if len(l1_src):
+        e0_code = t.e0_piece.astype(np.int64) * world + t.e0_dst
+        e0_sort = np.argsort(e0_code, kind="stable")
+        brought = e0_sort[np.searchsorted(e0_code[e0_sort], l1_piece.astype(np.int64) * world + l1_src)]
+        del e0_code, e0_sort
+    else:
+        brought = np.zeros(0, np.int64)
+    l1_kind = np.repeat(np.array([0, 1], np.int64), [n1, nb1])
+    l1_dst = np.concatenate([t.e1_dst, np.full(nb1, -1, np.int64)])
+    k_relay = _window_of((l1_src,), (l1_piece, l1_kind, l1_dst), np.zeros(len(l1_src), np.int64), 1 - l1_kind, 1,
+                         o_send1[l1_src])
+    del l1_src, l1_piece, l1_kind, l1_dst
+    fam_x, fam_b = k_send[brought], l0_b[brought]  # (x, b) of each relay's family
+    e1, b1 = slice(0, n1), slice(n1, None)
+    k_recv1 = _window_of((t.e1_dst, fam_x[e1], fam_b[e1], k_relay[e1]), (t.e1_src, t.e1_piece), pbytes[t.e1_piece],
+                         np.ones(n1, np.int64), w_rank[t.e1_dst], o_recv1[t.e1_dst])
+    k_b1 = _window_of((t.b1_node, fam_x[b1], fam_b[b1], k_relay[b1]), (t.b1_root, t.b1_piece), pbytes[t.b1_piece],
+                      np.zeros(nb1, np.int64), w_node[t.b1_node], 1)
 
-    # 7. Costs and the exact staging peak.
-    sends_src = np.concatenate([e0_src, e1_src])
-    sends_dst = np.concatenate([e0_dst, e1_dst])
-    sends_piece = np.concatenate([e0_piece, e1_piece])
-    sends_round = np.concatenate([e0_round, e1_round])
-    bc_round = np.concatenate([b0_round, b1_round])
-    sb = pbytes[sends_piece]
-    read_bytes = np.bincount(reader, weights=g_bytes, minlength=world).astype(np.int64)
-    sent = (np.bincount(sends_src, weights=sb, minlength=world)
-            + np.bincount(bc_root, weights=pbytes[bc_piece] * (lws - 1), minlength=world)).astype(np.int64)
-    recv = (np.bincount(sends_dst, weights=sb, minlength=world)
-            + np.bincount(bc_ranks, weights=pbytes[bc_piece[bc_of]], minlength=world)).astype(np.int64)
-    # A holder keeps what it received until its last relay of it.
-    relay_end = np.full(n0, -1, dtype=np.int64)
-    np.maximum.at(relay_end, brought, l1_round)
-    peak = _peak(world, [
-        (reader[r_groups], g_bytes[r_groups], read_round[r_groups], read_end[r_groups]),
-        (e0_dst, pbytes[e0_piece], e0_round, np.maximum(e0_round, relay_end)),
-        (e1_dst, pbytes[e1_piece], e1_round, e1_round),
-        (bc_ranks, pbytes[bc_piece[bc_of]], bc_round[bc_of], bc_round[bc_of]),
-    ])
-    cost = PlanCost(
-        read_bytes=read_bytes, sent_bytes=sent, recv_bytes=recv, peak_staging_bytes=peak,
-        cross_node_bytes=int(sb[node_of[sends_src] != node_of[sends_dst]].sum()),
-        num_p2p_ops=len(sends_src), num_batches=int((np.bincount(sends_round, minlength=num_rounds) > 0).sum()), num_broadcasts=len(bc_root),
-    )
-    rperm = np.lexsort((g_piece, reader))  # reads in piece order per reader
+    # Rounds: the distinct keys (x, b, level, relay window, relay receipt window), in order.
+    num0, num1 = n0 + nb0, n1 + nb1
+    rounds, num_rounds = dense_rank(
+        np.concatenate([k_send, fam_x]), np.concatenate([l0_b, fam_b]),
+        np.repeat(np.array([0, 1], np.int64), [num0, num1]),
+        np.concatenate([np.zeros(num0, np.int64), k_relay]),
+        np.concatenate([np.zeros(num0, np.int64), k_recv1, k_b1]))
+    return _Rounds(e0=rounds[:n0], b0=rounds[n0:num0], e1=rounds[num0:num0 + n1], b1=rounds[num0 + n1:],
+                   brought=brought, num_rounds=num_rounds)
+
+
+# -- the planner ------------------------------------------------------------------------------
+
+
+def _plan(pieces: Pieces, topology: Topology, readers: np.ndarray, scope: str, staging_bytes: int,
+          max_ops: int) -> Schedule:
+    world = topology.world_size
+    t = _trees(pieces, topology, readers, scope)
+    r = _rounds(t, pieces.piece_bytes, topology, staging_bytes, max_ops)
+    read_round, read_end = _read_rounds(t, r, world)
+    sends = (np.concatenate([t.e0_src, t.e1_src]), np.concatenate([t.e0_dst, t.e1_dst]),
+             np.concatenate([t.e0_piece, t.e1_piece]), np.concatenate([r.e0, r.e1]))
+    bcasts = (np.concatenate([t.b0_node, t.b1_node]), np.concatenate([t.b0_root, t.b1_root]),
+              np.concatenate([t.b0_piece, t.b1_piece]), np.concatenate([r.b0, r.b1]))
+    cost = _cost(t, r, pieces.piece_bytes, read_round, read_end, sends, bcasts, topology)
+    del read_end
+    rperm = lex_order(t.reader, t.g_piece)  # reads in piece order per reader
     return Schedule(
         topology=topology.with_rank(0), staging_bytes=staging_bytes, max_ops=max_ops,
-        keys=table.keys, key_ndim=table.ndim, piece_key=pkey.astype(np.int32), piece_off=poff, piece_len=plen,
-        piece_bytes=pbytes.astype(np.int64),
-        read_rank=reader[rperm].astype(np.int32), read_piece=g_piece[rperm].astype(np.int32),
+        keys=pieces.keys, key_ndim=pieces.key_ndim, piece_key=pieces.piece_key, piece_off=pieces.piece_off,
+        piece_len=pieces.piece_len, piece_bytes=pieces.piece_bytes,
+        read_rank=t.reader[rperm].astype(np.int32), read_piece=t.g_piece[rperm].astype(np.int32),
         read_round=read_round[rperm],
-        send_src=sends_src.astype(np.int32), send_dst=sends_dst.astype(np.int32),
-        send_piece=sends_piece.astype(np.int32), send_round=sends_round,
-        bcast_node=bc_node.astype(np.int32), bcast_root=bc_root.astype(np.int32),
-        bcast_piece=bc_piece.astype(np.int32), bcast_round=bc_round,
-        dlv_piece=d_piece.astype(np.int32), dlv_rank=d_rank.astype(np.int32),
-        dlv_param=table.param[rows].astype(np.int32), dlv_slot=table.slot[rows].astype(np.int64), dlv_off=d_off,
-        num_rounds=num_rounds, cost=cost,
+        send_src=sends[0].astype(np.int32), send_dst=sends[1].astype(np.int32),
+        send_piece=sends[2].astype(np.int32), send_round=sends[3],
+        bcast_node=bcasts[0].astype(np.int32), bcast_root=bcasts[1].astype(np.int32),
+        bcast_piece=bcasts[2].astype(np.int32), bcast_round=bcasts[3],
+        dlv_piece=pieces.dlv_piece, dlv_rank=pieces.dlv_rank, dlv_param=pieces.dlv_param,
+        dlv_slot=pieces.dlv_slot, dlv_off=pieces.dlv_off,
+        num_rounds=r.num_rounds, cost=cost,
+    )
+
+
+def _read_rounds(t: _Trees, r: _Rounds, world: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(first, last)``, ``int64[G]``: the rounds each group's reader first and last sends its
+    piece in (its buffer's lifetime); -1 for a local read (straight into place, any time)."""
+    g_piece, reader = t.g_piece, t.reader
+    r_groups = np.flatnonzero(~t.local)
+    read_round = np.full(len(g_piece), -1, dtype=np.int64)
+    read_end = np.full(len(g_piece), -1, dtype=np.int64)
+    # Level-0 items of a group are those of its (reader, piece): their runs, in (piece,
+    # reader) order, are the remote groups in order.
+    code = np.concatenate([t.e0_piece, t.b0_piece]).astype(np.int64) * world + np.concatenate([t.e0_src, t.b0_root])
+    srt = np.argsort(code, kind="stable")
+    code = code[srt]
+    first = np.flatnonzero(run_starts(code))
+    assert np.array_equal(code[first], g_piece[r_groups].astype(np.int64) * world + reader[r_groups]), \
+        "every remote group sends its piece, and only those send"
+    if len(first):
+        l0_round = np.concatenate([r.e0, r.b0])[srt]
+        read_round[r_groups] = np.minimum.reduceat(l0_round, first)
+        read_end[r_groups] = np.maximum.reduceat(l0_round, first)
+    return read_round, read_end
+
+
+def _cost(t: _Trees, r: _Rounds, pbytes: np.ndarray, read_round: np.ndarray, read_end: np.ndarray,
+          sends: tuple[np.ndarray, ...], bcasts: tuple[np.ndarray, ...], topology: Topology) -> PlanCost:
+    """Counters of a schedule and its exact staging peak per rank. ``sends``: ``(src, dst,
+    piece, round)``; ``bcasts``: ``(node, root, piece, round)``; ``read_round``, ``read_end``:
+    each group's buffer lifetime (:func:`_read_rounds`)."""
+    world, lws = topology.world_size, topology.local_world_size
+    node_of = np.arange(world) // lws
+    src, dst, piece, rounds = sends
+    bc_node, bc_root, bc_piece, bc_round = bcasts
+    bc_ranks, bc_of = _broadcast_receivers(bc_node, bc_root, lws)
+    sb = pbytes[piece]
+    g_bytes = pbytes[t.g_piece]
+    read_bytes = np.bincount(t.reader, weights=g_bytes, minlength=world).astype(np.int64)
+    sent = (np.bincount(src, weights=sb, minlength=world)
+            + np.bincount(bc_root, weights=pbytes[bc_piece] * (lws - 1), minlength=world)).astype(np.int64)
+    recv = (np.bincount(dst, weights=sb, minlength=world)
+            + np.bincount(bc_ranks, weights=pbytes[bc_piece[bc_of]], minlength=world)).astype(np.int64)
+    cross_node = int(sb[node_of[src] != node_of[dst]].sum())
+    del sb
+    # A holder keeps what it received until its last relay of it.
+    relay_end = np.full(len(t.e0_src), -1, dtype=np.int64)
+    np.maximum.at(relay_end, r.brought, np.concatenate([r.e1, r.b1]))
+    np.maximum(relay_end, r.e0, out=relay_end)
+    r_groups = np.flatnonzero(~t.local)
+
+    def holds():  # one kind of buffer at a time: each is as long as the pieces
+        yield t.reader[r_groups], g_bytes[r_groups], read_round[r_groups], read_end[r_groups]
+        yield t.e0_dst, pbytes[t.e0_piece], r.e0, relay_end
+        yield t.e1_dst, pbytes[t.e1_piece], r.e1, r.e1
+        yield bc_ranks, pbytes[bc_piece[bc_of]], bc_round[bc_of], bc_round[bc_of]
+
+    num = len(r_groups) + len(t.e0_dst) + len(t.e1_dst) + len(bc_ranks)
+    return PlanCost(
+        read_bytes=read_bytes, sent_bytes=sent, recv_bytes=recv,
+        peak_staging_bytes=_peak(world, r.num_rounds, num, holds()),
+        cross_node_bytes=cross_node, num_p2p_ops=len(src),
+        num_batches=int((np.bincount(rounds, minlength=r.num_rounds) > 0).sum()), num_broadcasts=len(bc_root),
     )
 
 
@@ -435,50 +503,80 @@ def _broadcast_receivers(node: np.ndarray, root: np.ndarray, lws: int) -> tuple[
     return ranks[keep], of[keep]
 
 
-def _peak(world: int, holds: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]) -> np.ndarray:
-    """``int64[world]``: the most bytes each rank holds at once, given ``(rank, bytes, first
-    round, last round)`` of every buffer (held from the start of the first round to the end of
-    the last)."""
-    rank = np.concatenate([np.concatenate([r, r]) for r, *_ in holds])
-    if not len(rank):
+def _peak(world: int, num_rounds: int, num: int, holds) -> np.ndarray:
+    """``int64[world]``: the most bytes each rank holds at once, given ``num`` buffers as
+    ``(rank, bytes, first round, last round)`` column groups (``holds``: an iterable of them;
+    rounds ``0 .. num_rounds - 1``). A buffer is held from the start of its first round to the
+    end of its last: in a round, releases come before acquisitions.
+
+    What a rank holds right after its acquisitions at round ``t`` is what it acquired at
+    rounds ``<= t`` minus what it released at rounds ``<= t`` (last round ``< t``); its peak is
+    the largest of these. Both are running sums over events sorted by (rank, round): two sorts
+    of ``num`` events rather than one of ``2 x num`` tagged ones."""
+    if not num:
         return np.zeros(world, dtype=np.int64)
-    time = np.concatenate([np.concatenate([a, e + 1]) for _, _, a, e in holds])
-    delta = np.concatenate([np.concatenate([b, -b]) for _, b, *_ in holds]).astype(np.int64)
-    # One sort key: (rank, round, releases before acquisitions in the same round).
-    perm = np.argsort((rank * (int(time.max()) + 1) + time) * 2 + (delta > 0), kind="stable")
-    running = np.cumsum(delta[perm])  # every rank's holds net to zero: no reset needed
-    r = rank[perm]
-    first = np.flatnonzero(run_starts(r))
+    span = num_rounds + 1  # event times are rounds 0 .. num_rounds
+    acq = np.empty(num, dtype=np.int64)  # (rank, time) codes
+    rel = np.empty(num, dtype=np.int64)
+    nbytes = np.empty(num, dtype=np.int64)
+    pos = 0
+    for rank, b, first, last in holds:
+        s = slice(pos, pos + len(rank))
+        acq[s] = rank
+        acq[s] *= span
+        rel[s] = acq[s]
+        acq[s] += first
+        rel[s] += last
+        rel[s] += 1
+        nbytes[s] = b
+        pos = s.stop
+    assert pos == num
+    order = np.argsort(acq)  # any order of equal codes gives the same sums at a code's last event
+    acq = acq[order]
+    held = nbytes[order]
+    np.cumsum(held, out=held)
+    order = np.argsort(rel)
+    rel = rel[order]
+    freed = nbytes[order]
+    del order, nbytes
+    np.cumsum(freed, out=freed)
+    # At the last acquisition of each (rank, round): bytes acquired so far, minus bytes released
+    # so far (earlier ranks' buffers are all acquired and released before: they cancel out).
+    ends = np.flatnonzero(np.append(acq[1:] != acq[:-1], True))
+    k = np.searchsorted(rel, acq[ends], side="right")
+    value = held[ends] - np.where(k > 0, freed[np.maximum(k - 1, 0)], 0)
+    rank = acq[ends] // span
+    first = np.flatnonzero(run_starts(rank))
     out = np.zeros(world, dtype=np.int64)
-    out[r[first]] = np.maximum.reduceat(running, first)
+    out[rank[first]] = np.maximum.reduceat(value, first)
     return out
 
 
-def minimal_cost(needs: NeedTable | Sequence, index: CheckpointIndex, topology: Topology, readers,
+def minimal_cost(needs: NeedTable | Pieces | Sequence, index: CheckpointIndex, topology: Topology, readers,
                  scope: Scope = "job") -> dict:
     """Lower bounds for any plan of these needs (pure): storage bytes (each needed byte once
     per scope), network bytes (every needer that is not the one reader of its scope) and bytes
-    crossing nodes. Numpy over (piece, rank) and (piece, node) pairs."""
+    crossing nodes. Numpy over (piece, rank) and (piece, node) pairs. ``needs`` may be the
+    :class:`~moeshard.plan.pieces.Pieces` a plan was made from (cut pieces give the same
+    bounds: a piece's children have its needers and share its bytes)."""
     readers = np.asarray(readers, dtype=bool)
     world = topology.world_size
     if readers.shape != (world,):
         raise ValueError(f"readers must be bool[{world}], got shape {readers.shape}")
     if scope not in ("job", "node"):
         raise ValueError(f"scope must be 'job' or 'node', got {scope!r}")
-    table = needs if isinstance(needs, NeedTable) else NeedTable.from_needs(needs)
-    if not len(table):
-        return {"read_bytes": 0, "network_bytes": 0, "cross_node_bytes": 0}
+    with paused_gc():
+        pieces = _pieces(needs, index, None)
+        if not len(pieces.dlv_piece):
+            return {"read_bytes": 0, "network_bytes": 0, "cross_node_bytes": 0}
+        return _minimal(pieces, topology, readers, scope)
+
+
+def _minimal(pieces: Pieces, topology: Topology, readers: np.ndarray, scope: str) -> dict:
     lws, num_nodes = topology.local_world_size, topology.num_nodes
-    file_no, offset, itemsize = _key_columns(table, index)
-    order, piece = _group_pieces(table, file_no, offset)
-    first = order[np.flatnonzero(run_starts(piece))]
-    nbytes = table.src_len[first].prod(axis=1) * itemsize[table.key[first]]
-    num_pieces = len(first)
-    ranks = table.rank[order].astype(np.int64)
-    # Distinct (piece, rank) pairs: a rank needing several boxes of one piece counts once.
-    perm = np.lexsort((ranks, piece))
-    pair = run_starts(piece[perm], ranks[perm])
-    p_pid, p_rank = piece[perm][pair], ranks[perm][pair]
+    nbytes = pieces.piece_bytes
+    num_pieces = pieces.num_pieces
+    p_pid, p_rank = pieces.pairs()
     p_node = p_rank // lws
     p_reader = readers[p_rank]
     if scope == "job":

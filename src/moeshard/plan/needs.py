@@ -66,37 +66,52 @@ class NeedTable:
         return self.src_off.shape[1]
 
     @staticmethod
-    def concat(tables: Sequence["NeedTable"]) -> "NeedTable":
-        """The rows of ``tables`` in order, over the union of their keys (first-seen order)."""
+    def concat(parts: Sequence) -> "NeedTable":
+        """The rows of ``parts`` in order, over the union of their keys (first-seen order),
+        written once into the table's columns (no padded copies of the parts).
+
+        A part is a :class:`NeedTable` or any object with the same ``keys``, ``ndim``,
+        ``width`` and ``len()`` and a ``fill(table, rows, key_ids)`` method that writes its rows
+        into ``table`` at ``rows`` (a slice), its key ``j`` as ``key_ids[j]`` (e.g. the rows of
+        a dense parameter, kept as views of its cached boxes until here)."""
         keys: dict[str, int] = {}
         ndims: list[int] = []
-        for t in tables:
+        for t in parts:
             for k, nd in zip(t.keys, t.ndim.tolist()):
                 if k not in keys:
                     keys[k] = len(keys)
                     ndims.append(nd)
-        width = max((t.width for t in tables), default=0)
+        width = max((t.width for t in parts), default=0)
+        table = NeedTable.allocate(tuple(keys), np.asarray(ndims, dtype=np.int8), sum(len(t) for t in parts), width)
+        pos = 0
+        for t in parts:
+            n = len(t)
+            if n:
+                t.fill(table, slice(pos, pos + n), np.asarray([keys[k] for k in t.keys], dtype=np.int32))
+            pos += n
+        return table
 
-        def pad(a: np.ndarray, value: int) -> np.ndarray:
-            out = np.full((len(a), width), value, dtype=np.int64)
-            out[:, : a.shape[1]] = a
-            return out
-
-        def remap(t: "NeedTable") -> np.ndarray:
-            ids = np.asarray([keys[k] for k in t.keys], dtype=np.int32)
-            return ids[t.key] if len(t.key) else np.zeros(0, np.int32)
-
+    @staticmethod
+    def allocate(keys: tuple[str, ...], ndim: np.ndarray, num: int, width: int) -> "NeedTable":
+        """A table of ``num`` rows to fill in place: padding values in the box columns
+        (offsets 0, lengths 1), the other columns uninitialized."""
         return NeedTable(
-            keys=tuple(keys),
-            ndim=np.asarray(ndims, dtype=np.int8),
-            rank=np.concatenate([t.rank for t in tables] or [np.zeros(0, np.int32)]).astype(np.int32),
-            param=np.concatenate([t.param for t in tables] or [np.zeros(0, np.int32)]).astype(np.int32),
-            key=np.concatenate([remap(t) for t in tables] or [np.zeros(0, np.int32)]).astype(np.int32),
-            slot=np.concatenate([t.slot for t in tables] or [np.zeros(0, np.int64)]).astype(np.int64),
-            src_off=np.concatenate([pad(t.src_off, 0) for t in tables] or [np.zeros((0, width), np.int64)]),
-            src_len=np.concatenate([pad(t.src_len, 1) for t in tables] or [np.zeros((0, width), np.int64)]),
-            dst_off=np.concatenate([pad(t.dst_off, 0) for t in tables] or [np.zeros((0, width), np.int64)]),
+            keys=keys, ndim=ndim, rank=np.empty(num, np.int32), param=np.empty(num, np.int32),
+            key=np.empty(num, np.int32), slot=np.empty(num, np.int64), src_off=np.zeros((num, width), np.int64),
+            src_len=np.ones((num, width), np.int64), dst_off=np.zeros((num, width), np.int64),
         )
+
+    def fill(self, table: "NeedTable", rows: slice, key_ids: np.ndarray) -> None:
+        """Write these rows into ``table`` at ``rows``, key ``j`` as ``key_ids[j]``
+        (:meth:`concat`)."""
+        table.rank[rows] = self.rank
+        table.param[rows] = self.param
+        table.key[rows] = key_ids[self.key]
+        table.slot[rows] = self.slot
+        d = self.width
+        table.src_off[rows, :d] = self.src_off
+        table.src_len[rows, :d] = self.src_len
+        table.dst_off[rows, :d] = self.dst_off
 
     @staticmethod
     def from_needs(needs) -> "NeedTable":
