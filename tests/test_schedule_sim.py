@@ -108,8 +108,12 @@ def simulate(s, src, sink=None, read=None):
 
 
 def composition(rng, n, k):
-    """``k`` boxes ``(offset, length)`` of positive lengths tiling ``n`` (uneven shards)."""
-    b = [0, *np.sort(rng.choice(np.arange(1, n), k - 1, replace=False)).tolist(), n] if k > 1 else [0, n]
+    """``k`` boxes ``(offset, length)`` tiling ``n`` (uneven shards; empty ones, as torch's
+    chunking gives, when ``n < k`` or at random)."""
+    if n >= k and rng.random() < 0.8:
+        b = [0, *np.sort(rng.choice(np.arange(1, n), k - 1, replace=False)).tolist(), n] if k > 1 else [0, n]
+    else:
+        b = [0, *np.sort(rng.integers(0, n + 1, k - 1)).tolist(), n]
     return [(int(b[i]), int(b[i + 1] - b[i])) for i in range(k)]
 
 
@@ -149,10 +153,11 @@ def relocation_case(seed):
             row[s] = e
     tensors = []
     for layer in range(num_layers):
-        replicated = rng.random() < 0.2  # the whole layer on every efsdp rank (partly: test_columns_sharing_a_box)
+        whole = rng.random() < 0.2  # the whole layer on every efsdp rank, else tensor by tensor
         for k in rng.choice(len(SHAPES), int(rng.integers(2, 4)), replace=False).tolist():
             shape = SHAPES[k]
-            dim = -1 if replicated else int(rng.choice([d for d, n in enumerate(shape) if n >= efsdp]))
+            # A tensor whole on every efsdp rank beside sharded ones: columns share its box.
+            dim = -1 if whole or rng.random() < 0.2 else int(rng.integers(len(shape)))
             chunks = composition(rng, shape[max(dim, 0)], efsdp)
             holdings = tuple((grank(e, f), e * spr, spr, tuple(chunks[f] if d == dim else (0, n)
                                                                 for d, n in enumerate(shape)))
