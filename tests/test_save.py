@@ -1,7 +1,8 @@
 """moeshard.save: EP (+ expert FSDP) + FSDP2 model -> Hugging Face checkpoint, on 4 gloo ranks.
 
 Checkpoints are made by transformers' save_pretrained (tiny Qwen3-MoE fp32 / bf16, tied and
-untied; Mixtral, whose checkpoints say ``block_sparse_moe`` and w1/w2/w3; DeepSeek-V3, with a
+untied; Mixtral, whose checkpoints say ``block_sparse_moe`` and w1/w2/w3; LFM2-MoE and PhiMoE,
+whose from_pretrained reads w1/w2/w3 too (PhiMoE's router renamed as well); DeepSeek-V3, with a
 dense first layer, shared experts and the persistent ``e_score_correction_bias`` buffer). One
 spawned group runs every scenario: build on meta -> parallelize -> moeshard.load -> moeshard.save,
 with EP=4 and EP=2 x efsdp=2, contiguous and shuffled/redundant placements; then the error cases
@@ -23,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 
+import hf_families
 from mp import run_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -47,6 +49,8 @@ def config(family: str, tied: bool = False):
         return MixtralConfig(
             vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, num_local_experts=6, num_experts_per_tok=2, max_position_embeddings=64)
+    if family != "dsv3":  # any other transformers MoE family, at the size tests/hf_families.py gives it
+        return hf_families.tiny_config(family)
     return DeepseekV3Config(
         vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=4, n_routed_experts=6, n_shared_experts=1, num_experts_per_tok=2,
@@ -60,6 +64,10 @@ CHECKPOINTS = {
     "qwen-bf16-tied": ("qwen", True, torch.bfloat16, 2, 8),
     "mixtral-bf16": ("mixtral", False, torch.bfloat16, 2, 6),
     "dsv3-fp32": ("dsv3", False, torch.float32, 2, 6),
+    # transformers reads these families' experts as w1/w3/w2 (not gate/up/down_proj); PhiMoE also
+    # renames its router (block_sparse_moe.gate <-> mlp.router).
+    "lfm2-bf16": ("lfm2_moe", False, torch.bfloat16, 2, 4),
+    "phimoe-fp32": ("phimoe", False, torch.float32, 2, 4),
 }
 
 
@@ -187,6 +195,8 @@ SCENARIOS = [
     dict(kind="save", ckpt="qwen-bf16-tied", out="q16-ep2x2", ep=2, efsdp=2, placement="contiguous"),
     dict(kind="save", ckpt="mixtral-bf16", out="mixtral-ep2x2", ep=2, efsdp=2, placement="shuffled"),
     dict(kind="save", ckpt="mixtral-bf16", out="mixtral-ref-ep4", ep=4, efsdp=1, placement="shuffled", reference=True),
+    dict(kind="save", ckpt="lfm2-bf16", out="lfm2-ep2x2", ep=2, efsdp=2, placement="shuffled"),
+    dict(kind="save", ckpt="phimoe-fp32", out="phimoe-ep4", ep=4, efsdp=1, placement="shuffled"),
     dict(kind="save", ckpt="dsv3-fp32", out="dsv3-ep4", ep=4, efsdp=1, placement="shuffled"),
     # Error cases reuse the last model (DeepSeek-V3, EP=4, shuffled).
     dict(kind="exists", ckpt="dsv3-fp32", out="dsv3-ep4"),

@@ -31,6 +31,7 @@ from ..placement import Placement
 from ..plan.arrays import expand_runs, unique_rows
 from ..plan.needs import NeedTable
 from .adapters import DEFAULT_SPECS, ExpertParam, ExpertsSpec, checkpoint_names, expert_parts, specs_for
+from .hf_names import HFNames, hf_names
 
 if TYPE_CHECKING:  # torch only where a model is looked at: need_table and its helpers run without it
     import torch
@@ -39,7 +40,7 @@ if TYPE_CHECKING:  # torch only where a model is looked at: need_table and its h
 __all__ = ["ExpertRef", "ParamDesc", "Need", "describe_model", "need_table", "compute_needs", "shard_boxes",
            "param_boxes", "rank_boxes", "local_tensor", "expert_layers",
            "base_names", "is_adapter_param", "cast_refusal", "check_cast", "UnusedKeys", "unused_keys",
-           "ignored_patterns"]
+           "ignored_patterns", "tensor_names"]
 
 
 @dataclass(frozen=True)
@@ -139,17 +140,37 @@ def expert_layers(model: nn.Module, specs: Sequence[ExpertsSpec] = DEFAULT_SPECS
 
 
 def _choose_spec(
-    candidates: Sequence[ExpertsSpec], module: str, index: CheckpointIndex | None, renamed: bool
-) -> tuple[ExpertsSpec, str]:
-    """The spec and checkpoint key prefix of experts module ``module``: the first whose keys
-    the checkpoint has; without a checkpoint, the model family's (``renamed``: its names)."""
-    prefixes = checkpoint_names(module)
+    candidates: Sequence[ExpertsSpec], module: str, index: CheckpointIndex | None, renamed: bool,
+    names: HFNames | None = None,
+) -> tuple[ExpertsSpec, dict[str, str]]:
+    """The spec of experts module ``module`` and the checkpoint key prefix of each of its
+    parameters: the first spec whose keys the checkpoint has; without a checkpoint, the model
+    family's (``names``: transformers' names for it; ``renamed``: the older family table's)."""
+
+    def prefixes(param: ExpertParam) -> list[str]:
+        out = []
+        if names is not None:
+            try:
+                out.append(names.checkpoint_module(module, param))
+            except ValueError:  # renamed inside the per-expert key: only the model's own names
+                pass
+        return list(dict.fromkeys(out + list(checkpoint_names(module))))
+
     if index is not None:
         for spec in candidates:
-            for prefix in prefixes:
-                if all(k in index for p in spec.params for k in p.keys(prefix, 0)):
-                    return spec, prefix
-    return candidates[0], prefixes[-1] if renamed else module
+            found = {}
+            for p in spec.params:
+                hit = next((pre for pre in prefixes(p) if all(k in index for k in p.keys(pre, 0))), None)
+                if hit is None:
+                    break
+                found[p.name] = hit
+            else:
+                return spec, found
+    spec = candidates[0]
+    if names is not None:
+        return spec, {p.name: prefixes(p)[0] for p in spec.params}
+    prefix = checkpoint_names(module)[-1] if renamed else module
+    return spec, {p.name: prefix for p in spec.params}
 
 
 def describe_model(
@@ -165,35 +186,33 @@ def describe_model(
     A peft model is described as its base model (checkpoint names without peft's segments;
     adapter weights left out, see :mod:`moeshard.lora`).
     """
-    ordered, renamed = specs_for(model, specs)
+    hf = hf_names(model)
+    if hf is not None:  # transformers' own names for the family: its converters' specs first
+        ordered, renamed = (*hf.specs, *(s for s in specs if s not in hf.specs)), False
+    else:
+        ordered, renamed = specs_for(model, specs)
     base, peft = base_names(model), _is_peft(model)
-    experts: dict[str, tuple[int, ExpertsSpec, str]] = {}
+    experts: dict[str, tuple[int, ExpertsSpec, dict[str, str]]] = {}
     layer = 0
     for name, mod in model.named_modules():
-        names = {n for n, _ in mod.named_parameters(recurse=False)}
-        matching = [s for s in ordered if s.matches(base(name), names)]
+        own = {n for n, _ in mod.named_parameters(recurse=False)}
+        matching = [s for s in ordered if s.matches(base(name), own)]
         if matching:
-            experts[name] = (layer, *_choose_spec(matching, base(name), index, renamed))
+            experts[name] = (layer, *_choose_spec(matching, base(name), index, renamed, hf))
             layer += 1
-    aliases: dict[int, list[str]] = {}
-    tensors: dict[int, torch.Tensor] = {}
-    for name, t in list(model.named_parameters(remove_duplicate=False)) + _persistent_buffers(model):
-        if peft and is_adapter_param(name):
-            continue  # a peft adapter's weight: moeshard.lora loads and saves those
-        aliases.setdefault(id(t), []).append(name)
-        tensors[id(t)] = t
+    aliases, tensors = _aliases(model, peft)
     descs = []
     meshes: dict[int, np.ndarray] = {}  # id(DeviceMesh) -> its ranks (computing it is not free)
-    for tid, names in aliases.items():
+    for tid, aliases_of in aliases.items():
         t = tensors[tid]
-        name = names[0]
+        name = aliases_of[0]
         module, _, attr = name.rpartition(".")
         expert = None
         if module in experts:
-            layer_idx, spec, prefix = experts[module]
+            layer_idx, spec, prefixes = experts[module]
             for p in spec.params:
                 if p.name == attr:
-                    expert = ExpertRef(layer_idx, prefix, p)
+                    expert = ExpertRef(layer_idx, prefixes[p.name], p)
         if _is_dtensor(t):
             if any(p.is_partial() for p in t.placements):
                 raise ValueError(f"parameter {name}: Partial DTensor placements cannot be loaded")
@@ -204,11 +223,35 @@ def describe_model(
             placements = tuple(t.placements)
         else:
             mesh, placements = None, ()
-        keys = [k for n in names for k in checkpoint_names(base(n))]
-        if renamed and index is None:  # the family's names first: they are what it writes
-            keys = [k for n in names for k in reversed(checkpoint_names(base(n)))]
+        if hf is not None:  # the name transformers writes first, then the model's own
+            keys = [k for n in aliases_of for k in (hf.checkpoint_name(base(n)), base(n))]
+        else:
+            keys = [k for n in aliases_of for k in checkpoint_names(base(n))]
+            if renamed and index is None:  # the family's names first: they are what it writes
+                keys = [k for n in aliases_of for k in reversed(checkpoint_names(base(n)))]
         descs.append(ParamDesc(name, tuple(t.shape), t.dtype, mesh, placements, tuple(dict.fromkeys(keys)), expert))
     return descs
+
+
+def _aliases(model: nn.Module, peft: bool) -> tuple[dict[int, list[str]], dict[int, torch.Tensor]]:
+    """Every parameter and persistent buffer of ``model`` once: ``id -> [its names]`` (tied
+    names together, in module order) and ``id -> tensor``; a peft adapter's weights left out."""
+    aliases: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + _persistent_buffers(model):
+        if peft and is_adapter_param(name):
+            continue  # a peft adapter's weight: moeshard.lora loads and saves those
+        aliases.setdefault(id(t), []).append(name)
+        tensors[id(t)] = t
+    return aliases, tensors
+
+
+def tensor_names(model: nn.Module) -> list[tuple[str, ...]]:
+    """The names of each parameter and persistent buffer of ``model`` (tied names together),
+    as the base model's checkpoint names them (a peft model's adapters left out)."""
+    base = base_names(model)
+    aliases, _ = _aliases(model, _is_peft(model))
+    return [tuple(dict.fromkeys(base(n) for n in names)) for names in aliases.values()]
 
 
 def _persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -47,7 +47,16 @@ from ..execute import LocalTensors, Sink, Source, execute_schedule
 from ..io.checkpoint import DTYPES, INDEX_NAME, CheckpointIndex, _read_header, pwrite_all, safetensors_header
 from ..io.sources import resolve_sources
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
-from ..models.layout import ParamDesc, _persistent_buffers, describe_model, expert_layers, local_tensor
+from ..models.hf_names import hf_names
+from ..models.layout import (
+    ParamDesc,
+    _persistent_buffers,
+    base_names,
+    describe_model,
+    expert_layers,
+    local_tensor,
+    tensor_names,
+)
 from ..placement import Placement
 from ..plan import DEFAULT_STAGING_BYTES
 from ..plan.save import SavePlan, describe_outputs, plan_save
@@ -111,14 +120,30 @@ def plan_model_save(
         n = getattr(mod, "num_experts", None)
         if isinstance(n, int):
             hints[layer] = n
+    skip = frozenset(getattr(model, "_keys_to_ignore_on_save", None) or ())
     outs = describe_outputs(
         descs, placement, world_size, reference,
         tied_targets=_tied_targets(model),
-        skip_keys=frozenset(getattr(model, "_keys_to_ignore_on_save", None) or ()),
+        skip_keys=skip,
         buffers=frozenset(name for name, _ in _persistent_buffers(model)),
         num_experts=hints,
     )
+    _check_names(model, [o.key for o in outs], skip, 
+                 [base_names(model)(d.name) for d in descs if d.expert is not None])
     return descs, plan_save(outs, world_size, max_shard_bytes, staging_bytes)
+
+
+def _check_names(model: nn.Module, keys: list[str], skip: frozenset[str], experts: list[str]) -> None:
+    """Refuse a key set that the model's ``from_pretrained`` would not read back whole: a
+    missing tensor is re-initialized there and an unexpected key ignored, with only a warning.
+    Pure (every rank raises the same error while planning, before anything is written)."""
+    names = hf_names(model)
+    if names is None:
+        return
+    expected = [n for n in tensor_names(model) if not set(n) & skip]
+    mismatch = names.check_keys(keys, expected)
+    if mismatch is not None:
+        raise ValueError(mismatch.message("moeshard.save", experts))
 
 
 def _tied_targets(model: nn.Module) -> frozenset[str]:
