@@ -119,19 +119,26 @@ def test_cast_rule(src, dst, refused):
     assert cast_refusal(src, dst) == refused
 
 
-def test_fp8_with_scale_into_bf16_is_refused_by_load_and_verify(root, good):
+def test_fp8_with_scale_into_bf16_is_dequantized_or_refused(root, good):
+    """FP8 with its scale loads dequantized (q * 0.5 here); verify compares the dequantized values
+    and refuses the raw cast; dequantize=False refuses the cast, naming the scale it would drop."""
+    model = _meta_model(dtype=torch.bfloat16)
+    rep = moeshard.load(model, root / "fp8")
+    assert rep.dequantized_keys == sum(".experts." in k for k in good) and rep.unused_keys == ()
+    got = model.layers[0].mlp.experts.gate_up_proj[0, : tiny_moe.INTER].detach().clone()
+    assert torch.equal(got, (good[FIRST].float().to(E4M3).float() * 0.5).to(torch.bfloat16))
+    assert moeshard.verify(model, root / "fp8").num_boxes_checked > 0
     want = (rf"parameter layers\.0\.mlp\.experts\.gate_up_proj: checkpoint tensor '{FIRST}' has dtype F8_E4M3 "
             rf"\(FP8\), the model's tensor is torch\.bfloat16: its scale tensor '{FIRST}_scale_inv' \(F32 \[1, 1\]\) "
-            r"would be dropped and the raw FP8 values loaded unscaled\. moeshard does not dequantize")
-    model = _meta_model(dtype=torch.bfloat16)
+            r"would be dropped and the raw FP8 values loaded unscaled")
     with pytest.raises(ValueError, match=want):
-        moeshard.load(model, root / "fp8")
-    # A model holding exactly what the old load produced (raw FP8 values cast to bf16, max error
-    # vs. the dequantized weights unbounded): verify must not call it correct.
+        moeshard.load(_meta_model(dtype=torch.bfloat16), root / "fp8", dequantize=False)
+    # A model holding exactly what a cast without the scale produces (raw FP8 values cast to bf16,
+    # max error vs. the dequantized weights unbounded): verify must not call it correct.
     moeshard.load(model, root / "raw-cast")
     raw = model.layers[0].mlp.experts.gate_up_proj[0, : tiny_moe.INTER].detach().clone()
     assert torch.equal(raw, good[FIRST].float().to(E4M3).to(torch.bfloat16))
-    with pytest.raises(ValueError, match=want):
+    with pytest.raises(ValueError, match=r"experts\.(gate_up|down)_proj, physical slot .* differs from checkpoint tensor"):
         moeshard.verify(model, root / "fp8")
 
 

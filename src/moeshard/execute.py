@@ -33,10 +33,11 @@ import torch.distributed as dist
 
 from . import _dist
 from .io.checkpoint import CheckpointIndex, CheckpointReader
+from .io.fp8 import dequantize, scale_box
 from .plan.schedule import Schedule
 
-__all__ = ["ExecStats", "Source", "Sink", "LocalTensors", "ReaderSource", "TensorSink", "execute_schedule", "exchange",
-           "node_groups"]
+__all__ = ["ExecStats", "Source", "Sink", "LocalTensors", "ReaderSource", "TensorSink", "DequantSink", "execute_schedule",
+           "exchange", "node_groups"]
 
 
 @dataclass
@@ -174,6 +175,44 @@ class TensorSink(Sink):
         for row, data in items:
             out = self.target(row)
             out.copy_(data.view(out.shape))
+
+
+class DequantSink(TensorSink):
+    """:class:`TensorSink` that dequantizes the pieces of block-quantized FP8 weights on delivery
+    (:func:`moeshard.io.fp8.dequantize`, in float32, then cast to the destination's dtype).
+
+    ``scales``: ``{weight key: (its whole scale tensor on this rank, block shape)}`` for every
+    FP8 key this rank receives pieces of (loaded beforehand: they are small, 1/16,384 of the
+    weights' elements with DeepSeek's 128 x 128 blocks)."""
+
+    def __init__(self, schedule: Schedule, tensors: Sequence[torch.Tensor | None], rank: int,
+                 scales: dict[str, tuple[torch.Tensor, tuple[int, ...]]]):
+        super().__init__(schedule, tensors, rank)
+        self.scales = scales
+
+    def _scale(self, row: int, out: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+        # An FP8 destination (a model keeping FP8 parameters) takes the FP8 bytes as they are.
+        entry = self.scales.get(self.s.piece_name(int(self.s.dlv_piece[row])))
+        return entry if entry is not None and out.element_size() > 1 else None
+
+    def target(self, row: int) -> torch.Tensor | None:
+        # FP8 pieces are staged and go through put(): a read straight into place would cast unscaled.
+        out = super().target(row)
+        return None if self._scale(row, out) is not None else out
+
+    def put(self, items: list[tuple[int, torch.Tensor]]) -> None:
+        for row, data in items:
+            pid = int(self.s.dlv_piece[row])
+            out = super().target(row)
+            entry = self._scale(row, out)
+            if entry is None:
+                out.copy_(data.view(out.shape))
+                continue
+            scale, block = entry
+            box = self.s.piece_box(pid)
+            sbox = scale_box(box, block)
+            sub = scale[tuple(slice(o, o + n) for o, n in sbox)]
+            out.copy_(dequantize(data.view(tuple(n for _, n in box)), box, sub, block).view(out.shape))
 
 
 class ReaderSource(Source):

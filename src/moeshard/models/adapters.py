@@ -37,11 +37,22 @@ __all__ = ["ExpertParam", "ExpertsSpec", "HF_EXPERTS", "MIXTRAL_EXPERTS", "DEFAU
 
 @dataclass(frozen=True)
 class ExpertParam:
-    """One fused expert parameter ``[num_experts, *slice_shape]`` of an experts module."""
+    """One fused expert parameter ``[num_experts, *slice_shape]`` of an experts module.
+
+    ``parts``: key templates relative to the experts module, ``{e}`` the logical expert id
+    (``"{e}.gate_proj.weight"``). A parameter whose one part has no ``{e}`` is *fused on disk*
+    (:attr:`fused`): that one checkpoint tensor holds every expert, ``[num_logical,
+    *slice_shape]`` with expert ``e`` at row ``e``, as gpt-oss and Llama 4 ship them.
+    """
 
     name: str
     parts: tuple[str, ...]
     dim: int = 0
+
+    @property
+    def fused(self) -> bool:
+        """Whether the checkpoint holds this parameter fused (one tensor, every expert)."""
+        return len(self.parts) == 1 and "{e" not in self.parts[0]
 
     def keys(self, prefix: str, expert: int) -> tuple[str, ...]:
         return tuple(f"{prefix}.{p.format(e=expert)}" if prefix else p.format(e=expert) for p in self.parts)
@@ -198,6 +209,8 @@ def read_expert_box(reader, param: ExpertParam, module: str, expert: int, box: B
     values are cast to its dtype). ``reader`` is a :class:`~moeshard.checkpoint.CheckpointReader`.
     """
     keys = param.keys(module, expert)
+    if param.fused:  # row ``expert`` of the one tensor holding every expert
+        return reader.read(keys[0], ((expert, 1),) + tuple(box), out=out.unsqueeze(0))[0]
     sizes = tuple(reader.index.info(k).shape[param.dim] for k in keys)
     base = tuple(o for o, _ in box)
     for j, part_box, sub in expert_parts(box, sizes, param.dim):

@@ -27,6 +27,7 @@ from ..box import Box, full_box
 from ..dtypes import TORCH_NAMES, cast_refusal
 from ..io.checkpoint import CheckpointIndex
 from ..io.formats import layer_of, parse_expert_key, scale_keys, scaled_weight
+from ..io.fp8 import scale_of
 from ..placement import Placement
 from ..plan.arrays import expand_runs, unique_rows
 from ..plan.needs import NeedTable
@@ -144,8 +145,11 @@ def _choose_spec(
     names: HFNames | None = None,
 ) -> tuple[ExpertsSpec, dict[str, str]]:
     """The spec of experts module ``module`` and the checkpoint key prefix of each of its
-    parameters: the first spec whose keys the checkpoint has; without a checkpoint, the model
-    family's (``names``: transformers' names for it; ``renamed``: the older family table's)."""
+    parameters: the first spec whose per-expert keys the checkpoint has, else the experts fused
+    on disk (:func:`_fused_spec`). Without a checkpoint, the model family's: ``names``,
+    transformers' names for it (per expert where one of its converters stacks the module's
+    experts, else fused under the names it renames them to); ``renamed``, the older family
+    table's."""
 
     def prefixes(param: ExpertParam) -> list[str]:
         out = []
@@ -166,11 +170,61 @@ def _choose_spec(
                 found[p.name] = hit
             else:
                 return spec, found
+        fused = _fused_spec(candidates[0], module, index, names)
+        if fused is not None:
+            return fused
+        for p in candidates[0].params:  # say why, rather than "no tensor ...experts.0..." later
+            refused = _refused(names, f"{module}.{p.name}")
+            if refused is not None:
+                raise ValueError(
+                    f"parameter {module}.{p.name}: transformers reads {names.family} checkpoints into it with a "
+                    f"converter moeshard cannot express as box reads ({refused})")
     spec = candidates[0]
+    if names is not None and not any(s in names.specs for s in candidates) \
+            and not any(_refused(names, f"{module}.{p.name}") for p in spec.params):
+        # No converter of the family stacks this module's experts: transformers writes and reads
+        # them fused on disk, under their (renamed) names.
+        params, found = [], {}
+        for p in spec.params:
+            found[p.name], _, leaf = names.checkpoint_name(f"{module}.{p.name}").rpartition(".")
+            params.append(ExpertParam(p.name, (leaf,)))
+        return ExpertsSpec(module=spec.module, params=tuple(params)), found
     if names is not None:
         return spec, {p.name: prefixes(p)[0] for p in spec.params}
     prefix = checkpoint_names(module)[-1] if renamed else module
     return spec, {p.name: prefix for p in spec.params}
+
+
+def _refused(names: HFNames | None, full: str) -> str | None:
+    """The converter of ``names`` (``"<target pattern>: <why>"``) that moeshard cannot express
+    and that writes model tensor ``full``, or None."""
+    for pattern, why in (names.refused if names is not None else ()):
+        if any(re.search(t.strip(), full) for t in pattern.split(", ")):
+            return f"{pattern}: {why}"
+    return None
+
+
+def _fused_spec(
+    spec: ExpertsSpec, module: str, index: CheckpointIndex, names: HFNames | None,
+) -> tuple[ExpertsSpec, dict[str, str]] | None:
+    """Experts module ``module`` read from tensors fused on disk, one per parameter holding
+    every expert (``[num_logical, *slice_shape]``, as gpt-oss and Llama 4 ship them and as
+    transformers keeps them in memory): each parameter of ``spec`` stored under its checkpoint
+    name (transformers' name for it, then the model's own) becomes a one-part fused
+    :class:`ExpertParam`. None when one has no such tensor. The module's other parameters
+    (gpt-oss's expert biases) stay whole tensors, as :func:`moeshard.parallelize` leaves them.
+    Shapes are checked with the needs (:func:`_fused_rows`)."""
+    params, prefixes = [], {}
+    for p in spec.params:
+        full = f"{module}.{p.name}"
+        candidates = ([names.checkpoint_name(full)] if names is not None else []) + list(checkpoint_names(full))
+        key = next((k for k in candidates if k in index), None)
+        if key is None:
+            return None
+        prefix, _, leaf = key.rpartition(".")
+        params.append(ExpertParam(p.name, (leaf,)))
+        prefixes[p.name] = prefix
+    return ExpertsSpec(module=spec.module, params=tuple(params)), prefixes
 
 
 def describe_model(
@@ -400,14 +454,16 @@ def need_table(
     index: CheckpointIndex,
     placement: Placement | None,
     world_size: int,
+    dequantize: bool = False,
 ) -> NeedTable:
     """Every rank's needs as a :class:`~moeshard.plan.needs.NeedTable`, from parameter
     descriptions (pure; any world size). Rows: parameters in order; a parameter's rows in
     mesh order, then local slot, then checkpoint part.
 
     Raises ValueError for a key missing from the checkpoint, a shape that disagrees, a dtype
-    the cast rule refuses (:func:`cast_refusal`: e.g. FP8 into bf16), or a placement
-    inconsistent with the model's expert parameters.
+    the cast rule refuses (:func:`cast_refusal`: e.g. FP8 into bf16; with ``dequantize``, FP8
+    weights with a block scale (:func:`moeshard.io.fp8.scale_of`) may go into float tensors: the
+    load dequantizes them), or a placement inconsistent with the model's expert parameters.
 
     Cost: O(keys) Python (each check once per parameter and logical expert) plus numpy over
     the rows.
@@ -420,9 +476,9 @@ def need_table(
     for i, d in enumerate(descs):
         ranks, boxes = param_boxes(d, world_size)
         if d.expert is None:
-            parts.append(_dense_rows(i, d, index, ranks, boxes))
+            parts.append(_dense_rows(i, d, index, ranks, boxes, dequantize))
         else:
-            parts.append(_expert_table(i, d, index, placement, ranks, boxes))
+            parts.append(_expert_table(i, d, index, placement, ranks, boxes, dequantize))
     return NeedTable.concat(parts)
 
 
@@ -477,13 +533,14 @@ class _DenseRows(NamedTuple):
         table.dst_off[rows, :d] = 0
 
 
-def _dense_rows(i: int, d: ParamDesc, index: CheckpointIndex, ranks: np.ndarray, boxes: np.ndarray) -> _DenseRows:
+def _dense_rows(i: int, d: ParamDesc, index: CheckpointIndex, ranks: np.ndarray, boxes: np.ndarray,
+                dequantize: bool = False) -> _DenseRows:
     """The rows of dense parameter number ``i`` (checked against the checkpoint): one per rank
     in ``ranks`` (``int64[M]``) whose box (``int64[M, ndim, 2]``) is not empty."""
 
     key = _find_key(d, index)
     info = index.info(key)
-    check_cast(f"parameter {d.name}", key, index, d.dtype)
+    check_cast(f"parameter {d.name}", key, index, d.dtype, dequantize)
     if tuple(info.shape) != d.shape:
         raise ValueError(
             f"parameter {d.name}: checkpoint tensor {key!r} has shape {list(info.shape)}, "
@@ -502,13 +559,17 @@ def _find_key(d: ParamDesc, index: CheckpointIndex) -> str:
     raise ValueError(f"parameter {d.name}: checkpoint {index.root} has no tensor {d.keys[0]!r}{also}")
 
 
-def check_cast(what: str, key: str, index: CheckpointIndex, dtype: torch.dtype | str) -> None:
+def check_cast(what: str, key: str, index: CheckpointIndex, dtype: torch.dtype | str, dequantize: bool = False) -> None:
     """Raise ValueError when checkpoint tensor ``key`` may not be cast to ``dtype``
     (:func:`~moeshard.dtypes.cast_refusal`); ``what`` names the destination ("parameter x").
+    ``dequantize``: an FP8 weight with a block scale that fits it (:func:`moeshard.io.fp8.scale_of`)
+    may go into a float tensor of two or more bytes (the caller dequantizes it with that scale).
     Pure; every rank that plans a read calls it."""
     ckpt_dtype = index.info(key).dtype
     why = cast_refusal(ckpt_dtype, dtype)
     if why is None:
+        return
+    if why == "from_fp8" and dequantize and cast_refusal("F32", dtype) is None and scale_of(index, key) is not None:
         return
     src = f"torch.{TORCH_NAMES[ckpt_dtype]}"  # as a torch dtype prints
     head = f"{what}: checkpoint tensor {key!r} has dtype {ckpt_dtype}"
@@ -529,14 +590,20 @@ def check_cast(what: str, key: str, index: CheckpointIndex, dtype: torch.dtype |
     scales = [k for k in scale_keys(key) if k in index]
     if scales:
         info = index.info(scales[0])
-        scale = (f"its scale tensor {scales[0]!r} ({info.dtype} {list(info.shape)}) would be dropped and "
-                 f"the raw FP8 values loaded unscaled")
-    else:
-        scale = (f"the checkpoint has no scale tensor for it (no {scale_keys(key)[0]!r}), and its raw FP8 "
-                 f"values would be meaningless as {dtype}")
+        what_scale = f"its scale tensor {scales[0]!r} ({info.dtype} {list(info.shape)})"
+        if dequantize:  # there is a scale, but no block quantization of this weight makes its shape
+            raise ValueError(
+                f"{head} (FP8), the model's tensor is {dtype}: {what_scale} is not a float block scale of a "
+                f"weight of shape {list(index.info(key).shape)} (no power-of-two block gives that shape), "
+                f"so it cannot be dequantized; {keep}")
+        raise ValueError(
+            f"{head} (FP8), the model's tensor is {dtype}: {what_scale} would be dropped and the raw FP8 "
+            f"values loaded unscaled. moeshard.load dequantizes such weights (dequantize=True, its "
+            f"default); this operation does not: {keep}")
     raise ValueError(
-        f"{head} (FP8), the model's tensor is {dtype}: {scale}. moeshard does not dequantize FP8 "
-        f"checkpoints yet: use a dequantized checkpoint, or {keep}")
+        f"{head} (FP8), the model's tensor is {dtype}: the checkpoint has no scale tensor for it (no "
+        f"{scale_keys(key)[0]!r}), and its raw FP8 values would be meaningless as {dtype}; use a "
+        f"dequantized checkpoint, or {keep}")
 
 
 def _slot_experts(d: ParamDesc, placement: Placement | None) -> tuple[np.ndarray, int]:
@@ -571,6 +638,7 @@ def _expert_table(
     placement: Placement | None,
     ranks: np.ndarray,
     boxes: np.ndarray,
+    dequantize: bool = False,
 ) -> NeedTable:
     """The rows of expert parameter number ``i``: for each rank in ``ranks`` (``int64[M]``)
     with a non-empty box (``int64[M, ndim, 2]``, dim 0 = slots), each slot of its box holding
@@ -582,22 +650,18 @@ def _expert_table(
     phy2log, num_logical = _slot_experts(d, placement)
     if d.mesh is not None and placement is not None and placement.num_ranks is not None:
         _check_spans(d, boxes, d.shape[0] // placement.num_ranks)
-    part_sizes = _part_sizes(d, index, 0, slice_shape)  # expert 0's: every expert must agree
+    if ref.param.fused:
+        return _fused_rows(i, d, index, phy2log, num_logical, ranks, boxes, dequantize)
+    part_sizes = _part_sizes(d, index, 0, slice_shape, dequantize)  # expert 0's: every expert must agree
     extra = ref.param.keys(ref.module, num_logical)
     if extra[0] in index:
         raise ValueError(
             f"parameter {d.name}: the checkpoint has expert {num_logical} ({extra[0]!r}) but the "
             f"placement has only {num_logical} logical experts"
         )
-    keep = (boxes[:, :, 1] > 0).all(axis=1)
-    ranks, boxes = ranks[keep], boxes[keep]
-    # One row per (rank, slot) holding an expert, in mesh order then slot order.
-    owner, slot = expand_runs(boxes[:, 0, 0], boxes[:, 0, 1])
-    expert = phy2log[slot]
-    live = expert >= 0  # -1: an empty slot (dead or not-yet-joined rank), nothing to load
-    owner, slot, expert = owner[live], slot[live], expert[live]
+    ranks, boxes, owner, slot, expert = _held_slots(ranks, boxes, phy2log)
     held = np.flatnonzero(np.bincount(expert, minlength=num_logical))  # the experts some slot holds
-    keys = _held_expert_keys(d, index, held.tolist(), part_sizes)
+    keys = _held_expert_keys(d, index, held.tolist(), part_sizes, dequantize)
     # The parts a box overlaps depend only on its slice dims: computed once per distinct tail.
     tails, tail_of = unique_rows(boxes[:, 1:, :].reshape(len(boxes), -1))
     parts = _part_rows(tails.reshape(len(tails), -1, 2), part_sizes, ref.param.dim)
@@ -615,7 +679,60 @@ def _expert_table(
     )
 
 
-def _held_expert_keys(d: ParamDesc, index: CheckpointIndex, held: Sequence[int], part_sizes: tuple[int, ...]) -> list[str]:
+def _held_slots(ranks: np.ndarray, boxes: np.ndarray, phy2log: np.ndarray) -> tuple[np.ndarray, ...]:
+    """``(ranks, boxes, owner, slot, expert)``: the non-empty boxes (``int64[M, ndim, 2]``, dim 0 =
+    slots) and their ranks, then one row per (box, slot) holding an expert, in box order then
+    slot order: the box's index, the global slot, its logical expert."""
+    keep = (boxes[:, :, 1] > 0).all(axis=1)
+    ranks, boxes = ranks[keep], boxes[keep]
+    owner, slot = expand_runs(boxes[:, 0, 0], boxes[:, 0, 1])
+    expert = phy2log[slot]
+    live = expert >= 0  # -1: an empty slot (dead or not-yet-joined rank), nothing to load
+    return ranks, boxes, owner[live], slot[live], expert[live]
+
+
+def _fused_rows(
+    i: int, d: ParamDesc, index: CheckpointIndex, phy2log: np.ndarray, num_logical: int,
+    ranks: np.ndarray, boxes: np.ndarray, dequantize: bool = False,
+) -> NeedTable:
+    """:func:`_expert_table`'s rows for an expert parameter fused on disk: one checkpoint tensor
+    ``[num_logical, *slice_shape]``, row ``e`` logical expert ``e``. A rank's run of local slots
+    holding consecutive experts is one row (a contiguous placement: one row per rank), read
+    into the whole local tensor (``slot`` -1, the local slot as the first dst offset)."""
+    ref = d.expert
+    assert ref is not None
+    (key,) = ref.param.keys(ref.module, 0)
+    if key not in index:
+        raise ValueError(f"parameter {d.name}: checkpoint {index.root} has no tensor {key!r}")
+    check_cast(f"parameter {d.name}", key, index, d.dtype, dequantize)
+    shape, want = list(index.info(key).shape), [num_logical, *d.shape[1:]]
+    if shape != want:
+        raise ValueError(
+            f"parameter {d.name}: checkpoint tensor {key!r} (every expert fused on disk) has shape {shape}, "
+            f"the model expects {want} ({num_logical} logical experts of slice {want[1:]})"
+        )
+    ranks, boxes, owner, slot, expert = _held_slots(ranks, boxes, phy2log)
+    # Runs: the same rank, the next slot, the next expert.
+    start = np.ones(len(slot), dtype=bool)
+    start[1:] = (owner[1:] != owner[:-1]) | (slot[1:] != slot[:-1] + 1) | (expert[1:] != expert[:-1] + 1)
+    first = np.flatnonzero(start)
+    length = np.diff(np.append(first, len(slot)))
+    owner, slot, expert = owner[first], slot[first], expert[first]
+    num, ndim = len(first), len(d.shape)
+    tail_off, tail_len = boxes[owner, 1:, 0], boxes[owner, 1:, 1]
+    src_off = np.concatenate([expert[:, None], tail_off], axis=1)
+    src_len = np.concatenate([length[:, None], tail_len], axis=1)
+    dst_off = np.zeros((num, ndim), np.int64)
+    dst_off[:, 0] = slot - boxes[owner, 0, 0]
+    return NeedTable(
+        keys=(key,), ndim=np.full(1, ndim, np.int8), rank=ranks[owner].astype(np.int32),
+        param=np.full(num, i, np.int32), key=np.zeros(num, np.int32), slot=np.full(num, -1, np.int64),
+        src_off=src_off.astype(np.int64), src_len=src_len.astype(np.int64), dst_off=dst_off,
+    )
+
+
+def _held_expert_keys(d: ParamDesc, index: CheckpointIndex, held: Sequence[int], part_sizes: tuple[int, ...],
+                      dequantize: bool = False) -> list[str]:
     """The checkpoint keys of logical experts ``held`` (ascending) of expert parameter ``d``,
     part by part (:func:`_keys_of_experts`). Raises ValueError for an expert whose parts do not
     fit the slice as expert 0's (``part_sizes``) do: checked once per expert."""
@@ -632,7 +749,7 @@ def _held_expert_keys(d: ParamDesc, index: CheckpointIndex, held: Sequence[int],
             if t is None or t.dtype != want.dtype or t.shape != want.shape:
                 suspect.add(e)
     for e in sorted(suspect):
-        if _part_sizes(d, index, e, d.shape[1:]) != part_sizes:
+        if _part_sizes(d, index, e, d.shape[1:], dequantize) != part_sizes:
             raise ValueError(
                 f"parameter {d.name}: checkpoint tensors {list(ref.param.keys(ref.module, e))} of "
                 f"logical expert {e} differ in shape from expert 0's"
@@ -666,7 +783,8 @@ def _part_rows(tails: np.ndarray, part_sizes: tuple[int, ...], dim: int) -> tupl
             np.ascontiguousarray(src_arr[:, :, 1]), np.asarray(dst, np.int64).reshape(len(dst), ndim))
 
 
-def _part_sizes(d: ParamDesc, index: CheckpointIndex, expert: int, slice_shape: tuple[int, ...]) -> tuple[int, ...]:
+def _part_sizes(d: ParamDesc, index: CheckpointIndex, expert: int, slice_shape: tuple[int, ...],
+                dequantize: bool = False) -> tuple[int, ...]:
     """Sizes along the concatenation dim of the checkpoint parts of logical ``expert``'s
     slice of expert parameter ``d`` (``(1,)`` for a 0-dim slice: one scalar part). Raises
     ValueError for a missing part, a dtype the cast rule refuses or parts that do not make up
@@ -675,12 +793,22 @@ def _part_sizes(d: ParamDesc, index: CheckpointIndex, expert: int, slice_shape: 
     assert ref is not None
     keys = ref.param.keys(ref.module, expert)
     dim = ref.param.dim
+    if ref.param.fused:  # row ``expert`` of one tensor holding every expert
+        (key,) = keys
+        if key not in index:
+            raise ValueError(f"parameter {d.name}: checkpoint {index.root} has no tensor {key!r}")
+        check_cast(f"parameter {d.name}", key, index, d.dtype, dequantize)
+        shape = list(index.info(key).shape)
+        if shape[1:] != list(slice_shape) or not shape or shape[0] <= expert:
+            raise ValueError(f"parameter {d.name}: checkpoint tensor {key!r} (every expert fused on disk) has shape "
+                             f"{shape}, which holds no logical expert {expert} of slice {list(slice_shape)}")
+        return (slice_shape[dim] if slice_shape else 1,)
     sizes = []
     for key in keys:
         if key not in index:
             raise ValueError(f"parameter {d.name}: checkpoint {index.root} has no tensor {key!r} (logical expert {expert})")
         info = index.info(key)
-        check_cast(f"parameter {d.name}", key, index, d.dtype)
+        check_cast(f"parameter {d.name}", key, index, d.dtype, dequantize)
         shape = list(info.shape)
         want = list(slice_shape)
         if len(shape) != len(want) or any(a != b for k, (a, b) in enumerate(zip(shape, want)) if k != dim):
@@ -751,6 +879,7 @@ def unused_keys(
     index: CheckpointIndex,
     placement: Placement | None,
     ignore: Sequence[str] = (),
+    also_read: Sequence[str] = (),
 ) -> UnusedKeys:
     """Checkpoint keys that no parameter or buffer of ``descs`` reads (pure, no communication:
     every rank computes the same). Call it after :func:`compute_needs`, which raises for
@@ -761,6 +890,7 @@ def unused_keys(
     unused but harmless), and every part of every logical expert ``0 .. num_logical - 1`` of
     an expert parameter (an expert no slot holds, e.g. on a dead rank, is still the model's).
     ``ignore``: regexes (``re.search``) of keys never suspicious (:func:`ignored_patterns`).
+    ``also_read``: keys the caller reads besides the parameters' (the scales of dequantized FP8 weights).
     Cost: set operations over the index's keys, plus a regex per unused key.
     """
     consumed: set[str] = set()
@@ -777,6 +907,7 @@ def unused_keys(
             prefixes[f"{d.expert.module}."] = None
             consumed.update(_expert_keys(d.expert, num_logical))
     consumed.update(dense)
+    consumed.update(also_read)
     unused = sorted(index.tensors.keys() - consumed)
     counts = _layer_counts(dense + list(prefixes))
     ignored = re.compile("|".join(f"(?:{p})" for p in ignore)) if ignore else None
@@ -800,7 +931,9 @@ def unused_keys(
 
 def _expert_keys(ref: ExpertRef, num_logical: int) -> list[str]:
     """Every checkpoint key of logical experts ``0 .. num_logical - 1`` of ``ref``
-    (:func:`_keys_of_experts`)."""
+    (:func:`_keys_of_experts`; the one tensor of a parameter fused on disk)."""
+    if ref.param.fused:
+        return list(ref.param.keys(ref.module, 0))
     return _keys_of_experts(ref, range(num_logical))
 
 

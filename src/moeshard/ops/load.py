@@ -22,18 +22,21 @@ import torch
 from torch import nn
 
 from .. import _dist
-from ..execute import ReaderSource, TensorSink, execute_schedule, node_groups
+from ..dtypes import cast_refusal
+from ..execute import DequantSink, ReaderSource, TensorSink, execute_schedule, node_groups
 from ..io.checkpoint import CheckpointIndex, CheckpointReader
 from ..io.sources import Storage, reader_root, resolve_sources
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
 from ..models.layout import ParamDesc, describe_model, ignored_patterns, local_tensor, need_table, unused_keys
 from ..placement import Placement
 from ..plan import DEFAULT_STAGING_BYTES, Schedule, minimal_cost, plan_transfers
+from ..plan.scales import ScaleNeeds, scale_needs
 from ..progress import Progress, progress_enabled
 from ..topology import Topology
 from .report import OpReport
 
-__all__ = ["LoadReport", "load", "plan_load", "materialize", "target_device", "checked_unused_keys", "refuse_or_warn"]
+__all__ = ["LoadReport", "load", "plan_load", "materialize", "target_device", "checked_unused_keys", "refuse_or_warn",
+           "float_params"]
 
 logger = logging.getLogger("moeshard")
 
@@ -53,7 +56,8 @@ class LoadReport(OpReport):
     read, sent and crossing nodes) only when ``load(..., report_minimal=True)``; else ``{}``.
 
     ``unused_keys`` are the checkpoint keys no parameter or buffer reads (sorted; the same on
-    every rank), see :func:`checked_unused_keys`.
+    every rank), see :func:`checked_unused_keys`. ``dequantized_keys``: how many FP8 weights
+    (job-wide) were dequantized with their block scales (whose bytes the byte counts include).
     """
 
     storage: str
@@ -63,6 +67,7 @@ class LoadReport(OpReport):
     minimal: dict = field(default_factory=dict)
     peak_rss_source: str = "vmhwm"
     unused_keys: tuple[str, ...] = ()
+    dequantized_keys: int = 0
 
 
 def target_device(model: nn.Module) -> torch.device:
@@ -140,16 +145,26 @@ def plan_load(
     scope: str,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     specs: Sequence[ExpertsSpec] = DEFAULT_SPECS,
+    dequantize: bool = False,
 ) -> tuple[list[ParamDesc], Schedule]:
     """The parameter descriptions and the schedule :func:`load` would run (pure given the
-    model; no communication). Deliveries refer to parameters by their index in the descriptions."""
+    model; no communication). Deliveries refer to parameters by their index in the descriptions.
+    ``dequantize``: FP8 weights with a block scale may go into float parameters (the schedule
+    moves the FP8 bytes; the scales are :func:`moeshard.plan.scales.scale_needs` of its needs)."""
     descs = describe_model(model, index, specs)
-    needs = need_table(descs, index, placement, topology.world_size)
+    needs = need_table(descs, index, placement, topology.world_size, dequantize)
     return descs, plan_transfers(needs, index, topology, readers, scope=scope, staging_bytes=staging_bytes)
 
 
+def float_params(descs: Sequence[ParamDesc]) -> np.ndarray:
+    """``bool[len(descs)]``: which parameters are float tensors of two or more bytes (those an
+    FP8 weight is dequantized into; an FP8 parameter takes FP8 bytes as they are)."""
+    return np.asarray([cast_refusal("F32", d.dtype) is None for d in descs], dtype=bool)
+
+
 def checked_unused_keys(model: nn.Module, descs: Sequence[ParamDesc], index: CheckpointIndex,
-                        placement: Placement | None, strict: bool, op: str) -> tuple[str, ...]:
+                        placement: Placement | None, strict: bool, op: str,
+                        consumed: Sequence[str] = ()) -> tuple[str, ...]:
     """The checkpoint keys no parameter or buffer of ``model`` reads, sorted (pure: every rank
     computes the same inside its planning step, so a strict error is raised on every rank).
 
@@ -158,7 +173,7 @@ def checked_unused_keys(model: nn.Module, descs: Sequence[ParamDesc], index: Che
     :class:`~moeshard.layout.UnusedKeys`), naming the first few and their count. With
     ``strict=False`` rank 0 logs the same text as a warning on the ``moeshard`` logger.
     """
-    unused = unused_keys(descs, index, placement, ignored_patterns(model))
+    unused = unused_keys(descs, index, placement, ignored_patterns(model), consumed)
     refuse_or_warn(unused.problem(index.root), strict, op)
     return unused.keys
 
@@ -188,6 +203,7 @@ def load(
     report_minimal: bool = False,
     progress: bool | None = None,
     strict: bool = True,
+    dequantize: bool = True,
 ) -> LoadReport:
     """Collective (every rank): load ``checkpoint`` into ``model`` in place.
 
@@ -208,6 +224,12 @@ def load(
             fit the model (stray experts, layers beyond the model's, scales of loaded weights;
             as torch's ``load_state_dict(strict=True)``); False: log a warning and load. Every
             unused key is in ``LoadReport.unused_keys`` either way.
+        dequantize: FP8 weights stored with a block scale (DeepSeek-V3's ``weight_scale_inv``,
+            :mod:`moeshard.io.fp8`) load into float parameters dequantized (``q * scale`` in
+            float32, then cast); each rank first gets the whole scales of the weights it
+            receives, then the FP8 bytes move as usual (half the bytes of bf16) and are
+            dequantized where they land. False: refuse them, as the cast rule does (FP8 with
+            no fitting scale is refused either way).
 
     On Linux the process's peak-RSS high-water mark (VmHWM) is reset at the start of the
     load, so that ``LoadReport.peak_rss_bytes`` is this load's peak.
@@ -238,29 +260,52 @@ def load(
     mode, readers, scope, index = resolve_sources(path, storage, topo, can, everyone=everyone)
     reader = CheckpointReader(index, reader_root(path)) if readers[rank] else None
 
-    def make_plan() -> tuple[list[ParamDesc], Schedule, tuple[str, ...]]:
-        descs, plan = plan_load(model, index, placement, topo, readers, scope, staging_bytes, specs)
-        unused = checked_unused_keys(model, descs, index, placement, strict, "moeshard.load")
-        keys = np.unique(plan.piece_key[plan.read_piece[plan.read_rank == rank]])
-        mine = {index.info(plan.keys[k]).file for k in keys.tolist()}
+    def make_plan() -> tuple[list[ParamDesc], Schedule, tuple[str, ...], ScaleNeeds | None, Schedule | None]:
+        descs, plan = plan_load(model, index, placement, topo, readers, scope, staging_bytes, specs, dequantize)
+        scales = scale_needs(plan.needs, index, float_params(descs)) if dequantize else None
+        scale_plan = None if scales is None else plan_transfers(scales.table, index, topo, readers, scope=scope,
+                                                                 staging_bytes=staging_bytes)
+        unused = checked_unused_keys(model, descs, index, placement, strict, "moeshard.load",
+                                     consumed=scales.table.keys if scales is not None else ())
+        mine = set()
+        for p in (plan, scale_plan):
+            if p is not None:
+                keys = np.unique(p.piece_key[p.read_piece[p.read_rank == rank]])
+                mine |= {index.info(p.keys[k]).file for k in keys.tolist()}
         if mine:
             assert reader is not None
             reader.check_files(mine)
-        return descs, plan, unused
+        return descs, plan, unused, scales, scale_plan
 
-    descs, plan, unused = _dist.agree(make_plan, "moeshard.load: planning", fingerprint=lambda dp: dp[1].fingerprint)
+    descs, plan, unused, scales, scale_plan = _dist.agree(
+        make_plan, "moeshard.load: planning",
+        fingerprint=lambda dp: dp[1].fingerprint + (dp[4].fingerprint if dp[4] is not None else ""))
     t_plan = time.perf_counter() - t0
-    group = node_groups(topo.local_world_size) if plan.has_broadcasts else None
+    broadcasts = plan.has_broadcasts or (scale_plan is not None and scale_plan.has_broadcasts)
+    group = node_groups(topo.local_world_size) if broadcasts else None
     tensors = dict(model.named_parameters(remove_duplicate=False))
     tensors.update(model.named_buffers())
     dests = [local_tensor(tensors[d.name]) for d in descs]
     try:
         with torch.no_grad():
+            fp8: dict[str, tuple[torch.Tensor, tuple[int, ...]]] = {}
+            scale_stats = None
+            if scale_plan is not None:  # first every rank's scales, whole (small), by the same runner
+                assert scales is not None
+                mine = set(scale_plan.dlv_param[scale_plan.dlv_rank == rank].tolist())
+                scratch = [torch.empty(sh, dtype=index.info(k).torch_dtype, device=dev) if j in mine else None
+                           for j, (k, sh) in enumerate(zip(scales.table.keys, scales.shapes(index)))]
+                what = "moeshard.load: loading FP8 scales"
+                scale_stats = _dist.agree(lambda: execute_schedule(
+                    scale_plan, rank, ReaderSource(scale_plan, reader, index), TensorSink(scale_plan, scratch, rank),
+                    dev, node_group=group, what=what).check(), what)
+                fp8 = {w: (scratch[j], block) for w, (j, block) in scales.weights.items() if scratch[j] is not None}
             bar = Progress("load", plan.delivered_bytes(rank), enabled=progress_enabled(progress),
                            local_rank=topo.local_rank, node=topo.node)
             what = "moeshard.load: executing the plan"
+            sink = DequantSink(plan, dests, rank, fp8) if fp8 else TensorSink(plan, dests, rank)
             stats = _dist.agree(lambda: execute_schedule(
-                plan, rank, ReaderSource(plan, reader, index), TensorSink(plan, dests, rank), dev, node_group=group,
+                plan, rank, ReaderSource(plan, reader, index), sink, dev, node_group=group,
                 progress=bar.update, what=what).check(), what)
             bar.close()
     finally:
@@ -279,9 +324,9 @@ def load(
         wall_seconds=time.perf_counter() - t0,
         plan_seconds=t_plan,
         checkpoint_bytes=index.total_bytes,
-        bytes_read_rank=stats.bytes_read,
-        bytes_sent_rank=stats.bytes_sent,
-        bytes_received_rank=stats.bytes_received,
+        bytes_read_rank=stats.bytes_read + (scale_stats.bytes_read if scale_stats else 0),
+        bytes_sent_rank=stats.bytes_sent + (scale_stats.bytes_sent if scale_stats else 0),
+        bytes_received_rank=stats.bytes_received + (scale_stats.bytes_received if scale_stats else 0),
         peak_staging_bytes_rank=stats.peak_staging_bytes,
         rss_before_bytes=rss0,
         peak_rss_bytes=peak,
@@ -290,6 +335,7 @@ def load(
         fingerprint=plan.fingerprint,
         peak_rss_source=peak_source,
         unused_keys=unused,
+        dequantized_keys=len(scales.weights) if scales is not None else 0,
     )
 
 

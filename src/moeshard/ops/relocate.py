@@ -296,6 +296,11 @@ def relocate(
         _, readers, _, index = resolve_sources(path, storage, topo, os.path.exists(path), active=active)
 
         def replan():
+            nonlocal sources
+            if isinstance(target, nn.Module):  # the model's keys in this checkpoint (per expert, or fused)
+                sources = [_Source(d.expert.module, d.expert.param, d.dtype)
+                           for d in describe_model(target, index, specs) if d.expert is not None]
+                assert len(sources) == len(tensors)
             p = plan_relocation(tensors, old, new, topo, active, readers, staging_bytes, max_ops, from_checkpoint)
             _check_disk_keys(p, index, sources)
             if p.moves and any(m.read == rank for m in p.moves):

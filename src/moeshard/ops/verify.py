@@ -3,7 +3,8 @@
 Each rank checks each of its local boxes against the same box read from disk (cast to the
 model's dtype; a cast the cast rule refuses, such as FP8 without its scale into bf16, fails
 the planning step as it does in ``load``, so no value produced by a meaningless cast is ever
-declared correct). Boxes are read by the ranks the load plan makes readers (scope "job": each
+declared correct). An FP8 weight with a block scale is compared dequantized: its reader reads
+the scale blocks covering the box itself (:mod:`moeshard.io.fp8`), apart from load's path. Boxes are read by the ranks the load plan makes readers (scope "job": each
 piece once in the job), so a rank that cannot see the files is still checked:
 
 * a piece its reader also needs is compared on the reader, byte for byte, on the model's
@@ -36,13 +37,15 @@ from .. import _dist
 from ..box import box_numel, box_shape, box_slices
 from ..execute import exchange
 from ..io.checkpoint import CheckpointReader
+from ..io.fp8 import dequantize, scale_box, scale_of
 from ..io.sources import Storage, reader_root, resolve_sources
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
 from ..models.layout import Need, local_tensor
 from ..placement import Placement
 from ..plan import Schedule
+from ..plan.scales import scale_needs
 from ..topology import Topology
-from .load import checked_unused_keys, plan_load, target_device
+from .load import checked_unused_keys, float_params, plan_load, target_device
 from .report import OpReport
 
 __all__ = ["VerifyReport", "VerificationError", "verify"]
@@ -165,8 +168,10 @@ def verify(
     _, readers, _, index = resolve_sources(path, storage, topo, os.path.exists(path))
 
     def make_plan():
-        descs, plan = plan_load(model, index, placement, topo, readers, "job", specs=specs)
-        return descs, plan, checked_unused_keys(model, descs, index, placement, strict, "moeshard.verify")
+        descs, plan = plan_load(model, index, placement, topo, readers, "job", specs=specs, dequantize=True)
+        scales = scale_needs(plan.needs, index, float_params(descs))
+        also = scales.table.keys if scales is not None else ()
+        return descs, plan, checked_unused_keys(model, descs, index, placement, strict, "moeshard.verify", also)
 
     def fingerprint(dp) -> str:
         # Both ends of a digest count the dtypes of its needs: ranks must agree on them too.
@@ -199,13 +204,21 @@ def verify(
 
     def read_and_check(reader: CheckpointReader, pid: int, mine: tuple[int, ...], others) -> None:
         try:
-            raw = reader.read(plan.piece_name(pid), plan.piece_box(pid))
+            key, pbox = plan.piece_name(pid), plan.piece_box(pid)
+            raw = deq = reader.read(key, pbox)
+            quant = scale_of(index, key)
+            if quant is not None:  # FP8 weights into float tensors are checked dequantized, apart from load's path
+                deq = dequantize(raw, pbox, reader.read(quant[0], scale_box(pbox, quant[1])), quant[1])
         except Exception as e:  # noqa: BLE001 - the needers still expect digests: all-zero ones
             failure.append(e)
             for r, dtypes in others:
                 filled[r] += len(dtypes)
             return
-        cast = {dt: raw.to(dt) for dt in {dtype_of[int(plan.dlv_param[i])] for i in mine}}
+
+        def as_dtype(dt: torch.dtype) -> torch.Tensor:
+            return (raw if dt.itemsize == 1 else deq).to(dt)  # an FP8 tensor holds the FP8 bytes
+
+        cast = {dt: as_dtype(dt) for dt in {dtype_of[int(plan.dlv_param[i])] for i in mine}}
         for i in mine:
             got = box(i)
             want = cast[dtype_of[int(plan.dlv_param[i])]].to(got.device)
@@ -214,7 +227,7 @@ def verify(
         for r, dtypes in others:
             for dt in dtypes:
                 if dt not in digests:
-                    digests[dt] = _digest_bytes(cast[dt] if dt in cast else raw.to(dt))
+                    digests[dt] = _digest_bytes(cast[dt] if dt in cast else as_dtype(dt))
                 outbox[r][filled[r]] = np.frombuffer(digests[dt], dtype=np.uint8)
                 filled[r] += 1
 

@@ -292,7 +292,14 @@ def _expert_table(descs, placement, num_layers, reference, num_experts) -> tuple
     if reference is not None:
         for d in descs:
             ref = d.expert
-            if ref is not None and ref.param.keys(ref.module, num_logical)[0] in reference:
+            if ref is not None and ref.param.fused:
+                (key,) = ref.param.keys(ref.module, 0)
+                shape = list(reference.info(key).shape) if key in reference else None
+                if shape != [num_logical, *d.shape[1:]]:
+                    raise ValueError(
+                        f"parameter {d.name}: the reference checkpoint's {key!r} (every expert fused on disk) has "
+                        f"shape {shape}, the model's {num_logical} logical experts make {[num_logical, *d.shape[1:]]}")
+            elif ref is not None and ref.param.keys(ref.module, num_logical)[0] in reference:
                 raise ValueError(f"parameter {d.name}: the reference checkpoint has logical expert {num_logical}, "
                                  f"the model has {num_logical} logical experts")
     return phy2log, num_logical
@@ -300,6 +307,9 @@ def _expert_table(descs, placement, num_layers, reference, num_experts) -> tuple
 
 def _expert_outputs(i, d: ParamDesc, phy2log: np.ndarray, num_logical: int, per_rank, reference, outs) -> None:
     ref = d.expert
+    if ref.param.fused:
+        outs.append(_fused_output(i, d, phy2log, num_logical, per_rank))
+        return
     dim = ref.param.dim
     slice_shape = d.shape[1:]
     part_sizes = _part_sizes(d, slice_shape, reference)
@@ -328,6 +338,25 @@ def _expert_outputs(i, d: ParamDesc, phy2log: np.ndarray, num_logical: int, per_
                 by_expert[e][j].segments.append(Segment(rank, i, part_box, lead, delta))
     for row in by_expert:
         outs.extend(row)
+
+
+def _fused_output(i, d: ParamDesc, phy2log: np.ndarray, num_logical: int, per_rank) -> _Out:
+    """The one checkpoint tensor ``[num_logical, *slice_shape]`` of an expert parameter written
+    fused (as transformers writes gpt-oss, Llama 4, ...): row ``e`` from every slot holding
+    logical expert ``e`` (copies are alternatives, as replicas of a dense tensor are)."""
+    ref = d.expert
+    segments = []
+    for rank, box in per_rank:
+        (s0, ns), rest = box[0], box[1:]
+        if not ns or not all(n for _, n in rest):
+            continue
+        origin = tuple(-o for o, _ in rest)
+        for slot in range(s0, s0 + ns):
+            e = int(phy2log[slot])
+            if e >= 0:  # checkpoint row e <- local slot (slot - s0)
+                segments.append(Segment(rank, i, ((e, 1),) + tuple(rest), (), (slot - s0 - e,) + origin))
+    (key,) = ref.param.keys(ref.module, 0)
+    return _Out(key, (num_logical, *d.shape[1:]), DTYPE_NAMES[d.dtype], segments)
 
 
 def _part_sizes(d: ParamDesc, slice_shape: tuple[int, ...], reference: CheckpointIndex | None) -> tuple[int, ...]:

@@ -1,0 +1,96 @@
+"""Block-quantized FP8 checkpoints: which weights carry a scale, and their dequantization.
+
+DeepSeek-V3/R1 (and the checkpoints of transformers' ``FineGrainedFP8Config``) store a weight
+``W [R, C]`` as ``float8_e4m3fn`` values ``Q`` plus a float32 ``weight_scale_inv`` ``S [ceil(R/bR),
+ceil(C/bC)]`` (blocks of ``bR x bC``, 128 x 128 in DeepSeek's release), with
+``W[i, j] = Q[i, j] * S[i // bR, j // bC]``. The scale may sit in another file than its weight.
+
+A box of ``W`` (an expert's slice cut by expert FSDP, a piece cut by the staging budget) need not
+align to the blocks: it is dequantized with the rows and columns of ``S`` it overlaps
+(:func:`scale_box`). The pure part is torch-free; :func:`dequantize` imports torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..box import Box
+from .checkpoint import CheckpointIndex
+from .formats import scale_keys
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["FP8_DTYPES", "block_size", "scale_of", "scale_box", "dequantize"]
+
+FP8_DTYPES = frozenset({"F8_E4M3", "F8_E5M2"})
+
+
+def block_size(weight_shape, scale_shape) -> tuple[int, ...] | None:
+    """The block shape of a scale ``scale_shape`` of a weight ``weight_shape``, or None when the
+    ranks differ or the shapes do not determine it.
+
+    Several block sizes ``b`` give ``ceil(n / b) == s`` (DeepSeek-V3's ``kv_a_proj_with_mqa``:
+    576 rows in 5 blocks, ``b`` anywhere in 116..143). Quantizers use powers of two (128 x 128
+    in DeepSeek's and transformers' FP8 checkpoints): per dim, the one power of two in that
+    range, else the one value of the range; one block (``s == 1``) spans the dim.
+    """
+    if len(weight_shape) != len(scale_shape) or not weight_shape:
+        return None
+    out = []
+    for n, s in zip(weight_shape, scale_shape):
+        if s < 1 or s > max(n, 1):
+            return None
+        if s == 1:
+            out.append(max(n, 1))
+            continue
+        lo, hi = -(-n // s), (n - 1) // (s - 1)  # every b with ceil(n / b) == s
+        if lo > hi or -(-n // lo) != s:
+            return None
+        pow2 = [1 << k for k in range(lo.bit_length() - 1, hi.bit_length() + 1) if lo <= 1 << k <= hi]
+        if len(pow2) == 1:
+            out.append(pow2[0])
+        elif lo == hi:
+            out.append(lo)
+        else:
+            return None
+    return tuple(out)
+
+
+def scale_of(index: CheckpointIndex, key: str) -> tuple[str, tuple[int, ...]] | None:
+    """``(scale key, block shape)`` of FP8 weight ``key`` when the checkpoint stores a float scale
+    that fits it (:func:`block_size`), else None (not FP8, no scale, or a scale of another shape)."""
+    info = index.info(key)
+    if info.dtype not in FP8_DTYPES:
+        return None
+    for sk in scale_keys(key):
+        if sk in index:
+            s = index.info(sk)
+            block = block_size(tuple(info.shape), tuple(s.shape)) if s.dtype in ("F32", "BF16", "F16") else None
+            if block is not None:
+                return sk, block
+    return None
+
+
+def scale_box(box: Box, block: tuple[int, ...]) -> Box:
+    """The box of the scale tensor whose blocks ``box`` (of the weight) overlaps."""
+    out = []
+    for (o, n), b in zip(box, block):
+        first, last = o // b, (o + max(n, 1) - 1) // b
+        out.append((first, last - first + 1))
+    return tuple(out)
+
+
+def dequantize(q: "torch.Tensor", box: Box, scale: "torch.Tensor", block: tuple[int, ...]) -> "torch.Tensor":
+    """``q`` (FP8 values of weight box ``box``, shape ``box_shape(box)``) times its scales, in
+    float32. ``scale`` is the scale tensor's :func:`scale_box` of ``box`` (any float dtype, on any
+    device: moved to ``q``'s)."""
+    import torch
+
+    out = q.to(torch.float32)
+    s = scale.to(device=q.device, dtype=torch.float32)
+    for d, ((o, n), b) in enumerate(zip(box, block)):
+        # Element o + i of this dim lies in block (o + i) // b, row (o + i) // b - o // b of ``s``.
+        idx = torch.div(torch.arange(o, o + n, device=q.device), b, rounding_mode="floor") - o // b
+        s = s.index_select(d, idx)
+    return out.mul_(s)

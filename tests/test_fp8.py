@@ -1,0 +1,166 @@
+"""Block-quantized FP8 checkpoints (DeepSeek-V3's format: float8_e4m3fn weights with a float32
+``weight_scale_inv`` of 16 x 16 blocks here, 128 x 128 in the release) load dequantized into bf16 and
+fp32 models (and verify checks them): every value equals an independent dequantization (this file's own quantizer and
+``from_pretrained`` of the dequantized checkpoint), in one process and on 4 gloo ranks with EP=2 x
+expert-FSDP=2 and a redundant placement, with the scales in other files than their weights and, in
+"single" mode, read by rank 0 only and a staging budget that cuts pieces across blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import hf_families
+from mp import run_ranks
+
+transformers = pytest.importorskip("transformers")
+
+BLOCK = 16
+FAMILY = "deepseek_v3"
+
+
+def _quantized(name: str, t: torch.Tensor) -> bool:
+    return t.dim() == 2 and name.endswith("proj.weight")
+
+
+def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q float8_e4m3fn, scale_inv float32 [ceil(R/B), ceil(C/B)])`` with ``w ~ q * scale``."""
+    r, c = w.shape
+    sr, sc = -(-r // BLOCK), -(-c // BLOCK)
+    pad = torch.zeros(sr * BLOCK, sc * BLOCK)
+    pad[:r, :c] = w.float().abs()
+    amax = pad.reshape(sr, BLOCK, sc, BLOCK).amax(dim=(1, 3)).clamp(min=1e-12)
+    scale = amax / 448.0
+    q = (w.float() / expand(scale, r, c)).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def expand(scale: torch.Tensor, r: int, c: int) -> torch.Tensor:
+    return scale.repeat_interleave(BLOCK, 0)[:r].repeat_interleave(BLOCK, 1)[:, :c]
+
+
+def make_checkpoints(root) -> tuple[str, str, int]:
+    """(FP8 checkpoint, the same dequantized in fp32, number of quantized weights)."""
+    from safetensors.torch import load_file
+
+    import moeshard
+
+    model = hf_families.build(FAMILY)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    plain = os.path.join(root, "plain")
+    model.save_pretrained(plain)
+    state = {}
+    for f in sorted(os.listdir(plain)):
+        if f.endswith(".safetensors"):
+            state.update(load_file(os.path.join(plain, f)))
+    weights, scales, deq = [], [], []
+    for k, v in sorted(state.items()):
+        if _quantized(k, v):
+            q, s = quantize(v)
+            weights.append((k, q))
+            scales.append((k + "_scale_inv", s))
+            deq.append((k, q.float() * expand(s, *v.shape)))
+        else:
+            weights.append((k, v))
+            deq.append((k, v))
+    fp8, dq = os.path.join(root, "fp8"), os.path.join(root, "dequantized")
+    # Scales after every weight, in small shards: a weight's scale sits in another file.
+    moeshard.write_checkpoint(fp8, weights + scales, max_shard_bytes=8_000)
+    moeshard.write_checkpoint(dq, deq, max_shard_bytes=8_000)
+    for d in (fp8, dq):
+        shutil.copy(os.path.join(plain, "config.json"), d)
+    assert len(scales) > 20
+    return fp8, dq, len(scales)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    return make_checkpoints(str(tmp_path_factory.mktemp("fp8")))
+
+
+def _file_of(path: str, key: str) -> str:
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        return json.load(f)["weight_map"][key]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_dequantized_on_load(ckpts, dtype):
+    import moeshard
+
+    fp8, dq, num = ckpts
+    key = "model.layers.1.mlp.experts.0.gate_proj.weight"
+    index = moeshard.CheckpointIndex.open(fp8)
+    assert index.info(key).dtype == "F8_E4M3" and _file_of(fp8, key) != _file_of(fp8, key + "_scale_inv")
+    want = transformers.AutoModelForCausalLM.from_pretrained(dq, dtype=dtype)
+    model = hf_families.build(FAMILY, dtype)
+    rep = moeshard.load(model, fp8)
+    assert rep.dequantized_keys == num and rep.unused_keys == ()
+    for (n, a), (_, b) in zip(want.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(a, b), n
+    # verify dequantizes on its own (the reader reads the scale blocks), and catches one changed value.
+    assert moeshard.verify(model, fp8).num_boxes_checked > 0
+    with torch.no_grad():
+        model.model.layers[1].mlp.experts.down_proj[2, 3, 5] += 1
+    with pytest.raises(ValueError, match="down_proj"):
+        moeshard.verify(model, fp8)
+    # Asked not to dequantize: refused, naming the weight and its scale.
+    with pytest.raises(ValueError, match="float8_e4m3fn|F8_E4M3"):
+        moeshard.load(hf_families.build(FAMILY, dtype), fp8, dequantize=False)
+
+
+def fp8_worker(fp8: str) -> list:
+    from torch.distributed.tensor import DTensor
+
+    import moeshard
+
+    mesh = moeshard.make_mesh("cpu", ep=2, efsdp=2)
+    out = []
+    for storage in ("shared", "single"):
+        model = hf_families.build(FAMILY, torch.bfloat16, device="meta")
+        experts = [n for n, m in model.named_modules() if n.endswith(".experts")]
+        rng = np.random.default_rng(5)
+        n = model.config.n_routed_experts
+        rows = [rng.permutation(np.concatenate([np.arange(n), rng.integers(0, n, 2)])) for _ in experts]
+        pl = moeshard.Placement(np.stack(rows), num_logical=n, num_ranks=2)
+        moeshard.parallelize(model, mesh, pl)
+        # "single" with a small staging budget: pieces (and so dequantized boxes) cut blocks.
+        rep = moeshard.load(model, fp8, placement=pl, storage=storage,
+                            staging_bytes=4096 if storage == "single" else 256 << 20)
+        assert moeshard.verify(model, fp8, placement=pl).num_boxes_checked > 0
+        state = {}
+        for name, p in model.named_parameters():
+            full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+            module, _, attr = name.rpartition(".")
+            if module in experts and attr in ("gate_up_proj", "down_proj"):
+                layer = experts.index(module)
+                # every copy of an expert equal, then one row per logical expert
+                for e in range(n):
+                    slots = pl.log2phy[layer, e, :pl.logcnt[layer, e]].tolist()
+                    assert all(torch.equal(full[s], full[slots[0]]) for s in slots)
+                full = full[torch.as_tensor(pl.log2phy[layer, :, 0])]
+            state[name] = full.clone()
+        out.append((storage, rep.storage, rep.dequantized_keys, rep.bytes_read_rank, state))
+    return out
+
+
+@pytest.mark.dist
+def test_fp8_dequantized_on_ep_and_expert_fsdp_ranks(ckpts):
+    fp8, dq, num = ckpts
+    want = dict(transformers.AutoModelForCausalLM.from_pretrained(dq, dtype=torch.bfloat16).named_parameters())
+    results = run_ranks(fp8_worker, fp8, world=4, local_world=2, timeout=240)
+    for rank, res in enumerate(results):
+        for storage, mode, deq, read, state in res:
+            assert mode == storage and deq == num
+            if storage == "single":
+                assert (read > 0) == (rank == 0)
+            assert set(state) == set(want)
+            for name, got in state.items():
+                assert torch.equal(got, want[name]), f"rank {rank} {storage} {name}"
