@@ -216,12 +216,31 @@ def test_shard_boxes_match_torch_on_chosen_layouts(shape, mesh_shape, placements
     assert not got.flags.writeable  # cached: nobody may change it
 
 
-def test_shard_boxes_refuse_strided_shard_and_partial():
+def test_strided_shard_boxes_match_torch():
+    """FSDP2 over EP on the same dim (torchtitan's expert FSDP with Shard(0)) gives
+    (_StridedShard(0, sf=ep), Shard(0)) on mesh (efsdp, ep): boxes as torch computes them."""
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    for p in (_StridedShard(0, split_factor=2), Partial()):
-        with pytest.raises(ValueError, match=r"is not supported \(Shard and Replicate are\)"):
-            shard_boxes((4, 4), (2,), (p,))
+    for efsdp, ep, n in ((2, 2, 8), (2, 4, 16), (4, 2, 8), (3, 2, 12), (2, 2, 4)):
+        for extra in ((), (6,), (3, 5)):
+            shape, placements = (n, *extra), (_StridedShard(0, split_factor=ep), Shard(0))
+            got = shard_boxes(shape, (efsdp, ep), placements)
+            assert [tuple(map(tuple, b)) for b in got.tolist()] == _torch_boxes(shape, (efsdp, ep), placements)
+    # with a Shard(1) of another mesh dim in between (a 3-D mesh)
+    shape, placements = (8, 6), (_StridedShard(0, split_factor=2), Shard(1), Shard(0))
+    got = shard_boxes(shape, (2, 3, 2), placements)
+    assert [tuple(map(tuple, b)) for b in got.tolist()] == _torch_boxes(shape, (2, 3, 2), placements)
+
+
+def test_shard_boxes_refuse_partial_and_other_strided_shards():
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    with pytest.raises(ValueError, match=r"is not supported \(Shard, _StridedShard and Replicate are\)"):
+        shard_boxes((4, 4), (2,), (Partial(),))
+    with pytest.raises(ValueError, match="supported only before exactly one Shard of the same tensor dim"):
+        shard_boxes((4, 4), (2,), (_StridedShard(0, split_factor=2),))
+    with pytest.raises(ValueError, match="does not divide into 4 equal shards"):
+        shard_boxes((6, 4), (2, 2), (_StridedShard(0, split_factor=2), Shard(0)))
     with pytest.raises(ValueError, match="shards dim 2 of a 2-dim tensor"):
         shard_boxes((4, 4), (2,), (Shard(2),))
 

@@ -341,11 +341,14 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 # -- DTensor shards -> boxes (pure, numpy) -------------------------------------------------
 
 
-def _shard_dims(placements: Sequence, ndim: int) -> tuple[int, ...]:
-    """Per mesh dim, the tensor dim its ``Shard`` splits, or -1 for ``Replicate``. A placement
-    is torch's ``Shard`` / ``Replicate`` or its torch-free spelling (an int dim, None). Raises
-    ValueError for any other placement (``_StridedShard``, ``Partial``)."""
+def _shard_dims(placements: Sequence, ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(dims, order)``: per mesh dim, the tensor dim its ``Shard`` splits, or -1 for
+    ``Replicate``; and the mesh dims in the order they split the tensor (mesh-dim order, except
+    that a ``_StridedShard`` comes after the shard it strides over, see :func:`_strided_order`).
+    A placement is torch's ``Shard`` / ``_StridedShard`` / ``Replicate`` or its torch-free
+    spelling (an int dim, None). Raises ValueError for any other placement (``Partial``)."""
     dims = []
+    strided: dict[int, int] = {}  # mesh dim -> split factor of its _StridedShard
     for p in placements:
         if p is None:
             dims.append(-1)
@@ -356,12 +359,12 @@ def _shard_dims(placements: Sequence, ndim: int) -> tuple[int, ...]:
             # A torch placement: torch is already imported by whoever made it.
             from torch.distributed.tensor.placement_types import Replicate, Shard
 
-            if not isinstance(p, (Shard, Replicate)) or type(p).__name__ == "_StridedShard":
-                raise ValueError(
-                    f"placement {p} is not supported (Shard and Replicate are); "
-                    "shard expert parameters with Shard(1) on the expert-FSDP axis"
-                )
-            if not isinstance(p, Shard):
+            is_strided = type(p).__name__ == "_StridedShard"  # not a Shard subclass in every torch
+            if not (is_strided or isinstance(p, (Shard, Replicate))):
+                raise ValueError(f"placement {p} is not supported (Shard, _StridedShard and Replicate are)")
+            if is_strided:
+                strided[len(dims)] = int(p.split_factor)
+            if not (is_strided or isinstance(p, Shard)):
                 dims.append(-1)
                 continue
             dim = p.dim
@@ -370,21 +373,42 @@ def _shard_dims(placements: Sequence, ndim: int) -> tuple[int, ...]:
             name = f"Shard({p})" if isinstance(p, int) else p
             raise ValueError(f"placement {name} shards dim {dim} of a {ndim}-dim tensor")
         dims.append(norm)
-    return tuple(dims)
+    return tuple(dims), _strided_order(tuple(dims), strided)
+
+
+def _strided_order(dims: tuple[int, ...], strided: dict[int, int]) -> tuple[int, ...]:
+    """The mesh dims in the order they split the tensor. FSDP2 over a tensor already sharded on
+    the same dim by a later mesh dim (torchtitan's expert FSDP with ``Shard(0)``: EP's
+    ``Shard(0)`` on the ``ep`` mesh dim, then FSDP's on ``efsdp``) writes the FSDP dim as
+    ``_StridedShard(dim, split_factor=<that later mesh dim's size>)``: that mesh dim splits
+    first, this one splits its chunks. Raises ValueError for a ``_StridedShard`` with no such
+    later shard (torch's other uses of it are not supported)."""
+    order = list(range(len(dims)))
+    for i, sf in strided.items():
+        later = [j for j in range(i + 1, len(dims)) if dims[j] == dims[i]]
+        if len(later) != 1:
+            raise ValueError(f"_StridedShard(dim={dims[i]}, split_factor={sf}) on mesh dim {i} is supported only "
+                             "before exactly one Shard of the same tensor dim (FSDP2 over EP, torchtitan's layout)")
+        order.remove(i)
+        order.insert(order.index(later[0]) + 1, i)
+    return tuple(order)
 
 
 @functools.lru_cache(maxsize=4096)
-def _shard_boxes(shape: tuple[int, ...], mesh_shape: tuple[int, ...], dims: tuple[int, ...]) -> np.ndarray:
+def _shard_boxes(shape: tuple[int, ...], mesh_shape: tuple[int, ...], dims: tuple[int, ...],
+                 order: tuple[int, ...] | None = None) -> np.ndarray:
     """:func:`shard_boxes` for placements given as :func:`_shard_dims` (read-only: cached)."""
     num = int(np.prod(mesh_shape, dtype=np.int64))
     coords = np.indices(mesh_shape, dtype=np.int64).reshape(len(mesh_shape), num)  # row-major
     off = np.zeros((num, len(shape)), dtype=np.int64)
     size = np.tile(np.asarray(shape, dtype=np.int64), (num, 1))
-    for mesh_dim, dim in enumerate(dims):
+    for mesh_dim in (order if order is not None else range(len(dims))):
+        dim = dims[mesh_dim]
         if dim < 0:
             continue
         # torch.chunk of what the earlier mesh dims left: chunks of ceil(size / n), the last
-        # ones short or empty. Mesh dims sharding the same dim nest in mesh-dim order.
+        # ones short or empty. Mesh dims sharding the same dim nest in mesh-dim order (a
+        # _StridedShard after the shard it strides over: ``order``).
         cur, k = size[:, dim], coords[mesh_dim]
         chunk = -(-cur // mesh_shape[mesh_dim])
         start = np.minimum(chunk * k, cur)
@@ -402,17 +426,27 @@ def shard_boxes(shape: Sequence[int], mesh_shape: Sequence[int], placements: Seq
     """Box (global coordinates) of every mesh coordinate of a DTensor of global ``shape``.
 
     ``placements``: one torch ``Shard(dim)`` / ``Replicate()`` per mesh dim (or the torch-free
-    spelling, :class:`ParamDesc`). The rule is torch's (``_compute_local_shape_and_global_offset``)
-    done with numpy, cached.
+    spelling, :class:`ParamDesc`), or FSDP2's ``_StridedShard`` over a later ``Shard`` of the same
+    dim (torchtitan's expert FSDP, :func:`_strided_order`; even shards only). The rule is torch's
+    (``_compute_local_shape_and_global_offset``) done with numpy, cached.
 
     Returns:
         ``int64[prod(mesh_shape), len(shape), 2]`` of ``(offset, length)``, mesh coordinates in
         row-major order; read-only.
 
-    Raises ValueError for another placement (``_StridedShard``, ``Partial``).
+    Raises ValueError for another placement (``Partial``) or an uneven ``_StridedShard``.
     """
     shape = tuple(int(n) for n in shape)
-    return _shard_boxes(shape, tuple(int(n) for n in mesh_shape), _shard_dims(placements, len(shape)))
+    mesh_shape = tuple(int(n) for n in mesh_shape)
+    dims, order = _shard_dims(placements, len(shape))
+    if order != tuple(range(len(dims))):
+        # torch's strided layout is nested chunks only where the chunks divide evenly.
+        for dim in {d for d in dims if d >= 0}:
+            split = int(np.prod([m for m, d in zip(mesh_shape, dims) if d == dim]))
+            if shape[dim] % split:
+                raise ValueError(f"placements {list(placements)}: tensor dim {dim} of size {shape[dim]} does not "
+                                 f"divide into {split} equal shards (uneven _StridedShard shards are not supported)")
+    return _shard_boxes(shape, mesh_shape, dims, order)
 
 
 @functools.lru_cache(maxsize=4096)
