@@ -110,13 +110,15 @@ def errors_worker(root: str) -> dict:
             res[f"verify-read-fails-{storage}"] = _attempt(
                 lambda s=storage: moeshard.verify(model, good, placement=pl, storage=s))
     # Stray expert keys (strict: refused on every rank; strict=False: loaded, exact) and FP8
-    # weights with their scale for a fp32 model (refused, also by ranks that hold no copy).
+    # weights with their scale for a fp32 model when asked not to dequantize (refused, also by
+    # ranks that hold no copy).
     res["stray-expert"] = _attempt(load(d("stray-expert")))
     res["verify-stray-expert"] = _attempt(lambda: moeshard.verify(model, d("stray-expert"), placement=pl))
     tiny_moe.scramble(model)
     rep = moeshard.load(model, d("stray-expert"), placement=pl, strict=False)
     res["stray-not-strict"] = (rep.unused_keys, tiny_moe.compare(model, ckpt, pl))
-    res["fp8-scale"] = _attempt(load(d("fp8-scale")))
+    # (with dequantize=False: the default dequantizes FP8 weights that have a block scale)
+    res["fp8-scale"] = _attempt(lambda: moeshard.load(model, d("fp8-scale"), placement=pl, dequantize=False))
     # Expert FSDP shards dim 1 (here the hidden size, 41) over efsdp=2: refused before FSDP2.
     with torch.device("meta"):
         odd = OddHiddenMoE()

@@ -164,3 +164,15 @@ def test_fp8_dequantized_on_ep_and_expert_fsdp_ranks(ckpts):
             assert set(state) == set(want)
             for name, got in state.items():
                 assert torch.equal(got, want[name]), f"rank {rank} {storage} {name}"
+
+
+def test_inspect_reports_the_quantization(ckpts):
+    from moeshard.cli.inspect import format_summary, inspect_checkpoint
+
+    fp8, dq, num = ckpts
+    s = inspect_checkpoint(fp8)
+    q = s.quantization
+    assert q.num_scaled == num and q.blocks == ((BLOCK, BLOCK),) and q.unscaled == ()
+    assert q.bf16_bytes == 2 * q.fp8_bytes and 0 < q.scale_bytes < q.fp8_bytes
+    assert f"FP8: {num} weights with block scales (blocks {BLOCK}x{BLOCK})" in format_summary(s)
+    assert inspect_checkpoint(dq).quantization is None

@@ -256,7 +256,8 @@ def results4(tmp_path_factory):
 @pytest.fixture(scope="module")
 def results8(tmp_path_factory):
     root = _make_root(tmp_path_factory, 2)
-    return run_ranks(load_worker, root, [(8, 1), (4, 2), (2, 4)], ("redundant", "shuffled"),
+    # Shuffled only (it is redundant too): 8 ranks on CI's 2 cores are the suite's slowest group.
+    return run_ranks(load_worker, root, [(8, 1), (4, 2), (2, 4)], ("shuffled",),
                      world=8, local_world=4)
 
 

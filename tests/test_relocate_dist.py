@@ -1,5 +1,5 @@
 """Tier 2: relocate on 8 real gloo ranks, thousands of random old -> new placements
-(1,800 layer maps: 300 relocate calls of 6 independently mapped layers).
+(864 layer maps: 144 relocate calls of 6 independently mapped layers).
 
 Values encode (layer, logical expert, tensor, element index), as the serving engines'
 relocation tests do, so any slot holding the wrong expert, a stale value, or a half-written
@@ -150,14 +150,14 @@ def random_maps_worker(root: str, seed: int, maps_per_config: int) -> dict:
 
 @pytest.mark.timeout(900)
 def test_random_maps(tmp_path):
-    maps_per_config = 25
+    maps_per_config = 12
     for n in LOGICAL:
         write_checkpoint(str(tmp_path), n)
     results = run_ranks(random_maps_worker, str(tmp_path), 1234, maps_per_config, world=WORLD, local_world=4,
                         timeout=850)
     for r in results:
         assert r["bad"] == []
-        assert r["maps"] == 3 * len(LOGICAL) * maps_per_config * MAP_LAYERS >= 1800
+        assert r["maps"] == 3 * len(LOGICAL) * maps_per_config * MAP_LAYERS >= 864
     copies = results[0]["copies"]
     # Every class of copy was exercised, plans met the lower bounds, budgets forced rounds.
     assert all(copies[k] > 0 for k in ("local", "same_node", "cross_node", "disk")), copies

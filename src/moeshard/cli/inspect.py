@@ -31,6 +31,7 @@ from pathlib import Path
 from .._gc import paused_gc
 from ..io.checkpoint import DTYPES, INDEX_NAME, CheckpointError, CheckpointIndex, TensorInfo, _read_header, _read_index
 from ..io.formats import MAX_LISTED, ExpertTensor, Problem, check, id_ranges, recognize, shape_str
+from ..io.fp8 import Quantization, quantization
 
 __all__ = [
     "CheckpointSummary",
@@ -100,6 +101,7 @@ class CheckpointSummary:
     files: tuple[FileStat, ...]
     moe: MoeLayout | None
     problems: tuple[Problem, ...]
+    quantization: Quantization | None = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -204,6 +206,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointSummary:
             files=_file_stats(h.tensors, h.file_sizes),
             moe=moe,
             problems=tuple(problems),
+            quantization=quantization(h.tensors),
         )
 
 
@@ -347,6 +350,16 @@ def format_summary(s: CheckpointSummary) -> str:
         lines.append(f"  bytes per expert: {moe.bytes_per_expert:,}")
         lines.append(f"  expert bytes: {_fmt_bytes(moe.expert_bytes)} ({pct:.1f}%), "
                      f"dense bytes: {_fmt_bytes(moe.dense_bytes)}")
+    q = s.quantization
+    if q is not None:
+        blocks = ", ".join("x".join(map(str, b)) for b in q.blocks) or "-"
+        lines += ["", f"FP8: {q.num_scaled:,} weights with block scales (blocks {blocks}): "
+                      f"{_fmt_bytes(q.fp8_bytes)} + {_fmt_bytes(q.scale_bytes)} of scales on disk, "
+                      f"{_fmt_bytes(q.bf16_bytes)} dequantized to bf16 (what `load` gives a bf16 model)"]
+        if q.unscaled:
+            more = f" ... ({len(q.unscaled)} in all)" if len(q.unscaled) > 5 else ""
+            lines.append(f"  {len(q.unscaled):,} FP8 tensors with no fitting scale (a float model refuses them): "
+                         f"{list(q.unscaled[:5])}{more}")
     lines.append("")
     if s.problems:
         lines.append(f"problems ({len(s.problems)}):")

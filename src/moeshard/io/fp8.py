@@ -12,16 +12,17 @@ align to the blocks: it is dequantized with the rows and columns of ``S`` it ove
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Mapping
 
 from ..box import Box
-from .checkpoint import CheckpointIndex
+from .checkpoint import CheckpointIndex, TensorInfo
 from .formats import scale_keys
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FP8_DTYPES", "block_size", "scale_of", "scale_box", "dequantize"]
+__all__ = ["FP8_DTYPES", "Quantization", "block_size", "scale_of", "scale_box", "quantization", "dequantize"]
 
 FP8_DTYPES = frozenset({"F8_E4M3", "F8_E5M2"})
 
@@ -57,19 +58,53 @@ def block_size(weight_shape, scale_shape) -> tuple[int, ...] | None:
     return tuple(out)
 
 
-def scale_of(index: CheckpointIndex, key: str) -> tuple[str, tuple[int, ...]] | None:
-    """``(scale key, block shape)`` of FP8 weight ``key`` when the checkpoint stores a float scale
-    that fits it (:func:`block_size`), else None (not FP8, no scale, or a scale of another shape)."""
-    info = index.info(key)
+def scale_of(index: "CheckpointIndex | Mapping[str, TensorInfo]", key: str) -> tuple[str, tuple[int, ...]] | None:
+    """``(scale key, block shape)`` of FP8 weight ``key`` when the checkpoint (an index, or its
+    ``{key: TensorInfo}``) stores a float scale that fits it (:func:`block_size`), else None (not
+    FP8, no scale, or a scale of another shape)."""
+    tensors = index.tensors if isinstance(index, CheckpointIndex) else index
+    info = tensors[key]
     if info.dtype not in FP8_DTYPES:
         return None
     for sk in scale_keys(key):
-        if sk in index:
-            s = index.info(sk)
+        if sk in tensors:
+            s = tensors[sk]
             block = block_size(tuple(info.shape), tuple(s.shape)) if s.dtype in ("F32", "BF16", "F16") else None
             if block is not None:
                 return sk, block
     return None
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """The FP8 tensors of a checkpoint (``moeshard inspect``): ``num_scaled`` weights with a block
+    scale (``blocks``: the block shapes seen), their ``fp8_bytes`` and their scales'
+    ``scale_bytes``; ``bf16_bytes``: those weights dequantized to bf16 (what a bf16 model holds;
+    the load moves the FP8 bytes and the scales); ``unscaled``: FP8 tensors with no fitting
+    scale (refused by a float model)."""
+
+    num_scaled: int
+    fp8_bytes: int
+    scale_bytes: int
+    bf16_bytes: int
+    blocks: tuple[tuple[int, ...], ...]
+    unscaled: tuple[str, ...]
+
+
+def quantization(tensors: Mapping[str, TensorInfo]) -> Quantization | None:
+    """:class:`Quantization` of a checkpoint's ``{key: TensorInfo}``, None without FP8 tensors."""
+    fp8 = [k for k, t in tensors.items() if t.dtype in FP8_DTYPES]
+    if not fp8:
+        return None
+    scaled = {k: f for k in fp8 if (f := scale_of(tensors, k)) is not None}
+    return Quantization(
+        num_scaled=len(scaled),
+        fp8_bytes=sum(tensors[k].nbytes for k in scaled),
+        scale_bytes=sum(tensors[sk].nbytes for sk, _ in scaled.values()),
+        bf16_bytes=sum(2 * tensors[k].nbytes // tensors[k].itemsize for k in scaled),
+        blocks=tuple(sorted({b for _, b in scaled.values()})),
+        unscaled=tuple(sorted(k for k in fp8 if k not in scaled)),
+    )
 
 
 def scale_box(box: Box, block: tuple[int, ...]) -> Box:
