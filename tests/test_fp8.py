@@ -176,3 +176,35 @@ def test_inspect_reports_the_quantization(ckpts):
     assert q.bf16_bytes == 2 * q.fp8_bytes and 0 < q.scale_bytes < q.fp8_bytes
     assert f"FP8: {num} weights with block scales (blocks {BLOCK}x{BLOCK})" in format_summary(s)
     assert inspect_checkpoint(dq).quantization is None
+
+
+def test_dequantize_any_box_matches_the_expanded_scale():
+    """Boxes that start on a column block take a blocked path, the others the general one: both
+    equal the weight times its scale expanded element by element (128 x 128 blocks, ragged edges)."""
+    from moeshard.io.fp8 import block_size, dequantize, scale_box
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 530, generator=g).to(torch.float8_e4m3fn)
+    s = torch.rand(3, 5, generator=g)
+    assert block_size((300, 530), (3, 5)) == (128, 128) and block_size((576, 7168), (5, 56)) == (128, 128)
+    full = s.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :530]
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        o0 = int(rng.integers(0, 300))
+        n0 = int(rng.integers(1, 301 - o0))
+        o1 = int(rng.choice([0, 128, 256, 384, int(rng.integers(0, 530))]))
+        n1 = int(rng.integers(1, 531 - o1))
+        box = ((o0, n0), (o1, n1))
+        (a, na), (b, nb) = scale_box(box, (128, 128))
+        got = dequantize(w[o0:o0 + n0, o1:o1 + n1], box, s[a:a + na, b:b + nb], (128, 128))
+        assert torch.equal(got, w[o0:o0 + n0, o1:o1 + n1].float() * full[o0:o0 + n0, o1:o1 + n1]), box
+
+
+def test_cpu_fp8_table_equals_torch_cast_for_every_code():
+    from moeshard.io.fp8 import _to_float32
+
+    for dt in (torch.float8_e4m3fn, torch.float8_e5m2):
+        codes = torch.arange(256, dtype=torch.uint8).view(dt)
+        assert torch.equal(_to_float32(codes).view(torch.int32), codes.to(torch.float32).view(torch.int32)), dt
+        x = torch.randn(7, 9).to(dt)[:, 2:5]  # a non-contiguous view
+        assert torch.equal(_to_float32(x), x.float())

@@ -122,10 +122,40 @@ def dequantize(q: "torch.Tensor", box: Box, scale: "torch.Tensor", block: tuple[
     device: moved to ``q``'s)."""
     import torch
 
-    out = q.to(torch.float32)
+    out = _to_float32(q)
     s = scale.to(device=q.device, dtype=torch.float32)
+    if len(box) == 2 and box[1][0] % block[1] == 0 and out.numel():
+        # Columns start on a block: multiply whole column blocks through a view (no expanded
+        # scale of the box's size); only the rows are expanded, to [rows, column blocks].
+        (o0, n0), (_, n1), (b0, b1) = box[0], box[1], block
+        rows = torch.div(torch.arange(o0, o0 + n0, device=q.device), b0, rounding_mode="floor") - o0 // b0
+        s = s.index_select(0, rows)
+        full = n1 // b1
+        if full:
+            out[:, :full * b1].view(n0, full, b1).mul_(s[:, :full, None])
+        if n1 > full * b1:
+            out[:, full * b1:].mul_(s[:, full:full + 1])
+        return out
     for d, ((o, n), b) in enumerate(zip(box, block)):
         # Element o + i of this dim lies in block (o + i) // b, row (o + i) // b - o // b of ``s``.
         idx = torch.div(torch.arange(o, o + n, device=q.device), b, rounding_mode="floor") - o // b
         s = s.index_select(d, idx)
     return out.mul_(s)
+
+
+_LUTS: dict = {}
+
+
+def _to_float32(q: "torch.Tensor") -> "torch.Tensor":
+    """``q.to(float32)``; on CPU, for a one-byte float, through a 256-entry table: torch's CPU
+    FP8 cast converts element by element, the table lookup is ~5x faster (same values, NaNs
+    included)."""
+    import torch
+
+    if q.device.type != "cpu" or q.element_size() != 1 or not q.is_floating_point():
+        return q.to(torch.float32)
+    lut = _LUTS.get(q.dtype)
+    if lut is None:
+        lut = _LUTS[q.dtype] = torch.arange(256, dtype=torch.uint8).view(q.dtype).to(torch.float32)
+    codes = q.contiguous().view(torch.uint8).reshape(-1).to(torch.int32)
+    return torch.index_select(lut, 0, codes).view(q.shape)
