@@ -181,13 +181,21 @@ def hf_names(model) -> HFNames | None:
     except ImportError:  # a transformers without conversion mappings (< 5): names are the model's own
         return None
     family = getattr(hf.config, "model_type", None) or type(hf).__name__
-    # from_pretrained's transforms (a model built from a config has no _weight_conversions).
-    loading = list(getattr(hf, "_weight_conversions", None) or get_model_conversion_mapping(hf))
-    # save_pretrained's: the reverse of the family's own, PrefixChange dropped for a model not
-    # loaded by from_pretrained (transformers does the same: it cannot know the prefix was there).
-    saving = getattr(hf, "_weight_conversions", None)
-    if saving is None:
-        saving = [t for t in get_model_conversion_mapping(hf, add_legacy=False) if not isinstance(t, PrefixChange)]
+    # transformers picks a mapping by the model's class name: FSDP2 renames the class
+    # (FSDPHyV4ForCausalLM), so look it up as the class transformers defined.
+    wrapped = type(hf)
+    own = next(c for c in wrapped.__mro__ if not c.__module__.startswith("torch."))
+    try:
+        hf.__class__ = own
+        # from_pretrained's transforms (a model built from a config has no _weight_conversions).
+        loading = list(getattr(hf, "_weight_conversions", None) or get_model_conversion_mapping(hf))
+        # save_pretrained's: the reverse of the family's own, PrefixChange dropped for a model not
+        # loaded by from_pretrained (transformers does the same: it cannot know the prefix was there).
+        saving = getattr(hf, "_weight_conversions", None)
+        if saving is None:
+            saving = [t for t in get_model_conversion_mapping(hf, add_legacy=False) if not isinstance(t, PrefixChange)]
+    finally:
+        hf.__class__ = wrapped
     reverse = [t.reverse_transform() for t in saving[::-1]]
     specs, refused = [], []
     for t in saving:
@@ -199,7 +207,7 @@ def hf_names(model) -> HFNames | None:
                 refused.append((", ".join(t._original_target_patterns), why))
     return HFNames(
         family=family,
-        model_class=type(hf).__name__,
+        model_class=own.__name__,
         specs=merge_specs(specs),
         refused=tuple(refused),
         save_renamings=tuple(t for t in reverse if isinstance(t, WeightRenaming)),

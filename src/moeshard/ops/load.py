@@ -8,6 +8,7 @@ agreed before any data moves) -> execute -> report.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import resource
@@ -95,8 +96,9 @@ def materialize(model: nn.Module, device: torch.device | None = None) -> torch.d
     checkpoint holds.
 
     A module's non-persistent buffers are rebuilt by constructing a fresh module of the same
-    class from its ``config`` (as transformers' rotary modules allow); a module that cannot be
-    rebuilt that way raises ValueError naming the buffer.
+    class from its ``config`` (as transformers' rotary modules allow), else by the transformers
+    model's own ``_init_weights`` on a stand-in of the module (Gemma 4's ``embed_scale``); a
+    module that cannot be rebuilt either way raises ValueError naming the buffer.
     """
     device = target_device(model) if device is None else device
     meta_buffers = [
@@ -111,18 +113,53 @@ def materialize(model: nn.Module, device: torch.device | None = None) -> torch.d
             for alias_mod, alias in aliases:
                 setattr(alias_mod, alias, getattr(mod, name))
     for name, mod in meta_buffers:
-        config = getattr(mod, "config", None)
-        if config is None:
+        config, fresh = getattr(mod, "config", None), None
+        if config is not None:
+            try:
+                with torch.device("cpu"):
+                    fresh = type(mod)(config)
+            except TypeError:  # a constructor that takes more than the config (Gemma 4's audio layers)
+                fresh = None
+        if fresh is None:
+            fresh = _initialized_by_model(model, mod)
+        if fresh is None:
             names = sorted(mod._non_persistent_buffers_set)
             raise ValueError(
                 f"module {name!r} ({type(mod).__name__}) has non-persistent buffers {names} that no "
                 "checkpoint holds and no config to recompute them from; initialize them before loading"
             )
-        with torch.device("cpu"):
-            fresh = type(mod)(config)
         for b_name in mod._non_persistent_buffers_set:
             local_tensor(getattr(mod, b_name)).copy_(getattr(fresh, b_name))
     return device
+
+
+def _initialized_by_model(model: nn.Module, mod: nn.Module) -> nn.Module | None:
+    """A stand-in for ``mod`` whose non-persistent buffers the transformers model's own
+    ``_init_weights`` filled (Gemma 4's ``embed_scale``: a constant its embedding module keeps
+    as an attribute, not in a config), or None. The stand-in's parameters are on meta, so the
+    initializer touches no real tensor; a buffer it leaves unset (still NaN) means None."""
+    from ..models.hf_names import hf_model_of
+
+    found = hf_model_of(model)
+    init = getattr(found[0], "_init_weights", None) if found is not None else None
+    if init is None:
+        return None
+    stand = copy.copy(mod)
+    # Plain meta tensors (not DTensors: a random init of a DTensor would touch the RNG tracker).
+    stand._parameters = {n: None if p is None else nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"))
+                         for n, p in mod._parameters.items()}
+    stand._buffers = {n: torch.full(b.shape, float("nan"), dtype=b.dtype, device="cpu")
+                      if n in mod._non_persistent_buffers_set and b.is_floating_point()
+                      else torch.empty(b.shape, dtype=b.dtype, device="meta") for n, b in mod._buffers.items()
+                      if b is not None}
+    try:
+        with torch.no_grad():
+            init(stand)
+    except Exception:  # noqa: BLE001 - an initializer that needs more than the module: not ours to fix
+        return None
+    done = all(n in stand._buffers and not stand._buffers[n].is_meta and not stand._buffers[n].isnan().any()
+               for n in mod._non_persistent_buffers_set)
+    return stand if done else None
 
 
 def _tied_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
