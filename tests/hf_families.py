@@ -86,7 +86,7 @@ _GENERIC = dict(
     intermediate_size_mlp=64,
     num_hidden_layers=2,
     num_attention_heads=4,
-    num_key_value_heads=2,
+    num_key_value_heads=4,  # = heads: multi-head latent attention (MLA) families run forward only so
     head_dim=8,  # also gives hunyuan_v1_moe a rope dim (its default head_dim=None fails to build)
     max_position_embeddings=64,
     sliding_window=16,
@@ -110,7 +110,7 @@ _GENERIC = dict(
     kv_lora_rank=16,
     q_lora_rank=16,
     o_lora_rank=16,
-    qk_rope_head_dim=4,
+    qk_rope_head_dim=8,  # = head_dim, which MLA families' rotary embedding uses
     qk_nope_head_dim=8,
     v_head_dim=8,
     index_head_dim=8,
@@ -192,7 +192,7 @@ _FAMILY: dict[str, dict] = {
     # counts layers in num_layers (num_hidden_layers = 2 * num_layers); the default 256 identity
     # "zero experts" each add a gate_up_proj row block, so keep 2 of them
     "longcat_flash": dict(num_layers=2, zero_expert_num=2),
-    "mimo_v2_flash": dict(num_hidden_layers=3),  # dense first (default mlp_layer_types)
+    "mimo_v2_flash": dict(num_hidden_layers=3, num_key_value_heads=2),  # dense first; its SWA heads need GQA
     # default layers_block_type has one MoE layer among 4 (mamba, moe, attention, mlp)
     "nemotron_h": dict(layers_block_type=["linear_attention", "moe", "full_attention", "moe"]),
     "qwen4_exp": dict(text_config=dict(hc_lowrank=8)),  # hyper-connection rank 320 -> ~400k params

@@ -1,7 +1,7 @@
 """transformers MoE families at EP=2 with redundant copies, on 2 gloo ranks: parallelize, load,
 verify, and moeshard's EP forward gives the one-process model's logits (within 1e-4; fp32).
 
-A subset of tests/family_sweep.py (which runs every family: 41 of 59 match on transformers
+A subset of tests/family_sweep.py (which runs every family: 48 of 59 match on transformers
 5.23), chosen for distinct expert layouts: per-expert on disk with gate/up/down or w1/w2/w3
 names, renamed routers, fused on disk, shared experts, hybrid attention/SSM stacks, a
 non-persistent buffer rebuilt by the model's own initializer (gemma4_text). A family moeshard's
@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.dist
 
 MATCH = ("qwen3_moe", "mixtral", "deepseek_v4", "dots1", "glm4_moe", "granitemoe", "zaya", "jamba", "phimoe",
-         "lfm2_moe", "qwen3_next", "minimax_m2", "hunyuan_v1_moe", "ernie4_5_moe", "gemma4_text")
+         "lfm2_moe", "qwen3_next", "minimax_m2", "hunyuan_v1_moe", "ernie4_5_moe", "gemma4_text", "deepseek_v3")
 LOUD = {"gpt_oss": "got mixed torch.Tensor and DTensor", "hy_v4": "got mixed torch.Tensor and DTensor"}
 
 
