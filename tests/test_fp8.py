@@ -208,3 +208,16 @@ def test_cpu_fp8_table_equals_torch_cast_for_every_code():
         assert torch.equal(_to_float32(codes).view(torch.int32), codes.to(torch.float32).view(torch.int32)), dt
         x = torch.randn(7, 9).to(dt)[:, 2:5]  # a non-contiguous view
         assert torch.equal(_to_float32(x), x.float())
+
+
+def test_plan_reports_the_quantization(ckpts, capsys):
+    from moeshard.cli.plan import main
+
+    fp8, dq, num = ckpts
+    assert main([fp8, "--nodes", "1", "--ranks-per-node", "2", "--ep", "2", "--json"]) == 0
+    q = json.loads(capsys.readouterr().out)["checkpoint"]["quantization"]
+    assert q["num_scaled"] == num and q["blocks"] == [[BLOCK, BLOCK]] and q["bf16_bytes"] == 2 * q["fp8_bytes"]
+    assert main([fp8, "--nodes", "1", "--ranks-per-node", "2", "--ep", "2"]) == 0
+    assert f"FP8: {num} weights with block scales (blocks {BLOCK}x{BLOCK}): moved as stored" in capsys.readouterr().out
+    assert main([dq, "--nodes", "1", "--ranks-per-node", "2", "--ep", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["checkpoint"]["quantization"] is None

@@ -4,6 +4,7 @@ and the command's entry point (:func:`main`)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -25,6 +26,7 @@ from ..cluster.render import format_report
 from ..cluster.spec import ClusterSpec
 from ..cluster.synthetic import num_params, read_config, synthetic_index
 from ..io.checkpoint import CheckpointIndex
+from ..io.fp8 import quantization
 from ..io.sources import storage_sources
 from ..models.layout import need_table
 from ..placement import Placement
@@ -199,6 +201,9 @@ def _run(args: argparse.Namespace) -> dict:
             "num_logical": layout.num_logical,
             "expert_params": [p.name for p in layout.experts[0].params],
             "num_skipped_keys": len(layout.skipped_keys),
+            # FP8 weights with block scales: the plan moves them as stored (FP8 + scales); a
+            # bf16 model that load dequantizes them into holds bf16_bytes of them.
+            "quantization": dataclasses.asdict(q) if (q := quantization(index.tensors)) is not None else None,
         },
         "cluster": {
             "num_nodes": cluster.num_nodes, "ranks_per_node": cluster.ranks_per_node,

@@ -32,6 +32,13 @@ def _header(rep: dict) -> list[str]:
         f"expert-FSDP {cl['efsdp']}, {cl['num_physical']} slots/layer ({cl['slots_per_rank']} per EP rank), "
         f"staging {format_bytes(cl['staging_bytes'])}/rank",
     ]
+    q = ck.get("quantization")
+    if q:
+        blocks = ", ".join("x".join(map(str, b)) for b in q["blocks"]) or "-"
+        lines.append(f"FP8: {q['num_scaled']:,} weights with block scales (blocks {blocks}): moved as stored, "
+                     f"{format_bytes(q['fp8_bytes'])} + {format_bytes(q['scale_bytes'])} of scales; "
+                     f"{format_bytes(q['bf16_bytes'])} dequantized to bf16 (what load gives a bf16 model)"
+                     + (f"; {len(q['unscaled']):,} FP8 tensors with no fitting scale" if q["unscaled"] else ""))
     t = rep["timings_s"]
     lines.append("planning time: " + ", ".join(f"{k} {_secs(v)}" for k, v in t.items()))
     per_mode = [s for s in rep.get("strategies", ()) if s["kind"] == "moeshard"]
