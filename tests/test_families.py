@@ -6,9 +6,9 @@ For each family whose checkpoints hold per-expert tensors:
 - save -> from_pretrained: no missing, unexpected or mismatched key, the state dict bit for bit,
   and the same key set as transformers' own save_pretrained;
 - save_pretrained -> moeshard.load into a model with other values: the state dict bit for bit.
-A family that stores its experts fused on disk (``[E, ...]`` tensors) is refused by save with an
-error naming the family and the reason, and the output directory stays empty; load refuses it
-with an error naming the tensor it lacks.
+For each family that stores its experts fused on disk (``[E, ...]`` tensors): load reads rows of
+them and save writes them fused, as save_pretrained does; a family whose converter moeshard
+cannot express (gate and up interleaved) is refused by both, before save writes anything.
 """
 
 from __future__ import annotations

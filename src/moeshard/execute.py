@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from . import _dist
+from .box import box_shape, box_slices
 from .io.checkpoint import CheckpointIndex, CheckpointReader
 from .io.fp8 import dequantize, scale_box
 from .plan.schedule import Schedule
@@ -210,9 +211,8 @@ class DequantSink(TensorSink):
                 continue
             scale, block = entry
             box = self.s.piece_box(pid)
-            sbox = scale_box(box, block)
-            sub = scale[tuple(slice(o, o + n) for o, n in sbox)]
-            out.copy_(dequantize(data.view(tuple(n for _, n in box)), box, sub, block).view(out.shape))
+            sub = scale[box_slices(scale_box(box, block))]
+            out.copy_(dequantize(data.view(box_shape(box)), box, sub, block).view(out.shape))
 
 
 class ReaderSource(Source):

@@ -129,9 +129,9 @@ class KeyMismatch:
     missing: tuple[str, ...]
     unexpected: tuple[str, ...]
 
-    def message(self, what: str, experts: Iterable[str] = ()) -> str:
-        """The error text; ``experts``: the model's fused expert parameters (a missing one is
-        a family that stores its experts fused on disk)."""
+    def message(self, what: str) -> str:
+        """The error text: what is missing or ignored, and the family's converters moeshard
+        cannot express (the usual cause)."""
 
         def some(xs):
             return ", ".join(xs[:3]) + (f", ... ({len(xs)} in all)" if len(xs) > 3 else "")
@@ -141,10 +141,6 @@ class KeyMismatch:
             parts.append(f"{len(self.missing)} model tensor(s) would get no value ({some(self.missing)})")
         if self.unexpected:
             parts.append(f"{len(self.unexpected)} key(s) would be ignored ({some(self.unexpected)})")
-        fused = set(experts) & set(self.missing)
-        if fused:
-            parts.append(f"this family stores experts fused on disk ([num_experts, ...] tensors such as "
-                         f"{sorted(fused)[0]!r}), which moeshard.save does not write yet")
         if self.names.refused:
             parts.append(f"moeshard cannot express the family's converters "
                          f"{[f'{t} ({how})' for t, how in self.names.refused]} as box reads")

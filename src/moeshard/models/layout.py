@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -170,7 +170,12 @@ def _choose_spec(
                 found[p.name] = hit
             else:
                 return spec, found
-        fused = _fused_spec(candidates[0], module, index, names)
+
+        def stored(full: str) -> str | None:  # transformers' name for it, then the model's own
+            keys = ([names.checkpoint_name(full)] if names is not None else []) + list(checkpoint_names(full))
+            return next((k for k in keys if k in index), None)
+
+        fused = _fused_spec(candidates[0], module, stored)
         if fused is not None:
             return fused
         for p in candidates[0].params:  # say why, rather than "no tensor ...experts.0..." later
@@ -184,11 +189,9 @@ def _choose_spec(
             and not any(_refused(names, f"{module}.{p.name}") for p in spec.params):
         # No converter of the family stacks this module's experts: transformers writes and reads
         # them fused on disk, under their (renamed) names.
-        params, found = [], {}
-        for p in spec.params:
-            found[p.name], _, leaf = names.checkpoint_name(f"{module}.{p.name}").rpartition(".")
-            params.append(ExpertParam(p.name, (leaf,)))
-        return ExpertsSpec(module=spec.module, params=tuple(params)), found
+        fused = _fused_spec(spec, module, names.checkpoint_name)
+        assert fused is not None
+        return fused
     if names is not None:
         return spec, {p.name: prefixes(p)[0] for p in spec.params}
     prefix = checkpoint_names(module)[-1] if renamed else module
@@ -205,20 +208,18 @@ def _refused(names: HFNames | None, full: str) -> str | None:
 
 
 def _fused_spec(
-    spec: ExpertsSpec, module: str, index: CheckpointIndex, names: HFNames | None,
+    spec: ExpertsSpec, module: str, key_of: Callable[[str], str | None],
 ) -> tuple[ExpertsSpec, dict[str, str]] | None:
     """Experts module ``module`` read from tensors fused on disk, one per parameter holding
     every expert (``[num_logical, *slice_shape]``, as gpt-oss and Llama 4 ship them and as
-    transformers keeps them in memory): each parameter of ``spec`` stored under its checkpoint
-    name (transformers' name for it, then the model's own) becomes a one-part fused
-    :class:`ExpertParam`. None when one has no such tensor. The module's other parameters
-    (gpt-oss's expert biases) stay whole tensors, as :func:`moeshard.parallelize` leaves them.
-    Shapes are checked with the needs (:func:`_fused_rows`)."""
+    transformers keeps them in memory): each parameter of ``spec`` stored under checkpoint key
+    ``key_of(<module>.<param>)`` becomes a one-part fused :class:`ExpertParam`. None when one
+    has no key. The module's other parameters (gpt-oss's expert biases) stay whole tensors, as
+    :func:`moeshard.parallelize` leaves them. Shapes are checked with the needs
+    (:func:`_fused_rows`)."""
     params, prefixes = [], {}
     for p in spec.params:
-        full = f"{module}.{p.name}"
-        candidates = ([names.checkpoint_name(full)] if names is not None else []) + list(checkpoint_names(full))
-        key = next((k for k in candidates if k in index), None)
+        key = key_of(f"{module}.{p.name}")
         if key is None:
             return None
         prefix, _, leaf = key.rpartition(".")
@@ -733,13 +734,8 @@ def _fused_rows(
     ``[num_logical, *slice_shape]``, row ``e`` logical expert ``e``. A rank's run of local slots
     holding consecutive experts is one row (a contiguous placement: one row per rank), read
     into the whole local tensor (``slot`` -1, the local slot as the first dst offset)."""
-    ref = d.expert
-    assert ref is not None
-    (key,) = ref.param.keys(ref.module, 0)
-    if key not in index:
-        raise ValueError(f"parameter {d.name}: checkpoint {index.root} has no tensor {key!r}")
-    check_cast(f"parameter {d.name}", key, index, d.dtype, dequantize)
-    shape, want = list(index.info(key).shape), [num_logical, *d.shape[1:]]
+    key, shape = _fused_tensor(d, index, dequantize)
+    want = [num_logical, *d.shape[1:]]
     if shape != want:
         raise ValueError(
             f"parameter {d.name}: checkpoint tensor {key!r} (every expert fused on disk) has shape {shape}, "
@@ -763,6 +759,17 @@ def _fused_rows(
         param=np.full(num, i, np.int32), key=np.zeros(num, np.int32), slot=np.full(num, -1, np.int64),
         src_off=src_off.astype(np.int64), src_len=src_len.astype(np.int64), dst_off=dst_off,
     )
+
+
+def _fused_tensor(d: ParamDesc, index: CheckpointIndex, dequantize: bool) -> tuple[str, list[int]]:
+    """``(key, shape)`` of the one checkpoint tensor of expert parameter ``d`` fused on disk;
+    ValueError when the checkpoint lacks it or the cast rule refuses its dtype."""
+    assert d.expert is not None
+    (key,) = d.expert.param.keys(d.expert.module, 0)
+    if key not in index:
+        raise ValueError(f"parameter {d.name}: checkpoint {index.root} has no tensor {key!r}")
+    check_cast(f"parameter {d.name}", key, index, d.dtype, dequantize)
+    return key, list(index.info(key).shape)
 
 
 def _held_expert_keys(d: ParamDesc, index: CheckpointIndex, held: Sequence[int], part_sizes: tuple[int, ...],
@@ -828,11 +835,7 @@ def _part_sizes(d: ParamDesc, index: CheckpointIndex, expert: int, slice_shape: 
     keys = ref.param.keys(ref.module, expert)
     dim = ref.param.dim
     if ref.param.fused:  # row ``expert`` of one tensor holding every expert
-        (key,) = keys
-        if key not in index:
-            raise ValueError(f"parameter {d.name}: checkpoint {index.root} has no tensor {key!r}")
-        check_cast(f"parameter {d.name}", key, index, d.dtype, dequantize)
-        shape = list(index.info(key).shape)
+        key, shape = _fused_tensor(d, index, dequantize)
         if shape[1:] != list(slice_shape) or not shape or shape[0] <= expert:
             raise ValueError(f"parameter {d.name}: checkpoint tensor {key!r} (every expert fused on disk) has shape "
                              f"{shape}, which holds no logical expert {expert} of slice {list(slice_shape)}")

@@ -51,7 +51,6 @@ from ..models.hf_names import hf_names
 from ..models.layout import (
     ParamDesc,
     _persistent_buffers,
-    base_names,
     describe_model,
     expert_layers,
     local_tensor,
@@ -128,12 +127,11 @@ def plan_model_save(
         buffers=frozenset(name for name, _ in _persistent_buffers(model)),
         num_experts=hints,
     )
-    _check_names(model, [o.key for o in outs], skip, 
-                 [base_names(model)(d.name) for d in descs if d.expert is not None])
+    _check_names(model, [o.key for o in outs], skip)
     return descs, plan_save(outs, world_size, max_shard_bytes, staging_bytes)
 
 
-def _check_names(model: nn.Module, keys: list[str], skip: frozenset[str], experts: list[str]) -> None:
+def _check_names(model: nn.Module, keys: list[str], skip: frozenset[str]) -> None:
     """Refuse a key set that the model's ``from_pretrained`` would not read back whole: a
     missing tensor is re-initialized there and an unexpected key ignored, with only a warning.
     Pure (every rank raises the same error while planning, before anything is written)."""
@@ -143,7 +141,7 @@ def _check_names(model: nn.Module, keys: list[str], skip: frozenset[str], expert
     expected = [n for n in tensor_names(model) if not set(n) & skip]
     mismatch = names.check_keys(keys, expected)
     if mismatch is not None:
-        raise ValueError(mismatch.message("moeshard.save", experts))
+        raise ValueError(mismatch.message("moeshard.save"))
 
 
 def _tied_targets(model: nn.Module) -> frozenset[str]:

@@ -4,8 +4,9 @@ Each rank checks each of its local boxes against the same box read from disk (ca
 model's dtype; a cast the cast rule refuses, such as FP8 without its scale into bf16, fails
 the planning step as it does in ``load``, so no value produced by a meaningless cast is ever
 declared correct). An FP8 weight with a block scale is compared dequantized: its reader reads
-the scale blocks covering the box itself (:mod:`moeshard.io.fp8`), apart from load's path. Boxes are read by the ranks the load plan makes readers (scope "job": each
-piece once in the job), so a rank that cannot see the files is still checked:
+the scale blocks covering the box itself (:mod:`moeshard.io.fp8`), apart from load's path.
+Boxes are read by the ranks the load plan makes readers (scope "job": each piece once in the
+job), so a rank that cannot see the files is still checked:
 
 * a piece its reader also needs is compared on the reader, byte for byte, on the model's
   device: no communication;
@@ -207,7 +208,9 @@ def verify(
             key, pbox = plan.piece_name(pid), plan.piece_box(pid)
             raw = deq = reader.read(key, pbox)
             quant = scale_of(index, key)
-            if quant is not None:  # FP8 weights into float tensors are checked dequantized, apart from load's path
+            wanted = {dtype_of[int(plan.dlv_param[i])] for i in mine} | {dt for _, dts in others for dt in dts}
+            if quant is not None and any(dt.itemsize > 1 for dt in wanted):
+                # FP8 weights into float tensors are checked dequantized, apart from load's path.
                 deq = dequantize(raw, pbox, reader.read(quant[0], scale_box(pbox, quant[1])), quant[1])
         except Exception as e:  # noqa: BLE001 - the needers still expect digests: all-zero ones
             failure.append(e)
