@@ -1,0 +1,97 @@
+"""Expert-parallel load balancing (EPLB): where each logical expert's copies should live.
+
+Pure numpy, no torch, no communication: every rank computes the same answer from the same
+``load`` (tokens routed to each logical expert, ``float[num_layers, num_logical]``).
+
+Policies
+--------
+*Oblivious* (``migration_aware=False``) re-implements deepseek-ai/EPLB (``eplb.py``):
+**hierarchical** (``num_groups`` given, ``num_groups % num_nodes == 0`` and every node has the
+same number of live ranks: expert groups onto nodes, then replicas and their copies onto each
+node's live ranks) or **global** otherwise (one group, one node). One rule is added to the
+reference: a rank never holds two copies of one expert when it can be avoided. Slots of dead
+(or not yet joined) ranks are ``-1``; slot ids stay those of the full job, so an elastic job
+never renumbers. Details: :mod:`moeshard.eplb.oblivious`.
+
+*Migration-aware* (``migration_aware=True`` and a current placement): the oblivious answer
+ignores where experts already are, so a rebalance after a small drift of the load can move
+almost every copy. This policy reaches the oblivious policy's balance (per layer, max/mean rank
+load within ``tolerance``, default 1 %) while moving few copies: per layer it keeps copies on
+their ranks as far as that balance allows ("sticky packing") and takes, among candidates within
+the tolerance (the oblivious placement always is one), the one with the fewest moved copies, so
+it never moves more copies than the oblivious policy. Details: :mod:`moeshard.eplb.aware`.
+
+In every candidate an expert that stays on a rank keeps its slot index; newcomers fill the
+freed slots in order.
+
+Metrics: :func:`rank_loads`, :func:`balance`, :func:`copies_moved`, :func:`slots_changed`.
+
+Modules, each built on those above it:
+
+* ``inputs``: input checks and the validated shape of a call (``_Shape``);
+* ``metrics``: rank loads, balance, moved copies (public and array forms);
+* ``oblivious``: deepseek-ai/EPLB's policy (replicate, balanced packing, hierarchical / global);
+* ``sticky``: sticky packing of copies onto ranks, its LPT variant, the swap repair;
+* ``aware``: the migration-aware policy (per layer, the candidate that moves fewest copies);
+* here: :func:`rebalance`, the entry point.
+"""
+
+from __future__ import annotations
+
+from ..placement import Placement
+from .aware import _aware
+from .inputs import _check_load, _check_placement, _shape
+from .metrics import balance, copies_moved, rank_loads, slots_changed
+from .oblivious import _oblivious
+
+__all__ = ["rebalance", "rank_loads", "balance", "copies_moved", "slots_changed"]
+
+
+def rebalance(
+    load,
+    placement: Placement | None = None,
+    *,
+    num_physical: int,
+    num_ranks: int,
+    num_nodes: int = 1,
+    num_groups: int | None = None,
+    active_ranks=None,
+    migration_aware: bool = True,
+    tolerance: float = 0.01,
+) -> Placement:
+    """A balanced placement of every MoE layer's experts for ``load``.
+
+    Args:
+        load: ``float[num_layers, num_logical]`` tokens routed to each logical expert.
+        placement: the current placement (``num_layers x num_physical``), or None.
+        num_physical: physical slots per layer (all ranks, dead ones included).
+        num_ranks: EP size of the full job (dead ranks included); slot ``p`` is on rank
+            ``p // (num_physical // num_ranks)``.
+        num_nodes: nodes; ranks ``[k * num_ranks/num_nodes, (k+1) * num_ranks/num_nodes)``
+            are node k.
+        num_groups: expert groups (group-limited routing) for the hierarchical policy; None
+            for the global policy.
+        active_ranks: ``bool[num_ranks]`` live ranks (None: all). Slots of the others are -1.
+        migration_aware: keep copies where they are as far as the balance allows (see the
+            module docstring); False: the reference (oblivious) policy.
+        tolerance: per layer, the aware policy's max/mean rank load is at most
+            ``(1 + tolerance)`` x the oblivious policy's.
+
+    Returns:
+        ``Placement`` with ``phy2log`` ``int[num_layers, num_physical]``.
+
+    Raises:
+        ValueError: malformed ``load``, shapes that do not divide, fewer live slots than
+            experts, bad ``active_ranks``, a ``placement`` of another shape.
+    """
+    w = _check_load(load)
+    sh = _shape(w, num_physical, num_ranks, num_nodes, num_groups, active_ranks)
+    if not tolerance >= 0:
+        raise ValueError(f"tolerance must be >= 0, got {tolerance}")
+    if placement is not None:
+        _check_placement(placement, sh)
+    obl = _oblivious(w, sh)
+    if not migration_aware or placement is None:
+        return Placement(obl.phy2log.reshape(sh.num_layers, -1), num_logical=sh.num_logical, num_ranks=sh.num_ranks)
+    new = _aware(w, placement, obl, sh, float(tolerance))
+    return Placement(new.reshape(sh.num_layers, -1), num_logical=sh.num_logical, num_ranks=sh.num_ranks)

@@ -1,0 +1,217 @@
+"""The oblivious policy: deepseek-ai/EPLB (``eplb.py``) re-implemented, vectorized over layers.
+
+1. **hierarchical** (``num_groups`` given, ``num_groups % num_nodes == 0`` and every node has
+   the same number of live ranks): pack expert *groups* onto nodes with ``balanced_packing``
+   (heaviest group first, onto the lightest node that still has room; every node gets
+   ``num_groups / num_nodes`` groups), so that a token's group-limited routing stays on few
+   nodes; then, within each node, ``replicate_experts`` (each redundant slot goes to the
+   expert with the highest load per copy) and ``balanced_packing`` of the copies (per-copy load
+   ``load / count``) onto the node's live ranks, ``slots_per_rank`` copies each.
+2. **global** otherwise: the same with one group and one node.
+
+Pack ``k`` of a node goes to the node's ``k``-th live rank, its copies in packing order (as the
+reference does). One rule is added to the reference: a rank never holds two copies of one
+expert when it can be avoided (the greedy skips ranks that hold the expert, and a swap repair
+fixes the rare dead end). Slots of dead (or not yet joined) ranks are ``-1``; slot ids stay
+those of the full job, so an elastic job never renumbers.
+
+The building blocks (replicate, pack, the no-duplicate repair, replicas per node, packs to
+ranks) serve the migration-aware policy too (:mod:`moeshard.eplb.aware`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .inputs import _Shape
+from .metrics import _count_last, _max_rank_load, _per_copy
+
+# -- the reference's building blocks, vectorized over rows ---------------------------------------
+
+
+def _replicate(w: np.ndarray, num_phy: int) -> tuple[np.ndarray, np.ndarray]:
+    """EPLB ``replicate_experts``: ``w`` ``float[B, n]`` -> ``phy2item`` ``int[B, num_phy]``
+    (slot i < n holds item i; each further slot the item with the highest load per copy, first
+    on ties) and ``cnt`` ``int[B, n]``."""
+    num_rows, n = w.shape
+    assert num_phy >= n
+    phy = np.empty((num_rows, num_phy), dtype=np.int64)
+    phy[:, :n] = np.arange(n)
+    cnt = np.ones((num_rows, n), dtype=np.int64)
+    per_copy = w.copy()
+    rows = np.arange(num_rows)
+    for i in range(n, num_phy):
+        j = per_copy.argmax(axis=1)
+        phy[:, i] = j
+        cnt[rows, j] += 1
+        per_copy[rows, j] = w[rows, j] / cnt[rows, j]
+    return phy, cnt
+
+
+def _pack(w: np.ndarray, key: np.ndarray | None, num_keys: int, num_packs: int, cap: int) -> np.ndarray:
+    """EPLB ``balanced_packing`` with the no-duplicate rule: items ``float[B, n]``
+    (``n == num_packs * cap``), heaviest first (stable), each to the lightest pack with room
+    (first on ties) that holds no item of the same ``key`` (``int[B, n]`` in [0, num_keys)) if
+    there is one. Returns ``int[B, num_packs, cap]`` item indices in packing order."""
+    num_rows, n = w.shape
+    assert n == num_packs * cap
+    if cap == 1:  # the reference's shortcut: item i is pack i
+        return np.broadcast_to(np.arange(n).reshape(1, n, 1), (num_rows, n, 1)).copy()
+    order = np.argsort(-w, axis=1, kind="stable")
+    rows = np.arange(num_rows)
+    pack_w = np.zeros((num_rows, num_packs))
+    pack_n = np.zeros((num_rows, num_packs), dtype=np.int64)
+    slots = np.full((num_rows, num_packs, cap), -1, dtype=np.int64)
+    holds = np.zeros((num_rows, num_packs, num_keys), dtype=bool) if key is not None else None
+    for t in range(n):
+        i = order[:, t]
+        cost = np.where(pack_n >= cap, np.inf, pack_w)
+        if holds is not None:
+            e = key[rows, i]
+            strict = np.where(holds[rows, :, e], np.inf, cost)
+            k = strict.argmin(axis=1)
+            stuck = np.isinf(strict[rows, k])
+            if stuck.any():  # every pack with room holds it: the repair deals with it
+                k[stuck] = cost[stuck].argmin(axis=1)
+            holds[rows, k, e] = True
+        else:
+            k = cost.argmin(axis=1)
+        slots[rows, k, pack_n[rows, k]] = i
+        pack_n[rows, k] += 1
+        pack_w[rows, k] += w[rows, i]
+    return slots
+
+
+def _per_rank_cap(cnt: np.ndarray, num_live: np.ndarray) -> np.ndarray:
+    """``int[B, E]``: most copies of an expert one rank may hold (1 unless it has more copies
+    than there are live ranks)."""
+    return np.maximum(1, -(-cnt // num_live[:, None]))
+
+
+def _occurrence(x: np.ndarray) -> np.ndarray:
+    """``int[..., S]``: how many earlier slots of the same rank hold the same expert."""
+    s = x.shape[-1]
+    earlier = np.tril(np.ones((s, s), dtype=bool), -1)
+    return ((x[..., :, None] == x[..., None, :]) & earlier).sum(-1)
+
+
+def _repair(slots: np.ndarray, wc: np.ndarray, cap: np.ndarray) -> None:
+    """Swap repair, in place: while a rank holds more than ``cap`` copies of an expert, swap
+    one copy with the copy of closest per-copy load on another rank, when the swap breaks no
+    cap. ``slots`` ``int[B, K, S]`` expert ids (-1 empty), ``wc``/``cap`` ``[B, E]``."""
+    num_experts = wc.shape[1]
+    x = np.maximum(slots, 0)
+    b_idx = np.arange(slots.shape[0])[:, None, None]
+    bad = (slots >= 0) & (_occurrence(slots) >= cap[b_idx, x])
+    for b in np.unique(np.nonzero(bad)[0]):
+        row = slots[b]
+        for _ in range(row.size):  # each swap removes a violation; bounded anyway
+            xr = np.maximum(row, 0)
+            viol = np.argwhere((row >= 0) & (_occurrence(row) >= cap[b, xr]))
+            if not len(viol):
+                break
+            counts = _count_last(row, num_experts)
+            done = False
+            for k, s in viol:
+                e = row[k, s]
+                f = row
+                ok = (f >= 0) & (f != e) & (counts[:, e] < cap[b, e])[:, None]
+                ok &= counts[k, np.maximum(f, 0)] < cap[b, np.maximum(f, 0)]
+                ok[k] = False
+                if not ok.any():
+                    continue
+                d = np.where(ok, np.abs(wc[b, np.maximum(f, 0)] - wc[b, e]), np.inf)
+                k2, s2 = np.unravel_index(d.argmin(), d.shape)
+                row[k, s], row[k2, s2] = row[k2, s2], e
+                done = True
+                break
+            if not done:  # unavoidable
+                break
+
+
+def _node_experts(group_node: np.ndarray, group_load: np.ndarray, num_nodes: int, group_size: int) -> np.ndarray:
+    """``int[L, N, E/N]``: each node's experts, groups in packing order (heaviest first, the
+    reference's ``rank_in_pack`` order) and experts in id order within a group."""
+    num_layers, num_groups = group_node.shape
+    gid = np.broadcast_to(np.arange(num_groups), group_node.shape)
+    order = np.lexsort((gid, -group_load, group_node), axis=-1)
+    experts = order[..., None] * group_size + np.arange(group_size)
+    return experts.reshape(num_layers, num_nodes, -1)
+
+
+# -- the oblivious policy ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Oblivious:
+    """The reference's answer. ``packs``: ``int[L, N, live_per_node, S]`` expert ids (pack k of
+    node n goes to live rank k of node n); ``group_node``: ``int[L, G]``; ``cnt``: ``int[L, E]``;
+    ``phy2log``: ``int[L, R, S]``; ``max_load``: ``float[L]`` heaviest rank; ``node_max``:
+    ``float[L]`` heaviest node."""
+
+    packs: np.ndarray
+    group_node: np.ndarray
+    cnt: np.ndarray
+    phy2log: np.ndarray
+    max_load: np.ndarray
+    node_max: np.ndarray
+
+
+def _group_loads(w: np.ndarray, sh: _Shape) -> np.ndarray:
+    return w.reshape(w.shape[0], sh.num_groups, -1).sum(-1)
+
+
+def _replicate_nodes(w: np.ndarray, group_node: np.ndarray, sh: _Shape):
+    """Replicas within each node. Returns ``mlog2log`` ``int[L*N, E/N]``, ``phy2m``
+    ``int[L*N, P_node]`` (node-local expert index per copy), ``mcnt`` ``int[L*N, E/N]``,
+    ``cnt`` ``int[L, E]``."""
+    num_layers, num_logical = w.shape
+    n = sh.num_nodes
+    gl = _group_loads(w, sh)
+    mlog2log = _node_experts(group_node, gl, n, num_logical // sh.num_groups).reshape(num_layers * n, -1)
+    w_m = np.take_along_axis(np.repeat(w, n, axis=0), mlog2log, axis=1)
+    phy2m, mcnt = _replicate(w_m, sh.live_per_node * sh.slots_per_rank)
+    cnt = np.zeros((num_layers, num_logical), dtype=np.int64)
+    np.put_along_axis(cnt, mlog2log.reshape(num_layers, -1), mcnt.reshape(num_layers, -1), axis=1)
+    return mlog2log, phy2m, mcnt, cnt
+
+
+def _scatter_packs(packs: np.ndarray, sh: _Shape, rank_of_pack: np.ndarray | None = None) -> np.ndarray:
+    """``packs`` ``int[L, N, live_per_node, S]`` -> ``phy2log`` ``int[L, R, S]``. Pack k of node
+    n goes to node-local rank ``rank_of_pack[l, n, k]`` (default: the node's k-th live rank)."""
+    num_layers = packs.shape[0]
+    n, rpn, s = sh.num_nodes, sh.ranks_per_node, sh.slots_per_rank
+    out = np.full((num_layers, n, rpn, s), -1, dtype=np.int64)
+    if rank_of_pack is None:
+        rank_of_pack = np.broadcast_to(sh.node_alive, packs.shape[:3])
+    li = np.arange(num_layers)[:, None, None]
+    ni = np.arange(n)[None, :, None]
+    out[li, ni, rank_of_pack] = packs
+    return out.reshape(num_layers, sh.num_ranks, s)
+
+
+def _oblivious(w: np.ndarray, sh: _Shape) -> _Oblivious:
+    num_layers, num_logical = w.shape
+    n, s, live = sh.num_nodes, sh.slots_per_rank, sh.live_per_node
+    gl = _group_loads(w, sh)
+    group_node = np.zeros((num_layers, sh.num_groups), dtype=np.int64)
+    if n > 1:  # step 1: groups -> nodes
+        gslots = _pack(gl, None, 0, n, sh.num_groups // n)
+        np.put_along_axis(group_node, gslots.reshape(num_layers, -1),
+                          np.repeat(np.arange(n), sh.num_groups // n)[None, :], axis=1)
+    # step 2: replicas within nodes
+    mlog2log, phy2m, mcnt, cnt = _replicate_nodes(w, group_node, sh)
+    w_m = np.take_along_axis(np.repeat(w, n, axis=0), mlog2log, axis=1)
+    w_phy = np.take_along_axis(w_m / mcnt, phy2m, axis=1)
+    # step 3: copies -> live ranks of the node
+    slots = _pack(w_phy, phy2m, mlog2log.shape[1], live, s)
+    packs_m = np.take_along_axis(phy2m, slots.reshape(num_layers * n, -1), axis=1)
+    packs = np.take_along_axis(mlog2log, packs_m, axis=1).reshape(num_layers * n, live, s)
+    wc = _per_copy(w, cnt)
+    _repair(packs, np.repeat(wc, n, axis=0), _per_rank_cap(np.repeat(cnt, n, axis=0), np.full(num_layers * n, live)))
+    packs = packs.reshape(num_layers, n, live, s)
+    p2l = _scatter_packs(packs, sh)
+    node_max = (gl[:, :, None] * (group_node[:, :, None] == np.arange(n))).sum(1).max(1)
+    return _Oblivious(packs, group_node, cnt, p2l, _max_rank_load(w, p2l, cnt), node_max)

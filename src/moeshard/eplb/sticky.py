@@ -1,0 +1,292 @@
+"""Sticky packing, the kernel of the migration-aware policy (:mod:`moeshard.eplb.aware`): pack
+given replica counts onto the live ranks of a row (one layer, or one node of a layer), keeping
+old copies where they are as far as a load threshold allows (:func:`_sticky`); the reference's
+greedy with a preference for an expert's old ranks (:func:`_sticky_lpt`); and the local search
+that swaps copies between ranks over the threshold and light ranks (:func:`_swap_repair`).
+Arrays are batched over rows: ``[B, K, S]`` (rows, ranks, slots).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .metrics import _count_last
+from .oblivious import _occurrence, _per_rank_cap, _repair
+
+# Relative slack of float comparisons against a load threshold.
+_EPS = 1e-9
+
+
+def _sticky(old: np.ndarray, alive: np.ndarray, cnt: np.ndarray, wc: np.ndarray, thr: np.ndarray) -> np.ndarray:
+    """Sticky packing of ``cnt`` copies into live packs, keeping old copies where the load
+    allows. ``old`` ``int[B, K, S]`` old expert ids (-1 empty), ``alive`` ``bool[B, K]``, ``cnt``
+    ``int[B, E]`` new replica counts (their sum = live slots of the row), ``wc`` ``float[B, E]``
+    per-copy load, ``thr`` ``float[B]`` eviction threshold. Returns ``int[B, K, S]`` (kept copies
+    in their old slot; dead packs -1)."""
+    num_b, num_k, num_s = old.shape
+    num_e = cnt.shape[1]
+    rows = np.arange(num_b)
+    bi = rows[:, None, None]
+    n_live = alive.sum(1)
+    cap = _per_rank_cap(cnt, n_live)
+    x = np.where(alive[:, :, None], old, -1)
+    xe = np.maximum(x, 0)
+    keep = (x >= 0) & (cnt[bi, xe] > 0)
+    keep &= _occurrence(np.where(keep, x, -1)) < cap[bi, xe]
+    # At most cnt[e] copies kept: the first ones in slot order.
+    key = np.where(keep, bi * num_e + xe, -1).ravel()
+    order = np.argsort(key, kind="stable")
+    sk = key[order]
+    idx = np.arange(sk.size)
+    first = np.maximum.accumulate(np.where(np.r_[True, sk[1:] != sk[:-1]], idx, 0))
+    pos = np.empty_like(idx)
+    pos[order] = idx - first
+    keep &= pos.reshape(keep.shape) < cnt[bi, xe]
+
+    # Evict from ranks over the threshold: the lightest copy that brings the rank under it,
+    # else the heaviest (then look again). A free slot will take a copy at least as heavy as
+    # the lightest copy of the row, so that much is reserved per free slot: otherwise ranks
+    # left just under the threshold end over it.
+    wslot = np.where(keep, wc[bi, xe], 0.0)
+    kl = wslot.sum(-1)
+    w_min = np.where(cnt > 0, wc, np.inf).min(1)
+    reserve = lambda: (num_s - keep.sum(-1)) * w_min[:, None]  # noqa: E731
+    limit = thr[:, None] * (1 + _EPS)
+    for _ in range(num_s):
+        ob, ok = np.nonzero((kl + reserve() > limit) & alive & keep.any(-1))
+        if not len(ob):
+            break
+        ar = np.arange(len(ob))
+        ws, ks = wslot[ob, ok], keep[ob, ok]
+        excess = kl[ob, ok] + reserve()[ob, ok] - thr[ob] + w_min[ob]  # evicting c saves w_c - w_min
+        c1 = np.where(ks & (ws >= excess[:, None]), ws, np.inf)
+        s1 = c1.argmin(1)
+        s2 = np.where(ks, ws, -np.inf).argmax(1)
+        s = np.where(np.isfinite(c1[ar, s1]), s1, s2)
+        keep[ob, ok, s] = False
+        kl[ob, ok] -= wslot[ob, ok, s]
+        wslot[ob, ok, s] = 0.0
+
+    new = np.where(keep, x, -1)
+    kept_cnt = _count_last(np.where(keep, xe, -1).reshape(num_b, -1), num_e)
+    rem = cnt - kept_cnt[:, :num_e]
+    assert (rem >= 0).all()
+    nfree = ((new < 0) & alive[:, :, None]).sum(-1)
+    assert (nfree.sum(1) == rem.sum(1)).all()
+
+    # Remaining copies, heaviest first (a pending pool per row), like the reference's greedy:
+    # to the least loaded live rank with a free slot that may take the expert, if it stays
+    # under the threshold (with the reserve); else replace, on the full rank where that gives
+    # the lowest load under the threshold, the lightest copy that is lighter and suffices, that
+    # copy going back to the pool (the freed slots sit on ranks near the threshold, so heavy
+    # copies need room made on light ranks); else to the least loaded rank with a free slot,
+    # for _swap_repair to fix.
+    ib, ie = np.nonzero(rem)
+    reps = rem[ib, ie]
+    ib, ie = np.repeat(ib, reps), np.repeat(ie, reps)
+    per_row = np.bincount(ib, minlength=num_b)
+    ipos = np.arange(ib.size) - (np.cumsum(per_row) - per_row)[ib]
+    m = int(per_row.max()) if ib.size else 0
+    pool_e = np.full((num_b, m), -1, dtype=np.int64)
+    pool_e[ib, ipos] = ie
+    pool_w = np.where(pool_e >= 0, wc[rows[:, None], np.maximum(pool_e, 0)], -np.inf)
+    counts = _count_last(new, num_e)
+    wslot = np.where(new >= 0, wslot, np.inf)
+    max_bumps = 2 * num_k * num_s
+    it = 0
+    while True:
+        r = np.nonzero(np.isfinite(pool_w).any(1))[0]
+        if not len(r):
+            break
+        n = len(r)
+        ar = np.arange(n)
+        q = pool_w[r].argmax(1)
+        e, w = pool_e[r, q], pool_w[r, q]
+        pool_w[r, q] = -np.inf
+        load = kl[r]
+        blocked = counts[r, :, e] >= cap[r, e][:, None]
+        free = nfree[r] > 0
+        after_a = np.where(free & ~blocked, load + w[:, None], np.inf)
+        ka = after_a.argmin(1)
+        fa = after_a[ar, ka]
+        # room for this copy and the lightest possible copy in each further free slot
+        fit = np.where(free & ~blocked, load + w[:, None] + (nfree[r] - 1) * w_min[r][:, None], np.inf)
+        fit = np.where(fit <= thr[r][:, None] * (1 + _EPS), after_a, np.inf)
+        kf = fit.argmin(1)
+        ok_a = np.isfinite(fit[ar, kf])
+        ka = np.where(ok_a, kf, ka)
+        # the lightest copy lighter than this one whose swap keeps the rank under the threshold
+        need = load + w[:, None] - thr[r][:, None]
+        ws = wslot[r]
+        ws = np.where((new[r] != e[:, None, None]) & (ws >= need[..., None]) & (ws < w[:, None, None] * (1 - _EPS)),
+                      ws, np.inf)
+        sb = ws.argmin(2)
+        out = np.take_along_axis(ws, sb[..., None], 2)[..., 0]
+        after_b = np.where(~free & ~blocked & np.isfinite(out), load - out + w[:, None], np.inf)
+        kb = after_b.argmin(1)
+        bump = ~ok_a & (after_b[ar, kb] <= thr[r] * (1 + _EPS)) & (it < max_bumps)
+        forced = ~ok_a & ~bump & ~np.isfinite(fa)  # every free rank holds the expert: allow a duplicate
+        if forced.any():
+            ka[forced] = np.where(free[forced], load[forced], np.inf).argmin(1)
+        # place into a free slot
+        pa = ~bump
+        rp, kp, ep, wp = r[pa], ka[pa], e[pa], w[pa]
+        sp = (new[rp, kp] < 0).argmax(1)
+        new[rp, kp, sp] = ep
+        wslot[rp, kp, sp] = wp
+        nfree[rp, kp] -= 1
+        kl[rp, kp] += wp
+        counts[rp, kp, ep] += 1
+        # replace a copy of the chosen full rank; it goes back into the pool
+        rb, kk, eb, wb = r[bump], kb[bump], e[bump], w[bump]
+        ss = sb[ar[bump], kk]
+        out_e, out_w = new[rb, kk, ss], wslot[rb, kk, ss]
+        new[rb, kk, ss] = eb
+        wslot[rb, kk, ss] = wb
+        kl[rb, kk] += wb - out_w
+        counts[rb, kk, eb] += 1
+        counts[rb, kk, out_e] -= 1
+        pool_e[rb, q[bump]] = out_e
+        pool_w[rb, q[bump]] = out_w
+        it += 1
+    _repair(new, wc, cap)
+    _swap_repair(new, alive, wc, cap, x, thr)
+    return new
+
+
+def _sticky_lpt(old: np.ndarray, alive: np.ndarray, cnt: np.ndarray, wc: np.ndarray, thr: np.ndarray) -> np.ndarray:
+    """The reference's greedy (copies heaviest first, each to the least loaded live rank with
+    room that does not hold the expert) with a preference: a copy goes to a rank that held
+    the expert before (the least loaded of them) when it fits there under ``thr``, counting
+    the lightest copy of the row for each of that rank's further free slots. Arguments and
+    result as in :func:`_sticky`."""
+    num_b, num_k, num_s = old.shape
+    num_e = cnt.shape[1]
+    rows = np.arange(num_b)
+    bi = rows[:, None, None]
+    x = np.where(alive[:, :, None], old, -1)
+    held = np.zeros((num_b, num_k, num_e + 1), dtype=bool)
+    held[bi, np.arange(num_k)[None, :, None], np.where(x < 0, num_e, x)] = True
+    cap = _per_rank_cap(cnt, alive.sum(1))
+    # copies of each row, heaviest first
+    ib, ie = np.nonzero(cnt)
+    reps = cnt[ib, ie]
+    ib, ie = np.repeat(ib, reps), np.repeat(ie, reps)
+    iw = wc[ib, ie]
+    o = np.lexsort((ie, -iw, ib))
+    ib, ie, iw = ib[o], ie[o], iw[o]
+    per_row = np.bincount(ib, minlength=num_b)
+    m = int(per_row.max())
+    assert (per_row == alive.sum(1) * num_s).all()
+    items = ie.reshape(num_b, m)
+    weights = iw.reshape(num_b, m)
+    w_min = weights[:, -1]
+    load = np.zeros((num_b, num_k))
+    used = np.where(alive, 0, num_s)
+    counts = np.zeros((num_b, num_k, num_e), dtype=np.int64)
+    new = np.full((num_b, num_k, num_s), -1, dtype=np.int64)
+    limit = thr * (1 + _EPS)
+    for t in range(m):
+        e, w = items[:, t], weights[:, t]
+        room = used < num_s
+        may = room & (counts[rows, :, e] < cap[rows, e][:, None])
+        fit = load + w[:, None] + (num_s - used - 1) * w_min[:, None] <= limit[:, None]
+        pref = np.where(may & fit & held[rows, :, e], load, np.inf)
+        k = pref.argmin(1)
+        lpt = ~np.isfinite(pref[rows, k])
+        if lpt.any():
+            cost = np.where(may[lpt], load[lpt], np.inf)
+            k2 = cost.argmin(1)
+            bad = ~np.isfinite(cost[np.arange(len(k2)), k2])
+            if bad.any():  # every rank with room holds it: a duplicate
+                k2[bad] = np.where(room[lpt][bad], load[lpt][bad], np.inf).argmin(1)
+            k[lpt] = k2
+        new[rows, k, used[rows, k]] = e
+        used[rows, k] += 1
+        load[rows, k] += w
+        counts[rows, k, e] += 1
+    _repair(new, wc, cap)
+    _swap_repair(new, alive, wc, cap, x, thr)
+    return new
+
+
+def _swap_repair(new: np.ndarray, alive: np.ndarray, wc: np.ndarray, cap: np.ndarray, old: np.ndarray,
+                 thr: np.ndarray, num_heavy: int = 4, num_light: int = 8) -> None:
+    """Local search, in place, for ranks over ``thr``: swap one of an overloaded rank's copies
+    with a lighter copy on one of the row's ``num_light`` least loaded ranks, so that both end
+    at most ``thr`` (fewest added moves, then the lowest peak) or at least the peak drops.
+
+    The greedy placement of _sticky can only use the slots that evictions freed, and those are
+    on ranks near the threshold; a few 2-exchanges with light ranks fix that. Each round
+    repairs up to ``num_heavy`` overloaded ranks per row (distinct partners). ``new``
+    ``int[B, K, S]``; ``old`` ``int[B, K, S]`` the old copies (to count moves); ``alive``
+    ``bool[B, K]``; ``wc``/``cap`` ``[B, E]``; ``thr`` ``float[B]``.
+    """
+    num_b, num_k, num_s = new.shape
+    num_e = wc.shape[1]
+    li = np.arange(num_b)[:, None, None]
+    ki = np.arange(num_k)[None, :, None]
+    held = np.zeros((num_b, num_k, num_e + 1), dtype=bool)
+    held[li, ki, np.where(old < 0, num_e, old)] = True
+    counts = _count_last(new, num_e)
+    wslot = np.where(new >= 0, wc[li, np.maximum(new, 0)], 0.0)
+    loads = np.where(alive, wslot.sum(-1), np.nan)
+    limit = thr * (1 + _EPS)
+    stuck = np.zeros(num_b, dtype=bool)
+    m1 = min(num_heavy, num_k)
+    m2 = min(num_light, num_k)
+    for _ in range(4 * num_k):
+        over = np.nan_to_num(loads, nan=-np.inf) > limit[:, None]
+        r = np.nonzero(over.any(1) & ~stuck)[0]
+        if not len(r):
+            break
+        n = len(r)
+        lr = np.nan_to_num(loads[r], nan=-np.inf)
+        k1 = np.argsort(-lr, axis=1, kind="stable")[:, :m1]  # heaviest first
+        l1 = np.take_along_axis(lr, k1, 1)
+        v1 = l1 > limit[r][:, None]
+        k2 = np.argsort(np.nan_to_num(loads[r], nan=np.inf), axis=1, kind="stable")[:, :m2]
+        l2 = np.take_along_axis(lr, k2, 1)
+        v2 = np.isfinite(l2) & (l2 <= limit[r][:, None])
+        rr = r[:, None, None]
+        a, wa = new[rr, k1[:, :, None], np.arange(num_s)], wslot[rr, k1[:, :, None], np.arange(num_s)]  # [n, m1, S]
+        b, wb = new[rr, k2[:, :, None], np.arange(num_s)], wslot[rr, k2[:, :, None], np.arange(num_s)]  # [n, m2, S]
+        d = wa[:, :, :, None, None] - wb[:, None, None, :, :]  # [n, m1, S, m2, S]: load k1 -> k2
+        peak = np.maximum(l1[:, :, None, None, None] - d, l2[:, None, None, :, None] + d)
+        ae, be = np.maximum(a, 0), np.maximum(b, 0)
+        r4 = r[:, None, None, None]
+        ok = (d > 0) & (peak < l1[:, :, None, None, None] * (1 - _EPS))
+        ok &= (v1[:, :, None] & (a >= 0))[:, :, :, None, None] & (v2[:, :, None] & (b >= 0))[:, None, None]
+        ok &= a[:, :, :, None, None] != b[:, None, None]
+        # the per-rank cap: k2 may take a, k1 may take b
+        ok &= (counts[r4, k2[:, None, None, :], ae[..., None]] < cap[r[:, None, None], ae][..., None])[..., None]
+        ok &= (counts[r4, k1[:, :, None, None], be[:, None]] < cap[r[:, None, None], be][:, None])[:, :, None]
+        gone = lambda h: (~h).astype(np.int64)  # noqa: E731 - a copy not held there before moves
+        dmoves = (gone(held[r4, k2[:, None, None, :], ae[..., None]])[..., None]
+                  + gone(held[r4, k1[:, :, None, None], be[:, None]])[:, :, None]
+                  - gone(held[rr, k1[:, :, None], ae])[..., None, None]
+                  - gone(held[rr, k2[:, :, None], be])[:, None, None])
+        rel = peak / np.maximum(thr[r], 1e-300)[:, None, None, None, None]
+        good = ok & (peak <= limit[r][:, None, None, None, None])
+        score = np.where(good, dmoves * 4.0 + rel, np.where(ok, 100.0 + rel, np.inf)).reshape(n, m1, -1)
+        best = score.argmin(2)
+        fine = np.isfinite(np.take_along_axis(score, best[..., None], 2)[..., 0])  # [n, m1]
+        sa, j2, sb = np.unravel_index(best, (num_s, m2, num_s))
+        # one swap per partner rank and round: the heaviest overloaded rank wins
+        same = (j2[:, :, None] == j2[:, None, :]) & fine[:, None, :] & np.tri(m1, k=-1, dtype=bool)[None]
+        fine &= ~same.any(2)
+        stuck[r[~fine.any(1)]] = True
+        ri, i = np.nonzero(fine)
+        row = r[ri]
+        ka, kb = k1[ri, i], k2[ri, j2[ri, i]]
+        sa, sb = sa[ri, i], sb[ri, i]
+        ea, eb = new[row, ka, sa], new[row, kb, sb]
+        wa_, wb_ = wslot[row, ka, sa], wslot[row, kb, sb]
+        new[row, ka, sa], new[row, kb, sb] = eb, ea
+        wslot[row, ka, sa], wslot[row, kb, sb] = wb_, wa_
+        counts[row, ka, ea] -= 1
+        counts[row, ka, eb] += 1
+        counts[row, kb, eb] -= 1
+        counts[row, kb, ea] += 1
+        loads[row, ka] -= wa_ - wb_
+        loads[row, kb] += wa_ - wb_
