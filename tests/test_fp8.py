@@ -3,7 +3,9 @@
 fp32 models (and verify checks them): every value equals an independent dequantization (this file's own quantizer and
 ``from_pretrained`` of the dequantized checkpoint), in one process and on 4 gloo ranks with EP=2 x
 expert-FSDP=2 and a redundant placement, with the scales in other files than their weights and, in
-"single" mode, read by rank 0 only and a staging budget that cuts pieces across blocks.
+"single" mode, read by rank 0 only and a staging budget that cuts pieces across blocks. An FP8
+model (transformers' FP8Linear / FP8Experts) keeps the FP8 bytes and takes the scales as expert
+tensors that load, relocate and save move with their expert.
 """
 
 from __future__ import annotations
@@ -165,6 +167,128 @@ def test_fp8_dequantized_on_ep_and_expert_fsdp_ranks(ckpts):
             for name, got in state.items():
                 assert torch.equal(got, want[name]), f"rank {rank} {storage} {name}"
 
+
+
+def fp8_model(device: str = "meta"):
+    """The family's model kept in FP8 as transformers holds it (``FP8Linear`` weight + block
+    ``weight_scale_inv``; ``FP8Experts``: ``gate_up_proj`` float8 ``[E, 2I, H]`` beside
+    ``gate_up_proj_scale_inv`` float32 ``[E, 2I/B, H/B]``), for this file's checkpoint: what it
+    quantized (every ``*proj.weight``) is FP8, the rest not."""
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import replace_with_fp8_linear
+
+    with torch.device(device):
+        model = hf_families.build(FAMILY)
+    config = FineGrainedFP8Config(weight_block_size=(BLOCK, BLOCK))
+    return replace_with_fp8_linear(model, modules_to_not_convert=["lm_head", "kv_a_proj_with_mqa"],
+                                   quantization_config=config, pre_quantized=True)
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """Bytes to compare exactly (FP8 as uint8: gloo and torch.equal have no float8)."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def fp8_kept_worker(fp8: str, out_dir: str) -> list:
+    """Load the FP8 checkpoint into an FP8 model with EP=2 x efsdp=2 and a redundant placement,
+    verify, relocate P2P to another placement (no checkpoint: the scales must travel with their
+    experts), verify again, save, relocate back reading from disk; return each parameter's local
+    bytes and global offset (torch's own rule) after each step, with its placement's phy2log."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    import moeshard
+
+    mesh = moeshard.make_mesh("cpu", ep=2, efsdp=2)
+    model = fp8_model()
+    n = model.config.n_routed_experts
+    layers = sum(1 for name, _ in model.named_modules() if name.endswith(".experts"))
+
+    def placement(seed):
+        rng = np.random.default_rng(seed)
+        rows = [rng.permutation(np.concatenate([np.arange(n), rng.integers(0, n, 2)])) for _ in range(layers)]
+        return moeshard.Placement(np.stack(rows), num_logical=n, num_ranks=2)
+
+    def local_state():
+        state = {}
+        for name, p in model.named_parameters():
+            if isinstance(p, DTensor):
+                _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                state[name] = (_raw(p.to_local()).clone(), tuple(offset), tuple(p.shape))
+            else:
+                state[name] = (_raw(p.detach()).clone(), (0,) * p.dim(), tuple(p.shape))
+        return state
+
+    old, new = placement(5), placement(6)
+    moeshard.parallelize(model, mesh, old, ep_forward=False)
+    rep = moeshard.load(model, fp8, placement=old)
+    assert moeshard.verify(model, fp8, placement=old).num_boxes_checked > 0
+    loaded = local_state()
+    moved = moeshard.relocate(model, old, new)
+    assert moeshard.verify(model, fp8, placement=new).num_boxes_checked > 0
+    moeshard.save(model, out_dir, new, max_shard_bytes=8_000)
+    relocated = local_state()
+    # And back, every changed slot re-read from disk: FP8 bytes and their scales as stored.
+    moeshard.relocate(model, new, old, checkpoint=fp8, from_checkpoint=True)
+    return [(rep.dequantized_keys, rep.unused_keys, moved.bytes_sent_rank, old.phy2log, loaded),
+            (0, (), 0, new.phy2log, relocated), (0, (), 0, old.phy2log, local_state())]
+
+
+@pytest.mark.dist
+def test_fp8_kept_with_scales_that_move_with_their_experts(ckpts, tmp_path):
+    """An FP8 model (transformers' FP8Linear / FP8Experts) takes the FP8 bytes and the block scales
+    as stored, on EP=2 x expert-FSDP=2 ranks with a redundant placement: every local byte equals
+    the checkpoint's (an expert's ``gate_up_proj_scale_inv`` row is its gate and up scales
+    stacked), after load, after a P2P relocation that moves the scales with their experts, and
+    after one back that reads them from disk; the relocated model verifies and saves the
+    checkpoint's exact key set and bytes."""
+    from safetensors.torch import load_file
+
+    import moeshard
+
+    fp8, _, _ = ckpts
+    want = {}
+    for f in os.listdir(fp8):
+        if f.endswith(".safetensors"):
+            want.update(load_file(os.path.join(fp8, f)))
+    model = fp8_model("cpu")  # the names and shapes only
+    experts = [name for name, _ in model.named_modules() if name.endswith(".experts")]
+    kept = {name for name, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn}
+    assert any(name.endswith("experts.gate_up_proj") for name in kept)
+    assert any(name.endswith("experts.gate_up_proj_scale_inv") for name, _ in model.named_parameters())
+
+    def expected(name: str, phy2log: np.ndarray) -> torch.Tensor:
+        module, _, attr = name.rpartition(".")
+        if module not in experts:
+            return _raw(want[name])
+        proj, _, suffix = attr.partition("_proj")
+        parts = ("gate", "up") if proj == "gate_up" else (proj,)
+        rows = phy2log[experts.index(module)]
+        return torch.stack([_raw(torch.cat([want[f"{module}.{int(e)}.{q}_proj.weight{suffix}"] for q in parts]))
+                            for e in rows])
+
+    results = run_ranks(fp8_kept_worker, fp8, str(tmp_path / "saved"), world=4, local_world=2, timeout=240)
+    sent = 0
+    for rank, steps in enumerate(results):
+        for deq, unused, moved, phy2log, state in steps:
+            assert deq == 0 and unused == ()  # nothing dequantized, every scale read by a parameter
+            sent += moved
+            assert set(state) == {name for name, _ in model.named_parameters()}
+            for name, (got, offset, shape) in state.items():
+                full = expected(name, phy2log)
+                assert tuple(full.shape) == shape, name
+                box = tuple(slice(o, o + n) for o, n in zip(offset, got.shape))
+                assert torch.equal(got, full[box]), f"rank {rank} {name}"
+    assert sent > 0  # the relocation moved experts (and their scales) between ranks
+    saved = {}
+    for f in os.listdir(tmp_path / "saved"):
+        if f.endswith(".safetensors"):
+            saved.update(load_file(os.path.join(tmp_path / "saved", f)))
+    assert set(saved) == set(want)
+    for key, t in want.items():
+        assert saved[key].dtype == t.dtype and torch.equal(_raw(saved[key]), _raw(t)), key
+    assert moeshard.CheckpointIndex.open(str(tmp_path / "saved")).tensors.keys() == \
+        moeshard.CheckpointIndex.open(fp8).tensors.keys()
 
 def test_inspect_reports_the_quantization(ckpts):
     from moeshard.cli.inspect import format_summary, inspect_checkpoint

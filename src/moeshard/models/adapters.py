@@ -26,13 +26,15 @@ are concatenated. Part sizes along ``dim`` come from the checkpoint's headers.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
 from ..box import Box
+from ..io.formats import SCALE_SUFFIXES
 
 __all__ = ["ExpertParam", "ExpertsSpec", "HF_EXPERTS", "MIXTRAL_EXPERTS", "DEFAULT_SPECS", "KEY_RENAMES",
-           "checkpoint_names", "expert_params", "expert_parts", "read_expert_box", "specs_for"]
+           "checkpoint_names", "expert_params", "expert_parts", "read_expert_box", "specs_for", "with_scales"]
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,22 @@ MIXTRAL_EXPERTS = ExpertsSpec(
     ),
 )
 DEFAULT_SPECS: tuple[ExpertsSpec, ...] = (HF_EXPERTS, MIXTRAL_EXPERTS)
+
+def with_scales(spec: ExpertsSpec, param_names: set[str]) -> ExpertsSpec:
+    """``spec`` plus the FP8 block scales an experts module keeps beside its weights (names
+    ``param_names``), each an expert parameter of its own that moves with its expert.
+
+    transformers' ``FP8Experts`` (a model loaded FP8 as stored) has ``gate_up_proj`` float8
+    ``[E, 2I, H]`` and ``gate_up_proj_scale_inv`` float32 ``[E, ceil(2I/B), ceil(H/B)]``, stacked
+    from the per-expert ``gate_proj.weight_scale_inv`` + ``up_proj.weight_scale_inv``
+    ``[ceil(I/B), ceil(H/B)]`` exactly as the weight is from ``gate_proj.weight`` + ``up_proj.weight``
+    (its ``HfQuantizer.update_weight_conversions``: the companion's suffix is the serialized name
+    minus ``weight``). So the scale ``<param><suffix>`` reads parts ``<part><suffix>`` along the
+    same dim; the parts' sizes (block rows) come from the checkpoint, as for any part."""
+    extra = tuple(ExpertParam(p.name + suffix, tuple(part + suffix for part in p.parts), p.dim)
+                  for p in spec.params for suffix in SCALE_SUFFIXES if p.name + suffix in param_names)
+    return dataclasses.replace(spec, params=spec.params + extra) if extra else spec
+
 
 # Names a checkpoint may use for a model name, besides the name itself: ``(regex, replacement)``.
 # Mixtral-family checkpoints keep the pre-v5 module name ``block_sparse_moe`` for what

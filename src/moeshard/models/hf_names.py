@@ -30,6 +30,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from ..io.formats import scaled_weight
 from .adapters import ExpertParam, ExpertsSpec
 
 __all__ = ["HFNames", "hf_names", "hf_model_of", "KeyMismatch"]
@@ -102,6 +103,14 @@ class HFNames:
                 break
         if name not in model_names and key in model_names:
             return key
+        weight = scaled_weight(key)
+        if name not in model_names and weight is not None and weight.endswith("weight"):
+            # An FP8 block scale goes where its weight goes, suffixed as transformers' quantizer
+            # copies the weight's converter for it when the model keeps the scale
+            # (``experts.0.gate_proj.weight_scale_inv`` -> ``experts.gate_up_proj_scale_inv``).
+            scale = self.loaded_name(weight, model_names) + key[len(weight):]
+            if scale in model_names:
+                return scale
         return name
 
     def check_keys(self, keys: Iterable[str], expected: Iterable[Iterable[str]]) -> "KeyMismatch | None":

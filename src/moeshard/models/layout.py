@@ -31,7 +31,7 @@ from ..io.fp8 import scale_of
 from ..placement import Placement
 from ..plan.arrays import expand_runs, unique_rows
 from ..plan.needs import NeedTable
-from .adapters import DEFAULT_SPECS, ExpertParam, ExpertsSpec, checkpoint_names, expert_parts, specs_for
+from .adapters import DEFAULT_SPECS, ExpertParam, ExpertsSpec, checkpoint_names, expert_parts, specs_for, with_scales
 from .hf_names import HFNames, hf_names
 
 if TYPE_CHECKING:  # torch only where a model is looked at: need_table and its helpers run without it
@@ -135,7 +135,7 @@ def expert_layers(model: nn.Module, specs: Sequence[ExpertsSpec] = DEFAULT_SPECS
         names = {n for n, _ in mod.named_parameters(recurse=False)}
         for spec in specs:
             if spec.matches(base(name), names):
-                out.append((name, mod, spec))
+                out.append((name, mod, with_scales(spec, names)))
                 break
     return out
 
@@ -253,7 +253,11 @@ def describe_model(
         own = {n for n, _ in mod.named_parameters(recurse=False)}
         matching = [s for s in ordered if s.matches(base(name), own)]
         if matching:
-            experts[name] = (layer, *_choose_spec(matching, base(name), index, renamed, hf))
+            spec, prefixes = _choose_spec(matching, base(name), index, renamed, hf)
+            scaled = with_scales(spec, own)
+            for p in scaled.params[len(spec.params):]:  # an FP8 scale is stored where its weight is
+                prefixes[p.name] = prefixes[scaled_weight(p.name)]
+            experts[name] = (layer, scaled, prefixes)
             layer += 1
     aliases, tensors = _aliases(model, peft)
     descs = []
