@@ -34,7 +34,7 @@ from ..plan import DEFAULT_STAGING_BYTES, Schedule, minimal_cost, plan_transfers
 from ..plan.scales import ScaleNeeds, scale_needs
 from ..progress import Progress, progress_enabled
 from ..topology import Topology
-from .report import OpReport
+from .report import OpReport, Phases
 
 __all__ = ["LoadReport", "load", "plan_load", "materialize", "target_device", "checked_unused_keys", "refuse_or_warn",
            "float_params"]
@@ -278,6 +278,7 @@ def load(
             unused-key error) or the ranks' plans differ.
     """
     t0 = time.perf_counter()
+    phases = Phases(t0)
     hwm_reset = _reset_peak_rss()
     rss0 = psutil.Process().memory_info().rss
     topo = topology or Topology.from_env()
@@ -294,7 +295,9 @@ def load(
     # One exchange: every rank's errors and whether it can see the checkpoint.
     (dev, can), everyone = _dist.agree_and_gather(prepare, "moeshard.load: materializing the model",
                                                   share=lambda dc: dc[1])
+    phases.end("materialize")
     mode, readers, scope, index = resolve_sources(path, storage, topo, can, everyone=everyone)
+    phases.end("headers")
     reader = CheckpointReader(index, reader_root(path)) if readers[rank] else None
 
     def make_plan() -> tuple[list[ParamDesc], Schedule, tuple[str, ...], ScaleNeeds | None, Schedule | None]:
@@ -317,7 +320,7 @@ def load(
     descs, plan, unused, scales, scale_plan = _dist.agree(
         make_plan, "moeshard.load: planning",
         fingerprint=lambda dp: dp[1].fingerprint + (dp[4].fingerprint if dp[4] is not None else ""))
-    t_plan = time.perf_counter() - t0
+    t_plan = phases.end("plan") - t0
     broadcasts = plan.has_broadcasts or (scale_plan is not None and scale_plan.has_broadcasts)
     group = node_groups(topo.local_world_size) if broadcasts else None
     tensors = dict(model.named_parameters(remove_duplicate=False))
@@ -337,6 +340,7 @@ def load(
                     scale_plan, rank, ReaderSource(scale_plan, reader, index), TensorSink(scale_plan, scratch, rank),
                     dev, node_group=group, what=what).check(), what)
                 fp8 = {w: (scratch[j], block) for w, (j, block) in scales.weights.items() if scratch[j] is not None}
+                phases.end("scales")
             bar = Progress("load", plan.delivered_bytes(rank), enabled=progress_enabled(progress),
                            local_rank=topo.local_rank, node=topo.node)
             what = "moeshard.load: executing the plan"
@@ -345,10 +349,12 @@ def load(
                 plan, rank, ReaderSource(plan, reader, index), sink, dev, node_group=group,
                 progress=bar.update, what=what).check(), what)
             bar.close()
+            phases.end("execute")
     finally:
         if reader is not None:
             reader.close()
     _dist.barrier("moeshard.load: finishing")
+    phases.end("finish")
     peak = _read_peak_rss() if hwm_reset else None
     peak_source = "vmhwm" if peak is not None else "ru_maxrss"
     if peak is None:
@@ -373,7 +379,9 @@ def load(
         peak_rss_source=peak_source,
         unused_keys=unused,
         dequantized_keys=len(scales.weights) if scales is not None else 0,
+        phase_seconds=phases.seconds,
     )
+
 
 
 def _reset_peak_rss() -> bool:

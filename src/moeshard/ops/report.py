@@ -10,9 +10,10 @@ rank's view of the run; each operation adds its own fields.
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["OpReport"]
+__all__ = ["OpReport", "Phases"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,7 +22,11 @@ class OpReport:
 
     Args:
         rank, world_size: this rank and the job's size.
-        wall_seconds, plan_seconds: the whole call, and its describe + plan + agree part.
+        wall_seconds, plan_seconds: the whole call, and its part before any data moves
+            (materialize, storage and headers, describe + plan + agree).
+        phase_seconds: this rank's wall seconds per step of the call, in order (e.g. load:
+            ``materialize``, ``headers``, ``plan``, ``scales``, ``execute``, ``finish``); each
+            step ends with its exchange, so a step's time includes waiting for the slowest rank.
         fingerprint: the plan every rank agreed on.
         plan: the plan's job-wide cost counters (``cost.summary()``).
         bytes_read_rank, bytes_sent_rank, bytes_received_rank: storage reads, P2P / broadcast
@@ -39,7 +44,23 @@ class OpReport:
     bytes_sent_rank: int = 0
     bytes_received_rank: int = 0
     peak_staging_bytes_rank: int = 0
+    phase_seconds: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         """Every field, for JSON (``json.dumps(report.to_dict())``)."""
         return asdict(self)
+
+
+class Phases:
+    """Wall seconds per step of one call (``OpReport.phase_seconds``): each :meth:`end` closes the
+    step that began where the previous one ended (the first at ``t0``)."""
+
+    def __init__(self, t0: float):
+        self.last, self.seconds = t0, {}
+
+    def end(self, name: str) -> float:
+        """Close step ``name`` (started where the previous one ended); the time now."""
+        now = time.perf_counter()
+        self.seconds[name] = now - self.last
+        self.last = now
+        return now
