@@ -124,19 +124,13 @@ def fp8_worker(fp8: str) -> list:
     import moeshard
 
     mesh = moeshard.make_mesh("cpu", ep=2, efsdp=2)
-    out = []
-    for storage in ("shared", "single"):
-        model = hf_families.build(FAMILY, torch.bfloat16, device="meta")
-        experts = [n for n, m in model.named_modules() if n.endswith(".experts")]
-        rng = np.random.default_rng(5)
-        n = model.config.n_routed_experts
-        rows = [rng.permutation(np.concatenate([np.arange(n), rng.integers(0, n, 2)])) for _ in experts]
-        pl = moeshard.Placement(np.stack(rows), num_logical=n, num_ranks=2)
-        moeshard.parallelize(model, mesh, pl)
-        # "single" with a small staging budget: pieces (and so dequantized boxes) cut blocks.
-        rep = moeshard.load(model, fp8, placement=pl, storage=storage,
-                            staging_bytes=4096 if storage == "single" else 256 << 20)
-        assert moeshard.verify(model, fp8, placement=pl).num_boxes_checked > 0
+
+    def placement(seed, n, layers):
+        rng = np.random.default_rng(seed)
+        rows = [rng.permutation(np.concatenate([np.arange(n), rng.integers(0, n, 2)])) for _ in range(layers)]
+        return moeshard.Placement(np.stack(rows), num_logical=n, num_ranks=2)
+
+    def state_of(model, experts, pl):
         state = {}
         for name, p in model.named_parameters():
             full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
@@ -144,12 +138,29 @@ def fp8_worker(fp8: str) -> list:
             if module in experts and attr in ("gate_up_proj", "down_proj"):
                 layer = experts.index(module)
                 # every copy of an expert equal, then one row per logical expert
-                for e in range(n):
+                for e in range(pl.num_logical):
                     slots = pl.log2phy[layer, e, :pl.logcnt[layer, e]].tolist()
                     assert all(torch.equal(full[s], full[slots[0]]) for s in slots)
                 full = full[torch.as_tensor(pl.log2phy[layer, :, 0])]
             state[name] = full.clone()
-        out.append((storage, rep.storage, rep.dequantized_keys, rep.bytes_read_rank, state))
+        return state
+
+    out = []
+    for storage in ("shared", "single"):
+        model = hf_families.build(FAMILY, torch.bfloat16, device="meta")
+        experts = [n for n, m in model.named_modules() if n.endswith(".experts")]
+        pl = placement(5, model.config.n_routed_experts, len(experts))
+        moeshard.parallelize(model, mesh, pl)
+        # "single" with a small staging budget: pieces (and so dequantized boxes) cut blocks.
+        rep = moeshard.load(model, fp8, placement=pl, storage=storage,
+                            staging_bytes=4096 if storage == "single" else 256 << 20)
+        assert moeshard.verify(model, fp8, placement=pl).num_boxes_checked > 0
+        out.append((storage, rep.storage, rep.dequantized_keys, rep.bytes_read_rank, state_of(model, experts, pl)))
+    # Every changed slot re-read from disk, dequantized as it is read (each box with its scale blocks).
+    new = placement(6, pl.num_logical, len(experts))
+    moved = moeshard.relocate(model, pl, new, checkpoint=fp8, from_checkpoint=True)
+    assert moeshard.verify(model, fp8, placement=new).num_boxes_checked > 0
+    out.append(("relocated", "relocated", rep.dequantized_keys, moved.bytes_read_rank, state_of(model, experts, new)))
     return out
 
 
@@ -158,15 +169,17 @@ def test_fp8_dequantized_on_ep_and_expert_fsdp_ranks(ckpts):
     fp8, dq, num = ckpts
     want = dict(transformers.AutoModelForCausalLM.from_pretrained(dq, dtype=torch.bfloat16).named_parameters())
     results = run_ranks(fp8_worker, fp8, world=4, local_world=2, timeout=240)
+    relocated_read = 0
     for rank, res in enumerate(results):
         for storage, mode, deq, read, state in res:
             assert mode == storage and deq == num
+            relocated_read += read if storage == "relocated" else 0
             if storage == "single":
                 assert (read > 0) == (rank == 0)
             assert set(state) == set(want)
             for name, got in state.items():
                 assert torch.equal(got, want[name]), f"rank {rank} {storage} {name}"
-
+    assert relocated_read > 0  # the relocation read the changed slots from disk
 
 
 def fp8_model(device: str = "meta"):
@@ -289,6 +302,7 @@ def test_fp8_kept_with_scales_that_move_with_their_experts(ckpts, tmp_path):
         assert saved[key].dtype == t.dtype and torch.equal(_raw(saved[key]), _raw(t)), key
     assert moeshard.CheckpointIndex.open(str(tmp_path / "saved")).tensors.keys() == \
         moeshard.CheckpointIndex.open(fp8).tensors.keys()
+
 
 def test_inspect_reports_the_quantization(ckpts):
     from moeshard.cli.inspect import format_summary, inspect_checkpoint

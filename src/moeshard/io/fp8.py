@@ -22,7 +22,8 @@ from .formats import scale_keys
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FP8_DTYPES", "Quantization", "block_size", "scale_of", "scale_box", "quantization", "dequantize"]
+__all__ = ["FP8_DTYPES", "Quantization", "block_size", "scale_of", "scale_box", "quantization", "dequantize",
+           "read_dequantized"]
 
 FP8_DTYPES = frozenset({"F8_E4M3", "F8_E5M2"})
 
@@ -159,3 +160,18 @@ def _to_float32(q: "torch.Tensor") -> "torch.Tensor":
         lut = _LUTS[q.dtype] = torch.arange(256, dtype=torch.uint8).view(q.dtype).to(torch.float32)
     codes = q.contiguous().view(torch.uint8).reshape(-1).to(torch.int32)
     return torch.index_select(lut, 0, codes).view(q.shape)
+
+
+def read_dequantized(reader, key: str, box: Box, out: "torch.Tensor") -> bool:
+    """Read ``box`` of checkpoint tensor ``key`` into float tensor ``out`` (shape
+    ``box_shape(box)``, two or more bytes per element) dequantized with the scale blocks covering
+    it, which ``reader`` (a :class:`~moeshard.io.checkpoint.CheckpointReader`) reads itself; the
+    path of a read of a few boxes (relocation from disk), where load instead moves whole scales
+    first. False, reading nothing, when ``key`` is no FP8 weight with a block scale or ``out`` is
+    an FP8 tensor (which takes the bytes as stored)."""
+    quant = scale_of(reader.index, key)
+    if quant is None or out.element_size() < 2:
+        return False
+    scale, block = quant
+    out.copy_(dequantize(reader.read(key, box), box, reader.read(scale, scale_box(box, block)), block))
+    return True

@@ -224,14 +224,22 @@ def expert_parts(
 def read_expert_box(reader, param: ExpertParam, module: str, expert: int, box: Box, out):
     """Read ``box`` (slice coordinates, expert dim excluded) of logical ``expert``'s slice of
     ``param`` from its checkpoint parts into ``out`` (a tensor of shape ``box_shape(box)``;
-    values are cast to its dtype). ``reader`` is a :class:`~moeshard.checkpoint.CheckpointReader`.
+    values are cast to its dtype, FP8 weights with a block scale dequantized into a float
+    ``out``: :func:`moeshard.io.fp8.read_dequantized`). ``reader`` is a
+    :class:`~moeshard.io.checkpoint.CheckpointReader`.
     """
+    from ..io.fp8 import read_dequantized
+
+    def read(key: str, part_box: Box, dst) -> None:
+        if not read_dequantized(reader, key, part_box, dst):
+            reader.read(key, part_box, out=dst)
+
     keys = param.keys(module, expert)
     if param.fused:  # row ``expert`` of the one tensor holding every expert
-        return reader.read(keys[0], ((expert, 1),) + tuple(box), out=out.unsqueeze(0))[0]
+        read(keys[0], ((expert, 1),) + tuple(box), out.unsqueeze(0))
+        return out
     sizes = tuple(reader.index.info(k).shape[param.dim] for k in keys)
     base = tuple(o for o, _ in box)
     for j, part_box, sub in expert_parts(box, sizes, param.dim):
-        dst = out[tuple(slice(o - b, o - b + n) for (o, n), b in zip(sub, base))]
-        reader.read(keys[j], part_box, out=dst)
+        read(keys[j], part_box, out[tuple(slice(o - b, o - b + n) for (o, n), b in zip(sub, base))])
     return out

@@ -189,7 +189,8 @@ def _active_global(active_ranks, tensors: Sequence[ExpertTensor], num_physical: 
 
 def _check_disk_keys(plan: RelocationPlan, index: CheckpointIndex, sources) -> None:
     """Every tensor of every expert read from the checkpoint exists there with a fitting shape
-    and a dtype the cast rule allows into the tensor's (load's check: no FP8 without its scale)."""
+    and a dtype the cast rule allows into the tensor's (load's check: an FP8 weight goes into a
+    float tensor only with its block scale, and is dequantized as it is read)."""
     for layer, expert in plan.disk_experts:
         for t, et in enumerate(plan.tensors):
             if et.layer != layer:
@@ -201,7 +202,7 @@ def _check_disk_keys(plan: RelocationPlan, index: CheckpointIndex, sources) -> N
                     "expert_params say which checkpoint keys hold it"
                 )
             desc = ParamDesc(et.name, (0, *et.slice_shape), src.dtype, None, (), (), ExpertRef(layer, src.module, src.param))
-            _part_sizes(desc, index, expert, et.slice_shape)
+            _part_sizes(desc, index, expert, et.slice_shape, dequantize=True)
 
 
 def relocate(
