@@ -82,6 +82,8 @@ def errors_worker(root: str) -> dict:
     res["single-rank0-blind"] = _attempt(load(good if rank != 0 else d("view-nope"), storage="single"))
     res["nothing-visible"] = _attempt(load(d("view-nope")))
     res["bad-storage"] = _attempt(load(good, storage="nfs"))
+    # Rank 2 asks for another storage mode than the others (which would pick other readers).
+    res["storage-differs"] = _attempt(load(good, storage="node" if rank == 2 else "shared"))
     # Rank 3 has another placement (same shape): plans disagree.
     other = tiny_moe.shuffled_placement(2, tiny_moe.NUM_EXPERTS, 2, 10, seed=5)
     res["placement-differs"] = _attempt(load(good, placement=other if rank == 3 else pl))
@@ -273,6 +275,8 @@ def test_storage_not_visible(results):
     assert "no rank can read the checkpoint" in text
     text = _all_raise(res, "bad-storage")
     assert "storage must be 'auto', 'shared', 'node' or 'single', got 'nfs'" in text
+    text = _all_raise(res, "storage-differs")
+    assert "the ranks passed different storage: rank 0 'shared', ranks [2] another (rank 2: 'node')" in text
 
 
 def test_placement_differs_across_ranks(results):

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import torch.distributed as dist
 
-__all__ = ["DistributedError", "PeerLostError", "is_dist", "rank_and_world", "agree", "agree_and_gather",
+__all__ = ["DistributedError", "PeerLostError", "is_dist", "rank_and_world", "agree", "agree_and_gather", "unanimous",
            "broadcast_result", "all_gather_object", "broadcast_object", "barrier", "collective", "errors_as",
            "start_p2p"]
 
@@ -173,6 +173,25 @@ def agree_and_gather(step: Callable[[], T], what: str, share: Callable[[T], Any]
     indexed by group rank) on every rank, in the same exchange: one all-gather where
     :func:`agree` then :func:`all_gather_object` take two."""
     return _agree(step, what, None, share, group)
+
+
+def unanimous(step: Callable[[], T], what: str, group=None) -> T:
+    """Run ``step``, a pure function of data every rank of ``group`` holds alike (gathered in an
+    earlier exchange), with no exchange: every rank gets the same result or the same error, which
+    is raised as the :class:`DistributedError` :func:`agree` would raise when every rank fails.
+
+    Raises:
+        ValueError: the step's own error when no process group is initialized.
+    """
+    try:
+        return step()
+    except Exception as e:  # noqa: BLE001 - the same error on every rank, raised alike
+        if not is_dist():
+            raise
+        world = dist.get_world_size(group)
+        lines = "\n".join(f"  rank {r}: {type(e).__name__}: {e}" for r in range(min(world, 4)))
+        more = f"\n  (and the other {world - 4} ranks alike)" if world > 4 else ""
+        raise DistributedError(f"{what} failed on {world} of {world} rank(s):\n{lines}{more}") from None
 
 
 def broadcast_result(step: Callable[[], T], src: int, what: str) -> T:

@@ -9,6 +9,7 @@ ships the headers from one reader to every rank.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Literal, Sequence
 
@@ -17,7 +18,7 @@ import numpy as np
 from ..topology import Topology
 from .checkpoint import CheckpointIndex
 
-__all__ = ["Storage", "storage_sources", "resolve_sources", "reader_root"]
+__all__ = ["Storage", "storage_sources", "sources_share", "resolve_sources", "reader_root"]
 
 Storage = Literal["auto", "shared", "node", "single"]
 
@@ -77,13 +78,36 @@ def _storage_mode(storage: Storage, can: np.ndarray, topology: Topology) -> tupl
     raise ValueError(f"storage must be 'auto', 'shared', 'node' or 'single', got {storage!r}")
 
 
+def sources_share(can_read: bool, storage: Storage, topology: Topology,
+                  active: Sequence[bool] | np.ndarray | None = None) -> tuple:
+    """What a rank contributes to :func:`resolve_sources`: whether it sees the checkpoint, and
+    the arguments the storage mode is resolved from (its storage, ranks per node and a digest of
+    ``active``), which every rank must pass alike. Pure."""
+    digest = None if active is None else hashlib.sha1(np.packbits(np.asarray(active, dtype=bool)).tobytes()).hexdigest()
+    return bool(can_read), storage, topology.local_world_size, digest
+
+
+def _agreed_sources(everyone: Sequence[tuple], topology: Topology,
+                    active: Sequence[bool] | np.ndarray | None) -> tuple[str, np.ndarray, str]:
+    """:func:`storage_sources` from every rank's :func:`sources_share`, after checking that the
+    ranks passed the same arguments (pure: every rank computes the same answer or error)."""
+    for what, j in (("storage", 1), ("ranks per node (topology)", 2), ("active_ranks", 3)):
+        values = [e[j] for e in everyone]
+        if any(v != values[0] for v in values):
+            differ = [r for r, v in enumerate(values) if v != values[0]][:16]
+            raise ValueError(f"the ranks passed different {what}: rank 0 {values[0]!r}, ranks {differ} another "
+                             f"(rank {differ[0]}: {values[differ[0]]!r}); every rank must pass the same")
+    return storage_sources(everyone[0][1], [e[0] for e in everyone], topology, active)
+
+
 def resolve_sources(path: str, storage: Storage, topology: Topology, can_read: bool,
                     active: Sequence[bool] | np.ndarray | None = None,
-                    everyone: Sequence[bool] | None = None) -> tuple[str, np.ndarray, str, CheckpointIndex]:
+                    everyone: Sequence[tuple] | None = None) -> tuple[str, np.ndarray, str, CheckpointIndex]:
     """Collective (every rank): agree on the storage mode from which ranks can see ``path``;
     the first reader (the first active one, given ``active``; see :func:`storage_sources`)
-    reads the headers and sends them to all ranks. ``everyone``: every rank's ``can_read``
-    when the caller has gathered it already (one exchange fewer).
+    reads the headers and sends them to all ranks. ``everyone``: every rank's
+    :func:`sources_share` when the caller has gathered it already (in its own first exchange:
+    then the mode costs no exchange, and the headers one broadcast).
 
     Returns ``(mode, readers: bool[world], scope, index)``, the same on every rank.
     """
@@ -91,8 +115,9 @@ def resolve_sources(path: str, storage: Storage, topology: Topology, can_read: b
 
     what = f"moeshard: storage of {path}"
     if everyone is None:
-        everyone = _dist.all_gather_object(can_read, what=what)
-    mode, readers, scope = _dist.agree(lambda: storage_sources(storage, everyone, topology, active), what)
+        everyone = _dist.all_gather_object(sources_share(can_read, storage, topology, active), what=what)
+    # A pure function of what every rank now holds alike: its error is every rank's, no exchange.
+    mode, readers, scope = _dist.unanimous(lambda: _agreed_sources(everyone, topology, active), what)
     live = readers if active is None else readers & np.asarray(active, dtype=bool)
     first = int(np.flatnonzero(live if live.any() else readers)[0])
     what = f"moeshard: reading the headers of {path}"

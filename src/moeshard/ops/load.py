@@ -26,7 +26,7 @@ from .. import _dist
 from ..dtypes import cast_refusal
 from ..execute import DequantSink, ReaderSource, TensorSink, execute_schedule, node_groups
 from ..io.checkpoint import CheckpointIndex, CheckpointReader
-from ..io.sources import Storage, reader_root, resolve_sources
+from ..io.sources import Storage, reader_root, resolve_sources, sources_share
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
 from ..models.layout import ParamDesc, describe_model, ignored_patterns, local_tensor, need_table, unused_keys
 from ..placement import Placement
@@ -292,9 +292,9 @@ def load(
         dev = materialize(model, device)
         return dev, os.path.exists(path)
 
-    # One exchange: every rank's errors and whether it can see the checkpoint.
+    # One exchange: every rank's errors, whether it can see the checkpoint and its storage arguments.
     (dev, can), everyone = _dist.agree_and_gather(prepare, "moeshard.load: materializing the model",
-                                                  share=lambda dc: dc[1])
+                                                  share=lambda dc: sources_share(dc[1], storage, topo))
     phases.end("materialize")
     mode, readers, scope, index = resolve_sources(path, storage, topo, can, everyone=everyone)
     phases.end("headers")
