@@ -255,7 +255,7 @@ def _run_strategy(name: str, model, target, placement, ckpt: str, spec: dict) ->
                                     staging_bytes=spec["staging_bytes"])
                 row.update(bytes_read=rep.bytes_read_rank, bytes_sent=rep.bytes_sent_rank,
                            bytes_received=rep.bytes_received_rank, plan_seconds=rep.plan_seconds,
-                           load_wall_seconds=rep.wall_seconds,
+                           load_wall_seconds=rep.wall_seconds, phase_seconds=rep.phase_seconds,
                            peak_staging_bytes=rep.peak_staging_bytes_rank, plan=rep.plan,
                            checkpoint_bytes=rep.checkpoint_bytes)
             except moeshard.DistributedError as e:  # raised on every rank alike
@@ -385,6 +385,12 @@ def aggregate(per_rank: list[dict], ckpt_bytes: int) -> list[dict]:
                     s["network_bytes_cross_node"] = r0["plan"]["cross_node_bytes"]
                     s["plan_seconds_max_rank"] = statistics.median(
                         max(r["plan_seconds"] for r in rs) for rs in runs)
+                    # Per step of the load (materialize, headers, plan, ..., execute): the slowest
+                    # rank's seconds, median over the runs; "plan" is describe + plan + agree.
+                    s["phase_seconds_max_rank"] = {ph: statistics.median(max(r["phase_seconds"][ph] for r in rs)
+                                                                         for rs in runs)
+                                                   for ph in rows[0]["phase_seconds"]}
+                    s["planning_share_of_wall"] = s["phase_seconds_max_rank"]["plan"] / s["wall_seconds"]
                     s["peak_staging_bytes_max_rank"] = max(r["peak_staging_bytes"] for r in rows)
                     s["plan"] = r0["plan"]
                     # Lower bounds: computed once per layout outside the timed loads.
@@ -478,6 +484,10 @@ def format_report(res: dict) -> str:
                 f"{_mib(s['rss_growth_max_rank']):>10}  {'ok' if s['verify_ok'] else 'FAIL'}")
             if not s["verify_ok"]:
                 lines.append(f"      verify: {s['verify_error'][:200]}")
+            if "phase_seconds_max_rank" in s:
+                lines.append("      steps (slowest rank, s): " + ", ".join(
+                    f"{ph} {v:.3f}" for ph, v in s["phase_seconds_max_rank"].items())
+                    + f"; planning (describe + plan + agree) {100 * s['planning_share_of_wall']:.0f}% of the wall")
         r = lay["ratios"]
         lines.append(
             "   ratios: shared vs rank0-broadcast " + _x(r["speedup_shared_vs_rank0_broadcast"])
