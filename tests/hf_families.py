@@ -193,8 +193,10 @@ _FAMILY: dict[str, dict] = {
     # "zero experts" each add a gate_up_proj row block, so keep 2 of them
     "longcat_flash": dict(num_layers=2, zero_expert_num=2),
     "mimo_v2_flash": dict(num_hidden_layers=3, num_key_value_heads=2),  # dense first; its SWA heads need GQA
-    # default layers_block_type has one MoE layer among 4 (mamba, moe, attention, mlp)
-    "nemotron_h": dict(layers_block_type=["linear_attention", "moe", "full_attention", "moe"]),
+    # default layers_block_type has one MoE layer among 4 (mamba, moe, attention, mlp); the mamba
+    # mixer's n_groups (default 8) must divide mamba_num_heads (its scan repeats B and C
+    # num_heads // n_groups times: 0 with 4 heads, and forward fails)
+    "nemotron_h": dict(layers_block_type=["linear_attention", "moe", "full_attention", "moe"], n_groups=2),
     "qwen4_exp": dict(text_config=dict(hc_lowrank=8)),  # hyper-connection rank 320 -> ~400k params
     "qwen4_exp_text": dict(hc_lowrank=8),
     # validation: only num_experts_per_tok=1; router MLP width 256 -> ~260k params

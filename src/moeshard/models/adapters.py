@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from ..box import Box
 from ..io.formats import SCALE_SUFFIXES
 
-__all__ = ["ExpertParam", "ExpertsSpec", "HF_EXPERTS", "MIXTRAL_EXPERTS", "DEFAULT_SPECS", "KEY_RENAMES",
+__all__ = ["ExpertParam", "ExpertsSpec", "HF_EXPERTS", "MIXTRAL_EXPERTS", "HF_UNGATED_EXPERTS", "DEFAULT_SPECS", "KEY_RENAMES",
            "checkpoint_names", "expert_params", "expert_parts", "read_expert_box", "specs_for", "with_scales"]
 
 
@@ -86,7 +86,15 @@ MIXTRAL_EXPERTS = ExpertsSpec(
         ExpertParam("down_proj", ("{e}.w2.weight",)),
     ),
 )
-DEFAULT_SPECS: tuple[ExpertsSpec, ...] = (HF_EXPERTS, MIXTRAL_EXPERTS)
+# Experts without a gate (NemotronH: ``up_proj`` [E, I, H], ``down_proj`` [E, H, I]).
+HF_UNGATED_EXPERTS = ExpertsSpec(
+    module=r"(^|\.)experts$",
+    params=(
+        ExpertParam("up_proj", ("{e}.up_proj.weight",)),
+        ExpertParam("down_proj", ("{e}.down_proj.weight",)),
+    ),
+)
+DEFAULT_SPECS: tuple[ExpertsSpec, ...] = (HF_EXPERTS, MIXTRAL_EXPERTS, HF_UNGATED_EXPERTS)
 
 def with_scales(spec: ExpertsSpec, param_names: set[str]) -> ExpertsSpec:
     """``spec`` plus the FP8 block scales an experts module keeps beside its weights (names

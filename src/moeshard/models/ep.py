@@ -1,16 +1,36 @@
-"""Expert-parallel forward for a HF-style experts module, and what training needs around it.
+"""Expert-parallel forward for an HF-style experts module, and what training needs around it.
 
-After :func:`moeshard.parallelize`, an experts module holds only its EP rank's slots
-(``gate_up_proj`` local ``[S, 2I, H]``, ``down_proj`` local ``[S, H, I]``, ``S`` slots per
-rank). Its forward keeps the HF signature ``(hidden [T, H], top_k_index [T, K] logical
-experts, top_k_weights [T, K]) -> [T, H]`` and becomes:
+After :func:`moeshard.parallelize`, an experts module holds only its EP rank's slots: every
+expert parameter is local ``[S, ...]`` (``S`` slots per rank; ``gate_up_proj``, ``down_proj``
+and, where the family has them, biases ``[S, out]``). Its forward becomes an EP forward with
+the family's own signature, for one of two kinds of experts module (:func:`experts_kind`):
 
-1. every (token, k) pair picks one physical copy of its logical expert (redundant experts:
+* *routed* (every transformers experts class decorated with ``@use_experts_implementation``:
+  Qwen3-MoE, Mixtral, DeepSeek, gpt-oss, Aria, Nemotron-H, ...):
+  ``forward(hidden [T, H], top_k_index [T, K] logical experts, top_k_weights [T, K]) -> [T, H]``,
+  the sum over k of ``top_k_weights[t, k] * expert_{top_k_index[t, k]}(hidden[t])``;
+* *pre-routed* (Llama 4's ``Llama4TextExperts``): ``forward(routed_in [E*T, H]) -> [E*T, H]``,
+  block ``e`` (rows ``e*T .. (e+1)*T``) holding the T tokens already scaled by their routing
+  score for expert ``e`` (0 where not routed to it) and the output block ``e`` being expert
+  ``e`` applied to it (the parent MoE block sums the blocks).
+
+Either way the EP forward
+
+1. gives every (token, expert) pair one physical copy of its logical expert (redundant experts:
    copies share the tokens; a copy on this rank is preferred, else they take turns);
-2. rows are sorted by slot, so each EP rank's rows are contiguous, and exchanged with a
-   differentiable all-to-all inside the EP group (counts first, then rows);
-3. each rank runs its local slots on the rows it received;
-4. a second all-to-all brings the outputs back; they are weighted and summed per token.
+2. sorts the pairs' rows by slot, so each EP rank's rows are contiguous, and exchanges them with
+   a differentiable all-to-all inside the EP group (counts first, then rows);
+3. runs the local slots on the rows each rank received with the family's *own* experts forward,
+   called on a view of the module whose expert parameters are the local slots (plus LoRA
+   deltas) and whose expert count is ``S`` (routed: each row routed to its local slot with
+   weight 1; pre-routed: one call per slot). Gate/up interleaving, biases, clamped or custom
+   activations, ``[E, in, out]`` layouts and the configured experts implementation (eager,
+   ``grouped_mm``, ...) are therefore the family's, not a re-implementation;
+4. brings the outputs back with a second all-to-all; routed: weighted and summed per token;
+   pre-routed: put back in place.
+
+A transformers experts module of another kind gets a forward that raises NotImplementedError
+naming its class: its parameters hold only this rank's slots, so its own forward would be wrong.
 
 Gradient convention (the data-parallel one FSDP applies to every other parameter): the
 gradient of an expert parameter is the *mean* over all ranks of the gradients of their local
@@ -40,8 +60,13 @@ from torch import nn
 
 from .layout import local_tensor
 
-__all__ = ["EPLayer", "SlotLora", "install_ep_forward", "set_placement", "slot_params", "sync_redundant_grads", "grad_norm",
-           "clip_grad_norm_"]
+__all__ = ["EPLayer", "SlotLora", "experts_kind", "install_ep_forward", "set_placement", "slot_params",
+           "sync_redundant_grads", "grad_norm", "clip_grad_norm_"]
+
+ROUTED, PREROUTED = "routed", "prerouted"
+# Experts classes with the pre-routed forward (module doc), by class name: FSDP2 gives a module
+# it shards a class of its own, which keeps the original among its bases.
+PREROUTED_CLASSES = frozenset({"Llama4TextExperts"})
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,6 +82,9 @@ class EPLayer:
         ep_rank: this rank's coordinate on the "ep" mesh dim.
         ep_group: the EP process group (this rank's row of the mesh).
         grad_scale: factor applied to the local expert weights' gradient (1/EP, see module doc).
+        param_names: the module's per-slot parameters (its spec's, EP-sharded ``[S, ...]``); its
+            other parameters hold one row per logical expert, whole (``[E, ...]``: gpt-oss's
+            biases, which the spec leaves to FSDP). Empty: every parameter is per slot.
     """
 
     layer: int
@@ -67,6 +95,7 @@ class EPLayer:
     ep_rank: int
     ep_group: dist.ProcessGroup
     grad_scale: float
+    param_names: tuple[str, ...] = ()
 
     @property
     def ep_size(self) -> int:
@@ -117,14 +146,70 @@ class SlotLora:
         return not w.disable_adapters and not w.merged and self.adapter in w.active_adapters
 
 
-def install_ep_forward(module: nn.Module, ep_layer: EPLayer, loras: tuple[SlotLora, ...] = ()) -> None:
-    """Replace ``module``'s forward (HF experts: ``gate_up_proj``, ``down_proj``, ``act_fn``)
-    with the EP forward for ``ep_layer``, adding ``loras``' deltas to the local slots' weights.
-    Called by :func:`moeshard.parallelize`."""
+def _from_transformers(module: nn.Module) -> bool:
+    """Whether ``module``'s class is (or derives from) one transformers defines."""
+    return any(c.__module__.startswith("transformers.") for c in type(module).__mro__)
+
+
+def experts_kind(module: nn.Module) -> str | None:
+    """How moeshard's EP forward drives experts module ``module`` (module doc): ``"routed"``,
+    ``"prerouted"``, or None when moeshard does not know what its forward computes."""
+    if {c.__name__ for c in type(module).__mro__} & PREROUTED_CLASSES:
+        return PREROUTED
+    if hasattr(module, "has_gate") and hasattr(module, "_is_expert_parallel"):
+        # transformers' @use_experts_implementation: its grouped_mm / batched_mm forwards, which
+        # stand in for the class's own, compute each (token, k) row as expert(x) * weight and sum
+        # over k, from the module's own parameters and _apply_gate / act_fn.
+        return ROUTED
+    if not _from_transformers(module) and all(hasattr(module, a) for a in ("gate_up_proj", "down_proj", "act_fn")):
+        return ROUTED  # a custom HF-style module (parallelize's contract): the routed signature
+    return None
+
+
+def install_ep_forward(module: nn.Module, ep_layer: EPLayer, loras: tuple[SlotLora, ...] = ()) -> bool:
+    """Replace ``module``'s forward with the EP forward for ``ep_layer`` (its kind: see
+    :func:`experts_kind`), adding ``loras``' deltas to the local slots' weights. Called by
+    :func:`moeshard.parallelize`.
+
+    Returns whether the EP forward was installed. When not: a transformers experts module gets a
+    forward that raises NotImplementedError naming its class; a custom one keeps its forward
+    (it must route tokens to its ``num_local_experts`` local slots itself).
+
+    Raises:
+        ValueError: a parameter of the module with neither the slots nor the logical experts
+            first (the EP forward runs every parameter of the module on the local slots).
+    """
+    kind = experts_kind(module)
+    if kind is None:
+        if _from_transformers(module):
+            module.forward = types.MethodType(_unsupported_forward, module)
+        return False
+    for name, p in module.named_parameters(recurse=False):
+        rows, what = ((len(ep_layer.phy2log), "slots") if _per_slot(ep_layer, name)
+                      else (len(ep_layer.logcnt), "logical experts"))
+        if p.dim() == 0 or p.shape[0] != rows:
+            raise ValueError(f"{type(module).__name__}.{name} of shape {list(p.shape)}: the EP forward runs every "
+                             f"parameter of an experts module on the local slots, and this one is not [{rows} "
+                             f"{what}, ...]")
+    if kind == PREROUTED and set(module._parameters) != {"gate_up_proj", "down_proj"}:
+        # _ep_forward_prerouted skips zero rows: exact only for experts without biases.
+        raise ValueError(f"{type(module).__name__}: pre-routed experts with parameters {sorted(module._parameters)}; "
+                         "moeshard's EP forward supports gate_up_proj and down_proj only")
     module.moeshard_ep = ep_layer
     module.moeshard_lora = tuple(loras)
+    module.moeshard_kind = kind
     module._moeshard_route = {}
-    module.forward = types.MethodType(_ep_forward, module)
+    module.forward = types.MethodType(_ep_forward if kind == ROUTED else _ep_forward_prerouted, module)
+    return True
+
+
+def _unsupported_forward(self, *args, **kwargs):
+    raise NotImplementedError(
+        f"{type(self).__module__}.{type(self).__name__}: moeshard's EP forward does not support this experts "
+        "module (neither transformers' routed experts forward, @use_experts_implementation, nor a pre-routed "
+        f"one: {sorted(PREROUTED_CLASSES)}). Its parameters hold only this rank's slots, so its own forward would "
+        "be wrong; parallelize(..., ep_forward=False) keeps it, for a forward that routes tokens to the "
+        "module's num_local_experts local slots itself")
 
 
 def set_placement(model: nn.Module, placement) -> int:
@@ -152,9 +237,12 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
 
 def slot_params(module: nn.Module) -> list[tuple[nn.Parameter, Callable[[torch.Tensor], torch.Tensor]]]:
     """Per-slot parameters of an EP experts module, each with the view of a local tensor (the
-    parameter's or its gradient's) that puts the slots first: the fused expert weights
-    ``[S, ...]`` as they are, and the LoRA factors of :class:`SlotLora`."""
-    out: list = [(p, _identity) for p in module.parameters(recurse=False)]
+    parameter's or its gradient's) that puts the slots first: the fused expert parameters
+    ``[S, ...]`` as they are (not the whole per-logical-expert ones, :attr:`EPLayer.param_names`),
+    and the LoRA factors of :class:`SlotLora`."""
+    ep = getattr(module, "moeshard_ep", None)
+    out: list = [(p, _identity) for name, p in module.named_parameters(recurse=False)
+                 if ep is None or _per_slot(ep, name)]
     for lora in getattr(module, "moeshard_lora", ()):
         out += [(lora.a(), lora.a_slots), (lora.b(), lora.b_slots)]
     return out
@@ -198,14 +286,28 @@ def _local_weight(p: torch.Tensor, scale: float) -> torch.Tensor:
     return w if scale == 1.0 else _ScaleGrad.apply(w, scale)
 
 
+def _per_slot(ep: EPLayer, name: str) -> bool:
+    """Whether parameter ``name`` of the module holds slots (else one row per logical expert)."""
+    return not ep.param_names or name in ep.param_names
+
+
+def _route_tables(module: nn.Module, ep: EPLayer, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """``(log2phy, logcnt, local slots' logical experts)`` of ``ep`` on ``device``, built once per
+    device (the tokens' device: GPU under NCCL) and placement (:func:`set_placement` clears them).
+    An empty local slot's expert reads as 0: no row reaches it."""
+    route = module._moeshard_route.get(device)
+    if route is None:
+        lo = ep.ep_rank * ep.slots_per_rank
+        slot_experts = np.maximum(ep.phy2log[lo : lo + ep.slots_per_rank], 0)
+        route = module._moeshard_route[device] = tuple(
+            torch.tensor(t, device=device) for t in (ep.log2phy, ep.logcnt, slot_experts))
+    return route
+
+
 def _pick_copies(module: nn.Module, ep: EPLayer, experts: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Physical slot of each (token, k) row: a copy on this rank if there is one, else the
+    """Physical slot of each (token, expert) pair: a copy on this rank if there is one, else the
     copies take turns by token index. ``experts``, ``tokens``: ``int[N]``; returns ``int[N]``."""
-    route = module._moeshard_route.get(experts.device)
-    if route is None:  # the tables, once per device (the tokens' device: GPU under NCCL)
-        route = module._moeshard_route[experts.device] = (
-            torch.tensor(ep.log2phy, device=experts.device), torch.tensor(ep.logcnt, device=experts.device))
-    log2phy, logcnt = route
+    log2phy, logcnt, _ = _route_tables(module, ep, experts.device)
     cnt = logcnt[experts]
     slots = log2phy[experts, (tokens + ep.ep_rank) % cnt]
     if log2phy.shape[1] > 1:
@@ -217,18 +319,70 @@ def _pick_copies(module: nn.Module, ep: EPLayer, experts: torch.Tensor, tokens: 
     return slots
 
 
-def _ep_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-    """EP forward (see module doc). Collective over the EP group: every EP rank calls it the
-    same number of times (a rank with no tokens still exchanges empty buffers).
+def _ep_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+    """EP forward of a routed experts module (module doc). Collective over the EP group: every
+    EP rank calls it the same number of times (a rank with no tokens still exchanges empty
+    buffers).
 
     Shapes: ``hidden_states [T, H]``, ``top_k_index [T, K]`` (logical ids), ``top_k_weights
     [T, K]`` -> ``[T, H]``.
     """
-    ep: EPLayer = self.moeshard_ep
     T, K = top_k_index.shape
-    group, spr, n = ep.ep_group, ep.slots_per_rank, ep.ep_size
     experts = top_k_index.reshape(-1)
     tokens = torch.arange(T, device=experts.device).repeat_interleave(K)
+    y, order = _exchange(self, hidden_states, tokens, experts, tokens)
+    y = y * top_k_weights.reshape(-1)[order, None].to(y.dtype)
+    out = torch.zeros_like(hidden_states)
+    return out.index_add(0, tokens[order], y.to(out.dtype))
+
+
+def _ep_forward_prerouted(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """EP forward of a pre-routed experts module (module doc; collective as :func:`_ep_forward`).
+
+    ``hidden_states [E*T, H]``, block ``e`` the tokens scaled by their score for logical expert
+    ``e`` -> ``[E*T, H]``, block ``e`` expert ``e``'s output. Only nonzero rows travel: a pair not
+    routed to its expert has score 0, hence a zero row, whose output (no biases: checked at
+    install) and gradients are 0 when ``act_fn(0) == 0`` (checked once, see
+    :func:`_check_zero_rows_vanish`). So the traffic is that of the routed top-k pairs, not E
+    rows per token.
+    """
+    num_logical = len(self.moeshard_ep.logcnt)
+    if hidden_states.dim() != 2 or hidden_states.shape[0] % num_logical:
+        raise ValueError(f"{type(self).__name__}: expected pre-routed rows [{num_logical} experts x tokens, hidden], "
+                         f"got {list(hidden_states.shape)}")
+    _check_zero_rows_vanish(self, hidden_states)
+    T = hidden_states.shape[0] // num_logical
+    with torch.no_grad():
+        pairs = hidden_states.ne(0).any(dim=1).nonzero().squeeze(1)  # rows e*T + t
+    y, order = _exchange(self, hidden_states, pairs, pairs // T, pairs % T)
+    out = torch.zeros_like(hidden_states)
+    return out.index_copy(0, pairs[order], y.to(out.dtype))
+
+
+def _check_zero_rows_vanish(self, like: torch.Tensor) -> None:
+    """Skipping zero rows is exact when the expert maps 0 to 0 with zero gradients: true without
+    biases when ``act_fn(0) == 0`` (then ``up(0) * act(gate(0))`` vanishes and so do its
+    derivatives at 0); ``act_fn`` comes from the config, so check it once per module."""
+    if getattr(self, "_moeshard_zero_ok", False):
+        return
+    if bool(self.act_fn(like.new_zeros(1)).ne(0).any()):
+        raise NotImplementedError(f"{type(self).__name__}: act_fn(0) != 0; moeshard's pre-routed EP forward skips "
+                                  "the zero rows of pairs not routed, exact only when act_fn(0) == 0")
+    self._moeshard_zero_ok = True
+
+
+def _exchange(self, source: torch.Tensor, rows: torch.Tensor, experts: torch.Tensor,
+              tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 1-4 of the module doc for N (token, expert) pairs: row ``source[rows[i]]`` goes to a
+    copy of logical expert ``experts[i]`` (``tokens[i]``: the token, for the copies' turns), runs
+    there, and its output comes back.
+
+    Shapes: ``source [*, H]``; ``rows``, ``experts``, ``tokens`` ``int[N]``. Returns ``(y [N, H'],
+    order int[N])``: ``y[j]`` is the output of pair ``order[j]`` (pairs sorted by slot).
+    """
+    ep: EPLayer = self.moeshard_ep
+    group, spr, n = ep.ep_group, ep.slots_per_rank, ep.ep_size
     with torch.no_grad():
         slots = _pick_copies(self, ep, experts, tokens)
         order = torch.argsort(slots, stable=True)  # by slot, hence by destination rank
@@ -238,48 +392,94 @@ def _ep_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, to
         dist.all_to_all_single(recv_counts, send_counts, group=group)
         send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
         recv_slots = sorted_slots.new_empty(sum(recv_splits))
-        dist.all_to_all_single(recv_slots, sorted_slots - (sorted_slots // spr) * spr, recv_splits, send_splits, group=group)
-    x = hidden_states[tokens[order]]
-    x = _AllToAll.apply(x, recv_splits, send_splits, group)
+        dist.all_to_all_single(recv_slots, sorted_slots % spr, recv_splits, send_splits, group=group)
+    x = _AllToAll.apply(source[rows[order]], recv_splits, send_splits, group)
     y = _local_experts(self, x, recv_slots, ep)
-    y = _AllToAll.apply(y, send_splits, recv_splits, group)
-    y = y * top_k_weights.reshape(-1)[order, None].to(y.dtype)
-    out = torch.zeros_like(hidden_states)
-    return out.index_add(0, tokens[order], y.to(out.dtype))
+    return _AllToAll.apply(y, send_splits, recv_splits, group), order
 
 
 def _local_experts(self, x: torch.Tensor, local_slots: torch.Tensor, ep: EPLayer) -> torch.Tensor:
-    """Run this rank's slots: ``x [R, H]`` rows for local slots ``local_slots int[R]`` -> ``[R, H]``."""
-    gate_up = _with_lora(self, "gate_up_proj", _local_weight(self.gate_up_proj, ep.grad_scale), ep)  # [S, 2I, H]
-    down = _with_lora(self, "down_proj", _local_weight(self.down_proj, ep.grad_scale), ep)  # [S, H, I]
-    order = torch.argsort(local_slots, stable=True)
-    counts = torch.bincount(local_slots, minlength=ep.slots_per_rank).tolist()
-    # unbind, not gate_up[s]: its backward stacks the slots' gradients into one tensor, where
-    # indexing would allocate a zero-filled [S, ...] gradient for every slot.
-    gate_ups, downs = gate_up.unbind(0), down.unbind(0)
-    outs = []
-    for s, rows in enumerate(torch.split(x[order], counts)):
-        if not counts[s]:
-            continue
-        gate, up = nn.functional.linear(rows, gate_ups[s]).chunk(2, dim=-1)
-        outs.append(nn.functional.linear(self.act_fn(gate) * up, downs[s]))
-    if not outs:
+    """Run this rank's slots with the module's own forward: ``x [R, H]`` rows for local slots
+    ``local_slots int[R]`` -> ``[R, H']`` in arrival order (the return all-to-all's)."""
+    weights = _local_params(self, ep, x.device)
+    if not len(x):
         # Keep rows and weights in the graph: every rank's backward must run the same
         # collectives (the return all-to-all's and the dispatch all-to-all's).
-        return x * 0 + 0 * (gate_up.sum() + down.sum())
+        return x * 0 + 0 * sum(w.sum() for w in weights.values())
+    forward = type(self).forward  # the class's (transformers': dispatches on _experts_implementation)
+    if self.moeshard_kind == PREROUTED:
+        return _prerouted_local(self, forward, weights, x, local_slots, ep.slots_per_rank)
+    # Each row routed to its local slot with weight 1: the forward returns expert(x) * 1,
+    # summed over one k: exactly the expert's output.
+    view = _slot_view(self, weights, ep.slots_per_rank)
+    return forward(view, x, local_slots[:, None], x.new_ones((len(x), 1)))
+
+
+def _local_params(self, ep: EPLayer, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every parameter of the module for this rank's slots, ``[S, ...]``: a per-slot one local,
+    its gradient scaled (the EP mean, module doc), plus its LoRA deltas; a per-logical-expert one
+    (whole ``[E, ...]`` while FSDP has it unsharded) gathered at the slots' experts, unscaled:
+    FSDP's gradient reduction over every rank already averages it."""
+    out = {}
+    for name, p in self._parameters.items():
+        if p is None:
+            continue
+        if _per_slot(ep, name):
+            out[name] = _with_lora(self, name, _local_weight(p, ep.grad_scale), ep)
+        else:
+            whole = _local_weight(p, 1.0)  # not local_tensor: that detaches
+            assert whole.shape[0] == len(ep.logcnt), (name, tuple(whole.shape))  # unsharded by FSDP here
+            out[name] = whole[_route_tables(self, ep, device)[2].to(whole.device)]
+    return out
+
+
+def _prerouted_local(self, forward, weights: dict[str, torch.Tensor], x: torch.Tensor, local_slots: torch.Tensor,
+                     spr: int) -> torch.Tensor:
+    """Pre-routed local compute: the module's forward once per local slot, on a one-slot view and
+    that slot's rows (its forward takes equal blocks per expert; ours are ragged).
+    ``x [R, H]``, ``local_slots int[R]`` -> ``[R, H]`` in arrival order."""
+    order = torch.argsort(local_slots, stable=True)
+    counts = torch.bincount(local_slots, minlength=spr).tolist()
+    # unbind, not w[s]: its backward stacks the slots' gradients into one tensor, where
+    # indexing would allocate a zero-filled [S, ...] gradient for every slot.
+    per_slot = {name: w.unbind(0) for name, w in weights.items()}
+    outs = []
+    for s, rows in enumerate(torch.split(x[order], counts)):
+        if counts[s]:
+            view = _slot_view(self, {name: t[s].unsqueeze(0) for name, t in per_slot.items()}, 1)
+            outs.append(forward(view, rows))
     y = torch.cat(outs)
-    # Back to arrival order (the order the return all-to-all expects).
     return torch.empty_like(y).index_copy(0, order, y)
 
 
+def _slot_view(self, params: dict[str, torch.Tensor], num_slots: int) -> nn.Module:
+    """A shallow copy of experts module ``self`` whose parameters are ``params`` (local tensors
+    ``[num_slots, ...]``: autograd flows through them to the DTensor parameters) and whose
+    ``num_experts`` is ``num_slots``; it shares everything else (config, act_fn, submodules).
+    Only its forward is called (not ``__call__``: no hooks), so nothing is registered."""
+    view = object.__new__(type(self))
+    view.__dict__.update(self.__dict__)
+    view.__dict__["_parameters"] = {**self._parameters, **params}
+    view.__dict__.pop("forward", None)  # the EP forward installed on self
+    if "num_experts" in view.__dict__:
+        view.__dict__["num_experts"] = num_slots
+    return view
+
+
 def _with_lora(self, name: str, w: torch.Tensor, ep: EPLayer) -> torch.Tensor:
-    """``w [S, out, in]`` plus the active LoRA deltas on parameter ``name`` (peft's factored
-    form: ``baddbmm(W, B, A, alpha=scaling)`` over the local slots)."""
+    """``w [S, d1, d2]`` plus the active LoRA deltas on parameter ``name``, in peft's factored
+    form over the local slots: ``baddbmm(W, B, A, alpha=scaling)`` for a ``[E, out, in]``
+    parameter, ``baddbmm(W, A^T, B^T, ...)`` for an ``[E, in, out]`` one (peft's
+    ``ParamWrapper.get_delta_factors``: it swaps in/out unless the experts module says
+    ``is_transposed``)."""
     for lora in self.moeshard_lora:
         if lora.param == name and lora.active():
-            a = lora.a_slots(_local_weight(lora.a(), ep.grad_scale))  # [S, r, in]
-            b = lora.b_slots(_local_weight(lora.b(), ep.grad_scale))  # [S, out, r]
-            w = torch.baddbmm(w, b.to(w.dtype), a.to(w.dtype), alpha=lora.scaling)
+            a = lora.a_slots(_local_weight(lora.a(), ep.grad_scale)).to(w.dtype)  # [S, r, in]
+            b = lora.b_slots(_local_weight(lora.b(), ep.grad_scale)).to(w.dtype)  # [S, out, r]
+            if getattr(lora.wrapper, "_did_swap_in_out_features", True):
+                w = torch.baddbmm(w, b, a, alpha=lora.scaling)
+            else:
+                w = torch.baddbmm(w, a.transpose(1, 2), b.transpose(1, 2), alpha=lora.scaling)
     return w
 
 

@@ -60,16 +60,22 @@ def parallelize(
         mesh: from :func:`make_mesh` (dims "ep", optionally "efsdp").
         placement: num_physical must be a multiple of the EP size; its num_logical must
             match the model's expert count and its num_layers its MoE layer count.
-        ep_forward: give HF-style experts modules (``gate_up_proj``, ``down_proj``,
-            ``act_fn``) the EP forward of :mod:`moeshard.ep` (tokens reach the ranks that hold
-            their experts). A custom experts module keeps its forward: it must do its own
-            dispatch over ``module.num_local_experts`` local slots.
+        ep_forward: give experts modules the EP forward of :mod:`moeshard.ep` (tokens reach the
+            ranks that hold their experts; the family's own experts math runs on the local
+            slots): transformers' routed experts (``@use_experts_implementation``: Qwen3-MoE,
+            Mixtral, gpt-oss, Aria, Nemotron-H, ...) and Llama 4's pre-routed ones, see
+            :func:`moeshard.ep.experts_kind`. Another transformers experts module gets a forward
+            that raises NotImplementedError naming its class. A custom experts module (not from
+            transformers, not ``gate_up_proj`` / ``down_proj`` / ``act_fn`` HF-style) keeps its
+            forward, as every module does with ``ep_forward=False``: it must do its own dispatch
+            over ``module.num_local_experts`` local slots.
     Returns:
         the same model (call :func:`moeshard.load` next).
 
     Raises:
         ValueError (before the model changes): with efsdp > 1, a parameter of an experts
-            module whose dim 1 does not divide by efsdp (FSDP2 shards it there, evenly only).
+            module whose dim 1 does not divide by efsdp (FSDP2 shards it there, evenly only);
+            with efsdp > 1 and ep_forward, a parameter of an experts module outside its spec.
     """
     names = mesh.mesh_dim_names or ()
     if "ep" not in names:
@@ -82,6 +88,8 @@ def parallelize(
     placement.check_layers(len(layers))
     if efsdp > 1:
         _check_efsdp_dims(model, layers, efsdp, mesh.size())
+        if ep_forward:
+            _check_whole_params(layers)
     expert_params: set[nn.Parameter] = set()
     for layer, (module_name, module, spec) in enumerate(layers):
         # peft LoRA on expert params (ParamWrappers around the module): per-slot local factors.
@@ -110,14 +118,13 @@ def parallelize(
             # LoRA B [out, r*S] shards its rows instead (its columns are EP's).
             fully_shard(wrappers[-1] if wrappers else module, mesh=mesh["efsdp"],
                         shard_placement_fn=lambda t, b=lora_b: Shard(0) if id(t) in b else Shard(1))
-        if ep_forward and all(hasattr(module, a) for a in ("gate_up_proj", "down_proj", "act_fn")):
-            install_ep_forward(module, EPLayer(
-                layer, placement.phy2log[layer], placement.log2phy[layer], placement.logcnt[layer], spr,
-                ep_mesh.get_local_rank(), ep_mesh.get_group(), 1.0 / ep,
-            ), loras)
-        elif loras:
-            raise ValueError(f"{module_name}: LoRA adapters on expert parameters need moeshard's EP forward "
-                             "(ep_forward=True and an HF-style experts module)")
+        installed = ep_forward and install_ep_forward(module, EPLayer(
+            layer, placement.phy2log[layer], placement.log2phy[layer], placement.logcnt[layer], spr,
+            ep_mesh.get_local_rank(), ep_mesh.get_group(), 1.0 / ep, tuple(p.name for p in spec.params),
+        ), loras)
+        if loras and not installed:
+            why = f"{type(module).__name__} is not an experts module it supports" if ep_forward else "ep_forward=False"
+            raise ValueError(f"{module_name}: LoRA adapters on expert parameters need moeshard's EP forward ({why})")
     dp = _dp_mesh(mesh)
     ignored = expert_params if efsdp == 1 else None
     blocks = _blocks(model)
@@ -149,6 +156,20 @@ def _check_efsdp_dims(model: nn.Module, layers, efsdp: int, world: int) -> None:
                 f"efsdp size that divides {n} (of the sizes dividing the world size {world}: {fits}), or a "
                 f"hidden / intermediate size that divides by {efsdp}"
             )
+
+
+def _check_whole_params(layers) -> None:
+    """With efsdp > 1, every parameter of an experts module is an expert parameter of its spec:
+    the EP forward gathers any other one (one row per logical expert, gpt-oss's biases) at the
+    local slots' experts, so each EP rank computes its gradient from different tokens, and the
+    expert FSDP that owns the module reduces it over "efsdp" only, never over "ep"."""
+    for module_name, module, spec in layers:
+        names = {p.name for p in spec.params}
+        extra = [n for n, _ in module.named_parameters(recurse=False) if n not in names]
+        if extra:
+            raise ValueError(f"{module_name}: parameters {extra} of {type(module).__name__} are not expert "
+                             f"parameters of its spec ({sorted(names)}); with efsdp > 1 their gradients would not "
+                             "be reduced over the EP ranks: use efsdp=1, or ep_forward=False")
 
 
 def _contiguous_stride(shape) -> tuple[int, ...]:
