@@ -17,9 +17,12 @@ known, the peers it was talking to.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import pickle
 import re
 from typing import Any, Callable, Iterable, Iterator, TypeVar
 
+import torch
 import torch.distributed as dist
 
 __all__ = ["DistributedError", "PeerLostError", "is_dist", "rank_and_world", "agree", "agree_and_gather", "unanimous",
@@ -217,7 +220,13 @@ def broadcast_result(step: Callable[[], T], src: int, what: str) -> T:
 
 def _agree(step: Callable[[], T], what: str, fingerprint: Callable[[T], str] | None, share: Callable[[T], Any] | None,
            group) -> tuple[T, list[Any]]:
-    """:func:`agree` (and :func:`agree_and_gather`): ``(result, every rank's share(result))``."""
+    """:func:`agree` (and :func:`agree_and_gather`): ``(result, every rank's share(result))``.
+
+    The usual path (no error, one plan) is one fixed-size tensor all-gather of ``[failed, share
+    size, fingerprint digest]`` (plus one of the shares' bytes for :func:`agree_and_gather`): an
+    object all-gather costs two collectives and pickling on every rank (3x a tensor all-gather
+    with 8 gloo ranks). Error texts and whole fingerprints are gathered only when some rank
+    failed or the digests differ, to name them."""
     result: Any = None
     error: str | None = None
     try:
@@ -228,16 +237,47 @@ def _agree(step: Callable[[], T], what: str, fingerprint: Callable[[T], str] | N
         if not is_dist():
             raise
         error = f"{type(e).__name__}: {e}"
+    if not is_dist():
+        return result, [share(result)] if share is not None else []
     fp = fingerprint(result) if (fingerprint is not None and error is None) else None
-    mine = share(result) if (share is not None and error is None) else None
-    gathered = all_gather_object((error, fp, mine) if share is not None else (error, fp), group=group, what=what)
-    failed = [(r, g[0]) for r, g in enumerate(gathered) if g[0] is not None]
-    if failed:
+    mine = pickle.dumps(share(result)) if (share is not None and error is None) else b""
+    digest = hashlib.blake2b((fp or "").encode(), digest_size=16).digest()
+    head = [int(error is not None), len(mine), int.from_bytes(digest[:8], "little", signed=True),
+            int.from_bytes(digest[8:], "little", signed=True)]
+    heads = [h.tolist() for h in _all_gather_tensor(torch.tensor(head, dtype=torch.int64), group, what)]
+    if any(h[0] for h in heads):
+        errors = all_gather_object(error, group=group, what=what)
+        failed = [(r, err) for r, err in enumerate(errors) if err is not None]
         lines = "\n".join(f"  rank {r}: {err}" for r, err in failed)
-        raise DistributedError(f"{what} failed on {len(failed)} of {len(gathered)} rank(s):\n{lines}")
-    fps = {g[1] for g in gathered}
-    if len(fps) > 1:
-        by = ", ".join(f"rank {r}: {g[1]}" for r, g in enumerate(gathered))
+        raise DistributedError(f"{what} failed on {len(failed)} of {len(errors)} rank(s):\n{lines}")
+    if len({(h[2], h[3]) for h in heads}) > 1:
+        fps = all_gather_object(fp, group=group, what=what)
+        by = ", ".join(f"rank {r}: {f}" for r, f in enumerate(fps))
         raise DistributedError(f"{what}: ranks disagree on the plan fingerprint ({by}); "
                                "every rank must build the same model, placement and checkpoint index")
-    return result, [g[2] for g in gathered] if share is not None else []
+    if share is None:
+        return result, []
+    buf = torch.zeros(max(h[1] for h in heads), dtype=torch.uint8)
+    buf[:len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+    return result, [pickle.loads(t[:h[1]].numpy().tobytes())
+                    for t, h in zip(_all_gather_tensor(buf, group, what), heads)]
+
+
+def _all_gather_tensor(t: torch.Tensor, group, what: str) -> list[torch.Tensor]:
+    """Collective: every rank's ``t`` (same shape on every rank; a CPU tensor), as CPU tensors,
+    gathered on the device the backend's object collectives use (CUDA under NCCL)."""
+    kind = _object_device(group)
+    dev = torch.device(kind) if kind == "cpu" else torch.device(kind, getattr(torch, kind).current_device())
+    x = t.to(dev)
+    out = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    with collective(what):
+        dist.all_gather(out, x, group=group)
+    return [o.cpu() for o in out]
+
+
+def _object_device(group) -> str:
+    """The device type torch.distributed uses for ``group``'s object collectives."""
+    pick = getattr(dist.distributed_c10d, "_get_object_coll_device", None)
+    if pick is not None:
+        return pick(group)
+    return "cuda" if dist.get_backend(group) == "nccl" else "cpu"
