@@ -181,12 +181,19 @@ def test_casts_into_fp8_and_between_fp8_formats_are_refused(root):
         moeshard.load(_meta_model(expert_dtype=E4M3), root / "e5m2")
 
 
-def test_relocate_disk_reads_refuse_fp8(root, good):
+def test_relocate_disk_reads_dequantize_fp8_or_refuse_it_without_scale(root, good):
+    """relocate's disk reads dequantize FP8 with its scale into a bf16 model (q * 0.5 here, as
+    load does; verify agrees), and refuse FP8 without a scale, before any weight changes."""
     model = _meta_model(dtype=torch.bfloat16)
     moeshard.load(model, root / "good")
+    moeshard.relocate(model, None, _plain_placement(), checkpoint=root / "fp8")
+    got = model.layers[0].mlp.experts.gate_up_proj[0, : tiny_moe.INTER].detach().clone()
+    assert torch.equal(got, (good[FIRST].float().to(E4M3).float() * 0.5).to(torch.bfloat16))
+    assert moeshard.verify(model, root / "fp8").num_boxes_checked > 0
+    moeshard.load(model, root / "good")
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    with pytest.raises(ValueError, match=rf"'{FIRST}' has dtype F8_E4M3 \(FP8\).*'{FIRST}_scale_inv'"):
-        moeshard.relocate(model, None, _plain_placement(), checkpoint=root / "fp8")
+    with pytest.raises(ValueError, match=rf"'{FIRST}' has dtype F8_E4M3 \(FP8\).*no scale tensor for it"):
+        moeshard.relocate(model, None, _plain_placement(), checkpoint=root / "fp8-noscale")
     for n, p in model.named_parameters():  # refused before any weight changed
         assert torch.equal(p.detach(), before[n]), n
     # Plain expert tensors (a serving engine's), read from disk: the same rule.
@@ -195,6 +202,8 @@ def test_relocate_disk_reads_refuse_fp8(root, good):
     kwargs = dict(expert_params=moeshard.HF_EXPERTS.params, module="layers.{layer}.mlp.experts")
     with pytest.raises(ValueError, match=rf"no scale tensor for it \(no '{FIRST}_scale_inv'\)"):
         moeshard.relocate(tensors, None, _plain_placement(), checkpoint=root / "fp8-noscale", **kwargs)
+    moeshard.relocate(tensors, None, _plain_placement(), checkpoint=root / "fp8", **kwargs)
+    assert torch.equal(tensors[0][0][0, : tiny_moe.INTER], (good[FIRST].float().to(E4M3).float() * 0.5).to(torch.bfloat16))
     moeshard.relocate(tensors, None, _plain_placement(), checkpoint=root / "good", **kwargs)
     assert torch.equal(tensors[2][1][5], good["layers.2.mlp.experts.5.down_proj.weight"])
 
