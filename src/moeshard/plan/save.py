@@ -5,7 +5,8 @@ mirror image of a load plan:
 
 * every checkpoint tensor to write (a non-expert parameter or persistent buffer under its
   checkpoint name; one part of one logical expert of a fused expert parameter) is described by
-  its :class:`Segment` s: which rank holds which box of it, and where in its local tensor;
+  its :class:`Segment` s: which rank holds which box of it, and where in its local tensor
+  (:func:`~moeshard.plan.save_outputs.describe_outputs`);
 * every box is written once: the tensor's *writer* (a rank holding the most of it, balanced by
   bytes over the ranks, largest tensors first) writes the boxes it holds itself; each other box
   comes from one of its holders (the least-sending one) by P2P;
@@ -19,20 +20,20 @@ mirror image of a load plan:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 
 from .._gc import paused_gc
 from ..box import Box, box_numel, split_box
-from ..io.checkpoint import DTYPE_NAMES, DTYPES, CheckpointIndex
-from ..models.adapters import expert_parts
-from ..models.layout import ParamDesc, rank_boxes
-from ..placement import Placement
+from ..io.checkpoint import DTYPES
 from ..topology import Topology
+from .arrays import expand_runs, group_rows, lex_order, run_starts
+from .save_outputs import Segment, _Out, _SegTable, describe_outputs
 from .schedule import PlanCost, Schedule
 
 __all__ = ["Segment", "OutTensor", "SaveFile", "Transfer", "LocalWrite", "SaveCost", "SavePlan",
@@ -42,30 +43,10 @@ DEFAULT_MAX_OPS = 64
 
 
 @dataclass(frozen=True)
-class Segment:
-    """Rank ``rank`` holds box ``box`` (coordinates of the checkpoint tensor) in the local tensor
-    of parameter ``param`` (index into the descriptions) at ``lead + box shifted by delta``.
-
-    ``lead`` is the leading local dims the checkpoint tensor lacks (an expert's slot,
-    ``((local_slot, 1),)``) or ``()``; ``delta[d]`` = local offset - checkpoint offset in dim d.
-    """
-
-    rank: int
-    param: int
-    box: Box
-    lead: Box = ()
-    delta: tuple[int, ...] = ()
-
-    def local_box(self, sub: Box) -> Box:
-        """Local box of ``sub`` (a box inside :attr:`box`, checkpoint coordinates)."""
-        return self.lead + tuple((o + d, n) for (o, n), d in zip(sub, self.delta))
-
-
-@dataclass(frozen=True)
 class OutTensor:
     """One checkpoint tensor: ``key``, ``shape``, ``dtype`` (safetensors name), ``nbytes``, its
     ``writer`` rank, its ``file`` (index into :attr:`SavePlan.files`) and ``offset`` in that
-    file's data section; ``segments``: one holder for each box, the boxes tiling the tensor."""
+    file's data section; :attr:`segments`: one holder for each box, the boxes tiling the tensor."""
 
     key: str
     shape: tuple[int, ...]
@@ -74,8 +55,14 @@ class OutTensor:
     writer: int
     file: int
     offset: int
-    segments: tuple[Segment, ...]
     is_buffer: bool = False
+    _source: tuple = field(default=(), repr=False, compare=False)  # (_Chosen, tensor index)
+
+    @property
+    def segments(self) -> tuple[Segment, ...]:
+        """The chosen segment of each box, boxes in order (made from the plan's arrays on use)."""
+        chosen, t = self._source
+        return chosen.of(t)
 
 
 @dataclass(frozen=True)
@@ -144,17 +131,38 @@ class SavePlan:
     ``tensors[t]``), a piece is a transfer's or local write's box; batch ``k`` is round ``k``;
     sends read views of the holders' local tensors; a writer's own boxes are copies of round
     -1 (straight from its tensors to the file); deliveries (param = the tensor) go to the file.
+    :attr:`batches` and :attr:`local_writes` are made from the schedule's arrays on first use.
     """
 
     world_size: int
     tensors: tuple[OutTensor, ...]
     files: tuple[SaveFile, ...]
-    batches: tuple[tuple[Transfer, ...], ...]
-    local_writes: tuple[tuple[LocalWrite, ...], ...]  # per rank
     cost: SaveCost
     staging_bytes: int
     fingerprint: str = ""
     schedule: Schedule | None = None
+    _pieces: _Pieces | None = field(default=None, repr=False)
+
+    @functools.cached_property
+    def batches(self) -> tuple[tuple[Transfer, ...], ...]:
+        p = self._pieces
+        x = len(p.round)
+        rows = zip(p.src[:x].tolist(), p.dst[:x].tolist(), p.tensor[:x].tolist(), p.si[:x].tolist(),
+                   p.boxes()[:x], p.nbytes[:x].tolist())
+        out: list[list[Transfer]] = [[] for _ in range(self.cost.num_batches)]
+        for k, row in zip(p.round.tolist(), rows):
+            out[k].append(Transfer(*row))
+        return tuple(tuple(b) for b in out)
+
+    @functools.cached_property
+    def local_writes(self) -> tuple[tuple[LocalWrite, ...], ...]:  # per rank
+        p = self._pieces
+        x = len(p.round)
+        out: list[list[LocalWrite]] = [[] for _ in range(self.world_size)]
+        for r, t, si, box, nb in zip(p.dst[x:].tolist(), p.tensor[x:].tolist(), p.si[x:].tolist(), p.boxes()[x:],
+                                     p.nbytes[x:].tolist()):
+            out[r].append(LocalWrite(t, si, box, nb))
+        return tuple(tuple(v) for v in out)
 
     @property
     def total_bytes(self) -> int:
@@ -170,214 +178,6 @@ class SavePlan:
 def shard_name(i: int, num_files: int) -> str:
     """HF's shard file name, ``i`` counted from 0."""
     return f"model-{i + 1:05d}-of-{num_files:05d}.safetensors"
-
-
-# -- model descriptions -> checkpoint tensors and their holders -------------------------------
-
-
-@dataclass
-class _Out:
-    key: str
-    shape: tuple[int, ...]
-    dtype: str
-    segments: list[Segment]
-    is_buffer: bool = False
-
-
-def describe_outputs(
-    descs: Sequence[ParamDesc],
-    placement: Placement | None,
-    world_size: int,
-    reference: CheckpointIndex | None = None,
-    *,
-    tied_targets: frozenset[str] = frozenset(),
-    skip_keys: frozenset[str] = frozenset(),
-    buffers: frozenset[str] = frozenset(),
-    num_experts: dict[int, int] | None = None,
-) -> list[_Out]:
-    """Checkpoint tensors of a model and every rank's boxes of them (pure).
-
-    Args:
-        descs: :func:`~moeshard.layout.describe_model` of the model.
-        placement: which logical expert each physical slot holds (None: slot p = expert p).
-        reference: a checkpoint whose names and expert part sizes to mirror.
-        tied_targets: names of tied parameters a checkpoint drops (``lm_head.weight``); a
-            tied parameter is written under another of its names.
-        skip_keys: keys not to write (the model's ``_keys_to_ignore_on_save``).
-        buffers: names of persistent buffers (not counted as parameters).
-        num_experts: logical experts per MoE layer as the model declares them.
-
-    Raises:
-        ValueError: a logical expert with no physical slot, fused expert parts that do not
-            split, a shape disagreeing with ``reference``, a dtype safetensors cannot store.
-    """
-    with paused_gc():
-        return _describe_outputs(descs, placement, world_size, reference, tied_targets, skip_keys, buffers,
-                                 num_experts or {})
-
-
-def _describe_outputs(descs, placement, world_size, reference, tied_targets, skip_keys, buffers,
-                      num_experts) -> list[_Out]:
-    outs: list[_Out] = []
-    num_layers = 1 + max((d.expert.layer for d in descs if d.expert), default=-1)
-    phy2log, num_logical = _expert_table(descs, placement, num_layers, reference, num_experts)
-    for i, d in enumerate(descs):
-        if d.dtype not in DTYPE_NAMES:
-            raise ValueError(f"parameter {d.name}: dtype {d.dtype} cannot be stored in safetensors")
-        per_rank = rank_boxes(d, world_size)
-        if d.expert is None:
-            key = _choose_key(d, reference, tied_targets)
-            if key in skip_keys:
-                continue
-            if reference is not None and key in reference and tuple(reference.info(key).shape) != d.shape:
-                raise ValueError(
-                    f"parameter {d.name}: the reference checkpoint has {key!r} of shape "
-                    f"{list(reference.info(key).shape)}, the model {list(d.shape)}"
-                )
-            segs = [Segment(r, i, box, (), tuple(-o for o, _ in box)) for r, box in per_rank
-                    if all(n for _, n in box)]
-            outs.append(_Out(key, d.shape, DTYPE_NAMES[d.dtype], segs, d.name in buffers))
-        else:
-            _expert_outputs(i, d, phy2log[d.expert.layer], num_logical, per_rank, reference, outs)
-    seen: set[str] = set()
-    for o in outs:
-        if o.key in seen:
-            raise ValueError(f"two tensors of the model would be written as {o.key!r}")
-        seen.add(o.key)
-    return outs
-
-
-def _choose_key(d: ParamDesc, reference: CheckpointIndex | None, tied_targets: frozenset[str]) -> str:
-    if reference is not None:
-        for k in d.keys:
-            if k in reference:
-                return k
-    return next((k for k in d.keys if k not in tied_targets), d.keys[0] if d.keys else d.name)
-
-
-def _expert_table(descs, placement, num_layers, reference, num_experts) -> tuple[np.ndarray, int]:
-    """``phy2log[num_layers, num_physical]`` and the number of logical experts, after checking
-    that every logical expert of every layer has a slot."""
-    if not num_layers:
-        return np.zeros((0, 0), dtype=np.int64), 0
-    num_physical = next(d.shape[0] for d in descs if d.expert)
-    if placement is None:
-        phy2log = np.tile(np.arange(num_physical), (num_layers, 1))
-        num_logical = num_physical
-    else:
-        phy2log = np.asarray(placement.phy2log)
-        if phy2log.ndim != 2 or phy2log.shape[0] != num_layers:
-            raise ValueError(f"the model has {num_layers} MoE layers, the placement describes "
-                             f"{phy2log.shape[0] if phy2log.ndim == 2 else '?'}")
-        num_logical = int(getattr(placement, "num_logical", None) or (phy2log.max() + 1))
-    for d in descs:
-        if d.expert is not None and d.shape[0] != phy2log.shape[1]:
-            raise ValueError(f"parameter {d.name} has {d.shape[0]} expert slots per layer, the placement has "
-                             f"{phy2log.shape[1]} physical slots")
-    for layer in range(num_layers):
-        want = num_experts.get(layer, num_logical)
-        if want < num_logical:
-            raise ValueError(f"layer {layer}: the placement has {num_logical} logical experts, the model's "
-                             f"experts module declares {want}")
-        row = phy2log[layer]
-        present = np.zeros(want, dtype=bool)
-        present[row[(row >= 0) & (row < want)]] = True
-        missing = np.flatnonzero(~present)
-        if len(missing):
-            raise ValueError(
-                f"layer {layer}: logical expert {int(missing[0])} has no physical slot in the placement "
-                f"({len(missing)} expert(s) of this layer missing): it cannot be saved"
-            )
-    num_logical = max([num_logical, *num_experts.values()])
-    if reference is not None:
-        for d in descs:
-            ref = d.expert
-            if ref is not None and ref.param.fused:
-                (key,) = ref.param.keys(ref.module, 0)
-                shape = list(reference.info(key).shape) if key in reference else None
-                if shape != [num_logical, *d.shape[1:]]:
-                    raise ValueError(
-                        f"parameter {d.name}: the reference checkpoint's {key!r} (every expert fused on disk) has "
-                        f"shape {shape}, the model's {num_logical} logical experts make {[num_logical, *d.shape[1:]]}")
-            elif ref is not None and ref.param.keys(ref.module, num_logical)[0] in reference:
-                raise ValueError(f"parameter {d.name}: the reference checkpoint has logical expert {num_logical}, "
-                                 f"the model has {num_logical} logical experts")
-    return phy2log, num_logical
-
-
-def _expert_outputs(i, d: ParamDesc, phy2log: np.ndarray, num_logical: int, per_rank, reference, outs) -> None:
-    ref = d.expert
-    if ref.param.fused:
-        outs.append(_fused_output(i, d, phy2log, num_logical, per_rank))
-        return
-    dim = ref.param.dim
-    slice_shape = d.shape[1:]
-    part_sizes = _part_sizes(d, slice_shape, reference)
-    los = [sum(part_sizes[:j]) for j in range(len(part_sizes))]
-    dtype = DTYPE_NAMES[d.dtype]
-    part_shapes = [slice_shape[:dim] + (n,) + slice_shape[dim + 1:] for n in part_sizes]
-    by_expert: list[list[_Out]] = []
-    for e in range(num_logical):
-        keys = ref.param.keys(ref.module, e)
-        by_expert.append([_Out(k, part_shapes[j], dtype, []) for j, k in enumerate(keys)])
-    for rank, box in per_rank:
-        (s0, ns), rest = box[0], box[1:]
-        if not ns or not all(n for _, n in rest):
-            continue
-        origin = [o for o, _ in rest]
-        parts = []
-        for j, part_box, _ in expert_parts(rest, part_sizes, dim):
-            delta = tuple((los[j] if k == dim else 0) - origin[k] for k in range(len(rest)))
-            parts.append((j, part_box, delta))
-        for slot in range(s0, s0 + ns):
-            e = int(phy2log[slot])
-            if e < 0:
-                continue
-            lead = ((slot - s0, 1),)
-            for j, part_box, delta in parts:
-                by_expert[e][j].segments.append(Segment(rank, i, part_box, lead, delta))
-    for row in by_expert:
-        outs.extend(row)
-
-
-def _fused_output(i, d: ParamDesc, phy2log: np.ndarray, num_logical: int, per_rank) -> _Out:
-    """The one checkpoint tensor ``[num_logical, *slice_shape]`` of an expert parameter written
-    fused (as transformers writes gpt-oss, Llama 4, ...): row ``e`` from every slot holding
-    logical expert ``e`` (copies are alternatives, as replicas of a dense tensor are)."""
-    ref = d.expert
-    segments = []
-    for rank, box in per_rank:
-        (s0, ns), rest = box[0], box[1:]
-        if not ns or not all(n for _, n in rest):
-            continue
-        origin = tuple(-o for o, _ in rest)
-        for slot in range(s0, s0 + ns):
-            e = int(phy2log[slot])
-            if e >= 0:  # checkpoint row e <- local slot (slot - s0)
-                segments.append(Segment(rank, i, ((e, 1),) + tuple(rest), (), (slot - s0 - e,) + origin))
-    (key,) = ref.param.keys(ref.module, 0)
-    return _Out(key, (num_logical, *d.shape[1:]), DTYPE_NAMES[d.dtype], segments)
-
-
-def _part_sizes(d: ParamDesc, slice_shape: tuple[int, ...], reference: CheckpointIndex | None) -> tuple[int, ...]:
-    ref = d.expert
-    dim, num_parts = ref.param.dim, len(ref.param.parts)
-    if reference is not None:
-        keys = ref.param.keys(ref.module, 0)
-        if all(k in reference for k in keys):
-            sizes = tuple(reference.info(k).shape[dim] if len(reference.info(k).shape) > dim else -1 for k in keys)
-            if sum(sizes) != slice_shape[dim] or min(sizes) < 0:
-                raise ValueError(
-                    f"parameter {d.name}: the reference checkpoint's tensors {list(keys)} have sizes {list(sizes)} "
-                    f"along dim {dim}, which do not split the model's expert slice of shape {list(slice_shape)}"
-                )
-            return sizes
-    if slice_shape[dim] % num_parts:
-        raise ValueError(
-            f"parameter {d.name}: an expert slice of shape {list(slice_shape)} does not split into "
-            f"{num_parts} equal parts along dim {dim}; pass reference= to give the part sizes"
-        )
-    return (slice_shape[dim] // num_parts,) * num_parts
 
 
 # -- checkpoint tensors -> plan -------------------------------------------------------------------
@@ -403,103 +203,400 @@ def plan_save(
         return _plan_save(outs, world_size, max_shard_bytes, staging_bytes, max_ops)
 
 
-def _plan_save(outs, world, max_shard_bytes, staging_bytes, max_ops) -> SavePlan:
+@dataclass(frozen=True)
+class _Boxes:
+    """The distinct boxes of every tensor (``G`` boxes, sorted by tensor, then box as tuples
+    compare) and their holders.
+
+    ``tensor``: ``int64[G]``; ``first``: ``int64[T + 1]`` each tensor's first box; ``seg``:
+    ``int64[S]`` each segment's box; ``off``, ``len``: ``int64[G, W]``; ``nbytes``:
+    ``int64[G]``. Holders, one row per distinct (box, rank), sorted by box then rank:
+    ``h_box``, ``h_rank``, ``h_seg`` (``int64[H]``: the rank's first segment of the box).
+    """
+
+    tensor: np.ndarray
+    first: np.ndarray
+    seg: np.ndarray
+    off: np.ndarray
+    len: np.ndarray
+    nbytes: np.ndarray
+    h_box: np.ndarray
+    h_rank: np.ndarray
+    h_seg: np.ndarray
+
+
+def _gather(outs: Sequence[_Out], width: int) -> tuple[_SegTable, np.ndarray]:
+    """Every tensor's segments as one table (tensor by tensor, each in its own order) and
+    ``int64[T + 1]`` each tensor's first row."""
+    counts = np.asarray([len(o) for o in outs], np.int64)
+    first = np.zeros(len(outs) + 1, np.int64)
+    np.cumsum(counts, out=first[1:])
+    table = outs[0].table if outs else None
+    if table is not None and all(o.table is table and o._segments is None for o in outs) and all(
+            a.rows[1] == b.rows[0] for a, b in zip(outs, outs[1:])):  # describe_outputs' rows, in order
+        return table.rows(outs[0].rows[0], outs[-1].rows[1], width), first
+    parts = [o.table.rows(*o.rows, width) if o._segments is None else
+             _SegTable.of_segments(o._segments, len(o.shape), width) for o in outs]
+    return _SegTable.concat(parts, width), first
+
+
+def _distinct_boxes(segs: _SegTable, seg_first: np.ndarray, itemsize: np.ndarray) -> _Boxes:
+    """The distinct boxes of each tensor (``seg_first``: ``int64[T + 1]`` each tensor's first
+    segment) and their holders, in the order of :class:`_Boxes`."""
+    n = len(seg_first) - 1
+    seg_t = np.repeat(np.arange(n, dtype=np.int64), np.diff(seg_first))
+    cols = [c for d in range(segs.off.shape[1]) for c in (segs.off[:, d], segs.len[:, d])]  # as tuples compare
+    order, start = group_rows(seg_t, *cols)
+    box_of = np.empty(len(order), np.int64)
+    box_of[order] = np.cumsum(start) - 1
+    rep = order[start]  # a segment of each box
+    tensor = seg_t[rep]
+    first = np.zeros(n + 1, np.int64)
+    np.cumsum(np.bincount(tensor, minlength=n), out=first[1:])
+    off, ln = segs.off[rep], segs.len[rep]
+    nbytes = ln.prod(axis=1) * itemsize[tensor]  # padded dims have length 1
+    h_order, h_start = group_rows(box_of, segs.rank)  # stable: a rank's first segment comes first
+    h_seg = h_order[h_start]
+    return _Boxes(tensor, first, box_of, off, ln, nbytes, box_of[h_seg], segs.rank[h_seg], h_seg)
+
+
+def _check_tilings(outs, boxes: _Boxes, ndim: np.ndarray, nbytes: np.ndarray) -> None:
+    """Raise ValueError (:func:`_check_tiling`'s, for the first tensor in order) unless every
+    tensor with bytes is tiled by a grid of its boxes. Vectorized: tensors that may fail are
+    found with arrays, then checked one by one."""
     n = len(outs)
-    itemsizes = [DTYPES[o.dtype].itemsize for o in outs]
-    nbytes = [math.prod(o.shape) * s for o, s in zip(outs, itemsizes)]
-    # 1. Distinct boxes of each tensor, their holders, and a check that the boxes tile it.
-    boxes_of: list[dict[Box, list[Segment]]] = []
-    box_bytes: dict[tuple[Box, int], int] = {}  # (box, itemsize) -> bytes; boxes repeat across tensors
-    for t, o in enumerate(outs):
-        by_box: dict[Box, list[Segment]] = {}
-        for s in o.segments:
-            segs = by_box.get(s.box)
-            if segs is None:
-                by_box[s.box] = [s]
-                if (s.box, itemsizes[t]) not in box_bytes:
-                    box_bytes[(s.box, itemsizes[t])] = box_numel(s.box) * itemsizes[t]
-            else:
-                segs.append(s)
-        _check_tiling(o.key, o.shape, list(by_box), nbytes[t])
-        boxes_of.append(by_box)
-    # 2. Writers: largest tensors first, to the least-loaded rank among those holding the most of it.
-    write_load = [0] * world
-    sent_load = [0] * world
-    writer = [0] * n
-    for t in sorted(range(n), key=lambda t: (-nbytes[t], t)):
-        held: dict[int, int] = {}
-        for box, segs in boxes_of[t].items():
-            size = box_bytes[(box, itemsizes[t])]
-            for r in {s.rank for s in segs}:
-                held[r] = held.get(r, 0) + size
-        best = max(held.values(), default=0)
-        cands = [r for r, b in held.items() if b == best] or range(world)  # an empty tensor: anyone
-        w = min(cands, key=lambda r: (write_load[r], r))
-        writer[t] = w
-        write_load[w] += nbytes[t]
-    # 3. One holder per box: the writer's own, else the holder that has sent least so far.
-    chosen: list[list[Segment]] = []
-    for t in range(n):
-        segs_t = []
-        for box in sorted(boxes_of[t]):
-            segs = boxes_of[t][box]
-            own = [s for s in segs if s.rank == writer[t]]
-            if own:
-                s = own[0]
-            else:
-                s = min(segs, key=lambda s: (sent_load[s.rank], s.rank))
-                sent_load[s.rank] += box_bytes[(box, itemsizes[t])]
-            segs_t.append(s)
-        chosen.append(segs_t)
-    # 4. Files: each writer's tensors in model order, at most max_shard_bytes each.
+    num_boxes = np.diff(boxes.first)
+    grid = np.ones(n, np.int64)
+    bad = (nbytes > 0) & (num_boxes == 0)
+    width = boxes.off.shape[1]
+    shapes = np.asarray([(*o.shape, *(1,) * (width - len(o.shape))) for o in outs], np.int64).reshape(n, width)
+    for d in range(width):
+        sel = np.flatnonzero(ndim[boxes.tensor] > d)
+        t, lo, ln = boxes.tensor[sel], boxes.off[sel, d], boxes.len[sel, d]
+        order, start = group_rows(t, lo, ln)
+        t, lo, end = t[order][start], lo[order][start], (lo + ln)[order][start]  # distinct intervals, sorted
+        new_t = run_starts(t)
+        bad[t[lo != np.where(new_t, 0, np.concatenate([[0], end[:-1]]))]] = True  # a gap or an overlap
+        last = np.append(np.flatnonzero(new_t)[1:] - 1, len(t) - 1) if len(t) else np.zeros(0, np.int64)
+        bad[t[last][end[last] != shapes[t[last], d]]] = True  # short of the end
+        np.multiply.at(grid, t[new_t], np.diff(np.append(np.flatnonzero(new_t), len(t))))  # intervals per dim
+    bad |= (num_boxes != grid) & (num_boxes > 0)
+    bad &= nbytes > 0
+    for t in np.flatnonzero(bad).tolist():
+        lo, hi = boxes.first[t], boxes.first[t + 1]
+        nd = int(ndim[t])
+        box_list = [tuple(zip(a[:nd], b[:nd])) for a, b in zip(boxes.off[lo:hi].tolist(), boxes.len[lo:hi].tolist())]
+        _check_tiling(outs[t].key, tuple(outs[t].shape), box_list, int(nbytes[t]))
+
+
+def _least_loaded(start: np.ndarray, count: np.ndarray, rank: np.ndarray, size: np.ndarray, world: int) -> np.ndarray:
+    """A greedy in order: item ``i`` (of ``N``, ``size[i]`` bytes) goes to the candidate
+    (``rank[start[i]:start[i] + count[i]]``, ascending, at least one) with the least load, the
+    sizes of the items before it that went to the same rank; ties: the lowest rank. Returns
+    ``int64[N]`` the chosen candidate row of each item.
+
+    Sequential, but only the items with a choice are looped over: an item with one candidate
+    is fixed, and the load of a rank at item ``i`` is the fixed items' sizes before ``i``
+    (sorted prefix sums) plus what the loop gave it."""
+    n = len(start)
+    chosen = start.copy()
+    multi = np.flatnonzero(count > 1)
+    if not len(multi):
+        return chosen
+    fixed = np.flatnonzero(count == 1)
+    code = rank[start[fixed]] * n + fixed
+    order = np.argsort(code, kind="stable")
+    code = code[order]
+    prefix = np.concatenate([[0], np.cumsum(size[fixed][order])])
+    _, k = expand_runs(start[multi], count[multi])  # every candidate of every item with a choice
+    item = np.repeat(multi, count[multi])
+    cand_rank = rank[k]
+    base = prefix[np.searchsorted(code, cand_rank * n + item)] - prefix[np.searchsorted(code, cand_rank * n)]
+    extra = [0] * world
+    base_l, rank_l, k_l = base.tolist(), cand_rank.tolist(), k.tolist()
+    at = 0
+    for i, c, b in zip(multi.tolist(), count[multi].tolist(), size[multi].tolist()):
+        if c <= 32:  # plain Python beats numpy's call overhead
+            j, least = at, base_l[at] + extra[rank_l[at]]
+            for m in range(at + 1, at + c):
+                v = base_l[m] + extra[rank_l[m]]
+                if v < least:  # strictly: the first minimum is the lowest rank
+                    j, least = m, v
+        else:
+            j = at + int(np.argmin(base[at:at + c] + np.asarray(extra)[cand_rank[at:at + c]]))
+        extra[rank_l[j]] += b
+        chosen[i] = k_l[j]
+        at += c
+    return chosen
+
+
+def _writers(boxes: _Boxes, nbytes: np.ndarray, world: int) -> tuple[list[int], list[int]]:
+    """Writer of each tensor (largest first, ties by index: the least-loaded (write load, rank)
+    of the ranks holding most bytes of it; any rank for a tensor nobody holds) and each rank's
+    write load."""
+    n = len(nbytes)
+    t_h = boxes.tensor[boxes.h_box]
+    order, start = group_rows(t_h, boxes.h_rank)  # (tensor, rank) pairs
+    starts = np.flatnonzero(start)
+    held = np.add.reduceat(boxes.nbytes[boxes.h_box][order], starts) if len(starts) else np.zeros(0, np.int64)
+    p_t, p_rank = t_h[order][starts], boxes.h_rank[order][starts]
+    best = np.full(n, -1, np.int64)
+    np.maximum.at(best, p_t, held)
+    cand = held == best[p_t]
+    c_rank = p_rank[cand]  # by tensor, ranks ascending
+    count = np.bincount(p_t[cand], minlength=n)
+    first = np.cumsum(count) - count
+    nobody = np.flatnonzero(count == 0)  # an empty tensor: anyone
+    first[nobody], count[nobody] = len(c_rank) + world * np.arange(len(nobody)), world
+    c_rank = np.concatenate([c_rank, np.tile(np.arange(world, dtype=np.int64), len(nobody))])
+    seq = np.lexsort((np.arange(n), -nbytes))  # largest first
+    pick = _least_loaded(first[seq], count[seq], c_rank, nbytes[seq], world)
+    writer = np.empty(n, np.int64)
+    writer[seq] = c_rank[pick]
+    load = np.zeros(world, np.int64)
+    np.add.at(load, writer, nbytes)
+    return writer.tolist(), load.tolist()
+
+
+def _holders(boxes: _Boxes, writer: list[int], world: int) -> np.ndarray:
+    """``int64[G]``: the segment each box is sent or written from: the writer's own (its first)
+    if any, else the first of the holder that has sent least so far (ties: lowest rank), boxes
+    in order."""
+    wr = np.asarray(writer, np.int64)
+    num = len(boxes.tensor)
+    chosen = np.full(num, -1, np.int64)
+    own = boxes.h_rank == wr[boxes.tensor[boxes.h_box]]
+    chosen[boxes.h_box[own]] = boxes.h_seg[own]
+    rest = np.flatnonzero(chosen < 0)
+    sel = np.flatnonzero(chosen[boxes.h_box] < 0)  # holder rows of those boxes, by box then rank
+    count = np.bincount(np.searchsorted(rest, boxes.h_box[sel]), minlength=len(rest))
+    pick = _least_loaded(np.cumsum(count) - count, count, boxes.h_rank[sel], boxes.nbytes[rest], world)
+    chosen[rest] = boxes.h_seg[sel][pick]
+    return chosen
+
+
+def _files(nbytes: list[int], writer: list[int], world: int, max_shard_bytes: int):
+    """Each writer's tensors in model order, in files of at most ``max_shard_bytes`` (a larger
+    tensor alone). Returns the files, each tensor's file and offset in it, and ``int64[T]`` its
+    (file of its writer, place in the file) as a sort key."""
+    n = len(nbytes)
     per_writer: list[list[list[int]]] = [[] for _ in range(world)]
     filled = [0] * world
-    position = [(0, 0)] * n  # (file number within its writer, place in the file)
+    fno, place = [0] * n, [0] * n
     for t in range(n):
-        files, w = per_writer[writer[t]], writer[t]
+        w = writer[t]
+        files = per_writer[w]
         if not files or (files[-1] and filled[w] + nbytes[t] > max_shard_bytes):
             files.append([])
             filled[w] = 0
-        position[t] = (len(files) - 1, len(files[-1]))
+        fno[t], place[t] = len(files) - 1, len(files[-1])
         files[-1].append(t)
         filled[w] += nbytes[t]
     num_files = sum(len(f) for f in per_writer)
-    files: list[SaveFile] = []
+    out: list[SaveFile] = []
     file_of, offset_of = [0] * n, [0] * n
     for r in range(world):
         for members in per_writer[r]:
             pos = 0
             for t in members:
-                file_of[t], offset_of[t] = len(files), pos
+                file_of[t], offset_of[t] = len(out), pos
                 pos += nbytes[t]
-            files.append(SaveFile(shard_name(len(files), num_files), r, tuple(members), pos))
+            out.append(SaveFile(shard_name(len(out), num_files), r, tuple(members), pos))
+    return out, file_of, offset_of, np.asarray(fno, np.int64), np.asarray(place, np.int64)
+
+
+@dataclass(frozen=True)
+class _Pieces:
+    """Transfers and local writes as columns, in the schedule's piece order: the ``X``
+    transfers in batch order, then the local writes by writer (``P`` pieces in all).
+
+    ``tensor``, ``si`` (the box's index among its tensor's), ``seg`` (row of the segment it is
+    read from), ``src``, ``dst`` (the writer), ``nbytes``: ``int64[P]``; ``off``, ``len``:
+    ``int64[P, W]``; ``ndim``: ``int64[P]`` the tensor's dims; ``round``: ``int64[X]``.
+    """
+
+    tensor: np.ndarray
+    si: np.ndarray
+    seg: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
+    nbytes: np.ndarray
+    off: np.ndarray
+    len: np.ndarray
+    ndim: np.ndarray
+    round: np.ndarray
+
+    def boxes(self) -> list[Box]:
+        return [tuple(zip(o[:k], n[:k])) for o, n, k in zip(self.off.tolist(), self.len.tolist(), self.ndim.tolist())]
+
+
+def _split(boxes: _Boxes, g: np.ndarray, itemsize: np.ndarray, ndim: np.ndarray, max_piece: int):
+    """Pieces of the boxes ``g`` (``int64[K]``, in order): a box of more than ``max_piece``
+    bytes split by :func:`split_box`. Returns ``(box int64[P], off, len int64[P, W])``."""
+    item = itemsize[boxes.tensor[g]]
+    big = np.flatnonzero(boxes.nbytes[g] > max_piece).tolist()
+    counts = np.ones(len(g), np.int64)
+    subs = {}
+    for k in big:
+        nd = int(ndim[boxes.tensor[g[k]]])
+        box = tuple(zip(boxes.off[g[k], :nd].tolist(), boxes.len[g[k], :nd].tolist()))
+        subs[k] = split_box(box, max(1, max_piece // int(item[k])))
+        counts[k] = len(subs[k])
+    rep = np.repeat(np.arange(len(g)), counts)
+    off, ln = boxes.off[g][rep], boxes.len[g][rep]
+    at = (np.cumsum(counts) - counts).tolist()
+    for k, parts in subs.items():
+        for j, sub in enumerate(parts):
+            off[at[k] + j, :len(sub)] = [o for o, _ in sub]
+            ln[at[k] + j, :len(sub)] = [n for _, n in sub]
+    return g[rep], off, ln
+
+
+def _make_pieces(boxes: _Boxes, chosen: np.ndarray, segs: _SegTable, writer: list[int], itemsize, ndim,
+                 t_order: np.ndarray, staging_bytes: int, max_ops: int) -> _Pieces:
+    """Every tensor's boxes (tensors in ``t_order``, boxes in order) cut into pieces; pieces
+    from another rank are transfers, packed into batches; the writer's are local writes."""
+    cnt = np.diff(boxes.first)
+    _, g = expand_runs(boxes.first[t_order], cnt[t_order])
+    g, off, ln = _split(boxes, g, itemsize, ndim, max(1, staging_bytes // 4))
+    t = boxes.tensor[g]
+    seg = chosen[g]
+    src, dst = segs.rank[seg], np.asarray(writer, np.int64)[t]
+    local = src == dst
+    order = np.concatenate([np.flatnonzero(~local), np.flatnonzero(local)[np.argsort(dst[local], kind="stable")]])
+    nbytes = ln.prod(axis=1) * itemsize[t]
+    x = int((~local).sum())
+    rounds = _pack(src[order[:x]], dst[order[:x]], nbytes[order[:x]], staging_bytes, max_ops)
+    return _Pieces(t[order], (g - boxes.first[t])[order], seg[order], src[order], dst[order], nbytes[order],
+                   off[order], ln[order], ndim[t][order], rounds)
+
+
+def _pack(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, budget: int, max_ops: int) -> np.ndarray:
+    """``int64[X]``: the batch of each transfer, in order: a new batch when the transfer would
+    take its sender or receiver over ``budget`` staged bytes or ``max_ops`` ops (never for the
+    first). A loop (greedy in order; ``src != dst``); a rank's counters are reset lazily, when
+    first touched in a new batch."""
+    if not len(src):
+        return np.zeros(0, np.int64)
+    world = int(max(src.max(), dst.max())) + 1
+    stage, ops, stamp = [0] * world, [0] * world, [0] * world
+    out: list[int] = []
+    put = out.append
+    k, first = 0, True
+    for s, d, b in zip(src.tolist(), dst.tolist(), nbytes.tolist()):
+        if stamp[s] != k:
+            stamp[s], stage[s], ops[s] = k, 0, 0
+        if stamp[d] != k:
+            stamp[d], stage[d], ops[d] = k, 0, 0
+        at_s, at_d = stage[s] + b, stage[d] + b
+        if (at_s > budget or at_d > budget or ops[s] >= max_ops or ops[d] >= max_ops) and not first:
+            k += 1
+            stamp[s] = stamp[d] = k
+            at_s = at_d = b
+            ops[s] = ops[d] = 0
+        first = False
+        stage[s], stage[d] = at_s, at_d
+        ops[s] += 1
+        ops[d] += 1
+        put(k)
+    return np.asarray(out, np.int64)
+
+
+def _costs(p: _Pieces, world: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(sent, recv, peak)``, ``int64[world]`` each: bytes sent, received, and staged at most
+    in one batch (sender and receiver both stage a transfer)."""
+    x = len(p.round)
+    src, dst, nb = p.src[:x], p.dst[:x], p.nbytes[:x]
+    sent, recv, peak = (np.zeros(world, np.int64) for _ in range(3))
+    np.add.at(sent, src, nb)
+    np.add.at(recv, dst, nb)
+    rank = np.concatenate([src, dst])
+    order, start = group_rows(np.concatenate([p.round, p.round]), rank)
+    starts = np.flatnonzero(start)
+    if len(starts):
+        staged = np.add.reduceat(np.concatenate([nb, nb])[order], starts)
+        np.maximum.at(peak, rank[order][starts], staged)
+    return sent, recv, peak
+
+
+def _plan_save(outs, world, max_shard_bytes, staging_bytes, max_ops) -> SavePlan:
+    itemsize = np.asarray([DTYPES[o.dtype].itemsize for o in outs], np.int64)
+    ndim = np.asarray([len(o.shape) for o in outs], np.int64)
+    sizes = [math.prod(o.shape) * int(s) for o, s in zip(outs, itemsize.tolist())]
+    nbytes = np.asarray(sizes, np.int64)
+    width = int(ndim.max(initial=0)) or 1  # a column even for scalars
+    # 1. Distinct boxes of each tensor, their holders, and a check that the boxes tile it.
+    segs, seg_first = _gather(outs, width)
+    boxes = _distinct_boxes(segs, seg_first, itemsize)
+    _check_tilings(outs, boxes, ndim, nbytes)
+    # 2. Writers: largest tensors first, to the least-loaded rank among those holding the most of it.
+    writer, write_load = _writers(boxes, nbytes, world)
+    # 3. One holder per box: the writer's own, else the holder that has sent least so far.
+    chosen = _holders(boxes, writer, world)
+    # 4. Files: each writer's tensors in model order, at most max_shard_bytes each.
+    files, file_of, offset_of, fno, place = _files(sizes, writer, world, max_shard_bytes)
+    # 5. Pieces: transfers (in rounds over the writers' files, so every writer is busy) and local writes.
+    t_order = lex_order(fno, place, np.asarray(writer, np.int64))
+    pieces = _make_pieces(boxes, chosen, segs, writer, itemsize, ndim, t_order, staging_bytes, max_ops)
+    sent, recv, peak = _costs(pieces, world)
+    num_batches = int(pieces.round[-1]) + 1 if len(pieces.round) else 0
+    cost = SaveCost(np.asarray(write_load, dtype=np.int64), sent, recv, peak, len(pieces.round), num_batches)
+    source = _Chosen(outs, segs, seg_first, boxes, chosen)
     tensors = tuple(
-        OutTensor(o.key, tuple(o.shape), o.dtype, nbytes[t], writer[t], file_of[t], offset_of[t],
-                  tuple(chosen[t]), o.is_buffer)
+        OutTensor(o.key, tuple(o.shape), o.dtype, sizes[t], writer[t], file_of[t], offset_of[t], o.is_buffer,
+                  (source, t))
         for t, o in enumerate(outs)
     )
-    # 5. Pieces: transfers (in rounds over the writers' files, so every writer is busy) and local writes.
-    max_piece = max(1, staging_bytes // 4)
-    local: list[list[LocalWrite]] = [[] for _ in range(world)]
-    transfers: list[Transfer] = []
-    order = sorted(range(n), key=lambda t: (position[t], writer[t]))
-    for t in order:
-        item = itemsizes[t]
-        for si, s in enumerate(chosen[t]):
-            size = box_bytes[(s.box, item)]
-            subs = [s.box] if size <= max_piece else split_box(s.box, max(1, max_piece // item))
-            for sub in subs:
-                size = box_bytes[(s.box, item)] if len(subs) == 1 else box_numel(sub) * item
-                if s.rank == writer[t]:
-                    local[s.rank].append(LocalWrite(t, si, sub, size))
-                else:
-                    transfers.append(Transfer(s.rank, writer[t], t, si, sub, size))
-    batches, sent, recv, peak = _pack(transfers, world, staging_bytes, max_ops)
-    cost = SaveCost(np.asarray(write_load, dtype=np.int64), sent, recv, peak, len(transfers), len(batches))
-    plan = SavePlan(world, tensors, tuple(files), batches, tuple(tuple(v) for v in local), cost, staging_bytes)
-    object.__setattr__(plan, "fingerprint", _fingerprint(plan))
-    object.__setattr__(plan, "schedule", _as_schedule(plan, max_ops))
+    plan = SavePlan(world, tensors, tuple(files), cost, staging_bytes, _pieces=pieces)
+    object.__setattr__(plan, "fingerprint", _fingerprint(plan, pieces))
+    object.__setattr__(plan, "schedule", _as_schedule(plan, pieces, segs, max_ops, width))
     return plan
+
+
+class _Chosen:
+    """The chosen segment of every box, as :class:`Segment` objects on demand: the caller's
+    own objects where it gave them, else made from the table's rows."""
+
+    def __init__(self, outs, segs: _SegTable, seg_first: np.ndarray, boxes: _Boxes, chosen: np.ndarray):
+        self.outs, self.segs, self.seg_first, self.box_first, self.chosen = outs, segs, seg_first, boxes.first, chosen
+
+    def of(self, t: int) -> tuple[Segment, ...]:
+        o = self.outs[t]
+        rows = self.chosen[self.box_first[t]:self.box_first[t + 1]].tolist()
+        if o._segments is not None:
+            start = int(self.seg_first[t])
+            return tuple(o._segments[r - start] for r in rows)
+        return tuple(self.segs.segment(r, len(o.shape)) for r in rows)
+
+
+def _as_schedule(plan: SavePlan, p: _Pieces, segs: _SegTable, max_ops: int, width: int) -> Schedule:
+    """The plan as a :class:`Schedule` (see :class:`SavePlan` for its conventions): piece ``i``
+    is ``p``'s row ``i`` and read through view ``i``; deliveries are in piece order."""
+    i32, i64 = np.int32, np.int64
+    c = plan.cost
+    x, num = len(p.round), len(p.tensor)
+    zeros = np.zeros(plan.world_size, dtype=i64)
+    off = p.off.astype(i64).reshape(-1, width)
+    return Schedule(
+        topology=Topology(plan.world_size, 1), staging_bytes=plan.staging_bytes, max_ops=max_ops,
+        keys=tuple(t.key for t in plan.tensors), key_ndim=np.asarray([len(t.shape) for t in plan.tensors], np.int8),
+        piece_key=p.tensor.astype(i32), piece_off=off, piece_len=p.len.astype(i64).reshape(-1, width),
+        piece_bytes=p.nbytes.astype(i64),
+        read_rank=np.zeros(0, i32), read_piece=np.zeros(0, i32), read_round=np.zeros(0, i64),
+        send_src=p.src[:x].astype(i32), send_dst=p.dst[:x].astype(i32),
+        send_piece=np.arange(x, dtype=i32), send_round=p.round.astype(i64), send_view=np.arange(x, dtype=i32),
+        bcast_node=np.zeros(0, i32), bcast_root=np.zeros(0, i32), bcast_piece=np.zeros(0, i32),
+        bcast_round=np.zeros(0, i64),
+        dlv_piece=np.arange(num, dtype=i32), dlv_rank=p.dst.astype(i32), dlv_param=p.tensor.astype(i32),
+        dlv_slot=np.full(num, -1, i64), dlv_off=off.copy(), num_rounds=c.num_batches,
+        cost=PlanCost(read_bytes=zeros, sent_bytes=c.sent_bytes, recv_bytes=c.recv_bytes,
+                      peak_staging_bytes=c.peak_staging_bytes, cross_node_bytes=0, num_p2p_ops=c.num_p2p_ops,
+                      num_batches=c.num_batches, num_broadcasts=0),
+        view_rank=segs.rank[p.seg].astype(i32), view_param=segs.param[p.seg].astype(i32),
+        view_slot=segs.slot[p.seg].astype(i64), view_off=(p.off + segs.delta[p.seg]).astype(i64).reshape(-1, width),
+        copy_view=np.arange(x, num, dtype=i32), copy_piece=np.arange(x, num, dtype=i32),
+        copy_round=np.full(num - x, -1, i64),
+    )
 
 
 def tensor_schedule(
@@ -583,69 +680,6 @@ def tensor_schedule(
     )
 
 
-def _as_schedule(plan: SavePlan, max_ops: int) -> Schedule:
-    """The plan as a :class:`Schedule` (see :class:`SavePlan` for its conventions)."""
-    width = max((len(t.shape) for t in plan.tensors), default=1) or 1  # a column even for scalars
-    p_key, p_off, p_len, p_bytes = [], [], [], []
-    v_rank, v_param, v_slot, v_off = [], [], [], []
-    sends, copies, dlv = [], [], []
-
-    def piece(tensor: int, box: Box, nbytes: int) -> int:
-        pad = width - len(box)
-        p_key.append(tensor)
-        p_off.append([o for o, _ in box] + [0] * pad)
-        p_len.append([n for _, n in box] + [1] * pad)
-        p_bytes.append(nbytes)
-        return len(p_key) - 1
-
-    def view(tensor: int, segment: int, box: Box) -> int:
-        seg = plan.tensors[tensor].segments[segment]
-        v_rank.append(seg.rank)
-        v_param.append(seg.param)
-        v_slot.append(seg.lead[0][0] if seg.lead else -1)
-        delta = seg.delta + (0,) * (len(box) - len(seg.delta))
-        v_off.append([o + d for (o, _), d in zip(box, delta)] + [0] * (width - len(box)))
-        return len(v_rank) - 1
-
-    for k, batch in enumerate(plan.batches):
-        for x in batch:
-            pid = piece(x.tensor, x.box, x.nbytes)
-            sends.append((x.src, x.dst, pid, k, view(x.tensor, x.segment, x.box)))
-            dlv.append((pid, x.dst, x.tensor))
-    for rank, writes in enumerate(plan.local_writes):
-        for w in writes:
-            pid = piece(w.tensor, w.box, w.nbytes)
-            copies.append((view(w.tensor, w.segment, w.box), pid))
-            dlv.append((pid, rank, w.tensor))
-    dlv.sort()
-    i32, i64 = np.int32, np.int64
-    c = plan.cost
-    zeros = np.zeros(plan.world_size, dtype=i64)
-    return Schedule(
-        topology=Topology(plan.world_size, 1), staging_bytes=plan.staging_bytes, max_ops=max_ops,
-        keys=tuple(t.key for t in plan.tensors), key_ndim=np.asarray([len(t.shape) for t in plan.tensors], np.int8),
-        piece_key=np.asarray(p_key, i32), piece_off=np.asarray(p_off, i64).reshape(-1, width),
-        piece_len=np.asarray(p_len, i64).reshape(-1, width), piece_bytes=np.asarray(p_bytes, i64),
-        read_rank=np.zeros(0, i32), read_piece=np.zeros(0, i32), read_round=np.zeros(0, i64),
-        send_src=np.asarray([x[0] for x in sends], i32), send_dst=np.asarray([x[1] for x in sends], i32),
-        send_piece=np.asarray([x[2] for x in sends], i32), send_round=np.asarray([x[3] for x in sends], i64),
-        send_view=np.asarray([x[4] for x in sends], i32),
-        bcast_node=np.zeros(0, i32), bcast_root=np.zeros(0, i32), bcast_piece=np.zeros(0, i32),
-        bcast_round=np.zeros(0, i64),
-        dlv_piece=np.asarray([x[0] for x in dlv], i32), dlv_rank=np.asarray([x[1] for x in dlv], i32),
-        dlv_param=np.asarray([x[2] for x in dlv], i32), dlv_slot=np.full(len(dlv), -1, i64),
-        dlv_off=np.asarray(p_off, i64).reshape(-1, width)[[x[0] for x in dlv]].reshape(-1, width),
-        num_rounds=len(plan.batches),
-        cost=PlanCost(read_bytes=zeros, sent_bytes=c.sent_bytes, recv_bytes=c.recv_bytes,
-                      peak_staging_bytes=c.peak_staging_bytes, cross_node_bytes=0, num_p2p_ops=c.num_p2p_ops,
-                      num_batches=c.num_batches, num_broadcasts=0),
-        view_rank=np.asarray(v_rank, i32), view_param=np.asarray(v_param, i32), view_slot=np.asarray(v_slot, i64),
-        view_off=np.asarray(v_off, i64).reshape(-1, width),
-        copy_view=np.asarray([x[0] for x in copies], i32), copy_piece=np.asarray([x[1] for x in copies], i32),
-        copy_round=np.full(len(copies), -1, i64),
-    )
-
-
 def _check_tiling(key: str, shape: tuple[int, ...], boxes: list[Box], nbytes: int) -> None:
     """Raise ValueError unless ``boxes`` (distinct, non-empty) are a grid that tiles ``shape``."""
     if not nbytes:
@@ -667,44 +701,58 @@ def _check_tiling(key: str, shape: tuple[int, ...], boxes: list[Box], nbytes: in
         raise ValueError(f"tensor {key!r}: the ranks' boxes are not a grid over shape {list(shape)}")
 
 
-def _pack(transfers: list[Transfer], world: int, budget: int, max_ops: int):
-    sent = np.zeros(world, dtype=np.int64)
-    recv = np.zeros(world, dtype=np.int64)
-    peak = np.zeros(world, dtype=np.int64)
-    batches: list[tuple[Transfer, ...]] = []
-    cur: list[Transfer] = []
-    stage: dict[int, int] = {}
-    ops: dict[int, int] = {}
-
-    def flush():
-        if cur:
-            batches.append(tuple(cur))
-            for r, v in stage.items():
-                peak[r] = max(peak[r], v)
-            cur.clear()
-            stage.clear()
-            ops.clear()
-
-    for x in transfers:
-        if cur and any(stage.get(r, 0) + x.nbytes > budget or ops.get(r, 0) + 1 > max_ops for r in (x.src, x.dst)):
-            flush()
-        cur.append(x)
-        for r in (x.src, x.dst):
-            stage[r] = stage.get(r, 0) + x.nbytes
-            ops[r] = ops.get(r, 0) + 1
-        sent[x.src] += x.nbytes
-        recv[x.dst] += x.nbytes
-    flush()
-    return tuple(batches), sent, recv, peak
+def _int_strs(values: np.ndarray) -> np.ndarray:
+    """``object[...]``: ``str`` of each integer of ``values``; through a table of the strings of
+    ``0 .. max`` where that is small (``str`` of each of a million integers is the slow part)."""
+    lo, hi = int(values.min(initial=0)), int(values.max(initial=0))
+    if lo >= 0 and hi < 1 << 22:
+        return np.array(list(map(str, range(hi + 1))), dtype=object)[values]
+    return np.array(list(map(str, values.ravel().tolist())), dtype=object).reshape(values.shape)
 
 
-def _fingerprint(plan: SavePlan) -> str:
-    """A digest of what the plan makes ranks do, from plain tuples (their repr is C code; the
-    dataclasses' generated reprs are Python)."""
+def _rows_repr(groups: list[int], cols: list[np.ndarray], off: np.ndarray, ln: np.ndarray, ndim: np.ndarray) -> str:
+    """``repr`` of a list of lists of tuples ``(*cols, box)``: list ``i`` has ``groups[i]`` of
+    the rows in order; ``off``, ``len``: ``int64[R, W]`` the boxes, ``ndim``: ``int64[R]``
+    their dims. Made without a tuple per row: one token matrix (the columns' strings, then the
+    repr of the row's box, made once per distinct box) joined once; the lists' brackets are
+    put in the first token of each list's first row."""
+    num, c = len(ndim), len(cols)
+    if not num:
+        return "[" + ", ".join(["[]"] * len(groups)) + "]"
+    order, start = group_rows(ndim, *off.T, *ln.T)
+    box_of = np.empty(num, np.int64)
+    box_of[order] = np.cumsum(start) - 1
+    rep = order[start]
+    tails = np.array([", " + repr(tuple(zip(o[:k], n[:k]))) + ")"
+                      for o, n, k in zip(off[rep].tolist(), ln[rep].tolist(), ndim[rep].tolist())], dtype=object)
+    tokens = np.empty((num, 2 * c + 1), object)
+    tokens[:, 0] = ", ("
+    tokens[:, 1:2 * c:2] = _int_strs(np.stack(cols, axis=1))
+    tokens[:, 2:2 * c - 1:2] = ", "
+    tokens[:, 2 * c] = tails[box_of]
+    pending, at = "[", 0  # the text before the next list's first row: brackets, empty lists
+    for k in groups:
+        if k:
+            tokens[at, 0] = pending + "[("
+            at += k
+            pending = "], "
+        else:
+            pending += "[], "
+    tail = pending[len("], "):]  # the empty lists after the last row's list
+    return "".join(tokens.ravel().tolist()) + "]" + (", " + tail[:-2] if tail else "") + "]"
+
+
+def _fingerprint(plan: SavePlan, p: _Pieces) -> str:
+    """A digest of what the plan makes ranks do: the repr of plain tuples of its tensors,
+    local writes, files and batches (made straight from the arrays for the pieces)."""
+    x = len(p.round)
     h = hashlib.sha256()
     h.update(repr((plan.world_size, plan.staging_bytes)).encode())
     h.update(repr([(t.key, t.shape, t.dtype, t.writer, t.file, t.offset) for t in plan.tensors]).encode())
-    h.update(repr([[(w.tensor, w.segment, w.box) for w in ws] for ws in plan.local_writes]).encode())
+    per_rank = np.bincount(p.dst[x:], minlength=plan.world_size).tolist()
+    h.update(_rows_repr(per_rank, [p.tensor[x:], p.si[x:]], p.off[x:], p.len[x:], p.ndim[x:]).encode())
     h.update(repr([(f.name, f.writer, f.tensors) for f in plan.files]).encode())
-    h.update(repr([[(x.src, x.dst, x.tensor, x.segment, x.box) for x in b] for b in plan.batches]).encode())
+    per_batch = np.bincount(p.round, minlength=plan.cost.num_batches).tolist()
+    h.update(_rows_repr(per_batch, [p.src[:x], p.dst[:x], p.tensor[:x], p.si[:x]], p.off[:x], p.len[:x],
+                        p.ndim[:x]).encode())
     return h.hexdigest()[:16]

@@ -1,0 +1,373 @@
+"""Model descriptions -> the checkpoint tensors a save writes and every rank's boxes of them
+(:func:`describe_outputs`, pure): the input of the save planner (:mod:`moeshard.plan.save`).
+
+Every checkpoint tensor to write (a non-expert parameter or persistent buffer under its
+checkpoint name; one part of one logical expert of a per-expert parameter; or a fused expert
+tensor) is described by its :class:`Segment` s: which rank holds which box of it, and where in
+its local tensor. The segments of all tensors are one table of columns (:class:`_SegTable`);
+``Segment`` objects are made only when a caller reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .._gc import paused_gc
+from ..box import Box
+from ..io.checkpoint import DTYPE_NAMES, CheckpointIndex
+from ..models.layout import ParamDesc, param_boxes
+from ..placement import Placement
+from .arrays import expand_runs
+
+__all__ = ["Segment", "describe_outputs"]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Rank ``rank`` holds box ``box`` (coordinates of the checkpoint tensor) in the local tensor
+    of parameter ``param`` (index into the descriptions) at ``lead + box shifted by delta``.
+
+    ``lead`` is the leading local dims the checkpoint tensor lacks (an expert's slot,
+    ``((local_slot, 1),)``) or ``()``; ``delta[d]`` = local offset - checkpoint offset in dim d.
+    """
+
+    rank: int
+    param: int
+    box: Box
+    lead: Box = ()
+    delta: tuple[int, ...] = ()
+
+    def local_box(self, sub: Box) -> Box:
+        """Local box of ``sub`` (a box inside :attr:`box`, checkpoint coordinates)."""
+        return self.lead + tuple((o + d, n) for (o, n), d in zip(sub, self.delta))
+
+
+
+@dataclass(frozen=True)
+class _SegTable:
+    """Segments of checkpoint tensors as columns (``S`` segments, ``W`` padded box dims: a
+    tensor of fewer dims has offset 0, length 1 and delta 0 in the others).
+
+    ``rank``, ``param``: ``int64[S]``; ``slot``: ``int64[S]`` the local expert slot of a
+    segment whose ``lead`` is ``((slot, 1),)``, -1 for ``lead == ()``; ``off``, ``len``,
+    ``delta``: ``int64[S, W]``: the box and its shift to local coordinates.
+    """
+
+    rank: np.ndarray
+    param: np.ndarray
+    slot: np.ndarray
+    off: np.ndarray
+    len: np.ndarray
+    delta: np.ndarray
+
+    def rows(self, lo: int, hi: int, width: int) -> _SegTable:
+        """Rows ``lo:hi`` with ``width`` box dims (>= their tensors' dims: cut or padded)."""
+        pad = ((0, 0), (0, max(0, width - self.off.shape[1])))
+        return _SegTable(self.rank[lo:hi], self.param[lo:hi], self.slot[lo:hi], np.pad(self.off[lo:hi, :width], pad),
+                         np.pad(self.len[lo:hi, :width], pad, constant_values=1), np.pad(self.delta[lo:hi, :width], pad))
+
+    @staticmethod
+    def concat(parts: list[_SegTable], width: int) -> _SegTable:
+        if not parts:
+            e, e2 = np.zeros(0, np.int64), np.zeros((0, width), np.int64)
+            return _SegTable(e, e, e, e2, e2, e2)
+        return _SegTable(*(np.concatenate([getattr(p, f) for p in parts]) for f in
+                           ("rank", "param", "slot", "off", "len", "delta")))
+
+    @staticmethod
+    def of_segments(segments: Sequence[Segment], ndim: int, width: int) -> _SegTable:
+        """The table of :class:`Segment` objects of a tensor of ``ndim`` dims."""
+        for s in segments:
+            if len(s.box) != ndim:
+                raise ValueError(f"segment box {list(s.box)} does not have the tensor's {ndim} dims")
+        k = len(segments)
+        off, ln, delta = (np.zeros((k, width), np.int64), np.ones((k, width), np.int64),
+                          np.zeros((k, width), np.int64))
+        for i, s in enumerate(segments):
+            off[i, :ndim] = [o for o, _ in s.box]
+            ln[i, :ndim] = [n for _, n in s.box]
+            dl = s.delta[:ndim]
+            delta[i, :len(dl)] = dl
+        return _SegTable(np.asarray([s.rank for s in segments], np.int64).reshape(k),
+                         np.asarray([s.param for s in segments], np.int64).reshape(k),
+                         np.asarray([s.lead[0][0] if s.lead else -1 for s in segments], np.int64).reshape(k),
+                         off, ln, delta)
+
+    def segment(self, i: int, ndim: int) -> Segment:
+        """Row ``i`` as a :class:`Segment` of a tensor of ``ndim`` dims."""
+        off, ln, delta = self.off[i, :ndim].tolist(), self.len[i, :ndim].tolist(), self.delta[i, :ndim].tolist()
+        slot = int(self.slot[i])
+        return Segment(int(self.rank[i]), int(self.param[i]), tuple(zip(off, ln)), ((slot, 1),) if slot >= 0 else (),
+                       tuple(delta))
+
+
+class _Out:
+    """One checkpoint tensor to write and its holders' segments: a list of :class:`Segment`
+    (built by hand), or rows ``lo:hi`` of a :class:`_SegTable` shared by the tensors of
+    :func:`describe_outputs` (the objects are then made on first use of :attr:`segments`)."""
+
+    __slots__ = ("key", "shape", "dtype", "is_buffer", "_segments", "table", "rows")
+
+    def __init__(self, key: str, shape: tuple[int, ...], dtype: str, segments: list[Segment] | None = None,
+                 is_buffer: bool = False, *, table: _SegTable | None = None, rows: tuple[int, int] = (0, 0)):
+        self.key, self.shape, self.dtype, self.is_buffer = key, shape, dtype, is_buffer
+        self._segments = segments if segments is not None or table is not None else []
+        self.table, self.rows = table, rows
+
+    @property
+    def segments(self) -> list[Segment]:
+        if self._segments is None:
+            self._segments = [self.table.segment(i, len(self.shape)) for i in range(*self.rows)]
+        return self._segments
+
+    def __repr__(self) -> str:
+        return f"_Out({self.key!r}, {self.shape}, {self.dtype!r}, {len(self)} segments)"
+
+    def __len__(self) -> int:
+        return self.rows[1] - self.rows[0] if self._segments is None else len(self._segments)
+
+
+def describe_outputs(
+    descs: Sequence[ParamDesc],
+    placement: Placement | None,
+    world_size: int,
+    reference: CheckpointIndex | None = None,
+    *,
+    tied_targets: frozenset[str] = frozenset(),
+    skip_keys: frozenset[str] = frozenset(),
+    buffers: frozenset[str] = frozenset(),
+    num_experts: dict[int, int] | None = None,
+) -> list[_Out]:
+    """Checkpoint tensors of a model and every rank's boxes of them (pure).
+
+    Args:
+        descs: :func:`~moeshard.layout.describe_model` of the model.
+        placement: which logical expert each physical slot holds (None: slot p = expert p).
+        reference: a checkpoint whose names and expert part sizes to mirror.
+        tied_targets: names of tied parameters a checkpoint drops (``lm_head.weight``); a
+            tied parameter is written under another of its names.
+        skip_keys: keys not to write (the model's ``_keys_to_ignore_on_save``).
+        buffers: names of persistent buffers (not counted as parameters).
+        num_experts: logical experts per MoE layer as the model declares them.
+
+    Raises:
+        ValueError: a logical expert with no physical slot, fused expert parts that do not
+            split, a shape disagreeing with ``reference``, a dtype safetensors cannot store.
+    """
+    with paused_gc():
+        return _describe_outputs(descs, placement, world_size, reference, tied_targets, skip_keys, buffers,
+                                 num_experts or {})
+
+
+class _Rows:
+    """Segment rows collected per chunk (``tensor``: ``int64[k]`` output index of each row),
+    made into one :class:`_SegTable` sorted by tensor at the end."""
+
+    def __init__(self):
+        self.chunks: list[tuple] = []
+
+    def add(self, tensor, rank, param: int, slot, off, ln, delta) -> None:
+        self.chunks.append((tensor, rank, param, slot, off, ln, delta))
+
+    def table(self, num_tensors: int, width: int) -> tuple[_SegTable, np.ndarray]:
+        """The table (rows of each tensor in the order they were added) and ``int64[T + 1]``
+        the first row of each tensor."""
+        sizes = [len(c[1]) for c in self.chunks]
+        total = sum(sizes)
+        tensor, rank, param, slot = (np.empty(total, np.int64) for _ in range(4))
+        off, delta, ln = np.zeros((total, width), np.int64), np.zeros((total, width), np.int64), np.ones(
+            (total, width), np.int64)
+        at = 0
+        for (t, r, p, sl, o, n, dl), k in zip(self.chunks, sizes):
+            nd = o.shape[1]
+            tensor[at:at + k], rank[at:at + k], param[at:at + k], slot[at:at + k] = t, r, p, sl
+            off[at:at + k, :nd], ln[at:at + k, :nd], delta[at:at + k, :nd] = o, n, dl
+            at += k
+        order = np.argsort(tensor, kind="stable")  # a stable sort keeps each tensor's rows in order
+        table = _SegTable(rank[order], param[order], slot[order], off[order], ln[order], delta[order])
+        bounds = np.zeros(num_tensors + 1, np.int64)
+        np.cumsum(np.bincount(tensor, minlength=num_tensors), out=bounds[1:])
+        return table, bounds
+
+
+def _describe_outputs(descs, placement, world_size, reference, tied_targets, skip_keys, buffers,
+                      num_experts) -> list[_Out]:
+    heads: list[tuple] = []  # (key, shape, dtype, is_buffer) per output
+    rows = _Rows()
+    num_layers = 1 + max((d.expert.layer for d in descs if d.expert), default=-1)
+    phy2log, num_logical = _expert_table(descs, placement, num_layers, reference, num_experts)
+    for i, d in enumerate(descs):
+        if d.dtype not in DTYPE_NAMES:
+            raise ValueError(f"parameter {d.name}: dtype {d.dtype} cannot be stored in safetensors")
+        ranks, off, ln = _rank_box_arrays(d, world_size)
+        if d.expert is None:
+            key = _choose_key(d, reference, tied_targets)
+            if key in skip_keys:
+                continue
+            if reference is not None and key in reference and tuple(reference.info(key).shape) != d.shape:
+                raise ValueError(
+                    f"parameter {d.name}: the reference checkpoint has {key!r} of shape "
+                    f"{list(reference.info(key).shape)}, the model {list(d.shape)}"
+                )
+            keep = (ln > 0).all(axis=1)
+            rows.add(len(heads), ranks[keep], i, np.full(int(keep.sum()), -1, np.int64), off[keep], ln[keep],
+                     -off[keep])
+            heads.append((key, d.shape, DTYPE_NAMES[d.dtype], d.name in buffers))
+        elif d.expert.param.fused:
+            _fused_output(i, d, phy2log[d.expert.layer], num_logical, ranks, off, ln, heads, rows)
+        else:
+            _expert_outputs(i, d, phy2log[d.expert.layer], num_logical, ranks, off, ln, reference, heads, rows)
+    width = max((len(h[1]) for h in heads), default=1) or 1
+    table, bounds = rows.table(len(heads), width)
+    outs = [_Out(key, shape, dtype, None, is_buffer, table=table, rows=(lo, hi))
+            for (key, shape, dtype, is_buffer), lo, hi in zip(heads, bounds[:-1].tolist(), bounds[1:].tolist())]
+    if len({o.key for o in outs}) == len(outs):
+        return outs
+    seen: set[str] = set()
+    for o in outs:
+        if o.key in seen:
+            raise ValueError(f"two tensors of the model would be written as {o.key!r}")
+        seen.add(o.key)
+    return outs
+
+
+def _rank_box_arrays(d: ParamDesc, world_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`rank_boxes` as ``(rank int64[R], off int64[R, ndim], len int64[R, ndim])``."""
+    ranks, boxes = param_boxes(d, world_size)
+    return ranks, boxes[:, :, 0], boxes[:, :, 1]
+
+
+def _slots(phy2log: np.ndarray, off: np.ndarray, ln: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every held slot of an expert parameter holding a logical expert: ``(q, local, e)``,
+    ``int64[K]`` each: the rank box row, the local slot, the logical expert; in (row, slot)
+    order. Rows with an empty box are skipped."""
+    valid = (ln > 0).all(axis=1)
+    counts = np.where(valid, ln[:, 0], 0)
+    q, slot = expand_runs(off[:, 0], counts)
+    e = phy2log[slot].astype(np.int64) if len(slot) else np.zeros(0, np.int64)
+    keep = e >= 0
+    return q[keep], (slot - off[q, 0])[keep], e[keep]
+
+
+def _choose_key(d: ParamDesc, reference: CheckpointIndex | None, tied_targets: frozenset[str]) -> str:
+    if reference is not None:
+        for k in d.keys:
+            if k in reference:
+                return k
+    return next((k for k in d.keys if k not in tied_targets), d.keys[0] if d.keys else d.name)
+
+
+def _expert_table(descs, placement, num_layers, reference, num_experts) -> tuple[np.ndarray, int]:
+    """``phy2log[num_layers, num_physical]`` and the number of logical experts, after checking
+    that every logical expert of every layer has a slot."""
+    if not num_layers:
+        return np.zeros((0, 0), dtype=np.int64), 0
+    num_physical = next(d.shape[0] for d in descs if d.expert)
+    if placement is None:
+        phy2log = np.tile(np.arange(num_physical), (num_layers, 1))
+        num_logical = num_physical
+    else:
+        phy2log = np.asarray(placement.phy2log)
+        if phy2log.ndim != 2 or phy2log.shape[0] != num_layers:
+            raise ValueError(f"the model has {num_layers} MoE layers, the placement describes "
+                             f"{phy2log.shape[0] if phy2log.ndim == 2 else '?'}")
+        num_logical = int(getattr(placement, "num_logical", None) or (phy2log.max() + 1))
+    for d in descs:
+        if d.expert is not None and d.shape[0] != phy2log.shape[1]:
+            raise ValueError(f"parameter {d.name} has {d.shape[0]} expert slots per layer, the placement has "
+                             f"{phy2log.shape[1]} physical slots")
+    for layer in range(num_layers):
+        want = num_experts.get(layer, num_logical)
+        if want < num_logical:
+            raise ValueError(f"layer {layer}: the placement has {num_logical} logical experts, the model's "
+                             f"experts module declares {want}")
+        row = phy2log[layer]
+        present = np.zeros(want, dtype=bool)
+        present[row[(row >= 0) & (row < want)]] = True
+        missing = np.flatnonzero(~present)
+        if len(missing):
+            raise ValueError(
+                f"layer {layer}: logical expert {int(missing[0])} has no physical slot in the placement "
+                f"({len(missing)} expert(s) of this layer missing): it cannot be saved"
+            )
+    num_logical = max([num_logical, *num_experts.values()])
+    if reference is not None:
+        for d in descs:
+            ref = d.expert
+            if ref is not None and ref.param.fused:
+                (key,) = ref.param.keys(ref.module, 0)
+                shape = list(reference.info(key).shape) if key in reference else None
+                if shape != [num_logical, *d.shape[1:]]:
+                    raise ValueError(
+                        f"parameter {d.name}: the reference checkpoint's {key!r} (every expert fused on disk) has "
+                        f"shape {shape}, the model's {num_logical} logical experts make {[num_logical, *d.shape[1:]]}")
+            elif ref is not None and ref.param.keys(ref.module, num_logical)[0] in reference:
+                raise ValueError(f"parameter {d.name}: the reference checkpoint has logical expert {num_logical}, "
+                                 f"the model has {num_logical} logical experts")
+    return phy2log, num_logical
+
+
+def _expert_outputs(i, d: ParamDesc, phy2log: np.ndarray, num_logical: int, ranks, off, ln, reference, heads,
+                    rows: _Rows) -> None:
+    """The checkpoint tensors of a (not fused) expert parameter: part ``j`` of logical expert
+    ``e`` in output ``base + e * parts + j``, its rows in (rank box, local slot) order."""
+    ref = d.expert
+    dim = ref.param.dim
+    slice_shape = d.shape[1:]
+    part_sizes = _part_sizes(d, slice_shape, reference)
+    los = [sum(part_sizes[:j]) for j in range(len(part_sizes))]
+    dtype = DTYPE_NAMES[d.dtype]
+    part_shapes = [slice_shape[:dim] + (n,) + slice_shape[dim + 1:] for n in part_sizes]
+    base, num_parts = len(heads), len(part_sizes)
+    for e in range(num_logical):
+        keys = ref.param.keys(ref.module, e)
+        assert len(keys) == num_parts, (keys, part_sizes)
+        heads.extend((k, part_shapes[j], dtype, False) for j, k in enumerate(keys))
+    q, local, e = _slots(phy2log, off, ln)
+    rest_off, rest_len = off[q, 1:], ln[q, 1:]
+    start, length = rest_off[:, dim], rest_len[:, dim]
+    for j, (lo, size) in enumerate(zip(los, part_sizes)):
+        a, b = np.maximum(start, lo), np.minimum(start + length, lo + size)
+        has = a < b  # the rank's box meets part j
+        p_off, p_len, delta = rest_off[has].copy(), rest_len[has].copy(), -rest_off[has]
+        p_off[:, dim], p_len[:, dim] = a[has] - lo, (b - a)[has]
+        delta[:, dim] += lo
+        rows.add(base + e[has] * num_parts + j, ranks[q[has]], i, local[has], p_off, p_len, delta)
+
+
+def _fused_output(i, d: ParamDesc, phy2log: np.ndarray, num_logical: int, ranks, off, ln, heads, rows: _Rows) -> None:
+    """The one checkpoint tensor ``[num_logical, *slice_shape]`` of an expert parameter written
+    fused (as transformers writes gpt-oss, Llama 4, ...): row ``e`` from every slot holding
+    logical expert ``e`` (copies are alternatives, as replicas of a dense tensor are)."""
+    ref = d.expert
+    q, local, e = _slots(phy2log, off, ln)
+    box_off = np.concatenate([e[:, None], off[q, 1:]], axis=1)  # checkpoint row e <- local slot
+    box_len = np.concatenate([np.ones((len(q), 1), np.int64), ln[q, 1:]], axis=1)
+    delta = np.concatenate([(local - e)[:, None], -off[q, 1:]], axis=1)
+    rows.add(len(heads), ranks[q], i, np.full(len(q), -1, np.int64), box_off, box_len, delta)
+    (key,) = ref.param.keys(ref.module, 0)
+    heads.append((key, (num_logical, *d.shape[1:]), DTYPE_NAMES[d.dtype], False))
+
+
+def _part_sizes(d: ParamDesc, slice_shape: tuple[int, ...], reference: CheckpointIndex | None) -> tuple[int, ...]:
+    ref = d.expert
+    dim, num_parts = ref.param.dim, len(ref.param.parts)
+    if reference is not None:
+        keys = ref.param.keys(ref.module, 0)
+        if all(k in reference for k in keys):
+            sizes = tuple(reference.info(k).shape[dim] if len(reference.info(k).shape) > dim else -1 for k in keys)
+            if sum(sizes) != slice_shape[dim] or min(sizes) < 0:
+                raise ValueError(
+                    f"parameter {d.name}: the reference checkpoint's tensors {list(keys)} have sizes {list(sizes)} "
+                    f"along dim {dim}, which do not split the model's expert slice of shape {list(slice_shape)}"
+                )
+            return sizes
+    if slice_shape[dim] % num_parts:
+        raise ValueError(
+            f"parameter {d.name}: an expert slice of shape {list(slice_shape)} does not split into "
+            f"{num_parts} equal parts along dim {dim}; pass reference= to give the part sizes"
+        )
+    return (slice_shape[dim] // num_parts,) * num_parts
