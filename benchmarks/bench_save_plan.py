@@ -1,0 +1,91 @@
+"""Save-planning benchmark: what ONE rank of a ``moeshard.save`` computes before any byte moves, at
+DeepSeek-V3's shape (``docs/deepseek_v3_config.json``: 45,395 checkpoint tensors), for a range of
+world sizes (8 ranks per node, EP = min(256, W), expert-FSDP = W / EP, as ``bench_plan``'s sweep).
+
+The model's parameter descriptions are synthesized as ``moeshard plan`` builds them (no torch model,
+no process group); then ``describe_outputs`` (every checkpoint tensor and every rank's boxes of it)
+and ``plan_save`` (writers, files, transfers, batches, the schedule and its fingerprint) are timed.
+Each world size runs in a process of its own (its peak RSS is its own). With ``--compare SRC_TREE``
+the same runs use another source tree's package too (``SRC_TREE/src`` first on PYTHONPATH, e.g. a
+worktree of an older commit), interleaved, and the fingerprints of both are printed: equal
+fingerprints mean the same plan.
+
+    python -m benchmarks.bench_save_plan [--worlds 64,256,1024] [--compare /path/to/old/tree]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "docs" / "deepseek_v3_config.json"
+
+
+def one(world: int) -> dict:
+    """Time describe_outputs + plan_save for ``world`` ranks in this process."""
+    import dataclasses
+
+    import torch
+
+    from benchmarks.bench_plan import sweep_cluster
+    from moeshard.cluster import find_experts, make_placement, read_config, synthesize_descs, synthetic_index
+    from moeshard.dtypes import TORCH_NAMES
+    from moeshard.plan.save import describe_outputs, plan_save
+
+    cluster = sweep_cluster(world)
+    index = synthetic_index(read_config(CONFIG))
+    layout = find_experts(index)
+    placement = make_placement(layout, cluster)
+    # save describes a torch model: torch dtypes, where moeshard plan's descriptions carry names
+    descs = [dataclasses.replace(d, dtype=getattr(torch, TORCH_NAMES[d.dtype]))
+             for d in synthesize_descs(layout, index, cluster)]
+    t = time.perf_counter()
+    outs = describe_outputs(descs, placement, world, index)
+    t1 = time.perf_counter()
+    plan = plan_save(outs, world, 5 << 30, 256 << 20)
+    t2 = time.perf_counter()
+    return dict(world=world, tensors=len(outs), describe_s=t1 - t, plan_s=t2 - t1, total_s=t2 - t,
+                transfers=int(plan.cost.num_p2p_ops), batches=int(plan.cost.num_batches), files=len(plan.files),
+                fingerprint=plan.fingerprint, peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+
+def run(world: int, tree: Path) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree / "src"), str(ROOT)]))
+    out = subprocess.run([sys.executable, "-m", "benchmarks.bench_save_plan", "--one", str(world)], env=env,
+                         cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_save_plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--worlds", default="64,256,1024", help="comma list of world sizes (default 64,256,1024)")
+    p.add_argument("--compare", type=Path, default=None, help="another source tree to run side by side")
+    p.add_argument("--out", default="bench_out/bench_save_plan.json", help="JSON report path")
+    p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child: one world size
+    args = p.parse_args(argv)
+    if args.one is not None:
+        print(json.dumps(one(args.one)))
+        return
+    sides = [("this", ROOT)] + ([("compare", args.compare.resolve())] if args.compare else [])
+    rows = []
+    print(f"{'ranks':>7} {'tree':<8} {'describe s':>11} {'plan s':>8} {'total s':>8} {'peak MiB':>9}  fingerprint")
+    for world in (int(w) for w in args.worlds.split(",")):
+        for name, tree in sides:
+            r = dict(run(world, tree), tree=name)
+            rows.append(r)
+            print(f"{world:>7,} {name:<8} {r['describe_s']:>11.2f} {r['plan_s']:>8.2f} {r['total_s']:>8.2f} "
+                  f"{r['peak_rss_mib']:>9.0f}  {r['fingerprint']}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(rows, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
