@@ -118,17 +118,21 @@ def test_fp8_dequantized_on_load(ckpts, dtype):
         moeshard.load(hf_families.build(FAMILY, dtype), fp8, dequantize=False)
 
 
+def _placement(seed: int, n: int, layers: int):
+    """A shuffled placement of ``n`` experts with 2 redundant copies per layer on 2 EP ranks."""
+    import moeshard
+
+    rng = np.random.default_rng(seed)
+    rows = [rng.permutation(np.concatenate([np.arange(n), rng.integers(0, n, 2)])) for _ in range(layers)]
+    return moeshard.Placement(np.stack(rows), num_logical=n, num_ranks=2)
+
+
 def fp8_worker(fp8: str) -> list:
     from torch.distributed.tensor import DTensor
 
     import moeshard
 
     mesh = moeshard.make_mesh("cpu", ep=2, efsdp=2)
-
-    def placement(seed, n, layers):
-        rng = np.random.default_rng(seed)
-        rows = [rng.permutation(np.concatenate([np.arange(n), rng.integers(0, n, 2)])) for _ in range(layers)]
-        return moeshard.Placement(np.stack(rows), num_logical=n, num_ranks=2)
 
     def state_of(model, experts, pl):
         state = {}
@@ -149,7 +153,7 @@ def fp8_worker(fp8: str) -> list:
     for storage in ("shared", "single"):
         model = hf_families.build(FAMILY, torch.bfloat16, device="meta")
         experts = [n for n, m in model.named_modules() if n.endswith(".experts")]
-        pl = placement(5, model.config.n_routed_experts, len(experts))
+        pl = _placement(5, model.config.n_routed_experts, len(experts))
         moeshard.parallelize(model, mesh, pl)
         # "single" with a small staging budget: pieces (and so dequantized boxes) cut blocks.
         rep = moeshard.load(model, fp8, placement=pl, storage=storage,
@@ -157,7 +161,7 @@ def fp8_worker(fp8: str) -> list:
         assert moeshard.verify(model, fp8, placement=pl).num_boxes_checked > 0
         out.append((storage, rep.storage, rep.dequantized_keys, rep.bytes_read_rank, state_of(model, experts, pl)))
     # Every changed slot re-read from disk, dequantized as it is read (each box with its scale blocks).
-    new = placement(6, pl.num_logical, len(experts))
+    new = _placement(6, pl.num_logical, len(experts))
     moved = moeshard.relocate(model, pl, new, checkpoint=fp8, from_checkpoint=True)
     assert moeshard.verify(model, fp8, placement=new).num_boxes_checked > 0
     out.append(("relocated", "relocated", rep.dequantized_keys, moved.bytes_read_rank, state_of(model, experts, new)))
@@ -217,11 +221,6 @@ def fp8_kept_worker(fp8: str, out_dir: str) -> list:
     n = model.config.n_routed_experts
     layers = sum(1 for name, _ in model.named_modules() if name.endswith(".experts"))
 
-    def placement(seed):
-        rng = np.random.default_rng(seed)
-        rows = [rng.permutation(np.concatenate([np.arange(n), rng.integers(0, n, 2)])) for _ in range(layers)]
-        return moeshard.Placement(np.stack(rows), num_logical=n, num_ranks=2)
-
     def local_state():
         state = {}
         for name, p in model.named_parameters():
@@ -232,7 +231,7 @@ def fp8_kept_worker(fp8: str, out_dir: str) -> list:
                 state[name] = (_raw(p.detach()).clone(), (0,) * p.dim(), tuple(p.shape))
         return state
 
-    old, new = placement(5), placement(6)
+    old, new = _placement(5, n, layers), _placement(6, n, layers)
     moeshard.parallelize(model, mesh, old, ep_forward=False)
     rep = moeshard.load(model, fp8, placement=old)
     assert moeshard.verify(model, fp8, placement=old).num_boxes_checked > 0

@@ -192,9 +192,9 @@ def unanimous(step: Callable[[], T], what: str, group=None) -> T:
         if not is_dist():
             raise
         world = dist.get_world_size(group)
-        lines = "\n".join(f"  rank {r}: {type(e).__name__}: {e}" for r in range(min(world, 4)))
+        error = _failure(what, [(r, f"{type(e).__name__}: {e}") for r in range(min(world, 4))], world, world)
         more = f"\n  (and the other {world - 4} ranks alike)" if world > 4 else ""
-        raise DistributedError(f"{what} failed on {world} of {world} rank(s):\n{lines}{more}") from None
+        raise DistributedError(f"{error}{more}") from None
 
 
 def broadcast_result(step: Callable[[], T], src: int, what: str) -> T:
@@ -214,7 +214,7 @@ def broadcast_result(step: Callable[[], T], src: int, what: str) -> T:
             payload = (f"{type(e).__name__}: {e}", None)
     error, result = broadcast_object(payload, src=src, what=what)
     if error is not None:
-        raise DistributedError(f"{what} failed on 1 of {dist.get_world_size()} rank(s):\n  rank {src}: {error}")
+        raise DistributedError(_failure(what, [(src, error)], 1, dist.get_world_size()))
     return result
 
 
@@ -248,8 +248,7 @@ def _agree(step: Callable[[], T], what: str, fingerprint: Callable[[T], str] | N
     if any(h[0] for h in heads):
         errors = all_gather_object(error, group=group, what=what)
         failed = [(r, err) for r, err in enumerate(errors) if err is not None]
-        lines = "\n".join(f"  rank {r}: {err}" for r, err in failed)
-        raise DistributedError(f"{what} failed on {len(failed)} of {len(errors)} rank(s):\n{lines}")
+        raise DistributedError(_failure(what, failed, len(failed), len(errors)))
     if len({(h[2], h[3]) for h in heads}) > 1:
         fps = all_gather_object(fp, group=group, what=what)
         by = ", ".join(f"rank {r}: {f}" for r, f in enumerate(fps))
@@ -261,6 +260,13 @@ def _agree(step: Callable[[], T], what: str, fingerprint: Callable[[T], str] | N
     buf[:len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
     return result, [pickle.loads(t[:h[1]].numpy().tobytes())
                     for t, h in zip(_all_gather_tensor(buf, group, what), heads)]
+
+
+def _failure(what: str, shown: list[tuple[int, str]], failed: int, world: int) -> str:
+    """The text of a step that failed on ``failed`` of ``world`` ranks, one line per ``(rank,
+    error)`` of ``shown``: the one spelling every rank's error takes."""
+    lines = "\n".join(f"  rank {r}: {err}" for r, err in shown)
+    return f"{what} failed on {failed} of {world} rank(s):\n{lines}"
 
 
 def _all_gather_tensor(t: torch.Tensor, group, what: str) -> list[torch.Tensor]:

@@ -96,6 +96,7 @@ HF_UNGATED_EXPERTS = ExpertsSpec(
 )
 DEFAULT_SPECS: tuple[ExpertsSpec, ...] = (HF_EXPERTS, MIXTRAL_EXPERTS, HF_UNGATED_EXPERTS)
 
+
 def with_scales(spec: ExpertsSpec, param_names: set[str]) -> ExpertsSpec:
     """``spec`` plus the FP8 block scales an experts module keeps beside its weights (names
     ``param_names``), each an expert parameter of its own that moves with its expert.

@@ -232,12 +232,10 @@ def _gather(outs: Sequence[_Out], width: int) -> tuple[_SegTable, np.ndarray]:
     first = np.zeros(len(outs) + 1, np.int64)
     np.cumsum(counts, out=first[1:])
     table = outs[0].table if outs else None
-    if table is not None and all(o.table is table and o._segments is None for o in outs) and all(
+    if table is not None and all(o.table is table for o in outs) and all(
             a.rows[1] == b.rows[0] for a, b in zip(outs, outs[1:])):  # describe_outputs' rows, in order
         return table.rows(outs[0].rows[0], outs[-1].rows[1], width), first
-    parts = [o.table.rows(*o.rows, width) if o._segments is None else
-             _SegTable.of_segments(o._segments, len(o.shape), width) for o in outs]
-    return _SegTable.concat(parts, width), first
+    return _SegTable.concat([o.table.rows(*o.rows, width) for o in outs], width), first
 
 
 def _distinct_boxes(segs: _SegTable, seg_first: np.ndarray, itemsize: np.ndarray) -> _Boxes:

@@ -105,16 +105,20 @@ class _SegTable:
 
 
 class _Out:
-    """One checkpoint tensor to write and its holders' segments: a list of :class:`Segment`
-    (built by hand), or rows ``lo:hi`` of a :class:`_SegTable` shared by the tensors of
-    :func:`describe_outputs` (the objects are then made on first use of :attr:`segments`)."""
+    """One checkpoint tensor to write and its holders' segments, always rows ``lo:hi`` of a
+    :class:`_SegTable` (the planner reads only the table): the table :func:`describe_outputs`
+    shares between its tensors, or one of this tensor's own made from a list of
+    :class:`Segment` (built by hand), which :attr:`segments` then gives back as it was."""
 
     __slots__ = ("key", "shape", "dtype", "is_buffer", "_segments", "table", "rows")
 
     def __init__(self, key: str, shape: tuple[int, ...], dtype: str, segments: list[Segment] | None = None,
                  is_buffer: bool = False, *, table: _SegTable | None = None, rows: tuple[int, int] = (0, 0)):
         self.key, self.shape, self.dtype, self.is_buffer = key, shape, dtype, is_buffer
-        self._segments = segments if segments is not None or table is not None else []
+        if table is None:
+            segments = [] if segments is None else segments
+            table, rows = _SegTable.of_segments(segments, len(shape), max(len(shape), 1)), (0, len(segments))
+        self._segments = segments  # None: made from the table on first use
         self.table, self.rows = table, rows
 
     @property
@@ -127,7 +131,7 @@ class _Out:
         return f"_Out({self.key!r}, {self.shape}, {self.dtype!r}, {len(self)} segments)"
 
     def __len__(self) -> int:
-        return self.rows[1] - self.rows[0] if self._segments is None else len(self._segments)
+        return self.rows[1] - self.rows[0]
 
 
 def describe_outputs(
