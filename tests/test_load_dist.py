@@ -79,7 +79,7 @@ def _run_low_level(model, pl, path, config, pname, ckpt) -> dict:
     tensors = dict(model.named_parameters(remove_duplicate=False))
     tensors.update(model.named_buffers())
     dests = [local_tensor(tensors[d.name]) for d in descs]
-    group = node_groups(topo.local_world_size) if plan.has_broadcasts else None
+    group = node_groups(topo) if plan.has_broadcasts else None
     tiny_moe.scramble(model)
     reader = moeshard.CheckpointReader(index) if rank == 0 else None
     with torch.no_grad():

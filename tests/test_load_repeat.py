@@ -63,8 +63,8 @@ def node_groups_worker(path: str, store_file: str) -> dict:
             rep = moeshard.load(model, path, placement=_placement(), storage="single")
             out["loads"].append(dict(broadcasts=rep.plan["num_broadcasts"], calls=len(calls),
                                      problems=tiny_moe.compare(model, values, _placement())))
-        first = execute.node_groups(3)
-        out["direct_call_same_group"] = first is execute.node_groups(3)
+        first = execute.node_groups(moeshard.Topology(3, 3))
+        out["direct_call_same_group"] = first is execute.node_groups(moeshard.Topology(3, 3))
         out["calls_before_reinit"] = len(calls)
         # A new default process group (destroy + init) must not reuse the destroyed groups.
         dist.destroy_process_group()
@@ -73,7 +73,7 @@ def node_groups_worker(path: str, store_file: str) -> dict:
         rep = moeshard.load(model, path, placement=_placement(), storage="single")
         out["after_reinit"] = dict(broadcasts=rep.plan["num_broadcasts"], calls=len(calls),
                                    problems=tiny_moe.compare(model, values, _placement()),
-                                   new_group=execute.node_groups(3) is not first)
+                                   new_group=execute.node_groups(moeshard.Topology(3, 3)) is not first)
         out["group_sizes"] = calls
     finally:
         dist.new_subgroups = real
@@ -101,7 +101,7 @@ def test_node_groups_without_process_group():
     from moeshard.execute import node_groups
 
     with pytest.raises(ValueError, match="initialized default process group"):
-        node_groups(2)
+        node_groups(moeshard.Topology(2, 2))
 
 
 def test_peak_rss_is_this_loads_peak(ckpt):

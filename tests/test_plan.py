@@ -280,9 +280,9 @@ MODES = {
 }
 
 
-def check_plan(case: Case, mode: str, staging_bytes: int = 1 << 20, max_ops: int = 64):
+def check_plan(case: Case, mode: str, staging_bytes: int = 1 << 20, max_ops: int = 64, topo: Topology | None = None):
     world, lws = case.world, case.lws
-    topo = Topology(world, lws)
+    topo = topo or Topology(world, lws)
     readers, scope = MODES[mode](world)
     needs = compute_needs(case.descs, case.index, case.placement, world)
     plan = plan_transfers(needs, case.index, topo, readers, scope=scope, staging_bytes=staging_bytes, max_ops=max_ops)
@@ -362,6 +362,31 @@ SMALL = [
 def test_plan_covers_needs_minimal_cost(world, lws, ep, efsdp, eplace, mode):
     case = build_case(world, lws, ep, efsdp, expert_placements=eplace, seed=world * 31 + ep)
     check_plan(case, mode)
+
+
+@pytest.mark.parametrize("mode", ["shared", "node", "single"])
+@pytest.mark.parametrize("nodes, ep, efsdp", [((0, 0, 0, 0, 1, 1), 6, 1), ((0, 0, 0, 1, 1, 1, 1), 7, 1),
+                                              ((0, 0, 1, 1, 1, 2, 2, 2), 4, 2)])
+def test_plan_uneven_nodes(nodes, ep, efsdp, mode):
+    """A process group of some of a job's ranks (the survivors of a lost rank) has nodes of
+    different sizes: the schedule still delivers every element once at the lower bounds, node
+    broadcasts go to the whole of a node of any size."""
+    topo = Topology.from_nodes(nodes)
+    assert topo.nodes == nodes
+    case = build_case(len(nodes), 1, ep, efsdp, seed=len(nodes) * 7 + ep)
+    plan, _ = check_plan(case, mode, topo=topo)
+    if mode != "single":
+        assert plan.has_broadcasts or mode == "shared"
+
+
+def test_uneven_topology():
+    assert Topology.from_nodes([5, 5, 9, 9]) == Topology(4, 2)  # the plain form where it is one
+    t = Topology.from_nodes([3, 3, 3, 1, 1], rank=4)
+    assert (t.num_nodes, t.node, t.local_rank, list(t.node_ranks(1)), t.local_world_size) == (2, 1, 1, [3, 4], 3)
+    with pytest.raises(ValueError, match="with none left out"):
+        Topology(3, 2, nodes=(0, 2, 2))
+    with pytest.raises(ValueError, match="contiguous"):
+        check_plan(build_case(4, 1, 4, 1, seed=3), "shared", topo=Topology.from_nodes([0, 1, 0, 1]))
 
 
 @pytest.mark.parametrize("mode", ["shared", "node", "single"])

@@ -7,6 +7,12 @@ ranks disagree about the plan and every rank raises. All functions here are coll
 rank of ``group`` must call them, in the same order. Without an initialized process group
 they run locally.
 
+Groups. A moeshard operation runs on one process group (the default group, the survivors of a
+lost rank, an EP group inside a larger job): it enters :func:`scope` with it, and every helper
+here that is given no ``group`` uses that one. Ranks are the group's ranks throughout (plans,
+messages, ``src``); :func:`p2p` and the broadcasts translate them to the global ranks that
+torch.distributed's P2P ops and ``src`` arguments take.
+
 A rank that dies (killed, out of memory, its node lost) cannot report anything: its peers see
 the communication backend fail instead (gloo: "Connection closed by peer", NCCL: an aborted
 communicator). Every torch.distributed call of moeshard runs inside :func:`collective`, which
@@ -17,6 +23,8 @@ known, the peers it was talking to.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 import hashlib
 import pickle
 import re
@@ -27,9 +35,74 @@ import torch.distributed as dist
 
 __all__ = ["DistributedError", "PeerLostError", "is_dist", "rank_and_world", "agree", "agree_and_gather", "unanimous",
            "broadcast_result", "all_gather_object", "broadcast_object", "barrier", "collective", "errors_as",
-           "start_p2p"]
+           "start_p2p", "scope", "runs_on_group", "current_group", "p2p", "global_rank", "group_ranks"]
 
 T = TypeVar("T")
+
+# The process group of the moeshard operation running in this context (None: the default group).
+_GROUP: contextvars.ContextVar = contextvars.ContextVar("moeshard_group", default=None)
+
+
+@contextlib.contextmanager
+def scope(group) -> Iterator[None]:
+    """Run the block on process ``group`` (None: the default group): the helpers of this module
+    called with no ``group`` use it, and ranks are its ranks.
+
+    Raises:
+        ValueError: this process is not a member of ``group``.
+    """
+    if group is not None and is_dist() and dist.get_rank(group) < 0:
+        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the group passed as group=; "
+                         "only the group's members call a moeshard operation on it")
+    token = _GROUP.set(group)
+    try:
+        yield
+    finally:
+        _GROUP.reset(token)
+
+
+def runs_on_group(fn: Callable[..., T]) -> Callable[..., T]:
+    """Decorate a collective operation with a keyword-only ``group`` argument: it runs in
+    :func:`scope` of that group (and still receives ``group``)."""
+    @functools.wraps(fn)
+    def run(*args, group=None, **kwargs):
+        with scope(group):
+            return fn(*args, group=group, **kwargs)
+    return run
+
+
+def current_group():
+    """The process group of the running moeshard operation (None: the default group)."""
+    return _GROUP.get()
+
+
+def _g(group):
+    return group if group is not None else _GROUP.get()
+
+
+def group_ranks(group=None) -> list[int] | None:
+    """Global rank of every rank of ``group`` (default: the current one), or None when it is
+    the default group (group rank = global rank)."""
+    group = _g(group)
+    if group is None or not is_dist() or group is dist.group.WORLD:
+        return None
+    ranks = dist.get_process_group_ranks(group)
+    return None if ranks == list(range(dist.get_world_size())) else ranks
+
+
+def global_rank(rank: int, group=None) -> int:
+    """The global rank of ``group``'s rank ``rank`` (default: the current group)."""
+    group = _g(group)
+    return rank if group is None or not is_dist() else dist.get_global_rank(group, rank)
+
+
+def p2p(op: Callable, tensor: torch.Tensor, peer: int, members: list[int] | None = None) -> "dist.P2POp":
+    """A ``torch.distributed.P2POp`` with ``peer``, a rank of the current group (``members``:
+    :func:`group_ranks`, looked up once by callers that build many ops)."""
+    group = _GROUP.get()
+    if group is None:
+        return dist.P2POp(op, tensor, peer)
+    return dist.P2POp(op, tensor, members[peer] if members is not None else global_rank(peer), group=group)
 
 
 class DistributedError(RuntimeError):
@@ -108,7 +181,9 @@ def start_p2p(ops: list, what: str) -> Callable[[], None]:
     """Post ``ops`` (``torch.distributed.P2POp``) as one batch; return a function that waits
     for all of them. Only the ops' peers take part (each must post the matching ops); a
     backend failure in posting or waiting raises :class:`PeerLostError` naming them."""
-    peers = sorted({op.peer for op in ops})
+    members = group_ranks()
+    of = None if members is None else {g: r for r, g in enumerate(members)}
+    peers = sorted({op.peer if of is None else of[op.peer] for op in ops})  # named in group ranks
     with collective(what, peers):
         works = dist.batch_isend_irecv(ops) if ops else []
 
@@ -124,7 +199,7 @@ def barrier(what: str, group=None) -> None:
     """Collective: ``torch.distributed.barrier`` (nothing without a process group)."""
     if is_dist():
         with collective(what):
-            dist.barrier(group=group)
+            dist.barrier(group=_g(group))
 
 
 def is_dist() -> bool:
@@ -132,8 +207,10 @@ def is_dist() -> bool:
 
 
 def rank_and_world(group=None) -> tuple[int, int]:
+    """This process's rank in ``group`` (default: the current group) and its size."""
     if not is_dist():
         return 0, 1
+    group = _g(group)
     return dist.get_rank(group), dist.get_world_size(group)
 
 
@@ -142,6 +219,7 @@ def all_gather_object(obj: Any, group=None, what: str = "moeshard: exchanging ob
     step in a :class:`PeerLostError`."""
     if not is_dist():
         return [obj]
+    group = _g(group)
     out: list[Any] = [None] * dist.get_world_size(group)
     with collective(what):
         dist.all_gather_object(out, obj, group=group)
@@ -149,13 +227,14 @@ def all_gather_object(obj: Any, group=None, what: str = "moeshard: exchanging ob
 
 
 def broadcast_object(obj: Any, src: int = 0, group=None, what: str = "moeshard: broadcasting an object") -> Any:
-    """Collective: ``obj`` of rank ``src`` (global rank) on every rank. ``what`` names the
-    step in a :class:`PeerLostError`."""
+    """Collective: ``obj`` of rank ``src`` (a rank of ``group``, default: the current group) on
+    every rank. ``what`` names the step in a :class:`PeerLostError`."""
     if not is_dist():
         return obj
+    group = _g(group)
     box = [obj]
     with collective(what):
-        dist.broadcast_object_list(box, src=src, group=group)
+        dist.broadcast_object_list(box, src=global_rank(src, group), group=group)
     return box[0]
 
 
@@ -191,7 +270,7 @@ def unanimous(step: Callable[[], T], what: str, group=None) -> T:
     except Exception as e:  # noqa: BLE001 - the same error on every rank, raised alike
         if not is_dist():
             raise
-        world = dist.get_world_size(group)
+        world = dist.get_world_size(_g(group))
         error = _failure(what, [(r, f"{type(e).__name__}: {e}") for r in range(min(world, 4))], world, world)
         more = f"\n  (and the other {world - 4} ranks alike)" if world > 4 else ""
         raise DistributedError(f"{error}{more}") from None
@@ -205,7 +284,7 @@ def broadcast_result(step: Callable[[], T], src: int, what: str) -> T:
     if not is_dist():
         return step()
     payload: tuple[str | None, Any] = (None, None)
-    if dist.get_rank() == src:
+    if rank_and_world()[0] == src:
         try:
             payload = (None, step())
         except PeerLostError:
@@ -214,7 +293,7 @@ def broadcast_result(step: Callable[[], T], src: int, what: str) -> T:
             payload = (f"{type(e).__name__}: {e}", None)
     error, result = broadcast_object(payload, src=src, what=what)
     if error is not None:
-        raise DistributedError(_failure(what, [(src, error)], 1, dist.get_world_size()))
+        raise DistributedError(_failure(what, [(src, error)], 1, rank_and_world()[1]))
     return result
 
 
@@ -239,6 +318,7 @@ def _agree(step: Callable[[], T], what: str, fingerprint: Callable[[T], str] | N
         error = f"{type(e).__name__}: {e}"
     if not is_dist():
         return result, [share(result)] if share is not None else []
+    group = _g(group)
     fp = fingerprint(result) if (fingerprint is not None and error is None) else None
     mine = pickle.dumps(share(result)) if (share is not None and error is None) else b""
     digest = hashlib.blake2b((fp or "").encode(), digest_size=16).digest()
@@ -272,6 +352,7 @@ def _failure(what: str, shown: list[tuple[int, str]], failed: int, world: int) -
 def _all_gather_tensor(t: torch.Tensor, group, what: str) -> list[torch.Tensor]:
     """Collective: every rank's ``t`` (same shape on every rank; a CPU tensor), as CPU tensors,
     gathered on the device the backend's object collectives use (CUDA under NCCL)."""
+    group = _g(group)
     kind = _object_device(group)
     dev = torch.device(kind) if kind == "cpu" else torch.device(kind, getattr(torch, kind).current_device())
     x = t.to(dev)

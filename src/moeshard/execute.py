@@ -36,6 +36,7 @@ from .box import box_shape, box_slices
 from .io.checkpoint import CheckpointIndex, CheckpointReader
 from .io.fp8 import dequantize, scale_box
 from .plan.schedule import Schedule
+from .topology import Topology
 
 __all__ = ["ExecStats", "Source", "Sink", "LocalTensors", "ReaderSource", "TensorSink", "DequantSink", "execute_schedule",
            "exchange", "node_groups"]
@@ -60,41 +61,53 @@ class ExecStats:
 
 
 # The default process group that the cached node groups belong to, its world size, and
-# {local_world_size: this rank's node group}. A load in a new default group (destroyed and
-# re-initialized) clears it. The cache holds the default group object itself, so that object
-# cannot be freed and its id reused by a new group while the cache still names it.
+# {key: this rank's node group}. A load in a new default group (destroyed and re-initialized)
+# clears it. The cache holds the default group object itself, so that object cannot be freed
+# and its id reused by a new group while the cache still names it.
 _NODE_GROUP_CACHE: dict = {"default": None, "world": 0, "groups": {}}
 
 
-def node_groups(local_world_size: int):
-    """Collective (every rank of the default group, in the same order): one process group
-    per node; returns this rank's.
+def node_groups(topology: Topology):
+    """Collective (every rank of the current group, in the same order): one process group per
+    node of ``topology`` (in the current group's ranks, :func:`moeshard._dist.scope`); returns
+    this rank's.
 
-    The groups are created once per default process group and ``local_world_size`` and
-    reused by later calls (``dist.new_subgroups`` makes communicators that nothing frees;
-    on NCCL each costs device memory and setup time). Every rank sees the same sequence of
-    calls with the same arguments, so every rank hits or misses the cache alike and the
-    collective creation stays matched. A destroyed and re-initialized default group is a new
-    object: it gets new node groups.
+    The groups are created once per default process group and topology and reused by later
+    calls (``dist.new_subgroups`` makes communicators that nothing frees; on NCCL each costs
+    device memory and setup time). Every rank sees the same sequence of calls with the same
+    arguments, so every rank hits or misses the cache alike and the collective creation stays
+    matched. A destroyed and re-initialized default group is a new object: it gets new node
+    groups. For the whole default group with torchrun's contiguous nodes they are
+    ``dist.new_subgroups``; otherwise (a subgroup, uneven nodes) each rank creates its own
+    node's group with its node's ranks only (``use_local_synchronization``).
 
     Raises:
-        ValueError: no initialized process group, or ``local_world_size`` does not divide
-            the world size.
+        ValueError: no initialized process group, or ``topology`` does not fit the group.
     """
     if not _dist.is_dist():
         raise ValueError("node_groups needs an initialized default process group")
-    world = dist.get_world_size()
-    if local_world_size < 1 or world % local_world_size:
-        raise ValueError(f"local_world_size={local_world_size} must divide the world size {world}")
+    rank, world = _dist.rank_and_world()
+    if topology.world_size != world:
+        raise ValueError(f"topology has world_size {topology.world_size}, the process group has {world}")
+    members = _dist.group_ranks()
     default = dist.distributed_c10d._get_default_group()
     cache = _NODE_GROUP_CACHE
-    if cache["default"] is not default or cache["world"] != world:
-        cache.update(default=default, world=world, groups={})
-    group = cache["groups"].get(local_world_size)
+    if cache["default"] is not default or cache["world"] != dist.get_world_size():
+        cache.update(default=default, world=dist.get_world_size(), groups={})
+    plain = members is None and topology.nodes is None
+    # A node's group is defined by its global ranks: groups of different callers with the same
+    # ranks are one (and torch names a locally synchronized group by its ranks).
+    mine = None if plain else tuple(members[r] if members is not None else r
+                                    for r in topology.node_ranks(topology.node_of(rank)))
+    key = topology.local_world_size if plain else mine
+    group = cache["groups"].get(key)
     if group is None or not _is_live(group):
         with _dist.collective("moeshard: creating the node process groups"):
-            group, _ = dist.new_subgroups(group_size=local_world_size)
-        cache["groups"][local_world_size] = group
+            if plain:
+                group, _ = dist.new_subgroups(group_size=topology.local_world_size)
+            else:
+                group = dist.new_group(ranks=list(mine), use_local_synchronization=True)
+        cache["groups"][key] = group
     return group
 
 
@@ -249,10 +262,11 @@ def execute_schedule(
     progress: Callable[[int], None] | None = None,
     what: str = "moeshard: running the schedule",
 ) -> ExecStats:
-    """Collective (every rank of the default group): run ``schedule`` on this rank.
+    """Collective (every rank of the current group, :func:`moeshard._dist.scope`): run
+    ``schedule`` on this rank.
 
     Args:
-        rank: this process's global rank.
+        rank: this process's rank in the current group (the schedule's ranks are the group's).
         source: reads this rank's pieces (its reads) and gives its views (its copies and the
             sends from views).
         sink: takes this rank's deliveries.
@@ -275,7 +289,8 @@ def execute_schedule(
     failure = stats.failures
     if len(mine.bcasts) and node_group is None:
         raise ValueError("the schedule has node broadcasts but no node group was given")
-    lws = s.topology.local_world_size
+    members = _dist.group_ranks()  # the schedule's ranks are the current group's
+    node_size = np.bincount(s.topology.nodes_array())
 
     # This rank's deliveries: {round: {piece: [rows]}} in schedule order.
     dlv_at: dict[int, dict[int, list[int]]] = {}
@@ -384,12 +399,12 @@ def execute_schedule(
             if s.send_src[row] == rank:
                 v = int(s.send_view[row])
                 data = bufs[pid] if v < 0 else source.view(v, pid)
-                ops.append(dist.P2POp(dist.isend, data if data.is_contiguous() else data.contiguous(),
-                                      int(s.send_dst[row])))
+                ops.append(_dist.p2p(dist.isend, data if data.is_contiguous() else data.contiguous(),
+                                     int(s.send_dst[row]), members))
                 stats.bytes_sent += int(s.piece_bytes[pid])
             else:
                 bufs[pid] = empty(pid)
-                ops.append(dist.P2POp(dist.irecv, bufs[pid], int(s.send_src[row])))
+                ops.append(_dist.p2p(dist.irecv, bufs[pid], int(s.send_src[row]), members))
                 stats.bytes_received += int(s.piece_bytes[pid])
                 staged += int(s.piece_bytes[pid])
         stats.peak_staging_bytes = max(stats.peak_staging_bytes, staged)
@@ -404,11 +419,11 @@ def execute_schedule(
                 stats.bytes_received += int(s.piece_bytes[pid])
                 staged += int(s.piece_bytes[pid])
                 stats.peak_staging_bytes = max(stats.peak_staging_bytes, staged)
-            else:
-                stats.bytes_sent += int(s.piece_bytes[pid]) * (lws - 1)
             node = int(s.bcast_node[row])
+            if root == rank:
+                stats.bytes_sent += int(s.piece_bytes[pid]) * int(node_size[node] - 1)
             with _dist.collective(what, set(s.topology.node_ranks(node)) - {rank}):
-                dist.broadcast(bufs[pid], src=root, group=node_group)
+                dist.broadcast(bufs[pid], src=root if members is None else members[root], group=node_group)
         due = dlv_at.get(t, {})
         if due:
             deliver([(r, bufs[pid]) for pid, rows in due.items() for r in rows],
@@ -425,8 +440,9 @@ def exchange(outbox: dict[int, torch.Tensor], inbox: dict[int, torch.Tensor], wh
     ``inbox[r]`` from rank ``r`` in one P2P batch (every peer posts the matching op, e.g.
     verify's digests, whose sizes both sides derive from the same schedule). Returns the
     wait; do local work before calling it."""
-    ops = [dist.P2POp(dist.isend, outbox[r], r) for r in sorted(outbox)]
-    ops += [dist.P2POp(dist.irecv, inbox[r], r) for r in sorted(inbox)]
+    members = _dist.group_ranks()
+    ops = [_dist.p2p(dist.isend, outbox[r], r, members) for r in sorted(outbox)]
+    ops += [_dist.p2p(dist.irecv, inbox[r], r, members) for r in sorted(inbox)]
     return _dist.start_p2p(ops, what) if ops else (lambda: None)
 
 

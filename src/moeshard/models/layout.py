@@ -262,6 +262,9 @@ def describe_model(
     aliases, tensors = _aliases(model, peft)
     descs = []
     meshes: dict[int, np.ndarray] = {}  # id(DeviceMesh) -> its ranks (computing it is not free)
+    from .. import _dist  # here: the module's need table stays importable without torch
+
+    members = _dist.group_ranks()  # the running operation's group, if not the default one
     for tid, aliases_of in aliases.items():
         t = tensors[tid]
         name = aliases_of[0]
@@ -278,7 +281,7 @@ def describe_model(
             dm = t.device_mesh
             mesh = meshes.get(id(dm))
             if mesh is None:
-                mesh = meshes[id(dm)] = dm.mesh.cpu().numpy()
+                mesh = meshes[id(dm)] = _group_mesh(dm.mesh.cpu().numpy(), members, name)
             placements = tuple(t.placements)
         else:
             mesh, placements = None, ()
@@ -290,6 +293,20 @@ def describe_model(
                 keys = [k for n in aliases_of for k in reversed(checkpoint_names(base(n)))]
         descs.append(ParamDesc(name, tuple(t.shape), t.dtype, mesh, placements, tuple(dict.fromkeys(keys)), expert))
     return descs
+
+
+def _group_mesh(mesh: np.ndarray, members: list[int] | None, name: str) -> np.ndarray:
+    """``mesh`` (global ranks, as a DeviceMesh holds them) in ranks of the running operation's
+    process group (``members``: its global ranks; None: the default group)."""
+    if members is None:
+        return mesh
+    of = {g: r for r, g in enumerate(members)}
+    outside = sorted({int(g) for g in mesh.reshape(-1).tolist()} - set(of))
+    if outside:
+        raise ValueError(f"parameter {name}: its device mesh has global ranks {outside[:8]} outside the process group "
+                         f"the operation runs on (global ranks {members[:16]}{' ...' if len(members) > 16 else ''}); "
+                         "pass a group that holds the model's whole mesh")
+    return np.vectorize(of.__getitem__, otypes=[np.int64])(mesh)
 
 
 def _aliases(model: nn.Module, peft: bool) -> tuple[dict[int, list[str]], dict[int, torch.Tensor]]:

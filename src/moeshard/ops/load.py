@@ -1,6 +1,6 @@
 """``moeshard.load``: put checkpoint weights into an (EP + FSDP2) model, every rank its own.
 
-Steps (all collective, every rank of the default group calls ``load``):
+Steps (all collective, every rank of the group calls ``load``):
 materialize a meta model -> decide who can read -> one rank reads the headers and shares them ->
 every rank plans the same :class:`~moeshard.plan.Schedule` from its own model (errors and fingerprints
 agreed before any data moves) -> execute -> report.
@@ -227,6 +227,7 @@ def refuse_or_warn(problem: str | None, strict: bool, op: str) -> None:
         logger.warning("%s: %s (strict=False: ignored)", op, problem)
 
 
+@_dist.runs_on_group
 def load(
     model: nn.Module,
     checkpoint: str | os.PathLike,
@@ -241,8 +242,9 @@ def load(
     progress: bool | None = None,
     strict: bool = True,
     dequantize: bool = True,
+    group=None,
 ) -> LoadReport:
-    """Collective (every rank): load ``checkpoint`` into ``model`` in place.
+    """Collective (every rank of ``group``): load ``checkpoint`` into ``model`` in place.
 
     Args:
         model: parameters are DTensors (FSDP2 / EP, e.g. from :func:`moeshard.parallelize`)
@@ -267,6 +269,9 @@ def load(
             receives, then the FP8 bytes move as usual (half the bytes of bf16) and are
             dequantized where they land. False: refuse them, as the cast rule does (FP8 with
             no fitting scale is refused either way).
+        group: the process group that loads (default: the default group), e.g. one EP group
+            of a larger job; ranks in plans and messages are its ranks. The model's device
+            meshes must lie within it; ``topology`` defaults to its members' nodes.
 
     On Linux the process's peak-RSS high-water mark (VmHWM) is reset at the start of the
     load, so that ``LoadReport.peak_rss_bytes`` is this load's peak.
@@ -281,7 +286,7 @@ def load(
     phases = Phases(t0)
     hwm_reset = _reset_peak_rss()
     rss0 = psutil.Process().memory_info().rss
-    topo = topology or Topology.from_env()
+    topo = topology or Topology.of_group(group)
     rank = _dist.rank_and_world()[0]
     if topo.world_size != _dist.rank_and_world()[1]:
         raise ValueError(f"topology has world_size {topo.world_size}, the process group has {_dist.rank_and_world()[1]}")
@@ -322,7 +327,7 @@ def load(
         fingerprint=lambda dp: dp[1].fingerprint + (dp[4].fingerprint if dp[4] is not None else ""))
     t_plan = phases.end("plan") - t0
     broadcasts = plan.has_broadcasts or (scale_plan is not None and scale_plan.has_broadcasts)
-    group = node_groups(topo.local_world_size) if broadcasts else None
+    node_group = node_groups(topo) if broadcasts else None
     tensors = dict(model.named_parameters(remove_duplicate=False))
     tensors.update(model.named_buffers())
     dests = [local_tensor(tensors[d.name]) for d in descs]
@@ -338,7 +343,7 @@ def load(
                 what = "moeshard.load: loading FP8 scales"
                 scale_stats = _dist.agree(lambda: execute_schedule(
                     scale_plan, rank, ReaderSource(scale_plan, reader, index), TensorSink(scale_plan, scratch, rank),
-                    dev, node_group=group, what=what).check(), what)
+                    dev, node_group=node_group, what=what).check(), what)
                 fp8 = {w: (scratch[j], block) for w, (j, block) in scales.weights.items() if scratch[j] is not None}
                 phases.end("scales")
             bar = Progress("load", plan.delivered_bytes(rank), enabled=progress_enabled(progress),
@@ -346,7 +351,7 @@ def load(
             what = "moeshard.load: executing the plan"
             sink = DequantSink(plan, dests, rank, fp8) if fp8 else TensorSink(plan, dests, rank)
             stats = _dist.agree(lambda: execute_schedule(
-                plan, rank, ReaderSource(plan, reader, index), sink, dev, node_group=group,
+                plan, rank, ReaderSource(plan, reader, index), sink, dev, node_group=node_group,
                 progress=bar.update, what=what).check(), what)
             bar.close()
             phases.end("execute")

@@ -200,7 +200,7 @@ def load_adapter(
     pairs, plan, unused = _agree(make_plan, f"moeshard.lora.load_adapter: planning {weights}",
                          fingerprint=lambda pp: pp[1].fingerprint)
     reader = CheckpointReader(index, str(root)) if readers[rank] else None
-    group = node_groups(topo.local_world_size) if plan.has_broadcasts else None
+    group = node_groups(topo) if plan.has_broadcasts else None
     try:
         with torch.no_grad(), _dist.errors_as(AdapterError):
             what = "moeshard.lora.load_adapter: executing the plan"

@@ -1,6 +1,6 @@
 """``moeshard.relocate``: move expert weights in place from one placement to another.
 
-Steps (all collective, every rank of the default group calls ``relocate``): describe the
+Steps (all collective, every rank of the group calls ``relocate``): describe the
 expert tensors (a model prepared by moeshard, or plain per-layer tensors as serving engines
 keep them) -> check that every rank sees the same tensors and placements -> plan
 (:func:`~moeshard.relocation.plan_relocation`; the checkpoint is opened only if some expert
@@ -75,13 +75,15 @@ def describe_expert_tensors(
     specs: Sequence[ExpertsSpec] = DEFAULT_SPECS,
     expert_params: Sequence[ExpertParam] | None = None,
     module: Union[str, Callable[[int], str]] = "model.layers.{layer}.mlp.experts",
+    ep_ranks: Sequence[int] | None = None,
 ) -> tuple[list[ExpertTensor], list[torch.Tensor | None], list[_Source | None]]:
     """The planner's view of ``target``'s expert tensors (no communication).
 
     ``target`` is a model (expert parameters: DTensors or plain tensors of global shape
     ``[num_physical, *slice_shape]``) or ``{layer: [tensor[num_local_slots, *slice_shape], ...]}``
-    with the EP group = the default group (rank ``r`` holds slots ``r * num_local_slots ...``);
-    dict keys are model layer ids, sorted into MoE layer order.
+    with the EP group = the running operation's group: its rank ``r`` is EP rank
+    ``ep_ranks[r]`` (default ``r``) and holds slots ``ep_ranks[r] * num_local_slots ...``; dict
+    keys are model layer ids, sorted into MoE layer order.
 
     Returns ``(tensors, local tensors of this rank (None where it holds nothing), sources)``.
     """
@@ -118,7 +120,8 @@ def describe_expert_tensors(
             if t.dim() < 1:
                 raise ValueError(f"layer {key} tensor {j}: expected [num_local_slots, ...], got a 0-dim tensor")
             slots, slice_shape = t.shape[0], tuple(t.shape[1:])
-            holdings = tuple((r, r * slots, slots, full_box(slice_shape)) for r in range(world_size))
+            ep = range(world_size) if ep_ranks is None else ep_ranks
+            holdings = tuple((r, int(ep[r]) * slots, slots, full_box(slice_shape)) for r in range(world_size))
             out.append(ExpertTensor(moe_layer, f"layer {key} tensor {j}", slice_shape, t.element_size(), holdings))
             locals_.append(t)
             sources.append(_Source(name, expert_params[j], t.dtype) if expert_params is not None else None)
@@ -166,6 +169,30 @@ def _check_same_tensors(everyone: list) -> None:
                     )
 
 
+def _ep_ranks(target: ExpertTensors, new: Placement, active_ranks, world: int) -> np.ndarray | None:
+    """For plain tensors: the EP rank of every rank of the group, or None when they are the
+    same (the group has one rank per EP rank, dead ones included). A group of fewer ranks (the
+    survivors of a lost rank) plays the active EP ranks, in order."""
+    first = next((ts for ts in target.values() if len(ts)), None)
+    if first is None:
+        raise ValueError("the expert tensors hold no layer")
+    slots = int(first[0].shape[0]) if first[0].dim() else 0
+    if slots < 1 or new.num_physical % slots:
+        raise ValueError(f"the expert tensors hold {slots} slots per rank, which does not divide the placement's "
+                         f"{new.num_physical} slots")
+    ep_size = new.num_physical // slots
+    if world == ep_size:
+        return None
+    act = None if active_ranks is None else np.asarray(active_ranks, dtype=bool).reshape(-1)
+    if act is None or len(act) != ep_size or int(act.sum()) != world:
+        raise ValueError(
+            f"the group has {world} ranks, the placement's {new.num_physical} slots make {ep_size} EP ranks of "
+            f"{slots} slots: pass active_ranks with one bool per EP rank and as many True as the group has ranks "
+            f"(group rank i then holds the slots of the i-th active EP rank), got "
+            f"{'none' if act is None else f'{len(act)} entries, {int(act.sum())} True'}")
+    return np.flatnonzero(act)
+
+
 def _active_global(active_ranks, tensors: Sequence[ExpertTensor], num_physical: int, world: int) -> np.ndarray:
     """``bool[world]`` from ``active_ranks`` given per EP rank (or per global rank)."""
     if active_ranks is None:
@@ -205,6 +232,7 @@ def _check_disk_keys(plan: RelocationPlan, index: CheckpointIndex, sources) -> N
             _part_sizes(desc, index, expert, et.slice_shape, dequantize=True)
 
 
+@_dist.runs_on_group
 def relocate(
     target: Union[nn.Module, ExpertTensors],
     old: Placement | None,
@@ -221,20 +249,24 @@ def relocate(
     module: Union[str, Callable[[int], str]] = "model.layers.{layer}.mlp.experts",
     from_checkpoint: bool = False,
     progress: bool | None = None,
+    group=None,
 ) -> RelocationReport:
-    """Collective (every rank of the default group): move expert weights from placement
-    ``old`` to ``new`` in place; only slots whose expert changes are written.
+    """Collective (every rank of ``group``): move expert weights from placement ``old`` to
+    ``new`` in place; only slots whose expert changes are written.
 
     Args:
         target: a model prepared by moeshard (expert params ``[num_physical, ...]``, DTensor
             or plain), or plain expert tensors ``{layer: [tensor[num_local_slots, ...], ...]}``
-            (every tensor of an expert: weights, biases, scales), EP group = default group.
+            (every tensor of an expert: weights, biases, scales), EP group = ``group``.
         old, new: the current placement and the wanted one (e.g. from
             :func:`moeshard.eplb.rebalance`); slots of inactive ranks must be empty in ``new``.
             ``old=None``: the tensors hold nothing yet; fill them all from the checkpoint.
         checkpoint: read experts that no live rank holds from here (just those slices).
         active_ranks: ``bool`` per EP rank (or per rank): dead ranks' memory is not used.
-            Dead ranks still call this function (they send and receive nothing).
+            With plain tensors and a ``group`` of the live ranks only (the survivors of a lost
+            rank, in a new process group), the group has one rank per True entry and its rank
+            ``i`` holds the slots of the ``i``-th active EP rank. Otherwise dead ranks are
+            members of ``group`` and call this function (they send and receive nothing).
         storage: which ranks read the checkpoint ("auto", "shared", "node", "single"); only
             active ranks read. "single" means "only rank 0 reads while it is active": with
             rank 0 dead, the active ranks that see the files read instead.
@@ -246,6 +278,10 @@ def relocate(
         from_checkpoint: read every changed slot from the checkpoint, ignoring live copies.
         progress: show progress on local rank 0 of each node (a bar on a terminal, log
             lines otherwise); default: the ``MOESHARD_PROGRESS`` environment variable.
+        group: the process group that relocates (default: the default group): the survivors
+            of a lost rank, a group with a joiner that was never in the old one, or one EP
+            group of a larger job. Ranks in plans and messages are its ranks; a model's device
+            meshes must lie within it; ``topology`` defaults to its members' nodes.
 
     Raises:
         DistributedError: on every rank, before any weight changes, for a bad input (placements
@@ -256,7 +292,7 @@ def relocate(
     """
     t0 = time.perf_counter()
     rank, world = _dist.rank_and_world()
-    topo = (topology or Topology.from_env()).with_rank(rank)
+    topo = (topology or Topology.of_group(group)).with_rank(rank)
     if topo.world_size != world:
         raise ValueError(f"topology has world_size {topo.world_size}, the process group has {world}")
     # Plain tensors: every rank's shapes, checked in the planning step below.
@@ -266,14 +302,15 @@ def relocate(
     def describe():
         if signatures is not None:
             _check_same_tensors(signatures)
-        tensors, locals_, sources = describe_expert_tensors(target, world, specs, expert_params, module)
+        ep_ranks = None if isinstance(target, nn.Module) else _ep_ranks(target, new, active_ranks, world)
+        tensors, locals_, sources = describe_expert_tensors(target, world, specs, expert_params, module, ep_ranks)
         for p, what in ((old, "old"), (new, "new")):
             if p is None:
                 continue
             layers = 1 + max(t.layer for t in tensors)
             if p.num_layers != layers:
                 raise ValueError(f"the {what} placement has {p.num_layers} layers, the experts have {layers} MoE layers")
-            for t in tensors:
+            for t in (tensors if ep_ranks is None else ()):  # else _ep_ranks checked the slots
                 top = max(s0 + ns for _, s0, ns, _ in t.holdings)
                 if top != p.num_physical:
                     raise ValueError(f"{t.name} has {top} expert slots, the {what} placement has {p.num_physical}")

@@ -1,6 +1,6 @@
 """``moeshard.save``: write an (EP + FSDP2) model as a Hugging Face safetensors checkpoint.
 
-Collective (every rank of the default group calls :func:`save`). The inverse of
+Collective (every rank of the group calls :func:`save`). The inverse of
 :func:`moeshard.load`: each checkpoint tensor (a dense parameter or persistent buffer under its
 checkpoint name; each part of each logical expert of a fused expert parameter, e.g.
 ``experts.{e}.gate_proj.weight``) is written once, whole, into one file, by one *writer* rank
@@ -155,6 +155,7 @@ def _tied_targets(model: nn.Module) -> frozenset[str]:
     return frozenset(out)
 
 
+@_dist.runs_on_group
 def save(
     model: nn.Module,
     out_dir: str | os.PathLike,
@@ -168,8 +169,9 @@ def save(
     topology: Topology | None = None,
     fsync: bool = True,
     progress: bool | None = None,
+    group=None,
 ) -> SaveReport:
-    """Collective (every rank of the default group): write ``model`` to ``out_dir`` as a
+    """Collective (every rank of ``group``): write ``model`` to ``out_dir`` as a
     Hugging Face safetensors checkpoint (shards + ``model.safetensors.index.json``, plus
     ``config.json`` / ``generation_config.json`` for a transformers model).
 
@@ -191,6 +193,9 @@ def save(
         fsync: fsync every file and the directory before the index is published.
         progress: bytes written / total on local rank 0 of each node (default: the
             ``MOESHARD_PROGRESS`` environment variable).
+        group: the process group that runs it (default: the default group), e.g. one EP group
+            of a larger job; ranks in plans and messages are its ranks. The model's device
+            meshes must lie within it; ``topology`` defaults to its members' nodes.
 
     Raises:
         SaveError (a ValueError and a DistributedError): on every rank, before any file is
@@ -203,7 +208,7 @@ def save(
     """
     with _dist.errors_as(SaveError):
         return _save(model, out_dir, placement, specs, reference, max_shard_bytes, overwrite, staging_bytes,
-                     topology, fsync, progress)
+                     topology or Topology.of_group(group), fsync, progress)
 
 
 def _save(model, out_dir, placement, specs, reference, max_shard_bytes, overwrite, staging_bytes, topology,
@@ -212,7 +217,7 @@ def _save(model, out_dir, placement, specs, reference, max_shard_bytes, overwrit
     hwm_reset = _reset_peak_rss()
     rss0 = psutil.Process().memory_info().rss
     rank, world = _dist.rank_and_world()
-    topo = topology or Topology.from_env()
+    topo = topology
     if topo.world_size != world:
         raise ValueError(f"topology has world_size {topo.world_size}, the process group has {world}")
     topo = topo.with_rank(rank)

@@ -139,6 +139,7 @@ def _dtypes(dtype_of: Sequence[torch.dtype], plan: Schedule, idx: Sequence[int])
     return tuple(sorted({dtype_of[int(plan.dlv_param[i])] for i in idx}, key=str))
 
 
+@_dist.runs_on_group
 def verify(
     model: nn.Module,
     checkpoint: str | os.PathLike,
@@ -148,11 +149,14 @@ def verify(
     topology: Topology | None = None,
     specs: Sequence[ExpertsSpec] = DEFAULT_SPECS,
     strict: bool = True,
+    group=None,
 ) -> VerifyReport:
-    """Collective (every rank): check every local slice of ``model`` against ``checkpoint``.
+    """Collective (every rank of ``group``): check every local slice of ``model`` against
+    ``checkpoint``.
 
     ``strict``: as in :func:`moeshard.load`, refuse a checkpoint whose unused keys say it does
-    not fit the model (stray experts, layers beyond the model's); False: a warning.
+    not fit the model (stray experts, layers beyond the model's); False: a warning. ``group``:
+    the process group that verifies (default: the default group; as in :func:`moeshard.load`).
 
     Communication: a rank receives one 16-byte digest per (piece, dtype) it holds that another
     rank read, from that rank only; a piece its own rank read is checked with no communication.
@@ -162,7 +166,7 @@ def verify(
             rank's message names the rank, parameter, physical slot and logical expert (for
             expert params), box and checkpoint key of its first mismatch.
     """
-    topo = topology or Topology.from_env()
+    topo = topology or Topology.of_group(group)
     rank, world_size = _dist.rank_and_world()
     topo = topo.with_rank(rank)
     path = os.fspath(checkpoint)

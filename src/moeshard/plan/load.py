@@ -92,6 +92,10 @@ def _check_args(topology: Topology, readers, scope: str) -> np.ndarray:
         raise ValueError("no rank can read the checkpoint")
     if scope not in ("job", "node"):
         raise ValueError(f"scope must be 'job' or 'node', got {scope!r}")
+    if (np.diff(topology.nodes_array()) < 0).any():
+        # The trees group a piece's needers by node as runs of ascending ranks.
+        raise ValueError(f"the ranks of each node must be contiguous, got nodes {list(topology.nodes or ())[:16]}; "
+                         "number the group's ranks node by node")
     return readers
 
 
@@ -193,8 +197,8 @@ def _trees(pieces: Pieces, topology: Topology, readers: np.ndarray, scope: str) 
 
     Columns over (piece, rank) pairs are ``int32`` (ranks, nodes, pieces) and temporaries are
     dropped as soon as they are used: at 1,024 ranks there are ~860,000 pairs per column."""
-    world, lws = topology.world_size, topology.local_world_size
-    node_of = (np.arange(world) // lws).astype(np.int32)
+    node_of = topology.nodes_array().astype(np.int32)
+    node_size = np.bincount(node_of)
     pair_piece, pair_rank = pieces.pairs()
     pair_node = node_of[pair_rank]
     gstart = run_starts(pair_piece, pair_node) if scope == "node" else run_starts(pair_piece)
@@ -221,7 +225,7 @@ def _trees(pieces: Pieces, topology: Topology, readers: np.ndarray, scope: str) 
     del gid, pair_node
     sub_piece = pair_piece[sub_first]
     at_reader = sub_node == node_of[sub_reader]
-    whole = (sub_size == lws) & (lws >= 3)
+    whole = (sub_size == node_size[sub_node]) & (node_size[sub_node] >= 3)
     holder = np.where(at_reader, sub_reader, pair_rank[sub_first + sub_piece % sub_size])
     del sub_size, sub_first
     # Level 0: the reader to the holder of each other node; to each needer on its own node, or
@@ -254,8 +258,7 @@ def _readers(pieces: Pieces, topology: Topology, readers: np.ndarray, scope: str
     """``int32[G]``: one reader per group (pairs ``g_first[g] .. + g_size[g] - 1``, each pair's
     group ``gid``): a needer that can read if there is one (the least loaded of several), else a
     reader near the needers, spread over the pool by bytes."""
-    world = topology.world_size
-    node_of = np.arange(world) // topology.local_world_size
+    world, node_of = topology.world_size, topology.nodes_array()
     num_groups = len(g_first)
     g_bytes = pieces.piece_bytes[g_piece]
     cand = readers[pair_rank]
@@ -320,11 +323,11 @@ class _Rounds(NamedTuple):
 def _rounds(t: _Trees, pbytes: np.ndarray, topology: Topology, staging_bytes: int, max_ops: int) -> _Rounds:
     """Rounds from streams (module doc). A rank's budget is shared only by the kinds of buffer
     it holds: a reader that receives nothing gets windows of 9 parts, not 1."""
-    world, lws = topology.world_size, topology.local_world_size
+    world = topology.world_size
     part = staging_bytes // STAGING_PARTS
     n0, n1, nb0, nb1 = len(t.e0_src), len(t.e1_src), len(t.b0_root), len(t.b1_root)
     bc_ranks, bc_of = _broadcast_receivers(np.concatenate([t.b0_node, t.b1_node]),
-                                           np.concatenate([t.b0_root, t.b1_root]), lws)
+                                           np.concatenate([t.b0_root, t.b1_root]), topology)
     relayed_bc = bc_of >= nb0
 
     def has(*ranks: np.ndarray) -> np.ndarray:
@@ -339,7 +342,8 @@ def _rounds(t: _Trees, pbytes: np.ndarray, topology: Topology, staging_bytes: in
     del bc_ranks, bc_of, relayed_bc
     w_rank = (staging_bytes - (2 * sends0 + kinds) * part) // np.maximum(sends0 + kinds, 1)
     assert (w_rank >= part).all()
-    w_node = w_rank.reshape(-1, lws).min(axis=1)
+    w_node = np.full(topology.num_nodes, np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(w_node, topology.nodes_array(), w_rank)
     half = max_ops // 2
     o_send0 = np.where(recv0, half, max_ops)
     o_recv0 = max_ops - np.where(sends0, half, 0)
@@ -460,16 +464,17 @@ def _cost(t: _Trees, r: _Rounds, pbytes: np.ndarray, read_round: np.ndarray, rea
     """Counters of a schedule and its exact staging peak per rank. ``sends``: ``(src, dst,
     piece, round)``; ``bcasts``: ``(node, root, piece, round)``; ``read_round``, ``read_end``:
     each group's buffer lifetime (:func:`_read_rounds`)."""
-    world, lws = topology.world_size, topology.local_world_size
-    node_of = np.arange(world) // lws
+    world = topology.world_size
+    node_of = topology.nodes_array()
     src, dst, piece, rounds = sends
     bc_node, bc_root, bc_piece, bc_round = bcasts
-    bc_ranks, bc_of = _broadcast_receivers(bc_node, bc_root, lws)
+    bc_ranks, bc_of = _broadcast_receivers(bc_node, bc_root, topology)
     sb = pbytes[piece]
     g_bytes = pbytes[t.g_piece]
     read_bytes = np.bincount(t.reader, weights=g_bytes, minlength=world).astype(np.int64)
     sent = (np.bincount(src, weights=sb, minlength=world)
-            + np.bincount(bc_root, weights=pbytes[bc_piece] * (lws - 1), minlength=world)).astype(np.int64)
+            + np.bincount(bc_root, weights=pbytes[bc_piece] * (np.bincount(node_of)[bc_node] - 1),
+                          minlength=world)).astype(np.int64)
     recv = (np.bincount(dst, weights=sb, minlength=world)
             + np.bincount(bc_ranks, weights=pbytes[bc_piece[bc_of]], minlength=world)).astype(np.int64)
     cross_node = int(sb[node_of[src] != node_of[dst]].sum())
@@ -495,10 +500,15 @@ def _cost(t: _Trees, r: _Rounds, pbytes: np.ndarray, read_round: np.ndarray, rea
     )
 
 
-def _broadcast_receivers(node: np.ndarray, root: np.ndarray, lws: int) -> tuple[np.ndarray, np.ndarray]:
+def _broadcast_receivers(node: np.ndarray, root: np.ndarray, topology: Topology) -> tuple[np.ndarray, np.ndarray]:
     """``(rank, broadcast)``: every receiving rank of every broadcast (its node but the root)."""
-    ranks = (node[:, None] * lws + np.arange(lws)[None, :]).reshape(-1)
-    of = np.repeat(np.arange(len(node)), lws)
+    node_of = topology.nodes_array()
+    members = np.argsort(node_of, kind="stable")  # ranks, node by node
+    size = np.bincount(node_of, minlength=topology.num_nodes)
+    start = np.concatenate([[0], np.cumsum(size)[:-1]])
+    count = size[node]
+    of = np.repeat(np.arange(len(node)), count)
+    ranks = members[np.repeat(start[node], count) + np.arange(len(of)) - np.repeat(np.cumsum(count) - count, count)]
     keep = ranks != root[of]
     return ranks[keep], of[keep]
 
@@ -573,11 +583,12 @@ def minimal_cost(needs: NeedTable | Pieces | Sequence, index: CheckpointIndex, t
 
 
 def _minimal(pieces: Pieces, topology: Topology, readers: np.ndarray, scope: str) -> dict:
-    lws, num_nodes = topology.local_world_size, topology.num_nodes
+    num_nodes = topology.num_nodes
+    node_of = topology.nodes_array()
     nbytes = pieces.piece_bytes
     num_pieces = pieces.num_pieces
     p_pid, p_rank = pieces.pairs()
-    p_node = p_rank // lws
+    p_node = node_of[p_rank]
     p_reader = readers[p_rank]
     if scope == "job":
         count = np.bincount(p_pid, minlength=num_pieces)
@@ -588,7 +599,7 @@ def _minimal(pieces: Pieces, topology: Topology, readers: np.ndarray, scope: str
         # needs no crossing into a node holding a reader.
         pn = run_starts(p_pid, p_node)
         pn_pid, pn_node = p_pid[pn], p_node[pn]
-        node_has_reader = np.bincount(np.flatnonzero(readers) // lws, minlength=num_nodes) > 0
+        node_has_reader = np.bincount(node_of[np.flatnonzero(readers)], minlength=num_nodes) > 0
         num_nodes_of = np.bincount(pn_pid, minlength=num_pieces)
         reader_node_of = np.bincount(pn_pid, weights=node_has_reader[pn_node], minlength=num_pieces) > 0
         cross = int(((num_nodes_of - reader_node_of) * nbytes).sum())

@@ -769,6 +769,8 @@ def _as_schedule(plan: RelocationPlan, old_p2l: np.ndarray, max_ops: int) -> Sch
 def _fingerprint(plan: RelocationPlan) -> str:
     h = hashlib.sha256()
     h.update(repr((plan.topology.world_size, plan.topology.local_world_size, plan.staging_bytes)).encode())
+    if plan.topology.nodes is not None:  # uneven nodes (a process group of some ranks)
+        h.update(repr(plan.topology.nodes).encode())
     h.update(repr(plan.tensors).encode())
     h.update(repr(plan.moves).encode())
     h.update(repr(plan.stashes).encode())

@@ -202,11 +202,10 @@ class Schedule:
 
     def rank_bytes(self, rank: int) -> int:
         """Bytes of the pieces ``rank`` reads or receives."""
-        lws = self.topology.local_world_size
         b = self.piece_bytes
         total = int(b[self.read_piece[self.read_rank == rank]].sum())
         total += int(b[self.send_piece[self.send_dst == rank]].sum())
-        mine = (self.bcast_node == rank // lws) & (self.bcast_root != rank)
+        mine = (self.bcast_node == self.topology.node_of(rank)) & (self.bcast_root != rank)
         return total + int(b[self.bcast_piece[mine]].sum())
 
     def delivered_bytes(self, rank: int) -> int:
@@ -216,10 +215,9 @@ class Schedule:
 
     def for_rank(self, rank: int) -> "RankSchedule":
         """This rank's rows (what :func:`moeshard.execute.execute_schedule` runs)."""
-        lws = self.topology.local_world_size
         reads = np.flatnonzero(self.read_rank == rank)
         sends = np.flatnonzero((self.send_src == rank) | (self.send_dst == rank))
-        bcasts = np.flatnonzero(self.bcast_node == rank // lws)
+        bcasts = np.flatnonzero(self.bcast_node == self.topology.node_of(rank))
         dlv = np.flatnonzero(self.dlv_rank == rank)
         copies = np.flatnonzero(self.view_rank[self.copy_view] == rank)
         return RankSchedule(self, rank, reads, sends, bcasts, dlv, copies)
@@ -231,6 +229,8 @@ class Schedule:
         h = hashlib.sha256()
         h.update(repr((self.topology.world_size, self.topology.local_world_size, self.staging_bytes,
                        self.max_ops, self.num_rounds, self.keys)).encode())
+        if self.topology.nodes is not None:  # uneven nodes (a process group of some ranks)
+            h.update(repr(self.topology.nodes).encode())
         for name in _ARRAYS:
             if getattr(self, name) is None:
                 continue  # dlv_round by default: derived from the other arrays
