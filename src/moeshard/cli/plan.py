@@ -27,6 +27,7 @@ from ..cluster.spec import ClusterSpec
 from ..cluster.synthetic import num_params, read_config, synthetic_index
 from ..io.checkpoint import CheckpointIndex
 from ..io.fp8 import quantization
+from ..io.placement_files import FORMATS, NAMED_PLACEMENTS, moe_layer_indices, named_placement, read_placement_file
 from ..io.sources import storage_sources
 from ..models.layout import need_table
 from ..placement import Placement
@@ -59,7 +60,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--efsdp", type=int, help="expert-FSDP size (default: world / ep)")
     p.add_argument("--redundant", type=int, help="redundant expert slots per layer (default 0, or from --placement)")
     p.add_argument("--storage", choices=("shared", "node", "single", "all"), default="all")
-    p.add_argument("--placement", metavar="FILE.npy", help="phy2log int[num_moe_layers, num_physical]")
+    p.add_argument("--placement", metavar="FILE",
+                   help="the current placement: moeshard JSON, phy2log .npy, sglang's --init-expert-location "
+                        "file (.json/.pt), vLLM's EPLB tensors (.pt); or vllm:linear, vllm:round_robin, sglang:trivial")
+    p.add_argument("--placement-format", choices=FORMATS, help="read --placement as this format (default: sniffed)")
     p.add_argument("--bandwidth", metavar="storage=GBps,intra=GBps,inter=GBps")
     p.add_argument("--staging-mib", type=float, default=DEFAULT_STAGING_BYTES / 2**20)
     p.add_argument("--rebalance", metavar="LOADS.npy", help="float[num_moe_layers, num_logical] tokens per expert")
@@ -102,16 +106,28 @@ def _open_checkpoint(args: argparse.Namespace) -> tuple[CheckpointIndex, str, di
 
 
 def _cluster(args: argparse.Namespace, layout: MoeLayout) -> tuple[ClusterSpec, Placement]:
-    """The cluster and the current placement (``--placement``, else contiguous)."""
-    phy2log = _load_npy(args.placement, "--placement") if args.placement else None
-    if phy2log is not None and phy2log.ndim == 2 and args.redundant is None:
+    """The cluster and the current placement (``--placement``: a file in any format
+    :mod:`moeshard.io.placement_files` reads, or an engine's named placement; else contiguous)."""
+    named = args.placement in NAMED_PLACEMENTS and not os.path.exists(args.placement)
+    phy2log = None
+    if args.placement and not named:
+        f = read_placement_file(args.placement, format=args.placement_format,
+                                moe_layers=moe_layer_indices([m.module for m in layout.experts]))
+        for what, have, want in (("num_logical", f.num_logical, layout.num_logical),
+                                 ("num_ranks", f.num_ranks, args.ep)):
+            if have is not None and have != want:
+                raise ValueError(f"--placement {args.placement} was written for {what}={have}; the plan has {want} "
+                                 f"({'experts per layer' if what == 'num_logical' else '--ep'})")
+        phy2log = f.phy2log
+    if phy2log is not None and args.redundant is None:
         redundant = max(0, phy2log.shape[1] - layout.num_logical)
     else:
         redundant = args.redundant or 0
     cluster = ClusterSpec.build(args.nodes, args.ranks_per_node, args.ep, args.efsdp, redundant)
     cluster.topology()  # validates ranks per node
-    if phy2log is not None and not np.issubdtype(phy2log.dtype, np.integer):
-        raise ValueError(f"--placement {args.placement}: expected integer expert ids, got dtype {phy2log.dtype}")
+    if named:
+        return cluster, named_placement(args.placement, num_layers=layout.num_layers, num_logical=layout.num_logical,
+                                        num_ranks=cluster.ep, num_redundant=redundant)
     return cluster, make_placement(layout, cluster, phy2log)
 
 

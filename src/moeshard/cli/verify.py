@@ -2,8 +2,9 @@
 
 Run under torchrun (every rank runs the same command). From the checkpoint's ``config.json``
 it builds the transformers model on the meta device, parallelizes it for ``--ep`` x
-``--efsdp`` with the job's saved placement (``--placement phy2log.npy``: ``int[num_layers,
-num_physical]``, ``-1`` for an empty slot; default contiguous with ``--redundant`` copies),
+``--efsdp`` with the job's saved placement (``--placement FILE``: moeshard's JSON, a phy2log
+``.npy`` ``int[num_layers, num_physical]`` with ``-1`` for an empty slot, or sglang's or vLLM's
+placement, see :mod:`moeshard.io.placement_files`; default contiguous with ``--redundant`` copies),
 loads it with moeshard and verifies every local box against the checkpoint's bytes.
 ``--report`` then prints, per rank, which logical expert each slot of each MoE layer holds,
 each one checksum-verified (a blake2b of the slot's bytes, compared with the checkpoint's).
@@ -15,26 +16,35 @@ import argparse
 import os
 import sys
 
-import numpy as np
-
 __all__ = ["main"]
 
 
-def _placement(args, num_layers: int, num_logical: int, ep: int):
+def _placement(args, num_layers: int, num_logical: int, ep: int, modules: list[str] | None = None):
+    """The job's placement: ``--placement`` (a file in any format
+    :mod:`moeshard.io.placement_files` reads, or an engine's named placement), else contiguous."""
+    from ..io.placement_files import NAMED_PLACEMENTS, moe_layer_indices, named_placement, read_placement_file
     from ..placement import Placement
 
     if args.placement is None:
         return Placement.contiguous(num_layers, num_logical, ep, args.redundant)
-    try:
-        p2l = np.load(args.placement)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read the placement file {args.placement}: {e}") from None
-    if p2l.ndim != 2 or p2l.shape[0] != num_layers or p2l.shape[1] % ep:
+    if args.placement in NAMED_PLACEMENTS and not os.path.exists(args.placement):
+        return named_placement(args.placement, num_layers=num_layers, num_logical=num_logical, num_ranks=ep,
+                               num_redundant=args.redundant)
+    f = read_placement_file(args.placement, format=args.placement_format,
+                            moe_layers=None if modules is None else moe_layer_indices(modules))
+    p2l = f.phy2log
+    if p2l.shape[0] != num_layers or p2l.shape[1] % ep:
         raise ValueError(
             f"placement file {args.placement} has shape {list(p2l.shape)}; expected [{num_layers}, "
             f"num_physical] with num_physical a multiple of EP={ep}"
         )
-    return Placement(p2l, num_logical=num_logical, num_ranks=ep)
+    for what, have, want in (("num_logical", f.num_logical, num_logical), ("num_ranks", f.num_ranks, ep)):
+        if have is not None and have != want:
+            raise ValueError(f"placement file {args.placement} was written for {what}={have}, the job has {want}")
+    try:
+        return Placement(p2l, num_logical=num_logical, num_ranks=ep)
+    except ValueError as e:
+        raise ValueError(f"placement file {args.placement}: {e}") from None
 
 
 def _slot_report(model, placement, index, reader_root_dir: str) -> list[tuple[int, str, list]]:
@@ -102,7 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ep", type=int, help="EP size (default: the world size)")
     parser.add_argument("--efsdp", type=int, default=1, help="expert-FSDP size (ep x efsdp = world size)")
     parser.add_argument("--redundant", type=int, default=0, help="redundant slots per layer (no --placement)")
-    parser.add_argument("--placement", help="the job's saved placement: phy2log .npy [num_layers, num_physical]")
+    parser.add_argument("--placement", help="the job's saved placement: moeshard JSON, phy2log .npy [num_layers, "
+                        "num_physical], sglang's or vLLM's file; or vllm:linear, vllm:round_robin, sglang:trivial")
+    parser.add_argument("--placement-format", choices=("moeshard", "npy", "sglang", "vllm"),
+                        help="read --placement as this format (default: sniffed)")
     parser.add_argument("--storage", default="auto", choices=["auto", "shared", "node", "single"])
     parser.add_argument("--report", action="store_true", help="print every rank's slots, checksum-verified")
     args = parser.parse_args(argv)
@@ -139,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                 if not layers:
                     raise ValueError(f"{args.checkpoint}: the model has no experts module moeshard knows (not MoE?)")
                 num_logical = getattr(layers[0][1], layers[0][2].params[0].name).shape[0]
-                return model, _placement(args, len(layers), num_logical, ep)
+                return model, _placement(args, len(layers), num_logical, ep, [name for name, _, _ in layers])
 
             model, placement = _dist.agree(setup, "moeshard verify: building the model")
             device = "cuda" if dist.get_backend() == "nccl" else "cpu"
