@@ -13,27 +13,35 @@ reference: a rank never holds two copies of one expert when it can be avoided. S
 (or not yet joined) ranks are ``-1``; slot ids stay those of the full job, so an elastic job
 never renumbers. Details: :mod:`moeshard.eplb.oblivious`.
 
+*Reference* (:func:`reference`): deepseek-ai/EPLB's exact answer (no moeshard rule; its
+float32 arithmetic), to compare against without the reference installed.
+
 *Migration-aware* (``migration_aware=True`` and a current placement): the oblivious answer
 ignores where experts already are, so a rebalance after a small drift of the load can move
-almost every copy. This policy reaches the oblivious policy's balance (per layer, max/mean rank
-load within ``tolerance``, default 1 %) while moving few copies: per layer it keeps copies on
-their ranks as far as that balance allows ("sticky packing") and takes, among candidates within
-the tolerance (the oblivious placement always is one), the one with the fewest moved copies, so
-it never moves more copies than the oblivious policy. Details: :mod:`moeshard.eplb.aware`.
+almost every copy. This policy is, per layer, never less balanced (max/mean rank load) than
+the better of the reference's and moeshard's oblivious answers, times ``(1 + tolerance)``
+(default 0), while moving few copies: per node it keeps copies on their ranks as far as that
+balance allows ("sticky packing"), else takes the reference's packing of the node with copies
+swapped back to their old ranks, and per layer the candidate within the limit with the fewest
+moved copies (the better oblivious answer always is one). Like the reference, it may put two
+copies of an expert on one rank. Details: :mod:`moeshard.eplb.aware`.
 
 In every candidate an expert that stays on a rank keeps its slot index; newcomers fill the
 freed slots in order.
 
 Metrics: :func:`rank_loads`, :func:`balance`, :func:`copies_moved`, :func:`slots_changed`.
+:func:`balance` counts two copies of an expert on one rank as two loads (``load / logcnt``
+each), as the reference's packing weighs them.
 
 Modules, each built on those above it:
 
 * ``inputs``: input checks and the validated shape of a call (``_Shape``);
 * ``metrics``: rank loads, balance, moved copies (public and array forms);
 * ``oblivious``: deepseek-ai/EPLB's policy (replicate, balanced packing, hierarchical / global);
-* ``sticky``: sticky packing of copies onto ranks, its LPT variant, the swap repair;
-* ``aware``: the migration-aware policy (per layer, the candidate that moves fewest copies);
-* here: :func:`rebalance`, the entry point.
+* ``sticky``: sticky packing of copies onto ranks, the swap repair, the restoring local search;
+* ``aware``: the migration-aware policy (per node and layer, the candidate that moves fewest
+  copies);
+* here: :func:`rebalance`, the entry point, and :func:`reference`.
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ from .inputs import _check_load, _check_placement, _shape
 from .metrics import balance, copies_moved, rank_loads, slots_changed
 from .oblivious import _oblivious
 
-__all__ = ["rebalance", "rank_loads", "balance", "copies_moved", "slots_changed"]
+__all__ = ["rebalance", "reference", "rank_loads", "balance", "copies_moved", "slots_changed"]
 
 
 def rebalance(
@@ -57,7 +65,7 @@ def rebalance(
     num_groups: int | None = None,
     active_ranks=None,
     migration_aware: bool = True,
-    tolerance: float = 0.01,
+    tolerance: float = 0.0,
 ) -> Placement:
     """A balanced placement of every MoE layer's experts for ``load``.
 
@@ -73,9 +81,11 @@ def rebalance(
             for the global policy.
         active_ranks: ``bool[num_ranks]`` live ranks (None: all). Slots of the others are -1.
         migration_aware: keep copies where they are as far as the balance allows (see the
-            module docstring); False: the reference (oblivious) policy.
+            module docstring); False: moeshard's oblivious policy.
         tolerance: per layer, the aware policy's max/mean rank load is at most
-            ``(1 + tolerance)`` x the oblivious policy's.
+            ``(1 + tolerance)`` x the better of the reference's (:func:`reference`) and the
+            oblivious policy's (default 0: never less balanced than either; it used to be
+            1 % over the oblivious policy's).
 
     Returns:
         ``Placement`` with ``phy2log`` ``int[num_layers, num_physical]``.
@@ -93,5 +103,36 @@ def rebalance(
     obl = _oblivious(w, sh)
     if not migration_aware or placement is None:
         return Placement(obl.phy2log.reshape(sh.num_layers, -1), num_logical=sh.num_logical, num_ranks=sh.num_ranks)
-    new = _aware(w, placement, obl, sh, float(tolerance))
+    new = _aware(w, placement, obl, _oblivious(w, sh, exact=True), sh, float(tolerance))
     return Placement(new.reshape(sh.num_layers, -1), num_logical=sh.num_logical, num_ranks=sh.num_ranks)
+
+
+def reference(
+    load,
+    *,
+    num_physical: int,
+    num_ranks: int,
+    num_nodes: int = 1,
+    num_groups: int | None = None,
+    active_ranks=None,
+) -> Placement:
+    """deepseek-ai/EPLB's own answer (``eplb.py``'s ``rebalance_experts``), to compare against.
+
+    The oblivious policy without moeshard's rule: a rank may hold two copies of one expert
+    (each carries ``load / logcnt`` in :func:`rank_loads` and :func:`balance`, the weight the
+    reference's packing gave it). Decisions are made in float32 like the reference's, so its
+    ``phy2log`` is reproduced exactly (up to ties that ``torch.sort`` breaks in another order).
+    Policy choice (hierarchical / global), dead ranks and arguments as in :func:`rebalance`;
+    with dead ranks, the reference as if run on the live ranks only (their slots keep their
+    ids, dead ranks' slots are -1).
+
+    Returns:
+        ``Placement`` with ``phy2log`` ``int[num_layers, num_physical]``.
+
+    Raises:
+        ValueError: as :func:`rebalance`.
+    """
+    w = _check_load(load)
+    sh = _shape(w, num_physical, num_ranks, num_nodes, num_groups, active_ranks)
+    ref = _oblivious(w, sh, exact=True)
+    return Placement(ref.phy2log.reshape(sh.num_layers, -1), num_logical=sh.num_logical, num_ranks=sh.num_ranks)

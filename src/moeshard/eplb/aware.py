@@ -1,28 +1,29 @@
 """The migration-aware policy (``migration_aware=True`` and a current placement).
 
 The oblivious answer ignores where experts already are, so a rebalance after a small drift of
-the load can move almost every copy. This policy reaches the oblivious policy's balance (per
-layer, max/mean rank load within ``tolerance``, default 1 %) while moving few copies. Per layer:
+the load can move almost every copy. This policy moves few copies while, per layer, its
+max/mean rank load is at most ``(1 + tolerance)`` x the better of the two oblivious answers
+(the reference's, deepseek-ai/EPLB, and moeshard's); ``tolerance`` defaults to 0: never less
+balanced than either. Target ``T`` = that max rank load. Per layer:
 
-* hierarchical: a group stays on the node that holds most of its copies unless that node
-  would exceed the oblivious policy's heaviest node load (x (1 + tolerance)); each node's
-  replica counts then follow ``replicate_experts`` on the node's experts (global: the
-  oblivious policy's counts);
-* *sticky packing* within each node, against the target ``T`` = the oblivious policy's max
-  rank load x (1 + tolerance): keep each old copy on its live rank (up to the new replica
-  count, one per rank); a rank whose kept load, plus the lightest copy of the layer for each
-  of its free slots, exceeds ``T`` evicts copies (the lightest one that suffices, else its
-  heaviest); the remaining copies go heaviest first to the least loaded rank with a free slot
-  that does not hold the expert and stays under ``T``, else replace a lighter copy of a full
-  rank (that copy goes back to the queue), else to the least loaded rank with a free slot;
-  then a local search swaps copies between ranks over ``T`` and light ranks (fewest added
-  moves first) (:mod:`moeshard.eplb.sticky`);
-* candidates: the sticky result; where it misses ``T``, the reference's greedy with a
-  preference for the expert's old ranks ("sticky LPT"), and (hierarchical) both of these
-  under the oblivious node assignment; the oblivious packs matched to ranks by greedy maximum
-  overlap (nodes first); the oblivious placement itself. Each layer takes the candidate with
-  the fewest moved copies among those within the tolerance; the last two always are, so the
-  balance is guaranteed and the aware policy never moves more copies than the oblivious one.
+* the old placement itself, where it is still valid and within ``T`` (nothing moves);
+* hierarchical: a group stays on the node that holds most of its copies unless that node's
+  load would exceed ``0.95 x T x live ranks`` (and the reference's heaviest node); where
+  the packing below misses ``T``, again with the reference's heaviest node as the cap;
+* node by node, *sticky packing* (:mod:`moeshard.eplb.sticky`) against ``T``: a node that
+  holds exactly its experts and is within ``T`` stays as it is; else keep each old copy on
+  its live rank (up to the new replica count), evict from ranks over ``T`` (the lightest
+  copy that suffices, else the heaviest), place the rest heaviest first on the least loaded
+  rank with room under ``T``, then swap copies between ranks over ``T`` and light ranks.
+  Replica counts: the node's old counts (light nodes: nothing moves), and on nodes loaded
+  over half of ``T x live ranks`` also ``replicate_experts``' counts; the node takes the one
+  of the two within ``T`` that moves fewer copies;
+* a node where sticky packing misses ``T``: the reference's own packing of the node's copies
+  (``replicate_experts`` + LPT), matched to the old ranks, then a local search that swaps
+  copies back to ranks that held them while both ranks stay within ``T`` (:func:`_restore`);
+* each layer takes, among the candidates within ``T``, the one with the fewest moved copies;
+  the better oblivious answer matched to the old ranks always is one (the balance is
+  guaranteed). A rank may hold two copies of an expert where the reference would.
 
 In every candidate an expert that stays on a rank keeps its slot index; newcomers fill the
 freed slots in order.
@@ -34,9 +35,9 @@ import numpy as np
 
 from ..placement import Placement
 from .inputs import _Shape
-from .metrics import _count_last, _counts, _held, _max_rank_load, _moves3, _per_copy
-from .oblivious import _group_loads, _Oblivious, _replicate_nodes, _scatter_packs
-from .sticky import _EPS, _sticky, _sticky_lpt
+from .metrics import _count_last, _counts, _held, _max_rank_load, _moves3, _per_copy, _rank_loads3
+from .oblivious import _group_loads, _node_packs, _Oblivious, _per_rank_cap, _replicate_nodes, _scatter_packs
+from .sticky import _EPS, _restore, _sticky
 
 
 def _arrange(new: np.ndarray, old: np.ndarray) -> np.ndarray:
@@ -102,28 +103,64 @@ def _nodes_of_old(held_old: np.ndarray, gl: np.ndarray, sh: _Shape) -> np.ndarra
     return out
 
 
-def _sticky_candidate(w, old3, group_node, thr, sh: _Shape, lpt: bool = False) -> np.ndarray:
-    """Sticky packing of every node's replicas (``group_node`` ``int[L, G]`` fixed) onto the
-    node's ranks. ``old3`` ``int[L, R, S]``; returns ``int[L, R, S]``."""
+def _old_counts(w: np.ndarray, old3: np.ndarray, group_node: np.ndarray, sh: _Shape,
+                repl_cnt: np.ndarray) -> np.ndarray:
+    """``int[L*N, E]`` replica counts per node (row ``l * N + k``) that stay as close to the old
+    placement's as the slots allow: each expert of the node keeps its old copies on the node's
+    live ranks (at least one); missing slots go, one by one, to the expert of the highest load
+    per copy (as ``replicate_experts`` does), surplus copies leave the expert whose per-copy
+    load stays lowest. On a node far under the limit any counts do, and these move nothing."""
     num_layers, num_logical = w.shape
-    n, rpn = sh.num_nodes, sh.ranks_per_node
-    mlog2log, _, mcnt, cnt = _replicate_nodes(w, group_node, sh)
-    wc = _per_copy(w, cnt)
+    n = sh.num_nodes
+    oc = _count_last(old3.reshape(num_layers, n, -1), num_logical)[..., :num_logical]  # [L, N, E]
+    node_of = np.repeat(group_node, num_logical // sh.num_groups, axis=1)  # [L, E]
+    mine = (node_of[:, None, :] == np.arange(n)[None, :, None]).reshape(num_layers * n, -1)
+    cnt = np.where(mine, np.maximum(oc.reshape(num_layers * n, -1), 1), 0)
+    wr = np.repeat(w, n, axis=0)
+    diff = sh.live_per_node * sh.slots_per_rank - cnt.sum(1)
+    # A node whose groups changed much gets replicate_experts' counts (its copies move
+    # anyway), which bounds the rounds below.
+    far = np.abs(diff) > _MAX_COUNT_CHANGES
+    cnt[far] = repl_cnt[far]
+    diff[far] = 0
+    rows = np.flatnonzero(diff != 0)  # few rows: work on those only
+    c, m, wrr, d = cnt[rows], mine[rows], wr[rows], diff[rows]
+    ar = np.arange(len(rows))
+    while (d != 0).any():
+        add, rem = d > 0, d < 0
+        j = np.where(m, wrr / np.maximum(c, 1), -np.inf).argmax(1)
+        c[ar[add], j[add]] += 1
+        j = np.where(m & (c > 1), wrr / np.maximum(c - 1, 1), np.inf).argmin(1)
+        c[ar[rem], j[rem]] -= 1
+        d = d - add + rem
+    cnt[rows] = c
+    return cnt
+
+
+def _node_counts(w, old3, group_node, sh: _Shape, keep_counts: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Replica counts per node row (``l * N + k``) ``int[L*N, E]`` and the per-copy loads
+    ``float[L*N, E]`` they give: ``replicate_experts`` per node, or :func:`_old_counts`."""
+    num_layers, num_logical = w.shape
+    n = sh.num_nodes
+    mlog2log, _, mcnt, _ = _replicate_nodes(w, group_node, sh)
     cnt_rows = np.zeros((num_layers * n, num_logical), dtype=np.int64)
     np.put_along_axis(cnt_rows, mlog2log, mcnt, axis=1)
-    old_rows = old3.reshape(num_layers * n, rpn, -1)
-    alive_rows = np.tile(sh.active.reshape(n, rpn), (num_layers, 1))
-    new = (_sticky_lpt if lpt else _sticky)(old_rows, alive_rows, cnt_rows, np.repeat(wc, n, axis=0), np.repeat(thr, n))
-    return new.reshape(num_layers, sh.num_ranks, -1)
+    if keep_counts:
+        cnt_rows = _old_counts(w, old3, group_node, sh, cnt_rows)
+    return cnt_rows, np.repeat(_per_copy(w, cnt_rows.reshape(num_layers, n, -1).sum(1)), n, axis=0)
 
 
-def _matched_oblivious(obl: _Oblivious, held_old: np.ndarray, sh: _Shape) -> tuple[np.ndarray, np.ndarray]:
-    """The oblivious packs, nodes then ranks matched to the old placement by overlap. Returns
+def _matched_oblivious(obl: _Oblivious, held_old: np.ndarray, sh: _Shape,
+                       node_perm: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The oblivious packs, nodes then ranks matched to the old placement by overlap (or node
+    ``a`` of ``obl`` onto node ``node_perm[l, a]``, ``int[L, N]``, when given). Returns
     ``phy2log`` ``int[L, R, S]`` and the matched ``group_node`` ``int[L, G]``."""
     num_layers, num_ranks, num_logical = held_old.shape
     n, rpn = sh.num_nodes, sh.ranks_per_node
     li = np.arange(num_layers)[:, None]
-    if n > 1:
+    if node_perm is not None:
+        pass
+    elif n > 1:
         node_of_expert = np.repeat(obl.group_node, num_logical // sh.num_groups, axis=1)  # [L, E]
         pres_new = (node_of_expert[:, None, :] == np.arange(n)[None, :, None]).astype(np.float32)
         pres_old = held_old.reshape(num_layers, n, rpn, -1).any(2).astype(np.float32)
@@ -143,47 +180,208 @@ def _matched_oblivious(obl: _Oblivious, held_old: np.ndarray, sh: _Shape) -> tup
     return _scatter_packs(packs, sh, rank_of_pack), group_node
 
 
-def _aware(w: np.ndarray, placement: Placement, obl: _Oblivious, sh: _Shape, tol: float) -> np.ndarray:
-    """The migration-aware policy (module docstring); returns ``int[L, R, S]``."""
+# Nodes loaded over this fraction of what their ranks may carry under the limit (live ranks x
+# limit) also try replicate_experts' counts; lighter nodes keep their old counts (they fit).
+_LOOSE = 0.5
+# Groups may stay on a node while its load is at most this fraction of its ranks' capacity
+# under the limit (live ranks x limit): room for the packing.
+_NODE_FILL = 0.95
+# At most this many copies added to or taken from a node's old counts (else replicate_experts').
+_MAX_COUNT_CHANGES = 8
+
+
+def _restored(w: np.ndarray, cand: np.ndarray, old3: np.ndarray, thr: np.ndarray, sh: _Shape,
+              nodes: np.ndarray) -> np.ndarray:
+    """``cand`` ``int[L, R, S]`` (within ``thr`` ``float[L]``) after :func:`_restore` in the
+    nodes ``bool[L, N]``: swaps that bring copies back to their old ranks."""
+    num_layers, num_logical = w.shape
+    n, rpn = sh.num_nodes, sh.ranks_per_node
+    cnt = _counts(cand, num_logical)
+    out = cand.reshape(num_layers * n, rpn, -1).copy()
+    r = np.flatnonzero(nodes)
+    rows = out[r]
+    alive_rows = np.tile(sh.active.reshape(n, rpn), (num_layers, 1))[r]
+    cnt_rows = np.repeat(cnt, n, axis=0)[r]
+    cap = _per_rank_cap(cnt_rows, np.full(len(r), sh.live_per_node))
+    _restore(rows, old3.reshape(num_layers * n, rpn, -1)[r], alive_rows,
+             np.repeat(_per_copy(w, cnt), n, axis=0)[r], cap, np.repeat(thr, n)[r])
+    out[r] = rows
+    return out.reshape(cand.shape)
+
+
+def _node_stats(w: np.ndarray, cand: np.ndarray, held_old: np.ndarray, sh: _Shape) -> tuple[np.ndarray, np.ndarray]:
+    """Per layer and node of ``cand`` ``int[L, R, S]``: heaviest rank ``float[L, N]`` and moved
+    copies ``int[L, N]`` (against ``held_old`` ``bool[L, R, E]``)."""
+    num_layers, num_ranks, _ = cand.shape
+    loads = _rank_loads3(w, cand, _counts(cand, w.shape[1]))
+    li = np.arange(num_layers)[:, None, None]
+    ri = np.arange(num_ranks)[None, :, None]
+    moved = ((cand >= 0) & ~held_old[li, ri, np.maximum(cand, 0)]).sum(-1)
+    shape = (num_layers, sh.num_nodes, sh.ranks_per_node)
+    return loads.reshape(shape).max(-1), moved.reshape(shape).sum(-1)
+
+
+def _compose(w: np.ndarray, held_old: np.ndarray, cands: list, limit: np.ndarray, sh: _Shape):
+    """Node by node, the candidate within ``limit`` that moves fewest copies. ``cands``:
+    ``int[L, R, S]`` placements that put the same groups on each node (so a node's copies,
+    replica counts and loads do not depend on the other nodes). Returns ``int[L, R, S]`` and
+    ``bool[L, N]``: the node is within ``limit``."""
+    num_layers = w.shape[0]
+    n, rpn = sh.num_nodes, sh.ranks_per_node
+    scores = []
+    for cand in cands:
+        peak, moved = _node_stats(w, cand, held_old, sh)
+        scores.append(np.where(peak <= limit[:, None] * (1 + _EPS), moved, np.inf))
+    score = np.stack(scores)  # [C, L, N]
+    pick = score.argmin(0)
+    stacked = np.stack([c.reshape(num_layers, n, rpn, -1) for c in cands])
+    out = stacked[pick, np.arange(num_layers)[:, None], np.arange(n)[None, :]]
+    return out.reshape(num_layers, sh.num_ranks, -1), np.isfinite(score.min(0))
+
+
+def _group_nodes(w: np.ndarray, held_old: np.ndarray, node_cap: np.ndarray, sh: _Shape) -> np.ndarray:
+    """``int[L, G]``: groups stay on the node that held them unless its load would exceed
+    ``node_cap`` ``float[L]`` (sticky packing of the groups onto the nodes)."""
+    num_layers = w.shape[0]
+    n = sh.num_nodes
+    gl = _group_loads(w, sh)
+    g_slots = _sticky(_nodes_of_old(held_old, gl, sh), np.ones((num_layers, n), dtype=bool),
+                      np.ones_like(gl, dtype=np.int64), gl, node_cap)
+    gn = np.zeros((num_layers, sh.num_groups), dtype=np.int64)
+    np.put_along_axis(gn, g_slots.reshape(num_layers, -1), np.repeat(np.arange(n), sh.num_groups // n)[None, :], axis=1)
+    return gn
+
+
+def _sticky_nodes(w, old3, held_old, gn, limit, sh: _Shape) -> tuple[np.ndarray, np.ndarray]:
+    """For the groups ``gn`` ``int[L, G]``, node by node the sticky packing of fewest moves
+    within ``limit`` ``float[L]``: with the old replica counts (:func:`_old_counts`: nothing
+    moves on the many nodes far under the limit) or, on nodes loaded over ``_LOOSE`` of
+    what their ranks may carry, with ``replicate_experts``' counts. One batch of rows (the
+    cost is in the rounds of the loops, not in the rows). Returns ``int[L, R, S]`` and the
+    nodes over the limit ``bool[L, N]``."""
+    num_layers, num_logical = w.shape
+    n, rpn = sh.num_nodes, sh.ranks_per_node
+    old_rows = old3.reshape(num_layers * n, rpn, -1)
+    alive_rows = np.tile(sh.active.reshape(n, rpn), (num_layers, 1))
+    # Nodes that hold exactly their experts, every live slot filled, every rank within the
+    # limit at the old counts: sticky packing would keep them as they are (most nodes).
+    oc = _count_last(old3.reshape(num_layers, n, -1), num_logical)[..., :num_logical]  # [L, N, E]
+    mine = np.repeat(gn, num_logical // sh.num_groups, axis=1)[:, None, :] == np.arange(n)[None, :, None]
+    wc_node = np.where(oc > 0, w[:, None, :] / np.maximum(oc, 1), 0.0).reshape(num_layers * n, -1)
+    ri = np.arange(num_layers * n)[:, None, None]
+    peak = np.where(old_rows >= 0, wc_node[ri, np.maximum(old_rows, 0)], 0.0).sum(-1).max(-1)
+    full = ((old_rows >= 0) | ~alive_rows[:, :, None]).all((1, 2))
+    as_is = ((oc > 0) == mine).all(-1).ravel() & full & (peak <= np.repeat(limit, n) * (1 + _EPS))
+    node_load = (_group_loads(w, sh)[:, :, None] * (gn[:, :, None] == np.arange(n))).sum(1)
+    todo = np.flatnonzero(~as_is)
+    tight = np.flatnonzero(~as_is & (node_load > limit[:, None] * sh.live_per_node * _LOOSE).ravel())
+
+    cnt_k, wc_k = _node_counts(w, old3, gn, sh, keep_counts=True)
+    cnt_r, wc_r = _node_counts(w, old3, gn, sh, keep_counts=False)
+    thr_rows = np.repeat(limit, n)
+    rows = np.concatenate([todo, tight])
+    keep = old_rows.copy()
+    repl = old_rows.copy()
+    if len(rows):
+        # two copies of an expert on a rank are allowed, as in the reference
+        packed = _sticky(old_rows[rows], alive_rows[rows], np.concatenate([cnt_k[todo], cnt_r[tight]]),
+                         np.concatenate([wc_k[todo], wc_r[tight]]), thr_rows[rows], no_duplicates=False)
+        keep[todo] = packed[:len(todo)]
+        repl[todo] = keep[todo]
+        repl[tight] = packed[len(todo):]
+    shape = (num_layers, sh.num_ranks, -1)
+    comp, ok = _compose(w, held_old, [keep.reshape(shape), repl.reshape(shape)], limit, sh)
+    return comp, ~ok
+
+
+def _lpt_nodes(w, old3, held_old, gn, limit, sh: _Shape, cand: np.ndarray, bad: np.ndarray) -> np.ndarray:
+    """``cand`` ``int[L, R, S]`` with its ``bad`` nodes ``bool[L, N]`` replaced by the
+    reference's LPT packing of the node's copies (groups ``gn``), matched to the old ranks
+    and restored (:func:`_restored`)."""
+    num_layers = w.shape[0]
+    n = sh.num_nodes
+    packs, _ = _node_packs(w, gn, sh, no_duplicates=False)
+    lpt = _matched_oblivious(_Oblivious(packs.reshape(num_layers, n, sh.live_per_node, -1), gn, None, None, None, None),
+                             held_old, sh, np.broadcast_to(np.arange(n), (num_layers, n)))[0]
+    lpt = _restored(w, lpt, old3, limit, sh, bad)
+    return np.where(np.repeat(bad, sh.ranks_per_node, axis=1)[:, :, None], lpt, cand)
+
+
+def _still_valid(old3: np.ndarray, sh: _Shape) -> np.ndarray:
+    """``bool[L]``: the old placement ``int[L, R, S]`` (dead ranks' slots -1) is a valid answer
+    as it is: every expert has a live copy, and (hierarchical) each group lives on one node,
+    ``G / N`` groups per node."""
+    num_layers = old3.shape[0]
+    ok = (_counts(old3, sh.num_logical) > 0).all(1)
+    if sh.hierarchical:
+        gsize = sh.num_logical // sh.num_groups
+        node = np.broadcast_to(np.arange(sh.num_nodes).repeat(sh.ranks_per_node)[None, :, None], old3.shape)
+        grp = np.where(old3 >= 0, old3 // gsize, sh.num_groups)
+        on = np.zeros((num_layers, sh.num_groups + 1, sh.num_nodes), dtype=bool)
+        on[np.arange(num_layers)[:, None, None], grp, node] = True
+        on = on[:, :sh.num_groups]
+        ok &= (on.sum(2) == 1).all(1)
+        ok &= (on.sum(1) == sh.num_groups // sh.num_nodes).all(1)
+    return ok
+
+
+def _aware(w: np.ndarray, placement: Placement, obl: _Oblivious, ref: _Oblivious, sh: _Shape,
+           tol: float) -> np.ndarray:
+    """The migration-aware policy (module docstring): ``obl`` moeshard's oblivious answer,
+    ``ref`` the reference's; returns ``int[L, R, S]``."""
     num_layers, num_logical = w.shape
     s = sh.slots_per_rank
     old3 = np.where(sh.active[None, :, None], placement.phy2log.reshape(num_layers, sh.num_ranks, s), -1)
     held_old = _held(old3, num_logical)
-    limit = obl.max_load * (1 + tol)
-    best = obl.phy2log.copy()  # always within the tolerance: the baseline to beat
+    limit = np.minimum(obl.max_load, ref.max_load) * (1 + tol)
+    # The better of the two oblivious answers, matched to the old placement, always is within
+    # the limit: the baseline to beat.
+    best = _matched_oblivious(ref, held_old, sh)[0]
+    use_obl = obl.max_load < ref.max_load
+    if use_obl.any():
+        best[use_obl] = _matched_oblivious(obl, held_old, sh)[0][use_obl]
     best_moves = _moves3(held_old, best)
-
-    def consider(cand: np.ndarray, layers: np.ndarray) -> None:
-        ok = _max_rank_load(w[layers], cand, _counts(cand, num_logical)) <= limit[layers] * (1 + _EPS)
-        mv = _moves3(held_old[layers], cand)
-        better = ok & (mv < best_moves[layers])
-        best[layers[better]] = cand[better]
-        best_moves[layers[better]] = mv[better]
-
+    # The oblivious answers as they are, where within the limit and fewer moves (matching is
+    # greedy): the aware policy never moves more copies than the oblivious policy.
+    for o in (obl, ref):
+        ok = o.max_load <= limit * (1 + _EPS)
+        mv = _moves3(held_old, o.phy2log)
+        take = ok & (mv < best_moves)
+        best[take], best_moves[take] = o.phy2log[take], mv[take]
+    # The old placement itself where it still is a valid answer within the limit: nothing moves.
+    stay = _still_valid(old3, sh) & (_max_rank_load(w, old3, _counts(old3, num_logical)) <= limit * (1 + _EPS))
+    best[stay], best_moves[stay] = old3[stay], 0
+    # Group assignments to try (hierarchical): groups stay on their node unless its load
+    # would exceed what its ranks may well carry under the limit (most nodes are far under
+    # it, so few groups move); where sticky packing misses the limit with those, also the
+    # assignment whose nodes stay under the reference's heaviest node.
     everywhere = np.arange(num_layers)
-    matched, matched_gn = _matched_oblivious(obl, held_old, sh)
-    consider(matched, everywhere)
-    group_node = obl.group_node
     if sh.hierarchical:
-        # Groups stay on their node unless it would exceed the oblivious heaviest node.
-        gl = _group_loads(w, sh)
-        n = sh.num_nodes
-        g_slots = _sticky(_nodes_of_old(held_old, gl, sh), np.ones((num_layers, n), dtype=bool),
-                          np.ones_like(gl, dtype=np.int64), gl, obl.node_max * (1 + tol))
-        group_node = np.zeros_like(obl.group_node)
-        np.put_along_axis(group_node, g_slots.reshape(num_layers, -1),
-                          np.repeat(np.arange(n), sh.num_groups // n)[None, :], axis=1)
-    sticky = _sticky_candidate(w, old3, group_node, limit, sh)
-    consider(sticky, everywhere)
-    # Where sticky packing missed the balance: the other candidates, on those layers only.
-    miss = np.nonzero(_max_rank_load(w, sticky, _counts(sticky, num_logical)) > limit * (1 + _EPS))[0]
-    tries = [(group_node, True)]
-    if sh.hierarchical:
-        tries += [(matched_gn, False), (matched_gn, True)]
-    for gn, lpt in tries:
-        if not len(miss):
-            break
-        cand = _sticky_candidate(w[miss], old3[miss], gn[miss], limit[miss], sh, lpt=lpt)
-        consider(cand, miss)
-        miss = miss[_max_rank_load(w[miss], cand, _counts(cand, num_logical)) > limit[miss] * (1 + _EPS)]
+        cap = ref.node_max * (1 + tol)
+        gn = _group_nodes(w, held_old, np.maximum(cap, limit * sh.live_per_node * _NODE_FILL), sh)
+    else:
+        gn = ref.group_node
+    cand, bad = _sticky_nodes(w, old3, held_old, gn, limit, sh)
+    lay, gn_all = everywhere, gn
+    miss = np.flatnonzero(bad.any(1))
+    if sh.hierarchical and len(miss):
+        gn2 = _group_nodes(w[miss], held_old[miss], cap[miss], sh)
+        other = miss[(gn2 != gn[miss]).any(1)]
+        gn2 = gn2[(gn2 != gn[miss]).any(1)]
+        if len(other):
+            cand2, bad2 = _sticky_nodes(w[other], old3[other], held_old[other], gn2, limit[other], sh)
+            lay, gn_all = np.concatenate([lay, other]), np.concatenate([gn, gn2])
+            cand, bad = np.concatenate([cand, cand2]), np.concatenate([bad, bad2])
+    # Where sticky packing misses the limit: the reference's LPT packing of those nodes, restored.
+    rows = np.flatnonzero(bad.any(1))
+    if len(rows):
+        wl, ol, hl, ll = w[lay[rows]], old3[lay[rows]], held_old[lay[rows]], limit[lay[rows]]
+        cand[rows] = _lpt_nodes(wl, ol, hl, gn_all[rows], ll, sh, cand[rows], bad[rows])
+    ok = _max_rank_load(w[lay], cand, _counts(cand, num_logical)) <= limit[lay] * (1 + _EPS)
+    mv = np.where(ok, _moves3(held_old[lay], cand), np.iinfo(np.int64).max)
+    # per layer, the variant that moves fewest copies (first on ties)
+    order = np.lexsort((np.arange(len(lay)), mv, lay))
+    first = order[np.r_[True, lay[order][1:] != lay[order][:-1]]]
+    better = mv[first] < best_moves[lay[first]]
+    best[lay[first][better]] = cand[first][better]
     return _arrange(best.reshape(-1, s), old3.reshape(-1, s)).reshape(best.shape)

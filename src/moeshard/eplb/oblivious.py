@@ -46,7 +46,7 @@ def _replicate(w: np.ndarray, num_phy: int) -> tuple[np.ndarray, np.ndarray]:
         j = per_copy.argmax(axis=1)
         phy[:, i] = j
         cnt[rows, j] += 1
-        per_copy[rows, j] = w[rows, j] / cnt[rows, j]
+        per_copy[rows, j] = w[rows, j] / cnt[rows, j]  # rounded to w's dtype (float32: eplb.py's)
     return phy, cnt
 
 
@@ -61,7 +61,7 @@ def _pack(w: np.ndarray, key: np.ndarray | None, num_keys: int, num_packs: int, 
         return np.broadcast_to(np.arange(n).reshape(1, n, 1), (num_rows, n, 1)).copy()
     order = np.argsort(-w, axis=1, kind="stable")
     rows = np.arange(num_rows)
-    pack_w = np.zeros((num_rows, num_packs))
+    pack_w = np.zeros((num_rows, num_packs), dtype=w.dtype)  # float32 sums for the exact reference
     pack_n = np.zeros((num_rows, num_packs), dtype=np.int64)
     slots = np.full((num_rows, num_packs, cap), -1, dtype=np.int64)
     holds = np.zeros((num_rows, num_packs, num_keys), dtype=bool) if key is not None else None
@@ -192,26 +192,43 @@ def _scatter_packs(packs: np.ndarray, sh: _Shape, rank_of_pack: np.ndarray | Non
     return out.reshape(num_layers, sh.num_ranks, s)
 
 
-def _oblivious(w: np.ndarray, sh: _Shape) -> _Oblivious:
+def _node_packs(w: np.ndarray, group_node: np.ndarray, sh: _Shape, no_duplicates: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Steps 2 and 3 for a given ``group_node`` ``int[L, G]``: replicas within each node, then
+    balanced packing of the copies onto the node's live ranks (``no_duplicates``: with
+    moeshard's rule, before the repair). Returns packs ``int[L*N, live_per_node, S]`` and
+    ``cnt`` ``int[L, E]``."""
+    num_layers = w.shape[0]
+    n, s, live = sh.num_nodes, sh.slots_per_rank, sh.live_per_node
+    mlog2log, phy2m, mcnt, cnt = _replicate_nodes(w, group_node, sh)
+    w_m = np.take_along_axis(np.repeat(w, n, axis=0), mlog2log, axis=1)
+    w_phy = np.take_along_axis((w_m / mcnt).astype(w.dtype), phy2m, axis=1)
+    slots = _pack(w_phy, phy2m if no_duplicates else None, mlog2log.shape[1], live, s)
+    packs_m = np.take_along_axis(phy2m, slots.reshape(num_layers * n, -1), axis=1)
+    return np.take_along_axis(mlog2log, packs_m, axis=1).reshape(num_layers * n, live, s), cnt
+
+
+def _oblivious(w: np.ndarray, sh: _Shape, exact: bool = False) -> _Oblivious:
+    """moeshard's oblivious policy; ``exact``: the reference's own answer instead (no
+    "never two copies of an expert on a rank" rule, no repair, and its float32 arithmetic, so
+    that near-ties of sums and per-copy loads break as they do in ``eplb.py``)."""
     num_layers, num_logical = w.shape
     n, s, live = sh.num_nodes, sh.slots_per_rank, sh.live_per_node
-    gl = _group_loads(w, sh)
+    # eplb.py decides in float32 (``weight.float()``); float64 results of one division or
+    # addition rounded to float32 are the float32 results, so keeping the arrays float32 suffices.
+    wd = w.astype(np.float32) if exact else w
+    gl = _group_loads(wd, sh)
     group_node = np.zeros((num_layers, sh.num_groups), dtype=np.int64)
     if n > 1:  # step 1: groups -> nodes
         gslots = _pack(gl, None, 0, n, sh.num_groups // n)
         np.put_along_axis(group_node, gslots.reshape(num_layers, -1),
                           np.repeat(np.arange(n), sh.num_groups // n)[None, :], axis=1)
-    # step 2: replicas within nodes
-    mlog2log, phy2m, mcnt, cnt = _replicate_nodes(w, group_node, sh)
-    w_m = np.take_along_axis(np.repeat(w, n, axis=0), mlog2log, axis=1)
-    w_phy = np.take_along_axis(w_m / mcnt, phy2m, axis=1)
-    # step 3: copies -> live ranks of the node
-    slots = _pack(w_phy, phy2m, mlog2log.shape[1], live, s)
-    packs_m = np.take_along_axis(phy2m, slots.reshape(num_layers * n, -1), axis=1)
-    packs = np.take_along_axis(mlog2log, packs_m, axis=1).reshape(num_layers * n, live, s)
-    wc = _per_copy(w, cnt)
-    _repair(packs, np.repeat(wc, n, axis=0), _per_rank_cap(np.repeat(cnt, n, axis=0), np.full(num_layers * n, live)))
+    packs, cnt = _node_packs(wd, group_node, sh, no_duplicates=not exact)
+    if not exact:
+        wc = _per_copy(w, cnt)
+        _repair(packs, np.repeat(wc, n, axis=0),
+                _per_rank_cap(np.repeat(cnt, n, axis=0), np.full(num_layers * n, live)))
     packs = packs.reshape(num_layers, n, live, s)
     p2l = _scatter_packs(packs, sh)
+    gl = _group_loads(w, sh)
     node_max = (gl[:, :, None] * (group_node[:, :, None] == np.arange(n))).sum(1).max(1)
     return _Oblivious(packs, group_node, cnt, p2l, _max_rank_load(w, p2l, cnt), node_max)

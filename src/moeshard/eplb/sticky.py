@@ -1,9 +1,10 @@
 """Sticky packing, the kernel of the migration-aware policy (:mod:`moeshard.eplb.aware`): pack
 given replica counts onto the live ranks of a row (one layer, or one node of a layer), keeping
-old copies where they are as far as a load threshold allows (:func:`_sticky`); the reference's
-greedy with a preference for an expert's old ranks (:func:`_sticky_lpt`); and the local search
-that swaps copies between ranks over the threshold and light ranks (:func:`_swap_repair`).
-Arrays are batched over rows: ``[B, K, S]`` (rows, ranks, slots).
+old copies where they are as far as a load threshold allows (:func:`_sticky`); the local
+search that swaps copies between ranks over the threshold and light ranks
+(:func:`_swap_repair`); and the one that, from a balanced packing (the reference's), swaps
+copies back to ranks that held them while every rank stays within the threshold
+(:func:`_restore`). Arrays are batched over rows: ``[B, K, S]`` (rows, ranks, slots).
 """
 
 from __future__ import annotations
@@ -17,12 +18,17 @@ from .oblivious import _occurrence, _per_rank_cap, _repair
 _EPS = 1e-9
 
 
-def _sticky(old: np.ndarray, alive: np.ndarray, cnt: np.ndarray, wc: np.ndarray, thr: np.ndarray) -> np.ndarray:
+def _sticky(old: np.ndarray, alive: np.ndarray, cnt: np.ndarray, wc: np.ndarray, thr: np.ndarray,
+            bumps: int = 0, no_duplicates: bool = True) -> np.ndarray:
     """Sticky packing of ``cnt`` copies into live packs, keeping old copies where the load
     allows. ``old`` ``int[B, K, S]`` old expert ids (-1 empty), ``alive`` ``bool[B, K]``, ``cnt``
     ``int[B, E]`` new replica counts (their sum = live slots of the row), ``wc`` ``float[B, E]``
-    per-copy load, ``thr`` ``float[B]`` eviction threshold. Returns ``int[B, K, S]`` (kept copies
-    in their old slot; dead packs -1)."""
+    per-copy load, ``thr`` ``float[B]`` eviction threshold, ``bumps``: how many times a copy
+    may replace a lighter one of a full rank (0: never; against the reference's own balance
+    they cost moves that the LPT fallback of :mod:`moeshard.eplb.aware` does not need).
+    ``no_duplicates``: the swap repair of moeshard's rule (a rank holds no two copies of an
+    expert when avoidable) afterwards; the reference has no such rule.
+    Returns ``int[B, K, S]`` (kept copies in their old slot; dead packs -1)."""
     num_b, num_k, num_s = old.shape
     num_e = cnt.shape[1]
     rows = np.arange(num_b)
@@ -76,11 +82,11 @@ def _sticky(old: np.ndarray, alive: np.ndarray, cnt: np.ndarray, wc: np.ndarray,
 
     # Remaining copies, heaviest first (a pending pool per row), like the reference's greedy:
     # to the least loaded live rank with a free slot that may take the expert, if it stays
-    # under the threshold (with the reserve); else replace, on the full rank where that gives
-    # the lowest load under the threshold, the lightest copy that is lighter and suffices, that
-    # copy going back to the pool (the freed slots sit on ranks near the threshold, so heavy
-    # copies need room made on light ranks); else to the least loaded rank with a free slot,
-    # for _swap_repair to fix.
+    # under the threshold (with the reserve); else (while ``bumps`` allow) replace, on the full
+    # rank where that gives the lowest load under the threshold, the lightest copy that is
+    # lighter and suffices, that copy going back to the pool (the freed slots sit on ranks near
+    # the threshold, so heavy copies need room made on light ranks); else to the least loaded
+    # rank with a free slot, for _swap_repair to fix.
     ib, ie = np.nonzero(rem)
     reps = rem[ib, ie]
     ib, ie = np.repeat(ib, reps), np.repeat(ie, reps)
@@ -92,7 +98,7 @@ def _sticky(old: np.ndarray, alive: np.ndarray, cnt: np.ndarray, wc: np.ndarray,
     pool_w = np.where(pool_e >= 0, wc[rows[:, None], np.maximum(pool_e, 0)], -np.inf)
     counts = _count_last(new, num_e)
     wslot = np.where(new >= 0, wslot, np.inf)
-    max_bumps = 2 * num_k * num_s
+    max_bumps = bumps
     it = 0
     while True:
         r = np.nonzero(np.isfinite(pool_w).any(1))[0]
@@ -115,16 +121,19 @@ def _sticky(old: np.ndarray, alive: np.ndarray, cnt: np.ndarray, wc: np.ndarray,
         kf = fit.argmin(1)
         ok_a = np.isfinite(fit[ar, kf])
         ka = np.where(ok_a, kf, ka)
-        # the lightest copy lighter than this one whose swap keeps the rank under the threshold
-        need = load + w[:, None] - thr[r][:, None]
-        ws = wslot[r]
-        ws = np.where((new[r] != e[:, None, None]) & (ws >= need[..., None]) & (ws < w[:, None, None] * (1 - _EPS)),
-                      ws, np.inf)
-        sb = ws.argmin(2)
-        out = np.take_along_axis(ws, sb[..., None], 2)[..., 0]
-        after_b = np.where(~free & ~blocked & np.isfinite(out), load - out + w[:, None], np.inf)
-        kb = after_b.argmin(1)
-        bump = ~ok_a & (after_b[ar, kb] <= thr[r] * (1 + _EPS)) & (it < max_bumps)
+        if it < max_bumps:
+            # the lightest copy lighter than this one whose swap keeps the rank under the threshold
+            need = load + w[:, None] - thr[r][:, None]
+            ws = wslot[r]
+            ws = np.where((new[r] != e[:, None, None]) & (ws >= need[..., None])
+                          & (ws < w[:, None, None] * (1 - _EPS)), ws, np.inf)
+            sb = ws.argmin(2)
+            out = np.take_along_axis(ws, sb[..., None], 2)[..., 0]
+            after_b = np.where(~free & ~blocked & np.isfinite(out), load - out + w[:, None], np.inf)
+            kb = after_b.argmin(1)
+            bump = ~ok_a & (after_b[ar, kb] <= thr[r] * (1 + _EPS))
+        else:  # no more replacements (none at all by default): skip their search
+            bump = np.zeros(n, dtype=bool)
         forced = ~ok_a & ~bump & ~np.isfinite(fa)  # every free rank holds the expert: allow a duplicate
         if forced.any():
             ka[forced] = np.where(free[forced], load[forced], np.inf).argmin(1)
@@ -137,6 +146,9 @@ def _sticky(old: np.ndarray, alive: np.ndarray, cnt: np.ndarray, wc: np.ndarray,
         nfree[rp, kp] -= 1
         kl[rp, kp] += wp
         counts[rp, kp, ep] += 1
+        if not bump.any():
+            it += 1
+            continue
         # replace a copy of the chosen full rank; it goes back into the pool
         rb, kk, eb, wb = r[bump], kb[bump], e[bump], w[bump]
         ss = sb[ar[bump], kk]
@@ -149,69 +161,14 @@ def _sticky(old: np.ndarray, alive: np.ndarray, cnt: np.ndarray, wc: np.ndarray,
         pool_e[rb, q[bump]] = out_e
         pool_w[rb, q[bump]] = out_w
         it += 1
-    _repair(new, wc, cap)
-    _swap_repair(new, alive, wc, cap, x, thr)
-    return new
-
-
-def _sticky_lpt(old: np.ndarray, alive: np.ndarray, cnt: np.ndarray, wc: np.ndarray, thr: np.ndarray) -> np.ndarray:
-    """The reference's greedy (copies heaviest first, each to the least loaded live rank with
-    room that does not hold the expert) with a preference: a copy goes to a rank that held
-    the expert before (the least loaded of them) when it fits there under ``thr``, counting
-    the lightest copy of the row for each of that rank's further free slots. Arguments and
-    result as in :func:`_sticky`."""
-    num_b, num_k, num_s = old.shape
-    num_e = cnt.shape[1]
-    rows = np.arange(num_b)
-    bi = rows[:, None, None]
-    x = np.where(alive[:, :, None], old, -1)
-    held = np.zeros((num_b, num_k, num_e + 1), dtype=bool)
-    held[bi, np.arange(num_k)[None, :, None], np.where(x < 0, num_e, x)] = True
-    cap = _per_rank_cap(cnt, alive.sum(1))
-    # copies of each row, heaviest first
-    ib, ie = np.nonzero(cnt)
-    reps = cnt[ib, ie]
-    ib, ie = np.repeat(ib, reps), np.repeat(ie, reps)
-    iw = wc[ib, ie]
-    o = np.lexsort((ie, -iw, ib))
-    ib, ie, iw = ib[o], ie[o], iw[o]
-    per_row = np.bincount(ib, minlength=num_b)
-    m = int(per_row.max())
-    assert (per_row == alive.sum(1) * num_s).all()
-    items = ie.reshape(num_b, m)
-    weights = iw.reshape(num_b, m)
-    w_min = weights[:, -1]
-    load = np.zeros((num_b, num_k))
-    used = np.where(alive, 0, num_s)
-    counts = np.zeros((num_b, num_k, num_e), dtype=np.int64)
-    new = np.full((num_b, num_k, num_s), -1, dtype=np.int64)
-    limit = thr * (1 + _EPS)
-    for t in range(m):
-        e, w = items[:, t], weights[:, t]
-        room = used < num_s
-        may = room & (counts[rows, :, e] < cap[rows, e][:, None])
-        fit = load + w[:, None] + (num_s - used - 1) * w_min[:, None] <= limit[:, None]
-        pref = np.where(may & fit & held[rows, :, e], load, np.inf)
-        k = pref.argmin(1)
-        lpt = ~np.isfinite(pref[rows, k])
-        if lpt.any():
-            cost = np.where(may[lpt], load[lpt], np.inf)
-            k2 = cost.argmin(1)
-            bad = ~np.isfinite(cost[np.arange(len(k2)), k2])
-            if bad.any():  # every rank with room holds it: a duplicate
-                k2[bad] = np.where(room[lpt][bad], load[lpt][bad], np.inf).argmin(1)
-            k[lpt] = k2
-        new[rows, k, used[rows, k]] = e
-        used[rows, k] += 1
-        load[rows, k] += w
-        counts[rows, k, e] += 1
-    _repair(new, wc, cap)
+    if no_duplicates:
+        _repair(new, wc, cap)
     _swap_repair(new, alive, wc, cap, x, thr)
     return new
 
 
 def _swap_repair(new: np.ndarray, alive: np.ndarray, wc: np.ndarray, cap: np.ndarray, old: np.ndarray,
-                 thr: np.ndarray, num_heavy: int = 4, num_light: int = 8) -> None:
+                 thr: np.ndarray, num_heavy: int = 1, num_light: int = 8) -> None:
     """Local search, in place, for ranks over ``thr``: swap one of an overloaded rank's copies
     with a lighter copy on one of the row's ``num_light`` least loaded ranks, so that both end
     at most ``thr`` (fewest added moves, then the lowest peak) or at least the peak drops.
@@ -222,20 +179,29 @@ def _swap_repair(new: np.ndarray, alive: np.ndarray, wc: np.ndarray, cap: np.nda
     ``int[B, K, S]``; ``old`` ``int[B, K, S]`` the old copies (to count moves); ``alive``
     ``bool[B, K]``; ``wc``/``cap`` ``[B, E]``; ``thr`` ``float[B]``.
     """
-    num_b, num_k, num_s = new.shape
+    num_k, num_s = new.shape[1:]
     num_e = wc.shape[1]
+    li = np.arange(new.shape[0])[:, None, None]
+    wslot = np.where(new >= 0, wc[li, np.maximum(new, 0)], 0.0)
+    loads = np.where(alive, wslot.sum(-1), np.nan)
+    # only rows with a rank over the threshold change: work on those
+    rows0 = np.flatnonzero((np.nan_to_num(loads, nan=-np.inf) > (thr * (1 + _EPS))[:, None]).any(1))
+    if not len(rows0):
+        return
+    full, new = new, new[rows0]
+    old, wc, cap, thr = old[rows0], wc[rows0], cap[rows0], thr[rows0]
+    wslot, loads = wslot[rows0], loads[rows0]
+    num_b = len(rows0)
     li = np.arange(num_b)[:, None, None]
     ki = np.arange(num_k)[None, :, None]
     held = np.zeros((num_b, num_k, num_e + 1), dtype=bool)
     held[li, ki, np.where(old < 0, num_e, old)] = True
     counts = _count_last(new, num_e)
-    wslot = np.where(new >= 0, wc[li, np.maximum(new, 0)], 0.0)
-    loads = np.where(alive, wslot.sum(-1), np.nan)
     limit = thr * (1 + _EPS)
     stuck = np.zeros(num_b, dtype=bool)
     m1 = min(num_heavy, num_k)
     m2 = min(num_light, num_k)
-    for _ in range(4 * num_k):
+    for _ in range(num_k):
         over = np.nan_to_num(loads, nan=-np.inf) > limit[:, None]
         r = np.nonzero(over.any(1) & ~stuck)[0]
         if not len(r):
@@ -290,3 +256,110 @@ def _swap_repair(new: np.ndarray, alive: np.ndarray, wc: np.ndarray, cap: np.nda
         counts[row, kb, ea] += 1
         loads[row, ka] -= wa_ - wb_
         loads[row, kb] += wa_ - wb_
+    full[rows0] = new
+
+
+def _restore(new: np.ndarray, old: np.ndarray, alive: np.ndarray, wc: np.ndarray, cap: np.ndarray,
+             thr: np.ndarray, max_rounds: int = 8, num_holders: int = 1) -> None:
+    """Local search, in place, that brings copies back to ranks that held them: swap two copies
+    of two ranks of a row when the swap raises the number of copies on a rank that held
+    their expert (by 1 or 2) and leaves both ranks at most ``thr`` (a balanced placement, e.g.
+    the reference's packs, stays balanced while it moves fewer copies). Only swaps that send a
+    copy to one of the first ``num_holders`` ranks that held its expert are looked at (the
+    others gain nothing for it). Per round and row, the best swaps (most copies back, then the
+    smallest load shift) on distinct ranks. ``new``/``old`` ``int[B, K, S]``; ``alive``
+    ``bool[B, K]``; ``wc``/``cap`` ``[B, E]``; ``thr`` ``float[B]``."""
+    num_b, num_k, num_s = new.shape
+    num_e = wc.shape[1]
+    if num_b == 0:
+        return
+    bk = np.arange(num_b)[:, None, None]
+    held = np.zeros((num_b, num_k, num_e + 1), dtype=bool)
+    held[bk, np.arange(num_k)[None, :, None], np.where(old < 0, num_e, old)] = True
+    held[..., num_e] = False
+    nh = min(num_holders, num_k)
+    # holders[b, e, h]: the h-th rank that held expert e (-1: none)
+    order = np.argsort(~held[..., :num_e], axis=1, kind="stable")[:, :nh, :]  # [B, H, E]
+    holders = np.where(np.take_along_axis(held[..., :num_e], order, 1), order, -1).transpose(0, 2, 1)
+    x = new.reshape(num_b, -1).copy()
+    ks = num_k * num_s
+    rank_of = np.repeat(np.arange(num_k), num_s)
+    limit = thr * (1 + _EPS)
+    scale = 0.5 / np.maximum(thr, 1e-300)
+    active = np.arange(num_b)
+    for _ in range(max_rounds):
+        if not len(active):
+            break
+        b = active
+        nb = len(b)
+        bb = np.arange(nb)
+        xb = x[b]
+        xe = np.where(xb < 0, num_e, xb)
+        xc = np.minimum(xe, num_e - 1)
+        wx = np.where(xb >= 0, wc[b[:, None], xc], 0.0)
+        loads = wx.reshape(nb, num_k, num_s).sum(-1)
+        counts = _count_last(xb.reshape(nb, num_k, num_s), num_e)  # [nb, K, E+1]
+        h_own = held[b[:, None], rank_of[None, :], xe]  # [nb, KS]
+        # candidate swaps: a copy p that its rank did not hold -> slot t of a rank r that
+        # held its expert (a kept copy gains nothing by leaving; the other side of a swap
+        # is looked at from that copy's own candidates)
+        lost = ~h_own & (xb >= 0)
+        m = int(lost.sum(1).max())
+        if m == 0:
+            break
+        p2 = np.argsort(~lost, axis=1, kind="stable")[:, :m]  # [nb, m]
+        p_ok = np.take_along_axis(lost, p2, 1)
+        r = np.where(p_ok[..., None], holders[b[:, None], np.take_along_axis(xc, p2, 1)], -1)  # [nb, m, H]
+        rp = np.broadcast_to(rank_of[p2][:, :, None, None], (nb, m, nh, num_s))
+        rq = np.broadcast_to(r[..., None], (nb, m, nh, num_s))
+        q = np.maximum(rq, 0) * num_s + np.arange(num_s)
+        p = np.broadcast_to(p2[:, :, None, None], q.shape)
+        # flat indices (one index array per gather is much cheaper than four)
+        b4 = bb[:, None, None, None]
+        g4 = b[:, None, None, None]
+        fp, fq = b4 * ks + p, b4 * ks + q
+        rq0 = np.maximum(rq, 0)
+        xp_, xq = xb.ravel()[fp], xb.ravel()[fq]
+        xpe, xqe = xe.ravel()[fp], xe.ravel()[fq]
+        e1 = num_e + 1
+        valid = (rq >= 0) & (rq != rp) & (xq >= 0) & (xq != xp_)
+        gain = (1 + held.ravel()[(g4 * num_k + rp) * e1 + xqe].astype(np.int8)
+                - h_own.ravel()[fp] - h_own.ravel()[fq])
+        d = wx.ravel()[fp] - wx.ravel()[fq]  # load that leaves rank(p) for rank(q)
+        lim = limit[b][:, None, None, None]
+        lf = loads.ravel()
+        valid &= (gain > 0) & (lf[b4 * num_k + rp] - d <= lim) & (lf[b4 * num_k + rq0] + d <= lim)
+        # the per-rank cap: rank(q) may take x[p], rank(p) may take x[q]
+        cf, capf = counts.ravel(), cap.ravel()
+        valid &= cf[(b4 * num_k + rq0) * e1 + xpe] < capf[g4 * num_e + np.minimum(xpe, num_e - 1)]
+        valid &= cf[(b4 * num_k + rp) * e1 + xqe] < capf[g4 * num_e + np.minimum(xqe, num_e - 1)]
+        score = np.where(valid, gain - np.abs(d) * scale[b][:, None, None, None], -np.inf).reshape(nb, -1)
+        any_ok = np.isfinite(score.max(1))
+        if not any_ok.any():
+            break
+        active = active[any_ok]
+        sel = np.nonzero(any_ok)[0]
+        score = score[sel]
+        rp_f, rq_f = rp.reshape(nb, -1)[sel], rq.reshape(nb, -1)[sel]
+        p_f, q_f = p.reshape(nb, -1)[sel], q.reshape(nb, -1)[sel]
+        touched = np.zeros((len(sel), num_k), dtype=bool)
+        ar = np.arange(len(sel))
+        rp_k, rq_k = ar[:, None] * num_k + rp_f, ar[:, None] * num_k + np.maximum(rq_f, 0)  # into touched
+        # several swaps per round on distinct ranks, best first
+        for _ in range(max(1, num_k // 2)):
+            j = score.argmax(1)
+            good = np.isfinite(score[ar, j])
+            if not good.any():
+                break
+            g = ar[good]
+            jj = j[good]
+            rows = b[sel[g]]
+            pp, qq = p_f[g, jj], q_f[g, jj]
+            x[rows, pp], x[rows, qq] = x[rows, qq], x[rows, pp]
+            touched[g, rp_f[g, jj]] = True
+            touched[g, rq_f[g, jj]] = True
+            t = touched.ravel()
+            sg = score[g]
+            sg[t[rp_k[g]] | t[rq_k[g]]] = -np.inf
+            score[g] = sg
+    new[...] = x.reshape(new.shape)
