@@ -19,14 +19,13 @@ _EPS = 1e-9
 
 
 def _sticky(old: np.ndarray, alive: np.ndarray, cnt: np.ndarray, wc: np.ndarray, thr: np.ndarray,
-            bumps: int = 0, no_duplicates: bool = True) -> np.ndarray:
+            no_duplicates: bool = True) -> np.ndarray:
     """Sticky packing of ``cnt`` copies into live packs, keeping old copies where the load
     allows. ``old`` ``int[B, K, S]`` old expert ids (-1 empty), ``alive`` ``bool[B, K]``, ``cnt``
     ``int[B, E]`` new replica counts (their sum = live slots of the row), ``wc`` ``float[B, E]``
-    per-copy load, ``thr`` ``float[B]`` eviction threshold, ``bumps``: how many times a copy
-    may replace a lighter one of a full rank (0: never; against the reference's own balance
-    they cost moves that the LPT fallback of :mod:`moeshard.eplb.aware` does not need).
-    ``no_duplicates``: the swap repair of moeshard's rule (a rank holds no two copies of an
+    per-copy load, ``thr`` ``float[B]`` eviction threshold. A copy never replaces a lighter one
+    of a full rank: against the reference's own balance that costs moves the LPT fallback of
+    :mod:`moeshard.eplb.aware` does not need. ``no_duplicates``: the swap repair of moeshard's rule (a rank holds no two copies of an
     expert when avoidable) afterwards; the reference has no such rule.
     Returns ``int[B, K, S]`` (kept copies in their old slot; dead packs -1)."""
     num_b, num_k, num_s = old.shape
@@ -82,11 +81,8 @@ def _sticky(old: np.ndarray, alive: np.ndarray, cnt: np.ndarray, wc: np.ndarray,
 
     # Remaining copies, heaviest first (a pending pool per row), like the reference's greedy:
     # to the least loaded live rank with a free slot that may take the expert, if it stays
-    # under the threshold (with the reserve); else (while ``bumps`` allow) replace, on the full
-    # rank where that gives the lowest load under the threshold, the lightest copy that is
-    # lighter and suffices, that copy going back to the pool (the freed slots sit on ranks near
-    # the threshold, so heavy copies need room made on light ranks); else to the least loaded
-    # rank with a free slot, for _swap_repair to fix.
+    # under the threshold (with the reserve); else to the least loaded rank with a free slot,
+    # for _swap_repair to fix.
     ib, ie = np.nonzero(rem)
     reps = rem[ib, ie]
     ib, ie = np.repeat(ib, reps), np.repeat(ie, reps)
@@ -97,15 +93,11 @@ def _sticky(old: np.ndarray, alive: np.ndarray, cnt: np.ndarray, wc: np.ndarray,
     pool_e[ib, ipos] = ie
     pool_w = np.where(pool_e >= 0, wc[rows[:, None], np.maximum(pool_e, 0)], -np.inf)
     counts = _count_last(new, num_e)
-    wslot = np.where(new >= 0, wslot, np.inf)
-    max_bumps = bumps
-    it = 0
     while True:
         r = np.nonzero(np.isfinite(pool_w).any(1))[0]
         if not len(r):
             break
-        n = len(r)
-        ar = np.arange(n)
+        ar = np.arange(len(r))
         q = pool_w[r].argmax(1)
         e, w = pool_e[r, q], pool_w[r, q]
         pool_w[r, q] = -np.inf
@@ -121,46 +113,15 @@ def _sticky(old: np.ndarray, alive: np.ndarray, cnt: np.ndarray, wc: np.ndarray,
         kf = fit.argmin(1)
         ok_a = np.isfinite(fit[ar, kf])
         ka = np.where(ok_a, kf, ka)
-        if it < max_bumps:
-            # the lightest copy lighter than this one whose swap keeps the rank under the threshold
-            need = load + w[:, None] - thr[r][:, None]
-            ws = wslot[r]
-            ws = np.where((new[r] != e[:, None, None]) & (ws >= need[..., None])
-                          & (ws < w[:, None, None] * (1 - _EPS)), ws, np.inf)
-            sb = ws.argmin(2)
-            out = np.take_along_axis(ws, sb[..., None], 2)[..., 0]
-            after_b = np.where(~free & ~blocked & np.isfinite(out), load - out + w[:, None], np.inf)
-            kb = after_b.argmin(1)
-            bump = ~ok_a & (after_b[ar, kb] <= thr[r] * (1 + _EPS))
-        else:  # no more replacements (none at all by default): skip their search
-            bump = np.zeros(n, dtype=bool)
-        forced = ~ok_a & ~bump & ~np.isfinite(fa)  # every free rank holds the expert: allow a duplicate
+        forced = ~ok_a & ~np.isfinite(fa)  # every free rank holds the expert: allow a duplicate
         if forced.any():
             ka[forced] = np.where(free[forced], load[forced], np.inf).argmin(1)
         # place into a free slot
-        pa = ~bump
-        rp, kp, ep, wp = r[pa], ka[pa], e[pa], w[pa]
-        sp = (new[rp, kp] < 0).argmax(1)
-        new[rp, kp, sp] = ep
-        wslot[rp, kp, sp] = wp
-        nfree[rp, kp] -= 1
-        kl[rp, kp] += wp
-        counts[rp, kp, ep] += 1
-        if not bump.any():
-            it += 1
-            continue
-        # replace a copy of the chosen full rank; it goes back into the pool
-        rb, kk, eb, wb = r[bump], kb[bump], e[bump], w[bump]
-        ss = sb[ar[bump], kk]
-        out_e, out_w = new[rb, kk, ss], wslot[rb, kk, ss]
-        new[rb, kk, ss] = eb
-        wslot[rb, kk, ss] = wb
-        kl[rb, kk] += wb - out_w
-        counts[rb, kk, eb] += 1
-        counts[rb, kk, out_e] -= 1
-        pool_e[rb, q[bump]] = out_e
-        pool_w[rb, q[bump]] = out_w
-        it += 1
+        sp = (new[r, ka] < 0).argmax(1)
+        new[r, ka, sp] = e
+        nfree[r, ka] -= 1
+        kl[r, ka] += w
+        counts[r, ka, e] += 1
     if no_duplicates:
         _repair(new, wc, cap)
     _swap_repair(new, alive, wc, cap, x, thr)
