@@ -27,6 +27,7 @@ import moeshard
 import tiny_moe
 from moeshard import _dist
 from moeshard._launch import _free_port
+from mp import start_and_join
 
 WORLD, LWS, VICTIM = 4, 2, 3
 # The backend's timeout is a backstop only: survivors must fail long before it (the load of a
@@ -160,15 +161,7 @@ def _run_group(name: str, root: str, out_dir: str, timeout: float = 3 * BACKSTOP
     ctx = _context()
     port = _free_port()
     procs = [ctx.Process(target=_rank_main, args=(name, r, port, root, out_dir), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    alive = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
+    alive = start_and_join(procs, timeout)
     assert not alive, f"{name}: ranks {alive} still running after {timeout}s (a hang)"
     assert procs[VICTIM].exitcode == -signal.SIGKILL, f"{name}: the victim exited with {procs[VICTIM].exitcode}"
     out = []

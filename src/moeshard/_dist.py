@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 __all__ = ["DistributedError", "PeerLostError", "is_dist", "rank_and_world", "agree", "agree_and_gather", "unanimous",
            "broadcast_result", "all_gather_object", "broadcast_object", "barrier", "collective", "errors_as",
-           "start_p2p", "scope", "runs_on_group", "current_group", "p2p", "global_rank", "group_ranks"]
+           "start_p2p", "scope", "runs_on_group", "p2p", "global_rank", "group_ranks"]
 
 T = TypeVar("T")
 
@@ -69,11 +69,6 @@ def runs_on_group(fn: Callable[..., T]) -> Callable[..., T]:
         with scope(group):
             return fn(*args, group=group, **kwargs)
     return run
-
-
-def current_group():
-    """The process group of the running moeshard operation (None: the default group)."""
-    return _GROUP.get()
 
 
 def _g(group):

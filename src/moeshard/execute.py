@@ -290,7 +290,7 @@ def execute_schedule(
     if len(mine.bcasts) and node_group is None:
         raise ValueError("the schedule has node broadcasts but no node group was given")
     members = _dist.group_ranks()  # the schedule's ranks are the current group's
-    node_size = np.bincount(s.topology.nodes_array())
+    node_size = s.topology.node_sizes()
 
     # This rank's deliveries: {round: {piece: [rows]}} in schedule order.
     dlv_at: dict[int, dict[int, list[int]]] = {}

@@ -142,5 +142,11 @@ class Topology:
             return np.asarray(self.nodes, dtype=np.int64)
         return np.arange(self.world_size, dtype=np.int64) // self.local_world_size
 
+    def node_sizes(self) -> np.ndarray:
+        """``int64[num_nodes]``: ranks on every node."""
+        if self.nodes is not None:
+            return np.bincount(np.asarray(self.nodes, dtype=np.int64))
+        return np.full(self.num_nodes, self.local_world_size, dtype=np.int64)
+
     def with_rank(self, rank: int) -> "Topology":
         return Topology(self.world_size, self.local_world_size, rank, self.nodes)

@@ -198,7 +198,7 @@ def _trees(pieces: Pieces, topology: Topology, readers: np.ndarray, scope: str) 
     Columns over (piece, rank) pairs are ``int32`` (ranks, nodes, pieces) and temporaries are
     dropped as soon as they are used: at 1,024 ranks there are ~860,000 pairs per column."""
     node_of = topology.nodes_array().astype(np.int32)
-    node_size = np.bincount(node_of)
+    node_size = topology.node_sizes()
     pair_piece, pair_rank = pieces.pairs()
     pair_node = node_of[pair_rank]
     gstart = run_starts(pair_piece, pair_node) if scope == "node" else run_starts(pair_piece)
@@ -473,7 +473,7 @@ def _cost(t: _Trees, r: _Rounds, pbytes: np.ndarray, read_round: np.ndarray, rea
     g_bytes = pbytes[t.g_piece]
     read_bytes = np.bincount(t.reader, weights=g_bytes, minlength=world).astype(np.int64)
     sent = (np.bincount(src, weights=sb, minlength=world)
-            + np.bincount(bc_root, weights=pbytes[bc_piece] * (np.bincount(node_of)[bc_node] - 1),
+            + np.bincount(bc_root, weights=pbytes[bc_piece] * (topology.node_sizes()[bc_node] - 1),
                           minlength=world)).astype(np.int64)
     recv = (np.bincount(dst, weights=sb, minlength=world)
             + np.bincount(bc_ranks, weights=pbytes[bc_piece[bc_of]], minlength=world)).astype(np.int64)
@@ -502,13 +502,10 @@ def _cost(t: _Trees, r: _Rounds, pbytes: np.ndarray, read_round: np.ndarray, rea
 
 def _broadcast_receivers(node: np.ndarray, root: np.ndarray, topology: Topology) -> tuple[np.ndarray, np.ndarray]:
     """``(rank, broadcast)``: every receiving rank of every broadcast (its node but the root)."""
-    node_of = topology.nodes_array()
-    members = np.argsort(node_of, kind="stable")  # ranks, node by node
-    size = np.bincount(node_of, minlength=topology.num_nodes)
-    start = np.concatenate([[0], np.cumsum(size)[:-1]])
-    count = size[node]
-    of = np.repeat(np.arange(len(node)), count)
-    ranks = members[np.repeat(start[node], count) + np.arange(len(of)) - np.repeat(np.cumsum(count) - count, count)]
+    members = np.argsort(topology.nodes_array(), kind="stable")  # ranks, node by node
+    size = topology.node_sizes()
+    of, pos = expand_runs((np.cumsum(size) - size)[node], size[node])  # positions of each node's ranks
+    ranks = members[pos]
     keep = ranks != root[of]
     return ranks[keep], of[keep]
 
