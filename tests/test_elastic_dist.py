@@ -8,7 +8,8 @@ One run of 9 forked processes (8 ranks, 2 nodes x 4, and a joiner), in steps:
    same time, each on its own group (random maps, some experts only on disk); a ``load`` and
    ``verify`` of a plain model on each group with node broadcasts (the node groups of a
    subgroup);
-2. rank 3 kills itself; every survivor's next collective raises PeerLostError;
+2. a relocation that rank 3 does not survive (it kills itself after running its part of the
+   plan): every survivor raises PeerLostError and has its slots back at the old placement;
 3. job B: the 7 survivors and the joiner (as rank 3) rendezvous anew. The survivors alone (a
    group of 7 on nodes of 3 and 4 ranks) relocate to a placement without rank 3: experts that
    had a live copy come P2P, only the others from disk; then random maps on that group;
@@ -33,7 +34,7 @@ import torch
 
 import moeshard
 import tiny_moe
-from moeshard import _dist, eplb
+from moeshard import eplb
 from moeshard._launch import _free_port
 from mp import start_and_join
 
@@ -161,6 +162,42 @@ def _job_a(rank: int, root: str, out: dict) -> tuple:
     return tensors, pl0
 
 
+def _lost_relocation(rank: int, tensors: dict, pl0, ckpt: str, kw: dict, out: dict) -> None:
+    """Step 2: a relocation the victim does not survive. It runs its whole part of the plan and
+    dies before the closing agreement, when the survivors have written every slot they were
+    changing: each must raise and have its slots back at ``pl0``."""
+    from moeshard.execute import TensorSink
+    from moeshard.ops import relocate as relocate_mod
+
+    mid = moeshard.Placement(random_placement(np.random.default_rng(5), list(range(WORLD)), WORLD, LOGICAL),
+                             num_logical=LOGICAL, num_ranks=WORLD)
+    real_run, real_put = relocate_mod.execute_schedule, TensorSink.put
+    writes = []
+
+    def run_then_die(*args, **kwargs):
+        stats = real_run(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGKILL)
+        return stats
+
+    def counted_put(self, items):
+        real_put(self, items)
+        writes.append(len(items))
+
+    if rank == VICTIM:
+        relocate_mod.execute_schedule = run_then_die
+    TensorSink.put = counted_put
+    t0 = time.monotonic()
+    try:
+        moeshard.relocate(tensors, pl0, mid, checkpoint=ckpt, staging_bytes=256, **kw)
+        out["lost"] = None
+    except moeshard.DistributedError as e:
+        out["lost"] = (type(e).__name__, str(e), time.monotonic() - t0)
+    finally:
+        TensorSink.put = real_put
+    out["written_before_loss"] = sum(writes)
+    out["bad"] += check(tensors, pl0.phy2log, rank, "after the relocation the victim did not survive")
+
+
 def _rank_main(idx: int, ports: tuple[int, int], root: str, out_dir: str) -> None:
     os.environ.update(LOCAL_WORLD_SIZE=str(LWS), MOESHARD_PROGRESS="0")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -175,14 +212,7 @@ def _rank_main(idx: int, ports: tuple[int, int], root: str, out_dir: str) -> Non
             rank = idx
             _init(ports[0], rank, LOSS_TIMEOUT_S)
             tensors, pl0 = _job_a(rank, root, out)
-            if rank == VICTIM:
-                os.kill(os.getpid(), signal.SIGKILL)
-            t0 = time.monotonic()
-            try:
-                _dist.barrier("after the loss")
-                out["lost"] = None
-            except moeshard.PeerLostError as e:
-                out["lost"] = (type(e).__name__, str(e), time.monotonic() - t0)
+            _lost_relocation(rank, tensors, pl0, ckpt, kw, out)
             dist.destroy_process_group()
             if rank == 0:
                 open(os.path.join(root, "job_b"), "w").close()
@@ -260,10 +290,13 @@ def test_survivors_recover_and_joiner_is_fed_by_live_ranks(tmp_path):
     assert all(r["fill_read"] > 0 for r in survivors)
     assert all(r["load_world"] == 4 and r["load_bad"] == [] and r["load_broadcasts"] > 0 for r in survivors)
     assert sum(r["sub_disk"] for r in survivors) > 0  # some experts had no live copy in the EP groups
-    # Step 2: every survivor saw the loss as PeerLostError within seconds.
+    # Step 2: the relocation the victim died in raised PeerLostError on every survivor (within
+    # the backend's timeout), after they had written slots; those slots were put back (every
+    # survivor's slots were checked against the old placement: "bad" above).
     for r in survivors:
         assert r["lost"] is not None and r["lost"][0] == "PeerLostError", r["lost"]
         assert r["lost"][2] < LOSS_TIMEOUT_S + 10
+    assert all(r["written_before_loss"] > 0 for r in survivors)
     # Step 3: recovery on the survivors' group of 7: exactly the experts whose every copy was on
     # the dead rank were read from disk; the rest came from live copies.
     want = survivors[0]["want_disk"]

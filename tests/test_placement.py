@@ -167,3 +167,18 @@ def test_error_from_log2phy():
     l2p = np.array([[[0], [1]]])
     with pytest.raises(ValueError, match="leaves slot 2 of layer 0 empty"):
         Placement.from_log2phy(l2p, num_physical=3)
+
+
+def test_by_rank_takes_each_ranks_slots_from_one_placement():
+    old = Placement(np.array([[0, 1, 2, 3, 0, 1]]), num_ranks=3)
+    new = Placement(np.array([[1, 0, 3, 2, 2, 3]]), num_ranks=3)
+    mixed = Placement.by_rank(old, new, [True, False, False])
+    assert mixed.phy2log.tolist() == [[1, 0, 2, 3, 0, 1]]
+    assert Placement.by_rank(old, new, [True] * 3) == new
+    assert Placement.by_rank(old, new, [False] * 3) == old
+    # Expert 0 moves from rank 0 to rank 1: rank 0 took new, rank 1 kept old -> no copy left.
+    with pytest.raises(ValueError, match="the ranks' slots hold no placement: logical expert 0"):
+        Placement.by_rank(Placement(np.array([[0, 1, 2, 3]]), num_ranks=2),
+                          Placement(np.array([[1, 2, 0, 3]]), num_ranks=2), [True, False])
+    with pytest.raises(ValueError, match="different shapes"):
+        Placement.by_rank(old, Placement(np.array([[0, 1, 2, 3]]), num_ranks=2), [True, False])

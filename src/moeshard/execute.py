@@ -38,7 +38,8 @@ from .io.fp8 import dequantize, scale_box
 from .plan.schedule import Schedule
 from .topology import Topology
 
-__all__ = ["ExecStats", "Source", "Sink", "LocalTensors", "ReaderSource", "TensorSink", "DequantSink", "execute_schedule",
+__all__ = ["ExecStats", "Source", "Sink", "LocalTensors", "ReaderSource", "TensorSink", "Backup", "DequantSink",
+           "execute_schedule",
            "exchange", "node_groups"]
 
 
@@ -189,6 +190,42 @@ class TensorSink(Sink):
         for row, data in items:
             out = self.target(row)
             out.copy_(data.view(out.shape))
+
+
+class Backup:
+    """What one rank's deliveries of a schedule will overwrite in local tensors, copied before
+    the schedule runs, to put back if the operation fails (relocate: every rank ends with all
+    of its slots either old or new, never a mix).
+
+    Host memory holds the copies of accelerator tensors (the device keeps its staging budget):
+    one buffer per dtype, pinned where CUDA is present, filled and restored with copies on the
+    tensors' stream, so neither needs a synchronize. Costs the bytes this rank's deliveries
+    write (``nbytes``)."""
+
+    def __init__(self, schedule: Schedule, sink: TensorSink, rank: int):
+        views = [sink.target(row) for row in schedule.for_rank(rank).deliveries.tolist()]
+        self.nbytes = sum(v.numel() * v.element_size() for v in views)
+        numel: dict[tuple[torch.dtype, torch.device], int] = {}
+        for v in views:
+            numel[(v.dtype, v.device)] = numel.get((v.dtype, v.device), 0) + v.numel()
+        host = {}
+        for (dtype, device), n in numel.items():
+            on_host = device.type != "cpu"
+            host[(dtype, device)] = torch.empty(n, dtype=dtype, device="cpu" if on_host else device,
+                                                pin_memory=on_host and device.type == "cuda")
+        self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        used = dict.fromkeys(numel, 0)
+        for v in views:
+            k = (v.dtype, v.device)
+            copy = host[k][used[k] : used[k] + v.numel()].view(v.shape)
+            used[k] += v.numel()
+            copy.copy_(v, non_blocking=True)
+            self.saved.append((v, copy))
+
+    def restore(self) -> None:
+        """Put every saved place back as it was (local; no communication)."""
+        for view, copy in self.saved:
+            view.copy_(copy, non_blocking=True)
 
 
 class DequantSink(TensorSink):

@@ -129,6 +129,32 @@ class Placement:
             raise ValueError(f"log2phy leaves slot {slot} of layer {layer} empty")
         return cls(p2l, num_logical=num_logical, num_ranks=num_ranks)
 
+    @classmethod
+    def by_rank(cls, old: "Placement", new: "Placement", take_new) -> "Placement":
+        """The placement EP ranks hold when some took ``new`` and the others kept ``old``
+        (each rank's slots from one of them): after a relocation whose closing agreement a
+        dying peer cut short (:func:`moeshard.relocate`, "Failures").
+
+        ``take_new``: ``bool[num_ranks]``, one per EP rank (dead ranks' entries do not matter
+        to a recovery that passes ``active_ranks``).
+
+        Raises:
+            ValueError: placements of different shapes, or an expert that no rank holds in
+                the result (its only copies moved from ranks that took ``new`` to ranks that
+                kept ``old``): refill those from the checkpoint (``relocate`` with ``old=None``
+                for the ranks concerned, or ``from_checkpoint=True``).
+        """
+        if old.phy2log.shape != new.phy2log.shape or old.num_logical != new.num_logical:
+            raise ValueError(f"placements of different shapes: {old.phy2log.shape} with {old.num_logical} experts, "
+                             f"{new.phy2log.shape} with {new.num_logical}")
+        take = np.asarray(take_new, dtype=bool).reshape(-1)
+        spr = old.slots_per_rank(len(take))
+        rows = np.where(np.repeat(take, spr)[None, :], new.phy2log, old.phy2log)
+        try:
+            return cls(rows, num_logical=old.num_logical, num_ranks=len(take))
+        except ValueError as e:
+            raise ValueError(f"the ranks' slots hold no placement: {e}") from None
+
     # -- queries ------------------------------------------------------------------------
     @property
     def num_layers(self) -> int:

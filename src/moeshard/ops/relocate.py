@@ -22,7 +22,7 @@ from torch import nn
 
 from .. import _dist
 from ..box import box_shape, full_box
-from ..execute import LocalTensors, Source, TensorSink, execute_schedule
+from ..execute import Backup, LocalTensors, Source, TensorSink, execute_schedule
 from ..io.checkpoint import CheckpointIndex, CheckpointReader
 from ..io.sources import Storage, reader_root, resolve_sources
 from ..models.adapters import DEFAULT_SPECS, ExpertParam, ExpertsSpec, read_expert_box
@@ -249,6 +249,7 @@ def relocate(
     module: Union[str, Callable[[int], str]] = "model.layers.{layer}.mlp.experts",
     from_checkpoint: bool = False,
     progress: bool | None = None,
+    transactional: bool = True,
     group=None,
 ) -> RelocationReport:
     """Collective (every rank of ``group``): move expert weights from placement ``old`` to
@@ -278,10 +279,25 @@ def relocate(
         from_checkpoint: read every changed slot from the checkpoint, ignoring live copies.
         progress: show progress on local rank 0 of each node (a bar on a terminal, log
             lines otherwise); default: the ``MOESHARD_PROGRESS`` environment variable.
+        transactional: keep what this rank's slots held before they are overwritten (in host
+            memory for accelerator tensors: the bytes this rank writes) and put it back if the
+            relocation fails, so that each rank's slots are either all old or all new (see
+            "Failures" below). ``False`` saves that memory and copy; a failed relocation then
+            leaves the slots it was changing undefined. Without ``old`` nothing is kept.
         group: the process group that relocates (default: the default group): the survivors
             of a lost rank, a group with a joiner that was never in the old one, or one EP
             group of a larger job. Ranks in plans and messages are its ranks; a model's device
             meshes must lie within it; ``topology`` defaults to its members' nodes.
+
+    Failures: a relocation that fails once weights move (a peer dies, a read fails) raises on
+    every rank (on a dead rank's direct peers at once, on the others at the latest when the
+    backend's timeout ends the closing agreement) and each rank that raises has its slots and,
+    for a model, its routing back at ``old``: recover with ``relocate(target, old, ...)`` (the
+    survivors: ``group=``, ``active_ranks=``). A rank returns only after every rank ran the whole
+    plan. The one case of ranks ending on different sides: a peer dying *during* that closing
+    agreement, after some ranks completed it; ranks that returned then hold ``new``, the others
+    ``old`` (exchange which in the recovery group and build the placement from each rank's
+    rows, :meth:`~moeshard.placement.Placement.by_rank`).
 
     Raises:
         DistributedError: on every rank, before any weight changes, for a bad input (placements
@@ -358,10 +374,20 @@ def relocate(
             device = target_device(target) if isinstance(target, nn.Module) else \
                 next((x.device for x in locals_ if x is not None), torch.device("cpu"))
             what = "moeshard.relocate: running the plan"
-            stats = _dist.agree(lambda: execute_schedule(
-                s, rank, _ExpertSource(plan, rank, locals_, reader, sources, device), TensorSink(s, locals_, rank),
-                device, progress=bar.update, what=what).check(), what)
-            bar.close()
+            sink = TensorSink(s, locals_, rank)
+            # Old or new, never a mix: what this rank's deliveries overwrite is kept aside until
+            # every rank has run the whole plan (the agreement below), and put back otherwise.
+            backup = Backup(s, sink, rank) if transactional and old is not None else None
+            try:
+                stats = _dist.agree(lambda: execute_schedule(
+                    s, rank, _ExpertSource(plan, rank, locals_, reader, sources, device), sink,
+                    device, progress=bar.update, what=what).check(), what)
+            except BaseException:
+                if backup is not None:
+                    backup.restore()
+                raise
+            finally:
+                bar.close()
     finally:
         if reader is not None:
             reader.close()
@@ -429,5 +455,5 @@ class _ExpertSource(Source):
         except Exception as e:
             layer = self.plan.tensors[t].layer
             raise OSError(f"reading logical expert {expert} of layer {layer}: {e} "
-                          "(the slots it was meant for now hold zeros)") from e
+                          "(the relocation fails on every rank)") from e
         return buf
