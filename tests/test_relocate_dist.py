@@ -6,7 +6,8 @@ relocation tests do, so any slot holding the wrong expert, a stale value, or a h
 part is caught. One spawned group runs every scenario: 1, 2 and 4 simulated nodes; 2, 5, 16
 and 64 logical experts; redundant slots; random dead ranks (experts whose only copy died are
 read from a checkpoint); ranks that join empty (scale-up); tiny staging budgets (many
-rounds, stashes). Then bad inputs, each an error on every rank with the weights unchanged.
+rounds, stashes); a third of the maps of live ranks in chunks of layers (each chunk checked).
+Then bad inputs, each an error on every rank with the weights unchanged.
 """
 
 from __future__ import annotations
@@ -125,16 +126,27 @@ def random_maps_worker(root: str, seed: int, maps_per_config: int) -> dict:
     import moeshard
 
     rank = dist.get_rank()
-    out = {"bad": [], "maps": 0, "copies": {}, "rounds_max": 0, "stashes": 0, "min_gap": 0}
-    for lws, num_logical, slots, old, new, active, budget in scenarios(seed, maps_per_config):
+    out = {"bad": [], "maps": 0, "copies": {}, "rounds_max": 0, "stashes": 0, "min_gap": 0, "chunks": 0}
+    for i, (lws, num_logical, slots, old, new, active, budget) in enumerate(scenarios(seed, maps_per_config)):
         topo = moeshard.Topology(WORLD, lws)
         tensors = {layer: [torch.empty(slots, *s, dtype=torch.float64) for s in SHAPES] for layer in range(MAP_LAYERS)}
         fill(tensors, old, rank, slots)
         old_pl = moeshard.Placement(old, num_logical=num_logical, num_ranks=WORLD)
         new_pl = moeshard.Placement(new, num_logical=num_logical, num_ranks=WORLD)
-        rep = moeshard.relocate(tensors, old_pl, new_pl, checkpoint=os.path.join(root, f"ckpt{num_logical}"),
-                                active_ranks=active, topology=topo, staging_bytes=budget,
-                                expert_params=params(), module=MODULE)
+        kw = dict(checkpoint=os.path.join(root, f"ckpt{num_logical}"), topology=topo, staging_bytes=budget,
+                  expert_params=params(), module=MODULE)
+        if active.all() and i % 3 == 0:
+            # Chunked: every slot matches the placement in force after each chunk (bounded by
+            # the bytes of about two layers' changed slots).
+            slot_bytes = sum(8 * int(np.prod(s)) for s in SHAPES)
+            for st in moeshard.relocate_chunks(tensors, old_pl, new_pl, max_bytes=2 * slots * WORLD * slot_bytes // 3,
+                                               **kw):
+                out["bad"] += check(tensors, st.placement.phy2log, rank, slots)[:3]
+                out["chunks"] += 1
+            out["bad"] += check(tensors, new, rank, slots)[:3]
+            out["maps"] += MAP_LAYERS
+            continue
+        rep = moeshard.relocate(tensors, old_pl, new_pl, active_ranks=active, **kw)
         if active[rank]:
             out["bad"] += check(tensors, new, rank, slots)[:3]
         out["maps"] += MAP_LAYERS
@@ -163,6 +175,7 @@ def test_random_maps(tmp_path):
     assert all(copies[k] > 0 for k in ("local", "same_node", "cross_node", "disk")), copies
     assert results[0]["min_gap"] == 0
     assert results[0]["rounds_max"] > 1 and results[0]["stashes"] > 0
+    assert results[0]["chunks"] > 3 * len(LOGICAL) * maps_per_config // 4  # some maps ran in several chunks
 
 
 # -- a model prepared by moeshard: EP x expert-FSDP DTensors, then a rank dies --------------

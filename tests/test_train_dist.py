@@ -6,7 +6,10 @@ moeshard and trained 4 AdamW steps on fixed data, each rank on its quarter of th
 (tokens reach their experts through the EP all-to-all). The mean loss over ranks and the
 global gradient norm of every step must match ``from_pretrained`` + the same 4 steps on the
 whole batch in one process within 1e-5 relative. Redundant placements (hot experts copied)
-exercise copy selection and :func:`moeshard.sync_redundant_grads`. After training, a relocation
+exercise copy selection and :func:`moeshard.sync_redundant_grads`. Two runs rebalance between
+steps, one layer per chunk (:func:`moeshard.relocate_chunks`) with a forward after each chunk
+whose logits must not change, and AdamW's state moving with its experts: their losses too
+must match the one-process run's. After training, a relocation
 to another placement must leave the logits unchanged (tokens follow their experts).
 """
 
@@ -51,14 +54,14 @@ def _data() -> torch.Tensor:
     return torch.randint(0, 128, (WORLD, SEQ), generator=torch.Generator().manual_seed(0))
 
 
-def _placement(family: str, ep: int, redundant: bool):
+def _placement(family: str, ep: int, redundant: bool, seed: int | None = None):
     import moeshard
 
     layers, experts = NUM_LAYERS[family], NUM_EXPERTS[family]
     if not redundant:
         return moeshard.Placement.contiguous(layers, experts, ep)
     # Every expert once, plus one extra copy per EP rank of random experts, shuffled.
-    rng = np.random.default_rng(ep)
+    rng = np.random.default_rng(ep if seed is None else seed)
     rows = [rng.permutation(np.concatenate([np.arange(experts), rng.integers(0, experts, ep)])) for _ in range(layers)]
     return moeshard.Placement(np.stack(rows), num_logical=experts, num_ranks=ep)
 
@@ -72,7 +75,7 @@ def train_worker(ckpts: dict, scenarios: list) -> list:
     rank = dist.get_rank()
     ids = _data()[rank : rank + 1]
     meshes, out = {}, []
-    for family, ep, efsdp, redundant in scenarios:
+    for family, ep, efsdp, redundant, rebalance in scenarios:
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(_config(family))
         if (ep, efsdp) not in meshes:
@@ -83,7 +86,8 @@ def train_worker(ckpts: dict, scenarios: list) -> list:
         all_dtensors = all(isinstance(p, DTensor) for p in model.parameters())
         opt = torch.optim.AdamW(model.parameters(), lr=LR)  # stock optimizer, foreach default
         losses, norms, synced = [], [], 0
-        for _ in range(STEPS):
+        chunks, chunk_diff, moved = [], 0.0, False
+        for step in range(STEPS):
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
             synced += moeshard.sync_redundant_grads(model)
@@ -93,8 +97,24 @@ def train_worker(ckpts: dict, scenarios: list) -> list:
             mean = loss.detach().clone()
             dist.all_reduce(mean)
             losses.append(float(mean) / dist.get_world_size())
-        rec = dict(losses=losses, norms=norms, all_dtensors=all_dtensors, synced=synced)
-        if not redundant:
+            if rebalance and step < STEPS - 1:
+                # Rebalance between steps, one layer per chunk with a forward after each chunk
+                # (serving between chunks); AdamW's moments move with their experts, so the
+                # next steps' losses stay the one-process run's.
+                new = _placement(family, ep, True, seed=100 + step)
+                spr = new.slots_per_rank(ep)
+                mine = slice((rank % ep) * spr, (rank % ep + 1) * spr)
+                moved |= not np.array_equal(new.phy2log[:, mine], pl.phy2log[:, mine])
+                with torch.no_grad():
+                    before = model(input_ids=ids).logits
+                    for st in moeshard.relocate_chunks(model, pl, new, layers_per_chunk=1, optimizer=opt):
+                        chunks.append(st.layers)
+                        after = model(input_ids=ids).logits
+                        chunk_diff = max(chunk_diff, float((after - before).abs().max() / before.abs().max()))
+                pl = new
+        rec = dict(losses=losses, norms=norms, all_dtensors=all_dtensors, synced=synced, chunks=chunks,
+                   chunk_diff=chunk_diff, moved=moved)
+        if not redundant and not rebalance:
             # Rebalance the trained model: after relocate, tokens must follow their experts to
             # their new slots, so the logits stay those of the same logical model.
             with torch.no_grad():
@@ -117,13 +137,15 @@ def _reference(ckpt: str) -> tuple[list[float], list[float]]:
     return one_process_steps(model, _data(), STEPS, LR)
 
 
-SCENARIOS = [
-    ("qwen3_moe", 4, 1, False),
-    ("qwen3_moe", 2, 2, False),
-    ("qwen3_moe", 4, 1, True),
-    ("qwen3_moe", 2, 2, True),
-    ("mixtral", 2, 2, False),
-    ("deepseek_v3", 4, 1, True),
+SCENARIOS = [  # (family, EP, expert FSDP, redundant copies, rebalance between steps)
+    ("qwen3_moe", 4, 1, False, False),
+    ("qwen3_moe", 2, 2, False, False),
+    ("qwen3_moe", 4, 1, True, False),
+    ("qwen3_moe", 2, 2, True, False),
+    ("mixtral", 2, 2, False, False),
+    ("deepseek_v3", 4, 1, True, False),
+    ("qwen3_moe", 2, 2, True, True),
+    ("deepseek_v3", 4, 1, True, True),
 ]
 
 
@@ -144,10 +166,11 @@ def trained(tmp_path_factory):
     return refs, results
 
 
-@pytest.mark.parametrize("i", range(len(SCENARIOS)), ids=[f"{f}-ep{e}-efsdp{d}{'-redundant' if r else ''}" for f, e, d, r in SCENARIOS])
+@pytest.mark.parametrize("i", range(len(SCENARIOS)), ids=[
+    f"{f}-ep{e}-efsdp{d}{'-redundant' if r else ''}{'-rebalanced' if b else ''}" for f, e, d, r, b in SCENARIOS])
 def test_loss_and_grad_norm_match_one_process(trained, i):
     refs, results = trained
-    family, _, _, redundant = SCENARIOS[i]
+    family, _, _, redundant, rebalance = SCENARIOS[i]
     ref_losses, ref_norms = refs[family]
     assert ref_losses[-1] < ref_losses[0], "the reference must actually train"
     for rank_results in results:
@@ -157,6 +180,12 @@ def test_loss_and_grad_norm_match_one_process(trained, i):
         np.testing.assert_allclose(got["norms"], ref_norms, rtol=RTOL, atol=0)
         # Redundant placements: every MoE layer was synchronized at every step.
         assert got["synced"] == (STEPS * NUM_LAYERS[family] if redundant else 0)
-        if not redundant:
+        if rebalance:  # every chunk moved one layer; forwards between chunks kept the logits
+            assert got["chunks"] and all(len(c) == 1 for c in got["chunks"])
+            assert len(got["chunks"]) == (STEPS - 1) * NUM_LAYERS[family]
+            assert got["chunk_diff"] < 1e-5
+        elif not redundant:
             assert got["slots_changed"]
             assert got["relocated_logits_diff"] < 1e-5
+    if rebalance:
+        assert any(r[i]["moved"] for r in results), "the rebalancing must move experts between ranks"

@@ -25,6 +25,8 @@ _EXPORTS = {
     "LoadReport": (".ops.load", "LoadReport"), "load": (".ops.load", "load"),
     "materialize": (".ops.load", "materialize"),
     "RelocationReport": (".ops.relocate", "RelocationReport"), "relocate": (".ops.relocate", "relocate"),
+    "RelocationStep": (".ops.relocate", "RelocationStep"), "relocate_chunks": (".ops.relocate", "relocate_chunks"),
+    "relocation_chunks": (".plan.chunks", "relocation_chunks"),
     "SaveError": (".ops.save", "SaveError"), "SaveReport": (".ops.save", "SaveReport"), "save": (".ops.save", "save"),
     "VerificationError": (".ops.verify", "VerificationError"), "VerifyReport": (".ops.verify", "VerifyReport"),
     "verify": (".ops.verify", "verify"),
@@ -39,6 +41,7 @@ __all__ = [
     "ExpertsSpec", "HF_EXPERTS", "LoadReport", "MIXTRAL_EXPERTS", "PeerLostError", "Placement", "Topology",
     "Schedule", "VerificationError", "VerifyReport", "eplb", "load", "lora", "make_mesh", "materialize",
     "parallelize", "plan_relocation", "plan_transfers", "RelocationPlan", "RelocationReport", "relocate",
+    "RelocationStep", "relocate_chunks", "relocation_chunks",
     "SaveError", "SaveReport", "save", "verify", "write_checkpoint", "clip_grad_norm_", "grad_norm", "sync_redundant_grads",
 ]
 __version__ = "0.1.0"
@@ -79,10 +82,11 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the names as eager imports woul
     from .models.ep import clip_grad_norm_, grad_norm, sync_redundant_grads
     from .models.parallel import make_mesh, parallelize
     from .ops.load import LoadReport, load, materialize
-    from .ops.relocate import RelocationReport, relocate
+    from .ops.relocate import RelocationReport, RelocationStep, relocate, relocate_chunks
     from .ops.save import SaveError, SaveReport, save
     from .ops.verify import VerificationError, VerifyReport, verify
     from .placement import Placement
     from .plan import Schedule, plan_transfers
+    from .plan.chunks import relocation_chunks
     from .plan.relocation import RelocationPlan, plan_relocation
     from .topology import Topology

@@ -11,10 +11,11 @@ Every check runs before any weight changes, so a bad input leaves the weights as
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence, Union
+from typing import Callable, Iterator, Mapping, Sequence, Union
 
 import numpy as np
 import torch
@@ -29,13 +30,15 @@ from ..models.adapters import DEFAULT_SPECS, ExpertParam, ExpertsSpec, read_expe
 from ..models.ep import set_placement
 from ..models.layout import ExpertRef, ParamDesc, _local_boxes, _part_sizes, describe_model, expert_layers, local_tensor
 from ..placement import Placement
+from ..plan.chunks import relocation_chunks
 from ..plan.relocation import DEFAULT_MAX_OPS, DEFAULT_STAGING_BYTES, ExpertTensor, RelocationPlan, plan_relocation
 from ..progress import Progress, progress_enabled
 from ..topology import Topology
 from .load import target_device
 from .report import OpReport
 
-__all__ = ["RelocationReport", "relocate", "describe_expert_tensors"]
+__all__ = ["RelocationReport", "RelocationStep", "relocate", "relocate_chunks", "describe_expert_tensors",
+           "expert_states"]
 
 ExpertTensors = Mapping[int, Sequence[torch.Tensor]]
 
@@ -65,8 +68,10 @@ class _Source:
     dtype (known on every rank, also where it holds no slot: the cast rule is checked there)."""
 
     module: str
-    param: ExpertParam
+    param: ExpertParam | None
     dtype: torch.dtype
+    # Optimizer state: not in the checkpoint; an expert with no live copy starts from zeros.
+    zeros: bool = False
 
 
 def describe_expert_tensors(
@@ -76,6 +81,7 @@ def describe_expert_tensors(
     expert_params: Sequence[ExpertParam] | None = None,
     module: Union[str, Callable[[int], str]] = "model.layers.{layer}.mlp.experts",
     ep_ranks: Sequence[int] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> tuple[list[ExpertTensor], list[torch.Tensor | None], list[_Source | None]]:
     """The planner's view of ``target``'s expert tensors (no communication).
 
@@ -83,7 +89,9 @@ def describe_expert_tensors(
     ``[num_physical, *slice_shape]``) or ``{layer: [tensor[num_local_slots, *slice_shape], ...]}``
     with the EP group = the running operation's group: its rank ``r`` is EP rank
     ``ep_ranks[r]`` (default ``r``) and holds slots ``ep_ranks[r] * num_local_slots ...``; dict
-    keys are model layer ids, sorted into MoE layer order.
+    keys are model layer ids, sorted into MoE layer order. ``optimizer`` (models only): each
+    expert parameter's per-element state (:func:`expert_states`) follows it, as tensors of
+    their own after the parameter's.
 
     Returns ``(tensors, local tensors of this rank (None where it holds nothing), sources)``.
     """
@@ -100,10 +108,14 @@ def describe_expert_tensors(
             else:
                 boxes = _local_boxes(d.shape, d.mesh.shape, d.placements)
                 holdings = tuple((r, b[0][0], b[0][1], b[1:]) for r, b in zip(d.mesh.reshape(-1).tolist(), boxes))
-            out.append(ExpertTensor(d.expert.layer, d.name, slice_shape, d.dtype.itemsize, holdings))
             mine = any(r == rank for r, *_ in holdings)
-            locals_.append(local_tensor(params[d.name]) if mine else None)
-            sources.append(_Source(d.expert.module, d.expert.param, d.dtype))
+            entries = [(d.name, params[d.name], _Source(d.expert.module, d.expert.param, d.dtype))]
+            entries += [(f"{d.name} (optimizer state {key!r})", st, _Source(d.expert.module, None, st.dtype, zeros=True))
+                        for key, st in expert_states(optimizer, params[d.name], d.name)]
+            for name, t, src in entries:
+                out.append(ExpertTensor(d.expert.layer, name, slice_shape, t.element_size(), holdings))
+                locals_.append(local_tensor(t) if mine else None)
+                sources.append(src)
         if not out:
             raise ValueError("the model has no experts module that the expert specs match")
         _check_undeclared(target, specs, out)
@@ -126,6 +138,32 @@ def describe_expert_tensors(
             locals_.append(t)
             sources.append(_Source(name, expert_params[j], t.dtype) if expert_params is not None else None)
     return out, locals_, sources
+
+
+def expert_states(optimizer: torch.optim.Optimizer | None, param: torch.Tensor, name: str) -> list:
+    """``[(key, tensor)]``: the state of ``param`` in ``optimizer`` that holds one value per
+    element of the parameter (AdamW's ``exp_avg`` and ``exp_avg_sq``, SGD's
+    ``momentum_buffer``), in key order. Those move with their expert; a scalar (AdamW's
+    ``step``, the same for every slot of the parameter) stays. Empty before the first step.
+
+    Raises:
+        ValueError: a state tensor of another shape or sharding than its parameter (a
+            factored second moment, say): it cannot follow the experts slot by slot.
+    """
+    if optimizer is None:
+        return []
+    out = []
+    for key, value in sorted(optimizer.state.get(param, {}).items(), key=lambda kv: str(kv[0])):
+        if not torch.is_tensor(value) or value.dim() == 0:
+            continue
+        if value.shape != param.shape or getattr(value, "placements", None) != getattr(param, "placements", None):
+            raise ValueError(
+                f"optimizer state {key!r} of {name} has shape {list(value.shape)} "
+                f"{getattr(value, 'placements', '')}, its parameter {list(param.shape)} "
+                f"{getattr(param, 'placements', '')}: only state of the parameter's shape and sharding can move with "
+                "its experts")
+        out.append((key, value))
+    return out
 
 
 def _check_undeclared(model: nn.Module, specs: Sequence[ExpertsSpec], tensors: list[ExpertTensor]) -> None:
@@ -223,6 +261,8 @@ def _check_disk_keys(plan: RelocationPlan, index: CheckpointIndex, sources) -> N
             if et.layer != layer:
                 continue
             src = sources[t]
+            if src is not None and src.zeros:
+                continue
             if src is None:
                 raise ValueError(
                     f"{et.name}: logical expert {expert} must be read from the checkpoint, but no "
@@ -250,6 +290,7 @@ def relocate(
     from_checkpoint: bool = False,
     progress: bool | None = None,
     transactional: bool = True,
+    optimizer: torch.optim.Optimizer | None = None,
     group=None,
 ) -> RelocationReport:
     """Collective (every rank of ``group``): move expert weights from placement ``old`` to
@@ -284,6 +325,12 @@ def relocate(
             relocation fails, so that each rank's slots are either all old or all new (see
             "Failures" below). ``False`` saves that memory and copy; a failed relocation then
             leaves the slots it was changing undefined. Without ``old`` nothing is kept.
+        optimizer: a model's optimizer: the state it keeps per element of an expert
+            parameter (AdamW's ``exp_avg``, ``exp_avg_sq``; :func:`expert_states`) moves with
+            the expert, so training goes on as if nothing moved (scalars such as ``step`` stay).
+            Copies of a redundant expert hold the same state when their gradients are summed
+            (:func:`moeshard.sync_redundant_grads`). An expert read from the checkpoint (no
+            live copy) starts from zero state. Every rank passes its optimizer, or none.
         group: the process group that relocates (default: the default group): the survivors
             of a lost rank, a group with a joiner that was never in the old one, or one EP
             group of a larger job. Ranks in plans and messages are its ranks; a model's device
@@ -308,6 +355,8 @@ def relocate(
     """
     t0 = time.perf_counter()
     rank, world = _dist.rank_and_world()
+    if optimizer is not None and not isinstance(target, nn.Module):
+        raise ValueError("optimizer= needs a model (plain expert tensors have no optimizer to look up)")
     topo = (topology or Topology.of_group(group)).with_rank(rank)
     if topo.world_size != world:
         raise ValueError(f"topology has world_size {topo.world_size}, the process group has {world}")
@@ -319,7 +368,8 @@ def relocate(
         if signatures is not None:
             _check_same_tensors(signatures)
         ep_ranks = None if isinstance(target, nn.Module) else _ep_ranks(target, new, active_ranks, world)
-        tensors, locals_, sources = describe_expert_tensors(target, world, specs, expert_params, module, ep_ranks)
+        tensors, locals_, sources = describe_expert_tensors(target, world, specs, expert_params, module, ep_ranks,
+                                                            optimizer)
         for p, what in ((old, "old"), (new, "new")):
             if p is None:
                 continue
@@ -352,9 +402,10 @@ def relocate(
         def replan():
             nonlocal sources
             if isinstance(target, nn.Module):  # the model's keys in this checkpoint (per expert, or fused)
-                sources = [_Source(d.expert.module, d.expert.param, d.dtype)
-                           for d in describe_model(target, index, specs) if d.expert is not None]
-                assert len(sources) == len(tensors)
+                found = iter([_Source(d.expert.module, d.expert.param, d.dtype)
+                              for d in describe_model(target, index, specs) if d.expert is not None])
+                sources = [src if src.zeros else next(found) for src in sources]
+                assert next(found, None) is None and len(sources) == len(tensors)
             p = plan_relocation(tensors, old, new, topo, active, readers, staging_bytes, max_ops, from_checkpoint)
             _check_disk_keys(p, index, sources)
             if p.moves and any(m.read == rank for m in p.moves):
@@ -417,13 +468,80 @@ def relocate(
     )
 
 
+@dataclass(frozen=True)
+class RelocationStep:
+    """One chunk of :func:`relocate_chunks`: the MoE layers it moved, the placement in force
+    after it (route tokens by it until the next chunk), and its relocation report."""
+
+    layers: tuple[int, ...]
+    placement: Placement
+    report: RelocationReport
+
+
+def relocate_chunks(
+    target: Union[nn.Module, ExpertTensors],
+    old: Placement,
+    new: Placement,
+    *,
+    layers_per_chunk: int | None = None,
+    max_bytes: int | None = None,
+    specs: Sequence[ExpertsSpec] = DEFAULT_SPECS,
+    optimizer: torch.optim.Optimizer | None = None,
+    **kwargs,
+) -> Iterator[RelocationStep]:
+    """Move from ``old`` to ``new`` a few layers at a time, so that serving (or training) goes
+    on between chunks. Each ``next()`` is collective (every rank of ``group`` steps the iterator
+    together) and is one :func:`relocate` call from the placement of the previous chunk to the
+    next (:func:`moeshard.plan.chunks.relocation_chunks`: each layer's row is old until its
+    chunk, new after it); a model's routing switches layer by layer, as its chunk completes.
+
+    Args:
+        layers_per_chunk: at most this many changed layers per chunk.
+        max_bytes: at most this many bytes written per chunk on the whole job (a layer's
+            changed slots times the bytes of one slot: every expert tensor, and the optimizer
+            state that moves with it); a layer above it gets a chunk of its own.
+        specs, optimizer, **kwargs: as :func:`relocate` (``checkpoint``, ``active_ranks``,
+            ``group``, ...). Slots of dead ranks must be empty in ``old`` already: a chunked
+            move cannot evacuate a dead rank (its old rows would stay in force until their
+            chunk); recover with one :func:`relocate` call.
+
+    Yields a :class:`RelocationStep` per chunk. Each chunk is transactional on its own
+    (:func:`relocate`, "Failures"): after a failure every rank holds the placement of the
+    last completed chunk (or its own next one; see there).
+    """
+    if old is None:
+        raise ValueError("relocate_chunks needs the old placement: a fill from the checkpoint (old=None) is one "
+                         "relocate call")
+    for layers, placement in relocation_chunks(old, new, layers_per_chunk=layers_per_chunk, max_bytes=max_bytes,
+                                               slot_bytes=_slot_bytes(target, specs, optimizer)):
+        report = relocate(target, old, placement, specs=specs, optimizer=optimizer, **kwargs)
+        yield RelocationStep(layers, placement, report)
+        old = placement
+
+
+def _slot_bytes(target: Union[nn.Module, ExpertTensors], specs: Sequence[ExpertsSpec], optimizer) -> np.ndarray:
+    """``int64[num_moe_layers]``: bytes of one expert slot per MoE layer (every expert tensor,
+    and a model's optimizer state that moves with it). Local, from shapes only."""
+    if not isinstance(target, nn.Module):
+        return np.array([sum(math.prod(t.shape[1:]) * t.element_size() for t in target[key]) for key in sorted(target)],
+                        dtype=np.int64)
+    params = dict(target.named_parameters(remove_duplicate=False))
+    out: dict[int, int] = {}
+    for d in describe_model(target, None, specs):
+        if d.expert is not None:
+            sizes = [d.dtype.itemsize] + [st.element_size() for _, st in expert_states(optimizer, params[d.name], d.name)]
+            out[d.expert.layer] = out.get(d.expert.layer, 0) + math.prod(d.shape[1:]) * sum(sizes)
+    return np.array([out[k] for k in sorted(out)], dtype=np.int64)
+
+
 def _disk_keys(plan: RelocationPlan, rank: int, sources) -> set[str]:
     keys = set()
     for m in plan.moves:
         if m.read == rank:
             for part in plan.parts[(m.layer, m.column)][m.part]:
                 src = sources[part.tensor]
-                keys.update(src.param.keys(src.module, m.expert))
+                if not src.zeros:
+                    keys.update(src.param.keys(src.module, m.expert))
     return keys
 
 
@@ -449,6 +567,8 @@ class _ExpertSource(Source):
         expert = int(s.piece_off[pid, 0])
         box = tuple(zip(s.piece_off[pid, 1:nd].tolist(), s.piece_len[pid, 1:nd].tolist()))
         src = self.sources[t]
+        if src.zeros:  # optimizer state of an expert whose every copy is lost
+            return torch.zeros((1, *box_shape(box)), dtype=self.dtype(pid), device=self.device)
         buf = torch.empty((1, *box_shape(box)), dtype=self.dtype(pid), device=self.device)
         try:
             read_expert_box(self.reader, src.param, src.module, expert, box, buf[0])
