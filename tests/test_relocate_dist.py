@@ -162,14 +162,16 @@ def random_maps_worker(root: str, seed: int, maps_per_config: int) -> dict:
 
 @pytest.mark.timeout(900)
 def test_random_maps(tmp_path):
-    maps_per_config = 8  # random maps with real process loss: tests/test_elastic_dist.py
+    # random maps with real process loss: tests/test_elastic_dist.py. A longer soak outside the
+    # suite: MOESHARD_RELOCATE_MAPS=64 (4,608 layer maps).
+    maps_per_config = int(os.environ.get("MOESHARD_RELOCATE_MAPS", 8))
     for n in LOGICAL:
         write_checkpoint(str(tmp_path), n)
     results = run_ranks(random_maps_worker, str(tmp_path), 1234, maps_per_config, world=WORLD, local_world=4,
                         timeout=850)
     for r in results:
         assert r["bad"] == []
-        assert r["maps"] == 3 * len(LOGICAL) * maps_per_config * MAP_LAYERS >= 576
+        assert r["maps"] == 3 * len(LOGICAL) * maps_per_config * MAP_LAYERS
     copies = results[0]["copies"]
     # Every class of copy was exercised, plans met the lower bounds, budgets forced rounds.
     assert all(copies[k] > 0 for k in ("local", "same_node", "cross_node", "disk")), copies

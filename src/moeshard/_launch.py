@@ -1,7 +1,8 @@
 """Start N local ranks (spawned processes, gloo on CPU) and collect each rank's result.
 
 Used by ``moeshard demo`` and the benchmarks to simulate several nodes on one host: the
-ranks see torchrun-style RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE variables.
+ranks see torchrun-style RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE variables and, like
+torchrun's, one intra-op thread each unless ``OMP_NUM_THREADS`` is set.
 """
 
 from __future__ import annotations
@@ -27,8 +28,14 @@ def _free_port() -> int:
 def _worker(rank, world, local_world, port, backend, fn, args, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank % local_world), LOCAL_WORLD_SIZE=str(local_world))
+    import torch
     import torch.distributed as dist
 
+    if "OMP_NUM_THREADS" not in os.environ:
+        # As torchrun does for several processes per host: one intra-op thread per rank, unless
+        # the user says otherwise. With the default (every core per rank) the ranks' copies
+        # oversubscribe the cores: 8 ranks on 2 cores copied 30 MiB in 0.57 s instead of 0.02 s.
+        torch.set_num_threads(1)
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     try:
         result = ("ok", fn(*args))
