@@ -34,9 +34,11 @@ per phase (a single move's fan-out excepted).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
-import heapq
+import marshal
+import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -47,6 +49,7 @@ from .._gc import paused_gc
 from ..box import Box, box_numel, split_box
 from ..placement import Placement
 from ..topology import Topology
+from .relocation_rounds import Keys, Round, Stash, pack_rounds
 from .schedule import PlanCost, Schedule
 
 __all__ = [
@@ -100,6 +103,7 @@ class Move:
     in phase A. ``writes`` (rank, slots) put the result into the new slots at the round end.
     """
 
+    # _plan formats repr(Move) itself for the fingerprint: keep it in step with these fields.
     layer: int
     column: int
     part: int
@@ -122,25 +126,6 @@ class Move:
         if self.read >= 0:
             out.add(self.read)
         return out
-
-
-@dataclass(frozen=True)
-class Stash:
-    """At the start of round ``round``, ``rank`` copies the old content of its ``slot`` (part
-    group ``part`` of ``layer``) aside; later reads of that slot use the copy."""
-
-    round: int
-    rank: int
-    layer: int
-    slot: int
-    part: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class Round:
-    moves: tuple[int, ...]  # indices into the plan's moves
-    stashes: tuple[int, ...] = ()  # indices into the plan's stashes created this round
 
 
 @dataclass(frozen=True)
@@ -340,6 +325,100 @@ def plan_relocation(
         return _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops, from_checkpoint)
 
 
+class _Layout:
+    """What a layer's tensors give the planner; layers whose tensors hold the same slots and
+    boxes with the same itemsizes share one (every MoE layer of a model, as a rule), so
+    :func:`_columns` and :func:`_part_groups` run once per distinct layer, not per layer.
+
+    ``cols`` / ``col_boxes`` as :func:`_columns`; ``groups[c]``: column ``c``'s part groups as
+    ``((k, box), ...)`` with ``k`` the tensor's position among the layer's tensors;
+    ``sizes[c]``: their bytes, ``totals[c]`` their sum. One row per (rank, slot) the layer's
+    ranks hold, in ``cols`` order (ranks ascending, then slots): ``rank``, ``col``, ``slot``
+    (``int64[n]``) and ``live`` (``bool[n]``: the rank is active). ``rank_objs``: ``{int: rank}``
+    where the holdings give ranks that are not ``int`` (numpy ints: records keep them, as they
+    always did), else None.
+    """
+
+    __slots__ = ("cols", "groups", "sizes", "totals", "rank", "col", "slot", "live", "rank_objs")
+
+    def __init__(self, tensors, layer_tensors: list[int], world: int, max_part: int, active: np.ndarray):
+        cols, col_boxes = _columns(tensors, layer_tensors, world)
+        pos = {ti: k for k, ti in enumerate(layer_tensors)}
+        self.cols = cols
+        self.groups, self.sizes = [], []
+        for boxes in col_boxes:
+            groups = _part_groups(tensors, layer_tensors, boxes, max_part)
+            self.groups.append([tuple((pos[p.tensor], p.box) for p in g) for g in groups])
+            self.sizes.append([sum(box_numel(p.box) * tensors[p.tensor].itemsize for p in g) for g in groups])
+        self.totals = [sum(s) for s in self.sizes]
+        held = list(cols.items())
+        counts = [ns for _, (_, _, ns) in held]
+        self.rank = np.repeat(np.asarray([r for r, _ in held], dtype=np.int64), counts)
+        self.col = np.repeat(np.asarray([c for _, (c, _, _) in held], dtype=np.int64), counts)
+        self.slot = (np.concatenate([np.arange(s0, s0 + ns, dtype=np.int64) for _, (_, s0, ns) in held])
+                     if held else np.zeros(0, dtype=np.int64))
+        self.live = active[self.rank]
+        self.rank_objs = None if all(type(r) is int for r in cols) else {int(r): r for r in cols}
+
+
+def _holdings_key(t: ExpertTensor) -> bytes | None:
+    """Exact bytes of ``t.holdings`` (None if it holds anything but tuples and ints): equal keys
+    mean equal holdings of the same types, so their ``repr`` and layout can be shared."""
+    try:
+        return marshal.dumps(t.holdings, 2)  # version 2: no back-references, same bytes for equal values
+    except ValueError:  # numpy ints, subclasses: no sharing
+        return None
+
+
+def _layer_needs(lay: _Layout, layers: list[int], new_p2l: np.ndarray, old_p2l: np.ndarray, num_experts: int,
+                 keys: "Keys", holders: bool) -> list[tuple]:
+    """What the layers ``layers`` (all of layout ``lay``) need, one numpy pass for all of them.
+
+    A (rank, slot) row of ``lay`` *needs* its new expert when that differs from the old one; its
+    key is ``column * num_experts + expert``. Per layer, a tuple of
+
+    - ``bad``: ``(expert, slot, rank)`` of the first row (in ``lay`` order) that puts an expert
+      on a dead rank, else None;
+    - ``key``, ``rank``, ``slot``, ``write``: lists over the needing rows, by key, then rank and
+      slot ascending; ``write`` the :class:`Keys` key of the slot (its part group 0);
+    - ``(key, rank, slot)``: lists over the rows of live ranks holding a needed key in the old
+      placement (in ``lay`` order); empty with ``holders=False``.
+    """
+    rows = np.asarray(layers, dtype=np.int64)
+    new_e = new_p2l[rows][:, lay.slot]  # int[len(layers), n]
+    old_e = old_p2l[rows][:, lay.slot]
+    filled = new_e >= 0
+    dead = filled & ~lay.live
+    first_dead = np.where(dead.any(axis=1), dead.argmax(axis=1), -1).tolist()
+    span = len(lay.groups) * num_experts  # keys per layer
+    li, j = np.nonzero(filled & (new_e != old_e))  # layer-major, then lay order
+    key = lay.col[j] * num_experts + new_e[li, j]
+    order = np.argsort(li * span + key, kind="stable")  # stable: ranks, then slots ascending per key
+    li, j, key = li[order], j[order], key[order]
+    write = (rows[li] * keys.world + lay.rank[j]) * keys.num_physical + lay.slot[j]
+    cut = np.searchsorted(li, np.arange(len(layers) + 1)).tolist()
+    if holders:
+        hli, hj = np.nonzero(lay.live & (old_e >= 0))
+        hkey = lay.col[hj] * num_experts + old_e[hli, hj]
+        wanted = np.zeros(len(layers) * span, dtype=bool)
+        wanted[li * span + key] = True
+        keep = wanted[hli * span + hkey]
+        hli, hj, hkey = hli[keep], hj[keep], hkey[keep]
+    else:
+        hli = hj = hkey = np.zeros(0, dtype=np.int64)
+    hcut = np.searchsorted(hli, np.arange(len(layers) + 1)).tolist()
+    key_l, rank_l, slot_l, write_l = key.tolist(), lay.rank[j].tolist(), lay.slot[j].tolist(), write.tolist()
+    hkey_l, hrank_l, hslot_l = hkey.tolist(), lay.rank[hj].tolist(), lay.slot[hj].tolist()
+    out = []
+    for x, fd in enumerate(first_dead):
+        bad = None if fd < 0 else (int(new_e[x, fd]), int(lay.slot[fd]), int(lay.rank[fd]))
+        a, b = cut[x], cut[x + 1]
+        ha, hb = hcut[x], hcut[x + 1]
+        out.append((bad, key_l[a:b], rank_l[a:b], slot_l[a:b], write_l[a:b],
+                    (hkey_l[ha:hb], hrank_l[ha:hb], hslot_l[ha:hb])))
+    return out
+
+
 def _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops, from_checkpoint) -> RelocationPlan:
     world = topology.world_size
     node = topology.nodes_array()
@@ -369,70 +448,137 @@ def _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops, 
             raise ValueError(f"{t.name}: MoE layer {t.layer} outside the placement's {new.num_layers} layers")
         by_layer[t.layer].append(i)
     max_part = max(1, staging_bytes // 4)
+    hkeys = [_holdings_key(t) for t in tensors]
 
     columns: list[dict] = [{} for _ in range(new.num_layers)]
-    parts: dict[tuple[int, int], list[tuple[Part, ...]]] = {}
+    parts: dict[tuple[int, int], tuple[tuple[Part, ...], ...]] = {}
     moves: list[Move] = []
-    read_load = np.zeros(world, dtype=np.int64)
-    sent = np.zeros(world, dtype=np.int64)
-    recv = np.zeros(world, dtype=np.int64)
-    copies = dict.fromkeys(CLASSES, 0)
-    nbytes_cls = dict.fromkeys(CLASSES, 0)
+    # Python ints and lists in the per-move loop: numpy scalars cost more than they save there.
+    node_l = node.tolist()
+    readers_l = readers.tolist()
+    reader_list = np.flatnonzero(readers).tolist()
+    read_load, sent, recv = [0] * world, [0] * world, [0] * world
+    n_copies, n_bytes = [0] * len(CLASSES), [0] * len(CLASSES)  # per class, in CLASSES order
     min_net = min_cross = net = cross = 0
-    reader_idx = np.flatnonzero(readers)
+    num_experts = max(1, new.num_logical)  # key of (column, expert): column * num_experts + expert
+    num_physical = new.num_physical
+    # Scheduling keys of old slot contents (rank, layer, slot, part group) as one int, see Keys.
+    keys = Keys(new.num_layers, world, num_physical)
+    # Per move, for _schedule: keys read and overwritten, its group (the moves of one expert's
+    # column share who stages and posts what: group_stage / group_ops) and its part count.
+    read_keys: list[list[int]] = []
+    write_keys: list[list[int]] = []
+    group_of: list[int] = []
+    num_parts: list[int] = []
+    group_stage: list[dict[int, int]] = []  # rank -> buffers staged (read, local clones, received)
+    group_ops: list[tuple[dict[int, int], dict[int, int], int]] = []  # phase A / B ops per rank and part, links
+    layouts: dict[tuple, _Layout] = {}
+    move_reprs: list[str] = []
 
-    for layer in sorted(by_layer):
-        cols, col_boxes = _columns(tensors, by_layer[layer], world)
-        columns[layer] = cols
-        for c, boxes in enumerate(col_boxes):
-            parts[(layer, c)] = _part_groups(tensors, by_layer[layer], boxes, max_part)
-        # Bytes of each part group of each column (the same for every expert of the layer).
-        sizes_of = {c: [sum(box_numel(p.box) * tensors[p.tensor].itemsize for p in g) for g in parts[(layer, c)]]
-                    for c in range(len(col_boxes))}
-        old_row, new_row = old_p2l[layer], new.phy2log[layer]
-        old_list, new_list = old_row.tolist(), new_row.tolist()
-        # Needs: (column, expert) -> {rank: [slots]}
-        needs: dict[tuple[int, int], dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
-        for rank, (c, s0, ns) in cols.items():
-            for s in range(s0, s0 + ns):
-                e = new_list[s]
-                if e < 0:
-                    continue
-                if not active[rank]:
-                    raise ValueError(
-                        f"the new placement puts logical expert {e} in slot {s} of layer {layer}, "
-                        f"which rank {rank} holds, but rank {rank} is not active"
-                    )
-                if e != old_list[s]:
-                    needs[(c, e)][rank].append(s)
-        if not needs:
+    # Layouts, in layer order. A layer whose tensors are inconsistent raises once the loop
+    # below reaches it, so that errors of the layers before it come first.
+    layer_order = sorted(by_layer)
+    lay_of: dict[int, _Layout] = {}
+    failed: Exception | None = None
+    for layer in layer_order:
+        lt = by_layer[layer]
+        lkey = tuple((hkeys[ti], type(tensors[ti].itemsize), tensors[ti].itemsize) for ti in lt)
+        lay = layouts.get(lkey)
+        if lay is None:
+            try:
+                lay = _Layout(tensors, lt, world, max_part, active)
+            except Exception as err:
+                failed = err
+                break
+            if all(hkeys[ti] is not None for ti in lt):
+                layouts[lkey] = lay
+        lay_of[layer] = lay
+    # Needs and live holders of all the layers of a layout at once.
+    same_layout: dict[int, tuple[_Layout, list]] = {}
+    for layer, lay in lay_of.items():
+        same_layout.setdefault(id(lay), (lay, []))[1].append(layer)
+    needs_of: dict[int, tuple] = {}
+    for lay, layers in same_layout.values():
+        needs_of.update(zip(layers, _layer_needs(lay, layers, new.phy2log, old_p2l, num_experts, keys,
+                                                 not from_checkpoint)))
+
+    for layer in layer_order:
+        if layer not in lay_of:
+            raise failed
+        lay, lt = lay_of[layer], by_layer[layer]
+        cols = lay.cols
+        columns[layer] = dict(cols)
+        for c, groups in enumerate(lay.groups):
+            parts[(layer, c)] = tuple(tuple(Part(lt[k], box) for k, box in g) for g in groups)
+        bad, nk, nr, ns_, wk, hold = needs_of[layer]
+        if lay.rank_objs is not None:
+            nr = [lay.rank_objs[r] for r in nr]
+            hold = (hold[0], [lay.rank_objs[r] for r in hold[1]], hold[2])
+        if bad is not None:
+            e, s, rank = bad
+            raise ValueError(
+                f"the new placement puts logical expert {e} in slot {s} of layer {layer}, "
+                f"which rank {rank} holds, but rank {rank} is not active"
+            )
+        if not nk:
             continue
-        holders = {} if from_checkpoint else live_holders(old_p2l[layer], cols, active)
-        for (c, e) in sorted(needs):
-            need = needs[(c, e)]
-            held = holders.get((c, e), [])
-            held_by = {}
-            for r, s in held:
-                held_by.setdefault(r, s)
-            groups = parts[(layer, c)]
-            sizes = sizes_of[c]
-            total = sum(sizes)
-            local = [(r, held_by[r]) for r in sorted(need) if r in held_by]
-            remote = [r for r in sorted(need) if r not in held_by]
-            for r, _ in local:
-                copies[LOCAL] += len(need[r]) * len(groups)
-                nbytes_cls[LOCAL] += len(need[r]) * total
+        base = keys.key(int(layer), 0, 0)  # int: numpy layer ids would make every key a numpy int
+        # Live holders of the needed (column, expert)s: key -> {rank: its first slot}, ranks ascending.
+        holders: dict[int, dict[int, int]] = {}
+        for k, r, s in zip(*hold):
+            hb = holders.get(k)
+            if hb is None:
+                holders[k] = {r: s}
+            elif r not in hb:
+                hb[r] = s
+        old_row = old_p2l[layer]
+        i, n = 0, len(nk)
+        while i < n:
+            # One (column, expert): its needers (ascending) and their slots (ascending).
+            key, i0 = nk[i], i
+            ranks, slots = [nr[i]], [[ns_[i]]]
+            i += 1
+            while i < n and nk[i] == key:
+                if nr[i] == ranks[-1]:
+                    slots[-1].append(ns_[i])
+                else:
+                    ranks.append(nr[i])
+                    slots.append([ns_[i]])
+                i += 1
+            c, e = divmod(key, num_experts)
+            sizes = lay.sizes[c]
+            num_groups = len(sizes)
+            total = lay.totals[c]
+            held_by = holders.get(key)
+            local: list[tuple[int, int]] = []
+            reads0: list[int] = []  # keys of the old slot contents read
+            stage: dict[int, int] = {}
+            if held_by:
+                remote, remote_n = [], []  # needers without a local copy, the slots they write
+                for r, sl in zip(ranks, slots):
+                    s = held_by.get(r)
+                    if s is None:
+                        remote.append(r)
+                        remote_n.append(len(sl))
+                    else:
+                        local.append((r, s))
+                        reads0.append(base + r * num_physical + s)
+                        stage[r] = 1  # ranks are distinct
+                        n_copies[0] += len(sl) * num_groups
+                        n_bytes[0] += len(sl) * total
+                srcs = list(held_by)  # ascending
+            else:
+                remote, remote_n, srcs = ranks, [len(sl) for sl in slots], []
             read = -1
-            srcs = sorted(held_by)
             if remote and not srcs:
                 # No live copy anywhere: one checkpoint read per job, near the needers.
-                rem = np.asarray(remote)
-                cands = rem[readers[rem]]
-                if not len(cands):
-                    cands = reader_idx[np.isin(node[reader_idx], node[rem])]
-                if not len(cands):
-                    cands = reader_idx
-                if not len(cands):
+                cands = [r for r in remote if readers_l[r]]
+                if not cands:
+                    rem_nodes = {node_l[r] for r in remote}
+                    cands = [r for r in reader_list if node_l[r] in rem_nodes]
+                if not cands:
+                    cands = reader_list
+                if not cands:
                     dead = sorted({r for r, (cc, s0, ns) in cols.items() if cc == c and not active[r]
                                    and (old_row[s0:s0 + ns] == e).any()})
                     why = "no checkpoint to read it from"
@@ -443,64 +589,134 @@ def _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops, 
                         f"logical expert {e} of layer {layer} has no live copy (held only by dead "
                         f"ranks {dead}) and {why}"
                     )
-                read = int(cands[np.argmin(read_load[cands])])
+                read = int(min(cands, key=read_load.__getitem__))  # the first least-loaded (cands ascending)
                 read_load[read] += total
                 srcs = [read]
                 held_by = {read: -1}
+                stage[read] = 1
             sends: list[tuple[int, int, int]] = []
             relays: list[tuple[int, int]] = []
-            for n in sorted({int(node[r]) for r in remote}):
-                on_node = [r for r in remote if node[r] == n]
-                here = [h for h in srcs if node[h] == n]
-                if here:
+            ops_a: dict[int, int] = {}
+            ops_b: dict[int, int] = {}
+            if len(remote) == 1 and len(srcs) == 1:
+                # The common case, one needer and one source: the general branch below without
+                # its choices (it gives the same moves and counts).
+                r, h = remote[0], srcs[0]
+                if read >= 0:
+                    k = 3  # DISK
+                elif node_l[r] == node_l[h]:
+                    k = 1  # SAME_NODE
+                else:
+                    k = 2  # CROSS_NODE
+                if r != read:  # else the reader needs it itself: no transfer
+                    s = held_by[h]
+                    sends.append((h, s, r))
+                    if s >= 0:
+                        reads0.append(base + h * num_physical + s)
+                    sent[h] += total
+                    recv[r] += total
+                    stage[r] = 1
+                    ops_a[h] = ops_a[r] = 1
+                    net += total
+                    min_net += total
+                    if node_l[r] != node_l[h]:
+                        cross += total
+                        min_cross += total
+                n_copies[k] += remote_n[0] * num_groups
+                n_bytes[k] += remote_n[0] * total
+            elif remote:
+                src_nodes = {node_l[h] for h in srcs}
+                # Sources and needers ascending: min() by load alone picks the lowest rank among
+                # the least loaded.
+                for nd in sorted({node_l[r] for r in remote}) if len(remote) > 1 else (node_l[remote[0]],):
+                    on_node = [r for r in remote if node_l[r] == nd] if len(remote) > 1 else remote
+                    if nd in src_nodes:
+                        here = [h for h in srcs if node_l[h] == nd] if len(srcs) > 1 else srcs
+                        for r in on_node:
+                            if r == read:
+                                continue  # the reader needs it itself: no transfer
+                            h = min(here, key=sent.__getitem__) if len(here) > 1 else here[0]
+                            s = held_by[h]
+                            sends.append((h, s, r))
+                            if s >= 0:
+                                reads0.append(base + h * num_physical + s)
+                            sent[h] += total
+                            recv[r] += total
+                            stage[r] = 1  # needers are distinct and hold no source
+                            ops_a[h] = ops_a.get(h, 0) + 1
+                            ops_a[r] = ops_a.get(r, 0) + 1
+                        continue
+                    # No source on the node: one needer receives across and relays it on.
+                    relay = min(on_node, key=recv.__getitem__) if len(on_node) > 1 else on_node[0]
+                    h = min(srcs, key=sent.__getitem__) if len(srcs) > 1 else srcs[0]
+                    s = held_by[h]
+                    sends.append((h, s, relay))
+                    if s >= 0:
+                        reads0.append(base + h * num_physical + s)
+                    sent[h] += total
+                    recv[relay] += total
+                    stage[relay] = 1
+                    ops_a[h] = ops_a.get(h, 0) + 1
+                    ops_a[relay] = ops_a.get(relay, 0) + 1
+                    cross += total
                     for r in on_node:
-                        if r == read:
-                            continue  # the reader needs it itself: no transfer
-                        h = min(here, key=lambda h: (sent[h], h))
-                        sends.append((h, held_by[h], r))
-                        sent[h] += total
-                        recv[r] += total
-                    continue
-                relay = min(on_node, key=lambda r: (recv[r], r))
-                h = min(srcs, key=lambda h: (sent[h], h))
-                sends.append((h, held_by[h], relay))
-                sent[h] += total
-                recv[relay] += total
-                cross += total
-                for r in on_node:
-                    if r != relay:
-                        relays.append((relay, r))
-                        sent[relay] += total
-                        recv[r] += total
-            net += total * (len(sends) + len(relays))
-            # Lower bounds: every remote needer receives once, except a needer that reads it
-            # itself; every node with needers and without a source receives across once.
-            min_net += total * (len(remote) - int(read in remote))
-            src_nodes = {int(node[h]) for h in srcs}
-            min_cross += total * len({int(node[r]) for r in remote} - src_nodes)
-            cls = DISK if read >= 0 else None
-            for r in remote:
-                k = cls or (SAME_NODE if any(node[h] == node[r] for h in srcs) else CROSS_NODE)
-                copies[k] += len(need[r]) * len(groups)
-                nbytes_cls[k] += len(need[r]) * total
-            writes = tuple((r, tuple(need[r])) for r in sorted(need))
+                        if r != relay:
+                            relays.append((relay, r))
+                            sent[relay] += total
+                            recv[r] += total
+                            stage[r] = 1
+                            ops_b[relay] = ops_b.get(relay, 0) + 1
+                            ops_b[r] = 1
+                net += total * (len(sends) + len(relays))
+                # Lower bounds: every remote needer receives once, except a needer that reads it
+                # itself; every node with needers and without a source receives across once.
+                min_net += total * (len(remote) - int(read in remote))
+                for r, cnt in zip(remote, remote_n):
+                    if read >= 0:
+                        k = 3  # DISK
+                    elif node_l[r] in src_nodes:
+                        k = 1  # SAME_NODE
+                    else:
+                        k = 2  # CROSS_NODE
+                    n_copies[k] += cnt * num_groups
+                    n_bytes[k] += cnt * total
+                min_cross += total * len({node_l[r] for r in remote} - src_nodes)
+            writes = tuple(zip(ranks, map(tuple, slots)))
+            local_t, sends_t, relays_t = tuple(local), tuple(sends), tuple(relays)
+            writes0 = wk[i0:i]  # in the order of writes
+            g = len(group_stage)
+            group_stage.append(stage)
+            group_ops.append((ops_a, ops_b, len(sends) + len(relays)))
+            # repr(move) for the fingerprint, formatted here (an f-string is cheaper than the
+            # dataclass repr) and once for the fields that all part groups share.
+            tail = f", read={read!r}, copies={local_t!r}, sends={sends_t!r}, relays={relays_t!r}, writes={writes!r})"
             for k, size in enumerate(sizes):
-                moves.append(Move(layer, c, k, e, size, read, tuple(local), tuple(sends), tuple(relays), writes))
+                moves.append(Move(layer, c, k, e, size, read, local_t, sends_t, relays_t, writes))
+                move_reprs.append(f"Move(layer={layer!r}, column={c!r}, part={k!r}, expert={e!r}, nbytes={size!r}{tail}")
+                if k:
+                    off = k * keys.per_part
+                    read_keys.append([x + off for x in reads0])
+                    write_keys.append([x + off for x in writes0])
+                else:
+                    read_keys.append(reads0)
+                    write_keys.append(writes0)
+                group_of.append(g)
+                num_parts.append(len(lay.groups[c][k]))
 
-    num_parts = [len(parts[(m.layer, m.column)][m.part]) for m in moves]
-    rounds, stashes, peak, num_ops = _schedule(moves, num_parts, world, staging_bytes, max_ops)
+    rounds, stashes, peak, total_ops = pack_rounds(moves, keys, read_keys, write_keys, group_of, num_parts,
+                                                 group_stage, group_ops, world, staging_bytes, max_ops)
     cost = RelocationCost(
-        copies=copies,
-        bytes=nbytes_cls,
-        sent_bytes=sent,
-        recv_bytes=recv,
-        read_bytes=read_load,
+        copies=dict(zip(CLASSES, n_copies)),
+        bytes=dict(zip(CLASSES, n_bytes)),
+        sent_bytes=np.asarray(sent, dtype=np.int64),
+        recv_bytes=np.asarray(recv, dtype=np.int64),
+        read_bytes=np.asarray(read_load, dtype=np.int64),
         peak_staging_bytes=peak,
         network_bytes=net,
         cross_node_bytes=cross,
         min_network_bytes=min_net,
         min_cross_node_bytes=min_cross,
-        num_p2p_ops=num_ops,
+        num_p2p_ops=total_ops,
         num_rounds=len(rounds),
         num_stashes=len(stashes),
     )
@@ -508,7 +724,7 @@ def _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops, 
         topology=topology.with_rank(0),
         tensors=tuple(tensors),
         columns=tuple(columns),
-        parts={k: tuple(v) for k, v in parts.items()},
+        parts=parts,
         moves=tuple(moves),
         stashes=tuple(stashes),
         rounds=tuple(rounds),
@@ -517,157 +733,8 @@ def _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops, 
         max_ops=max_ops,
         old_phy2log=old_p2l,
     )
-    object.__setattr__(plan, "fingerprint", _fingerprint(plan))
+    object.__setattr__(plan, "fingerprint", _fingerprint(plan, hkeys, move_reprs))
     return plan
-
-
-def _move_stage(m: Move) -> dict[int, int]:
-    """Bytes each rank stages for a move: read buffer, local clones, received buffers."""
-    stage: dict[int, int] = defaultdict(int)
-    if m.read >= 0:
-        stage[m.read] += m.nbytes
-    for r, _ in m.copies:
-        stage[r] += m.nbytes
-    for _, _, d in m.sends:
-        stage[d] += m.nbytes
-    for _, d in m.relays:
-        stage[d] += m.nbytes
-    return stage
-
-
-def _move_ops(m: Move, num_parts: int) -> tuple[dict[int, int], dict[int, int]]:
-    a: dict[int, int] = defaultdict(int)
-    b: dict[int, int] = defaultdict(int)
-    for s, _, d in m.sends:
-        a[s] += num_parts
-        a[d] += num_parts
-    for s, d in m.relays:
-        b[s] += num_parts
-        b[d] += num_parts
-    return a, b
-
-
-def _schedule(moves: list[Move], num_parts: list[int], world: int, budget: int, max_ops: int):
-    """Pack moves into rounds (list scheduling in move order).
-
-    A move becomes *ready* once every move reading the old content of a slot it overwrites
-    is scheduled (in an earlier round or earlier in the same round: reads happen before the
-    round's writes). If nothing is ready and nothing was scheduled in the round, the first
-    blocked move's slots are stashed, which breaks the cycle it sits on.
-    """
-    # Keys (rank, layer, slot, part) of old slot contents read / overwritten.
-    readers_of: dict[tuple, int] = defaultdict(int)
-    key_readers: dict[tuple, list[int]] = defaultdict(list)
-    read_keys = [[(r, m.layer, s, m.part) for r, s in m.reads()] for m in moves]
-    for i, keys in enumerate(read_keys):
-        for key in keys:
-            readers_of[key] += 1
-            key_readers[key].append(i)
-    scheduled: set[int] = set()
-    writer_keys: list[list[tuple]] = [
-        [(r, m.layer, s, m.part) for r, slots in m.writes for s in slots] for m in moves
-    ]
-    writer_of = {k: i for i, ks in enumerate(writer_keys) for k in ks}
-    blocked = [sum(1 for k in ks if readers_of.get(k, 0)) for ks in writer_keys]
-    ready = [i for i, b in enumerate(blocked) if b == 0]
-    heapq.heapify(ready)
-    stage_cost = [_move_stage(m) for m in moves]
-    ops_cost = [_move_ops(m, n) for m, n in zip(moves, num_parts)]
-
-    rounds: list[Round] = []
-    stashes: list[Stash] = []
-    stash_live: dict[int, int] = defaultdict(int)  # rank -> bytes of stashes still needed
-    stash_left: dict[tuple, int] = {}  # stashed key -> readers not yet scheduled
-    peak = np.zeros(world, dtype=np.int64)
-    num_ops = 0
-    done = 0
-    first_waiting = 0
-    while done < len(moves):
-        cur: list[int] = []
-        new_stashes: list[int] = []
-        stage: dict[int, int] = defaultdict(int)
-        ops_a: dict[int, int] = defaultdict(int)
-        ops_b: dict[int, int] = defaultdict(int)
-        deferred: list[int] = []
-        released: list[tuple] = []
-        while True:
-            while ready:
-                i = heapq.heappop(ready)
-                add = stage_cost[i]
-                a, b = ops_cost[i]
-                fits = not cur or (
-                    all(stage[r] + v + stash_live[r] <= budget for r, v in add.items())
-                    and all(ops_a[r] + v <= max_ops for r, v in a.items())
-                    and all(ops_b[r] + v <= max_ops for r, v in b.items())
-                )
-                if not fits:
-                    deferred.append(i)
-                    continue
-                cur.append(i)
-                scheduled.add(i)
-                done += 1
-                for r, v in add.items():
-                    stage[r] += v
-                for r, v in a.items():
-                    ops_a[r] += v
-                for r, v in b.items():
-                    ops_b[r] += v
-                m = moves[i]
-                num_ops += (len(m.sends) + len(m.relays)) * num_parts[i]
-                for key in read_keys[i]:
-                    if key in stash_left:
-                        stash_left[key] -= 1
-                        if stash_left[key] == 0:
-                            released.append(key)
-                        continue
-                    readers_of[key] -= 1
-                    if readers_of[key] == 0 and key in writer_of:
-                        w = writer_of[key]
-                        blocked[w] -= 1
-                        if blocked[w] == 0:
-                            heapq.heappush(ready, w)
-            if deferred or done == len(moves):
-                break
-            # Deadlock: every remaining move waits for a reader that is itself blocked. Walk
-            # along "waits for" until a move repeats: that move sits on a cycle, and stashing
-            # the slots it overwrites breaks the cycle. Start from a move that reads a live
-            # stash (finishing it frees memory), else from the first blocked move.
-            frees = [j for k in stash_left for j in key_readers[k] if j not in scheduled and blocked[j] > 0]
-            while blocked[first_waiting] == 0:  # blocked counts only decrease
-                first_waiting += 1
-            first = min(frees) if frees else first_waiting
-            seen: set[int] = set()
-            while first not in seen:
-                seen.add(first)
-                key = next(k for k in writer_keys[first] if readers_of.get(k, 0) > 0)
-                first = next(j for j in key_readers[key] if j not in scheduled)
-            m = moves[first]
-            keys = [k for k in writer_keys[first] if readers_of.get(k, 0) > 0]
-            extra: dict[int, int] = defaultdict(int)
-            for k in keys:
-                extra[k[0]] += m.nbytes
-            if cur and any(stage[r] + stash_live[r] + v > budget for r, v in extra.items()):
-                break  # no room for the stash in this round: next round
-            for key in keys:
-                r, layer, s, part = key
-                stashes.append(Stash(len(rounds), r, layer, s, part, m.nbytes))
-                new_stashes.append(len(stashes) - 1)
-                stash_left[key] = readers_of[key]
-                stash_live[r] += m.nbytes
-                readers_of[key] = 0
-            blocked[first] = 0
-            heapq.heappush(ready, first)
-        for r, v in stage.items():
-            peak[r] = max(peak[r], v + stash_live[r])
-        for r, v in stash_live.items():
-            peak[r] = max(peak[r], v)
-        rounds.append(Round(tuple(sorted(cur)), tuple(new_stashes)))
-        for key in released:
-            stash_live[key[0]] -= moves[writer_of[key]].nbytes
-            del stash_left[key]
-        for i in deferred:
-            heapq.heappush(ready, i)
-    return rounds, stashes, peak, num_ops
 
 
 def _as_schedule(plan: RelocationPlan, old_p2l: np.ndarray, max_ops: int) -> Schedule:
@@ -766,13 +833,46 @@ def _as_schedule(plan: RelocationPlan, old_p2l: np.ndarray, max_ops: int) -> Sch
     )
 
 
-def _fingerprint(plan: RelocationPlan) -> str:
+def _repr_formatter(cls, raw: str):
+    """``(format, get)``: ``format(*get(obj), raw=text)`` is ``repr(obj)`` for an instance ``obj``
+    of dataclass ``cls`` whose field ``raw`` has the repr ``text`` (``get`` leaves it out)."""
+    names = [f.name for f in dataclasses.fields(cls) if f.repr]
+    rest = [n for n in names if n != raw]
+    fields = ", ".join(f"{n}={{raw}}" if n == raw else f"{n}={{{rest.index(n)}!r}}" for n in names)
+    return f"{cls.__qualname__}({fields})".format, operator.attrgetter(*rest)
+
+
+def _tuple_repr(items: list[str]) -> str:
+    """``repr`` of a tuple whose items' reprs are ``items``."""
+    return f"({items[0]},)" if len(items) == 1 else "(" + ", ".join(items) + ")"
+
+
+def _fingerprint(plan: RelocationPlan, hkeys: list[bytes | None] | None = None,
+                 move_reprs: list[str] | None = None) -> str:
+    """sha256 of the reprs of the plan's topology, budget, tensors, moves, stashes and rounds.
+
+    The same bytes as ``repr(plan.tensors)`` etc., only faster: tensors with the same holdings
+    (``hkeys``: :func:`_holdings_key` of each) format their holdings once; ``move_reprs``: the
+    moves' reprs, when the planner has them.
+    """
     h = hashlib.sha256()
     h.update(repr((plan.topology.world_size, plan.topology.local_world_size, plan.staging_bytes)).encode())
     if plan.topology.nodes is not None:  # uneven nodes (a process group of some ranks)
         h.update(repr(plan.topology.nodes).encode())
-    h.update(repr(plan.tensors).encode())
-    h.update(repr(plan.moves).encode())
+    fmt, get = _repr_formatter(ExpertTensor, raw="holdings")
+    held: dict[bytes, str] = {}
+    out = []
+    for i, t in enumerate(plan.tensors):
+        hk = hkeys[i] if hkeys is not None else None
+        if type(t) is not ExpertTensor or hk is None:
+            out.append(repr(t))
+            continue
+        text = held.get(hk)
+        if text is None:
+            text = held[hk] = repr(t.holdings)
+        out.append(fmt(*get(t), raw=text))
+    h.update(_tuple_repr(out).encode())
+    h.update((repr(plan.moves) if move_reprs is None else _tuple_repr(move_reprs)).encode())
     h.update(repr(plan.stashes).encode())
     h.update(repr(plan.rounds).encode())
     return h.hexdigest()[:16]
