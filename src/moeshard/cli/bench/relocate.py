@@ -10,7 +10,7 @@ Reports (table on stdout, JSON in ``--out``):
 1. per rebalance step, the oblivious policy and the migration-aware one: balance (mean over
    layers of max/mean rank load) and expert copies moved (pure, no ranks involved);
 2. per step, wall time of the migration-aware relocation by P2P (with and without keeping the
-   overwritten slots for a rollback, ``transactional``), of re-reading the changed experts from
+   overwritten slots for a rollback, ``transactional``; and in chunks of one layer), of re-reading the changed experts from
    the checkpoint, and of reloading every expert from the checkpoint, one after
    the other on the same ranks and state; bytes sent vs the minimum for the two placements;
 3. 1 and 2 dead ranks: experts recovered from live replicas vs read from disk; every live
@@ -166,7 +166,7 @@ def rank_worker(cfg: Config, path: str, aware: list, dead: list) -> dict:
     import torch.distributed as dist
 
     from ...io.checkpoint import CheckpointIndex, CheckpointReader
-    from ...ops.relocate import relocate
+    from ...ops.relocate import relocate, relocate_chunks
     from ...topology import Topology
 
     rank = dist.get_rank()
@@ -193,7 +193,7 @@ def rank_worker(cfg: Config, path: str, aware: list, dead: list) -> dict:
     out = {"initial": timed(None, aware[0]), "steps": [], "dead": []}
     for s in range(1, len(aware)):
         cur, new = aware[s - 1], aware[s]
-        runs = {"p2p": [], "p2p_nobackup": [], "disk": [], "full": []}
+        runs = {"p2p": [], "p2p_nobackup": [], "chunked": [], "disk": [], "full": []}
         for _ in range(cfg.repeat):
             # Each variant starts from the step's start state `cur` and ends in `new`.
             cold()
@@ -202,6 +202,11 @@ def rank_worker(cfg: Config, path: str, aware: list, dead: list) -> dict:
             runs["p2p"].append(timed(cur, new))
             timed(new, cur)
             runs["p2p_nobackup"].append(timed(cur, new, transactional=False))  # the cost of "old or new"
+            timed(new, cur)
+            dist.barrier()
+            t0 = time.perf_counter()  # one layer per chunk, as a server rebalancing between batches
+            chunks = sum(1 for _ in relocate_chunks(tensors, cur, new, layers_per_chunk=1, **kw))
+            runs["chunked"].append(dict(wall=time.perf_counter() - t0, chunks=chunks))
             timed(new, cur)
             cold()
             runs["full"].append(timed(None, new))
@@ -291,23 +296,25 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\n2. relocation wall time (slowest rank, median of {cfg.repeat}), same start state each: P2P = "
           "moeshard.relocate; disk = re-read the changed experts from the checkpoint; full = read every slot")
-    print("   (P2P-nb = P2P without keeping the overwritten slots: transactional=False)")
-    print(f"{'step':>4} {'P2P s':>7} {'(plan)':>7} {'P2P-nb s':>8} {'disk s':>7} {'full s':>7} {'disk/P2P':>9} "
-          f"{'full/P2P':>9} {'sent MiB':>9} {'min MiB':>8} {'cross MiB':>10} {'rounds':>7}")
+    print("   (P2P-nb = P2P without keeping the overwritten slots: transactional=False; chunks = the same move one "
+          "layer per relocate_chunks step, all steps)")
+    print(f"{'step':>4} {'P2P s':>7} {'(plan)':>7} {'P2P-nb s':>8} {'chunks s':>8} {'disk s':>7} {'full s':>7} "
+          f"{'disk/P2P':>9} {'full/P2P':>9} {'sent MiB':>9} {'min MiB':>8} {'cross MiB':>10} {'rounds':>7}")
     steps = []
     for i in range(len(results[0]["steps"])):
         def get(kind: str, i: int = i) -> float:
             # Per repetition the job's time is its slowest rank's; then the median repetition.
             return statistics.median(max(r["steps"][i][kind][k]["wall"] for r in results) for k in range(cfg.repeat))
 
-        p2p, p2p_nb, disk, full = get("p2p"), get("p2p_nobackup"), get("disk"), get("full")
+        p2p, p2p_nb, chunked, disk, full = (get(k) for k in ("p2p", "p2p_nobackup", "chunked", "disk", "full"))
         rep = results[0]["steps"][i]["p2p"][0]
         plan_s = statistics.median(max(r["steps"][i]["p2p"][k]["plan"] for r in results) for k in range(cfg.repeat))
-        steps.append(dict(step=i + 1, p2p_s=p2p, p2p_plan_s=plan_s, p2p_nobackup_s=p2p_nb, disk_s=disk, full_s=full, disk_over_p2p=disk / p2p,
+        steps.append(dict(step=i + 1, p2p_s=p2p, p2p_plan_s=plan_s, p2p_nobackup_s=p2p_nb, chunked_s=chunked,
+                          chunks=results[0]["steps"][i]["chunked"][0]["chunks"], disk_s=disk, full_s=full, disk_over_p2p=disk / p2p,
                           full_over_p2p=full / p2p, network_bytes=rep["network"], min_network_bytes=rep["min_network"],
                           cross_node_bytes=rep["cross"], min_cross_node_bytes=rep["min_cross"],
                           copies=rep["copies"], rounds=rep["rounds"]))
-        print(f"{i + 1:>4} {p2p:7.3f} {plan_s:7.3f} {p2p_nb:8.3f} {disk:7.3f} {full:7.3f} {disk / p2p:9.2f} {full / p2p:9.2f} "
+        print(f"{i + 1:>4} {p2p:7.3f} {plan_s:7.3f} {p2p_nb:8.3f} {chunked:8.3f} {disk:7.3f} {full:7.3f} {disk / p2p:9.2f} {full / p2p:9.2f} "
               f"{rep['network'] / 2**20:9.1f} {rep['min_network'] / 2**20:8.1f} {rep['cross'] / 2**20:10.1f} "
               f"{rep['rounds']:>7}")
     init = job(lambda r: r["initial"]["wall"])
