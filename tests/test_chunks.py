@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from moeshard import Placement, relocation_chunks
-from moeshard.plan.chunks import changed_slots
+from moeshard.eplb import slots_changed
 
 
 def _pair(seed: int, layers: int = 7, logical: int = 6, slots: int = 8, ranks: int = 4):
@@ -32,7 +32,7 @@ def test_chunks_move_each_changed_layer_once_within_bounds(seed, bounds):
     moved = [layer for layers, _ in chunks for layer in layers]
     assert moved == sorted(moved) and 2 not in moved
     assert moved == np.flatnonzero((old.phy2log != new.phy2log).any(axis=1)).tolist()
-    per_layer = changed_slots(old, new) * bounds.get("slot_bytes", 0)
+    per_layer = slots_changed(old, new, per_layer=True) * bounds.get("slot_bytes", 0)
     prev = old
     for layers, pl in chunks:
         # Each layer's row is new once its chunk ran, old before: every intermediate is valid.

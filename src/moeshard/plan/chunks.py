@@ -13,17 +13,10 @@ from typing import Sequence
 
 import numpy as np
 
+from ..eplb.metrics import slots_changed
 from ..placement import Placement
 
-__all__ = ["relocation_chunks", "changed_slots"]
-
-
-def changed_slots(old: Placement, new: Placement) -> np.ndarray:
-    """``int[num_layers]``: slots per layer that ``new`` fills with another expert than ``old``
-    (what a relocation writes; emptied slots are not written)."""
-    if old.phy2log.shape != new.phy2log.shape:
-        raise ValueError(f"the old placement has shape {old.phy2log.shape}, the new one {new.phy2log.shape}")
-    return ((new.phy2log != old.phy2log) & (new.phy2log >= 0)).sum(axis=1)
+__all__ = ["relocation_chunks"]
 
 
 def relocation_chunks(
@@ -53,7 +46,7 @@ def relocation_chunks(
     """
     if old.num_logical != new.num_logical:
         raise ValueError(f"the old placement has {old.num_logical} logical experts, the new one {new.num_logical}")
-    changed = changed_slots(old, new)
+    changed = slots_changed(old, new, per_layer=True)
     if layers_per_chunk is None and max_bytes is None:
         raise ValueError("pass layers_per_chunk or max_bytes (or both)")
     if layers_per_chunk is not None and layers_per_chunk < 1:
