@@ -598,33 +598,7 @@ def _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops, 
             relays: list[tuple[int, int]] = []
             ops_a: dict[int, int] = {}
             ops_b: dict[int, int] = {}
-            if len(remote) == 1 and len(srcs) == 1:
-                # The common case, one needer and one source: the general branch below without
-                # its choices (it gives the same moves and counts).
-                r, h = remote[0], srcs[0]
-                if read >= 0:
-                    k = 3  # DISK
-                elif node_l[r] == node_l[h]:
-                    k = 1  # SAME_NODE
-                else:
-                    k = 2  # CROSS_NODE
-                if r != read:  # else the reader needs it itself: no transfer
-                    s = held_by[h]
-                    sends.append((h, s, r))
-                    if s >= 0:
-                        reads0.append(base + h * num_physical + s)
-                    sent[h] += total
-                    recv[r] += total
-                    stage[r] = 1
-                    ops_a[h] = ops_a[r] = 1
-                    net += total
-                    min_net += total
-                    if node_l[r] != node_l[h]:
-                        cross += total
-                        min_cross += total
-                n_copies[k] += remote_n[0] * num_groups
-                n_bytes[k] += remote_n[0] * total
-            elif remote:
+            if remote:
                 src_nodes = {node_l[h] for h in srcs}
                 # Sources and needers ascending: min() by load alone picks the lowest rank among
                 # the least loaded.
