@@ -136,18 +136,20 @@ def main(argv=None) -> int:
           f"drift={args.drift}; {args.layers * args.physical} copies per step")
     print(f"{'step':>4} | {'balance ref':>11} {'obl':>7} {'aware':>7} {'aw/ref':>7} | {'moved ref':>9} {'obl':>6} "
           f"{'aware':>6} {'aw/ref':>6} | {'ms ref':>6} {'obl':>6} {'aware':>6}")
+    def row(label, balance: dict, balance_ratio: float, moved: dict, moved_ratio: float, seconds: dict) -> str:
+        """One line of the table: per policy (reference, oblivious, aware) balance, moves, ms."""
+        b, m, t = ([d[k] for k in ("reference", "oblivious", "aware")] for d in (balance, moved, seconds))
+        return (f"{label:>4} | {b[0]:>11.4f} {b[1]:>7.4f} {b[2]:>7.4f} {balance_ratio:>7.4f} | {m[0]:>9} {m[1]:>6} "
+                f"{m[2]:>6} {moved_ratio:>6.3f} | {1e3 * t[0]:>6.1f} {1e3 * t[1]:>6.1f} {1e3 * t[2]:>6.1f}")
+
     for r in res["steps"]:
-        f, o, a = r["reference"], r["oblivious"], r["aware"]
-        print(f"{r['step']:>4} | {f['balance']:>11.4f} {o['balance']:>7.4f} {a['balance']:>7.4f} "
-              f"{r['aware_vs_reference_balance_max']:>7.4f} | {f['copies_moved']:>9} {o['copies_moved']:>6} "
-              f"{a['copies_moved']:>6} {r['moved_ratio_vs_reference']:>6.3f} | {1e3 * f['seconds']:>6.1f} "
-              f"{1e3 * o['seconds']:>6.1f} {1e3 * a['seconds']:>6.1f}")
+        per = {k: {p: r[p][k] for p in ("reference", "oblivious", "aware")}
+               for k in ("balance", "copies_moved", "seconds")}
+        print(row(r["step"], per["balance"], r["aware_vs_reference_balance_max"], per["copies_moved"],
+                  r["moved_ratio_vs_reference"], per["seconds"]))
     s = res["summary"]
-    b, m, t = s["balance_mean"], s["copies_moved_total"], s["seconds_median"]
-    print(f" all | {b['reference']:>11.4f} {b['oblivious']:>7.4f} {b['aware']:>7.4f} "
-          f"{s['aware_vs_reference_balance_max']:>7.4f} | {m['reference']:>9} {m['oblivious']:>6} {m['aware']:>6} "
-          f"{s['moved_ratio_vs_reference']:>6.3f} | {1e3 * t['reference']:>6.1f} {1e3 * t['oblivious']:>6.1f} "
-          f"{1e3 * t['aware']:>6.1f}")
+    print(row("all", s["balance_mean"], s["aware_vs_reference_balance_max"], s["copies_moved_total"],
+              s["moved_ratio_vs_reference"], s["seconds_median"]))
     c = s["cpu_seconds_median"]
     print(f"policy CPU time (median): reference {1e3 * c['reference']:.1f} ms, oblivious {1e3 * c['oblivious']:.1f} ms, "
           f"aware {1e3 * c['aware']:.1f} ms")
