@@ -33,9 +33,11 @@ import pytest
 import torch
 
 import moeshard
+import expert_values
 import tiny_moe
 from moeshard import eplb
 from moeshard._launch import _free_port
+from expert_values import checkpoint_pairs
 from mp import start_and_join
 
 pytestmark = pytest.mark.dist
@@ -53,19 +55,8 @@ LOSS_TIMEOUT_S = 10
 MAPS = 4  # random maps on the survivors' group (each of LAYERS independent layer maps)
 
 
-def encode(layer: int, expert: int, tensor: int, shape) -> torch.Tensor:
-    n = int(np.prod(shape))
-    return (layer * 1e7 + expert * 1e4 + tensor * 1e3 + torch.arange(n, dtype=torch.float64)).reshape(shape)
-
-
-def params():
-    return [moeshard.ExpertParam(f"w{j}", (f"{{e}}.w{j}",)) for j in range(len(SHAPES))]
-
-
 def write_checkpoint(path: str) -> None:
-    pairs = [(f"{MODULE.format(layer=layer)}.{e}.w{j}", encode(layer, e, j, shape))
-             for layer in range(LAYERS) for e in range(LOGICAL) for j, shape in enumerate(SHAPES)]
-    moeshard.write_checkpoint(path, pairs, max_shard_bytes=2048)
+    moeshard.write_checkpoint(path, checkpoint_pairs(MODULE, LAYERS, LOGICAL, SHAPES), max_shard_bytes=2048)
 
 
 def empty_tensors() -> dict:
@@ -74,15 +65,7 @@ def empty_tensors() -> dict:
 
 
 def check(tensors: dict, phy2log: np.ndarray, ep_rank: int, what: str) -> list[str]:
-    bad = []
-    for layer, ts in tensors.items():
-        for j, t in enumerate(ts):
-            for k in range(SLOTS):
-                e = int(phy2log[layer, ep_rank * SLOTS + k])
-                if e >= 0 and not torch.equal(t[k], encode(layer, e, j, SHAPES[j])):
-                    bad.append(f"{what}: EP rank {ep_rank} layer {layer} tensor {j} slot {ep_rank * SLOTS + k}: "
-                               f"want expert {e}")
-    return bad
+    return expert_values.check(tensors, phy2log, ep_rank, SLOTS, SHAPES, what)
 
 
 def balanced(seed: int, old, active=None, ranks: int = WORLD, logical: int = LOGICAL) -> moeshard.Placement:
@@ -123,7 +106,7 @@ def _job_a(rank: int, root: str, out: dict) -> tuple:
     """Step 1 on the 8 ranks of job A; returns the rank's tensors and the placement."""
     dist = torch.distributed
     ckpt = os.path.join(root, "ckpt")
-    kw = dict(expert_params=params(), module=MODULE)
+    kw = dict(expert_params=expert_values.params(len(SHAPES)), module=MODULE)
     tensors = empty_tensors()
     pl0 = balanced(0, None)
     rep = moeshard.relocate(tensors, None, pl0, checkpoint=ckpt, **kw)
@@ -205,7 +188,7 @@ def _rank_main(idx: int, ports: tuple[int, int], root: str, out_dir: str) -> Non
     torch.set_num_threads(1)
     dist = torch.distributed
     ckpt = os.path.join(root, "ckpt")
-    kw = dict(expert_params=params(), module=MODULE)
+    kw = dict(expert_params=expert_values.params(len(SHAPES)), module=MODULE)
     out: dict = {"bad": []}
     try:
         if idx != JOINER:

@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 import torch
 
+import expert_values
+from expert_values import checkpoint_pairs, encode
 from mp import run_ranks
 
 pytestmark = pytest.mark.dist
@@ -30,27 +32,11 @@ MAP_LAYERS = 6  # random maps: each layer of a relocate call is an independent o
 LOGICAL = (2, 5, 16, 64)
 
 
-def encode(layer: int, expert: int, tensor: int, shape) -> torch.Tensor:
-    n = int(np.prod(shape))
-    return (layer * 1e7 + expert * 1e4 + tensor * 1e3 + torch.arange(n, dtype=torch.float64)).reshape(shape)
-
-
-def params():
-    from moeshard import ExpertParam
-
-    return [ExpertParam(f"w{j}", (f"{{e}}.w{j}",)) for j in range(len(SHAPES))]
-
-
 def write_checkpoint(root: str, num_logical: int) -> str:
     from moeshard import write_checkpoint as write
 
     path = os.path.join(root, f"ckpt{num_logical}")
-    pairs = []
-    for layer in range(MAP_LAYERS):
-        for e in range(num_logical):
-            for j, shape in enumerate(SHAPES):
-                pairs.append((f"{MODULE.format(layer=layer)}.{e}.w{j}", encode(layer, e, j, shape)))
-    write(path, pairs, max_shard_bytes=4096)
+    write(path, checkpoint_pairs(MODULE, MAP_LAYERS, num_logical, SHAPES), max_shard_bytes=4096)
     return path
 
 
@@ -63,14 +49,7 @@ def fill(tensors: dict, phy2log: np.ndarray, rank: int, slots: int) -> None:
 
 
 def check(tensors: dict, phy2log: np.ndarray, rank: int, slots: int) -> list[str]:
-    bad = []
-    for layer, ts in tensors.items():
-        for j, t in enumerate(ts):
-            for k in range(slots):
-                e = int(phy2log[layer, rank * slots + k])
-                if e >= 0 and not torch.equal(t[k], encode(layer, e, j, SHAPES[j])):
-                    bad.append(f"rank {rank} layer {layer} tensor {j} slot {rank * slots + k}: want expert {e}")
-    return bad
+    return expert_values.check(tensors, phy2log, rank, slots, SHAPES)
 
 
 def random_placement(rng, num_logical: int, slots: int, dead=(), layers: int = NUM_LAYERS) -> "np.ndarray":
@@ -134,7 +113,7 @@ def random_maps_worker(root: str, seed: int, maps_per_config: int) -> dict:
         old_pl = moeshard.Placement(old, num_logical=num_logical, num_ranks=WORLD)
         new_pl = moeshard.Placement(new, num_logical=num_logical, num_ranks=WORLD)
         kw = dict(checkpoint=os.path.join(root, f"ckpt{num_logical}"), topology=topo, staging_bytes=budget,
-                  expert_params=params(), module=MODULE)
+                  expert_params=expert_values.params(len(SHAPES)), module=MODULE)
         if active.all() and i % 3 == 0:
             # Chunked: every slot matches the placement in force after each chunk (bounded by
             # the bytes of about two layers' changed slots).
@@ -288,7 +267,7 @@ def bad_input_worker(root: str) -> dict:
         kw = dict(kw)
         kw.setdefault("module", MODULE)
         try:
-            moeshard.relocate(tensors, topology=topo, expert_params=params(), **kw)
+            moeshard.relocate(tensors, topology=topo, expert_params=expert_values.params(len(SHAPES)), **kw)
             out[label] = "no error"
         except moeshard.DistributedError as e:
             out[label] = str(e)
@@ -299,7 +278,7 @@ def bad_input_worker(root: str) -> dict:
         odd[1][1] = torch.zeros(slots, 5, dtype=torch.float64)
     try:
         moeshard.relocate(odd, old_pl, moved_pl, checkpoint=ckpt, active_ranks=alive, topology=topo,
-                          expert_params=params(), module=MODULE)
+                          expert_params=expert_values.params(len(SHAPES)), module=MODULE)
         out["shapes differ"] = "no error"
     except moeshard.DistributedError as e:
         out["shapes differ"] = str(e)
@@ -327,7 +306,7 @@ def _dead_reader_cases(rank: int, old: np.ndarray, ckpt: str, topo) -> dict:
         tensors = {layer: [torch.empty(slots, *s, dtype=torch.float64) for s in SHAPES] for layer in range(NUM_LAYERS)}
         fill(tensors, solo, rank, slots)
         rep = moeshard.relocate(tensors, solo_pl, away_pl, checkpoint=path, active_ranks=alive, storage=storage,
-                                topology=topo, expert_params=params(), module=MODULE)
+                                topology=topo, expert_params=expert_values.params(len(SHAPES)), module=MODULE)
         return rep.disk_experts, check(tensors, away, rank, slots) if alive[rank] else []
 
     out["single, rank 0 dead"] = run("single", ckpt)
