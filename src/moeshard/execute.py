@@ -203,24 +203,20 @@ class Backup:
     write (``nbytes``)."""
 
     def __init__(self, schedule: Schedule, sink: TensorSink, rank: int):
-        views = [sink.target(row) for row in schedule.for_rank(rank).deliveries.tolist()]
-        self.nbytes = sum(v.numel() * v.element_size() for v in views)
-        numel: dict[tuple[torch.dtype, torch.device], int] = {}
-        for v in views:
-            numel[(v.dtype, v.device)] = numel.get((v.dtype, v.device), 0) + v.numel()
-        host = {}
-        for (dtype, device), n in numel.items():
-            on_host = device.type != "cpu"
-            host[(dtype, device)] = torch.empty(n, dtype=dtype, device="cpu" if on_host else device,
-                                                pin_memory=on_host and device.type == "cuda")
+        views: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for row in schedule.for_rank(rank).deliveries.tolist():
+            v = sink.target(row)
+            views.setdefault((v.dtype, v.device), []).append(v)
         self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
-        used = dict.fromkeys(numel, 0)
-        for v in views:
-            k = (v.dtype, v.device)
-            copy = host[k][used[k] : used[k] + v.numel()].view(v.shape)
-            used[k] += v.numel()
-            copy.copy_(v, non_blocking=True)
-            self.saved.append((v, copy))
+        for (dtype, device), vs in views.items():
+            on_host = device.type != "cpu"
+            buf = torch.empty(sum(v.numel() for v in vs), dtype=dtype, device="cpu" if on_host else device,
+                              pin_memory=on_host and device.type == "cuda")
+            for v, flat in zip(vs, buf.split([v.numel() for v in vs])):
+                copy = flat.view(v.shape)
+                copy.copy_(v, non_blocking=True)
+                self.saved.append((v, copy))
+        self.nbytes = sum(v.numel() * v.element_size() for v, _ in self.saved)
 
     def restore(self) -> None:
         """Put every saved place back as it was (local; no communication)."""
