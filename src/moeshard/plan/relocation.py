@@ -54,7 +54,7 @@ from .schedule import PlanCost, Schedule
 
 __all__ = [
     "ExpertTensor", "Part", "Move", "Stash", "Round", "RelocationCost", "RelocationPlan",
-    "plan_relocation", "live_holders", "rank_of_slot",
+    "plan_relocation", "rank_of_slot",
 ]
 
 DEFAULT_STAGING_BYTES = 256 * 2**20
@@ -276,19 +276,6 @@ def _part_groups(tensors: Sequence[ExpertTensor], layer_tensors: list[int], boxe
             groups[-1].append(Part(ti, sub))
             size += nbytes
     return [tuple(g) for g in groups if g]
-
-
-def live_holders(phy2log_row: np.ndarray, cols: dict, active: np.ndarray) -> dict[tuple[int, int], list[tuple[int, int]]]:
-    """``{(column, logical expert): [(rank, slot), ...]}`` of live ranks in one layer."""
-    row = phy2log_row.tolist()
-    out: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
-    for rank, (c, s0, ns) in cols.items():
-        if not active[rank]:
-            continue
-        for s in range(s0, s0 + ns):
-            if row[s] >= 0:
-                out[(c, row[s])].append((rank, s))
-    return out
 
 
 def plan_relocation(
