@@ -104,6 +104,15 @@ def errors_worker(root: str) -> dict:
     for failing_rank, storage in ((0, "single"), (2, "shared")):
         with mock.patch.object(moeshard.CheckpointReader, "_pread", failing_pread if rank == failing_rank else real_pread):
             res[f"read-fails-{storage}"] = _attempt(load(good, storage=storage))
+    # The same, with reads on a pool of threads: the error of a read in a worker thread of
+    # rank 2 reaches every rank; a good threaded load afterwards is exact.
+    with mock.patch.object(moeshard.CheckpointReader, "_pread", failing_pread if rank == 2 else real_pread):
+        res["read-fails-threads"] = _attempt(
+            lambda: moeshard.load(model, good, placement=pl, storage="shared", read_threads=4))
+    serial = moeshard.load(model, good, placement=pl, storage="shared", read_threads=1)
+    tiny_moe.scramble(model)
+    rep = moeshard.load(model, good, placement=pl, storage="shared", read_threads=4)
+    res["threads-good"] = (tiny_moe.compare(model, ckpt, pl), rep.bytes_read_rank, serial.bytes_read_rank)
     # The same failure in verify: with "single", rank 0 reads for every rank; its needers get
     # all-zero digests (no hang) and report nothing themselves.
     moeshard.load(model, good, placement=pl)
@@ -295,6 +304,18 @@ def test_read_failure_during_transfers(results):
         assert "failed on 1 of 4 rank(s)" in text
         assert f"rank {failing_rank}: CheckpointError: " in text and "unexpected end of file" in text
         assert "good/model-0000" in text
+
+
+def test_read_failure_in_a_reader_thread(results):
+    res, _ = results
+    text = _all_raise(res, "read-fails-threads")
+    assert "failed on 1 of 4 rank(s)" in text
+    assert "rank 2: CheckpointError: " in text and "unexpected end of file" in text and "good/model-0000" in text
+    # Then the group loads with threads again, exactly, each rank counting the bytes it read
+    # as the serial load counts them.
+    for r in res:
+        wrong, nbytes, serial = r["threads-good"]
+        assert wrong == [] and nbytes == serial > 0
 
 
 def test_strict_and_fp8_raise_on_every_rank(results):

@@ -35,6 +35,7 @@ from . import _dist
 from .box import box_shape, box_slices
 from .io.checkpoint import CheckpointIndex, CheckpointReader
 from .io.fp8 import dequantize, scale_box
+from .io.readpool import ReadPool
 from .plan.schedule import Schedule
 from .topology import Topology
 
@@ -128,6 +129,20 @@ class Source:
     def read_into(self, pid: int, out: torch.Tensor) -> None:
         """Piece ``pid`` from storage straight into ``out`` (its shape, cast to its dtype)."""
         out.copy_(self.read(pid))
+
+    def start_read_into(self, pid: int, out: torch.Tensor) -> bool:
+        """Begin :meth:`read_into`; True when it is done on return (the default), False when
+        it completes later: its bytes in :meth:`reads_done`, its error from :meth:`finish_reads`."""
+        self.read_into(pid, out)
+        return True
+
+    def reads_done(self) -> int:
+        """Bytes of started reads that completed since the last call."""
+        return 0
+
+    def finish_reads(self) -> list[BaseException]:
+        """Wait for every started read; the errors of those that failed."""
+        return []
 
     def view(self, v: int, pid: int) -> torch.Tensor:
         """The local tensor view of view row ``v``, which holds piece ``pid`` (its shape)."""
@@ -263,12 +278,19 @@ class DequantSink(TensorSink):
 
 class ReaderSource(Source):
     """Pieces of checkpoint tensors (a schedule's keys are checkpoint keys), and views of
-    this rank's local tensors (for schedules that send from them)."""
+    this rank's local tensors (for schedules that send from them).
+
+    ``read_threads`` > 1: reads straight into place (a schedule's local reads) run on a
+    :class:`~moeshard.io.readpool.ReadPool` of that many threads, overlapped with each other
+    and with the rounds (pinned buffers and side-stream copies for CUDA destinations). Close
+    the source (or use it as a context manager) to stop the threads."""
 
     def __init__(self, schedule: Schedule, reader: CheckpointReader | None, index: CheckpointIndex,
-                 tensors: Sequence[torch.Tensor | None] = (), rank: int = 0):
+                 tensors: Sequence[torch.Tensor | None] = (), rank: int = 0, read_threads: int = 1):
         self.s, self.reader, self.index = schedule, reader, index
         self.local = LocalTensors(schedule, tensors, rank)
+        self.pool = ReadPool(reader, read_threads) if reader is not None and read_threads > 1 else None
+        self._counted = 0
 
     def read(self, pid: int) -> torch.Tensor:
         assert self.reader is not None
@@ -277,6 +299,32 @@ class ReaderSource(Source):
     def read_into(self, pid: int, out: torch.Tensor) -> None:
         assert self.reader is not None
         self.reader.read(self.s.piece_name(pid), self.s.piece_box(pid), out=out)
+
+    def start_read_into(self, pid: int, out: torch.Tensor) -> bool:
+        if self.pool is None:
+            return super().start_read_into(pid, out)
+        self.pool.submit(self.s.piece_name(pid), self.s.piece_box(pid), out)
+        return False
+
+    def reads_done(self) -> int:
+        if self.pool is None:
+            return 0
+        done = self.pool.bytes_done
+        new, self._counted = done - self._counted, done
+        return new
+
+    def finish_reads(self) -> list[BaseException]:
+        return [] if self.pool is None else self.pool.drain()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+
+    def __enter__(self) -> "ReaderSource":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def view(self, v: int, pid: int) -> torch.Tensor:
         return self.local.view(v, pid)
@@ -352,16 +400,21 @@ def execute_schedule(
         stats.bytes_read += int(s.piece_bytes[pid])
         return buf.to(device, non_blocking=True) if buf.device != device else buf
 
+    def landed(nbytes: int) -> None:  # bytes read straight into place
+        stats.bytes_read += nbytes
+        if progress and nbytes:
+            progress(nbytes)
+
     def local_read(pid: int) -> None:
         rows = local_rows.get(pid, [])
         out = sink.target(rows[0]) if len(rows) == 1 else None
         try:
             if out is not None and out.is_contiguous():
-                # Straight from storage into place (cast on the way): no staging.
-                source.read_into(pid, out.view(shape(pid)))
-                stats.bytes_read += int(s.piece_bytes[pid])
-                if progress:
-                    progress(int(s.piece_bytes[pid]))
+                # Straight from storage into place (cast on the way): no staging. A source
+                # with a reader pool finishes it later (bytes by reads_done, errors by
+                # finish_reads).
+                if source.start_read_into(pid, out.view(shape(pid))):
+                    landed(int(s.piece_bytes[pid]))
                 return
         except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
             failure.append(e)
@@ -445,6 +498,7 @@ def execute_schedule(
         # Overlap: a share of this rank's own work while the batch is in flight.
         local_work(math.ceil(len(my_local) / max(len(rounds) - step, 1)))
         wait()
+        landed(source.reads_done())
         for row in bcasts_at.get(t, ()):
             pid, root = int(s.bcast_piece[row]), int(s.bcast_root[row])
             if root != rank:
@@ -465,6 +519,8 @@ def execute_schedule(
             staged -= int(s.piece_bytes[pid])
             del bufs[pid]
     local_work(len(my_local))
+    failure.extend(source.finish_reads())
+    landed(source.reads_done())
     return stats
 
 

@@ -42,6 +42,7 @@ import os
 import re
 import reprlib
 import struct
+import threading
 from dataclasses import dataclass
 from json.decoder import WHITESPACE, JSONDecodeError, scanstring
 from pathlib import Path
@@ -562,7 +563,9 @@ class CheckpointReader:
     """Reads boxes of tensors from a checkpoint this rank can see; counts bytes read.
 
     Files are opened lazily and checked against the index's recorded size (a node-local copy
-    that differs is an error, not a silent misread).
+    that differs is an error, not a silent misread). Safe to read from several threads at once
+    (:class:`~moeshard.io.readpool.ReadPool`): reads are positional, opening a file and counting
+    bytes take a lock.
     """
 
     def __init__(self, index: CheckpointIndex, root: str | os.PathLike | None = None):
@@ -570,8 +573,16 @@ class CheckpointReader:
         self.root = Path(index.root if root is None else root)
         self.bytes_read = 0
         self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
 
     def _fd(self, name: str) -> int:
+        fd = self._fds.get(name)
+        if fd is not None:
+            return fd
+        with self._lock:
+            return self._open(name)
+
+    def _open(self, name: str) -> int:
         fd = self._fds.get(name)
         if fd is None:
             path = self.root / name
@@ -602,7 +613,8 @@ class CheckpointReader:
             if n <= 0:
                 raise CheckpointError(f"{self.root / name}: unexpected end of file at byte {offset + done}")
             done += n
-        self.bytes_read += done
+        with self._lock:
+            self.bytes_read += done
 
     def read(self, key: str, box: Box | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Read ``box`` of tensor ``key`` (whole tensor if None).
@@ -660,9 +672,10 @@ class CheckpointReader:
                 idx[d] = 0
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
 
     def __enter__(self) -> "CheckpointReader":
         return self

@@ -26,6 +26,7 @@ from .. import _dist
 from ..dtypes import cast_refusal
 from ..execute import DequantSink, ReaderSource, TensorSink, execute_schedule, node_groups
 from ..io.checkpoint import CheckpointIndex, CheckpointReader
+from ..io.readpool import default_read_threads
 from ..io.sources import Storage, reader_root, resolve_sources, sources_share
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
 from ..models.layout import ParamDesc, describe_model, ignored_patterns, local_tensor, need_table, unused_keys
@@ -242,6 +243,7 @@ def load(
     progress: bool | None = None,
     strict: bool = True,
     dequantize: bool = True,
+    read_threads: int | None = None,
     group=None,
 ) -> LoadReport:
     """Collective (every rank of ``group``): load ``checkpoint`` into ``model`` in place.
@@ -269,6 +271,11 @@ def load(
             receives, then the FP8 bytes move as usual (half the bytes of bf16) and are
             dequantized where they land. False: refuse them, as the cast rule does (FP8 with
             no fitting scale is refused either way).
+        read_threads: threads reading this rank's own pieces straight into place, in parallel
+            and overlapped with the transfers (:class:`~moeshard.io.readpool.ReadPool`; CUDA
+            destinations through pinned buffers and side-stream copies). Default: the
+            ``MOESHARD_READ_THREADS`` environment variable, else this host's cores per local
+            rank, at most 8; 1 reads serially on the calling thread.
         group: the process group that loads (default: the default group), e.g. one EP group
             of a larger job; ranks in plans and messages are its ranks. The model's device
             meshes must lie within it; ``topology`` defaults to its members' nodes.
@@ -304,6 +311,10 @@ def load(
     mode, readers, scope, index = resolve_sources(path, storage, topo, can, everyone=everyone)
     phases.end("headers")
     reader = CheckpointReader(index, reader_root(path)) if readers[rank] else None
+    if read_threads is None:
+        read_threads = default_read_threads(topo.local_world_size)
+    elif read_threads < 1:
+        raise ValueError(f"read_threads must be >= 1, got {read_threads}")
 
     def make_plan() -> tuple[list[ParamDesc], Schedule, tuple[str, ...], ScaleNeeds | None, Schedule | None]:
         descs, plan = plan_load(model, index, placement, topo, readers, scope, staging_bytes, specs, dequantize)
@@ -350,9 +361,10 @@ def load(
                            local_rank=topo.local_rank, node=topo.node)
             what = "moeshard.load: executing the plan"
             sink = DequantSink(plan, dests, rank, fp8) if fp8 else TensorSink(plan, dests, rank)
-            stats = _dist.agree(lambda: execute_schedule(
-                plan, rank, ReaderSource(plan, reader, index), sink, dev, node_group=node_group,
-                progress=bar.update, what=what).check(), what)
+            with ReaderSource(plan, reader, index, read_threads=read_threads) as source:
+                stats = _dist.agree(lambda: execute_schedule(
+                    plan, rank, source, sink, dev, node_group=node_group, progress=bar.update, what=what).check(),
+                    what)
             bar.close()
             phases.end("execute")
     finally:
