@@ -88,9 +88,21 @@ def pack_rounds(moves: list[Move], keys: Keys, read_keys: list[list[int]], write
         w = writer_of.get(key)
         if w is not None:
             blocked[w] += 1
-    ready = [i for i, b in enumerate(blocked) if b == 0]
-    heapq.heapify(ready)
+    ready = [i for i, b in enumerate(blocked) if b == 0]  # ascending: a heap
     scheduled = bytearray(n)
+    # Moves that did not fit a round wait in classes of equal demand (staging per rank, bytes,
+    # ops per rank and phase, parts), one heap each, and only the head of a class is among the
+    # ready moves. A round's usage only grows, so once a move does not fit, the rest of its
+    # class do not either: the round drops the class at its first misfit. Popping every waiting
+    # move in every round (and deferring it again) made many rounds quadratic. A move is
+    # classed only when deferred a second time (most moves of a small plan fit the next round,
+    # and classing costs more than one more look).
+    class_ids: dict[tuple, int] = {}
+    class_of = [-1] * n  # per move: its class once classed, else -1
+    waiting: list[list[int]] = []  # per class: its deferred moves, a heap
+    deferred_in: list[int] = []  # per class: the last round a move of it did not fit
+    deferred: list[int] = []  # the classes deferred this round: all that have waiting moves
+    retried = bytearray(n)  # per move: deferred once (and back among the ready moves)
 
     rounds: list[Round] = []
     stashes: list[Stash] = []
@@ -110,7 +122,15 @@ def pack_rounds(moves: list[Move], keys: Keys, read_keys: list[list[int]], write
         staged = [0] * world
         posted_a = [0] * world
         posted_b = [0] * world
-        deferred: list[int] = []
+        # The heads of the waiting classes join the ready moves; a class's next head follows
+        # once its head is scheduled, so the round ends with every class not deferred in it
+        # empty (and no ready moves). A head that a smaller deferred move of its class displaced
+        # this round stays among the ready moves: that class was deferred, so it does not fit.
+        for c in deferred:
+            heappush(ready, waiting[c][0])
+        deferred = []
+        retry: list[int] = []  # moves deferred for the first time this round
+        rnd = len(rounds)
         released: list[int] = []
         while True:
             while ready:
@@ -136,8 +156,29 @@ def pack_rounds(moves: list[Move], keys: Keys, read_keys: list[list[int]], write
                                 fits = False
                                 break
                     if not fits:
-                        deferred.append(i)
+                        c = class_of[i]
+                        if c < 0:
+                            if not retried[i]:
+                                retried[i] = 1
+                                retry.append(i)
+                                continue
+                            a_, b_ = tuple(a.items()), tuple(b.items())
+                            c = class_ids.setdefault((tuple(add.items()), size, a_, b_, np_), len(class_ids))
+                            if c == len(waiting):
+                                waiting.append([])
+                                deferred_in.append(-1)
+                            class_of[i] = c
+                            heappush(waiting[c], i)
+                        if deferred_in[c] != rnd:
+                            deferred_in[c] = rnd
+                            deferred.append(c)
                         continue
+                c = class_of[i]
+                if c >= 0:  # i is the class's head
+                    q = waiting[c]
+                    heappop(q)
+                    if q:
+                        heappush(ready, q[0])
                 cur.append(i)
                 scheduled[i] = 1
                 done += 1
@@ -163,7 +204,7 @@ def pack_rounds(moves: list[Move], keys: Keys, read_keys: list[list[int]], write
                             blocked[w] -= 1
                             if blocked[w] == 0:
                                 heappush(ready, w)
-            if deferred or done == n:
+            if deferred or retry or done == n:
                 break
             # Deadlock: every remaining move waits for a reader that is itself blocked. Walk
             # along "waits for" until a move repeats: that move sits on a cycle, and stashing
@@ -212,6 +253,6 @@ def pack_rounds(moves: list[Move], keys: Keys, read_keys: list[list[int]], write
         for key in released:
             stash_live[keys.rank(key)] -= moves[writer_of[key]].nbytes
             del stash_left[key]
-        for i in deferred:
+        for i in retry:
             heappush(ready, i)
     return rounds, stashes, np.asarray(peak, dtype=np.int64), total_ops
