@@ -8,7 +8,12 @@ Rows (best of ``--repeat``, each after one untimed warm-up pass over the files):
 * transformers ``from_pretrained(ckpt, device_map=..., dtype=bfloat16)`` (``--no-transformers``
   to skip);
 * ``moeshard.load`` into a meta-built model ``parallelize``-d on a one-rank mesh of the device
-  (EP = 1; NCCL on CUDA, gloo on the CPU), once per ``--threads`` value (``read_threads``).
+  (EP = 1; NCCL on CUDA, gloo on the CPU), once per ``--threads`` value (``read_threads``), and
+  with ``--direct-io`` also with ``direct_io=True`` (O_DIRECT: what cold storage costs);
+  ``moeshard.verify`` checks every load (not timed).
+
+On the CPU, ``load_file`` returns tensors backed by a memory map whose pages are read only when
+touched, so its CPU row is not a full load; compare on CUDA, where it copies every byte.
 
 Each row gives seconds, GiB/s of checkpoint bytes and the ratio to safetensors'. The checkpoint
 is ``--ckpt`` (a Qwen3-MoE checkpoint directory with ``config.json``), else a synthetic
@@ -101,7 +106,7 @@ def transformers_load(ckpt: Path, device) -> float:
     return seconds
 
 
-def moeshard_load(ckpt: Path, device, threads: int) -> tuple[float, dict]:
+def moeshard_load(ckpt: Path, device, threads: int, direct_io: bool = False) -> tuple[float, dict]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -113,7 +118,7 @@ def moeshard_load(ckpt: Path, device, threads: int) -> tuple[float, dict]:
     mesh = moeshard.make_mesh(device.type, ep=1)
     moeshard.parallelize(model, mesh, moeshard.Placement.contiguous(config.num_hidden_layers, config.num_experts, 1))
     t0 = time.perf_counter()
-    rep = moeshard.load(model, ckpt, read_threads=threads, storage="shared")
+    rep = moeshard.load(model, ckpt, read_threads=threads, storage="shared", direct_io=direct_io)
     _sync(device)
     seconds = time.perf_counter() - t0
     v = moeshard.verify(model, ckpt)  # not timed; raises VerificationError on any wrong byte
@@ -133,6 +138,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", default="1,4,8", help="moeshard read_threads values, comma-separated")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--direct-io", action="store_true",
+                    help="also moeshard.load with direct_io=True (O_DIRECT: page cache bypassed) per --threads value")
     ap.add_argument("--out", type=Path, default=Path("bench_out"))
     args = ap.parse_args(argv)
 
@@ -179,6 +186,8 @@ def main(argv=None) -> int:
             timed(f"transformers from_pretrained(device_map={device.type!r})", lambda: transformers_load(ckpt, device))
         for t in threads:
             timed(f"moeshard.load (read_threads={t})", lambda t=t: moeshard_load(ckpt, device, t))
+            if args.direct_io:
+                timed(f"moeshard.load (read_threads={t}, O_DIRECT)", lambda t=t: moeshard_load(ckpt, device, t, True))
     dist.destroy_process_group()
 
     st = min(next(v for k, v in rows.items() if k.startswith("safetensors")))

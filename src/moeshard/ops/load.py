@@ -244,6 +244,7 @@ def load(
     strict: bool = True,
     dequantize: bool = True,
     read_threads: int | None = None,
+    direct_io: bool = False,
     group=None,
 ) -> LoadReport:
     """Collective (every rank of ``group``): load ``checkpoint`` into ``model`` in place.
@@ -276,6 +277,9 @@ def load(
             destinations through pinned buffers and side-stream copies). Default: the
             ``MOESHARD_READ_THREADS`` environment variable, else this host's cores per local
             rank, at most 8; 1 reads serially on the calling thread.
+        direct_io: read with ``O_DIRECT``, bypassing the page cache (cold storage read once,
+            a checkpoint larger than host memory; Linux; see
+            :class:`~moeshard.io.checkpoint.CheckpointReader`).
         group: the process group that loads (default: the default group), e.g. one EP group
             of a larger job; ranks in plans and messages are its ranks. The model's device
             meshes must lie within it; ``topology`` defaults to its members' nodes.
@@ -310,7 +314,7 @@ def load(
     phases.end("materialize")
     mode, readers, scope, index = resolve_sources(path, storage, topo, can, everyone=everyone)
     phases.end("headers")
-    reader = CheckpointReader(index, reader_root(path)) if readers[rank] else None
+    reader = CheckpointReader(index, reader_root(path), direct_io=direct_io) if readers[rank] else None
     if read_threads is None:
         read_threads = default_read_threads(topo.local_world_size)
     elif read_threads < 1:
