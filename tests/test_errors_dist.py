@@ -109,6 +109,11 @@ def errors_worker(root: str) -> dict:
     with mock.patch.object(moeshard.CheckpointReader, "_pread", failing_pread if rank == 2 else real_pread):
         res["read-fails-threads"] = _attempt(
             lambda: moeshard.load(model, good, placement=pl, storage="shared", read_threads=4))
+    # With "single", rank 0's reads of the pieces it sends run a round ahead on its threads:
+    # one fails there, the peers get zeros (no hang) and every rank raises.
+    with mock.patch.object(moeshard.CheckpointReader, "_pread", failing_pread if rank == 0 else real_pread):
+        res["read-ahead-fails"] = _attempt(
+            lambda: moeshard.load(model, good, placement=pl, storage="single", read_threads=4, staging_bytes=2048))
     serial = moeshard.load(model, good, placement=pl, storage="shared", read_threads=1)
     tiny_moe.scramble(model)
     rep = moeshard.load(model, good, placement=pl, storage="shared", read_threads=4)
@@ -311,6 +316,8 @@ def test_read_failure_in_a_reader_thread(results):
     text = _all_raise(res, "read-fails-threads")
     assert "failed on 1 of 4 rank(s)" in text
     assert "rank 2: CheckpointError: " in text and "unexpected end of file" in text and "good/model-0000" in text
+    text = _all_raise(res, "read-ahead-fails")
+    assert "failed on 1 of 4 rank(s)" in text and "rank 0: CheckpointError: " in text
     # Then the group loads with threads again, exactly, each rank counting the bytes it read
     # as the serial load counts them.
     for r in res:

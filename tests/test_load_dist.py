@@ -23,12 +23,12 @@ pytestmark = pytest.mark.dist
 
 
 def _storage_scenarios(root: str, rank: int, lws: int):
-    """(label, storage, path this rank passes, staging_bytes, resolved mode)."""
+    """(label, storage, path this rank passes, staging_bytes, resolved mode, read_threads)."""
     node, local = rank // lws, rank % lws
     shared = os.path.join(root, "shared")
     node_copy = os.path.join(root, f"node{node}")
     missing = os.path.join(root, f"missing-rank{rank}")
-    return [
+    plain = [
         ("shared", "shared", shared, 256 << 20, "shared"),
         ("node", "node", shared, 256 << 20, "node"),
         ("single", "single", shared, 256 << 20, "single"),
@@ -45,6 +45,12 @@ def _storage_scenarios(root: str, rank: int, lws: int):
         ("single-small-staging", "single", shared, 512, "single"),
         ("shared-small-staging", "shared", shared, 256, "shared"),
     ]
+    # A pool of reader threads: reads straight into place in the background, and the reads of
+    # the pieces a rank sends started a round ahead, within the staging budget.
+    threaded = [("single-threads", "single", shared, 256 << 20, "single"),
+                ("single-small-staging-threads", "single", shared, 512, "single"),
+                ("node-threads", "node", shared, 256 << 20, "node")]
+    return [(*row, 1) for row in plain] + [(*row, 3) for row in threaded]
 
 
 def _line_for(text: str, rank: int) -> str:
@@ -152,10 +158,10 @@ def load_worker(root: str, configs: list[tuple[int, int]], placements: tuple[str
             with torch.device("meta"):
                 model = tiny_moe.TinyMoE()
             moeshard.parallelize(model, mesh, pl)
-            for label, storage, path, staging, resolved in _storage_scenarios(root, rank, lws):
+            for label, storage, path, staging, resolved, threads in _storage_scenarios(root, rank, lws):
                 tiny_moe.scramble(model)
                 rep = moeshard.load(model, path, placement=pl, storage=storage, staging_bytes=staging,
-                                    report_minimal=True)
+                                    report_minimal=True, read_threads=threads)
                 problems = tiny_moe.compare(model, ckpt, pl)
                 digests = None
                 try:

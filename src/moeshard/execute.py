@@ -8,8 +8,9 @@ Every rank runs the rounds it takes part in, in the schedule's order, and posts 
 rows, so P2P ops pair up without any loop over ranks and without deadlock (round t's
 participants all finished their earlier rounds). Per round: copy the views the schedule
 stashes or copies, read the pieces it sends first in this round, post the round's P2P ops as
-one batch, do a share of this rank's local work (reads and copies of round -1, which go
-straight from storage or a view into place) while the batch is in flight, wait, join the
+one batch, start reading the next round's pieces (a source with a reader pool, within the
+staging budget) and do a share of this rank's local work (reads and copies of round -1, which
+go straight from storage or a view into place) while the batch is in flight, wait, join the
 round's node broadcasts, make the round's deliveries (after every op of the round: a delivery
 may overwrite a slot that a send of the same round reads), free the buffers it no longer
 needs. Nothing calls a device synchronize: waits are on the ops' own work handles.
@@ -135,6 +136,12 @@ class Source:
         it completes later: its bytes in :meth:`reads_done`, its error from :meth:`finish_reads`."""
         self.read_into(pid, out)
         return True
+
+    def start_read(self, pid: int, device: torch.device) -> Callable[[], torch.Tensor] | None:
+        """Begin :meth:`read` of piece ``pid`` into a new buffer on ``device``, in the
+        background: a function that waits for it and returns the buffer (raising the read's
+        error), or None where this source reads only in the foreground (the default)."""
+        return None
 
     def reads_done(self) -> int:
         """Bytes of started reads that completed since the last call."""
@@ -306,6 +313,18 @@ class ReaderSource(Source):
         self.pool.submit(self.s.piece_name(pid), self.s.piece_box(pid), out)
         return False
 
+    def start_read(self, pid: int, device: torch.device) -> Callable[[], torch.Tensor] | None:
+        if self.pool is None:
+            return None
+        buf = torch.empty(box_shape(self.s.piece_box(pid)), dtype=self.dtype(pid), device=device)
+        wait = self.pool.read_ahead(self.s.piece_name(pid), self.s.piece_box(pid), buf)
+
+        def done() -> torch.Tensor:
+            wait()
+            return buf
+
+        return done
+
     def reads_done(self) -> int:
         if self.pool is None:
             return 0
@@ -470,6 +489,28 @@ def execute_schedule(
     rounds = mine.rounds.tolist()
     bufs: dict[int, torch.Tensor] = {}
     staged = 0
+    # Reads of the next round's pieces started while this round's transfers fly (a source with
+    # a reader pool), as far as the staging budget allows with what is staged now.
+    ahead: dict[int, Callable[[], torch.Tensor]] = {}
+    ahead_bytes = 0
+
+    def read_ahead(t: int) -> None:
+        nonlocal ahead_bytes
+        for pid in reads_at.get(t, ()):
+            nbytes = int(s.piece_bytes[pid])
+            if pid in ahead or staged + ahead_bytes + nbytes > s.staging_bytes:
+                return
+            try:
+                done = source.start_read(pid, device)
+            except Exception:  # noqa: BLE001 - read in its round instead, where its error is kept
+                return
+            if done is None:
+                return
+            ahead[pid] = done
+            ahead_bytes += nbytes
+
+    if rounds:  # the first round's reads in parallel, too
+        read_ahead(rounds[0])
     for step, t in enumerate(rounds):
         for c in copies_at.get(t, ()):
             pid = int(s.copy_piece[c])
@@ -477,7 +518,17 @@ def execute_schedule(
                 bufs[pid] = source.view(int(s.copy_view[c]), pid).clone()
                 staged += int(s.piece_bytes[pid])
         for pid in reads_at.get(t, ()):
-            bufs[pid] = read(pid)
+            done = ahead.pop(pid, None)
+            if done is None:
+                bufs[pid] = read(pid)
+            else:
+                ahead_bytes -= int(s.piece_bytes[pid])
+                try:
+                    bufs[pid] = done()
+                except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
+                    failure.append(e)
+                    bufs[pid] = torch.zeros(shape(pid), dtype=source.dtype(pid), device=device)
+                stats.bytes_read += int(s.piece_bytes[pid])
             staged += int(s.piece_bytes[pid])
         ops = []
         for row in sends_at.get(t, ()):
@@ -495,6 +546,9 @@ def execute_schedule(
                 staged += int(s.piece_bytes[pid])
         stats.peak_staging_bytes = max(stats.peak_staging_bytes, staged)
         wait = _dist.start_p2p(ops, what) if ops else (lambda: None)
+        if step + 1 < len(rounds):
+            read_ahead(rounds[step + 1])
+            stats.peak_staging_bytes = max(stats.peak_staging_bytes, staged + ahead_bytes)
         # Overlap: a share of this rank's own work while the batch is in flight.
         local_work(math.ceil(len(my_local) / max(len(rounds) - step, 1)))
         wait()

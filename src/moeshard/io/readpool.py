@@ -26,6 +26,7 @@ import collections
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
 
 import torch
 
@@ -107,16 +108,36 @@ class ReadPool:
 
     def submit(self, key: str, box: Box, out: torch.Tensor) -> None:
         """Read ``box`` of checkpoint tensor ``key`` into ``out`` (shape ``box_shape(box)``, any
-        dtype the cast rule allows, any device) on a worker thread."""
+        dtype the cast rule allows, any device) on a worker thread; :meth:`drain` waits for it,
+        and its bytes count in ``bytes_done``."""
+        self._futures.append(self._start(key, box, out, counted=True))
+
+    def read_ahead(self, key: str, box: Box, out: torch.Tensor) -> Callable[[], None]:
+        """Start reading ``box`` of ``key`` into ``out`` (as :meth:`submit`) for a caller that
+        waits for this read itself: returns the wait, which raises the read's error and makes
+        the caller's current CUDA stream wait for the copy. Not in :meth:`drain` nor in
+        ``bytes_done``."""
+        future = self._start(key, box, out, counted=False)
+
+        def wait() -> None:
+            event = future.result()
+            if event is not None:
+                torch.cuda.current_stream(out.device).wait_event(event)
+
+        return wait
+
+    def _start(self, key: str, box: Box, out: torch.Tensor, counted: bool) -> Future:
         if tuple(out.shape) != box_shape(box):
             raise ValueError(f"{key}: destination of shape {list(out.shape)} for a box of shape {list(box_shape(box))}")
         # The destination may be fresh memory of the submitter's stream: copies are ordered after it.
         after = torch.cuda.current_stream(out.device) if out.device.type == "cuda" else None
-        self._futures.append(self._pool.submit(self._read, key, box, out, after))
+        return self._pool.submit(self._read, key, box, out, after, counted)
 
-    def _read(self, key: str, box: Box, out: torch.Tensor, after) -> None:
+    def _read(self, key: str, box: Box, out: torch.Tensor, after, counted: bool):
+        """One read on a worker thread; the CUDA event of its copy (None: no copy pending)."""
         info = self.reader.index.info(key)
         nbytes = box_numel(box) * info.itemsize
+        event = None
         if out.device.type == "cuda" and nbytes:
             self._budget.reserve(nbytes)
             stream = self._stream(out.device)
@@ -137,8 +158,10 @@ class ReadPool:
             self._budget.recorded(event, nbytes)
         else:
             self.reader.read(key, box, out=out)
-        with self._lock:
-            self.bytes_done += nbytes
+        if counted:
+            with self._lock:
+                self.bytes_done += nbytes
+        return event
 
     def _stream(self, device: torch.device):
         tid = threading.get_ident()
