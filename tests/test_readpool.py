@@ -120,6 +120,7 @@ def test_default_threads(monkeypatch):
             default_read_threads(8)
     monkeypatch.delenv("MOESHARD_READ_THREADS")
     assert 1 <= default_read_threads(1) <= 8 and default_read_threads(10**6) == 1
+    assert default_read_threads(1, "cuda") == 1  # opt in on accelerators
 
 
 @pytest.mark.parametrize("threads", [1, 4])

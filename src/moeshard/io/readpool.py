@@ -39,9 +39,11 @@ __all__ = ["ReadPool", "default_read_threads"]
 DEFAULT_BUFFER_BYTES = 256 * 2**20
 
 
-def default_read_threads(local_world_size: int) -> int:
-    """Reader threads per rank: ``MOESHARD_READ_THREADS`` if set, else this host's cores shared
-    among its ranks (at most 8; 1, i.e. no pool, where a rank has one core or less)."""
+def default_read_threads(local_world_size: int, device_type: str = "cpu") -> int:
+    """Reader threads per rank: ``MOESHARD_READ_THREADS`` if set, else for CPU destinations this
+    host's cores shared among its ranks (at most 8; 1, i.e. no pool, where a rank has one core
+    or less), and 1 for accelerator destinations: the pinned-buffer path has not been measured
+    on a GPU yet, so it runs only when asked for."""
     env = os.environ.get("MOESHARD_READ_THREADS")
     if env:
         try:
@@ -51,6 +53,8 @@ def default_read_threads(local_world_size: int) -> int:
         if n < 1:
             raise ValueError(f"MOESHARD_READ_THREADS must be a positive integer, got {env!r}")
         return n
+    if device_type != "cpu":
+        return 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(8, cores // max(local_world_size, 1)))
 
