@@ -10,7 +10,7 @@ Rows (best of ``--repeat``, each after one untimed warm-up pass over the files):
 * ``moeshard.load`` into a meta-built model ``parallelize``-d on a one-rank mesh of the device
   (EP = 1; NCCL on CUDA, gloo on the CPU), once per ``--threads`` value (``read_threads``), and
   with ``--direct-io`` also with ``direct_io=True`` (O_DIRECT: what cold storage costs);
-  ``moeshard.verify`` checks every load (not timed).
+  ``moeshard.verify`` checks every load, timed apart ("verify s").
 
 On the CPU, ``load_file`` returns tensors backed by a memory map whose pages are read only when
 touched, so its CPU row is not a full load; compare on CUDA, where it copies every byte.
@@ -121,10 +121,14 @@ def moeshard_load(ckpt: Path, device, threads: int, direct_io: bool = False) -> 
     rep = moeshard.load(model, ckpt, read_threads=threads, storage="shared", direct_io=direct_io)
     _sync(device)
     seconds = time.perf_counter() - t0
-    v = moeshard.verify(model, ckpt)  # not timed; raises VerificationError on any wrong byte
+    t0 = time.perf_counter()  # raises VerificationError on any wrong byte
+    v = moeshard.verify(model, ckpt)
+    _sync(device)
+    verify_seconds = time.perf_counter() - t0
     del model
     return seconds, {"plan_seconds": rep.plan_seconds, "bytes_read": rep.bytes_read_rank,
-                     "verified_boxes": v.num_boxes_checked, "phase_seconds": rep.phase_seconds}
+                     "verified_boxes": v.num_boxes_checked, "verify_seconds": verify_seconds,
+                     "phase_seconds": rep.phase_seconds}
 
 
 def main(argv=None) -> int:
@@ -167,6 +171,7 @@ def main(argv=None) -> int:
 
     rows: dict[str, list[float]] = {}
     extra: dict[str, dict] = {}
+    verify_s: dict[str, list[float]] = {}
 
     def timed(name, fn):
         gc.collect()
@@ -177,6 +182,7 @@ def main(argv=None) -> int:
         rows.setdefault(name, []).append(seconds)
         if info is not None:
             extra[name] = info
+            verify_s.setdefault(name, []).append(info["verify_seconds"])
 
     warm(ckpt)
     for _ in range(args.repeat):  # round-robin, so drift on a shared host hits every row alike
@@ -194,13 +200,15 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     print(f"\ncheckpoint {ckpt}: {total / GiB:.2f} GiB in {len(_files(ckpt))} files; device {device} ({name}); "
           f"{os.cpu_count()} CPUs; torch {torch.__version__}; best of {args.repeat}, warm page cache")
-    print(f"{'loader':<48}{'seconds':>9}{'GiB/s':>8}{'vs safetensors':>16}")
+    print(f"{'loader':<48}{'seconds':>9}{'GiB/s':>8}{'vs safetensors':>16}{'verify s':>10}")
     result = []
     for label, secs in rows.items():
         best = min(secs)
-        print(f"{label:<48}{best:>9.3f}{total / GiB / best:>8.2f}{st / best:>15.2f}x")
+        ver = f"{min(verify_s[label]):>10.3f}" if label in verify_s else ""
+        print(f"{label:<48}{best:>9.3f}{total / GiB / best:>8.2f}{st / best:>15.2f}x{ver}")
         result.append({"loader": label, "seconds": secs, "best_seconds": best, "GiB_per_s": total / GiB / best,
-                       "speedup_vs_safetensors": st / best, **extra.get(label, {})})
+                       "speedup_vs_safetensors": st / best, **extra.get(label, {}),
+                       "verify_seconds_all": verify_s.get(label, [])})
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / "bench_gpu.json"
     out.write_text(json.dumps({"checkpoint": str(ckpt), "bytes": total, "device": str(device), "device_name": name,

@@ -134,6 +134,7 @@ def test_load_with_threads(tmp_path, threads):
     assert tiny_moe.compare(model, values, moeshard.Placement.contiguous(2, tiny_moe.NUM_EXPERTS, 1)) == []
     with pytest.raises(ValueError, match="read_threads"):
         moeshard.load(model, tmp_path, read_threads=0)
+    assert moeshard.verify(model, tmp_path).num_boxes_checked > 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: pinned buffers and side-stream copies")
