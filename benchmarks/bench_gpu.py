@@ -145,6 +145,8 @@ def main(argv=None) -> int:
     ap.add_argument("--direct-io", action="store_true",
                     help="also moeshard.load with direct_io=True (O_DIRECT: page cache bypassed) per --threads value")
     ap.add_argument("--out", type=Path, default=Path("bench_out"))
+    ap.add_argument("--cache", type=Path, default=None,
+                    help="where the synthetic checkpoint is written (default: --out)")
     args = ap.parse_args(argv)
 
     import torch
@@ -157,7 +159,7 @@ def main(argv=None) -> int:
     ckpt = args.ckpt
     if ckpt is None:
         d = dims(args.hidden, args.moe_intermediate, args.layers, args.experts)
-        ckpt = args.out / f"gpu-{d['hidden']}-{d['moe_intermediate']}-{d['num_layers']}x{d['num_experts']}"
+        ckpt = (args.cache or args.out) / f"gpu-{d['hidden']}-{d['moe_intermediate']}-{d['num_layers']}x{d['num_experts']}"
         print(f"[bench_gpu] checkpoint {ckpt} (~{checkpoint_bytes(d) / GiB:.2f} GiB) ...", flush=True)
         built, secs = ensure_checkpoint(ckpt, d)
         if built:

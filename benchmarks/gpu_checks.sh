@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The checks and figures that need a machine with a CUDA GPU (CI has none), in two parts that
+# each fit in a few minutes on one H100 with 16 cores. Run from the repository root, with the
+# package importable (an install, or PYTHONPATH=src):
+#
+#   benchmarks/gpu_checks.sh cuda  OUT_DIR   # CUDA tests: the reader pool's pinned buffers and
+#                                            # side streams, then bench_gpu at Qwen3-30B-A3B's
+#                                            # expert shape (~4.9 GiB): safetensors, transformers,
+#                                            # moeshard.load with 1, 4, 8 reader threads, O_DIRECT
+#   benchmarks/gpu_checks.sh cpu16 OUT_DIR   # multi-rank CPU figures on a quiet many-core host:
+#                                            # moeshard bench relocate (P2P vs re-reading)
+#
+# Each writes its log and JSON under OUT_DIR.
+set -euo pipefail
+what=${1:?usage: gpu_checks.sh cuda|cpu16 OUT_DIR}
+out=${2:?usage: gpu_checks.sh cuda|cpu16 OUT_DIR}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH="src:.${PYTHONPATH:+:$PYTHONPATH}"
+python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__,
+"cuda", torch.cuda.is_available())' | tee "$out/versions.txt"
+case "$what" in
+  cuda)
+    python3 -m pytest -q -p no:cacheprovider tests/test_readpool.py tests/test_load_local.py 2>&1 | tee "$out/tests.txt"
+    python3 -m benchmarks.bench_gpu --threads 1,4,8 --direct-io --repeat 3 --out "$out" --cache /tmp/moeshard-gpu-ckpt 2>&1 | tee "$out/bench_gpu.txt"
+    ;;
+  cpu16)
+    python3 -m moeshard.cli bench relocate --out "$out" 2>&1 | tee "$out/bench_relocate.txt"
+    ;;
+  *)
+    echo "unknown part $what (cuda or cpu16)" >&2
+    exit 2
+    ;;
+esac
