@@ -40,6 +40,17 @@ def expand_runs(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.
     return owner, np.arange(len(owner), dtype=np.int64) - first[owner] + starts[owner]
 
 
+def row_prod(a: np.ndarray) -> np.ndarray:
+    """``int64[n]``: the product of each row of ``int64[n, d]`` (``a.prod(axis=1)``, column by
+    column: numpy's reduction along a short inner axis costs ~6x more at millions of rows)."""
+    if a.shape[1] == 0:
+        return np.ones(len(a), dtype=a.dtype)
+    out = a[:, 0].copy()
+    for d in range(1, a.shape[1]):
+        out *= a[:, d]
+    return out
+
+
 def unique_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(rows, inverse)``: the distinct rows of ``int64[M, K]`` (sorted) and each row's
     index among them, ``int64[M]``. A lexsort: ``np.unique(axis=0)`` sorts rows as opaque

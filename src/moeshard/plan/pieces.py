@@ -19,7 +19,7 @@ import numpy as np
 
 from ..box import split_box
 from ..io.checkpoint import CheckpointIndex
-from .arrays import expand_runs, group_rows, lex_order, run_starts
+from .arrays import expand_runs, group_rows, lex_order, row_prod, run_starts
 from .needs import NeedTable
 
 __all__ = ["Pieces", "cut_pieces", "STAGING_PARTS"]
@@ -80,7 +80,7 @@ def cut_pieces(table: NeedTable, index: CheckpointIndex, staging_bytes: int | No
     itemsize, key_rank = _key_columns(table, index)
     if staging_bytes is not None:
         part = staging_bytes // STAGING_PARTS
-        used = np.unique(table.key)
+        used = np.flatnonzero(np.bincount(table.key, minlength=len(table.keys)))  # the keys some need reads
         too_big = used[itemsize[used] > part]
         if len(too_big):
             k = int(too_big[0])
@@ -117,7 +117,7 @@ def cut_pieces(table: NeedTable, index: CheckpointIndex, staging_bytes: int | No
     return Pieces(
         keys=table.keys, key_ndim=table.ndim, staging_bytes=staging_bytes,
         piece_key=pkey.astype(np.int32), piece_off=poff, piece_len=plen,
-        piece_bytes=plen.prod(axis=1) * itemsize[pkey],
+        piece_bytes=row_prod(plen) * itemsize[pkey],
         dlv_piece=d_piece.astype(np.int32), dlv_rank=table.rank[rows].astype(np.int32),
         dlv_param=table.param[rows].astype(np.int32), dlv_slot=table.slot[rows].astype(np.int64), dlv_off=d_off,
         num_needs=len(table),
@@ -153,7 +153,7 @@ def _split(pkey, poff, plen, ndim, limit) -> tuple[np.ndarray | None, np.ndarray
     """``(parent, off, len)``: pieces of more than ``limit[p]`` elements split along their
     first dims (:func:`~moeshard.box.split_box`), in order; ``parent`` maps new to old (None:
     nothing was split, the pieces are as given)."""
-    numel = plen.prod(axis=1)
+    numel = row_prod(plen)
     big = np.flatnonzero(numel > limit)
     if not len(big):
         return None, poff, plen

@@ -32,7 +32,7 @@ from .._gc import paused_gc
 from ..box import Box, box_numel, split_box
 from ..io.checkpoint import DTYPES
 from ..topology import Topology
-from .arrays import expand_runs, group_rows, lex_order, run_starts
+from .arrays import expand_runs, group_rows, lex_order, row_prod, run_starts
 from .save_outputs import Segment, _Out, _SegTable, describe_outputs
 from .schedule import PlanCost, Schedule
 
@@ -252,7 +252,7 @@ def _distinct_boxes(segs: _SegTable, seg_first: np.ndarray, itemsize: np.ndarray
     first = np.zeros(n + 1, np.int64)
     np.cumsum(np.bincount(tensor, minlength=n), out=first[1:])
     off, ln = segs.off[rep], segs.len[rep]
-    nbytes = ln.prod(axis=1) * itemsize[tensor]  # padded dims have length 1
+    nbytes = row_prod(ln) * itemsize[tensor]  # padded dims have length 1
     h_order, h_start = group_rows(box_of, segs.rank)  # stable: a rank's first segment comes first
     h_seg = h_order[h_start]
     return _Boxes(tensor, first, box_of, off, ln, nbytes, box_of[h_seg], segs.rank[h_seg], h_seg)
@@ -462,7 +462,7 @@ def _make_pieces(boxes: _Boxes, chosen: np.ndarray, segs: _SegTable, writer: lis
     src, dst = segs.rank[seg], np.asarray(writer, np.int64)[t]
     local = src == dst
     order = np.concatenate([np.flatnonzero(~local), np.flatnonzero(local)[np.argsort(dst[local], kind="stable")]])
-    nbytes = ln.prod(axis=1) * itemsize[t]
+    nbytes = row_prod(ln) * itemsize[t]
     x = int((~local).sum())
     rounds = _pack(src[order[:x]], dst[order[:x]], nbytes[order[:x]], staging_bytes, max_ops)
     return _Pieces(t[order], (g - boxes.first[t])[order], seg[order], src[order], dst[order], nbytes[order],
