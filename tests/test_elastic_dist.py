@@ -48,11 +48,17 @@ SUB_LOGICAL = 6  # the EP groups of 4 in step 1: 8 slots each
 SHAPES = ((3, 4), (4,))  # per-expert slices: a weight and a bias
 MODULE = "model.layers.{layer}.mlp.experts"
 SURVIVORS = [r for r in range(WORLD) if r != VICTIM]
-BACKSTOP_S = 60
+
 # Job A's timeout: gloo tells only the victim's direct peers that it died; the others learn it
 # from this timeout (a real job's agent would tear the group down sooner).
 LOSS_TIMEOUT_S = 10
-MAPS = 4  # random maps on the survivors' group (each of LAYERS independent layer maps)
+# Random maps on the survivors' group after the loss (each of LAYERS independent layer maps), and
+# their seed: MOESHARD_ELASTIC_MAPS=400 makes this a soak (1,200 layer maps, about a minute more).
+MAPS = int(os.environ.get("MOESHARD_ELASTIC_MAPS", "4"))
+MAPS_SEED = int(os.environ.get("MOESHARD_ELASTIC_SEED", "7"))
+# Job B's timeout: the joiner waits in the scale-up's first collective while the survivors run
+# their maps on a group of their own.
+BACKSTOP_S = 60 + MAPS // 4
 
 
 def write_checkpoint(path: str) -> None:
@@ -215,7 +221,7 @@ def _rank_main(idx: int, ports: tuple[int, int], root: str, out_dir: str) -> Non
                                    copies=rep.copies, world=rep.world_size, rank=rep.rank)
             out["want_disk"] = only_on(pl0.phy2log, VICTIM)
             # Random maps on the survivors' group: nodes of 3 and 4 ranks, group ranks != EP ranks.
-            rng = np.random.default_rng(7)
+            rng = np.random.default_rng(MAPS_SEED)
             cur = pl1
             out["maps"] = 0
             for _ in range(MAPS):
