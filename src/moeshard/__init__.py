@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 _EXPORTS = {
     "eplb": (".eplb", None), "lora": (".lora", None),
     "DistributedError": ("._dist", "DistributedError"), "PeerLostError": ("._dist", "PeerLostError"),
+    "PlanMismatchError": ("._dist", "PlanMismatchError"),
     "CheckpointError": (".io.checkpoint", "CheckpointError"), "CheckpointIndex": (".io.checkpoint", "CheckpointIndex"),
     "CheckpointReader": (".io.checkpoint", "CheckpointReader"),
     "write_checkpoint": (".io.checkpoint", "write_checkpoint"),
@@ -38,7 +39,7 @@ _EXPORTS = {
 
 __all__ = [
     "CheckpointError", "CheckpointIndex", "CheckpointReader", "DistributedError", "ExpertParam",
-    "ExpertsSpec", "HF_EXPERTS", "LoadReport", "MIXTRAL_EXPERTS", "PeerLostError", "Placement", "Topology",
+    "ExpertsSpec", "HF_EXPERTS", "LoadReport", "MIXTRAL_EXPERTS", "PeerLostError", "PlanMismatchError", "Placement", "Topology",
     "Schedule", "VerificationError", "VerifyReport", "eplb", "load", "lora", "make_mesh", "materialize",
     "parallelize", "plan_relocation", "plan_transfers", "RelocationPlan", "RelocationReport", "relocate",
     "RelocationStep", "relocate_chunks", "relocation_chunks",
@@ -76,7 +77,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the names as eager imports would bind them
     from . import eplb, lora
-    from ._dist import DistributedError, PeerLostError
+    from ._dist import DistributedError, PeerLostError, PlanMismatchError
     from .io.checkpoint import CheckpointError, CheckpointIndex, CheckpointReader, write_checkpoint
     from .models.adapters import HF_EXPERTS, MIXTRAL_EXPERTS, ExpertParam, ExpertsSpec
     from .models.ep import clip_grad_norm_, grad_norm, sync_redundant_grads

@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistributedError", "PeerLostError", "is_dist", "rank_and_world", "agree", "agree_and_gather", "unanimous",
+__all__ = ["DistributedError", "PlanMismatchError", "PeerLostError", "is_dist", "rank_and_world", "agree", "agree_and_gather", "unanimous",
            "broadcast_result", "all_gather_object", "broadcast_object", "barrier", "collective", "errors_as",
            "start_p2p", "scope", "runs_on_group", "p2p", "global_rank", "group_ranks"]
 
@@ -102,6 +102,11 @@ def p2p(op: Callable, tensor: torch.Tensor, peer: int, members: list[int] | None
 
 class DistributedError(RuntimeError):
     """Raised on every rank when any rank failed a collective step."""
+
+
+class PlanMismatchError(DistributedError):
+    """Raised on every rank by :func:`agree` when the ranks' fingerprints differ (each rank
+    planned from other inputs: another placement, model or checkpoint index)."""
 
 
 class PeerLostError(DistributedError):
@@ -327,7 +332,7 @@ def _agree(step: Callable[[], T], what: str, fingerprint: Callable[[T], str] | N
     if len({(h[2], h[3]) for h in heads}) > 1:
         fps = all_gather_object(fp, group=group, what=what)
         by = ", ".join(f"rank {r}: {f}" for r, f in enumerate(fps))
-        raise DistributedError(f"{what}: ranks disagree on the plan fingerprint ({by}); "
+        raise PlanMismatchError(f"{what}: ranks disagree on the plan fingerprint ({by}); "
                                "every rank must build the same model, placement and checkpoint index")
     if share is None:
         return result, []

@@ -11,6 +11,7 @@ Every check runs before any weight changes, so a bad input leaves the weights as
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import time
@@ -360,13 +361,11 @@ def relocate(
     topo = (topology or Topology.of_group(group)).with_rank(rank)
     if topo.world_size != world:
         raise ValueError(f"topology has world_size {topo.world_size}, the process group has {world}")
-    # Plain tensors: every rank's shapes, checked in the planning step below.
-    signatures = None if isinstance(target, nn.Module) else _dist.all_gather_object(
-        _signature(target), what="moeshard.relocate: comparing the expert tensors")
+    # Plain tensors: their layers, shapes and dtypes are part of what the ranks agree on below
+    # (in the fingerprint); every rank's are gathered only when the ranks disagree, to name them.
+    signature = None if isinstance(target, nn.Module) else _signature(target)
 
     def describe():
-        if signatures is not None:
-            _check_same_tensors(signatures)
         ep_ranks = None if isinstance(target, nn.Module) else _ep_ranks(target, new, active_ranks, world)
         tensors, locals_, sources = describe_expert_tensors(target, world, specs, expert_params, module, ep_ranks,
                                                             optimizer)
@@ -385,8 +384,20 @@ def relocate(
         plan = plan_relocation(tensors, old, new, topo, active, active, staging_bytes, max_ops, from_checkpoint)
         return tensors, locals_, sources, active, plan
 
-    tensors, locals_, sources, active, plan = _dist.agree(
-        describe, "moeshard.relocate: planning", fingerprint=lambda x: x[4].fingerprint)
+    def fingerprint(x) -> str:
+        if signature is None:
+            return x[4].fingerprint
+        return f"{x[4].fingerprint}:{hashlib.blake2b(repr(signature).encode(), digest_size=8).hexdigest()}"
+
+    try:
+        tensors, locals_, sources, active, plan = _dist.agree(describe, "moeshard.relocate: planning", fingerprint)
+    except _dist.PlanMismatchError:
+        if signature is None:
+            raise
+        # Every rank is here (the mismatch is raised on all): name the tensors that differ.
+        everyone = _dist.all_gather_object(signature, what="moeshard.relocate: comparing the expert tensors")
+        _dist.unanimous(lambda: _check_same_tensors(everyone), "moeshard.relocate: comparing the expert tensors")
+        raise
     reader = None
     index = None
     if plan.disk_experts:
