@@ -587,6 +587,20 @@ def _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops, 
             ops_b: dict[int, int] = {}
             if remote:
                 src_nodes = {node_l[h] for h in srcs}
+
+                def send(h: int, r: int) -> None:
+                    """Source ``h`` sends its copy (old slot ``held_by[h]``; -1: its read) to
+                    ``r``, a needer that holds no source (needers are distinct)."""
+                    s = held_by[h]
+                    sends.append((h, s, r))
+                    if s >= 0:
+                        reads0.append(base + h * num_physical + s)
+                    sent[h] += total
+                    recv[r] += total
+                    stage[r] = 1
+                    ops_a[h] = ops_a.get(h, 0) + 1
+                    ops_a[r] = ops_a.get(r, 0) + 1
+
                 # Sources and needers ascending: min() by load alone picks the lowest rank among
                 # the least loaded.
                 for nd in sorted({node_l[r] for r in remote}) if len(remote) > 1 else (node_l[remote[0]],):
@@ -596,29 +610,11 @@ def _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops, 
                         for r in on_node:
                             if r == read:
                                 continue  # the reader needs it itself: no transfer
-                            h = min(here, key=sent.__getitem__) if len(here) > 1 else here[0]
-                            s = held_by[h]
-                            sends.append((h, s, r))
-                            if s >= 0:
-                                reads0.append(base + h * num_physical + s)
-                            sent[h] += total
-                            recv[r] += total
-                            stage[r] = 1  # needers are distinct and hold no source
-                            ops_a[h] = ops_a.get(h, 0) + 1
-                            ops_a[r] = ops_a.get(r, 0) + 1
+                            send(min(here, key=sent.__getitem__) if len(here) > 1 else here[0], r)
                         continue
                     # No source on the node: one needer receives across and relays it on.
                     relay = min(on_node, key=recv.__getitem__) if len(on_node) > 1 else on_node[0]
-                    h = min(srcs, key=sent.__getitem__) if len(srcs) > 1 else srcs[0]
-                    s = held_by[h]
-                    sends.append((h, s, relay))
-                    if s >= 0:
-                        reads0.append(base + h * num_physical + s)
-                    sent[h] += total
-                    recv[relay] += total
-                    stage[relay] = 1
-                    ops_a[h] = ops_a.get(h, 0) + 1
-                    ops_a[relay] = ops_a.get(relay, 0) + 1
+                    send(min(srcs, key=sent.__getitem__) if len(srcs) > 1 else srcs[0], relay)
                     cross += total
                     for r in on_node:
                         if r != relay:
