@@ -498,7 +498,7 @@ def execute_schedule(
         nonlocal ahead_bytes
         for pid in reads_at.get(t, ()):
             nbytes = int(s.piece_bytes[pid])
-            if pid in ahead or staged + ahead_bytes + nbytes > s.staging_bytes:
+            if staged + ahead_bytes + nbytes > s.staging_bytes:
                 return
             try:
                 done = source.start_read(pid, device)

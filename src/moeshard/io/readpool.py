@@ -74,8 +74,8 @@ class _PinnedBudget:
     def reserve(self, nbytes: int) -> None:
         while True:
             with self.lock:
-                # A read larger than the whole bound still runs, alone.
-                if self.held == 0 or self.held + nbytes <= self.limit or not self.pending:
+                # Nothing left to wait for (a read larger than the whole bound runs alone).
+                if self.held + nbytes <= self.limit or not self.pending:
                     self.held += nbytes
                     return
                 event, n = self.pending.popleft()
