@@ -20,9 +20,11 @@ the world size.
    b. what ONE RANK of a real job computes inside ``moeshard.load`` with storage "shared",
       measured in a child process of its own (``--one-rank W``, so its peak RSS is its own):
       the synthetic ParamDescs and placement are built as ``moeshard plan`` builds them, then
-      ``need_table``, ``plan_transfers(scope="job", every rank a reader)``,
-      ``Schedule.for_rank(0)`` and ``Schedule.fingerprint`` (what ranks compare) are timed,
-      with the number of needs, pieces, sends and rounds.
+      ``need_table``, ``plan_transfers(scope="job", every rank a reader, rank=0)`` (the
+      transfers and rank 0's local reads), ``Schedule.for_rank(0)`` and
+      ``Schedule.fingerprint`` (what ranks compare) are timed, with the number of needs,
+      pieces, sends and rounds; then, for comparison, the whole job's schedule and its
+      fingerprint (after the peak RSS is taken).
 
    Printed (as 4a and 4b, after the predicted bytes of 2.) with the growth of the seconds
    and of peak RSS between worlds 4x and 8x apart; JSON section ``sweep``.
@@ -204,8 +206,9 @@ def one_rank(config: Path, world: int) -> dict:
     t = time.perf_counter()
     table = need_table(descs, index, placement, world)
     t_needs = time.perf_counter() - t
+    readers = np.ones(world, dtype=bool)
     t = time.perf_counter()
-    schedule = plan_transfers(table, index, topo, readers=np.ones(world, dtype=bool), scope="job")
+    schedule = plan_transfers(table, index, topo, readers=readers, scope="job", rank=0)
     t_plan = time.perf_counter() - t
     t = time.perf_counter()
     mine = schedule.for_rank(0)
@@ -213,13 +216,24 @@ def one_rank(config: Path, world: int) -> dict:
     t = time.perf_counter()
     _ = schedule.fingerprint
     t_fp = time.perf_counter() - t
+    rss = _peak_rss_self()
+    # The whole job's schedule, for comparison (after the peak RSS above: it is not what a rank plans).
+    t = time.perf_counter()
+    whole = plan_transfers(table, index, topo, readers=readers, scope="job")
+    t_whole = time.perf_counter() - t
+    t = time.perf_counter()
+    _ = whole.fingerprint
+    t_whole_fp = time.perf_counter() - t
     return {"world_size": world, "setup_s": setup, "need_table_s": t_needs, "plan_transfers_s": t_plan,
             "for_rank_s": t_rank, "fingerprint_s": t_fp, "planning_s": t_needs + t_plan + t_rank + t_fp,
-            "num_needs": len(table), "num_pieces": schedule.num_pieces, "num_reads": len(schedule.read_rank),
+            "whole_job_plan_transfers_s": t_whole, "whole_job_fingerprint_s": t_whole_fp,
+            "num_needs": len(table), "num_alone": int(table.alone.sum()) if table.alone is not None else 0,
+            "num_pieces": schedule.num_pieces, "num_reads": len(schedule.read_rank),
             "num_sends": len(schedule.send_src), "num_broadcasts": len(schedule.bcast_piece),
-            "num_rounds": schedule.num_rounds, "rank0_reads": len(mine.reads), "rank0_sends": len(mine.sends),
+            "num_rounds": schedule.num_rounds, "whole_job_pieces": whole.num_pieces,
+            "rank0_reads": len(mine.reads), "rank0_sends": len(mine.sends),
             "rank0_deliveries": len(mine.deliveries), "rank0_rounds": len(mine.rounds),
-            "peak_rss_after_setup_bytes": rss_setup, "peak_rss_self_bytes": _peak_rss_self()}
+            "peak_rss_after_setup_bytes": rss_setup, "peak_rss_self_bytes": rss}
 
 
 def bench_sweep(config: Path, bandwidth: str, repeat: int, worlds: list[int]) -> dict:
@@ -247,7 +261,7 @@ def _growth(rows: list[dict]) -> list[dict]:
                 **{f"plan_{m}_s": v for m, v in r["mode_plan_s"].items()}, "one_rank_need_table_s": o["need_table_s"],
                 "one_rank_plan_transfers_s": o["plan_transfers_s"], "one_rank_planning_s": o["planning_s"],
                 "num_needs": r["num_needs"], "command_peak_rss": r["peak_rss_bytes"],
-                "one_rank_peak_rss": o["process"]["peak_rss_bytes"]}
+                "one_rank_peak_rss": o["peak_rss_self_bytes"]}
     out = []
     for a in rows:
         for b in rows:
@@ -304,16 +318,18 @@ def print_sweep(sweep: dict) -> None:
         print(f"{r['world_size']:>6,}{r['num_nodes']:>7,}{shape:>12}{r['num_needs']:>12,}"
               f"{r['wall_s']:>9.1f}{r['cpu_s']:>8.1f}{r['peak_rss_bytes'] / MIB:>9,.0f}{t['needs']:>9.2f}"
               + "".join(f"{r['mode_plan_s'][m]:>10.2f}" for m in modes) + f"{t['baselines']:>13.2f}{t['total']:>12.2f}")
-    print("\n4b. one rank inside moeshard.load, storage \"shared\" (own process; seconds; RSS = that process's peak)")
+    print("\n4b. one rank inside moeshard.load, storage \"shared\" (own process; seconds; RSS = that process's peak "
+          "before the whole job's plan, planned after for comparison: 'whole' = its plan + fingerprint)")
     print(f"{'W':>6}{'needs':>12}{'pieces':>11}{'sends':>11}{'rounds':>8}{'need_table':>12}{'plan':>8}{'for_rank':>10}"
-          f"{'fingerpr.':>11}{'total':>8}{'RSS MiB':>9}{'setup MiB':>11}{'r0 sends':>10}{'r0 dlv':>9}")
+          f"{'fingerpr.':>11}{'total':>8}{'RSS MiB':>9}{'setup MiB':>11}{'r0 sends':>10}{'r0 dlv':>9}{'whole':>8}")
     for r in rows:
         o = r["one_rank"]
         print(f"{r['world_size']:>6,}{o['num_needs']:>12,}{o['num_pieces']:>11,}{o['num_sends']:>11,}"
               f"{o['num_rounds']:>8}{o['need_table_s']:>12.2f}{o['plan_transfers_s']:>8.2f}{o['for_rank_s']:>10.3f}"
               f"{o['fingerprint_s']:>11.3f}"
-              f"{o['planning_s']:>8.2f}{o['process']['peak_rss_bytes'] / MIB:>9,.0f}"
-              f"{o['peak_rss_after_setup_bytes'] / MIB:>11,.0f}{o['rank0_sends']:>10,}{o['rank0_deliveries']:>9,}")
+              f"{o['planning_s']:>8.2f}{o['peak_rss_self_bytes'] / MIB:>9,.0f}"
+              f"{o['peak_rss_after_setup_bytes'] / MIB:>11,.0f}{o['rank0_sends']:>10,}{o['rank0_deliveries']:>9,}"
+              f"{o['whole_job_plan_transfers_s'] + o['whole_job_fingerprint_s']:>8.2f}")
     if sweep["growth"]:
         print("\ngrowth (ratio of the larger world's figure to the smaller's)")
         cols = (("needs", "num_needs"), ("cmd wall", "command_wall_s"), ("cmd cpu", "command_cpu_s"),

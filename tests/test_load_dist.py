@@ -123,7 +123,7 @@ def _expected_digests(model, path: str, pl, storage: str) -> dict:
     rank = dist.get_rank()
     topo = moeshard.Topology.from_env().with_rank(rank)
     mode, readers, _, index = resolve_sources(path, storage, topo, os.path.exists(path))
-    _, plan = plan_load(model, index, pl, topo, readers, "job")
+    _, _, plan = plan_load(model, index, pl, topo, readers, "job")
     reader_of = plan.piece_readers()
     needers = sorted({(p, r) for p, r in zip(plan.dlv_piece.tolist(), plan.dlv_rank.tolist())})
     pairs = [(r, int(reader_of[pid])) for pid, r in needers]

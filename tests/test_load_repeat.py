@@ -134,7 +134,7 @@ def test_minimal_only_when_asked(ckpt):
     index = moeshard.CheckpointIndex.open(ckpt)
     topo = moeshard.Topology(1, 1)
     readers = np.ones(1, dtype=bool)
-    _, plan = plan_load(model, index, _placement(), topo, readers, "job")
+    _, _, plan = plan_load(model, index, _placement(), topo, readers, "job")
     assert rep.minimal == minimal_cost(plan.needs, index, topo, readers, "job")
     assert rep.minimal["read_bytes"] == rep.checkpoint_bytes == rep.bytes_read_rank
     assert rep.minimal["network_bytes"] == 0 and rep.minimal["cross_node_bytes"] == 0

@@ -100,3 +100,109 @@ def test_plans_from_pieces_are_the_plans_from_needs(world, lws, ep, efsdp, stagi
         assert minimal_cost(cut_pieces(table, case.index, None), case.index, topo, readers, scope) == bounds
     with pytest.raises(ValueError, match=f"cut for a staging budget of {staging} bytes, not {staging + 1}"):
         plan_transfers(pieces, case.index, topo, np.ones(world, dtype=bool), staging_bytes=staging + 1)
+
+
+def _rank_rows(plan, rank: int) -> tuple:
+    """Rank ``rank``'s rows of ``plan`` with pieces named by (key, box), not by number."""
+    rs = plan.for_rank(rank)
+
+    def name(p) -> tuple:
+        nd = int(plan.key_ndim[plan.piece_key[p]])
+        return plan.keys[plan.piece_key[p]], tuple(plan.piece_off[p, :nd].tolist()), tuple(plan.piece_len[p, :nd].tolist())
+
+    def rows(piece, *cols) -> list:
+        return [(name(p), *(int(c[i]) for c in cols)) for i, p in enumerate(piece.tolist())]
+
+    dlv = rs.deliveries
+    return (sorted(rows(plan.read_piece[rs.reads], plan.read_round[rs.reads])),
+            rows(plan.send_piece[rs.sends], plan.send_src[rs.sends], plan.send_dst[rs.sends], plan.send_round[rs.sends]),
+            rows(plan.bcast_piece[rs.bcasts], plan.bcast_node[rs.bcasts], plan.bcast_root[rs.bcasts],
+                 plan.bcast_round[rs.bcasts]),
+            sorted((*r, tuple(off)) for r, off in zip(rows(plan.dlv_piece[dlv], plan.dlv_param[dlv], plan.dlv_slot[dlv]),
+                                                      plan.dlv_off[dlv].tolist())),
+            rs.rounds.tolist())
+
+
+@pytest.mark.parametrize("world, lws, ep, efsdp, experts, dense, num_logical", [
+    (8, 4, 4, 2, "shard", ("shard", "replicate", "plain"), 4),
+    (8, 4, 8, 1, "shard", ("shard",), 16),  # one slot per expert: every row alone, only local reads
+    (12, 3, 6, 2, "replicate", ("shard", "plain"), 4),
+    (8, 2, 2, 4, "shard", ("replicate",), 3),
+])
+def test_a_schedule_planned_for_one_rank_has_that_ranks_rows_of_the_whole_jobs(world, lws, ep, efsdp, experts,
+                                                                                 dense, num_logical):
+    """``plan_transfers(rank=r)`` plans the transfers and rank r's local reads only; r's rows
+    (reads, sends, broadcasts, deliveries, rounds), every cost counter and the number of rounds
+    are the whole job's, every rank's fingerprint is the same, and it refuses another rank."""
+    case = build_case(world, lws, ep, efsdp, seed=world + ep, expert_placements=experts, dense=dense,
+                      num_logical=num_logical)
+    table = need_table(case.descs, case.index, case.placement, world)
+    assert table.alone is not None and table.alone.any()
+    assert table.alone.all() == (num_logical == 16)
+    itemsize = np.asarray([case.index.info(k).itemsize for k in table.keys])
+    row_bytes = table.src_len.prod(axis=1) * itemsize[table.key]
+    topo = Topology(world, lws)
+    for staging in (1 << 20, 60):
+        for mode, mask in (("shared", None), ("node", None), ("single", None), ("auto", np.arange(world) % 2 == 0)):
+            _, readers, scope = storage_sources(mode, np.ones(world, bool) if mask is None else mask, topo)
+            whole = plan_transfers(table, case.index, topo, readers, scope=scope, staging_bytes=staging)
+            fingerprints = set()
+            for r in range(world):
+                got = plan_transfers(table, case.index, topo, readers, scope=scope, staging_bytes=staging, rank=r)
+                assert got.rank == r and _rank_rows(got, r) == _rank_rows(whole, r), (staging, mode, r)
+                assert got.num_rounds == whole.num_rounds and got.cost.summary() == whole.cost.summary()
+                for f in ("read_bytes", "sent_bytes", "recv_bytes", "peak_staging_bytes"):
+                    assert np.array_equal(getattr(got.cost, f), getattr(whole.cost, f)), f
+                # Other ranks' local reads are planned only for rows not alone: the whole job's
+                # but the bytes of the alone rows of other ranks that read.
+                def others_local(plan):
+                    rows = (plan.read_rank != r) & (plan.read_round < 0)
+                    return int(plan.piece_bytes[plan.read_piece[rows]].sum())
+
+                dropped = table.alone & (table.rank != r) & readers[table.rank]
+                assert others_local(got) == others_local(whole) - int(row_bytes[dropped].sum())
+                fingerprints.add(got.fingerprint)
+            assert len(fingerprints) == 1
+            with pytest.raises(ValueError, match=f"planned for rank {world - 1} only, not rank 0"):
+                got.for_rank(0)
+    # Without the hint (needs given as rows) the whole job is planned: the same rows again.
+    rows = table.to_needs()
+    got = plan_transfers(rows, case.index, topo, np.ones(world, bool), rank=1)
+    assert _rank_rows(got, 1) == _rank_rows(plan_transfers(rows, case.index, topo, np.ones(world, bool)), 1)
+
+
+def test_alone_rows_are_those_no_other_rank_shares():
+    """The layout's ``alone`` hint is never wrong: an alone row's (key, box) is no other rank's
+    (it may miss some: then the whole job plans them, as before)."""
+    for world, lws, ep, efsdp, experts, dense in [(8, 4, 4, 2, "shard", ("shard", "replicate", "plain")),
+                                                  (12, 3, 6, 2, "replicate", ("shard",)), (1, 1, 1, 1, "shard", ("plain",))]:
+        for num_logical in (3, 2 * ep):
+            case = build_case(world, lws, ep, efsdp, seed=3, expert_placements=experts, dense=dense,
+                              num_logical=num_logical)
+            table = need_table(case.descs, case.index, case.placement, world)
+            holders: dict = {}
+            for i in range(len(table)):
+                holders.setdefault((int(table.key[i]), table.src_off[i].tobytes(), table.src_len[i].tobytes()),
+                                   set()).add(int(table.rank[i]))
+            shared = np.asarray([len(holders[(int(table.key[i]), table.src_off[i].tobytes(),
+                                              table.src_len[i].tobytes())]) > 1 for i in range(len(table))])
+            assert not (table.alone & shared).any()
+            if num_logical == 2 * ep and experts == "shard":  # one slot per expert: it finds every one
+                assert np.array_equal(table.alone, ~shared)
+
+
+def test_ranks_with_different_needs_get_different_fingerprints():
+    """A schedule planned for one rank is compared by a fingerprint that covers every rank's
+    needs, not only the transfers: two experts swapped between ranks (the same bytes per rank,
+    no transfer either way) change it on every rank."""
+    case = build_case(8, 4, 8, 1, seed=2, num_logical=16, dense=("shard",))
+    pl = case.placement
+    swapped = pl.phy2log.copy()
+    swapped[0, [0, 2]] = swapped[0, [2, 0]]  # slot 0 (rank 0) and slot 2 (rank 1) trade experts
+    other = type(pl)(swapped, num_logical=pl.num_logical, num_ranks=pl.num_ranks)
+    topo = Topology(8, 4)
+    plans = [plan_transfers(need_table(case.descs, case.index, p, 8), case.index, topo, np.ones(8, bool), rank=5)
+             for p in (pl, other)]
+    assert not len(plans[0].send_src) and not len(plans[1].send_src)
+    assert np.array_equal(plans[0].cost.read_bytes, plans[1].cost.read_bytes)
+    assert plans[0].fingerprint != plans[1].fingerprint

@@ -35,6 +35,7 @@ from checkpoint directories elsewhere (``config.json``) goes through :func:`load
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import math
@@ -47,7 +48,7 @@ import threading
 from dataclasses import dataclass
 from json.decoder import WHITESPACE, JSONDecodeError, scanstring
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -162,6 +163,30 @@ class CheckpointIndex:
             return self.tensors[key]
         except KeyError:
             raise CheckpointError(f"checkpoint {self.root} has no tensor {key!r}") from None
+
+    def key_columns(self, keys: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """``(itemsize, order)``, ``int64[len(keys)]``: each key's item size and its position
+        in file order (files by name, then byte offset) among all the checkpoint's tensors.
+        CheckpointError for a key it lacks. Cost: a dict lookup per key (the columns of all
+        tensors are built once per index)."""
+        position, itemsize, order = self._columns
+        try:
+            at = np.fromiter(map(position.__getitem__, keys), dtype=np.int64, count=len(keys))
+        except KeyError as e:
+            self.info(e.args[0])  # raises, naming the key
+            raise
+        return itemsize[at], order[at]
+
+    @functools.cached_property
+    def _columns(self) -> tuple[dict[str, int], np.ndarray, np.ndarray]:
+        infos = list(self.tensors.values())
+        files = {f: i for i, f in enumerate(sorted({t.file for t in infos}))}
+        file_no = np.fromiter((files[t.file] for t in infos), dtype=np.int64, count=len(infos))
+        offset = np.fromiter((t.offset for t in infos), dtype=np.int64, count=len(infos))
+        order = np.empty(len(infos), dtype=np.int64)
+        order[np.lexsort((offset, file_no))] = np.arange(len(infos))
+        itemsize = np.fromiter((_ITEMSIZE[t.dtype] for t in infos), dtype=np.int64, count=len(infos))
+        return {k: i for i, k in enumerate(self.tensors)}, itemsize, order
 
     def __reduce__(self):
         # One rank reads the headers and sends them to every rank (moeshard.load): pickled as

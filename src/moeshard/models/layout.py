@@ -364,6 +364,20 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def _shard_dims(placements: Sequence, ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """:func:`_parse_shard_dims`, cached (placements are hashable: torch's are frozen
+    dataclasses; a model has a handful of distinct ones)."""
+    try:
+        return _cached_shard_dims(tuple(placements), ndim)
+    except TypeError:  # an unhashable placement: parse it every time
+        return _parse_shard_dims(placements, ndim)
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_shard_dims(placements: tuple, ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    return _parse_shard_dims(placements, ndim)
+
+
+def _parse_shard_dims(placements: Sequence, ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(dims, order)``: per mesh dim, the tensor dim its ``Shard`` splits, or -1 for
     ``Replicate``; and the mesh dims in the order they split the tensor (mesh-dim order, except
     that a ``_StridedShard`` comes after the shard it strides over, see :func:`_strided_order`).
@@ -561,6 +575,7 @@ class _DenseRows(NamedTuple):
     boxes: np.ndarray
     keep: np.ndarray | None
     num: int
+    alone: bool
 
     def __len__(self) -> int:
         return self.num
@@ -587,6 +602,8 @@ class _DenseRows(NamedTuple):
         table.src_off[rows, :d] = boxes[:, :, 0]
         table.src_len[rows, :d] = boxes[:, :, 1]
         table.dst_off[rows, :d] = 0
+        if table.alone is not None:
+            table.alone[rows] = self.alone
 
 
 def _dense_rows(i: int, d: ParamDesc, index: CheckpointIndex, ranks: np.ndarray, boxes: np.ndarray,
@@ -604,7 +621,16 @@ def _dense_rows(i: int, d: ParamDesc, index: CheckpointIndex, ranks: np.ndarray,
         )
     keep = (boxes[:, :, 1] > 0).all(axis=1)
     num = int(keep.sum())
-    return _DenseRows(i, key, ranks, boxes, None if num == len(keep) else keep, num)
+    return _DenseRows(i, key, ranks, boxes, None if num == len(keep) else keep, num, _disjoint(d, len(ranks)))
+
+
+def _disjoint(d: ParamDesc, num_holders: int) -> bool:
+    """Whether the non-empty boxes that the holders of ``d`` hold are pairwise different: no
+    mesh dim of two or more ranks replicates it (a plain tensor: held whole by every rank)."""
+    if d.mesh is None:
+        return num_holders == 1
+    dims, _ = _shard_dims(d.placements, len(d.shape))
+    return all(n == 1 or dim >= 0 for n, dim in zip(d.mesh.shape, dims))
 
 
 def _find_key(d: ParamDesc, index: CheckpointIndex) -> str:
@@ -715,6 +741,7 @@ def _expert_table(
             f"parameter {d.name}: the checkpoint has expert {num_logical} ({extra[0]!r}) but the "
             f"placement has only {num_logical} logical experts"
         )
+    disjoint = _disjoint(d, len(ranks))
     ranks, boxes, owner, slot, expert = _held_slots(ranks, boxes, phy2log)
     held = np.flatnonzero(np.bincount(expert, minlength=num_logical))  # the experts some slot holds
     keys = _held_expert_keys(d, index, held.tolist(), part_sizes, dequantize)
@@ -728,10 +755,14 @@ def _expert_table(
     # overlap every part.
     key = part[prow] * len(held) + np.searchsorted(held, expert[row])
     num = len(row)
+    # A row's box is another rank's too only if its expert has several slots (or a mesh dim
+    # replicates the parameter): the boxes of one slot are disjoint.
+    copies = np.bincount(phy2log[phy2log >= 0], minlength=num_logical)
+    alone = (copies[expert[row]] == 1) & disjoint
     return NeedTable(
         keys=tuple(keys), ndim=np.full(len(keys), len(slice_shape), np.int8), rank=ranks[owner[row]].astype(np.int32),
         param=np.full(num, i, np.int32), key=key.astype(np.int32), slot=slot[row] - boxes[owner[row], 0, 0],
-        src_off=src_off[prow], src_len=src_len[prow], dst_off=dst_off[prow],
+        src_off=src_off[prow], src_len=src_len[prow], dst_off=dst_off[prow], alone=alone,
     )
 
 
@@ -762,6 +793,7 @@ def _fused_rows(
             f"parameter {d.name}: checkpoint tensor {key!r} (every expert fused on disk) has shape {shape}, "
             f"the model expects {want} ({num_logical} logical experts of slice {want[1:]})"
         )
+    disjoint = _disjoint(d, len(ranks))
     ranks, boxes, owner, slot, expert = _held_slots(ranks, boxes, phy2log)
     # Runs: the same rank, the next slot, the next expert.
     start = np.ones(len(slot), dtype=bool)
@@ -775,10 +807,14 @@ def _fused_rows(
     src_len = np.concatenate([length[:, None], tail_len], axis=1)
     dst_off = np.zeros((num, ndim), np.int64)
     dst_off[:, 0] = slot - boxes[owner, 0, 0]
+    # Runs of different ranks share a box only where an expert has several slots.
+    live = phy2log[phy2log >= 0]
+    alone = disjoint and len(np.unique(live)) == len(live)
     return NeedTable(
         keys=(key,), ndim=np.full(1, ndim, np.int8), rank=ranks[owner].astype(np.int32),
         param=np.full(num, i, np.int32), key=np.zeros(num, np.int32), slot=np.full(num, -1, np.int64),
         src_off=src_off.astype(np.int64), src_len=src_len.astype(np.int64), dst_off=dst_off,
+        alone=np.full(num, alone),
     )
 
 

@@ -31,7 +31,7 @@ from ..io.sources import Storage, reader_root, resolve_sources, sources_share
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
 from ..models.layout import ParamDesc, describe_model, ignored_patterns, local_tensor, need_table, unused_keys
 from ..placement import Placement
-from ..plan import DEFAULT_STAGING_BYTES, Schedule, minimal_cost, plan_transfers
+from ..plan import DEFAULT_STAGING_BYTES, NeedTable, Schedule, minimal_cost, plan_transfers
 from ..plan.scales import ScaleNeeds, scale_needs
 from ..progress import Progress, progress_enabled
 from ..topology import Topology
@@ -184,14 +184,19 @@ def plan_load(
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     specs: Sequence[ExpertsSpec] = DEFAULT_SPECS,
     dequantize: bool = False,
-) -> tuple[list[ParamDesc], Schedule]:
-    """The parameter descriptions and the schedule :func:`load` would run (pure given the
-    model; no communication). Deliveries refer to parameters by their index in the descriptions.
-    ``dequantize``: FP8 weights with a block scale may go into float parameters (the schedule
-    moves the FP8 bytes; the scales are :func:`moeshard.plan.scales.scale_needs` of its needs)."""
+    rank: int | None = None,
+) -> tuple[list[ParamDesc], NeedTable, Schedule]:
+    """The parameter descriptions, every rank's needs and the schedule :func:`load` would run
+    (pure given the model; no communication). Deliveries refer to parameters by their index in
+    the descriptions. ``dequantize``: FP8 weights with a block scale may go into float
+    parameters (the schedule moves the FP8 bytes; the scales are
+    :func:`moeshard.plan.scales.scale_needs` of the needs). ``rank``: plan only what that rank
+    runs (``plan_transfers(rank=)``, what :func:`load` does); None: the whole job. The needs
+    are every rank's either way: what the scales and the lower bounds are computed from."""
     descs = describe_model(model, index, specs)
     needs = need_table(descs, index, placement, topology.world_size, dequantize)
-    return descs, plan_transfers(needs, index, topology, readers, scope=scope, staging_bytes=staging_bytes)
+    return descs, needs, plan_transfers(needs, index, topology, readers, scope=scope, staging_bytes=staging_bytes,
+                                        rank=rank)
 
 
 def float_params(descs: Sequence[ParamDesc]) -> np.ndarray:
@@ -321,11 +326,14 @@ def load(
     elif read_threads < 1:
         raise ValueError(f"read_threads must be >= 1, got {read_threads}")
 
-    def make_plan() -> tuple[list[ParamDesc], Schedule, tuple[str, ...], ScaleNeeds | None, Schedule | None]:
-        descs, plan = plan_load(model, index, placement, topo, readers, scope, staging_bytes, specs, dequantize)
-        scales = scale_needs(plan.needs, index, float_params(descs)) if dequantize else None
+    def make_plan() -> tuple[list[ParamDesc], NeedTable, Schedule, tuple[str, ...], ScaleNeeds | None,
+                             Schedule | None]:
+        # Each rank plans what it runs: the transfers and its own local reads.
+        descs, needs, plan = plan_load(model, index, placement, topo, readers, scope, staging_bytes, specs,
+                                         dequantize, rank)
+        scales = scale_needs(needs, index, float_params(descs)) if dequantize else None
         scale_plan = None if scales is None else plan_transfers(scales.table, index, topo, readers, scope=scope,
-                                                                 staging_bytes=staging_bytes)
+                                                                 staging_bytes=staging_bytes, rank=rank)
         unused = checked_unused_keys(model, descs, index, placement, strict, "moeshard.load",
                                      consumed=scales.table.keys if scales is not None else ())
         mine = set()
@@ -336,11 +344,11 @@ def load(
         if mine:
             assert reader is not None
             reader.check_files(mine)
-        return descs, plan, unused, scales, scale_plan
+        return descs, needs, plan, unused, scales, scale_plan
 
-    descs, plan, unused, scales, scale_plan = _dist.agree(
+    descs, needs, plan, unused, scales, scale_plan = _dist.agree(
         make_plan, "moeshard.load: planning",
-        fingerprint=lambda dp: dp[1].fingerprint + (dp[4].fingerprint if dp[4] is not None else ""))
+        fingerprint=lambda dp: dp[2].fingerprint + (dp[5].fingerprint if dp[5] is not None else ""))
     t_plan = phases.end("plan") - t0
     broadcasts = plan.has_broadcasts or (scale_plan is not None and scale_plan.has_broadcasts)
     node_group = node_groups(topo) if broadcasts else None
@@ -381,7 +389,7 @@ def load(
     peak_source = "vmhwm" if peak is not None else "ru_maxrss"
     if peak is None:
         peak = _ru_maxrss_bytes()
-    minimal = minimal_cost(plan.needs, index, topo, readers, scope) if report_minimal else {}
+    minimal = minimal_cost(needs, index, topo, readers, scope) if report_minimal else {}
     return LoadReport(
         storage=mode,
         rank=rank,

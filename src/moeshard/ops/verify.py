@@ -43,7 +43,7 @@ from ..io.sources import Storage, reader_root, resolve_sources
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
 from ..models.layout import Need, local_tensor
 from ..placement import Placement
-from ..plan import Schedule
+from ..plan import DEFAULT_STAGING_BYTES, Schedule
 from ..plan.scales import scale_needs
 from ..topology import Topology
 from .load import checked_unused_keys, float_params, plan_load, target_device
@@ -187,8 +187,9 @@ def verify(
     _, readers, _, index = resolve_sources(path, storage, topo, os.path.exists(path))
 
     def make_plan():
-        descs, plan = plan_load(model, index, placement, topo, readers, "job", specs=specs, dequantize=True)
-        scales = scale_needs(plan.needs, index, float_params(descs))
+        descs, needs, plan = plan_load(model, index, placement, topo, readers, "job", DEFAULT_STAGING_BYTES, specs,
+                                         True, rank)
+        scales = scale_needs(needs, index, float_params(descs))
         also = scales.table.keys if scales is not None else ()
         return descs, plan, checked_unused_keys(model, descs, index, placement, strict, "moeshard.verify", also)
 

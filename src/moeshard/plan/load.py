@@ -27,6 +27,8 @@ of receipt at once: ``<= staging_bytes``; and it posts ``<= max_ops`` P2P ops pe
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 from typing import Literal, NamedTuple, Sequence
 
 import numpy as np
@@ -34,9 +36,9 @@ import numpy as np
 from .._gc import paused_gc
 from ..io.checkpoint import CheckpointIndex
 from ..topology import Topology
-from .arrays import dense_rank, expand_runs, lex_order, run_starts, seg_excl_cumsum
+from .arrays import dense_rank, expand_runs, lex_order, row_prod, run_starts, seg_excl_cumsum
 from .needs import NeedTable
-from .pieces import STAGING_PARTS, Pieces, cut_pieces
+from .pieces import STAGING_PARTS, Pieces, cut_pieces, key_columns
 from .schedule import PlanCost, Schedule
 
 __all__ = ["plan_transfers", "minimal_cost", "DEFAULT_STAGING_BYTES", "DEFAULT_MAX_OPS", "STAGING_PARTS"]
@@ -54,6 +56,7 @@ def plan_transfers(
     scope: Scope = "job",
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     max_ops: int = DEFAULT_MAX_OPS,
+    rank: int | None = None,
 ) -> Schedule:
     """Plan reads and transfers so every need is met exactly once (pure, deterministic).
 
@@ -67,8 +70,20 @@ def plan_transfers(
         scope: "job" reads each piece once in the job; "node" once per node needing it.
         staging_bytes: per-rank budget for pieces in flight.
         max_ops: at most this many P2P ops per rank in one round.
+        rank: None: the whole job's schedule. A rank: the schedule that rank runs
+            (:meth:`Schedule.for_rank` of that rank only): every transfer between ranks, and of
+            the pieces read for one rank only (local reads) that rank's. Other ranks' local
+            reads are counted in ``cost`` but not planned: with a :class:`NeedTable` whose
+            ``alone`` hint is set, what is planned for the whole job is only the rows not
+            alone (replicated tensors, redundant experts) and those of ranks that cannot read.
+            This rank's rows are those of the whole job's schedule (the same pieces, the
+            transfers' first and this rank's local reads after them; the same counts); its
+            fingerprint is the same on every rank (the transfers' and every rank's local reads'
+            bytes and count).
 
-    Cost: ``O(n log n)`` in the number of needs ``n`` (sorts), on every rank that calls it.
+    Cost: ``O(n log n)`` in the number of needs ``n`` (sorts), on every rank that calls it;
+    with ``rank`` and the ``alone`` hint, ``O(n)`` plus the sorts of the rows not alone and of
+    this rank's.
 
     Raises:
         ValueError: no rank can read (or, for scope "node", a node that needs data has no
@@ -79,8 +94,15 @@ def plan_transfers(
         readers = _check_args(topology, readers, scope)
         if staging_bytes < 1 or max_ops < 2:
             raise ValueError(f"staging_bytes must be >= 1 and max_ops >= 2, got {staging_bytes}, {max_ops}")
+        if rank is not None:
+            if not 0 <= rank < topology.world_size:
+                raise ValueError(f"rank must be in [0, {topology.world_size}), got {rank}")
+            if not isinstance(needs, Pieces):
+                table = needs if isinstance(needs, NeedTable) else NeedTable.from_needs(needs)
+                return _plan_rank(table, index, topology, readers, scope, staging_bytes, max_ops, rank)
         pieces = _pieces(needs, index, staging_bytes)
-        return _plan(pieces, topology, readers, scope, staging_bytes, max_ops)
+        plan = _plan(pieces, topology, readers, scope, staging_bytes, max_ops)
+        return plan if rank is None else dataclasses.replace(plan, rank=rank)
 
 
 def _check_args(topology: Topology, readers, scope: str) -> np.ndarray:
@@ -191,7 +213,8 @@ class _Trees(NamedTuple):
     b1_piece: np.ndarray
 
 
-def _trees(pieces: Pieces, topology: Topology, readers: np.ndarray, scope: str) -> _Trees:
+def _trees(pieces: Pieces, topology: Topology, readers: np.ndarray, scope: str,
+           base_load: np.ndarray | None = None) -> _Trees:
     """Read groups (a piece in "job" scope, (piece, node) in "node"), one reader each, and the
     trees that take each piece from its reader to its needers (module doc).
 
@@ -207,7 +230,8 @@ def _trees(pieces: Pieces, topology: Topology, readers: np.ndarray, scope: str) 
     del gstart
     g_piece = pair_piece[g_first]
     g_size = np.diff(np.append(g_first, len(pair_piece)))
-    reader = _readers(pieces, topology, readers, scope, pair_rank, pair_node, gid, g_first, g_piece, g_size)
+    reader = _readers(pieces, topology, readers, scope, pair_rank, pair_node, gid, g_first, g_piece, g_size,
+                      base_load)
 
     # Local reads: groups whose only needer is their reader.
     local = (g_size == 1) & (pair_rank[g_first] == reader)
@@ -226,7 +250,11 @@ def _trees(pieces: Pieces, topology: Topology, readers: np.ndarray, scope: str) 
     sub_piece = pair_piece[sub_first]
     at_reader = sub_node == node_of[sub_reader]
     whole = (sub_size == node_size[sub_node]) & (node_size[sub_node] >= 3)
-    holder = np.where(at_reader, sub_reader, pair_rank[sub_first + sub_piece % sub_size])
+    # Holders spread over a node's needers by what the piece is (its key and box), not by its
+    # number: a schedule planned for one rank numbers pieces differently (plan_transfers).
+    spread = pieces.piece_key[sub_piece].astype(np.int64) + pieces.piece_off[sub_piece].sum(axis=1)
+    holder = np.where(at_reader, sub_reader, pair_rank[sub_first + spread % sub_size])
+    del spread
     del sub_size, sub_first
     # Level 0: the reader to the holder of each other node; to each needer on its own node, or
     # one broadcast there when the whole node needs it. Level 1: the holder of each other node
@@ -254,10 +282,11 @@ def _trees(pieces: Pieces, topology: Topology, readers: np.ndarray, scope: str) 
 
 def _readers(pieces: Pieces, topology: Topology, readers: np.ndarray, scope: str, pair_rank: np.ndarray,
              pair_node: np.ndarray, gid: np.ndarray, g_first: np.ndarray, g_piece: np.ndarray,
-             g_size: np.ndarray) -> np.ndarray:
+             g_size: np.ndarray, base_load: np.ndarray | None) -> np.ndarray:
     """``int32[G]``: one reader per group (pairs ``g_first[g] .. + g_size[g] - 1``, each pair's
     group ``gid``): a needer that can read if there is one (the least loaded of several), else a
-    reader near the needers, spread over the pool by bytes."""
+    reader near the needers, spread over the pool by bytes. ``base_load``: ``int64[world]``
+    bytes each rank reads besides these groups (local reads planned elsewhere), or None."""
     world, node_of = topology.world_size, topology.nodes_array()
     num_groups = len(g_first)
     g_bytes = pieces.piece_bytes[g_piece]
@@ -290,7 +319,10 @@ def _readers(pieces: Pieces, topology: Topology, readers: np.ndarray, scope: str
         # Greedy, group by group: each takes its least loaded candidate (the first of equals),
         # whose load then grows. Sequential, so in plain Python over lists (numpy per group
         # costs ~10 us each; "node" scope at 1,024 ranks has ~7,000 such groups).
-        load = np.bincount(reader[reader >= 0], weights=g_bytes[reader >= 0], minlength=world).tolist()
+        load = np.bincount(reader[reader >= 0], weights=g_bytes[reader >= 0], minlength=world)
+        if base_load is not None:
+            load += base_load
+        load = load.tolist()
         _, pos = expand_runs(g_first[multi], g_size[multi])
         ranks = pair_rank[pos[cand[pos]]].tolist()
         chosen = []
@@ -408,10 +440,93 @@ def _rounds(t: _Trees, pbytes: np.ndarray, topology: Topology, staging_bytes: in
 # -- the planner ------------------------------------------------------------------------------
 
 
-def _plan(pieces: Pieces, topology: Topology, readers: np.ndarray, scope: str, staging_bytes: int,
-          max_ops: int) -> Schedule:
+def _plan_rank(table: NeedTable, index: CheckpointIndex, topology: Topology, readers: np.ndarray, scope: str,
+               staging_bytes: int, max_ops: int, rank: int) -> Schedule:
+    """:func:`plan_transfers` with ``rank`` (its doc): the whole-job plan of the rows that are
+    not local reads, merged with this rank's local reads.
+
+    Why the rows are the whole job's: a local read is a read group whose only needer reads it
+    (``alone`` and a reader). It is in no tree and no stream, so the transfers, windows and
+    rounds of the others do not change without it; it is read in round -1 and stages
+    nothing. It enters the rest of the plan only through its reader's load in the greedy
+    choice of readers (``base_load``) and ``cost.read_bytes``, which take every rank's local
+    bytes (a bincount). A row wrongly taken as not alone only moves a local read into the
+    whole-job part, where it is planned as one: the same rows again."""
     world = topology.world_size
-    t = _trees(pieces, topology, readers, scope)
+    local = np.zeros(len(table), bool) if table.alone is None else table.alone & readers[table.rank]
+    keys = key_columns(table.keys, index)
+    itemsize = keys[0]
+    lrows = np.flatnonzero(local)
+    local_bytes = np.bincount(table.rank[lrows], weights=row_prod(table.src_len[lrows]) * itemsize[table.key[lrows]],
+                              minlength=world).astype(np.int64)
+    local_rows = np.bincount(table.rank[lrows], minlength=world)
+    del lrows
+    shared = _plan(cut_pieces(table.take(~local), index, staging_bytes, keys), topology, readers, scope,
+                   staging_bytes, max_ops, base_load=local_bytes)
+    mine = cut_pieces(table.take(local & (table.rank == rank)), index, staging_bytes, keys)
+    h = hashlib.sha256(shared.fingerprint.encode())
+    h.update(local_bytes.tobytes())
+    h.update(local_rows.tobytes())
+    h.update(_table_digest(table))  # the local reads themselves: e.g. two experts swapped between ranks
+    return _with_local_reads(shared, mine, rank, local_bytes, h.hexdigest()[:16])
+
+
+def _table_digest(table: NeedTable) -> bytes:
+    """A digest of every row of ``table`` (its keys too) in a few numpy passes over the columns
+    (0.16-0.2 s for DeepSeek-V3's 4.7 million rows at 8,192 ranks): each row's values mixed by
+    multiply-adds in ``uint64``, rows weighted by their position. Ranks compare it to catch
+    tables that differ (a different placement or model), not an adversary."""
+    n = len(table)
+    odd = np.uint64(0x9E3779B97F4A7C15)
+    with np.errstate(over="ignore"):
+        mix = table.rank.astype(np.uint64)
+        for col in (table.param, table.key):
+            mix *= odd
+            mix += col.astype(np.uint64)
+        for col in (table.slot[:, None], table.src_off, table.src_len, table.dst_off):
+            # A box's dims in one pass: a product with powers of ``odd``.
+            w = np.cumprod(np.full(col.shape[1], odd, dtype=np.uint64))
+            mix *= w[-1]
+            mix += col.view(np.uint64) @ w[::-1]
+        mix ^= mix >> np.uint64(29)
+        mix *= np.arange(1, 2 * n + 1, 2, dtype=np.uint64)  # row i weighs 2i + 1: order counts
+        total = np.bitwise_xor.reduce(mix) if n else np.uint64(0)
+    h = hashlib.sha256(np.asarray([n, int(mix.sum(dtype=np.uint64)) if n else 0, int(total)], np.uint64).tobytes())
+    h.update(repr(table.keys).encode())
+    return h.digest()
+
+
+def _with_local_reads(shared: Schedule, mine: Pieces, rank: int, local_bytes: np.ndarray, basis: str) -> Schedule:
+    """``shared`` with ``mine`` added as ``rank``'s local reads (round -1), their pieces after
+    ``shared``'s (whose numbers, and so the order of every rank's transfers, stay as they are
+    on every rank), and every rank's ``local_bytes`` added to ``cost.read_bytes``."""
+    first = shared.num_pieces
+    mid = np.arange(first, first + mine.num_pieces, dtype=np.int32)
+    read_rank = np.concatenate([shared.read_rank, np.full(len(mid), rank, np.int32)])
+    read_piece = np.concatenate([shared.read_piece, mid])
+    rperm = lex_order(read_rank, read_piece)  # reads by reader, as in the whole job's schedule
+    cost = dataclasses.replace(shared.cost, read_bytes=shared.cost.read_bytes + local_bytes)
+    return dataclasses.replace(
+        shared,
+        piece_key=np.concatenate([shared.piece_key, mine.piece_key]),
+        piece_off=np.concatenate([shared.piece_off, mine.piece_off]),
+        piece_len=np.concatenate([shared.piece_len, mine.piece_len]),
+        piece_bytes=np.concatenate([shared.piece_bytes, mine.piece_bytes]),
+        read_rank=read_rank[rperm], read_piece=read_piece[rperm],
+        read_round=np.concatenate([shared.read_round, np.full(len(mid), -1, np.int64)])[rperm],
+        # Deliveries stay sorted by (piece, rank): ``mine``'s pieces come after.
+        dlv_piece=np.concatenate([shared.dlv_piece, mine.dlv_piece + first]),
+        dlv_rank=np.concatenate([shared.dlv_rank, mine.dlv_rank]),
+        dlv_param=np.concatenate([shared.dlv_param, mine.dlv_param]),
+        dlv_slot=np.concatenate([shared.dlv_slot, mine.dlv_slot]),
+        dlv_off=np.concatenate([shared.dlv_off, mine.dlv_off]),
+        cost=cost, rank=rank, basis=basis)
+
+
+def _plan(pieces: Pieces, topology: Topology, readers: np.ndarray, scope: str, staging_bytes: int,
+          max_ops: int, base_load: np.ndarray | None = None) -> Schedule:
+    world = topology.world_size
+    t = _trees(pieces, topology, readers, scope, base_load)
     r = _rounds(t, pieces.piece_bytes, topology, staging_bytes, max_ops)
     read_round, read_end = _read_rounds(t, r, world)
     sends = (np.concatenate([t.e0_src, t.e1_src]), np.concatenate([t.e0_dst, t.e1_dst]),

@@ -39,6 +39,10 @@ class NeedTable:
         slot: ``int64[N]``: local expert slot, or -1.
         src_off, src_len: ``int64[N, D]``: the box in the checkpoint tensor.
         dst_off: ``int64[N, D]``: where the box starts in the local tensor (or slot).
+        alone: ``bool[N]`` or None: True where no row of *another* rank has the same key and
+            box (a hint from the layout, which knows it without comparing rows; False where
+            unsure), None where unknown. :func:`~moeshard.plan.load.plan_transfers` with
+            ``rank=`` plans only the rows of other ranks that are not alone.
     """
 
     keys: tuple[str, ...]
@@ -50,11 +54,13 @@ class NeedTable:
     src_off: np.ndarray
     src_len: np.ndarray
     dst_off: np.ndarray
+    alone: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = len(self.rank)
         assert self.ndim.shape == (len(self.keys),), "one ndim per key"
         assert all(len(c) == n for c in (self.param, self.key, self.slot, self.src_off, self.src_len, self.dst_off))
+        assert self.alone is None or self.alone.shape == (n,)
         assert self.src_off.shape == self.src_len.shape == self.dst_off.shape and self.src_off.ndim == 2
 
     def __len__(self) -> int:
@@ -73,7 +79,10 @@ class NeedTable:
         A part is a :class:`NeedTable` or any object with the same ``keys``, ``ndim``,
         ``width`` and ``len()`` and a ``fill(table, rows, key_ids)`` method that writes its rows
         into ``table`` at ``rows`` (a slice), its key ``j`` as ``key_ids[j]`` (e.g. the rows of
-        a dense parameter, kept as views of its cached boxes until here)."""
+        a dense parameter, kept as views of its cached boxes until here).
+
+        ``alone`` is kept where every part has it (a part's distinct keys; the rows of a key
+        that several parts read are not alone), else None."""
         keys: dict[str, int] = {}
         ndims: list[int] = []
         for t in parts:
@@ -82,23 +91,41 @@ class NeedTable:
                     keys[k] = len(keys)
                     ndims.append(nd)
         width = max((t.width for t in parts), default=0)
-        table = NeedTable.allocate(tuple(keys), np.asarray(ndims, dtype=np.int8), sum(len(t) for t in parts), width)
+        hint = all(t.alone is not None for t in parts)
+        table = NeedTable.allocate(tuple(keys), np.asarray(ndims, dtype=np.int8), sum(len(t) for t in parts), width,
+                                   alone=hint)
         pos = 0
+        ids = []
         for t in parts:
             n = len(t)
             if n:
-                t.fill(table, slice(pos, pos + n), np.asarray([keys[k] for k in t.keys], dtype=np.int32))
+                ids.append(np.asarray([keys[k] for k in t.keys], dtype=np.int32))
+                t.fill(table, slice(pos, pos + n), ids[-1])
             pos += n
+        if hint and ids:
+            # Two parameters reading one key (tied weights): their rows may coincide.
+            readers_of_key = np.bincount(np.concatenate(ids), minlength=len(keys))
+            np.logical_and(table.alone, readers_of_key[table.key] == 1, out=table.alone)
         return table
 
     @staticmethod
-    def allocate(keys: tuple[str, ...], ndim: np.ndarray, num: int, width: int) -> "NeedTable":
+    def allocate(keys: tuple[str, ...], ndim: np.ndarray, num: int, width: int, alone: bool = False) -> "NeedTable":
         """A table of ``num`` rows to fill in place: padding values in the box columns
-        (offsets 0, lengths 1), the other columns uninitialized."""
+        (offsets 0, lengths 1), the other columns uninitialized (``alone``: a column of
+        False, else None)."""
         return NeedTable(
             keys=keys, ndim=ndim, rank=np.empty(num, np.int32), param=np.empty(num, np.int32),
             key=np.empty(num, np.int32), slot=np.empty(num, np.int64), src_off=np.zeros((num, width), np.int64),
             src_len=np.ones((num, width), np.int64), dst_off=np.zeros((num, width), np.int64),
+            alone=np.zeros(num, bool) if alone else None,
+        )
+
+    def take(self, rows: np.ndarray) -> "NeedTable":
+        """The table of rows ``rows`` (indices or a ``bool[N]`` mask), over the same keys."""
+        return NeedTable(
+            keys=self.keys, ndim=self.ndim, rank=self.rank[rows], param=self.param[rows], key=self.key[rows],
+            slot=self.slot[rows], src_off=self.src_off[rows], src_len=self.src_len[rows], dst_off=self.dst_off[rows],
+            alone=None if self.alone is None else self.alone[rows],
         )
 
     def fill(self, table: "NeedTable", rows: slice, key_ids: np.ndarray) -> None:
@@ -112,6 +139,8 @@ class NeedTable:
         table.src_off[rows, :d] = self.src_off
         table.src_len[rows, :d] = self.src_len
         table.dst_off[rows, :d] = self.dst_off
+        if table.alone is not None:
+            table.alone[rows] = self.alone
 
     @staticmethod
     def from_needs(needs) -> "NeedTable":

@@ -22,7 +22,7 @@ from ..io.checkpoint import CheckpointIndex
 from .arrays import expand_runs, group_rows, lex_order, row_prod, run_starts
 from .needs import NeedTable
 
-__all__ = ["Pieces", "cut_pieces", "STAGING_PARTS"]
+__all__ = ["Pieces", "cut_pieces", "key_columns", "STAGING_PARTS"]
 
 # The staging budget in parts: a piece is at most one part; a rank's windows share what its
 # pieces leave of the budget (see plan/load.py).
@@ -71,13 +71,15 @@ class Pieces:
         return self.dlv_piece[start], self.dlv_rank[start]
 
 
-def cut_pieces(table: NeedTable, index: CheckpointIndex, staging_bytes: int | None) -> Pieces:
+def cut_pieces(table: NeedTable, index: CheckpointIndex, staging_bytes: int | None,
+               keys: tuple[np.ndarray, np.ndarray] | None = None) -> Pieces:
     """The pieces and deliveries of ``table`` (pure, deterministic). ``staging_bytes``: cut
     every piece to at most ``staging_bytes // STAGING_PARTS`` bytes (None: do not cut).
+    ``keys``: :func:`key_columns` of ``table.keys``, when the caller has them.
 
     Raises ValueError when one element of a needed tensor does not fit in a part.
     Cost: one sort of the needs (``O(n log n)``) and Python per piece that must be cut."""
-    itemsize, key_rank = _key_columns(table, index)
+    itemsize, key_rank = keys if keys is not None else key_columns(table.keys, index)
     if staging_bytes is not None:
         part = staging_bytes // STAGING_PARTS
         used = np.flatnonzero(np.bincount(table.key, minlength=len(table.keys)))  # the keys some need reads
@@ -124,17 +126,10 @@ def cut_pieces(table: NeedTable, index: CheckpointIndex, staging_bytes: int | No
     )
 
 
-def _key_columns(table: NeedTable, index: CheckpointIndex) -> tuple[np.ndarray, np.ndarray]:
+def key_columns(keys: tuple[str, ...], index: CheckpointIndex) -> tuple[np.ndarray, np.ndarray]:
     """``(itemsize, rank)``, ``int64[len(keys)]``: each key's item size and its rank in file
-    order (files by name, then byte offset, then key number)."""
-    infos = [index.info(k) for k in table.keys]
-    files = {f: i for i, f in enumerate(sorted({i.file for i in infos}))}
-    file_no = np.fromiter((files[i.file] for i in infos), dtype=np.int64, count=len(infos))
-    offset = np.fromiter((i.offset for i in infos), dtype=np.int64, count=len(infos))
-    itemsize = np.fromiter((i.itemsize for i in infos), dtype=np.int64, count=len(infos))
-    rank = np.empty(len(infos), dtype=np.int64)
-    rank[lex_order(file_no, offset)] = np.arange(len(infos))
-    return itemsize, rank
+    order (files by name, then byte offset; :meth:`CheckpointIndex.key_columns`)."""
+    return index.key_columns(keys)
 
 
 def _box_columns(off: np.ndarray, ln: np.ndarray) -> list[np.ndarray]:

@@ -58,7 +58,8 @@ def scale_needs(needs: NeedTable, index: CheckpointIndex, into_float: np.ndarray
     keys = tuple(scale_ids)
     shapes = [index.info(k).shape for k in keys]
     width = max(len(sh) for sh in shapes)
-    table = NeedTable.allocate(keys, np.asarray([len(sh) for sh in shapes], np.int8), len(pairs), width)
+    table = NeedTable.allocate(keys, np.asarray([len(sh) for sh in shapes], np.int8), len(pairs), width, alone=True)
+    table.alone[:] = np.bincount(pairs[:, 1])[pairs[:, 1]] == 1  # a scale only one rank needs
     table.rank[:] = pairs[:, 0]
     table.param[:] = pairs[:, 1]
     table.key[:] = pairs[:, 1]

@@ -107,6 +107,11 @@ class Schedule:
             of the round on that rank: a delivery may overwrite what a send of the same round
             reads). Default (None): the round the piece arrives in on that rank (read,
             received or copied; -1 for a piece read or copied in round -1).
+        rank: None for the whole job's schedule; a rank for the schedule planned for that rank
+            only (:func:`~moeshard.plan.load.plan_transfers` with ``rank``): every transfer,
+            and of the local reads only that rank's (``cost`` still counts every rank's).
+        basis: what :attr:`fingerprint` is, when the planner gives it (a schedule planned for
+            one rank: the digest of what every rank plans alike); None: the arrays' digest.
     """
 
     topology: Topology
@@ -145,6 +150,8 @@ class Schedule:
     copy_piece: np.ndarray = field(default_factory=_i32)
     copy_round: np.ndarray = field(default_factory=_i64)
     dlv_round: np.ndarray | None = None
+    rank: int | None = None
+    basis: str | None = None
 
     def __post_init__(self) -> None:
         # Defaults that depend on the other arrays' sizes (frozen: set once, here).
@@ -214,7 +221,11 @@ class Schedule:
         return int(self.piece_bytes[np.unique(self.dlv_piece[self.dlv_rank == rank])].sum())
 
     def for_rank(self, rank: int) -> "RankSchedule":
-        """This rank's rows (what :func:`moeshard.execute.execute_schedule` runs)."""
+        """This rank's rows (what :func:`moeshard.execute.execute_schedule` runs). ValueError
+        for a rank other than the one a schedule was planned for (it lacks that rank's local
+        reads)."""
+        if self.rank is not None and rank != self.rank:
+            raise ValueError(f"this schedule was planned for rank {self.rank} only, not rank {rank}")
         reads = np.flatnonzero(self.read_rank == rank)
         sends = np.flatnonzero((self.send_src == rank) | (self.send_dst == rank))
         bcasts = np.flatnonzero(self.bcast_node == self.topology.node_of(rank))
@@ -225,7 +236,10 @@ class Schedule:
     @functools.cached_property
     def fingerprint(self) -> str:
         """A digest of everything the schedule makes ranks do (ranks compare it before data
-        moves): the bytes of every array, the keys, the topology and the budgets."""
+        moves): the bytes of every array, the keys, the topology and the budgets; or the
+        planner's ``basis``."""
+        if self.basis is not None:
+            return self.basis
         h = hashlib.sha256()
         h.update(repr((self.topology.world_size, self.topology.local_world_size, self.staging_bytes,
                        self.max_ops, self.num_rounds, self.keys)).encode())
