@@ -246,7 +246,8 @@ def describe_model(
         ordered, renamed = (*hf.specs, *(s for s in specs if s not in hf.specs)), False
     else:
         ordered, renamed = specs_for(model, specs)
-    base, peft = base_names(model), _is_peft(model)
+    peft = _is_peft(model)  # one walk of the modules (base_names would take another)
+    base = _strip_peft if peft else (lambda name: name)
     experts: dict[str, tuple[int, ExpertsSpec, dict[str, str]]] = {}
     layer = 0
     for name, mod in model.named_modules():
