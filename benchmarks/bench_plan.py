@@ -20,11 +20,12 @@ the world size.
    b. what ONE RANK of a real job computes inside ``moeshard.load`` with storage "shared",
       measured in a child process of its own (``--one-rank W``, so its peak RSS is its own):
       the synthetic ParamDescs and placement are built as ``moeshard plan`` builds them, then
-      ``need_table``, ``plan_transfers(scope="job", every rank a reader, rank=0)`` (the
-      transfers and rank 0's local reads), ``Schedule.for_rank(0)`` and
-      ``Schedule.fingerprint`` (what ranks compare) are timed, with the number of needs,
-      pieces, sends and rounds; then, for comparison, the whole job's schedule and its
-      fingerprint (after the peak RSS is taken).
+      ``need_table(keep_ranks=rank 0)`` (rank 0's needs and those several ranks share),
+      ``plan_transfers(scope="job", every rank a reader, rank=0)`` (the transfers and rank
+      0's local reads), ``Schedule.for_rank(0)`` and ``Schedule.fingerprint`` (what ranks
+      compare) are timed, with the number of needs, pieces, sends and rounds; then, for
+      comparison, every rank's need table, the whole job's schedule and its fingerprint
+      (after the peak RSS is taken).
 
    Printed (as 4a and 4b, after the predicted bytes of 2.) with the growth of the seconds
    and of peak RSS between worlds 4x and 8x apart; JSON section ``sweep``.
@@ -203,10 +204,12 @@ def one_rank(config: Path, world: int) -> dict:
     topo = cluster.topology()
     setup = time.perf_counter() - t0
     rss_setup = _peak_rss_self()
-    t = time.perf_counter()
-    table = need_table(descs, index, placement, world)
-    t_needs = time.perf_counter() - t
     readers = np.ones(world, dtype=bool)
+    keep = np.zeros(world, dtype=bool)  # rank 0's own needs, and those several ranks share
+    keep[0] = True
+    t = time.perf_counter()
+    table = need_table(descs, index, placement, world, keep_ranks=keep)
+    t_needs = time.perf_counter() - t
     t = time.perf_counter()
     schedule = plan_transfers(table, index, topo, readers=readers, scope="job", rank=0)
     t_plan = time.perf_counter() - t
@@ -219,15 +222,19 @@ def one_rank(config: Path, world: int) -> dict:
     rss = _peak_rss_self()
     # The whole job's schedule, for comparison (after the peak RSS above: it is not what a rank plans).
     t = time.perf_counter()
-    whole = plan_transfers(table, index, topo, readers=readers, scope="job")
+    every = need_table(descs, index, placement, world)
+    t_every = time.perf_counter() - t
+    t = time.perf_counter()
+    whole = plan_transfers(every, index, topo, readers=readers, scope="job")
     t_whole = time.perf_counter() - t
     t = time.perf_counter()
     _ = whole.fingerprint
     t_whole_fp = time.perf_counter() - t
     return {"world_size": world, "setup_s": setup, "need_table_s": t_needs, "plan_transfers_s": t_plan,
             "for_rank_s": t_rank, "fingerprint_s": t_fp, "planning_s": t_needs + t_plan + t_rank + t_fp,
-            "whole_job_plan_transfers_s": t_whole, "whole_job_fingerprint_s": t_whole_fp,
-            "num_needs": len(table), "num_alone": int(table.alone.sum()) if table.alone is not None else 0,
+            "whole_job_need_table_s": t_every, "whole_job_plan_transfers_s": t_whole,
+            "whole_job_fingerprint_s": t_whole_fp, "num_needs": len(every), "num_needs_planned": len(table),
+            "num_alone": int(every.alone.sum()) if every.alone is not None else 0,
             "num_pieces": schedule.num_pieces, "num_reads": len(schedule.read_rank),
             "num_sends": len(schedule.send_src), "num_broadcasts": len(schedule.bcast_piece),
             "num_rounds": schedule.num_rounds, "whole_job_pieces": whole.num_pieces,
@@ -319,7 +326,7 @@ def print_sweep(sweep: dict) -> None:
               f"{r['wall_s']:>9.1f}{r['cpu_s']:>8.1f}{r['peak_rss_bytes'] / MIB:>9,.0f}{t['needs']:>9.2f}"
               + "".join(f"{r['mode_plan_s'][m]:>10.2f}" for m in modes) + f"{t['baselines']:>13.2f}{t['total']:>12.2f}")
     print("\n4b. one rank inside moeshard.load, storage \"shared\" (own process; seconds; RSS = that process's peak "
-          "before the whole job's plan, planned after for comparison: 'whole' = its plan + fingerprint)")
+          "before the whole job's plan, planned after for comparison: 'whole' = its need table + plan + fingerprint)")
     print(f"{'W':>6}{'needs':>12}{'pieces':>11}{'sends':>11}{'rounds':>8}{'need_table':>12}{'plan':>8}{'for_rank':>10}"
           f"{'fingerpr.':>11}{'total':>8}{'RSS MiB':>9}{'setup MiB':>11}{'r0 sends':>10}{'r0 dlv':>9}{'whole':>8}")
     for r in rows:
@@ -329,7 +336,7 @@ def print_sweep(sweep: dict) -> None:
               f"{o['fingerprint_s']:>11.3f}"
               f"{o['planning_s']:>8.2f}{o['peak_rss_self_bytes'] / MIB:>9,.0f}"
               f"{o['peak_rss_after_setup_bytes'] / MIB:>11,.0f}{o['rank0_sends']:>10,}{o['rank0_deliveries']:>9,}"
-              f"{o['whole_job_plan_transfers_s'] + o['whole_job_fingerprint_s']:>8.2f}")
+              f"{o['whole_job_need_table_s'] + o['whole_job_plan_transfers_s'] + o['whole_job_fingerprint_s']:>8.2f}")
     if sweep["growth"]:
         print("\ngrowth (ratio of the larger world's figure to the smaller's)")
         cols = (("needs", "num_needs"), ("cmd wall", "command_wall_s"), ("cmd cpu", "command_cpu_s"),

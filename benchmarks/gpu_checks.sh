@@ -8,7 +8,8 @@
 #                                            # expert shape (~4.9 GiB): safetensors, transformers,
 #                                            # moeshard.load with 1, 4, 8 reader threads, O_DIRECT
 #   benchmarks/gpu_checks.sh cpu16 OUT_DIR   # multi-rank CPU figures on a quiet many-core host:
-#                                            # moeshard bench relocate (P2P vs re-reading)
+#                                            # moeshard bench relocate (P2P vs re-reading), and
+#                                            # bench_load at 1 GiB (the planning share of a load)
 #
 # Each writes its log and JSON under OUT_DIR.
 set -euo pipefail
@@ -25,6 +26,8 @@ case "$what" in
     ;;
   cpu16)
     python3 -m moeshard.cli bench relocate --out "$out" 2>&1 | tee "$out/bench_relocate.txt"
+    python3 -m benchmarks.bench_load --size-mib 1024 --repeat 3 --strategies shared,node,single \
+      --no-negative-control --out "$out/bench_load" 2>&1 | tee "$out/bench_load.txt"
     ;;
   *)
     echo "unknown part $what (cuda or cpu16)" >&2

@@ -150,6 +150,14 @@ def test_a_schedule_planned_for_one_rank_has_that_ranks_rows_of_the_whole_jobs(w
             for r in range(world):
                 got = plan_transfers(table, case.index, topo, readers, scope=scope, staging_bytes=staging, rank=r)
                 assert got.rank == r and _rank_rows(got, r) == _rank_rows(whole, r), (staging, mode, r)
+                # A table built for rank r's plan (what load builds) gives the same schedule.
+                keep = ~readers
+                keep[r] = True
+                part = need_table(case.descs, case.index, case.placement, world, keep_ranks=keep)
+                assert len(part) <= len(table) and part.digest == table.digest
+                again = plan_transfers(part, case.index, topo, readers, scope=scope, staging_bytes=staging, rank=r)
+                assert _rank_rows(again, r) == _rank_rows(got, r) and again.fingerprint == got.fingerprint
+                assert again.cost.summary() == got.cost.summary()
                 assert got.num_rounds == whole.num_rounds and got.cost.summary() == whole.cost.summary()
                 for f in ("read_bytes", "sent_bytes", "recv_bytes", "peak_staging_bytes"):
                     assert np.array_equal(getattr(got.cost, f), getattr(whole.cost, f)), f
@@ -206,3 +214,42 @@ def test_ranks_with_different_needs_get_different_fingerprints():
     assert not len(plans[0].send_src) and not len(plans[1].send_src)
     assert np.array_equal(plans[0].cost.read_bytes, plans[1].cost.read_bytes)
     assert plans[0].fingerprint != plans[1].fingerprint
+
+
+def test_a_table_built_for_one_rank_is_planned_for_that_rank_only():
+    """``need_table(keep_ranks=)`` leaves out other ranks' alone needs (counted in bytes): it is
+    refused for the whole job, for another rank, for lower bounds, and where a rank that cannot
+    read lost needs."""
+    case = build_case(8, 4, 8, 1, seed=4, num_logical=16, dense=("shard", "plain"))
+    topo = Topology(8, 4)
+    table = need_table(case.descs, case.index, case.placement, 8)
+    keep = np.zeros(8, dtype=bool)
+    keep[2] = True
+    part = need_table(case.descs, case.index, case.placement, 8, keep_ranks=keep)
+    itemsize = np.asarray([case.index.info(k).itemsize for k in table.keys])
+    row_bytes = table.src_len.prod(axis=1) * itemsize[table.key]
+    left_out = table.alone & (table.rank != 2)
+    assert len(part) == len(table) - left_out.sum() and set(part.rank[part.alone].tolist()) == {2}
+    assert np.array_equal(part.omitted_bytes, np.bincount(table.rank[left_out], weights=row_bytes[left_out],
+                                                          minlength=8).astype(np.int64))
+    everyone = np.ones(8, dtype=bool)
+    plan_transfers(part, case.index, topo, everyone, rank=2)
+    with pytest.raises(ValueError, match="cannot be planned for the whole job"):
+        plan_transfers(part, case.index, topo, everyone)
+    with pytest.raises(ValueError, match="cannot be planned for rank 3"):
+        plan_transfers(part, case.index, topo, everyone, rank=3)
+    with pytest.raises(ValueError, match=r"lacks some needs of ranks \[5\], which cannot read"):
+        plan_transfers(part, case.index, topo, np.arange(8) != 5, rank=2)
+    with pytest.raises(ValueError, match="lower bounds need every rank's needs"):
+        minimal_cost(part, case.index, topo, everyone)
+    # Large tables leave rows out part by part, small ones with one mask: the same table.
+    from moeshard.plan import needs as needs_module
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(needs_module, "_FILTER_PARTS_ABOVE", 0)
+        by_part = need_table(case.descs, case.index, case.placement, 8, keep_ranks=keep)
+    for f in ("rank", "param", "key", "slot", "src_off", "src_len", "dst_off", "alone", "full", "omitted_bytes"):
+        assert np.array_equal(getattr(by_part, f), getattr(part, f)), f
+    assert by_part.keys == part.keys and by_part.digest == part.digest
+    with pytest.raises(ValueError, match="keep_ranks must be bool\\[8\\]"):
+        need_table(case.descs, case.index, case.placement, 8, keep_ranks=keep[:4])

@@ -16,7 +16,9 @@ the functions that look at a model import it when called.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
@@ -29,7 +31,7 @@ from ..io.checkpoint import CheckpointIndex
 from ..io.formats import layer_of, parse_expert_key, scale_keys, scaled_weight
 from ..io.fp8 import scale_of
 from ..placement import Placement
-from ..plan.arrays import expand_runs, unique_rows
+from ..plan.arrays import expand_runs, row_prod, unique_rows
 from ..plan.needs import NeedTable
 from .adapters import DEFAULT_SPECS, ExpertParam, ExpertsSpec, checkpoint_names, expert_parts, specs_for, with_scales
 from .hf_names import HFNames, hf_names
@@ -526,10 +528,17 @@ def need_table(
     placement: Placement | None,
     world_size: int,
     dequantize: bool = False,
+    keep_ranks: np.ndarray | None = None,
 ) -> NeedTable:
     """Every rank's needs as a :class:`~moeshard.plan.needs.NeedTable`, from parameter
     descriptions (pure; any world size). Rows: parameters in order; a parameter's rows in
     mesh order, then local slot, then checkpoint part.
+
+    ``keep_ranks`` (``bool[world_size]``): a table for one rank's plan. Of the other ranks only
+    the rows that are not alone are kept (the rest counted in ``omitted_bytes``): pass the
+    planning rank and every rank that cannot read (its needs are all transfers). The table's
+    ``digest`` (of the descriptions, the placement and the world size: what the rows are a
+    pure function of, with the checkpoint index every rank shares) is the same either way.
 
     Raises ValueError for a key missing from the checkpoint, a shape that disagrees, a dtype
     the cast rule refuses (:func:`cast_refusal`: e.g. FP8 into bf16; with ``dequantize``, FP8
@@ -550,7 +559,33 @@ def need_table(
             parts.append(_dense_rows(i, d, index, ranks, boxes, dequantize))
         else:
             parts.append(_expert_table(i, d, index, placement, ranks, boxes, dequantize))
-    return NeedTable.concat(parts)
+    if keep_ranks is not None and len(keep_ranks) != world_size:
+        raise ValueError(f"keep_ranks must be bool[{world_size}], got {len(keep_ranks)} entries")
+    table = NeedTable.concat(parts, keep_ranks, lambda keys: index.key_columns(keys)[0])
+    return dataclasses.replace(table, digest=_inputs_digest(descs, placement, world_size, dequantize))
+
+
+def _inputs_digest(descs: Sequence[ParamDesc], placement: Placement | None, world_size: int,
+                   dequantize: bool) -> bytes:
+    """A digest of what :func:`need_table`'s rows are a function of (but the index): O(params)
+    Python, each mesh's ranks hashed once."""
+    h = hashlib.sha256(repr((world_size, dequantize)).encode())
+    meshes: dict[int, int] = {}
+    for d in descs:
+        m = None
+        if d.mesh is not None:
+            m = meshes.get(id(d.mesh))
+            if m is None:
+                m = meshes[id(d.mesh)] = len(meshes)
+                h.update(repr(d.mesh.shape).encode())
+                h.update(np.ascontiguousarray(d.mesh, dtype=np.int64).tobytes())
+        ex = d.expert
+        h.update(repr((d.name, d.shape, m, tuple(map(str, d.placements)), d.keys,
+                       None if ex is None else (ex.layer, ex.module, ex.param))).encode())
+    if placement is not None:
+        h.update(repr((placement.num_logical, placement.num_ranks, placement.phy2log.shape)).encode())
+        h.update(np.ascontiguousarray(placement.phy2log, dtype=np.int64).tobytes())
+    return h.digest()
 
 
 def compute_needs(
@@ -593,8 +628,28 @@ class _DenseRows(NamedTuple):
     def width(self) -> int:
         return self.boxes.shape[1]
 
+    def _rows(self) -> tuple[np.ndarray, np.ndarray]:
+        return (self.ranks, self.boxes) if self.keep is None else (self.ranks[self.keep], self.boxes[self.keep])
+
+    def row_ranks(self) -> np.ndarray:
+        return self.ranks if self.keep is None else self.ranks[self.keep]
+
+    def row_keys(self) -> np.ndarray:
+        return np.zeros(self.num, dtype=np.int64)
+
+    def row_numel(self) -> np.ndarray:
+        numel = row_prod(self.boxes[:, :, 1])
+        return numel if self.keep is None else numel[self.keep]
+
+    def select(self, mask: np.ndarray) -> "_DenseRows":
+        """These rows where ``mask`` (``bool[len(self)]``) is True."""
+        keep = np.zeros(len(self.ranks), dtype=bool)
+        keep[np.flatnonzero(self.keep) if self.keep is not None else slice(None)] = mask
+        # Not _replace: it checks the fields' count with len(), which is the rows' here.
+        return _DenseRows(self.param, self.key_name, self.ranks, self.boxes, keep, int(keep.sum()), self.alone)
+
     def fill(self, table: NeedTable, rows: slice, key_ids: np.ndarray) -> None:
-        ranks, boxes = (self.ranks, self.boxes) if self.keep is None else (self.ranks[self.keep], self.boxes[self.keep])
+        ranks, boxes = self._rows()
         table.rank[rows] = ranks
         table.param[rows] = self.param
         table.key[rows] = key_ids[0]

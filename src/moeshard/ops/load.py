@@ -185,16 +185,24 @@ def plan_load(
     specs: Sequence[ExpertsSpec] = DEFAULT_SPECS,
     dequantize: bool = False,
     rank: int | None = None,
+    all_needs: bool = True,
 ) -> tuple[list[ParamDesc], NeedTable, Schedule]:
     """The parameter descriptions, every rank's needs and the schedule :func:`load` would run
     (pure given the model; no communication). Deliveries refer to parameters by their index in
     the descriptions. ``dequantize``: FP8 weights with a block scale may go into float
     parameters (the schedule moves the FP8 bytes; the scales are
     :func:`moeshard.plan.scales.scale_needs` of the needs). ``rank``: plan only what that rank
-    runs (``plan_transfers(rank=)``, what :func:`load` does); None: the whole job. The needs
-    are every rank's either way: what the scales and the lower bounds are computed from."""
+    runs (``plan_transfers(rank=)``, what :func:`load` does); None: the whole job.
+    ``all_needs``: the need table has every rank's needs (what the scales and the lower bounds
+    are computed from); False (with ``rank``): only those that rank's plan takes
+    (``need_table(keep_ranks=)``: its own, those of ranks that cannot read, and those several
+    ranks share)."""
     descs = describe_model(model, index, specs)
-    needs = need_table(descs, index, placement, topology.world_size, dequantize)
+    keep = None
+    if rank is not None and not all_needs:
+        keep = ~np.asarray(readers, dtype=bool)
+        keep[rank] = True
+    needs = need_table(descs, index, placement, topology.world_size, dequantize, keep_ranks=keep)
     return descs, needs, plan_transfers(needs, index, topology, readers, scope=scope, staging_bytes=staging_bytes,
                                         rank=rank)
 
@@ -330,7 +338,7 @@ def load(
                              Schedule | None]:
         # Each rank plans what it runs: the transfers and its own local reads.
         descs, needs, plan = plan_load(model, index, placement, topo, readers, scope, staging_bytes, specs,
-                                         dequantize, rank)
+                                         dequantize, rank, all_needs=dequantize or report_minimal)
         scales = scale_needs(needs, index, float_params(descs)) if dequantize else None
         scale_plan = None if scales is None else plan_transfers(scales.table, index, topo, readers, scope=scope,
                                                                  staging_bytes=staging_bytes, rank=rank)

@@ -87,13 +87,17 @@ def plan_transfers(
 
     Raises:
         ValueError: no rank can read (or, for scope "node", a node that needs data has no
-            reader), the budget is too small for the elements of some tensor, or ``needs``
-            are pieces cut for another budget.
+            reader), the budget is too small for the elements of some tensor, ``needs``
+            are pieces cut for another budget, or a need table built for one rank's plan
+            (``need_table(keep_ranks=)``) is planned for another rank or the whole job, or
+            lacks the needs of a rank that cannot read.
     """
     with paused_gc():
         readers = _check_args(topology, readers, scope)
         if staging_bytes < 1 or max_ops < 2:
             raise ValueError(f"staging_bytes must be >= 1 and max_ops >= 2, got {staging_bytes}, {max_ops}")
+        if isinstance(needs, NeedTable) and needs.full is not None:
+            _check_partial(needs, readers, rank)
         if rank is not None:
             if not 0 <= rank < topology.world_size:
                 raise ValueError(f"rank must be in [0, {topology.world_size}), got {rank}")
@@ -103,6 +107,23 @@ def plan_transfers(
         pieces = _pieces(needs, index, staging_bytes)
         plan = _plan(pieces, topology, readers, scope, staging_bytes, max_ops)
         return plan if rank is None else dataclasses.replace(plan, rank=rank)
+
+
+def _check_partial(table: NeedTable, readers: np.ndarray, rank: int | None) -> None:
+    """ValueError unless a table built for one rank (``table.full``) can be planned for ``rank``:
+    it has all of that rank's rows and all of every rank's that cannot read (whose needs are
+    transfers, not local reads)."""
+    full = table.full
+    assert full is not None
+    if full.shape != readers.shape:
+        raise ValueError(f"the need table was built for {len(full)} ranks, the topology has {len(readers)}")
+    if rank is None or not full[rank]:
+        raise ValueError(f"the need table has only some ranks' needs (built for one rank's plan: "
+                         f"need_table(keep_ranks=)); it cannot be planned for {'the whole job' if rank is None else f'rank {rank}'}")
+    missing = np.flatnonzero(~full & ~readers)
+    if len(missing):
+        raise ValueError(f"the need table lacks some needs of ranks {missing[:8].tolist()}, which cannot read the "
+                         "checkpoint (keep_ranks must include every rank that cannot read)")
 
 
 def _check_args(topology: Topology, readers, scope: str) -> np.ndarray:
@@ -459,15 +480,16 @@ def _plan_rank(table: NeedTable, index: CheckpointIndex, topology: Topology, rea
     lrows = np.flatnonzero(local)
     local_bytes = np.bincount(table.rank[lrows], weights=row_prod(table.src_len[lrows]) * itemsize[table.key[lrows]],
                               minlength=world).astype(np.int64)
-    local_rows = np.bincount(table.rank[lrows], minlength=world)
     del lrows
+    if table.omitted_bytes is not None:  # other ranks' alone rows, left out of a table built for this rank
+        local_bytes += table.omitted_bytes
     shared = _plan(cut_pieces(table.take(~local), index, staging_bytes, keys), topology, readers, scope,
                    staging_bytes, max_ops, base_load=local_bytes)
     mine = cut_pieces(table.take(local & (table.rank == rank)), index, staging_bytes, keys)
     h = hashlib.sha256(shared.fingerprint.encode())
     h.update(local_bytes.tobytes())
-    h.update(local_rows.tobytes())
-    h.update(_table_digest(table))  # the local reads themselves: e.g. two experts swapped between ranks
+    # The local reads themselves (two experts swapped between ranks: the same bytes, no transfer).
+    h.update(table.digest if table.digest is not None else _table_digest(table))
     return _with_local_reads(shared, mine, rank, local_bytes, h.hexdigest()[:16])
 
 
@@ -687,6 +709,8 @@ def minimal_cost(needs: NeedTable | Pieces | Sequence, index: CheckpointIndex, t
         raise ValueError(f"readers must be bool[{world}], got shape {readers.shape}")
     if scope not in ("job", "node"):
         raise ValueError(f"scope must be 'job' or 'node', got {scope!r}")
+    if isinstance(needs, NeedTable) and needs.full is not None:
+        raise ValueError("lower bounds need every rank's needs, not a table built for one rank's plan")
     with paused_gc():
         pieces = _pieces(needs, index, None)
         if not len(pieces.dlv_piece):

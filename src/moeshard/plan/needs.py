@@ -12,12 +12,18 @@ Pure and torch-free: it is what the planners consume and what every rank compute
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
+from .arrays import row_prod
+
 __all__ = ["NeedTable"]
+
+# NeedTable.concat with keep_ranks: above this many rows, rows are left out part by part.
+_FILTER_PARTS_ABOVE = 1 << 16
 
 
 @dataclass(frozen=True, eq=False)
@@ -43,6 +49,14 @@ class NeedTable:
             box (a hint from the layout, which knows it without comparing rows; False where
             unsure), None where unknown. :func:`~moeshard.plan.load.plan_transfers` with
             ``rank=`` plans only the rows of other ranks that are not alone.
+        full: ``bool[world]`` or None: the ranks all of whose rows the table has; the others'
+            alone rows are left out (a table built for one rank, :meth:`concat` with
+            ``keep_ranks``). None: every rank's rows.
+        omitted_bytes: ``int64[world]`` or None: per rank, the bytes (checkpoint dtype) of its
+            rows left out (with ``full``).
+        digest: what identifies the rows of every rank (left out or not), when the builder
+            knows it cheaply (:func:`moeshard.models.layout.need_table`: a digest of its
+            inputs); None: the planner digests the rows.
     """
 
     keys: tuple[str, ...]
@@ -55,12 +69,17 @@ class NeedTable:
     src_len: np.ndarray
     dst_off: np.ndarray
     alone: np.ndarray | None = None
+    full: np.ndarray | None = None
+    omitted_bytes: np.ndarray | None = None
+    digest: bytes | None = None
 
     def __post_init__(self) -> None:
         n = len(self.rank)
         assert self.ndim.shape == (len(self.keys),), "one ndim per key"
         assert all(len(c) == n for c in (self.param, self.key, self.slot, self.src_off, self.src_len, self.dst_off))
         assert self.alone is None or self.alone.shape == (n,)
+        assert (self.full is None) == (self.omitted_bytes is None)
+        assert self.full is None or self.alone is not None, "rows are left out only where they are alone"
         assert self.src_off.shape == self.src_len.shape == self.dst_off.shape and self.src_off.ndim == 2
 
     def __len__(self) -> int:
@@ -72,17 +91,23 @@ class NeedTable:
         return self.src_off.shape[1]
 
     @staticmethod
-    def concat(parts: Sequence) -> "NeedTable":
+    def concat(parts: Sequence, keep_ranks: np.ndarray | None = None, itemsize=None) -> "NeedTable":
         """The rows of ``parts`` in order, over the union of their keys (first-seen order),
         written once into the table's columns (no padded copies of the parts).
 
         A part is a :class:`NeedTable` or any object with the same ``keys``, ``ndim``,
-        ``width`` and ``len()`` and a ``fill(table, rows, key_ids)`` method that writes its rows
-        into ``table`` at ``rows`` (a slice), its key ``j`` as ``key_ids[j]`` (e.g. the rows of
-        a dense parameter, kept as views of its cached boxes until here).
+        ``alone``, ``width`` and ``len()``, and the methods ``fill(table, rows, key_ids)``
+        (write its rows into ``table`` at ``rows``, a slice, its key ``j`` as ``key_ids[j]``),
+        ``row_ranks()``, ``row_keys()`` (its own key numbers), ``row_numel()`` and
+        ``select(mask)`` (e.g. the rows of a dense parameter, kept as views of its cached boxes
+        until here).
 
         ``alone`` is kept where every part has it (a part's distinct keys; the rows of a key
-        that several parts read are not alone), else None."""
+        that several parts read are not alone), else None.
+
+        ``keep_ranks`` (``bool[world]``; needs ``alone``): a table for one rank. The alone rows
+        of the other ranks are left out, counted per rank in ``omitted_bytes`` (``itemsize``:
+        a function from a part's keys to their item sizes, ``int64``)."""
         keys: dict[str, int] = {}
         ndims: list[int] = []
         for t in parts:
@@ -90,23 +115,49 @@ class NeedTable:
                 if k not in keys:
                     keys[k] = len(keys)
                     ndims.append(nd)
-        width = max((t.width for t in parts), default=0)
         hint = all(t.alone is not None for t in parts)
+        ids = [np.asarray([keys[k] for k in t.keys], dtype=np.int32) for t in parts]
+        # Two parameters reading one key (tied weights): their rows may coincide.
+        readers_of_key = np.bincount(np.concatenate(ids), minlength=len(keys)) if ids else np.zeros(0, np.int64)
+        full = omitted = None
+        if keep_ranks is not None and not hint:
+            raise ValueError("rows can be left out only where the layout marks them alone")
+        if keep_ranks is not None and sum(len(t) for t in parts) > _FILTER_PARTS_ABOVE:
+            # Many rows: leave them out part by part, so that every rank's rows are never in
+            # memory at once (DeepSeek-V3 at 8,192 ranks: 4.7 million rows, 440 MB). Few rows:
+            # the whole table and one mask (each part's filter costs ~30 us of numpy calls).
+            full = np.asarray(keep_ranks, dtype=bool)
+            omitted = np.zeros(len(full), dtype=np.int64)
+            picked = []
+            for t, kid in zip(parts, ids):
+                ranks = t.row_ranks()
+                drop = (t.alone & (readers_of_key[kid[t.row_keys()]] == 1)) & ~full[ranks]
+                if drop.any():
+                    nbytes = t.row_numel()[drop] * np.asarray(itemsize(t.keys), np.int64)[t.row_keys()[drop]]
+                    omitted += np.bincount(ranks[drop], weights=nbytes, minlength=len(full)).astype(np.int64)
+                    t = t.select(~drop)
+                picked.append(t)
+            parts = picked
+        width = max((t.width for t in parts), default=0)
         table = NeedTable.allocate(tuple(keys), np.asarray(ndims, dtype=np.int8), sum(len(t) for t in parts), width,
                                    alone=hint)
         pos = 0
-        ids = []
-        for t in parts:
+        for t, kid in zip(parts, ids):
             n = len(t)
             if n:
-                ids.append(np.asarray([keys[k] for k in t.keys], dtype=np.int32))
-                t.fill(table, slice(pos, pos + n), ids[-1])
+                t.fill(table, slice(pos, pos + n), kid)
             pos += n
-        if hint and ids:
-            # Two parameters reading one key (tied weights): their rows may coincide.
-            readers_of_key = np.bincount(np.concatenate(ids), minlength=len(keys))
+        if hint and len(table):
             np.logical_and(table.alone, readers_of_key[table.key] == 1, out=table.alone)
-        return table
+        if keep_ranks is not None and full is None:
+            full = np.asarray(keep_ranks, dtype=bool)
+            drop = table.alone & ~full[table.rank]
+            nbytes = row_prod(table.src_len[drop]) * np.asarray(itemsize(table.keys), np.int64)[table.key[drop]]
+            omitted = np.bincount(table.rank[drop], weights=nbytes, minlength=len(full)).astype(np.int64)
+            table = table.take(~drop)
+        if full is None:
+            return table
+        return dataclasses.replace(table, full=full, omitted_bytes=omitted)
 
     @staticmethod
     def allocate(keys: tuple[str, ...], ndim: np.ndarray, num: int, width: int, alone: bool = False) -> "NeedTable":
@@ -121,12 +172,25 @@ class NeedTable:
         )
 
     def take(self, rows: np.ndarray) -> "NeedTable":
-        """The table of rows ``rows`` (indices or a ``bool[N]`` mask), over the same keys."""
+        """The table of rows ``rows`` (indices or a ``bool[N]`` mask), over the same keys (a
+        subset: no ``full``, ``omitted_bytes`` or ``digest``)."""
         return NeedTable(
             keys=self.keys, ndim=self.ndim, rank=self.rank[rows], param=self.param[rows], key=self.key[rows],
             slot=self.slot[rows], src_off=self.src_off[rows], src_len=self.src_len[rows], dst_off=self.dst_off[rows],
             alone=None if self.alone is None else self.alone[rows],
         )
+
+    # The part interface of :meth:`concat` (a table is a part of a larger one).
+    select = take
+
+    def row_ranks(self) -> np.ndarray:
+        return self.rank
+
+    def row_keys(self) -> np.ndarray:
+        return self.key
+
+    def row_numel(self) -> np.ndarray:
+        return row_prod(self.src_len)
 
     def fill(self, table: "NeedTable", rows: slice, key_ids: np.ndarray) -> None:
         """Write these rows into ``table`` at ``rows``, key ``j`` as ``key_ids[j]``
