@@ -38,7 +38,7 @@ from .. import _dist
 from ..box import box_numel, box_shape, box_slices
 from ..execute import exchange
 from ..io.checkpoint import CheckpointReader
-from ..io.fp8 import dequantize, scale_box, scale_of
+from ..io.fp8 import FP8_DTYPES, dequantize, scale_box, scale_of
 from ..io.sources import Storage, reader_root, resolve_sources
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
 from ..models.layout import Need, local_tensor
@@ -187,8 +187,11 @@ def verify(
     _, readers, _, index = resolve_sources(path, storage, topo, os.path.exists(path))
 
     def make_plan():
+        # Every rank's needs only where FP8 scales may be consumed (the unused-key check counts
+        # them); else the table this rank's plan takes.
+        fp8 = any(t.dtype in FP8_DTYPES for t in index.tensors.values())
         descs, needs, plan = plan_load(model, index, placement, topo, readers, "job", DEFAULT_STAGING_BYTES, specs,
-                                         True, rank)
+                                       True, rank, all_needs=fp8)
         scales = scale_needs(needs, index, float_params(descs))
         also = scales.table.keys if scales is not None else ()
         return descs, plan, checked_unused_keys(model, descs, index, placement, strict, "moeshard.verify", also)
