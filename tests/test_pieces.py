@@ -108,18 +108,18 @@ def _rank_rows(plan, rank: int) -> tuple:
 
     def name(p) -> tuple:
         nd = int(plan.key_ndim[plan.piece_key[p]])
-        return plan.keys[plan.piece_key[p]], tuple(plan.piece_off[p, :nd].tolist()), tuple(plan.piece_len[p, :nd].tolist())
+        off, ln = plan.piece_off[p, :nd].tolist(), plan.piece_len[p, :nd].tolist()
+        return plan.keys[plan.piece_key[p]], tuple(off), tuple(ln)
 
     def rows(piece, *cols) -> list:
         return [(name(p), *(int(c[i]) for c in cols)) for i, p in enumerate(piece.tolist())]
 
-    dlv = rs.deliveries
+    dlv, sends, bcasts = rs.deliveries, rs.sends, rs.bcasts
+    delivered = rows(plan.dlv_piece[dlv], plan.dlv_param[dlv], plan.dlv_slot[dlv])
     return (sorted(rows(plan.read_piece[rs.reads], plan.read_round[rs.reads])),
-            rows(plan.send_piece[rs.sends], plan.send_src[rs.sends], plan.send_dst[rs.sends], plan.send_round[rs.sends]),
-            rows(plan.bcast_piece[rs.bcasts], plan.bcast_node[rs.bcasts], plan.bcast_root[rs.bcasts],
-                 plan.bcast_round[rs.bcasts]),
-            sorted((*r, tuple(off)) for r, off in zip(rows(plan.dlv_piece[dlv], plan.dlv_param[dlv], plan.dlv_slot[dlv]),
-                                                      plan.dlv_off[dlv].tolist())),
+            rows(plan.send_piece[sends], plan.send_src[sends], plan.send_dst[sends], plan.send_round[sends]),
+            rows(plan.bcast_piece[bcasts], plan.bcast_node[bcasts], plan.bcast_root[bcasts], plan.bcast_round[bcasts]),
+            sorted((*r, tuple(off)) for r, off in zip(delivered, plan.dlv_off[dlv].tolist())),
             rs.rounds.tolist())
 
 
@@ -183,7 +183,8 @@ def test_alone_rows_are_those_no_other_rank_shares():
     """The layout's ``alone`` hint is never wrong: an alone row's (key, box) is no other rank's
     (it may miss some: then the whole job plans them, as before)."""
     for world, lws, ep, efsdp, experts, dense in [(8, 4, 4, 2, "shard", ("shard", "replicate", "plain")),
-                                                  (12, 3, 6, 2, "replicate", ("shard",)), (1, 1, 1, 1, "shard", ("plain",))]:
+                                                  (12, 3, 6, 2, "replicate", ("shard",)),
+                                                  (1, 1, 1, 1, "shard", ("plain",))]:
         for num_logical in (3, 2 * ep):
             case = build_case(world, lws, ep, efsdp, seed=3, expert_placements=experts, dense=dense,
                               num_logical=num_logical)

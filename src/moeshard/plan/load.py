@@ -23,6 +23,10 @@ A level-0 transfer runs in round ``(sender's window, receiver's window)``; a rel
 window)``; rounds run in lexicographic order. Pieces are at most ``staging_bytes / 11``, so a rank holds
 at most ``2 x window + piece`` of reads it sends, and ``window + piece`` in each of four kinds
 of receipt at once: ``<= staging_bytes``; and it posts ``<= max_ops`` P2P ops per round.
+
+Local reads take part in none of this: so a rank can plan its own schedule without the other
+ranks' local reads (``plan_transfers(rank=)``), from their bytes alone, and get its rows of the
+whole job's schedule.
 """
 
 from __future__ import annotations
@@ -78,8 +82,9 @@ def plan_transfers(
             alone (replicated tensors, redundant experts) and those of ranks that cannot read.
             This rank's rows are those of the whole job's schedule (the same pieces, the
             transfers' first and this rank's local reads after them; the same counts); its
-            fingerprint is the same on every rank (the transfers' and every rank's local reads'
-            bytes and count).
+            fingerprint is the same on every rank: a digest of the transfers, every rank's
+            local bytes and the need table (``NeedTable.digest``, else its rows). ``needs`` may
+            then be a table built for this rank (``need_table(keep_ranks=)``).
 
     Cost: ``O(n log n)`` in the number of needs ``n`` (sorts), on every rank that calls it;
     with ``rank`` and the ``alone`` hint, ``O(n)`` plus the sorts of the rows not alone and of
@@ -118,8 +123,9 @@ def _check_partial(table: NeedTable, readers: np.ndarray, rank: int | None) -> N
     if full.shape != readers.shape:
         raise ValueError(f"the need table was built for {len(full)} ranks, the topology has {len(readers)}")
     if rank is None or not full[rank]:
-        raise ValueError(f"the need table has only some ranks' needs (built for one rank's plan: "
-                         f"need_table(keep_ranks=)); it cannot be planned for {'the whole job' if rank is None else f'rank {rank}'}")
+        target = "the whole job" if rank is None else f"rank {rank}"
+        raise ValueError("the need table has only some ranks' needs (built for one rank's plan: "
+                         f"need_table(keep_ranks=)); it cannot be planned for {target}")
     missing = np.flatnonzero(~full & ~readers)
     if len(missing):
         raise ValueError(f"the need table lacks some needs of ranks {missing[:8].tolist()}, which cannot read the "
