@@ -256,6 +256,7 @@ def _run_strategy(name: str, model, target, placement, ckpt: str, spec: dict) ->
                 row.update(bytes_read=rep.bytes_read_rank, bytes_sent=rep.bytes_sent_rank,
                            bytes_received=rep.bytes_received_rank, plan_seconds=rep.plan_seconds,
                            load_wall_seconds=rep.wall_seconds, phase_seconds=rep.phase_seconds,
+                           phase_cpu_seconds=rep.phase_cpu_seconds,
                            peak_staging_bytes=rep.peak_staging_bytes_rank, plan=rep.plan,
                            checkpoint_bytes=rep.checkpoint_bytes)
             except moeshard.DistributedError as e:  # raised on every rank alike
@@ -391,6 +392,10 @@ def aggregate(per_rank: list[dict], ckpt_bytes: int) -> list[dict]:
                                                                          for rs in runs)
                                                    for ph in rows[0]["phase_seconds"]}
                     s["planning_share_of_wall"] = s["phase_seconds_max_rank"]["plan"] / s["wall_seconds"]
+                    # The calling thread's CPU seconds of the same steps (slowest rank, median).
+                    s["phase_cpu_seconds_max_rank"] = {
+                        ph: statistics.median(max(r["phase_cpu_seconds"][ph] for r in rs) for rs in runs)
+                        for ph in rows[0]["phase_cpu_seconds"]}
                     s["peak_staging_bytes_max_rank"] = max(r["peak_staging_bytes"] for r in rows)
                     s["plan"] = r0["plan"]
                     # Lower bounds: computed once per layout outside the timed loads.
@@ -488,6 +493,8 @@ def format_report(res: dict) -> str:
                 lines.append("      steps (slowest rank, s): " + ", ".join(
                     f"{ph} {v:.3f}" for ph, v in s["phase_seconds_max_rank"].items())
                     + f"; planning (describe + plan + agree) {100 * s['planning_share_of_wall']:.0f}% of the wall")
+                lines.append("      CPU of the calling thread (most of any rank, s): " + ", ".join(
+                    f"{ph} {v:.3f}" for ph, v in s["phase_cpu_seconds_max_rank"].items()))
         r = lay["ratios"]
         lines.append(
             "   ratios: shared vs rank0-broadcast " + _x(r["speedup_shared_vs_rank0_broadcast"])

@@ -35,6 +35,12 @@ def test_load_plain_model(ckpt, source):
     assert rep.world_size == 1 and rep.storage == "shared"
     assert rep.bytes_read_rank == rep.checkpoint_bytes == sum(t.numel() * t.element_size() for t in values.values())
     assert tiny_moe.compare(model, values, moeshard.Placement.contiguous(2, tiny_moe.NUM_EXPERTS, 1)) == []
+    # Each step's wall and calling-thread CPU seconds: the same steps; one thread's CPU time
+    # cannot exceed the wall time (1 ms of slack for the clocks' resolutions).
+    assert list(rep.phase_cpu_seconds) == list(rep.phase_seconds) == ["materialize", "headers", "plan", "execute",
+                                                                      "finish"]
+    assert all(0 <= rep.phase_cpu_seconds[k] <= rep.phase_seconds[k] + 1e-3 for k in rep.phase_seconds)
+    assert rep.phase_cpu_seconds["plan"] > 0
     v = moeshard.verify(model, root / source)
     assert v.num_boxes_checked > 0
 

@@ -418,6 +418,7 @@ def load(
         unused_keys=unused,
         dequantized_keys=len(scales.weights) if scales is not None else 0,
         phase_seconds=phases.seconds,
+        phase_cpu_seconds=phases.cpu_seconds,
     )
 
 

@@ -27,6 +27,9 @@ class OpReport:
         phase_seconds: this rank's wall seconds per step of the call, in order (e.g. load:
             ``materialize``, ``headers``, ``plan``, ``scales``, ``execute``, ``finish``); each
             step ends with its exchange, so a step's time includes waiting for the slowest rank.
+        phase_cpu_seconds: the CPU seconds of the calling thread in each step (not the reader
+            threads'): a step's wall time far above it is waiting (for peers, I/O, or a core
+            when ranks outnumber the cores).
         fingerprint: the plan every rank agreed on.
         plan: the plan's job-wide cost counters (``cost.summary()``).
         bytes_read_rank, bytes_sent_rank, bytes_received_rank: storage reads, P2P / broadcast
@@ -45,6 +48,7 @@ class OpReport:
     bytes_received_rank: int = 0
     peak_staging_bytes_rank: int = 0
     phase_seconds: dict = field(default_factory=dict)
+    phase_cpu_seconds: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         """Every field, for JSON (``json.dumps(report.to_dict())``)."""
@@ -52,15 +56,18 @@ class OpReport:
 
 
 class Phases:
-    """Wall seconds per step of one call (``OpReport.phase_seconds``): each :meth:`end` closes the
-    step that began where the previous one ended (the first at ``t0``)."""
+    """Wall and thread CPU seconds per step of one call (``OpReport.phase_seconds``,
+    ``phase_cpu_seconds``): each :meth:`end` closes the step that began where the previous one
+    ended (the first at ``t0``, its CPU time from this object's creation)."""
 
     def __init__(self, t0: float):
         self.last, self.seconds = t0, {}
+        self.last_cpu, self.cpu_seconds = time.thread_time(), {}
 
     def end(self, name: str) -> float:
         """Close step ``name`` (started where the previous one ended); the time now."""
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.thread_time()
         self.seconds[name] = now - self.last
-        self.last = now
+        self.cpu_seconds[name] = cpu - self.last_cpu
+        self.last, self.last_cpu = now, cpu
         return now
