@@ -631,6 +631,13 @@ class _DenseRows(NamedTuple):
     def _rows(self) -> tuple[np.ndarray, np.ndarray]:
         return (self.ranks, self.boxes) if self.keep is None else (self.ranks[self.keep], self.boxes[self.keep])
 
+    @property
+    def layout(self) -> tuple:
+        """Equal for parameters of one layout (their rows' ranks and boxes are views of the same
+        cached arrays; which boxes are empty follows from them)."""
+        return (self.ranks.__array_interface__["data"][0], self.ranks.shape, self.ranks.strides,
+                self.boxes.__array_interface__["data"][0], self.boxes.shape)
+
     def row_ranks(self) -> np.ndarray:
         return self.ranks if self.keep is None else self.ranks[self.keep]
 

@@ -127,17 +127,7 @@ class NeedTable:
             # memory at once (DeepSeek-V3 at 8,192 ranks: 4.7 million rows, 440 MB). Few rows:
             # the whole table and one mask (each part's filter costs ~30 us of numpy calls).
             full = np.asarray(keep_ranks, dtype=bool)
-            omitted = np.zeros(len(full), dtype=np.int64)
-            picked = []
-            for t, kid in zip(parts, ids):
-                ranks = t.row_ranks()
-                drop = (t.alone & (readers_of_key[kid[t.row_keys()]] == 1)) & ~full[ranks]
-                if drop.any():
-                    nbytes = t.row_numel()[drop] * np.asarray(itemsize(t.keys), np.int64)[t.row_keys()[drop]]
-                    omitted += np.bincount(ranks[drop], weights=nbytes, minlength=len(full)).astype(np.int64)
-                    t = t.select(~drop)
-                picked.append(t)
-            parts = picked
+            parts, omitted = _leave_out(parts, ids, readers_of_key, full, itemsize)
         width = max((t.width for t in parts), default=0)
         table = NeedTable.allocate(tuple(keys), np.asarray(ndims, dtype=np.int8), sum(len(t) for t in parts), width,
                                    alone=hint)
@@ -158,6 +148,8 @@ class NeedTable:
         if full is None:
             return table
         return dataclasses.replace(table, full=full, omitted_bytes=omitted)
+
+    layout = None  # part interface: no two tables are known to share their rows' ranks and sizes
 
     @staticmethod
     def allocate(keys: tuple[str, ...], ndim: np.ndarray, num: int, width: int, alone: bool = False) -> "NeedTable":
@@ -257,3 +249,37 @@ class NeedTable:
                 dest = ((s, 1),) + dest
             out.append(Need(int(self.rank[i]), int(self.param[i]), dest, self.keys[k], src))
         return out
+
+
+def _leave_out(parts: Sequence, ids: Sequence[np.ndarray], readers_of_key: np.ndarray, full: np.ndarray,
+               itemsize) -> tuple[list, np.ndarray]:
+    """:meth:`NeedTable.concat`'s parts without the alone rows of the ranks not ``full``, and
+    those rows' bytes per rank (``int64[world]``). Parts with the same ``layout`` (not None: the
+    dense parameters of one shape and sharding) and a scalar ``alone`` have the same rows'
+    ranks and sizes: what is left out of them is worked out once per layout."""
+    omitted = np.zeros(len(full), dtype=np.int64)
+    by_layout: dict = {}
+    picked = []
+    for t, kid in zip(parts, ids):
+        layout = getattr(t, "layout", None)
+        if layout is not None and np.ndim(t.alone) == 0 and readers_of_key[kid].max(initial=0) <= 1:
+            hit = by_layout.get((layout, bool(t.alone)))
+            if hit is None:
+                ranks = t.row_ranks()
+                drop = ~full[ranks] if t.alone else np.zeros(len(ranks), dtype=bool)
+                numel = np.bincount(ranks[drop], weights=t.row_numel()[drop], minlength=len(full)) \
+                    if drop.any() else None
+                hit = by_layout[(layout, bool(t.alone))] = (drop, numel)
+            drop, numel = hit
+            if numel is not None:
+                omitted += (numel * int(np.asarray(itemsize(t.keys), np.int64)[0])).astype(np.int64)
+                t = t.select(~drop)
+        else:
+            ranks = t.row_ranks()
+            drop = (t.alone & (readers_of_key[kid[t.row_keys()]] == 1)) & ~full[ranks]
+            if drop.any():
+                nbytes = t.row_numel()[drop] * np.asarray(itemsize(t.keys), np.int64)[t.row_keys()[drop]]
+                omitted += np.bincount(ranks[drop], weights=nbytes, minlength=len(full)).astype(np.int64)
+                t = t.select(~drop)
+        picked.append(t)
+    return picked, omitted
