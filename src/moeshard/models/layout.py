@@ -32,7 +32,7 @@ from ..io.formats import layer_of, parse_expert_key, scale_keys, scaled_weight
 from ..io.fp8 import scale_of
 from ..placement import Placement
 from ..plan.arrays import expand_runs, row_prod, unique_rows
-from ..plan.needs import NeedTable
+from ..plan.needs import NeedTable, SharedKeysLeftOut
 from .adapters import DEFAULT_SPECS, ExpertParam, ExpertsSpec, checkpoint_names, expert_parts, specs_for, with_scales
 from .hf_names import HFNames, hf_names
 
@@ -529,6 +529,7 @@ def need_table(
     world_size: int,
     dequantize: bool = False,
     keep_ranks: np.ndarray | None = None,
+    _experts_whole: bool = False,
 ) -> NeedTable:
     """Every rank's needs as a :class:`~moeshard.plan.needs.NeedTable`, from parameter
     descriptions (pure; any world size). Rows: parameters in order; a parameter's rows in
@@ -549,6 +550,10 @@ def need_table(
     the rows.
     """
 
+    if keep_ranks is not None:
+        keep_ranks = np.asarray(keep_ranks, dtype=bool)
+        if keep_ranks.shape != (world_size,):
+            raise ValueError(f"keep_ranks must be bool[{world_size}], got {len(keep_ranks)} entries")
     num_layers = 1 + max((d.expert.layer for d in descs if d.expert), default=-1)
     if placement is not None and num_layers:
         placement.check_layers(num_layers)
@@ -558,10 +563,12 @@ def need_table(
         if d.expert is None:
             parts.append(_dense_rows(i, d, index, ranks, boxes, dequantize))
         else:
-            parts.append(_expert_table(i, d, index, placement, ranks, boxes, dequantize))
-    if keep_ranks is not None and len(keep_ranks) != world_size:
-        raise ValueError(f"keep_ranks must be bool[{world_size}], got {len(keep_ranks)} entries")
-    table = NeedTable.concat(parts, keep_ranks, lambda keys: index.key_columns(keys)[0])
+            parts.append(_expert_table(i, d, index, placement, ranks, boxes, dequantize,
+                                       None if _experts_whole else keep_ranks))
+    try:
+        table = NeedTable.concat(parts, keep_ranks, lambda keys: index.key_columns(keys)[0])
+    except SharedKeysLeftOut:  # tied expert tensors (rare): build every row, concat leaves them out
+        return need_table(descs, index, placement, world_size, dequantize, keep_ranks, _experts_whole=True)
     return dataclasses.replace(table, digest=_inputs_digest(descs, placement, world_size, dequantize))
 
 
@@ -784,10 +791,16 @@ def _expert_table(
     ranks: np.ndarray,
     boxes: np.ndarray,
     dequantize: bool = False,
+    keep_ranks: np.ndarray | None = None,
 ) -> NeedTable:
     """The rows of expert parameter number ``i``: for each rank in ``ranks`` (``int64[M]``)
     with a non-empty box (``int64[M, ndim, 2]``, dim 0 = slots), each slot of its box holding
-    a logical expert, each checkpoint part of that expert the box overlaps."""
+    a logical expert, each checkpoint part of that expert the box overlaps.
+
+    ``keep_ranks`` (:func:`need_table`'s): the alone rows of the other ranks are not built but
+    counted (``omitted_bytes``, ``full``), where every part of every held expert has one item
+    size (a slot's box then weighs its elements times that size); else they are built, for
+    :meth:`NeedTable.concat` to leave out."""
 
     ref = d.expert
     assert ref is not None
@@ -808,24 +821,35 @@ def _expert_table(
     ranks, boxes, owner, slot, expert = _held_slots(ranks, boxes, phy2log)
     held = np.flatnonzero(np.bincount(expert, minlength=num_logical))  # the experts some slot holds
     keys = _held_expert_keys(d, index, held.tolist(), part_sizes, dequantize)
+    # A slot's boxes are another rank's too only if its expert has several slots (or a mesh
+    # dim replicates the parameter): the boxes of one slot are disjoint.
+    copies = np.bincount(phy2log[phy2log >= 0], minlength=num_logical)
+    omitted = None
+    if keep_ranks is not None:
+        drop = (copies[expert] == 1) & disjoint & ~keep_ranks[ranks[owner]]
+        itemsize = index.key_columns(keys)[0]
+        if drop.any() and (itemsize == itemsize[0]).all():
+            numel = row_prod(boxes[owner[drop], 1:, 1])  # the parts a box overlaps tile it
+            omitted = np.bincount(ranks[owner[drop]], weights=numel * itemsize[0],
+                                  minlength=len(keep_ranks)).astype(np.int64)
+            owner, slot, expert = owner[~drop], slot[~drop], expert[~drop]
     # The parts a box overlaps depend only on its slice dims: computed once per distinct tail.
-    tails, tail_of = unique_rows(boxes[:, 1:, :].reshape(len(boxes), -1))
-    parts = _part_rows(tails.reshape(len(tails), -1, 2), part_sizes, ref.param.dim)
+    used = np.unique(owner)
+    tails, tail_of_used = unique_rows(boxes[used, 1:, :].reshape(len(used), 2 * (boxes.shape[1] - 1)))
+    parts = _part_rows(tails.reshape(len(tails), boxes.shape[1] - 1, 2), part_sizes, ref.param.dim)
     first, count, part, src_off, src_len, dst_off = parts
-    tail = tail_of[owner]
+    tail = tail_of_used[np.searchsorted(used, owner)]
     row, prow = expand_runs(first[tail], count[tail])
-    # Keys are part by part. Each is used: the boxes of a held slot tile its slice, so they
-    # overlap every part.
+    # Keys are part by part. Each is used (but for experts whose rows were left out): the
+    # boxes of a held slot tile its slice, so they overlap every part.
     key = part[prow] * len(held) + np.searchsorted(held, expert[row])
     num = len(row)
-    # A row's box is another rank's too only if its expert has several slots (or a mesh dim
-    # replicates the parameter): the boxes of one slot are disjoint.
-    copies = np.bincount(phy2log[phy2log >= 0], minlength=num_logical)
     alone = (copies[expert[row]] == 1) & disjoint
     return NeedTable(
         keys=tuple(keys), ndim=np.full(len(keys), len(slice_shape), np.int8), rank=ranks[owner[row]].astype(np.int32),
         param=np.full(num, i, np.int32), key=key.astype(np.int32), slot=slot[row] - boxes[owner[row], 0, 0],
         src_off=src_off[prow], src_len=src_len[prow], dst_off=dst_off[prow], alone=alone,
+        full=None if omitted is None else np.asarray(keep_ranks, dtype=bool), omitted_bytes=omitted,
     )
 
 

@@ -24,7 +24,12 @@ import numpy as np
 
 from .arrays import row_prod
 
-__all__ = ["NeedTable"]
+__all__ = ["NeedTable", "SharedKeysLeftOut"]
+
+
+class SharedKeysLeftOut(Exception):
+    """:meth:`NeedTable.concat`: a part left out rows of a key that another part reads too
+    (those rows may not be alone after all): build that part's rows and let concat decide."""
 
 # NeedTable.concat with keep_ranks: above this many rows, rows are left out part by part.
 _FILTER_PARTS_ABOVE = 1 << 16
@@ -127,6 +132,15 @@ class NeedTable:
         full = omitted = None
         if keep_ranks is not None and not hint:
             raise ValueError("rows can be left out only where the layout marks them alone")
+        # Rows a part left out itself (an expert parameter's other ranks' slots).
+        pre = np.zeros(len(keep_ranks) if keep_ranks is not None else 0, dtype=np.int64)
+        for t, kid in zip(parts, ids):
+            if getattr(t, "omitted_bytes", None) is not None:
+                if keep_ranks is None or not np.array_equal(t.full, keep_ranks):
+                    raise ValueError("a part left out other ranks' rows than keep_ranks says")
+                if readers_of_key[kid].max(initial=0) > 1:
+                    raise SharedKeysLeftOut()
+                pre += t.omitted_bytes
         if keep_ranks is not None and sum(len(t) for t in parts) > _FILTER_PARTS_ABOVE:
             # Many rows: leave them out part by part, so that every rank's rows are never in
             # memory at once (DeepSeek-V3 at 8,192 ranks: 4.7 million rows, 440 MB). Few rows:
@@ -152,7 +166,7 @@ class NeedTable:
             table = table.take(~drop)
         if full is None:
             return table
-        return dataclasses.replace(table, full=full, omitted_bytes=omitted)
+        return dataclasses.replace(table, full=full, omitted_bytes=omitted + pre)
 
     layout = None  # part interface: no two tables are known to share their rows' ranks and sizes
 
