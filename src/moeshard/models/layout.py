@@ -783,6 +783,12 @@ def _check_spans(d: ParamDesc, boxes: np.ndarray, slots_per_rank: int) -> None:
         raise ValueError(f"parameter {d.name}: local box {list(box)} spans several EP ranks' slots")
 
 
+# need_table(keep_ranks=): an expert parameter with more held (box, slot) pairs than this does not
+# build other ranks' alone rows; with fewer, building them all and leaving them out in
+# NeedTable.concat costs less than counting them apart (~0.1 ms per parameter).
+_UNBUILT_ABOVE = 4096
+
+
 def _expert_table(
     i: int,
     d: ParamDesc,
@@ -798,9 +804,9 @@ def _expert_table(
     a logical expert, each checkpoint part of that expert the box overlaps.
 
     ``keep_ranks`` (:func:`need_table`'s): the alone rows of the other ranks are not built but
-    counted (``omitted_bytes``, ``full``), where every part of every held expert has one item
-    size (a slot's box then weighs its elements times that size); else they are built, for
-    :meth:`NeedTable.concat` to leave out."""
+    counted (``omitted_bytes``, ``full``), where there are many (``_UNBUILT_ABOVE``) and every
+    part of every held expert has one item size (a slot's box then weighs its elements times
+    that size); else they are built, for :meth:`NeedTable.concat` to leave out."""
 
     ref = d.expert
     assert ref is not None
@@ -825,7 +831,7 @@ def _expert_table(
     # dim replicates the parameter): the boxes of one slot are disjoint.
     copies = np.bincount(phy2log[phy2log >= 0], minlength=num_logical)
     omitted = None
-    if keep_ranks is not None:
+    if keep_ranks is not None and len(owner) > _UNBUILT_ABOVE:
         drop = (copies[expert] == 1) & disjoint & ~keep_ranks[ranks[owner]]
         itemsize = index.key_columns(keys)[0]
         if drop.any() and (itemsize == itemsize[0]).all():
