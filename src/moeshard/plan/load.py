@@ -42,7 +42,7 @@ from ..io.checkpoint import CheckpointIndex
 from ..topology import Topology
 from .arrays import dense_rank, expand_runs, lex_order, row_prod, run_starts, seg_excl_cumsum
 from .needs import NeedTable
-from .pieces import STAGING_PARTS, Pieces, cut_pieces, key_columns
+from .pieces import STAGING_PARTS, Pieces, cut_pieces
 from .schedule import PlanCost, Schedule
 
 __all__ = ["plan_transfers", "minimal_cost", "DEFAULT_STAGING_BYTES", "DEFAULT_MAX_OPS", "STAGING_PARTS"]
@@ -481,7 +481,7 @@ def _plan_rank(table: NeedTable, index: CheckpointIndex, topology: Topology, rea
     whole-job part, where it is planned as one: the same rows again."""
     world = topology.world_size
     local = np.zeros(len(table), bool) if table.alone is None else table.alone & readers[table.rank]
-    keys = key_columns(table.keys, index)
+    keys = index.key_columns(table.keys)
     itemsize = keys[0]
     lrows = np.flatnonzero(local)
     local_bytes = np.bincount(table.rank[lrows], weights=row_prod(table.src_len[lrows]) * itemsize[table.key[lrows]],

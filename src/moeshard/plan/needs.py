@@ -109,7 +109,8 @@ class NeedTable:
         ``alone``, ``width`` and ``len()``, and the methods ``fill(table, rows, key_ids)``
         (write its rows into ``table`` at ``rows``, a slice, its key ``j`` as ``key_ids[j]``),
         ``row_ranks()``, ``row_keys()`` (its own key numbers), ``row_numel()`` and
-        ``select(mask)`` (e.g. the rows of a dense parameter, kept as views of its cached boxes
+        ``select(mask)``, and a ``layout`` (None, or equal for parts whose rows have the same
+        ranks and sizes) (e.g. the rows of a dense parameter, kept as views of its cached boxes
         until here).
 
         ``alone`` is kept where every part has it (a part's distinct keys; the rows of a key
@@ -129,24 +130,25 @@ class NeedTable:
         ids = [np.asarray([keys[k] for k in t.keys], dtype=np.int32) for t in parts]
         # Two parameters reading one key (tied weights): their rows may coincide.
         readers_of_key = np.bincount(np.concatenate(ids), minlength=len(keys)) if ids else np.zeros(0, np.int64)
-        full = omitted = None
-        if keep_ranks is not None and not hint:
+        full = None if keep_ranks is None else np.asarray(keep_ranks, dtype=bool)
+        if full is not None and not hint:
             raise ValueError("rows can be left out only where the layout marks them alone")
         # Rows a part left out itself (an expert parameter's other ranks' slots).
-        pre = np.zeros(len(keep_ranks) if keep_ranks is not None else 0, dtype=np.int64)
+        omitted = np.zeros(0 if full is None else len(full), dtype=np.int64)
         for t, kid in zip(parts, ids):
             if getattr(t, "omitted_bytes", None) is not None:
-                if keep_ranks is None or not np.array_equal(t.full, keep_ranks):
+                if full is None or not np.array_equal(t.full, full):
                     raise ValueError("a part left out other ranks' rows than keep_ranks says")
                 if readers_of_key[kid].max(initial=0) > 1:
                     raise SharedKeysLeftOut()
-                pre += t.omitted_bytes
-        if keep_ranks is not None and sum(len(t) for t in parts) > _FILTER_PARTS_ABOVE:
+                omitted += t.omitted_bytes
+        by_part = full is not None and sum(len(t) for t in parts) > _FILTER_PARTS_ABOVE
+        if by_part:
             # Many rows: leave them out part by part, so that every rank's rows are never in
             # memory at once (DeepSeek-V3 at 8,192 ranks: 4.7 million rows, 440 MB). Few rows:
             # the whole table and one mask (each part's filter costs ~30 us of numpy calls).
-            full = np.asarray(keep_ranks, dtype=bool)
-            parts, omitted = _leave_out(parts, ids, readers_of_key, full, itemsize)
+            parts, left_out = _leave_out(parts, ids, readers_of_key, full, itemsize)
+            omitted += left_out
         width = max((t.width for t in parts), default=0)
         table = NeedTable.allocate(tuple(keys), np.asarray(ndims, dtype=np.int8), sum(len(t) for t in parts), width,
                                    alone=hint)
@@ -158,15 +160,14 @@ class NeedTable:
             pos += n
         if hint and len(table):
             np.logical_and(table.alone, readers_of_key[table.key] == 1, out=table.alone)
-        if keep_ranks is not None and full is None:
-            full = np.asarray(keep_ranks, dtype=bool)
-            drop = table.alone & ~full[table.rank]
-            nbytes = row_prod(table.src_len[drop]) * np.asarray(itemsize(table.keys), np.int64)[table.key[drop]]
-            omitted = np.bincount(table.rank[drop], weights=nbytes, minlength=len(full)).astype(np.int64)
-            table = table.take(~drop)
         if full is None:
             return table
-        return dataclasses.replace(table, full=full, omitted_bytes=omitted + pre)
+        if not by_part:
+            drop = table.alone & ~full[table.rank]
+            nbytes = row_prod(table.src_len[drop]) * np.asarray(itemsize(table.keys), np.int64)[table.key[drop]]
+            omitted += np.bincount(table.rank[drop], weights=nbytes, minlength=len(full)).astype(np.int64)
+            table = table.take(~drop)
+        return dataclasses.replace(table, full=full, omitted_bytes=omitted)
 
     layout = None  # part interface: no two tables are known to share their rows' ranks and sizes
 

@@ -22,7 +22,7 @@ from ..io.checkpoint import CheckpointIndex
 from .arrays import expand_runs, group_rows, lex_order, row_prod, run_starts
 from .needs import NeedTable
 
-__all__ = ["Pieces", "cut_pieces", "key_columns", "STAGING_PARTS"]
+__all__ = ["Pieces", "cut_pieces", "STAGING_PARTS"]
 
 # The staging budget in parts: a piece is at most one part; a rank's windows share what its
 # pieces leave of the budget (see plan/load.py).
@@ -75,11 +75,12 @@ def cut_pieces(table: NeedTable, index: CheckpointIndex, staging_bytes: int | No
                keys: tuple[np.ndarray, np.ndarray] | None = None) -> Pieces:
     """The pieces and deliveries of ``table`` (pure, deterministic). ``staging_bytes``: cut
     every piece to at most ``staging_bytes // STAGING_PARTS`` bytes (None: do not cut).
-    ``keys``: :func:`key_columns` of ``table.keys``, when the caller has them.
+    ``keys``: ``index.key_columns(table.keys)`` (item sizes and file order), when the caller
+    has them.
 
     Raises ValueError when one element of a needed tensor does not fit in a part.
     Cost: one sort of the needs (``O(n log n)``) and Python per piece that must be cut."""
-    itemsize, key_rank = keys if keys is not None else key_columns(table.keys, index)
+    itemsize, key_rank = keys if keys is not None else index.key_columns(table.keys)
     if staging_bytes is not None:
         part = staging_bytes // STAGING_PARTS
         used = np.flatnonzero(np.bincount(table.key, minlength=len(table.keys)))  # the keys some need reads
@@ -124,12 +125,6 @@ def cut_pieces(table: NeedTable, index: CheckpointIndex, staging_bytes: int | No
         dlv_param=table.param[rows].astype(np.int32), dlv_slot=table.slot[rows].astype(np.int64), dlv_off=d_off,
         num_needs=len(table),
     )
-
-
-def key_columns(keys: tuple[str, ...], index: CheckpointIndex) -> tuple[np.ndarray, np.ndarray]:
-    """``(itemsize, rank)``, ``int64[len(keys)]``: each key's item size and its rank in file
-    order (files by name, then byte offset; :meth:`CheckpointIndex.key_columns`)."""
-    return index.key_columns(keys)
 
 
 def _box_columns(off: np.ndarray, ln: np.ndarray) -> list[np.ndarray]:
