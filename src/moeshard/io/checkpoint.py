@@ -178,6 +178,12 @@ class CheckpointIndex:
         return itemsize[at], order[at]
 
     @functools.cached_property
+    def dtypes(self) -> frozenset[str]:
+        """The safetensors dtype names of the checkpoint's tensors (e.g. ``{"BF16", "F8_E4M3"}``;
+        computed once per index)."""
+        return frozenset(t.dtype for t in self.tensors.values())
+
+    @functools.cached_property
     def _columns(self) -> tuple[dict[str, int], np.ndarray, np.ndarray]:
         infos = list(self.tensors.values())
         files = {f: i for i, f in enumerate(sorted({t.file for t in infos}))}

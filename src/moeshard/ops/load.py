@@ -26,6 +26,7 @@ from .. import _dist
 from ..dtypes import cast_refusal
 from ..execute import DequantSink, ReaderSource, TensorSink, execute_schedule, node_groups
 from ..io.checkpoint import CheckpointIndex, CheckpointReader
+from ..io.fp8 import FP8_DTYPES
 from ..io.readpool import default_read_threads
 from ..io.sources import Storage, reader_root, resolve_sources, sources_share
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
@@ -336,10 +337,13 @@ def load(
 
     def make_plan() -> tuple[list[ParamDesc], NeedTable, Schedule, tuple[str, ...], ScaleNeeds | None,
                              Schedule | None]:
-        # Each rank plans what it runs: the transfers and its own local reads.
+        # Each rank plans what it runs: the transfers and its own local reads. Every rank's needs
+        # only where the scales of FP8 weights are planned (each rank gets those of the weights it
+        # receives, wherever they come from) or the lower bounds are asked for.
+        fp8 = dequantize and bool(index.dtypes & FP8_DTYPES)
         descs, needs, plan = plan_load(model, index, placement, topo, readers, scope, staging_bytes, specs,
-                                         dequantize, rank, all_needs=dequantize or report_minimal)
-        scales = scale_needs(needs, index, float_params(descs)) if dequantize else None
+                                         dequantize, rank, all_needs=fp8 or report_minimal)
+        scales = scale_needs(needs, index, float_params(descs)) if fp8 else None
         scale_plan = None if scales is None else plan_transfers(scales.table, index, topo, readers, scope=scope,
                                                                  staging_bytes=staging_bytes, rank=rank)
         unused = checked_unused_keys(model, descs, index, placement, strict, "moeshard.load",

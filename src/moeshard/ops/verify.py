@@ -189,7 +189,7 @@ def verify(
     def make_plan():
         # Every rank's needs only where FP8 scales may be consumed (the unused-key check counts
         # them); else the table this rank's plan takes.
-        fp8 = any(t.dtype in FP8_DTYPES for t in index.tensors.values())
+        fp8 = bool(index.dtypes & FP8_DTYPES)
         descs, needs, plan = plan_load(model, index, placement, topo, readers, "job", DEFAULT_STAGING_BYTES, specs,
                                        True, rank, all_needs=fp8)
         scales = scale_needs(needs, index, float_params(descs))
