@@ -169,13 +169,21 @@ class CheckpointIndex:
         in file order (files by name, then byte offset) among all the checkpoint's tensors.
         CheckpointError for a key it lacks. Cost: a dict lookup per key (the columns of all
         tensors are built once per index)."""
-        position, itemsize, order = self._columns
+        position, itemsize, order, _ = self._columns
         try:
             at = np.fromiter(map(position.__getitem__, keys), dtype=np.int64, count=len(keys))
         except KeyError as e:
             self.info(e.args[0])  # raises, naming the key
             raise
         return itemsize[at], order[at]
+
+    def key_kinds(self, keys: Sequence[str]) -> np.ndarray:
+        """``int64[len(keys)]``: a number per key, equal for tensors of one dtype and shape, -1
+        for a key the checkpoint lacks (what tells, in one pass, which of many tensors differ
+        from one they should match). Cost: a dict lookup per key."""
+        position, _, _, kind = self._columns
+        at = np.fromiter(map(position.get, keys, itertools.repeat(-1)), dtype=np.int64, count=len(keys))
+        return np.where(at >= 0, kind[at], -1)
 
     @functools.cached_property
     def dtypes(self) -> frozenset[str]:
@@ -184,7 +192,7 @@ class CheckpointIndex:
         return frozenset(t.dtype for t in self.tensors.values())
 
     @functools.cached_property
-    def _columns(self) -> tuple[dict[str, int], np.ndarray, np.ndarray]:
+    def _columns(self) -> tuple[dict[str, int], np.ndarray, np.ndarray, np.ndarray]:
         infos = list(self.tensors.values())
         files = {f: i for i, f in enumerate(sorted({t.file for t in infos}))}
         file_no = np.fromiter((files[t.file] for t in infos), dtype=np.int64, count=len(infos))
@@ -192,7 +200,10 @@ class CheckpointIndex:
         order = np.empty(len(infos), dtype=np.int64)
         order[np.lexsort((offset, file_no))] = np.arange(len(infos))
         itemsize = np.fromiter((_ITEMSIZE[t.dtype] for t in infos), dtype=np.int64, count=len(infos))
-        return {k: i for i, k in enumerate(self.tensors)}, itemsize, order
+        kinds: dict[tuple, int] = {}
+        kind = np.fromiter((kinds.setdefault((t.dtype, tuple(t.shape)), len(kinds)) for t in infos), dtype=np.int64,
+                           count=len(infos))
+        return {k: i for i, k in enumerate(self.tensors)}, itemsize, order, kind
 
     def __reduce__(self):
         # One rank reads the headers and sends them to every rank (moeshard.load): pickled as

@@ -108,6 +108,42 @@ _BASE_LAYER = re.compile(r"\.base_layer(?=\.|$)")
 _ADAPTER_SEGMENTS = re.compile(r"(^|\.)(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)\.")
 
 
+class _Tree(NamedTuple):
+    """One walk of a model's module tree (what describing it looks at, gathered once).
+
+    ``modules``: each module once, under its first name (``named_modules()``); ``params``:
+    ``named_parameters(remove_duplicate=False)`` (a tied parameter under each of its names);
+    ``buffers``: the persistent buffers, each module's once; ``peft``: whether peft wrapped
+    some module (a ``base_layer`` beside ``lora_A``)."""
+
+    modules: list[tuple[str, nn.Module]]
+    params: list[tuple[str, torch.Tensor]]
+    buffers: list[tuple[str, torch.Tensor]]
+    peft: bool
+
+
+def _walk(model: nn.Module) -> _Tree:
+    # torch's named_modules / named_parameters / named_buffers each walk the tree again (a
+    # generator per module and depth); one walk with their rules costs a fifth of four.
+    seen: set[int] = set()
+    modules, params, buffers = [], [], []
+    peft = False
+    for name, mod in model.named_modules(remove_duplicate=False):
+        dot = f"{name}." if name else ""
+        params.extend((dot + k, p) for k, p in mod._parameters.items() if p is not None)
+        if id(mod) in seen:  # named_modules() lists a shared module (and its subtree) once
+            continue
+        seen.add(id(mod))
+        modules.append((name, mod))
+        peft = peft or (hasattr(mod, "base_layer") and hasattr(mod, "lora_A"))
+        listed: set[int] = set()
+        for k, b in mod._buffers.items():
+            if b is not None and id(b) not in listed and k not in mod._non_persistent_buffers_set:
+                listed.add(id(b))
+                buffers.append((dot + k, b))
+    return _Tree(modules, params, buffers, peft)
+
+
 def _is_peft(model: nn.Module) -> bool:
     return any(hasattr(m, "base_layer") and hasattr(m, "lora_A") for m in model.modules())
 
@@ -132,10 +168,11 @@ def expert_layers(model: nn.Module, specs: Sequence[ExpertsSpec] = DEFAULT_SPECS
     """Experts modules of ``model`` in module order (their index is the MoE layer). In a peft
     model the experts module is the innermost one (under its ``ParamWrapper`` chain)."""
     out = []
-    base = base_names(model)
-    for name, mod in model.named_modules():
-        names = {n for n, _ in mod.named_parameters(recurse=False)}
-        for spec in specs:
+    tree = _walk(model)
+    base = _strip_peft if tree.peft else (lambda name: name)
+    for name, mod in tree.modules:
+        names = {n for n, p in mod._parameters.items() if p is not None}
+        for spec in specs if names else ():  # an experts module has parameters
             if spec.matches(base(name), names):
                 out.append((name, mod, with_scales(spec, names)))
                 break
@@ -248,12 +285,14 @@ def describe_model(
         ordered, renamed = (*hf.specs, *(s for s in specs if s not in hf.specs)), False
     else:
         ordered, renamed = specs_for(model, specs)
-    peft = _is_peft(model)  # one walk of the modules (base_names would take another)
-    base = _strip_peft if peft else (lambda name: name)
+    tree = _walk(model)
+    base = _strip_peft if tree.peft else (lambda name: name)
     experts: dict[str, tuple[int, ExpertsSpec, dict[str, str]]] = {}
     layer = 0
-    for name, mod in model.named_modules():
-        own = {n for n, _ in mod.named_parameters(recurse=False)}
+    for name, mod in tree.modules:
+        own = {n for n, p in mod._parameters.items() if p is not None}
+        if not own:  # an experts module has parameters
+            continue
         matching = [s for s in ordered if s.matches(base(name), own)]
         if matching:
             spec, prefixes = _choose_spec(matching, base(name), index, renamed, hf)
@@ -262,7 +301,7 @@ def describe_model(
                 prefixes[p.name] = prefixes[scaled_weight(p.name)]
             experts[name] = (layer, scaled, prefixes)
             layer += 1
-    aliases, tensors = _aliases(model, peft)
+    aliases, tensors = _aliases(tree)
     descs = []
     meshes: dict[int, np.ndarray] = {}  # id(DeviceMesh) -> its ranks (computing it is not free)
     from .. import _dist  # here: the module's need table stays importable without torch
@@ -312,13 +351,14 @@ def _group_mesh(mesh: np.ndarray, members: list[int] | None, name: str) -> np.nd
     return np.vectorize(of.__getitem__, otypes=[np.int64])(mesh)
 
 
-def _aliases(model: nn.Module, peft: bool) -> tuple[dict[int, list[str]], dict[int, torch.Tensor]]:
-    """Every parameter and persistent buffer of ``model`` once: ``id -> [its names]`` (tied
-    names together, in module order) and ``id -> tensor``; a peft adapter's weights left out."""
+def _aliases(tree: _Tree) -> tuple[dict[int, list[str]], dict[int, torch.Tensor]]:
+    """Every parameter and persistent buffer of a model (its ``tree``) once: ``id -> [its
+    names]`` (tied names together, in module order) and ``id -> tensor``; a peft adapter's
+    weights left out."""
     aliases: dict[int, list[str]] = {}
     tensors: dict[int, torch.Tensor] = {}
-    for name, t in list(model.named_parameters(remove_duplicate=False)) + _persistent_buffers(model):
-        if peft and is_adapter_param(name):
+    for name, t in tree.params + tree.buffers:
+        if tree.peft and is_adapter_param(name):
             continue  # a peft adapter's weight: moeshard.lora loads and saves those
         aliases.setdefault(id(t), []).append(name)
         tensors[id(t)] = t
@@ -328,18 +368,14 @@ def _aliases(model: nn.Module, peft: bool) -> tuple[dict[int, list[str]], dict[i
 def tensor_names(model: nn.Module) -> list[tuple[str, ...]]:
     """The names of each parameter and persistent buffer of ``model`` (tied names together),
     as the base model's checkpoint names them (a peft model's adapters left out)."""
-    base = base_names(model)
-    aliases, _ = _aliases(model, _is_peft(model))
+    tree = _walk(model)
+    base = _strip_peft if tree.peft else (lambda name: name)
+    aliases, _ = _aliases(tree)
     return [tuple(dict.fromkeys(base(n) for n in names)) for names in aliases.values()]
 
 
 def _persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    out = []
-    for mod_name, mod in model.named_modules():
-        for b_name, b in mod.named_buffers(recurse=False):
-            if b_name not in mod._non_persistent_buffers_set:
-                out.append((f"{mod_name}.{b_name}" if mod_name else b_name, b))
-    return out
+    return _walk(model).buffers
 
 
 @functools.lru_cache(maxsize=1)
@@ -558,13 +594,13 @@ def need_table(
     if placement is not None and num_layers:
         placement.check_layers(num_layers)
     parts: list[_DenseRows | NeedTable] = []
+    layouts: dict = {}  # what parameters of one shape and sharding share: worked out once per call
     for i, d in enumerate(descs):
-        ranks, boxes = param_boxes(d, world_size)
         if d.expert is None:
-            parts.append(_dense_rows(i, d, index, ranks, boxes, dequantize))
+            parts.append(_dense_rows(i, d, index, _layout(d, world_size, layouts), dequantize))
         else:
-            parts.append(_expert_table(i, d, index, placement, ranks, boxes, dequantize,
-                                       None if _experts_whole else keep_ranks))
+            parts.append(_expert_table(i, d, index, placement, world_size, dequantize,
+                                       None if _experts_whole else keep_ranks, layouts))
     try:
         table = NeedTable.concat(parts, keep_ranks, lambda keys: index.key_columns(keys)[0])
     except SharedKeysLeftOut:  # tied expert tensors (rare): build every row, concat leaves them out
@@ -676,10 +712,47 @@ class _DenseRows(NamedTuple):
             table.alone[rows] = self.alone
 
 
-def _dense_rows(i: int, d: ParamDesc, index: CheckpointIndex, ranks: np.ndarray, boxes: np.ndarray,
-                dequantize: bool = False) -> _DenseRows:
-    """The rows of dense parameter number ``i`` (checked against the checkpoint): one per rank
-    in ``ranks`` (``int64[M]``) whose box (``int64[M, ndim, 2]``) is not empty."""
+class _Layout(NamedTuple):
+    """What the parameters of one shape and sharding share (:func:`param_boxes` and what
+    follows from it): ``ranks`` (``int64[M]``) and ``boxes`` (``int64[M, ndim, 2]``) in mesh
+    order, ``keep`` (``bool[M]``: the box is not empty; None: none is), ``num`` non-empty boxes,
+    and whether the holders' boxes are ``disjoint`` (:func:`_disjoint`)."""
+
+    ranks: np.ndarray
+    boxes: np.ndarray
+    keep: np.ndarray | None
+    num: int
+    disjoint: bool
+
+
+def _cached(cache: dict, key: tuple, make: Callable):
+    """``cache[key]``, made by ``make()`` on first use (always made where ``key`` is not
+    hashable: a placement of another library's)."""
+    try:
+        hit = cache.get(key)
+    except TypeError:
+        return make()
+    if hit is None:
+        hit = cache[key] = make()
+    return hit
+
+
+def _layout(d: ParamDesc, world_size: int, cache: dict) -> _Layout:
+    """:class:`_Layout` of ``d``, from ``cache`` (one :func:`need_table` call's: the descriptions
+    of one model share their mesh arrays)."""
+
+    def make() -> _Layout:
+        ranks, boxes = param_boxes(d, world_size)
+        keep = (boxes[:, :, 1] > 0).all(axis=1)
+        num = int(keep.sum())
+        return _Layout(ranks, boxes, None if num == len(keep) else keep, num, _disjoint(d, len(ranks)))
+
+    return _cached(cache, (d.shape, None if d.mesh is None else id(d.mesh), d.placements), make)
+
+
+def _dense_rows(i: int, d: ParamDesc, index: CheckpointIndex, layout: _Layout, dequantize: bool = False) -> _DenseRows:
+    """The rows of dense parameter number ``i`` (checked against the checkpoint): one per
+    non-empty box of its ``layout``."""
 
     key = _find_key(d, index)
     info = index.info(key)
@@ -689,9 +762,7 @@ def _dense_rows(i: int, d: ParamDesc, index: CheckpointIndex, ranks: np.ndarray,
             f"parameter {d.name}: checkpoint tensor {key!r} has shape {list(info.shape)}, "
             f"the model expects {list(d.shape)}"
         )
-    keep = (boxes[:, :, 1] > 0).all(axis=1)
-    num = int(keep.sum())
-    return _DenseRows(i, key, ranks, boxes, None if num == len(keep) else keep, num, _disjoint(d, len(ranks)))
+    return _DenseRows(i, key, layout.ranks, layout.boxes, layout.keep, layout.num, layout.disjoint)
 
 
 def _disjoint(d: ParamDesc, num_holders: int) -> bool:
@@ -794,86 +865,134 @@ def _expert_table(
     d: ParamDesc,
     index: CheckpointIndex,
     placement: Placement | None,
-    ranks: np.ndarray,
-    boxes: np.ndarray,
+    world_size: int,
     dequantize: bool = False,
     keep_ranks: np.ndarray | None = None,
+    cache: dict | None = None,
 ) -> NeedTable:
-    """The rows of expert parameter number ``i``: for each rank in ``ranks`` (``int64[M]``)
-    with a non-empty box (``int64[M, ndim, 2]``, dim 0 = slots), each slot of its box holding
-    a logical expert, each checkpoint part of that expert the box overlaps.
+    """The rows of expert parameter number ``i``: for each rank holding a non-empty box of it
+    (dim 0 = slots), each slot of its box holding a logical expert, each checkpoint part of
+    that expert the box overlaps.
 
     ``keep_ranks`` (:func:`need_table`'s): the alone rows of the other ranks are not built but
     counted (``omitted_bytes``, ``full``), where there are many (``_UNBUILT_ABOVE``) and every
     part of every held expert has one item size (a slot's box then weighs its elements times
-    that size); else they are built, for :meth:`NeedTable.concat` to leave out."""
+    that size); else they are built, for :meth:`NeedTable.concat` to leave out.
+
+    ``cache`` (one :func:`need_table` call's): the rows of parameters of one layout, placement
+    row and part sizes differ only in their keys (every MoE layer of a model alike), so they are
+    worked out once; each parameter's keys are still checked against the checkpoint."""
 
     ref = d.expert
     assert ref is not None
-    slice_shape = d.shape[1:]
+    cache = {} if cache is None else cache
     phy2log, num_logical = _slot_experts(d, placement)
-    if d.mesh is not None and placement is not None and placement.num_ranks is not None:
-        _check_spans(d, boxes, d.shape[0] // placement.num_ranks)
+    spans = d.shape[0] // placement.num_ranks \
+        if d.mesh is not None and placement is not None and placement.num_ranks is not None else None
+    where = (d.shape, None if d.mesh is None else id(d.mesh), d.placements, phy2log.tobytes(), num_logical, spans)
+    slots = _cached(cache, ("slots", *where), lambda: _held_slots(d, _layout(d, world_size, cache), phy2log,
+                                                                     num_logical, spans))
     if ref.param.fused:
-        return _fused_rows(i, d, index, phy2log, num_logical, ranks, boxes, dequantize)
-    part_sizes = _part_sizes(d, index, 0, slice_shape, dequantize)  # expert 0's: every expert must agree
+        return _fused_rows(i, d, index, phy2log, num_logical, slots, dequantize)
+    part_sizes = _part_sizes(d, index, 0, d.shape[1:], dequantize)  # expert 0's: every expert must agree
     extra = ref.param.keys(ref.module, num_logical)
     if extra[0] in index:
         raise ValueError(
             f"parameter {d.name}: the checkpoint has expert {num_logical} ({extra[0]!r}) but the "
             f"placement has only {num_logical} logical experts"
         )
-    disjoint = _disjoint(d, len(ranks))
-    ranks, boxes, owner, slot, expert = _held_slots(ranks, boxes, phy2log)
-    held = np.flatnonzero(np.bincount(expert, minlength=num_logical))  # the experts some slot holds
-    keys = _held_expert_keys(d, index, held.tolist(), part_sizes, dequantize)
-    # A slot's boxes are another rank's too only if its expert has several slots (or a mesh
-    # dim replicates the parameter): the boxes of one slot are disjoint.
-    copies = np.bincount(phy2log[phy2log >= 0], minlength=num_logical)
-    omitted = None
-    if keep_ranks is not None and len(owner) > _UNBUILT_ABOVE:
-        drop = (copies[expert] == 1) & disjoint & ~keep_ranks[ranks[owner]]
+    keys = _held_expert_keys(d, index, slots.held.tolist(), part_sizes, dequantize)
+    unit = None  # the one item size of the keys, where other ranks' alone rows go unbuilt
+    if keep_ranks is not None and len(slots.owner) > _UNBUILT_ABOVE:
         itemsize = index.key_columns(keys)[0]
-        if drop.any() and (itemsize == itemsize[0]).all():
+        if (itemsize == itemsize[0]).all():
+            unit = int(itemsize[0])
+    rows = _cached(cache, ("rows", *where, part_sizes, ref.param.dim, unit),
+                   lambda: _expert_rows(slots, part_sizes, ref.param.dim, len(keys), keep_ranks, unit))
+    return dataclasses.replace(rows, keys=tuple(keys), param=np.full(len(rows), i, np.int32))
+
+
+class _HeldSlots(NamedTuple):
+    """The (box, slot) pairs of an expert parameter's layout that hold a logical expert:
+    ``ranks`` (``int64[M']``) and ``boxes`` (``int64[M', ndim, 2]``) the non-empty boxes, then
+    per pair (box order, then slot order) the box's index ``owner``, the global ``slot`` and
+    its logical ``expert``; ``held``: the logical experts some slot holds (ascending);
+    ``copies``: ``int64[num_logical]`` slots per logical expert; ``disjoint``: the layout's."""
+
+    ranks: np.ndarray
+    boxes: np.ndarray
+    owner: np.ndarray
+    slot: np.ndarray
+    expert: np.ndarray
+    held: np.ndarray
+    copies: np.ndarray
+    disjoint: bool
+
+
+def _expert_rows(slots: _HeldSlots, part_sizes: tuple[int, ...], dim: int, num_keys: int,
+                 keep_ranks: np.ndarray | None, unit: int | None) -> NeedTable:
+    """:func:`_expert_table`'s rows for ``slots`` and checkpoint parts of ``part_sizes`` along
+    ``dim``, the keys still unnamed (``num_keys`` of them: part by part, then held expert) and
+    ``param`` unset; read-only (parameters of one layout share them). ``unit``: the item size
+    where the alone rows of ranks not in ``keep_ranks`` go unbuilt, else None."""
+    ranks, boxes, owner, slot, expert = slots.ranks, slots.boxes, slots.owner, slots.slot, slots.expert
+    omitted = None
+    if unit is not None:
+        assert keep_ranks is not None
+        drop = (slots.copies[expert] == 1) & slots.disjoint & ~keep_ranks[ranks[owner]]
+        if drop.any():
             numel = row_prod(boxes[owner[drop], 1:, 1])  # the parts a box overlaps tile it
-            omitted = np.bincount(ranks[owner[drop]], weights=numel * itemsize[0],
+            omitted = np.bincount(ranks[owner[drop]], weights=numel * unit,
                                   minlength=len(keep_ranks)).astype(np.int64)
             owner, slot, expert = owner[~drop], slot[~drop], expert[~drop]
     # The parts a box overlaps depend only on its slice dims: computed once per distinct tail.
     used = np.unique(owner)
     tails, tail_of_used = unique_rows(boxes[used, 1:, :].reshape(len(used), 2 * (boxes.shape[1] - 1)))
-    parts = _part_rows(tails.reshape(len(tails), boxes.shape[1] - 1, 2), part_sizes, ref.param.dim)
-    first, count, part, src_off, src_len, dst_off = parts
+    first, count, part, src_off, src_len, dst_off = _part_rows(tails.reshape(len(tails), boxes.shape[1] - 1, 2),
+                                                               part_sizes, dim)
     tail = tail_of_used[np.searchsorted(used, owner)]
     row, prow = expand_runs(first[tail], count[tail])
     # Keys are part by part. Each is used (but for experts whose rows were left out): the
     # boxes of a held slot tile its slice, so they overlap every part.
-    key = part[prow] * len(held) + np.searchsorted(held, expert[row])
+    key = part[prow] * len(slots.held) + np.searchsorted(slots.held, expert[row])
     num = len(row)
-    alone = (copies[expert[row]] == 1) & disjoint
-    return NeedTable(
-        keys=tuple(keys), ndim=np.full(len(keys), len(slice_shape), np.int8), rank=ranks[owner[row]].astype(np.int32),
-        param=np.full(num, i, np.int32), key=key.astype(np.int32), slot=slot[row] - boxes[owner[row], 0, 0],
-        src_off=src_off[prow], src_len=src_len[prow], dst_off=dst_off[prow], alone=alone,
+    columns = dict(
+        ndim=np.full(num_keys, boxes.shape[1] - 1, np.int8), rank=ranks[owner[row]].astype(np.int32),
+        param=np.zeros(num, np.int32), key=key.astype(np.int32), slot=slot[row] - boxes[owner[row], 0, 0],
+        src_off=src_off[prow], src_len=src_len[prow], dst_off=dst_off[prow],
+        alone=(slots.copies[expert[row]] == 1) & slots.disjoint,
         full=None if omitted is None else np.asarray(keep_ranks, dtype=bool), omitted_bytes=omitted,
     )
+    for a in columns.values():
+        if a is not None:
+            a.setflags(write=False)
+    return NeedTable(keys=("",) * num_keys, **columns)
 
 
-def _held_slots(ranks: np.ndarray, boxes: np.ndarray, phy2log: np.ndarray) -> tuple[np.ndarray, ...]:
-    """``(ranks, boxes, owner, slot, expert)``: the non-empty boxes (``int64[M, ndim, 2]``, dim 0 =
-    slots) and their ranks, then one row per (box, slot) holding an expert, in box order then
-    slot order: the box's index, the global slot, its logical expert."""
-    keep = (boxes[:, :, 1] > 0).all(axis=1)
-    ranks, boxes = ranks[keep], boxes[keep]
+def _held_slots(d: ParamDesc, layout: _Layout, phy2log: np.ndarray, num_logical: int,
+                spans: int | None) -> _HeldSlots:
+    """:class:`_HeldSlots` of expert parameter ``d`` of ``layout`` (its slot ``p`` holds logical
+    expert ``phy2log[p]``, -1 for none). ``spans``: the slots of one EP rank, where a box must
+    not cover two ranks' (ValueError)."""
+    ranks, boxes = layout.ranks, layout.boxes
+    if layout.keep is not None:
+        ranks, boxes = ranks[layout.keep], boxes[layout.keep]
+    if spans is not None:
+        _check_spans(d, boxes, spans)
     owner, slot = expand_runs(boxes[:, 0, 0], boxes[:, 0, 1])
     expert = phy2log[slot]
     live = expert >= 0  # -1: an empty slot (dead or not-yet-joined rank), nothing to load
-    return ranks, boxes, owner[live], slot[live], expert[live]
+    owner, slot, expert = owner[live], slot[live], expert[live]
+    held = np.flatnonzero(np.bincount(expert, minlength=num_logical))
+    # A slot's boxes are another rank's too only if its expert has several slots (or a mesh
+    # dim replicates the parameter): the boxes of one slot are disjoint.
+    copies = np.bincount(phy2log[phy2log >= 0], minlength=num_logical)
+    return _HeldSlots(ranks, boxes, owner, slot, expert, held, copies, layout.disjoint)
 
 
 def _fused_rows(
-    i: int, d: ParamDesc, index: CheckpointIndex, phy2log: np.ndarray, num_logical: int,
-    ranks: np.ndarray, boxes: np.ndarray, dequantize: bool = False,
+    i: int, d: ParamDesc, index: CheckpointIndex, phy2log: np.ndarray, num_logical: int, slots: _HeldSlots,
+    dequantize: bool = False,
 ) -> NeedTable:
     """:func:`_expert_table`'s rows for an expert parameter fused on disk: one checkpoint tensor
     ``[num_logical, *slice_shape]``, row ``e`` logical expert ``e``. A rank's run of local slots
@@ -886,8 +1005,7 @@ def _fused_rows(
             f"parameter {d.name}: checkpoint tensor {key!r} (every expert fused on disk) has shape {shape}, "
             f"the model expects {want} ({num_logical} logical experts of slice {want[1:]})"
         )
-    disjoint = _disjoint(d, len(ranks))
-    ranks, boxes, owner, slot, expert = _held_slots(ranks, boxes, phy2log)
+    ranks, boxes, owner, slot, expert = slots.ranks, slots.boxes, slots.owner, slots.slot, slots.expert
     # Runs: the same rank, the next slot, the next expert.
     start = np.ones(len(slot), dtype=bool)
     start[1:] = (owner[1:] != owner[:-1]) | (slot[1:] != slot[:-1] + 1) | (expert[1:] != expert[:-1] + 1)
@@ -901,8 +1019,7 @@ def _fused_rows(
     dst_off = np.zeros((num, ndim), np.int64)
     dst_off[:, 0] = slot - boxes[owner, 0, 0]
     # Runs of different ranks share a box only where an expert has several slots.
-    live = phy2log[phy2log >= 0]
-    alone = disjoint and len(np.unique(live)) == len(live)
+    alone = slots.disjoint and bool((slots.copies <= 1).all())
     return NeedTable(
         keys=(key,), ndim=np.full(1, ndim, np.int8), rank=ranks[owner].astype(np.int32),
         param=np.full(num, i, np.int32), key=np.zeros(num, np.int32), slot=np.full(num, -1, np.int64),
@@ -932,14 +1049,10 @@ def _held_expert_keys(d: ParamDesc, index: CheckpointIndex, held: Sequence[int],
     keys = _keys_of_experts(ref, held)
     # An expert whose parts have expert 0's dtypes and shapes passes every check expert 0
     # passed; only the others go through the full check, for its error message.
-    suspect: set[int] = set()
-    for j, key0 in enumerate(ref.param.keys(ref.module, 0)):
-        want = index.info(key0)
-        for e, key in zip(held, keys[j * len(held):(j + 1) * len(held)]):
-            t = index.tensors.get(key)
-            if t is None or t.dtype != want.dtype or t.shape != want.shape:
-                suspect.add(e)
-    for e in sorted(suspect):
+    kinds = index.key_kinds(keys).reshape(len(ref.param.parts), len(held))
+    want = index.key_kinds(ref.param.keys(ref.module, 0))
+    suspect = np.asarray(held, dtype=np.int64)[(kinds != want[:, None]).any(axis=0)]
+    for e in suspect.tolist():
         if _part_sizes(d, index, e, d.shape[1:], dequantize) != part_sizes:
             raise ValueError(
                 f"parameter {d.name}: checkpoint tensors {list(ref.param.keys(ref.module, e))} of "

@@ -120,16 +120,23 @@ class NeedTable:
         of the other ranks are left out, counted per rank in ``omitted_bytes`` (``itemsize``:
         a function from a part's keys to their item sizes, ``int64``)."""
         keys: dict[str, int] = {}
-        ndims: list[int] = []
+        ids = []
         for t in parts:
-            for k, nd in zip(t.keys, t.ndim.tolist()):
-                if k not in keys:
-                    keys[k] = len(keys)
-                    ndims.append(nd)
+            # A key's number: the next one where it is first seen. Most parts bring only new keys
+            # (numbered at C speed); a part's own keys are distinct.
+            n0, tk = len(keys), t.keys
+            if keys.keys().isdisjoint(tk):
+                keys.update(zip(tk, range(n0, n0 + len(tk))))
+                assert len(keys) == n0 + len(tk), "a part's keys are distinct"
+                ids.append(np.arange(n0, len(keys), dtype=np.int32))
+            else:  # len(keys) is taken before setdefault
+                ids.append(np.asarray([keys.setdefault(k, len(keys)) for k in tk], dtype=np.int32))
+        all_ids = np.concatenate(ids) if ids else np.zeros(0, np.int32)
+        ndims = np.zeros(len(keys), dtype=np.int8)
+        ndims[all_ids[::-1]] = np.concatenate([t.ndim for t in parts])[::-1] if parts else []  # a key's rank is its tensor's
         hint = all(t.alone is not None for t in parts)
-        ids = [np.asarray([keys[k] for k in t.keys], dtype=np.int32) for t in parts]
         # Two parameters reading one key (tied weights): their rows may coincide.
-        readers_of_key = np.bincount(np.concatenate(ids), minlength=len(keys)) if ids else np.zeros(0, np.int64)
+        readers_of_key = np.bincount(all_ids, minlength=len(keys))
         full = None if keep_ranks is None else np.asarray(keep_ranks, dtype=bool)
         if full is not None and not hint:
             raise ValueError("rows can be left out only where the layout marks them alone")
@@ -150,7 +157,7 @@ class NeedTable:
             parts, left_out = _leave_out(parts, ids, readers_of_key, full, itemsize)
             omitted += left_out
         width = max((t.width for t in parts), default=0)
-        table = NeedTable.allocate(tuple(keys), np.asarray(ndims, dtype=np.int8), sum(len(t) for t in parts), width,
+        table = NeedTable.allocate(tuple(keys), ndims, sum(len(t) for t in parts), width,
                                    alone=hint)
         pos = 0
         for t, kid in zip(parts, ids):
