@@ -40,6 +40,7 @@ import itertools
 import json
 import math
 import mmap
+import operator
 import os
 import re
 import reprlib
@@ -169,7 +170,7 @@ class CheckpointIndex:
         in file order (files by name, then byte offset) among all the checkpoint's tensors.
         CheckpointError for a key it lacks. Cost: a dict lookup per key (the columns of all
         tensors are built once per index)."""
-        position, itemsize, order, _ = self._columns
+        position, itemsize, order = self._columns
         try:
             at = np.fromiter(map(position.__getitem__, keys), dtype=np.int64, count=len(keys))
         except KeyError as e:
@@ -181,9 +182,9 @@ class CheckpointIndex:
         """``int64[len(keys)]``: a number per key, equal for tensors of one dtype and shape, -1
         for a key the checkpoint lacks (what tells, in one pass, which of many tensors differ
         from one they should match). Cost: a dict lookup per key."""
-        position, _, _, kind = self._columns
+        position = self._columns[0]
         at = np.fromiter(map(position.get, keys, itertools.repeat(-1)), dtype=np.int64, count=len(keys))
-        return np.where(at >= 0, kind[at], -1)
+        return np.where(at >= 0, self._kinds[at], -1)
 
     @functools.cached_property
     def dtypes(self) -> frozenset[str]:
@@ -192,18 +193,28 @@ class CheckpointIndex:
         return frozenset(t.dtype for t in self.tensors.values())
 
     @functools.cached_property
-    def _columns(self) -> tuple[dict[str, int], np.ndarray, np.ndarray, np.ndarray]:
+    def _columns(self) -> tuple[dict[str, int], np.ndarray, np.ndarray]:
+        # Built on every rank for every load (the index is fresh each time): map() over the
+        # infos, not a Python loop per tensor.
         infos = list(self.tensors.values())
-        files = {f: i for i, f in enumerate(sorted({t.file for t in infos}))}
-        file_no = np.fromiter((files[t.file] for t in infos), dtype=np.int64, count=len(infos))
-        offset = np.fromiter((t.offset for t in infos), dtype=np.int64, count=len(infos))
-        order = np.empty(len(infos), dtype=np.int64)
-        order[np.lexsort((offset, file_no))] = np.arange(len(infos))
-        itemsize = np.fromiter((_ITEMSIZE[t.dtype] for t in infos), dtype=np.int64, count=len(infos))
+        n = len(infos)
+        dtypes = list(map(operator.attrgetter("dtype"), infos))
+        file_names = list(map(operator.attrgetter("file"), infos))
+        files = {f: i for i, f in enumerate(sorted(set(file_names)))}
+        file_no = np.fromiter(map(files.__getitem__, file_names), dtype=np.int64, count=n)
+        offset = np.fromiter(map(operator.attrgetter("offset"), infos), dtype=np.int64, count=n)
+        order = np.empty(n, dtype=np.int64)
+        order[np.lexsort((offset, file_no))] = np.arange(n)
+        itemsize = np.fromiter(map(_ITEMSIZE.__getitem__, dtypes), dtype=np.int64, count=n)
+        return dict(zip(self.tensors, range(n))), itemsize, order
+
+    @functools.cached_property
+    def _kinds(self) -> np.ndarray:
+        # A tensor's kind: the position of the first tensor of its dtype and shape.
+        infos = self.tensors.values()
         kinds: dict[tuple, int] = {}
-        kind = np.fromiter((kinds.setdefault((t.dtype, tuple(t.shape)), len(kinds)) for t in infos), dtype=np.int64,
-                           count=len(infos))
-        return {k: i for i, k in enumerate(self.tensors)}, itemsize, order, kind
+        pairs = zip(map(operator.attrgetter("dtype"), infos), map(operator.attrgetter("shape"), infos))
+        return np.fromiter(map(kinds.setdefault, pairs, itertools.count()), dtype=np.int64, count=len(self.tensors))
 
     def __reduce__(self):
         # One rank reads the headers and sends them to every rank (moeshard.load): pickled as
