@@ -121,6 +121,11 @@ class _Tree(NamedTuple):
     buffers: list[tuple[str, torch.Tensor]]
     peft: bool
 
+    @property
+    def base(self) -> Callable[[str], str]:
+        """``name -> name in the base model`` (:func:`base_names`)."""
+        return _strip_peft if self.peft else _same_name
+
 
 def _walk(model: nn.Module) -> _Tree:
     # torch's named_modules / named_parameters / named_buffers each walk the tree again (a
@@ -135,7 +140,7 @@ def _walk(model: nn.Module) -> _Tree:
             continue
         seen.add(id(mod))
         modules.append((name, mod))
-        peft = peft or (hasattr(mod, "base_layer") and hasattr(mod, "lora_A"))
+        peft = peft or _wraps_lora(mod)
         listed: set[int] = set()
         for k, b in mod._buffers.items():
             if b is not None and id(b) not in listed and k not in mod._non_persistent_buffers_set:
@@ -144,8 +149,16 @@ def _walk(model: nn.Module) -> _Tree:
     return _Tree(modules, params, buffers, peft)
 
 
+def _wraps_lora(mod: nn.Module) -> bool:
+    return hasattr(mod, "base_layer") and hasattr(mod, "lora_A")
+
+
 def _is_peft(model: nn.Module) -> bool:
-    return any(hasattr(m, "base_layer") and hasattr(m, "lora_A") for m in model.modules())
+    return any(map(_wraps_lora, model.modules()))
+
+
+def _same_name(name: str) -> str:
+    return name
 
 
 def _strip_peft(name: str) -> str:
@@ -156,7 +169,7 @@ def _strip_peft(name: str) -> str:
 def base_names(model: nn.Module):
     """``name -> name in the base model``: identity, or for a peft model the name without
     peft's ``base_model.model.`` prefix and ``.base_layer`` segments."""
-    return _strip_peft if _is_peft(model) else (lambda name: name)
+    return _strip_peft if _is_peft(model) else _same_name
 
 
 def is_adapter_param(name: str) -> bool:
@@ -169,7 +182,7 @@ def expert_layers(model: nn.Module, specs: Sequence[ExpertsSpec] = DEFAULT_SPECS
     model the experts module is the innermost one (under its ``ParamWrapper`` chain)."""
     out = []
     tree = _walk(model)
-    base = _strip_peft if tree.peft else (lambda name: name)
+    base = tree.base
     for name, mod in tree.modules:
         names = {n for n, p in mod._parameters.items() if p is not None}
         for spec in specs if names else ():  # an experts module has parameters
@@ -286,7 +299,7 @@ def describe_model(
     else:
         ordered, renamed = specs_for(model, specs)
     tree = _walk(model)
-    base = _strip_peft if tree.peft else (lambda name: name)
+    base = tree.base
     experts: dict[str, tuple[int, ExpertsSpec, dict[str, str]]] = {}
     layer = 0
     for name, mod in tree.modules:
@@ -369,7 +382,7 @@ def tensor_names(model: nn.Module) -> list[tuple[str, ...]]:
     """The names of each parameter and persistent buffer of ``model`` (tied names together),
     as the base model's checkpoint names them (a peft model's adapters left out)."""
     tree = _walk(model)
-    base = _strip_peft if tree.peft else (lambda name: name)
+    base = tree.base
     aliases, _ = _aliases(tree)
     return [tuple(dict.fromkeys(base(n) for n in names)) for names in aliases.values()]
 
@@ -642,22 +655,45 @@ def compute_needs(
     return need_table(descs, index, placement, world_size).to_needs()
 
 
-class _DenseRows(NamedTuple):
-    """The rows of dense parameter number ``param`` until :meth:`NeedTable.concat` writes them:
-    one per rank in ``ranks`` (``int64[M]``) whose box (``boxes``: ``int64[M, ndim, 2]``) is
-    not empty (``keep``: ``bool[M]``, None for all), placed at the local tensor's origin.
-    ``ranks`` and ``boxes`` are the cached arrays of the parameter's layout, not copies."""
+class _Layout(NamedTuple):
+    """What the parameters of one shape and sharding share (:func:`param_boxes` and what
+    follows from it): ``ranks`` (``int64[M]``) and ``boxes`` (``int64[M, ndim, 2]``) in mesh
+    order, ``keep`` (``bool[M]``: the box is not empty; None: none is), ``num`` non-empty boxes,
+    and whether the holders' boxes are ``disjoint`` (:func:`_disjoint`)."""
 
-    param: int
-    key_name: str
     ranks: np.ndarray
     boxes: np.ndarray
     keep: np.ndarray | None
     num: int
-    alone: bool
+    disjoint: bool
+
+
+class _DenseRows(NamedTuple):
+    """The rows of dense parameter number ``param`` until :meth:`NeedTable.concat` writes them:
+    one per box of its ``shared`` layout (the :class:`_Layout` the parameters of its shape and
+    sharding share, not a copy) that ``keep`` keeps (``bool[M]``, None for all; ``num`` of
+    them), placed at the local tensor's origin."""
+
+    param: int
+    key_name: str
+    shared: _Layout
+    keep: np.ndarray | None
+    num: int
 
     def __len__(self) -> int:
         return self.num
+
+    @property
+    def ranks(self) -> np.ndarray:
+        return self.shared.ranks
+
+    @property
+    def boxes(self) -> np.ndarray:
+        return self.shared.boxes
+
+    @property
+    def alone(self) -> bool:
+        return self.shared.disjoint
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -675,11 +711,10 @@ class _DenseRows(NamedTuple):
         return (self.ranks, self.boxes) if self.keep is None else (self.ranks[self.keep], self.boxes[self.keep])
 
     @property
-    def layout(self) -> tuple:
-        """Equal for parameters of one layout (their rows' ranks and boxes are views of the same
-        cached arrays; which boxes are empty follows from them)."""
-        return (self.ranks.__array_interface__["data"][0], self.ranks.shape, self.ranks.strides,
-                self.boxes.__array_interface__["data"][0], self.boxes.shape)
+    def layout(self) -> int:
+        """Equal for parameters of one layout (one :func:`need_table` call's :class:`_Layout`,
+        alive while it runs; which boxes are empty follows from it)."""
+        return id(self.shared)
 
     def row_ranks(self) -> np.ndarray:
         return self.ranks if self.keep is None else self.ranks[self.keep]
@@ -696,7 +731,7 @@ class _DenseRows(NamedTuple):
         keep = np.zeros(len(self.ranks), dtype=bool)
         keep[np.flatnonzero(self.keep) if self.keep is not None else slice(None)] = mask
         # Not _replace: it checks the fields' count with len(), which is the rows' here.
-        return _DenseRows(self.param, self.key_name, self.ranks, self.boxes, keep, int(keep.sum()), self.alone)
+        return _DenseRows(self.param, self.key_name, self.shared, keep, int(keep.sum()))
 
     def fill(self, table: NeedTable, rows: slice, key_ids: np.ndarray) -> None:
         ranks, boxes = self._rows()
@@ -710,19 +745,6 @@ class _DenseRows(NamedTuple):
         table.dst_off[rows, :d] = 0
         if table.alone is not None:
             table.alone[rows] = self.alone
-
-
-class _Layout(NamedTuple):
-    """What the parameters of one shape and sharding share (:func:`param_boxes` and what
-    follows from it): ``ranks`` (``int64[M]``) and ``boxes`` (``int64[M, ndim, 2]``) in mesh
-    order, ``keep`` (``bool[M]``: the box is not empty; None: none is), ``num`` non-empty boxes,
-    and whether the holders' boxes are ``disjoint`` (:func:`_disjoint`)."""
-
-    ranks: np.ndarray
-    boxes: np.ndarray
-    keep: np.ndarray | None
-    num: int
-    disjoint: bool
 
 
 def _cached(cache: dict, key: tuple, make: Callable):
@@ -747,7 +769,12 @@ def _layout(d: ParamDesc, world_size: int, cache: dict) -> _Layout:
         num = int(keep.sum())
         return _Layout(ranks, boxes, None if num == len(keep) else keep, num, _disjoint(d, len(ranks)))
 
-    return _cached(cache, (d.shape, None if d.mesh is None else id(d.mesh), d.placements), make)
+    return _cached(cache, _layout_key(d), make)
+
+
+def _layout_key(d: ParamDesc) -> tuple:
+    """What :class:`_Layout` is a function of (with the world size, one per call)."""
+    return d.shape, None if d.mesh is None else id(d.mesh), d.placements
 
 
 def _dense_rows(i: int, d: ParamDesc, index: CheckpointIndex, layout: _Layout, dequantize: bool = False) -> _DenseRows:
@@ -762,7 +789,7 @@ def _dense_rows(i: int, d: ParamDesc, index: CheckpointIndex, layout: _Layout, d
             f"parameter {d.name}: checkpoint tensor {key!r} has shape {list(info.shape)}, "
             f"the model expects {list(d.shape)}"
         )
-    return _DenseRows(i, key, layout.ranks, layout.boxes, layout.keep, layout.num, layout.disjoint)
+    return _DenseRows(i, key, layout, layout.keep, layout.num)
 
 
 def _disjoint(d: ParamDesc, num_holders: int) -> bool:
@@ -866,9 +893,9 @@ def _expert_table(
     index: CheckpointIndex,
     placement: Placement | None,
     world_size: int,
-    dequantize: bool = False,
-    keep_ranks: np.ndarray | None = None,
-    cache: dict | None = None,
+    dequantize: bool,
+    keep_ranks: np.ndarray | None,
+    cache: dict,
 ) -> NeedTable:
     """The rows of expert parameter number ``i``: for each rank holding a non-empty box of it
     (dim 0 = slots), each slot of its box holding a logical expert, each checkpoint part of
@@ -885,11 +912,10 @@ def _expert_table(
 
     ref = d.expert
     assert ref is not None
-    cache = {} if cache is None else cache
     phy2log, num_logical = _slot_experts(d, placement)
     spans = d.shape[0] // placement.num_ranks \
         if d.mesh is not None and placement is not None and placement.num_ranks is not None else None
-    where = (d.shape, None if d.mesh is None else id(d.mesh), d.placements, phy2log.tobytes(), num_logical, spans)
+    where = (*_layout_key(d), phy2log.tobytes(), num_logical, spans)
     slots = _cached(cache, ("slots", *where), lambda: _held_slots(d, _layout(d, world_size, cache), phy2log,
                                                                      num_logical, spans))
     if ref.param.fused:

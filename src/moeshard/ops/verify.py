@@ -192,7 +192,7 @@ def verify(
         fp8 = bool(index.dtypes & FP8_DTYPES)
         descs, needs, plan = plan_load(model, index, placement, topo, readers, "job", DEFAULT_STAGING_BYTES, specs,
                                        True, rank, all_needs=fp8)
-        scales = scale_needs(needs, index, float_params(descs))
+        scales = scale_needs(needs, index, float_params(descs)) if fp8 else None
         also = scales.table.keys if scales is not None else ()
         return descs, plan, checked_unused_keys(model, descs, index, placement, strict, "moeshard.verify", also)
 
