@@ -4,6 +4,7 @@ storage mode from one cut of the needs gives the plans and lower bounds the need
 
 from __future__ import annotations
 
+import dataclasses
 import numpy as np
 import pytest
 from test_plan import build_case
@@ -12,7 +13,7 @@ from moeshard.io.sources import storage_sources
 from moeshard.models.layout import need_table
 from moeshard.plan import Pieces, cut_pieces, minimal_cost, plan_transfers
 from moeshard.plan.arrays import dense_rank, group_rows, lex_order, pack_rows, unique_rows
-from moeshard.plan.load import _peak
+from moeshard.plan.load import _no_transfers, _peak, _plan
 from moeshard.topology import Topology
 
 
@@ -177,6 +178,30 @@ def test_a_schedule_planned_for_one_rank_has_that_ranks_rows_of_the_whole_jobs(w
     rows = table.to_needs()
     got = plan_transfers(rows, case.index, topo, np.ones(world, bool), rank=1)
     assert _rank_rows(got, 1) == _rank_rows(plan_transfers(rows, case.index, topo, np.ones(world, bool)), 1)
+
+
+@pytest.mark.parametrize("world, lws, scope", [(8, 4, "job"), (8, 4, "node"), (6, 3, "job"), (1, 1, "job")])
+def test_a_plan_without_transfers_is_the_planners_plan_of_no_pieces(world, lws, scope):
+    """The shortcut a rank takes when all its needs are local reads is what the planner makes
+    of no pieces: every array (values, dtypes, shapes), the counters and the fingerprint."""
+    case = build_case(world, lws, world, 1, seed=5, num_logical=2 * world, dense=("shard",))
+    table = need_table(case.descs, case.index, case.placement, world)
+    topo = Topology(world, lws)
+    for staging, max_ops in ((1 << 20, 64), (60, 2)):
+        slow = _plan(cut_pieces(table.take(np.zeros(len(table), bool)), case.index, staging), topo,
+                     np.ones(world, bool), scope, staging, max_ops, base_load=np.arange(world, dtype=np.int64))
+        fast = _no_transfers(table, topo, staging, max_ops)
+        for f in dataclasses.fields(slow):
+            a, b = getattr(slow, f.name), getattr(fast, f.name)
+            if isinstance(a, np.ndarray):
+                assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), f.name
+            elif f.name == "cost":
+                for g in dataclasses.fields(a):
+                    x, y = getattr(a, g.name), getattr(b, g.name)
+                    assert (np.array_equal(x, y) and x.dtype == y.dtype) if isinstance(x, np.ndarray) else x == y, g.name
+            else:
+                assert a == b, f.name
+        assert fast.fingerprint == slow.fingerprint
 
 
 def test_alone_rows_are_those_no_other_rank_shares():

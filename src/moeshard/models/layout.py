@@ -935,7 +935,43 @@ def _expert_table(
             unit = int(itemsize[0])
     rows = _cached(cache, ("rows", *where, part_sizes, ref.param.dim, unit),
                    lambda: _expert_rows(slots, part_sizes, ref.param.dim, len(keys), keep_ranks, unit))
-    return dataclasses.replace(rows, keys=tuple(keys), param=np.full(len(rows), i, np.int32))
+    return _ExpertRows(i, tuple(keys), rows)
+
+
+class _ExpertRows(NamedTuple):
+    """The rows of expert parameter number ``param`` until :meth:`NeedTable.concat` writes
+    them: the read-only ``rows`` of its layout (:func:`_expert_rows`, shared by the parameters
+    of one layout, placement row and part sizes), named by its own checkpoint ``keys``."""
+
+    param: int
+    keys: tuple[str, ...]
+    rows: NeedTable
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    ndim = property(lambda self: self.rows.ndim)
+    alone = property(lambda self: self.rows.alone)
+    width = property(lambda self: self.rows.width)
+    full = property(lambda self: self.rows.full)
+    omitted_bytes = property(lambda self: self.rows.omitted_bytes)
+    layout = None  # rows left out by key and rank, not by layout
+
+    def row_ranks(self) -> np.ndarray:
+        return self.rows.rank
+
+    def row_keys(self) -> np.ndarray:
+        return self.rows.key
+
+    def row_numel(self) -> np.ndarray:
+        return self.rows.row_numel()
+
+    def select(self, mask: np.ndarray) -> "_ExpertRows":
+        return _ExpertRows(self.param, self.keys, self.rows.take(mask))
+
+    def fill(self, table: NeedTable, rows: slice, key_ids: np.ndarray) -> None:
+        self.rows.fill(table, rows, key_ids)
+        table.param[rows] = self.param
 
 
 class _HeldSlots(NamedTuple):

@@ -489,14 +489,35 @@ def _plan_rank(table: NeedTable, index: CheckpointIndex, topology: Topology, rea
     del lrows
     if table.omitted_bytes is not None:  # other ranks' alone rows, left out of a table built for this rank
         local_bytes += table.omitted_bytes
-    shared = _plan(cut_pieces(table.take(~local), index, staging_bytes, keys), topology, readers, scope,
-                   staging_bytes, max_ops, base_load=local_bytes)
+    if local.all():  # every need a local read (FSDP-sharded parameters, shared storage): no transfers
+        shared = _no_transfers(table, topology, staging_bytes, max_ops)
+    else:
+        shared = _plan(cut_pieces(table.take(~local), index, staging_bytes, keys), topology, readers, scope,
+                       staging_bytes, max_ops, base_load=local_bytes)
     mine = cut_pieces(table.take(local & (table.rank == rank)), index, staging_bytes, keys)
     h = hashlib.sha256(shared.fingerprint.encode())
     h.update(local_bytes.tobytes())
     # The local reads themselves (two experts swapped between ranks: the same bytes, no transfer).
     h.update(table.digest if table.digest is not None else _table_digest(table))
     return _with_local_reads(shared, mine, rank, local_bytes, h.hexdigest()[:16])
+
+
+def _no_transfers(table: NeedTable, topology: Topology, staging_bytes: int, max_ops: int) -> Schedule:
+    """What :func:`_plan` makes of no pieces (over ``table``'s keys), without its ~100 numpy
+    calls on empty columns: no reads, sends or rounds, zero cost (the same arrays, dtypes and
+    fingerprint, tests/test_pieces.py)."""
+    world, d = topology.world_size, table.width
+    i32, i64 = np.zeros(0, np.int32), np.zeros(0, np.int64)
+    box = np.zeros((0, d), np.int64)
+    zeros = np.zeros(world, np.int64)
+    cost = PlanCost(read_bytes=zeros, sent_bytes=zeros.copy(), recv_bytes=zeros.copy(), peak_staging_bytes=zeros.copy(),
+                    cross_node_bytes=0, num_p2p_ops=0, num_batches=0, num_broadcasts=0)
+    return Schedule(
+        topology=topology.with_rank(0), staging_bytes=staging_bytes, max_ops=max_ops, keys=table.keys,
+        key_ndim=table.ndim, piece_key=i32, piece_off=box, piece_len=box, piece_bytes=i64,
+        read_rank=i32, read_piece=i32, read_round=i64, send_src=i32, send_dst=i32, send_piece=i32, send_round=i64,
+        bcast_node=i32, bcast_root=i32, bcast_piece=i32, bcast_round=i64,
+        dlv_piece=i32, dlv_rank=i32, dlv_param=i32, dlv_slot=i64, dlv_off=box, num_rounds=0, cost=cost)
 
 
 def _table_digest(table: NeedTable) -> bytes:
