@@ -407,3 +407,28 @@ def test_adapter_config_is_checked_after_the_key_checks():
     with pytest.raises(ValueError, match=r"lora_alpha=8 gives scaling 1\.0, the model's adapter 'default' has scaling 2\.0"):
         _check_adapter([], empty, {"r": 8, "lora_alpha": 8}, "adapter", scalings)
     assert _check_adapter([], empty, {"r": 8, "lora_alpha": 16}, "adapter", scalings) == ()
+
+
+def test_one_walk_is_torchs_walks(tmp_path):
+    """describe_model's single walk of the module tree lists what torch's ``named_modules()``,
+    ``named_parameters(remove_duplicate=False)`` and persistent ``named_buffers()`` list, and
+    finds peft's wrappers as ``hasattr`` does: a peft model, a plain one, a shared submodule."""
+    from moeshard.models.layout import _has, _preorder, _walk
+
+    _, _, build = _qwen_with_lora(tmp_path)
+    peft_model = build()
+    shared = torch.nn.Linear(2, 2)
+    tied = torch.nn.Sequential(shared, torch.nn.ReLU(), torch.nn.Sequential(shared, torch.nn.BatchNorm1d(2)))
+    tied.register_module("none", None)
+    for model in (peft_model, peft_model.base_model.model, tied):
+        tree = _walk(model)
+        assert list(_preorder(model)) == list(model.named_modules(remove_duplicate=False))
+        assert tree.modules == list(model.named_modules())
+        assert [(n, id(p)) for n, p in tree.params] == [(n, id(p)) for n, p in
+                                                         model.named_parameters(remove_duplicate=False)]
+        persistent = {n for n, _ in model.state_dict(keep_vars=True).items()}
+        assert [n for n, _ in tree.buffers] == [n for n, _ in model.named_buffers() if n in persistent]
+        for _, mod in tree.modules:
+            for attr in ("base_layer", "lora_A", "weight", "training", "forward", "absent"):
+                assert _has(mod, attr) == hasattr(mod, attr), (type(mod).__name__, attr)
+    assert _walk(peft_model).peft and not _walk(tied).peft

@@ -21,7 +21,7 @@ import functools
 import hashlib
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -133,7 +133,7 @@ def _walk(model: nn.Module) -> _Tree:
     seen: set[int] = set()
     modules, params, buffers = [], [], []
     peft = False
-    for name, mod in model.named_modules(remove_duplicate=False):
+    for name, mod in _preorder(model):
         dot = f"{name}." if name else ""
         params.extend((dot + k, p) for k, p in mod._parameters.items() if p is not None)
         if id(mod) in seen:  # named_modules() lists a shared module (and its subtree) once
@@ -149,8 +149,26 @@ def _walk(model: nn.Module) -> _Tree:
     return _Tree(modules, params, buffers, peft)
 
 
+def _preorder(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``model.named_modules(remove_duplicate=False)``: every module under every name, parents
+    first, children in order; one loop rather than a generator per module and depth."""
+    stack = [("", model)]
+    while stack:
+        name, mod = stack.pop()
+        yield name, mod
+        dot = f"{name}." if name else ""
+        stack.extend(reversed([(dot + k, m) for k, m in mod._modules.items() if m is not None]))
+
+
 def _wraps_lora(mod: nn.Module) -> bool:
-    return hasattr(mod, "base_layer") and hasattr(mod, "lora_A")
+    return _has(mod, "lora_A") and _has(mod, "base_layer")
+
+
+def _has(mod: nn.Module, name: str) -> bool:
+    """``hasattr(mod, name)`` without the AttributeError that ``Module.__getattr__`` raises
+    (and hasattr catches) for a missing name: most modules have neither peft attribute."""
+    return (name in mod._modules or name in mod.__dict__ or name in mod._parameters or name in mod._buffers
+            or hasattr(type(mod), name))
 
 
 def _is_peft(model: nn.Module) -> bool:
@@ -302,9 +320,11 @@ def describe_model(
     base = tree.base
     experts: dict[str, tuple[int, ExpertsSpec, dict[str, str]]] = {}
     layer = 0
+    # A spec matches only a module with its parameters: most modules have no spec's first one.
+    firsts = {s.params[0].name for s in ordered} if all(s.params for s in ordered) else None
     for name, mod in tree.modules:
         own = {n for n, p in mod._parameters.items() if p is not None}
-        if not own:  # an experts module has parameters
+        if not own or (firsts is not None and firsts.isdisjoint(own)):
             continue
         matching = [s for s in ordered if s.matches(base(name), own)]
         if matching:
@@ -1230,8 +1250,11 @@ def ignored_patterns(model: nn.Module) -> tuple[str, ...]:
     ``_keys_to_ignore_on_load_unexpected`` of every module (transformers gathers the
     children's too; e.g. DeepSeek-V3's ``model\\.layers\\.61.*``, its MTP layer)."""
     out: dict[str, None] = {}
-    for m in model.modules():
-        for pattern in getattr(m, "_keys_to_ignore_on_load_unexpected", None) or ():
+    name = "_keys_to_ignore_on_load_unexpected"
+    for _, m in _preorder(model):  # a module listed twice adds nothing
+        # getattr(m, name, None) for a list that is no parameter, buffer or submodule, without
+        # Module.__getattr__'s AttributeError on every module that lacks it.
+        for pattern in (m.__dict__[name] if name in m.__dict__ else getattr(type(m), name, None)) or ():
             out[pattern] = None
     return tuple(sorted(out))
 
@@ -1301,9 +1324,9 @@ def _expert_keys(ref: ExpertRef, num_logical: int) -> list[str]:
 
 def _keys_of_experts(ref: ExpertRef, experts: Sequence[int]) -> list[str]:
     """Every checkpoint key of logical ``experts`` of ``ref``, part by part: part 0 of each
-    expert, then part 1... DeepSeek-V3 has ~45,000: each is one string concatenation (head + id
-    + tail of the key template), not a ``str.format`` call."""
-    ids = [str(e) for e in experts]
+    expert, then part 1... DeepSeek-V3 has ~45,000: a template's keys (head + id + tail) are
+    one join and one split, not a ``str.format`` call or a concatenation per key."""
+    ids = list(map(str, experts))
     out: list[str] = []
     try:
         templates = ref.param.keys(ref.module, "{e}")  # the keys with their expert id left as "{e}"
@@ -1313,8 +1336,10 @@ def _keys_of_experts(ref: ExpertRef, experts: Sequence[int]) -> list[str]:
         head, _, tail = template.partition("{e}")
         if "{e}" in tail or head == template:  # the id not exactly once: one format per key
             out.extend(ref.param.keys(ref.module, e)[j] for e in experts)
-        else:
+        elif "\0" in template:
             out.extend([head + i + tail for i in ids])
+        elif ids:  # one join and one split (C loops) rather than a concatenation per key
+            out.extend((head + (tail + "\0" + head).join(ids) + tail).split("\0"))
     return out
 
 
