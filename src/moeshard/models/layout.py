@@ -626,7 +626,7 @@ def need_table(
     num_layers = 1 + max((d.expert.layer for d in descs if d.expert), default=-1)
     if placement is not None and num_layers:
         placement.check_layers(num_layers)
-    parts: list[_DenseRows | NeedTable] = []
+    parts: list[_DenseRows | _ExpertRows | NeedTable] = []
     layouts: dict = {}  # what parameters of one shape and sharding share: worked out once per call
     for i, d in enumerate(descs):
         if d.expert is None:
@@ -916,7 +916,7 @@ def _expert_table(
     dequantize: bool,
     keep_ranks: np.ndarray | None,
     cache: dict,
-) -> NeedTable:
+) -> "_ExpertRows | NeedTable":
     """The rows of expert parameter number ``i``: for each rank holding a non-empty box of it
     (dim 0 = slots), each slot of its box holding a logical expert, each checkpoint part of
     that expert the box overlaps.
@@ -991,7 +991,7 @@ class _ExpertRows(NamedTuple):
 
     def fill(self, table: NeedTable, rows: slice, key_ids: np.ndarray) -> None:
         self.rows.fill(table, rows, key_ids)
-        table.param[rows] = self.param
+        table.param[rows] = self.param  # over the shared rows' unset param
 
 
 class _HeldSlots(NamedTuple):

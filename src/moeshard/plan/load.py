@@ -40,7 +40,7 @@ import numpy as np
 from .._gc import paused_gc
 from ..io.checkpoint import CheckpointIndex
 from ..topology import Topology
-from .arrays import dense_rank, expand_runs, lex_order, row_prod, run_starts, seg_excl_cumsum
+from .arrays import dense_rank, expand_runs, lex_order, run_starts, seg_excl_cumsum
 from .needs import NeedTable
 from .pieces import STAGING_PARTS, Pieces, cut_pieces
 from .schedule import PlanCost, Schedule
@@ -482,11 +482,7 @@ def _plan_rank(table: NeedTable, index: CheckpointIndex, topology: Topology, rea
     world = topology.world_size
     local = np.zeros(len(table), bool) if table.alone is None else table.alone & readers[table.rank]
     keys = index.key_columns(table.keys)
-    itemsize = keys[0]
-    lrows = np.flatnonzero(local)
-    local_bytes = np.bincount(table.rank[lrows], weights=row_prod(table.src_len[lrows]) * itemsize[table.key[lrows]],
-                              minlength=world).astype(np.int64)
-    del lrows
+    local_bytes = table.bytes_per_rank(np.flatnonzero(local), keys[0], world)
     if table.omitted_bytes is not None:  # other ranks' alone rows, left out of a table built for this rank
         local_bytes += table.omitted_bytes
     if local.all():  # every need a local read (FSDP-sharded parameters, shared storage): no transfers

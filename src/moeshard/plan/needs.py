@@ -171,8 +171,7 @@ class NeedTable:
             return table
         if not by_part:
             drop = table.alone & ~full[table.rank]
-            nbytes = row_prod(table.src_len[drop]) * np.asarray(itemsize(table.keys), np.int64)[table.key[drop]]
-            omitted += np.bincount(table.rank[drop], weights=nbytes, minlength=len(full)).astype(np.int64)
+            omitted += table.bytes_per_rank(drop, np.asarray(itemsize(table.keys), np.int64), len(full))
             table = table.take(~drop)
         return dataclasses.replace(table, full=full, omitted_bytes=omitted)
 
@@ -210,6 +209,12 @@ class NeedTable:
 
     def row_numel(self) -> np.ndarray:
         return row_prod(self.src_len)
+
+    def bytes_per_rank(self, rows: np.ndarray, itemsize: np.ndarray, world: int) -> np.ndarray:
+        """``int64[world]``: the bytes of rows ``rows`` (indices or a ``bool[N]`` mask) per rank,
+        ``itemsize[k]`` the item size of key ``k`` (``int64[len(keys)]``)."""
+        return np.bincount(self.rank[rows], weights=row_prod(self.src_len[rows]) * itemsize[self.key[rows]],
+                           minlength=world).astype(np.int64)
 
     def fill(self, table: "NeedTable", rows: slice, key_ids: np.ndarray) -> None:
         """Write these rows into ``table`` at ``rows``, key ``j`` as ``key_ids[j]``
