@@ -140,6 +140,25 @@ def errors_worker(root: str) -> dict:
         odd = OddHiddenMoE()
     res["efsdp-uneven"] = _attempt(lambda: moeshard.parallelize(
         odd, mesh, moeshard.Placement.contiguous(1, tiny_moe.NUM_EXPERTS, 2)))
+    # The agreement itself (moeshard._dist): shares of every size reach every rank, a share too
+    # large for the one exchange included (rank 1's); a failure on one rank and fingerprints that
+    # split the ranks two ways or differ on every rank raise on every rank.
+    from moeshard import _dist
+
+    share = {1: "x" * 5000, 2: None}.get(rank, ("rank", rank, b"\x00" * rank))
+    res["gather-shares"] = _dist.agree_and_gather(lambda: rank * 10, "gathering", share=lambda r: (r, share))
+    res["gather-small"] = _dist.agree_and_gather(lambda: rank, "gathering", share=lambda r: r)
+
+    def fail_on_3():
+        if rank == 3:
+            raise ValueError("rank 3 cannot")
+        return rank
+
+    res["gather-fails"] = _attempt(lambda: _dist.agree_and_gather(fail_on_3, "gathering", share=lambda r: r))
+    res["agree-fails"] = _attempt(lambda: _dist.agree(fail_on_3, "agreeing", fingerprint=str))
+    res["agree-same"] = _dist.agree(lambda: rank, "agreeing", fingerprint=lambda r: "plan-A")
+    res["agree-halves"] = _attempt(lambda: _dist.agree(lambda: rank, "agreeing", fingerprint=lambda r: f"plan-{r // 2}"))
+    res["agree-all-differ"] = _attempt(lambda: _dist.agree(lambda: rank, "agreeing", fingerprint=str))
     # After all that, the group still works: a good load is exact and verifies.
     tiny_moe.scramble(model)
     moeshard.load(model, good, placement=pl)
@@ -354,6 +373,23 @@ def test_efsdp_uneven_dim_refused_up_front(results):
                                "its dim 1 (41) over efsdp=2 ranks"), text
         assert "use an efsdp size that divides 41 (of the sizes dividing the world size 4: [1])" in text
         assert "or a hidden / intermediate size that divides by 2" in text
+
+
+def test_agreement_gathers_every_share_and_refuses_any_difference(results):
+    res, _ = results
+    shares = [(r * 10, {1: "x" * 5000, 2: None}.get(r, ("rank", r, b"\x00" * r))) for r in range(WORLD)]
+    for rank, r in enumerate(res):
+        assert r["gather-shares"] == (rank * 10, shares), f"rank {rank}"
+        assert r["gather-small"] == (rank, list(range(WORLD))), f"rank {rank}"
+        assert r["agree-same"] == rank
+    text = _all_raise(res, "gather-fails")
+    assert "gathering failed on 1 of 4 rank(s):\n  rank 3: ValueError: rank 3 cannot" in text
+    text = _all_raise(res, "agree-fails")
+    assert "agreeing failed on 1 of 4 rank(s):\n  rank 3: ValueError: rank 3 cannot" in text
+    text = _all_raise(res, "agree-halves")
+    assert "ranks disagree on the plan fingerprint (rank 0: plan-0, rank 1: plan-0, rank 2: plan-1, rank 3: plan-1)" in text
+    text = _all_raise(res, "agree-all-differ")
+    assert "(rank 0: 0, rank 1: 1, rank 2: 2, rank 3: 3)" in text
 
 
 def test_group_usable_after_errors(results):

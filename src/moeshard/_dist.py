@@ -297,15 +297,26 @@ def broadcast_result(step: Callable[[], T], src: int, what: str) -> T:
     return result
 
 
+# Bytes of a rank's share that travel inside agree_and_gather's one exchange; a larger share
+# takes a second all-gather of just the shares (load's storage arguments take ~80).
+_INLINE_SHARE = 248
+# Digest words are 62-bit, so that their negations fit int64 (see _agree).
+_WORD = (1 << 62) - 1
+
+
 def _agree(step: Callable[[], T], what: str, fingerprint: Callable[[T], str] | None, share: Callable[[T], Any] | None,
            group) -> tuple[T, list[Any]]:
     """:func:`agree` (and :func:`agree_and_gather`): ``(result, every rank's share(result))``.
 
-    The usual path (no error, one plan) is one fixed-size tensor all-gather of ``[failed, share
-    size, fingerprint digest]`` (plus one of the shares' bytes for :func:`agree_and_gather`): an
-    object all-gather costs two collectives and pickling on every rank (3x a tensor all-gather
-    with 8 gloo ranks). Error texts and whole fingerprints are gathered only when some rank
-    failed or the digests differ, to name them."""
+    The usual path (no error, one plan) is one collective over a few integers, whatever the
+    world size: :func:`agree` all-reduces ``max`` of ``[failed, w0, w1, -w0, -w1]`` (``w``: the
+    fingerprint digest's words), so every rank learns whether any rank failed and whether the
+    digests are all equal (``max(w) == min(w)``, with ``min(w) = -max(-w)``) without holding
+    every rank's digest; :func:`agree_and_gather` all-gathers ``[failed, digest, share size,
+    share bytes]`` in one fixed-size buffer (a second all-gather only for a share over
+    ``_INLINE_SHARE`` bytes). An object all-gather would cost two collectives and pickling on
+    every rank. Error texts and whole fingerprints are gathered only when some rank failed or
+    the digests differ, to name them."""
     result: Any = None
     error: str | None = None
     try:
@@ -320,26 +331,42 @@ def _agree(step: Callable[[], T], what: str, fingerprint: Callable[[T], str] | N
         return result, [share(result)] if share is not None else []
     group = _g(group)
     fp = fingerprint(result) if (fingerprint is not None and error is None) else None
-    mine = pickle.dumps(share(result)) if (share is not None and error is None) else b""
     digest = hashlib.blake2b((fp or "").encode(), digest_size=16).digest()
-    head = [int(error is not None), len(mine), int.from_bytes(digest[:8], "little", signed=True),
-            int.from_bytes(digest[8:], "little", signed=True)]
-    heads = [h.tolist() for h in _all_gather_tensor(torch.tensor(head, dtype=torch.int64), group, what)]
-    if any(h[0] for h in heads):
+    w0, w1 = (int.from_bytes(digest[i:i + 8], "little") & _WORD for i in (0, 8))
+    if share is None:
+        top = _all_reduce_max(torch.tensor([int(error is not None), w0, w1, -w0, -w1], dtype=torch.int64), group,
+                              what).tolist()
+        failed, same = bool(top[0]), top[1] == -top[3] and top[2] == -top[4]
+        shares: list[Any] = []
+    else:
+        mine = pickle.dumps(share(result)) if error is None else b""
+        head = torch.tensor([int(error is not None), w0, w1, len(mine)], dtype=torch.int64)
+        buf = torch.zeros(head.numel() * 8 + _INLINE_SHARE, dtype=torch.uint8)
+        buf[:32] = head.view(torch.uint8)
+        if 0 < len(mine) <= _INLINE_SHARE:
+            buf[32:32 + len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+        rows = _all_gather_tensor(buf, group, what)
+        heads = [r[:32].view(torch.int64).tolist() for r in rows]
+        failed, same = any(h[0] for h in heads), len({(h[1], h[2]) for h in heads}) == 1
+        shares = [r[32:] for r in rows]
+    if failed:
         errors = all_gather_object(error, group=group, what=what)
-        failed = [(r, err) for r, err in enumerate(errors) if err is not None]
-        raise DistributedError(_failure(what, failed, len(failed), len(errors)))
-    if len({(h[2], h[3]) for h in heads}) > 1:
+        bad = [(r, err) for r, err in enumerate(errors) if err is not None]
+        raise DistributedError(_failure(what, bad, len(bad), len(errors)))
+    if not same:
         fps = all_gather_object(fp, group=group, what=what)
         by = ", ".join(f"rank {r}: {f}" for r, f in enumerate(fps))
         raise PlanMismatchError(f"{what}: ranks disagree on the plan fingerprint ({by}); "
                                "every rank must build the same model, placement and checkpoint index")
     if share is None:
         return result, []
-    buf = torch.zeros(max(h[1] for h in heads), dtype=torch.uint8)
-    buf[:len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
-    return result, [pickle.loads(t[:h[1]].numpy().tobytes())
-                    for t, h in zip(_all_gather_tensor(buf, group, what), heads)]
+    sizes = [h[3] for h in heads]
+    if max(sizes) > _INLINE_SHARE:  # some share did not fit: every rank's share, padded to the largest
+        big = torch.zeros(max(sizes), dtype=torch.uint8)
+        if mine:
+            big[:len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+        shares = _all_gather_tensor(big, group, what)
+    return result, [pickle.loads(t[:n].numpy().tobytes()) for t, n in zip(shares, sizes)]
 
 
 def _failure(what: str, shown: list[tuple[int, str]], failed: int, world: int) -> str:
@@ -353,13 +380,25 @@ def _all_gather_tensor(t: torch.Tensor, group, what: str) -> list[torch.Tensor]:
     """Collective: every rank's ``t`` (same shape on every rank; a CPU tensor), as CPU tensors,
     gathered on the device the backend's object collectives use (CUDA under NCCL)."""
     group = _g(group)
-    kind = _object_device(group)
-    dev = torch.device(kind) if kind == "cpu" else torch.device(kind, getattr(torch, kind).current_device())
-    x = t.to(dev)
+    x = t.to(_collective_device(group))
     out = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     with collective(what):
         dist.all_gather(out, x, group=group)
     return [o.cpu() for o in out]
+
+
+def _all_reduce_max(t: torch.Tensor, group, what: str) -> torch.Tensor:
+    """Collective: the elementwise maximum of every rank's ``t`` (a CPU tensor), as a CPU
+    tensor, reduced on the device the backend's object collectives use (CUDA under NCCL)."""
+    x = t.to(_collective_device(_g(group)))
+    with collective(what):
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=_g(group))
+    return x.cpu()
+
+
+def _collective_device(group) -> torch.device:
+    kind = _object_device(group)
+    return torch.device(kind) if kind == "cpu" else torch.device(kind, getattr(torch, kind).current_device())
 
 
 def _object_device(group) -> str:
