@@ -313,7 +313,7 @@ def rank_main(spec: dict) -> dict:
         placement = moeshard.Placement.contiguous(spec["dims"]["num_layers"], spec["dims"]["num_experts"], ep)
         moeshard.parallelize(model, mesh, placement)
         moeshard.materialize(model)
-        target = Target.build(model, ckpt, placement, LOCAL_WORLD)
+        target = Target.build(model, ckpt, placement, spec["local_world"])
         lay: dict = {"ep": ep, "efsdp": efsdp, "shard_bytes": target.shard_bytes(),
                      "setup_seconds": time.perf_counter() - t_setup, "strategies": {},
                      "minimal": _lower_bounds(target) if rank == 0 else {}}
@@ -448,7 +448,9 @@ def format_report(res: dict) -> str:
         f"checkpoint: {ck['path']}  {_mib(ck['bytes'])} MiB in {fl['num_files']} files, {fl['num_tensors']} tensors "
         f"({ck['dims']['num_layers']} layers x {ck['dims']['num_experts']} experts, hidden {ck['dims']['hidden']}, "
         f"moe_intermediate {ck['dims']['moe_intermediate']}, bf16); model dtype {res['config']['model_dtype']}")
-    lines.append(f"ranks: {WORLD} gloo processes = 2 simulated nodes x {LOCAL_WORLD} on {res['host']['cpus']} CPU cores; "
+    cfg = res["config"]
+    lines.append(f"ranks: {cfg['world_size']} gloo processes = {cfg['num_nodes']} simulated node(s) x "
+                 f"{cfg['local_world_size']} on {res['host']['cpus']} CPU cores; "
                  f"moeshard staging budget {_mib(res['config']['staging_bytes'])} MiB/rank")
     la = res["host"]["loadavg_before"][0]
     if la > 1.5:
@@ -511,14 +513,14 @@ def format_report(res: dict) -> str:
 # -- main -----------------------------------------------------------------------------------
 
 
-def parse_layouts(text: str) -> list[tuple[int, int]]:
+def parse_layouts(text: str, world: int = WORLD) -> list[tuple[int, int]]:
     out = []
     for part in text.split(","):
         ep, _, efsdp = part.strip().lower().partition("x")
         out.append((int(ep), int(efsdp or 1)))
     for ep, efsdp in out:
-        if ep * efsdp != WORLD:
-            raise argparse.ArgumentTypeError(f"layout {ep}x{efsdp}: ep x efsdp must be {WORLD}")
+        if ep * efsdp != world:
+            raise argparse.ArgumentTypeError(f"layout {ep}x{efsdp}: ep x efsdp must be {world} (--ranks)")
     return out
 
 
@@ -530,7 +532,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="checkpoint directory (default bench_out/ckpt, or bench_out/ckpt_<size>mib for other sizes)")
     p.add_argument("--rebuild", action="store_true", help="rewrite the checkpoint even if a matching one is cached")
     p.add_argument("--out", default="bench_out/bench_load.json", help="JSON report path")
-    p.add_argument("--layouts", default=DEFAULT_LAYOUTS, help="comma list of EPxEFSDP (default 8x1,4x2)")
+    p.add_argument("--layouts", default=None, help="comma list of EPxEFSDP (default 8x1,4x2 for 8 ranks, else "
+                   "RANKSx1)")
+    p.add_argument("--ranks", type=int, default=WORLD,
+                   help=f"local ranks (default {WORLD}; fewer than the host's cores gives each rank its own core)")
+    p.add_argument("--ranks-per-node", type=int, default=None,
+                   help=f"ranks per simulated node (default {LOCAL_WORLD}, or all ranks when fewer)")
     p.add_argument("--strategies", default=",".join(ALL_STRATEGIES),
                    help=f"comma list from {','.join(ALL_STRATEGIES)} (default all, in that order)")
     p.add_argument("--model-dtype", choices=("bfloat16", "float32"), default="bfloat16",
@@ -542,8 +549,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="skip checking that verify rejects a zeroed model")
     p.add_argument("--timeout", type=float, default=900, help="seconds before the ranks are killed (default 900)")
     args = p.parse_args(argv)
+    if args.ranks < 1:
+        p.error(f"--ranks must be >= 1, got {args.ranks}")
+    if args.ranks_per_node is None:
+        args.ranks_per_node = min(LOCAL_WORLD, args.ranks)
+    if args.ranks_per_node < 1 or args.ranks % args.ranks_per_node:
+        p.error(f"--ranks-per-node must divide --ranks ({args.ranks}), got {args.ranks_per_node}")
+    if args.layouts is None:
+        args.layouts = DEFAULT_LAYOUTS if args.ranks == WORLD else f"{args.ranks}x1"
     try:
-        args.layouts = parse_layouts(args.layouts)
+        args.layouts = parse_layouts(args.layouts, args.ranks)
     except (ValueError, argparse.ArgumentTypeError) as e:
         p.error(f"--layouts: {e}")
     args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
@@ -577,16 +592,17 @@ def main(argv=None) -> dict:
         print(f"[bench_load] WARNING: load average {load_before[0]:.1f} on {os.cpu_count()} cores: other work "
               "is running; timings will be noisy", flush=True)
     floor = read_floor(ckpt)
-    print(f"[bench_load] read floor {floor['seconds']:.2f} s; starting {WORLD} ranks "
-          f"({WORLD // LOCAL_WORLD} nodes x {LOCAL_WORLD}) ...", flush=True)
+    world, local = args.ranks, args.ranks_per_node
+    print(f"[bench_load] read floor {floor['seconds']:.2f} s; starting {world} ranks "
+          f"({world // local} nodes x {local}) ...", flush=True)
     spec = {"ckpt": str(ckpt.resolve()), "dims": dims, "layouts": args.layouts, "strategies": args.strategies,
             "model_dtype": args.model_dtype, "staging_bytes": int(args.staging_mib * MiB),
-            "negative_control": not args.no_negative_control, "repeat": max(1, args.repeat)}
+            "negative_control": not args.no_negative_control, "repeat": max(1, args.repeat), "local_world": local}
     saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # 8 ranks share the cores
+    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # the ranks share the cores
     t_ranks = time.perf_counter()
     try:
-        per_rank = run_local_ranks(rank_main, spec, world=WORLD, local_world=LOCAL_WORLD, timeout=args.timeout)
+        per_rank = run_local_ranks(rank_main, spec, world=world, local_world=local, timeout=args.timeout)
     finally:
         for k, v in saved.items():
             if v is None:
@@ -605,7 +621,7 @@ def main(argv=None) -> dict:
         "checkpoint": {"path": str(ckpt), "bytes": floor["bytes"], "dims": dims, "built": built,
                        "build_seconds": build_s},
         "read_floor": {**floor, "page_cache": "warm (same for every strategy; nothing dropped)"},
-        "config": {"world_size": WORLD, "local_world_size": LOCAL_WORLD, "num_nodes": WORLD // LOCAL_WORLD,
+        "config": {"world_size": world, "local_world_size": local, "num_nodes": world // local,
                    "backend": "gloo", "model_dtype": args.model_dtype, "staging_bytes": spec["staging_bytes"],
                    "strategies": args.strategies, "layouts": args.layouts, "repeat": spec["repeat"]},
         "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
