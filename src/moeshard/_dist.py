@@ -340,15 +340,16 @@ def _agree(step: Callable[[], T], what: str, fingerprint: Callable[[T], str] | N
         shares: list[Any] = []
     else:
         mine = pickle.dumps(share(result)) if error is None else b""
-        head = torch.tensor([int(error is not None), w0, w1, len(mine)], dtype=torch.int64)
-        buf = torch.zeros(head.numel() * 8 + _INLINE_SHARE, dtype=torch.uint8)
-        buf[:32] = head.view(torch.uint8)
+        head = torch.tensor([int(error is not None), w0, w1, len(mine)], dtype=torch.int64).view(torch.uint8)
+        n = len(head)
+        buf = torch.zeros(n + _INLINE_SHARE, dtype=torch.uint8)
+        buf[:n] = head
         if 0 < len(mine) <= _INLINE_SHARE:
-            buf[32:32 + len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+            buf[n:n + len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
         rows = _all_gather_tensor(buf, group, what)
-        heads = [r[:32].view(torch.int64).tolist() for r in rows]
+        heads = [r[:n].view(torch.int64).tolist() for r in rows]
         failed, same = any(h[0] for h in heads), len({(h[1], h[2]) for h in heads}) == 1
-        shares = [r[32:] for r in rows]
+        shares = [r[n:] for r in rows]
     if failed:
         errors = all_gather_object(error, group=group, what=what)
         bad = [(r, err) for r, err in enumerate(errors) if err is not None]
@@ -397,6 +398,7 @@ def _all_reduce_max(t: torch.Tensor, group, what: str) -> torch.Tensor:
 
 
 def _collective_device(group) -> torch.device:
+    """The device of the tensors :func:`_all_gather_tensor` and :func:`_all_reduce_max` exchange."""
     kind = _object_device(group)
     return torch.device(kind) if kind == "cpu" else torch.device(kind, getattr(torch, kind).current_device())
 
