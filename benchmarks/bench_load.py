@@ -451,7 +451,7 @@ def format_report(res: dict) -> str:
     cfg = res["config"]
     lines.append(f"ranks: {cfg['world_size']} gloo processes = {cfg['num_nodes']} simulated node(s) x "
                  f"{cfg['local_world_size']} on {res['host']['cpus']} CPU cores; "
-                 f"moeshard staging budget {_mib(res['config']['staging_bytes'])} MiB/rank")
+                 f"moeshard staging budget {_mib(cfg['staging_bytes'])} MiB/rank")
     la = res["host"]["loadavg_before"][0]
     if la > 1.5:
         lines.append(f"WARNING: load average was {la:.1f} at the start: other work shared the cores; timings are noisy")

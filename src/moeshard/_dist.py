@@ -391,9 +391,10 @@ def _all_gather_tensor(t: torch.Tensor, group, what: str) -> list[torch.Tensor]:
 def _all_reduce_max(t: torch.Tensor, group, what: str) -> torch.Tensor:
     """Collective: the elementwise maximum of every rank's ``t`` (a CPU tensor), as a CPU
     tensor, reduced on the device the backend's object collectives use (CUDA under NCCL)."""
-    x = t.to(_collective_device(_g(group)))
+    group = _g(group)
+    x = t.to(_collective_device(group))
     with collective(what):
-        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=_g(group))
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
     return x.cpu()
 
 

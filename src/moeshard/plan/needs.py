@@ -110,8 +110,8 @@ class NeedTable:
         (write its rows into ``table`` at ``rows``, a slice, its key ``j`` as ``key_ids[j]``),
         ``row_ranks()``, ``row_keys()`` (its own key numbers), ``row_numel()`` and
         ``select(mask)``, and a ``layout`` (None, or equal for parts whose rows have the same
-        ranks and sizes) (e.g. the rows of a dense parameter, kept as views of its cached boxes
-        until here).
+        ranks and sizes). A part is e.g. the rows of a dense parameter, kept as views of its
+        cached boxes until here.
 
         ``alone`` is kept where every part has it (a part's distinct keys; the rows of a key
         that several parts read are not alone), else None.
