@@ -21,7 +21,7 @@ import torch
 from moeshard import Placement, Topology
 from moeshard.models.adapters import ExpertParam
 from moeshard.models.layout import ExpertRef, ParamDesc, rank_boxes
-from moeshard.plan.relocation import DEFAULT_STAGING_BYTES, ExpertTensor, plan_relocation
+from moeshard.plan.relocation import COUNTERS, DEFAULT_STAGING_BYTES, ExpertTensor, job_summary, plan_relocation
 from moeshard.plan.save import describe_outputs, plan_save, tensor_schedule
 
 
@@ -194,6 +194,7 @@ def check_relocation(case, seen):
         return truth[int(s.piece_key[pid])][sl(box)]
 
     counts, staged, ops = simulate(s, local, read=read)
+    check_rank_plans(case, plan)
     for t, x in enumerate(tensors):
         for r, s0, ns, box in x.holdings:
             got = counts.get((r, t), np.zeros(local[r][t].shape, np.int64))
@@ -214,9 +215,60 @@ def check_relocation(case, seen):
         assert n <= case.get("max_ops", 64) or sum(any(r in x for x in lk) for lk in links) == 1, (r, t, n)
     node = case["topology"].nodes_array()
     for k, v in dict(stashes=len(plan.stashes), relays=(s.send_round % 2).sum(), reads=len(s.read_rank),
-                     cross_node=(node[s.send_src] != node[s.send_dst]).sum(), dead=not active.all()).items():
+                     cross_node=(node[s.send_src] != node[s.send_dst]).sum(), dead=not active.all(),
+                     components=plan.num_components > 1).items():
         seen[k] += int(v)
     return staged
+
+
+def check_rank_plans(case, plan):
+    """What each rank plans for itself (its component only) is the job's plan: the same rows
+    in the same order, fingerprint and disk experts; the components' counters add up to the
+    job's (:func:`job_summary`)."""
+    s, world = plan.schedule, plan.topology.world_size
+    table = np.zeros((plan.num_components, len(COUNTERS)), np.int64)
+    for r in range(world):
+        mine = plan_relocation(**case, rank=r)
+        assert mine.fingerprint == plan.fingerprint and mine.disk_experts == plan.disk_experts, r
+        assert np.array_equal(mine.component, plan.component) and mine.rank == r
+        own = mine.schedule_for(r)
+        assert own.fingerprint == plan.fingerprint, r
+        assert rank_rows(own, r) == rank_rows(s, r), f"rank {r}"
+        assert rank_rows(plan.schedule_for(r), r) == rank_rows(s, r), f"rank {r} (from the job's plan)"
+        comp = plan.component[r]
+        assert all(plan.component[q] == comp for m in mine.moves for q in m.ranks()), r
+        if comp >= 0:
+            if table[comp].any():
+                assert np.array_equal(table[comp], mine.cost.counters()), r  # a component plans alike on its ranks
+            table[comp] = mine.cost.counters()
+        else:
+            assert not mine.moves and not plan.schedule_for(r).send_src.size, r
+    assert job_summary(table) == plan.cost.summary()
+    return plan.num_components
+
+
+def rank_rows(s, rank):
+    """What ``rank`` runs of schedule ``s``, with pieces and views spelled out (ids differ
+    between a rank's own schedule and the job's): its reads, copies and sends in schedule
+    order (the order both ends of a send post it in), its deliveries as a sorted list."""
+    m = s.for_rank(rank)
+
+    def piece(pid):
+        nd = int(s.key_ndim[s.piece_key[pid]])
+        return int(s.piece_key[pid]), s.piece_off[pid, :nd].tolist(), s.piece_len[pid, :nd].tolist()
+
+    def view(v):
+        return int(s.view_rank[v]), int(s.view_param[v]), int(s.view_slot[v]), s.view_off[v].tolist()
+
+    return dict(
+        reads=[(int(s.read_round[i]), piece(s.read_piece[i])) for i in m.reads],
+        copies=[(int(s.copy_round[i]), view(s.copy_view[i]), piece(s.copy_piece[i])) for i in m.copies],
+        sends=[(int(s.send_round[i]), int(s.send_src[i]), int(s.send_dst[i]), piece(s.send_piece[i]),
+                view(s.send_view[i]) if s.send_src[i] == rank and s.send_view[i] >= 0 else None) for i in m.sends],
+        deliveries=sorted((int(t), piece(s.dlv_piece[i]), int(s.dlv_param[i]), int(s.dlv_slot[i]), s.dlv_off[i].tolist())
+                          for i, t in zip(m.deliveries, m.delivery_rounds)),
+        rounds=m.rounds.tolist(),
+    )
 
 
 def test_relocation_schedules_simulated():

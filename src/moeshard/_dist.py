@@ -30,6 +30,7 @@ import pickle
 import re
 from typing import Any, Callable, Iterable, Iterator, TypeVar
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -386,6 +387,12 @@ def _all_gather_tensor(t: torch.Tensor, group, what: str) -> list[torch.Tensor]:
     with collective(what):
         dist.all_gather(out, x, group=group)
     return [o.cpu() for o in out]
+
+
+def all_reduce_max(a: np.ndarray, what: str, group=None) -> np.ndarray:
+    """Collective (every rank of ``group``): the elementwise maximum of every rank's int64
+    array ``a`` (same shape on every rank)."""
+    return _all_reduce_max(torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)), group, what).numpy()
 
 
 def _all_reduce_max(t: torch.Tensor, group, what: str) -> torch.Tensor:

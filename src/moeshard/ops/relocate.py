@@ -32,7 +32,16 @@ from ..models.ep import set_placement
 from ..models.layout import ExpertRef, ParamDesc, _local_boxes, _part_sizes, describe_model, expert_layers, local_tensor
 from ..placement import Placement
 from ..plan.chunks import relocation_chunks
-from ..plan.relocation import DEFAULT_MAX_OPS, DEFAULT_STAGING_BYTES, ExpertTensor, RelocationPlan, plan_relocation
+from ..plan.relocation import (
+    COUNTERS,
+    DEFAULT_MAX_OPS,
+    DEFAULT_STAGING_BYTES,
+    ExpertTensor,
+    RelocationPlan,
+    job_summary,
+    plan_relocation,
+)
+from ..plan.schedule import Schedule
 from ..progress import Progress, progress_enabled
 from ..topology import Topology
 from .load import target_device
@@ -253,6 +262,21 @@ def _active_global(active_ranks, tensors: Sequence[ExpertTensor], num_physical: 
     return out
 
 
+def _job_summary(plan: RelocationPlan, rank: int) -> dict:
+    """Collective (every rank of the group, each with its own plan): the job's cost summary.
+    A rank plans only its component (:class:`~moeshard.plan.relocation.RelocationPlan`); the
+    components' counters are put together with one all-reduce (max) of a ``[components,
+    counters]`` table, each component's row filled in by its own ranks (all with the same
+    figures). Nothing is exchanged when every rank's plan is the whole job's."""
+    if plan.whole_job:
+        return plan.cost.summary()
+    table = np.zeros((plan.num_components, len(COUNTERS)), dtype=np.int64)
+    k = int(plan.component[rank])
+    if k >= 0:
+        table[k] = plan.cost.counters()
+    return job_summary(_dist.all_reduce_max(table, "moeshard.relocate: the job's counters"))
+
+
 def _check_disk_keys(plan: RelocationPlan, index: CheckpointIndex, sources) -> None:
     """Every tensor of every expert read from the checkpoint exists there with a fitting shape
     and a dtype the cast rule allows into the tensor's (load's check: an FP8 weight goes into a
@@ -381,7 +405,8 @@ def relocate(
                     raise ValueError(f"{t.name} has {top} expert slots, the {what} placement has {p.num_physical}")
         active = _active_global(active_ranks, tensors, new.num_physical, world)
         # First plan as if every live rank could read: it tells whether the checkpoint is needed.
-        plan = plan_relocation(tensors, old, new, topo, active, active, staging_bytes, max_ops, from_checkpoint)
+        plan = plan_relocation(tensors, old, new, topo, active, active, staging_bytes, max_ops, from_checkpoint,
+                               rank=rank)
         return tensors, locals_, sources, active, plan
 
     def fingerprint(x) -> str:
@@ -417,7 +442,8 @@ def relocate(
                               for d in describe_model(target, index, specs) if d.expert is not None])
                 sources = [src if src.zeros else next(found) for src in sources]
                 assert next(found, None) is None and len(sources) == len(tensors)
-            p = plan_relocation(tensors, old, new, topo, active, readers, staging_bytes, max_ops, from_checkpoint)
+            p = plan_relocation(tensors, old, new, topo, active, readers, staging_bytes, max_ops, from_checkpoint,
+                                rank=rank)
             _check_disk_keys(p, index, sources)
             if p.moves and any(m.read == rank for m in p.moves):
                 r = CheckpointReader(index, reader_root(path))
@@ -430,7 +456,7 @@ def relocate(
     t_plan = time.perf_counter() - t0
     try:
         with torch.no_grad():
-            s = plan.schedule
+            s = plan.schedule_for(rank)  # this rank's rows only (the job's would be O(world))
             bar = Progress("relocate", s.delivered_bytes(rank), enabled=progress_enabled(progress),
                            local_rank=topo.local_rank, node=topo.node)
             device = target_device(target) if isinstance(target, nn.Module) else \
@@ -442,7 +468,7 @@ def relocate(
             backup = Backup(s, sink, rank) if transactional and old is not None else None
             try:
                 stats = _dist.agree(lambda: execute_schedule(
-                    s, rank, _ExpertSource(plan, rank, locals_, reader, sources, device), sink,
+                    s, rank, _ExpertSource(plan, s, rank, locals_, reader, sources, device), sink,
                     device, progress=bar.update, what=what).check(), what)
             except BaseException:
                 if backup is not None:
@@ -455,26 +481,26 @@ def relocate(
             reader.close()
     if isinstance(target, nn.Module):
         set_placement(target, new)  # route tokens to where the experts are now
-    c = plan.cost
+    c = _job_summary(plan, rank)
     return RelocationReport(
         rank=rank,
         world_size=world,
         wall_seconds=time.perf_counter() - t0,
         plan_seconds=t_plan,
-        copies=dict(c.copies),
-        bytes=dict(c.bytes),
-        network_bytes=c.network_bytes,
-        min_network_bytes=c.min_network_bytes,
-        cross_node_bytes=c.cross_node_bytes,
-        min_cross_node_bytes=c.min_cross_node_bytes,
-        num_rounds=c.num_rounds,
-        num_stashes=c.num_stashes,
+        copies=dict(c["copies"]),
+        bytes=dict(c["bytes"]),
+        network_bytes=c["network_bytes"],
+        min_network_bytes=c["min_network_bytes"],
+        cross_node_bytes=c["cross_node_bytes"],
+        min_cross_node_bytes=c["min_cross_node_bytes"],
+        num_rounds=c["num_rounds"],
+        num_stashes=c["num_stashes"],
         disk_experts=plan.disk_experts,
         bytes_sent_rank=stats.bytes_sent,
         bytes_received_rank=stats.bytes_received,
         bytes_read_rank=stats.bytes_read,
         peak_staging_bytes_rank=stats.peak_staging_bytes,
-        plan=c.summary(),
+        plan=c,
         fingerprint=plan.fingerprint,
     )
 
@@ -560,9 +586,10 @@ class _ExpertSource(Source):
     """Pieces of a relocation schedule: old slot contents (views of the local expert tensors)
     and, for experts no live rank holds, expert slices read from the checkpoint."""
 
-    def __init__(self, plan: RelocationPlan, rank: int, locals_, reader, sources, device: torch.device):
-        self.s, self.plan, self.reader, self.sources, self.device = plan.schedule, plan, reader, sources, device
-        self.local = LocalTensors(plan.schedule, locals_, rank)
+    def __init__(self, plan: RelocationPlan, schedule: Schedule, rank: int, locals_, reader, sources,
+                 device: torch.device):
+        self.s, self.plan, self.reader, self.sources, self.device = schedule, plan, reader, sources, device
+        self.local = LocalTensors(schedule, locals_, rank)
 
     def dtype(self, pid: int) -> torch.dtype:
         t = int(self.s.piece_key[pid])

@@ -54,7 +54,7 @@ from .schedule import PlanCost, Schedule
 
 __all__ = [
     "ExpertTensor", "Part", "Move", "Stash", "Round", "RelocationCost", "RelocationPlan",
-    "plan_relocation", "rank_of_slot",
+    "plan_relocation", "rank_of_slot", "COUNTERS", "job_summary",
 ]
 
 DEFAULT_STAGING_BYTES = 256 * 2**20
@@ -170,10 +170,57 @@ class RelocationCost:
             "num_stashes": self.num_stashes,
         }
 
+    def counters(self) -> np.ndarray:
+        """``int64[len(COUNTERS)]``: the figures of :meth:`summary` (summed over components,
+        then those maximized over them: :data:`COUNTERS`)."""
+        d = self.summary()
+        return np.asarray([d["copies"][k] for k in CLASSES] + [d["bytes"][k] for k in CLASSES]
+                          + [d[k] for k in COUNTERS[2 * len(CLASSES):]], dtype=np.int64)
+
+
+# RelocationCost.counters(): per class copies, per class bytes, then the summed figures, then
+# (_MAXED) the figures that are a maximum over ranks or over rounds in parallel.
+_SUMMED = ("network_bytes", "cross_node_bytes", "min_network_bytes", "min_cross_node_bytes", "read_bytes_total",
+           "num_p2p_ops", "num_stashes")
+_MAXED = ("sent_bytes_max_rank", "recv_bytes_max_rank", "peak_staging_bytes_max_rank", "num_rounds")
+COUNTERS = tuple(f"copies.{k}" for k in CLASSES) + tuple(f"bytes.{k}" for k in CLASSES) + _SUMMED + _MAXED
+
+
+def job_summary(table: np.ndarray) -> dict:
+    """The job's :meth:`RelocationCost.summary` from ``table`` (``int64[num_components,
+    len(COUNTERS)]``: each component's :meth:`RelocationCost.counters`, zeros for none):
+    components share no rank, so the job's figures are their sums, or maxima for those per
+    rank and the number of rounds (components run their rounds side by side)."""
+    n = len(CLASSES)
+    tot = table.sum(axis=0).tolist()
+    top = table.max(axis=0, initial=0).tolist()
+    out = {"copies": dict(zip(CLASSES, tot[:n])), "bytes": dict(zip(CLASSES, tot[n:2 * n]))}
+    out.update(zip(_SUMMED, tot[2 * n:2 * n + len(_SUMMED)]))
+    out.update(zip(_MAXED, top[2 * n + len(_SUMMED):]))
+    return {k: out[k] for k in ("copies", "bytes", "network_bytes", "cross_node_bytes", "min_network_bytes",
+                                "min_cross_node_bytes", "read_bytes_total", "sent_bytes_max_rank",
+                                "recv_bytes_max_rank", "peak_staging_bytes_max_rank", "num_p2p_ops", "num_rounds",
+                                "num_stashes")}
+
 
 @dataclass(frozen=True, eq=False)
 class RelocationPlan:
-    """Everything every rank does, in order. Identical on every rank.
+    """Everything the ranks do, in order: the whole job's, or (``rank`` set) the part of the
+    job that rank ``rank`` takes part in.
+
+    *Components*: ranks that exchange or share slot data (the ranks of one box column of a
+    layer, as a rule one expert-FSDP shard's EP group) relocate independently of the other
+    components: their moves never meet, and each component's rounds are packed on their own
+    (round ``k`` of the job = round ``k`` of every component). ``component``: ``int[world]``,
+    each rank's component (0 .. ``num_components`` - 1, numbered by lowest rank; -1: a rank that
+    holds no slots). When a component must read an expert from the checkpoint but none of its
+    ranks can, the job is one component (its reads come from other ranks).
+
+    A plan for one rank (:func:`plan_relocation` with ``rank``) holds its component's moves,
+    stashes and rounds only, and its ``cost`` counts that component only (the job's counters
+    are the sum over components, their maxima the maximum: :func:`job_summary`); its
+    ``fingerprint`` and ``disk_experts`` are the job's. Every rank's plan is the job's plan
+    restricted to its component, so the job's plan is checked by comparing the fingerprint.
 
     ``parts[(layer, column)]`` lists each part group's :class:`Part` s; ``columns[layer]`` maps
     each rank holding slots of the layer to ``(column, first_slot, num_slots)``.
@@ -197,19 +244,131 @@ class RelocationPlan:
     staging_bytes: int
     max_ops: int = DEFAULT_MAX_OPS
     old_phy2log: np.ndarray | None = None
+    rank: int | None = None
+    component: np.ndarray | None = None
+    read_experts: tuple[tuple[int, int], ...] = ()
     fingerprint: str = field(default="")
+
+    @property
+    def whole_job(self) -> bool:
+        """Whether the plan holds every move of the job (planned without ``rank``, or the job
+        is one component that every rank is in): its ``cost`` is the job's."""
+        c = self.component
+        return self.rank is None or c is None or bool((c == 0).all())
+
+    @property
+    def num_components(self) -> int:
+        """How many independent parts the job's relocation has (1 without ``component``)."""
+        return 1 if self.component is None else max(1, int(self.component.max(initial=-1)) + 1)
 
     @functools.cached_property
     def schedule(self) -> Schedule:
-        """The plan as the runner's :class:`Schedule` (built on first use: evaluating
-        policies or costing a plan does not need it)."""
+        """The whole job's plan as the runner's :class:`Schedule` (built on first use:
+        evaluating policies or costing a plan does not need it). A rank that runs the plan
+        needs only :meth:`schedule_for` its rank."""
         assert self.old_phy2log is not None
         return _as_schedule(self, self.old_phy2log, self.max_ops)
 
+    def schedule_for(self, rank: int) -> Schedule:
+        """What rank ``rank`` runs of the plan: a :class:`Schedule` with ``rank`` set that
+        holds only the pieces, views, copies, reads, sends and deliveries of that rank, in
+        the whole job's order (so both ends of every send post it at the same position of
+        their round's batch); ``cost`` is the whole job's and the fingerprint the plan's.
+        Rounds keep the whole job's numbers. O(moves) to find the rank's moves, then
+        O(the rank's rows): at 8,192 ranks a fraction of :attr:`schedule`'s time and memory.
+        Not cached: the caller keeps it for the run."""
+        assert self.old_phy2log is not None
+        if not 0 <= rank < self.topology.world_size:
+            raise ValueError(f"rank {rank} is outside the plan's {self.topology.world_size} ranks")
+        return _as_schedule(self, self.old_phy2log, self.max_ops, rank)
+
     @property
     def disk_experts(self) -> list[tuple[int, int]]:
-        """``[(layer, logical expert)]`` read from the checkpoint (no live copy)."""
-        return sorted({(m.layer, m.expert) for m in self.moves if m.read >= 0})
+        """``[(layer, logical expert)]`` read from the checkpoint (no live copy), on the whole
+        job (also in a plan for one rank)."""
+        return list(self.read_experts)
+
+
+def _components(same_layout: dict, world: int, read_cols: set[tuple[int, int]],
+                readers: np.ndarray) -> tuple[np.ndarray, dict[int, list[int]]]:
+    """``(component int64[world], {id(layout): [component of each column]})``: the connected
+    components of ranks joined by holding slots in the same column of some layer (union by
+    lowest rank; -1 for ranks holding nothing). All ranks form one component when a column in
+    ``read_cols`` ((id(layout), column) that must read from the checkpoint) has no reader in
+    its component (``readers``: ``bool[world]``)."""
+    parent = list(range(world))
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    held = np.zeros(world, dtype=bool)
+    firsts: dict[int, list[int]] = {}  # id(layout) -> a rank of each column
+    for key, (lay, _) in same_layout.items():
+        firsts[key] = []
+        if len(lay.rank):
+            held[lay.rank] = True
+        for c in range(len(lay.groups)):
+            ranks = np.unique(lay.rank[lay.col == c]).tolist()
+            firsts[key].append(ranks[0])
+            a = find(ranks[0])
+            for r in ranks[1:]:
+                b = find(r)
+                if a != b:
+                    a, b = min(a, b), max(a, b)
+                    parent[b] = a
+    root = np.asarray([find(r) for r in range(world)], dtype=np.int64)
+    comp = np.full(world, -1, dtype=np.int64)
+    comp[held] = np.searchsorted(np.unique(root[held]), root[held])
+    for key, c in read_cols:
+        k = comp[firsts[key][c]]
+        if not readers[comp == k].any():
+            comp[:] = 0  # a reader elsewhere must serve this column: one plan for the job
+            break
+    return comp, {key: comp[f].tolist() if f else [] for key, f in firsts.items()}
+
+
+def _pack_components(moves: list[Move], move_comp: list[int], keys: Keys, read_keys, write_keys, group_of,
+                     num_parts, group_stage, group_ops, world: int, budget: int, max_ops: int):
+    """:func:`~.relocation_rounds.pack_rounds` per component (``move_comp``: each move's), its
+    rounds merged by number (components share no rank: budgets per rank hold, and no op of
+    one component waits for another's). One component: ``pack_rounds`` itself."""
+    comps = sorted(set(move_comp))
+    if len(comps) <= 1:
+        return pack_rounds(moves, keys, read_keys, write_keys, group_of, num_parts, group_stage, group_ops,
+                           world, budget, max_ops)
+    by_comp: dict[int, list[int]] = {k: [] for k in comps}
+    for i, k in enumerate(move_comp):
+        by_comp[k].append(i)
+    round_moves: list[list[int]] = []
+    round_stashes: list[list[Stash]] = []
+    peak = np.zeros(world, dtype=np.int64)
+    total_ops = 0
+    for k in comps:
+        sel = by_comp[k]
+        gid: dict[int, int] = {}  # the component's groups, renumbered
+        g_of = [gid.setdefault(group_of[i], len(gid)) for i in sel]
+        groups = list(gid)
+        rounds, stashes, pk, ops = pack_rounds(
+            [moves[i] for i in sel], keys, [read_keys[i] for i in sel], [write_keys[i] for i in sel], g_of,
+            [num_parts[i] for i in sel], [group_stage[g] for g in groups], [group_ops[g] for g in groups],
+            world, budget, max_ops)
+        peak += pk  # ranks of other components stage nothing here
+        total_ops += ops
+        for t, rnd in enumerate(rounds):
+            if t == len(round_moves):
+                round_moves.append([])
+                round_stashes.append([])
+            round_moves[t].extend(sel[i] for i in rnd.moves)
+            round_stashes[t].extend(stashes[j] for j in rnd.stashes)
+    out_rounds: list[Round] = []
+    out_stashes: list[Stash] = []
+    for mv, st in zip(round_moves, round_stashes):
+        out_rounds.append(Round(tuple(sorted(mv)), tuple(range(len(out_stashes), len(out_stashes) + len(st)))))
+        out_stashes.extend(st)
+    return out_rounds, out_stashes, peak, total_ops
 
 
 def rank_of_slot(num_physical: int, num_ranks: int) -> np.ndarray:
@@ -288,6 +447,7 @@ def plan_relocation(
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     max_ops: int = DEFAULT_MAX_OPS,
     from_checkpoint: bool = False,
+    rank: int | None = None,
 ) -> RelocationPlan:
     """Plan moving expert tensors from placement ``old`` to ``new`` (pure, deterministic).
 
@@ -303,13 +463,15 @@ def plan_relocation(
         max_ops: P2P ops per rank and phase before a round is closed.
         from_checkpoint: ignore live copies and read every changed slot from the checkpoint
             (what engines without P2P relocation do; a baseline, or for suspect peers).
+        rank: plan only the component of the job that this rank takes part in (what a rank
+            that runs the plan needs: see :class:`RelocationPlan`); None: the whole job.
 
     Raises:
         ValueError: placements that disagree in shape, a new slot on a dead rank, an expert
             with no live copy when no rank can read the checkpoint, or inconsistent tensors.
     """
     with paused_gc():
-        return _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops, from_checkpoint)
+        return _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops, from_checkpoint, rank)
 
 
 class _Layout:
@@ -406,8 +568,11 @@ def _layer_needs(lay: _Layout, layers: list[int], new_p2l: np.ndarray, old_p2l: 
     return out
 
 
-def _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops, from_checkpoint) -> RelocationPlan:
+def _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops, from_checkpoint,
+          rank: int | None) -> RelocationPlan:
     world = topology.world_size
+    if rank is not None and not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is outside the world of {world} ranks")
     node = topology.nodes_array()
     active = np.ones(world, dtype=bool) if active is None else np.asarray(active, dtype=bool)
     readers = np.zeros(world, dtype=bool) if readers is None else np.asarray(readers, dtype=bool)
@@ -460,7 +625,7 @@ def _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops, 
     group_stage: list[dict[int, int]] = []  # rank -> buffers staged (read, local clones, received)
     group_ops: list[tuple[dict[int, int], dict[int, int], int]] = []  # phase A / B ops per rank and part, links
     layouts: dict[tuple, _Layout] = {}
-    move_reprs: list[str] = []
+    move_comp: list[int] = []  # per move: the component of its column
 
     # Layouts, in layer order. A layer whose tensors are inconsistent raises once the loop
     # below reaches it, so that errors of the layers before it come first.
@@ -489,24 +654,63 @@ def _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops, 
         needs_of.update(zip(layers, _layer_needs(lay, layers, new.phy2log, old_p2l, num_experts, keys,
                                                  not from_checkpoint)))
 
+    # Every check of every layer, in layer order, before any planning: a plan for one rank
+    # raises what the whole job's raises. Experts that no live rank holds are read.
+    read_cols: set[tuple[int, int]] = set()  # (id(layout), column) with an expert to read
+    disk: set[tuple[int, int]] = set()  # (layer, logical expert) read from the checkpoint
     for layer in layer_order:
         if layer not in lay_of:
             raise failed
+        lay = lay_of[layer]
+        bad, nk, _, _, _, hold = needs_of[layer]
+        if bad is not None:
+            e, s, r = bad
+            raise ValueError(
+                f"the new placement puts logical expert {e} in slot {s} of layer {layer}, "
+                f"which rank {r} holds, but rank {r} is not active"
+            )
+        lost = sorted(set(nk).difference(hold[0]))
+        if lost and not reader_list:
+            c, e = divmod(lost[0], num_experts)
+            old_row = old_p2l[layer]
+            dead = sorted({r for r, (cc, s0, ns) in lay.cols.items() if cc == c and not active[r]
+                           and (old_row[s0:s0 + ns] == e).any()})
+            why = "no checkpoint to read it from"
+            if dead_readers:  # a checkpoint was given, but every rank that sees it died
+                who = f"rank {dead_readers[0]}" if len(dead_readers) == 1 else f"ranks {dead_readers}"
+                why = f"the only rank(s) that can read the checkpoint ({who}) are not active"
+            raise ValueError(
+                f"logical expert {e} of layer {layer} has no live copy (held only by dead "
+                f"ranks {dead}) and {why}"
+            )
+        for k in lost:
+            c, e = divmod(k, num_experts)
+            read_cols.add((id(lay), c))
+            disk.add((int(layer), int(e)))
+    comp, col_comp = _components(same_layout, world, read_cols, readers)
+    comp_l = comp.tolist()
+    keep = None if rank is None else comp_l[rank]  # the component planned (-1: none)
+    comp_readers: dict[int, list[int]] = {}
+    for r in reader_list:
+        comp_readers.setdefault(comp_l[r], []).append(r)
+
+    for layer in layer_order:
         lay, lt = lay_of[layer], by_layer[layer]
         cols = lay.cols
-        columns[layer] = dict(cols)
+        columns[layer] = cols  # shared by the layers of a layout (read only)
         for c, groups in enumerate(lay.groups):
             parts[(layer, c)] = tuple(tuple(Part(lt[k], box) for k, box in g) for g in groups)
-        bad, nk, nr, ns_, wk, hold = needs_of[layer]
+        _, nk, nr, ns_, wk, hold = needs_of[layer]
+        ccomp = col_comp[id(lay)]  # component of each column
+        if keep is not None:  # only the rank's component: its columns' needs and holders
+            ok = [x == keep for x in ccomp]
+            sel = [j for j, k in enumerate(nk) if ok[k // num_experts]]
+            nk, nr, ns_, wk = [nk[j] for j in sel], [nr[j] for j in sel], [ns_[j] for j in sel], [wk[j] for j in sel]
+            hsel = [j for j, k in enumerate(hold[0]) if ok[k // num_experts]]
+            hold = tuple([x[j] for j in hsel] for x in hold)
         if lay.rank_objs is not None:
             nr = [lay.rank_objs[r] for r in nr]
             hold = (hold[0], [lay.rank_objs[r] for r in hold[1]], hold[2])
-        if bad is not None:
-            e, s, rank = bad
-            raise ValueError(
-                f"the new placement puts logical expert {e} in slot {s} of layer {layer}, "
-                f"which rank {rank} holds, but rank {rank} is not active"
-            )
         if not nk:
             continue
         base = keys.key(int(layer), 0, 0)  # int: numpy layer ids would make every key a numpy int
@@ -518,7 +722,6 @@ def _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops, 
                 holders[k] = {r: s}
             elif r not in hb:
                 hb[r] = s
-        old_row = old_p2l[layer]
         i, n = 0, len(nk)
         while i < n:
             # One (column, expert): its needers (ascending) and their slots (ascending).
@@ -558,24 +761,14 @@ def _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops, 
                 remote, remote_n, srcs = ranks, [len(sl) for sl in slots], []
             read = -1
             if remote and not srcs:
-                # No live copy anywhere: one checkpoint read per job, near the needers.
+                # No live copy anywhere: one checkpoint read per job, near the needers, by a
+                # reader of the column's component (_components makes sure there is one).
                 cands = [r for r in remote if readers_l[r]]
                 if not cands:
                     rem_nodes = {node_l[r] for r in remote}
-                    cands = [r for r in reader_list if node_l[r] in rem_nodes]
+                    cands = [r for r in comp_readers[ccomp[c]] if node_l[r] in rem_nodes]
                 if not cands:
-                    cands = reader_list
-                if not cands:
-                    dead = sorted({r for r, (cc, s0, ns) in cols.items() if cc == c and not active[r]
-                                   and (old_row[s0:s0 + ns] == e).any()})
-                    why = "no checkpoint to read it from"
-                    if dead_readers:  # a checkpoint was given, but every rank that sees it died
-                        who = f"rank {dead_readers[0]}" if len(dead_readers) == 1 else f"ranks {dead_readers}"
-                        why = f"the only rank(s) that can read the checkpoint ({who}) are not active"
-                    raise ValueError(
-                        f"logical expert {e} of layer {layer} has no live copy (held only by dead "
-                        f"ranks {dead}) and {why}"
-                    )
+                    cands = comp_readers[ccomp[c]]
                 read = int(min(cands, key=read_load.__getitem__))  # the first least-loaded (cands ascending)
                 read_load[read] += total
                 srcs = [read]
@@ -644,12 +837,10 @@ def _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops, 
             g = len(group_stage)
             group_stage.append(stage)
             group_ops.append((ops_a, ops_b, len(sends) + len(relays)))
-            # repr(move) for the fingerprint, formatted here (an f-string is cheaper than the
-            # dataclass repr) and once for the fields that all part groups share.
-            tail = f", read={read!r}, copies={local_t!r}, sends={sends_t!r}, relays={relays_t!r}, writes={writes!r})"
+            kc = ccomp[c]
             for k, size in enumerate(sizes):
                 moves.append(Move(layer, c, k, e, size, read, local_t, sends_t, relays_t, writes))
-                move_reprs.append(f"Move(layer={layer!r}, column={c!r}, part={k!r}, expert={e!r}, nbytes={size!r}{tail}")
+                move_comp.append(kc)
                 if k:
                     off = k * keys.per_part
                     read_keys.append([x + off for x in reads0])
@@ -660,8 +851,9 @@ def _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops, 
                 group_of.append(g)
                 num_parts.append(len(lay.groups[c][k]))
 
-    rounds, stashes, peak, total_ops = pack_rounds(moves, keys, read_keys, write_keys, group_of, num_parts,
-                                                 group_stage, group_ops, world, staging_bytes, max_ops)
+    rounds, stashes, peak, total_ops = _pack_components(moves, move_comp, keys, read_keys, write_keys, group_of,
+                                                        num_parts, group_stage, group_ops, world, staging_bytes,
+                                                        max_ops)
     cost = RelocationCost(
         copies=dict(zip(CLASSES, n_copies)),
         bytes=dict(zip(CLASSES, n_bytes)),
@@ -689,17 +881,22 @@ def _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops, 
         staging_bytes=staging_bytes,
         max_ops=max_ops,
         old_phy2log=old_p2l,
+        rank=rank,
+        component=comp,
+        read_experts=tuple(sorted(disk)),
     )
-    object.__setattr__(plan, "fingerprint", _fingerprint(plan, hkeys, move_reprs))
+    object.__setattr__(plan, "fingerprint", _fingerprint(plan, hkeys, old_p2l, new, active, readers, from_checkpoint))
     return plan
 
 
-def _as_schedule(plan: RelocationPlan, old_p2l: np.ndarray, max_ops: int) -> Schedule:
-    """The plan as a :class:`Schedule` (see :class:`RelocationPlan` for its conventions)."""
+def _as_schedule(plan: RelocationPlan, old_p2l: np.ndarray, max_ops: int, rank: int | None = None) -> Schedule:
+    """The plan as a :class:`Schedule` (see :class:`RelocationPlan` for its conventions): the
+    whole job's, or with ``rank`` only that rank's rows (its sends from other ranks' views
+    keep view -1: only a send's source reads its view)."""
     tensors = plan.tensors
     width = 1 + max((len(x.slice_shape) for x in tensors), default=0)
     # Each rank's holding of each tensor: (first slot, slice box).
-    held = [{r: (s0, box) for r, s0, _, box in x.holdings} for x in tensors]
+    held = [{r: (s0, box) for r, s0, _, box in x.holdings if rank is None or r == rank} for x in tensors]
     pieces: dict[tuple, int] = {}
     p_key, p_off, p_len, p_bytes = [], [], [], []
     views: dict[tuple, int] = {}
@@ -734,33 +931,61 @@ def _as_schedule(plan: RelocationPlan, old_p2l: np.ndarray, max_ops: int) -> Sch
             v_off.append(local_off(rank, ti, slot, box))
         return v
 
+    moves = plan.moves
+    if rank is None:
+        mine = None
+    else:
+        # The moves rank ``rank`` takes part in: it reads, sends, relays or writes (a local
+        # copy and a receiver write). The part groups of one expert's column share their tuples
+        # (the planner builds them once): each distinct combination is tested once (the moves
+        # hold the tuples, so their ids stay unique for the loop).
+        seen: dict[tuple, bool] = {}
+        mine = set()
+        for i, m in enumerate(moves):
+            k = (id(m.writes), id(m.sends), id(m.relays), m.read)
+            hit = seen.get(k)
+            if hit is None:
+                hit = seen[k] = (m.read == rank or any(r == rank for r, _ in m.writes)
+                                 or any(a == rank for a, _, _ in m.sends) or any(a == rank for a, _ in m.relays))
+            if hit:
+                mine.add(i)
+
     stashed: set[tuple] = set()  # (rank, layer, slot, part) stashed so far
     for k, rnd in enumerate(plan.rounds):
         a, b = 2 * k, 2 * k + 1
         for i in rnd.stashes:
             st = plan.stashes[i]
+            if rank is not None and st.rank != rank:
+                continue
             stashed.add((st.rank, st.layer, st.slot, st.part))
             col = plan.columns[st.layer][st.rank][0]
             for part in plan.parts[(st.layer, col)][st.part]:
                 pid = piece(part.tensor, int(old_p2l[st.layer, st.slot]), part.box, col)
                 copies.append((view(st.rank, part.tensor, st.slot, part.box), pid, a))
         for i in rnd.moves:
-            m = plan.moves[i]
+            if mine is not None and i not in mine:
+                continue
+            m = moves[i]
             for part in plan.parts[(m.layer, m.column)][m.part]:
                 pid = piece(part.tensor, m.expert, part.box, m.column)
-                if m.read >= 0:
+                if m.read >= 0 and (rank is None or m.read == rank):
                     reads.append((m.read, pid, a))
                 for r, s in m.copies:
-                    if (r, m.layer, s, m.part) not in stashed:  # a stash is already this piece's buffer
+                    if (rank is None or r == rank) and (r, m.layer, s, m.part) not in stashed:
+                        # (a stash is already this piece's buffer)
                         copies.append((view(r, part.tensor, s, part.box), pid, a))
                 for src, s, dst in m.sends:
-                    from_view = s >= 0 and (src, m.layer, s, m.part) not in stashed
+                    if rank is not None and rank != src and rank != dst:
+                        continue
+                    from_view = s >= 0 and (rank is None or src == rank) and (src, m.layer, s, m.part) not in stashed
                     sends.append((src, dst, pid, a, view(src, part.tensor, s, part.box) if from_view else -1))
                 for src, dst in m.relays:
-                    sends.append((src, dst, pid, b, -1))
+                    if rank is None or rank == src or rank == dst:
+                        sends.append((src, dst, pid, b, -1))
                 for r, slots in m.writes:
-                    for s in slots:
-                        dlv.append((pid, r, part.tensor, local_off(r, part.tensor, s, part.box), b))
+                    if rank is None or r == rank:
+                        for s in slots:
+                            dlv.append((pid, r, part.tensor, local_off(r, part.tensor, s, part.box), b))
 
     def col(rows: list, j: int, dtype) -> np.ndarray:
         return np.asarray([x[j] for x in rows], dtype=dtype)
@@ -787,6 +1012,7 @@ def _as_schedule(plan: RelocationPlan, old_p2l: np.ndarray, max_ops: int) -> Sch
         view_rank=np.asarray(v_rank, np.int32), view_param=np.asarray(v_param, np.int32),
         view_slot=np.full(len(v_rank), -1, i64), view_off=np.asarray(v_off, i64).reshape(-1, width),
         copy_view=col(copies, 0, np.int32), copy_piece=col(copies, 1, np.int32), copy_round=col(copies, 2, i64),
+        rank=rank, basis=None if rank is None else plan.fingerprint,
     )
 
 
@@ -804,23 +1030,26 @@ def _tuple_repr(items: list[str]) -> str:
     return f"({items[0]},)" if len(items) == 1 else "(" + ", ".join(items) + ")"
 
 
-def _fingerprint(plan: RelocationPlan, hkeys: list[bytes | None] | None = None,
-                 move_reprs: list[str] | None = None) -> str:
-    """sha256 of the reprs of the plan's topology, budget, tensors, moves, stashes and rounds.
+# Part of every fingerprint: plans of another planning rule must not pass for equal ones.
+_RULE = b"moeshard.relocation/components-1"
 
-    The same bytes as ``repr(plan.tensors)`` etc., only faster: tensors with the same holdings
-    (``hkeys``: :func:`_holdings_key` of each) format their holdings once; ``move_reprs``: the
-    moves' reprs, when the planner has them.
-    """
-    h = hashlib.sha256()
-    h.update(repr((plan.topology.world_size, plan.topology.local_world_size, plan.staging_bytes)).encode())
+
+def _fingerprint(plan: RelocationPlan, hkeys: list[bytes | None], old_p2l: np.ndarray, new: Placement,
+                 active: np.ndarray, readers: np.ndarray, from_checkpoint: bool) -> str:
+    """sha256 of what the plan is planned from: the topology, budgets, tensors (their reprs;
+    tensors with the same holdings -- ``hkeys``: :func:`_holdings_key` of each -- format them
+    once), both placements, the live ranks and readers (the planner is pure and deterministic:
+    equal inputs give equal plans). The same for the whole job's plan and every rank's."""
+    h = hashlib.sha256(_RULE)
+    h.update(repr((plan.topology.world_size, plan.topology.local_world_size, plan.staging_bytes, plan.max_ops,
+                   bool(from_checkpoint), new.num_logical, new.num_ranks)).encode())
     if plan.topology.nodes is not None:  # uneven nodes (a process group of some ranks)
         h.update(repr(plan.topology.nodes).encode())
     fmt, get = _repr_formatter(ExpertTensor, raw="holdings")
     held: dict[bytes, str] = {}
     out = []
     for i, t in enumerate(plan.tensors):
-        hk = hkeys[i] if hkeys is not None else None
+        hk = hkeys[i]
         if type(t) is not ExpertTensor or hk is None:
             out.append(repr(t))
             continue
@@ -829,7 +1058,8 @@ def _fingerprint(plan: RelocationPlan, hkeys: list[bytes | None] | None = None,
             text = held[hk] = repr(t.holdings)
         out.append(fmt(*get(t), raw=text))
     h.update(_tuple_repr(out).encode())
-    h.update((repr(plan.moves) if move_reprs is None else _tuple_repr(move_reprs)).encode())
-    h.update(repr(plan.stashes).encode())
-    h.update(repr(plan.rounds).encode())
+    for a in (old_p2l, new.phy2log, active, readers):
+        a = np.ascontiguousarray(a)
+        h.update(repr((a.dtype.str, a.shape)).encode())
+        h.update(a.tobytes())
     return h.hexdigest()[:16]
