@@ -34,11 +34,9 @@ per phase (a single move's fan-out excepted).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import marshal
-import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -289,13 +287,10 @@ class RelocationPlan:
         return list(self.read_experts)
 
 
-def _components(same_layout: dict, world: int, read_cols: set[tuple[int, int]],
-                readers: np.ndarray) -> tuple[np.ndarray, dict[int, list[int]]]:
-    """``(component int64[world], {id(layout): [component of each column]})``: the connected
-    components of ranks joined by holding slots in the same column of some layer (union by
-    lowest rank; -1 for ranks holding nothing). All ranks form one component when a column in
-    ``read_cols`` ((id(layout), column) that must read from the checkpoint) has no reader in
-    its component (``readers``: ``bool[world]``)."""
+def _components(same_layout: dict, world: int) -> tuple[np.ndarray, dict[int, list[int]]]:
+    """``(component int64[world], {id(layout): [a rank of each column]})``: the connected
+    components of ranks joined by holding slots in the same column of some layer, numbered by
+    lowest rank (-1 for ranks holding nothing)."""
     parent = list(range(world))
 
     def find(x: int) -> int:
@@ -305,7 +300,7 @@ def _components(same_layout: dict, world: int, read_cols: set[tuple[int, int]],
         return x
 
     held = np.zeros(world, dtype=bool)
-    firsts: dict[int, list[int]] = {}  # id(layout) -> a rank of each column
+    firsts: dict[int, list[int]] = {}
     for key, (lay, _) in same_layout.items():
         firsts[key] = []
         if len(lay.rank):
@@ -316,18 +311,21 @@ def _components(same_layout: dict, world: int, read_cols: set[tuple[int, int]],
             a = find(ranks[0])
             for r in ranks[1:]:
                 b = find(r)
-                if a != b:
+                if a != b:  # union by lowest rank: roots are the components' lowest ranks
                     a, b = min(a, b), max(a, b)
                     parent[b] = a
     root = np.asarray([find(r) for r in range(world)], dtype=np.int64)
     comp = np.full(world, -1, dtype=np.int64)
     comp[held] = np.searchsorted(np.unique(root[held]), root[held])
-    for key, c in read_cols:
-        k = comp[firsts[key][c]]
-        if not readers[comp == k].any():
-            comp[:] = 0  # a reader elsewhere must serve this column: one plan for the job
-            break
-    return comp, {key: comp[f].tolist() if f else [] for key, f in firsts.items()}
+    return comp, firsts
+
+
+def _unread(comp: np.ndarray, firsts: dict[int, list[int]], read_cols: set[tuple[int, int]],
+            readers: np.ndarray) -> bool:
+    """Whether a column in ``read_cols`` ((id(layout), column) that reads from the checkpoint)
+    has no reader (``readers``: ``bool[world]``) in its component: a reader elsewhere must
+    serve it, and the job is then planned as one component."""
+    return any(not readers[comp == comp[firsts[key][c]]].any() for key, c in read_cols)
 
 
 def _pack_components(moves: list[Move], move_comp: list[int], keys: Keys, read_keys, write_keys, group_of,
@@ -520,7 +518,7 @@ def _holdings_key(t: ExpertTensor) -> bytes | None:
 
 
 def _layer_needs(lay: _Layout, layers: list[int], new_p2l: np.ndarray, old_p2l: np.ndarray, num_experts: int,
-                 keys: "Keys", holders: bool) -> list[tuple]:
+                 keys: "Keys", holders: bool, col_ok: np.ndarray | None = None) -> list[tuple]:
     """What the layers ``layers`` (all of layout ``lay``) need, one numpy pass for all of them.
 
     A (rank, slot) row of ``lay`` *needs* its new expert when that differs from the old one; its
@@ -531,7 +529,10 @@ def _layer_needs(lay: _Layout, layers: list[int], new_p2l: np.ndarray, old_p2l: 
     - ``key``, ``rank``, ``slot``, ``write``: lists over the needing rows, by key, then rank and
       slot ascending; ``write`` the :class:`Keys` key of the slot (its part group 0);
     - ``(key, rank, slot)``: lists over the rows of live ranks holding a needed key in the old
-      placement (in ``lay`` order); empty with ``holders=False``.
+      placement (in ``lay`` order); empty with ``holders=False``;
+    - ``lost``: the needed keys no live rank holds, ascending (of every column).
+
+    ``col_ok`` (``bool[columns]``): keep only the needs and holders of these columns.
     """
     rows = np.asarray(layers, dtype=np.int64)
     new_e = new_p2l[rows][:, lay.slot]  # int[len(layers), n]
@@ -555,6 +556,15 @@ def _layer_needs(lay: _Layout, layers: list[int], new_p2l: np.ndarray, old_p2l: 
         hli, hj, hkey = hli[keep], hj[keep], hkey[keep]
     else:
         hli = hj = hkey = np.zeros(0, dtype=np.int64)
+    lost = np.setdiff1d(li * span + key, hli * span + hkey)  # unique, ascending: layer-major
+    lcut = np.searchsorted(lost, np.arange(len(layers) + 1) * span).tolist()
+    lost = (lost % span).tolist()
+    if col_ok is not None:
+        ok = col_ok[lay.col[j]]
+        li, j, key, write = li[ok], j[ok], key[ok], write[ok]
+        cut = np.searchsorted(li, np.arange(len(layers) + 1)).tolist()
+        ok = col_ok[lay.col[hj]]
+        hli, hj, hkey = hli[ok], hj[ok], hkey[ok]
     hcut = np.searchsorted(hli, np.arange(len(layers) + 1)).tolist()
     key_l, rank_l, slot_l, write_l = key.tolist(), lay.rank[j].tolist(), lay.slot[j].tolist(), write.tolist()
     hkey_l, hrank_l, hslot_l = hkey.tolist(), lay.rank[hj].tolist(), lay.slot[hj].tolist()
@@ -564,7 +574,7 @@ def _layer_needs(lay: _Layout, layers: list[int], new_p2l: np.ndarray, old_p2l: 
         a, b = cut[x], cut[x + 1]
         ha, hb = hcut[x], hcut[x + 1]
         out.append((bad, key_l[a:b], rank_l[a:b], slot_l[a:b], write_l[a:b],
-                    (hkey_l[ha:hb], hrank_l[ha:hb], hslot_l[ha:hb])))
+                    (hkey_l[ha:hb], hrank_l[ha:hb], hslot_l[ha:hb]), lost[lcut[x]:lcut[x + 1]]))
     return out
 
 
@@ -649,10 +659,18 @@ def _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops, 
     same_layout: dict[int, tuple[_Layout, list]] = {}
     for layer, lay in lay_of.items():
         same_layout.setdefault(id(lay), (lay, []))[1].append(layer)
-    needs_of: dict[int, tuple] = {}
-    for lay, layers in same_layout.values():
-        needs_of.update(zip(layers, _layer_needs(lay, layers, new.phy2log, old_p2l, num_experts, keys,
-                                                 not from_checkpoint)))
+    comp, firsts = _components(same_layout, world)
+
+    def needs(keep: int | None) -> dict[int, tuple]:
+        # keep: only the columns of that component (a plan for one rank), None: all.
+        out: dict[int, tuple] = {}
+        for key, (lay, layers) in same_layout.items():
+            col_ok = None if keep is None else comp[firsts[key]] == keep if firsts[key] else np.zeros(0, dtype=bool)
+            out.update(zip(layers, _layer_needs(lay, layers, new.phy2log, old_p2l, num_experts, keys,
+                                                not from_checkpoint, col_ok)))
+        return out
+
+    needs_of = needs(None if rank is None else int(comp[rank]))
 
     # Every check of every layer, in layer order, before any planning: a plan for one rank
     # raises what the whole job's raises. Experts that no live rank holds are read.
@@ -662,14 +680,13 @@ def _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops, 
         if layer not in lay_of:
             raise failed
         lay = lay_of[layer]
-        bad, nk, _, _, _, hold = needs_of[layer]
+        bad, _, _, _, _, _, lost = needs_of[layer]
         if bad is not None:
             e, s, r = bad
             raise ValueError(
                 f"the new placement puts logical expert {e} in slot {s} of layer {layer}, "
                 f"which rank {r} holds, but rank {r} is not active"
             )
-        lost = sorted(set(nk).difference(hold[0]))
         if lost and not reader_list:
             c, e = divmod(lost[0], num_experts)
             old_row = old_p2l[layer]
@@ -687,9 +704,12 @@ def _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops, 
             c, e = divmod(k, num_experts)
             read_cols.add((id(lay), c))
             disk.add((int(layer), int(e)))
-    comp, col_comp = _components(same_layout, world, read_cols, readers)
+    if _unread(comp, firsts, read_cols, readers):
+        comp[:] = 0  # one component: its needs are every column's
+        if rank is not None:
+            needs_of = needs(None)
+    col_comp = {key: comp[f].tolist() if f else [] for key, f in firsts.items()}
     comp_l = comp.tolist()
-    keep = None if rank is None else comp_l[rank]  # the component planned (-1: none)
     comp_readers: dict[int, list[int]] = {}
     for r in reader_list:
         comp_readers.setdefault(comp_l[r], []).append(r)
@@ -700,14 +720,8 @@ def _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops, 
         columns[layer] = cols  # shared by the layers of a layout (read only)
         for c, groups in enumerate(lay.groups):
             parts[(layer, c)] = tuple(tuple(Part(lt[k], box) for k, box in g) for g in groups)
-        _, nk, nr, ns_, wk, hold = needs_of[layer]
+        _, nk, nr, ns_, wk, hold, _ = needs_of[layer]  # with rank: its component's columns only
         ccomp = col_comp[id(lay)]  # component of each column
-        if keep is not None:  # only the rank's component: its columns' needs and holders
-            ok = [x == keep for x in ccomp]
-            sel = [j for j, k in enumerate(nk) if ok[k // num_experts]]
-            nk, nr, ns_, wk = [nk[j] for j in sel], [nr[j] for j in sel], [ns_[j] for j in sel], [wk[j] for j in sel]
-            hsel = [j for j, k in enumerate(hold[0]) if ok[k // num_experts]]
-            hold = tuple([x[j] for j in hsel] for x in hold)
         if lay.rank_objs is not None:
             nr = [lay.rank_objs[r] for r in nr]
             hold = (hold[0], [lay.rank_objs[r] for r in hold[1]], hold[2])
@@ -1016,48 +1030,33 @@ def _as_schedule(plan: RelocationPlan, old_p2l: np.ndarray, max_ops: int, rank: 
     )
 
 
-def _repr_formatter(cls, raw: str):
-    """``(format, get)``: ``format(*get(obj), raw=text)`` is ``repr(obj)`` for an instance ``obj``
-    of dataclass ``cls`` whose field ``raw`` has the repr ``text`` (``get`` leaves it out)."""
-    names = [f.name for f in dataclasses.fields(cls) if f.repr]
-    rest = [n for n in names if n != raw]
-    fields = ", ".join(f"{n}={{raw}}" if n == raw else f"{n}={{{rest.index(n)}!r}}" for n in names)
-    return f"{cls.__qualname__}({fields})".format, operator.attrgetter(*rest)
-
-
-def _tuple_repr(items: list[str]) -> str:
-    """``repr`` of a tuple whose items' reprs are ``items``."""
-    return f"({items[0]},)" if len(items) == 1 else "(" + ", ".join(items) + ")"
-
-
 # Part of every fingerprint: plans of another planning rule must not pass for equal ones.
 _RULE = b"moeshard.relocation/components-1"
 
 
 def _fingerprint(plan: RelocationPlan, hkeys: list[bytes | None], old_p2l: np.ndarray, new: Placement,
                  active: np.ndarray, readers: np.ndarray, from_checkpoint: bool) -> str:
-    """sha256 of what the plan is planned from: the topology, budgets, tensors (their reprs;
-    tensors with the same holdings -- ``hkeys``: :func:`_holdings_key` of each -- format them
-    once), both placements, the live ranks and readers (the planner is pure and deterministic:
-    equal inputs give equal plans). The same for the whole job's plan and every rank's."""
+    """sha256 of what the plan is planned from: the topology, budgets, tensors (their fields,
+    and the digest of their holdings' bytes -- ``hkeys``: :func:`_holdings_key` of each, one
+    digest per distinct holdings; the repr of a tensor without), both placements, the live
+    ranks and readers (the planner is pure and deterministic: equal inputs give equal plans).
+    The same for the whole job's plan and every rank's."""
     h = hashlib.sha256(_RULE)
     h.update(repr((plan.topology.world_size, plan.topology.local_world_size, plan.staging_bytes, plan.max_ops,
                    bool(from_checkpoint), new.num_logical, new.num_ranks)).encode())
     if plan.topology.nodes is not None:  # uneven nodes (a process group of some ranks)
         h.update(repr(plan.topology.nodes).encode())
-    fmt, get = _repr_formatter(ExpertTensor, raw="holdings")
-    held: dict[bytes, str] = {}
-    out = []
+    held: dict[bytes, bytes] = {}  # holdings bytes -> their digest (layers share holdings)
     for i, t in enumerate(plan.tensors):
         hk = hkeys[i]
         if type(t) is not ExpertTensor or hk is None:
-            out.append(repr(t))
+            h.update(repr(t).encode())
             continue
-        text = held.get(hk)
-        if text is None:
-            text = held[hk] = repr(t.holdings)
-        out.append(fmt(*get(t), raw=text))
-    h.update(_tuple_repr(out).encode())
+        digest = held.get(hk)
+        if digest is None:
+            digest = held[hk] = hashlib.sha256(hk).digest()
+        h.update(repr((t.layer, t.name, t.slice_shape, t.itemsize)).encode())
+        h.update(digest)
     for a in (old_p2l, new.phy2log, active, readers):
         a = np.ascontiguousarray(a)
         h.update(repr((a.dtype.str, a.shape)).encode())
