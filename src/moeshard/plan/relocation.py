@@ -3,7 +3,10 @@
 Input: the expert tensors of every MoE layer as plain records (:class:`ExpertTensor`: which
 rank holds which slots and which box of the per-expert slice), the old and new
 :class:`~moeshard.placement.Placement`, the live ranks and the ranks that can read the
-checkpoint. No communication, same answer on every rank, any world size.
+checkpoint. No communication, same answer on every rank, any world size. With ``rank``, only
+the *component* that rank takes part in is planned (ranks holding slots of the same box
+column of a layer move data only among themselves; see :class:`RelocationPlan`): what a rank
+that runs the plan needs, at a cost that grows with its component, not with the world.
 
 What moves. A rank *needs* logical expert ``e`` in slot ``s`` when the new placement puts
 ``e`` there and the old one did not. Each need is met, in this order of preference, by
@@ -261,17 +264,18 @@ class RelocationPlan:
 
     @functools.cached_property
     def schedule(self) -> Schedule:
-        """The whole job's plan as the runner's :class:`Schedule` (built on first use:
-        evaluating policies or costing a plan does not need it). A rank that runs the plan
-        needs only :meth:`schedule_for` its rank."""
+        """The plan as the runner's :class:`Schedule`, every rank's rows (of the job, or of a
+        rank's component for a plan with ``rank``; built on first use: evaluating policies or
+        costing a plan does not need it). A rank that runs the plan needs only
+        :meth:`schedule_for` its rank."""
         assert self.old_phy2log is not None
         return _as_schedule(self, self.old_phy2log, self.max_ops)
 
     def schedule_for(self, rank: int) -> Schedule:
         """What rank ``rank`` runs of the plan: a :class:`Schedule` with ``rank`` set that
         holds only the pieces, views, copies, reads, sends and deliveries of that rank, in
-        the whole job's order (so both ends of every send post it at the same position of
-        their round's batch); ``cost`` is the whole job's and the fingerprint the plan's.
+        the plan's order (so both ends of every send post it at the same position of their
+        round's batch); ``cost`` is the plan's and the fingerprint the plan's.
         Rounds keep the whole job's numbers. O(moves) to find the rank's moves, then
         O(the rank's rows): at 8,192 ranks a fraction of :attr:`schedule`'s time and memory.
         Not cached: the caller keeps it for the run."""
