@@ -181,6 +181,11 @@ def model_worker(root: str) -> dict:
         new = tiny_moe.shuffled_placement(num_moe, E, ep, old.num_physical, seed=ep)
         rep = moeshard.relocate(model, old, new)
         out[(ep, efsdp, "rebalance")] = (tiny_moe.compare(model, ckpt, new), rep.copies, rep.disk_experts)
+        # The job's counters (with expert-FSDP 2 each rank plans only its shard's component, and
+        # the report adds the components up): one box written per changed slot and shard.
+        changed = int(((new.phy2log != old.phy2log) & (new.phy2log >= 0)).sum())
+        out[(ep, efsdp, "counters")] = (sum(rep.copies.values()), efsdp * changed, rep.plan,
+                                        rep.network_bytes == rep.min_network_bytes > 0)
         moeshard.verify(model, path, placement=new)
         # EP rank 1 dies: its experts move to live ranks, from live copies or from disk.
         alive = np.ones(ep, dtype=bool)
@@ -209,7 +214,11 @@ def test_model_rebalance_and_dead_rank(tmp_path):
     results = run_ranks(model_worker, str(tmp_path), world=WORLD, local_world=4, timeout=300)
     for res in results:
         for key, value in res.items():
-            if key[2] == "rebalance":
+            if key[2] == "counters":
+                written, expected, summary, at_bound = value
+                assert written == expected and at_bound, key
+                assert summary == results[0][key][2], key  # the same job's figures on every rank
+            elif key[2] == "rebalance":
                 problems, copies, disk = value
                 assert problems == [], (key, problems)
                 assert disk == [] and copies["disk"] == 0
