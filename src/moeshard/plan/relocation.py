@@ -669,7 +669,7 @@ def _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops, 
         # keep: only the columns of that component (a plan for one rank), None: all.
         out: dict[int, tuple] = {}
         for key, (lay, layers) in same_layout.items():
-            col_ok = None if keep is None else comp[firsts[key]] == keep if firsts[key] else np.zeros(0, dtype=bool)
+            col_ok = None if keep is None else comp[firsts[key]] == keep
             out.update(zip(layers, _layer_needs(lay, layers, new.phy2log, old_p2l, num_experts, keys,
                                                 not from_checkpoint, col_ok)))
         return out
@@ -712,7 +712,7 @@ def _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops, 
         comp[:] = 0  # one component: its needs are every column's
         if rank is not None:
             needs_of = needs(None)
-    col_comp = {key: comp[f].tolist() if f else [] for key, f in firsts.items()}
+    col_comp = {key: comp[f].tolist() for key, f in firsts.items()}
     comp_l = comp.tolist()
     comp_readers: dict[int, list[int]] = {}
     for r in reader_list:
@@ -907,14 +907,14 @@ def _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops, 
     return plan
 
 
-def _as_schedule(plan: RelocationPlan, old_p2l: np.ndarray, max_ops: int, rank: int | None = None) -> Schedule:
+def _as_schedule(plan: RelocationPlan, old_p2l: np.ndarray, max_ops: int, only: int | None = None) -> Schedule:
     """The plan as a :class:`Schedule` (see :class:`RelocationPlan` for its conventions): the
-    whole job's, or with ``rank`` only that rank's rows (its sends from other ranks' views
+    whole job's, or with ``only`` only that rank's rows (its sends from other ranks' views
     keep view -1: only a send's source reads its view)."""
     tensors = plan.tensors
     width = 1 + max((len(x.slice_shape) for x in tensors), default=0)
     # Each rank's holding of each tensor: (first slot, slice box).
-    held = [{r: (s0, box) for r, s0, _, box in x.holdings if rank is None or r == rank} for x in tensors]
+    held = [{r: (s0, box) for r, s0, _, box in x.holdings if only is None or r == only} for x in tensors]
     pieces: dict[tuple, int] = {}
     p_key, p_off, p_len, p_bytes = [], [], [], []
     views: dict[tuple, int] = {}
@@ -950,21 +950,19 @@ def _as_schedule(plan: RelocationPlan, old_p2l: np.ndarray, max_ops: int, rank: 
         return v
 
     moves = plan.moves
-    if rank is None:
+    if only is None:
         mine = None
     else:
-        # The moves rank ``rank`` takes part in: it reads, sends, relays or writes (a local
-        # copy and a receiver write). The part groups of one expert's column share their tuples
-        # (the planner builds them once): each distinct combination is tested once (the moves
-        # hold the tuples, so their ids stay unique for the loop).
+        # The moves rank ``only`` takes part in. The part groups of one expert's column share
+        # their tuples (the planner builds them once): each distinct combination is tested once
+        # (the moves hold the tuples, so their ids stay unique for the loop).
         seen: dict[tuple, bool] = {}
         mine = set()
         for i, m in enumerate(moves):
-            k = (id(m.writes), id(m.sends), id(m.relays), m.read)
+            k = (id(m.copies), id(m.writes), id(m.sends), id(m.relays), m.read)
             hit = seen.get(k)
             if hit is None:
-                hit = seen[k] = (m.read == rank or any(r == rank for r, _ in m.writes)
-                                 or any(a == rank for a, _, _ in m.sends) or any(a == rank for a, _ in m.relays))
+                hit = seen[k] = only in m.ranks()
             if hit:
                 mine.add(i)
 
@@ -973,7 +971,7 @@ def _as_schedule(plan: RelocationPlan, old_p2l: np.ndarray, max_ops: int, rank: 
         a, b = 2 * k, 2 * k + 1
         for i in rnd.stashes:
             st = plan.stashes[i]
-            if rank is not None and st.rank != rank:
+            if only is not None and st.rank != only:
                 continue
             stashed.add((st.rank, st.layer, st.slot, st.part))
             col = plan.columns[st.layer][st.rank][0]
@@ -986,22 +984,22 @@ def _as_schedule(plan: RelocationPlan, old_p2l: np.ndarray, max_ops: int, rank: 
             m = moves[i]
             for part in plan.parts[(m.layer, m.column)][m.part]:
                 pid = piece(part.tensor, m.expert, part.box, m.column)
-                if m.read >= 0 and (rank is None or m.read == rank):
+                if m.read >= 0 and (only is None or m.read == only):
                     reads.append((m.read, pid, a))
                 for r, s in m.copies:
-                    if (rank is None or r == rank) and (r, m.layer, s, m.part) not in stashed:
+                    if (only is None or r == only) and (r, m.layer, s, m.part) not in stashed:
                         # (a stash is already this piece's buffer)
                         copies.append((view(r, part.tensor, s, part.box), pid, a))
                 for src, s, dst in m.sends:
-                    if rank is not None and rank != src and rank != dst:
+                    if only is not None and only != src and only != dst:
                         continue
-                    from_view = s >= 0 and (rank is None or src == rank) and (src, m.layer, s, m.part) not in stashed
+                    from_view = s >= 0 and (only is None or src == only) and (src, m.layer, s, m.part) not in stashed
                     sends.append((src, dst, pid, a, view(src, part.tensor, s, part.box) if from_view else -1))
                 for src, dst in m.relays:
-                    if rank is None or rank == src or rank == dst:
+                    if only is None or only == src or only == dst:
                         sends.append((src, dst, pid, b, -1))
                 for r, slots in m.writes:
-                    if rank is None or r == rank:
+                    if only is None or r == only:
                         for s in slots:
                             dlv.append((pid, r, part.tensor, local_off(r, part.tensor, s, part.box), b))
 
@@ -1030,7 +1028,7 @@ def _as_schedule(plan: RelocationPlan, old_p2l: np.ndarray, max_ops: int, rank: 
         view_rank=np.asarray(v_rank, np.int32), view_param=np.asarray(v_param, np.int32),
         view_slot=np.full(len(v_rank), -1, i64), view_off=np.asarray(v_off, i64).reshape(-1, width),
         copy_view=col(copies, 0, np.int32), copy_piece=col(copies, 1, np.int32), copy_round=col(copies, 2, i64),
-        rank=rank, basis=None if rank is None else plan.fingerprint,
+        rank=only, basis=None if only is None else plan.fingerprint,
     )
 
 
