@@ -5,10 +5,12 @@ world sizes (8 ranks per node, EP = min(256, W), expert-FSDP = W / EP, as ``benc
 The model's parameter descriptions are synthesized as ``moeshard plan`` builds them (no torch model,
 no process group); then ``describe_outputs`` (every checkpoint tensor and every rank's boxes of it)
 and ``plan_save`` (writers, files, transfers, batches, the schedule and its fingerprint) are timed.
-Each world size runs in a process of its own (its peak RSS is its own). With ``--compare SRC_TREE``
-the same runs use another source tree's package too (``SRC_TREE/src`` first on PYTHONPATH, e.g. a
-worktree of an older commit), interleaved, and the fingerprints of both are printed: equal
-fingerprints mean the same plan.
+Then the schedule one rank runs (``SavePlan.schedule_for``; rank 3) is built and timed. Each
+world size runs in a process of its own (its peak RSS is its own). With ``--compare SRC_TREE`` the
+same runs use another source tree's package too (``SRC_TREE/src`` first on PYTHONPATH, e.g. a
+worktree of an older commit), interleaved. ``same`` is a digest of what the plan makes rank 3 do
+(every tensor's writer, file and offset; its sends, copies and deliveries with their boxes and
+rounds; the job's counters), made alike in both trees: equal digests mean rank 3 runs the same.
 
     python -m benchmarks.bench_save_plan [--worlds 64,256,1024] [--compare /path/to/old/tree]
 """
@@ -26,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "docs" / "deepseek_v3_config.json"
+RANK = 3  # the rank whose schedule is built (any rank: every rank plans alike)
 
 
 def one(world: int) -> dict:
@@ -46,14 +49,42 @@ def one(world: int) -> dict:
     # save describes a torch model: torch dtypes, where moeshard plan's descriptions carry names
     descs = [dataclasses.replace(d, dtype=getattr(torch, TORCH_NAMES[d.dtype]))
              for d in synthesize_descs(layout, index, cluster)]
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     t = time.perf_counter()
     outs = describe_outputs(descs, placement, world, index)
     t1 = time.perf_counter()
     plan = plan_save(outs, world, 5 << 30, 256 << 20)
     t2 = time.perf_counter()
-    return dict(world=world, tensors=len(outs), describe_s=t1 - t, plan_s=t2 - t1, total_s=t2 - t,
+    # What one rank runs: its rows of the schedule (a tree without schedule_for built the whole
+    # job's schedule inside plan_save).
+    mine = plan.schedule_for(RANK) if hasattr(plan, "schedule_for") else plan.schedule
+    t3 = time.perf_counter()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return dict(world=world, rank=RANK, tensors=len(outs), describe_s=t1 - t, plan_s=t2 - t1, schedule_s=t3 - t2,
+                total_s=t3 - t, rank_sends=int(((mine.send_src == RANK) | (mine.send_dst == RANK)).sum()),
                 transfers=int(plan.cost.num_p2p_ops), batches=int(plan.cost.num_batches), files=len(plan.files),
-                fingerprint=plan.fingerprint, peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+                fingerprint=plan.fingerprint, same=rank_digest(plan, mine, RANK), peak_rss_mib=peak,
+                rss_growth_mib=peak - rss0)
+
+
+def rank_digest(plan, s, rank: int) -> str:
+    """sha256 of what ``plan`` makes ``rank`` do, with ``s`` a schedule holding its rows (piece
+    ids spelled out as boxes: they differ between a rank's schedule and the job's)."""
+    import hashlib
+
+    m = s.for_rank(rank)
+    box = [tuple(s.piece_key.tolist()), s.piece_off.tolist(), s.piece_len.tolist()]
+
+    def piece(p: int):
+        return box[0][p], box[1][p], box[2][p]
+
+    h = hashlib.sha256(repr([(t.key, t.writer, t.file, t.offset) for t in plan.tensors]).encode())
+    h.update(repr(plan.cost.summary()).encode())
+    h.update(repr([(int(s.send_round[i]), int(s.send_src[i]), int(s.send_dst[i]), piece(int(s.send_piece[i])))
+                   for i in m.sends]).encode())
+    h.update(repr([piece(int(s.copy_piece[i])) for i in m.copies]).encode())
+    h.update(repr(sorted((piece(int(s.dlv_piece[i])), s.dlv_off[i].tolist()) for i in m.deliveries)).encode())
+    return h.hexdigest()[:16]
 
 
 def run(world: int, tree: Path) -> dict:
@@ -75,13 +106,14 @@ def main(argv=None) -> None:
         return
     sides = [("this", ROOT)] + ([("compare", args.compare.resolve())] if args.compare else [])
     rows = []
-    print(f"{'ranks':>7} {'tree':<8} {'describe s':>11} {'plan s':>8} {'total s':>8} {'peak MiB':>9}  fingerprint")
+    print(f"{'ranks':>7} {'tree':<8} {'describe s':>11} {'plan s':>8} {'sched s':>8} {'total s':>8} {'peak MiB':>9} "
+          f"{'+MiB':>6}  same")
     for world in (int(w) for w in args.worlds.split(",")):
         for name, tree in sides:
             r = dict(run(world, tree), tree=name)
             rows.append(r)
-            print(f"{world:>7,} {name:<8} {r['describe_s']:>11.2f} {r['plan_s']:>8.2f} {r['total_s']:>8.2f} "
-                  f"{r['peak_rss_mib']:>9.0f}  {r['fingerprint']}")
+            print(f"{world:>7,} {name:<8} {r['describe_s']:>11.2f} {r['plan_s']:>8.2f} {r['schedule_s']:>8.2f} "
+                  f"{r['total_s']:>8.2f} {r['peak_rss_mib']:>9.0f} {r['rss_growth_mib']:>6.0f}  {r['same']}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rows, indent=1))
     print(f"wrote {args.out}")

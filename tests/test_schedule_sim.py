@@ -372,6 +372,13 @@ def test_save_schedules_simulated():
         for (r, t), b in staged.items():
             assert b <= min(budget, plan.cost.peak_staging_bytes[r]), (seed, r, t, b)
         assert max(ops.values(), default=0) <= max_ops, seed
+        for r in range(world):  # what a rank runs (save uses schedule_for) is its rows of the job's schedule
+            own = plan.schedule_for(r)
+            assert own.rank == r and own.fingerprint == plan.fingerprint and own.cost is not None, seed
+            assert rank_rows(own, r) == rank_rows(plan.schedule, r), (seed, r)
+            assert set(own.dlv_rank.tolist()) <= {r} and len(own.piece_key) <= len(plan.schedule.piece_key), seed
+        with pytest.raises(ValueError, match="outside"):
+            plan.schedule_for(world)
 
 
 def test_tensor_schedules_simulated():
@@ -396,6 +403,11 @@ def test_tensor_schedules_simulated():
                     segments[-1].append((r, t, lbox, box))
         writers, budget = rng.integers(world, size=num).tolist(), int(rng.choice([1, 32, 100, 10**6]))
         s = tensor_schedule([f"t{t}" for t in range(num)], shapes, itemsizes, segments, writers, world, budget)
+        for r in range(world):  # a rank's own schedule (what save_adapter runs) is its rows of the job's
+            own = tensor_schedule([f"t{t}" for t in range(num)], shapes, itemsizes, segments, writers, world, budget,
+                                  rank=r)
+            assert own.rank == r and rank_rows(own, r) == rank_rows(s, r), (seed, r)
+            assert own.cost.summary() == s.cost.summary() and own.num_rounds == s.num_rounds, (seed, r)
         sink = {r: [np.full(sh, np.nan) for sh in shapes] for r in range(world)}
         counts, staged, _ = simulate(s, local, sink)
         check_written(sink, counts, truth, writers)

@@ -389,7 +389,8 @@ def _write_tensors(items, segs, writers, offsets, data_start, locals_, path, ran
     writers assemble their tensors and write them at their offsets."""
     world = _dist.rank_and_world()[1]
     schedule = tensor_schedule([t.key for t, _ in items], [tuple(t.shape) for t, _ in items],
-                               [d.dtype.itemsize for _, d in items], segs, writers, world, staging_bytes)
+                               [d.dtype.itemsize for _, d in items], segs, writers, world, staging_bytes,
+                               rank=rank)
     device = next((x.device for x in locals_ if x is not None), torch.device("cpu"))
     fd = os.open(path, os.O_WRONLY) if rank in writers else None
     try:

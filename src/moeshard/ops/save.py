@@ -59,6 +59,7 @@ from ..models.layout import (
 from ..placement import Placement
 from ..plan import DEFAULT_STAGING_BYTES
 from ..plan.save import SavePlan, describe_outputs, plan_save
+from ..plan.schedule import Schedule
 from ..progress import Progress, progress_enabled
 from ..topology import Topology
 from .load import _read_peak_rss, _reset_peak_rss, _ru_maxrss_bytes, target_device
@@ -470,14 +471,14 @@ def _to_host(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Te
 class _ViewSource(Source):
     """A save reads nothing from storage: every piece is a view of a holder's local tensor."""
 
-    def __init__(self, plan: SavePlan, dests, rank: int):
-        self.plan, self.local = plan, LocalTensors(plan.schedule, dests, rank)
+    def __init__(self, plan: SavePlan, schedule: Schedule, dests, rank: int):
+        self.plan, self.s, self.local = plan, schedule, LocalTensors(schedule, dests, rank)
 
     def view(self, v: int, pid: int) -> torch.Tensor:
         return self.local.view(v, pid)
 
     def dtype(self, pid: int) -> torch.dtype:
-        return DTYPES[self.plan.tensors[int(self.plan.schedule.piece_key[pid])].dtype]
+        return DTYPES[self.plan.tensors[int(self.s.piece_key[pid])].dtype]
 
 
 class _FileSink(Sink):
@@ -485,8 +486,8 @@ class _FileSink(Sink):
     place in the tensor's file. After the first failed write it writes nothing more (the
     save is undone), but the runner goes on sending, so no peer is left waiting."""
 
-    def __init__(self, plan: SavePlan, writers: dict, device: torch.device, bar, failure: list):
-        self.plan, self.s, self.writers, self.device, self.bar = plan, plan.schedule, writers, device, bar
+    def __init__(self, plan: SavePlan, schedule: Schedule, writers: dict, device: torch.device, bar, failure: list):
+        self.plan, self.s, self.writers, self.device, self.bar = plan, schedule, writers, device, bar
         self.failure = failure
         self.written = 0
 
@@ -519,8 +520,9 @@ def _write_shards(plan: SavePlan, rank: int, dests, device: torch.device, tmp: P
             created.append(path)
     except Exception as e:  # noqa: BLE001 - reported on every rank
         failure.append(e)
-    sink = _FileSink(plan, writers, device, bar, failure)
-    stats = execute_schedule(plan.schedule, rank, _ViewSource(plan, dests, rank), sink, device,
+    schedule = plan.schedule_for(rank)  # this rank's rows only (the job's are O(transfers))
+    sink = _FileSink(plan, schedule, writers, device, bar, failure)
+    stats = execute_schedule(schedule, rank, _ViewSource(plan, schedule, dests, rank), sink, device,
                              what="moeshard.save: sending the boxes to their writers")
     for e in stats.failures:
         if e not in failure:

@@ -125,13 +125,20 @@ class SaveCost:
 
 @dataclass(frozen=True, eq=False)
 class SavePlan:
-    """Everything every rank does to save, in order. Identical on every rank.
+    """Everything every rank does to save, in order: the whole job's, as arrays. Identical on
+    every rank.
 
-    ``schedule`` is what the runner executes: its keys are the checkpoint tensors (key ``t`` =
-    ``tensors[t]``), a piece is a transfer's or local write's box; batch ``k`` is round ``k``;
-    sends read views of the holders' local tensors; a writer's own boxes are copies of round
-    -1 (straight from its tensors to the file); deliveries (param = the tensor) go to the file.
-    :attr:`batches` and :attr:`local_writes` are made from the schedule's arrays on first use.
+    :attr:`schedule` is the whole job's :class:`Schedule` (built on first use);
+    :meth:`schedule_for` is what one rank runs (its rows only). Their keys are the checkpoint
+    tensors (key ``t`` = ``tensors[t]``), a piece is a transfer's or local write's box; batch
+    ``k`` is round ``k``; sends read views of the holders' local tensors; a writer's own boxes
+    are copies of round -1 (straight from its tensors to the file); deliveries (param = the
+    tensor) go to the file. :attr:`batches` and :attr:`local_writes` are made from the plan's
+    arrays on first use.
+
+    ``fingerprint`` is a digest of what the plan is made from (the tensors, every segment, the
+    world size and the budgets): the planner is pure, so ranks that agree on it run parts of
+    one plan.
     """
 
     world_size: int
@@ -139,9 +146,26 @@ class SavePlan:
     files: tuple[SaveFile, ...]
     cost: SaveCost
     staging_bytes: int
+    max_ops: int = DEFAULT_MAX_OPS
     fingerprint: str = ""
-    schedule: Schedule | None = None
     _pieces: _Pieces | None = field(default=None, repr=False)
+    _segs: _SegTable | None = field(default=None, repr=False)
+
+    @functools.cached_property
+    def schedule(self) -> Schedule:
+        """Every rank's rows (the job's view: tests, tools). A rank that runs the plan needs
+        only :meth:`schedule_for` its rank."""
+        return _as_schedule(self)
+
+    def schedule_for(self, rank: int) -> Schedule:
+        """What rank ``rank`` runs: a :class:`Schedule` with ``rank`` set that holds only the
+        pieces it sends, receives or writes itself (with their views and copies) and its own
+        deliveries, in the plan's order (both ends of a send post it at the same position of
+        their batch); ``cost`` and the fingerprint are the plan's, rounds keep the job's
+        numbers. O(transfers) numpy to find the rank's rows, then O(its rows). Not cached."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside the plan's {self.world_size} ranks")
+        return _as_schedule(self, rank)
 
     @functools.cached_property
     def batches(self) -> tuple[tuple[Transfer, ...], ...]:
@@ -545,10 +569,8 @@ def _plan_save(outs, world, max_shard_bytes, staging_bytes, max_ops) -> SavePlan
                   (source, t))
         for t, o in enumerate(outs)
     )
-    plan = SavePlan(world, tensors, tuple(files), cost, staging_bytes, _pieces=pieces)
-    object.__setattr__(plan, "fingerprint", _fingerprint(plan, pieces))
-    object.__setattr__(plan, "schedule", _as_schedule(plan, pieces, segs, max_ops, width))
-    return plan
+    fingerprint = _fingerprint(outs, segs, seg_first, world, max_shard_bytes, staging_bytes, max_ops)
+    return SavePlan(world, tensors, tuple(files), cost, staging_bytes, max_ops, fingerprint, pieces, segs)
 
 
 class _Chosen:
@@ -567,33 +589,46 @@ class _Chosen:
         return tuple(self.segs.segment(r, len(o.shape)) for r in rows)
 
 
-def _as_schedule(plan: SavePlan, p: _Pieces, segs: _SegTable, max_ops: int, width: int) -> Schedule:
-    """The plan as a :class:`Schedule` (see :class:`SavePlan` for its conventions): piece ``i``
-    is ``p``'s row ``i`` and read through view ``i``; deliveries are in piece order."""
+def _as_schedule(plan: SavePlan, only: int | None = None) -> Schedule:
+    """The plan as a :class:`Schedule` (see :class:`SavePlan` for its conventions): the whole
+    job's, piece ``i`` = the plan's piece row ``i``, read through view ``i``, deliveries in
+    piece order; or with ``only`` the rows of that rank (the pieces it sends, receives or
+    writes, renumbered in order, and its deliveries)."""
     i32, i64 = np.int32, np.int64
-    c = plan.cost
-    x, num = len(p.round), len(p.tensor)
+    p, segs, c = plan._pieces, plan._segs, plan.cost
+    width = p.off.shape[1]
+    x = len(p.round)
+    if only is None:
+        keep = np.arange(len(p.tensor))
+    else:  # a local write has src == dst == its writer
+        keep = np.flatnonzero((p.src == only) | (p.dst == only))
+    kx = int(np.searchsorted(keep, x))  # the kept transfers come first, then the local writes
+    num = len(keep)
+    seg, dst = p.seg[keep], p.dst[keep]
+    mine = np.arange(num, dtype=i32) if only is None else np.flatnonzero(dst == only).astype(i32)
+    off = p.off[keep].astype(i64).reshape(-1, width)
     zeros = np.zeros(plan.world_size, dtype=i64)
-    off = p.off.astype(i64).reshape(-1, width)
     return Schedule(
-        topology=Topology(plan.world_size, 1), staging_bytes=plan.staging_bytes, max_ops=max_ops,
+        topology=Topology(plan.world_size, 1), staging_bytes=plan.staging_bytes, max_ops=plan.max_ops,
         keys=tuple(t.key for t in plan.tensors), key_ndim=np.asarray([len(t.shape) for t in plan.tensors], np.int8),
-        piece_key=p.tensor.astype(i32), piece_off=off, piece_len=p.len.astype(i64).reshape(-1, width),
-        piece_bytes=p.nbytes.astype(i64),
+        piece_key=p.tensor[keep].astype(i32), piece_off=off, piece_len=p.len[keep].astype(i64).reshape(-1, width),
+        piece_bytes=p.nbytes[keep].astype(i64),
         read_rank=np.zeros(0, i32), read_piece=np.zeros(0, i32), read_round=np.zeros(0, i64),
-        send_src=p.src[:x].astype(i32), send_dst=p.dst[:x].astype(i32),
-        send_piece=np.arange(x, dtype=i32), send_round=p.round.astype(i64), send_view=np.arange(x, dtype=i32),
+        send_src=p.src[keep[:kx]].astype(i32), send_dst=dst[:kx].astype(i32),
+        send_piece=np.arange(kx, dtype=i32), send_round=p.round[keep[:kx]].astype(i64),
+        send_view=np.arange(kx, dtype=i32),
         bcast_node=np.zeros(0, i32), bcast_root=np.zeros(0, i32), bcast_piece=np.zeros(0, i32),
         bcast_round=np.zeros(0, i64),
-        dlv_piece=np.arange(num, dtype=i32), dlv_rank=p.dst.astype(i32), dlv_param=p.tensor.astype(i32),
-        dlv_slot=np.full(num, -1, i64), dlv_off=off.copy(), num_rounds=c.num_batches,
+        dlv_piece=mine, dlv_rank=dst[mine].astype(i32), dlv_param=p.tensor[keep][mine].astype(i32),
+        dlv_slot=np.full(len(mine), -1, i64), dlv_off=off[mine], num_rounds=c.num_batches,
         cost=PlanCost(read_bytes=zeros, sent_bytes=c.sent_bytes, recv_bytes=c.recv_bytes,
                       peak_staging_bytes=c.peak_staging_bytes, cross_node_bytes=0, num_p2p_ops=c.num_p2p_ops,
                       num_batches=c.num_batches, num_broadcasts=0),
-        view_rank=segs.rank[p.seg].astype(i32), view_param=segs.param[p.seg].astype(i32),
-        view_slot=segs.slot[p.seg].astype(i64), view_off=(p.off + segs.delta[p.seg]).astype(i64).reshape(-1, width),
-        copy_view=np.arange(x, num, dtype=i32), copy_piece=np.arange(x, num, dtype=i32),
-        copy_round=np.full(num - x, -1, i64),
+        view_rank=segs.rank[seg].astype(i32), view_param=segs.param[seg].astype(i32),
+        view_slot=segs.slot[seg].astype(i64), view_off=(p.off[keep] + segs.delta[seg]).astype(i64).reshape(-1, width),
+        copy_view=np.arange(kx, num, dtype=i32), copy_piece=np.arange(kx, num, dtype=i32),
+        copy_round=np.full(num - kx, -1, i64),
+        rank=only, basis=None if only is None else plan.fingerprint,
     )
 
 
@@ -605,6 +640,7 @@ def tensor_schedule(
     writers: Sequence[int],
     world_size: int,
     staging_bytes: int,
+    rank: int | None = None,
 ) -> Schedule:
     """Whole tensors to their writers, as a :class:`Schedule` (pure; LoRA adapters: a few
     small tensors in one file).
@@ -614,48 +650,56 @@ def tensor_schedule(
     A piece is one segment; a holder other than the writer sends it from its view, the
     writer's own are round -1 copies; deliveries (param = ``i``) carry the tensor box.
     Tensors are packed into rounds of at most ``staging_bytes`` (at least one tensor).
+    With ``rank``: only the pieces that rank sends, receives or copies, and its deliveries
+    (``cost`` and rounds are the job's).
     """
     width = max((len(s) for s in shapes), default=1) or 1
     p_key, p_off, p_len, p_bytes = [], [], [], []
     v_rank, v_param, v_off = [], [], []
     sends, copies, dlv = [], [], []
-    rnd, size = 0, 0
+    sent = np.zeros(world_size, dtype=np.int64)
+    recv = np.zeros(world_size, dtype=np.int64)
+    held: dict[tuple[int, int], int] = {}  # (rank, round) -> bytes received in it
+    rnd, size, num_sends = 0, 0, 0
     for i, segs in enumerate(segments):
         n = math.prod(shapes[i]) * itemsizes[i]
         if size and size + n > staging_bytes:
             rnd, size = rnd + 1, 0
         size += n
+        w = writers[i]
         for holder, local, lbox, box in segs:
+            nbytes = box_numel(box) * itemsizes[i]
+            if holder != w:  # the job's counters, whichever rows are kept
+                num_sends += 1
+                sent[holder] += nbytes
+                recv[w] += nbytes
+                held[(w, rnd)] = held.get((w, rnd), 0) + nbytes
+            if rank is not None and rank != holder and rank != w:
+                continue
             pid = len(p_key)
             pad = [0] * (width - len(box))
             p_key.append(i)
             p_off.append([o for o, _ in box] + pad)
             p_len.append([m for _, m in box] + [1] * len(pad))
-            p_bytes.append(box_numel(box) * itemsizes[i])
+            p_bytes.append(nbytes)
             v = len(v_rank)
             v_rank.append(holder)
             v_param.append(local)
             v_off.append([o for o, _ in lbox] + [0] * (width - len(lbox)))
-            if holder == writers[i]:
+            if holder == w:
                 copies.append((v, pid))
             else:
-                sends.append((holder, writers[i], pid, rnd, v))
-            dlv.append((pid, writers[i], i))
+                sends.append((holder, w, pid, rnd, v))
+            if rank is None or rank == w:
+                dlv.append((pid, w, i))
     dlv.sort()
     i32, i64 = np.int32, np.int64
-    sent = np.zeros(world_size, dtype=i64)
-    recv = np.zeros(world_size, dtype=i64)
-    held: dict[tuple[int, int], int] = {}  # (rank, round) -> bytes received in it
-    for src, dst, pid, r, _ in sends:
-        sent[src] += p_bytes[pid]
-        recv[dst] += p_bytes[pid]
-        held[(dst, r)] = held.get((dst, r), 0) + p_bytes[pid]
     peak = np.zeros(world_size, dtype=i64)
     for (dst, _), b in held.items():
         peak[dst] = max(peak[dst], b)
     off = np.asarray(p_off, i64).reshape(-1, width)
     return Schedule(
-        topology=Topology(world_size, 1), staging_bytes=staging_bytes, max_ops=max(2, len(sends)),
+        topology=Topology(world_size, 1), staging_bytes=staging_bytes, max_ops=max(2, num_sends),
         keys=tuple(keys), key_ndim=np.asarray([len(s) for s in shapes], np.int8),
         piece_key=np.asarray(p_key, i32), piece_off=off, piece_len=np.asarray(p_len, i64).reshape(-1, width),
         piece_bytes=np.asarray(p_bytes, i64),
@@ -669,12 +713,14 @@ def tensor_schedule(
         dlv_param=np.asarray([x[2] for x in dlv], i32), dlv_slot=np.full(len(dlv), -1, i64),
         dlv_off=off[[x[0] for x in dlv]].reshape(-1, width), num_rounds=rnd + 1,
         cost=PlanCost(read_bytes=np.zeros(world_size, dtype=i64), sent_bytes=sent, recv_bytes=recv,
-                      peak_staging_bytes=peak, cross_node_bytes=0, num_p2p_ops=len(sends),
+                      peak_staging_bytes=peak, cross_node_bytes=0, num_p2p_ops=num_sends,
                       num_batches=rnd + 1, num_broadcasts=0),
         view_rank=np.asarray(v_rank, i32), view_param=np.asarray(v_param, i32),
         view_slot=np.full(len(v_rank), -1, i64), view_off=np.asarray(v_off, i64).reshape(-1, width),
         copy_view=np.asarray([x[0] for x in copies], i32), copy_piece=np.asarray([x[1] for x in copies], i32),
-        copy_round=np.full(len(copies), -1, i64),
+        copy_round=np.full(len(copies), -1, i64), rank=rank,
+        basis=None if rank is None else hashlib.sha256(repr((
+            keys, shapes, itemsizes, segments, writers, world_size, staging_bytes)).encode()).hexdigest()[:16],
     )
 
 
@@ -699,58 +745,20 @@ def _check_tiling(key: str, shape: tuple[int, ...], boxes: list[Box], nbytes: in
         raise ValueError(f"tensor {key!r}: the ranks' boxes are not a grid over shape {list(shape)}")
 
 
-def _int_strs(values: np.ndarray) -> np.ndarray:
-    """``object[...]``: ``str`` of each integer of ``values``; through a table of the strings of
-    ``0 .. max`` where that is small (``str`` of each of a million integers is the slow part)."""
-    lo, hi = int(values.min(initial=0)), int(values.max(initial=0))
-    if lo >= 0 and hi < 1 << 22:
-        return np.array(list(map(str, range(hi + 1))), dtype=object)[values]
-    return np.array(list(map(str, values.ravel().tolist())), dtype=object).reshape(values.shape)
+_RULE = b"moeshard.plan.save/inputs-1"  # changes with the planner's rules: old and new ranks disagree
 
 
-def _rows_repr(groups: list[int], cols: list[np.ndarray], off: np.ndarray, ln: np.ndarray, ndim: np.ndarray) -> str:
-    """``repr`` of a list of lists of tuples ``(*cols, box)``: list ``i`` has ``groups[i]`` of
-    the rows in order; ``off``, ``len``: ``int64[R, W]`` the boxes, ``ndim``: ``int64[R]``
-    their dims. Made without a tuple per row: one token matrix (the columns' strings, then the
-    repr of the row's box, made once per distinct box) joined once; the lists' brackets are
-    put in the first token of each list's first row."""
-    num, c = len(ndim), len(cols)
-    if not num:
-        return "[" + ", ".join(["[]"] * len(groups)) + "]"
-    order, start = group_rows(ndim, *off.T, *ln.T)
-    box_of = np.empty(num, np.int64)
-    box_of[order] = np.cumsum(start) - 1
-    rep = order[start]
-    tails = np.array([", " + repr(tuple(zip(o[:k], n[:k]))) + ")"
-                      for o, n, k in zip(off[rep].tolist(), ln[rep].tolist(), ndim[rep].tolist())], dtype=object)
-    tokens = np.empty((num, 2 * c + 1), object)
-    tokens[:, 0] = ", ("
-    tokens[:, 1:2 * c:2] = _int_strs(np.stack(cols, axis=1))
-    tokens[:, 2:2 * c - 1:2] = ", "
-    tokens[:, 2 * c] = tails[box_of]
-    pending, at = "[", 0  # the text before the next list's first row: brackets, empty lists
-    for k in groups:
-        if k:
-            tokens[at, 0] = pending + "[("
-            at += k
-            pending = "], "
-        else:
-            pending += "[], "
-    tail = pending[len("], "):]  # the empty lists after the last row's list
-    return "".join(tokens.ravel().tolist()) + "]" + (", " + tail[:-2] if tail else "") + "]"
-
-
-def _fingerprint(plan: SavePlan, p: _Pieces) -> str:
-    """A digest of what the plan makes ranks do: the repr of plain tuples of its tensors,
-    local writes, files and batches (made straight from the arrays for the pieces)."""
-    x = len(p.round)
-    h = hashlib.sha256()
-    h.update(repr((plan.world_size, plan.staging_bytes)).encode())
-    h.update(repr([(t.key, t.shape, t.dtype, t.writer, t.file, t.offset) for t in plan.tensors]).encode())
-    per_rank = np.bincount(p.dst[x:], minlength=plan.world_size).tolist()
-    h.update(_rows_repr(per_rank, [p.tensor[x:], p.si[x:]], p.off[x:], p.len[x:], p.ndim[x:]).encode())
-    h.update(repr([(f.name, f.writer, f.tensors) for f in plan.files]).encode())
-    per_batch = np.bincount(p.round, minlength=plan.cost.num_batches).tolist()
-    h.update(_rows_repr(per_batch, [p.src[:x], p.dst[:x], p.tensor[:x], p.si[:x]], p.off[:x], p.len[:x],
-                        p.ndim[:x]).encode())
+def _fingerprint(outs: Sequence[_Out], segs: _SegTable, seg_first: np.ndarray, world: int, max_shard_bytes: int,
+                 staging_bytes: int, max_ops: int) -> str:
+    """sha256 of what the plan is made from: the budgets, every tensor's key, shape, dtype and
+    kind, and the bytes of the segment table (``seg_first``: each tensor's first row). The
+    planner is pure and deterministic, so equal inputs give equal plans; made in one pass over
+    the arrays, where a digest of the plan's own rows would cost O(transfers) Python."""
+    h = hashlib.sha256(_RULE)
+    h.update(repr((world, max_shard_bytes, staging_bytes, max_ops)).encode())
+    h.update(repr([(o.key, tuple(o.shape), o.dtype, bool(o.is_buffer)) for o in outs]).encode())
+    for a in (seg_first, segs.rank, segs.param, segs.slot, segs.off, segs.len, segs.delta):
+        a = np.ascontiguousarray(a, dtype=np.int64)
+        h.update(repr(a.shape).encode())
+        h.update(a)
     return h.hexdigest()[:16]
