@@ -40,6 +40,7 @@ __all__ = ["Segment", "OutTensor", "SaveFile", "Transfer", "LocalWrite", "SaveCo
            "describe_outputs", "plan_save", "shard_name", "tensor_schedule"]
 
 DEFAULT_MAX_OPS = 64
+_CHUNK = 1 << 16  # rows a loop over millions of transfers turns into Python objects at a time
 
 
 @dataclass(frozen=True)
@@ -335,19 +336,24 @@ def _least_loaded(start: np.ndarray, count: np.ndarray, rank: np.ndarray, size: 
     cand_rank = rank[k]
     base = prefix[np.searchsorted(code, cand_rank * n + item)] - prefix[np.searchsorted(code, cand_rank * n)]
     extra = [0] * world
-    base_l, rank_l, k_l = base.tolist(), cand_rank.tolist(), k.tolist()
-    at = 0
-    for i, c, b in zip(multi.tolist(), count[multi].tolist(), size[multi].tolist()):
-        if c <= 32:  # plain Python beats numpy's call overhead
-            j, least = at, base_l[at] + extra[rank_l[at]]
-            for m in range(at + 1, at + c):
+    few = count[multi] <= 32  # plain Python beats numpy's call overhead on these
+    on_list = np.repeat(few, count[multi])  # Python lists of their candidates only (not of thousands per item)
+    base_l, rank_l, k_l = base[on_list].tolist(), cand_rank[on_list].tolist(), k[on_list].tolist()
+    at = at_l = 0  # the item's first candidate in the arrays, in the lists
+    for i, c, b, small in zip(multi.tolist(), count[multi].tolist(), size[multi].tolist(), few.tolist()):
+        if small:
+            j, least = at_l, base_l[at_l] + extra[rank_l[at_l]]
+            for m in range(at_l + 1, at_l + c):
                 v = base_l[m] + extra[rank_l[m]]
                 if v < least:  # strictly: the first minimum is the lowest rank
                     j, least = m, v
+            r, pick = rank_l[j], k_l[j]
+            at_l += c
         else:
             j = at + int(np.argmin(base[at:at + c] + np.asarray(extra)[cand_rank[at:at + c]]))
-        extra[rank_l[j]] += b
-        chosen[i] = k_l[j]
+            r, pick = int(cand_rank[j]), int(k[j])
+        extra[r] += b
+        chosen[i] = pick
         at += c
     return chosen
 
@@ -502,26 +508,30 @@ def _pack(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, budget: int, max
         return np.zeros(0, np.int64)
     world = int(max(src.max(), dst.max())) + 1
     stage, ops, stamp = [0] * world, [0] * world, [0] * world
-    out: list[int] = []
-    put = out.append
+    out = np.empty(len(src), np.int64)
     k, first = 0, True
-    for s, d, b in zip(src.tolist(), dst.tolist(), nbytes.tolist()):
-        if stamp[s] != k:
-            stamp[s], stage[s], ops[s] = k, 0, 0
-        if stamp[d] != k:
-            stamp[d], stage[d], ops[d] = k, 0, 0
-        at_s, at_d = stage[s] + b, stage[d] + b
-        if (at_s > budget or at_d > budget or ops[s] >= max_ops or ops[d] >= max_ops) and not first:
-            k += 1
-            stamp[s] = stamp[d] = k
-            at_s = at_d = b
-            ops[s] = ops[d] = 0
-        first = False
-        stage[s], stage[d] = at_s, at_d
-        ops[s] += 1
-        ops[d] += 1
-        put(k)
-    return np.asarray(out, np.int64)
+    for lo in range(0, len(src), _CHUNK):  # Python lists of one chunk at a time: bounded memory
+        hi = lo + _CHUNK
+        got: list[int] = []
+        put = got.append
+        for s, d, b in zip(src[lo:hi].tolist(), dst[lo:hi].tolist(), nbytes[lo:hi].tolist()):
+            if stamp[s] != k:
+                stamp[s], stage[s], ops[s] = k, 0, 0
+            if stamp[d] != k:
+                stamp[d], stage[d], ops[d] = k, 0, 0
+            at_s, at_d = stage[s] + b, stage[d] + b
+            if (at_s > budget or at_d > budget or ops[s] >= max_ops or ops[d] >= max_ops) and not first:
+                k += 1
+                stamp[s] = stamp[d] = k
+                at_s = at_d = b
+                ops[s] = ops[d] = 0
+            first = False
+            stage[s], stage[d] = at_s, at_d
+            ops[s] += 1
+            ops[d] += 1
+            put(k)
+        out[lo:hi] = got
+    return out
 
 
 def _costs(p: _Pieces, world: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -64,7 +64,11 @@ class _SegTable:
     delta: np.ndarray
 
     def rows(self, lo: int, hi: int, width: int) -> _SegTable:
-        """Rows ``lo:hi`` with ``width`` box dims (>= their tensors' dims: cut or padded)."""
+        """Rows ``lo:hi`` with ``width`` box dims (>= their tensors' dims: cut or padded); the
+        table itself when that is all of it (the planner only reads it: no copy of the job's
+        largest table)."""
+        if lo == 0 and hi == len(self.rank) and width == self.off.shape[1]:
+            return self
         pad = ((0, 0), (0, max(0, width - self.off.shape[1])))
         return _SegTable(self.rank[lo:hi], self.param[lo:hi], self.slot[lo:hi], np.pad(self.off[lo:hi, :width], pad),
                          np.pad(self.len[lo:hi, :width], pad, constant_values=1), np.pad(self.delta[lo:hi, :width], pad))
