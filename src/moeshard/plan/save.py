@@ -331,16 +331,17 @@ def _least_loaded(start: np.ndarray, count: np.ndarray, rank: np.ndarray, size: 
     order = np.argsort(code, kind="stable")
     code = code[order]
     prefix = np.concatenate([[0], np.cumsum(size[fixed][order])])
-    _, k = expand_runs(start[multi], count[multi])  # every candidate of every item with a choice
-    item = np.repeat(multi, count[multi])
+    cm = count[multi]
+    _, k = expand_runs(start[multi], cm)  # every candidate of every item with a choice
+    item = np.repeat(multi, cm)
     cand_rank = rank[k]
     base = prefix[np.searchsorted(code, cand_rank * n + item)] - prefix[np.searchsorted(code, cand_rank * n)]
     extra = [0] * world
-    few = count[multi] <= 32  # plain Python beats numpy's call overhead on these
-    on_list = np.repeat(few, count[multi])  # Python lists of their candidates only (not of thousands per item)
+    few = cm <= 32  # plain Python beats numpy's call overhead on these
+    on_list = np.repeat(few, cm)  # Python lists of their candidates only (not of thousands per item)
     base_l, rank_l, k_l = base[on_list].tolist(), cand_rank[on_list].tolist(), k[on_list].tolist()
     at = at_l = 0  # the item's first candidate in the arrays, in the lists
-    for i, c, b, small in zip(multi.tolist(), count[multi].tolist(), size[multi].tolist(), few.tolist()):
+    for i, c, b, small in zip(multi.tolist(), cm.tolist(), size[multi].tolist(), few.tolist()):
         if small:
             j, least = at_l, base_l[at_l] + extra[rank_l[at_l]]
             for m in range(at_l + 1, at_l + c):
@@ -614,14 +615,14 @@ def _as_schedule(plan: SavePlan, only: int | None = None) -> Schedule:
         keep = np.flatnonzero((p.src == only) | (p.dst == only))
     kx = int(np.searchsorted(keep, x))  # the kept transfers come first, then the local writes
     num = len(keep)
-    seg, dst = p.seg[keep], p.dst[keep]
+    seg, dst, tensor, poff = p.seg[keep], p.dst[keep], p.tensor[keep], p.off[keep]
     mine = np.arange(num, dtype=i32) if only is None else np.flatnonzero(dst == only).astype(i32)
-    off = p.off[keep].astype(i64).reshape(-1, width)
+    off = poff.astype(i64).reshape(-1, width)
     zeros = np.zeros(plan.world_size, dtype=i64)
     return Schedule(
         topology=Topology(plan.world_size, 1), staging_bytes=plan.staging_bytes, max_ops=plan.max_ops,
         keys=tuple(t.key for t in plan.tensors), key_ndim=np.asarray([len(t.shape) for t in plan.tensors], np.int8),
-        piece_key=p.tensor[keep].astype(i32), piece_off=off, piece_len=p.len[keep].astype(i64).reshape(-1, width),
+        piece_key=tensor.astype(i32), piece_off=off, piece_len=p.len[keep].astype(i64).reshape(-1, width),
         piece_bytes=p.nbytes[keep].astype(i64),
         read_rank=np.zeros(0, i32), read_piece=np.zeros(0, i32), read_round=np.zeros(0, i64),
         send_src=p.src[keep[:kx]].astype(i32), send_dst=dst[:kx].astype(i32),
@@ -629,13 +630,13 @@ def _as_schedule(plan: SavePlan, only: int | None = None) -> Schedule:
         send_view=np.arange(kx, dtype=i32),
         bcast_node=np.zeros(0, i32), bcast_root=np.zeros(0, i32), bcast_piece=np.zeros(0, i32),
         bcast_round=np.zeros(0, i64),
-        dlv_piece=mine, dlv_rank=dst[mine].astype(i32), dlv_param=p.tensor[keep][mine].astype(i32),
+        dlv_piece=mine, dlv_rank=dst[mine].astype(i32), dlv_param=tensor[mine].astype(i32),
         dlv_slot=np.full(len(mine), -1, i64), dlv_off=off[mine], num_rounds=c.num_batches,
         cost=PlanCost(read_bytes=zeros, sent_bytes=c.sent_bytes, recv_bytes=c.recv_bytes,
                       peak_staging_bytes=c.peak_staging_bytes, cross_node_bytes=0, num_p2p_ops=c.num_p2p_ops,
                       num_batches=c.num_batches, num_broadcasts=0),
         view_rank=segs.rank[seg].astype(i32), view_param=segs.param[seg].astype(i32),
-        view_slot=segs.slot[seg].astype(i64), view_off=(p.off[keep] + segs.delta[seg]).astype(i64).reshape(-1, width),
+        view_slot=segs.slot[seg].astype(i64), view_off=(poff + segs.delta[seg]).astype(i64).reshape(-1, width),
         copy_view=np.arange(kx, num, dtype=i32), copy_piece=np.arange(kx, num, dtype=i32),
         copy_round=np.full(num - kx, -1, i64),
         rank=only, basis=None if only is None else plan.fingerprint,
