@@ -22,7 +22,7 @@ from moeshard import Placement, Topology
 from moeshard.models.adapters import ExpertParam
 from moeshard.models.layout import ExpertRef, ParamDesc, rank_boxes
 from moeshard.plan.relocation import COUNTERS, DEFAULT_STAGING_BYTES, ExpertTensor, job_summary, plan_relocation
-from moeshard.plan.save import describe_outputs, plan_save, tensor_schedule
+from moeshard.plan.save import HeldBoxes, describe_outputs, plan_save, tensor_schedule
 
 
 def sl(box):
@@ -381,6 +381,14 @@ def test_save_schedules_simulated():
             plan.schedule_for(world)
 
 
+def held_boxes(segments: list, ndim: int) -> HeldBoxes:
+    """``(rank, local, local box, box)`` tuples as :class:`HeldBoxes` columns."""
+    def column(j: int, k: int) -> np.ndarray:
+        return np.asarray([[d[k] for d in seg[j]] for seg in segments], np.int64).reshape(len(segments), ndim)
+
+    return HeldBoxes(np.asarray([seg[0] for seg in segments], np.int64), column(2, 0), column(3, 0), column(3, 1))
+
+
 def test_tensor_schedules_simulated():
     for seed in range(150):
         rng = np.random.default_rng(seed)
@@ -402,12 +410,22 @@ def test_tensor_schedules_simulated():
                     local[r][t][sl(lbox)] = truth[t][sl(box)]
                     segments[-1].append((r, t, lbox, box))
         writers, budget = rng.integers(world, size=num).tolist(), int(rng.choice([1, 32, 100, 10**6]))
-        s = tensor_schedule([f"t{t}" for t in range(num)], shapes, itemsizes, segments, writers, world, budget)
+        held = [held_boxes(segs, len(sh)) for segs, sh in zip(segments, shapes)]
+        keys = [f"t{t}" for t in range(num)]
+        s = tensor_schedule(keys, shapes, itemsizes, held, writers, world, budget)
+        prints = set()
         for r in range(world):  # a rank's own schedule (what save_adapter runs) is its rows of the job's
-            own = tensor_schedule([f"t{t}" for t in range(num)], shapes, itemsizes, segments, writers, world, budget,
-                                  rank=r)
+            own = tensor_schedule(keys, shapes, itemsizes, iter(held), writers, world, budget, rank=r)
             assert own.rank == r and rank_rows(own, r) == rank_rows(s, r), (seed, r)
             assert own.cost.summary() == s.cost.summary() and own.num_rounds == s.num_rounds, (seed, r)
+            prints.add(own.fingerprint)
+        assert len(prints) == 1, seed  # every rank agrees on the schedule it runs a part of
+        t = next((t for t, h in enumerate(held) if h.off.size), None)
+        if t is not None:  # ... and the fingerprint sees the boxes: one offset moved, another one
+            moved = list(held)
+            moved[t] = held[t]._replace(off=held[t].off + (np.arange(held[t].off.size) == 0).reshape(held[t].off.shape))
+            assert tensor_schedule(keys, shapes, itemsizes, moved, writers, world, budget, rank=0).fingerprint \
+                not in prints, seed
         sink = {r: [np.full(sh, np.nan) for sh in shapes] for r in range(world)}
         counts, staged, _ = simulate(s, local, sink)
         check_written(sink, counts, truth, writers)

@@ -41,7 +41,7 @@ if TYPE_CHECKING:  # torch only where a model is looked at: need_table and its h
     from torch import nn
 
 __all__ = ["ExpertRef", "ParamDesc", "Need", "describe_model", "need_table", "compute_needs", "shard_boxes",
-           "param_boxes", "rank_boxes", "local_tensor", "expert_layers",
+           "param_boxes", "rank_boxes", "local_tensor", "expert_layers", "inputs_digest",
            "base_names", "is_adapter_param", "cast_refusal", "check_cast", "UnusedKeys", "unused_keys",
            "ignored_patterns", "tensor_names"]
 
@@ -638,10 +638,10 @@ def need_table(
         table = NeedTable.concat(parts, keep_ranks, lambda keys: index.key_columns(keys)[0])
     except SharedKeysLeftOut:  # tied expert tensors (rare): build every row, concat leaves them out
         return need_table(descs, index, placement, world_size, dequantize, keep_ranks, _experts_whole=True)
-    return dataclasses.replace(table, digest=_inputs_digest(descs, placement, world_size, dequantize))
+    return dataclasses.replace(table, digest=inputs_digest(descs, placement, world_size, dequantize))
 
 
-def _inputs_digest(descs: Sequence[ParamDesc], placement: Placement | None, world_size: int,
+def inputs_digest(descs: Sequence[ParamDesc], placement: Placement | None, world_size: int,
                    dequantize: bool) -> bytes:
     """A digest of what :func:`need_table`'s rows are a function of (but the index): O(params)
     Python, each mesh's ranks hashed once."""

@@ -10,16 +10,19 @@ import re
 import types
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
 from ..placement import Placement
+from ..plan.arrays import unique_rows
+from ..plan.save import HeldBoxes
 from .adapters import ExpertsSpec
 from .ep import SlotLora, ep_layers
-from .layout import ParamDesc, is_adapter_param, rank_boxes
+from .layout import ParamDesc, is_adapter_param, param_boxes
 
-__all__ = ["AdapterTensor", "adapter_desc", "adapter_tensors", "expert_lora_wrappers", "lora_modules", "shard_expert_lora",
-           "slot_boxes"]
+__all__ = ["AdapterTensor", "adapter_desc", "adapter_tensors", "distinct_boxes", "expert_lora_wrappers", "factor_boxes",
+           "local_view", "lora_modules", "plan_shape", "shard_expert_lora"]
 
 # -- parallelize's part: expert LoRA wrappers -> per-slot local factors --------------------
 
@@ -164,33 +167,87 @@ def adapter_desc(t: AdapterTensor, p: torch.Tensor) -> ParamDesc:
     return ParamDesc(t.name, tuple(p.shape), p.dtype, mesh, placements, (t.key,))
 
 
-def slot_boxes(t: AdapterTensor, d: ParamDesc, placement: Placement, world_size: int):
-    """For an expert factor: ``(rank, slot, local box, file box)`` of every slot's rows of A /
-    columns of B on every rank (B: one box per rank-r column). Slot ``p`` of A is global rows
-    ``p*r ..``; B's global columns are ``(ep rank, r, slot)``: rank k's block is
-    ``k*r*S .. (k+1)*r*S``."""
-    r, num_logical = t.rank, placement.num_logical
-    num_physical = placement.num_physical
+def plan_shape(t: AdapterTensor) -> tuple[int, ...]:
+    """The shape adapter tensor ``t`` is planned in: its file shape, but an expert factor B
+    ``[out, r*E]`` as ``[out, r, E]`` (the same bytes; one expert's columns, strided in 2-D,
+    are one box in 3-D)."""
+    if t.factor == "B":
+        out, cols = t.shape
+        return (out, t.rank, cols // t.rank)
+    return tuple(t.shape)
+
+
+def local_view(t: AdapterTensor, local: torch.Tensor) -> torch.Tensor:
+    """This rank's local tensor of ``t`` as :func:`factor_boxes` addresses it: B's local
+    ``[out_local, r*S]`` as ``[out_local, r, S]`` (a view: writes land in the parameter)."""
+    if t.factor == "B":
+        return local.unflatten(1, (t.rank, local.shape[1] // t.rank))
+    return local
+
+
+def factor_boxes(t: AdapterTensor, d: ParamDesc, placement: Placement, world_size: int,
+                 first_copy_only: bool = False) -> HeldBoxes:
+    """Every rank's boxes of expert factor ``t`` (pure; numpy over the mesh's boxes), in
+    :func:`plan_shape` coordinates, local offsets in :func:`local_view` coordinates.
+
+    A row is a run of consecutive slots on one rank holding consecutive logical experts (one
+    box of the file tensor): A's rows ``p*r ..`` hold expert ``phy2log[p]``'s rows ``e*r ..``;
+    B's local ``[:, :, s]`` holds ``[:, :, e]`` of ``[out, r, E]``. A run never spans an expert
+    with several copies, so those rows are one expert wide and equal on every copy. Empty slots
+    hold nothing; ``first_copy_only`` (save): only each logical expert's first copy. Rows in mesh
+    order, then slot.
+
+    Raises ValueError for a factor whose sharding splits one slot's ``r`` rows of A, or any
+    rank's ``r*S`` columns of B."""
+    ranks, boxes = param_boxes(d, world_size)
+    held = (boxes[:, :, 1] > 0).all(axis=1)
+    ranks, boxes = ranks[held], boxes[held]
+    r, spr = t.rank, placement.num_physical // placement.num_ranks
+    dim = 0 if t.factor == "A" else 1
+    lo, n = boxes[:, dim, 0], boxes[:, dim, 1]
+    unit = r if t.factor == "A" else r * spr
+    if ((lo % unit) | (n % unit) if t.factor == "A" else (lo % unit) | (n - unit)).any():
+        raise ValueError(f"LoRA weight {t.name}: its sharding {d.placements} splits the {unit} "
+                         f"{'rows' if dim == 0 else 'columns'} of {'one slot' if dim == 0 else 'an EP rank'} "
+                         f"(r={r}, {spr} slots per rank)")
+    first = lo // r if t.factor == "A" else lo // unit * spr  # each box's first slot
+    count = n // r if t.factor == "A" else np.full(len(lo), spr, np.int64)
+    box = np.repeat(np.arange(len(lo)), count)
+    slot = np.repeat(first, count) + np.arange(len(box)) - np.repeat(np.cumsum(count) - count, count)
     phy2log = placement.phy2log[t.layer]
-    spr = num_physical // placement.num_ranks
-    for rank, box in rank_boxes(d, world_size):
-        if not all(n for _, n in box):
-            continue
-        (r0, nr), (c0, nc) = box
-        if t.factor == "A":
-            for p in range(r0 // r, (r0 + nr) // r):
-                if phy2log[p] < 0:
-                    continue  # an empty slot: nothing to load or save
-                yield rank, p, ((p * r - r0, r), (0, nc)), ((int(phy2log[p]) * r, r), (c0, nc))
-        else:
-            k = c0 // (r * spr)
-            for s in range(spr):
-                p = k * spr + s
-                if phy2log[p] < 0:
-                    continue
-                for j in range(r):
-                    col = j * spr + s
-                    yield rank, p, ((0, nr), (k * r * spr + col - c0, 1)), ((r0, nr), (j * num_logical + int(phy2log[p]), 1))
+    expert = phy2log[slot]
+    keep = expert >= 0
+    if first_copy_only:
+        keep &= placement.log2phy[t.layer, :, 0][np.maximum(expert, 0)] == slot
+    box, slot, expert = box[keep], slot[keep], expert[keep]
+    many = (np.bincount(phy2log[phy2log >= 0], minlength=placement.num_logical) > 1)[expert]
+    start = np.ones(len(box), bool)
+    start[1:] = ((box[1:] != box[:-1]) | (slot[1:] != slot[:-1] + 1) | (expert[1:] != expert[:-1] + 1)
+                 | many[1:] | many[:-1])
+    at = np.flatnonzero(start)
+    runs = np.diff(np.append(at, len(box)))
+    box, slot, expert = box[at], slot[at], expert[at]
+    b = boxes[box]
+    if t.factor == "A":  # [r*P, in] -> file [r*E, in]
+        local_off = np.stack([(slot - first[box]) * r, np.zeros_like(slot)], axis=1)
+        off = np.stack([expert * r, b[:, 1, 0]], axis=1)
+        length = np.stack([runs * r, b[:, 1, 1]], axis=1)
+    else:  # local [out_local, r, S] -> file [out, r, E]
+        zero = np.zeros_like(slot)
+        local_off = np.stack([zero, zero, slot - first[box]], axis=1)
+        off = np.stack([b[:, 0, 0], zero, expert], axis=1)
+        length = np.stack([b[:, 0, 1], np.full_like(slot, r), runs], axis=1)
+    return HeldBoxes(ranks[box], local_off, off, length)
 
 
-# -- load -----------------------------------------------------------------------------------
+def distinct_boxes(d: ParamDesc, world_size: int) -> HeldBoxes:
+    """Each distinct non-empty box of a plain LoRA weight (an FSDP2 DTensor or a plain tensor)
+    once, from its first holder in mesh order (pure): the boxes tile the tensor."""
+    ranks, boxes = param_boxes(d, world_size)
+    held = np.flatnonzero((boxes[:, :, 1] > 0).all(axis=1))
+    distinct, inverse = unique_rows(boxes[held].reshape(len(held), -1))
+    first = np.full(len(distinct), len(held), np.int64)
+    np.minimum.at(first, inverse, np.arange(len(held)))
+    rows = held[np.sort(first)]
+    return HeldBoxes(ranks[rows], np.zeros((len(rows), len(d.shape)), np.int64), boxes[rows, :, 0].copy(),
+                     boxes[rows, :, 1].copy())

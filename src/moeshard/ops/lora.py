@@ -36,23 +36,37 @@ names without the adapter name) and ``adapter_config.json``. One adapter per mod
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
 from torch import nn
 
 from .. import _dist
-from ..box import Box, box_numel, box_shape, box_slices
+from ..box import box_numel, box_shape, box_slices
 from ..execute import LocalTensors, Sink, Source, execute_schedule
 from ..io.checkpoint import DTYPE_NAMES, CheckpointIndex, CheckpointReader, load_json, pwrite_all, safetensors_header
-from ..models.layout import Need, ParamDesc, check_cast, compute_needs, local_tensor, rank_boxes
-from ..models.lora import AdapterTensor, adapter_desc, adapter_tensors, lora_modules, slot_boxes
+from ..models.layout import ParamDesc, check_cast, inputs_digest, local_tensor, need_table
+from ..models.lora import (
+    AdapterTensor,
+    adapter_desc,
+    adapter_tensors,
+    distinct_boxes,
+    factor_boxes,
+    local_view,
+    lora_modules,
+    plan_shape,
+)
 from ..placement import Placement
-from ..plan import DEFAULT_STAGING_BYTES, plan_transfers
-from ..plan.save import tensor_schedule
+from ..plan import DEFAULT_STAGING_BYTES, NeedTable, plan_transfers
+from ..plan.arrays import row_prod, unique_rows
+from ..plan.save import HeldBoxes, tensor_schedule
 from ..topology import Topology
 from .load import refuse_or_warn
 from .report import OpReport
@@ -119,14 +133,44 @@ def _check_adapter(pairs: list[tuple[AdapterTensor, torch.Tensor]], index: Check
 
 
 def _needs(items: list[tuple[AdapterTensor, ParamDesc]], index: CheckpointIndex, placement: Placement | None,
-           world_size: int) -> list[Need]:
-    plain = [(i, d) for i, (t, d) in enumerate(items) if not t.factor]
-    needs = [n._replace(param=plain[n.param][0]) for n in compute_needs([d for _, d in plain], index, None, world_size)]
+           world_size: int, keep_ranks: np.ndarray | None = None) -> NeedTable:
+    """Every rank's needs of the adapter (expert factors in :func:`plan_shape` coordinates;
+    ``index``: the adapter's headers with those shapes), or what one rank's plan takes
+    (``keep_ranks``, as :func:`~moeshard.models.layout.need_table`'s). Param ``i`` is item ``i``.
+    Pure; O(tensors) numpy calls over each tensor's boxes."""
+    parts = []
+    plain = [i for i, (t, _) in enumerate(items) if not t.factor]
+    if plain:
+        table = need_table([items[i][1] for i in plain], index, None, world_size, keep_ranks=keep_ranks)
+        parts.append(dataclasses.replace(table, param=np.asarray(plain, np.int32)[table.param], digest=None))
     for i, (t, d) in enumerate(items):
         if t.factor:
             assert placement is not None
-            needs.extend(Need(rank, i, dest, t.key, src) for rank, _, dest, src in slot_boxes(t, d, placement, world_size))
-    return needs
+            b = factor_boxes(t, d, placement, world_size)
+            # Alone: no other rank needs this box. Runs never straddle an expert with several
+            # copies, so two ranks' boxes are equal or disjoint: a box seen once is alone.
+            n = len(b.rank)
+            _, inverse = unique_rows(np.concatenate([b.off, b.len], axis=1))
+            parts.append(NeedTable(keys=(t.key,), ndim=np.asarray([b.off.shape[1]], np.int8),
+                                   rank=b.rank.astype(np.int32), param=np.full(n, i, np.int32),
+                                   key=np.zeros(n, np.int32), slot=np.full(n, -1, np.int64), src_off=b.off,
+                                   src_len=b.len, dst_off=b.local_off, alone=np.bincount(inverse)[inverse] == 1))
+    table = NeedTable.concat(parts, keep_ranks, lambda keys: index.key_columns(keys)[0])
+    h = hashlib.sha256(b"moeshard.lora.needs/1")
+    h.update(inputs_digest([d for _, d in items], placement, world_size, False))
+    h.update(repr([(t.key, t.shape, t.factor, t.layer, t.rank) for t, _ in items]).encode())
+    return dataclasses.replace(table, digest=h.digest())
+
+
+def _planning_index(index: CheckpointIndex, items: list[tuple[AdapterTensor, ParamDesc]]) -> CheckpointIndex:
+    """``index`` with each expert factor's shape as :func:`plan_shape` gives it (the same
+    bytes: a reader of the planned boxes reads the right elements)."""
+    tensors = dict(index.tensors)
+    for t, _ in items:
+        shape = plan_shape(t)
+        if shape != tuple(t.shape):
+            tensors[t.key] = dataclasses.replace(tensors[t.key], shape=shape)
+    return dataclasses.replace(index, tensors=tensors)
 
 
 def _scalings(model: nn.Module) -> dict[str, tuple[int, float]]:
@@ -194,19 +238,23 @@ def load_adapter(
         pairs = adapter_tensors(model, placement)
         unused = _check_adapter(pairs, index, config, str(root), _scalings(model), strict)
         items = [(t, adapter_desc(t, p)) for t, p in pairs]
-        needs = _needs(items, index, placement, topo.world_size)
-        return pairs, plan_transfers(needs, index, topo, readers, scope=scope, staging_bytes=staging_bytes), unused
+        view = _planning_index(index, items)
+        keep = ~np.asarray(readers, dtype=bool)  # this rank's plan: its needs and those of ranks that cannot read
+        keep[rank] = True
+        needs = _needs(items, view, placement, topo.world_size, keep)
+        return pairs, view, plan_transfers(needs, view, topo, readers, scope=scope, staging_bytes=staging_bytes,
+                                           rank=rank), unused
 
-    pairs, plan, unused = _agree(make_plan, f"moeshard.lora.load_adapter: planning {weights}",
-                         fingerprint=lambda pp: pp[1].fingerprint)
-    reader = CheckpointReader(index, str(root)) if readers[rank] else None
+    pairs, view, plan, unused = _agree(make_plan, f"moeshard.lora.load_adapter: planning {weights}",
+                                       fingerprint=lambda pp: pp[2].fingerprint)
+    reader = CheckpointReader(view, str(root)) if readers[rank] else None
     group = node_groups(topo) if plan.has_broadcasts else None
     try:
         with torch.no_grad(), _dist.errors_as(AdapterError):
             what = "moeshard.lora.load_adapter: executing the plan"
-            dests = [local_tensor(p) for _, p in pairs]
+            dests = [local_view(t, local_tensor(p)) for t, p in pairs]
             stats = _dist.agree(lambda: execute_schedule(
-                plan, rank, ReaderSource(plan, reader, index), TensorSink(plan, dests, rank), dev, node_group=group,
+                plan, rank, ReaderSource(plan, reader, view), TensorSink(plan, dests, rank), dev, node_group=group,
                 what=what).check(), what)
     finally:
         if reader is not None:
@@ -233,28 +281,18 @@ def load(model: nn.Module, checkpoint, adapter, placement: Placement | None = No
 # -- save -----------------------------------------------------------------------------------
 
 
-def _segments(items, placement, world_size) -> list[list[tuple[int, int, Box, Box]]]:
-    """Per adapter tensor, ``(rank, param, local box, file box)`` covering the file tensor
-    exactly once: an expert's factors from its first copy, a dense box from its first holder."""
-    out = []
-    for i, (t, d) in enumerate(items):
-        segs = []
-        if t.factor:
-            first = placement.log2phy[t.layer, :, 0]
-            segs = [(rank, i, dest, src) for rank, p, dest, src in slot_boxes(t, d, placement, world_size)
-                    if first[int(placement.phy2log[t.layer, p])] == p]
-        else:
-            seen = set()
-            for rank, box in rank_boxes(d, world_size):
-                if all(n for _, n in box) and box not in seen:
-                    seen.add(box)
-                    segs.append((rank, i, tuple((0, n) for _, n in box), box))
-        total = sum(box_numel(s[3]) for s in segs)
-        if total != int(np.prod(t.shape)):
-            raise ValueError(f"adapter tensor {t.key!r}: the ranks hold {total} of its {int(np.prod(t.shape))} "
-                             "elements (a logical expert with no slot?)")
-        out.append(segs)
-    return out
+def _held_boxes(items, placement, world_size) -> Iterator[HeldBoxes]:
+    """Per adapter tensor (made one at a time), the boxes tiling it once in :func:`plan_shape`
+    coordinates: an expert's factors from its first copy, each distinct box of another
+    tensor from its first holder. Raises ValueError where the ranks hold less than the tensor."""
+    for t, d in items:
+        b = factor_boxes(t, d, placement, world_size, first_copy_only=True) if t.factor else \
+            distinct_boxes(d, world_size)
+        total, want = int(row_prod(b.len).sum()), math.prod(t.shape)
+        if total != want:
+            raise ValueError(f"adapter tensor {t.key!r}: the ranks hold {total} of its {want} elements "
+                             "(a logical expert with no slot?)")
+        yield b
 
 
 def _header(items) -> tuple[bytes, list[int]]:
@@ -302,15 +340,18 @@ def save_adapter(
         for t, d in items:
             if d.dtype not in DTYPE_NAMES:
                 raise ValueError(f"adapter tensor {t.key!r}: dtype {d.dtype} cannot be stored in safetensors")
-        segs = _segments(items, placement, world)
         writers = [0 if single_writer else i % world for i in range(len(items))]
         head, offsets = _header(items)
-        return items, segs, writers, head, offsets
+        schedule = tensor_schedule([t.key for t, _ in items], [plan_shape(t) for t, _ in items],
+                                   [d.dtype.itemsize for _, d in items], _held_boxes(items, placement, world), writers,
+                                   world, staging_bytes, rank=rank)
+        return items, schedule, writers, head, offsets
 
-    items, segs, writers, head, offsets = _agree(make_plan, "moeshard.lora.save_adapter: planning",
-                                                 fingerprint=lambda x: repr((x[3], x[2])))
+    # The schedule's fingerprint digests its inputs: keys, shapes, writers and every box.
+    items, schedule, writers, head, offsets = _agree(make_plan, "moeshard.lora.save_adapter: planning",
+                                                     fingerprint=lambda x: x[1].fingerprint)
     params = dict(model.named_parameters())
-    locals_ = [local_tensor(params[t.name]) for t, _ in items]
+    locals_ = [local_view(t, local_tensor(params[t.name])) for t, _ in items]
     tmp = out / f".{ADAPTER_WEIGHTS}.moeshard-tmp"
 
     def create():
@@ -324,7 +365,7 @@ def save_adapter(
     written = [0]
 
     def write():
-        _write_tensors(items, segs, writers, offsets, len(head), locals_, tmp, rank, staging_bytes, written)
+        _write_tensors(schedule, items, writers, offsets, len(head), locals_, tmp, rank, written)
 
     _agree(write, f"moeshard.lora.save_adapter: writing {tmp}")
 
@@ -338,9 +379,9 @@ def save_adapter(
                 (next(iter(config.values()))).save_pretrained(str(out))
 
     _agree(finish, f"moeshard.lora.save_adapter: renaming into {out}")
-    mine = sum(1 for s in segs for seg in s if seg[0] == rank)
-    return AdapterReport(rank=rank, world_size=world, num_tensors=len(items), num_boxes=mine, bytes_rank=written[0],
-                         plan={"writers": sorted(set(writers))})
+    return AdapterReport(rank=rank, world_size=world, num_tensors=len(items),
+                         num_boxes=int((schedule.view_rank == rank).sum()), bytes_rank=written[0],
+                         plan={"writers": sorted(set(writers))}, fingerprint=schedule.fingerprint)
 
 
 class _AdapterFile(Sink):
@@ -359,8 +400,8 @@ class _AdapterFile(Sink):
             pid = int(s.dlv_piece[row])
             i = int(s.piece_key[pid])
             t, d = self.items[i]
-            if i not in self.partial:
-                self.partial[i] = (torch.empty(t.shape, dtype=d.dtype), [0])
+            if i not in self.partial:  # in plan_shape (B: [out, r, E]): the file's bytes, contiguous
+                self.partial[i] = (torch.empty(plan_shape(t), dtype=d.dtype), [0])
             full, filled = self.partial[i]
             box = s.piece_box(pid)
             full[box_slices(box)] = data.view(box_shape(box)).cpu()
@@ -384,13 +425,10 @@ class _AdapterViews(Source):
         return self.items[int(self.s.piece_key[pid])][1].dtype
 
 
-def _write_tensors(items, segs, writers, offsets, data_start, locals_, path, rank, staging_bytes, written) -> None:
-    """Collective: run the adapter's schedule (:func:`~moeshard.plan.save.tensor_schedule`);
-    writers assemble their tensors and write them at their offsets."""
-    world = _dist.rank_and_world()[1]
-    schedule = tensor_schedule([t.key for t, _ in items], [tuple(t.shape) for t, _ in items],
-                               [d.dtype.itemsize for _, d in items], segs, writers, world, staging_bytes,
-                               rank=rank)
+def _write_tensors(schedule, items, writers, offsets, data_start, locals_, path, rank, written) -> None:
+    """Collective: run this rank's rows of the adapter's schedule
+    (:func:`~moeshard.plan.save.tensor_schedule`); writers assemble their tensors and write them
+    at their offsets."""
     device = next((x.device for x in locals_ if x is not None), torch.device("cpu"))
     fd = os.open(path, os.O_WRONLY) if rank in writers else None
     try:

@@ -24,12 +24,12 @@ import functools
 import hashlib
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 
 from .._gc import paused_gc
-from ..box import Box, box_numel, split_box
+from ..box import Box, split_box
 from ..io.checkpoint import DTYPES
 from ..topology import Topology
 from .arrays import expand_runs, group_rows, lex_order, row_prod, run_starts
@@ -37,7 +37,7 @@ from .save_outputs import Segment, _Out, _SegTable, describe_outputs
 from .schedule import PlanCost, Schedule
 
 __all__ = ["Segment", "OutTensor", "SaveFile", "Transfer", "LocalWrite", "SaveCost", "SavePlan",
-           "describe_outputs", "plan_save", "shard_name", "tensor_schedule"]
+           "HeldBoxes", "describe_outputs", "plan_save", "shard_name", "tensor_schedule"]
 
 DEFAULT_MAX_OPS = 64
 _CHUNK = 1 << 16  # rows a loop over millions of transfers turns into Python objects at a time
@@ -643,95 +643,113 @@ def _as_schedule(plan: SavePlan, only: int | None = None) -> Schedule:
     )
 
 
+class HeldBoxes(NamedTuple):
+    """Boxes of one tensor and who holds them (``S`` rows, ``D`` = the tensor's dims): rank
+    ``rank[i]`` holds box ``(off[i], len[i])`` of the tensor at offsets ``local_off[i]`` of its
+    local tensor. ``rank``: ``int64[S]``; ``local_off``, ``off``, ``len``: ``int64[S, D]``."""
+
+    rank: np.ndarray
+    local_off: np.ndarray
+    off: np.ndarray
+    len: np.ndarray
+
+
+_TENSOR_RULE = b"moeshard.plan.tensor_schedule/1"
+
+
 def tensor_schedule(
     keys: Sequence[str],
     shapes: Sequence[tuple[int, ...]],
     itemsizes: Sequence[int],
-    segments: Sequence[Sequence[tuple[int, int, Box, Box]]],
+    boxes: Iterable[HeldBoxes],
     writers: Sequence[int],
     world_size: int,
     staging_bytes: int,
     rank: int | None = None,
 ) -> Schedule:
     """Whole tensors to their writers, as a :class:`Schedule` (pure; LoRA adapters: a few
-    small tensors in one file).
+    hundred tensors in one file).
 
     Tensor ``i`` (``keys[i]``, ``shapes[i]``) is written by rank ``writers[i]`` from its
-    ``segments[i]``: ``(holder rank, local tensor index, local box, tensor box)`` tiling it.
-    A piece is one segment; a holder other than the writer sends it from its view, the
-    writer's own are round -1 copies; deliveries (param = ``i``) carry the tensor box.
-    Tensors are packed into rounds of at most ``staging_bytes`` (at least one tensor).
-    With ``rank``: only the pieces that rank sends, receives or copies, and its deliveries
-    (``cost`` and rounds are the job's).
+    ``boxes`` (the ``i``-th item: :class:`HeldBoxes` tiling it; local tensor ``i`` of each
+    holder). ``boxes`` is consumed once, in order: it may make each tensor's rows on demand, so
+    the job's rows are never all in memory. A piece is one box; a holder other than the writer
+    sends it from its view, the writer's own are round -1 copies; deliveries (param = ``i``)
+    carry the tensor box. Tensors are packed into rounds of at most ``staging_bytes`` (at
+    least one tensor).
+
+    With ``rank``: only the pieces that rank sends, receives or copies, and its deliveries;
+    ``cost`` and rounds are the job's, and the fingerprint is a digest of the inputs (the same
+    on every rank). Cost: O(tensors) numpy calls over each tensor's rows, on every rank.
     """
     width = max((len(s) for s in shapes), default=1) or 1
-    p_key, p_off, p_len, p_bytes = [], [], [], []
-    v_rank, v_param, v_off = [], [], []
-    sends, copies, dlv = [], [], []
-    sent = np.zeros(world_size, dtype=np.int64)
-    recv = np.zeros(world_size, dtype=np.int64)
-    held: dict[tuple[int, int], int] = {}  # (rank, round) -> bytes received in it
-    rnd, size, num_sends = 0, 0, 0
-    for i, segs in enumerate(segments):
+    i64 = np.int64
+    sent, recv, peak = (np.zeros(world_size, dtype=i64) for _ in range(3))
+    digest = hashlib.sha256(_TENSOR_RULE)
+    digest.update(repr((tuple(keys), tuple(map(tuple, shapes)), tuple(itemsizes), tuple(writers), world_size,
+                        staging_bytes)).encode())
+    kept = []  # per tensor with rows kept: (tensor, writer, round, holder, local_off, off, len, nbytes)
+    held: dict[int, int] = {}  # writer -> bytes it receives in the current round
+    rnd, size, num_sends, count = 0, 0, 0, 0
+    for i, b in enumerate(boxes):
+        count += 1
         n = math.prod(shapes[i]) * itemsizes[i]
         if size and size + n > staging_bytes:
-            rnd, size = rnd + 1, 0
+            rnd, size, held = rnd + 1, 0, {}
         size += n
         w = writers[i]
-        for holder, local, lbox, box in segs:
-            nbytes = box_numel(box) * itemsizes[i]
-            if holder != w:  # the job's counters, whichever rows are kept
-                num_sends += 1
-                sent[holder] += nbytes
-                recv[w] += nbytes
-                held[(w, rnd)] = held.get((w, rnd), 0) + nbytes
-            if rank is not None and rank != holder and rank != w:
-                continue
-            pid = len(p_key)
-            pad = [0] * (width - len(box))
-            p_key.append(i)
-            p_off.append([o for o, _ in box] + pad)
-            p_len.append([m for _, m in box] + [1] * len(pad))
-            p_bytes.append(nbytes)
-            v = len(v_rank)
-            v_rank.append(holder)
-            v_param.append(local)
-            v_off.append([o for o, _ in lbox] + [0] * (width - len(lbox)))
-            if holder == w:
-                copies.append((v, pid))
-            else:
-                sends.append((holder, w, pid, rnd, v))
-            if rank is None or rank == w:
-                dlv.append((pid, w, i))
-    dlv.sort()
-    i32, i64 = np.int32, np.int64
-    peak = np.zeros(world_size, dtype=i64)
-    for (dst, _), b in held.items():
-        peak[dst] = max(peak[dst], b)
-    off = np.asarray(p_off, i64).reshape(-1, width)
+        for a in b:
+            a = np.ascontiguousarray(a, dtype=i64)
+            digest.update(repr(a.shape).encode())
+            digest.update(a)
+        nbytes = row_prod(b.len) * itemsizes[i]
+        remote = b.rank != w  # the job's counters, whichever rows are kept
+        num_sends += int(remote.sum())
+        sent += np.bincount(b.rank[remote], weights=nbytes[remote], minlength=world_size).astype(i64)
+        got = int(nbytes[remote].sum())
+        recv[w] += got
+        held[w] = held.get(w, 0) + got
+        peak[w] = max(peak[w], held[w])
+        keep = slice(None) if rank is None else np.flatnonzero((b.rank == rank) | (w == rank))
+        if rank is None or len(keep):
+            kept.append((i, w, rnd, b.rank[keep], b.local_off[keep], b.off[keep], b.len[keep], nbytes[keep]))
+    if count != len(keys):
+        raise ValueError(f"tensor_schedule: boxes for {count} tensors, {len(keys)} keys")
+
+    def column(j: int, pad: int = 0) -> np.ndarray:  # column j of the kept rows, boxes padded to width
+        parts = [np.asarray(x[j], i64) for x in kept]
+        if pad < 0:
+            return np.concatenate(parts) if parts else np.zeros(0, i64)
+        return (np.concatenate([np.pad(p, ((0, 0), (0, width - p.shape[1])), constant_values=pad) for p in parts])
+                if parts else np.zeros((0, width), i64))
+
+    sizes = [len(x[3]) for x in kept]
+    tensor = np.repeat(np.asarray([x[0] for x in kept], i64), sizes)
+    writer = np.repeat(np.asarray([x[1] for x in kept], i64), sizes)
+    rounds = np.repeat(np.asarray([x[2] for x in kept], i64), sizes)
+    holder, local_off, off, length, nbytes = column(3, -1), column(4), column(5), column(6, 1), column(7, -1)
+    pid = np.arange(len(holder), dtype=i64)
+    send, copy = np.flatnonzero(holder != writer), np.flatnonzero(holder == writer)
+    dlv = pid if rank is None else np.flatnonzero(writer == rank)
+    i32 = np.int32
     return Schedule(
         topology=Topology(world_size, 1), staging_bytes=staging_bytes, max_ops=max(2, num_sends),
         keys=tuple(keys), key_ndim=np.asarray([len(s) for s in shapes], np.int8),
-        piece_key=np.asarray(p_key, i32), piece_off=off, piece_len=np.asarray(p_len, i64).reshape(-1, width),
-        piece_bytes=np.asarray(p_bytes, i64),
+        piece_key=tensor.astype(i32), piece_off=off, piece_len=length, piece_bytes=nbytes,
         read_rank=np.zeros(0, i32), read_piece=np.zeros(0, i32), read_round=np.zeros(0, i64),
-        send_src=np.asarray([x[0] for x in sends], i32), send_dst=np.asarray([x[1] for x in sends], i32),
-        send_piece=np.asarray([x[2] for x in sends], i32), send_round=np.asarray([x[3] for x in sends], i64),
-        send_view=np.asarray([x[4] for x in sends], i32),
+        send_src=holder[send].astype(i32), send_dst=writer[send].astype(i32), send_piece=send.astype(i32),
+        send_round=rounds[send], send_view=send.astype(i32),
         bcast_node=np.zeros(0, i32), bcast_root=np.zeros(0, i32), bcast_piece=np.zeros(0, i32),
         bcast_round=np.zeros(0, i64),
-        dlv_piece=np.asarray([x[0] for x in dlv], i32), dlv_rank=np.asarray([x[1] for x in dlv], i32),
-        dlv_param=np.asarray([x[2] for x in dlv], i32), dlv_slot=np.full(len(dlv), -1, i64),
-        dlv_off=off[[x[0] for x in dlv]].reshape(-1, width), num_rounds=rnd + 1,
+        dlv_piece=dlv.astype(i32), dlv_rank=writer[dlv].astype(i32), dlv_param=tensor[dlv].astype(i32),
+        dlv_slot=np.full(len(dlv), -1, i64), dlv_off=off[dlv], num_rounds=rnd + 1,
         cost=PlanCost(read_bytes=np.zeros(world_size, dtype=i64), sent_bytes=sent, recv_bytes=recv,
                       peak_staging_bytes=peak, cross_node_bytes=0, num_p2p_ops=num_sends,
                       num_batches=rnd + 1, num_broadcasts=0),
-        view_rank=np.asarray(v_rank, i32), view_param=np.asarray(v_param, i32),
-        view_slot=np.full(len(v_rank), -1, i64), view_off=np.asarray(v_off, i64).reshape(-1, width),
-        copy_view=np.asarray([x[0] for x in copies], i32), copy_piece=np.asarray([x[1] for x in copies], i32),
-        copy_round=np.full(len(copies), -1, i64), rank=rank,
-        basis=None if rank is None else hashlib.sha256(repr((
-            keys, shapes, itemsizes, segments, writers, world_size, staging_bytes)).encode()).hexdigest()[:16],
+        view_rank=holder.astype(i32), view_param=tensor.astype(i32), view_slot=np.full(len(pid), -1, i64),
+        view_off=local_off, copy_view=copy.astype(i32), copy_piece=copy.astype(i32),
+        copy_round=np.full(len(copy), -1, i64), rank=rank,
+        basis=None if rank is None else digest.hexdigest()[:16],
     )
 
 
