@@ -92,7 +92,8 @@ def lora_worker(paths: dict, scenarios: list) -> list:
             meshes[(ep, efsdp)] = moeshard.make_mesh("cpu", ep=ep, efsdp=efsdp)
         pl = _placement(kind, ep)
         moeshard.parallelize(model, meshes[(ep, efsdp)], pl)
-        _, report = mlora.load(model, paths["base"], paths["adapter"], placement=pl)
+        # storage "single" (rank 0 reads, sends the rest) in every other scenario: plans with non-readers
+        _, report = mlora.load(model, paths["base"], paths["adapter"], placement=pl, storage="single" if i % 2 else "auto")
         moeshard.verify(model, paths["base"], placement=pl)
         rec = dict(scenario=(ep, efsdp, kind), boxes=report.num_boxes,
                    all_dtensors=all(isinstance(p, DTensor) for p in model.parameters()))

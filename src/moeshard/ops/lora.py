@@ -23,9 +23,11 @@ delta is ``scaling * B[:, :, e] @ A[e]``. Under EP a rank keeps its ``S`` slots 
   ``(r, slot)`` column order, slot fastest); with expert FSDP also ``Shard(0)`` (its rows).
 
 So for EP the A and B of one expert split on different dims, and B's columns of one expert
-are strided: loading and saving use one box per (expert, rank row) of B. Every copy of a
-redundant expert gets its logical expert's factors; saving writes each logical expert once,
-from its first copy. Other LoRA weights (``lora.Linear`` on attention projections) are plain
+are strided. Loading and saving plan B in 3-D, the file tensor as ``[out, r, E]`` and a rank's
+local one as ``[out_local, r, S]`` (the same bytes), where one expert's columns are one box; a
+box covers a run of slots holding consecutive experts (one per rank for a contiguous
+placement; :func:`~moeshard.models.lora.factor_boxes`). Every copy of a redundant expert gets
+its logical expert's factors; saving writes each logical expert once, from its first copy. Other LoRA weights (``lora.Linear`` on attention projections) are plain
 FSDP2 parameters: ``Shard(0)`` boxes like any dense weight.
 
 Adapter files are peft's: ``adapter_model.safetensors`` (keys like
