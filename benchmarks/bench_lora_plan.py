@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import side_by_side  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "docs" / "deepseek_v3_config.json"
@@ -128,44 +131,19 @@ def one(world: int) -> dict:
                 peak_rss_mib=peak, rss_growth_mib=peak - rss0)
 
 
-def run(world: int, tree: Path, timeout: float) -> dict | None:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree / "src"), str(ROOT)]))
-    try:
-        out = subprocess.run([sys.executable, "-m", "benchmarks.bench_lora_plan", "--one", str(world)], env=env,
-                             cwd=ROOT, check=True, capture_output=True, text=True, timeout=timeout).stdout
-    except subprocess.TimeoutExpired:
-        return None
-    return json.loads(out.strip().splitlines()[-1])
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_lora_plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("--worlds", default="64,1024,8192", help="comma list of world sizes (default 64,1024,8192)")
-    p.add_argument("--compare", type=Path, default=None, help="another source tree to run side by side")
-    p.add_argument("--timeout", type=float, default=600, help="seconds one world size may take (default 600)")
-    p.add_argument("--out", default="bench_out/bench_lora_plan.json", help="JSON report path")
-    p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child: one world size
+    side_by_side.arguments(p, worlds="64,1024,8192", out="bench_out/bench_lora_plan.json")
     args = p.parse_args(argv)
     if args.one is not None:
         print(json.dumps(one(args.one)))
         return
-    sides = [("this", ROOT)] + ([("compare", args.compare.resolve())] if args.compare else [])
-    rows = []
-    print(f"{'ranks':>7} {'tree':<8} {'save s':>8} {'load s':>8} {'peak MiB':>9} {'+MiB':>6} {'save sends':>11} "
-          f"{'save bytes':>16} {'rank load bytes':>16}")
-    for world in (int(w) for w in args.worlds.split(",")):
-        for name, tree in sides:
-            r = run(world, tree, args.timeout)
-            if r is None:
-                rows.append(dict(world=world, tree=name, timeout_s=args.timeout))
-                print(f"{world:>7,} {name:<8} over {args.timeout:.0f} s")
-                continue
-            rows.append(dict(r, tree=name))
-            print(f"{world:>7,} {name:<8} {r['save_s']:>8.2f} {r['load_s']:>8.2f} {r['peak_rss_mib']:>9.0f} "
-                  f"{r['rss_growth_mib']:>6.0f} {r['save_sends']:>11,} {r['save_bytes']:>16,} {r['load_bytes']:>16,}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(rows, indent=1))
-    print(f"wrote {args.out}")
+    side_by_side.sweep(
+        "benchmarks.bench_lora_plan", args,
+        f"{'save s':>8} {'load s':>8} {'peak MiB':>9} {'+MiB':>6} {'save sends':>11} {'save bytes':>16} "
+        f"{'rank load bytes':>16}",
+        lambda r: (f"{r['save_s']:>8.2f} {r['load_s']:>8.2f} {r['peak_rss_mib']:>9.0f} {r['rss_growth_mib']:>6.0f} "
+                   f"{r['save_sends']:>11,} {r['save_bytes']:>16,} {r['load_bytes']:>16,}"))
 
 
 if __name__ == "__main__":

@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import side_by_side  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "docs" / "deepseek_v3_config.json"
@@ -87,36 +90,18 @@ def rank_digest(plan, s, rank: int) -> str:
     return h.hexdigest()[:16]
 
 
-def run(world: int, tree: Path) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree / "src"), str(ROOT)]))
-    out = subprocess.run([sys.executable, "-m", "benchmarks.bench_save_plan", "--one", str(world)], env=env,
-                         cwd=ROOT, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_save_plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("--worlds", default="64,256,1024", help="comma list of world sizes (default 64,256,1024)")
-    p.add_argument("--compare", type=Path, default=None, help="another source tree to run side by side")
-    p.add_argument("--out", default="bench_out/bench_save_plan.json", help="JSON report path")
-    p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child: one world size
+    side_by_side.arguments(p, worlds="64,256,1024", out="bench_out/bench_save_plan.json")
     args = p.parse_args(argv)
     if args.one is not None:
         print(json.dumps(one(args.one)))
         return
-    sides = [("this", ROOT)] + ([("compare", args.compare.resolve())] if args.compare else [])
-    rows = []
-    print(f"{'ranks':>7} {'tree':<8} {'describe s':>11} {'plan s':>8} {'sched s':>8} {'total s':>8} {'peak MiB':>9} "
-          f"{'+MiB':>6}  same")
-    for world in (int(w) for w in args.worlds.split(",")):
-        for name, tree in sides:
-            r = dict(run(world, tree), tree=name)
-            rows.append(r)
-            print(f"{world:>7,} {name:<8} {r['describe_s']:>11.2f} {r['plan_s']:>8.2f} {r['schedule_s']:>8.2f} "
-                  f"{r['total_s']:>8.2f} {r['peak_rss_mib']:>9.0f} {r['rss_growth_mib']:>6.0f}  {r['same']}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(rows, indent=1))
-    print(f"wrote {args.out}")
+    side_by_side.sweep(
+        "benchmarks.bench_save_plan", args,
+        f"{'describe s':>11} {'plan s':>8} {'sched s':>8} {'total s':>8} {'peak MiB':>9} {'+MiB':>6}  same",
+        lambda r: (f"{r['describe_s']:>11.2f} {r['plan_s']:>8.2f} {r['schedule_s']:>8.2f} {r['total_s']:>8.2f} "
+                   f"{r['peak_rss_mib']:>9.0f} {r['rss_growth_mib']:>6.0f}  {r['same']}"))
 
 
 if __name__ == "__main__":
