@@ -95,12 +95,12 @@ def test_greedy_choices_match_their_definitions():
     chunk = S._CHUNK
     try:
         S._CHUNK = 7  # many chunks, batches across their edges
-        for trial in range(30):
+        for trial in range(300):  # also transfers of no bytes, over the budget alone, one op per batch
             world, n = int(rng.integers(2, 12)), int(rng.integers(1, 200))
             src = rng.integers(0, world, n)
             dst = (src + rng.integers(1, world, n)) % world
-            nbytes = rng.integers(1, 50, n)
-            budget, max_ops = int(rng.choice([10, 60, 10**6])), int(rng.choice([2, 3, 64]))
+            nbytes = rng.integers(0, 50, n) * int(rng.choice([1, 4]))
+            budget, max_ops = int(rng.choice([1, 10, 60, 10**6])), int(rng.choice([1, 2, 3, 64]))
             got = S._pack(src, dst, nbytes, budget, max_ops).tolist()
             assert got == _pack_naive(src, dst, nbytes, budget, max_ops), trial
     finally:
