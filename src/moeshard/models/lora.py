@@ -203,15 +203,17 @@ def factor_boxes(t: AdapterTensor, d: ParamDesc, placement: Placement, world_siz
     held = (boxes[:, :, 1] > 0).all(axis=1)
     ranks, boxes = ranks[held], boxes[held]
     r, spr = t.rank, placement.num_physical // placement.num_ranks
-    dim = 0 if t.factor == "A" else 1
-    lo, n = boxes[:, dim, 0], boxes[:, dim, 1]
-    unit = r if t.factor == "A" else r * spr
-    if ((lo % unit) | (n % unit) if t.factor == "A" else (lo % unit) | (n - unit)).any():
-        raise ValueError(f"LoRA weight {t.name}: its sharding {d.placements} splits the {unit} "
-                         f"{'rows' if dim == 0 else 'columns'} of {'one slot' if dim == 0 else 'an EP rank'} "
+    if t.factor == "A":  # rows: whole slots of r rows
+        lo, n = boxes[:, 0, 0], boxes[:, 0, 1]
+        bad, what = (lo % r != 0) | (n % r != 0), f"the {r} rows of one slot"
+        first, count = lo // r, n // r  # each box's first slot and its number of slots
+    else:  # columns: whole EP ranks of r*S columns
+        lo, n = boxes[:, 1, 0], boxes[:, 1, 1]
+        bad, what = (lo % (r * spr) != 0) | (n != r * spr), f"the {r * spr} columns of an EP rank"
+        first, count = lo // (r * spr) * spr, np.full(len(lo), spr, np.int64)
+    if bad.any():
+        raise ValueError(f"LoRA weight {t.name}: its sharding {d.placements} splits {what} "
                          f"(r={r}, {spr} slots per rank)")
-    first = lo // r if t.factor == "A" else lo // unit * spr  # each box's first slot
-    count = n // r if t.factor == "A" else np.full(len(lo), spr, np.int64)
     box = np.repeat(np.arange(len(lo)), count)
     slot = np.repeat(first, count) + np.arange(len(box)) - np.repeat(np.cumsum(count) - count, count)
     phy2log = placement.phy2log[t.layer]

@@ -27,8 +27,9 @@ are strided. Loading and saving plan B in 3-D, the file tensor as ``[out, r, E]`
 local one as ``[out_local, r, S]`` (the same bytes), where one expert's columns are one box; a
 box covers a run of slots holding consecutive experts (one per rank for a contiguous
 placement; :func:`~moeshard.models.lora.factor_boxes`). Every copy of a redundant expert gets
-its logical expert's factors; saving writes each logical expert once, from its first copy. Other LoRA weights (``lora.Linear`` on attention projections) are plain
-FSDP2 parameters: ``Shard(0)`` boxes like any dense weight.
+its logical expert's factors; saving writes each logical expert once, from its first copy.
+Other LoRA weights (``lora.Linear`` on attention projections) are plain FSDP2 parameters:
+``Shard(0)`` boxes like any dense weight.
 
 Adapter files are peft's: ``adapter_model.safetensors`` (keys like
 ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``, the model's parameter
