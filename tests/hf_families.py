@@ -35,6 +35,8 @@ Excluded (MoE causal-LM families in the mapping that are left out of FAMILIES):
   named "experts"), and the attention `self_attention.experts` (mixture of attention heads) holds
   only a bias plus such submodules. (Its tiny round trip works.)
 No family was excluded because the save/load round trip itself fails in transformers 5.23.
+transformers 5.24.0 gave inkling2 an `unpadded_vocab_size` (default 200058) that must not exceed
+the tiny vocabulary: `_GENERIC` sets it (the suite passes on 5.23.0 and 5.24.0).
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ FUSED_ON_DISK: frozenset[str] = frozenset(FAMILIES) - PER_EXPERT_ON_DISK
 # field (it appears in the default config's to_dict()), so one dict serves every naming scheme.
 _GENERIC = dict(
     vocab_size=128,
+    unpadded_vocab_size=128,  # inkling2 (transformers >= 5.24): the real vocab in a padded lm_head; <= vocab_size
     hidden_size=32,
     intermediate_size=64,
     moe_intermediate_size=16,
