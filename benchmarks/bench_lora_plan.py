@@ -19,7 +19,6 @@ to save writers and rank 3's bytes to load: the same data in both trees, however
 
 from __future__ import annotations
 
-import argparse
 import json
 import resource
 import sys
@@ -132,14 +131,8 @@ def one(world: int) -> dict:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_lora_plan", description=__doc__.split("\n\n")[0])
-    side_by_side.arguments(p, worlds="64,1024,8192", out="bench_out/bench_lora_plan.json")
-    args = p.parse_args(argv)
-    if args.one is not None:
-        print(json.dumps(one(args.one)))
-        return
-    side_by_side.sweep(
-        "benchmarks.bench_lora_plan", args,
+    side_by_side.main(
+        argv, "benchmarks.bench_lora_plan", __doc__, "64,1024,8192", one,
         f"{'save s':>8} {'load s':>8} {'peak MiB':>9} {'+MiB':>6} {'save sends':>11} {'save bytes':>16} "
         f"{'rank load bytes':>16}",
         lambda r: (f"{r['save_s']:>8.2f} {r['load_s']:>8.2f} {r['peak_rss_mib']:>9.0f} {r['rss_growth_mib']:>6.0f} "

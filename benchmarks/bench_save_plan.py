@@ -17,8 +17,6 @@ rounds; the job's counters), made alike in both trees: equal digests mean rank 3
 
 from __future__ import annotations
 
-import argparse
-import json
 import resource
 import sys
 import time
@@ -91,14 +89,8 @@ def rank_digest(plan, s, rank: int) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_save_plan", description=__doc__.split("\n\n")[0])
-    side_by_side.arguments(p, worlds="64,256,1024", out="bench_out/bench_save_plan.json")
-    args = p.parse_args(argv)
-    if args.one is not None:
-        print(json.dumps(one(args.one)))
-        return
-    side_by_side.sweep(
-        "benchmarks.bench_save_plan", args,
+    side_by_side.main(
+        argv, "benchmarks.bench_save_plan", __doc__, "64,256,1024", one,
         f"{'describe s':>11} {'plan s':>8} {'sched s':>8} {'total s':>8} {'peak MiB':>9} {'+MiB':>6}  same",
         lambda r: (f"{r['describe_s']:>11.2f} {r['plan_s']:>8.2f} {r['schedule_s']:>8.2f} {r['total_s']:>8.2f} "
                    f"{r['peak_rss_mib']:>9.0f} {r['rss_growth_mib']:>6.0f}  {r['same']}"))

@@ -16,6 +16,20 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def main(argv, module: str, doc: str, worlds: str, one: Callable[[int], dict], header: str,
+         line: Callable[[dict], str]) -> None:
+    """A benchmark's command line: ``--one W`` (a child) prints ``one(W)`` as JSON; otherwise
+    :func:`sweep` over ``--worlds`` (default ``worlds``), this tree and ``--compare``'s."""
+    name = module.rsplit(".", 1)[-1]
+    p = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n\n")[0])
+    arguments(p, worlds=worlds, out=f"bench_out/{name}.json")
+    args = p.parse_args(argv)
+    if args.one is not None:
+        print(json.dumps(one(args.one)))
+        return
+    sweep(module, args, header, line)
+
+
 def arguments(p: argparse.ArgumentParser, worlds: str, out: str) -> None:
     """Add ``--worlds``, ``--compare``, ``--timeout``, ``--out`` and the child's ``--one``."""
     p.add_argument("--worlds", default=worlds, help=f"comma list of world sizes (default {worlds})")

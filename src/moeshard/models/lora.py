@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..placement import Placement
-from ..plan.arrays import unique_rows
+from ..plan.arrays import group_rows
 from ..plan.save import HeldBoxes
 from .adapters import ExpertsSpec
 from .ep import SlotLora, ep_layers
@@ -247,9 +247,7 @@ def distinct_boxes(d: ParamDesc, world_size: int) -> HeldBoxes:
     once, from its first holder in mesh order (pure): the boxes tile the tensor."""
     ranks, boxes = param_boxes(d, world_size)
     held = np.flatnonzero((boxes[:, :, 1] > 0).all(axis=1))
-    distinct, inverse = unique_rows(boxes[held].reshape(len(held), -1))
-    first = np.full(len(distinct), len(held), np.int64)
-    np.minimum.at(first, inverse, np.arange(len(held)))
-    rows = held[np.sort(first)]
+    order, start = group_rows(*boxes[held].reshape(len(held), -1).T)  # stable: a group's first is its first holder
+    rows = held[np.sort(order[start])]
     return HeldBoxes(ranks[rows], np.zeros((len(rows), len(d.shape)), np.int64), boxes[rows, :, 0].copy(),
                      boxes[rows, :, 1].copy())

@@ -716,18 +716,18 @@ def tensor_schedule(
     if count != len(keys):
         raise ValueError(f"tensor_schedule: boxes for {count} tensors, {len(keys)} keys")
 
-    def column(j: int, pad: int = 0) -> np.ndarray:  # column j of the kept rows, boxes padded to width
-        parts = [np.asarray(x[j], i64) for x in kept]
-        if pad < 0:
-            return np.concatenate(parts) if parts else np.zeros(0, i64)
-        return (np.concatenate([np.pad(p, ((0, 0), (0, width - p.shape[1])), constant_values=pad) for p in parts])
-                if parts else np.zeros((0, width), i64))
+    def flat(j: int) -> np.ndarray:  # field j of the kept rows
+        return np.concatenate([np.asarray(x[j], i64) for x in kept]) if kept else np.zeros(0, i64)
+
+    def padded(j: int, fill: int) -> np.ndarray:  # box field j of the kept rows, dims padded to width
+        return (np.concatenate([np.pad(np.asarray(x[j], i64), ((0, 0), (0, width - x[j].shape[1])),
+                                       constant_values=fill) for x in kept]) if kept else np.zeros((0, width), i64))
 
     sizes = [len(x[3]) for x in kept]
     tensor = np.repeat(np.asarray([x[0] for x in kept], i64), sizes)
     writer = np.repeat(np.asarray([x[1] for x in kept], i64), sizes)
     rounds = np.repeat(np.asarray([x[2] for x in kept], i64), sizes)
-    holder, local_off, off, length, nbytes = column(3, -1), column(4), column(5), column(6, 1), column(7, -1)
+    holder, local_off, off, length, nbytes = flat(3), padded(4, 0), padded(5, 0), padded(6, 1), flat(7)
     pid = np.arange(len(holder), dtype=i64)
     send, copy = np.flatnonzero(holder != writer), np.flatnonzero(holder == writer)
     dlv = pid if rank is None else np.flatnonzero(writer == rank)
