@@ -43,7 +43,8 @@ from torch import nn
 from moeshard.models.adapters import DEFAULT_SPECS, ExpertsSpec
 from moeshard.box import box_shape, box_slices
 from moeshard.io.checkpoint import CheckpointIndex, CheckpointReader
-from moeshard.models.layout import Need, ParamDesc, compute_needs, describe_model, local_tensor
+from moeshard.models.describe import ParamDesc, describe_model, local_tensor
+from moeshard.models.layout import Need, compute_needs
 from moeshard.placement import Placement
 
 __all__ = ["Target", "BaselineStats", "BASELINES", "rank0_broadcast", "chunk_broadcast_loop", "node_local_p2p"]

@@ -42,7 +42,10 @@ def adapter(world: int):
     import torch
 
     from moeshard.io.checkpoint import CheckpointIndex, TensorInfo
-    from moeshard.models.layout import ParamDesc
+    try:
+        from moeshard.models.describe import ParamDesc
+    except ImportError:  # --compare with a tree from before models/layout.py was split
+        from moeshard.models.layout import ParamDesc
     from moeshard.models.lora import AdapterTensor
     from moeshard.placement import Placement
 

@@ -53,7 +53,10 @@ def child(world: int, mode: str) -> dict:
     from moeshard.cli.plan import _cluster, _open_checkpoint
     from moeshard.cluster.model import synthesize_descs
     from moeshard.dtypes import itemsize
-    from moeshard.models.layout import _local_boxes
+    try:
+        from moeshard.models.shards import local_boxes
+    except ImportError:  # --src: a tree from before models/layout.py was split
+        from moeshard.models.layout import _local_boxes as local_boxes
     from moeshard.plan.relocation import ExpertTensor, plan_relocation
 
     nodes = world // 8
@@ -70,7 +73,7 @@ def child(world: int, mode: str) -> dict:
         tensors = []
         for d in descs:
             if d.expert is not None:
-                boxes = _local_boxes(d.shape, d.mesh.shape, d.placements)
+                boxes = local_boxes(d.shape, d.mesh.shape, d.placements)
                 holdings = tuple((r, b[0][0], b[0][1], b[1:]) for r, b in zip(d.mesh.reshape(-1).tolist(), boxes))
                 tensors.append(ExpertTensor(d.expert.layer, d.name, d.shape[1:], itemsize(d.dtype), holdings))
         topo = cluster.topology().with_rank(RANK)

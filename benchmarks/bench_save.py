@@ -55,7 +55,7 @@ def rank_main(spec: dict) -> list[dict]:
     from torch.distributed.tensor import DTensor
 
     import moeshard
-    from moeshard.models.layout import local_tensor
+    from moeshard.models.describe import local_tensor
     from moeshard.ops.save import save
 
     torch.set_num_threads(1)

@@ -100,7 +100,7 @@ def rank_main(ckpt: str, hidden: int, layouts: list) -> list:
     from transformers import Qwen3MoeForCausalLM
 
     import moeshard
-    from moeshard.models.layout import local_tensor
+    from moeshard.models.describe import local_tensor
 
     rank, world = dist.get_rank(), dist.get_world_size()
     ids = _batch(world, _config(hidden).vocab_size)[rank : rank + 1]

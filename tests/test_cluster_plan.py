@@ -30,7 +30,8 @@ from moeshard.cluster import (
     plan_storage_modes, synthesize_descs, synthetic_index,
 )
 from moeshard.dtypes import dtype_name
-from moeshard.models.layout import compute_needs, need_table, shard_boxes
+from moeshard.models.layout import compute_needs, need_table
+from moeshard.models.shards import shard_boxes
 from moeshard.topology import Topology
 
 NUM_LAYERS, NUM_EXPERTS = 2, 8
@@ -94,7 +95,7 @@ def test_needs_equal_a_parallelized_model(qwen_ckpt):
     from transformers import Qwen3MoeForCausalLM
 
     import moeshard
-    from moeshard.models.layout import describe_model
+    from moeshard.models.describe import describe_model
 
     if dist.is_initialized():
         pytest.skip("a process group is already initialized in this process")

@@ -14,7 +14,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from moeshard.dtypes import ITEMSIZE, LazyTable, cast_refusal, dtype_name, itemsize, torch_dtypes
 from moeshard.io.checkpoint import DTYPE_NAMES, DTYPES, CheckpointIndex, TensorInfo
-from moeshard.models.layout import shard_boxes
+from moeshard.models.shards import shard_boxes
 
 
 def test_table_matches_torch():

@@ -71,7 +71,8 @@ def _run_low_level(model, pl, path, config, pname, ckpt) -> dict:
 
     import moeshard
     from moeshard.execute import ReaderSource, TensorSink, execute_schedule, node_groups
-    from moeshard.models.layout import compute_needs, describe_model, local_tensor
+    from moeshard.models.describe import describe_model, local_tensor
+    from moeshard.models.layout import compute_needs
     from moeshard.plan import plan_transfers
 
     rank, world = dist.get_rank(), dist.get_world_size()

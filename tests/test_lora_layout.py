@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from moeshard.models.layout import ParamDesc, param_boxes
+from moeshard.models.describe import ParamDesc
+from moeshard.models.shards import param_boxes
 from moeshard.models.lora import AdapterTensor, distinct_boxes, factor_boxes, local_view, plan_shape
 from moeshard.placement import Placement
 

@@ -23,9 +23,9 @@ from moeshard.models.adapters import ExpertParam, expert_parts
 from moeshard.box import Box, full_box
 from moeshard.io.checkpoint import CheckpointIndex, TensorInfo
 from moeshard.cluster import ClusterSpec, find_experts, make_placement, synthesize_descs, synthetic_index
-from moeshard.models.layout import (
-    ExpertRef, Need, ParamDesc, _find_key, check_cast, compute_needs, need_table, param_boxes, rank_boxes, shard_boxes,
-)
+from moeshard.models.describe import ExpertRef, ParamDesc
+from moeshard.models.layout import _find_key, Need, check_cast, compute_needs, need_table
+from moeshard.models.shards import param_boxes, rank_boxes, shard_boxes
 from moeshard.plan.needs import NeedTable
 
 # -- the reference: the per-need implementation need_table replaced -----------------------------

@@ -19,7 +19,7 @@ import torch
 
 import moeshard
 import tiny_moe
-from moeshard.models.layout import cast_refusal
+from moeshard.dtypes import cast_refusal
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 E = tiny_moe.NUM_EXPERTS
@@ -384,7 +384,8 @@ def test_lora_load_applies_the_cast_rule_and_strict(tmp_path):
 
 def test_expert_keys_match_the_spec_templates():
     # unused_keys builds every expert's keys by concatenation; any template gives keys() alike.
-    from moeshard.models.layout import ExpertRef, _expert_keys
+    from moeshard.models.describe import ExpertRef
+    from moeshard.models.unused import _expert_keys
 
     params = list(moeshard.HF_EXPERTS.params) + [moeshard.ExpertParam("w", ("{e:03d}.w.weight",)),
                                                  moeshard.ExpertParam("w", ("{e}.w{e}.weight", "bias"))]
@@ -413,7 +414,7 @@ def test_one_walk_is_torchs_walks(tmp_path):
     """describe_model's single walk of the module tree lists what torch's ``named_modules()``,
     ``named_parameters(remove_duplicate=False)`` and persistent ``named_buffers()`` list, and
     finds peft's wrappers as ``hasattr`` does: a peft model, a plain one, a shared submodule."""
-    from moeshard.models.layout import _has, _preorder, _walk
+    from moeshard.models.describe import _has, _walk, preorder
 
     _, _, build = _qwen_with_lora(tmp_path)
     peft_model = build()
@@ -422,7 +423,7 @@ def test_one_walk_is_torchs_walks(tmp_path):
     tied.register_module("none", None)
     for model in (peft_model, peft_model.base_model.model, tied):
         tree = _walk(model)
-        assert list(_preorder(model)) == list(model.named_modules(remove_duplicate=False))
+        assert list(preorder(model)) == list(model.named_modules(remove_duplicate=False))
         assert tree.modules == list(model.named_modules())
         assert [(n, id(p)) for n, p in tree.params] == [(n, id(p)) for n, p in
                                                          model.named_parameters(remove_duplicate=False)]

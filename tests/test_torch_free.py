@@ -38,7 +38,8 @@ def _torch_free(body: str) -> str:
 
 def test_planning_packages_import_without_torch():
     _torch_free("import moeshard, moeshard.plan, moeshard.plan.pieces, moeshard.plan.relocation, moeshard.cluster, "
-                "moeshard.cli, moeshard.cli.plan, moeshard.models.layout, moeshard.io.checkpoint, moeshard.io.sources, "
+                "moeshard.cli, moeshard.cli.plan, moeshard.models.layout, moeshard.models.describe, "
+                "moeshard.models.shards, moeshard.models.unused, moeshard.io.checkpoint, moeshard.io.sources, "
                 "moeshard.dtypes, moeshard.placement, moeshard.topology, moeshard.eplb")
 
 

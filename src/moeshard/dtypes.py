@@ -3,7 +3,7 @@ dtype each name stands for (built on first use) and the one cast rule for checkp
 
 The planners and ``moeshard plan`` work from names (``"BF16"``); only code that allocates
 tensors needs the torch dtype. A model's dtype may be given either way: a torch dtype (what
-:func:`moeshard.models.layout.describe_model` records) or a safetensors name (what
+:func:`moeshard.models.describe.describe_model` records) or a safetensors name (what
 ``moeshard plan`` synthesizes, torch-free). A torch dtype is recognized by its ``str``
 (``"torch.bfloat16"``), so no torch import is needed to name it either.
 """

@@ -128,7 +128,7 @@ def _rank_main(ckpt: str):
     from transformers import Qwen3MoeForCausalLM
 
     import moeshard
-    from moeshard.models.layout import expert_layers, local_tensor
+    from moeshard.models.describe import expert_layers, local_tensor
 
     with torch.device("meta"):
         model = Qwen3MoeForCausalLM(_config())

@@ -54,7 +54,8 @@ def _slot_report(model, placement, index, reader_root_dir: str) -> list[tuple[in
 
     from ..io.checkpoint import CheckpointReader
     from ..models.adapters import read_expert_box
-    from ..models.layout import _local_boxes, expert_layers, local_tensor
+    from ..models.describe import expert_layers, local_tensor
+    from ..models.shards import local_boxes
     from ..ops.verify import _digest
 
     out = []
@@ -66,7 +67,7 @@ def _slot_report(model, placement, index, reader_root_dir: str) -> list[tuple[in
                 loc = local_tensor(t)
                 mesh = t.device_mesh
                 rank = torch.distributed.get_rank()
-                boxes = _local_boxes(tuple(t.shape), tuple(mesh.mesh.shape), tuple(t.placements))
+                boxes = local_boxes(tuple(t.shape), tuple(mesh.mesh.shape), tuple(t.placements))
                 box = boxes[mesh.mesh.reshape(-1).tolist().index(rank)]
                 (s0, ns), rest = box[0], box[1:]
                 for k in range(ns):
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     from .. import _dist
     from ..io.checkpoint import CheckpointIndex
     from ..io.sources import reader_root
-    from ..models.layout import expert_layers
+    from ..models.describe import expert_layers
     from ..models.parallel import make_mesh, parallelize
     from ..ops.load import load
     from ..ops.verify import verify

@@ -9,7 +9,8 @@ import numpy as np
 
 from ..dtypes import ITEMSIZE
 from ..io.checkpoint import CheckpointIndex
-from ..models.layout import ParamDesc, param_boxes
+from ..models.describe import ParamDesc
+from ..models.shards import param_boxes
 from ..plan import NeedTable
 from .cost import StrategyCost
 from .spec import ClusterSpec

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..io.checkpoint import CheckpointIndex
-from ..models.layout import ExpertRef, ParamDesc
+from ..models.describe import ExpertRef, ParamDesc
 from ..placement import Placement
 from .experts import MoeLayout
 from .spec import ClusterSpec
@@ -22,7 +22,7 @@ def synthesize_descs(layout: MoeLayout, index: CheckpointIndex, cluster: Cluster
     checkpoint on ``cluster`` (model dtype = checkpoint dtype, so bytes are checkpoint bytes).
 
     Torch-free: dtypes are safetensors names and placements their plain spelling (the int dim
-    of a ``Shard``, None for ``Replicate``; :class:`~moeshard.models.layout.ParamDesc`)."""
+    of a ``Shard``, None for ``Replicate``; :class:`~moeshard.models.describe.ParamDesc`)."""
     world = cluster.world_size
     dp = np.arange(world)  # the flattened ("efsdp", "ep") mesh is ranks 0..world-1 in order
     if cluster.efsdp == 1:

@@ -10,7 +10,8 @@ from typing import Sequence
 import numpy as np
 
 from ..dtypes import itemsize
-from ..models.layout import ParamDesc, _local_boxes
+from ..models.describe import ParamDesc
+from ..models.shards import local_boxes
 from ..placement import Placement
 from .cost import LinkBytes
 from .spec import ClusterSpec
@@ -57,7 +58,7 @@ def plan_relocation_summary(descs: Sequence[ParamDesc], old: Placement, loads: n
     for d in descs:
         if d.expert is None:
             continue
-        boxes = _local_boxes(d.shape, d.mesh.shape, d.placements)
+        boxes = local_boxes(d.shape, d.mesh.shape, d.placements)
         holdings = tuple((r, b[0][0], b[0][1], b[1:]) for r, b in zip(d.mesh.reshape(-1).tolist(), boxes))
         tensors.append(ExpertTensor(d.expert.layer, d.name, d.shape[1:], itemsize(d.dtype), holdings))
     topo = cluster.topology()

@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .layout import local_tensor
+from .describe import local_tensor
 
 __all__ = ["EPLayer", "SlotLora", "experts_kind", "install_ep_forward", "set_placement", "slot_params",
            "sync_redundant_grads", "grad_norm", "clip_grad_norm_"]

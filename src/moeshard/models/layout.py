@@ -1,88 +1,39 @@
 """Needs: which box of which checkpoint tensor every rank must hold, and where.
 
-Derived from the model itself, for *every* rank, without communication: a DTensor's
-placements and device mesh say what each mesh coordinate holds (torch's rule for local
-shapes and offsets, done with numpy: :func:`shard_boxes`), and the
-:class:`~moeshard.placement.Placement` says which logical expert each physical slot of an
-expert parameter holds. Every rank computes the same
-needs, so the planner gives the same plan everywhere.
-
-Two halves: :func:`describe_model` turns a model into plain :class:`ParamDesc` records (the
-only part that looks at torch modules); :func:`need_table` (arrays, one row per need) and
-:func:`compute_needs` (the same rows as :class:`Need` tuples) are pure and work for any
-world size. Importing this module does not import torch (``moeshard plan`` plans without it);
-the functions that look at a model import it when called.
+From parameter descriptions (:mod:`moeshard.models.describe`), for *every* rank, without
+communication: the shard boxes (:mod:`moeshard.models.shards`) say what each rank holds, and
+the :class:`~moeshard.placement.Placement` says which logical expert each physical slot of an
+expert parameter holds. Every rank computes the same needs, so the planner gives the same
+plan everywhere. :func:`need_table` (arrays, one row per need) and :func:`compute_needs` (the
+same rows as :class:`Need` tuples) are pure, torch-free and work for any world size.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
-import re
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from ..box import Box, full_box
+from ..box import Box
 from ..dtypes import TORCH_NAMES, cast_refusal
 from ..io.checkpoint import CheckpointIndex
-from ..io.formats import layer_of, parse_expert_key, scale_keys, scaled_weight
+from ..io.formats import scale_keys
 from ..io.fp8 import scale_of
 from ..placement import Placement
 from ..plan.arrays import expand_runs, row_prod, unique_rows
 from ..plan.needs import NeedTable, SharedKeysLeftOut
-from .adapters import DEFAULT_SPECS, ExpertParam, ExpertsSpec, checkpoint_names, expert_parts, specs_for, with_scales
-from .hf_names import HFNames, hf_names
+from .adapters import expert_parts
+from .describe import ParamDesc
+from .shards import holders_disjoint, param_boxes
+from .unused import keys_of_experts
 
-if TYPE_CHECKING:  # torch only where a model is looked at: need_table and its helpers run without it
+if TYPE_CHECKING:
     import torch
-    from torch import nn
 
-__all__ = ["ExpertRef", "ParamDesc", "Need", "describe_model", "need_table", "compute_needs", "shard_boxes",
-           "param_boxes", "rank_boxes", "local_tensor", "expert_layers", "inputs_digest",
-           "base_names", "is_adapter_param", "cast_refusal", "check_cast", "UnusedKeys", "unused_keys",
-           "ignored_patterns", "tensor_names"]
+__all__ = ["Need", "need_table", "compute_needs", "inputs_digest", "check_cast", "expert_part_sizes"]
 
-
-@dataclass(frozen=True)
-class ExpertRef:
-    """An expert parameter: MoE ``layer`` index, the checkpoint key prefix of its experts
-    module (the module's name, or the name its checkpoint uses, e.g. ``block_sparse_moe``),
-    and its spec."""
-
-    layer: int
-    module: str
-    param: ExpertParam
-
-
-@dataclass(frozen=True, eq=False)
-class ParamDesc:
-    """What one parameter (or persistent buffer) of the model is, as the planner sees it.
-
-    Args:
-        name: qualified name in the model.
-        shape: global shape. For an expert parameter: ``[num_physical, *slice_shape]``.
-        dtype: the model's dtype (checkpoint values are cast to it): a torch dtype, or its
-            safetensors name (``"BF16"``; torch-free descriptions, e.g. ``moeshard plan``'s).
-        mesh: ``int[*mesh_shape]`` global ranks of the DTensor's mesh, or None for a plain
-            tensor held in full by every rank.
-        placements: the DTensor's placements (one per mesh dim); empty for a plain tensor.
-            Torch's ``Shard(dim)`` / ``Replicate()``, or torch-free: the int ``dim`` a Shard
-            splits, None for Replicate.
-        keys: checkpoint keys the tensor may be stored under (own name first, then tied
-            aliases); unused for expert parameters.
-        expert: set for expert parameters.
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: "torch.dtype | str"
-    mesh: np.ndarray | None
-    placements: tuple = ()
-    keys: tuple[str, ...] = ()
-    expert: ExpertRef | None = None
 
 
 class Need(NamedTuple):
@@ -94,501 +45,6 @@ class Need(NamedTuple):
     dest: Box
     key: str
     src: Box
-
-
-# -- model -> ParamDesc -------------------------------------------------------------------
-
-
-# A peft (LoRA) model: ``get_peft_model`` prefixes every name with ``base_model.model.`` and
-# a wrapped module's own parameters move under ``<module>.base_layer``; adapter weights live in
-# ``lora_A`` / ``lora_B`` containers of the wrapper. Checkpoints of the base model use
-# the names without peft's segments.
-_PEFT_PREFIX = "base_model.model."
-_BASE_LAYER = re.compile(r"\.base_layer(?=\.|$)")
-_ADAPTER_SEGMENTS = re.compile(r"(^|\.)(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)\.")
-
-
-class _Tree(NamedTuple):
-    """One walk of a model's module tree (what describing it looks at, gathered once).
-
-    ``modules``: each module once, under its first name (``named_modules()``); ``params``:
-    ``named_parameters(remove_duplicate=False)`` (a tied parameter under each of its names);
-    ``buffers``: the persistent buffers, each module's once; ``peft``: whether peft wrapped
-    some module (a ``base_layer`` beside ``lora_A``)."""
-
-    modules: list[tuple[str, nn.Module]]
-    params: list[tuple[str, torch.Tensor]]
-    buffers: list[tuple[str, torch.Tensor]]
-    peft: bool
-
-    @property
-    def base(self) -> Callable[[str], str]:
-        """``name -> name in the base model`` (:func:`base_names`)."""
-        return _strip_peft if self.peft else _same_name
-
-
-def _walk(model: nn.Module) -> _Tree:
-    # torch's named_modules / named_parameters / named_buffers each walk the tree again (a
-    # generator per module and depth); one walk with their rules costs a fifth of four.
-    seen: set[int] = set()
-    modules, params, buffers = [], [], []
-    peft = False
-    for name, mod in _preorder(model):
-        dot = f"{name}." if name else ""
-        params.extend((dot + k, p) for k, p in mod._parameters.items() if p is not None)
-        if id(mod) in seen:  # named_modules() lists a shared module (and its subtree) once
-            continue
-        seen.add(id(mod))
-        modules.append((name, mod))
-        peft = peft or _wraps_lora(mod)
-        listed: set[int] = set()
-        for k, b in mod._buffers.items():
-            if b is not None and id(b) not in listed and k not in mod._non_persistent_buffers_set:
-                listed.add(id(b))
-                buffers.append((dot + k, b))
-    return _Tree(modules, params, buffers, peft)
-
-
-def _preorder(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """``model.named_modules(remove_duplicate=False)``: every module under every name, parents
-    first, children in order; one loop rather than a generator per module and depth."""
-    stack = [("", model)]
-    while stack:
-        name, mod = stack.pop()
-        yield name, mod
-        dot = f"{name}." if name else ""
-        stack.extend(reversed([(dot + k, m) for k, m in mod._modules.items() if m is not None]))
-
-
-def _wraps_lora(mod: nn.Module) -> bool:
-    return _has(mod, "lora_A") and _has(mod, "base_layer")
-
-
-def _has(mod: nn.Module, name: str) -> bool:
-    """``hasattr(mod, name)`` without the AttributeError that ``Module.__getattr__`` raises
-    (and hasattr catches) for a missing name: most modules have neither peft attribute."""
-    return (name in mod._modules or name in mod.__dict__ or name in mod._parameters or name in mod._buffers
-            or hasattr(type(mod), name))
-
-
-def _is_peft(model: nn.Module) -> bool:
-    return any(map(_wraps_lora, model.modules()))
-
-
-def _same_name(name: str) -> str:
-    return name
-
-
-def _strip_peft(name: str) -> str:
-    name = name[len(_PEFT_PREFIX):] if name.startswith(_PEFT_PREFIX) else name
-    return _BASE_LAYER.sub("", name)
-
-
-def base_names(model: nn.Module):
-    """``name -> name in the base model``: identity, or for a peft model the name without
-    peft's ``base_model.model.`` prefix and ``.base_layer`` segments."""
-    return _strip_peft if _is_peft(model) else _same_name
-
-
-def is_adapter_param(name: str) -> bool:
-    """Whether a parameter name is a peft LoRA adapter weight (not in the base checkpoint)."""
-    return _ADAPTER_SEGMENTS.search(name) is not None
-
-
-def expert_layers(model: nn.Module, specs: Sequence[ExpertsSpec] = DEFAULT_SPECS) -> list[tuple[str, nn.Module, ExpertsSpec]]:
-    """Experts modules of ``model`` in module order (their index is the MoE layer). In a peft
-    model the experts module is the innermost one (under its ``ParamWrapper`` chain)."""
-    out = []
-    tree = _walk(model)
-    base = tree.base
-    for name, mod in tree.modules:
-        names = {n for n, p in mod._parameters.items() if p is not None}
-        for spec in specs if names else ():  # an experts module has parameters
-            if spec.matches(base(name), names):
-                out.append((name, mod, with_scales(spec, names)))
-                break
-    return out
-
-
-def _choose_spec(
-    candidates: Sequence[ExpertsSpec], module: str, index: CheckpointIndex | None, renamed: bool,
-    names: HFNames | None = None,
-) -> tuple[ExpertsSpec, dict[str, str]]:
-    """The spec of experts module ``module`` and the checkpoint key prefix of each of its
-    parameters: the first spec whose per-expert keys the checkpoint has, else the experts fused
-    on disk (:func:`_fused_spec`). Without a checkpoint, the model family's: ``names``,
-    transformers' names for it (per expert where one of its converters stacks the module's
-    experts, else fused under the names it renames them to); ``renamed``, the older family
-    table's."""
-
-    def prefixes(param: ExpertParam) -> list[str]:
-        out = []
-        if names is not None:
-            try:
-                out.append(names.checkpoint_module(module, param))
-            except ValueError:  # renamed inside the per-expert key: only the model's own names
-                pass
-        return list(dict.fromkeys(out + list(checkpoint_names(module))))
-
-    if index is not None:
-        for spec in candidates:
-            found = {}
-            for p in spec.params:
-                hit = next((pre for pre in prefixes(p) if all(k in index for k in p.keys(pre, 0))), None)
-                if hit is None:
-                    break
-                found[p.name] = hit
-            else:
-                return spec, found
-
-        def stored(full: str) -> str | None:  # transformers' name for it, then the model's own
-            keys = ([names.checkpoint_name(full)] if names is not None else []) + list(checkpoint_names(full))
-            return next((k for k in keys if k in index), None)
-
-        fused = _fused_spec(candidates[0], module, stored)
-        if fused is not None:
-            return fused
-        for p in candidates[0].params:  # say why, rather than "no tensor ...experts.0..." later
-            refused = _refused(names, f"{module}.{p.name}")
-            if refused is not None:
-                raise ValueError(
-                    f"parameter {module}.{p.name}: transformers reads {names.family} checkpoints into it with a "
-                    f"converter moeshard cannot express as box reads ({refused})")
-    spec = candidates[0]
-    if names is not None and not any(s in names.specs for s in candidates) \
-            and not any(_refused(names, f"{module}.{p.name}") for p in spec.params):
-        # No converter of the family stacks this module's experts: transformers writes and reads
-        # them fused on disk, under their (renamed) names.
-        fused = _fused_spec(spec, module, names.checkpoint_name)
-        assert fused is not None
-        return fused
-    if names is not None:
-        return spec, {p.name: prefixes(p)[0] for p in spec.params}
-    prefix = checkpoint_names(module)[-1] if renamed else module
-    return spec, {p.name: prefix for p in spec.params}
-
-
-def _refused(names: HFNames | None, full: str) -> str | None:
-    """The converter of ``names`` (``"<target pattern>: <why>"``) that moeshard cannot express
-    and that writes model tensor ``full``, or None."""
-    for pattern, why in (names.refused if names is not None else ()):
-        if any(re.search(t.strip(), full) for t in pattern.split(", ")):
-            return f"{pattern}: {why}"
-    return None
-
-
-def _fused_spec(
-    spec: ExpertsSpec, module: str, key_of: Callable[[str], str | None],
-) -> tuple[ExpertsSpec, dict[str, str]] | None:
-    """Experts module ``module`` read from tensors fused on disk, one per parameter holding
-    every expert (``[num_logical, *slice_shape]``, as gpt-oss and Llama 4 ship them and as
-    transformers keeps them in memory): each parameter of ``spec`` stored under checkpoint key
-    ``key_of(<module>.<param>)`` becomes a one-part fused :class:`ExpertParam`. None when one
-    has no key. The module's other parameters (gpt-oss's expert biases) stay whole tensors, as
-    :func:`moeshard.parallelize` leaves them. Shapes are checked with the needs
-    (:func:`_fused_rows`)."""
-    params, prefixes = [], {}
-    for p in spec.params:
-        key = key_of(f"{module}.{p.name}")
-        if key is None:
-            return None
-        prefix, _, leaf = key.rpartition(".")
-        params.append(ExpertParam(p.name, (leaf,)))
-        prefixes[p.name] = prefix
-    return ExpertsSpec(module=spec.module, params=tuple(params)), prefixes
-
-
-def describe_model(
-    model: nn.Module,
-    index: CheckpointIndex | None = None,
-    specs: Sequence[ExpertsSpec] = DEFAULT_SPECS,
-) -> list[ParamDesc]:
-    """Describe every parameter and persistent buffer of ``model`` (deduplicated; tied
-    parameters list all their names as checkpoint keys, then the names a checkpoint of the
-    model's family may use instead, :func:`~moeshard.adapters.checkpoint_names`).
-
-    Without ``index`` the names are those the model's family writes (``config.model_type``).
-    A peft model is described as its base model (checkpoint names without peft's segments;
-    adapter weights left out, see :mod:`moeshard.lora`).
-    """
-    hf = hf_names(model)
-    if hf is not None:  # transformers' own names for the family: its converters' specs first
-        ordered, renamed = (*hf.specs, *(s for s in specs if s not in hf.specs)), False
-    else:
-        ordered, renamed = specs_for(model, specs)
-    tree = _walk(model)
-    base = tree.base
-    experts: dict[str, tuple[int, ExpertsSpec, dict[str, str]]] = {}
-    layer = 0
-    # A spec matches only a module with its parameters: most modules have no spec's first one.
-    firsts = {s.params[0].name for s in ordered} if all(s.params for s in ordered) else None
-    for name, mod in tree.modules:
-        own = {n for n, p in mod._parameters.items() if p is not None}
-        if not own or (firsts is not None and firsts.isdisjoint(own)):
-            continue
-        matching = [s for s in ordered if s.matches(base(name), own)]
-        if matching:
-            spec, prefixes = _choose_spec(matching, base(name), index, renamed, hf)
-            scaled = with_scales(spec, own)
-            for p in scaled.params[len(spec.params):]:  # an FP8 scale is stored where its weight is
-                prefixes[p.name] = prefixes[scaled_weight(p.name)]
-            experts[name] = (layer, scaled, prefixes)
-            layer += 1
-    aliases, tensors = _aliases(tree)
-    descs = []
-    meshes: dict[int, np.ndarray] = {}  # id(DeviceMesh) -> its ranks (computing it is not free)
-    from .. import _dist  # here: the module's need table stays importable without torch
-
-    members = _dist.group_ranks()  # the running operation's group, if not the default one
-    for tid, aliases_of in aliases.items():
-        t = tensors[tid]
-        name = aliases_of[0]
-        module, _, attr = name.rpartition(".")
-        expert = None
-        if module in experts:
-            layer_idx, spec, prefixes = experts[module]
-            for p in spec.params:
-                if p.name == attr:
-                    expert = ExpertRef(layer_idx, prefixes[p.name], p)
-        if _is_dtensor(t):
-            if any(p.is_partial() for p in t.placements):
-                raise ValueError(f"parameter {name}: Partial DTensor placements cannot be loaded")
-            dm = t.device_mesh
-            mesh = meshes.get(id(dm))
-            if mesh is None:
-                mesh = meshes[id(dm)] = _group_mesh(dm.mesh.cpu().numpy(), members, name)
-            placements = tuple(t.placements)
-        else:
-            mesh, placements = None, ()
-        if hf is not None:  # the name transformers writes first, then the model's own
-            keys = [k for n in aliases_of for k in (hf.checkpoint_name(base(n)), base(n))]
-        else:
-            keys = [k for n in aliases_of for k in checkpoint_names(base(n))]
-            if renamed and index is None:  # the family's names first: they are what it writes
-                keys = [k for n in aliases_of for k in reversed(checkpoint_names(base(n)))]
-        descs.append(ParamDesc(name, tuple(t.shape), t.dtype, mesh, placements, tuple(dict.fromkeys(keys)), expert))
-    return descs
-
-
-def _group_mesh(mesh: np.ndarray, members: list[int] | None, name: str) -> np.ndarray:
-    """``mesh`` (global ranks, as a DeviceMesh holds them) in ranks of the running operation's
-    process group (``members``: its global ranks; None: the default group)."""
-    if members is None:
-        return mesh
-    of = {g: r for r, g in enumerate(members)}
-    outside = sorted({int(g) for g in mesh.reshape(-1).tolist()} - set(of))
-    if outside:
-        raise ValueError(f"parameter {name}: its device mesh has global ranks {outside[:8]} outside the process group "
-                         f"the operation runs on (global ranks {members[:16]}{' ...' if len(members) > 16 else ''}); "
-                         "pass a group that holds the model's whole mesh")
-    return np.vectorize(of.__getitem__, otypes=[np.int64])(mesh)
-
-
-def _aliases(tree: _Tree) -> tuple[dict[int, list[str]], dict[int, torch.Tensor]]:
-    """Every parameter and persistent buffer of a model (its ``tree``) once: ``id -> [its
-    names]`` (tied names together, in module order) and ``id -> tensor``; a peft adapter's
-    weights left out."""
-    aliases: dict[int, list[str]] = {}
-    tensors: dict[int, torch.Tensor] = {}
-    for name, t in tree.params + tree.buffers:
-        if tree.peft and is_adapter_param(name):
-            continue  # a peft adapter's weight: moeshard.lora loads and saves those
-        aliases.setdefault(id(t), []).append(name)
-        tensors[id(t)] = t
-    return aliases, tensors
-
-
-def tensor_names(model: nn.Module) -> list[tuple[str, ...]]:
-    """The names of each parameter and persistent buffer of ``model`` (tied names together),
-    as the base model's checkpoint names them (a peft model's adapters left out)."""
-    tree = _walk(model)
-    base = tree.base
-    aliases, _ = _aliases(tree)
-    return [tuple(dict.fromkeys(base(n) for n in names)) for names in aliases.values()]
-
-
-def _persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return _walk(model).buffers
-
-
-@functools.lru_cache(maxsize=1)
-def _torch_classes() -> tuple[type, type]:
-    """``(nn.Parameter, DTensor)``, imported on first use (this module is imported without
-    torch by ``moeshard plan``)."""
-    from torch import nn
-    from torch.distributed.tensor import DTensor
-
-    return nn.Parameter, DTensor
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return isinstance(t, _torch_classes()[1])
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The rank-local tensor behind a parameter (DTensor or plain), writable in place."""
-    parameter, dtensor = _torch_classes()
-    t = t.data if isinstance(t, parameter) else t
-    return t._local_tensor if isinstance(t, dtensor) else t
-
-
-# -- DTensor shards -> boxes (pure, numpy) -------------------------------------------------
-
-
-def _shard_dims(placements: Sequence, ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """:func:`_parse_shard_dims`, cached (placements are hashable: torch's are frozen
-    dataclasses; a model has a handful of distinct ones)."""
-    try:
-        return _cached_shard_dims(tuple(placements), ndim)
-    except TypeError:  # an unhashable placement: parse it every time
-        return _parse_shard_dims(placements, ndim)
-
-
-@functools.lru_cache(maxsize=1024)
-def _cached_shard_dims(placements: tuple, ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    return _parse_shard_dims(placements, ndim)
-
-
-def _parse_shard_dims(placements: Sequence, ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """``(dims, order)``: per mesh dim, the tensor dim its ``Shard`` splits, or -1 for
-    ``Replicate``; and the mesh dims in the order they split the tensor (mesh-dim order, except
-    that a ``_StridedShard`` comes after the shard it strides over, see :func:`_strided_order`).
-    A placement is torch's ``Shard`` / ``_StridedShard`` / ``Replicate`` or its torch-free
-    spelling (an int dim, None). Raises ValueError for any other placement (``Partial``)."""
-    dims = []
-    strided: dict[int, int] = {}  # mesh dim -> split factor of its _StridedShard
-    for p in placements:
-        if p is None:
-            dims.append(-1)
-            continue
-        if isinstance(p, int) and not isinstance(p, bool):
-            dim = p
-        else:
-            # A torch placement: torch is already imported by whoever made it.
-            from torch.distributed.tensor.placement_types import Replicate, Shard
-
-            is_strided = type(p).__name__ == "_StridedShard"  # not a Shard subclass in every torch
-            if not (is_strided or isinstance(p, (Shard, Replicate))):
-                raise ValueError(f"placement {p} is not supported (Shard, _StridedShard and Replicate are)")
-            if is_strided:
-                strided[len(dims)] = int(p.split_factor)
-            if not (is_strided or isinstance(p, Shard)):
-                dims.append(-1)
-                continue
-            dim = p.dim
-        norm = dim + ndim if dim < 0 else dim
-        if not 0 <= norm < ndim:
-            name = f"Shard({p})" if isinstance(p, int) else p
-            raise ValueError(f"placement {name} shards dim {dim} of a {ndim}-dim tensor")
-        dims.append(norm)
-    return tuple(dims), _strided_order(tuple(dims), strided)
-
-
-def _strided_order(dims: tuple[int, ...], strided: dict[int, int]) -> tuple[int, ...]:
-    """The mesh dims in the order they split the tensor. FSDP2 over a tensor already sharded on
-    the same dim by a later mesh dim (torchtitan's expert FSDP with ``Shard(0)``: EP's
-    ``Shard(0)`` on the ``ep`` mesh dim, then FSDP's on ``efsdp``) writes the FSDP dim as
-    ``_StridedShard(dim, split_factor=<that later mesh dim's size>)``: that mesh dim splits
-    first, this one splits its chunks. Raises ValueError for a ``_StridedShard`` with no such
-    later shard (torch's other uses of it are not supported)."""
-    order = list(range(len(dims)))
-    for i, sf in strided.items():
-        later = [j for j in range(i + 1, len(dims)) if dims[j] == dims[i]]
-        if len(later) != 1:
-            raise ValueError(f"_StridedShard(dim={dims[i]}, split_factor={sf}) on mesh dim {i} is supported only "
-                             "before exactly one Shard of the same tensor dim (FSDP2 over EP, torchtitan's layout)")
-        order.remove(i)
-        order.insert(order.index(later[0]) + 1, i)
-    return tuple(order)
-
-
-@functools.lru_cache(maxsize=4096)
-def _shard_boxes(shape: tuple[int, ...], mesh_shape: tuple[int, ...], dims: tuple[int, ...],
-                 order: tuple[int, ...] | None = None) -> np.ndarray:
-    """:func:`shard_boxes` for placements given as :func:`_shard_dims` (read-only: cached)."""
-    num = int(np.prod(mesh_shape, dtype=np.int64))
-    coords = np.indices(mesh_shape, dtype=np.int64).reshape(len(mesh_shape), num)  # row-major
-    off = np.zeros((num, len(shape)), dtype=np.int64)
-    size = np.tile(np.asarray(shape, dtype=np.int64), (num, 1))
-    for mesh_dim in (order if order is not None else range(len(dims))):
-        dim = dims[mesh_dim]
-        if dim < 0:
-            continue
-        # torch.chunk of what the earlier mesh dims left: chunks of ceil(size / n), the last
-        # ones short or empty. Mesh dims sharding the same dim nest in mesh-dim order (a
-        # _StridedShard after the shard it strides over: ``order``).
-        cur, k = size[:, dim], coords[mesh_dim]
-        chunk = -(-cur // mesh_shape[mesh_dim])
-        start = np.minimum(chunk * k, cur)
-        size[:, dim] = np.minimum(cur - start, chunk)
-        off[:, dim] += start
-    # torch gives an empty shard the dim's global size as its offset.
-    for dim in {d for d in dims if d >= 0}:
-        off[:, dim] = np.where(size[:, dim] == 0, shape[dim], off[:, dim])
-    out = np.stack([off, size], axis=-1)
-    out.setflags(write=False)
-    return out
-
-
-def shard_boxes(shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence) -> np.ndarray:
-    """Box (global coordinates) of every mesh coordinate of a DTensor of global ``shape``.
-
-    ``placements``: one torch ``Shard(dim)`` / ``Replicate()`` per mesh dim (or the torch-free
-    spelling, :class:`ParamDesc`), or FSDP2's ``_StridedShard`` over a later ``Shard`` of the same
-    dim (torchtitan's expert FSDP, :func:`_strided_order`; even shards only). The rule is torch's
-    (``_compute_local_shape_and_global_offset``) done with numpy, cached.
-
-    Returns:
-        ``int64[prod(mesh_shape), len(shape), 2]`` of ``(offset, length)``, mesh coordinates in
-        row-major order; read-only.
-
-    Raises ValueError for another placement (``Partial``) or an uneven ``_StridedShard``.
-    """
-    shape = tuple(int(n) for n in shape)
-    mesh_shape = tuple(int(n) for n in mesh_shape)
-    dims, order = _shard_dims(placements, len(shape))
-    if order != tuple(range(len(dims))):
-        # torch's strided layout is nested chunks only where the chunks divide evenly.
-        for dim in {d for d in dims if d >= 0}:
-            split = int(np.prod([m for m, d in zip(mesh_shape, dims) if d == dim]))
-            if shape[dim] % split:
-                raise ValueError(f"placements {list(placements)}: tensor dim {dim} of size {shape[dim]} does not "
-                                 f"divide into {split} equal shards (uneven _StridedShard shards are not supported)")
-    return _shard_boxes(shape, mesh_shape, dims, order)
-
-
-@functools.lru_cache(maxsize=4096)
-def _local_boxes(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple) -> tuple[Box, ...]:
-    """Local box (in global coordinates) of every mesh coordinate, in row-major order."""
-    return tuple(tuple(map(tuple, box)) for box in shard_boxes(shape, mesh_shape, placements).tolist())
-
-
-def param_boxes(d: ParamDesc, world_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(ranks, boxes)``: ``int64[M]`` ranks and ``int64[M, ndim, 2]`` the box (global
-    coordinates) each holds, in mesh order (read-only); a plain tensor is held in full by
-    ranks ``0 .. world_size - 1``. Raises ValueError for a mesh naming a rank >= world_size."""
-    if d.mesh is None:
-        full = np.stack([np.zeros(len(d.shape), np.int64), np.asarray(d.shape, np.int64)], axis=-1)
-        return np.arange(world_size, dtype=np.int64), np.broadcast_to(full, (world_size, *full.shape))
-    ranks = np.asarray(d.mesh, dtype=np.int64).reshape(-1)
-    bad = np.flatnonzero(ranks >= world_size)
-    if bad.size:
-        raise ValueError(f"parameter {d.name}: its mesh names rank {ranks[bad[0]]} >= world size {world_size}")
-    return ranks, shard_boxes(d.shape, d.mesh.shape, d.placements)
-
-
-def rank_boxes(d: ParamDesc, world_size: int) -> list[tuple[int, Box]]:
-    """``[(rank, box)]``: the box (global coordinates) of ``d`` each rank holds; a plain tensor
-    is held in full by every rank. Raises ValueError for a mesh naming a rank >= world_size."""
-    ranks, _ = param_boxes(d, world_size)  # checks the mesh's ranks
-    if d.mesh is None:
-        boxes = (full_box(d.shape),) * world_size
-    else:
-        boxes = _local_boxes(d.shape, d.mesh.shape, d.placements)
-    return list(zip(ranks.tolist(), boxes))
-
-
-# -- ParamDesc -> needs (pure) ------------------------------------------------------------
 
 
 def need_table(
@@ -611,7 +67,7 @@ def need_table(
     pure function of, with the checkpoint index every rank shares) is the same either way.
 
     Raises ValueError for a key missing from the checkpoint, a shape that disagrees, a dtype
-    the cast rule refuses (:func:`cast_refusal`: e.g. FP8 into bf16; with ``dequantize``, FP8
+    the cast rule refuses (:func:`~moeshard.dtypes.cast_refusal`: e.g. FP8 into bf16; with ``dequantize``, FP8
     weights with a block scale (:func:`moeshard.io.fp8.scale_of`) may go into float tensors: the
     load dequantizes them), or a placement inconsistent with the model's expert parameters.
 
@@ -676,10 +132,10 @@ def compute_needs(
 
 
 class _Layout(NamedTuple):
-    """What the parameters of one shape and sharding share (:func:`param_boxes` and what
+    """What the parameters of one shape and sharding share (:func:`~moeshard.models.shards.param_boxes` and what
     follows from it): ``ranks`` (``int64[M]``) and ``boxes`` (``int64[M, ndim, 2]``) in mesh
     order, ``keep`` (``bool[M]``: the box is not empty; None: none is), ``num`` non-empty boxes,
-    and whether the holders' boxes are ``disjoint`` (:func:`_disjoint`)."""
+    and whether the holders' boxes are ``disjoint`` (:func:`~moeshard.models.shards.holders_disjoint`)."""
 
     ranks: np.ndarray
     boxes: np.ndarray
@@ -787,7 +243,7 @@ def _layout(d: ParamDesc, world_size: int, cache: dict) -> _Layout:
         ranks, boxes = param_boxes(d, world_size)
         keep = (boxes[:, :, 1] > 0).all(axis=1)
         num = int(keep.sum())
-        return _Layout(ranks, boxes, None if num == len(keep) else keep, num, _disjoint(d, len(ranks)))
+        return _Layout(ranks, boxes, None if num == len(keep) else keep, num, holders_disjoint(d, len(ranks)))
 
     return _cached(cache, _layout_key(d), make)
 
@@ -810,15 +266,6 @@ def _dense_rows(i: int, d: ParamDesc, index: CheckpointIndex, layout: _Layout, d
             f"the model expects {list(d.shape)}"
         )
     return _DenseRows(i, key, layout, layout.keep, layout.num)
-
-
-def _disjoint(d: ParamDesc, num_holders: int) -> bool:
-    """Whether the non-empty boxes that the holders of ``d`` hold are pairwise different: no
-    mesh dim of two or more ranks replicates it (a plain tensor: held whole by every rank)."""
-    if d.mesh is None:
-        return num_holders == 1
-    dims, _ = _shard_dims(d.placements, len(d.shape))
-    return all(n == 1 or dim >= 0 for n, dim in zip(d.mesh.shape, dims))
 
 
 def _find_key(d: ParamDesc, index: CheckpointIndex) -> str:
@@ -940,7 +387,7 @@ def _expert_table(
                                                                      num_logical, spans))
     if ref.param.fused:
         return _fused_rows(i, d, index, phy2log, num_logical, slots, dequantize)
-    part_sizes = _part_sizes(d, index, 0, d.shape[1:], dequantize)  # expert 0's: every expert must agree
+    part_sizes = expert_part_sizes(d, index, 0, d.shape[1:], dequantize)  # expert 0's: every expert must agree
     extra = ref.param.keys(ref.module, num_logical)
     if extra[0] in index:
         raise ValueError(
@@ -1124,18 +571,18 @@ def _fused_tensor(d: ParamDesc, index: CheckpointIndex, dequantize: bool) -> tup
 def _held_expert_keys(d: ParamDesc, index: CheckpointIndex, held: Sequence[int], part_sizes: tuple[int, ...],
                       dequantize: bool = False) -> list[str]:
     """The checkpoint keys of logical experts ``held`` (ascending) of expert parameter ``d``,
-    part by part (:func:`_keys_of_experts`). Raises ValueError for an expert whose parts do not
+    part by part (:func:`~moeshard.models.unused.keys_of_experts`). Raises ValueError for an expert whose parts do not
     fit the slice as expert 0's (``part_sizes``) do: checked once per expert."""
     ref = d.expert
     assert ref is not None
-    keys = _keys_of_experts(ref, held)
+    keys = keys_of_experts(ref, held)
     # An expert whose parts have expert 0's dtypes and shapes passes every check expert 0
     # passed; only the others go through the full check, for its error message.
     kinds = index.key_kinds(keys).reshape(len(ref.param.parts), len(held))
     want = index.key_kinds(ref.param.keys(ref.module, 0))
     suspect = np.asarray(held, dtype=np.int64)[(kinds != want[:, None]).any(axis=0)]
     for e in suspect.tolist():
-        if _part_sizes(d, index, e, d.shape[1:], dequantize) != part_sizes:
+        if expert_part_sizes(d, index, e, d.shape[1:], dequantize) != part_sizes:
             raise ValueError(
                 f"parameter {d.name}: checkpoint tensors {list(ref.param.keys(ref.module, e))} of "
                 f"logical expert {e} differ in shape from expert 0's"
@@ -1145,7 +592,7 @@ def _held_expert_keys(d: ParamDesc, index: CheckpointIndex, held: Sequence[int],
 
 def _part_rows(tails: np.ndarray, part_sizes: tuple[int, ...], dim: int) -> tuple[np.ndarray, ...]:
     """The checkpoint parts of each distinct slice box (``tails``: ``int64[T, ndim, 2]``,
-    expert dim excluded), by :func:`~moeshard.adapters.expert_parts`.
+    expert dim excluded), by :func:`~moeshard.models.adapters.expert_parts`.
 
     Returns ``(first, count, part, src_off, src_len, dst_off)``: tail ``t``'s parts are rows
     ``first[t] .. first[t] + count[t] - 1`` (``int64[T]``); per row (``P`` of them) the part
@@ -1169,7 +616,7 @@ def _part_rows(tails: np.ndarray, part_sizes: tuple[int, ...], dim: int) -> tupl
             np.ascontiguousarray(src_arr[:, :, 1]), np.asarray(dst, np.int64).reshape(len(dst), ndim))
 
 
-def _part_sizes(d: ParamDesc, index: CheckpointIndex, expert: int, slice_shape: tuple[int, ...],
+def expert_part_sizes(d: ParamDesc, index: CheckpointIndex, expert: int, slice_shape: tuple[int, ...],
                 dequantize: bool = False) -> tuple[int, ...]:
     """Sizes along the concatenation dim of the checkpoint parts of logical ``expert``'s
     slice of expert parameter ``d`` (``(1,)`` for a 0-dim slice: one scalar part). Raises
@@ -1207,148 +654,3 @@ def _part_sizes(d: ParamDesc, index: CheckpointIndex, expert: int, slice_shape: 
             f"not {total}"
         )
     return tuple(sizes)
-
-
-# -- checkpoint keys that no parameter reads (pure) -----------------------------------------
-
-_EXPERTS_REASON = "name experts or expert tensors the model does not have"
-_SCALES_REASON = "are scales of weights the model loads, which no parameter holds"
-
-
-@dataclass(frozen=True)
-class UnusedKeys:
-    """Checkpoint keys that no parameter or buffer of the model reads.
-
-    Args:
-        keys: all of them, sorted.
-        suspicious: ``{reason: sorted keys}``, those that say the checkpoint does not fit the
-            model: a key under an experts module's prefix or like ``experts.<N>.`` (an expert
-            the model does not have, or an expert tensor its spec does not declare), a key of a
-            layer beyond the model's layers under the same prefix, the scale of a weight the
-            model loads. The others (a stored rotary ``inv_freq``, the tied alias not read,
-            keys the model's ``_keys_to_ignore_on_load_unexpected`` matches) are harmless.
-    """
-
-    keys: tuple[str, ...]
-    suspicious: dict[str, tuple[str, ...]]
-
-    def problem(self, root: str, limit: int = 5) -> str | None:
-        """One line naming the suspicious keys (the first ``limit`` of each kind, and how
-        many), or None when there are none."""
-        if not self.suspicious:
-            return None
-        parts = []
-        for reason, keys in self.suspicious.items():
-            more = f" ... ({len(keys)} in all)" if len(keys) > limit else ""
-            parts.append(f"{len(keys)} {reason}: {list(keys[:limit])}{more}")
-        n = sum(len(k) for k in self.suspicious.values())
-        return f"checkpoint {root} has {n} key(s) that no parameter or buffer of the model reads: " + "; ".join(parts)
-
-
-def ignored_patterns(model: nn.Module) -> tuple[str, ...]:
-    """Regexes of checkpoint keys the model expects to leave unread: transformers'
-    ``_keys_to_ignore_on_load_unexpected`` of every module (transformers gathers the
-    children's too; e.g. DeepSeek-V3's ``model\\.layers\\.61.*``, its MTP layer)."""
-    out: dict[str, None] = {}
-    name = "_keys_to_ignore_on_load_unexpected"
-    for _, m in _preorder(model):  # a module listed twice adds nothing
-        # getattr(m, name, None) for a list that is no parameter, buffer or submodule, without
-        # Module.__getattr__'s AttributeError on every module that lacks it.
-        for pattern in (m.__dict__[name] if name in m.__dict__ else getattr(type(m), name, None)) or ():
-            out[pattern] = None
-    return tuple(sorted(out))
-
-
-def unused_keys(
-    descs: Sequence[ParamDesc],
-    index: CheckpointIndex,
-    placement: Placement | None,
-    ignore: Sequence[str] = (),
-    also_read: Sequence[str] = (),
-) -> UnusedKeys:
-    """Checkpoint keys that no parameter or buffer of ``descs`` reads (pure, no communication:
-    every rank computes the same). Call it after :func:`compute_needs`, which raises for
-    missing keys.
-
-    A key is consumed when some parameter reads it given the model, whatever the placement:
-    a dense parameter's first key present in the checkpoint (the tied aliases after it are
-    unused but harmless), and every part of every logical expert ``0 .. num_logical - 1`` of
-    an expert parameter (an expert no slot holds, e.g. on a dead rank, is still the model's).
-    ``ignore``: regexes (``re.search``) of keys never suspicious (:func:`ignored_patterns`).
-    ``also_read``: keys the caller reads besides the parameters' (the scales of dequantized FP8 weights).
-    Cost: set operations over the index's keys, plus a regex per unused key.
-    """
-    consumed: set[str] = set()
-    dense: list[str] = []
-    aliases: set[str] = set()
-    prefixes: dict[str, None] = {}
-    for d in descs:
-        if d.expert is None:
-            present = [k for k in d.keys if k in index]
-            dense.extend(present[:1])
-            aliases.update(present[1:])
-        else:
-            num_logical = placement.num_logical if placement is not None else d.shape[0]
-            prefixes[f"{d.expert.module}."] = None
-            consumed.update(_expert_keys(d.expert, num_logical))
-    consumed.update(dense)
-    consumed.update(also_read)
-    unused = sorted(index.tensors.keys() - consumed)
-    counts = _layer_counts(dense + list(prefixes))
-    ignored = re.compile("|".join(f"(?:{p})" for p in ignore)) if ignore else None
-    experts = tuple(prefixes)
-    suspicious: dict[str, list[str]] = {}
-    for key in unused:
-        if key in aliases or (ignored is not None and ignored.search(key)):
-            continue
-        reason = None
-        layer = layer_of(key)
-        if layer is not None and layer[0] in counts and layer[1] >= counts[layer[0]]:
-            reason = f"are in layers beyond the model's {counts[layer[0]]} under {layer[0]!r}"
-        elif key.startswith(experts) or parse_expert_key(key) is not None:
-            reason = _EXPERTS_REASON
-        elif scaled_weight(key) in consumed:
-            reason = _SCALES_REASON
-        if reason is not None:
-            suspicious.setdefault(reason, []).append(key)
-    return UnusedKeys(tuple(unused), {r: tuple(k) for r, k in suspicious.items()})
-
-
-def _expert_keys(ref: ExpertRef, num_logical: int) -> list[str]:
-    """Every checkpoint key of logical experts ``0 .. num_logical - 1`` of ``ref``
-    (:func:`_keys_of_experts`; the one tensor of a parameter fused on disk)."""
-    if ref.param.fused:
-        return list(ref.param.keys(ref.module, 0))
-    return _keys_of_experts(ref, range(num_logical))
-
-
-def _keys_of_experts(ref: ExpertRef, experts: Sequence[int]) -> list[str]:
-    """Every checkpoint key of logical ``experts`` of ``ref``, part by part: part 0 of each
-    expert, then part 1... DeepSeek-V3 has ~45,000: a template's keys (head + id + tail) are
-    one join and one split, not a ``str.format`` call or a concatenation per key."""
-    ids = list(map(str, experts))
-    out: list[str] = []
-    try:
-        templates = ref.param.keys(ref.module, "{e}")  # the keys with their expert id left as "{e}"
-    except ValueError:  # a template with a format spec (e.g. "{e:03d}"): one format per key
-        return [ref.param.keys(ref.module, e)[j] for j in range(len(ref.param.parts)) for e in experts]
-    for j, template in enumerate(templates):
-        head, _, tail = template.partition("{e}")
-        if "{e}" in tail or head == template:  # the id not exactly once: one format per key
-            out.extend(ref.param.keys(ref.module, e)[j] for e in experts)
-        elif "\0" in template:
-            out.extend([head + i + tail for i in ids])
-        elif ids:  # one join and one split (C loops) rather than a concatenation per key
-            out.extend((head + (tail + "\0" + head).join(ids) + tail).split("\0"))
-    return out
-
-
-def _layer_counts(keys: Sequence[str]) -> dict[str, int]:
-    """``{layer stack prefix: number of layers}`` from keys the model reads (the stack is the
-    first ``...layers.<N>.`` of a key)."""
-    counts: dict[str, int] = {}
-    for key in keys:
-        layer = layer_of(key)
-        if layer is not None:
-            counts[layer[0]] = max(counts.get(layer[0], 0), layer[1] + 1)
-    return counts

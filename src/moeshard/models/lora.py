@@ -18,8 +18,9 @@ from ..placement import Placement
 from ..plan.arrays import group_rows
 from ..plan.save import HeldBoxes
 from .adapters import ExpertsSpec
+from .describe import ParamDesc, is_adapter_param
 from .ep import SlotLora, ep_layers
-from .layout import ParamDesc, is_adapter_param, param_boxes
+from .shards import param_boxes
 
 __all__ = ["AdapterTensor", "adapter_desc", "adapter_tensors", "distinct_boxes", "expert_lora_wrappers", "factor_boxes",
            "local_view", "lora_modules", "plan_shape", "shard_expert_lora"]

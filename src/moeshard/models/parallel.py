@@ -20,8 +20,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..placement import Placement
 from .adapters import DEFAULT_SPECS, ExpertsSpec
+from .describe import expert_layers
 from .ep import EPLayer, install_ep_forward
-from .layout import expert_layers
 from .lora import expert_lora_wrappers, shard_expert_lora
 
 __all__ = ["make_mesh", "parallelize"]

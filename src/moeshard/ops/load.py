@@ -30,7 +30,9 @@ from ..io.fp8 import FP8_DTYPES
 from ..io.readpool import default_read_threads
 from ..io.sources import Storage, reader_root, resolve_sources, sources_share
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
-from ..models.layout import ParamDesc, describe_model, ignored_patterns, local_tensor, need_table, unused_keys
+from ..models.describe import ParamDesc, describe_model, local_tensor
+from ..models.layout import need_table
+from ..models.unused import ignored_patterns, unused_keys
 from ..placement import Placement
 from ..plan import DEFAULT_STAGING_BYTES, NeedTable, Schedule, minimal_cost, plan_transfers
 from ..plan.scales import ScaleNeeds, scale_needs

@@ -55,7 +55,8 @@ from .. import _dist
 from ..box import box_numel, box_shape, box_slices
 from ..execute import LocalTensors, Sink, Source, execute_schedule
 from ..io.checkpoint import DTYPE_NAMES, CheckpointIndex, CheckpointReader, load_json, pwrite_all, safetensors_header
-from ..models.layout import ParamDesc, check_cast, inputs_digest, local_tensor, need_table
+from ..models.describe import ParamDesc, local_tensor
+from ..models.layout import check_cast, inputs_digest, need_table
 from ..models.lora import (
     AdapterTensor,
     adapter_desc,

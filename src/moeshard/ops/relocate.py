@@ -28,8 +28,10 @@ from ..execute import Backup, LocalTensors, Source, TensorSink, execute_schedule
 from ..io.checkpoint import CheckpointIndex, CheckpointReader
 from ..io.sources import Storage, reader_root, resolve_sources
 from ..models.adapters import DEFAULT_SPECS, ExpertParam, ExpertsSpec, read_expert_box
+from ..models.describe import ExpertRef, ParamDesc, describe_model, expert_layers, local_tensor
 from ..models.ep import set_placement
-from ..models.layout import ExpertRef, ParamDesc, _local_boxes, _part_sizes, describe_model, expert_layers, local_tensor
+from ..models.layout import expert_part_sizes
+from ..models.shards import local_boxes
 from ..placement import Placement
 from ..plan.chunks import relocation_chunks
 from ..plan.relocation import (
@@ -116,7 +118,7 @@ def describe_expert_tensors(
             if d.mesh is None:
                 holdings = tuple((r, 0, d.shape[0], full_box(slice_shape)) for r in range(world_size))
             else:
-                boxes = _local_boxes(d.shape, d.mesh.shape, d.placements)
+                boxes = local_boxes(d.shape, d.mesh.shape, d.placements)
                 holdings = tuple((r, b[0][0], b[0][1], b[1:]) for r, b in zip(d.mesh.reshape(-1).tolist(), boxes))
             mine = any(r == rank for r, *_ in holdings)
             entries = [(d.name, params[d.name], _Source(d.expert.module, d.expert.param, d.dtype))]
@@ -294,7 +296,7 @@ def _check_disk_keys(plan: RelocationPlan, index: CheckpointIndex, sources) -> N
                     "expert_params say which checkpoint keys hold it"
                 )
             desc = ParamDesc(et.name, (0, *et.slice_shape), src.dtype, None, (), (), ExpertRef(layer, src.module, src.param))
-            _part_sizes(desc, index, expert, et.slice_shape, dequantize=True)
+            expert_part_sizes(desc, index, expert, et.slice_shape, dequantize=True)
 
 
 @_dist.runs_on_group

@@ -47,15 +47,8 @@ from ..execute import LocalTensors, Sink, Source, execute_schedule
 from ..io.checkpoint import DTYPES, INDEX_NAME, CheckpointIndex, _read_header, pwrite_all, safetensors_header
 from ..io.sources import resolve_sources
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
+from ..models.describe import ParamDesc, describe_model, expert_layers, local_tensor, persistent_buffers, tensor_names
 from ..models.hf_names import hf_names
-from ..models.layout import (
-    ParamDesc,
-    _persistent_buffers,
-    describe_model,
-    expert_layers,
-    local_tensor,
-    tensor_names,
-)
 from ..placement import Placement
 from ..plan import DEFAULT_STAGING_BYTES
 from ..plan.save import SavePlan, describe_outputs, plan_save
@@ -125,7 +118,7 @@ def plan_model_save(
         descs, placement, world_size, reference,
         tied_targets=_tied_targets(model),
         skip_keys=skip,
-        buffers=frozenset(name for name, _ in _persistent_buffers(model)),
+        buffers=frozenset(name for name, _ in persistent_buffers(model)),
         num_experts=hints,
     )
     _check_names(model, [o.key for o in outs], skip)

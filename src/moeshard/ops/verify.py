@@ -41,7 +41,8 @@ from ..io.checkpoint import CheckpointReader
 from ..io.fp8 import FP8_DTYPES, dequantize, scale_box, scale_of
 from ..io.sources import Storage, reader_root, resolve_sources
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
-from ..models.layout import Need, local_tensor
+from ..models.describe import local_tensor
+from ..models.layout import Need
 from ..placement import Placement
 from ..plan import DEFAULT_STAGING_BYTES, Schedule
 from ..plan.scales import scale_needs
@@ -322,8 +323,8 @@ def _slot_origin(d, rank: int) -> int:
     """Global slot offset of this rank's local expert tensor."""
     if d.mesh is None:
         return 0
-    from ..models.layout import _local_boxes
+    from ..models.shards import local_boxes
 
-    boxes = _local_boxes(d.shape, d.mesh.shape, d.placements)
+    boxes = local_boxes(d.shape, d.mesh.shape, d.placements)
     flat = d.mesh.reshape(-1).tolist()
     return boxes[flat.index(rank)][0][0]

@@ -18,7 +18,8 @@ import numpy as np
 from .._gc import paused_gc
 from ..box import Box
 from ..io.checkpoint import DTYPE_NAMES, CheckpointIndex
-from ..models.layout import ParamDesc, param_boxes
+from ..models.describe import ParamDesc
+from ..models.shards import param_boxes
 from ..placement import Placement
 from .arrays import expand_runs
 
