@@ -35,7 +35,6 @@ if TYPE_CHECKING:
 __all__ = ["Need", "need_table", "compute_needs", "inputs_digest", "check_cast", "expert_part_sizes"]
 
 
-
 class Need(NamedTuple):
     """Rank ``rank`` must hold box ``src`` of checkpoint tensor ``key`` at box ``dest`` of
     the local tensor of parameter number ``param``."""
