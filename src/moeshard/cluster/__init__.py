@@ -13,7 +13,7 @@ from the checkpoint's headers (or, with ``--synthetic-from-config``, from a Hugg
 * persistent buffers that FSDP2 leaves whole (DeepSeek's ``e_score_correction_bias``) are
   plain tensors held in full by every rank.
 
-Then the real planner runs (:func:`~moeshard.layout.need_table`,
+Then the real planner runs (:func:`~moeshard.models.layout.need_table`,
 :func:`~moeshard.plan.plan_transfers`) for each storage mode, and the three baselines of
 ``benchmarks/baselines.py`` are costed analytically from what each of them sends. With
 ``--rebalance LOADS.npy`` the relocation planner runs instead, from the current placement to

@@ -103,7 +103,7 @@ def _strategies(strategies: list[dict]) -> list[str]:
 
 
 def format_report(rep: dict) -> str:
-    """The human-readable report of :func:`moeshard.cluster.run`."""
+    """The human-readable report of :func:`moeshard.cli.plan.run`."""
     lines = _header(rep)
     if "relocation" in rep:
         lines += _relocation(rep["relocation"], rep["cluster"]["efsdp"])

@@ -60,11 +60,11 @@ def parallelize(
         mesh: from :func:`make_mesh` (dims "ep", optionally "efsdp").
         placement: num_physical must be a multiple of the EP size; its num_logical must
             match the model's expert count and its num_layers its MoE layer count.
-        ep_forward: give experts modules the EP forward of :mod:`moeshard.ep` (tokens reach the
+        ep_forward: give experts modules the EP forward of :mod:`moeshard.models.ep` (tokens reach the
             ranks that hold their experts; the family's own experts math runs on the local
             slots): transformers' routed experts (``@use_experts_implementation``: Qwen3-MoE,
             Mixtral, gpt-oss, Aria, Nemotron-H, ...) and Llama 4's pre-routed ones, see
-            :func:`moeshard.ep.experts_kind`. Another transformers experts module gets a forward
+            :func:`moeshard.models.ep.experts_kind`. Another transformers experts module gets a forward
             that raises NotImplementedError naming its class. A custom experts module (not from
             transformers, not ``gate_up_proj`` / ``down_proj`` / ``act_fn`` HF-style) keeps its
             forward, as every module does with ``ep_forward=False``: it must do its own dispatch

@@ -224,7 +224,7 @@ def checked_unused_keys(model: nn.Module, descs: Sequence[ParamDesc], index: Che
 
     Raises ValueError when ``strict`` and some of them say the checkpoint does not fit the
     model (a stray expert, a layer beyond the model's, the scale of a loaded weight; see
-    :class:`~moeshard.layout.UnusedKeys`), naming the first few and their count. With
+    :class:`~moeshard.models.unused.UnusedKeys`), naming the first few and their count. With
     ``strict=False`` rank 0 logs the same text as a warning on the ``moeshard`` logger.
     """
     unused = unused_keys(descs, index, placement, ignored_patterns(model), consumed)
@@ -306,7 +306,7 @@ def load(
 
     Raises:
         DistributedError: on every rank, if any rank hit a bad input (missing key, shape or
-            dtype mismatch, a cast the cast rule refuses (:func:`moeshard.layout.cast_refusal`:
+            dtype mismatch, a cast the cast rule refuses (:func:`moeshard.dtypes.cast_refusal`:
             e.g. FP8 weights into a bf16 model), bad file, inconsistent placement, a strict
             unused-key error) or the ranks' plans differ.
     """

@@ -103,7 +103,7 @@ class AdapterReport(OpReport):
 
 def _check_adapter(pairs: list[tuple[AdapterTensor, torch.Tensor]], index: CheckpointIndex, config: dict | None,
                    path: str, scalings: dict[str, tuple[int, float]], strict: bool = True) -> tuple[str, ...]:
-    """ValueError for a key set, shape, dtype (the cast rule, :func:`moeshard.layout.check_cast`)
+    """ValueError for a key set, shape, dtype (the cast rule, :func:`moeshard.models.layout.check_cast`)
     or config that does not fit the model's adapter. Returns the adapter's keys the model has
     no LoRA weight for (an error when ``strict``, else logged as a warning on rank 0)."""
     want = {t.key: (t, p) for t, p in pairs}

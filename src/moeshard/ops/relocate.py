@@ -3,7 +3,7 @@
 Steps (all collective, every rank of the group calls ``relocate``): describe the
 expert tensors (a model prepared by moeshard, or plain per-layer tensors as serving engines
 keep them) -> check that every rank sees the same tensors and placements -> plan
-(:func:`~moeshard.relocation.plan_relocation`; the checkpoint is opened only if some expert
+(:func:`~moeshard.plan.relocation.plan_relocation`; the checkpoint is opened only if some expert
 has no live copy) -> agree on the plan's fingerprint -> run its rounds -> report.
 
 Every check runs before any weight changes, so a bad input leaves the weights as they were.
@@ -58,7 +58,7 @@ ExpertTensors = Mapping[int, Sequence[torch.Tensor]]
 @dataclass(frozen=True)
 class RelocationReport(OpReport):
     """What a relocation did. Job-wide: ``copies`` / ``bytes`` per class (local, same_node,
-    cross_node, disk; a copy is one slot box, see :class:`~moeshard.relocation.RelocationCost`),
+    cross_node, disk; a copy is one slot box, see :class:`~moeshard.plan.relocation.RelocationCost`),
     network and cross-node bytes beside their lower bounds, rounds, stashes and the experts
     read from the checkpoint. ``*_rank`` fields are this rank's."""
 

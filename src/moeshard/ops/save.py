@@ -6,7 +6,7 @@ checkpoint name; each part of each logical expert of a fused expert parameter, e
 ``experts.{e}.gate_proj.weight``) is written once, whole, into one file, by one *writer* rank
 that holds part of it; the other holders of its boxes send them to the writer by P2P
 (``batch_isend_irecv`` in bounded batches, on the model's own device). Every rank writes its own
-shard files; there is no gather to rank 0. The plan (:mod:`moeshard.save_plan`) is pure, so
+shard files; there is no gather to rank 0. The plan (:mod:`moeshard.plan.save`) is pure, so
 every rank knows every file name (``model-00001-of-0000N.safetensors``) in advance, and the
 ranks agree on its fingerprint before anything is written.
 

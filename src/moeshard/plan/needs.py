@@ -1,6 +1,6 @@
 """Needs as columns: which box of which checkpoint tensor every rank must hold, and where.
 
-A :class:`NeedTable` is the array form of a list of :class:`~moeshard.layout.Need`: one row per
+A :class:`NeedTable` is the array form of a list of :class:`~moeshard.models.layout.Need`: one row per
 need, numpy columns instead of a Python object per need (DeepSeek-V3 on 1,024 ranks has
 ~860,000 needs). Boxes of tensors of different rank share one ``[N, D]`` layout: ``D`` is the
 largest tensor rank among the needed keys, and the dims a key does not have are padded with
@@ -232,7 +232,7 @@ class NeedTable:
 
     @staticmethod
     def from_needs(needs) -> "NeedTable":
-        """The table of a sequence of :class:`~moeshard.layout.Need` (a need's ``dest`` box is
+        """The table of a sequence of :class:`~moeshard.models.layout.Need` (a need's ``dest`` box is
         ``src``'s lengths, after one leading ``(slot, 1)`` dim for an expert slot)."""
         keys: dict[str, int] = {}
         ndims: list[int] = []
@@ -265,7 +265,7 @@ class NeedTable:
         return NeedTable(tuple(keys), np.asarray(ndims, np.int8), rank, param, key, slot, src_off, src_len, dst_off)
 
     def to_needs(self) -> list:
-        """The rows as :class:`~moeshard.layout.Need` tuples (for tests and small tools)."""
+        """The rows as :class:`~moeshard.models.layout.Need` tuples (for tests and small tools)."""
         from ..models.layout import Need
 
         out = []

@@ -153,7 +153,7 @@ def describe_outputs(
     """Checkpoint tensors of a model and every rank's boxes of them (pure).
 
     Args:
-        descs: :func:`~moeshard.layout.describe_model` of the model.
+        descs: :func:`~moeshard.models.describe.describe_model` of the model.
         placement: which logical expert each physical slot holds (None: slot p = expert p).
         reference: a checkpoint whose names and expert part sizes to mirror.
         tied_targets: names of tied parameters a checkpoint drops (``lm_head.weight``); a

@@ -182,7 +182,7 @@ class Schedule:
 
     def delivery(self, i: int) -> tuple[int, int, tuple, str, tuple]:
         """Delivery row ``i`` as ``(rank, param, dest box, key, src box)`` (the fields of a
-        :class:`~moeshard.layout.Need`; the dest box starts with ``(slot, 1)`` for a slot)."""
+        :class:`~moeshard.models.layout.Need`; the dest box starts with ``(slot, 1)`` for a slot)."""
         pid = int(self.dlv_piece[i])
         src = self.piece_box(pid)
         dest = tuple(zip(self.dlv_off[i, : len(src)].tolist(), (n for _, n in src)))
