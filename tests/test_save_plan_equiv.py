@@ -7,6 +7,7 @@ arrays."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from test_schedule_sim import save_case
 
 from moeshard.io.checkpoint import DTYPES
@@ -29,6 +30,7 @@ def _check(plan, outs, budget: int, max_ops: int, max_shard: int) -> None:
         assert nbytes == item * int(np.prod([n for _, n in box])) <= max(budget // 4, item)
         covered[t][tuple(slice(o, o + n) for o, n in box)] += 1
     assert all((c == 1).all() for c in covered)  # every element exactly once
+    peak = np.zeros(plan.world_size, np.int64)
     for b in plan.batches:
         staged, ops = np.zeros(plan.world_size, np.int64), np.zeros(plan.world_size, np.int64)
         for x in b:
@@ -36,6 +38,14 @@ def _check(plan, outs, budget: int, max_ops: int, max_shard: int) -> None:
             staged[[x.src, x.dst]] += x.nbytes
             ops[[x.src, x.dst]] += 1
         assert ops.max() <= max_ops and (staged.max() <= budget or len(b) == 1)
+        peak = np.maximum(peak, staged)
+    assert plan.cost.peak_staging_bytes.tolist() == peak.tolist()  # the packer's running peak is the batches'
+    assert plan.cost.num_batches == len(plan.batches) and plan.cost.num_p2p_ops == sum(map(len, plan.batches))
+    sent, recv = np.zeros(plan.world_size, np.int64), np.zeros(plan.world_size, np.int64)
+    for x in (x for b in plan.batches for x in b):
+        sent[x.src] += x.nbytes
+        recv[x.dst] += x.nbytes
+    assert plan.cost.sent_bytes.tolist() == sent.tolist() and plan.cost.recv_bytes.tolist() == recv.tolist()
     assert all(f.data_bytes <= max_shard or len(f.tensors) == 1 for f in plan.files)
     assert sorted(t for f in plan.files for t in f.tensors) == list(range(len(outs)))
     s = plan.schedule
@@ -53,6 +63,36 @@ def test_save_plan_properties():
             plan = plan_save(outs, world, max_shard, budget, max_ops)
             _check(plan, outs, budget, max_ops, max_shard)
             assert plan.fingerprint == plan_save(outs, world, max_shard, budget, max_ops).fingerprint
+            _check_rank_plans(plan, outs, world, max_shard, budget, max_ops)
+
+
+def _check_rank_plans(plan, outs, world: int, max_shard: int, budget: int, max_ops: int) -> None:
+    """A plan built for one rank (``plan_save(rank=)``, what save runs) keeps exactly that
+    rank's schedule of the whole job's plan, with the job's writers, files, counters and
+    fingerprint, and refuses the whole job's views."""
+    for r in range(world):
+        mine = plan_save(outs, world, max_shard, budget, max_ops, rank=r)
+        assert mine.rank == r and mine.fingerprint == plan.fingerprint
+        assert [(t.writer, t.file, t.offset) for t in mine.tensors] == [(t.writer, t.file, t.offset) for t in plan.tensors]
+        assert mine.files == plan.files
+        for f in ("write_bytes", "sent_bytes", "recv_bytes", "peak_staging_bytes"):
+            assert getattr(mine.cost, f).tolist() == getattr(plan.cost, f).tolist(), f
+        assert (mine.cost.num_p2p_ops, mine.cost.num_batches) == (plan.cost.num_p2p_ops, plan.cost.num_batches)
+        a, b = mine.schedule_for(r), plan.schedule_for(r)
+        for f in a.__dataclass_fields__:
+            va, vb = getattr(a, f), getattr(b, f)
+            if isinstance(va, np.ndarray):
+                assert va.dtype == vb.dtype and va.tolist() == vb.tolist(), (r, f)
+            elif f != "cost":
+                assert va == vb, (r, f)
+        assert len(mine._pieces.tensor) == len(a.piece_key)  # nothing but the rank's pieces is kept
+        other = (r + 1) % world
+        if other != r:
+            with pytest.raises(ValueError, match=f"rank {r}'s pieces only"):
+                mine.schedule_for(other)
+        for view in ("schedule", "batches", "local_writes"):
+            with pytest.raises(ValueError, match="whole job"):
+                getattr(mine, view)
 
 
 def _least_loaded_naive(start, count, rank, size, world):
@@ -105,3 +145,34 @@ def test_greedy_choices_match_their_definitions():
             assert got == _pack_naive(src, dst, nbytes, budget, max_ops), trial
     finally:
         S._CHUNK = chunk
+
+
+def test_streamed_pieces_are_the_whole_plan():
+    """The pieces are made a chunk of tensors at a time, the batch packing carrying its state
+    over the chunks: chunks of a few boxes give the same schedule, counters and rank plans as
+    one chunk."""
+    from moeshard.plan import save as S
+
+    for seed in range(40):
+        outs, _, world, rng = save_case(seed)
+        budget, max_ops, max_shard = (8, 2, 16) if seed % 2 else (24, 3, 200)
+        whole = plan_save(outs, world, max_shard, budget, max_ops)
+        chunk = S._CHUNK
+        try:
+            S._CHUNK = int(rng.integers(1, 4))
+            small = plan_save(outs, world, max_shard, budget, max_ops)
+            ranks = [plan_save(outs, world, max_shard, budget, max_ops, rank=r) for r in range(world)]
+        finally:
+            S._CHUNK = chunk
+        assert arrays_of(small.schedule) == arrays_of(whole.schedule), seed
+        for f in ("sent_bytes", "recv_bytes", "peak_staging_bytes"):
+            assert getattr(small.cost, f).tolist() == getattr(whole.cost, f).tolist(), (seed, f)
+        assert small.cost.num_batches == whole.cost.num_batches, seed
+        for r, mine in enumerate(ranks):
+            assert arrays_of(mine.schedule_for(r)) == arrays_of(whole.schedule_for(r)), (seed, r)
+
+
+def arrays_of(schedule) -> dict:
+    """A schedule's array fields as lists."""
+    return {f: getattr(schedule, f).tolist() for f in schedule.__dataclass_fields__
+            if isinstance(getattr(schedule, f), np.ndarray)}

@@ -20,6 +20,7 @@ mirror image of a load plan:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import math
@@ -140,6 +141,9 @@ class SavePlan:
     ``fingerprint`` is a digest of what the plan is made from (the tensors, every segment, the
     world size and the budgets): the planner is pure, so ranks that agree on it run parts of
     one plan.
+
+    ``rank``: the plan holds only that rank's pieces (``plan_save(rank=)``): only
+    :meth:`schedule_for` that rank can be built from it. None: every rank's.
     """
 
     world_size: int
@@ -149,6 +153,7 @@ class SavePlan:
     staging_bytes: int
     max_ops: int = DEFAULT_MAX_OPS
     fingerprint: str = ""
+    rank: int | None = None
     _pieces: _Pieces | None = field(default=None, repr=False)
     _segs: _SegTable | None = field(default=None, repr=False)
 
@@ -156,6 +161,7 @@ class SavePlan:
     def schedule(self) -> Schedule:
         """Every rank's rows (the job's view: tests, tools). A rank that runs the plan needs
         only :meth:`schedule_for` its rank."""
+        self._whole_job("schedule")
         return _as_schedule(self)
 
     def schedule_for(self, rank: int) -> Schedule:
@@ -166,10 +172,18 @@ class SavePlan:
         numbers. O(transfers) numpy to find the rank's rows, then O(its rows). Not cached."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the plan's {self.world_size} ranks")
+        if self.rank is not None and rank != self.rank:
+            raise ValueError(f"this plan holds rank {self.rank}'s pieces only, not rank {rank}'s")
         return _as_schedule(self, rank)
+
+    def _whole_job(self, what: str) -> None:
+        if self.rank is not None:
+            raise ValueError(f"SavePlan.{what} is the whole job's; this plan holds rank {self.rank}'s pieces only "
+                             "(plan_save(rank=None) keeps every rank's)")
 
     @functools.cached_property
     def batches(self) -> tuple[tuple[Transfer, ...], ...]:
+        self._whole_job("batches")
         p = self._pieces
         x = len(p.round)
         rows = zip(p.src[:x].tolist(), p.dst[:x].tolist(), p.tensor[:x].tolist(), p.si[:x].tolist(),
@@ -181,6 +195,7 @@ class SavePlan:
 
     @functools.cached_property
     def local_writes(self) -> tuple[tuple[LocalWrite, ...], ...]:  # per rank
+        self._whole_job("local_writes")
         p = self._pieces
         x = len(p.round)
         out: list[list[LocalWrite]] = [[] for _ in range(self.world_size)]
@@ -214,8 +229,16 @@ def plan_save(
     max_shard_bytes: int,
     staging_bytes: int,
     max_ops: int = DEFAULT_MAX_OPS,
+    rank: int | None = None,
 ) -> SavePlan:
     """Writers, files and transfers for ``outs`` (:func:`describe_outputs`), pure.
+
+    ``rank``: keep only the pieces that rank sends, receives or writes (what it runs,
+    :meth:`SavePlan.schedule_for`); the writers, files, cost counters and fingerprint are the
+    whole job's all the same. None: every rank's pieces (the whole job's
+    :attr:`SavePlan.schedule`, :attr:`~SavePlan.batches`, :attr:`~SavePlan.local_writes`).
+    Cost per rank: O(segments + transfers) numpy and one Python loop over the transfers (the
+    batch packing is one greedy over them all), memory O(segments) plus the kept pieces.
 
     Raises:
         ValueError: a tensor whose holders' boxes leave a gap or overlap (not a grid of boxes),
@@ -224,8 +247,10 @@ def plan_save(
     if max_shard_bytes < 1 or staging_bytes < 1 or max_ops < 2:
         raise ValueError(f"max_shard_bytes and staging_bytes must be >= 1 and max_ops >= 2, got "
                          f"{max_shard_bytes}, {staging_bytes}, {max_ops}")
+    if rank is not None and not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside the plan's {world_size} ranks")
     with paused_gc():
-        return _plan_save(outs, world_size, max_shard_bytes, staging_bytes, max_ops)
+        return _plan_save(outs, world_size, max_shard_bytes, staging_bytes, max_ops, rank)
 
 
 @dataclass(frozen=True)
@@ -482,77 +507,124 @@ def _split(boxes: _Boxes, g: np.ndarray, itemsize: np.ndarray, ndim: np.ndarray,
 
 
 def _make_pieces(boxes: _Boxes, chosen: np.ndarray, segs: _SegTable, writer: list[int], itemsize, ndim,
-                 t_order: np.ndarray, staging_bytes: int, max_ops: int) -> _Pieces:
+                 t_order: np.ndarray, staging_bytes: int, max_ops: int, world: int,
+                 rank: int | None) -> tuple[_Pieces, SaveCost]:
     """Every tensor's boxes (tensors in ``t_order``, boxes in order) cut into pieces; pieces
-    from another rank are transfers, packed into batches; the writer's are local writes."""
-    cnt = np.diff(boxes.first)
-    _, g = expand_runs(boxes.first[t_order], cnt[t_order])
-    g, off, ln = _split(boxes, g, itemsize, ndim, max(1, staging_bytes // 4))
-    t = boxes.tensor[g]
-    seg = chosen[g]
-    src, dst = segs.rank[seg], np.asarray(writer, np.int64)[t]
-    local = src == dst
-    order = np.concatenate([np.flatnonzero(~local), np.flatnonzero(local)[np.argsort(dst[local], kind="stable")]])
-    nbytes = row_prod(ln) * itemsize[t]
-    x = int((~local).sum())
-    rounds = _pack(src[order[:x]], dst[order[:x]], nbytes[order[:x]], staging_bytes, max_ops)
-    return _Pieces(t[order], (g - boxes.first[t])[order], seg[order], src[order], dst[order], nbytes[order],
-                   off[order], ln[order], ndim[t][order], rounds)
+    from another rank are transfers, packed into batches; the writer's are local writes.
+
+    Streamed: tensors a chunk at a time (about ``_CHUNK`` boxes), so the job's pieces are never
+    in memory at once; the batch packing carries its state over the chunks. Kept: every piece
+    (``rank`` None), or only those ``rank`` sends, receives or writes. The cost counters
+    (bytes sent, received and staged per rank; ops and batches) are the whole job's either
+    way; ``write_bytes`` is left to the caller."""
+    wr = np.asarray(writer, np.int64)
+    count = np.diff(boxes.first)[t_order]
+    ends = np.cumsum(count)
+    max_piece = max(1, staging_bytes // 4)
+    pack = _Packer(world, staging_bytes, max_ops)
+    sent, recv = np.zeros(world, np.int64), np.zeros(world, np.int64)
+    moved: list[tuple] = []  # kept transfers of each chunk, in order
+    written: list[tuple] = []  # kept local writes of each chunk, in order
+    lo = 0
+    while lo < len(t_order):
+        base = int(ends[lo - 1]) if lo else 0
+        hi = max(lo + 1, int(np.searchsorted(ends, base + _CHUNK, side="right")))
+        _, g = expand_runs(boxes.first[t_order[lo:hi]], count[lo:hi])
+        lo = hi
+        g, off, ln = _split(boxes, g, itemsize, ndim, max_piece)
+        t = boxes.tensor[g]
+        seg = chosen[g]
+        src, dst = segs.rank[seg], wr[t]
+        nbytes = row_prod(ln) * itemsize[t]
+        cols = (t, g - boxes.first[t], seg, src, dst, nbytes, off, ln)
+        x = np.flatnonzero(src != dst)
+        rounds = pack(src[x], dst[x], nbytes[x])
+        np.add.at(sent, src[x], nbytes[x])
+        np.add.at(recv, dst[x], nbytes[x])
+        local = np.flatnonzero(src == dst)
+        if rank is not None:
+            mine = (src[x] == rank) | (dst[x] == rank)
+            x, rounds = x[mine], rounds[mine]
+            local = local[dst[local] == rank]
+        moved.append(tuple(c[x] for c in cols) + (rounds,))
+        written.append(tuple(c[local] for c in cols))
+    width = boxes.off.shape[1]
+    empty = tuple(np.zeros((0, width) if j in (6, 7) else 0, np.int64) for j in range(9))  # off, len: [0, W]
+    xs = [np.concatenate(c) for c in zip(empty, *moved)]
+    ls = [np.concatenate(c) for c in zip(empty[:8], *written)]
+    by_writer = np.argsort(ls[4], kind="stable")  # local writes by writer, each in order
+    cols = [np.concatenate([a, b[by_writer]]) for a, b in zip(xs[:8], ls)]
+    pieces = _Pieces(*cols[:6], cols[6], cols[7], ndim[cols[0]], xs[8])
+    cost = SaveCost(np.zeros(world, np.int64), sent, recv, pack.peak(), pack.num_ops, pack.num_batches)
+    return pieces, cost
+
+
+class _Packer:
+    """The batch packing over transfers given a chunk at a time, in order: a new batch when a
+    transfer would take its sender or receiver over ``budget`` staged bytes or ``max_ops`` ops
+    (never for the first transfer). A loop (greedy; ``src != dst``); a rank's counters are
+    reset lazily, when first touched in a new batch, after its last batch's staged bytes are
+    folded into its peak. Calls return ``int64[X]`` the batch of each transfer."""
+
+    def __init__(self, world: int, budget: int, max_ops: int):
+        self.budget, self.max_ops = budget, max_ops
+        self.stage, self.ops, self.stamp, self.top = [0] * world, [0] * world, [0] * world, [0] * world
+        self.k, self.num_ops = 0, 0
+
+    @property
+    def num_batches(self) -> int:
+        return self.k + 1 if self.num_ops else 0
+
+    def peak(self) -> np.ndarray:
+        """``int64[world]``: the most bytes each rank stages in one batch, so far."""
+        return np.maximum(np.asarray(self.top, np.int64), np.asarray(self.stage, np.int64))
+
+    def __call__(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+        out = np.empty(len(src), np.int64)
+        stage, ops, stamp, top = self.stage, self.ops, self.stamp, self.top
+        budget, max_ops, k, first = self.budget, self.max_ops, self.k, self.num_ops == 0
+        for lo in range(0, len(src), _CHUNK):  # Python lists of one chunk at a time: bounded memory
+            hi = lo + _CHUNK
+            got: list[int] = []
+            put = got.append
+            for s, d, b in zip(src[lo:hi].tolist(), dst[lo:hi].tolist(), nbytes[lo:hi].tolist()):
+                if stamp[s] != k:
+                    if stage[s] > top[s]:
+                        top[s] = stage[s]
+                    stamp[s], stage[s], ops[s] = k, 0, 0
+                if stamp[d] != k:
+                    if stage[d] > top[d]:
+                        top[d] = stage[d]
+                    stamp[d], stage[d], ops[d] = k, 0, 0
+                at_s, at_d = stage[s] + b, stage[d] + b
+                if (at_s > budget or at_d > budget or ops[s] >= max_ops or ops[d] >= max_ops) and not first:
+                    k += 1
+                    if stage[s] > top[s]:
+                        top[s] = stage[s]
+                    if stage[d] > top[d]:
+                        top[d] = stage[d]
+                    stamp[s] = stamp[d] = k
+                    at_s = at_d = b
+                    ops[s] = ops[d] = 0
+                first = False
+                stage[s], stage[d] = at_s, at_d
+                ops[s] += 1
+                ops[d] += 1
+                put(k)
+            out[lo:hi] = got
+        self.k = k
+        self.num_ops += len(src)
+        return out
 
 
 def _pack(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, budget: int, max_ops: int) -> np.ndarray:
-    """``int64[X]``: the batch of each transfer, in order: a new batch when the transfer would
-    take its sender or receiver over ``budget`` staged bytes or ``max_ops`` ops (never for the
-    first). A loop (greedy in order; ``src != dst``); a rank's counters are reset lazily, when
-    first touched in a new batch."""
+    """``int64[X]``: the batch of each transfer, in order (:class:`_Packer` over all of them)."""
     if not len(src):
         return np.zeros(0, np.int64)
-    world = int(max(src.max(), dst.max())) + 1
-    stage, ops, stamp = [0] * world, [0] * world, [0] * world
-    out = np.empty(len(src), np.int64)
-    k, first = 0, True
-    for lo in range(0, len(src), _CHUNK):  # Python lists of one chunk at a time: bounded memory
-        hi = lo + _CHUNK
-        got: list[int] = []
-        put = got.append
-        for s, d, b in zip(src[lo:hi].tolist(), dst[lo:hi].tolist(), nbytes[lo:hi].tolist()):
-            if stamp[s] != k:
-                stamp[s], stage[s], ops[s] = k, 0, 0
-            if stamp[d] != k:
-                stamp[d], stage[d], ops[d] = k, 0, 0
-            at_s, at_d = stage[s] + b, stage[d] + b
-            if (at_s > budget or at_d > budget or ops[s] >= max_ops or ops[d] >= max_ops) and not first:
-                k += 1
-                stamp[s] = stamp[d] = k
-                at_s = at_d = b
-                ops[s] = ops[d] = 0
-            first = False
-            stage[s], stage[d] = at_s, at_d
-            ops[s] += 1
-            ops[d] += 1
-            put(k)
-        out[lo:hi] = got
-    return out
+    return _Packer(int(max(src.max(), dst.max())) + 1, budget, max_ops)(src, dst, nbytes)
 
 
-def _costs(p: _Pieces, world: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(sent, recv, peak)``, ``int64[world]`` each: bytes sent, received, and staged at most
-    in one batch (sender and receiver both stage a transfer)."""
-    x = len(p.round)
-    src, dst, nb = p.src[:x], p.dst[:x], p.nbytes[:x]
-    sent, recv, peak = (np.zeros(world, np.int64) for _ in range(3))
-    np.add.at(sent, src, nb)
-    np.add.at(recv, dst, nb)
-    rank = np.concatenate([src, dst])
-    order, start = group_rows(np.concatenate([p.round, p.round]), rank)
-    starts = np.flatnonzero(start)
-    if len(starts):
-        staged = np.add.reduceat(np.concatenate([nb, nb])[order], starts)
-        np.maximum.at(peak, rank[order][starts], staged)
-    return sent, recv, peak
-
-
-def _plan_save(outs, world, max_shard_bytes, staging_bytes, max_ops) -> SavePlan:
+def _plan_save(outs, world, max_shard_bytes, staging_bytes, max_ops, rank) -> SavePlan:
     itemsize = np.asarray([DTYPES[o.dtype].itemsize for o in outs], np.int64)
     ndim = np.asarray([len(o.shape) for o in outs], np.int64)
     sizes = [math.prod(o.shape) * int(s) for o, s in zip(outs, itemsize.tolist())]
@@ -570,10 +642,9 @@ def _plan_save(outs, world, max_shard_bytes, staging_bytes, max_ops) -> SavePlan
     files, file_of, offset_of, fno, place = _files(sizes, writer, world, max_shard_bytes)
     # 5. Pieces: transfers (in rounds over the writers' files, so every writer is busy) and local writes.
     t_order = lex_order(fno, place, np.asarray(writer, np.int64))
-    pieces = _make_pieces(boxes, chosen, segs, writer, itemsize, ndim, t_order, staging_bytes, max_ops)
-    sent, recv, peak = _costs(pieces, world)
-    num_batches = int(pieces.round[-1]) + 1 if len(pieces.round) else 0
-    cost = SaveCost(np.asarray(write_load, dtype=np.int64), sent, recv, peak, len(pieces.round), num_batches)
+    pieces, cost = _make_pieces(boxes, chosen, segs, writer, itemsize, ndim, t_order, staging_bytes, max_ops,
+                                world, rank)
+    cost = dataclasses.replace(cost, write_bytes=np.asarray(write_load, dtype=np.int64))
     source = _Chosen(outs, segs, seg_first, boxes, chosen)
     tensors = tuple(
         OutTensor(o.key, tuple(o.shape), o.dtype, sizes[t], writer[t], file_of[t], offset_of[t], o.is_buffer,
@@ -581,7 +652,7 @@ def _plan_save(outs, world, max_shard_bytes, staging_bytes, max_ops) -> SavePlan
         for t, o in enumerate(outs)
     )
     fingerprint = _fingerprint(outs, segs, seg_first, world, max_shard_bytes, staging_bytes, max_ops)
-    return SavePlan(world, tensors, tuple(files), cost, staging_bytes, max_ops, fingerprint, pieces, segs)
+    return SavePlan(world, tensors, tuple(files), cost, staging_bytes, max_ops, fingerprint, rank, pieces, segs)
 
 
 class _Chosen:
