@@ -20,7 +20,6 @@ mirror image of a load plan:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import math
@@ -508,15 +507,15 @@ def _split(boxes: _Boxes, g: np.ndarray, itemsize: np.ndarray, ndim: np.ndarray,
 
 def _make_pieces(boxes: _Boxes, chosen: np.ndarray, segs: _SegTable, writer: list[int], itemsize, ndim,
                  t_order: np.ndarray, staging_bytes: int, max_ops: int, world: int,
-                 rank: int | None) -> tuple[_Pieces, SaveCost]:
+                 rank: int | None) -> tuple[_Pieces, np.ndarray, np.ndarray, "_Packer"]:
     """Every tensor's boxes (tensors in ``t_order``, boxes in order) cut into pieces; pieces
     from another rank are transfers, packed into batches; the writer's are local writes.
 
     Streamed: tensors a chunk at a time (about ``_CHUNK`` boxes), so the job's pieces are never
     in memory at once; the batch packing carries its state over the chunks. Kept: every piece
-    (``rank`` None), or only those ``rank`` sends, receives or writes. The cost counters
-    (bytes sent, received and staged per rank; ops and batches) are the whole job's either
-    way; ``write_bytes`` is left to the caller."""
+    (``rank`` None), or only those ``rank`` sends, receives or writes. Returns the pieces,
+    ``int64[world]`` the bytes each rank sends and receives, and the packer (its counters:
+    staged bytes per rank, ops, batches): the whole job's either way."""
     wr = np.asarray(writer, np.int64)
     count = np.diff(boxes.first)[t_order]
     ends = np.cumsum(count)
@@ -555,8 +554,7 @@ def _make_pieces(boxes: _Boxes, chosen: np.ndarray, segs: _SegTable, writer: lis
     by_writer = np.argsort(ls[4], kind="stable")  # local writes by writer, each in order
     cols = [np.concatenate([a, b[by_writer]]) for a, b in zip(xs[:8], ls)]
     pieces = _Pieces(*cols[:6], cols[6], cols[7], ndim[cols[0]], xs[8])
-    cost = SaveCost(np.zeros(world, np.int64), sent, recv, pack.peak(), pack.num_ops, pack.num_batches)
-    return pieces, cost
+    return pieces, sent, recv, pack
 
 
 class _Packer:
@@ -642,9 +640,9 @@ def _plan_save(outs, world, max_shard_bytes, staging_bytes, max_ops, rank) -> Sa
     files, file_of, offset_of, fno, place = _files(sizes, writer, world, max_shard_bytes)
     # 5. Pieces: transfers (in rounds over the writers' files, so every writer is busy) and local writes.
     t_order = lex_order(fno, place, np.asarray(writer, np.int64))
-    pieces, cost = _make_pieces(boxes, chosen, segs, writer, itemsize, ndim, t_order, staging_bytes, max_ops,
-                                world, rank)
-    cost = dataclasses.replace(cost, write_bytes=np.asarray(write_load, dtype=np.int64))
+    pieces, sent, recv, pack = _make_pieces(boxes, chosen, segs, writer, itemsize, ndim, t_order, staging_bytes,
+                                            max_ops, world, rank)
+    cost = SaveCost(np.asarray(write_load, dtype=np.int64), sent, recv, pack.peak(), pack.num_ops, pack.num_batches)
     source = _Chosen(outs, segs, seg_first, boxes, chosen)
     tensors = tuple(
         OutTensor(o.key, tuple(o.shape), o.dtype, sizes[t], writer[t], file_of[t], offset_of[t], o.is_buffer,
