@@ -26,9 +26,10 @@ itself, see :class:`~moeshard.models.adapters.ExpertsSpec`).
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from ..io.formats import scaled_weight
 from .adapters import ExpertParam, ExpertsSpec
@@ -48,9 +49,11 @@ class HFNames:
         specs: expert specs from the family's converters (module regexes on model names).
         refused: ``(target pattern, why)`` of the family's converters moeshard cannot express
             as box reads (an ``Interleave``, a ``Transpose``, ...).
-        save_renamings / save_converters: transformers' reversed transforms (model -> disk).
-        load_renamings / load_converters: its forward transforms (disk -> model), as
-            ``from_pretrained`` applies them (``PrefixChange`` and the legacy renames included).
+        save_renamings: transformers' reversed renames (model -> disk).
+        loading: its forward transforms (disk -> model), as ``from_pretrained`` applies them
+            (``PrefixChange`` and the legacy renames included), worked out on first use of
+            :attr:`load_renamings` / :attr:`load_converters` (a load, which names tensors as
+            a save does, never asks: transformers' mapping is a deep copy per call).
     """
 
     family: str
@@ -58,8 +61,23 @@ class HFNames:
     specs: tuple[ExpertsSpec, ...]
     refused: tuple[tuple[str, str], ...]
     save_renamings: tuple[Any, ...] = field(repr=False)
-    load_renamings: tuple[Any, ...] = field(repr=False)
-    load_converters: tuple[Any, ...] = field(repr=False)
+    loading: Callable[[], list] = field(repr=False)
+
+    @functools.cached_property
+    def _loading(self) -> list:
+        return self.loading()
+
+    @property
+    def load_renamings(self) -> tuple[Any, ...]:
+        from transformers.core_model_loading import WeightRenaming
+
+        return tuple(t for t in self._loading if isinstance(t, WeightRenaming))
+
+    @property
+    def load_converters(self) -> tuple[Any, ...]:
+        from transformers.core_model_loading import WeightConverter
+
+        return tuple(t for t in self._loading if isinstance(t, WeightConverter))
 
     def checkpoint_name(self, name: str) -> str:
         """The key ``save_pretrained`` writes for model tensor ``name`` (a dense parameter, a
@@ -188,19 +206,24 @@ def hf_names(model) -> HFNames | None:
     family = getattr(hf.config, "model_type", None) or type(hf).__name__
     # transformers picks a mapping by the model's class name: FSDP2 renames the class
     # (FSDPHyV4ForCausalLM), so look it up as the class transformers defined.
-    wrapped = type(hf)
-    own = next(c for c in wrapped.__mro__ if not c.__module__.startswith("torch."))
-    try:
-        hf.__class__ = own
-        # from_pretrained's transforms (a model built from a config has no _weight_conversions).
-        loading = list(getattr(hf, "_weight_conversions", None) or get_model_conversion_mapping(hf))
-        # save_pretrained's: the reverse of the family's own, PrefixChange dropped for a model not
-        # loaded by from_pretrained (transformers does the same: it cannot know the prefix was there).
-        saving = getattr(hf, "_weight_conversions", None)
-        if saving is None:
-            saving = [t for t in get_model_conversion_mapping(hf, add_legacy=False) if not isinstance(t, PrefixChange)]
-    finally:
-        hf.__class__ = wrapped
+    own = next(c for c in type(hf).__mro__ if not c.__module__.startswith("torch."))
+
+    def mapping(**kwargs) -> list:  # may run later (loading): the class it has then is put back
+        wrapped = type(hf)
+        try:
+            hf.__class__ = own
+            return list(get_model_conversion_mapping(hf, **kwargs))
+        finally:
+            hf.__class__ = wrapped
+
+    # save_pretrained's: the reverse of the family's own, PrefixChange dropped for a model not
+    # loaded by from_pretrained (transformers does the same: it cannot know the prefix was there).
+    saving = getattr(hf, "_weight_conversions", None)
+    if saving is None:
+        saving = [t for t in mapping(add_legacy=False) if not isinstance(t, PrefixChange)]
+    # from_pretrained's transforms (a model built from a config has no _weight_conversions).
+    conversions = getattr(hf, "_weight_conversions", None)
+    loading = (lambda: list(conversions)) if conversions else mapping
     reverse = [t.reverse_transform() for t in saving[::-1]]
     specs, refused = [], []
     for t in saving:
@@ -216,8 +239,7 @@ def hf_names(model) -> HFNames | None:
         specs=merge_specs(specs),
         refused=tuple(refused),
         save_renamings=tuple(t for t in reverse if isinstance(t, WeightRenaming)),
-        load_renamings=tuple(t for t in loading if isinstance(t, WeightRenaming)),
-        load_converters=tuple(t for t in loading if isinstance(t, WeightConverter)),
+        loading=loading,
     )
 
 
