@@ -124,15 +124,19 @@ def test_greedy_choices_match_their_definitions():
     from moeshard.plan import save as S
 
     rng = np.random.default_rng(0)
-    for trial in range(30):
+    chunk = S._CHUNK
+    for trial in range(60):
         world, n = int(rng.integers(1, 120)), int(rng.integers(1, 300))
         count = rng.choice([1, 2, 5, 33, 100], n).clip(max=world)
         rank = np.concatenate([np.sort(rng.choice(world, c, replace=False)) for c in count]).astype(np.int64)
         start = (np.cumsum(count) - count).astype(np.int64)
         size = rng.integers(0, 1000, n)
-        got = S._least_loaded(start, count.astype(np.int64), rank, size, world).tolist()
+        try:
+            S._CHUNK = chunk if trial % 2 else int(rng.integers(1, 50))  # candidates a chunk of items at a time
+            got = S._least_loaded(start, count.astype(np.int64), rank, size, world).tolist()
+        finally:
+            S._CHUNK = chunk
         assert got == _least_loaded_naive(start, count, rank, size, world), trial
-    chunk = S._CHUNK
     try:
         S._CHUNK = 7  # many chunks, batches across their edges
         for trial in range(300):  # also transfers of no bytes, over the budget alone, one op per batch
@@ -176,3 +180,28 @@ def arrays_of(schedule) -> dict:
     """A schedule's array fields as lists."""
     return {f: getattr(schedule, f).tolist() for f in schedule.__dataclass_fields__
             if isinstance(getattr(schedule, f), np.ndarray)}
+
+
+def test_tiling_checked_a_chunk_of_tensors_at_a_time():
+    """With chunks of one box, a gap or an overlap in any tensor, first or last, is still found
+    (and named), and tensors that tile pass."""
+    from moeshard.plan import save as S
+    from moeshard.plan.save import Segment, _Out
+
+    def tiled(k: int) -> _Out:
+        return _Out(f"t{k}", (8, 2), "F32", [Segment(r, 0, ((4 * r, 4), (0, 2))) for r in range(2)])
+
+    gap = _Out("gap", (10,), "F32", [Segment(0, 0, ((0, 4),)), Segment(1, 0, ((5, 5),))])
+    overlap = _Out("overlap", (10,), "F32", [Segment(0, 0, ((0, 6),)), Segment(1, 0, ((4, 6),))])
+    chunk = S._CHUNK
+    try:
+        S._CHUNK = 1
+        assert plan_save([tiled(k) for k in range(5)], 2, 1024, 1024).cost.write_bytes.sum() == 5 * 16 * 4
+        for bad, match in ((gap, "'gap'.*gap at offset 4"), (overlap, "'overlap'.*overlapping")):
+            for at in (0, 3, 5):
+                outs = [tiled(k) for k in range(5)]
+                outs.insert(at, bad)
+                with pytest.raises(ValueError, match=match):
+                    plan_save(outs, 2, 1024, 1024)
+    finally:
+        S._CHUNK = chunk

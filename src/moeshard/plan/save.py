@@ -309,24 +309,26 @@ def _distinct_boxes(segs: _SegTable, seg_first: np.ndarray, itemsize: np.ndarray
 
 def _check_tilings(outs, boxes: _Boxes, ndim: np.ndarray, nbytes: np.ndarray) -> None:
     """Raise ValueError (:func:`_check_tiling`'s, for the first tensor in order) unless every
-    tensor with bytes is tiled by a grid of its boxes. Vectorized: tensors that may fail are
-    found with arrays, then checked one by one."""
+    tensor with bytes is tiled by a grid of its boxes. Vectorized over a chunk of tensors at a
+    time (boxes are sorted by tensor): tensors that may fail are found with arrays, then
+    checked one by one."""
     n = len(outs)
     num_boxes = np.diff(boxes.first)
     grid = np.ones(n, np.int64)
     bad = (nbytes > 0) & (num_boxes == 0)
     width = boxes.off.shape[1]
     shapes = np.asarray([(*o.shape, *(1,) * (width - len(o.shape))) for o in outs], np.int64).reshape(n, width)
-    for d in range(width):
-        sel = np.flatnonzero(ndim[boxes.tensor] > d)
-        t, lo, ln = boxes.tensor[sel], boxes.off[sel, d], boxes.len[sel, d]
-        order, start = group_rows(t, lo, ln)
-        t, lo, end = t[order][start], lo[order][start], (lo + ln)[order][start]  # distinct intervals, sorted
-        new_t = run_starts(t)
-        bad[t[lo != np.where(new_t, 0, np.concatenate([[0], end[:-1]]))]] = True  # a gap or an overlap
-        last = np.append(np.flatnonzero(new_t)[1:] - 1, len(t) - 1) if len(t) else np.zeros(0, np.int64)
-        bad[t[last][end[last] != shapes[t[last], d]]] = True  # short of the end
-        np.multiply.at(grid, t[new_t], np.diff(np.append(np.flatnonzero(new_t), len(t))))  # intervals per dim
+    for lo, hi in _box_chunks(boxes.first):
+        for d in range(width):
+            sel = lo + np.flatnonzero(ndim[boxes.tensor[lo:hi]] > d)
+            t, start, ln = boxes.tensor[sel], boxes.off[sel, d], boxes.len[sel, d]
+            order, first = group_rows(t, start, ln)
+            t, start, end = t[order][first], start[order][first], (start + ln)[order][first]  # distinct intervals, sorted
+            new_t = run_starts(t)
+            bad[t[start != np.where(new_t, 0, np.concatenate([[0], end[:-1]]))]] = True  # a gap or an overlap
+            last = np.append(np.flatnonzero(new_t)[1:] - 1, len(t) - 1) if len(t) else np.zeros(0, np.int64)
+            bad[t[last][end[last] != shapes[t[last], d]]] = True  # short of the end
+            np.multiply.at(grid, t[new_t], np.diff(np.append(np.flatnonzero(new_t), len(t))))  # intervals per dim
     bad |= (num_boxes != grid) & (num_boxes > 0)
     bad &= nbytes > 0
     for t in np.flatnonzero(bad).tolist():
@@ -334,6 +336,16 @@ def _check_tilings(outs, boxes: _Boxes, ndim: np.ndarray, nbytes: np.ndarray) ->
         nd = int(ndim[t])
         box_list = [tuple(zip(a[:nd], b[:nd])) for a, b in zip(boxes.off[lo:hi].tolist(), boxes.len[lo:hi].tolist())]
         _check_tiling(outs[t].key, tuple(outs[t].shape), box_list, int(nbytes[t]))
+
+
+def _box_chunks(first: np.ndarray) -> list[tuple[int, int]]:
+    """Row ranges ``[lo, hi)`` of whole tensors' rows (``first``: ``int64[T + 1]`` each
+    tensor's first row), about ``_CHUNK`` rows each (a tensor of more rows alone): what keeps
+    the temporaries of a grouping by tensor the size of a chunk."""
+    total = int(first[-1]) if len(first) else 0
+    cuts = np.unique(first[np.searchsorted(first, np.arange(_CHUNK, total, _CHUNK), side="right") - 1])
+    edges = [0, *(c for c in cuts.tolist() if 0 < c < total), total]
+    return [(a, b) for a, b in zip(edges, edges[1:]) if a < b]
 
 
 def _least_loaded(start: np.ndarray, count: np.ndarray, rank: np.ndarray, size: np.ndarray, world: int) -> np.ndarray:
@@ -356,30 +368,34 @@ def _least_loaded(start: np.ndarray, count: np.ndarray, rank: np.ndarray, size: 
     code = code[order]
     prefix = np.concatenate([[0], np.cumsum(size[fixed][order])])
     cm = count[multi]
-    _, k = expand_runs(start[multi], cm)  # every candidate of every item with a choice
-    item = np.repeat(multi, cm)
-    cand_rank = rank[k]
-    base = prefix[np.searchsorted(code, cand_rank * n + item)] - prefix[np.searchsorted(code, cand_rank * n)]
     extra = [0] * world
-    few = cm <= 32  # plain Python beats numpy's call overhead on these
-    on_list = np.repeat(few, cm)  # Python lists of their candidates only (not of thousands per item)
-    base_l, rank_l, k_l = base[on_list].tolist(), cand_rank[on_list].tolist(), k[on_list].tolist()
-    at = at_l = 0  # the item's first candidate in the arrays, in the lists
-    for i, c, b, small in zip(multi.tolist(), cm.tolist(), size[multi].tolist(), few.tolist()):
-        if small:
-            j, least = at_l, base_l[at_l] + extra[rank_l[at_l]]
-            for m in range(at_l + 1, at_l + c):
-                v = base_l[m] + extra[rank_l[m]]
-                if v < least:  # strictly: the first minimum is the lowest rank
-                    j, least = m, v
-            r, pick = rank_l[j], k_l[j]
-            at_l += c
-        else:
-            j = at + int(np.argmin(base[at:at + c] + np.asarray(extra)[cand_rank[at:at + c]]))
-            r, pick = int(cand_rank[j]), int(k[j])
-        extra[r] += b
-        chosen[i] = pick
-        at += c
+    first = np.concatenate([[0], np.cumsum(cm)])
+    for lo, hi in _box_chunks(first):  # items of about _CHUNK candidates at a time: bounded temporaries
+        i0, i1 = np.searchsorted(first, [lo, hi]).tolist()
+        items, c_m = multi[i0:i1], cm[i0:i1]
+        _, k = expand_runs(start[items], c_m)  # every candidate of every item with a choice
+        cand_rank = rank[k]
+        item = np.repeat(items, c_m)
+        base = prefix[np.searchsorted(code, cand_rank * n + item)] - prefix[np.searchsorted(code, cand_rank * n)]
+        few = c_m <= 32  # plain Python beats numpy's call overhead on these
+        on_list = np.repeat(few, c_m)  # Python lists of their candidates only (not of thousands per item)
+        base_l, rank_l, k_l = base[on_list].tolist(), cand_rank[on_list].tolist(), k[on_list].tolist()
+        at = at_l = 0  # the item's first candidate in the arrays, in the lists
+        for i, c, nb, small in zip(items.tolist(), c_m.tolist(), size[items].tolist(), few.tolist()):
+            if small:
+                j, least = at_l, base_l[at_l] + extra[rank_l[at_l]]
+                for m in range(at_l + 1, at_l + c):
+                    v = base_l[m] + extra[rank_l[m]]
+                    if v < least:  # strictly: the first minimum is the lowest rank
+                        j, least = m, v
+                r, pick = rank_l[j], k_l[j]
+                at_l += c
+            else:
+                j = at + int(np.argmin(base[at:at + c] + np.asarray(extra)[cand_rank[at:at + c]]))
+                r, pick = int(cand_rank[j]), int(k[j])
+            extra[r] += nb
+            chosen[i] = pick
+            at += c
     return chosen
 
 
@@ -388,11 +404,7 @@ def _writers(boxes: _Boxes, nbytes: np.ndarray, world: int) -> tuple[list[int], 
     of the ranks holding most bytes of it; any rank for a tensor nobody holds) and each rank's
     write load."""
     n = len(nbytes)
-    t_h = boxes.tensor[boxes.h_box]
-    order, start = group_rows(t_h, boxes.h_rank)  # (tensor, rank) pairs
-    starts = np.flatnonzero(start)
-    held = np.add.reduceat(boxes.nbytes[boxes.h_box][order], starts) if len(starts) else np.zeros(0, np.int64)
-    p_t, p_rank = t_h[order][starts], boxes.h_rank[order][starts]
+    p_t, p_rank, held = _held_bytes(boxes)
     best = np.full(n, -1, np.int64)
     np.maximum.at(best, p_t, held)
     cand = held == best[p_t]
@@ -409,6 +421,23 @@ def _writers(boxes: _Boxes, nbytes: np.ndarray, world: int) -> tuple[list[int], 
     load = np.zeros(world, np.int64)
     np.add.at(load, writer, nbytes)
     return writer.tolist(), load.tolist()
+
+
+def _held_bytes(boxes: _Boxes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(tensor, rank, bytes)``, ``int64[P]`` each: the bytes of each tensor each of its
+    holders holds, pairs sorted by tensor then rank. Grouped a chunk of tensors at a time
+    (holder rows are sorted by tensor), so the sort's temporaries stay the size of a chunk."""
+    t_h = boxes.tensor[boxes.h_box]  # ascending
+    out = []
+    for lo, hi in _box_chunks(np.searchsorted(boxes.h_box, boxes.first)):  # each tensor's first holder row
+        t, r = t_h[lo:hi], boxes.h_rank[lo:hi]
+        order, start = group_rows(t, r)  # (tensor, rank) pairs
+        starts = np.flatnonzero(start)
+        out.append((t[order[starts]], r[order[starts]],
+                    np.add.reduceat(boxes.nbytes[boxes.h_box[lo:hi]][order], starts)))
+    if not out:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return tuple(np.concatenate(c) for c in zip(*out))
 
 
 def _holders(boxes: _Boxes, writer: list[int], world: int) -> np.ndarray:

@@ -183,23 +183,33 @@ class _Rows:
 
     def table(self, num_tensors: int, width: int) -> tuple[_SegTable, np.ndarray]:
         """The table (rows of each tensor in the order they were added) and ``int64[T + 1]``
-        the first row of each tensor."""
+        the first row of each tensor. Each chunk is written straight to its rows' places (a
+        stable sort by tensor) and let go: the rows are never held twice over (DeepSeek-V3 on
+        8,192 ranks: 4.7 million rows, 325 MiB)."""
         sizes = [len(c[1]) for c in self.chunks]
         total = sum(sizes)
-        tensor, rank, param, slot = (np.empty(total, np.int64) for _ in range(4))
-        off, delta, ln = np.zeros((total, width), np.int64), np.zeros((total, width), np.int64), np.ones(
-            (total, width), np.int64)
-        at = 0
-        for (t, r, p, sl, o, n, dl), k in zip(self.chunks, sizes):
-            nd = o.shape[1]
-            tensor[at:at + k], rank[at:at + k], param[at:at + k], slot[at:at + k] = t, r, p, sl
-            off[at:at + k, :nd], ln[at:at + k, :nd], delta[at:at + k, :nd] = o, n, dl
-            at += k
-        order = np.argsort(tensor, kind="stable")  # a stable sort keeps each tensor's rows in order
-        table = _SegTable(rank[order], param[order], slot[order], off[order], ln[order], delta[order])
+        tensor = np.concatenate([np.broadcast_to(np.asarray(c[0], np.int64), (k,)) for c, k in zip(self.chunks, sizes)]
+                                + [np.zeros(0, np.int64)])
         bounds = np.zeros(num_tensors + 1, np.int64)
         np.cumsum(np.bincount(tensor, minlength=num_tensors), out=bounds[1:])
-        return table, bounds
+        place = np.empty(total, np.int64)
+        place[np.argsort(tensor, kind="stable")] = np.arange(total, dtype=np.int64)  # row i goes to place[i]
+        del tensor
+        rank, param, slot = (np.empty(total, np.int64) for _ in range(3))
+        off, ln, delta = (np.empty((total, width), np.int64) for _ in range(3))
+        at = 0
+        chunks, self.chunks = self.chunks, []
+        chunks.reverse()  # popped from the end: each chunk is freed once written
+        while chunks:
+            _, r, p, sl, o, n, dl = chunks.pop()
+            k, nd = len(r), o.shape[1]
+            rows = place[at:at + k]
+            rank[rows], param[rows], slot[rows] = r, p, sl
+            off[rows, :nd], ln[rows, :nd], delta[rows, :nd] = o, n, dl
+            if nd < width:  # padded dims: offset 0, length 1, no shift
+                off[rows, nd:], ln[rows, nd:], delta[rows, nd:] = 0, 1, 0
+            at += k
+        return _SegTable(rank, param, slot, off, ln, delta), bounds
 
 
 def _describe_outputs(descs, placement, world_size, reference, tied_targets, skip_keys, buffers,
