@@ -145,7 +145,7 @@ def test_greedy_choices_match_their_definitions():
             dst = (src + rng.integers(1, world, n)) % world
             nbytes = rng.integers(0, 50, n) * int(rng.choice([1, 4]))
             budget, max_ops = int(rng.choice([1, 10, 60, 10**6])), int(rng.choice([1, 2, 3, 64]))
-            got = S._pack(src, dst, nbytes, budget, max_ops).tolist()
+            got = S._Packer(world, budget, max_ops)(src, dst, nbytes).tolist()
             assert got == _pack_naive(src, dst, nbytes, budget, max_ops), trial
     finally:
         S._CHUNK = chunk

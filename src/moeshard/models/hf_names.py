@@ -216,13 +216,13 @@ def hf_names(model) -> HFNames | None:
         finally:
             hf.__class__ = wrapped
 
+    conversions = getattr(hf, "_weight_conversions", None)  # a model from_pretrained loaded has them
     # save_pretrained's: the reverse of the family's own, PrefixChange dropped for a model not
     # loaded by from_pretrained (transformers does the same: it cannot know the prefix was there).
-    saving = getattr(hf, "_weight_conversions", None)
+    saving = conversions
     if saving is None:
         saving = [t for t in mapping(add_legacy=False) if not isinstance(t, PrefixChange)]
     # from_pretrained's transforms (a model built from a config has no _weight_conversions).
-    conversions = getattr(hf, "_weight_conversions", None)
     loading = (lambda: list(conversions)) if conversions else mapping
     reverse = [t.reverse_transform() for t in saving[::-1]]
     specs, refused = [], []

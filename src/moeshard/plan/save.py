@@ -318,7 +318,8 @@ def _check_tilings(outs, boxes: _Boxes, ndim: np.ndarray, nbytes: np.ndarray) ->
     bad = (nbytes > 0) & (num_boxes == 0)
     width = boxes.off.shape[1]
     shapes = np.asarray([(*o.shape, *(1,) * (width - len(o.shape))) for o in outs], np.int64).reshape(n, width)
-    for lo, hi in _box_chunks(boxes.first):
+    for a, b in _chunks(boxes.first):
+        lo, hi = int(boxes.first[a]), int(boxes.first[b])
         for d in range(width):
             sel = lo + np.flatnonzero(ndim[boxes.tensor[lo:hi]] > d)
             t, start, ln = boxes.tensor[sel], boxes.off[sel, d], boxes.len[sel, d]
@@ -338,13 +339,14 @@ def _check_tilings(outs, boxes: _Boxes, ndim: np.ndarray, nbytes: np.ndarray) ->
         _check_tiling(outs[t].key, tuple(outs[t].shape), box_list, int(nbytes[t]))
 
 
-def _box_chunks(first: np.ndarray) -> list[tuple[int, int]]:
-    """Row ranges ``[lo, hi)`` of whole tensors' rows (``first``: ``int64[T + 1]`` each
-    tensor's first row), about ``_CHUNK`` rows each (a tensor of more rows alone): what keeps
-    the temporaries of a grouping by tensor the size of a chunk."""
-    total = int(first[-1]) if len(first) else 0
-    cuts = np.unique(first[np.searchsorted(first, np.arange(_CHUNK, total, _CHUNK), side="right") - 1])
-    edges = [0, *(c for c in cuts.tolist() if 0 < c < total), total]
+def _chunks(first: np.ndarray) -> list[tuple[int, int]]:
+    """Ranges ``[a, b)`` of groups (tensors, items; ``first``: ``int64[G + 1]`` each group's
+    first row) of about ``_CHUNK`` rows each, a group of more rows alone: what keeps the
+    temporaries of work done group by group the size of a chunk. Rows ``first[a]:first[b]``."""
+    n = len(first) - 1
+    total = int(first[-1]) if n > 0 else 0
+    cuts = np.unique(np.searchsorted(first, np.arange(_CHUNK, total, _CHUNK), side="right") - 1)
+    edges = [0, *(c for c in cuts.tolist() if 0 < c < n), max(n, 0)]
     return [(a, b) for a, b in zip(edges, edges[1:]) if a < b]
 
 
@@ -369,9 +371,7 @@ def _least_loaded(start: np.ndarray, count: np.ndarray, rank: np.ndarray, size: 
     prefix = np.concatenate([[0], np.cumsum(size[fixed][order])])
     cm = count[multi]
     extra = [0] * world
-    first = np.concatenate([[0], np.cumsum(cm)])
-    for lo, hi in _box_chunks(first):  # items of about _CHUNK candidates at a time: bounded temporaries
-        i0, i1 = np.searchsorted(first, [lo, hi]).tolist()
+    for i0, i1 in _chunks(np.concatenate([[0], np.cumsum(cm)])):  # items of about _CHUNK candidates at a time
         items, c_m = multi[i0:i1], cm[i0:i1]
         _, k = expand_runs(start[items], c_m)  # every candidate of every item with a choice
         cand_rank = rank[k]
@@ -429,7 +429,9 @@ def _held_bytes(boxes: _Boxes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     (holder rows are sorted by tensor), so the sort's temporaries stay the size of a chunk."""
     t_h = boxes.tensor[boxes.h_box]  # ascending
     out = []
-    for lo, hi in _box_chunks(np.searchsorted(boxes.h_box, boxes.first)):  # each tensor's first holder row
+    h_first = np.searchsorted(boxes.h_box, boxes.first)  # each tensor's first holder row
+    for a, b in _chunks(h_first):
+        lo, hi = int(h_first[a]), int(h_first[b])
         t, r = t_h[lo:hi], boxes.h_rank[lo:hi]
         order, start = group_rows(t, r)  # (tensor, rank) pairs
         starts = np.flatnonzero(start)
@@ -547,18 +549,13 @@ def _make_pieces(boxes: _Boxes, chosen: np.ndarray, segs: _SegTable, writer: lis
     staged bytes per rank, ops, batches): the whole job's either way."""
     wr = np.asarray(writer, np.int64)
     count = np.diff(boxes.first)[t_order]
-    ends = np.cumsum(count)
     max_piece = max(1, staging_bytes // 4)
     pack = _Packer(world, staging_bytes, max_ops)
     sent, recv = np.zeros(world, np.int64), np.zeros(world, np.int64)
     moved: list[tuple] = []  # kept transfers of each chunk, in order
     written: list[tuple] = []  # kept local writes of each chunk, in order
-    lo = 0
-    while lo < len(t_order):
-        base = int(ends[lo - 1]) if lo else 0
-        hi = max(lo + 1, int(np.searchsorted(ends, base + _CHUNK, side="right")))
+    for lo, hi in _chunks(np.concatenate([[0], np.cumsum(count)])):
         _, g = expand_runs(boxes.first[t_order[lo:hi]], count[lo:hi])
-        lo = hi
         g, off, ln = _split(boxes, g, itemsize, ndim, max_piece)
         t = boxes.tensor[g]
         seg = chosen[g]
@@ -642,13 +639,6 @@ class _Packer:
         self.k = k
         self.num_ops += len(src)
         return out
-
-
-def _pack(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, budget: int, max_ops: int) -> np.ndarray:
-    """``int64[X]``: the batch of each transfer, in order (:class:`_Packer` over all of them)."""
-    if not len(src):
-        return np.zeros(0, np.int64)
-    return _Packer(int(max(src.max(), dst.max())) + 1, budget, max_ops)(src, dst, nbytes)
 
 
 def _plan_save(outs, world, max_shard_bytes, staging_bytes, max_ops, rank) -> SavePlan:
