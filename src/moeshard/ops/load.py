@@ -291,9 +291,9 @@ def load(
         read_threads: threads reading this rank's own pieces straight into place, in parallel
             and overlapped with the transfers (:class:`~moeshard.io.readpool.ReadPool`; CUDA
             destinations through pinned buffers and side-stream copies). Default: the
-            ``MOESHARD_READ_THREADS`` environment variable, else for a model on the CPU this
-            host's cores per local rank, at most 8, and 1 on an accelerator (opt in there: that
-            path is not yet measured on a GPU); 1 reads serially on the calling thread.
+            ``MOESHARD_READ_THREADS`` environment variable, else this host's cores per local
+            rank, at most 8 for a model on the CPU and at most 4 on an accelerator (the fastest
+            measured on a GPU host); 1 reads serially on the calling thread.
         direct_io: read with ``O_DIRECT``, bypassing the page cache (cold storage read once,
             a checkpoint larger than host memory; Linux; see
             :class:`~moeshard.io.checkpoint.CheckpointReader`).
