@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import _dist
 from .describe import local_tensor
 
 __all__ = ["EPLayer", "SlotLora", "experts_kind", "install_ep_forward", "set_placement", "slot_params",
@@ -270,14 +271,16 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x, recv, send, group):
         ctx.splits, ctx.group = (recv, send), group
         out = x.new_empty((sum(recv), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        with _dist.collective("moeshard EP forward: exchanging tokens (all-to-all)"):
+            dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         recv, send = ctx.splits
         out = grad.new_empty((sum(send), *grad.shape[1:]))
-        dist.all_to_all_single(out, grad.contiguous(), send, recv, group=ctx.group)
+        with _dist.collective("moeshard EP backward: exchanging gradients (all-to-all)"):
+            dist.all_to_all_single(out, grad.contiguous(), send, recv, group=ctx.group)
         return out, None, None, None
 
 
@@ -389,10 +392,11 @@ def _exchange(self, source: torch.Tensor, rows: torch.Tensor, experts: torch.Ten
         sorted_slots = slots[order]
         send_counts = torch.bincount(sorted_slots // spr, minlength=n)
         recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=group)
-        send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
-        recv_slots = sorted_slots.new_empty(sum(recv_splits))
-        dist.all_to_all_single(recv_slots, sorted_slots % spr, recv_splits, send_splits, group=group)
+        with _dist.collective("moeshard EP forward: exchanging routing counts (all-to-all)"):
+            dist.all_to_all_single(recv_counts, send_counts, group=group)
+            send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
+            recv_slots = sorted_slots.new_empty(sum(recv_splits))
+            dist.all_to_all_single(recv_slots, sorted_slots % spr, recv_splits, send_splits, group=group)
     x = _AllToAll.apply(source[rows[order]], recv_splits, send_splits, group)
     y = _local_experts(self, x, recv_slots, ep)
     return _AllToAll.apply(y, send_splits, recv_splits, group), order
