@@ -31,6 +31,7 @@ from ..io.readpool import default_read_threads
 from ..io.sources import Storage, reader_root, resolve_sources, sources_share
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
 from ..models.describe import ParamDesc, describe_model, local_tensor
+from ..models.ep import resolve_placement
 from ..models.layout import need_table
 from ..models.unused import ignored_patterns, unused_keys
 from ..placement import Placement
@@ -270,7 +271,9 @@ def load(
             or plain tensors (held in full by every rank); may be on the meta device.
             Expert parameters have global shape ``[num_physical, *slice_shape]``.
         checkpoint: HF safetensors directory (with index) or a ``.safetensors`` file.
-        placement: which logical expert each physical slot holds (None: slot p = expert p).
+        placement: which logical expert each physical slot holds. None: the one the model's EP
+            forward routes by (:func:`moeshard.models.ep.model_placement`), slot p = expert p
+            for a model without it; a placement other than the model's is refused.
         storage: "shared", "node", "single" or "auto" (detect which ranks see the files).
         topology: ranks per node (default: torchrun's environment).
         staging_bytes: per-rank budget for pieces in flight.
@@ -314,6 +317,7 @@ def load(
     phases = Phases(t0)
     hwm_reset = _reset_peak_rss()
     rss0 = psutil.Process().memory_info().rss
+    placement = resolve_placement(model, placement, "moeshard.load")
     topo = topology or Topology.of_group(group)
     rank = _dist.rank_and_world()[0]
     if topo.world_size != _dist.rank_and_world()[1]:

@@ -29,7 +29,7 @@ from ..io.checkpoint import CheckpointIndex, CheckpointReader
 from ..io.sources import Storage, reader_root, resolve_sources
 from ..models.adapters import DEFAULT_SPECS, ExpertParam, ExpertsSpec, read_expert_box
 from ..models.describe import ExpertRef, ParamDesc, describe_model, expert_layers, local_tensor
-from ..models.ep import set_placement
+from ..models.ep import resolve_placement, set_placement
 from ..models.layout import expert_part_sizes
 from ..models.shards import local_boxes
 from ..placement import Placement
@@ -384,6 +384,10 @@ def relocate(
     rank, world = _dist.rank_and_world()
     if optimizer is not None and not isinstance(target, nn.Module):
         raise ValueError("optimizer= needs a model (plain expert tensors have no optimizer to look up)")
+    if isinstance(target, nn.Module) and old is not None:
+        # The experts are where the model routes tokens: an ``old`` that says otherwise would
+        # move the wrong slots.
+        old = resolve_placement(target, old, "moeshard.relocate (old)")
     topo = (topology or Topology.of_group(group)).with_rank(rank)
     if topo.world_size != world:
         raise ValueError(f"topology has world_size {topo.world_size}, the process group has {world}")

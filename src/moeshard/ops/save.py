@@ -48,6 +48,7 @@ from ..io.checkpoint import DTYPES, INDEX_NAME, CheckpointIndex, _read_header, p
 from ..io.sources import resolve_sources
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
 from ..models.describe import ParamDesc, describe_model, expert_layers, local_tensor, persistent_buffers, tensor_names
+from ..models.ep import resolve_placement
 from ..models.hf_names import hf_names
 from ..placement import Placement
 from ..plan import DEFAULT_STAGING_BYTES
@@ -177,7 +178,9 @@ def save(
             DTensors ``[num_physical, *slice]``; other parameters FSDP2-sharded), or plain
             tensors held in full by every rank.
         out_dir: a directory every rank sees (a shared filesystem); created if missing.
-        placement: the placement the model was parallelized with (None: slot p = expert p).
+        placement: the placement the model was parallelized with or last relocated to. None: the
+            one its EP forward routes by (:func:`moeshard.models.ep.model_placement`), slot
+            p = expert p for a model without it; a placement other than the model's is refused.
             Every logical expert must have a slot; with redundant experts one copy is written.
         reference: a checkpoint (directory or index) whose names and expert part sizes to
             mirror; without it, names are the model family's and fused experts split into
@@ -203,6 +206,7 @@ def save(
         PeerLostError: on the ranks that saw a peer die or the network fail; each removes the
             files it wrote, the index is not published.
     """
+    placement = resolve_placement(model, placement, "moeshard.save")
     with _dist.errors_as(SaveError):
         return _save(model, out_dir, placement, specs, reference, max_shard_bytes, overwrite, staging_bytes,
                      topology or Topology.of_group(group), fsync, progress)
