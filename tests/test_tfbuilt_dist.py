@@ -4,7 +4,8 @@ distributed_config=DistributedConfig(fsdp_size=4, ep_size=E))``, EP=4 and EP=2 x
 
 Compared with one process (``from_pretrained(path)``): the logits before the relocation; after
 relocating to a shuffled placement the logits and every gradient (an expert's at its new slot)
-equal those before, when transformers' own forward ran; ``verify`` passes; ``save`` under the
+equal those before, when transformers' own forward ran, and ``moeshard.grad_norm`` is the norm of
+the whole gradients; ``verify`` passes; ``save`` under the
 identity placement and after the relocation, read back by ``from_pretrained`` in one process,
 equals the original tensors exactly. Refused on every rank, with nothing moved: a redundant
 placement, an old placement that is not the model's, and a custom expert-parallel experts module
@@ -70,10 +71,16 @@ def _full_grads(model) -> dict[str, torch.Tensor]:
 
 
 def _loss_grads(model, ids):
+    """Every gradient of the rank's loss, whole, and moeshard.grad_norm's global norm beside the
+    norm of those whole gradients (they must agree)."""
+    import moeshard
+
     model(input_ids=ids, labels=ids).loss.backward()
     grads = _full_grads(model)
+    norm = float(moeshard.grad_norm(model))
+    whole = float(torch.stack([g.pow(2).sum() for g in grads.values()]).sum().sqrt())
     model.zero_grad(set_to_none=True)
-    return grads
+    return grads, abs(norm - whole) / whole
 
 
 def _grad_diff(before: dict, after: dict, new) -> float:
@@ -123,7 +130,7 @@ def tf_worker(ckpt: str, out: str, ids_all: torch.Tensor) -> list:
         ident = moeshard.Placement.contiguous(NUM_LAYERS, NUM_EXPERTS, ep)
         with torch.no_grad():
             rec["logits"] = before = model(input_ids=ids).logits.clone()
-        grads_before = _loss_grads(model, ids)
+        grads_before, rec["norm_diff_before"] = _loss_grads(model, ids)
         moeshard.save(model, f"{out}/ident-ep{ep}", placement=ident)
 
         local = _local_experts(model)
@@ -142,7 +149,8 @@ def tf_worker(ckpt: str, out: str, ids_all: torch.Tensor) -> list:
         rec["verified"] = moeshard.verify(model, ckpt, placement=new).num_boxes_checked
         with torch.no_grad():
             rec["logits_diff"] = float((model(input_ids=ids).logits - before).abs().max() / before.abs().max())
-        rec["grad_diff"] = _grad_diff(grads_before, _loss_grads(model, ids), new)
+        grads_after, rec["norm_diff_after"] = _loss_grads(model, ids)
+        rec["grad_diff"] = _grad_diff(grads_before, grads_after, new)
         moeshard.save(model, f"{out}/moved-ep{ep}", placement=new)
         # Once more, from moeshard's own routing (the modules it took over).
         again = _shuffled(10 + ep, ep)
@@ -200,6 +208,8 @@ def test_transformers_built_model_relocates_and_saves(ckpt, tmp_path):
             assert rec["moves_here"], where
             assert rec["logits_diff"] < TOL, (where, rec["logits_diff"])
             assert rec["grad_diff"] < TOL, (where, rec["grad_diff"])
+            # moeshard.grad_norm counts every element once (transformers' expert FSDP shards dim 0).
+            assert rec["norm_diff_before"] < TOL and rec["norm_diff_after"] < TOL, where
             assert rec["again_diff"] < TOL, (where, rec["again_diff"])
             assert rec["verified"] > 0, where
             assert "DistributedError" in rec["redundant"] and "one slot per logical expert" in rec["redundant"], \
