@@ -63,8 +63,8 @@ from ..placement import Placement
 from .describe import local_tensor
 
 __all__ = ["EPLayer", "SlotLora", "experts_kind", "install_ep_forward", "model_placement", "resolve_placement",
-           "set_placement", "slot_params",
-           "sync_redundant_grads", "grad_norm", "clip_grad_norm_"]
+           "unsupported_forward", "set_placement", "slot_params", "sync_redundant_grads", "grad_norm",
+           "clip_grad_norm_"]
 
 ROUTED, PREROUTED = "routed", "prerouted"
 # Experts classes with the pre-routed forward (module doc), by class name: FSDP2 gives a module
@@ -185,7 +185,7 @@ def install_ep_forward(module: nn.Module, ep_layer: EPLayer, loras: tuple[SlotLo
     kind = experts_kind(module)
     if kind is None:
         if _from_transformers(module):
-            module.forward = types.MethodType(_unsupported_forward, module)
+            module.forward = types.MethodType(unsupported_forward, module)
         return False
     for name, p in module.named_parameters(recurse=False):
         rows, what = ((len(ep_layer.phy2log), "slots") if _per_slot(ep_layer, name)
@@ -206,7 +206,8 @@ def install_ep_forward(module: nn.Module, ep_layer: EPLayer, loras: tuple[SlotLo
     return True
 
 
-def _unsupported_forward(self, *args, **kwargs):
+def unsupported_forward(self, *args, **kwargs):
+    """The forward :func:`install_ep_forward` gives a transformers experts module it does not support."""
     raise NotImplementedError(
         f"{type(self).__module__}.{type(self).__name__}: moeshard's EP forward does not support this experts "
         "module (neither transformers' routed experts forward, @use_experts_implementation, nor a pre-routed "
@@ -584,8 +585,11 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
         device = g.device
         if id(p) in experts:
             ep, slots = experts[id(p)]
-            keep = torch.tensor(ep.first_copy(), device=g.device)
-            sq = slots(g)[keep].pow(2).sum()
+            first = ep.first_copy()
+            if first.all():  # no redundant copy here: every local element counts (also when FSDP
+                sq = g.pow(2).sum()  # shards the slots themselves, transformers' dim-0 expert FSDP)
+            else:
+                sq = slots(g)[torch.tensor(first, device=g.device)].pow(2).sum()
         elif hasattr(p.grad, "placements"):
             from torch.distributed.tensor import Replicate
 

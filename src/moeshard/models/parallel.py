@@ -68,7 +68,8 @@ def parallelize(
             that raises NotImplementedError naming its class. A custom experts module (not from
             transformers, not ``gate_up_proj`` / ``down_proj`` / ``act_fn`` HF-style) keeps its
             forward, as every module does with ``ep_forward=False``: it must do its own dispatch
-            over ``module.num_local_experts`` local slots.
+            over ``module.num_local_experts`` local slots (and :func:`moeshard.relocate` then
+            needs ``routing="caller"``: moeshard cannot re-point such a forward).
     Returns:
         the same model (call :func:`moeshard.load` next).
 

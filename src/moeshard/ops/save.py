@@ -50,6 +50,7 @@ from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
 from ..models.describe import ParamDesc, describe_model, expert_layers, local_tensor, persistent_buffers, tensor_names
 from ..models.ep import resolve_placement
 from ..models.hf_names import hf_names
+from ..models.routing import declared_experts
 from ..placement import Placement
 from ..plan import DEFAULT_STAGING_BYTES
 from ..plan.save import SavePlan, describe_outputs, plan_save
@@ -114,8 +115,8 @@ def plan_model_save(
     descs = describe_model(model, reference, specs)
     hints = {}
     for layer, (_, mod, _) in enumerate(expert_layers(model, specs)):
-        n = getattr(mod, "num_experts", None)
-        if isinstance(n, int):
+        n = declared_experts(mod)  # not num_experts as such: transformers' EP counts one rank's there
+        if n is not None:
             hints[layer] = n
     skip = frozenset(getattr(model, "_keys_to_ignore_on_save", None) or ())
     outs = describe_outputs(
