@@ -62,7 +62,7 @@ from .. import _dist
 from ..placement import Placement
 from .describe import local_tensor
 
-__all__ = ["EPLayer", "SlotLora", "experts_kind", "install_ep_forward", "model_placement", "resolve_placement",
+__all__ = ["EPLayer", "SlotLora", "experts_kind", "install_ep_forward", "model_placement",
            "unsupported_forward", "set_placement", "slot_params", "sync_redundant_grads", "grad_norm",
            "clip_grad_norm_"]
 
@@ -246,34 +246,6 @@ def model_placement(model: nn.Module) -> Placement | None:
     first = layers[0][1]
     return Placement(np.stack([ep.phy2log for _, ep in layers]), num_logical=len(first.logcnt),
                      num_ranks=first.ep_size)
-
-
-def resolve_placement(model: nn.Module, placement, what: str):
-    """The placement an operation on ``model`` must use: the model's own
-    (:func:`model_placement`) when ``placement`` is None, ``placement`` when the model has none.
-
-    Raises:
-        ValueError: ``placement`` differs from the one the model routes tokens by: loading,
-            verifying or saving by it would put or read experts in other slots than the
-            forward uses (``what`` names the operation).
-    """
-    own = model_placement(model)
-    if own is None or placement is None:
-        return own if placement is None else placement
-    if placement.phy2log.shape != own.phy2log.shape or not np.array_equal(placement.phy2log, own.phy2log):
-        layer = _first_difference(placement.phy2log, own.phy2log)
-        raise ValueError(
-            f"{what}: the placement given (phy2log {list(placement.phy2log.shape)}) differs from the one the "
-            f"model routes tokens by (phy2log {list(own.phy2log.shape)}{layer}): pass the placement the model "
-            "was parallelized with or last relocated to, or none (the model's own is used)")
-    return placement
-
-
-def _first_difference(a: np.ndarray, b: np.ndarray) -> str:
-    if a.shape != b.shape:
-        return ""
-    rows = np.flatnonzero((a != b).any(axis=1))
-    return f"; MoE layer {int(rows[0])} first differs" if len(rows) else ""
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:

@@ -35,9 +35,10 @@ from torch import nn
 
 from .adapters import DEFAULT_SPECS, ExpertsSpec
 from .describe import expert_layers
-from .ep import ROUTED, EPLayer, experts_kind, install_ep_forward, unsupported_forward
+from .ep import ROUTED, EPLayer, experts_kind, install_ep_forward, model_placement, unsupported_forward
 
-__all__ = ["ExpertsRouting", "ROUTING_MODES", "experts_routing", "check_routing", "take_over", "declared_experts"]
+__all__ = ["ExpertsRouting", "ROUTING_MODES", "experts_routing", "check_routing", "take_over", "declared_experts",
+           "resolve_placement"]
 
 ROUTING_MODES = ("auto", "caller")
 
@@ -207,3 +208,43 @@ def declared_experts(module: nn.Module) -> int | None:
         t = next((p for p in module._parameters.values() if p is not None and hasattr(p, "device_mesh")), None)
         return None if t is None else int(t.shape[0])
     return n
+
+
+def resolve_placement(model: nn.Module, placement, what: str, specs: Sequence[ExpertsSpec] = DEFAULT_SPECS):
+    """The placement an operation on ``model`` must use: the model's own
+    (:func:`moeshard.models.ep.model_placement`) when ``placement`` is None, ``placement`` when
+    nothing in the model routes by one. Local and pure (the same answer on every rank).
+
+    Raises:
+        ValueError: ``placement`` differs from the one the model routes tokens by (moeshard's EP
+            forward's, or for experts transformers made expert-parallel, logical expert e in
+            slot e): loading, verifying or saving by it would put or read experts in other slots
+            than the forward uses (``what`` names the operation).
+    """
+    own = model_placement(model)
+    if own is None:
+        if placement is not None:
+            theirs = [e for e in experts_routing(model, specs) if e.kind == "transformers"]
+            bad = [e.layer for e in theirs if not _row_is_identity(placement, e.layer)]
+            if bad:
+                raise ValueError(
+                    f"{what}: {theirs[0].name} is routed by transformers' EP forward (logical expert e in slot e); "
+                    f"the placement given puts other experts in its slots (MoE layer {bad[0]} first): pass none, "
+                    "or relocate the model first (moeshard.relocate gives it placement-aware routing)")
+        return placement
+    if placement is None:
+        return own
+    if placement.phy2log.shape != own.phy2log.shape or not np.array_equal(placement.phy2log, own.phy2log):
+        layer = _first_difference(placement.phy2log, own.phy2log)
+        raise ValueError(
+            f"{what}: the placement given (phy2log {list(placement.phy2log.shape)}) differs from the one the "
+            f"model routes tokens by (phy2log {list(own.phy2log.shape)}{layer}): pass the placement the model "
+            "was parallelized with or last relocated to, or none (the model's own is used)")
+    return placement
+
+
+def _first_difference(a: np.ndarray, b: np.ndarray) -> str:
+    if a.shape != b.shape:
+        return ""
+    rows = np.flatnonzero((a != b).any(axis=1))
+    return f"; MoE layer {int(rows[0])} first differs" if len(rows) else ""

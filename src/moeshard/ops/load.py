@@ -31,8 +31,8 @@ from ..io.readpool import default_read_threads
 from ..io.sources import Storage, reader_root, resolve_sources, sources_share
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
 from ..models.describe import ParamDesc, describe_model, local_tensor
-from ..models.ep import resolve_placement
 from ..models.layout import need_table
+from ..models.routing import resolve_placement
 from ..models.unused import ignored_patterns, unused_keys
 from ..placement import Placement
 from ..plan import DEFAULT_STAGING_BYTES, NeedTable, Schedule, minimal_cost, plan_transfers

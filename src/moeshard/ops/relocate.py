@@ -29,9 +29,9 @@ from ..io.checkpoint import CheckpointIndex, CheckpointReader
 from ..io.sources import Storage, reader_root, resolve_sources
 from ..models.adapters import DEFAULT_SPECS, ExpertParam, ExpertsSpec, read_expert_box
 from ..models.describe import ExpertRef, ParamDesc, describe_model, expert_layers, local_tensor
-from ..models.ep import resolve_placement, set_placement
+from ..models.ep import model_placement, set_placement
 from ..models.layout import expert_part_sizes
-from ..models.routing import ROUTING_MODES, check_routing, take_over
+from ..models.routing import ROUTING_MODES, check_routing, resolve_placement, take_over
 from ..models.shards import local_boxes
 from ..placement import Placement
 from ..plan.chunks import relocation_chunks
@@ -403,9 +403,9 @@ def relocate(
         raise ValueError("optimizer= needs a model (plain expert tensors have no optimizer to look up)")
     if routing not in ROUTING_MODES:
         raise ValueError(f"routing={routing!r}: expected one of {list(ROUTING_MODES)}")
-    if isinstance(target, nn.Module) and old is not None:
-        # The experts are where the model routes tokens: an ``old`` that says otherwise would
-        # move the wrong slots.
+    if isinstance(target, nn.Module) and old is not None and model_placement(target) is not None:
+        # The experts are where moeshard's forward routes tokens: an ``old`` that says otherwise
+        # would move the wrong slots (check_routing judges other forwards' ``old``).
         old = resolve_placement(target, old, "moeshard.relocate (old)")
     topo = (topology or Topology.of_group(group)).with_rank(rank)
     if topo.world_size != world:

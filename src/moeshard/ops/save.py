@@ -48,9 +48,8 @@ from ..io.checkpoint import DTYPES, INDEX_NAME, CheckpointIndex, _read_header, p
 from ..io.sources import resolve_sources
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
 from ..models.describe import ParamDesc, describe_model, expert_layers, local_tensor, persistent_buffers, tensor_names
-from ..models.ep import resolve_placement
 from ..models.hf_names import hf_names
-from ..models.routing import declared_experts
+from ..models.routing import declared_experts, resolve_placement
 from ..placement import Placement
 from ..plan import DEFAULT_STAGING_BYTES
 from ..plan.save import SavePlan, describe_outputs, plan_save

@@ -42,8 +42,8 @@ from ..io.fp8 import FP8_DTYPES, dequantize, scale_box, scale_of
 from ..io.sources import Storage, reader_root, resolve_sources
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
 from ..models.describe import local_tensor
-from ..models.ep import resolve_placement
 from ..models.layout import Need
+from ..models.routing import resolve_placement
 from ..placement import Placement
 from ..plan import DEFAULT_STAGING_BYTES, Schedule
 from ..plan.scales import scale_needs
