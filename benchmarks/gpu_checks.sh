@@ -4,7 +4,8 @@
 # package importable (an install, or PYTHONPATH=src):
 #
 #   benchmarks/gpu_checks.sh cuda  OUT_DIR   # CUDA tests: the reader pool's pinned buffers and
-#                                            # side streams, then bench_gpu at Qwen3-30B-A3B's
+#                                            # side streams, from_pretrained + bf16 mixed precision
+#                                            # on NCCL (gpu_pretrained_check.py), then bench_gpu at Qwen3-30B-A3B's
 #                                            # expert shape (~4.9 GiB): safetensors, transformers,
 #                                            # moeshard.load with 1, 4, 8 reader threads, O_DIRECT
 #   benchmarks/gpu_checks.sh cpu16 OUT_DIR   # multi-rank CPU figures on a quiet many-core host:
@@ -26,6 +27,8 @@ case "$what" in
     # A failing test must not cost the figures: note it, run bench_gpu, fail the part at the end.
     python3 -m pytest -q -p no:cacheprovider tests/test_readpool.py tests/test_load_local.py 2>&1 | tee "$out/tests.txt" \
       || { rc=$?; echo "[gpu_checks] tests failed (exit $rc)" | tee -a "$out/tests.txt"; }
+    python3 benchmarks/gpu_pretrained_check.py 2>&1 | tee "$out/pretrained.txt" \
+      || { rc=$?; echo "[gpu_checks] from_pretrained check failed (exit $rc)" | tee -a "$out/pretrained.txt"; }
     python3 -m benchmarks.bench_gpu --threads 1,4,8 --direct-io --repeat 3 --out "$out" --cache /tmp/moeshard-gpu-ckpt 2>&1 | tee "$out/bench_gpu.txt"
     ;;
   cpu16)

@@ -39,6 +39,20 @@ over the EP group; it is divided by the EP size here, and FSDP's reduce-scatter 
 divides by that axis' size (its default), so the product is the world size. (Not FSDP's
 ``set_gradient_divide_factor``: it needs a PREMUL_SUM reduction, which gloo lacks.)
 
+Mixed precision (``parallelize(..., mp_policy=MixedPrecisionPolicy(param_dtype=...))``, FSDP2's
+own policy): with expert FSDP (efsdp > 1) FSDP2 all-gathers the expert weights in ``param_dtype``
+as it does every other parameter. With efsdp == 1 the expert weights are FSDP's ignored
+parameters, which it never casts, so the EP forward casts the local weights (and LoRA factors)
+to ``param_dtype`` itself (:attr:`EPLayer.compute_dtype`), through autograd: the whole model
+computes in ``param_dtype`` as under FSDP2, and the gradient reaches the float32 parameter cast
+back to float32, where the 1/EP mean is applied (FSDP2 divides in ``reduce_dtype``, float32 in
+the usual policy). ``reduce_dtype`` has nothing to act on in that path: no weight gradient is
+communicated (each slot's gradient is computed where it lives, its sum over the EP ranks' tokens
+inside the weight-gradient matmul, in ``param_dtype`` as a one-rank FSDP2 module's is; the
+all-to-all carries activations and their gradients in ``param_dtype``, as FSDP2's activations
+are), and :func:`sync_redundant_grads` sums the copies' gradients in the parameters' dtype
+(float32: at least ``reduce_dtype``'s precision).
+
 Copies of a redundant expert see different tokens, so their gradients differ; call
 :func:`sync_redundant_grads` after backward (before clipping and the optimizer step) to give
 every copy the sum, the gradient a single copy would have had. :func:`clip_grad_norm_`
@@ -88,6 +102,9 @@ class EPLayer:
         param_names: the module's per-slot parameters (its spec's, EP-sharded ``[S, ...]``); its
             other parameters hold one row per logical expert, whole (``[E, ...]``: gpt-oss's
             biases, which the spec leaves to FSDP). Empty: every parameter is per slot.
+        compute_dtype: the mixed-precision policy's ``param_dtype`` (None: compute in the
+            parameters' own dtype). The forward casts the local expert weights to it, with
+            autograd (module doc, "Mixed precision").
     """
 
     layer: int
@@ -99,6 +116,7 @@ class EPLayer:
     ep_group: dist.ProcessGroup
     grad_scale: float
     param_names: tuple[str, ...] = ()
+    compute_dtype: torch.dtype | None = None
 
     @property
     def ep_size(self) -> int:
@@ -220,7 +238,10 @@ def set_placement(model: nn.Module, placement) -> int:
     """Point every EP experts module of ``model`` at ``placement`` (after its weights moved:
     :func:`moeshard.relocate` calls this), so tokens are routed to the slots that now hold
     their experts. Local, no communication; every rank must do it with the same placement.
-    Returns the number of layers updated."""
+    Returns the number of layers updated. Also updates ``model.moeshard_placement`` (set by
+    :func:`moeshard.parallelize`), so that it names where the experts are now."""
+    if hasattr(model, "moeshard_placement"):
+        model.moeshard_placement = placement
     layers = ep_layers(model)
     if not layers:  # custom experts modules route tokens themselves
         return 0
@@ -445,12 +466,21 @@ def _local_params(self, ep: EPLayer, device: torch.device) -> dict[str, torch.Te
         if p is None:
             continue
         if _per_slot(ep, name):
-            out[name] = _with_lora(self, name, _local_weight(p, ep.grad_scale), ep)
+            # Scale first, then cast: the cast's backward brings the gradient to the parameter's
+            # dtype, and the 1/EP mean is taken there (module doc, "Mixed precision").
+            out[name] = _with_lora(self, name, _compute(_local_weight(p, ep.grad_scale), ep), ep)
         else:
-            whole = _local_weight(p, 1.0)  # not local_tensor: that detaches
+            whole = _compute(_local_weight(p, 1.0), ep)  # not local_tensor: that detaches
             assert whole.shape[0] == len(ep.logcnt), (name, tuple(whole.shape))  # unsharded by FSDP here
             out[name] = whole[_route_tables(self, ep, device)[2].to(whole.device)]
     return out
+
+
+def _compute(w: torch.Tensor, ep: EPLayer) -> torch.Tensor:
+    """``w`` in the mixed-precision compute dtype (a differentiable cast; ``w`` itself when it is
+    already in it, as FSDP2's all-gathered expert weights are with efsdp > 1)."""
+    dtype = ep.compute_dtype
+    return w if dtype is None or not w.is_floating_point() else w.to(dtype)
 
 
 def _prerouted_local(self, forward, weights: dict[str, torch.Tensor], x: torch.Tensor, local_slots: torch.Tensor,
