@@ -13,6 +13,8 @@ Trainer setup in one process on ``from_pretrained`` with the whole batch:
 * the step-2 checkpoint resumed by a fresh Trainer under the same placement and under another
   one (weights and AdamW state relocated): steps 3-4 equal to the uninterrupted run's (1e-6
   relative; a resume on wrong experts or a fresh optimizer is off by 1e-4 or more);
+* TRL's SFTTrainer with the mixin (``moeshard_trainer(SFTTrainer)``), 3 steps, EP=4 shuffled:
+  losses, gradient norms and the saved model as above;
 * that checkpoint resumed on another mesh (EP=2 x efsdp=2): refused on every rank, naming the
   parameter and the mesh.
 
@@ -53,6 +55,22 @@ def _write_tiny(path: str) -> None:
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(path, max_shard_size="20KB")
+    if _has_trl():  # SFTTrainer loads the model's tokenizer: a word-level one over the 64 ids
+        from tokenizers import Tokenizer, models, pre_tokenizers
+
+        tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(64)}, unk_token="t0"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", pad_token="t1",
+                                             eos_token="t2").save_pretrained(path)
+
+
+def _has_trl() -> bool:
+    try:
+        import datasets  # noqa: F401
+        import trl  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 class _Data(torch.utils.data.Dataset):
@@ -68,13 +86,15 @@ class _Data(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def _args(out: str, distributed: bool, **kw):
-    # What `accelerate launch` with an FSDP2 config gives (fsdp_version 2; gloo on CPU).
-    fsdp = dict(fsdp=True, fsdp_config={"fsdp_version": 2, "auto_wrap_policy": "NO_WRAP"}, use_cpu=True, ddp_backend="gloo") if distributed else {}
-    return transformers.TrainingArguments(
-        output_dir=out, max_steps=STEPS, per_device_train_batch_size=1 if distributed else WORLD, learning_rate=LR,
-        max_grad_norm=1.0, logging_steps=1, save_strategy="steps", save_steps=2, report_to=[], seed=0,
-        train_sampling_strategy="sequential", dataloader_num_workers=0, disable_tqdm=True, **fsdp, **kw)
+def _args(out: str, distributed: bool, cls=None, steps: int = STEPS, **kw):
+    # What `accelerate launch` with an FSDP2 config gives (fsdp_version 2, no auto wrap; gloo on CPU).
+    fsdp = dict(fsdp=True, fsdp_config={"fsdp_version": 2, "auto_wrap_policy": "NO_WRAP"}, use_cpu=True,
+                ddp_backend="gloo") if distributed else {}
+    base = dict(output_dir=out, max_steps=steps, per_device_train_batch_size=1 if distributed else WORLD,
+                learning_rate=LR, max_grad_norm=1.0, logging_steps=1, save_strategy="steps", save_steps=2,
+                report_to=[], seed=0, train_sampling_strategy="sequential", dataloader_num_workers=0,
+                disable_tqdm=True)
+    return (cls or transformers.TrainingArguments)(**{**base, **fsdp, **kw})
 
 
 def _log(trainer) -> list[tuple[int, float, float]]:
@@ -152,13 +172,44 @@ def trainer_worker(ckpt: str, root: str) -> dict:
     t = run("ep2x2", model_for(2, 2, _shuffled(2, 4)))
     out["ep2x2"] = _log(t)
     t.save_model(os.path.join(root, "ep2x2-final"))
+    if _has_trl():
+        t = _sft(model_for(4, 1, _shuffled(4, 5)), ckpt, os.path.join(root, "sft"), True)
+        out["sft"] = _log(t)
+        t.save_model(os.path.join(root, "sft-final"))
     return out
 
 
-def _reference(ckpt: str, out: str):
-    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
-    trainer = transformers.Trainer(model=model, args=_args(out, False), train_dataset=_Data())
+SFT_STEPS = 3
+
+
+def _sft(model, ckpt: str, out: str, distributed: bool):
+    """TRL's SFTTrainer as a user runs it (its defaults: gradient checkpointing on) on
+    pre-tokenized sequences. Two defaults off: bf16 (mixed precision is not this test's), and
+    the MoE load-balancing loss (TRL adds it for MoE models): it is a per-micro-batch statistic
+    (each expert's token fraction times its mean router probability), so any data-parallel run,
+    DDP's too, computes it per rank and differs from one process on the whole batch (3.5e-5
+    relative here)."""
+    import datasets
+    import trl
+
+    from moeshard.integrations.transformers import moeshard_trainer
+
+    cls = moeshard_trainer(trl.SFTTrainer) if distributed else trl.SFTTrainer
+    data = datasets.Dataset.from_dict({"input_ids": _Data().ids.tolist()})
+    trainer = cls(model=model, args=_args(out, distributed, trl.SFTConfig, SFT_STEPS, bf16=False, save_strategy="no",
+                                             router_aux_loss_coef=0.0),
+                  train_dataset=data, processing_class=transformers.AutoTokenizer.from_pretrained(ckpt))
     trainer.train()
+    return trainer
+
+
+def _reference(ckpt: str, out: str, sft: bool = False):
+    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    if sft:
+        trainer = _sft(model, ckpt, out, False)
+    else:
+        trainer = transformers.Trainer(model=model, args=_args(out, False), train_dataset=_Data())
+        trainer.train()
     return _log(trainer), {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -167,9 +218,11 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("trainer")
     ckpt = str(root / "tiny")
     _write_tiny(ckpt)
-    ref_log, ref_params = _reference(ckpt, str(root / "reference"))
+    refs = {"trainer": _reference(ckpt, str(root / "reference"))}
+    if _has_trl():
+        refs["sft"] = _reference(ckpt, str(root / "reference-sft"), sft=True)
     results = run_ranks(trainer_worker, ckpt, str(root), world=WORLD, timeout=280)
-    return root, ref_log, ref_params, results
+    return root, refs, results
 
 
 def _check_log(got, want, steps):
@@ -181,13 +234,16 @@ def _check_log(got, want, steps):
     np.testing.assert_allclose([norm for _, _, norm in got], [want[s][1] for s in steps], rtol=RTOL, atol=0)
 
 
-@pytest.mark.parametrize("name", ["ep4", "ep2x2"])
+@pytest.mark.parametrize("name", ["ep4", "ep2x2", "sft"])
 def test_losses_grad_norms_and_saved_model_match_one_process(runs, name):
-    root, ref_log, ref_params, results = runs
+    root, refs, results = runs
+    if name == "sft" and "sft" not in refs:
+        pytest.skip("trl / datasets not installed")
+    ref_log, ref_params = refs["sft" if name == "sft" else "trainer"]
     assert ref_log[-1][1] < ref_log[0][1], "the reference must actually train"
     assert max(n for _, _, n in ref_log) > 1.0, "clipping must be active (max_grad_norm=1.0)"
     for rank_results in results:
-        _check_log(rank_results[name], ref_log, list(range(1, STEPS + 1)))
+        _check_log(rank_results[name], ref_log, list(range(1, len(ref_log) + 1)))
     saved = transformers.AutoModelForCausalLM.from_pretrained(str(root / f"{name}-final"), dtype=torch.float32)
     got = dict(saved.named_parameters())
     assert got.keys() == ref_params.keys()
@@ -198,16 +254,16 @@ def test_losses_grad_norms_and_saved_model_match_one_process(runs, name):
 
 @pytest.mark.parametrize("name", ["ep4-resume-same", "ep4-resume-other"])
 def test_resume_continues_exactly(runs, name):
-    root, ref_log, _, results = runs
+    root, refs, results = runs
     for rank_results in results:
-        _check_log(rank_results[name], ref_log, [3, 4])
+        _check_log(rank_results[name], refs["trainer"][0], [3, 4])
         _check_log(rank_results[name], rank_results["ep4"], [3, 4])
     ckpt = root / "ep4" / "checkpoint-2"
     assert sorted(os.listdir(ckpt / "moeshard_optimizer")) == [f"rank-{r:05d}-of-{WORLD:05d}.pt" for r in range(WORLD)]
 
 
 def test_resume_on_another_mesh_is_refused_on_every_rank(runs):
-    _, _, _, results = runs
+    _, _, results = runs
     for rank_results in results:
         msg = rank_results["refused"]
         assert msg is not None, "resuming EP=4 optimizer state on EP=2 x efsdp=2 must raise"
