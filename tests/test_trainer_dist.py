@@ -13,6 +13,9 @@ Trainer setup in one process on ``from_pretrained`` with the whole batch:
 * the step-2 checkpoint resumed by a fresh Trainer under the same placement and under another
   one (weights and AdamW state relocated): steps 3-4 equal to the uninterrupted run's (1e-6
   relative; a resume on wrong experts or a fresh optimizer is off by 1e-4 or more);
+* :class:`~moeshard.integrations.transformers.MoeshardRebalanceCallback` rebalancing after
+  every step from the router's counts (experts and their AdamW state relocated): losses,
+  gradient norms and the saved model (under the last placement) as above;
 * TRL's SFTTrainer with the mixin (``moeshard_trainer(SFTTrainer)``), 3 steps, EP=4 shuffled:
   losses, gradient norms and the saved model as above;
 * that checkpoint resumed on another mesh (EP=2 x efsdp=2): refused on every rank, naming the
@@ -131,7 +134,12 @@ def _shuffled(ep: int, seed: int):
 
 def trainer_worker(ckpt: str, root: str) -> dict:
     import moeshard
-    from moeshard.integrations.transformers import MoeshardTrainerMixin, ResumeError, moeshard_trainer
+    from moeshard.integrations.transformers import (
+        MoeshardRebalanceCallback,
+        MoeshardTrainerMixin,
+        ResumeError,
+        moeshard_trainer,
+    )
 
     _accelerate_fsdp_on_cpu()
     meshes, out = {}, {}
@@ -148,8 +156,9 @@ def trainer_worker(ckpt: str, root: str) -> dict:
         moeshard.load(model, ckpt)
         return model
 
-    def run(name, model, resume=None, cls=MoeTrainer):
-        trainer = cls(model=model, args=_args(os.path.join(root, name), True), train_dataset=_Data())
+    def run(name, model, resume=None, cls=MoeTrainer, callbacks=None, **kw):
+        trainer = cls(model=model, args=_args(os.path.join(root, name), True, **kw), train_dataset=_Data(),
+                      callbacks=callbacks)
         trainer.train(resume_from_checkpoint=resume)
         return trainer
 
@@ -169,6 +178,13 @@ def trainer_worker(ckpt: str, root: str) -> dict:
         out["refused"] = None
     except ResumeError as e:
         out["refused"] = str(e)
+    # Rebalanced after every step from the router's counts (AdamW's state moving with its experts),
+    # then saved under the last placement.
+    cb = MoeshardRebalanceCallback(every_n_steps=1)
+    t = run("ep4-rebalanced", model_for(4, 1, p1), callbacks=[cb], save_strategy="no")
+    out["ep4-rebalanced"], out["rebalanced_moves"] = _log(t), cb.history
+    out["rebalanced_placement"] = moeshard.models.ep.model_placement(t.model).phy2log.tolist()
+    t.save_model(os.path.join(root, "ep4-rebalanced-final"))
     t = run("ep2x2", model_for(2, 2, _shuffled(2, 4)))
     out["ep2x2"] = _log(t)
     t.save_model(os.path.join(root, "ep2x2-final"))
@@ -234,12 +250,16 @@ def _check_log(got, want, steps):
     np.testing.assert_allclose([norm for _, _, norm in got], [want[s][1] for s in steps], rtol=RTOL, atol=0)
 
 
-@pytest.mark.parametrize("name", ["ep4", "ep2x2", "sft"])
+@pytest.mark.parametrize("name", ["ep4", "ep2x2", "ep4-rebalanced", "sft"])
 def test_losses_grad_norms_and_saved_model_match_one_process(runs, name):
     root, refs, results = runs
     if name == "sft" and "sft" not in refs:
         pytest.skip("trl / datasets not installed")
     ref_log, ref_params = refs["sft" if name == "sft" else "trainer"]
+    if name == "ep4-rebalanced":  # a rebalance after every step, and experts moved between ranks
+        assert all([s for s, _ in r["rebalanced_moves"]] == list(range(1, STEPS + 1)) for r in results)
+        assert any(moved for r in results for _, moved in r["rebalanced_moves"])
+        assert results[0]["rebalanced_placement"] != _shuffled(4, 1).phy2log.tolist()
     assert ref_log[-1][1] < ref_log[0][1], "the reference must actually train"
     assert max(n for _, _, n in ref_log) > 1.0, "clipping must be active (max_grad_norm=1.0)"
     for rank_results in results:

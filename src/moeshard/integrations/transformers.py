@@ -68,14 +68,15 @@ from torch import nn
 from .. import _dist
 from .._dist import DistributedError
 from ..io.placement_files import read_placement_file, write_placement
-from ..models.ep import ep_layers, model_placement
+from ..eplb import rebalance
+from ..models.ep import ROUTED, ep_layers, model_placement
 from ..ops.load import load
 from ..ops.relocate import relocate
 from ..ops.save import save
 from ..placement import Placement
 
-__all__ = ["MoeshardTrainerMixin", "moeshard_trainer", "ResumeError", "PLACEMENT_NAME", "OPTIMIZER_DIR",
-           "save_optimizer_state", "load_optimizer_state"]
+__all__ = ["MoeshardTrainerMixin", "moeshard_trainer", "MoeshardRebalanceCallback", "ResumeError", "PLACEMENT_NAME",
+           "OPTIMIZER_DIR", "save_optimizer_state", "load_optimizer_state"]
 
 PLACEMENT_NAME = "moeshard_placement.json"
 OPTIMIZER_DIR = "moeshard_optimizer"
@@ -414,3 +415,87 @@ def moeshard_trainer(base_cls: type) -> type:
         return base_cls
     return type(f"Moeshard{base_cls.__name__}", (MoeshardTrainerMixin, base_cls),
                 {"__module__": __name__, "__doc__": f"{base_cls.__name__} saving and resuming through moeshard."})
+
+
+try:  # the callback base class; the rest of this module needs no transformers import
+    from transformers import TrainerCallback as _CallbackBase
+except ImportError:  # pragma: no cover - transformers is this module's reason to exist
+    _CallbackBase = object
+
+
+class MoeshardRebalanceCallback(_CallbackBase):
+    """A Trainer callback that rebalances the experts every ``every_n_steps`` optimizer steps
+    from the router's counts: the tokens routed to each logical expert since the last rebalance
+    (counted on the experts modules' inputs in training mode, summed over every rank),
+    :func:`moeshard.eplb.rebalance` to a placement of the same slots (migration-aware by
+    default: few copies move), and :func:`moeshard.relocate` with the optimizer, whose state
+    moves with its experts, so training goes on as if nothing moved. Use with
+    :class:`MoeshardTrainerMixin`: checkpoints then record the placement the model routes by.
+
+    ``trainer = MyTrainer(..., callbacks=[MoeshardRebalanceCallback(every_n_steps=100)])``.
+    ``num_nodes`` / ``num_groups``: as :func:`moeshard.eplb.rebalance` (hierarchical policy).
+    ``history``: ``(global step, slots changed on this rank)`` of each rebalance.
+
+    Collective (every rank), at the end of a step whose number divides by ``every_n_steps``:
+    one all-reduce of the counts ``int64[num_moe_layers, num_logical]``, then the relocation.
+    """
+
+    def __init__(self, every_n_steps: int, *, num_nodes: int = 1, num_groups: int | None = None,
+                 migration_aware: bool = True):
+        if not isinstance(every_n_steps, int) or every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be a positive int, got {every_n_steps!r}")
+        self.every_n_steps = every_n_steps
+        self.num_nodes, self.num_groups, self.migration_aware = num_nodes, num_groups, migration_aware
+        self.history: list[tuple[int, int]] = []
+        self._counts: list[torch.Tensor | None] = []
+        self._hooked: nn.Module | None = None
+
+    def _hook(self, model: nn.Module) -> None:
+        """Count each experts module's ``top_k_index [T, K]`` (logical experts) per forward."""
+        if self._hooked is model:
+            return
+        layers = ep_layers(model)
+        if not layers:
+            raise ValueError("MoeshardRebalanceCallback: the model has no moeshard EP layers (parallelize it "
+                             "with moeshard's EP forward)")
+        self._counts = [None] * len(layers)
+        for i, (module, ep) in enumerate(layers):
+            if module.moeshard_kind != ROUTED:
+                raise ValueError(f"MoeshardRebalanceCallback: {type(module).__name__} takes pre-routed rows; "
+                                 "counting its tokens is not supported")
+
+            def count(mod, args, kwargs, i=i, num_logical=len(ep.logcnt)):
+                if not mod.training:
+                    return
+                idx = args[1] if len(args) > 1 else kwargs["top_k_index"]
+                with torch.no_grad():
+                    c = torch.bincount(idx.reshape(-1), minlength=num_logical)
+                    self._counts[i] = c if self._counts[i] is None else self._counts[i] + c
+
+            module.register_forward_pre_hook(count, with_kwargs=True)
+        self._hooked = model
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self._hook(model)
+
+    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if state.global_step % self.every_n_steps:
+            return
+        self._hook(model)
+        current = model_placement(model)
+        device = next((c.device for c in self._counts if c is not None), None) or _local(
+            next(model.parameters())).device
+        load_ = torch.stack([c if c is not None else torch.zeros(current.num_logical, dtype=torch.int64,
+                                                                 device=device) for c in self._counts])
+        if _dist.is_dist():
+            torch.distributed.all_reduce(load_)
+        self._counts = [None] * len(self._counts)
+        new = rebalance(load_.cpu().numpy().astype(np.float64), current, num_physical=current.num_physical,
+                        num_ranks=current.num_ranks, num_nodes=self.num_nodes, num_groups=self.num_groups,
+                        migration_aware=self.migration_aware)
+        spr = current.num_physical // current.num_ranks
+        ep_rank = ep_layers(model)[0][1].ep_rank
+        mine = slice(ep_rank * spr, (ep_rank + 1) * spr)
+        self.history.append((state.global_step, int((new.phy2log[:, mine] != current.phy2log[:, mine]).sum())))
+        if not np.array_equal(new.phy2log, current.phy2log):
+            relocate(model, current, new, optimizer=_inner_optimizer(optimizer) if optimizer is not None else None)
