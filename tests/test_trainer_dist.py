@@ -288,3 +288,41 @@ def test_resume_on_another_mesh_is_refused_on_every_rank(runs):
         msg = rank_results["refused"]
         assert msg is not None, "resuming EP=4 optimizer state on EP=2 x efsdp=2 must raise"
         assert "sharded otherwise" in msg and "mesh [4] -> [2, 2]" in msg and "save_only_model=True" in msg, msg
+
+
+# -- one process: the checks that need no job ------------------------------------------------
+
+
+def test_ignored_mixed_precision_flag_is_refused():
+    from types import SimpleNamespace
+
+    from moeshard.integrations.transformers import check_mixed_precision
+
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=r"bf16=True .*MixedPrecisionPolicy\(param_dtype=torch.bfloat16"):
+        check_mixed_precision(model, SimpleNamespace(bf16=True, fp16=False))
+    with pytest.raises(ValueError, match="fp16=True"):
+        check_mixed_precision(model, SimpleNamespace(bf16=False, fp16=True))
+    check_mixed_precision(model, SimpleNamespace(bf16=False, fp16=False))
+    check_mixed_precision(model.to(torch.bfloat16), SimpleNamespace(bf16=True, fp16=False))  # nothing to ignore
+
+
+def test_optimizer_state_of_another_world_size_or_the_trainers_own_is_refused(tmp_path):
+    from types import SimpleNamespace
+
+    from moeshard.integrations.transformers import MoeshardTrainerMixin, load_optimizer_state, moeshard_trainer
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    (tmp_path / "moeshard_optimizer").mkdir()
+    (tmp_path / "moeshard_optimizer" / "rank-00000-of-00004.pt").write_bytes(b"")
+    with pytest.raises(ValueError, match="saved by 4 ranks, this job has 1.*save_only_model=True"):
+        load_optimizer_state(model, opt, tmp_path)
+    stock = tmp_path / "stock"
+    stock.mkdir()
+    (stock / "optimizer.pt").write_bytes(b"")
+    trainer = SimpleNamespace(model=model, optimizer=opt, lr_scheduler=None)
+    with pytest.raises(ValueError, match="Trainer's own optimizer.pt"):
+        MoeshardTrainerMixin._load_optimizer_and_scheduler(trainer, str(stock))
+    assert moeshard_trainer(transformers.Trainer) is moeshard_trainer(transformers.Trainer)
+    assert moeshard_trainer(transformers.Trainer).__mro__[1:3] == (MoeshardTrainerMixin, transformers.Trainer)

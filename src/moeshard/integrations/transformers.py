@@ -76,7 +76,7 @@ from ..ops.save import save
 from ..placement import Placement
 
 __all__ = ["MoeshardTrainerMixin", "moeshard_trainer", "MoeshardRebalanceCallback", "ResumeError", "PLACEMENT_NAME",
-           "OPTIMIZER_DIR", "save_optimizer_state", "load_optimizer_state"]
+           "OPTIMIZER_DIR", "save_optimizer_state", "load_optimizer_state", "check_mixed_precision"]
 
 PLACEMENT_NAME = "moeshard_placement.json"
 OPTIMIZER_DIR = "moeshard_optimizer"
@@ -312,6 +312,36 @@ def load_optimizer_state(model: nn.Module, optimizer, checkpoint: str | os.PathL
         _dist.agree(lambda: _put_state(model, opt, got.payload, checkpoint), "moeshard: loading the optimizer state")
     relocate(model, got.saved, got.current, optimizer=opt)
     return "relocated"
+
+
+def check_mixed_precision(model: nn.Module, args) -> None:
+    """Local: refuse ``args.bf16`` / ``args.fp16`` (TRL's trainers default to ``bf16=True``) that
+    would be silently ignored. accelerate applies mixed precision to a model it shards with
+    ``fully_shard`` itself, and it passes a moeshard model (already FSDP2) through, so the flag
+    would leave training in the parameters' dtype. Accepted: parameters already in that dtype, or
+    a root FSDP2 module whose ``MixedPrecisionPolicy`` computes in it.
+
+    Raises:
+        ValueError: naming the flag, the parameters' dtype and what to do instead.
+    """
+    want = torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) else None
+    if want is None:
+        return
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if dtypes <= {want}:
+        return
+    # FSDP2 keeps a module's policy on its state; no public accessor (torch 2.6-2.13).
+    state = model._get_fsdp_state() if callable(getattr(model, "_get_fsdp_state", None)) else None
+    policy = getattr(state, "_mp_policy", None)
+    if getattr(policy, "param_dtype", None) == want:
+        return
+    flag = "bf16" if want == torch.bfloat16 else "fp16"
+    raise ValueError(
+        f"{flag}=True with a moeshard model whose parameters are {sorted(str(d) for d in dtypes)}: accelerate applies "
+        "mixed precision only inside the fully_shard it skips for a model that is already FSDP2, so training would "
+        f"run in {sorted(str(d) for d in dtypes)[0]} without a word. Give parallelize FSDP2's own policy "
+        f"(mp_policy=MixedPrecisionPolicy(param_dtype={want}, reduce_dtype=torch.float32)), load the model in "
+        f"{want}, or set {flag}=False")
 
 
 class MoeshardTrainerMixin:
