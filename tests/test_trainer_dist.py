@@ -11,7 +11,7 @@ Trainer setup in one process on ``from_pretrained`` with the whole batch:
 * ``trainer.save_model`` -> ``from_pretrained`` in one process: every parameter equal to the
   one-process trained model's (1e-6 absolute; a misplaced expert is off by ~0.1);
 * the step-2 checkpoint resumed by a fresh Trainer under the same placement and under another
-  one (weights and AdamW state relocated): steps 3-4 equal to the uninterrupted run's (1e-6
+  one (weights and AdamW state relocated; EP=4, and EP=2 x efsdp=2 under another placement): steps 3-4 equal to the uninterrupted run's (1e-6
   relative; a resume on wrong experts or a fresh optimizer is off by 1e-4 or more);
 * :class:`~moeshard.integrations.transformers.MoeshardRebalanceCallback` rebalancing after
   every step from the router's counts (experts and their AdamW state relocated): losses,
@@ -160,6 +160,7 @@ def trainer_worker(ckpt: str, root: str) -> dict:
         trainer = cls(model=model, args=_args(os.path.join(root, name), True, **kw), train_dataset=_Data(),
                       callbacks=callbacks)
         trainer.train(resume_from_checkpoint=resume)
+        out[f"{name}-mode"] = getattr(trainer, "moeshard_resumed", None)
         return trainer
 
     p1, p2 = _shuffled(4, 1), _shuffled(4, 2)
@@ -188,6 +189,9 @@ def trainer_worker(ckpt: str, root: str) -> dict:
     t = run("ep2x2", model_for(2, 2, _shuffled(2, 4)))
     out["ep2x2"] = _log(t)
     t.save_model(os.path.join(root, "ep2x2-final"))
+    # Expert FSDP: the optimizer state's local shards are [slots, dim1 / efsdp, ...] boxes.
+    out["ep2x2-resume-other"] = _log(run("ep2x2-resume-other", model_for(2, 2, _shuffled(2, 6)),
+                                         os.path.join(root, "ep2x2", "checkpoint-2")))
     if _has_trl():
         t = _sft(model_for(4, 1, _shuffled(4, 5)), ckpt, os.path.join(root, "sft"), True)
         out["sft"] = _log(t)
@@ -272,13 +276,15 @@ def test_losses_grad_norms_and_saved_model_match_one_process(runs, name):
     assert (root / f"{name}-final" / "moeshard_placement.json").is_file()
 
 
-@pytest.mark.parametrize("name", ["ep4-resume-same", "ep4-resume-other"])
+@pytest.mark.parametrize("name", ["ep4-resume-same", "ep4-resume-other", "ep2x2-resume-other"])
 def test_resume_continues_exactly(runs, name):
     root, refs, results = runs
+    run = name.split("-")[0]
     for rank_results in results:
+        assert rank_results[f"{name}-mode"] == ("same" if name.endswith("same") else "relocated")
         _check_log(rank_results[name], refs["trainer"][0], [3, 4])
-        _check_log(rank_results[name], rank_results["ep4"], [3, 4])
-    ckpt = root / "ep4" / "checkpoint-2"
+        _check_log(rank_results[name], rank_results[run], [3, 4])
+    ckpt = root / run / "checkpoint-2"
     assert sorted(os.listdir(ckpt / "moeshard_optimizer")) == [f"rank-{r:05d}-of-{WORLD:05d}.pt" for r in range(WORLD)]
 
 

@@ -426,7 +426,8 @@ class MoeshardTrainerMixin:
         with _dist.errors_as(ResumeError):
             if not _dist.agree(check, "moeshard: finding the optimizer state", fingerprint=str):
                 return
-        load_optimizer_state(self._moeshard_model(), self.optimizer, checkpoint)
+        # "same" or "relocated" (load_optimizer_state), for the user's logs and the tests.
+        self.moeshard_resumed = load_optimizer_state(self._moeshard_model(), self.optimizer, checkpoint)
         path = os.path.join(checkpoint, _SCHEDULER_NAME)
         if self.lr_scheduler is not None and os.path.isfile(path):
             with warnings.catch_warnings():
