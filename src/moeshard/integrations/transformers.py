@@ -236,12 +236,8 @@ def _put_state(model: nn.Module, opt: torch.optim.Optimizer, payload: dict, chec
 
     params = dict(model.named_parameters(remove_duplicate=False))
     groups = payload["param_groups"]
-    mine = [params_names(g, model) for g in opt.param_groups]
+    _check_groups(model, opt, payload, checkpoint)
     group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
-    if [g["params"] for g in groups] != mine:
-        raise ValueError(f"{checkpoint}: the optimizer's param groups ({[len(g) for g in mine]} parameters) are not "
-                         f"the saved ones ({[len(g['params']) for g in groups]}): build the optimizer as the saved "
-                         "run did")
     for g, was in zip(opt.param_groups, groups):
         g.update({k: v for k, v in was.items() if k != "params"})
     for name, st in payload["state"].items():
@@ -263,10 +259,14 @@ def _put_state(model: nn.Module, opt: torch.optim.Optimizer, payload: dict, chec
         opt.state[p] = out
 
 
-def params_names(group: dict, model: nn.Module) -> list[str]:
-    """The names (in ``model``) of a param group's parameters, in the group's order."""
+def _check_groups(model: nn.Module, opt: torch.optim.Optimizer, payload: dict, checkpoint: str) -> None:
+    """The optimizer's param groups hold the saved groups' parameters, by name, in order."""
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-    return [names.get(id(p), f"<not in the model: {tuple(p.shape)}>") for p in group["params"]]
+    mine = [[names.get(id(p), f"<not in the model: {tuple(p.shape)}>") for p in g["params"]] for g in opt.param_groups]
+    saved = [g["params"] for g in payload["param_groups"]]
+    if saved != mine:
+        raise ValueError(f"{checkpoint}: the optimizer's param groups ({[len(g) for g in mine]} parameters) are not "
+                         f"the saved ones ({[len(g) for g in saved]}): build the optimizer as the saved run did")
 
 
 def load_optimizer_state(model: nn.Module, optimizer, checkpoint: str | os.PathLike) -> str:
@@ -293,6 +293,7 @@ def load_optimizer_state(model: nn.Module, optimizer, checkpoint: str | os.PathL
             raise ValueError(f"{path}: written by rank {payload['rank']} of {payload['world_size']}, read by rank "
                              f"{rank} of {world}")
         _check_layout(payload, model, checkpoint)
+        _check_groups(model, opt, payload, checkpoint)  # before anything moves
         saved, current = _read_placement(checkpoint, model), model_placement(model)
         return _SavedOptimizer(payload, saved, current, _resume_mode(saved, current, checkpoint))
 
