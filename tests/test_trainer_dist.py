@@ -311,6 +311,14 @@ def test_ignored_mixed_precision_flag_is_refused():
         check_mixed_precision(model, SimpleNamespace(bf16=False, fp16=True))
     check_mixed_precision(model, SimpleNamespace(bf16=False, fp16=False))
     check_mixed_precision(model.to(torch.bfloat16), SimpleNamespace(bf16=True, fp16=False))  # nothing to ignore
+    # A policy parallelize applied (what it records on the model) computes in bf16: accepted; fp16: refused.
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    model = torch.nn.Linear(4, 4)
+    model.moeshard_mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    check_mixed_precision(model, SimpleNamespace(bf16=True, fp16=False))
+    with pytest.raises(ValueError, match="fp16=True"):
+        check_mixed_precision(model, SimpleNamespace(bf16=False, fp16=True))
 
 
 def test_optimizer_state_of_another_world_size_or_the_trainers_own_is_refused(tmp_path):

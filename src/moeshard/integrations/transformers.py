@@ -320,7 +320,7 @@ def check_mixed_precision(model: nn.Module, args) -> None:
     would be silently ignored. accelerate applies mixed precision to a model it shards with
     ``fully_shard`` itself, and it passes a moeshard model (already FSDP2) through, so the flag
     would leave training in the parameters' dtype. Accepted: parameters already in that dtype, or
-    a root FSDP2 module whose ``MixedPrecisionPolicy`` computes in it.
+    a model :func:`moeshard.parallelize` gave a ``MixedPrecisionPolicy`` that computes in it.
 
     Raises:
         ValueError: naming the flag, the parameters' dtype and what to do instead.
@@ -331,10 +331,8 @@ def check_mixed_precision(model: nn.Module, args) -> None:
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     if dtypes <= {want}:
         return
-    # FSDP2 keeps a module's policy on its state; no public accessor (torch 2.6-2.13).
-    state = model._get_fsdp_state() if callable(getattr(model, "_get_fsdp_state", None)) else None
-    policy = getattr(state, "_mp_policy", None)
-    if getattr(policy, "param_dtype", None) == want:
+    # The policy moeshard.parallelize gave every fully_shard (FSDP2 has no public accessor).
+    if getattr(getattr(model, "moeshard_mp_policy", None), "param_dtype", None) == want:
         return
     flag = "bf16" if want == torch.bfloat16 else "fp16"
     raise ValueError(

@@ -84,7 +84,8 @@ def parallelize(
             custom experts module that keeps its own forward (``ep_forward=False``, or not
             transformers' and not HF-style) must do that cast itself. None: no mixed precision.
     Returns:
-        the same model (call :func:`moeshard.load` next), with ``model.moeshard_placement`` =
+        the same model (call :func:`moeshard.load` next), with ``model.moeshard_mp_policy`` =
+        the policy and ``model.moeshard_placement`` =
         ``placement`` (kept current by :func:`moeshard.relocate`).
 
     Raises:
@@ -156,6 +157,7 @@ def parallelize(
     # Where each logical expert is, for callers that did not keep it (from_pretrained's users);
     # set_placement keeps it current when experts move.
     model.moeshard_placement = placement
+    model.moeshard_mp_policy = mp_policy  # what the Trainer integration checks bf16/fp16 against
     return model
 
 
