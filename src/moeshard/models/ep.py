@@ -59,6 +59,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .describe import local_tensor
+from .slot_guard import follow_placement
 
 __all__ = ["EPLayer", "SlotLora", "experts_kind", "install_ep_forward", "set_placement", "slot_params",
            "sync_redundant_grads", "grad_norm", "clip_grad_norm_"]
@@ -218,6 +219,7 @@ def set_placement(model: nn.Module, placement) -> int:
     their experts. Local, no communication; every rank must do it with the same placement.
     Returns the number of layers updated."""
     layers = ep_layers(model)
+    follow_placement(model, placement)  # the state-dict guards too (custom experts modules included)
     if not layers:  # custom experts modules route tokens themselves
         return 0
     placement.check_layers(len(layers))
