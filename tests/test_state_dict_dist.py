@@ -187,6 +187,11 @@ def worker(root: str, hf_ckpt: str) -> dict:
                 others = {k: v.detach().clone() for k, v in model.named_parameters() if k not in experts}
                 bumped_full = {k: v + 1 for k, v in full.items()}
                 rec = {"before": wrong(kind, model, pl)}
+                # Loads of other parameters only are not refused (first: they would restore
+                # what a refused load had copied before raising, and hide it).
+                rec["others_nonstrict"] = _try(lambda: model.load_state_dict(others, strict=False))
+                rec["dcp_set_others"] = _try(lambda: set_model_state_dict(model, others,
+                                                                         options=StateDictOptions(strict=False)))
                 attempts = {
                     "state_dict": model.state_dict,
                     "submodule_state_dict": lambda: model.get_submodule(next(iter(experts)).rsplit(".", 2)[0])
@@ -202,11 +207,11 @@ def worker(root: str, hf_ckpt: str) -> dict:
                 if kind == "hf":
                     attempts["save_pretrained"] = lambda: model.save_pretrained(os.path.join(root, f"sp{dist.get_rank()}"))
                 rec["model_paths"] = {k: _try(f) for k, f in attempts.items()}
-                rec["others_nonstrict"] = _try(lambda: model.load_state_dict(others, strict=False))
-                rec["dcp_set_others"] = _try(lambda: set_model_state_dict(model, others,
-                                                                         options=StateDictOptions(strict=False)))
                 with moeshard.allow_slot_order():
                     rec["allowed_keys"] = sorted(model.state_dict()) == sorted(want)
+                # The explicit, collective way: rank 0 gets the checkpoint's tensors, the others nothing.
+                gathered = moeshard.logical_state_dict(model)
+                rec["logical"] = _sd_mismatches(gathered, want) if dist.get_rank() == 0 else sorted(gathered)
                 opt = torch.optim.Adam(model.parameters(), lr=1e-3)
                 rec["empty_optim_state_dict"] = _try(opt.state_dict)  # no moments yet: nothing in slot order
                 _fake_grads(model)
@@ -249,6 +254,59 @@ def worker(root: str, hf_ckpt: str) -> dict:
             rec["back"] = _sd_mismatches(get_model_state_dict(model, options=full_opts), want)
             rec["back_optim"] = _try(opt.state_dict)
             out["relocate"][(kind, ep, efsdp)] = rec
+    out["lora"] = _lora_paths(meshes[(4, 1)])
+    return out
+
+
+def _lora_paths(mesh) -> dict:
+    """peft LoRA on the experts (no load needed: the hooks raise before any data is read).
+    lora_A ``[r*P, in]`` rows are whole slots: logical under the identity placement. lora_B
+    ``[out, r*P]``'s global columns are (EP rank, r, slot), never peft's (r, expert) with EP > 1."""
+    import peft
+    import transformers
+
+    import torch.distributed as dist
+
+    import moeshard
+
+    out = {}
+    for pname, pl in _placements(4, 8, NUM_MOE).items():
+        if pname == "redundant":
+            continue
+        with torch.device("meta"):
+            model = transformers.Qwen3MoeForCausalLM(_qwen_config())
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=2, lora_alpha=4, target_modules=["q_proj"],
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+        moeshard.parallelize(model, mesh, pl)
+        mods = dict(model.named_modules())
+        a = next(n for n in mods if "experts" in n and n.endswith("lora_A.default"))
+        b = a.replace("lora_A", "lora_B")
+        out[pname] = {"lora_A": _try(mods[a].state_dict),
+                      "lora_B": _try(mods[b].state_dict),
+                      "attention_lora": _try(mods[next(n for n in mods if "q_proj" in n and n.endswith("lora_A.default"))]
+                                             .state_dict),
+                      "model": _try(model.state_dict)}
+        # logical_state_dict's layouts: slot values encode (expert, LoRA rank index j).
+        moeshard.materialize(model)
+        experts = next(n for n, m in mods.items() if "gate_up_proj" in getattr(getattr(m, "moeshard_slot_guard", None),
+                                                                                "params", ()))
+        layer = mods[a].moeshard_slot_guard.layer
+        spr, r = pl.num_physical // 4, 2
+        slots = pl.phy2log[layer, dist.get_rank() * spr : (dist.get_rank() + 1) * spr]  # ep rank == rank here
+        code = torch.tensor([[10.0 * e + j for j in range(r)] for e in slots])  # [S, r]
+        with torch.no_grad():
+            mods[a].weight.to_local().copy_(code.reshape(-1, 1))  # rows (slot, j)
+            mods[b].weight.to_local().copy_(code.T.reshape(1, -1))  # columns (j, slot)
+            mods[experts].gate_up_proj.to_local().copy_(code[:, :1, None])
+        logical = moeshard.logical_state_dict(model, cpu_offload=False)
+        want = torch.tensor([[10.0 * e + j for j in range(r)] for e in range(8)])  # [E, r]
+        out[pname]["logical"] = [
+            torch.equal(logical[f"{a}.weight"], want.reshape(-1, 1).expand_as(logical[f"{a}.weight"])),
+            torch.equal(logical[f"{b}.weight"], want.T.reshape(1, -1).expand_as(logical[f"{b}.weight"])),
+            torch.equal(logical[f"{experts}.gate_up_proj"],
+                        want[:, :1, None].expand_as(logical[f"{experts}.gate_up_proj"])),
+        ]
     return out
 
 
@@ -280,10 +338,11 @@ def test_identity_placement_state_dicts_are_the_checkpoint(results, kind, ep, ef
         assert rec["fresh_load_step"] == "ok" and rec["after"] == []
 
 
-def _check_error(msg: str, pname: str, saver: str = "moeshard.save") -> None:
+def _check_error(msg: str, pname: str, saver: str = "moeshard.save",
+                 names=("experts.gate_up_proj", "experts.down_proj")) -> None:
     assert msg.startswith("ValueError: "), msg
     assert saver in msg, msg
-    assert ("gate_up_proj" in msg or "down_proj" in msg), msg
+    assert any(n in msg for n in names), msg
     assert f"placement is {pname}" in msg, msg
 
 
@@ -301,6 +360,7 @@ def test_other_placements_refuse_every_path(results, kind, ep, efsdp, pname):
         assert rec["others_nonstrict"] == "ok", "a load of other parameters only is not refused"
         assert rec["dcp_set_others"] == "ok"
         assert rec["allowed_keys"], "allow_slot_order lets the state dict through"
+        assert rec["logical"] == [], "logical_state_dict: the checkpoint's tensors on rank 0, nothing elsewhere"
         assert rec["empty_optim_state_dict"] == "ok", "no per-element state yet: nothing in slot order"
         # An optimizer loaded before any hook could see it refuses its first step (and the next).
         _check_error(rec["unchecked_first_step"], pname, "moeshard.allow_slot_order")
@@ -327,3 +387,16 @@ def test_relocation_moves_the_guard(results, kind, ep, efsdp):
         _check_error(rec["shuffled_dcp"], "shuffled")
         _check_error(rec["shuffled_optim"], "shuffled", "moeshard.allow_slot_order")
         assert rec["back"] == [] and rec["back_optim"] == "ok"
+
+
+def test_expert_lora_factors_refuse_unless_logical(results):
+    for r in results:
+        ident, shuffled = r["lora"]["identity"], r["lora"]["shuffled"]
+        assert ident["lora_A"] == "ok" and ident["attention_lora"] == "ok" and shuffled["attention_lora"] == "ok"
+        for msg in (ident["lora_B"], ident["model"]):
+            assert msg.startswith("ValueError: ") and "moeshard.lora.save_adapter" in msg, msg
+            assert "not peft's (r, experts) order" in msg, msg
+        assert ident["logical"] == [True] * 3 and shuffled["logical"] == [True] * 3
+        for msg in (shuffled["lora_A"], shuffled["lora_B"]):
+            _check_error(msg, "shuffled", "moeshard.lora.save_adapter", names=("lora_A.default", "lora_B.default"))
+            assert ".experts." in msg, msg

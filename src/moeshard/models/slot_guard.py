@@ -143,6 +143,8 @@ def allow_slot_order() -> Iterator[None]:
 
 
 def _error(guard: SlotGuard, key: str, problem: str, action: str) -> ValueError:
+    if guard.where and guard.where not in key:
+        key = f"{key} (of {guard.where})"  # a submodule's own state dict: name it in the model
     return ValueError(
         f"{key}: a moeshard expert parameter holds expert slots, not logical experts in order: {problem}. "
         f"{action} Use {guard.saver} (each logical expert once, in the checkpoint's order) and moeshard.load "
