@@ -12,7 +12,11 @@ transformers Qwen3-MoE written by ``save_pretrained``:
   ``load_state_dict()``, an unchecked optimizer load caught at the first step,
   ``save_pretrained``) raises ValueError on every rank naming the parameter, the placement and
   moeshard.save; none of them changes a weight (the model still equals the checkpoint after);
-* relocation identity -> shuffled turns the guard on, shuffled -> identity off again.
+  ``moeshard.logical_state_dict`` gives rank 0 the checkpoint's tensors bit for bit;
+* relocation identity -> shuffled turns the guard on, shuffled -> identity off again;
+* peft LoRA on the experts: lora_A passes under the identity placement, lora_B (columns per EP
+  rank) never with EP > 1, both naming moeshard.lora.save_adapter; logical_state_dict puts slot-
+  encoded factors and weights in peft's / the checkpoint's layout.
 """
 
 from __future__ import annotations
@@ -205,7 +209,8 @@ def worker(root: str, hf_ckpt: str) -> dict:
                     "dcp_set_full": lambda: set_model_state_dict(model, dict(bumped_full), options=full_opts),
                 }
                 if kind == "hf":
-                    attempts["save_pretrained"] = lambda: model.save_pretrained(os.path.join(root, f"sp{dist.get_rank()}"))
+                    where = os.path.join(root, f"sp{dist.get_rank()}")
+                    attempts["save_pretrained"] = lambda: model.save_pretrained(where)
                 rec["model_paths"] = {k: _try(f) for k, f in attempts.items()}
                 with moeshard.allow_slot_order():
                     rec["allowed_keys"] = sorted(model.state_dict()) == sorted(want)
@@ -282,10 +287,10 @@ def _lora_paths(mesh) -> dict:
         mods = dict(model.named_modules())
         a = next(n for n in mods if "experts" in n and n.endswith("lora_A.default"))
         b = a.replace("lora_A", "lora_B")
+        q = next(n for n in mods if "q_proj" in n and n.endswith("lora_A.default"))
         out[pname] = {"lora_A": _try(mods[a].state_dict),
                       "lora_B": _try(mods[b].state_dict),
-                      "attention_lora": _try(mods[next(n for n in mods if "q_proj" in n and n.endswith("lora_A.default"))]
-                                             .state_dict),
+                      "attention_lora": _try(mods[q].state_dict),
                       "model": _try(model.state_dict)}
         # logical_state_dict's layouts: slot values encode (expert, LoRA rank index j).
         moeshard.materialize(model)

@@ -26,21 +26,24 @@ How each path is reached (public torch hooks only):
   LoRA adapters). ``Module.state_dict`` / ``load_state_dict`` run them for any ancestor's call,
   and DCP's ``get_model_state_dict`` / ``set_model_state_dict`` call those (full and sharded).
   The parallelized model itself gets a ``load_state_dict`` pre-hook checking them all first, so
-  a refused load copies nothing (:func:`guard_model`). A
-  load raises when the incoming dict holds the parameter's key, whatever its value (a partial
-  ``strict=False`` load of other keys is fine). Even a value that *is* the parameter: DCP's
-  full-state load puts the parameter itself under every key, both for keys it was not given and,
-  with ``broadcast_from_rank0``, for keys whose rows it has just copied into it.
+  a refused load copies nothing (:func:`guard_model`). A load raises when the incoming dict holds
+  the parameter's key, whatever its value (a partial ``strict=False`` load of other keys is
+  fine), even a value that *is* the parameter: DCP's full-state load puts the parameter itself
+  under every key, both for keys it was not given and, with ``broadcast_from_rank0``, for keys
+  whose rows it has already copied into it (that copy precedes every hook: the load still
+  raises, but the experts must be reloaded).
 * optimizers: torch has no hook on an optimizer's creation, so a global step pre-hook
   (``torch.optim.optimizer.register_optimizer_step_pre_hook``) meets each optimizer at its first
   ``step()`` (DCP's ``get/set_optimizer_state_dict`` take one to initialize the state) and
   installs a ``state_dict`` pre-hook and a ``load_state_dict`` pre-hook on those holding slot
   parameters. State that is already there at that first step came from a ``load_state_dict``
   nobody checked: the step raises before it updates anything. :func:`guard_optimizer` installs
-  the hooks at once (a resume then fails at ``load_state_dict`` itself).
+  the hooks at once (a resume then fails at ``load_state_dict`` itself). Until its first step an
+  optimizer's own ``state_dict()`` is unchecked: it can only hold state loaded unchecked.
 
 Code that knowingly keeps slot order (it saves the placement beside the tensors and restores
 them under that placement, e.g. a Trainer integration) runs inside :func:`allow_slot_order`.
+:func:`moeshard.logical_state_dict` gathers the logical state dict explicitly (collective).
 """
 
 from __future__ import annotations
