@@ -70,6 +70,7 @@ from .._dist import DistributedError
 from ..io.placement_files import read_placement_file, write_placement
 from ..eplb import rebalance
 from ..models.ep import ROUTED, ep_layers, model_placement
+from ..models.slot_guard import guard_optimizer
 from ..ops.load import load
 from ..ops.relocate import relocate
 from ..ops.save import save
@@ -283,6 +284,9 @@ def load_optimizer_state(model: nn.Module, optimizer, checkpoint: str | os.PathL
     checkpoint = os.fspath(checkpoint)
     rank, world = _dist.rank_and_world()
     opt = _inner_optimizer(optimizer)
+    # The state goes in by name with the placement it was saved under (and is relocated with its
+    # experts where that differs): checked here, so the slot guard trusts it from now on.
+    guard_optimizer(opt)
 
     def read() -> _SavedOptimizer:
         path = _check_world(checkpoint, rank, world)
