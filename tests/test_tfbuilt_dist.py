@@ -147,6 +147,8 @@ def tf_worker(ckpt: str, out: str, ids_all: torch.Tensor) -> list:
         rec["moves_here"] = not np.array_equal(new.phy2log[:, mine], ident.phy2log[:, mine])
         moeshard.relocate(model, ident, new)
         rec["verified"] = moeshard.verify(model, ckpt, placement=new).num_boxes_checked
+        # The slots now hold a shuffled placement: torch's state dict would be slot order.
+        rec["state_dict"] = _error(model.state_dict)
         with torch.no_grad():
             rec["logits_diff"] = float((model(input_ids=ids).logits - before).abs().max() / before.abs().max())
         grads_after, rec["norm_diff_after"] = _loss_grads(model, ids)
@@ -212,6 +214,8 @@ def test_transformers_built_model_relocates_and_saves(ckpt, tmp_path):
             assert rec["norm_diff_before"] < TOL and rec["norm_diff_after"] < TOL, where
             assert rec["again_diff"] < TOL, (where, rec["again_diff"])
             assert rec["verified"] > 0, where
+            assert rec["state_dict"].startswith("ValueError") and "moeshard.save" in rec["state_dict"], \
+                (where, rec["state_dict"])
             assert "DistributedError" in rec["redundant"] and "one slot per logical expert" in rec["redundant"], \
                 (where, rec["redundant"])
             assert "DistributedError" in rec["not_old"] and "Placement.contiguous" in rec["not_old"], \

@@ -36,6 +36,7 @@ from torch import nn
 from .adapters import DEFAULT_SPECS, ExpertsSpec
 from .describe import expert_layers
 from .ep import ROUTED, EPLayer, experts_kind, install_ep_forward, model_placement, unsupported_forward
+from .slot_guard import PlacementRecord, SlotGuard, guard_slots
 
 __all__ = ["ExpertsRouting", "ROUTING_MODES", "experts_routing", "check_routing", "take_over", "declared_experts",
            "resolve_placement"]
@@ -182,6 +183,7 @@ def take_over(entries: Sequence[ExpertsRouting], placement) -> int:
     as transformers' own all-to-all does: training goes on with the gradients it had.
     """
     done = 0
+    record = None
     for e in entries:
         if e.kind != "transformers":
             continue
@@ -193,6 +195,9 @@ def take_over(entries: Sequence[ExpertsRouting], placement) -> int:
                            1.0, names)
         if not install_ep_forward(e.module, ep_layer):
             raise AssertionError(f"{e.name}: the routed EP forward was not installed")  # _classify checked its kind
+        # Its slots may now hold a shuffled placement: its state dict would be slot order.
+        record = record or PlacementRecord(placement, ep_mesh.size())
+        guard_slots(e.module, SlotGuard(record, e.layer, names, e.name))
         done += 1
     return done
 
