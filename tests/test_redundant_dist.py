@@ -17,11 +17,19 @@ and equal to the one-process model's expert within ``WEIGHT_ATOL`` (see there); 
 moments of every copy equal too. The old explicit path (``sync_redundant_grads`` +
 ``moeshard.clip_grad_norm_``) must match the same reference.
 
-Clipping runs three ways: torch's ``clip_grad_norm_`` over ``model.parameters()`` as is, the
-per-mesh norm of accelerate's ``Accelerator.clip_grad_norm_`` (its DTensor-aware path, which
-the transformers Trainer also takes), and moeshard's. What torch's own does over the mixed
-meshes (dense parameters on FSDP's "dp" mesh, experts on "ep" / "efsdp" x "ep") is recorded
-and checked (``test_torch_clip_over_mixed_meshes``).
+Clipping runs three ways: a norm per mesh combined (torch's public ``get_total_norm`` and
+``clip_grads_with_norm_``, what the transformers Trainer's mixed-mesh path does), accelerate's
+``Accelerator.clip_grad_norm_`` (its DTensor-aware path, the same algorithm, which a CPU
+job, seen by accelerate as multi-CPU DDP, also reaches), and moeshard's. torch's own
+``clip_grad_norm_(model.parameters())`` over the mixed meshes (dense parameters on FSDP's "dp"
+mesh, experts on "ep" / "efsdp" x "ep") is tried too and what it does is checked
+(``test_torch_clip_over_mixed_meshes``).
+
+``test_experts_gradients_per_slot`` calls one experts module directly with routing chosen so
+that EP rank 0 has no tokens and receives no rows while holding first copies of experts whose
+other copies, on the other ranks, see tokens: every slot's gradient must be the one-process
+gradient of its logical expert (first copy; divided by the world size, the data-parallel mean)
+or zero (other copies), and nothing may hang.
 """
 
 from __future__ import annotations
@@ -49,10 +57,10 @@ WEIGHT_ATOL = 1e-5
 
 # (name, EP, expert FSDP, gradient accumulation micro-batches, clipping)
 SCENARIOS = [
-    ("ep4-torch", 4, 1, 1, "torch"),
+    ("ep4-per-mesh", 4, 1, 1, "per-mesh"),
     ("ep4-accelerate-acc2", 4, 1, 2, "accelerate"),
     ("ep2-efsdp2-accelerate-acc2", 2, 2, 2, "accelerate"),
-    ("ep2-efsdp2-torch", 2, 2, 1, "torch"),
+    ("ep2-efsdp2-per-mesh", 2, 2, 1, "per-mesh"),
     ("ep2-efsdp2-moeshard-explicit", 2, 2, 1, "explicit"),
     ("ep4-moeshard-explicit-acc2", 4, 1, 2, "explicit"),
 ]
@@ -130,11 +138,10 @@ def stock_worker(ckpt: str, scenarios: list) -> list:
                 loss = model(input_ids=row, labels=row).loss / acc
                 loss.backward()
                 total += loss.detach()
-            if step == 0 and clip == "torch":
+            if step == 0 and clip == "per-mesh":
                 probe = _torch_clip_probe(model)
-            if clip == "torch":
-                norm = _per_mesh_clip(model, MAX_NORM) if not probe["ok"] else \
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            if clip == "per-mesh":
+                norm = _per_mesh_clip(model, MAX_NORM)
             elif clip == "accelerate":
                 norm = _accelerate_clip(model.parameters(), MAX_NORM)
             else:
@@ -197,15 +204,20 @@ def _reference(ckpt: str, acc: int):
 
 
 @pytest.fixture(scope="module")
-def stock(tmp_path_factory):
+def ckpt(tmp_path_factory):
     root = tmp_path_factory.mktemp("redundant")
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(_config())
     with torch.no_grad():  # distinct values everywhere (norms start at ones, biases at zero)
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
-    ckpt = str(root / "ckpt")
-    model.save_pretrained(ckpt, max_shard_size="50KB")
+    path = str(root / "ckpt")
+    model.save_pretrained(path, max_shard_size="50KB")
+    return path
+
+
+@pytest.fixture(scope="module")
+def stock(ckpt):
     refs = {acc: _reference(ckpt, acc) for acc in sorted({s[3] for s in SCENARIOS})}
     results = run_ranks(stock_worker, ckpt, SCENARIOS, world=WORLD, local_world=2, timeout=280)
     return refs, results
@@ -230,7 +242,9 @@ def test_stock_loop_matches_one_process(stock, i):
         want = ref_experts[(layer, pname)][torch.as_tensor(phy2log[layer])]  # [num_physical, ...] slot order
         worst = max(worst, float((rec["full"] - want).abs().max()))
     assert worst < WEIGHT_ATOL, f"{name}: experts differ from the one-process model's by {worst:.3g}"
-    print(f"{name}: max |expert - one process| = {worst:.3g}")
+    rel = max(max(abs(g - w) / w for g, w in zip(r[i][k], ref)) for r in results
+              for k, ref in (("losses", ref_losses), ("norms", ref_norms)))
+    print(f"{name}: max |expert - one process| = {worst:.3g}, losses/norms max relative {rel:.3g}")
 
 
 def test_torch_clip_over_mixed_meshes(stock):
@@ -240,7 +254,7 @@ def test_torch_clip_over_mixed_meshes(stock):
     is why accelerate and the Trainer take a norm per mesh and combine them."""
     refs, results = stock
     for i, (name, ep, efsdp, acc, clip) in enumerate(SCENARIOS):
-        if clip != "torch":
+        if clip != "per-mesh":
             continue
         probe = results[0][i]["probe"]
         assert len(probe["meshes"]) >= 2, probe  # the gradients do live on several meshes
@@ -249,3 +263,78 @@ def test_torch_clip_over_mixed_meshes(stock):
         else:
             assert "mesh" in probe["error"].lower(), probe
         print(f"{name}: torch.nn.utils.clip_grad_norm_: {probe}")
+
+
+EXPERT_SCENARIOS = [(4, 1), (2, 2)]  # (EP, expert FSDP)
+
+
+def _routing(pl, ep: int, ep_rank: int, global_rank: int, layer: int = 0):
+    """This rank's tokens for experts module ``layer``: none on EP rank 0; elsewhere 6 tokens
+    routed (top-2) only to experts with a copy on this EP rank or none on EP rank 0, so EP
+    rank 0 receives no rows (a local copy is always preferred)."""
+    g = torch.Generator().manual_seed(100 + global_rank)
+    spr = pl.num_physical // ep
+    on = [set(pl.phy2log[layer, r * spr : (r + 1) * spr].tolist()) for r in range(ep)]
+    allowed = [e for e in range(NUM_EXPERTS) if e in on[ep_rank] or e not in on[0]]
+    T = 0 if ep_rank == 0 else 6
+    hidden = torch.randn(T, 32, generator=g)
+    pick = torch.stack([torch.randperm(len(allowed), generator=g)[:2] for _ in range(T)]) if T else \
+        torch.zeros(0, 2, dtype=torch.long)
+    index = torch.as_tensor(allowed)[pick]
+    weights = torch.rand(T, 2, generator=g)
+    cotangent = torch.randn(T, 32, generator=g)
+    return hidden, index, weights, cotangent
+
+
+def experts_worker(ckpt: str, scenarios: list) -> list:
+    import torch.distributed as dist
+
+    import moeshard
+    from moeshard.models.ep import ep_layers
+
+    rank, out = dist.get_rank(), []
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    ref = ref_model.model.layers[0].mlp.experts
+    for ep, efsdp in scenarios:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(_config())
+        mesh = moeshard.make_mesh("cpu", ep=ep, efsdp=efsdp)
+        pl = _placement(ep)
+        moeshard.parallelize(model, mesh, pl)
+        moeshard.load(model, ckpt, placement=pl)
+        module, lay = ep_layers(model)[0]
+        hidden, index, weights, cot = _routing(pl, ep, lay.ep_rank, rank)
+        (module(hidden.requires_grad_(), index, weights) * cot).sum().backward()
+        # One process: every rank's tokens through the reference experts module.
+        ref.zero_grad()
+        for r in range(WORLD):
+            h, i, w, c = _routing(pl, ep, r % ep, r)
+            (ref(h, i, w) * c).sum().backward()
+        errors = {}
+        for pname in ("gate_up_proj", "down_proj"):
+            got = getattr(module, pname).grad.full_tensor()
+            want = getattr(ref, pname).grad[torch.as_tensor(pl.phy2log[0])] / WORLD
+            first = torch.as_tensor(pl.log2phy[0][pl.phy2log[0], 0] == np.arange(pl.num_physical))
+            want[~first] = 0
+            errors[pname] = float((got - want).abs().max() / want.abs().max())
+        # The routing did what it says: EP rank 0 had no tokens, some copy of an expert whose
+        # first copy is on EP rank 0 saw tokens elsewhere.
+        spr = pl.num_physical // ep
+        firsts_on_0 = {e for e in range(NUM_EXPERTS) if pl.log2phy[0, e, 0] < spr}
+        used = {e for r in range(WORLD) for e in _routing(pl, ep, r % ep, r)[1].flatten().tolist()}
+        out.append(dict(errors=errors, remote_sum=bool(firsts_on_0 & used)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def per_slot(ckpt):
+    return run_ranks(experts_worker, ckpt, EXPERT_SCENARIOS, world=WORLD, local_world=2, timeout=200)
+
+
+@pytest.mark.parametrize("i", range(len(EXPERT_SCENARIOS)), ids=[f"ep{e}-efsdp{d}" for e, d in EXPERT_SCENARIOS])
+def test_experts_gradients_per_slot(per_slot, i):
+    for rank, rank_results in enumerate(per_slot):
+        got = rank_results[i]
+        assert got["remote_sum"], "the routing must send some copy's gradient to EP rank 0"
+        for pname, err in got["errors"].items():
+            assert err < RTOL, f"rank {rank} {pname}: per-slot gradient off by {err:.3g} (relative to its max)"
