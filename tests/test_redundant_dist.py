@@ -25,6 +25,12 @@ job, seen by accelerate as multi-CPU DDP, also reaches), and moeshard's. torch's
 mesh, experts on "ep" / "efsdp" x "ep") is tried too and what it does is checked
 (``test_torch_clip_over_mixed_meshes``).
 
+``test_stock_trainer_matches_one_process`` runs the real ``transformers.Trainer`` (AdamW,
+constant lr, ``max_grad_norm``, two micro-batches; once with gradient checkpointing) on EP=4
+and EP=2 x efsdp=2 with the same placement: its logged losses and grad norms within 1e-6
+relative of one process, copies equal, experts within ``WEIGHT_ATOL``. The one shim is
+accelerate's CPU quirk (see :func:`trainer_worker`).
+
 ``test_experts_gradients_per_slot`` calls one experts module directly with routing chosen so
 that EP rank 0 has no tokens and receives no rows while holding first copies of experts whose
 other copies, on the other ranks, see tokens: every slot's gradient must be the one-process
@@ -116,7 +122,6 @@ def stock_worker(ckpt: str, scenarios: list) -> list:
     from torch.distributed.tensor import DTensor
 
     import moeshard
-    from moeshard.models.ep import ep_layers
 
     rank = dist.get_rank()
     meshes, out = {}, []
@@ -152,20 +157,29 @@ def stock_worker(ckpt: str, scenarios: list) -> list:
             opt.zero_grad()
             dist.all_reduce(total)
             losses.append(float(total) / WORLD)
-        # Every slot's expert, gathered: copies bit-equal, values for the reference to judge.
-        experts = {}
-        for layer, (module, lay) in enumerate(ep_layers(model)):
-            for pname in ("gate_up_proj", "down_proj"):
-                p = getattr(module, pname)
-                full = p.full_tensor().detach()
-                st = opt.state[p]
-                moments = [st[k].full_tensor() for k in ("exp_avg", "exp_avg_sq")]
-                copies_equal = all(
-                    torch.equal(t[s], t[int(lay.log2phy[e, 0])])
-                    for t in (full, *moments) for s, e in enumerate(lay.phy2log.tolist()))
-                experts[(layer, pname)] = dict(full=full if rank == 0 else None, copies_equal=copies_equal)
-        out.append(dict(losses=losses, norms=norms, probe=probe, experts=experts, phy2log=pl.phy2log))
+        out.append(dict(losses=losses, norms=norms, probe=probe, experts=_experts(model, opt), phy2log=pl.phy2log))
     return out
+
+
+def _experts(model, opt) -> dict:
+    """Every slot's expert, gathered (kept on rank 0, for the reference to judge), and whether
+    every copy of each expert equals its first copy bit for bit, weights and AdamW moments."""
+    import torch.distributed as dist
+
+    from moeshard.models.ep import ep_layers
+
+    experts = {}
+    for layer, (module, lay) in enumerate(ep_layers(model)):
+        for pname in ("gate_up_proj", "down_proj"):
+            p = getattr(module, pname)
+            full = p.full_tensor().detach()
+            st = opt.state[p]
+            moments = [st[k].full_tensor() for k in ("exp_avg", "exp_avg_sq")]
+            copies_equal = all(
+                torch.equal(t[s], t[int(lay.log2phy[e, 0])])
+                for t in (full, *moments) for s, e in enumerate(lay.phy2log.tolist()) if e >= 0)
+            experts[(layer, pname)] = dict(full=full if dist.get_rank() == 0 else None, copies_equal=copies_equal)
+    return experts
 
 
 def _per_mesh_clip(model, max_norm):
@@ -184,10 +198,10 @@ def _per_mesh_clip(model, max_norm):
     return total
 
 
-def _reference(ckpt: str, acc: int):
+def _reference(ckpt: str, acc: int, weight_decay: float = 0.01):
     model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     ids = _data(acc)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=weight_decay)
     losses, norms = [], []
     for _ in range(STEPS):
         loss = model(input_ids=ids, labels=ids).loss
@@ -236,15 +250,20 @@ def test_stock_loop_matches_one_process(stock, i):
         np.testing.assert_allclose(got["norms"], ref_norms, rtol=RTOL, atol=0, err_msg=f"{name} rank {rank} norms")
         for key, rec in got["experts"].items():
             assert rec["copies_equal"], f"{name} rank {rank} {key}: copies of an expert (weights or AdamW moments) differ"
-    phy2log = results[0][i]["phy2log"]
-    worst = 0.0
-    for (layer, pname), rec in results[0][i]["experts"].items():
-        want = ref_experts[(layer, pname)][torch.as_tensor(phy2log[layer])]  # [num_physical, ...] slot order
-        worst = max(worst, float((rec["full"] - want).abs().max()))
+    worst = _worst_expert(results[0][i], ref_experts)
     assert worst < WEIGHT_ATOL, f"{name}: experts differ from the one-process model's by {worst:.3g}"
     rel = max(max(abs(g - w) / w for g, w in zip(r[i][k], ref)) for r in results
               for k, ref in (("losses", ref_losses), ("norms", ref_norms)))
     print(f"{name}: max |expert - one process| = {worst:.3g}, losses/norms max relative {rel:.3g}")
+
+
+def _worst_expert(got: dict, ref_experts: dict) -> float:
+    """Largest |slot's expert - one-process expert| over every slot of every layer."""
+    worst = 0.0
+    for (layer, pname), rec in got["experts"].items():
+        want = ref_experts[(layer, pname)][torch.as_tensor(got["phy2log"][layer])]  # [num_physical, ...] slot order
+        worst = max(worst, float((rec["full"] - want).abs().max()))
+    return worst
 
 
 def test_torch_clip_over_mixed_meshes(stock):
@@ -338,3 +357,83 @@ def test_experts_gradients_per_slot(per_slot, i):
         assert got["remote_sum"], "the routing must send some copy's gradient to EP rank 0"
         for pname, err in got["errors"].items():
             assert err < RTOL, f"rank {rank} {pname}: per-slot gradient off by {err:.3g} (relative to its max)"
+
+
+# (EP, expert FSDP, gradient checkpointing); 2 micro-batches, max_grad_norm on
+TRAINER_SCENARIOS = [(4, 1, False), (2, 2, False), (2, 2, True)]
+
+
+class _Rows(torch.utils.data.IterableDataset):
+    """The ``ACC * WORLD`` rows of :func:`_data` in order, once per step: accelerate gives
+    process ``r`` item ``r`` of each global batch of ``WORLD``, so micro-batch ``m`` of rank
+    ``r`` is row ``m * WORLD + r``, as in :func:`stock_worker`."""
+
+    def __iter__(self):
+        rows = _data(ACC)
+        for k in range(STEPS * ACC * WORLD):
+            yield {"input_ids": rows[k % len(rows)], "labels": rows[k % len(rows)]}
+
+
+def trainer_worker(ckpt: str, scenarios: list, out_dir: str) -> list:
+    """The stock ``transformers.Trainer`` (AdamW, constant lr, ``max_grad_norm``, two
+    micro-batches) on the parallelized model. The one shim is accelerate's CPU quirk: on CPU
+    it ignores an FSDP plugin and wraps the model in DDP, which cannot hold DTensors; its FSDP2
+    prepare passes a model whose root is already an FSDPModule through untouched, and so does
+    ``prepare_model`` here."""
+    import accelerate
+
+    import moeshard
+
+    def prepare_model(self, model, device_placement=None, evaluation_mode=False):
+        self._models.append(model)
+        return model
+
+    accelerate.Accelerator.prepare_model = prepare_model
+    out = []
+    meshes = {}
+    for ep, efsdp, checkpointing in scenarios:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(_config())
+        pl = _placement(ep)
+        if (ep, efsdp) not in meshes:
+            meshes[(ep, efsdp)] = moeshard.make_mesh("cpu", ep=ep, efsdp=efsdp)
+        moeshard.parallelize(model, meshes[(ep, efsdp)], pl)
+        moeshard.load(model, ckpt, placement=pl)
+        args = transformers.TrainingArguments(
+            output_dir=f"{out_dir}/ep{ep}-efsdp{efsdp}-{checkpointing}", gradient_checkpointing=checkpointing,
+            per_device_train_batch_size=1, gradient_accumulation_steps=ACC,
+            max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=MAX_NORM,
+            optim="adamw_torch", logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0,
+            disable_tqdm=True, dataloader_num_workers=0)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=_Rows())
+        trainer.train()
+        logs = [h for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
+        opt = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
+        out.append(dict(losses=[h["loss"] for h in logs], norms=[h["grad_norm"] for h in logs],
+                        experts=_experts(model, opt), phy2log=pl.phy2log))
+    return out
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(ckpt, tmp_path_factory):
+    pytest.importorskip("accelerate")
+    out_dir = str(tmp_path_factory.mktemp("trainer"))
+    ref = _reference(ckpt, ACC, weight_decay=0.0)
+    return ref, run_ranks(trainer_worker, ckpt, TRAINER_SCENARIOS, out_dir, world=WORLD, local_world=2, timeout=280)
+
+
+@pytest.mark.parametrize("i", range(len(TRAINER_SCENARIOS)), ids=[f"ep{e}-efsdp{d}{'-checkpointing' if c else ''}" for e, d, c in TRAINER_SCENARIOS])
+def test_stock_trainer_matches_one_process(trainer_runs, i):
+    (ref_losses, ref_norms, ref_experts), results = trainer_runs
+    assert min(ref_norms) > 2 * MAX_NORM, "every step must clip"
+    for rank, rank_results in enumerate(results):
+        got = rank_results[i]
+        assert len(got["losses"]) == STEPS, got
+        np.testing.assert_allclose(got["losses"], ref_losses, rtol=RTOL, atol=0, err_msg=f"rank {rank} losses")
+        np.testing.assert_allclose(got["norms"], ref_norms, rtol=RTOL, atol=0, err_msg=f"rank {rank} grad norms")
+        assert all(rec["copies_equal"] for rec in got["experts"].values()), f"rank {rank}: copies differ"
+    worst = _worst_expert(results[0][i], ref_experts)
+    assert worst < WEIGHT_ATOL, f"experts differ from the one-process model's by {worst:.3g}"
+    rel = max(max(abs(g - w) / w for g, w in zip(r[i][k], ref)) for r in results
+              for k, ref in (("losses", ref_losses), ("norms", ref_norms)))
+    print(f"Trainer {TRAINER_SCENARIOS[i]}: max |expert - one process| = {worst:.3g}, losses/norms max relative {rel:.3g}")
