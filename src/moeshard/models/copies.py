@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
@@ -100,6 +100,19 @@ class CopyRoutes:
     local_first: np.ndarray
     to_first: dict[int, np.ndarray]
     from_copies: dict[int, np.ndarray]
+    _on_device: dict = field(default_factory=dict, repr=False)
+
+    def on(self, device: torch.device) -> "CopyRoutes":
+        """The same routes as ``int64`` tensors on ``device`` (the gradients' device), made once
+        per device: no host-to-device copy per backward or step."""
+        got = self._on_device.get(device)
+        if got is None:
+            def t(a):
+                return torch.as_tensor(a, dtype=torch.long).to(device)
+            got = self._on_device[device] = CopyRoutes(
+                t(self.others), t(self.local_copy), t(self.local_first),
+                {r: t(a) for r, a in self.to_first.items()}, {r: t(a) for r, a in self.from_copies.items()})
+        return got
 
     @property
     def empty(self) -> bool:
@@ -124,10 +137,6 @@ class CopyRoutes:
         theirs = copy & (first_rank == ep_rank) & (copy_rank != ep_rank)
         from_copies = {int(r): first[theirs & (copy_rank == r)] - lo for r in np.unique(copy_rank[theirs])}
         return CopyRoutes(slots[mine] - lo, slots[local] - lo, first[local] - lo, to_first, from_copies)
-
-
-def _index(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.as_tensor(a, dtype=torch.long).to(device)
 
 
 def _swap(ep, send: dict[int, list[torch.Tensor]], recv: dict[int, list[torch.Tensor]], what: str) -> None:
@@ -161,24 +170,20 @@ class _CombineCopies(torch.autograd.Function):
 def _combined(ep, views: Sequence[View], grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Point-to-point part of :class:`_CombineCopies`' backward. ``grads[i]`` is the gradient of
     weight ``i`` (``views[i]`` puts its slots first: ``[S, ...]``)."""
-    routes = ep.copy_routes
     out = [g.clone() for g in grads]
     slotted = [view(g) for view, g in zip(views, out)]
-    device = out[0].device if out else None
-    send = {peer: [v[_index(s, device)] for v in slotted] for peer, s in routes.to_first.items()}
+    routes = ep.copy_routes.on(out[0].device)
+    send = {peer: [v[s] for v in slotted] for peer, s in routes.to_first.items()}
     recv = {peer: [v.new_empty((len(f), *v.shape[1:])) for v in slotted] for peer, f in routes.from_copies.items()}
     if len(routes.local_copy):
-        copy, first = _index(routes.local_copy, device), _index(routes.local_first, device)
         for v in slotted:
-            v.index_add_(0, first, v[copy])
+            v.index_add_(0, routes.local_first, v[routes.local_copy])
     _swap(ep, send, recv, "moeshard: summing redundant expert copies' gradients")
     for peer, rows in recv.items():
-        first = _index(routes.from_copies[peer], device)
         for v, r in zip(slotted, rows):
-            v.index_add_(0, first, r)
-    others = _index(routes.others, device)
+            v.index_add_(0, routes.from_copies[peer], r)
     for v in slotted:
-        v[others] = 0
+        v[routes.others] = 0
     return out
 
 
@@ -214,22 +219,19 @@ def copy_first_copies_(ep, tensors: Sequence[tuple[torch.Tensor, View]]) -> None
     expert's first copy over its other copies, in every local tensor of ``tensors`` (``(local
     tensor, view putting its slots first)``; the same list, in the same order, on every rank
     of the EP group: parameters, then their optimizer state)."""
-    routes = ep.copy_routes
-    if routes.empty or not tensors:
+    if ep.copy_routes.empty or not tensors:
         return
     slotted = [view(t) for t, view in tensors]
-    device = slotted[0].device
-    send = {peer: [v[_index(f, device)] for v in slotted] for peer, f in routes.from_copies.items()}
+    routes = ep.copy_routes.on(slotted[0].device)
+    send = {peer: [v[f] for v in slotted] for peer, f in routes.from_copies.items()}
     recv = {peer: [v.new_empty((len(s), *v.shape[1:])) for v in slotted] for peer, s in routes.to_first.items()}
     _swap(ep, send, recv, "moeshard: copying redundant experts' first copies")
     if len(routes.local_copy):
-        copy, first = _index(routes.local_copy, device), _index(routes.local_first, device)
         for v in slotted:
-            v[copy] = v[first]
+            v[routes.local_copy] = v[routes.local_first]
     for peer, rows in recv.items():
-        slots = _index(routes.to_first[peer], device)
         for v, r in zip(slotted, rows):
-            v[slots] = r
+            v[routes.to_first[peer]] = r
 
 
 # Experts modules whose copies the optimizer hook keeps equal: (module, its tensors), in the
