@@ -4,15 +4,18 @@
 # package importable (an install, or PYTHONPATH=src):
 #
 #   benchmarks/gpu_checks.sh cuda  OUT_DIR   # CUDA tests: the reader pool's pinned buffers and
-#                                            # side streams, then bench_gpu at Qwen3-30B-A3B's
+#                                            # side streams, from_pretrained + bf16 mixed precision
+#                                            # on NCCL (gpu_pretrained_check.py), then bench_gpu at Qwen3-30B-A3B's
 #                                            # expert shape (~4.9 GiB): safetensors, transformers,
 #                                            # moeshard.load with 1, 4, 8 reader threads, O_DIRECT
 #   benchmarks/gpu_checks.sh cpu16 OUT_DIR   # multi-rank CPU figures on a quiet many-core host:
 #                                            # moeshard bench relocate (P2P vs re-reading), and
 #                                            # bench_load at 1 GiB (the planning share of a load)
 #
-# Each writes its log and JSON under OUT_DIR.
+# Each writes its log and JSON under OUT_DIR. A failing step is noted in its log, the part goes on,
+# and the part exits non-zero at the end.
 set -euo pipefail
+rc=0
 what=${1:?usage: gpu_checks.sh cuda|cpu16 OUT_DIR}
 out=${2:?usage: gpu_checks.sh cuda|cpu16 OUT_DIR}
 mkdir -p "$out"
@@ -21,16 +24,24 @@ python3 -c 'import torch, transformers; print("torch", torch.__version__, "trans
 "cuda", torch.cuda.is_available())' | tee "$out/versions.txt"
 case "$what" in
   cuda)
-    python3 -m pytest -q -p no:cacheprovider tests/test_readpool.py tests/test_load_local.py 2>&1 | tee "$out/tests.txt"
+    # A failing test must not cost the figures: note it, run bench_gpu, fail the part at the end.
+    python3 -m pytest -q -p no:cacheprovider tests/test_readpool.py tests/test_load_local.py 2>&1 | tee "$out/tests.txt" \
+      || { rc=$?; echo "[gpu_checks] tests failed (exit $rc)" | tee -a "$out/tests.txt"; }
+    python3 benchmarks/gpu_pretrained_check.py 2>&1 | tee "$out/pretrained.txt" \
+      || { rc=$?; echo "[gpu_checks] from_pretrained check failed (exit $rc)" | tee -a "$out/pretrained.txt"; }
     python3 -m benchmarks.bench_gpu --threads 1,4,8 --direct-io --repeat 3 --out "$out" --cache /tmp/moeshard-gpu-ckpt 2>&1 | tee "$out/bench_gpu.txt"
     ;;
   cpu16)
-    python3 -m moeshard.cli bench relocate --out "$out" 2>&1 | tee "$out/bench_relocate.txt"
+    # bench_load first: its planning share is a target; bench relocate's figures have none.
     python3 -m benchmarks.bench_load --size-mib 1024 --repeat 3 --strategies shared,node,single \
-      --no-negative-control --out "$out/bench_load" 2>&1 | tee "$out/bench_load.txt"
+      --no-negative-control --out "$out/bench_load.json" 2>&1 | tee "$out/bench_load.txt" \
+      || { rc=$?; echo "[gpu_checks] bench_load failed (exit $rc)" | tee -a "$out/bench_load.txt"; }
+    # Its checkpoint (~1.1 GiB) goes to $out/relocate_ckpt: leave that out of what you keep.
+    python3 -m moeshard.cli bench relocate --out "$out" 2>&1 | tee "$out/bench_relocate.txt"
     ;;
   *)
     echo "unknown part $what (cuda or cpu16)" >&2
     exit 2
     ;;
 esac
+exit $rc

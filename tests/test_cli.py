@@ -184,8 +184,8 @@ def test_verify_reads_config_strictly(tmp_path):
     json.load would raise a bare RecursionError: the file is parsed strictly first."""
     pytest.importorskip("transformers")
     from moeshard import CheckpointError
-    from moeshard.cli.verify import _build_model
+    from moeshard.models.build import read_config
 
     (tmp_path / "config.json").write_bytes(b'{"model_type": ' + NESTED + b"}")
     with pytest.raises(CheckpointError, match=r"config\.json: cannot read a transformers config\.json: JSON nested"):
-        _build_model(str(tmp_path))
+        read_config(str(tmp_path))

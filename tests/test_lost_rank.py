@@ -230,3 +230,24 @@ def test_save_publishes_nothing_after_a_lost_rank(lost):
     # Each survivor removed the shard files it had created; no index was published.
     assert not (root / "out" / "model.safetensors.index.json").exists()
     assert not list((root / "out").rglob("*.safetensors"))
+
+
+def test_ep_all_to_all_raises_peer_lost(monkeypatch):
+    """The EP forward's and backward's all-to-alls (training, not a moeshard operation) turn a
+    backend failure into PeerLostError like every other collective."""
+    from moeshard.models import ep
+
+    def closed(*args, **kwargs):
+        raise RuntimeError("[/gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.7]:4242")
+
+    x = torch.ones(3, 2, requires_grad=True)
+    # A working exchange (one rank: rows stay), then the backward's exchange fails.
+    monkeypatch.setattr(ep.dist, "all_to_all_single", lambda out, inp, *a, **k: out.copy_(inp))
+    y = ep._AllToAll.apply(x, [3], [3], None)
+    monkeypatch.setattr(ep.dist, "all_to_all_single", closed)
+    with pytest.raises(moeshard.PeerLostError, match=r"^moeshard EP backward: exchanging gradients \(all-to-all\): "
+                       r"lost contact with a peer \(RuntimeError: Connection closed by peer") as info:
+        y.sum().backward()
+    assert isinstance(info.value.__cause__, RuntimeError)
+    with pytest.raises(moeshard.PeerLostError, match=r"^moeshard EP forward: exchanging tokens \(all-to-all\)"):
+        ep._AllToAll.apply(x, [3], [3], None)

@@ -35,6 +35,7 @@ _EXPORTS = {
     "Schedule": (".plan", "Schedule"), "plan_transfers": (".plan", "plan_transfers"),
     "RelocationPlan": (".plan.relocation", "RelocationPlan"), "plan_relocation": (".plan.relocation", "plan_relocation"),
     "Topology": (".topology", "Topology"),
+    "from_pretrained": (".integrations.pretrained", "from_pretrained"),
 }
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "parallelize", "plan_relocation", "plan_transfers", "RelocationPlan", "RelocationReport", "relocate",
     "RelocationStep", "relocate_chunks", "relocation_chunks",
     "SaveError", "SaveReport", "save", "verify", "write_checkpoint", "clip_grad_norm_", "grad_norm", "sync_redundant_grads",
+    "from_pretrained",
 ]
 __version__ = "0.1.0"
 
@@ -78,6 +80,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # for type checkers and IDEs: the names as eager imports would bind them
     from . import eplb, lora
     from ._dist import DistributedError, PeerLostError, PlanMismatchError
+    from .integrations.pretrained import from_pretrained
     from .io.checkpoint import CheckpointError, CheckpointIndex, CheckpointReader, write_checkpoint
     from .models.adapters import HF_EXPERTS, MIXTRAL_EXPERTS, ExpertParam, ExpertsSpec
     from .models.ep import clip_grad_norm_, grad_norm, sync_redundant_grads

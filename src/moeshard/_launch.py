@@ -1,8 +1,23 @@
-"""Start N local ranks (spawned processes, gloo on CPU) and collect each rank's result.
+"""Start N local ranks (spawned processes, gloo on CPU) and collect each rank's result; end a
+process that used torch.distributed without the abort at exit that gloo can cause.
 
 Used by ``moeshard demo`` and the benchmarks to simulate several nodes on one host: the
 ranks see torchrun-style RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE variables and, like
 torchrun's, one intra-op thread each unless ``OMP_NUM_THREADS`` is set.
+
+Why processes end with :func:`exit_process`: a gloo worker thread ("pt_gloo_runloop") destroys a
+finished collective's work object shortly *after* the caller's ``wait`` returned. Where that work
+holds the last reference to a tensor whose Python object torch kept alive (torch's own
+``all_gather_object`` leaves such tensors), the destruction takes the GIL. If the main thread
+has meanwhile begun interpreter finalization, Python (3.11-3.13) ends the worker with
+``pthread_exit``, whose unwinding through the noexcept destructor calls ``std::terminate``:
+"terminate called without an active exception", SIGABRT, after the program succeeded. It is a
+race (seen in 1 of 25 torchrun runs of ``moeshard verify`` on a loaded 2-core host; core dumps
+show the worker in ``~AsyncAllgatherWork`` -> ``decref_pyobject`` -> ``take_gil`` ->
+``pthread_exit``), and ``destroy_process_group`` does not close it: gloo has no shutdown that
+joins its workers, only the process group's destructor does, which runs when the last reference
+(FSDP modules hold them) goes. The order that avoids it: destroy the process group, flush the
+standard streams, and leave with ``os._exit``, so finalization never runs beside the workers.
 """
 
 from __future__ import annotations
@@ -14,9 +29,27 @@ import socket
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+import sys
+from typing import Any, Callable, NoReturn
 
-__all__ = ["run_local_ranks"]
+__all__ = ["exit_process", "run_local_ranks"]
+
+
+def exit_process(code: int = 0) -> NoReturn:
+    """End this process with ``code`` now: flush stdout and stderr, then ``os._exit``.
+
+    For the end of a process that ran torch.distributed collectives (a rank of a job, a
+    command under torchrun), after ``destroy_process_group``: it skips interpreter
+    finalization, during which a gloo worker thread still releasing a finished collective
+    can abort the process (module doc). Nothing after it runs: atexit handlers and
+    ``finally`` blocks of callers are skipped, so call it last.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):  # closed or replaced streams: nothing to flush
+            pass
+    os._exit(code)
 
 
 def _free_port() -> int:
@@ -43,9 +76,15 @@ def _worker(rank, world, local_world, port, backend, fn, args, out_dir):
         result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
     with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
-    # Let every rank finish its sends before any process group goes away.
-    dist.barrier()
-    dist.destroy_process_group()
+    code = 0
+    try:
+        # Let every rank finish its sends before any process group goes away.
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - a peer lost at the end: this rank's exit code says so
+        traceback.print_exc()
+        code = 1
+    exit_process(code)
 
 
 def run_local_ranks(fn: Callable[..., Any], *args: Any, world: int = 4, local_world: int | None = None,

@@ -3,6 +3,10 @@
 Each subcommand lives in its own module with a ``main(argv) -> int``; this file only
 dispatches. A user error (a path that does not exist, a checkpoint that is not MoE, shapes
 that do not divide) ends with one line on stderr and exit code 2, never a traceback.
+
+Run as a program (``moeshard ...``, ``python -m moeshard.cli ...``, under torchrun too), the
+process ends through :func:`moeshard._launch.exit_process` once the command is done: a command
+that used gloo collectives could otherwise abort at interpreter exit after succeeding.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import traceback
 
 __all__ = ["main"]
 
@@ -24,7 +29,25 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    """Run one subcommand; returns its exit code. With ``argv`` None (the process's own command
+    line: the console script, ``python -m moeshard.cli``) the process ends here with that code."""
+    if argv is not None:
+        return _run(list(argv))
+    try:
+        code = _run(sys.argv[1:])
+    except SystemExit as e:  # argparse's --help (0) and usage errors (2)
+        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:  # noqa: BLE001 - printed as Python would, then the same exit
+        traceback.print_exc()
+        code = 1
+    from .._launch import exit_process
+
+    exit_process(code)
+
+
+def _run(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="moeshard", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
     for name, (_, help_) in COMMANDS.items():

@@ -85,28 +85,6 @@ def _slot_report(model, placement, index, reader_root_dir: str) -> list[tuple[in
     return out
 
 
-def _build_model(path: str):
-    try:
-        from transformers import AutoConfig, AutoModelForCausalLM
-    except ImportError:
-        raise ValueError("moeshard verify builds the model with transformers: pip install transformers") from None
-    import torch
-
-    from ..io.checkpoint import load_json
-
-    cfg = os.path.join(path, "config.json")
-    if os.path.isfile(cfg):
-        # Untrusted: transformers' own json.load lets a RecursionError (deep nesting) or a
-        # bare int-digits ValueError escape without the file's name; parse it strictly first.
-        load_json(cfg, "cannot read a transformers config.json")
-    try:
-        config = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError, RecursionError) as e:
-        raise ValueError(f"{path}: cannot read a transformers config.json: {e}") from None
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="moeshard verify", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="HF checkpoint directory (config.json + safetensors)")
@@ -125,8 +103,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from .. import _dist
     from ..io.checkpoint import CheckpointIndex
+    from ..integrations.pretrained import job_device
     from ..io.sources import reader_root
-    from ..models.describe import expert_layers
+    from ..models.build import meta_model, moe_layout, read_config
     from ..models.parallel import make_mesh, parallelize
     from ..ops.load import load
     from ..ops.verify import verify
@@ -148,16 +127,12 @@ def main(argv: list[str] | None = None) -> int:
         ep = args.ep or world // args.efsdp
         try:
             def setup():
-                model = _build_model(args.checkpoint)
-                layers = expert_layers(model)
-                if not layers:
-                    raise ValueError(f"{args.checkpoint}: the model has no experts module moeshard knows (not MoE?)")
-                num_logical = getattr(layers[0][1], layers[0][2].params[0].name).shape[0]
-                return model, _placement(args, len(layers), num_logical, ep, [name for name, _, _ in layers])
+                model = meta_model(read_config(args.checkpoint), source=args.checkpoint)
+                moe = moe_layout(model, source=args.checkpoint)
+                return model, _placement(args, moe.num_layers, moe.num_logical, ep, list(moe.modules))
 
             model, placement = _dist.agree(setup, "moeshard verify: building the model")
-            device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-            parallelize(model, make_mesh(device, ep=ep, efsdp=args.efsdp), placement)
+            parallelize(model, make_mesh(job_device().type, ep=ep, efsdp=args.efsdp), placement)
             load(model, args.checkpoint, placement=placement, storage=args.storage)
             rep = verify(model, args.checkpoint, placement=placement, storage=args.storage)
         except (ValueError, _dist.DistributedError) as e:

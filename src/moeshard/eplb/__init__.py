@@ -5,13 +5,19 @@ Pure numpy, no torch, no communication: every rank computes the same answer from
 
 Policies
 --------
-*Oblivious* (``migration_aware=False``) re-implements deepseek-ai/EPLB (``eplb.py``):
-**hierarchical** (``num_groups`` given, ``num_groups % num_nodes == 0`` and every node has the
-same number of live ranks: expert groups onto nodes, then replicas and their copies onto each
-node's live ranks) or **global** otherwise (one group, one node). One rule is added to the
-reference: a rank never holds two copies of one expert when it can be avoided. Slots of dead
-(or not yet joined) ranks are ``-1``; slot ids stay those of the full job, so an elastic job
-never renumbers. Details: :mod:`moeshard.eplb.oblivious`.
+*Oblivious* (``migration_aware=False``, or no current placement) re-implements
+deepseek-ai/EPLB (``eplb.py``): **hierarchical** (``num_groups`` given, ``num_groups %
+num_nodes == 0`` and every node has the same number of live ranks: expert groups onto nodes,
+then replicas and their copies onto each node's live ranks) or **global** otherwise (one
+group, one node), and improves it: per layer, the most balanced of the reference's steps,
+the same with *spread* replica counts (at most one copy per live rank of a node until every
+expert has that many) and the reference's answer itself, each refined by a swap local search
+that never raises the heaviest rank. So per layer it is never less balanced (max/mean rank
+load) than the reference, by construction. One rule is added: a rank never holds two copies
+of one expert when it can be avoided, unless keeping the rule would be less balanced than
+the reference (then the reference's own duplicates are kept). Slots of dead (or not yet
+joined) ranks are ``-1``; slot ids stay those of the full job, so an elastic job never
+renumbers. Details: :mod:`moeshard.eplb.oblivious`.
 
 *Reference* (:func:`reference`): deepseek-ai/EPLB's exact answer (no moeshard rule; its
 float32 arithmetic), to compare against without the reference installed.
@@ -19,12 +25,14 @@ float32 arithmetic), to compare against without the reference installed.
 *Migration-aware* (``migration_aware=True`` and a current placement): the oblivious answer
 ignores where experts already are, so a rebalance after a small drift of the load can move
 almost every copy. This policy is, per layer, never less balanced (max/mean rank load) than
-the better of the reference's and moeshard's oblivious answers, times ``(1 + tolerance)``
-(default 0), while moving few copies: per node it keeps copies on their ranks as far as that
-balance allows ("sticky packing"), else takes the reference's packing of the node with copies
-swapped back to their old ranks, and per layer the candidate within the limit with the fewest
-moved copies (the better oblivious answer always is one). Like the reference, it may put two
-copies of an expert on one rank. Details: :mod:`moeshard.eplb.aware`.
+the reference's answer, times ``(1 + tolerance)`` (default 0), while moving few copies: per
+node it keeps copies on their ranks as far as that balance allows ("sticky packing"), else
+takes the oblivious answer's packing of the node with copies swapped back to their old ranks,
+and per layer the candidate within the limit with the fewest moved copies (the oblivious and
+the reference's answers always are ones). It is not held to the oblivious answer's balance
+(often better than the reference's): that would move 2-3.5x as many copies. Like the
+reference, it may put two copies of an expert on one rank. Details:
+:mod:`moeshard.eplb.aware`.
 
 In every candidate an expert that stays on a rank keeps its slot index; newcomers fill the
 freed slots in order.
@@ -37,7 +45,9 @@ Modules, each built on those above it:
 
 * ``inputs``: input checks and the validated shape of a call (``_Shape``);
 * ``metrics``: rank loads, balance, moved copies (public and array forms);
-* ``oblivious``: deepseek-ai/EPLB's policy (replicate, balanced packing, hierarchical / global);
+* ``refine``: the swap local search that lowers a packing's heaviest rank;
+* ``oblivious``: deepseek-ai/EPLB's policy (replicate, balanced packing, hierarchical / global)
+  and moeshard's improvement of it (spread counts, refinement, the most balanced per layer);
 * ``sticky``: sticky packing of copies onto ranks, the swap repair, the restoring local search;
 * ``aware``: the migration-aware policy (per node and layer, the candidate that moves fewest
   copies);
@@ -50,7 +60,7 @@ from ..placement import Placement
 from .aware import _aware
 from .inputs import _check_load, _check_placement, _shape
 from .metrics import balance, copies_moved, rank_loads, slots_changed
-from .oblivious import _oblivious
+from .oblivious import _oblivious, reference_answer
 
 __all__ = ["rebalance", "reference", "rank_loads", "balance", "copies_moved", "slots_changed"]
 
@@ -81,11 +91,12 @@ def rebalance(
             for the global policy.
         active_ranks: ``bool[num_ranks]`` live ranks (None: all). Slots of the others are -1.
         migration_aware: keep copies where they are as far as the balance allows (see the
-            module docstring); False: moeshard's oblivious policy.
+            module docstring); False: moeshard's oblivious policy (also the answer when
+            ``placement`` is None), never less balanced than the reference per layer.
         tolerance: per layer, the aware policy's max/mean rank load is at most
-            ``(1 + tolerance)`` x the better of the reference's (:func:`reference`) and the
-            oblivious policy's (default 0: never less balanced than either; it used to be
-            1 % over the oblivious policy's).
+            ``(1 + tolerance)`` x the reference's (:func:`reference`; default 0: never less
+            balanced than the reference. Before 2026-11-26 the limit was the better of the
+            reference's and the oblivious policy's, which was then seldom better).
 
     Returns:
         ``Placement`` with ``phy2log`` ``int[num_layers, num_physical]``.
@@ -100,10 +111,11 @@ def rebalance(
         raise ValueError(f"tolerance must be >= 0, got {tolerance}")
     if placement is not None:
         _check_placement(placement, sh)
-    obl = _oblivious(w, sh)
+    ref = reference_answer(w, sh)
+    obl = _oblivious(w, sh, ref)
     if not migration_aware or placement is None:
         return Placement(obl.phy2log.reshape(sh.num_layers, -1), num_logical=sh.num_logical, num_ranks=sh.num_ranks)
-    new = _aware(w, placement, obl, _oblivious(w, sh, exact=True), sh, float(tolerance))
+    new = _aware(w, placement, obl, ref, sh, float(tolerance))
     return Placement(new.reshape(sh.num_layers, -1), num_logical=sh.num_logical, num_ranks=sh.num_ranks)
 
 
@@ -134,5 +146,5 @@ def reference(
     """
     w = _check_load(load)
     sh = _shape(w, num_physical, num_ranks, num_nodes, num_groups, active_ranks)
-    ref = _oblivious(w, sh, exact=True)
+    ref = reference_answer(w, sh)
     return Placement(ref.phy2log.reshape(sh.num_layers, -1), num_logical=sh.num_logical, num_ranks=sh.num_ranks)

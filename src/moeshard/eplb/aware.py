@@ -2,9 +2,13 @@
 
 The oblivious answer ignores where experts already are, so a rebalance after a small drift of
 the load can move almost every copy. This policy moves few copies while, per layer, its
-max/mean rank load is at most ``(1 + tolerance)`` x the better of the two oblivious answers
-(the reference's, deepseek-ai/EPLB, and moeshard's); ``tolerance`` defaults to 0: never less
-balanced than either. Target ``T`` = that max rank load. Per layer:
+max/mean rank load is at most ``(1 + tolerance)`` x the reference's (deepseek-ai/EPLB);
+``tolerance`` defaults to 0: never less balanced than the reference. Target ``T`` = that max
+rank load. (moeshard's oblivious answer is never less balanced than the reference's and often
+more; holding each step to it instead would move 2-3.5x as many copies: on DeepSeek-V3's
+shape, 15 % / 55 % of the reference's moves instead of 6 % / 16 %, hierarchical / global,
+``benchmarks/bench_eplb.py`` on 2026-11-26.)
+Per layer:
 
 * the old placement itself, where it is still valid and within ``T`` (nothing moves);
 * hierarchical: a group stays on the node that holds most of its copies unless that node's
@@ -20,12 +24,17 @@ balanced than either. Target ``T`` = that max rank load. Per layer:
   leave a copy much heavier than ``replicate_experts``' heaviest (a drifted hot expert), the
   old counts with fewest changes that bring it down (:func:`_capped_counts`); the node takes
   the one within ``T`` that moves fewest copies;
-* a node where sticky packing misses ``T``: the reference's own packing of the node's copies
-  (``replicate_experts`` + LPT), matched to the old ranks, then a local search that swaps
-  copies back to ranks that held them while both ranks stay within ``T`` (:func:`_restore`);
-* each layer takes, among the candidates within ``T``, the one with the fewest moved copies;
-  the better oblivious answer matched to the old ranks always is one (the balance is
-  guaranteed). A rank may hold two copies of an expert where the reference would.
+* a node where sticky packing misses ``T``: the oblivious answer's packing of the node's
+  copies where it has the same groups (the global policy: always), else the more balanced
+  refined packing of the groups with the reference's or spread replica counts
+  (:func:`moeshard.eplb.oblivious.group_packs`), matched to the old ranks, then a local
+  search that swaps copies back to ranks that held them while both ranks stay within ``T``
+  (:func:`_restore`);
+* each layer takes, among the candidates within ``T`` (checked up to the few ulps by which
+  sums of the same copies in another order differ), the one with the fewest moved copies;
+  the oblivious answer and the reference's, as they are or matched to the old ranks, always
+  are candidates (the balance is guaranteed). A rank may hold two copies of an expert where
+  the reference would.
 
 In every candidate an expert that stays on a rank keeps its slot index; newcomers fill the
 freed slots in order.
@@ -39,6 +48,7 @@ from ..placement import Placement
 from .inputs import _Shape
 from .metrics import _count_last, _counts, _held, _max_rank_load, _moves3, _per_copy, _rank_loads3
 from .oblivious import _group_loads, _node_packs, _Oblivious, _per_rank_cap, _replicate_nodes, _scatter_packs
+from .oblivious import group_packs
 from .sticky import _EPS, _restore, _sticky
 
 
@@ -206,6 +216,10 @@ def _matched_oblivious(obl: _Oblivious, held_old: np.ndarray, sh: _Shape,
     return _scatter_packs(packs, sh, rank_of_pack), group_node
 
 
+# Relative slack of the checks that a candidate is within the limit: only what two sums of the
+# same copies in another order may differ by (a few ulps), so that the answer is never less
+# balanced than the reference beyond that (the sticky packing's thresholds use a looser one).
+_SLACK = 1e-13
 # Nodes loaded over this fraction of what their ranks may carry under the limit (live ranks x
 # limit) also try replicate_experts' counts; lighter nodes keep their old counts (they fit).
 _LOOSE = 0.5
@@ -263,7 +277,7 @@ def _compose(w: np.ndarray, held_old: np.ndarray, cands: list, limit: np.ndarray
     scores = []
     for cand in cands:
         peak, moved = _node_stats(w, cand, held_old, sh)
-        scores.append(np.where(peak <= limit[:, None] * (1 + _EPS), moved, np.inf))
+        scores.append(np.where(peak <= limit[:, None] * (1 + _SLACK), moved, np.inf))
     score = np.stack(scores)  # [C, L, N]
     pick = score.argmin(0)
     stacked = np.stack([c.reshape(num_layers, n, rpn, -1) for c in cands])
@@ -305,7 +319,7 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: _Shape) -> tuple[np.ndarray,
     ri = np.arange(num_layers * n)[:, None, None]
     peak = np.where(old_rows >= 0, wc_node[ri, np.maximum(old_rows, 0)], 0.0).sum(-1).max(-1)
     full = ((old_rows >= 0) | ~alive_rows[:, :, None]).all((1, 2))
-    as_is = ((oc > 0) == mine).all(-1).ravel() & full & (peak <= np.repeat(limit, n) * (1 + _EPS))
+    as_is = ((oc > 0) == mine).all(-1).ravel() & full & (peak <= np.repeat(limit, n) * (1 + _SLACK))
     node_load = (_group_loads(w, sh)[:, :, None] * (gn[:, :, None] == np.arange(n))).sum(1)
     todo = np.flatnonzero(~as_is)
     tight = np.flatnonzero(~as_is & (node_load > limit[:, None] * sh.live_per_node * _LOOSE).ravel())
@@ -382,23 +396,19 @@ def _aware(w: np.ndarray, placement: Placement, obl: _Oblivious, ref: _Oblivious
     s = sh.slots_per_rank
     old3 = np.where(sh.active[None, :, None], placement.phy2log.reshape(num_layers, sh.num_ranks, s), -1)
     held_old = _held(old3, num_logical)
-    limit = np.minimum(obl.max_load, ref.max_load) * (1 + tol)
-    # The better of the two oblivious answers, matched to the old placement, always is within
-    # the limit: the baseline to beat.
-    best = _matched_oblivious(ref, held_old, sh)[0]
-    use_obl = obl.max_load < ref.max_load
-    if use_obl.any():
-        best[use_obl] = _matched_oblivious(obl, held_old, sh)[0][use_obl]
+    limit = ref.max_load * (1 + tol)
+    # The oblivious answer and the reference's, as they are and matched to the old placement
+    # (greedily), are within the limit (the oblivious answer is never less balanced than the
+    # reference's): the baseline to beat is the one of them that moves fewest copies, so the
+    # aware policy never moves more copies than the oblivious policy.
+    best = obl.phy2log.copy()
     best_moves = _moves3(held_old, best)
-    # The oblivious answers as they are, where within the limit and fewer moves (matching is
-    # greedy): the aware policy never moves more copies than the oblivious policy.
-    for o in (obl, ref):
-        ok = o.max_load <= limit * (1 + _EPS)
-        mv = _moves3(held_old, o.phy2log)
-        take = ok & (mv < best_moves)
-        best[take], best_moves[take] = o.phy2log[take], mv[take]
+    for o in (ref.phy2log, _matched_oblivious(obl, held_old, sh)[0], _matched_oblivious(ref, held_old, sh)[0]):
+        mv = _moves3(held_old, o)
+        take = mv < best_moves
+        best[take], best_moves[take] = o[take], mv[take]
     # The old placement itself where it still is a valid answer within the limit: nothing moves.
-    stay = _still_valid(old3, sh) & (_max_rank_load(w, old3, _counts(old3, num_logical)) <= limit * (1 + _EPS))
+    stay = _still_valid(old3, sh) & (_max_rank_load(w, old3, _counts(old3, num_logical)) <= limit * (1 + _SLACK))
     best[stay], best_moves[stay] = old3[stay], 0
     # Group assignments to try (hierarchical): groups stay on their node unless its load
     # would exceed what its ranks may well carry under the limit (most nodes are far under
@@ -425,10 +435,14 @@ def _aware(w: np.ndarray, placement: Placement, obl: _Oblivious, ref: _Oblivious
     rows = np.flatnonzero(bad.any(1))
     if len(rows):
         wl, ol, hl, ll = w[lay[rows]], old3[lay[rows]], held_old[lay[rows]], limit[lay[rows]]
-        # global: the groups are the reference's (one node), so are its packs (no repacking)
-        packs = None if sh.hierarchical else ref.packs[lay[rows]]
+        # The oblivious answer's packs where it has the same groups (always in the global
+        # policy): they are within the limit. Else the best refined packing of the groups.
+        same = (gn_all[rows] == obl.group_node[lay[rows]]).all(1)
+        packs = obl.packs[lay[rows]].copy()
+        if not same.all():
+            packs[~same] = group_packs(wl[~same], sh, gn_all[rows][~same])
         cand[rows] = _lpt_nodes(wl, ol, hl, gn_all[rows], ll, sh, cand[rows], bad[rows], packs)
-    ok = _max_rank_load(w[lay], cand, _counts(cand, num_logical)) <= limit[lay] * (1 + _EPS)
+    ok = _max_rank_load(w[lay], cand, _counts(cand, num_logical)) <= limit[lay] * (1 + _SLACK)
     mv = np.where(ok, _moves3(held_old[lay], cand), np.iinfo(np.int64).max)
     # per layer, the variant that moves fewest copies (first on ties)
     order = np.lexsort((np.arange(len(lay)), mv, lay))

@@ -1,4 +1,8 @@
-"""The oblivious policy: deepseek-ai/EPLB (``eplb.py``) re-implemented, vectorized over layers.
+"""The oblivious policy (no previous placement to keep): deepseek-ai/EPLB (``eplb.py``)
+re-implemented, vectorized over layers, and improved so that per layer it is never less
+balanced than the reference.
+
+The reference's steps:
 
 1. **hierarchical** (``num_groups`` given, ``num_groups % num_nodes == 0`` and every node has
    the same number of live ranks): pack expert *groups* onto nodes with ``balanced_packing``
@@ -10,13 +14,32 @@
 2. **global** otherwise: the same with one group and one node.
 
 Pack ``k`` of a node goes to the node's ``k``-th live rank, its copies in packing order (as the
-reference does). One rule is added to the reference: a rank never holds two copies of one
-expert when it can be avoided (the greedy skips ranks that hold the expert, and a swap repair
-fixes the rare dead end). Slots of dead (or not yet joined) ranks are ``-1``; slot ids stay
-those of the full job, so an elastic job never renumbers.
+reference does). Slots of dead (or not yet joined) ranks are ``-1``; slot ids stay those of
+the full job, so an elastic job never renumbers. :func:`reference_answer` is the reference's
+own answer (its float32 arithmetic, no moeshard rule).
+
+moeshard's answer (:func:`_oblivious`) is, per layer, the most balanced (lightest heaviest
+rank; max / mean rank load, the mean being the same for every answer) of three candidates,
+each refined by a swap local search within each node that never raises the heaviest rank
+(:func:`moeshard.eplb.refine.lower_peak`; groups stay on their node):
+
+* the reference's steps with moeshard's rule: a rank never holds two copies of one expert
+  when it can be avoided (the greedy skips ranks that hold the expert, and a swap repair fixes
+  the rare dead end);
+* the same with *spread* replica counts (:func:`_replicate`): an expert gets at most one copy
+  per live rank of its node before any expert gets more. The reference can give a hot expert
+  ``K + 1`` copies on ``K`` ranks, so that one rank carries two of them (on DeepSeek-V3's
+  hierarchical shape, Zipf loads, the reference's heaviest rank is up to 1.7x this one's);
+* the reference's answer itself.
+
+The first two keep moeshard's rule; the third is taken where it is the most balanced and keeps
+the rule too, or where neither of the others is at least as balanced as the reference (then
+with the reference's duplicates, and the search adds none). So the answer is never less
+balanced than the reference's, by construction.
 
 The building blocks (replicate, pack, the no-duplicate repair, replicas per node, packs to
-ranks) serve the migration-aware policy too (:mod:`moeshard.eplb.aware`).
+ranks, the refined packing of given groups) serve the migration-aware policy too
+(:mod:`moeshard.eplb.aware`).
 """
 
 from __future__ import annotations
@@ -27,14 +50,22 @@ import numpy as np
 
 from .inputs import _Shape
 from .metrics import _count_last, _max_rank_load, _per_copy
+from .refine import lower_peak
 
 # -- the reference's building blocks, vectorized over rows ---------------------------------------
 
 
-def _replicate(w: np.ndarray, num_phy: int) -> tuple[np.ndarray, np.ndarray]:
+def _replicate(w: np.ndarray, num_phy: int, num_ranks: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """EPLB ``replicate_experts``: ``w`` ``float[B, n]`` -> ``phy2item`` ``int[B, num_phy]``
     (slot i < n holds item i; each further slot the item with the highest load per copy, first
-    on ties) and ``cnt`` ``int[B, n]``."""
+    on ties) and ``cnt`` ``int[B, n]``.
+
+    ``num_ranks`` (moeshard's *spread* counts): each further slot goes to the item of the
+    highest load per copy among those with fewer than ``num_ranks`` copies (all items have
+    that many: the highest load per copy). ``c`` copies on ``K`` ranks put ``ceil(c / K)`` of
+    them on some rank, ``ceil(c / K) * w / c >= w / K``: a copy beyond one per rank lowers no
+    rank's share of the item (and ``K + 1`` copies raise it to ``2w / (K + 1)``), while the
+    slot lowers another item's."""
     num_rows, n = w.shape
     assert num_phy >= n
     phy = np.empty((num_rows, num_phy), dtype=np.int64)
@@ -43,7 +74,13 @@ def _replicate(w: np.ndarray, num_phy: int) -> tuple[np.ndarray, np.ndarray]:
     per_copy = w.copy()
     rows = np.arange(num_rows)
     for i in range(n, num_phy):
-        j = per_copy.argmax(axis=1)
+        if num_ranks is None:
+            j = per_copy.argmax(axis=1)
+        else:
+            open_ = np.where(cnt < num_ranks, per_copy, -np.inf)
+            j = open_.argmax(axis=1)
+            full = np.isneginf(open_[rows, j])
+            j[full] = per_copy[full].argmax(axis=1)
         phy[:, i] = j
         cnt[rows, j] += 1
         per_copy[rows, j] = w[rows, j] / cnt[rows, j]  # rounded to w's dtype (float32: eplb.py's)
@@ -146,10 +183,10 @@ def _node_experts(group_node: np.ndarray, group_load: np.ndarray, num_nodes: int
 
 @dataclass(frozen=True)
 class _Oblivious:
-    """The reference's answer. ``packs``: ``int[L, N, live_per_node, S]`` expert ids (pack k of
-    node n goes to live rank k of node n); ``group_node``: ``int[L, G]``; ``cnt``: ``int[L, E]``;
-    ``phy2log``: ``int[L, R, S]``; ``max_load``: ``float[L]`` heaviest rank; ``node_max``:
-    ``float[L]`` heaviest node."""
+    """An answer of the oblivious policy (or the reference's). ``packs``:
+    ``int[L, N, live_per_node, S]`` expert ids (pack k of node n goes to live rank k of node
+    n); ``group_node``: ``int[L, G]``; ``cnt``: ``int[L, E]``; ``phy2log``: ``int[L, R, S]``;
+    ``max_load``: ``float[L]`` heaviest rank; ``node_max``: ``float[L]`` heaviest node."""
 
     packs: np.ndarray
     group_node: np.ndarray
@@ -163,16 +200,16 @@ def _group_loads(w: np.ndarray, sh: _Shape) -> np.ndarray:
     return w.reshape(w.shape[0], sh.num_groups, -1).sum(-1)
 
 
-def _replicate_nodes(w: np.ndarray, group_node: np.ndarray, sh: _Shape):
-    """Replicas within each node. Returns ``mlog2log`` ``int[L*N, E/N]``, ``phy2m``
-    ``int[L*N, P_node]`` (node-local expert index per copy), ``mcnt`` ``int[L*N, E/N]``,
-    ``cnt`` ``int[L, E]``."""
+def _replicate_nodes(w: np.ndarray, group_node: np.ndarray, sh: _Shape, spread: bool = False):
+    """Replicas within each node (``spread``: moeshard's spread counts, see :func:`_replicate`).
+    Returns ``mlog2log`` ``int[L*N, E/N]``, ``phy2m`` ``int[L*N, P_node]`` (node-local expert
+    index per copy), ``mcnt`` ``int[L*N, E/N]``, ``cnt`` ``int[L, E]``."""
     num_layers, num_logical = w.shape
     n = sh.num_nodes
     gl = _group_loads(w, sh)
     mlog2log = _node_experts(group_node, gl, n, num_logical // sh.num_groups).reshape(num_layers * n, -1)
     w_m = np.take_along_axis(np.repeat(w, n, axis=0), mlog2log, axis=1)
-    phy2m, mcnt = _replicate(w_m, sh.live_per_node * sh.slots_per_rank)
+    phy2m, mcnt = _replicate(w_m, sh.live_per_node * sh.slots_per_rank, sh.live_per_node if spread else None)
     cnt = np.zeros((num_layers, num_logical), dtype=np.int64)
     np.put_along_axis(cnt, mlog2log.reshape(num_layers, -1), mcnt.reshape(num_layers, -1), axis=1)
     return mlog2log, phy2m, mcnt, cnt
@@ -192,14 +229,15 @@ def _scatter_packs(packs: np.ndarray, sh: _Shape, rank_of_pack: np.ndarray | Non
     return out.reshape(num_layers, sh.num_ranks, s)
 
 
-def _node_packs(w: np.ndarray, group_node: np.ndarray, sh: _Shape, no_duplicates: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Steps 2 and 3 for a given ``group_node`` ``int[L, G]``: replicas within each node, then
-    balanced packing of the copies onto the node's live ranks (``no_duplicates``: with
-    moeshard's rule, before the repair). Returns packs ``int[L*N, live_per_node, S]`` and
-    ``cnt`` ``int[L, E]``."""
+def _node_packs(w: np.ndarray, group_node: np.ndarray, sh: _Shape, no_duplicates: bool,
+                spread: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Steps 2 and 3 for a given ``group_node`` ``int[L, G]``: replicas within each node
+    (``spread``: moeshard's spread counts), then balanced packing of the copies onto the node's
+    live ranks (``no_duplicates``: with moeshard's rule, before the repair). Returns packs
+    ``int[L*N, live_per_node, S]`` and ``cnt`` ``int[L, E]``."""
     num_layers = w.shape[0]
     n, s, live = sh.num_nodes, sh.slots_per_rank, sh.live_per_node
-    mlog2log, phy2m, mcnt, cnt = _replicate_nodes(w, group_node, sh)
+    mlog2log, phy2m, mcnt, cnt = _replicate_nodes(w, group_node, sh, spread)
     w_m = np.take_along_axis(np.repeat(w, n, axis=0), mlog2log, axis=1)
     w_phy = np.take_along_axis((w_m / mcnt).astype(w.dtype), phy2m, axis=1)
     slots = _pack(w_phy, phy2m if no_duplicates else None, mlog2log.shape[1], live, s)
@@ -207,28 +245,146 @@ def _node_packs(w: np.ndarray, group_node: np.ndarray, sh: _Shape, no_duplicates
     return np.take_along_axis(mlog2log, packs_m, axis=1).reshape(num_layers * n, live, s), cnt
 
 
-def _oblivious(w: np.ndarray, sh: _Shape, exact: bool = False) -> _Oblivious:
-    """moeshard's oblivious policy; ``exact``: the reference's own answer instead (no
-    "never two copies of an expert on a rank" rule, no repair, and its float32 arithmetic, so
-    that near-ties of sums and per-copy loads break as they do in ``eplb.py``)."""
-    num_layers, num_logical = w.shape
-    n, s, live = sh.num_nodes, sh.slots_per_rank, sh.live_per_node
-    # eplb.py decides in float32 (``weight.float()``); float64 results of one division or
-    # addition rounded to float32 are the float32 results, so keeping the arrays float32 suffices.
-    wd = w.astype(np.float32) if exact else w
-    gl = _group_loads(wd, sh)
+def _groups_to_nodes(w: np.ndarray, sh: _Shape) -> np.ndarray:
+    """Step 1, ``int[L, G]`` node of each group: ``balanced_packing`` of the group loads."""
+    num_layers = w.shape[0]
+    n = sh.num_nodes
     group_node = np.zeros((num_layers, sh.num_groups), dtype=np.int64)
-    if n > 1:  # step 1: groups -> nodes
-        gslots = _pack(gl, None, 0, n, sh.num_groups // n)
+    if n > 1:
+        gslots = _pack(_group_loads(w, sh), None, 0, n, sh.num_groups // n)
         np.put_along_axis(group_node, gslots.reshape(num_layers, -1),
                           np.repeat(np.arange(n), sh.num_groups // n)[None, :], axis=1)
-    packs, cnt = _node_packs(wd, group_node, sh, no_duplicates=not exact)
-    if not exact:
-        wc = _per_copy(w, cnt)
-        _repair(packs, np.repeat(wc, n, axis=0),
-                _per_rank_cap(np.repeat(cnt, n, axis=0), np.full(num_layers * n, live)))
-    packs = packs.reshape(num_layers, n, live, s)
+    return group_node
+
+
+def _answer(w: np.ndarray, sh: _Shape, packs: np.ndarray, group_node: np.ndarray, cnt: np.ndarray) -> _Oblivious:
+    """The :class:`_Oblivious` of ``packs`` ``int[L*N, live_per_node, S]`` (groups
+    ``group_node`` ``int[L, G]``, replica counts ``cnt`` ``int[L, E]``), loads of ``w``."""
+    num_layers = w.shape[0]
+    n = sh.num_nodes
+    packs = packs.reshape(num_layers, n, sh.live_per_node, sh.slots_per_rank)
     p2l = _scatter_packs(packs, sh)
     gl = _group_loads(w, sh)
     node_max = (gl[:, :, None] * (group_node[:, :, None] == np.arange(n))).sum(1).max(1)
     return _Oblivious(packs, group_node, cnt, p2l, _max_rank_load(w, p2l, cnt), node_max)
+
+
+def reference_answer(w: np.ndarray, sh: _Shape) -> _Oblivious:
+    """The reference's own answer: no "never two copies of an expert on a rank" rule, no
+    repair, and its float32 arithmetic, so that near-ties of sums and per-copy loads break as
+    they do in ``eplb.py``."""
+    # eplb.py decides in float32 (``weight.float()``); float64 results of one division or
+    # addition rounded to float32 are the float32 results, so keeping the arrays float32 suffices.
+    wd = w.astype(np.float32)
+    group_node = _groups_to_nodes(wd, sh)
+    packs, cnt = _node_packs(wd, group_node, sh, no_duplicates=False)
+    return _answer(w, sh, packs, group_node, cnt)
+
+
+def _refined(w: np.ndarray, sh: _Shape, packs: np.ndarray, group_node: np.ndarray, cnt: np.ndarray,
+             no_duplicates: bool) -> _Oblivious:
+    """``packs`` ``int[L*N, live_per_node, S]`` after the swap local search
+    (:func:`moeshard.eplb.refine.lower_peak`): each layer's heaviest rank never rises.
+    ``no_duplicates``: moeshard's rule (:func:`_per_rank_cap`), the swap repair first and no
+    swap that breaks it; else no rank takes more copies of an expert than the rule and
+    ``packs``' fullest rank for that expert allow (the search adds no duplicate of its own)."""
+    num_layers = w.shape[0]
+    n, live = sh.num_nodes, sh.live_per_node
+    packs = packs.copy()
+    wc = _per_copy(w, cnt)
+    cap = _per_rank_cap(cnt, np.full(num_layers, live))
+    if no_duplicates:
+        _repair(packs, np.repeat(wc, n, axis=0), np.repeat(cap, n, axis=0))
+    else:
+        per_rank = _count_last(packs.reshape(num_layers, n * live, -1), cnt.shape[1])[..., :-1]
+        cap = np.maximum(cap, per_rank.max(1))
+    lower_peak(packs.reshape(num_layers, n, live, -1), wc, cap)
+    return _answer(w, sh, packs, group_node, cnt)
+
+
+def _keeps_rule(o: _Oblivious, sh: _Shape) -> np.ndarray:
+    """``bool[L]``: no rank of ``o`` holds more copies of an expert than moeshard's rule
+    allows (:func:`_per_rank_cap`)."""
+    num_layers, num_logical = o.cnt.shape
+    per_rank = _count_last(o.packs.reshape(num_layers, -1, sh.slots_per_rank), num_logical)[..., :num_logical]
+    cap = _per_rank_cap(o.cnt, np.full(num_layers, sh.live_per_node))
+    return (per_rank <= cap[:, None, :]).all((1, 2))
+
+
+def _with_layers(base: _Oblivious, layers: np.ndarray, sub: _Oblivious) -> _Oblivious:
+    """``base`` with its ``layers`` ``int[M]`` replaced by ``sub``'s (``M`` layers)."""
+    fields = []
+    for f in _Oblivious.__dataclass_fields__:
+        a = getattr(base, f).copy()
+        a[layers] = getattr(sub, f)
+        fields.append(a)
+    return _Oblivious(*fields)
+
+
+def _spread(w: np.ndarray, sh: _Shape, group_node: np.ndarray, plain: _Oblivious) -> _Oblivious:
+    """The candidate with spread replica counts (:func:`_replicate`), refined, with moeshard's
+    rule; ``plain`` (the candidate with the reference's counts) where the counts are the same."""
+    layers = np.flatnonzero((_replicate_nodes(w, group_node, sh, spread=True)[3] != plain.cnt).any(1))
+    if not len(layers):
+        return plain
+    packs, cnt = _node_packs(w[layers], group_node[layers], sh, no_duplicates=True, spread=True)
+    return _with_layers(plain, layers, _refined(w[layers], sh, packs, group_node[layers], cnt, no_duplicates=True))
+
+
+# A candidate replaces an earlier one only if its heaviest rank is lighter by this relative
+# margin (two sums of the same copies in another order differ by a few ulps): the earlier
+# candidates keep moeshard's rule.
+_TIE = 1e-13
+
+
+def _most_balanced(cands: list[_Oblivious], allowed: np.ndarray) -> np.ndarray:
+    """``int[L]``: per layer, the candidate of the lightest heaviest rank among the
+    ``allowed`` ones ``bool[C, L]`` (the first, up to ``_TIE``; -1 where none is allowed)."""
+    pick = np.full(allowed.shape[1], -1, dtype=np.int64)
+    best = np.full(allowed.shape[1], np.inf)
+    for i, c in enumerate(cands):
+        better = allowed[i] & (c.max_load < best * (1 - _TIE))
+        pick[better], best[better] = i, c.max_load[better]
+    return pick
+
+
+def _select(cands: list[_Oblivious], pick: np.ndarray) -> _Oblivious:
+    """Layer ``l`` of candidate ``pick[l]``, for every layer."""
+    li = np.arange(len(pick))
+    return _Oblivious(*[np.stack([getattr(c, f) for c in cands])[pick, li] for f in _Oblivious.__dataclass_fields__])
+
+
+def group_packs(w: np.ndarray, sh: _Shape, group_node: np.ndarray) -> np.ndarray:
+    """For the groups ``group_node`` ``int[L, G]``, per layer the more balanced of the
+    reference's steps 2 and 3 with its counts and with spread counts, each refined without
+    moeshard's rule (the migration-aware policy's fallback packing). Returns packs
+    ``int[L, N, live_per_node, S]``."""
+    cands = []
+    for spread in (False, True):
+        packs, cnt = _node_packs(w, group_node, sh, no_duplicates=False, spread=spread)
+        cands.append(_refined(w, sh, packs, group_node, cnt, no_duplicates=False))
+    return _select(cands, _most_balanced(cands, np.ones((2, w.shape[0]), dtype=bool))).packs
+
+
+def _oblivious(w: np.ndarray, sh: _Shape, ref: _Oblivious | None = None) -> _Oblivious:
+    """moeshard's oblivious policy (module docstring). Per layer, the most balanced answer
+    that keeps moeshard's rule among: deepseek-ai/EPLB's steps with the rule, the same with
+    spread replica counts (both in float64), and the reference's answer ``ref`` (computed
+    when None), each refined (:func:`_refined`); where none of them is at least as balanced as
+    the reference, the refined reference (its duplicates, if any, kept): never less balanced
+    than the reference, by construction."""
+    ref = reference_answer(w, sh) if ref is None else ref
+    group_node = _groups_to_nodes(w, sh)
+    packs, cnt = _node_packs(w, group_node, sh, no_duplicates=True)
+    plain = _refined(w, sh, packs, group_node, cnt, no_duplicates=True)
+    num_layers = w.shape[0]
+    ref_packs = ref.packs.reshape(num_layers * sh.num_nodes, sh.live_per_node, -1)
+    ref_refined = _refined(w, sh, ref_packs, ref.group_node, ref.cnt, no_duplicates=False)
+    cands = [plain, _spread(w, sh, group_node, plain), ref_refined]
+    allowed = np.ones((len(cands), num_layers), dtype=bool)
+    allowed[2] = _keeps_rule(ref_refined, sh)
+    pick = _most_balanced(cands, allowed)
+    # the rule yields where keeping it is less balanced than the reference
+    lose = (pick < 0) | (np.stack([c.max_load for c in cands])[pick, np.arange(num_layers)] > ref.max_load * (1 + _TIE))
+    pick[lose] = 2
+    return _select(cands, pick)

@@ -35,7 +35,11 @@ linear per micro-batch, it accumulates exactly over gradient-accumulation steps.
 With expert FSDP (efsdp > 1) it runs on the unsharded gradient FSDP2 then reduce-scatters over
 "efsdp" (the ranks of one EP group hold the same efsdp coordinate, so their copies' rows
 match); FSDP2's own gradient handling is untouched. Bytes per micro-batch and layer: each
-non-first copy's expert gradient once (unsharded), sent to one rank.
+non-first copy's expert gradient once (unsharded), sent to one rank. The sum is taken in the
+gradient's dtype where it runs: the parameters' with efsdp == 1 (the EP forward casts to a
+mixed-precision ``param_dtype`` after it), FSDP2's ``param_dtype`` with efsdp > 1 (its
+unsharded gradient, before the reduce-scatter in ``reduce_dtype``): one rounding per added
+copy in bf16 there.
 
 Alternatives weighed:
 

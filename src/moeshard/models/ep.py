@@ -39,6 +39,20 @@ over the EP group; it is divided by the EP size here, and FSDP's reduce-scatter 
 divides by that axis' size (its default), so the product is the world size. (Not FSDP's
 ``set_gradient_divide_factor``: it needs a PREMUL_SUM reduction, which gloo lacks.)
 
+Mixed precision (``parallelize(..., mp_policy=MixedPrecisionPolicy(param_dtype=...))``, FSDP2's
+own policy): with expert FSDP (efsdp > 1) FSDP2 all-gathers the expert weights in ``param_dtype``
+as it does every other parameter. With efsdp == 1 the expert weights are FSDP's ignored
+parameters, which it never casts, so the EP forward casts the local weights (and LoRA factors)
+to ``param_dtype`` itself (:attr:`EPLayer.compute_dtype`), through autograd: the whole model
+computes in ``param_dtype`` as under FSDP2, and the gradient reaches the float32 parameter cast
+back to float32, where the 1/EP mean is applied (FSDP2 divides in ``reduce_dtype``, float32 in
+the usual policy). ``reduce_dtype`` has nothing to act on in that path: no weight gradient is
+communicated (each slot's gradient is computed where it lives, its sum over the EP ranks' tokens
+inside the weight-gradient matmul, in ``param_dtype`` as a one-rank FSDP2 module's is; the
+all-to-all carries activations and their gradients in ``param_dtype``, as FSDP2's activations
+are), except redundant copies' gradients (below), summed where the cast's backward has brought
+them back to the parameters' dtype (float32: at least ``reduce_dtype``'s precision).
+
 Copies of a redundant expert see different tokens, so their gradients differ. The EP forward
 makes a stock loop exact without any call (:mod:`moeshard.models.copies`): in backward each
 redundant expert's first copy gets the sum of its copies' gradients (the gradient one copy
@@ -62,11 +76,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import _dist
+from ..placement import Placement
 from .copies import CopyRoutes, combine_copy_grads, track
 from .describe import local_tensor
 
-__all__ = ["EPLayer", "SlotLora", "experts_kind", "install_ep_forward", "set_placement", "slot_params",
-           "sync_redundant_grads", "grad_norm", "clip_grad_norm_"]
+__all__ = ["EPLayer", "SlotLora", "experts_kind", "install_ep_forward", "model_placement",
+           "unsupported_forward", "set_placement", "slot_params", "sync_redundant_grads", "grad_norm",
+           "clip_grad_norm_"]
 
 ROUTED, PREROUTED = "routed", "prerouted"
 # Experts classes with the pre-routed forward (module doc), by class name: FSDP2 gives a module
@@ -90,6 +107,9 @@ class EPLayer:
         param_names: the module's per-slot parameters (its spec's, EP-sharded ``[S, ...]``); its
             other parameters hold one row per logical expert, whole (``[E, ...]``: gpt-oss's
             biases, which the spec leaves to FSDP). Empty: every parameter is per slot.
+        compute_dtype: the mixed-precision policy's ``param_dtype`` (None: compute in the
+            parameters' own dtype). The forward casts the local expert weights to it, with
+            autograd (module doc, "Mixed precision").
     """
 
     layer: int
@@ -101,6 +121,7 @@ class EPLayer:
     ep_group: dist.ProcessGroup
     grad_scale: float
     param_names: tuple[str, ...] = ()
+    compute_dtype: torch.dtype | None = None
 
     @property
     def ep_size(self) -> int:
@@ -193,7 +214,7 @@ def install_ep_forward(module: nn.Module, ep_layer: EPLayer, loras: tuple[SlotLo
     kind = experts_kind(module)
     if kind is None:
         if _from_transformers(module):
-            module.forward = types.MethodType(_unsupported_forward, module)
+            module.forward = types.MethodType(unsupported_forward, module)
         return False
     for name, p in module.named_parameters(recurse=False):
         rows, what = ((len(ep_layer.phy2log), "slots") if _per_slot(ep_layer, name)
@@ -221,7 +242,8 @@ def _copy_params(module: nn.Module):
     return getattr(module, "moeshard_ep", None), slot_params(module)
 
 
-def _unsupported_forward(self, *args, **kwargs):
+def unsupported_forward(self, *args, **kwargs):
+    """The forward :func:`install_ep_forward` gives a transformers experts module it does not support."""
     raise NotImplementedError(
         f"{type(self).__module__}.{type(self).__name__}: moeshard's EP forward does not support this experts "
         "module (neither transformers' routed experts forward, @use_experts_implementation, nor a pre-routed "
@@ -234,7 +256,10 @@ def set_placement(model: nn.Module, placement) -> int:
     """Point every EP experts module of ``model`` at ``placement`` (after its weights moved:
     :func:`moeshard.relocate` calls this), so tokens are routed to the slots that now hold
     their experts. Local, no communication; every rank must do it with the same placement.
-    Returns the number of layers updated."""
+    Returns the number of layers updated. Also updates ``model.moeshard_placement`` (set by
+    :func:`moeshard.parallelize`), so that it names where the experts are now."""
+    if hasattr(model, "moeshard_placement"):
+        model.moeshard_placement = placement
     layers = ep_layers(model)
     if not layers:  # custom experts modules route tokens themselves
         return 0
@@ -247,6 +272,19 @@ def set_placement(model: nn.Module, placement) -> int:
             logcnt=placement.logcnt[ep.layer])
         module._moeshard_route = {}
     return len(layers)
+
+
+def model_placement(model: nn.Module) -> Placement | None:
+    """The placement ``model``'s EP forward routes tokens by (:func:`moeshard.parallelize` sets
+    it, :func:`moeshard.relocate` changes it): ``phy2log [num_moe_layers, num_physical]``. None
+    for a model without moeshard EP layers (custom experts modules route tokens themselves).
+    Local, no communication."""
+    layers = ep_layers(model)
+    if not layers:
+        return None
+    first = layers[0][1]
+    return Placement(np.stack([ep.phy2log for _, ep in layers]), num_logical=len(first.logcnt),
+                     num_ranks=first.ep_size)
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -288,14 +326,16 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x, recv, send, group):
         ctx.splits, ctx.group = (recv, send), group
         out = x.new_empty((sum(recv), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        with _dist.collective("moeshard EP forward: exchanging tokens (all-to-all)"):
+            dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         recv, send = ctx.splits
         out = grad.new_empty((sum(send), *grad.shape[1:]))
-        dist.all_to_all_single(out, grad.contiguous(), send, recv, group=ctx.group)
+        with _dist.collective("moeshard EP backward: exchanging gradients (all-to-all)"):
+            dist.all_to_all_single(out, grad.contiguous(), send, recv, group=ctx.group)
         return out, None, None, None
 
 
@@ -407,10 +447,11 @@ def _exchange(self, source: torch.Tensor, rows: torch.Tensor, experts: torch.Ten
         sorted_slots = slots[order]
         send_counts = torch.bincount(sorted_slots // spr, minlength=n)
         recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=group)
-        send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
-        recv_slots = sorted_slots.new_empty(sum(recv_splits))
-        dist.all_to_all_single(recv_slots, sorted_slots % spr, recv_splits, send_splits, group=group)
+        with _dist.collective("moeshard EP forward: exchanging routing counts (all-to-all)"):
+            dist.all_to_all_single(recv_counts, send_counts, group=group)
+            send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
+            recv_slots = sorted_slots.new_empty(sum(recv_splits))
+            dist.all_to_all_single(recv_slots, sorted_slots % spr, recv_splits, send_splits, group=group)
     x = _AllToAll.apply(source[rows[order]], recv_splits, send_splits, group)
     y = _local_experts(self, x, recv_slots, ep)
     return _AllToAll.apply(y, send_splits, recv_splits, group), order
@@ -454,14 +495,24 @@ def _local_params(self, ep: EPLayer, x: torch.Tensor) -> tuple[torch.Tensor, dic
     for lora in loras:
         by_param[lora.param].append((lora, *next(factors)))
     for name, w in zip(names, local):
-        out[name] = _with_lora(w, by_param[name])
+        # Scale first, then combine copies, then cast: the cast's backward brings the gradient to
+        # the parameter's dtype, where the copies are summed and the 1/EP mean is taken (module
+        # doc, "Mixed precision").
+        out[name] = _with_lora(_compute(w, ep), by_param[name])
     for name, p in self._parameters.items():
         if p is None or name in out:
             continue
-        whole = _local_weight(p, 1.0)  # not local_tensor: that detaches
+        whole = _compute(_local_weight(p, 1.0), ep)  # not local_tensor: that detaches
         assert whole.shape[0] == len(ep.logcnt), (name, tuple(whole.shape))  # unsharded by FSDP here
         out[name] = whole[_route_tables(self, ep, x.device)[2].to(whole.device)]
     return x, out
+
+
+def _compute(w: torch.Tensor, ep: EPLayer) -> torch.Tensor:
+    """``w`` in the mixed-precision compute dtype (a differentiable cast; ``w`` itself when it is
+    already in it, as FSDP2's all-gathered expert weights are with efsdp > 1)."""
+    dtype = ep.compute_dtype
+    return w if dtype is None or not w.is_floating_point() else w.to(dtype)
 
 
 def _prerouted_local(self, forward, weights: dict[str, torch.Tensor], x: torch.Tensor, local_slots: torch.Tensor,
@@ -551,8 +602,11 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
         device = g.device
         if id(p) in experts:
             ep, slots = experts[id(p)]
-            keep = torch.tensor(ep.first_copy(), device=g.device)
-            sq = slots(g)[keep].pow(2).sum()
+            first = ep.first_copy()
+            if first.all():  # no redundant copy here: every local element counts (also when FSDP
+                sq = g.pow(2).sum()  # shards the slots themselves, transformers' dim-0 expert FSDP)
+            else:
+                sq = slots(g)[torch.tensor(first, device=g.device)].pow(2).sum()
         elif hasattr(p.grad, "placements"):
             from torch.distributed.tensor import Replicate
 

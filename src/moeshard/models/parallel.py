@@ -6,6 +6,9 @@ become DTensors whose global view is the physical tensor ``[num_physical, ...]``
 holds slots k*S..(k+1)*S-1, ``Shard(0)`` on "ep"); with efsdp > 1 FSDP2 shards them further
 along dim 1 (``Shard(1)``, so the local box stays contiguous whatever the slot count). Every
 other parameter gets ``fully_shard`` on the flattened data-parallel axis ("dp" = all ranks).
+Mixed precision is FSDP2's own :class:`~torch.distributed.fsdp.MixedPrecisionPolicy`, given to
+every ``fully_shard`` here; the EP forward applies its ``param_dtype`` to the expert weights FSDP
+ignores (efsdp == 1), see :mod:`moeshard.models.ep`.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Sequence
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from ..placement import Placement
@@ -48,6 +51,8 @@ def parallelize(
     placement: Placement,
     specs: Sequence[ExpertsSpec] = DEFAULT_SPECS,
     ep_forward: bool = True,
+    *,
+    mp_policy: MixedPrecisionPolicy | None = None,
 ) -> nn.Module:
     """Collective (all ranks): shard ``model`` in place for EP (+ expert FSDP) and FSDP2.
 
@@ -68,15 +73,31 @@ def parallelize(
             that raises NotImplementedError naming its class. A custom experts module (not from
             transformers, not ``gate_up_proj`` / ``down_proj`` / ``act_fn`` HF-style) keeps its
             forward, as every module does with ``ep_forward=False``: it must do its own dispatch
-            over ``module.num_local_experts`` local slots.
+            over ``module.num_local_experts`` local slots (and :func:`moeshard.relocate` then
+            needs ``routing="caller"``: moeshard cannot re-point such a forward).
+        mp_policy: FSDP2's mixed-precision policy (``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+            reduce_dtype=torch.float32)``: bf16 compute on float32 parameters), passed to every
+            ``fully_shard`` (the expert FSDP's on "efsdp", every block's and the root's on "dp").
+            With efsdp == 1 FSDP ignores the expert weights, so the EP forward casts them to
+            ``param_dtype`` itself (with autograd: their gradients arrive in the parameters'
+            dtype); the whole model then computes in ``param_dtype`` as FSDP2 alone would. A
+            custom experts module that keeps its own forward (``ep_forward=False``, or not
+            transformers' and not HF-style) must do that cast itself. None: no mixed precision.
     Returns:
-        the same model (call :func:`moeshard.load` next).
+        the same model (call :func:`moeshard.load` next), with ``model.moeshard_placement`` =
+        ``placement`` (kept current by :func:`moeshard.relocate`).
 
     Raises:
         ValueError (before the model changes): with efsdp > 1, a parameter of an experts
             module whose dim 1 does not divide by efsdp (FSDP2 shards it there, evenly only);
-            with efsdp > 1 and ep_forward, a parameter of an experts module outside its spec.
+            with efsdp > 1 and ep_forward, a parameter of an experts module outside its spec;
+            an ``mp_policy`` that is not a ``MixedPrecisionPolicy``.
     """
+    if mp_policy is None:
+        mp_policy = MixedPrecisionPolicy()  # fully_shard's default: no casts
+    elif not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise ValueError(f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy (FSDP2's), got "
+                         f"{type(mp_policy).__module__}.{type(mp_policy).__qualname__}")
     names = mesh.mesh_dim_names or ()
     if "ep" not in names:
         raise ValueError(f"mesh must have an 'ep' dim, got dims {names}")
@@ -116,11 +137,12 @@ def parallelize(
             # Shard(1), not Shard(0): the local box stays one contiguous run of whole slots
             # whether or not the slot count divides by efsdp (torchtitan's fallback).
             # LoRA B [out, r*S] shards its rows instead (its columns are EP's).
-            fully_shard(wrappers[-1] if wrappers else module, mesh=mesh["efsdp"],
+            fully_shard(wrappers[-1] if wrappers else module, mesh=mesh["efsdp"], mp_policy=mp_policy,
                         shard_placement_fn=lambda t, b=lora_b: Shard(0) if id(t) in b else Shard(1))
         installed = ep_forward and install_ep_forward(module, EPLayer(
             layer, placement.phy2log[layer], placement.log2phy[layer], placement.logcnt[layer], spr,
             ep_mesh.get_local_rank(), ep_mesh.get_group(), 1.0 / ep, tuple(p.name for p in spec.params),
+            mp_policy.param_dtype,
         ), loras)
         if loras and not installed:
             why = f"{type(module).__name__} is not an experts module it supports" if ep_forward else "ep_forward=False"
@@ -129,8 +151,11 @@ def parallelize(
     ignored = expert_params if efsdp == 1 else None
     blocks = _blocks(model)
     for block in blocks:
-        fully_shard(block, mesh=dp, ignored_params=ignored)
-    fully_shard(model, mesh=dp, ignored_params=ignored)
+        fully_shard(block, mesh=dp, ignored_params=ignored, mp_policy=mp_policy)
+    fully_shard(model, mesh=dp, ignored_params=ignored, mp_policy=mp_policy)
+    # Where each logical expert is, for callers that did not keep it (from_pretrained's users);
+    # set_placement keeps it current when experts move.
+    model.moeshard_placement = placement
     return model
 
 

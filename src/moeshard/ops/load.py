@@ -32,6 +32,7 @@ from ..io.sources import Storage, reader_root, resolve_sources, sources_share
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
 from ..models.describe import ParamDesc, describe_model, local_tensor
 from ..models.layout import need_table
+from ..models.routing import resolve_placement
 from ..models.unused import ignored_patterns, unused_keys
 from ..placement import Placement
 from ..plan import DEFAULT_STAGING_BYTES, NeedTable, Schedule, minimal_cost, plan_transfers
@@ -270,7 +271,9 @@ def load(
             or plain tensors (held in full by every rank); may be on the meta device.
             Expert parameters have global shape ``[num_physical, *slice_shape]``.
         checkpoint: HF safetensors directory (with index) or a ``.safetensors`` file.
-        placement: which logical expert each physical slot holds (None: slot p = expert p).
+        placement: which logical expert each physical slot holds. None: the one the model's EP
+            forward routes by (:func:`moeshard.models.ep.model_placement`), slot p = expert p
+            for a model without it; a placement other than the model's is refused.
         storage: "shared", "node", "single" or "auto" (detect which ranks see the files).
         topology: ranks per node (default: torchrun's environment).
         staging_bytes: per-rank budget for pieces in flight.
@@ -291,9 +294,9 @@ def load(
         read_threads: threads reading this rank's own pieces straight into place, in parallel
             and overlapped with the transfers (:class:`~moeshard.io.readpool.ReadPool`; CUDA
             destinations through pinned buffers and side-stream copies). Default: the
-            ``MOESHARD_READ_THREADS`` environment variable, else for a model on the CPU this
-            host's cores per local rank, at most 8, and 1 on an accelerator (opt in there: that
-            path is not yet measured on a GPU); 1 reads serially on the calling thread.
+            ``MOESHARD_READ_THREADS`` environment variable, else this host's cores per local
+            rank, at most 8 for a model on the CPU and at most 4 on an accelerator (the fastest
+            measured on a GPU host); 1 reads serially on the calling thread.
         direct_io: read with ``O_DIRECT``, bypassing the page cache (cold storage read once,
             a checkpoint larger than host memory; Linux; see
             :class:`~moeshard.io.checkpoint.CheckpointReader`).
@@ -314,6 +317,7 @@ def load(
     phases = Phases(t0)
     hwm_reset = _reset_peak_rss()
     rss0 = psutil.Process().memory_info().rss
+    placement = resolve_placement(model, placement, "moeshard.load")
     topo = topology or Topology.of_group(group)
     rank = _dist.rank_and_world()[0]
     if topo.world_size != _dist.rank_and_world()[1]:

@@ -29,8 +29,9 @@ from ..io.checkpoint import CheckpointIndex, CheckpointReader
 from ..io.sources import Storage, reader_root, resolve_sources
 from ..models.adapters import DEFAULT_SPECS, ExpertParam, ExpertsSpec, read_expert_box
 from ..models.describe import ExpertRef, ParamDesc, describe_model, expert_layers, local_tensor
-from ..models.ep import set_placement
+from ..models.ep import model_placement, set_placement
 from ..models.layout import expert_part_sizes
+from ..models.routing import ROUTING_MODES, check_routing, resolve_placement, take_over
 from ..models.shards import local_boxes
 from ..placement import Placement
 from ..plan.chunks import relocation_chunks
@@ -318,6 +319,7 @@ def relocate(
     progress: bool | None = None,
     transactional: bool = True,
     optimizer: torch.optim.Optimizer | None = None,
+    routing: str = "auto",
     group=None,
 ) -> RelocationReport:
     """Collective (every rank of ``group``): move expert weights from placement ``old`` to
@@ -356,8 +358,22 @@ def relocate(
             parameter (AdamW's ``exp_avg``, ``exp_avg_sq``; :func:`expert_states`) moves with
             the expert, so training goes on as if nothing moved (scalars such as ``step`` stay).
             Copies of a redundant expert hold the same state: after every optimizer step the
-            first copy's is copied over the others (:mod:`moeshard.models.copies`). An expert read from the checkpoint (no
-            live copy) starts from zero state. Every rank passes its optimizer, or none.
+            first copy's is copied over the others (:mod:`moeshard.models.copies`). An expert
+            read from the checkpoint (no live copy) starts from zero state. Every rank passes its optimizer, or none.
+        routing: who sends a model's tokens to the new slots afterwards
+            (:mod:`moeshard.models.routing`). ``"auto"``: moeshard does, or the call refuses
+            before anything moves. It re-points its own EP forward (:func:`moeshard.parallelize`'s);
+            an experts module that transformers made expert-parallel
+            (``from_pretrained(..., distributed_config=DistributedConfig(ep_size=...))``, whose
+            forward sends logical expert e to slot e) gets moeshard's EP forward, which routes by
+            the placement, with transformers' gradient convention (a transformers-built model
+            has one slot per logical expert: no redundant copies, and ``old`` must be its
+            contiguous layout); a module without a forward has nothing to route. Any other
+            experts module (its own dispatch, a torchtitan model, a transformers model in one
+            process) is refused, naming it. ``"caller"``: the caller routes those modules' tokens
+            by ``new`` itself (its own dispatch reads ``new.phy2log`` / ``log2phy``); moeshard
+            moves the weights, re-points its own EP forward and changes no other forward. Plain
+            tensors are the caller's to route: ``routing`` does not apply to them.
         group: the process group that relocates (default: the default group): the survivors
             of a lost rank, a group with a joiner that was never in the old one, or one EP
             group of a larger job. Ranks in plans and messages are its ranks; a model's device
@@ -376,7 +392,8 @@ def relocate(
     Raises:
         DistributedError: on every rank, before any weight changes, for a bad input (placements
             that differ across ranks or do not fit the tensors, a new slot on a dead rank, an
-            expert with no live copy and no checkpoint, tensors that disagree across ranks).
+            expert with no live copy and no checkpoint, tensors that disagree across ranks, an
+            experts module whose routing moeshard cannot update, see ``routing``).
         PeerLostError: on the ranks that saw a peer die or the network fail (a
             DistributedError naming the step and, for P2P, the peers).
     """
@@ -384,6 +401,12 @@ def relocate(
     rank, world = _dist.rank_and_world()
     if optimizer is not None and not isinstance(target, nn.Module):
         raise ValueError("optimizer= needs a model (plain expert tensors have no optimizer to look up)")
+    if routing not in ROUTING_MODES:
+        raise ValueError(f"routing={routing!r}: expected one of {list(ROUTING_MODES)}")
+    if isinstance(target, nn.Module) and old is not None and model_placement(target) is not None:
+        # The experts are where moeshard's forward routes tokens: an ``old`` that says otherwise
+        # would move the wrong slots (check_routing judges other forwards' ``old``).
+        old = resolve_placement(target, old, "moeshard.relocate (old)")
     topo = (topology or Topology.of_group(group)).with_rank(rank)
     if topo.world_size != world:
         raise ValueError(f"topology has world_size {topo.world_size}, the process group has {world}")
@@ -392,6 +415,8 @@ def relocate(
     signature = None if isinstance(target, nn.Module) else _signature(target)
 
     def describe():
+        # Before anything moves: who routes the tokens afterwards (refused here, on every rank).
+        routes = check_routing(target, old, new, routing, specs) if isinstance(target, nn.Module) else None
         ep_ranks = None if isinstance(target, nn.Module) else _ep_ranks(target, new, active_ranks, world)
         tensors, locals_, sources = describe_expert_tensors(target, world, specs, expert_params, module, ep_ranks,
                                                             optimizer)
@@ -409,7 +434,7 @@ def relocate(
         # First plan as if every live rank could read: it tells whether the checkpoint is needed.
         plan = plan_relocation(tensors, old, new, topo, active, active, staging_bytes, max_ops, from_checkpoint,
                                rank=rank)
-        return tensors, locals_, sources, active, plan
+        return tensors, locals_, sources, active, plan, routes
 
     def fingerprint(x) -> str:
         if signature is None:
@@ -417,7 +442,8 @@ def relocate(
         return f"{x[4].fingerprint}:{hashlib.blake2b(repr(signature).encode(), digest_size=8).hexdigest()}"
 
     try:
-        tensors, locals_, sources, active, plan = _dist.agree(describe, "moeshard.relocate: planning", fingerprint)
+        tensors, locals_, sources, active, plan, routes = _dist.agree(describe, "moeshard.relocate: planning",
+                                                                      fingerprint)
     except _dist.PlanMismatchError:
         if signature is None:
             raise
@@ -482,6 +508,8 @@ def relocate(
         if reader is not None:
             reader.close()
     if isinstance(target, nn.Module):
+        if routing == "auto":
+            take_over(routes, new)  # transformers' EP experts: moeshard's EP forward, by the placement
         set_placement(target, new)  # route tokens to where the experts are now
     c = _job_summary(plan, rank)
     return RelocationReport(

@@ -49,6 +49,7 @@ from ..io.sources import resolve_sources
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
 from ..models.describe import ParamDesc, describe_model, expert_layers, local_tensor, persistent_buffers, tensor_names
 from ..models.hf_names import hf_names
+from ..models.routing import declared_experts, resolve_placement
 from ..placement import Placement
 from ..plan import DEFAULT_STAGING_BYTES
 from ..plan.save import SavePlan, describe_outputs, plan_save
@@ -113,8 +114,8 @@ def plan_model_save(
     descs = describe_model(model, reference, specs)
     hints = {}
     for layer, (_, mod, _) in enumerate(expert_layers(model, specs)):
-        n = getattr(mod, "num_experts", None)
-        if isinstance(n, int):
+        n = declared_experts(mod)  # not num_experts as such: transformers' EP counts one rank's there
+        if n is not None:
             hints[layer] = n
     skip = frozenset(getattr(model, "_keys_to_ignore_on_save", None) or ())
     outs = describe_outputs(
@@ -177,7 +178,9 @@ def save(
             DTensors ``[num_physical, *slice]``; other parameters FSDP2-sharded), or plain
             tensors held in full by every rank.
         out_dir: a directory every rank sees (a shared filesystem); created if missing.
-        placement: the placement the model was parallelized with (None: slot p = expert p).
+        placement: the placement the model was parallelized with or last relocated to. None: the
+            one its EP forward routes by (:func:`moeshard.models.ep.model_placement`), slot
+            p = expert p for a model without it; a placement other than the model's is refused.
             Every logical expert must have a slot; with redundant experts one copy is written.
         reference: a checkpoint (directory or index) whose names and expert part sizes to
             mirror; without it, names are the model family's and fused experts split into
@@ -203,6 +206,7 @@ def save(
         PeerLostError: on the ranks that saw a peer die or the network fail; each removes the
             files it wrote, the index is not published.
     """
+    placement = resolve_placement(model, placement, "moeshard.save")
     with _dist.errors_as(SaveError):
         return _save(model, out_dir, placement, specs, reference, max_shard_bytes, overwrite, staging_bytes,
                      topology or Topology.of_group(group), fsync, progress)

@@ -43,6 +43,7 @@ from ..io.sources import Storage, reader_root, resolve_sources
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
 from ..models.describe import local_tensor
 from ..models.layout import Need
+from ..models.routing import resolve_placement
 from ..placement import Placement
 from ..plan import DEFAULT_STAGING_BYTES, Schedule
 from ..plan.scales import scale_needs
@@ -169,7 +170,8 @@ def verify(
     """Collective (every rank of ``group``): check every local slice of ``model`` against
     ``checkpoint``.
 
-    ``strict``: as in :func:`moeshard.load`, refuse a checkpoint whose unused keys say it does
+    ``placement``: as in :func:`moeshard.load` (None: the model's own). ``strict``: as in
+    :func:`moeshard.load`, refuse a checkpoint whose unused keys say it does
     not fit the model (stray experts, layers beyond the model's); False: a warning. ``group``:
     the process group that verifies (default: the default group; as in :func:`moeshard.load`).
 
@@ -181,6 +183,7 @@ def verify(
             rank's message names the rank, parameter, physical slot and logical expert (for
             expert params), box and checkpoint key of its first mismatch.
     """
+    placement = resolve_placement(model, placement, "moeshard.verify")
     topo = topology or Topology.of_group(group)
     rank, world_size = _dist.rank_and_world()
     topo = topo.with_rank(rank)

@@ -1,0 +1,96 @@
+"""A process that used moeshard exits 0 after success, every time (tier 2, real torchrun).
+
+gloo can abort a process at interpreter exit after it succeeded ("terminate called without an
+active exception", SIGABRT): a thread that still has a gloo wait or a finished collective to
+release takes the GIL while Python finalizes, and Python ends it with ``pthread_exit`` through
+C++ frames that may not unwind (see :mod:`moeshard._launch`). ``moeshard`` commands and the local
+launcher end with :func:`moeshard._launch.exit_process` instead. Here: a deterministic form of the
+hazard aborts a plain exit and not ``exit_process``; ``moeshard verify`` under torchrun exits 0
+on every run and 2 on bad input, its output complete.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from moeshard._launch import _free_port
+
+pytestmark = pytest.mark.dist
+
+RUNS = 3
+
+
+def _torchrun(args: list[str], nproc: int = 2, timeout: float = 180) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           f"--master-port={_free_port()}", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+# Rank 1 joins a collective 2 s late; rank 0 leaves while a thread still waits in it, and its
+# finalization lasts 4 s (an object freed then sleeps): the wait ends during finalization.
+HAZARD = textwrap.dedent("""
+    import sys, threading, time
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    out = [None, None]
+    if dist.get_rank() == 1:
+        time.sleep(2.0)
+        try:  # rank 0 may be gone (exit_process): this rank's part does not matter
+            dist.all_gather_object(out, 1)
+        except RuntimeError:
+            pass
+        time.sleep(1.0)
+        import os
+
+        os._exit(0)
+
+    class SlowTeardown:
+        def __del__(self):
+            time.sleep(4.0)
+
+    keep = SlowTeardown()
+    threading.Thread(target=dist.all_gather_object, args=(out, 0), daemon=True).start()
+    time.sleep(0.3)
+    print("rank 0 done", flush=True)
+    if sys.argv[1] == "exit_process":
+        from moeshard._launch import exit_process
+
+        exit_process(0)
+""")
+
+
+def test_exit_process_ends_where_a_plain_exit_aborts(tmp_path):
+    script = tmp_path / "hazard.py"
+    script.write_text(HAZARD)
+    plain = _torchrun([str(script), "plain"])
+    # The hazard is real (torch 2.13, Python 3.11): without exit_process the rank aborts.
+    assert plain.returncode != 0 and "terminate called without an active exception" in plain.stderr, (
+        "a plain exit no longer aborts here: torch or Python changed; the exit_process teardown may be unneeded\n"
+        + plain.stderr[-2000:])
+    ours = _torchrun([str(script), "exit_process"])
+    assert ours.returncode == 0, ours.stderr[-3000:]
+    assert "rank 0 done" in ours.stdout and "terminate called" not in ours.stderr
+
+
+def test_verify_under_torchrun_exits_zero_every_time(tmp_path):
+    pytest.importorskip("transformers")
+    from test_cli import _write_tiny
+
+    ckpt = str(tmp_path / "tiny")
+    _write_tiny(ckpt)
+    for run in range(RUNS):
+        res = _torchrun(["-m", "moeshard.cli", "verify", ckpt, "--ep", "2"])
+        assert res.returncode == 0, f"run {run}: exit {res.returncode}\n{res.stderr[-3000:]}"
+        assert "2 ranks (EP=2 x efsdp=1)" in res.stdout and "verified against the checkpoint: OK" in res.stdout
+        assert "terminate called" not in res.stderr
+    # Bad input: every rank exits 2 (torchrun reports 1), the one error line printed before the exit.
+    bad = _torchrun(["-m", "moeshard.cli", "verify", ckpt, "--ep", "2", "--redundant", "-5"])
+    assert bad.returncode != 0 and "moeshard verify: error:" in bad.stderr, bad.stderr[-3000:]
+    assert "exitcode  : 2" in bad.stderr and "terminate called" not in bad.stderr

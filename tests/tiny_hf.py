@@ -1,0 +1,80 @@
+"""Tiny transformers MoE models (Qwen3-MoE: 8 experts, Mixtral: 6) and their checkpoints, for the
+tests of ``moeshard.from_pretrained`` and mixed precision. A helper module, not a test file."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+FAMILIES = {"qwen3_moe": 8, "mixtral": 6}  # family -> logical experts per MoE layer
+NUM_LAYERS = 2  # MoE layers (every decoder layer)
+VOCAB, SEQ = 128, 16
+
+
+def config(family: str):
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, max_position_embeddings=64,
+                  num_experts_per_tok=2, tie_word_embeddings=False, num_hidden_layers=NUM_LAYERS,
+                  num_key_value_heads=2, head_dim=8)
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=16, num_experts=8, **common)
+    assert family == "mixtral"
+    return transformers.MixtralConfig(intermediate_size=16, num_local_experts=6, **common)
+
+
+def save_checkpoint(family: str, directory) -> None:
+    """``save_pretrained`` of a float32 model with distinct values everywhere (norms start at
+    ones, biases at zero), in several shards."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config(family))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(directory, max_shard_size="50KB")
+
+
+def data(world: int) -> torch.Tensor:
+    """``int64[world, SEQ]`` token ids: row r is rank r's batch."""
+    return torch.randint(0, VOCAB, (world, SEQ), generator=torch.Generator().manual_seed(0))
+
+
+def shuffled_redundant(num_logical: int, ep: int, seed: int):
+    """Every expert once plus redundant copies (at least one per EP rank, slots a multiple of
+    ``ep``), shuffled, per layer."""
+    import moeshard
+
+    rng = np.random.default_rng(seed)
+    extra = ep + (-(num_logical + ep)) % ep
+    rows = [rng.permutation(np.concatenate([np.arange(num_logical), rng.integers(0, num_logical, extra)]))
+            for _ in range(NUM_LAYERS)]
+    return moeshard.Placement(np.stack(rows), num_logical=num_logical, num_ranks=ep)
+
+
+def full_params(model, placement, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Collective (every rank): every parameter (or its gradient) of a parallelized model as one
+    process holds it: DTensors gathered whole, and each expert parameter ``[num_physical, ...]``
+    in slot order turned into ``[num_logical, ...]`` logical order, after checking that every
+    copy of a redundant expert is the same (a copy differing is reported as NaN rows)."""
+    from torch.distributed.tensor import DTensor
+
+    from moeshard.models.describe import expert_layers
+
+    layer_of = {name: i for i, (name, _, _) in enumerate(expert_layers(model))}
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.grad if grads else p
+        t = t.full_tensor() if isinstance(t, DTensor) else t
+        t = t.detach().clone()
+        module = name.rsplit(".", 1)[0]
+        if module in layer_of:
+            p2l = torch.from_numpy(placement.phy2log[layer_of[module]].copy())
+            logical = t.new_empty((placement.num_logical, *t.shape[1:]))
+            logical[p2l] = t  # one copy of each expert
+            differs = (t != logical[p2l]).flatten(1).any(1)
+            logical[p2l[differs]] = float("nan")
+            t = logical
+        out[name] = t
+    return out
