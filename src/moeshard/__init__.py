@@ -22,6 +22,9 @@ _EXPORTS = {
     "ExpertParam": (".models.adapters", "ExpertParam"), "ExpertsSpec": (".models.adapters", "ExpertsSpec"),
     "clip_grad_norm_": (".models.ep", "clip_grad_norm_"), "grad_norm": (".models.ep", "grad_norm"),
     "sync_redundant_grads": (".models.ep", "sync_redundant_grads"),
+    "allow_slot_order": (".models.slot_guard", "allow_slot_order"),
+    "guard_optimizer": (".models.slot_guard", "guard_optimizer"),
+    "logical_state_dict": (".models.logical_state", "logical_state_dict"),
     "make_mesh": (".models.parallel", "make_mesh"), "parallelize": (".models.parallel", "parallelize"),
     "LoadReport": (".ops.load", "LoadReport"), "load": (".ops.load", "load"),
     "materialize": (".ops.load", "materialize"),
@@ -45,7 +48,7 @@ __all__ = [
     "parallelize", "plan_relocation", "plan_transfers", "RelocationPlan", "RelocationReport", "relocate",
     "RelocationStep", "relocate_chunks", "relocation_chunks",
     "SaveError", "SaveReport", "save", "verify", "write_checkpoint", "clip_grad_norm_", "grad_norm", "sync_redundant_grads",
-    "from_pretrained",
+    "from_pretrained", "allow_slot_order", "guard_optimizer", "logical_state_dict",
 ]
 __version__ = "0.1.0"
 
@@ -85,6 +88,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the names as eager imports woul
     from .models.adapters import HF_EXPERTS, MIXTRAL_EXPERTS, ExpertParam, ExpertsSpec
     from .models.ep import clip_grad_norm_, grad_norm, sync_redundant_grads
     from .models.parallel import make_mesh, parallelize
+    from .models.logical_state import logical_state_dict
+    from .models.slot_guard import allow_slot_order, guard_optimizer
     from .ops.load import LoadReport, load, materialize
     from .ops.relocate import RelocationReport, RelocationStep, relocate, relocate_chunks
     from .ops.save import SaveError, SaveReport, save

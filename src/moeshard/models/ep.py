@@ -80,6 +80,7 @@ from .. import _dist
 from ..placement import Placement
 from .copies import CopyRoutes, combine_copy_grads, track
 from .describe import local_tensor
+from .slot_guard import follow_placement
 
 __all__ = ["EPLayer", "SlotLora", "experts_kind", "install_ep_forward", "model_placement",
            "unsupported_forward", "set_placement", "slot_params", "sync_redundant_grads", "grad_norm",
@@ -261,6 +262,7 @@ def set_placement(model: nn.Module, placement) -> int:
     if hasattr(model, "moeshard_placement"):
         model.moeshard_placement = placement
     layers = ep_layers(model)
+    follow_placement(model, placement)  # the state-dict guards too (custom experts modules included)
     if not layers:  # custom experts modules route tokens themselves
         return 0
     placement.check_layers(len(layers))

@@ -26,6 +26,7 @@ from .adapters import DEFAULT_SPECS, ExpertsSpec
 from .describe import expert_layers
 from .ep import EPLayer, install_ep_forward
 from .lora import expert_lora_wrappers, shard_expert_lora
+from .slot_guard import PlacementRecord, SlotGuard, guard_model, guard_slots
 
 __all__ = ["make_mesh", "parallelize"]
 
@@ -84,7 +85,8 @@ def parallelize(
             custom experts module that keeps its own forward (``ep_forward=False``, or not
             transformers' and not HF-style) must do that cast itself. None: no mixed precision.
     Returns:
-        the same model (call :func:`moeshard.load` next), with ``model.moeshard_placement`` =
+        the same model (call :func:`moeshard.load` next), with ``model.moeshard_mp_policy`` =
+        the policy and ``model.moeshard_placement`` =
         ``placement`` (kept current by :func:`moeshard.relocate`).
 
     Raises:
@@ -112,6 +114,8 @@ def parallelize(
         if ep_forward:
             _check_whole_params(layers)
     expert_params: set[nn.Parameter] = set()
+    record = PlacementRecord(placement, ep)  # the placement the slots hold; relocate moves it
+    names = {id(m): n for n, m in model.named_modules()}
     for layer, (module_name, module, spec) in enumerate(layers):
         # peft LoRA on expert params (ParamWrappers around the module): per-slot local factors.
         wrappers = expert_lora_wrappers(model, module_name, spec)
@@ -133,6 +137,13 @@ def parallelize(
             expert_params.add(new)
         # The module now holds this rank's slots only; record the layout for forward code.
         module.num_local_experts = spr
+        # torch's state-dict paths must not read or write slots as experts (slot_guard's doc).
+        guard_slots(module, SlotGuard(record, layer, tuple(p.name for p in spec.params), module_name))
+        for lora in loras:  # A's rows are whole slots; B's columns interleave r with them
+            w, a = lora.wrapper, lora.adapter
+            for lin, r in ((w.lora_A[a], 0), (w.lora_B[a], w.r[a])):
+                guard_slots(lin, SlotGuard(record, layer, ("weight",), names.get(id(lin), ""), lora_rank=r,
+                                           saver="moeshard.lora.save_adapter(model, dir, placement=placement)"))
         if efsdp > 1:
             # Shard(1), not Shard(0): the local box stays one contiguous run of whole slots
             # whether or not the slot count divides by efsdp (torchtitan's fallback).
@@ -147,6 +158,8 @@ def parallelize(
         if loras and not installed:
             why = f"{type(module).__name__} is not an experts module it supports" if ep_forward else "ep_forward=False"
             raise ValueError(f"{module_name}: LoRA adapters on expert parameters need moeshard's EP forward ({why})")
+    # A refused load_state_dict must copy nothing: the root checks every guarded module first.
+    guard_model(model, {names[id(m)]: m for m in model.modules() if getattr(m, "moeshard_slot_guard", None)})
     dp = _dp_mesh(mesh)
     ignored = expert_params if efsdp == 1 else None
     blocks = _blocks(model)
@@ -156,6 +169,7 @@ def parallelize(
     # Where each logical expert is, for callers that did not keep it (from_pretrained's users);
     # set_placement keeps it current when experts move.
     model.moeshard_placement = placement
+    model.moeshard_mp_policy = mp_policy  # what the Trainer integration checks bf16/fp16 against
     return model
 
 
