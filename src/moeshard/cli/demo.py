@@ -111,8 +111,7 @@ def _train(ckpt: str, mesh, placement) -> dict:
     losses, norms, t0 = [], [], time.perf_counter()
     for _ in range(TRAIN_STEPS):
         loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        moeshard.sync_redundant_grads(model)  # copies of a hot expert get the sum of their gradients
+        loss.backward()  # the copies of a hot expert: their gradients' sum in the first copy
         norms.append(float(moeshard.clip_grad_norm_(model, max_norm=1e9)))
         opt.step()
         opt.zero_grad()

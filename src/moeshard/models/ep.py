@@ -50,13 +50,16 @@ the usual policy). ``reduce_dtype`` has nothing to act on in that path: no weigh
 communicated (each slot's gradient is computed where it lives, its sum over the EP ranks' tokens
 inside the weight-gradient matmul, in ``param_dtype`` as a one-rank FSDP2 module's is; the
 all-to-all carries activations and their gradients in ``param_dtype``, as FSDP2's activations
-are), and :func:`sync_redundant_grads` sums the copies' gradients in the parameters' dtype
-(float32: at least ``reduce_dtype``'s precision).
+are), except redundant copies' gradients (below), summed where the cast's backward has brought
+them back to the parameters' dtype (float32: at least ``reduce_dtype``'s precision).
 
-Copies of a redundant expert see different tokens, so their gradients differ; call
-:func:`sync_redundant_grads` after backward (before clipping and the optimizer step) to give
-every copy the sum, the gradient a single copy would have had. :func:`clip_grad_norm_`
-counts each logical expert once.
+Copies of a redundant expert see different tokens, so their gradients differ. The EP forward
+makes a stock loop exact without any call (:mod:`moeshard.models.copies`): in backward each
+redundant expert's first copy gets the sum of its copies' gradients (the gradient one copy
+seeing every token would have had) and the other copies zero, so any gradient norm counts the
+expert once; after every optimizer step the first copy's weights and optimizer state are copied
+to the other copies. :func:`sync_redundant_grads` is therefore a no-op kept for old loops, and
+:func:`grad_norm` / :func:`clip_grad_norm_` equal torch's own.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ import dataclasses
 import math
 import types
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable
 
 import numpy as np
@@ -74,6 +78,7 @@ from torch import nn
 
 from .. import _dist
 from ..placement import Placement
+from .copies import CopyRoutes, combine_copy_grads, track
 from .describe import local_tensor
 from .slot_guard import follow_placement
 
@@ -122,6 +127,12 @@ class EPLayer:
     @property
     def ep_size(self) -> int:
         return len(self.phy2log) // self.slots_per_rank
+
+    @cached_property
+    def copy_routes(self) -> CopyRoutes:
+        """Where this rank's copies of redundant experts meet their first copy
+        (:mod:`moeshard.models.copies`)."""
+        return CopyRoutes.of(self.phy2log, self.log2phy, self.slots_per_rank, self.ep_rank)
 
     def first_copy(self) -> np.ndarray:
         """``bool[slots_per_rank]``: local slots holding the first copy of their expert (the
@@ -222,7 +233,14 @@ def install_ep_forward(module: nn.Module, ep_layer: EPLayer, loras: tuple[SlotLo
     module.moeshard_kind = kind
     module._moeshard_route = {}
     module.forward = types.MethodType(_ep_forward if kind == ROUTED else _ep_forward_prerouted, module)
+    track(module, _copy_params)  # redundant copies equal again after every optimizer step
     return True
+
+
+def _copy_params(module: nn.Module):
+    """``(EP layout, [(parameter, slots view), ...])`` of an experts module, for
+    :func:`moeshard.models.copies.track`."""
+    return getattr(module, "moeshard_ep", None), slot_params(module)
 
 
 def unsupported_forward(self, *args, **kwargs):
@@ -444,7 +462,7 @@ def _exchange(self, source: torch.Tensor, rows: torch.Tensor, experts: torch.Ten
 def _local_experts(self, x: torch.Tensor, local_slots: torch.Tensor, ep: EPLayer) -> torch.Tensor:
     """Run this rank's slots with the module's own forward: ``x [R, H]`` rows for local slots
     ``local_slots int[R]`` -> ``[R, H']`` in arrival order (the return all-to-all's)."""
-    weights = _local_params(self, ep, x.device)
+    x, weights = _local_params(self, ep, x)
     if not len(x):
         # Keep rows and weights in the graph: every rank's backward must run the same
         # collectives (the return all-to-all's and the dispatch all-to-all's).
@@ -458,24 +476,38 @@ def _local_experts(self, x: torch.Tensor, local_slots: torch.Tensor, ep: EPLayer
     return forward(view, x, local_slots[:, None], x.new_ones((len(x), 1)))
 
 
-def _local_params(self, ep: EPLayer, device: torch.device) -> dict[str, torch.Tensor]:
+def _local_params(self, ep: EPLayer, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Every parameter of the module for this rank's slots, ``[S, ...]``: a per-slot one local,
     its gradient scaled (the EP mean, module doc), plus its LoRA deltas; a per-logical-expert one
     (whole ``[E, ...]`` while FSDP has it unsharded) gathered at the slots' experts, unscaled:
-    FSDP's gradient reduction over every rank already averages it."""
+    FSDP's gradient reduction over every rank already averages it.
+
+    The per-slot tensors (weights and LoRA factors) go with the received rows ``x [R, H]``
+    through :func:`moeshard.models.copies.combine_copy_grads`: in backward, a redundant
+    expert's copies' gradients are summed into its first copy. Returns ``(x, parameters)``."""
+    names = [n for n, p in self._parameters.items() if p is not None and _per_slot(ep, n)]
+    loras = [lora for lora in self.moeshard_lora if lora.param in names and lora.active()]
+    local = [_local_weight(self._parameters[n], ep.grad_scale) for n in names]
+    local += [_local_weight(t, ep.grad_scale) for lora in loras for t in (lora.a(), lora.b())]
+    views = [_identity] * len(names) + [v for lora in loras for v in (lora.a_slots, lora.b_slots)]
+    x, local = combine_copy_grads(ep, x, local, views)
     out = {}
+    factors = iter(zip(local[len(names)::2], local[len(names) + 1::2]))
+    by_param = {n: [] for n in names}
+    for lora in loras:
+        by_param[lora.param].append((lora, *next(factors)))
+    for name, w in zip(names, local):
+        # Scale first, then combine copies, then cast: the cast's backward brings the gradient to
+        # the parameter's dtype, where the copies are summed and the 1/EP mean is taken (module
+        # doc, "Mixed precision").
+        out[name] = _with_lora(_compute(w, ep), by_param[name])
     for name, p in self._parameters.items():
-        if p is None:
+        if p is None or name in out:
             continue
-        if _per_slot(ep, name):
-            # Scale first, then cast: the cast's backward brings the gradient to the parameter's
-            # dtype, and the 1/EP mean is taken there (module doc, "Mixed precision").
-            out[name] = _with_lora(self, name, _compute(_local_weight(p, ep.grad_scale), ep), ep)
-        else:
-            whole = _compute(_local_weight(p, 1.0), ep)  # not local_tensor: that detaches
-            assert whole.shape[0] == len(ep.logcnt), (name, tuple(whole.shape))  # unsharded by FSDP here
-            out[name] = whole[_route_tables(self, ep, device)[2].to(whole.device)]
-    return out
+        whole = _compute(_local_weight(p, 1.0), ep)  # not local_tensor: that detaches
+        assert whole.shape[0] == len(ep.logcnt), (name, tuple(whole.shape))  # unsharded by FSDP here
+        out[name] = whole[_route_tables(self, ep, x.device)[2].to(whole.device)]
+    return x, out
 
 
 def _compute(w: torch.Tensor, ep: EPLayer) -> torch.Tensor:
@@ -518,20 +550,19 @@ def _slot_view(self, params: dict[str, torch.Tensor], num_slots: int) -> nn.Modu
     return view
 
 
-def _with_lora(self, name: str, w: torch.Tensor, ep: EPLayer) -> torch.Tensor:
-    """``w [S, d1, d2]`` plus the active LoRA deltas on parameter ``name``, in peft's factored
-    form over the local slots: ``baddbmm(W, B, A, alpha=scaling)`` for a ``[E, out, in]``
-    parameter, ``baddbmm(W, A^T, B^T, ...)`` for an ``[E, in, out]`` one (peft's
-    ``ParamWrapper.get_delta_factors``: it swaps in/out unless the experts module says
-    ``is_transposed``)."""
-    for lora in self.moeshard_lora:
-        if lora.param == name and lora.active():
-            a = lora.a_slots(_local_weight(lora.a(), ep.grad_scale)).to(w.dtype)  # [S, r, in]
-            b = lora.b_slots(_local_weight(lora.b(), ep.grad_scale)).to(w.dtype)  # [S, out, r]
-            if getattr(lora.wrapper, "_did_swap_in_out_features", True):
-                w = torch.baddbmm(w, b, a, alpha=lora.scaling)
-            else:
-                w = torch.baddbmm(w, a.transpose(1, 2), b.transpose(1, 2), alpha=lora.scaling)
+def _with_lora(w: torch.Tensor, loras: list[tuple[SlotLora, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """``w [S, d1, d2]`` plus the deltas of ``loras`` (``(lora, local A, local B)``, active, on
+    this parameter) in peft's factored form over the local slots: ``baddbmm(W, B, A,
+    alpha=scaling)`` for a ``[E, out, in]`` parameter, ``baddbmm(W, A^T, B^T, ...)`` for an
+    ``[E, in, out]`` one (peft's ``ParamWrapper.get_delta_factors``: it swaps in/out unless the
+    experts module says ``is_transposed``)."""
+    for lora, a_local, b_local in loras:
+        a = lora.a_slots(a_local).to(w.dtype)  # [S, r, in]
+        b = lora.b_slots(b_local).to(w.dtype)  # [S, out, r]
+        if getattr(lora.wrapper, "_did_swap_in_out_features", True):
+            w = torch.baddbmm(w, b, a, alpha=lora.scaling)
+        else:
+            w = torch.baddbmm(w, a.transpose(1, 2), b.transpose(1, 2), alpha=lora.scaling)
     return w
 
 
@@ -540,43 +571,27 @@ def ep_layers(model: nn.Module) -> list[tuple[nn.Module, EPLayer]]:
     return [(m, m.moeshard_ep) for m in model.modules() if isinstance(getattr(m, "moeshard_ep", None), EPLayer)]
 
 
-@torch.no_grad()
 def sync_redundant_grads(model: nn.Module) -> int:
-    """Collective (every rank): give every copy of a redundant expert the sum of its copies'
-    gradients (what one copy seeing all the tokens would get). Call after backward, before
-    clipping and ``optimizer.step()``; a no-op for layers without redundant copies.
+    """A no-op kept for loops written before the EP forward did it in backward: every redundant
+    expert's first copy already holds the sum of its copies' gradients and the other copies
+    zero (:mod:`moeshard.models.copies`), which every gradient norm and optimizer step (with
+    the copy of first copies after it) treat right. Calling it changes nothing, so it never
+    counts a gradient twice. Local, no communication.
 
-    With expert FSDP the gradients are sharded ``[S, dim1/efsdp, ...]``: the ranks of one EP
-    group hold the same shard, so the sum runs over the EP group. Returns the number of
-    layers synchronized.
+    Returns the number of MoE layers of ``model`` with redundant copies (each combined in
+    backward).
     """
-    done = 0
-    for module, ep in ep_layers(model):
-        if int(ep.logcnt.max()) <= 1:
-            continue
-        lo = ep.ep_rank * ep.slots_per_rank
-        experts = ep.phy2log[lo : lo + ep.slots_per_rank]
-        live_slots = np.flatnonzero(experts >= 0)  # local slots holding an expert
-        for p, slots in slot_params(module):
-            if p.grad is None:
-                continue
-            g = slots(local_tensor(p.grad))  # [S, ...]
-            live = torch.tensor(live_slots, device=g.device)
-            idx = torch.tensor(experts[live_slots], device=g.device)
-            total = g.new_zeros((len(ep.logcnt), *g.shape[1:]))
-            total.index_add_(0, idx, g[live])
-            dist.all_reduce(total, group=ep.ep_group)
-            g[live] = total[idx]
-        done += 1
-    return done
+    return sum(int(ep.logcnt.max()) > 1 for _, ep in ep_layers(model))
 
 
 @torch.no_grad()
 def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     """Collective (every rank): the global gradient norm of ``model``, counting every element
     of the logical model once: FSDP shards once each, a plain (replicated) tensor once, a
-    redundant expert once (its first copy). Equals the norm one process would compute for the
-    unsharded model. Returns a scalar tensor on the gradients' device."""
+    redundant expert once (its first copy, which holds the copies' sum; the others hold zero).
+    Equals the norm one process would compute for the unsharded model, and the norm of torch's
+    ``clip_grad_norm_`` taken per mesh (accelerate's and the Trainer's mixed-mesh path).
+    Returns a scalar tensor on the gradients' device."""
     if norm_type != 2.0:
         raise ValueError(f"only the 2-norm is supported, got norm_type={norm_type}")
     experts = {id(p): (ep, slots) for m, ep in ep_layers(model) for p, slots in slot_params(m)}

@@ -357,9 +357,9 @@ def relocate(
         optimizer: a model's optimizer: the state it keeps per element of an expert
             parameter (AdamW's ``exp_avg``, ``exp_avg_sq``; :func:`expert_states`) moves with
             the expert, so training goes on as if nothing moved (scalars such as ``step`` stay).
-            Copies of a redundant expert hold the same state when their gradients are summed
-            (:func:`moeshard.sync_redundant_grads`). An expert read from the checkpoint (no
-            live copy) starts from zero state. Every rank passes its optimizer, or none.
+            Copies of a redundant expert hold the same state: after every optimizer step the
+            first copy's is copied over the others (:mod:`moeshard.models.copies`). An expert
+            read from the checkpoint (no live copy) starts from zero state. Every rank passes its optimizer, or none.
         routing: who sends a model's tokens to the new slots afterwards
             (:mod:`moeshard.models.routing`). ``"auto"``: moeshard does, or the call refuses
             before anything moves. It re-points its own EP forward (:func:`moeshard.parallelize`'s);
