@@ -16,6 +16,9 @@ Trainer setup in one process on ``from_pretrained`` with the whole batch:
 * :class:`~moeshard.integrations.transformers.MoeshardRebalanceCallback` rebalancing after
   every step from the router's counts (experts and their AdamW state relocated): losses,
   gradient norms and the saved model (under the last placement) as above;
+* a REDUNDANT shuffled placement (12 slots for 8 experts, EP=4): the same checks with no
+  moeshard call in the Trainer's loop (copies' gradients combined in backward, copies equal
+  after each step), and its step-2 checkpoint resumed under another redundant placement;
 * TRL's SFTTrainer with the mixin (``moeshard_trainer(SFTTrainer)``), 3 steps, EP=4 shuffled:
   losses, gradient norms and the saved model as above;
 * that checkpoint resumed on another mesh (EP=2 x efsdp=2): refused on every rank, naming the
@@ -132,6 +135,16 @@ def _shuffled(ep: int, seed: int):
     return moeshard.Placement(rows, num_logical=EXPERTS, num_ranks=ep)
 
 
+def _redundant(ep: int, seed: int, extra: int = 4):
+    """Every expert once plus ``extra`` copies of random experts, shuffled: ``EXPERTS + extra`` slots."""
+    import moeshard
+
+    rng = np.random.default_rng(seed)
+    rows = np.stack([rng.permutation(np.r_[np.arange(EXPERTS), rng.integers(0, EXPERTS, extra)])
+                     for _ in range(LAYERS)])
+    return moeshard.Placement(rows, num_logical=EXPERTS, num_ranks=ep)
+
+
 def trainer_worker(ckpt: str, root: str) -> dict:
     import moeshard
     from moeshard.integrations.transformers import (
@@ -192,6 +205,14 @@ def trainer_worker(ckpt: str, root: str) -> dict:
     # Expert FSDP: the optimizer state's local shards are [slots, dim1 / efsdp, ...] boxes.
     out["ep2x2-resume-other"] = _log(run("ep2x2-resume-other", model_for(2, 2, _shuffled(2, 6)),
                                          os.path.join(root, "ep2x2", "checkpoint-2")))
+    # Redundant copies (12 slots for 8 experts): their gradients combined in backward, every
+    # copy equal after each step (no moeshard call in the Trainer's loop); resumed under another
+    # redundant placement, the optimizer state moving with its experts.
+    t = run("ep4-redundant", model_for(4, 1, _redundant(4, 7)))
+    out["ep4-redundant"] = _log(t)
+    t.save_model(os.path.join(root, "ep4-redundant-final"))
+    out["ep4-redundant-resume-other"] = _log(run("ep4-redundant-resume-other", model_for(4, 1, _redundant(4, 8)),
+                                                 os.path.join(root, "ep4-redundant", "checkpoint-2")))
     if _has_trl():
         t = _sft(model_for(4, 1, _shuffled(4, 5)), ckpt, os.path.join(root, "sft"), True)
         out["sft"] = _log(t)
@@ -254,7 +275,7 @@ def _check_log(got, want, steps):
     np.testing.assert_allclose([norm for _, _, norm in got], [want[s][1] for s in steps], rtol=RTOL, atol=0)
 
 
-@pytest.mark.parametrize("name", ["ep4", "ep2x2", "ep4-rebalanced", "sft"])
+@pytest.mark.parametrize("name", ["ep4", "ep2x2", "ep4-rebalanced", "ep4-redundant", "sft"])
 def test_losses_grad_norms_and_saved_model_match_one_process(runs, name):
     root, refs, results = runs
     if name == "sft" and "sft" not in refs:
@@ -276,10 +297,11 @@ def test_losses_grad_norms_and_saved_model_match_one_process(runs, name):
     assert (root / f"{name}-final" / "moeshard_placement.json").is_file()
 
 
-@pytest.mark.parametrize("name", ["ep4-resume-same", "ep4-resume-other", "ep2x2-resume-other"])
+@pytest.mark.parametrize("name", ["ep4-resume-same", "ep4-resume-other", "ep2x2-resume-other",
+                                  "ep4-redundant-resume-other"])
 def test_resume_continues_exactly(runs, name):
     root, refs, results = runs
-    run = name.split("-")[0]
+    run = name.split("-resume")[0]
     for rank_results in results:
         assert rank_results[f"{name}-mode"] == ("same" if name.endswith("same") else "relocated")
         _check_log(rank_results[name], refs["trainer"][0], [3, 4])
