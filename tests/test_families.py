@@ -28,13 +28,12 @@ pytestmark = pytest.mark.hf
 
 # Per-expert families moeshard cannot round-trip yet, and why (the formats issue):
 # longcat_flash's gate_up_proj holds extra "zero experts" that down_proj lacks (slot counts
-# differ between the parameters of one experts module); bailing_hybrid and kimi_linear keep one
-# attention tensor that transformers splits into q/k/v conv1d tensors on disk (a Chunk converter).
+# differ between the parameters of one experts module).
 SAVE_REFUSED = {"longcat_flash": "expert slots per layer"}
-LOAD_REFUSED = {"bailing_hybrid": "conv1d.weight", "kimi_linear": "conv1d.weight"}
-# ... and for the same reason moeshard.save writes that tensor whole under its model name, which
-# from_pretrained reads too (the test checks it), where save_pretrained writes three.
-SPLIT_ON_DISK = set(LOAD_REFUSED)
+LOAD_REFUSED: dict[str, str] = {}
+# bailing_hybrid and kimi_linear keep one attention tensor (conv1d) that transformers splits into
+# q/k/v conv1d tensors on disk (a Concatenate converter): load reads the parts, save writes them.
+SPLIT_ON_DISK = {"bailing_hybrid", "kimi_linear"}
 
 
 def _keys(path: str) -> set[str]:
@@ -78,8 +77,10 @@ def test_save_is_read_back_by_from_pretrained(family, tmp_path):
         assert not out.exists() or not os.listdir(out)
         return
     moeshard.save(model, out, max_shard_bytes=40_000)
-    if family not in SPLIT_ON_DISK:
-        assert _keys(str(out)) == _keys(ref), "not the names transformers' own save_pretrained writes"
+    assert _keys(str(out)) == _keys(ref), "not the names transformers' own save_pretrained writes"
+    if family in SPLIT_ON_DISK:
+        assert any(k.endswith("q_conv1d.weight") for k in _keys(str(out)))
+        assert not any(k.endswith(".conv1d.weight") for k in _keys(str(out)))
     back, info = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
                                                                    output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info

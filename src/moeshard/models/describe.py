@@ -60,6 +60,11 @@ class ParamDesc:
         keys: checkpoint keys the tensor may be stored under (own name first, then tied
             aliases); unused for expert parameters.
         expert: set for expert parameters.
+        parts: for a dense tensor, the checkpoint keys it is concatenated from along
+            ``part_dim`` where none of ``keys`` is stored (transformers' ``Concatenate``
+            converters: :meth:`~moeshard.models.hf_names.HFNames.checkpoint_parts`), in order;
+            what a save writes. Empty: the tensor is stored whole.
+        part_dim: the dim ``parts`` are concatenated along.
     """
 
     name: str
@@ -69,6 +74,8 @@ class ParamDesc:
     placements: tuple = ()
     keys: tuple[str, ...] = ()
     expert: ExpertRef | None = None
+    parts: tuple[str, ...] = ()
+    part_dim: int = 0
 
 
 # -- model -> ParamDesc -------------------------------------------------------------------
@@ -335,13 +342,18 @@ def describe_model(
             placements = tuple(t.placements)
         else:
             mesh, placements = None, ()
+        split: tuple[tuple[str, ...], int] | None = None
         if hf is not None:  # the name transformers writes first, then the model's own
             keys = [k for n in aliases_of for k in (hf.checkpoint_name(base(n)), base(n))]
+            if expert is None and hf.concats:
+                split = hf.checkpoint_parts(base(name))
         else:
             keys = [k for n in aliases_of for k in checkpoint_names(base(n))]
             if renamed and index is None:  # the family's names first: they are what it writes
                 keys = [k for n in aliases_of for k in reversed(checkpoint_names(base(n)))]
-        descs.append(ParamDesc(name, tuple(t.shape), t.dtype, mesh, placements, tuple(dict.fromkeys(keys)), expert))
+        parts, part_dim = split if split is not None else ((), 0)
+        descs.append(ParamDesc(name, tuple(t.shape), t.dtype, mesh, placements, tuple(dict.fromkeys(keys)), expert,
+                               parts, part_dim))
     return descs
 
 

@@ -112,7 +112,7 @@ def inputs_digest(descs: Sequence[ParamDesc], placement: Placement | None, world
                 h.update(np.ascontiguousarray(d.mesh, dtype=np.int64).tobytes())
         ex = d.expert
         h.update(repr((d.name, d.shape, m, tuple(map(str, d.placements)), d.keys,
-                       None if ex is None else (ex.layer, ex.module, ex.param))).encode())
+                       None if ex is None else (ex.layer, ex.module, ex.param), d.parts, d.part_dim)).encode())
     if placement is not None:
         h.update(repr((placement.num_logical, placement.num_ranks, placement.phy2log.shape)).encode())
         h.update(np.ascontiguousarray(placement.phy2log, dtype=np.int64).tobytes())
@@ -256,6 +256,8 @@ def _dense_rows(i: int, d: ParamDesc, index: CheckpointIndex, layout: _Layout, d
     """The rows of dense parameter number ``i`` (checked against the checkpoint): one per
     non-empty box of its ``layout``."""
 
+    if d.parts and not any(k in index for k in d.keys) and all(k in index for k in d.parts):
+        return _dense_part_rows(i, d, index, layout, dequantize)
     key = _find_key(d, index)
     info = index.info(key)
     check_cast(f"parameter {d.name}", key, index, d.dtype, dequantize)
@@ -267,11 +269,61 @@ def _dense_rows(i: int, d: ParamDesc, index: CheckpointIndex, layout: _Layout, d
     return _DenseRows(i, key, layout, layout.keep, layout.num)
 
 
+def _dense_part_rows(i: int, d: ParamDesc, index: CheckpointIndex, layout: _Layout,
+                     dequantize: bool = False) -> NeedTable:
+    """The rows of dense parameter number ``i`` stored as checkpoint tensors ``d.parts``
+    concatenated along ``d.part_dim`` (transformers' ``Concatenate`` converter, e.g. Kimi-Linear's
+    ``q_conv1d`` + ``k_conv1d`` + ``v_conv1d`` -> ``conv1d``): per non-empty box of its
+    ``layout``, one row per part the box overlaps (part sizes from the headers)."""
+    dim = d.part_dim
+    sizes = []
+    for key in d.parts:
+        check_cast(f"parameter {d.name}", key, index, d.dtype, dequantize)
+        shape = list(index.info(key).shape)
+        if len(shape) != len(d.shape) or any(a != b for k, (a, b) in enumerate(zip(shape, d.shape)) if k != dim):
+            raise ValueError(f"parameter {d.name}: checkpoint tensor {key!r} has shape {shape}, which is no part of "
+                             f"a tensor of shape {list(d.shape)} (parts concatenated along dim {dim})")
+        sizes.append(shape[dim])
+    if sum(sizes) != d.shape[dim]:
+        raise ValueError(f"parameter {d.name}: checkpoint tensors {list(d.parts)} have sizes {sizes} along dim {dim}, "
+                         f"summing to {sum(sizes)}, not the model's {d.shape[dim]}")
+    ranks, boxes = layout.ranks, layout.boxes
+    if layout.keep is not None:
+        ranks, boxes = ranks[layout.keep], boxes[layout.keep]
+    start, length = boxes[:, dim, 0], boxes[:, dim, 1]
+    owner, part, src_off, src_len, dst_off = [], [], [], [], []
+    lo = 0
+    for j, size in enumerate(sizes):  # the boxes that meet part j, and where
+        a, b = np.maximum(start, lo), np.minimum(start + length, lo + size)
+        hit = np.flatnonzero(a < b)
+        off, ln, dst = boxes[hit, :, 0].copy(), boxes[hit, :, 1].copy(), np.zeros((len(hit), len(d.shape)), np.int64)
+        off[:, dim], ln[:, dim], dst[:, dim] = a[hit] - lo, (b - a)[hit], a[hit] - start[hit]
+        owner.append(hit)
+        part.append(np.full(len(hit), j, np.int32))
+        src_off.append(off)
+        src_len.append(ln)
+        dst_off.append(dst)
+        lo += size
+    order = np.argsort(np.concatenate(owner), kind="stable")  # box by box, parts in order
+    num = len(order)
+    return NeedTable(
+        keys=tuple(d.parts), ndim=np.full(len(d.parts), len(d.shape), np.int8),
+        rank=ranks[np.concatenate(owner)[order]].astype(np.int32), param=np.full(num, i, np.int32),
+        key=np.concatenate(part)[order], slot=np.full(num, -1, np.int64),
+        src_off=np.concatenate(src_off)[order], src_len=np.concatenate(src_len)[order],
+        dst_off=np.concatenate(dst_off)[order], alone=np.full(num, layout.disjoint),
+    )
+
+
 def _find_key(d: ParamDesc, index: CheckpointIndex) -> str:
     for key in d.keys:
         if key in index:
             return key
     also = f" (nor under its other names {list(d.keys[1:])})" if len(d.keys) > 1 else ""
+    if d.parts:
+        missing = [k for k in d.parts if k not in index]
+        also += (f", nor all the tensors transformers concatenates into it along dim {d.part_dim} ({list(d.parts)}: "
+                 f"{missing} missing)")
     raise ValueError(f"parameter {d.name}: checkpoint {index.root} has no tensor {d.keys[0]!r}{also}")
 
 

@@ -95,6 +95,9 @@ def unused_keys(
     for d in descs:
         if d.expert is None:
             present = [k for k in d.keys if k in index]
+            if not present and d.parts:  # stored as parts concatenated into it (layout._dense_part_rows)
+                present = list(d.parts)
+                consumed.update(present)
             dense.extend(present[:1])
             aliases.update(present[1:])
         else:

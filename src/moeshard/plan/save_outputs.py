@@ -226,6 +226,10 @@ def _describe_outputs(descs, placement, world_size, reference, tied_targets, ski
             key = _choose_key(d, reference, tied_targets)
             if key in skip_keys:
                 continue
+            if d.parts and not (reference is not None and key in reference):
+                # Written as the parts transformers concatenates into it, as save_pretrained does.
+                _dense_part_outputs(i, d, ranks, off, ln, reference, heads, rows)
+                continue
             if reference is not None and key in reference and tuple(reference.info(key).shape) != d.shape:
                 raise ValueError(
                     f"parameter {d.name}: the reference checkpoint has {key!r} of shape "
@@ -355,6 +359,37 @@ def _expert_outputs(i, d: ParamDesc, phy2log: np.ndarray, num_logical: int, rank
         p_off[:, dim], p_len[:, dim] = a[has] - lo, (b - a)[has]
         delta[:, dim] += lo
         rows.add(base + e[has] * num_parts + j, ranks[q[has]], i, local[has], p_off, p_len, delta)
+
+
+def _dense_part_outputs(i, d: ParamDesc, ranks, off, ln, reference, heads, rows: _Rows) -> None:
+    """The checkpoint tensors ``d.parts`` of a dense parameter stored split along ``d.part_dim``:
+    the reference checkpoint's part sizes, else equal chunks (transformers' ``Chunk``, the reverse
+    of its ``Concatenate``: what ``save_pretrained`` writes)."""
+    dim, num_parts = d.part_dim, len(d.parts)
+    if reference is not None and all(k in reference for k in d.parts):
+        sizes = [reference.info(k).shape[dim] if len(reference.info(k).shape) > dim else -1 for k in d.parts]
+        if sum(sizes) != d.shape[dim] or min(sizes) < 0:
+            raise ValueError(f"parameter {d.name}: the reference checkpoint's tensors {list(d.parts)} have sizes "
+                             f"{sizes} along dim {dim}, which do not split the model's shape {list(d.shape)}")
+    elif d.shape[dim] % num_parts:
+        raise ValueError(f"parameter {d.name} of shape {list(d.shape)} does not split into {num_parts} equal parts "
+                         f"{list(d.parts)} along dim {dim} (what transformers' save_pretrained writes); pass "
+                         "reference= to give the part sizes")
+    else:
+        sizes = [d.shape[dim] // num_parts] * num_parts
+    keep = (ln > 0).all(axis=1)
+    ranks, off, ln = ranks[keep], off[keep], ln[keep]
+    start, length = off[:, dim], ln[:, dim]
+    lo = 0
+    for j, size in enumerate(sizes):
+        a, b = np.maximum(start, lo), np.minimum(start + length, lo + size)
+        has = a < b  # the rank's box meets part j
+        p_off, p_len, delta = off[has].copy(), ln[has].copy(), -off[has]
+        p_off[:, dim], p_len[:, dim] = a[has] - lo, (b - a)[has]
+        delta[:, dim] += lo
+        rows.add(len(heads), ranks[has], i, np.full(int(has.sum()), -1, np.int64), p_off, p_len, delta)
+        heads.append((d.parts[j], d.shape[:dim] + (size,) + d.shape[dim + 1:], DTYPE_NAMES[d.dtype], False))
+        lo += size
 
 
 def _fused_output(i, d: ParamDesc, phy2log: np.ndarray, num_logical: int, ranks, off, ln, heads, rows: _Rows) -> None:
