@@ -13,6 +13,8 @@ own) and llama4_text (pre-routed: the router scales the experts' input).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -23,8 +25,8 @@ pytestmark = pytest.mark.dist
 
 MATCH = ("qwen3_moe", "mixtral", "deepseek_v4", "dots1", "glm4_moe", "granitemoe", "zaya", "jamba", "phimoe",
          "lfm2_moe", "qwen3_next", "minimax_m2", "hunyuan_v1_moe", "ernie4_5_moe", "gemma4_text", "deepseek_v3",
-         "gpt_oss", "aria_text", "nemotron_h", "llama4_text")
-LOUD = {"longcat_flash": "has 4 experts, the placement 6"}  # its identity "zero experts"
+         "gpt_oss", "aria_text", "nemotron_h", "llama4_text", "longcat_flash", "kimi_linear")
+LOUD: dict[str, str] = {}
 
 
 def test_ep2_logits_match_one_process(tmp_path):
@@ -43,7 +45,7 @@ def test_experts_kinds():
     from moeshard.models.ep import PREROUTED, ROUTED, experts_kind
 
     for family, kind in (("qwen3_moe", ROUTED), ("gpt_oss", ROUTED), ("nemotron_h", ROUTED),
-                         ("llama4_text", PREROUTED), ("longcat_flash", None)):
+                         ("llama4_text", PREROUTED), ("longcat_flash", ROUTED)):
         model = hf_families.build(family, device="meta")
         experts = next(m for n, m in model.named_modules() if n.endswith(".experts"))
         assert experts_kind(experts) == kind, (family, type(experts).__name__)
@@ -69,3 +71,52 @@ def test_unsupported_transformers_experts_raise_naming_the_class():
     assert install_ep_forward(custom, ep) is False
     x = torch.zeros(3, 2)
     assert custom(x, None, None) is x
+
+
+def _longcat_save_worker(root: str) -> None:
+    import torch
+
+    import hf_families
+    import moeshard
+
+    mesh = moeshard.make_mesh("cpu", ep=2, efsdp=1)
+    model = hf_families.build("longcat_flash", device="meta")
+    ref = torch.load(os.path.join(root, "longcat_flash", "ref.pt"))
+    rng = np.random.default_rng(5)
+    rows = [rng.permutation(np.concatenate([np.arange(4), rng.integers(0, 4, 2)])) for _ in range(ref["n_layers"])]
+    pl = moeshard.Placement(np.stack(rows), num_logical=4, num_ranks=2)
+    moeshard.parallelize(model, mesh, pl)
+    moeshard.load(model, os.path.join(root, "longcat_flash", "ckpt"), placement=pl)
+    moeshard.save(model, os.path.join(root, "saved"), placement=pl, max_shard_bytes=40_000)
+
+
+def test_longcat_identity_experts_saved_from_ep(tmp_path):
+    """longcat_flash at EP=2 with redundant copies: its EP model holds the 4 routed experts only
+    (not the gate_up_proj rows of the 2 identity "zero experts", which no forward reads); its save
+    writes those rows as zeros, so from_pretrained reads it with no missing or mismatched key,
+    every other tensor bit for bit, and the same logits."""
+    import torch
+    import transformers
+
+    from mp import run_ranks
+
+    assert family_sweep.reference("longcat_flash", str(tmp_path)) is None
+    run_ranks(_longcat_save_worker, str(tmp_path), world=2, local_world=2)
+    want = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "longcat_flash" / "ckpt", dtype=torch.float32)
+    back, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float32,
+                                                                   output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    got, ref = back.state_dict(), want.state_dict()
+    zero_rows = 0
+    for name, t in ref.items():
+        if name.endswith("experts.gate_up_proj"):
+            assert t.shape[0] == 6 and torch.equal(got[name][:4], t[:4]), name
+            assert not got[name][4:].any(), name
+            zero_rows += 2
+        else:
+            assert torch.equal(got[name], t), name
+    assert zero_rows == 2 * sum(name.endswith("experts.gate_up_proj") for name in ref) > 0
+    ids = torch.load(tmp_path / "longcat_flash" / "ref.pt")["ids"]
+    with torch.no_grad():
+        assert torch.equal(back.eval()(input_ids=ids, use_cache=False).logits,
+                           want.eval()(input_ids=ids, use_cache=False).logits)

@@ -34,7 +34,8 @@ from ..box import Box
 from ..io.formats import SCALE_SUFFIXES
 
 __all__ = ["ExpertParam", "ExpertsSpec", "HF_EXPERTS", "MIXTRAL_EXPERTS", "HF_UNGATED_EXPERTS", "DEFAULT_SPECS", "KEY_RENAMES",
-           "checkpoint_names", "expert_params", "expert_parts", "read_expert_box", "specs_for", "with_scales"]
+           "IDENTITY_EXPERTS", "checkpoint_names", "expert_params", "expert_parts", "identity_experts", "identity_rows",
+           "read_expert_box", "specs_for", "with_scales"]
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,35 @@ HF_UNGATED_EXPERTS = ExpertsSpec(
     ),
 )
 DEFAULT_SPECS: tuple[ExpertsSpec, ...] = (HF_EXPERTS, MIXTRAL_EXPERTS, HF_UNGATED_EXPERTS)
+
+
+# Experts modules with identity ("zero") experts after the logical ones: a token routed to id
+# ``num_logical + z`` gets its own hidden state back (times its routing weight), no weights
+# involved. Class name -> (the attribute counting them, the parameters that nonetheless keep a
+# row per identity expert, which the class's forward never reads). transformers' LongCat-Flash
+# allocates ``gate_up_proj`` [n_routed + zero_expert_num, ...] and ``save_pretrained`` writes
+# ``experts.<n_routed + z>.gate_proj / up_proj`` for them, while ``down_proj`` has n_routed rows.
+IDENTITY_EXPERTS: dict[str, tuple[str, tuple[str, ...]]] = {"LongcatFlashExperts": ("zero_expert_num", ("gate_up_proj",))}
+
+
+def _identity_entry(module) -> tuple[str, tuple[str, ...]] | None:
+    # By class name along the MRO: FSDP2 gives a module it shards a class of its own.
+    return next((IDENTITY_EXPERTS[c.__name__] for c in type(module).__mro__ if c.__name__ in IDENTITY_EXPERTS), None)
+
+
+def identity_experts(module) -> int:
+    """How many identity ("zero") experts experts module ``module`` routes to after its logical
+    ones (:data:`IDENTITY_EXPERTS`; 0 for any other module)."""
+    entry = _identity_entry(module)
+    return int(getattr(module, entry[0], 0) or 0) if entry is not None else 0
+
+
+def identity_rows(module, param: str) -> int:
+    """How many rows for identity experts (after the logical experts' rows) parameter ``param``
+    of experts module ``module`` has on disk and in the unsharded model (rows its forward never
+    reads; an EP model does not hold them)."""
+    entry = _identity_entry(module)
+    return identity_experts(module) if entry is not None and param in entry[1] else 0
 
 
 def with_scales(spec: ExpertsSpec, param_names: set[str]) -> ExpertsSpec:

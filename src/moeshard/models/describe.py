@@ -21,7 +21,7 @@ import numpy as np
 
 from ..io.checkpoint import CheckpointIndex
 from ..io.formats import scaled_weight
-from .adapters import DEFAULT_SPECS, ExpertParam, ExpertsSpec, checkpoint_names, specs_for, with_scales
+from .adapters import DEFAULT_SPECS, ExpertParam, ExpertsSpec, checkpoint_names, identity_rows, specs_for, with_scales
 from .hf_names import HFNames, hf_names
 
 if TYPE_CHECKING:  # torch only where a model is looked at
@@ -36,11 +36,15 @@ __all__ = ["ExpertRef", "ParamDesc", "describe_model", "expert_layers", "tensor_
 class ExpertRef:
     """An expert parameter: MoE ``layer`` index, the checkpoint key prefix of its experts
     module (the module's name, or the name its checkpoint uses, e.g. ``block_sparse_moe``),
-    and its spec."""
+    and its spec. ``identity``: rows for identity ("zero") experts the parameter keeps on disk
+    after the logical experts' (experts ``num_logical .. num_logical + identity - 1``; no
+    forward reads them: :data:`~moeshard.models.adapters.IDENTITY_EXPERTS`); an unsharded model
+    holds them after its logical experts, an EP model does not."""
 
     layer: int
     module: str
     param: ExpertParam
+    identity: int = 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -300,7 +304,7 @@ def describe_model(
         ordered, renamed = specs_for(model, specs)
     tree = _walk(model)
     base = tree.base
-    experts: dict[str, tuple[int, ExpertsSpec, dict[str, str]]] = {}
+    experts: dict[str, tuple[int, ExpertsSpec, dict[str, str], nn.Module]] = {}
     layer = 0
     # A spec matches only a module with its parameters: most modules have no spec's first one.
     firsts = {s.params[0].name for s in ordered} if all(s.params for s in ordered) else None
@@ -314,7 +318,7 @@ def describe_model(
             scaled = with_scales(spec, own)
             for p in scaled.params[len(spec.params):]:  # an FP8 scale is stored where its weight is
                 prefixes[p.name] = prefixes[scaled_weight(p.name)]
-            experts[name] = (layer, scaled, prefixes)
+            experts[name] = (layer, scaled, prefixes, mod)
             layer += 1
     aliases, tensors = _aliases(tree)
     descs = []
@@ -328,10 +332,10 @@ def describe_model(
         module, _, attr = name.rpartition(".")
         expert = None
         if module in experts:
-            layer_idx, spec, prefixes = experts[module]
+            layer_idx, spec, prefixes, mod = experts[module]
             for p in spec.params:
                 if p.name == attr:
-                    expert = ExpertRef(layer_idx, prefixes[p.name], p)
+                    expert = ExpertRef(layer_idx, prefixes[p.name], p, identity_rows(mod, p.name))
         if _is_dtensor(t):
             if any(p.is_partial() for p in t.placements):
                 raise ValueError(f"parameter {name}: Partial DTensor placements cannot be loaded")

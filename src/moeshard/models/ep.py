@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .adapters import identity_experts
 from .describe import local_tensor
 
 __all__ = ["EPLayer", "SlotLora", "experts_kind", "install_ep_forward", "set_placement", "slot_params",
@@ -67,6 +68,14 @@ ROUTED, PREROUTED = "routed", "prerouted"
 # Experts classes with the pre-routed forward (module doc), by class name: FSDP2 gives a module
 # it shards a class of its own, which keeps the original among its bases.
 PREROUTED_CLASSES = frozenset({"Llama4TextExperts"})
+# transformers experts classes outside @use_experts_implementation whose own forward is the routed
+# one (module doc), by class name. LongCat-Flash's: ids past its routed experts are identity
+# ("zero") experts (:func:`~moeshard.models.adapters.identity_experts`), which the EP forward
+# applies where the token is, with no exchange.
+ROUTED_CLASSES = frozenset({"LongcatFlashExperts"})
+# Attributes of an experts module that count its experts: a slot view (the local slots only)
+# sets each one it has to the number of local slots (identity experts: none there).
+_COUNTS = ("num_experts", "num_routed_experts", "total_experts")
 
 
 @dataclass(frozen=True, eq=False)
@@ -154,8 +163,11 @@ def _from_transformers(module: nn.Module) -> bool:
 def experts_kind(module: nn.Module) -> str | None:
     """How moeshard's EP forward drives experts module ``module`` (module doc): ``"routed"``,
     ``"prerouted"``, or None when moeshard does not know what its forward computes."""
-    if {c.__name__ for c in type(module).__mro__} & PREROUTED_CLASSES:
+    names = {c.__name__ for c in type(module).__mro__}
+    if names & PREROUTED_CLASSES:
         return PREROUTED
+    if names & ROUTED_CLASSES:
+        return ROUTED
     if hasattr(module, "has_gate") and hasattr(module, "_is_expert_parallel"):
         # transformers' @use_experts_implementation: its grouped_mm / batched_mm forwards, which
         # stand in for the class's own, compute each (token, k) row as expert(x) * weight and sum
@@ -198,6 +210,7 @@ def install_ep_forward(module: nn.Module, ep_layer: EPLayer, loras: tuple[SlotLo
     module.moeshard_ep = ep_layer
     module.moeshard_lora = tuple(loras)
     module.moeshard_kind = kind
+    module.moeshard_identity = identity_experts(module)
     module._moeshard_route = {}
     module.forward = types.MethodType(_ep_forward if kind == ROUTED else _ep_forward_prerouted, module)
     return True
@@ -331,9 +344,19 @@ def _ep_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
     T, K = top_k_index.shape
     experts = top_k_index.reshape(-1)
     tokens = torch.arange(T, device=experts.device).repeat_interleave(K)
-    y, order = _exchange(self, hidden_states, tokens, experts, tokens)
-    y = y * top_k_weights.reshape(-1)[order, None].to(y.dtype)
+    weights = top_k_weights.reshape(-1)
     out = torch.zeros_like(hidden_states)
+    if self.moeshard_identity:
+        # Identity ("zero") experts, ids past the logical ones: the token's own state times its
+        # weight, where it is; the other pairs go to their experts.
+        with torch.no_grad():
+            zero = experts >= len(self.moeshard_ep.logcnt)
+            ident, routed = zero.nonzero().squeeze(1), (~zero).nonzero().squeeze(1)
+        y = hidden_states[tokens[ident]] * weights[ident, None].to(hidden_states.dtype)
+        out = out.index_add(0, tokens[ident], y.to(out.dtype))
+        experts, tokens, weights = experts[routed], tokens[routed], weights[routed]
+    y, order = _exchange(self, hidden_states, tokens, experts, tokens)
+    y = y * weights[order, None].to(y.dtype)
     return out.index_add(0, tokens[order], y.to(out.dtype))
 
 
@@ -412,6 +435,12 @@ def _local_experts(self, x: torch.Tensor, local_slots: torch.Tensor, ep: EPLayer
     # Each row routed to its local slot with weight 1: the forward returns expert(x) * 1,
     # summed over one k: exactly the expert's output.
     view = _slot_view(self, weights, ep.slots_per_rank)
+    if self.moeshard_identity:
+        # LongCat-Flash's forward needs two picks per row (it squeezes the pick dim): the second is
+        # an identity expert (id S of the view) with weight 0, which adds exactly 0 and no compute.
+        view.__dict__["total_experts"] = ep.slots_per_rank + 1
+        index = torch.stack([local_slots, torch.full_like(local_slots, ep.slots_per_rank)], dim=1)
+        return forward(view, x, index, torch.stack([x.new_ones(len(x)), x.new_zeros(len(x))], dim=1))
     return forward(view, x, local_slots[:, None], x.new_ones((len(x), 1)))
 
 
@@ -461,8 +490,9 @@ def _slot_view(self, params: dict[str, torch.Tensor], num_slots: int) -> nn.Modu
     view.__dict__.update(self.__dict__)
     view.__dict__["_parameters"] = {**self._parameters, **params}
     view.__dict__.pop("forward", None)  # the EP forward installed on self
-    if "num_experts" in view.__dict__:
-        view.__dict__["num_experts"] = num_slots
+    for count in _COUNTS:
+        if count in view.__dict__:
+            view.__dict__[count] = num_slots
     return view
 
 

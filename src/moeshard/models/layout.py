@@ -439,11 +439,15 @@ def _expert_table(
     if ref.param.fused:
         return _fused_rows(i, d, index, phy2log, num_logical, slots, dequantize)
     part_sizes = expert_part_sizes(d, index, 0, d.shape[1:], dequantize)  # expert 0's: every expert must agree
-    extra = ref.param.keys(ref.module, num_logical)
+    # Rows of identity experts follow the logical experts' on disk (an unsharded model, slot p =
+    # expert p, reads them as experts too): the expert after them would be a stray one.
+    beyond = num_logical + ref.identity if placement is not None else num_logical
+    extra = ref.param.keys(ref.module, beyond)
     if extra[0] in index:
+        what = f" and {ref.identity} identity experts" if ref.identity and placement is not None else ""
         raise ValueError(
-            f"parameter {d.name}: the checkpoint has expert {num_logical} ({extra[0]!r}) but the "
-            f"placement has only {num_logical} logical experts"
+            f"parameter {d.name}: the checkpoint has expert {beyond} ({extra[0]!r}) but the "
+            f"placement has only {num_logical} logical experts{what}"
         )
     keys = _held_expert_keys(d, index, slots.held.tolist(), part_sizes, dequantize)
     unit = None  # the one item size of the keys, where other ranks' alone rows go unbuilt

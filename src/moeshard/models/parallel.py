@@ -19,7 +19,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from ..placement import Placement
-from .adapters import DEFAULT_SPECS, ExpertsSpec
+from .adapters import DEFAULT_SPECS, ExpertsSpec, identity_rows
 from .describe import expert_layers
 from .ep import EPLayer, install_ep_forward
 from .lora import expert_lora_wrappers, shard_expert_lora
@@ -99,9 +99,13 @@ def parallelize(
         expert_params.update(t for lora in loras for t in (lora.a(), lora.b()))
         for p in spec.params:
             old = getattr(module, p.name)
-            if old.shape[0] != placement.num_logical:
+            # Rows of identity ("zero") experts after the logical ones (LongCat-Flash's gate_up_proj)
+            # are read by no forward: the EP parameter holds the placement's slots only.
+            zero = identity_rows(module, p.name)
+            if old.shape[0] != placement.num_logical + zero:
+                also = f" + {zero} identity experts" if zero else ""
                 raise ValueError(
-                    f"{module_name}.{p.name} has {old.shape[0]} experts, the placement {placement.num_logical}"
+                    f"{module_name}.{p.name} has {old.shape[0]} experts, the placement {placement.num_logical}{also}"
                 )
             local = torch.empty((spr, *old.shape[1:]), dtype=old.dtype, device=old.device)
             dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False,
