@@ -4,7 +4,8 @@ every transformers MoE family (load, save, relocate, ... of real HF module trees
 This is a helper module, not a test file. `FAMILIES` lists the model_type of every family of
 `transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` whose model has an
 `...experts` module holding fused expert parameters with a leading expert dim (`gate_up_proj` /
-`down_proj`, or `up_proj` / `down_proj` for nemotron_h) and that builds from a tiny config.
+`down_proj`, or `up_proj` / `down_proj` for nemotron_h; jetmoe: each `JetMoeParallelExperts`,
+`weight` [E, out, in]) and that builds from a tiny config.
 `tiny_config(mt)` gives that config and `build(mt)` the model, with reproducible weights.
 
 Enumerated on transformers 5.23.0 (torch 2.13, CPU) by a development-time script, not at import
@@ -20,6 +21,10 @@ Notes for test writers:
   experts live at `model.language_model.layers.N.experts` (no `mlp.`).
 - longcat_flash's experts module has `gate_up_proj` with n_routed + zero_expert_num rows (the
   identity "zero experts") but `down_proj` with n_routed rows only.
+- jetmoe has four experts modules per layer, each a `JetMoeParallelExperts` with one `weight`
+  [E, out, in] (fused on disk under its own name): the MoE MLP's `mlp.input_linear` /
+  `mlp.output_linear` and the mixture of attention heads' `self_attention.experts.input_linear` /
+  `output_linear` (the module named `experts` there holds only a bias and those submodules).
 - Some families have a fused (leading dim 1) `shared_experts` module whose name also ends in
   "experts" (inkling_text: gate_proj / up_proj / down_proj of shape (1, ...)).
 - What a fused family writes is not always `...experts.gate_up_proj` (aria_text: experts.fc1 /
@@ -30,10 +35,6 @@ Excluded (MoE causal-LM families in the mapping that are left out of FAMILIES):
   (num_experts * ffn_hidden_size, d_model), no leading expert dim. (The default config does not
   build either: DbrxAttention reads `attn_config.rope_theta`, which DbrxAttentionConfig lacks; with
   it passed explicitly the tiny round trip works.)
-- jetmoe: no experts module holding fused expert parameters: the MLP experts are
-  `mlp.input_linear.weight` / `mlp.output_linear.weight` (JetMoeParallelExperts submodules, not
-  named "experts"), and the attention `self_attention.experts` (mixture of attention heads) holds
-  only a bias plus such submodules. (Its tiny round trip works.)
 No family was excluded because the save/load round trip itself fails in transformers 5.23.
 transformers 5.24.0 gave inkling2 an `unpadded_vocab_size` (default 200058) that must not exceed
 the tiny vocabulary: `_GENERIC` sets it (the suite passes on 5.23.0 and 5.24.0).
@@ -51,7 +52,7 @@ FAMILIES: tuple[str, ...] = (
     "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "gemma4", "gemma4_text", "glm4_moe",
     "glm4_moe_lite", "glm_moe_dsa", "gpt_oss", "granitemoe", "granitemoe_swa", "granitemoehybrid",
     "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling2_text", "inkling_text", "jamba",
-    "kimi_linear", "kolibri1", "laguna", "lfm2_moe", "llama4", "llama4_text", "longcat_flash", "mellum",
+    "jetmoe", "kimi_linear", "kolibri1", "laguna", "lfm2_moe", "llama4", "llama4_text", "longcat_flash", "mellum",
     "mimo_v2_flash", "minimax", "minimax_m2", "minimax_m3_vl_text", "mixtral", "nemotron_h", "olmoe",
     "phimoe", "qwen2_moe", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "qwen4_exp",
     "qwen4_exp_text", "solar_open", "zaya",
@@ -188,6 +189,8 @@ _FAMILY: dict[str, dict] = {
     # default: experts every 2nd layer from 1 and attention every 8th from 4 (none in 2 layers);
     # here both layers are MoE, layer 0 mamba and layer 1 attention
     "jamba": dict(expert_layer_period=1, expert_layer_offset=0, attn_layer_period=2, attn_layer_offset=1),
+    # the attention experts' width is kv_channels * num_key_value_heads (default 128 * heads: ~390k params)
+    "jetmoe": dict(kv_channels=8),
     "kimi_linear": dict(num_hidden_layers=3),  # dense first (default mlp_layer_types)
     "laguna": dict(num_hidden_layers=3),  # dense first (default mlp_layer_types)
     # layer_types defaults to None, which the model indexes (TypeError); num_dense_layers defaults to 2

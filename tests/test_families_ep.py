@@ -25,7 +25,7 @@ pytestmark = pytest.mark.dist
 
 MATCH = ("qwen3_moe", "mixtral", "deepseek_v4", "dots1", "glm4_moe", "granitemoe", "zaya", "jamba", "phimoe",
          "lfm2_moe", "qwen3_next", "minimax_m2", "hunyuan_v1_moe", "ernie4_5_moe", "gemma4_text", "deepseek_v3",
-         "gpt_oss", "aria_text", "nemotron_h", "llama4_text", "longcat_flash", "kimi_linear")
+         "gpt_oss", "aria_text", "nemotron_h", "llama4_text", "longcat_flash", "kimi_linear", "jetmoe")
 LOUD: dict[str, str] = {}
 
 
@@ -42,12 +42,12 @@ def test_ep2_logits_match_one_process(tmp_path):
 def test_experts_kinds():
     """Which EP forward each experts class gets (built on meta, no process group)."""
     import hf_families
-    from moeshard.models.ep import PREROUTED, ROUTED, experts_kind
+    from moeshard.models.ep import GROUPED, PREROUTED, ROUTED, experts_kind
 
     for family, kind in (("qwen3_moe", ROUTED), ("gpt_oss", ROUTED), ("nemotron_h", ROUTED),
-                         ("llama4_text", PREROUTED), ("longcat_flash", ROUTED)):
+                         ("llama4_text", PREROUTED), ("longcat_flash", ROUTED), ("jetmoe", GROUPED)):
         model = hf_families.build(family, device="meta")
-        experts = next(m for n, m in model.named_modules() if n.endswith(".experts"))
+        experts = next(m for n, m in model.named_modules() if n.endswith((".experts", ".input_linear")))
         assert experts_kind(experts) == kind, (family, type(experts).__name__)
 
 

@@ -27,14 +27,16 @@ are concatenated. Part sizes along ``dim`` come from the checkpoint's headers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from dataclasses import dataclass
 
 from ..box import Box
 from ..io.formats import SCALE_SUFFIXES
 
-__all__ = ["ExpertParam", "ExpertsSpec", "HF_EXPERTS", "MIXTRAL_EXPERTS", "HF_UNGATED_EXPERTS", "DEFAULT_SPECS", "KEY_RENAMES",
-           "IDENTITY_EXPERTS", "checkpoint_names", "expert_params", "expert_parts", "identity_experts", "identity_rows",
+__all__ = ["ExpertParam", "ExpertsSpec", "HF_EXPERTS", "MIXTRAL_EXPERTS", "HF_UNGATED_EXPERTS", "JETMOE_EXPERTS",
+           "DEFAULT_SPECS", "KEY_RENAMES",
+           "IDENTITY_EXPERTS", "checkpoint_names", "class_names", "expert_params", "expert_parts", "identity_experts", "identity_rows",
            "read_expert_box", "specs_for", "with_scales"]
 
 
@@ -61,17 +63,30 @@ class ExpertParam:
         return tuple(f"{prefix}.{p.format(e=expert)}" if prefix else p.format(e=expert) for p in self.parts)
 
 
+@functools.lru_cache(maxsize=1024)
+def class_names(cls: type) -> frozenset[str]:
+    """The names of ``cls`` and its bases (a class FSDP2 made for a module it shards keeps the
+    original among its bases)."""
+    return frozenset(c.__name__ for c in cls.__mro__)
+
+
 @dataclass(frozen=True)
 class ExpertsSpec:
     """Which modules are experts modules (``module``: a regex searched in the module's
-    qualified name) and how their fused parameters map to per-expert checkpoint keys."""
+    qualified name; ``classes``: where given, the names of the classes one of which the module
+    must be an instance of) and how their fused parameters map to per-expert checkpoint keys."""
 
     module: str
     params: tuple[ExpertParam, ...]
+    classes: frozenset[str] = frozenset()
 
-    def matches(self, module_name: str, param_names: set[str]) -> bool:
+    def matches(self, module_name: str, param_names: set[str], module=None) -> bool:
         # The names first: most modules fail there, without a regex search.
-        return all(p.name in param_names for p in self.params) and re.search(self.module, module_name) is not None
+        if not all(p.name in param_names for p in self.params):
+            return False
+        if self.classes and (module is None or self.classes.isdisjoint(class_names(type(module)))):
+            return False
+        return re.search(self.module, module_name) is not None
 
 
 HF_EXPERTS = ExpertsSpec(
@@ -96,7 +111,16 @@ HF_UNGATED_EXPERTS = ExpertsSpec(
         ExpertParam("down_proj", ("{e}.down_proj.weight",)),
     ),
 )
-DEFAULT_SPECS: tuple[ExpertsSpec, ...] = (HF_EXPERTS, MIXTRAL_EXPERTS, HF_UNGATED_EXPERTS)
+# JetMoE's experts: every ``JetMoeParallelExperts`` (the MoE MLP's ``mlp.input_linear`` /
+# ``mlp.output_linear`` and the mixture-of-attention-heads' ``self_attention.experts.input_linear``
+# / ``output_linear``) is an experts module of its own, one ``weight`` [E, out, in], fused on disk
+# under its own name (``...input_linear.weight``).
+JETMOE_EXPERTS = ExpertsSpec(
+    module=r"(^|\.)(input|output)_linear$",
+    params=(ExpertParam("weight", ("weight",)),),
+    classes=frozenset({"JetMoeParallelExperts"}),
+)
+DEFAULT_SPECS: tuple[ExpertsSpec, ...] = (HF_EXPERTS, MIXTRAL_EXPERTS, HF_UNGATED_EXPERTS, JETMOE_EXPERTS)
 
 
 # Experts modules with identity ("zero") experts after the logical ones: a token routed to id
@@ -110,7 +134,7 @@ IDENTITY_EXPERTS: dict[str, tuple[str, tuple[str, ...]]] = {"LongcatFlashExperts
 
 def _identity_entry(module) -> tuple[str, tuple[str, ...]] | None:
     # By class name along the MRO: FSDP2 gives a module it shards a class of its own.
-    return next((IDENTITY_EXPERTS[c.__name__] for c in type(module).__mro__ if c.__name__ in IDENTITY_EXPERTS), None)
+    return next((IDENTITY_EXPERTS[n] for n in class_names(type(module)) if n in IDENTITY_EXPERTS), None)
 
 
 def identity_experts(module) -> int:

@@ -21,7 +21,8 @@ import numpy as np
 
 from ..io.checkpoint import CheckpointIndex
 from ..io.formats import scaled_weight
-from .adapters import DEFAULT_SPECS, ExpertParam, ExpertsSpec, checkpoint_names, identity_rows, specs_for, with_scales
+from .adapters import (DEFAULT_SPECS, ExpertParam, ExpertsSpec, checkpoint_names, class_names, identity_rows, specs_for,
+                       with_scales)
 from .hf_names import HFNames, hf_names
 
 if TYPE_CHECKING:  # torch only where a model is looked at
@@ -190,7 +191,7 @@ def expert_layers(model: nn.Module, specs: Sequence[ExpertsSpec] = DEFAULT_SPECS
     for name, mod in tree.modules:
         names = {n for n, p in mod._parameters.items() if p is not None}
         for spec in specs if names else ():  # an experts module has parameters
-            if spec.matches(base(name), names):
+            if spec.matches(base(name), names, mod):
                 out.append((name, mod, with_scales(spec, names)))
                 break
     return out
@@ -281,7 +282,7 @@ def _fused_spec(
         prefix, _, leaf = key.rpartition(".")
         params.append(ExpertParam(p.name, (leaf,)))
         prefixes[p.name] = prefix
-    return ExpertsSpec(module=spec.module, params=tuple(params)), prefixes
+    return ExpertsSpec(module=spec.module, params=tuple(params), classes=spec.classes), prefixes
 
 
 def describe_model(
@@ -306,13 +307,16 @@ def describe_model(
     base = tree.base
     experts: dict[str, tuple[int, ExpertsSpec, dict[str, str], nn.Module]] = {}
     layer = 0
-    # A spec matches only a module with its parameters: most modules have no spec's first one.
-    firsts = {s.params[0].name for s in ordered} if all(s.params for s in ordered) else None
+    # A spec matches only a module with its parameters: most modules have no spec's first one. A
+    # spec of given classes (JetMoE's, whose one parameter is a ``weight``) only an instance of one.
+    firsts = {s.params[0].name for s in ordered if not s.classes} if all(s.params for s in ordered) else None
+    classes = frozenset().union(*(s.classes for s in ordered))
     for name, mod in tree.modules:
         own = {n for n, p in mod._parameters.items() if p is not None}
-        if not own or (firsts is not None and firsts.isdisjoint(own)):
+        if not own or (firsts is not None and firsts.isdisjoint(own)
+                       and not (classes and classes & class_names(type(mod)))):
             continue
-        matching = [s for s in ordered if s.matches(base(name), own)]
+        matching = [s for s in ordered if s.matches(base(name), own, mod)]
         if matching:
             spec, prefixes = _choose_spec(matching, base(name), index, renamed, hf)
             scaled = with_scales(spec, own)

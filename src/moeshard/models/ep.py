@@ -12,7 +12,10 @@ the family's own signature, for one of two kinds of experts module (:func:`exper
 * *pre-routed* (Llama 4's ``Llama4TextExperts``): ``forward(routed_in [E*T, H]) -> [E*T, H]``,
   block ``e`` (rows ``e*T .. (e+1)*T``) holding the T tokens already scaled by their routing
   score for expert ``e`` (0 where not routed to it) and the output block ``e`` being expert
-  ``e`` applied to it (the parent MoE block sums the blocks).
+  ``e`` applied to it (the parent MoE block sums the blocks);
+* *grouped* (JetMoE's ``JetMoeParallelExperts``, one linear map per expert):
+  ``forward(inputs [N, in], expert_size) -> [N, out]``, the rows sorted by expert,
+  ``expert_size[e]`` of them for expert ``e``, each row mapped by its expert's ``weight[e]``.
 
 Either way the EP forward
 
@@ -64,10 +67,12 @@ from .describe import local_tensor
 __all__ = ["EPLayer", "SlotLora", "experts_kind", "install_ep_forward", "set_placement", "slot_params",
            "sync_redundant_grads", "grad_norm", "clip_grad_norm_"]
 
-ROUTED, PREROUTED = "routed", "prerouted"
+ROUTED, PREROUTED, GROUPED = "routed", "prerouted", "grouped"
 # Experts classes with the pre-routed forward (module doc), by class name: FSDP2 gives a module
 # it shards a class of its own, which keeps the original among its bases.
 PREROUTED_CLASSES = frozenset({"Llama4TextExperts"})
+# ... and with the grouped one.
+GROUPED_CLASSES = frozenset({"JetMoeParallelExperts"})
 # transformers experts classes outside @use_experts_implementation whose own forward is the routed
 # one (module doc), by class name. LongCat-Flash's: ids past its routed experts are identity
 # ("zero") experts (:func:`~moeshard.models.adapters.identity_experts`), which the EP forward
@@ -168,6 +173,8 @@ def experts_kind(module: nn.Module) -> str | None:
         return PREROUTED
     if names & ROUTED_CLASSES:
         return ROUTED
+    if names & GROUPED_CLASSES:
+        return GROUPED
     if hasattr(module, "has_gate") and hasattr(module, "_is_expert_parallel"):
         # transformers' @use_experts_implementation: its grouped_mm / batched_mm forwards, which
         # stand in for the class's own, compute each (token, k) row as expert(x) * weight and sum
@@ -212,15 +219,17 @@ def install_ep_forward(module: nn.Module, ep_layer: EPLayer, loras: tuple[SlotLo
     module.moeshard_kind = kind
     module.moeshard_identity = identity_experts(module)
     module._moeshard_route = {}
-    module.forward = types.MethodType(_ep_forward if kind == ROUTED else _ep_forward_prerouted, module)
+    forwards = {ROUTED: _ep_forward, PREROUTED: _ep_forward_prerouted, GROUPED: _ep_forward_grouped}
+    module.forward = types.MethodType(forwards[kind], module)
     return True
 
 
 def _unsupported_forward(self, *args, **kwargs):
     raise NotImplementedError(
         f"{type(self).__module__}.{type(self).__name__}: moeshard's EP forward does not support this experts "
-        "module (neither transformers' routed experts forward, @use_experts_implementation, nor a pre-routed "
-        f"one: {sorted(PREROUTED_CLASSES)}). Its parameters hold only this rank's slots, so its own forward would "
+        "module (neither transformers' routed experts forward, @use_experts_implementation or "
+        f"{sorted(ROUTED_CLASSES)}, nor a pre-routed one, {sorted(PREROUTED_CLASSES)}, nor a grouped one, "
+        f"{sorted(GROUPED_CLASSES)}). Its parameters hold only this rank's slots, so its own forward would "
         "be wrong; parallelize(..., ep_forward=False) keeps it, for a forward that routes tokens to the "
         "module's num_local_experts local slots itself")
 
@@ -383,6 +392,24 @@ def _ep_forward_prerouted(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return out.index_copy(0, pairs[order], y.to(out.dtype))
 
 
+def _ep_forward_grouped(self, inputs: torch.Tensor, expert_size) -> torch.Tensor:
+    """EP forward of a grouped experts module (module doc; collective as :func:`_ep_forward`).
+
+    ``inputs [N, in]`` sorted by logical expert, ``expert_size`` (``E`` counts, a list or a
+    tensor) rows each -> ``[N, out]``: each row mapped by a copy of its expert, in place."""
+    num_logical = len(self.moeshard_ep.logcnt)
+    with torch.no_grad():
+        sizes = torch.as_tensor(expert_size, device=inputs.device, dtype=torch.long)
+        if sizes.shape != (num_logical,) or int(sizes.sum()) != len(inputs):
+            raise ValueError(f"{type(self).__name__}: expected rows sorted by expert with {num_logical} counts "
+                             f"summing to {len(inputs)}, got expert_size of shape {list(sizes.shape)}")
+        rows = torch.arange(len(inputs), device=inputs.device)
+        experts = torch.repeat_interleave(torch.arange(num_logical, device=inputs.device), sizes)
+    y, order = _exchange(self, inputs, rows, experts, rows)
+    out = y.new_empty((len(inputs), *y.shape[1:]))
+    return out.index_copy(0, order, y)
+
+
 def _check_zero_rows_vanish(self, like: torch.Tensor) -> None:
     """Skipping zero rows is exact when the expert maps 0 to 0 with zero gradients: true without
     biases when ``act_fn(0) == 0`` (then ``up(0) * act(gate(0))`` vanishes and so do its
@@ -432,6 +459,11 @@ def _local_experts(self, x: torch.Tensor, local_slots: torch.Tensor, ep: EPLayer
     forward = type(self).forward  # the class's (transformers': dispatches on _experts_implementation)
     if self.moeshard_kind == PREROUTED:
         return _prerouted_local(self, forward, weights, x, local_slots, ep.slots_per_rank)
+    if self.moeshard_kind == GROUPED:  # the rows sorted by local slot, then put back in arrival order
+        order = torch.argsort(local_slots, stable=True)
+        counts = torch.bincount(local_slots, minlength=ep.slots_per_rank).tolist()
+        y = forward(_slot_view(self, weights, ep.slots_per_rank), x[order], counts)
+        return torch.empty_like(y).index_copy(0, order, y)
     # Each row routed to its local slot with weight 1: the forward returns expert(x) * 1,
     # summed over one k: exactly the expert's output.
     view = _slot_view(self, weights, ep.slots_per_rank)
