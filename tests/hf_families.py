@@ -47,7 +47,7 @@ import torch
 TRANSFORMERS_VERSION = "5.23.0"  # the version FAMILIES and the *_ON_DISK sets were computed on
 
 FAMILIES: tuple[str, ...] = (
-    "afmoe", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v2",
+    "afmoe", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "dbrx", "deepseek_v2",
     "deepseek_v3", "deepseek_v32", "deepseek_v4", "dots1", "dots3_note", "dots3_note_text",
     "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "gemma4", "gemma4_text", "glm4_moe",
     "glm4_moe_lite", "glm_moe_dsa", "gpt_oss", "granitemoe", "granitemoe_swa", "granitemoehybrid",
@@ -162,6 +162,11 @@ _FAMILY: dict[str, dict] = {
     "bailing_hybrid": dict(num_hidden_layers=3, first_k_dense_replace=1, layer_group_size=3),
     # the default makes the first min(3, num_hidden_layers) layers dense
     "beam": dict(num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"]),
+    # its own names (d_model, n_heads, n_layers); DbrxAttention reads attn_config.rope_theta, which
+    # the attention sub-config lacks unless given; its forward clamps q/k/v by clip_qkv (None fails)
+    "dbrx": dict(d_model=32, n_heads=4, n_layers=2, max_seq_len=64,
+                 attn_config=dict(kv_n_heads=4, rope_theta=10000.0, clip_qkv=8.0),
+                 ffn_config=dict(hidden_size=32, ffn_hidden_size=16, moe_num_experts=4, moe_top_k=2)),
     "deepseek_v3": dict(num_hidden_layers=3, first_k_dense_replace=1),  # default 3 dense layers
     "deepseek_v32": dict(num_hidden_layers=3, first_k_dense_replace=1),  # default 3 dense layers
     # the vision/audio adapters (not built here) must output the text hidden size (validation)

@@ -35,7 +35,7 @@ from ..box import Box
 from ..io.formats import SCALE_SUFFIXES
 
 __all__ = ["ExpertParam", "ExpertsSpec", "HF_EXPERTS", "MIXTRAL_EXPERTS", "HF_UNGATED_EXPERTS", "JETMOE_EXPERTS",
-           "DEFAULT_SPECS", "KEY_RENAMES",
+           "DBRX_EXPERTS", "DEFAULT_SPECS", "KEY_RENAMES", "expert_shape",
            "IDENTITY_EXPERTS", "checkpoint_names", "class_names", "expert_params", "expert_parts", "identity_experts", "identity_rows",
            "read_expert_box", "specs_for", "with_scales"]
 
@@ -53,11 +53,17 @@ class ExpertParam:
     name: str
     parts: tuple[str, ...]
     dim: int = 0
+    merged: bool = False
 
     @property
     def fused(self) -> bool:
         """Whether the checkpoint holds this parameter fused (one tensor, every expert)."""
         return len(self.parts) == 1 and "{e" not in self.parts[0]
+
+    # ``merged`` (fused only): the expert dim is merged into the slice's dim 0, on disk and in
+    # an unsharded model: ``[num_logical * n, *rest]`` for slices ``[n, *rest]``, expert ``e`` at
+    # rows ``e*n .. (e+1)*n`` (DBRX's ``w1`` / ``v1`` / ``w2``); an EP model holds it
+    # ``[num_physical, n, *rest]``.
 
     def keys(self, prefix: str, expert: int) -> tuple[str, ...]:
         return tuple(f"{prefix}.{p.format(e=expert)}" if prefix else p.format(e=expert) for p in self.parts)
@@ -79,6 +85,7 @@ class ExpertsSpec:
     module: str
     params: tuple[ExpertParam, ...]
     classes: frozenset[str] = frozenset()
+    count: str = ""  # the module's attribute giving its number of experts, where a merged parameter hides it
 
     def matches(self, module_name: str, param_names: set[str], module=None) -> bool:
         # The names first: most modules fail there, without a regex search.
@@ -120,7 +127,32 @@ JETMOE_EXPERTS = ExpertsSpec(
     params=(ExpertParam("weight", ("weight",)),),
     classes=frozenset({"JetMoeParallelExperts"}),
 )
-DEFAULT_SPECS: tuple[ExpertsSpec, ...] = (HF_EXPERTS, MIXTRAL_EXPERTS, HF_UNGATED_EXPERTS, JETMOE_EXPERTS)
+# DBRX's experts: ``ffn.experts.mlp`` (DbrxExpertGLU) holds w1 (gate), v1 (up) and w2 (down, used
+# transposed), each ``[num_experts * ffn_hidden_size, d_model]``, merged on disk as in memory.
+DBRX_EXPERTS = ExpertsSpec(
+    module=r"(^|\.)experts\.mlp$",
+    params=tuple(ExpertParam(n, (n,), merged=True) for n in ("w1", "v1", "w2")),
+    classes=frozenset({"DbrxExpertGLU"}),
+    count="moe_num_experts",
+)
+DEFAULT_SPECS: tuple[ExpertsSpec, ...] = (HF_EXPERTS, MIXTRAL_EXPERTS, HF_UNGATED_EXPERTS, JETMOE_EXPERTS, DBRX_EXPERTS)
+
+
+def expert_shape(module, spec: ExpertsSpec, param: ExpertParam, shape: tuple[int, ...] | None = None,
+                 sharded: bool = False) -> tuple[int, ...]:
+    """``[num experts, *slice]`` of ``param`` of experts module ``module`` (``shape``: the
+    tensor's, default the module's parameter's): the shape itself, or for a merged parameter
+    of an unsharded model (not ``sharded``: parallelize made it ``[num_physical, n, *rest]``)
+    ``[E, n, *rest]`` from ``[E * n, *rest]``, ``E`` the module's ``spec.count`` attribute."""
+    if shape is None:
+        shape = tuple(module._parameters[param.name].shape)
+    if not param.merged or sharded:
+        return tuple(shape)
+    num = getattr(module, spec.count, None) if spec.count else None
+    if not isinstance(num, int) or num < 1 or not shape or shape[0] % num:
+        raise ValueError(f"{type(module).__name__}.{param.name} of shape {list(shape)}: its experts are merged into "
+                         f"dim 0, and the module's {spec.count or 'expert count'} ({num}) does not divide it")
+    return (num, shape[0] // num, *shape[1:])
 
 
 # Experts modules with identity ("zero") experts after the logical ones: a token routed to id
@@ -285,9 +317,10 @@ def expert_parts(
     return out
 
 
-def read_expert_box(reader, param: ExpertParam, module: str, expert: int, box: Box, out):
+def read_expert_box(reader, param: ExpertParam, module: str, expert: int, box: Box, out, slice_rows: int = 0):
     """Read ``box`` (slice coordinates, expert dim excluded) of logical ``expert``'s slice of
     ``param`` from its checkpoint parts into ``out`` (a tensor of shape ``box_shape(box)``;
+    ``slice_rows``: a merged parameter's rows per expert, its slice's dim 0;
     values are cast to its dtype, FP8 weights with a block scale dequantized into a float
     ``out``: :func:`moeshard.io.fp8.read_dequantized`). ``reader`` is a
     :class:`~moeshard.io.checkpoint.CheckpointReader`.
@@ -299,6 +332,12 @@ def read_expert_box(reader, param: ExpertParam, module: str, expert: int, box: B
             reader.read(key, part_box, out=dst)
 
     keys = param.keys(module, expert)
+    if param.fused and param.merged:  # rows ``expert * n ..`` of the one tensor, dim 0 merged
+        if not slice_rows:
+            raise ValueError(f"{module}.{param.name}: a merged expert parameter needs its slice's rows")
+        (o, k), rest = box[0], tuple(box[1:])
+        read(keys[0], ((expert * slice_rows + o, k),) + rest, out)
+        return out
     if param.fused:  # row ``expert`` of the one tensor holding every expert
         read(keys[0], ((expert, 1),) + tuple(box), out.unsqueeze(0))
         return out

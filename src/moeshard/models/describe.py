@@ -12,6 +12,7 @@ import it when called.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from dataclasses import dataclass
@@ -21,8 +22,8 @@ import numpy as np
 
 from ..io.checkpoint import CheckpointIndex
 from ..io.formats import scaled_weight
-from .adapters import (DEFAULT_SPECS, ExpertParam, ExpertsSpec, checkpoint_names, class_names, identity_rows, specs_for,
-                       with_scales)
+from .adapters import (DEFAULT_SPECS, ExpertParam, ExpertsSpec, checkpoint_names, class_names, expert_shape,
+                       identity_rows, specs_for, with_scales)
 from .hf_names import HFNames, hf_names
 
 if TYPE_CHECKING:  # torch only where a model is looked at
@@ -280,9 +281,9 @@ def _fused_spec(
         if key is None:
             return None
         prefix, _, leaf = key.rpartition(".")
-        params.append(ExpertParam(p.name, (leaf,)))
+        params.append(ExpertParam(p.name, (leaf,), merged=p.merged))
         prefixes[p.name] = prefix
-    return ExpertsSpec(module=spec.module, params=tuple(params), classes=spec.classes), prefixes
+    return dataclasses.replace(spec, params=tuple(params)), prefixes
 
 
 def describe_model(
@@ -335,11 +336,13 @@ def describe_model(
         name = aliases_of[0]
         module, _, attr = name.rpartition(".")
         expert = None
+        shape = tuple(t.shape)
         if module in experts:
             layer_idx, spec, prefixes, mod = experts[module]
             for p in spec.params:
                 if p.name == attr:
                     expert = ExpertRef(layer_idx, prefixes[p.name], p, identity_rows(mod, p.name))
+                    shape = expert_shape(mod, spec, p, shape, sharded=_is_dtensor(t))
         if _is_dtensor(t):
             if any(p.is_partial() for p in t.placements):
                 raise ValueError(f"parameter {name}: Partial DTensor placements cannot be loaded")
@@ -360,7 +363,7 @@ def describe_model(
             if renamed and index is None:  # the family's names first: they are what it writes
                 keys = [k for n in aliases_of for k in reversed(checkpoint_names(base(n)))]
         parts, part_dim = split if split is not None else ((), 0)
-        descs.append(ParamDesc(name, tuple(t.shape), t.dtype, mesh, placements, tuple(dict.fromkeys(keys)), expert,
+        descs.append(ParamDesc(name, shape, t.dtype, mesh, placements, tuple(dict.fromkeys(keys)), expert,
                                parts, part_dim))
     return descs
 
@@ -420,8 +423,13 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return isinstance(t, _torch_classes()[1])
 
 
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The rank-local tensor behind a parameter (DTensor or plain), writable in place."""
+def local_tensor(t: torch.Tensor, desc: ParamDesc | None = None) -> torch.Tensor:
+    """The rank-local tensor behind a parameter (DTensor or plain), writable in place; with
+    ``desc`` (the parameter's description), viewed with its dims: a plain merged expert parameter
+    (DBRX's ``[E * n, d]``) as ``[E, n, d]``."""
     parameter, dtensor = _torch_classes()
     t = t.data if isinstance(t, parameter) else t
-    return t._local_tensor if isinstance(t, dtensor) else t
+    t = t._local_tensor if isinstance(t, dtensor) else t
+    if desc is not None and desc.mesh is None and tuple(t.shape) != desc.shape:
+        t = t.view(desc.shape)
+    return t

@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .adapters import identity_experts
+from .adapters import class_names, identity_experts
 from .describe import local_tensor
 
 __all__ = ["EPLayer", "SlotLora", "experts_kind", "install_ep_forward", "set_placement", "slot_params",
@@ -77,7 +77,10 @@ GROUPED_CLASSES = frozenset({"JetMoeParallelExperts"})
 # one (module doc), by class name. LongCat-Flash's: ids past its routed experts are identity
 # ("zero") experts (:func:`~moeshard.models.adapters.identity_experts`), which the EP forward
 # applies where the token is, with no exchange.
-ROUTED_CLASSES = frozenset({"LongcatFlashExperts"})
+ROUTED_CLASSES = frozenset({"LongcatFlashExperts", "DbrxExperts"})
+# Experts modules (a spec's module) whose parent runs them: their class -> the attribute the parent
+# holds them under. DBRX's DbrxExperts runs the experts with the weights of its ``mlp``.
+HELD_BY_CHILD = {"DbrxExpertGLU": "mlp"}
 # Attributes of an experts module that count its experts: a slot view (the local slots only)
 # sets each one it has to the number of local slots (identity experts: none there).
 _COUNTS = ("num_experts", "num_routed_experts", "total_experts")
@@ -185,10 +188,21 @@ def experts_kind(module: nn.Module) -> str | None:
     return None
 
 
-def install_ep_forward(module: nn.Module, ep_layer: EPLayer, loras: tuple[SlotLora, ...] = ()) -> bool:
+def ep_host(model: nn.Module, name: str, module: nn.Module) -> nn.Module:
+    """The module whose forward runs the experts of experts module ``module`` (named ``name`` in
+    ``model``): itself, or for a module whose parent runs it with its weights
+    (:data:`HELD_BY_CHILD`) that parent."""
+    if class_names(type(module)).isdisjoint(HELD_BY_CHILD):
+        return module
+    return model.get_submodule(name.rpartition(".")[0])
+
+
+def install_ep_forward(module: nn.Module, ep_layer: EPLayer, loras: tuple[SlotLora, ...] = (),
+                       holder: nn.Module | None = None) -> bool:
     """Replace ``module``'s forward with the EP forward for ``ep_layer`` (its kind: see
     :func:`experts_kind`), adding ``loras``' deltas to the local slots' weights. Called by
-    :func:`moeshard.parallelize`.
+    :func:`moeshard.parallelize`. ``holder``: the experts module holding the expert parameters,
+    when ``module`` runs them from a child of its own (:func:`ep_host`); default ``module``.
 
     Returns whether the EP forward was installed. When not: a transformers experts module gets a
     forward that raises NotImplementedError naming its class; a custom one keeps its forward
@@ -198,12 +212,16 @@ def install_ep_forward(module: nn.Module, ep_layer: EPLayer, loras: tuple[SlotLo
         ValueError: a parameter of the module with neither the slots nor the logical experts
             first (the EP forward runs every parameter of the module on the local slots).
     """
+    holder = module if holder is None else holder
+    if holder is not module and next((c for c in module._modules.values() if c is holder), None) is None:
+        raise ValueError(f"{type(module).__name__}: the experts' parameters must be held by the module or one of "
+                         f"its children, not by {type(holder).__name__}")
     kind = experts_kind(module)
     if kind is None:
         if _from_transformers(module):
             module.forward = types.MethodType(_unsupported_forward, module)
         return False
-    for name, p in module.named_parameters(recurse=False):
+    for name, p in holder.named_parameters(recurse=False):
         rows, what = ((len(ep_layer.phy2log), "slots") if _per_slot(ep_layer, name)
                       else (len(ep_layer.logcnt), "logical experts"))
         if p.dim() == 0 or p.shape[0] != rows:
@@ -214,6 +232,7 @@ def install_ep_forward(module: nn.Module, ep_layer: EPLayer, loras: tuple[SlotLo
         # _ep_forward_prerouted skips zero rows: exact only for experts without biases.
         raise ValueError(f"{type(module).__name__}: pre-routed experts with parameters {sorted(module._parameters)}; "
                          "moeshard's EP forward supports gate_up_proj and down_proj only")
+    module.__dict__["moeshard_holder"] = holder  # not a submodule: no second name in the module tree
     module.moeshard_ep = ep_layer
     module.moeshard_lora = tuple(loras)
     module.moeshard_kind = kind
@@ -263,7 +282,8 @@ def slot_params(module: nn.Module) -> list[tuple[nn.Parameter, Callable[[torch.T
     ``[S, ...]`` as they are (not the whole per-logical-expert ones, :attr:`EPLayer.param_names`),
     and the LoRA factors of :class:`SlotLora`."""
     ep = getattr(module, "moeshard_ep", None)
-    out: list = [(p, _identity) for name, p in module.named_parameters(recurse=False)
+    holder = getattr(module, "moeshard_holder", module)
+    out: list = [(p, _identity) for name, p in holder.named_parameters(recurse=False)
                  if ep is None or _per_slot(ep, name)]
     for lora in getattr(module, "moeshard_lora", ()):
         out += [(lora.a(), lora.a_slots), (lora.b(), lora.b_slots)]
@@ -350,6 +370,8 @@ def _ep_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
     Shapes: ``hidden_states [T, H]``, ``top_k_index [T, K]`` (logical ids), ``top_k_weights
     [T, K]`` -> ``[T, H]``.
     """
+    shape = hidden_states.shape  # [T, H], or [B, S, H] (DBRX's experts take the batch)
+    hidden_states = hidden_states.reshape(-1, shape[-1])
     T, K = top_k_index.shape
     experts = top_k_index.reshape(-1)
     tokens = torch.arange(T, device=experts.device).repeat_interleave(K)
@@ -366,7 +388,7 @@ def _ep_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
         experts, tokens, weights = experts[routed], tokens[routed], weights[routed]
     y, order = _exchange(self, hidden_states, tokens, experts, tokens)
     y = y * weights[order, None].to(y.dtype)
-    return out.index_add(0, tokens[order], y.to(out.dtype))
+    return out.index_add(0, tokens[order], y.to(out.dtype)).view(shape)
 
 
 def _ep_forward_prerouted(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -472,8 +494,8 @@ def _local_experts(self, x: torch.Tensor, local_slots: torch.Tensor, ep: EPLayer
         # an identity expert (id S of the view) with weight 0, which adds exactly 0 and no compute.
         view.__dict__["total_experts"] = ep.slots_per_rank + 1
         index = torch.stack([local_slots, torch.full_like(local_slots, ep.slots_per_rank)], dim=1)
-        return forward(view, x, index, torch.stack([x.new_ones(len(x)), x.new_zeros(len(x))], dim=1))
-    return forward(view, x, local_slots[:, None], x.new_ones((len(x), 1)))
+        return forward(view, x, index, torch.stack([x.new_ones(len(x)), x.new_zeros(len(x))], dim=1)).reshape(len(x), -1)
+    return forward(view, x, local_slots[:, None], x.new_ones((len(x), 1))).reshape(len(x), -1)
 
 
 def _local_params(self, ep: EPLayer, device: torch.device) -> dict[str, torch.Tensor]:
@@ -482,7 +504,7 @@ def _local_params(self, ep: EPLayer, device: torch.device) -> dict[str, torch.Te
     (whole ``[E, ...]`` while FSDP has it unsharded) gathered at the slots' experts, unscaled:
     FSDP's gradient reduction over every rank already averages it."""
     out = {}
-    for name, p in self._parameters.items():
+    for name, p in self.__dict__.get("moeshard_holder", self)._parameters.items():
         if p is None:
             continue
         if _per_slot(ep, name):
@@ -518,14 +540,21 @@ def _slot_view(self, params: dict[str, torch.Tensor], num_slots: int) -> nn.Modu
     ``[num_slots, ...]``: autograd flows through them to the DTensor parameters) and whose
     ``num_experts`` is ``num_slots``; it shares everything else (config, act_fn, submodules).
     Only its forward is called (not ``__call__``: no hooks), so nothing is registered."""
-    view = object.__new__(type(self))
-    view.__dict__.update(self.__dict__)
-    view.__dict__["_parameters"] = {**self._parameters, **params}
-    view.__dict__.pop("forward", None)  # the EP forward installed on self
+    holder = self.__dict__.get("moeshard_holder", self)
+    if holder is not self:  # the parameters are a child's: a view of the child under the same name
+        child = next(k for k, m in self._modules.items() if m is holder)
+        view = _slot_view(holder, params, num_slots)
+        params = {}
+    view_self = object.__new__(type(self))
+    view_self.__dict__.update(self.__dict__)
+    view_self.__dict__["_parameters"] = {**self._parameters, **params}
+    if holder is not self:
+        view_self.__dict__["_modules"] = {**self._modules, child: view}
+    view_self.__dict__.pop("forward", None)  # the EP forward installed on self
     for count in _COUNTS:
-        if count in view.__dict__:
-            view.__dict__[count] = num_slots
-    return view
+        if count in view_self.__dict__:
+            view_self.__dict__[count] = num_slots
+    return view_self
 
 
 def _with_lora(self, name: str, w: torch.Tensor, ep: EPLayer) -> torch.Tensor:

@@ -436,6 +436,8 @@ def _expert_table(
     where = (*_layout_key(d), phy2log.tobytes(), num_logical, spans)
     slots = _cached(cache, ("slots", *where), lambda: _held_slots(d, _layout(d, world_size, cache), phy2log,
                                                                      num_logical, spans))
+    if ref.param.fused and ref.param.merged:
+        return _merged_rows(i, d, index, num_logical, slots, dequantize)
     if ref.param.fused:
         return _fused_rows(i, d, index, phy2log, num_logical, slots, dequantize)
     part_sizes = expert_part_sizes(d, index, 0, d.shape[1:], dequantize)  # expert 0's: every expert must agree
@@ -612,6 +614,31 @@ def _fused_rows(
     )
 
 
+def _merged_rows(i: int, d: ParamDesc, index: CheckpointIndex, num_logical: int, slots: _HeldSlots,
+                 dequantize: bool = False) -> NeedTable:
+    """:func:`_expert_table`'s rows for an expert parameter fused on disk with its expert dim
+    merged into the slice's dim 0 (DBRX: one tensor ``[num_logical * n, *rest]``, expert ``e`` at
+    rows ``e*n ..``): one row per held (box, slot), into that slot (the checkpoint tensor has
+    the slice's dims, not the local tensor's)."""
+    key, shape = _fused_tensor(d, index, dequantize)
+    n = d.shape[1] if len(d.shape) > 1 else 0
+    want = [num_logical * n, *d.shape[2:]]
+    if len(d.shape) < 2 or shape != want:
+        raise ValueError(
+            f"parameter {d.name}: checkpoint tensor {key!r} (every expert fused on disk, merged into dim 0) has "
+            f"shape {shape}, the model expects {want} ({num_logical} logical experts of slice {list(d.shape[1:])})")
+    ranks, boxes, owner, slot, expert = slots.ranks, slots.boxes, slots.owner, slots.slot, slots.expert
+    num, ndim = len(owner), len(d.shape) - 1
+    src_off = boxes[owner, 1:, 0].copy()
+    src_off[:, 0] += expert * n
+    return NeedTable(
+        keys=(key,), ndim=np.full(1, ndim, np.int8), rank=ranks[owner].astype(np.int32),
+        param=np.full(num, i, np.int32), key=np.zeros(num, np.int32), slot=(slot - boxes[owner, 0, 0]).astype(np.int64),
+        src_off=src_off.astype(np.int64), src_len=boxes[owner, 1:, 1].astype(np.int64),
+        dst_off=np.zeros((num, ndim), np.int64), alone=(slots.copies[expert] == 1) & slots.disjoint,
+    )
+
+
 def _fused_tensor(d: ParamDesc, index: CheckpointIndex, dequantize: bool) -> tuple[str, list[int]]:
     """``(key, shape)`` of the one checkpoint tensor of expert parameter ``d`` fused on disk;
     ValueError when the checkpoint lacks it or the cast rule refuses its dtype."""
@@ -681,6 +708,15 @@ def expert_part_sizes(d: ParamDesc, index: CheckpointIndex, expert: int, slice_s
     assert ref is not None
     keys = ref.param.keys(ref.module, expert)
     dim = ref.param.dim
+    if ref.param.fused and ref.param.merged:  # rows ``expert * n ..`` of one tensor, dim 0 merged
+        key, shape = _fused_tensor(d, index, dequantize)
+        n = slice_shape[0] if slice_shape else 0
+        if not n or len(shape) != len(slice_shape) or shape[1:] != list(slice_shape[1:]) or shape[0] % n \
+                or shape[0] // n <= expert:
+            raise ValueError(f"parameter {d.name}: checkpoint tensor {key!r} (every expert fused on disk, merged into "
+                             f"dim 0) has shape {shape}, which holds no logical expert {expert} of slice "
+                             f"{list(slice_shape)}")
+        return (slice_shape[dim],)
     if ref.param.fused:  # row ``expert`` of one tensor holding every expert
         key, shape = _fused_tensor(d, index, dequantize)
         if shape[1:] != list(slice_shape) or not shape or shape[0] <= expert:

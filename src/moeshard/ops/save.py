@@ -253,7 +253,7 @@ def _save(model, out_dir, placement, specs, reference, max_shard_bytes, overwrit
                                          unmake, fingerprint=lambda r: f"{r[1].fingerprint}/{overwrite}")
     t_plan = time.perf_counter() - t0
     tmp = out / f"{_TMP_PREFIX}{plan.fingerprint}"
-    dests = [local_tensor(tensors[d.name]) for d in descs]
+    dests = [local_tensor(tensors[d.name], d) for d in descs]
     created: list[Path] = []
     failure: list[Exception] = []
     if not tmp.is_dir():

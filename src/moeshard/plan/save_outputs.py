@@ -241,6 +241,8 @@ def _describe_outputs(descs, placement, world_size, reference, tied_targets, ski
             rows.add(len(heads), ranks[keep], i, np.full(int(keep.sum()), -1, np.int64), off[keep], ln[keep],
                      -off[keep])
             heads.append((key, d.shape, DTYPE_NAMES[d.dtype], d.name in buffers, False))
+        elif d.expert.param.fused and d.expert.param.merged:
+            _merged_output(i, d, phy2log[d.expert.layer], num_logical, ranks, off, ln, heads, rows)
         elif d.expert.param.fused:
             _fused_output(i, d, phy2log[d.expert.layer], num_logical, ranks, off, ln, heads, rows)
         elif d.expert.identity and placement is None:
@@ -332,10 +334,11 @@ def _expert_table(descs, placement, num_layers, reference, num_experts) -> tuple
             if ref is not None and ref.param.fused:
                 (key,) = ref.param.keys(ref.module, 0)
                 shape = list(reference.info(key).shape) if key in reference else None
-                if shape != [num_logical, *d.shape[1:]]:
+                want = [num_logical * d.shape[1], *d.shape[2:]] if ref.param.merged else [num_logical, *d.shape[1:]]
+                if shape != want:
                     raise ValueError(
                         f"parameter {d.name}: the reference checkpoint's {key!r} (every expert fused on disk) has "
-                        f"shape {shape}, the model's {num_logical} logical experts make {[num_logical, *d.shape[1:]]}")
+                        f"shape {shape}, the model's {num_logical} logical experts make {want}")
             elif ref is not None and ref.param.keys(ref.module, num_logical + ref.identity)[0] in reference:
                 also = f" and {ref.identity} identity experts" if ref.identity else ""
                 raise ValueError(f"parameter {d.name}: the reference checkpoint has logical expert "
@@ -416,6 +419,22 @@ def _fused_output(i, d: ParamDesc, phy2log: np.ndarray, num_logical: int, ranks,
     rows.add(len(heads), ranks[q], i, np.full(len(q), -1, np.int64), box_off, box_len, delta)
     (key,) = ref.param.keys(ref.module, 0)
     heads.append((key, (num_logical, *d.shape[1:]), DTYPE_NAMES[d.dtype], False, False))
+
+
+def _merged_output(i, d: ParamDesc, phy2log: np.ndarray, num_logical: int, ranks, off, ln, heads,
+                   rows: _Rows) -> None:
+    """The one checkpoint tensor ``[num_logical * n, *rest]`` of an expert parameter written fused
+    with its expert dim merged into dim 0 (DBRX's w1 / v1 / w2): rows ``e*n ..`` from a slot
+    holding logical expert ``e`` (each slot's box a segment of its own)."""
+    ref = d.expert
+    n = d.shape[1]
+    q, local, e = _slots(phy2log, off, ln)
+    box_off = off[q, 1:].copy()
+    box_off[:, 0] += e * n
+    # In the slot, the rank's box of the slice starts at 0: local = checkpoint offset - box_off.
+    rows.add(len(heads), ranks[q], i, local, box_off, ln[q, 1:].copy(), -box_off)
+    (key,) = ref.param.keys(ref.module, 0)
+    heads.append((key, (num_logical * n, *d.shape[2:]), DTYPE_NAMES[d.dtype], False, False))
 
 
 def _part_sizes(d: ParamDesc, slice_shape: tuple[int, ...], reference: CheckpointIndex | None) -> tuple[int, ...]:
