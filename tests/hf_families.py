@@ -48,7 +48,7 @@ TRANSFORMERS_VERSION = "5.23.0"  # the version FAMILIES and the *_ON_DISK sets w
 
 FAMILIES: tuple[str, ...] = (
     "afmoe", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "dbrx", "deepseek_v2",
-    "deepseek_v3", "deepseek_v32", "deepseek_v4", "dots1", "dots3_note", "dots3_note_text",
+    "deepseek_v3", "deepseek_v32", "deepseek_v4", "doge", "dots1", "dots3_note", "dots3_note_text",
     "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "gemma4", "gemma4_text", "glm4_moe",
     "glm4_moe_lite", "glm_moe_dsa", "gpt_oss", "granitemoe", "granitemoe_swa", "granitemoehybrid",
     "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling2_text", "inkling_text", "jamba",
@@ -168,6 +168,9 @@ _FAMILY: dict[str, dict] = {
                  attn_config=dict(kv_n_heads=4, rope_theta=10000.0, clip_qkv=8.0),
                  ffn_config=dict(hidden_size=32, ffn_hidden_size=16, moe_num_experts=4, moe_top_k=2)),
     "deepseek_v3": dict(num_hidden_layers=3, first_k_dense_replace=1),  # default 3 dense layers
+    # dense MLPs unless is_moe; its product-key router takes the top num_experts_per_tok of
+    # floor(sqrt(num_experts))^2 candidates: 16 experts give 4 x 4
+    "doge": dict(is_moe=True, num_experts=16, num_experts_per_tok=4),
     "deepseek_v32": dict(num_hidden_layers=3, first_k_dense_replace=1),  # default 3 dense layers
     # the vision/audio adapters (not built here) must output the text hidden size (validation)
     "dots3_note": dict(text_config=_DOTS3_TEXT, vision_config=dict(adapter_out_dim=32),

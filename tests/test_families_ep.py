@@ -25,7 +25,8 @@ pytestmark = pytest.mark.dist
 
 MATCH = ("qwen3_moe", "mixtral", "deepseek_v4", "dots1", "glm4_moe", "granitemoe", "zaya", "jamba", "phimoe",
          "lfm2_moe", "qwen3_next", "minimax_m2", "hunyuan_v1_moe", "ernie4_5_moe", "gemma4_text", "deepseek_v3",
-         "gpt_oss", "aria_text", "nemotron_h", "llama4_text", "longcat_flash", "kimi_linear", "jetmoe")
+         "gpt_oss", "aria_text", "nemotron_h", "llama4_text", "longcat_flash", "kimi_linear", "jetmoe", "dbrx",
+         "doge")
 LOUD: dict[str, str] = {}
 
 
@@ -42,12 +43,13 @@ def test_ep2_logits_match_one_process(tmp_path):
 def test_experts_kinds():
     """Which EP forward each experts class gets (built on meta, no process group)."""
     import hf_families
-    from moeshard.models.ep import GROUPED, PREROUTED, ROUTED, experts_kind
+    from moeshard.models.ep import GROUPED, LOOKUP, PREROUTED, ROUTED, experts_kind
 
     for family, kind in (("qwen3_moe", ROUTED), ("gpt_oss", ROUTED), ("nemotron_h", ROUTED),
-                         ("llama4_text", PREROUTED), ("longcat_flash", ROUTED), ("jetmoe", GROUPED)):
+                         ("llama4_text", PREROUTED), ("longcat_flash", ROUTED), ("jetmoe", GROUPED),
+                         ("dbrx", ROUTED), ("doge", LOOKUP)):
         model = hf_families.build(family, device="meta")
-        experts = next(m for n, m in model.named_modules() if n.endswith((".experts", ".input_linear")))
+        experts = next(m for n, m in model.named_modules() if n.endswith((".experts", ".input_linear", ".down_embed")))
         assert experts_kind(experts) == kind, (family, type(experts).__name__)
 
 
@@ -120,3 +122,66 @@ def test_longcat_identity_experts_saved_from_ep(tmp_path):
     with torch.no_grad():
         assert torch.equal(back.eval()(input_ids=ids, use_cache=False).logits,
                            want.eval()(input_ids=ids, use_cache=False).logits)
+
+
+GRADS = ("longcat_flash", "jetmoe", "dbrx", "doge")  # identity experts, grouped, held by a child, lookup
+
+
+def _grads_worker(root: str, families) -> dict:
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    import hf_families
+    import moeshard
+    from moeshard.models.describe import expert_layers
+
+    mesh = moeshard.make_mesh("cpu", ep=2, efsdp=1)
+    out = {}
+    for family in families:
+        ref = torch.load(os.path.join(root, family, "ref.pt"))
+        model = hf_families.build(family, device="meta")
+        rng = np.random.default_rng(3)
+        n = ref["n_experts"]
+        rows = [rng.permutation(np.concatenate([np.arange(n), rng.integers(0, n, 2)])) for _ in range(ref["n_layers"])]
+        pl = moeshard.Placement(np.stack(rows), num_logical=n, num_ranks=2)
+        layers = {name: i for i, (name, _, _) in enumerate(expert_layers(model))}
+        moeshard.parallelize(model, mesh, pl)
+        moeshard.load(model, os.path.join(root, family, "ckpt"), placement=pl)
+        model.train()
+        model(input_ids=ref["ids"], labels=ref["ids"], use_cache=False).loss.backward()
+        moeshard.sync_redundant_grads(model)
+        grads = {}
+        for name, p in model.named_parameters():
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            module = name.rpartition(".")[0]
+            grads[name] = (g, pl.phy2log[layers[module]].tolist() if module in layers else None)
+        out[family] = grads
+    return out
+
+
+def test_ep_gradients_match_one_process(tmp_path):
+    """The backward of the EP forwards added for these families (every rank runs the whole batch,
+    so the data-parallel mean is the one-process gradient): after sync_redundant_grads every slot
+    holds its logical expert's one-process gradient, every other parameter its own."""
+    import torch
+    import transformers
+
+    from mp import run_ranks
+
+    for family in GRADS:
+        assert family_sweep.reference(family, str(tmp_path)) is None
+    got = run_ranks(_grads_worker, str(tmp_path), GRADS, world=2, local_world=2)[0]
+    for family in GRADS:
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / family / "ckpt", dtype=torch.float32)
+        ids = torch.load(tmp_path / family / "ref.pt")["ids"]
+        model.train()
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        checked = 0
+        for name, p in model.named_parameters():
+            if p.grad is None:
+                continue
+            g, phy2log = got[family][name]
+            want = p.grad if phy2log is None else p.grad.reshape(-1, *g.shape[1:])[torch.as_tensor(phy2log)]
+            assert torch.allclose(g, want, rtol=1e-4, atol=1e-7), (family, name, float((g - want).abs().max()))
+            checked += phy2log is not None
+        assert checked, family

@@ -35,7 +35,7 @@ from ..box import Box
 from ..io.formats import SCALE_SUFFIXES
 
 __all__ = ["ExpertParam", "ExpertsSpec", "HF_EXPERTS", "MIXTRAL_EXPERTS", "HF_UNGATED_EXPERTS", "JETMOE_EXPERTS",
-           "DBRX_EXPERTS", "DEFAULT_SPECS", "KEY_RENAMES", "expert_shape",
+           "DBRX_EXPERTS", "DOGE_EXPERTS", "DEFAULT_SPECS", "KEY_RENAMES", "expert_shape",
            "IDENTITY_EXPERTS", "checkpoint_names", "class_names", "expert_params", "expert_parts", "identity_experts", "identity_rows",
            "read_expert_box", "specs_for", "with_scales"]
 
@@ -135,7 +135,16 @@ DBRX_EXPERTS = ExpertsSpec(
     classes=frozenset({"DbrxExpertGLU"}),
     count="moe_num_experts",
 )
-DEFAULT_SPECS: tuple[ExpertsSpec, ...] = (HF_EXPERTS, MIXTRAL_EXPERTS, HF_UNGATED_EXPERTS, JETMOE_EXPERTS, DBRX_EXPERTS)
+# Doge's retrieval experts (DogeCDMoE, config.is_moe): expert ``e`` is row ``e`` of two embedding
+# tables, ``mlp.down_embed`` and ``mlp.up_embed`` (``weight`` [E, hidden] each, under their own
+# names on disk); each table is an experts module of its own, looked up by expert id.
+DOGE_EXPERTS = ExpertsSpec(
+    module=r"(^|\.)mlp\.(down|up)_embed$",
+    params=(ExpertParam("weight", ("weight",)),),
+    classes=frozenset({"Embedding"}),
+)
+DEFAULT_SPECS: tuple[ExpertsSpec, ...] = (HF_EXPERTS, MIXTRAL_EXPERTS, HF_UNGATED_EXPERTS, JETMOE_EXPERTS, DBRX_EXPERTS,
+                                          DOGE_EXPERTS)
 
 
 def expert_shape(module, spec: ExpertsSpec, param: ExpertParam, shape: tuple[int, ...] | None = None,

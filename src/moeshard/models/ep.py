@@ -15,7 +15,11 @@ the family's own signature, for one of two kinds of experts module (:func:`exper
   ``e`` applied to it (the parent MoE block sums the blocks);
 * *grouped* (JetMoE's ``JetMoeParallelExperts``, one linear map per expert):
   ``forward(inputs [N, in], expert_size) -> [N, out]``, the rows sorted by expert,
-  ``expert_size[e]`` of them for expert ``e``, each row mapped by its expert's ``weight[e]``.
+  ``expert_size[e]`` of them for expert ``e``, each row mapped by its expert's ``weight[e]``;
+* *lookup* (an ``nn.Embedding`` whose rows are experts, Doge's ``down_embed`` / ``up_embed``):
+  ``forward(ids [...]) -> [..., d]``, expert ``ids[i]``'s row. Its EP forward sends each id to a
+  copy of its expert and that row comes back (the row is the expert: as many values travel as
+  a token would, and the family's own forward does the rest).
 
 Either way the EP forward
 
@@ -67,7 +71,7 @@ from .describe import local_tensor
 __all__ = ["EPLayer", "SlotLora", "experts_kind", "install_ep_forward", "set_placement", "slot_params",
            "sync_redundant_grads", "grad_norm", "clip_grad_norm_"]
 
-ROUTED, PREROUTED, GROUPED = "routed", "prerouted", "grouped"
+ROUTED, PREROUTED, GROUPED, LOOKUP = "routed", "prerouted", "grouped", "lookup"
 # Experts classes with the pre-routed forward (module doc), by class name: FSDP2 gives a module
 # it shards a class of its own, which keeps the original among its bases.
 PREROUTED_CLASSES = frozenset({"Llama4TextExperts"})
@@ -178,6 +182,8 @@ def experts_kind(module: nn.Module) -> str | None:
         return ROUTED
     if names & GROUPED_CLASSES:
         return GROUPED
+    if isinstance(module, nn.Embedding):  # an experts module whose rows are the experts (parallelize's spec says)
+        return LOOKUP
     if hasattr(module, "has_gate") and hasattr(module, "_is_expert_parallel"):
         # transformers' @use_experts_implementation: its grouped_mm / batched_mm forwards, which
         # stand in for the class's own, compute each (token, k) row as expert(x) * weight and sum
@@ -238,7 +244,11 @@ def install_ep_forward(module: nn.Module, ep_layer: EPLayer, loras: tuple[SlotLo
     module.moeshard_kind = kind
     module.moeshard_identity = identity_experts(module)
     module._moeshard_route = {}
-    forwards = {ROUTED: _ep_forward, PREROUTED: _ep_forward_prerouted, GROUPED: _ep_forward_grouped}
+    if kind == LOOKUP and (module.padding_idx is not None or module.max_norm is not None or module.sparse):
+        raise ValueError(f"{type(module).__name__}: an embedding of experts with padding_idx, max_norm or sparse "
+                         "gradients; moeshard's EP lookup supports plain row lookups only")
+    forwards = {ROUTED: _ep_forward, PREROUTED: _ep_forward_prerouted, GROUPED: _ep_forward_grouped,
+                LOOKUP: _ep_forward_lookup}
     module.forward = types.MethodType(forwards[kind], module)
     return True
 
@@ -432,6 +442,19 @@ def _ep_forward_grouped(self, inputs: torch.Tensor, expert_size) -> torch.Tensor
     return out.index_copy(0, order, y)
 
 
+def _ep_forward_lookup(self, ids: torch.Tensor) -> torch.Tensor:
+    """EP forward of an embedding whose rows are experts (module doc; collective as
+    :func:`_ep_forward`): ``ids [...]`` logical experts -> ``[..., d]`` their rows, each from a
+    copy of its expert (only the slot travels there: one placeholder value per id)."""
+    flat = ids.reshape(-1)
+    rows = torch.arange(len(flat), device=flat.device)
+    weight = self.__dict__.get("moeshard_holder", self)._parameters["weight"]
+    placeholder = torch.zeros((len(flat), 1), dtype=weight.dtype, device=flat.device)
+    y, order = _exchange(self, placeholder, rows, flat, rows)
+    out = y.new_empty((len(flat), *y.shape[1:]))
+    return out.index_copy(0, order, y).view(*ids.shape, -1)
+
+
 def _check_zero_rows_vanish(self, like: torch.Tensor) -> None:
     """Skipping zero rows is exact when the expert maps 0 to 0 with zero gradients: true without
     biases when ``act_fn(0) == 0`` (then ``up(0) * act(gate(0))`` vanishes and so do its
@@ -474,6 +497,8 @@ def _local_experts(self, x: torch.Tensor, local_slots: torch.Tensor, ep: EPLayer
     """Run this rank's slots with the module's own forward: ``x [R, H]`` rows for local slots
     ``local_slots int[R]`` -> ``[R, H']`` in arrival order (the return all-to-all's)."""
     weights = _local_params(self, ep, x.device)
+    if self.moeshard_kind == LOOKUP:  # the local slots' rows (in the graph even when there are none)
+        return weights["weight"][local_slots]
     if not len(x):
         # Keep rows and weights in the graph: every rank's backward must run the same
         # collectives (the return all-to-all's and the dispatch all-to-all's).
