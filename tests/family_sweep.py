@@ -92,7 +92,9 @@ def ep_worker(root: str, families: list[str]) -> dict:
                 logits = model(input_ids=ref["ids"], use_cache=False).logits
             out[family] = dict(err=float((logits - ref["logits"]).abs().max()), boxes=boxes)
         except Exception as e:  # noqa: BLE001 - reported per family
-            out[family] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+            # A DistributedError's first line says which step failed; its next one rank 0's error.
+            lines = str(e).splitlines()
+            out[family] = dict(error=f"{type(e).__name__}: " + " ".join(x.strip() for x in lines[:2])[:320])
             if os.environ.get("FAMILY_SWEEP_TRACE"):
                 import traceback
 

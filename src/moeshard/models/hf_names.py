@@ -278,6 +278,15 @@ def _expert_spec(conv) -> tuple[ExpertsSpec | None, str]:
     ops = [type(op).__name__ for op in conv.operations]
     if not ops or ops[0] != "MergeModulelist" or conv.operations[0].dim != 0 or len(ops) > 2 or \
             (len(ops) == 2 and (ops[1] != "Concatenate" or conv.operations[1].dim < 1)):
+        interleave = next((op for op in conv.operations if type(op).__name__ == "Interleave"), None)
+        if interleave is not None:
+            d = interleave.dim
+            sources = [_plain(p) or p for p in conv._original_source_patterns]
+            return None, (f"operations {ops} on checkpoint tensor {', '.join(sources)}: Interleave(dim={d}) alternates "
+                          f"the two halves of dim {d} on disk (index 2*i + j of the checkpoint tensor is index "
+                          f"j*n + i of the model's, n half the dim), so each "
+                          f"half of an expert's slice is every other row of the checkpoint tensor: no box of it, and "
+                          f"moeshard reads and writes boxes only")
         return None, f"operations {ops}"
     targets = conv._original_target_patterns
     if len(targets) != 1 or _plain(targets[0]) is None or "*" in targets[0]:
