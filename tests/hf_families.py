@@ -4,8 +4,11 @@ every transformers MoE family (load, save, relocate, ... of real HF module trees
 This is a helper module, not a test file. `FAMILIES` lists the model_type of every family of
 `transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` whose model has an
 `...experts` module holding fused expert parameters with a leading expert dim (`gate_up_proj` /
-`down_proj`, or `up_proj` / `down_proj` for nemotron_h; jetmoe: each `JetMoeParallelExperts`,
-`weight` [E, out, in]) and that builds from a tiny config.
+`down_proj`, or `up_proj` / `down_proj` for nemotron_h) and that builds from a tiny config; and
+the three whose experts are held otherwise, which moeshard's specs name (models/adapters.py):
+dbrx (`ffn.experts.mlp.{w1,v1,w2}`, [E * ffn_hidden_size, d_model], experts merged into dim 0),
+jetmoe (each `JetMoeParallelExperts`, `weight` [E, out, in]) and doge (with `is_moe`: the
+embedding tables `mlp.down_embed` / `mlp.up_embed`, [E, hidden], one row per expert).
 `tiny_config(mt)` gives that config and `build(mt)` the model, with reproducible weights.
 
 Enumerated on transformers 5.23.0 (torch 2.13, CPU) by a development-time script, not at import
@@ -13,6 +16,7 @@ time: every family in FAMILIES builds, has >= 2 MoE layers and < 300k parameters
 embeddings, and survives `save_pretrained` -> `AutoModelForCausalLM.from_pretrained(dtype=fp32,
 output_loading_info=True)` with no missing/unexpected/mismatched keys and a bit-identical
 state_dict. `PER_EXPERT_ON_DISK` / `FUSED_ON_DISK` record what that `save_pretrained` wrote.
+(dbrx, jetmoe and doge were added on transformers 5.24.0, with the same checks.)
 
 Notes for test writers:
 - The composite model_types dots3_note, llama4, qwen3_5_moe and qwen4_exp build the same
@@ -30,12 +34,9 @@ Notes for test writers:
 - What a fused family writes is not always `...experts.gate_up_proj` (aria_text: experts.fc1 /
   fc2, granitemoe*: input_linear / output_linear, inkling2_text: model.llm...experts.w1_weight).
 
-Excluded (MoE causal-LM families in the mapping that are left out of FAMILIES):
-- dbrx: the expert weights are 2-D concatenations `ffn.experts.mlp.{w1,v1,w2}` of shape
-  (num_experts * ffn_hidden_size, d_model), no leading expert dim. (The default config does not
-  build either: DbrxAttention reads `attn_config.rope_theta`, which DbrxAttentionConfig lacks; with
-  it passed explicitly the tiny round trip works.)
-No family was excluded because the save/load round trip itself fails in transformers 5.23.
+- dbrx's default config does not build: DbrxAttention reads `attn_config.rope_theta`, which
+  DbrxAttentionConfig lacks, and clamps q/k/v by `attn_config.clip_qkv` (None fails): both given.
+No MoE causal-LM family of the mapping that builds from a tiny config is left out of FAMILIES.
 transformers 5.24.0 gave inkling2 an `unpadded_vocab_size` (default 200058) that must not exceed
 the tiny vocabulary: `_GENERIC` sets it (the suite passes on 5.23.0 and 5.24.0).
 """
