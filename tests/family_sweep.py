@@ -37,14 +37,14 @@ SEQ = (2, 7)
 def expert_layers(model) -> tuple[int, int]:
     """``(MoE layers, logical experts per layer)`` of ``model``, as ``moeshard.parallelize`` sees
     them (its expert specs; rows of identity "zero" experts are not logical experts)."""
-    from moeshard.models.adapters import expert_shape, identity_rows
+    from moeshard.models.adapters import num_logical_experts
     from moeshard.models.describe import expert_layers as layers
 
     found = layers(model)
     if not found:
         raise ValueError("the model has 0 MoE layers")
     _, mod, spec = found[0]
-    return len(found), min(expert_shape(mod, spec, p)[0] - identity_rows(mod, p.name) for p in spec.params)
+    return len(found), num_logical_experts(mod, spec)
 
 
 def reference(family: str, root: str) -> str | None:

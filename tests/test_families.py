@@ -153,5 +153,11 @@ def test_names_come_from_transformers_mapping():
     assert phi.checkpoint_name("model.layers.0.mlp.router.weight") == "model.layers.0.block_sparse_moe.gate.weight"
     assert phi.checkpoint_module("model.layers.0.mlp.experts", phi.specs[0].params[0]) == \
         "model.layers.0.block_sparse_moe.experts"
+    # A dense tensor a converter concatenates from several checkpoint tensors: its parts, renamed.
+    bailing = hf_names(hf_families.build("bailing_hybrid", device="meta"))
+    assert bailing.checkpoint_parts("model.layers.0.self_attn.conv1d.weight") == (
+        tuple(f"model.layers.0.attention.{x}_conv1d.weight" for x in "qkv"), 0)
+    assert bailing.checkpoint_parts("model.layers.0.self_attn.o_proj.weight") is None
+    assert not any("conv1d" in target for target, _ in bailing.refused)
     # A model that is no transformers model has no transformers names.
     assert hf_names(torch.nn.Linear(2, 2)) is None

@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     from .. import _dist
     from ..io.checkpoint import CheckpointIndex
     from ..io.sources import reader_root
+    from ..models.adapters import num_logical_experts
     from ..models.describe import expert_layers
     from ..models.parallel import make_mesh, parallelize
     from ..ops.load import load
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                 layers = expert_layers(model)
                 if not layers:
                     raise ValueError(f"{args.checkpoint}: the model has no experts module moeshard knows (not MoE?)")
-                num_logical = getattr(layers[0][1], layers[0][2].params[0].name).shape[0]
+                num_logical = num_logical_experts(layers[0][1], layers[0][2])
                 return model, _placement(args, len(layers), num_logical, ep, [name for name, _, _ in layers])
 
             model, placement = _dist.agree(setup, "moeshard verify: building the model")

@@ -35,9 +35,9 @@ from ..box import Box
 from ..io.formats import SCALE_SUFFIXES
 
 __all__ = ["ExpertParam", "ExpertsSpec", "HF_EXPERTS", "MIXTRAL_EXPERTS", "HF_UNGATED_EXPERTS", "JETMOE_EXPERTS",
-           "DBRX_EXPERTS", "DOGE_EXPERTS", "DEFAULT_SPECS", "KEY_RENAMES", "expert_shape",
-           "IDENTITY_EXPERTS", "checkpoint_names", "class_names", "expert_params", "expert_parts", "identity_experts", "identity_rows",
-           "read_expert_box", "specs_for", "with_scales"]
+           "DBRX_EXPERTS", "DOGE_EXPERTS", "DEFAULT_SPECS", "KEY_RENAMES", "IDENTITY_EXPERTS", "checkpoint_names",
+           "class_names", "expert_params", "expert_parts", "expert_shape", "identity_experts", "identity_rows",
+           "num_logical_experts", "read_expert_box", "specs_for", "with_scales"]
 
 
 @dataclass(frozen=True)
@@ -170,7 +170,9 @@ def expert_shape(module, spec: ExpertsSpec, param: ExpertParam, shape: tuple[int
 # row per identity expert, which the class's forward never reads). transformers' LongCat-Flash
 # allocates ``gate_up_proj`` [n_routed + zero_expert_num, ...] and ``save_pretrained`` writes
 # ``experts.<n_routed + z>.gate_proj / up_proj`` for them, while ``down_proj`` has n_routed rows.
-IDENTITY_EXPERTS: dict[str, tuple[str, tuple[str, ...]]] = {"LongcatFlashExperts": ("zero_expert_num", ("gate_up_proj",))}
+IDENTITY_EXPERTS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "LongcatFlashExperts": ("zero_expert_num", ("gate_up_proj",)),
+}
 
 
 def _identity_entry(module) -> tuple[str, tuple[str, ...]] | None:
@@ -191,6 +193,12 @@ def identity_rows(module, param: str) -> int:
     reads; an EP model does not hold them)."""
     entry = _identity_entry(module)
     return identity_experts(module) if entry is not None and param in entry[1] else 0
+
+
+def num_logical_experts(module, spec: ExpertsSpec) -> int:
+    """The logical experts of experts module ``module`` of an unsharded model (its parameters'
+    expert dim, a merged one's from the module's count, the rows of identity experts left out)."""
+    return min(expert_shape(module, spec, p)[0] - identity_rows(module, p.name) for p in spec.params)
 
 
 def with_scales(spec: ExpertsSpec, param_names: set[str]) -> ExpertsSpec:

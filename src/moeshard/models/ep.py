@@ -2,8 +2,9 @@
 
 After :func:`moeshard.parallelize`, an experts module holds only its EP rank's slots: every
 expert parameter is local ``[S, ...]`` (``S`` slots per rank; ``gate_up_proj``, ``down_proj``
-and, where the family has them, biases ``[S, out]``). Its forward becomes an EP forward with
-the family's own signature, for one of two kinds of experts module (:func:`experts_kind`):
+and, where the family has them, biases ``[S, out]``). Its forward (or, where its parent runs it
+with its weights, DBRX's, the parent's: :func:`ep_host`) becomes an EP forward with the
+family's own signature, for one of these kinds of experts module (:func:`experts_kind`):
 
 * *routed* (every transformers experts class decorated with ``@use_experts_implementation``:
   Qwen3-MoE, Mixtral, DeepSeek, gpt-oss, Aria, Nemotron-H, ...):
@@ -30,11 +31,13 @@ Either way the EP forward
 3. runs the local slots on the rows each rank received with the family's *own* experts forward,
    called on a view of the module whose expert parameters are the local slots (plus LoRA
    deltas) and whose expert count is ``S`` (routed: each row routed to its local slot with
-   weight 1; pre-routed: one call per slot). Gate/up interleaving, biases, clamped or custom
-   activations, ``[E, in, out]`` layouts and the configured experts implementation (eager,
-   ``grouped_mm``, ...) are therefore the family's, not a re-implementation;
-4. brings the outputs back with a second all-to-all; routed: weighted and summed per token;
-   pre-routed: put back in place.
+   weight 1; pre-routed: one call per slot; grouped: the rows sorted by local slot; lookup: the
+   slots' rows). Gate/up interleaving, biases, clamped or custom activations, ``[E, in, out]``
+   layouts and the configured experts implementation (eager, ``grouped_mm``, ...) are therefore
+   the family's, not a re-implementation;
+4. brings the outputs back with a second all-to-all; routed: weighted and summed per token (plus,
+   for identity "zero" experts, the token's own state times its weight, never exchanged);
+   the other kinds: put back in place.
 
 A transformers experts module of another kind gets a forward that raises NotImplementedError
 naming its class: its parameters hold only this rank's slots, so its own forward would be wrong.
@@ -68,7 +71,7 @@ from torch import nn
 from .adapters import class_names, identity_experts
 from .describe import local_tensor
 
-__all__ = ["EPLayer", "SlotLora", "experts_kind", "install_ep_forward", "set_placement", "slot_params",
+__all__ = ["EPLayer", "SlotLora", "ep_host", "experts_kind", "install_ep_forward", "set_placement", "slot_params",
            "sync_redundant_grads", "grad_norm", "clip_grad_norm_"]
 
 ROUTED, PREROUTED, GROUPED, LOOKUP = "routed", "prerouted", "grouped", "lookup"
@@ -80,11 +83,12 @@ GROUPED_CLASSES = frozenset({"JetMoeParallelExperts"})
 # transformers experts classes outside @use_experts_implementation whose own forward is the routed
 # one (module doc), by class name. LongCat-Flash's: ids past its routed experts are identity
 # ("zero") experts (:func:`~moeshard.models.adapters.identity_experts`), which the EP forward
-# applies where the token is, with no exchange.
+# applies where the token is, with no exchange. DBRX's: its weights are its child's (below).
 ROUTED_CLASSES = frozenset({"LongcatFlashExperts", "DbrxExperts"})
-# Experts modules (a spec's module) whose parent runs them: their class -> the attribute the parent
-# holds them under. DBRX's DbrxExperts runs the experts with the weights of its ``mlp``.
-HELD_BY_CHILD = {"DbrxExpertGLU": "mlp"}
+# Experts modules (a spec's module: the one holding the expert parameters) whose parent's forward
+# runs them with their weights, by class name: the EP forward goes on the parent (:func:`ep_host`).
+# DBRX's DbrxExperts runs the experts with the weights of its ``mlp``, a DbrxExpertGLU.
+RUN_BY_PARENT = frozenset({"DbrxExpertGLU"})
 # Attributes of an experts module that count its experts: a slot view (the local slots only)
 # sets each one it has to the number of local slots (identity experts: none there).
 _COUNTS = ("num_experts", "num_routed_experts", "total_experts")
@@ -174,8 +178,9 @@ def _from_transformers(module: nn.Module) -> bool:
 
 def experts_kind(module: nn.Module) -> str | None:
     """How moeshard's EP forward drives experts module ``module`` (module doc): ``"routed"``,
-    ``"prerouted"``, or None when moeshard does not know what its forward computes."""
-    names = {c.__name__ for c in type(module).__mro__}
+    ``"prerouted"``, ``"grouped"``, ``"lookup"``, or None when moeshard does not know what its
+    forward computes."""
+    names = class_names(type(module))
     if names & PREROUTED_CLASSES:
         return PREROUTED
     if names & ROUTED_CLASSES:
@@ -197,8 +202,8 @@ def experts_kind(module: nn.Module) -> str | None:
 def ep_host(model: nn.Module, name: str, module: nn.Module) -> nn.Module:
     """The module whose forward runs the experts of experts module ``module`` (named ``name`` in
     ``model``): itself, or for a module whose parent runs it with its weights
-    (:data:`HELD_BY_CHILD`) that parent."""
-    if class_names(type(module)).isdisjoint(HELD_BY_CHILD):
+    (:data:`RUN_BY_PARENT`) that parent."""
+    if class_names(type(module)).isdisjoint(RUN_BY_PARENT):
         return module
     return model.get_submodule(name.rpartition(".")[0])
 
@@ -519,7 +524,8 @@ def _local_experts(self, x: torch.Tensor, local_slots: torch.Tensor, ep: EPLayer
         # an identity expert (id S of the view) with weight 0, which adds exactly 0 and no compute.
         view.__dict__["total_experts"] = ep.slots_per_rank + 1
         index = torch.stack([local_slots, torch.full_like(local_slots, ep.slots_per_rank)], dim=1)
-        return forward(view, x, index, torch.stack([x.new_ones(len(x)), x.new_zeros(len(x))], dim=1)).reshape(len(x), -1)
+        weight = torch.stack([x.new_ones(len(x)), x.new_zeros(len(x))], dim=1)
+        return forward(view, x, index, weight).reshape(len(x), -1)
     return forward(view, x, local_slots[:, None], x.new_ones((len(x), 1))).reshape(len(x), -1)
 
 

@@ -63,7 +63,8 @@ def parallelize(
         ep_forward: give experts modules the EP forward of :mod:`moeshard.models.ep` (tokens reach the
             ranks that hold their experts; the family's own experts math runs on the local
             slots): transformers' routed experts (``@use_experts_implementation``: Qwen3-MoE,
-            Mixtral, gpt-oss, Aria, Nemotron-H, ...) and Llama 4's pre-routed ones, see
+            Mixtral, gpt-oss, Aria, Nemotron-H, ...; LongCat-Flash's and DBRX's), Llama 4's
+            pre-routed ones, JetMoE's grouped ones and Doge's embedding rows, see
             :func:`moeshard.models.ep.experts_kind`. Another transformers experts module gets a forward
             that raises NotImplementedError naming its class. A custom experts module (not from
             transformers, not ``gate_up_proj`` / ``down_proj`` / ``act_fn`` HF-style) keeps its
