@@ -4,6 +4,8 @@ runs on a subset).
 
     python tests/family_sweep.py [--families a,b,...] [--json out.json]
 
+(FAMILY_SWEEP_TRACE=1 prints each failing family's traceback.)
+
 For each family (tests/hf_families.py): a tiny model with perturbed weights is saved by
 ``save_pretrained`` and its logits on 2 x 7 random tokens computed in this process; then 2 gloo
 ranks build it on meta, ``moeshard.parallelize`` it (EP=2, each layer 2 slots more than experts,
@@ -32,9 +34,17 @@ from mp import run_ranks  # noqa: E402
 SEQ = (2, 7)
 
 
-def expert_modules(model) -> list[str]:
-    return [n for n, m in model.named_modules()
-            if (n == "experts" or n.endswith(".experts")) and (hasattr(m, "gate_up_proj") or hasattr(m, "up_proj"))]
+def expert_layers(model) -> tuple[int, int]:
+    """``(MoE layers, logical experts per layer)`` of ``model``, as ``moeshard.parallelize`` sees
+    them (its expert specs; rows of identity "zero" experts are not logical experts)."""
+    from moeshard.models.adapters import num_logical_experts
+    from moeshard.models.describe import expert_layers as layers
+
+    found = layers(model)
+    if not found:
+        raise ValueError("the model has 0 MoE layers")
+    _, mod, spec = found[0]
+    return len(found), num_logical_experts(mod, spec)
 
 
 def reference(family: str, root: str) -> str | None:
@@ -53,10 +63,8 @@ def reference(family: str, root: str) -> str | None:
             logits = model(input_ids=ids, use_cache=False).logits
     except Exception as e:  # noqa: BLE001 - the tiny config's own forward: reported, not run
         return f"one-process forward fails: {type(e).__name__}: {str(e)[:120]}"
-    mods = expert_modules(model)
-    first = dict(model.named_modules())[mods[0]]
-    n = getattr(first, "gate_up_proj", getattr(first, "up_proj", None)).shape[0]
-    torch.save(dict(ids=ids, logits=logits, n_experts=n, n_layers=len(mods)), os.path.join(root, family, "ref.pt"))
+    n_layers, n = expert_layers(model)
+    torch.save(dict(ids=ids, logits=logits, n_experts=n, n_layers=n_layers), os.path.join(root, family, "ref.pt"))
     return None
 
 
@@ -84,7 +92,13 @@ def ep_worker(root: str, families: list[str]) -> dict:
                 logits = model(input_ids=ref["ids"], use_cache=False).logits
             out[family] = dict(err=float((logits - ref["logits"]).abs().max()), boxes=boxes)
         except Exception as e:  # noqa: BLE001 - reported per family
-            out[family] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+            # A DistributedError's first line says which step failed; its next one rank 0's error.
+            lines = str(e).splitlines()
+            out[family] = dict(error=f"{type(e).__name__}: " + " ".join(x.strip() for x in lines[:2])[:320])
+            if os.environ.get("FAMILY_SWEEP_TRACE"):
+                import traceback
+
+                out[family]["trace"] = traceback.format_exc()
         out[family]["seconds"] = time.perf_counter() - t0
     return out
 
@@ -121,6 +135,8 @@ def main(argv=None) -> dict:
     for family, r in results.items():
         what = f"max |dlogit| {r['err']:.2e}, {r['boxes']} boxes verified" if "err" in r else r["error"]
         print(f"{family:<20} {what}")
+        if "trace" in r:
+            print(r["trace"])
     print(f"{len(ok)} of {len(results)} families match one-process logits within 1e-4 at EP=2 with redundant copies")
     if args.json:
         with open(args.json, "w") as f:

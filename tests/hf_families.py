@@ -4,7 +4,11 @@ every transformers MoE family (load, save, relocate, ... of real HF module trees
 This is a helper module, not a test file. `FAMILIES` lists the model_type of every family of
 `transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` whose model has an
 `...experts` module holding fused expert parameters with a leading expert dim (`gate_up_proj` /
-`down_proj`, or `up_proj` / `down_proj` for nemotron_h) and that builds from a tiny config.
+`down_proj`, or `up_proj` / `down_proj` for nemotron_h) and that builds from a tiny config; and
+the three whose experts are held otherwise, which moeshard's specs name (models/adapters.py):
+dbrx (`ffn.experts.mlp.{w1,v1,w2}`, [E * ffn_hidden_size, d_model], experts merged into dim 0),
+jetmoe (each `JetMoeParallelExperts`, `weight` [E, out, in]) and doge (with `is_moe`: the
+embedding tables `mlp.down_embed` / `mlp.up_embed`, [E, hidden], one row per expert).
 `tiny_config(mt)` gives that config and `build(mt)` the model, with reproducible weights.
 
 Enumerated on transformers 5.23.0 (torch 2.13, CPU) by a development-time script, not at import
@@ -12,6 +16,7 @@ time: every family in FAMILIES builds, has >= 2 MoE layers and < 300k parameters
 embeddings, and survives `save_pretrained` -> `AutoModelForCausalLM.from_pretrained(dtype=fp32,
 output_loading_info=True)` with no missing/unexpected/mismatched keys and a bit-identical
 state_dict. `PER_EXPERT_ON_DISK` / `FUSED_ON_DISK` record what that `save_pretrained` wrote.
+(dbrx, jetmoe and doge were added on transformers 5.24.0, with the same checks.)
 
 Notes for test writers:
 - The composite model_types dots3_note, llama4, qwen3_5_moe and qwen4_exp build the same
@@ -20,21 +25,18 @@ Notes for test writers:
   experts live at `model.language_model.layers.N.experts` (no `mlp.`).
 - longcat_flash's experts module has `gate_up_proj` with n_routed + zero_expert_num rows (the
   identity "zero experts") but `down_proj` with n_routed rows only.
+- jetmoe has four experts modules per layer, each a `JetMoeParallelExperts` with one `weight`
+  [E, out, in] (fused on disk under its own name): the MoE MLP's `mlp.input_linear` /
+  `mlp.output_linear` and the mixture of attention heads' `self_attention.experts.input_linear` /
+  `output_linear` (the module named `experts` there holds only a bias and those submodules).
 - Some families have a fused (leading dim 1) `shared_experts` module whose name also ends in
   "experts" (inkling_text: gate_proj / up_proj / down_proj of shape (1, ...)).
 - What a fused family writes is not always `...experts.gate_up_proj` (aria_text: experts.fc1 /
   fc2, granitemoe*: input_linear / output_linear, inkling2_text: model.llm...experts.w1_weight).
 
-Excluded (MoE causal-LM families in the mapping that are left out of FAMILIES):
-- dbrx: the expert weights are 2-D concatenations `ffn.experts.mlp.{w1,v1,w2}` of shape
-  (num_experts * ffn_hidden_size, d_model), no leading expert dim. (The default config does not
-  build either: DbrxAttention reads `attn_config.rope_theta`, which DbrxAttentionConfig lacks; with
-  it passed explicitly the tiny round trip works.)
-- jetmoe: no experts module holding fused expert parameters: the MLP experts are
-  `mlp.input_linear.weight` / `mlp.output_linear.weight` (JetMoeParallelExperts submodules, not
-  named "experts"), and the attention `self_attention.experts` (mixture of attention heads) holds
-  only a bias plus such submodules. (Its tiny round trip works.)
-No family was excluded because the save/load round trip itself fails in transformers 5.23.
+- dbrx's default config does not build: DbrxAttention reads `attn_config.rope_theta`, which
+  DbrxAttentionConfig lacks, and clamps q/k/v by `attn_config.clip_qkv` (None fails): both given.
+No MoE causal-LM family of the mapping that builds from a tiny config is left out of FAMILIES.
 transformers 5.24.0 gave inkling2 an `unpadded_vocab_size` (default 200058) that must not exceed
 the tiny vocabulary: `_GENERIC` sets it (the suite passes on 5.23.0 and 5.24.0).
 """
@@ -46,12 +48,12 @@ import torch
 TRANSFORMERS_VERSION = "5.23.0"  # the version FAMILIES and the *_ON_DISK sets were computed on
 
 FAMILIES: tuple[str, ...] = (
-    "afmoe", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v2",
-    "deepseek_v3", "deepseek_v32", "deepseek_v4", "dots1", "dots3_note", "dots3_note_text",
+    "afmoe", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "dbrx", "deepseek_v2",
+    "deepseek_v3", "deepseek_v32", "deepseek_v4", "doge", "dots1", "dots3_note", "dots3_note_text",
     "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "gemma4", "gemma4_text", "glm4_moe",
     "glm4_moe_lite", "glm_moe_dsa", "gpt_oss", "granitemoe", "granitemoe_swa", "granitemoehybrid",
     "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling2_text", "inkling_text", "jamba",
-    "kimi_linear", "kolibri1", "laguna", "lfm2_moe", "llama4", "llama4_text", "longcat_flash", "mellum",
+    "jetmoe", "kimi_linear", "kolibri1", "laguna", "lfm2_moe", "llama4", "llama4_text", "longcat_flash", "mellum",
     "mimo_v2_flash", "minimax", "minimax_m2", "minimax_m3_vl_text", "mixtral", "nemotron_h", "olmoe",
     "phimoe", "qwen2_moe", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "qwen4_exp",
     "qwen4_exp_text", "solar_open", "zaya",
@@ -161,7 +163,15 @@ _FAMILY: dict[str, dict] = {
     "bailing_hybrid": dict(num_hidden_layers=3, first_k_dense_replace=1, layer_group_size=3),
     # the default makes the first min(3, num_hidden_layers) layers dense
     "beam": dict(num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"]),
+    # its own names (d_model, n_heads, n_layers); DbrxAttention reads attn_config.rope_theta, which
+    # the attention sub-config lacks unless given; its forward clamps q/k/v by clip_qkv (None fails)
+    "dbrx": dict(d_model=32, n_heads=4, n_layers=2, max_seq_len=64,
+                 attn_config=dict(kv_n_heads=4, rope_theta=10000.0, clip_qkv=8.0),
+                 ffn_config=dict(hidden_size=32, ffn_hidden_size=16, moe_num_experts=4, moe_top_k=2)),
     "deepseek_v3": dict(num_hidden_layers=3, first_k_dense_replace=1),  # default 3 dense layers
+    # dense MLPs unless is_moe; its product-key router takes the top num_experts_per_tok of
+    # floor(sqrt(num_experts))^2 candidates: 16 experts give 4 x 4
+    "doge": dict(is_moe=True, num_experts=16, num_experts_per_tok=4),
     "deepseek_v32": dict(num_hidden_layers=3, first_k_dense_replace=1),  # default 3 dense layers
     # the vision/audio adapters (not built here) must output the text hidden size (validation)
     "dots3_note": dict(text_config=_DOTS3_TEXT, vision_config=dict(adapter_out_dim=32),
@@ -188,6 +198,8 @@ _FAMILY: dict[str, dict] = {
     # default: experts every 2nd layer from 1 and attention every 8th from 4 (none in 2 layers);
     # here both layers are MoE, layer 0 mamba and layer 1 attention
     "jamba": dict(expert_layer_period=1, expert_layer_offset=0, attn_layer_period=2, attn_layer_offset=1),
+    # the attention experts' width is kv_channels * num_key_value_heads (default 128 * heads: ~390k params)
+    "jetmoe": dict(kv_channels=8),
     "kimi_linear": dict(num_hidden_layers=3),  # dense first (default mlp_layer_types)
     "laguna": dict(num_hidden_layers=3),  # dense first (default mlp_layer_types)
     # layer_types defaults to None, which the model indexes (TypeError); num_dense_layers defaults to 2

@@ -26,15 +26,12 @@ transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.hf
 
-# Per-expert families moeshard cannot round-trip yet, and why (the formats issue):
-# longcat_flash's gate_up_proj holds extra "zero experts" that down_proj lacks (slot counts
-# differ between the parameters of one experts module); bailing_hybrid and kimi_linear keep one
-# attention tensor that transformers splits into q/k/v conv1d tensors on disk (a Chunk converter).
-SAVE_REFUSED = {"longcat_flash": "expert slots per layer"}
-LOAD_REFUSED = {"bailing_hybrid": "conv1d.weight", "kimi_linear": "conv1d.weight"}
-# ... and for the same reason moeshard.save writes that tensor whole under its model name, which
-# from_pretrained reads too (the test checks it), where save_pretrained writes three.
-SPLIT_ON_DISK = set(LOAD_REFUSED)
+# Every per-expert family round-trips. longcat_flash's gate_up_proj keeps rows for its identity
+# "zero experts" that down_proj lacks: an unsharded model holds and writes them as the experts
+# after the logical ones (tests/test_families_ep.py: an EP model writes them as zeros).
+# bailing_hybrid and kimi_linear keep one attention tensor (conv1d) that transformers splits into
+# q/k/v conv1d tensors on disk (a Concatenate converter): load reads the parts, save writes them.
+SPLIT_ON_DISK = {"bailing_hybrid", "kimi_linear"}
 
 
 def _keys(path: str) -> set[str]:
@@ -72,14 +69,11 @@ def test_save_is_read_back_by_from_pretrained(family, tmp_path):
 
     model, ref = _reference(family, tmp_path)
     out = tmp_path / "out"
-    if family in SAVE_REFUSED:
-        with pytest.raises(ValueError, match=SAVE_REFUSED[family]):
-            moeshard.save(model, out)
-        assert not out.exists() or not os.listdir(out)
-        return
     moeshard.save(model, out, max_shard_bytes=40_000)
-    if family not in SPLIT_ON_DISK:
-        assert _keys(str(out)) == _keys(ref), "not the names transformers' own save_pretrained writes"
+    assert _keys(str(out)) == _keys(ref), "not the names transformers' own save_pretrained writes"
+    if family in SPLIT_ON_DISK:
+        assert any(k.endswith("q_conv1d.weight") for k in _keys(str(out)))
+        assert not any(k.endswith(".conv1d.weight") for k in _keys(str(out)))
     back, info = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
                                                                    output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
@@ -97,10 +91,6 @@ def test_load_reads_save_pretrained(family, tmp_path):
         for t in list(other.parameters()) + list(other.buffers()):
             if t.is_floating_point():
                 t.add_(1.0)
-    if family in LOAD_REFUSED:
-        with pytest.raises(ValueError, match=LOAD_REFUSED[family]):
-            moeshard.load(other, ref)
-        return
     moeshard.load(other, ref)
     # state_dict: parameters and persistent buffers (rotary tables are no checkpoint's).
     assert _same(_state(model), _state(other)) == []
@@ -163,5 +153,11 @@ def test_names_come_from_transformers_mapping():
     assert phi.checkpoint_name("model.layers.0.mlp.router.weight") == "model.layers.0.block_sparse_moe.gate.weight"
     assert phi.checkpoint_module("model.layers.0.mlp.experts", phi.specs[0].params[0]) == \
         "model.layers.0.block_sparse_moe.experts"
+    # A dense tensor a converter concatenates from several checkpoint tensors: its parts, renamed.
+    bailing = hf_names(hf_families.build("bailing_hybrid", device="meta"))
+    assert bailing.checkpoint_parts("model.layers.0.self_attn.conv1d.weight") == (
+        tuple(f"model.layers.0.attention.{x}_conv1d.weight" for x in "qkv"), 0)
+    assert bailing.checkpoint_parts("model.layers.0.self_attn.o_proj.weight") is None
+    assert not any("conv1d" in target for target, _ in bailing.refused)
     # A model that is no transformers model has no transformers names.
     assert hf_names(torch.nn.Linear(2, 2)) is None

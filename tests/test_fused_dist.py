@@ -22,7 +22,7 @@ from mp import run_ranks
 
 transformers = pytest.importorskip("transformers")
 
-FAMILIES = ("gpt_oss", "llama4_text")
+FAMILIES = ("gpt_oss", "llama4_text", "dbrx")  # dbrx: [E * n, d] on disk and in memory (experts merged into dim 0)
 EXPERTS, SLOTS = 4, 6
 
 
@@ -39,12 +39,14 @@ def fused_worker(root: str) -> dict:
     from torch.distributed.tensor import DTensor
 
     import moeshard
+    from moeshard.models.describe import expert_layers
 
     mesh = moeshard.make_mesh("cpu", ep=2, efsdp=1)
     out = {}
     for family in FAMILIES:
         model = hf_families.build(family, device="meta")
-        experts = [n for n, m in model.named_modules() if n.endswith(".experts")]
+        params = {name: [p.name for p in spec.params] for name, _, spec in expert_layers(model)}
+        experts = list(params)
         pl = _placement(len(experts))
         moeshard.parallelize(model, mesh, pl)
         moeshard.load(model, os.path.join(root, family), placement=pl)
@@ -58,7 +60,7 @@ def fused_worker(root: str) -> dict:
         for name, p in model.named_parameters():
             full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
             module, _, attr = name.rpartition(".")
-            if module in experts and attr in ("gate_up_proj", "down_proj"):
+            if module in experts and attr in params[module]:
                 assert full.shape[0] == SLOTS
                 state[name] = (full.clone(), pl.phy2log[experts.index(module)].tolist())
             else:
@@ -90,8 +92,8 @@ def test_fused_on_disk_experts_load_with_ep_and_redundant_copies(tmp_path):
             assert set(state) == set(refs[family]), family
             for name, (got, phy2log) in state.items():
                 want = refs[family][name]
-                if phy2log is not None:  # slot s holds logical expert phy2log[s]
-                    want = want[torch.as_tensor(phy2log)]
+                if phy2log is not None:  # slot s holds logical expert phy2log[s] (dbrx's [E * n, d] as [E, n, d])
+                    want = want.reshape(EXPERTS, *got.shape[1:])[torch.as_tensor(phy2log)]
                 assert torch.equal(got, want), f"rank {rank} {family} {name}"
     for family in FAMILIES:  # saved by 2 EP ranks from a redundant placement, fused as on disk
         saved = str(tmp_path / f"{family}-saved")

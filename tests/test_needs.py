@@ -329,6 +329,37 @@ def test_need_table_zero_dim_expert_slices():
         need_table([ParamDesc("both", (4,), torch.float32, None, expert=ExpertRef(0, module, two))], index, pl, 4)
 
 
+@pytest.mark.parametrize("mesh, placements", [(None, ()), (np.arange(4), (Shard(0),)), (np.arange(4), (Shard(1),)),
+                                              (np.arange(4).reshape(2, 2), (Shard(0), Shard(0)))])
+def test_need_table_dense_parts(mesh, placements):
+    """A dense tensor stored as parts concatenated along a dim (transformers' Concatenate, e.g.
+    q/k/v conv1d): each rank's box is read from the parts it overlaps, and the rows tile it."""
+    shape, sizes, dim = (7, 3), (2, 4, 1), 0
+    parts = ("a.q", "a.k", "a.v")
+    t = {k: TensorInfo("f", 8, "F32", (n, 3)) for k, n in zip(parts, sizes)}
+    index = CheckpointIndex("/nonexistent", t, {"f": 1000})
+    d = ParamDesc("a.conv", shape, torch.float32, mesh, placements, ("a.conv",), parts=parts, part_dim=dim)
+    table = need_table([d], index, None, 4)
+    full = np.arange(21).reshape(shape)
+    ckpt = dict(zip(parts, np.split(full, np.cumsum(sizes)[:-1], axis=dim)))
+    for rank, box in rank_boxes(d, 4):
+        local = np.full([n for _, n in box], -1)
+        for n in table.to_needs():
+            if n.rank == rank:
+                src = ckpt[n.key][tuple(slice(o, o + k) for o, k in n.src)]
+                local[tuple(slice(o, o + k) for o, k in zip((o for o, _ in n.dest), (k for _, k in n.src)))] = src
+        assert (local == full[tuple(slice(o, o + k) for o, k in box)]).all(), (rank, box)
+    # The whole tensor under its own name is read as it is; parts that do not add up are refused.
+    whole = CheckpointIndex("/nonexistent", {**t, "a.conv": TensorInfo("f", 8, "F32", shape)}, {"f": 1000})
+    assert set(need_table([d], whole, None, 4).keys) == {"a.conv"}
+    bad = CheckpointIndex("/nonexistent", {**t, "a.v": TensorInfo("f", 8, "F32", (2, 3))}, {"f": 1000})
+    with pytest.raises(ValueError, match=r"have sizes \[2, 4, 2\] along dim 0, summing to 8, not the model's 7"):
+        need_table([d], bad, None, 4)
+    gone = CheckpointIndex("/nonexistent", {k: v for k, v in t.items() if k != "a.k"}, {"f": 1000})
+    with pytest.raises(ValueError, match=r"nor all the tensors transformers concatenates.*\['a.k'\] missing"):
+        need_table([d], gone, None, 4)
+
+
 def _synthetic(cfg, nodes, rpn, ep, efsdp, redundant, seed):
     index = synthetic_index(cfg)
     layout = find_experts(index)

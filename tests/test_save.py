@@ -452,6 +452,14 @@ def test_plan_balances_and_checks_tiling():
     assert plan.fingerprint == plan_save(outs, 4, max_shard_bytes=1024, staging_bytes=1024).fingerprint
     empty = plan_save([_Out("z", (0, 4), "F32", [])], 2, 1024, 1024)  # a tensor with no elements
     assert empty.tensors[0].nbytes == 0 and len(empty.files) == 1 and not empty.local_writes[0]
+    # A tensor of zeros (nobody holds it: identity experts' rows of an EP model) gets a writer and
+    # no pieces; without zeros=True nobody holding it is an error.
+    zeros = plan_save([_Out("a", (4,), "F32", [Segment(0, 0, ((0, 4),))]), _Out("z", (3, 4), "F32", [], zeros=True)],
+                      2, 1024, 1024)
+    assert zeros.tensors[1].zeros and zeros.tensors[1].nbytes == 48
+    assert sum(len(w) for w in zeros.local_writes) == 1 and not any(zeros.batches)
+    with pytest.raises(ValueError, match="no rank holds any of it"):
+        plan_save([_Out("z", (3, 4), "F32", [])], 2, 1024, 1024)
     gap = [_Out("g", (10,), "F32", [Segment(0, 0, ((0, 4),)), Segment(1, 0, ((5, 5),))])]
     with pytest.raises(ValueError, match="gap at offset 4"):
         plan_save(gap, 2, 1024, 1024)

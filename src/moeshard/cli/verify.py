@@ -76,7 +76,8 @@ def _slot_report(model, placement, index, reader_root_dir: str) -> list[tuple[in
                     if e < 0:
                         rows.setdefault(slot, [slot, -1, "", True])
                         continue
-                    want = read_expert_box(reader, p, name, e, rest, torch.empty_like(loc[k]))
+                    want = read_expert_box(reader, p, name, e, rest, torch.empty_like(loc[k]),
+                                           t.shape[1] if t.dim() > 1 else 0)
                     ok = torch.equal(loc[k], want)
                     row = rows.setdefault(slot, [slot, e, "", True])
                     row[2] += _digest(loc[k])[:8]  # one short checksum per expert tensor

@@ -27,14 +27,17 @@ are concatenated. Part sizes along ``dim`` come from the checkpoint's headers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from dataclasses import dataclass
 
 from ..box import Box
 from ..io.formats import SCALE_SUFFIXES
 
-__all__ = ["ExpertParam", "ExpertsSpec", "HF_EXPERTS", "MIXTRAL_EXPERTS", "HF_UNGATED_EXPERTS", "DEFAULT_SPECS", "KEY_RENAMES",
-           "checkpoint_names", "expert_params", "expert_parts", "read_expert_box", "specs_for", "with_scales"]
+__all__ = ["ExpertParam", "ExpertsSpec", "HF_EXPERTS", "MIXTRAL_EXPERTS", "HF_UNGATED_EXPERTS", "JETMOE_EXPERTS",
+           "DBRX_EXPERTS", "DOGE_EXPERTS", "DEFAULT_SPECS", "KEY_RENAMES", "IDENTITY_EXPERTS", "checkpoint_names",
+           "class_names", "expert_params", "expert_parts", "expert_shape", "identity_experts", "identity_rows",
+           "num_logical_experts", "read_expert_box", "specs_for", "with_scales"]
 
 
 @dataclass(frozen=True)
@@ -50,27 +53,47 @@ class ExpertParam:
     name: str
     parts: tuple[str, ...]
     dim: int = 0
+    merged: bool = False
 
     @property
     def fused(self) -> bool:
         """Whether the checkpoint holds this parameter fused (one tensor, every expert)."""
         return len(self.parts) == 1 and "{e" not in self.parts[0]
 
+    # ``merged`` (fused only): the expert dim is merged into the slice's dim 0, on disk and in
+    # an unsharded model: ``[num_logical * n, *rest]`` for slices ``[n, *rest]``, expert ``e`` at
+    # rows ``e*n .. (e+1)*n`` (DBRX's ``w1`` / ``v1`` / ``w2``); an EP model holds it
+    # ``[num_physical, n, *rest]``.
+
     def keys(self, prefix: str, expert: int) -> tuple[str, ...]:
         return tuple(f"{prefix}.{p.format(e=expert)}" if prefix else p.format(e=expert) for p in self.parts)
+
+
+@functools.lru_cache(maxsize=1024)
+def class_names(cls: type) -> frozenset[str]:
+    """The names of ``cls`` and its bases (a class FSDP2 made for a module it shards keeps the
+    original among its bases)."""
+    return frozenset(c.__name__ for c in cls.__mro__)
 
 
 @dataclass(frozen=True)
 class ExpertsSpec:
     """Which modules are experts modules (``module``: a regex searched in the module's
-    qualified name) and how their fused parameters map to per-expert checkpoint keys."""
+    qualified name; ``classes``: where given, the names of the classes one of which the module
+    must be an instance of) and how their fused parameters map to per-expert checkpoint keys."""
 
     module: str
     params: tuple[ExpertParam, ...]
+    classes: frozenset[str] = frozenset()
+    count: str = ""  # the module's attribute giving its number of experts, where a merged parameter hides it
 
-    def matches(self, module_name: str, param_names: set[str]) -> bool:
+    def matches(self, module_name: str, param_names: set[str], module=None) -> bool:
         # The names first: most modules fail there, without a regex search.
-        return all(p.name in param_names for p in self.params) and re.search(self.module, module_name) is not None
+        if not all(p.name in param_names for p in self.params):
+            return False
+        if self.classes and (module is None or self.classes.isdisjoint(class_names(type(module)))):
+            return False
+        return re.search(self.module, module_name) is not None
 
 
 HF_EXPERTS = ExpertsSpec(
@@ -95,7 +118,87 @@ HF_UNGATED_EXPERTS = ExpertsSpec(
         ExpertParam("down_proj", ("{e}.down_proj.weight",)),
     ),
 )
-DEFAULT_SPECS: tuple[ExpertsSpec, ...] = (HF_EXPERTS, MIXTRAL_EXPERTS, HF_UNGATED_EXPERTS)
+# JetMoE's experts: every ``JetMoeParallelExperts`` (the MoE MLP's ``mlp.input_linear`` /
+# ``mlp.output_linear`` and the mixture-of-attention-heads' ``self_attention.experts.input_linear``
+# / ``output_linear``) is an experts module of its own, one ``weight`` [E, out, in], fused on disk
+# under its own name (``...input_linear.weight``).
+JETMOE_EXPERTS = ExpertsSpec(
+    module=r"(^|\.)(input|output)_linear$",
+    params=(ExpertParam("weight", ("weight",)),),
+    classes=frozenset({"JetMoeParallelExperts"}),
+)
+# DBRX's experts: ``ffn.experts.mlp`` (DbrxExpertGLU) holds w1 (gate), v1 (up) and w2 (down, used
+# transposed), each ``[num_experts * ffn_hidden_size, d_model]``, merged on disk as in memory.
+DBRX_EXPERTS = ExpertsSpec(
+    module=r"(^|\.)experts\.mlp$",
+    params=tuple(ExpertParam(n, (n,), merged=True) for n in ("w1", "v1", "w2")),
+    classes=frozenset({"DbrxExpertGLU"}),
+    count="moe_num_experts",
+)
+# Doge's retrieval experts (DogeCDMoE, config.is_moe): expert ``e`` is row ``e`` of two embedding
+# tables, ``mlp.down_embed`` and ``mlp.up_embed`` (``weight`` [E, hidden] each, under their own
+# names on disk); each table is an experts module of its own, looked up by expert id.
+DOGE_EXPERTS = ExpertsSpec(
+    module=r"(^|\.)mlp\.(down|up)_embed$",
+    params=(ExpertParam("weight", ("weight",)),),
+    classes=frozenset({"Embedding"}),
+)
+DEFAULT_SPECS: tuple[ExpertsSpec, ...] = (HF_EXPERTS, MIXTRAL_EXPERTS, HF_UNGATED_EXPERTS, JETMOE_EXPERTS, DBRX_EXPERTS,
+                                          DOGE_EXPERTS)
+
+
+def expert_shape(module, spec: ExpertsSpec, param: ExpertParam, shape: tuple[int, ...] | None = None,
+                 sharded: bool = False) -> tuple[int, ...]:
+    """``[num experts, *slice]`` of ``param`` of experts module ``module`` (``shape``: the
+    tensor's, default the module's parameter's): the shape itself, or for a merged parameter
+    of an unsharded model (not ``sharded``: parallelize made it ``[num_physical, n, *rest]``)
+    ``[E, n, *rest]`` from ``[E * n, *rest]``, ``E`` the module's ``spec.count`` attribute."""
+    if shape is None:
+        shape = tuple(module._parameters[param.name].shape)
+    if not param.merged or sharded:
+        return tuple(shape)
+    num = getattr(module, spec.count, None) if spec.count else None
+    if not isinstance(num, int) or num < 1 or not shape or shape[0] % num:
+        raise ValueError(f"{type(module).__name__}.{param.name} of shape {list(shape)}: its experts are merged into "
+                         f"dim 0, and the module's {spec.count or 'expert count'} ({num}) does not divide it")
+    return (num, shape[0] // num, *shape[1:])
+
+
+# Experts modules with identity ("zero") experts after the logical ones: a token routed to id
+# ``num_logical + z`` gets its own hidden state back (times its routing weight), no weights
+# involved. Class name -> (the attribute counting them, the parameters that nonetheless keep a
+# row per identity expert, which the class's forward never reads). transformers' LongCat-Flash
+# allocates ``gate_up_proj`` [n_routed + zero_expert_num, ...] and ``save_pretrained`` writes
+# ``experts.<n_routed + z>.gate_proj / up_proj`` for them, while ``down_proj`` has n_routed rows.
+IDENTITY_EXPERTS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "LongcatFlashExperts": ("zero_expert_num", ("gate_up_proj",)),
+}
+
+
+def _identity_entry(module) -> tuple[str, tuple[str, ...]] | None:
+    # By class name along the MRO: FSDP2 gives a module it shards a class of its own.
+    return next((IDENTITY_EXPERTS[n] for n in class_names(type(module)) if n in IDENTITY_EXPERTS), None)
+
+
+def identity_experts(module) -> int:
+    """How many identity ("zero") experts experts module ``module`` routes to after its logical
+    ones (:data:`IDENTITY_EXPERTS`; 0 for any other module)."""
+    entry = _identity_entry(module)
+    return int(getattr(module, entry[0], 0) or 0) if entry is not None else 0
+
+
+def identity_rows(module, param: str) -> int:
+    """How many rows for identity experts (after the logical experts' rows) parameter ``param``
+    of experts module ``module`` has on disk and in the unsharded model (rows its forward never
+    reads; an EP model does not hold them)."""
+    entry = _identity_entry(module)
+    return identity_experts(module) if entry is not None and param in entry[1] else 0
+
+
+def num_logical_experts(module, spec: ExpertsSpec) -> int:
+    """The logical experts of experts module ``module`` of an unsharded model (its parameters'
+    expert dim, a merged one's from the module's count, the rows of identity experts left out)."""
+    return min(expert_shape(module, spec, p)[0] - identity_rows(module, p.name) for p in spec.params)
 
 
 def with_scales(spec: ExpertsSpec, param_names: set[str]) -> ExpertsSpec:
@@ -231,9 +334,10 @@ def expert_parts(
     return out
 
 
-def read_expert_box(reader, param: ExpertParam, module: str, expert: int, box: Box, out):
+def read_expert_box(reader, param: ExpertParam, module: str, expert: int, box: Box, out, slice_rows: int = 0):
     """Read ``box`` (slice coordinates, expert dim excluded) of logical ``expert``'s slice of
     ``param`` from its checkpoint parts into ``out`` (a tensor of shape ``box_shape(box)``;
+    ``slice_rows``: a merged parameter's rows per expert, its slice's dim 0;
     values are cast to its dtype, FP8 weights with a block scale dequantized into a float
     ``out``: :func:`moeshard.io.fp8.read_dequantized`). ``reader`` is a
     :class:`~moeshard.io.checkpoint.CheckpointReader`.
@@ -245,6 +349,12 @@ def read_expert_box(reader, param: ExpertParam, module: str, expert: int, box: B
             reader.read(key, part_box, out=dst)
 
     keys = param.keys(module, expert)
+    if param.fused and param.merged:  # rows ``expert * n ..`` of the one tensor, dim 0 merged
+        if not slice_rows:
+            raise ValueError(f"{module}.{param.name}: a merged expert parameter needs its slice's rows")
+        (o, k), rest = box[0], tuple(box[1:])
+        read(keys[0], ((expert * slice_rows + o, k),) + rest, out)
+        return out
     if param.fused:  # row ``expert`` of the one tensor holding every expert
         read(keys[0], ((expert, 1),) + tuple(box), out.unsqueeze(0))
         return out

@@ -117,7 +117,7 @@ def moe_layout(model: nn.Module, specs: Sequence[ExpertsSpec] = DEFAULT_SPECS, *
     layers = expert_layers(model, specs)
     if not layers:
         raise ValueError(f"{source}: the model has no experts module moeshard knows (not MoE?)")
-    counts = {name: getattr(mod, spec.params[0].name).shape[0] for name, mod, spec in layers}
+    counts = {name: num_logical_experts(mod, spec) for name, mod, spec in layers}
     if len(set(counts.values())) > 1:
         raise ValueError(f"{source}: the MoE layers have different expert counts ({counts}); a placement has one")
     return MoELayout(tuple(counts), next(iter(counts.values())))

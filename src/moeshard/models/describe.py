@@ -12,6 +12,7 @@ import it when called.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from dataclasses import dataclass
@@ -21,7 +22,8 @@ import numpy as np
 
 from ..io.checkpoint import CheckpointIndex
 from ..io.formats import scaled_weight
-from .adapters import DEFAULT_SPECS, ExpertParam, ExpertsSpec, checkpoint_names, specs_for, with_scales
+from .adapters import (DEFAULT_SPECS, ExpertParam, ExpertsSpec, checkpoint_names, class_names, expert_shape,
+                       identity_rows, specs_for, with_scales)
 from .hf_names import HFNames, hf_names
 
 if TYPE_CHECKING:  # torch only where a model is looked at
@@ -36,11 +38,15 @@ __all__ = ["ExpertRef", "ParamDesc", "describe_model", "expert_layers", "tensor_
 class ExpertRef:
     """An expert parameter: MoE ``layer`` index, the checkpoint key prefix of its experts
     module (the module's name, or the name its checkpoint uses, e.g. ``block_sparse_moe``),
-    and its spec."""
+    and its spec. ``identity``: rows for identity ("zero") experts the parameter keeps on disk
+    after the logical experts' (experts ``num_logical .. num_logical + identity - 1``; no
+    forward reads them: :data:`~moeshard.models.adapters.IDENTITY_EXPERTS`); an unsharded model
+    holds them after its logical experts, an EP model does not."""
 
     layer: int
     module: str
     param: ExpertParam
+    identity: int = 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -60,6 +66,11 @@ class ParamDesc:
         keys: checkpoint keys the tensor may be stored under (own name first, then tied
             aliases); unused for expert parameters.
         expert: set for expert parameters.
+        parts: for a dense tensor, the checkpoint keys it is concatenated from along
+            ``part_dim`` where none of ``keys`` is stored (transformers' ``Concatenate``
+            converters: :meth:`~moeshard.models.hf_names.HFNames.checkpoint_parts`), in order;
+            what a save writes. Empty: the tensor is stored whole.
+        part_dim: the dim ``parts`` are concatenated along.
     """
 
     name: str
@@ -69,6 +80,8 @@ class ParamDesc:
     placements: tuple = ()
     keys: tuple[str, ...] = ()
     expert: ExpertRef | None = None
+    parts: tuple[str, ...] = ()
+    part_dim: int = 0
 
 
 # -- model -> ParamDesc -------------------------------------------------------------------
@@ -179,7 +192,7 @@ def expert_layers(model: nn.Module, specs: Sequence[ExpertsSpec] = DEFAULT_SPECS
     for name, mod in tree.modules:
         names = {n for n, p in mod._parameters.items() if p is not None}
         for spec in specs if names else ():  # an experts module has parameters
-            if spec.matches(base(name), names):
+            if spec.matches(base(name), names, mod):
                 out.append((name, mod, with_scales(spec, names)))
                 break
     return out
@@ -268,9 +281,9 @@ def _fused_spec(
         if key is None:
             return None
         prefix, _, leaf = key.rpartition(".")
-        params.append(ExpertParam(p.name, (leaf,)))
+        params.append(ExpertParam(p.name, (leaf,), merged=p.merged))
         prefixes[p.name] = prefix
-    return ExpertsSpec(module=spec.module, params=tuple(params)), prefixes
+    return dataclasses.replace(spec, params=tuple(params)), prefixes
 
 
 def describe_model(
@@ -293,21 +306,24 @@ def describe_model(
         ordered, renamed = specs_for(model, specs)
     tree = _walk(model)
     base = tree.base
-    experts: dict[str, tuple[int, ExpertsSpec, dict[str, str]]] = {}
+    experts: dict[str, tuple[int, ExpertsSpec, dict[str, str], nn.Module]] = {}
     layer = 0
-    # A spec matches only a module with its parameters: most modules have no spec's first one.
-    firsts = {s.params[0].name for s in ordered} if all(s.params for s in ordered) else None
+    # A spec matches only a module with its parameters: most modules have no spec's first one. A
+    # spec of given classes (JetMoE's, whose one parameter is a ``weight``) only an instance of one.
+    firsts = {s.params[0].name for s in ordered if not s.classes} if all(s.params for s in ordered) else None
+    classes = frozenset().union(*(s.classes for s in ordered))
     for name, mod in tree.modules:
         own = {n for n, p in mod._parameters.items() if p is not None}
-        if not own or (firsts is not None and firsts.isdisjoint(own)):
+        if not own or (firsts is not None and firsts.isdisjoint(own)
+                       and not (classes and classes & class_names(type(mod)))):
             continue
-        matching = [s for s in ordered if s.matches(base(name), own)]
+        matching = [s for s in ordered if s.matches(base(name), own, mod)]
         if matching:
             spec, prefixes = _choose_spec(matching, base(name), index, renamed, hf)
             scaled = with_scales(spec, own)
             for p in scaled.params[len(spec.params):]:  # an FP8 scale is stored where its weight is
                 prefixes[p.name] = prefixes[scaled_weight(p.name)]
-            experts[name] = (layer, scaled, prefixes)
+            experts[name] = (layer, scaled, prefixes, mod)
             layer += 1
     aliases, tensors = _aliases(tree)
     descs = []
@@ -320,11 +336,13 @@ def describe_model(
         name = aliases_of[0]
         module, _, attr = name.rpartition(".")
         expert = None
+        shape = tuple(t.shape)
         if module in experts:
-            layer_idx, spec, prefixes = experts[module]
+            layer_idx, spec, prefixes, mod = experts[module]
             for p in spec.params:
                 if p.name == attr:
-                    expert = ExpertRef(layer_idx, prefixes[p.name], p)
+                    expert = ExpertRef(layer_idx, prefixes[p.name], p, identity_rows(mod, p.name))
+                    shape = expert_shape(mod, spec, p, shape, sharded=_is_dtensor(t))
         if _is_dtensor(t):
             if any(p.is_partial() for p in t.placements):
                 raise ValueError(f"parameter {name}: Partial DTensor placements cannot be loaded")
@@ -335,13 +353,18 @@ def describe_model(
             placements = tuple(t.placements)
         else:
             mesh, placements = None, ()
+        split: tuple[tuple[str, ...], int] | None = None
         if hf is not None:  # the name transformers writes first, then the model's own
             keys = [k for n in aliases_of for k in (hf.checkpoint_name(base(n)), base(n))]
+            if expert is None and hf.concats:
+                split = hf.checkpoint_parts(base(name))
         else:
             keys = [k for n in aliases_of for k in checkpoint_names(base(n))]
             if renamed and index is None:  # the family's names first: they are what it writes
                 keys = [k for n in aliases_of for k in reversed(checkpoint_names(base(n)))]
-        descs.append(ParamDesc(name, tuple(t.shape), t.dtype, mesh, placements, tuple(dict.fromkeys(keys)), expert))
+        parts, part_dim = split if split is not None else ((), 0)
+        descs.append(ParamDesc(name, shape, t.dtype, mesh, placements, tuple(dict.fromkeys(keys)), expert,
+                               parts, part_dim))
     return descs
 
 
@@ -400,8 +423,13 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return isinstance(t, _torch_classes()[1])
 
 
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The rank-local tensor behind a parameter (DTensor or plain), writable in place."""
+def local_tensor(t: torch.Tensor, desc: ParamDesc | None = None) -> torch.Tensor:
+    """The rank-local tensor behind a parameter (DTensor or plain), writable in place; with
+    ``desc`` (the parameter's description), viewed with its dims: a plain merged expert parameter
+    (DBRX's ``[E * n, d]``) as ``[E, n, d]``."""
     parameter, dtensor = _torch_classes()
     t = t.data if isinstance(t, parameter) else t
-    return t._local_tensor if isinstance(t, dtensor) else t
+    t = t._local_tensor if isinstance(t, dtensor) else t
+    if desc is not None and desc.mesh is None and tuple(t.shape) != desc.shape:
+        t = t.view(desc.shape)
+    return t

@@ -2,8 +2,9 @@
 
 After :func:`moeshard.parallelize`, an experts module holds only its EP rank's slots: every
 expert parameter is local ``[S, ...]`` (``S`` slots per rank; ``gate_up_proj``, ``down_proj``
-and, where the family has them, biases ``[S, out]``). Its forward becomes an EP forward with
-the family's own signature, for one of two kinds of experts module (:func:`experts_kind`):
+and, where the family has them, biases ``[S, out]``). Its forward (or, where its parent runs it
+with its weights, DBRX's, the parent's: :func:`ep_host`) becomes an EP forward with the
+family's own signature, for one of these kinds of experts module (:func:`experts_kind`):
 
 * *routed* (every transformers experts class decorated with ``@use_experts_implementation``:
   Qwen3-MoE, Mixtral, DeepSeek, gpt-oss, Aria, Nemotron-H, ...):
@@ -12,7 +13,14 @@ the family's own signature, for one of two kinds of experts module (:func:`exper
 * *pre-routed* (Llama 4's ``Llama4TextExperts``): ``forward(routed_in [E*T, H]) -> [E*T, H]``,
   block ``e`` (rows ``e*T .. (e+1)*T``) holding the T tokens already scaled by their routing
   score for expert ``e`` (0 where not routed to it) and the output block ``e`` being expert
-  ``e`` applied to it (the parent MoE block sums the blocks).
+  ``e`` applied to it (the parent MoE block sums the blocks);
+* *grouped* (JetMoE's ``JetMoeParallelExperts``, one linear map per expert):
+  ``forward(inputs [N, in], expert_size) -> [N, out]``, the rows sorted by expert,
+  ``expert_size[e]`` of them for expert ``e``, each row mapped by its expert's ``weight[e]``;
+* *lookup* (an ``nn.Embedding`` whose rows are experts, Doge's ``down_embed`` / ``up_embed``):
+  ``forward(ids [...]) -> [..., d]``, expert ``ids[i]``'s row. Its EP forward sends each id to a
+  copy of its expert and that row comes back (the row is the expert: as many values travel as
+  a token would, and the family's own forward does the rest).
 
 Either way the EP forward
 
@@ -23,11 +31,13 @@ Either way the EP forward
 3. runs the local slots on the rows each rank received with the family's *own* experts forward,
    called on a view of the module whose expert parameters are the local slots (plus LoRA
    deltas) and whose expert count is ``S`` (routed: each row routed to its local slot with
-   weight 1; pre-routed: one call per slot). Gate/up interleaving, biases, clamped or custom
-   activations, ``[E, in, out]`` layouts and the configured experts implementation (eager,
-   ``grouped_mm``, ...) are therefore the family's, not a re-implementation;
-4. brings the outputs back with a second all-to-all; routed: weighted and summed per token;
-   pre-routed: put back in place.
+   weight 1; pre-routed: one call per slot; grouped: the rows sorted by local slot; lookup: the
+   slots' rows). Gate/up interleaving, biases, clamped or custom activations, ``[E, in, out]``
+   layouts and the configured experts implementation (eager, ``grouped_mm``, ...) are therefore
+   the family's, not a re-implementation;
+4. brings the outputs back with a second all-to-all; routed: weighted and summed per token (plus,
+   for identity "zero" experts, the token's own state times its weight, never exchanged);
+   the other kinds: put back in place.
 
 A transformers experts module of another kind gets a forward that raises NotImplementedError
 naming its class: its parameters hold only this rank's slots, so its own forward would be wrong.
@@ -78,18 +88,33 @@ from torch import nn
 
 from .. import _dist
 from ..placement import Placement
+from .adapters import class_names, identity_experts
 from .copies import CopyRoutes, combine_copy_grads, track
 from .describe import local_tensor
 from .slot_guard import follow_placement
 
-__all__ = ["EPLayer", "SlotLora", "experts_kind", "install_ep_forward", "model_placement",
+__all__ = ["EPLayer", "SlotLora", "ep_host", "experts_kind", "install_ep_forward", "model_placement",
            "unsupported_forward", "set_placement", "slot_params", "sync_redundant_grads", "grad_norm",
            "clip_grad_norm_"]
 
-ROUTED, PREROUTED = "routed", "prerouted"
+ROUTED, PREROUTED, GROUPED, LOOKUP = "routed", "prerouted", "grouped", "lookup"
 # Experts classes with the pre-routed forward (module doc), by class name: FSDP2 gives a module
 # it shards a class of its own, which keeps the original among its bases.
 PREROUTED_CLASSES = frozenset({"Llama4TextExperts"})
+# ... and with the grouped one.
+GROUPED_CLASSES = frozenset({"JetMoeParallelExperts"})
+# transformers experts classes outside @use_experts_implementation whose own forward is the routed
+# one (module doc), by class name. LongCat-Flash's: ids past its routed experts are identity
+# ("zero") experts (:func:`~moeshard.models.adapters.identity_experts`), which the EP forward
+# applies where the token is, with no exchange. DBRX's: its weights are its child's (below).
+ROUTED_CLASSES = frozenset({"LongcatFlashExperts", "DbrxExperts"})
+# Experts modules (a spec's module: the one holding the expert parameters) whose parent's forward
+# runs them with their weights, by class name: the EP forward goes on the parent (:func:`ep_host`).
+# DBRX's DbrxExperts runs the experts with the weights of its ``mlp``, a DbrxExpertGLU.
+RUN_BY_PARENT = frozenset({"DbrxExpertGLU"})
+# Attributes of an experts module that count its experts: a slot view (the local slots only)
+# sets each one it has to the number of local slots (identity experts: none there).
+_COUNTS = ("num_experts", "num_routed_experts", "total_experts")
 
 
 @dataclass(frozen=True, eq=False)
@@ -186,9 +211,17 @@ def _from_transformers(module: nn.Module) -> bool:
 
 def experts_kind(module: nn.Module) -> str | None:
     """How moeshard's EP forward drives experts module ``module`` (module doc): ``"routed"``,
-    ``"prerouted"``, or None when moeshard does not know what its forward computes."""
-    if {c.__name__ for c in type(module).__mro__} & PREROUTED_CLASSES:
+    ``"prerouted"``, ``"grouped"``, ``"lookup"``, or None when moeshard does not know what its
+    forward computes."""
+    names = class_names(type(module))
+    if names & PREROUTED_CLASSES:
         return PREROUTED
+    if names & ROUTED_CLASSES:
+        return ROUTED
+    if names & GROUPED_CLASSES:
+        return GROUPED
+    if isinstance(module, nn.Embedding):  # an experts module whose rows are the experts (parallelize's spec says)
+        return LOOKUP
     if hasattr(module, "has_gate") and hasattr(module, "_is_expert_parallel"):
         # transformers' @use_experts_implementation: its grouped_mm / batched_mm forwards, which
         # stand in for the class's own, compute each (token, k) row as expert(x) * weight and sum
@@ -199,10 +232,21 @@ def experts_kind(module: nn.Module) -> str | None:
     return None
 
 
-def install_ep_forward(module: nn.Module, ep_layer: EPLayer, loras: tuple[SlotLora, ...] = ()) -> bool:
+def ep_host(model: nn.Module, name: str, module: nn.Module) -> nn.Module:
+    """The module whose forward runs the experts of experts module ``module`` (named ``name`` in
+    ``model``): itself, or for a module whose parent runs it with its weights
+    (:data:`RUN_BY_PARENT`) that parent."""
+    if class_names(type(module)).isdisjoint(RUN_BY_PARENT):
+        return module
+    return model.get_submodule(name.rpartition(".")[0])
+
+
+def install_ep_forward(module: nn.Module, ep_layer: EPLayer, loras: tuple[SlotLora, ...] = (),
+                       holder: nn.Module | None = None) -> bool:
     """Replace ``module``'s forward with the EP forward for ``ep_layer`` (its kind: see
     :func:`experts_kind`), adding ``loras``' deltas to the local slots' weights. Called by
-    :func:`moeshard.parallelize`.
+    :func:`moeshard.parallelize`. ``holder``: the experts module holding the expert parameters,
+    when ``module`` runs them from a child of its own (:func:`ep_host`); default ``module``.
 
     Returns whether the EP forward was installed. When not: a transformers experts module gets a
     forward that raises NotImplementedError naming its class; a custom one keeps its forward
@@ -212,12 +256,16 @@ def install_ep_forward(module: nn.Module, ep_layer: EPLayer, loras: tuple[SlotLo
         ValueError: a parameter of the module with neither the slots nor the logical experts
             first (the EP forward runs every parameter of the module on the local slots).
     """
+    holder = module if holder is None else holder
+    if holder is not module and next((c for c in module._modules.values() if c is holder), None) is None:
+        raise ValueError(f"{type(module).__name__}: the experts' parameters must be held by the module or one of "
+                         f"its children, not by {type(holder).__name__}")
     kind = experts_kind(module)
     if kind is None:
         if _from_transformers(module):
             module.forward = types.MethodType(unsupported_forward, module)
         return False
-    for name, p in module.named_parameters(recurse=False):
+    for name, p in holder.named_parameters(recurse=False):
         rows, what = ((len(ep_layer.phy2log), "slots") if _per_slot(ep_layer, name)
                       else (len(ep_layer.logcnt), "logical experts"))
         if p.dim() == 0 or p.shape[0] != rows:
@@ -228,11 +276,18 @@ def install_ep_forward(module: nn.Module, ep_layer: EPLayer, loras: tuple[SlotLo
         # _ep_forward_prerouted skips zero rows: exact only for experts without biases.
         raise ValueError(f"{type(module).__name__}: pre-routed experts with parameters {sorted(module._parameters)}; "
                          "moeshard's EP forward supports gate_up_proj and down_proj only")
+    module.__dict__["moeshard_holder"] = holder  # not a submodule: no second name in the module tree
     module.moeshard_ep = ep_layer
     module.moeshard_lora = tuple(loras)
     module.moeshard_kind = kind
+    module.moeshard_identity = identity_experts(module)
     module._moeshard_route = {}
-    module.forward = types.MethodType(_ep_forward if kind == ROUTED else _ep_forward_prerouted, module)
+    if kind == LOOKUP and (module.padding_idx is not None or module.max_norm is not None or module.sparse):
+        raise ValueError(f"{type(module).__name__}: an embedding of experts with padding_idx, max_norm or sparse "
+                         "gradients; moeshard's EP lookup supports plain row lookups only")
+    forwards = {ROUTED: _ep_forward, PREROUTED: _ep_forward_prerouted, GROUPED: _ep_forward_grouped,
+                LOOKUP: _ep_forward_lookup}
+    module.forward = types.MethodType(forwards[kind], module)
     track(module, _copy_params)  # redundant copies equal again after every optimizer step
     return True
 
@@ -247,8 +302,9 @@ def unsupported_forward(self, *args, **kwargs):
     """The forward :func:`install_ep_forward` gives a transformers experts module it does not support."""
     raise NotImplementedError(
         f"{type(self).__module__}.{type(self).__name__}: moeshard's EP forward does not support this experts "
-        "module (neither transformers' routed experts forward, @use_experts_implementation, nor a pre-routed "
-        f"one: {sorted(PREROUTED_CLASSES)}). Its parameters hold only this rank's slots, so its own forward would "
+        "module (neither transformers' routed experts forward, @use_experts_implementation or "
+        f"{sorted(ROUTED_CLASSES)}, nor a pre-routed one, {sorted(PREROUTED_CLASSES)}, nor a grouped one, "
+        f"{sorted(GROUPED_CLASSES)}). Its parameters hold only this rank's slots, so its own forward would "
         "be wrong; parallelize(..., ep_forward=False) keeps it, for a forward that routes tokens to the "
         "module's num_local_experts local slots itself")
 
@@ -299,7 +355,8 @@ def slot_params(module: nn.Module) -> list[tuple[nn.Parameter, Callable[[torch.T
     ``[S, ...]`` as they are (not the whole per-logical-expert ones, :attr:`EPLayer.param_names`),
     and the LoRA factors of :class:`SlotLora`."""
     ep = getattr(module, "moeshard_ep", None)
-    out: list = [(p, _identity) for name, p in module.named_parameters(recurse=False)
+    holder = getattr(module, "moeshard_holder", module)
+    out: list = [(p, _identity) for name, p in holder.named_parameters(recurse=False)
                  if ep is None or _per_slot(ep, name)]
     for lora in getattr(module, "moeshard_lora", ()):
         out += [(lora.a(), lora.a_slots), (lora.b(), lora.b_slots)]
@@ -388,13 +445,25 @@ def _ep_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
     Shapes: ``hidden_states [T, H]``, ``top_k_index [T, K]`` (logical ids), ``top_k_weights
     [T, K]`` -> ``[T, H]``.
     """
+    shape = hidden_states.shape  # [T, H], or [B, S, H] (DBRX's experts take the batch)
+    hidden_states = hidden_states.reshape(-1, shape[-1])
     T, K = top_k_index.shape
     experts = top_k_index.reshape(-1)
     tokens = torch.arange(T, device=experts.device).repeat_interleave(K)
-    y, order = _exchange(self, hidden_states, tokens, experts, tokens)
-    y = y * top_k_weights.reshape(-1)[order, None].to(y.dtype)
+    weights = top_k_weights.reshape(-1)
     out = torch.zeros_like(hidden_states)
-    return out.index_add(0, tokens[order], y.to(out.dtype))
+    if self.moeshard_identity:
+        # Identity ("zero") experts, ids past the logical ones: the token's own state times its
+        # weight, where it is; the other pairs go to their experts.
+        with torch.no_grad():
+            zero = experts >= len(self.moeshard_ep.logcnt)
+            ident, routed = zero.nonzero().squeeze(1), (~zero).nonzero().squeeze(1)
+        y = hidden_states[tokens[ident]] * weights[ident, None].to(hidden_states.dtype)
+        out = out.index_add(0, tokens[ident], y.to(out.dtype))
+        experts, tokens, weights = experts[routed], tokens[routed], weights[routed]
+    y, order = _exchange(self, hidden_states, tokens, experts, tokens)
+    y = y * weights[order, None].to(y.dtype)
+    return out.index_add(0, tokens[order], y.to(out.dtype)).view(shape)
 
 
 def _ep_forward_prerouted(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -418,6 +487,37 @@ def _ep_forward_prerouted(self, hidden_states: torch.Tensor) -> torch.Tensor:
     y, order = _exchange(self, hidden_states, pairs, pairs // T, pairs % T)
     out = torch.zeros_like(hidden_states)
     return out.index_copy(0, pairs[order], y.to(out.dtype))
+
+
+def _ep_forward_grouped(self, inputs: torch.Tensor, expert_size) -> torch.Tensor:
+    """EP forward of a grouped experts module (module doc; collective as :func:`_ep_forward`).
+
+    ``inputs [N, in]`` sorted by logical expert, ``expert_size`` (``E`` counts, a list or a
+    tensor) rows each -> ``[N, out]``: each row mapped by a copy of its expert, in place."""
+    num_logical = len(self.moeshard_ep.logcnt)
+    with torch.no_grad():
+        sizes = torch.as_tensor(expert_size, device=inputs.device, dtype=torch.long)
+        if sizes.shape != (num_logical,) or int(sizes.sum()) != len(inputs):
+            raise ValueError(f"{type(self).__name__}: expected rows sorted by expert with {num_logical} counts "
+                             f"summing to {len(inputs)}, got expert_size of shape {list(sizes.shape)}")
+        rows = torch.arange(len(inputs), device=inputs.device)
+        experts = torch.repeat_interleave(torch.arange(num_logical, device=inputs.device), sizes)
+    y, order = _exchange(self, inputs, rows, experts, rows)
+    out = y.new_empty((len(inputs), *y.shape[1:]))
+    return out.index_copy(0, order, y)
+
+
+def _ep_forward_lookup(self, ids: torch.Tensor) -> torch.Tensor:
+    """EP forward of an embedding whose rows are experts (module doc; collective as
+    :func:`_ep_forward`): ``ids [...]`` logical experts -> ``[..., d]`` their rows, each from a
+    copy of its expert (only the slot travels there: one placeholder value per id)."""
+    flat = ids.reshape(-1)
+    rows = torch.arange(len(flat), device=flat.device)
+    weight = self.__dict__.get("moeshard_holder", self)._parameters["weight"]
+    placeholder = torch.zeros((len(flat), 1), dtype=weight.dtype, device=flat.device)
+    y, order = _exchange(self, placeholder, rows, flat, rows)
+    out = y.new_empty((len(flat), *y.shape[1:]))
+    return out.index_copy(0, order, y).view(*ids.shape, -1)
 
 
 def _check_zero_rows_vanish(self, like: torch.Tensor) -> None:
@@ -463,6 +563,8 @@ def _local_experts(self, x: torch.Tensor, local_slots: torch.Tensor, ep: EPLayer
     """Run this rank's slots with the module's own forward: ``x [R, H]`` rows for local slots
     ``local_slots int[R]`` -> ``[R, H']`` in arrival order (the return all-to-all's)."""
     x, weights = _local_params(self, ep, x)
+    if self.moeshard_kind == LOOKUP:  # the local slots' rows (in the graph even when there are none)
+        return weights["weight"][local_slots]
     if not len(x):
         # Keep rows and weights in the graph: every rank's backward must run the same
         # collectives (the return all-to-all's and the dispatch all-to-all's).
@@ -470,10 +572,22 @@ def _local_experts(self, x: torch.Tensor, local_slots: torch.Tensor, ep: EPLayer
     forward = type(self).forward  # the class's (transformers': dispatches on _experts_implementation)
     if self.moeshard_kind == PREROUTED:
         return _prerouted_local(self, forward, weights, x, local_slots, ep.slots_per_rank)
+    if self.moeshard_kind == GROUPED:  # the rows sorted by local slot, then put back in arrival order
+        order = torch.argsort(local_slots, stable=True)
+        counts = torch.bincount(local_slots, minlength=ep.slots_per_rank).tolist()
+        y = forward(_slot_view(self, weights, ep.slots_per_rank), x[order], counts)
+        return torch.empty_like(y).index_copy(0, order, y)
     # Each row routed to its local slot with weight 1: the forward returns expert(x) * 1,
     # summed over one k: exactly the expert's output.
     view = _slot_view(self, weights, ep.slots_per_rank)
-    return forward(view, x, local_slots[:, None], x.new_ones((len(x), 1)))
+    if self.moeshard_identity:
+        # LongCat-Flash's forward needs two picks per row (it squeezes the pick dim): the second is
+        # an identity expert (id S of the view) with weight 0, which adds exactly 0 and no compute.
+        view.__dict__["total_experts"] = ep.slots_per_rank + 1
+        index = torch.stack([local_slots, torch.full_like(local_slots, ep.slots_per_rank)], dim=1)
+        weight = torch.stack([x.new_ones(len(x)), x.new_zeros(len(x))], dim=1)
+        return forward(view, x, index, weight).reshape(len(x), -1)
+    return forward(view, x, local_slots[:, None], x.new_ones((len(x), 1))).reshape(len(x), -1)
 
 
 def _local_params(self, ep: EPLayer, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -485,9 +599,10 @@ def _local_params(self, ep: EPLayer, x: torch.Tensor) -> tuple[torch.Tensor, dic
     The per-slot tensors (weights and LoRA factors) go with the received rows ``x [R, H]``
     through :func:`moeshard.models.copies.combine_copy_grads`: in backward, a redundant
     expert's copies' gradients are summed into its first copy. Returns ``(x, parameters)``."""
-    names = [n for n, p in self._parameters.items() if p is not None and _per_slot(ep, n)]
+    holder = self.__dict__.get("moeshard_holder", self)  # whose parameters they are (DBRX: the child)
+    names = [n for n, p in holder._parameters.items() if p is not None and _per_slot(ep, n)]
     loras = [lora for lora in self.moeshard_lora if lora.param in names and lora.active()]
-    local = [_local_weight(self._parameters[n], ep.grad_scale) for n in names]
+    local = [_local_weight(holder._parameters[n], ep.grad_scale) for n in names]
     local += [_local_weight(t, ep.grad_scale) for lora in loras for t in (lora.a(), lora.b())]
     views = [_identity] * len(names) + [v for lora in loras for v in (lora.a_slots, lora.b_slots)]
     x, local = combine_copy_grads(ep, x, local, views)
@@ -501,7 +616,7 @@ def _local_params(self, ep: EPLayer, x: torch.Tensor) -> tuple[torch.Tensor, dic
         # the parameter's dtype, where the copies are summed and the 1/EP mean is taken (module
         # doc, "Mixed precision").
         out[name] = _with_lora(_compute(w, ep), by_param[name])
-    for name, p in self._parameters.items():
+    for name, p in holder._parameters.items():
         if p is None or name in out:
             continue
         whole = _compute(_local_weight(p, 1.0), ep)  # not local_tensor: that detaches
@@ -541,13 +656,21 @@ def _slot_view(self, params: dict[str, torch.Tensor], num_slots: int) -> nn.Modu
     ``[num_slots, ...]``: autograd flows through them to the DTensor parameters) and whose
     ``num_experts`` is ``num_slots``; it shares everything else (config, act_fn, submodules).
     Only its forward is called (not ``__call__``: no hooks), so nothing is registered."""
-    view = object.__new__(type(self))
-    view.__dict__.update(self.__dict__)
-    view.__dict__["_parameters"] = {**self._parameters, **params}
-    view.__dict__.pop("forward", None)  # the EP forward installed on self
-    if "num_experts" in view.__dict__:
-        view.__dict__["num_experts"] = num_slots
-    return view
+    holder = self.__dict__.get("moeshard_holder", self)
+    if holder is not self:  # the parameters are a child's: a view of the child under the same name
+        child = next(k for k, m in self._modules.items() if m is holder)
+        view = _slot_view(holder, params, num_slots)
+        params = {}
+    view_self = object.__new__(type(self))
+    view_self.__dict__.update(self.__dict__)
+    view_self.__dict__["_parameters"] = {**self._parameters, **params}
+    if holder is not self:
+        view_self.__dict__["_modules"] = {**self._modules, child: view}
+    view_self.__dict__.pop("forward", None)  # the EP forward installed on self
+    for count in _COUNTS:
+        if count in view_self.__dict__:
+            view_self.__dict__[count] = num_slots
+    return view_self
 
 
 def _with_lora(w: torch.Tensor, loras: list[tuple[SlotLora, torch.Tensor, torch.Tensor]]) -> torch.Tensor:

@@ -15,6 +15,9 @@ transformers does:
 
 * :attr:`HFNames.specs`: an :class:`~moeshard.models.adapters.ExpertsSpec` per converter moeshard
   can express as box reads (stack along the expert dim, optionally concatenate the parts);
+* :meth:`HFNames.checkpoint_parts`: the keys a dense tensor is split into on disk, where a
+  converter concatenates several checkpoint tensors into one model tensor (Kimi-Linear's and
+  Bailing-hybrid's ``q_conv1d`` / ``k_conv1d`` / ``v_conv1d`` -> ``conv1d``: ``Concatenate(dim=0)``);
 * :meth:`HFNames.checkpoint_name`: the key ``save_pretrained`` writes for a model name;
 * :meth:`HFNames.loaded_name`: the model name ``from_pretrained`` gives a checkpoint key (or the
   fused parameter a per-expert key goes into), to check a key set before it is published.
@@ -49,6 +52,9 @@ class HFNames:
         specs: expert specs from the family's converters (module regexes on model names).
         refused: ``(target pattern, why)`` of the family's converters moeshard cannot express
             as box reads (an ``Interleave``, a ``Transpose``, ...).
+        concats: ``(target, sources, dim)`` of the family's converters that concatenate dense
+            checkpoint tensors ``sources`` (name suffixes, in order) along ``dim`` into the model
+            tensor named ``...target`` (:meth:`checkpoint_parts`).
         save_renamings: transformers' reversed renames (model -> disk).
         loading: its forward transforms (disk -> model), as ``from_pretrained`` applies them
             (``PrefixChange`` and the legacy renames included), worked out on first use of
@@ -62,6 +68,7 @@ class HFNames:
     refused: tuple[tuple[str, str], ...]
     save_renamings: tuple[Any, ...] = field(repr=False)
     loading: Callable[[], list] = field(repr=False)
+    concats: tuple[tuple[str, tuple[str, ...], int], ...] = ()
 
     @functools.cached_property
     def _loading(self) -> list:
@@ -85,6 +92,16 @@ class HFNames:
         for t in self.save_renamings:
             name, _ = t.rename_source_key(name)
         return name
+
+    def checkpoint_parts(self, name: str) -> tuple[tuple[str, ...], int] | None:
+        """``(keys, dim)``: the checkpoint keys ``save_pretrained`` splits dense model tensor
+        ``name`` into (its ``Concatenate(dim)`` converter reversed: equal chunks along ``dim``,
+        then the renames), in concatenation order; None when no converter concatenates it."""
+        for target, sources, dim in self.concats:
+            if name == target or name.endswith("." + target):
+                head = name[: len(name) - len(target)]
+                return tuple(self.checkpoint_name(head + s) for s in sources), dim
+        return None
 
     def checkpoint_module(self, module: str, param: ExpertParam) -> str:
         """The checkpoint prefix of experts module ``module`` (model name) for ``param``: the
@@ -225,12 +242,15 @@ def hf_names(model) -> HFNames | None:
     # from_pretrained's transforms (a model built from a config has no _weight_conversions).
     loading = (lambda: list(conversions)) if conversions else mapping
     reverse = [t.reverse_transform() for t in saving[::-1]]
-    specs, refused = [], []
+    specs, refused, concats = [], [], []
     for t in saving:
         if isinstance(t, WeightConverter):
             spec, why = _expert_spec(t)
+            concat = _dense_concat(t) if spec is None else None
             if spec is not None:
                 specs.append(spec)
+            elif concat is not None:
+                concats.append(concat)
             else:
                 refused.append((", ".join(t._original_target_patterns), why))
     return HFNames(
@@ -240,6 +260,7 @@ def hf_names(model) -> HFNames | None:
         refused=tuple(refused),
         save_renamings=tuple(t for t in reverse if isinstance(t, WeightRenaming)),
         loading=loading,
+        concats=tuple(concats),
     )
 
 
@@ -257,6 +278,15 @@ def _expert_spec(conv) -> tuple[ExpertsSpec | None, str]:
     ops = [type(op).__name__ for op in conv.operations]
     if not ops or ops[0] != "MergeModulelist" or conv.operations[0].dim != 0 or len(ops) > 2 or \
             (len(ops) == 2 and (ops[1] != "Concatenate" or conv.operations[1].dim < 1)):
+        interleave = next((op for op in conv.operations if type(op).__name__ == "Interleave"), None)
+        if interleave is not None:
+            d = interleave.dim
+            sources = [_plain(p) or p for p in conv._original_source_patterns]
+            return None, (f"operations {ops} on checkpoint tensor {', '.join(sources)}: Interleave(dim={d}) alternates "
+                          f"the two halves of dim {d} on disk (index 2*i + j of the checkpoint tensor is index "
+                          f"j*n + i of the model's, n half the dim), so each "
+                          f"half of an expert's slice is every other row of the checkpoint tensor: no box of it, and "
+                          f"moeshard reads and writes boxes only")
         return None, f"operations {ops}"
     targets = conv._original_target_patterns
     if len(targets) != 1 or _plain(targets[0]) is None or "*" in targets[0]:
@@ -277,6 +307,22 @@ def _expert_spec(conv) -> tuple[ExpertsSpec | None, str]:
     # The module pattern anchors on name boundaries: ``.experts`` or ``mlp.experts`` end a name.
     regex = ("" if module.startswith(".") else r"(^|\.)") + re.escape(module) + "$"
     return ExpertsSpec(module=regex, params=(ExpertParam(name, tuple(parts), dim),)), ""
+
+
+def _dense_concat(conv) -> tuple[str, tuple[str, ...], int] | None:
+    """``(target, sources, dim)`` of a converter that only concatenates two or more dense
+    checkpoint tensors along ``dim`` (``Concatenate(dim)``, literal patterns with no expert
+    index), else None."""
+    ops = conv.operations
+    if len(ops) != 1 or type(ops[0]).__name__ != "Concatenate" or getattr(ops[0], "num_shards_attribute", None):
+        return None
+    targets, sources = conv._original_target_patterns, conv._original_source_patterns
+    if len(targets) != 1 or len(sources) < 2:
+        return None
+    plain = [_plain(p) for p in (*targets, *sources)]
+    if any(p is None or "*" in p or p.startswith(".") or p.endswith(".") for p in plain):
+        return None
+    return plain[0], tuple(plain[1:]), ops[0].dim
 
 
 def merge_specs(specs: Iterable[ExpertsSpec]) -> tuple[ExpertsSpec, ...]:

@@ -112,7 +112,7 @@ def inputs_digest(descs: Sequence[ParamDesc], placement: Placement | None, world
                 h.update(np.ascontiguousarray(d.mesh, dtype=np.int64).tobytes())
         ex = d.expert
         h.update(repr((d.name, d.shape, m, tuple(map(str, d.placements)), d.keys,
-                       None if ex is None else (ex.layer, ex.module, ex.param))).encode())
+                       None if ex is None else (ex.layer, ex.module, ex.param), d.parts, d.part_dim)).encode())
     if placement is not None:
         h.update(repr((placement.num_logical, placement.num_ranks, placement.phy2log.shape)).encode())
         h.update(np.ascontiguousarray(placement.phy2log, dtype=np.int64).tobytes())
@@ -256,6 +256,8 @@ def _dense_rows(i: int, d: ParamDesc, index: CheckpointIndex, layout: _Layout, d
     """The rows of dense parameter number ``i`` (checked against the checkpoint): one per
     non-empty box of its ``layout``."""
 
+    if d.parts and not any(k in index for k in d.keys) and all(k in index for k in d.parts):
+        return _dense_part_rows(i, d, index, layout, dequantize)
     key = _find_key(d, index)
     info = index.info(key)
     check_cast(f"parameter {d.name}", key, index, d.dtype, dequantize)
@@ -267,11 +269,61 @@ def _dense_rows(i: int, d: ParamDesc, index: CheckpointIndex, layout: _Layout, d
     return _DenseRows(i, key, layout, layout.keep, layout.num)
 
 
+def _dense_part_rows(i: int, d: ParamDesc, index: CheckpointIndex, layout: _Layout,
+                     dequantize: bool = False) -> NeedTable:
+    """The rows of dense parameter number ``i`` stored as checkpoint tensors ``d.parts``
+    concatenated along ``d.part_dim`` (transformers' ``Concatenate`` converter, e.g. Kimi-Linear's
+    ``q_conv1d`` + ``k_conv1d`` + ``v_conv1d`` -> ``conv1d``): per non-empty box of its
+    ``layout``, one row per part the box overlaps (part sizes from the headers)."""
+    dim = d.part_dim
+    sizes = []
+    for key in d.parts:
+        check_cast(f"parameter {d.name}", key, index, d.dtype, dequantize)
+        shape = list(index.info(key).shape)
+        if len(shape) != len(d.shape) or any(a != b for k, (a, b) in enumerate(zip(shape, d.shape)) if k != dim):
+            raise ValueError(f"parameter {d.name}: checkpoint tensor {key!r} has shape {shape}, which is no part of "
+                             f"a tensor of shape {list(d.shape)} (parts concatenated along dim {dim})")
+        sizes.append(shape[dim])
+    if sum(sizes) != d.shape[dim]:
+        raise ValueError(f"parameter {d.name}: checkpoint tensors {list(d.parts)} have sizes {sizes} along dim {dim}, "
+                         f"summing to {sum(sizes)}, not the model's {d.shape[dim]}")
+    ranks, boxes = layout.ranks, layout.boxes
+    if layout.keep is not None:
+        ranks, boxes = ranks[layout.keep], boxes[layout.keep]
+    start, length = boxes[:, dim, 0], boxes[:, dim, 1]
+    owner, part, src_off, src_len, dst_off = [], [], [], [], []
+    lo = 0
+    for j, size in enumerate(sizes):  # the boxes that meet part j, and where
+        a, b = np.maximum(start, lo), np.minimum(start + length, lo + size)
+        hit = np.flatnonzero(a < b)
+        off, ln, dst = boxes[hit, :, 0].copy(), boxes[hit, :, 1].copy(), np.zeros((len(hit), len(d.shape)), np.int64)
+        off[:, dim], ln[:, dim], dst[:, dim] = a[hit] - lo, (b - a)[hit], a[hit] - start[hit]
+        owner.append(hit)
+        part.append(np.full(len(hit), j, np.int32))
+        src_off.append(off)
+        src_len.append(ln)
+        dst_off.append(dst)
+        lo += size
+    order = np.argsort(np.concatenate(owner), kind="stable")  # box by box, parts in order
+    num = len(order)
+    return NeedTable(
+        keys=tuple(d.parts), ndim=np.full(len(d.parts), len(d.shape), np.int8),
+        rank=ranks[np.concatenate(owner)[order]].astype(np.int32), param=np.full(num, i, np.int32),
+        key=np.concatenate(part)[order], slot=np.full(num, -1, np.int64),
+        src_off=np.concatenate(src_off)[order], src_len=np.concatenate(src_len)[order],
+        dst_off=np.concatenate(dst_off)[order], alone=np.full(num, layout.disjoint),
+    )
+
+
 def _find_key(d: ParamDesc, index: CheckpointIndex) -> str:
     for key in d.keys:
         if key in index:
             return key
     also = f" (nor under its other names {list(d.keys[1:])})" if len(d.keys) > 1 else ""
+    if d.parts:
+        missing = [k for k in d.parts if k not in index]
+        also += (f", nor all the tensors transformers concatenates into it along dim {d.part_dim} ({list(d.parts)}: "
+                 f"{missing} missing)")
     raise ValueError(f"parameter {d.name}: checkpoint {index.root} has no tensor {d.keys[0]!r}{also}")
 
 
@@ -384,14 +436,20 @@ def _expert_table(
     where = (*_layout_key(d), phy2log.tobytes(), num_logical, spans)
     slots = _cached(cache, ("slots", *where), lambda: _held_slots(d, _layout(d, world_size, cache), phy2log,
                                                                      num_logical, spans))
+    if ref.param.fused and ref.param.merged:
+        return _merged_rows(i, d, index, num_logical, slots, dequantize)
     if ref.param.fused:
         return _fused_rows(i, d, index, phy2log, num_logical, slots, dequantize)
     part_sizes = expert_part_sizes(d, index, 0, d.shape[1:], dequantize)  # expert 0's: every expert must agree
-    extra = ref.param.keys(ref.module, num_logical)
+    # Rows of identity experts follow the logical experts' on disk (an unsharded model, slot p =
+    # expert p, reads them as experts too): the expert after them would be a stray one.
+    beyond = num_logical + ref.identity if placement is not None else num_logical
+    extra = ref.param.keys(ref.module, beyond)
     if extra[0] in index:
+        what = f" and {ref.identity} identity experts" if ref.identity and placement is not None else ""
         raise ValueError(
-            f"parameter {d.name}: the checkpoint has expert {num_logical} ({extra[0]!r}) but the "
-            f"placement has only {num_logical} logical experts"
+            f"parameter {d.name}: the checkpoint has expert {beyond} ({extra[0]!r}) but the "
+            f"placement has only {num_logical} logical experts{what}"
         )
     keys = _held_expert_keys(d, index, slots.held.tolist(), part_sizes, dequantize)
     unit = None  # the one item size of the keys, where other ranks' alone rows go unbuilt
@@ -556,6 +614,31 @@ def _fused_rows(
     )
 
 
+def _merged_rows(i: int, d: ParamDesc, index: CheckpointIndex, num_logical: int, slots: _HeldSlots,
+                 dequantize: bool = False) -> NeedTable:
+    """:func:`_expert_table`'s rows for an expert parameter fused on disk with its expert dim
+    merged into the slice's dim 0 (DBRX: one tensor ``[num_logical * n, *rest]``, expert ``e`` at
+    rows ``e*n ..``): one row per held (box, slot), into that slot (the checkpoint tensor has
+    the slice's dims, not the local tensor's)."""
+    key, shape = _fused_tensor(d, index, dequantize)
+    n = d.shape[1] if len(d.shape) > 1 else 0
+    want = [num_logical * n, *d.shape[2:]]
+    if len(d.shape) < 2 or shape != want:
+        raise ValueError(
+            f"parameter {d.name}: checkpoint tensor {key!r} (every expert fused on disk, merged into dim 0) has "
+            f"shape {shape}, the model expects {want} ({num_logical} logical experts of slice {list(d.shape[1:])})")
+    ranks, boxes, owner, slot, expert = slots.ranks, slots.boxes, slots.owner, slots.slot, slots.expert
+    num, ndim = len(owner), len(d.shape) - 1
+    src_off = boxes[owner, 1:, 0].copy()
+    src_off[:, 0] += expert * n
+    return NeedTable(
+        keys=(key,), ndim=np.full(1, ndim, np.int8), rank=ranks[owner].astype(np.int32),
+        param=np.full(num, i, np.int32), key=np.zeros(num, np.int32), slot=(slot - boxes[owner, 0, 0]).astype(np.int64),
+        src_off=src_off.astype(np.int64), src_len=boxes[owner, 1:, 1].astype(np.int64),
+        dst_off=np.zeros((num, ndim), np.int64), alone=(slots.copies[expert] == 1) & slots.disjoint,
+    )
+
+
 def _fused_tensor(d: ParamDesc, index: CheckpointIndex, dequantize: bool) -> tuple[str, list[int]]:
     """``(key, shape)`` of the one checkpoint tensor of expert parameter ``d`` fused on disk;
     ValueError when the checkpoint lacks it or the cast rule refuses its dtype."""
@@ -625,6 +708,15 @@ def expert_part_sizes(d: ParamDesc, index: CheckpointIndex, expert: int, slice_s
     assert ref is not None
     keys = ref.param.keys(ref.module, expert)
     dim = ref.param.dim
+    if ref.param.fused and ref.param.merged:  # rows ``expert * n ..`` of one tensor, dim 0 merged
+        key, shape = _fused_tensor(d, index, dequantize)
+        n = slice_shape[0] if slice_shape else 0
+        if not n or len(shape) != len(slice_shape) or shape[1:] != list(slice_shape[1:]) or shape[0] % n \
+                or shape[0] // n <= expert:
+            raise ValueError(f"parameter {d.name}: checkpoint tensor {key!r} (every expert fused on disk, merged into "
+                             f"dim 0) has shape {shape}, which holds no logical expert {expert} of slice "
+                             f"{list(slice_shape)}")
+        return (slice_shape[dim],)
     if ref.param.fused:  # row ``expert`` of one tensor holding every expert
         key, shape = _fused_tensor(d, index, dequantize)
         if shape[1:] != list(slice_shape) or not shape or shape[0] <= expert:

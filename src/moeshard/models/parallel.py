@@ -22,9 +22,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from ..placement import Placement
-from .adapters import DEFAULT_SPECS, ExpertsSpec
+from .adapters import DEFAULT_SPECS, ExpertsSpec, expert_shape, identity_rows
 from .describe import expert_layers
-from .ep import EPLayer, install_ep_forward
+from .ep import EPLayer, ep_host, install_ep_forward
 from .lora import expert_lora_wrappers, shard_expert_lora
 from .slot_guard import PlacementRecord, SlotGuard, guard_model, guard_slots
 
@@ -69,7 +69,8 @@ def parallelize(
         ep_forward: give experts modules the EP forward of :mod:`moeshard.models.ep` (tokens reach the
             ranks that hold their experts; the family's own experts math runs on the local
             slots): transformers' routed experts (``@use_experts_implementation``: Qwen3-MoE,
-            Mixtral, gpt-oss, Aria, Nemotron-H, ...) and Llama 4's pre-routed ones, see
+            Mixtral, gpt-oss, Aria, Nemotron-H, ...; LongCat-Flash's and DBRX's), Llama 4's
+            pre-routed ones, JetMoE's grouped ones and Doge's embedding rows, see
             :func:`moeshard.models.ep.experts_kind`. Another transformers experts module gets a forward
             that raises NotImplementedError naming its class. A custom experts module (not from
             transformers, not ``gate_up_proj`` / ``down_proj`` / ``act_fn`` HF-style) keeps its
@@ -124,19 +125,26 @@ def parallelize(
         expert_params.update(t for lora in loras for t in (lora.a(), lora.b()))
         for p in spec.params:
             old = getattr(module, p.name)
-            if old.shape[0] != placement.num_logical:
+            # [experts, *slice] (a merged parameter, DBRX's [E * n, d], becomes [slots, n, d]).
+            shape = expert_shape(module, spec, p)
+            # Rows of identity ("zero") experts after the logical ones (LongCat-Flash's gate_up_proj)
+            # are read by no forward: the EP parameter holds the placement's slots only.
+            zero = identity_rows(module, p.name)
+            if shape[0] != placement.num_logical + zero:
+                also = f" + {zero} identity experts" if zero else ""
                 raise ValueError(
-                    f"{module_name}.{p.name} has {old.shape[0]} experts, the placement {placement.num_logical}"
+                    f"{module_name}.{p.name} has {shape[0]} experts, the placement {placement.num_logical}{also}"
                 )
-            local = torch.empty((spr, *old.shape[1:]), dtype=old.dtype, device=old.device)
+            local = torch.empty((spr, *shape[1:]), dtype=old.dtype, device=old.device)
             dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False,
-                                    shape=torch.Size((placement.num_physical, *old.shape[1:])),
-                                    stride=_contiguous_stride((placement.num_physical, *old.shape[1:])))
+                                    shape=torch.Size((placement.num_physical, *shape[1:])),
+                                    stride=_contiguous_stride((placement.num_physical, *shape[1:])))
             new = nn.Parameter(dt, requires_grad=old.requires_grad)
             setattr(module, p.name, new)
             expert_params.add(new)
         # The module now holds this rank's slots only; record the layout for forward code.
         module.num_local_experts = spr
+        host = ep_host(model, module_name, module)  # whose forward runs the experts (DBRX: the parent)
         # torch's state-dict paths must not read or write slots as experts (slot_guard's doc).
         guard_slots(module, SlotGuard(record, layer, tuple(p.name for p in spec.params), module_name))
         for lora in loras:  # A's rows are whole slots; B's columns interleave r with them
@@ -147,14 +155,15 @@ def parallelize(
         if efsdp > 1:
             # Shard(1), not Shard(0): the local box stays one contiguous run of whole slots
             # whether or not the slot count divides by efsdp (torchtitan's fallback).
-            # LoRA B [out, r*S] shards its rows instead (its columns are EP's).
-            fully_shard(wrappers[-1] if wrappers else module, mesh=mesh["efsdp"], mp_policy=mp_policy,
+            # LoRA B [out, r*S] shards its rows instead (its columns are EP's). On the module
+            # whose forward is called, so that FSDP gathers the parameters before it runs.
+            fully_shard(wrappers[-1] if wrappers else host, mesh=mesh["efsdp"], mp_policy=mp_policy,
                         shard_placement_fn=lambda t, b=lora_b: Shard(0) if id(t) in b else Shard(1))
-        installed = ep_forward and install_ep_forward(module, EPLayer(
+        installed = ep_forward and install_ep_forward(host, EPLayer(
             layer, placement.phy2log[layer], placement.log2phy[layer], placement.logcnt[layer], spr,
             ep_mesh.get_local_rank(), ep_mesh.get_group(), 1.0 / ep, tuple(p.name for p in spec.params),
             mp_policy.param_dtype,
-        ), loras)
+        ), loras, holder=module)
         if loras and not installed:
             why = f"{type(module).__name__} is not an experts module it supports" if ep_forward else "ep_forward=False"
             raise ValueError(f"{module_name}: LoRA adapters on expert parameters need moeshard's EP forward ({why})")
@@ -184,13 +193,16 @@ def _check_efsdp_dims(model: nn.Module, layers, efsdp: int, world: int) -> None:
         wrappers = expert_lora_wrappers(model, module_name, spec)
         target = wrappers[-1] if wrappers else module
         lora_b = {id(lin.weight) for w in wrappers for lin in w.lora_B.values()}
+        # The EP parameters' shapes (a merged one's dim 1 is its slice's dim 0).
+        shapes = {id(getattr(module, p.name)): expert_shape(module, spec, p) for p in spec.params}
         for pname, p in target.named_parameters():
-            if id(p) in lora_b or p.dim() < 2 or p.shape[1] % efsdp == 0:
+            shape = shapes.get(id(p), tuple(p.shape))
+            if id(p) in lora_b or len(shape) < 2 or shape[1] % efsdp == 0:
                 continue
-            n = p.shape[1]
+            n = shape[1]
             fits = [d for d in range(1, world + 1) if world % d == 0 and n % d == 0]
             raise ValueError(
-                f"parameter {names[id(target)]}.{pname} of shape {list(p.shape)}: expert FSDP shards its dim 1 "
+                f"parameter {names[id(target)]}.{pname} of shape {list(shape)}: expert FSDP shards its dim 1 "
                 f"({n}) over efsdp={efsdp} ranks, and FSDP2 shards dims other than 0 only evenly; use an "
                 f"efsdp size that divides {n} (of the sizes dividing the world size {world}: {fits}), or a "
                 f"hidden / intermediate size that divides by {efsdp}"

@@ -95,10 +95,15 @@ def unused_keys(
     for d in descs:
         if d.expert is None:
             present = [k for k in d.keys if k in index]
+            if not present and d.parts:  # stored as parts concatenated into it (layout._dense_part_rows)
+                present = list(d.parts)
+                consumed.update(present)
             dense.extend(present[:1])
             aliases.update(present[1:])
         else:
-            num_logical = placement.num_logical if placement is not None else d.shape[0]
+            # An unsharded model (no placement) holds the rows of identity experts too; an EP
+            # model does not, but they are the model's, not stray experts.
+            num_logical = placement.num_logical + d.expert.identity if placement is not None else d.shape[0]
             prefixes[f"{d.expert.module}."] = None
             consumed.update(_expert_keys(d.expert, num_logical))
     consumed.update(dense)

@@ -372,7 +372,7 @@ def load(
     node_group = node_groups(topo) if broadcasts else None
     tensors = dict(model.named_parameters(remove_duplicate=False))
     tensors.update(model.named_buffers())
-    dests = [local_tensor(tensors[d.name]) for d in descs]
+    dests = [local_tensor(tensors[d.name], d) for d in descs]
     try:
         with torch.no_grad():
             fp8: dict[str, tuple[torch.Tensor, tuple[int, ...]]] = {}

@@ -639,7 +639,8 @@ class _ExpertSource(Source):
             return torch.zeros((1, *box_shape(box)), dtype=self.dtype(pid), device=self.device)
         buf = torch.empty((1, *box_shape(box)), dtype=self.dtype(pid), device=self.device)
         try:
-            read_expert_box(self.reader, src.param, src.module, expert, box, buf[0])
+            shape = self.plan.tensors[t].slice_shape
+            read_expert_box(self.reader, src.param, src.module, expert, box, buf[0], shape[0] if shape else 0)
         except Exception as e:
             layer = self.plan.tensors[t].layer
             raise OSError(f"reading logical expert {expert} of layer {layer}: {e} "

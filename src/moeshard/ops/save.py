@@ -257,7 +257,7 @@ def _save(model, out_dir, placement, specs, reference, max_shard_bytes, overwrit
                                          unmake, fingerprint=lambda r: f"{r[1].fingerprint}/{overwrite}")
     t_plan = time.perf_counter() - t0
     tmp = out / f"{_TMP_PREFIX}{plan.fingerprint}"
-    dests = [local_tensor(tensors[d.name]) for d in descs]
+    dests = [local_tensor(tensors[d.name], d) for d in descs]
     created: list[Path] = []
     failure: list[Exception] = []
     if not tmp.is_dir():
@@ -400,10 +400,14 @@ class _ShardWriter:
         self.path, self.plan, self.file = path, plan, file
         header = _header(plan, file)
         self.data_start = len(header)
-        self.expected = plan.files[file].data_bytes
+        # A tensor of zeros (nobody holds it) is left unwritten: the file's size makes it a hole,
+        # which reads as zeros.
+        self.expected = plan.files[file].data_bytes - sum(plan.tensors[t].nbytes for t in plan.files[file].tensors
+                                                          if plan.tensors[t].zeros)
         self.done = 0
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         pwrite_all(self.fd, header, 0)
+        os.ftruncate(self.fd, self.data_start + plan.files[file].data_bytes)
 
     def write(self, tensor: int, box: Box, data: torch.Tensor) -> int:
         t = self.plan.tensors[tensor]
@@ -429,7 +433,7 @@ class _ShardWriter:
         """Read the header back with the checkpoint reader's validation."""
         header, size = _read_header(self.path)
         want = {self.plan.tensors[i].key: self.plan.tensors[i] for i in self.plan.files[self.file].tensors}
-        if size != self.data_start + self.expected or set(header) != set(want):
+        if size != self.data_start + self.plan.files[self.file].data_bytes or set(header) != set(want):
             raise RuntimeError(f"{self.path}: the written file does not match its plan")
         for key, info in header.items():
             t = want[key]

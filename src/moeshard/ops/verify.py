@@ -208,7 +208,7 @@ def verify(
     descs, plan, unused = _dist.agree(make_plan, "moeshard.verify: planning", fingerprint=fingerprint)
     tensors = dict(model.named_parameters(remove_duplicate=False))
     tensors.update(model.named_buffers())
-    locals_ = [local_tensor(tensors[d.name]) for d in descs]
+    locals_ = [local_tensor(tensors[d.name], d) for d in descs]
     dtype_of = [d.dtype for d in descs]
     routes = _routes(plan, dtype_of, rank)
 

@@ -58,6 +58,7 @@ class OutTensor:
     offset: int
     is_buffer: bool = False
     _source: tuple = field(default=(), repr=False, compare=False)  # (_Chosen, tensor index)
+    zeros: bool = False  # nobody holds it: its bytes are zeros, which the writer leaves unwritten
 
     @property
     def segments(self) -> tuple[Segment, ...]:
@@ -315,7 +316,7 @@ def _check_tilings(outs, boxes: _Boxes, ndim: np.ndarray, nbytes: np.ndarray) ->
     n = len(outs)
     num_boxes = np.diff(boxes.first)
     grid = np.ones(n, np.int64)
-    bad = (nbytes > 0) & (num_boxes == 0)
+    bad = (nbytes > 0) & (num_boxes == 0) & ~np.asarray([o.zeros for o in outs], dtype=bool).reshape(n)
     width = boxes.off.shape[1]
     shapes = np.asarray([(*o.shape, *(1,) * (width - len(o.shape))) for o in outs], np.int64).reshape(n, width)
     for a, b in _chunks(boxes.first):
@@ -665,7 +666,7 @@ def _plan_save(outs, world, max_shard_bytes, staging_bytes, max_ops, rank) -> Sa
     source = _Chosen(outs, segs, seg_first, boxes, chosen)
     tensors = tuple(
         OutTensor(o.key, tuple(o.shape), o.dtype, sizes[t], writer[t], file_of[t], offset_of[t], o.is_buffer,
-                  (source, t))
+                  (source, t), o.zeros)
         for t, o in enumerate(outs)
     )
     fingerprint = _fingerprint(outs, segs, seg_first, world, max_shard_bytes, staging_bytes, max_ops)
@@ -873,7 +874,7 @@ def _fingerprint(outs: Sequence[_Out], segs: _SegTable, seg_first: np.ndarray, w
     the arrays, where a digest of the plan's own rows would cost O(transfers) Python."""
     h = hashlib.sha256(_RULE)
     h.update(repr((world, max_shard_bytes, staging_bytes, max_ops)).encode())
-    h.update(repr([(o.key, tuple(o.shape), o.dtype, bool(o.is_buffer)) for o in outs]).encode())
+    h.update(repr([(o.key, tuple(o.shape), o.dtype, bool(o.is_buffer), o.zeros) for o in outs]).encode())
     for a in (seg_first, segs.rank, segs.param, segs.slot, segs.off, segs.len, segs.delta):
         a = np.ascontiguousarray(a, dtype=np.int64)
         h.update(repr(a.shape).encode())

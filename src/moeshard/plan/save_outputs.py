@@ -113,13 +113,15 @@ class _Out:
     """One checkpoint tensor to write and its holders' segments, always rows ``lo:hi`` of a
     :class:`_SegTable` (the planner reads only the table): the table :func:`describe_outputs`
     shares between its tensors, or one of this tensor's own made from a list of
-    :class:`Segment` (built by hand), which :attr:`segments` then gives back as it was."""
+    :class:`Segment` (built by hand), which :attr:`segments` then gives back as it was.
+    ``zeros``: nobody holds the tensor (no segments): it is written as zeros."""
 
-    __slots__ = ("key", "shape", "dtype", "is_buffer", "_segments", "table", "rows")
+    __slots__ = ("key", "shape", "dtype", "is_buffer", "_segments", "table", "rows", "zeros")
 
     def __init__(self, key: str, shape: tuple[int, ...], dtype: str, segments: list[Segment] | None = None,
-                 is_buffer: bool = False, *, table: _SegTable | None = None, rows: tuple[int, int] = (0, 0)):
-        self.key, self.shape, self.dtype, self.is_buffer = key, shape, dtype, is_buffer
+                 is_buffer: bool = False, *, table: _SegTable | None = None, rows: tuple[int, int] = (0, 0),
+                 zeros: bool = False):
+        self.key, self.shape, self.dtype, self.is_buffer, self.zeros = key, shape, dtype, is_buffer, zeros
         if table is None:
             segments = [] if segments is None else segments
             table, rows = _SegTable.of_segments(segments, len(shape), max(len(shape), 1)), (0, len(segments))
@@ -214,7 +216,7 @@ class _Rows:
 
 def _describe_outputs(descs, placement, world_size, reference, tied_targets, skip_keys, buffers,
                       num_experts) -> list[_Out]:
-    heads: list[tuple] = []  # (key, shape, dtype, is_buffer) per output
+    heads: list[tuple] = []  # (key, shape, dtype, is_buffer, zeros) per output
     rows = _Rows()
     num_layers = 1 + max((d.expert.layer for d in descs if d.expert), default=-1)
     phy2log, num_logical = _expert_table(descs, placement, num_layers, reference, num_experts)
@@ -226,6 +228,10 @@ def _describe_outputs(descs, placement, world_size, reference, tied_targets, ski
             key = _choose_key(d, reference, tied_targets)
             if key in skip_keys:
                 continue
+            if d.parts and not (reference is not None and key in reference):
+                # Written as the parts transformers concatenates into it, as save_pretrained does.
+                _dense_part_outputs(i, d, ranks, off, ln, reference, heads, rows)
+                continue
             if reference is not None and key in reference and tuple(reference.info(key).shape) != d.shape:
                 raise ValueError(
                     f"parameter {d.name}: the reference checkpoint has {key!r} of shape "
@@ -234,15 +240,23 @@ def _describe_outputs(descs, placement, world_size, reference, tied_targets, ski
             keep = (ln > 0).all(axis=1)
             rows.add(len(heads), ranks[keep], i, np.full(int(keep.sum()), -1, np.int64), off[keep], ln[keep],
                      -off[keep])
-            heads.append((key, d.shape, DTYPE_NAMES[d.dtype], d.name in buffers))
+            heads.append((key, d.shape, DTYPE_NAMES[d.dtype], d.name in buffers, False))
+        elif d.expert.param.fused and d.expert.param.merged:
+            _merged_output(i, d, phy2log[d.expert.layer], num_logical, ranks, off, ln, heads, rows)
         elif d.expert.param.fused:
             _fused_output(i, d, phy2log[d.expert.layer], num_logical, ranks, off, ln, heads, rows)
+        elif d.expert.identity and placement is None:
+            # An unsharded model holds the identity experts' rows after its logical experts'
+            # (slot p = expert p): they are written as the experts they follow.
+            _expert_outputs(i, d, np.arange(d.shape[0]), d.shape[0], ranks, off, ln, reference, heads, rows)
         else:
-            _expert_outputs(i, d, phy2log[d.expert.layer], num_logical, ranks, off, ln, reference, heads, rows)
+            # An EP model does not hold them (no forward reads them): they are written as zeros.
+            _expert_outputs(i, d, phy2log[d.expert.layer], num_logical, ranks, off, ln, reference, heads, rows,
+                            d.expert.identity)
     width = max((len(h[1]) for h in heads), default=1) or 1
     table, bounds = rows.table(len(heads), width)
-    outs = [_Out(key, shape, dtype, None, is_buffer, table=table, rows=(lo, hi))
-            for (key, shape, dtype, is_buffer), lo, hi in zip(heads, bounds[:-1].tolist(), bounds[1:].tolist())]
+    outs = [_Out(key, shape, dtype, None, is_buffer, table=table, rows=(lo, hi), zeros=zeros)
+            for (key, shape, dtype, is_buffer, zeros), lo, hi in zip(heads, bounds[:-1].tolist(), bounds[1:].tolist())]
     if len({o.key for o in outs}) == len(outs):
         return outs
     seen: set[str] = set()
@@ -284,7 +298,8 @@ def _expert_table(descs, placement, num_layers, reference, num_experts) -> tuple
     that every logical expert of every layer has a slot."""
     if not num_layers:
         return np.zeros((0, 0), dtype=np.int64), 0
-    num_physical = next(d.shape[0] for d in descs if d.expert)
+    # An unsharded model's parameters with rows for identity experts have those rows after the slots.
+    num_physical = next(d.shape[0] - (d.expert.identity if placement is None else 0) for d in descs if d.expert)
     if placement is None:
         phy2log = np.tile(np.arange(num_physical), (num_layers, 1))
         num_logical = num_physical
@@ -295,7 +310,7 @@ def _expert_table(descs, placement, num_layers, reference, num_experts) -> tuple
                              f"{phy2log.shape[0] if phy2log.ndim == 2 else '?'}")
         num_logical = int(getattr(placement, "num_logical", None) or (phy2log.max() + 1))
     for d in descs:
-        if d.expert is not None and d.shape[0] != phy2log.shape[1]:
+        if d.expert is not None and d.shape[0] - (d.expert.identity if placement is None else 0) != phy2log.shape[1]:
             raise ValueError(f"parameter {d.name} has {d.shape[0]} expert slots per layer, the placement has "
                              f"{phy2log.shape[1]} physical slots")
     for layer in range(num_layers):
@@ -319,20 +334,24 @@ def _expert_table(descs, placement, num_layers, reference, num_experts) -> tuple
             if ref is not None and ref.param.fused:
                 (key,) = ref.param.keys(ref.module, 0)
                 shape = list(reference.info(key).shape) if key in reference else None
-                if shape != [num_logical, *d.shape[1:]]:
+                want = [num_logical * d.shape[1], *d.shape[2:]] if ref.param.merged else [num_logical, *d.shape[1:]]
+                if shape != want:
                     raise ValueError(
                         f"parameter {d.name}: the reference checkpoint's {key!r} (every expert fused on disk) has "
-                        f"shape {shape}, the model's {num_logical} logical experts make {[num_logical, *d.shape[1:]]}")
-            elif ref is not None and ref.param.keys(ref.module, num_logical)[0] in reference:
-                raise ValueError(f"parameter {d.name}: the reference checkpoint has logical expert {num_logical}, "
-                                 f"the model has {num_logical} logical experts")
+                        f"shape {shape}, the model's {num_logical} logical experts make {want}")
+            elif ref is not None and ref.param.keys(ref.module, num_logical + ref.identity)[0] in reference:
+                also = f" and {ref.identity} identity experts" if ref.identity else ""
+                raise ValueError(f"parameter {d.name}: the reference checkpoint has logical expert "
+                                 f"{num_logical + ref.identity}, the model has {num_logical} logical experts{also}")
     return phy2log, num_logical
 
 
 def _expert_outputs(i, d: ParamDesc, phy2log: np.ndarray, num_logical: int, ranks, off, ln, reference, heads,
-                    rows: _Rows) -> None:
+                    rows: _Rows, zeros: int = 0) -> None:
     """The checkpoint tensors of a (not fused) expert parameter: part ``j`` of logical expert
-    ``e`` in output ``base + e * parts + j``, its rows in (rank box, local slot) order."""
+    ``e`` in output ``base + e * parts + j``, its rows in (rank box, local slot) order; then
+    the parts of ``zeros`` more experts that nobody holds, written as zeros (the rows of
+    identity experts an EP model does not hold)."""
     ref = d.expert
     dim = ref.param.dim
     slice_shape = d.shape[1:]
@@ -341,10 +360,10 @@ def _expert_outputs(i, d: ParamDesc, phy2log: np.ndarray, num_logical: int, rank
     dtype = DTYPE_NAMES[d.dtype]
     part_shapes = [slice_shape[:dim] + (n,) + slice_shape[dim + 1:] for n in part_sizes]
     base, num_parts = len(heads), len(part_sizes)
-    for e in range(num_logical):
+    for e in range(num_logical + zeros):
         keys = ref.param.keys(ref.module, e)
         assert len(keys) == num_parts, (keys, part_sizes)
-        heads.extend((k, part_shapes[j], dtype, False) for j, k in enumerate(keys))
+        heads.extend((k, part_shapes[j], dtype, False, e >= num_logical) for j, k in enumerate(keys))
     q, local, e = _slots(phy2log, off, ln)
     rest_off, rest_len = off[q, 1:], ln[q, 1:]
     start, length = rest_off[:, dim], rest_len[:, dim]
@@ -355,6 +374,37 @@ def _expert_outputs(i, d: ParamDesc, phy2log: np.ndarray, num_logical: int, rank
         p_off[:, dim], p_len[:, dim] = a[has] - lo, (b - a)[has]
         delta[:, dim] += lo
         rows.add(base + e[has] * num_parts + j, ranks[q[has]], i, local[has], p_off, p_len, delta)
+
+
+def _dense_part_outputs(i, d: ParamDesc, ranks, off, ln, reference, heads, rows: _Rows) -> None:
+    """The checkpoint tensors ``d.parts`` of a dense parameter stored split along ``d.part_dim``:
+    the reference checkpoint's part sizes, else equal chunks (transformers' ``Chunk``, the reverse
+    of its ``Concatenate``: what ``save_pretrained`` writes)."""
+    dim, num_parts = d.part_dim, len(d.parts)
+    if reference is not None and all(k in reference for k in d.parts):
+        sizes = [reference.info(k).shape[dim] if len(reference.info(k).shape) > dim else -1 for k in d.parts]
+        if sum(sizes) != d.shape[dim] or min(sizes) < 0:
+            raise ValueError(f"parameter {d.name}: the reference checkpoint's tensors {list(d.parts)} have sizes "
+                             f"{sizes} along dim {dim}, which do not split the model's shape {list(d.shape)}")
+    elif d.shape[dim] % num_parts:
+        raise ValueError(f"parameter {d.name} of shape {list(d.shape)} does not split into {num_parts} equal parts "
+                         f"{list(d.parts)} along dim {dim} (what transformers' save_pretrained writes); pass "
+                         "reference= to give the part sizes")
+    else:
+        sizes = [d.shape[dim] // num_parts] * num_parts
+    keep = (ln > 0).all(axis=1)
+    ranks, off, ln = ranks[keep], off[keep], ln[keep]
+    start, length = off[:, dim], ln[:, dim]
+    lo = 0
+    for j, size in enumerate(sizes):
+        a, b = np.maximum(start, lo), np.minimum(start + length, lo + size)
+        has = a < b  # the rank's box meets part j
+        p_off, p_len, delta = off[has].copy(), ln[has].copy(), -off[has]
+        p_off[:, dim], p_len[:, dim] = a[has] - lo, (b - a)[has]
+        delta[:, dim] += lo
+        rows.add(len(heads), ranks[has], i, np.full(int(has.sum()), -1, np.int64), p_off, p_len, delta)
+        heads.append((d.parts[j], d.shape[:dim] + (size,) + d.shape[dim + 1:], DTYPE_NAMES[d.dtype], False, False))
+        lo += size
 
 
 def _fused_output(i, d: ParamDesc, phy2log: np.ndarray, num_logical: int, ranks, off, ln, heads, rows: _Rows) -> None:
@@ -368,7 +418,23 @@ def _fused_output(i, d: ParamDesc, phy2log: np.ndarray, num_logical: int, ranks,
     delta = np.concatenate([(local - e)[:, None], -off[q, 1:]], axis=1)
     rows.add(len(heads), ranks[q], i, np.full(len(q), -1, np.int64), box_off, box_len, delta)
     (key,) = ref.param.keys(ref.module, 0)
-    heads.append((key, (num_logical, *d.shape[1:]), DTYPE_NAMES[d.dtype], False))
+    heads.append((key, (num_logical, *d.shape[1:]), DTYPE_NAMES[d.dtype], False, False))
+
+
+def _merged_output(i, d: ParamDesc, phy2log: np.ndarray, num_logical: int, ranks, off, ln, heads,
+                   rows: _Rows) -> None:
+    """The one checkpoint tensor ``[num_logical * n, *rest]`` of an expert parameter written fused
+    with its expert dim merged into dim 0 (DBRX's w1 / v1 / w2): rows ``e*n ..`` from a slot
+    holding logical expert ``e`` (each slot's box a segment of its own)."""
+    ref = d.expert
+    n = d.shape[1]
+    q, local, e = _slots(phy2log, off, ln)
+    box_off = off[q, 1:].copy()
+    box_off[:, 0] += e * n
+    # In the slot, the rank's box of the slice starts at 0: local = checkpoint offset - box_off.
+    rows.add(len(heads), ranks[q], i, local, box_off, ln[q, 1:].copy(), -box_off)
+    (key,) = ref.param.keys(ref.module, 0)
+    heads.append((key, (num_logical * n, *d.shape[2:]), DTYPE_NAMES[d.dtype], False, False))
 
 
 def _part_sizes(d: ParamDesc, slice_shape: tuple[int, ...], reference: CheckpointIndex | None) -> tuple[int, ...]:
