@@ -52,8 +52,8 @@ HAZARD = textwrap.dedent("""
         os._exit(0)
 
     class SlowTeardown:
-        def __del__(self):
-            time.sleep(4.0)
+        def __del__(self, sleep=time.sleep):  # bound now: finalization may clear the module first
+            sleep(4.0)
 
     keep = SlowTeardown()
     threading.Thread(target=dist.all_gather_object, args=(out, 0), daemon=True).start()

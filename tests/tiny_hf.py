@@ -70,7 +70,7 @@ def full_params(model, placement, grads: bool = False) -> dict[str, torch.Tensor
         t = t.detach().clone()
         module = name.rsplit(".", 1)[0]
         if module in layer_of:
-            p2l = torch.from_numpy(placement.phy2log[layer_of[module]].copy())
+            p2l = torch.from_numpy(placement.phy2log[layer_of[module]].copy()).to(t.device)
             logical = t.new_empty((placement.num_logical, *t.shape[1:]))
             logical[p2l] = t  # one copy of each expert
             differs = (t != logical[p2l]).flatten(1).any(1)

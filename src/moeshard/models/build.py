@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ..io.checkpoint import load_json
-from .adapters import DEFAULT_SPECS, ExpertsSpec
+from .adapters import DEFAULT_SPECS, ExpertsSpec, num_logical_experts
 from .describe import expert_layers
 
 if TYPE_CHECKING:

@@ -35,7 +35,7 @@ from torch import nn
 
 from .adapters import DEFAULT_SPECS, ExpertsSpec
 from .describe import expert_layers
-from .ep import ROUTED, EPLayer, experts_kind, install_ep_forward, model_placement, unsupported_forward
+from .ep import ROUTED, EPLayer, ep_host, experts_kind, install_ep_forward, model_placement, unsupported_forward
 from .slot_guard import PlacementRecord, SlotGuard, guard_slots
 
 __all__ = ["ExpertsRouting", "ROUTING_MODES", "experts_routing", "check_routing", "take_over", "declared_experts",
@@ -81,9 +81,10 @@ def _tp_size(model: nn.Module) -> int:
     return int(getattr(getattr(getattr(model, "config", None), "distributed_config", None), "tp_size", 1) or 1)
 
 
-def _classify(model: nn.Module, module: nn.Module, spec: ExpertsSpec) -> tuple[str, str]:
-    """``(kind, why)`` of one experts module (module doc)."""
-    if getattr(module, "moeshard_ep", None) is not None:
+def _classify(model: nn.Module, module: nn.Module, spec: ExpertsSpec, host: nn.Module) -> tuple[str, str]:
+    """``(kind, why)`` of one experts module (module doc); ``host``: the module whose forward runs
+    its experts (:func:`moeshard.models.ep.ep_host`: itself, or DBRX's parent)."""
+    if getattr(host, "moeshard_ep", None) is not None:
         return "moeshard", ""
     own = module.__dict__.get("forward")
     if own is not None and getattr(own, "__func__", None) is unsupported_forward:
@@ -112,7 +113,7 @@ def _classify(model: nn.Module, module: nn.Module, spec: ExpertsSpec) -> tuple[s
 
 def experts_routing(model: nn.Module, specs: Sequence[ExpertsSpec] = DEFAULT_SPECS) -> list[ExpertsRouting]:
     """Who routes each experts module of ``model`` (module doc), in MoE layer order. Local."""
-    return [ExpertsRouting(name, mod, layer, *_classify(model, mod, spec))
+    return [ExpertsRouting(name, mod, layer, *_classify(model, mod, spec, ep_host(model, name, mod)))
             for layer, (name, mod, spec) in enumerate(expert_layers(model, specs))]
 
 
