@@ -32,8 +32,9 @@ def _torchrun(args: list[str], nproc: int = 2, timeout: float = 180) -> subproce
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-# Rank 1 joins a collective 2 s late; rank 0 leaves while a thread still waits in it, and its
-# finalization lasts 4 s (an object freed then sleeps): the wait ends during finalization.
+# Rank 1 joins a collective 3 s late; rank 0 leaves while a thread still waits in it, and its
+# finalization lasts 6 s (an object freed then sleeps): the wait ends during finalization, with
+# seconds of margin on either side for a loaded machine.
 HAZARD = textwrap.dedent("""
     import sys, threading, time
     import torch.distributed as dist
@@ -41,7 +42,7 @@ HAZARD = textwrap.dedent("""
     dist.init_process_group("gloo")
     out = [None, None]
     if dist.get_rank() == 1:
-        time.sleep(2.0)
+        time.sleep(3.0)
         try:  # rank 0 may be gone (exit_process): this rank's part does not matter
             dist.all_gather_object(out, 1)
         except RuntimeError:
@@ -53,7 +54,7 @@ HAZARD = textwrap.dedent("""
 
     class SlowTeardown:
         def __del__(self, sleep=time.sleep):  # bound now: finalization may clear the module first
-            sleep(4.0)
+            sleep(6.0)
 
     keep = SlowTeardown()
     threading.Thread(target=dist.all_gather_object, args=(out, 0), daemon=True).start()
