@@ -182,3 +182,13 @@ def test_by_rank_takes_each_ranks_slots_from_one_placement():
                           Placement(np.array([[1, 2, 0, 3]]), num_ranks=2), [True, False])
     with pytest.raises(ValueError, match="different shapes"):
         Placement.by_rank(old, Placement(np.array([[0, 1, 2, 3]]), num_ranks=2), [True, False])
+
+
+def test_is_identity():
+    import moeshard
+
+    ident = moeshard.Placement.contiguous(2, 4, 2)
+    assert ident.is_identity(0) and ident.is_identity(1)
+    shuffled = moeshard.Placement(np.array([[0, 1, 2, 3], [1, 0, 2, 3]]), num_logical=4, num_ranks=2)
+    assert shuffled.is_identity(0) and not shuffled.is_identity(1)
+    assert not moeshard.Placement.contiguous(1, 4, 2, num_redundant=2).is_identity(0)  # copies: more slots

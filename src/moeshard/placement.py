@@ -188,6 +188,12 @@ class Placement:
             raise ValueError(f"placement was made for EP size {self.num_ranks}, the model has EP size {n}")
         return self.num_physical // n
 
+    def is_identity(self, layer: int) -> bool:
+        """Whether MoE layer ``layer`` holds every logical expert once, slot p = expert p (its
+        slots are in logical order, as a checkpoint's experts are)."""
+        row = self.phy2log[layer]
+        return len(row) == self.num_logical and bool(np.array_equal(row, np.arange(len(row))))
+
     def check_layers(self, num_layers: int) -> None:
         if num_layers != self.num_layers:
             raise ValueError(

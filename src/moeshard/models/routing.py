@@ -121,11 +121,6 @@ def _num_slots(module: nn.Module) -> int:
     return int(next(p for p in module._parameters.values() if p is not None).shape[0])
 
 
-def _row_is_identity(placement, layer: int) -> bool:
-    row = np.asarray(placement.phy2log[layer])
-    return len(row) == placement.num_logical and bool((row == np.arange(len(row))).all())
-
-
 def check_routing(model: nn.Module, old, new, routing: str = "auto",
                   specs: Sequence[ExpertsSpec] = DEFAULT_SPECS) -> list[ExpertsRouting]:
     """Whether ``model``'s routing can follow a relocation from placement ``old`` (None: a fill)
@@ -164,7 +159,7 @@ def check_routing(model: nn.Module, old, new, routing: str = "auto",
                     f"experts module {e.name}: transformers built it expert-parallel with one slot per logical "
                     f"expert ({slots} per layer); the {what} placement has {p.num_physical} slots per layer "
                     "(redundant copies need a model parallelized by moeshard.parallelize)")
-        if old is not None and not _row_is_identity(old, e.layer):
+        if old is not None and not old.is_identity(e.layer):
             raise ValueError(
                 f"experts module {e.name}: transformers' EP forward holds logical expert e in slot e (contiguous "
                 f"per EP rank), but the old placement's layer {e.layer} is {old.phy2log[e.layer].tolist()}: pass "
@@ -231,7 +226,7 @@ def resolve_placement(model: nn.Module, placement, what: str, specs: Sequence[Ex
     if own is None:
         if placement is not None:
             theirs = [e for e in experts_routing(model, specs) if e.kind == "transformers"]
-            bad = [e.layer for e in theirs if not _row_is_identity(placement, e.layer)]
+            bad = [e.layer for e in theirs if not placement.is_identity(e.layer)]
             if bad:
                 raise ValueError(
                     f"{what}: {theirs[0].name} is routed by transformers' EP forward (logical expert e in slot e); "

@@ -54,7 +54,6 @@ import weakref
 from dataclasses import dataclass
 from typing import Iterator
 
-import numpy as np
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -114,7 +113,7 @@ def slot_order_problem(guard: SlotGuard) -> str | None:
     p = guard.record.placement
     row = p.phy2log[guard.layer]
     n = p.num_logical
-    if len(row) == n and np.array_equal(row, np.arange(n)):
+    if p.is_identity(guard.layer):
         if guard.lora_rank > 1 and guard.record.ep_size > 1:
             return (f"its columns are (r={guard.lora_rank}, slots) per EP rank over {guard.record.ep_size} EP ranks, "
                     "not peft's (r, experts) order")
