@@ -1,5 +1,9 @@
-"""Tier 1: every ``moeshard.<module>[.<name>]`` that the code's docstrings, the README and docs/
-point to exists, so a module split or a rename cannot leave readers a dead reference."""
+"""Tier 1: what the README and docs/ point to exists, so a module split, a rename or a dropped
+flag cannot leave readers a dead reference: every ``moeshard.<module>[.<name>]`` (in the code's
+docstrings too), every repository path, link and anchor, every ``python -m benchmarks.X`` and
+``moeshard X`` command with its flags (as the command's own ``--help`` lists them) and every
+``make`` target. The README stays a user's page of at most 300 lines naming the two set-up
+commands; dates, commit hashes and before/after figures live in benchmarks/results/ only."""
 
 from __future__ import annotations
 
