@@ -76,7 +76,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .. import _dist
+from .. import collectives
 from .describe import local_tensor
 
 __all__ = ["CopyRoutes", "combine_copy_grads", "copy_first_copies_", "track", "tracked_layers", "sync_after_step"]
@@ -153,8 +153,8 @@ def _swap(ep, send: dict[int, list[torch.Tensor]], recv: dict[int, list[torch.Te
     ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(group, peer), group=group, tag=i)
             for peer in sorted(recv) for i, t in enumerate(recv[peer])]
     if ops:
-        with _dist.scope(group):
-            _dist.start_p2p(ops, what)()
+        with collectives.scope(group):
+            collectives.start_p2p(ops, what)()
 
 
 class _CombineCopies(torch.autograd.Function):

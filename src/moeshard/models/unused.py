@@ -105,7 +105,7 @@ def unused_keys(
             # model does not, but they are the model's, not stray experts.
             num_logical = placement.num_logical + d.expert.identity if placement is not None else d.shape[0]
             prefixes[f"{d.expert.module}."] = None
-            consumed.update(_expert_keys(d.expert, num_logical))
+            consumed.update(expert_checkpoint_keys(d.expert, num_logical))
     consumed.update(dense)
     consumed.update(also_read)
     unused = sorted(index.tensors.keys() - consumed)
@@ -129,7 +129,7 @@ def unused_keys(
     return UnusedKeys(tuple(unused), {r: tuple(k) for r, k in suspicious.items()})
 
 
-def _expert_keys(ref: ExpertRef, num_logical: int) -> list[str]:
+def expert_checkpoint_keys(ref: ExpertRef, num_logical: int) -> list[str]:
     """Every checkpoint key of logical experts ``0 .. num_logical - 1`` of ``ref``
     (:func:`keys_of_experts`; the one tensor of a parameter fused on disk)."""
     if ref.param.fused:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import resource
 import sys
 import time
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ import psutil
 import torch
 from torch import nn
 
-from .. import _dist
+from .. import collectives
 from ..dtypes import cast_refusal
 from ..execute import DequantSink, ReaderSource, TensorSink, execute_schedule, node_groups
 from ..io.checkpoint import CheckpointIndex, CheckpointReader
@@ -39,6 +38,7 @@ from ..plan import DEFAULT_STAGING_BYTES, NeedTable, Schedule, minimal_cost, pla
 from ..plan.scales import ScaleNeeds, scale_needs
 from ..progress import Progress, progress_enabled
 from ..topology import Topology
+from .peak_rss import PeakRss, reset_peak_rss
 from .report import OpReport, Phases
 
 __all__ = ["LoadReport", "load", "plan_load", "materialize", "target_device", "checked_unused_keys", "refuse_or_warn",
@@ -88,7 +88,7 @@ def target_device(model: nn.Module) -> torch.device:
         if p.device.type != "meta":
             return p.device
     else:
-        kind = "cuda" if (_dist.is_dist() and torch.distributed.get_backend() == "nccl") else "cpu"
+        kind = "cuda" if (collectives.is_dist() and torch.distributed.get_backend() == "nccl") else "cpu"
     if kind == "cpu":
         return torch.device("cpu")
     mod = getattr(torch, kind)
@@ -241,11 +241,11 @@ def refuse_or_warn(problem: str | None, strict: bool, op: str) -> None:
         return
     if strict:
         raise ValueError(f"{problem}; pass strict=False to load it anyway")
-    if _dist.rank_and_world()[0] == 0:
+    if collectives.rank_and_world()[0] == 0:
         logger.warning("%s: %s (strict=False: ignored)", op, problem)
 
 
-@_dist.runs_on_group
+@collectives.runs_on_group
 def load(
     model: nn.Module,
     checkpoint: str | os.PathLike,
@@ -315,13 +315,13 @@ def load(
     """
     t0 = time.perf_counter()
     phases = Phases(t0)
-    hwm_reset = _reset_peak_rss()
+    hwm_reset = reset_peak_rss()
     rss0 = psutil.Process().memory_info().rss
     placement = resolve_placement(model, placement, "moeshard.load")
     topo = topology or Topology.of_group(group)
-    rank = _dist.rank_and_world()[0]
-    if topo.world_size != _dist.rank_and_world()[1]:
-        raise ValueError(f"topology has world_size {topo.world_size}, the process group has {_dist.rank_and_world()[1]}")
+    rank = collectives.rank_and_world()[0]
+    if topo.world_size != collectives.rank_and_world()[1]:
+        raise ValueError(f"topology has world_size {topo.world_size}, the process group has {collectives.rank_and_world()[1]}")
     topo = topo.with_rank(rank)
     path = os.fspath(checkpoint)
 
@@ -330,7 +330,7 @@ def load(
         return dev, os.path.exists(path)
 
     # One exchange: every rank's errors, whether it can see the checkpoint and its storage arguments.
-    (dev, can), everyone = _dist.agree_and_gather(prepare, "moeshard.load: materializing the model",
+    (dev, can), everyone = collectives.agree_and_gather(prepare, "moeshard.load: materializing the model",
                                                   share=lambda dc: sources_share(dc[1], storage, topo))
     phases.end("materialize")
     mode, readers, scope, index = resolve_sources(path, storage, topo, can, everyone=everyone)
@@ -364,7 +364,7 @@ def load(
             reader.check_files(mine)
         return descs, needs, plan, unused, scales, scale_plan
 
-    descs, needs, plan, unused, scales, scale_plan = _dist.agree(
+    descs, needs, plan, unused, scales, scale_plan = collectives.agree(
         make_plan, "moeshard.load: planning",
         fingerprint=lambda dp: dp[2].fingerprint + (dp[5].fingerprint if dp[5] is not None else ""))
     t_plan = phases.end("plan") - t0
@@ -383,7 +383,7 @@ def load(
                 scratch = [torch.empty(sh, dtype=index.info(k).torch_dtype, device=dev) if j in mine else None
                            for j, (k, sh) in enumerate(zip(scales.table.keys, scales.shapes(index)))]
                 what = "moeshard.load: loading FP8 scales"
-                scale_stats = _dist.agree(lambda: execute_schedule(
+                scale_stats = collectives.agree(lambda: execute_schedule(
                     scale_plan, rank, ReaderSource(scale_plan, reader, index), TensorSink(scale_plan, scratch, rank),
                     dev, node_group=node_group, what=what).check(), what)
                 fp8 = {w: (scratch[j], block) for w, (j, block) in scales.weights.items() if scratch[j] is not None}
@@ -393,7 +393,7 @@ def load(
             what = "moeshard.load: executing the plan"
             sink = DequantSink(plan, dests, rank, fp8) if fp8 else TensorSink(plan, dests, rank)
             with ReaderSource(plan, reader, index, read_threads=read_threads) as source:
-                stats = _dist.agree(lambda: execute_schedule(
+                stats = collectives.agree(lambda: execute_schedule(
                     plan, rank, source, sink, dev, node_group=node_group, progress=bar.update, what=what).check(),
                     what)
             bar.close()
@@ -401,12 +401,9 @@ def load(
     finally:
         if reader is not None:
             reader.close()
-    _dist.barrier("moeshard.load: finishing")
+    collectives.barrier("moeshard.load: finishing")
     phases.end("finish")
-    peak = _read_peak_rss() if hwm_reset else None
-    peak_source = "vmhwm" if peak is not None else "ru_maxrss"
-    if peak is None:
-        peak = _ru_maxrss_bytes()
+    peak = PeakRss.since(hwm_reset)
     minimal = minimal_cost(needs, index, topo, readers, scope) if report_minimal else {}
     return LoadReport(
         storage=mode,
@@ -420,43 +417,13 @@ def load(
         bytes_received_rank=stats.bytes_received + (scale_stats.bytes_received if scale_stats else 0),
         peak_staging_bytes_rank=stats.peak_staging_bytes,
         rss_before_bytes=rss0,
-        peak_rss_bytes=peak,
+        peak_rss_bytes=peak.bytes,
         plan=plan.cost.summary(),
         minimal=minimal,
         fingerprint=plan.fingerprint,
-        peak_rss_source=peak_source,
+        peak_rss_source=peak.source,
         unused_keys=unused,
         dequantized_keys=len(scales.weights) if scales is not None else 0,
         phase_seconds=phases.seconds,
         phase_cpu_seconds=phases.cpu_seconds,
     )
-
-
-
-def _reset_peak_rss() -> bool:
-    """Reset this process's peak RSS (Linux VmHWM: write 5 to /proc/self/clear_refs);
-    False where that is not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    return True
-
-
-def _read_peak_rss() -> int | None:
-    """VmHWM of this process in bytes (Linux), or None."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _ru_maxrss_bytes() -> int:
-    """Peak RSS over the process's life (ru_maxrss: KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024

@@ -51,7 +51,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .. import _dist
+from .. import collectives
 from ..box import box_numel, box_shape, box_slices
 from ..execute import LocalTensors, Sink, Source, execute_schedule
 from ..io.checkpoint import DTYPE_NAMES, CheckpointIndex, CheckpointReader, load_json, pwrite_all, safetensors_header
@@ -82,7 +82,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 
 
-class AdapterError(_dist.DistributedError, ValueError):
+class AdapterError(collectives.DistributedError, ValueError):
     """Raised on every rank when an adapter does not fit the model (missing or unexpected key,
     a shape of another LoRA rank ``r``, a config with other ``r`` / ``lora_alpha``) or when
     loading or saving it failed on any rank; names each failing rank and its message."""
@@ -101,7 +101,7 @@ class AdapterReport(OpReport):
     unused_keys: tuple[str, ...] = ()
 
 
-def _check_adapter(pairs: list[tuple[AdapterTensor, torch.Tensor]], index: CheckpointIndex, config: dict | None,
+def check_adapter(pairs: list[tuple[AdapterTensor, torch.Tensor]], index: CheckpointIndex, config: dict | None,
                    path: str, scalings: dict[str, tuple[int, float]], strict: bool = True) -> tuple[str, ...]:
     """ValueError for a key set, shape, dtype (the cast rule, :func:`moeshard.models.layout.check_cast`)
     or config that does not fit the model's adapter. Returns the adapter's keys the model has
@@ -186,8 +186,8 @@ def _scalings(model: nn.Module) -> dict[str, tuple[int, float]]:
 
 
 def _agree(step, what: str, fingerprint=None):
-    with _dist.errors_as(AdapterError):
-        return _dist.agree(step, what, fingerprint=fingerprint)
+    with collectives.errors_as(AdapterError):
+        return collectives.agree(step, what, fingerprint=fingerprint)
 
 
 def load_adapter(
@@ -220,7 +220,7 @@ def load_adapter(
     from .load import materialize
 
     topo = (topology or Topology.from_env())
-    rank = _dist.rank_and_world()[0]
+    rank = collectives.rank_and_world()[0]
     topo = topo.with_rank(rank)
     path = Path(os.fspath(adapter))
     weights = path if path.suffix == ".safetensors" else path / ADAPTER_WEIGHTS
@@ -236,11 +236,11 @@ def load_adapter(
         return load_json(root / ADAPTER_CONFIG, "unreadable adapter config")  # untrusted: errors name the file
 
     what = f"moeshard.lora.load_adapter: reading {ADAPTER_CONFIG}"
-    config = _dist.broadcast_object(_agree(read_config, what), src=first, what=what)
+    config = collectives.broadcast_object(_agree(read_config, what), src=first, what=what)
 
     def make_plan():
         pairs = adapter_tensors(model, placement)
-        unused = _check_adapter(pairs, index, config, str(root), _scalings(model), strict)
+        unused = check_adapter(pairs, index, config, str(root), _scalings(model), strict)
         items = [(t, adapter_desc(t, p)) for t, p in pairs]
         view = _planning_index(index, items)
         keep = ~np.asarray(readers, dtype=bool)  # this rank's plan: its needs and those of ranks that cannot read
@@ -254,16 +254,16 @@ def load_adapter(
     reader = CheckpointReader(view, str(root)) if readers[rank] else None
     group = node_groups(topo) if plan.has_broadcasts else None
     try:
-        with torch.no_grad(), _dist.errors_as(AdapterError):
+        with torch.no_grad(), collectives.errors_as(AdapterError):
             what = "moeshard.lora.load_adapter: executing the plan"
             dests = [local_view(t, local_tensor(p)) for t, p in pairs]
-            stats = _dist.agree(lambda: execute_schedule(
+            stats = collectives.agree(lambda: execute_schedule(
                 plan, rank, ReaderSource(plan, reader, view), TensorSink(plan, dests, rank), dev, node_group=group,
                 what=what).check(), what)
     finally:
         if reader is not None:
             reader.close()
-    _dist.barrier("moeshard.lora.load_adapter: finishing")
+    collectives.barrier("moeshard.lora.load_adapter: finishing")
     return AdapterReport(rank=rank, world_size=topo.world_size, num_tensors=len(pairs),
                          num_boxes=int((plan.dlv_rank == rank).sum()), bytes_rank=stats.bytes_read + stats.bytes_received,
                          plan=plan.cost.summary(), fingerprint=plan.fingerprint, bytes_read_rank=stats.bytes_read,
@@ -334,7 +334,7 @@ def save_adapter(
     Raises:
         AdapterError on every rank if any rank failed.
     """
-    rank, world = _dist.rank_and_world()
+    rank, world = collectives.rank_and_world()
     out = Path(os.fspath(out_dir))
 
     def make_plan():

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .. import _dist
+from .. import collectives
 from ..box import box_shape, full_box
 from ..execute import Backup, LocalTensors, Source, TensorSink, execute_schedule
 from ..io.checkpoint import CheckpointIndex, CheckpointReader
@@ -108,7 +108,7 @@ def describe_expert_tensors(
 
     Returns ``(tensors, local tensors of this rank (None where it holds nothing), sources)``.
     """
-    rank = _dist.rank_and_world()[0]
+    rank = collectives.rank_and_world()[0]
     if isinstance(target, nn.Module):
         out, locals_, sources = [], [], []
         params = dict(target.named_parameters(remove_duplicate=False))
@@ -277,7 +277,7 @@ def _job_summary(plan: RelocationPlan, rank: int) -> dict:
     k = int(plan.component[rank])
     if k >= 0:
         table[k] = plan.cost.counters()
-    return job_summary(_dist.all_reduce_max(table, "moeshard.relocate: the job's counters"))
+    return job_summary(collectives.all_reduce_max(table, "moeshard.relocate: the job's counters"))
 
 
 def _check_disk_keys(plan: RelocationPlan, index: CheckpointIndex, sources) -> None:
@@ -300,7 +300,7 @@ def _check_disk_keys(plan: RelocationPlan, index: CheckpointIndex, sources) -> N
             expert_part_sizes(desc, index, expert, et.slice_shape, dequantize=True)
 
 
-@_dist.runs_on_group
+@collectives.runs_on_group
 def relocate(
     target: Union[nn.Module, ExpertTensors],
     old: Placement | None,
@@ -398,7 +398,7 @@ def relocate(
             DistributedError naming the step and, for P2P, the peers).
     """
     t0 = time.perf_counter()
-    rank, world = _dist.rank_and_world()
+    rank, world = collectives.rank_and_world()
     if optimizer is not None and not isinstance(target, nn.Module):
         raise ValueError("optimizer= needs a model (plain expert tensors have no optimizer to look up)")
     if routing not in ROUTING_MODES:
@@ -442,21 +442,21 @@ def relocate(
         return f"{x[4].fingerprint}:{hashlib.blake2b(repr(signature).encode(), digest_size=8).hexdigest()}"
 
     try:
-        tensors, locals_, sources, active, plan, routes = _dist.agree(describe, "moeshard.relocate: planning",
+        tensors, locals_, sources, active, plan, routes = collectives.agree(describe, "moeshard.relocate: planning",
                                                                       fingerprint)
-    except _dist.PlanMismatchError:
+    except collectives.PlanMismatchError:
         if signature is None:
             raise
         # Every rank is here (the mismatch is raised on all): name the tensors that differ.
-        everyone = _dist.all_gather_object(signature, what="moeshard.relocate: comparing the expert tensors")
-        _dist.unanimous(lambda: _check_same_tensors(everyone), "moeshard.relocate: comparing the expert tensors")
+        everyone = collectives.all_gather_object(signature, what="moeshard.relocate: comparing the expert tensors")
+        collectives.unanimous(lambda: _check_same_tensors(everyone), "moeshard.relocate: comparing the expert tensors")
         raise
     reader = None
     index = None
     if plan.disk_experts:
         if checkpoint is None:
             lost = plan.disk_experts
-            raise _dist.DistributedError(
+            raise collectives.DistributedError(
                 f"moeshard.relocate: {len(lost)} expert(s) have no live copy and no checkpoint was given "
                 f"(layer, logical expert): {lost[:8]}{' ...' if len(lost) > 8 else ''}"
             )
@@ -479,7 +479,7 @@ def relocate(
                 return p, r
             return p, None
 
-        plan, reader = _dist.agree(replan, "moeshard.relocate: planning checkpoint reads",
+        plan, reader = collectives.agree(replan, "moeshard.relocate: planning checkpoint reads",
                                    fingerprint=lambda x: x[0].fingerprint)
     t_plan = time.perf_counter() - t0
     try:
@@ -495,7 +495,7 @@ def relocate(
             # every rank has run the whole plan (the agreement below), and put back otherwise.
             backup = Backup(s, sink, rank) if transactional and old is not None else None
             try:
-                stats = _dist.agree(lambda: execute_schedule(
+                stats = collectives.agree(lambda: execute_schedule(
                     s, rank, _ExpertSource(plan, s, rank, locals_, reader, sources, device), sink,
                     device, progress=bar.update, what=what).check(), what)
             except BaseException:

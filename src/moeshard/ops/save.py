@@ -40,11 +40,11 @@ import psutil
 import torch
 from torch import nn
 
-from .. import _dist
-from .._dist import DistributedError
+from .. import collectives
+from ..collectives import DistributedError
 from ..box import Box
 from ..execute import LocalTensors, Sink, Source, execute_schedule
-from ..io.checkpoint import DTYPES, INDEX_NAME, CheckpointIndex, _read_header, pwrite_all, safetensors_header
+from ..io.checkpoint import DTYPES, INDEX_NAME, CheckpointIndex, read_header, pwrite_all, safetensors_header
 from ..io.sources import resolve_sources
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
 from ..models.describe import ParamDesc, describe_model, expert_layers, local_tensor, persistent_buffers, tensor_names
@@ -56,7 +56,8 @@ from ..plan.save import SavePlan, describe_outputs, plan_save
 from ..plan.schedule import Schedule
 from ..progress import Progress, progress_enabled
 from ..topology import Topology
-from .load import _read_peak_rss, _reset_peak_rss, _ru_maxrss_bytes, target_device
+from .load import target_device
+from .peak_rss import PeakRss, reset_peak_rss
 from .report import OpReport
 
 __all__ = ["SaveError", "SaveReport", "save", "plan_model_save", "DEFAULT_MAX_SHARD_BYTES"]
@@ -153,7 +154,7 @@ def _tied_targets(model: nn.Module) -> frozenset[str]:
     return frozenset(out)
 
 
-@_dist.runs_on_group
+@collectives.runs_on_group
 def save(
     model: nn.Module,
     out_dir: str | os.PathLike,
@@ -207,7 +208,7 @@ def save(
             files it wrote, the index is not published.
     """
     placement = resolve_placement(model, placement, "moeshard.save")
-    with _dist.errors_as(SaveError):
+    with collectives.errors_as(SaveError):
         return _save(model, out_dir, placement, specs, reference, max_shard_bytes, overwrite, staging_bytes,
                      topology or Topology.of_group(group), fsync, progress)
 
@@ -215,9 +216,9 @@ def save(
 def _save(model, out_dir, placement, specs, reference, max_shard_bytes, overwrite, staging_bytes, topology,
           fsync, progress) -> SaveReport:
     t0 = time.perf_counter()
-    hwm_reset = _reset_peak_rss()
+    hwm_reset = reset_peak_rss()
     rss0 = psutil.Process().memory_info().rss
-    rank, world = _dist.rank_and_world()
+    rank, world = collectives.rank_and_world()
     topo = topology
     if topo.world_size != world:
         raise ValueError(f"topology has world_size {topo.world_size}, the process group has {world}")
@@ -276,7 +277,7 @@ def _save(model, out_dir, placement, specs, reference, max_shard_bytes, overwrit
     try:
         with torch.no_grad():
             stats = _write_shards(plan, rank, dests, device, tmp, fsync, bar, created, failure)
-    except _dist.PeerLostError:
+    except collectives.PeerLostError:
         undo()  # this rank's files; no exchange can follow
         raise
     bar.close()
@@ -325,7 +326,7 @@ def _save(model, out_dir, placement, specs, reference, max_shard_bytes, overwrit
         _fsync_dir(out, fsync, strict=False)
 
     _agree_or_undo(publish, "moeshard.save: writing the index", undo)
-    peak = _read_peak_rss() if hwm_reset else None
+    peak = PeakRss.since(hwm_reset)
     return SaveReport(
         rank=rank,
         world_size=world,
@@ -340,8 +341,8 @@ def _save(model, out_dir, placement, specs, reference, max_shard_bytes, overwrit
         bytes_received_rank=stats["received"],
         peak_staging_bytes_rank=stats["peak"],
         rss_before_bytes=rss0,
-        peak_rss_bytes=peak if peak is not None else _ru_maxrss_bytes(),
-        peak_rss_source="vmhwm" if peak is not None else "ru_maxrss",
+        peak_rss_bytes=peak.bytes,
+        peak_rss_source=peak.source,
         plan=plan.cost.summary(),
         fingerprint=plan.fingerprint,
     )
@@ -351,13 +352,13 @@ def _agree_or_undo(step, what: str, undo, fingerprint=None):
     """Collective: run ``step``; if it failed on any rank, run ``undo`` on every rank, then raise.
     After a lost peer (:class:`PeerLostError`) each rank undoes its own part and raises at once."""
     try:
-        return _dist.agree(step, what, fingerprint=fingerprint)
-    except _dist.PeerLostError:
+        return collectives.agree(step, what, fingerprint=fingerprint)
+    except collectives.PeerLostError:
         undo()
         raise
     except BaseException:
         undo()
-        _dist.barrier(what)  # nobody returns before every rank has cleaned up
+        collectives.barrier(what)  # nobody returns before every rank has cleaned up
         raise
 
 
@@ -392,7 +393,7 @@ def _rmdir(path: Path) -> None:
 # -- writing ------------------------------------------------------------------------------------
 
 
-class _ShardWriter:
+class ShardWriter:
     """One safetensors file, written in place: the header first (every offset is known), then
     boxes at their offsets, in any order. Counts the data bytes written."""
 
@@ -431,7 +432,7 @@ class _ShardWriter:
 
     def _check(self) -> None:
         """Read the header back with the checkpoint reader's validation."""
-        header, size = _read_header(self.path)
+        header, size = read_header(self.path)
         want = {self.plan.tensors[i].key: self.plan.tensors[i] for i in self.plan.files[self.file].tensors}
         if size != self.data_start + self.plan.files[self.file].data_bytes or set(header) != set(want):
             raise RuntimeError(f"{self.path}: the written file does not match its plan")
@@ -518,11 +519,11 @@ def _write_shards(plan: SavePlan, rank: int, dests, device: torch.device, tmp: P
     """Collective: run the plan's schedule and write this rank's files. A write that fails
     stops this rank's writing (recorded in ``failure``) but not its sends and receives, so no
     peer is left waiting."""
-    writers: dict[int, _ShardWriter] = {}
+    writers: dict[int, ShardWriter] = {}
     try:
         for i in plan.files_of(rank):
             path = tmp / plan.files[i].name
-            writers[i] = _ShardWriter(path, plan, i)
+            writers[i] = ShardWriter(path, plan, i)
             created.append(path)
     except Exception as e:  # noqa: BLE001 - reported on every rank
         failure.append(e)

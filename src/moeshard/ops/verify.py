@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .. import _dist
+from .. import collectives
 from ..box import box_numel, box_shape, box_slices
 from ..execute import exchange
 from ..io.checkpoint import CheckpointReader
@@ -80,7 +80,7 @@ def _digest_bytes(t: torch.Tensor) -> bytes:
     return hashlib.blake2b(memoryview(flat.numpy()), digest_size=DIGEST_BYTES).digest()  # no copy of the bytes
 
 
-def _digest(t: torch.Tensor) -> str:
+def digest_hex(t: torch.Tensor) -> str:
     return _digest_bytes(t).hex()
 
 
@@ -89,7 +89,7 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8)
 
 
-def _differs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def bytes_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """0-dim bool tensor on ``a``'s device (no synchronize): whether the bytes of ``a`` and ``b``
     (same shape and dtype) differ. Compared 8, 4 or 2 bytes at a time where the byte count and
     both tensors' offsets allow: torch's ``ne`` and ``any`` cost per element, so comparing
@@ -155,7 +155,7 @@ def _dtypes(dtype_of: Sequence[torch.dtype], plan: Schedule, idx: Sequence[int])
     return tuple(sorted({dtype_of[int(plan.dlv_param[i])] for i in idx}, key=str))
 
 
-@_dist.runs_on_group
+@collectives.runs_on_group
 def verify(
     model: nn.Module,
     checkpoint: str | os.PathLike,
@@ -185,7 +185,7 @@ def verify(
     """
     placement = resolve_placement(model, placement, "moeshard.verify")
     topo = topology or Topology.of_group(group)
-    rank, world_size = _dist.rank_and_world()
+    rank, world_size = collectives.rank_and_world()
     topo = topo.with_rank(rank)
     path = os.fspath(checkpoint)
     _, readers, _, index = resolve_sources(path, storage, topo, os.path.exists(path))
@@ -205,7 +205,7 @@ def verify(
         dtypes = hashlib.blake2b(repr([str(d.dtype) for d in dp[0]]).encode(), digest_size=8).hexdigest()
         return f"{dp[1].fingerprint}:{dtypes}"
 
-    descs, plan, unused = _dist.agree(make_plan, "moeshard.verify: planning", fingerprint=fingerprint)
+    descs, plan, unused = collectives.agree(make_plan, "moeshard.verify: planning", fingerprint=fingerprint)
     tensors = dict(model.named_parameters(remove_duplicate=False))
     tensors.update(model.named_buffers())
     locals_ = [local_tensor(tensors[d.name], d) for d in descs]
@@ -251,7 +251,7 @@ def verify(
         for i in mine:
             got = box(i)
             want = cast[dtype_of[int(plan.dlv_param[i])]].to(got.device)
-            flags.append((i, _differs(got, want)))
+            flags.append((i, bytes_differ(got, want)))
         digests: dict[torch.dtype, bytes] = {}
         for r, dtypes in others:
             for dt in dtypes:
@@ -305,7 +305,7 @@ def verify(
                             fingerprint=plan.fingerprint, unused_keys=unused, digests_sent=sum(len(v) for v in outbox.values()),
                             digests_received=sum(len(v) for v in routes.recvs.values()))
 
-    return _dist.agree(check, what)
+    return collectives.agree(check, what)
 
 
 def _mismatch(plan: Schedule, descs, placement: Placement | None, rank: int, i: int) -> str:
