@@ -28,15 +28,16 @@ import functools
 import hashlib
 import pickle
 import re
-from typing import Any, Callable, Iterable, Iterator, TypeVar
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistributedError", "PlanMismatchError", "PeerLostError", "is_dist", "rank_and_world", "agree", "agree_and_gather", "unanimous",
-           "broadcast_result", "all_gather_object", "broadcast_object", "barrier", "collective", "errors_as",
-           "start_p2p", "scope", "runs_on_group", "p2p", "global_rank", "group_ranks"]
+__all__ = ["DistributedError", "PlanMismatchError", "PeerLostError", "is_dist", "rank_and_world", "agree",
+           "agree_and_gather", "unanimous", "broadcast_result", "all_gather_object", "broadcast_object", "barrier",
+           "collective", "errors_as", "start_p2p", "scope", "runs_on_group", "p2p", "global_rank", "group_ranks"]
 
 T = TypeVar("T")
 
@@ -92,7 +93,7 @@ def global_rank(rank: int, group=None) -> int:
     return rank if group is None or not is_dist() else dist.get_global_rank(group, rank)
 
 
-def p2p(op: Callable, tensor: torch.Tensor, peer: int, members: list[int] | None = None) -> "dist.P2POp":
+def p2p(op: Callable, tensor: torch.Tensor, peer: int, members: list[int] | None = None) -> dist.P2POp:
     """A ``torch.distributed.P2POp`` with ``peer``, a rank of the current group (``members``:
     :func:`group_ranks`, looked up once by callers that build many ops)."""
     group = _GROUP.get()
@@ -268,7 +269,7 @@ def unanimous(step: Callable[[], T], what: str, group=None) -> T:
     """
     try:
         return step()
-    except Exception as e:  # noqa: BLE001 - the same error on every rank, raised alike
+    except Exception as e:
         if not is_dist():
             raise
         world = dist.get_world_size(_g(group))
@@ -324,7 +325,7 @@ def _agree(step: Callable[[], T], what: str, fingerprint: Callable[[T], str] | N
         result = step()
     except PeerLostError:
         raise  # the group is broken: no exchange can follow
-    except Exception as e:  # noqa: BLE001 - every error must reach the other ranks
+    except Exception as e:
         if not is_dist():
             raise
         error = f"{type(e).__name__}: {e}"

@@ -377,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
         "tensors, dtypes, files, the MoE layout, and problems. Exit code 0: no problems; "
         "1: problems found (a checkpoint without MoE layers is one); 2: not a readable checkpoint.",
     )
-    parser.add_argument("checkpoint", help="checkpoint directory, its model.safetensors.index.json, or a .safetensors file")
+    parser.add_argument("checkpoint",
+                        help="checkpoint directory, its model.safetensors.index.json, or a .safetensors file")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON instead of a report")
     args = parser.parse_args(argv)
     try:

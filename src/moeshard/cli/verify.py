@@ -103,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from .. import collectives
-    from ..io.checkpoint import CheckpointIndex
     from ..integrations.pretrained import job_device
+    from ..io.checkpoint import CheckpointIndex
     from ..io.sources import reader_root
     from ..models.build import meta_model, moe_layout, read_config
     from ..models.parallel import make_mesh, parallelize

@@ -46,9 +46,16 @@ import numpy as np
 
 from ..placement import Placement
 from .inputs import Shape
-from .metrics import count_last, copy_counts, held_by_rank, max_rank_load, moves3, load_per_copy, rank_loads3
-from .oblivious import group_loads, node_packs, ObliviousAnswer, per_rank_cap, replicate_nodes, scatter_packs
-from .oblivious import group_packs
+from .metrics import copy_counts, count_last, held_by_rank, load_per_copy, max_rank_load, moves3, rank_loads3
+from .oblivious import (
+    ObliviousAnswer,
+    group_loads,
+    group_packs,
+    node_packs,
+    per_rank_cap,
+    replicate_nodes,
+    scatter_packs,
+)
 from .sticky import EPS, restore, sticky_pack
 
 
@@ -364,8 +371,8 @@ def _lpt_nodes(w, old3, held_old, gn, limit, sh: Shape, cand: np.ndarray, bad: n
     n = sh.num_nodes
     if packs is None:
         packs, _ = node_packs(w, gn, sh, no_duplicates=False)
-    lpt = _matched_oblivious(ObliviousAnswer(packs.reshape(num_layers, n, sh.live_per_node, -1), gn, None, None, None, None),
-                             held_old, sh, np.broadcast_to(np.arange(n), (num_layers, n)))[0]
+    lpt_answer = ObliviousAnswer(packs.reshape(num_layers, n, sh.live_per_node, -1), gn, None, None, None, None)
+    lpt = _matched_oblivious(lpt_answer, held_old, sh, np.broadcast_to(np.arange(n), (num_layers, n)))[0]
     lpt = _restored(w, lpt, old3, limit, sh, bad)
     return np.where(np.repeat(bad, sh.ranks_per_node, axis=1)[:, :, None], lpt, cand)
 

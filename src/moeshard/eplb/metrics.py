@@ -46,7 +46,8 @@ def held_by_rank(p2l: np.ndarray, num_logical: int) -> np.ndarray:
     """``bool[L, R, E]``: rank holds a copy of the expert (``p2l`` ``int[L, R, S]``)."""
     num_layers, num_ranks, _ = p2l.shape
     h = np.zeros((num_layers, num_ranks, num_logical + 1), dtype=bool)
-    h[np.arange(num_layers)[:, None, None], np.arange(num_ranks)[None, :, None], np.where(p2l < 0, num_logical, p2l)] = True
+    experts = np.where(p2l < 0, num_logical, p2l)
+    h[np.arange(num_layers)[:, None, None], np.arange(num_ranks)[None, :, None], experts] = True
     return h[..., :num_logical]
 
 
@@ -65,7 +66,8 @@ def rank_loads(load, placement: Placement, num_ranks: int) -> np.ndarray:
     ``load[e] / logcnt[e]`` (tokens of an expert split evenly over its copies)."""
     w = check_load(load)
     if w.shape != (placement.num_layers, placement.num_logical):
-        raise ValueError(f"load has shape {w.shape}, placement describes {(placement.num_layers, placement.num_logical)}")
+        raise ValueError(f"load has shape {w.shape}, "
+                         f"placement describes {(placement.num_layers, placement.num_logical)}")
     s = placement.slots_per_rank(num_ranks)
     p2l = placement.phy2log.reshape(placement.num_layers, num_ranks, s)
     return rank_loads3(w, p2l, placement.logcnt)

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .inputs import Shape
-from .metrics import count_last, max_rank_load, load_per_copy
+from .metrics import count_last, load_per_copy, max_rank_load
 from .refine import lower_peak
 
 # -- the reference's building blocks, vectorized over rows ---------------------------------------
@@ -351,7 +351,8 @@ def _most_balanced(cands: list[ObliviousAnswer], allowed: np.ndarray) -> np.ndar
 def _select(cands: list[ObliviousAnswer], pick: np.ndarray) -> ObliviousAnswer:
     """Layer ``l`` of candidate ``pick[l]``, for every layer."""
     li = np.arange(len(pick))
-    return ObliviousAnswer(*[np.stack([getattr(c, f) for c in cands])[pick, li] for f in ObliviousAnswer.__dataclass_fields__])
+    fields = ObliviousAnswer.__dataclass_fields__
+    return ObliviousAnswer(*[np.stack([getattr(c, f) for c in cands])[pick, li] for f in fields])
 
 
 def group_packs(w: np.ndarray, sh: Shape, group_node: np.ndarray) -> np.ndarray:

@@ -25,8 +25,9 @@ def sticky_pack(old: np.ndarray, alive: np.ndarray, cnt: np.ndarray, wc: np.ndar
     ``int[B, E]`` new replica counts (their sum = live slots of the row), ``wc`` ``float[B, E]``
     per-copy load, ``thr`` ``float[B]`` eviction threshold. A copy never replaces a lighter one
     of a full rank: against the reference's own balance that costs moves the LPT fallback of
-    :mod:`moeshard.eplb.aware` does not need. ``no_duplicates``: the swap repair of moeshard's rule (a rank holds no two copies of an
-    expert when avoidable) afterwards; the reference has no such rule.
+    :mod:`moeshard.eplb.aware` does not need. ``no_duplicates``: the swap repair of moeshard's
+    rule (a rank holds no two copies of an expert when avoidable) afterwards; the reference has
+    no such rule.
     Returns ``int[B, K, S]`` (kept copies in their old slot; dead packs -1)."""
     num_b, num_k, num_s = old.shape
     num_e = cnt.shape[1]

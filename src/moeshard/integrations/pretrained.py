@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -304,7 +305,7 @@ def _agreed(step: Callable[[], T], what: str, fingerprint: Callable[[T], str] | 
     def run():
         try:
             return step()
-        except Exception as e:  # noqa: BLE001 - kept to re-raise on this rank
+        except Exception as e:
             own.append(e)
             raise
 

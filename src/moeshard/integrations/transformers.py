@@ -67,8 +67,8 @@ from torch import nn
 
 from .. import collectives
 from ..collectives import DistributedError
-from ..io.placement_files import read_placement_file, write_placement
 from ..eplb import rebalance
+from ..io.placement_files import read_placement_file, write_placement
 from ..models.ep import ROUTED, ep_layers, model_placement
 from ..models.slot_guard import guard_optimizer
 from ..ops.load import load
@@ -314,7 +314,8 @@ def load_optimizer_state(model: nn.Module, optimizer, checkpoint: str | os.PathL
         opt.state.pop(p)
     relocate(model, got.current, got.saved)
     with collectives.errors_as(ResumeError):
-        collectives.agree(lambda: _put_state(model, opt, got.payload, checkpoint), "moeshard: loading the optimizer state")
+        collectives.agree(lambda: _put_state(model, opt, got.payload, checkpoint),
+                          "moeshard: loading the optimizer state")
     relocate(model, got.saved, got.current, optimizer=opt)
     return "relocated"
 
@@ -497,8 +498,9 @@ class MoeshardRebalanceCallback(_CallbackBase):
             if module.moeshard_kind != ROUTED:
                 raise ValueError(f"MoeshardRebalanceCallback: {type(module).__name__} takes pre-routed rows; "
                                  "counting its tokens is not supported")
+            num_logical = len(ep.logcnt)
 
-            def count(mod, args, kwargs, i=i, num_logical=len(ep.logcnt)):
+            def count(mod, args, kwargs, i=i, num_logical=num_logical):
                 if not mod.training:
                     return
                 idx = args[1] if len(args) > 1 else kwargs["top_k_index"]

@@ -15,15 +15,25 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from ..io.checkpoint import CheckpointIndex
 from ..io.formats import scaled_weight
-from .adapters import (DEFAULT_SPECS, ExpertParam, ExpertsSpec, checkpoint_names, class_names, expert_shape,
-                       identity_rows, specs_for, with_scales)
+from .adapters import (
+    DEFAULT_SPECS,
+    ExpertParam,
+    ExpertsSpec,
+    checkpoint_names,
+    class_names,
+    expert_shape,
+    identity_rows,
+    specs_for,
+    with_scales,
+)
 from .hf_names import HFNames, hf_names
 
 if TYPE_CHECKING:  # torch only where a model is looked at
@@ -75,7 +85,7 @@ class ParamDesc:
 
     name: str
     shape: tuple[int, ...]
-    dtype: "torch.dtype | str"
+    dtype: torch.dtype | str
     mesh: np.ndarray | None
     placements: tuple = ()
     keys: tuple[str, ...] = ()
@@ -184,7 +194,8 @@ def is_adapter_param(name: str) -> bool:
     return _ADAPTER_SEGMENTS.search(name) is not None
 
 
-def expert_layers(model: nn.Module, specs: Sequence[ExpertsSpec] = DEFAULT_SPECS) -> list[tuple[str, nn.Module, ExpertsSpec]]:
+def expert_layers(model: nn.Module,
+                  specs: Sequence[ExpertsSpec] = DEFAULT_SPECS) -> list[tuple[str, nn.Module, ExpertsSpec]]:
     """Experts modules of ``model`` in module order (their index is the MoE layer). In a peft
     model the experts module is the innermost one (under its ``ParamWrapper`` chain)."""
     out = []

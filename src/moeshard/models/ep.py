@@ -77,9 +77,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable
 
 import numpy as np
 import torch

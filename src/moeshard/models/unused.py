@@ -7,8 +7,9 @@ it expects to leave unread.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from ..io.checkpoint import CheckpointIndex
 from ..io.formats import layer_of, parse_expert_key, scaled_weight

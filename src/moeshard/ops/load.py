@@ -11,10 +11,9 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 import psutil
@@ -321,7 +320,8 @@ def load(
     topo = topology or Topology.of_group(group)
     rank = collectives.rank_and_world()[0]
     if topo.world_size != collectives.rank_and_world()[1]:
-        raise ValueError(f"topology has world_size {topo.world_size}, the process group has {collectives.rank_and_world()[1]}")
+        raise ValueError(f"topology has world_size {topo.world_size}, "
+                         f"the process group has {collectives.rank_and_world()[1]}")
     topo = topo.with_rank(rank)
     path = os.fspath(checkpoint)
 

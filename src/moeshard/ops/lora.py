@@ -43,9 +43,9 @@ import dataclasses
 import hashlib
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -212,8 +212,8 @@ def load_adapter(
 
     Raises:
         AdapterError (a ValueError) on every rank: an adapter key missing or unexpected, a
-            shape of another rank r or expert count, a dtype the cast rule refuses, ``adapter_config.json``'s r / lora_alpha
-            different from the model's, a failed read.
+            shape of another rank r or expert count, a dtype the cast rule refuses,
+            ``adapter_config.json``'s r / lora_alpha different from the model's, a failed read.
     """
     from ..execute import ReaderSource, TensorSink, node_groups
     from ..io.sources import resolve_sources
@@ -265,7 +265,8 @@ def load_adapter(
             reader.close()
     collectives.barrier("moeshard.lora.load_adapter: finishing")
     return AdapterReport(rank=rank, world_size=topo.world_size, num_tensors=len(pairs),
-                         num_boxes=int((plan.dlv_rank == rank).sum()), bytes_rank=stats.bytes_read + stats.bytes_received,
+                         num_boxes=int((plan.dlv_rank == rank).sum()),
+                         bytes_rank=stats.bytes_read + stats.bytes_received,
                          plan=plan.cost.summary(), fingerprint=plan.fingerprint, bytes_read_rank=stats.bytes_read,
                          bytes_sent_rank=stats.bytes_sent, bytes_received_rank=stats.bytes_received,
                          peak_staging_bytes_rank=stats.peak_staging_bytes, unused_keys=unused)

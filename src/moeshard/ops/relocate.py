@@ -15,8 +15,8 @@ import hashlib
 import math
 import os
 import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterator, Mapping, Sequence, Union
 
 import numpy as np
 import torch
@@ -88,11 +88,11 @@ class _Source:
 
 
 def describe_expert_tensors(
-    target: Union[nn.Module, ExpertTensors],
+    target: nn.Module | ExpertTensors,
     world_size: int,
     specs: Sequence[ExpertsSpec] = DEFAULT_SPECS,
     expert_params: Sequence[ExpertParam] | None = None,
-    module: Union[str, Callable[[int], str]] = "model.layers.{layer}.mlp.experts",
+    module: str | Callable[[int], str] = "model.layers.{layer}.mlp.experts",
     ep_ranks: Sequence[int] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
 ) -> tuple[list[ExpertTensor], list[torch.Tensor | None], list[_Source | None]]:
@@ -123,7 +123,8 @@ def describe_expert_tensors(
                 holdings = tuple((r, b[0][0], b[0][1], b[1:]) for r, b in zip(d.mesh.reshape(-1).tolist(), boxes))
             mine = any(r == rank for r, *_ in holdings)
             entries = [(d.name, params[d.name], _Source(d.expert.module, d.expert.param, d.dtype))]
-            entries += [(f"{d.name} (optimizer state {key!r})", st, _Source(d.expert.module, None, st.dtype, zeros=True))
+            entries += [(f"{d.name} (optimizer state {key!r})", st,
+                         _Source(d.expert.module, None, st.dtype, zeros=True))
                         for key, st in expert_states(optimizer, params[d.name], d.name)]
             for name, t, src in entries:
                 out.append(ExpertTensor(d.expert.layer, name, slice_shape, t.element_size(), holdings))
@@ -296,13 +297,14 @@ def _check_disk_keys(plan: RelocationPlan, index: CheckpointIndex, sources) -> N
                     f"{et.name}: logical expert {expert} must be read from the checkpoint, but no "
                     "expert_params say which checkpoint keys hold it"
                 )
-            desc = ParamDesc(et.name, (0, *et.slice_shape), src.dtype, None, (), (), ExpertRef(layer, src.module, src.param))
+            desc = ParamDesc(et.name, (0, *et.slice_shape), src.dtype, None, (), (),
+                             ExpertRef(layer, src.module, src.param))
             expert_part_sizes(desc, index, expert, et.slice_shape, dequantize=True)
 
 
 @collectives.runs_on_group
 def relocate(
-    target: Union[nn.Module, ExpertTensors],
+    target: nn.Module | ExpertTensors,
     old: Placement | None,
     new: Placement,
     checkpoint: str | os.PathLike | None = None,
@@ -314,7 +316,7 @@ def relocate(
     max_ops: int = DEFAULT_MAX_OPS,
     specs: Sequence[ExpertsSpec] = DEFAULT_SPECS,
     expert_params: Sequence[ExpertParam] | None = None,
-    module: Union[str, Callable[[int], str]] = "model.layers.{layer}.mlp.experts",
+    module: str | Callable[[int], str] = "model.layers.{layer}.mlp.experts",
     from_checkpoint: bool = False,
     progress: bool | None = None,
     transactional: bool = True,
@@ -425,7 +427,8 @@ def relocate(
                 continue
             layers = 1 + max(t.layer for t in tensors)
             if p.num_layers != layers:
-                raise ValueError(f"the {what} placement has {p.num_layers} layers, the experts have {layers} MoE layers")
+                raise ValueError(f"the {what} placement has {p.num_layers} layers, "
+                                 f"the experts have {layers} MoE layers")
             for t in (tensors if ep_ranks is None else ()):  # else _ep_ranks checked the slots
                 top = max(s0 + ns for _, s0, ns, _ in t.holdings)
                 if top != p.num_physical:
@@ -546,7 +549,7 @@ class RelocationStep:
 
 
 def relocate_chunks(
-    target: Union[nn.Module, ExpertTensors],
+    target: nn.Module | ExpertTensors,
     old: Placement,
     new: Placement,
     *,
@@ -586,7 +589,7 @@ def relocate_chunks(
         old = placement
 
 
-def _slot_bytes(target: Union[nn.Module, ExpertTensors], specs: Sequence[ExpertsSpec], optimizer) -> np.ndarray:
+def _slot_bytes(target: nn.Module | ExpertTensors, specs: Sequence[ExpertsSpec], optimizer) -> np.ndarray:
     """``int64[num_moe_layers]``: bytes of one expert slot per MoE layer (every expert tensor,
     and a model's optimizer state that moves with it). Local, from shapes only."""
     if not isinstance(target, nn.Module):
@@ -596,7 +599,8 @@ def _slot_bytes(target: Union[nn.Module, ExpertTensors], specs: Sequence[Experts
     out: dict[int, int] = {}
     for d in describe_model(target, None, specs):
         if d.expert is not None:
-            sizes = [d.dtype.itemsize] + [st.element_size() for _, st in expert_states(optimizer, params[d.name], d.name)]
+            states = expert_states(optimizer, params[d.name], d.name)
+            sizes = [d.dtype.itemsize] + [st.element_size() for _, st in states]
             out[d.expert.layer] = out.get(d.expert.layer, 0) + math.prod(d.shape[1:]) * sum(sizes)
     return np.array([out[k] for k in sorted(out)], dtype=np.int64)
 

@@ -31,9 +31,9 @@ import re
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import psutil
@@ -41,10 +41,10 @@ import torch
 from torch import nn
 
 from .. import collectives
-from ..collectives import DistributedError
 from ..box import Box
+from ..collectives import DistributedError
 from ..execute import LocalTensors, Sink, Source, execute_schedule
-from ..io.checkpoint import DTYPES, INDEX_NAME, CheckpointIndex, read_header, pwrite_all, safetensors_header
+from ..io.checkpoint import DTYPES, INDEX_NAME, CheckpointIndex, pwrite_all, read_header, safetensors_header
 from ..io.sources import resolve_sources
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
 from ..models.describe import ParamDesc, describe_model, expert_layers, local_tensor, persistent_buffers, tensor_names
@@ -534,7 +534,7 @@ def _write_shards(plan: SavePlan, rank: int, dests, device: torch.device, tmp: P
     for e in stats.failures:
         if e not in failure:
             failure.append(e)
-    for i, w in writers.items():
+    for w in writers.values():
         try:
             w.close(fsync and not failure)
         except Exception as e:  # noqa: BLE001 - reported on every rank

@@ -27,8 +27,8 @@ import hashlib
 import itertools
 import os
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -302,7 +302,8 @@ def verify(
         checked = [i for i, _ in flags] + [i for _, i in routes.remote]
         nbytes = sum(box_numel(need(i).src) * locals_[int(plan.dlv_param[i])].element_size() for i in checked)
         return VerifyReport(rank=rank, world_size=world_size, num_boxes_checked=len(checked), bytes_checked=nbytes,
-                            fingerprint=plan.fingerprint, unused_keys=unused, digests_sent=sum(len(v) for v in outbox.values()),
+                            fingerprint=plan.fingerprint, unused_keys=unused,
+                            digests_sent=sum(len(v) for v in outbox.values()),
                             digests_received=sum(len(v) for v in routes.recvs.values()))
 
     return collectives.agree(check, what)
