@@ -29,15 +29,16 @@ import hashlib
 import pickle
 import re
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 __all__ = ["DistributedError", "PlanMismatchError", "PeerLostError", "is_dist", "rank_and_world", "agree",
-           "agree_and_gather", "unanimous", "broadcast_result", "all_gather_object", "broadcast_object", "barrier",
-           "collective", "errors_as", "start_p2p", "scope", "runs_on_group", "p2p", "global_rank", "group_ranks"]
+           "agree_and_gather", "Gathered", "unanimous", "broadcast_result", "all_gather_object", "broadcast_object",
+           "barrier", "collective", "errors_as", "start_p2p", "scope", "runs_on_group", "p2p", "global_rank",
+           "group_ranks", "all_reduce_max"]
 
 T = TypeVar("T")
 
@@ -252,11 +253,19 @@ def agree(step: Callable[[], T], what: str, fingerprint: Callable[[T], str] | No
     return _agree(step, what, fingerprint, None, group)[0]
 
 
-def agree_and_gather(step: Callable[[], T], what: str, share: Callable[[T], Any], group=None) -> tuple[T, list[Any]]:
-    """Collective: :func:`agree` on ``step``, and every rank's ``share(result)`` (a list
-    indexed by group rank) on every rank, in the same exchange: one all-gather where
-    :func:`agree` then :func:`all_gather_object` take two."""
-    return _agree(step, what, None, share, group)
+class Gathered(NamedTuple):
+    """What :func:`agree_and_gather` returns: this rank's ``result`` and every rank's
+    ``shares`` (a list indexed by group rank)."""
+
+    result: Any
+    shares: list[Any]
+
+
+def agree_and_gather(step: Callable[[], T], what: str, share: Callable[[T], Any], group=None) -> Gathered:
+    """Collective: :func:`agree` on ``step``, and every rank's ``share(result)`` on every rank,
+    in the same exchange: one all-gather where :func:`agree` then :func:`all_gather_object`
+    take two."""
+    return Gathered(*_agree(step, what, None, share, group))
 
 
 def unanimous(step: Callable[[], T], what: str, group=None) -> T:

@@ -74,6 +74,7 @@ from ..plan.save import HeldBoxes, tensor_schedule
 from ..topology import Topology
 from .load import refuse_or_warn
 from .report import OpReport
+from .skeleton import group_topology
 
 __all__ = ["AdapterError", "AdapterReport", "ADAPTER_WEIGHTS", "ADAPTER_CONFIG", "adapter_tensors", "load",
            "load_adapter", "save_adapter"]
@@ -219,9 +220,8 @@ def load_adapter(
     from ..io.sources import resolve_sources
     from .load import materialize
 
-    topo = (topology or Topology.from_env())
-    rank = collectives.rank_and_world()[0]
-    topo = topo.with_rank(rank)
+    topo = group_topology(topology)
+    rank = topo.rank
     path = Path(os.fspath(adapter))
     weights = path if path.suffix == ".safetensors" else path / ADAPTER_WEIGHTS
     root = weights.parent
