@@ -42,7 +42,8 @@ def one(world: int) -> dict:
     from benchmarks.bench_plan import sweep_cluster
     from moeshard.cluster import find_experts, make_placement, read_config, synthesize_descs, synthetic_index
     from moeshard.dtypes import TORCH_NAMES
-    from moeshard.plan.save import describe_outputs, plan_save
+    from moeshard.models.outputs import describe_outputs
+    from moeshard.plan.save import plan_save
 
     cluster = sweep_cluster(world)
     index = synthetic_index(read_config(CONFIG))

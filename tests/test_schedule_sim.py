@@ -21,9 +21,10 @@ import torch
 from moeshard import Placement, Topology
 from moeshard.models.adapters import ExpertParam
 from moeshard.models.describe import ExpertRef, ParamDesc
+from moeshard.models.outputs import describe_outputs
 from moeshard.models.shards import rank_boxes
 from moeshard.plan.relocation import COUNTERS, DEFAULT_STAGING_BYTES, ExpertTensor, job_summary, plan_relocation
-from moeshard.plan.save import HeldBoxes, describe_outputs, plan_save, tensor_schedule
+from moeshard.plan.save import HeldBoxes, plan_save, tensor_schedule
 
 
 def sl(box):

@@ -56,10 +56,10 @@ Modules, each built on those above it:
 
 from __future__ import annotations
 
-from ..placement import Placement
+from ..placement import Placement, slots_changed
 from .aware import _aware
 from .inputs import _check_load, _check_placement, _shape
-from .metrics import balance, copies_moved, rank_loads, slots_changed
+from .metrics import balance, copies_moved, rank_loads
 from .oblivious import _oblivious, reference_answer
 
 __all__ = ["rebalance", "reference", "rank_loads", "balance", "copies_moved", "slots_changed"]

@@ -49,10 +49,11 @@ from ..io.sources import resolve_sources
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
 from ..models.describe import ParamDesc, describe_model, expert_layers, local_tensor, persistent_buffers, tensor_names
 from ..models.hf_names import hf_names
+from ..models.outputs import describe_outputs
 from ..models.routing import declared_experts, resolve_placement
 from ..placement import Placement
 from ..plan import DEFAULT_STAGING_BYTES
-from ..plan.save import SavePlan, describe_outputs, plan_save
+from ..plan.save import SavePlan, plan_save
 from ..plan.schedule import Schedule
 from ..progress import Progress, progress_enabled
 from ..topology import Topology

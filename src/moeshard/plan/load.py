@@ -65,7 +65,7 @@ def plan_transfers(
     """Plan reads and transfers so every need is met exactly once (pure, deterministic).
 
     Args:
-        needs: every rank's needs (a :class:`NeedTable`, or :class:`~moeshard.models.layout.Need`
+        needs: every rank's needs (a :class:`NeedTable`, or :class:`~moeshard.plan.needs.Need`
             rows), or their :class:`~moeshard.plan.pieces.Pieces` cut for ``staging_bytes``
             (to plan several storage modes from one cut: the schedule is the same).
         index: checkpoint headers (dtypes and file offsets of the keys).

@@ -6,7 +6,7 @@ mirror image of a load plan:
 * every checkpoint tensor to write (a non-expert parameter or persistent buffer under its
   checkpoint name; one part of one logical expert of a fused expert parameter) is described by
   its :class:`Segment` s: which rank holds which box of it, and where in its local tensor
-  (:func:`~moeshard.plan.save_outputs.describe_outputs`);
+  (:func:`~moeshard.models.outputs.describe_outputs`);
 * every box is written once: the tensor's *writer* (a rank holding the most of it, balanced by
   bytes over the ranks, largest tensors first) writes the boxes it holds itself; each other box
   comes from one of its holders (the least-sending one) by P2P;
@@ -33,11 +33,11 @@ from ..box import Box, split_box
 from ..io.checkpoint import DTYPES
 from ..topology import Topology
 from .arrays import expand_runs, group_rows, lex_order, row_prod, run_starts
-from .save_outputs import Segment, _Out, _SegTable, describe_outputs
+from .save_outputs import Output, Segment, SegTable
 from .schedule import PlanCost, Schedule
 
 __all__ = ["Segment", "OutTensor", "SaveFile", "Transfer", "LocalWrite", "SaveCost", "SavePlan",
-           "HeldBoxes", "describe_outputs", "plan_save", "shard_name", "tensor_schedule"]
+           "HeldBoxes", "plan_save", "shard_name", "tensor_schedule"]
 
 DEFAULT_MAX_OPS = 64
 _CHUNK = 1 << 16  # rows a loop over millions of transfers turns into Python objects at a time
@@ -155,7 +155,7 @@ class SavePlan:
     fingerprint: str = ""
     rank: int | None = None
     _pieces: _Pieces | None = field(default=None, repr=False)
-    _segs: _SegTable | None = field(default=None, repr=False)
+    _segs: SegTable | None = field(default=None, repr=False)
 
     @functools.cached_property
     def schedule(self) -> Schedule:
@@ -224,14 +224,14 @@ def shard_name(i: int, num_files: int) -> str:
 
 
 def plan_save(
-    outs: Sequence[_Out],
+    outs: Sequence[Output],
     world_size: int,
     max_shard_bytes: int,
     staging_bytes: int,
     max_ops: int = DEFAULT_MAX_OPS,
     rank: int | None = None,
 ) -> SavePlan:
-    """Writers, files and transfers for ``outs`` (:func:`describe_outputs`), pure.
+    """Writers, files and transfers for ``outs`` (:func:`~moeshard.models.outputs.describe_outputs`), pure.
 
     ``rank``: keep only the pieces that rank sends, receives or writes (what it runs,
     :meth:`SavePlan.schedule_for`); the writers, files, cost counters and fingerprint are the
@@ -275,7 +275,7 @@ class _Boxes:
     h_seg: np.ndarray
 
 
-def _gather(outs: Sequence[_Out], width: int) -> tuple[_SegTable, np.ndarray]:
+def _gather(outs: Sequence[Output], width: int) -> tuple[SegTable, np.ndarray]:
     """Every tensor's segments as one table (tensor by tensor, each in its own order) and
     ``int64[T + 1]`` each tensor's first row."""
     counts = np.asarray([len(o) for o in outs], np.int64)
@@ -285,10 +285,10 @@ def _gather(outs: Sequence[_Out], width: int) -> tuple[_SegTable, np.ndarray]:
     if table is not None and all(o.table is table for o in outs) and all(
             a.rows[1] == b.rows[0] for a, b in zip(outs, outs[1:])):  # describe_outputs' rows, in order
         return table.rows(outs[0].rows[0], outs[-1].rows[1], width), first
-    return _SegTable.concat([o.table.rows(*o.rows, width) for o in outs], width), first
+    return SegTable.concat([o.table.rows(*o.rows, width) for o in outs], width), first
 
 
-def _distinct_boxes(segs: _SegTable, seg_first: np.ndarray, itemsize: np.ndarray) -> _Boxes:
+def _distinct_boxes(segs: SegTable, seg_first: np.ndarray, itemsize: np.ndarray) -> _Boxes:
     """The distinct boxes of each tensor (``seg_first``: ``int64[T + 1]`` each tensor's first
     segment) and their holders, in the order of :class:`_Boxes`."""
     n = len(seg_first) - 1
@@ -537,7 +537,7 @@ def _split(boxes: _Boxes, g: np.ndarray, itemsize: np.ndarray, ndim: np.ndarray,
     return g[rep], off, ln
 
 
-def _make_pieces(boxes: _Boxes, chosen: np.ndarray, segs: _SegTable, writer: list[int], itemsize, ndim,
+def _make_pieces(boxes: _Boxes, chosen: np.ndarray, segs: SegTable, writer: list[int], itemsize, ndim,
                  t_order: np.ndarray, staging_bytes: int, max_ops: int, world: int,
                  rank: int | None) -> tuple[_Pieces, np.ndarray, np.ndarray, "_Packer"]:
     """Every tensor's boxes (tensors in ``t_order``, boxes in order) cut into pieces; pieces
@@ -677,7 +677,7 @@ class _Chosen:
     """The chosen segment of every box, as :class:`Segment` objects on demand: the caller's
     own objects where it gave them, else made from the table's rows."""
 
-    def __init__(self, outs, segs: _SegTable, seg_first: np.ndarray, boxes: _Boxes, chosen: np.ndarray):
+    def __init__(self, outs, segs: SegTable, seg_first: np.ndarray, boxes: _Boxes, chosen: np.ndarray):
         self.outs, self.segs, self.seg_first, self.box_first, self.chosen = outs, segs, seg_first, boxes.first, chosen
 
     def of(self, t: int) -> tuple[Segment, ...]:
@@ -866,7 +866,7 @@ def _check_tiling(key: str, shape: tuple[int, ...], boxes: list[Box], nbytes: in
 _RULE = b"moeshard.plan.save/inputs-1"  # changes with the planner's rules: old and new ranks disagree
 
 
-def _fingerprint(outs: Sequence[_Out], segs: _SegTable, seg_first: np.ndarray, world: int, max_shard_bytes: int,
+def _fingerprint(outs: Sequence[Output], segs: SegTable, seg_first: np.ndarray, world: int, max_shard_bytes: int,
                  staging_bytes: int, max_ops: int) -> str:
     """sha256 of what the plan is made from: the budgets, every tensor's key, shape, dtype and
     kind, and the bytes of the segment table (``seg_first``: each tensor's first row). The

@@ -15,7 +15,7 @@ from ..._gc import paused_gc
 from ...placement import Placement
 from ...topology import Topology
 from .fingerprint import fingerprint
-from .layouts import LayerLayouts, components, holdings_key, layer_layouts, layer_parts, unread
+from .layouts import components, holdings_key, layer_layouts, layer_parts, unread
 from .needs import LayerNeeds, check_needs, needs_of
 from .plan import RelocationPlan
 from .records import DEFAULT_MAX_OPS, DEFAULT_STAGING_BYTES, ExpertTensor, Keys, RelocationCost

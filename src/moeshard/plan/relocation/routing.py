@@ -8,8 +8,6 @@ save there).
 
 from __future__ import annotations
 
-import numpy as np
-
 from .layouts import Layout
 from .needs import LayerNeeds
 from .records import CLASSES, CROSS_NODE, DISK, LOCAL, SAME_NODE, GroupOps, Keys, Move, MoveTable
