@@ -357,7 +357,7 @@ def load(
         mine = set()
         for p in (plan, scale_plan):
             if p is not None:
-                keys = np.unique(p.piece_key[p.read_piece[p.read_rank == rank]])
+                keys = np.unique(p.pieces.key[p.reads.piece[p.reads.rank == rank]])
                 mine |= {index.info(p.keys[k]).file for k in keys.tolist()}
         if mine:
             assert reader is not None
@@ -379,7 +379,7 @@ def load(
             scale_stats = None
             if scale_plan is not None:  # first every rank's scales, whole (small), by the same runner
                 assert scales is not None
-                mine = set(scale_plan.dlv_param[scale_plan.dlv_rank == rank].tolist())
+                mine = set(scale_plan.deliveries.param[scale_plan.deliveries.rank == rank].tolist())
                 scratch = [torch.empty(sh, dtype=index.info(k).torch_dtype, device=dev) if j in mine else None
                            for j, (k, sh) in enumerate(zip(scales.table.keys, scales.shapes(index)))]
                 what = "moeshard.load: loading FP8 scales"

@@ -485,7 +485,7 @@ class _ViewSource(Source):
         return self.local.view(v, pid)
 
     def dtype(self, pid: int) -> torch.dtype:
-        return DTYPES[self.plan.tensors[int(self.s.piece_key[pid])].dtype]
+        return DTYPES[self.plan.tensors[int(self.s.pieces.key[pid])].dtype]
 
 
 class _FileSink(Sink):
@@ -504,8 +504,8 @@ class _FileSink(Sink):
         s = self.s
         try:
             for (row, _), data in zip(items, _to_host([x for _, x in items], self.device)):
-                pid = int(s.dlv_piece[row])
-                tensor = int(s.piece_key[pid])
+                pid = int(s.deliveries.piece[row])
+                tensor = int(s.pieces.key[pid])
                 n = self.writers[self.plan.tensors[tensor].file].write(tensor, s.piece_box(pid), data)
                 self.written += n
                 self.bar.update(n)

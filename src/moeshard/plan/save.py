@@ -34,7 +34,7 @@ from ..io.checkpoint import DTYPES
 from ..topology import Topology
 from .arrays import expand_runs, group_rows, lex_order, row_prod, run_starts
 from .save_outputs import Output, Segment, SegTable
-from .schedule import PlanCost, Schedule
+from .schedule import CopyTable, DeliveryTable, PieceTable, PlanCost, ReadTable, Schedule, SendTable, ViewTable
 
 __all__ = ["Segment", "OutTensor", "SaveFile", "Transfer", "LocalWrite", "SaveCost", "SavePlan",
            "HeldBoxes", "plan_save", "shard_name", "tensor_schedule"]
@@ -711,23 +711,20 @@ def _as_schedule(plan: SavePlan, only: int | None = None) -> Schedule:
     return Schedule(
         topology=Topology(plan.world_size, 1), staging_bytes=plan.staging_bytes, max_ops=plan.max_ops,
         keys=tuple(t.key for t in plan.tensors), key_ndim=np.asarray([len(t.shape) for t in plan.tensors], np.int8),
-        piece_key=tensor.astype(i32), piece_off=off, piece_len=p.len[keep].astype(i64).reshape(-1, width),
-        piece_bytes=p.nbytes[keep].astype(i64),
-        read_rank=np.zeros(0, i32), read_piece=np.zeros(0, i32), read_round=np.zeros(0, i64),
-        send_src=p.src[keep[:kx]].astype(i32), send_dst=dst[:kx].astype(i32),
-        send_piece=np.arange(kx, dtype=i32), send_round=p.round[keep[:kx]].astype(i64),
-        send_view=np.arange(kx, dtype=i32),
-        bcast_node=np.zeros(0, i32), bcast_root=np.zeros(0, i32), bcast_piece=np.zeros(0, i32),
-        bcast_round=np.zeros(0, i64),
-        dlv_piece=mine, dlv_rank=dst[mine].astype(i32), dlv_param=tensor[mine].astype(i32),
-        dlv_slot=np.full(len(mine), -1, i64), dlv_off=off[mine], num_rounds=c.num_batches,
+        pieces=PieceTable(tensor.astype(i32), off, p.len[keep].astype(i64).reshape(-1, width),
+                          p.nbytes[keep].astype(i64)),
+        reads=ReadTable(),
+        sends=SendTable(p.src[keep[:kx]].astype(i32), dst[:kx].astype(i32), np.arange(kx, dtype=i32),
+                        p.round[keep[:kx]].astype(i64), np.arange(kx, dtype=i32)),
+        deliveries=DeliveryTable(mine, dst[mine].astype(i32), tensor[mine].astype(i32), np.full(len(mine), -1, i64),
+                                 off[mine]),
+        num_rounds=c.num_batches,
         cost=PlanCost(read_bytes=zeros, sent_bytes=c.sent_bytes, recv_bytes=c.recv_bytes,
                       peak_staging_bytes=c.peak_staging_bytes, cross_node_bytes=0, num_p2p_ops=c.num_p2p_ops,
                       num_batches=c.num_batches, num_broadcasts=0),
-        view_rank=segs.rank[seg].astype(i32), view_param=segs.param[seg].astype(i32),
-        view_slot=segs.slot[seg].astype(i64), view_off=(poff + segs.delta[seg]).astype(i64).reshape(-1, width),
-        copy_view=np.arange(kx, num, dtype=i32), copy_piece=np.arange(kx, num, dtype=i32),
-        copy_round=np.full(num - kx, -1, i64),
+        views=ViewTable(segs.rank[seg].astype(i32), segs.param[seg].astype(i32), segs.slot[seg].astype(i64),
+                        (poff + segs.delta[seg]).astype(i64).reshape(-1, width)),
+        copies=CopyTable(np.arange(kx, num, dtype=i32), np.arange(kx, num, dtype=i32), np.full(num - kx, -1, i64)),
         rank=only, basis=None if only is None else plan.fingerprint,
     )
 
@@ -824,20 +821,18 @@ def tensor_schedule(
     return Schedule(
         topology=Topology(world_size, 1), staging_bytes=staging_bytes, max_ops=max(2, num_sends),
         keys=tuple(keys), key_ndim=np.asarray([len(s) for s in shapes], np.int8),
-        piece_key=tensor.astype(i32), piece_off=off, piece_len=length, piece_bytes=nbytes,
-        read_rank=np.zeros(0, i32), read_piece=np.zeros(0, i32), read_round=np.zeros(0, i64),
-        send_src=holder[send].astype(i32), send_dst=writer[send].astype(i32), send_piece=send.astype(i32),
-        send_round=rounds[send], send_view=send.astype(i32),
-        bcast_node=np.zeros(0, i32), bcast_root=np.zeros(0, i32), bcast_piece=np.zeros(0, i32),
-        bcast_round=np.zeros(0, i64),
-        dlv_piece=dlv.astype(i32), dlv_rank=writer[dlv].astype(i32), dlv_param=tensor[dlv].astype(i32),
-        dlv_slot=np.full(len(dlv), -1, i64), dlv_off=off[dlv], num_rounds=rnd + 1,
+        pieces=PieceTable(tensor.astype(i32), off, length, nbytes),
+        reads=ReadTable(),
+        sends=SendTable(holder[send].astype(i32), writer[send].astype(i32), send.astype(i32), rounds[send],
+                        send.astype(i32)),
+        deliveries=DeliveryTable(dlv.astype(i32), writer[dlv].astype(i32), tensor[dlv].astype(i32),
+                                 np.full(len(dlv), -1, i64), off[dlv]),
+        num_rounds=rnd + 1,
         cost=PlanCost(read_bytes=np.zeros(world_size, dtype=i64), sent_bytes=sent, recv_bytes=recv,
                       peak_staging_bytes=peak, cross_node_bytes=0, num_p2p_ops=num_sends,
                       num_batches=rnd + 1, num_broadcasts=0),
-        view_rank=holder.astype(i32), view_param=tensor.astype(i32), view_slot=np.full(len(pid), -1, i64),
-        view_off=local_off, copy_view=copy.astype(i32), copy_piece=copy.astype(i32),
-        copy_round=np.full(len(copy), -1, i64), rank=rank,
+        views=ViewTable(holder.astype(i32), tensor.astype(i32), np.full(len(pid), -1, i64), local_off),
+        copies=CopyTable(copy.astype(i32), copy.astype(i32), np.full(len(copy), -1, i64)), rank=rank,
         basis=None if rank is None else digest.hexdigest()[:16],
     )
 

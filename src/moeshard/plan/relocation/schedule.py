@@ -12,7 +12,7 @@ import numpy as np
 
 from ...box import Box, box_numel
 from ...topology import Topology
-from ..schedule import PlanCost, Schedule
+from ..schedule import CopyTable, DeliveryTable, PieceTable, PlanCost, ReadTable, Schedule, SendTable, ViewTable
 from .records import ExpertTensor, Move, RelocationCost
 
 __all__ = ["ScheduleRows", "moves_of_rank"]
@@ -88,20 +88,19 @@ class ScheduleRows:
             topology=topology, staging_bytes=staging_bytes, max_ops=max_ops,
             keys=tuple(x.name for x in tensors),
             key_ndim=np.asarray([1 + len(x.slice_shape) for x in tensors], np.int8),
-            piece_key=np.asarray(self.p_key, np.int32), piece_off=np.asarray(self.p_off, i64).reshape(-1, width),
-            piece_len=np.asarray(self.p_len, i64).reshape(-1, width), piece_bytes=np.asarray(self.p_bytes, i64),
-            read_rank=col(reads, 0, np.int32), read_piece=col(reads, 1, np.int32), read_round=col(reads, 2, i64),
-            send_src=col(sends, 0, np.int32), send_dst=col(sends, 1, np.int32), send_piece=col(sends, 2, np.int32),
-            send_round=col(sends, 3, i64), send_view=col(sends, 4, np.int32),
-            bcast_node=np.zeros(0, np.int32), bcast_root=np.zeros(0, np.int32), bcast_piece=np.zeros(0, np.int32),
-            bcast_round=np.zeros(0, i64),
-            dlv_piece=col(dlv, 0, np.int32), dlv_rank=col(dlv, 1, np.int32), dlv_param=col(dlv, 2, np.int32),
-            dlv_slot=np.full(len(dlv), -1, i64), dlv_off=np.asarray([x[3] for x in dlv], i64).reshape(-1, width),
-            dlv_round=col(dlv, 4, i64), num_rounds=num_rounds, cost=cost,
-            view_rank=np.asarray(self.v_rank, np.int32), view_param=np.asarray(self.v_param, np.int32),
-            view_slot=np.full(len(self.v_rank), -1, i64), view_off=np.asarray(self.v_off, i64).reshape(-1, width),
-            copy_view=col(copies, 0, np.int32), copy_piece=col(copies, 1, np.int32),
-            copy_round=col(copies, 2, i64), rank=rank, basis=basis,
+            pieces=PieceTable(np.asarray(self.p_key, np.int32), np.asarray(self.p_off, i64).reshape(-1, width),
+                              np.asarray(self.p_len, i64).reshape(-1, width), np.asarray(self.p_bytes, i64)),
+            reads=ReadTable(col(reads, 0, np.int32), col(reads, 1, np.int32), col(reads, 2, i64)),
+            sends=SendTable(col(sends, 0, np.int32), col(sends, 1, np.int32), col(sends, 2, np.int32),
+                            col(sends, 3, i64), col(sends, 4, np.int32)),
+            deliveries=DeliveryTable(col(dlv, 0, np.int32), col(dlv, 1, np.int32), col(dlv, 2, np.int32),
+                                     np.full(len(dlv), -1, i64),
+                                     np.asarray([x[3] for x in dlv], i64).reshape(-1, width), col(dlv, 4, i64)),
+            num_rounds=num_rounds, cost=cost,
+            views=ViewTable(np.asarray(self.v_rank, np.int32), np.asarray(self.v_param, np.int32),
+                            np.full(len(self.v_rank), -1, i64), np.asarray(self.v_off, i64).reshape(-1, width)),
+            copies=CopyTable(col(copies, 0, np.int32), col(copies, 1, np.int32), col(copies, 2, i64)),
+            rank=rank, basis=basis,
         )
 
 
