@@ -126,10 +126,10 @@ def one(world: int) -> dict:
                               staging_bytes=DEFAULT_STAGING_BYTES)
     t2 = time.perf_counter()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    mine = load.dlv_rank == RANK
+    mine = load.deliveries.rank == RANK
     return dict(world=world, rank=RANK, tensors=len(items), save_s=t1 - t0, load_s=t2 - t1, total_s=t2 - t0,
                 save_bytes=int(save.cost.sent_bytes.sum()), save_sends=int(save.cost.num_p2p_ops),
-                load_bytes=int(load.piece_bytes[load.dlv_piece[mine]].sum()), load_pieces=int(mine.sum()),
+                load_bytes=int(load.pieces.bytes[load.deliveries.piece[mine]].sum()), load_pieces=int(mine.sum()),
                 peak_rss_mib=peak, rss_growth_mib=peak - rss0)
 
 

@@ -42,7 +42,8 @@ def one(world: int) -> dict:
     from benchmarks.bench_plan import sweep_cluster
     from moeshard.cluster import find_experts, make_placement, read_config, synthesize_descs, synthetic_index
     from moeshard.dtypes import TORCH_NAMES
-    from moeshard.plan.save import describe_outputs, plan_save
+    from moeshard.models.outputs import describe_outputs
+    from moeshard.plan.save import plan_save
 
     cluster = sweep_cluster(world)
     index = synthetic_index(read_config(CONFIG))
@@ -64,7 +65,7 @@ def one(world: int) -> dict:
     t3 = time.perf_counter()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return dict(world=world, rank=RANK, tensors=len(outs), describe_s=t1 - t, plan_s=t2 - t1, schedule_s=t3 - t2,
-                total_s=t3 - t, rank_sends=int(((mine.send_src == RANK) | (mine.send_dst == RANK)).sum()),
+                total_s=t3 - t, rank_sends=int(((mine.sends.src == RANK) | (mine.sends.dst == RANK)).sum()),
                 transfers=int(plan.cost.num_p2p_ops), batches=int(plan.cost.num_batches), files=len(plan.files),
                 fingerprint=plan.fingerprint, same=rank_digest(plan, mine, RANK), peak_rss_mib=peak,
                 rss_growth_mib=peak - rss0)
@@ -76,17 +77,17 @@ def rank_digest(plan, s, rank: int) -> str:
     import hashlib
 
     m = s.for_rank(rank)
-    box = [tuple(s.piece_key.tolist()), s.piece_off.tolist(), s.piece_len.tolist()]
+    box = [tuple(s.pieces.key.tolist()), s.pieces.off.tolist(), s.pieces.len.tolist()]
 
     def piece(p: int):
         return box[0][p], box[1][p], box[2][p]
 
     h = hashlib.sha256(repr([(t.key, t.writer, t.file, t.offset) for t in plan.tensors]).encode())
     h.update(repr(plan.cost.summary()).encode())
-    h.update(repr([(int(s.send_round[i]), int(s.send_src[i]), int(s.send_dst[i]), piece(int(s.send_piece[i])))
+    h.update(repr([(int(s.sends.round[i]), int(s.sends.src[i]), int(s.sends.dst[i]), piece(int(s.sends.piece[i])))
                    for i in m.sends]).encode())
-    h.update(repr([piece(int(s.copy_piece[i])) for i in m.copies]).encode())
-    h.update(repr(sorted((piece(int(s.dlv_piece[i])), s.dlv_off[i].tolist()) for i in m.deliveries)).encode())
+    h.update(repr([piece(int(s.copies.piece[i])) for i in m.copies]).encode())
+    h.update(repr(sorted((piece(int(s.deliveries.piece[i])), s.deliveries.off[i].tolist()) for i in m.deliveries)).encode())
     return h.hexdigest()[:16]
 
 

@@ -104,7 +104,7 @@ def _run_low_level(model, pl, path, config, pname, ckpt) -> dict:
 
 def _max_rounds_per_piece(plan) -> int:
     """The most rounds over which one piece's sends are spread."""
-    pairs = {(p, t) for p, t in zip(plan.send_piece.tolist(), plan.send_round.tolist())}
+    pairs = {(p, t) for p, t in zip(plan.sends.piece.tolist(), plan.sends.round.tolist())}
     counts: dict[int, int] = {}
     for p, _ in pairs:
         counts[p] = counts.get(p, 0) + 1
@@ -126,7 +126,7 @@ def _expected_digests(model, path: str, pl, storage: str) -> dict:
     mode, readers, _, index = resolve_sources(path, storage, topo, os.path.exists(path))
     _, _, plan = plan_load(model, index, pl, topo, readers, "job")
     reader_of = plan.piece_readers()
-    needers = sorted({(p, r) for p, r in zip(plan.dlv_piece.tolist(), plan.dlv_rank.tolist())})
+    needers = sorted({(p, r) for p, r in zip(plan.deliveries.piece.tolist(), plan.deliveries.rank.tolist())})
     pairs = [(r, int(reader_of[pid])) for pid, r in needers]
     return dict(mode=mode, all_read=bool(readers.all()), remote=sum(r != rd for r, rd in pairs),
                 to_me=sum(r == rank != rd for r, rd in pairs), needed=sum(r == rank for r, _ in pairs),

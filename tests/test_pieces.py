@@ -108,19 +108,20 @@ def _rank_rows(plan, rank: int) -> tuple:
     rs = plan.for_rank(rank)
 
     def name(p) -> tuple:
-        nd = int(plan.key_ndim[plan.piece_key[p]])
-        off, ln = plan.piece_off[p, :nd].tolist(), plan.piece_len[p, :nd].tolist()
-        return plan.keys[plan.piece_key[p]], tuple(off), tuple(ln)
+        nd = int(plan.key_ndim[plan.pieces.key[p]])
+        off, ln = plan.pieces.off[p, :nd].tolist(), plan.pieces.len[p, :nd].tolist()
+        return plan.keys[plan.pieces.key[p]], tuple(off), tuple(ln)
 
     def rows(piece, *cols) -> list:
         return [(name(p), *(int(c[i]) for c in cols)) for i, p in enumerate(piece.tolist())]
 
     dlv, sends, bcasts = rs.deliveries, rs.sends, rs.bcasts
-    delivered = rows(plan.dlv_piece[dlv], plan.dlv_param[dlv], plan.dlv_slot[dlv])
-    return (sorted(rows(plan.read_piece[rs.reads], plan.read_round[rs.reads])),
-            rows(plan.send_piece[sends], plan.send_src[sends], plan.send_dst[sends], plan.send_round[sends]),
-            rows(plan.bcast_piece[bcasts], plan.bcast_node[bcasts], plan.bcast_root[bcasts], plan.bcast_round[bcasts]),
-            sorted((*r, tuple(off)) for r, off in zip(delivered, plan.dlv_off[dlv].tolist())),
+    delivered = rows(plan.deliveries.piece[dlv], plan.deliveries.param[dlv], plan.deliveries.slot[dlv])
+    return (sorted(rows(plan.reads.piece[rs.reads], plan.reads.round[rs.reads])),
+            rows(plan.sends.piece[sends], plan.sends.src[sends], plan.sends.dst[sends], plan.sends.round[sends]),
+            rows(plan.bcasts.piece[bcasts], plan.bcasts.node[bcasts], plan.bcasts.root[bcasts],
+                 plan.bcasts.round[bcasts]),
+            sorted((*r, tuple(off)) for r, off in zip(delivered, plan.deliveries.off[dlv].tolist())),
             rs.rounds.tolist())
 
 
@@ -165,8 +166,8 @@ def test_a_schedule_planned_for_one_rank_has_that_ranks_rows_of_the_whole_jobs(w
                 # Other ranks' local reads are planned only for rows not alone: the whole job's
                 # but the bytes of the alone rows of other ranks that read.
                 def others_local(plan):
-                    rows = (plan.read_rank != r) & (plan.read_round < 0)
-                    return int(plan.piece_bytes[plan.read_piece[rows]].sum())
+                    rows = (plan.reads.rank != r) & (plan.reads.round < 0)
+                    return int(plan.pieces.bytes[plan.reads.piece[rows]].sum())
 
                 dropped = table.alone & (table.rank != r) & readers[table.rank]
                 assert others_local(got) == others_local(whole) - int(row_bytes[dropped].sum())
@@ -191,10 +192,17 @@ def test_a_plan_without_transfers_is_the_planners_plan_of_no_pieces(world, lws, 
         slow = plan_pieces(cut_pieces(table.take(np.zeros(len(table), bool)), case.index, staging), topo,
                      np.ones(world, bool), scope, staging, max_ops, base_load=np.arange(world, dtype=np.int64))
         fast = no_transfers(table, topo, staging, max_ops)
+        fast_arrays = dict(fast.arrays())
+        for name, a in slow.arrays():
+            b = fast_arrays[name]
+            assert (a is None) == (b is None), name
+            if a is not None:
+                assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), name
         for f in dataclasses.fields(slow):
             a, b = getattr(slow, f.name), getattr(fast, f.name)
-            if isinstance(a, np.ndarray):
-                assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), f.name
+            if isinstance(a, np.ndarray) or f.name in ("pieces", "reads", "sends", "bcasts", "deliveries", "views",
+                                                        "copies"):
+                continue  # every array compared above
             elif f.name == "cost":
                 for g in dataclasses.fields(a):
                     x, y = getattr(a, g.name), getattr(b, g.name)
@@ -237,7 +245,7 @@ def test_ranks_with_different_needs_get_different_fingerprints():
     topo = Topology(8, 4)
     plans = [plan_transfers(need_table(case.descs, case.index, p, 8), case.index, topo, np.ones(8, bool), rank=5)
              for p in (pl, other)]
-    assert not len(plans[0].send_src) and not len(plans[1].send_src)
+    assert not len(plans[0].sends.src) and not len(plans[1].sends.src)
     assert np.array_equal(plans[0].cost.read_bytes, plans[1].cost.read_bytes)
     assert plans[0].fingerprint != plans[1].fingerprint
 

@@ -185,9 +185,9 @@ def simulate(plan, case: Case, readers: np.ndarray) -> SimResult:
     cross = 0
     max_ops_seen = 0
     reads_per_piece: dict[int, list[int]] = defaultdict(list)
-    nbytes = plan.piece_bytes.tolist()
+    nbytes = plan.pieces.bytes.tolist()
     dlv: dict[tuple[int, int], list[int]] = defaultdict(list)
-    for i, (pid, r) in enumerate(zip(plan.dlv_piece.tolist(), plan.dlv_rank.tolist())):
+    for i, (pid, r) in enumerate(zip(plan.deliveries.piece.tolist(), plan.deliveries.rank.tolist())):
         dlv[(r, pid)].append(i)
 
     def data(pid):
@@ -197,15 +197,15 @@ def simulate(plan, case: Case, readers: np.ndarray) -> SimResult:
         assert (rank, pid) in dlv, f"piece {pid} delivered to rank {rank}, which does not need it"
         box = plan.piece_box(pid)
         for i in dlv[(rank, pid)]:
-            param, slot = int(plan.dlv_param[i]), int(plan.dlv_slot[i])
-            sl = tuple(slice(o, o + n) for o, (_, n) in zip(plan.dlv_off[i].tolist(), box))
+            param, slot = int(plan.deliveries.param[i]), int(plan.deliveries.slot[i])
+            sl = tuple(slice(o, o + n) for o, (_, n) in zip(plan.deliveries.off[i].tolist(), box))
             target = local[(rank, param)][slot] if slot >= 0 else local[(rank, param)]
             target[sl] = buf
             (count[(rank, param)][slot] if slot >= 0 else count[(rank, param)])[sl] += 1
 
     held: dict[tuple[int, int], np.ndarray] = {}
     reads_at = defaultdict(list)
-    for r, pid, t in zip(plan.read_rank.tolist(), plan.read_piece.tolist(), plan.read_round.tolist()):
+    for r, pid, t in zip(plan.reads.rank.tolist(), plan.reads.piece.tolist(), plan.reads.round.tolist()):
         assert readers[r], f"rank {r} cannot read but the plan has it read piece {pid}"
         read_bytes[r] += nbytes[pid]
         reads_per_piece[pid].append(r)
@@ -214,9 +214,11 @@ def simulate(plan, case: Case, readers: np.ndarray) -> SimResult:
         else:
             reads_at[t].append((r, pid))
     sends_at, bcasts_at = defaultdict(list), defaultdict(list)
-    for row in zip(plan.send_src.tolist(), plan.send_dst.tolist(), plan.send_piece.tolist(), plan.send_round.tolist()):
+    sends = plan.sends
+    for row in zip(sends.src.tolist(), sends.dst.tolist(), sends.piece.tolist(), sends.round.tolist()):
         sends_at[row[3]].append(row[:3])
-    for row in zip(plan.bcast_node.tolist(), plan.bcast_root.tolist(), plan.bcast_piece.tolist(), plan.bcast_round.tolist()):
+    bcasts = plan.bcasts
+    for row in zip(bcasts.node.tolist(), bcasts.root.tolist(), bcasts.piece.tolist(), bcasts.round.tolist()):
         bcasts_at[row[3]].append(row[:3])
     # Buffer lifetimes: from the round a rank gets a piece to the last round it sends it.
     last_send: dict[tuple[int, int], int] = {}
@@ -292,7 +294,7 @@ def check_plan(case: Case, mode: str, staging_bytes: int = 1 << 20, max_ops: int
 
     # Storage reads: each piece once per scope.
     needers = defaultdict(set)
-    for pid, r in zip(plan.dlv_piece.tolist(), plan.dlv_rank.tolist()):
+    for pid, r in zip(plan.deliveries.piece.tolist(), plan.deliveries.rank.tolist()):
         needers[pid].add(r)
     for pid in range(plan.num_pieces):
         ranks = sorted(needers[pid])
@@ -322,13 +324,13 @@ def check_plan(case: Case, mode: str, staging_bytes: int = 1 << 20, max_ops: int
     assert plan.cost.cross_node_bytes == sim.cross_node_bytes
     # A rank holding two copies of one expert gets the piece once (one (rank, piece) delivery).
     total_needed = sum(box_numel(src) * case.index.info(key).itemsize for _, key, src in {(n.rank, n.key, n.src) for n in needs})
-    held_locally = sum(int(plan.piece_bytes[p]) for r, p in zip(plan.read_rank.tolist(), plan.read_piece.tolist())
+    held_locally = sum(int(plan.pieces.bytes[p]) for r, p in zip(plan.reads.rank.tolist(), plan.reads.piece.tolist())
                        if r in needers[p])
     assert held_locally + int(sim.recv_bytes.sum()) == total_needed
     # Budgets.
     assert sim.peak_staging.max(initial=0) <= staging_bytes
     assert sim.max_ops <= max_ops
-    assert (plan.piece_bytes <= staging_bytes // STAGING_PARTS).all()
+    assert (plan.pieces.bytes <= staging_bytes // STAGING_PARTS).all()
     # Determinism.
     again = plan_transfers(needs, case.index, topo, readers, scope=scope, staging_bytes=staging_bytes, max_ops=max_ops)
     assert again.fingerprint == plan.fingerprint and plan.fingerprint
@@ -552,7 +554,7 @@ def test_wide_fanout_is_split_into_batches_of_max_ops(mode):
                       dense=("replicate", "plain"), seed=4, ckpt_dtype="F32")
     plan, sim = check_plan(case, mode, max_ops=4)
     rounds_per_piece = defaultdict(set)
-    for pid, t in zip(plan.send_piece.tolist(), plan.send_round.tolist()):
+    for pid, t in zip(plan.sends.piece.tolist(), plan.sends.round.tolist()):
         rounds_per_piece[pid].add(t)
     assert max(len(v) for v in rounds_per_piece.values()) > 2
     assert sim.max_ops <= 4

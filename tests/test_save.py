@@ -412,14 +412,15 @@ def test_writer_boxes_any_order(tmp_path):
     from safetensors.torch import load_file
 
     from moeshard.ops.save import ShardWriter
-    from moeshard.plan.save import Segment, OutputTensor, plan_save
+    from moeshard.plan.save import plan_save
+    from moeshard.plan.save_outputs import Output, Segment
 
     a = torch.arange(5 * 6 * 7, dtype=torch.float32).reshape(5, 6, 7)
     b = torch.arange(3, dtype=torch.bfloat16)
     c = torch.tensor(2.5, dtype=torch.float64)
-    outs = [OutputTensor("a", (5, 6, 7), "F32", [Segment(0, 0, ((0, 5), (0, 6), (0, 7)))]),
-            OutputTensor("b", (3,), "BF16", [Segment(0, 1, ((0, 3),))]),
-            OutputTensor("c", (), "F64", [Segment(0, 2, ())])]
+    outs = [Output("a", (5, 6, 7), "F32", [Segment(0, 0, ((0, 5), (0, 6), (0, 7)))]),
+            Output("b", (3,), "BF16", [Segment(0, 1, ((0, 3),))]),
+            Output("c", (), "F64", [Segment(0, 2, ())])]
     plan = plan_save(outs, 1, max_shard_bytes=2**20, staging_bytes=2**20)
     w = ShardWriter(tmp_path / plan.files[0].name, plan, 0)
     boxes = [((1, 3), (2, 3), (4, 3)), ((0, 1), (0, 6), (0, 7)), ((4, 1), (0, 6), (0, 7))]
@@ -438,12 +439,13 @@ def test_writer_boxes_any_order(tmp_path):
 
 
 def test_plan_balances_and_checks_tiling():
-    from moeshard.plan.save import Segment, OutputTensor, plan_save
+    from moeshard.plan.save import plan_save
+    from moeshard.plan.save_outputs import Output, Segment
 
     # A [64, 8] tensor FSDP-sharded over 4 ranks, and 8 whole tensors each held by two ranks.
-    outs = [OutputTensor("dense", (64, 8), "F32", [Segment(r, 0, ((16 * r, 16), (0, 8)), (), (-16 * r, 0)) for r in range(4)])]
+    outs = [Output("dense", (64, 8), "F32", [Segment(r, 0, ((16 * r, 16), (0, 8)), (), (-16 * r, 0)) for r in range(4)])]
     for e in range(8):
-        outs.append(OutputTensor(f"e{e}", (16, 8), "F32", [Segment(r, 1, ((0, 16), (0, 8)), ((e, 1),), (0, 0))
+        outs.append(Output(f"e{e}", (16, 8), "F32", [Segment(r, 1, ((0, 16), (0, 8)), ((e, 1),), (0, 0))
                                                    for r in (e % 4, (e + 1) % 4)]))
     plan = plan_save(outs, 4, max_shard_bytes=1024, staging_bytes=1024)
     assert plan.cost.write_bytes.sum() == plan.total_bytes == (64 + 8 * 16) * 8 * 4
@@ -454,19 +456,19 @@ def test_plan_balances_and_checks_tiling():
     assert all(x.nbytes <= 256 for b in plan.batches for x in b)  # pieces of a quarter of the budget
     assert all(f.data_bytes <= 1024 or len(f.tensors) == 1 for f in plan.files)
     assert plan.fingerprint == plan_save(outs, 4, max_shard_bytes=1024, staging_bytes=1024).fingerprint
-    empty = plan_save([OutputTensor("z", (0, 4), "F32", [])], 2, 1024, 1024)  # a tensor with no elements
+    empty = plan_save([Output("z", (0, 4), "F32", [])], 2, 1024, 1024)  # a tensor with no elements
     assert empty.tensors[0].nbytes == 0 and len(empty.files) == 1 and not empty.local_writes[0]
     # A tensor of zeros (nobody holds it: identity experts' rows of an EP model) gets a writer and
     # no pieces; without zeros=True nobody holding it is an error.
-    zeros = plan_save([OutputTensor("a", (4,), "F32", [Segment(0, 0, ((0, 4),))]), OutputTensor("z", (3, 4), "F32", [], zeros=True)],
+    zeros = plan_save([Output("a", (4,), "F32", [Segment(0, 0, ((0, 4),))]), Output("z", (3, 4), "F32", [], zeros=True)],
                       2, 1024, 1024)
     assert zeros.tensors[1].zeros and zeros.tensors[1].nbytes == 48
     assert sum(len(w) for w in zeros.local_writes) == 1 and not any(zeros.batches)
     with pytest.raises(ValueError, match="no rank holds any of it"):
-        plan_save([OutputTensor("z", (3, 4), "F32", [])], 2, 1024, 1024)
-    gap = [OutputTensor("g", (10,), "F32", [Segment(0, 0, ((0, 4),)), Segment(1, 0, ((5, 5),))])]
+        plan_save([Output("z", (3, 4), "F32", [])], 2, 1024, 1024)
+    gap = [Output("g", (10,), "F32", [Segment(0, 0, ((0, 4),)), Segment(1, 0, ((5, 5),))])]
     with pytest.raises(ValueError, match="gap at offset 4"):
         plan_save(gap, 2, 1024, 1024)
-    overlap = [OutputTensor("o", (10,), "F32", [Segment(0, 0, ((0, 6),)), Segment(1, 0, ((4, 6),))])]
+    overlap = [Output("o", (10,), "F32", [Segment(0, 0, ((0, 6),)), Segment(1, 0, ((4, 6),))])]
     with pytest.raises(ValueError, match="overlapping"):
         plan_save(overlap, 2, 1024, 1024)

@@ -21,9 +21,10 @@ import torch
 from moeshard import Placement, Topology
 from moeshard.models.adapters import ExpertParam
 from moeshard.models.describe import ExpertRef, ParamDesc
+from moeshard.models.outputs import describe_outputs
 from moeshard.models.shards import rank_boxes
 from moeshard.plan.relocation import COUNTERS, DEFAULT_STAGING_BYTES, ExpertTensor, job_summary, plan_relocation
-from moeshard.plan.save import HeldBoxes, describe_outputs, plan_save, tensor_schedule
+from moeshard.plan.save import HeldBoxes, plan_save, tensor_schedule
 
 
 def sl(box):
@@ -39,21 +40,21 @@ def simulate(s, src, sink=None, read=None):
     assert not s.has_broadcasts  # neither planner emits them
     mine = [s.for_rank(r) for r in range(world)]
     runs = [set(m.rounds.tolist()) for m in mine]
-    for row in range(len(s.send_src)):  # both ends of a send run its round
-        assert {int(s.send_round[row])} <= runs[s.send_src[row]] & runs[s.send_dst[row]]
+    for row in range(len(s.sends.src)):  # both ends of a send run its round
+        assert {int(s.sends.round[row])} <= runs[s.sends.src[row]] & runs[s.sends.dst[row]]
     counts, bufs, staged, peak, ops = {}, {}, defaultdict(int), {}, defaultdict(int)
-    nb = s.piece_bytes.tolist()
+    nb = s.pieces.bytes.tolist()
 
     def idx(pid, slot, off):
-        nd = int(s.key_ndim[s.piece_key[pid]])
-        return ((int(slot),) if slot >= 0 else ()) + sl(zip(off[:nd], s.piece_len[pid, :nd]))
+        nd = int(s.key_ndim[s.pieces.key[pid]])
+        return ((int(slot),) if slot >= 0 else ()) + sl(zip(off[:nd], s.pieces.len[pid, :nd]))
 
     def view(v, pid):
-        return np.array(src[int(s.view_rank[v])][int(s.view_param[v])][idx(pid, s.view_slot[v], s.view_off[v])])
+        return np.array(src[int(s.views.rank[v])][int(s.views.param[v])][idx(pid, s.views.slot[v], s.views.off[v])])
 
     def deliver(row, data):
-        r, p = int(s.dlv_rank[row]), int(s.dlv_param[row])
-        i = idx(int(s.dlv_piece[row]), s.dlv_slot[row], s.dlv_off[row])
+        r, p = int(s.deliveries.rank[row]), int(s.deliveries.param[row])
+        i = idx(int(s.deliveries.piece[row]), s.deliveries.slot[row], s.deliveries.off[row])
         sink[r][p][i] = data
         counts.setdefault((r, p), np.zeros(np.shape(sink[r][p]), np.int64))[i] += 1
 
@@ -66,35 +67,35 @@ def simulate(s, src, sink=None, read=None):
     last_use = [dict() for _ in range(world)]
     for r, m in enumerate(mine):
         for row, t in zip(m.deliveries.tolist(), m.delivery_rounds.tolist()):
-            dlv_at[r][t][int(s.dlv_piece[row])].append(row)
-        out = m.sends[(s.send_src[m.sends] == r) & (s.send_view[m.sends] < 0)]
-        for pid, t in zip(np.concatenate([s.send_piece[out], s.dlv_piece[m.deliveries]]).tolist(),
-                          np.concatenate([s.send_round[out], m.delivery_rounds]).tolist()):
+            dlv_at[r][t][int(s.deliveries.piece[row])].append(row)
+        out = m.sends[(s.sends.src[m.sends] == r) & (s.sends.view[m.sends] < 0)]
+        for pid, t in zip(np.concatenate([s.sends.piece[out], s.deliveries.piece[m.deliveries]]).tolist(),
+                          np.concatenate([s.sends.round[out], m.delivery_rounds]).tolist()):
             last_use[r][pid] = max(last_use[r].get(pid, -1), t)
         local = [(pid, None) for pid in m.local_reads().tolist()]  # round -1: straight into place
-        local += [(int(s.copy_piece[c]), int(s.copy_view[c])) for c in m.local_copies().tolist()]
+        local += [(int(s.copies.piece[c]), int(s.copies.view[c])) for c in m.local_copies().tolist()]
         for (pid, v), row in ((x, row) for x in local for row in dlv_at[r][-1].get(x[0], [])):
             deliver(row, read(pid) if v is None else view(v, pid))
     at = defaultdict(list)  # (kind, round) -> rows
-    for k, rounds in (("copy", s.copy_round), ("read", s.read_round), ("send", s.send_round)):
+    for k, rounds in (("copy", s.copies.round), ("read", s.reads.round), ("send", s.sends.round)):
         for i, t in enumerate(rounds.tolist()):
             at[(k, t)].append(i)
     for t in range(s.num_rounds):
         for c in at[("copy", t)]:
-            r, pid = int(s.view_rank[s.copy_view[c]]), int(s.copy_piece[c])
+            r, pid = int(s.views.rank[s.copies.view[c]]), int(s.copies.piece[c])
             if (r, pid) not in bufs:
-                add(r, pid, view(int(s.copy_view[c]), pid))
+                add(r, pid, view(int(s.copies.view[c]), pid))
         for i in at[("read", t)]:
-            add(int(s.read_rank[i]), int(s.read_piece[i]), read(int(s.read_piece[i])))
+            add(int(s.reads.rank[i]), int(s.reads.piece[i]), read(int(s.reads.piece[i])))
         data = []
         for row in at[("send", t)]:  # every send reads before any receive of the round lands
-            r, pid, v = int(s.send_src[row]), int(s.send_piece[row]), int(s.send_view[row])
+            r, pid, v = int(s.sends.src[row]), int(s.sends.piece[row]), int(s.sends.view[row])
             assert v >= 0 or (r, pid) in bufs, f"round {t}: rank {r} sends piece {pid} it does not hold"
             data.append(view(v, pid) if v >= 0 else bufs[(r, pid)].copy())
         for row, d in zip(at[("send", t)], data):
-            add(int(s.send_dst[row]), int(s.send_piece[row]), d)
-            ops[(int(s.send_src[row]), t)] += 1
-            ops[(int(s.send_dst[row]), t)] += 1
+            add(int(s.sends.dst[row]), int(s.sends.piece[row]), d)
+            ops[(int(s.sends.src[row]), t)] += 1
+            ops[(int(s.sends.dst[row]), t)] += 1
         for r in (r for r in range(world) if t in runs[r]):
             peak[(r, t)] = staged[r]
             for pid, rows in dlv_at[r].get(t, {}).items():
@@ -186,13 +187,13 @@ def check_relocation(case, seen):
             for i in range(ns):
                 if old[x.layer, s0 + i] >= 0 and active[r]:  # a dead rank's memory is lost
                     a[i] = truth[t][(old[x.layer, s0 + i], *sl(box))]
-    for ranks in (s.read_rank, s.send_src, s.send_dst, s.view_rank, s.dlv_rank):
+    for ranks in (s.reads.rank, s.sends.src, s.sends.dst, s.views.rank, s.deliveries.rank):
         assert active[ranks].all()
-    assert case["readers"][s.read_rank].all()
+    assert case["readers"][s.reads.rank].all()
 
     def read(pid):  # the checkpoint: the logical expert's true data
-        box = zip(s.piece_off[pid, :s.key_ndim[s.piece_key[pid]]], s.piece_len[pid])
-        return truth[int(s.piece_key[pid])][sl(box)]
+        box = zip(s.pieces.off[pid, :s.key_ndim[s.pieces.key[pid]]], s.pieces.len[pid])
+        return truth[int(s.pieces.key[pid])][sl(box)]
 
     counts, staged, ops = simulate(s, local, read=read)
     check_rank_plans(case, plan)
@@ -215,8 +216,8 @@ def check_relocation(case, seen):
                  for i in moves_in[t]]
         assert n <= case.get("max_ops", 64) or sum(any(r in x for x in lk) for lk in links) == 1, (r, t, n)
     node = case["topology"].nodes_array()
-    for k, v in dict(stashes=len(plan.stashes), relays=(s.send_round % 2).sum(), reads=len(s.read_rank),
-                     cross_node=(node[s.send_src] != node[s.send_dst]).sum(), dead=not active.all(),
+    for k, v in dict(stashes=len(plan.stashes), relays=(s.sends.round % 2).sum(), reads=len(s.reads.rank),
+                     cross_node=(node[s.sends.src] != node[s.sends.dst]).sum(), dead=not active.all(),
                      components=plan.num_components > 1).items():
         seen[k] += int(v)
     return staged
@@ -243,7 +244,7 @@ def check_rank_plans(case, plan):
                 assert np.array_equal(table[comp], mine.cost.counters()), r  # a component plans alike on its ranks
             table[comp] = mine.cost.counters()
         else:
-            assert not mine.moves and not plan.schedule_for(r).send_src.size, r
+            assert not mine.moves and not plan.schedule_for(r).sends.src.size, r
     assert job_summary(table) == plan.cost.summary()
     return plan.num_components
 
@@ -255,18 +256,19 @@ def rank_rows(s, rank):
     m = s.for_rank(rank)
 
     def piece(pid):
-        nd = int(s.key_ndim[s.piece_key[pid]])
-        return int(s.piece_key[pid]), s.piece_off[pid, :nd].tolist(), s.piece_len[pid, :nd].tolist()
+        nd = int(s.key_ndim[s.pieces.key[pid]])
+        return int(s.pieces.key[pid]), s.pieces.off[pid, :nd].tolist(), s.pieces.len[pid, :nd].tolist()
 
     def view(v):
-        return int(s.view_rank[v]), int(s.view_param[v]), int(s.view_slot[v]), s.view_off[v].tolist()
+        return int(s.views.rank[v]), int(s.views.param[v]), int(s.views.slot[v]), s.views.off[v].tolist()
 
     return dict(
-        reads=[(int(s.read_round[i]), piece(s.read_piece[i])) for i in m.reads],
-        copies=[(int(s.copy_round[i]), view(s.copy_view[i]), piece(s.copy_piece[i])) for i in m.copies],
-        sends=[(int(s.send_round[i]), int(s.send_src[i]), int(s.send_dst[i]), piece(s.send_piece[i]),
-                view(s.send_view[i]) if s.send_src[i] == rank and s.send_view[i] >= 0 else None) for i in m.sends],
-        deliveries=sorted((int(t), piece(s.dlv_piece[i]), int(s.dlv_param[i]), int(s.dlv_slot[i]), s.dlv_off[i].tolist())
+        reads=[(int(s.reads.round[i]), piece(s.reads.piece[i])) for i in m.reads],
+        copies=[(int(s.copies.round[i]), view(s.copies.view[i]), piece(s.copies.piece[i])) for i in m.copies],
+        sends=[(int(s.sends.round[i]), int(s.sends.src[i]), int(s.sends.dst[i]), piece(s.sends.piece[i]),
+                view(s.sends.view[i]) if s.sends.src[i] == rank and s.sends.view[i] >= 0 else None) for i in m.sends],
+        deliveries=sorted((int(t), piece(s.deliveries.piece[i]), int(s.deliveries.param[i]), int(s.deliveries.slot[i]),
+                           s.deliveries.off[i].tolist())
                           for i, t in zip(m.deliveries, m.delivery_rounds)),
         rounds=m.rounds.tolist(),
     )
@@ -377,7 +379,8 @@ def test_save_schedules_simulated():
             own = plan.schedule_for(r)
             assert own.rank == r and own.fingerprint == plan.fingerprint and own.cost is not None, seed
             assert rank_rows(own, r) == rank_rows(plan.schedule, r), (seed, r)
-            assert set(own.dlv_rank.tolist()) <= {r} and len(own.piece_key) <= len(plan.schedule.piece_key), seed
+            assert set(own.deliveries.rank.tolist()) <= {r}, seed
+            assert len(own.pieces.key) <= len(plan.schedule.pieces.key), seed
         with pytest.raises(ValueError, match="outside"):
             plan.schedule_for(world)
 

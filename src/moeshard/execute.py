@@ -124,7 +124,7 @@ class Source:
     """Where one rank's pieces come from. Override what the schedules it runs use."""
 
     def read(self, pid: int) -> torch.Tensor:
-        """Piece ``pid`` from storage (shape ``piece_len``, any device)."""
+        """Piece ``pid`` from storage (shape ``pieces.len``, any device)."""
         raise NotImplementedError(f"this source cannot read piece {pid}")
 
     def read_into(self, pid: int, out: torch.Tensor) -> None:
@@ -183,19 +183,19 @@ class LocalTensors:
 
     def at(self, param: int, slot: int, off: np.ndarray, pid: int) -> torch.Tensor:
         s = self.s
-        nd = int(s.key_ndim[s.piece_key[pid]])
+        nd = int(s.key_ndim[s.pieces.key[pid]])
         t = self.tensors[param]
         assert t is not None, f"rank {self.rank} has no tensor for parameter {param}"
         if slot >= 0:
             t = t[slot]
-        ln = s.piece_len[pid, :nd].tolist()
+        ln = s.pieces.len[pid, :nd].tolist()
         return t[tuple(slice(o, o + n) for o, n in zip(off[:nd].tolist(), ln))]
 
     def view(self, v: int, pid: int) -> torch.Tensor:
         """View row ``v`` of the schedule, holding piece ``pid``."""
         s = self.s
-        assert s.view_rank[v] == self.rank, f"view {v} is rank {s.view_rank[v]}'s, not rank {self.rank}'s"
-        return self.at(int(s.view_param[v]), int(s.view_slot[v]), s.view_off[v], pid)
+        assert s.views.rank[v] == self.rank, f"view {v} is rank {s.views.rank[v]}'s, not rank {self.rank}'s"
+        return self.at(int(s.views.param[v]), int(s.views.slot[v]), s.views.off[v], pid)
 
 
 class TensorSink(Sink):
@@ -206,7 +206,7 @@ class TensorSink(Sink):
 
     def target(self, row: int) -> torch.Tensor:
         s = self.s
-        return self.local.at(int(s.dlv_param[row]), int(s.dlv_slot[row]), s.dlv_off[row], int(s.dlv_piece[row]))
+        return self.local.at(int(s.deliveries.param[row]), int(s.deliveries.slot[row]), s.deliveries.off[row], int(s.deliveries.piece[row]))
 
     def put(self, items: list[tuple[int, torch.Tensor]]) -> None:
         for row, data in items:
@@ -261,7 +261,7 @@ class DequantSink(TensorSink):
 
     def _scale(self, row: int, out: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]] | None:
         # An FP8 destination (a model keeping FP8 parameters) takes the FP8 bytes as they are.
-        entry = self.scales.get(self.s.piece_name(int(self.s.dlv_piece[row])))
+        entry = self.scales.get(self.s.piece_name(int(self.s.deliveries.piece[row])))
         return entry if entry is not None and out.element_size() > 1 else None
 
     def target(self, row: int) -> torch.Tensor | None:
@@ -271,7 +271,7 @@ class DequantSink(TensorSink):
 
     def put(self, items: list[tuple[int, torch.Tensor]]) -> None:
         for row, data in items:
-            pid = int(self.s.dlv_piece[row])
+            pid = int(self.s.deliveries.piece[row])
             out = super().target(row)
             entry = self._scale(row, out)
             if entry is None:
@@ -395,11 +395,11 @@ def execute_schedule(
     # This rank's deliveries: {round: {piece: [rows]}} in schedule order.
     dlv_at: dict[int, dict[int, list[int]]] = {}
     for row, t in zip(mine.deliveries.tolist(), mine.delivery_rounds.tolist()):
-        dlv_at.setdefault(t, {}).setdefault(int(s.dlv_piece[row]), []).append(row)
+        dlv_at.setdefault(t, {}).setdefault(int(s.deliveries.piece[row]), []).append(row)
     local_rows = dlv_at.pop(-1, {})
 
     def shape(pid: int) -> tuple[int, ...]:
-        return tuple(s.piece_len[pid, : int(s.key_ndim[s.piece_key[pid]])].tolist())
+        return tuple(s.pieces.len[pid, : int(s.key_ndim[s.pieces.key[pid]])].tolist())
 
     def deliver(items: list[tuple[int, torch.Tensor]], nbytes: int) -> None:
         try:
@@ -416,7 +416,7 @@ def execute_schedule(
             failure.append(e)
             # Peers still expect this piece: send zeros rather than leave them waiting.
             buf = torch.zeros(shape(pid), dtype=source.dtype(pid), device=device)
-        stats.bytes_read += int(s.piece_bytes[pid])
+        stats.bytes_read += int(s.pieces.bytes[pid])
         return buf.to(device, non_blocking=True) if buf.device != device else buf
 
     def landed(nbytes: int) -> None:  # bytes read straight into place
@@ -433,13 +433,13 @@ def execute_schedule(
                 # with a reader pool finishes it later (bytes by reads_done, errors by
                 # finish_reads).
                 if source.start_read_into(pid, out.view(shape(pid))):
-                    landed(int(s.piece_bytes[pid]))
+                    landed(int(s.pieces.bytes[pid]))
                 return
         except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
             failure.append(e)
             return
         buf = read(pid)
-        deliver([(r, buf) for r in rows], int(s.piece_bytes[pid]))
+        deliver([(r, buf) for r in rows], int(s.pieces.bytes[pid]))
 
     def local_copies(copies: list[int]) -> None:
         # Grouped up to half the staging budget: a file sink moves a group to the host with
@@ -447,13 +447,13 @@ def execute_schedule(
         items: list[tuple[int, torch.Tensor]] = []
         nbytes = 0
         for c in copies:
-            pid = int(s.copy_piece[c])
-            if items and nbytes + int(s.piece_bytes[pid]) > s.staging_bytes // 2:
+            pid = int(s.copies.piece[c])
+            if items and nbytes + int(s.pieces.bytes[pid]) > s.staging_bytes // 2:
                 deliver(items, nbytes)
                 items, nbytes = [], 0
-            data = source.view(int(s.copy_view[c]), pid)
+            data = source.view(int(s.copies.view[c]), pid)
             items.extend((r, data) for r in local_rows.get(pid, []))
-            nbytes += int(s.piece_bytes[pid])
+            nbytes += int(s.pieces.bytes[pid])
         if items:
             deliver(items, nbytes)
 
@@ -462,16 +462,16 @@ def execute_schedule(
 
     # Per round: pieces to read, views to copy, P2P rows, broadcast rows; and the last round
     # each buffer of this rank is used in (it is freed after it).
-    reads_at = _by_round(s.read_round[mine.reads], s.read_piece[mine.reads])
-    copies_at = _by_round(s.copy_round[mine.copies], mine.copies)
-    sends_at = _by_round(s.send_round[mine.sends], mine.sends)
-    order = np.lexsort((s.bcast_piece[mine.bcasts], s.bcast_round[mine.bcasts]))
-    bcasts_at = _by_round(s.bcast_round[mine.bcasts][order], mine.bcasts[order])
+    reads_at = _by_round(s.reads.round[mine.reads], s.reads.piece[mine.reads])
+    copies_at = _by_round(s.copies.round[mine.copies], mine.copies)
+    sends_at = _by_round(s.sends.round[mine.sends], mine.sends)
+    order = np.lexsort((s.bcasts.piece[mine.bcasts], s.bcasts.round[mine.bcasts]))
+    bcasts_at = _by_round(s.bcasts.round[mine.bcasts][order], mine.bcasts[order])
     last_use: dict[int, int] = {}
-    out_rows = mine.sends[(s.send_src[mine.sends] == rank) & (s.send_view[mine.sends] < 0)]
-    out_b = mine.bcasts[s.bcast_root[mine.bcasts] == rank]
-    for pid, t in zip(np.concatenate([s.send_piece[out_rows], s.bcast_piece[out_b], s.dlv_piece[mine.deliveries]]).tolist(),
-                      np.concatenate([s.send_round[out_rows], s.bcast_round[out_b], mine.delivery_rounds]).tolist()):
+    out_rows = mine.sends[(s.sends.src[mine.sends] == rank) & (s.sends.view[mine.sends] < 0)]
+    out_b = mine.bcasts[s.bcasts.root[mine.bcasts] == rank]
+    for pid, t in zip(np.concatenate([s.sends.piece[out_rows], s.bcasts.piece[out_b], s.deliveries.piece[mine.deliveries]]).tolist(),
+                      np.concatenate([s.sends.round[out_rows], s.bcasts.round[out_b], mine.delivery_rounds]).tolist()):
         last_use[pid] = max(last_use.get(pid, -1), t)
     my_local = [("read", p) for p in mine.local_reads().tolist()] + [("copy", c) for c in mine.local_copies().tolist()]
     my_local.reverse()
@@ -497,7 +497,7 @@ def execute_schedule(
     def read_ahead(t: int) -> None:
         nonlocal ahead_bytes
         for pid in reads_at.get(t, ()):
-            nbytes = int(s.piece_bytes[pid])
+            nbytes = int(s.pieces.bytes[pid])
             if staged + ahead_bytes + nbytes > s.staging_bytes:
                 return
             try:
@@ -513,37 +513,37 @@ def execute_schedule(
         read_ahead(rounds[0])
     for step, t in enumerate(rounds):
         for c in copies_at.get(t, ()):
-            pid = int(s.copy_piece[c])
+            pid = int(s.copies.piece[c])
             if pid not in bufs:  # a second copy of the same piece (another slot) is the same data
-                bufs[pid] = source.view(int(s.copy_view[c]), pid).clone()
-                staged += int(s.piece_bytes[pid])
+                bufs[pid] = source.view(int(s.copies.view[c]), pid).clone()
+                staged += int(s.pieces.bytes[pid])
         for pid in reads_at.get(t, ()):
             done = ahead.pop(pid, None)
             if done is None:
                 bufs[pid] = read(pid)
             else:
-                ahead_bytes -= int(s.piece_bytes[pid])
+                ahead_bytes -= int(s.pieces.bytes[pid])
                 try:
                     bufs[pid] = done()
                 except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
                     failure.append(e)
                     bufs[pid] = torch.zeros(shape(pid), dtype=source.dtype(pid), device=device)
-                stats.bytes_read += int(s.piece_bytes[pid])
-            staged += int(s.piece_bytes[pid])
+                stats.bytes_read += int(s.pieces.bytes[pid])
+            staged += int(s.pieces.bytes[pid])
         ops = []
         for row in sends_at.get(t, ()):
-            pid = int(s.send_piece[row])
-            if s.send_src[row] == rank:
-                v = int(s.send_view[row])
+            pid = int(s.sends.piece[row])
+            if s.sends.src[row] == rank:
+                v = int(s.sends.view[row])
                 data = bufs[pid] if v < 0 else source.view(v, pid)
                 ops.append(collectives.p2p(dist.isend, data if data.is_contiguous() else data.contiguous(),
-                                     int(s.send_dst[row]), members))
-                stats.bytes_sent += int(s.piece_bytes[pid])
+                                     int(s.sends.dst[row]), members))
+                stats.bytes_sent += int(s.pieces.bytes[pid])
             else:
                 bufs[pid] = empty(pid)
-                ops.append(collectives.p2p(dist.irecv, bufs[pid], int(s.send_src[row]), members))
-                stats.bytes_received += int(s.piece_bytes[pid])
-                staged += int(s.piece_bytes[pid])
+                ops.append(collectives.p2p(dist.irecv, bufs[pid], int(s.sends.src[row]), members))
+                stats.bytes_received += int(s.pieces.bytes[pid])
+                staged += int(s.pieces.bytes[pid])
         stats.peak_staging_bytes = max(stats.peak_staging_bytes, staged)
         wait = collectives.start_p2p(ops, what) if ops else (lambda: None)
         if step + 1 < len(rounds):
@@ -554,23 +554,23 @@ def execute_schedule(
         wait()
         landed(source.reads_done())
         for row in bcasts_at.get(t, ()):
-            pid, root = int(s.bcast_piece[row]), int(s.bcast_root[row])
+            pid, root = int(s.bcasts.piece[row]), int(s.bcasts.root[row])
             if root != rank:
                 bufs[pid] = empty(pid)
-                stats.bytes_received += int(s.piece_bytes[pid])
-                staged += int(s.piece_bytes[pid])
+                stats.bytes_received += int(s.pieces.bytes[pid])
+                staged += int(s.pieces.bytes[pid])
                 stats.peak_staging_bytes = max(stats.peak_staging_bytes, staged)
-            node = int(s.bcast_node[row])
+            node = int(s.bcasts.node[row])
             if root == rank:
-                stats.bytes_sent += int(s.piece_bytes[pid]) * int(node_size[node] - 1)
+                stats.bytes_sent += int(s.pieces.bytes[pid]) * int(node_size[node] - 1)
             with collectives.collective(what, set(s.topology.node_ranks(node)) - {rank}):
                 dist.broadcast(bufs[pid], src=root if members is None else members[root], group=node_group)
         due = dlv_at.get(t, {})
         if due:
             deliver([(r, bufs[pid]) for pid, rows in due.items() for r in rows],
-                    sum(int(s.piece_bytes[pid]) for pid in due))
+                    sum(int(s.pieces.bytes[pid]) for pid in due))
         for pid in [p for p in bufs if last_use.get(p, -1) <= t]:
-            staged -= int(s.piece_bytes[pid])
+            staged -= int(s.pieces.bytes[pid])
             del bufs[pid]
     local_work(len(my_local))
     failure.extend(source.finish_reads())

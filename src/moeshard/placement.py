@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["Placement"]
+__all__ = ["Placement", "slots_changed"]
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
@@ -216,3 +216,13 @@ class Placement:
 
     def __hash__(self) -> int:
         return hash(self.fingerprint())
+
+
+def slots_changed(old: Placement, new: Placement, per_layer: bool = False) -> int | np.ndarray:
+    """Non-empty slots of ``new`` that hold another expert than in ``old`` (local copies
+    between slots of one rank included): what a relocation writes. ``per_layer``: as
+    ``int64[num_layers]`` (chunked relocation sizes its chunks by it)."""
+    if old.phy2log.shape != new.phy2log.shape:
+        raise ValueError(f"placements differ in shape: {old.phy2log.shape} vs {new.phy2log.shape}")
+    changed = ((new.phy2log >= 0) & (new.phy2log != old.phy2log)).sum(axis=1)
+    return changed if per_layer else int(changed.sum())

@@ -22,10 +22,10 @@ def moeshard_cost(name: str, plan: Schedule, minimal: dict, seconds: float) -> S
     """Counters of a moeshard plan, plus its per-rank intra/inter-node link bytes."""
     topo = plan.topology
     links = LinkBytes(topo)
-    links.add_many(plan.send_src, plan.send_dst, plan.piece_bytes[plan.send_piece])
+    links.add_many(plan.sends.src, plan.sends.dst, plan.pieces.bytes[plan.sends.piece])
     if topo.local_world_size > 1:
-        links.ring_many(plan.bcast_node.astype(np.int64), plan.bcast_root.astype(np.int64),
-                        plan.piece_bytes[plan.bcast_piece], topo.local_world_size)
+        links.ring_many(plan.bcasts.node.astype(np.int64), plan.bcasts.root.astype(np.int64),
+                        plan.pieces.bytes[plan.bcasts.piece], topo.local_world_size)
     intra, inter = links.max_rank()
     c = plan.cost
     read_node = c.read_bytes.reshape(-1, topo.local_world_size).sum(1)

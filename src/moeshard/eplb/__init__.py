@@ -56,10 +56,10 @@ Modules, each built on those above it:
 
 from __future__ import annotations
 
-from ..placement import Placement
+from ..placement import Placement, slots_changed
 from .aware import aware_policy
 from .inputs import check_load, check_placement, check_shape
-from .metrics import balance, copies_moved, rank_loads, slots_changed
+from .metrics import balance, copies_moved, rank_loads
 from .oblivious import oblivious_policy, reference_answer
 
 __all__ = ["rebalance", "reference", "rank_loads", "balance", "copies_moved", "slots_changed"]

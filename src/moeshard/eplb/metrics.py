@@ -94,12 +94,3 @@ def copies_moved(old: Placement, new: Placement, num_ranks: int) -> int:
     num_logical = max(old.num_logical, new.num_logical)
     held = held_by_rank(old.phy2log.reshape(old.num_layers, num_ranks, s), num_logical)
     return int(moves3(held, new.phy2log.reshape(new.num_layers, num_ranks, s)).sum())
-
-
-def slots_changed(old: Placement, new: Placement, per_layer: bool = False) -> int | np.ndarray:
-    """Non-empty slots of ``new`` that hold another expert than in ``old`` (local copies
-    between slots of one rank included): what a relocation writes. ``per_layer``: as
-    ``int64[num_layers]`` (chunked relocation sizes its chunks by it)."""
-    _check_pair(old, new)
-    changed = ((new.phy2log >= 0) & (new.phy2log != old.phy2log)).sum(axis=1)
-    return changed if per_layer else int(changed.sum())

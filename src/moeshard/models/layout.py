@@ -16,14 +16,13 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from ..box import Box
 from ..dtypes import TORCH_NAMES, cast_refusal
 from ..io.checkpoint import CheckpointIndex
 from ..io.formats import scale_keys
 from ..io.fp8 import scale_of
 from ..placement import Placement
 from ..plan.arrays import expand_runs, row_prod, unique_rows
-from ..plan.needs import NeedTable, SharedKeysLeftOut
+from ..plan.needs import Need, NeedPart, NeedTable, SharedKeysLeftOut
 from .adapters import expert_parts
 from .describe import ParamDesc
 from .shards import holders_disjoint, param_boxes
@@ -33,17 +32,6 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["Need", "need_table", "compute_needs", "inputs_digest", "check_cast", "expert_part_sizes"]
-
-
-class Need(NamedTuple):
-    """Rank ``rank`` must hold box ``src`` of checkpoint tensor ``key`` at box ``dest`` of
-    the local tensor of parameter number ``param``."""
-
-    rank: int
-    param: int
-    dest: Box
-    key: str
-    src: Box
 
 
 def need_table(
@@ -81,7 +69,7 @@ def need_table(
     num_layers = 1 + max((d.expert.layer for d in descs if d.expert), default=-1)
     if placement is not None and num_layers:
         placement.check_layers(num_layers)
-    parts: list[_DenseRows | _ExpertRows | NeedTable] = []
+    parts: list[NeedPart] = []
     layouts: dict = {}  # what parameters of one shape and sharding share: worked out once per call
     for i, d in enumerate(descs):
         if d.expert is None:
@@ -144,7 +132,8 @@ class _Layout(NamedTuple):
 
 
 class _DenseRows(NamedTuple):
-    """The rows of dense parameter number ``param`` until :meth:`NeedTable.concat` writes them:
+    """The rows of dense parameter number ``param`` (a :class:`~moeshard.plan.needs.NeedPart`)
+    until :meth:`NeedTable.concat` writes them:
     one per box of its ``shared`` layout (the :class:`_Layout` the parameters of its shape and
     sharding share, not a copy) that ``keep`` keeps (``bool[M]``, None for all; ``num`` of
     them), placed at the local tensor's origin."""
@@ -463,8 +452,8 @@ def _expert_table(
 
 
 class _ExpertRows(NamedTuple):
-    """The rows of expert parameter number ``param`` until :meth:`NeedTable.concat` writes
-    them: the read-only ``rows`` of its layout (:func:`_expert_rows`, shared by the parameters
+    """The rows of expert parameter number ``param`` (a :class:`~moeshard.plan.needs.NeedPart`)
+    until :meth:`NeedTable.concat` writes them: the read-only ``rows`` of its layout (:func:`_expert_rows`, shared by the parameters
     of one layout, placement row and part sizes), named by its own checkpoint ``keys``."""
 
     param: int

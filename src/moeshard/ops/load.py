@@ -419,7 +419,7 @@ def _plan(model: nn.Module, index: CheckpointIndex, placement: Placement | None,
     mine = set()
     for p in (plan, scale_plan):
         if p is not None:
-            keys = np.unique(p.piece_key[p.read_piece[p.read_rank == rank]])
+            keys = np.unique(p.pieces.key[p.reads.piece[p.reads.rank == rank]])
             mine |= {index.info(p.keys[k]).file for k in keys.tolist()}
     if mine:
         assert reader is not None
@@ -476,7 +476,7 @@ def _run_scales(planned: _LoadPlan, index: CheckpointIndex, reader: CheckpointRe
     """Collective (every rank of the load): every rank's FP8 scales, whole, by the same runner."""
     scale_plan, scales = planned.scale_schedule, planned.scales
     assert scale_plan is not None and scales is not None
-    mine = set(scale_plan.dlv_param[scale_plan.dlv_rank == rank].tolist())
+    mine = set(scale_plan.deliveries.param[scale_plan.deliveries.rank == rank].tolist())
     scratch = [torch.empty(sh, dtype=index.info(k).torch_dtype, device=dev) if j in mine else None
                for j, (k, sh) in enumerate(zip(scales.table.keys, scales.shapes(index)))]
     what = "moeshard.load: loading FP8 scales"

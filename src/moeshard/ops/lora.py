@@ -265,7 +265,7 @@ def load_adapter(
             reader.close()
     collectives.barrier("moeshard.lora.load_adapter: finishing")
     return AdapterReport(rank=rank, world_size=topo.world_size, num_tensors=len(pairs),
-                         num_boxes=int((plan.dlv_rank == rank).sum()),
+                         num_boxes=int((plan.deliveries.rank == rank).sum()),
                          bytes_rank=stats.bytes_read + stats.bytes_received,
                          plan=plan.cost.summary(), fingerprint=plan.fingerprint, bytes_read_rank=stats.bytes_read,
                          bytes_sent_rank=stats.bytes_sent, bytes_received_rank=stats.bytes_received,
@@ -385,7 +385,7 @@ def save_adapter(
 
     _agree(finish, f"moeshard.lora.save_adapter: renaming into {out}")
     return AdapterReport(rank=rank, world_size=world, num_tensors=len(items),
-                         num_boxes=int((schedule.view_rank == rank).sum()), bytes_rank=written[0],
+                         num_boxes=int((schedule.views.rank == rank).sum()), bytes_rank=written[0],
                          plan={"writers": sorted(set(writers))}, fingerprint=schedule.fingerprint)
 
 
@@ -402,8 +402,8 @@ class _AdapterFile(Sink):
     def put(self, entries: list[tuple[int, torch.Tensor]]) -> None:
         s = self.s
         for row, data in entries:
-            pid = int(s.dlv_piece[row])
-            i = int(s.piece_key[pid])
+            pid = int(s.deliveries.piece[row])
+            i = int(s.pieces.key[pid])
             t, d = self.items[i]
             if i not in self.partial:  # in plan_shape (B: [out, r, E]): the file's bytes, contiguous
                 self.partial[i] = (torch.empty(plan_shape(t), dtype=d.dtype), [0])
@@ -427,7 +427,7 @@ class _AdapterViews(Source):
         return self.local.view(v, pid)
 
     def dtype(self, pid: int) -> torch.dtype:
-        return self.items[int(self.s.piece_key[pid])][1].dtype
+        return self.items[int(self.s.pieces.key[pid])][1].dtype
 
 
 def _write_tensors(schedule, items, writers, offsets, data_start, locals_, path, rank, written) -> None:

@@ -694,7 +694,7 @@ class _ExpertSource(Source):
         self.local = LocalTensors(schedule, locals_, rank)
 
     def dtype(self, pid: int) -> torch.dtype:
-        t = int(self.s.piece_key[pid])
+        t = int(self.s.pieces.key[pid])
         src = self.sources[t]
         return src.dtype if src is not None else self.local.tensors[t].dtype
 
@@ -703,9 +703,9 @@ class _ExpertSource(Source):
 
     def read(self, pid: int) -> torch.Tensor:
         s = self.s
-        t, nd = int(s.piece_key[pid]), int(s.key_ndim[s.piece_key[pid]])
-        expert = int(s.piece_off[pid, 0])
-        box = tuple(zip(s.piece_off[pid, 1:nd].tolist(), s.piece_len[pid, 1:nd].tolist()))
+        t, nd = int(s.pieces.key[pid]), int(s.key_ndim[s.pieces.key[pid]])
+        expert = int(s.pieces.off[pid, 0])
+        box = tuple(zip(s.pieces.off[pid, 1:nd].tolist(), s.pieces.len[pid, 1:nd].tolist()))
         src = self.sources[t]
         if src.zeros:  # optimizer state of an expert whose every copy is lost
             return torch.zeros((1, *box_shape(box)), dtype=self.dtype(pid), device=self.device)

@@ -47,10 +47,11 @@ from ..io.sources import resolve_sources
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
 from ..models.describe import ParamDesc, describe_model, expert_layers, local_tensor, persistent_buffers, tensor_names
 from ..models.hf_names import hf_names
+from ..models.outputs import describe_outputs
 from ..models.routing import declared_experts, resolve_placement
 from ..placement import Placement
 from ..plan import DEFAULT_STAGING_BYTES
-from ..plan.save import SavePlan, describe_outputs, plan_save
+from ..plan.save import SavePlan, plan_save
 from ..plan.schedule import Schedule
 from ..topology import Topology
 from .load import target_device
@@ -498,7 +499,7 @@ class _ViewSource(Source):
         return self.local.view(v, pid)
 
     def dtype(self, pid: int) -> torch.dtype:
-        return DTYPES[self.plan.tensors[int(self.s.piece_key[pid])].dtype]
+        return DTYPES[self.plan.tensors[int(self.s.pieces.key[pid])].dtype]
 
 
 class _FileSink(Sink):
@@ -517,8 +518,8 @@ class _FileSink(Sink):
         s = self.s
         try:
             for (row, _), data in zip(items, _to_host([x for _, x in items], self.device)):
-                pid = int(s.dlv_piece[row])
-                tensor = int(s.piece_key[pid])
+                pid = int(s.deliveries.piece[row])
+                tensor = int(s.pieces.key[pid])
                 n = self.writers[self.plan.tensors[tensor].file].write(tensor, s.piece_box(pid), data)
                 self.written += n
                 self.bar.update(n)

@@ -128,8 +128,8 @@ def _routes(plan: Schedule, dtype_of: Sequence[torch.dtype], rank: int) -> _Rout
     rows of pieces this rank reads or needs are visited."""
     out = _Routes()
     readers = plan.piece_readers()
-    rows = np.flatnonzero((readers[plan.dlv_piece] == rank) | (plan.dlv_rank == rank))  # sorted by (piece, rank)
-    pieces, ranks = plan.dlv_piece[rows].tolist(), plan.dlv_rank[rows].tolist()
+    rows = np.flatnonzero((readers[plan.deliveries.piece] == rank) | (plan.deliveries.rank == rank))  # sorted by (piece, rank)
+    pieces, ranks = plan.deliveries.piece[rows].tolist(), plan.deliveries.rank[rows].tolist()
     for pid, grp in itertools.groupby(range(len(rows)), key=pieces.__getitem__):
         by_rank: dict[int, list[int]] = {}
         for j in grp:
@@ -153,7 +153,7 @@ def _routes(plan: Schedule, dtype_of: Sequence[torch.dtype], rank: int) -> _Rout
 
 def _dtypes(dtype_of: Sequence[torch.dtype], plan: Schedule, idx: Sequence[int]) -> tuple[torch.dtype, ...]:
     """The distinct dtypes of delivery rows ``idx``, in the order both ends of a digest use."""
-    return tuple(sorted({dtype_of[int(plan.dlv_param[i])] for i in idx}, key=str))
+    return tuple(sorted({dtype_of[int(plan.deliveries.param[i])] for i in idx}, key=str))
 
 
 @dataclass(frozen=True)
@@ -196,7 +196,7 @@ class _PieceChecks:
             key, pbox = plan.piece_name(pid), plan.piece_box(pid)
             raw = deq = reader.read(key, pbox)
             quant = scale_of(self.index, key)
-            wanted = {dtype_of[int(plan.dlv_param[i])] for i in mine} | {dt for _, dts in others for dt in dts}
+            wanted = {dtype_of[int(plan.deliveries.param[i])] for i in mine} | {dt for _, dts in others for dt in dts}
             if quant is not None and any(dt.itemsize > 1 for dt in wanted):
                 # FP8 weights into float tensors are checked dequantized, apart from load's path.
                 deq = dequantize(raw, pbox, reader.read(quant[0], scale_box(pbox, quant[1])), quant[1])
@@ -209,10 +209,10 @@ class _PieceChecks:
         def as_dtype(dt: torch.dtype) -> torch.Tensor:
             return (raw if dt.itemsize == 1 else deq).to(dt)  # an FP8 tensor holds the FP8 bytes
 
-        cast = {dt: as_dtype(dt) for dt in {dtype_of[int(plan.dlv_param[i])] for i in mine}}
+        cast = {dt: as_dtype(dt) for dt in {dtype_of[int(plan.deliveries.param[i])] for i in mine}}
         for i in mine:
             got = self.box(i)
-            want = cast[dtype_of[int(plan.dlv_param[i])]].to(got.device)
+            want = cast[dtype_of[int(plan.deliveries.param[i])]].to(got.device)
             self.flags.append((i, bytes_differ(got, want)))
         digests: dict[torch.dtype, bytes] = {}
         for r, dtypes in others:
@@ -322,13 +322,13 @@ def verify(
             bad += [i for (i, _), d in zip(flags, differs) if d]
         unread = bytes(DIGEST_BYTES)  # a reader that failed sent this and reports its error
         for pid, i in routes.remote:
-            want = got[(pid, dtype_of[int(plan.dlv_param[i])])]
+            want = got[(pid, dtype_of[int(plan.deliveries.param[i])])]
             if want != unread and own[i] != want:
                 bad.append(i)
         if bad:
             raise VerificationError(_mismatch(plan, descs, placement, rank, min(bad)))
         checked = [i for i, _ in flags] + [i for _, i in routes.remote]
-        nbytes = sum(box_numel(need(i).src) * locals_[int(plan.dlv_param[i])].element_size() for i in checked)
+        nbytes = sum(box_numel(need(i).src) * locals_[int(plan.deliveries.param[i])].element_size() for i in checked)
         return VerifyReport(rank=rank, world_size=world_size, num_boxes_checked=len(checked), bytes_checked=nbytes,
                             fingerprint=plan.fingerprint, unused_keys=unused,
                             digests_sent=sum(len(v) for v in outbox.values()),

@@ -13,8 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..eplb.metrics import slots_changed
-from ..placement import Placement
+from ..placement import Placement, slots_changed
 
 __all__ = ["relocation_chunks"]
 

@@ -43,7 +43,7 @@ from ..topology import Topology
 from .arrays import dense_rank, expand_runs, lex_order, run_starts, seg_excl_cumsum
 from .needs import NeedTable
 from .pieces import STAGING_PARTS, Pieces, cut_pieces
-from .schedule import PlanCost, Schedule
+from .schedule import BcastTable, DeliveryTable, PieceTable, PlanCost, ReadTable, Schedule, SendTable
 
 __all__ = ["plan_transfers", "minimal_cost", "DEFAULT_STAGING_BYTES", "DEFAULT_MAX_OPS", "STAGING_PARTS"]
 
@@ -65,7 +65,7 @@ def plan_transfers(
     """Plan reads and transfers so every need is met exactly once (pure, deterministic).
 
     Args:
-        needs: every rank's needs (a :class:`NeedTable`, or :class:`~moeshard.models.layout.Need`
+        needs: every rank's needs (a :class:`NeedTable`, or :class:`~moeshard.plan.needs.Need`
             rows), or their :class:`~moeshard.plan.pieces.Pieces` cut for ``staging_bytes``
             (to plan several storage modes from one cut: the schedule is the same).
         index: checkpoint headers (dtypes and file offsets of the keys).
@@ -510,10 +510,9 @@ def no_transfers(table: NeedTable, topology: Topology, staging_bytes: int, max_o
                     cross_node_bytes=0, num_p2p_ops=0, num_batches=0, num_broadcasts=0)
     return Schedule(
         topology=topology.with_rank(0), staging_bytes=staging_bytes, max_ops=max_ops, keys=table.keys,
-        key_ndim=table.ndim, piece_key=i32, piece_off=box, piece_len=box, piece_bytes=i64,
-        read_rank=i32, read_piece=i32, read_round=i64, send_src=i32, send_dst=i32, send_piece=i32, send_round=i64,
-        bcast_node=i32, bcast_root=i32, bcast_piece=i32, bcast_round=i64,
-        dlv_piece=i32, dlv_rank=i32, dlv_param=i32, dlv_slot=i64, dlv_off=box, num_rounds=0, cost=cost)
+        key_ndim=table.ndim, pieces=PieceTable(i32, box, box, i64), reads=ReadTable(i32, i32, i64),
+        sends=SendTable(i32, i32, i32, i64), bcasts=BcastTable(i32, i32, i32, i64),
+        deliveries=DeliveryTable(i32, i32, i32, i64, box), num_rounds=0, cost=cost)
 
 
 def _table_digest(table: NeedTable) -> bytes:
@@ -547,24 +546,21 @@ def _with_local_reads(shared: Schedule, mine: Pieces, rank: int, local_bytes: np
     on every rank), and every rank's ``local_bytes`` added to ``cost.read_bytes``."""
     first = shared.num_pieces
     mid = np.arange(first, first + mine.num_pieces, dtype=np.int32)
-    read_rank = np.concatenate([shared.read_rank, np.full(len(mid), rank, np.int32)])
-    read_piece = np.concatenate([shared.read_piece, mid])
+    read_rank = np.concatenate([shared.reads.rank, np.full(len(mid), rank, np.int32)])
+    read_piece = np.concatenate([shared.reads.piece, mid])
     rperm = lex_order(read_rank, read_piece)  # reads by reader, as in the whole job's schedule
     cost = dataclasses.replace(shared.cost, read_bytes=shared.cost.read_bytes + local_bytes)
+    sp, sd = shared.pieces, shared.deliveries
     return dataclasses.replace(
         shared,
-        piece_key=np.concatenate([shared.piece_key, mine.piece_key]),
-        piece_off=np.concatenate([shared.piece_off, mine.piece_off]),
-        piece_len=np.concatenate([shared.piece_len, mine.piece_len]),
-        piece_bytes=np.concatenate([shared.piece_bytes, mine.piece_bytes]),
-        read_rank=read_rank[rperm], read_piece=read_piece[rperm],
-        read_round=np.concatenate([shared.read_round, np.full(len(mid), -1, np.int64)])[rperm],
+        pieces=PieceTable(np.concatenate([sp.key, mine.piece_key]), np.concatenate([sp.off, mine.piece_off]),
+                          np.concatenate([sp.len, mine.piece_len]), np.concatenate([sp.bytes, mine.piece_bytes])),
+        reads=ReadTable(read_rank[rperm], read_piece[rperm],
+                        np.concatenate([shared.reads.round, np.full(len(mid), -1, np.int64)])[rperm]),
         # Deliveries stay sorted by (piece, rank): ``mine``'s pieces come after.
-        dlv_piece=np.concatenate([shared.dlv_piece, mine.dlv_piece + first]),
-        dlv_rank=np.concatenate([shared.dlv_rank, mine.dlv_rank]),
-        dlv_param=np.concatenate([shared.dlv_param, mine.dlv_param]),
-        dlv_slot=np.concatenate([shared.dlv_slot, mine.dlv_slot]),
-        dlv_off=np.concatenate([shared.dlv_off, mine.dlv_off]),
+        deliveries=DeliveryTable(np.concatenate([sd.piece, mine.dlv_piece + first]),
+                                 np.concatenate([sd.rank, mine.dlv_rank]), np.concatenate([sd.param, mine.dlv_param]),
+                                 np.concatenate([sd.slot, mine.dlv_slot]), np.concatenate([sd.off, mine.dlv_off])),
         cost=cost, rank=rank, basis=basis)
 
 
@@ -583,16 +579,14 @@ def plan_pieces(pieces: Pieces, topology: Topology, readers: np.ndarray, scope: 
     rperm = lex_order(t.reader, t.g_piece)  # reads in piece order per reader
     return Schedule(
         topology=topology.with_rank(0), staging_bytes=staging_bytes, max_ops=max_ops,
-        keys=pieces.keys, key_ndim=pieces.key_ndim, piece_key=pieces.piece_key, piece_off=pieces.piece_off,
-        piece_len=pieces.piece_len, piece_bytes=pieces.piece_bytes,
-        read_rank=t.reader[rperm].astype(np.int32), read_piece=t.g_piece[rperm].astype(np.int32),
-        read_round=read_round[rperm],
-        send_src=sends[0].astype(np.int32), send_dst=sends[1].astype(np.int32),
-        send_piece=sends[2].astype(np.int32), send_round=sends[3],
-        bcast_node=bcasts[0].astype(np.int32), bcast_root=bcasts[1].astype(np.int32),
-        bcast_piece=bcasts[2].astype(np.int32), bcast_round=bcasts[3],
-        dlv_piece=pieces.dlv_piece, dlv_rank=pieces.dlv_rank, dlv_param=pieces.dlv_param,
-        dlv_slot=pieces.dlv_slot, dlv_off=pieces.dlv_off,
+        keys=pieces.keys, key_ndim=pieces.key_ndim,
+        pieces=PieceTable(pieces.piece_key, pieces.piece_off, pieces.piece_len, pieces.piece_bytes),
+        reads=ReadTable(t.reader[rperm].astype(np.int32), t.g_piece[rperm].astype(np.int32), read_round[rperm]),
+        sends=SendTable(sends[0].astype(np.int32), sends[1].astype(np.int32), sends[2].astype(np.int32), sends[3]),
+        bcasts=BcastTable(bcasts[0].astype(np.int32), bcasts[1].astype(np.int32), bcasts[2].astype(np.int32),
+                          bcasts[3]),
+        deliveries=DeliveryTable(pieces.dlv_piece, pieces.dlv_rank, pieces.dlv_param, pieces.dlv_slot,
+                                 pieces.dlv_off),
         num_rounds=r.num_rounds, cost=cost,
     )
 

@@ -1,7 +1,6 @@
 """Needs as columns: which box of which checkpoint tensor every rank must hold, and where.
 
-A :class:`NeedTable` is the array form of a list of :class:`~moeshard.models.layout.Need`: one row per
-need, numpy columns instead of a Python object per need (DeepSeek-V3 on 1,024 ranks has
+A :class:`NeedTable` is the array form of a list of :class:`Need`: one row per need, numpy columns instead of a Python object per need (DeepSeek-V3 on 1,024 ranks has
 ~860,000 needs). Boxes of tensors of different rank share one ``[N, D]`` layout: ``D`` is the
 largest tensor rank among the needed keys, and the dims a key does not have are padded with
 ``(offset 0, length 1)`` *after* its own dims, so element counts and row-major order are
@@ -18,13 +17,62 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Hashable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
+from ..box import Box
 from .arrays import row_prod
 
-__all__ = ["NeedTable", "SharedKeysLeftOut"]
+__all__ = ["Need", "NeedPart", "NeedTable", "SharedKeysLeftOut"]
+
+
+class Need(NamedTuple):
+    """Rank ``rank`` must hold box ``src`` of checkpoint tensor ``key`` at box ``dest`` of
+    the local tensor of parameter number ``param``."""
+
+    rank: int
+    param: int
+    dest: Box
+    key: str
+    src: Box
+
+
+class NeedPart(Protocol):
+    """A part of a :class:`NeedTable` under construction (:meth:`NeedTable.concat`): rows of
+    needs over its own keys, e.g. the rows of a dense parameter, kept as views of its cached
+    boxes until they are written into the table. A :class:`NeedTable` is one.
+
+    A part may also have ``full`` and ``omitted_bytes`` (as :class:`NeedTable`): the rows it
+    left out itself (an expert parameter's other ranks' slots).
+    """
+
+    keys: tuple[str, ...]  # its distinct checkpoint keys
+    ndim: np.ndarray  # int8[len(keys)]: each key's tensor rank
+    alone: np.ndarray | bool | None  # bool[N], one bool for every row, or None (as NeedTable.alone)
+    layout: Hashable | None  # equal for parts whose rows have the same ranks and sizes; None: unknown
+
+    @property
+    def width(self) -> int:
+        """Box dims per row."""
+
+    def __len__(self) -> int:
+        """Its number of rows ``N``."""
+
+    def fill(self, table: NeedTable, rows: slice, key_ids: np.ndarray) -> None:
+        """Write its rows into ``table`` at ``rows``, its key ``j`` as ``key_ids[j]``."""
+
+    def row_ranks(self) -> np.ndarray:
+        """``int[N]``: each row's rank."""
+
+    def row_keys(self) -> np.ndarray:
+        """``int[N]``: each row's key, numbered in its own ``keys``."""
+
+    def row_numel(self) -> np.ndarray:
+        """``int64[N]``: each row's elements."""
+
+    def select(self, mask: np.ndarray) -> NeedPart:
+        """The part of the rows ``mask`` (``bool[N]``)."""
 
 
 class SharedKeysLeftOut(Exception):
@@ -101,17 +149,12 @@ class NeedTable:
         return self.src_off.shape[1]
 
     @staticmethod
-    def concat(parts: Sequence, keep_ranks: np.ndarray | None = None, itemsize=None) -> "NeedTable":
+    def concat(parts: Sequence[NeedPart], keep_ranks: np.ndarray | None = None, itemsize=None) -> "NeedTable":
         """The rows of ``parts`` in order, over the union of their keys (first-seen order),
         written once into the table's columns (no padded copies of the parts).
 
-        A part is a :class:`NeedTable` or any object with the same ``keys``, ``ndim``,
-        ``alone``, ``width`` and ``len()``, and the methods ``fill(table, rows, key_ids)``
-        (write its rows into ``table`` at ``rows``, a slice, its key ``j`` as ``key_ids[j]``),
-        ``row_ranks()``, ``row_keys()`` (its own key numbers), ``row_numel()`` and
-        ``select(mask)``, and a ``layout`` (None, or equal for parts whose rows have the same
-        ranks and sizes). A part is e.g. the rows of a dense parameter, kept as views of its
-        cached boxes until here.
+        A part is a :class:`NeedPart`: a :class:`NeedTable`, or e.g. the rows of a dense
+        parameter, kept as views of its cached boxes until here.
 
         ``alone`` is kept where every part has it (a part's distinct keys; the rows of a key
         that several parts read are not alone), else None.
@@ -232,7 +275,7 @@ class NeedTable:
 
     @staticmethod
     def from_needs(needs) -> "NeedTable":
-        """The table of a sequence of :class:`~moeshard.models.layout.Need` (a need's ``dest`` box is
+        """The table of a sequence of :class:`Need` (a need's ``dest`` box is
         ``src``'s lengths, after one leading ``(slot, 1)`` dim for an expert slot)."""
         keys: dict[str, int] = {}
         ndims: list[int] = []
@@ -264,10 +307,8 @@ class NeedTable:
                 dst_off[i, :nd] = [o for o, _ in dest]
         return NeedTable(tuple(keys), np.asarray(ndims, np.int8), rank, param, key, slot, src_off, src_len, dst_off)
 
-    def to_needs(self) -> list:
-        """The rows as :class:`~moeshard.models.layout.Need` tuples (for tests and small tools)."""
-        from ..models.layout import Need
-
+    def to_needs(self) -> list[Need]:
+        """The rows as :class:`Need` tuples (for tests and small tools)."""
         out = []
         ndim = self.ndim.tolist()
         for i in range(len(self)):
@@ -283,7 +324,7 @@ class NeedTable:
         return out
 
 
-def _leave_out(parts: Sequence, ids: Sequence[np.ndarray], readers_of_key: np.ndarray, full: np.ndarray,
+def _leave_out(parts: Sequence[NeedPart], ids: Sequence[np.ndarray], readers_of_key: np.ndarray, full: np.ndarray,
                itemsize) -> tuple[list, np.ndarray]:
     """:meth:`NeedTable.concat`'s parts without the alone rows of the ranks not ``full``, and
     those rows' bytes per rank (``int64[world]``). Parts with the same ``layout`` (not None: the

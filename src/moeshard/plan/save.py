@@ -6,7 +6,7 @@ mirror image of a load plan:
 * every checkpoint tensor to write (a non-expert parameter or persistent buffer under its
   checkpoint name; one part of one logical expert of a fused expert parameter) is described by
   its :class:`Segment` s: which rank holds which box of it, and where in its local tensor
-  (:func:`~moeshard.plan.save_outputs.describe_outputs`);
+  (:func:`~moeshard.models.outputs.describe_outputs`);
 * every box is written once: the tensor's *writer* (a rank holding the most of it, balanced by
   bytes over the ranks, largest tensors first) writes the boxes it holds itself; each other box
   comes from one of its holders (the least-sending one) by P2P;
@@ -33,11 +33,11 @@ from ..box import Box, split_box
 from ..io.checkpoint import DTYPES
 from ..topology import Topology
 from .arrays import expand_runs, group_rows, lex_order, row_prod, run_starts
-from .save_outputs import Segment, OutputTensor, SegmentTable, describe_outputs
-from .schedule import PlanCost, Schedule
+from .save_outputs import Output, Segment, SegTable
+from .schedule import CopyTable, DeliveryTable, PieceTable, PlanCost, ReadTable, Schedule, SendTable, ViewTable
 
 __all__ = ["Segment", "OutTensor", "SaveFile", "Transfer", "LocalWrite", "SaveCost", "SavePlan",
-           "HeldBoxes", "describe_outputs", "plan_save", "shard_name", "tensor_schedule"]
+           "HeldBoxes", "plan_save", "shard_name", "tensor_schedule"]
 
 DEFAULT_MAX_OPS = 64
 _CHUNK = 1 << 16  # rows a loop over millions of transfers turns into Python objects at a time
@@ -155,7 +155,7 @@ class SavePlan:
     fingerprint: str = ""
     rank: int | None = None
     _pieces: _Pieces | None = field(default=None, repr=False)
-    _segs: SegmentTable | None = field(default=None, repr=False)
+    _segs: SegTable | None = field(default=None, repr=False)
 
     @functools.cached_property
     def schedule(self) -> Schedule:
@@ -224,14 +224,14 @@ def shard_name(i: int, num_files: int) -> str:
 
 
 def plan_save(
-    outs: Sequence[OutputTensor],
+    outs: Sequence[Output],
     world_size: int,
     max_shard_bytes: int,
     staging_bytes: int,
     max_ops: int = DEFAULT_MAX_OPS,
     rank: int | None = None,
 ) -> SavePlan:
-    """Writers, files and transfers for ``outs`` (:func:`describe_outputs`), pure.
+    """Writers, files and transfers for ``outs`` (:func:`~moeshard.models.outputs.describe_outputs`), pure.
 
     ``rank``: keep only the pieces that rank sends, receives or writes (what it runs,
     :meth:`SavePlan.schedule_for`); the writers, files, cost counters and fingerprint are the
@@ -275,7 +275,7 @@ class _Boxes:
     h_seg: np.ndarray
 
 
-def _gather(outs: Sequence[OutputTensor], width: int) -> tuple[SegmentTable, np.ndarray]:
+def _gather(outs: Sequence[Output], width: int) -> tuple[SegTable, np.ndarray]:
     """Every tensor's segments as one table (tensor by tensor, each in its own order) and
     ``int64[T + 1]`` each tensor's first row."""
     counts = np.asarray([len(o) for o in outs], np.int64)
@@ -285,10 +285,10 @@ def _gather(outs: Sequence[OutputTensor], width: int) -> tuple[SegmentTable, np.
     if table is not None and all(o.table is table for o in outs) and all(
             a.rows[1] == b.rows[0] for a, b in zip(outs, outs[1:])):  # describe_outputs' rows, in order
         return table.rows(outs[0].rows[0], outs[-1].rows[1], width), first
-    return SegmentTable.concat([o.table.rows(*o.rows, width) for o in outs], width), first
+    return SegTable.concat([o.table.rows(*o.rows, width) for o in outs], width), first
 
 
-def _distinct_boxes(segs: SegmentTable, seg_first: np.ndarray, itemsize: np.ndarray) -> _Boxes:
+def _distinct_boxes(segs: SegTable, seg_first: np.ndarray, itemsize: np.ndarray) -> _Boxes:
     """The distinct boxes of each tensor (``seg_first``: ``int64[T + 1]`` each tensor's first
     segment) and their holders, in the order of :class:`_Boxes`."""
     n = len(seg_first) - 1
@@ -537,7 +537,7 @@ def _split(boxes: _Boxes, g: np.ndarray, itemsize: np.ndarray, ndim: np.ndarray,
     return g[rep], off, ln
 
 
-def _make_pieces(boxes: _Boxes, chosen: np.ndarray, segs: SegmentTable, writer: list[int], itemsize, ndim,
+def _make_pieces(boxes: _Boxes, chosen: np.ndarray, segs: SegTable, writer: list[int], itemsize, ndim,
                  t_order: np.ndarray, staging_bytes: int, max_ops: int, world: int,
                  rank: int | None) -> tuple[_Pieces, np.ndarray, np.ndarray, "_Packer"]:
     """Every tensor's boxes (tensors in ``t_order``, boxes in order) cut into pieces; pieces
@@ -677,7 +677,7 @@ class _Chosen:
     """The chosen segment of every box, as :class:`Segment` objects on demand: the caller's
     own objects where it gave them, else made from the table's rows."""
 
-    def __init__(self, outs, segs: SegmentTable, seg_first: np.ndarray, boxes: _Boxes, chosen: np.ndarray):
+    def __init__(self, outs, segs: SegTable, seg_first: np.ndarray, boxes: _Boxes, chosen: np.ndarray):
         self.outs, self.segs, self.seg_first, self.box_first, self.chosen = outs, segs, seg_first, boxes.first, chosen
 
     def of(self, t: int) -> tuple[Segment, ...]:
@@ -711,23 +711,20 @@ def _as_schedule(plan: SavePlan, only: int | None = None) -> Schedule:
     return Schedule(
         topology=Topology(plan.world_size, 1), staging_bytes=plan.staging_bytes, max_ops=plan.max_ops,
         keys=tuple(t.key for t in plan.tensors), key_ndim=np.asarray([len(t.shape) for t in plan.tensors], np.int8),
-        piece_key=tensor.astype(i32), piece_off=off, piece_len=p.len[keep].astype(i64).reshape(-1, width),
-        piece_bytes=p.nbytes[keep].astype(i64),
-        read_rank=np.zeros(0, i32), read_piece=np.zeros(0, i32), read_round=np.zeros(0, i64),
-        send_src=p.src[keep[:kx]].astype(i32), send_dst=dst[:kx].astype(i32),
-        send_piece=np.arange(kx, dtype=i32), send_round=p.round[keep[:kx]].astype(i64),
-        send_view=np.arange(kx, dtype=i32),
-        bcast_node=np.zeros(0, i32), bcast_root=np.zeros(0, i32), bcast_piece=np.zeros(0, i32),
-        bcast_round=np.zeros(0, i64),
-        dlv_piece=mine, dlv_rank=dst[mine].astype(i32), dlv_param=tensor[mine].astype(i32),
-        dlv_slot=np.full(len(mine), -1, i64), dlv_off=off[mine], num_rounds=c.num_batches,
+        pieces=PieceTable(tensor.astype(i32), off, p.len[keep].astype(i64).reshape(-1, width),
+                          p.nbytes[keep].astype(i64)),
+        reads=ReadTable(),
+        sends=SendTable(p.src[keep[:kx]].astype(i32), dst[:kx].astype(i32), np.arange(kx, dtype=i32),
+                        p.round[keep[:kx]].astype(i64), np.arange(kx, dtype=i32)),
+        deliveries=DeliveryTable(mine, dst[mine].astype(i32), tensor[mine].astype(i32), np.full(len(mine), -1, i64),
+                                 off[mine]),
+        num_rounds=c.num_batches,
         cost=PlanCost(read_bytes=zeros, sent_bytes=c.sent_bytes, recv_bytes=c.recv_bytes,
                       peak_staging_bytes=c.peak_staging_bytes, cross_node_bytes=0, num_p2p_ops=c.num_p2p_ops,
                       num_batches=c.num_batches, num_broadcasts=0),
-        view_rank=segs.rank[seg].astype(i32), view_param=segs.param[seg].astype(i32),
-        view_slot=segs.slot[seg].astype(i64), view_off=(poff + segs.delta[seg]).astype(i64).reshape(-1, width),
-        copy_view=np.arange(kx, num, dtype=i32), copy_piece=np.arange(kx, num, dtype=i32),
-        copy_round=np.full(num - kx, -1, i64),
+        views=ViewTable(segs.rank[seg].astype(i32), segs.param[seg].astype(i32), segs.slot[seg].astype(i64),
+                        (poff + segs.delta[seg]).astype(i64).reshape(-1, width)),
+        copies=CopyTable(np.arange(kx, num, dtype=i32), np.arange(kx, num, dtype=i32), np.full(num - kx, -1, i64)),
         rank=only, basis=None if only is None else plan.fingerprint,
     )
 
@@ -824,20 +821,18 @@ def tensor_schedule(
     return Schedule(
         topology=Topology(world_size, 1), staging_bytes=staging_bytes, max_ops=max(2, num_sends),
         keys=tuple(keys), key_ndim=np.asarray([len(s) for s in shapes], np.int8),
-        piece_key=tensor.astype(i32), piece_off=off, piece_len=length, piece_bytes=nbytes,
-        read_rank=np.zeros(0, i32), read_piece=np.zeros(0, i32), read_round=np.zeros(0, i64),
-        send_src=holder[send].astype(i32), send_dst=writer[send].astype(i32), send_piece=send.astype(i32),
-        send_round=rounds[send], send_view=send.astype(i32),
-        bcast_node=np.zeros(0, i32), bcast_root=np.zeros(0, i32), bcast_piece=np.zeros(0, i32),
-        bcast_round=np.zeros(0, i64),
-        dlv_piece=dlv.astype(i32), dlv_rank=writer[dlv].astype(i32), dlv_param=tensor[dlv].astype(i32),
-        dlv_slot=np.full(len(dlv), -1, i64), dlv_off=off[dlv], num_rounds=rnd + 1,
+        pieces=PieceTable(tensor.astype(i32), off, length, nbytes),
+        reads=ReadTable(),
+        sends=SendTable(holder[send].astype(i32), writer[send].astype(i32), send.astype(i32), rounds[send],
+                        send.astype(i32)),
+        deliveries=DeliveryTable(dlv.astype(i32), writer[dlv].astype(i32), tensor[dlv].astype(i32),
+                                 np.full(len(dlv), -1, i64), off[dlv]),
+        num_rounds=rnd + 1,
         cost=PlanCost(read_bytes=np.zeros(world_size, dtype=i64), sent_bytes=sent, recv_bytes=recv,
                       peak_staging_bytes=peak, cross_node_bytes=0, num_p2p_ops=num_sends,
                       num_batches=rnd + 1, num_broadcasts=0),
-        view_rank=holder.astype(i32), view_param=tensor.astype(i32), view_slot=np.full(len(pid), -1, i64),
-        view_off=local_off, copy_view=copy.astype(i32), copy_piece=copy.astype(i32),
-        copy_round=np.full(len(copy), -1, i64), rank=rank,
+        views=ViewTable(holder.astype(i32), tensor.astype(i32), np.full(len(pid), -1, i64), local_off),
+        copies=CopyTable(copy.astype(i32), copy.astype(i32), np.full(len(copy), -1, i64)), rank=rank,
         basis=None if rank is None else digest.hexdigest()[:16],
     )
 
@@ -866,7 +861,7 @@ def _check_tiling(key: str, shape: tuple[int, ...], boxes: list[Box], nbytes: in
 _RULE = b"moeshard.plan.save/inputs-1"  # changes with the planner's rules: old and new ranks disagree
 
 
-def _fingerprint(outs: Sequence[OutputTensor], segs: SegmentTable, seg_first: np.ndarray, world: int, max_shard_bytes: int,
+def _fingerprint(outs: Sequence[Output], segs: SegTable, seg_first: np.ndarray, world: int, max_shard_bytes: int,
                  staging_bytes: int, max_ops: int) -> str:
     """sha256 of what the plan is made from: the budgets, every tensor's key, shape, dtype and
     kind, and the bytes of the segment table (``seg_first``: each tensor's first row). The

@@ -28,8 +28,8 @@ import numpy as np
 from ..topology import Topology
 from .needs import NeedTable
 
-__all__ = ["PlanCost", "Schedule", "RankSchedule"]
-
+__all__ = ["PlanCost", "Schedule", "RankSchedule", "PieceTable", "ReadTable", "SendTable", "BcastTable",
+           "DeliveryTable", "ViewTable", "CopyTable"]
 
 
 def _i32() -> np.ndarray:
@@ -38,6 +38,114 @@ def _i32() -> np.ndarray:
 
 def _i64() -> np.ndarray:
     return np.zeros(0, dtype=np.int64)
+
+
+class _Columns:
+    """A frozen table of equal-length numpy columns (its dataclass fields; None: a column left
+    to its default)."""
+
+    def __post_init__(self) -> None:
+        n = {len(getattr(self, f)) for f in self.__dataclass_fields__ if getattr(self, f) is not None}
+        assert len(n) <= 1, f"{type(self).__name__}: columns of different lengths {sorted(n)}"
+
+    def __len__(self) -> int:
+        return len(getattr(self, next(iter(self.__dataclass_fields__))))
+
+
+@dataclass(frozen=True, eq=False)
+class PieceTable(_Columns):
+    """``P`` pieces: ``key`` ``int32[P]`` (index into the schedule's keys), the box ``off``,
+    ``len`` ``int64[P, D]``, ``bytes`` ``int64[P]``."""
+
+    key: np.ndarray
+    off: np.ndarray
+    len: np.ndarray
+    bytes: np.ndarray
+
+
+@dataclass(frozen=True, eq=False)
+class ReadTable(_Columns):
+    """``R`` reads: ``rank`` reads ``piece`` (``int32[R]``) in ``round`` (``int64[R]``; -1: a
+    piece only its reader needs, read straight into place, at any time)."""
+
+    rank: np.ndarray = field(default_factory=_i32)
+    piece: np.ndarray = field(default_factory=_i32)
+    round: np.ndarray = field(default_factory=_i64)
+
+
+@dataclass(frozen=True, eq=False)
+class SendTable(_Columns):
+    """``S`` P2P sends: ``src`` sends ``piece`` to ``dst`` (``int32[S]``) in ``round``
+    (``int64[S]``), from ``view`` (``int32[S]``: the view it reads, -1: the sender's buffer of
+    the piece; default all -1)."""
+
+    src: np.ndarray = field(default_factory=_i32)
+    dst: np.ndarray = field(default_factory=_i32)
+    piece: np.ndarray = field(default_factory=_i32)
+    round: np.ndarray = field(default_factory=_i64)
+    view: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.view is None:
+            object.__setattr__(self, "view", np.full(len(self.src), -1, dtype=np.int32))
+        super().__post_init__()
+
+
+@dataclass(frozen=True, eq=False)
+class BcastTable(_Columns):
+    """``B`` node broadcasts: ``root`` broadcasts ``piece`` to its ``node`` (``int32[B]``) in
+    ``round`` (``int64[B]``)."""
+
+    node: np.ndarray = field(default_factory=_i32)
+    root: np.ndarray = field(default_factory=_i32)
+    piece: np.ndarray = field(default_factory=_i32)
+    round: np.ndarray = field(default_factory=_i64)
+
+
+@dataclass(frozen=True, eq=False)
+class DeliveryTable(_Columns):
+    """``N`` deliveries, sorted by (piece, rank): ``rank`` puts ``piece`` (``int32[N]``) at
+    ``off`` (``int64[N, D]``) in the local tensor of parameter ``param`` (``int32[N]``), in slot
+    ``slot`` (``int64[N]``, -1: no expert slot), at the end of ``round`` (``int64[N]``: after
+    every op of the round on that rank, a delivery may overwrite what a send of the same round
+    reads; None: the round the piece arrives in on that rank, -1 for a piece read or copied in
+    round -1)."""
+
+    piece: np.ndarray
+    rank: np.ndarray
+    param: np.ndarray
+    slot: np.ndarray
+    off: np.ndarray
+    round: np.ndarray | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class ViewTable(_Columns):
+    """``V`` views of local tensors as sources: ``rank`` holds a piece at ``off`` (``int64[V,
+    D]``) in the local tensor of ``param`` (``int32[V]``; in ``slot``, ``int64[V]``), addressed
+    like a delivery."""
+
+    rank: np.ndarray
+    param: np.ndarray
+    slot: np.ndarray
+    off: np.ndarray
+
+    @staticmethod
+    def empty(width: int) -> ViewTable:
+        return ViewTable(_i32(), _i32(), _i64(), np.zeros((0, width), dtype=np.int64))
+
+
+@dataclass(frozen=True, eq=False)
+class CopyTable(_Columns):
+    """``C`` copies: the rank of ``view`` copies ``piece`` (``int32[C]``) into a buffer at the
+    start of ``round`` (``int64[C]``; before any send of the round and any delivery: a *stash*
+    of a slot that a delivery overwrites before a later send, or a local copy from one slot into
+    another). Round -1: no buffer; the rank's deliveries of that piece are made straight from
+    the view, at any time (like a read of round -1)."""
+
+    view: np.ndarray = field(default_factory=_i32)
+    piece: np.ndarray = field(default_factory=_i32)
+    round: np.ndarray = field(default_factory=_i64)
 
 
 @dataclass(frozen=True)
@@ -71,42 +179,21 @@ class PlanCost:
 @dataclass(frozen=True, eq=False)
 class Schedule:
     """Everything every rank does, in order (``P`` pieces, ``R`` reads, ``S`` sends, ``B``
-    broadcasts, ``N`` deliveries; ``D`` padded box dims as in :class:`NeedTable`).
+    broadcasts, ``N`` deliveries, ``V`` views, ``C`` copies; ``D`` padded box dims as in
+    :class:`NeedTable`), as tables of columns.
 
     Args:
         topology: world size and ranks per node (``rank`` 0: the schedule is the job's).
         staging_bytes, max_ops: the budgets it was planned for.
-        keys, key_ndim: source tensor names and their ranks.
-        piece_key: ``int32[P]``; piece_off, piece_len: ``int64[P, D]`` its box;
-            piece_bytes: ``int64[P]``.
-        read_rank, read_piece: ``int32[R]`` who reads which piece; read_round: ``int64[R]``
-            the round it is read in (the first it is sent in), or -1 for a piece only its
-            reader needs (read straight into place, at any time).
-        send_src, send_dst, send_piece: ``int32[S]``; send_round: ``int64[S]``.
-        bcast_node, bcast_root, bcast_piece: ``int32[B]``; bcast_round: ``int64[B]``.
-        dlv_piece, dlv_rank, dlv_param: ``int32[N]``; dlv_slot: ``int64[N]`` (-1: no expert
-            slot); dlv_off: ``int64[N, D]``: where rank ``dlv_rank`` puts the piece in the local
-            tensor of parameter ``dlv_param`` (in slot ``dlv_slot``). Sorted by (piece, rank).
+        keys, key_ndim: source tensor names and their ranks (``int8[len(keys)]``).
+        pieces: :class:`PieceTable`, the boxes of the source tensors that move.
+        reads: :class:`ReadTable`, who reads which piece (in the first round it is sent in).
+        sends: :class:`SendTable`; bcasts: :class:`BcastTable` (default: none).
+        deliveries: :class:`DeliveryTable`, where each receiver puts a piece.
         num_rounds: rounds are ``0 .. num_rounds - 1``.
         cost: counters; ``cost.peak_staging_bytes`` follows the buffer lifetimes above.
-
-    Local tensors as sources (relocation, save; a load has none):
-
-        view_rank, view_param: ``int32[V]``; view_slot: ``int64[V]``; view_off: ``int64[V, D]``:
-            rank ``view_rank`` holds a piece at ``view_off`` in the local tensor of
-            ``view_param`` (in slot ``view_slot``), addressed like a delivery.
-        send_view: ``int32[S]``: the view a send reads (-1: the sender's buffer of the piece,
-            read, received or copied earlier). Default: all -1.
-        copy_view, copy_piece: ``int32[C]``; copy_round: ``int64[C]``: the view's rank copies
-            the piece into a buffer at the start of the round (before any send of the round
-            and any delivery: a *stash* of a slot that a delivery overwrites before a later
-            send, or a local copy from one slot into another). Round -1: no buffer; the
-            rank's deliveries of that piece are made straight from the view, at any time
-            (like a read of round -1).
-        dlv_round: ``int64[N]``: the round whose end the delivery is made at (after every op
-            of the round on that rank: a delivery may overwrite what a send of the same round
-            reads). Default (None): the round the piece arrives in on that rank (read,
-            received or copied; -1 for a piece read or copied in round -1).
+        views, copies: local tensors as sources (relocation, save; a load has none):
+            :class:`ViewTable` (default: none) and :class:`CopyTable` (default: none).
         rank: None for the whole job's schedule; a rank for the schedule planned for that rank
             only (:func:`~moeshard.plan.load.plan_transfers` with ``rank``): every transfer,
             and of the local reads only that rank's (``cost`` still counts every rank's).
@@ -119,106 +206,85 @@ class Schedule:
     max_ops: int
     keys: tuple[str, ...]
     key_ndim: np.ndarray
-    piece_key: np.ndarray
-    piece_off: np.ndarray
-    piece_len: np.ndarray
-    piece_bytes: np.ndarray
-    read_rank: np.ndarray
-    read_piece: np.ndarray
-    read_round: np.ndarray
-    send_src: np.ndarray
-    send_dst: np.ndarray
-    send_piece: np.ndarray
-    send_round: np.ndarray
-    bcast_node: np.ndarray
-    bcast_root: np.ndarray
-    bcast_piece: np.ndarray
-    bcast_round: np.ndarray
-    dlv_piece: np.ndarray
-    dlv_rank: np.ndarray
-    dlv_param: np.ndarray
-    dlv_slot: np.ndarray
-    dlv_off: np.ndarray
+    pieces: PieceTable
+    reads: ReadTable
+    sends: SendTable
+    deliveries: DeliveryTable
     num_rounds: int
     cost: PlanCost
-    view_rank: np.ndarray = field(default_factory=_i32)
-    view_param: np.ndarray = field(default_factory=_i32)
-    view_slot: np.ndarray = field(default_factory=_i64)
-    view_off: np.ndarray | None = None
-    send_view: np.ndarray | None = None
-    copy_view: np.ndarray = field(default_factory=_i32)
-    copy_piece: np.ndarray = field(default_factory=_i32)
-    copy_round: np.ndarray = field(default_factory=_i64)
-    dlv_round: np.ndarray | None = None
+    bcasts: BcastTable = field(default_factory=BcastTable)
+    views: ViewTable | None = None
+    copies: CopyTable = field(default_factory=CopyTable)
     rank: int | None = None
     basis: str | None = None
 
     def __post_init__(self) -> None:
-        # Defaults that depend on the other arrays' sizes (frozen: set once, here).
-        d = self.piece_off.shape[1] if self.piece_off.ndim == 2 else 0
-        if self.view_off is None:
-            object.__setattr__(self, "view_off", np.zeros((len(self.view_rank), d), dtype=np.int64))
-        if self.send_view is None:
-            object.__setattr__(self, "send_view", np.full(len(self.send_src), -1, dtype=np.int32))
-        assert len(self.send_view) == len(self.send_src)
-        assert self.dlv_round is None or len(self.dlv_round) == len(self.dlv_piece)
-        assert len(self.copy_view) == len(self.copy_piece) == len(self.copy_round)
+        if self.views is None:  # the default depends on the pieces' width (frozen: set once, here)
+            off = self.pieces.off
+            object.__setattr__(self, "views", ViewTable.empty(off.shape[1] if off.ndim == 2 else 0))
+
+    def arrays(self):
+        """``(name, array or None)`` of every array, in the fingerprint's order and under its
+        names (e.g. ``send_src`` for ``sends.src``)."""
+        for name, table, column in _ARRAYS:
+            yield name, getattr(self if table is None else getattr(self, table), column)
 
     @property
     def num_pieces(self) -> int:
-        return len(self.piece_key)
+        return len(self.pieces.key)
 
     @property
     def has_broadcasts(self) -> bool:
-        return len(self.bcast_piece) > 0
+        return len(self.bcasts.piece) > 0
 
     def piece_box(self, pid: int) -> tuple[tuple[int, int], ...]:
         """Box of piece ``pid`` in its tensor (its real dims, no padding)."""
-        nd = int(self.key_ndim[self.piece_key[pid]])
-        return tuple(zip(self.piece_off[pid, :nd].tolist(), self.piece_len[pid, :nd].tolist()))
+        nd = int(self.key_ndim[self.pieces.key[pid]])
+        return tuple(zip(self.pieces.off[pid, :nd].tolist(), self.pieces.len[pid, :nd].tolist()))
 
     def piece_name(self, pid: int) -> str:
-        return self.keys[int(self.piece_key[pid])]
+        return self.keys[int(self.pieces.key[pid])]
 
     def delivery(self, i: int) -> tuple[int, int, tuple, str, tuple]:
         """Delivery row ``i`` as ``(rank, param, dest box, key, src box)`` (the fields of a
-        :class:`~moeshard.models.layout.Need`; the dest box starts with ``(slot, 1)`` for a slot)."""
-        pid = int(self.dlv_piece[i])
+        :class:`~moeshard.plan.needs.Need`; the dest box starts with ``(slot, 1)`` for a slot)."""
+        pid = int(self.deliveries.piece[i])
         src = self.piece_box(pid)
-        dest = tuple(zip(self.dlv_off[i, : len(src)].tolist(), (n for _, n in src)))
-        slot = int(self.dlv_slot[i])
+        dest = tuple(zip(self.deliveries.off[i, : len(src)].tolist(), (n for _, n in src)))
+        slot = int(self.deliveries.slot[i])
         if slot >= 0:
             dest = ((slot, 1),) + dest
-        return int(self.dlv_rank[i]), int(self.dlv_param[i]), dest, self.piece_name(pid), src
+        return int(self.deliveries.rank[i]), int(self.deliveries.param[i]), dest, self.piece_name(pid), src
 
     @property
     def needs(self) -> NeedTable:
         """The deliveries as a need table (the needs the schedule meets, split as its pieces)."""
         return NeedTable(
-            keys=self.keys, ndim=self.key_ndim, rank=self.dlv_rank, param=self.dlv_param,
-            key=self.piece_key[self.dlv_piece], slot=self.dlv_slot,
-            src_off=self.piece_off[self.dlv_piece], src_len=self.piece_len[self.dlv_piece], dst_off=self.dlv_off,
+            keys=self.keys, ndim=self.key_ndim, rank=self.deliveries.rank, param=self.deliveries.param,
+            key=self.pieces.key[self.deliveries.piece], slot=self.deliveries.slot,
+            src_off=self.pieces.off[self.deliveries.piece], src_len=self.pieces.len[self.deliveries.piece],
+            dst_off=self.deliveries.off,
         )
 
     def piece_readers(self) -> np.ndarray:
         """``int32[P]``: the rank that reads each piece (for a schedule with one reader per
         piece, e.g. scope "job"; with several, the last)."""
         out = np.full(self.num_pieces, -1, dtype=np.int32)
-        out[self.read_piece] = self.read_rank
+        out[self.reads.piece] = self.reads.rank
         return out
 
     def rank_bytes(self, rank: int) -> int:
         """Bytes of the pieces ``rank`` reads or receives."""
-        b = self.piece_bytes
-        total = int(b[self.read_piece[self.read_rank == rank]].sum())
-        total += int(b[self.send_piece[self.send_dst == rank]].sum())
-        mine = (self.bcast_node == self.topology.node_of(rank)) & (self.bcast_root != rank)
-        return total + int(b[self.bcast_piece[mine]].sum())
+        b = self.pieces.bytes
+        total = int(b[self.reads.piece[self.reads.rank == rank]].sum())
+        total += int(b[self.sends.piece[self.sends.dst == rank]].sum())
+        mine = (self.bcasts.node == self.topology.node_of(rank)) & (self.bcasts.root != rank)
+        return total + int(b[self.bcasts.piece[mine]].sum())
 
     def delivered_bytes(self, rank: int) -> int:
         """Bytes of the pieces ``rank`` delivers (each piece once, however many places it
         goes to): the total of the runner's ``progress`` calls on that rank."""
-        return int(self.piece_bytes[np.unique(self.dlv_piece[self.dlv_rank == rank])].sum())
+        return int(self.pieces.bytes[np.unique(self.deliveries.piece[self.deliveries.rank == rank])].sum())
 
     def for_rank(self, rank: int) -> "RankSchedule":
         """This rank's rows (what :func:`moeshard.execute.execute_schedule` runs). ValueError
@@ -226,11 +292,11 @@ class Schedule:
         reads)."""
         if self.rank is not None and rank != self.rank:
             raise ValueError(f"this schedule was planned for rank {self.rank} only, not rank {rank}")
-        reads = np.flatnonzero(self.read_rank == rank)
-        sends = np.flatnonzero((self.send_src == rank) | (self.send_dst == rank))
-        bcasts = np.flatnonzero(self.bcast_node == self.topology.node_of(rank))
-        dlv = np.flatnonzero(self.dlv_rank == rank)
-        copies = np.flatnonzero(self.view_rank[self.copy_view] == rank)
+        reads = np.flatnonzero(self.reads.rank == rank)
+        sends = np.flatnonzero((self.sends.src == rank) | (self.sends.dst == rank))
+        bcasts = np.flatnonzero(self.bcasts.node == self.topology.node_of(rank))
+        dlv = np.flatnonzero(self.deliveries.rank == rank)
+        copies = np.flatnonzero(self.views.rank[self.copies.view] == rank)
         return RankSchedule(self, rank, reads, sends, bcasts, dlv, copies)
 
     @functools.cached_property
@@ -245,20 +311,25 @@ class Schedule:
                        self.max_ops, self.num_rounds, self.keys)).encode())
         if self.topology.nodes is not None:  # uneven nodes (a process group of some ranks)
             h.update(repr(self.topology.nodes).encode())
-        for name in _ARRAYS:
-            if getattr(self, name) is None:
-                continue  # dlv_round by default: derived from the other arrays
-            a = np.ascontiguousarray(getattr(self, name))
+        for name, a in self.arrays():
+            if a is None:
+                continue  # deliveries.round by default: derived from the other arrays
+            a = np.ascontiguousarray(a)
             h.update(name.encode())
             h.update(repr((a.dtype.str, a.shape)).encode())
             h.update(a.tobytes())
         return h.hexdigest()[:16]
 
 
-_ARRAYS = ("key_ndim", "piece_key", "piece_off", "piece_len", "piece_bytes", "read_rank", "read_piece", "read_round",
-           "send_src", "send_dst", "send_piece", "send_round", "bcast_node", "bcast_root", "bcast_piece",
-           "bcast_round", "dlv_piece", "dlv_rank", "dlv_param", "dlv_slot", "dlv_off", "view_rank", "view_param",
-           "view_slot", "view_off", "send_view", "copy_view", "copy_piece", "copy_round", "dlv_round")
+# The schedule's arrays as the fingerprint names them: (name, table or None, column).
+_ARRAYS = (("key_ndim", None, "key_ndim"),) + tuple(
+    (f"{prefix}_{column}", table, column) for prefix, table, columns in (
+        ("piece", "pieces", ("key", "off", "len", "bytes")), ("read", "reads", ("rank", "piece", "round")),
+        ("send", "sends", ("src", "dst", "piece", "round")), ("bcast", "bcasts", ("node", "root", "piece", "round")),
+        ("dlv", "deliveries", ("piece", "rank", "param", "slot", "off")),
+        ("view", "views", ("rank", "param", "slot", "off")),
+        ("send", "sends", ("view",)), ("copy", "copies", ("view", "piece", "round")), ("dlv", "deliveries", ("round",)))
+    for column in columns)
 
 
 @dataclass(frozen=True, eq=False)
@@ -276,33 +347,33 @@ class RankSchedule:
     @functools.cached_property
     def delivery_rounds(self) -> np.ndarray:
         """``int64[len(deliveries)]``: the round at whose end each of this rank's deliveries
-        is made (the schedule's ``dlv_round``, or by default the round the piece arrives)."""
+        is made (the schedule's ``deliveries.round``, or by default the round the piece arrives)."""
         s = self.schedule
-        if s.dlv_round is not None:
-            return s.dlv_round[self.deliveries]
-        into = self.sends[s.send_dst[self.sends] == self.rank]
-        bc = self.bcasts[s.bcast_root[self.bcasts] != self.rank]
-        pieces = np.concatenate([s.read_piece[self.reads], s.send_piece[into], s.bcast_piece[bc],
-                                 s.copy_piece[self.copies]])
-        rounds = np.concatenate([s.read_round[self.reads], s.send_round[into], s.bcast_round[bc],
-                                 s.copy_round[self.copies]])
+        if s.deliveries.round is not None:
+            return s.deliveries.round[self.deliveries]
+        into = self.sends[s.sends.dst[self.sends] == self.rank]
+        bc = self.bcasts[s.bcasts.root[self.bcasts] != self.rank]
+        pieces = np.concatenate([s.reads.piece[self.reads], s.sends.piece[into], s.bcasts.piece[bc],
+                                 s.copies.piece[self.copies]])
+        rounds = np.concatenate([s.reads.round[self.reads], s.sends.round[into], s.bcasts.round[bc],
+                                 s.copies.round[self.copies]])
         arrival = dict(zip(pieces.tolist(), rounds.tolist()))
-        return np.asarray([arrival[p] for p in s.dlv_piece[self.deliveries].tolist()], dtype=np.int64)
+        return np.asarray([arrival[p] for p in s.deliveries.piece[self.deliveries].tolist()], dtype=np.int64)
 
     @property
     def rounds(self) -> np.ndarray:
         """The rounds this rank takes part in, ascending."""
         s = self.schedule
-        every = np.concatenate([s.read_round[self.reads], s.send_round[self.sends], s.bcast_round[self.bcasts],
-                                s.copy_round[self.copies], self.delivery_rounds])
+        every = np.concatenate([s.reads.round[self.reads], s.sends.round[self.sends], s.bcasts.round[self.bcasts],
+                                s.copies.round[self.copies], self.delivery_rounds])
         return np.unique(every[every >= 0])
 
     def local_reads(self) -> np.ndarray:
         """Pieces this rank reads for itself only (round -1), in schedule order."""
         s = self.schedule
-        return s.read_piece[self.reads[s.read_round[self.reads] < 0]]
+        return s.reads.piece[self.reads[s.reads.round[self.reads] < 0]]
 
     def local_copies(self) -> np.ndarray:
         """Copy rows of round -1 (deliveries straight from a view), in schedule order."""
         s = self.schedule
-        return self.copies[s.copy_round[self.copies] < 0]
+        return self.copies[s.copies.round[self.copies] < 0]
