@@ -340,8 +340,11 @@ def _fresh_rounds(spec: dict, names: list[str], ep: int, efsdp: int, lay: dict, 
     imports and first-use caches are no loader's cost), ``spec["repeat"]`` timed rounds
     alternating the strategies of ``names``, then ``spec["profile"]`` instrumented moeshard
     rounds. Rows go to ``lay["fresh"][cache][name]``, profiles to ``lay["profile"][cache]``."""
+    import torch.distributed as dist
+
     from benchmarks.load_fresh import negative_control, profile_moeshard, run_fresh
 
+    rank = dist.get_rank()
     lay["fresh"], lay["profile"] = {}, {}
     if spec["negative_control"]:
         lay["fresh_negative_control"] = negative_control(spec, ep, efsdp)
@@ -352,9 +355,14 @@ def _fresh_rounds(spec: dict, names: list[str], ep: int, efsdp: int, lay: dict, 
             for name in names:
                 run_fresh(name, spec, ep, efsdp, cold)
         warm_up = False
-        for _ in range(spec["repeat"]):
+        for k in range(spec["repeat"]):
             for name in names:  # A B F A B F ...: drift and other load on the host hit all alike
                 rows[name].append(run_fresh(name, spec, ep, efsdp, cold))
+                if rank == 0:  # progress: rank 0's own wall time (the table takes the slowest rank's)
+                    r = rows[name][-1]
+                    print(f"[bench_load] EP={ep} x efsdp={efsdp} {cache} round {k + 1}/{spec['repeat']} {name}: "
+                          f"{r['wall_seconds']:.2f} s{' ERROR ' + r['error'][:200] if r['error'] else ''}",
+                          flush=True)
         lay["fresh"][cache] = rows
         lay["profile"][cache] = [profile_moeshard(spec, ep, efsdp, cold) for _ in range(spec["profile"])]
 

@@ -291,7 +291,7 @@ def run_fresh(name: str, spec: dict, ep: int, efsdp: int, cold: bool) -> dict:
         dist.barrier()
         row["wall_seconds"] = time.perf_counter() - t0
     row.update(rss_before=mon.before, rss_growth=mon.growth, rss_final_growth=mon.final_growth,
-               rss_growth_sampled=mon.peak_sampled - mon.before)
+               rss_final_growth_parts=mon.final_growth_parts, rss_growth_sampled=mon.peak_sampled - mon.before)
     if name != "parallel-read-floor" and result is not None:
         row["local_bytes"] = _local_bytes(result)
         t = time.perf_counter()

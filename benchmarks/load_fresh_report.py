@@ -35,6 +35,9 @@ def _strategy(name: str, runs: list[list[dict]], file_bytes: int) -> dict:
         "rss_growth_max_rank": max(r["rss_growth"] for r in rows_all),
         "rss_growth_per_rank": [max(runs[k][i]["rss_growth"] for k in range(len(runs))) for i in range(len(last))],
         "rss_final_growth_max_rank": max(r["rss_final_growth"] for r in rows_all),
+        # What the round left resident, by kind: anonymous memory (tensors, heap) and mapped files.
+        "rss_final_growth_parts_max_rank": {k: max(r.get("rss_final_growth_parts", {}).get(k, 0) for r in rows_all)
+                                            for k in ("anon", "file")},
     }
     if name == "parallel-read-floor":
         read = sum(r.get("bytes_read", 0) for r in last)
@@ -130,12 +133,15 @@ def format_fresh(fresh: dict, repeat: int) -> list[str]:
     if "negative_control_check_rejected_perturbed_param" in fresh:
         lines.append("   negative control: the check reports a perturbed expert parameter (and nothing else): "
                      f"{fresh['negative_control_check_rejected_perturbed_param']}")
+    lines.append("   RSS+ = peak RSS during the call minus RSS before it; kept = RSS after it minus before (of it "
+                 "mapped = file pages mapped, e.g. an mmap-ed checkpoint); shard = the rank's local parameter bytes; "
+                 "all max over ranks and rounds")
     for cache, c in fresh["caches"].items():
         lines.append(f"   fresh memory, page cache {cache}"
                      + (" (dropped before every call)" if cache == "cold" else "")
                      + f": median of {repeat}, wall = barrier to barrier, slowest rank")
         hdr = (f"   {'strategy':<22}{'wall s':>8}{'min s':>8}{'max s':>8}{'read MiB':>10}{'RSS+ MiB':>10}"
-               f"{'kept MiB':>10}{'shard MiB':>10}  check")
+               f"{'kept MiB':>10}{'mapped':>8}{'shard MiB':>10}  check")
         lines.append(hdr)
         lines.append("   " + "-" * (len(hdr) - 3))
         for name, s in c["strategies"].items():
@@ -145,7 +151,9 @@ def format_fresh(fresh: dict, repeat: int) -> list[str]:
                 continue
             lines.append(f"   {name:<22}{s['wall_seconds']:>8.2f}{min(runs):>8.2f}{max(runs):>8.2f}"
                          f"{_mib(s.get('bytes_read_total')):>10}{_mib(s['rss_growth_max_rank']):>10}"
-                         f"{_mib(s['rss_final_growth_max_rank']):>10}{_mib(s.get('local_bytes_max_rank')):>10}"
+                         f"{_mib(s['rss_final_growth_max_rank']):>10}"
+                         f"{_mib(s['rss_final_growth_parts_max_rank'].get('file')):>8}"
+                         f"{_mib(s.get('local_bytes_max_rank')):>10}"
                          f"  {'ok' if s['check_ok'] else 'FAIL'}")
             if not s["check_ok"]:
                 lines.append(f"      check: {s['check'][:300]}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import threading
 
-__all__ = ["RssMonitor", "malloc_trim", "reset_peak_rss", "read_peak_rss"]
+__all__ = ["RssMonitor", "malloc_trim", "reset_peak_rss", "read_peak_rss", "rss_parts"]
 
 
 def malloc_trim() -> None:
@@ -46,10 +46,27 @@ def read_peak_rss() -> int | None:
     return None
 
 
+def rss_parts() -> dict[str, int]:
+    """This process's resident bytes by kind (Linux ``/proc/self/status``): ``anon`` (heap,
+    tensors), ``file`` (mapped files, e.g. an mmap-ed checkpoint), ``shmem``; {} elsewhere."""
+    names = {"RssAnon:": "anon", "RssFile:": "file", "RssShmem:": "shmem"}
+    out = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key = line.split(None, 1)[0] if line.strip() else ""
+                if key in names:
+                    out[names[key]] = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return {}
+    return out
+
+
 class RssMonitor:
     """Peak RSS growth of this process over a ``with`` block (bytes): ``growth`` is the peak
     minus the RSS at entry; ``final_growth`` the RSS at exit minus the RSS at entry (what the
-    block left resident, e.g. a loaded model's shard)."""
+    block left resident, e.g. a loaded model's shard), and ``final_growth_parts`` the same by
+    kind (:func:`rss_parts`: anonymous memory vs mapped files)."""
 
     def __init__(self, interval: float = 0.01):
         import psutil
@@ -64,6 +81,7 @@ class RssMonitor:
 
     def __enter__(self) -> "RssMonitor":
         self._hwm = reset_peak_rss()
+        self._parts0 = rss_parts()
         self.before = self.peak_sampled = self.proc.memory_info().rss
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -74,6 +92,8 @@ class RssMonitor:
         self._stop.set()
         self._thread.join()
         self.after = self.proc.memory_info().rss
+        parts = rss_parts()
+        self.final_growth_parts = {k: v - self._parts0.get(k, 0) for k, v in parts.items()}
         self.peak_sampled = max(self.peak_sampled, self.after)
         self.peak_hwm = (read_peak_rss() or 0) if self._hwm else 0
 
