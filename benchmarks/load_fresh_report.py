@@ -31,6 +31,7 @@ def _strategy(name: str, runs: list[list[dict]], file_bytes: int) -> dict:
     s: dict = {
         "wall_seconds": statistics.median(walls),
         "wall_seconds_runs": walls,
+        "cpu_seconds_max_rank": _median_of_max(runs, lambda r: r.get("cpu_seconds", 0.0)),
         "error": error,
         "rss_growth_max_rank": max(r["rss_growth"] for r in rows_all),
         "rss_growth_per_rank": [max(runs[k][i]["rss_growth"] for k in range(len(runs))) for i in range(len(last))],
@@ -83,6 +84,7 @@ def _profile(lays: list[dict], cache: str) -> dict:
                  for st in steps}
         per_rank.append({"wall_seconds": statistics.median(p["wall_seconds"] for p in rounds),
                          "call_seconds": statistics.median(p["call_seconds"] for p in rounds),
+                         "cpu_seconds": statistics.median(p.get("cpu_seconds", 0.0) for p in rounds),
                          "steps": steps, "kinds": kinds})
     return {"rounds": len(lays[0]["profile"][cache]), "per_rank": per_rank,
             "max_rank": {st: max(r["steps"][st] for r in per_rank) for st in per_rank[0]["steps"]}}
@@ -133,6 +135,8 @@ def format_fresh(fresh: dict, repeat: int) -> list[str]:
     if "negative_control_check_rejected_perturbed_param" in fresh:
         lines.append("   negative control: the check reports a perturbed expert parameter (and nothing else): "
                      f"{fresh['negative_control_check_rejected_perturbed_param']}")
+    lines.append("   cpu = the rank's process CPU seconds in the call (all threads; slowest rank, median): "
+                 "wall far above it is waiting for peers, storage or a core")
     lines.append("   RSS+ = peak RSS during the call minus RSS before it; kept = RSS after it minus before (of it "
                  "mapped = file pages mapped, e.g. an mmap-ed checkpoint); shard = the rank's local parameter bytes; "
                  "all max over ranks and rounds")
@@ -140,7 +144,7 @@ def format_fresh(fresh: dict, repeat: int) -> list[str]:
         lines.append(f"   fresh memory, page cache {cache}"
                      + (" (dropped before every call)" if cache == "cold" else "")
                      + f": median of {repeat}, wall = barrier to barrier, slowest rank")
-        hdr = (f"   {'strategy':<22}{'wall s':>8}{'min s':>8}{'max s':>8}{'read MiB':>10}{'RSS+ MiB':>10}"
+        hdr = (f"   {'strategy':<22}{'wall s':>8}{'min s':>8}{'max s':>8}{'cpu s':>7}{'read MiB':>10}{'RSS+ MiB':>10}"
                f"{'kept MiB':>10}{'mapped':>8}{'shard MiB':>10}  check")
         lines.append(hdr)
         lines.append("   " + "-" * (len(hdr) - 3))
@@ -150,6 +154,7 @@ def format_fresh(fresh: dict, repeat: int) -> list[str]:
                 lines.append(f"   {name:<22}{s['wall_seconds']:>8.2f}  ERROR {s['error'][:140]}")
                 continue
             lines.append(f"   {name:<22}{s['wall_seconds']:>8.2f}{min(runs):>8.2f}{max(runs):>8.2f}"
+                         f"{s['cpu_seconds_max_rank']:>7.2f}"
                          f"{_mib(s.get('bytes_read_total')):>10}{_mib(s['rss_growth_max_rank']):>10}"
                          f"{_mib(s['rss_final_growth_max_rank']):>10}"
                          f"{_mib(s['rss_final_growth_parts_max_rank'].get('file')):>8}"
@@ -176,18 +181,19 @@ def _format_profile(prof: dict, cache: str) -> list[str]:
              "scales": "scale", "execute": "exec", "finish": "fin", "after_load": "after"}
     lines = [f"   where moeshard's time goes, per rank ({prof['rounds']} instrumented round(s), page cache {cache}, "
              "median, s):",
-             "     steps: wall = barrier to barrier; call = from_pretrained; then its steps. "
+             "     steps: wall = barrier to barrier; call = from_pretrained; cpu = its process CPU seconds (all "
+             "threads); then its steps. "
              "exec = reads + p2p + bcast + deliver + coll + other;",
              "     coll = collectives outside the executor's transfers (agreement, headers, config, barriers), "
              "summed over all steps"]
-    hdr = (f"     {'rank':>4}{'wall':>7}{'call':>7}" + "".join(f"{short.get(s, s):>7}" for s in steps)
+    hdr = (f"     {'rank':>4}{'wall':>7}{'call':>7}{'cpu':>7}" + "".join(f"{short.get(s, s):>7}" for s in steps)
            + " |" + "".join(f"{k[:7]:>8}" for k in ("reads", "p2p", "bcast", "deliver", "coll", "other"))
            + f" |{'coll all':>9}")
     lines.append(hdr)
     for rank, r in enumerate(prof["per_rank"]):
         ex = r["kinds"].get("execute", {})
         coll_all = sum(r["kinds"][s].get("collective", 0.0) for s in steps)
-        lines.append(f"     {rank:>4}{r['wall_seconds']:>7.3f}{r['call_seconds']:>7.3f}"
+        lines.append(f"     {rank:>4}{r['wall_seconds']:>7.3f}{r['call_seconds']:>7.3f}{r['cpu_seconds']:>7.3f}"
                      + "".join(f"{r['steps'][s]:>7.3f}" for s in steps) + " |"
                      + "".join(f"{ex.get(k, 0.0):>8.3f}" for k in ("reads", "p2p", "bcast", "deliver",
                                                                     "collective", "other"))

@@ -97,7 +97,10 @@ def test_fresh_report_ratios_and_failed_check():
         return {"fresh": {"warm": {
             "moeshard-fresh": [_row(1.0 + rank, **ms), _row(2.0, **ms), _row(3.0, **ms)],
             "transformers-native": [_row(4.0, call_seconds=3.0, check=bad, local_bytes=24)] * 3,
-            "parallel-read-floor": [_row(0.5, bytes_read=50)] * 3}}, "profile": {"warm": []}}
+            "parallel-read-floor": [_row(0.5, bytes_read=50)] * 3}},
+            "profile": {"warm": [{"wall_seconds": 1.1, "call_seconds": 1.0, "cpu_seconds": 0.5, "steps": steps,
+                                  "kinds": {st: {"reads": 0.3 if st == "execute" else 0.0, "collective": 0.05}
+                                            for st in steps}}]}}
 
     agg = aggregate_fresh([lay(0), lay(1, native_bad=True)], file_bytes=100)
     c = agg["caches"]["warm"]
@@ -106,5 +109,9 @@ def test_fresh_report_ratios_and_failed_check():
     assert not c["strategies"]["transformers-native"]["check_ok"]
     assert c["ratios"] == pytest.approx({"moeshard_over_floor": 4.0, "native_over_moeshard": 2.0,
                                           "native_over_floor": 8.0})
+    assert c["profile"]["max_rank"]["execute"] == 0.4
+    assert c["profile"]["per_rank"][1]["kinds"]["execute"]["reads"] == 0.3
     text = "\n".join(format_fresh(agg, repeat=3))
     assert "FAIL" in text and "w: 1 of 4 local elements differ" in text and "moeshard / floor 4.00x" in text
+    # per rank: wall, call, cpu, the 8 steps, then execute's reads ... and the collectives of all steps
+    assert "   0.300   0.000   0.000   0.000   0.050   0.000 |    0.400" in text
