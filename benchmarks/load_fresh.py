@@ -36,8 +36,19 @@ from pathlib import Path
 
 from benchmarks.load_rss import RssMonitor, malloc_trim
 
-__all__ = ["FRESH_STRATEGIES", "DROP_CACHES", "CheckResult", "cold_cache_problem", "drop_page_cache",
-           "check_against_checkpoint", "file_shares", "read_floor_parallel", "run_fresh", "profile_moeshard"]
+__all__ = [
+    "DROP_CACHES",
+    "FRESH_STRATEGIES",
+    "CheckResult",
+    "check_against_checkpoint",
+    "cold_cache_problem",
+    "drop_page_cache",
+    "file_shares",
+    "negative_control",
+    "profile_moeshard",
+    "read_floor_parallel",
+    "run_fresh",
+]
 
 FRESH_STRATEGIES = ("moeshard-fresh", "transformers-native", "parallel-read-floor")
 DROP_CACHES = "/proc/sys/vm/drop_caches"
@@ -222,7 +233,6 @@ def read_floor_parallel(root: str, shares: list[tuple[str, int, int]]) -> list:
 
 def _load_moeshard(spec: dict, ep: int, efsdp: int, dtype, row: dict):
     import moeshard
-
     from benchmarks.load_profile import PretrainedSteps
 
     with PretrainedSteps() as steps:
@@ -331,7 +341,6 @@ def profile_moeshard(spec: dict, ep: int, efsdp: int, cold: bool) -> dict:
     import torch.distributed as dist
 
     import moeshard
-
     from benchmarks.load_profile import profiled
 
     gc.collect()

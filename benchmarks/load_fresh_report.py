@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 
-__all__ = ["aggregate_fresh", "format_fresh", "STEP_ORDER"]
+__all__ = ["STEP_ORDER", "aggregate_fresh", "format_fresh"]
 
 MiB = 2**20
 STEP_ORDER = ("build", "parallelize", "materialize", "headers", "plan", "scales", "execute", "finish", "after_load")
@@ -104,7 +104,7 @@ def aggregate_fresh(lays: list[dict], file_bytes: int) -> dict:
                               file_bytes)
               for name, rows0 in by_name.items() if rows0}
 
-        def wall(name):
+        def wall(name, st=st):
             s = st.get(name)
             return s["wall_seconds"] if s and not s["error"] else None
 

@@ -39,11 +39,12 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
-__all__ = ["PretrainedSteps", "CallProfiler", "EXEC_KINDS", "attribute", "profiled"]
+__all__ = ["EXEC_KINDS", "CallProfiler", "PretrainedSteps", "attribute", "profiled"]
 
 EXEC_KINDS = ("reads", "p2p", "bcast", "deliver", "collective")
 
@@ -57,7 +58,7 @@ class PretrainedSteps:
         self.report = None
         self.t_parallelize = self.t_load = self.t_load_end = None
 
-    def __enter__(self) -> "PretrainedSteps":
+    def __enter__(self) -> PretrainedSteps:
         from moeshard.integrations import pretrained
 
         self._mod = pretrained
@@ -109,7 +110,7 @@ class CallProfiler:
 
     events: list[tuple[str, float, float]] = field(default_factory=list)
 
-    def __enter__(self) -> "CallProfiler":
+    def __enter__(self) -> CallProfiler:
         import torch.distributed as dist
 
         from moeshard.execute import DequantSink, ReaderSource, TensorSink

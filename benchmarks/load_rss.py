@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import threading
 
-__all__ = ["RssMonitor", "malloc_trim", "reset_peak_rss", "read_peak_rss", "rss_parts"]
+__all__ = ["RssMonitor", "malloc_trim", "read_peak_rss", "reset_peak_rss", "rss_parts"]
 
 
 def malloc_trim() -> None:
@@ -79,7 +79,7 @@ class RssMonitor:
         while not self._stop.wait(self.interval):
             self.peak_sampled = max(self.peak_sampled, self.proc.memory_info().rss)
 
-    def __enter__(self) -> "RssMonitor":
+    def __enter__(self) -> RssMonitor:
         self._hwm = reset_peak_rss()
         self._parts0 = rss_parts()
         self.before = self.peak_sampled = self.proc.memory_info().rss

@@ -5,7 +5,6 @@ profile's attribution sums to each step's seconds; the report aggregates and pri
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -16,9 +15,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # benchmarks/ (a checkout, not an installed package)
 
-from benchmarks.load_fresh import check_against_checkpoint, file_shares, read_floor_parallel  # noqa: E402
-from benchmarks.load_fresh_report import aggregate_fresh, format_fresh  # noqa: E402
-from benchmarks.load_profile import attribute  # noqa: E402
+from benchmarks.load_fresh import (
+    check_against_checkpoint,
+    file_shares,
+    read_floor_parallel,
+)
+from benchmarks.load_fresh_report import aggregate_fresh, format_fresh
+from benchmarks.load_profile import attribute
 
 
 @pytest.mark.parametrize("world", [1, 3, 4, 8])
