@@ -503,7 +503,7 @@ def format_report(res: dict) -> str:
                  "plan s: the part of moeshard.load before data moves (headers, plan, agreement)")
     lines.append("bytes: checkpoint dtype; a broadcast to k ranks counts k copies for its root; "
                  "RSS+ = peak RSS during the strategy minus RSS before it, max over ranks and runs")
-    for lay in res["layouts"]:
+    for li, lay in enumerate(res["layouts"]):
         lines.append("")
         mins = lay["minimal"]
         lines.append(f"== {lay['layout']}" + (f"  (shard per rank: max {_mib(lay['shard_bytes_max_rank'])} MiB)"
@@ -516,7 +516,7 @@ def format_report(res: dict) -> str:
             lines.append(f"   negative control: verify rejects a zeroed model: "
                          f"{lay['negative_control_verify_rejected_zeroed_model']}")
         if "fresh" in lay:
-            lines.extend(format_fresh(lay["fresh"], res["config"]["repeat"]))
+            lines.extend(format_fresh(lay["fresh"], res["config"]["repeat"], legend=li == 0))
         if not lay["strategies"]:
             continue
         lines.append("   into one pre-built model, zeroed before each strategy:")

@@ -129,17 +129,19 @@ def _x(x) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
-def format_fresh(fresh: dict, repeat: int) -> list[str]:
-    """The fresh-memory table, ratios, moeshard's steps and the per-rank profile of one layout."""
+def format_fresh(fresh: dict, repeat: int, legend: bool = True) -> list[str]:
+    """The fresh-memory table, ratios, moeshard's steps and the per-rank profile of one layout
+    (``legend``: with the lines saying what the columns mean)."""
     lines = []
     if "negative_control_check_rejected_perturbed_param" in fresh:
         lines.append("   negative control: the check reports a perturbed expert parameter (and nothing else): "
                      f"{fresh['negative_control_check_rejected_perturbed_param']}")
-    lines.append("   cpu = the rank's process CPU seconds in the call (all threads; slowest rank, median): "
-                 "wall far above it is waiting for peers, storage or a core")
-    lines.append("   RSS+ = peak RSS during the call minus RSS before it; kept = RSS after it minus before (of it "
-                 "mapped = file pages mapped, e.g. an mmap-ed checkpoint); shard = the rank's local parameter bytes; "
-                 "all max over ranks and rounds")
+    if legend:
+        lines.append("   cpu = the rank's process CPU seconds in the call (all threads; slowest rank, median): "
+                     "wall far above it is waiting for peers, storage or a core")
+        lines.append("   RSS+ = peak RSS during the call minus RSS before it; kept = RSS after it minus before (of "
+                     "it mapped = file pages mapped, e.g. an mmap-ed checkpoint); shard = the rank's local parameter "
+                     "bytes; all max over ranks and rounds")
     for cache, c in fresh["caches"].items():
         lines.append(f"   fresh memory, page cache {cache}"
                      + (" (dropped before every call)" if cache == "cold" else "")
