@@ -1,49 +1,69 @@
-"""Load benchmark: moeshard's storage modes against the anchors' loading strategies.
+"""Load benchmark: moeshard against the loaders it replaces and the one users compare it with.
 
 Builds (once, cached) a synthetic Qwen3-MoE-shaped Hugging Face checkpoint (bf16, per-expert
-keys as transformers writes them), starts 8 gloo ranks as 2 simulated nodes x 4 local ranks,
-and in that one process group, for each layout (EP=8; EP=4 x expert-FSDP=2) loads the
-checkpoint into a meta-built, ``moeshard.parallelize``-d Qwen3MoeForCausalLM with
+keys and ``config.json`` as transformers' ``save_pretrained`` writes them), starts gloo ranks as
+simulated nodes (default 8 = 2 nodes x 4 local ranks, ``LOCAL_WORLD_SIZE`` as torchrun sets it),
+and in that one process group, for each layout (EPxEFSDP, default EP=8 and EP=4 x efsdp=2):
 
-* moeshard.load, storage "shared", "node" and "single";
-* the baselines of ``benchmarks/baselines.py``: rank0-broadcast (accelerate / transformers
-  #45662), chunk-broadcast-loop (twinkle #200), node-local-p2p (twinkle #207);
+1. Into one meta-built, ``moeshard.parallelize``-d Qwen3MoeForCausalLM, zeroed before each
+   strategy and proven with ``moeshard.verify`` after it:
 
-zeroing every local tensor before each strategy and proving the result with
-``moeshard.verify`` after it (``--repeat`` rounds over all strategies; median wall time).
-Per strategy: wall seconds (barrier before and after), bytes read from storage, bytes sent
-(total, crossing nodes, max per rank), peak RSS growth (max over ranks), verify. Also: the
-"read floor" (one process reading the whole checkpoint once), the planner's lower bounds for
-the layout, and speedup ratios ("A vs B" = wall(B) / wall(A)). Prints a table; writes JSON.
+   * moeshard.load, storage "shared", "node" and "single";
+   * the baselines of ``benchmarks/baselines.py``: rank0-broadcast (accelerate / transformers
+     #45662), chunk-broadcast-loop (twinkle #200), node-local-p2p (twinkle #207).
+
+2. Into fresh memory every round (``benchmarks/load_fresh.py``), the whole user-facing call
+   each, alternated round by round (A B F A B F ...), every parameter compared with the
+   checkpoint's bytes after each load:
+
+   * moeshard-fresh: ``moeshard.from_pretrained(path, ep=E, efsdp=F)`` (config, meta build,
+     parallelize, load);
+   * transformers-native: ``AutoModelForCausalLM.from_pretrained(path,
+     distributed_config=DistributedConfig(fsdp_size=W, ep_size=E))``;
+   * parallel-read-floor: every rank preadv-s its 1/W of each file into new memory, nothing else.
+
+   ``--cache warm,cold`` runs them with a warm page cache and with the cache dropped before
+   every call (root only; otherwise a line says so and it runs warm). ``--profile`` adds
+   instrumented moeshard rounds (``benchmarks/load_profile.py``, out of the medians) and prints
+   where each rank's time goes.
+
+Per strategy: wall seconds (barrier before and after, slowest rank, median of ``--repeat``
+runs), bytes read from storage, bytes sent (total, crossing nodes, max per rank), peak RSS
+growth (max over ranks), check. Also: the "read floor" (one process reading the whole checkpoint
+once), the planner's lower bounds for the layout, and ratios ("A vs B" = wall(B) / wall(A);
+"A / B" = wall(A) / wall(B)). Prints a table; writes JSON.
 
 Run from the repository root::
 
     python -m benchmarks.bench_load                  # ~1 GiB checkpoint, a few minutes
     python -m benchmarks.bench_load --size-mib 64    # quick run
+    python -m benchmarks.bench_load --size-mib 512 --ranks 4 --strategies moeshard-fresh,\\
+        transformers-native,parallel-read-floor --repeat 5 --cache warm,cold --profile
     python benchmarks/bench_load.py --help
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import json
 import os
 import platform
 import sys
-import threading
 import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moeshard.ops.peak_rss import read_peak_rss, reset_peak_rss  # noqa: E402
+from benchmarks.load_fresh import FRESH_STRATEGIES, cold_cache_problem  # noqa: E402
+from benchmarks.load_fresh_report import aggregate_fresh, format_fresh  # noqa: E402
+from benchmarks.load_rss import RssMonitor, malloc_trim  # noqa: E402
 
 MOESHARD_MODES = ("shared", "node", "single")
 BASELINE_NAMES = ("rank0-broadcast", "chunk-broadcast-loop", "node-local-p2p")
-ALL_STRATEGIES = MOESHARD_MODES + BASELINE_NAMES
+ALL_STRATEGIES = MOESHARD_MODES + BASELINE_NAMES + FRESH_STRATEGIES
+CACHE_MODES = ("warm", "cold")
 DEFAULT_LAYOUTS = "8x1,4x2"
 NUM_LAYERS, NUM_EXPERTS = 8, 64
 WORLD, LOCAL_WORLD = 8, 4
@@ -128,27 +148,33 @@ def checkpoint_tensors(d: dict, seed: int = 0):
 
 
 def ensure_checkpoint(path: Path, d: dict, rebuild: bool = False) -> tuple[bool, float]:
-    """Write the checkpoint unless ``path`` already holds one with these dims.
-    Returns ``(built, seconds)``."""
+    """Write the checkpoint (safetensors shards, index, ``config.json``) unless ``path``
+    already holds one with these dims. Returns ``(built, seconds)``."""
     from moeshard import write_checkpoint
     from moeshard.io.checkpoint import INDEX_NAME
 
     dims_path = path / DIMS_FILE
+    config_path = path / "config.json"
     if not rebuild and (path / INDEX_NAME).is_file() and dims_path.is_file():
         try:
             if json.loads(dims_path.read_text()) == d:
+                if not config_path.is_file():  # a checkpoint cached before the fresh-memory loaders
+                    hf_config(d).to_json_file(str(config_path))
                 return False, 0.0
         except (OSError, json.JSONDecodeError):
             pass
     if path.exists():
         # Only files this benchmark writes; never a whole directory it did not create.
-        for p in list(path.glob("model-*.safetensors")) + list(path.glob("*.tmp")) + [path / INDEX_NAME, dims_path]:
+        for p in (list(path.glob("model-*.safetensors")) + list(path.glob("*.tmp"))
+                  + [path / INDEX_NAME, dims_path, config_path]):
             if p.is_file():
                 p.unlink()
     t0 = time.perf_counter()
     total = checkpoint_bytes(d)
     shard = max(4 * MiB, min(256 * MiB, total // 4))
     write_checkpoint(path, checkpoint_tensors(d), max_shard_bytes=shard, metadata={"generator": "moeshard bench_load"})
+    # config.json as save_pretrained writes it: what both from_pretrained loaders read.
+    hf_config(d).to_json_file(str(config_path))
     dims_path.write_text(json.dumps(d))
     return True, time.perf_counter() - t0
 
@@ -175,53 +201,6 @@ def read_floor(path: Path) -> dict:
 
 
 # -- per-rank measurement -------------------------------------------------------------------
-
-
-def malloc_trim() -> None:
-    """Hand freed heap back to the OS so the next strategy's RSS baseline is not inflated."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-# The peak-RSS high-water mark (VmHWM) is reset and read as load() itself does it.
-_reset_hwm, _read_hwm = reset_peak_rss, read_peak_rss
-
-
-class RssMonitor:
-    """Peak RSS growth of this process over a block: a psutil sampling thread, plus the
-    kernel's exact high-water mark (VmHWM, reset at entry) where Linux allows it."""
-
-    def __init__(self, interval: float = 0.01):
-        import psutil
-
-        self.proc = psutil.Process()
-        self.interval = interval
-        self.before = self.peak_sampled = self.peak_hwm = 0
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.peak_sampled = max(self.peak_sampled, self.proc.memory_info().rss)
-
-    def __enter__(self) -> "RssMonitor":
-        self._hwm = _reset_hwm()
-        self.before = self.peak_sampled = self.proc.memory_info().rss
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak_sampled = max(self.peak_sampled, self.proc.memory_info().rss)
-        hwm = _read_hwm() if self._hwm else None
-        self.peak_hwm = hwm or 0
-
-    @property
-    def growth(self) -> int:
-        return max(self.peak_sampled, self.peak_hwm) - self.before
 
 
 def _verify(model, ckpt: str, placement) -> tuple[bool, str]:
@@ -294,51 +273,108 @@ def _lower_bounds(target) -> dict:
 
 
 def rank_main(spec: dict) -> dict:
-    """Runs on every rank (collective): every layout, every strategy, in order."""
+    """Runs on every rank (collective): every layout; in each, the strategies into the
+    pre-built model (round-robin over ``--repeat`` runs), then the fresh-memory ones (per cache
+    mode: warm-up rounds, timed rounds, instrumented profile rounds)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # its per-rank "Loading weights" bars
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
+    rank = dist.get_rank()
+    out: dict = {"rank": rank, "layouts": []}
+    warmed = False
+    for li, (ep, efsdp) in enumerate(spec["layouts"]):
+        lay: dict = {"ep": ep, "efsdp": efsdp, "strategies": {}, "minimal": {}}
+        prebuilt = [n for n in spec["strategies"] if n not in FRESH_STRATEGIES]
+        if prebuilt:
+            _prebuilt_rounds(spec, prebuilt, ep, efsdp, li, lay)
+        fresh = [n for n in spec["strategies"] if n in FRESH_STRATEGIES]
+        if fresh:
+            _fresh_rounds(spec, fresh, ep, efsdp, lay, warm_up=not warmed)
+            warmed = True
+        out["layouts"].append(lay)
+    return out
+
+
+def _prebuilt_rounds(spec: dict, names: list[str], ep: int, efsdp: int, li: int, lay: dict) -> None:
+    """Collective: the strategies of ``names`` into one pre-built model, zeroed before each."""
     import torch
     import torch.distributed as dist
 
     import moeshard
     from benchmarks.baselines import Target
 
-    torch.set_num_threads(1)
-    rank = dist.get_rank()
     ckpt = spec["ckpt"]
-    dtype = getattr(torch, spec["model_dtype"])
-    out: dict = {"rank": rank, "layouts": []}
-    for li, (ep, efsdp) in enumerate(spec["layouts"]):
-        t_setup = time.perf_counter()
-        model = meta_model(spec["dims"], dtype)
-        mesh = moeshard.make_mesh("cpu", ep=ep, efsdp=efsdp)
-        placement = moeshard.Placement.contiguous(spec["dims"]["num_layers"], spec["dims"]["num_experts"], ep)
-        moeshard.parallelize(model, mesh, placement)
-        moeshard.materialize(model)
-        target = Target.build(model, ckpt, placement, spec["local_world"])
-        lay: dict = {"ep": ep, "efsdp": efsdp, "shard_bytes": target.shard_bytes(),
-                     "setup_seconds": time.perf_counter() - t_setup, "strategies": {},
-                     "minimal": _lower_bounds(target) if rank == 0 else {}}
-        if spec["negative_control"] and li == 0:
-            # A zeroed model must fail verify, or "verify ok" below proves nothing.
-            target.zero_()
-            ok, msg = _verify(model, ckpt, placement)
-            lay["negative_control"] = {"verify_rejected_zeroed_model": not ok, "message": msg[:200]}
-        for run in range(spec["repeat"]):
-            for name in spec["strategies"]:  # round-robin over strategies, so drift hits all alike
-                lay["strategies"].setdefault(name, []).append(
-                    _run_strategy(name, model, target, placement, ckpt, spec))
-        out["layouts"].append(lay)
-        del target, model, mesh
-        gc.collect()
-        malloc_trim()
-    return out
+    t_setup = time.perf_counter()
+    model = meta_model(spec["dims"], getattr(torch, spec["model_dtype"]))
+    mesh = moeshard.make_mesh("cpu", ep=ep, efsdp=efsdp)
+    placement = moeshard.Placement.contiguous(spec["dims"]["num_layers"], spec["dims"]["num_experts"], ep)
+    moeshard.parallelize(model, mesh, placement)
+    moeshard.materialize(model)
+    target = Target.build(model, ckpt, placement, spec["local_world"])
+    lay.update(shard_bytes=target.shard_bytes(), setup_seconds=time.perf_counter() - t_setup,
+               minimal=_lower_bounds(target) if dist.get_rank() == 0 else {})
+    if spec["negative_control"] and li == 0:
+        # A zeroed model must fail verify, or "verify ok" below proves nothing.
+        target.zero_()
+        ok, msg = _verify(model, ckpt, placement)
+        lay["negative_control"] = {"verify_rejected_zeroed_model": not ok, "message": msg[:200]}
+    for run in range(spec["repeat"]):
+        for name in names:  # round-robin over strategies, so drift hits all alike
+            lay["strategies"].setdefault(name, []).append(
+                _run_strategy(name, model, target, placement, ckpt, spec))
+    del target, model, mesh
+    gc.collect()
+    malloc_trim()
+
+
+def _fresh_rounds(spec: dict, names: list[str], ep: int, efsdp: int, lay: dict, warm_up: bool) -> None:
+    """Collective: per cache mode, ``spec["warmup"]`` untimed rounds (first layout only:
+    imports and first-use caches are no loader's cost), ``spec["repeat"]`` timed rounds
+    alternating the strategies of ``names``, then ``spec["profile"]`` instrumented moeshard
+    rounds. Rows go to ``lay["fresh"][cache][name]``, profiles to ``lay["profile"][cache]``."""
+    import torch.distributed as dist
+
+    from benchmarks.load_fresh import negative_control, profile_moeshard, run_fresh
+
+    rank = dist.get_rank()
+    lay["fresh"], lay["profile"] = {}, {}
+    if spec["negative_control"]:
+        lay["fresh_negative_control"] = negative_control(spec, ep, efsdp)
+    for cache in spec["caches"]:
+        cold = cache == "cold"
+        rows: dict = {n: [] for n in names}
+        for _ in range(spec["warmup"] if warm_up else 0):
+            for name in names:
+                run_fresh(name, spec, ep, efsdp, cold)
+        warm_up = False
+        for k in range(spec["repeat"]):
+            for name in names:  # A B F A B F ...: drift and other load on the host hit all alike
+                rows[name].append(run_fresh(name, spec, ep, efsdp, cold))
+                if rank == 0:  # progress: rank 0's own wall time (the table takes the slowest rank's)
+                    r = rows[name][-1]
+                    print(f"[bench_load] EP={ep} x efsdp={efsdp} {cache} round {k + 1}/{spec['repeat']} {name}: "
+                          f"{r['wall_seconds']:.2f} s{' ERROR ' + r['error'][:200] if r['error'] else ''}",
+                          flush=True)
+        lay["fresh"][cache] = rows
+        lay["profile"][cache] = [profile_moeshard(spec, ep, efsdp, cold) for _ in range(spec["profile"])]
 
 
 # -- aggregation and report -----------------------------------------------------------------
 
 
-def aggregate(per_rank: list[dict], ckpt_bytes: int) -> list[dict]:
+def aggregate(per_rank: list[dict], ckpt_bytes: int, file_bytes: int = 0) -> list[dict]:
     """Per layout and strategy: wall = max over ranks (median over repeats), bytes summed or
-    maxed over ranks, RSS growth max over ranks and repeats, verify ok only if every run is."""
+    maxed over ranks, RSS growth max over ranks and repeats, verify ok only if every run is;
+    the fresh-memory rows by :func:`benchmarks.load_fresh_report.aggregate_fresh`
+    (``file_bytes``: the checkpoint files' total size, what the parallel read floor reads)."""
     import statistics
 
     layouts = []
@@ -348,11 +384,13 @@ def aggregate(per_rank: list[dict], ckpt_bytes: int) -> list[dict]:
         agg: dict = {
             "layout": f"EP={ep}" if efsdp == 1 else f"EP={ep} x efsdp={efsdp}",
             "ep": ep, "efsdp": efsdp,
-            "shard_bytes_per_rank": [l["shard_bytes"] for l in lays],
-            "shard_bytes_max_rank": max(l["shard_bytes"] for l in lays),
-            "setup_seconds_max_rank": max(l["setup_seconds"] for l in lays),
+            "shard_bytes_per_rank": [l.get("shard_bytes") for l in lays],
+            "shard_bytes_max_rank": max((l.get("shard_bytes") or 0) for l in lays) if "shard_bytes" in lay0 else None,
+            "setup_seconds_max_rank": max(l["setup_seconds"] for l in lays) if "setup_seconds" in lay0 else None,
             "minimal": lay0["minimal"], "strategies": {},
         }
+        if "fresh" in lay0:
+            agg["fresh"] = aggregate_fresh(lays, file_bytes)
         if "negative_control" in lay0:
             agg["negative_control_verify_rejected_zeroed_model"] = all(
                 l["negative_control"]["verify_rejected_zeroed_model"] for l in lays)
@@ -457,16 +495,19 @@ def format_report(res: dict) -> str:
         lines.append(f"WARNING: load average was {la:.1f} at the start: other work shared the cores; timings are noisy")
     lines.append(f"read floor (1 process, CheckpointReader, every tensor once): {fl['seconds']:.2f} s "
                  f"({fl['GiB_per_s']:.2f} GiB/s)")
-    lines.append("page cache: warm for every strategy alike (nothing dropped; the checkpoint was just "
-                 "written or read)")
+    lines.append("page cache: warm for the strategies into the pre-built model (nothing dropped; the checkpoint "
+                 "was just written or read); the fresh-memory rows say theirs")
+    if cfg.get("cache_note"):
+        lines.append(cfg["cache_note"])
     lines.append(f"wall s: barrier to barrier, max over ranks, median of {res['config']['repeat']} run(s); "
                  "plan s: the part of moeshard.load before data moves (headers, plan, agreement)")
     lines.append("bytes: checkpoint dtype; a broadcast to k ranks counts k copies for its root; "
                  "RSS+ = peak RSS during the strategy minus RSS before it, max over ranks and runs")
-    for lay in res["layouts"]:
+    for li, lay in enumerate(res["layouts"]):
         lines.append("")
         mins = lay["minimal"]
-        lines.append(f"== {lay['layout']}  (shard per rank: max {_mib(lay['shard_bytes_max_rank'])} MiB)")
+        lines.append(f"== {lay['layout']}" + (f"  (shard per rank: max {_mib(lay['shard_bytes_max_rank'])} MiB)"
+                                               if lay["shard_bytes_max_rank"] else ""))
         if mins:
             lines.append("   lower bounds (moeshard.plan.minimal_cost): " + "; ".join(
                 f"{m}: net {_mib(v['network_bytes'])} MiB, cross-node {_mib(v['cross_node_bytes'])} MiB, "
@@ -474,6 +515,11 @@ def format_report(res: dict) -> str:
         if "negative_control_verify_rejected_zeroed_model" in lay:
             lines.append(f"   negative control: verify rejects a zeroed model: "
                          f"{lay['negative_control_verify_rejected_zeroed_model']}")
+        if "fresh" in lay:
+            lines.extend(format_fresh(lay["fresh"], res["config"]["repeat"], legend=li == 0))
+        if not lay["strategies"]:
+            continue
+        lines.append("   into one pre-built model, zeroed before each strategy:")
         hdr = (f"   {'strategy':<22}{'wall s':>8}{'plan s':>8}{'read MiB':>11}{'read/rank':>11}{'net MiB':>11}"
                f"{'cross':>10}{'net/rank':>10}{'RSS+ MiB':>10}  verify")
         lines.append(hdr)
@@ -544,6 +590,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="model parameter dtype (checkpoint is bf16; float32 = fp32 master weights)")
     p.add_argument("--repeat", type=int, default=3,
                    help="timed runs per strategy (round-robin); the table shows the median (default 3)")
+    p.add_argument("--cache", default="warm",
+                   help="page cache for the fresh-memory strategies: warm, cold or warm,cold (cold: dropped "
+                   "before every call; needs root, else runs warm and says so)")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed rounds of the fresh-memory strategies before the timed ones, in the first "
+                   "layout (imports, first-use caches; default 1)")
+    p.add_argument("--profile", type=int, nargs="?", const=1, default=0, metavar="N",
+                   help="after the timed fresh rounds, N (default 1) instrumented moeshard-fresh rounds per layout "
+                   "and cache mode: where each rank's time goes (kept out of the medians)")
     p.add_argument("--staging-mib", type=float, default=256, help="moeshard staging budget per rank (default 256)")
     p.add_argument("--no-negative-control", action="store_true",
                    help="skip checking that verify rejects a zeroed model")
@@ -565,6 +620,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [s for s in args.strategies if s not in ALL_STRATEGIES]
     if bad:
         p.error(f"unknown strategies {bad}; choose from {list(ALL_STRATEGIES)}")
+    args.cache = [c.strip() for c in args.cache.split(",") if c.strip()]
+    bad = [c for c in args.cache if c not in CACHE_MODES]
+    if bad or not args.cache or len(set(args.cache)) != len(args.cache):
+        p.error(f"--cache: a comma list of distinct modes from {list(CACHE_MODES)}, got {args.cache}")
+    if args.warmup < 0 or args.profile < 0:
+        p.error("--warmup and --profile must be >= 0")
+    if args.profile and "moeshard-fresh" not in args.strategies:
+        p.error("--profile instruments moeshard-fresh: include it in --strategies")
     return args
 
 
@@ -595,9 +658,23 @@ def main(argv=None) -> dict:
     world, local = args.ranks, args.ranks_per_node
     print(f"[bench_load] read floor {floor['seconds']:.2f} s; starting {world} ranks "
           f"({world // local} nodes x {local}) ...", flush=True)
+    caches, cache_note = list(args.cache), ""
+    fresh = [n for n in args.strategies if n in FRESH_STRATEGIES]
+    if "cold" in caches and fresh:
+        problem = cold_cache_problem()
+        if problem:
+            cache_note = (f"--cache cold: cannot drop the page cache ({problem}): the fresh-memory strategies ran "
+                          "with a warm cache only")
+            caches = [c for c in caches if c != "cold"] or ["warm"]
+        else:
+            cache_note = ("--cache cold: the page cache of the whole host is dropped (sync, then 3 > "
+                          "/proc/sys/vm/drop_caches, by rank 0 between two barriers) before every cold call")
+        print(f"[bench_load] {cache_note}", flush=True)
+    file_sizes = {p.name: p.stat().st_size for p in sorted(ckpt.glob("*.safetensors"))}
     spec = {"ckpt": str(ckpt.resolve()), "dims": dims, "layouts": args.layouts, "strategies": args.strategies,
             "model_dtype": args.model_dtype, "staging_bytes": int(args.staging_mib * MiB),
-            "negative_control": not args.no_negative_control, "repeat": max(1, args.repeat), "local_world": local}
+            "negative_control": not args.no_negative_control, "repeat": max(1, args.repeat), "local_world": local,
+            "caches": caches, "warmup": args.warmup, "profile": args.profile, "file_sizes": file_sizes}
     saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # the ranks share the cores
     t_ranks = time.perf_counter()
@@ -612,7 +689,7 @@ def main(argv=None) -> dict:
     ranks_s = time.perf_counter() - t_ranks
     import torch
 
-    layouts = aggregate(per_rank, floor["bytes"])
+    layouts = aggregate(per_rank, floor["bytes"], sum(file_sizes.values()))
     for lay in layouts:
         sh = lay["strategies"].get("shared")
         lay["ratios"]["shared_over_read_floor"] = (sh["wall_seconds"] / floor["seconds"]) if sh and not sh["error"] else None
@@ -623,7 +700,9 @@ def main(argv=None) -> dict:
         "read_floor": {**floor, "page_cache": "warm (same for every strategy; nothing dropped)"},
         "config": {"world_size": world, "local_world_size": local, "num_nodes": world // local,
                    "backend": "gloo", "model_dtype": args.model_dtype, "staging_bytes": spec["staging_bytes"],
-                   "strategies": args.strategies, "layouts": args.layouts, "repeat": spec["repeat"]},
+                   "strategies": args.strategies, "layouts": args.layouts, "repeat": spec["repeat"],
+                   "caches": caches, "cache_requested": list(args.cache), "cache_note": cache_note,
+                   "warmup": args.warmup, "profile_rounds": args.profile, "file_bytes": sum(file_sizes.values())},
         "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
                  "platform": platform.platform(), "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
         "layouts": layouts,
