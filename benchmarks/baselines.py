@@ -33,16 +33,16 @@ from __future__ import annotations
 import math
 import os
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from moeshard.models.adapters import DEFAULT_SPECS, ExpertsSpec
 from moeshard.box import box_shape, box_slices
 from moeshard.io.checkpoint import CheckpointIndex, CheckpointReader
+from moeshard.models.adapters import DEFAULT_SPECS, ExpertsSpec
 from moeshard.models.describe import ParamDesc, describe_model, local_tensor
 from moeshard.models.layout import Need, compute_needs
 from moeshard.placement import Placement
@@ -94,8 +94,14 @@ class Target:
         self.by_param_rank = by_param
 
     @classmethod
-    def build(cls, model: nn.Module, checkpoint: str | os.PathLike, placement: Placement | None,
-              local_world_size: int, specs: Sequence[ExpertsSpec] = DEFAULT_SPECS) -> "Target":
+    def build(
+        cls,
+        model: nn.Module,
+        checkpoint: str | os.PathLike,
+        placement: Placement | None,
+        local_world_size: int,
+        specs: Sequence[ExpertsSpec] = DEFAULT_SPECS,
+    ) -> Target:
         """Collective: describe a materialized, parallelized ``model`` (untimed set-up)."""
         rank, world = dist.get_rank(), dist.get_world_size()
         path = os.fspath(checkpoint)
@@ -188,8 +194,10 @@ def chunk_broadcast_loop(t: Target) -> BaselineStats:
             _broadcast_keys(t, [k for k in t.keys if k not in expert_keys], st, reader)
             for i in expert_params:
                 per_rank = t.by_param_rank.get(i, {})
-                keys = sorted({n.key for ns in per_rank.values() for n in ns},
-                              key=lambda k: (t.index.info(k).file, t.index.info(k).offset))
+                keys = sorted(
+                    {n.key for ns in per_rank.values() for n in ns},
+                    key=lambda k: (t.index.info(k).file, t.index.info(k).offset),
+                )
                 if not keys:
                     continue
                 dtype = t.index.info(keys[0]).torch_dtype

@@ -38,8 +38,8 @@ import numpy as np
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moeshard import eplb  # noqa: E402
-from moeshard.cli.bench.traces import zipf_trace  # noqa: E402
+from moeshard import eplb
+from moeshard.cli.bench.traces import zipf_trace
 
 
 def _timed(fn, repeat: int):
@@ -70,9 +70,18 @@ def first_step(args, cfg: dict) -> dict:
                 secs[name].append(s_)
                 cpu[name].append(c_)
             ratios.append(r)
-            rows.append({"alpha": alpha, "seed": seed, "ratio_min": float(r.min()), "ratio_median": float(np.median(r)),
-                         "ratio_mean": float(r.mean()), "ratio_max": float(r.max()),
-                         "layers_better": int((r < 1 - 1e-12).sum()), "layers_worse": int((r > 1 + 1e-12).sum())})
+            rows.append(
+                {
+                    "alpha": alpha,
+                    "seed": seed,
+                    "ratio_min": float(r.min()),
+                    "ratio_median": float(np.median(r)),
+                    "ratio_mean": float(r.mean()),
+                    "ratio_max": float(r.max()),
+                    "layers_better": int((r < 1 - 1e-12).sum()),
+                    "layers_worse": int((r > 1 + 1e-12).sum()),
+                }
+            )
     x = np.concatenate(ratios)
     return {
         "traces": rows,
@@ -86,8 +95,7 @@ def first_step(args, cfg: dict) -> dict:
 
 
 def run(args) -> dict:
-    cfg = dict(num_physical=args.physical, num_ranks=args.ranks, num_nodes=args.nodes,
-               num_groups=args.groups or None)
+    cfg = dict(num_physical=args.physical, num_ranks=args.ranks, num_nodes=args.nodes, num_groups=args.groups or None)
     trace = zipf_trace(args.layers, args.logical, args.steps + 1, seed=args.seed, alpha=args.alpha, drift=args.drift)
     start = eplb.rebalance(trace[0], **cfg, migration_aware=False)
     cur = {"reference": eplb.reference(trace[0], **cfg), "oblivious": start, "aware": start}
@@ -128,8 +136,10 @@ def run(args) -> dict:
         rows.append(row)
     tot = {name: sum(r[name]["copies_moved"] for r in rows) for name in calls}
     if not rows:
-        return {"config": {**vars(args), **cfg, "policy": "hierarchical" if args.groups else "global"},
-                "first_step": first_step(args, cfg)}
+        return {
+            "config": {**vars(args), **cfg, "policy": "hierarchical" if args.groups else "global"},
+            "first_step": first_step(args, cfg),
+        }
     summary = {
         "copies_per_step": args.layers * args.physical,
         "copies_moved_total": tot,
@@ -144,8 +154,12 @@ def run(args) -> dict:
     }
     return {
         "config": {**vars(args), **cfg, "policy": "hierarchical" if args.groups else "global"},
-        "machine": {"python": platform.python_version(), "numpy": np.__version__, "cpu": platform.processor(),
-                    "cpus": __import__("os").cpu_count()},
+        "machine": {
+            "python": platform.python_version(),
+            "numpy": np.__version__,
+            "cpu": platform.processor(),
+            "cpus": __import__("os").cpu_count(),
+        },
         "steps": rows,
         "summary": summary,
         "first_step": first_step(args, cfg),
@@ -164,11 +178,19 @@ def main(argv=None) -> int:
     ap.add_argument("--alpha", type=float, default=1.2, help="Zipf exponent of expert popularity")
     ap.add_argument("--drift", type=float, default=0.1, help="fraction of experts swapping popularity per step")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tolerance", type=float, default=0.0,
-                    help="aware policy: per layer at most (1 + tolerance) x the reference's max/mean")
+    ap.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.0,
+        help="aware policy: per layer at most (1 + tolerance) x the reference's max/mean",
+    )
     ap.add_argument("--repeat", type=int, default=5, help="policy calls per step (median wall time)")
-    ap.add_argument("--first-alphas", type=lambda t: [float(a) for a in t.split(",")], default=[0.6, 0.9, 1.2, 1.5],
-                    help="first step: Zipf exponents of the fresh traces (comma-separated)")
+    ap.add_argument(
+        "--first-alphas",
+        type=lambda t: [float(a) for a in t.split(",")],
+        default=[0.6, 0.9, 1.2, 1.5],
+        help="first step: Zipf exponents of the fresh traces (comma-separated)",
+    )
     ap.add_argument("--first-seeds", type=int, default=2, help="first step: traces per exponent")
     ap.add_argument("--out", default="bench_out/bench_eplb.json")
     args = ap.parse_args(argv)
@@ -186,50 +208,87 @@ def main(argv=None) -> int:
 
 def _print_first(args, f: dict) -> None:
     """The first step's lines: per trace and over all, oblivious / reference per layer."""
-    print(f"first step (no previous placement), oblivious / reference max/mean per layer, {args.layers} layers "
-          f"per trace:")
+    print(
+        f"first step (no previous placement), oblivious / reference max/mean per layer, {args.layers} layers per trace:"
+    )
     print(f"{'alpha':>5} {'seed':>4} | {'min':>7} {'median':>7} {'mean':>7} {'max':>7} | {'better':>6} {'worse':>5}")
     for t in f["traces"]:
-        print(f"{t['alpha']:>5} {t['seed']:>4} | {t['ratio_min']:>7.4f} {t['ratio_median']:>7.4f} "
-              f"{t['ratio_mean']:>7.4f} {t['ratio_max']:>7.4f} | {t['layers_better']:>6} {t['layers_worse']:>5}")
+        print(
+            f"{t['alpha']:>5} {t['seed']:>4} | {t['ratio_min']:>7.4f} {t['ratio_median']:>7.4f} "
+            f"{t['ratio_mean']:>7.4f} {t['ratio_max']:>7.4f} | {t['layers_better']:>6} {t['layers_worse']:>5}"
+        )
     r = f["ratio"]
-    print(f"  all | {r['min']:>7.4f} {r['median']:>7.4f} {r['mean']:>7.4f} {r['max']:>7.4f} | "
-          f"{f['layers_better']:>6} {f['layers_worse']:>5}  of {f['layers']} layers (max {r['max']!r})")
+    print(
+        f"  all | {r['min']:>7.4f} {r['median']:>7.4f} {r['mean']:>7.4f} {r['max']:>7.4f} | "
+        f"{f['layers_better']:>6} {f['layers_worse']:>5}  of {f['layers']} layers (max {r['max']!r})"
+    )
     c = f["cpu_seconds_median"]
-    print(f"first step CPU time (median): oblivious {1e3 * c['oblivious']:.1f} ms, reference "
-          f"{1e3 * c['reference']:.1f} ms")
+    print(
+        f"first step CPU time (median): oblivious {1e3 * c['oblivious']:.1f} ms, reference "
+        f"{1e3 * c['reference']:.1f} ms"
+    )
 
 
 def _print_steps(args, res: dict) -> None:
     """The drifting trace's table and summary lines."""
     c = res["config"]
-    print(f"EPLB {c['policy']}: {args.layers} layers x {args.logical} experts, {args.physical} slots, "
-          f"{args.ranks} ranks / {args.nodes} nodes, groups={args.groups or '-'}; zipf alpha={args.alpha} "
-          f"drift={args.drift}; {args.layers * args.physical} copies per step")
-    print(f"{'step':>4} | {'balance ref':>11} {'obl':>7} {'aware':>7} {'aw/ref':>7} | {'moved ref':>9} {'obl':>6} "
-          f"{'aware':>6} {'aw/ref':>6} | {'ms ref':>6} {'obl':>6} {'aware':>6}")
+    print(
+        f"EPLB {c['policy']}: {args.layers} layers x {args.logical} experts, {args.physical} slots, "
+        f"{args.ranks} ranks / {args.nodes} nodes, groups={args.groups or '-'}; zipf alpha={args.alpha} "
+        f"drift={args.drift}; {args.layers * args.physical} copies per step"
+    )
+    print(
+        f"{'step':>4} | {'balance ref':>11} {'obl':>7} {'aware':>7} {'aw/ref':>7} | {'moved ref':>9} {'obl':>6} "
+        f"{'aware':>6} {'aw/ref':>6} | {'ms ref':>6} {'obl':>6} {'aware':>6}"
+    )
+
     def row(label, balance: dict, balance_ratio: float, moved: dict, moved_ratio: float, seconds: dict) -> str:
         """One line of the table: per policy (reference, oblivious, aware) balance, moves, ms."""
         b, m, t = ([d[k] for k in ("reference", "oblivious", "aware")] for d in (balance, moved, seconds))
-        return (f"{label:>4} | {b[0]:>11.4f} {b[1]:>7.4f} {b[2]:>7.4f} {balance_ratio:>7.4f} | {m[0]:>9} {m[1]:>6} "
-                f"{m[2]:>6} {moved_ratio:>6.3f} | {1e3 * t[0]:>6.1f} {1e3 * t[1]:>6.1f} {1e3 * t[2]:>6.1f}")
+        return (
+            f"{label:>4} | {b[0]:>11.4f} {b[1]:>7.4f} {b[2]:>7.4f} {balance_ratio:>7.4f} | {m[0]:>9} {m[1]:>6} "
+            f"{m[2]:>6} {moved_ratio:>6.3f} | {1e3 * t[0]:>6.1f} {1e3 * t[1]:>6.1f} {1e3 * t[2]:>6.1f}"
+        )
 
     for r in res["steps"]:
-        per = {k: {p: r[p][k] for p in ("reference", "oblivious", "aware")}
-               for k in ("balance", "copies_moved", "seconds")}
-        print(row(r["step"], per["balance"], r["aware_vs_reference_balance_max"], per["copies_moved"],
-                  r["moved_ratio_vs_reference"], per["seconds"]))
+        per = {
+            k: {p: r[p][k] for p in ("reference", "oblivious", "aware")} for k in ("balance", "copies_moved", "seconds")
+        }
+        print(
+            row(
+                r["step"],
+                per["balance"],
+                r["aware_vs_reference_balance_max"],
+                per["copies_moved"],
+                r["moved_ratio_vs_reference"],
+                per["seconds"],
+            )
+        )
     s = res["summary"]
-    print(row("all", s["balance_mean"], s["aware_vs_reference_balance_max"], s["copies_moved_total"],
-              s["moved_ratio_vs_reference"], s["seconds_median"]))
+    print(
+        row(
+            "all",
+            s["balance_mean"],
+            s["aware_vs_reference_balance_max"],
+            s["copies_moved_total"],
+            s["moved_ratio_vs_reference"],
+            s["seconds_median"],
+        )
+    )
     c = s["cpu_seconds_median"]
-    print(f"policy CPU time (median): reference {1e3 * c['reference']:.1f} ms, oblivious {1e3 * c['oblivious']:.1f} ms, "
-          f"aware {1e3 * c['aware']:.1f} ms")
-    print(f"aware / reference, worst per-layer balance ratio: {s['aware_vs_reference_balance_max']!r} "
-          f"(limit {1 + args.tolerance:.2f}; worst step mean: {s['aware_vs_reference_balance_mean_max']:.4f}); "
-          f"aware / oblivious: {s['aware_vs_oblivious_balance_max']:.4f}")
-    print(f"copies moved, aware / reference: {s['moved_ratio_vs_reference']:.3f}; aware / oblivious: "
-          f"{s['moved_ratio']:.3f}")
+    print(
+        f"policy CPU time (median): reference {1e3 * c['reference']:.1f} ms, oblivious {1e3 * c['oblivious']:.1f} ms, "
+        f"aware {1e3 * c['aware']:.1f} ms"
+    )
+    print(
+        f"aware / reference, worst per-layer balance ratio: {s['aware_vs_reference_balance_max']!r} "
+        f"(limit {1 + args.tolerance:.2f}; worst step mean: {s['aware_vs_reference_balance_mean_max']:.4f}); "
+        f"aware / oblivious: {s['aware_vs_oblivious_balance_max']:.4f}"
+    )
+    print(
+        f"copies moved, aware / reference: {s['moved_ratio_vs_reference']:.3f}; aware / oblivious: "
+        f"{s['moved_ratio']:.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_load import MiB, checkpoint_path, ensure_checkpoint, meta_model, model_dims  # noqa: E402
+from benchmarks.bench_load import MiB, checkpoint_path, ensure_checkpoint, meta_model, model_dims
 
 WORLD = 4
 BLOCK = 128
@@ -81,8 +81,18 @@ def rank_main(spec: dict) -> list[dict]:
             dist.barrier()
             wall = time.perf_counter() - t0
             ok = moeshard.verify(model, spec[name], placement=pl).num_boxes_checked > 0
-            rows.append(dict(ckpt=name, run=run, wall=wall, read=rep.bytes_read_rank, sent=rep.bytes_sent_rank,
-                             dequantized=rep.dequantized_keys, verified=ok, plan=rep.plan_seconds))
+            rows.append(
+                dict(
+                    ckpt=name,
+                    run=run,
+                    wall=wall,
+                    read=rep.bytes_read_rank,
+                    sent=rep.bytes_sent_rank,
+                    dequantized=rep.dequantized_keys,
+                    verified=ok,
+                    plan=rep.plan_seconds,
+                )
+            )
     return rows
 
 
@@ -107,15 +117,23 @@ def main(argv=None) -> dict:
         mine = [[r for r in rows if r["ckpt"] == name] for rows in per_rank]  # per rank, in run order
         walls = [max(rows[i]["wall"] for rows in mine) for i in range(args.repeat)]  # the slowest rank
         out[name] = dict(
-            wall_median=statistics.median(walls), walls=walls,
-            bytes_read=sum(rows[0]["read"] for rows in mine), bytes_sent=sum(rows[0]["sent"] for rows in mine),
-            dequantized=mine[0][0]["dequantized"], verified=all(r["verified"] for rows in mine for r in rows))
-    print(f"checkpoint: bf16 {out['size']['bf16'] / MiB:,.1f} MiB, fp8 {out['size']['fp8'] / MiB:,.1f} MiB; "
-          f"{WORLD} ranks, EP={WORLD}, median of {args.repeat}")
+            wall_median=statistics.median(walls),
+            walls=walls,
+            bytes_read=sum(rows[0]["read"] for rows in mine),
+            bytes_sent=sum(rows[0]["sent"] for rows in mine),
+            dequantized=mine[0][0]["dequantized"],
+            verified=all(r["verified"] for rows in mine for r in rows),
+        )
+    print(
+        f"checkpoint: bf16 {out['size']['bf16'] / MiB:,.1f} MiB, fp8 {out['size']['fp8'] / MiB:,.1f} MiB; "
+        f"{WORLD} ranks, EP={WORLD}, median of {args.repeat}"
+    )
     for name in ("bf16", "fp8"):
         r = out[name]
-        print(f"  {name}: load {r['wall_median']:.3f} s, read {r['bytes_read'] / MiB:,.1f} MiB, "
-              f"sent {r['bytes_sent'] / MiB:,.1f} MiB, dequantized weights {r['dequantized']}, verify ok {r['verified']}")
+        print(
+            f"  {name}: load {r['wall_median']:.3f} s, read {r['bytes_read'] / MiB:,.1f} MiB, "
+            f"sent {r['bytes_sent'] / MiB:,.1f} MiB, dequantized weights {r['dequantized']}, verify ok {r['verified']}"
+        )
     print(f"  fp8 / bf16 load wall: {out['fp8']['wall_median'] / out['bf16']['wall_median']:.2f}x")
     Path("bench_out").mkdir(exist_ok=True)
     Path("bench_out/bench_fp8.json").write_text(json.dumps(out, indent=1))

@@ -39,7 +39,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_load import DIMS_VERSION, checkpoint_bytes, ensure_checkpoint, hf_config  # noqa: E402
+from benchmarks.bench_load import DIMS_VERSION, checkpoint_bytes, ensure_checkpoint, hf_config
 
 GiB = 2**30
 
@@ -47,9 +47,17 @@ GiB = 2**30
 def dims(hidden: int, moe_intermediate: int, layers: int, experts: int) -> dict:
     """bench_load's dims dict for a Qwen3-MoE of this shape (head_dim 128, vocab 8 x hidden)."""
     heads = hidden // 128
-    return dict(num_layers=layers, num_experts=experts, hidden=hidden, moe_intermediate=moe_intermediate,
-                vocab=8 * hidden, head_dim=128, num_heads=heads, num_kv_heads=max(1, heads // 4),
-                version=DIMS_VERSION)
+    return dict(
+        num_layers=layers,
+        num_experts=experts,
+        hidden=hidden,
+        moe_intermediate=moe_intermediate,
+        vocab=8 * hidden,
+        head_dim=128,
+        num_heads=heads,
+        num_kv_heads=max(1, heads // 4),
+        version=DIMS_VERSION,
+    )
 
 
 def _sync(device) -> None:
@@ -126,9 +134,13 @@ def moeshard_load(ckpt: Path, device, threads: int, direct_io: bool = False) -> 
     _sync(device)
     verify_seconds = time.perf_counter() - t0
     del model
-    return seconds, {"plan_seconds": rep.plan_seconds, "bytes_read": rep.bytes_read_rank,
-                     "verified_boxes": v.num_boxes_checked, "verify_seconds": verify_seconds,
-                     "phase_seconds": rep.phase_seconds}
+    return seconds, {
+        "plan_seconds": rep.plan_seconds,
+        "bytes_read": rep.bytes_read_rank,
+        "verified_boxes": v.num_boxes_checked,
+        "verify_seconds": verify_seconds,
+        "phase_seconds": rep.phase_seconds,
+    }
 
 
 def main(argv=None) -> int:
@@ -142,11 +154,15 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", default="1,4,8", help="moeshard read_threads values, comma-separated")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-transformers", action="store_true")
-    ap.add_argument("--direct-io", action="store_true",
-                    help="also moeshard.load with direct_io=True (O_DIRECT: page cache bypassed) per --threads value")
+    ap.add_argument(
+        "--direct-io",
+        action="store_true",
+        help="also moeshard.load with direct_io=True (O_DIRECT: page cache bypassed) per --threads value",
+    )
     ap.add_argument("--out", type=Path, default=Path("bench_out"))
-    ap.add_argument("--cache", type=Path, default=None,
-                    help="where the synthetic checkpoint is written (default: --out)")
+    ap.add_argument(
+        "--cache", type=Path, default=None, help="where the synthetic checkpoint is written (default: --out)"
+    )
     args = ap.parse_args(argv)
 
     import torch
@@ -159,7 +175,9 @@ def main(argv=None) -> int:
     ckpt = args.ckpt
     if ckpt is None:
         d = dims(args.hidden, args.moe_intermediate, args.layers, args.experts)
-        ckpt = (args.cache or args.out) / f"gpu-{d['hidden']}-{d['moe_intermediate']}-{d['num_layers']}x{d['num_experts']}"
+        ckpt = (
+            args.cache or args.out
+        ) / f"gpu-{d['hidden']}-{d['moe_intermediate']}-{d['num_layers']}x{d['num_experts']}"
         print(f"[bench_gpu] checkpoint {ckpt} (~{checkpoint_bytes(d) / GiB:.2f} GiB) ...", flush=True)
         built, secs = ensure_checkpoint(ckpt, d)
         if built:
@@ -200,22 +218,44 @@ def main(argv=None) -> int:
 
     st = min(next(v for k, v in rows.items() if k.startswith("safetensors")))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    print(f"\ncheckpoint {ckpt}: {total / GiB:.2f} GiB in {len(_files(ckpt))} files; device {device} ({name}); "
-          f"{os.cpu_count()} CPUs; torch {torch.__version__}; best of {args.repeat}, warm page cache")
+    print(
+        f"\ncheckpoint {ckpt}: {total / GiB:.2f} GiB in {len(_files(ckpt))} files; device {device} ({name}); "
+        f"{os.cpu_count()} CPUs; torch {torch.__version__}; best of {args.repeat}, warm page cache"
+    )
     print(f"{'loader':<48}{'seconds':>9}{'GiB/s':>8}{'vs safetensors':>16}{'verify s':>10}")
     result = []
     for label, secs in rows.items():
         best = min(secs)
         ver = f"{min(verify_s[label]):>10.3f}" if label in verify_s else ""
         print(f"{label:<48}{best:>9.3f}{total / GiB / best:>8.2f}{st / best:>15.2f}x{ver}")
-        result.append({"loader": label, "seconds": secs, "best_seconds": best, "GiB_per_s": total / GiB / best,
-                       "speedup_vs_safetensors": st / best, **extra.get(label, {}),
-                       "verify_seconds_all": verify_s.get(label, [])})
+        result.append(
+            {
+                "loader": label,
+                "seconds": secs,
+                "best_seconds": best,
+                "GiB_per_s": total / GiB / best,
+                "speedup_vs_safetensors": st / best,
+                **extra.get(label, {}),
+                "verify_seconds_all": verify_s.get(label, []),
+            }
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / "bench_gpu.json"
-    out.write_text(json.dumps({"checkpoint": str(ckpt), "bytes": total, "device": str(device), "device_name": name,
-                               "cpus": os.cpu_count(), "torch": torch.__version__, "repeat": args.repeat,
-                               "rows": result}, indent=1))
+    out.write_text(
+        json.dumps(
+            {
+                "checkpoint": str(ckpt),
+                "bytes": total,
+                "device": str(device),
+                "device_name": name,
+                "cpus": os.cpu_count(),
+                "torch": torch.__version__,
+                "repeat": args.repeat,
+                "rows": result,
+            },
+            indent=1,
+        )
+    )
     print(f"[bench_gpu] wrote {out}")
     return 0
 

@@ -30,7 +30,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `moeshar
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from benchmarks.bench_plan import run_timed  # noqa: E402
+from benchmarks.bench_plan import run_timed
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_HEADER_BYTES = 100_000_000  # the safetensors format's limit on the header's JSON
@@ -48,8 +48,10 @@ def _layer_entries(layer: int, begin: int) -> tuple[str, int]:
     parts = []
     for e in range(NUM_EXPERTS):
         for name in NAMES:
-            parts.append(f'"layers.{layer}.experts.{e}.{name}":{{"dtype":"BF16","shape":{shape},'
-                         f'"data_offsets":[{begin},{begin + nbytes}]}}')
+            parts.append(
+                f'"layers.{layer}.experts.{e}.{name}":{{"dtype":"BF16","shape":{shape},'
+                f'"data_offsets":[{begin},{begin + nbytes}]}}'
+            )
             begin += nbytes
     return ",".join(parts), begin
 
@@ -83,9 +85,14 @@ def measure(path: Path, repeat: int) -> dict:
     cmd = [sys.executable, "-m", "moeshard.cli", "inspect", str(path)]
     runs = [run_timed(cmd) for _ in range(repeat)]
     walls = [r[1] for r in runs]
-    return {"command": " ".join(["python"] + cmd[1:]), "wall_s": statistics.median(walls),
-            "cpu_s": statistics.median(r[2] for r in runs), "peak_rss_bytes": max(r[3] for r in runs),
-            "wall_s_all": walls, "report_tail": runs[-1][0].strip().splitlines()[-1]}
+    return {
+        "command": " ".join(["python"] + cmd[1:]),
+        "wall_s": statistics.median(walls),
+        "cpu_s": statistics.median(r[2] for r in runs),
+        "peak_rss_bytes": max(r[3] for r in runs),
+        "wall_s_all": walls,
+        "report_tail": runs[-1][0].strip().splitlines()[-1],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,15 +105,26 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(tmp) / "model.safetensors"
         num_tensors, data_bytes = write_max_header_file(path)
         on_disk = path.stat().st_blocks * 512
-        row = {"label": args.label, "header_bytes": MAX_HEADER_BYTES, "num_tensors": num_tensors,
-               "file_bytes": path.stat().st_size, "bytes_on_disk": on_disk, **measure(path, args.repeat)}
+        row = {
+            "label": args.label,
+            "header_bytes": MAX_HEADER_BYTES,
+            "num_tensors": num_tensors,
+            "file_bytes": path.stat().st_size,
+            "bytes_on_disk": on_disk,
+            **measure(path, args.repeat),
+        }
     # Keep earlier labels (a "before" row survives an "after" run), replace this one.
     rows = json.loads(args.out.read_text()).get("rows", []) if args.out.is_file() else []
     rows = [r for r in rows if r.get("label") != args.label] + [row]
-    result = {"host": {"python": platform.python_version(), "cpus": os.cpu_count(), "machine": platform.machine()},
-              "repeat": args.repeat, "rows": rows}
-    print(f"moeshard inspect, one file with a {MAX_HEADER_BYTES:,}-byte header ({num_tensors:,} tensors, "
-          f"{data_bytes / 2**30:.1f} GiB sparse data, {on_disk / 2**20:.0f} MiB on disk)")
+    result = {
+        "host": {"python": platform.python_version(), "cpus": os.cpu_count(), "machine": platform.machine()},
+        "repeat": args.repeat,
+        "rows": rows,
+    }
+    print(
+        f"moeshard inspect, one file with a {MAX_HEADER_BYTES:,}-byte header ({num_tensors:,} tensors, "
+        f"{data_bytes / 2**30:.1f} GiB sparse data, {on_disk / 2**20:.0f} MiB on disk)"
+    )
     print(f"{'label':<10}{'wall s':>9}{'cpu s':>8}{'peak RSS MiB':>14}")
     for r in rows:
         print(f"{r['label']:<10}{r['wall_s']:>9.2f}{r['cpu_s']:>8.2f}{r['peak_rss_bytes'] / 2**20:>14.0f}")

@@ -56,9 +56,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.load_fresh import FRESH_STRATEGIES, cold_cache_problem  # noqa: E402
-from benchmarks.load_fresh_report import aggregate_fresh, format_fresh  # noqa: E402
-from benchmarks.load_rss import RssMonitor, malloc_trim  # noqa: E402
+from benchmarks.load_fresh import FRESH_STRATEGIES, cold_cache_problem
+from benchmarks.load_fresh_report import aggregate_fresh, format_fresh
+from benchmarks.load_rss import RssMonitor, malloc_trim
 
 MOESHARD_MODES = ("shared", "node", "single")
 BASELINE_NAMES = ("rank0-broadcast", "chunk-broadcast-loop", "node-local-p2p")
@@ -82,9 +82,17 @@ def model_dims(size_mib: float, num_layers: int = NUM_LAYERS, num_experts: int =
     def dims(h: int) -> dict:
         head_dim = 128 if h % 128 == 0 and h >= 512 else 64
         heads = h // head_dim
-        return dict(num_layers=num_layers, num_experts=num_experts, hidden=h,
-                    moe_intermediate=max(8, round(5 * h / 16 / 8) * 8), vocab=8 * h, head_dim=head_dim,
-                    num_heads=heads, num_kv_heads=max(1, heads // 2), version=DIMS_VERSION)
+        return dict(
+            num_layers=num_layers,
+            num_experts=num_experts,
+            hidden=h,
+            moe_intermediate=max(8, round(5 * h / 16 / 8) * 8),
+            vocab=8 * h,
+            head_dim=head_dim,
+            num_heads=heads,
+            num_kv_heads=max(1, heads // 2),
+            version=DIMS_VERSION,
+        )
 
     target = size_mib * MiB
     best = min((dims(h) for h in range(64, 8193, 64)), key=lambda d: abs(checkpoint_bytes(d) - target))
@@ -102,11 +110,20 @@ def hf_config(d: dict):
     from transformers import Qwen3MoeConfig
 
     return Qwen3MoeConfig(
-        vocab_size=d["vocab"], hidden_size=d["hidden"], intermediate_size=4 * d["hidden"],
-        moe_intermediate_size=d["moe_intermediate"], num_hidden_layers=d["num_layers"],
-        num_attention_heads=d["num_heads"], num_key_value_heads=d["num_kv_heads"], head_dim=d["head_dim"],
-        num_experts=d["num_experts"], num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[],
-        max_position_embeddings=4096, tie_word_embeddings=False,
+        vocab_size=d["vocab"],
+        hidden_size=d["hidden"],
+        intermediate_size=4 * d["hidden"],
+        moe_intermediate_size=d["moe_intermediate"],
+        num_hidden_layers=d["num_layers"],
+        num_attention_heads=d["num_heads"],
+        num_key_value_heads=d["num_kv_heads"],
+        head_dim=d["head_dim"],
+        num_experts=d["num_experts"],
+        num_experts_per_tok=8,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
     )
 
 
@@ -165,8 +182,11 @@ def ensure_checkpoint(path: Path, d: dict, rebuild: bool = False) -> tuple[bool,
             pass
     if path.exists():
         # Only files this benchmark writes; never a whole directory it did not create.
-        for p in (list(path.glob("model-*.safetensors")) + list(path.glob("*.tmp"))
-                  + [path / INDEX_NAME, dims_path, config_path]):
+        for p in (
+            list(path.glob("model-*.safetensors"))
+            + list(path.glob("*.tmp"))
+            + [path / INDEX_NAME, dims_path, config_path]
+        ):
             if p.is_file():
                 p.unlink()
     t0 = time.perf_counter()
@@ -196,8 +216,13 @@ def read_floor(path: Path) -> dict:
 
     once()
     seconds = once()
-    return {"seconds": seconds, "bytes": index.total_bytes, "num_files": len(index.file_sizes),
-            "num_tensors": len(keys), "GiB_per_s": index.total_bytes / 2**30 / seconds}
+    return {
+        "seconds": seconds,
+        "bytes": index.total_bytes,
+        "num_files": len(index.file_sizes),
+        "num_tensors": len(keys),
+        "GiB_per_s": index.total_bytes / 2**30 / seconds,
+    }
 
 
 # -- per-rank measurement -------------------------------------------------------------------
@@ -230,26 +255,38 @@ def _run_strategy(name: str, model, target, placement, ckpt: str, spec: dict) ->
         t0 = time.perf_counter()
         if name in MOESHARD_MODES:
             try:
-                rep = moeshard.load(model, ckpt, placement=placement, storage=name,
-                                    staging_bytes=spec["staging_bytes"])
-                row.update(bytes_read=rep.bytes_read_rank, bytes_sent=rep.bytes_sent_rank,
-                           bytes_received=rep.bytes_received_rank, plan_seconds=rep.plan_seconds,
-                           load_wall_seconds=rep.wall_seconds, phase_seconds=rep.phase_seconds,
-                           phase_cpu_seconds=rep.phase_cpu_seconds,
-                           peak_staging_bytes=rep.peak_staging_bytes_rank, plan=rep.plan,
-                           checkpoint_bytes=rep.checkpoint_bytes)
+                rep = moeshard.load(model, ckpt, placement=placement, storage=name, staging_bytes=spec["staging_bytes"])
+                row.update(
+                    bytes_read=rep.bytes_read_rank,
+                    bytes_sent=rep.bytes_sent_rank,
+                    bytes_received=rep.bytes_received_rank,
+                    plan_seconds=rep.plan_seconds,
+                    load_wall_seconds=rep.wall_seconds,
+                    phase_seconds=rep.phase_seconds,
+                    phase_cpu_seconds=rep.phase_cpu_seconds,
+                    peak_staging_bytes=rep.peak_staging_bytes_rank,
+                    plan=rep.plan,
+                    checkpoint_bytes=rep.checkpoint_bytes,
+                )
             except moeshard.DistributedError as e:  # raised on every rank alike
                 row["error"] = str(e)[:600]
         else:
             st = BASELINES[name](target)
-            row.update(bytes_read=st.bytes_read, bytes_sent=st.bytes_sent,
-                       bytes_sent_cross_node=st.bytes_sent_cross_node,
-                       bytes_received=st.bytes_received, num_collectives=st.num_collectives)
+            row.update(
+                bytes_read=st.bytes_read,
+                bytes_sent=st.bytes_sent,
+                bytes_sent_cross_node=st.bytes_sent_cross_node,
+                bytes_received=st.bytes_received,
+                num_collectives=st.num_collectives,
+            )
         dist.barrier()
         row["wall_seconds"] = time.perf_counter() - t0
-    row.update(rss_before=mon.before, rss_growth=mon.growth,
-               rss_growth_sampled=mon.peak_sampled - mon.before,
-               rss_growth_hwm=(mon.peak_hwm - mon.before) if mon.peak_hwm else None)
+    row.update(
+        rss_before=mon.before,
+        rss_growth=mon.growth,
+        rss_growth_sampled=mon.peak_sampled - mon.before,
+        rss_growth_hwm=(mon.peak_hwm - mon.before) if mon.peak_hwm else None,
+    )
     t_v = time.perf_counter()
     row["verify_ok"], row["verify_error"] = _verify(model, ckpt, placement)
     row["verify_seconds"] = time.perf_counter() - t_v
@@ -319,17 +356,19 @@ def _prebuilt_rounds(spec: dict, names: list[str], ep: int, efsdp: int, li: int,
     moeshard.parallelize(model, mesh, placement)
     moeshard.materialize(model)
     target = Target.build(model, ckpt, placement, spec["local_world"])
-    lay.update(shard_bytes=target.shard_bytes(), setup_seconds=time.perf_counter() - t_setup,
-               minimal=_lower_bounds(target) if dist.get_rank() == 0 else {})
+    lay.update(
+        shard_bytes=target.shard_bytes(),
+        setup_seconds=time.perf_counter() - t_setup,
+        minimal=_lower_bounds(target) if dist.get_rank() == 0 else {},
+    )
     if spec["negative_control"] and li == 0:
         # A zeroed model must fail verify, or "verify ok" below proves nothing.
         target.zero_()
         ok, msg = _verify(model, ckpt, placement)
         lay["negative_control"] = {"verify_rejected_zeroed_model": not ok, "message": msg[:200]}
-    for run in range(spec["repeat"]):
+    for _ in range(spec["repeat"]):
         for name in names:  # round-robin over strategies, so drift hits all alike
-            lay["strategies"].setdefault(name, []).append(
-                _run_strategy(name, model, target, placement, ckpt, spec))
+            lay["strategies"].setdefault(name, []).append(_run_strategy(name, model, target, placement, ckpt, spec))
     del target, model, mesh
     gc.collect()
     malloc_trim()
@@ -360,9 +399,11 @@ def _fresh_rounds(spec: dict, names: list[str], ep: int, efsdp: int, lay: dict, 
                 rows[name].append(run_fresh(name, spec, ep, efsdp, cold))
                 if rank == 0:  # progress: rank 0's own wall time (the table takes the slowest rank's)
                     r = rows[name][-1]
-                    print(f"[bench_load] EP={ep} x efsdp={efsdp} {cache} round {k + 1}/{spec['repeat']} {name}: "
-                          f"{r['wall_seconds']:.2f} s{' ERROR ' + r['error'][:200] if r['error'] else ''}",
-                          flush=True)
+                    print(
+                        f"[bench_load] EP={ep} x efsdp={efsdp} {cache} round {k + 1}/{spec['repeat']} {name}: "
+                        f"{r['wall_seconds']:.2f} s{' ERROR ' + r['error'][:200] if r['error'] else ''}",
+                        flush=True,
+                    )
         lay["fresh"][cache] = rows
         lay["profile"][cache] = [profile_moeshard(spec, ep, efsdp, cold) for _ in range(spec["profile"])]
 
@@ -383,19 +424,24 @@ def aggregate(per_rank: list[dict], ckpt_bytes: int, file_bytes: int = 0) -> lis
         ep, efsdp = lay0["ep"], lay0["efsdp"]
         agg: dict = {
             "layout": f"EP={ep}" if efsdp == 1 else f"EP={ep} x efsdp={efsdp}",
-            "ep": ep, "efsdp": efsdp,
-            "shard_bytes_per_rank": [l.get("shard_bytes") for l in lays],
-            "shard_bytes_max_rank": max((l.get("shard_bytes") or 0) for l in lays) if "shard_bytes" in lay0 else None,
-            "setup_seconds_max_rank": max(l["setup_seconds"] for l in lays) if "setup_seconds" in lay0 else None,
-            "minimal": lay0["minimal"], "strategies": {},
+            "ep": ep,
+            "efsdp": efsdp,
+            "shard_bytes_per_rank": [lay.get("shard_bytes") for lay in lays],
+            "shard_bytes_max_rank": max((lay.get("shard_bytes") or 0) for lay in lays)
+            if "shard_bytes" in lay0
+            else None,
+            "setup_seconds_max_rank": max(lay["setup_seconds"] for lay in lays) if "setup_seconds" in lay0 else None,
+            "minimal": lay0["minimal"],
+            "strategies": {},
         }
         if "fresh" in lay0:
             agg["fresh"] = aggregate_fresh(lays, file_bytes)
         if "negative_control" in lay0:
             agg["negative_control_verify_rejected_zeroed_model"] = all(
-                l["negative_control"]["verify_rejected_zeroed_model"] for l in lays)
+                lay["negative_control"]["verify_rejected_zeroed_model"] for lay in lays
+            )
         for name in lay0["strategies"]:
-            runs = [[l["strategies"][name][k] for l in lays] for k in range(len(lay0["strategies"][name]))]
+            runs = [[lay["strategies"][name][k] for lay in lays] for k in range(len(lay0["strategies"][name]))]
             all_rows = [r for rows in runs for r in rows]
             walls = [max(r["wall_seconds"] for r in rows) for rows in runs]
             rows = runs[-1]  # byte counters are deterministic; the last run's
@@ -409,31 +455,38 @@ def aggregate(per_rank: list[dict], ckpt_bytes: int, file_bytes: int = 0) -> lis
                 "verify_error": next((r["verify_error"] for r in all_rows if r["verify_error"]), ""),
                 "verify_seconds_max": max(r["verify_seconds"] for r in all_rows),
                 "rss_growth_max_rank": max(r["rss_growth"] for r in all_rows),
-                "rss_growth_per_rank": [max(runs[k][i]["rss_growth"] for k in range(len(runs)))
-                                        for i in range(len(rows))],
+                "rss_growth_per_rank": [
+                    max(runs[k][i]["rss_growth"] for k in range(len(runs))) for i in range(len(rows))
+                ],
                 "rss_growth_sampled_max_rank": max(r["rss_growth_sampled"] for r in all_rows),
             }
             if not s["error"]:
                 read = [r["bytes_read"] for r in rows]
                 sent = [r["bytes_sent"] for r in rows]
-                s.update(storage_read_bytes_total=sum(read), storage_read_bytes_max_rank=max(read),
-                         storage_read_per_checkpoint=sum(read) / ckpt_bytes,
-                         network_bytes_total=sum(sent), network_bytes_max_rank=max(sent),
-                         storage_read_bytes_per_rank=read, network_bytes_per_rank=sent)
+                s.update(
+                    storage_read_bytes_total=sum(read),
+                    storage_read_bytes_max_rank=max(read),
+                    storage_read_per_checkpoint=sum(read) / ckpt_bytes,
+                    network_bytes_total=sum(sent),
+                    network_bytes_max_rank=max(sent),
+                    storage_read_bytes_per_rank=read,
+                    network_bytes_per_rank=sent,
+                )
                 if name in MOESHARD_MODES:
                     s["network_bytes_cross_node"] = r0["plan"]["cross_node_bytes"]
-                    s["plan_seconds_max_rank"] = statistics.median(
-                        max(r["plan_seconds"] for r in rs) for rs in runs)
+                    s["plan_seconds_max_rank"] = statistics.median(max(r["plan_seconds"] for r in rs) for rs in runs)
                     # Per step of the load (materialize, headers, plan, ..., execute): the slowest
                     # rank's seconds, median over the runs; "plan" is describe + plan + agree.
-                    s["phase_seconds_max_rank"] = {ph: statistics.median(max(r["phase_seconds"][ph] for r in rs)
-                                                                         for rs in runs)
-                                                   for ph in rows[0]["phase_seconds"]}
+                    s["phase_seconds_max_rank"] = {
+                        ph: statistics.median(max(r["phase_seconds"][ph] for r in rs) for rs in runs)
+                        for ph in rows[0]["phase_seconds"]
+                    }
                     s["planning_share_of_wall"] = s["phase_seconds_max_rank"]["plan"] / s["wall_seconds"]
                     # The calling thread's CPU seconds of the same steps (slowest rank, median).
                     s["phase_cpu_seconds_max_rank"] = {
                         ph: statistics.median(max(r["phase_cpu_seconds"][ph] for r in rs) for rs in runs)
-                        for ph in rows[0]["phase_cpu_seconds"]}
+                        for ph in rows[0]["phase_cpu_seconds"]
+                    }
                     s["peak_staging_bytes_max_rank"] = max(r["peak_staging_bytes"] for r in rows)
                     s["plan"] = r0["plan"]
                     # Lower bounds: computed once per layout outside the timed loads.
@@ -485,43 +538,69 @@ def format_report(res: dict) -> str:
     lines.append(
         f"checkpoint: {ck['path']}  {_mib(ck['bytes'])} MiB in {fl['num_files']} files, {fl['num_tensors']} tensors "
         f"({ck['dims']['num_layers']} layers x {ck['dims']['num_experts']} experts, hidden {ck['dims']['hidden']}, "
-        f"moe_intermediate {ck['dims']['moe_intermediate']}, bf16); model dtype {res['config']['model_dtype']}")
+        f"moe_intermediate {ck['dims']['moe_intermediate']}, bf16); model dtype {res['config']['model_dtype']}"
+    )
     cfg = res["config"]
-    lines.append(f"ranks: {cfg['world_size']} gloo processes = {cfg['num_nodes']} simulated node(s) x "
-                 f"{cfg['local_world_size']} on {res['host']['cpus']} CPU cores; "
-                 f"moeshard staging budget {_mib(cfg['staging_bytes'])} MiB/rank")
+    lines.append(
+        f"ranks: {cfg['world_size']} gloo processes = {cfg['num_nodes']} simulated node(s) x "
+        f"{cfg['local_world_size']} on {res['host']['cpus']} CPU cores; "
+        f"moeshard staging budget {_mib(cfg['staging_bytes'])} MiB/rank"
+    )
     la = res["host"]["loadavg_before"][0]
     if la > 1.5:
         lines.append(f"WARNING: load average was {la:.1f} at the start: other work shared the cores; timings are noisy")
-    lines.append(f"read floor (1 process, CheckpointReader, every tensor once): {fl['seconds']:.2f} s "
-                 f"({fl['GiB_per_s']:.2f} GiB/s)")
-    lines.append("page cache: warm for the strategies into the pre-built model (nothing dropped; the checkpoint "
-                 "was just written or read); the fresh-memory rows say theirs")
+    lines.append(
+        f"read floor (1 process, CheckpointReader, every tensor once): {fl['seconds']:.2f} s "
+        f"({fl['GiB_per_s']:.2f} GiB/s)"
+    )
+    lines.append(
+        "page cache: warm for the strategies into the pre-built model (nothing dropped; the checkpoint "
+        "was just written or read); the fresh-memory rows say theirs"
+    )
     if cfg.get("cache_note"):
         lines.append(cfg["cache_note"])
-    lines.append(f"wall s: barrier to barrier, max over ranks, median of {res['config']['repeat']} run(s); "
-                 "plan s: the part of moeshard.load before data moves (headers, plan, agreement)")
-    lines.append("bytes: checkpoint dtype; a broadcast to k ranks counts k copies for its root; "
-                 "RSS+ = peak RSS during the strategy minus RSS before it, max over ranks and runs")
+    lines.append(
+        f"wall s: barrier to barrier, max over ranks, median of {res['config']['repeat']} run(s); "
+        "plan s: the part of moeshard.load before data moves (headers, plan, agreement)"
+    )
+    lines.append(
+        "bytes: checkpoint dtype; a broadcast to k ranks counts k copies for its root; "
+        "RSS+ = peak RSS during the strategy minus RSS before it, max over ranks and runs"
+    )
     for li, lay in enumerate(res["layouts"]):
         lines.append("")
         mins = lay["minimal"]
-        lines.append(f"== {lay['layout']}" + (f"  (shard per rank: max {_mib(lay['shard_bytes_max_rank'])} MiB)"
-                                               if lay["shard_bytes_max_rank"] else ""))
+        lines.append(
+            f"== {lay['layout']}"
+            + (
+                f"  (shard per rank: max {_mib(lay['shard_bytes_max_rank'])} MiB)"
+                if lay["shard_bytes_max_rank"]
+                else ""
+            )
+        )
         if mins:
-            lines.append("   lower bounds (moeshard.plan.minimal_cost): " + "; ".join(
-                f"{m}: net {_mib(v['network_bytes'])} MiB, cross-node {_mib(v['cross_node_bytes'])} MiB, "
-                f"read {_mib(v['read_bytes'])} MiB" for m, v in mins.items()))
+            lines.append(
+                "   lower bounds (moeshard.plan.minimal_cost): "
+                + "; ".join(
+                    f"{m}: net {_mib(v['network_bytes'])} MiB, cross-node {_mib(v['cross_node_bytes'])} MiB, "
+                    f"read {_mib(v['read_bytes'])} MiB"
+                    for m, v in mins.items()
+                )
+            )
         if "negative_control_verify_rejected_zeroed_model" in lay:
-            lines.append(f"   negative control: verify rejects a zeroed model: "
-                         f"{lay['negative_control_verify_rejected_zeroed_model']}")
+            lines.append(
+                f"   negative control: verify rejects a zeroed model: "
+                f"{lay['negative_control_verify_rejected_zeroed_model']}"
+            )
         if "fresh" in lay:
             lines.extend(format_fresh(lay["fresh"], res["config"]["repeat"], legend=li == 0))
         if not lay["strategies"]:
             continue
         lines.append("   into one pre-built model, zeroed before each strategy:")
-        hdr = (f"   {'strategy':<22}{'wall s':>8}{'plan s':>8}{'read MiB':>11}{'read/rank':>11}{'net MiB':>11}"
-               f"{'cross':>10}{'net/rank':>10}{'RSS+ MiB':>10}  verify")
+        hdr = (
+            f"   {'strategy':<22}{'wall s':>8}{'plan s':>8}{'read MiB':>11}{'read/rank':>11}{'net MiB':>11}"
+            f"{'cross':>10}{'net/rank':>10}{'RSS+ MiB':>10}  verify"
+        )
         lines.append(hdr)
         lines.append("   " + "-" * (len(hdr) - 3))
         for name, s in lay["strategies"].items():
@@ -534,25 +613,39 @@ def format_report(res: dict) -> str:
                 f"{_mib(s['storage_read_bytes_total']):>11}"
                 f"{_mib(s['storage_read_bytes_max_rank']):>11}{_mib(s['network_bytes_total']):>11}"
                 f"{_mib(s['network_bytes_cross_node']):>10}{_mib(s['network_bytes_max_rank']):>10}"
-                f"{_mib(s['rss_growth_max_rank']):>10}  {'ok' if s['verify_ok'] else 'FAIL'}")
+                f"{_mib(s['rss_growth_max_rank']):>10}  {'ok' if s['verify_ok'] else 'FAIL'}"
+            )
             if not s["verify_ok"]:
                 lines.append(f"      verify: {s['verify_error'][:200]}")
             if "phase_seconds_max_rank" in s:
-                lines.append("      steps (slowest rank, s): " + ", ".join(
-                    f"{ph} {v:.3f}" for ph, v in s["phase_seconds_max_rank"].items())
-                    + f"; planning (describe + plan + agree) {100 * s['planning_share_of_wall']:.0f}% of the wall")
-                lines.append("      CPU of the calling thread (most of any rank, s): " + ", ".join(
-                    f"{ph} {v:.3f}" for ph, v in s["phase_cpu_seconds_max_rank"].items()))
+                lines.append(
+                    "      steps (slowest rank, s): "
+                    + ", ".join(f"{ph} {v:.3f}" for ph, v in s["phase_seconds_max_rank"].items())
+                    + f"; planning (describe + plan + agree) {100 * s['planning_share_of_wall']:.0f}% of the wall"
+                )
+                lines.append(
+                    "      CPU of the calling thread (most of any rank, s): "
+                    + ", ".join(f"{ph} {v:.3f}" for ph, v in s["phase_cpu_seconds_max_rank"].items())
+                )
         r = lay["ratios"]
         lines.append(
-            "   ratios: shared vs rank0-broadcast " + _x(r["speedup_shared_vs_rank0_broadcast"])
-            + ", shared vs chunk-broadcast-loop " + _x(r["speedup_shared_vs_chunk_broadcast_loop"])
-            + ", shared vs node-local-p2p " + _x(r["speedup_shared_vs_node_local_p2p"]))
+            "   ratios: shared vs rank0-broadcast "
+            + _x(r["speedup_shared_vs_rank0_broadcast"])
+            + ", shared vs chunk-broadcast-loop "
+            + _x(r["speedup_shared_vs_chunk_broadcast_loop"])
+            + ", shared vs node-local-p2p "
+            + _x(r["speedup_shared_vs_node_local_p2p"])
+        )
         lines.append(
-            "           node vs node-local-p2p " + _x(r["speedup_node_vs_node_local_p2p"])
-            + ", single vs rank0-broadcast " + _x(r["speedup_single_vs_rank0_broadcast"])
-            + ", shared / read floor " + _x(r.get("shared_over_read_floor"))
-            + ", shared storage read / checkpoint " + _x(r.get("shared_storage_read_per_checkpoint")))
+            "           node vs node-local-p2p "
+            + _x(r["speedup_node_vs_node_local_p2p"])
+            + ", single vs rank0-broadcast "
+            + _x(r["speedup_single_vs_rank0_broadcast"])
+            + ", shared / read floor "
+            + _x(r.get("shared_over_read_floor"))
+            + ", shared storage read / checkpoint "
+            + _x(r.get("shared_storage_read_per_checkpoint"))
+        )
     return "\n".join(lines)
 
 
@@ -571,37 +664,76 @@ def parse_layouts(text: str, world: int = WORLD) -> list[tuple[int, int]]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_load", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_load",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--size-mib", type=float, default=1024, help="checkpoint size to aim for (default 1024)")
-    p.add_argument("--ckpt", default=None,
-                   help="checkpoint directory (default bench_out/ckpt, or bench_out/ckpt_<size>mib for other sizes)")
+    p.add_argument(
+        "--ckpt",
+        default=None,
+        help="checkpoint directory (default bench_out/ckpt, or bench_out/ckpt_<size>mib for other sizes)",
+    )
     p.add_argument("--rebuild", action="store_true", help="rewrite the checkpoint even if a matching one is cached")
     p.add_argument("--out", default="bench_out/bench_load.json", help="JSON report path")
-    p.add_argument("--layouts", default=None, help="comma list of EPxEFSDP (default 8x1,4x2 for 8 ranks, else "
-                   "RANKSx1)")
-    p.add_argument("--ranks", type=int, default=WORLD,
-                   help=f"local ranks (default {WORLD}; fewer than the host's cores gives each rank its own core)")
-    p.add_argument("--ranks-per-node", type=int, default=None,
-                   help=f"ranks per simulated node (default {LOCAL_WORLD}, or all ranks when fewer)")
-    p.add_argument("--strategies", default=",".join(ALL_STRATEGIES),
-                   help=f"comma list from {','.join(ALL_STRATEGIES)} (default all, in that order)")
-    p.add_argument("--model-dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                   help="model parameter dtype (checkpoint is bf16; float32 = fp32 master weights)")
-    p.add_argument("--repeat", type=int, default=3,
-                   help="timed runs per strategy (round-robin); the table shows the median (default 3)")
-    p.add_argument("--cache", default="warm",
-                   help="page cache for the fresh-memory strategies: warm, cold or warm,cold (cold: dropped "
-                   "before every call; needs root, else runs warm and says so)")
-    p.add_argument("--warmup", type=int, default=1,
-                   help="untimed rounds of the fresh-memory strategies before the timed ones, in the first "
-                   "layout (imports, first-use caches; default 1)")
-    p.add_argument("--profile", type=int, nargs="?", const=1, default=0, metavar="N",
-                   help="after the timed fresh rounds, N (default 1) instrumented moeshard-fresh rounds per layout "
-                   "and cache mode: where each rank's time goes (kept out of the medians)")
+    p.add_argument("--layouts", default=None, help="comma list of EPxEFSDP (default 8x1,4x2 for 8 ranks, else RANKSx1)")
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=WORLD,
+        help=f"local ranks (default {WORLD}; fewer than the host's cores gives each rank its own core)",
+    )
+    p.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=None,
+        help=f"ranks per simulated node (default {LOCAL_WORLD}, or all ranks when fewer)",
+    )
+    p.add_argument(
+        "--strategies",
+        default=",".join(ALL_STRATEGIES),
+        help=f"comma list from {','.join(ALL_STRATEGIES)} (default all, in that order)",
+    )
+    p.add_argument(
+        "--model-dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="model parameter dtype (checkpoint is bf16; float32 = fp32 master weights)",
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="timed runs per strategy (round-robin); the table shows the median (default 3)",
+    )
+    p.add_argument(
+        "--cache",
+        default="warm",
+        help="page cache for the fresh-memory strategies: warm, cold or warm,cold (cold: dropped "
+        "before every call; needs root, else runs warm and says so)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="untimed rounds of the fresh-memory strategies before the timed ones, in the first "
+        "layout (imports, first-use caches; default 1)",
+    )
+    p.add_argument(
+        "--profile",
+        type=int,
+        nargs="?",
+        const=1,
+        default=0,
+        metavar="N",
+        help="after the timed fresh rounds, N (default 1) instrumented moeshard-fresh rounds per layout "
+        "and cache mode: where each rank's time goes (kept out of the medians)",
+    )
     p.add_argument("--staging-mib", type=float, default=256, help="moeshard staging budget per rank (default 256)")
-    p.add_argument("--no-negative-control", action="store_true",
-                   help="skip checking that verify rejects a zeroed model")
+    p.add_argument(
+        "--no-negative-control", action="store_true", help="skip checking that verify rejects a zeroed model"
+    )
     p.add_argument("--timeout", type=float, default=900, help="seconds before the ranks are killed (default 900)")
     args = p.parse_args(argv)
     if args.ranks < 1:
@@ -641,40 +773,60 @@ def checkpoint_path(ckpt: str | None, size_mib: float) -> Path:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     t_start = time.perf_counter()
-    from moeshard._launch import run_local_ranks
-
     from benchmarks.bench_load import rank_main  # importable by name in the spawned ranks
+    from moeshard._launch import run_local_ranks
 
     dims = model_dims(args.size_mib)
     ckpt = checkpoint_path(args.ckpt, args.size_mib)
     print(f"[bench_load] checkpoint {ckpt} (~{checkpoint_bytes(dims) / MiB:,.0f} MiB) ...", flush=True)
     built, build_s = ensure_checkpoint(ckpt, dims, args.rebuild)
-    print(f"[bench_load] {'built in %.1f s' % build_s if built else 'reusing the cached checkpoint'}", flush=True)
+    print(f"[bench_load] {f'built in {build_s:.1f} s' if built else 'reusing the cached checkpoint'}", flush=True)
     load_before = os.getloadavg()
     if load_before[0] > 1.5:
-        print(f"[bench_load] WARNING: load average {load_before[0]:.1f} on {os.cpu_count()} cores: other work "
-              "is running; timings will be noisy", flush=True)
+        print(
+            f"[bench_load] WARNING: load average {load_before[0]:.1f} on {os.cpu_count()} cores: other work "
+            "is running; timings will be noisy",
+            flush=True,
+        )
     floor = read_floor(ckpt)
     world, local = args.ranks, args.ranks_per_node
-    print(f"[bench_load] read floor {floor['seconds']:.2f} s; starting {world} ranks "
-          f"({world // local} nodes x {local}) ...", flush=True)
+    print(
+        f"[bench_load] read floor {floor['seconds']:.2f} s; starting {world} ranks "
+        f"({world // local} nodes x {local}) ...",
+        flush=True,
+    )
     caches, cache_note = list(args.cache), ""
     fresh = [n for n in args.strategies if n in FRESH_STRATEGIES]
     if "cold" in caches and fresh:
         problem = cold_cache_problem()
         if problem:
-            cache_note = (f"--cache cold: cannot drop the page cache ({problem}): the fresh-memory strategies ran "
-                          "with a warm cache only")
+            cache_note = (
+                f"--cache cold: cannot drop the page cache ({problem}): the fresh-memory strategies ran "
+                "with a warm cache only"
+            )
             caches = [c for c in caches if c != "cold"] or ["warm"]
         else:
-            cache_note = ("--cache cold: the page cache of the whole host is dropped (sync, then 3 > "
-                          "/proc/sys/vm/drop_caches, by rank 0 between two barriers) before every cold call")
+            cache_note = (
+                "--cache cold: the page cache of the whole host is dropped (sync, then 3 > "
+                "/proc/sys/vm/drop_caches, by rank 0 between two barriers) before every cold call"
+            )
         print(f"[bench_load] {cache_note}", flush=True)
     file_sizes = {p.name: p.stat().st_size for p in sorted(ckpt.glob("*.safetensors"))}
-    spec = {"ckpt": str(ckpt.resolve()), "dims": dims, "layouts": args.layouts, "strategies": args.strategies,
-            "model_dtype": args.model_dtype, "staging_bytes": int(args.staging_mib * MiB),
-            "negative_control": not args.no_negative_control, "repeat": max(1, args.repeat), "local_world": local,
-            "caches": caches, "warmup": args.warmup, "profile": args.profile, "file_sizes": file_sizes}
+    spec = {
+        "ckpt": str(ckpt.resolve()),
+        "dims": dims,
+        "layouts": args.layouts,
+        "strategies": args.strategies,
+        "model_dtype": args.model_dtype,
+        "staging_bytes": int(args.staging_mib * MiB),
+        "negative_control": not args.no_negative_control,
+        "repeat": max(1, args.repeat),
+        "local_world": local,
+        "caches": caches,
+        "warmup": args.warmup,
+        "profile": args.profile,
+        "file_sizes": file_sizes,
+    }
     saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # the ranks share the cores
     t_ranks = time.perf_counter()
@@ -692,19 +844,51 @@ def main(argv=None) -> dict:
     layouts = aggregate(per_rank, floor["bytes"], sum(file_sizes.values()))
     for lay in layouts:
         sh = lay["strategies"].get("shared")
-        lay["ratios"]["shared_over_read_floor"] = (sh["wall_seconds"] / floor["seconds"]) if sh and not sh["error"] else None
+        lay["ratios"]["shared_over_read_floor"] = (
+            (sh["wall_seconds"] / floor["seconds"]) if sh and not sh["error"] else None
+        )
     res = {
-        "command": " ".join([os.path.basename(sys.executable), "-m", "benchmarks.bench_load", *(argv if argv is not None else sys.argv[1:])]),
-        "checkpoint": {"path": str(ckpt), "bytes": floor["bytes"], "dims": dims, "built": built,
-                       "build_seconds": build_s},
+        "command": " ".join(
+            [
+                os.path.basename(sys.executable),
+                "-m",
+                "benchmarks.bench_load",
+                *(argv if argv is not None else sys.argv[1:]),
+            ]
+        ),
+        "checkpoint": {
+            "path": str(ckpt),
+            "bytes": floor["bytes"],
+            "dims": dims,
+            "built": built,
+            "build_seconds": build_s,
+        },
         "read_floor": {**floor, "page_cache": "warm (same for every strategy; nothing dropped)"},
-        "config": {"world_size": world, "local_world_size": local, "num_nodes": world // local,
-                   "backend": "gloo", "model_dtype": args.model_dtype, "staging_bytes": spec["staging_bytes"],
-                   "strategies": args.strategies, "layouts": args.layouts, "repeat": spec["repeat"],
-                   "caches": caches, "cache_requested": list(args.cache), "cache_note": cache_note,
-                   "warmup": args.warmup, "profile_rounds": args.profile, "file_bytes": sum(file_sizes.values())},
-        "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-                 "platform": platform.platform(), "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+        "config": {
+            "world_size": world,
+            "local_world_size": local,
+            "num_nodes": world // local,
+            "backend": "gloo",
+            "model_dtype": args.model_dtype,
+            "staging_bytes": spec["staging_bytes"],
+            "strategies": args.strategies,
+            "layouts": args.layouts,
+            "repeat": spec["repeat"],
+            "caches": caches,
+            "cache_requested": list(args.cache),
+            "cache_note": cache_note,
+            "warmup": args.warmup,
+            "profile_rounds": args.profile,
+            "file_bytes": sum(file_sizes.values()),
+        },
+        "host": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "platform": platform.platform(),
+            "loadavg_before": load_before,
+            "loadavg_after": os.getloadavg(),
+        },
         "layouts": layouts,
         "ranks_seconds": ranks_s,
         "total_seconds": time.perf_counter() - t_start,

@@ -50,17 +50,31 @@ def config(d: dict):
 
     h = d["hidden"]
     return transformers.Qwen3MoeConfig(
-        vocab_size=256, hidden_size=h, intermediate_size=2 * h, moe_intermediate_size=h // 2,
-        num_hidden_layers=d["layers"], num_attention_heads=4, num_key_value_heads=2, head_dim=h // 4,
-        num_experts=d["experts"], num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False)
+        vocab_size=256,
+        hidden_size=h,
+        intermediate_size=2 * h,
+        moe_intermediate_size=h // 2,
+        num_hidden_layers=d["layers"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=h // 4,
+        num_experts=d["experts"],
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
 
 
 def lora_config(d: dict):
     import peft
 
-    return peft.LoraConfig(r=d["r"], lora_alpha=2 * d["r"], target_modules=["q_proj", "v_proj"],
-                           target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
-                           init_lora_weights=False)
+    return peft.LoraConfig(
+        r=d["r"],
+        lora_alpha=2 * d["r"],
+        target_modules=["q_proj", "v_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        init_lora_weights=False,
+    )
 
 
 def worker(paths: dict, out: str, ep: int, efsdp: int, repeat: int) -> dict:
@@ -115,13 +129,17 @@ def main(argv=None) -> None:
     root.mkdir(parents=True, exist_ok=True)
     paths = build(root, args)
     rows = []
-    print(f"moeshard from {Path(moeshard.__file__).parent}; {paths['dims']}; {WORLD} gloo ranks, median of {args.repeat}")
+    print(
+        f"moeshard from {Path(moeshard.__file__).parent}; {paths['dims']}; {WORLD} gloo ranks, median of {args.repeat}"
+    )
     for ep, efsdp in ((WORLD, 1), (WORLD // 2, 2)):
         with tempfile.TemporaryDirectory(dir=root) as out:
             r = run_local_ranks(worker, paths, out, ep, efsdp, args.repeat, world=WORLD)[0]
         rows.append(dict(r, ep=ep, efsdp=efsdp, dims=paths["dims"]))
-        print(f"  EP={ep} x efsdp={efsdp}: load_adapter {r['load_s']:.3f} s, save_adapter {r['save_s']:.3f} s, "
-              f"saved == source: {r['same']}")
+        print(
+            f"  EP={ep} x efsdp={efsdp}: load_adapter {r['load_s']:.3f} s, save_adapter {r['save_s']:.3f} s, "
+            f"saved == source: {r['same']}"
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rows, indent=1))
     print(f"wrote {args.out}")

@@ -28,7 +28,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import side_by_side  # noqa: E402
+from benchmarks import side_by_side
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "docs" / "deepseek_v3_config.json"
@@ -42,6 +42,7 @@ def adapter(world: int):
     import torch
 
     from moeshard.io.checkpoint import CheckpointIndex, TensorInfo
+
     try:
         from moeshard.models.describe import ParamDesc
     except ImportError:  # --compare with a tree from before models/layout.py was split
@@ -53,9 +54,13 @@ def adapter(world: int):
     h, inter, num_experts = c["hidden_size"], c["moe_intermediate_size"], c["n_routed_experts"]
     heads, q_lora, kv_lora = c["num_attention_heads"], c["q_lora_rank"], c["kv_lora_rank"]
     qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
-    attention = {"q_a_proj": (q_lora, h), "q_b_proj": (heads * qk, q_lora),
-                 "kv_a_proj_with_mqa": (kv_lora + c["qk_rope_head_dim"], h),
-                 "kv_b_proj": (heads * (c["qk_nope_head_dim"] + c["v_head_dim"]), kv_lora), "o_proj": (h, heads * c["v_head_dim"])}
+    attention = {
+        "q_a_proj": (q_lora, h),
+        "q_b_proj": (heads * qk, q_lora),
+        "kv_a_proj_with_mqa": (kv_lora + c["qk_rope_head_dim"], h),
+        "kv_b_proj": (heads * (c["qk_nope_head_dim"] + c["v_head_dim"]), kv_lora),
+        "o_proj": (h, heads * c["v_head_dim"]),
+    }
     ep = min(256, world)
     first_moe, num_layers = c["first_k_dense_replace"], c["num_hidden_layers"]
     placement = Placement.contiguous(num_layers - first_moe, num_experts, ep)
@@ -79,8 +84,13 @@ def adapter(world: int):
             for f in "AB":
                 file = (R * num_experts, inp) if f == "A" else (out, R * num_experts)
                 shape = (R * placement.num_physical, inp) if f == "A" else (out, R * placement.num_physical)
-                add(f"{prefix}.{layer}.mlp.{mod}.lora_{f}.default.weight", (file, f, moe, R), shape, experts_mesh,
-                    (1, 0) if f == "A" else (0, 1))
+                add(
+                    f"{prefix}.{layer}.mlp.{mod}.lora_{f}.default.weight",
+                    (file, f, moe, R),
+                    shape,
+                    experts_mesh,
+                    (1, 0) if f == "A" else (0, 1),
+                )
     pos, tensors = 0, {}
     for t, _ in items:
         tensors[t.key] = TensorInfo("adapter_model.safetensors", 8 + pos, "BF16", tuple(t.shape))
@@ -107,39 +117,71 @@ def one(world: int) -> dict:
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     t0 = time.perf_counter()
     if new:  # this rank's rows from each tensor's boxes
-        save = tensor_schedule(keys, [mlora.plan_shape(t) for t, _ in items], itemsizes,
-                               olora._held_boxes(items, placement, world), writers, world, DEFAULT_STAGING_BYTES,
-                               rank=RANK)
+        save = tensor_schedule(
+            keys,
+            [mlora.plan_shape(t) for t, _ in items],
+            itemsizes,
+            olora._held_boxes(items, placement, world),
+            writers,
+            world,
+            DEFAULT_STAGING_BYTES,
+            rank=RANK,
+        )
     else:  # every tensor's per-column segments as Python tuples, then the rank's rows
         segs = olora._segments(items, placement, world)
-        save = tensor_schedule(keys, [tuple(t.shape) for t, _ in items], itemsizes, segs, writers, world,
-                               DEFAULT_STAGING_BYTES, rank=RANK)
+        save = tensor_schedule(
+            keys, [tuple(t.shape) for t, _ in items], itemsizes, segs, writers, world, DEFAULT_STAGING_BYTES, rank=RANK
+        )
     t1 = time.perf_counter()
     if new:  # this rank's plan from a need table of its own rows and the shared ones
         view = olora._planning_index(index, items)
         keep = ~readers
         keep[RANK] = True
-        load = plan_transfers(olora._needs(items, view, placement, world, keep), view, topo, readers,
-                              staging_bytes=DEFAULT_STAGING_BYTES, rank=RANK)
+        load = plan_transfers(
+            olora._needs(items, view, placement, world, keep),
+            view,
+            topo,
+            readers,
+            staging_bytes=DEFAULT_STAGING_BYTES,
+            rank=RANK,
+        )
     else:  # every rank's needs as Need objects, the whole job's plan
-        load = plan_transfers(olora._needs(items, index, placement, world), index, topo, readers,
-                              staging_bytes=DEFAULT_STAGING_BYTES)
+        load = plan_transfers(
+            olora._needs(items, index, placement, world), index, topo, readers, staging_bytes=DEFAULT_STAGING_BYTES
+        )
     t2 = time.perf_counter()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     mine = load.deliveries.rank == RANK
-    return dict(world=world, rank=RANK, tensors=len(items), save_s=t1 - t0, load_s=t2 - t1, total_s=t2 - t0,
-                save_bytes=int(save.cost.sent_bytes.sum()), save_sends=int(save.cost.num_p2p_ops),
-                load_bytes=int(load.pieces.bytes[load.deliveries.piece[mine]].sum()), load_pieces=int(mine.sum()),
-                peak_rss_mib=peak, rss_growth_mib=peak - rss0)
+    return dict(
+        world=world,
+        rank=RANK,
+        tensors=len(items),
+        save_s=t1 - t0,
+        load_s=t2 - t1,
+        total_s=t2 - t0,
+        save_bytes=int(save.cost.sent_bytes.sum()),
+        save_sends=int(save.cost.num_p2p_ops),
+        load_bytes=int(load.pieces.bytes[load.deliveries.piece[mine]].sum()),
+        load_pieces=int(mine.sum()),
+        peak_rss_mib=peak,
+        rss_growth_mib=peak - rss0,
+    )
 
 
 def main(argv=None) -> None:
     side_by_side.main(
-        argv, "benchmarks.bench_lora_plan", __doc__, "64,1024,8192", one,
+        argv,
+        "benchmarks.bench_lora_plan",
+        __doc__,
+        "64,1024,8192",
+        one,
         f"{'save s':>8} {'load s':>8} {'peak MiB':>9} {'+MiB':>6} {'save sends':>11} {'save bytes':>16} "
         f"{'rank load bytes':>16}",
-        lambda r: (f"{r['save_s']:>8.2f} {r['load_s']:>8.2f} {r['peak_rss_mib']:>9.0f} {r['rss_growth_mib']:>6.0f} "
-                   f"{r['save_sends']:>11,} {r['save_bytes']:>16,} {r['load_bytes']:>16,}"))
+        lambda r: (
+            f"{r['save_s']:>8.2f} {r['load_s']:>8.2f} {r['peak_rss_mib']:>9.0f} {r['rss_growth_mib']:>6.0f} "
+            f"{r['save_sends']:>11,} {r['save_bytes']:>16,} {r['load_bytes']:>16,}"
+        ),
+    )
 
 
 if __name__ == "__main__":

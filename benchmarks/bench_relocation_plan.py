@@ -53,10 +53,12 @@ def child(world: int, mode: str) -> dict:
     from moeshard.cli import plan as cli_plan
     from moeshard.cluster.model import synthesize_descs
     from moeshard.dtypes import itemsize
+
     try:
         from moeshard.models.shards import local_boxes
     except ImportError:  # --src: a tree from before models/layout.py was split
         from moeshard.models import layout
+
         local_boxes = layout._local_boxes
     # --src: a tree from before these helpers of ``moeshard plan`` had public names
     open_checkpoint = getattr(cli_plan, "open_checkpoint", None) or cli_plan._open_checkpoint
@@ -64,16 +66,32 @@ def child(world: int, mode: str) -> dict:
     from moeshard.plan.relocation import ExpertTensor, plan_relocation
 
     nodes = world // 8
-    args = SimpleNamespace(synthetic_from_config=str(ROOT / "docs/deepseek_v3_config.json"), ckpt=None, layers=None,
-                           placement=None, placement_format=None, redundant=256, nodes=nodes, ranks_per_node=8,
-                           ep=min(256, world), efsdp=max(1, world // 256))
+    args = SimpleNamespace(
+        synthetic_from_config=str(ROOT / "docs/deepseek_v3_config.json"),
+        ckpt=None,
+        layers=None,
+        placement=None,
+        placement_format=None,
+        redundant=256,
+        nodes=nodes,
+        ranks_per_node=8,
+        ep=min(256, world),
+        efsdp=max(1, world // 256),
+    )
     with paused_gc():
         index, _, _, layout = open_checkpoint(args)
         cluster, old = cluster_and_placement(args, layout)
         descs = synthesize_descs(layout, index, cluster)
         loads = np.random.default_rng(0).zipf(1.5, (old.num_layers, old.num_logical)).astype(np.float32).clip(max=1e4)
-        new = eplb.rebalance(loads, old, num_physical=old.num_physical, num_ranks=cluster.ep,
-                             num_nodes=cluster.ep_nodes(), num_groups=8, migration_aware=True)
+        new = eplb.rebalance(
+            loads,
+            old,
+            num_physical=old.num_physical,
+            num_ranks=cluster.ep,
+            num_nodes=cluster.ep_nodes(),
+            num_groups=8,
+            migration_aware=True,
+        )
         tensors = []
         for d in descs:
             if d.expert is not None:
@@ -93,11 +111,21 @@ def child(world: int, mode: str) -> dict:
             s.for_rank(RANK)
         t2 = time.perf_counter()
     c = plan.cost
-    return dict(world=world, mode=mode, per_rank=per_rank, plan_s=t1 - t0, schedule_s=t2 - t1,
-                rss_setup_mib=rss0 / 1024, rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                moves=len(plan.moves), p2p_ops=c.num_p2p_ops, rounds=c.num_rounds, stashes=c.num_stashes,
-                at_bounds=bool(c.network_bytes == c.min_network_bytes and c.cross_node_bytes == c.min_cross_node_bytes),
-                fingerprint=plan.fingerprint)
+    return dict(
+        world=world,
+        mode=mode,
+        per_rank=per_rank,
+        plan_s=t1 - t0,
+        schedule_s=t2 - t1,
+        rss_setup_mib=rss0 / 1024,
+        rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        moves=len(plan.moves),
+        p2p_ops=c.num_p2p_ops,
+        rounds=c.num_rounds,
+        stashes=c.num_stashes,
+        at_bounds=bool(c.network_bytes == c.min_network_bytes and c.cross_node_bytes == c.min_cross_node_bytes),
+        fingerprint=plan.fingerprint,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,26 +143,36 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), str(ROOT)])}
     rows = []
     print(f"relocation planning at DeepSeek-V3's shape, source tree {src.parent}")
-    print(f"{'world':>6} {'mode':>5} {'plan s':>7} {'sched s':>8} {'peak MiB':>9} {'+MiB':>6} {'moves':>8} "
-          f"{'P2P ops':>9} {'rounds':>6} {'bounds':>6}")
+    print(
+        f"{'world':>6} {'mode':>5} {'plan s':>7} {'sched s':>8} {'peak MiB':>9} {'+MiB':>6} {'moves':>8} "
+        f"{'P2P ops':>9} {'rounds':>6} {'bounds':>6}"
+    )
     for world in [int(w) for w in args.worlds.split(",")]:
         if world % 256 and world > 256 or world % 8:
             raise SystemExit(f"--worlds: {world} is not a multiple of 256 (or of 8 below 256)")
         for mode in ("rank", "whole"):
             runs = []
             for _ in range(args.repeat):
-                out = subprocess.run([sys.executable, "-m", "benchmarks.bench_relocation_plan", "--child", str(world),
-                                      mode], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+                out = subprocess.run(
+                    [sys.executable, "-m", "benchmarks.bench_relocation_plan", "--child", str(world), mode],
+                    cwd=ROOT,
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
                 runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
             r = dict(runs[0])
             for k in ("plan_s", "schedule_s", "rss_mib", "rss_setup_mib"):
                 r[k] = statistics.median(x[k] for x in runs)
             r["runs"] = runs
             rows.append(r)
-            print(f"{world:>6} {mode:>5} {r['plan_s']:>7.2f} {r['schedule_s']:>8.2f} {r['rss_mib']:>9.0f} "
-                  f"{r['rss_mib'] - r['rss_setup_mib']:>6.0f} {r['moves']:>8,} {r['p2p_ops']:>9,} {r['rounds']:>6} "
-                  f"{'met' if r['at_bounds'] else 'MISSED':>6}" + ("" if r["per_rank"] or mode == "whole" else
-                                                                    "  (no rank=: the job's plan and schedule)"))
+            print(
+                f"{world:>6} {mode:>5} {r['plan_s']:>7.2f} {r['schedule_s']:>8.2f} {r['rss_mib']:>9.0f} "
+                f"{r['rss_mib'] - r['rss_setup_mib']:>6.0f} {r['moves']:>8,} {r['p2p_ops']:>9,} {r['rounds']:>6} "
+                f"{'met' if r['at_bounds'] else 'MISSED':>6}"
+                + ("" if r["per_rank"] or mode == "whole" else "  (no rank=: the job's plan and schedule)")
+            )
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "bench_relocation_plan.json")
     with open(path, "w") as f:

@@ -39,10 +39,17 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_load import (  # noqa: E402
-    MiB, json_default, checkpoint_path, malloc_trim, checkpoint_bytes, ensure_checkpoint, meta_model, model_dims,
+from benchmarks.bench_load import (
+    MiB,
+    checkpoint_bytes,
+    checkpoint_path,
+    ensure_checkpoint,
+    json_default,
+    malloc_trim,
+    meta_model,
+    model_dims,
 )
-from moeshard.ops.peak_rss import read_peak_rss, reset_peak_rss  # noqa: E402
+from moeshard.ops.peak_rss import read_peak_rss, reset_peak_rss
 
 WORLD = 4
 DEFAULT_LAYOUTS = "4x1,2x2"
@@ -77,8 +84,16 @@ def rank_main(spec: dict) -> list[dict]:
                 if isinstance(p, DTensor):
                     p.full_tensor()
             dist.barrier()
-            rows.append({"ep": ep, "efsdp": efsdp, "gather": True, "run": run, "rank": rank,
-                         "wall_seconds": time.perf_counter() - t0})
+            rows.append(
+                {
+                    "ep": ep,
+                    "efsdp": efsdp,
+                    "gather": True,
+                    "run": run,
+                    "rank": rank,
+                    "wall_seconds": time.perf_counter() - t0,
+                }
+            )
             for fsync in (True, False):
                 out = Path(spec["out_root"]) / f"ep{ep}x{efsdp}{'' if fsync else '-nofsync'}"
                 if rank == 0:
@@ -87,12 +102,28 @@ def rank_main(spec: dict) -> list[dict]:
                 malloc_trim()
                 dist.barrier()
                 t0 = time.perf_counter()
-                rep = save(model, out, placement, max_shard_bytes=spec["shard_bytes"],
-                           staging_bytes=spec["staging_bytes"], fsync=fsync)
+                rep = save(
+                    model,
+                    out,
+                    placement,
+                    max_shard_bytes=spec["shard_bytes"],
+                    staging_bytes=spec["staging_bytes"],
+                    fsync=fsync,
+                )
                 dist.barrier()
-                rows.append({"ep": ep, "efsdp": efsdp, "fsync": fsync, "run": run, "rank": rank, "dir": str(out),
-                             "wall_seconds": time.perf_counter() - t0, "local_param_bytes": local_bytes,
-                             "report": dataclasses.asdict(rep)})
+                rows.append(
+                    {
+                        "ep": ep,
+                        "efsdp": efsdp,
+                        "fsync": fsync,
+                        "run": run,
+                        "rank": rank,
+                        "dir": str(out),
+                        "wall_seconds": time.perf_counter() - t0,
+                        "local_param_bytes": local_bytes,
+                        "report": dataclasses.asdict(rep),
+                    }
+                )
         del model, mesh
         gc.collect()
     return rows
@@ -124,16 +155,27 @@ def single_process(ckpt: Path, dims: dict, out_root: Path, shard_bytes: int, rep
             fd = os.open(p, os.O_RDONLY)
             os.fsync(fd)
             os.close(fd)
-        res["save_pretrained"].append({"wall_seconds": wall, "fsync_after_seconds": time.perf_counter() - t1,
-                                       "rss_growth": (peak - rss0) if peak else None, "dir": str(out)})
+        res["save_pretrained"].append(
+            {
+                "wall_seconds": wall,
+                "fsync_after_seconds": time.perf_counter() - t1,
+                "rss_growth": (peak - rss0) if peak else None,
+                "dir": str(out),
+            }
+        )
         out = out_root / "single"
         shutil.rmtree(out, ignore_errors=True)
         gc.collect()
         malloc_trim()
         t0 = time.perf_counter()
         rep = save(model, out, max_shard_bytes=shard_bytes)
-        res["moeshard_single"].append({"wall_seconds": time.perf_counter() - t0, "dir": str(out),
-                                       "rss_growth": rep.peak_rss_bytes - rep.rss_before_bytes})
+        res["moeshard_single"].append(
+            {
+                "wall_seconds": time.perf_counter() - t0,
+                "dir": str(out),
+                "rss_growth": rep.peak_rss_bytes - rep.rss_before_bytes,
+            }
+        )
     return res
 
 
@@ -187,63 +229,99 @@ def aggregate(rows: list[dict], total: int) -> list[dict]:
         for rank in ranks:
             rr = [r for r in mine if r["rank"] == rank]
             rep = rr[-1]["report"]
-            per_rank.append({
-                "rank": rank, "bytes_written": rep["bytes_written_rank"], "files": len(rep["files"]),
-                "bytes_sent": rep["bytes_sent_rank"], "bytes_received": rep["bytes_received_rank"],
-                "local_param_bytes": rr[-1]["local_param_bytes"],
-                "rss_growth_max": max(r["report"]["peak_rss_bytes"] - r["report"]["rss_before_bytes"] for r in rr),
-                "plan_seconds": statistics.median(r["report"]["plan_seconds"] for r in rr),
-            })
+            per_rank.append(
+                {
+                    "rank": rank,
+                    "bytes_written": rep["bytes_written_rank"],
+                    "files": len(rep["files"]),
+                    "bytes_sent": rep["bytes_sent_rank"],
+                    "bytes_received": rep["bytes_received_rank"],
+                    "local_param_bytes": rr[-1]["local_param_bytes"],
+                    "rss_growth_max": max(r["report"]["peak_rss_bytes"] - r["report"]["rss_before_bytes"] for r in rr),
+                    "plan_seconds": statistics.median(r["report"]["plan_seconds"] for r in rr),
+                }
+            )
         wall = statistics.median(walls)
-        gather = statistics.median(max(r["wall_seconds"] for r in gathers if (r["ep"], r["efsdp"], r["run"]) ==
-                                       (ep, efsdp, k)) for k in runs)
-        out.append({"ep": ep, "efsdp": efsdp, "fsync": fsync, "wall_seconds": wall, "walls": walls,
-                    "full_tensor_gather_seconds": gather,
-                    "MiB_per_s": total / MiB / wall, "dir": mine[-1]["dir"], "per_rank": per_rank,
-                    "num_files": mine[-1]["report"]["num_files"], "plan": mine[-1]["report"]["plan"]})
+        gather = statistics.median(
+            max(r["wall_seconds"] for r in gathers if (r["ep"], r["efsdp"], r["run"]) == (ep, efsdp, k)) for k in runs
+        )
+        out.append(
+            {
+                "ep": ep,
+                "efsdp": efsdp,
+                "fsync": fsync,
+                "wall_seconds": wall,
+                "walls": walls,
+                "full_tensor_gather_seconds": gather,
+                "MiB_per_s": total / MiB / wall,
+                "dir": mine[-1]["dir"],
+                "per_rank": per_rank,
+                "num_files": mine[-1]["report"]["num_files"],
+                "plan": mine[-1]["report"]["plan"],
+            }
+        )
     return out
 
 
 def format_report(res: dict) -> str:
     total = res["checkpoint"]["bytes"]
     load = res["host"]["loadavg_before"][0], res["host"]["loadavg_after"][0]
-    lines = [f"checkpoint: {total / MiB:,.1f} MiB bf16, {res['checkpoint']['num_tensors']:,} tensors; "
-             f"shards of at most {res['config']['shard_bytes'] / MiB:g} MiB; {res['host']['cpus']} CPUs "
-             f"(load average {load[0]:.1f} before, {load[1]:.1f} after); median and best of {res['config']['repeat']}",
-             "",
-             f"{'what':50} {'wall s':>7} {'MiB/s':>8} {'best s':>7} {'files':>6} {'same bytes':>10}"]
+    lines = [
+        f"checkpoint: {total / MiB:,.1f} MiB bf16, {res['checkpoint']['num_tensors']:,} tensors; "
+        f"shards of at most {res['config']['shard_bytes'] / MiB:g} MiB; {res['host']['cpus']} CPUs "
+        f"(load average {load[0]:.1f} before, {load[1]:.1f} after); median and best of {res['config']['repeat']}",
+        "",
+        f"{'what':50} {'wall s':>7} {'MiB/s':>8} {'best s':>7} {'files':>6} {'same bytes':>10}",
+    ]
     for lay in res["layouts"]:
         what = f"moeshard.save, 4 ranks EP={lay['ep']} x efsdp={lay['efsdp']}, fsync {'on' if lay['fsync'] else 'off'}"
-        lines.append(f"{what:50} {lay['wall_seconds']:7.2f} {lay['MiB_per_s']:8.0f} {min(lay['walls']):7.2f} "
-                     f"{lay['num_files']:6d} {'ok' if lay['same'] else 'NO':>10}")
+        lines.append(
+            f"{what:50} {lay['wall_seconds']:7.2f} {lay['MiB_per_s']:8.0f} {min(lay['walls']):7.2f} "
+            f"{lay['num_files']:6d} {'ok' if lay['same'] else 'NO':>10}"
+        )
     sp = res["single_process"]
-    for name, label in (("save_pretrained", "transformers save_pretrained, 1 process"),
-                        ("moeshard_single", "moeshard.save, 1 process, fsync on")):
+    for name, label in (
+        ("save_pretrained", "transformers save_pretrained, 1 process"),
+        ("moeshard_single", "moeshard.save, 1 process, fsync on"),
+    ):
         r = sp[name]
-        lines.append(f"{label:50} {r['wall_seconds']:7.2f} {total / MiB / r['wall_seconds']:8.0f} "
-                     f"{min(r['walls']):7.2f} {r['num_files']:6d} {'ok' if r['same'] else 'NO':>10}")
+        lines.append(
+            f"{label:50} {r['wall_seconds']:7.2f} {total / MiB / r['wall_seconds']:8.0f} "
+            f"{min(r['walls']):7.2f} {r['num_files']:6d} {'ok' if r['same'] else 'NO':>10}"
+        )
     hf = sp["save_pretrained"]
-    lines.append(f"{'  + fsync of its files afterwards':50} {hf['wall_seconds'] + hf['fsync_after_seconds']:7.2f} "
-                 f"{total / MiB / (hf['wall_seconds'] + hf['fsync_after_seconds']):8.0f}")
+    lines.append(
+        f"{'  + fsync of its files afterwards':50} {hf['wall_seconds'] + hf['fsync_after_seconds']:7.2f} "
+        f"{total / MiB / (hf['wall_seconds'] + hf['fsync_after_seconds']):8.0f}"
+    )
     for lay in res["layouts"]:
         if lay["fsync"]:
             g = lay["full_tensor_gather_seconds"]
             what = f"  + gather first (full_tensor, EP={lay['ep']} x {lay['efsdp']})"
-            lines.append(f"{what:50} {hf['wall_seconds'] + g:7.2f} {total / MiB / (hf['wall_seconds'] + g):8.0f}"
-                         f"   (gather alone {g:.2f} s)")
-    lines += ["", "per rank (fsync on): bytes written / sent / received, peak RSS growth during the save",
-              f"{'layout':10} {'rank':>4} {'written MiB':>11} {'files':>5} {'sent MiB':>8} {'recv MiB':>8} "
-              f"{'params MiB':>10} {'RSS+ MiB':>8}"]
+            lines.append(
+                f"{what:50} {hf['wall_seconds'] + g:7.2f} {total / MiB / (hf['wall_seconds'] + g):8.0f}"
+                f"   (gather alone {g:.2f} s)"
+            )
+    lines += [
+        "",
+        "per rank (fsync on): bytes written / sent / received, peak RSS growth during the save",
+        f"{'layout':10} {'rank':>4} {'written MiB':>11} {'files':>5} {'sent MiB':>8} {'recv MiB':>8} "
+        f"{'params MiB':>10} {'RSS+ MiB':>8}",
+    ]
     for lay in res["layouts"]:
         if not lay["fsync"]:
             continue
         for pr in lay["per_rank"]:
-            lines.append(f"{'EP%dx%d' % (lay['ep'], lay['efsdp']):10} {pr['rank']:4d} {pr['bytes_written'] / MiB:11.1f} "
-                         f"{pr['files']:5d} {pr['bytes_sent'] / MiB:8.1f} {pr['bytes_received'] / MiB:8.1f} "
-                         f"{pr['local_param_bytes'] / MiB:10.1f} {pr['rss_growth_max'] / MiB:8.1f}")
-    lines.append(f"{'1 process':10} {'':4} {total / MiB:11.1f} {'':5} {'':8} {'':8} {total / MiB:10.1f} "
-                 f"{(hf['rss_growth'] or 0) / MiB:8.1f}  (save_pretrained; moeshard.save: "
-                 f"{sp['moeshard_single']['rss_growth'] / MiB:.1f})")
+            lines.append(
+                f"{'EP{}x{}'.format(lay['ep'], lay['efsdp']):10} {pr['rank']:4d} {pr['bytes_written'] / MiB:11.1f} "
+                f"{pr['files']:5d} {pr['bytes_sent'] / MiB:8.1f} {pr['bytes_received'] / MiB:8.1f} "
+                f"{pr['local_param_bytes'] / MiB:10.1f} {pr['rss_growth_max'] / MiB:8.1f}"
+            )
+    lines.append(
+        f"{'1 process':10} {'':4} {total / MiB:11.1f} {'':5} {'':8} {'':8} {total / MiB:10.1f} "
+        f"{(hf['rss_growth'] or 0) / MiB:8.1f}  (save_pretrained; moeshard.save: "
+        f"{sp['moeshard_single']['rss_growth'] / MiB:.1f})"
+    )
     return "\n".join(lines)
 
 
@@ -274,10 +352,9 @@ def main(argv=None) -> dict:
     t_start = time.perf_counter()
     import torch
 
+    from benchmarks.bench_save import rank_main  # importable by name in the spawned ranks
     from moeshard import CheckpointIndex
     from moeshard._launch import run_local_ranks
-
-    from benchmarks.bench_save import rank_main  # importable by name in the spawned ranks
 
     dims = model_dims(args.size_mib)
     ckpt = checkpoint_path(args.ckpt, args.size_mib)
@@ -289,9 +366,15 @@ def main(argv=None) -> dict:
     shutil.rmtree(out_root, ignore_errors=True)
     out_root.mkdir(parents=True)
     load_before = os.getloadavg()
-    spec = {"ckpt": str(ckpt.resolve()), "dims": dims, "layouts": args.layouts, "repeat": max(1, args.repeat),
-            "out_root": str(out_root.resolve()), "shard_bytes": int(args.shard_mib * MiB),
-            "staging_bytes": int(args.staging_mib * MiB)}
+    spec = {
+        "ckpt": str(ckpt.resolve()),
+        "dims": dims,
+        "layouts": args.layouts,
+        "repeat": max(1, args.repeat),
+        "out_root": str(out_root.resolve()),
+        "shard_bytes": int(args.shard_mib * MiB),
+        "staging_bytes": int(args.staging_mib * MiB),
+    }
     print(f"[bench_save] {total / MiB:,.1f} MiB; {WORLD} gloo ranks, layouts {args.layouts} ...", flush=True)
     saved_env = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
@@ -313,20 +396,49 @@ def main(argv=None) -> dict:
         wall = statistics.median(r["wall_seconds"] for r in runs)
         d = Path(runs[-1]["dir"])
         same, why = same_tensors(ckpt, d)
-        sp[name] = {"wall_seconds": wall, "walls": [r["wall_seconds"] for r in runs], "same": same, "mismatch": why,
-                    "rss_growth": max((r["rss_growth"] or 0) for r in runs),
-                    "num_files": len(list(d.glob("*.safetensors")))}
+        sp[name] = {
+            "wall_seconds": wall,
+            "walls": [r["wall_seconds"] for r in runs],
+            "same": same,
+            "mismatch": why,
+            "rss_growth": max((r["rss_growth"] or 0) for r in runs),
+            "num_files": len(list(d.glob("*.safetensors"))),
+        }
         if name == "save_pretrained":
             sp[name]["fsync_after_seconds"] = statistics.median(r["fsync_after_seconds"] for r in runs)
     res = {
-        "command": " ".join([os.path.basename(sys.executable), "-m", "benchmarks.bench_save",
-                             *(argv if argv is not None else sys.argv[1:])]),
-        "checkpoint": {"path": str(ckpt), "bytes": total, "num_tensors": len(index.tensors), "dims": dims,
-                       "built": built, "build_seconds": build_s},
-        "config": {"world_size": WORLD, "backend": "gloo", "layouts": args.layouts, "repeat": spec["repeat"],
-                   "shard_bytes": spec["shard_bytes"], "staging_bytes": spec["staging_bytes"]},
-        "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-                 "platform": platform.platform(), "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+        "command": " ".join(
+            [
+                os.path.basename(sys.executable),
+                "-m",
+                "benchmarks.bench_save",
+                *(argv if argv is not None else sys.argv[1:]),
+            ]
+        ),
+        "checkpoint": {
+            "path": str(ckpt),
+            "bytes": total,
+            "num_tensors": len(index.tensors),
+            "dims": dims,
+            "built": built,
+            "build_seconds": build_s,
+        },
+        "config": {
+            "world_size": WORLD,
+            "backend": "gloo",
+            "layouts": args.layouts,
+            "repeat": spec["repeat"],
+            "shard_bytes": spec["shard_bytes"],
+            "staging_bytes": spec["staging_bytes"],
+        },
+        "host": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "platform": platform.platform(),
+            "loadavg_before": load_before,
+            "loadavg_after": os.getloadavg(),
+        },
         "layouts": layouts,
         "single_process": sp,
         "total_seconds": time.perf_counter() - t_start,

@@ -25,7 +25,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import side_by_side  # noqa: E402
+from benchmarks import side_by_side
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "docs" / "deepseek_v3_config.json"
@@ -50,8 +50,10 @@ def one(world: int) -> dict:
     layout = find_experts(index)
     placement = make_placement(layout, cluster)
     # save describes a torch model: torch dtypes, where moeshard plan's descriptions carry names
-    descs = [dataclasses.replace(d, dtype=getattr(torch, TORCH_NAMES[d.dtype]))
-             for d in synthesize_descs(layout, index, cluster)]
+    descs = [
+        dataclasses.replace(d, dtype=getattr(torch, TORCH_NAMES[d.dtype]))
+        for d in synthesize_descs(layout, index, cluster)
+    ]
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     t = time.perf_counter()
     outs = describe_outputs(descs, placement, world, index)
@@ -64,11 +66,23 @@ def one(world: int) -> dict:
     mine = plan.schedule_for(RANK) if hasattr(plan, "schedule_for") else plan.schedule
     t3 = time.perf_counter()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return dict(world=world, rank=RANK, tensors=len(outs), describe_s=t1 - t, plan_s=t2 - t1, schedule_s=t3 - t2,
-                total_s=t3 - t, rank_sends=int(((mine.sends.src == RANK) | (mine.sends.dst == RANK)).sum()),
-                transfers=int(plan.cost.num_p2p_ops), batches=int(plan.cost.num_batches), files=len(plan.files),
-                fingerprint=plan.fingerprint, same=rank_digest(plan, mine, RANK), peak_rss_mib=peak,
-                rss_growth_mib=peak - rss0)
+    return dict(
+        world=world,
+        rank=RANK,
+        tensors=len(outs),
+        describe_s=t1 - t,
+        plan_s=t2 - t1,
+        schedule_s=t3 - t2,
+        total_s=t3 - t,
+        rank_sends=int(((mine.sends.src == RANK) | (mine.sends.dst == RANK)).sum()),
+        transfers=int(plan.cost.num_p2p_ops),
+        batches=int(plan.cost.num_batches),
+        files=len(plan.files),
+        fingerprint=plan.fingerprint,
+        same=rank_digest(plan, mine, RANK),
+        peak_rss_mib=peak,
+        rss_growth_mib=peak - rss0,
+    )
 
 
 def rank_digest(plan, s, rank: int) -> str:
@@ -84,19 +98,34 @@ def rank_digest(plan, s, rank: int) -> str:
 
     h = hashlib.sha256(repr([(t.key, t.writer, t.file, t.offset) for t in plan.tensors]).encode())
     h.update(repr(plan.cost.summary()).encode())
-    h.update(repr([(int(s.sends.round[i]), int(s.sends.src[i]), int(s.sends.dst[i]), piece(int(s.sends.piece[i])))
-                   for i in m.sends]).encode())
+    h.update(
+        repr(
+            [
+                (int(s.sends.round[i]), int(s.sends.src[i]), int(s.sends.dst[i]), piece(int(s.sends.piece[i])))
+                for i in m.sends
+            ]
+        ).encode()
+    )
     h.update(repr([piece(int(s.copies.piece[i])) for i in m.copies]).encode())
-    h.update(repr(sorted((piece(int(s.deliveries.piece[i])), s.deliveries.off[i].tolist()) for i in m.deliveries)).encode())
+    h.update(
+        repr(sorted((piece(int(s.deliveries.piece[i])), s.deliveries.off[i].tolist()) for i in m.deliveries)).encode()
+    )
     return h.hexdigest()[:16]
 
 
 def main(argv=None) -> None:
     side_by_side.main(
-        argv, "benchmarks.bench_save_plan", __doc__, "64,256,1024", one,
+        argv,
+        "benchmarks.bench_save_plan",
+        __doc__,
+        "64,256,1024",
+        one,
         f"{'describe s':>11} {'plan s':>8} {'sched s':>8} {'total s':>8} {'peak MiB':>9} {'+MiB':>6}  same",
-        lambda r: (f"{r['describe_s']:>11.2f} {r['plan_s']:>8.2f} {r['schedule_s']:>8.2f} {r['total_s']:>8.2f} "
-                   f"{r['peak_rss_mib']:>9.0f} {r['rss_growth_mib']:>6.0f}  {r['same']}"))
+        lambda r: (
+            f"{r['describe_s']:>11.2f} {r['plan_s']:>8.2f} {r['schedule_s']:>8.2f} {r['total_s']:>8.2f} "
+            f"{r['peak_rss_mib']:>9.0f} {r['rss_growth_mib']:>6.0f}  {r['same']}"
+        ),
+    )
 
 
 if __name__ == "__main__":

@@ -8,9 +8,10 @@ Per rank: the shard (bytes of its local parameters), RSS before the load, peak R
 during the load (Linux VmHWM, reset before), and peak RSS growth during each training step
 (forward + backward + ``optimizer.step``; the first step also allocates AdamW's two state
 tensors per parameter, which stay). Before each baseline the heap is trimmed (``malloc_trim``)
-so RSS counts live memory, not what glibc keeps cached. The one-process reference does the same steps on the whole model and
-the whole batch. Memory is reported as growth over the process's RSS before the load (the
-torch runtime alone is a few hundred MiB) and as a multiple of the shard size.
+so RSS counts live memory, not what glibc keeps cached. The one-process reference does the
+same steps on the whole model and the whole batch. Memory is reported as growth over the
+process's RSS before the load (the torch runtime alone is a few hundred MiB) and as a multiple
+of the shard size.
 
 Run from the repository root::
 
@@ -34,8 +35,8 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 import psutil
 import torch
 
-from benchmarks.bench_load import malloc_trim  # noqa: E402
-from moeshard.ops.peak_rss import read_peak_rss, reset_peak_rss  # noqa: E402
+from benchmarks.bench_load import malloc_trim
+from moeshard.ops.peak_rss import read_peak_rss, reset_peak_rss
 
 STEPS, LR, SEQ = 2, 1e-3, 64
 
@@ -44,9 +45,18 @@ def _config(hidden: int):
     from transformers import Qwen3MoeConfig
 
     return Qwen3MoeConfig(
-        vocab_size=8192, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden // 2,
-        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=hidden // 8,
-        num_experts=16, num_experts_per_tok=2, max_position_embeddings=SEQ, tie_word_embeddings=False,
+        vocab_size=8192,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        moe_intermediate_size=hidden // 2,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=hidden // 8,
+        num_experts=16,
+        num_experts_per_tok=2,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
     )
 
 
@@ -90,8 +100,9 @@ def _steps(model, ids, opt, step_fn=None) -> list[dict]:
             step_fn(model)
         opt.step()
         opt.zero_grad()
-        out.append({"loss": loss.item(), "wall_s": time.perf_counter() - t0, "rss_before": base,
-                    "peak_rss": _peak_rss()})
+        out.append(
+            {"loss": loss.item(), "wall_s": time.perf_counter() - t0, "rss_before": base, "peak_rss": _peak_rss()}
+        )
     return out
 
 
@@ -116,8 +127,18 @@ def rank_main(ckpt: str, hidden: int, layouts: list) -> list:
         shard = sum(local_tensor(p).numel() * local_tensor(p).element_size() for p in model.parameters())
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
         steps = _steps(model, ids, opt, moeshard.sync_redundant_grads)
-        out.append({"ep": ep, "efsdp": efsdp, "rank": rank, "shard_bytes": shard, "rss_before_load": rss0,
-                    "load_peak_rss": rep.peak_rss_bytes, "load_wall_s": rep.wall_seconds, "steps": steps})
+        out.append(
+            {
+                "ep": ep,
+                "efsdp": efsdp,
+                "rank": rank,
+                "shard_bytes": shard,
+                "rss_before_load": rss0,
+                "load_peak_rss": rep.peak_rss_bytes,
+                "load_wall_s": rep.wall_seconds,
+                "steps": steps,
+            }
+        )
         del model, opt, rep
     return out
 
@@ -154,25 +175,39 @@ def main(argv: list[str] | None = None) -> int:
         torch.manual_seed(0)
         Qwen3MoeForCausalLM(_config(args.hidden)).save_pretrained(ckpt, max_shard_size="32MB")
     nbytes = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
-    print(f"checkpoint {ckpt}: {_mib(nbytes)} MiB fp32; 4 gloo ranks (2 nodes x 2), {STEPS} AdamW steps, "
-          f"1 sequence of {SEQ} tokens per rank (one process: all 4)")
+    print(
+        f"checkpoint {ckpt}: {_mib(nbytes)} MiB fp32; 4 gloo ranks (2 nodes x 2), {STEPS} AdamW steps, "
+        f"1 sequence of {SEQ} tokens per rank (one process: all 4)"
+    )
     layouts = [(4, 1), (2, 2)]
     ranks = run_local_ranks(rank_main, str(ckpt), args.hidden, layouts, world=4, local_world=2, timeout=600)
     ref = one_process(str(ckpt), args.hidden, 4)
     rows = []
-    print(f"{'layout':14} {'rank':>4} {'shard MiB':>9} {'load peak +MiB':>14} {'x shard':>7} "
-          f"{'step1 peak +MiB':>15} {'x shard':>7} {'step2 peak +MiB':>15} {'x shard':>7}")
+    print(
+        f"{'layout':14} {'rank':>4} {'shard MiB':>9} {'load peak +MiB':>14} {'x shard':>7} "
+        f"{'step1 peak +MiB':>15} {'x shard':>7} {'step2 peak +MiB':>15} {'x shard':>7}"
+    )
 
     def row(name, rank, r):
         base = r["rss_before_load"]
         load = r["load_peak_rss"] - base
         s1, s2 = (s["peak_rss"] - base for s in r["steps"])
         sh = r["shard_bytes"]
-        rows.append({"layout": name, "rank": rank, "shard_bytes": sh, "load_peak_growth": load,
-                     "step_peak_growth": [s1, s2], "step_wall_s": [s["wall_s"] for s in r["steps"]],
-                     "losses": [s["loss"] for s in r["steps"]]})
-        print(f"{name:14} {rank:>4} {_mib(sh):>9} {_mib(load):>14} {load / sh:7.2f} {_mib(s1):>15} "
-              f"{s1 / sh:7.2f} {_mib(s2):>15} {s2 / sh:7.2f}")
+        rows.append(
+            {
+                "layout": name,
+                "rank": rank,
+                "shard_bytes": sh,
+                "load_peak_growth": load,
+                "step_peak_growth": [s1, s2],
+                "step_wall_s": [s["wall_s"] for s in r["steps"]],
+                "losses": [s["loss"] for s in r["steps"]],
+            }
+        )
+        print(
+            f"{name:14} {rank:>4} {_mib(sh):>9} {_mib(load):>14} {load / sh:7.2f} {_mib(s1):>15} "
+            f"{s1 / sh:7.2f} {_mib(s2):>15} {s2 / sh:7.2f}"
+        )
 
     for i, (ep, efsdp) in enumerate(layouts):
         for rank, res in enumerate(ranks):
@@ -181,8 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     for i, (ep, efsdp) in enumerate(layouts):
         worst = max(r[i]["steps"][-1]["peak_rss"] - r[i]["rss_before_load"] for r in ranks)
         full = ref["steps"][-1]["peak_rss"] - ref["rss_before_load"]
-        print(f"EP={ep} efsdp={efsdp}: the worst rank's step peak growth is {worst / full:.2f} of one process's "
-              f"({_mib(worst)} vs {_mib(full)} MiB)")
+        print(
+            f"EP={ep} efsdp={efsdp}: the worst rank's step peak growth is {worst / full:.2f} of one process's "
+            f"({_mib(worst)} vs {_mib(full)} MiB)"
+        )
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"checkpoint_bytes": nbytes, "steps": STEPS, "seq": SEQ, "rows": rows}, f, indent=1)

@@ -131,8 +131,12 @@ class _Checkpoint:
 
         prefix, _, attr = name.rpartition(".")
         if prefix.endswith("mlp.experts") and attr == "gate_up_proj":
-            return torch.stack([torch.cat([self.get(f"{prefix}.{e}.gate_proj.weight"),
-                                           self.get(f"{prefix}.{e}.up_proj.weight")]) for e in range(num_experts)])
+            return torch.stack(
+                [
+                    torch.cat([self.get(f"{prefix}.{e}.gate_proj.weight"), self.get(f"{prefix}.{e}.up_proj.weight")])
+                    for e in range(num_experts)
+                ]
+            )
         if prefix.endswith("mlp.experts") and attr == "down_proj":
             return torch.stack([self.get(f"{prefix}.{e}.down_proj.weight") for e in range(num_experts)])
         return self.get(name)
@@ -168,8 +172,11 @@ def check_against_checkpoint(model, ckpt: str, perturb: str | None = None) -> Ch
                 n_bad += 1
                 bad.append(f"{name}: global shape {tuple(p.shape)}, checkpoint {tuple(ref.shape)}")
                 continue
-            want = (distribute_tensor(ref, p.device_mesh, p.placements, src_data_rank=None).to_local()
-                    if isinstance(p, DTensor) else ref)
+            want = (
+                distribute_tensor(ref, p.device_mesh, p.placements, src_data_rank=None).to_local()
+                if isinstance(p, DTensor)
+                else ref
+            )
             if name == perturb and local.numel():
                 local = local.clone()
                 local.view(-1)[0] += 1
@@ -181,8 +188,10 @@ def check_against_checkpoint(model, ckpt: str, perturb: str | None = None) -> Ch
             elif not torch.equal(want, local):
                 n_bad += 1
                 diff = (want != local).nonzero()
-                bad.append(f"{name}: {len(diff)} of {local.numel()} local elements differ (first at local index "
-                           f"{diff[0].tolist()})")
+                bad.append(
+                    f"{name}: {len(diff)} of {local.numel()} local elements differ (first at local index "
+                    f"{diff[0].tolist()})"
+                )
     return CheckResult(n_params, n_elems, n_bad, tuple(bad[:5]))
 
 
@@ -218,7 +227,7 @@ def read_floor_parallel(root: str, shares: list[tuple[str, int, int]]) -> list:
         try:
             done = 0
             while done < length:
-                n = os.preadv(fd, [view[done:done + CHUNK]], off + done)
+                n = os.preadv(fd, [view[done : done + CHUNK]], off + done)
                 if n <= 0:
                     raise OSError(f"{path}: read {done} of {length} bytes at offset {off}, then end of file")
                 done += n
@@ -240,10 +249,17 @@ def _load_moeshard(spec: dict, ep: int, efsdp: int, dtype, row: dict):
         model = moeshard.from_pretrained(spec["ckpt"], ep=ep, efsdp=efsdp, dtype=dtype)
         t1 = time.perf_counter()
     rep = steps.report
-    row.update(steps=steps.steps(t0, t1), storage=rep.storage, bytes_read=rep.bytes_read_rank,
-               bytes_sent=rep.bytes_sent_rank, bytes_received=rep.bytes_received_rank,
-               peak_staging_bytes=rep.peak_staging_bytes_rank, load_phase_cpu_seconds=rep.phase_cpu_seconds,
-               fingerprint=rep.fingerprint, plan_cost=rep.plan)
+    row.update(
+        steps=steps.steps(t0, t1),
+        storage=rep.storage,
+        bytes_read=rep.bytes_read_rank,
+        bytes_sent=rep.bytes_sent_rank,
+        bytes_received=rep.bytes_received_rank,
+        peak_staging_bytes=rep.peak_staging_bytes_rank,
+        load_phase_cpu_seconds=rep.phase_cpu_seconds,
+        fingerprint=rep.fingerprint,
+        plan_cost=rep.plan,
+    )
     return model
 
 
@@ -255,7 +271,8 @@ def _load_transformers(spec: dict, ep: int, efsdp: int, dtype, row: dict):
     world = dist.get_world_size()
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(
-        spec["ckpt"], dtype=dtype, distributed_config=DistributedConfig(fsdp_size=world, ep_size=ep))
+        spec["ckpt"], dtype=dtype, distributed_config=DistributedConfig(fsdp_size=world, ep_size=ep)
+    )
     row["call_seconds"] = time.perf_counter() - t0
     return model
 
@@ -264,8 +281,10 @@ def _local_bytes(model) -> int:
     """Bytes of this rank's local parameter tensors (elements x element size)."""
     from torch.distributed.tensor import DTensor
 
-    return sum(t.numel() * t.element_size() for t in
-               (p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()))
+    return sum(
+        t.numel() * t.element_size()
+        for t in (p.to_local() if isinstance(p, DTensor) else p for p in model.parameters())
+    )
 
 
 def run_fresh(name: str, spec: dict, ep: int, efsdp: int, cold: bool) -> dict:
@@ -303,8 +322,13 @@ def run_fresh(name: str, spec: dict, ep: int, efsdp: int, cold: bool) -> dict:
         # This process's CPU seconds (every thread): far below the wall time is waiting (for peers,
         # storage, or a core when the ranks outnumber the cores).
         row["cpu_seconds"] = time.process_time() - cpu0
-    row.update(rss_before=mon.before, rss_growth=mon.growth, rss_final_growth=mon.final_growth,
-               rss_final_growth_parts=mon.final_growth_parts, rss_growth_sampled=mon.peak_sampled - mon.before)
+    row.update(
+        rss_before=mon.before,
+        rss_growth=mon.growth,
+        rss_final_growth=mon.final_growth,
+        rss_final_growth_parts=mon.final_growth_parts,
+        rss_growth_sampled=mon.peak_sampled - mon.before,
+    )
     if name != "parallel-read-floor" and result is not None:
         row["local_bytes"] = _local_bytes(result)
         t = time.perf_counter()
@@ -348,13 +372,20 @@ def profile_moeshard(spec: dict, ep: int, efsdp: int, cold: bool) -> dict:
     _prepare_cache(cold)
     dist.barrier()
     t0, cpu0 = time.perf_counter(), time.process_time()
-    model, steps, kinds = profiled(lambda: moeshard.from_pretrained(
-        spec["ckpt"], ep=ep, efsdp=efsdp, dtype=getattr(torch, spec["model_dtype"])))
+    model, steps, kinds = profiled(
+        lambda: moeshard.from_pretrained(spec["ckpt"], ep=ep, efsdp=efsdp, dtype=getattr(torch, spec["model_dtype"]))
+    )
     t_call = time.perf_counter() - t0
     dist.barrier()
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     del model
     gc.collect()
     malloc_trim()
-    return {"cold": cold, "wall_seconds": wall, "call_seconds": t_call, "cpu_seconds": cpu, "steps": steps,
-            "kinds": kinds}
+    return {
+        "cold": cold,
+        "wall_seconds": wall,
+        "call_seconds": t_call,
+        "cpu_seconds": cpu,
+        "steps": steps,
+        "kinds": kinds,
+    }

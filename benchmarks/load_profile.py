@@ -157,9 +157,11 @@ class CallProfiler:
 
         def timed_result(result):
             if callable(result):
+
                 def wait():
                     with self._timed(kind):
                         return result()
+
                 return wait
             if isinstance(result, list):
                 return [_TimedWork(w, self, kind) for w in result]
@@ -188,8 +190,9 @@ class _TimedWork:
         return getattr(self._work, name)
 
 
-def attribute(events: list[tuple[str, float, float]], steps: list[tuple[str, float, float]],
-              kinds: tuple[str, ...] = EXEC_KINDS) -> dict[str, dict[str, float]]:
+def attribute(
+    events: list[tuple[str, float, float]], steps: list[tuple[str, float, float]], kinds: tuple[str, ...] = EXEC_KINDS
+) -> dict[str, dict[str, float]]:
     """``{step: {kind: seconds, ..., "other": rest}}``: each event's seconds in the step whose
     interval holds its midpoint (pure); ``other`` is the step's seconds outside the events."""
     out: dict[str, dict[str, float]] = {}

@@ -10,14 +10,15 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def main(argv, module: str, doc: str, worlds: str, one: Callable[[int], dict], header: str,
-         line: Callable[[dict], str]) -> None:
+def main(
+    argv, module: str, doc: str, worlds: str, one: Callable[[int], dict], header: str, line: Callable[[dict], str]
+) -> None:
     """A benchmark's command line: ``--one W`` (a child) prints ``one(W)`` as JSON; otherwise
     :func:`sweep` over ``--worlds`` (default ``worlds``), this tree and ``--compare``'s."""
     name = module.rsplit(".", 1)[-1]
@@ -44,8 +45,15 @@ def child(module: str, world: int, tree: Path, timeout: float) -> dict | None:
     None past ``timeout`` seconds."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree / "src"), str(ROOT)]))
     try:
-        out = subprocess.run([sys.executable, "-m", module, "--one", str(world)], env=env, cwd=ROOT, check=True,
-                             capture_output=True, text=True, timeout=timeout).stdout
+        out = subprocess.run(
+            [sys.executable, "-m", module, "--one", str(world)],
+            env=env,
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        ).stdout
     except subprocess.TimeoutExpired:
         return None
     return json.loads(out.strip().splitlines()[-1])

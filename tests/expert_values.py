@@ -27,8 +27,12 @@ def params(num_tensors: int) -> list:
 def checkpoint_pairs(module: str, layers: int, num_logical: int, shapes) -> list[tuple[str, torch.Tensor]]:
     """``(key, tensor)`` of every expert tensor of ``layers`` MoE layers (``module`` formats a
     layer into its experts module's name), for ``moeshard.write_checkpoint``."""
-    return [(f"{module.format(layer=layer)}.{e}.w{j}", encode(layer, e, j, shape))
-            for layer in range(layers) for e in range(num_logical) for j, shape in enumerate(shapes)]
+    return [
+        (f"{module.format(layer=layer)}.{e}.w{j}", encode(layer, e, j, shape))
+        for layer in range(layers)
+        for e in range(num_logical)
+        for j, shape in enumerate(shapes)
+    ]
 
 
 def check(tensors: dict, phy2log: np.ndarray, ep_rank: int, slots: int, shapes, what: str = "") -> list[str]:
@@ -41,6 +45,8 @@ def check(tensors: dict, phy2log: np.ndarray, ep_rank: int, slots: int, shapes, 
             for k in range(slots):
                 e = int(phy2log[layer, ep_rank * slots + k])
                 if e >= 0 and not torch.equal(t[k], encode(layer, e, j, shapes[j])):
-                    bad.append(f"{what}{': ' if what else ''}EP rank {ep_rank} layer {layer} tensor {j} slot "
-                               f"{ep_rank * slots + k}: want expert {e}")
+                    bad.append(
+                        f"{what}{': ' if what else ''}EP rank {ep_rank} layer {layer} tensor {j} slot "
+                        f"{ep_rank * slots + k}: want expert {e}"
+                    )
     return bad

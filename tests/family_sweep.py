@@ -28,8 +28,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import hf_families  # noqa: E402
-from mp import run_ranks  # noqa: E402
+import hf_families
+from mp import run_ranks
 
 SEQ = (2, 7)
 
@@ -82,7 +82,9 @@ def ep_worker(root: str, families: list[str]) -> dict:
             model = hf_families.build(family, device="meta")
             n = ref["n_experts"]
             rng = np.random.default_rng(3)
-            rows = [rng.permutation(np.concatenate([np.arange(n), rng.integers(0, n, 2)])) for _ in range(ref["n_layers"])]
+            rows = [
+                rng.permutation(np.concatenate([np.arange(n), rng.integers(0, n, 2)])) for _ in range(ref["n_layers"])
+            ]
             pl = moeshard.Placement(np.stack(rows), num_logical=n, num_ranks=2)
             moeshard.parallelize(model, mesh, pl)
             moeshard.load(model, ckpt, placement=pl)

@@ -48,28 +48,120 @@ import torch
 TRANSFORMERS_VERSION = "5.23.0"  # the version FAMILIES and the *_ON_DISK sets were computed on
 
 FAMILIES: tuple[str, ...] = (
-    "afmoe", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "dbrx", "deepseek_v2",
-    "deepseek_v3", "deepseek_v32", "deepseek_v4", "doge", "dots1", "dots3_note", "dots3_note_text",
-    "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "gemma4", "gemma4_text", "glm4_moe",
-    "glm4_moe_lite", "glm_moe_dsa", "gpt_oss", "granitemoe", "granitemoe_swa", "granitemoehybrid",
-    "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling2_text", "inkling_text", "jamba",
-    "jetmoe", "kimi_linear", "kolibri1", "laguna", "lfm2_moe", "llama4", "llama4_text", "longcat_flash", "mellum",
-    "mimo_v2_flash", "minimax", "minimax_m2", "minimax_m3_vl_text", "mixtral", "nemotron_h", "olmoe",
-    "phimoe", "qwen2_moe", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "qwen4_exp",
-    "qwen4_exp_text", "solar_open", "zaya",
+    "afmoe",
+    "aria_text",
+    "axk1",
+    "axk2",
+    "bailing_hybrid",
+    "beam",
+    "cohere2_moe",
+    "dbrx",
+    "deepseek_v2",
+    "deepseek_v3",
+    "deepseek_v32",
+    "deepseek_v4",
+    "doge",
+    "dots1",
+    "dots3_note",
+    "dots3_note_text",
+    "ernie4_5_moe",
+    "exaone_moe",
+    "flex_olmo",
+    "flint",
+    "gemma4",
+    "gemma4_text",
+    "glm4_moe",
+    "glm4_moe_lite",
+    "glm_moe_dsa",
+    "gpt_oss",
+    "granitemoe",
+    "granitemoe_swa",
+    "granitemoehybrid",
+    "granitemoeshared",
+    "hunyuan_v1_moe",
+    "hy_v3",
+    "hy_v4",
+    "inkling2_text",
+    "inkling_text",
+    "jamba",
+    "jetmoe",
+    "kimi_linear",
+    "kolibri1",
+    "laguna",
+    "lfm2_moe",
+    "llama4",
+    "llama4_text",
+    "longcat_flash",
+    "mellum",
+    "mimo_v2_flash",
+    "minimax",
+    "minimax_m2",
+    "minimax_m3_vl_text",
+    "mixtral",
+    "nemotron_h",
+    "olmoe",
+    "phimoe",
+    "qwen2_moe",
+    "qwen3_5_moe",
+    "qwen3_5_moe_text",
+    "qwen3_moe",
+    "qwen3_next",
+    "qwen4_exp",
+    "qwen4_exp_text",
+    "solar_open",
+    "zaya",
 )
 
 # Families whose save_pretrained writes per-expert expert keys (matching r"\.experts\.\d+\.",
 # e.g. `...experts.3.gate_proj.weight` or mixtral-style `...experts.3.w1.weight`).
-PER_EXPERT_ON_DISK: frozenset[str] = frozenset({
-    "afmoe", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v2", "deepseek_v3",
-    "deepseek_v32", "deepseek_v4", "dots1", "dots3_note", "dots3_note_text", "ernie4_5_moe",
-    "exaone_moe", "flex_olmo", "flint", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "hunyuan_v1_moe",
-    "hy_v3", "jamba", "kimi_linear", "kolibri1", "laguna", "lfm2_moe", "longcat_flash", "mellum",
-    "mimo_v2_flash", "minimax", "minimax_m2", "mixtral", "nemotron_h", "olmoe", "phimoe", "qwen2_moe",
-    "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "qwen4_exp", "qwen4_exp_text",
-    "solar_open",
-})
+PER_EXPERT_ON_DISK: frozenset[str] = frozenset(
+    {
+        "afmoe",
+        "axk1",
+        "axk2",
+        "bailing_hybrid",
+        "beam",
+        "cohere2_moe",
+        "deepseek_v2",
+        "deepseek_v3",
+        "deepseek_v32",
+        "deepseek_v4",
+        "dots1",
+        "dots3_note",
+        "dots3_note_text",
+        "ernie4_5_moe",
+        "exaone_moe",
+        "flex_olmo",
+        "flint",
+        "glm4_moe",
+        "glm4_moe_lite",
+        "glm_moe_dsa",
+        "hunyuan_v1_moe",
+        "hy_v3",
+        "jamba",
+        "kimi_linear",
+        "kolibri1",
+        "laguna",
+        "lfm2_moe",
+        "longcat_flash",
+        "mellum",
+        "mimo_v2_flash",
+        "minimax",
+        "minimax_m2",
+        "mixtral",
+        "nemotron_h",
+        "olmoe",
+        "phimoe",
+        "qwen2_moe",
+        "qwen3_5_moe",
+        "qwen3_5_moe_text",
+        "qwen3_moe",
+        "qwen3_next",
+        "qwen4_exp",
+        "qwen4_exp_text",
+        "solar_open",
+    }
+)
 # The others: save_pretrained writes the experts fused (one tensor per layer and projection).
 FUSED_ON_DISK: frozenset[str] = frozenset(FAMILIES) - PER_EXPERT_ON_DISK
 
@@ -144,13 +236,19 @@ _DOTS3_TEXT = dict(
     num_key_value_heads=4,  # MLA: validation requires num_key_value_heads == num_attention_heads
     # layer 2 is a sliding-attention layer with its own per-layer MLA shape from the swa_* kwargs
     # (defaults: 64 heads, ranks 1024 -> ~38M parameters)
-    swa_num_attention_heads=2, swa_num_key_value_heads=2, swa_q_lora_rank=16, swa_kv_lora_rank=16,
-    swa_head_dim=12, swa_qk_nope_head_dim=8, swa_v_head_dim=8,
+    swa_num_attention_heads=2,
+    swa_num_key_value_heads=2,
+    swa_q_lora_rank=16,
+    swa_kv_lora_rank=16,
+    swa_head_dim=12,
+    swa_qk_nope_head_dim=8,
+    swa_v_head_dim=8,
 )
 _GEMMA4_TEXT = dict(
     enable_moe_block=True,  # off by default: no experts at all
     top_k_experts=2,  # defaults to None
-    vocab_size_per_layer_input=128, hidden_size_per_layer_input=8,  # per-layer input embeddings (262144 x 256)
+    vocab_size_per_layer_input=128,
+    hidden_size_per_layer_input=8,  # per-layer input embeddings (262144 x 256)
     global_head_dim=16,  # full-attention layers get head_dim 512 by default
 )
 
@@ -165,25 +263,34 @@ _FAMILY: dict[str, dict] = {
     "beam": dict(num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"]),
     # its own names (d_model, n_heads, n_layers); DbrxAttention reads attn_config.rope_theta, which
     # the attention sub-config lacks unless given; its forward clamps q/k/v by clip_qkv (None fails)
-    "dbrx": dict(d_model=32, n_heads=4, n_layers=2, max_seq_len=64,
-                 attn_config=dict(kv_n_heads=4, rope_theta=10000.0, clip_qkv=8.0),
-                 ffn_config=dict(hidden_size=32, ffn_hidden_size=16, moe_num_experts=4, moe_top_k=2)),
+    "dbrx": dict(
+        d_model=32,
+        n_heads=4,
+        n_layers=2,
+        max_seq_len=64,
+        attn_config=dict(kv_n_heads=4, rope_theta=10000.0, clip_qkv=8.0),
+        ffn_config=dict(hidden_size=32, ffn_hidden_size=16, moe_num_experts=4, moe_top_k=2),
+    ),
     "deepseek_v3": dict(num_hidden_layers=3, first_k_dense_replace=1),  # default 3 dense layers
     # dense MLPs unless is_moe; its product-key router takes the top num_experts_per_tok of
     # floor(sqrt(num_experts))^2 candidates: 16 experts give 4 x 4
     "doge": dict(is_moe=True, num_experts=16, num_experts_per_tok=4),
     "deepseek_v32": dict(num_hidden_layers=3, first_k_dense_replace=1),  # default 3 dense layers
     # the vision/audio adapters (not built here) must output the text hidden size (validation)
-    "dots3_note": dict(text_config=_DOTS3_TEXT, vision_config=dict(adapter_out_dim=32),
-                       audio_config=dict(adapter_out_dim=32)),
+    "dots3_note": dict(
+        text_config=_DOTS3_TEXT, vision_config=dict(adapter_out_dim=32), audio_config=dict(adapter_out_dim=32)
+    ),
     "dots3_note_text": _DOTS3_TEXT,
     "ernie4_5_moe": dict(num_hidden_layers=3),  # dense first (moe_layer_start_index=1)
     "exaone_moe": dict(num_hidden_layers=3),  # dense first (first_k_dense_replace=1)
     "flint": dict(num_hidden_layers=3, mlp_only_layers=[0]),  # default mlp_only_layers=[0, 1]
     # Gemma4ForConditionalGeneration builds the vision and audio towers: shrink them as well
     # (position table 10240 x hidden, 16x16 patches, 1536-wide audio output projection)
-    "gemma4": dict(text_config=_GEMMA4_TEXT, vision_config=dict(position_embedding_size=64, patch_size=4),
-                   audio_config=dict(output_proj_dims=32, subsampling_conv_channels=[8, 8])),
+    "gemma4": dict(
+        text_config=_GEMMA4_TEXT,
+        vision_config=dict(position_embedding_size=64, patch_size=4),
+        audio_config=dict(output_proj_dims=32, subsampling_conv_channels=[8, 8]),
+    ),
     "gemma4_text": _GEMMA4_TEXT,
     "glm4_moe": dict(num_hidden_layers=3),  # dense first (first_k_dense_replace=1)
     "glm4_moe_lite": dict(num_hidden_layers=3),  # dense first (default mlp_layer_types)

@@ -15,13 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # benchmarks/ (a checkout, not an installed package)
 
-from benchmarks.load_fresh import (
-    check_against_checkpoint,
-    file_shares,
-    read_floor_parallel,
-)
-from benchmarks.load_fresh_report import aggregate_fresh, format_fresh
-from benchmarks.load_profile import attribute
+from benchmarks.load_fresh import check_against_checkpoint, file_shares, read_floor_parallel  # noqa: E402
+from benchmarks.load_fresh_report import aggregate_fresh, format_fresh  # noqa: E402
+from benchmarks.load_profile import attribute  # noqa: E402
 
 
 @pytest.mark.parametrize("world", [1, 3, 4, 8])
@@ -38,7 +34,7 @@ def test_read_floor_reads_every_byte_once(tmp_path, world):
         shares = file_shares(sizes, rank, world)
         for (name, off, length), buf in zip(shares, read_floor_parallel(str(tmp_path), shares)):
             assert off % 4096 == 0 and buf.numel() == length
-            got[name][off:off + length] = buf.numpy().tobytes()
+            got[name][off : off + length] = buf.numpy().tobytes()
             seen[name] += length
     assert seen == sizes
     assert {k: bytes(v) for k, v in got.items()} == data
@@ -84,34 +80,72 @@ def test_attribute_splits_each_step():
 
 
 def _row(wall, **kw):
-    return {"error": "", "cold": False, "wall_seconds": wall, "rss_before": 0, "rss_growth": 10, "rss_final_growth": 5,
-            "rss_growth_sampled": 10, **kw}
+    return {
+        "error": "",
+        "cold": False,
+        "wall_seconds": wall,
+        "rss_before": 0,
+        "rss_growth": 10,
+        "rss_final_growth": 5,
+        "rss_growth_sampled": 10,
+        **kw,
+    }
 
 
 def test_fresh_report_ratios_and_failed_check():
     check = {"num_params": 3, "num_elements": 12, "num_bad": 0, "mismatches": []}
-    steps = {"build": 0.1, "parallelize": 0.1, "materialize": 0.1, "headers": 0.1, "plan": 0.1, "execute": 0.4,
-             "finish": 0.1, "after_load": 0.0}
-    ms = dict(steps=steps, storage="shared", bytes_read=50, bytes_sent=0, peak_staging_bytes=0, plan_cost={},
-              check=check, local_bytes=24)
+    steps = {
+        "build": 0.1,
+        "parallelize": 0.1,
+        "materialize": 0.1,
+        "headers": 0.1,
+        "plan": 0.1,
+        "execute": 0.4,
+        "finish": 0.1,
+        "after_load": 0.0,
+    }
+    ms = dict(
+        steps=steps,
+        storage="shared",
+        bytes_read=50,
+        bytes_sent=0,
+        peak_staging_bytes=0,
+        plan_cost={},
+        check=check,
+        local_bytes=24,
+    )
 
     def lay(rank, native_bad=False):
         bad = {**check, "num_bad": 1, "mismatches": ["w: 1 of 4 local elements differ"]} if native_bad else check
-        return {"fresh": {"warm": {
-            "moeshard-fresh": [_row(1.0 + rank, **ms), _row(2.0, **ms), _row(3.0, **ms)],
-            "transformers-native": [_row(4.0, call_seconds=3.0, check=bad, local_bytes=24)] * 3,
-            "parallel-read-floor": [_row(0.5, bytes_read=50)] * 3}},
-            "profile": {"warm": [{"wall_seconds": 1.1, "call_seconds": 1.0, "cpu_seconds": 0.5, "steps": steps,
-                                  "kinds": {st: {"reads": 0.3 if st == "execute" else 0.0, "collective": 0.05}
-                                            for st in steps}}]}}
+        return {
+            "fresh": {
+                "warm": {
+                    "moeshard-fresh": [_row(1.0 + rank, **ms), _row(2.0, **ms), _row(3.0, **ms)],
+                    "transformers-native": [_row(4.0, call_seconds=3.0, check=bad, local_bytes=24)] * 3,
+                    "parallel-read-floor": [_row(0.5, bytes_read=50)] * 3,
+                }
+            },
+            "profile": {
+                "warm": [
+                    {
+                        "wall_seconds": 1.1,
+                        "call_seconds": 1.0,
+                        "cpu_seconds": 0.5,
+                        "steps": steps,
+                        "kinds": {st: {"reads": 0.3 if st == "execute" else 0.0, "collective": 0.05} for st in steps},
+                    }
+                ]
+            },
+        }
 
     agg = aggregate_fresh([lay(0), lay(1, native_bad=True)], file_bytes=100)
     c = agg["caches"]["warm"]
     assert c["strategies"]["moeshard-fresh"]["wall_seconds_runs"] == [2.0, 2.0, 3.0]
     assert c["strategies"]["moeshard-fresh"]["check_ok"] and c["strategies"]["parallel-read-floor"]["check_ok"]
     assert not c["strategies"]["transformers-native"]["check_ok"]
-    assert c["ratios"] == pytest.approx({"moeshard_over_floor": 4.0, "native_over_moeshard": 2.0,
-                                          "native_over_floor": 8.0})
+    assert c["ratios"] == pytest.approx(
+        {"moeshard_over_floor": 4.0, "native_over_moeshard": 2.0, "native_over_floor": 8.0}
+    )
     assert c["profile"]["max_rank"]["execute"] == 0.4
     assert c["profile"]["per_rank"][1]["kinds"]["execute"]["reads"] == 0.3
     text = "\n".join(format_fresh(agg, repeat=3))

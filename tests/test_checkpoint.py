@@ -387,8 +387,9 @@ def test_index_of_many_keys_checks_each_file_once(tmp_path, monkeypatch):
     idx = CheckpointIndex.open(tmp_path)
     monkeypatch.undo()
     checked = [c for c in calls if c.endswith(".safetensors")]
-    assert sorted(checked) == sorted(f"model-{f + 1:05d}-of-{num_files:05d}.safetensors" for f in range(num_files)
-                                     for _ in range(2))
+    assert sorted(checked) == sorted(
+        f"model-{f + 1:05d}-of-{num_files:05d}.safetensors" for f in range(num_files) for _ in range(2)
+    )
     assert len(idx.tensors) == num_files * per_file
     assert set(idx.file_sizes) == {f"model-{f + 1:05d}-of-{num_files:05d}.safetensors" for f in range(num_files)}
     with CheckpointReader(idx) as r:
@@ -433,8 +434,11 @@ def _safetensors_accepts(path: Path) -> bool:
         ({"z": _u8(0, 0)}, 0, None),
         ({}, 0, None),
         # Two keys over the same bytes: expert 1 would silently get expert 0's weights.
-        ({"experts.0.w": _u8(0, 4), "experts.1.w": _u8(0, 4)}, 4,
-         r"tensors 'experts\.0\.w' \(data bytes \[0, 4\)\) and 'experts\.1\.w' \(\[0, 4\)\) overlap"),
+        (
+            {"experts.0.w": _u8(0, 4), "experts.1.w": _u8(0, 4)},
+            4,
+            r"tensors 'experts\.0\.w' \(data bytes \[0, 4\)\) and 'experts\.1\.w' \(\[0, 4\)\) overlap",
+        ),
         ({"a": _u8(0, 4), "b": _u8(2, 6)}, 6, r"tensors 'a' .* and 'b' \(\[2, 6\)\) overlap"),
         ({"a": _u8(0, 4), "z": _u8(2, 2)}, 4, r"tensors 'a' .* and 'z' \(\[2, 2\)\) overlap"),
         ({"a": _u8(0, 4), "b": _u8(6, 10)}, 10, r"bytes \[4, 6\) of the data section, between tensors 'a' and 'b'"),
@@ -462,8 +466,14 @@ def test_overlap_in_an_indexed_shard_names_the_file(good_dir):
     """Through the index, as a load opens it."""
     f = good_dir / "m1.safetensors"
     data = f.read_bytes()[-48:]
-    _write_raw(f, {"x": {"dtype": "F32", "shape": [3, 4], "data_offsets": [0, 48]},
-                   "x2": {"dtype": "F32", "shape": [2, 4], "data_offsets": [16, 48]}}, data)
+    _write_raw(
+        f,
+        {
+            "x": {"dtype": "F32", "shape": [3, 4], "data_offsets": [0, 48]},
+            "x2": {"dtype": "F32", "shape": [2, 4], "data_offsets": [16, 48]},
+        },
+        data,
+    )
     _write_index(good_dir, {"x": "m1.safetensors", "y": "m2.safetensors"})
     with pytest.raises(CheckpointError, match=r"m1\.safetensors: tensors 'x' .* and 'x2' .* overlap"):
         CheckpointIndex.open(good_dir)
@@ -485,7 +495,7 @@ def test_project_writers_produce_tiled_files(tmp_path):
     f = tmp_path / "streamed.safetensors"
     fd = os.open(f, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
-        for (key, *_, begin, _end), t in zip(entries, ts.values()):
+        for (_key, *_, begin, _end), t in zip(entries, ts.values()):
             moeshard.io.checkpoint.pwrite_all(fd, t.contiguous().view(-1).view(torch.uint8).numpy(), len(head) + begin)
         moeshard.io.checkpoint.pwrite_all(fd, head, 0)
     finally:
@@ -520,16 +530,25 @@ def _nested(depth: int) -> bytes:
         (b'{"x": ' + b'{"a": ' * 50_000 + b"1" + b"}" * 50_000 + b"}", "JSON nested too deeply"),
         (b'{"x": {"dtype": "U8", "shape": [4], "data_offsets": [0, ' + b"9" * 5000 + b"]}}", "a number too long"),
         (b'{"x": {"dtype": "U8", "shape": [' + b"9" * 5000 + b'], "data_offsets": [0, 4]}}', "a number too long"),
-        (b'{"x": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}, "x": '
-         b'{"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}', "key 'x' appears twice"),
+        (
+            b'{"x": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}, "x": '
+            b'{"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}',
+            "key 'x' appears twice",
+        ),
         (b'{"x": {"dtype": "U8", "dtype": "F32", "shape": [4], "data_offsets": [0, 4]}}', "key 'dtype' appears twice"),
-        (b'{"__metadata__": {}, "__metadata__": {}, "x": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}',
-         "key '__metadata__' appears twice"),
-        (b'{"__metadata__": {"a": NaN}, "x": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}',
-         "NaN is not valid JSON"),
+        (
+            b'{"__metadata__": {}, "__metadata__": {}, "x": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}',
+            "key '__metadata__' appears twice",
+        ),
+        (
+            b'{"__metadata__": {"a": NaN}, "x": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}',
+            "NaN is not valid JSON",
+        ),
         (b'{"x": {"dtype": "U8", "shape": [4], "data_offsets": [0, Infinity]}}', "Infinity is not valid JSON"),
-        (b'{"__metadata__": {"a": 1}, "x": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}',
-         "__metadata__ must map strings to strings"),
+        (
+            b'{"__metadata__": {"a": 1}, "x": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}',
+            "__metadata__ must map strings to strings",
+        ),
         (b'{"x\xff": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}', "not UTF-8"),
         (b'{"x": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}\x00\x00', "Extra data"),
     ],
@@ -651,9 +670,9 @@ def test_load_refuses_experts_aliasing_the_same_bytes(tmp_path):
     assert weight_map[e1] == weight_map[e0]
     raw = shard.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     header[e1]["data_offsets"] = header[e0]["data_offsets"]
-    _write_raw(shard, header, raw[8 + n:])
+    _write_raw(shard, header, raw[8 + n :])
     want = rf"{shard.name}: tensors '{e0}' .* and '{e1}' .* overlap"
     with torch.device("meta"):
         model = tiny_moe.TinyMoE()

@@ -13,8 +13,15 @@ from moeshard.eplb import slots_changed
 
 def _pair(seed: int, layers: int = 7, logical: int = 6, slots: int = 8, ranks: int = 4):
     rng = np.random.default_rng(seed)
-    rows = lambda: np.stack([rng.permutation(np.concatenate([np.arange(logical), rng.integers(0, logical, slots - logical)]))
-                             for _ in range(layers)])
+
+    def rows():
+        return np.stack(
+            [
+                rng.permutation(np.concatenate([np.arange(logical), rng.integers(0, logical, slots - logical)]))
+                for _ in range(layers)
+            ]
+        )
+
     old = rows()
     new = rows()
     new[2] = old[2]  # a layer that does not change takes no chunk
@@ -22,9 +29,16 @@ def _pair(seed: int, layers: int = 7, logical: int = 6, slots: int = 8, ranks: i
 
 
 @pytest.mark.parametrize("seed", range(5))
-@pytest.mark.parametrize("bounds", [dict(layers_per_chunk=1), dict(layers_per_chunk=3),
-                                    dict(max_bytes=100, slot_bytes=10), dict(max_bytes=35, slot_bytes=10),
-                                    dict(layers_per_chunk=2, max_bytes=60, slot_bytes=10)])
+@pytest.mark.parametrize(
+    "bounds",
+    [
+        dict(layers_per_chunk=1),
+        dict(layers_per_chunk=3),
+        dict(max_bytes=100, slot_bytes=10),
+        dict(max_bytes=35, slot_bytes=10),
+        dict(layers_per_chunk=2, max_bytes=60, slot_bytes=10),
+    ],
+)
 def test_chunks_move_each_changed_layer_once_within_bounds(seed, bounds):
     old, new = _pair(seed)
     chunks = relocation_chunks(old, new, **bounds)

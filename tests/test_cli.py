@@ -25,9 +25,18 @@ def write_tiny(path: str) -> None:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     cfg = Qwen3MoeConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=8, num_experts_per_tok=2,
-        max_position_embeddings=32, tie_word_embeddings=False,
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        moe_intermediate_size=8,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(0)
     Qwen3MoeForCausalLM(cfg).save_pretrained(path, max_shard_size="20KB")
@@ -90,9 +99,19 @@ def test_cli_dispatch_and_bad_input(tmp_path, capsys):
 # -- hostile input: one line, exit 2 ----------------------------------------------------------
 
 NESTED = b"[" * 50_000 + b"]" * 50_000
-CONFIG = {"model_type": "qwen3_moe", "hidden_size": 8, "vocab_size": 13, "num_hidden_layers": 2,
-          "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4, "num_experts": 4,
-          "moe_intermediate_size": 6, "intermediate_size": 24, "torch_dtype": "bfloat16"}
+CONFIG = {
+    "model_type": "qwen3_moe",
+    "hidden_size": 8,
+    "vocab_size": 13,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 4,
+    "num_experts": 4,
+    "moe_intermediate_size": 6,
+    "intermediate_size": 24,
+    "torch_dtype": "bfloat16",
+}
 CLUSTER = ["--nodes", "1", "--ranks-per-node", "2", "--ep", "2"]
 
 
@@ -124,8 +143,9 @@ def _moe_checkpoint(root) -> None:
 def _overlapping_file(path) -> None:
     """Two experts' keys over the same 16 bytes: a load gave expert 1 expert 0's weights."""
     entry = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
-    raw = json.dumps({"model.layers.0.mlp.experts.0.w1.weight": entry,
-                      "model.layers.0.mlp.experts.1.w1.weight": entry}).encode()
+    raw = json.dumps(
+        {"model.layers.0.mlp.experts.0.w1.weight": entry, "model.layers.0.mlp.experts.1.w1.weight": entry}
+    ).encode()
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(16))
 
 
@@ -150,8 +170,12 @@ def test_plan_hostile_checkpoint_and_config(tmp_path, capsys):
     # config.json beside the checkpoint, nested 50,000 levels
     (ckpt / "config.json").write_bytes(b'{"num_hidden_layers": ' + NESTED + b"}")
     _one_line_exit_2(capsys, ["plan", str(ckpt), *CLUSTER], str(ckpt / "config.json"), "nested too deeply")
-    _one_line_exit_2(capsys, ["plan", "--synthetic-from-config", str(ckpt / "config.json"), *CLUSTER],
-                     "config.json", "nested too deeply")
+    _one_line_exit_2(
+        capsys,
+        ["plan", "--synthetic-from-config", str(ckpt / "config.json"), *CLUSTER],
+        "config.json",
+        "nested too deeply",
+    )
     # a shard whose keys overlap
     (ckpt / "config.json").write_text(json.dumps(CONFIG))
     shard = sorted(ckpt.glob("*.safetensors"))[0]
@@ -163,14 +187,17 @@ def test_plan_hostile_checkpoint_and_config(tmp_path, capsys):
     _one_line_exit_2(capsys, ["inspect", str(ckpt)], "model.safetensors.index.json", "nested too deeply")
 
 
-@pytest.mark.parametrize("change, expected", [
-    ({"num_key_value_heads": 2**64, "head_dim": []}, "num_key_value_heads=18446744073709551616 is not"),
-    ({"head_dim": "x"}, "head_dim='x' is not a non-negative integer"),
-    ({"mlp_only_layers": 3}, "mlp_only_layers=3 is not a list of integers"),
-    ({"num_hidden_layers": 10**9}, "more than 1,000,000 tensors"),  # would plan for hours
-    ({"hidden_size": 2**31 - 1, "vocab_size": 2**31 - 1}, "more than 2**48 bytes"),  # int64 byte counts
-    ({"num_experts": True}, "num_experts=True is not"),
-])
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        ({"num_key_value_heads": 2**64, "head_dim": []}, "num_key_value_heads=18446744073709551616 is not"),
+        ({"head_dim": "x"}, "head_dim='x' is not a non-negative integer"),
+        ({"mlp_only_layers": 3}, "mlp_only_layers=3 is not a list of integers"),
+        ({"num_hidden_layers": 10**9}, "more than 1,000,000 tensors"),  # would plan for hours
+        ({"hidden_size": 2**31 - 1, "vocab_size": 2**31 - 1}, "more than 2**48 bytes"),  # int64 byte counts
+        ({"num_experts": True}, "num_experts=True is not"),
+    ],
+)
 def test_plan_absurd_config_values(tmp_path, capsys, change, expected):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({**CONFIG, **change}))

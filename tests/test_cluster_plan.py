@@ -23,13 +23,21 @@ import torch
 
 from moeshard import Placement
 from moeshard.box import box_slices
-from moeshard.io.checkpoint import CheckpointIndex, write_checkpoint
 from moeshard.cli.plan import main
 from moeshard.cluster import (
-    ClusterSpec, LinkBytes, baseline_costs, find_experts, make_placement, num_params, parse_bandwidth,
-    plan_storage_modes, synthesize_descs, synthetic_index,
+    ClusterSpec,
+    LinkBytes,
+    baseline_costs,
+    find_experts,
+    make_placement,
+    num_params,
+    parse_bandwidth,
+    plan_storage_modes,
+    synthesize_descs,
+    synthetic_index,
 )
 from moeshard.dtypes import dtype_name
+from moeshard.io.checkpoint import CheckpointIndex, write_checkpoint
 from moeshard.models.layout import compute_needs, need_table
 from moeshard.models.shards import shard_boxes
 from moeshard.topology import Topology
@@ -38,15 +46,37 @@ NUM_LAYERS, NUM_EXPERTS = 2, 8
 
 # deepseek-ai/DeepSeek-V3 config.json (the public values that shape the weights).
 DEEPSEEK_V3 = {
-    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
-    "num_hidden_layers": 61, "num_nextn_predict_layers": 1, "first_k_dense_replace": 3, "moe_layer_freq": 1,
-    "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4,
-    "topk_method": "noaux_tc", "vocab_size": 129280, "num_attention_heads": 128, "num_key_value_heads": 128,
-    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                            "weight_block_size": [128, 128]},
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "num_nextn_predict_layers": 1,
+    "first_k_dense_replace": 3,
+    "moe_layer_freq": 1,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "n_group": 8,
+    "topk_group": 4,
+    "topk_method": "noaux_tc",
+    "vocab_size": 129280,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "quantization_config": {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    },
 }
 
 
@@ -54,9 +84,18 @@ def _qwen_config():
     from transformers import Qwen3MoeConfig
 
     return Qwen3MoeConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-        num_hidden_layers=NUM_LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        num_experts=NUM_EXPERTS, num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False,
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=NUM_EXPERTS,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
     )
 
 
@@ -75,8 +114,10 @@ def qwen_ckpt(tmp_path_factory):
 def _placements(ep: int, num_redundant: int):
     pl = [Placement.contiguous(NUM_LAYERS, NUM_EXPERTS, ep, num_redundant)]
     rng = np.random.default_rng(ep * 10 + num_redundant)
-    rows = [rng.permutation(np.concatenate([np.arange(NUM_EXPERTS), rng.integers(0, NUM_EXPERTS, num_redundant)]))
-            for _ in range(NUM_LAYERS)]
+    rows = [
+        rng.permutation(np.concatenate([np.arange(NUM_EXPERTS), rng.integers(0, NUM_EXPERTS, num_redundant)]))
+        for _ in range(NUM_LAYERS)
+    ]
     pl.append(Placement(np.stack(rows), num_logical=NUM_EXPERTS, num_ranks=ep))
     return pl
 
@@ -128,10 +169,13 @@ def test_needs_equal_a_parallelized_model(qwen_ckpt):
                     if d.mesh is None:
                         assert d.placements == r.placements == (), d.name
                     else:
-                        assert np.array_equal(shard_boxes(d.shape, d.mesh.shape, d.placements),
-                                              shard_boxes(r.shape, r.mesh.shape, r.placements)), d.name
-                assert _need_set(compute_needs(synth, index, pl, 8), synth) == \
-                    _need_set(compute_needs(real, index, pl, 8), real), (ep, efsdp, red)
+                        assert np.array_equal(
+                            shard_boxes(d.shape, d.mesh.shape, d.placements),
+                            shard_boxes(r.shape, r.mesh.shape, r.placements),
+                        ), d.name
+                assert _need_set(compute_needs(synth, index, pl, 8), synth) == _need_set(
+                    compute_needs(real, index, pl, 8), real
+                ), (ep, efsdp, red)
     finally:
         dist.destroy_process_group()
 
@@ -184,7 +228,7 @@ def test_plans_meet_lower_bounds_and_baselines_add_up(qwen_ckpt):
     assert loop.num_collectives == len(index.tensors) - NUM_LAYERS * NUM_EXPERTS * 3 + 7 * NUM_LAYERS * 2
     # node-local-p2p: each node reads everything; nothing crosses nodes.
     assert (p2p.read_bytes_total, p2p.read_bytes_max_node, p2p.cross_node_bytes) == (2 * total, total, 0)
-    needed = sum(math.prod(l for _, l in n.src) * index.info(n.key).itemsize for n in needs.to_needs() if n.rank % 4)
+    needed = sum(math.prod(ln for _, ln in n.src) * index.info(n.key).itemsize for n in needs.to_needs() if n.rank % 4)
     assert p2p.num_p2p_ops == sum(1 for n in needs.to_needs() if n.rank % 4)
     assert p2p.sent_bytes_max_rank * 2 >= needed >= p2p.sent_bytes_max_rank
 
@@ -213,8 +257,23 @@ def test_deepseek_v3_synthetic_index():
 def test_deepseek_v3_cli_json(tmp_path, capsys):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(DEEPSEEK_V3))
-    rc = main(["--synthetic-from-config", str(cfg), "--nodes", "2", "--ranks-per-node", "8", "--ep", "16",
-               "--storage", "shared", "--bandwidth", "storage=5,intra=150,inter=25", "--json"])
+    rc = main(
+        [
+            "--synthetic-from-config",
+            str(cfg),
+            "--nodes",
+            "2",
+            "--ranks-per-node",
+            "8",
+            "--ep",
+            "16",
+            "--storage",
+            "shared",
+            "--bandwidth",
+            "storage=5,intra=150,inter=25",
+            "--json",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     rep = json.loads(out)
@@ -230,17 +289,39 @@ def test_deepseek_v3_cli_json(tmp_path, capsys):
 
 
 def test_table_output_and_rebalance(qwen_ckpt, tmp_path, capsys):
-    rc = main([qwen_ckpt, "--nodes", "2", "--ranks-per-node", "4", "--ep", "8", "--bandwidth",
-               "storage=1,intra=100,inter=10"])
+    rc = main(
+        [qwen_ckpt, "--nodes", "2", "--ranks-per-node", "4", "--ep", "8", "--bandwidth", "storage=1,intra=100,inter=10"]
+    )
     out = capsys.readouterr().out
     assert rc == 0
-    for name in ("moeshard shared", "moeshard node", "moeshard single", "rank0-broadcast",
-                 "chunk-broadcast-loop", "node-local-p2p", "bottleneck"):
+    for name in (
+        "moeshard shared",
+        "moeshard node",
+        "moeshard single",
+        "rank0-broadcast",
+        "chunk-broadcast-loop",
+        "node-local-p2p",
+        "bottleneck",
+    ):
         assert name in out
     loads = np.random.default_rng(0).gamma(0.5, 100.0, size=(NUM_LAYERS, NUM_EXPERTS))
     np.save(tmp_path / "loads.npy", loads)
-    rc = main([qwen_ckpt, "--nodes", "2", "--ranks-per-node", "4", "--ep", "4", "--redundant", "4",
-               "--rebalance", str(tmp_path / "loads.npy"), "--json"])
+    rc = main(
+        [
+            qwen_ckpt,
+            "--nodes",
+            "2",
+            "--ranks-per-node",
+            "4",
+            "--ep",
+            "4",
+            "--redundant",
+            "4",
+            "--rebalance",
+            str(tmp_path / "loads.npy"),
+            "--json",
+        ]
+    )
     rep = json.loads(capsys.readouterr().out)
     assert rc == 0
     r = rep["relocation"]
@@ -265,7 +346,7 @@ def _bad(tmp_path):
     return [
         (["/nonexistent/ckpt", *base, "--ep", "8"], "no such checkpoint"),
         ([str(dense), *base, "--ep", "8"], "not a MoE checkpoint"),
-        (["{ckpt}", *base, "--ep", "3"], "does not divide"),                    # EP vs world
+        (["{ckpt}", *base, "--ep", "3"], "does not divide"),  # EP vs world
         (["{ckpt}", "--nodes", "1", "--ranks-per-node", "6", "--ep", "6"], "does not divide the 8 expert slots"),
         (["{ckpt}", *base, "--ep", "4", "--efsdp", "4"], "ep=4 x efsdp=4"),
         (["{ckpt}", "--nodes", "2", "--ranks-per-node", "0", "--ep", "8"], "must be >= 1"),
@@ -274,7 +355,7 @@ def _bad(tmp_path):
         (["{ckpt}", *base, "--ep", "8", "--placement", str(tmp_path / "missing.npy")], "no such file"),
         (["{ckpt}", *base, "--ep", "8", "--bandwidth", "storage=1,intra=2"], "missing inter"),
         (["{ckpt}", *base, "--ep", "8", "--rebalance", str(wrong)], "loads have shape"),
-        (["{ckpt}", *base], "--ep"),                                             # argparse: required
+        (["{ckpt}", *base], "--ep"),  # argparse: required
         (["--synthetic-from-config", str(notmoe), *base, "--ep", "8"], "not a MoE model"),
         (["--synthetic-from-config", str(garbage), *base, "--ep", "8"], "not a readable JSON config"),
         (["{ckpt}", "--synthetic-from-config", str(notmoe), *base, "--ep", "8"], "not both"),
@@ -317,13 +398,32 @@ def test_link_bytes():
     assert links.max_rank() == (17, 34)  # rank 0 receives 34 across nodes
 
 
-MIXTRAL = {"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "num_local_experts": 8,
-           "torch_dtype": "float16"}
-QWEN2_MOE = {"model_type": "qwen2_moe", "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
-             "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
-             "num_experts": 16, "shared_expert_intermediate_size": 64, "decoder_sparse_step": 2,
-             "mlp_only_layers": [0], "tie_word_embeddings": True}
+MIXTRAL = {
+    "model_type": "mixtral",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 100,
+    "num_local_experts": 8,
+    "torch_dtype": "float16",
+}
+QWEN2_MOE = {
+    "model_type": "qwen2_moe",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 100,
+    "num_experts": 16,
+    "shared_expert_intermediate_size": 64,
+    "decoder_sparse_step": 2,
+    "mlp_only_layers": [0],
+    "tie_word_embeddings": True,
+}
 
 
 def test_synthetic_mixtral_and_qwen2_moe():

@@ -63,12 +63,16 @@ _FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 _SPAN = re.compile(r"`([^`]+)`")
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 # A repository path as docs write it: from the root, or from src/moeshard (``models/ep.py``).
-_PATH = re.compile(r"(?<![\w./<-])((?:src|tests|benchmarks|docs|\.ci)/[\w./-]*[\w/]"
-                   r"|(?:io|models|plan|ops|eplb|integrations|cli|cluster)/[\w/]*\w\.py)")
+_PATH = re.compile(
+    r"(?<![\w./<-])((?:src|tests|benchmarks|docs|\.ci)/[\w./-]*[\w/]"
+    r"|(?:io|models|plan|ops|eplb|integrations|cli|cluster)/[\w/]*\w\.py)"
+)
 _BENCH = re.compile(r"python3? -m benchmarks\.(\w+)([^;|&]*)")
 # A `moeshard` command: a code line or span that starts with it, or `-m moeshard.cli` anywhere;
 # `moeshard shared` / `node` / `single` are `moeshard plan`'s names of its strategies, not commands.
-_MOESHARD = re.compile(r"(?:^\s*(?:\$\s*)?moeshard|-m moeshard\.cli)\s+(?!(?:shared|node|single)\b)([a-z]+)((?:\s+[a-z]+)?[^;|&]*)")
+_MOESHARD = re.compile(
+    r"(?:^\s*(?:\$\s*)?moeshard|-m moeshard\.cli)\s+(?!(?:shared|node|single)\b)([a-z]+)((?:\s+[a-z]+)?[^;|&]*)"
+)
 _MAKE = re.compile(r"(?:^|\s)make\s+([a-z][\w-]*)")
 _FLAG = re.compile(r"(?<![\w-])(--[a-z][\w-]*)")
 _DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
@@ -110,7 +114,7 @@ def _code(text: str) -> list[str]:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _help_flags(*argv: str) -> frozenset[str]:
     """The flags a command's own ``--help`` lists: ``("benchmarks.bench_plan",)`` runs that
     module's ``main(["--help"])``, ``("moeshard", "bench", "relocate")`` the ``moeshard`` command's.
@@ -204,8 +208,12 @@ def test_the_doc_checks_catch_what_they_look_for():
     assert _slug("`moeshard plan`: sizing a job") == "moeshard-plan-sizing-a-job"
     assert _slug("LoRA (peft)") == "lora-peft"
     assert [m.group(1) for m in _PATH.finditer("see `models/ep.py` and tests/test_cli.py.")] == [
-        "models/ep.py", "tests/test_cli.py"]
-    assert "--one-rank" in _help_flags("benchmarks.bench_plan") and "--steps" in _help_flags("moeshard", "bench", "relocate")
+        "models/ep.py",
+        "tests/test_cli.py",
+    ]
+    assert "--one-rank" in _help_flags("benchmarks.bench_plan") and "--steps" in _help_flags(
+        "moeshard", "bench", "relocate"
+    )
     assert not _help_flags("benchmarks.no_such_bench") and not _help_flags("moeshard", "no-such-command")
     assert _SHORT_HASH.search("against faf5e81") and not _SHORT_HASH.search("bf16 deadline 1024")
     assert _DATE.search("on 2026-11-24,") and not _DATE.search(_RESULT_NAME.sub("", "2026-11-24-load-planning.md"))

@@ -63,8 +63,10 @@ def test_torch_free_placements_give_torch_boxes():
 
 def test_index_pickles_as_columns():
     shape = (4, 2)
-    tensors = {f"k{i}": TensorInfo(f"f{i % 3}.safetensors", 8 + 16 * i, ("BF16", "F32")[i % 2], shape if i % 2 else ())
-               for i in range(50)}
+    tensors = {
+        f"k{i}": TensorInfo(f"f{i % 3}.safetensors", 8 + 16 * i, ("BF16", "F32")[i % 2], shape if i % 2 else ())
+        for i in range(50)
+    }
     index = CheckpointIndex("/x", tensors, {"f0.safetensors": 1, "f1.safetensors": 2, "f2.safetensors": 3})
     back = pickle.loads(pickle.dumps(index))
     assert back == index and list(back.tensors) == list(index.tensors)

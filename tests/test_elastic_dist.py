@@ -32,12 +32,12 @@ import numpy as np
 import pytest
 import torch
 
-import moeshard
 import expert_values
+import moeshard
 import tiny_moe
+from expert_values import checkpoint_pairs
 from moeshard import eplb
 from moeshard._launch import free_port
-from expert_values import checkpoint_pairs
 from mp import start_and_join
 
 pytestmark = pytest.mark.dist
@@ -66,8 +66,9 @@ def write_checkpoint(path: str) -> None:
 
 
 def empty_tensors() -> dict:
-    return {layer: [torch.full((SLOTS, *s), float("nan"), dtype=torch.float64) for s in SHAPES]
-            for layer in range(LAYERS)}
+    return {
+        layer: [torch.full((SLOTS, *s), float("nan"), dtype=torch.float64) for s in SHAPES] for layer in range(LAYERS)
+    }
 
 
 def check(tensors: dict, phy2log: np.ndarray, ep_rank: int, what: str) -> list[str]:
@@ -76,8 +77,15 @@ def check(tensors: dict, phy2log: np.ndarray, ep_rank: int, what: str) -> list[s
 
 def balanced(seed: int, old, active=None, ranks: int = WORLD, logical: int = LOGICAL) -> moeshard.Placement:
     load = np.random.default_rng(seed).gamma(1.0, 1.0, size=(LAYERS, logical))
-    return eplb.rebalance(load, old, num_physical=ranks * SLOTS, num_ranks=ranks, num_nodes=ranks // LWS or 1,
-                          active_ranks=active, migration_aware=old is not None)
+    return eplb.rebalance(
+        load,
+        old,
+        num_physical=ranks * SLOTS,
+        num_ranks=ranks,
+        num_nodes=ranks // LWS or 1,
+        active_ranks=active,
+        migration_aware=old is not None,
+    )
 
 
 def random_placement(rng, ranks: list[int], num_ranks: int, logical: int) -> np.ndarray:
@@ -104,8 +112,13 @@ def only_on(phy2log: np.ndarray, dead_rank: int) -> list[tuple[int, int]]:
 
 
 def _init(port: int, rank: int, timeout: float = BACKSTOP_S) -> None:
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                                         timeout=datetime.timedelta(seconds=timeout))
+    torch.distributed.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
 
 
 def _job_a(rank: int, root: str, out: dict) -> tuple:
@@ -158,8 +171,11 @@ def _lost_relocation(rank: int, tensors: dict, pl0, ckpt: str, kw: dict, out: di
     from moeshard.execute import TensorSink
     from moeshard.ops import relocate as relocate_mod
 
-    mid = moeshard.Placement(random_placement(np.random.default_rng(5), list(range(WORLD)), WORLD, LOGICAL),
-                             num_logical=LOGICAL, num_ranks=WORLD)
+    mid = moeshard.Placement(
+        random_placement(np.random.default_rng(5), list(range(WORLD)), WORLD, LOGICAL),
+        num_logical=LOGICAL,
+        num_ranks=WORLD,
+    )
     real_run, real_put = relocate_mod.execute_schedule, TensorSink.put
     writes = []
 
@@ -217,18 +233,33 @@ def _rank_main(idx: int, ports: tuple[int, int], root: str, out_dir: str) -> Non
             survivors = dist.new_group(SURVIVORS, use_local_synchronization=True)
             rep = moeshard.relocate(tensors, pl0, pl1, checkpoint=ckpt, active_ranks=alive, group=survivors, **kw)
             out["bad"] += check(tensors, pl1.phy2log, rank, "recovery")
-            out["recovery"] = dict(disk=rep.disk_experts, read=rep.bytes_read_rank, recv=rep.bytes_received_rank,
-                                   copies=rep.copies, world=rep.world_size, rank=rep.rank)
+            out["recovery"] = dict(
+                disk=rep.disk_experts,
+                read=rep.bytes_read_rank,
+                recv=rep.bytes_received_rank,
+                copies=rep.copies,
+                world=rep.world_size,
+                rank=rep.rank,
+            )
             out["want_disk"] = only_on(pl0.phy2log, VICTIM)
             # Random maps on the survivors' group: nodes of 3 and 4 ranks, group ranks != EP ranks.
             rng = np.random.default_rng(MAPS_SEED)
             cur = pl1
             out["maps"] = 0
             for _ in range(MAPS):
-                new = moeshard.Placement(random_placement(rng, SURVIVORS, WORLD, LOGICAL), num_logical=LOGICAL,
-                                         num_ranks=WORLD)
-                moeshard.relocate(tensors, cur, new, checkpoint=ckpt, active_ranks=alive, group=survivors,
-                                  staging_bytes=int(rng.choice([64, 256, 1 << 20])), **kw)
+                new = moeshard.Placement(
+                    random_placement(rng, SURVIVORS, WORLD, LOGICAL), num_logical=LOGICAL, num_ranks=WORLD
+                )
+                moeshard.relocate(
+                    tensors,
+                    cur,
+                    new,
+                    checkpoint=ckpt,
+                    active_ranks=alive,
+                    group=survivors,
+                    staging_bytes=int(rng.choice([64, 256, 1 << 20])),
+                    **kw,
+                )
                 out["bad"] += check(tensors, new.phy2log, rank, "survivors' map")
                 out["maps"] += LAYERS
                 cur = new
@@ -238,8 +269,12 @@ def _rank_main(idx: int, ports: tuple[int, int], root: str, out_dir: str) -> Non
         pl2 = balanced(2, pl1)
         rep = moeshard.relocate(tensors, pl1, pl2, checkpoint=ckpt, **kw)
         out["bad"] += check(tensors, pl2.phy2log, rank, "scale-up")
-        out["scale_up"] = dict(disk=rep.disk_experts, read=rep.bytes_read_rank, recv=rep.bytes_received_rank,
-                               slots=int((pl2.phy2log[:, rank * SLOTS:(rank + 1) * SLOTS] >= 0).sum()))
+        out["scale_up"] = dict(
+            disk=rep.disk_experts,
+            read=rep.bytes_read_rank,
+            recv=rep.bytes_received_rank,
+            slots=int((pl2.phy2log[:, rank * SLOTS : (rank + 1) * SLOTS] >= 0).sum()),
+        )
         dist.barrier()
         dist.destroy_process_group()
         result = ("ok", out)

@@ -9,15 +9,19 @@ import pytest
 from moeshard import Placement, eplb
 from moeshard.cli.bench.traces import zipf_trace
 
-README_WEIGHT = np.array([
-    [90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
-    [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27],
-])
+README_WEIGHT = np.array(
+    [
+        [90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
+        [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27],
+    ]
+)
 # deepseek-ai/EPLB README: rebalance_experts(weight, 16, 4, 2, 8) prints this phy2log.
-README_PHY2LOG = np.array([
-    [5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
-    [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1],
-])
+README_PHY2LOG = np.array(
+    [
+        [5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
+        [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1],
+    ]
+)
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -113,8 +117,7 @@ def _loads(rng, num_layers, num_logical, kind):
 
 
 def test_readme_example_exact():
-    pl = eplb.rebalance(README_WEIGHT, num_physical=16, num_ranks=8, num_nodes=2, num_groups=4,
-                        migration_aware=False)
+    pl = eplb.rebalance(README_WEIGHT, num_physical=16, num_ranks=8, num_nodes=2, num_groups=4, migration_aware=False)
     np.testing.assert_array_equal(pl.phy2log, README_PHY2LOG)
     ref = Placement(README_PHY2LOG, num_logical=12, num_ranks=8)
     np.testing.assert_array_equal(pl.logcnt, ref.logcnt)
@@ -131,7 +134,9 @@ def test_readme_example_aware_without_placement_is_oblivious():
 # -- properties -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"P{c['num_physical']}R{c['num_ranks']}N{c['num_nodes']}G{c['num_groups']}")
+@pytest.mark.parametrize(
+    "cfg", CONFIGS, ids=lambda c: f"P{c['num_physical']}R{c['num_ranks']}N{c['num_nodes']}G{c['num_groups']}"
+)
 @pytest.mark.parametrize("kind", ["zipf", "int", "uniform"])
 def test_policies_properties(cfg, kind):
     rng = np.random.default_rng(hash((cfg["num_physical"], cfg["num_ranks"], kind)) % (1 << 32))
@@ -140,7 +145,7 @@ def test_policies_properties(cfg, kind):
     r = cfg["num_ranks"]
     tol = 0.01
     full = np.ones(r, dtype=bool)
-    for trial in range(3):
+    for _trial in range(3):
         load0 = _loads(rng, num_layers, num_logical, kind)
         old = eplb.rebalance(load0, **cfg, migration_aware=False)
         _check(old, load0, cfg, full, ref=eplb.reference(load0, **cfg))
@@ -163,7 +168,9 @@ def test_policies_properties(cfg, kind):
         assert again == first
 
 
-@pytest.mark.parametrize("cfg", CONFIGS[1:6], ids=lambda c: f"P{c['num_physical']}R{c['num_ranks']}N{c['num_nodes']}G{c['num_groups']}")
+@pytest.mark.parametrize(
+    "cfg", CONFIGS[1:6], ids=lambda c: f"P{c['num_physical']}R{c['num_ranks']}N{c['num_nodes']}G{c['num_groups']}"
+)
 def test_dead_ranks_and_scale_up(cfg):
     rng = np.random.default_rng(cfg["num_physical"] * 7 + cfg["num_ranks"])
     num_logical = NUM_LOGICAL[cfg["num_physical"]]
@@ -313,8 +320,12 @@ def test_lower_peak():
     rng = np.random.default_rng(4)
     num_b, num_n, num_k, num_s, num_e = 20, 2, 4, 3, 12
     wc = rng.random((num_b, num_e)) * 100
-    packs = np.stack([rng.permutation(np.r_[np.arange(num_e), rng.integers(num_e, size=num_n * num_k * num_s - num_e)])
-                      for _ in range(num_b)]).reshape(num_b, num_n, num_k, num_s)
+    packs = np.stack(
+        [
+            rng.permutation(np.r_[np.arange(num_e), rng.integers(num_e, size=num_n * num_k * num_s - num_e)])
+            for _ in range(num_b)
+        ]
+    ).reshape(num_b, num_n, num_k, num_s)
     packs[0, 1, 2, 1] = -1  # an empty slot stays empty
     bi = np.arange(num_b)[:, None, None, None]
 
@@ -323,13 +334,15 @@ def test_lower_peak():
 
     for cap in (None, np.full((num_b, num_e), 2)):
         if cap is not None:  # a start within the cap: distinct experts per rank
-            packs = np.stack([rng.permutation(num_e)[:num_k * num_s] for _ in range(num_b * num_n)])
+            packs = np.stack([rng.permutation(num_e)[: num_k * num_s] for _ in range(num_b * num_n)])
             packs = packs.reshape(num_b, num_n, num_k, num_s)
         new = packs.copy()
         swaps = lower_peak(new, wc, cap)
         assert (peak(new) <= peak(packs)).all() and (peak(new) < peak(packs)).sum() >= (swaps > 0).sum() > 0
         assert ((new < 0) == (packs < 0)).all()
-        np.testing.assert_array_equal(np.sort(new.reshape(num_b, num_n, -1), -1), np.sort(packs.reshape(num_b, num_n, -1), -1))
+        np.testing.assert_array_equal(
+            np.sort(new.reshape(num_b, num_n, -1), -1), np.sort(packs.reshape(num_b, num_n, -1), -1)
+        )
         if cap is not None:
             for b, n, k in np.ndindex(num_b, num_n, num_k):
                 assert np.bincount(new[b, n, k], minlength=num_e).max() <= 2
@@ -379,24 +392,27 @@ def test_metrics():
 # -- bad inputs -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(load=np.ones(8)), "load must be"),
-    (dict(load=np.ones((2, 8, 1))), "load must be"),
-    (dict(load=-np.ones((2, 8))), "negative"),
-    (dict(load=np.full((2, 8), np.nan)), "not finite"),
-    (dict(num_physical=10), "not divisible by num_ranks"),
-    (dict(num_ranks=3, num_physical=12, num_nodes=2), "not divisible by num_nodes"),
-    (dict(num_physical=4, num_ranks=4), "live slots"),
-    (dict(active_ranks=np.array([True, False, False, False])), "live slots"),
-    (dict(active_ranks=np.ones(3, dtype=bool)), "active_ranks must be"),
-    (dict(active_ranks=np.zeros(4, dtype=bool)), "all ranks are dead"),
-    (dict(num_groups=3), "equal groups"),
-    (dict(placement=Placement.contiguous(2, 9, 4, num_redundant=3)), "num_logical"),
-    (dict(placement=Placement.contiguous(2, 8, 4, num_redundant=8)), "num_physical"),
-    (dict(placement=Placement.contiguous(3, 8, 4, num_redundant=4)), "layers"),
-    (dict(placement=Placement.contiguous(2, 8, 2, num_redundant=4)), "num_ranks"),
-    (dict(tolerance=-0.1), "tolerance"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(load=np.ones(8)), "load must be"),
+        (dict(load=np.ones((2, 8, 1))), "load must be"),
+        (dict(load=-np.ones((2, 8))), "negative"),
+        (dict(load=np.full((2, 8), np.nan)), "not finite"),
+        (dict(num_physical=10), "not divisible by num_ranks"),
+        (dict(num_ranks=3, num_physical=12, num_nodes=2), "not divisible by num_nodes"),
+        (dict(num_physical=4, num_ranks=4), "live slots"),
+        (dict(active_ranks=np.array([True, False, False, False])), "live slots"),
+        (dict(active_ranks=np.ones(3, dtype=bool)), "active_ranks must be"),
+        (dict(active_ranks=np.zeros(4, dtype=bool)), "all ranks are dead"),
+        (dict(num_groups=3), "equal groups"),
+        (dict(placement=Placement.contiguous(2, 9, 4, num_redundant=3)), "num_logical"),
+        (dict(placement=Placement.contiguous(2, 8, 4, num_redundant=8)), "num_physical"),
+        (dict(placement=Placement.contiguous(3, 8, 4, num_redundant=4)), "layers"),
+        (dict(placement=Placement.contiguous(2, 8, 2, num_redundant=4)), "num_ranks"),
+        (dict(tolerance=-0.1), "tolerance"),
+    ],
+)
 def test_bad_inputs(kwargs, match):
     args = dict(load=np.ones((2, 8)), placement=None, num_physical=12, num_ranks=4, num_nodes=1)
     args.update(kwargs)

@@ -9,8 +9,7 @@ import pytest
 
 from moeshard import Placement, eplb
 from moeshard.cli.bench.traces import zipf_trace
-
-from test_eplb import README_PHY2LOG, README_WEIGHT  # noqa: E402 - deepseek-ai/EPLB's README example
+from test_eplb import README_PHY2LOG, README_WEIGHT
 
 CONFIGS = [
     dict(num_physical=24, num_ranks=4, num_nodes=2, num_groups=None),  # global
@@ -94,7 +93,7 @@ def test_aware_never_less_balanced_than_reference(cfg, kind):
     one_dead[0] = False
     even = full.copy()
     even[[0, r // n]] = False  # one dead rank in each of two nodes
-    for trial in range(2):
+    for _trial in range(2):
         if kind == "zipf":
             load0 = zipf_trace(4, num_logical, 1, seed=int(rng.integers(1 << 30)), alpha=1.2)[0]
         else:
@@ -178,8 +177,14 @@ def test_never_less_balanced_than_reference_on_random_traces(seed):
         shape = dict(MODEL_SHAPES[i])
         num_logical = shape.pop("num_logical")
         r = shape["num_ranks"]
-        trace = zipf_trace(int(rng.integers(2, 5)), num_logical, 4, seed=int(rng.integers(1 << 30)),
-                           alpha=float(rng.uniform(0.5, 1.6)), drift=float(rng.uniform(0.0, 0.3)))
+        trace = zipf_trace(
+            int(rng.integers(2, 5)),
+            num_logical,
+            4,
+            seed=int(rng.integers(1 << 30)),
+            alpha=float(rng.uniform(0.5, 1.6)),
+            drift=float(rng.uniform(0.0, 0.3)),
+        )
         cur = None
         for step, load in enumerate(trace):
             active = _dead(rng, shape, num_logical)

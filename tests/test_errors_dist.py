@@ -73,8 +73,12 @@ def errors_worker(root: str) -> dict:
     res["truncated-node-copy"] = _attempt(load(d(f"copy{node}"), storage="node"))
     res["num-physical"] = _attempt(load(good, placement=moeshard.Placement.contiguous(2, tiny_moe.NUM_EXPERTS, 2, 4)))
     res["num-layers"] = _attempt(load(good, placement=moeshard.Placement.contiguous(3, tiny_moe.NUM_EXPERTS, 2, 2)))
-    res["too-few-logical"] = _attempt(load(good, placement=moeshard.Placement(
-        np.array([[0, 1, 2, 3, 4, 5, 6, 0, 1, 2]] * 2), num_logical=7, num_ranks=2)))
+    res["too-few-logical"] = _attempt(
+        load(
+            good,
+            placement=moeshard.Placement(np.array([[0, 1, 2, 3, 4, 5, 6, 0, 1, 2]] * 2), num_logical=7, num_ranks=2),
+        )
+    )
     # The checkpoint is visible to rank 0 only (rank r passes the name view-r; only view-0 exists).
     res["shared-not-visible"] = _attempt(load(d(f"view-{rank}"), storage="shared"))
     # Only node 0 sees the files.
@@ -87,7 +91,9 @@ def errors_worker(root: str) -> dict:
     # Rank 3 has another placement (same shape): plans disagree.
     other = tiny_moe.shuffled_placement(2, tiny_moe.NUM_EXPERTS, 2, 10, seed=5)
     res["placement-differs"] = _attempt(load(good, placement=other if rank == 3 else pl))
-    res["verify-placement-differs"] = _attempt(lambda: moeshard.verify(model, good, placement=other if rank == 3 else pl))
+    res["verify-placement-differs"] = _attempt(
+        lambda: moeshard.verify(model, good, placement=other if rank == 3 else pl)
+    )
     res["verify-missing-key"] = _attempt(lambda: moeshard.verify(model, d("missing-key"), placement=pl))
     # A read fails in the middle of the transfers (the file changed under the job, an I/O
     # error): the failing rank keeps serving its peers and every rank raises afterwards.
@@ -102,18 +108,22 @@ def errors_worker(root: str) -> dict:
         return real_pread(self, fd, buf, offset, name)
 
     for failing_rank, storage in ((0, "single"), (2, "shared")):
-        with mock.patch.object(moeshard.CheckpointReader, "_pread", failing_pread if rank == failing_rank else real_pread):
+        with mock.patch.object(
+            moeshard.CheckpointReader, "_pread", failing_pread if rank == failing_rank else real_pread
+        ):
             res[f"read-fails-{storage}"] = _attempt(load(good, storage=storage))
     # The same, with reads on a pool of threads: the error of a read in a worker thread of
     # rank 2 reaches every rank; a good threaded load afterwards is exact.
     with mock.patch.object(moeshard.CheckpointReader, "_pread", failing_pread if rank == 2 else real_pread):
         res["read-fails-threads"] = _attempt(
-            lambda: moeshard.load(model, good, placement=pl, storage="shared", read_threads=4))
+            lambda: moeshard.load(model, good, placement=pl, storage="shared", read_threads=4)
+        )
     # With "single", rank 0's reads of the pieces it sends run a round ahead on its threads:
     # one fails there, the peers get zeros (no hang) and every rank raises.
     with mock.patch.object(moeshard.CheckpointReader, "_pread", failing_pread if rank == 0 else real_pread):
         res["read-ahead-fails"] = _attempt(
-            lambda: moeshard.load(model, good, placement=pl, storage="single", read_threads=4, staging_bytes=2048))
+            lambda: moeshard.load(model, good, placement=pl, storage="single", read_threads=4, staging_bytes=2048)
+        )
     serial = moeshard.load(model, good, placement=pl, storage="shared", read_threads=1)
     tiny_moe.scramble(model)
     rep = moeshard.load(model, good, placement=pl, storage="shared", read_threads=4)
@@ -122,9 +132,12 @@ def errors_worker(root: str) -> dict:
     # all-zero digests (no hang) and report nothing themselves.
     moeshard.load(model, good, placement=pl)
     for failing_rank, storage in ((0, "single"), (2, "shared")):
-        with mock.patch.object(moeshard.CheckpointReader, "_pread", failing_pread if rank == failing_rank else real_pread):
+        with mock.patch.object(
+            moeshard.CheckpointReader, "_pread", failing_pread if rank == failing_rank else real_pread
+        ):
             res[f"verify-read-fails-{storage}"] = _attempt(
-                lambda s=storage: moeshard.verify(model, good, placement=pl, storage=s))
+                lambda s=storage: moeshard.verify(model, good, placement=pl, storage=s)
+            )
     # Stray expert keys (strict: refused on every rank; strict=False: loaded, exact) and FP8
     # weights with their scale for a fp32 model when asked not to dequantize (refused, also by
     # ranks that hold no copy).
@@ -138,8 +151,9 @@ def errors_worker(root: str) -> dict:
     # Expert FSDP shards dim 1 (here the hidden size, 41) over efsdp=2: refused before FSDP2.
     with torch.device("meta"):
         odd = OddHiddenMoE()
-    res["efsdp-uneven"] = _attempt(lambda: moeshard.parallelize(
-        odd, mesh, moeshard.Placement.contiguous(1, tiny_moe.NUM_EXPERTS, 2)))
+    res["efsdp-uneven"] = _attempt(
+        lambda: moeshard.parallelize(odd, mesh, moeshard.Placement.contiguous(1, tiny_moe.NUM_EXPERTS, 2))
+    )
     # The agreement itself (moeshard.collectives): shares of every size reach every rank, a share too
     # large for the one exchange included (rank 1's); a failure on one rank and fingerprints that
     # split the ranks two ways or differ on every rank raise on every rank.
@@ -157,7 +171,9 @@ def errors_worker(root: str) -> dict:
     res["gather-fails"] = _attempt(lambda: collectives.agree_and_gather(fail_on_3, "gathering", share=lambda r: r))
     res["agree-fails"] = _attempt(lambda: collectives.agree(fail_on_3, "agreeing", fingerprint=str))
     res["agree-same"] = collectives.agree(lambda: rank, "agreeing", fingerprint=lambda r: "plan-A")
-    res["agree-halves"] = _attempt(lambda: collectives.agree(lambda: rank, "agreeing", fingerprint=lambda r: f"plan-{r // 2}"))
+    res["agree-halves"] = _attempt(
+        lambda: collectives.agree(lambda: rank, "agreeing", fingerprint=lambda r: f"plan-{r // 2}")
+    )
     res["agree-all-differ"] = _attempt(lambda: collectives.agree(lambda: rank, "agreeing", fingerprint=str))
     # After all that, the group still works: a good load is exact and verifies.
     tiny_moe.scramble(model)
@@ -187,7 +203,9 @@ def results(tmp_path_factory):
     t["embed.weight"] = torch.zeros(tiny_moe.VOCAB + 1, tiny_moe.HIDDEN)
     write("wrong-shape", t)
     t = dict(good)
-    t["layers.0.mlp.experts.3.gate_proj.weight"] = torch.zeros(tiny_moe.INTER + 1, tiny_moe.HIDDEN, dtype=torch.bfloat16)
+    t["layers.0.mlp.experts.3.gate_proj.weight"] = torch.zeros(
+        tiny_moe.INTER + 1, tiny_moe.HIDDEN, dtype=torch.bfloat16
+    )
     write("wrong-expert-shape", t)
     t = dict(good)
     t["norm.weight"] = torch.arange(tiny_moe.HIDDEN, dtype=torch.int32)
@@ -209,7 +227,8 @@ def results(tmp_path_factory):
         f.write_bytes(f.read_bytes()[:-10])
     (root / "garbage-header" / victim).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage garbage" + bytes(64))
     (root / "bad-index" / "model.safetensors.index.json").write_text(
-        '{"weight_map": {"embed.weight": "../good/' + victim + '"}}')
+        '{"weight_map": {"embed.weight": "../good/' + victim + '"}}'
+    )
     os.symlink(root / "good", root / "view-0")
     out = run_ranks(errors_worker, str(root), world=WORLD, local_world=LWS, timeout=200)
     return out, victim
@@ -322,8 +341,12 @@ def test_placement_differs_across_ranks(results):
 
 def test_read_failure_during_transfers(results):
     res, _ = results
-    for name, failing_rank in (("read-fails-single", 0), ("read-fails-shared", 2),
-                               ("verify-read-fails-single", 0), ("verify-read-fails-shared", 2)):
+    for name, failing_rank in (
+        ("read-fails-single", 0),
+        ("read-fails-shared", 2),
+        ("verify-read-fails-single", 0),
+        ("verify-read-fails-shared", 2),
+    ):
         text = _all_raise(res, name)
         assert "failed on 1 of 4 rank(s)" in text
         assert f"rank {failing_rank}: CheckpointError: " in text and "unexpected end of file" in text
@@ -349,19 +372,26 @@ def test_strict_and_fp8_raise_on_every_rank(results):
     for name in ("stray-expert", "verify-stray-expert"):
         text = _all_raise(res, name)
         assert "failed on 4 of 4 rank(s)" in text
-        assert ("has 3 key(s) that no parameter or buffer of the model reads: 3 name experts or expert tensors the "
-                "model does not have: ['layers.2.mlp.experts.99.down_proj.weight', "
-                "'layers.2.mlp.experts.99.gate_proj.weight', 'layers.2.mlp.experts.99.up_proj.weight']; "
-                "pass strict=False") in text
-    stray = ("layers.2.mlp.experts.99.down_proj.weight", "layers.2.mlp.experts.99.gate_proj.weight",
-             "layers.2.mlp.experts.99.up_proj.weight")
+        assert (
+            "has 3 key(s) that no parameter or buffer of the model reads: 3 name experts or expert tensors the "
+            "model does not have: ['layers.2.mlp.experts.99.down_proj.weight', "
+            "'layers.2.mlp.experts.99.gate_proj.weight', 'layers.2.mlp.experts.99.up_proj.weight']; "
+            "pass strict=False"
+        ) in text
+    stray = (
+        "layers.2.mlp.experts.99.down_proj.weight",
+        "layers.2.mlp.experts.99.gate_proj.weight",
+        "layers.2.mlp.experts.99.up_proj.weight",
+    )
     for rank, r in enumerate(res):
         assert r["stray-not-strict"] == (stray, []), f"rank {rank}: {r['stray-not-strict']}"
     text = _all_raise(res, "fp8-scale")
     assert "failed on 4 of 4 rank(s)" in text
-    assert ("checkpoint tensor 'layers.2.mlp.experts.5.up_proj.weight' has dtype F8_E4M3 (FP8), the model's tensor "
-            "is torch.float32: its scale tensor 'layers.2.mlp.experts.5.up_proj.weight_scale_inv' (F32 [1, 1]) would "
-            "be dropped") in text
+    assert (
+        "checkpoint tensor 'layers.2.mlp.experts.5.up_proj.weight' has dtype F8_E4M3 (FP8), the model's tensor "
+        "is torch.float32: its scale tensor 'layers.2.mlp.experts.5.up_proj.weight_scale_inv' (F32 [1, 1]) would "
+        "be dropped"
+    ) in text
 
 
 def test_efsdp_uneven_dim_refused_up_front(results):
@@ -369,8 +399,10 @@ def test_efsdp_uneven_dim_refused_up_front(results):
     for rank, r in enumerate(res):
         kind, text = r["efsdp-uneven"]
         assert kind == "ValueError", (rank, kind, text)
-        assert text.startswith("parameter layers.0.mlp.experts.down_proj of shape [8, 41, 6]: expert FSDP shards "
-                               "its dim 1 (41) over efsdp=2 ranks"), text
+        assert text.startswith(
+            "parameter layers.0.mlp.experts.down_proj of shape [8, 41, 6]: expert FSDP shards "
+            "its dim 1 (41) over efsdp=2 ranks"
+        ), text
         assert "use an efsdp size that divides 41 (of the sizes dividing the world size 4: [1])" in text
         assert "or a hidden / intermediate size that divides by 2" in text
 
@@ -387,7 +419,10 @@ def test_agreement_gathers_every_share_and_refuses_any_difference(results):
     text = _all_raise(res, "agree-fails")
     assert "agreeing failed on 1 of 4 rank(s):\n  rank 3: ValueError: rank 3 cannot" in text
     text = _all_raise(res, "agree-halves")
-    assert "ranks disagree on the plan fingerprint (rank 0: plan-0, rank 1: plan-0, rank 2: plan-1, rank 3: plan-1)" in text
+    assert (
+        "ranks disagree on the plan fingerprint (rank 0: plan-0, rank 1: plan-0, rank 2: plan-1, rank 3: plan-1)"
+        in text
+    )
     text = _all_raise(res, "agree-all-differ")
     assert "(rank 0: 0, rank 1: 1, rank 2: 2, rank 3: 3)" in text
 

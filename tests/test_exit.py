@@ -26,8 +26,14 @@ RUNS = 3
 
 
 def _torchrun(args: list[str], nproc: int = 2, timeout: float = 180) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--master-port={free_port()}", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        f"--master-port={free_port()}",
+        *args,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -74,7 +80,8 @@ def test_exit_process_ends_where_a_plain_exit_aborts(tmp_path):
     # The hazard is real (torch 2.13, Python 3.11): without exit_process the rank aborts.
     assert plain.returncode != 0 and "terminate called without an active exception" in plain.stderr, (
         "a plain exit no longer aborts here: torch or Python changed; the exit_process teardown may be unneeded\n"
-        + plain.stderr[-2000:])
+        + plain.stderr[-2000:]
+    )
     ours = _torchrun([str(script), "exit_process"])
     assert ours.returncode == 0, ours.stderr[-3000:]
     assert "rank 0 done" in ours.stdout and "terminate called" not in ours.stderr

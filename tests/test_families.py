@@ -74,8 +74,7 @@ def test_save_is_read_back_by_from_pretrained(family, tmp_path):
     if family in SPLIT_ON_DISK:
         assert any(k.endswith("q_conv1d.weight") for k in _keys(str(out)))
         assert not any(k.endswith(".conv1d.weight") for k in _keys(str(out)))
-    back, info = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
-                                                                   output_loading_info=True)
+    back, info = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     assert type(back) is type(model)
     assert _same(_state(model), _state(back)) == []
@@ -129,8 +128,9 @@ def test_fused_on_disk_families(family, tmp_path):
     for i, reference in enumerate((None, ref)):
         moeshard.save(model, out / str(i), max_shard_bytes=40_000, reference=reference)
         assert _keys(str(out / str(i))) == _keys(ref), "not the names transformers' own save_pretrained writes"
-        back, info = transformers.AutoModelForCausalLM.from_pretrained(out / str(i), dtype=torch.float32,
-                                                                       output_loading_info=True)
+        back, info = transformers.AutoModelForCausalLM.from_pretrained(
+            out / str(i), dtype=torch.float32, output_loading_info=True
+        )
         assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
         assert _same(_state(model), _state(back)) == []
 
@@ -144,19 +144,29 @@ def test_names_come_from_transformers_mapping():
     assert names.family == "lfm2_moe" and names.model_class == "Lfm2MoeForCausalLM"
     (spec,) = names.specs
     assert {p.name: p.parts for p in spec.params} == {
-        "gate_up_proj": ("{e}.w1.weight", "{e}.w3.weight"), "down_proj": ("{e}.w2.weight",)}
-    assert names.checkpoint_name("model.layers.1.feed_forward.experts.3.w1.weight") == \
-        "model.layers.1.feed_forward.experts.3.w1.weight"
-    assert names.loaded_name("model.layers.1.feed_forward.experts.3.w1.weight") == \
-        "model.layers.1.feed_forward.experts.gate_up_proj"
+        "gate_up_proj": ("{e}.w1.weight", "{e}.w3.weight"),
+        "down_proj": ("{e}.w2.weight",),
+    }
+    assert (
+        names.checkpoint_name("model.layers.1.feed_forward.experts.3.w1.weight")
+        == "model.layers.1.feed_forward.experts.3.w1.weight"
+    )
+    assert (
+        names.loaded_name("model.layers.1.feed_forward.experts.3.w1.weight")
+        == "model.layers.1.feed_forward.experts.gate_up_proj"
+    )
     phi = hf_names(hf_families.build("phimoe"))
     assert phi.checkpoint_name("model.layers.0.mlp.router.weight") == "model.layers.0.block_sparse_moe.gate.weight"
-    assert phi.checkpoint_module("model.layers.0.mlp.experts", phi.specs[0].params[0]) == \
-        "model.layers.0.block_sparse_moe.experts"
+    assert (
+        phi.checkpoint_module("model.layers.0.mlp.experts", phi.specs[0].params[0])
+        == "model.layers.0.block_sparse_moe.experts"
+    )
     # A dense tensor a converter concatenates from several checkpoint tensors: its parts, renamed.
     bailing = hf_names(hf_families.build("bailing_hybrid", device="meta"))
     assert bailing.checkpoint_parts("model.layers.0.self_attn.conv1d.weight") == (
-        tuple(f"model.layers.0.attention.{x}_conv1d.weight" for x in "qkv"), 0)
+        tuple(f"model.layers.0.attention.{x}_conv1d.weight" for x in "qkv"),
+        0,
+    )
     assert bailing.checkpoint_parts("model.layers.0.self_attn.o_proj.weight") is None
     assert not any("conv1d" in target for target, _ in bailing.refused)
     # A model that is no transformers model has no transformers names.

@@ -27,10 +27,33 @@ import family_sweep
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.dist
 
-MATCH = ("qwen3_moe", "mixtral", "deepseek_v4", "dots1", "glm4_moe", "granitemoe", "zaya", "jamba", "phimoe",
-         "lfm2_moe", "qwen3_next", "minimax_m2", "hunyuan_v1_moe", "ernie4_5_moe", "gemma4_text", "deepseek_v3",
-         "gpt_oss", "aria_text", "nemotron_h", "llama4_text", "longcat_flash", "kimi_linear", "jetmoe", "dbrx",
-         "doge")
+MATCH = (
+    "qwen3_moe",
+    "mixtral",
+    "deepseek_v4",
+    "dots1",
+    "glm4_moe",
+    "granitemoe",
+    "zaya",
+    "jamba",
+    "phimoe",
+    "lfm2_moe",
+    "qwen3_next",
+    "minimax_m2",
+    "hunyuan_v1_moe",
+    "ernie4_5_moe",
+    "gemma4_text",
+    "deepseek_v3",
+    "gpt_oss",
+    "aria_text",
+    "nemotron_h",
+    "llama4_text",
+    "longcat_flash",
+    "kimi_linear",
+    "jetmoe",
+    "dbrx",
+    "doge",
+)
 # Refused on purpose, before any forward: gate and up rows alternate on disk (an Interleave converter).
 LOUD = {"inkling2_text": "cannot express as box reads (mlp.experts.gate_up_proj: operations ['Interleave']"}
 
@@ -50,9 +73,16 @@ def test_experts_kinds():
     import hf_families
     from moeshard.models.ep import GROUPED, LOOKUP, PREROUTED, ROUTED, experts_kind
 
-    for family, kind in (("qwen3_moe", ROUTED), ("gpt_oss", ROUTED), ("nemotron_h", ROUTED),
-                         ("llama4_text", PREROUTED), ("longcat_flash", ROUTED), ("jetmoe", GROUPED),
-                         ("dbrx", ROUTED), ("doge", LOOKUP)):
+    for family, kind in (
+        ("qwen3_moe", ROUTED),
+        ("gpt_oss", ROUTED),
+        ("nemotron_h", ROUTED),
+        ("llama4_text", PREROUTED),
+        ("longcat_flash", ROUTED),
+        ("jetmoe", GROUPED),
+        ("dbrx", ROUTED),
+        ("doge", LOOKUP),
+    ):
         model = hf_families.build(family, device="meta")
         experts = next(m for n, m in model.named_modules() if n.endswith((".experts", ".input_linear", ".down_embed")))
         assert experts_kind(experts) == kind, (family, type(experts).__name__)
@@ -110,8 +140,9 @@ def test_longcat_identity_experts_saved_from_ep(tmp_path):
     assert family_sweep.reference("longcat_flash", str(tmp_path)) is None
     run_ranks(_longcat_save_worker, str(tmp_path), world=2, local_world=2)
     want = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "longcat_flash" / "ckpt", dtype=torch.float32)
-    back, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float32,
-                                                                   output_loading_info=True)
+    back, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "saved", dtype=torch.float32, output_loading_info=True
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     got, ref = back.state_dict(), want.state_dict()
     zero_rows = 0
@@ -125,8 +156,9 @@ def test_longcat_identity_experts_saved_from_ep(tmp_path):
     assert zero_rows == 2 * sum(name.endswith("experts.gate_up_proj") for name in ref) > 0
     ids = torch.load(tmp_path / "longcat_flash" / "ref.pt")["ids"]
     with torch.no_grad():
-        assert torch.equal(back.eval()(input_ids=ids, use_cache=False).logits,
-                           want.eval()(input_ids=ids, use_cache=False).logits)
+        assert torch.equal(
+            back.eval()(input_ids=ids, use_cache=False).logits, want.eval()(input_ids=ids, use_cache=False).logits
+        )
 
 
 GRADS = ("longcat_flash", "jetmoe", "dbrx", "doge")  # identity experts, grouped, held by a child, lookup

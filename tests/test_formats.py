@@ -14,7 +14,15 @@ import pytest
 
 from moeshard.io.checkpoint import CheckpointIndex, TensorInfo
 from moeshard.io.formats import (
-    MAX_LISTED, ExpertKey, ExpertTensorInfo, check, layer_of, parse_expert_key, recognize, scale_keys, scaled_weight,
+    MAX_LISTED,
+    ExpertKey,
+    ExpertTensorInfo,
+    check,
+    layer_of,
+    parse_expert_key,
+    recognize,
+    scale_keys,
+    scaled_weight,
 )
 from moeshard.models.adapters import ExpertParam, expert_params
 
@@ -149,11 +157,15 @@ def test_fused_gate_up_proj_and_down_proj():
     for m in fmt.modules:
         assert m.fused and not m.mixed and m.experts == (0, 1, 2, 3) and m.extent == 4
         assert [(g.name, g.fused, g.experts) for g in m.tensors] == [
-            ("gate_up_proj", True, (0, 1, 2, 3)), ("down_proj", True, (0, 1, 2, 3))]
+            ("gate_up_proj", True, (0, 1, 2, 3)),
+            ("down_proj", True, (0, 1, 2, 3)),
+        ]
         assert m.group("gate_up_proj", fused=True).key(m.module) == f"{m.module}.gate_up_proj"
     # The expected slices are one expert's: the expert dim left out.
-    assert fmt.expert_tensors == (ExpertTensorInfo("gate_up_proj", (6, 4), "F32", 96, True),
-                                  ExpertTensorInfo("down_proj", (4, 3), "F32", 48, True))
+    assert fmt.expert_tensors == (
+        ExpertTensorInfo("gate_up_proj", (6, 4), "F32", 96, True),
+        ExpertTensorInfo("down_proj", (4, 3), "F32", 48, True),
+    )
     assert fmt.num_experts == 4 and fmt.dense_keys == ("model.embed_tokens.weight",)
     assert fmt.expert_bytes == 2 * 4 * (96 + 48)
     assert check(fmt) == ()
@@ -168,8 +180,11 @@ def test_deepseek_v3_shared_experts_and_fp8_scales():
     assert "model.layers.2.mlp.gate.e_score_correction_bias" in fmt.dense_keys
     m = fmt.modules[0]
     assert m.module == "model.layers.2.mlp.experts" and m.experts == tuple(range(8))
-    assert m.scales == {"gate_proj.weight": "gate_proj.weight_scale_inv", "up_proj.weight": "up_proj.weight_scale_inv",
-                        "down_proj.weight": "down_proj.weight_scale_inv"}
+    assert m.scales == {
+        "gate_proj.weight": "gate_proj.weight_scale_inv",
+        "up_proj.weight": "up_proj.weight_scale_inv",
+        "down_proj.weight": "down_proj.weight_scale_inv",
+    }
     assert m.group("gate_proj.weight_scale_inv").scale_of == "gate_proj.weight"
     assert m.group("gate_proj.weight").scale_of is None
     refs = {r.name: r for r in fmt.expert_tensors}
@@ -179,13 +194,19 @@ def test_deepseek_v3_shared_experts_and_fp8_scales():
     # The parameters a model has: the scales fused like their weights.
     first = sorted(((g.name, g.infos[0]) for g in m.tensors), key=lambda x: x[1].offset)
     assert [p.name for p in expert_params(dict(first))] == [
-        "gate_up_proj", "gate_up_proj_weight_scale_inv", "down_proj", "down_proj_weight_scale_inv"]
+        "gate_up_proj",
+        "gate_up_proj_weight_scale_inv",
+        "down_proj",
+        "down_proj_weight_scale_inv",
+    ]
 
 
 def test_dense_model_has_no_layout():
-    entries = {"model.layers.0.mlp.gate_proj.weight": ("BF16", (4, 4)),
-               "model.layers.0.mlp.shared_experts.up_proj.weight": ("BF16", (4, 4)),
-               "model.layers.0.mlp.experts.scale": ("F32", ())}  # a scalar holds no experts
+    entries = {
+        "model.layers.0.mlp.gate_proj.weight": ("BF16", (4, 4)),
+        "model.layers.0.mlp.shared_experts.up_proj.weight": ("BF16", (4, 4)),
+        "model.layers.0.mlp.experts.scale": ("F32", ()),
+    }  # a scalar holds no experts
     assert recognize(index_of(entries).tensors) is None
     assert recognize({}) is None
     (p,) = check(None)
@@ -196,8 +217,16 @@ def test_dense_model_has_no_layout():
 
 
 def test_missing_experts_gap_and_short_layer():
-    entries = qwen3_moe(num_layers=3, num_experts=6, drop=("layers.1.mlp.experts.2.", "layers.1.mlp.experts.3.",
-                                                          "layers.2.mlp.experts.4.", "layers.2.mlp.experts.5."))
+    entries = qwen3_moe(
+        num_layers=3,
+        num_experts=6,
+        drop=(
+            "layers.1.mlp.experts.2.",
+            "layers.1.mlp.experts.3.",
+            "layers.2.mlp.experts.4.",
+            "layers.2.mlp.experts.5.",
+        ),
+    )
     fmt = recognize(index_of(entries).tensors)
     assert [m.experts for m in fmt.modules] == [tuple(range(6)), (0, 1, 4, 5), (0, 1, 2, 3)]
     problems = check(fmt)
@@ -211,7 +240,8 @@ def test_expert_lacking_a_tensor():
     fmt = recognize(index_of(qwen3_moe(drop=("layers.0.mlp.experts.1.down_proj",))).tensors)
     assert fmt.modules[0].group("down_proj.weight").experts == (0, 2, 3)
     assert [(p.kind, p.message) for p in check(fmt)] == [
-        ("missing_expert_tensors", "model.layers.0.mlp.experts: down_proj.weight missing for experts 1")]
+        ("missing_expert_tensors", "model.layers.0.mlp.experts: down_proj.weight missing for experts 1")
+    ]
 
 
 def test_mixed_per_expert_and_fused_in_one_layer():
@@ -222,7 +252,8 @@ def test_mixed_per_expert_and_fused_in_one_layer():
     assert m.mixed and not m.fused and m.experts == (0, 1, 2, 3)
     assert [g.name for g in m.tensors] == ["gate_proj.weight", "up_proj.weight", "down_proj.weight", "gate_up_proj"]
     assert [(p.kind, p.message) for p in check(fmt)] == [
-        ("mixed_layout", "model.layers.1.mlp.experts: both per-expert keys and fused tensors (gate_up_proj)")]
+        ("mixed_layout", "model.layers.1.mlp.experts: both per-expert keys and fused tensors (gate_up_proj)")
+    ]
 
 
 def test_fused_short_layer_and_mismatch():
@@ -252,8 +283,9 @@ def test_expert_shape_and_dtype_mismatch_listed_by_expert_and_capped():
         entries[f"model.layers.0.mlp.experts.{e}.down_proj.weight"] = ("BF16", (8, 2))
     problems = check(recognize(index_of(entries).tensors))
     assert kinds(problems) == {"expert_mismatch": MAX_LISTED + 1}
-    assert problems[0].message == ("model.layers.0.mlp.experts.0.down_proj.weight: [8, 2] BF16, "
-                                   "other experts [8, 4] BF16")
+    assert problems[0].message == (
+        "model.layers.0.mlp.experts.0.down_proj.weight: [8, 2] BF16, other experts [8, 4] BF16"
+    )
     assert problems[-1].message == f"... and {30 - MAX_LISTED} more expert_mismatch problems"
 
 
@@ -262,11 +294,16 @@ def test_expert_shape_and_dtype_mismatch_listed_by_expert_and_capped():
 
 def test_key_grammar():
     assert parse_expert_key("model.layers.3.mlp.experts.17.gate_proj.weight") == ExpertKey(
-        "model.layers.3.mlp.experts", 17, "gate_proj.weight")
+        "model.layers.3.mlp.experts", 17, "gate_proj.weight"
+    )
     assert parse_expert_key("experts.0.w1") == ExpertKey("experts", 0, "w1")
     assert parse_expert_key("model.layers.3.block_sparse_moe.experts.2.w2.weight").module.endswith("moe.experts")
-    for key in ("model.layers.3.mlp.shared_experts.0.up_proj.weight", "model.layers.3.mlp.experts.gate_up_proj",
-                "model.layers.3.mlp.gate.weight", "model.myexperts.0.w"):
+    for key in (
+        "model.layers.3.mlp.shared_experts.0.up_proj.weight",
+        "model.layers.3.mlp.experts.gate_up_proj",
+        "model.layers.3.mlp.gate.weight",
+        "model.myexperts.0.w",
+    ):
         assert parse_expert_key(key) is None, key
     assert layer_of("model.layers.12.mlp.experts.3.w1.weight") == ("model.layers", 12)
     assert layer_of("layers.0.attn.weight") == ("layers", 0)
@@ -281,11 +318,13 @@ def test_recognizer_does_not_import_torch():
     torch-free) imports no torch and recognizes a layout without it."""
     import moeshard.io.formats as formats
 
-    code = ("import importlib.util, sys\n"
-            f"spec = importlib.util.spec_from_file_location('formats', {formats.__file__!r})\n"
-            "f = sys.modules['formats'] = importlib.util.module_from_spec(spec); spec.loader.exec_module(f)\n"
-            "assert f.recognize({}) is None\n"
-            "assert 'torch' not in sys.modules, 'torch imported'\n")
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('formats', {formats.__file__!r})\n"
+        "f = sys.modules['formats'] = importlib.util.module_from_spec(spec); spec.loader.exec_module(f)\n"
+        "assert f.recognize({}) is None\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -307,8 +346,10 @@ def test_plan_path_refuses_what_it_cannot_load():
     for entries, message in (
         ({"model.layers.0.mlp.gate_proj.weight": ("BF16", (4, 4))}, "not a MoE checkpoint"),
         (fused_moe(), "model.layers.0.mlp.experts stores its experts fused (down_proj, gate_up_proj; 1 more"),
-        (qwen3_moe(drop=("layers.1.mlp.experts.3.",)),
-         "model.layers.1.mlp.experts: experts 3 missing (3 of 4 present)"),
+        (
+            qwen3_moe(drop=("layers.1.mlp.experts.3.",)),
+            "model.layers.1.mlp.experts: experts 3 missing (3 of 4 present)",
+        ),
         (qwen3_moe(drop=("layers.0.mlp.experts.1.down_proj",)), "down_proj.weight missing for experts 1"),
     ):
         with pytest.raises(ValueError, match=f"^checkpoint <test>: .*{re.escape(message)}"):

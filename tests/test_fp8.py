@@ -143,7 +143,7 @@ def fp8_worker(fp8: str) -> list:
                 layer = experts.index(module)
                 # every copy of an expert equal, then one row per logical expert
                 for e in range(pl.num_logical):
-                    slots = pl.log2phy[layer, e, :pl.logcnt[layer, e]].tolist()
+                    slots = pl.log2phy[layer, e, : pl.logcnt[layer, e]].tolist()
                     assert all(torch.equal(full[s], full[slots[0]]) for s in slots)
                 full = full[torch.as_tensor(pl.log2phy[layer, :, 0])]
             state[name] = full.clone()
@@ -156,8 +156,9 @@ def fp8_worker(fp8: str) -> list:
         pl = _placement(5, model.config.n_routed_experts, len(experts))
         moeshard.parallelize(model, mesh, pl)
         # "single" with a small staging budget: pieces (and so dequantized boxes) cut blocks.
-        rep = moeshard.load(model, fp8, placement=pl, storage=storage,
-                            staging_bytes=4096 if storage == "single" else 256 << 20)
+        rep = moeshard.load(
+            model, fp8, placement=pl, storage=storage, staging_bytes=4096 if storage == "single" else 256 << 20
+        )
         assert moeshard.verify(model, fp8, placement=pl).num_boxes_checked > 0
         out.append((storage, rep.storage, rep.dequantized_keys, rep.bytes_read_rank, state_of(model, experts, pl)))
     # Every changed slot re-read from disk, dequantized as it is read (each box with its scale blocks).
@@ -197,8 +198,9 @@ def fp8_model(device: str = "meta"):
     with torch.device(device):
         model = hf_families.build(FAMILY)
     config = FineGrainedFP8Config(weight_block_size=(BLOCK, BLOCK))
-    return replace_with_fp8_linear(model, modules_to_not_convert=["lm_head", "kv_a_proj_with_mqa"],
-                                   quantization_config=config, pre_quantized=True)
+    return replace_with_fp8_linear(
+        model, modules_to_not_convert=["lm_head", "kv_a_proj_with_mqa"], quantization_config=config, pre_quantized=True
+    )
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
@@ -244,8 +246,11 @@ def fp8_kept_worker(fp8: str, out_dir: str) -> list:
     relocated = local_state()
     # And back, every changed slot re-read from disk: FP8 bytes and their scales as stored.
     moeshard.relocate(model, new, old, checkpoint=fp8, from_checkpoint=True, routing="caller")
-    return [(rep.dequantized_keys, rep.unused_keys, moved.bytes_sent_rank, old.phy2log, loaded),
-            (0, (), 0, new.phy2log, relocated), (0, (), 0, old.phy2log, local_state())]
+    return [
+        (rep.dequantized_keys, rep.unused_keys, moved.bytes_sent_rank, old.phy2log, loaded),
+        (0, (), 0, new.phy2log, relocated),
+        (0, (), 0, old.phy2log, local_state()),
+    ]
 
 
 @pytest.mark.dist
@@ -278,8 +283,9 @@ def test_fp8_kept_with_scales_that_move_with_their_experts(ckpts, tmp_path):
         proj, _, suffix = attr.partition("_proj")
         parts = ("gate", "up") if proj == "gate_up" else (proj,)
         rows = phy2log[experts.index(module)]
-        return torch.stack([_raw(torch.cat([want[f"{module}.{int(e)}.{q}_proj.weight{suffix}"] for q in parts]))
-                            for e in rows])
+        return torch.stack(
+            [_raw(torch.cat([want[f"{module}.{int(e)}.{q}_proj.weight{suffix}"] for q in parts])) for e in rows]
+        )
 
     results = run_ranks(fp8_kept_worker, fp8, str(tmp_path / "saved"), world=4, local_world=2, timeout=240)
     sent = 0
@@ -301,8 +307,10 @@ def test_fp8_kept_with_scales_that_move_with_their_experts(ckpts, tmp_path):
     assert set(saved) == set(want)
     for key, t in want.items():
         assert saved[key].dtype == t.dtype and torch.equal(_raw(saved[key]), _raw(t)), key
-    assert moeshard.CheckpointIndex.open(str(tmp_path / "saved")).tensors.keys() == \
-        moeshard.CheckpointIndex.open(fp8).tensors.keys()
+    assert (
+        moeshard.CheckpointIndex.open(str(tmp_path / "saved")).tensors.keys()
+        == moeshard.CheckpointIndex.open(fp8).tensors.keys()
+    )
 
 
 def test_inspect_reports_the_quantization(ckpts):
@@ -335,8 +343,8 @@ def test_dequantize_any_box_matches_the_expanded_scale():
         n1 = int(rng.integers(1, 531 - o1))
         box = ((o0, n0), (o1, n1))
         (a, na), (b, nb) = scale_box(box, (128, 128))
-        got = dequantize(w[o0:o0 + n0, o1:o1 + n1], box, s[a:a + na, b:b + nb], (128, 128))
-        assert torch.equal(got, w[o0:o0 + n0, o1:o1 + n1].float() * full[o0:o0 + n0, o1:o1 + n1]), box
+        got = dequantize(w[o0 : o0 + n0, o1 : o1 + n1], box, s[a : a + na, b : b + nb], (128, 128))
+        assert torch.equal(got, w[o0 : o0 + n0, o1 : o1 + n1].float() * full[o0 : o0 + n0, o1 : o1 + n1]), box
 
 
 def test_cpu_fp8_table_equals_torch_cast_for_every_code():

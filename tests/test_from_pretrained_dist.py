@@ -107,15 +107,21 @@ def worker(ckpts: dict, files: str) -> dict:
         dtype = extra.get("dtype", torch.float32)
         if (family, dtype) not in refs:
             refs[family, dtype] = transformers.AutoModelForCausalLM.from_pretrained(ckpts[family], dtype=dtype)
-        rec = dict(_compare(model, refs[family, dtype], ids), same_placement=model.moeshard_placement == pl,
-                   fsdp=isinstance(model, torch.distributed.fsdp.FSDPModule))
+        rec = dict(
+            _compare(model, refs[family, dtype], ids),
+            same_placement=model.moeshard_placement == pl,
+            fsdp=isinstance(model, torch.distributed.fsdp.FSDPModule),
+        )
         if i == RELOCATED:  # relocate: the attribute names the new placement, the model stays the same
-            new = moeshard.Placement(np.stack([np.random.default_rng(5 + k).permutation(pl.num_physical)
-                                               for k in range(pl.num_layers)]), num_logical=pl.num_logical,
-                                     num_ranks=ep)
+            new = moeshard.Placement(
+                np.stack([np.random.default_rng(5 + k).permutation(pl.num_physical) for k in range(pl.num_layers)]),
+                num_logical=pl.num_logical,
+                num_ranks=ep,
+            )
             moeshard.relocate(model, old=model.moeshard_placement, new=new)
-            rec["relocated"] = dict(_compare(model, refs[family, dtype], ids),
-                                    same_placement=model.moeshard_placement == new)
+            rec["relocated"] = dict(
+                _compare(model, refs[family, dtype], ids), same_placement=model.moeshard_placement == new
+            )
         out["good"].append(rec)
     return out
 
@@ -130,9 +136,13 @@ def _compare(model, ref, ids) -> dict:
     with torch.no_grad():
         logits = model(input_ids=ids).logits
         ref_logits = ref(input_ids=ids).logits
-    return dict(unequal=unequal, extra_names=sorted(set(got) - set(want)),
-                dtypes=dtypes, logits_dtype=str(logits.dtype),
-                logits_diff=float((logits.float() - ref_logits.float()).abs().max() / ref_logits.float().abs().max()))
+    return dict(
+        unequal=unequal,
+        extra_names=sorted(set(got) - set(want)),
+        dtypes=dtypes,
+        logits_dtype=str(logits.dtype),
+        logits_diff=float((logits.float() - ref_logits.float()).abs().max() / ref_logits.float().abs().max()),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -145,8 +155,11 @@ def results(tmp_path_factory):
     return run_ranks(worker, ckpts, str(root / "files"), world=WORLD, local_world=2, timeout=280)
 
 
-@pytest.mark.parametrize("i", range(len(SCENARIOS)), ids=[
-    f"{f}-ep{e}-efsdp{d}-{k or 'contiguous'}{''.join('-' + x for x in extra)}" for f, e, d, k, extra in SCENARIOS])
+@pytest.mark.parametrize(
+    "i",
+    range(len(SCENARIOS)),
+    ids=[f"{f}-ep{e}-efsdp{d}-{k or 'contiguous'}{''.join('-' + x for x in extra)}" for f, e, d, k, extra in SCENARIOS],
+)
 def test_from_pretrained_equals_one_process(results, i):
     family, ep, efsdp, kind, extra = SCENARIOS[i]
     dtype = extra.get("dtype", torch.float32)
@@ -163,20 +176,29 @@ def test_from_pretrained_equals_one_process(results, i):
                 continue
             assert g["logits_dtype"] == str(dtype)
             # bf16 parameters: bf16 compute on both sides, one rounding (2**-8 relative) of slack; else 1e-5.
-            tol = 2 ** -8 if dtype == torch.bfloat16 else LOGITS_RTOL
+            tol = 2**-8 if dtype == torch.bfloat16 else LOGITS_RTOL
             assert g["logits_diff"] <= tol, f"rank {r}, {what}: logits differ by {g['logits_diff']:.3g} of their max"
 
 
-@pytest.mark.parametrize("name,expected", [
-    ("no_config", r"no config\.json \(expected a Hugging Face checkpoint directory"),
-    ("ep_3", r"ep=3 x efsdp=1 must equal the world size 4"),
-    ("placement_6_experts", r"describes 2 MoE layers of 6 logical experts; the model .* has 2 MoE layers .* of 8 "
-                            r"logical experts"),
-    ("placement_file_6_experts", r"wrong\.json was written for num_logical=6; the model .* has 8 logical experts"),
-    ("args_differ", r"the ranks passed different arguments .*\[\[0, 2, 3\], \[1\]\]"),
-    ("uneven_default", r"has 6 logical experts per layer; with num_redundant=0 copies they do not fill EP=4 ranks "
-                       r"evenly: pass num_redundant=2"),
-])
+@pytest.mark.parametrize(
+    "name,expected",
+    [
+        ("no_config", r"no config\.json \(expected a Hugging Face checkpoint directory"),
+        ("ep_3", r"ep=3 x efsdp=1 must equal the world size 4"),
+        (
+            "placement_6_experts",
+            r"describes 2 MoE layers of 6 logical experts; the model .* has 2 MoE layers .* of 8 "
+            r"logical experts",
+        ),
+        ("placement_file_6_experts", r"wrong\.json was written for num_logical=6; the model .* has 8 logical experts"),
+        ("args_differ", r"the ranks passed different arguments .*\[\[0, 2, 3\], \[1\]\]"),
+        (
+            "uneven_default",
+            r"has 6 logical experts per layer; with num_redundant=0 copies they do not fill EP=4 ranks "
+            r"evenly: pass num_redundant=2",
+        ),
+    ],
+)
 def test_bad_input_raises_value_error_on_every_rank(results, name, expected):
     import re
 
@@ -203,14 +225,22 @@ def test_config_and_meta_model_errors_name_the_checkpoint(tmp_path):
     with pytest.raises(ValueError, match=r"nope: no such checkpoint directory"):
         read_config(tmp_path / "nope")
     (tmp_path / "config.json").write_text("[1, 2]")
-    with pytest.raises(ValueError, match=r"config\.json: cannot read a transformers config\.json: expected a JSON object"):
+    with pytest.raises(
+        ValueError, match=r"config\.json: cannot read a transformers config\.json: expected a JSON object"
+    ):
         read_config(tmp_path)
     with pytest.raises(ValueError, match=r"ckpt: config\.json has no model_type"):
         meta_model({}, source="ckpt")
     with pytest.raises(ValueError, match=r"ckpt: config\.json's model_type 'no_such_model' is not one transformers"):
         meta_model({"model_type": "no_such_model"}, source="ckpt")
-    dense = transformers.Qwen2Config(vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
-                                     num_attention_heads=2, num_key_value_heads=1).to_dict()
+    dense = transformers.Qwen2Config(
+        vocab_size=16,
+        hidden_size=8,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    ).to_dict()
     model = meta_model(dense, source="ckpt")
     with pytest.raises(ValueError, match=r"ckpt: the model has no experts module moeshard knows \(not MoE\?\)"):
         moe_layout(model, source="ckpt")

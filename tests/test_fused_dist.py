@@ -30,8 +30,10 @@ def _placement(layers: int, seed: int = 3):
     import moeshard
 
     rng = np.random.default_rng(seed)
-    rows = [rng.permutation(np.concatenate([np.arange(EXPERTS), rng.integers(0, EXPERTS, SLOTS - EXPERTS)]))
-            for _ in range(layers)]
+    rows = [
+        rng.permutation(np.concatenate([np.arange(EXPERTS), rng.integers(0, EXPERTS, SLOTS - EXPERTS)]))
+        for _ in range(layers)
+    ]
     return moeshard.Placement(np.stack(rows), num_logical=EXPERTS, num_ranks=2)
 
 
@@ -98,9 +100,11 @@ def test_fused_on_disk_experts_load_with_ep_and_redundant_copies(tmp_path):
     for family in FAMILIES:  # saved by 2 EP ranks from a redundant placement, fused as on disk
         saved = str(tmp_path / f"{family}-saved")
         assert set(moeshard.CheckpointIndex.open(saved).tensors) == set(
-            moeshard.CheckpointIndex.open(str(tmp_path / family)).tensors)
-        back, info = transformers.AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32,
-                                                                       output_loading_info=True)
+            moeshard.CheckpointIndex.open(str(tmp_path / family)).tensors
+        )
+        back, info = transformers.AutoModelForCausalLM.from_pretrained(
+            saved, dtype=torch.float32, output_loading_info=True
+        )
         assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
         for name, p in back.named_parameters():
             assert torch.equal(p, refs[family][name]), f"{family} saved {name}"

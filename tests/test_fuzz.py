@@ -34,14 +34,23 @@ import torch
 import moeshard
 import tiny_moe
 from moeshard import CheckpointError, CheckpointIndex, CheckpointReader
-from moeshard.cli.plan import main as plan_main
 from moeshard.cli.inspect import main as inspect_main
+from moeshard.cli.plan import main as plan_main
 
 INDEX = "model.safetensors.index.json"
 CONFIG = {  # a Qwen3-MoE-shaped config.json (what `moeshard plan` reads beside the checkpoint)
-    "model_type": "qwen3_moe", "hidden_size": 8, "vocab_size": 13, "num_hidden_layers": 3,
-    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4, "num_experts": 8,
-    "moe_intermediate_size": 6, "intermediate_size": 24, "mlp_only_layers": [1], "torch_dtype": "bfloat16",
+    "model_type": "qwen3_moe",
+    "hidden_size": 8,
+    "vocab_size": 13,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 4,
+    "num_experts": 8,
+    "moe_intermediate_size": 6,
+    "intermediate_size": 24,
+    "mlp_only_layers": [1],
+    "torch_dtype": "bfloat16",
 }
 NUM_CASES = int(os.environ.get("MOESHARD_FUZZ_CASES", "320"))
 SEED = int(os.environ.get("MOESHARD_FUZZ_SEED", "20240611"))
@@ -74,7 +83,7 @@ def pristine(tmp_path_factory) -> Pristine:
 
 def _split_header(raw: bytes) -> tuple[bytes, bytes]:
     (n,) = struct.unpack("<Q", raw[:8])
-    return raw[8:8 + n], raw[8 + n:]
+    return raw[8 : 8 + n], raw[8 + n :]
 
 
 # -- JSON mutations -----------------------------------------------------------------------------
@@ -111,10 +120,43 @@ def _nested(rng: random.Random) -> Raw:
     return Raw(open_ * depth + "0" + close * depth)
 
 
-SCALARS = (None, True, False, 0, -1, 1.5, -0.0, "", "x", "é\U0001F600\u202e", "BF16", "F8_E4M3", "U16",
-           2**31, 2**63, 2**64, -2**63, 10**30, [], {}, [0], [[1]])
-RAW = ("NaN", "Infinity", "-Infinity", "1e400", "-0", "9" * 5000, "-" + "9" * 4400, '"\\ud800"', '"\\u0000"',
-       "1.0e2", "0.5")
+SCALARS = (
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1.5,
+    -0.0,
+    "",
+    "x",
+    "é\U0001f600\u202e",
+    "BF16",
+    "F8_E4M3",
+    "U16",
+    2**31,
+    2**63,
+    2**64,
+    -(2**63),
+    10**30,
+    [],
+    {},
+    [0],
+    [[1]],
+)
+RAW = (
+    "NaN",
+    "Infinity",
+    "-Infinity",
+    "1e400",
+    "-0",
+    "9" * 5000,
+    "-" + "9" * 4400,
+    '"\\ud800"',
+    '"\\u0000"',
+    "1.0e2",
+    "0.5",
+)
 
 
 def random_value(rng: random.Random):
@@ -171,7 +213,7 @@ def mutate(doc, rng: random.Random):
             pairs.insert(rng.randrange(len(pairs) + 1), (k, rng.choice((node[k], random_value(rng)))))
             return _set(doc, path, Dup(pairs))
         elif action == "rename":
-            node[rng.choice(("", "é\U0001F600", "\u0000", k.upper(), k + "." * 3))] = node.pop(k)
+            node[rng.choice(("", "é\U0001f600", "\u0000", k.upper(), k + "." * 3))] = node.pop(k)
         else:  # swap two members' values (swapped data_offsets make a valid, different file)
             k2 = rng.choice(keys)
             node[k], node[k2] = node[k2], node[k]
@@ -224,7 +266,7 @@ def make_case(p: Pristine, rng: random.Random) -> tuple[str, str, bytes]:
     if r < 0.12:  # truncation of any file
         name = rng.choice(sorted(p.files))
         raw = p.files[name]
-        return "truncate", name, raw[:rng.randrange(len(raw))]
+        return "truncate", name, raw[: rng.randrange(len(raw))]
     name = rng.choice(p.shards)
     raw = p.files[name]
     head, data = _split_header(raw)
@@ -326,7 +368,8 @@ def check_load(p: Pristine, case_dir: Path, name: str, idx: CheckpointIndex) -> 
     """``moeshard.load`` into the tiny model where the checkpoint still has its structure."""
     pristine = CheckpointIndex.open(case_dir.parent / "pristine") if (case_dir.parent / "pristine").is_dir() else None
     same = pristine is not None and {k: (t.dtype, t.shape) for k, t in idx.tensors.items()} == {
-        k: (t.dtype, t.shape) for k, t in pristine.tensors.items()}
+        k: (t.dtype, t.shape) for k, t in pristine.tensors.items()
+    }
     if not same:
         return
     with torch.device("meta"):
@@ -378,8 +421,10 @@ def test_fuzz_hostile_checkpoints(pristine, tmp_path):
                 run_case(pristine, case_dir, kind, name, raw)
         except BaseException as e:
             shown = raw[:300] if kind != "truncate" else f"{len(raw)} bytes".encode()
-            raise AssertionError(f"case {i} ({kind} of {name}, seed {SEED}): {type(e).__name__}: "
-                                 f"{str(e)[:500]}\n{name} starts: {shown!r}") from e
+            raise AssertionError(
+                f"case {i} ({kind} of {name}, seed {SEED}): {type(e).__name__}: "
+                f"{str(e)[:500]}\n{name} starts: {shown!r}"
+            ) from e
         for f in case_dir.iterdir():
             f.unlink()
         case_dir.rmdir()

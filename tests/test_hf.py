@@ -25,9 +25,18 @@ def _config(tied: bool):
     from transformers import Qwen3MoeConfig
 
     return Qwen3MoeConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-        num_hidden_layers=NUM_LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        num_experts=NUM_EXPERTS, num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=tied,
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=NUM_EXPERTS,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
     )
 
 
@@ -38,8 +47,10 @@ def _placement(kind: str, ep: int):
         return moeshard.Placement.contiguous(NUM_LAYERS, NUM_EXPERTS, ep)
     # Shuffled, redundant: 12 slots, every expert at least once, hot experts twice or more.
     rng = np.random.default_rng(ep)
-    rows = [rng.permutation(np.concatenate([np.arange(NUM_EXPERTS), rng.integers(0, NUM_EXPERTS, 12 - NUM_EXPERTS)]))
-            for _ in range(NUM_LAYERS)]
+    rows = [
+        rng.permutation(np.concatenate([np.arange(NUM_EXPERTS), rng.integers(0, NUM_EXPERTS, 12 - NUM_EXPERTS)]))
+        for _ in range(NUM_LAYERS)
+    ]
     return moeshard.Placement(np.stack(rows), num_logical=NUM_EXPERTS, num_ranks=ep)
 
 
@@ -89,8 +100,14 @@ def hf_worker(scenarios) -> list:
             state[name] = full.detach().clone()
         buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
         tied_ok = (model.lm_head.weight is model.model.embed_tokens.weight) if tied else None
-        rec = dict(scenario=(tied, ep, efsdp, kind, storage), storage=report.storage, copies_agree=copies_agree,
-                   boxes=verified.num_boxes_checked, tied_ok=tied_ok, placements=placements)
+        rec = dict(
+            scenario=(tied, ep, efsdp, kind, storage),
+            storage=report.storage,
+            copies_agree=copies_agree,
+            boxes=verified.num_boxes_checked,
+            tied_ok=tied_ok,
+            placements=placements,
+        )
         if rank == 0:
             rec.update(state=state, buffers=buffers)
         out.append(rec)

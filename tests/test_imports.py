@@ -22,8 +22,10 @@ def _module_name(path: Path) -> str:
 
 
 # {module name: (its package, its source)}: an __init__'s package is its own name.
-SOURCES = {_module_name(p): (".".join(p.relative_to(SRC.parent).with_suffix("").parts[:-1]), p.read_text())
-           for p in sorted(SRC.rglob("*.py"))}
+SOURCES = {
+    _module_name(p): (".".join(p.relative_to(SRC.parent).with_suffix("").parts[:-1]), p.read_text())
+    for p in sorted(SRC.rglob("*.py"))
+}
 
 
 def _imports(sources=SOURCES):
@@ -57,8 +59,13 @@ def _graph(sources=SOURCES) -> dict[str, dict[str, str]]:
 
 
 def _plan_imports_above(graph: dict[str, dict[str, str]]) -> list[str]:
-    return [f"{where}: {src} imports {dst}" for src, deps in graph.items() if src.startswith("moeshard.plan")
-            for dst, where in deps.items() if dst.startswith(PLAN_MAY_NOT_IMPORT)]
+    return [
+        f"{where}: {src} imports {dst}"
+        for src, deps in graph.items()
+        if src.startswith("moeshard.plan")
+        for dst, where in deps.items()
+        if dst.startswith(PLAN_MAY_NOT_IMPORT)
+    ]
 
 
 def _cycles(graph: dict[str, dict[str, str]]) -> list[list[str]]:
@@ -133,8 +140,9 @@ def test_no_private_name_imported_from_another_module():
         for path in sorted((root / folder).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] in ours):
-                    found += [f"{path.relative_to(root)}:{node.lineno}: {a.name}" for a in node.names
-                              if _is_private(a.name)]
+                    found += [
+                        f"{path.relative_to(root)}:{node.lineno}: {a.name}" for a in node.names if _is_private(a.name)
+                    ]
     assert not found, found
 
 
@@ -159,14 +167,19 @@ def test_the_checks_see_circles_and_wrong_imports():
     fake = {
         "moeshard": ("moeshard", ""),
         "moeshard.plan": ("moeshard.plan", "from .a import f\n"),
-        "moeshard.plan.a": ("moeshard.plan", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                                             "    from .b import B\ndef f():\n    return 1\n"),
+        "moeshard.plan.a": (
+            "moeshard.plan",
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import B\ndef f():\n    return 1\n",
+        ),
         "moeshard.plan.b": ("moeshard.plan", "def g():\n    from . import a\n    from ..models import m\n"),
         "moeshard.models": ("moeshard.models", ""),
         "moeshard.models.m": ("moeshard.models", "import moeshard.plan.b\n"),
     }
     graph = _graph(fake)
-    assert graph["moeshard.plan.b"] == {"moeshard.plan.a": "moeshard.plan.b:2", "moeshard.models.m": "moeshard.plan.b:3"}
+    assert graph["moeshard.plan.b"] == {
+        "moeshard.plan.a": "moeshard.plan.b:2",
+        "moeshard.models.m": "moeshard.plan.b:3",
+    }
     assert _cycles(graph) == [["moeshard.models.m", "moeshard.plan.a", "moeshard.plan.b"]]
     assert _plan_imports_above(graph) == ["moeshard.plan.b:3: moeshard.plan.b imports moeshard.models.m"]
     del fake["moeshard.models.m"]

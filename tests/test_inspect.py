@@ -24,8 +24,20 @@ from moeshard import write_checkpoint
 from moeshard.cli.inspect import MAX_LISTED, inspect_checkpoint, main
 
 INDEX = "model.safetensors.index.json"
-ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-            "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+ITEMSIZE = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -34,8 +46,10 @@ ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 
 def moe_tensors(num_layers=2, num_experts=4, hidden=4, inter=3, dtype=torch.float32, skip=()):
     """A small HF-style MoE state dict (per-expert keys); ``skip`` drops keys containing any of
     these substrings."""
-    out = {"model.embed_tokens.weight": torch.zeros(8, hidden, dtype=dtype),
-           "model.norm.weight": torch.ones(hidden, dtype=dtype)}
+    out = {
+        "model.embed_tokens.weight": torch.zeros(8, hidden, dtype=dtype),
+        "model.norm.weight": torch.ones(hidden, dtype=dtype),
+    }
     for i in range(num_layers):
         p = f"model.layers.{i}"
         out[f"{p}.self_attn.q_proj.weight"] = torch.zeros(hidden, hidden, dtype=dtype)
@@ -105,7 +119,7 @@ def write_deepseek_like(root: Path, num_layers=61, num_dense=3, num_experts=256,
     weight_map = {}
     for j in range(num_files):
         name = f"model-{j + 1:05d}-of-{num_files:05d}.safetensors"
-        chunk = keys[j * per_file:(j + 1) * per_file]
+        chunk = keys[j * per_file : (j + 1) * per_file]
         save_file({k: d[k] for k in chunk}, str(root / name), metadata={"format": "pt"})
         weight_map.update({k: name for k in chunk})
     (root / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
@@ -132,8 +146,9 @@ def header_sums(root: Path) -> dict:
                 if m:
                     experts[m[1]] += nbytes
                     expert_layers.setdefault(m[1], set()).add(int(m[2]))
-    return dict(num=num, total=total, per_dtype=per_dtype, per_file=per_file, experts=experts,
-                expert_layers=expert_layers)
+    return dict(
+        num=num, total=total, per_dtype=per_dtype, per_file=per_file, experts=experts, expert_layers=expert_layers
+    )
 
 
 # -- a real transformers checkpoint -----------------------------------------------------------
@@ -144,9 +159,18 @@ def qwen3_ckpt(tmp_path_factory) -> Path:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.Qwen3MoeConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        num_experts=8, num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False,
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
     )
     model = transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16)
     root = tmp_path_factory.mktemp("qwen3") / "ckpt"
@@ -265,8 +289,7 @@ def test_layers_in_numeric_order_and_mixtral_names(tmp_path):
             for w in ("w1", "w2", "w3"):
                 ts[f"model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight"] = torch.zeros(2, 2)
     s = inspect_checkpoint(write(tmp_path / "ckpt", ts))
-    assert [layer.module for layer in s.moe.layers] == [
-        f"model.layers.{i}.block_sparse_moe.experts" for i in range(12)]
+    assert [layer.module for layer in s.moe.layers] == [f"model.layers.{i}.block_sparse_moe.experts" for i in range(12)]
     assert [t.name for t in s.moe.expert_tensors] == ["w1.weight", "w2.weight", "w3.weight"]
 
 
@@ -279,7 +302,9 @@ def test_fused_experts(tmp_path, capsys):
     assert s.problems == ()
     assert all(layer.fused and layer.num_experts == 4 for layer in s.moe.layers)
     assert {(t.name, t.shape, t.fused) for t in s.moe.expert_tensors} == {
-        ("gate_up_proj", (6, 4), True), ("down_proj", (4, 3), True)}
+        ("gate_up_proj", (6, 4), True),
+        ("down_proj", (4, 3), True),
+    }
     assert s.moe.bytes_per_expert == (24 + 12) * 4
     assert s.moe.expert_bytes == 2 * 4 * (24 + 12) * 4
     rc, out, _ = run(capsys, tmp_path / "ok")
@@ -308,8 +333,13 @@ def test_deepseek_like_layout(tmp_path, capsys):
 
 
 def test_non_moe_checkpoint(tmp_path, capsys):
-    root = write(tmp_path / "ckpt", {"model.layers.0.mlp.gate_proj.weight": torch.zeros(2, 2),
-                                     "model.layers.0.mlp.shared_experts.up_proj.weight": torch.zeros(2, 2)})
+    root = write(
+        tmp_path / "ckpt",
+        {
+            "model.layers.0.mlp.gate_proj.weight": torch.zeros(2, 2),
+            "model.layers.0.mlp.shared_experts.up_proj.weight": torch.zeros(2, 2),
+        },
+    )
     s = inspect_checkpoint(root)
     assert s.moe is None and kinds(s) == {"no_moe": 1}
     rc, out, err = run(capsys, root)
@@ -357,7 +387,9 @@ def test_many_mismatches_are_capped(tmp_path):
         ts[f"model.layers.0.mlp.experts.{e}.down_proj.weight"] = torch.zeros(4, 2)
     s = inspect_checkpoint(write(tmp_path / "ckpt", ts, shard_bytes=10_000))
     assert kinds(s) == {"expert_mismatch": MAX_LISTED + 1}
-    assert s.problems[0].message == "model.layers.0.mlp.experts.0.down_proj.weight: [4, 2] F32, other experts [4, 3] F32"
+    assert (
+        s.problems[0].message == "model.layers.0.mlp.experts.0.down_proj.weight: [4, 2] F32, other experts [4, 3] F32"
+    )
     assert s.problems[-1].message == f"... and {30 - MAX_LISTED} more expert_mismatch problems"
 
 
@@ -436,7 +468,10 @@ def _bad_inputs(tmp: Path) -> dict[str, Path]:
     out["corrupt header"] = tmp / "corrupt.safetensors"
     (tmp / "short.safetensors").write_bytes(struct.pack("<Q", 10**6) + b"{}")
     out["header past end"] = tmp / "short.safetensors"
-    for name, index in (("bad index", "{oops"), ("escaping index", json.dumps({"weight_map": {"a": "../x.safetensors"}}))):
+    for name, index in (
+        ("bad index", "{oops"),
+        ("escaping index", json.dumps({"weight_map": {"a": "../x.safetensors"}})),
+    ):
         d = tmp / name.replace(" ", "_")
         d.mkdir()
         (d / INDEX).write_text(index)
@@ -513,8 +548,9 @@ def test_json_output(tmp_path, capsys):
     assert data["num_tensors"] == len(ts)
     assert data["moe"]["num_experts"] == 4
     assert [layer["num_experts"] for layer in data["moe"]["layers"]] == [4, 3]
-    assert data["problems"] == [{"kind": "missing_experts",
-                                 "message": "model.layers.1.mlp.experts: experts 3 missing (3 of 4 present)"}]
+    assert data["problems"] == [
+        {"kind": "missing_experts", "message": "model.layers.1.mlp.experts: experts 3 missing (3 of 4 present)"}
+    ]
     assert sum(f["nbytes"] for f in data["files"]) == data["total_bytes"]
 
 

@@ -37,8 +37,11 @@ def test_load_plain_model(ckpt, source):
     assert tiny_moe.compare(model, values, moeshard.Placement.contiguous(2, tiny_moe.NUM_EXPERTS, 1)) == []
     # Each step's wall and calling-thread CPU seconds: the same steps; one thread's CPU time
     # cannot exceed the wall time (1 ms of slack for the clocks' resolutions).
-    assert list(rep.phase_cpu_seconds) == list(rep.phase_seconds) == ["materialize", "headers", "plan", "execute",
-                                                                      "finish"]
+    assert (
+        list(rep.phase_cpu_seconds)
+        == list(rep.phase_seconds)
+        == ["materialize", "headers", "plan", "execute", "finish"]
+    )
     assert all(0 <= rep.phase_cpu_seconds[k] <= rep.phase_seconds[k] + 1e-3 for k in rep.phase_seconds)
     assert rep.phase_cpu_seconds["plan"] > 0
     v = moeshard.verify(model, root / source)
@@ -54,7 +57,9 @@ def test_load_plain_model_with_permuted_placement(ckpt):
     assert tiny_moe.compare(model, values, pl) == []
     moeshard.verify(model, root / "sharded", placement=pl)
     # The identity placement is not what the model holds.
-    with pytest.raises(moeshard.VerificationError, match=r"rank 0: parameter layers\.0\.mlp\.experts\.\w+, physical slot"):
+    with pytest.raises(
+        moeshard.VerificationError, match=r"rank 0: parameter layers\.0\.mlp\.experts\.\w+, physical slot"
+    ):
         moeshard.verify(model, root / "sharded")
     # Corrupt one element of a dense parameter.
     with torch.no_grad():
@@ -77,8 +82,9 @@ def test_errors_without_process_group(ckpt, tmp_path):
     with pytest.raises(ValueError, match="no rank can read the checkpoint"):
         moeshard.load(_meta_model(), tmp_path / "nope")
     with pytest.raises(ValueError, match="has 8 expert slots per layer, the placement has 9"):
-        moeshard.load(_meta_model(), root / "sharded",
-                      placement=moeshard.Placement(np.array([[0, 1, 2, 3, 4, 5, 6, 7, 0]] * 2)))
+        moeshard.load(
+            _meta_model(), root / "sharded", placement=moeshard.Placement(np.array([[0, 1, 2, 3, 4, 5, 6, 7, 0]] * 2))
+        )
 
 
 class _NoConfigRotary(nn.Module):
@@ -144,7 +150,7 @@ def test_verify_compares_bytes_in_wide_words():
     base = torch.arange(256, dtype=torch.uint8)
     for start in range(0, 9):
         for length in (0, 1, 3, 8, 17, 64):
-            a = base[start:start + length]
+            a = base[start : start + length]
             assert not bool(bytes_differ(a, a.clone()))
             for pos in {0, length // 2, length - 1} if length else ():
                 b = a.clone()

@@ -61,8 +61,13 @@ def node_groups_worker(path: str, store_file: str) -> dict:
         for _ in range(3):
             tiny_moe.scramble(model)
             rep = moeshard.load(model, path, placement=_placement(), storage="single")
-            out["loads"].append(dict(broadcasts=rep.plan["num_broadcasts"], calls=len(calls),
-                                     problems=tiny_moe.compare(model, values, _placement())))
+            out["loads"].append(
+                dict(
+                    broadcasts=rep.plan["num_broadcasts"],
+                    calls=len(calls),
+                    problems=tiny_moe.compare(model, values, _placement()),
+                )
+            )
         first = execute.node_groups(moeshard.Topology(3, 3))
         out["direct_call_same_group"] = first is execute.node_groups(moeshard.Topology(3, 3))
         out["calls_before_reinit"] = len(calls)
@@ -71,9 +76,12 @@ def node_groups_worker(path: str, store_file: str) -> dict:
         dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
         tiny_moe.scramble(model)
         rep = moeshard.load(model, path, placement=_placement(), storage="single")
-        out["after_reinit"] = dict(broadcasts=rep.plan["num_broadcasts"], calls=len(calls),
-                                   problems=tiny_moe.compare(model, values, _placement()),
-                                   new_group=execute.node_groups(moeshard.Topology(3, 3)) is not first)
+        out["after_reinit"] = dict(
+            broadcasts=rep.plan["num_broadcasts"],
+            calls=len(calls),
+            problems=tiny_moe.compare(model, values, _placement()),
+            new_group=execute.node_groups(moeshard.Topology(3, 3)) is not first,
+        )
         out["group_sizes"] = calls
     finally:
         dist.new_subgroups = real

@@ -33,14 +33,28 @@ RTOL = 1e-5
 
 def _config():
     return transformers.Qwen3MoeConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-        num_hidden_layers=NUM_LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        num_experts=NUM_EXPERTS, num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False)
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=NUM_EXPERTS,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
 
 
 def _lora_config(r: int = R):
-    return peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=["q_proj", "v_proj"],
-                           target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    return peft.LoraConfig(
+        r=r,
+        lora_alpha=2 * r,
+        target_modules=["q_proj", "v_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )
 
 
 def _data() -> torch.Tensor:
@@ -53,8 +67,10 @@ def _placement(kind: str, ep: int):
     if kind == "contiguous":
         return moeshard.Placement.contiguous(NUM_LAYERS, NUM_EXPERTS, ep)
     rng = np.random.default_rng(ep)  # 12 slots: every expert once, hot ones twice or more, shuffled
-    rows = [rng.permutation(np.concatenate([np.arange(NUM_EXPERTS), rng.integers(0, NUM_EXPERTS, 12 - NUM_EXPERTS)]))
-            for _ in range(NUM_LAYERS)]
+    rows = [
+        rng.permutation(np.concatenate([np.arange(NUM_EXPERTS), rng.integers(0, NUM_EXPERTS, 12 - NUM_EXPERTS)]))
+        for _ in range(NUM_LAYERS)
+    ]
     return moeshard.Placement(np.stack(rows), num_logical=NUM_EXPERTS, num_ranks=ep)
 
 
@@ -93,15 +109,24 @@ def lora_worker(paths: dict, scenarios: list) -> list:
         pl = _placement(kind, ep)
         moeshard.parallelize(model, meshes[(ep, efsdp)], pl)
         # storage "single" (rank 0 reads, sends the rest) in every other scenario: plans with non-readers
-        _, report = mlora.load(model, paths["base"], paths["adapter"], placement=pl, storage="single" if i % 2 else "auto")
+        _, report = mlora.load(
+            model, paths["base"], paths["adapter"], placement=pl, storage="single" if i % 2 else "auto"
+        )
         moeshard.verify(model, paths["base"], placement=pl)
-        rec = dict(scenario=(ep, efsdp, kind), boxes=report.num_boxes,
-                   all_dtensors=all(isinstance(p, DTensor) for p in model.parameters()))
+        rec = dict(
+            scenario=(ep, efsdp, kind),
+            boxes=report.num_boxes,
+            all_dtensors=all(isinstance(p, DTensor) for p in model.parameters()),
+        )
         with torch.no_grad():
             rec["logits"] = model(input_ids=ids).logits[0].clone()
         # Every LoRA tensor, gathered: per logical expert (every copy) equal to the file's.
-        experts = {id(t): (layer, f) for layer, (m, _) in enumerate(moeshard.models.ep.ep_layers(model))
-                   for lora in m.moeshard_lora for t, f in ((lora.a(), "A"), (lora.b(), "B"))}
+        experts = {
+            id(t): (layer, f)
+            for layer, (m, _) in enumerate(moeshard.models.ep.ep_layers(model))
+            for lora in m.moeshard_lora
+            for t, f in ((lora.a(), "A"), (lora.b(), "B"))
+        }
         bad = []
         for t, p in mlora.adapter_tensors(model, pl):
             full = p.full_tensor().detach()
@@ -209,7 +234,9 @@ def test_logits_and_loaded_tensors_match_peft(lora_results, i):
         assert rec["all_dtensors"]
         assert rec["boxes"] > 0
         assert rec["bad"] == [], f"rank {rank}: loaded LoRA tensors differ from the file: {rec['bad'][:4]}"
-        torch.testing.assert_close(rec["logits"], ref_logits[rank], rtol=RTOL, atol=RTOL * ref_logits.abs().max().item())
+        torch.testing.assert_close(
+            rec["logits"], ref_logits[rank], rtol=RTOL, atol=RTOL * ref_logits.abs().max().item()
+        )
 
 
 @pytest.mark.parametrize("i", range(len(SCENARIOS)), ids=IDS)

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from moeshard.models.describe import ParamDesc
-from moeshard.models.shards import param_boxes
 from moeshard.models.lora import AdapterTensor, distinct_boxes, factor_boxes, local_view, plan_shape
+from moeshard.models.shards import param_boxes
 from moeshard.placement import Placement
 
 
@@ -104,7 +104,7 @@ def test_factor_boxes_are_the_layout(factor):
         b = factor_boxes(t, d, pl, ep * efsdp)
         boxes = sorted({(tuple(o), tuple(n)) for o, n in zip(b.off.tolist(), b.len.tolist())})
         for i, (o1, n1) in enumerate(boxes):
-            for o2, n2 in boxes[i + 1:]:
+            for o2, n2 in boxes[i + 1 :]:
                 overlap = all(a < c + m and c < a + n for a, n, c, m in zip(o1, n1, o2, n2))
                 assert not overlap, (seed, (o1, n1), (o2, n2))
 

@@ -47,8 +47,10 @@ def test_collective_converts_backend_errors_only():
     e = info.value
     assert isinstance(e, moeshard.DistributedError) and e.__cause__ is backend
     assert e.operation == "moeshard.load: executing the plan" and e.peers == (1, 3)
-    assert str(e).startswith("moeshard.load: executing the plan: lost contact with one of ranks [1, 3] "
-                             "(RuntimeError: Connection closed by peer [10.0.0.7]:4242)")
+    assert str(e).startswith(
+        "moeshard.load: executing the plan: lost contact with one of ranks [1, 3] "
+        "(RuntimeError: Connection closed by peer [10.0.0.7]:4242)"
+    )
     assert "restart the job, or recover with the survivors" in str(e)
     with pytest.raises(moeshard.PeerLostError, match=r"^moeshard\.save: x: lost contact with a peer"):
         with collectives.collective("moeshard.save: x"):
@@ -64,7 +66,12 @@ def test_collective_converts_backend_errors_only():
         with collectives.collective("op", peers=[2]):
             raise RuntimeError("Timed out waiting 5000ms for recv operation to complete")
     again = pickle.loads(pickle.dumps(info.value))
-    assert (type(again), str(again), again.peers, again.operation) == (moeshard.PeerLostError, str(info.value), (2,), "op")
+    assert (type(again), str(again), again.peers, again.operation) == (
+        moeshard.PeerLostError,
+        str(info.value),
+        (2,),
+        "op",
+    )
 
 
 def test_operation_errors_keep_a_lost_peer():
@@ -98,12 +105,18 @@ def _steps(model, pl, root: str) -> dict:
     return {
         "load-enter": (moeshard, "load", lambda: moeshard.load(model, ckpt, placement=pl)),
         # storage="single": rank 0 reads everything and sends to the others, the victim too.
-        "load-execute": (module("moeshard.ops.load"), "execute_schedule",
-                         lambda: moeshard.load(model, ckpt, placement=pl, storage="single")),
+        "load-execute": (
+            module("moeshard.ops.load"),
+            "execute_schedule",
+            lambda: moeshard.load(model, ckpt, placement=pl, storage="single"),
+        ),
         "load-barrier": (collectives, "barrier", lambda: moeshard.load(model, ckpt, placement=pl)),
         "relocate": (module("moeshard.ops.relocate"), "execute_schedule", lambda: moeshard.relocate(model, pl, new)),
-        "save": (module("moeshard.ops.save"), "_write_shards",
-                 lambda: moeshard.save(model, os.path.join(root, "out"), placement=pl, fsync=False)),
+        "save": (
+            module("moeshard.ops.save"),
+            "_write_shards",
+            lambda: moeshard.save(model, os.path.join(root, "out"), placement=pl, fsync=False),
+        ),
     }
 
 
@@ -120,17 +133,31 @@ def _scenario(name: str, rank: int, root: str, patch) -> tuple | None:
         run()
     except Exception as e:  # noqa: BLE001 - reported to the test
         cause = e.__cause__
-        return (type(e).__name__, isinstance(e, moeshard.DistributedError), str(e), getattr(e, "peers", None),
-                type(cause).__name__ if cause else None, str(cause) if cause else None, time.monotonic() - t0)
+        return (
+            type(e).__name__,
+            isinstance(e, moeshard.DistributedError),
+            str(e),
+            getattr(e, "peers", None),
+            type(cause).__name__ if cause else None,
+            str(cause) if cause else None,
+            time.monotonic() - t0,
+        )
     return None
 
 
 def _rank_main(name: str, rank: int, port: int, root: str, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      LOCAL_RANK=str(rank % LWS), LOCAL_WORLD_SIZE=str(LWS))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+        LOCAL_RANK=str(rank % LWS),
+        LOCAL_WORLD_SIZE=str(LWS),
+    )
     torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=WORLD,
-                                         timeout=datetime.timedelta(seconds=BACKSTOP_S))
+    torch.distributed.init_process_group(
+        "gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=BACKSTOP_S)
+    )
     patch = pytest.MonkeyPatch()
     try:
         result = ("ok", _scenario(name, rank, root, patch))
@@ -245,8 +272,11 @@ def test_ep_all_to_all_raises_peer_lost(monkeypatch):
     monkeypatch.setattr(ep.dist, "all_to_all_single", lambda out, inp, *a, **k: out.copy_(inp))
     y = ep._AllToAll.apply(x, [3], [3], None)
     monkeypatch.setattr(ep.dist, "all_to_all_single", closed)
-    with pytest.raises(moeshard.PeerLostError, match=r"^moeshard EP backward: exchanging gradients \(all-to-all\): "
-                       r"lost contact with a peer \(RuntimeError: Connection closed by peer") as info:
+    with pytest.raises(
+        moeshard.PeerLostError,
+        match=r"^moeshard EP backward: exchanging gradients \(all-to-all\): "
+        r"lost contact with a peer \(RuntimeError: Connection closed by peer",
+    ) as info:
         y.sum().backward()
     assert isinstance(info.value.__cause__, RuntimeError)
     with pytest.raises(moeshard.PeerLostError, match=r"^moeshard EP forward: exchanging tokens \(all-to-all\)"):

@@ -45,7 +45,7 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.hf
 
 WORLD = 4
-U = 2.0 ** -8  # bf16's unit roundoff (8 significant bits)
+U = 2.0**-8  # bf16's unit roundoff (8 significant bits)
 LOSS_RTOL, LOGITS_RTOL, DENSE_GRAD_RTOL = 1e-6, 1e-3, 1e-5
 SCENARIOS = [(4, 1), (2, 2)]  # (EP, efsdp)
 
@@ -71,8 +71,10 @@ def _reference(ckpt: str, ids: torch.Tensor, group, policy) -> list[tuple[float,
     for r in range(len(ids)):
         res = model(input_ids=ids[r : r + 1], labels=ids[r : r + 1])
         res.loss.backward()
-        grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().float().clone()
-                 for n, p in model.named_parameters()}
+        grads = {
+            n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().float().clone()
+            for n, p in model.named_parameters()
+        }
         out.append((float(res.loss.detach()), res.logits.detach().float(), grads))
         model.zero_grad()
     return out
@@ -123,13 +125,20 @@ def _compare(refs, losses, logits, grads, logits_dtype, param_dtypes, grad_dtype
         out[name] = dict(
             loss=max(abs(losses[r] - ref[r][0]) / abs(ref[r][0]) for r in range(WORLD)),
             logits=max(float((logits[r] - ref[r][1]).abs().max() / ref[r][1].abs().max()) for r in range(WORLD)),
-            dense=max(float((grads[n] - mean[n]).abs().max() / mean[n].abs().max())
-                      for n in mean if ".experts." not in n),
+            dense=max(
+                float((grads[n] - mean[n]).abs().max() / mean[n].abs().max()) for n in mean if ".experts." not in n
+            ),
             # Expert gradients in units of the bound of the module doc.
-            experts=max(float(((grads[n] - mean[n]).abs()
-                               / (2 * U * sum(r[2][n].abs() for r in refs["bf16"]) / WORLD
-                                  + 1e-6 * mean[n].abs().max())).max())
-                        for n in mean if ".experts." in n),
+            experts=max(
+                float(
+                    (
+                        (grads[n] - mean[n]).abs()
+                        / (2 * U * sum(r[2][n].abs() for r in refs["bf16"]) / WORLD + 1e-6 * mean[n].abs().max())
+                    ).max()
+                )
+                for n in mean
+                if ".experts." in n
+            ),
         )
     return out
 

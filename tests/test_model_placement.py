@@ -38,9 +38,11 @@ def worker(root: str) -> dict:
     out["verify_own"] = moeshard.verify(model, ckpt).num_boxes_checked
     out["verify_given"] = moeshard.verify(model, ckpt, placement=placement).num_boxes_checked
     identity = moeshard.Placement.contiguous(2, 8, 2, num_redundant=2)
-    for name, call in (("load", lambda: moeshard.load(model, ckpt, placement=identity)),
-                       ("verify", lambda: moeshard.verify(model, ckpt, placement=identity)),
-                       ("save", lambda: moeshard.save(model, os.path.join(root, "never"), placement=identity))):
+    for name, call in (
+        ("load", lambda: moeshard.load(model, ckpt, placement=identity)),
+        ("verify", lambda: moeshard.verify(model, ckpt, placement=identity)),
+        ("save", lambda: moeshard.save(model, os.path.join(root, "never"), placement=identity)),
+    ):
         try:
             call()
             out[name] = None

@@ -9,24 +9,24 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
 import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
-from test_cluster_plan import DEEPSEEK_V3, MIXTRAL, QWEN2_MOE
-from test_plan import DOWN, SMALL, build_case
 
 from moeshard import Placement
-from moeshard.models.adapters import ExpertParam, expert_parts
 from moeshard.box import Box, full_box
-from moeshard.io.checkpoint import CheckpointIndex, TensorInfo
 from moeshard.cluster import ClusterSpec, find_experts, make_placement, synthesize_descs, synthetic_index
+from moeshard.io.checkpoint import CheckpointIndex, TensorInfo
+from moeshard.models.adapters import ExpertParam, expert_parts
 from moeshard.models.describe import ExpertRef, ParamDesc
-from moeshard.models.layout import find_key, Need, check_cast, compute_needs, need_table
+from moeshard.models.layout import Need, check_cast, compute_needs, find_key, need_table
 from moeshard.models.shards import param_boxes, rank_boxes, shard_boxes
 from moeshard.plan.needs import NeedTable
+from test_cluster_plan import DEEPSEEK_V3, MIXTRAL, QWEN2_MOE
+from test_plan import DOWN, SMALL, build_case
 
 # -- the reference: the per-need implementation need_table replaced -----------------------------
 
@@ -118,7 +118,9 @@ def _reference_expert_needs(i, d, index, placement, per_rank, needs) -> None:
         (s0, ns), rest = box[0], box[1:]
         if not ns or not all(n for _, n in rest):
             continue
-        parts = [(j, part_box, _shift(sub, origin[1:])) for j, part_box, sub in expert_parts(rest, part_sizes, ref.param.dim)]
+        parts = [
+            (j, part_box, _shift(sub, origin[1:])) for j, part_box, sub in expert_parts(rest, part_sizes, ref.param.dim)
+        ]
         for slot in range(s0, s0 + ns):
             expert = int(phy2log[slot])
             if expert < 0:
@@ -141,7 +143,9 @@ def _reference_part_sizes(d, index, expert, slice_shape) -> tuple[int, ...]:
     sizes = []
     for key in ref.param.keys(ref.module, expert):
         if key not in index:
-            raise ValueError(f"parameter {d.name}: checkpoint {index.root} has no tensor {key!r} (logical expert {expert})")
+            raise ValueError(
+                f"parameter {d.name}: checkpoint {index.root} has no tensor {key!r} (logical expert {expert})"
+            )
         info = index.info(key)
         check_cast(f"parameter {d.name}", key, index, d.dtype)
         shape = list(info.shape)
@@ -190,8 +194,9 @@ def test_shard_boxes_match_torch_on_random_layouts():
         ndim = int(rng.integers(0, 4))
         shape = tuple(int(n) for n in rng.integers(0, 10, ndim))
         mesh_shape = tuple(int(n) for n in rng.integers(1, 5, int(rng.integers(1, 4))))
-        placements = tuple(Shard(int(rng.integers(0, ndim))) if ndim and rng.random() < 0.7 else Replicate()
-                           for _ in mesh_shape)
+        placements = tuple(
+            Shard(int(rng.integers(0, ndim))) if ndim and rng.random() < 0.7 else Replicate() for _ in mesh_shape
+        )
         got = shard_boxes(shape, mesh_shape, placements)
         assert got.shape == (int(np.prod(mesh_shape)), ndim, 2) and got.dtype == np.int64
         want = _torch_boxes(shape, mesh_shape, placements)
@@ -202,14 +207,17 @@ def test_shard_boxes_match_torch_on_random_layouts():
     assert seen_empty > 50 and seen_nested > 50  # the cases that matter were drawn
 
 
-@pytest.mark.parametrize("shape, mesh_shape, placements", [
-    ((7, 5), (2, 3), (Shard(0), Shard(0))),  # nested: 7 -> 4 | 3 -> (2, 2, 0) | (1, 1, 1)
-    ((3,), (4,), (Shard(0),)),  # an empty last shard
-    ((5, 2), (3, 2), (Shard(1), Shard(0))),  # Shard(1) on the outer mesh dim, as expert-FSDP
-    ((), (2, 2), (Replicate(), Replicate())),
-    ((0, 4), (2,), (Shard(0),)),
-    ((6, 6), (2, 2), (Shard(-1), Shard(0))),  # a negative dim counts from the end
-])
+@pytest.mark.parametrize(
+    "shape, mesh_shape, placements",
+    [
+        ((7, 5), (2, 3), (Shard(0), Shard(0))),  # nested: 7 -> 4 | 3 -> (2, 2, 0) | (1, 1, 1)
+        ((3,), (4,), (Shard(0),)),  # an empty last shard
+        ((5, 2), (3, 2), (Shard(1), Shard(0))),  # Shard(1) on the outer mesh dim, as expert-FSDP
+        ((), (2, 2), (Replicate(), Replicate())),
+        ((0, 4), (2,), (Shard(0),)),
+        ((6, 6), (2, 2), (Shard(-1), Shard(0))),  # a negative dim counts from the end
+    ],
+)
 def test_shard_boxes_match_torch_on_chosen_layouts(shape, mesh_shape, placements):
     got = shard_boxes(shape, mesh_shape, placements)
     assert [tuple(map(tuple, b)) for b in got.tolist()] == _torch_boxes(shape, mesh_shape, placements)
@@ -292,8 +300,11 @@ def test_need_table_plain_and_zero_dim_params():
     case = build_case(6, 2, 2, 3, inter=2, hidden=5, seed=3)
     descs = list(case.descs)
     t = dict(case.index.tensors)
-    for name, mesh, place in (("scalar_plain", None, ()), ("scalar_repl", np.arange(6), (Replicate(),)),
-                              ("scalar_mesh2", np.arange(6).reshape(2, 3), (Replicate(), Replicate()))):
+    for name, mesh, place in (
+        ("scalar_plain", None, ()),
+        ("scalar_repl", np.arange(6), (Replicate(),)),
+        ("scalar_mesh2", np.arange(6).reshape(2, 3), (Replicate(), Replicate())),
+    ):
         descs.append(ParamDesc(name, (), torch.float32, mesh, place, (name,)))
         t[name] = TensorInfo("f", 8, "F32", ())
     descs.append(ParamDesc("short", (4,), torch.float32, np.arange(6), (Shard(0),), ("short",)))  # ranks 4, 5 empty
@@ -301,8 +312,9 @@ def test_need_table_plain_and_zero_dim_params():
     descs.append(ParamDesc("empty", (0, 3), torch.float32, np.arange(6), (Shard(0),), ("empty",)))
     t["empty"] = TensorInfo("f", 8, "F32", (0, 3))
     module = "layers.0.mlp.experts"
-    descs.append(ParamDesc(f"{module}.down_proj_plain", (4, 5, 2), torch.float32, None, (),
-                           expert=ExpertRef(0, module, DOWN)))
+    descs.append(
+        ParamDesc(f"{module}.down_proj_plain", (4, 5, 2), torch.float32, None, (), expert=ExpertRef(0, module, DOWN))
+    )
     index = CheckpointIndex("/nonexistent", t, case.index.file_sizes)
     table = _check_same(descs, index, case.placement, 6)
     assert ((table.ndim == 0) == [k.startswith("scalar") for k in table.keys]).all()
@@ -315,8 +327,14 @@ def test_need_table_zero_dim_expert_slices():
     t = {f"{module}.{e}.down_proj.scale": TensorInfo("f", 8, "F32", ()) for e in range(3)}
     index = CheckpointIndex("/nonexistent", t, {"f": 100})
     pl = Placement(np.array([[2, 0, -1, 1]]), num_logical=3, num_ranks=2)
-    d = ParamDesc(f"{module}.down_proj_scale", (4,), torch.float32, np.arange(4).reshape(2, 2),
-                  (Replicate(), Shard(0)), expert=ExpertRef(0, module, scale))
+    d = ParamDesc(
+        f"{module}.down_proj_scale",
+        (4,),
+        torch.float32,
+        np.arange(4).reshape(2, 2),
+        (Replicate(), Shard(0)),
+        expert=ExpertRef(0, module, scale),
+    )
     got = set(need_table([d], index, pl, 4).to_needs())
     key = f"{module}.{{}}.down_proj.scale".format
     # EP rank 0 (ranks 0 and 2) holds slots 0, 1; EP rank 1 (ranks 1, 3) slots 2 (empty), 3.
@@ -329,8 +347,15 @@ def test_need_table_zero_dim_expert_slices():
         need_table([ParamDesc("both", (4,), torch.float32, None, expert=ExpertRef(0, module, two))], index, pl, 4)
 
 
-@pytest.mark.parametrize("mesh, placements", [(None, ()), (np.arange(4), (Shard(0),)), (np.arange(4), (Shard(1),)),
-                                              (np.arange(4).reshape(2, 2), (Shard(0), Shard(0)))])
+@pytest.mark.parametrize(
+    "mesh, placements",
+    [
+        (None, ()),
+        (np.arange(4), (Shard(0),)),
+        (np.arange(4), (Shard(1),)),
+        (np.arange(4).reshape(2, 2), (Shard(0), Shard(0))),
+    ],
+)
 def test_need_table_dense_parts(mesh, placements):
     """A dense tensor stored as parts concatenated along a dim (transformers' Concatenate, e.g.
     q/k/v conv1d): each rank's box is read from the parts it overlaps, and the rows tile it."""
@@ -367,33 +392,54 @@ def _synthetic(cfg, nodes, rpn, ep, efsdp, redundant, seed):
     descs = synthesize_descs(layout, index, cluster)
     rng = np.random.default_rng(seed)
     num_physical = layout.num_logical + redundant
-    rows = [rng.permutation(np.concatenate([np.arange(layout.num_logical), rng.integers(0, layout.num_logical, redundant)]))
-            for _ in range(layout.num_layers)]
+    rows = [
+        rng.permutation(np.concatenate([np.arange(layout.num_logical), rng.integers(0, layout.num_logical, redundant)]))
+        for _ in range(layout.num_layers)
+    ]
     placements = [make_placement(layout, cluster), make_placement(layout, cluster, np.stack(rows))]
     assert placements[1].num_physical == num_physical
     return descs, index, placements
 
 
-SMALL_DEEPSEEK = DEEPSEEK_V3 | {"num_hidden_layers": 5, "first_k_dense_replace": 2, "n_routed_experts": 16,
-                                 "n_group": 4, "topk_group": 2, "vocab_size": 1000}
+SMALL_DEEPSEEK = DEEPSEEK_V3 | {
+    "num_hidden_layers": 5,
+    "first_k_dense_replace": 2,
+    "n_routed_experts": 16,
+    "n_group": 4,
+    "topk_group": 2,
+    "vocab_size": 1000,
+}
 DEEPSEEK_V3_6_LAYERS = DEEPSEEK_V3 | {"num_hidden_layers": 6}  # 3 MoE layers of 256 experts
-QWEN3_MOE = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 24,
-             "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-             "vocab_size": 100, "num_experts": 8, "tie_word_embeddings": False}
+QWEN3_MOE = {
+    "model_type": "qwen3_moe",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 24,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 100,
+    "num_experts": 8,
+    "tie_word_embeddings": False,
+}
 
 
-@pytest.mark.parametrize("cfg, nodes, rpn, ep, efsdp, redundant", [
-    (SMALL_DEEPSEEK, 1, 8, 8, 1, 0),
-    (SMALL_DEEPSEEK, 2, 8, 4, 4, 4),
-    (SMALL_DEEPSEEK, 4, 8, 16, 2, 16),
-    (DEEPSEEK_V3_6_LAYERS, 2, 8, 8, 2, 8),
-    (DEEPSEEK_V3_6_LAYERS, 4, 8, 32, 1, 0),
-    (MIXTRAL, 1, 4, 4, 1, 0),
-    (MIXTRAL, 2, 4, 2, 4, 2),
-    (QWEN2_MOE, 2, 8, 4, 4, 4),
-    (QWEN3_MOE, 2, 4, 4, 2, 4),
-    (QWEN3_MOE, 3, 4, 4, 3, 0),
-])
+@pytest.mark.parametrize(
+    "cfg, nodes, rpn, ep, efsdp, redundant",
+    [
+        (SMALL_DEEPSEEK, 1, 8, 8, 1, 0),
+        (SMALL_DEEPSEEK, 2, 8, 4, 4, 4),
+        (SMALL_DEEPSEEK, 4, 8, 16, 2, 16),
+        (DEEPSEEK_V3_6_LAYERS, 2, 8, 8, 2, 8),
+        (DEEPSEEK_V3_6_LAYERS, 4, 8, 32, 1, 0),
+        (MIXTRAL, 1, 4, 4, 1, 0),
+        (MIXTRAL, 2, 4, 2, 4, 2),
+        (QWEN2_MOE, 2, 8, 4, 4, 4),
+        (QWEN3_MOE, 2, 4, 4, 2, 4),
+        (QWEN3_MOE, 3, 4, 4, 3, 0),
+    ],
+)
 def test_need_table_matches_reference_on_synthetic_checkpoints(cfg, nodes, rpn, ep, efsdp, redundant):
     descs, index, placements = _synthetic(cfg, nodes, rpn, ep, efsdp, redundant, seed=nodes * ep)
     for pl in placements:
@@ -415,17 +461,33 @@ def test_need_table_errors_are_the_references():
     idx = case.index
     # A box covering slots of two EP ranks: the mesh has 2 EP ranks, the placement 4.
     pl4 = Placement(np.tile(np.arange(4), (2, 1)), num_logical=4, num_ranks=4)
-    _both_raise(r"layers\.0\.mlp\.experts\.gate_up_proj: local box \[\(0, 2\), \(0, 3\), \(0, 4\)\] spans several "
-                r"EP ranks' slots", case.descs, idx, pl4, 4)
+    _both_raise(
+        r"layers\.0\.mlp\.experts\.gate_up_proj: local box \[\(0, 2\), \(0, 3\), \(0, 4\)\] spans several "
+        r"EP ranks' slots",
+        case.descs,
+        idx,
+        pl4,
+        4,
+    )
     # A checkpoint tensor of a held expert other than 0 with a bad shape or dtype.
     t = dict(idx.tensors)
     t["layers.1.mlp.experts.3.down_proj.weight"] = TensorInfo("f", 8, "BF16", (4, 4))
-    _both_raise(r"'layers\.1\.mlp\.experts\.3\.down_proj\.weight' has shape \[4, 4\]", case.descs,
-                CheckpointIndex(idx.root, t, idx.file_sizes), case.placement, 4)
+    _both_raise(
+        r"'layers\.1\.mlp\.experts\.3\.down_proj\.weight' has shape \[4, 4\]",
+        case.descs,
+        CheckpointIndex(idx.root, t, idx.file_sizes),
+        case.placement,
+        4,
+    )
     t = dict(idx.tensors)
     t["layers.0.mlp.experts.2.gate_proj.weight"] = TensorInfo("f", 8, "F8_E4M3", (3, 4))
-    _both_raise(r"'layers\.0\.mlp\.experts\.2\.gate_proj\.weight' has dtype F8_E4M3 \(FP8\)", case.descs,
-                CheckpointIndex(idx.root, t, idx.file_sizes), case.placement, 4)
+    _both_raise(
+        r"'layers\.0\.mlp\.experts\.2\.gate_proj\.weight' has dtype F8_E4M3 \(FP8\)",
+        case.descs,
+        CheckpointIndex(idx.root, t, idx.file_sizes),
+        case.placement,
+        4,
+    )
     # Another float dtype for one expert is a cast the rule allows: no error, same needs.
     t = dict(idx.tensors)
     t["layers.0.mlp.experts.2.gate_proj.weight"] = TensorInfo("f", 8, "F32", (3, 4))

@@ -5,9 +5,9 @@ storage mode from one cut of the needs gives the plans and lower bounds the need
 from __future__ import annotations
 
 import dataclasses
+
 import numpy as np
 import pytest
-from test_plan import build_case
 
 from moeshard.io.sources import storage_sources
 from moeshard.models.layout import need_table
@@ -15,12 +15,13 @@ from moeshard.plan import Pieces, cut_pieces, minimal_cost, plan_transfers
 from moeshard.plan.arrays import dense_rank, group_rows, lex_order, pack_rows, unique_rows
 from moeshard.plan.load import no_transfers, peak_held_bytes, plan_pieces
 from moeshard.topology import Topology
+from test_plan import build_case
 
 
 def _random_columns(rng, n: int, k: int, wide: bool) -> list[np.ndarray]:
     cols = [rng.integers(-3, 4, n).astype(rng.choice([np.int8, np.int32, np.int64])) for _ in range(k)]
     if wide:  # ranges whose product does not fit in 63 bits: the lexsort fallback
-        cols.append(rng.integers(-2**62, 2**62, n))
+        cols.append(rng.integers(-(2**62), 2**62, n))
     return cols
 
 
@@ -60,8 +61,12 @@ def _brute_peak(world, num_rounds, holds):
     out = np.zeros(world, dtype=np.int64)
     for r in range(world):
         for t in range(num_rounds):
-            held = sum(int(b) for rank, nb, first, last in holds
-                       for rr, b, a, e in zip(rank, nb, first, last) if rr == r and a <= t <= e)
+            held = sum(
+                int(b)
+                for rank, nb, first, last in holds
+                for rr, b, a, e in zip(rank, nb, first, last)
+                if rr == r and a <= t <= e
+            )
             out[r] = max(out[r], held)
     return out
 
@@ -75,13 +80,23 @@ def test_staging_peak_matches_brute_force():
             m = int(rng.integers(0, 8))
             first = rng.integers(0, num_rounds, m)
             last = np.minimum(first + rng.integers(0, 3, m), num_rounds - 1)
-            holds.append((rng.integers(0, world, m).astype(rng.choice([np.int32, np.int64])),
-                          rng.integers(0, 5, m) * 8, first, last))
+            holds.append(
+                (
+                    rng.integers(0, world, m).astype(rng.choice([np.int32, np.int64])),
+                    rng.integers(0, 5, m) * 8,
+                    first,
+                    last,
+                )
+            )
         num = sum(len(h[0]) for h in holds)
-        assert np.array_equal(peak_held_bytes(world, num_rounds, num, iter(holds)), _brute_peak(world, num_rounds, holds))
+        assert np.array_equal(
+            peak_held_bytes(world, num_rounds, num, iter(holds)), _brute_peak(world, num_rounds, holds)
+        )
 
 
-@pytest.mark.parametrize("world, lws, ep, efsdp, staging", [(8, 4, 4, 2, 1 << 20), (16, 4, 8, 2, 200), (12, 3, 6, 2, 60)])
+@pytest.mark.parametrize(
+    "world, lws, ep, efsdp, staging", [(8, 4, 4, 2, 1 << 20), (16, 4, 8, 2, 200), (12, 3, 6, 2, 60)]
+)
 def test_plans_from_pieces_are_the_plans_from_needs(world, lws, ep, efsdp, staging):
     case = build_case(world, lws, ep, efsdp, seed=world + staging)
     table = need_table(case.descs, case.index, case.placement, world)
@@ -117,27 +132,33 @@ def _rank_rows(plan, rank: int) -> tuple:
 
     dlv, sends, bcasts = rs.deliveries, rs.sends, rs.bcasts
     delivered = rows(plan.deliveries.piece[dlv], plan.deliveries.param[dlv], plan.deliveries.slot[dlv])
-    return (sorted(rows(plan.reads.piece[rs.reads], plan.reads.round[rs.reads])),
-            rows(plan.sends.piece[sends], plan.sends.src[sends], plan.sends.dst[sends], plan.sends.round[sends]),
-            rows(plan.bcasts.piece[bcasts], plan.bcasts.node[bcasts], plan.bcasts.root[bcasts],
-                 plan.bcasts.round[bcasts]),
-            sorted((*r, tuple(off)) for r, off in zip(delivered, plan.deliveries.off[dlv].tolist())),
-            rs.rounds.tolist())
+    return (
+        sorted(rows(plan.reads.piece[rs.reads], plan.reads.round[rs.reads])),
+        rows(plan.sends.piece[sends], plan.sends.src[sends], plan.sends.dst[sends], plan.sends.round[sends]),
+        rows(plan.bcasts.piece[bcasts], plan.bcasts.node[bcasts], plan.bcasts.root[bcasts], plan.bcasts.round[bcasts]),
+        sorted((*r, tuple(off)) for r, off in zip(delivered, plan.deliveries.off[dlv].tolist())),
+        rs.rounds.tolist(),
+    )
 
 
-@pytest.mark.parametrize("world, lws, ep, efsdp, experts, dense, num_logical", [
-    (8, 4, 4, 2, "shard", ("shard", "replicate", "plain"), 4),
-    (8, 4, 8, 1, "shard", ("shard",), 16),  # one slot per expert: every row alone, only local reads
-    (12, 3, 6, 2, "replicate", ("shard", "plain"), 4),
-    (8, 2, 2, 4, "shard", ("replicate",), 3),
-])
-def test_a_schedule_planned_for_one_rank_has_that_ranks_rows_of_the_whole_jobs(world, lws, ep, efsdp, experts,
-                                                                                 dense, num_logical):
+@pytest.mark.parametrize(
+    "world, lws, ep, efsdp, experts, dense, num_logical",
+    [
+        (8, 4, 4, 2, "shard", ("shard", "replicate", "plain"), 4),
+        (8, 4, 8, 1, "shard", ("shard",), 16),  # one slot per expert: every row alone, only local reads
+        (12, 3, 6, 2, "replicate", ("shard", "plain"), 4),
+        (8, 2, 2, 4, "shard", ("replicate",), 3),
+    ],
+)
+def test_a_schedule_planned_for_one_rank_has_that_ranks_rows_of_the_whole_jobs(
+    world, lws, ep, efsdp, experts, dense, num_logical
+):
     """``plan_transfers(rank=r)`` plans the transfers and rank r's local reads only; r's rows
     (reads, sends, broadcasts, deliveries, rounds), every cost counter and the number of rounds
     are the whole job's, every rank's fingerprint is the same, and it refuses another rank."""
-    case = build_case(world, lws, ep, efsdp, seed=world + ep, expert_placements=experts, dense=dense,
-                      num_logical=num_logical)
+    case = build_case(
+        world, lws, ep, efsdp, seed=world + ep, expert_placements=experts, dense=dense, num_logical=num_logical
+    )
     table = need_table(case.descs, case.index, case.placement, world)
     assert table.alone is not None and table.alone.any()
     assert table.alone.all() == (num_logical == 16)
@@ -163,6 +184,7 @@ def test_a_schedule_planned_for_one_rank_has_that_ranks_rows_of_the_whole_jobs(w
                 assert got.num_rounds == whole.num_rounds and got.cost.summary() == whole.cost.summary()
                 for f in ("read_bytes", "sent_bytes", "recv_bytes", "peak_staging_bytes"):
                     assert np.array_equal(getattr(got.cost, f), getattr(whole.cost, f)), f
+
                 # Other ranks' local reads are planned only for rows not alone: the whole job's
                 # but the bytes of the alone rows of other ranks that read.
                 def others_local(plan):
@@ -189,8 +211,15 @@ def test_a_plan_without_transfers_is_the_planners_plan_of_no_pieces(world, lws, 
     table = need_table(case.descs, case.index, case.placement, world)
     topo = Topology(world, lws)
     for staging, max_ops in ((1 << 20, 64), (60, 2)):
-        slow = plan_pieces(cut_pieces(table.take(np.zeros(len(table), bool)), case.index, staging), topo,
-                     np.ones(world, bool), scope, staging, max_ops, base_load=np.arange(world, dtype=np.int64))
+        slow = plan_pieces(
+            cut_pieces(table.take(np.zeros(len(table), bool)), case.index, staging),
+            topo,
+            np.ones(world, bool),
+            scope,
+            staging,
+            max_ops,
+            base_load=np.arange(world, dtype=np.int64),
+        )
         fast = no_transfers(table, topo, staging, max_ops)
         fast_arrays = dict(fast.arrays())
         for name, a in slow.arrays():
@@ -200,13 +229,22 @@ def test_a_plan_without_transfers_is_the_planners_plan_of_no_pieces(world, lws, 
                 assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), name
         for f in dataclasses.fields(slow):
             a, b = getattr(slow, f.name), getattr(fast, f.name)
-            if isinstance(a, np.ndarray) or f.name in ("pieces", "reads", "sends", "bcasts", "deliveries", "views",
-                                                        "copies"):
+            if isinstance(a, np.ndarray) or f.name in (
+                "pieces",
+                "reads",
+                "sends",
+                "bcasts",
+                "deliveries",
+                "views",
+                "copies",
+            ):
                 continue  # every array compared above
             elif f.name == "cost":
                 for g in dataclasses.fields(a):
                     x, y = getattr(a, g.name), getattr(b, g.name)
-                    assert (np.array_equal(x, y) and x.dtype == y.dtype) if isinstance(x, np.ndarray) else x == y, g.name
+                    assert (np.array_equal(x, y) and x.dtype == y.dtype) if isinstance(x, np.ndarray) else x == y, (
+                        g.name
+                    )
             else:
                 assert a == b, f.name
         assert fast.fingerprint == slow.fingerprint
@@ -215,19 +253,27 @@ def test_a_plan_without_transfers_is_the_planners_plan_of_no_pieces(world, lws, 
 def test_alone_rows_are_those_no_other_rank_shares():
     """The layout's ``alone`` hint is never wrong: an alone row's (key, box) is no other rank's
     (it may miss some: then the whole job plans them, as before)."""
-    for world, lws, ep, efsdp, experts, dense in [(8, 4, 4, 2, "shard", ("shard", "replicate", "plain")),
-                                                  (12, 3, 6, 2, "replicate", ("shard",)),
-                                                  (1, 1, 1, 1, "shard", ("plain",))]:
+    for world, lws, ep, efsdp, experts, dense in [
+        (8, 4, 4, 2, "shard", ("shard", "replicate", "plain")),
+        (12, 3, 6, 2, "replicate", ("shard",)),
+        (1, 1, 1, 1, "shard", ("plain",)),
+    ]:
         for num_logical in (3, 2 * ep):
-            case = build_case(world, lws, ep, efsdp, seed=3, expert_placements=experts, dense=dense,
-                              num_logical=num_logical)
+            case = build_case(
+                world, lws, ep, efsdp, seed=3, expert_placements=experts, dense=dense, num_logical=num_logical
+            )
             table = need_table(case.descs, case.index, case.placement, world)
             holders: dict = {}
             for i in range(len(table)):
-                holders.setdefault((int(table.key[i]), table.src_off[i].tobytes(), table.src_len[i].tobytes()),
-                                   set()).add(int(table.rank[i]))
-            shared = np.asarray([len(holders[(int(table.key[i]), table.src_off[i].tobytes(),
-                                              table.src_len[i].tobytes())]) > 1 for i in range(len(table))])
+                holders.setdefault(
+                    (int(table.key[i]), table.src_off[i].tobytes(), table.src_len[i].tobytes()), set()
+                ).add(int(table.rank[i]))
+            shared = np.asarray(
+                [
+                    len(holders[(int(table.key[i]), table.src_off[i].tobytes(), table.src_len[i].tobytes())]) > 1
+                    for i in range(len(table))
+                ]
+            )
             assert not (table.alone & shared).any()
             if num_logical == 2 * ep and experts == "shard":  # one slot per expert: it finds every one
                 assert np.array_equal(table.alone, ~shared)
@@ -243,8 +289,10 @@ def test_ranks_with_different_needs_get_different_fingerprints():
     swapped[0, [0, 2]] = swapped[0, [2, 0]]  # slot 0 (rank 0) and slot 2 (rank 1) trade experts
     other = type(pl)(swapped, num_logical=pl.num_logical, num_ranks=pl.num_ranks)
     topo = Topology(8, 4)
-    plans = [plan_transfers(need_table(case.descs, case.index, p, 8), case.index, topo, np.ones(8, bool), rank=5)
-             for p in (pl, other)]
+    plans = [
+        plan_transfers(need_table(case.descs, case.index, p, 8), case.index, topo, np.ones(8, bool), rank=5)
+        for p in (pl, other)
+    ]
     assert not len(plans[0].sends.src) and not len(plans[1].sends.src)
     assert np.array_equal(plans[0].cost.read_bytes, plans[1].cost.read_bytes)
     assert plans[0].fingerprint != plans[1].fingerprint
@@ -264,8 +312,9 @@ def test_a_table_built_for_one_rank_is_planned_for_that_rank_only():
     row_bytes = table.src_len.prod(axis=1) * itemsize[table.key]
     left_out = table.alone & (table.rank != 2)
     assert len(part) == len(table) - left_out.sum() and set(part.rank[part.alone].tolist()) == {2}
-    assert np.array_equal(part.omitted_bytes, np.bincount(table.rank[left_out], weights=row_bytes[left_out],
-                                                          minlength=8).astype(np.int64))
+    assert np.array_equal(
+        part.omitted_bytes, np.bincount(table.rank[left_out], weights=row_bytes[left_out], minlength=8).astype(np.int64)
+    )
     everyone = np.ones(8, dtype=bool)
     plan_transfers(part, case.index, topo, everyone, rank=2)
     with pytest.raises(ValueError, match="cannot be planned for the whole job"):

@@ -23,7 +23,7 @@ def _check_tables(pl: Placement) -> None:
             row = pl.log2phy[layer, e].tolist()
             # Copies in slot order, then -1 padding.
             assert row[: len(slots)] == slots
-            assert all(x == -1 for x in row[len(slots):])
+            assert all(x == -1 for x in row[len(slots) :])
     # Round trip through log2phy.
     back = Placement.from_log2phy(pl.log2phy, num_physical, num_ranks=pl.num_ranks)
     assert back == pl
@@ -178,8 +178,11 @@ def test_by_rank_takes_each_ranks_slots_from_one_placement():
     assert Placement.by_rank(old, new, [False] * 3) == old
     # Expert 0 moves from rank 0 to rank 1: rank 0 took new, rank 1 kept old -> no copy left.
     with pytest.raises(ValueError, match="the ranks' slots hold no placement: logical expert 0"):
-        Placement.by_rank(Placement(np.array([[0, 1, 2, 3]]), num_ranks=2),
-                          Placement(np.array([[1, 2, 0, 3]]), num_ranks=2), [True, False])
+        Placement.by_rank(
+            Placement(np.array([[0, 1, 2, 3]]), num_ranks=2),
+            Placement(np.array([[1, 2, 0, 3]]), num_ranks=2),
+            [True, False],
+        )
     with pytest.raises(ValueError, match="different shapes"):
         Placement.by_rank(old, Placement(np.array([[0, 1, 2, 3]]), num_ranks=2), [True, False])
 

@@ -13,7 +13,13 @@ import numpy as np
 import pytest
 
 from moeshard.io.placement_files import (
-    FORMATS, PlacementFile, moe_layer_indices, named_placement, read_placement, read_placement_file, write_placement,
+    FORMATS,
+    PlacementFile,
+    moe_layer_indices,
+    named_placement,
+    read_placement,
+    read_placement_file,
+    write_placement,
 )
 from moeshard.placement import Placement
 
@@ -26,8 +32,17 @@ def _placement(num_ranks: int | None = 4) -> Placement:
     return Placement(p2l, num_logical=8, num_ranks=num_ranks)
 
 
-@pytest.mark.parametrize("fmt, ext", [("moeshard", ".json"), ("npy", ".npy"), ("sglang", ".json"),
-                                      ("sglang", ".pt"), ("vllm", ".pt"), ("vllm", ".json")])
+@pytest.mark.parametrize(
+    "fmt, ext",
+    [
+        ("moeshard", ".json"),
+        ("npy", ".npy"),
+        ("sglang", ".json"),
+        ("sglang", ".pt"),
+        ("vllm", ".pt"),
+        ("vllm", ".json"),
+    ],
+)
 def test_round_trip_every_format(tmp_path, fmt, ext):
     if ext == ".pt":
         pytest.importorskip("torch")
@@ -47,10 +62,18 @@ def test_moeshard_json_schema_and_optional_metadata(tmp_path):
     path = tmp_path / "p.json"
     write_placement(_placement(num_ranks=None), path, format="moeshard")
     doc = json.loads(path.read_text())
-    assert {k: doc[k] for k in ("format", "version", "num_layers", "num_logical", "num_physical", "num_ranks",
-                                "slots_per_rank")} == {"format": "moeshard.placement", "version": 1, "num_layers": 2,
-                                                       "num_logical": 8, "num_physical": 12, "num_ranks": None,
-                                                       "slots_per_rank": None}
+    assert {
+        k: doc[k]
+        for k in ("format", "version", "num_layers", "num_logical", "num_physical", "num_ranks", "slots_per_rank")
+    } == {
+        "format": "moeshard.placement",
+        "version": 1,
+        "num_layers": 2,
+        "num_logical": 8,
+        "num_physical": 12,
+        "num_ranks": None,
+        "slots_per_rank": None,
+    }
     assert [set(layer) for layer in doc["layers"]] == [{"phy2log"}] * 2
     assert len(path.read_text().splitlines()) == 4  # header, "layers", one line per layer
     f = read_placement_file(path, moe_layers=[5, 9])  # no layer metadata: nothing to contradict
@@ -70,18 +93,30 @@ def test_sglang_files_as_sglang_writes_them(tmp_path):
     # --init-expert-location FILE.pt (torch.load(weights_only=True) reads it)
     torch.save({"physical_to_logical_map": table}, tmp_path / "loc.pt")
     # the per-pass recorder dump: records and the last placement
-    record = {"forward_pass_id": 0, "rank": 0, "gatherer_key": "primary",
-              "global_physical_count": torch.zeros(3, 12, dtype=torch.int32)}
-    torch.save({"records": [record], "last_physical_to_logical_map": table},
-               tmp_path / "expert_distribution_recorder_1700000000.0_0.pt")
+    record = {
+        "forward_pass_id": 0,
+        "rank": 0,
+        "gatherer_key": "primary",
+        "global_physical_count": torch.zeros(3, 12, dtype=torch.int32),
+    }
+    torch.save(
+        {"records": [record], "last_physical_to_logical_map": table},
+        tmp_path / "expert_distribution_recorder_1700000000.0_0.pt",
+    )
     for name in ("loc.json", "loc.pt", "expert_distribution_recorder_1700000000.0_0.pt"):
         assert read_placement(tmp_path / name, moe_layers=[1, 2], num_logical=8, num_ranks=4) == pl, name
         assert read_placement_file(tmp_path / name).phy2log.shape == (3, 12)  # without moe_layers: every row
     # A Qwen3-MoE-like model (every layer MoE) has a row per MoE layer: taken as is.
     assert read_placement(tmp_path / "loc.json", moe_layers=[0, 1, 2], num_logical=8).num_layers == 3
     # The stat dump holds loads, not a placement.
-    torch.save({"rank": 0, "logical_count": torch.zeros(4, 3, 8, dtype=torch.int32),
-                "average_utilization_rate_over_window": None}, tmp_path / "stat.pt")
+    torch.save(
+        {
+            "rank": 0,
+            "logical_count": torch.zeros(4, 3, 8, dtype=torch.int32),
+            "average_utilization_rate_over_window": None,
+        },
+        tmp_path / "stat.pt",
+    )
     with pytest.raises(ValueError, match=r"stat\.pt: key 'logical_count' holds expert loads"):
         read_placement(tmp_path / "stat.pt")
 
@@ -92,8 +127,9 @@ def test_vllm_eplb_state_tensors(tmp_path):
     torch = pytest.importorskip("torch")
     p2l = torch.tensor([[0, 1, 2, 3, 0, 1], [0, 2, 0, 1, 0, 3]])
     l2p = torch.full((2, 4, 1024), -1, dtype=torch.int64)
-    l2p[:, :, :3] = torch.tensor([[[0, 4, -1], [1, 5, -1], [2, -1, -1], [3, -1, -1]],
-                                  [[0, 2, 4], [3, -1, -1], [1, -1, -1], [5, -1, -1]]])
+    l2p[:, :, :3] = torch.tensor(
+        [[[0, 4, -1], [1, 5, -1], [2, -1, -1], [3, -1, -1]], [[0, 2, 4], [3, -1, -1], [1, -1, -1], [5, -1, -1]]]
+    )
     count = torch.tensor([[2, 2, 1, 1], [3, 1, 1, 1]], dtype=torch.long)
     state = {"physical_to_logical_map": p2l, "logical_to_physical_map": l2p, "logical_replica_count": count}
     torch.save(state, tmp_path / "eplb.pt")
@@ -107,8 +143,11 @@ def test_vllm_eplb_state_tensors(tmp_path):
         read_placement(tmp_path / "eplb.pt", num_logical=5)
     # the tables must agree
     torch.save({**state, "logical_replica_count": count.flip(1)}, tmp_path / "count.pt")
-    with pytest.raises(ValueError, match=r"count\.pt: key 'logical_replica_count'\[0, 0\] = 1, but "
-                                         r"'physical_to_logical_map' has 2 copies"):
+    with pytest.raises(
+        ValueError,
+        match=r"count\.pt: key 'logical_replica_count'\[0, 0\] = 1, but "
+        r"'physical_to_logical_map' has 2 copies",
+    ):
         read_placement(tmp_path / "count.pt")
     bad = l2p.clone()
     bad[0, 0, 1] = 0  # slot 0 listed twice, slot 4 not at all
@@ -118,8 +157,9 @@ def test_vllm_eplb_state_tensors(tmp_path):
 
 
 def test_named_placements():
-    assert named_placement("vllm:linear", num_layers=2, num_logical=8, num_ranks=4, num_redundant=4) == \
-        Placement.contiguous(2, 8, 4, num_redundant=4)
+    assert named_placement(
+        "vllm:linear", num_layers=2, num_logical=8, num_ranks=4, num_redundant=4
+    ) == Placement.contiguous(2, 8, 4, num_redundant=4)
     assert named_placement("sglang:trivial", num_layers=1, num_logical=4, num_ranks=2) == Placement.contiguous(1, 4, 2)
     rr = named_placement("vllm:round_robin", num_layers=2, num_logical=8, num_ranks=4)
     assert rr.phy2log[1].tolist() == [0, 4, 1, 5, 2, 6, 3, 7]  # rank r holds r, r + 4 (vLLM's example, EP 4)
@@ -136,38 +176,86 @@ def _write(path, text):
 
 
 def _moeshard_doc(**change):
-    doc = {"format": "moeshard.placement", "version": 1, "num_layers": 1, "num_logical": 4, "num_physical": 4,
-           "num_ranks": 2, "slots_per_rank": 2, "layers": [{"layer": 3, "phy2log": [0, 1, 2, 3]}]}
+    doc = {
+        "format": "moeshard.placement",
+        "version": 1,
+        "num_layers": 1,
+        "num_logical": 4,
+        "num_physical": 4,
+        "num_ranks": 2,
+        "slots_per_rank": 2,
+        "layers": [{"layer": 3, "phy2log": [0, 1, 2, 3]}],
+    }
     return json.dumps({**doc, **change})
 
 
-@pytest.mark.parametrize("name, text, kwargs, expected", [
-    ("garbage.json", "{not json", {}, "garbage.json: not a readable placement JSON"),
-    ("list.json", "[[0, 1]]", {}, "holds a list, expected a dict"),
-    ("keys.json", '{"experts": 1}', {}, "has keys ['experts']; expected 'format'"),
-    ("load.json", '{"logical_count": [[1, 2]]}', {}, "key 'logical_count' holds expert loads"),
-    ("float.json", '{"physical_to_logical_map": [[0, 1.5]]}', {},
-     "key 'physical_to_logical_map': expected integer expert ids, got dtype float64"),
-    ("ragged.json", '{"physical_to_logical_map": [[0, 1], [0]]}', {}, "expected a rectangular table"),
-    ("flat.json", '{"physical_to_logical_map": [0, 1]}', {},
-     "key 'physical_to_logical_map': it has shape [2], expected [num_layers, num_physical]"),
-    ("range.json", '{"physical_to_logical_map": [[0, 1, 9, 2]]}', {"num_logical": 4},
-     "range.json: key 'physical_to_logical_map': phy2log[0, 2] = 9 is not a logical expert id in [0, 4)"),
-    ("missing.json", '{"physical_to_logical_map": [[0, 0, 1, 1]]}', {"num_logical": 3},
-     "logical expert 2 of layer 0 has no physical slot"),
-    ("rows.json", '{"physical_to_logical_map": [[0, 1], [1, 0]]}', {"moe_layers": [1, 2, 3]},
-     "has 2 row(s) (sglang writes one per decoder layer); the model has 3 MoE layers"),
-    ("version.json", _moeshard_doc(version=2), {}, "key 'version': 2 is newer than this moeshard reads (1)"),
-    ("slots.json", _moeshard_doc(slots_per_rank=3), {}, "key 'slots_per_rank': 3, expected num_physical / num_ranks"),
-    ("short.json", _moeshard_doc(layers=[{"phy2log": [0, 1, 2]}]), {},
-     "key 'layers[0].phy2log' has 3 slots, expected num_physical=4"),
-    ("nlayers.json", _moeshard_doc(num_layers=2), {},
-     "key 'layers': expected a list of num_layers=2 objects, got a list of 1"),
-    ("bool.json", _moeshard_doc(num_logical=True), {}, "key 'num_logical': expected an integer >= 1, got True"),
-    ("meta.json", _moeshard_doc(), {"moe_layers": [4]}, "written for MoE layers at decoder layers [3], the model's MoE "
-                                                       "layers are at [4]"),
-    ("ranks.json", _moeshard_doc(), {"num_ranks": 4}, "written for num_ranks=2, expected num_ranks=4"),
-])
+@pytest.mark.parametrize(
+    "name, text, kwargs, expected",
+    [
+        ("garbage.json", "{not json", {}, "garbage.json: not a readable placement JSON"),
+        ("list.json", "[[0, 1]]", {}, "holds a list, expected a dict"),
+        ("keys.json", '{"experts": 1}', {}, "has keys ['experts']; expected 'format'"),
+        ("load.json", '{"logical_count": [[1, 2]]}', {}, "key 'logical_count' holds expert loads"),
+        (
+            "float.json",
+            '{"physical_to_logical_map": [[0, 1.5]]}',
+            {},
+            "key 'physical_to_logical_map': expected integer expert ids, got dtype float64",
+        ),
+        ("ragged.json", '{"physical_to_logical_map": [[0, 1], [0]]}', {}, "expected a rectangular table"),
+        (
+            "flat.json",
+            '{"physical_to_logical_map": [0, 1]}',
+            {},
+            "key 'physical_to_logical_map': it has shape [2], expected [num_layers, num_physical]",
+        ),
+        (
+            "range.json",
+            '{"physical_to_logical_map": [[0, 1, 9, 2]]}',
+            {"num_logical": 4},
+            "range.json: key 'physical_to_logical_map': phy2log[0, 2] = 9 is not a logical expert id in [0, 4)",
+        ),
+        (
+            "missing.json",
+            '{"physical_to_logical_map": [[0, 0, 1, 1]]}',
+            {"num_logical": 3},
+            "logical expert 2 of layer 0 has no physical slot",
+        ),
+        (
+            "rows.json",
+            '{"physical_to_logical_map": [[0, 1], [1, 0]]}',
+            {"moe_layers": [1, 2, 3]},
+            "has 2 row(s) (sglang writes one per decoder layer); the model has 3 MoE layers",
+        ),
+        ("version.json", _moeshard_doc(version=2), {}, "key 'version': 2 is newer than this moeshard reads (1)"),
+        (
+            "slots.json",
+            _moeshard_doc(slots_per_rank=3),
+            {},
+            "key 'slots_per_rank': 3, expected num_physical / num_ranks",
+        ),
+        (
+            "short.json",
+            _moeshard_doc(layers=[{"phy2log": [0, 1, 2]}]),
+            {},
+            "key 'layers[0].phy2log' has 3 slots, expected num_physical=4",
+        ),
+        (
+            "nlayers.json",
+            _moeshard_doc(num_layers=2),
+            {},
+            "key 'layers': expected a list of num_layers=2 objects, got a list of 1",
+        ),
+        ("bool.json", _moeshard_doc(num_logical=True), {}, "key 'num_logical': expected an integer >= 1, got True"),
+        (
+            "meta.json",
+            _moeshard_doc(),
+            {"moe_layers": [4]},
+            "written for MoE layers at decoder layers [3], the model's MoE layers are at [4]",
+        ),
+        ("ranks.json", _moeshard_doc(), {"num_ranks": 4}, "written for num_ranks=2, expected num_ranks=4"),
+    ],
+)
 def test_bad_files_name_file_and_key(tmp_path, name, text, kwargs, expected):
     path = _write(tmp_path / name, text)
     with pytest.raises(ValueError) as e:
@@ -193,8 +281,11 @@ def test_bad_npy_torch_and_format_choices(tmp_path):
         read_placement(json_file, format="deepep")
     torch = pytest.importorskip("torch")
     torch.save({"physical_to_logical_map": torch.zeros(1, 4)}, tmp_path / "f.pt")
-    with pytest.raises(ValueError, match=r"f\.pt: key 'physical_to_logical_map': expected integer expert ids, "
-                                         r"got dtype torch\.float32"):
+    with pytest.raises(
+        ValueError,
+        match=r"f\.pt: key 'physical_to_logical_map': expected integer expert ids, "
+        r"got dtype torch\.float32",
+    ):
         read_placement(tmp_path / "f.pt")
     (tmp_path / "bad.pt").write_bytes(b"PK\x03\x04 truncated")
     with pytest.raises(ValueError, match=r"bad\.pt: not a torch\.save file torch\.load\(weights_only=True\) reads"):
@@ -217,11 +308,25 @@ def test_writers_refuse_what_the_engines_cannot_hold(tmp_path):
 
 # -- the command ----------------------------------------------------------------------------
 
-CONFIG = {"model_type": "deepseek_v3", "hidden_size": 16, "vocab_size": 32, "num_hidden_layers": 3,
-          "num_attention_heads": 2, "q_lora_rank": 8, "kv_lora_rank": 8, "qk_rope_head_dim": 4,
-          "qk_nope_head_dim": 4, "v_head_dim": 4, "n_routed_experts": 8, "n_shared_experts": 1,
-          "moe_intermediate_size": 8, "intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 2,
-          "torch_dtype": "bfloat16"}
+CONFIG = {
+    "model_type": "deepseek_v3",
+    "hidden_size": 16,
+    "vocab_size": 32,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 2,
+    "q_lora_rank": 8,
+    "kv_lora_rank": 8,
+    "qk_rope_head_dim": 4,
+    "qk_nope_head_dim": 4,
+    "v_head_dim": 4,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 8,
+    "intermediate_size": 32,
+    "first_k_dense_replace": 1,
+    "n_group": 2,
+    "torch_dtype": "bfloat16",
+}
 CLUSTER = ["--nodes", "2", "--ranks-per-node", "2", "--ep", "4"]
 
 
@@ -236,8 +341,9 @@ def _plan(argv: list[str]) -> tuple[int, dict | None, str]:
     rep = json.loads(out.getvalue())
     rep.pop("timings_s")
     # Timings differ run to run; everything else must not.
-    rep["strategies"] = [{k: v for k, v in s.items() if not k.endswith(("seconds", "time_s"))}
-                         for s in rep["strategies"]]
+    rep["strategies"] = [
+        {k: v for k, v in s.items() if not k.endswith(("seconds", "time_s"))} for s in rep["strategies"]
+    ]
     return rc, rep, err.getvalue()
 
 
@@ -262,10 +368,14 @@ def test_plan_accepts_every_format(tmp_path):
     # bad input: one line, exit 2, naming the file and the key
     write_placement(pl, tmp_path / "mixtral.json", format="moeshard", moe_layers=[0, 1])
     for argv, expected in (
-        (["--placement", str(tmp_path / "mixtral.json")],
-         "key 'layers': written for MoE layers at decoder layers [0, 1]"),
-        (["--placement", str(_write(tmp_path / "one.json", '{"physical_to_logical_map": [[0, 1]]}'))],
-         "has 1 row(s) (sglang writes one per decoder layer); the model has 2 MoE layers at decoder layers [1, 2]"),
+        (
+            ["--placement", str(tmp_path / "mixtral.json")],
+            "key 'layers': written for MoE layers at decoder layers [0, 1]",
+        ),
+        (
+            ["--placement", str(_write(tmp_path / "one.json", '{"physical_to_logical_map": [[0, 1]]}'))],
+            "has 1 row(s) (sglang writes one per decoder layer); the model has 2 MoE layers at decoder layers [1, 2]",
+        ),
         (["--placement", str(tmp_path / "own.json"), "--placement-format", "npy"], "not a readable .npy array"),
         (["--placement", "vllm:round_robin", "--redundant", "4"], "round robin only without redundant"),
     ):

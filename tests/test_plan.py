@@ -76,7 +76,11 @@ def build_case(
     rows = []
     for _ in range(num_layers):
         base = np.arange(num_logical)
-        extra = rng.integers(0, num_logical, num_physical - num_logical) if redundant else np.arange(num_physical - num_logical) % num_logical
+        extra = (
+            rng.integers(0, num_logical, num_physical - num_logical)
+            if redundant
+            else np.arange(num_physical - num_logical) % num_logical
+        )
         row = np.concatenate([base, extra])
         rows.append(rng.permutation(row) if shuffle else row)
     placement = Placement(np.stack(rows), num_logical=num_logical, num_ranks=ep)
@@ -89,10 +93,26 @@ def build_case(
         mesh2, eplace = np.arange(ep), (Shard(0),)
     for layer in range(num_layers):
         module = f"layers.{layer}.mlp.experts"
-        descs.append(ParamDesc(f"{module}.gate_up_proj", (num_physical, 2 * inter, hidden), torch.float32,
-                               mesh2, eplace, expert=ExpertRef(layer, module, GATE_UP)))
-        descs.append(ParamDesc(f"{module}.down_proj", (num_physical, hidden, inter), torch.float32,
-                               mesh2, eplace, expert=ExpertRef(layer, module, DOWN)))
+        descs.append(
+            ParamDesc(
+                f"{module}.gate_up_proj",
+                (num_physical, 2 * inter, hidden),
+                torch.float32,
+                mesh2,
+                eplace,
+                expert=ExpertRef(layer, module, GATE_UP),
+            )
+        )
+        descs.append(
+            ParamDesc(
+                f"{module}.down_proj",
+                (num_physical, hidden, inter),
+                torch.float32,
+                mesh2,
+                eplace,
+                expert=ExpertRef(layer, module, DOWN),
+            )
+        )
         for e in range(num_logical):
             keys[f"{module}.{e}.gate_proj.weight"] = (inter, hidden)
             keys[f"{module}.{e}.up_proj.weight"] = (inter, hidden)
@@ -271,7 +291,9 @@ def simulate(plan, case: Case, readers: np.ndarray) -> SimResult:
 
     # Every rank holds exactly what it should, every element written exactly once.
     for k, want in exp.items():
-        assert (count[k] == 1).all(), f"rank {k[0]} param {case.descs[k[1]].name}: elements delivered {np.unique(count[k])} times"
+        assert (count[k] == 1).all(), (
+            f"rank {k[0]} param {case.descs[k[1]].name}: elements delivered {np.unique(count[k])} times"
+        )
         np.testing.assert_array_equal(local[k], want, err_msg=f"rank {k[0]} param {case.descs[k[1]].name}")
     return SimResult(read_bytes, recv_bytes, sent_bytes, cross, peak, max_ops_seen, reads_per_piece)
 
@@ -323,9 +345,14 @@ def check_plan(case: Case, mode: str, staging_bytes: int = 1 << 20, max_ops: int
     np.testing.assert_array_equal(plan.cost.peak_staging_bytes, sim.peak_staging)
     assert plan.cost.cross_node_bytes == sim.cross_node_bytes
     # A rank holding two copies of one expert gets the piece once (one (rank, piece) delivery).
-    total_needed = sum(box_numel(src) * case.index.info(key).itemsize for _, key, src in {(n.rank, n.key, n.src) for n in needs})
-    held_locally = sum(int(plan.pieces.bytes[p]) for r, p in zip(plan.reads.rank.tolist(), plan.reads.piece.tolist())
-                       if r in needers[p])
+    total_needed = sum(
+        box_numel(src) * case.index.info(key).itemsize for _, key, src in {(n.rank, n.key, n.src) for n in needs}
+    )
+    held_locally = sum(
+        int(plan.pieces.bytes[p])
+        for r, p in zip(plan.reads.rank.tolist(), plan.reads.piece.tolist())
+        if r in needers[p]
+    )
     assert held_locally + int(sim.recv_bytes.sum()) == total_needed
     # Budgets.
     assert sim.peak_staging.max(initial=0) <= staging_bytes
@@ -368,8 +395,9 @@ def test_plan_covers_needs_minimal_cost(world, lws, ep, efsdp, eplace, mode):
 
 
 @pytest.mark.parametrize("mode", ["shared", "node", "single"])
-@pytest.mark.parametrize("nodes, ep, efsdp", [((0, 0, 0, 0, 1, 1), 6, 1), ((0, 0, 0, 1, 1, 1, 1), 7, 1),
-                                              ((0, 0, 1, 1, 1, 2, 2, 2), 4, 2)])
+@pytest.mark.parametrize(
+    "nodes, ep, efsdp", [((0, 0, 0, 0, 1, 1), 6, 1), ((0, 0, 0, 1, 1, 1, 1), 7, 1), ((0, 0, 1, 1, 1, 2, 2, 2), 4, 2)]
+)
 def test_plan_uneven_nodes(nodes, ep, efsdp, mode):
     """A process group of some of a job's ranks (the survivors of a lost rank) has nodes of
     different sizes: the schedule still delivers every element once at the lower bounds, node
@@ -395,8 +423,19 @@ def test_uneven_topology():
 @pytest.mark.parametrize("mode", ["shared", "node", "single"])
 @pytest.mark.parametrize("world, lws, ep, efsdp", [(64, 8, 16, 4), (128, 8, 128, 1), (256, 16, 64, 4)])
 def test_plan_large_worlds(world, lws, ep, efsdp, mode):
-    case = build_case(world, lws, ep, efsdp, num_layers=1, num_logical=8, spr=1, inter=1, hidden=2,
-                      seed=world, dense=("shard", "replicate"))
+    case = build_case(
+        world,
+        lws,
+        ep,
+        efsdp,
+        num_layers=1,
+        num_logical=8,
+        spr=1,
+        inter=1,
+        hidden=2,
+        seed=world,
+        dense=("shard", "replicate"),
+    )
     plan, _ = check_plan(case, mode)
     if mode == "shared":
         # Reads are spread over many ranks, not funnelled through one.
@@ -405,8 +444,20 @@ def test_plan_large_worlds(world, lws, ep, efsdp, mode):
 
 @pytest.mark.parametrize("mode", ["shared", "node", "single"])
 def test_plan_1024_ranks(mode):
-    case = build_case(1024, 8, 256, 4, num_layers=1, num_logical=16, spr=1, inter=1, hidden=1,
-                      seed=7, dense=("shard", "replicate", "plain"), ckpt_dtype="F32")
+    case = build_case(
+        1024,
+        8,
+        256,
+        4,
+        num_layers=1,
+        num_logical=16,
+        spr=1,
+        inter=1,
+        hidden=1,
+        seed=7,
+        dense=("shard", "replicate", "plain"),
+        ckpt_dtype="F32",
+    )
     plan, _ = check_plan(case, mode)
     assert plan.topology.world_size == 1024
 
@@ -482,7 +533,9 @@ def test_compute_needs_errors():
     # Missing expert key.
     t = dict(idx.tensors)
     del t["layers.1.mlp.experts.2.up_proj.weight"]
-    with pytest.raises(ValueError, match=r"no tensor 'layers\.1\.mlp\.experts\.2\.up_proj\.weight' \(logical expert 2\)"):
+    with pytest.raises(
+        ValueError, match=r"no tensor 'layers\.1\.mlp\.experts\.2\.up_proj\.weight' \(logical expert 2\)"
+    ):
         compute_needs(case.descs, CheckpointIndex(idx.root, t, idx.file_sizes), case.placement, 4)
     # Wrong dense shape.
     t = dict(idx.tensors)
@@ -499,9 +552,12 @@ def test_compute_needs_errors():
     t = dict(idx.tensors)
     t["layers.1.mlp.experts.2.gate_proj.weight"] = TensorInfo("f", 8, "BF16", (4, 4))
     t["layers.1.mlp.experts.2.up_proj.weight"] = TensorInfo("f", 8, "BF16", (2, 4))
-    with pytest.raises(ValueError, match=r"\['layers\.1\.mlp\.experts\.2\.gate_proj\.weight', "
-                                         r"'layers\.1\.mlp\.experts\.2\.up_proj\.weight'\] of logical expert 2 "
-                                         r"differ in shape from expert 0's"):
+    with pytest.raises(
+        ValueError,
+        match=r"\['layers\.1\.mlp\.experts\.2\.gate_proj\.weight', "
+        r"'layers\.1\.mlp\.experts\.2\.up_proj\.weight'\] of logical expert 2 "
+        r"differ in shape from expert 0's",
+    ):
         compute_needs(case.descs, CheckpointIndex(idx.root, t, idx.file_sizes), case.placement, 4)
     # Parts that do not add up to the fused size.
     t["layers.1.mlp.experts.2.up_proj.weight"] = TensorInfo("f", 8, "BF16", (1, 4))
@@ -550,8 +606,20 @@ def test_plan_errors():
 def test_wide_fanout_is_split_into_batches_of_max_ops(mode):
     """One replicated piece needed on 32 nodes: the reader's 31 cross-node sends do not fit
     in one batch of max_ops=4, so they are spread over several rounds."""
-    case = build_case(64, 2, 8, 1, num_layers=1, num_logical=8, spr=1, inter=1, hidden=1,
-                      dense=("replicate", "plain"), seed=4, ckpt_dtype="F32")
+    case = build_case(
+        64,
+        2,
+        8,
+        1,
+        num_layers=1,
+        num_logical=8,
+        spr=1,
+        inter=1,
+        hidden=1,
+        dense=("replicate", "plain"),
+        seed=4,
+        ckpt_dtype="F32",
+    )
     plan, sim = check_plan(case, mode, max_ops=4)
     rounds_per_piece = defaultdict(set)
     for pid, t in zip(plan.sends.piece.tolist(), plan.sends.round.tolist()):
@@ -585,7 +653,9 @@ def _minimal_cost_reference(needs, index, topology, readers, scope):
     return {"read_bytes": read, "network_bytes": net, "cross_node_bytes": cross}
 
 
-@pytest.mark.parametrize("world, lws, ep, efsdp, eplace", SMALL + [(64, 8, 16, 4, "shard"), (128, 4, 32, 4, "replicate")])
+@pytest.mark.parametrize(
+    "world, lws, ep, efsdp, eplace", SMALL + [(64, 8, 16, 4, "shard"), (128, 4, 32, 4, "replicate")]
+)
 def test_minimal_cost_matches_reference(world, lws, ep, efsdp, eplace):
     case = build_case(world, lws, ep, efsdp, expert_placements=eplace, seed=world + 3 * ep)
     topo = Topology(world, lws)
@@ -599,6 +669,9 @@ def test_minimal_cost_matches_reference(world, lws, ep, efsdp, eplace):
             assert got == _minimal_cost_reference(needs, case.index, topo, readers, scope)
             assert all(type(v) is int for v in got.values())
     assert minimal_cost([], case.index, topo, np.ones(world, bool)) == {
-        "read_bytes": 0, "network_bytes": 0, "cross_node_bytes": 0}
+        "read_bytes": 0,
+        "network_bytes": 0,
+        "cross_node_bytes": 0,
+    }
     with pytest.raises(ValueError, match="scope must be"):
         minimal_cost(needs, case.index, topo, np.ones(world, bool), "rack")

@@ -74,9 +74,19 @@ SCENARIOS = [
 
 def _config():
     return transformers.Qwen3MoeConfig(
-        vocab_size=128, hidden_size=32, num_attention_heads=4, max_position_embeddings=64, num_experts_per_tok=2,
-        tie_word_embeddings=False, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=NUM_LAYERS,
-        num_key_value_heads=2, head_dim=8, num_experts=NUM_EXPERTS)
+        vocab_size=128,
+        hidden_size=32,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=NUM_LAYERS,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=NUM_EXPERTS,
+    )
 
 
 def _data(acc: int) -> torch.Tensor:
@@ -125,7 +135,7 @@ def stock_worker(ckpt: str, scenarios: list) -> list:
 
     rank = dist.get_rank()
     meshes, out = {}, []
-    for name, ep, efsdp, acc, clip in scenarios:
+    for _name, ep, efsdp, acc, clip in scenarios:
         ids = _data(acc)
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(_config())
@@ -177,7 +187,10 @@ def _experts(model, opt) -> dict:
             moments = [st[k].full_tensor() for k in ("exp_avg", "exp_avg_sq")]
             copies_equal = all(
                 torch.equal(t[s], t[int(lay.log2phy[e, 0])])
-                for t in (full, *moments) for s, e in enumerate(lay.phy2log.tolist()) if e >= 0)
+                for t in (full, *moments)
+                for s, e in enumerate(lay.phy2log.tolist())
+                if e >= 0
+            )
             experts[(layer, pname)] = dict(full=full if dist.get_rank() == 0 else None, copies_equal=copies_equal)
     return experts
 
@@ -249,11 +262,16 @@ def test_stock_loop_matches_one_process(stock, i):
         np.testing.assert_allclose(got["losses"], ref_losses, rtol=RTOL, atol=0, err_msg=f"{name} rank {rank} losses")
         np.testing.assert_allclose(got["norms"], ref_norms, rtol=RTOL, atol=0, err_msg=f"{name} rank {rank} norms")
         for key, rec in got["experts"].items():
-            assert rec["copies_equal"], f"{name} rank {rank} {key}: copies of an expert (weights or AdamW moments) differ"
+            assert rec["copies_equal"], (
+                f"{name} rank {rank} {key}: copies of an expert (weights or AdamW moments) differ"
+            )
     worst = _worst_expert(results[0][i], ref_experts)
     assert worst < WEIGHT_ATOL, f"{name}: experts differ from the one-process model's by {worst:.3g}"
-    rel = max(max(abs(g - w) / w for g, w in zip(r[i][k], ref)) for r in results
-              for k, ref in (("losses", ref_losses), ("norms", ref_norms)))
+    rel = max(
+        max(abs(g - w) / w for g, w in zip(r[i][k], ref))
+        for r in results
+        for k, ref in (("losses", ref_losses), ("norms", ref_norms))
+    )
     print(f"{name}: max |expert - one process| = {worst:.3g}, losses/norms max relative {rel:.3g}")
 
 
@@ -272,7 +290,7 @@ def test_torch_clip_over_mixed_meshes(stock):
     norm; where it raises, the error is torch's (DTensor refuses an op across meshes), which
     is why accelerate and the Trainer take a norm per mesh and combine them."""
     refs, results = stock
-    for i, (name, ep, efsdp, acc, clip) in enumerate(SCENARIOS):
+    for i, (name, _ep, _efsdp, acc, clip) in enumerate(SCENARIOS):
         if clip != "per-mesh":
             continue
         probe = results[0][i]["probe"]
@@ -297,8 +315,11 @@ def _routing(pl, ep: int, ep_rank: int, global_rank: int, layer: int = 0):
     allowed = [e for e in range(NUM_EXPERTS) if e in on[ep_rank] or e not in on[0]]
     T = 0 if ep_rank == 0 else 6
     hidden = torch.randn(T, 32, generator=g)
-    pick = torch.stack([torch.randperm(len(allowed), generator=g)[:2] for _ in range(T)]) if T else \
-        torch.zeros(0, 2, dtype=torch.long)
+    pick = (
+        torch.stack([torch.randperm(len(allowed), generator=g)[:2] for _ in range(T)])
+        if T
+        else torch.zeros(0, 2, dtype=torch.long)
+    )
     index = torch.as_tensor(allowed)[pick]
     weights = torch.rand(T, 2, generator=g)
     cotangent = torch.randn(T, 32, generator=g)
@@ -400,17 +421,36 @@ def trainer_worker(ckpt: str, scenarios: list, out_dir: str) -> list:
         moeshard.parallelize(model, meshes[(ep, efsdp)], pl)
         moeshard.load(model, ckpt, placement=pl)
         args = transformers.TrainingArguments(
-            output_dir=f"{out_dir}/ep{ep}-efsdp{efsdp}-{checkpointing}", gradient_checkpointing=checkpointing,
-            per_device_train_batch_size=1, gradient_accumulation_steps=ACC,
-            max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=MAX_NORM,
-            optim="adamw_torch", logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0,
-            disable_tqdm=True, dataloader_num_workers=0)
+            output_dir=f"{out_dir}/ep{ep}-efsdp{efsdp}-{checkpointing}",
+            gradient_checkpointing=checkpointing,
+            per_device_train_batch_size=1,
+            gradient_accumulation_steps=ACC,
+            max_steps=STEPS,
+            learning_rate=LR,
+            lr_scheduler_type="constant",
+            weight_decay=0.0,
+            max_grad_norm=MAX_NORM,
+            optim="adamw_torch",
+            logging_steps=1,
+            report_to=[],
+            save_strategy="no",
+            use_cpu=True,
+            seed=0,
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+        )
         trainer = transformers.Trainer(model=model, args=args, train_dataset=_Rows())
         trainer.train()
         logs = [h for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
         opt = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
-        out.append(dict(losses=[h["loss"] for h in logs], norms=[h["grad_norm"] for h in logs],
-                        experts=_experts(model, opt), phy2log=pl.phy2log))
+        out.append(
+            dict(
+                losses=[h["loss"] for h in logs],
+                norms=[h["grad_norm"] for h in logs],
+                experts=_experts(model, opt),
+                phy2log=pl.phy2log,
+            )
+        )
     return out
 
 
@@ -422,7 +462,11 @@ def trainer_runs(ckpt, tmp_path_factory):
     return ref, run_ranks(trainer_worker, ckpt, TRAINER_SCENARIOS, out_dir, world=WORLD, local_world=2, timeout=280)
 
 
-@pytest.mark.parametrize("i", range(len(TRAINER_SCENARIOS)), ids=[f"ep{e}-efsdp{d}{'-checkpointing' if c else ''}" for e, d, c in TRAINER_SCENARIOS])
+@pytest.mark.parametrize(
+    "i",
+    range(len(TRAINER_SCENARIOS)),
+    ids=[f"ep{e}-efsdp{d}{'-checkpointing' if c else ''}" for e, d, c in TRAINER_SCENARIOS],
+)
 def test_stock_trainer_matches_one_process(trainer_runs, i):
     (ref_losses, ref_norms, ref_experts), results = trainer_runs
     assert min(ref_norms) > 2 * MAX_NORM, "every step must clip"
@@ -434,6 +478,11 @@ def test_stock_trainer_matches_one_process(trainer_runs, i):
         assert all(rec["copies_equal"] for rec in got["experts"].values()), f"rank {rank}: copies differ"
     worst = _worst_expert(results[0][i], ref_experts)
     assert worst < WEIGHT_ATOL, f"experts differ from the one-process model's by {worst:.3g}"
-    rel = max(max(abs(g - w) / w for g, w in zip(r[i][k], ref)) for r in results
-              for k, ref in (("losses", ref_losses), ("norms", ref_norms)))
-    print(f"Trainer {TRAINER_SCENARIOS[i]}: max |expert - one process| = {worst:.3g}, losses/norms max relative {rel:.3g}")
+    rel = max(
+        max(abs(g - w) / w for g, w in zip(r[i][k], ref))
+        for r in results
+        for k, ref in (("losses", ref_losses), ("norms", ref_norms))
+    )
+    print(
+        f"Trainer {TRAINER_SCENARIOS[i]}: max |expert - one process| = {worst:.3g}, losses/norms max relative {rel:.3g}"
+    )

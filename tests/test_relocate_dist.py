@@ -53,7 +53,7 @@ def check(tensors: dict, phy2log: np.ndarray, rank: int, slots: int) -> list[str
     return expert_values.check(tensors, phy2log, rank, slots, SHAPES)
 
 
-def random_placement(rng, num_logical: int, slots: int, dead=(), layers: int = NUM_LAYERS) -> "np.ndarray":
+def random_placement(rng, num_logical: int, slots: int, dead=(), layers: int = NUM_LAYERS) -> np.ndarray:
     live = [s for s in range(WORLD * slots) if s // slots not in dead]
     rows = []
     for _ in range(layers):
@@ -113,14 +113,20 @@ def random_maps_worker(root: str, seed: int, maps_per_config: int) -> dict:
         fill(tensors, old, rank, slots)
         old_pl = moeshard.Placement(old, num_logical=num_logical, num_ranks=WORLD)
         new_pl = moeshard.Placement(new, num_logical=num_logical, num_ranks=WORLD)
-        kw = dict(checkpoint=os.path.join(root, f"ckpt{num_logical}"), topology=topo, staging_bytes=budget,
-                  expert_params=expert_values.params(len(SHAPES)), module=MODULE)
+        kw = dict(
+            checkpoint=os.path.join(root, f"ckpt{num_logical}"),
+            topology=topo,
+            staging_bytes=budget,
+            expert_params=expert_values.params(len(SHAPES)),
+            module=MODULE,
+        )
         if active.all() and i % 3 == 0:
             # Chunked: every slot matches the placement in force after each chunk (bounded by
             # the bytes of about two layers' changed slots).
             slot_bytes = sum(8 * int(np.prod(s)) for s in SHAPES)
-            for st in moeshard.relocate_chunks(tensors, old_pl, new_pl, max_bytes=2 * slots * WORLD * slot_bytes // 3,
-                                               **kw):
+            for st in moeshard.relocate_chunks(
+                tensors, old_pl, new_pl, max_bytes=2 * slots * WORLD * slot_bytes // 3, **kw
+            ):
                 out["bad"] += check(tensors, st.placement.phy2log, rank, slots)[:3]
                 out["chunks"] += 1
             out["bad"] += check(tensors, new, rank, slots)[:3]
@@ -134,7 +140,9 @@ def random_maps_worker(root: str, seed: int, maps_per_config: int) -> dict:
             out["copies"][k] = out["copies"].get(k, 0) + v
         out["rounds_max"] = max(out["rounds_max"], rep.num_rounds)
         out["stashes"] += rep.num_stashes
-        out["min_gap"] += (rep.network_bytes - rep.min_network_bytes) + (rep.cross_node_bytes - rep.min_cross_node_bytes)
+        out["min_gap"] += (rep.network_bytes - rep.min_network_bytes) + (
+            rep.cross_node_bytes - rep.min_cross_node_bytes
+        )
         if rep.peak_staging_bytes_rank > max(budget, 3 * 8 * 12 * 8):
             out["bad"].append(f"rank {rank}: staged {rep.peak_staging_bytes_rank} bytes with a budget of {budget}")
     return out
@@ -147,8 +155,9 @@ def test_random_maps(tmp_path):
     maps_per_config = int(os.environ.get("MOESHARD_RELOCATE_MAPS", 8))
     for n in LOGICAL:
         write_checkpoint(str(tmp_path), n)
-    results = run_ranks(random_maps_worker, str(tmp_path), 1234, maps_per_config, world=WORLD, local_world=4,
-                        timeout=850)
+    results = run_ranks(
+        random_maps_worker, str(tmp_path), 1234, maps_per_config, world=WORLD, local_world=4, timeout=850
+    )
     for r in results:
         assert r["bad"] == []
         assert r["maps"] == 3 * len(LOGICAL) * maps_per_config * MAP_LAYERS
@@ -184,8 +193,12 @@ def model_worker(root: str) -> dict:
         # The job's counters (with expert-FSDP 2 each rank plans only its shard's component, and
         # the report adds the components up): one box written per changed slot and shard.
         changed = int(((new.phy2log != old.phy2log) & (new.phy2log >= 0)).sum())
-        out[(ep, efsdp, "counters")] = (sum(rep.copies.values()), efsdp * changed, rep.plan,
-                                        rep.network_bytes == rep.min_network_bytes > 0)
+        out[(ep, efsdp, "counters")] = (
+            sum(rep.copies.values()),
+            efsdp * changed,
+            rep.plan,
+            rep.network_bytes == rep.min_network_bytes > 0,
+        )
         moeshard.verify(model, path, placement=new)
         # EP rank 1 dies: its experts move to live ranks, from live copies or from disk.
         alive = np.ones(ep, dtype=bool)
@@ -259,17 +272,33 @@ def bad_input_worker(root: str) -> dict:
     moved = random_placement(np.random.default_rng(9), num_logical, slots, dead=(6,))
     moved_pl = moeshard.Placement(moved, num_logical=num_logical, num_ranks=WORLD)
     cases = {
-        "new slot on a dead rank": dict(old=old_pl, new=moeshard.Placement(
-            random_placement(np.random.default_rng(5), num_logical, slots), num_logical=num_logical, num_ranks=WORLD),
-            active_ranks=alive, checkpoint=ckpt),
+        "new slot on a dead rank": dict(
+            old=old_pl,
+            new=moeshard.Placement(
+                random_placement(np.random.default_rng(5), num_logical, slots), num_logical=num_logical, num_ranks=WORLD
+            ),
+            active_ranks=alive,
+            checkpoint=ckpt,
+        ),
         "no copy and no checkpoint": dict(old=lonely_pl, new=moved_pl, active_ranks=alive),
-        "missing checkpoint keys": dict(old=lonely_pl, new=moved_pl, active_ranks=alive, checkpoint=ckpt,
-                                        module="model.layers.{layer}.moe.experts"),
-        "placements differ across ranks": dict(old=old_pl, new=moved_pl if rank != 5 else moeshard.Placement(
-            random_placement(np.random.default_rng(11), num_logical, slots, dead=(6,)),
-            num_logical=num_logical, num_ranks=WORLD), active_ranks=alive, checkpoint=ckpt),
-        "wrong slot count": dict(old=moeshard.Placement(np.tile(np.arange(24) % 5, (2, 1)), num_ranks=WORLD),
-                                 new=moved_pl, checkpoint=ckpt),
+        "missing checkpoint keys": dict(
+            old=lonely_pl, new=moved_pl, active_ranks=alive, checkpoint=ckpt, module="model.layers.{layer}.moe.experts"
+        ),
+        "placements differ across ranks": dict(
+            old=old_pl,
+            new=moved_pl
+            if rank != 5
+            else moeshard.Placement(
+                random_placement(np.random.default_rng(11), num_logical, slots, dead=(6,)),
+                num_logical=num_logical,
+                num_ranks=WORLD,
+            ),
+            active_ranks=alive,
+            checkpoint=ckpt,
+        ),
+        "wrong slot count": dict(
+            old=moeshard.Placement(np.tile(np.arange(24) % 5, (2, 1)), num_ranks=WORLD), new=moved_pl, checkpoint=ckpt
+        ),
         "wrong layer count": dict(old=moeshard.Placement(old[:1], num_ranks=WORLD), new=moved_pl),
     }
     out = {}
@@ -287,8 +316,16 @@ def bad_input_worker(root: str) -> dict:
     if rank == 3:
         odd[1][1] = torch.zeros(slots, 5, dtype=torch.float64)
     try:
-        moeshard.relocate(odd, old_pl, moved_pl, checkpoint=ckpt, active_ranks=alive, topology=topo,
-                          expert_params=expert_values.params(len(SHAPES)), module=MODULE)
+        moeshard.relocate(
+            odd,
+            old_pl,
+            moved_pl,
+            checkpoint=ckpt,
+            active_ranks=alive,
+            topology=topo,
+            expert_params=expert_values.params(len(SHAPES)),
+            module=MODULE,
+        )
         out["shapes differ"] = "no error"
     except moeshard.DistributedError as e:
         out["shapes differ"] = str(e)
@@ -315,8 +352,17 @@ def _dead_reader_cases(rank: int, old: np.ndarray, ckpt: str, topo) -> dict:
     def run(storage: str, path: str):
         tensors = {layer: [torch.empty(slots, *s, dtype=torch.float64) for s in SHAPES] for layer in range(NUM_LAYERS)}
         fill(tensors, solo, rank, slots)
-        rep = moeshard.relocate(tensors, solo_pl, away_pl, checkpoint=path, active_ranks=alive, storage=storage,
-                                topology=topo, expert_params=expert_values.params(len(SHAPES)), module=MODULE)
+        rep = moeshard.relocate(
+            tensors,
+            solo_pl,
+            away_pl,
+            checkpoint=path,
+            active_ranks=alive,
+            storage=storage,
+            topology=topo,
+            expert_params=expert_values.params(len(SHAPES)),
+            module=MODULE,
+        )
         return rep.disk_experts, check(tensors, away, rank, slots) if alive[rank] else []
 
     out["single, rank 0 dead"] = run("single", ckpt)
@@ -334,7 +380,9 @@ def test_bad_input_every_rank_weights_unchanged(tmp_path):
     results = run_ranks(bad_input_worker, str(tmp_path), world=WORLD, local_world=4, timeout=300)
     expect = {
         "new slot on a dead rank": "rank 6 is not active",
-        "no copy and no checkpoint": r"no live copy and no checkpoint was given \(layer, logical expert\): \[\(0, 0\)\]",
+        "no copy and no checkpoint": (
+            r"no live copy and no checkpoint was given \(layer, logical expert\): \[\(0, 0\)\]"
+        ),
         "missing checkpoint keys": "has no tensor 'model.layers.0.moe.experts.0.w0'",
         "placements differ across ranks": "ranks disagree on the plan fingerprint",
         "wrong slot count": "has 16 expert slots, the old placement has 24",
@@ -351,5 +399,7 @@ def test_bad_input_every_rank_weights_unchanged(tmp_path):
         assert (0, 0) in disk and bad == []
         for storage in ("single", "auto"):
             text = res[f"only dead rank 0 sees the files ({storage})"]
-            assert ("logical expert 0 of layer 0 has no live copy (held only by dead ranks [0]) and the only "
-                    "rank(s) that can read the checkpoint (rank 0) are not active") in text, text
+            assert (
+                "logical expert 0 of layer 0 has no live copy (held only by dead ranks [0]) and the only "
+                "rank(s) that can read the checkpoint (rank 0) are not active"
+            ) in text, text

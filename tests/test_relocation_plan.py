@@ -107,8 +107,12 @@ def test_random_maps_simulated(lws, num_logical):
         ep = world // efsdp
         per_rank = -(-num_logical // ep) + int(rng.integers(0, 3))
         num_physical = per_rank * ep
-        dead_old = tuple(int(x) for x in rng.choice(ep, int(rng.integers(0, 2)), replace=False)) if trial % 3 == 1 else ()
-        dead_new = tuple(int(x) for x in rng.choice(ep, int(rng.integers(1, 3)), replace=False)) if trial % 3 == 2 else ()
+        dead_old = (
+            tuple(int(x) for x in rng.choice(ep, int(rng.integers(0, 2)), replace=False)) if trial % 3 == 1 else ()
+        )
+        dead_new = (
+            tuple(int(x) for x in rng.choice(ep, int(rng.integers(1, 3)), replace=False)) if trial % 3 == 2 else ()
+        )
         if (ep - len(dead_new)) * per_rank < num_logical:
             dead_new = ()
         if (ep - len(dead_old)) * per_rank < num_logical:
@@ -117,11 +121,19 @@ def test_random_maps_simulated(lws, num_logical):
         new = random_placement(rng, 2, num_logical, num_physical, ep, dead_new)
         active = np.ones(world, dtype=bool)
         for d in dead_new:
-            active[d * efsdp:(d + 1) * efsdp] = False
+            active[d * efsdp : (d + 1) * efsdp] = False
         budget = int(rng.choice([64, 200, 10_000]))
         tensors = expert_tensors(2, num_physical, world, efsdp)
-        plan = plan_relocation(tensors, old, new, topo, active, readers=np.ones(world, bool),
-                               staging_bytes=budget, max_ops=int(rng.choice([2, 8, 64])))
+        plan = plan_relocation(
+            tensors,
+            old,
+            new,
+            topo,
+            active,
+            readers=np.ones(world, bool),
+            staging_bytes=budget,
+            max_ops=int(rng.choice([2, 8, 64])),
+        )
         simulate(plan, old, new, active)
         c = plan.cost
         assert c.network_bytes == c.min_network_bytes

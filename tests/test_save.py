@@ -42,20 +42,55 @@ def config(family: str, tied: bool = False):
 
     if family == "qwen":
         return Qwen3MoeConfig(
-            vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
-            max_position_embeddings=64, tie_word_embeddings=tied)
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_experts=8,
+            num_experts_per_tok=2,
+            max_position_embeddings=64,
+            tie_word_embeddings=tied,
+        )
     if family == "mixtral":
         return MixtralConfig(
-            vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, num_local_experts=6, num_experts_per_tok=2, max_position_embeddings=64)
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_local_experts=6,
+            num_experts_per_tok=2,
+            max_position_embeddings=64,
+        )
     if family != "dsv3":  # any other transformers MoE family, at the size tests/hf_families.py gives it
         return hf_families.tiny_config(family)
     return DeepseekV3Config(
-        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=6, n_shared_experts=1, num_experts_per_tok=2,
-        n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
-        qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=64)
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=6,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        max_position_embeddings=64,
+    )
 
 
 # name -> (family, tied, dtype, MoE layers, logical experts)
@@ -95,8 +130,10 @@ def placement(name: str, ep: int, kind: str, drop: int | None = None):
         return moeshard.Placement.contiguous(layers, experts, ep)
     rng = np.random.default_rng(7 * ep + experts)
     physical = 12 if experts == 8 else 8
-    rows = [rng.permutation(np.concatenate([np.arange(experts), rng.integers(0, experts, physical - experts)]))
-            for _ in range(layers)]
+    rows = [
+        rng.permutation(np.concatenate([np.arange(experts), rng.integers(0, experts, physical - experts)]))
+        for _ in range(layers)
+    ]
     phy2log = np.stack(rows)
     if drop is not None:
         phy2log[phy2log == drop] = (drop + 1) % experts
@@ -113,14 +150,16 @@ def placement(name: str, ep: int, kind: str, drop: int | None = None):
 def listing(path: str) -> dict:
     if not os.path.isdir(path):
         return {}
-    return {n: (os.stat(os.path.join(path, n)).st_size, os.stat(os.path.join(path, n)).st_mtime_ns)
-            for n in sorted(os.listdir(path))}
+    return {
+        n: (os.stat(os.path.join(path, n)).st_size, os.stat(os.path.join(path, n)).st_mtime_ns)
+        for n in sorted(os.listdir(path))
+    }
 
 
 def save_worker(ckpts: dict, out_root: str, scenarios: list) -> list:
-    import torch.distributed as dist
-
     import importlib
+
+    import torch.distributed as dist
 
     import moeshard
 
@@ -148,6 +187,7 @@ def save_worker(ckpts: dict, out_root: str, scenarios: list) -> list:
 
             def boom(src, dst):
                 raise OSError(f"simulated crash renaming {os.path.basename(str(dst))}")
+
             msave._replace = boom
         if kind == "crash_index" and rank == 0:
             patched["_replace"] = msave._replace
@@ -157,20 +197,28 @@ def save_worker(ckpts: dict, out_root: str, scenarios: list) -> list:
                 if str(dst).endswith("index.json"):
                     raise OSError("simulated crash publishing the index")
                 return real(src, dst)
+
             msave._replace = boom_index
         if kind == "crash_write" and rank == 2:
             patched["write"] = msave.ShardWriter.write
 
             def fail_write(self, *a):
                 raise OSError(28, "No space left on device (simulated)")
+
             msave.ShardWriter.write = fail_write
         dist.barrier()
         before = listing(out) if rank == 0 else None
         rec = dict(scenario=sc, rank=rank)
         try:
-            report = msave.save(model, out, use_pl, reference=ckpts[name] if sc.get("reference") else None,
-                                max_shard_bytes=sc.get("max_shard_bytes", 20_000), overwrite=kind == "overwrite",
-                                staging_bytes=sc.get("staging_bytes", 256 * 2**20))
+            report = msave.save(
+                model,
+                out,
+                use_pl,
+                reference=ckpts[name] if sc.get("reference") else None,
+                max_shard_bytes=sc.get("max_shard_bytes", 20_000),
+                overwrite=kind == "overwrite",
+                staging_bytes=sc.get("staging_bytes", 256 * 2**20),
+            )
             rec["report"] = dataclasses.asdict(report)
         except Exception as e:  # noqa: BLE001 - the test checks it
             rec["error"] = (type(e).__name__, isinstance(e, ValueError), str(e))
@@ -188,10 +236,17 @@ def save_worker(ckpts: dict, out_root: str, scenarios: list) -> list:
 
 SCENARIOS = [
     dict(kind="save", ckpt="qwen-fp32-untied", out="q32-ep4", ep=4, efsdp=1, placement="contiguous"),
-    dict(kind="save", ckpt="qwen-fp32-untied", out="q32-ep2x2", ep=2, efsdp=2, placement="shuffled", reference=True,
-         staging_bytes=4096),
-    dict(kind="save", ckpt="qwen-bf16-tied", out="q16-ep4", ep=4, efsdp=1, placement="shuffled",
-         max_shard_bytes=2**30),
+    dict(
+        kind="save",
+        ckpt="qwen-fp32-untied",
+        out="q32-ep2x2",
+        ep=2,
+        efsdp=2,
+        placement="shuffled",
+        reference=True,
+        staging_bytes=4096,
+    ),
+    dict(kind="save", ckpt="qwen-bf16-tied", out="q16-ep4", ep=4, efsdp=1, placement="shuffled", max_shard_bytes=2**30),
     dict(kind="save", ckpt="qwen-bf16-tied", out="q16-ep2x2", ep=2, efsdp=2, placement="contiguous"),
     dict(kind="save", ckpt="mixtral-bf16", out="mixtral-ep2x2", ep=2, efsdp=2, placement="shuffled"),
     dict(kind="save", ckpt="mixtral-bf16", out="mixtral-ref-ep4", ep=4, efsdp=1, placement="shuffled", reference=True),
@@ -207,8 +262,15 @@ SCENARIOS = [
     dict(kind="crash_index", ckpt="dsv3-fp32", out="crash-index"),
     # overwrite: replaces a copy of the bf16 checkpoint (many small files) by a save with bigger
     # shards; the stale shards are removed.
-    dict(kind="overwrite", ckpt="qwen-fp32-untied", out="overwritten", ep=2, efsdp=2, placement="shuffled",
-         max_shard_bytes=100_000),
+    dict(
+        kind="overwrite",
+        ckpt="qwen-fp32-untied",
+        out="overwritten",
+        ep=2,
+        efsdp=2,
+        placement="shuffled",
+        max_shard_bytes=100_000,
+    ),
 ]
 
 
@@ -285,8 +347,10 @@ def test_saved_checkpoint_is_identical(saved, i):
     num = len(files)
     assert files == [f"model-{k:05d}-of-{num:05d}.safetensors" for k in range(1, num + 1)]
     for name in files:
-        assert os.path.getsize(os.path.join(out, name)) <= sc.get("max_shard_bytes", 20_000) + 8192 or \
-            len([k for k, f in index["weight_map"].items() if f == name]) == 1
+        assert (
+            os.path.getsize(os.path.join(out, name)) <= sc.get("max_shard_bytes", 20_000) + 8192
+            or len([k for k, f in index["weight_map"].items() if f == name]) == 1
+        )
     # Every box written once: the ranks' bytes add up to the checkpoint; files split among ranks.
     reports = [rec["report"] for rec in recs]
     total = sum(t.numel() * t.element_size() for t in want.values())
@@ -297,8 +361,9 @@ def test_saved_checkpoint_is_identical(saved, i):
     if sc["kind"] == "save" and sc.get("max_shard_bytes", 0) < 2**30:
         assert sum(bool(r["files"]) for r in reports) == 4, "every rank writes files"
     # Nothing else in the directory: no temporary files or stale shards.
-    assert sorted(os.listdir(out)) == sorted(files + ["config.json", "generation_config.json",
-                                                      "model.safetensors.index.json"])
+    assert sorted(os.listdir(out)) == sorted(
+        files + ["config.json", "generation_config.json", "model.safetensors.index.json"]
+    )
     if sc["kind"] == "overwrite":
         assert len(recs[0]["before"]) > len(recs[0]["after"])
 
@@ -318,8 +383,10 @@ def test_from_pretrained_reads_it(saved, i):
     assert set(got) == set(want)
     for key, t in want.items():
         assert torch.equal(as_bytes(got[key]), as_bytes(t)), key
-    with open(os.path.join(out_root, sc["out"], "config.json")) as f, \
-            open(os.path.join(ckpts[sc["ckpt"]], "config.json")) as g:
+    with (
+        open(os.path.join(out_root, sc["out"], "config.json")) as f,
+        open(os.path.join(ckpts[sc["ckpt"]], "config.json")) as g,
+    ):
         assert json.load(f) == json.load(g)
 
 
@@ -342,7 +409,7 @@ def errors(results, i):
 def test_existing_checkpoint_is_refused_and_unchanged(saved):
     _, _, results = saved
     errs, rec0 = errors(results, SCENARIOS.index(next(s for s in SCENARIOS if s["kind"] == "exists")))
-    for name, is_value_error, msg in errs:
+    for _name, is_value_error, msg in errs:
         assert is_value_error and "already holds a checkpoint" in msg and "overwrite=True" in msg
     assert rec0["before"] and rec0["before"] == rec0["after"]
 
@@ -353,7 +420,7 @@ def test_placement_missing_an_expert(saved, out):
     i = next(i for i, s in enumerate(SCENARIOS) if s["out"] == out)
     errs, rec0 = errors(results, i)
     drop = SCENARIOS[i]["drop"]
-    for name, is_value_error, msg in errs:
+    for _name, is_value_error, msg in errs:
         # The model routes by a placement with every expert: one missing an expert differs from
         # it, refused before planning (the planner's own "has no physical slot" check: test_placement).
         assert is_value_error and "moeshard.save: the placement given" in msg, msg
@@ -362,14 +429,19 @@ def test_placement_missing_an_expert(saved, out):
     assert not os.path.exists(os.path.join(out_root, out))
 
 
-@pytest.mark.parametrize("kind,rank,what", [("crash_rename", 1, "simulated crash renaming"),
-                                            ("crash_write", 2, "No space left on device"),
-                                            ("crash_index", 0, "simulated crash publishing the index")])
+@pytest.mark.parametrize(
+    "kind,rank,what",
+    [
+        ("crash_rename", 1, "simulated crash renaming"),
+        ("crash_write", 2, "No space left on device"),
+        ("crash_index", 0, "simulated crash publishing the index"),
+    ],
+)
 def test_failure_on_one_rank_leaves_nothing(saved, kind, rank, what):
     _, out_root, results = saved
     i = next(i for i, s in enumerate(SCENARIOS) if s["kind"] == kind)
     errs, rec0 = errors(results, i)
-    for name, is_value_error, msg in errs:
+    for name, _is_value_error, msg in errs:
         assert name == "SaveError" and f"rank {rank}:" in msg and what in msg, msg
     # No index, no final-named files, no temporary files: an empty directory.
     assert rec0["after"] == {}, rec0["after"]
@@ -389,8 +461,10 @@ def test_single_process_plain_model(tmp_path, caplog):
     model.save_pretrained(tmp_path / "ref", max_shard_size="20KB")
     with caplog.at_level(logging.INFO, logger="moeshard"):
         report = save(model, tmp_path / "out", max_shard_bytes=30_000, progress=True)
-    assert any("moeshard save" in r.getMessage() and f"bytes_done={report.total_bytes}" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "moeshard save" in r.getMessage() and f"bytes_done={report.total_bytes}" in r.getMessage()
+        for r in caplog.records
+    )
     want, want_index, _ = read_checkpoint(str(tmp_path / "ref"))
     got, index, _ = read_checkpoint(str(tmp_path / "out"))
     assert "lm_head.weight" not in got and set(got) == set(want)
@@ -403,8 +477,12 @@ def test_single_process_plain_model(tmp_path, caplog):
     (tmp_path / "out" / f"{TMP_MARK}0123").mkdir()  # left by a crashed save
     (tmp_path / "out" / f"{TMP_MARK}0123" / "model-00001-of-00002.safetensors").write_bytes(b"x")
     save(model, tmp_path / "out", overwrite=True)  # one big file now: the stale shards are gone
-    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "generation_config.json",
-                                                    "model-00001-of-00001.safetensors", "model.safetensors.index.json"]
+    assert sorted(os.listdir(tmp_path / "out")) == [
+        "config.json",
+        "generation_config.json",
+        "model-00001-of-00001.safetensors",
+        "model.safetensors.index.json",
+    ]
 
 
 def test_writer_boxes_any_order(tmp_path):
@@ -418,9 +496,11 @@ def test_writer_boxes_any_order(tmp_path):
     a = torch.arange(5 * 6 * 7, dtype=torch.float32).reshape(5, 6, 7)
     b = torch.arange(3, dtype=torch.bfloat16)
     c = torch.tensor(2.5, dtype=torch.float64)
-    outs = [Output("a", (5, 6, 7), "F32", [Segment(0, 0, ((0, 5), (0, 6), (0, 7)))]),
-            Output("b", (3,), "BF16", [Segment(0, 1, ((0, 3),))]),
-            Output("c", (), "F64", [Segment(0, 2, ())])]
+    outs = [
+        Output("a", (5, 6, 7), "F32", [Segment(0, 0, ((0, 5), (0, 6), (0, 7)))]),
+        Output("b", (3,), "BF16", [Segment(0, 1, ((0, 3),))]),
+        Output("c", (), "F64", [Segment(0, 2, ())]),
+    ]
     plan = plan_save(outs, 1, max_shard_bytes=2**20, staging_bytes=2**20)
     w = ShardWriter(tmp_path / plan.files[0].name, plan, 0)
     boxes = [((1, 3), (2, 3), (4, 3)), ((0, 1), (0, 6), (0, 7)), ((4, 1), (0, 6), (0, 7))]
@@ -443,10 +523,18 @@ def test_plan_balances_and_checks_tiling():
     from moeshard.plan.save_outputs import Output, Segment
 
     # A [64, 8] tensor FSDP-sharded over 4 ranks, and 8 whole tensors each held by two ranks.
-    outs = [Output("dense", (64, 8), "F32", [Segment(r, 0, ((16 * r, 16), (0, 8)), (), (-16 * r, 0)) for r in range(4)])]
+    outs = [
+        Output("dense", (64, 8), "F32", [Segment(r, 0, ((16 * r, 16), (0, 8)), (), (-16 * r, 0)) for r in range(4)])
+    ]
     for e in range(8):
-        outs.append(Output(f"e{e}", (16, 8), "F32", [Segment(r, 1, ((0, 16), (0, 8)), ((e, 1),), (0, 0))
-                                                   for r in (e % 4, (e + 1) % 4)]))
+        outs.append(
+            Output(
+                f"e{e}",
+                (16, 8),
+                "F32",
+                [Segment(r, 1, ((0, 16), (0, 8)), ((e, 1),), (0, 0)) for r in (e % 4, (e + 1) % 4)],
+            )
+        )
     plan = plan_save(outs, 4, max_shard_bytes=1024, staging_bytes=1024)
     assert plan.cost.write_bytes.sum() == plan.total_bytes == (64 + 8 * 16) * 8 * 4
     # The dense tensor alone is the largest load; the experts fill the other ranks.
@@ -460,8 +548,12 @@ def test_plan_balances_and_checks_tiling():
     assert empty.tensors[0].nbytes == 0 and len(empty.files) == 1 and not empty.local_writes[0]
     # A tensor of zeros (nobody holds it: identity experts' rows of an EP model) gets a writer and
     # no pieces; without zeros=True nobody holding it is an error.
-    zeros = plan_save([Output("a", (4,), "F32", [Segment(0, 0, ((0, 4),))]), Output("z", (3, 4), "F32", [], zeros=True)],
-                      2, 1024, 1024)
+    zeros = plan_save(
+        [Output("a", (4,), "F32", [Segment(0, 0, ((0, 4),))]), Output("z", (3, 4), "F32", [], zeros=True)],
+        2,
+        1024,
+        1024,
+    )
     assert zeros.tensors[1].zeros and zeros.tensors[1].nbytes == 48
     assert sum(len(w) for w in zeros.local_writes) == 1 and not any(zeros.batches)
     with pytest.raises(ValueError, match="no rank holds any of it"):

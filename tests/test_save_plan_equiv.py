@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_schedule_sim import save_case
 
 from moeshard.io.checkpoint import DTYPES
 from moeshard.plan.save import plan_save
+from test_schedule_sim import save_case
 
 TABLES = ("pieces", "reads", "sends", "bcasts", "deliveries", "views", "copies")  # a Schedule's tables
 
@@ -54,7 +54,7 @@ def _check(plan, outs, budget: int, max_ops: int, max_shard: int) -> None:
     flat = [x for b in plan.batches for x in b]
     assert s.sends.src.tolist() == [x.src for x in flat] and s.sends.dst.tolist() == [x.dst for x in flat]
     assert s.sends.round.tolist() == [k for k, b in enumerate(plan.batches) for _ in b]
-    assert int(plan.cost.sent_bytes.sum()) == sum(x.nbytes for x in flat) == int(s.pieces.bytes[:len(flat)].sum())
+    assert int(plan.cost.sent_bytes.sum()) == sum(x.nbytes for x in flat) == int(s.pieces.bytes[: len(flat)].sum())
     assert int(plan.cost.write_bytes.sum()) == plan.total_bytes
 
 
@@ -75,7 +75,9 @@ def _check_rank_plans(plan, outs, world: int, max_shard: int, budget: int, max_o
     for r in range(world):
         mine = plan_save(outs, world, max_shard, budget, max_ops, rank=r)
         assert mine.rank == r and mine.fingerprint == plan.fingerprint
-        assert [(t.writer, t.file, t.offset) for t in mine.tensors] == [(t.writer, t.file, t.offset) for t in plan.tensors]
+        assert [(t.writer, t.file, t.offset) for t in mine.tensors] == [
+            (t.writer, t.file, t.offset) for t in plan.tensors
+        ]
         assert mine.files == plan.files
         for f in ("write_bytes", "sent_bytes", "recv_bytes", "peak_staging_bytes"):
             assert getattr(mine.cost, f).tolist() == getattr(plan.cost, f).tolist(), f
@@ -113,8 +115,12 @@ def _least_loaded_naive(start, count, rank, size, world):
 def _pack_naive(src, dst, nbytes, budget, max_ops):
     out, k, stage, ops = [], 0, {}, {}
     for i, (s, d, b) in enumerate(zip(src.tolist(), dst.tolist(), nbytes.tolist())):
-        if i and (stage.get(s, 0) + b > budget or stage.get(d, 0) + b > budget or ops.get(s, 0) >= max_ops
-                  or ops.get(d, 0) >= max_ops):
+        if i and (
+            stage.get(s, 0) + b > budget
+            or stage.get(d, 0) + b > budget
+            or ops.get(s, 0) >= max_ops
+            or ops.get(d, 0) >= max_ops
+        ):
             k, stage, ops = k + 1, {}, {}
         for r in (s, d):
             stage[r], ops[r] = stage.get(r, 0) + b, ops.get(r, 0) + 1

@@ -69,8 +69,10 @@ def simulate(s, src, sink=None, read=None):
         for row, t in zip(m.deliveries.tolist(), m.delivery_rounds.tolist()):
             dlv_at[r][t][int(s.deliveries.piece[row])].append(row)
         out = m.sends[(s.sends.src[m.sends] == r) & (s.sends.view[m.sends] < 0)]
-        for pid, t in zip(np.concatenate([s.sends.piece[out], s.deliveries.piece[m.deliveries]]).tolist(),
-                          np.concatenate([s.sends.round[out], m.delivery_rounds]).tolist()):
+        for pid, t in zip(
+            np.concatenate([s.sends.piece[out], s.deliveries.piece[m.deliveries]]).tolist(),
+            np.concatenate([s.sends.round[out], m.delivery_rounds]).tolist(),
+        ):
             last_use[r][pid] = max(last_use[r].get(pid, -1), t)
         local = [(pid, None) for pid in m.local_reads().tolist()]  # round -1: straight into place
         local += [(int(s.copies.piece[c]), int(s.copies.view[c])) for c in m.local_copies().tolist()]
@@ -161,25 +163,38 @@ def relocation_case(seed):
             # A tensor whole on every efsdp rank beside sharded ones: columns share its box.
             dim = -1 if whole or rng.random() < 0.2 else int(rng.integers(len(shape)))
             chunks = composition(rng, shape[max(dim, 0)], efsdp)
-            holdings = tuple((grank(e, f), e * spr, spr, tuple(chunks[f] if d == dim else (0, n)
-                                                                for d, n in enumerate(shape)))
-                             for e, f in product(range(ep), range(efsdp)))
+            holdings = tuple(
+                (grank(e, f), e * spr, spr, tuple(chunks[f] if d == dim else (0, n) for d, n in enumerate(shape)))
+                for e, f in product(range(ep), range(efsdp))
+            )
             tensors.append(ExpertTensor(layer, f"l{layer}.{k}", shape, int(rng.choice([2, 4])), holdings))
     readers = rng.random(world) < 0.5
     readers[rng.choice(np.flatnonzero(active))] = True
     old = None if rng.random() < 0.05 else Placement(old, num_logical=num_logical, num_ranks=ep)  # initial fill
-    return dict(tensors=tensors, old=old, new=Placement(new, num_logical=num_logical, num_ranks=ep), topology=topo,
-                active=active, readers=readers, from_checkpoint=bool(rng.random() < 0.1),
-                max_ops=int(rng.choice([2, 3, 8, 64])),
-                staging_bytes=int(rng.choice([1, 6, 16, 40, 100, 10**6], p=[.06, .1, .21, .21, .21, .21])))
+    return dict(
+        tensors=tensors,
+        old=old,
+        new=Placement(new, num_logical=num_logical, num_ranks=ep),
+        topology=topo,
+        active=active,
+        readers=readers,
+        from_checkpoint=bool(rng.random() < 0.1),
+        max_ops=int(rng.choice([2, 3, 8, 64])),
+        staging_bytes=int(rng.choice([1, 6, 16, 40, 100, 10**6], p=[0.06, 0.1, 0.21, 0.21, 0.21, 0.21])),
+    )
 
 
 def check_relocation(case, seen):
     plan = plan_relocation(**case)
     s, tensors, active, new = plan.schedule, case["tensors"], case["active"], case["new"]
     old = np.full_like(new.phy2log, -1) if case["old"] is None else case["old"].phy2log
-    truth = [1e6 * (t + 1) + np.arange(new.num_logical * math.prod(x.slice_shape), dtype=np.float64).reshape(
-        new.num_logical, *x.slice_shape) for t, x in enumerate(tensors)]  # distinct per (tensor, expert, element)
+    truth = [
+        1e6 * (t + 1)
+        + np.arange(new.num_logical * math.prod(x.slice_shape), dtype=np.float64).reshape(
+            new.num_logical, *x.slice_shape
+        )
+        for t, x in enumerate(tensors)
+    ]  # distinct per (tensor, expert, element)
     local = defaultdict(dict)
     for t, x in enumerate(tensors):
         for r, s0, ns, box in x.holdings:
@@ -192,7 +207,7 @@ def check_relocation(case, seen):
     assert case["readers"][s.reads.rank].all()
 
     def read(pid):  # the checkpoint: the logical expert's true data
-        box = zip(s.pieces.off[pid, :s.key_ndim[s.pieces.key[pid]]], s.pieces.len[pid])
+        box = zip(s.pieces.off[pid, : s.key_ndim[s.pieces.key[pid]]], s.pieces.len[pid])
         return truth[int(s.pieces.key[pid])][sl(box)]
 
     counts, staged, ops = simulate(s, local, read=read)
@@ -207,18 +222,27 @@ def check_relocation(case, seen):
                 if e >= 0:
                     assert np.array_equal(local[r][t][i], truth[t][(e, *sl(box))]), where
     # Budgets per rank and round; ops above max_ops only from one move's fan-out.
-    budget, moves_in = case.get("staging_bytes", DEFAULT_STAGING_BYTES), [plan.rounds[t // 2].moves for t in range(s.num_rounds)]
+    budget, moves_in = (
+        case.get("staging_bytes", DEFAULT_STAGING_BYTES),
+        [plan.rounds[t // 2].moves for t in range(s.num_rounds)],
+    )
     big = 4 * max((m.nbytes for m in plan.moves), default=0) > budget  # parts above a quarter of it
     for (r, t), b in staged.items():
         assert b <= plan.cost.peak_staging_bytes[r] and (b <= budget or big), (r, t, b, budget)
     for (r, t), n in ops.items():
-        links = [[(a, b) for a, _, b in plan.moves[i].sends] if t % 2 == 0 else plan.moves[i].relays
-                 for i in moves_in[t]]
+        links = [
+            [(a, b) for a, _, b in plan.moves[i].sends] if t % 2 == 0 else plan.moves[i].relays for i in moves_in[t]
+        ]
         assert n <= case.get("max_ops", 64) or sum(any(r in x for x in lk) for lk in links) == 1, (r, t, n)
     node = case["topology"].nodes_array()
-    for k, v in dict(stashes=len(plan.stashes), relays=(s.sends.round % 2).sum(), reads=len(s.reads.rank),
-                     cross_node=(node[s.sends.src] != node[s.sends.dst]).sum(), dead=not active.all(),
-                     components=plan.num_components > 1).items():
+    for k, v in dict(
+        stashes=len(plan.stashes),
+        relays=(s.sends.round % 2).sum(),
+        reads=len(s.reads.rank),
+        cross_node=(node[s.sends.src] != node[s.sends.dst]).sum(),
+        dead=not active.all(),
+        components=plan.num_components > 1,
+    ).items():
         seen[k] += int(v)
     return staged
 
@@ -265,11 +289,26 @@ def rank_rows(s, rank):
     return dict(
         reads=[(int(s.reads.round[i]), piece(s.reads.piece[i])) for i in m.reads],
         copies=[(int(s.copies.round[i]), view(s.copies.view[i]), piece(s.copies.piece[i])) for i in m.copies],
-        sends=[(int(s.sends.round[i]), int(s.sends.src[i]), int(s.sends.dst[i]), piece(s.sends.piece[i]),
-                view(s.sends.view[i]) if s.sends.src[i] == rank and s.sends.view[i] >= 0 else None) for i in m.sends],
-        deliveries=sorted((int(t), piece(s.deliveries.piece[i]), int(s.deliveries.param[i]), int(s.deliveries.slot[i]),
-                           s.deliveries.off[i].tolist())
-                          for i, t in zip(m.deliveries, m.delivery_rounds)),
+        sends=[
+            (
+                int(s.sends.round[i]),
+                int(s.sends.src[i]),
+                int(s.sends.dst[i]),
+                piece(s.sends.piece[i]),
+                view(s.sends.view[i]) if s.sends.src[i] == rank and s.sends.view[i] >= 0 else None,
+            )
+            for i in m.sends
+        ],
+        deliveries=sorted(
+            (
+                int(t),
+                piece(s.deliveries.piece[i]),
+                int(s.deliveries.param[i]),
+                int(s.deliveries.slot[i]),
+                s.deliveries.off[i].tolist(),
+            )
+            for i, t in zip(m.deliveries, m.delivery_rounds)
+        ),
         rounds=m.rounds.tolist(),
     )
 
@@ -286,11 +325,20 @@ def test_relocation_schedules_simulated():
 
 def one_layer(boxes, slots, old, new, lws, **kw):
     """A one-layer case: tensor ``t``'s ``boxes[t][r]`` on rank ``r``, which holds ``slots[r]``."""
-    tensors = [ExpertTensor(0, f"t{t}", (max(o + n for ((o, n),) in bs),), 4,
-                            tuple((r, *slots[r], b) for r, b in enumerate(bs))) for t, bs in enumerate(boxes)]
+    tensors = [
+        ExpertTensor(
+            0, f"t{t}", (max(o + n for ((o, n),) in bs),), 4, tuple((r, *slots[r], b) for r, b in enumerate(bs))
+        )
+        for t, bs in enumerate(boxes)
+    ]
     kw = {"active": np.ones(len(slots), bool), "readers": np.zeros(len(slots), bool), **kw}
-    return dict(tensors=tensors, old=Placement(np.array([old])), new=Placement(np.array([new])),
-                topology=Topology(len(slots), lws), **kw)
+    return dict(
+        tensors=tensors,
+        old=Placement(np.array([old])),
+        new=Placement(np.array([new])),
+        topology=Topology(len(slots), lws),
+        **kw,
+    )
 
 
 def regression(case, what_broke: str, name: str):
@@ -298,21 +346,41 @@ def regression(case, what_broke: str, name: str):
     return pytest.param(case, id=name)
 
 
-@pytest.mark.parametrize("case", [
-    # EP=2 x efsdp=2 on one node (rank = 2 * ep_rank + f): A split in halves, B whole on both efsdp
-    # ranks. Expert 1 lives only on EP rank 1, whose rank 3 died; rank 0 is the only reader.
-    regression(one_layer([[((r % 2 * 2, 2),) for r in range(4)], [((0, 3),)] * 4], [(0, 2), (0, 2), (2, 2), (2, 2)],
-                        [0, 0, 1, 1], [0, 1, -1, -1], 4, active=np.array([1, 1, 1, 0], bool),
-                        readers=np.array([1, 0, 0, 0], bool)),
-              "pieces are keyed (tensor, expert, box), shared by columns with the same box of a tensor: rank 0 reads "
-              "piece 1 for rank 1 and receives it from rank 2 in one round; the runner (one buffer per piece) then "
-              "sends the buffer it is receiving into", "columns_sharing_a_box"),
-    # EP=1 x efsdp=4, torch.chunk-like: A (3,) leaves rank 3 an empty box, B (8,) gives it 2 elements.
-    regression(one_layer([[((min(r, 3), int(r < 3)),) for r in range(4)], [((2 * r, 2),) for r in range(4)]],
-                        [(0, 2)] * 4, [0, 1], [1, 0], 4),
-              "_columns drops a rank from the layer when one of its tensors' boxes is empty, so its other tensors' "
-              "boxes are never relocated", "rank_with_an_empty_box"),
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        # EP=2 x efsdp=2 on one node (rank = 2 * ep_rank + f): A split in halves, B whole on both efsdp
+        # ranks. Expert 1 lives only on EP rank 1, whose rank 3 died; rank 0 is the only reader.
+        regression(
+            one_layer(
+                [[((r % 2 * 2, 2),) for r in range(4)], [((0, 3),)] * 4],
+                [(0, 2), (0, 2), (2, 2), (2, 2)],
+                [0, 0, 1, 1],
+                [0, 1, -1, -1],
+                4,
+                active=np.array([1, 1, 1, 0], bool),
+                readers=np.array([1, 0, 0, 0], bool),
+            ),
+            "pieces are keyed (tensor, expert, box), shared by columns with the same box of a tensor: rank 0 reads "
+            "piece 1 for rank 1 and receives it from rank 2 in one round; the runner (one buffer per piece) then "
+            "sends the buffer it is receiving into",
+            "columns_sharing_a_box",
+        ),
+        # EP=1 x efsdp=4, torch.chunk-like: A (3,) leaves rank 3 an empty box, B (8,) gives it 2 elements.
+        regression(
+            one_layer(
+                [[((min(r, 3), int(r < 3)),) for r in range(4)], [((2 * r, 2),) for r in range(4)]],
+                [(0, 2)] * 4,
+                [0, 1],
+                [1, 0],
+                4,
+            ),
+            "_columns drops a rank from the layer when one of its tensors' boxes is empty, so its other tensors' "
+            "boxes are never relocated",
+            "rank_with_an_empty_box",
+        ),
+    ],
+)
 def test_relocation_regressions(case):
     assert max(check_relocation(case, defaultdict(int)).values()) <= case.get("staging_bytes", 2**60)
 
@@ -334,8 +402,11 @@ def save_case(seed):
     descs, full = [], []
     for t in range(int(rng.integers(1, 5))):
         shape, rep = tuple(int(n) for n in rng.integers(1, 7, int(rng.integers(0, 4)))), int(rng.choice(divisors))
-        mesh, pl = (None, ()) if not shape or rng.random() < 0.2 else (
-            rng.permutation(world).reshape(rep, world // rep), (None, int(rng.integers(len(shape)))))
+        mesh, pl = (
+            (None, ())
+            if not shape or rng.random() < 0.2
+            else (rng.permutation(world).reshape(rep, world // rep), (None, int(rng.integers(len(shape)))))
+        )
         descs.append(ParamDesc(f"p{t}", shape, [torch.float32, torch.bfloat16][t % 2], mesh, pl, keys=(f"p{t}",)))
         full.append(t * 1e4 + np.arange(math.prod(shape), dtype=np.float64).reshape(shape))
     efsdp = int(rng.choice([d for d in divisors if d <= 3]))
@@ -344,8 +415,16 @@ def save_case(seed):
     phy2log = random_row(rng, range(ep * spr), ep * spr, num_logical, 0.3)
     for k, (parts, shape) in enumerate([(("{e}.gate", "{e}.up"), (2 * h, w)), (("{e}.down",), (w, h))]):
         expert = ExpertRef(0, "experts", ExpertParam(f"w{k}", parts, 0))
-        descs.append(ParamDesc(f"w{k}", (ep * spr, *shape), torch.float32, rng.permutation(world).reshape(ep, efsdp),
-                               (0, 1 + int(rng.integers(2))), expert=expert))
+        descs.append(
+            ParamDesc(
+                f"w{k}",
+                (ep * spr, *shape),
+                torch.float32,
+                rng.permutation(world).reshape(ep, efsdp),
+                (0, 1 + int(rng.integers(2))),
+                expert=expert,
+            )
+        )
         fused = 1e7 * (k + 1) + np.arange(num_logical * math.prod(shape), dtype=np.float64).reshape(num_logical, *shape)
         full.append(np.where((phy2log >= 0)[:, None, None], fused[phy2log], np.nan))
     local = defaultdict(dict)  # every rank's box of every parameter
@@ -363,7 +442,7 @@ def test_save_schedules_simulated():
             truth.append(np.full(o.shape, np.nan))
             for g in o.segments:
                 data = local[g.rank][g.param][sl(g.local_box(g.box))]
-                data, into = data.reshape(data.shape[len(g.lead):]), sl(g.box)
+                data, into = data.reshape(data.shape[len(g.lead) :]), sl(g.box)
                 assert np.isnan(truth[-1][into]).all() or np.array_equal(truth[-1][into], data), o.key
                 truth[-1][into] = data
             assert not np.isnan(truth[-1]).any(), o.key
@@ -387,6 +466,7 @@ def test_save_schedules_simulated():
 
 def held_boxes(segments: list, ndim: int) -> HeldBoxes:
     """``(rank, local, local box, box)`` tuples as :class:`HeldBoxes` columns."""
+
     def column(j: int, k: int) -> np.ndarray:
         return np.asarray([[d[k] for d in seg[j]] for seg in segments], np.int64).reshape(len(segments), ndim)
 
@@ -428,8 +508,10 @@ def test_tensor_schedules_simulated():
         if t is not None:  # ... and the fingerprint sees the boxes: one offset moved, another one
             moved = list(held)
             moved[t] = held[t]._replace(off=held[t].off + (np.arange(held[t].off.size) == 0).reshape(held[t].off.shape))
-            assert tensor_schedule(keys, shapes, itemsizes, moved, writers, world, budget, rank=0).fingerprint \
-                not in prints, seed
+            assert (
+                tensor_schedule(keys, shapes, itemsizes, moved, writers, world, budget, rank=0).fingerprint
+                not in prints
+            ), seed
         sink = {r: [np.full(sh, np.nan) for sh in shapes] for r in range(world)}
         counts, staged, _ = simulate(s, local, sink)
         check_written(sink, counts, truth, writers)

@@ -40,9 +40,19 @@ def _qwen_config():
     import transformers
 
     return transformers.Qwen3MoeConfig(
-        vocab_size=128, hidden_size=32, num_attention_heads=4, max_position_embeddings=64, num_experts_per_tok=2,
-        tie_word_embeddings=False, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-        num_key_value_heads=2, head_dim=8, num_experts=8)
+        vocab_size=128,
+        hidden_size=32,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=8,
+    )
 
 
 def _placements(ep: int, num_logical: int, num_layers: int) -> dict:
@@ -50,8 +60,9 @@ def _placements(ep: int, num_logical: int, num_layers: int) -> dict:
 
     rng = np.random.default_rng(ep)
     # Permutations moving experts across EP ranks (neither is the identity).
-    shuffled = np.stack([np.roll(np.arange(num_logical), 1)] +
-                        [rng.permutation(num_logical) for _ in range(num_layers - 1)])
+    shuffled = np.stack(
+        [np.roll(np.arange(num_logical), 1)] + [rng.permutation(num_logical) for _ in range(num_layers - 1)]
+    )
     assert not (shuffled == np.arange(num_logical)).all(axis=1).any()
     return {
         "identity": moeshard.Placement.contiguous(num_layers, num_logical, ep),
@@ -82,8 +93,11 @@ def _fake_grads(model) -> None:
 
 
 def _sd_mismatches(sd: dict, want: dict) -> list[str]:
-    bad = [f"keys: extra {sorted(set(sd) - set(want))[:3]} missing {sorted(set(want) - set(sd))[:3]}"] \
-        if set(sd) != set(want) else []
+    bad = (
+        [f"keys: extra {sorted(set(sd) - set(want))[:3]} missing {sorted(set(want) - set(sd))[:3]}"]
+        if set(sd) != set(want)
+        else []
+    )
     for k, v in sd.items():
         if k in want and not torch.equal(_full(v).cpu(), want[k].to(_full(v).dtype)):
             bad.append(k)
@@ -96,8 +110,12 @@ def worker(root: str, hf_ckpt: str) -> dict:
     import torch.distributed as dist
     import transformers
     from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
-        set_optimizer_state_dict)
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     import moeshard
 
@@ -194,12 +212,14 @@ def worker(root: str, hf_ckpt: str) -> dict:
                 # Loads of other parameters only are not refused (first: they would restore
                 # what a refused load had copied before raising, and hide it).
                 rec["others_nonstrict"] = _try(lambda: model.load_state_dict(others, strict=False))
-                rec["dcp_set_others"] = _try(lambda: set_model_state_dict(model, others,
-                                                                         options=StateDictOptions(strict=False)))
+                rec["dcp_set_others"] = _try(
+                    lambda: set_model_state_dict(model, others, options=StateDictOptions(strict=False))
+                )
                 attempts = {
                     "state_dict": model.state_dict,
-                    "submodule_state_dict": lambda: model.get_submodule(next(iter(experts)).rsplit(".", 2)[0])
-                    .state_dict(),
+                    "submodule_state_dict": lambda: model.get_submodule(
+                        next(iter(experts)).rsplit(".", 2)[0]
+                    ).state_dict(),
                     "keep_vars_state_dict": lambda: model.state_dict(keep_vars=True),
                     "dcp_get_sharded": lambda: get_model_state_dict(model),
                     "dcp_get_full": lambda: get_model_state_dict(model, options=full_opts),
@@ -226,8 +246,9 @@ def worker(root: str, hf_ckpt: str) -> dict:
                     "load_state_dict": _try(lambda: opt.load_state_dict(ident_osd)),
                     "dcp_get_sharded": _try(lambda: get_optimizer_state_dict(model, opt)),
                     "dcp_get_full": _try(lambda: get_optimizer_state_dict(model, opt, options=full_opts)),
-                    "dcp_set_full": _try(lambda: set_optimizer_state_dict(model, opt, copy.deepcopy(ident_full_osd),
-                                                                          options=full_opts)),
+                    "dcp_set_full": _try(
+                        lambda: set_optimizer_state_dict(model, opt, copy.deepcopy(ident_full_osd), options=full_opts)
+                    ),
                 }
                 unchecked = torch.optim.Adam(model.parameters(), lr=1.0)
                 unchecked.load_state_dict(ident_osd)  # a fresh optimizer: torch has no hook to see it yet
@@ -240,9 +261,13 @@ def worker(root: str, hf_ckpt: str) -> dict:
                 rec["checked_load"] = _try(lambda: checked.load_state_dict(ident_osd))
                 rec["after"] = wrong(kind, model, pl)
                 # Last: DCP's broadcast_from_rank0 copies into the parameters before load_state_dict.
-                rec["dcp_set_bcast"] = _try(lambda: set_model_state_dict(
-                    model, dict(full) if dist.get_rank() == 0 else {},
-                    options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)))
+                rec["dcp_set_bcast"] = _try(
+                    lambda: set_model_state_dict(
+                        model,
+                        dict(full) if dist.get_rank() == 0 else {},
+                        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+                    )
+                )
                 out[kind][(ep, efsdp, pname)] = rec
             # -- relocation moves the guard with the placement ----------------------------------
             model = build(kind, mesh, pls["identity"])
@@ -268,9 +293,8 @@ def _lora_paths(mesh) -> dict:
     lora_A ``[r*P, in]`` rows are whole slots: logical under the identity placement. lora_B
     ``[out, r*P]``'s global columns are (EP rank, r, slot), never peft's (r, expert) with EP > 1."""
     import peft
-    import transformers
-
     import torch.distributed as dist
+    import transformers
 
     import moeshard
 
@@ -280,22 +304,33 @@ def _lora_paths(mesh) -> dict:
             continue
         with torch.device("meta"):
             model = transformers.Qwen3MoeForCausalLM(_qwen_config())
-        model = peft.get_peft_model(model, peft.LoraConfig(
-            r=2, lora_alpha=4, target_modules=["q_proj"],
-            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+        model = peft.get_peft_model(
+            model,
+            peft.LoraConfig(
+                r=2,
+                lora_alpha=4,
+                target_modules=["q_proj"],
+                target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+            ),
+        )
         moeshard.parallelize(model, mesh, pl)
         mods = dict(model.named_modules())
         a = next(n for n in mods if "experts" in n and n.endswith("lora_A.default"))
         b = a.replace("lora_A", "lora_B")
         q = next(n for n in mods if "q_proj" in n and n.endswith("lora_A.default"))
-        out[pname] = {"lora_A": _try(mods[a].state_dict),
-                      "lora_B": _try(mods[b].state_dict),
-                      "attention_lora": _try(mods[q].state_dict),
-                      "model": _try(model.state_dict)}
+        out[pname] = {
+            "lora_A": _try(mods[a].state_dict),
+            "lora_B": _try(mods[b].state_dict),
+            "attention_lora": _try(mods[q].state_dict),
+            "model": _try(model.state_dict),
+        }
         # logical_state_dict's layouts: slot values encode (expert, LoRA rank index j).
         moeshard.materialize(model)
-        experts = next(n for n, m in mods.items() if "gate_up_proj" in getattr(getattr(m, "moeshard_slot_guard", None),
-                                                                                "params", ()))
+        experts = next(
+            n
+            for n, m in mods.items()
+            if "gate_up_proj" in getattr(getattr(m, "moeshard_slot_guard", None), "params", ())
+        )
         layer = mods[a].moeshard_slot_guard.layer
         spr, r = pl.num_physical // 4, 2
         slots = pl.phy2log[layer, dist.get_rank() * spr : (dist.get_rank() + 1) * spr]  # ep rank == rank here
@@ -309,8 +344,9 @@ def _lora_paths(mesh) -> dict:
         out[pname]["logical"] = [
             torch.equal(logical[f"{a}.weight"], want.reshape(-1, 1).expand_as(logical[f"{a}.weight"])),
             torch.equal(logical[f"{b}.weight"], want.T.reshape(1, -1).expand_as(logical[f"{b}.weight"])),
-            torch.equal(logical[f"{experts}.gate_up_proj"],
-                        want[:, :1, None].expand_as(logical[f"{experts}.gate_up_proj"])),
+            torch.equal(
+                logical[f"{experts}.gate_up_proj"], want[:, :1, None].expand_as(logical[f"{experts}.gate_up_proj"])
+            ),
         ]
     return out
 
@@ -343,8 +379,9 @@ def test_identity_placement_state_dicts_are_the_checkpoint(results, kind, ep, ef
         assert rec["fresh_load_step"] == "ok" and rec["after"] == []
 
 
-def _check_error(msg: str, pname: str, saver: str = "moeshard.save",
-                 names=("experts.gate_up_proj", "experts.down_proj")) -> None:
+def _check_error(
+    msg: str, pname: str, saver: str = "moeshard.save", names=("experts.gate_up_proj", "experts.down_proj")
+) -> None:
     assert msg.startswith("ValueError: "), msg
     assert saver in msg, msg
     assert any(n in msg for n in names), msg
@@ -357,7 +394,7 @@ def test_other_placements_refuse_every_path(results, kind, ep, efsdp, pname):
     for r in results:
         rec = r[kind][(ep, efsdp, pname)]
         assert rec["before"] == [], "the load itself must be right"
-        for path, msg in rec["model_paths"].items():
+        for msg in rec["model_paths"].values():
             _check_error(msg, pname)
         for path, msg in rec["optim_paths"].items():
             _check_error(msg, pname, "moeshard.allow_slot_order")

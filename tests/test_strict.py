@@ -58,6 +58,7 @@ def _plain_placement():
 
 def _expert_bytes_equal(model, ckpt: dict) -> bool:
     """Every expert slot of ``model`` holds its checkpoint expert's bytes (dtype-agnostic)."""
+
     def u8(t):
         return t.detach().contiguous().view(torch.uint8)
 
@@ -66,8 +67,10 @@ def _expert_bytes_equal(model, ckpt: dict) -> bool:
         for e in range(E):
             q = f"layers.{b}.mlp.experts.{e}"
             gate_up = torch.cat([u8(ckpt[f"{q}.gate_proj.weight"]), u8(ckpt[f"{q}.up_proj.weight"])])
-            if not (torch.equal(u8(experts.gate_up_proj[e]), gate_up)
-                    and torch.equal(u8(experts.down_proj[e]), u8(ckpt[f"{q}.down_proj.weight"]))):
+            if not (
+                torch.equal(u8(experts.gate_up_proj[e]), gate_up)
+                and torch.equal(u8(experts.down_proj[e]), u8(ckpt[f"{q}.down_proj.weight"]))
+            ):
                 return False
     return True
 
@@ -95,7 +98,7 @@ def root(tmp_path_factory, good):
     beyond = dict(good)
     for k, t in tiny_moe.checkpoint_tensors(seed=1).items():
         if k.startswith("layers.2."):
-            beyond["layers.3." + k[len("layers.2."):]] = t
+            beyond["layers.3." + k[len("layers.2.") :]] = t
     _write(d / "extra-layer", beyond)
     other = dict(good)
     other["rotary.inv_freq"] = torch.ones(4)
@@ -107,14 +110,27 @@ def root(tmp_path_factory, good):
 # -- FP8: the cast rule ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("src, dst, refused", [
-    ("BF16", torch.bfloat16, None), ("F32", torch.bfloat16, None), ("BF16", torch.float32, None),
-    ("I64", torch.int32, None), ("F8_E4M3", E4M3, None), ("F8_E5M2", E5M2, None),
-    ("F8_E4M3", torch.bfloat16, "from_fp8"), ("F8_E4M3", torch.float32, "from_fp8"),
-    ("F8_E5M2", torch.float16, "from_fp8"), ("BF16", E4M3, "to_fp8"), ("F32", E5M2, "to_fp8"),
-    ("F8_E4M3", E5M2, "fp8_formats"), ("F8_E5M2", E4M3, "fp8_formats"),
-    ("I32", torch.float32, "kind"), ("BOOL", torch.int8, "kind"), ("F8_E4M3", torch.uint8, "from_fp8"),
-])
+@pytest.mark.parametrize(
+    "src, dst, refused",
+    [
+        ("BF16", torch.bfloat16, None),
+        ("F32", torch.bfloat16, None),
+        ("BF16", torch.float32, None),
+        ("I64", torch.int32, None),
+        ("F8_E4M3", E4M3, None),
+        ("F8_E5M2", E5M2, None),
+        ("F8_E4M3", torch.bfloat16, "from_fp8"),
+        ("F8_E4M3", torch.float32, "from_fp8"),
+        ("F8_E5M2", torch.float16, "from_fp8"),
+        ("BF16", E4M3, "to_fp8"),
+        ("F32", E5M2, "to_fp8"),
+        ("F8_E4M3", E5M2, "fp8_formats"),
+        ("F8_E5M2", E4M3, "fp8_formats"),
+        ("I32", torch.float32, "kind"),
+        ("BOOL", torch.int8, "kind"),
+        ("F8_E4M3", torch.uint8, "from_fp8"),
+    ],
+)
 def test_cast_rule(src, dst, refused):
     assert cast_refusal(src, dst) == refused
 
@@ -128,9 +144,11 @@ def test_fp8_with_scale_into_bf16_is_dequantized_or_refused(root, good):
     got = model.layers[0].mlp.experts.gate_up_proj[0, : tiny_moe.INTER].detach().clone()
     assert torch.equal(got, (good[FIRST].float().to(E4M3).float() * 0.5).to(torch.bfloat16))
     assert moeshard.verify(model, root / "fp8").num_boxes_checked > 0
-    want = (rf"parameter layers\.0\.mlp\.experts\.gate_up_proj: checkpoint tensor '{FIRST}' has dtype F8_E4M3 "
-            rf"\(FP8\), the model's tensor is torch\.bfloat16: its scale tensor '{FIRST}_scale_inv' \(F32 \[1, 1\]\) "
-            r"would be dropped and the raw FP8 values loaded unscaled")
+    want = (
+        rf"parameter layers\.0\.mlp\.experts\.gate_up_proj: checkpoint tensor '{FIRST}' has dtype F8_E4M3 "
+        rf"\(FP8\), the model's tensor is torch\.bfloat16: its scale tensor '{FIRST}_scale_inv' \(F32 \[1, 1\]\) "
+        r"would be dropped and the raw FP8 values loaded unscaled"
+    )
     with pytest.raises(ValueError, match=want):
         moeshard.load(_meta_model(dtype=torch.bfloat16), root / "fp8", dequantize=False)
     # A model holding exactly what a cast without the scale produces (raw FP8 values cast to bf16,
@@ -138,14 +156,19 @@ def test_fp8_with_scale_into_bf16_is_dequantized_or_refused(root, good):
     moeshard.load(model, root / "raw-cast")
     raw = model.layers[0].mlp.experts.gate_up_proj[0, : tiny_moe.INTER].detach().clone()
     assert torch.equal(raw, good[FIRST].float().to(E4M3).to(torch.bfloat16))
-    with pytest.raises(ValueError, match=r"experts\.(gate_up|down)_proj, physical slot .* differs from checkpoint tensor"):
+    with pytest.raises(
+        ValueError, match=r"experts\.(gate_up|down)_proj, physical slot .* differs from checkpoint tensor"
+    ):
         moeshard.verify(model, root / "fp8")
 
 
 def test_fp8_without_scale_is_refused(root):
-    with pytest.raises(ValueError, match=rf"'{FIRST}' has dtype F8_E4M3 \(FP8\), the model's tensor is torch\.float32: "
-                                         rf"the checkpoint has no scale tensor for it \(no '{FIRST}_scale_inv'\), and "
-                                         r"its raw FP8 values would be meaningless as torch\.float32"):
+    with pytest.raises(
+        ValueError,
+        match=rf"'{FIRST}' has dtype F8_E4M3 \(FP8\), the model's tensor is torch\.float32: "
+        rf"the checkpoint has no scale tensor for it \(no '{FIRST}_scale_inv'\), and "
+        r"its raw FP8 values would be meaningless as torch\.float32",
+    ):
         moeshard.load(_meta_model(), root / "fp8-noscale")
 
 
@@ -159,10 +182,13 @@ def test_fp8_into_fp8_model_is_bit_exact(root, good, caplog):
     assert moeshard.verify(model, root / "fp8-noscale").num_boxes_checked > 0
     # With the scales on disk the model, which has no parameter for them, would drop them.
     scales = sorted(k for k in _quantized(good) if k.endswith("_scale_inv"))
-    with pytest.raises(ValueError, match=rf"has {len(scales)} key\(s\) that no parameter or buffer of the model reads: "
-                                         rf"{len(scales)} name experts or expert tensors the model does not have: "
-                                         r"\['layers\.0\.mlp\.experts\.0\.down_proj\.weight_scale_inv', .*\] \.\.\. "
-                                         rf"\({len(scales)} in all\); pass strict=False"):
+    with pytest.raises(
+        ValueError,
+        match=rf"has {len(scales)} key\(s\) that no parameter or buffer of the model reads: "
+        rf"{len(scales)} name experts or expert tensors the model does not have: "
+        r"\['layers\.0\.mlp\.experts\.0\.down_proj\.weight_scale_inv', .*\] \.\.\. "
+        rf"\({len(scales)} in all\); pass strict=False",
+    ):
         moeshard.load(_meta_model(expert_dtype=E4M3), root / "fp8")
     model = _meta_model(expert_dtype=E4M3)
     with caplog.at_level(logging.WARNING, logger="moeshard"):
@@ -173,11 +199,17 @@ def test_fp8_into_fp8_model_is_bit_exact(root, good, caplog):
 
 
 def test_casts_into_fp8_and_between_fp8_formats_are_refused(root):
-    with pytest.raises(ValueError, match=rf"'{FIRST}' has dtype BF16, the model's tensor is torch\.float8_e4m3fn: "
-                                         r"casting to FP8 is a quantization that needs a scale"):
+    with pytest.raises(
+        ValueError,
+        match=rf"'{FIRST}' has dtype BF16, the model's tensor is torch\.float8_e4m3fn: "
+        r"casting to FP8 is a quantization that needs a scale",
+    ):
         moeshard.load(_meta_model(expert_dtype=E4M3), root / "good")
-    with pytest.raises(ValueError, match=rf"'{FIRST}' has dtype F8_E5M2, the model's tensor is torch\.float8_e4m3fn: "
-                                         r"converting between FP8 formats without rescaling loses precision"):
+    with pytest.raises(
+        ValueError,
+        match=rf"'{FIRST}' has dtype F8_E5M2, the model's tensor is torch\.float8_e4m3fn: "
+        r"converting between FP8 formats without rescaling loses precision",
+    ):
         moeshard.load(_meta_model(expert_dtype=E4M3), root / "e5m2")
 
 
@@ -197,13 +229,20 @@ def test_relocate_disk_reads_dequantize_fp8_or_refuse_it_without_scale(root, goo
     for n, p in model.named_parameters():  # refused before any weight changed
         assert torch.equal(p.detach(), before[n]), n
     # Plain expert tensors (a serving engine's), read from disk: the same rule.
-    tensors = {b: [torch.zeros(E, 2 * tiny_moe.INTER, tiny_moe.HIDDEN, dtype=torch.bfloat16),
-                   torch.zeros(E, tiny_moe.HIDDEN, tiny_moe.INTER, dtype=torch.bfloat16)] for b in tiny_moe.MOE_BLOCKS}
+    tensors = {
+        b: [
+            torch.zeros(E, 2 * tiny_moe.INTER, tiny_moe.HIDDEN, dtype=torch.bfloat16),
+            torch.zeros(E, tiny_moe.HIDDEN, tiny_moe.INTER, dtype=torch.bfloat16),
+        ]
+        for b in tiny_moe.MOE_BLOCKS
+    }
     kwargs = dict(expert_params=moeshard.HF_EXPERTS.params, module="layers.{layer}.mlp.experts")
     with pytest.raises(ValueError, match=rf"no scale tensor for it \(no '{FIRST}_scale_inv'\)"):
         moeshard.relocate(tensors, None, _plain_placement(), checkpoint=root / "fp8-noscale", **kwargs)
     moeshard.relocate(tensors, None, _plain_placement(), checkpoint=root / "fp8", **kwargs)
-    assert torch.equal(tensors[0][0][0, : tiny_moe.INTER], (good[FIRST].float().to(E4M3).float() * 0.5).to(torch.bfloat16))
+    assert torch.equal(
+        tensors[0][0][0, : tiny_moe.INTER], (good[FIRST].float().to(E4M3).float() * 0.5).to(torch.bfloat16)
+    )
     moeshard.relocate(tensors, None, _plain_placement(), checkpoint=root / "good", **kwargs)
     assert torch.equal(tensors[2][1][5], good["layers.2.mlp.experts.5.down_proj.weight"])
 
@@ -217,9 +256,12 @@ def test_stray_expert(root, good, caplog):
         model = _meta_model()
         if op is moeshard.verify:
             moeshard.load(model, root / "good")
-        with pytest.raises(ValueError, match=rf"checkpoint \S+stray-expert has 1 key\(s\) that no parameter or buffer "
-                                             rf"of the model reads: 1 name experts or expert tensors the model does not "
-                                             rf"have: \['{stray}'\]; pass strict=False"):
+        with pytest.raises(
+            ValueError,
+            match=rf"checkpoint \S+stray-expert has 1 key\(s\) that no parameter or buffer "
+            rf"of the model reads: 1 name experts or expert tensors the model does not "
+            rf"have: \['{stray}'\]; pass strict=False",
+        ):
             op(model, root / "stray-expert")
     model = _meta_model()
     with caplog.at_level(logging.WARNING, logger="moeshard"):
@@ -241,20 +283,24 @@ def test_empty_slots_do_not_make_keys_unused(root, good):
     pl = moeshard.Placement(np.array([row] * 2), num_logical=E, num_ranks=1)
     rep = moeshard.load(model, root / "good", placement=pl)
     assert rep.unused_keys == ()
-    assert torch.equal(model.layers[2].mlp.experts.down_proj[2].detach(),
-                       good["layers.2.mlp.experts.5.down_proj.weight"].float())
+    assert torch.equal(
+        model.layers[2].mlp.experts.down_proj[2].detach(), good["layers.2.mlp.experts.5.down_proj.weight"].float()
+    )
 
 
 def test_layer_beyond_the_model(root):
     keys = sorted(k for k in moeshard.CheckpointIndex.open(root / "extra-layer").tensors if k.startswith("layers.3."))
     assert len(keys) == 4 + 3 * E
-    with pytest.raises(ValueError, match=rf"has {len(keys)} key\(s\) that no parameter or buffer of the model reads: "
-                                         rf"{len(keys)} are in layers beyond the model's 3 under 'layers': "
-                                         r"\['layers\.3\.attn\.bias', 'layers\.3\.attn\.weight', "
-                                         r"'layers\.3\.mlp\.experts\.0\.down_proj\.weight', "
-                                         r"'layers\.3\.mlp\.experts\.0\.gate_proj\.weight', "
-                                         r"'layers\.3\.mlp\.experts\.0\.up_proj\.weight'\] \.\.\. "
-                                         rf"\({len(keys)} in all\); pass strict=False"):
+    with pytest.raises(
+        ValueError,
+        match=rf"has {len(keys)} key\(s\) that no parameter or buffer of the model reads: "
+        rf"{len(keys)} are in layers beyond the model's 3 under 'layers': "
+        r"\['layers\.3\.attn\.bias', 'layers\.3\.attn\.weight', "
+        r"'layers\.3\.mlp\.experts\.0\.down_proj\.weight', "
+        r"'layers\.3\.mlp\.experts\.0\.gate_proj\.weight', "
+        r"'layers\.3\.mlp\.experts\.0\.up_proj\.weight'\] \.\.\. "
+        rf"\({len(keys)} in all\); pass strict=False",
+    ):
         moeshard.load(_meta_model(), root / "extra-layer")
     assert moeshard.load(_meta_model(), root / "extra-layer", strict=False).unused_keys == tuple(keys)
 
@@ -302,17 +348,36 @@ def test_deepseek_v3_mtp_layer_is_ignored_as_transformers_does(tmp_path):
     transformers = pytest.importorskip("transformers")
     # DeepSeek-V3's real depth (61 blocks, MTP layer 61 on disk) at toy width: 2 MoE blocks.
     config = transformers.DeepseekV3Config(
-        vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=61,
-        num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-        n_group=2, topk_group=1, first_k_dense_replace=59, q_lora_rank=8, kv_lora_rank=8, qk_rope_head_dim=4,
-        qk_nope_head_dim=4, v_head_dim=4, max_position_embeddings=32)
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        moe_intermediate_size=8,
+        num_hidden_layers=61,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=59,
+        q_lora_rank=8,
+        kv_lora_rank=8,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=4,
+        v_head_dim=4,
+        max_position_embeddings=32,
+    )
     cls = transformers.DeepseekV3ForCausalLM
     assert cls._keys_to_ignore_on_load_unexpected == [r"model\.layers\.61.*"]
     torch.manual_seed(0)
     cls(config).save_pretrained(tmp_path / "ckpt", max_shard_size="200KB")
     ref = cls.from_pretrained(tmp_path / "ckpt").state_dict()
-    mtp = {"model.layers.61.enorm.weight": torch.ones(16), "model.layers.61.eh_proj.weight": torch.ones(16, 32),
-           "model.layers.61.mlp.experts.0.gate_proj.weight": torch.ones(8, 16)}
+    mtp = {
+        "model.layers.61.enorm.weight": torch.ones(16),
+        "model.layers.61.eh_proj.weight": torch.ones(16, 32),
+        "model.layers.61.mlp.experts.0.gate_proj.weight": torch.ones(8, 16),
+    }
     _add_tensors(tmp_path / "ckpt", mtp)
     with torch.device("meta"):
         model = cls(config)
@@ -326,8 +391,11 @@ def test_deepseek_v3_mtp_layer_is_ignored_as_transformers_does(tmp_path):
     _add_tensors(tmp_path / "ckpt", {**mtp, "model.layers.62.enorm.weight": torch.ones(16)})
     with torch.device("meta"):
         model = cls(config)
-    with pytest.raises(ValueError, match=r"1 are in layers beyond the model's 61 under 'model\.layers': "
-                                         r"\['model\.layers\.62\.enorm\.weight'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"1 are in layers beyond the model's 61 under 'model\.layers': "
+        r"\['model\.layers\.62\.enorm\.weight'\]",
+    ):
         moeshard.load(model, tmp_path / "ckpt")
 
 
@@ -337,9 +405,18 @@ def _qwen_with_lora(tmp_path: Path):
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     config = transformers.Qwen3MoeConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=4, num_experts_per_tok=2,
-        max_position_embeddings=32)
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        moe_intermediate_size=8,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=32,
+    )
     lora = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], init_lora_weights=False)
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(config)
@@ -387,8 +464,10 @@ def test_expert_keys_match_the_spec_templates():
     from moeshard.models.describe import ExpertRef
     from moeshard.models.unused import expert_checkpoint_keys
 
-    params = list(moeshard.HF_EXPERTS.params) + [moeshard.ExpertParam("w", ("{e:03d}.w.weight",)),
-                                                 moeshard.ExpertParam("w", ("{e}.w{e}.weight", "bias"))]
+    params = list(moeshard.HF_EXPERTS.params) + [
+        moeshard.ExpertParam("w", ("{e:03d}.w.weight",)),
+        moeshard.ExpertParam("w", ("{e}.w{e}.weight", "bias")),
+    ]
     for p in params:
         for module in ("model.layers.3.mlp.experts", ""):
             want = [k for e in range(12) for k in p.keys(module, e)]
@@ -405,7 +484,9 @@ def test_adapter_config_is_checked_after_the_key_checks():
     scalings = {"default": (8, 2.0)}
     with pytest.raises(ValueError, match=r"r=4, the model's adapter 'default' has r=8"):
         check_adapter([], empty, {"r": 4, "lora_alpha": 8}, "adapter", scalings)
-    with pytest.raises(ValueError, match=r"lora_alpha=8 gives scaling 1\.0, the model's adapter 'default' has scaling 2\.0"):
+    with pytest.raises(
+        ValueError, match=r"lora_alpha=8 gives scaling 1\.0, the model's adapter 'default' has scaling 2\.0"
+    ):
         check_adapter([], empty, {"r": 8, "lora_alpha": 8}, "adapter", scalings)
     assert check_adapter([], empty, {"r": 8, "lora_alpha": 16}, "adapter", scalings) == ()
 
@@ -414,7 +495,7 @@ def test_one_walk_is_torchs_walks(tmp_path):
     """describe_model's single walk of the module tree lists what torch's ``named_modules()``,
     ``named_parameters(remove_duplicate=False)`` and persistent ``named_buffers()`` list, and
     finds peft's wrappers as ``hasattr`` does: a peft model, a plain one, a shared submodule."""
-    from moeshard.models.describe import has_attr, walk_modules, preorder
+    from moeshard.models.describe import has_attr, preorder, walk_modules
 
     _, _, build = _qwen_with_lora(tmp_path)
     peft_model = build()
@@ -425,8 +506,9 @@ def test_one_walk_is_torchs_walks(tmp_path):
         tree = walk_modules(model)
         assert list(preorder(model)) == list(model.named_modules(remove_duplicate=False))
         assert tree.modules == list(model.named_modules())
-        assert [(n, id(p)) for n, p in tree.params] == [(n, id(p)) for n, p in
-                                                         model.named_parameters(remove_duplicate=False)]
+        assert [(n, id(p)) for n, p in tree.params] == [
+            (n, id(p)) for n, p in model.named_parameters(remove_duplicate=False)
+        ]
         persistent = {n for n, _ in model.state_dict(keep_vars=True).items()}
         assert [n for n, _ in tree.buffers] == [n for n, _ in model.named_buffers() if n in persistent]
         for _, mod in tree.modules:

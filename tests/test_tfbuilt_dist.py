@@ -34,9 +34,18 @@ def _config():
     from transformers import Qwen3MoeConfig
 
     return Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-        num_hidden_layers=NUM_LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        num_experts=NUM_EXPERTS, num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=NUM_EXPERTS,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
     )
 
 
@@ -44,8 +53,9 @@ def _shuffled(seed: int, ep: int):
     import moeshard
 
     rng = np.random.default_rng(seed)
-    return moeshard.Placement(np.stack([rng.permutation(NUM_EXPERTS) for _ in range(NUM_LAYERS)]),
-                              num_logical=NUM_EXPERTS, num_ranks=ep)
+    return moeshard.Placement(
+        np.stack([rng.permutation(NUM_EXPERTS) for _ in range(NUM_LAYERS)]), num_logical=NUM_EXPERTS, num_ranks=ep
+    )
 
 
 class CustomExperts(nn.Module):
@@ -125,7 +135,8 @@ def tf_worker(ckpt: str, out: str, ids_all: torch.Tensor) -> list:
     res = []
     for ep in EPS:
         model = AutoModelForCausalLM.from_pretrained(
-            ckpt, distributed_config=DistributedConfig(fsdp_size=4, ep_size=ep), dtype=torch.float32)
+            ckpt, distributed_config=DistributedConfig(fsdp_size=4, ep_size=ep), dtype=torch.float32
+        )
         rec = {"ep": ep}
         ident = moeshard.Placement.contiguous(NUM_LAYERS, NUM_EXPERTS, ep)
         with torch.no_grad():
@@ -135,8 +146,11 @@ def tf_worker(ckpt: str, out: str, ids_all: torch.Tensor) -> list:
 
         local = _local_experts(model)
         rng = np.random.default_rng(0)
-        redundant = moeshard.Placement(np.stack([rng.permutation(np.r_[np.arange(NUM_EXPERTS), 0, 1, 2, 3])
-                                                 for _ in range(NUM_LAYERS)]), num_logical=NUM_EXPERTS, num_ranks=ep)
+        redundant = moeshard.Placement(
+            np.stack([rng.permutation(np.r_[np.arange(NUM_EXPERTS), 0, 1, 2, 3]) for _ in range(NUM_LAYERS)]),
+            num_logical=NUM_EXPERTS,
+            num_ranks=ep,
+        )
         rec["redundant"] = _error(lambda: moeshard.relocate(model, ident, redundant))
         rec["not_old"] = _error(lambda: moeshard.relocate(model, _shuffled(7, ep), _shuffled(8, ep)))
         rec["unchanged"] = _unchanged(local, model)
@@ -175,8 +189,9 @@ def tf_worker(ckpt: str, out: str, ids_all: torch.Tensor) -> list:
     custom_rec = {"refused": _error(lambda: moeshard.relocate(custom, ident1, moved))}
     custom_rec["unchanged"] = all(torch.equal(a, p.to_local()) for a, p in zip(local, exp.parameters()))
     moeshard.relocate(custom, ident1, moved, routing="caller")
-    custom_rec["caller_moved"] = all(torch.equal(p.full_tensor(), full[n][torch.as_tensor(moved.phy2log[0])])
-                                     for n, p in exp.named_parameters())
+    custom_rec["caller_moved"] = all(
+        torch.equal(p.full_tensor(), full[n][torch.as_tensor(moved.phy2log[0])]) for n, p in exp.named_parameters()
+    )
     return [{k: v for k, v in r.items()} for r in res] + [custom_rec]
 
 
@@ -214,17 +229,24 @@ def test_transformers_built_model_relocates_and_saves(ckpt, tmp_path):
             assert rec["norm_diff_before"] < TOL and rec["norm_diff_after"] < TOL, where
             assert rec["again_diff"] < TOL, (where, rec["again_diff"])
             assert rec["verified"] > 0, where
-            assert rec["state_dict"].startswith("ValueError") and "moeshard.save" in rec["state_dict"], \
-                (where, rec["state_dict"])
-            assert "DistributedError" in rec["redundant"] and "one slot per logical expert" in rec["redundant"], \
-                (where, rec["redundant"])
-            assert "DistributedError" in rec["not_old"] and "Placement.contiguous" in rec["not_old"], \
-                (where, rec["not_old"])
+            assert rec["state_dict"].startswith("ValueError") and "moeshard.save" in rec["state_dict"], (
+                where,
+                rec["state_dict"],
+            )
+            assert "DistributedError" in rec["redundant"] and "one slot per logical expert" in rec["redundant"], (
+                where,
+                rec["redundant"],
+            )
+            assert "DistributedError" in rec["not_old"] and "Placement.contiguous" in rec["not_old"], (
+                where,
+                rec["not_old"],
+            )
             assert rec["unchanged"], where
         custom = per_rank[-1]
         assert "DistributedError" in custom["refused"], custom["refused"]
-        assert "layers.0.mlp.experts" in custom["refused"] and 'routing="caller"' in custom["refused"], \
-            custom["refused"]
+        assert "layers.0.mlp.experts" in custom["refused"] and 'routing="caller"' in custom["refused"], custom[
+            "refused"
+        ]
         assert custom["unchanged"] and custom["caller_moved"], (rank, custom)
     # Saved under the identity placement and after the relocation: the original tensors exactly.
     for ep in EPS:

@@ -13,11 +13,25 @@ import sys
 import numpy as np
 import pytest
 
-CONFIG = {"model_type": "deepseek_v3", "hidden_size": 16, "vocab_size": 32, "num_hidden_layers": 3,
-          "num_attention_heads": 2, "q_lora_rank": 8, "kv_lora_rank": 8, "qk_rope_head_dim": 4,
-          "qk_nope_head_dim": 4, "v_head_dim": 4, "n_routed_experts": 8, "n_shared_experts": 1,
-          "moe_intermediate_size": 8, "intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 2,
-          "torch_dtype": "bfloat16"}
+CONFIG = {
+    "model_type": "deepseek_v3",
+    "hidden_size": 16,
+    "vocab_size": 32,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 2,
+    "q_lora_rank": 8,
+    "kv_lora_rank": 8,
+    "qk_rope_head_dim": 4,
+    "qk_nope_head_dim": 4,
+    "v_head_dim": 4,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 8,
+    "intermediate_size": 32,
+    "first_k_dense_replace": 1,
+    "n_group": 2,
+    "torch_dtype": "bfloat16",
+}
 CLUSTER = ["--nodes", "2", "--ranks-per-node", "4", "--ep", "4", "--efsdp", "2"]
 
 # Run in a child: ``body`` then fail if any torch module was imported.
@@ -37,10 +51,12 @@ def _torch_free(body: str) -> str:
 
 
 def test_planning_packages_import_without_torch():
-    _torch_free("import moeshard, moeshard.plan, moeshard.plan.pieces, moeshard.plan.relocation, moeshard.cluster, "
-                "moeshard.cli, moeshard.cli.plan, moeshard.models.layout, moeshard.models.describe, "
-                "moeshard.models.shards, moeshard.models.unused, moeshard.io.checkpoint, moeshard.io.sources, "
-                "moeshard.dtypes, moeshard.placement, moeshard.topology, moeshard.eplb")
+    _torch_free(
+        "import moeshard, moeshard.plan, moeshard.plan.pieces, moeshard.plan.relocation, moeshard.cluster, "
+        "moeshard.cli, moeshard.cli.plan, moeshard.models.layout, moeshard.models.describe, "
+        "moeshard.models.shards, moeshard.models.unused, moeshard.io.checkpoint, moeshard.io.sources, "
+        "moeshard.dtypes, moeshard.placement, moeshard.topology, moeshard.eplb"
+    )
 
 
 def test_plan_command_from_a_config_runs_without_torch(tmp_path):
@@ -86,7 +102,11 @@ def test_public_names_resolve_on_first_use(name):
 
 
 def test_every_public_name_resolves_and_subpackages_bind_their_api():
-    out = subprocess.run([sys.executable, "-c", """
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            """
 import moeshard
 for name in moeshard.__all__:
     assert getattr(moeshard, name) is not None, name
@@ -94,5 +114,10 @@ for name in moeshard.__all__:
 assert moeshard.io.checkpoint.write_checkpoint is moeshard.write_checkpoint
 assert moeshard.ops.save.save is moeshard.save
 print("OK")
-"""], capture_output=True, text=True, timeout=300)
+""",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert "OK" in out.stdout, out.stderr[-3000:]

@@ -19,16 +19,16 @@ from mp import run_ranks
 
 pytestmark = pytest.mark.dist
 
-E, H, I, LAYERS = 8, 6, 4, 2
+E, H, FFN, LAYERS = 8, 6, 4, 2
 MODULE = "layers.{}.moe.experts"
 
 
 class Experts(nn.Module):
     def __init__(self):
         super().__init__()
-        self.w1 = nn.Parameter(torch.empty(E, I, H))
-        self.w2 = nn.Parameter(torch.empty(E, H, I))
-        self.w3 = nn.Parameter(torch.empty(E, I, H))
+        self.w1 = nn.Parameter(torch.empty(E, FFN, H))
+        self.w2 = nn.Parameter(torch.empty(E, H, FFN))
+        self.w3 = nn.Parameter(torch.empty(E, FFN, H))
 
 
 class Block(nn.Module):
@@ -48,8 +48,10 @@ class Model(nn.Module):
 def spec():
     import moeshard
 
-    return moeshard.ExpertsSpec(module=r"moe\.experts$", params=tuple(
-        moeshard.ExpertParam(n, (f"{{e}}.{n}.weight",)) for n in ("w1", "w2", "w3")))
+    return moeshard.ExpertsSpec(
+        module=r"moe\.experts$",
+        params=tuple(moeshard.ExpertParam(n, (f"{{e}}.{n}.weight",)) for n in ("w1", "w2", "w3")),
+    )
 
 
 def checkpoint_tensors() -> dict:
@@ -59,7 +61,7 @@ def checkpoint_tensors() -> dict:
         out[f"layers.{layer}.norm.weight"] = torch.randn(H, H, generator=g)
         out[f"layers.{layer}.norm.bias"] = torch.randn(H, generator=g)
         for e in range(E):
-            for n, shape in (("w1", (I, H)), ("w2", (H, I)), ("w3", (I, H))):
+            for n, shape in (("w1", (FFN, H)), ("w2", (H, FFN)), ("w3", (FFN, H))):
                 out[f"{MODULE.format(layer)}.{e}.{n}.weight"] = torch.randn(*shape, generator=g)
     return out
 
@@ -82,9 +84,20 @@ def titan_worker(path: str) -> list:
         mod = block.moe.experts
         for n in ("w1", "w2", "w3"):  # EP first: Shard(0) over the ep mesh dim
             old = getattr(mod, n)
-            setattr(mod, n, nn.Parameter(DTensor.from_local(
-                torch.empty(E // 2, *old.shape[1:], device="meta"), mesh["ep"], [Shard(0)], run_check=False,
-                shape=old.shape, stride=old.stride())))
+            setattr(
+                mod,
+                n,
+                nn.Parameter(
+                    DTensor.from_local(
+                        torch.empty(E // 2, *old.shape[1:], device="meta"),
+                        mesh["ep"],
+                        [Shard(0)],
+                        run_check=False,
+                        shape=old.shape,
+                        stride=old.stride(),
+                    )
+                ),
+            )
         fully_shard(mod, mesh=mesh["efsdp"], shard_placement_fn=lambda p: Shard(0))
         experts.append(mod)
     for block in model.layers:

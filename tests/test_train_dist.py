@@ -31,19 +31,46 @@ RTOL = 1e-5
 
 
 def _config(family: str):
-    common = dict(vocab_size=128, hidden_size=32, num_attention_heads=4, max_position_embeddings=64,
-                  num_experts_per_tok=2, tie_word_embeddings=False)
+    common = dict(
+        vocab_size=128,
+        hidden_size=32,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    )
     if family == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-                                           num_key_value_heads=2, head_dim=8, num_experts=8, **common)
+        return transformers.Qwen3MoeConfig(
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_experts=8,
+            **common,
+        )
     if family == "mixtral":  # 6 experts: 3 slots per EP rank, which expert-FSDP=2 does not divide
-        return transformers.MixtralConfig(intermediate_size=16, num_hidden_layers=2, num_key_value_heads=2,
-                                          head_dim=8, num_local_experts=6, **common)
+        return transformers.MixtralConfig(
+            intermediate_size=16, num_hidden_layers=2, num_key_value_heads=2, head_dim=8, num_local_experts=6, **common
+        )
     assert family == "deepseek_v3"  # first layer dense, shared experts, grouped routing
     return transformers.DeepseekV3Config(
-        intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3, num_key_value_heads=4,
-        n_routed_experts=8, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
-        q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, **common)
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=3,
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        **common,
+    )
 
 
 NUM_LAYERS = {"qwen3_moe": 2, "mixtral": 2, "deepseek_v3": 2}
@@ -112,16 +139,26 @@ def train_worker(ckpts: dict, scenarios: list) -> list:
                         after = model(input_ids=ids).logits
                         chunk_diff = max(chunk_diff, float((after - before).abs().max() / before.abs().max()))
                 pl = new
-        rec = dict(losses=losses, norms=norms, all_dtensors=all_dtensors, synced=synced, chunks=chunks,
-                   chunk_diff=chunk_diff, moved=moved)
+        rec = dict(
+            losses=losses,
+            norms=norms,
+            all_dtensors=all_dtensors,
+            synced=synced,
+            chunks=chunks,
+            chunk_diff=chunk_diff,
+            moved=moved,
+        )
         if not redundant and not rebalance:
             # Rebalance the trained model: after relocate, tokens must follow their experts to
             # their new slots, so the logits stay those of the same logical model.
             with torch.no_grad():
                 before = model(input_ids=ids).logits
                 rng = np.random.default_rng(1)
-                new = moeshard.Placement(np.stack([rng.permutation(pl.num_physical) for _ in range(NUM_LAYERS[family])]),
-                                         num_logical=pl.num_logical, num_ranks=ep)
+                new = moeshard.Placement(
+                    np.stack([rng.permutation(pl.num_physical) for _ in range(NUM_LAYERS[family])]),
+                    num_logical=pl.num_logical,
+                    num_ranks=ep,
+                )
                 moeshard.relocate(model, pl, new)
                 after = model(input_ids=ids).logits
             spr = new.slots_per_rank(ep)
@@ -166,8 +203,11 @@ def trained(tmp_path_factory):
     return refs, results
 
 
-@pytest.mark.parametrize("i", range(len(SCENARIOS)), ids=[
-    f"{f}-ep{e}-efsdp{d}{'-redundant' if r else ''}{'-rebalanced' if b else ''}" for f, e, d, r, b in SCENARIOS])
+@pytest.mark.parametrize(
+    "i",
+    range(len(SCENARIOS)),
+    ids=[f"{f}-ep{e}-efsdp{d}{'-redundant' if r else ''}{'-rebalanced' if b else ''}" for f, e, d, r, b in SCENARIOS],
+)
 def test_loss_and_grad_norm_match_one_process(trained, i):
     refs, results = trained
     family, _, _, redundant, rebalance = SCENARIOS[i]

@@ -11,8 +11,9 @@ Trainer setup in one process on ``from_pretrained`` with the whole batch:
 * ``trainer.save_model`` -> ``from_pretrained`` in one process: every parameter equal to the
   one-process trained model's (1e-6 absolute; a misplaced expert is off by ~0.1);
 * the step-2 checkpoint resumed by a fresh Trainer under the same placement and under another
-  one (weights and AdamW state relocated; EP=4, and EP=2 x efsdp=2 under another placement): steps 3-4 equal to the uninterrupted run's (1e-6
-  relative; a resume on wrong experts or a fresh optimizer is off by 1e-4 or more);
+  one (weights and AdamW state relocated; EP=4, and EP=2 x efsdp=2 under another placement):
+  steps 3-4 equal to the uninterrupted run's (1e-6 relative; a resume on wrong experts or a
+  fresh optimizer is off by 1e-4 or more);
 * :class:`~moeshard.integrations.transformers.MoeshardRebalanceCallback` rebalancing after
   every step from the router's counts (experts and their AdamW state relocated): losses,
   gradient norms and the saved model (under the last placement) as above;
@@ -51,9 +52,18 @@ RTOL = 1e-6
 
 def write_tiny(path: str) -> None:
     cfg = transformers.Qwen3MoeConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=LAYERS,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=EXPERTS, num_experts_per_tok=2,
-        max_position_embeddings=32, tie_word_embeddings=False,
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        moe_intermediate_size=8,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_experts=EXPERTS,
+        num_experts_per_tok=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(cfg)
@@ -66,8 +76,9 @@ def write_tiny(path: str) -> None:
 
         tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(64)}, unk_token="t0"))
         tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-        transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", pad_token="t1",
-                                             eos_token="t2").save_pretrained(path)
+        transformers.PreTrainedTokenizerFast(
+            tokenizer_object=tok, unk_token="t0", pad_token="t1", eos_token="t2"
+        ).save_pretrained(path)
 
 
 def _has_trl() -> bool:
@@ -94,12 +105,28 @@ class _Data(torch.utils.data.Dataset):
 
 def _args(out: str, distributed: bool, cls=None, steps: int = STEPS, **kw):
     # What `accelerate launch` with an FSDP2 config gives (fsdp_version 2, no auto wrap; gloo on CPU).
-    fsdp = dict(fsdp=True, fsdp_config={"fsdp_version": 2, "auto_wrap_policy": "NO_WRAP"}, use_cpu=True,
-                ddp_backend="gloo") if distributed else {}
-    base = dict(output_dir=out, max_steps=steps, per_device_train_batch_size=1 if distributed else WORLD,
-                learning_rate=LR, max_grad_norm=1.0, logging_steps=1, save_strategy="steps", save_steps=2,
-                report_to=[], seed=0, train_sampling_strategy="sequential", dataloader_num_workers=0,
-                disable_tqdm=True)
+    fsdp = (
+        dict(
+            fsdp=True, fsdp_config={"fsdp_version": 2, "auto_wrap_policy": "NO_WRAP"}, use_cpu=True, ddp_backend="gloo"
+        )
+        if distributed
+        else {}
+    )
+    base = dict(
+        output_dir=out,
+        max_steps=steps,
+        per_device_train_batch_size=1 if distributed else WORLD,
+        learning_rate=LR,
+        max_grad_norm=1.0,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=2,
+        report_to=[],
+        seed=0,
+        train_sampling_strategy="sequential",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
     return (cls or transformers.TrainingArguments)(**{**base, **fsdp, **kw})
 
 
@@ -140,8 +167,9 @@ def _redundant(ep: int, seed: int, extra: int = 4):
     import moeshard
 
     rng = np.random.default_rng(seed)
-    rows = np.stack([rng.permutation(np.r_[np.arange(EXPERTS), rng.integers(0, EXPERTS, extra)])
-                     for _ in range(LAYERS)])
+    rows = np.stack(
+        [rng.permutation(np.r_[np.arange(EXPERTS), rng.integers(0, EXPERTS, extra)]) for _ in range(LAYERS)]
+    )
     return moeshard.Placement(rows, num_logical=EXPERTS, num_ranks=ep)
 
 
@@ -170,8 +198,9 @@ def trainer_worker(ckpt: str, root: str) -> dict:
         return model
 
     def run(name, model, resume=None, cls=MoeTrainer, callbacks=None, **kw):
-        trainer = cls(model=model, args=_args(os.path.join(root, name), True, **kw), train_dataset=_Data(),
-                      callbacks=callbacks)
+        trainer = cls(
+            model=model, args=_args(os.path.join(root, name), True, **kw), train_dataset=_Data(), callbacks=callbacks
+        )
         trainer.train(resume_from_checkpoint=resume)
         out[f"{name}-mode"] = getattr(trainer, "moeshard_resumed", None)
         return trainer
@@ -203,16 +232,22 @@ def trainer_worker(ckpt: str, root: str) -> dict:
     out["ep2x2"] = _log(t)
     t.save_model(os.path.join(root, "ep2x2-final"))
     # Expert FSDP: the optimizer state's local shards are [slots, dim1 / efsdp, ...] boxes.
-    out["ep2x2-resume-other"] = _log(run("ep2x2-resume-other", model_for(2, 2, _shuffled(2, 6)),
-                                         os.path.join(root, "ep2x2", "checkpoint-2")))
+    out["ep2x2-resume-other"] = _log(
+        run("ep2x2-resume-other", model_for(2, 2, _shuffled(2, 6)), os.path.join(root, "ep2x2", "checkpoint-2"))
+    )
     # Redundant copies (12 slots for 8 experts): their gradients combined in backward, every
     # copy equal after each step (no moeshard call in the Trainer's loop); resumed under another
     # redundant placement, the optimizer state moving with its experts.
     t = run("ep4-redundant", model_for(4, 1, _redundant(4, 7)))
     out["ep4-redundant"] = _log(t)
     t.save_model(os.path.join(root, "ep4-redundant-final"))
-    out["ep4-redundant-resume-other"] = _log(run("ep4-redundant-resume-other", model_for(4, 1, _redundant(4, 8)),
-                                                 os.path.join(root, "ep4-redundant", "checkpoint-2")))
+    out["ep4-redundant-resume-other"] = _log(
+        run(
+            "ep4-redundant-resume-other",
+            model_for(4, 1, _redundant(4, 8)),
+            os.path.join(root, "ep4-redundant", "checkpoint-2"),
+        )
+    )
     if _has_trl():
         t = _sft(model_for(4, 1, _shuffled(4, 5)), ckpt, os.path.join(root, "sft"), True)
         out["sft"] = _log(t)
@@ -237,9 +272,14 @@ def _sft(model, ckpt: str, out: str, distributed: bool):
 
     cls = moeshard_trainer(trl.SFTTrainer) if distributed else trl.SFTTrainer
     data = datasets.Dataset.from_dict({"input_ids": _Data().ids.tolist()})
-    trainer = cls(model=model, args=_args(out, distributed, trl.SFTConfig, SFT_STEPS, bf16=False, save_strategy="no",
-                                             router_aux_loss_coef=0.0),
-                  train_dataset=data, processing_class=transformers.AutoTokenizer.from_pretrained(ckpt))
+    trainer = cls(
+        model=model,
+        args=_args(
+            out, distributed, trl.SFTConfig, SFT_STEPS, bf16=False, save_strategy="no", router_aux_loss_coef=0.0
+        ),
+        train_dataset=data,
+        processing_class=transformers.AutoTokenizer.from_pretrained(ckpt),
+    )
     trainer.train()
     return trainer
 
@@ -297,8 +337,9 @@ def test_losses_grad_norms_and_saved_model_match_one_process(runs, name):
     assert (root / f"{name}-final" / "moeshard_placement.json").is_file()
 
 
-@pytest.mark.parametrize("name", ["ep4-resume-same", "ep4-resume-other", "ep2x2-resume-other",
-                                  "ep4-redundant-resume-other"])
+@pytest.mark.parametrize(
+    "name", ["ep4-resume-same", "ep4-resume-other", "ep2x2-resume-other", "ep4-redundant-resume-other"]
+)
 def test_resume_continues_exactly(runs, name):
     root, refs, results = runs
     run = name.split("-resume")[0]

@@ -14,9 +14,17 @@ VOCAB, SEQ = 128, 16
 def config(family: str):
     import transformers
 
-    common = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, max_position_embeddings=64,
-                  num_experts_per_tok=2, tie_word_embeddings=False, num_hidden_layers=NUM_LAYERS,
-                  num_key_value_heads=2, head_dim=8)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+        num_hidden_layers=NUM_LAYERS,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
     if family == "qwen3_moe":
         return transformers.Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=16, num_experts=8, **common)
     assert family == "mixtral"
@@ -48,8 +56,10 @@ def shuffled_redundant(num_logical: int, ep: int, seed: int):
 
     rng = np.random.default_rng(seed)
     extra = ep + (-(num_logical + ep)) % ep
-    rows = [rng.permutation(np.concatenate([np.arange(num_logical), rng.integers(0, num_logical, extra)]))
-            for _ in range(NUM_LAYERS)]
+    rows = [
+        rng.permutation(np.concatenate([np.arange(num_logical), rng.integers(0, num_logical, extra)]))
+        for _ in range(NUM_LAYERS)
+    ]
     return moeshard.Placement(np.stack(rows), num_logical=num_logical, num_ranks=ep)
 
 

@@ -68,8 +68,12 @@ def checkpoint_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
     def rnd(*shape, dtype=torch.float32):
         return torch.randn(*shape, generator=g).to(dtype)
 
-    t = {"embed.weight": rnd(VOCAB, HIDDEN), "norm.weight": rnd(HIDDEN), "lm_head.weight": rnd(VOCAB, HIDDEN),
-         "pos_table": rnd(5, 3)}
+    t = {
+        "embed.weight": rnd(VOCAB, HIDDEN),
+        "norm.weight": rnd(HIDDEN),
+        "lm_head.weight": rnd(VOCAB, HIDDEN),
+        "pos_table": rnd(5, 3),
+    }
     for b in range(NUM_BLOCKS):
         p = f"layers.{b}"
         t[f"{p}.attn.weight"] = rnd(HIDDEN, HIDDEN)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from typing import Iterator
+from collections.abc import Iterator
 
 __all__ = ["paused_gc"]
 

@@ -26,11 +26,12 @@ import datetime
 import os
 import pickle
 import socket
+import sys
 import tempfile
 import time
 import traceback
-import sys
-from typing import Any, Callable, NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 __all__ = ["exit_process", "run_local_ranks"]
 
@@ -59,8 +60,14 @@ def free_port() -> int:
 
 
 def _worker(rank, world, local_world, port, backend, fn, args, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank % local_world), LOCAL_WORLD_SIZE=str(local_world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank % local_world),
+        LOCAL_WORLD_SIZE=str(local_world),
+    )
     import torch
     import torch.distributed as dist
 
@@ -87,8 +94,14 @@ def _worker(rank, world, local_world, port, backend, fn, args, out_dir):
     exit_process(code)
 
 
-def run_local_ranks(fn: Callable[..., Any], *args: Any, world: int = 4, local_world: int | None = None,
-                    backend: str = "gloo", timeout: float = 600) -> list[Any]:
+def run_local_ranks(
+    fn: Callable[..., Any],
+    *args: Any,
+    world: int = 4,
+    local_world: int | None = None,
+    backend: str = "gloo",
+    timeout: float = 600,
+) -> list[Any]:
     """Run ``fn(*args)`` (a top-level, importable function) on ``world`` local ranks.
 
     Returns the per-rank results. Raises RuntimeError with every failing rank's traceback,
@@ -98,8 +111,13 @@ def run_local_ranks(fn: Callable[..., Any], *args: Any, world: int = 4, local_wo
 
     local_world = local_world or world
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_worker, args=(world, local_world, free_port(), backend, fn, args, out_dir),
-                                 nprocs=world, join=False, start_method="spawn")
+        ctx = mp.start_processes(
+            _worker,
+            args=(world, local_world, free_port(), backend, fn, args, out_dir),
+            nprocs=world,
+            join=False,
+            start_method="spawn",
+        )
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
             if time.monotonic() > deadline:

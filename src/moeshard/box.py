@@ -7,7 +7,7 @@ plans stay hashable, picklable and cheap to compare.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 Box = tuple[tuple[int, int], ...]
 
@@ -32,9 +32,7 @@ def box_slices(box: Box) -> tuple[slice, ...]:
 
 def check_box(box: Box, shape: Sequence[int], what: str) -> None:
     """Raise ValueError unless ``box`` lies inside a tensor of ``shape``."""
-    if len(box) != len(shape) or any(
-        off < 0 or length < 0 or off + length > n for (off, length), n in zip(box, shape)
-    ):
+    if len(box) != len(shape) or any(off < 0 or length < 0 or off + length > n for (off, length), n in zip(box, shape)):
         raise ValueError(f"{what}: box {list(box)} does not fit in shape {list(shape)}")
 
 
@@ -45,7 +43,7 @@ def split_box(box: Box, max_numel: int) -> list[Box]:
     the box."""
     if box_numel(box) <= max_numel:
         return [box]
-    for dim, (off, length) in enumerate(box):
+    for dim, (off, length) in enumerate(box):  # noqa: B007 - dim, off and length are used after the break
         if length > 1:
             break
     else:  # pragma: no cover - a single element is always <= max_numel >= 1

@@ -35,10 +35,30 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistributedError", "PlanMismatchError", "PeerLostError", "is_dist", "rank_and_world", "agree",
-           "agree_and_gather", "Gathered", "unanimous", "broadcast_result", "all_gather_object", "broadcast_object",
-           "barrier", "collective", "errors_as", "start_p2p", "scope", "runs_on_group", "p2p", "global_rank",
-           "group_ranks", "all_reduce_max"]
+__all__ = [
+    "DistributedError",
+    "PlanMismatchError",
+    "PeerLostError",
+    "is_dist",
+    "rank_and_world",
+    "agree",
+    "agree_and_gather",
+    "Gathered",
+    "unanimous",
+    "broadcast_result",
+    "all_gather_object",
+    "broadcast_object",
+    "barrier",
+    "collective",
+    "errors_as",
+    "start_p2p",
+    "scope",
+    "runs_on_group",
+    "p2p",
+    "global_rank",
+    "group_ranks",
+    "all_reduce_max",
+]
 
 T = TypeVar("T")
 
@@ -55,8 +75,10 @@ def scope(group) -> Iterator[None]:
         ValueError: this process is not a member of ``group``.
     """
     if group is not None and is_dist() and dist.get_rank(group) < 0:
-        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the group passed as group=; "
-                         "only the group's members call a moeshard operation on it")
+        raise ValueError(
+            f"this process (global rank {dist.get_rank()}) is not a member of the group passed as group=; "
+            "only the group's members call a moeshard operation on it"
+        )
     token = _GROUP.set(group)
     try:
         yield
@@ -67,10 +89,12 @@ def scope(group) -> Iterator[None]:
 def runs_on_group(fn: Callable[..., T]) -> Callable[..., T]:
     """Decorate a collective operation with a keyword-only ``group`` argument: it runs in
     :func:`scope` of that group (and still receives ``group``)."""
+
     @functools.wraps(fn)
     def run(*args, group=None, **kwargs):
         with scope(group):
             return fn(*args, group=group, **kwargs)
+
     return run
 
 
@@ -134,8 +158,10 @@ class PeerLostError(DistributedError):
 
 
 # What a user does about a lost peer (part of every PeerLostError's text).
-_NEXT_STEP = ("a rank of the job died or the network failed; restart the job, or recover with the survivors "
-              "(a new process group of the live ranks, then moeshard.relocate with active_ranks or load again)")
+_NEXT_STEP = (
+    "a rank of the job died or the network failed; restart the job, or recover with the survivors "
+    "(a new process group of the live ranks, then moeshard.relocate with active_ranks or load again)"
+)
 
 
 @contextlib.contextmanager
@@ -315,8 +341,9 @@ _INLINE_SHARE = 248
 _WORD = (1 << 62) - 1
 
 
-def _agree(step: Callable[[], T], what: str, fingerprint: Callable[[T], str] | None, share: Callable[[T], Any] | None,
-           group) -> tuple[T, list[Any]]:
+def _agree(
+    step: Callable[[], T], what: str, fingerprint: Callable[[T], str] | None, share: Callable[[T], Any] | None, group
+) -> tuple[T, list[Any]]:
     """:func:`agree` (and :func:`agree_and_gather`): ``(result, every rank's share(result))``.
 
     The usual path (no error, one plan) is one collective over a few integers, whatever the
@@ -343,10 +370,11 @@ def _agree(step: Callable[[], T], what: str, fingerprint: Callable[[T], str] | N
     group = _g(group)
     fp = fingerprint(result) if (fingerprint is not None and error is None) else None
     digest = hashlib.blake2b((fp or "").encode(), digest_size=16).digest()
-    w0, w1 = (int.from_bytes(digest[i:i + 8], "little") & _WORD for i in (0, 8))
+    w0, w1 = (int.from_bytes(digest[i : i + 8], "little") & _WORD for i in (0, 8))
     if share is None:
-        top = _all_reduce_max(torch.tensor([int(error is not None), w0, w1, -w0, -w1], dtype=torch.int64), group,
-                              what).tolist()
+        top = _all_reduce_max(
+            torch.tensor([int(error is not None), w0, w1, -w0, -w1], dtype=torch.int64), group, what
+        ).tolist()
         failed, same = bool(top[0]), top[1] == -top[3] and top[2] == -top[4]
         shares: list[Any] = []
     else:
@@ -356,7 +384,7 @@ def _agree(step: Callable[[], T], what: str, fingerprint: Callable[[T], str] | N
         buf = torch.zeros(n + _INLINE_SHARE, dtype=torch.uint8)
         buf[:n] = head
         if 0 < len(mine) <= _INLINE_SHARE:
-            buf[n:n + len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+            buf[n : n + len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
         rows = _all_gather_tensor(buf, group, what)
         heads = [r[:n].view(torch.int64).tolist() for r in rows]
         failed, same = any(h[0] for h in heads), len({(h[1], h[2]) for h in heads}) == 1
@@ -368,15 +396,17 @@ def _agree(step: Callable[[], T], what: str, fingerprint: Callable[[T], str] | N
     if not same:
         fps = all_gather_object(fp, group=group, what=what)
         by = ", ".join(f"rank {r}: {f}" for r, f in enumerate(fps))
-        raise PlanMismatchError(f"{what}: ranks disagree on the plan fingerprint ({by}); "
-                               "every rank must build the same model, placement and checkpoint index")
+        raise PlanMismatchError(
+            f"{what}: ranks disagree on the plan fingerprint ({by}); "
+            "every rank must build the same model, placement and checkpoint index"
+        )
     if share is None:
         return result, []
     sizes = [h[3] for h in heads]
     if max(sizes) > _INLINE_SHARE:  # some share did not fit: every rank's share, padded to the largest
         big = torch.zeros(max(sizes), dtype=torch.uint8)
         if mine:
-            big[:len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+            big[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
         shares = _all_gather_tensor(big, group, what)
     return result, [pickle.loads(t[:n].numpy().tobytes()) for t, n in zip(shares, sizes)]
 

@@ -11,8 +11,8 @@ tensors needs the torch dtype. A model's dtype may be given either way: a torch 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -40,7 +40,7 @@ _NAME_OF_STR = {f"torch.{v[2]}": k for k, v in _TABLE.items()}
 
 
 @functools.lru_cache(maxsize=1)
-def torch_dtypes() -> dict[str, "torch.dtype"]:
+def torch_dtypes() -> dict[str, torch.dtype]:
     """``{safetensors name: torch dtype}`` (imports torch)."""
     import torch
 

@@ -17,5 +17,13 @@ from .ops.lora import (
     save_adapter,
 )
 
-__all__ = ["AdapterError", "AdapterReport", "ADAPTER_WEIGHTS", "ADAPTER_CONFIG", "adapter_tensors", "load",
-           "load_adapter", "save_adapter"]
+__all__ = [
+    "AdapterError",
+    "AdapterReport",
+    "ADAPTER_WEIGHTS",
+    "ADAPTER_CONFIG",
+    "adapter_tensors",
+    "load",
+    "load_adapter",
+    "save_adapter",
+]

@@ -89,7 +89,9 @@ class Placement:
         num_empty = (p2l < 0).sum(axis=1, keepdims=True)
         starts = np.cumsum(logcnt, axis=1) - logcnt + num_empty
         full = sorted_log >= 0
-        rank_in_expert = np.arange(num_physical)[None, :] - np.take_along_axis(starts, np.maximum(sorted_log, 0), axis=1)
+        rank_in_expert = np.arange(num_physical)[None, :] - np.take_along_axis(
+            starts, np.maximum(sorted_log, 0), axis=1
+        )
         layer_idx = np.broadcast_to(np.arange(num_layers)[:, None], p2l.shape)
         log2phy[layer_idx[full], sorted_log[full], rank_in_expert[full]] = order[full]
         object.__setattr__(self, "phy2log", _frozen(p2l))
@@ -99,9 +101,7 @@ class Placement:
 
     # -- constructors -------------------------------------------------------------------
     @classmethod
-    def contiguous(
-        cls, num_layers: int, num_logical: int, num_ranks: int, num_redundant: int = 0
-    ) -> "Placement":
+    def contiguous(cls, num_layers: int, num_logical: int, num_ranks: int, num_redundant: int = 0) -> Placement:
         """Slot ``p`` holds logical expert ``p % num_logical``: experts in order, redundant
         copies of experts 0..num_redundant-1 in the last slots."""
         if num_layers < 1 or num_logical < 1 or num_redundant < 0:
@@ -114,7 +114,7 @@ class Placement:
         return cls(np.tile(row, (num_layers, 1)), num_logical=num_logical, num_ranks=num_ranks)
 
     @classmethod
-    def from_log2phy(cls, log2phy: np.ndarray, num_physical: int, num_ranks: int | None = None) -> "Placement":
+    def from_log2phy(cls, log2phy: np.ndarray, num_physical: int, num_ranks: int | None = None) -> Placement:
         """Inverse of :attr:`log2phy` (``-1`` pads); every slot must be named exactly once."""
         l2p = np.asarray(log2phy)
         num_layers, num_logical, _ = l2p.shape
@@ -130,7 +130,7 @@ class Placement:
         return cls(p2l, num_logical=num_logical, num_ranks=num_ranks)
 
     @classmethod
-    def by_rank(cls, old: "Placement", new: "Placement", take_new) -> "Placement":
+    def by_rank(cls, old: Placement, new: Placement, take_new) -> Placement:
         """The placement EP ranks hold when some took ``new`` and the others kept ``old``
         (each rank's slots from one of them): after a relocation whose closing agreement a
         dying peer cut short (:func:`moeshard.relocate`, "Failures").
@@ -145,8 +145,10 @@ class Placement:
                 for the ranks concerned, or ``from_checkpoint=True``).
         """
         if old.phy2log.shape != new.phy2log.shape or old.num_logical != new.num_logical:
-            raise ValueError(f"placements of different shapes: {old.phy2log.shape} with {old.num_logical} experts, "
-                             f"{new.phy2log.shape} with {new.num_logical}")
+            raise ValueError(
+                f"placements of different shapes: {old.phy2log.shape} with {old.num_logical} experts, "
+                f"{new.phy2log.shape} with {new.num_logical}"
+            )
         take = np.asarray(take_new, dtype=bool).reshape(-1)
         spr = old.slots_per_rank(len(take))
         rows = np.where(np.repeat(take, spr)[None, :], new.phy2log, old.phy2log)
@@ -181,9 +183,7 @@ class Placement:
         if n is None:
             raise ValueError("the EP size is unknown: pass num_ranks")
         if n < 1 or self.num_physical % n:
-            raise ValueError(
-                f"num_physical={self.num_physical} slots per layer is not divisible by the EP size {n}"
-            )
+            raise ValueError(f"num_physical={self.num_physical} slots per layer is not divisible by the EP size {n}")
         if self.num_ranks is not None and n != self.num_ranks:
             raise ValueError(f"placement was made for EP size {self.num_ranks}, the model has EP size {n}")
         return self.num_physical // n
@@ -196,9 +196,7 @@ class Placement:
 
     def check_layers(self, num_layers: int) -> None:
         if num_layers != self.num_layers:
-            raise ValueError(
-                f"the model has {num_layers} MoE layers, the placement describes {self.num_layers}"
-            )
+            raise ValueError(f"the model has {num_layers} MoE layers, the placement describes {self.num_layers}")
 
     def fingerprint(self) -> str:
         import hashlib

@@ -30,8 +30,9 @@ def progress_enabled(progress: bool | None) -> bool:
 class Progress:
     """Counts bytes for one operation on one rank (call :meth:`update`, then :meth:`close`)."""
 
-    def __init__(self, what: str, total: int, *, enabled: bool, local_rank: int, node: int,
-                 interval: float = 2.0, stream=None):
+    def __init__(
+        self, what: str, total: int, *, enabled: bool, local_rank: int, node: int, interval: float = 2.0, stream=None
+    ):
         self.what, self.total, self.node, self.interval = what, int(total), node, interval
         self.done = 0
         self.active = enabled and local_rank == 0 and self.total > 0
@@ -41,8 +42,15 @@ class Progress:
         if self.active and getattr(stream, "isatty", lambda: False)():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=self.total, unit="B", unit_scale=True, unit_divisor=1024, file=stream,
-                            desc=f"moeshard {what} (node {node})", leave=False)
+            self.bar = tqdm(
+                total=self.total,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                file=stream,
+                desc=f"moeshard {what} (node {node})",
+                leave=False,
+            )
 
     def update(self, nbytes: int) -> None:
         if not self.active:
@@ -62,7 +70,12 @@ class Progress:
         eta = (self.total - self.done) / rate if rate > 0 else float("inf")
         logger.info(
             "moeshard %s node=%d bytes_done=%d bytes_total=%d percent=%.1f rate_mib_s=%.1f %s",
-            self.what, self.node, self.done, self.total, 100.0 * self.done / self.total, rate / 2**20,
+            self.what,
+            self.node,
+            self.done,
+            self.total,
+            100.0 * self.done / self.total,
+            rate / 2**20,
             f"elapsed_s={elapsed:.2f}" if final else f"eta_s={eta:.1f}",
         )
 

@@ -42,15 +42,20 @@ class Topology:
         if self.nodes is not None:
             nodes = np.asarray(self.nodes, dtype=np.int64)
             if nodes.shape != (self.world_size,) or nodes.min() < 0:
-                raise ValueError(f"nodes must give a node id >= 0 for each of the {self.world_size} ranks, "
-                                 f"got {list(self.nodes)[:16]}")
+                raise ValueError(
+                    f"nodes must give a node id >= 0 for each of the {self.world_size} ranks, "
+                    f"got {list(self.nodes)[:16]}"
+                )
             counts = np.bincount(nodes)
             if not counts.all():
-                raise ValueError(f"nodes must number the nodes 0..{len(counts) - 1} with none left out, "
-                                 f"got {list(self.nodes)[:16]}")
+                raise ValueError(
+                    f"nodes must number the nodes 0..{len(counts) - 1} with none left out, got {list(self.nodes)[:16]}"
+                )
             if self.local_world_size != int(counts.max()):
-                raise ValueError(f"local_world_size={self.local_world_size} must be the most ranks on one node "
-                                 f"({int(counts.max())}) when nodes are given")
+                raise ValueError(
+                    f"local_world_size={self.local_world_size} must be the most ranks on one node "
+                    f"({int(counts.max())}) when nodes are given"
+                )
         elif self.local_world_size < 1 or self.world_size % self.local_world_size:
             raise ValueError(
                 f"local_world_size={self.local_world_size} must divide world_size={self.world_size}"
@@ -60,7 +65,7 @@ class Topology:
             raise ValueError(f"rank={self.rank} outside [0, {self.world_size})")
 
     @classmethod
-    def from_nodes(cls, nodes, rank: int = 0) -> "Topology":
+    def from_nodes(cls, nodes, rank: int = 0) -> Topology:
         """The topology of ranks whose nodes are ``nodes`` (any ids; renumbered in order of
         first appearance). Stays the plain contiguous form where it is one."""
         raw = [int(n) for n in nodes]
@@ -73,7 +78,7 @@ class Topology:
         return cls(len(dense), lws, rank, dense)
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> "Topology":
+    def from_env(cls, env: dict[str, str] | None = None) -> Topology:
         """Read RANK, WORLD_SIZE and LOCAL_WORLD_SIZE as torchrun sets them.
 
         Without those variables this is a single-process job. An initialized default process
@@ -91,7 +96,7 @@ class Topology:
         return cls(world_size=world, local_world_size=local_world, rank=rank)
 
     @classmethod
-    def of_group(cls, group=None, job: "Topology | None" = None) -> "Topology":
+    def of_group(cls, group=None, job: Topology | None = None) -> Topology:
         """The topology of process group ``group`` (None: the default group) in numbering of
         the group's ranks: each member's node is its job rank's node in ``job`` (default:
         :meth:`from_env`). ``rank`` is this process's group rank (0 outside the group)."""
@@ -148,5 +153,5 @@ class Topology:
             return np.bincount(np.asarray(self.nodes, dtype=np.int64))
         return np.full(self.num_nodes, self.local_world_size, dtype=np.int64)
 
-    def with_rank(self, rank: int) -> "Topology":
+    def with_rank(self, rank: int) -> Topology:
         return Topology(self.world_size, self.local_world_size, rank, self.nodes)

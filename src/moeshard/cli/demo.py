@@ -28,9 +28,17 @@ def _config():
     from transformers import Qwen3MoeConfig
 
     return Qwen3MoeConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=NUM_LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        num_experts=NUM_EXPERTS, num_experts_per_tok=2, max_position_embeddings=128,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=NUM_EXPERTS,
+        num_experts_per_tok=2,
+        max_position_embeddings=128,
         tie_word_embeddings=False,
     )
 
@@ -138,21 +146,37 @@ def _rank_main(ckpt: str):
     for storage in ("shared", "node", "single"):
         rep = moeshard.load(model, ckpt, placement=placement, storage=storage, report_minimal=True)
         ver = moeshard.verify(model, ckpt, placement=placement)
-        out["loads"].append({"storage": storage, "wall_s": rep.wall_seconds, "plan": rep.plan,
-                             "minimal": rep.minimal, "checked": ver.num_boxes_checked})
+        out["loads"].append(
+            {
+                "storage": storage,
+                "wall_s": rep.wall_seconds,
+                "plan": rep.plan,
+                "minimal": rep.minimal,
+                "checked": ver.num_boxes_checked,
+            }
+        )
     new, alive, dead, stats = rebalance_plans(placement)
     out["train"] = _train(ckpt, mesh, new)
     rep = moeshard.relocate(model, placement, new)
     moeshard.verify(model, ckpt, placement=new)
     rank, spr = dist.get_rank(), new.slots_per_rank(EP)
-    out["rebalance"] = {"wall_s": rep.wall_seconds, "copies": rep.copies, "sent": rep.network_bytes,
-                        "min_sent": rep.min_network_bytes, "policy": stats,
-                        "slots": new.phy2log[0, rank * spr:(rank + 1) * spr].tolist()}
+    out["rebalance"] = {
+        "wall_s": rep.wall_seconds,
+        "copies": rep.copies,
+        "sent": rep.network_bytes,
+        "min_sent": rep.min_network_bytes,
+        "policy": stats,
+        "slots": new.phy2log[0, rank * spr : (rank + 1) * spr].tolist(),
+    }
     rep = moeshard.relocate(model, new, dead, checkpoint=ckpt, active_ranks=alive)
     ver = moeshard.verify(model, ckpt, placement=dead)
-    out["dead"] = {"wall_s": rep.wall_seconds, "copies": rep.copies, "disk_experts": rep.disk_experts,
-                   "checked": ver.num_boxes_checked,
-                   "slots": dead.phy2log[0, rank * spr:(rank + 1) * spr].tolist()}
+    out["dead"] = {
+        "wall_s": rep.wall_seconds,
+        "copies": rep.copies,
+        "disk_experts": rep.disk_experts,
+        "checked": ver.num_boxes_checked,
+        "slots": dead.phy2log[0, rank * spr : (rank + 1) * spr].tolist(),
+    }
     new = dead
     # The transformers #45662 bug: every rank ends up with rank 0's experts.
     for _, module, spec in expert_layers(model):
@@ -186,48 +210,66 @@ def run(out_dir: str | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = os.path.join(out_dir or tmp, "qwen3-moe-tiny")
         nbytes = build_checkpoint(ckpt)
-        print(f"checkpoint: {ckpt} ({_mib(nbytes).strip()}, {NUM_LAYERS} MoE layers x {NUM_EXPERTS} experts, "
-              f"written by transformers save_pretrained)")
-        print(f"job: 8 gloo ranks = 2 nodes x 4, EP={EP}, {NUM_EXPERTS} logical + {NUM_REDUNDANT} redundant "
-              "experts per layer, FSDP2 on everything else\n")
+        print(
+            f"checkpoint: {ckpt} ({_mib(nbytes).strip()}, {NUM_LAYERS} MoE layers x {NUM_EXPERTS} experts, "
+            f"written by transformers save_pretrained)"
+        )
+        print(
+            f"job: 8 gloo ranks = 2 nodes x 4, EP={EP}, {NUM_EXPERTS} logical + {NUM_REDUNDANT} redundant "
+            "experts per layer, FSDP2 on everything else\n"
+        )
         results = run_local_ranks(_rank_main, ckpt, world=8, local_world=4)
         reference = train_one_process(ckpt)
     r0 = results[0]
-    print(f"{'storage':8} {'wall':>8} {'read total':>13} {'read max/rank':>14} {'sent total':>13} "
-          f"{'minimal sent':>13} {'cross-node':>13} {'boxes verified':>15}")
+    print(
+        f"{'storage':8} {'wall':>8} {'read total':>13} {'read max/rank':>14} {'sent total':>13} "
+        f"{'minimal sent':>13} {'cross-node':>13} {'boxes verified':>15}"
+    )
     for row in r0["loads"]:
         p, m = row["plan"], row["minimal"]
         checked = sum(res["loads"][r0["loads"].index(row)]["checked"] for res in results)
-        print(f"{row['storage']:8} {row['wall_s']:7.2f}s {_mib(p['read_bytes_total']):>13} "
-              f"{_mib(p['read_bytes_max_rank']):>14} {_mib(p['sent_bytes_total']):>13} "
-              f"{_mib(m['network_bytes']):>13} {_mib(p['cross_node_bytes']):>13} {checked:>15}")
+        print(
+            f"{row['storage']:8} {row['wall_s']:7.2f}s {_mib(p['read_bytes_total']):>13} "
+            f"{_mib(p['read_bytes_max_rank']):>14} {_mib(p['sent_bytes_total']):>13} "
+            f"{_mib(m['network_bytes']):>13} {_mib(p['cross_node_bytes']):>13} {checked:>15}"
+        )
     reb, st = r0["rebalance"], r0["rebalance"]["policy"]
-    print(f"\nrebalance for a skewed load (EPLB, max/mean rank load averaged over layers): "
-          f"{st['balance_before']:.2f} -> {st['balance_aware']:.2f} (oblivious policy: {st['balance_oblivious']:.2f});"
-          f"\n  expert copies moved: migration-aware {st['moved_aware']}, oblivious {st['moved_oblivious']}")
+    print(
+        f"\nrebalance for a skewed load (EPLB, max/mean rank load averaged over layers): "
+        f"{st['balance_before']:.2f} -> {st['balance_aware']:.2f} (oblivious policy: {st['balance_oblivious']:.2f});"
+        f"\n  expert copies moved: migration-aware {st['moved_aware']}, oblivious {st['moved_oblivious']}"
+    )
     c = reb["copies"]
-    print(f"  relocate (P2P, in place): {reb['wall_s']:.2f}s, copies local {c['local']} / same node {c['same_node']}"
-          f" / cross node {c['cross_node']} / disk {c['disk']}, sent {_mib(reb['sent']).strip()} "
-          f"(minimum {_mib(reb['min_sent']).strip()}), verified")
+    print(
+        f"  relocate (P2P, in place): {reb['wall_s']:.2f}s, copies local {c['local']} / same node {c['same_node']}"
+        f" / cross node {c['cross_node']} / disk {c['disk']}, sent {_mib(reb['sent']).strip()} "
+        f"(minimum {_mib(reb['min_sent']).strip()}), verified"
+    )
     d = r0["dead"]
     c = d["copies"]
-    print(f"rank 5 dies: its experts move to live ranks in {d['wall_s']:.2f}s: from live replicas "
-          f"{c['local'] + c['same_node'] + c['cross_node']}, from the checkpoint {c['disk']} "
-          f"(experts with no live copy: {len(d['disk_experts'])}); "
-          f"{sum(res['dead']['checked'] for res in results)} boxes verified")
+    print(
+        f"rank 5 dies: its experts move to live ranks in {d['wall_s']:.2f}s: from live replicas "
+        f"{c['local'] + c['same_node'] + c['cross_node']}, from the checkpoint {c['disk']} "
+        f"(experts with no live copy: {len(d['disk_experts'])}); "
+        f"{sum(res['dead']['checked'] for res in results)} boxes verified"
+    )
     for rank, res in enumerate(results):
         print(f"  rank {rank} (node {rank // 4}) layer 0 slots -> logical experts {res['dead']['slots']}")
     tr = r0["train"]
-    print(f"\ntraining (fp32, AdamW lr={TRAIN_LR}, 8 ranks x 1 sequence, EP all-to-all, the rebalanced placement "
-          f"with redundant experts) vs one process on the 8 sequences:")
+    print(
+        f"\ntraining (fp32, AdamW lr={TRAIN_LR}, 8 ranks x 1 sequence, EP all-to-all, the rebalanced placement "
+        f"with redundant experts) vs one process on the 8 sequences:"
+    )
     print(f"  {'step':>4} {'loss, 8 ranks':>14} {'loss, 1 process':>16} {'rel. diff':>10} {'grad norm':>10}")
     worst = 0.0
     for step, (a, b, n) in enumerate(zip(tr["losses"], reference, tr["norms"])):
         worst = max(worst, abs(a - b) / abs(b))
         print(f"  {step:>4} {a:14.6f} {b:16.6f} {abs(a - b) / abs(b):10.1e} {n:10.4f}")
     caught = r0["bug_caught"]
-    print("\nsimulated transformers #45662 (all ranks hold rank 0's experts): "
-          + ("verify caught it:\n    " + "\n    ".join(caught) if caught else "NOT CAUGHT"))
+    print(
+        "\nsimulated transformers #45662 (all ranks hold rank 0's experts): "
+        + ("verify caught it:\n    " + "\n    ".join(caught) if caught else "NOT CAUGHT")
+    )
     print(f"\ndemo finished in {time.perf_counter() - t0:.1f}s")
     ok = bool(caught) and worst < 1e-5
     print(json.dumps({"ok": ok, "train_loss_max_rel_diff": worst}))

@@ -146,8 +146,9 @@ def _read_sharded(root: Path) -> _Headers:
         if (root / name).is_file():
             present[name] = keys
         else:
-            problems.append(Problem(
-                "missing_files", f"{INDEX_NAME} names {name}, which does not exist ({len(keys)} tensors)"))
+            problems.append(
+                Problem("missing_files", f"{INDEX_NAME} names {name}, which does not exist ({len(keys)} tensors)")
+            )
     tensors: dict[str, TensorInfo] = {}
     sizes: dict[str, int] = {}
     for name, keys in present.items():
@@ -156,9 +157,12 @@ def _read_sharded(root: Path) -> _Headers:
         in_file, sizes[name] = read_header(root / name, name)
         missing = [k for k in keys if k not in in_file]
         if missing:
-            problems.append(Problem(
-                "missing_keys", f"{INDEX_NAME} places {len(missing)} tensors in {name}, which lacks them: "
-                f"{_some(missing)}"))
+            problems.append(
+                Problem(
+                    "missing_keys",
+                    f"{INDEX_NAME} places {len(missing)} tensors in {name}, which lacks them: {_some(missing)}",
+                )
+            )
         for k in keys:
             info = in_file.get(k)
             if info is not None:
@@ -166,14 +170,18 @@ def _read_sharded(root: Path) -> _Headers:
         if len(in_file) > len(keys) - len(missing):
             indexed = set(keys)
             stray = [k for k in in_file if k not in indexed]
-            problems.append(Problem(
-                "unindexed_keys", f"{name} holds {len(stray)} tensors that {INDEX_NAME} does not name: "
-                f"{_some(stray)}"))
+            problems.append(
+                Problem(
+                    "unindexed_keys",
+                    f"{name} holds {len(stray)} tensors that {INDEX_NAME} does not name: {_some(stray)}",
+                )
+            )
     named = set(weight_map)
     for extra in sorted(x.name for x in root.glob("*.safetensors")):
         if extra not in named:
-            problems.append(Problem(
-                "unindexed_files", f"{extra} is in the checkpoint directory but {INDEX_NAME} does not name it"))
+            problems.append(
+                Problem("unindexed_files", f"{extra} is in the checkpoint directory but {INDEX_NAME} does not name it")
+            )
     return _Headers(root, INDEX_NAME, tensors, sizes, tuple(problems))
 
 
@@ -306,8 +314,11 @@ def _layer_lines(layers: tuple[MoeLayer, ...]) -> list[str]:
     """Few layers: one line each. Many: grouped by name pattern with the layer numbers as
     ranges (``model.layers.{3-60}.mlp.experts``), so 58 layers fit on one line."""
     if len(layers) <= 4:
-        return [f"    {layer.module}: {layer.num_experts} experts, {_fmt_bytes(layer.nbytes)}"
-                + (" (fused)" if layer.fused else "") for layer in layers]
+        return [
+            f"    {layer.module}: {layer.num_experts} experts, {_fmt_bytes(layer.nbytes)}"
+            + (" (fused)" if layer.fused else "")
+            for layer in layers
+        ]
     groups: dict[tuple[str, int, bool], list[int]] = defaultdict(list)
     loose = []
     for layer in layers:
@@ -327,13 +338,16 @@ def _layer_lines(layers: tuple[MoeLayer, ...]) -> list[str]:
 def format_summary(s: CheckpointSummary) -> str:
     """The human-readable report ``moeshard inspect`` prints."""
     lines = [f"checkpoint {s.root}" + (f" ({s.index})" if s.index else " (single file)")]
-    lines.append(f"  {s.num_tensors:,} tensors, {_fmt_bytes(s.total_bytes)} ({s.total_bytes:,} bytes) "
-                 f"in {len(s.files)} files")
+    lines.append(
+        f"  {s.num_tensors:,} tensors, {_fmt_bytes(s.total_bytes)} ({s.total_bytes:,} bytes) in {len(s.files)} files"
+    )
     lines += ["", "dtypes"]
     lines += _table([(d.dtype, f"{d.num_tensors:,}", f"{d.nbytes:,}") for d in s.dtypes], ("dtype", "tensors", "bytes"))
     lines += ["", "files"]
-    lines += _table([(f.name, f"{f.num_tensors:,}", f"{f.nbytes:,}", f"{f.file_size:,}") for f in s.files],
-                    ("file", "tensors", "tensor bytes", "file size"))
+    lines += _table(
+        [(f.name, f"{f.num_tensors:,}", f"{f.nbytes:,}", f"{f.file_size:,}") for f in s.files],
+        ("file", "tensors", "tensor bytes", "file size"),
+    )
     lines.append("")
     moe = s.moe
     if moe is None:
@@ -343,23 +357,35 @@ def format_summary(s: CheckpointSummary) -> str:
         lines.append("  layers:")
         lines += _layer_lines(moe.layers)
         lines.append("  per-expert tensors:")
-        lines += _table([(t.name + (" (fused)" if t.fused else ""), shape_str(t.shape), t.dtype, f"{t.nbytes:,}")
-                         for t in moe.expert_tensors], ("name", "shape", "dtype", "bytes"), indent="    ")
+        lines += _table(
+            [
+                (t.name + (" (fused)" if t.fused else ""), shape_str(t.shape), t.dtype, f"{t.nbytes:,}")
+                for t in moe.expert_tensors
+            ],
+            ("name", "shape", "dtype", "bytes"),
+            indent="    ",
+        )
         total = moe.expert_bytes + moe.dense_bytes
         pct = 100 * moe.expert_bytes / total if total else 0.0
         lines.append(f"  bytes per expert: {moe.bytes_per_expert:,}")
-        lines.append(f"  expert bytes: {_fmt_bytes(moe.expert_bytes)} ({pct:.1f}%), "
-                     f"dense bytes: {_fmt_bytes(moe.dense_bytes)}")
+        lines.append(
+            f"  expert bytes: {_fmt_bytes(moe.expert_bytes)} ({pct:.1f}%), dense bytes: {_fmt_bytes(moe.dense_bytes)}"
+        )
     q = s.quantization
     if q is not None:
         blocks = ", ".join("x".join(map(str, b)) for b in q.blocks) or "-"
-        lines += ["", f"FP8: {q.num_scaled:,} weights with block scales (blocks {blocks}): "
-                      f"{_fmt_bytes(q.fp8_bytes)} + {_fmt_bytes(q.scale_bytes)} of scales on disk, "
-                      f"{_fmt_bytes(q.bf16_bytes)} dequantized to bf16 (what `load` gives a bf16 model)"]
+        lines += [
+            "",
+            f"FP8: {q.num_scaled:,} weights with block scales (blocks {blocks}): "
+            f"{_fmt_bytes(q.fp8_bytes)} + {_fmt_bytes(q.scale_bytes)} of scales on disk, "
+            f"{_fmt_bytes(q.bf16_bytes)} dequantized to bf16 (what `load` gives a bf16 model)",
+        ]
         if q.unscaled:
             more = f" ... ({len(q.unscaled)} in all)" if len(q.unscaled) > 5 else ""
-            lines.append(f"  {len(q.unscaled):,} FP8 tensors with no fitting scale (a float model refuses them): "
-                         f"{list(q.unscaled[:5])}{more}")
+            lines.append(
+                f"  {len(q.unscaled):,} FP8 tensors with no fitting scale (a float model refuses them): "
+                f"{list(q.unscaled[:5])}{more}"
+            )
     lines.append("")
     if s.problems:
         lines.append(f"problems ({len(s.problems)}):")
@@ -377,8 +403,9 @@ def main(argv: list[str] | None = None) -> int:
         "tensors, dtypes, files, the MoE layout, and problems. Exit code 0: no problems; "
         "1: problems found (a checkpoint without MoE layers is one); 2: not a readable checkpoint.",
     )
-    parser.add_argument("checkpoint",
-                        help="checkpoint directory, its model.safetensors.index.json, or a .safetensors file")
+    parser.add_argument(
+        "checkpoint", help="checkpoint directory, its model.safetensors.index.json, or a .safetensors file"
+    )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON instead of a report")
     args = parser.parse_args(argv)
     try:

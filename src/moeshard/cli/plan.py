@@ -48,21 +48,31 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="moeshard plan", description=(
-        "Plan loading a MoE checkpoint on a cluster (no GPUs, no process group) and print what it costs, "
-        "beside three baseline loaders; or, with --rebalance, plan an EPLB relocation."))
+    p = _Parser(
+        prog="moeshard plan",
+        description=(
+            "Plan loading a MoE checkpoint on a cluster (no GPUs, no process group) and print what it costs, "
+            "beside three baseline loaders; or, with --rebalance, plan an EPLB relocation."
+        ),
+    )
     p.add_argument("ckpt", nargs="?", metavar="CKPT", help="checkpoint directory (only headers are read)")
-    p.add_argument("--synthetic-from-config", metavar="CONFIG_JSON",
-                   help="plan for the checkpoint a HF config.json describes (DeepSeek-V3, Qwen3-MoE, Mixtral) instead")
+    p.add_argument(
+        "--synthetic-from-config",
+        metavar="CONFIG_JSON",
+        help="plan for the checkpoint a HF config.json describes (DeepSeek-V3, Qwen3-MoE, Mixtral) instead",
+    )
     p.add_argument("--nodes", type=int, required=True)
     p.add_argument("--ranks-per-node", type=int, required=True)
     p.add_argument("--ep", type=int, required=True, help="expert-parallel size")
     p.add_argument("--efsdp", type=int, help="expert-FSDP size (default: world / ep)")
     p.add_argument("--redundant", type=int, help="redundant expert slots per layer (default 0, or from --placement)")
     p.add_argument("--storage", choices=("shared", "node", "single", "all"), default="all")
-    p.add_argument("--placement", metavar="FILE",
-                   help="the current placement: moeshard JSON, phy2log .npy, sglang's --init-expert-location "
-                        "file (.json/.pt), vLLM's EPLB tensors (.pt); or vllm:linear, vllm:round_robin, sglang:trivial")
+    p.add_argument(
+        "--placement",
+        metavar="FILE",
+        help="the current placement: moeshard JSON, phy2log .npy, sglang's --init-expert-location "
+        "file (.json/.pt), vLLM's EPLB tensors (.pt); or vllm:linear, vllm:round_robin, sglang:trivial",
+    )
     p.add_argument("--placement-format", choices=FORMATS, help="read --placement as this format (default: sniffed)")
     p.add_argument("--bandwidth", metavar="storage=GBps,intra=GBps,inter=GBps")
     p.add_argument("--staging-mib", type=float, default=DEFAULT_STAGING_BYTES / 2**20)
@@ -111,13 +121,20 @@ def cluster_and_placement(args: argparse.Namespace, layout: MoeLayout) -> tuple[
     named = args.placement in NAMED_PLACEMENTS and not os.path.exists(args.placement)
     phy2log = None
     if args.placement and not named:
-        f = read_placement_file(args.placement, format=args.placement_format,
-                                moe_layers=moe_layer_indices([m.module for m in layout.experts]))
-        for what, have, want in (("num_logical", f.num_logical, layout.num_logical),
-                                 ("num_ranks", f.num_ranks, args.ep)):
+        f = read_placement_file(
+            args.placement,
+            format=args.placement_format,
+            moe_layers=moe_layer_indices([m.module for m in layout.experts]),
+        )
+        for what, have, want in (
+            ("num_logical", f.num_logical, layout.num_logical),
+            ("num_ranks", f.num_ranks, args.ep),
+        ):
             if have is not None and have != want:
-                raise ValueError(f"--placement {args.placement} was written for {what}={have}; the plan has {want} "
-                                 f"({'experts per layer' if what == 'num_logical' else '--ep'})")
+                raise ValueError(
+                    f"--placement {args.placement} was written for {what}={have}; the plan has {want} "
+                    f"({'experts per layer' if what == 'num_logical' else '--ep'})"
+                )
         phy2log = f.phy2log
     if phy2log is not None and args.redundant is None:
         redundant = max(0, phy2log.shape[1] - layout.num_logical)
@@ -126,32 +143,67 @@ def cluster_and_placement(args: argparse.Namespace, layout: MoeLayout) -> tuple[
     cluster = ClusterSpec.build(args.nodes, args.ranks_per_node, args.ep, args.efsdp, redundant)
     cluster.topology()  # validates ranks per node
     if named:
-        return cluster, named_placement(args.placement, num_layers=layout.num_layers, num_logical=layout.num_logical,
-                                        num_ranks=cluster.ep, num_redundant=redundant)
+        return cluster, named_placement(
+            args.placement,
+            num_layers=layout.num_layers,
+            num_logical=layout.num_logical,
+            num_ranks=cluster.ep,
+            num_redundant=redundant,
+        )
     return cluster, make_placement(layout, cluster, phy2log)
 
 
-def _relocation(descs, placement: Placement, loads: np.ndarray, cluster: ClusterSpec, mode: str, staging: int,
-                cfg: dict | None, bw: Bandwidth | None, timings: dict[str, float]) -> dict:
+def _relocation(
+    descs,
+    placement: Placement,
+    loads: np.ndarray,
+    cluster: ClusterSpec,
+    mode: str,
+    staging: int,
+    cfg: dict | None,
+    bw: Bandwidth | None,
+    timings: dict[str, float],
+) -> dict:
     """The ``relocation`` section: a rebalance of ``loads`` and its relocation plan."""
     topo = cluster.topology()
     _, readers, _ = storage_sources(mode, np.ones(topo.world_size, dtype=bool), topo)
     num_groups = cfg.get("n_group") if cfg else None
-    _, summary = plan_relocation_summary(descs, placement, loads, cluster, readers, staging,
-                                         num_groups if isinstance(num_groups, int) else None)
+    _, summary = plan_relocation_summary(
+        descs, placement, loads, cluster, readers, staging, num_groups if isinstance(num_groups, int) else None
+    )
     timings["rebalance"] = summary.rebalance_seconds
     timings["plan relocation"] = summary.plan_seconds
     r = asdict(summary)
     if bw is not None:
-        cost = StrategyCost("relocation", "moeshard", r["cost"]["read_bytes_total"], summary.read_bytes_max_node,
-                            r["cost"]["cross_node_bytes"], 0, 0, 0, 0, 0, 0,
-                            summary.intra_bytes_max_rank, summary.inter_bytes_max_rank)
+        cost = StrategyCost(
+            "relocation",
+            "moeshard",
+            r["cost"]["read_bytes_total"],
+            summary.read_bytes_max_node,
+            r["cost"]["cross_node_bytes"],
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            summary.intra_bytes_max_rank,
+            summary.inter_bytes_max_rank,
+        )
         r["time_s"], r["bottleneck"] = estimate_time(cost, bw)
     return r
 
 
-def _strategies(descs, index: CheckpointIndex, placement: Placement, cluster: ClusterSpec, modes: tuple[str, ...],
-                staging: int, bw: Bandwidth | None, timings: dict[str, float]) -> tuple[int, list[dict]]:
+def _strategies(
+    descs,
+    index: CheckpointIndex,
+    placement: Placement,
+    cluster: ClusterSpec,
+    modes: tuple[str, ...],
+    staging: int,
+    bw: Bandwidth | None,
+    timings: dict[str, float],
+) -> tuple[int, list[dict]]:
     """``(num_needs, strategies)``: moeshard's plan per storage mode, then the baselines."""
     topo = cluster.topology()
     t = time.perf_counter()
@@ -222,10 +274,15 @@ def _run(args: argparse.Namespace) -> dict:
             "quantization": dataclasses.asdict(q) if (q := quantization(index.tensors)) is not None else None,
         },
         "cluster": {
-            "num_nodes": cluster.num_nodes, "ranks_per_node": cluster.ranks_per_node,
-            "world_size": cluster.world_size, "ep": cluster.ep, "efsdp": cluster.efsdp,
-            "num_physical": placement.num_physical, "num_redundant": cluster.num_redundant,
-            "slots_per_rank": placement.num_physical // cluster.ep, "staging_bytes": staging,
+            "num_nodes": cluster.num_nodes,
+            "ranks_per_node": cluster.ranks_per_node,
+            "world_size": cluster.world_size,
+            "ep": cluster.ep,
+            "efsdp": cluster.efsdp,
+            "num_physical": placement.num_physical,
+            "num_redundant": cluster.num_redundant,
+            "slots_per_rank": placement.num_physical // cluster.ep,
+            "staging_bytes": staging,
         },
         "timings_s": timings,
     }

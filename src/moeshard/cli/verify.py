@@ -28,10 +28,12 @@ def placement_from_args(args, num_layers: int, num_logical: int, ep: int, module
     if args.placement is None:
         return Placement.contiguous(num_layers, num_logical, ep, args.redundant)
     if args.placement in NAMED_PLACEMENTS and not os.path.exists(args.placement):
-        return named_placement(args.placement, num_layers=num_layers, num_logical=num_logical, num_ranks=ep,
-                               num_redundant=args.redundant)
-    f = read_placement_file(args.placement, format=args.placement_format,
-                            moe_layers=None if modules is None else moe_layer_indices(modules))
+        return named_placement(
+            args.placement, num_layers=num_layers, num_logical=num_logical, num_ranks=ep, num_redundant=args.redundant
+        )
+    f = read_placement_file(
+        args.placement, format=args.placement_format, moe_layers=None if modules is None else moe_layer_indices(modules)
+    )
     p2l = f.phy2log
     if p2l.shape[0] != num_layers or p2l.shape[1] % ep:
         raise ValueError(
@@ -76,8 +78,9 @@ def _slot_report(model, placement, index, reader_root_dir: str) -> list[tuple[in
                     if e < 0:
                         rows.setdefault(slot, [slot, -1, "", True])
                         continue
-                    want = read_expert_box(reader, p, name, e, rest, torch.empty_like(loc[k]),
-                                           t.shape[1] if t.dim() > 1 else 0)
+                    want = read_expert_box(
+                        reader, p, name, e, rest, torch.empty_like(loc[k]), t.shape[1] if t.dim() > 1 else 0
+                    )
                     ok = torch.equal(loc[k], want)
                     row = rows.setdefault(slot, [slot, e, "", True])
                     row[2] += digest_hex(loc[k])[:8]  # one short checksum per expert tensor
@@ -92,10 +95,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ep", type=int, help="EP size (default: the world size)")
     parser.add_argument("--efsdp", type=int, default=1, help="expert-FSDP size (ep x efsdp = world size)")
     parser.add_argument("--redundant", type=int, default=0, help="redundant slots per layer (no --placement)")
-    parser.add_argument("--placement", help="the job's saved placement: moeshard JSON, phy2log .npy [num_layers, "
-                        "num_physical], sglang's or vLLM's file; or vllm:linear, vllm:round_robin, sglang:trivial")
-    parser.add_argument("--placement-format", choices=("moeshard", "npy", "sglang", "vllm"),
-                        help="read --placement as this format (default: sniffed)")
+    parser.add_argument(
+        "--placement",
+        help="the job's saved placement: moeshard JSON, phy2log .npy [num_layers, "
+        "num_physical], sglang's or vLLM's file; or vllm:linear, vllm:round_robin, sglang:trivial",
+    )
+    parser.add_argument(
+        "--placement-format",
+        choices=("moeshard", "npy", "sglang", "vllm"),
+        help="read --placement as this format (default: sniffed)",
+    )
     parser.add_argument("--storage", default="auto", choices=["auto", "shared", "node", "single"])
     parser.add_argument("--report", action="store_true", help="print every rank's slots, checksum-verified")
     args = parser.parse_args(argv)
@@ -127,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         rank, world = dist.get_rank(), dist.get_world_size()
         ep = args.ep or world // args.efsdp
         try:
+
             def setup():
                 model = meta_model(read_config(args.checkpoint), source=args.checkpoint)
                 moe = moe_layout(model, source=args.checkpoint)
@@ -149,8 +159,10 @@ def main(argv: list[str] | None = None) -> int:
             index = CheckpointIndex.open(args.checkpoint)
             report = collectives.all_gather_object(_slot_report(model, placement, index, reader_root(args.checkpoint)))
         if rank == 0:
-            print(f"moeshard verify: {args.checkpoint}: {world} ranks (EP={ep} x efsdp={args.efsdp}), "
-                  f"{sum(boxes)} boxes verified against the checkpoint: OK")
+            print(
+                f"moeshard verify: {args.checkpoint}: {world} ranks (EP={ep} x efsdp={args.efsdp}), "
+                f"{sum(boxes)} boxes verified against the checkpoint: OK"
+            )
             if report is not None:
                 bad = 0
                 for r, layers in enumerate(report):
@@ -159,8 +171,11 @@ def main(argv: list[str] | None = None) -> int:
                         cells = []
                         for slot, e, digest, ok in rows:
                             bad += not ok
-                            cells.append(f"{slot}:{'empty' if e < 0 else e}" + ("" if ok else "(WRONG)")
-                                         + (f"[{digest[:8]}]" if e >= 0 else ""))
+                            cells.append(
+                                f"{slot}:{'empty' if e < 0 else e}"
+                                + ("" if ok else "(WRONG)")
+                                + (f"[{digest[:8]}]" if e >= 0 else "")
+                            )
                         print(f"  layer {layer} ({name}): slot:expert[checksum] " + " ".join(cells))
                 if bad:
                     print(f"moeshard verify: {bad} slot(s) differ from their logical expert", file=sys.stderr)

@@ -50,8 +50,24 @@ from .spec import ClusterSpec
 from .synthetic import num_params, read_config, synthetic_index
 
 __all__ = [
-    "ClusterSpec", "Bandwidth", "ExpertModule", "MoeLayout", "StrategyCost", "RelocationSummary", "LinkBytes",
-    "read_config", "synthetic_index", "num_params", "make_placement", "find_experts",
-    "synthesize_descs", "moeshard_cost", "plan_storage_modes", "baseline_costs", "estimate_time",
-    "plan_relocation_summary", "parse_bandwidth", "format_report",
+    "ClusterSpec",
+    "Bandwidth",
+    "ExpertModule",
+    "MoeLayout",
+    "StrategyCost",
+    "RelocationSummary",
+    "LinkBytes",
+    "read_config",
+    "synthetic_index",
+    "num_params",
+    "make_placement",
+    "find_experts",
+    "synthesize_descs",
+    "moeshard_cost",
+    "plan_storage_modes",
+    "baseline_costs",
+    "estimate_time",
+    "plan_relocation_summary",
+    "parse_bandwidth",
+    "format_report",
 ]

@@ -25,8 +25,9 @@ def _local_bytes(d: ParamDesc, itemsize: int, world: int) -> tuple[np.ndarray, n
     return ranks, boxes[:, :, 1].prod(axis=1) * itemsize
 
 
-def baseline_costs(needs: NeedTable, descs: Sequence[ParamDesc], index: CheckpointIndex,
-                   cluster: ClusterSpec) -> list[StrategyCost]:
+def baseline_costs(
+    needs: NeedTable, descs: Sequence[ParamDesc], index: CheckpointIndex, cluster: ClusterSpec
+) -> list[StrategyCost]:
     """Costs of the three baselines of ``benchmarks/baselines.py``, computed from what each
     sends (no execution):
 
@@ -50,16 +51,24 @@ def baseline_costs(needs: NeedTable, descs: Sequence[ParamDesc], index: Checkpoi
     out = []
 
     # rank0-broadcast: every checkpoint tensor once, to every rank.
-    out.append(StrategyCost(
-        name="rank0-broadcast", kind="baseline",
-        read_bytes_total=total, read_bytes_max_node=total,
-        cross_node_bytes=total * (world - lws),
-        sent_bytes_max_rank=total * (world - 1), recv_bytes_max_rank=total if world > 1 else 0,
-        num_p2p_ops=0, num_collectives=len(infos), num_batches=len(infos),
-        peak_staging_bytes_max_rank=max_tensor,
-        intra_bytes_max_rank=total * intra_ring, inter_bytes_max_rank=total * inter_ring,
-        note="accelerate fsdp2_load_full_state_dict (transformers #45662)",
-    ))
+    out.append(
+        StrategyCost(
+            name="rank0-broadcast",
+            kind="baseline",
+            read_bytes_total=total,
+            read_bytes_max_node=total,
+            cross_node_bytes=total * (world - lws),
+            sent_bytes_max_rank=total * (world - 1),
+            recv_bytes_max_rank=total if world > 1 else 0,
+            num_p2p_ops=0,
+            num_collectives=len(infos),
+            num_batches=len(infos),
+            peak_staging_bytes_max_rank=max_tensor,
+            intra_bytes_max_rank=total * intra_ring,
+            inter_bytes_max_rank=total * inter_ring,
+            note="accelerate fsdp2_load_full_state_dict (transformers #45662)",
+        )
+    )
 
     # chunk-broadcast-loop.
     expert_keys: set[str] = set()
@@ -82,16 +91,24 @@ def baseline_costs(needs: NeedTable, descs: Sequence[ParamDesc], index: Checkpoi
     dense_bytes = sum(b for k, b in nbytes.items() if k not in expert_keys)
     num_dense = len(infos) - len(expert_keys)
     payload = dense_bytes + bcast_bytes
-    out.append(StrategyCost(
-        name="chunk-broadcast-loop", kind="baseline",
-        read_bytes_total=total, read_bytes_max_node=total,
-        cross_node_bytes=payload * (world - lws),
-        sent_bytes_max_rank=payload * (world - 1), recv_bytes_max_rank=payload if world > 1 else 0,
-        num_p2p_ops=0, num_collectives=num_dense + num_bcast, num_batches=num_dense + num_bcast,
-        peak_staging_bytes_max_rank=max(max_tensor, peak0),
-        intra_bytes_max_rank=payload * intra_ring, inter_bytes_max_rank=payload * inter_ring,
-        note=f"twinkle #200: {num_bcast} expert broadcasts, each followed by a device synchronize",
-    ))
+    out.append(
+        StrategyCost(
+            name="chunk-broadcast-loop",
+            kind="baseline",
+            read_bytes_total=total,
+            read_bytes_max_node=total,
+            cross_node_bytes=payload * (world - lws),
+            sent_bytes_max_rank=payload * (world - 1),
+            recv_bytes_max_rank=payload if world > 1 else 0,
+            num_p2p_ops=0,
+            num_collectives=num_dense + num_bcast,
+            num_batches=num_dense + num_bcast,
+            peak_staging_bytes_max_rank=max(max_tensor, peak0),
+            intra_bytes_max_rank=payload * intra_ring,
+            inter_bytes_max_rank=payload * inter_ring,
+            note=f"twinkle #200: {num_bcast} expert broadcasts, each followed by a device synchronize",
+        )
+    )
 
     # node-local-p2p: one blocking send per need of a rank other than its node's local rank 0.
     item = np.asarray([ITEMSIZE[infos[k].dtype] for k in needs.keys], dtype=np.int64)
@@ -107,16 +124,24 @@ def baseline_costs(needs: NeedTable, descs: Sequence[ParamDesc], index: Checkpoi
     ops = int(ops_node.sum())  # job-wide, as PlanCost counts; nodes send in parallel, so the
     # sequential steps (batches) are the busiest node's sends
     max_need = int(sizes[~is_source[ranks]].max(initial=0))
-    out.append(StrategyCost(
-        name="node-local-p2p", kind="baseline",
-        read_bytes_total=total * num_nodes, read_bytes_max_node=total,
-        cross_node_bytes=0,
-        sent_bytes_max_rank=int(sent_node.max()), recv_bytes_max_rank=int(recv.max()),
-        num_p2p_ops=ops, num_collectives=0, num_batches=int(ops_node.max()),
-        peak_staging_bytes_max_rank=max(max_tensor, max_need),
-        intra_bytes_max_rank=int(max(sent_node.max(), recv.max())), inter_bytes_max_rank=0,
-        note="twinkle #207: every node reads the whole checkpoint; blocking sends one at a time",
-    ))
+    out.append(
+        StrategyCost(
+            name="node-local-p2p",
+            kind="baseline",
+            read_bytes_total=total * num_nodes,
+            read_bytes_max_node=total,
+            cross_node_bytes=0,
+            sent_bytes_max_rank=int(sent_node.max()),
+            recv_bytes_max_rank=int(recv.max()),
+            num_p2p_ops=ops,
+            num_collectives=0,
+            num_batches=int(ops_node.max()),
+            peak_staging_bytes_max_rank=max(max_tensor, max_need),
+            intra_bytes_max_rank=int(max(sent_node.max(), recv.max())),
+            inter_bytes_max_rank=0,
+            note="twinkle #207: every node reads the whole checkpoint; blocking sends one at a time",
+        )
+    )
     return out
 
 

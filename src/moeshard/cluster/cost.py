@@ -53,7 +53,6 @@ class StrategyCost:
         }
 
 
-
 class LinkBytes:
     """Per-rank bytes sent and received over intra-node and inter-node links, for the time
     estimate (a rank's link load is the larger of what it sends and what it receives)."""

@@ -41,7 +41,6 @@ def parse_bandwidth(text: str) -> Bandwidth:
     return Bandwidth(**vals)
 
 
-
 def estimate_time(cost: StrategyCost, bw: Bandwidth) -> tuple[float, str]:
     """Seconds and bottleneck: max of (storage bytes read per node / storage bandwidth, max
     per-rank intra-node bytes / intra bandwidth, max per-rank inter-node bytes / inter

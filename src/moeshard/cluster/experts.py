@@ -87,7 +87,8 @@ def _check_loadable(root: str, fmt: MoeFormat | None) -> None:
         raise ValueError(
             f"checkpoint {root}: {fused[0]} stores its experts fused ({', '.join(names)}"
             f"{f'; {len(fused) - 1} more such layers' if len(fused) > 1 else ''}); moeshard reads experts "
-            "stored per expert (<module>.experts.<e>.<name>)")
+            "stored per expert (<module>.experts.<e>.<name>)"
+        )
     problems = [p for p in check(fmt) if p.kind in _REFUSED]
     if problems:
         more = f" (and {len(problems) - 1} more problems: `moeshard inspect` lists them)" if len(problems) > 1 else ""

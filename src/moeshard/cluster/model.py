@@ -45,8 +45,17 @@ def synthesize_descs(layout: MoeLayout, index: CheckpointIndex, cluster: Cluster
             parts = [index.info(k) for k in p.keys(em.module, 0)]
             slice_shape = (sum(t.shape[0] for t in parts), *parts[0].shape[1:]) if parts[0].shape else ()
             place = eplace if slice_shape else eplace0
-            descs.append(ParamDesc(f"{em.module}.{p.name}", (num_physical, *slice_shape), parts[0].dtype,
-                                   emesh, place, (), ExpertRef(em.layer, em.module, p)))
+            descs.append(
+                ParamDesc(
+                    f"{em.module}.{p.name}",
+                    (num_physical, *slice_shape),
+                    parts[0].dtype,
+                    emesh,
+                    place,
+                    (),
+                    ExpertRef(em.layer, em.module, p),
+                )
+            )
     return descs
 
 

@@ -24,13 +24,18 @@ def moeshard_cost(name: str, plan: Schedule, minimal: dict, seconds: float) -> S
     links = LinkBytes(topo)
     links.add_many(plan.sends.src, plan.sends.dst, plan.pieces.bytes[plan.sends.piece])
     if topo.local_world_size > 1:
-        links.ring_many(plan.bcasts.node.astype(np.int64), plan.bcasts.root.astype(np.int64),
-                        plan.pieces.bytes[plan.bcasts.piece], topo.local_world_size)
+        links.ring_many(
+            plan.bcasts.node.astype(np.int64),
+            plan.bcasts.root.astype(np.int64),
+            plan.pieces.bytes[plan.bcasts.piece],
+            topo.local_world_size,
+        )
     intra, inter = links.max_rank()
     c = plan.cost
     read_node = c.read_bytes.reshape(-1, topo.local_world_size).sum(1)
     return StrategyCost(
-        name=name, kind="moeshard",
+        name=name,
+        kind="moeshard",
         read_bytes_total=int(c.read_bytes.sum()),
         read_bytes_max_node=int(read_node.max()),
         cross_node_bytes=int(c.cross_node_bytes),
@@ -57,8 +62,9 @@ def _plan_mode(mode: str, pieces: Pieces, index: CheckpointIndex, topo: Topology
     return StrategyCost(**{**asdict(cost), "plan_seconds": time.perf_counter() - t})
 
 
-def plan_storage_modes(needs: NeedTable | Pieces, index: CheckpointIndex, topo: Topology, modes: Sequence[str],
-                       staging: int) -> list[StrategyCost]:
+def plan_storage_modes(
+    needs: NeedTable | Pieces, index: CheckpointIndex, topo: Topology, modes: Sequence[str], staging: int
+) -> list[StrategyCost]:
     """Plan every storage mode in ``modes`` and cost each plan (pure).
 
     The needs are cut into pieces once (:func:`~moeshard.plan.cut_pieces`, the same for every

@@ -35,9 +35,15 @@ class RelocationSummary:
     rebalance_seconds: float
 
 
-def plan_relocation_summary(descs: Sequence[ParamDesc], old: Placement, loads: np.ndarray, cluster: ClusterSpec,
-                            readers: np.ndarray, staging_bytes: int,
-                            num_groups: int | None) -> tuple[Placement, RelocationSummary]:
+def plan_relocation_summary(
+    descs: Sequence[ParamDesc],
+    old: Placement,
+    loads: np.ndarray,
+    cluster: ClusterSpec,
+    readers: np.ndarray,
+    staging_bytes: int,
+    num_groups: int | None,
+) -> tuple[Placement, RelocationSummary]:
     """Rebalance ``loads`` (``float[num_moe_layers, num_logical]``) from ``old`` with EPLB's
     migration-aware policy and plan the relocation of every expert tensor (pure)."""
     from .. import eplb
@@ -52,8 +58,15 @@ def plan_relocation_summary(descs: Sequence[ParamDesc], old: Placement, loads: n
     nodes = cluster.ep_nodes()
     groups = num_groups if num_groups and old.num_logical % num_groups == 0 else None
     t0 = time.perf_counter()
-    new = eplb.rebalance(loads, old, num_physical=old.num_physical, num_ranks=cluster.ep, num_nodes=nodes,
-                         num_groups=groups, migration_aware=True)
+    new = eplb.rebalance(
+        loads,
+        old,
+        num_physical=old.num_physical,
+        num_ranks=cluster.ep,
+        num_nodes=nodes,
+        num_groups=groups,
+        migration_aware=True,
+    )
     t1 = time.perf_counter()
     tensors = []
     for d in descs:

@@ -27,8 +27,11 @@ def _header(rep: dict) -> list[str]:
     lines = [
         f"checkpoint {ck['source']}: {_count(ck['num_tensors'])} tensors, {format_bytes(ck['total_bytes'])}, "
         f"{ck['num_params'] / 1e9:.1f}B params; {ck['num_moe_layers']} MoE layers x {ck['num_logical']} experts"
-        + (f" ({ck['num_skipped_keys']} keys of layers beyond num_hidden_layers skipped)"
-           if ck["num_skipped_keys"] else ""),
+        + (
+            f" ({ck['num_skipped_keys']} keys of layers beyond num_hidden_layers skipped)"
+            if ck["num_skipped_keys"]
+            else ""
+        ),
         f"cluster: {cl['num_nodes']} nodes x {cl['ranks_per_node']} ranks = {cl['world_size']}, EP {cl['ep']} x "
         f"expert-FSDP {cl['efsdp']}, {cl['num_physical']} slots/layer ({cl['slots_per_rank']} per EP rank), "
         f"staging {format_bytes(cl['staging_bytes'])}/rank",
@@ -36,16 +39,20 @@ def _header(rep: dict) -> list[str]:
     q = ck.get("quantization")
     if q:
         blocks = ", ".join("x".join(map(str, b)) for b in q["blocks"]) or "-"
-        lines.append(f"FP8: {q['num_scaled']:,} weights with block scales (blocks {blocks}): moved as stored, "
-                     f"{format_bytes(q['fp8_bytes'])} + {format_bytes(q['scale_bytes'])} of scales; "
-                     f"{format_bytes(q['bf16_bytes'])} dequantized to bf16 (what load gives a bf16 model)"
-                     + (f"; {len(q['unscaled']):,} FP8 tensors with no fitting scale" if q["unscaled"] else ""))
+        lines.append(
+            f"FP8: {q['num_scaled']:,} weights with block scales (blocks {blocks}): moved as stored, "
+            f"{format_bytes(q['fp8_bytes'])} + {format_bytes(q['scale_bytes'])} of scales; "
+            f"{format_bytes(q['bf16_bytes'])} dequantized to bf16 (what load gives a bf16 model)"
+            + (f"; {len(q['unscaled']):,} FP8 tensors with no fitting scale" if q["unscaled"] else "")
+        )
     t = rep["timings_s"]
     lines.append("planning time: " + ", ".join(f"{k} {_secs(v)}" for k, v in t.items()))
     per_mode = [s for s in rep.get("strategies", ()) if s["kind"] == "moeshard"]
     if per_mode:
-        lines.append("  each storage mode (plan + lower bounds + link bytes): "
-                     + ", ".join(f"{s['name'].split()[-1]} {_secs(s['plan_seconds'])}" for s in per_mode))
+        lines.append(
+            "  each storage mode (plan + lower bounds + link bytes): "
+            + ", ".join(f"{s['name'].split()[-1]} {_secs(s['plan_seconds'])}" for s in per_mode)
+        )
     return lines
 
 
@@ -72,35 +79,65 @@ def _relocation(r: dict, efsdp: int) -> list[str]:
 
 def _strategies(strategies: list[dict]) -> list[str]:
     """One table row per strategy, then whether moeshard's plans meet their lower bounds."""
-    cols = ["strategy", "read total", "read max/node", "cross-node", "sent max/rank", "recv max/rank",
-            "P2P ops", "collectives", "batches", "staging/rank"]
+    cols = [
+        "strategy",
+        "read total",
+        "read max/node",
+        "cross-node",
+        "sent max/rank",
+        "recv max/rank",
+        "P2P ops",
+        "collectives",
+        "batches",
+        "staging/rank",
+    ]
     timed = any("time_s" in s for s in strategies)
     if timed:
         cols += ["est. time", "bottleneck"]
     rows = []
     for s in strategies:
-        row = [s["name"]] + [format_bytes(s[k]) for k in ("read_bytes_total", "read_bytes_max_node", "cross_node_bytes",
-                                                          "sent_bytes_max_rank", "recv_bytes_max_rank")]
+        row = [s["name"]] + [
+            format_bytes(s[k])
+            for k in (
+                "read_bytes_total",
+                "read_bytes_max_node",
+                "cross_node_bytes",
+                "sent_bytes_max_rank",
+                "recv_bytes_max_rank",
+            )
+        ]
         row += [_count(s[k]) for k in ("num_p2p_ops", "num_collectives", "num_batches")]
         row.append(format_bytes(s["peak_staging_bytes_max_rank"]))
         if timed:
             row += [_secs(s["time_s"]), s["bottleneck"]]
         rows.append(row)
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-    fmt = lambda r: "  ".join(v.ljust(w) if i == 0 or (timed and i == len(cols) - 1) else v.rjust(w)  # noqa: E731
-                              for i, (v, w) in enumerate(zip(r, widths))).rstrip()
+
+    def fmt(r: list[str]) -> str:
+        return "  ".join(
+            v.ljust(w) if i == 0 or (timed and i == len(cols) - 1) else v.rjust(w)
+            for i, (v, w) in enumerate(zip(r, widths))
+        ).rstrip()
+
     lines = ["", fmt(cols)] + [fmt(r) for r in rows]
     lines.append("")
     for s in strategies:
         if s["kind"] == "moeshard":
             ok = s["at_minimum"]
-            lines.append(f"{s['name']}: read / network / cross-node bytes at their lower bound: "
-                         + " / ".join("yes" if ok[k] else "NO" for k in ("read", "network", "cross_node")))
+            lines.append(
+                f"{s['name']}: read / network / cross-node bytes at their lower bound: "
+                + " / ".join("yes" if ok[k] else "NO" for k in ("read", "network", "cross_node"))
+            )
         elif s["note"]:
             lines.append(f"{s['name']}: {s['note']}")
-    lines.append("bytes are checkpoint bytes; 'sent' counts a broadcast to k ranks k times at its root"
-                 + ("; times model broadcasts as pipelined rings, ignore latency, storage bandwidth is per node"
-                    if timed else ""))
+    lines.append(
+        "bytes are checkpoint bytes; 'sent' counts a broadcast to k ranks k times at its root"
+        + (
+            "; times model broadcasts as pipelined rings, ignore latency, storage bandwidth is per node"
+            if timed
+            else ""
+        )
+    )
     return lines
 
 

@@ -21,8 +21,12 @@ class ClusterSpec:
     num_redundant: int = 0
 
     def __post_init__(self) -> None:
-        for name, flag in (("num_nodes", "--nodes"), ("ranks_per_node", "--ranks-per-node"), ("ep", "--ep"),
-                           ("efsdp", "--efsdp")):
+        for name, flag in (
+            ("num_nodes", "--nodes"),
+            ("ranks_per_node", "--ranks-per-node"),
+            ("ep", "--ep"),
+            ("efsdp", "--efsdp"),
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{flag} must be >= 1, got {getattr(self, name)}")
         if self.num_redundant < 0:
@@ -34,14 +38,16 @@ class ClusterSpec:
             )
 
     @classmethod
-    def build(cls, num_nodes: int, ranks_per_node: int, ep: int, efsdp: int | None,
-              num_redundant: int = 0) -> ClusterSpec:
+    def build(
+        cls, num_nodes: int, ranks_per_node: int, ep: int, efsdp: int | None, num_redundant: int = 0
+    ) -> ClusterSpec:
         """``efsdp=None``: the rest of the world (``world / ep``, which must be whole)."""
         world = num_nodes * ranks_per_node
         if efsdp is None:
             if ep < 1 or world % ep:
-                raise ValueError(f"--ep {ep} does not divide the world size {world} "
-                                 f"({num_nodes} nodes x {ranks_per_node} ranks)")
+                raise ValueError(
+                    f"--ep {ep} does not divide the world size {world} ({num_nodes} nodes x {ranks_per_node} ranks)"
+                )
             efsdp = world // ep
         return cls(num_nodes, ranks_per_node, ep, efsdp, num_redundant)
 

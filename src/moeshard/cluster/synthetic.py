@@ -85,8 +85,9 @@ class _Specs:
         self.fp8 = qc.get("quant_method") == "fp8"
         self.qdtype = ("F8_E5M2" if qc.get("fmt") == "e5m2" else "F8_E4M3") if self.fp8 else self.dtype
         block = (qc.get("weight_block_size") or [128, 128]) if self.fp8 else None
-        if self.fp8 and not (isinstance(block, list) and len(block) == 2
-                             and all(isinstance(b, int) and b > 0 for b in block)):
+        if self.fp8 and not (
+            isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)
+        ):
             raise ValueError(f"config: quantization_config.weight_block_size={block!r} is not two positive integers")
         self.block = block
         self.out: list[Spec] = []

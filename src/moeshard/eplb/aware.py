@@ -122,8 +122,7 @@ def _nodes_of_old(held_old: np.ndarray, gl: np.ndarray, sh: Shape) -> np.ndarray
     return out
 
 
-def _old_counts(w: np.ndarray, old3: np.ndarray, group_node: np.ndarray, sh: Shape,
-                repl_cnt: np.ndarray) -> np.ndarray:
+def _old_counts(w: np.ndarray, old3: np.ndarray, group_node: np.ndarray, sh: Shape, repl_cnt: np.ndarray) -> np.ndarray:
     """``int[L*N, E]`` replica counts per node (row ``l * N + k``) that stay as close to the old
     placement's as the slots allow: each expert of the node keeps its old copies on the node's
     live ranks (at least one); missing slots go, one by one, to the expert of the highest load
@@ -193,8 +192,9 @@ def _node_counts(w, old3, group_node, sh: Shape, keep_counts: bool) -> tuple[np.
     return cnt_rows, np.repeat(load_per_copy(w, cnt_rows.reshape(num_layers, n, -1).sum(1)), n, axis=0)
 
 
-def _matched_oblivious(obl: ObliviousAnswer, held_old: np.ndarray, sh: Shape,
-                       node_perm: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def _matched_oblivious(
+    obl: ObliviousAnswer, held_old: np.ndarray, sh: Shape, node_perm: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """The oblivious packs, nodes then ranks matched to the old placement by overlap (or node
     ``a`` of ``obl`` onto node ``node_perm[l, a]``, ``int[L, N]``, when given). Returns
     ``phy2log`` ``int[L, R, S]`` and the matched ``group_node`` ``int[L, G]``."""
@@ -243,8 +243,9 @@ _MAX_COUNT_CHANGES = 8
 _CAP_OVER_REPLICATE = 1.3
 
 
-def _restored(w: np.ndarray, cand: np.ndarray, old3: np.ndarray, thr: np.ndarray, sh: Shape,
-              nodes: np.ndarray) -> np.ndarray:
+def _restored(
+    w: np.ndarray, cand: np.ndarray, old3: np.ndarray, thr: np.ndarray, sh: Shape, nodes: np.ndarray
+) -> np.ndarray:
     """``cand`` ``int[L, R, S]`` (within ``thr`` ``float[L]``) after :func:`restore` in the
     nodes ``bool[L, N]``: swaps that bring copies back to their old ranks."""
     num_layers, num_logical = w.shape
@@ -256,8 +257,14 @@ def _restored(w: np.ndarray, cand: np.ndarray, old3: np.ndarray, thr: np.ndarray
     alive_rows = np.tile(sh.active.reshape(n, rpn), (num_layers, 1))[r]
     cnt_rows = np.repeat(cnt, n, axis=0)[r]
     cap = per_rank_cap(cnt_rows, np.full(len(r), sh.live_per_node))
-    restore(rows, old3.reshape(num_layers * n, rpn, -1)[r], alive_rows,
-             np.repeat(load_per_copy(w, cnt), n, axis=0)[r], cap, np.repeat(thr, n)[r])
+    restore(
+        rows,
+        old3.reshape(num_layers * n, rpn, -1)[r],
+        alive_rows,
+        np.repeat(load_per_copy(w, cnt), n, axis=0)[r],
+        cap,
+        np.repeat(thr, n)[r],
+    )
     out[r] = rows
     return out.reshape(cand.shape)
 
@@ -298,8 +305,13 @@ def _group_nodes(w: np.ndarray, held_old: np.ndarray, node_cap: np.ndarray, sh: 
     num_layers = w.shape[0]
     n = sh.num_nodes
     gl = group_loads(w, sh)
-    g_slots = sticky_pack(_nodes_of_old(held_old, gl, sh), np.ones((num_layers, n), dtype=bool),
-                      np.ones_like(gl, dtype=np.int64), gl, node_cap)
+    g_slots = sticky_pack(
+        _nodes_of_old(held_old, gl, sh),
+        np.ones((num_layers, n), dtype=bool),
+        np.ones_like(gl, dtype=np.int64),
+        gl,
+        node_cap,
+    )
     gn = np.zeros((num_layers, sh.num_groups), dtype=np.int64)
     np.put_along_axis(gn, g_slots.reshape(num_layers, -1), np.repeat(np.arange(n), sh.num_groups // n)[None, :], axis=1)
     return gn
@@ -338,8 +350,9 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape) -> tuple[np.ndarray, 
     wr = np.repeat(w, n, axis=0)
     heaviest = lambda cnt: np.where(cnt > 0, wr / np.maximum(cnt, 1), 0.0).max(1)  # noqa: E731
     cap = heaviest(cnt_r) * _CAP_OVER_REPLICATE
-    capped = np.flatnonzero(~as_is & (heaviest(cnt_k) > cap * (1 + EPS))
-                            & (node_load > limit[:, None] * sh.live_per_node * _LOOSE).ravel())
+    capped = np.flatnonzero(
+        ~as_is & (heaviest(cnt_k) > cap * (1 + EPS)) & (node_load > limit[:, None] * sh.live_per_node * _LOOSE).ravel()
+    )
     cnt_c = capped_counts(wr[capped], cnt_k[capped], cap[capped])
     # per-copy loads: the node's own experts from its capped counts (one node per expert)
     wc_c = load_per_copy(wr[capped], cnt_c)
@@ -349,20 +362,27 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape) -> tuple[np.ndarray, 
     capd = old_rows.copy()
     if len(rows):
         # two copies of an expert on a rank are allowed, as in the reference
-        packed = sticky_pack(old_rows[rows], alive_rows[rows], np.concatenate([cnt_k[todo], cnt_r[tight], cnt_c]),
-                         np.concatenate([wc_k[todo], wc_r[tight], wc_c]), thr_rows[rows], no_duplicates=False)
-        keep[todo] = packed[:len(todo)]
+        packed = sticky_pack(
+            old_rows[rows],
+            alive_rows[rows],
+            np.concatenate([cnt_k[todo], cnt_r[tight], cnt_c]),
+            np.concatenate([wc_k[todo], wc_r[tight], wc_c]),
+            thr_rows[rows],
+            no_duplicates=False,
+        )
+        keep[todo] = packed[: len(todo)]
         repl[todo] = keep[todo]
-        repl[tight] = packed[len(todo):len(todo) + len(tight)]
+        repl[tight] = packed[len(todo) : len(todo) + len(tight)]
         capd[todo] = keep[todo]
-        capd[capped] = packed[len(todo) + len(tight):]
+        capd[capped] = packed[len(todo) + len(tight) :]
     shape = (num_layers, sh.num_ranks, -1)
     comp, ok = _compose(w, held_old, [keep.reshape(shape), repl.reshape(shape), capd.reshape(shape)], limit, sh)
     return comp, ~ok
 
 
-def _lpt_nodes(w, old3, held_old, gn, limit, sh: Shape, cand: np.ndarray, bad: np.ndarray,
-               packs: np.ndarray | None = None) -> np.ndarray:
+def _lpt_nodes(
+    w, old3, held_old, gn, limit, sh: Shape, cand: np.ndarray, bad: np.ndarray, packs: np.ndarray | None = None
+) -> np.ndarray:
     """``cand`` ``int[L, R, S]`` with its ``bad`` nodes ``bool[L, N]`` replaced by the
     reference's LPT packing of the node's copies (groups ``gn``; ``packs``
     ``int[L, N, live_per_node, S]`` when already known), matched to the old ranks and restored
@@ -389,14 +409,15 @@ def _still_valid(old3: np.ndarray, sh: Shape) -> np.ndarray:
         grp = np.where(old3 >= 0, old3 // gsize, sh.num_groups)
         on = np.zeros((num_layers, sh.num_groups + 1, sh.num_nodes), dtype=bool)
         on[np.arange(num_layers)[:, None, None], grp, node] = True
-        on = on[:, :sh.num_groups]
+        on = on[:, : sh.num_groups]
         ok &= (on.sum(2) == 1).all(1)
         ok &= (on.sum(1) == sh.num_groups // sh.num_nodes).all(1)
     return ok
 
 
-def aware_policy(w: np.ndarray, placement: Placement, obl: ObliviousAnswer, ref: ObliviousAnswer, sh: Shape,
-           tol: float) -> np.ndarray:
+def aware_policy(
+    w: np.ndarray, placement: Placement, obl: ObliviousAnswer, ref: ObliviousAnswer, sh: Shape, tol: float
+) -> np.ndarray:
     """The migration-aware policy (module docstring): ``obl`` moeshard's oblivious answer,
     ``ref`` the reference's; returns ``int[L, R, S]``."""
     num_layers, num_logical = w.shape

@@ -92,9 +92,7 @@ def check_shape(w: np.ndarray, num_physical, num_ranks, num_nodes, num_groups, a
         )
     per_node = active.reshape(num_nodes, -1)
     hier = (
-        num_groups is not None
-        and num_groups % num_nodes == 0
-        and bool((per_node.sum(1) == per_node.sum(1)[0]).all())
+        num_groups is not None and num_groups % num_nodes == 0 and bool((per_node.sum(1) == per_node.sum(1)[0]).all())
     )
     nodes, groups = (num_nodes, int(num_groups)) if hier else (1, 1)
     alive = active.reshape(nodes, -1)

@@ -66,8 +66,9 @@ def rank_loads(load, placement: Placement, num_ranks: int) -> np.ndarray:
     ``load[e] / logcnt[e]`` (tokens of an expert split evenly over its copies)."""
     w = check_load(load)
     if w.shape != (placement.num_layers, placement.num_logical):
-        raise ValueError(f"load has shape {w.shape}, "
-                         f"placement describes {(placement.num_layers, placement.num_logical)}")
+        raise ValueError(
+            f"load has shape {w.shape}, placement describes {(placement.num_layers, placement.num_logical)}"
+        )
     s = placement.slots_per_rank(num_ranks)
     p2l = placement.phy2log.reshape(placement.num_layers, num_ranks, s)
     return rank_loads3(w, p2l, placement.logcnt)

@@ -229,8 +229,9 @@ def scatter_packs(packs: np.ndarray, sh: Shape, rank_of_pack: np.ndarray | None 
     return out.reshape(num_layers, sh.num_ranks, s)
 
 
-def node_packs(w: np.ndarray, group_node: np.ndarray, sh: Shape, no_duplicates: bool,
-                spread: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def node_packs(
+    w: np.ndarray, group_node: np.ndarray, sh: Shape, no_duplicates: bool, spread: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
     """Steps 2 and 3 for a given ``group_node`` ``int[L, G]``: replicas within each node
     (``spread``: moeshard's spread counts), then balanced packing of the copies onto the node's
     live ranks (``no_duplicates``: with moeshard's rule, before the repair). Returns packs
@@ -252,8 +253,9 @@ def _groups_to_nodes(w: np.ndarray, sh: Shape) -> np.ndarray:
     group_node = np.zeros((num_layers, sh.num_groups), dtype=np.int64)
     if n > 1:
         gslots = _pack(group_loads(w, sh), None, 0, n, sh.num_groups // n)
-        np.put_along_axis(group_node, gslots.reshape(num_layers, -1),
-                          np.repeat(np.arange(n), sh.num_groups // n)[None, :], axis=1)
+        np.put_along_axis(
+            group_node, gslots.reshape(num_layers, -1), np.repeat(np.arange(n), sh.num_groups // n)[None, :], axis=1
+        )
     return group_node
 
 
@@ -281,8 +283,9 @@ def reference_answer(w: np.ndarray, sh: Shape) -> ObliviousAnswer:
     return _answer(w, sh, packs, group_node, cnt)
 
 
-def _refined(w: np.ndarray, sh: Shape, packs: np.ndarray, group_node: np.ndarray, cnt: np.ndarray,
-             no_duplicates: bool) -> ObliviousAnswer:
+def _refined(
+    w: np.ndarray, sh: Shape, packs: np.ndarray, group_node: np.ndarray, cnt: np.ndarray, no_duplicates: bool
+) -> ObliviousAnswer:
     """``packs`` ``int[L*N, live_per_node, S]`` after the swap local search
     (:func:`moeshard.eplb.refine.lower_peak`): each layer's heaviest rank never rises.
     ``no_duplicates``: moeshard's rule (:func:`per_rank_cap`), the swap repair first and no

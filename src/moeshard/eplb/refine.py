@@ -20,8 +20,9 @@ import numpy as np
 _MARGIN = 1e-12
 
 
-def lower_peak(packs: np.ndarray, wc: np.ndarray, cap: np.ndarray | None = None,
-               max_rounds: int | None = None) -> np.ndarray:
+def lower_peak(
+    packs: np.ndarray, wc: np.ndarray, cap: np.ndarray | None = None, max_rounds: int | None = None
+) -> np.ndarray:
     """Swap local search, in place, on ``packs`` ``int[B, N, K, S]`` (expert ids; ``-1``, an
     empty slot, never takes part): per round and row, the heaviest rank ``h`` of the row (first
     on ties) swaps one of its copies ``a`` with a lighter copy ``b`` of another rank ``k`` of
@@ -53,16 +54,29 @@ def lower_peak(packs: np.ndarray, wc: np.ndarray, cap: np.ndarray | None = None,
     counts = None
     if cap is not None:
         counts = np.zeros((num_b, num_n, num_k, num_e + 1), dtype=np.int32)
-        np.add.at(counts, (bi, np.arange(num_n)[None, :, None, None], np.arange(num_k)[None, None, :, None],
-                           np.where(packs < 0, num_e, packs)), 1)
+        np.add.at(
+            counts,
+            (
+                bi,
+                np.arange(num_n)[None, :, None, None],
+                np.arange(num_k)[None, None, :, None],
+                np.where(packs < 0, num_e, packs),
+            ),
+            1,
+        )
     active = np.arange(num_b)
     for _ in range(num_n * num_k * num_s if max_rounds is None else max_rounds):
         if not len(active):
             break
         peak = loads[active].reshape(len(active), -1).argmax(1)
         node, h = np.divmod(peak, num_k)
-        found, k, sa, sb = _best_swaps(packs[active, node], wslot[active, node], loads[active, node], h,
-                                       None if cap is None else (counts, cap, active, node))
+        found, k, sa, sb = _best_swaps(
+            packs[active, node],
+            wslot[active, node],
+            loads[active, node],
+            h,
+            None if cap is None else (counts, cap, active, node),
+        )
         active, node, h, k, sa, sb = active[found], node[found], h[found], k[found], sa[found], sb[found]
         ea, eb = packs[active, node, h, sa], packs[active, node, k, sb]
         wa, wb = wslot[active, node, h, sa], wslot[active, node, k, sb]

@@ -18,8 +18,9 @@ from .oblivious import occurrence, per_rank_cap, repair_duplicates
 EPS = 1e-9
 
 
-def sticky_pack(old: np.ndarray, alive: np.ndarray, cnt: np.ndarray, wc: np.ndarray, thr: np.ndarray,
-            no_duplicates: bool = True) -> np.ndarray:
+def sticky_pack(
+    old: np.ndarray, alive: np.ndarray, cnt: np.ndarray, wc: np.ndarray, thr: np.ndarray, no_duplicates: bool = True
+) -> np.ndarray:
     """Sticky packing of ``cnt`` copies into live packs, keeping old copies where the load
     allows. ``old`` ``int[B, K, S]`` old expert ids (-1 empty), ``alive`` ``bool[B, K]``, ``cnt``
     ``int[B, E]`` new replica counts (their sum = live slots of the row), ``wc`` ``float[B, E]``
@@ -129,8 +130,16 @@ def sticky_pack(old: np.ndarray, alive: np.ndarray, cnt: np.ndarray, wc: np.ndar
     return new
 
 
-def _swap_repair(new: np.ndarray, alive: np.ndarray, wc: np.ndarray, cap: np.ndarray, old: np.ndarray,
-                 thr: np.ndarray, num_heavy: int = 1, num_light: int = 8) -> None:
+def _swap_repair(
+    new: np.ndarray,
+    alive: np.ndarray,
+    wc: np.ndarray,
+    cap: np.ndarray,
+    old: np.ndarray,
+    thr: np.ndarray,
+    num_heavy: int = 1,
+    num_light: int = 8,
+) -> None:
     """Local search, in place, for ranks over ``thr``: swap one of an overloaded rank's copies
     with a lighter copy on one of the row's ``num_light`` least loaded ranks, so that both end
     at most ``thr`` (fewest added moves, then the lowest peak) or at least the peak drops.
@@ -190,10 +199,12 @@ def _swap_repair(new: np.ndarray, alive: np.ndarray, wc: np.ndarray, cap: np.nda
         ok &= (counts[r4, k2[:, None, None, :], ae[..., None]] < cap[r[:, None, None], ae][..., None])[..., None]
         ok &= (counts[r4, k1[:, :, None, None], be[:, None]] < cap[r[:, None, None], be][:, None])[:, :, None]
         gone = lambda h: (~h).astype(np.int64)  # noqa: E731 - a copy not held there before moves
-        dmoves = (gone(held[r4, k2[:, None, None, :], ae[..., None]])[..., None]
-                  + gone(held[r4, k1[:, :, None, None], be[:, None]])[:, :, None]
-                  - gone(held[rr, k1[:, :, None], ae])[..., None, None]
-                  - gone(held[rr, k2[:, :, None], be])[:, None, None])
+        dmoves = (
+            gone(held[r4, k2[:, None, None, :], ae[..., None]])[..., None]
+            + gone(held[r4, k1[:, :, None, None], be[:, None]])[:, :, None]
+            - gone(held[rr, k1[:, :, None], ae])[..., None, None]
+            - gone(held[rr, k2[:, :, None], be])[:, None, None]
+        )
         rel = peak / np.maximum(thr[r], 1e-300)[:, None, None, None, None]
         good = ok & (peak <= limit[r][:, None, None, None, None])
         score = np.where(good, dmoves * 4.0 + rel, np.where(ok, 100.0 + rel, np.inf)).reshape(n, m1, -1)
@@ -221,8 +232,16 @@ def _swap_repair(new: np.ndarray, alive: np.ndarray, wc: np.ndarray, cap: np.nda
     full[rows0] = new
 
 
-def restore(new: np.ndarray, old: np.ndarray, alive: np.ndarray, wc: np.ndarray, cap: np.ndarray,
-             thr: np.ndarray, max_rounds: int = 8, num_holders: int = 1) -> None:
+def restore(
+    new: np.ndarray,
+    old: np.ndarray,
+    alive: np.ndarray,
+    wc: np.ndarray,
+    cap: np.ndarray,
+    thr: np.ndarray,
+    max_rounds: int = 8,
+    num_holders: int = 1,
+) -> None:
     """Local search, in place, that brings copies back to ranks that held them: swap two copies
     of two ranks of a row when the swap raises the number of copies on a rank that held
     their expert (by 1 or 2) and leaves both ranks at most ``thr`` (a balanced placement, e.g.
@@ -285,8 +304,7 @@ def restore(new: np.ndarray, old: np.ndarray, alive: np.ndarray, wc: np.ndarray,
         xpe, xqe = xe.ravel()[fp], xe.ravel()[fq]
         e1 = num_e + 1
         valid = (rq >= 0) & (rq != rp) & (xq >= 0) & (xq != xp_)
-        gain = (1 + held.ravel()[(g4 * num_k + rp) * e1 + xqe].astype(np.int8)
-                - h_own.ravel()[fp] - h_own.ravel()[fq])
+        gain = 1 + held.ravel()[(g4 * num_k + rp) * e1 + xqe].astype(np.int8) - h_own.ravel()[fp] - h_own.ravel()[fq]
         d = wx.ravel()[fp] - wx.ravel()[fq]  # load that leaves rank(p) for rank(q)
         lim = limit[b][:, None, None, None]
         lf = loads.ravel()

@@ -57,8 +57,10 @@ def job_device() -> torch.device:
         ValueError: no process group, or an accelerator backend with no accelerator.
     """
     if not collectives.is_dist():
-        raise ValueError("no torch.distributed process group: initialize one first (torchrun, then "
-                         "torch.distributed.init_process_group())")
+        raise ValueError(
+            "no torch.distributed process group: initialize one first (torchrun, then "
+            "torch.distributed.init_process_group())"
+        )
     backend = str(dist.get_backend())
     if backend in _CPU_BACKENDS:
         return torch.device("cpu")
@@ -130,8 +132,10 @@ def from_pretrained(
             that does not fit the model, a wrong slice).
     """
     if not collectives.is_dist():
-        raise ValueError("moeshard.from_pretrained is collective: initialize torch.distributed first (torchrun, "
-                         "then torch.distributed.init_process_group())")
+        raise ValueError(
+            "moeshard.from_pretrained is collective: initialize torch.distributed first (torchrun, "
+            "then torch.distributed.init_process_group())"
+        )
     path = os.fspath(path)
     what = "moeshard.from_pretrained"
     config_file = os.path.join(path, "config.json")
@@ -143,27 +147,54 @@ def from_pretrained(
     # One exchange: every rank's argument errors, a digest of its arguments (they must be the
     # same everywhere) and which ranks see config.json and the placement file (read by the
     # first that does).
-    args = repr((ep, efsdp, dtype, num_redundant, placement_format, storage, mp_policy, verify, strict,
-                 _placement_key(placement)))
-    (dtype_, device_), seen = _agreed(arguments, f"{what}: checking the arguments", share=lambda _: (
-        hashlib.blake2b(args.encode(), digest_size=8).hexdigest(), os.path.isfile(config_file),
-        placement_file is not None and os.path.isfile(placement_file)))
+    args = repr(
+        (
+            ep,
+            efsdp,
+            dtype,
+            num_redundant,
+            placement_format,
+            storage,
+            mp_policy,
+            verify,
+            strict,
+            _placement_key(placement),
+        )
+    )
+    (dtype_, device_), seen = _agreed(
+        arguments,
+        f"{what}: checking the arguments",
+        share=lambda _: (
+            hashlib.blake2b(args.encode(), digest_size=8).hexdigest(),
+            os.path.isfile(config_file),
+            placement_file is not None and os.path.isfile(placement_file),
+        ),
+    )
     if len({s[0] for s in seen}) > 1:
         ranks = {}
         for r, s in enumerate(seen):
             ranks.setdefault(s[0], []).append(r)
-        raise ValueError(f"{what}: the ranks passed different arguments (ranks grouped by their arguments: "
-                         f"{sorted(ranks.values())}); every rank must pass the same ep, efsdp, dtype, placement, "
-                         f"num_redundant, placement_format, storage, mp_policy, verify and strict")
+        raise ValueError(
+            f"{what}: the ranks passed different arguments (ranks grouped by their arguments: "
+            f"{sorted(ranks.values())}); every rank must pass the same ep, efsdp, dtype, placement, "
+            f"num_redundant, placement_format, storage, mp_policy, verify and strict"
+        )
     config = _on_one_rank(_first(seen, 1), lambda: read_config(path), f"{what}: reading {config_file}")
     model, layout = _agreed(lambda: _build(config, dtype_, path), f"{what}: building the model on the meta device")
     read = None
     if placement_file is not None:
-        read = _on_one_rank(_first(seen, 2), lambda: read_placement_file(
-            placement_file, format=placement_format, moe_layers=moe_layer_indices(layout.modules)),
-            f"{what}: reading the placement file {placement_file}")
-    placement_ = _agreed(lambda: _placement(placement, read, layout, ep, num_redundant, path),
-                         f"{what}: choosing the placement", fingerprint=lambda p: p.fingerprint())
+        read = _on_one_rank(
+            _first(seen, 2),
+            lambda: read_placement_file(
+                placement_file, format=placement_format, moe_layers=moe_layer_indices(layout.modules)
+            ),
+            f"{what}: reading the placement file {placement_file}",
+        )
+    placement_ = _agreed(
+        lambda: _placement(placement, read, layout, ep, num_redundant, path),
+        f"{what}: choosing the placement",
+        fingerprint=lambda p: p.fingerprint(),
+    )
     mesh = make_mesh(device_.type, ep=ep, efsdp=efsdp)
     parallelize(model, mesh, placement_, mp_policy=mp_policy)
     load(model, path, placement=placement_, storage=storage, device=device_, strict=strict, progress=progress)
@@ -180,21 +211,28 @@ def _checked(ep, efsdp, dtype, placement, num_redundant, storage, mp_policy, dev
             raise ValueError(f"{name} must be a positive int, got {v!r}")
     if ep * efsdp != world:
         fits = [d for d in range(1, world + 1) if world % d == 0]
-        raise ValueError(f"ep={ep} x efsdp={efsdp} must equal the world size {world} (transformers' fsdp_size): "
-                         f"ep must divide {world} (one of {fits}) and efsdp be {world} // ep")
+        raise ValueError(
+            f"ep={ep} x efsdp={efsdp} must equal the world size {world} (transformers' fsdp_size): "
+            f"ep must divide {world} (one of {fits}) and efsdp be {world} // ep"
+        )
     if isinstance(num_redundant, bool) or not isinstance(num_redundant, int) or num_redundant < 0:
         raise ValueError(f"num_redundant must be an int >= 0, got {num_redundant!r}")
     if num_redundant and placement is not None:
-        raise ValueError("num_redundant applies to the default (contiguous) placement only; the placement given "
-                         "has its own copies")
+        raise ValueError(
+            "num_redundant applies to the default (contiguous) placement only; the placement given has its own copies"
+        )
     if not (placement is None or isinstance(placement, (Placement, str, os.PathLike))):
-        raise ValueError(f"placement must be a moeshard.Placement, a placement file path or one of "
-                         f"{NAMED_PLACEMENTS}, got {type(placement).__name__}")
+        raise ValueError(
+            f"placement must be a moeshard.Placement, a placement file path or one of "
+            f"{NAMED_PLACEMENTS}, got {type(placement).__name__}"
+        )
     if storage not in _STORAGE:
         raise ValueError(f"storage must be one of {_STORAGE}, got {storage!r}")
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise ValueError(f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy (FSDP2's), got "
-                         f"{type(mp_policy).__qualname__}")
+        raise ValueError(
+            f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy (FSDP2's), got "
+            f"{type(mp_policy).__qualname__}"
+        )
     return _dtype(dtype), _device(device)
 
 
@@ -205,8 +243,9 @@ def _dtype(dtype) -> torch.dtype | None:
     if isinstance(dtype, str):
         out = getattr(torch, dtype, None) if dtype.isidentifier() else None
     if not isinstance(out, torch.dtype) or not out.is_floating_point:
-        raise ValueError(f"dtype must be a floating torch dtype (torch.bfloat16, 'float32'), 'auto' or None; got "
-                         f"{dtype!r}")
+        raise ValueError(
+            f"dtype must be a floating torch dtype (torch.bfloat16, 'float32'), 'auto' or None; got {dtype!r}"
+        )
     return out
 
 
@@ -219,12 +258,15 @@ def _device(device) -> torch.device:
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"device {device!r} is not a torch device: {e}") from None
     if dev.type != job.type:
-        raise ValueError(f"device {dev} does not fit the process group (backend {dist.get_backend()!r}: "
-                         f"{job.type} tensors)")
+        raise ValueError(
+            f"device {dev} does not fit the process group (backend {dist.get_backend()!r}: {job.type} tensors)"
+        )
     if dev.index is not None and job.index is not None and dev.index != job.index:
         # The device mesh and the collectives use the current device.
-        raise ValueError(f"device {dev} is not this rank's current {dev.type} device ({job}): set it first "
-                         f"(torch.{dev.type}.set_device)")
+        raise ValueError(
+            f"device {dev} is not this rank's current {dev.type} device ({job}): set it first "
+            f"(torch.{dev.type}.set_device)"
+        )
     return dev if dev.index is not None or job.index is None else job
 
 
@@ -255,36 +297,46 @@ def _placement(given, read, layout: MoELayout, ep: int, num_redundant: int, path
     L, E = layout.num_layers, layout.num_logical
     if given is None:
         if (E + num_redundant) % ep:
-            raise ValueError(f"the model {path} has {E} logical experts per layer; with num_redundant={num_redundant} "
-                             f"copies they do not fill EP={ep} ranks evenly: pass num_redundant="
-                             f"{num_redundant + (-(E + num_redundant)) % ep} or a placement whose slots per layer "
-                             f"are a multiple of {ep}")
+            raise ValueError(
+                f"the model {path} has {E} logical experts per layer; with num_redundant={num_redundant} "
+                f"copies they do not fill EP={ep} ranks evenly: pass num_redundant="
+                f"{num_redundant + (-(E + num_redundant)) % ep} or a placement whose slots per layer "
+                f"are a multiple of {ep}"
+            )
         return Placement.contiguous(L, E, ep, num_redundant)
     if read is not None:
         where = f"placement file {os.fspath(given)}"
         p2l = read.phy2log
         for name, have, want in (("num_logical", read.num_logical, E), ("num_ranks", read.num_ranks, ep)):
             if have is not None and have != want:
-                raise ValueError(f"{where} was written for {name}={have}; the model {path} has {E} logical experts "
-                                 f"and the job EP size {ep}")
+                raise ValueError(
+                    f"{where} was written for {name}={have}; the model {path} has {E} logical experts "
+                    f"and the job EP size {ep}"
+                )
         try:
             given = Placement(p2l, num_logical=E, num_ranks=ep)
         except ValueError as e:
-            raise ValueError(f"{where} (key '{read.key}'), for the model {path} ({E} logical experts per layer, "
-                             f"EP={ep}): {e}") from None
+            raise ValueError(
+                f"{where} (key '{read.key}'), for the model {path} ({E} logical experts per layer, EP={ep}): {e}"
+            ) from None
     elif isinstance(given, (str, os.PathLike)):
         where = f"named placement {given}"
-        given = named_placement(os.fspath(given), num_layers=L, num_logical=E, num_ranks=ep,
-                                num_redundant=num_redundant)
+        given = named_placement(
+            os.fspath(given), num_layers=L, num_logical=E, num_ranks=ep, num_redundant=num_redundant
+        )
     else:
         where = "the placement"
     if given.num_layers != L or given.num_logical != E:
-        raise ValueError(f"{where} describes {given.num_layers} MoE layers of {given.num_logical} logical experts; "
-                         f"the model {path} has {L} MoE layers ({', '.join(layout.modules[:2])}"
-                         f"{', ...' if L > 2 else ''}) of {E} logical experts")
+        raise ValueError(
+            f"{where} describes {given.num_layers} MoE layers of {given.num_logical} logical experts; "
+            f"the model {path} has {L} MoE layers ({', '.join(layout.modules[:2])}"
+            f"{', ...' if L > 2 else ''}) of {E} logical experts"
+        )
     if given.num_physical % ep or (given.num_ranks is not None and given.num_ranks != ep):
-        raise ValueError(f"{where} has {given.num_physical} slots per layer for EP size {given.num_ranks}; the job "
-                         f"has EP size {ep} (slots per layer must be a multiple of it)")
+        raise ValueError(
+            f"{where} has {given.num_physical} slots per layer for EP size {given.num_ranks}; the job "
+            f"has EP size {ep} (slots per layer must be a multiple of it)"
+        )
     return given
 
 
@@ -294,8 +346,12 @@ def _first(seen: list, i: int) -> int:
     return next((r for r, s in enumerate(seen) if s[i]), 0)
 
 
-def _agreed(step: Callable[[], T], what: str, fingerprint: Callable[[T], str] | None = None,
-            share: Callable[[T], Any] | None = None):
+def _agreed(
+    step: Callable[[], T],
+    what: str,
+    fingerprint: Callable[[T], str] | None = None,
+    share: Callable[[T], Any] | None = None,
+):
     """Collective: ``step`` on every rank (:func:`moeshard.collectives.agree`; with ``share``:
     ``(result, every rank's share)`` as :func:`moeshard.collectives.agree_and_gather`). Input errors
     are ValueErrors on every rank: a rank's own where it failed, else one naming the ranks that

@@ -76,8 +76,17 @@ from ..ops.relocate import relocate
 from ..ops.save import save
 from ..placement import Placement
 
-__all__ = ["MoeshardTrainerMixin", "moeshard_trainer", "MoeshardRebalanceCallback", "ResumeError", "PLACEMENT_NAME",
-           "OPTIMIZER_DIR", "save_optimizer_state", "load_optimizer_state", "check_mixed_precision"]
+__all__ = [
+    "MoeshardTrainerMixin",
+    "moeshard_trainer",
+    "MoeshardRebalanceCallback",
+    "ResumeError",
+    "PLACEMENT_NAME",
+    "OPTIMIZER_DIR",
+    "save_optimizer_state",
+    "load_optimizer_state",
+    "check_mixed_precision",
+]
 
 PLACEMENT_NAME = "moeshard_placement.json"
 OPTIMIZER_DIR = "moeshard_optimizer"
@@ -111,8 +120,12 @@ def _layout(p: torch.Tensor) -> dict:
     out = {"shape": list(p.shape)}
     mesh = getattr(p, "device_mesh", None)
     if mesh is not None:
-        out.update(mesh=list(mesh.shape), dims=list(mesh.mesh_dim_names or ()),
-                   coord=list(mesh.get_coordinate() or ()), placements=[str(x) for x in p.placements])
+        out.update(
+            mesh=list(mesh.shape),
+            dims=list(mesh.mesh_dim_names or ()),
+            coord=list(mesh.get_coordinate() or ()),
+            placements=[str(x) for x in p.placements],
+        )
     return out
 
 
@@ -143,19 +156,31 @@ def save_optimizer_state(model: nn.Module, optimizer, out_dir: str | os.PathLike
             missing = [i for i, p in enumerate(g["params"]) if id(p) not in names]
             if missing:
                 raise ValueError(f"optimizer parameter {missing[0]} of a param group is not a parameter of the model")
-            groups.append({**{k: v for k, v in g.items() if k != "params"},
-                           "params": [names[id(p)] for p in g["params"]]})
+            groups.append(
+                {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+            )
             for p in g["params"]:
                 name = names[id(p)]
                 layout[name] = _layout(p)
                 st = opt.state.get(p)
                 if st:
-                    state[name] = {k: (_local(v).detach().to("cpu", copy=True) if torch.is_tensor(v) else v)
-                                   for k, v in st.items()}
+                    state[name] = {
+                        k: (_local(v).detach().to("cpu", copy=True) if torch.is_tensor(v) else v) for k, v in st.items()
+                    }
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp"
-        torch.save({"format": _FORMAT, "version": 1, "world_size": world, "rank": rank,
-                    "param_groups": groups, "state": state, "layout": layout}, tmp)
+        torch.save(
+            {
+                "format": _FORMAT,
+                "version": 1,
+                "world_size": world,
+                "rank": rank,
+                "param_groups": groups,
+                "state": state,
+                "layout": layout,
+            },
+            tmp,
+        )
         os.replace(tmp, path)
         return path
 
@@ -177,12 +202,19 @@ def _check_world(checkpoint: str, rank: int, world: int) -> str:
     path = _rank_path(checkpoint, rank, world)
     if os.path.isfile(path):
         return path
-    found = sorted({int(m.group(2)) for f in glob.glob(os.path.join(checkpoint, OPTIMIZER_DIR, "rank-*.pt"))
-                    if (m := _RANK_FILE.search(f))})
+    found = sorted(
+        {
+            int(m.group(2))
+            for f in glob.glob(os.path.join(checkpoint, OPTIMIZER_DIR, "rank-*.pt"))
+            if (m := _RANK_FILE.search(f))
+        }
+    )
     if found and world not in found:
-        raise ValueError(f"{checkpoint}: its optimizer state was saved by {found[0]} ranks, this job has {world}: "
-                         "it cannot resume here. Save with save_only_model=True (weights only) and resume with a "
-                         "fresh optimizer")
+        raise ValueError(
+            f"{checkpoint}: its optimizer state was saved by {found[0]} ranks, this job has {world}: "
+            "it cannot resume here. Save with save_only_model=True (weights only) and resume with a "
+            "fresh optimizer"
+        )
     raise ValueError(f"{checkpoint}: no optimizer state for rank {rank} ({os.path.relpath(path, checkpoint)})")
 
 
@@ -195,12 +227,14 @@ def _check_layout(saved: dict, model: nn.Module, checkpoint: str) -> None:
             raise ValueError(f"{checkpoint}: the optimizer state has parameter {name}, which the model does not")
         now = _layout(params[name])
         if now != was:
-            diff = ", ".join(f"{k} {was.get(k)} -> {now.get(k)}" for k in sorted(set(was) | set(now))
-                             if was.get(k) != now.get(k))
+            diff = ", ".join(
+                f"{k} {was.get(k)} -> {now.get(k)}" for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k)
+            )
             raise ValueError(
                 f"{checkpoint}: parameter {name} was sharded otherwise when its optimizer state was saved ({diff}): "
                 "the optimizer state resumes only on the same mesh (EP and expert-FSDP sizes). Save with "
-                "save_only_model=True (weights only) and resume with a fresh optimizer")
+                "save_only_model=True (weights only) and resume with a fresh optimizer"
+            )
 
 
 def _read_placement(checkpoint: str, model: nn.Module) -> Placement | None:
@@ -209,8 +243,13 @@ def _read_placement(checkpoint: str, model: nn.Module) -> Placement | None:
         return None
     f = read_placement_file(path, format="moeshard")
     current = model_placement(model)
-    return Placement(f.phy2log, num_logical=f.num_logical if f.num_logical is not None else
-                     (current.num_logical if current is not None else None), num_ranks=f.num_ranks)
+    return Placement(
+        f.phy2log,
+        num_logical=f.num_logical
+        if f.num_logical is not None
+        else (current.num_logical if current is not None else None),
+        num_ranks=f.num_ranks,
+    )
 
 
 def _resume_mode(saved: Placement | None, current: Placement | None, checkpoint: str) -> str:
@@ -218,15 +257,18 @@ def _resume_mode(saved: Placement | None, current: Placement | None, checkpoint:
         return "same"
     if saved is None or current is None:
         has = "has none" if saved is None else f"has {PLACEMENT_NAME}"
-        raise ValueError(f"{checkpoint}: the checkpoint {has} and the model "
-                         f"{'routes by an expert placement' if current is not None else 'has no EP layers'}: "
-                         "its optimizer state cannot be matched to the experts' slots")
+        raise ValueError(
+            f"{checkpoint}: the checkpoint {has} and the model "
+            f"{'routes by an expert placement' if current is not None else 'has no EP layers'}: "
+            "its optimizer state cannot be matched to the experts' slots"
+        )
     if saved.phy2log.shape != current.phy2log.shape or saved.num_logical != current.num_logical:
         raise ValueError(
             f"{checkpoint}: saved under a placement of {saved.num_layers} layers x {saved.num_physical} slots "
             f"({saved.num_logical} experts), the model has {current.num_layers} x {current.num_physical} "
             f"({current.num_logical}): the optimizer state resumes only with the same slot count. Save with "
-            "save_only_model=True (weights only) and resume with a fresh optimizer")
+            "save_only_model=True (weights only) and resume with a fresh optimizer"
+        )
     return "same" if np.array_equal(saved.phy2log, current.phy2log) else "relocate"
 
 
@@ -248,12 +290,15 @@ def _put_state(model: nn.Module, opt: torch.optim.Optimizer, payload: dict, chec
         for k, v in st.items():
             if torch.is_tensor(v) and v.dim() > 0:
                 if v.shape != local.shape:
-                    raise ValueError(f"{checkpoint}: optimizer state {k!r} of {name} has local shape {list(v.shape)}, "
-                                     f"the parameter's local shard {list(local.shape)}")
+                    raise ValueError(
+                        f"{checkpoint}: optimizer state {k!r} of {name} has local shape {list(v.shape)}, "
+                        f"the parameter's local shard {list(local.shape)}"
+                    )
                 v = v.to(local.device)
                 if isinstance(p, DTensor):
-                    v = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                           stride=p.stride())
+                    v = DTensor.from_local(
+                        v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                    )
             elif torch.is_tensor(v) and (group_of[id(p)].get("capturable") or group_of[id(p)].get("fused")):
                 v = v.to(local.device)  # torch keeps a capturable / fused step on the parameter's device
             out[k] = v
@@ -266,8 +311,10 @@ def _check_groups(model: nn.Module, opt: torch.optim.Optimizer, payload: dict, c
     mine = [[names.get(id(p), f"<not in the model: {tuple(p.shape)}>") for p in g["params"]] for g in opt.param_groups]
     saved = [g["params"] for g in payload["param_groups"]]
     if saved != mine:
-        raise ValueError(f"{checkpoint}: the optimizer's param groups ({[len(g) for g in mine]} parameters) are not "
-                         f"the saved ones ({[len(g) for g in saved]}): build the optimizer as the saved run did")
+        raise ValueError(
+            f"{checkpoint}: the optimizer's param groups ({[len(g) for g in mine]} parameters) are not "
+            f"the saved ones ({[len(g) for g in saved]}): build the optimizer as the saved run did"
+        )
 
 
 def load_optimizer_state(model: nn.Module, optimizer, checkpoint: str | os.PathLike) -> str:
@@ -294,8 +341,9 @@ def load_optimizer_state(model: nn.Module, optimizer, checkpoint: str | os.PathL
         if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
             raise ValueError(f"{path}: not a moeshard optimizer file (format {_FORMAT!r})")
         if payload["world_size"] != world or payload["rank"] != rank:
-            raise ValueError(f"{path}: written by rank {payload['rank']} of {payload['world_size']}, read by rank "
-                             f"{rank} of {world}")
+            raise ValueError(
+                f"{path}: written by rank {payload['rank']} of {payload['world_size']}, read by rank {rank} of {world}"
+            )
         _check_layout(payload, model, checkpoint)
         _check_groups(model, opt, payload, checkpoint)  # before anything moves
         saved, current = _read_placement(checkpoint, model), model_placement(model)
@@ -304,8 +352,9 @@ def load_optimizer_state(model: nn.Module, optimizer, checkpoint: str | os.PathL
     with collectives.errors_as(ResumeError):
         got = collectives.agree(read, "moeshard: reading the optimizer state to resume", fingerprint=lambda r: r.mode)
         if got.mode == "same":
-            collectives.agree(lambda: _put_state(model, opt, got.payload, checkpoint),
-                        "moeshard: loading the optimizer state")
+            collectives.agree(
+                lambda: _put_state(model, opt, got.payload, checkpoint), "moeshard: loading the optimizer state"
+            )
             return "same"
     # Another placement, same slots: the saved local state belongs to the saved placement's
     # slots. Put the weights there (no optimizer state yet: nothing else moves), load the
@@ -314,8 +363,9 @@ def load_optimizer_state(model: nn.Module, optimizer, checkpoint: str | os.PathL
         opt.state.pop(p)
     relocate(model, got.current, got.saved)
     with collectives.errors_as(ResumeError):
-        collectives.agree(lambda: _put_state(model, opt, got.payload, checkpoint),
-                          "moeshard: loading the optimizer state")
+        collectives.agree(
+            lambda: _put_state(model, opt, got.payload, checkpoint), "moeshard: loading the optimizer state"
+        )
     relocate(model, got.saved, got.current, optimizer=opt)
     return "relocated"
 
@@ -345,7 +395,8 @@ def check_mixed_precision(model: nn.Module, args) -> None:
         "mixed precision only inside the fully_shard it skips for a model that is already FSDP2, so training would "
         f"run in {sorted(str(d) for d in dtypes)[0]} without a word. Give parallelize FSDP2's own policy "
         f"(mp_policy=MixedPrecisionPolicy(param_dtype={want}, reduce_dtype=torch.float32)), load the model in "
-        f"{want}, or set {flag}=False")
+        f"{want}, or set {flag}=False"
+    )
 
 
 class MoeshardTrainerMixin:
@@ -370,8 +421,10 @@ class MoeshardTrainerMixin:
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         if state_dict is not None:
-            raise ValueError("MoeshardTrainerMixin._save: a state_dict names the experts by slot, not by logical "
-                             "expert; the model is saved by moeshard.save (call save_model without one)")
+            raise ValueError(
+                "MoeshardTrainerMixin._save: a state_dict names the experts by slot, not by logical "
+                "expert; the model is saved by moeshard.save (call save_model without one)"
+            )
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         model = self._moeshard_model()
         save(model, output_dir, overwrite=True)
@@ -379,8 +432,12 @@ class MoeshardTrainerMixin:
         if self.args.should_save:
             if placement is not None:
                 names = {id(m): n for n, m in model.named_modules()}
-                write_placement(placement, os.path.join(output_dir, PLACEMENT_NAME), format="moeshard",
-                                modules=[names[id(m)] for m, _ in ep_layers(model)])
+                write_placement(
+                    placement,
+                    os.path.join(output_dir, PLACEMENT_NAME),
+                    format="moeshard",
+                    modules=[names[id(m)] for m, _ in ep_layers(model)],
+                )
             processing = getattr(self, "processing_class", None)
             if processing is None:
                 processing = getattr(getattr(self, "data_collator", None), "tokenizer", None)
@@ -422,9 +479,11 @@ class MoeshardTrainerMixin:
 
         def check() -> bool:
             if not has_ours and theirs:
-                raise ValueError(f"{checkpoint} holds the Trainer's own {theirs[0]}, not moeshard's optimizer "
-                                 f"state ({OPTIMIZER_DIR}/): it was not saved with MoeshardTrainerMixin and names "
-                                 "expert slots, not experts; resume with a fresh optimizer")
+                raise ValueError(
+                    f"{checkpoint} holds the Trainer's own {theirs[0]}, not moeshard's optimizer "
+                    f"state ({OPTIMIZER_DIR}/): it was not saved with MoeshardTrainerMixin and names "
+                    "expert slots, not experts; resume with a fresh optimizer"
+                )
             return has_ours
 
         with collectives.errors_as(ResumeError):
@@ -448,8 +507,11 @@ def moeshard_trainer(base_cls: type) -> type:
         raise ValueError(f"moeshard_trainer expects a Trainer class, got {base_cls!r}")
     if issubclass(base_cls, MoeshardTrainerMixin):
         return base_cls
-    return type(f"Moeshard{base_cls.__name__}", (MoeshardTrainerMixin, base_cls),
-                {"__module__": __name__, "__doc__": f"{base_cls.__name__} saving and resuming through moeshard."})
+    return type(
+        f"Moeshard{base_cls.__name__}",
+        (MoeshardTrainerMixin, base_cls),
+        {"__module__": __name__, "__doc__": f"{base_cls.__name__} saving and resuming through moeshard."},
+    )
 
 
 try:  # the callback base class; the rest of this module needs no transformers import
@@ -475,8 +537,9 @@ class MoeshardRebalanceCallback(_CallbackBase):
     one all-reduce of the counts ``int64[num_moe_layers, num_logical]``, then the relocation.
     """
 
-    def __init__(self, every_n_steps: int, *, num_nodes: int = 1, num_groups: int | None = None,
-                 migration_aware: bool = True):
+    def __init__(
+        self, every_n_steps: int, *, num_nodes: int = 1, num_groups: int | None = None, migration_aware: bool = True
+    ):
         if not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise ValueError(f"every_n_steps must be a positive int, got {every_n_steps!r}")
         self.every_n_steps = every_n_steps
@@ -491,13 +554,17 @@ class MoeshardRebalanceCallback(_CallbackBase):
             return
         layers = ep_layers(model)
         if not layers:
-            raise ValueError("MoeshardRebalanceCallback: the model has no moeshard EP layers (parallelize it "
-                             "with moeshard's EP forward)")
+            raise ValueError(
+                "MoeshardRebalanceCallback: the model has no moeshard EP layers (parallelize it "
+                "with moeshard's EP forward)"
+            )
         self._counts = [None] * len(layers)
         for i, (module, ep) in enumerate(layers):
             if module.moeshard_kind != ROUTED:
-                raise ValueError(f"MoeshardRebalanceCallback: {type(module).__name__} takes pre-routed rows; "
-                                 "counting its tokens is not supported")
+                raise ValueError(
+                    f"MoeshardRebalanceCallback: {type(module).__name__} takes pre-routed rows; "
+                    "counting its tokens is not supported"
+                )
             num_logical = len(ep.logcnt)
 
             def count(mod, args, kwargs, i=i, num_logical=num_logical):
@@ -519,16 +586,27 @@ class MoeshardRebalanceCallback(_CallbackBase):
             return
         self._hook(model)
         current = model_placement(model)
-        device = next((c.device for c in self._counts if c is not None), None) or _local(
-            next(model.parameters())).device
-        load_ = torch.stack([c if c is not None else torch.zeros(current.num_logical, dtype=torch.int64,
-                                                                 device=device) for c in self._counts])
+        device = (
+            next((c.device for c in self._counts if c is not None), None) or _local(next(model.parameters())).device
+        )
+        load_ = torch.stack(
+            [
+                c if c is not None else torch.zeros(current.num_logical, dtype=torch.int64, device=device)
+                for c in self._counts
+            ]
+        )
         if collectives.is_dist():
             torch.distributed.all_reduce(load_)
         self._counts = [None] * len(self._counts)
-        new = rebalance(load_.cpu().numpy().astype(np.float64), current, num_physical=current.num_physical,
-                        num_ranks=current.num_ranks, num_nodes=self.num_nodes, num_groups=self.num_groups,
-                        migration_aware=self.migration_aware)
+        new = rebalance(
+            load_.cpu().numpy().astype(np.float64),
+            current,
+            num_physical=current.num_physical,
+            num_ranks=current.num_ranks,
+            num_nodes=self.num_nodes,
+            num_groups=self.num_groups,
+            migration_aware=self.migration_aware,
+        )
         spr = current.num_physical // current.num_ranks
         ep_rank = ep_layers(model)[0][1].ep_rank
         mine = slice(ep_rank * spr, (ep_rank + 1) * spr)

@@ -31,15 +31,32 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Mapping, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:  # only for annotations: the recognizer never imports torch
     from .checkpoint import TensorInfo
 
-__all__ = ["SCALE_SUFFIXES", "MAX_LISTED", "ExpertKey", "TensorGroup", "MoeLayerFormat", "ExpertTensorInfo",
-           "MoeFormat", "Problem", "recognize", "check", "parse_expert_key", "layer_of", "scaled_weight",
-           "scale_keys", "natural_key", "id_ranges", "shape_str"]
+__all__ = [
+    "SCALE_SUFFIXES",
+    "MAX_LISTED",
+    "ExpertKey",
+    "TensorGroup",
+    "MoeLayerFormat",
+    "ExpertTensorInfo",
+    "MoeFormat",
+    "Problem",
+    "recognize",
+    "check",
+    "parse_expert_key",
+    "layer_of",
+    "scaled_weight",
+    "scale_keys",
+    "natural_key",
+    "id_ranges",
+    "shape_str",
+]
 
 # Per-expert keys. The module must be exactly ``experts`` (a dot or the key's start before it).
 _PER_EXPERT = re.compile(r"^(?P<module>(?:.*\.)?experts)\.(?P<e>\d+)\.(?P<name>.+)$")
@@ -54,8 +71,10 @@ SCALE_SUFFIXES = ("_scale_inv", "_scale")
 # the rest, so a report stays readable.
 MAX_LISTED = 20
 
-_NO_MOE = ("no MoE layers found: no keys like <module>.experts.<e>.<name> (per-expert) or "
-           "<module>.experts.<name> (fused, [num_experts, ...])")
+_NO_MOE = (
+    "no MoE layers found: no keys like <module>.experts.<e>.<name> (per-expert) or "
+    "<module>.experts.<name> (fused, [num_experts, ...])"
+)
 
 
 # -- key grammar ------------------------------------------------------------------------------
@@ -270,18 +289,20 @@ def recognize(tensors: Mapping[str, TensorInfo]) -> MoeFormat | None:
         dense.append(key)
     if not per_expert and not fused:
         return None
-    modules = tuple(_layer_format(module, per_expert.get(module, {}), fused.get(module, {}))
-                    for module in sorted(per_expert.keys() | fused.keys(), key=natural_key))
+    modules = tuple(
+        _layer_format(module, per_expert.get(module, {}), fused.get(module, {}))
+        for module in sorted(per_expert.keys() | fused.keys(), key=natural_key)
+    )
     return MoeFormat(modules, _expert_tensors(modules), tuple(dense))
 
 
-def _layer_format(module: str, per_expert: dict[str, dict[int, TensorInfo]],
-                  fused: dict[str, TensorInfo]) -> MoeLayerFormat:
+def _layer_format(
+    module: str, per_expert: dict[str, dict[int, TensorInfo]], fused: dict[str, TensorInfo]
+) -> MoeLayerFormat:
     groups: list[TensorGroup] = []
     for name, by_id in per_expert.items():
         experts = tuple(sorted(by_id))
-        groups.append(TensorGroup(name, False, experts, tuple(by_id[e] for e in experts),
-                                  _scale_of(name, per_expert)))
+        groups.append(TensorGroup(name, False, experts, tuple(by_id[e] for e in experts), _scale_of(name, per_expert)))
     for name, t in fused.items():
         groups.append(TensorGroup(name, True, tuple(range(t.shape[0])), (t,), _scale_of(name, fused)))
     if per_expert:
@@ -336,9 +357,15 @@ def check(fmt: MoeFormat | None) -> tuple[Problem, ...]:
     :data:`MAX_LISTED` problems and one more line counting the rest."""
     if fmt is None:
         return (Problem("no_moe", _NO_MOE),)
-    problems = [Problem("mixed_layout", f"{m.module}: both per-expert keys and fused tensors "
-                        f"({', '.join(sorted(g.name for g in m.tensors if g.fused))})")
-                for m in fmt.modules if m.mixed]
+    problems = [
+        Problem(
+            "mixed_layout",
+            f"{m.module}: both per-expert keys and fused tensors "
+            f"({', '.join(sorted(g.name for g in m.tensors if g.fused))})",
+        )
+        for m in fmt.modules
+        if m.mixed
+    ]
     problems += _missing_experts(fmt)
     problems += _per_expert_problems(fmt)
     problems += _fused_problems(fmt)
@@ -354,12 +381,17 @@ def _missing_experts(fmt: MoeFormat) -> list[Problem]:
             present = set(m.experts)
             missing = [e for e in range(n) if e not in present]
             if missing:
-                out.append(Problem("missing_experts", f"{m.module}: experts {id_ranges(missing)} missing "
-                                   f"({len(present)} of {n} present)"))
+                out.append(
+                    Problem(
+                        "missing_experts",
+                        f"{m.module}: experts {id_ranges(missing)} missing ({len(present)} of {n} present)",
+                    )
+                )
     for m in fmt.modules:
         if m.fused and len(m.experts) < n:
-            out.append(Problem("missing_experts", f"{m.module}: fused tensors hold {len(m.experts)} experts, "
-                               f"other layers {n}"))
+            out.append(
+                Problem("missing_experts", f"{m.module}: fused tensors hold {len(m.experts)} experts, other layers {n}")
+            )
     return _capped(out)
 
 
@@ -377,16 +409,26 @@ def _per_expert_problems(fmt: MoeFormat) -> list[Problem]:
             has = set(g.experts) if g is not None else set()
             absent = [e for e in m.experts if e not in has]
             if absent:
-                lacking.append(Problem("missing_expert_tensors", f"{m.module}: {name} missing for experts "
-                                       f"{id_ranges(absent)}"))
+                lacking.append(
+                    Problem("missing_expert_tensors", f"{m.module}: {name} missing for experts {id_ranges(absent)}")
+                )
         # Listed expert by expert, each expert's tensors in the module's order.
         odd = []
         for j, g in enumerate(groups.values()):
             ref = refs[g.name]
             for e, t in zip(g.experts, g.infos):
                 if t.shape != ref.shape or t.dtype != ref.dtype:
-                    odd.append((e, j, Problem("expert_mismatch", f"{m.module}.{e}.{g.name}: {shape_str(t.shape)} "
-                                              f"{t.dtype}, other experts {shape_str(ref.shape)} {ref.dtype}")))
+                    odd.append(
+                        (
+                            e,
+                            j,
+                            Problem(
+                                "expert_mismatch",
+                                f"{m.module}.{e}.{g.name}: {shape_str(t.shape)} "
+                                f"{t.dtype}, other experts {shape_str(ref.shape)} {ref.dtype}",
+                            ),
+                        )
+                    )
         mismatch += [p for _, _, p in sorted(odd, key=lambda x: x[:2])]
     return _capped(lacking) + _capped(mismatch)
 
@@ -405,8 +447,13 @@ def _fused_problems(fmt: MoeFormat) -> list[Problem]:
         for name, g in sorted(groups.items()):
             t, ref = g.infos[0], refs[name]
             if t.shape[1:] != ref.shape or t.dtype != ref.dtype or t.shape[0] != n:
-                out.append(Problem("expert_mismatch", f"{m.module}.{name}: {shape_str(t.shape)} {t.dtype}, "
-                                   f"other layers {shape_str((n,) + ref.shape)} {ref.dtype}"))
+                out.append(
+                    Problem(
+                        "expert_mismatch",
+                        f"{m.module}.{name}: {shape_str(t.shape)} {t.dtype}, "
+                        f"other layers {shape_str((n,) + ref.shape)} {ref.dtype}",
+                    )
+                )
     return _capped(out)
 
 

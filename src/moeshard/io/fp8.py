@@ -12,8 +12,9 @@ align to the blocks: it is dequantized with the rows and columns of ``S`` it ove
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING
 
 from ..box import Box
 from .checkpoint import CheckpointIndex, TensorInfo
@@ -22,8 +23,16 @@ from .formats import scale_keys
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FP8_DTYPES", "Quantization", "block_size", "scale_of", "scale_box", "quantization", "dequantize",
-           "read_dequantized"]
+__all__ = [
+    "FP8_DTYPES",
+    "Quantization",
+    "block_size",
+    "scale_of",
+    "scale_box",
+    "quantization",
+    "dequantize",
+    "read_dequantized",
+]
 
 FP8_DTYPES = frozenset({"F8_E4M3", "F8_E5M2"})
 
@@ -59,7 +68,7 @@ def block_size(weight_shape, scale_shape) -> tuple[int, ...] | None:
     return tuple(out)
 
 
-def scale_of(index: "CheckpointIndex | Mapping[str, TensorInfo]", key: str) -> tuple[str, tuple[int, ...]] | None:
+def scale_of(index: CheckpointIndex | Mapping[str, TensorInfo], key: str) -> tuple[str, tuple[int, ...]] | None:
     """``(scale key, block shape)`` of FP8 weight ``key`` when the checkpoint (an index, or its
     ``{key: TensorInfo}``) stores a float scale that fits it (:func:`block_size`), else None (not
     FP8, no scale, or a scale of another shape)."""
@@ -117,7 +126,7 @@ def scale_box(box: Box, block: tuple[int, ...]) -> Box:
     return tuple(out)
 
 
-def dequantize(q: "torch.Tensor", box: Box, scale: "torch.Tensor", block: tuple[int, ...]) -> "torch.Tensor":
+def dequantize(q: torch.Tensor, box: Box, scale: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
     """``q`` (FP8 values of weight box ``box``, shape ``box_shape(box)``) times its scales, in
     float32. ``scale`` is the scale tensor's :func:`scale_box` of ``box`` (any float dtype, on any
     device: moved to ``q``'s)."""
@@ -133,9 +142,9 @@ def dequantize(q: "torch.Tensor", box: Box, scale: "torch.Tensor", block: tuple[
         s = s.index_select(0, rows)
         full = n1 // b1
         if full:
-            out[:, :full * b1].view(n0, full, b1).mul_(s[:, :full, None])
+            out[:, : full * b1].view(n0, full, b1).mul_(s[:, :full, None])
         if n1 > full * b1:
-            out[:, full * b1:].mul_(s[:, full:full + 1])
+            out[:, full * b1 :].mul_(s[:, full : full + 1])
         return out
     for d, ((o, n), b) in enumerate(zip(box, block)):
         # Element o + i of this dim lies in block (o + i) // b, row (o + i) // b - o // b of ``s``.
@@ -147,7 +156,7 @@ def dequantize(q: "torch.Tensor", box: Box, scale: "torch.Tensor", block: tuple[
 _LUTS: dict = {}
 
 
-def to_float32(q: "torch.Tensor") -> "torch.Tensor":
+def to_float32(q: torch.Tensor) -> torch.Tensor:
     """``q.to(float32)``; on CPU, for a one-byte float, through a 256-entry table: torch's CPU
     FP8 cast converts element by element, the table lookup is ~5x faster (same values, NaNs
     included)."""
@@ -162,7 +171,7 @@ def to_float32(q: "torch.Tensor") -> "torch.Tensor":
     return torch.index_select(lut, 0, codes).view(q.shape)
 
 
-def read_dequantized(reader, key: str, box: Box, out: "torch.Tensor") -> bool:
+def read_dequantized(reader, key: str, box: Box, out: torch.Tensor) -> bool:
     """Read ``box`` of checkpoint tensor ``key`` into float tensor ``out`` (shape
     ``box_shape(box)``, two or more bytes per element) dequantized with the scale blocks covering
     it, which ``reader`` (a :class:`~moeshard.io.checkpoint.CheckpointReader`) reads itself; the

@@ -77,16 +77,22 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import numpy as np
 
 from ..placement import Placement
 
 __all__ = [
-    "FORMATS", "NAMED_PLACEMENTS", "PlacementFile", "moe_layer_indices", "named_placement",
-    "read_placement", "read_placement_file", "write_placement",
+    "FORMATS",
+    "NAMED_PLACEMENTS",
+    "PlacementFile",
+    "moe_layer_indices",
+    "named_placement",
+    "read_placement",
+    "read_placement_file",
+    "write_placement",
 ]
 
 FORMATS = ("moeshard", "npy", "sglang", "vllm")
@@ -125,8 +131,14 @@ class PlacementFile:
 # -- reading -------------------------------------------------------------------------------
 
 
-def read_placement(path: str | os.PathLike, *, format: str | None = None, num_logical: int | None = None,
-                   num_ranks: int | None = None, moe_layers: Sequence[int] | None = None) -> Placement:
+def read_placement(
+    path: str | os.PathLike,
+    *,
+    format: str | None = None,
+    num_logical: int | None = None,
+    num_ranks: int | None = None,
+    moe_layers: Sequence[int] | None = None,
+) -> Placement:
     """The :class:`Placement` a placement file holds.
 
     Args:
@@ -148,14 +160,18 @@ def read_placement(path: str | os.PathLike, *, format: str | None = None, num_lo
         if want is not None and have is not None and want != have:
             raise ValueError(f"placement file {path}: it was written for {name}={have}, expected {name}={want}")
     try:
-        return Placement(f.phy2log, num_logical=num_logical if num_logical is not None else f.num_logical,
-                         num_ranks=num_ranks if num_ranks is not None else f.num_ranks)
+        return Placement(
+            f.phy2log,
+            num_logical=num_logical if num_logical is not None else f.num_logical,
+            num_ranks=num_ranks if num_ranks is not None else f.num_ranks,
+        )
     except ValueError as e:
         raise ValueError(f"placement file {path}: key '{f.key}': {e}") from None
 
 
-def read_placement_file(path: str | os.PathLike, *, format: str | None = None,
-                        moe_layers: Sequence[int] | None = None) -> PlacementFile:
+def read_placement_file(
+    path: str | os.PathLike, *, format: str | None = None, moe_layers: Sequence[int] | None = None
+) -> PlacementFile:
     """Parse and shape-check a placement file without building a :class:`Placement` (the CLI
     checks shapes against the model first, for its own messages). See :func:`read_placement`."""
     if format is not None and format not in FORMATS:
@@ -180,7 +196,8 @@ def read_placement_file(path: str | os.PathLike, *, format: str | None = None,
     if moe_layers is not None and out.layers is not None and tuple(out.layers) != tuple(moe_layers):
         raise ValueError(
             f"placement file {path}: key 'layers': written for MoE layers at decoder layers {_short(out.layers)}, "
-            f"the model's MoE layers are at {_short(moe_layers)}")
+            f"the model's MoE layers are at {_short(moe_layers)}"
+        )
     return out
 
 
@@ -215,10 +232,12 @@ def _torch_load(path: str) -> object:
     try:
         # weights_only: tensors, dicts, lists and numbers only, never arbitrary objects.
         return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises UnpicklingError, RuntimeError, EOFError... for a bad file
+    except Exception as e:  # noqa: BLE001 - re-raised as ValueError; torch raises UnpicklingError, RuntimeError, EOFError...
         msg = " ".join(str(e).split())[:300]
-        raise ValueError(f"placement file {path}: not a torch.save file torch.load(weights_only=True) reads "
-                         f"({type(e).__name__}: {msg})") from None
+        raise ValueError(
+            f"placement file {path}: not a torch.save file torch.load(weights_only=True) reads "
+            f"({type(e).__name__}: {msg})"
+        ) from None
 
 
 def _sniff(obj: object, path: str) -> str:
@@ -236,12 +255,15 @@ def _sniff(obj: object, path: str) -> str:
         raise ValueError(_load_table_message(path))
     raise ValueError(
         f"placement file {path}: has keys {_short(list(obj))}; expected 'format': '{_MAGIC}' (moeshard), "
-        f"'{_P2L}' (sglang --init-expert-location, vLLM EPLB state) or '{_SGLANG_DUMP}' (sglang recorder dump)")
+        f"'{_P2L}' (sglang --init-expert-location, vLLM EPLB state) or '{_SGLANG_DUMP}' (sglang recorder dump)"
+    )
 
 
 def _load_table_message(path: str) -> str:
-    return (f"placement file {path}: key 'logical_count' holds expert loads (sglang's expert-distribution "
-            f"recorder), not a placement; sglang runs EPLB on it at start-up. Give a file with '{_P2L}'")
+    return (
+        f"placement file {path}: key 'logical_count' holds expert loads (sglang's expert-distribution "
+        f"recorder), not a placement; sglang runs EPLB on it at start-up. Give a file with '{_P2L}'"
+    )
 
 
 def _from_moeshard(obj: object, path: str) -> PlacementFile:
@@ -251,24 +273,29 @@ def _from_moeshard(obj: object, path: str) -> PlacementFile:
         raise ValueError(f"placement file {path}: key 'format': expected '{_MAGIC}', got {obj.get('format')!r}")
     version = _int_field(obj, "version", path, minimum=1)
     if version > _VERSION:
-        raise ValueError(f"placement file {path}: key 'version': {version} is newer than this moeshard "
-                         f"reads ({_VERSION})")
+        raise ValueError(
+            f"placement file {path}: key 'version': {version} is newer than this moeshard reads ({_VERSION})"
+        )
     num_layers = _int_field(obj, "num_layers", path, minimum=1)
     num_logical = _int_field(obj, "num_logical", path, minimum=1)
     num_physical = _int_field(obj, "num_physical", path, minimum=1)
     num_ranks = _int_field(obj, "num_ranks", path, minimum=1, optional=True)
     slots = _int_field(obj, "slots_per_rank", path, minimum=1, optional=True)
     if num_ranks is not None and num_physical % num_ranks:
-        raise ValueError(f"placement file {path}: key 'num_ranks': {num_ranks} does not divide "
-                         f"num_physical={num_physical}")
+        raise ValueError(
+            f"placement file {path}: key 'num_ranks': {num_ranks} does not divide num_physical={num_physical}"
+        )
     if slots is not None and (num_ranks is None or slots * num_ranks != num_physical):
-        raise ValueError(f"placement file {path}: key 'slots_per_rank': {slots}, expected num_physical / num_ranks "
-                         f"= {num_physical} / {num_ranks}")
+        raise ValueError(
+            f"placement file {path}: key 'slots_per_rank': {slots}, expected num_physical / num_ranks "
+            f"= {num_physical} / {num_ranks}"
+        )
     layers = obj.get("layers")
     if not isinstance(layers, list) or len(layers) != num_layers:
         got = f"a list of {len(layers)}" if isinstance(layers, list) else repr(type(layers).__name__)
-        raise ValueError(f"placement file {path}: key 'layers': expected a list of num_layers={num_layers} "
-                         f"objects, got {got}")
+        raise ValueError(
+            f"placement file {path}: key 'layers': expected a list of num_layers={num_layers} objects, got {got}"
+        )
     rows, idx, mods = [], [], []
     for i, entry in enumerate(layers):
         where = f"layers[{i}]"
@@ -276,8 +303,10 @@ def _from_moeshard(obj: object, path: str) -> PlacementFile:
             raise ValueError(f"placement file {path}: key '{where}': expected an object with 'phy2log'")
         row = _int_table(entry["phy2log"], path, f"{where}.phy2log", 1)
         if row.shape != (num_physical,):
-            raise ValueError(f"placement file {path}: key '{where}.phy2log' has {row.shape[0]} slots, "
-                             f"expected num_physical={num_physical}")
+            raise ValueError(
+                f"placement file {path}: key '{where}.phy2log' has {row.shape[0]} slots, "
+                f"expected num_physical={num_physical}"
+            )
         rows.append(row)
         if "layer" in entry:
             idx.append(_int_field(entry, "layer", path, minimum=0, where=where))
@@ -287,10 +316,19 @@ def _from_moeshard(obj: object, path: str) -> PlacementFile:
             mods.append(entry["module"])
     for name, got in (("layer", idx), ("module", mods)):
         if got and len(got) != num_layers:
-            raise ValueError(f"placement file {path}: key 'layers': '{name}' is given for {len(got)} of "
-                             f"{num_layers} layers; give it for every layer or none")
-    return PlacementFile(np.stack(rows), "moeshard", "layers", num_logical, num_ranks,
-                         tuple(idx) if idx else None, tuple(mods) if mods else None)
+            raise ValueError(
+                f"placement file {path}: key 'layers': '{name}' is given for {len(got)} of "
+                f"{num_layers} layers; give it for every layer or none"
+            )
+    return PlacementFile(
+        np.stack(rows),
+        "moeshard",
+        "layers",
+        num_logical,
+        num_ranks,
+        tuple(idx) if idx else None,
+        tuple(mods) if mods else None,
+    )
 
 
 def _from_sglang(obj: object, path: str, moe_layers: Sequence[int] | None) -> PlacementFile:
@@ -300,8 +338,10 @@ def _from_sglang(obj: object, path: str, moe_layers: Sequence[int] | None) -> Pl
     if key is None:
         if "logical_count" in obj:
             raise ValueError(_load_table_message(path))
-        raise ValueError(f"placement file {path}: missing key '{_P2L}' (sglang's [num_hidden_layers, "
-                         f"num_physical] table); it has {_short(list(obj))}")
+        raise ValueError(
+            f"placement file {path}: missing key '{_P2L}' (sglang's [num_hidden_layers, "
+            f"num_physical] table); it has {_short(list(obj))}"
+        )
     table = _int_table(obj[key], path, key, 2)
     if moe_layers is not None:
         moe = [int(i) for i in moe_layers]
@@ -310,7 +350,8 @@ def _from_sglang(obj: object, path: str, moe_layers: Sequence[int] | None) -> Pl
             if not moe or min(moe) < 0 or max(moe) >= table.shape[0]:
                 raise ValueError(
                     f"placement file {path}: key '{key}' has {table.shape[0]} row(s) (sglang writes one per decoder "
-                    f"layer); the model has {len(moe)} MoE layers at decoder layers {_short(moe)}")
+                    f"layer); the model has {len(moe)} MoE layers at decoder layers {_short(moe)}"
+                )
             table = table[moe]
     return PlacementFile(table, "sglang", key)
 
@@ -319,23 +360,29 @@ def _from_vllm(obj: object, path: str) -> PlacementFile:
     if not isinstance(obj, Mapping):
         return PlacementFile(_int_table(obj, path, _P2L, 2), "vllm", _P2L)
     if _P2L not in obj:
-        raise ValueError(f"placement file {path}: missing key '{_P2L}' (vLLM's [num_moe_layers, num_physical] "
-                         f"EPLB table); it has {_short(list(obj))}")
+        raise ValueError(
+            f"placement file {path}: missing key '{_P2L}' (vLLM's [num_moe_layers, num_physical] "
+            f"EPLB table); it has {_short(list(obj))}"
+        )
     p2l = _int_table(obj[_P2L], path, _P2L, 2)
     num_layers, num_physical = p2l.shape
     num_logical = None
     if _COUNT in obj:
         count = _int_table(obj[_COUNT], path, _COUNT, 2)
         if count.shape[0] != num_layers:
-            raise ValueError(f"placement file {path}: key '{_COUNT}' has shape {list(count.shape)}, expected "
-                             f"[num_moe_layers={num_layers}, num_logical]")
+            raise ValueError(
+                f"placement file {path}: key '{_COUNT}' has shape {list(count.shape)}, expected "
+                f"[num_moe_layers={num_layers}, num_logical]"
+            )
         num_logical = count.shape[1]
         _check_counts(p2l, count, path)
     if _L2P in obj:
         l2p = _int_table(obj[_L2P], path, _L2P, 3)
         if l2p.shape[0] != num_layers or (num_logical is not None and l2p.shape[1] != num_logical):
-            raise ValueError(f"placement file {path}: key '{_L2P}' has shape {list(l2p.shape)}, expected "
-                             f"[num_moe_layers={num_layers}, num_logical={num_logical or 'E'}, max copies]")
+            raise ValueError(
+                f"placement file {path}: key '{_L2P}' has shape {list(l2p.shape)}, expected "
+                f"[num_moe_layers={num_layers}, num_logical={num_logical or 'E'}, max copies]"
+            )
         num_logical = l2p.shape[1]
         _check_l2p(p2l, l2p, path)
     return PlacementFile(p2l, "vllm", _P2L, num_logical)
@@ -349,8 +396,10 @@ def _check_counts(p2l: np.ndarray, count: np.ndarray, path: str) -> None:
     bad = np.argwhere(have[:, :num_logical] != count)
     if len(bad):
         layer, e = bad[0]
-        raise ValueError(f"placement file {path}: key '{_COUNT}'[{layer}, {e}] = {count[layer, e]}, but "
-                         f"'{_P2L}' has {have[layer, e]} copies of expert {e} in layer {layer}")
+        raise ValueError(
+            f"placement file {path}: key '{_COUNT}'[{layer}, {e}] = {count[layer, e]}, but "
+            f"'{_P2L}' has {have[layer, e]} copies of expert {e} in layer {layer}"
+        )
 
 
 def _check_l2p(p2l: np.ndarray, l2p: np.ndarray, path: str) -> None:
@@ -361,11 +410,14 @@ def _check_l2p(p2l: np.ndarray, l2p: np.ndarray, path: str) -> None:
         slots = l2p[layer][l2p[layer] >= 0]
         where = f"placement file {path}: key '{_L2P}' layer {layer}"
         if len(slots) and (slots.max() >= num_physical or not np.array_equal(p2l[layer, slots], experts)):
-            raise ValueError(f"{where}: lists a slot out of [0, {num_physical}) or holding another expert "
-                             f"than '{_P2L}' says")
+            raise ValueError(
+                f"{where}: lists a slot out of [0, {num_physical}) or holding another expert than '{_P2L}' says"
+            )
         if len(np.unique(slots)) != len(slots) or len(slots) != int((p2l[layer] >= 0).sum()):
-            raise ValueError(f"{where}: lists {len(slots)} slots ({len(np.unique(slots))} distinct), expected each "
-                             f"of the {int((p2l[layer] >= 0).sum())} expert copies once")
+            raise ValueError(
+                f"{where}: lists {len(slots)} slots ({len(np.unique(slots))} distinct), expected each "
+                f"of the {int((p2l[layer] >= 0).sum())} expert copies once"
+            )
 
 
 def _is_tensor(x: object) -> bool:
@@ -396,15 +448,18 @@ def _int_table(value: object, path: str, key: str | None, ndim: int) -> np.ndarr
     return np.ascontiguousarray(a, dtype=np.int64)
 
 
-def _int_field(obj: Mapping, name: str, path: str, *, minimum: int, optional: bool = False,
-               where: str | None = None) -> int | None:
+def _int_field(
+    obj: Mapping, name: str, path: str, *, minimum: int, optional: bool = False, where: str | None = None
+) -> int | None:
     v = obj.get(name)
     if v is None and optional:
         return None
     if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
         key = name if where is None else f"{where}.{name}"
-        raise ValueError(f"placement file {path}: key '{key}': expected an integer >= {minimum}"
-                         f"{' or null' if optional else ''}, got {v!r}")
+        raise ValueError(
+            f"placement file {path}: key '{key}': expected an integer >= {minimum}"
+            f"{' or null' if optional else ''}, got {v!r}"
+        )
     return v
 
 
@@ -416,8 +471,9 @@ def _short(xs: Sequence) -> str:
 # -- named placements ----------------------------------------------------------------------
 
 
-def named_placement(name: str, *, num_layers: int, num_logical: int, num_ranks: int,
-                    num_redundant: int = 0) -> Placement:
+def named_placement(
+    name: str, *, num_layers: int, num_logical: int, num_ranks: int, num_redundant: int = 0
+) -> Placement:
     """An engine's built-in initial placement (see the module docstring), for every layer.
 
     ``num_logical + num_redundant`` slots per layer must split evenly over ``num_ranks``
@@ -426,13 +482,17 @@ def named_placement(name: str, *, num_layers: int, num_logical: int, num_ranks: 
         raise ValueError(f"placement {name!r} is not one of {', '.join(NAMED_PLACEMENTS)}")
     num_physical = num_logical + num_redundant
     if num_ranks < 1 or num_physical % num_ranks:
-        raise ValueError(f"placement {name}: {num_physical} slots per layer ({num_logical} experts + "
-                         f"{num_redundant} redundant) do not split evenly over EP size {num_ranks}")
+        raise ValueError(
+            f"placement {name}: {num_physical} slots per layer ({num_logical} experts + "
+            f"{num_redundant} redundant) do not split evenly over EP size {num_ranks}"
+        )
     if name != "vllm:round_robin":
         return Placement.contiguous(num_layers, num_logical, num_ranks, num_redundant)
     if num_redundant:
-        raise ValueError(f"placement {name}: vLLM places experts round robin only without redundant experts "
-                         f"(it falls back to linear); got {num_redundant} redundant")
+        raise ValueError(
+            f"placement {name}: vLLM places experts round robin only without redundant experts "
+            f"(it falls back to linear); got {num_redundant} redundant"
+        )
     spr = num_physical // num_ranks
     # Slot r * spr + k (rank r, local slot k) holds expert r + k * num_ranks.
     row = (np.arange(num_ranks)[:, None] + np.arange(spr)[None, :] * num_ranks).reshape(-1)
@@ -456,9 +516,15 @@ def moe_layer_indices(modules: Sequence[str]) -> tuple[int, ...] | None:
 # -- writing -------------------------------------------------------------------------------
 
 
-def write_placement(placement: Placement, path: str | os.PathLike, *, format: str,
-                    moe_layers: Sequence[int] | None = None, modules: Sequence[str] | None = None,
-                    num_hidden_layers: int | None = None) -> None:
+def write_placement(
+    placement: Placement,
+    path: str | os.PathLike,
+    *,
+    format: str,
+    moe_layers: Sequence[int] | None = None,
+    modules: Sequence[str] | None = None,
+    num_hidden_layers: int | None = None,
+) -> None:
     """Write ``placement`` to ``path`` in ``format`` (one of :data:`FORMATS`), atomically.
 
     Args:
@@ -486,13 +552,18 @@ def write_placement(placement: Placement, path: str | os.PathLike, *, format: st
     elif format == "moeshard":
         _atomic(path, lambda f: f.write(_moeshard_json(placement, moe_layers, modules).encode()))
     else:
-        tables = {_P2L: _sglang_rows(placement, moe_layers, num_hidden_layers)} if format == "sglang" else {
-            _P2L: p2l, _L2P: _vllm_l2p(placement), _COUNT: placement.logcnt}
+        tables = (
+            {_P2L: _sglang_rows(placement, moe_layers, num_hidden_layers)}
+            if format == "sglang"
+            else {_P2L: p2l, _L2P: _vllm_l2p(placement), _COUNT: placement.logcnt}
+        )
         if os.path.splitext(path)[1].lower() in (".pt", ".pth"):
             import torch
 
-            _atomic(path, lambda f: torch.save({k: torch.from_numpy(np.array(v, dtype=np.int64))
-                                                for k, v in tables.items()}, f))
+            _atomic(
+                path,
+                lambda f: torch.save({k: torch.from_numpy(np.array(v, dtype=np.int64)) for k, v in tables.items()}, f),
+            )
         else:
             text = "{" + ",\n ".join(f"{json.dumps(k)}: {_json_rows(v)}" for k, v in tables.items()) + "}\n"
             _atomic(path, lambda f: f.write(text.encode()))
@@ -500,9 +571,15 @@ def write_placement(placement: Placement, path: str | os.PathLike, *, format: st
 
 def _moeshard_json(placement: Placement, moe_layers, modules) -> str:
     n = placement.num_ranks
-    head = {"format": _MAGIC, "version": _VERSION, "num_layers": placement.num_layers,
-            "num_logical": placement.num_logical, "num_physical": placement.num_physical, "num_ranks": n,
-            "slots_per_rank": None if n is None else placement.num_physical // n}
+    head = {
+        "format": _MAGIC,
+        "version": _VERSION,
+        "num_layers": placement.num_layers,
+        "num_logical": placement.num_logical,
+        "num_physical": placement.num_physical,
+        "num_ranks": n,
+        "slots_per_rank": None if n is None else placement.num_physical // n,
+    }
     layers = []
     for i, row in enumerate(placement.phy2log.tolist()):
         entry: dict = {}

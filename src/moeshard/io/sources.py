@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
 
@@ -23,8 +24,9 @@ __all__ = ["Storage", "storage_sources", "sources_share", "resolve_sources", "re
 Storage = Literal["auto", "shared", "node", "single"]
 
 
-def storage_sources(storage: Storage, can_read: Sequence[bool], topology: Topology,
-                    active: Sequence[bool] | np.ndarray | None = None) -> tuple[str, np.ndarray, str]:
+def storage_sources(
+    storage: Storage, can_read: Sequence[bool], topology: Topology, active: Sequence[bool] | np.ndarray | None = None
+) -> tuple[str, np.ndarray, str]:
     """Resolve a storage mode from which ranks can see the checkpoint (pure).
 
     ``active`` (relocation: ``bool[world]``, the live ranks; None: all): a rank that is not
@@ -78,8 +80,9 @@ def _storage_mode(storage: Storage, can: np.ndarray, topology: Topology) -> tupl
     raise ValueError(f"storage must be 'auto', 'shared', 'node' or 'single', got {storage!r}")
 
 
-def sources_share(can_read: bool, storage: Storage, topology: Topology,
-                  active: Sequence[bool] | np.ndarray | None = None) -> tuple:
+def sources_share(
+    can_read: bool, storage: Storage, topology: Topology, active: Sequence[bool] | np.ndarray | None = None
+) -> tuple:
     """What a rank contributes to :func:`resolve_sources`: whether it sees the checkpoint, and
     the arguments the storage mode is resolved from (its storage, ranks per node and a digest of
     ``active``), which every rank must pass alike. Pure."""
@@ -87,22 +90,30 @@ def sources_share(can_read: bool, storage: Storage, topology: Topology,
     return bool(can_read), storage, topology.local_world_size, digest
 
 
-def _agreed_sources(everyone: Sequence[tuple], topology: Topology,
-                    active: Sequence[bool] | np.ndarray | None) -> tuple[str, np.ndarray, str]:
+def _agreed_sources(
+    everyone: Sequence[tuple], topology: Topology, active: Sequence[bool] | np.ndarray | None
+) -> tuple[str, np.ndarray, str]:
     """:func:`storage_sources` from every rank's :func:`sources_share`, after checking that the
     ranks passed the same arguments (pure: every rank computes the same answer or error)."""
     for what, j in (("storage", 1), ("ranks per node (topology)", 2), ("active_ranks", 3)):
         values = [e[j] for e in everyone]
         if any(v != values[0] for v in values):
             differ = [r for r, v in enumerate(values) if v != values[0]][:16]
-            raise ValueError(f"the ranks passed different {what}: rank 0 {values[0]!r}, ranks {differ} another "
-                             f"(rank {differ[0]}: {values[differ[0]]!r}); every rank must pass the same")
+            raise ValueError(
+                f"the ranks passed different {what}: rank 0 {values[0]!r}, ranks {differ} another "
+                f"(rank {differ[0]}: {values[differ[0]]!r}); every rank must pass the same"
+            )
     return storage_sources(everyone[0][1], [e[0] for e in everyone], topology, active)
 
 
-def resolve_sources(path: str, storage: Storage, topology: Topology, can_read: bool,
-                    active: Sequence[bool] | np.ndarray | None = None,
-                    everyone: Sequence[tuple] | None = None) -> tuple[str, np.ndarray, str, CheckpointIndex]:
+def resolve_sources(
+    path: str,
+    storage: Storage,
+    topology: Topology,
+    can_read: bool,
+    active: Sequence[bool] | np.ndarray | None = None,
+    everyone: Sequence[tuple] | None = None,
+) -> tuple[str, np.ndarray, str, CheckpointIndex]:
     """Collective (every rank): agree on the storage mode from which ranks can see ``path``;
     the first reader (the first active one, given ``active``; see :func:`storage_sources`)
     reads the headers and sends them to all ranks. ``everyone``: every rank's

@@ -34,10 +34,30 @@ from dataclasses import dataclass
 from ..box import Box
 from ..io.formats import SCALE_SUFFIXES
 
-__all__ = ["ExpertParam", "ExpertsSpec", "HF_EXPERTS", "MIXTRAL_EXPERTS", "HF_UNGATED_EXPERTS", "JETMOE_EXPERTS",
-           "DBRX_EXPERTS", "DOGE_EXPERTS", "DEFAULT_SPECS", "KEY_RENAMES", "IDENTITY_EXPERTS", "checkpoint_names",
-           "class_names", "expert_params", "expert_parts", "expert_shape", "identity_experts", "identity_rows",
-           "num_logical_experts", "read_expert_box", "specs_for", "with_scales"]
+__all__ = [
+    "ExpertParam",
+    "ExpertsSpec",
+    "HF_EXPERTS",
+    "MIXTRAL_EXPERTS",
+    "HF_UNGATED_EXPERTS",
+    "JETMOE_EXPERTS",
+    "DBRX_EXPERTS",
+    "DOGE_EXPERTS",
+    "DEFAULT_SPECS",
+    "KEY_RENAMES",
+    "IDENTITY_EXPERTS",
+    "checkpoint_names",
+    "class_names",
+    "expert_params",
+    "expert_parts",
+    "expert_shape",
+    "identity_experts",
+    "identity_rows",
+    "num_logical_experts",
+    "read_expert_box",
+    "specs_for",
+    "with_scales",
+]
 
 
 @dataclass(frozen=True)
@@ -143,12 +163,19 @@ DOGE_EXPERTS = ExpertsSpec(
     params=(ExpertParam("weight", ("weight",)),),
     classes=frozenset({"Embedding"}),
 )
-DEFAULT_SPECS: tuple[ExpertsSpec, ...] = (HF_EXPERTS, MIXTRAL_EXPERTS, HF_UNGATED_EXPERTS, JETMOE_EXPERTS, DBRX_EXPERTS,
-                                          DOGE_EXPERTS)
+DEFAULT_SPECS: tuple[ExpertsSpec, ...] = (
+    HF_EXPERTS,
+    MIXTRAL_EXPERTS,
+    HF_UNGATED_EXPERTS,
+    JETMOE_EXPERTS,
+    DBRX_EXPERTS,
+    DOGE_EXPERTS,
+)
 
 
-def expert_shape(module, spec: ExpertsSpec, param: ExpertParam, shape: tuple[int, ...] | None = None,
-                 sharded: bool = False) -> tuple[int, ...]:
+def expert_shape(
+    module, spec: ExpertsSpec, param: ExpertParam, shape: tuple[int, ...] | None = None, sharded: bool = False
+) -> tuple[int, ...]:
     """``[num experts, *slice]`` of ``param`` of experts module ``module`` (``shape``: the
     tensor's, default the module's parameter's): the shape itself, or for a merged parameter
     of an unsharded model (not ``sharded``: parallelize made it ``[num_physical, n, *rest]``)
@@ -159,8 +186,10 @@ def expert_shape(module, spec: ExpertsSpec, param: ExpertParam, shape: tuple[int
         return tuple(shape)
     num = getattr(module, spec.count, None) if spec.count else None
     if not isinstance(num, int) or num < 1 or not shape or shape[0] % num:
-        raise ValueError(f"{type(module).__name__}.{param.name} of shape {list(shape)}: its experts are merged into "
-                         f"dim 0, and the module's {spec.count or 'expert count'} ({num}) does not divide it")
+        raise ValueError(
+            f"{type(module).__name__}.{param.name} of shape {list(shape)}: its experts are merged into "
+            f"dim 0, and the module's {spec.count or 'expert count'} ({num}) does not divide it"
+        )
     return (num, shape[0] // num, *shape[1:])
 
 
@@ -212,8 +241,12 @@ def with_scales(spec: ExpertsSpec, param_names: set[str]) -> ExpertsSpec:
     (its ``HfQuantizer.update_weight_conversions``: the companion's suffix is the serialized name
     minus ``weight``). So the scale ``<param><suffix>`` reads parts ``<part><suffix>`` along the
     same dim; the parts' sizes (block rows) come from the checkpoint, as for any part."""
-    extra = tuple(ExpertParam(p.name + suffix, tuple(part + suffix for part in p.parts), p.dim)
-                  for p in spec.params for suffix in SCALE_SUFFIXES if p.name + suffix in param_names)
+    extra = tuple(
+        ExpertParam(p.name + suffix, tuple(part + suffix for part in p.parts), p.dim)
+        for p in spec.params
+        for suffix in SCALE_SUFFIXES
+        if p.name + suffix in param_names
+    )
     return dataclasses.replace(spec, params=spec.params + extra) if extra else spec
 
 
@@ -245,8 +278,11 @@ def _spec_stems(specs) -> tuple[tuple[tuple[str, str, str], ...], dict[str, str]
     singles: dict[str, str] = {}
     for spec in specs:
         for p in spec.params:
-            stems = [part[len("{e}."):-len("weight")] for part in p.parts
-                     if part.startswith("{e}.") and part.endswith(".weight") and part.count(".") == 2]
+            stems = [
+                part[len("{e}.") : -len("weight")]
+                for part in p.parts
+                if part.startswith("{e}.") and part.endswith(".weight") and part.count(".") == 2
+            ]
             if len(stems) == len(p.parts) == 2 and p.dim == 0:
                 pairs.append((stems[0], stems[1], p.name))
             elif len(stems) == len(p.parts) == 1:
@@ -279,12 +315,17 @@ def expert_params(tensors) -> tuple[ExpertParam, ...]:
             continue
         for first, second, fused in _PAIRS:
             if s.startswith(first):
-                rest = s[len(first):]
+                rest = s[len(first) :]
                 other = second + rest
                 a, b = tensors[s], tensors.get(other)
                 # Parts concatenate along dim 0 of the slice: same dtype, same trailing dims.
-                if b is not None and a.dtype == b.dtype and len(a.shape) >= 1 and a.shape[1:] == b.shape[1:] \
-                        and len(a.shape) == len(b.shape):
+                if (
+                    b is not None
+                    and a.dtype == b.dtype
+                    and len(a.shape) >= 1
+                    and a.shape[1:] == b.shape[1:]
+                    and len(a.shape) == len(b.shape)
+                ):
                     params.append(ExpertParam(name_of(fused, rest), (f"{{e}}.{s}", f"{{e}}.{other}")))
                     used.update((s, other))
                 break
@@ -308,9 +349,7 @@ def specs_for(model, specs) -> tuple[tuple[ExpertsSpec, ...], bool]:
     return (spec, *(s for s in specs if s is not spec)), renamed
 
 
-def expert_parts(
-    slice_box: Box, part_sizes: tuple[int, ...], dim: int
-) -> list[tuple[int, Box, Box]]:
+def expert_parts(slice_box: Box, part_sizes: tuple[int, ...], dim: int) -> list[tuple[int, Box, Box]]:
     """Split a box of one expert's slice into boxes of its checkpoint parts.
 
     Args:

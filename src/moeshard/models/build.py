@@ -39,19 +39,22 @@ def read_config(checkpoint: str | os.PathLike) -> dict[str, Any]:
     path = os.fspath(checkpoint)
     cfg = os.path.join(path, "config.json")
     if not os.path.isdir(path):
-        raise ValueError(f"{path}: no such checkpoint directory (expected a Hugging Face checkpoint: config.json "
-                         "and *.safetensors)")
+        raise ValueError(
+            f"{path}: no such checkpoint directory (expected a Hugging Face checkpoint: config.json and *.safetensors)"
+        )
     if not os.path.isfile(cfg):
-        raise ValueError(f"{path}: no config.json (expected a Hugging Face checkpoint directory: config.json and "
-                         "*.safetensors)")
+        raise ValueError(
+            f"{path}: no config.json (expected a Hugging Face checkpoint directory: config.json and *.safetensors)"
+        )
     config = load_json(cfg, _WHAT)
     if not isinstance(config, dict):
         raise ValueError(f"{cfg}: {_WHAT}: expected a JSON object, got {type(config).__name__}")
     return config
 
 
-def meta_model(config: Mapping[str, Any], dtype: torch.dtype | None = None, *,
-               source: str = "config.json") -> nn.Module:
+def meta_model(
+    config: Mapping[str, Any], dtype: torch.dtype | None = None, *, source: str = "config.json"
+) -> nn.Module:
     """``AutoModelForCausalLM`` for ``config`` (a parsed config.json: :func:`read_config`),
     built on the meta device.
 
@@ -75,8 +78,10 @@ def meta_model(config: Mapping[str, Any], dtype: torch.dtype | None = None, *,
     if not isinstance(model_type, str):
         raise ValueError(f"{source}: config.json has no model_type (a string), so no transformers model to build")
     if model_type not in transformers.CONFIG_MAPPING:
-        raise ValueError(f"{source}: config.json's model_type {model_type!r} is not one transformers "
-                         f"{transformers.__version__} knows (models with remote code are not supported)")
+        raise ValueError(
+            f"{source}: config.json's model_type {model_type!r} is not one transformers "
+            f"{transformers.__version__} knows (models with remote code are not supported)"
+        )
     try:
         # What AutoConfig.from_pretrained does with a config.json naming a model_type.
         cfg = transformers.CONFIG_MAPPING[model_type].from_dict(dict(config))
@@ -107,8 +112,9 @@ class MoELayout:
         return len(self.modules)
 
 
-def moe_layout(model: nn.Module, specs: Sequence[ExpertsSpec] = DEFAULT_SPECS, *,
-               source: str = "the model") -> MoELayout:
+def moe_layout(
+    model: nn.Module, specs: Sequence[ExpertsSpec] = DEFAULT_SPECS, *, source: str = "the model"
+) -> MoELayout:
     """The experts modules of ``model`` (unsharded: on meta or whole) and their expert count.
 
     Raises:

@@ -111,11 +111,17 @@ class CopyRoutes:
         per device: no host-to-device copy per backward or step."""
         got = self._on_device.get(device)
         if got is None:
+
             def t(a):
                 return torch.as_tensor(a, dtype=torch.long).to(device)
+
             got = self._on_device[device] = CopyRoutes(
-                t(self.others), t(self.local_copy), t(self.local_first),
-                {r: t(a) for r, a in self.to_first.items()}, {r: t(a) for r, a in self.from_copies.items()})
+                t(self.others),
+                t(self.local_copy),
+                t(self.local_first),
+                {r: t(a) for r, a in self.to_first.items()},
+                {r: t(a) for r, a in self.from_copies.items()},
+            )
         return got
 
     @property
@@ -148,10 +154,16 @@ def _swap(ep, send: dict[int, list[torch.Tensor]], recv: dict[int, list[torch.Te
     P2P batch over the EP group (message ``i`` of a pair tagged ``i``: both ends list their
     tensors in the same order). Only the peers named take part."""
     group = ep.ep_group
-    ops = [dist.P2POp(dist.isend, t.contiguous(), dist.get_global_rank(group, peer), group=group, tag=i)
-           for peer in sorted(send) for i, t in enumerate(send[peer])]
-    ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(group, peer), group=group, tag=i)
-            for peer in sorted(recv) for i, t in enumerate(recv[peer])]
+    ops = [
+        dist.P2POp(dist.isend, t.contiguous(), dist.get_global_rank(group, peer), group=group, tag=i)
+        for peer in sorted(send)
+        for i, t in enumerate(send[peer])
+    ]
+    ops += [
+        dist.P2POp(dist.irecv, t, dist.get_global_rank(group, peer), group=group, tag=i)
+        for peer in sorted(recv)
+        for i, t in enumerate(recv[peer])
+    ]
     if ops:
         with collectives.scope(group):
             collectives.start_p2p(ops, what)()
@@ -191,8 +203,9 @@ def _combined(ep, views: Sequence[View], grads: Sequence[torch.Tensor]) -> list[
     return out
 
 
-def combine_copy_grads(ep, rows: torch.Tensor, weights: Sequence[torch.Tensor],
-                       views: Sequence[View]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def combine_copy_grads(
+    ep, rows: torch.Tensor, weights: Sequence[torch.Tensor], views: Sequence[View]
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """``(rows, weights)`` unchanged, joined in one autograd node whose backward sums each
     redundant expert's copies' gradients into its first copy and zeroes the others (module doc).
 
@@ -259,7 +272,8 @@ def track(module: torch.nn.Module, describe: Callable) -> None:
 
 
 def tracked_layers(
-        params: Sequence[torch.Tensor] | None = None) -> list[tuple[object, list[tuple[torch.Tensor, View]]]]:
+    params: Sequence[torch.Tensor] | None = None,
+) -> list[tuple[object, list[tuple[torch.Tensor, View]]]]:
     """``[(ep, [(parameter, view), ...])]``: the tracked experts modules' layouts with redundant
     copies and their per-slot parameters (only those in ``params``, when given), in tracking
     order; a module with none of ``params`` is left out."""
@@ -302,5 +316,3 @@ def sync_after_step(optimizer: torch.optim.Optimizer) -> int:
 
 def _after_step(optimizer, args, kwargs) -> None:
     sync_after_step(optimizer)
-
-

@@ -40,8 +40,18 @@ if TYPE_CHECKING:  # torch only where a model is looked at
     import torch
     from torch import nn
 
-__all__ = ["ExpertRef", "ParamDesc", "describe_model", "expert_layers", "tensor_names", "local_tensor",
-           "base_names", "is_adapter_param", "preorder", "persistent_buffers"]
+__all__ = [
+    "ExpertRef",
+    "ParamDesc",
+    "describe_model",
+    "expert_layers",
+    "tensor_names",
+    "local_tensor",
+    "base_names",
+    "is_adapter_param",
+    "preorder",
+    "persistent_buffers",
+]
 
 
 @dataclass(frozen=True)
@@ -166,8 +176,13 @@ def _wraps_lora(mod: nn.Module) -> bool:
 def has_attr(mod: nn.Module, name: str) -> bool:
     """``hasattr(mod, name)`` without the AttributeError that ``Module.__getattr__`` raises
     (and hasattr catches) for a missing name: most modules have neither peft attribute."""
-    return (name in mod._modules or name in mod.__dict__ or name in mod._parameters or name in mod._buffers
-            or hasattr(type(mod), name))
+    return (
+        name in mod._modules
+        or name in mod.__dict__
+        or name in mod._parameters
+        or name in mod._buffers
+        or hasattr(type(mod), name)
+    )
 
 
 def _is_peft(model: nn.Module) -> bool:
@@ -179,7 +194,7 @@ def _same_name(name: str) -> str:
 
 
 def _strip_peft(name: str) -> str:
-    name = name[len(_PEFT_PREFIX):] if name.startswith(_PEFT_PREFIX) else name
+    name = name[len(_PEFT_PREFIX) :] if name.startswith(_PEFT_PREFIX) else name
     return _BASE_LAYER.sub("", name)
 
 
@@ -194,8 +209,9 @@ def is_adapter_param(name: str) -> bool:
     return _ADAPTER_SEGMENTS.search(name) is not None
 
 
-def expert_layers(model: nn.Module,
-                  specs: Sequence[ExpertsSpec] = DEFAULT_SPECS) -> list[tuple[str, nn.Module, ExpertsSpec]]:
+def expert_layers(
+    model: nn.Module, specs: Sequence[ExpertsSpec] = DEFAULT_SPECS
+) -> list[tuple[str, nn.Module, ExpertsSpec]]:
     """Experts modules of ``model`` in module order (their index is the MoE layer). In a peft
     model the experts module is the innermost one (under its ``ParamWrapper`` chain)."""
     out = []
@@ -211,7 +227,10 @@ def expert_layers(model: nn.Module,
 
 
 def _choose_spec(
-    candidates: Sequence[ExpertsSpec], module: str, index: CheckpointIndex | None, renamed: bool,
+    candidates: Sequence[ExpertsSpec],
+    module: str,
+    index: CheckpointIndex | None,
+    renamed: bool,
     names: HFNames | None = None,
 ) -> tuple[ExpertsSpec, dict[str, str]]:
     """The spec of experts module ``module`` and the checkpoint key prefix of each of its
@@ -253,10 +272,14 @@ def _choose_spec(
             if refused is not None:
                 raise ValueError(
                     f"parameter {module}.{p.name}: transformers reads {names.family} checkpoints into it with a "
-                    f"converter moeshard cannot express as box reads ({refused})")
+                    f"converter moeshard cannot express as box reads ({refused})"
+                )
     spec = candidates[0]
-    if names is not None and not any(s in names.specs for s in candidates) \
-            and not any(_refused(names, f"{module}.{p.name}") for p in spec.params):
+    if (
+        names is not None
+        and not any(s in names.specs for s in candidates)
+        and not any(_refused(names, f"{module}.{p.name}") for p in spec.params)
+    ):
         # No converter of the family stacks this module's experts: transformers writes and reads
         # them fused on disk, under their (renamed) names.
         fused = _fused_spec(spec, module, names.checkpoint_name)
@@ -271,14 +294,16 @@ def _choose_spec(
 def _refused(names: HFNames | None, full: str) -> str | None:
     """The converter of ``names`` (``"<target pattern>: <why>"``) that moeshard cannot express
     and that writes model tensor ``full``, or None."""
-    for pattern, why in (names.refused if names is not None else ()):
+    for pattern, why in names.refused if names is not None else ():
         if any(re.search(t.strip(), full) for t in pattern.split(", ")):
             return f"{pattern}: {why}"
     return None
 
 
 def _fused_spec(
-    spec: ExpertsSpec, module: str, key_of: Callable[[str], str | None],
+    spec: ExpertsSpec,
+    module: str,
+    key_of: Callable[[str], str | None],
 ) -> tuple[ExpertsSpec, dict[str, str]] | None:
     """Experts module ``module`` read from tensors fused on disk, one per parameter holding
     every expert (``[num_logical, *slice_shape]``, as gpt-oss and Llama 4 ship them and as
@@ -326,14 +351,15 @@ def describe_model(
     classes = frozenset().union(*(s.classes for s in ordered))
     for name, mod in tree.modules:
         own = {n for n, p in mod._parameters.items() if p is not None}
-        if not own or (firsts is not None and firsts.isdisjoint(own)
-                       and not (classes and classes & class_names(type(mod)))):
+        if not own or (
+            firsts is not None and firsts.isdisjoint(own) and not (classes and classes & class_names(type(mod)))
+        ):
             continue
         matching = [s for s in ordered if s.matches(base(name), own, mod)]
         if matching:
             spec, prefixes = _choose_spec(matching, base(name), index, renamed, hf)
             scaled = with_scales(spec, own)
-            for p in scaled.params[len(spec.params):]:  # an FP8 scale is stored where its weight is
+            for p in scaled.params[len(spec.params) :]:  # an FP8 scale is stored where its weight is
                 prefixes[p.name] = prefixes[scaled_weight(p.name)]
             experts[name] = (layer, scaled, prefixes, mod)
             layer += 1
@@ -375,8 +401,9 @@ def describe_model(
             if renamed and index is None:  # the family's names first: they are what it writes
                 keys = [k for n in aliases_of for k in reversed(checkpoint_names(base(n)))]
         parts, part_dim = split if split is not None else ((), 0)
-        descs.append(ParamDesc(name, shape, t.dtype, mesh, placements, tuple(dict.fromkeys(keys)), expert,
-                               parts, part_dim))
+        descs.append(
+            ParamDesc(name, shape, t.dtype, mesh, placements, tuple(dict.fromkeys(keys)), expert, parts, part_dim)
+        )
     return descs
 
 
@@ -388,9 +415,11 @@ def _group_mesh(mesh: np.ndarray, members: list[int] | None, name: str) -> np.nd
     of = {g: r for r, g in enumerate(members)}
     outside = sorted({int(g) for g in mesh.reshape(-1).tolist()} - set(of))
     if outside:
-        raise ValueError(f"parameter {name}: its device mesh has global ranks {outside[:8]} outside the process group "
-                         f"the operation runs on (global ranks {members[:16]}{' ...' if len(members) > 16 else ''}); "
-                         "pass a group that holds the model's whole mesh")
+        raise ValueError(
+            f"parameter {name}: its device mesh has global ranks {outside[:8]} outside the process group "
+            f"the operation runs on (global ranks {members[:16]}{' ...' if len(members) > 16 else ''}); "
+            "pass a group that holds the model's whole mesh"
+        )
     return np.vectorize(of.__getitem__, otypes=[np.int64])(mesh)
 
 

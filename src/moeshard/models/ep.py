@@ -93,9 +93,20 @@ from .copies import CopyRoutes, combine_copy_grads, track
 from .describe import local_tensor
 from .slot_guard import follow_placement
 
-__all__ = ["EPLayer", "SlotLora", "ep_host", "experts_kind", "install_ep_forward", "model_placement",
-           "unsupported_forward", "set_placement", "slot_params", "sync_redundant_grads", "grad_norm",
-           "clip_grad_norm_"]
+__all__ = [
+    "EPLayer",
+    "SlotLora",
+    "ep_host",
+    "experts_kind",
+    "install_ep_forward",
+    "model_placement",
+    "unsupported_forward",
+    "set_placement",
+    "slot_params",
+    "sync_redundant_grads",
+    "grad_norm",
+    "clip_grad_norm_",
+]
 
 ROUTED, PREROUTED, GROUPED, LOOKUP = "routed", "prerouted", "grouped", "lookup"
 # Experts classes with the pre-routed forward (module doc), by class name: FSDP2 gives a module
@@ -241,8 +252,9 @@ def ep_host(model: nn.Module, name: str, module: nn.Module) -> nn.Module:
     return model.get_submodule(name.rpartition(".")[0])
 
 
-def install_ep_forward(module: nn.Module, ep_layer: EPLayer, loras: tuple[SlotLora, ...] = (),
-                       holder: nn.Module | None = None) -> bool:
+def install_ep_forward(
+    module: nn.Module, ep_layer: EPLayer, loras: tuple[SlotLora, ...] = (), holder: nn.Module | None = None
+) -> bool:
     """Replace ``module``'s forward with the EP forward for ``ep_layer`` (its kind: see
     :func:`experts_kind`), adding ``loras``' deltas to the local slots' weights. Called by
     :func:`moeshard.parallelize`. ``holder``: the experts module holding the expert parameters,
@@ -258,24 +270,31 @@ def install_ep_forward(module: nn.Module, ep_layer: EPLayer, loras: tuple[SlotLo
     """
     holder = module if holder is None else holder
     if holder is not module and next((c for c in module._modules.values() if c is holder), None) is None:
-        raise ValueError(f"{type(module).__name__}: the experts' parameters must be held by the module or one of "
-                         f"its children, not by {type(holder).__name__}")
+        raise ValueError(
+            f"{type(module).__name__}: the experts' parameters must be held by the module or one of "
+            f"its children, not by {type(holder).__name__}"
+        )
     kind = experts_kind(module)
     if kind is None:
         if _from_transformers(module):
             module.forward = types.MethodType(unsupported_forward, module)
         return False
     for name, p in holder.named_parameters(recurse=False):
-        rows, what = ((len(ep_layer.phy2log), "slots") if _per_slot(ep_layer, name)
-                      else (len(ep_layer.logcnt), "logical experts"))
+        rows, what = (
+            (len(ep_layer.phy2log), "slots") if _per_slot(ep_layer, name) else (len(ep_layer.logcnt), "logical experts")
+        )
         if p.dim() == 0 or p.shape[0] != rows:
-            raise ValueError(f"{type(module).__name__}.{name} of shape {list(p.shape)}: the EP forward runs every "
-                             f"parameter of an experts module on the local slots, and this one is not [{rows} "
-                             f"{what}, ...]")
+            raise ValueError(
+                f"{type(module).__name__}.{name} of shape {list(p.shape)}: the EP forward runs every "
+                f"parameter of an experts module on the local slots, and this one is not [{rows} "
+                f"{what}, ...]"
+            )
     if kind == PREROUTED and set(module._parameters) != {"gate_up_proj", "down_proj"}:
         # _ep_forward_prerouted skips zero rows: exact only for experts without biases.
-        raise ValueError(f"{type(module).__name__}: pre-routed experts with parameters {sorted(module._parameters)}; "
-                         "moeshard's EP forward supports gate_up_proj and down_proj only")
+        raise ValueError(
+            f"{type(module).__name__}: pre-routed experts with parameters {sorted(module._parameters)}; "
+            "moeshard's EP forward supports gate_up_proj and down_proj only"
+        )
     module.__dict__["moeshard_holder"] = holder  # not a submodule: no second name in the module tree
     module.moeshard_ep = ep_layer
     module.moeshard_lora = tuple(loras)
@@ -283,10 +302,16 @@ def install_ep_forward(module: nn.Module, ep_layer: EPLayer, loras: tuple[SlotLo
     module.moeshard_identity = identity_experts(module)
     module._moeshard_route = {}
     if kind == LOOKUP and (module.padding_idx is not None or module.max_norm is not None or module.sparse):
-        raise ValueError(f"{type(module).__name__}: an embedding of experts with padding_idx, max_norm or sparse "
-                         "gradients; moeshard's EP lookup supports plain row lookups only")
-    forwards = {ROUTED: _ep_forward, PREROUTED: _ep_forward_prerouted, GROUPED: _ep_forward_grouped,
-                LOOKUP: _ep_forward_lookup}
+        raise ValueError(
+            f"{type(module).__name__}: an embedding of experts with padding_idx, max_norm or sparse "
+            "gradients; moeshard's EP lookup supports plain row lookups only"
+        )
+    forwards = {
+        ROUTED: _ep_forward,
+        PREROUTED: _ep_forward_prerouted,
+        GROUPED: _ep_forward_grouped,
+        LOOKUP: _ep_forward_lookup,
+    }
     module.forward = types.MethodType(forwards[kind], module)
     track(module, _copy_params)  # redundant copies equal again after every optimizer step
     return True
@@ -306,7 +331,8 @@ def unsupported_forward(self, *args, **kwargs):
         f"{sorted(ROUTED_CLASSES)}, nor a pre-routed one, {sorted(PREROUTED_CLASSES)}, nor a grouped one, "
         f"{sorted(GROUPED_CLASSES)}). Its parameters hold only this rank's slots, so its own forward would "
         "be wrong; parallelize(..., ep_forward=False) keeps it, for a forward that routes tokens to the "
-        "module's num_local_experts local slots itself")
+        "module's num_local_experts local slots itself"
+    )
 
 
 def set_placement(model: nn.Module, placement) -> int:
@@ -326,8 +352,11 @@ def set_placement(model: nn.Module, placement) -> int:
         if placement.num_physical != len(ep.phy2log):
             raise ValueError(f"the placement has {placement.num_physical} slots per layer, the model {len(ep.phy2log)}")
         module.moeshard_ep = dataclasses.replace(
-            ep, phy2log=placement.phy2log[ep.layer], log2phy=placement.log2phy[ep.layer],
-            logcnt=placement.logcnt[ep.layer])
+            ep,
+            phy2log=placement.phy2log[ep.layer],
+            log2phy=placement.log2phy[ep.layer],
+            logcnt=placement.logcnt[ep.layer],
+        )
         module._moeshard_route = {}
     return len(layers)
 
@@ -341,8 +370,7 @@ def model_placement(model: nn.Module) -> Placement | None:
     if not layers:
         return None
     first = layers[0][1]
-    return Placement(np.stack([ep.phy2log for _, ep in layers]), num_logical=len(first.logcnt),
-                     num_ranks=first.ep_size)
+    return Placement(np.stack([ep.phy2log for _, ep in layers]), num_logical=len(first.logcnt), num_ranks=first.ep_size)
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -356,8 +384,9 @@ def slot_params(module: nn.Module) -> list[tuple[nn.Parameter, Callable[[torch.T
     and the LoRA factors of :class:`SlotLora`."""
     ep = getattr(module, "moeshard_ep", None)
     holder = getattr(module, "moeshard_holder", module)
-    out: list = [(p, _identity) for name, p in holder.named_parameters(recurse=False)
-                 if ep is None or _per_slot(ep, name)]
+    out: list = [
+        (p, _identity) for name, p in holder.named_parameters(recurse=False) if ep is None or _per_slot(ep, name)
+    ]
     for lora in getattr(module, "moeshard_lora", ()):
         out += [(lora.a(), lora.a_slots), (lora.b(), lora.b_slots)]
     return out
@@ -417,7 +446,8 @@ def _route_tables(module: nn.Module, ep: EPLayer, device: torch.device) -> tuple
         lo = ep.ep_rank * ep.slots_per_rank
         slot_experts = np.maximum(ep.phy2log[lo : lo + ep.slots_per_rank], 0)
         route = module._moeshard_route[device] = tuple(
-            torch.tensor(t, device=device) for t in (ep.log2phy, ep.logcnt, slot_experts))
+            torch.tensor(t, device=device) for t in (ep.log2phy, ep.logcnt, slot_experts)
+        )
     return route
 
 
@@ -436,8 +466,9 @@ def _pick_copies(module: nn.Module, ep: EPLayer, experts: torch.Tensor, tokens: 
     return slots
 
 
-def _ep_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
+def _ep_forward(
+    self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
     """EP forward of a routed experts module (module doc). Collective over the EP group: every
     EP rank calls it the same number of times (a rank with no tokens still exchanges empty
     buffers).
@@ -478,8 +509,10 @@ def _ep_forward_prerouted(self, hidden_states: torch.Tensor) -> torch.Tensor:
     """
     num_logical = len(self.moeshard_ep.logcnt)
     if hidden_states.dim() != 2 or hidden_states.shape[0] % num_logical:
-        raise ValueError(f"{type(self).__name__}: expected pre-routed rows [{num_logical} experts x tokens, hidden], "
-                         f"got {list(hidden_states.shape)}")
+        raise ValueError(
+            f"{type(self).__name__}: expected pre-routed rows [{num_logical} experts x tokens, hidden], "
+            f"got {list(hidden_states.shape)}"
+        )
     _check_zero_rows_vanish(self, hidden_states)
     T = hidden_states.shape[0] // num_logical
     with torch.no_grad():
@@ -498,8 +531,10 @@ def _ep_forward_grouped(self, inputs: torch.Tensor, expert_size) -> torch.Tensor
     with torch.no_grad():
         sizes = torch.as_tensor(expert_size, device=inputs.device, dtype=torch.long)
         if sizes.shape != (num_logical,) or int(sizes.sum()) != len(inputs):
-            raise ValueError(f"{type(self).__name__}: expected rows sorted by expert with {num_logical} counts "
-                             f"summing to {len(inputs)}, got expert_size of shape {list(sizes.shape)}")
+            raise ValueError(
+                f"{type(self).__name__}: expected rows sorted by expert with {num_logical} counts "
+                f"summing to {len(inputs)}, got expert_size of shape {list(sizes.shape)}"
+            )
         rows = torch.arange(len(inputs), device=inputs.device)
         experts = torch.repeat_interleave(torch.arange(num_logical, device=inputs.device), sizes)
     y, order = _exchange(self, inputs, rows, experts, rows)
@@ -527,13 +562,16 @@ def _check_zero_rows_vanish(self, like: torch.Tensor) -> None:
     if getattr(self, "_moeshard_zero_ok", False):
         return
     if bool(self.act_fn(like.new_zeros(1)).ne(0).any()):
-        raise NotImplementedError(f"{type(self).__name__}: act_fn(0) != 0; moeshard's pre-routed EP forward skips "
-                                  "the zero rows of pairs not routed, exact only when act_fn(0) == 0")
+        raise NotImplementedError(
+            f"{type(self).__name__}: act_fn(0) != 0; moeshard's pre-routed EP forward skips "
+            "the zero rows of pairs not routed, exact only when act_fn(0) == 0"
+        )
     self._moeshard_zero_ok = True
 
 
-def _exchange(self, source: torch.Tensor, rows: torch.Tensor, experts: torch.Tensor,
-              tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _exchange(
+    self, source: torch.Tensor, rows: torch.Tensor, experts: torch.Tensor, tokens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Steps 1-4 of the module doc for N (token, expert) pairs: row ``source[rows[i]]`` goes to a
     copy of logical expert ``experts[i]`` (``tokens[i]``: the token, for the copies' turns), runs
     there, and its output comes back.
@@ -607,7 +645,7 @@ def _local_params(self, ep: EPLayer, x: torch.Tensor) -> tuple[torch.Tensor, dic
     views = [_identity] * len(names) + [v for lora in loras for v in (lora.a_slots, lora.b_slots)]
     x, local = combine_copy_grads(ep, x, local, views)
     out = {}
-    factors = iter(zip(local[len(names)::2], local[len(names) + 1::2]))
+    factors = iter(zip(local[len(names) :: 2], local[len(names) + 1 :: 2]))
     by_param = {n: [] for n in names}
     for lora in loras:
         by_param[lora.param].append((lora, *next(factors)))
@@ -632,8 +670,9 @@ def _compute(w: torch.Tensor, ep: EPLayer) -> torch.Tensor:
     return w if dtype is None or not w.is_floating_point() else w.to(dtype)
 
 
-def _prerouted_local(self, forward, weights: dict[str, torch.Tensor], x: torch.Tensor, local_slots: torch.Tensor,
-                     spr: int) -> torch.Tensor:
+def _prerouted_local(
+    self, forward, weights: dict[str, torch.Tensor], x: torch.Tensor, local_slots: torch.Tensor, spr: int
+) -> torch.Tensor:
     """Pre-routed local compute: the module's forward once per local slot, on a one-slot view and
     that slot's rows (its forward takes equal blocks per expert; ours are ragged).
     ``x [R, H]``, ``local_slots int[R]`` -> ``[R, H]`` in arrival order."""

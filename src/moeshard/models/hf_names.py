@@ -117,12 +117,16 @@ class HFNames:
                 suffix = "." + part.format(e=e)
                 key = self.checkpoint_name(module + suffix)
                 if not key.endswith(suffix):
-                    raise ValueError(f"model family {self.family!r}: its checkpoint name for {module + suffix!r} is "
-                                     f"{key!r}, which moeshard cannot split into a module and a per-expert key")
+                    raise ValueError(
+                        f"model family {self.family!r}: its checkpoint name for {module + suffix!r} is "
+                        f"{key!r}, which moeshard cannot split into a module and a per-expert key"
+                    )
                 prefixes.add(key[: -len(suffix)])
         if len(prefixes) != 1:
-            raise ValueError(f"model family {self.family!r}: the parts of {module}.{param.name} are renamed to "
-                             f"different modules {sorted(prefixes)}")
+            raise ValueError(
+                f"model family {self.family!r}: the parts of {module}.{param.name} are renamed to "
+                f"different modules {sorted(prefixes)}"
+            )
         return prefixes.pop()
 
     def loaded_name(self, key: str, model_names: frozenset[str] | set[str] = frozenset()) -> str:
@@ -144,7 +148,7 @@ class HFNames:
             # An FP8 block scale goes where its weight goes, suffixed as transformers' quantizer
             # copies the weight's converter for it when the model keeps the scale
             # (``experts.0.gate_proj.weight_scale_inv`` -> ``experts.gate_up_proj_scale_inv``).
-            scale = self.loaded_name(weight, model_names) + key[len(weight):]
+            scale = self.loaded_name(weight, model_names) + key[len(weight) :]
             if scale in model_names:
                 return scale
         return name
@@ -187,10 +191,14 @@ class KeyMismatch:
         if self.unexpected:
             parts.append(f"{len(self.unexpected)} key(s) would be ignored ({some(self.unexpected)})")
         if self.names.refused:
-            parts.append(f"moeshard cannot express the family's converters "
-                         f"{[f'{t} ({how})' for t, how in self.names.refused]} as box reads")
-        return (f"{what}: {self.names.model_class}.from_pretrained (model family {self.names.family!r}) would not "
-                f"read these names back: " + "; ".join(parts))
+            parts.append(
+                f"moeshard cannot express the family's converters "
+                f"{[f'{t} ({how})' for t, how in self.names.refused]} as box reads"
+            )
+        return (
+            f"{what}: {self.names.model_class}.from_pretrained (model family {self.names.family!r}) would not "
+            f"read these names back: " + "; ".join(parts)
+        )
 
 
 def hf_model_of(model) -> tuple[Any, str] | None:
@@ -277,17 +285,24 @@ def _expert_spec(conv) -> tuple[ExpertsSpec | None, str]:
     dim (``MergeModulelist(dim=0)``) and optionally concatenates the parts
     (``Concatenate(dim=d)``, d >= 1): ``(spec, "")``, or ``(None, why)``."""
     ops = [type(op).__name__ for op in conv.operations]
-    if not ops or ops[0] != "MergeModulelist" or conv.operations[0].dim != 0 or len(ops) > 2 or \
-            (len(ops) == 2 and (ops[1] != "Concatenate" or conv.operations[1].dim < 1)):
+    if (
+        not ops
+        or ops[0] != "MergeModulelist"
+        or conv.operations[0].dim != 0
+        or len(ops) > 2
+        or (len(ops) == 2 and (ops[1] != "Concatenate" or conv.operations[1].dim < 1))
+    ):
         interleave = next((op for op in conv.operations if type(op).__name__ == "Interleave"), None)
         if interleave is not None:
             d = interleave.dim
             sources = [_plain(p) or p for p in conv._original_source_patterns]
-            return None, (f"operations {ops} on checkpoint tensor {', '.join(sources)}: Interleave(dim={d}) alternates "
-                          f"the two halves of dim {d} on disk (index 2*i + j of the checkpoint tensor is index "
-                          f"j*n + i of the model's, n half the dim), so each "
-                          f"half of an expert's slice is every other row of the checkpoint tensor: no box of it, and "
-                          f"moeshard reads and writes boxes only")
+            return None, (
+                f"operations {ops} on checkpoint tensor {', '.join(sources)}: Interleave(dim={d}) alternates "
+                f"the two halves of dim {d} on disk (index 2*i + j of the checkpoint tensor is index "
+                f"j*n + i of the model's, n half the dim), so each "
+                f"half of an expert's slice is every other row of the checkpoint tensor: no box of it, and "
+                f"moeshard reads and writes boxes only"
+            )
         return None, f"operations {ops}"
     targets = conv._original_target_patterns
     if len(targets) != 1 or _plain(targets[0]) is None or "*" in targets[0]:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -75,8 +76,11 @@ def need_table(
         if d.expert is None:
             parts.append(_dense_rows(i, d, index, _layout(d, world_size, layouts), dequantize))
         else:
-            parts.append(_expert_table(i, d, index, placement, world_size, dequantize,
-                                       None if _experts_whole else keep_ranks, layouts))
+            parts.append(
+                _expert_table(
+                    i, d, index, placement, world_size, dequantize, None if _experts_whole else keep_ranks, layouts
+                )
+            )
     try:
         table = NeedTable.concat(parts, keep_ranks, lambda keys: index.key_columns(keys)[0])
     except SharedKeysLeftOut:  # tied expert tensors (rare): build every row, concat leaves them out
@@ -84,8 +88,7 @@ def need_table(
     return dataclasses.replace(table, digest=inputs_digest(descs, placement, world_size, dequantize))
 
 
-def inputs_digest(descs: Sequence[ParamDesc], placement: Placement | None, world_size: int,
-                   dequantize: bool) -> bytes:
+def inputs_digest(descs: Sequence[ParamDesc], placement: Placement | None, world_size: int, dequantize: bool) -> bytes:
     """A digest of what :func:`need_table`'s rows are a function of (but the index): O(params)
     Python, each mesh's ranks hashed once."""
     h = hashlib.sha256(repr((world_size, dequantize)).encode())
@@ -99,8 +102,20 @@ def inputs_digest(descs: Sequence[ParamDesc], placement: Placement | None, world
                 h.update(repr(d.mesh.shape).encode())
                 h.update(np.ascontiguousarray(d.mesh, dtype=np.int64).tobytes())
         ex = d.expert
-        h.update(repr((d.name, d.shape, m, tuple(map(str, d.placements)), d.keys,
-                       None if ex is None else (ex.layer, ex.module, ex.param), d.parts, d.part_dim)).encode())
+        h.update(
+            repr(
+                (
+                    d.name,
+                    d.shape,
+                    m,
+                    tuple(map(str, d.placements)),
+                    d.keys,
+                    None if ex is None else (ex.layer, ex.module, ex.param),
+                    d.parts,
+                    d.part_dim,
+                )
+            ).encode()
+        )
     if placement is not None:
         h.update(repr((placement.num_logical, placement.num_ranks, placement.phy2log.shape)).encode())
         h.update(np.ascontiguousarray(placement.phy2log, dtype=np.int64).tobytes())
@@ -190,7 +205,7 @@ class _DenseRows(NamedTuple):
         numel = row_prod(self.boxes[:, :, 1])
         return numel if self.keep is None else numel[self.keep]
 
-    def select(self, mask: np.ndarray) -> "_DenseRows":
+    def select(self, mask: np.ndarray) -> _DenseRows:
         """These rows where ``mask`` (``bool[len(self)]``) is True."""
         keep = np.zeros(len(self.ranks), dtype=bool)
         keep[np.flatnonzero(self.keep) if self.keep is not None else slice(None)] = mask
@@ -258,8 +273,9 @@ def _dense_rows(i: int, d: ParamDesc, index: CheckpointIndex, layout: _Layout, d
     return _DenseRows(i, key, layout, layout.keep, layout.num)
 
 
-def _dense_part_rows(i: int, d: ParamDesc, index: CheckpointIndex, layout: _Layout,
-                     dequantize: bool = False) -> NeedTable:
+def _dense_part_rows(
+    i: int, d: ParamDesc, index: CheckpointIndex, layout: _Layout, dequantize: bool = False
+) -> NeedTable:
     """The rows of dense parameter number ``i`` stored as checkpoint tensors ``d.parts``
     concatenated along ``d.part_dim`` (transformers' ``Concatenate`` converter, e.g. Kimi-Linear's
     ``q_conv1d`` + ``k_conv1d`` + ``v_conv1d`` -> ``conv1d``): per non-empty box of its
@@ -270,12 +286,16 @@ def _dense_part_rows(i: int, d: ParamDesc, index: CheckpointIndex, layout: _Layo
         check_cast(f"parameter {d.name}", key, index, d.dtype, dequantize)
         shape = list(index.info(key).shape)
         if len(shape) != len(d.shape) or any(a != b for k, (a, b) in enumerate(zip(shape, d.shape)) if k != dim):
-            raise ValueError(f"parameter {d.name}: checkpoint tensor {key!r} has shape {shape}, which is no part of "
-                             f"a tensor of shape {list(d.shape)} (parts concatenated along dim {dim})")
+            raise ValueError(
+                f"parameter {d.name}: checkpoint tensor {key!r} has shape {shape}, which is no part of "
+                f"a tensor of shape {list(d.shape)} (parts concatenated along dim {dim})"
+            )
         sizes.append(shape[dim])
     if sum(sizes) != d.shape[dim]:
-        raise ValueError(f"parameter {d.name}: checkpoint tensors {list(d.parts)} have sizes {sizes} along dim {dim}, "
-                         f"summing to {sum(sizes)}, not the model's {d.shape[dim]}")
+        raise ValueError(
+            f"parameter {d.name}: checkpoint tensors {list(d.parts)} have sizes {sizes} along dim {dim}, "
+            f"summing to {sum(sizes)}, not the model's {d.shape[dim]}"
+        )
     ranks, boxes = layout.ranks, layout.boxes
     if layout.keep is not None:
         ranks, boxes = ranks[layout.keep], boxes[layout.keep]
@@ -296,11 +316,16 @@ def _dense_part_rows(i: int, d: ParamDesc, index: CheckpointIndex, layout: _Layo
     order = np.argsort(np.concatenate(owner), kind="stable")  # box by box, parts in order
     num = len(order)
     return NeedTable(
-        keys=tuple(d.parts), ndim=np.full(len(d.parts), len(d.shape), np.int8),
-        rank=ranks[np.concatenate(owner)[order]].astype(np.int32), param=np.full(num, i, np.int32),
-        key=np.concatenate(part)[order], slot=np.full(num, -1, np.int64),
-        src_off=np.concatenate(src_off)[order], src_len=np.concatenate(src_len)[order],
-        dst_off=np.concatenate(dst_off)[order], alone=np.full(num, layout.disjoint),
+        keys=tuple(d.parts),
+        ndim=np.full(len(d.parts), len(d.shape), np.int8),
+        rank=ranks[np.concatenate(owner)[order]].astype(np.int32),
+        param=np.full(num, i, np.int32),
+        key=np.concatenate(part)[order],
+        slot=np.full(num, -1, np.int64),
+        src_off=np.concatenate(src_off)[order],
+        src_len=np.concatenate(src_len)[order],
+        dst_off=np.concatenate(dst_off)[order],
+        alone=np.full(num, layout.disjoint),
     )
 
 
@@ -311,8 +336,10 @@ def find_key(d: ParamDesc, index: CheckpointIndex) -> str:
     also = f" (nor under its other names {list(d.keys[1:])})" if len(d.keys) > 1 else ""
     if d.parts:
         missing = [k for k in d.parts if k not in index]
-        also += (f", nor all the tensors transformers concatenates into it along dim {d.part_dim} ({list(d.parts)}: "
-                 f"{missing} missing)")
+        also += (
+            f", nor all the tensors transformers concatenates into it along dim {d.part_dim} ({list(d.parts)}: "
+            f"{missing} missing)"
+        )
     raise ValueError(f"parameter {d.name}: checkpoint {index.root} has no tensor {d.keys[0]!r}{also}")
 
 
@@ -336,13 +363,15 @@ def check_cast(what: str, key: str, index: CheckpointIndex, dtype: torch.dtype |
         raise ValueError(
             f"{head}, the model's tensor is {dtype}: casting to FP8 is a quantization that needs a scale, "
             "which moeshard does not do; quantize the checkpoint (with its scales) or keep this tensor "
-            f"in a wider dtype")
+            f"in a wider dtype"
+        )
     keep = f"load it into a model that keeps this tensor in {src}"
     if why == "fp8_formats":
         raise ValueError(
             f"{head}, the model's tensor is {dtype}: converting between FP8 formats without rescaling "
             f"loses precision or overflows (float8_e4m3fn's largest value is 448, float8_e5m2 has 2 "
-            f"mantissa bits); {keep}")
+            f"mantissa bits); {keep}"
+        )
     # The scale tensors a quantized checkpoint stores beside weight ``key`` (io.formats).
     scales = [k for k in scale_keys(key) if k in index]
     if scales:
@@ -352,15 +381,18 @@ def check_cast(what: str, key: str, index: CheckpointIndex, dtype: torch.dtype |
             raise ValueError(
                 f"{head} (FP8), the model's tensor is {dtype}: {what_scale} is not a float block scale of a "
                 f"weight of shape {list(index.info(key).shape)} (no power-of-two block gives that shape), "
-                f"so it cannot be dequantized; {keep}")
+                f"so it cannot be dequantized; {keep}"
+            )
         raise ValueError(
             f"{head} (FP8), the model's tensor is {dtype}: {what_scale} would be dropped and the raw FP8 "
             f"values loaded unscaled. moeshard.load dequantizes such weights (dequantize=True, its "
-            f"default); this operation does not: {keep}")
+            f"default); this operation does not: {keep}"
+        )
     raise ValueError(
         f"{head} (FP8), the model's tensor is {dtype}: the checkpoint has no scale tensor for it (no "
         f"{scale_keys(key)[0]!r}), and its raw FP8 values would be meaningless as {dtype}; use a "
-        f"dequantized checkpoint, or {keep}")
+        f"dequantized checkpoint, or {keep}"
+    )
 
 
 def _slot_experts(d: ParamDesc, placement: Placement | None) -> tuple[np.ndarray, int]:
@@ -403,7 +435,7 @@ def _expert_table(
     dequantize: bool,
     keep_ranks: np.ndarray | None,
     cache: dict,
-) -> "_ExpertRows | NeedTable":
+) -> _ExpertRows | NeedTable:
     """The rows of expert parameter number ``i``: for each rank holding a non-empty box of it
     (dim 0 = slots), each slot of its box holding a logical expert, each checkpoint part of
     that expert the box overlaps.
@@ -420,11 +452,15 @@ def _expert_table(
     ref = d.expert
     assert ref is not None
     phy2log, num_logical = _slot_experts(d, placement)
-    spans = d.shape[0] // placement.num_ranks \
-        if d.mesh is not None and placement is not None and placement.num_ranks is not None else None
+    spans = (
+        d.shape[0] // placement.num_ranks
+        if d.mesh is not None and placement is not None and placement.num_ranks is not None
+        else None
+    )
     where = (*_layout_key(d), phy2log.tobytes(), num_logical, spans)
-    slots = _cached(cache, ("slots", *where), lambda: _held_slots(d, _layout(d, world_size, cache), phy2log,
-                                                                     num_logical, spans))
+    slots = _cached(
+        cache, ("slots", *where), lambda: _held_slots(d, _layout(d, world_size, cache), phy2log, num_logical, spans)
+    )
     if ref.param.fused and ref.param.merged:
         return _merged_rows(i, d, index, num_logical, slots, dequantize)
     if ref.param.fused:
@@ -446,15 +482,19 @@ def _expert_table(
         itemsize = index.key_columns(keys)[0]
         if (itemsize == itemsize[0]).all():
             unit = int(itemsize[0])
-    rows = _cached(cache, ("rows", *where, part_sizes, ref.param.dim, unit),
-                   lambda: _expert_rows(slots, part_sizes, ref.param.dim, len(keys), keep_ranks, unit))
+    rows = _cached(
+        cache,
+        ("rows", *where, part_sizes, ref.param.dim, unit),
+        lambda: _expert_rows(slots, part_sizes, ref.param.dim, len(keys), keep_ranks, unit),
+    )
     return _ExpertRows(i, tuple(keys), rows)
 
 
 class _ExpertRows(NamedTuple):
     """The rows of expert parameter number ``param`` (a :class:`~moeshard.plan.needs.NeedPart`)
-    until :meth:`NeedTable.concat` writes them: the read-only ``rows`` of its layout (:func:`_expert_rows`, shared by the parameters
-    of one layout, placement row and part sizes), named by its own checkpoint ``keys``."""
+    until :meth:`NeedTable.concat` writes them: the read-only ``rows`` of its layout
+    (:func:`_expert_rows`, shared by the parameters of one layout, placement row and part
+    sizes), named by its own checkpoint ``keys``."""
 
     param: int
     keys: tuple[str, ...]
@@ -479,7 +519,7 @@ class _ExpertRows(NamedTuple):
     def row_numel(self) -> np.ndarray:
         return self.rows.row_numel()
 
-    def select(self, mask: np.ndarray) -> "_ExpertRows":
+    def select(self, mask: np.ndarray) -> _ExpertRows:
         return _ExpertRows(self.param, self.keys, self.rows.take(mask))
 
     def fill(self, table: NeedTable, rows: slice, key_ids: np.ndarray) -> None:
@@ -504,8 +544,14 @@ class _HeldSlots(NamedTuple):
     disjoint: bool
 
 
-def _expert_rows(slots: _HeldSlots, part_sizes: tuple[int, ...], dim: int, num_keys: int,
-                 keep_ranks: np.ndarray | None, unit: int | None) -> NeedTable:
+def _expert_rows(
+    slots: _HeldSlots,
+    part_sizes: tuple[int, ...],
+    dim: int,
+    num_keys: int,
+    keep_ranks: np.ndarray | None,
+    unit: int | None,
+) -> NeedTable:
     """:func:`_expert_table`'s rows for ``slots`` and checkpoint parts of ``part_sizes`` along
     ``dim``, the keys still unnamed (``num_keys`` of them: part by part, then held expert) and
     ``param`` unset; read-only (parameters of one layout share them). ``unit``: the item size
@@ -517,14 +563,14 @@ def _expert_rows(slots: _HeldSlots, part_sizes: tuple[int, ...], dim: int, num_k
         drop = (slots.copies[expert] == 1) & slots.disjoint & ~keep_ranks[ranks[owner]]
         if drop.any():
             numel = row_prod(boxes[owner[drop], 1:, 1])  # the parts a box overlaps tile it
-            omitted = np.bincount(ranks[owner[drop]], weights=numel * unit,
-                                  minlength=len(keep_ranks)).astype(np.int64)
+            omitted = np.bincount(ranks[owner[drop]], weights=numel * unit, minlength=len(keep_ranks)).astype(np.int64)
             owner, slot, expert = owner[~drop], slot[~drop], expert[~drop]
     # The parts a box overlaps depend only on its slice dims: computed once per distinct tail.
     used = np.unique(owner)
     tails, tail_of_used = unique_rows(boxes[used, 1:, :].reshape(len(used), 2 * (boxes.shape[1] - 1)))
-    first, count, part, src_off, src_len, dst_off = _part_rows(tails.reshape(len(tails), boxes.shape[1] - 1, 2),
-                                                               part_sizes, dim)
+    first, count, part, src_off, src_len, dst_off = _part_rows(
+        tails.reshape(len(tails), boxes.shape[1] - 1, 2), part_sizes, dim
+    )
     tail = tail_of_used[np.searchsorted(used, owner)]
     row, prow = expand_runs(first[tail], count[tail])
     # Keys are part by part. Each is used (but for experts whose rows were left out): the
@@ -532,11 +578,17 @@ def _expert_rows(slots: _HeldSlots, part_sizes: tuple[int, ...], dim: int, num_k
     key = part[prow] * len(slots.held) + np.searchsorted(slots.held, expert[row])
     num = len(row)
     columns = dict(
-        ndim=np.full(num_keys, boxes.shape[1] - 1, np.int8), rank=ranks[owner[row]].astype(np.int32),
-        param=np.zeros(num, np.int32), key=key.astype(np.int32), slot=slot[row] - boxes[owner[row], 0, 0],
-        src_off=src_off[prow], src_len=src_len[prow], dst_off=dst_off[prow],
+        ndim=np.full(num_keys, boxes.shape[1] - 1, np.int8),
+        rank=ranks[owner[row]].astype(np.int32),
+        param=np.zeros(num, np.int32),
+        key=key.astype(np.int32),
+        slot=slot[row] - boxes[owner[row], 0, 0],
+        src_off=src_off[prow],
+        src_len=src_len[prow],
+        dst_off=dst_off[prow],
         alone=(slots.copies[expert[row]] == 1) & slots.disjoint,
-        full=None if omitted is None else np.asarray(keep_ranks, dtype=bool), omitted_bytes=omitted,
+        full=None if omitted is None else np.asarray(keep_ranks, dtype=bool),
+        omitted_bytes=omitted,
     )
     for a in columns.values():
         if a is not None:
@@ -544,8 +596,7 @@ def _expert_rows(slots: _HeldSlots, part_sizes: tuple[int, ...], dim: int, num_k
     return NeedTable(keys=("",) * num_keys, **columns)
 
 
-def _held_slots(d: ParamDesc, layout: _Layout, phy2log: np.ndarray, num_logical: int,
-                spans: int | None) -> _HeldSlots:
+def _held_slots(d: ParamDesc, layout: _Layout, phy2log: np.ndarray, num_logical: int, spans: int | None) -> _HeldSlots:
     """:class:`_HeldSlots` of expert parameter ``d`` of ``layout`` (its slot ``p`` holds logical
     expert ``phy2log[p]``, -1 for none). ``spans``: the slots of one EP rank, where a box must
     not cover two ranks' (ValueError)."""
@@ -566,7 +617,12 @@ def _held_slots(d: ParamDesc, layout: _Layout, phy2log: np.ndarray, num_logical:
 
 
 def _fused_rows(
-    i: int, d: ParamDesc, index: CheckpointIndex, phy2log: np.ndarray, num_logical: int, slots: _HeldSlots,
+    i: int,
+    d: ParamDesc,
+    index: CheckpointIndex,
+    phy2log: np.ndarray,
+    num_logical: int,
+    slots: _HeldSlots,
     dequantize: bool = False,
 ) -> NeedTable:
     """:func:`_expert_table`'s rows for an expert parameter fused on disk: one checkpoint tensor
@@ -596,15 +652,22 @@ def _fused_rows(
     # Runs of different ranks share a box only where an expert has several slots.
     alone = slots.disjoint and bool((slots.copies <= 1).all())
     return NeedTable(
-        keys=(key,), ndim=np.full(1, ndim, np.int8), rank=ranks[owner].astype(np.int32),
-        param=np.full(num, i, np.int32), key=np.zeros(num, np.int32), slot=np.full(num, -1, np.int64),
-        src_off=src_off.astype(np.int64), src_len=src_len.astype(np.int64), dst_off=dst_off,
+        keys=(key,),
+        ndim=np.full(1, ndim, np.int8),
+        rank=ranks[owner].astype(np.int32),
+        param=np.full(num, i, np.int32),
+        key=np.zeros(num, np.int32),
+        slot=np.full(num, -1, np.int64),
+        src_off=src_off.astype(np.int64),
+        src_len=src_len.astype(np.int64),
+        dst_off=dst_off,
         alone=np.full(num, alone),
     )
 
 
-def _merged_rows(i: int, d: ParamDesc, index: CheckpointIndex, num_logical: int, slots: _HeldSlots,
-                 dequantize: bool = False) -> NeedTable:
+def _merged_rows(
+    i: int, d: ParamDesc, index: CheckpointIndex, num_logical: int, slots: _HeldSlots, dequantize: bool = False
+) -> NeedTable:
     """:func:`_expert_table`'s rows for an expert parameter fused on disk with its expert dim
     merged into the slice's dim 0 (DBRX: one tensor ``[num_logical * n, *rest]``, expert ``e`` at
     rows ``e*n ..``): one row per held (box, slot), into that slot (the checkpoint tensor has
@@ -615,16 +678,23 @@ def _merged_rows(i: int, d: ParamDesc, index: CheckpointIndex, num_logical: int,
     if len(d.shape) < 2 or shape != want:
         raise ValueError(
             f"parameter {d.name}: checkpoint tensor {key!r} (every expert fused on disk, merged into dim 0) has "
-            f"shape {shape}, the model expects {want} ({num_logical} logical experts of slice {list(d.shape[1:])})")
+            f"shape {shape}, the model expects {want} ({num_logical} logical experts of slice {list(d.shape[1:])})"
+        )
     ranks, boxes, owner, slot, expert = slots.ranks, slots.boxes, slots.owner, slots.slot, slots.expert
     num, ndim = len(owner), len(d.shape) - 1
     src_off = boxes[owner, 1:, 0].copy()
     src_off[:, 0] += expert * n
     return NeedTable(
-        keys=(key,), ndim=np.full(1, ndim, np.int8), rank=ranks[owner].astype(np.int32),
-        param=np.full(num, i, np.int32), key=np.zeros(num, np.int32), slot=(slot - boxes[owner, 0, 0]).astype(np.int64),
-        src_off=src_off.astype(np.int64), src_len=boxes[owner, 1:, 1].astype(np.int64),
-        dst_off=np.zeros((num, ndim), np.int64), alone=(slots.copies[expert] == 1) & slots.disjoint,
+        keys=(key,),
+        ndim=np.full(1, ndim, np.int8),
+        rank=ranks[owner].astype(np.int32),
+        param=np.full(num, i, np.int32),
+        key=np.zeros(num, np.int32),
+        slot=(slot - boxes[owner, 0, 0]).astype(np.int64),
+        src_off=src_off.astype(np.int64),
+        src_len=boxes[owner, 1:, 1].astype(np.int64),
+        dst_off=np.zeros((num, ndim), np.int64),
+        alone=(slots.copies[expert] == 1) & slots.disjoint,
     )
 
 
@@ -639,8 +709,9 @@ def _fused_tensor(d: ParamDesc, index: CheckpointIndex, dequantize: bool) -> tup
     return key, list(index.info(key).shape)
 
 
-def _held_expert_keys(d: ParamDesc, index: CheckpointIndex, held: Sequence[int], part_sizes: tuple[int, ...],
-                      dequantize: bool = False) -> list[str]:
+def _held_expert_keys(
+    d: ParamDesc, index: CheckpointIndex, held: Sequence[int], part_sizes: tuple[int, ...], dequantize: bool = False
+) -> list[str]:
     """The checkpoint keys of logical experts ``held`` (ascending) of expert parameter ``d``,
     part by part (:func:`~moeshard.models.unused.keys_of_experts`). Raises ValueError for an expert whose parts do not
     fit the slice as expert 0's (``part_sizes``) do: checked once per expert."""
@@ -683,12 +754,19 @@ def _part_rows(tails: np.ndarray, part_sizes: tuple[int, ...], dim: int) -> tupl
             src.append(part_box)
             dst.append([o - b for (o, _), (b, _) in zip(sub, box)])
     src_arr = np.asarray(src, np.int64).reshape(len(src), ndim, 2)
-    return (np.cumsum(count) - count, count, np.asarray(part, np.int64), np.ascontiguousarray(src_arr[:, :, 0]),
-            np.ascontiguousarray(src_arr[:, :, 1]), np.asarray(dst, np.int64).reshape(len(dst), ndim))
+    return (
+        np.cumsum(count) - count,
+        count,
+        np.asarray(part, np.int64),
+        np.ascontiguousarray(src_arr[:, :, 0]),
+        np.ascontiguousarray(src_arr[:, :, 1]),
+        np.asarray(dst, np.int64).reshape(len(dst), ndim),
+    )
 
 
-def expert_part_sizes(d: ParamDesc, index: CheckpointIndex, expert: int, slice_shape: tuple[int, ...],
-                dequantize: bool = False) -> tuple[int, ...]:
+def expert_part_sizes(
+    d: ParamDesc, index: CheckpointIndex, expert: int, slice_shape: tuple[int, ...], dequantize: bool = False
+) -> tuple[int, ...]:
     """Sizes along the concatenation dim of the checkpoint parts of logical ``expert``'s
     slice of expert parameter ``d`` (``(1,)`` for a 0-dim slice: one scalar part). Raises
     ValueError for a missing part, a dtype the cast rule refuses or parts that do not make up
@@ -700,22 +778,33 @@ def expert_part_sizes(d: ParamDesc, index: CheckpointIndex, expert: int, slice_s
     if ref.param.fused and ref.param.merged:  # rows ``expert * n ..`` of one tensor, dim 0 merged
         key, shape = _fused_tensor(d, index, dequantize)
         n = slice_shape[0] if slice_shape else 0
-        if not n or len(shape) != len(slice_shape) or shape[1:] != list(slice_shape[1:]) or shape[0] % n \
-                or shape[0] // n <= expert:
-            raise ValueError(f"parameter {d.name}: checkpoint tensor {key!r} (every expert fused on disk, merged into "
-                             f"dim 0) has shape {shape}, which holds no logical expert {expert} of slice "
-                             f"{list(slice_shape)}")
+        if (
+            not n
+            or len(shape) != len(slice_shape)
+            or shape[1:] != list(slice_shape[1:])
+            or shape[0] % n
+            or shape[0] // n <= expert
+        ):
+            raise ValueError(
+                f"parameter {d.name}: checkpoint tensor {key!r} (every expert fused on disk, merged into "
+                f"dim 0) has shape {shape}, which holds no logical expert {expert} of slice "
+                f"{list(slice_shape)}"
+            )
         return (slice_shape[dim],)
     if ref.param.fused:  # row ``expert`` of one tensor holding every expert
         key, shape = _fused_tensor(d, index, dequantize)
         if shape[1:] != list(slice_shape) or not shape or shape[0] <= expert:
-            raise ValueError(f"parameter {d.name}: checkpoint tensor {key!r} (every expert fused on disk) has shape "
-                             f"{shape}, which holds no logical expert {expert} of slice {list(slice_shape)}")
+            raise ValueError(
+                f"parameter {d.name}: checkpoint tensor {key!r} (every expert fused on disk) has shape "
+                f"{shape}, which holds no logical expert {expert} of slice {list(slice_shape)}"
+            )
         return (slice_shape[dim] if slice_shape else 1,)
     sizes = []
     for key in keys:
         if key not in index:
-            raise ValueError(f"parameter {d.name}: checkpoint {index.root} has no tensor {key!r} (logical expert {expert})")
+            raise ValueError(
+                f"parameter {d.name}: checkpoint {index.root} has no tensor {key!r} (logical expert {expert})"
+            )
         info = index.info(key)
         check_cast(f"parameter {d.name}", key, index, d.dtype, dequantize)
         shape = list(info.shape)

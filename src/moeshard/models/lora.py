@@ -22,8 +22,18 @@ from .describe import ParamDesc, is_adapter_param
 from .ep import SlotLora, ep_layers
 from .shards import param_boxes
 
-__all__ = ["AdapterTensor", "adapter_desc", "adapter_tensors", "distinct_boxes", "expert_lora_wrappers", "factor_boxes",
-           "local_view", "lora_modules", "plan_shape", "shard_expert_lora"]
+__all__ = [
+    "AdapterTensor",
+    "adapter_desc",
+    "adapter_tensors",
+    "distinct_boxes",
+    "expert_lora_wrappers",
+    "factor_boxes",
+    "local_view",
+    "lora_modules",
+    "plan_shape",
+    "shard_expert_lora",
+]
 
 # -- parallelize's part: expert LoRA wrappers -> per-slot local factors --------------------
 
@@ -43,8 +53,10 @@ def expert_lora_wrappers(model: nn.Module, module_name: str, spec: ExpertsSpec) 
         if not _is_param_wrapper(wrapper):
             break
         if wrapper.parameter_name not in names:
-            raise ValueError(f"{module_name}: a LoRA adapter on {wrapper.parameter_name!r}, which is not an "
-                             f"expert parameter of its spec ({sorted(names)})")
+            raise ValueError(
+                f"{module_name}: a LoRA adapter on {wrapper.parameter_name!r}, which is not an "
+                f"expert parameter of its spec ({sorted(names)})"
+            )
         out.append(wrapper)
     return out
 
@@ -63,8 +75,10 @@ def shard_expert_lora(wrapper: nn.Module, ep_mesh, placement: Placement) -> Slot
 
     adapters = list(wrapper.lora_A.keys())
     if len(adapters) != 1:
-        raise ValueError(f"{type(wrapper).__name__} on {wrapper.parameter_name!r}: moeshard supports one LoRA "
-                         f"adapter per model, found {adapters}")
+        raise ValueError(
+            f"{type(wrapper).__name__} on {wrapper.parameter_name!r}: moeshard supports one LoRA "
+            f"adapter per model, found {adapters}"
+        )
     name = adapters[0]
     if wrapper.lora_bias.get(name) or wrapper.use_dora.get(name):
         raise ValueError(f"LoRA adapter {name!r} on {wrapper.parameter_name!r}: lora_bias / DoRA are not supported")
@@ -72,15 +86,20 @@ def shard_expert_lora(wrapper: nn.Module, ep_mesh, placement: Placement) -> Slot
     spr = placement.slots_per_rank(ep_mesh.size())
     a, b = wrapper.lora_A[name].weight, wrapper.lora_B[name].weight
     if a.shape[0] != r * num_logical or b.shape[1] != r * num_logical:
-        raise ValueError(f"LoRA adapter on {wrapper.parameter_name!r}: lora_A {list(a.shape)} / lora_B "
-                         f"{list(b.shape)} do not hold r={r} x {num_logical} experts")
-    for lin, old, local, dim in ((wrapper.lora_A[name], a, (r * spr, a.shape[1]), 0),
-                                 (wrapper.lora_B[name], b, (b.shape[0], r * spr), 1)):
+        raise ValueError(
+            f"LoRA adapter on {wrapper.parameter_name!r}: lora_A {list(a.shape)} / lora_B "
+            f"{list(b.shape)} do not hold r={r} x {num_logical} experts"
+        )
+    for lin, old, local, dim in (
+        (wrapper.lora_A[name], a, (r * spr, a.shape[1]), 0),
+        (wrapper.lora_B[name], b, (b.shape[0], r * spr), 1),
+    ):
         shape = list(old.shape)
         shape[dim] = r * num_physical
         t = torch.empty(local, dtype=old.dtype, device=old.device)
-        dt = DTensor.from_local(t, ep_mesh, [Shard(dim)], run_check=False, shape=torch.Size(shape),
-                                stride=(shape[1], 1))
+        dt = DTensor.from_local(
+            t, ep_mesh, [Shard(dim)], run_check=False, shape=torch.Size(shape), stride=(shape[1], 1)
+        )
         lin.weight = nn.Parameter(dt, requires_grad=old.requires_grad)
     wrapper.forward = types.MethodType(_passthrough, wrapper)
     return SlotLora(wrapper.parameter_name, wrapper, name, float(wrapper.scaling[name]), spr)
@@ -146,8 +165,14 @@ def adapter_tensors(model: nn.Module, placement: Placement | None) -> list[tuple
             shape = list(p.shape)
             dim = 0 if factor == "A" else 1
             shape[dim] = r * placement.num_logical
-            out.append((AdapterTensor(name, key, tuple(shape), factor, layer, r,
-                                      f"r={r} x {placement.num_logical} experts"), p))
+            out.append(
+                (
+                    AdapterTensor(
+                        name, key, tuple(shape), factor, layer, r, f"r={r} x {placement.num_logical} experts"
+                    ),
+                    p,
+                )
+            )
         else:
             out.append((AdapterTensor(name, key, tuple(p.shape), rank=r, what=f"r={r}"), p))
     return out
@@ -186,8 +211,9 @@ def local_view(t: AdapterTensor, local: torch.Tensor) -> torch.Tensor:
     return local
 
 
-def factor_boxes(t: AdapterTensor, d: ParamDesc, placement: Placement, world_size: int,
-                 first_copy_only: bool = False) -> HeldBoxes:
+def factor_boxes(
+    t: AdapterTensor, d: ParamDesc, placement: Placement, world_size: int, first_copy_only: bool = False
+) -> HeldBoxes:
     """Every rank's boxes of expert factor ``t`` (pure; numpy over the mesh's boxes), in
     :func:`plan_shape` coordinates, local offsets in :func:`local_view` coordinates.
 
@@ -213,8 +239,9 @@ def factor_boxes(t: AdapterTensor, d: ParamDesc, placement: Placement, world_siz
         bad, what = (lo % (r * spr) != 0) | (n != r * spr), f"the {r * spr} columns of an EP rank"
         first, count = lo // (r * spr) * spr, np.full(len(lo), spr, np.int64)
     if bad.any():
-        raise ValueError(f"LoRA weight {t.name}: its sharding {d.placements} splits {what} "
-                         f"(r={r}, {spr} slots per rank)")
+        raise ValueError(
+            f"LoRA weight {t.name}: its sharding {d.placements} splits {what} (r={r}, {spr} slots per rank)"
+        )
     box = np.repeat(np.arange(len(lo)), count)
     slot = np.repeat(first, count) + np.arange(len(box)) - np.repeat(np.cumsum(count) - count, count)
     phy2log = placement.phy2log[t.layer]
@@ -225,8 +252,9 @@ def factor_boxes(t: AdapterTensor, d: ParamDesc, placement: Placement, world_siz
     box, slot, expert = box[keep], slot[keep], expert[keep]
     many = (np.bincount(phy2log[phy2log >= 0], minlength=placement.num_logical) > 1)[expert]
     start = np.ones(len(box), bool)
-    start[1:] = ((box[1:] != box[:-1]) | (slot[1:] != slot[:-1] + 1) | (expert[1:] != expert[:-1] + 1)
-                 | many[1:] | many[:-1])
+    start[1:] = (
+        (box[1:] != box[:-1]) | (slot[1:] != slot[:-1] + 1) | (expert[1:] != expert[:-1] + 1) | many[1:] | many[:-1]
+    )
     at = np.flatnonzero(start)
     runs = np.diff(np.append(at, len(box)))
     box, slot, expert = box[at], slot[at], expert[at]
@@ -250,5 +278,6 @@ def distinct_boxes(d: ParamDesc, world_size: int) -> HeldBoxes:
     held = np.flatnonzero((boxes[:, :, 1] > 0).all(axis=1))
     order, start = group_rows(*boxes[held].reshape(len(held), -1).T)  # stable: a group's first is its first holder
     rows = held[np.sort(order[start])]
-    return HeldBoxes(ranks[rows], np.zeros((len(rows), len(d.shape)), np.int64), boxes[rows, :, 0].copy(),
-                     boxes[rows, :, 1].copy())
+    return HeldBoxes(
+        ranks[rows], np.zeros((len(rows), len(d.shape)), np.int64), boxes[rows, :, 0].copy(), boxes[rows, :, 1].copy()
+    )

@@ -7,7 +7,7 @@ are the planner's.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -50,8 +50,9 @@ def describe_outputs(
             split, a shape disagreeing with ``reference``, a dtype safetensors cannot store.
     """
     with paused_gc():
-        return _describe_outputs(descs, placement, world_size, reference, tied_targets, skip_keys, buffers,
-                                 num_experts or {})
+        return _describe_outputs(
+            descs, placement, world_size, reference, tied_targets, skip_keys, buffers, num_experts or {}
+        )
 
 
 class _Rows:
@@ -71,8 +72,10 @@ class _Rows:
         8,192 ranks: 4.7 million rows, 325 MiB)."""
         sizes = [len(c[1]) for c in self.chunks]
         total = sum(sizes)
-        tensor = np.concatenate([np.broadcast_to(np.asarray(c[0], np.int64), (k,)) for c, k in zip(self.chunks, sizes)]
-                                + [np.zeros(0, np.int64)])
+        tensor = np.concatenate(
+            [np.broadcast_to(np.asarray(c[0], np.int64), (k,)) for c, k in zip(self.chunks, sizes)]
+            + [np.zeros(0, np.int64)]
+        )
         bounds = np.zeros(num_tensors + 1, np.int64)
         np.cumsum(np.bincount(tensor, minlength=num_tensors), out=bounds[1:])
         place = np.empty(total, np.int64)
@@ -86,7 +89,7 @@ class _Rows:
         while chunks:
             _, r, p, sl, o, n, dl = chunks.pop()
             k, nd = len(r), o.shape[1]
-            rows = place[at:at + k]
+            rows = place[at : at + k]
             rank[rows], param[rows], slot[rows] = r, p, sl
             off[rows, :nd], ln[rows, :nd], delta[rows, :nd] = o, n, dl
             if nd < width:  # padded dims: offset 0, length 1, no shift
@@ -95,8 +98,9 @@ class _Rows:
         return SegTable(rank, param, slot, off, ln, delta), bounds
 
 
-def _describe_outputs(descs, placement, world_size, reference, tied_targets, skip_keys, buffers,
-                      num_experts) -> list[Output]:
+def _describe_outputs(
+    descs, placement, world_size, reference, tied_targets, skip_keys, buffers, num_experts
+) -> list[Output]:
     heads: list[tuple] = []  # (key, shape, dtype, is_buffer, zeros) per output
     rows = _Rows()
     num_layers = 1 + max((d.expert.layer for d in descs if d.expert), default=-1)
@@ -119,8 +123,9 @@ def _describe_outputs(descs, placement, world_size, reference, tied_targets, ski
                     f"{list(reference.info(key).shape)}, the model {list(d.shape)}"
                 )
             keep = (ln > 0).all(axis=1)
-            rows.add(len(heads), ranks[keep], i, np.full(int(keep.sum()), -1, np.int64), off[keep], ln[keep],
-                     -off[keep])
+            rows.add(
+                len(heads), ranks[keep], i, np.full(int(keep.sum()), -1, np.int64), off[keep], ln[keep], -off[keep]
+            )
             heads.append((key, d.shape, DTYPE_NAMES[d.dtype], d.name in buffers, False))
         elif d.expert.param.fused and d.expert.param.merged:
             _merged_output(i, d, phy2log[d.expert.layer], num_logical, ranks, off, ln, heads, rows)
@@ -132,12 +137,15 @@ def _describe_outputs(descs, placement, world_size, reference, tied_targets, ski
             _expert_outputs(i, d, np.arange(d.shape[0]), d.shape[0], ranks, off, ln, reference, heads, rows)
         else:
             # An EP model does not hold them (no forward reads them): they are written as zeros.
-            _expert_outputs(i, d, phy2log[d.expert.layer], num_logical, ranks, off, ln, reference, heads, rows,
-                            d.expert.identity)
+            _expert_outputs(
+                i, d, phy2log[d.expert.layer], num_logical, ranks, off, ln, reference, heads, rows, d.expert.identity
+            )
     width = max((len(h[1]) for h in heads), default=1) or 1
     table, bounds = rows.table(len(heads), width)
-    outs = [Output(key, shape, dtype, None, is_buffer, table=table, rows=(lo, hi), zeros=zeros)
-            for (key, shape, dtype, is_buffer, zeros), lo, hi in zip(heads, bounds[:-1].tolist(), bounds[1:].tolist())]
+    outs = [
+        Output(key, shape, dtype, None, is_buffer, table=table, rows=(lo, hi), zeros=zeros)
+        for (key, shape, dtype, is_buffer, zeros), lo, hi in zip(heads, bounds[:-1].tolist(), bounds[1:].tolist())
+    ]
     if len({o.key for o in outs}) == len(outs):
         return outs
     seen: set[str] = set()
@@ -187,18 +195,24 @@ def _expert_table(descs, placement, num_layers, reference, num_experts) -> tuple
     else:
         phy2log = np.asarray(placement.phy2log)
         if phy2log.ndim != 2 or phy2log.shape[0] != num_layers:
-            raise ValueError(f"the model has {num_layers} MoE layers, the placement describes "
-                             f"{phy2log.shape[0] if phy2log.ndim == 2 else '?'}")
+            raise ValueError(
+                f"the model has {num_layers} MoE layers, the placement describes "
+                f"{phy2log.shape[0] if phy2log.ndim == 2 else '?'}"
+            )
         num_logical = int(getattr(placement, "num_logical", None) or (phy2log.max() + 1))
     for d in descs:
         if d.expert is not None and d.shape[0] - (d.expert.identity if placement is None else 0) != phy2log.shape[1]:
-            raise ValueError(f"parameter {d.name} has {d.shape[0]} expert slots per layer, the placement has "
-                             f"{phy2log.shape[1]} physical slots")
+            raise ValueError(
+                f"parameter {d.name} has {d.shape[0]} expert slots per layer, the placement has "
+                f"{phy2log.shape[1]} physical slots"
+            )
     for layer in range(num_layers):
         want = num_experts.get(layer, num_logical)
         if want < num_logical:
-            raise ValueError(f"layer {layer}: the placement has {num_logical} logical experts, the model's "
-                             f"experts module declares {want}")
+            raise ValueError(
+                f"layer {layer}: the placement has {num_logical} logical experts, the model's "
+                f"experts module declares {want}"
+            )
         row = phy2log[layer]
         present = np.zeros(want, dtype=bool)
         present[row[(row >= 0) & (row < want)]] = True
@@ -219,16 +233,30 @@ def _expert_table(descs, placement, num_layers, reference, num_experts) -> tuple
                 if shape != want:
                     raise ValueError(
                         f"parameter {d.name}: the reference checkpoint's {key!r} (every expert fused on disk) has "
-                        f"shape {shape}, the model's {num_logical} logical experts make {want}")
+                        f"shape {shape}, the model's {num_logical} logical experts make {want}"
+                    )
             elif ref is not None and ref.param.keys(ref.module, num_logical + ref.identity)[0] in reference:
                 also = f" and {ref.identity} identity experts" if ref.identity else ""
-                raise ValueError(f"parameter {d.name}: the reference checkpoint has logical expert "
-                                 f"{num_logical + ref.identity}, the model has {num_logical} logical experts{also}")
+                raise ValueError(
+                    f"parameter {d.name}: the reference checkpoint has logical expert "
+                    f"{num_logical + ref.identity}, the model has {num_logical} logical experts{also}"
+                )
     return phy2log, num_logical
 
 
-def _expert_outputs(i, d: ParamDesc, phy2log: np.ndarray, num_logical: int, ranks, off, ln, reference, heads,
-                    rows: _Rows, zeros: int = 0) -> None:
+def _expert_outputs(
+    i,
+    d: ParamDesc,
+    phy2log: np.ndarray,
+    num_logical: int,
+    ranks,
+    off,
+    ln,
+    reference,
+    heads,
+    rows: _Rows,
+    zeros: int = 0,
+) -> None:
     """The checkpoint tensors of a (not fused) expert parameter: part ``j`` of logical expert
     ``e`` in output ``base + e * parts + j``, its rows in (rank box, local slot) order; then
     the parts of ``zeros`` more experts that nobody holds, written as zeros (the rows of
@@ -239,7 +267,7 @@ def _expert_outputs(i, d: ParamDesc, phy2log: np.ndarray, num_logical: int, rank
     part_sizes = _part_sizes(d, slice_shape, reference)
     los = [sum(part_sizes[:j]) for j in range(len(part_sizes))]
     dtype = DTYPE_NAMES[d.dtype]
-    part_shapes = [slice_shape[:dim] + (n,) + slice_shape[dim + 1:] for n in part_sizes]
+    part_shapes = [slice_shape[:dim] + (n,) + slice_shape[dim + 1 :] for n in part_sizes]
     base, num_parts = len(heads), len(part_sizes)
     for e in range(num_logical + zeros):
         keys = ref.param.keys(ref.module, e)
@@ -265,12 +293,16 @@ def _dense_part_outputs(i, d: ParamDesc, ranks, off, ln, reference, heads, rows:
     if reference is not None and all(k in reference for k in d.parts):
         sizes = [reference.info(k).shape[dim] if len(reference.info(k).shape) > dim else -1 for k in d.parts]
         if sum(sizes) != d.shape[dim] or min(sizes) < 0:
-            raise ValueError(f"parameter {d.name}: the reference checkpoint's tensors {list(d.parts)} have sizes "
-                             f"{sizes} along dim {dim}, which do not split the model's shape {list(d.shape)}")
+            raise ValueError(
+                f"parameter {d.name}: the reference checkpoint's tensors {list(d.parts)} have sizes "
+                f"{sizes} along dim {dim}, which do not split the model's shape {list(d.shape)}"
+            )
     elif d.shape[dim] % num_parts:
-        raise ValueError(f"parameter {d.name} of shape {list(d.shape)} does not split into {num_parts} equal parts "
-                         f"{list(d.parts)} along dim {dim} (what transformers' save_pretrained writes); pass "
-                         "reference= to give the part sizes")
+        raise ValueError(
+            f"parameter {d.name} of shape {list(d.shape)} does not split into {num_parts} equal parts "
+            f"{list(d.parts)} along dim {dim} (what transformers' save_pretrained writes); pass "
+            "reference= to give the part sizes"
+        )
     else:
         sizes = [d.shape[dim] // num_parts] * num_parts
     keep = (ln > 0).all(axis=1)
@@ -284,7 +316,7 @@ def _dense_part_outputs(i, d: ParamDesc, ranks, off, ln, reference, heads, rows:
         p_off[:, dim], p_len[:, dim] = a[has] - lo, (b - a)[has]
         delta[:, dim] += lo
         rows.add(len(heads), ranks[has], i, np.full(int(has.sum()), -1, np.int64), p_off, p_len, delta)
-        heads.append((d.parts[j], d.shape[:dim] + (size,) + d.shape[dim + 1:], DTYPE_NAMES[d.dtype], False, False))
+        heads.append((d.parts[j], d.shape[:dim] + (size,) + d.shape[dim + 1 :], DTYPE_NAMES[d.dtype], False, False))
         lo += size
 
 
@@ -302,8 +334,7 @@ def _fused_output(i, d: ParamDesc, phy2log: np.ndarray, num_logical: int, ranks,
     heads.append((key, (num_logical, *d.shape[1:]), DTYPE_NAMES[d.dtype], False, False))
 
 
-def _merged_output(i, d: ParamDesc, phy2log: np.ndarray, num_logical: int, ranks, off, ln, heads,
-                   rows: _Rows) -> None:
+def _merged_output(i, d: ParamDesc, phy2log: np.ndarray, num_logical: int, ranks, off, ln, heads, rows: _Rows) -> None:
     """The one checkpoint tensor ``[num_logical * n, *rest]`` of an expert parameter written fused
     with its expert dim merged into dim 0 (DBRX's w1 / v1 / w2): rows ``e*n ..`` from a slot
     holding logical expert ``e`` (each slot's box a segment of its own)."""

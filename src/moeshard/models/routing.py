@@ -38,8 +38,15 @@ from .describe import expert_layers
 from .ep import ROUTED, EPLayer, ep_host, experts_kind, install_ep_forward, model_placement, unsupported_forward
 from .slot_guard import PlacementRecord, SlotGuard, guard_slots
 
-__all__ = ["ExpertsRouting", "ROUTING_MODES", "experts_routing", "check_routing", "take_over", "declared_experts",
-           "resolve_placement"]
+__all__ = [
+    "ExpertsRouting",
+    "ROUTING_MODES",
+    "experts_routing",
+    "check_routing",
+    "take_over",
+    "declared_experts",
+    "resolve_placement",
+]
 
 ROUTING_MODES = ("auto", "caller")
 
@@ -97,14 +104,17 @@ def _classify(model: nn.Module, module: nn.Module, spec: ExpertsSpec, host: nn.M
         if experts_kind(module) != ROUTED:
             return "unknown", f"{cls} is expert-parallel (transformers) with a forward that is not the routed one"
         if _tp_size(model) > 1:
-            return "unknown", (f"{cls} is expert-parallel (transformers) over a TP group of {_tp_size(model)} ranks "
-                               "sharing one batch, which moeshard's EP forward does not slice")
+            return "unknown", (
+                f"{cls} is expert-parallel (transformers) over a TP group of {_tp_size(model)} ranks "
+                "sharing one batch, which moeshard's EP forward does not slice"
+            )
         if getattr(getattr(module, "config", None), "_experts_implementation", None) == "deepgemm_megamoe":
             return "unknown", f"{cls} runs DeepGEMM Mega MoE, whose kernel exchanges the tokens itself"
         extra = sorted(set(n for n, p in module._parameters.items() if p is not None) - {p.name for p in spec.params})
         if extra:
-            return "unknown", (f"{cls} is expert-parallel (transformers) with parameters {extra} outside its experts "
-                               "spec")
+            return "unknown", (
+                f"{cls} is expert-parallel (transformers) with parameters {extra} outside its experts spec"
+            )
         return "transformers", ""
     if own is not None:
         return "unknown", f"{cls} has a forward of its own ({getattr(own, '__qualname__', own)!r})"
@@ -113,16 +123,19 @@ def _classify(model: nn.Module, module: nn.Module, spec: ExpertsSpec, host: nn.M
 
 def experts_routing(model: nn.Module, specs: Sequence[ExpertsSpec] = DEFAULT_SPECS) -> list[ExpertsRouting]:
     """Who routes each experts module of ``model`` (module doc), in MoE layer order. Local."""
-    return [ExpertsRouting(name, mod, layer, *_classify(model, mod, spec, ep_host(model, name, mod)))
-            for layer, (name, mod, spec) in enumerate(expert_layers(model, specs))]
+    return [
+        ExpertsRouting(name, mod, layer, *_classify(model, mod, spec, ep_host(model, name, mod)))
+        for layer, (name, mod, spec) in enumerate(expert_layers(model, specs))
+    ]
 
 
 def _num_slots(module: nn.Module) -> int:
     return int(next(p for p in module._parameters.values() if p is not None).shape[0])
 
 
-def check_routing(model: nn.Module, old, new, routing: str = "auto",
-                  specs: Sequence[ExpertsSpec] = DEFAULT_SPECS) -> list[ExpertsRouting]:
+def check_routing(
+    model: nn.Module, old, new, routing: str = "auto", specs: Sequence[ExpertsSpec] = DEFAULT_SPECS
+) -> list[ExpertsRouting]:
     """Whether ``model``'s routing can follow a relocation from placement ``old`` (None: a fill)
     to ``new``: every experts module's tokens must reach the new slots after it. Local and pure
     (the same answer on every rank); :func:`moeshard.relocate` runs it before anything moves.
@@ -147,9 +160,10 @@ def check_routing(model: nn.Module, old, new, routing: str = "auto",
         if e.kind == "unknown":
             raise ValueError(
                 f"experts module {e.name}: moeshard cannot see how its tokens are routed ({e.why}), so relocating "
-                f"its experts would leave its tokens going to the old slots. Pass routing=\"caller\" to relocate "
+                f'its experts would leave its tokens going to the old slots. Pass routing="caller" to relocate '
                 "if your code routes its tokens by the new placement (the placement's phy2log / log2phy), or "
-                "parallelize the model with moeshard.parallelize, whose EP forward follows the placement")
+                "parallelize the model with moeshard.parallelize, whose EP forward follows the placement"
+            )
         if e.kind != "transformers":
             continue
         slots = _num_slots(e.module)
@@ -158,12 +172,14 @@ def check_routing(model: nn.Module, old, new, routing: str = "auto",
                 raise ValueError(
                     f"experts module {e.name}: transformers built it expert-parallel with one slot per logical "
                     f"expert ({slots} per layer); the {what} placement has {p.num_physical} slots per layer "
-                    "(redundant copies need a model parallelized by moeshard.parallelize)")
+                    "(redundant copies need a model parallelized by moeshard.parallelize)"
+                )
         if old is not None and not old.is_identity(e.layer):
             raise ValueError(
                 f"experts module {e.name}: transformers' EP forward holds logical expert e in slot e (contiguous "
                 f"per EP rank), but the old placement's layer {e.layer} is {old.phy2log[e.layer].tolist()}: pass "
-                "the placement the model holds (Placement.contiguous for a model transformers just built)")
+                "the placement the model holds (Placement.contiguous for a model transformers just built)"
+            )
     return entries
 
 
@@ -186,9 +202,17 @@ def take_over(entries: Sequence[ExpertsRouting], placement) -> int:
         # Every parameter is an expert parameter of the module's spec (_classify checked it).
         names = tuple(n for n, p in e.module._parameters.items() if p is not None)
         ep_mesh = e.module._parameters[names[0]].device_mesh["ep"]
-        ep_layer = EPLayer(e.layer, placement.phy2log[e.layer], placement.log2phy[e.layer], placement.logcnt[e.layer],
-                           _num_slots(e.module) // ep_mesh.size(), ep_mesh.get_local_rank(), ep_mesh.get_group(),
-                           1.0, names)
+        ep_layer = EPLayer(
+            e.layer,
+            placement.phy2log[e.layer],
+            placement.log2phy[e.layer],
+            placement.logcnt[e.layer],
+            _num_slots(e.module) // ep_mesh.size(),
+            ep_mesh.get_local_rank(),
+            ep_mesh.get_group(),
+            1.0,
+            names,
+        )
         if not install_ep_forward(e.module, ep_layer):
             raise AssertionError(f"{e.name}: the routed EP forward was not installed")  # _classify checked its kind
         # Its slots may now hold a shuffled placement: its state dict would be slot order.
@@ -231,7 +255,8 @@ def resolve_placement(model: nn.Module, placement, what: str, specs: Sequence[Ex
                 raise ValueError(
                     f"{what}: {theirs[0].name} is routed by transformers' EP forward (logical expert e in slot e); "
                     f"the placement given puts other experts in its slots (MoE layer {bad[0]} first): pass none, "
-                    "or relocate the model first (moeshard.relocate gives it placement-aware routing)")
+                    "or relocate the model first (moeshard.relocate gives it placement-aware routing)"
+                )
         return placement
     if placement is None:
         return own
@@ -240,7 +265,8 @@ def resolve_placement(model: nn.Module, placement, what: str, specs: Sequence[Ex
         raise ValueError(
             f"{what}: the placement given (phy2log {list(placement.phy2log.shape)}) differs from the one the "
             f"model routes tokens by (phy2log {list(own.phy2log.shape)}{layer}): pass the placement the model "
-            "was parallelized with or last relocated to, or none (the model's own is used)")
+            "was parallelized with or last relocated to, or none (the model's own is used)"
+        )
     return placement
 
 

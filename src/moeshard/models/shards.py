@@ -79,22 +79,25 @@ def _strided_order(dims: tuple[int, ...], strided: dict[int, int]) -> tuple[int,
     for i, sf in strided.items():
         later = [j for j in range(i + 1, len(dims)) if dims[j] == dims[i]]
         if len(later) != 1:
-            raise ValueError(f"_StridedShard(dim={dims[i]}, split_factor={sf}) on mesh dim {i} is supported only "
-                             "before exactly one Shard of the same tensor dim (FSDP2 over EP, torchtitan's layout)")
+            raise ValueError(
+                f"_StridedShard(dim={dims[i]}, split_factor={sf}) on mesh dim {i} is supported only "
+                "before exactly one Shard of the same tensor dim (FSDP2 over EP, torchtitan's layout)"
+            )
         order.remove(i)
         order.insert(order.index(later[0]) + 1, i)
     return tuple(order)
 
 
 @functools.lru_cache(maxsize=4096)
-def _shard_boxes(shape: tuple[int, ...], mesh_shape: tuple[int, ...], dims: tuple[int, ...],
-                 order: tuple[int, ...] | None = None) -> np.ndarray:
+def _shard_boxes(
+    shape: tuple[int, ...], mesh_shape: tuple[int, ...], dims: tuple[int, ...], order: tuple[int, ...] | None = None
+) -> np.ndarray:
     """:func:`shard_boxes` for placements given as :func:`_shard_dims` (read-only: cached)."""
     num = int(np.prod(mesh_shape, dtype=np.int64))
     coords = np.indices(mesh_shape, dtype=np.int64).reshape(len(mesh_shape), num)  # row-major
     off = np.zeros((num, len(shape)), dtype=np.int64)
     size = np.tile(np.asarray(shape, dtype=np.int64), (num, 1))
-    for mesh_dim in (order if order is not None else range(len(dims))):
+    for mesh_dim in order if order is not None else range(len(dims)):
         dim = dims[mesh_dim]
         if dim < 0:
             continue
@@ -137,8 +140,10 @@ def shard_boxes(shape: Sequence[int], mesh_shape: Sequence[int], placements: Seq
         for dim in {d for d in dims if d >= 0}:
             split = int(np.prod([m for m, d in zip(mesh_shape, dims) if d == dim]))
             if shape[dim] % split:
-                raise ValueError(f"placements {list(placements)}: tensor dim {dim} of size {shape[dim]} does not "
-                                 f"divide into {split} equal shards (uneven _StridedShard shards are not supported)")
+                raise ValueError(
+                    f"placements {list(placements)}: tensor dim {dim} of size {shape[dim]} does not "
+                    f"divide into {split} equal shards (uneven _StridedShard shards are not supported)"
+                )
     return _shard_boxes(shape, mesh_shape, dims, order)
 
 

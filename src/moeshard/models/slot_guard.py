@@ -60,8 +60,16 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..placement import Placement
 
-__all__ = ["PlacementRecord", "SlotGuard", "allow_slot_order", "follow_placement", "guard_model",
-           "guard_optimizer", "guard_slots", "slot_order_problem"]
+__all__ = [
+    "PlacementRecord",
+    "SlotGuard",
+    "allow_slot_order",
+    "follow_placement",
+    "guard_model",
+    "guard_optimizer",
+    "guard_slots",
+    "slot_order_problem",
+]
 
 # Modules owning a guarded parameter (the optimizer hooks look their parameters up here: FSDP2
 # replaces parameter objects when it shards, so they are read from the module when needed).
@@ -115,16 +123,19 @@ def slot_order_problem(guard: SlotGuard) -> str | None:
     n = p.num_logical
     if p.is_identity(guard.layer):
         if guard.lora_rank > 1 and guard.record.ep_size > 1:
-            return (f"its columns are (r={guard.lora_rank}, slots) per EP rank over {guard.record.ep_size} EP ranks, "
-                    "not peft's (r, experts) order")
+            return (
+                f"its columns are (r={guard.lora_rank}, slots) per EP rank over {guard.record.ep_size} EP ranks, "
+                "not peft's (r, experts) order"
+            )
         return None
     empty = int((row < 0).sum())
-    kind = ("with empty slots" if empty else
-            "redundant" if len(row) > n else "shuffled")
+    kind = "with empty slots" if empty else "redundant" if len(row) > n else "shuffled"
     shown = ", ".join(str(int(x)) for x in row[:16]) + (", ..." if len(row) > 16 else "")
     extra = f", {empty} empty" if empty else ""
-    return (f"MoE layer {guard.layer}'s placement is {kind} ({len(row)} slots for {n} logical experts{extra}; "
-            f"slot -> logical expert: [{shown}])")
+    return (
+        f"MoE layer {guard.layer}'s placement is {kind} ({len(row)} slots for {n} logical experts{extra}; "
+        f"slot -> logical expert: [{shown}])"
+    )
 
 
 def _allowed() -> bool:
@@ -159,13 +170,18 @@ def _state_dict_pre_hook(module: nn.Module, prefix: str, keep_vars: bool) -> Non
     guard: SlotGuard = module.moeshard_slot_guard
     problem = None if _allowed() else slot_order_problem(guard)
     if problem is not None:
-        raise _error(guard, prefix + guard.params[0], problem,
-                     "Its state dict (model.state_dict(), DCP's get_model_state_dict, a Trainer's or accelerate's "
-                     "save) would write the rows in slot order.")
+        raise _error(
+            guard,
+            prefix + guard.params[0],
+            problem,
+            "Its state dict (model.state_dict(), DCP's get_model_state_dict, a Trainer's or accelerate's "
+            "save) would write the rows in slot order.",
+        )
 
 
-def _load_pre_hook(module: nn.Module, state_dict, prefix: str, local_metadata, strict, missing_keys,
-                   unexpected_keys, error_msgs) -> None:
+def _load_pre_hook(
+    module: nn.Module, state_dict, prefix: str, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+) -> None:
     guard: SlotGuard = module.moeshard_slot_guard
     if _allowed():
         return
@@ -174,10 +190,14 @@ def _load_pre_hook(module: nn.Module, state_dict, prefix: str, local_metadata, s
             key = prefix + name
             problem = slot_order_problem(guard)
             if problem is not None:
-                raise _error(guard, key, problem,
-                             "load_state_dict (or DCP's set_model_state_dict) would copy row p of the given tensor "
-                             "into slot p, whichever expert the slot holds. (DCP's broadcast_from_rank0 copies "
-                             "into the parameters before this check: reload them.)")
+                raise _error(
+                    guard,
+                    key,
+                    problem,
+                    "load_state_dict (or DCP's set_model_state_dict) would copy row p of the given tensor "
+                    "into slot p, whichever expert the slot holds. (DCP's broadcast_from_rank0 copies "
+                    "into the parameters before this check: reload them.)",
+                )
 
 
 def guard_slots(module: nn.Module, guard: SlotGuard) -> None:
@@ -205,8 +225,16 @@ def guard_model(model: nn.Module, owners: dict[str, nn.Module]) -> None:
 
     def hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         for name, owner in owners.items():
-            _load_pre_hook(owner, state_dict, f"{prefix}{name}." if name else prefix, local_metadata, strict,
-                           missing_keys, unexpected_keys, error_msgs)
+            _load_pre_hook(
+                owner,
+                state_dict,
+                f"{prefix}{name}." if name else prefix,
+                local_metadata,
+                strict,
+                missing_keys,
+                unexpected_keys,
+                error_msgs,
+            )
 
     model.register_load_state_dict_pre_hook(hook)
 
@@ -219,15 +247,21 @@ def follow_placement(model: nn.Module, placement: Placement) -> int:
         ValueError: ``placement`` does not fit the model (layers, slots per layer, logical
             experts), before anything changes.
     """
-    guards = [m.moeshard_slot_guard for m in model.modules() if isinstance(getattr(m, "moeshard_slot_guard", None),
-                                                                          SlotGuard)]
+    guards = [
+        m.moeshard_slot_guard for m in model.modules() if isinstance(getattr(m, "moeshard_slot_guard", None), SlotGuard)
+    ]
     for g in guards:
         old = g.record.placement
-        if (placement.num_layers, placement.num_physical, placement.num_logical) != \
-                (old.num_layers, old.num_physical, old.num_logical):
-            raise ValueError(f"the placement has {placement.num_layers} layers x {placement.num_physical} slots for "
-                             f"{placement.num_logical} logical experts, the model {old.num_layers} x "
-                             f"{old.num_physical} for {old.num_logical}")
+        if (placement.num_layers, placement.num_physical, placement.num_logical) != (
+            old.num_layers,
+            old.num_physical,
+            old.num_logical,
+        ):
+            raise ValueError(
+                f"the placement has {placement.num_layers} layers x {placement.num_physical} slots for "
+                f"{placement.num_logical} logical experts, the model {old.num_layers} x "
+                f"{old.num_physical} for {old.num_logical}"
+            )
     for g in guards:
         g.record.placement = placement
     return len(guards)
@@ -263,8 +297,12 @@ def _per_element(state) -> bool:
 
 def _optimizer_error(guard: SlotGuard, name: str, problem: str, what: str) -> ValueError:
     p = guard.record.placement
-    relocate = ("relocate to the identity placement first (moeshard.relocate(model, old, Placement.contiguous(..., "
-                "num_redundant=0), optimizer=optimizer)) or, " if p.num_physical == p.num_logical else "")
+    relocate = (
+        "relocate to the identity placement first (moeshard.relocate(model, old, Placement.contiguous(..., "
+        "num_redundant=0), optimizer=optimizer)) or, "
+        if p.num_physical == p.num_logical
+        else ""
+    )
     return ValueError(
         f"optimizer state of {name}: a moeshard expert parameter holds expert slots, not logical experts in order: "
         f"{problem}. {what} To save it, {relocate}to restore it only under this same placement, save and load it "
@@ -283,8 +321,11 @@ def _check_state(optimizer: torch.optim.Optimizer, what: str) -> None:
 
 
 def _optimizer_state_dict_pre_hook(optimizer: torch.optim.Optimizer) -> None:
-    _check_state(optimizer, "Its state dict (optimizer.state_dict(), DCP's get_optimizer_state_dict) would write "
-                            "the moments in slot order.")
+    _check_state(
+        optimizer,
+        "Its state dict (optimizer.state_dict(), DCP's get_optimizer_state_dict) would write "
+        "the moments in slot order.",
+    )
 
 
 def _optimizer_load_pre_hook(optimizer: torch.optim.Optimizer, state_dict: dict):
@@ -296,9 +337,13 @@ def _optimizer_load_pre_hook(optimizer: torch.optim.Optimizer, state_dict: dict)
         if pos < len(saved) and _per_element(states.get(saved[pos])):
             problem = slot_order_problem(guard)
             if problem is not None:
-                raise _optimizer_error(guard, name, problem,
-                                       "optimizer.load_state_dict (or DCP's set_optimizer_state_dict) would give slot "
-                                       "p the moments of row p, whichever expert it holds.")
+                raise _optimizer_error(
+                    guard,
+                    name,
+                    problem,
+                    "optimizer.load_state_dict (or DCP's set_optimizer_state_dict) would give slot "
+                    "p the moments of row p, whichever expert it holds.",
+                )
     return None
 
 
@@ -317,8 +362,11 @@ def guard_optimizer(optimizer: torch.optim.Optimizer) -> bool:
         _SEEN.add(optimizer)
         return False
     # Checked before it counts as met: a step that raises here raises again at the next one.
-    _check_state(optimizer, "It was set before the optimizer was checked (an unchecked optimizer.load_state_dict?) "
-                            "in an order nothing here knows.")
+    _check_state(
+        optimizer,
+        "It was set before the optimizer was checked (an unchecked optimizer.load_state_dict?) "
+        "in an order nothing here knows.",
+    )
     optimizer.register_state_dict_pre_hook(_optimizer_state_dict_pre_hook)
     optimizer.register_load_state_dict_pre_hook(_optimizer_load_pre_hook)
     optimizer._moeshard_guarded = True

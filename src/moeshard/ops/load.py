@@ -38,8 +38,16 @@ from ..topology import Topology
 from .report import OpReport
 from .skeleton import OpMeter, group_topology, local_tensors, named_tensors, progress_bar
 
-__all__ = ["LoadReport", "load", "plan_load", "materialize", "target_device", "checked_unused_keys", "refuse_or_warn",
-           "float_params"]
+__all__ = [
+    "LoadReport",
+    "load",
+    "plan_load",
+    "materialize",
+    "target_device",
+    "checked_unused_keys",
+    "refuse_or_warn",
+    "float_params",
+]
 
 logger = logging.getLogger("moeshard")
 
@@ -148,19 +156,26 @@ def _initialized_by_model(model: nn.Module, mod: nn.Module) -> nn.Module | None:
         return None
     stand = copy.copy(mod)
     # Plain meta tensors (not DTensors: a random init of a DTensor would touch the RNG tracker).
-    stand._parameters = {n: None if p is None else nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"))
-                         for n, p in mod._parameters.items()}
-    stand._buffers = {n: torch.full(b.shape, float("nan"), dtype=b.dtype, device="cpu")
-                      if n in mod._non_persistent_buffers_set and b.is_floating_point()
-                      else torch.empty(b.shape, dtype=b.dtype, device="meta") for n, b in mod._buffers.items()
-                      if b is not None}
+    stand._parameters = {
+        n: None if p is None else nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"))
+        for n, p in mod._parameters.items()
+    }
+    stand._buffers = {
+        n: torch.full(b.shape, float("nan"), dtype=b.dtype, device="cpu")
+        if n in mod._non_persistent_buffers_set and b.is_floating_point()
+        else torch.empty(b.shape, dtype=b.dtype, device="meta")
+        for n, b in mod._buffers.items()
+        if b is not None
+    }
     try:
         with torch.no_grad():
             init(stand)
     except Exception:  # noqa: BLE001 - an initializer that needs more than the module: not ours to fix
         return None
-    done = all(n in stand._buffers and not stand._buffers[n].is_meta and not stand._buffers[n].isnan().any()
-               for n in mod._non_persistent_buffers_set)
+    done = all(
+        n in stand._buffers and not stand._buffers[n].is_meta and not stand._buffers[n].isnan().any()
+        for n in mod._non_persistent_buffers_set
+    )
     return stand if done else None
 
 
@@ -204,8 +219,11 @@ def plan_load(
         keep = ~np.asarray(readers, dtype=bool)
         keep[rank] = True
     needs = need_table(descs, index, placement, topology.world_size, dequantize, keep_ranks=keep)
-    return descs, needs, plan_transfers(needs, index, topology, readers, scope=scope, staging_bytes=staging_bytes,
-                                        rank=rank)
+    return (
+        descs,
+        needs,
+        plan_transfers(needs, index, topology, readers, scope=scope, staging_bytes=staging_bytes, rank=rank),
+    )
 
 
 def float_params(descs: Sequence[ParamDesc]) -> np.ndarray:
@@ -214,9 +232,15 @@ def float_params(descs: Sequence[ParamDesc]) -> np.ndarray:
     return np.asarray([cast_refusal("F32", d.dtype) is None for d in descs], dtype=bool)
 
 
-def checked_unused_keys(model: nn.Module, descs: Sequence[ParamDesc], index: CheckpointIndex,
-                        placement: Placement | None, strict: bool, op: str,
-                        consumed: Sequence[str] = ()) -> tuple[str, ...]:
+def checked_unused_keys(
+    model: nn.Module,
+    descs: Sequence[ParamDesc],
+    index: CheckpointIndex,
+    placement: Placement | None,
+    strict: bool,
+    op: str,
+    consumed: Sequence[str] = (),
+) -> tuple[str, ...]:
     """The checkpoint keys no parameter or buffer of ``model`` reads, sorted (pure: every rank
     computes the same inside its planning step, so a strict error is raised on every rank).
 
@@ -316,8 +340,10 @@ def load(
     path = os.fspath(checkpoint)
     # One exchange: every rank's errors, whether it can see the checkpoint and its storage arguments.
     opened, everyone = collectives.agree_and_gather(
-        lambda: _Opened(materialize(model, device), os.path.exists(path)), "moeshard.load: materializing the model",
-        share=lambda o: sources_share(o.sees_checkpoint, storage, topo))
+        lambda: _Opened(materialize(model, device), os.path.exists(path)),
+        "moeshard.load: materializing the model",
+        share=lambda o: sources_share(o.sees_checkpoint, storage, topo),
+    )
     meter.end("materialize")
     mode, readers, scope, index = resolve_sources(path, storage, topo, opened.sees_checkpoint, everyone=everyone)
     meter.end("headers")
@@ -325,9 +351,23 @@ def load(
     reader = CheckpointReader(index, reader_root(path), direct_io=direct_io) if readers[topo.rank] else None
     try:
         planned = collectives.agree(
-            lambda: _plan(model, index, placement, topo, readers, scope, staging_bytes, specs, dequantize, strict,
-                          report_minimal, reader),
-            "moeshard.load: planning", fingerprint=lambda p: p.fingerprint)
+            lambda: _plan(
+                model,
+                index,
+                placement,
+                topo,
+                readers,
+                scope,
+                staging_bytes,
+                specs,
+                dequantize,
+                strict,
+                report_minimal,
+                reader,
+            ),
+            "moeshard.load: planning",
+            fingerprint=lambda p: p.fingerprint,
+        )
         t_plan = meter.end("plan")
         ran = _run(model, planned, index, reader, topo, opened.device, progress, read_threads, meter)
     finally:
@@ -400,22 +440,54 @@ class _LoadPlan:
         return self.schedule.has_broadcasts or (self.scale_schedule is not None and self.scale_schedule.has_broadcasts)
 
 
-def _plan(model: nn.Module, index: CheckpointIndex, placement: Placement | None, topo: Topology, readers: np.ndarray,
-          scope: str, staging_bytes: int, specs: Sequence[ExpertsSpec], dequantize: bool, strict: bool,
-          report_minimal: bool, reader: CheckpointReader | None) -> _LoadPlan:
+def _plan(
+    model: nn.Module,
+    index: CheckpointIndex,
+    placement: Placement | None,
+    topo: Topology,
+    readers: np.ndarray,
+    scope: str,
+    staging_bytes: int,
+    specs: Sequence[ExpertsSpec],
+    dequantize: bool,
+    strict: bool,
+    report_minimal: bool,
+    reader: CheckpointReader | None,
+) -> _LoadPlan:
     """This rank's step of load's planning (agreed by every rank): each rank plans what it
     runs, the transfers and its own local reads; and checks the files it reads."""
     rank = topo.rank
     # Every rank's needs only where the scales of FP8 weights are planned (each rank gets those of
     # the weights it receives, wherever they come from) or the lower bounds are asked for.
     fp8 = dequantize and bool(index.dtypes & FP8_DTYPES)
-    descs, needs, plan = plan_load(model, index, placement, topo, readers, scope, staging_bytes, specs,
-                                   dequantize, rank, all_needs=fp8 or report_minimal)
+    descs, needs, plan = plan_load(
+        model,
+        index,
+        placement,
+        topo,
+        readers,
+        scope,
+        staging_bytes,
+        specs,
+        dequantize,
+        rank,
+        all_needs=fp8 or report_minimal,
+    )
     scales = scale_needs(needs, index, float_params(descs)) if fp8 else None
-    scale_plan = None if scales is None else plan_transfers(scales.table, index, topo, readers, scope=scope,
-                                                             staging_bytes=staging_bytes, rank=rank)
-    unused = checked_unused_keys(model, descs, index, placement, strict, "moeshard.load",
-                                 consumed=scales.table.keys if scales is not None else ())
+    scale_plan = (
+        None
+        if scales is None
+        else plan_transfers(scales.table, index, topo, readers, scope=scope, staging_bytes=staging_bytes, rank=rank)
+    )
+    unused = checked_unused_keys(
+        model,
+        descs,
+        index,
+        placement,
+        strict,
+        "moeshard.load",
+        consumed=scales.table.keys if scales is not None else (),
+    )
     mine = set()
     for p in (plan, scale_plan):
         if p is not None:
@@ -438,8 +510,17 @@ class _Ran:
         return getattr(self.stats, counter) + (getattr(self.scale_stats, counter) if self.scale_stats else 0)
 
 
-def _run(model: nn.Module, planned: _LoadPlan, index: CheckpointIndex, reader: CheckpointReader | None,
-         topo: Topology, dev: torch.device, progress: bool | None, read_threads: int, meter: OpMeter) -> _Ran:
+def _run(
+    model: nn.Module,
+    planned: _LoadPlan,
+    index: CheckpointIndex,
+    reader: CheckpointReader | None,
+    topo: Topology,
+    dev: torch.device,
+    progress: bool | None,
+    read_threads: int,
+    meter: OpMeter,
+) -> _Ran:
     """Collective (every rank of the load): run the agreed schedules into the model's local
     tensors, the FP8 scales' first (each rank's whole, small) then the weights'."""
     rank, plan = topo.rank, planned.schedule
@@ -455,9 +536,12 @@ def _run(model: nn.Module, planned: _LoadPlan, index: CheckpointIndex, reader: C
         what = "moeshard.load: executing the plan"
         sink = DequantSink(plan, dests, rank, fp8) if fp8 else TensorSink(plan, dests, rank)
         with ReaderSource(plan, reader, index, read_threads=read_threads) as source:
-            stats = collectives.agree(lambda: execute_schedule(
-                plan, rank, source, sink, dev, node_group=node_group, progress=bar.update, what=what).check(),
-                what)
+            stats = collectives.agree(
+                lambda: execute_schedule(
+                    plan, rank, source, sink, dev, node_group=node_group, progress=bar.update, what=what
+                ).check(),
+                what,
+            )
         bar.close()
         meter.end("execute")
     return _Ran(stats, scale_stats)
@@ -471,17 +555,35 @@ class _Scales(NamedTuple):
     stats: ExecStats
 
 
-def _run_scales(planned: _LoadPlan, index: CheckpointIndex, reader: CheckpointReader | None, rank: int,
-                dev: torch.device, node_group) -> _Scales:
+def _run_scales(
+    planned: _LoadPlan,
+    index: CheckpointIndex,
+    reader: CheckpointReader | None,
+    rank: int,
+    dev: torch.device,
+    node_group,
+) -> _Scales:
     """Collective (every rank of the load): every rank's FP8 scales, whole, by the same runner."""
     scale_plan, scales = planned.scale_schedule, planned.scales
     assert scale_plan is not None and scales is not None
     mine = set(scale_plan.deliveries.param[scale_plan.deliveries.rank == rank].tolist())
-    scratch = [torch.empty(sh, dtype=index.info(k).torch_dtype, device=dev) if j in mine else None
-               for j, (k, sh) in enumerate(zip(scales.table.keys, scales.shapes(index)))]
+    scratch = [
+        torch.empty(sh, dtype=index.info(k).torch_dtype, device=dev) if j in mine else None
+        for j, (k, sh) in enumerate(zip(scales.table.keys, scales.shapes(index)))
+    ]
     what = "moeshard.load: loading FP8 scales"
-    stats = collectives.agree(lambda: execute_schedule(
-        scale_plan, rank, ReaderSource(scale_plan, reader, index), TensorSink(scale_plan, scratch, rank),
-        dev, node_group=node_group, what=what).check(), what)
-    return _Scales({w: (scratch[j], block) for w, (j, block) in scales.weights.items() if scratch[j] is not None},
-                   stats)
+    stats = collectives.agree(
+        lambda: execute_schedule(
+            scale_plan,
+            rank,
+            ReaderSource(scale_plan, reader, index),
+            TensorSink(scale_plan, scratch, rank),
+            dev,
+            node_group=node_group,
+            what=what,
+        ).check(),
+        what,
+    )
+    return _Scales(
+        {w: (scratch[j], block) for w, (j, block) in scales.weights.items() if scratch[j] is not None}, stats
+    )

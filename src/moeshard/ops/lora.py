@@ -76,8 +76,16 @@ from .load import refuse_or_warn
 from .report import OpReport
 from .skeleton import group_topology
 
-__all__ = ["AdapterError", "AdapterReport", "ADAPTER_WEIGHTS", "ADAPTER_CONFIG", "adapter_tensors", "load",
-           "load_adapter", "save_adapter"]
+__all__ = [
+    "AdapterError",
+    "AdapterReport",
+    "ADAPTER_WEIGHTS",
+    "ADAPTER_CONFIG",
+    "adapter_tensors",
+    "load",
+    "load_adapter",
+    "save_adapter",
+]
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -87,8 +95,6 @@ class AdapterError(collectives.DistributedError, ValueError):
     """Raised on every rank when an adapter does not fit the model (missing or unexpected key,
     a shape of another LoRA rank ``r``, a config with other ``r`` / ``lora_alpha``) or when
     loading or saving it failed on any rank; names each failing rank and its message."""
-
-
 
 
 @dataclass(frozen=True)
@@ -102,8 +108,14 @@ class AdapterReport(OpReport):
     unused_keys: tuple[str, ...] = ()
 
 
-def check_adapter(pairs: list[tuple[AdapterTensor, torch.Tensor]], index: CheckpointIndex, config: dict | None,
-                   path: str, scalings: dict[str, tuple[int, float]], strict: bool = True) -> tuple[str, ...]:
+def check_adapter(
+    pairs: list[tuple[AdapterTensor, torch.Tensor]],
+    index: CheckpointIndex,
+    config: dict | None,
+    path: str,
+    scalings: dict[str, tuple[int, float]],
+    strict: bool = True,
+) -> tuple[str, ...]:
     """ValueError for a key set, shape, dtype (the cast rule, :func:`moeshard.models.layout.check_cast`)
     or config that does not fit the model's adapter. Returns the adapter's keys the model has
     no LoRA weight for (an error when ``strict``, else logged as a warning on rank 0)."""
@@ -111,18 +123,24 @@ def check_adapter(pairs: list[tuple[AdapterTensor, torch.Tensor]], index: Checkp
     for key in want:
         if key not in index:
             t = want[key][0]
-            raise ValueError(f"adapter {path} has no tensor {key!r} (the model expects a LoRA weight of shape "
-                             f"{list(t.shape)}, {t.what})")
+            raise ValueError(
+                f"adapter {path} has no tensor {key!r} (the model expects a LoRA weight of shape "
+                f"{list(t.shape)}, {t.what})"
+            )
     extra = tuple(sorted(index.tensors.keys() - want.keys()))
     if extra:
-        refuse_or_warn(f"adapter {path} has tensor {extra[0]!r} ({len(extra)} such), which the model has no LoRA "
-                       f"weight for; the model's adapter keys are like {sorted(want)[0]!r}",
-                       strict, "moeshard.lora.load_adapter")
+        refuse_or_warn(
+            f"adapter {path} has tensor {extra[0]!r} ({len(extra)} such), which the model has no LoRA "
+            f"weight for; the model's adapter keys are like {sorted(want)[0]!r}",
+            strict,
+            "moeshard.lora.load_adapter",
+        )
     for key, (t, p) in want.items():
         info = index.info(key)
         if tuple(info.shape) != t.shape:
-            raise ValueError(f"adapter tensor {key!r} has shape {list(info.shape)}, the model expects "
-                             f"{list(t.shape)} ({t.what})")
+            raise ValueError(
+                f"adapter tensor {key!r} has shape {list(info.shape)}, the model expects {list(t.shape)} ({t.what})"
+            )
         check_cast(f"LoRA weight {t.name}", key, index, p.dtype)
     if config is not None:
         for adapter, (r, scaling) in scalings.items():
@@ -130,15 +148,22 @@ def check_adapter(pairs: list[tuple[AdapterTensor, torch.Tensor]], index: Checkp
             alpha = config.get("lora_alpha", cr)
             if cr != r:
                 raise ValueError(f"{path}/{ADAPTER_CONFIG}: r={cr}, the model's adapter {adapter!r} has r={r}")
-            cs = alpha / (cr ** 0.5 if config.get("use_rslora") else cr)
+            cs = alpha / (cr**0.5 if config.get("use_rslora") else cr)
             if not np.isclose(cs, scaling, rtol=1e-6):
-                raise ValueError(f"{path}/{ADAPTER_CONFIG}: lora_alpha={alpha} gives scaling {cs}, the model's "
-                                 f"adapter {adapter!r} has scaling {scaling}")
+                raise ValueError(
+                    f"{path}/{ADAPTER_CONFIG}: lora_alpha={alpha} gives scaling {cs}, the model's "
+                    f"adapter {adapter!r} has scaling {scaling}"
+                )
     return extra
 
 
-def _needs(items: list[tuple[AdapterTensor, ParamDesc]], index: CheckpointIndex, placement: Placement | None,
-           world_size: int, keep_ranks: np.ndarray | None = None) -> NeedTable:
+def _needs(
+    items: list[tuple[AdapterTensor, ParamDesc]],
+    index: CheckpointIndex,
+    placement: Placement | None,
+    world_size: int,
+    keep_ranks: np.ndarray | None = None,
+) -> NeedTable:
     """Every rank's needs of the adapter (expert factors in :func:`plan_shape` coordinates;
     ``index``: the adapter's headers with those shapes), or what one rank's plan takes
     (``keep_ranks``, as :func:`~moeshard.models.layout.need_table`'s). Param ``i`` is item ``i``.
@@ -156,10 +181,20 @@ def _needs(items: list[tuple[AdapterTensor, ParamDesc]], index: CheckpointIndex,
             # copies, so two ranks' boxes are equal or disjoint: a box seen once is alone.
             n = len(b.rank)
             _, inverse = unique_rows(np.concatenate([b.off, b.len], axis=1))
-            parts.append(NeedTable(keys=(t.key,), ndim=np.asarray([b.off.shape[1]], np.int8),
-                                   rank=b.rank.astype(np.int32), param=np.full(n, i, np.int32),
-                                   key=np.zeros(n, np.int32), slot=np.full(n, -1, np.int64), src_off=b.off,
-                                   src_len=b.len, dst_off=b.local_off, alone=np.bincount(inverse)[inverse] == 1))
+            parts.append(
+                NeedTable(
+                    keys=(t.key,),
+                    ndim=np.asarray([b.off.shape[1]], np.int8),
+                    rank=b.rank.astype(np.int32),
+                    param=np.full(n, i, np.int32),
+                    key=np.zeros(n, np.int32),
+                    slot=np.full(n, -1, np.int64),
+                    src_off=b.off,
+                    src_len=b.len,
+                    dst_off=b.local_off,
+                    alone=np.bincount(inverse)[inverse] == 1,
+                )
+            )
     table = NeedTable.concat(parts, keep_ranks, lambda keys: index.key_columns(keys)[0])
     h = hashlib.sha256(b"moeshard.lora.needs/1")
     h.update(inputs_digest([d for _, d in items], placement, world_size, False))
@@ -246,30 +281,52 @@ def load_adapter(
         keep = ~np.asarray(readers, dtype=bool)  # this rank's plan: its needs and those of ranks that cannot read
         keep[rank] = True
         needs = _needs(items, view, placement, topo.world_size, keep)
-        return pairs, view, plan_transfers(needs, view, topo, readers, scope=scope, staging_bytes=staging_bytes,
-                                           rank=rank), unused
+        return (
+            pairs,
+            view,
+            plan_transfers(needs, view, topo, readers, scope=scope, staging_bytes=staging_bytes, rank=rank),
+            unused,
+        )
 
-    pairs, view, plan, unused = _agree(make_plan, f"moeshard.lora.load_adapter: planning {weights}",
-                                       fingerprint=lambda pp: pp[2].fingerprint)
+    pairs, view, plan, unused = _agree(
+        make_plan, f"moeshard.lora.load_adapter: planning {weights}", fingerprint=lambda pp: pp[2].fingerprint
+    )
     reader = CheckpointReader(view, str(root)) if readers[rank] else None
     group = node_groups(topo) if plan.has_broadcasts else None
     try:
         with torch.no_grad(), collectives.errors_as(AdapterError):
             what = "moeshard.lora.load_adapter: executing the plan"
             dests = [local_view(t, local_tensor(p)) for t, p in pairs]
-            stats = collectives.agree(lambda: execute_schedule(
-                plan, rank, ReaderSource(plan, reader, view), TensorSink(plan, dests, rank), dev, node_group=group,
-                what=what).check(), what)
+            stats = collectives.agree(
+                lambda: execute_schedule(
+                    plan,
+                    rank,
+                    ReaderSource(plan, reader, view),
+                    TensorSink(plan, dests, rank),
+                    dev,
+                    node_group=group,
+                    what=what,
+                ).check(),
+                what,
+            )
     finally:
         if reader is not None:
             reader.close()
     collectives.barrier("moeshard.lora.load_adapter: finishing")
-    return AdapterReport(rank=rank, world_size=topo.world_size, num_tensors=len(pairs),
-                         num_boxes=int((plan.deliveries.rank == rank).sum()),
-                         bytes_rank=stats.bytes_read + stats.bytes_received,
-                         plan=plan.cost.summary(), fingerprint=plan.fingerprint, bytes_read_rank=stats.bytes_read,
-                         bytes_sent_rank=stats.bytes_sent, bytes_received_rank=stats.bytes_received,
-                         peak_staging_bytes_rank=stats.peak_staging_bytes, unused_keys=unused)
+    return AdapterReport(
+        rank=rank,
+        world_size=topo.world_size,
+        num_tensors=len(pairs),
+        num_boxes=int((plan.deliveries.rank == rank).sum()),
+        bytes_rank=stats.bytes_read + stats.bytes_received,
+        plan=plan.cost.summary(),
+        fingerprint=plan.fingerprint,
+        bytes_read_rank=stats.bytes_read,
+        bytes_sent_rank=stats.bytes_sent,
+        bytes_received_rank=stats.bytes_received,
+        peak_staging_bytes_rank=stats.peak_staging_bytes,
+        unused_keys=unused,
+    )
 
 
 def load(model: nn.Module, checkpoint, adapter, placement: Placement | None = None, storage: str = "auto", **kwargs):
@@ -291,12 +348,17 @@ def _held_boxes(items, placement, world_size) -> Iterator[HeldBoxes]:
     coordinates: an expert's factors from its first copy, each distinct box of another
     tensor from its first holder. Raises ValueError where the ranks hold less than the tensor."""
     for t, d in items:
-        b = factor_boxes(t, d, placement, world_size, first_copy_only=True) if t.factor else \
-            distinct_boxes(d, world_size)
+        b = (
+            factor_boxes(t, d, placement, world_size, first_copy_only=True)
+            if t.factor
+            else distinct_boxes(d, world_size)
+        )
         total, want = int(row_prod(b.len).sum()), math.prod(t.shape)
         if total != want:
-            raise ValueError(f"adapter tensor {t.key!r}: the ranks hold {total} of its {want} elements "
-                             "(a logical expert with no slot?)")
+            raise ValueError(
+                f"adapter tensor {t.key!r}: the ranks hold {total} of its {want} elements "
+                "(a logical expert with no slot?)"
+            )
         yield b
 
 
@@ -347,14 +409,22 @@ def save_adapter(
                 raise ValueError(f"adapter tensor {t.key!r}: dtype {d.dtype} cannot be stored in safetensors")
         writers = [0 if single_writer else i % world for i in range(len(items))]
         head, offsets = _header(items)
-        schedule = tensor_schedule([t.key for t, _ in items], [plan_shape(t) for t, _ in items],
-                                   [d.dtype.itemsize for _, d in items], _held_boxes(items, placement, world), writers,
-                                   world, staging_bytes, rank=rank)
+        schedule = tensor_schedule(
+            [t.key for t, _ in items],
+            [plan_shape(t) for t, _ in items],
+            [d.dtype.itemsize for _, d in items],
+            _held_boxes(items, placement, world),
+            writers,
+            world,
+            staging_bytes,
+            rank=rank,
+        )
         return items, schedule, writers, head, offsets
 
     # The schedule's fingerprint digests its inputs: keys, shapes, writers and every box.
-    items, schedule, writers, head, offsets = _agree(make_plan, "moeshard.lora.save_adapter: planning",
-                                                     fingerprint=lambda x: x[1].fingerprint)
+    items, schedule, writers, head, offsets = _agree(
+        make_plan, "moeshard.lora.save_adapter: planning", fingerprint=lambda x: x[1].fingerprint
+    )
     params = dict(model.named_parameters())
     locals_ = [local_view(t, local_tensor(params[t.name])) for t, _ in items]
     tmp = out / f".{ADAPTER_WEIGHTS}.moeshard-tmp"
@@ -384,9 +454,15 @@ def save_adapter(
                 (next(iter(config.values()))).save_pretrained(str(out))
 
     _agree(finish, f"moeshard.lora.save_adapter: renaming into {out}")
-    return AdapterReport(rank=rank, world_size=world, num_tensors=len(items),
-                         num_boxes=int((schedule.views.rank == rank).sum()), bytes_rank=written[0],
-                         plan={"writers": sorted(set(writers))}, fingerprint=schedule.fingerprint)
+    return AdapterReport(
+        rank=rank,
+        world_size=world,
+        num_tensors=len(items),
+        num_boxes=int((schedule.views.rank == rank).sum()),
+        bytes_rank=written[0],
+        plan={"writers": sorted(set(writers))},
+        fingerprint=schedule.fingerprint,
+    )
 
 
 class _AdapterFile(Sink):
@@ -438,8 +514,14 @@ def _write_tensors(schedule, items, writers, offsets, data_start, locals_, path,
     fd = os.open(path, os.O_WRONLY) if rank in writers else None
     try:
         sink = _AdapterFile(schedule, items, offsets, data_start, fd)
-        execute_schedule(schedule, rank, _AdapterViews(schedule, locals_, rank, items), sink, device,
-                         what="moeshard.lora.save_adapter: sending the tensors to their writers").check()
+        execute_schedule(
+            schedule,
+            rank,
+            _AdapterViews(schedule, locals_, rank, items),
+            sink,
+            device,
+            what="moeshard.lora.save_adapter: sending the tensors to their writers",
+        ).check()
         assert not sink.partial, f"rank {rank}: adapter tensors left incomplete: {sorted(sink.partial)}"
         written[0] += sink.written
     finally:

@@ -49,8 +49,14 @@ from .load import target_device
 from .report import OpReport
 from .skeleton import OpMeter, group_topology, progress_bar
 
-__all__ = ["RelocationReport", "RelocationStep", "relocate", "relocate_chunks", "describe_expert_tensors",
-           "expert_states"]
+__all__ = [
+    "RelocationReport",
+    "RelocationStep",
+    "relocate",
+    "relocate_chunks",
+    "describe_expert_tensors",
+    "expert_states",
+]
 
 ExpertTensors = Mapping[int, Sequence[torch.Tensor]]
 
@@ -122,9 +128,10 @@ def describe_expert_tensors(
                 holdings = tuple((r, b[0][0], b[0][1], b[1:]) for r, b in zip(d.mesh.reshape(-1).tolist(), boxes))
             mine = any(r == rank for r, *_ in holdings)
             entries = [(d.name, params[d.name], _Source(d.expert.module, d.expert.param, d.dtype))]
-            entries += [(f"{d.name} (optimizer state {key!r})", st,
-                         _Source(d.expert.module, None, st.dtype, zeros=True))
-                        for key, st in expert_states(optimizer, params[d.name], d.name)]
+            entries += [
+                (f"{d.name} (optimizer state {key!r})", st, _Source(d.expert.module, None, st.dtype, zeros=True))
+                for key, st in expert_states(optimizer, params[d.name], d.name)
+            ]
             for name, t, src in entries:
                 out.append(ExpertTensor(d.expert.layer, name, slice_shape, t.element_size(), holdings))
                 locals_.append(local_tensor(t) if mine else None)
@@ -174,7 +181,8 @@ def expert_states(optimizer: torch.optim.Optimizer | None, param: torch.Tensor, 
                 f"optimizer state {key!r} of {name} has shape {list(value.shape)} "
                 f"{getattr(value, 'placements', '')}, its parameter {list(param.shape)} "
                 f"{getattr(param, 'placements', '')}: only state of the parameter's shape and sharding can move with "
-                "its experts")
+                "its experts"
+            )
         out.append((key, value))
     return out
 
@@ -229,8 +237,10 @@ def _ep_ranks(target: ExpertTensors, new: Placement, active_ranks, world: int) -
         raise ValueError("the expert tensors hold no layer")
     slots = int(first[0].shape[0]) if first[0].dim() else 0
     if slots < 1 or new.num_physical % slots:
-        raise ValueError(f"the expert tensors hold {slots} slots per rank, which does not divide the placement's "
-                         f"{new.num_physical} slots")
+        raise ValueError(
+            f"the expert tensors hold {slots} slots per rank, which does not divide the placement's "
+            f"{new.num_physical} slots"
+        )
     ep_size = new.num_physical // slots
     if world == ep_size:
         return None
@@ -240,7 +250,8 @@ def _ep_ranks(target: ExpertTensors, new: Placement, active_ranks, world: int) -
             f"the group has {world} ranks, the placement's {new.num_physical} slots make {ep_size} EP ranks of "
             f"{slots} slots: pass active_ranks with one bool per EP rank and as many True as the group has ranks "
             f"(group rank i then holds the slots of the i-th active EP rank), got "
-            f"{'none' if act is None else f'{len(act)} entries, {int(act.sum())} True'}")
+            f"{'none' if act is None else f'{len(act)} entries, {int(act.sum())} True'}"
+        )
     return np.flatnonzero(act)
 
 
@@ -296,8 +307,9 @@ def _check_disk_keys(plan: RelocationPlan, index: CheckpointIndex, sources) -> N
                     f"{et.name}: logical expert {expert} must be read from the checkpoint, but no "
                     "expert_params say which checkpoint keys hold it"
                 )
-            desc = ParamDesc(et.name, (0, *et.slice_shape), src.dtype, None, (), (),
-                             ExpertRef(layer, src.module, src.param))
+            desc = ParamDesc(
+                et.name, (0, *et.slice_shape), src.dtype, None, (), (), ExpertRef(layer, src.module, src.param)
+            )
             expert_part_sizes(desc, index, expert, et.slice_shape, dequantize=True)
 
 
@@ -401,16 +413,38 @@ def relocate(
     meter = OpMeter()
     old = _checked_old(target, old, optimizer, routing)
     topo = group_topology(topology, group)
-    planned = _describe_and_plan(target, old, new, topo, active_ranks, specs, expert_params, module, optimizer,
-                                 routing, staging_bytes, max_ops, from_checkpoint)
+    planned = _describe_and_plan(
+        target,
+        old,
+        new,
+        topo,
+        active_ranks,
+        specs,
+        expert_params,
+        module,
+        optimizer,
+        routing,
+        staging_bytes,
+        max_ops,
+        from_checkpoint,
+    )
     reads = _CheckpointReads(planned.plan, planned.sources, None)
     if planned.plan.disk_experts:
-        reads = _plan_checkpoint_reads(target, checkpoint, storage, planned, old, new, topo, specs, staging_bytes,
-                                       max_ops, from_checkpoint)
+        reads = _plan_checkpoint_reads(
+            target, checkpoint, storage, planned, old, new, topo, specs, staging_bytes, max_ops, from_checkpoint
+        )
     t_plan = meter.end("plan")
     try:
-        stats = _run(target, reads.plan, planned.locals_, reads.sources, reads.reader, topo, progress,
-                     transactional and old is not None)
+        stats = _run(
+            target,
+            reads.plan,
+            planned.locals_,
+            reads.sources,
+            reads.reader,
+            topo,
+            progress,
+            transactional and old is not None,
+        )
     finally:
         if reads.reader is not None:
             reads.reader.close()
@@ -479,9 +513,21 @@ class _Planned:
     routes: object
 
 
-def _describe_and_plan(target, old: Placement | None, new: Placement, topo: Topology, active_ranks, specs,
-                       expert_params, module, optimizer, routing: str, staging_bytes: int, max_ops: int,
-                       from_checkpoint: bool) -> _Planned:
+def _describe_and_plan(
+    target,
+    old: Placement | None,
+    new: Placement,
+    topo: Topology,
+    active_ranks,
+    specs,
+    expert_params,
+    module,
+    optimizer,
+    routing: str,
+    staging_bytes: int,
+    max_ops: int,
+    from_checkpoint: bool,
+) -> _Planned:
     """Collective (every rank of the relocation): describe the expert tensors, check them
     against both placements, and plan from the live copies; agreed on the plan's fingerprint
     (and, for plain tensors, their layers, shapes and dtypes: ranks that differ are named)."""
@@ -494,15 +540,17 @@ def _describe_and_plan(target, old: Placement | None, new: Placement, topo: Topo
         # Before anything moves: who routes the tokens afterwards (refused here, on every rank).
         routes = check_routing(target, old, new, routing, specs) if isinstance(target, nn.Module) else None
         ep_ranks = None if isinstance(target, nn.Module) else _ep_ranks(target, new, active_ranks, world)
-        tensors, locals_, sources = describe_expert_tensors(target, world, specs, expert_params, module, ep_ranks,
-                                                            optimizer)
+        tensors, locals_, sources = describe_expert_tensors(
+            target, world, specs, expert_params, module, ep_ranks, optimizer
+        )
         for p, what in ((old, "old"), (new, "new")):
             if p is not None:
                 _check_fits(p, what, tensors, ep_ranks is None)
         active = _active_global(active_ranks, tensors, new.num_physical, world)
         # First plan as if every live rank could read: it tells whether the checkpoint is needed.
-        plan = plan_relocation(tensors, old, new, topo, active, active, staging_bytes, max_ops, from_checkpoint,
-                               rank=rank)
+        plan = plan_relocation(
+            tensors, old, new, topo, active, active, staging_bytes, max_ops, from_checkpoint, rank=rank
+        )
         return _Planned(tensors, locals_, sources, active, plan, routes)
 
     def fingerprint(x: _Planned) -> str:
@@ -526,9 +574,8 @@ def _check_fits(p: Placement, what: str, tensors: Sequence[ExpertTensor], check_
     ``check_slots`` (else :func:`_ep_ranks` checked them), their number of slots."""
     layers = 1 + max(t.layer for t in tensors)
     if p.num_layers != layers:
-        raise ValueError(f"the {what} placement has {p.num_layers} layers, "
-                         f"the experts have {layers} MoE layers")
-    for t in (tensors if check_slots else ()):
+        raise ValueError(f"the {what} placement has {p.num_layers} layers, the experts have {layers} MoE layers")
+    for t in tensors if check_slots else ():
         top = max(s0 + ns for _, s0, ns, _ in t.holdings)
         if top != p.num_physical:
             raise ValueError(f"{t.name} has {top} expert slots, the {what} placement has {p.num_physical}")
@@ -544,9 +591,19 @@ class _CheckpointReads:
     reader: CheckpointReader | None
 
 
-def _plan_checkpoint_reads(target, checkpoint, storage: Storage, planned: _Planned, old: Placement | None,
-                           new: Placement, topo: Topology, specs, staging_bytes: int, max_ops: int,
-                           from_checkpoint: bool) -> _CheckpointReads:
+def _plan_checkpoint_reads(
+    target,
+    checkpoint,
+    storage: Storage,
+    planned: _Planned,
+    old: Placement | None,
+    new: Placement,
+    topo: Topology,
+    specs,
+    staging_bytes: int,
+    max_ops: int,
+    from_checkpoint: bool,
+) -> _CheckpointReads:
     """Collective (every rank of the relocation): for experts with no live copy, agree on who
     reads ``checkpoint`` and plan again with those readers; every key read exists with a
     fitting shape and dtype, and every file a rank reads opens there."""
@@ -562,12 +619,18 @@ def _plan_checkpoint_reads(target, checkpoint, storage: Storage, planned: _Plann
     def replan() -> _CheckpointReads:
         sources = planned.sources
         if isinstance(target, nn.Module):  # the model's keys in this checkpoint (per expert, or fused)
-            found = iter([_Source(d.expert.module, d.expert.param, d.dtype)
-                          for d in describe_model(target, index, specs) if d.expert is not None])
+            found = iter(
+                [
+                    _Source(d.expert.module, d.expert.param, d.dtype)
+                    for d in describe_model(target, index, specs)
+                    if d.expert is not None
+                ]
+            )
             sources = [src if src.zeros else next(found) for src in sources]
             assert next(found, None) is None and len(sources) == len(planned.tensors)
-        p = plan_relocation(planned.tensors, old, new, topo, planned.active, readers, staging_bytes, max_ops,
-                            from_checkpoint, rank=rank)
+        p = plan_relocation(
+            planned.tensors, old, new, topo, planned.active, readers, staging_bytes, max_ops, from_checkpoint, rank=rank
+        )
         _check_disk_keys(p, index, sources)
         if p.moves and any(m.read == rank for m in p.moves):
             r = CheckpointReader(index, reader_root(path))
@@ -575,29 +638,50 @@ def _plan_checkpoint_reads(target, checkpoint, storage: Storage, planned: _Plann
             return _CheckpointReads(p, sources, r)
         return _CheckpointReads(p, sources, None)
 
-    return collectives.agree(replan, "moeshard.relocate: planning checkpoint reads",
-                             fingerprint=lambda x: x.plan.fingerprint)
+    return collectives.agree(
+        replan, "moeshard.relocate: planning checkpoint reads", fingerprint=lambda x: x.plan.fingerprint
+    )
 
 
-def _run(target, plan: RelocationPlan, locals_, sources, reader: CheckpointReader | None, topo: Topology,
-         progress: bool | None, transactional: bool) -> ExecStats:
+def _run(
+    target,
+    plan: RelocationPlan,
+    locals_,
+    sources,
+    reader: CheckpointReader | None,
+    topo: Topology,
+    progress: bool | None,
+    transactional: bool,
+) -> ExecStats:
     """Collective (every rank of the relocation): run this rank's rows of ``plan`` into its
     local expert tensors; with ``transactional``, what they held is put back if any rank fails."""
     rank = topo.rank
     with torch.no_grad():
         s = plan.schedule_for(rank)  # this rank's rows only (the job's would be O(world))
         bar = progress_bar("relocate", s.delivered_bytes(rank), progress, topo)
-        device = target_device(target) if isinstance(target, nn.Module) else \
-            next((x.device for x in locals_ if x is not None), torch.device("cpu"))
+        device = (
+            target_device(target)
+            if isinstance(target, nn.Module)
+            else next((x.device for x in locals_ if x is not None), torch.device("cpu"))
+        )
         what = "moeshard.relocate: running the plan"
         sink = TensorSink(s, locals_, rank)
         # Old or new, never a mix: what this rank's deliveries overwrite is kept aside until
         # every rank has run the whole plan (the agreement below), and put back otherwise.
         backup = Backup(s, sink, rank) if transactional else None
         try:
-            return collectives.agree(lambda: execute_schedule(
-                s, rank, _ExpertSource(plan, s, rank, locals_, reader, sources, device), sink,
-                device, progress=bar.update, what=what).check(), what)
+            return collectives.agree(
+                lambda: execute_schedule(
+                    s,
+                    rank,
+                    _ExpertSource(plan, s, rank, locals_, reader, sources, device),
+                    sink,
+                    device,
+                    progress=bar.update,
+                    what=what,
+                ).check(),
+                what,
+            )
         except BaseException:
             if backup is not None:
                 backup.restore()
@@ -648,10 +732,16 @@ def relocate_chunks(
     last completed chunk (or its own next one; see there).
     """
     if old is None:
-        raise ValueError("relocate_chunks needs the old placement: a fill from the checkpoint (old=None) is one "
-                         "relocate call")
-    for layers, placement in relocation_chunks(old, new, layers_per_chunk=layers_per_chunk, max_bytes=max_bytes,
-                                               slot_bytes=_slot_bytes(target, specs, optimizer)):
+        raise ValueError(
+            "relocate_chunks needs the old placement: a fill from the checkpoint (old=None) is one relocate call"
+        )
+    for layers, placement in relocation_chunks(
+        old,
+        new,
+        layers_per_chunk=layers_per_chunk,
+        max_bytes=max_bytes,
+        slot_bytes=_slot_bytes(target, specs, optimizer),
+    ):
         report = relocate(target, old, placement, specs=specs, optimizer=optimizer, **kwargs)
         yield RelocationStep(layers, placement, report)
         old = placement
@@ -661,8 +751,10 @@ def _slot_bytes(target: nn.Module | ExpertTensors, specs: Sequence[ExpertsSpec],
     """``int64[num_moe_layers]``: bytes of one expert slot per MoE layer (every expert tensor,
     and a model's optimizer state that moves with it). Local, from shapes only."""
     if not isinstance(target, nn.Module):
-        return np.array([sum(math.prod(t.shape[1:]) * t.element_size() for t in target[key]) for key in sorted(target)],
-                        dtype=np.int64)
+        return np.array(
+            [sum(math.prod(t.shape[1:]) * t.element_size() for t in target[key]) for key in sorted(target)],
+            dtype=np.int64,
+        )
     params = dict(target.named_parameters(remove_duplicate=False))
     out: dict[int, int] = {}
     for d in describe_model(target, None, specs):
@@ -688,8 +780,9 @@ class _ExpertSource(Source):
     """Pieces of a relocation schedule: old slot contents (views of the local expert tensors)
     and, for experts no live rank holds, expert slices read from the checkpoint."""
 
-    def __init__(self, plan: RelocationPlan, schedule: Schedule, rank: int, locals_, reader, sources,
-                 device: torch.device):
+    def __init__(
+        self, plan: RelocationPlan, schedule: Schedule, rank: int, locals_, reader, sources, device: torch.device
+    ):
         self.s, self.plan, self.reader, self.sources, self.device = schedule, plan, reader, sources, device
         self.local = LocalTensors(schedule, locals_, rank)
 
@@ -715,6 +808,7 @@ class _ExpertSource(Source):
             read_expert_box(self.reader, src.param, src.module, expert, box, buf[0], shape[0] if shape else 0)
         except Exception as e:
             layer = self.plan.tensors[t].layer
-            raise OSError(f"reading logical expert {expert} of layer {layer}: {e} "
-                          "(the relocation fails on every rank)") from e
+            raise OSError(
+                f"reading logical expert {expert} of layer {layer}: {e} (the relocation fails on every rank)"
+            ) from e
         return buf

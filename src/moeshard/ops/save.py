@@ -118,7 +118,10 @@ def plan_model_save(
             hints[layer] = n
     skip = frozenset(getattr(model, "_keys_to_ignore_on_save", None) or ())
     outs = describe_outputs(
-        descs, placement, world_size, reference,
+        descs,
+        placement,
+        world_size,
+        reference,
         tied_targets=_tied_targets(model),
         skip_keys=skip,
         buffers=frozenset(name for name, _ in persistent_buffers(model)),
@@ -207,8 +210,20 @@ def save(
     """
     placement = resolve_placement(model, placement, "moeshard.save")
     with collectives.errors_as(SaveError):
-        return _save(model, out_dir, placement, specs, reference, max_shard_bytes, overwrite, staging_bytes,
-                     topology, group, fsync, progress)
+        return _save(
+            model,
+            out_dir,
+            placement,
+            specs,
+            reference,
+            max_shard_bytes,
+            overwrite,
+            staging_bytes,
+            topology,
+            group,
+            fsync,
+            progress,
+        )
 
 
 @dataclass(frozen=True)
@@ -221,8 +236,20 @@ class _PlannedSave:
     device: torch.device
 
 
-def _save(model, out_dir, placement, specs, reference, max_shard_bytes, overwrite, staging_bytes, topology, group,
-          fsync, progress) -> SaveReport:
+def _save(
+    model,
+    out_dir,
+    placement,
+    specs,
+    reference,
+    max_shard_bytes,
+    overwrite,
+    staging_bytes,
+    topology,
+    group,
+    fsync,
+    progress,
+) -> SaveReport:
     meter = OpMeter(peak_rss=True)
     topo = group_topology(topology, group)
     rank, world = topo.rank, topo.world_size
@@ -237,12 +264,12 @@ def _save(model, out_dir, placement, specs, reference, max_shard_bytes, overwrit
 
     def make_plan():
         # This rank's pieces only: the job's are O(transfers) (4.2 million at DeepSeek-V3 on 8,192 ranks).
-        descs, plan = plan_model_save(model, placement, world, index, specs, max_shard_bytes, staging_bytes,
-                                      rank=rank)
+        descs, plan = plan_model_save(model, placement, world, index, specs, max_shard_bytes, staging_bytes, rank=rank)
         meta = [d.name for d in descs if local_tensor(tensors[d.name]).is_meta]
         if meta:
-            raise ValueError(f"parameter {meta[0]} is on the meta device ({len(meta)} in all): load the model "
-                             "before saving it")
+            raise ValueError(
+                f"parameter {meta[0]} is on the meta device ({len(meta)} in all): load the model before saving it"
+            )
         if rank == 0:
             _prepare_dir(out, out / f"{_TMP_PREFIX}{plan.fingerprint}", overwrite, made)
         return _PlannedSave(descs, plan, target_device(model))
@@ -256,8 +283,12 @@ def _save(model, out_dir, placement, specs, reference, max_shard_bytes, overwrit
 
     # One round: every rank's plan (the same fingerprint, the same overwrite flag, so the same
     # collectives follow) and rank 0's check of out_dir; nothing is written if any rank failed.
-    planned = _agree_or_undo(make_plan, "moeshard.save: planning and checking the output directory",
-                             unmake, fingerprint=lambda r: f"{r.plan.fingerprint}/{overwrite}")
+    planned = _agree_or_undo(
+        make_plan,
+        "moeshard.save: planning and checking the output directory",
+        unmake,
+        fingerprint=lambda r: f"{r.plan.fingerprint}/{overwrite}",
+    )
     plan = planned.plan
     t_plan = meter.end("plan")
     tmp = out / f"{_TMP_PREFIX}{plan.fingerprint}"
@@ -265,8 +296,12 @@ def _save(model, out_dir, placement, specs, reference, max_shard_bytes, overwrit
     created: list[Path] = []
     failure: list[Exception] = []
     if not tmp.is_dir():
-        failure.append(ValueError(f"{out} is not shared with rank 0 (its temporary directory {tmp.name} is not "
-                                  "visible here): save needs a directory that every rank sees"))
+        failure.append(
+            ValueError(
+                f"{out} is not shared with rank 0 (its temporary directory {tmp.name} is not "
+                "visible here): save needs a directory that every rank sees"
+            )
+        )
     renamed: list[Path] = []
 
     def undo() -> None:
@@ -324,12 +359,22 @@ def _save(model, out_dir, placement, specs, reference, max_shard_bytes, overwrit
     )
 
 
-def _put_in_place(plan: SavePlan, rank: int, out: Path, tmp: Path, names: list[str], overwrite: bool, fsync: bool,
-                  undo: Callable[[], None], renamed: list[Path]) -> None:
+def _put_in_place(
+    plan: SavePlan,
+    rank: int,
+    out: Path,
+    tmp: Path,
+    names: list[str],
+    overwrite: bool,
+    fsync: bool,
+    undo: Callable[[], None],
+    renamed: list[Path],
+) -> None:
     """Collective (every rank of the save), once every file is written in ``tmp``: remove the
     old index (``overwrite``), move this rank's files ``names`` into ``out`` (each recorded in
     ``renamed``), then rank 0 publishes the index; each step agreed, ``undo`` on a failure."""
     if overwrite:  # the old index goes first: from now on the directory is not a complete checkpoint
+
         def remove_old_index() -> None:
             if rank == 0:
                 for name in (INDEX_NAME, "model.safetensors"):
@@ -386,8 +431,10 @@ def _prepare_dir(out: Path, tmp: Path, overwrite: bool, made: list[Path]) -> Non
     if out.is_dir() and not overwrite:
         found = sorted(p.name for p in out.iterdir() if p.name == INDEX_NAME or p.name.endswith(".safetensors"))
         if found:
-            raise ValueError(f"{out} already holds a checkpoint ({', '.join(found[:3])}"
-                             f"{', ...' if len(found) > 3 else ''}); pass overwrite=True to replace it")
+            raise ValueError(
+                f"{out} already holds a checkpoint ({', '.join(found[:3])}"
+                f"{', ...' if len(found) > 3 else ''}); pass overwrite=True to replace it"
+            )
     missing = [p for p in [out, *out.parents] if not p.exists()]
     out.mkdir(parents=True, exist_ok=True)
     made.extend(reversed(missing))
@@ -417,8 +464,9 @@ class ShardWriter:
         self.data_start = len(header)
         # A tensor of zeros (nobody holds it) is left unwritten: the file's size makes it a hole,
         # which reads as zeros.
-        self.expected = plan.files[file].data_bytes - sum(plan.tensors[t].nbytes for t in plan.files[file].tensors
-                                                          if plan.tensors[t].zeros)
+        self.expected = plan.files[file].data_bytes - sum(
+            plan.tensors[t].nbytes for t in plan.files[file].tensors if plan.tensors[t].zeros
+        )
         self.done = 0
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         pwrite_all(self.fd, header, 0)
@@ -429,7 +477,7 @@ class ShardWriter:
         flat = memoryview(data.reshape(-1).view(torch.uint8).numpy())
         pos = 0
         for off, n in _runs(t.shape, box, DTYPES[t.dtype].itemsize):
-            pwrite_all(self.fd, flat[pos:pos + n], self.data_start + t.offset + off)
+            pwrite_all(self.fd, flat[pos : pos + n], self.data_start + t.offset + off)
             pos += n
         self.done += pos
         return pos
@@ -471,8 +519,8 @@ def _runs(shape: tuple[int, ...], box: Box, itemsize: int):
     k = len(shape) - 1
     while k > 0 and box[k] == (0, shape[k]):
         k -= 1  # dims after k are whole: each run spans them
-    inner = math.prod(shape[k + 1:]) * itemsize
-    strides = [math.prod(shape[d + 1:]) * itemsize for d in range(k)]
+    inner = math.prod(shape[k + 1 :]) * itemsize
+    strides = [math.prod(shape[d + 1 :]) * itemsize for d in range(k)]
     start = box[k][0] * inner
     for idx in np.ndindex(*(n for _, n in box[:k])):
         yield start + sum((box[d][0] + i) * strides[d] for d, i in enumerate(idx)), box[k][1] * inner
@@ -528,8 +576,17 @@ class _FileSink(Sink):
             raise
 
 
-def _write_shards(plan: SavePlan, rank: int, dests, device: torch.device, tmp: Path, fsync: bool, bar,
-                  created: list[Path], failure: list[Exception]) -> dict:
+def _write_shards(
+    plan: SavePlan,
+    rank: int,
+    dests,
+    device: torch.device,
+    tmp: Path,
+    fsync: bool,
+    bar,
+    created: list[Path],
+    failure: list[Exception],
+) -> dict:
     """Collective: run the plan's schedule and write this rank's files. A write that fails
     stops this rank's writing (recorded in ``failure``) but not its sends and receives, so no
     peer is left waiting."""
@@ -543,8 +600,14 @@ def _write_shards(plan: SavePlan, rank: int, dests, device: torch.device, tmp: P
         failure.append(e)
     schedule = plan.schedule_for(rank)
     sink = _FileSink(plan, schedule, writers, device, bar, failure)
-    stats = execute_schedule(schedule, rank, _ViewSource(plan, schedule, dests, rank), sink, device,
-                             what="moeshard.save: sending the boxes to their writers")
+    stats = execute_schedule(
+        schedule,
+        rank,
+        _ViewSource(plan, schedule, dests, rank),
+        sink,
+        device,
+        what="moeshard.save: sending the boxes to their writers",
+    )
     for e in stats.failures:
         if e not in failure:
             failure.append(e)
@@ -558,8 +621,12 @@ def _write_shards(plan: SavePlan, rank: int, dests, device: torch.device, tmp: P
             _fsync_dir(tmp, True)
         except Exception as e:  # noqa: BLE001 - reported on every rank
             failure.append(e)
-    return {"written": sink.written, "sent": stats.bytes_sent, "received": stats.bytes_received,
-            "peak": stats.peak_staging_bytes}
+    return {
+        "written": sink.written,
+        "sent": stats.bytes_sent,
+        "received": stats.bytes_received,
+        "peak": stats.peak_staging_bytes,
+    }
 
 
 def _write_configs(model: nn.Module, tmp: Path, fsync: bool) -> list[str]:
@@ -588,8 +655,10 @@ def _write_configs(model: nn.Module, tmp: Path, fsync: bool) -> list[str]:
 
 def _write_index(plan: SavePlan, path: Path, fsync: bool) -> None:
     num_params = sum(math.prod(t.shape) for t in plan.tensors if not t.is_buffer)
-    index = {"metadata": {"total_parameters": num_params, "total_size": plan.total_bytes},
-             "weight_map": plan.weight_map()}
+    index = {
+        "metadata": {"total_parameters": num_params, "total_size": plan.total_bytes},
+        "weight_map": plan.weight_map(),
+    }
     with open(path, "w", encoding="utf-8") as f:
         f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
         f.flush()

@@ -81,8 +81,9 @@ class OpMeter:
 def progress_bar(what: str, total_bytes: int, progress: bool | None, topology: Topology) -> Progress:
     """The byte counter of operation ``what`` on this rank: shown by local rank 0 of each node
     when ``progress`` (None: the ``MOESHARD_PROGRESS`` environment variable) says so."""
-    return Progress(what, total_bytes, enabled=progress_enabled(progress), local_rank=topology.local_rank,
-                    node=topology.node)
+    return Progress(
+        what, total_bytes, enabled=progress_enabled(progress), local_rank=topology.local_rank, node=topology.node
+    )
 
 
 def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -128,7 +128,9 @@ def _routes(plan: Schedule, dtype_of: Sequence[torch.dtype], rank: int) -> _Rout
     rows of pieces this rank reads or needs are visited."""
     out = _Routes()
     readers = plan.piece_readers()
-    rows = np.flatnonzero((readers[plan.deliveries.piece] == rank) | (plan.deliveries.rank == rank))  # sorted by (piece, rank)
+    rows = np.flatnonzero(
+        (readers[plan.deliveries.piece] == rank) | (plan.deliveries.rank == rank)
+    )  # sorted by (piece, rank)
     pieces, ranks = plan.deliveries.piece[rows].tolist(), plan.deliveries.rank[rows].tolist()
     for pid, grp in itertools.groupby(range(len(rows)), key=pieces.__getitem__):
         by_rank: dict[int, list[int]] = {}
@@ -174,8 +176,14 @@ class _PieceChecks:
     of ``routes.sends``). Errors go to :attr:`failure` (reported on every rank at the end); a
     piece that cannot be read leaves all-zero digests for its needers."""
 
-    def __init__(self, plan: Schedule, index: CheckpointIndex, routes: _Routes, dtype_of: Sequence[torch.dtype],
-                 box: Callable[[int], torch.Tensor]):
+    def __init__(
+        self,
+        plan: Schedule,
+        index: CheckpointIndex,
+        routes: _Routes,
+        dtype_of: Sequence[torch.dtype],
+        box: Callable[[int], torch.Tensor],
+    ):
         self.plan, self.index, self.routes, self.dtype_of, self.box = plan, index, routes, dtype_of, box
         self.flags: list[tuple[int, torch.Tensor]] = []
         self.outbox = {r: np.zeros((len(v), DIGEST_BYTES), dtype=np.uint8) for r, v in routes.sends.items()}
@@ -261,12 +269,14 @@ def verify(
         # Every rank's needs only where FP8 scales may be consumed (the unused-key check counts
         # them); else the table this rank's plan takes.
         fp8 = bool(index.dtypes & FP8_DTYPES)
-        descs, needs, plan = plan_load(model, index, placement, topo, readers, "job", DEFAULT_STAGING_BYTES, specs,
-                                       True, rank, all_needs=fp8)
+        descs, needs, plan = plan_load(
+            model, index, placement, topo, readers, "job", DEFAULT_STAGING_BYTES, specs, True, rank, all_needs=fp8
+        )
         scales = scale_needs(needs, index, float_params(descs)) if fp8 else None
         also = scales.table.keys if scales is not None else ()
-        return _VerifyPlan(descs, plan,
-                           checked_unused_keys(model, descs, index, placement, strict, "moeshard.verify", also))
+        return _VerifyPlan(
+            descs, plan, checked_unused_keys(model, descs, index, placement, strict, "moeshard.verify", also)
+        )
 
     def fingerprint(vp: _VerifyPlan) -> str:
         # Both ends of a digest count the dtypes of its needs: ranks must agree on them too.
@@ -297,10 +307,15 @@ def verify(
     flags, outbox, failure = pieces.flags, pieces.outbox, pieces.failure
 
     # 2. Digests point to point: each reader to exactly the ranks that need its pieces.
-    inbox = {r: torch.empty(len(routes.recvs[r]) * DIGEST_BYTES, dtype=torch.uint8, device=device)
-             for r in sorted(routes.recvs)}
-    wait = exchange({r: torch.from_numpy(outbox[r]).view(-1).to(device) for r in sorted(outbox)}, inbox,
-                    f"{what}: exchanging digests")
+    inbox = {
+        r: torch.empty(len(routes.recvs[r]) * DIGEST_BYTES, dtype=torch.uint8, device=device)
+        for r in sorted(routes.recvs)
+    }
+    wait = exchange(
+        {r: torch.from_numpy(outbox[r]).view(-1).to(device) for r in sorted(outbox)},
+        inbox,
+        f"{what}: exchanging digests",
+    )
     own: dict[int, bytes] = {}  # need index -> digest of this rank's box, while digests fly
     try:
         for _, i in routes.remote:
@@ -329,10 +344,16 @@ def verify(
             raise VerificationError(_mismatch(plan, descs, placement, rank, min(bad)))
         checked = [i for i, _ in flags] + [i for _, i in routes.remote]
         nbytes = sum(box_numel(need(i).src) * locals_[int(plan.deliveries.param[i])].element_size() for i in checked)
-        return VerifyReport(rank=rank, world_size=world_size, num_boxes_checked=len(checked), bytes_checked=nbytes,
-                            fingerprint=plan.fingerprint, unused_keys=unused,
-                            digests_sent=sum(len(v) for v in outbox.values()),
-                            digests_received=sum(len(v) for v in routes.recvs.values()))
+        return VerifyReport(
+            rank=rank,
+            world_size=world_size,
+            num_boxes_checked=len(checked),
+            bytes_checked=nbytes,
+            fingerprint=plan.fingerprint,
+            unused_keys=unused,
+            digests_sent=sum(len(v) for v in outbox.values()),
+            digests_received=sum(len(v) for v in routes.recvs.values()),
+        )
 
     return collectives.agree(check, what)
 
@@ -347,8 +368,9 @@ def _mismatch(plan: Schedule, descs, placement: Placement | None, rank: int, i: 
         slot = n.dest[0][0] + _slot_origin(d, rank)
         logical = placement.phy2log[d.expert.layer, slot] if placement is not None else slot
         expert = f", physical slot {slot} = logical expert {int(logical)}"
-    return (f"rank {rank}: parameter {d.name}{expert}: {where} differs from checkpoint "
-            f"tensor {n.key!r} box {list(n.src)}")
+    return (
+        f"rank {rank}: parameter {d.name}{expert}: {where} differs from checkpoint tensor {n.key!r} box {list(n.src)}"
+    )
 
 
 def _slot_origin(d, rank: int) -> int:

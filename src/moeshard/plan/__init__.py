@@ -15,5 +15,16 @@ from .needs import NeedTable
 from .pieces import Pieces, cut_pieces
 from .schedule import PlanCost, RankSchedule, Schedule
 
-__all__ = ["NeedTable", "Pieces", "cut_pieces", "Schedule", "RankSchedule", "PlanCost", "plan_transfers", "minimal_cost",
-           "DEFAULT_STAGING_BYTES", "DEFAULT_MAX_OPS", "STAGING_PARTS"]
+__all__ = [
+    "NeedTable",
+    "Pieces",
+    "cut_pieces",
+    "Schedule",
+    "RankSchedule",
+    "PlanCost",
+    "plan_transfers",
+    "minimal_cost",
+    "DEFAULT_STAGING_BYTES",
+    "DEFAULT_MAX_OPS",
+    "STAGING_PARTS",
+]

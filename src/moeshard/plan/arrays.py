@@ -7,7 +7,16 @@ import math
 
 import numpy as np
 
-__all__ = ["run_starts", "seg_excl_cumsum", "expand_runs", "unique_rows", "pack_rows", "lex_order", "group_rows", "dense_rank"]
+__all__ = [
+    "run_starts",
+    "seg_excl_cumsum",
+    "expand_runs",
+    "unique_rows",
+    "pack_rows",
+    "lex_order",
+    "group_rows",
+    "dense_rank",
+]
 
 
 def run_starts(*cols: np.ndarray) -> np.ndarray:

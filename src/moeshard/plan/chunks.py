@@ -9,7 +9,7 @@ slots that hold its experts at that moment. Layers whose row does not change tak
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -63,7 +63,8 @@ def relocation_chunks(
     for layer in moving.tolist():
         full = chunks and (
             (layers_per_chunk is not None and len(chunks[-1]) >= layers_per_chunk)
-            or (max_bytes is not None and size + int(layer_bytes[layer]) > max_bytes))
+            or (max_bytes is not None and size + int(layer_bytes[layer]) > max_bytes)
+        )
         if not chunks or full:
             chunks.append([])
             size = 0

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Literal, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Literal, NamedTuple
 
 import numpy as np
 
@@ -124,12 +125,16 @@ def _check_partial(table: NeedTable, readers: np.ndarray, rank: int | None) -> N
         raise ValueError(f"the need table was built for {len(full)} ranks, the topology has {len(readers)}")
     if rank is None or not full[rank]:
         target = "the whole job" if rank is None else f"rank {rank}"
-        raise ValueError("the need table has only some ranks' needs (built for one rank's plan: "
-                         f"need_table(keep_ranks=)); it cannot be planned for {target}")
+        raise ValueError(
+            "the need table has only some ranks' needs (built for one rank's plan: "
+            f"need_table(keep_ranks=)); it cannot be planned for {target}"
+        )
     missing = np.flatnonzero(~full & ~readers)
     if len(missing):
-        raise ValueError(f"the need table lacks some needs of ranks {missing[:8].tolist()}, which cannot read the "
-                         "checkpoint (keep_ranks must include every rank that cannot read)")
+        raise ValueError(
+            f"the need table lacks some needs of ranks {missing[:8].tolist()}, which cannot read the "
+            "checkpoint (keep_ranks must include every rank that cannot read)"
+        )
 
 
 def _check_args(topology: Topology, readers, scope: str) -> np.ndarray:
@@ -143,8 +148,10 @@ def _check_args(topology: Topology, readers, scope: str) -> np.ndarray:
         raise ValueError(f"scope must be 'job' or 'node', got {scope!r}")
     if (np.diff(topology.nodes_array()) < 0).any():
         # The trees group a piece's needers by node as runs of ascending ranks.
-        raise ValueError(f"the ranks of each node must be contiguous, got nodes {list(topology.nodes or ())[:16]}; "
-                         "number the group's ranks node by node")
+        raise ValueError(
+            f"the ranks of each node must be contiguous, got nodes {list(topology.nodes or ())[:16]}; "
+            "number the group's ranks node by node"
+        )
     return readers
 
 
@@ -152,8 +159,9 @@ def _pieces(needs, index: CheckpointIndex, staging_bytes: int | None) -> Pieces:
     """The pieces of ``needs`` cut for ``staging_bytes`` (given pieces: checked, as they are)."""
     if isinstance(needs, Pieces):
         if staging_bytes is not None and needs.staging_bytes != staging_bytes:
-            raise ValueError(f"the pieces were cut for a staging budget of {needs.staging_bytes} bytes, "
-                             f"not {staging_bytes}")
+            raise ValueError(
+                f"the pieces were cut for a staging budget of {needs.staging_bytes} bytes, not {staging_bytes}"
+            )
         return needs
     table = needs if isinstance(needs, NeedTable) else NeedTable.from_needs(needs)
     return cut_pieces(table, index, staging_bytes)
@@ -170,8 +178,9 @@ def _stream_order(stream: Sequence[np.ndarray], order: Sequence[np.ndarray]) -> 
     return perm, run_starts(*(c[perm] for c in stream))
 
 
-def _windows(perm: np.ndarray, start: np.ndarray, nbytes: np.ndarray, ops: np.ndarray, window,
-             ops_window) -> np.ndarray:
+def _windows(
+    perm: np.ndarray, start: np.ndarray, nbytes: np.ndarray, ops: np.ndarray, window, ops_window
+) -> np.ndarray:
     """Window index of each element of sequences sorted as ``perm`` says (``start``: where a
     sequence begins, :func:`_stream_order`): ``bytes before // window + ops before //
     ops_window`` within its sequence. ``nbytes``, ``ops`` and (arrays, or scalars) the windows
@@ -184,8 +193,9 @@ def _windows(perm: np.ndarray, start: np.ndarray, nbytes: np.ndarray, ops: np.nd
     return out
 
 
-def _window_of(stream: Sequence[np.ndarray], order: Sequence[np.ndarray], nbytes: np.ndarray, ops: np.ndarray,
-               window, ops_window) -> np.ndarray:
+def _window_of(
+    stream: Sequence[np.ndarray], order: Sequence[np.ndarray], nbytes: np.ndarray, ops: np.ndarray, window, ops_window
+) -> np.ndarray:
     """:func:`_windows` of elements given in their own order (``nbytes``, ``ops`` and array
     windows per element)."""
     perm, start = _stream_order(stream, order)
@@ -240,8 +250,9 @@ class _Trees(NamedTuple):
     b1_piece: np.ndarray
 
 
-def _trees(pieces: Pieces, topology: Topology, readers: np.ndarray, scope: str,
-           base_load: np.ndarray | None = None) -> _Trees:
+def _trees(
+    pieces: Pieces, topology: Topology, readers: np.ndarray, scope: str, base_load: np.ndarray | None = None
+) -> _Trees:
     """Read groups (a piece in "job" scope, (piece, node) in "node"), one reader each, and the
     trees that take each piece from its reader to its needers (module doc).
 
@@ -257,8 +268,7 @@ def _trees(pieces: Pieces, topology: Topology, readers: np.ndarray, scope: str,
     del gstart
     g_piece = pair_piece[g_first]
     g_size = np.diff(np.append(g_first, len(pair_piece)))
-    reader = _readers(pieces, topology, readers, scope, pair_rank, pair_node, gid, g_first, g_piece, g_size,
-                      base_load)
+    reader = _readers(pieces, topology, readers, scope, pair_rank, pair_node, gid, g_first, g_piece, g_size, base_load)
 
     # Local reads: groups whose only needer is their reader.
     local = (g_size == 1) & (pair_rank[g_first] == reader)
@@ -297,19 +307,37 @@ def _trees(pieces: Pieces, topology: Topology, readers: np.ndarray, scope: str,
     cross = np.flatnonzero(~at_reader)
     b0, b1 = np.flatnonzero(at_reader & whole), np.flatnonzero(~at_reader & whole)
     return _Trees(
-        g_piece=g_piece, reader=reader, local=local,
+        g_piece=g_piece,
+        reader=reader,
+        local=local,
         e0_src=np.concatenate([sub_reader[direct_sub], sub_reader[cross]]),
         e0_dst=np.concatenate([pair_rank[direct], holder[cross]]),
         e0_piece=np.concatenate([pair_piece[direct], sub_piece[cross]]),
-        b0_root=sub_reader[b0], b0_node=sub_node[b0], b0_piece=sub_piece[b0],
-        e1_src=holder[relay_sub], e1_dst=pair_rank[relay], e1_piece=pair_piece[relay],
-        b1_root=holder[b1], b1_node=sub_node[b1], b1_piece=sub_piece[b1],
+        b0_root=sub_reader[b0],
+        b0_node=sub_node[b0],
+        b0_piece=sub_piece[b0],
+        e1_src=holder[relay_sub],
+        e1_dst=pair_rank[relay],
+        e1_piece=pair_piece[relay],
+        b1_root=holder[b1],
+        b1_node=sub_node[b1],
+        b1_piece=sub_piece[b1],
     )
 
 
-def _readers(pieces: Pieces, topology: Topology, readers: np.ndarray, scope: str, pair_rank: np.ndarray,
-             pair_node: np.ndarray, gid: np.ndarray, g_first: np.ndarray, g_piece: np.ndarray,
-             g_size: np.ndarray, base_load: np.ndarray | None) -> np.ndarray:
+def _readers(
+    pieces: Pieces,
+    topology: Topology,
+    readers: np.ndarray,
+    scope: str,
+    pair_rank: np.ndarray,
+    pair_node: np.ndarray,
+    gid: np.ndarray,
+    g_first: np.ndarray,
+    g_piece: np.ndarray,
+    g_size: np.ndarray,
+    base_load: np.ndarray | None,
+) -> np.ndarray:
     """``int32[G]``: one reader per group (pairs ``g_first[g] .. + g_size[g] - 1``, each pair's
     group ``gid``): a needer that can read if there is one (the least loaded of several), else a
     reader near the needers, spread over the pool by bytes. ``base_load``: ``int64[world]``
@@ -334,7 +362,8 @@ def _readers(pieces: Pieces, topology: Topology, readers: np.ndarray, scope: str
                 g = none[np.flatnonzero(near == empty[0])[0]]
                 raise ValueError(
                     f"storage scope 'node': node {empty[0]} needs {pieces.keys[pieces.piece_key[g_piece[g]]]!r} but "
-                    "none of its ranks can read the checkpoint")
+                    "none of its ranks can read the checkpoint"
+                )
         else:
             has = np.asarray([len(p) > 0 for p in node_pools])[pair_node]
             big = np.iinfo(np.int64).max
@@ -355,7 +384,7 @@ def _readers(pieces: Pieces, topology: Topology, readers: np.ndarray, scope: str
         chosen = []
         i = 0
         for n, b in zip(ncand[multi].tolist(), g_bytes[multi].tolist()):
-            r = min(ranks[i:i + n], key=load.__getitem__)
+            r = min(ranks[i : i + n], key=load.__getitem__)
             i += n
             load[r] += b
             chosen.append(r)
@@ -385,8 +414,9 @@ def _rounds(t: _Trees, pbytes: np.ndarray, topology: Topology, staging_bytes: in
     world = topology.world_size
     part = staging_bytes // STAGING_PARTS
     n0, n1, nb0, nb1 = len(t.e0_src), len(t.e1_src), len(t.b0_root), len(t.b1_root)
-    bc_ranks, bc_of = _broadcast_receivers(np.concatenate([t.b0_node, t.b1_node]),
-                                           np.concatenate([t.b0_root, t.b1_root]), topology)
+    bc_ranks, bc_of = _broadcast_receivers(
+        np.concatenate([t.b0_node, t.b1_node]), np.concatenate([t.b0_root, t.b1_root]), topology
+    )
     relayed_bc = bc_of >= nb0
 
     def has(*ranks: np.ndarray) -> np.ndarray:
@@ -418,16 +448,22 @@ def _rounds(t: _Trees, pbytes: np.ndarray, topology: Topology, staging_bytes: in
     perm, start = _stream_order((l0_src,), (l0_piece, l0_kind, l0_dst))
     src_s, piece_s = l0_src[perm], l0_piece[perm]
     last = np.append(run_starts(src_s, piece_s)[1:], True)
-    k_send = _windows(perm, start, np.where(last, pbytes[piece_s], 0), 1 - l0_kind[perm], w_rank[src_s],
-                      o_send0[src_s])
+    k_send = _windows(perm, start, np.where(last, pbytes[piece_s], 0), 1 - l0_kind[perm], w_rank[src_s], o_send0[src_s])
     del l0_src, l0_piece, l0_kind, l0_dst, perm, start, src_s, piece_s, last
     # A receiver's windows restart with each sender window: one sender's window of sends to
     # it is one round, not one per position in the receiver's own stream.
     e0_a, b0_a = k_send[:n0], k_send[n0:]
-    k_recv0 = _window_of((t.e0_dst, e0_a), (t.e0_src, t.e0_piece), pbytes[t.e0_piece], np.ones(n0, np.int64),
-                         w_rank[t.e0_dst], o_recv0[t.e0_dst])
-    k_b0 = _window_of((t.b0_node, b0_a), (t.b0_root, t.b0_piece), pbytes[t.b0_piece], np.zeros(nb0, np.int64),
-                      w_node[t.b0_node], 1)
+    k_recv0 = _window_of(
+        (t.e0_dst, e0_a),
+        (t.e0_src, t.e0_piece),
+        pbytes[t.e0_piece],
+        np.ones(n0, np.int64),
+        w_rank[t.e0_dst],
+        o_recv0[t.e0_dst],
+    )
+    k_b0 = _window_of(
+        (t.b0_node, b0_a), (t.b0_root, t.b0_piece), pbytes[t.b0_piece], np.zeros(nb0, np.int64), w_node[t.b0_node], 1
+    )
     l0_b = np.concatenate([k_recv0, k_b0])
     del k_recv0, k_b0
 
@@ -443,32 +479,61 @@ def _rounds(t: _Trees, pbytes: np.ndarray, topology: Topology, staging_bytes: in
         brought = np.zeros(0, np.int64)
     l1_kind = np.repeat(np.array([0, 1], np.int64), [n1, nb1])
     l1_dst = np.concatenate([t.e1_dst, np.full(nb1, -1, np.int64)])
-    k_relay = _window_of((l1_src,), (l1_piece, l1_kind, l1_dst), np.zeros(len(l1_src), np.int64), 1 - l1_kind, 1,
-                         o_send1[l1_src])
+    k_relay = _window_of(
+        (l1_src,), (l1_piece, l1_kind, l1_dst), np.zeros(len(l1_src), np.int64), 1 - l1_kind, 1, o_send1[l1_src]
+    )
     del l1_src, l1_piece, l1_kind, l1_dst
     fam_x, fam_b = k_send[brought], l0_b[brought]  # (x, b) of each relay's family
     e1, b1 = slice(0, n1), slice(n1, None)
-    k_recv1 = _window_of((t.e1_dst, fam_x[e1], fam_b[e1], k_relay[e1]), (t.e1_src, t.e1_piece), pbytes[t.e1_piece],
-                         np.ones(n1, np.int64), w_rank[t.e1_dst], o_recv1[t.e1_dst])
-    k_b1 = _window_of((t.b1_node, fam_x[b1], fam_b[b1], k_relay[b1]), (t.b1_root, t.b1_piece), pbytes[t.b1_piece],
-                      np.zeros(nb1, np.int64), w_node[t.b1_node], 1)
+    k_recv1 = _window_of(
+        (t.e1_dst, fam_x[e1], fam_b[e1], k_relay[e1]),
+        (t.e1_src, t.e1_piece),
+        pbytes[t.e1_piece],
+        np.ones(n1, np.int64),
+        w_rank[t.e1_dst],
+        o_recv1[t.e1_dst],
+    )
+    k_b1 = _window_of(
+        (t.b1_node, fam_x[b1], fam_b[b1], k_relay[b1]),
+        (t.b1_root, t.b1_piece),
+        pbytes[t.b1_piece],
+        np.zeros(nb1, np.int64),
+        w_node[t.b1_node],
+        1,
+    )
 
     # Rounds: the distinct keys (x, b, level, relay window, relay receipt window), in order.
     num0, num1 = n0 + nb0, n1 + nb1
     rounds, num_rounds = dense_rank(
-        np.concatenate([k_send, fam_x]), np.concatenate([l0_b, fam_b]),
+        np.concatenate([k_send, fam_x]),
+        np.concatenate([l0_b, fam_b]),
         np.repeat(np.array([0, 1], np.int64), [num0, num1]),
         np.concatenate([np.zeros(num0, np.int64), k_relay]),
-        np.concatenate([np.zeros(num0, np.int64), k_recv1, k_b1]))
-    return _Rounds(e0=rounds[:n0], b0=rounds[n0:num0], e1=rounds[num0:num0 + n1], b1=rounds[num0 + n1:],
-                   brought=brought, num_rounds=num_rounds)
+        np.concatenate([np.zeros(num0, np.int64), k_recv1, k_b1]),
+    )
+    return _Rounds(
+        e0=rounds[:n0],
+        b0=rounds[n0:num0],
+        e1=rounds[num0 : num0 + n1],
+        b1=rounds[num0 + n1 :],
+        brought=brought,
+        num_rounds=num_rounds,
+    )
 
 
 # -- the planner ------------------------------------------------------------------------------
 
 
-def _plan_rank(table: NeedTable, index: CheckpointIndex, topology: Topology, readers: np.ndarray, scope: str,
-               staging_bytes: int, max_ops: int, rank: int) -> Schedule:
+def _plan_rank(
+    table: NeedTable,
+    index: CheckpointIndex,
+    topology: Topology,
+    readers: np.ndarray,
+    scope: str,
+    staging_bytes: int,
+    max_ops: int,
+    rank: int,
+) -> Schedule:
     """:func:`plan_transfers` with ``rank`` (its doc): the whole-job plan of the rows that are
     not local reads, merged with this rank's local reads.
 
@@ -488,8 +553,15 @@ def _plan_rank(table: NeedTable, index: CheckpointIndex, topology: Topology, rea
     if local.all():  # every need a local read (FSDP-sharded parameters, shared storage): no transfers
         shared = no_transfers(table, topology, staging_bytes, max_ops)
     else:
-        shared = plan_pieces(cut_pieces(table.take(~local), index, staging_bytes, keys), topology, readers, scope,
-                       staging_bytes, max_ops, base_load=local_bytes)
+        shared = plan_pieces(
+            cut_pieces(table.take(~local), index, staging_bytes, keys),
+            topology,
+            readers,
+            scope,
+            staging_bytes,
+            max_ops,
+            base_load=local_bytes,
+        )
     mine = cut_pieces(table.take(local & (table.rank == rank)), index, staging_bytes, keys)
     h = hashlib.sha256(shared.fingerprint.encode())
     h.update(local_bytes.tobytes())
@@ -506,13 +578,30 @@ def no_transfers(table: NeedTable, topology: Topology, staging_bytes: int, max_o
     i32, i64 = np.zeros(0, np.int32), np.zeros(0, np.int64)
     box = np.zeros((0, d), np.int64)
     zeros = np.zeros(world, np.int64)
-    cost = PlanCost(read_bytes=zeros, sent_bytes=zeros.copy(), recv_bytes=zeros.copy(), peak_staging_bytes=zeros.copy(),
-                    cross_node_bytes=0, num_p2p_ops=0, num_batches=0, num_broadcasts=0)
+    cost = PlanCost(
+        read_bytes=zeros,
+        sent_bytes=zeros.copy(),
+        recv_bytes=zeros.copy(),
+        peak_staging_bytes=zeros.copy(),
+        cross_node_bytes=0,
+        num_p2p_ops=0,
+        num_batches=0,
+        num_broadcasts=0,
+    )
     return Schedule(
-        topology=topology.with_rank(0), staging_bytes=staging_bytes, max_ops=max_ops, keys=table.keys,
-        key_ndim=table.ndim, pieces=PieceTable(i32, box, box, i64), reads=ReadTable(i32, i32, i64),
-        sends=SendTable(i32, i32, i32, i64), bcasts=BcastTable(i32, i32, i32, i64),
-        deliveries=DeliveryTable(i32, i32, i32, i64, box), num_rounds=0, cost=cost)
+        topology=topology.with_rank(0),
+        staging_bytes=staging_bytes,
+        max_ops=max_ops,
+        keys=table.keys,
+        key_ndim=table.ndim,
+        pieces=PieceTable(i32, box, box, i64),
+        reads=ReadTable(i32, i32, i64),
+        sends=SendTable(i32, i32, i32, i64),
+        bcasts=BcastTable(i32, i32, i32, i64),
+        deliveries=DeliveryTable(i32, i32, i32, i64, box),
+        num_rounds=0,
+        cost=cost,
+    )
 
 
 def _table_digest(table: NeedTable) -> bytes:
@@ -553,41 +642,74 @@ def _with_local_reads(shared: Schedule, mine: Pieces, rank: int, local_bytes: np
     sp, sd = shared.pieces, shared.deliveries
     return dataclasses.replace(
         shared,
-        pieces=PieceTable(np.concatenate([sp.key, mine.piece_key]), np.concatenate([sp.off, mine.piece_off]),
-                          np.concatenate([sp.len, mine.piece_len]), np.concatenate([sp.bytes, mine.piece_bytes])),
-        reads=ReadTable(read_rank[rperm], read_piece[rperm],
-                        np.concatenate([shared.reads.round, np.full(len(mid), -1, np.int64)])[rperm]),
+        pieces=PieceTable(
+            np.concatenate([sp.key, mine.piece_key]),
+            np.concatenate([sp.off, mine.piece_off]),
+            np.concatenate([sp.len, mine.piece_len]),
+            np.concatenate([sp.bytes, mine.piece_bytes]),
+        ),
+        reads=ReadTable(
+            read_rank[rperm],
+            read_piece[rperm],
+            np.concatenate([shared.reads.round, np.full(len(mid), -1, np.int64)])[rperm],
+        ),
         # Deliveries stay sorted by (piece, rank): ``mine``'s pieces come after.
-        deliveries=DeliveryTable(np.concatenate([sd.piece, mine.dlv_piece + first]),
-                                 np.concatenate([sd.rank, mine.dlv_rank]), np.concatenate([sd.param, mine.dlv_param]),
-                                 np.concatenate([sd.slot, mine.dlv_slot]), np.concatenate([sd.off, mine.dlv_off])),
-        cost=cost, rank=rank, basis=basis)
+        deliveries=DeliveryTable(
+            np.concatenate([sd.piece, mine.dlv_piece + first]),
+            np.concatenate([sd.rank, mine.dlv_rank]),
+            np.concatenate([sd.param, mine.dlv_param]),
+            np.concatenate([sd.slot, mine.dlv_slot]),
+            np.concatenate([sd.off, mine.dlv_off]),
+        ),
+        cost=cost,
+        rank=rank,
+        basis=basis,
+    )
 
 
-def plan_pieces(pieces: Pieces, topology: Topology, readers: np.ndarray, scope: str, staging_bytes: int,
-          max_ops: int, base_load: np.ndarray | None = None) -> Schedule:
+def plan_pieces(
+    pieces: Pieces,
+    topology: Topology,
+    readers: np.ndarray,
+    scope: str,
+    staging_bytes: int,
+    max_ops: int,
+    base_load: np.ndarray | None = None,
+) -> Schedule:
     world = topology.world_size
     t = _trees(pieces, topology, readers, scope, base_load)
     r = _rounds(t, pieces.piece_bytes, topology, staging_bytes, max_ops)
     read_round, read_end = _read_rounds(t, r, world)
-    sends = (np.concatenate([t.e0_src, t.e1_src]), np.concatenate([t.e0_dst, t.e1_dst]),
-             np.concatenate([t.e0_piece, t.e1_piece]), np.concatenate([r.e0, r.e1]))
-    bcasts = (np.concatenate([t.b0_node, t.b1_node]), np.concatenate([t.b0_root, t.b1_root]),
-              np.concatenate([t.b0_piece, t.b1_piece]), np.concatenate([r.b0, r.b1]))
+    sends = (
+        np.concatenate([t.e0_src, t.e1_src]),
+        np.concatenate([t.e0_dst, t.e1_dst]),
+        np.concatenate([t.e0_piece, t.e1_piece]),
+        np.concatenate([r.e0, r.e1]),
+    )
+    bcasts = (
+        np.concatenate([t.b0_node, t.b1_node]),
+        np.concatenate([t.b0_root, t.b1_root]),
+        np.concatenate([t.b0_piece, t.b1_piece]),
+        np.concatenate([r.b0, r.b1]),
+    )
     cost = _cost(t, r, pieces.piece_bytes, read_round, read_end, sends, bcasts, topology)
     del read_end
     rperm = lex_order(t.reader, t.g_piece)  # reads in piece order per reader
     return Schedule(
-        topology=topology.with_rank(0), staging_bytes=staging_bytes, max_ops=max_ops,
-        keys=pieces.keys, key_ndim=pieces.key_ndim,
+        topology=topology.with_rank(0),
+        staging_bytes=staging_bytes,
+        max_ops=max_ops,
+        keys=pieces.keys,
+        key_ndim=pieces.key_ndim,
         pieces=PieceTable(pieces.piece_key, pieces.piece_off, pieces.piece_len, pieces.piece_bytes),
         reads=ReadTable(t.reader[rperm].astype(np.int32), t.g_piece[rperm].astype(np.int32), read_round[rperm]),
         sends=SendTable(sends[0].astype(np.int32), sends[1].astype(np.int32), sends[2].astype(np.int32), sends[3]),
-        bcasts=BcastTable(bcasts[0].astype(np.int32), bcasts[1].astype(np.int32), bcasts[2].astype(np.int32),
-                          bcasts[3]),
-        deliveries=DeliveryTable(pieces.dlv_piece, pieces.dlv_rank, pieces.dlv_param, pieces.dlv_slot,
-                                 pieces.dlv_off),
-        num_rounds=r.num_rounds, cost=cost,
+        bcasts=BcastTable(
+            bcasts[0].astype(np.int32), bcasts[1].astype(np.int32), bcasts[2].astype(np.int32), bcasts[3]
+        ),
+        deliveries=DeliveryTable(pieces.dlv_piece, pieces.dlv_rank, pieces.dlv_param, pieces.dlv_slot, pieces.dlv_off),
+        num_rounds=r.num_rounds,
+        cost=cost,
     )
 
 
@@ -604,8 +726,9 @@ def _read_rounds(t: _Trees, r: _Rounds, world: int) -> tuple[np.ndarray, np.ndar
     srt = np.argsort(code, kind="stable")
     code = code[srt]
     first = np.flatnonzero(run_starts(code))
-    assert np.array_equal(code[first], g_piece[r_groups].astype(np.int64) * world + reader[r_groups]), \
+    assert np.array_equal(code[first], g_piece[r_groups].astype(np.int64) * world + reader[r_groups]), (
         "every remote group sends its piece, and only those send"
+    )
     if len(first):
         l0_round = np.concatenate([r.e0, r.b0])[srt]
         read_round[r_groups] = np.minimum.reduceat(l0_round, first)
@@ -613,8 +736,16 @@ def _read_rounds(t: _Trees, r: _Rounds, world: int) -> tuple[np.ndarray, np.ndar
     return read_round, read_end
 
 
-def _cost(t: _Trees, r: _Rounds, pbytes: np.ndarray, read_round: np.ndarray, read_end: np.ndarray,
-          sends: tuple[np.ndarray, ...], bcasts: tuple[np.ndarray, ...], topology: Topology) -> PlanCost:
+def _cost(
+    t: _Trees,
+    r: _Rounds,
+    pbytes: np.ndarray,
+    read_round: np.ndarray,
+    read_end: np.ndarray,
+    sends: tuple[np.ndarray, ...],
+    bcasts: tuple[np.ndarray, ...],
+    topology: Topology,
+) -> PlanCost:
     """Counters of a schedule and its exact staging peak per rank. ``sends``: ``(src, dst,
     piece, round)``; ``bcasts``: ``(node, root, piece, round)``; ``read_round``, ``read_end``:
     each group's buffer lifetime (:func:`_read_rounds`)."""
@@ -626,11 +757,14 @@ def _cost(t: _Trees, r: _Rounds, pbytes: np.ndarray, read_round: np.ndarray, rea
     sb = pbytes[piece]
     g_bytes = pbytes[t.g_piece]
     read_bytes = np.bincount(t.reader, weights=g_bytes, minlength=world).astype(np.int64)
-    sent = (np.bincount(src, weights=sb, minlength=world)
-            + np.bincount(bc_root, weights=pbytes[bc_piece] * (topology.node_sizes()[bc_node] - 1),
-                          minlength=world)).astype(np.int64)
-    recv = (np.bincount(dst, weights=sb, minlength=world)
-            + np.bincount(bc_ranks, weights=pbytes[bc_piece[bc_of]], minlength=world)).astype(np.int64)
+    sent = (
+        np.bincount(src, weights=sb, minlength=world)
+        + np.bincount(bc_root, weights=pbytes[bc_piece] * (topology.node_sizes()[bc_node] - 1), minlength=world)
+    ).astype(np.int64)
+    recv = (
+        np.bincount(dst, weights=sb, minlength=world)
+        + np.bincount(bc_ranks, weights=pbytes[bc_piece[bc_of]], minlength=world)
+    ).astype(np.int64)
     cross_node = int(sb[node_of[src] != node_of[dst]].sum())
     del sb
     # A holder keeps what it received until its last relay of it.
@@ -647,10 +781,14 @@ def _cost(t: _Trees, r: _Rounds, pbytes: np.ndarray, read_round: np.ndarray, rea
 
     num = len(r_groups) + len(t.e0_dst) + len(t.e1_dst) + len(bc_ranks)
     return PlanCost(
-        read_bytes=read_bytes, sent_bytes=sent, recv_bytes=recv,
+        read_bytes=read_bytes,
+        sent_bytes=sent,
+        recv_bytes=recv,
         peak_staging_bytes=peak_held_bytes(world, r.num_rounds, num, holds()),
-        cross_node_bytes=cross_node, num_p2p_ops=len(src),
-        num_batches=int((np.bincount(rounds, minlength=r.num_rounds) > 0).sum()), num_broadcasts=len(bc_root),
+        cross_node_bytes=cross_node,
+        num_p2p_ops=len(src),
+        num_batches=int((np.bincount(rounds, minlength=r.num_rounds) > 0).sum()),
+        num_broadcasts=len(bc_root),
     )
 
 
@@ -713,8 +851,9 @@ def peak_held_bytes(world: int, num_rounds: int, num: int, holds) -> np.ndarray:
     return out
 
 
-def minimal_cost(needs: NeedTable | Pieces | Sequence, index: CheckpointIndex, topology: Topology, readers,
-                 scope: Scope = "job") -> dict:
+def minimal_cost(
+    needs: NeedTable | Pieces | Sequence, index: CheckpointIndex, topology: Topology, readers, scope: Scope = "job"
+) -> dict:
     """Lower bounds for any plan of these needs (pure): storage bytes (each needed byte once
     per scope), network bytes (every needer that is not the one reader of its scope) and bytes
     crossing nodes. Numpy over (piece, rank) and (piece, node) pairs. ``needs`` may be the

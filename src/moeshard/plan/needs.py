@@ -1,10 +1,10 @@
 """Needs as columns: which box of which checkpoint tensor every rank must hold, and where.
 
-A :class:`NeedTable` is the array form of a list of :class:`Need`: one row per need, numpy columns instead of a Python object per need (DeepSeek-V3 on 1,024 ranks has
-~860,000 needs). Boxes of tensors of different rank share one ``[N, D]`` layout: ``D`` is the
-largest tensor rank among the needed keys, and the dims a key does not have are padded with
-``(offset 0, length 1)`` *after* its own dims, so element counts and row-major order are
-unchanged.
+A :class:`NeedTable` is the array form of a list of :class:`Need`: one row per need, numpy
+columns instead of a Python object per need (DeepSeek-V3 on 1,024 ranks has ~860,000 needs).
+Boxes of tensors of different rank share one ``[N, D]`` layout: ``D`` is the largest tensor
+rank among the needed keys, and the dims a key does not have are padded with ``(offset 0,
+length 1)`` *after* its own dims, so element counts and row-major order are unchanged.
 
 A table built for one rank's load plan leaves out the needs no other rank shares of every
 other rank (counted in bytes only), so that a rank of a large job never holds every rank's
@@ -16,8 +16,9 @@ Pure and torch-free: it is what the planners consume.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Hashable, NamedTuple, Protocol, Sequence
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -78,6 +79,7 @@ class NeedPart(Protocol):
 class SharedKeysLeftOut(Exception):
     """:meth:`NeedTable.concat`: a part left out rows of a key that another part reads too
     (those rows may not be alone after all): build that part's rows and let concat decide."""
+
 
 # NeedTable.concat with keep_ranks: above this many rows, rows are left out part by part.
 _FILTER_PARTS_ABOVE = 1 << 16
@@ -149,7 +151,7 @@ class NeedTable:
         return self.src_off.shape[1]
 
     @staticmethod
-    def concat(parts: Sequence[NeedPart], keep_ranks: np.ndarray | None = None, itemsize=None) -> "NeedTable":
+    def concat(parts: Sequence[NeedPart], keep_ranks: np.ndarray | None = None, itemsize=None) -> NeedTable:
         """The rows of ``parts`` in order, over the union of their keys (first-seen order),
         written once into the table's columns (no padded copies of the parts).
 
@@ -176,7 +178,9 @@ class NeedTable:
                 ids.append(np.asarray([keys.setdefault(k, len(keys)) for k in tk], dtype=np.int32))
         all_ids = np.concatenate(ids) if ids else np.zeros(0, np.int32)
         ndims = np.zeros(len(keys), dtype=np.int8)
-        ndims[all_ids[::-1]] = np.concatenate([t.ndim for t in parts])[::-1] if parts else []  # a key's rank is its tensor's
+        ndims[all_ids[::-1]] = (
+            np.concatenate([t.ndim for t in parts])[::-1] if parts else []
+        )  # a key's rank is its tensor's
         hint = all(t.alone is not None for t in parts)
         # Two parameters reading one key (tied weights): their rows may coincide.
         readers_of_key = np.bincount(all_ids, minlength=len(keys))
@@ -200,8 +204,7 @@ class NeedTable:
             parts, left_out = _leave_out(parts, ids, readers_of_key, full, itemsize)
             omitted += left_out
         width = max((t.width for t in parts), default=0)
-        table = NeedTable.allocate(tuple(keys), ndims, sum(len(t) for t in parts), width,
-                                   alone=hint)
+        table = NeedTable.allocate(tuple(keys), ndims, sum(len(t) for t in parts), width, alone=hint)
         pos = 0
         for t, kid in zip(parts, ids):
             n = len(t)
@@ -221,23 +224,36 @@ class NeedTable:
     layout = None  # part interface: no two tables are known to share their rows' ranks and sizes
 
     @staticmethod
-    def allocate(keys: tuple[str, ...], ndim: np.ndarray, num: int, width: int, alone: bool = False) -> "NeedTable":
+    def allocate(keys: tuple[str, ...], ndim: np.ndarray, num: int, width: int, alone: bool = False) -> NeedTable:
         """A table of ``num`` rows to fill in place: padding values in the box columns
         (offsets 0, lengths 1), the other columns uninitialized (``alone``: a column of
         False, else None)."""
         return NeedTable(
-            keys=keys, ndim=ndim, rank=np.empty(num, np.int32), param=np.empty(num, np.int32),
-            key=np.empty(num, np.int32), slot=np.empty(num, np.int64), src_off=np.zeros((num, width), np.int64),
-            src_len=np.ones((num, width), np.int64), dst_off=np.zeros((num, width), np.int64),
+            keys=keys,
+            ndim=ndim,
+            rank=np.empty(num, np.int32),
+            param=np.empty(num, np.int32),
+            key=np.empty(num, np.int32),
+            slot=np.empty(num, np.int64),
+            src_off=np.zeros((num, width), np.int64),
+            src_len=np.ones((num, width), np.int64),
+            dst_off=np.zeros((num, width), np.int64),
             alone=np.zeros(num, bool) if alone else None,
         )
 
-    def take(self, rows: np.ndarray) -> "NeedTable":
+    def take(self, rows: np.ndarray) -> NeedTable:
         """The table of rows ``rows`` (indices or a ``bool[N]`` mask), over the same keys (a
         subset: no ``full``, ``omitted_bytes`` or ``digest``)."""
         return NeedTable(
-            keys=self.keys, ndim=self.ndim, rank=self.rank[rows], param=self.param[rows], key=self.key[rows],
-            slot=self.slot[rows], src_off=self.src_off[rows], src_len=self.src_len[rows], dst_off=self.dst_off[rows],
+            keys=self.keys,
+            ndim=self.ndim,
+            rank=self.rank[rows],
+            param=self.param[rows],
+            key=self.key[rows],
+            slot=self.slot[rows],
+            src_off=self.src_off[rows],
+            src_len=self.src_len[rows],
+            dst_off=self.dst_off[rows],
             alone=None if self.alone is None else self.alone[rows],
         )
 
@@ -256,10 +272,11 @@ class NeedTable:
     def bytes_per_rank(self, rows: np.ndarray, itemsize: np.ndarray, world: int) -> np.ndarray:
         """``int64[world]``: the bytes of rows ``rows`` (indices or a ``bool[N]`` mask) per rank,
         ``itemsize[k]`` the item size of key ``k`` (``int64[len(keys)]``)."""
-        return np.bincount(self.rank[rows], weights=row_prod(self.src_len[rows]) * itemsize[self.key[rows]],
-                           minlength=world).astype(np.int64)
+        return np.bincount(
+            self.rank[rows], weights=row_prod(self.src_len[rows]) * itemsize[self.key[rows]], minlength=world
+        ).astype(np.int64)
 
-    def fill(self, table: "NeedTable", rows: slice, key_ids: np.ndarray) -> None:
+    def fill(self, table: NeedTable, rows: slice, key_ids: np.ndarray) -> None:
         """Write these rows into ``table`` at ``rows``, key ``j`` as ``key_ids[j]``
         (:meth:`concat`)."""
         table.rank[rows] = self.rank
@@ -274,7 +291,7 @@ class NeedTable:
             table.alone[rows] = self.alone
 
     @staticmethod
-    def from_needs(needs) -> "NeedTable":
+    def from_needs(needs) -> NeedTable:
         """The table of a sequence of :class:`Need` (a need's ``dest`` box is
         ``src``'s lengths, after one leading ``(slot, 1)`` dim for an expert slot)."""
         keys: dict[str, int] = {}
@@ -324,8 +341,9 @@ class NeedTable:
         return out
 
 
-def _leave_out(parts: Sequence[NeedPart], ids: Sequence[np.ndarray], readers_of_key: np.ndarray, full: np.ndarray,
-               itemsize) -> tuple[list, np.ndarray]:
+def _leave_out(
+    parts: Sequence[NeedPart], ids: Sequence[np.ndarray], readers_of_key: np.ndarray, full: np.ndarray, itemsize
+) -> tuple[list, np.ndarray]:
     """:meth:`NeedTable.concat`'s parts without the alone rows of the ranks not ``full``, and
     those rows' bytes per rank (``int64[world]``). Parts with the same ``layout`` (not None: the
     dense parameters of one shape and sharding) and a scalar ``alone`` have the same rows'
@@ -340,8 +358,9 @@ def _leave_out(parts: Sequence[NeedPart], ids: Sequence[np.ndarray], readers_of_
             if hit is None:
                 ranks = t.row_ranks()
                 drop = ~full[ranks] if t.alone else np.zeros(len(ranks), dtype=bool)
-                numel = np.bincount(ranks[drop], weights=t.row_numel()[drop], minlength=len(full)) \
-                    if drop.any() else None
+                numel = (
+                    np.bincount(ranks[drop], weights=t.row_numel()[drop], minlength=len(full)) if drop.any() else None
+                )
                 hit = by_layout[(layout, bool(t.alone))] = (drop, numel)
             drop, numel = hit
             if numel is not None:

@@ -71,8 +71,12 @@ class Pieces:
         return self.dlv_piece[start], self.dlv_rank[start]
 
 
-def cut_pieces(table: NeedTable, index: CheckpointIndex, staging_bytes: int | None,
-               keys: tuple[np.ndarray, np.ndarray] | None = None) -> Pieces:
+def cut_pieces(
+    table: NeedTable,
+    index: CheckpointIndex,
+    staging_bytes: int | None,
+    keys: tuple[np.ndarray, np.ndarray] | None = None,
+) -> Pieces:
     """The pieces and deliveries of ``table`` (pure, deterministic). ``staging_bytes``: cut
     every piece to at most ``staging_bytes // STAGING_PARTS`` bytes (None: do not cut).
     ``keys``: ``index.key_columns(table.keys)`` (item sizes and file order), when the caller
@@ -89,7 +93,8 @@ def cut_pieces(table: NeedTable, index: CheckpointIndex, staging_bytes: int | No
             k = int(too_big[0])
             raise ValueError(
                 f"staging budget of {staging_bytes} bytes cannot hold one element of {table.keys[k]!r} in each of "
-                f"its {STAGING_PARTS} parts (at least {STAGING_PARTS * int(itemsize[k])} bytes)")
+                f"its {STAGING_PARTS} parts (at least {STAGING_PARTS * int(itemsize[k])} bytes)"
+            )
     # Rows in file order; distinct (key, box) pairs are pieces.
     order, start = group_rows(key_rank[table.key], *_box_columns(table.src_off, table.src_len))
     row_piece = np.cumsum(start, dtype=np.int64) - 1  # per row in file order
@@ -118,11 +123,18 @@ def cut_pieces(table: NeedTable, index: CheckpointIndex, staging_bytes: int | No
         d_off += poff[d_piece]
         d_off -= table.src_off[rows]
     return Pieces(
-        keys=table.keys, key_ndim=table.ndim, staging_bytes=staging_bytes,
-        piece_key=pkey.astype(np.int32), piece_off=poff, piece_len=plen,
+        keys=table.keys,
+        key_ndim=table.ndim,
+        staging_bytes=staging_bytes,
+        piece_key=pkey.astype(np.int32),
+        piece_off=poff,
+        piece_len=plen,
         piece_bytes=row_prod(plen) * itemsize[pkey],
-        dlv_piece=d_piece.astype(np.int32), dlv_rank=table.rank[rows].astype(np.int32),
-        dlv_param=table.param[rows].astype(np.int32), dlv_slot=table.slot[rows].astype(np.int64), dlv_off=d_off,
+        dlv_piece=d_piece.astype(np.int32),
+        dlv_rank=table.rank[rows].astype(np.int32),
+        dlv_param=table.param[rows].astype(np.int32),
+        dlv_slot=table.slot[rows].astype(np.int64),
+        dlv_off=d_off,
         num_needs=len(table),
     )
 
@@ -159,6 +171,6 @@ def _split(pkey, poff, plen, ndim, limit) -> tuple[np.ndarray | None, np.ndarray
     first = np.cumsum(counts) - counts
     for p, arr in subs.items():
         nd = arr.shape[1]
-        off[first[p]:first[p] + len(arr), :nd] = arr[:, :, 0]
-        ln[first[p]:first[p] + len(arr), :nd] = arr[:, :, 1]
+        off[first[p] : first[p] + len(arr), :nd] = arr[:, :, 0]
+        ln[first[p] : first[p] + len(arr), :nd] = arr[:, :, 1]
     return parent, off, ln

@@ -23,8 +23,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, NamedTuple, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -36,8 +37,19 @@ from .arrays import expand_runs, group_rows, lex_order, row_prod, run_starts
 from .save_outputs import Output, Segment, SegTable
 from .schedule import CopyTable, DeliveryTable, PieceTable, PlanCost, ReadTable, Schedule, SendTable, ViewTable
 
-__all__ = ["Segment", "OutTensor", "SaveFile", "Transfer", "LocalWrite", "SaveCost", "SavePlan",
-           "HeldBoxes", "plan_save", "shard_name", "tensor_schedule"]
+__all__ = [
+    "Segment",
+    "OutTensor",
+    "SaveFile",
+    "Transfer",
+    "LocalWrite",
+    "SaveCost",
+    "SavePlan",
+    "HeldBoxes",
+    "plan_save",
+    "shard_name",
+    "tensor_schedule",
+]
 
 DEFAULT_MAX_OPS = 64
 _CHUNK = 1 << 16  # rows a loop over millions of transfers turns into Python objects at a time
@@ -178,16 +190,24 @@ class SavePlan:
 
     def _whole_job(self, what: str) -> None:
         if self.rank is not None:
-            raise ValueError(f"SavePlan.{what} is the whole job's; this plan holds rank {self.rank}'s pieces only "
-                             "(plan_save(rank=None) keeps every rank's)")
+            raise ValueError(
+                f"SavePlan.{what} is the whole job's; this plan holds rank {self.rank}'s pieces only "
+                "(plan_save(rank=None) keeps every rank's)"
+            )
 
     @functools.cached_property
     def batches(self) -> tuple[tuple[Transfer, ...], ...]:
         self._whole_job("batches")
         p = self._pieces
         x = len(p.round)
-        rows = zip(p.src[:x].tolist(), p.dst[:x].tolist(), p.tensor[:x].tolist(), p.si[:x].tolist(),
-                   p.boxes()[:x], p.nbytes[:x].tolist())
+        rows = zip(
+            p.src[:x].tolist(),
+            p.dst[:x].tolist(),
+            p.tensor[:x].tolist(),
+            p.si[:x].tolist(),
+            p.boxes()[:x],
+            p.nbytes[:x].tolist(),
+        )
         out: list[list[Transfer]] = [[] for _ in range(self.cost.num_batches)]
         for k, row in zip(p.round.tolist(), rows):
             out[k].append(Transfer(*row))
@@ -199,8 +219,9 @@ class SavePlan:
         p = self._pieces
         x = len(p.round)
         out: list[list[LocalWrite]] = [[] for _ in range(self.world_size)]
-        for r, t, si, box, nb in zip(p.dst[x:].tolist(), p.tensor[x:].tolist(), p.si[x:].tolist(), p.boxes()[x:],
-                                     p.nbytes[x:].tolist()):
+        for r, t, si, box, nb in zip(
+            p.dst[x:].tolist(), p.tensor[x:].tolist(), p.si[x:].tolist(), p.boxes()[x:], p.nbytes[x:].tolist()
+        ):
             out[r].append(LocalWrite(t, si, box, nb))
         return tuple(tuple(v) for v in out)
 
@@ -245,8 +266,10 @@ def plan_save(
             a tensor nobody holds, or limits below one element.
     """
     if max_shard_bytes < 1 or staging_bytes < 1 or max_ops < 2:
-        raise ValueError(f"max_shard_bytes and staging_bytes must be >= 1 and max_ops >= 2, got "
-                         f"{max_shard_bytes}, {staging_bytes}, {max_ops}")
+        raise ValueError(
+            f"max_shard_bytes and staging_bytes must be >= 1 and max_ops >= 2, got "
+            f"{max_shard_bytes}, {staging_bytes}, {max_ops}"
+        )
     if rank is not None and not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside the plan's {world_size} ranks")
     with paused_gc():
@@ -282,8 +305,11 @@ def _gather(outs: Sequence[Output], width: int) -> tuple[SegTable, np.ndarray]:
     first = np.zeros(len(outs) + 1, np.int64)
     np.cumsum(counts, out=first[1:])
     table = outs[0].table if outs else None
-    if table is not None and all(o.table is table for o in outs) and all(
-            a.rows[1] == b.rows[0] for a, b in zip(outs, outs[1:])):  # describe_outputs' rows, in order
+    if (
+        table is not None
+        and all(o.table is table for o in outs)
+        and all(a.rows[1] == b.rows[0] for a, b in zip(outs, outs[1:]))
+    ):  # describe_outputs' rows, in order
         return table.rows(outs[0].rows[0], outs[-1].rows[1], width), first
     return SegTable.concat([o.table.rows(*o.rows, width) for o in outs], width), first
 
@@ -325,7 +351,11 @@ def _check_tilings(outs, boxes: _Boxes, ndim: np.ndarray, nbytes: np.ndarray) ->
             sel = lo + np.flatnonzero(ndim[boxes.tensor[lo:hi]] > d)
             t, start, ln = boxes.tensor[sel], boxes.off[sel, d], boxes.len[sel, d]
             order, first = group_rows(t, start, ln)
-            t, start, end = t[order][first], start[order][first], (start + ln)[order][first]  # distinct intervals, sorted
+            t, start, end = (
+                t[order][first],
+                start[order][first],
+                (start + ln)[order][first],
+            )  # distinct intervals, sorted
             new_t = run_starts(t)
             bad[t[start != np.where(new_t, 0, np.concatenate([[0], end[:-1]]))]] = True  # a gap or an overlap
             last = np.append(np.flatnonzero(new_t)[1:] - 1, len(t) - 1) if len(t) else np.zeros(0, np.int64)
@@ -392,7 +422,7 @@ def _least_loaded(start: np.ndarray, count: np.ndarray, rank: np.ndarray, size: 
                 r, pick = rank_l[j], k_l[j]
                 at_l += c
             else:
-                j = at + int(np.argmin(base[at:at + c] + np.asarray(extra)[cand_rank[at:at + c]]))
+                j = at + int(np.argmin(base[at : at + c] + np.asarray(extra)[cand_rank[at : at + c]]))
                 r, pick = int(cand_rank[j]), int(k[j])
             extra[r] += nb
             chosen[i] = pick
@@ -436,8 +466,9 @@ def _held_bytes(boxes: _Boxes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         t, r = t_h[lo:hi], boxes.h_rank[lo:hi]
         order, start = group_rows(t, r)  # (tensor, rank) pairs
         starts = np.flatnonzero(start)
-        out.append((t[order[starts]], r[order[starts]],
-                    np.add.reduceat(boxes.nbytes[boxes.h_box[lo:hi]][order], starts)))
+        out.append(
+            (t[order[starts]], r[order[starts]], np.add.reduceat(boxes.nbytes[boxes.h_box[lo:hi]][order], starts))
+        )
     if not out:
         return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
     return tuple(np.concatenate(c) for c in zip(*out))
@@ -532,14 +563,24 @@ def _split(boxes: _Boxes, g: np.ndarray, itemsize: np.ndarray, ndim: np.ndarray,
     at = (np.cumsum(counts) - counts).tolist()
     for k, parts in subs.items():
         for j, sub in enumerate(parts):
-            off[at[k] + j, :len(sub)] = [o for o, _ in sub]
-            ln[at[k] + j, :len(sub)] = [n for _, n in sub]
+            off[at[k] + j, : len(sub)] = [o for o, _ in sub]
+            ln[at[k] + j, : len(sub)] = [n for _, n in sub]
     return g[rep], off, ln
 
 
-def _make_pieces(boxes: _Boxes, chosen: np.ndarray, segs: SegTable, writer: list[int], itemsize, ndim,
-                 t_order: np.ndarray, staging_bytes: int, max_ops: int, world: int,
-                 rank: int | None) -> tuple[_Pieces, np.ndarray, np.ndarray, "_Packer"]:
+def _make_pieces(
+    boxes: _Boxes,
+    chosen: np.ndarray,
+    segs: SegTable,
+    writer: list[int],
+    itemsize,
+    ndim,
+    t_order: np.ndarray,
+    staging_bytes: int,
+    max_ops: int,
+    world: int,
+    rank: int | None,
+) -> tuple[_Pieces, np.ndarray, np.ndarray, _Packer]:
     """Every tensor's boxes (tensors in ``t_order``, boxes in order) cut into pieces; pieces
     from another rank are transfers, packed into batches; the writer's are local writes.
 
@@ -660,13 +701,24 @@ def _plan_save(outs, world, max_shard_bytes, staging_bytes, max_ops, rank) -> Sa
     files, file_of, offset_of, fno, place = _files(sizes, writer, world, max_shard_bytes)
     # 5. Pieces: transfers (in rounds over the writers' files, so every writer is busy) and local writes.
     t_order = lex_order(fno, place, np.asarray(writer, np.int64))
-    pieces, sent, recv, pack = _make_pieces(boxes, chosen, segs, writer, itemsize, ndim, t_order, staging_bytes,
-                                            max_ops, world, rank)
+    pieces, sent, recv, pack = _make_pieces(
+        boxes, chosen, segs, writer, itemsize, ndim, t_order, staging_bytes, max_ops, world, rank
+    )
     cost = SaveCost(np.asarray(write_load, dtype=np.int64), sent, recv, pack.peak(), pack.num_ops, pack.num_batches)
     source = _Chosen(outs, segs, seg_first, boxes, chosen)
     tensors = tuple(
-        OutTensor(o.key, tuple(o.shape), o.dtype, sizes[t], writer[t], file_of[t], offset_of[t], o.is_buffer,
-                  (source, t), o.zeros)
+        OutTensor(
+            o.key,
+            tuple(o.shape),
+            o.dtype,
+            sizes[t],
+            writer[t],
+            file_of[t],
+            offset_of[t],
+            o.is_buffer,
+            (source, t),
+            o.zeros,
+        )
         for t, o in enumerate(outs)
     )
     fingerprint = _fingerprint(outs, segs, seg_first, world, max_shard_bytes, staging_bytes, max_ops)
@@ -682,7 +734,7 @@ class _Chosen:
 
     def of(self, t: int) -> tuple[Segment, ...]:
         o = self.outs[t]
-        rows = self.chosen[self.box_first[t]:self.box_first[t + 1]].tolist()
+        rows = self.chosen[self.box_first[t] : self.box_first[t + 1]].tolist()
         if o._segments is not None:
             start = int(self.seg_first[t])
             return tuple(o._segments[r - start] for r in rows)
@@ -709,23 +761,45 @@ def _as_schedule(plan: SavePlan, only: int | None = None) -> Schedule:
     off = poff.astype(i64).reshape(-1, width)
     zeros = np.zeros(plan.world_size, dtype=i64)
     return Schedule(
-        topology=Topology(plan.world_size, 1), staging_bytes=plan.staging_bytes, max_ops=plan.max_ops,
-        keys=tuple(t.key for t in plan.tensors), key_ndim=np.asarray([len(t.shape) for t in plan.tensors], np.int8),
-        pieces=PieceTable(tensor.astype(i32), off, p.len[keep].astype(i64).reshape(-1, width),
-                          p.nbytes[keep].astype(i64)),
+        topology=Topology(plan.world_size, 1),
+        staging_bytes=plan.staging_bytes,
+        max_ops=plan.max_ops,
+        keys=tuple(t.key for t in plan.tensors),
+        key_ndim=np.asarray([len(t.shape) for t in plan.tensors], np.int8),
+        pieces=PieceTable(
+            tensor.astype(i32), off, p.len[keep].astype(i64).reshape(-1, width), p.nbytes[keep].astype(i64)
+        ),
         reads=ReadTable(),
-        sends=SendTable(p.src[keep[:kx]].astype(i32), dst[:kx].astype(i32), np.arange(kx, dtype=i32),
-                        p.round[keep[:kx]].astype(i64), np.arange(kx, dtype=i32)),
-        deliveries=DeliveryTable(mine, dst[mine].astype(i32), tensor[mine].astype(i32), np.full(len(mine), -1, i64),
-                                 off[mine]),
+        sends=SendTable(
+            p.src[keep[:kx]].astype(i32),
+            dst[:kx].astype(i32),
+            np.arange(kx, dtype=i32),
+            p.round[keep[:kx]].astype(i64),
+            np.arange(kx, dtype=i32),
+        ),
+        deliveries=DeliveryTable(
+            mine, dst[mine].astype(i32), tensor[mine].astype(i32), np.full(len(mine), -1, i64), off[mine]
+        ),
         num_rounds=c.num_batches,
-        cost=PlanCost(read_bytes=zeros, sent_bytes=c.sent_bytes, recv_bytes=c.recv_bytes,
-                      peak_staging_bytes=c.peak_staging_bytes, cross_node_bytes=0, num_p2p_ops=c.num_p2p_ops,
-                      num_batches=c.num_batches, num_broadcasts=0),
-        views=ViewTable(segs.rank[seg].astype(i32), segs.param[seg].astype(i32), segs.slot[seg].astype(i64),
-                        (poff + segs.delta[seg]).astype(i64).reshape(-1, width)),
+        cost=PlanCost(
+            read_bytes=zeros,
+            sent_bytes=c.sent_bytes,
+            recv_bytes=c.recv_bytes,
+            peak_staging_bytes=c.peak_staging_bytes,
+            cross_node_bytes=0,
+            num_p2p_ops=c.num_p2p_ops,
+            num_batches=c.num_batches,
+            num_broadcasts=0,
+        ),
+        views=ViewTable(
+            segs.rank[seg].astype(i32),
+            segs.param[seg].astype(i32),
+            segs.slot[seg].astype(i64),
+            (poff + segs.delta[seg]).astype(i64).reshape(-1, width),
+        ),
         copies=CopyTable(np.arange(kx, num, dtype=i32), np.arange(kx, num, dtype=i32), np.full(num - kx, -1, i64)),
-        rank=only, basis=None if only is None else plan.fingerprint,
+        rank=only,
+        basis=None if only is None else plan.fingerprint,
     )
 
 
@@ -772,8 +846,11 @@ def tensor_schedule(
     i64 = np.int64
     sent, recv, peak = (np.zeros(world_size, dtype=i64) for _ in range(3))
     digest = hashlib.sha256(_TENSOR_RULE)
-    digest.update(repr((tuple(keys), tuple(map(tuple, shapes)), tuple(itemsizes), tuple(writers), world_size,
-                        staging_bytes)).encode())
+    digest.update(
+        repr(
+            (tuple(keys), tuple(map(tuple, shapes)), tuple(itemsizes), tuple(writers), world_size, staging_bytes)
+        ).encode()
+    )
     kept = []  # per tensor with rows kept: (tensor, writer, round, holder, local_off, off, len, nbytes)
     held: dict[int, int] = {}  # writer -> bytes it receives in the current round
     rnd, size, num_sends, count = 0, 0, 0, 0
@@ -806,8 +883,16 @@ def tensor_schedule(
         return np.concatenate([np.asarray(x[j], i64) for x in kept]) if kept else np.zeros(0, i64)
 
     def padded(j: int, fill: int) -> np.ndarray:  # box field j of the kept rows, dims padded to width
-        return (np.concatenate([np.pad(np.asarray(x[j], i64), ((0, 0), (0, width - x[j].shape[1])),
-                                       constant_values=fill) for x in kept]) if kept else np.zeros((0, width), i64))
+        return (
+            np.concatenate(
+                [
+                    np.pad(np.asarray(x[j], i64), ((0, 0), (0, width - x[j].shape[1])), constant_values=fill)
+                    for x in kept
+                ]
+            )
+            if kept
+            else np.zeros((0, width), i64)
+        )
 
     sizes = [len(x[3]) for x in kept]
     tensor = np.repeat(np.asarray([x[0] for x in kept], i64), sizes)
@@ -819,20 +904,33 @@ def tensor_schedule(
     dlv = pid if rank is None else np.flatnonzero(writer == rank)
     i32 = np.int32
     return Schedule(
-        topology=Topology(world_size, 1), staging_bytes=staging_bytes, max_ops=max(2, num_sends),
-        keys=tuple(keys), key_ndim=np.asarray([len(s) for s in shapes], np.int8),
+        topology=Topology(world_size, 1),
+        staging_bytes=staging_bytes,
+        max_ops=max(2, num_sends),
+        keys=tuple(keys),
+        key_ndim=np.asarray([len(s) for s in shapes], np.int8),
         pieces=PieceTable(tensor.astype(i32), off, length, nbytes),
         reads=ReadTable(),
-        sends=SendTable(holder[send].astype(i32), writer[send].astype(i32), send.astype(i32), rounds[send],
-                        send.astype(i32)),
-        deliveries=DeliveryTable(dlv.astype(i32), writer[dlv].astype(i32), tensor[dlv].astype(i32),
-                                 np.full(len(dlv), -1, i64), off[dlv]),
+        sends=SendTable(
+            holder[send].astype(i32), writer[send].astype(i32), send.astype(i32), rounds[send], send.astype(i32)
+        ),
+        deliveries=DeliveryTable(
+            dlv.astype(i32), writer[dlv].astype(i32), tensor[dlv].astype(i32), np.full(len(dlv), -1, i64), off[dlv]
+        ),
         num_rounds=rnd + 1,
-        cost=PlanCost(read_bytes=np.zeros(world_size, dtype=i64), sent_bytes=sent, recv_bytes=recv,
-                      peak_staging_bytes=peak, cross_node_bytes=0, num_p2p_ops=num_sends,
-                      num_batches=rnd + 1, num_broadcasts=0),
+        cost=PlanCost(
+            read_bytes=np.zeros(world_size, dtype=i64),
+            sent_bytes=sent,
+            recv_bytes=recv,
+            peak_staging_bytes=peak,
+            cross_node_bytes=0,
+            num_p2p_ops=num_sends,
+            num_batches=rnd + 1,
+            num_broadcasts=0,
+        ),
         views=ViewTable(holder.astype(i32), tensor.astype(i32), np.full(len(pid), -1, i64), local_off),
-        copies=CopyTable(copy.astype(i32), copy.astype(i32), np.full(len(copy), -1, i64)), rank=rank,
+        copies=CopyTable(copy.astype(i32), copy.astype(i32), np.full(len(copy), -1, i64)),
+        rank=rank,
         basis=None if rank is None else digest.hexdigest()[:16],
     )
 
@@ -849,8 +947,10 @@ def _check_tiling(key: str, shape: tuple[int, ...], boxes: list[Box], nbytes: in
         for off, length in intervals:
             if off != pos:
                 what = "a gap" if off > pos else "overlapping boxes"
-                raise ValueError(f"tensor {key!r}: the ranks' boxes leave {what} at offset {pos} of dim {d} "
-                                 f"(shape {list(shape)}); cannot write every element exactly once")
+                raise ValueError(
+                    f"tensor {key!r}: the ranks' boxes leave {what} at offset {pos} of dim {d} "
+                    f"(shape {list(shape)}); cannot write every element exactly once"
+                )
             pos = off + length
         if pos != shape[d]:
             raise ValueError(f"tensor {key!r}: no rank holds offsets {pos}.. of dim {d} (shape {list(shape)})")
@@ -861,8 +961,15 @@ def _check_tiling(key: str, shape: tuple[int, ...], boxes: list[Box], nbytes: in
 _RULE = b"moeshard.plan.save/inputs-1"  # changes with the planner's rules: old and new ranks disagree
 
 
-def _fingerprint(outs: Sequence[Output], segs: SegTable, seg_first: np.ndarray, world: int, max_shard_bytes: int,
-                 staging_bytes: int, max_ops: int) -> str:
+def _fingerprint(
+    outs: Sequence[Output],
+    segs: SegTable,
+    seg_first: np.ndarray,
+    world: int,
+    max_shard_bytes: int,
+    staging_bytes: int,
+    max_ops: int,
+) -> str:
     """sha256 of what the plan is made from: the budgets, every tensor's key, shape, dtype and
     kind, and the bytes of the segment table (``seg_first``: each tensor's first row). The
     planner is pure and deterministic, so equal inputs give equal plans; made in one pass over

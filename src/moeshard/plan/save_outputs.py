@@ -11,8 +11,8 @@ its local tensor. The segments of all tensors are one table of columns (:class:`
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -41,7 +41,6 @@ class Segment:
         return self.lead + tuple((o + d, n) for (o, n), d in zip(sub, self.delta))
 
 
-
 @dataclass(frozen=True)
 class SegTable:
     """Segments of checkpoint tensors as columns (``S`` segments, ``W`` padded box dims: a
@@ -66,16 +65,23 @@ class SegTable:
         if lo == 0 and hi == len(self.rank) and width == self.off.shape[1]:
             return self
         pad = ((0, 0), (0, max(0, width - self.off.shape[1])))
-        return SegTable(self.rank[lo:hi], self.param[lo:hi], self.slot[lo:hi], np.pad(self.off[lo:hi, :width], pad),
-                         np.pad(self.len[lo:hi, :width], pad, constant_values=1), np.pad(self.delta[lo:hi, :width], pad))
+        return SegTable(
+            self.rank[lo:hi],
+            self.param[lo:hi],
+            self.slot[lo:hi],
+            np.pad(self.off[lo:hi, :width], pad),
+            np.pad(self.len[lo:hi, :width], pad, constant_values=1),
+            np.pad(self.delta[lo:hi, :width], pad),
+        )
 
     @staticmethod
     def concat(parts: list[SegTable], width: int) -> SegTable:
         if not parts:
             e, e2 = np.zeros(0, np.int64), np.zeros((0, width), np.int64)
             return SegTable(e, e, e, e2, e2, e2)
-        return SegTable(*(np.concatenate([getattr(p, f) for p in parts]) for f in
-                           ("rank", "param", "slot", "off", "len", "delta")))
+        return SegTable(
+            *(np.concatenate([getattr(p, f) for p in parts]) for f in ("rank", "param", "slot", "off", "len", "delta"))
+        )
 
     @staticmethod
     def of_segments(segments: Sequence[Segment], ndim: int, width: int) -> SegTable:
@@ -84,24 +90,28 @@ class SegTable:
             if len(s.box) != ndim:
                 raise ValueError(f"segment box {list(s.box)} does not have the tensor's {ndim} dims")
         k = len(segments)
-        off, ln, delta = (np.zeros((k, width), np.int64), np.ones((k, width), np.int64),
-                          np.zeros((k, width), np.int64))
+        off, ln, delta = (np.zeros((k, width), np.int64), np.ones((k, width), np.int64), np.zeros((k, width), np.int64))
         for i, s in enumerate(segments):
             off[i, :ndim] = [o for o, _ in s.box]
             ln[i, :ndim] = [n for _, n in s.box]
             dl = s.delta[:ndim]
-            delta[i, :len(dl)] = dl
-        return SegTable(np.asarray([s.rank for s in segments], np.int64).reshape(k),
-                         np.asarray([s.param for s in segments], np.int64).reshape(k),
-                         np.asarray([s.lead[0][0] if s.lead else -1 for s in segments], np.int64).reshape(k),
-                         off, ln, delta)
+            delta[i, : len(dl)] = dl
+        return SegTable(
+            np.asarray([s.rank for s in segments], np.int64).reshape(k),
+            np.asarray([s.param for s in segments], np.int64).reshape(k),
+            np.asarray([s.lead[0][0] if s.lead else -1 for s in segments], np.int64).reshape(k),
+            off,
+            ln,
+            delta,
+        )
 
     def segment(self, i: int, ndim: int) -> Segment:
         """Row ``i`` as a :class:`Segment` of a tensor of ``ndim`` dims."""
         off, ln, delta = self.off[i, :ndim].tolist(), self.len[i, :ndim].tolist(), self.delta[i, :ndim].tolist()
         slot = int(self.slot[i])
-        return Segment(int(self.rank[i]), int(self.param[i]), tuple(zip(off, ln)), ((slot, 1),) if slot >= 0 else (),
-                       tuple(delta))
+        return Segment(
+            int(self.rank[i]), int(self.param[i]), tuple(zip(off, ln)), ((slot, 1),) if slot >= 0 else (), tuple(delta)
+        )
 
 
 class Output:
@@ -113,9 +123,18 @@ class Output:
 
     __slots__ = ("key", "shape", "dtype", "is_buffer", "_segments", "table", "rows", "zeros")
 
-    def __init__(self, key: str, shape: tuple[int, ...], dtype: str, segments: list[Segment] | None = None,
-                 is_buffer: bool = False, *, table: SegTable | None = None, rows: tuple[int, int] = (0, 0),
-                 zeros: bool = False):
+    def __init__(
+        self,
+        key: str,
+        shape: tuple[int, ...],
+        dtype: str,
+        segments: list[Segment] | None = None,
+        is_buffer: bool = False,
+        *,
+        table: SegTable | None = None,
+        rows: tuple[int, int] = (0, 0),
+        zeros: bool = False,
+    ):
         self.key, self.shape, self.dtype, self.is_buffer, self.zeros = key, shape, dtype, is_buffer, zeros
         if table is None:
             segments = [] if segments is None else segments

@@ -66,6 +66,6 @@ def scale_needs(needs: NeedTable, index: CheckpointIndex, into_float: np.ndarray
     table.slot[:] = -1
     lens = np.ones((len(keys), width), np.int64)
     for i, sh in enumerate(shapes):
-        lens[i, :len(sh)] = sh
+        lens[i, : len(sh)] = sh
     table.src_len[:] = lens[pairs[:, 1]]
     return ScaleNeeds(table, weights)

@@ -28,8 +28,18 @@ import numpy as np
 from ..topology import Topology
 from .needs import NeedTable
 
-__all__ = ["PlanCost", "Schedule", "RankSchedule", "PieceTable", "ReadTable", "SendTable", "BcastTable",
-           "DeliveryTable", "ViewTable", "CopyTable"]
+__all__ = [
+    "PlanCost",
+    "Schedule",
+    "RankSchedule",
+    "PieceTable",
+    "ReadTable",
+    "SendTable",
+    "BcastTable",
+    "DeliveryTable",
+    "ViewTable",
+    "CopyTable",
+]
 
 
 def _i32() -> np.ndarray:
@@ -260,9 +270,14 @@ class Schedule:
     def needs(self) -> NeedTable:
         """The deliveries as a need table (the needs the schedule meets, split as its pieces)."""
         return NeedTable(
-            keys=self.keys, ndim=self.key_ndim, rank=self.deliveries.rank, param=self.deliveries.param,
-            key=self.pieces.key[self.deliveries.piece], slot=self.deliveries.slot,
-            src_off=self.pieces.off[self.deliveries.piece], src_len=self.pieces.len[self.deliveries.piece],
+            keys=self.keys,
+            ndim=self.key_ndim,
+            rank=self.deliveries.rank,
+            param=self.deliveries.param,
+            key=self.pieces.key[self.deliveries.piece],
+            slot=self.deliveries.slot,
+            src_off=self.pieces.off[self.deliveries.piece],
+            src_len=self.pieces.len[self.deliveries.piece],
             dst_off=self.deliveries.off,
         )
 
@@ -286,7 +301,7 @@ class Schedule:
         goes to): the total of the runner's ``progress`` calls on that rank."""
         return int(self.pieces.bytes[np.unique(self.deliveries.piece[self.deliveries.rank == rank])].sum())
 
-    def for_rank(self, rank: int) -> "RankSchedule":
+    def for_rank(self, rank: int) -> RankSchedule:
         """This rank's rows (what :func:`moeshard.execute.execute_schedule` runs). ValueError
         for a rank other than the one a schedule was planned for (it lacks that rank's local
         reads)."""
@@ -307,8 +322,18 @@ class Schedule:
         if self.basis is not None:
             return self.basis
         h = hashlib.sha256()
-        h.update(repr((self.topology.world_size, self.topology.local_world_size, self.staging_bytes,
-                       self.max_ops, self.num_rounds, self.keys)).encode())
+        h.update(
+            repr(
+                (
+                    self.topology.world_size,
+                    self.topology.local_world_size,
+                    self.staging_bytes,
+                    self.max_ops,
+                    self.num_rounds,
+                    self.keys,
+                )
+            ).encode()
+        )
         if self.topology.nodes is not None:  # uneven nodes (a process group of some ranks)
             h.update(repr(self.topology.nodes).encode())
         for name, a in self.arrays():
@@ -323,13 +348,20 @@ class Schedule:
 
 # The schedule's arrays as the fingerprint names them: (name, table or None, column).
 _ARRAYS = (("key_ndim", None, "key_ndim"),) + tuple(
-    (f"{prefix}_{column}", table, column) for prefix, table, columns in (
-        ("piece", "pieces", ("key", "off", "len", "bytes")), ("read", "reads", ("rank", "piece", "round")),
-        ("send", "sends", ("src", "dst", "piece", "round")), ("bcast", "bcasts", ("node", "root", "piece", "round")),
+    (f"{prefix}_{column}", table, column)
+    for prefix, table, columns in (
+        ("piece", "pieces", ("key", "off", "len", "bytes")),
+        ("read", "reads", ("rank", "piece", "round")),
+        ("send", "sends", ("src", "dst", "piece", "round")),
+        ("bcast", "bcasts", ("node", "root", "piece", "round")),
         ("dlv", "deliveries", ("piece", "rank", "param", "slot", "off")),
         ("view", "views", ("rank", "param", "slot", "off")),
-        ("send", "sends", ("view",)), ("copy", "copies", ("view", "piece", "round")), ("dlv", "deliveries", ("round",)))
-    for column in columns)
+        ("send", "sends", ("view",)),
+        ("copy", "copies", ("view", "piece", "round")),
+        ("dlv", "deliveries", ("round",)),
+    )
+    for column in columns
+)
 
 
 @dataclass(frozen=True, eq=False)
@@ -353,10 +385,12 @@ class RankSchedule:
             return s.deliveries.round[self.deliveries]
         into = self.sends[s.sends.dst[self.sends] == self.rank]
         bc = self.bcasts[s.bcasts.root[self.bcasts] != self.rank]
-        pieces = np.concatenate([s.reads.piece[self.reads], s.sends.piece[into], s.bcasts.piece[bc],
-                                 s.copies.piece[self.copies]])
-        rounds = np.concatenate([s.reads.round[self.reads], s.sends.round[into], s.bcasts.round[bc],
-                                 s.copies.round[self.copies]])
+        pieces = np.concatenate(
+            [s.reads.piece[self.reads], s.sends.piece[into], s.bcasts.piece[bc], s.copies.piece[self.copies]]
+        )
+        rounds = np.concatenate(
+            [s.reads.round[self.reads], s.sends.round[into], s.bcasts.round[bc], s.copies.round[self.copies]]
+        )
         arrival = dict(zip(pieces.tolist(), rounds.tolist()))
         return np.asarray([arrival[p] for p in s.deliveries.piece[self.deliveries].tolist()], dtype=np.int64)
 
@@ -364,8 +398,15 @@ class RankSchedule:
     def rounds(self) -> np.ndarray:
         """The rounds this rank takes part in, ascending."""
         s = self.schedule
-        every = np.concatenate([s.reads.round[self.reads], s.sends.round[self.sends], s.bcasts.round[self.bcasts],
-                                s.copies.round[self.copies], self.delivery_rounds])
+        every = np.concatenate(
+            [
+                s.reads.round[self.reads],
+                s.sends.round[self.sends],
+                s.bcasts.round[self.bcasts],
+                s.copies.round[self.copies],
+                self.delivery_rounds,
+            ]
+        )
         return np.unique(every[every >= 0])
 
     def local_reads(self) -> np.ndarray:

@@ -45,7 +45,7 @@ def zipf_trace(
         if t and num_swap:
             for layer in range(num_layers):
                 pick = rng.choice(num_logical, size=num_swap, replace=False)
-                a, b = pick[: num_swap // 2], pick[num_swap // 2:]
+                a, b = pick[: num_swap // 2], pick[num_swap // 2 :]
                 popularity[layer, a], popularity[layer, b] = popularity[layer, b], popularity[layer, a].copy()
         out[t] = weight_of_rank[popularity] * rng.lognormal(0.0, noise, size=(num_layers, num_logical))
     return out

@@ -64,7 +64,24 @@ from .records import (
 from .rounds import pack_rounds
 
 __all__ = [
-    "ExpertTensor", "Part", "Move", "Stash", "Round", "RelocationCost", "RelocationPlan",
-    "plan_relocation", "rank_of_slot", "COUNTERS", "job_summary", "DEFAULT_STAGING_BYTES", "DEFAULT_MAX_OPS",
-    "CLASSES", "LOCAL", "SAME_NODE", "CROSS_NODE", "DISK", "Keys", "pack_rounds",
+    "ExpertTensor",
+    "Part",
+    "Move",
+    "Stash",
+    "Round",
+    "RelocationCost",
+    "RelocationPlan",
+    "plan_relocation",
+    "rank_of_slot",
+    "COUNTERS",
+    "job_summary",
+    "DEFAULT_STAGING_BYTES",
+    "DEFAULT_MAX_OPS",
+    "CLASSES",
+    "LOCAL",
+    "SAME_NODE",
+    "CROSS_NODE",
+    "DISK",
+    "Keys",
+    "pack_rounds",
 ]

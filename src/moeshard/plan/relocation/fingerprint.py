@@ -18,15 +18,33 @@ __all__ = ["fingerprint"]
 _RULE = b"moeshard.relocation/components-1"
 
 
-def fingerprint(plan: RelocationPlan, hkeys: list[bytes | None], old_p2l: np.ndarray, new: Placement,
-                active: np.ndarray, readers: np.ndarray, from_checkpoint: bool) -> str:
+def fingerprint(
+    plan: RelocationPlan,
+    hkeys: list[bytes | None],
+    old_p2l: np.ndarray,
+    new: Placement,
+    active: np.ndarray,
+    readers: np.ndarray,
+    from_checkpoint: bool,
+) -> str:
     """sha256 of what the plan is planned from: the topology, budgets, tensors (their fields,
     and the digest of their holdings' bytes -- ``hkeys``: :func:`~.layouts.holdings_key` of
     each, one digest per distinct holdings; the repr of a tensor without), both placements,
     the live ranks and readers. The same for the whole job's plan and every rank's."""
     h = hashlib.sha256(_RULE)
-    h.update(repr((plan.topology.world_size, plan.topology.local_world_size, plan.staging_bytes, plan.max_ops,
-                   bool(from_checkpoint), new.num_logical, new.num_ranks)).encode())
+    h.update(
+        repr(
+            (
+                plan.topology.world_size,
+                plan.topology.local_world_size,
+                plan.staging_bytes,
+                plan.max_ops,
+                bool(from_checkpoint),
+                new.num_logical,
+                new.num_ranks,
+            )
+        ).encode()
+    )
     if plan.topology.nodes is not None:  # uneven nodes (a process group of some ranks)
         h.update(repr(plan.topology.nodes).encode())
     held: dict[bytes, bytes] = {}  # holdings bytes -> their digest (layers share holdings)

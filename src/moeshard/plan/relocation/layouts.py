@@ -7,16 +7,26 @@ job (ranks that exchange slot data only among themselves). Pure.
 from __future__ import annotations
 
 import marshal
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
 from ...box import Box, box_numel, split_box
 from .records import ExpertTensor, Part
 
-__all__ = ["Layout", "LayerLayouts", "layer_layouts", "columns_of", "part_groups", "holdings_key", "components",
-           "unread", "rank_of_slot", "layer_parts"]
+__all__ = [
+    "Layout",
+    "LayerLayouts",
+    "layer_layouts",
+    "columns_of",
+    "part_groups",
+    "holdings_key",
+    "components",
+    "unread",
+    "rank_of_slot",
+    "layer_parts",
+]
 
 
 def rank_of_slot(num_physical: int, num_ranks: int) -> np.ndarray:
@@ -24,8 +34,7 @@ def rank_of_slot(num_physical: int, num_ranks: int) -> np.ndarray:
     return np.arange(num_physical) // (num_physical // num_ranks)
 
 
-def columns_of(tensors: Sequence[ExpertTensor], layer_tensors: list[int],
-               world: int) -> tuple[dict, list[list[Box]]]:
+def columns_of(tensors: Sequence[ExpertTensor], layer_tensors: list[int], world: int) -> tuple[dict, list[list[Box]]]:
     """Group the ranks holding a layer by the boxes they hold (one *column* per distinct tuple
     of boxes); every tensor of a layer must give a rank the same slots.
 
@@ -70,8 +79,9 @@ def columns_of(tensors: Sequence[ExpertTensor], layer_tensors: list[int],
     return cols, col_boxes
 
 
-def part_groups(tensors: Sequence[ExpertTensor], layer_tensors: list[int], boxes: list[Box],
-                max_part: int) -> list[tuple[Part, ...]]:
+def part_groups(
+    tensors: Sequence[ExpertTensor], layer_tensors: list[int], boxes: list[Box], max_part: int
+) -> list[tuple[Part, ...]]:
     """Split one column's boxes into part groups of at most ``max_part`` bytes (big boxes
     split along their first dim; small ones packed together, in tensor order)."""
     groups: list[list[Part]] = [[]]
@@ -119,8 +129,11 @@ class Layout:
         counts = [ns for _, (_, _, ns) in held]
         self.rank = np.repeat(np.asarray([r for r, _ in held], dtype=np.int64), counts)
         self.col = np.repeat(np.asarray([c for _, (c, _, _) in held], dtype=np.int64), counts)
-        self.slot = (np.concatenate([np.arange(s0, s0 + ns, dtype=np.int64) for _, (_, s0, ns) in held])
-                     if held else np.zeros(0, dtype=np.int64))
+        self.slot = (
+            np.concatenate([np.arange(s0, s0 + ns, dtype=np.int64) for _, (_, s0, ns) in held])
+            if held
+            else np.zeros(0, dtype=np.int64)
+        )
         self.live = active[self.rank]
         self.rank_objs = None if all(type(r) is int for r in cols) else {int(r): r for r in cols}
 
@@ -147,8 +160,14 @@ class LayerLayouts:
     failed: Exception | None
 
 
-def layer_layouts(tensors: Sequence[ExpertTensor], by_layer: dict[int, list[int]], hkeys: list[bytes | None],
-                  world: int, max_part: int, active: np.ndarray) -> LayerLayouts:
+def layer_layouts(
+    tensors: Sequence[ExpertTensor],
+    by_layer: dict[int, list[int]],
+    hkeys: list[bytes | None],
+    world: int,
+    max_part: int,
+    active: np.ndarray,
+) -> LayerLayouts:
     """The layouts of the layers ``by_layer`` (``{layer: [its tensors' indices]}``), one per
     distinct layer (``hkeys``: :func:`holdings_key` of each tensor). A layer whose tensors are
     inconsistent stops the walk: its error is raised once the checks reach it, so that errors
@@ -164,7 +183,7 @@ def layer_layouts(tensors: Sequence[ExpertTensor], by_layer: dict[int, list[int]
         if lay is None:
             try:
                 lay = Layout(tensors, lt, world, max_part, active)
-            except Exception as err:
+            except Exception as err:  # noqa: BLE001 - kept in LayerLayouts.failed, raised by the planner after the layers before it
                 failed = err
                 break
             if all(hkeys[ti] is not None for ti in lt):
@@ -209,15 +228,20 @@ def components(same_layout: dict, world: int) -> tuple[np.ndarray, dict[int, lis
     return comp, firsts
 
 
-def unread(comp: np.ndarray, firsts: dict[int, list[int]], read_cols: set[tuple[int, int]],
-           readers: np.ndarray) -> bool:
+def unread(
+    comp: np.ndarray, firsts: dict[int, list[int]], read_cols: set[tuple[int, int]], readers: np.ndarray
+) -> bool:
     """Whether a column in ``read_cols`` ((id(layout), column) that reads from the checkpoint)
     has no reader (``readers``: ``bool[world]``) in its component: a reader elsewhere must
     serve it, and the job is then planned as one component."""
     return any(not readers[comp == comp[firsts[key][c]]].any() for key, c in read_cols)
 
 
-def layer_parts(layer: int, lay: Layout, layer_tensors: list[int]) -> dict[tuple[int, int], tuple[tuple[Part, ...], ...]]:
+def layer_parts(
+    layer: int, lay: Layout, layer_tensors: list[int]
+) -> dict[tuple[int, int], tuple[tuple[Part, ...], ...]]:
     """``{(layer, column): part groups}`` of ``layer`` (``layer_tensors``: its tensors' indices)."""
-    return {(layer, c): tuple(tuple(Part(layer_tensors[k], box) for k, box in g) for g in groups)
-            for c, groups in enumerate(lay.groups)}
+    return {
+        (layer, c): tuple(tuple(Part(layer_tensors[k], box) for k, box in g) for g in groups)
+        for c, groups in enumerate(lay.groups)
+    }

@@ -53,8 +53,16 @@ class ReadNeeds(NamedTuple):
     experts: set[tuple[int, int]]
 
 
-def layer_needs(lay: Layout, layers: list[int], new_p2l: np.ndarray, old_p2l: np.ndarray, num_experts: int,
-                keys: Keys, holders: bool, col_ok: np.ndarray | None = None) -> list[LayerNeeds]:
+def layer_needs(
+    lay: Layout,
+    layers: list[int],
+    new_p2l: np.ndarray,
+    old_p2l: np.ndarray,
+    num_experts: int,
+    keys: Keys,
+    holders: bool,
+    col_ok: np.ndarray | None = None,
+) -> list[LayerNeeds]:
     """What the layers ``layers`` (all of layout ``lay``) need, one numpy pass for all of them.
 
     A (rank, slot) row of ``lay`` *needs* its new expert when that differs from the old one.
@@ -100,14 +108,33 @@ def layer_needs(lay: Layout, layers: list[int], new_p2l: np.ndarray, old_p2l: np
         bad = None if fd < 0 else DeadSlot(int(new_e[x, fd]), int(lay.slot[fd]), int(lay.rank[fd]))
         a, b = cut[x], cut[x + 1]
         ha, hb = hcut[x], hcut[x + 1]
-        out.append(LayerNeeds(bad, key_l[a:b], rank_l[a:b], slot_l[a:b], write_l[a:b],
-                              hkey_l[ha:hb], hrank_l[ha:hb], hslot_l[ha:hb], lost[lcut[x]:lcut[x + 1]]))
+        out.append(
+            LayerNeeds(
+                bad,
+                key_l[a:b],
+                rank_l[a:b],
+                slot_l[a:b],
+                write_l[a:b],
+                hkey_l[ha:hb],
+                hrank_l[ha:hb],
+                hslot_l[ha:hb],
+                lost[lcut[x] : lcut[x + 1]],
+            )
+        )
     return out
 
 
-def needs_of(layouts: LayerLayouts, comp: np.ndarray, firsts: dict[int, list[int]], keep: int | None,
-             new_p2l: np.ndarray, old_p2l: np.ndarray, num_experts: int, keys: Keys,
-             holders: bool) -> dict[int, LayerNeeds]:
+def needs_of(
+    layouts: LayerLayouts,
+    comp: np.ndarray,
+    firsts: dict[int, list[int]],
+    keep: int | None,
+    new_p2l: np.ndarray,
+    old_p2l: np.ndarray,
+    num_experts: int,
+    keys: Keys,
+    holders: bool,
+) -> dict[int, LayerNeeds]:
     """``{layer: LayerNeeds}`` of every layer with a layout; ``keep``: only the columns of that
     component (``comp``, ``firsts`` as :func:`~.layouts.components`; a plan for one rank), None: all."""
     out: dict[int, LayerNeeds] = {}
@@ -117,8 +144,15 @@ def needs_of(layouts: LayerLayouts, comp: np.ndarray, firsts: dict[int, list[int
     return out
 
 
-def check_needs(layouts: LayerLayouts, needs: dict[int, LayerNeeds], old_p2l: np.ndarray, active: np.ndarray,
-                readers: np.ndarray, dead_readers: list[int], num_experts: int) -> ReadNeeds:
+def check_needs(
+    layouts: LayerLayouts,
+    needs: dict[int, LayerNeeds],
+    old_p2l: np.ndarray,
+    active: np.ndarray,
+    readers: np.ndarray,
+    dead_readers: list[int],
+    num_experts: int,
+) -> ReadNeeds:
     """Every check of every layer, in layer order (so that a plan for one rank raises what the
     whole job's raises): the layer's tensors are consistent, no new slot is on a dead rank, and
     an expert no live rank holds can be read (``readers``: ``bool[world]``, live readers;
@@ -144,17 +178,22 @@ def check_needs(layouts: LayerLayouts, needs: dict[int, LayerNeeds], old_p2l: np
     return out
 
 
-def _raise_unreadable(layer: int, lay: Layout, lost_key: int, old_p2l: np.ndarray, active: np.ndarray,
-                      dead_readers: list[int], num_experts: int) -> None:
+def _raise_unreadable(
+    layer: int,
+    lay: Layout,
+    lost_key: int,
+    old_p2l: np.ndarray,
+    active: np.ndarray,
+    dead_readers: list[int],
+    num_experts: int,
+) -> None:
     c, e = divmod(lost_key, num_experts)
     old_row = old_p2l[layer]
-    dead = sorted({r for r, (cc, s0, ns) in lay.cols.items() if cc == c and not active[r]
-                   and (old_row[s0:s0 + ns] == e).any()})
+    dead = sorted(
+        {r for r, (cc, s0, ns) in lay.cols.items() if cc == c and not active[r] and (old_row[s0 : s0 + ns] == e).any()}
+    )
     why = "no checkpoint to read it from"
     if dead_readers:  # a checkpoint was given, but every rank that sees it died
         who = f"rank {dead_readers[0]}" if len(dead_readers) == 1 else f"ranks {dead_readers}"
         why = f"the only rank(s) that can read the checkpoint ({who}) are not active"
-    raise ValueError(
-        f"logical expert {e} of layer {layer} has no live copy (held only by dead "
-        f"ranks {dead}) and {why}"
-    )
+    raise ValueError(f"logical expert {e} of layer {layer} has no live copy (held only by dead ranks {dead}) and {why}")

@@ -123,8 +123,15 @@ def as_schedule(plan: RelocationPlan, old_p2l: np.ndarray, max_ops: int, only: i
         for i in rnd.moves:
             if mine is None or i in mine:
                 _move_rows(rows, plan, plan.moves[i], k, only, stashed)
-    return rows.build(plan.topology, plan.staging_bytes, max_ops, 2 * len(plan.rounds), plan.cost, only,
-                      None if only is None else plan.fingerprint)
+    return rows.build(
+        plan.topology,
+        plan.staging_bytes,
+        max_ops,
+        2 * len(plan.rounds),
+        plan.cost,
+        only,
+        None if only is None else plan.fingerprint,
+    )
 
 
 def _move_rows(rows: ScheduleRows, plan: RelocationPlan, m: Move, k: int, only: int | None, stashed: set) -> None:

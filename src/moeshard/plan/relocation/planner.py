@@ -7,7 +7,8 @@ moves into rounds (:mod:`.rounds`), fingerprint the inputs (:mod:`.fingerprint`)
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -75,8 +76,9 @@ class _Inputs(NamedTuple):
     by_layer: dict[int, list[int]]
 
 
-def _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops, from_checkpoint,
-          rank: int | None) -> RelocationPlan:
+def _plan(
+    tensors, old, new, topology, active, readers, staging_bytes, max_ops, from_checkpoint, rank: int | None
+) -> RelocationPlan:
     world = topology.world_size
     inp = _checked(tensors, old, new, world, active, readers, staging_bytes, max_ops, from_checkpoint, rank)
     hkeys = [holdings_key(t) for t in tensors]
@@ -86,8 +88,9 @@ def _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops, 
     keys = Keys(new.num_layers, world, new.num_physical)
 
     def needs(keep: int | None) -> dict[int, LayerNeeds]:
-        return needs_of(layouts, comp, firsts, keep, new.phy2log, inp.old_p2l, num_experts, keys,
-                        not inp.from_checkpoint)
+        return needs_of(
+            layouts, comp, firsts, keep, new.phy2log, inp.old_p2l, num_experts, keys, not inp.from_checkpoint
+        )
 
     need = needs(None if rank is None else int(comp[rank]))  # a rank plans its component only
     read = check_needs(layouts, need, inp.old_p2l, inp.active, inp.readers, inp.dead_readers, num_experts)
@@ -95,8 +98,14 @@ def _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops, 
         comp[:] = 0  # one component: its needs are every column's
         if rank is not None:
             need = needs(None)
-    router = Router(world, topology.nodes_array().tolist(), inp.readers.tolist(), _comp_readers(comp, inp.readers),
-                    keys, num_experts)
+    router = Router(
+        world,
+        topology.nodes_array().tolist(),
+        inp.readers.tolist(),
+        _comp_readers(comp, inp.readers),
+        keys,
+        num_experts,
+    )
     col_comp = {key: comp[f].tolist() for key, f in firsts.items()}  # each column's component
     columns: list[dict] = [{} for _ in range(new.num_layers)]
     parts: dict = {}
@@ -107,18 +116,29 @@ def _plan(tensors, old, new, topology, active, readers, staging_bytes, max_ops, 
         router.route_layer(layer, lay, need[layer], col_comp[id(lay)])
     packed = pack_components(router.table, keys, world, staging_bytes, max_ops)
     plan = RelocationPlan(
-        topology=topology.with_rank(0), tensors=tuple(tensors), columns=tuple(columns), parts=parts,
-        moves=tuple(router.table.moves), stashes=tuple(packed.stashes), rounds=tuple(packed.rounds),
-        cost=_cost(router, packed), staging_bytes=staging_bytes, max_ops=max_ops, old_phy2log=inp.old_p2l,
-        rank=rank, component=comp, read_experts=tuple(sorted(read.experts)),
+        topology=topology.with_rank(0),
+        tensors=tuple(tensors),
+        columns=tuple(columns),
+        parts=parts,
+        moves=tuple(router.table.moves),
+        stashes=tuple(packed.stashes),
+        rounds=tuple(packed.rounds),
+        cost=_cost(router, packed),
+        staging_bytes=staging_bytes,
+        max_ops=max_ops,
+        old_phy2log=inp.old_p2l,
+        rank=rank,
+        component=comp,
+        read_experts=tuple(sorted(read.experts)),
     )
     fp = fingerprint(plan, hkeys, inp.old_p2l, new, inp.active, inp.readers, inp.from_checkpoint)
     object.__setattr__(plan, "fingerprint", fp)
     return plan
 
 
-def _checked(tensors, old, new, world, active, readers, staging_bytes, max_ops, from_checkpoint,
-             rank: int | None) -> _Inputs:
+def _checked(
+    tensors, old, new, world, active, readers, staging_bytes, max_ops, from_checkpoint, rank: int | None
+) -> _Inputs:
     """The inputs checked and normalized (ValueError for each inconsistency, in this order)."""
     if rank is not None and not 0 <= rank < world:
         raise ValueError(f"rank {rank} is outside the world of {world} ranks")
@@ -161,10 +181,17 @@ def _comp_readers(comp: np.ndarray, readers: np.ndarray) -> dict[int, list[int]]
 
 def _cost(router: Router, packed: Packed) -> RelocationCost:
     return RelocationCost(
-        copies=dict(router.copies), bytes=dict(router.bytes),
-        sent_bytes=np.asarray(router.sent, dtype=np.int64), recv_bytes=np.asarray(router.recv, dtype=np.int64),
-        read_bytes=np.asarray(router.read_load, dtype=np.int64), peak_staging_bytes=packed.peak,
-        network_bytes=router.net, cross_node_bytes=router.cross, min_network_bytes=router.min_net,
-        min_cross_node_bytes=router.min_cross, num_p2p_ops=packed.num_p2p_ops, num_rounds=len(packed.rounds),
+        copies=dict(router.copies),
+        bytes=dict(router.bytes),
+        sent_bytes=np.asarray(router.sent, dtype=np.int64),
+        recv_bytes=np.asarray(router.recv, dtype=np.int64),
+        read_bytes=np.asarray(router.read_load, dtype=np.int64),
+        peak_staging_bytes=packed.peak,
+        network_bytes=router.net,
+        cross_node_bytes=router.cross,
+        min_network_bytes=router.min_net,
+        min_cross_node_bytes=router.min_cross,
+        num_p2p_ops=packed.num_p2p_ops,
+        num_rounds=len(packed.rounds),
         num_stashes=len(packed.stashes),
     )

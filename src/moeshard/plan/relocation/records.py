@@ -13,8 +13,24 @@ import numpy as np
 from ...box import Box
 
 __all__ = [
-    "DEFAULT_STAGING_BYTES", "DEFAULT_MAX_OPS", "LOCAL", "SAME_NODE", "CROSS_NODE", "DISK", "CLASSES",
-    "ExpertTensor", "Part", "Move", "Stash", "Round", "Keys", "GroupOps", "MoveTable", "RelocationCost", "COUNTERS", "job_summary",
+    "DEFAULT_STAGING_BYTES",
+    "DEFAULT_MAX_OPS",
+    "LOCAL",
+    "SAME_NODE",
+    "CROSS_NODE",
+    "DISK",
+    "CLASSES",
+    "ExpertTensor",
+    "Part",
+    "Move",
+    "Stash",
+    "Round",
+    "Keys",
+    "GroupOps",
+    "MoveTable",
+    "RelocationCost",
+    "COUNTERS",
+    "job_summary",
 ]
 
 DEFAULT_STAGING_BYTES = 256 * 2**20
@@ -169,14 +185,25 @@ class RelocationCost:
         """``int64[len(COUNTERS)]``: the figures of :meth:`summary` (summed over components,
         then those maximized over them: :data:`COUNTERS`)."""
         d = self.summary()
-        return np.asarray([d["copies"][k] for k in CLASSES] + [d["bytes"][k] for k in CLASSES]
-                          + [d[k] for k in COUNTERS[2 * len(CLASSES):]], dtype=np.int64)
+        return np.asarray(
+            [d["copies"][k] for k in CLASSES]
+            + [d["bytes"][k] for k in CLASSES]
+            + [d[k] for k in COUNTERS[2 * len(CLASSES) :]],
+            dtype=np.int64,
+        )
 
 
 # RelocationCost.counters(): per class copies, per class bytes, then the summed figures, then
 # (_MAXED) the figures that are a maximum over ranks or over rounds in parallel.
-_SUMMED = ("network_bytes", "cross_node_bytes", "min_network_bytes", "min_cross_node_bytes", "read_bytes_total",
-           "num_p2p_ops", "num_stashes")
+_SUMMED = (
+    "network_bytes",
+    "cross_node_bytes",
+    "min_network_bytes",
+    "min_cross_node_bytes",
+    "read_bytes_total",
+    "num_p2p_ops",
+    "num_stashes",
+)
 _MAXED = ("sent_bytes_max_rank", "recv_bytes_max_rank", "peak_staging_bytes_max_rank", "num_rounds")
 COUNTERS = tuple(f"copies.{k}" for k in CLASSES) + tuple(f"bytes.{k}" for k in CLASSES) + _SUMMED + _MAXED
 
@@ -189,13 +216,27 @@ def job_summary(table: np.ndarray) -> dict:
     n = len(CLASSES)
     tot = table.sum(axis=0).tolist()
     top = table.max(axis=0, initial=0).tolist()
-    out = {"copies": dict(zip(CLASSES, tot[:n])), "bytes": dict(zip(CLASSES, tot[n:2 * n]))}
-    out.update(zip(_SUMMED, tot[2 * n:2 * n + len(_SUMMED)]))
-    out.update(zip(_MAXED, top[2 * n + len(_SUMMED):]))
-    return {k: out[k] for k in ("copies", "bytes", "network_bytes", "cross_node_bytes", "min_network_bytes",
-                                "min_cross_node_bytes", "read_bytes_total", "sent_bytes_max_rank",
-                                "recv_bytes_max_rank", "peak_staging_bytes_max_rank", "num_p2p_ops", "num_rounds",
-                                "num_stashes")}
+    out = {"copies": dict(zip(CLASSES, tot[:n])), "bytes": dict(zip(CLASSES, tot[n : 2 * n]))}
+    out.update(zip(_SUMMED, tot[2 * n : 2 * n + len(_SUMMED)]))
+    out.update(zip(_MAXED, top[2 * n + len(_SUMMED) :]))
+    return {
+        k: out[k]
+        for k in (
+            "copies",
+            "bytes",
+            "network_bytes",
+            "cross_node_bytes",
+            "min_network_bytes",
+            "min_cross_node_bytes",
+            "read_bytes_total",
+            "sent_bytes_max_rank",
+            "recv_bytes_max_rank",
+            "peak_staging_bytes_max_rank",
+            "num_p2p_ops",
+            "num_rounds",
+            "num_stashes",
+        )
+    }
 
 
 class GroupOps(NamedTuple):
@@ -234,8 +275,12 @@ class MoveTable:
         gid: dict[int, int] = {}
         group = [gid.setdefault(self.group[i], len(gid)) for i in rows]
         return MoveTable(
-            moves=[self.moves[i] for i in rows], component=[self.component[i] for i in rows],
-            read_keys=[self.read_keys[i] for i in rows], write_keys=[self.write_keys[i] for i in rows],
-            group=group, num_parts=[self.num_parts[i] for i in rows],
-            group_stage=[self.group_stage[g] for g in gid], group_ops=[self.group_ops[g] for g in gid],
+            moves=[self.moves[i] for i in rows],
+            component=[self.component[i] for i in rows],
+            read_keys=[self.read_keys[i] for i in rows],
+            write_keys=[self.write_keys[i] for i in rows],
+            group=group,
+            num_parts=[self.num_parts[i] for i in rows],
+            group_stage=[self.group_stage[g] for g in gid],
+            group_ops=[self.group_ops[g] for g in gid],
         )

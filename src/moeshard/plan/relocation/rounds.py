@@ -166,15 +166,27 @@ class _Packer:
         for i in retry:
             heapq.heappush(self.ready, i)
 
-    def fill(self, cur: list[int], staged: list[int], posted_a: list[int], posted_b: list[int], retry: list[int],
-             released: list[int]) -> None:
+    def fill(
+        self,
+        cur: list[int],
+        staged: list[int],
+        posted_a: list[int],
+        posted_b: list[int],
+        retry: list[int],
+        released: list[int],
+    ) -> None:
         """Schedule ready moves into the round (``cur``, with its per-rank ``staged`` bytes and
         ops posted per phase) while they fit; defer the others. The hot loop: locals only."""
         t = self.t
         moves, group_of, group_stage, group_ops, num_parts = t.moves, t.group, t.group_stage, t.group_ops, t.num_parts
         read_keys = t.read_keys
-        ready, class_of, waiting, deferred_in, deferred = self.ready, self.class_of, self.waiting, self.deferred_in, \
-            self.deferred
+        ready, class_of, waiting, deferred_in, deferred = (
+            self.ready,
+            self.class_of,
+            self.waiting,
+            self.deferred_in,
+            self.deferred,
+        )
         retried, class_ids, scheduled, stash_live = self.retried, self.class_ids, self.scheduled, self.stash_live
         stash_left, readers_of, writer_of, blocked = self.stash_left, self.readers_of, self.writer_of, self.blocked
         budget, max_ops, rnd = self.budget, self.max_ops, len(self.rounds)
@@ -209,8 +221,9 @@ class _Packer:
                             retried[i] = 1
                             retry.append(i)
                             continue
-                        c = class_ids.setdefault((tuple(add.items()), size, tuple(a.items()), tuple(b.items()), np_),
-                                                 len(class_ids))
+                        c = class_ids.setdefault(
+                            (tuple(add.items()), size, tuple(a.items()), tuple(b.items()), np_), len(class_ids)
+                        )
                         if c == len(waiting):
                             waiting.append([])
                             deferred_in.append(-1)

@@ -23,8 +23,9 @@ class Fanout:
 
     __slots__ = ("router", "total", "base", "held_by", "reads", "stage", "sends", "relays", "ops_a", "ops_b")
 
-    def __init__(self, router: Router, total: int, base: int, held_by: dict[int, int], reads: list[int],
-                 stage: dict[int, int]):
+    def __init__(
+        self, router: Router, total: int, base: int, held_by: dict[int, int], reads: list[int], stage: dict[int, int]
+    ):
         self.router, self.total, self.base, self.held_by = router, total, base, held_by
         self.reads, self.stage = reads, stage  # keys of old slot contents read; rank -> buffers
         self.sends: list[tuple[int, int, int]] = []
@@ -90,8 +91,15 @@ class Router:
     ``min_net``, ``min_cross``. ``table``: the moves, in routing order.
     """
 
-    def __init__(self, world: int, node: list[int], readers: list[bool], comp_readers: dict[int, list[int]],
-                 keys: Keys, num_experts: int):
+    def __init__(
+        self,
+        world: int,
+        node: list[int],
+        readers: list[bool],
+        comp_readers: dict[int, list[int]],
+        keys: Keys,
+        num_experts: int,
+    ):
         self.node, self.readers, self.comp_readers = node, readers, comp_readers
         self.keys, self.num_physical, self.num_experts = keys, keys.num_physical, num_experts
         self.read_load, self.sent, self.recv = [0] * world, [0] * world, [0] * world
@@ -135,8 +143,19 @@ class Router:
             c, e = divmod(key, self.num_experts)
             self.route_expert(layer, lay, c, e, base, ranks, slots, holders.get(key), wk[i0:i], col_comp[c])
 
-    def route_expert(self, layer: int, lay: Layout, c: int, e: int, base: int, ranks: list[int],
-                     slots: list[list[int]], held_by: dict[int, int] | None, writes0: list[int], comp: int) -> None:
+    def route_expert(
+        self,
+        layer: int,
+        lay: Layout,
+        c: int,
+        e: int,
+        base: int,
+        ranks: list[int],
+        slots: list[list[int]],
+        held_by: dict[int, int] | None,
+        writes0: list[int],
+        comp: int,
+    ) -> None:
         """Route logical expert ``e`` of column ``c`` to ``ranks`` (ascending; ``slots``: the
         slots each writes, ``writes0`` their keys), from its live holders ``held_by`` (None:
         none, it is read), and add its moves (one per part group)."""
@@ -205,8 +224,16 @@ class Router:
         self.read_load[read] += total
         return read
 
-    def count_remote(self, remote: list[int], remote_n: list[int], read: int, src_nodes: set[int], total: int,
-                     num_groups: int, links: int) -> None:
+    def count_remote(
+        self,
+        remote: list[int],
+        remote_n: list[int],
+        read: int,
+        src_nodes: set[int],
+        total: int,
+        num_groups: int,
+        links: int,
+    ) -> None:
         """Count the transfers to the needers ``remote`` (writing ``remote_n`` slots each)."""
         self.net += total * links
         # Lower bounds: every remote needer receives once, except a needer that reads it itself;
@@ -217,4 +244,3 @@ class Router:
             self.copies[k] += cnt * num_groups
             self.bytes[k] += cnt * total
         self.min_cross += total * len({self.node[r] for r in remote} - src_nodes)
-

@@ -6,7 +6,7 @@ Pure.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -70,37 +70,80 @@ class ScheduleRows:
             self.v_off.append(self.local_off(rank, ti, slot, box))
         return v
 
-    def build(self, topology: Topology, staging_bytes: int, max_ops: int, num_rounds: int, c: RelocationCost,
-              rank: int | None, basis: str | None) -> Schedule:
+    def build(
+        self,
+        topology: Topology,
+        staging_bytes: int,
+        max_ops: int,
+        num_rounds: int,
+        c: RelocationCost,
+        rank: int | None,
+        basis: str | None,
+    ) -> Schedule:
         """The rows as a :class:`Schedule` (deliveries sorted by piece, then rank)."""
 
         def col(rows: list, j: int, dtype) -> np.ndarray:
             return np.asarray([x[j] for x in rows], dtype=dtype)
 
-        dlv, reads, sends, copies, width, tensors = self.dlv, self.reads, self.sends, self.copies, self.width, \
-            self.tensors
+        dlv, reads, sends, copies, width, tensors = (
+            self.dlv,
+            self.reads,
+            self.sends,
+            self.copies,
+            self.width,
+            self.tensors,
+        )
         dlv.sort(key=lambda x: (x[0], x[1]))
-        cost = PlanCost(read_bytes=c.read_bytes, sent_bytes=c.sent_bytes, recv_bytes=c.recv_bytes,
-                        peak_staging_bytes=c.peak_staging_bytes, cross_node_bytes=c.cross_node_bytes,
-                        num_p2p_ops=c.num_p2p_ops, num_batches=num_rounds, num_broadcasts=0)
+        cost = PlanCost(
+            read_bytes=c.read_bytes,
+            sent_bytes=c.sent_bytes,
+            recv_bytes=c.recv_bytes,
+            peak_staging_bytes=c.peak_staging_bytes,
+            cross_node_bytes=c.cross_node_bytes,
+            num_p2p_ops=c.num_p2p_ops,
+            num_batches=num_rounds,
+            num_broadcasts=0,
+        )
         i64 = np.int64
         return Schedule(
-            topology=topology, staging_bytes=staging_bytes, max_ops=max_ops,
+            topology=topology,
+            staging_bytes=staging_bytes,
+            max_ops=max_ops,
             keys=tuple(x.name for x in tensors),
             key_ndim=np.asarray([1 + len(x.slice_shape) for x in tensors], np.int8),
-            pieces=PieceTable(np.asarray(self.p_key, np.int32), np.asarray(self.p_off, i64).reshape(-1, width),
-                              np.asarray(self.p_len, i64).reshape(-1, width), np.asarray(self.p_bytes, i64)),
+            pieces=PieceTable(
+                np.asarray(self.p_key, np.int32),
+                np.asarray(self.p_off, i64).reshape(-1, width),
+                np.asarray(self.p_len, i64).reshape(-1, width),
+                np.asarray(self.p_bytes, i64),
+            ),
             reads=ReadTable(col(reads, 0, np.int32), col(reads, 1, np.int32), col(reads, 2, i64)),
-            sends=SendTable(col(sends, 0, np.int32), col(sends, 1, np.int32), col(sends, 2, np.int32),
-                            col(sends, 3, i64), col(sends, 4, np.int32)),
-            deliveries=DeliveryTable(col(dlv, 0, np.int32), col(dlv, 1, np.int32), col(dlv, 2, np.int32),
-                                     np.full(len(dlv), -1, i64),
-                                     np.asarray([x[3] for x in dlv], i64).reshape(-1, width), col(dlv, 4, i64)),
-            num_rounds=num_rounds, cost=cost,
-            views=ViewTable(np.asarray(self.v_rank, np.int32), np.asarray(self.v_param, np.int32),
-                            np.full(len(self.v_rank), -1, i64), np.asarray(self.v_off, i64).reshape(-1, width)),
+            sends=SendTable(
+                col(sends, 0, np.int32),
+                col(sends, 1, np.int32),
+                col(sends, 2, np.int32),
+                col(sends, 3, i64),
+                col(sends, 4, np.int32),
+            ),
+            deliveries=DeliveryTable(
+                col(dlv, 0, np.int32),
+                col(dlv, 1, np.int32),
+                col(dlv, 2, np.int32),
+                np.full(len(dlv), -1, i64),
+                np.asarray([x[3] for x in dlv], i64).reshape(-1, width),
+                col(dlv, 4, i64),
+            ),
+            num_rounds=num_rounds,
+            cost=cost,
+            views=ViewTable(
+                np.asarray(self.v_rank, np.int32),
+                np.asarray(self.v_param, np.int32),
+                np.full(len(self.v_rank), -1, i64),
+                np.asarray(self.v_off, i64).reshape(-1, width),
+            ),
             copies=CopyTable(col(copies, 0, np.int32), col(copies, 1, np.int32), col(copies, 2, i64)),
-            rank=rank, basis=basis,
+            rank=rank,
+            basis=basis,
         )
 
 
