@@ -123,11 +123,10 @@ class ReshardPlan:
     fingerprint: str = field(default="")
 
 
-def _cells(holds: list[np.ndarray], needs_off: np.ndarray, needs_len: np.ndarray, nd: int,
-           max_cell: int, itemsize: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
+def _cells(holds: list[np.ndarray], needs_off: np.ndarray, needs_len: np.ndarray,
+           nd: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
     """``[(need row, cell off, cell len)]``: each need box cut at every boundary of the unit's
-    holdings and needs (``holds``: ``[off, len]`` arrays), and along its first dim of more than one
-    index where a cell exceeds ``max_cell`` bytes."""
+    holdings and needs (``holds``: ``[off, len]`` arrays)."""
     cuts = []
     for d in range(nd):
         pts = [needs_off[:, d], needs_off[:, d] + needs_len[:, d]]
@@ -145,8 +144,7 @@ def _cells(holds: list[np.ndarray], needs_off: np.ndarray, needs_len: np.ndarray
         for combo in _product(axes):
             off = np.asarray([lo for lo, _ in combo], np.int64)
             ln = np.asarray([hi - lo for lo, hi in combo], np.int64)
-            for o, n in _split(off, ln, max_cell, itemsize):
-                out.append((i, o, n))
+            out.append((i, off, ln))
     return out
 
 
@@ -211,22 +209,25 @@ def plan_reshard(units: Units, holds: BoxRows, needs: BoxRows, topology: Topolog
         nd = int(units.ndim[u])
         hrows = h_by_unit[u]
         h_off, h_len = holds.off[hrows, :nd], holds.len[hrows, :nd]
-        cells = _cells([h_off, h_off + h_len], needs.off[nrows, :nd], needs.len[nrows, :nd], nd,
-                       max(1, staging_bytes), int(units.itemsize[u]))
-        for i, off, ln in cells:
+        cells = _cells([h_off, h_off + h_len], needs.off[nrows, :nd], needs.len[nrows, :nd], nd)
+        for i, cell_off, cell_len in cells:
             row = int(nrows[i])
             rank = int(needs.rank[row])
-            dst = needs.local[row, :nd] + off - needs.off[row, :nd]
-            inside = np.all((h_off <= off) & (off + ln <= h_off + h_len), axis=1) if len(hrows) else np.zeros(0, bool)
+            inside = (np.all((h_off <= cell_off) & (cell_off + cell_len <= h_off + h_len), axis=1) if len(hrows)
+                      else np.zeros(0, bool))
             if not inside.any():
-                storage.append((u, rank, int(needs.param[row]), int(needs.slot[row]), off, ln, dst))
+                dst = needs.local[row, :nd] + cell_off - needs.off[row, :nd]
+                storage.append((u, rank, int(needs.param[row]), int(needs.slot[row]), cell_off, cell_len, dst))
                 continue
-            key = (u, off.tobytes(), ln.tobytes())
-            pid = piece_of.get(key)
-            if pid is None:
-                pid = piece_of[key] = len(pieces)
-                pieces.append((u, off, ln))
-            dlv.setdefault((pid, rank), []).append((int(needs.param[row]), int(needs.slot[row]), dst))
+            # A cell that travels is cut to the staging budget (storage cells are the load planner's).
+            for off, ln in _split(cell_off, cell_len, max(1, staging_bytes), int(units.itemsize[u])):
+                dst = needs.local[row, :nd] + off - needs.off[row, :nd]
+                key = (u, off.tobytes(), ln.tobytes())
+                pid = piece_of.get(key)
+                if pid is None:
+                    pid = piece_of[key] = len(pieces)
+                    pieces.append((u, off, ln))
+                dlv.setdefault((pid, rank), []).append((int(needs.param[row]), int(needs.slot[row]), dst))
 
     # Sources, per (piece, rank) in a fixed order: the rank's own copy, else the least-loaded
     # holder on its node, else anywhere.
