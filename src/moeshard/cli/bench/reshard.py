@@ -156,7 +156,8 @@ def _rank_main(idx: int, cfg: Config, ports: tuple, out_dir: str) -> None:
             rep = moeshard.reshard(new, layout, old, cfg.checkpoint, dense_from_storage="allow")
             t = _max(time.perf_counter() - t0)
             row = dict(seconds=t, read_bytes=_sum(rep.bytes_read_rank), received_bytes=_sum(rep.bytes_received_rank),
-                       copied_bytes=_sum(rep.bytes_copied_rank), storage_boxes=len(rep.storage_boxes))
+                       copied_bytes=_sum(rep.bytes_copied_rank), storage_boxes=len(rep.storage_boxes),
+                       phases={k: round(_max(v), 4) for k, v in rep.phase_seconds.items()})
             if "reshard" not in rows or t < rows["reshard"]["seconds"]:
                 rows["reshard"] = row
             del new
@@ -168,7 +169,8 @@ def _rank_main(idx: int, cfg: Config, ports: tuple, out_dir: str) -> None:
             rep = moeshard.load(new, cfg.checkpoint, placement=new_pl)
             t = _max(time.perf_counter() - t0)
             row = dict(seconds=t, read_bytes=_sum(rep.bytes_read_rank), received_bytes=_sum(rep.bytes_received_rank),
-                       copied_bytes=0, storage_boxes=-1)
+                       copied_bytes=0, storage_boxes=-1,
+                       phases={k: round(_max(v), 4) for k, v in rep.phase_seconds.items()})
             if "reload" not in rows or t < rows["reload"]["seconds"]:
                 rows["reload"] = row
             del new
