@@ -209,7 +209,7 @@ def test_node_loss_survivors_reshard_from_live_peers_and_continue(tmp_path):
     ctx.set_forkserver_preload(["torch", "torch.distributed", "transformers", "moeshard", "tiny_hf", __name__])
     ports = tuple(_free_port() for _ in range(4))
     procs = [ctx.Process(target=_rank_main, args=(i, ports, root, ckpt), daemon=True) for i in range(WORLD)]
-    alive = start_and_join(procs, 4 * BACKSTOP_S)
+    alive = start_and_join(procs, 280)  # within pytest's 300 s: a hang is reported as one
     assert not alive, f"processes {alive} still running (a hang)"
     assert all(procs[v].exitcode == -signal.SIGKILL for v in VICTIMS)
     res = {}
