@@ -23,6 +23,7 @@ group's; a joiner holds nothing.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -160,9 +161,12 @@ def _product(axes: list[list[tuple[int, int]]]):
 def _split(off: np.ndarray, ln: np.ndarray, max_cell: int, itemsize: int):
     """The cell, cut along its first dim of length > 1 into runs of at most ``max_cell`` bytes
     (a run is at least one index: a larger index stays whole)."""
-    nbytes = int(np.prod(ln)) * itemsize
+    nbytes = math.prod(ln.tolist()) * itemsize
+    if nbytes <= max_cell:
+        yield off, ln
+        return
     dims = np.flatnonzero(ln > 1)
-    if nbytes <= max_cell or not len(dims):
+    if not len(dims):
         yield off, ln
         return
     d = int(dims[0])
@@ -198,6 +202,7 @@ def plan_reshard(units: Units, holds: BoxRows, needs: BoxRows, topology: Topolog
     n_by_unit = _group(needs.unit, len(units.keys))
 
     pieces: list[tuple[int, np.ndarray, np.ndarray]] = []  # (unit, off, len)
+    holders_of: dict[int, np.ndarray] = {}  # piece -> rows of holds that hold it
     piece_of: dict[tuple, int] = {}
     # (piece, rank) -> rows of needs with the local offset of the piece
     dlv: dict[tuple[int, int], list[tuple[int, int, np.ndarray]]] = {}
@@ -227,26 +232,20 @@ def plan_reshard(units: Units, holds: BoxRows, needs: BoxRows, topology: Topolog
                 if pid is None:
                     pid = piece_of[key] = len(pieces)
                     pieces.append((u, off, ln))
+                    holders_of[pid] = hrows[inside]  # those holding the cell hold each of its pieces
                 dlv.setdefault((pid, rank), []).append((int(needs.param[row]), int(needs.slot[row]), dst))
 
     # Sources, per (piece, rank) in a fixed order: the rank's own copy, else the least-loaded
     # holder on its node, else anywhere.
     sent = np.zeros(world, np.int64)
-    holders_of: dict[int, np.ndarray] = {}
     views: list[tuple[int, int, int, np.ndarray]] = []  # (rank, param, slot, local off)
     view_of: dict[tuple[int, int], int] = {}
     copies: list[tuple[int, int]] = []  # (view, piece)
     sends: list[tuple[int, int, int, int]] = []  # (src, dst, piece, view)
     pbytes = np.asarray([int(np.prod(ln)) * int(units.itemsize[u]) for u, _, ln in pieces], np.int64)
     for (pid, rank) in sorted(dlv):
-        u, off, ln = pieces[pid]
-        nd = int(units.ndim[u])
-        hs = holders_of.get(pid)
-        if hs is None:
-            hrows = h_by_unit[u]
-            inside = np.all((holds.off[hrows, :nd] <= off) & (off + ln <= holds.off[hrows, :nd] + holds.len[hrows, :nd]),
-                            axis=1)
-            hs = holders_of[pid] = hrows[inside]
+        u, off, _ = pieces[pid]
+        hs = holders_of[pid]
         ranks = holds.rank[hs]
         own = hs[ranks == rank]
         if len(own):
