@@ -30,7 +30,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `moeshar
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from benchmarks.bench_plan import _run  # noqa: E402
+from benchmarks.bench_plan import run_timed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_HEADER_BYTES = 100_000_000  # the safetensors format's limit on the header's JSON
@@ -81,7 +81,7 @@ def write_max_header_file(path: Path, header_bytes: int = MAX_HEADER_BYTES) -> t
 def measure(path: Path, repeat: int) -> dict:
     """Median wall / CPU seconds and the largest peak RSS of ``repeat`` inspect runs."""
     cmd = [sys.executable, "-m", "moeshard.cli", "inspect", str(path)]
-    runs = [_run(cmd) for _ in range(repeat)]
+    runs = [run_timed(cmd) for _ in range(repeat)]
     walls = [r[1] for r in runs]
     return {"command": " ".join(["python"] + cmd[1:]), "wall_s": statistics.median(walls),
             "cpu_s": statistics.median(r[2] for r in runs), "peak_rss_bytes": max(r[3] for r in runs),

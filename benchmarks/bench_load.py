@@ -39,7 +39,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moeshard.ops.load import _read_peak_rss, _reset_peak_rss  # noqa: E402
+from moeshard.ops.peak_rss import read_peak_rss, reset_peak_rss  # noqa: E402
 
 MOESHARD_MODES = ("shared", "node", "single")
 BASELINE_NAMES = ("rank0-broadcast", "chunk-broadcast-loop", "node-local-p2p")
@@ -177,7 +177,7 @@ def read_floor(path: Path) -> dict:
 # -- per-rank measurement -------------------------------------------------------------------
 
 
-def _malloc_trim() -> None:
+def malloc_trim() -> None:
     """Hand freed heap back to the OS so the next strategy's RSS baseline is not inflated."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -186,7 +186,7 @@ def _malloc_trim() -> None:
 
 
 # The peak-RSS high-water mark (VmHWM) is reset and read as load() itself does it.
-_reset_hwm, _read_hwm = _reset_peak_rss, _read_peak_rss
+_reset_hwm, _read_hwm = reset_peak_rss, read_peak_rss
 
 
 class RssMonitor:
@@ -243,7 +243,7 @@ def _run_strategy(name: str, model, target, placement, ckpt: str, spec: dict) ->
 
     target.zero_()
     gc.collect()
-    _malloc_trim()
+    malloc_trim()
     dist.barrier()
     row: dict = {"error": ""}
     with RssMonitor() as mon:
@@ -329,7 +329,7 @@ def rank_main(spec: dict) -> dict:
         out["layouts"].append(lay)
         del target, model, mesh
         gc.collect()
-        _malloc_trim()
+        malloc_trim()
     return out
 
 
@@ -636,13 +636,13 @@ def main(argv=None) -> dict:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(res, indent=2, default=_json_default))
+    tmp.write_text(json.dumps(res, indent=2, default=json_default))
     os.replace(tmp, out)
     print(f"\n[bench_load] wrote {out}; ranks {ranks_s:.0f} s, total {res['total_seconds']:.0f} s", flush=True)
     return res
 
 
-def _json_default(o):
+def json_default(o):
     import numpy as np
 
     if isinstance(o, np.integer):

@@ -115,7 +115,7 @@ def write_sparse_checkpoint(index: CheckpointIndex, cfg: dict, root: Path) -> in
     return sum(p.stat().st_blocks * 512 for p in root.iterdir())
 
 
-def _run(cmd: list[str], env: dict | None = None) -> tuple[str, float, float, int]:
+def run_timed(cmd: list[str], env: dict | None = None) -> tuple[str, float, float, int]:
     """stdout, wall seconds, CPU seconds (user + sys) and peak RSS bytes of one child process
     (``env``: variables set for it on top of this process's)."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
@@ -135,7 +135,7 @@ def _repeated(cmd: list[str], repeat: int) -> tuple[list[str], dict]:
     """Every run's stdout; median wall / CPU seconds and peak RSS over ``repeat`` runs."""
     walls, cpus, rss, outs = [], [], [], []
     for _ in range(repeat):
-        out, wall, cpu, peak = _run(cmd)
+        out, wall, cpu, peak = run_timed(cmd)
         outs.append(out)
         walls.append(wall)
         cpus.append(cpu)
@@ -295,7 +295,7 @@ def bench_compare(config: Path, baseline: Path, worlds: list[int], repeat: int) 
         runs: dict[str, list] = {k: [] for k in sides}
         for _ in range(repeat):
             for side, src in sides.items():
-                runs[side].append(_run(cmd, {"PYTHONPATH": src}))
+                runs[side].append(run_timed(cmd, {"PYTHONPATH": src}))
         row = {"world_size": world, "command": "moeshard plan " + " ".join(cmd[4:-1])}
         strategies = {}
         for side, rs in runs.items():

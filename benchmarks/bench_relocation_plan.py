@@ -50,13 +50,17 @@ def child(world: int, mode: str) -> dict:
 
     from moeshard import eplb
     from moeshard._gc import paused_gc
-    from moeshard.cli.plan import _cluster, _open_checkpoint
+    from moeshard.cli import plan as cli_plan
     from moeshard.cluster.model import synthesize_descs
     from moeshard.dtypes import itemsize
     try:
         from moeshard.models.shards import local_boxes
     except ImportError:  # --src: a tree from before models/layout.py was split
-        from moeshard.models.layout import _local_boxes as local_boxes
+        from moeshard.models import layout
+        local_boxes = layout._local_boxes
+    # --src: a tree from before these helpers of ``moeshard plan`` had public names
+    open_checkpoint = getattr(cli_plan, "open_checkpoint", None) or cli_plan._open_checkpoint
+    cluster_and_placement = getattr(cli_plan, "cluster_and_placement", None) or cli_plan._cluster
     from moeshard.plan.relocation import ExpertTensor, plan_relocation
 
     nodes = world // 8
@@ -64,8 +68,8 @@ def child(world: int, mode: str) -> dict:
                            placement=None, placement_format=None, redundant=256, nodes=nodes, ranks_per_node=8,
                            ep=min(256, world), efsdp=max(1, world // 256))
     with paused_gc():
-        index, _, _, layout = _open_checkpoint(args)
-        cluster, old = _cluster(args, layout)
+        index, _, _, layout = open_checkpoint(args)
+        cluster, old = cluster_and_placement(args, layout)
         descs = synthesize_descs(layout, index, cluster)
         loads = np.random.default_rng(0).zipf(1.5, (old.num_layers, old.num_logical)).astype(np.float32).clip(max=1e4)
         new = eplb.rebalance(loads, old, num_physical=old.num_physical, num_ranks=cluster.ep,

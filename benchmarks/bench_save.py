@@ -40,9 +40,9 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_load import (  # noqa: E402
-    MiB, _json_default, checkpoint_path, _malloc_trim, _read_hwm, _reset_hwm, checkpoint_bytes, ensure_checkpoint, meta_model,
-    model_dims,
+    MiB, json_default, checkpoint_path, malloc_trim, checkpoint_bytes, ensure_checkpoint, meta_model, model_dims,
 )
+from moeshard.ops.peak_rss import read_peak_rss, reset_peak_rss  # noqa: E402
 
 WORLD = 4
 DEFAULT_LAYOUTS = "4x1,2x2"
@@ -84,7 +84,7 @@ def rank_main(spec: dict) -> list[dict]:
                 if rank == 0:
                     shutil.rmtree(out, ignore_errors=True)
                 gc.collect()
-                _malloc_trim()
+                malloc_trim()
                 dist.barrier()
                 t0 = time.perf_counter()
                 rep = save(model, out, placement, max_shard_bytes=spec["shard_bytes"],
@@ -112,13 +112,13 @@ def single_process(ckpt: Path, dims: dict, out_root: Path, shard_bytes: int, rep
         out = out_root / "hf"
         shutil.rmtree(out, ignore_errors=True)
         gc.collect()
-        _malloc_trim()
-        hwm = _reset_hwm()
+        malloc_trim()
+        hwm = reset_peak_rss()
         rss0 = _rss()
         t0 = time.perf_counter()
         model.save_pretrained(out, max_shard_size=shard_bytes)
         wall = time.perf_counter() - t0
-        peak = _read_hwm() if hwm else None
+        peak = read_peak_rss() if hwm else None
         t1 = time.perf_counter()
         for p in sorted(out.iterdir()):
             fd = os.open(p, os.O_RDONLY)
@@ -129,7 +129,7 @@ def single_process(ckpt: Path, dims: dict, out_root: Path, shard_bytes: int, rep
         out = out_root / "single"
         shutil.rmtree(out, ignore_errors=True)
         gc.collect()
-        _malloc_trim()
+        malloc_trim()
         t0 = time.perf_counter()
         rep = save(model, out, max_shard_bytes=shard_bytes)
         res["moeshard_single"].append({"wall_seconds": time.perf_counter() - t0, "dir": str(out),
@@ -338,7 +338,7 @@ def main(argv=None) -> dict:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(res, indent=2, default=_json_default))
+    tmp.write_text(json.dumps(res, indent=2, default=json_default))
     os.replace(tmp, out)
     print(f"\n[bench_save] wrote {out}; total {res['total_seconds']:.0f} s", flush=True)
     return res

@@ -34,8 +34,8 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 import psutil
 import torch
 
-from benchmarks.bench_load import _malloc_trim  # noqa: E402
-from moeshard.ops.load import _read_peak_rss, _reset_peak_rss  # noqa: E402
+from benchmarks.bench_load import malloc_trim  # noqa: E402
+from moeshard.ops.peak_rss import read_peak_rss, reset_peak_rss  # noqa: E402
 
 STEPS, LR, SEQ = 2, 1e-3, 64
 
@@ -54,7 +54,7 @@ def _settle() -> None:
     """Free what is garbage and hand freed heap back to the OS (glibc keeps it otherwise), so
     an RSS baseline counts live memory only."""
     gc.collect()
-    _malloc_trim()
+    malloc_trim()
 
 
 def _rss() -> int:
@@ -62,14 +62,14 @@ def _rss() -> int:
 
 
 def _peak_rss() -> int:
-    peak = _read_peak_rss()
+    peak = read_peak_rss()
     if peak is None:
         raise RuntimeError("this benchmark needs Linux's VmHWM (/proc/self/status)")
     return peak
 
 
 def _vmhwm_reset() -> None:
-    if not _reset_peak_rss():
+    if not reset_peak_rss():
         raise RuntimeError("this benchmark needs a resettable VmHWM (/proc/self/clear_refs)")
 
 

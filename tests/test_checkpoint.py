@@ -498,9 +498,9 @@ def test_project_writers_produce_tiled_files(tmp_path):
 
 def test_header_size_limit_is_the_formats(tmp_path):
     """100,000,000 bytes (safetensors' MAX_HEADER_SIZE), not 100 MiB."""
-    from moeshard.io.checkpoint import _MAX_HEADER_BYTES
+    from moeshard.io.checkpoint import MAX_HEADER_BYTES
 
-    assert _MAX_HEADER_BYTES == 100_000_000
+    assert MAX_HEADER_BYTES == 100_000_000
     f = tmp_path / "big.safetensors"
     with open(f, "wb") as fh:
         fh.write(struct.pack("<Q", 100_000_001) + b"{}")

@@ -20,7 +20,7 @@ import pytest
 from mp import run_ranks
 
 
-def _write_tiny(path: str) -> None:
+def write_tiny(path: str) -> None:
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -48,7 +48,7 @@ def verify_worker(argvs: list[list[str]]) -> list:
 def test_verify_command(tmp_path):
     pytest.importorskip("transformers")
     ckpt = str(tmp_path / "tiny")
-    _write_tiny(ckpt)
+    write_tiny(ckpt)
     rng = np.random.default_rng(0)
     placement = np.stack([rng.permutation(np.concatenate([np.arange(8), [1, 2, 3, 4]])) for _ in range(2)])
     np.save(tmp_path / "placement.npy", placement)

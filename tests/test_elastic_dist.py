@@ -36,7 +36,7 @@ import moeshard
 import expert_values
 import tiny_moe
 from moeshard import eplb
-from moeshard._launch import _free_port
+from moeshard._launch import free_port
 from expert_values import checkpoint_pairs
 from mp import start_and_join
 
@@ -258,7 +258,7 @@ def test_survivors_recover_and_joiner_is_fed_by_live_ranks(tmp_path):
     tiny_moe.write(os.path.join(root, "tiny"))
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "moeshard", "tiny_moe", __name__])
-    ports = (_free_port(), _free_port())
+    ports = (free_port(), free_port())
     procs = [ctx.Process(target=_rank_main, args=(i, ports, root, root), daemon=True) for i in range(WORLD + 1)]
     alive = start_and_join(procs, 4 * BACKSTOP_S)
     assert not alive, f"processes {alive} still running (a hang)"

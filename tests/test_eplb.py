@@ -257,21 +257,21 @@ def test_capped_counts():
     """The old counts capped at replicate_experts' heaviest copy: the copies still fill the
     slots, every expert keeps one, no copy is over the cap, and fewer counts change than with
     replicate_experts' own counts."""
-    from moeshard.eplb.aware import _capped_counts
-    from moeshard.eplb.oblivious import _replicate
+    from moeshard.eplb.aware import capped_counts
+    from moeshard.eplb.oblivious import replicate_experts
 
     rng = np.random.default_rng(5)
     w = zipf_trace(6, 32, 1, seed=2, alpha=1.2)[0] * rng.lognormal(0, 0.5, size=(6, 32))
     old = 1 + rng.multinomial(8, np.ones(32) / 32, size=6)  # 40 slots, counts unrelated to w
-    _, repl = _replicate(w, 40)
+    _, repl = replicate_experts(w, 40)
     cap = (w / repl).max(1)
     for factor in (1.0, 1.3):
-        c = _capped_counts(w, old, cap * factor)
+        c = capped_counts(w, old, cap * factor)
         assert (c.sum(1) == 40).all() and (c >= 1).all()
         assert ((w / c).max(1) <= cap * factor * (1 + 1e-9)).all()
         assert (np.maximum(c - old, 0).sum(1) <= np.maximum(repl - old, 0).sum(1)).all()
     # counts already within the cap do not change
-    np.testing.assert_array_equal(_capped_counts(w, repl, cap), repl)
+    np.testing.assert_array_equal(capped_counts(w, repl, cap), repl)
 
 
 @pytest.mark.parametrize("groups", [None, 8])
@@ -281,7 +281,7 @@ def test_capped_counts_candidate_moves_no_more(groups, monkeypatch):
     drifting trace, per layer no more moved copies than without it and fewer on some layers,
     at the same balance guarantee."""
     from moeshard.eplb import aware
-    from moeshard.eplb.metrics import _held, _moves3
+    from moeshard.eplb.metrics import held_by_rank, moves3
 
     cfg = dict(num_physical=144, num_ranks=16, num_nodes=2, num_groups=groups)
     trace = zipf_trace(8, 128, 3, seed=11, alpha=1.2, drift=0.1)
@@ -295,9 +295,9 @@ def test_capped_counts_candidate_moves_no_more(groups, monkeypatch):
         _check(new, load, cfg, np.ones(16, dtype=bool), duplicates_ok=True)
         b_ref = eplb.balance(load, eplb.reference(load, **cfg), 16)
         assert (eplb.balance(load, new, 16) <= b_ref * (1 + 1e-12)).all()
-        held = _held(cur.phy2log.reshape(8, 16, 9), 128)
-        m_new = _moves3(held, new.phy2log.reshape(8, 16, 9))
-        m_without = _moves3(held, without.phy2log.reshape(8, 16, 9))
+        held = held_by_rank(cur.phy2log.reshape(8, 16, 9), 128)
+        m_new = moves3(held, new.phy2log.reshape(8, 16, 9))
+        m_without = moves3(held, without.phy2log.reshape(8, 16, 9))
         assert (m_new <= m_without).all(), (m_new, m_without)
         fewer += int((m_new < m_without).sum())
         cur = new

@@ -140,25 +140,25 @@ def errors_worker(root: str) -> dict:
         odd = OddHiddenMoE()
     res["efsdp-uneven"] = _attempt(lambda: moeshard.parallelize(
         odd, mesh, moeshard.Placement.contiguous(1, tiny_moe.NUM_EXPERTS, 2)))
-    # The agreement itself (moeshard._dist): shares of every size reach every rank, a share too
+    # The agreement itself (moeshard.collectives): shares of every size reach every rank, a share too
     # large for the one exchange included (rank 1's); a failure on one rank and fingerprints that
     # split the ranks two ways or differ on every rank raise on every rank.
-    from moeshard import _dist
+    from moeshard import collectives
 
     share = {1: "x" * 5000, 2: None}.get(rank, ("rank", rank, b"\x00" * rank))
-    res["gather-shares"] = _dist.agree_and_gather(lambda: rank * 10, "gathering", share=lambda r: (r, share))
-    res["gather-small"] = _dist.agree_and_gather(lambda: rank, "gathering", share=lambda r: r)
+    res["gather-shares"] = collectives.agree_and_gather(lambda: rank * 10, "gathering", share=lambda r: (r, share))
+    res["gather-small"] = collectives.agree_and_gather(lambda: rank, "gathering", share=lambda r: r)
 
     def fail_on_3():
         if rank == 3:
             raise ValueError("rank 3 cannot")
         return rank
 
-    res["gather-fails"] = _attempt(lambda: _dist.agree_and_gather(fail_on_3, "gathering", share=lambda r: r))
-    res["agree-fails"] = _attempt(lambda: _dist.agree(fail_on_3, "agreeing", fingerprint=str))
-    res["agree-same"] = _dist.agree(lambda: rank, "agreeing", fingerprint=lambda r: "plan-A")
-    res["agree-halves"] = _attempt(lambda: _dist.agree(lambda: rank, "agreeing", fingerprint=lambda r: f"plan-{r // 2}"))
-    res["agree-all-differ"] = _attempt(lambda: _dist.agree(lambda: rank, "agreeing", fingerprint=str))
+    res["gather-fails"] = _attempt(lambda: collectives.agree_and_gather(fail_on_3, "gathering", share=lambda r: r))
+    res["agree-fails"] = _attempt(lambda: collectives.agree(fail_on_3, "agreeing", fingerprint=str))
+    res["agree-same"] = collectives.agree(lambda: rank, "agreeing", fingerprint=lambda r: "plan-A")
+    res["agree-halves"] = _attempt(lambda: collectives.agree(lambda: rank, "agreeing", fingerprint=lambda r: f"plan-{r // 2}"))
+    res["agree-all-differ"] = _attempt(lambda: collectives.agree(lambda: rank, "agreeing", fingerprint=str))
     # After all that, the group still works: a good load is exact and verifies.
     tiny_moe.scramble(model)
     moeshard.load(model, good, placement=pl)

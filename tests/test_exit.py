@@ -18,7 +18,7 @@ import textwrap
 
 import pytest
 
-from moeshard._launch import _free_port
+from moeshard._launch import free_port
 
 pytestmark = pytest.mark.dist
 
@@ -27,7 +27,7 @@ RUNS = 3
 
 def _torchrun(args: list[str], nproc: int = 2, timeout: float = 180) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--master-port={_free_port()}", *args]
+           f"--master-port={free_port()}", *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -82,10 +82,10 @@ def test_exit_process_ends_where_a_plain_exit_aborts(tmp_path):
 
 def test_verify_under_torchrun_exits_zero_every_time(tmp_path):
     pytest.importorskip("transformers")
-    from test_cli import _write_tiny
+    from test_cli import write_tiny
 
     ckpt = str(tmp_path / "tiny")
-    _write_tiny(ckpt)
+    write_tiny(ckpt)
     for run in range(RUNS):
         res = _torchrun(["-m", "moeshard.cli", "verify", ckpt, "--ep", "2"])
         assert res.returncode == 0, f"run {run}: exit {res.returncode}\n{res.stderr[-3000:]}"

@@ -14,7 +14,7 @@ import pytest
 
 from moeshard.io.checkpoint import CheckpointIndex, TensorInfo
 from moeshard.io.formats import (
-    MAX_LISTED, ExpertKey, ExpertTensor, check, layer_of, parse_expert_key, recognize, scale_keys, scaled_weight,
+    MAX_LISTED, ExpertKey, ExpertTensorInfo, check, layer_of, parse_expert_key, recognize, scale_keys, scaled_weight,
 )
 from moeshard.models.adapters import ExpertParam, expert_params
 
@@ -112,9 +112,9 @@ def test_qwen3_moe_per_expert_keys():
     assert g.key(m.module, 2) == "model.layers.3.mlp.experts.2.down_proj.weight"
     assert fmt.num_experts == 4
     assert fmt.expert_tensors == (
-        ExpertTensor("gate_proj.weight", (4, 8), "BF16", 64, False),
-        ExpertTensor("up_proj.weight", (4, 8), "BF16", 64, False),
-        ExpertTensor("down_proj.weight", (8, 4), "BF16", 64, False),
+        ExpertTensorInfo("gate_proj.weight", (4, 8), "BF16", 64, False),
+        ExpertTensorInfo("up_proj.weight", (4, 8), "BF16", 64, False),
+        ExpertTensorInfo("down_proj.weight", (8, 4), "BF16", 64, False),
     )
     expert_keys = {k for k in entries if ".mlp.experts." in k}
     assert fmt.dense_keys == tuple(k for k in entries if k not in expert_keys)
@@ -152,8 +152,8 @@ def test_fused_gate_up_proj_and_down_proj():
             ("gate_up_proj", True, (0, 1, 2, 3)), ("down_proj", True, (0, 1, 2, 3))]
         assert m.group("gate_up_proj", fused=True).key(m.module) == f"{m.module}.gate_up_proj"
     # The expected slices are one expert's: the expert dim left out.
-    assert fmt.expert_tensors == (ExpertTensor("gate_up_proj", (6, 4), "F32", 96, True),
-                                  ExpertTensor("down_proj", (4, 3), "F32", 48, True))
+    assert fmt.expert_tensors == (ExpertTensorInfo("gate_up_proj", (6, 4), "F32", 96, True),
+                                  ExpertTensorInfo("down_proj", (4, 3), "F32", 48, True))
     assert fmt.num_experts == 4 and fmt.dense_keys == ("model.embed_tokens.weight",)
     assert fmt.expert_bytes == 2 * 4 * (96 + 48)
     assert check(fmt) == ()
@@ -173,8 +173,8 @@ def test_deepseek_v3_shared_experts_and_fp8_scales():
     assert m.group("gate_proj.weight_scale_inv").scale_of == "gate_proj.weight"
     assert m.group("gate_proj.weight").scale_of is None
     refs = {r.name: r for r in fmt.expert_tensors}
-    assert refs["gate_proj.weight"] == ExpertTensor("gate_proj.weight", (4, 8), "F8_E4M3", 32, False)
-    assert refs["down_proj.weight_scale_inv"] == ExpertTensor("down_proj.weight_scale_inv", (1, 1), "F32", 4, False)
+    assert refs["gate_proj.weight"] == ExpertTensorInfo("gate_proj.weight", (4, 8), "F8_E4M3", 32, False)
+    assert refs["down_proj.weight_scale_inv"] == ExpertTensorInfo("down_proj.weight_scale_inv", (1, 1), "F32", 4, False)
     assert check(fmt) == ()  # FP8 weights beside F32 scales: well-formed
     # The parameters a model has: the scales fused like their weights.
     first = sorted(((g.name, g.infos[0]) for g in m.tensors), key=lambda x: x[1].offset)

@@ -340,13 +340,13 @@ def test_dequantize_any_box_matches_the_expanded_scale():
 
 
 def test_cpu_fp8_table_equals_torch_cast_for_every_code():
-    from moeshard.io.fp8 import _to_float32
+    from moeshard.io.fp8 import to_float32
 
     for dt in (torch.float8_e4m3fn, torch.float8_e5m2):
         codes = torch.arange(256, dtype=torch.uint8).view(dt)
-        assert torch.equal(_to_float32(codes).view(torch.int32), codes.to(torch.float32).view(torch.int32)), dt
+        assert torch.equal(to_float32(codes).view(torch.int32), codes.to(torch.float32).view(torch.int32)), dt
         x = torch.randn(7, 9).to(dt)[:, 2:5]  # a non-contiguous view
-        assert torch.equal(_to_float32(x), x.float())
+        assert torch.equal(to_float32(x), x.float())
 
 
 def test_plan_reports_the_quantization(ckpts, capsys):

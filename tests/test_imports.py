@@ -41,3 +41,23 @@ def test_every_moeshard_import_resolves():
             if not (hasattr(mod, name) or sub):
                 missing.append(f"{path.name}:{line}: {module}.{name}")
     assert not missing, missing
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_no_private_name_imported_from_another_module():
+    """House rule: a name with a leading underscore stays in its module; what modules share is
+    public. Checked in the package, the benchmarks and the tests, imports inside functions
+    included; other projects' private names (torch's) are theirs to keep."""
+    root = SRC.parent.parent
+    ours = ("moeshard", "benchmarks", *(p.stem for p in (root / "tests").glob("*.py")))
+    found = []
+    for folder in ("src", "benchmarks", "tests"):
+        for path in sorted((root / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] in ours):
+                    found += [f"{path.relative_to(root)}:{node.lineno}: {a.name}" for a in node.names
+                              if _is_private(a.name)]
+    assert not found, found

@@ -139,16 +139,16 @@ def test_relocate_refuses_undeclared_per_expert_param(ckpt):
 def test_verify_compares_bytes_in_wide_words():
     """verify's byte comparison (8, 4 or 2 bytes at a time where offsets allow): every changed
     byte is found, at any offset and length; NaNs with equal bits are equal."""
-    from moeshard.ops.verify import _differs
+    from moeshard.ops.verify import bytes_differ
 
     base = torch.arange(256, dtype=torch.uint8)
     for start in range(0, 9):
         for length in (0, 1, 3, 8, 17, 64):
             a = base[start:start + length]
-            assert not bool(_differs(a, a.clone()))
+            assert not bool(bytes_differ(a, a.clone()))
             for pos in {0, length // 2, length - 1} if length else ():
                 b = a.clone()
                 b[pos] ^= 1
-                assert bool(_differs(a, b)), (start, length, pos)
+                assert bool(bytes_differ(a, b)), (start, length, pos)
     x = torch.full((4, 6), float("nan"), dtype=torch.bfloat16)
-    assert not bool(_differs(x[:, 1:5], x.clone()[:, 1:5]))
+    assert not bool(bytes_differ(x[:, 1:5], x.clone()[:, 1:5]))

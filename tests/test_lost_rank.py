@@ -25,8 +25,8 @@ import torch
 
 import moeshard
 import tiny_moe
-from moeshard import _dist
-from moeshard._launch import _free_port
+from moeshard import collectives
+from moeshard._launch import free_port
 from mp import start_and_join
 
 WORLD, LWS, VICTIM = 4, 2, 3
@@ -42,7 +42,7 @@ FAIL_WITHIN_S = 20
 def test_collective_converts_backend_errors_only():
     backend = RuntimeError("[/gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.7]:4242\nmore")
     with pytest.raises(moeshard.PeerLostError) as info:
-        with _dist.collective("moeshard.load: executing the plan", peers=[3, 1, 3]):
+        with collectives.collective("moeshard.load: executing the plan", peers=[3, 1, 3]):
             raise backend
     e = info.value
     assert isinstance(e, moeshard.DistributedError) and e.__cause__ is backend
@@ -51,17 +51,17 @@ def test_collective_converts_backend_errors_only():
                              "(RuntimeError: Connection closed by peer [10.0.0.7]:4242)")
     assert "restart the job, or recover with the survivors" in str(e)
     with pytest.raises(moeshard.PeerLostError, match=r"^moeshard\.save: x: lost contact with a peer"):
-        with _dist.collective("moeshard.save: x"):
+        with collectives.collective("moeshard.save: x"):
             raise torch.distributed.DistBackendError("NCCL communicator was aborted")
     # Not the backend's: unchanged.
     for err in (ValueError("bad input"), moeshard.DistributedError("rank 2: ValueError: bad input")):
         with pytest.raises(type(err)) as info:
-            with _dist.collective("moeshard.load: planning", peers=[1]):
+            with collectives.collective("moeshard.load: planning", peers=[1]):
                 raise err
         assert info.value is err
     # One peer, and the error survives pickling (ranks report errors to launchers).
     with pytest.raises(moeshard.PeerLostError, match="lost contact with rank 2 ") as info:
-        with _dist.collective("op", peers=[2]):
+        with collectives.collective("op", peers=[2]):
             raise RuntimeError("Timed out waiting 5000ms for recv operation to complete")
     again = pickle.loads(pickle.dumps(info.value))
     assert (type(again), str(again), again.peers, again.operation) == (moeshard.PeerLostError, str(info.value), (2,), "op")
@@ -70,11 +70,11 @@ def test_collective_converts_backend_errors_only():
 def test_operation_errors_keep_a_lost_peer():
     lost = moeshard.PeerLostError("op: lost contact with a peer", "op")
     with pytest.raises(moeshard.PeerLostError) as info:
-        with _dist.errors_as(moeshard.SaveError):
+        with collectives.errors_as(moeshard.SaveError):
             raise lost
     assert info.value is lost
     with pytest.raises(moeshard.SaveError, match="rank 1: ValueError: x"):
-        with _dist.errors_as(moeshard.SaveError):
+        with collectives.errors_as(moeshard.SaveError):
             raise moeshard.DistributedError("rank 1: ValueError: x")
 
 
@@ -100,7 +100,7 @@ def _steps(model, pl, root: str) -> dict:
         # storage="single": rank 0 reads everything and sends to the others, the victim too.
         "load-execute": (module("moeshard.ops.load"), "execute_schedule",
                          lambda: moeshard.load(model, ckpt, placement=pl, storage="single")),
-        "load-barrier": (_dist, "barrier", lambda: moeshard.load(model, ckpt, placement=pl)),
+        "load-barrier": (collectives, "barrier", lambda: moeshard.load(model, ckpt, placement=pl)),
         "relocate": (module("moeshard.ops.relocate"), "execute_schedule", lambda: moeshard.relocate(model, pl, new)),
         "save": (module("moeshard.ops.save"), "_write_shards",
                  lambda: moeshard.save(model, os.path.join(root, "out"), placement=pl, fsync=False)),
@@ -159,7 +159,7 @@ def _context():
 def _run_group(name: str, root: str, out_dir: str, timeout: float = 3 * BACKSTOP_S) -> list:
     """Run scenario ``name`` on WORLD forked ranks; every survivor's result (the victim's: None)."""
     ctx = _context()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(name, r, port, root, out_dir), daemon=True) for r in range(WORLD)]
     alive = start_and_join(procs, timeout)
     assert not alive, f"{name}: ranks {alive} still running after {timeout}s (a hang)"

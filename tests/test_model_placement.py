@@ -64,9 +64,9 @@ def worker(root: str) -> dict:
 def test_operations_use_the_models_placement(tmp_path):
     pytest.importorskip("transformers")
     import tiny_moe
-    from test_cli import _write_tiny
+    from test_cli import write_tiny
 
-    _write_tiny(str(tmp_path / "tiny"))
+    write_tiny(str(tmp_path / "tiny"))
     results = run_ranks(worker, str(tmp_path), world=2)
     for res in results:
         assert res["own"] and res["verify_own"] > 0 and res["verify_given"] == res["verify_own"]

@@ -24,7 +24,7 @@ from moeshard.box import Box, full_box
 from moeshard.io.checkpoint import CheckpointIndex, TensorInfo
 from moeshard.cluster import ClusterSpec, find_experts, make_placement, synthesize_descs, synthetic_index
 from moeshard.models.describe import ExpertRef, ParamDesc
-from moeshard.models.layout import _find_key, Need, check_cast, compute_needs, need_table
+from moeshard.models.layout import find_key, Need, check_cast, compute_needs, need_table
 from moeshard.models.shards import param_boxes, rank_boxes, shard_boxes
 from moeshard.plan.needs import NeedTable
 
@@ -67,7 +67,7 @@ def compute_needs_reference(
     for i, d in enumerate(descs):
         per_rank = [(rank, box, tuple(o for o, _ in box)) for rank, box in _reference_rank_boxes(d, world_size)]
         if d.expert is None:
-            key = _find_key(d, index)
+            key = find_key(d, index)
             info = index.info(key)
             check_cast(f"parameter {d.name}", key, index, d.dtype)
             if tuple(info.shape) != d.shape:

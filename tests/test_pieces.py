@@ -13,7 +13,7 @@ from moeshard.io.sources import storage_sources
 from moeshard.models.layout import need_table
 from moeshard.plan import Pieces, cut_pieces, minimal_cost, plan_transfers
 from moeshard.plan.arrays import dense_rank, group_rows, lex_order, pack_rows, unique_rows
-from moeshard.plan.load import _no_transfers, _peak, _plan
+from moeshard.plan.load import no_transfers, peak_held_bytes, plan_pieces
 from moeshard.topology import Topology
 
 
@@ -78,7 +78,7 @@ def test_staging_peak_matches_brute_force():
             holds.append((rng.integers(0, world, m).astype(rng.choice([np.int32, np.int64])),
                           rng.integers(0, 5, m) * 8, first, last))
         num = sum(len(h[0]) for h in holds)
-        assert np.array_equal(_peak(world, num_rounds, num, iter(holds)), _brute_peak(world, num_rounds, holds))
+        assert np.array_equal(peak_held_bytes(world, num_rounds, num, iter(holds)), _brute_peak(world, num_rounds, holds))
 
 
 @pytest.mark.parametrize("world, lws, ep, efsdp, staging", [(8, 4, 4, 2, 1 << 20), (16, 4, 8, 2, 200), (12, 3, 6, 2, 60)])
@@ -188,9 +188,9 @@ def test_a_plan_without_transfers_is_the_planners_plan_of_no_pieces(world, lws, 
     table = need_table(case.descs, case.index, case.placement, world)
     topo = Topology(world, lws)
     for staging, max_ops in ((1 << 20, 64), (60, 2)):
-        slow = _plan(cut_pieces(table.take(np.zeros(len(table), bool)), case.index, staging), topo,
+        slow = plan_pieces(cut_pieces(table.take(np.zeros(len(table), bool)), case.index, staging), topo,
                      np.ones(world, bool), scope, staging, max_ops, base_load=np.arange(world, dtype=np.int64))
-        fast = _no_transfers(table, topo, staging, max_ops)
+        fast = no_transfers(table, topo, staging, max_ops)
         for f in dataclasses.fields(slow):
             a, b = getattr(slow, f.name), getattr(fast, f.name)
             if isinstance(a, np.ndarray):

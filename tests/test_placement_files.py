@@ -277,7 +277,7 @@ def test_verify_reads_every_format(tmp_path):
     """``moeshard verify``'s placement reading, without a process group."""
     from argparse import Namespace
 
-    from moeshard.cli.verify import _placement as verify_placement
+    from moeshard.cli.verify import placement_from_args as verify_placement
 
     pl = _placement()
     write_placement(pl, tmp_path / "sglang.json", format="sglang", moe_layers=[1, 2], num_hidden_layers=3)

@@ -159,11 +159,11 @@ def save_worker(ckpts: dict, out_root: str, scenarios: list) -> list:
                 return real(src, dst)
             msave._replace = boom_index
         if kind == "crash_write" and rank == 2:
-            patched["write"] = msave._ShardWriter.write
+            patched["write"] = msave.ShardWriter.write
 
             def fail_write(self, *a):
                 raise OSError(28, "No space left on device (simulated)")
-            msave._ShardWriter.write = fail_write
+            msave.ShardWriter.write = fail_write
         dist.barrier()
         before = listing(out) if rank == 0 else None
         rec = dict(scenario=sc, rank=rank)
@@ -178,7 +178,7 @@ def save_worker(ckpts: dict, out_root: str, scenarios: list) -> list:
             if "_replace" in patched:
                 msave._replace = patched["_replace"]
             if "write" in patched:
-                msave._ShardWriter.write = patched["write"]
+                msave.ShardWriter.write = patched["write"]
         dist.barrier()
         if rank == 0:
             rec["before"], rec["after"] = before, listing(out)
@@ -411,17 +411,17 @@ def test_writer_boxes_any_order(tmp_path):
     """The streaming writer puts boxes cut along any dims, written in any order, in place."""
     from safetensors.torch import load_file
 
-    from moeshard.ops.save import _ShardWriter
-    from moeshard.plan.save import Segment, _Out, plan_save
+    from moeshard.ops.save import ShardWriter
+    from moeshard.plan.save import Segment, OutputTensor, plan_save
 
     a = torch.arange(5 * 6 * 7, dtype=torch.float32).reshape(5, 6, 7)
     b = torch.arange(3, dtype=torch.bfloat16)
     c = torch.tensor(2.5, dtype=torch.float64)
-    outs = [_Out("a", (5, 6, 7), "F32", [Segment(0, 0, ((0, 5), (0, 6), (0, 7)))]),
-            _Out("b", (3,), "BF16", [Segment(0, 1, ((0, 3),))]),
-            _Out("c", (), "F64", [Segment(0, 2, ())])]
+    outs = [OutputTensor("a", (5, 6, 7), "F32", [Segment(0, 0, ((0, 5), (0, 6), (0, 7)))]),
+            OutputTensor("b", (3,), "BF16", [Segment(0, 1, ((0, 3),))]),
+            OutputTensor("c", (), "F64", [Segment(0, 2, ())])]
     plan = plan_save(outs, 1, max_shard_bytes=2**20, staging_bytes=2**20)
-    w = _ShardWriter(tmp_path / plan.files[0].name, plan, 0)
+    w = ShardWriter(tmp_path / plan.files[0].name, plan, 0)
     boxes = [((1, 3), (2, 3), (4, 3)), ((0, 1), (0, 6), (0, 7)), ((4, 1), (0, 6), (0, 7))]
     for x0 in ((1, 3),):
         for x1 in ((0, 2), (2, 3), (5, 1)):
@@ -438,12 +438,12 @@ def test_writer_boxes_any_order(tmp_path):
 
 
 def test_plan_balances_and_checks_tiling():
-    from moeshard.plan.save import Segment, _Out, plan_save
+    from moeshard.plan.save import Segment, OutputTensor, plan_save
 
     # A [64, 8] tensor FSDP-sharded over 4 ranks, and 8 whole tensors each held by two ranks.
-    outs = [_Out("dense", (64, 8), "F32", [Segment(r, 0, ((16 * r, 16), (0, 8)), (), (-16 * r, 0)) for r in range(4)])]
+    outs = [OutputTensor("dense", (64, 8), "F32", [Segment(r, 0, ((16 * r, 16), (0, 8)), (), (-16 * r, 0)) for r in range(4)])]
     for e in range(8):
-        outs.append(_Out(f"e{e}", (16, 8), "F32", [Segment(r, 1, ((0, 16), (0, 8)), ((e, 1),), (0, 0))
+        outs.append(OutputTensor(f"e{e}", (16, 8), "F32", [Segment(r, 1, ((0, 16), (0, 8)), ((e, 1),), (0, 0))
                                                    for r in (e % 4, (e + 1) % 4)]))
     plan = plan_save(outs, 4, max_shard_bytes=1024, staging_bytes=1024)
     assert plan.cost.write_bytes.sum() == plan.total_bytes == (64 + 8 * 16) * 8 * 4
@@ -454,19 +454,19 @@ def test_plan_balances_and_checks_tiling():
     assert all(x.nbytes <= 256 for b in plan.batches for x in b)  # pieces of a quarter of the budget
     assert all(f.data_bytes <= 1024 or len(f.tensors) == 1 for f in plan.files)
     assert plan.fingerprint == plan_save(outs, 4, max_shard_bytes=1024, staging_bytes=1024).fingerprint
-    empty = plan_save([_Out("z", (0, 4), "F32", [])], 2, 1024, 1024)  # a tensor with no elements
+    empty = plan_save([OutputTensor("z", (0, 4), "F32", [])], 2, 1024, 1024)  # a tensor with no elements
     assert empty.tensors[0].nbytes == 0 and len(empty.files) == 1 and not empty.local_writes[0]
     # A tensor of zeros (nobody holds it: identity experts' rows of an EP model) gets a writer and
     # no pieces; without zeros=True nobody holding it is an error.
-    zeros = plan_save([_Out("a", (4,), "F32", [Segment(0, 0, ((0, 4),))]), _Out("z", (3, 4), "F32", [], zeros=True)],
+    zeros = plan_save([OutputTensor("a", (4,), "F32", [Segment(0, 0, ((0, 4),))]), OutputTensor("z", (3, 4), "F32", [], zeros=True)],
                       2, 1024, 1024)
     assert zeros.tensors[1].zeros and zeros.tensors[1].nbytes == 48
     assert sum(len(w) for w in zeros.local_writes) == 1 and not any(zeros.batches)
     with pytest.raises(ValueError, match="no rank holds any of it"):
-        plan_save([_Out("z", (3, 4), "F32", [])], 2, 1024, 1024)
-    gap = [_Out("g", (10,), "F32", [Segment(0, 0, ((0, 4),)), Segment(1, 0, ((5, 5),))])]
+        plan_save([OutputTensor("z", (3, 4), "F32", [])], 2, 1024, 1024)
+    gap = [OutputTensor("g", (10,), "F32", [Segment(0, 0, ((0, 4),)), Segment(1, 0, ((5, 5),))])]
     with pytest.raises(ValueError, match="gap at offset 4"):
         plan_save(gap, 2, 1024, 1024)
-    overlap = [_Out("o", (10,), "F32", [Segment(0, 0, ((0, 6),)), Segment(1, 0, ((4, 6),))])]
+    overlap = [OutputTensor("o", (10,), "F32", [Segment(0, 0, ((0, 6),)), Segment(1, 0, ((4, 6),))])]
     with pytest.raises(ValueError, match="overlapping"):
         plan_save(overlap, 2, 1024, 1024)

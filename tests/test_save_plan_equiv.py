@@ -186,13 +186,13 @@ def test_tiling_checked_a_chunk_of_tensors_at_a_time():
     """With chunks of one box, a gap or an overlap in any tensor, first or last, is still found
     (and named), and tensors that tile pass."""
     from moeshard.plan import save as S
-    from moeshard.plan.save import Segment, _Out
+    from moeshard.plan.save import Segment, OutputTensor
 
-    def tiled(k: int) -> _Out:
-        return _Out(f"t{k}", (8, 2), "F32", [Segment(r, 0, ((4 * r, 4), (0, 2))) for r in range(2)])
+    def tiled(k: int) -> OutputTensor:
+        return OutputTensor(f"t{k}", (8, 2), "F32", [Segment(r, 0, ((4 * r, 4), (0, 2))) for r in range(2)])
 
-    gap = _Out("gap", (10,), "F32", [Segment(0, 0, ((0, 4),)), Segment(1, 0, ((5, 5),))])
-    overlap = _Out("overlap", (10,), "F32", [Segment(0, 0, ((0, 6),)), Segment(1, 0, ((4, 6),))])
+    gap = OutputTensor("gap", (10,), "F32", [Segment(0, 0, ((0, 4),)), Segment(1, 0, ((5, 5),))])
+    overlap = OutputTensor("overlap", (10,), "F32", [Segment(0, 0, ((0, 6),)), Segment(1, 0, ((4, 6),))])
     chunk = S._CHUNK
     try:
         S._CHUNK = 1

@@ -385,36 +385,36 @@ def test_lora_load_applies_the_cast_rule_and_strict(tmp_path):
 def test_expert_keys_match_the_spec_templates():
     # unused_keys builds every expert's keys by concatenation; any template gives keys() alike.
     from moeshard.models.describe import ExpertRef
-    from moeshard.models.unused import _expert_keys
+    from moeshard.models.unused import expert_checkpoint_keys
 
     params = list(moeshard.HF_EXPERTS.params) + [moeshard.ExpertParam("w", ("{e:03d}.w.weight",)),
                                                  moeshard.ExpertParam("w", ("{e}.w{e}.weight", "bias"))]
     for p in params:
         for module in ("model.layers.3.mlp.experts", ""):
             want = [k for e in range(12) for k in p.keys(module, e)]
-            assert sorted(_expert_keys(ExpertRef(0, module, p), 12)) == sorted(want)
+            assert sorted(expert_checkpoint_keys(ExpertRef(0, module, p), 12)) == sorted(want)
 
 
 def test_adapter_config_is_checked_after_the_key_checks():
     """The adapter checks go on past the key and dtype checks to adapter_config.json's r and
     lora_alpha (a regression: an early return once skipped them)."""
     from moeshard.io.checkpoint import CheckpointIndex
-    from moeshard.ops.lora import _check_adapter
+    from moeshard.ops.lora import check_adapter
 
     empty = CheckpointIndex("adapter", {}, {})
     scalings = {"default": (8, 2.0)}
     with pytest.raises(ValueError, match=r"r=4, the model's adapter 'default' has r=8"):
-        _check_adapter([], empty, {"r": 4, "lora_alpha": 8}, "adapter", scalings)
+        check_adapter([], empty, {"r": 4, "lora_alpha": 8}, "adapter", scalings)
     with pytest.raises(ValueError, match=r"lora_alpha=8 gives scaling 1\.0, the model's adapter 'default' has scaling 2\.0"):
-        _check_adapter([], empty, {"r": 8, "lora_alpha": 8}, "adapter", scalings)
-    assert _check_adapter([], empty, {"r": 8, "lora_alpha": 16}, "adapter", scalings) == ()
+        check_adapter([], empty, {"r": 8, "lora_alpha": 8}, "adapter", scalings)
+    assert check_adapter([], empty, {"r": 8, "lora_alpha": 16}, "adapter", scalings) == ()
 
 
 def test_one_walk_is_torchs_walks(tmp_path):
     """describe_model's single walk of the module tree lists what torch's ``named_modules()``,
     ``named_parameters(remove_duplicate=False)`` and persistent ``named_buffers()`` list, and
     finds peft's wrappers as ``hasattr`` does: a peft model, a plain one, a shared submodule."""
-    from moeshard.models.describe import _has, _walk, preorder
+    from moeshard.models.describe import has_attr, walk_modules, preorder
 
     _, _, build = _qwen_with_lora(tmp_path)
     peft_model = build()
@@ -422,7 +422,7 @@ def test_one_walk_is_torchs_walks(tmp_path):
     tied = torch.nn.Sequential(shared, torch.nn.ReLU(), torch.nn.Sequential(shared, torch.nn.BatchNorm1d(2)))
     tied.register_module("none", None)
     for model in (peft_model, peft_model.base_model.model, tied):
-        tree = _walk(model)
+        tree = walk_modules(model)
         assert list(preorder(model)) == list(model.named_modules(remove_duplicate=False))
         assert tree.modules == list(model.named_modules())
         assert [(n, id(p)) for n, p in tree.params] == [(n, id(p)) for n, p in
@@ -431,5 +431,5 @@ def test_one_walk_is_torchs_walks(tmp_path):
         assert [n for n, _ in tree.buffers] == [n for n, _ in model.named_buffers() if n in persistent]
         for _, mod in tree.modules:
             for attr in ("base_layer", "lora_A", "weight", "training", "forward", "absent"):
-                assert _has(mod, attr) == hasattr(mod, attr), (type(mod).__name__, attr)
-    assert _walk(peft_model).peft and not _walk(tied).peft
+                assert has_attr(mod, attr) == hasattr(mod, attr), (type(mod).__name__, attr)
+    assert walk_modules(peft_model).peft and not walk_modules(tied).peft

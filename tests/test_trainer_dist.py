@@ -49,7 +49,7 @@ STEPS, LR, WORLD, SEQ, LAYERS, EXPERTS = 4, 1e-3, 4, 16, 2, 8
 RTOL = 1e-6
 
 
-def _write_tiny(path: str) -> None:
+def write_tiny(path: str) -> None:
     cfg = transformers.Qwen3MoeConfig(
         vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=LAYERS,
         num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=EXPERTS, num_experts_per_tok=2,
@@ -258,7 +258,7 @@ def _reference(ckpt: str, out: str, sft: bool = False):
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("trainer")
     ckpt = str(root / "tiny")
-    _write_tiny(ckpt)
+    write_tiny(ckpt)
     refs = {"trainer": _reference(ckpt, str(root / "reference"))}
     if _has_trl():
         refs["sft"] = _reference(ckpt, str(root / "reference-sft"), sft=True)

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 # public name -> the module that defines it (relative to this package)
 _EXPORTS = {
     "eplb": (".eplb", None), "lora": (".lora", None),
-    "DistributedError": ("._dist", "DistributedError"), "PeerLostError": ("._dist", "PeerLostError"),
-    "PlanMismatchError": ("._dist", "PlanMismatchError"),
+    "DistributedError": (".collectives", "DistributedError"), "PeerLostError": (".collectives", "PeerLostError"),
+    "PlanMismatchError": (".collectives", "PlanMismatchError"),
     "CheckpointError": (".io.checkpoint", "CheckpointError"), "CheckpointIndex": (".io.checkpoint", "CheckpointIndex"),
     "CheckpointReader": (".io.checkpoint", "CheckpointReader"),
     "write_checkpoint": (".io.checkpoint", "write_checkpoint"),
@@ -68,7 +68,7 @@ def __getattr__(name: str):
     if name.startswith("__"):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     try:
-        sub = importlib.import_module(f".{name}", __name__)  # a submodule: moeshard.io, moeshard._dist ...
+        sub = importlib.import_module(f".{name}", __name__)  # a submodule: moeshard.io, moeshard.collectives ...
     except ModuleNotFoundError as e:
         if e.name != f"{__name__}.{name}":
             raise
@@ -87,7 +87,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the names as eager imports would bind them
     from . import eplb, lora
-    from ._dist import DistributedError, PeerLostError, PlanMismatchError
+    from .collectives import DistributedError, PeerLostError, PlanMismatchError
     from .integrations.pretrained import from_pretrained
     from .io.checkpoint import CheckpointError, CheckpointIndex, CheckpointReader, write_checkpoint
     from .models.adapters import HF_EXPERTS, MIXTRAL_EXPERTS, ExpertParam, ExpertsSpec

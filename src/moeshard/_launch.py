@@ -52,7 +52,7 @@ def exit_process(code: int = 0) -> NoReturn:
     os._exit(code)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -98,7 +98,7 @@ def run_local_ranks(fn: Callable[..., Any], *args: Any, world: int = 4, local_wo
 
     local_world = local_world or world
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_worker, args=(world, local_world, _free_port(), backend, fn, args, out_dir),
+        ctx = mp.start_processes(_worker, args=(world, local_world, free_port(), backend, fn, args, out_dir),
                                  nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import _dist
+from . import collectives
 from .box import box_shape, box_slices
 from .io.checkpoint import CheckpointIndex, CheckpointReader
 from .io.fp8 import dequantize, scale_box
@@ -57,7 +57,7 @@ class ExecStats:
     failures: list = field(default_factory=list)
 
     def check(self) -> "ExecStats":
-        """Raise this rank's first failure, if any (callers run it inside ``_dist.agree``)."""
+        """Raise this rank's first failure, if any (callers run it inside ``collectives.agree``)."""
         if self.failures:
             raise self.failures[0]
         return self
@@ -72,7 +72,7 @@ _NODE_GROUP_CACHE: dict = {"default": None, "world": 0, "groups": {}}
 
 def node_groups(topology: Topology):
     """Collective (every rank of the current group, in the same order): one process group per
-    node of ``topology`` (in the current group's ranks, :func:`moeshard._dist.scope`); returns
+    node of ``topology`` (in the current group's ranks, :func:`moeshard.collectives.scope`); returns
     this rank's.
 
     The groups are created once per default process group and topology and reused by later
@@ -87,12 +87,12 @@ def node_groups(topology: Topology):
     Raises:
         ValueError: no initialized process group, or ``topology`` does not fit the group.
     """
-    if not _dist.is_dist():
+    if not collectives.is_dist():
         raise ValueError("node_groups needs an initialized default process group")
-    rank, world = _dist.rank_and_world()
+    rank, world = collectives.rank_and_world()
     if topology.world_size != world:
         raise ValueError(f"topology has world_size {topology.world_size}, the process group has {world}")
-    members = _dist.group_ranks()
+    members = collectives.group_ranks()
     default = dist.distributed_c10d._get_default_group()
     cache = _NODE_GROUP_CACHE
     if cache["default"] is not default or cache["world"] != dist.get_world_size():
@@ -105,7 +105,7 @@ def node_groups(topology: Topology):
     key = topology.local_world_size if plain else mine
     group = cache["groups"].get(key)
     if group is None or not _is_live(group):
-        with _dist.collective("moeshard: creating the node process groups"):
+        with collectives.collective("moeshard: creating the node process groups"):
             if plain:
                 group, _ = dist.new_subgroups(group_size=topology.local_world_size)
             else:
@@ -362,7 +362,7 @@ def execute_schedule(
     progress: Callable[[int], None] | None = None,
     what: str = "moeshard: running the schedule",
 ) -> ExecStats:
-    """Collective (every rank of the current group, :func:`moeshard._dist.scope`): run
+    """Collective (every rank of the current group, :func:`moeshard.collectives.scope`): run
     ``schedule`` on this rank.
 
     Args:
@@ -389,7 +389,7 @@ def execute_schedule(
     failure = stats.failures
     if len(mine.bcasts) and node_group is None:
         raise ValueError("the schedule has node broadcasts but no node group was given")
-    members = _dist.group_ranks()  # the schedule's ranks are the current group's
+    members = collectives.group_ranks()  # the schedule's ranks are the current group's
     node_size = s.topology.node_sizes()
 
     # This rank's deliveries: {round: {piece: [rows]}} in schedule order.
@@ -536,16 +536,16 @@ def execute_schedule(
             if s.send_src[row] == rank:
                 v = int(s.send_view[row])
                 data = bufs[pid] if v < 0 else source.view(v, pid)
-                ops.append(_dist.p2p(dist.isend, data if data.is_contiguous() else data.contiguous(),
+                ops.append(collectives.p2p(dist.isend, data if data.is_contiguous() else data.contiguous(),
                                      int(s.send_dst[row]), members))
                 stats.bytes_sent += int(s.piece_bytes[pid])
             else:
                 bufs[pid] = empty(pid)
-                ops.append(_dist.p2p(dist.irecv, bufs[pid], int(s.send_src[row]), members))
+                ops.append(collectives.p2p(dist.irecv, bufs[pid], int(s.send_src[row]), members))
                 stats.bytes_received += int(s.piece_bytes[pid])
                 staged += int(s.piece_bytes[pid])
         stats.peak_staging_bytes = max(stats.peak_staging_bytes, staged)
-        wait = _dist.start_p2p(ops, what) if ops else (lambda: None)
+        wait = collectives.start_p2p(ops, what) if ops else (lambda: None)
         if step + 1 < len(rounds):
             read_ahead(rounds[step + 1])
             stats.peak_staging_bytes = max(stats.peak_staging_bytes, staged + ahead_bytes)
@@ -563,7 +563,7 @@ def execute_schedule(
             node = int(s.bcast_node[row])
             if root == rank:
                 stats.bytes_sent += int(s.piece_bytes[pid]) * int(node_size[node] - 1)
-            with _dist.collective(what, set(s.topology.node_ranks(node)) - {rank}):
+            with collectives.collective(what, set(s.topology.node_ranks(node)) - {rank}):
                 dist.broadcast(bufs[pid], src=root if members is None else members[root], group=node_group)
         due = dlv_at.get(t, {})
         if due:
@@ -583,10 +583,10 @@ def exchange(outbox: dict[int, torch.Tensor], inbox: dict[int, torch.Tensor], wh
     ``inbox[r]`` from rank ``r`` in one P2P batch (every peer posts the matching op, e.g.
     verify's digests, whose sizes both sides derive from the same schedule). Returns the
     wait; do local work before calling it."""
-    members = _dist.group_ranks()
-    ops = [_dist.p2p(dist.isend, outbox[r], r, members) for r in sorted(outbox)]
-    ops += [_dist.p2p(dist.irecv, inbox[r], r, members) for r in sorted(inbox)]
-    return _dist.start_p2p(ops, what) if ops else (lambda: None)
+    members = collectives.group_ranks()
+    ops = [collectives.p2p(dist.isend, outbox[r], r, members) for r in sorted(outbox)]
+    ops += [collectives.p2p(dist.irecv, inbox[r], r, members) for r in sorted(inbox)]
+    return collectives.start_p2p(ops, what) if ops else (lambda: None)
 
 
 def _by_round(rounds: np.ndarray, values: np.ndarray) -> dict[int, list[int]]:

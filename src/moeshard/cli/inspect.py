@@ -29,18 +29,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .._gc import paused_gc
-from ..io.checkpoint import DTYPES, INDEX_NAME, CheckpointError, CheckpointIndex, TensorInfo, _read_header, _read_index
-from ..io.formats import MAX_LISTED, ExpertTensor, Problem, check, id_ranges, recognize, shape_str
+from ..io.checkpoint import DTYPES, INDEX_NAME, CheckpointError, CheckpointIndex, TensorInfo, read_header, read_index
+from ..io.formats import MAX_LISTED, ExpertTensorInfo, Problem, check, id_ranges, recognize, shape_str
 from ..io.fp8 import Quantization, quantization
 
 __all__ = [
     "CheckpointSummary",
     "DtypeStat",
-    "ExpertTensor",
+    "ExpertTensorInfo",
     "FileStat",
     "MAX_LISTED",
     "MoeLayer",
-    "MoeLayout",
+    "MoeSummary",
     "Problem",
     "inspect_checkpoint",
     "format_summary",
@@ -79,10 +79,10 @@ class MoeLayer:
 
 
 @dataclass(frozen=True)
-class MoeLayout:
+class MoeSummary:
     layers: tuple[MoeLayer, ...]
     num_experts: int  # the most experts any layer has: what every layer should have
-    expert_tensors: tuple[ExpertTensor, ...]
+    expert_tensors: tuple[ExpertTensorInfo, ...]
     bytes_per_expert: int
     expert_bytes: int
     dense_bytes: int
@@ -99,7 +99,7 @@ class CheckpointSummary:
     total_bytes: int
     dtypes: tuple[DtypeStat, ...]
     files: tuple[FileStat, ...]
-    moe: MoeLayout | None
+    moe: MoeSummary | None
     problems: tuple[Problem, ...]
     quantization: Quantization | None = None
 
@@ -139,7 +139,7 @@ def _read_headers(path: str | os.PathLike) -> _Headers:
 
 def _read_sharded(root: Path) -> _Headers:
     # Names validated as a load validates them; a missing file is reported, not fatal.
-    weight_map = _read_index(root, require_files=False)
+    weight_map = read_index(root, require_files=False)
     problems: list[Problem] = []
     present: dict[str, list[str]] = {}
     for name, keys in weight_map.items():
@@ -153,7 +153,7 @@ def _read_sharded(root: Path) -> _Headers:
     for name, keys in present.items():
         # One file at a time through the validated reader: every key of the file (not only
         # the indexed ones), so keys the index forgot are found too.
-        in_file, sizes[name] = _read_header(root / name, name)
+        in_file, sizes[name] = read_header(root / name, name)
         missing = [k for k in keys if k not in in_file]
         if missing:
             problems.append(Problem(
@@ -256,7 +256,7 @@ def _dtype_problems(tensors: dict[str, TensorInfo]) -> list[Problem]:
     return [Problem("mixed_dtypes", f"floating tensors in {len(count)} dtypes: {parts}; not {main}: {_some(others)}")]
 
 
-def _moe_layout(tensors: dict[str, TensorInfo]) -> tuple[MoeLayout | None, list[Problem]]:
+def _moe_layout(tensors: dict[str, TensorInfo]) -> tuple[MoeSummary | None, list[Problem]]:
     """The report's MoE section from the one recognizer (:mod:`moeshard.io.formats`), and the
     problems it finds."""
     fmt = recognize(tensors)
@@ -265,7 +265,7 @@ def _moe_layout(tensors: dict[str, TensorInfo]) -> tuple[MoeLayout | None, list[
         return None, problems
     layers = tuple(MoeLayer(m.module, len(m.experts), m.nbytes, m.fused) for m in fmt.modules)
     expert_bytes = sum(layer.nbytes for layer in layers)
-    moe = MoeLayout(
+    moe = MoeSummary(
         layers=layers,
         num_experts=fmt.num_experts,
         expert_tensors=fmt.expert_tensors,
@@ -377,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
         "tensors, dtypes, files, the MoE layout, and problems. Exit code 0: no problems; "
         "1: problems found (a checkpoint without MoE layers is one); 2: not a readable checkpoint.",
     )
-    parser.add_argument("checkpoint", help="checkpoint directory, its model.safetensors.index.json, or a .safetensors file")
+    parser.add_argument("checkpoint",
+                        help="checkpoint directory, its model.safetensors.index.json, or a .safetensors file")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON instead of a report")
     args = parser.parse_args(argv)
     try:

@@ -80,7 +80,7 @@ def _load_npy(path: str, what: str) -> np.ndarray:
         raise ValueError(f"{what} {path}: not a readable .npy array ({e})") from None
 
 
-def _open_checkpoint(args: argparse.Namespace) -> tuple[CheckpointIndex, str, dict | None, MoeLayout]:
+def open_checkpoint(args: argparse.Namespace) -> tuple[CheckpointIndex, str, dict | None, MoeLayout]:
     """``(index, source, config or None, layout)`` of CKPT's headers or of the synthetic
     checkpoint ``--synthetic-from-config`` describes."""
     if args.synthetic_from_config:
@@ -105,7 +105,7 @@ def _open_checkpoint(args: argparse.Namespace) -> tuple[CheckpointIndex, str, di
     return index, args.ckpt, cfg, layout
 
 
-def _cluster(args: argparse.Namespace, layout: MoeLayout) -> tuple[ClusterSpec, Placement]:
+def cluster_and_placement(args: argparse.Namespace, layout: MoeLayout) -> tuple[ClusterSpec, Placement]:
     """The cluster and the current placement (``--placement``: a file in any format
     :mod:`moeshard.io.placement_files` reads, or an engine's named placement; else contiguous)."""
     named = args.placement in NAMED_PLACEMENTS and not os.path.exists(args.placement)
@@ -194,10 +194,10 @@ def run(args: argparse.Namespace) -> dict:
 def _run(args: argparse.Namespace) -> dict:
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    index, source, cfg, layout = _open_checkpoint(args)
+    index, source, cfg, layout = open_checkpoint(args)
     timings["headers"] = time.perf_counter() - t0
 
-    cluster, placement = _cluster(args, layout)
+    cluster, placement = cluster_and_placement(args, layout)
     staging = int(args.staging_mib * 2**20)
     if staging < 1:
         raise ValueError(f"--staging-mib must be > 0, got {args.staging_mib}")

@@ -19,7 +19,7 @@ import sys
 __all__ = ["main"]
 
 
-def _placement(args, num_layers: int, num_logical: int, ep: int, modules: list[str] | None = None):
+def placement_from_args(args, num_layers: int, num_logical: int, ep: int, modules: list[str] | None = None):
     """The job's placement: ``--placement`` (a file in any format
     :mod:`moeshard.io.placement_files` reads, or an engine's named placement), else contiguous."""
     from ..io.placement_files import NAMED_PLACEMENTS, moe_layer_indices, named_placement, read_placement_file
@@ -56,7 +56,7 @@ def _slot_report(model, placement, index, reader_root_dir: str) -> list[tuple[in
     from ..models.adapters import read_expert_box
     from ..models.describe import expert_layers, local_tensor
     from ..models.shards import local_boxes
-    from ..ops.verify import _digest
+    from ..ops.verify import digest_hex
 
     out = []
     with CheckpointReader(index, reader_root_dir) as reader:
@@ -80,7 +80,7 @@ def _slot_report(model, placement, index, reader_root_dir: str) -> list[tuple[in
                                            t.shape[1] if t.dim() > 1 else 0)
                     ok = torch.equal(loc[k], want)
                     row = rows.setdefault(slot, [slot, e, "", True])
-                    row[2] += _digest(loc[k])[:8]  # one short checksum per expert tensor
+                    row[2] += digest_hex(loc[k])[:8]  # one short checksum per expert tensor
                     row[3] = row[3] and ok
             out.append((layer, name, [tuple(r) for _, r in sorted(rows.items())]))
     return out
@@ -102,9 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from .. import _dist
-    from ..io.checkpoint import CheckpointIndex
+    from .. import collectives
     from ..integrations.pretrained import job_device
+    from ..io.checkpoint import CheckpointIndex
     from ..io.sources import reader_root
     from ..models.build import meta_model, moe_layout, read_config
     from ..models.parallel import make_mesh, parallelize
@@ -130,24 +130,24 @@ def main(argv: list[str] | None = None) -> int:
             def setup():
                 model = meta_model(read_config(args.checkpoint), source=args.checkpoint)
                 moe = moe_layout(model, source=args.checkpoint)
-                return model, _placement(args, moe.num_layers, moe.num_logical, ep, list(moe.modules))
+                return model, placement_from_args(args, moe.num_layers, moe.num_logical, ep, list(moe.modules))
 
-            model, placement = _dist.agree(setup, "moeshard verify: building the model")
+            model, placement = collectives.agree(setup, "moeshard verify: building the model")
             parallelize(model, make_mesh(job_device().type, ep=ep, efsdp=args.efsdp), placement)
             load(model, args.checkpoint, placement=placement, storage=args.storage)
             rep = verify(model, args.checkpoint, placement=placement, storage=args.storage)
-        except (ValueError, _dist.DistributedError) as e:
+        except (ValueError, collectives.DistributedError) as e:
             if rank == 0:
                 # One line: a DistributedError's first failing rank's message.
                 lines = str(e).splitlines()
-                line = lines[1].strip() if isinstance(e, _dist.DistributedError) and len(lines) > 1 else lines[0]
+                line = lines[1].strip() if isinstance(e, collectives.DistributedError) and len(lines) > 1 else lines[0]
                 print(f"moeshard verify: error: {line}", file=sys.stderr)
             return 2
-        boxes = _dist.all_gather_object(rep.num_boxes_checked)
+        boxes = collectives.all_gather_object(rep.num_boxes_checked)
         report = None
         if args.report:
             index = CheckpointIndex.open(args.checkpoint)
-            report = _dist.all_gather_object(_slot_report(model, placement, index, reader_root(args.checkpoint)))
+            report = collectives.all_gather_object(_slot_report(model, placement, index, reader_root(args.checkpoint)))
         if rank == 0:
             print(f"moeshard verify: {args.checkpoint}: {world} ranks (EP={ep} x efsdp={args.efsdp}), "
                   f"{sum(boxes)} boxes verified against the checkpoint: OK")

@@ -3,7 +3,7 @@ them sends (nothing is planned or executed)."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

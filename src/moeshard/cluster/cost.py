@@ -3,8 +3,8 @@ baselines) is reported as, and the per-rank link counters behind its time estima
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 

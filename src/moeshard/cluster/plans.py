@@ -4,8 +4,8 @@ bounds, reduced to a :class:`StrategyCost` (with per-rank intra/inter-node link 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
-from typing import Sequence
 
 import numpy as np
 

@@ -4,8 +4,8 @@ relocation planner's plan for every expert tensor, summarized."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -36,7 +36,8 @@ class RelocationSummary:
 
 
 def plan_relocation_summary(descs: Sequence[ParamDesc], old: Placement, loads: np.ndarray, cluster: ClusterSpec,
-                            readers: np.ndarray, staging_bytes: int, num_groups: int | None) -> tuple[Placement, RelocationSummary]:
+                            readers: np.ndarray, staging_bytes: int,
+                            num_groups: int | None) -> tuple[Placement, RelocationSummary]:
     """Rebalance ``loads`` (``float[num_moe_layers, num_logical]``) from ``old`` with EPLB's
     migration-aware policy and plan the relocation of every expert tensor (pure)."""
     from .. import eplb

@@ -27,7 +27,8 @@ def _header(rep: dict) -> list[str]:
     lines = [
         f"checkpoint {ck['source']}: {_count(ck['num_tensors'])} tensors, {format_bytes(ck['total_bytes'])}, "
         f"{ck['num_params'] / 1e9:.1f}B params; {ck['num_moe_layers']} MoE layers x {ck['num_logical']} experts"
-        + (f" ({ck['num_skipped_keys']} keys of layers beyond num_hidden_layers skipped)" if ck["num_skipped_keys"] else ""),
+        + (f" ({ck['num_skipped_keys']} keys of layers beyond num_hidden_layers skipped)"
+           if ck["num_skipped_keys"] else ""),
         f"cluster: {cl['num_nodes']} nodes x {cl['ranks_per_node']} ranks = {cl['world_size']}, EP {cl['ep']} x "
         f"expert-FSDP {cl['efsdp']}, {cl['num_physical']} slots/layer ({cl['slots_per_rank']} per EP rank), "
         f"staging {format_bytes(cl['staging_bytes'])}/rank",
@@ -98,7 +99,8 @@ def _strategies(strategies: list[dict]) -> list[str]:
         elif s["note"]:
             lines.append(f"{s['name']}: {s['note']}")
     lines.append("bytes are checkpoint bytes; 'sent' counts a broadcast to k ranks k times at its root"
-                 + ("; times model broadcasts as pipelined rings, ignore latency, storage bandwidth is per node" if timed else ""))
+                 + ("; times model broadcasts as pipelined rings, ignore latency, storage bandwidth is per node"
+                    if timed else ""))
     return lines
 
 

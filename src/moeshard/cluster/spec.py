@@ -34,12 +34,14 @@ class ClusterSpec:
             )
 
     @classmethod
-    def build(cls, num_nodes: int, ranks_per_node: int, ep: int, efsdp: int | None, num_redundant: int = 0) -> "ClusterSpec":
+    def build(cls, num_nodes: int, ranks_per_node: int, ep: int, efsdp: int | None,
+              num_redundant: int = 0) -> ClusterSpec:
         """``efsdp=None``: the rest of the world (``world / ep``, which must be whole)."""
         world = num_nodes * ranks_per_node
         if efsdp is None:
             if ep < 1 or world % ep:
-                raise ValueError(f"--ep {ep} does not divide the world size {world} ({num_nodes} nodes x {ranks_per_node} ranks)")
+                raise ValueError(f"--ep {ep} does not divide the world size {world} "
+                                 f"({num_nodes} nodes x {ranks_per_node} ranks)")
             efsdp = world // ep
         return cls(num_nodes, ranks_per_node, ep, efsdp, num_redundant)
 

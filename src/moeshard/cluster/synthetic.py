@@ -54,7 +54,7 @@ def _get_int(cfg: dict, *names: str, default: int | None = None) -> int:
 def _int_set(cfg: dict, name: str) -> set[int]:
     """A list of layer numbers (``mlp_only_layers``), validated."""
     v = cfg.get(name) or []
-    if not isinstance(v, list) or not all(type(i) is int for i in v):  # noqa: E721 -- not bool
+    if not isinstance(v, list) or not all(type(i) is int for i in v):
         raise ValueError(f"{_WHAT}: {name}={v!r} is not a list of integers")
     return set(v)
 

@@ -43,7 +43,7 @@ each), as the reference's packing weighs them.
 
 Modules, each built on those above it:
 
-* ``inputs``: input checks and the validated shape of a call (``_Shape``);
+* ``inputs``: input checks and the validated shape of a call (``Shape``);
 * ``metrics``: rank loads, balance, moved copies (public and array forms);
 * ``refine``: the swap local search that lowers a packing's heaviest rank;
 * ``oblivious``: deepseek-ai/EPLB's policy (replicate, balanced packing, hierarchical / global)
@@ -57,10 +57,10 @@ Modules, each built on those above it:
 from __future__ import annotations
 
 from ..placement import Placement
-from .aware import _aware
-from .inputs import _check_load, _check_placement, _shape
+from .aware import aware_policy
+from .inputs import check_load, check_placement, check_shape
 from .metrics import balance, copies_moved, rank_loads, slots_changed
-from .oblivious import _oblivious, reference_answer
+from .oblivious import oblivious_policy, reference_answer
 
 __all__ = ["rebalance", "reference", "rank_loads", "balance", "copies_moved", "slots_changed"]
 
@@ -105,17 +105,17 @@ def rebalance(
         ValueError: malformed ``load``, shapes that do not divide, fewer live slots than
             experts, bad ``active_ranks``, a ``placement`` of another shape.
     """
-    w = _check_load(load)
-    sh = _shape(w, num_physical, num_ranks, num_nodes, num_groups, active_ranks)
+    w = check_load(load)
+    sh = check_shape(w, num_physical, num_ranks, num_nodes, num_groups, active_ranks)
     if not tolerance >= 0:
         raise ValueError(f"tolerance must be >= 0, got {tolerance}")
     if placement is not None:
-        _check_placement(placement, sh)
+        check_placement(placement, sh)
     ref = reference_answer(w, sh)
-    obl = _oblivious(w, sh, ref)
+    obl = oblivious_policy(w, sh, ref)
     if not migration_aware or placement is None:
         return Placement(obl.phy2log.reshape(sh.num_layers, -1), num_logical=sh.num_logical, num_ranks=sh.num_ranks)
-    new = _aware(w, placement, obl, ref, sh, float(tolerance))
+    new = aware_policy(w, placement, obl, ref, sh, float(tolerance))
     return Placement(new.reshape(sh.num_layers, -1), num_logical=sh.num_logical, num_ranks=sh.num_ranks)
 
 
@@ -144,7 +144,7 @@ def reference(
     Raises:
         ValueError: as :func:`rebalance`.
     """
-    w = _check_load(load)
-    sh = _shape(w, num_physical, num_ranks, num_nodes, num_groups, active_ranks)
+    w = check_load(load)
+    sh = check_shape(w, num_physical, num_ranks, num_nodes, num_groups, active_ranks)
     ref = reference_answer(w, sh)
     return Placement(ref.phy2log.reshape(sh.num_layers, -1), num_logical=sh.num_logical, num_ranks=sh.num_ranks)

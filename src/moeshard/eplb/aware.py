@@ -22,14 +22,14 @@ Per layer:
   Replica counts: the node's old counts (light nodes: nothing moves), and on nodes loaded
   over half of ``T x live ranks`` also ``replicate_experts``' counts and, where the old counts
   leave a copy much heavier than ``replicate_experts``' heaviest (a drifted hot expert), the
-  old counts with fewest changes that bring it down (:func:`_capped_counts`); the node takes
+  old counts with fewest changes that bring it down (:func:`capped_counts`); the node takes
   the one within ``T`` that moves fewest copies;
 * a node where sticky packing misses ``T``: the oblivious answer's packing of the node's
   copies where it has the same groups (the global policy: always), else the more balanced
   refined packing of the groups with the reference's or spread replica counts
   (:func:`moeshard.eplb.oblivious.group_packs`), matched to the old ranks, then a local
   search that swaps copies back to ranks that held them while both ranks stay within ``T``
-  (:func:`_restore`);
+  (:func:`restore`);
 * each layer takes, among the candidates within ``T`` (checked up to the few ulps by which
   sums of the same copies in another order differ), the one with the fewest moved copies;
   the oblivious answer and the reference's, as they are or matched to the old ranks, always
@@ -45,11 +45,18 @@ from __future__ import annotations
 import numpy as np
 
 from ..placement import Placement
-from .inputs import _Shape
-from .metrics import _count_last, _counts, _held, _max_rank_load, _moves3, _per_copy, _rank_loads3
-from .oblivious import _group_loads, _node_packs, _Oblivious, _per_rank_cap, _replicate_nodes, _scatter_packs
-from .oblivious import group_packs
-from .sticky import _EPS, _restore, _sticky
+from .inputs import Shape
+from .metrics import copy_counts, count_last, held_by_rank, load_per_copy, max_rank_load, moves3, rank_loads3
+from .oblivious import (
+    ObliviousAnswer,
+    group_loads,
+    group_packs,
+    node_packs,
+    per_rank_cap,
+    replicate_nodes,
+    scatter_packs,
+)
+from .sticky import EPS, restore, sticky_pack
 
 
 def _arrange(new: np.ndarray, old: np.ndarray) -> np.ndarray:
@@ -93,7 +100,7 @@ def _greedy_match(overlap: np.ndarray, col_ok: np.ndarray) -> np.ndarray:
     return out
 
 
-def _nodes_of_old(held_old: np.ndarray, gl: np.ndarray, sh: _Shape) -> np.ndarray:
+def _nodes_of_old(held_old: np.ndarray, gl: np.ndarray, sh: Shape) -> np.ndarray:
     """``int[L, N, G/N]``: groups each node held (most of their experts' copies), at most
     G/N per node (those with most copies there), ``-1`` padding."""
     num_layers = held_old.shape[0]
@@ -115,7 +122,7 @@ def _nodes_of_old(held_old: np.ndarray, gl: np.ndarray, sh: _Shape) -> np.ndarra
     return out
 
 
-def _old_counts(w: np.ndarray, old3: np.ndarray, group_node: np.ndarray, sh: _Shape,
+def _old_counts(w: np.ndarray, old3: np.ndarray, group_node: np.ndarray, sh: Shape,
                 repl_cnt: np.ndarray) -> np.ndarray:
     """``int[L*N, E]`` replica counts per node (row ``l * N + k``) that stay as close to the old
     placement's as the slots allow: each expert of the node keeps its old copies on the node's
@@ -124,7 +131,7 @@ def _old_counts(w: np.ndarray, old3: np.ndarray, group_node: np.ndarray, sh: _Sh
     load stays lowest. On a node far under the limit any counts do, and these move nothing."""
     num_layers, num_logical = w.shape
     n = sh.num_nodes
-    oc = _count_last(old3.reshape(num_layers, n, -1), num_logical)[..., :num_logical]  # [L, N, E]
+    oc = count_last(old3.reshape(num_layers, n, -1), num_logical)[..., :num_logical]  # [L, N, E]
     node_of = np.repeat(group_node, num_logical // sh.num_groups, axis=1)  # [L, E]
     mine = (node_of[:, None, :] == np.arange(n)[None, :, None]).reshape(num_layers * n, -1)
     cnt = np.where(mine, np.maximum(oc.reshape(num_layers * n, -1), 1), 0)
@@ -149,7 +156,7 @@ def _old_counts(w: np.ndarray, old3: np.ndarray, group_node: np.ndarray, sh: _Sh
     return cnt
 
 
-def _capped_counts(wr: np.ndarray, cnt: np.ndarray, cap: np.ndarray) -> np.ndarray:
+def capped_counts(wr: np.ndarray, cnt: np.ndarray, cap: np.ndarray) -> np.ndarray:
     """``int[B, E]``: the counts ``cnt`` (a node's rows; experts with count 0 are not the
     node's) with fewest copies changed so that no per-copy load of ``wr`` ``float[B, E]``
     exceeds ``cap`` ``float[B]``: while one does, the expert of the highest per-copy load takes
@@ -159,7 +166,7 @@ def _capped_counts(wr: np.ndarray, cnt: np.ndarray, cap: np.ndarray) -> np.ndarr
     gives the smallest possible maximum)."""
     c = cnt.copy()
     mine = c > 0
-    lim = cap * (1 + _EPS)
+    lim = cap * (1 + EPS)
     rows = np.arange(len(c))
     for _ in range(int(c.sum(1).max(initial=0))):
         pc = np.where(mine, wr / np.maximum(c, 1), -np.inf)
@@ -173,20 +180,20 @@ def _capped_counts(wr: np.ndarray, cnt: np.ndarray, cap: np.ndarray) -> np.ndarr
     return c
 
 
-def _node_counts(w, old3, group_node, sh: _Shape, keep_counts: bool) -> tuple[np.ndarray, np.ndarray]:
+def _node_counts(w, old3, group_node, sh: Shape, keep_counts: bool) -> tuple[np.ndarray, np.ndarray]:
     """Replica counts per node row (``l * N + k``) ``int[L*N, E]`` and the per-copy loads
     ``float[L*N, E]`` they give: ``replicate_experts`` per node, or :func:`_old_counts`."""
     num_layers, num_logical = w.shape
     n = sh.num_nodes
-    mlog2log, _, mcnt, _ = _replicate_nodes(w, group_node, sh)
+    mlog2log, _, mcnt, _ = replicate_nodes(w, group_node, sh)
     cnt_rows = np.zeros((num_layers * n, num_logical), dtype=np.int64)
     np.put_along_axis(cnt_rows, mlog2log, mcnt, axis=1)
     if keep_counts:
         cnt_rows = _old_counts(w, old3, group_node, sh, cnt_rows)
-    return cnt_rows, np.repeat(_per_copy(w, cnt_rows.reshape(num_layers, n, -1).sum(1)), n, axis=0)
+    return cnt_rows, np.repeat(load_per_copy(w, cnt_rows.reshape(num_layers, n, -1).sum(1)), n, axis=0)
 
 
-def _matched_oblivious(obl: _Oblivious, held_old: np.ndarray, sh: _Shape,
+def _matched_oblivious(obl: ObliviousAnswer, held_old: np.ndarray, sh: Shape,
                        node_perm: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The oblivious packs, nodes then ranks matched to the old placement by overlap (or node
     ``a`` of ``obl`` onto node ``node_perm[l, a]``, ``int[L, N]``, when given). Returns
@@ -207,13 +214,13 @@ def _matched_oblivious(obl: _Oblivious, held_old: np.ndarray, sh: _Shape,
     live = sh.live_per_node
     packs = np.empty_like(obl.packs)
     packs[li, node_perm] = obl.packs
-    cnt_new = _count_last(packs, num_logical).astype(np.float32)
+    cnt_new = count_last(packs, num_logical).astype(np.float32)
     old_nodes = held_old.reshape(num_layers, n, rpn, -1).astype(np.float32)
     overlap = cnt_new[..., :num_logical] @ old_nodes.transpose(0, 1, 3, 2)  # [L, N, live, rpn]
     col_ok = np.broadcast_to(sh.active.reshape(1, n, rpn), (num_layers, n, rpn)).reshape(-1, rpn)
     rank_of_pack = _greedy_match(overlap.reshape(num_layers * n, live, rpn), col_ok).reshape(num_layers, n, live)
     group_node = np.take_along_axis(node_perm, obl.group_node, axis=1)
-    return _scatter_packs(packs, sh, rank_of_pack), group_node
+    return scatter_packs(packs, sh, rank_of_pack), group_node
 
 
 # Relative slack of the checks that a candidate is within the limit: only what two sums of the
@@ -229,37 +236,37 @@ _NODE_FILL = 0.95
 # At most this many copies added to or taken from a node's old counts (else replicate_experts').
 _MAX_COUNT_CHANGES = 8
 # Nodes whose old counts leave a copy heavier than this many times replicate_experts' heaviest
-# copy also try the old counts capped there (_capped_counts): after a drift a hot expert may
+# copy also try the old counts capped there (capped_counts): after a drift a hot expert may
 # have too few copies for the old counts to fit, while replicate_experts' counts change many
 # cold experts' counts too. 1.3 moved fewest copies on the global DeepSeek-V3 trace (1.0:
 # +30 %, 2.0: +17 %).
 _CAP_OVER_REPLICATE = 1.3
 
 
-def _restored(w: np.ndarray, cand: np.ndarray, old3: np.ndarray, thr: np.ndarray, sh: _Shape,
+def _restored(w: np.ndarray, cand: np.ndarray, old3: np.ndarray, thr: np.ndarray, sh: Shape,
               nodes: np.ndarray) -> np.ndarray:
-    """``cand`` ``int[L, R, S]`` (within ``thr`` ``float[L]``) after :func:`_restore` in the
+    """``cand`` ``int[L, R, S]`` (within ``thr`` ``float[L]``) after :func:`restore` in the
     nodes ``bool[L, N]``: swaps that bring copies back to their old ranks."""
     num_layers, num_logical = w.shape
     n, rpn = sh.num_nodes, sh.ranks_per_node
-    cnt = _counts(cand, num_logical)
+    cnt = copy_counts(cand, num_logical)
     out = cand.reshape(num_layers * n, rpn, -1).copy()
     r = np.flatnonzero(nodes)
     rows = out[r]
     alive_rows = np.tile(sh.active.reshape(n, rpn), (num_layers, 1))[r]
     cnt_rows = np.repeat(cnt, n, axis=0)[r]
-    cap = _per_rank_cap(cnt_rows, np.full(len(r), sh.live_per_node))
-    _restore(rows, old3.reshape(num_layers * n, rpn, -1)[r], alive_rows,
-             np.repeat(_per_copy(w, cnt), n, axis=0)[r], cap, np.repeat(thr, n)[r])
+    cap = per_rank_cap(cnt_rows, np.full(len(r), sh.live_per_node))
+    restore(rows, old3.reshape(num_layers * n, rpn, -1)[r], alive_rows,
+             np.repeat(load_per_copy(w, cnt), n, axis=0)[r], cap, np.repeat(thr, n)[r])
     out[r] = rows
     return out.reshape(cand.shape)
 
 
-def _node_stats(w: np.ndarray, cand: np.ndarray, held_old: np.ndarray, sh: _Shape) -> tuple[np.ndarray, np.ndarray]:
+def _node_stats(w: np.ndarray, cand: np.ndarray, held_old: np.ndarray, sh: Shape) -> tuple[np.ndarray, np.ndarray]:
     """Per layer and node of ``cand`` ``int[L, R, S]``: heaviest rank ``float[L, N]`` and moved
     copies ``int[L, N]`` (against ``held_old`` ``bool[L, R, E]``)."""
     num_layers, num_ranks, _ = cand.shape
-    loads = _rank_loads3(w, cand, _counts(cand, w.shape[1]))
+    loads = rank_loads3(w, cand, copy_counts(cand, w.shape[1]))
     li = np.arange(num_layers)[:, None, None]
     ri = np.arange(num_ranks)[None, :, None]
     moved = ((cand >= 0) & ~held_old[li, ri, np.maximum(cand, 0)]).sum(-1)
@@ -267,7 +274,7 @@ def _node_stats(w: np.ndarray, cand: np.ndarray, held_old: np.ndarray, sh: _Shap
     return loads.reshape(shape).max(-1), moved.reshape(shape).sum(-1)
 
 
-def _compose(w: np.ndarray, held_old: np.ndarray, cands: list, limit: np.ndarray, sh: _Shape):
+def _compose(w: np.ndarray, held_old: np.ndarray, cands: list, limit: np.ndarray, sh: Shape):
     """Node by node, the candidate within ``limit`` that moves fewest copies. ``cands``:
     ``int[L, R, S]`` placements that put the same groups on each node (so a node's copies,
     replica counts and loads do not depend on the other nodes). Returns ``int[L, R, S]`` and
@@ -285,26 +292,26 @@ def _compose(w: np.ndarray, held_old: np.ndarray, cands: list, limit: np.ndarray
     return out.reshape(num_layers, sh.num_ranks, -1), np.isfinite(score.min(0))
 
 
-def _group_nodes(w: np.ndarray, held_old: np.ndarray, node_cap: np.ndarray, sh: _Shape) -> np.ndarray:
+def _group_nodes(w: np.ndarray, held_old: np.ndarray, node_cap: np.ndarray, sh: Shape) -> np.ndarray:
     """``int[L, G]``: groups stay on the node that held them unless its load would exceed
     ``node_cap`` ``float[L]`` (sticky packing of the groups onto the nodes)."""
     num_layers = w.shape[0]
     n = sh.num_nodes
-    gl = _group_loads(w, sh)
-    g_slots = _sticky(_nodes_of_old(held_old, gl, sh), np.ones((num_layers, n), dtype=bool),
+    gl = group_loads(w, sh)
+    g_slots = sticky_pack(_nodes_of_old(held_old, gl, sh), np.ones((num_layers, n), dtype=bool),
                       np.ones_like(gl, dtype=np.int64), gl, node_cap)
     gn = np.zeros((num_layers, sh.num_groups), dtype=np.int64)
     np.put_along_axis(gn, g_slots.reshape(num_layers, -1), np.repeat(np.arange(n), sh.num_groups // n)[None, :], axis=1)
     return gn
 
 
-def _sticky_nodes(w, old3, held_old, gn, limit, sh: _Shape) -> tuple[np.ndarray, np.ndarray]:
+def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape) -> tuple[np.ndarray, np.ndarray]:
     """For the groups ``gn`` ``int[L, G]``, node by node the sticky packing of fewest moves
     within ``limit`` ``float[L]``: with the old replica counts (:func:`_old_counts`: nothing
     moves on the many nodes far under the limit) or, on nodes loaded over ``_LOOSE`` of
     what their ranks may carry, with ``replicate_experts``' counts, and where the old counts
     leave a copy over ``_CAP_OVER_REPLICATE`` x ``replicate_experts``' heaviest copy, with the
-    old counts capped there (:func:`_capped_counts`). One batch of rows (the cost is in the
+    old counts capped there (:func:`capped_counts`). One batch of rows (the cost is in the
     rounds of the loops, not in the rows). Returns ``int[L, R, S]`` and the nodes over the
     limit ``bool[L, N]``."""
     num_layers, num_logical = w.shape
@@ -313,14 +320,14 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: _Shape) -> tuple[np.ndarray,
     alive_rows = np.tile(sh.active.reshape(n, rpn), (num_layers, 1))
     # Nodes that hold exactly their experts, every live slot filled, every rank within the
     # limit at the old counts: sticky packing would keep them as they are (most nodes).
-    oc = _count_last(old3.reshape(num_layers, n, -1), num_logical)[..., :num_logical]  # [L, N, E]
+    oc = count_last(old3.reshape(num_layers, n, -1), num_logical)[..., :num_logical]  # [L, N, E]
     mine = np.repeat(gn, num_logical // sh.num_groups, axis=1)[:, None, :] == np.arange(n)[None, :, None]
     wc_node = np.where(oc > 0, w[:, None, :] / np.maximum(oc, 1), 0.0).reshape(num_layers * n, -1)
     ri = np.arange(num_layers * n)[:, None, None]
     peak = np.where(old_rows >= 0, wc_node[ri, np.maximum(old_rows, 0)], 0.0).sum(-1).max(-1)
     full = ((old_rows >= 0) | ~alive_rows[:, :, None]).all((1, 2))
     as_is = ((oc > 0) == mine).all(-1).ravel() & full & (peak <= np.repeat(limit, n) * (1 + _SLACK))
-    node_load = (_group_loads(w, sh)[:, :, None] * (gn[:, :, None] == np.arange(n))).sum(1)
+    node_load = (group_loads(w, sh)[:, :, None] * (gn[:, :, None] == np.arange(n))).sum(1)
     todo = np.flatnonzero(~as_is)
     tight = np.flatnonzero(~as_is & (node_load > limit[:, None] * sh.live_per_node * _LOOSE).ravel())
 
@@ -331,18 +338,18 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: _Shape) -> tuple[np.ndarray,
     wr = np.repeat(w, n, axis=0)
     heaviest = lambda cnt: np.where(cnt > 0, wr / np.maximum(cnt, 1), 0.0).max(1)  # noqa: E731
     cap = heaviest(cnt_r) * _CAP_OVER_REPLICATE
-    capped = np.flatnonzero(~as_is & (heaviest(cnt_k) > cap * (1 + _EPS))
+    capped = np.flatnonzero(~as_is & (heaviest(cnt_k) > cap * (1 + EPS))
                             & (node_load > limit[:, None] * sh.live_per_node * _LOOSE).ravel())
-    cnt_c = _capped_counts(wr[capped], cnt_k[capped], cap[capped])
+    cnt_c = capped_counts(wr[capped], cnt_k[capped], cap[capped])
     # per-copy loads: the node's own experts from its capped counts (one node per expert)
-    wc_c = _per_copy(wr[capped], cnt_c)
+    wc_c = load_per_copy(wr[capped], cnt_c)
     rows = np.concatenate([todo, tight, capped])
     keep = old_rows.copy()
     repl = old_rows.copy()
     capd = old_rows.copy()
     if len(rows):
         # two copies of an expert on a rank are allowed, as in the reference
-        packed = _sticky(old_rows[rows], alive_rows[rows], np.concatenate([cnt_k[todo], cnt_r[tight], cnt_c]),
+        packed = sticky_pack(old_rows[rows], alive_rows[rows], np.concatenate([cnt_k[todo], cnt_r[tight], cnt_c]),
                          np.concatenate([wc_k[todo], wc_r[tight], wc_c]), thr_rows[rows], no_duplicates=False)
         keep[todo] = packed[:len(todo)]
         repl[todo] = keep[todo]
@@ -354,7 +361,7 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: _Shape) -> tuple[np.ndarray,
     return comp, ~ok
 
 
-def _lpt_nodes(w, old3, held_old, gn, limit, sh: _Shape, cand: np.ndarray, bad: np.ndarray,
+def _lpt_nodes(w, old3, held_old, gn, limit, sh: Shape, cand: np.ndarray, bad: np.ndarray,
                packs: np.ndarray | None = None) -> np.ndarray:
     """``cand`` ``int[L, R, S]`` with its ``bad`` nodes ``bool[L, N]`` replaced by the
     reference's LPT packing of the node's copies (groups ``gn``; ``packs``
@@ -363,19 +370,19 @@ def _lpt_nodes(w, old3, held_old, gn, limit, sh: _Shape, cand: np.ndarray, bad: 
     num_layers = w.shape[0]
     n = sh.num_nodes
     if packs is None:
-        packs, _ = _node_packs(w, gn, sh, no_duplicates=False)
-    lpt = _matched_oblivious(_Oblivious(packs.reshape(num_layers, n, sh.live_per_node, -1), gn, None, None, None, None),
-                             held_old, sh, np.broadcast_to(np.arange(n), (num_layers, n)))[0]
+        packs, _ = node_packs(w, gn, sh, no_duplicates=False)
+    lpt_answer = ObliviousAnswer(packs.reshape(num_layers, n, sh.live_per_node, -1), gn, None, None, None, None)
+    lpt = _matched_oblivious(lpt_answer, held_old, sh, np.broadcast_to(np.arange(n), (num_layers, n)))[0]
     lpt = _restored(w, lpt, old3, limit, sh, bad)
     return np.where(np.repeat(bad, sh.ranks_per_node, axis=1)[:, :, None], lpt, cand)
 
 
-def _still_valid(old3: np.ndarray, sh: _Shape) -> np.ndarray:
+def _still_valid(old3: np.ndarray, sh: Shape) -> np.ndarray:
     """``bool[L]``: the old placement ``int[L, R, S]`` (dead ranks' slots -1) is a valid answer
     as it is: every expert has a live copy, and (hierarchical) each group lives on one node,
     ``G / N`` groups per node."""
     num_layers = old3.shape[0]
-    ok = (_counts(old3, sh.num_logical) > 0).all(1)
+    ok = (copy_counts(old3, sh.num_logical) > 0).all(1)
     if sh.hierarchical:
         gsize = sh.num_logical // sh.num_groups
         node = np.broadcast_to(np.arange(sh.num_nodes).repeat(sh.ranks_per_node)[None, :, None], old3.shape)
@@ -388,27 +395,27 @@ def _still_valid(old3: np.ndarray, sh: _Shape) -> np.ndarray:
     return ok
 
 
-def _aware(w: np.ndarray, placement: Placement, obl: _Oblivious, ref: _Oblivious, sh: _Shape,
+def aware_policy(w: np.ndarray, placement: Placement, obl: ObliviousAnswer, ref: ObliviousAnswer, sh: Shape,
            tol: float) -> np.ndarray:
     """The migration-aware policy (module docstring): ``obl`` moeshard's oblivious answer,
     ``ref`` the reference's; returns ``int[L, R, S]``."""
     num_layers, num_logical = w.shape
     s = sh.slots_per_rank
     old3 = np.where(sh.active[None, :, None], placement.phy2log.reshape(num_layers, sh.num_ranks, s), -1)
-    held_old = _held(old3, num_logical)
+    held_old = held_by_rank(old3, num_logical)
     limit = ref.max_load * (1 + tol)
     # The oblivious answer and the reference's, as they are and matched to the old placement
     # (greedily), are within the limit (the oblivious answer is never less balanced than the
     # reference's): the baseline to beat is the one of them that moves fewest copies, so the
     # aware policy never moves more copies than the oblivious policy.
     best = obl.phy2log.copy()
-    best_moves = _moves3(held_old, best)
+    best_moves = moves3(held_old, best)
     for o in (ref.phy2log, _matched_oblivious(obl, held_old, sh)[0], _matched_oblivious(ref, held_old, sh)[0]):
-        mv = _moves3(held_old, o)
+        mv = moves3(held_old, o)
         take = mv < best_moves
         best[take], best_moves[take] = o[take], mv[take]
     # The old placement itself where it still is a valid answer within the limit: nothing moves.
-    stay = _still_valid(old3, sh) & (_max_rank_load(w, old3, _counts(old3, num_logical)) <= limit * (1 + _SLACK))
+    stay = _still_valid(old3, sh) & (max_rank_load(w, old3, copy_counts(old3, num_logical)) <= limit * (1 + _SLACK))
     best[stay], best_moves[stay] = old3[stay], 0
     # Group assignments to try (hierarchical): groups stay on their node unless its load
     # would exceed what its ranks may well carry under the limit (most nodes are far under
@@ -442,8 +449,8 @@ def _aware(w: np.ndarray, placement: Placement, obl: _Oblivious, ref: _Oblivious
         if not same.all():
             packs[~same] = group_packs(wl[~same], sh, gn_all[rows][~same])
         cand[rows] = _lpt_nodes(wl, ol, hl, gn_all[rows], ll, sh, cand[rows], bad[rows], packs)
-    ok = _max_rank_load(w[lay], cand, _counts(cand, num_logical)) <= limit[lay] * (1 + _SLACK)
-    mv = np.where(ok, _moves3(held_old[lay], cand), np.iinfo(np.int64).max)
+    ok = max_rank_load(w[lay], cand, copy_counts(cand, num_logical)) <= limit[lay] * (1 + _SLACK)
+    mv = np.where(ok, moves3(held_old[lay], cand), np.iinfo(np.int64).max)
     # per layer, the variant that moves fewest copies (first on ties)
     order = np.lexsort((np.arange(len(lay)), mv, lay))
     first = order[np.r_[True, lay[order][1:] != lay[order][:-1]]]

@@ -1,4 +1,4 @@
-"""Input checks of :mod:`moeshard.eplb` and the validated shape of a call (``_Shape``): the load,
+"""Input checks of :mod:`moeshard.eplb` and the validated shape of a call (``Shape``): the load,
 the live ranks, the slot / rank / node / group counts and which policy (hierarchical or global)
 they allow, and a current placement against that shape."""
 
@@ -12,7 +12,7 @@ from ..placement import Placement
 
 
 @dataclass(frozen=True)
-class _Shape:
+class Shape:
     """Validated problem shape. ``node_alive``: ``int[num_nodes_used, live_per_node]`` rank ids
     (node-local index) of each used node's live ranks, in rank order."""
 
@@ -36,7 +36,7 @@ class _Shape:
         return int(self.node_alive.shape[1])
 
 
-def _check_load(load) -> np.ndarray:
+def check_load(load) -> np.ndarray:
     w = np.asarray(load)
     if w.ndim != 2 or w.shape[0] < 1 or w.shape[1] < 1:
         raise ValueError(f"load must be float[num_layers, num_logical], got shape {w.shape}")
@@ -52,7 +52,7 @@ def _check_load(load) -> np.ndarray:
     return w
 
 
-def _check_active(active_ranks, num_ranks: int) -> np.ndarray:
+def check_active(active_ranks, num_ranks: int) -> np.ndarray:
     if active_ranks is None:
         return np.ones(num_ranks, dtype=bool)
     a = np.asarray(active_ranks)
@@ -67,7 +67,7 @@ def _check_active(active_ranks, num_ranks: int) -> np.ndarray:
     return a
 
 
-def _shape(w: np.ndarray, num_physical, num_ranks, num_nodes, num_groups, active_ranks) -> _Shape:
+def check_shape(w: np.ndarray, num_physical, num_ranks, num_nodes, num_groups, active_ranks) -> Shape:
     num_layers, num_logical = w.shape
     for name, v in (("num_physical", num_physical), ("num_ranks", num_ranks), ("num_nodes", num_nodes)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
@@ -82,7 +82,7 @@ def _shape(w: np.ndarray, num_physical, num_ranks, num_nodes, num_groups, active
             raise ValueError(f"num_groups must be a positive integer or None, got {num_groups!r}")
         if num_groups % num_nodes == 0 and num_logical % num_groups:  # the hierarchical policy needs it
             raise ValueError(f"num_logical={num_logical} experts cannot form num_groups={num_groups} equal groups")
-    active = _check_active(active_ranks, num_ranks)
+    active = check_active(active_ranks, num_ranks)
     spr = num_physical // num_ranks
     live_slots = int(active.sum()) * spr
     if live_slots < num_logical:
@@ -99,10 +99,10 @@ def _shape(w: np.ndarray, num_physical, num_ranks, num_nodes, num_groups, active
     nodes, groups = (num_nodes, int(num_groups)) if hier else (1, 1)
     alive = active.reshape(nodes, -1)
     node_alive = np.stack([np.flatnonzero(row) for row in alive])
-    return _Shape(num_layers, num_logical, num_physical, num_ranks, spr, active, hier, nodes, groups, node_alive)
+    return Shape(num_layers, num_logical, num_physical, num_ranks, spr, active, hier, nodes, groups, node_alive)
 
 
-def _check_placement(placement, sh: _Shape) -> None:
+def check_placement(placement, sh: Shape) -> None:
     if not isinstance(placement, Placement):
         raise ValueError(f"placement must be a moeshard.Placement or None, got {type(placement).__name__}")
     if placement.num_logical != sh.num_logical:

@@ -7,12 +7,12 @@ from __future__ import annotations
 import numpy as np
 
 from ..placement import Placement
-from .inputs import _check_active, _check_load
+from .inputs import check_active, check_load
 
 # -- metrics (internal forms) --------------------------------------------------------------------
 
 
-def _count_last(ids: np.ndarray, num: int) -> np.ndarray:
+def count_last(ids: np.ndarray, num: int) -> np.ndarray:
     """``int[..., num + 1]``: occurrences of each id along the last axis of ``ids``
     (``int[..., n]``); ids < 0 count in the last column."""
     lead = ids.shape[:-1]
@@ -21,36 +21,37 @@ def _count_last(ids: np.ndarray, num: int) -> np.ndarray:
     return np.bincount(flat.ravel(), minlength=rows * (num + 1)).reshape(*lead, num + 1)
 
 
-def _per_copy(w: np.ndarray, cnt: np.ndarray) -> np.ndarray:
+def load_per_copy(w: np.ndarray, cnt: np.ndarray) -> np.ndarray:
     return np.where(cnt > 0, w / np.maximum(cnt, 1), 0.0)
 
 
-def _counts(p2l: np.ndarray, num_logical: int) -> np.ndarray:
+def copy_counts(p2l: np.ndarray, num_logical: int) -> np.ndarray:
     """``int[L, E]`` copies per expert of ``p2l`` ``int[L, ...]``."""
     flat = p2l.reshape(p2l.shape[0], -1)
-    return _count_last(flat, num_logical)[:, :num_logical]
+    return count_last(flat, num_logical)[:, :num_logical]
 
 
-def _rank_loads3(w: np.ndarray, p2l: np.ndarray, cnt: np.ndarray) -> np.ndarray:
+def rank_loads3(w: np.ndarray, p2l: np.ndarray, cnt: np.ndarray) -> np.ndarray:
     """``p2l`` ``int[L, R, S]`` -> ``float[L, R]``."""
-    wc = _per_copy(w, cnt)
+    wc = load_per_copy(w, cnt)
     li = np.arange(w.shape[0])[:, None, None]
     return np.where(p2l >= 0, wc[li, np.maximum(p2l, 0)], 0.0).sum(-1)
 
 
-def _max_rank_load(w, p2l, cnt) -> np.ndarray:
-    return _rank_loads3(w, p2l, cnt).max(1)
+def max_rank_load(w, p2l, cnt) -> np.ndarray:
+    return rank_loads3(w, p2l, cnt).max(1)
 
 
-def _held(p2l: np.ndarray, num_logical: int) -> np.ndarray:
+def held_by_rank(p2l: np.ndarray, num_logical: int) -> np.ndarray:
     """``bool[L, R, E]``: rank holds a copy of the expert (``p2l`` ``int[L, R, S]``)."""
     num_layers, num_ranks, _ = p2l.shape
     h = np.zeros((num_layers, num_ranks, num_logical + 1), dtype=bool)
-    h[np.arange(num_layers)[:, None, None], np.arange(num_ranks)[None, :, None], np.where(p2l < 0, num_logical, p2l)] = True
+    experts = np.where(p2l < 0, num_logical, p2l)
+    h[np.arange(num_layers)[:, None, None], np.arange(num_ranks)[None, :, None], experts] = True
     return h[..., :num_logical]
 
 
-def _moves3(held_old: np.ndarray, new: np.ndarray) -> np.ndarray:
+def moves3(held_old: np.ndarray, new: np.ndarray) -> np.ndarray:
     """``int[L]``: copies of ``new`` ``int[L, R, S]`` whose rank did not hold the expert."""
     li = np.arange(new.shape[0])[:, None, None]
     ri = np.arange(new.shape[1])[None, :, None]
@@ -63,18 +64,19 @@ def _moves3(held_old: np.ndarray, new: np.ndarray) -> np.ndarray:
 def rank_loads(load, placement: Placement, num_ranks: int) -> np.ndarray:
     """``float[num_layers, num_ranks]``: tokens per rank, each copy carrying
     ``load[e] / logcnt[e]`` (tokens of an expert split evenly over its copies)."""
-    w = _check_load(load)
+    w = check_load(load)
     if w.shape != (placement.num_layers, placement.num_logical):
-        raise ValueError(f"load has shape {w.shape}, placement describes {(placement.num_layers, placement.num_logical)}")
+        raise ValueError(f"load has shape {w.shape}, "
+                         f"placement describes {(placement.num_layers, placement.num_logical)}")
     s = placement.slots_per_rank(num_ranks)
     p2l = placement.phy2log.reshape(placement.num_layers, num_ranks, s)
-    return _rank_loads3(w, p2l, placement.logcnt)
+    return rank_loads3(w, p2l, placement.logcnt)
 
 
 def balance(load, placement: Placement, num_ranks: int, active_ranks=None) -> np.ndarray:
     """``float[num_layers]``: max / mean rank load over the live ranks (1.0 is perfect; a
     layer with no load counts as 1.0)."""
-    loads = rank_loads(load, placement, num_ranks)[:, _check_active(active_ranks, num_ranks)]
+    loads = rank_loads(load, placement, num_ranks)[:, check_active(active_ranks, num_ranks)]
     mean = loads.mean(1)
     return np.where(mean > 0, loads.max(1) / np.where(mean > 0, mean, 1.0), 1.0)
 
@@ -90,8 +92,8 @@ def copies_moved(old: Placement, new: Placement, num_ranks: int) -> int:
     _check_pair(old, new)
     s = new.slots_per_rank(num_ranks)
     num_logical = max(old.num_logical, new.num_logical)
-    held = _held(old.phy2log.reshape(old.num_layers, num_ranks, s), num_logical)
-    return int(_moves3(held, new.phy2log.reshape(new.num_layers, num_ranks, s)).sum())
+    held = held_by_rank(old.phy2log.reshape(old.num_layers, num_ranks, s), num_logical)
+    return int(moves3(held, new.phy2log.reshape(new.num_layers, num_ranks, s)).sum())
 
 
 def slots_changed(old: Placement, new: Placement, per_layer: bool = False) -> int | np.ndarray:

@@ -18,7 +18,7 @@ reference does). Slots of dead (or not yet joined) ranks are ``-1``; slot ids st
 the full job, so an elastic job never renumbers. :func:`reference_answer` is the reference's
 own answer (its float32 arithmetic, no moeshard rule).
 
-moeshard's answer (:func:`_oblivious`) is, per layer, the most balanced (lightest heaviest
+moeshard's answer (:func:`oblivious_policy`) is, per layer, the most balanced (lightest heaviest
 rank; max / mean rank load, the mean being the same for every answer) of three candidates,
 each refined by a swap local search within each node that never raises the heaviest rank
 (:func:`moeshard.eplb.refine.lower_peak`; groups stay on their node):
@@ -26,7 +26,7 @@ each refined by a swap local search within each node that never raises the heavi
 * the reference's steps with moeshard's rule: a rank never holds two copies of one expert
   when it can be avoided (the greedy skips ranks that hold the expert, and a swap repair fixes
   the rare dead end);
-* the same with *spread* replica counts (:func:`_replicate`): an expert gets at most one copy
+* the same with *spread* replica counts (:func:`replicate_experts`): an expert gets at most one copy
   per live rank of its node before any expert gets more. The reference can give a hot expert
   ``K + 1`` copies on ``K`` ranks, so that one rank carries two of them (on DeepSeek-V3's
   hierarchical shape, Zipf loads, the reference's heaviest rank is up to 1.7x this one's);
@@ -48,14 +48,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .inputs import _Shape
-from .metrics import _count_last, _max_rank_load, _per_copy
+from .inputs import Shape
+from .metrics import count_last, load_per_copy, max_rank_load
 from .refine import lower_peak
 
 # -- the reference's building blocks, vectorized over rows ---------------------------------------
 
 
-def _replicate(w: np.ndarray, num_phy: int, num_ranks: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def replicate_experts(w: np.ndarray, num_phy: int, num_ranks: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """EPLB ``replicate_experts``: ``w`` ``float[B, n]`` -> ``phy2item`` ``int[B, num_phy]``
     (slot i < n holds item i; each further slot the item with the highest load per copy, first
     on ties) and ``cnt`` ``int[B, n]``.
@@ -121,35 +121,35 @@ def _pack(w: np.ndarray, key: np.ndarray | None, num_keys: int, num_packs: int, 
     return slots
 
 
-def _per_rank_cap(cnt: np.ndarray, num_live: np.ndarray) -> np.ndarray:
+def per_rank_cap(cnt: np.ndarray, num_live: np.ndarray) -> np.ndarray:
     """``int[B, E]``: most copies of an expert one rank may hold (1 unless it has more copies
     than there are live ranks)."""
     return np.maximum(1, -(-cnt // num_live[:, None]))
 
 
-def _occurrence(x: np.ndarray) -> np.ndarray:
+def occurrence(x: np.ndarray) -> np.ndarray:
     """``int[..., S]``: how many earlier slots of the same rank hold the same expert."""
     s = x.shape[-1]
     earlier = np.tril(np.ones((s, s), dtype=bool), -1)
     return ((x[..., :, None] == x[..., None, :]) & earlier).sum(-1)
 
 
-def _repair(slots: np.ndarray, wc: np.ndarray, cap: np.ndarray) -> None:
+def repair_duplicates(slots: np.ndarray, wc: np.ndarray, cap: np.ndarray) -> None:
     """Swap repair, in place: while a rank holds more than ``cap`` copies of an expert, swap
     one copy with the copy of closest per-copy load on another rank, when the swap breaks no
     cap. ``slots`` ``int[B, K, S]`` expert ids (-1 empty), ``wc``/``cap`` ``[B, E]``."""
     num_experts = wc.shape[1]
     x = np.maximum(slots, 0)
     b_idx = np.arange(slots.shape[0])[:, None, None]
-    bad = (slots >= 0) & (_occurrence(slots) >= cap[b_idx, x])
+    bad = (slots >= 0) & (occurrence(slots) >= cap[b_idx, x])
     for b in np.unique(np.nonzero(bad)[0]):
         row = slots[b]
         for _ in range(row.size):  # each swap removes a violation; bounded anyway
             xr = np.maximum(row, 0)
-            viol = np.argwhere((row >= 0) & (_occurrence(row) >= cap[b, xr]))
+            viol = np.argwhere((row >= 0) & (occurrence(row) >= cap[b, xr]))
             if not len(viol):
                 break
-            counts = _count_last(row, num_experts)
+            counts = count_last(row, num_experts)
             done = False
             for k, s in viol:
                 e = row[k, s]
@@ -182,7 +182,7 @@ def _node_experts(group_node: np.ndarray, group_load: np.ndarray, num_nodes: int
 
 
 @dataclass(frozen=True)
-class _Oblivious:
+class ObliviousAnswer:
     """An answer of the oblivious policy (or the reference's). ``packs``:
     ``int[L, N, live_per_node, S]`` expert ids (pack k of node n goes to live rank k of node
     n); ``group_node``: ``int[L, G]``; ``cnt``: ``int[L, E]``; ``phy2log``: ``int[L, R, S]``;
@@ -196,26 +196,26 @@ class _Oblivious:
     node_max: np.ndarray
 
 
-def _group_loads(w: np.ndarray, sh: _Shape) -> np.ndarray:
+def group_loads(w: np.ndarray, sh: Shape) -> np.ndarray:
     return w.reshape(w.shape[0], sh.num_groups, -1).sum(-1)
 
 
-def _replicate_nodes(w: np.ndarray, group_node: np.ndarray, sh: _Shape, spread: bool = False):
-    """Replicas within each node (``spread``: moeshard's spread counts, see :func:`_replicate`).
+def replicate_nodes(w: np.ndarray, group_node: np.ndarray, sh: Shape, spread: bool = False):
+    """Replicas within each node (``spread``: moeshard's spread counts, see :func:`replicate_experts`).
     Returns ``mlog2log`` ``int[L*N, E/N]``, ``phy2m`` ``int[L*N, P_node]`` (node-local expert
     index per copy), ``mcnt`` ``int[L*N, E/N]``, ``cnt`` ``int[L, E]``."""
     num_layers, num_logical = w.shape
     n = sh.num_nodes
-    gl = _group_loads(w, sh)
+    gl = group_loads(w, sh)
     mlog2log = _node_experts(group_node, gl, n, num_logical // sh.num_groups).reshape(num_layers * n, -1)
     w_m = np.take_along_axis(np.repeat(w, n, axis=0), mlog2log, axis=1)
-    phy2m, mcnt = _replicate(w_m, sh.live_per_node * sh.slots_per_rank, sh.live_per_node if spread else None)
+    phy2m, mcnt = replicate_experts(w_m, sh.live_per_node * sh.slots_per_rank, sh.live_per_node if spread else None)
     cnt = np.zeros((num_layers, num_logical), dtype=np.int64)
     np.put_along_axis(cnt, mlog2log.reshape(num_layers, -1), mcnt.reshape(num_layers, -1), axis=1)
     return mlog2log, phy2m, mcnt, cnt
 
 
-def _scatter_packs(packs: np.ndarray, sh: _Shape, rank_of_pack: np.ndarray | None = None) -> np.ndarray:
+def scatter_packs(packs: np.ndarray, sh: Shape, rank_of_pack: np.ndarray | None = None) -> np.ndarray:
     """``packs`` ``int[L, N, live_per_node, S]`` -> ``phy2log`` ``int[L, R, S]``. Pack k of node
     n goes to node-local rank ``rank_of_pack[l, n, k]`` (default: the node's k-th live rank)."""
     num_layers = packs.shape[0]
@@ -229,7 +229,7 @@ def _scatter_packs(packs: np.ndarray, sh: _Shape, rank_of_pack: np.ndarray | Non
     return out.reshape(num_layers, sh.num_ranks, s)
 
 
-def _node_packs(w: np.ndarray, group_node: np.ndarray, sh: _Shape, no_duplicates: bool,
+def node_packs(w: np.ndarray, group_node: np.ndarray, sh: Shape, no_duplicates: bool,
                 spread: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Steps 2 and 3 for a given ``group_node`` ``int[L, G]``: replicas within each node
     (``spread``: moeshard's spread counts), then balanced packing of the copies onto the node's
@@ -237,7 +237,7 @@ def _node_packs(w: np.ndarray, group_node: np.ndarray, sh: _Shape, no_duplicates
     ``int[L*N, live_per_node, S]`` and ``cnt`` ``int[L, E]``."""
     num_layers = w.shape[0]
     n, s, live = sh.num_nodes, sh.slots_per_rank, sh.live_per_node
-    mlog2log, phy2m, mcnt, cnt = _replicate_nodes(w, group_node, sh, spread)
+    mlog2log, phy2m, mcnt, cnt = replicate_nodes(w, group_node, sh, spread)
     w_m = np.take_along_axis(np.repeat(w, n, axis=0), mlog2log, axis=1)
     w_phy = np.take_along_axis((w_m / mcnt).astype(w.dtype), phy2m, axis=1)
     slots = _pack(w_phy, phy2m if no_duplicates else None, mlog2log.shape[1], live, s)
@@ -245,31 +245,31 @@ def _node_packs(w: np.ndarray, group_node: np.ndarray, sh: _Shape, no_duplicates
     return np.take_along_axis(mlog2log, packs_m, axis=1).reshape(num_layers * n, live, s), cnt
 
 
-def _groups_to_nodes(w: np.ndarray, sh: _Shape) -> np.ndarray:
+def _groups_to_nodes(w: np.ndarray, sh: Shape) -> np.ndarray:
     """Step 1, ``int[L, G]`` node of each group: ``balanced_packing`` of the group loads."""
     num_layers = w.shape[0]
     n = sh.num_nodes
     group_node = np.zeros((num_layers, sh.num_groups), dtype=np.int64)
     if n > 1:
-        gslots = _pack(_group_loads(w, sh), None, 0, n, sh.num_groups // n)
+        gslots = _pack(group_loads(w, sh), None, 0, n, sh.num_groups // n)
         np.put_along_axis(group_node, gslots.reshape(num_layers, -1),
                           np.repeat(np.arange(n), sh.num_groups // n)[None, :], axis=1)
     return group_node
 
 
-def _answer(w: np.ndarray, sh: _Shape, packs: np.ndarray, group_node: np.ndarray, cnt: np.ndarray) -> _Oblivious:
-    """The :class:`_Oblivious` of ``packs`` ``int[L*N, live_per_node, S]`` (groups
+def _answer(w: np.ndarray, sh: Shape, packs: np.ndarray, group_node: np.ndarray, cnt: np.ndarray) -> ObliviousAnswer:
+    """The :class:`ObliviousAnswer` of ``packs`` ``int[L*N, live_per_node, S]`` (groups
     ``group_node`` ``int[L, G]``, replica counts ``cnt`` ``int[L, E]``), loads of ``w``."""
     num_layers = w.shape[0]
     n = sh.num_nodes
     packs = packs.reshape(num_layers, n, sh.live_per_node, sh.slots_per_rank)
-    p2l = _scatter_packs(packs, sh)
-    gl = _group_loads(w, sh)
+    p2l = scatter_packs(packs, sh)
+    gl = group_loads(w, sh)
     node_max = (gl[:, :, None] * (group_node[:, :, None] == np.arange(n))).sum(1).max(1)
-    return _Oblivious(packs, group_node, cnt, p2l, _max_rank_load(w, p2l, cnt), node_max)
+    return ObliviousAnswer(packs, group_node, cnt, p2l, max_rank_load(w, p2l, cnt), node_max)
 
 
-def reference_answer(w: np.ndarray, sh: _Shape) -> _Oblivious:
+def reference_answer(w: np.ndarray, sh: Shape) -> ObliviousAnswer:
     """The reference's own answer: no "never two copies of an expert on a rank" rule, no
     repair, and its float32 arithmetic, so that near-ties of sums and per-copy loads break as
     they do in ``eplb.py``."""
@@ -277,57 +277,57 @@ def reference_answer(w: np.ndarray, sh: _Shape) -> _Oblivious:
     # addition rounded to float32 are the float32 results, so keeping the arrays float32 suffices.
     wd = w.astype(np.float32)
     group_node = _groups_to_nodes(wd, sh)
-    packs, cnt = _node_packs(wd, group_node, sh, no_duplicates=False)
+    packs, cnt = node_packs(wd, group_node, sh, no_duplicates=False)
     return _answer(w, sh, packs, group_node, cnt)
 
 
-def _refined(w: np.ndarray, sh: _Shape, packs: np.ndarray, group_node: np.ndarray, cnt: np.ndarray,
-             no_duplicates: bool) -> _Oblivious:
+def _refined(w: np.ndarray, sh: Shape, packs: np.ndarray, group_node: np.ndarray, cnt: np.ndarray,
+             no_duplicates: bool) -> ObliviousAnswer:
     """``packs`` ``int[L*N, live_per_node, S]`` after the swap local search
     (:func:`moeshard.eplb.refine.lower_peak`): each layer's heaviest rank never rises.
-    ``no_duplicates``: moeshard's rule (:func:`_per_rank_cap`), the swap repair first and no
+    ``no_duplicates``: moeshard's rule (:func:`per_rank_cap`), the swap repair first and no
     swap that breaks it; else no rank takes more copies of an expert than the rule and
     ``packs``' fullest rank for that expert allow (the search adds no duplicate of its own)."""
     num_layers = w.shape[0]
     n, live = sh.num_nodes, sh.live_per_node
     packs = packs.copy()
-    wc = _per_copy(w, cnt)
-    cap = _per_rank_cap(cnt, np.full(num_layers, live))
+    wc = load_per_copy(w, cnt)
+    cap = per_rank_cap(cnt, np.full(num_layers, live))
     if no_duplicates:
-        _repair(packs, np.repeat(wc, n, axis=0), np.repeat(cap, n, axis=0))
+        repair_duplicates(packs, np.repeat(wc, n, axis=0), np.repeat(cap, n, axis=0))
     else:
-        per_rank = _count_last(packs.reshape(num_layers, n * live, -1), cnt.shape[1])[..., :-1]
+        per_rank = count_last(packs.reshape(num_layers, n * live, -1), cnt.shape[1])[..., :-1]
         cap = np.maximum(cap, per_rank.max(1))
     lower_peak(packs.reshape(num_layers, n, live, -1), wc, cap)
     return _answer(w, sh, packs, group_node, cnt)
 
 
-def _keeps_rule(o: _Oblivious, sh: _Shape) -> np.ndarray:
+def _keeps_rule(o: ObliviousAnswer, sh: Shape) -> np.ndarray:
     """``bool[L]``: no rank of ``o`` holds more copies of an expert than moeshard's rule
-    allows (:func:`_per_rank_cap`)."""
+    allows (:func:`per_rank_cap`)."""
     num_layers, num_logical = o.cnt.shape
-    per_rank = _count_last(o.packs.reshape(num_layers, -1, sh.slots_per_rank), num_logical)[..., :num_logical]
-    cap = _per_rank_cap(o.cnt, np.full(num_layers, sh.live_per_node))
+    per_rank = count_last(o.packs.reshape(num_layers, -1, sh.slots_per_rank), num_logical)[..., :num_logical]
+    cap = per_rank_cap(o.cnt, np.full(num_layers, sh.live_per_node))
     return (per_rank <= cap[:, None, :]).all((1, 2))
 
 
-def _with_layers(base: _Oblivious, layers: np.ndarray, sub: _Oblivious) -> _Oblivious:
+def _with_layers(base: ObliviousAnswer, layers: np.ndarray, sub: ObliviousAnswer) -> ObliviousAnswer:
     """``base`` with its ``layers`` ``int[M]`` replaced by ``sub``'s (``M`` layers)."""
     fields = []
-    for f in _Oblivious.__dataclass_fields__:
+    for f in ObliviousAnswer.__dataclass_fields__:
         a = getattr(base, f).copy()
         a[layers] = getattr(sub, f)
         fields.append(a)
-    return _Oblivious(*fields)
+    return ObliviousAnswer(*fields)
 
 
-def _spread(w: np.ndarray, sh: _Shape, group_node: np.ndarray, plain: _Oblivious) -> _Oblivious:
-    """The candidate with spread replica counts (:func:`_replicate`), refined, with moeshard's
+def _spread(w: np.ndarray, sh: Shape, group_node: np.ndarray, plain: ObliviousAnswer) -> ObliviousAnswer:
+    """The candidate with spread replica counts (:func:`replicate_experts`), refined, with moeshard's
     rule; ``plain`` (the candidate with the reference's counts) where the counts are the same."""
-    layers = np.flatnonzero((_replicate_nodes(w, group_node, sh, spread=True)[3] != plain.cnt).any(1))
+    layers = np.flatnonzero((replicate_nodes(w, group_node, sh, spread=True)[3] != plain.cnt).any(1))
     if not len(layers):
         return plain
-    packs, cnt = _node_packs(w[layers], group_node[layers], sh, no_duplicates=True, spread=True)
+    packs, cnt = node_packs(w[layers], group_node[layers], sh, no_duplicates=True, spread=True)
     return _with_layers(plain, layers, _refined(w[layers], sh, packs, group_node[layers], cnt, no_duplicates=True))
 
 
@@ -337,7 +337,7 @@ def _spread(w: np.ndarray, sh: _Shape, group_node: np.ndarray, plain: _Oblivious
 _TIE = 1e-13
 
 
-def _most_balanced(cands: list[_Oblivious], allowed: np.ndarray) -> np.ndarray:
+def _most_balanced(cands: list[ObliviousAnswer], allowed: np.ndarray) -> np.ndarray:
     """``int[L]``: per layer, the candidate of the lightest heaviest rank among the
     ``allowed`` ones ``bool[C, L]`` (the first, up to ``_TIE``; -1 where none is allowed)."""
     pick = np.full(allowed.shape[1], -1, dtype=np.int64)
@@ -348,25 +348,26 @@ def _most_balanced(cands: list[_Oblivious], allowed: np.ndarray) -> np.ndarray:
     return pick
 
 
-def _select(cands: list[_Oblivious], pick: np.ndarray) -> _Oblivious:
+def _select(cands: list[ObliviousAnswer], pick: np.ndarray) -> ObliviousAnswer:
     """Layer ``l`` of candidate ``pick[l]``, for every layer."""
     li = np.arange(len(pick))
-    return _Oblivious(*[np.stack([getattr(c, f) for c in cands])[pick, li] for f in _Oblivious.__dataclass_fields__])
+    fields = ObliviousAnswer.__dataclass_fields__
+    return ObliviousAnswer(*[np.stack([getattr(c, f) for c in cands])[pick, li] for f in fields])
 
 
-def group_packs(w: np.ndarray, sh: _Shape, group_node: np.ndarray) -> np.ndarray:
+def group_packs(w: np.ndarray, sh: Shape, group_node: np.ndarray) -> np.ndarray:
     """For the groups ``group_node`` ``int[L, G]``, per layer the more balanced of the
     reference's steps 2 and 3 with its counts and with spread counts, each refined without
     moeshard's rule (the migration-aware policy's fallback packing). Returns packs
     ``int[L, N, live_per_node, S]``."""
     cands = []
     for spread in (False, True):
-        packs, cnt = _node_packs(w, group_node, sh, no_duplicates=False, spread=spread)
+        packs, cnt = node_packs(w, group_node, sh, no_duplicates=False, spread=spread)
         cands.append(_refined(w, sh, packs, group_node, cnt, no_duplicates=False))
     return _select(cands, _most_balanced(cands, np.ones((2, w.shape[0]), dtype=bool))).packs
 
 
-def _oblivious(w: np.ndarray, sh: _Shape, ref: _Oblivious | None = None) -> _Oblivious:
+def oblivious_policy(w: np.ndarray, sh: Shape, ref: ObliviousAnswer | None = None) -> ObliviousAnswer:
     """moeshard's oblivious policy (module docstring). Per layer, the most balanced answer
     that keeps moeshard's rule among: deepseek-ai/EPLB's steps with the rule, the same with
     spread replica counts (both in float64), and the reference's answer ``ref`` (computed
@@ -375,7 +376,7 @@ def _oblivious(w: np.ndarray, sh: _Shape, ref: _Oblivious | None = None) -> _Obl
     than the reference, by construction."""
     ref = reference_answer(w, sh) if ref is None else ref
     group_node = _groups_to_nodes(w, sh)
-    packs, cnt = _node_packs(w, group_node, sh, no_duplicates=True)
+    packs, cnt = node_packs(w, group_node, sh, no_duplicates=True)
     plain = _refined(w, sh, packs, group_node, cnt, no_duplicates=True)
     num_layers = w.shape[0]
     ref_packs = ref.packs.reshape(num_layers * sh.num_nodes, sh.live_per_node, -1)

@@ -1,43 +1,44 @@
 """Sticky packing, the kernel of the migration-aware policy (:mod:`moeshard.eplb.aware`): pack
 given replica counts onto the live ranks of a row (one layer, or one node of a layer), keeping
-old copies where they are as far as a load threshold allows (:func:`_sticky`); the local
+old copies where they are as far as a load threshold allows (:func:`sticky_pack`); the local
 search that swaps copies between ranks over the threshold and light ranks
 (:func:`_swap_repair`); and the one that, from a balanced packing (the reference's), swaps
 copies back to ranks that held them while every rank stays within the threshold
-(:func:`_restore`). Arrays are batched over rows: ``[B, K, S]`` (rows, ranks, slots).
+(:func:`restore`). Arrays are batched over rows: ``[B, K, S]`` (rows, ranks, slots).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .metrics import _count_last
-from .oblivious import _occurrence, _per_rank_cap, _repair
+from .metrics import count_last
+from .oblivious import occurrence, per_rank_cap, repair_duplicates
 
 # Relative slack of float comparisons against a load threshold.
-_EPS = 1e-9
+EPS = 1e-9
 
 
-def _sticky(old: np.ndarray, alive: np.ndarray, cnt: np.ndarray, wc: np.ndarray, thr: np.ndarray,
+def sticky_pack(old: np.ndarray, alive: np.ndarray, cnt: np.ndarray, wc: np.ndarray, thr: np.ndarray,
             no_duplicates: bool = True) -> np.ndarray:
     """Sticky packing of ``cnt`` copies into live packs, keeping old copies where the load
     allows. ``old`` ``int[B, K, S]`` old expert ids (-1 empty), ``alive`` ``bool[B, K]``, ``cnt``
     ``int[B, E]`` new replica counts (their sum = live slots of the row), ``wc`` ``float[B, E]``
     per-copy load, ``thr`` ``float[B]`` eviction threshold. A copy never replaces a lighter one
     of a full rank: against the reference's own balance that costs moves the LPT fallback of
-    :mod:`moeshard.eplb.aware` does not need. ``no_duplicates``: the swap repair of moeshard's rule (a rank holds no two copies of an
-    expert when avoidable) afterwards; the reference has no such rule.
+    :mod:`moeshard.eplb.aware` does not need. ``no_duplicates``: the swap repair of moeshard's
+    rule (a rank holds no two copies of an expert when avoidable) afterwards; the reference has
+    no such rule.
     Returns ``int[B, K, S]`` (kept copies in their old slot; dead packs -1)."""
     num_b, num_k, num_s = old.shape
     num_e = cnt.shape[1]
     rows = np.arange(num_b)
     bi = rows[:, None, None]
     n_live = alive.sum(1)
-    cap = _per_rank_cap(cnt, n_live)
+    cap = per_rank_cap(cnt, n_live)
     x = np.where(alive[:, :, None], old, -1)
     xe = np.maximum(x, 0)
     keep = (x >= 0) & (cnt[bi, xe] > 0)
-    keep &= _occurrence(np.where(keep, x, -1)) < cap[bi, xe]
+    keep &= occurrence(np.where(keep, x, -1)) < cap[bi, xe]
     # At most cnt[e] copies kept: the first ones in slot order.
     key = np.where(keep, bi * num_e + xe, -1).ravel()
     order = np.argsort(key, kind="stable")
@@ -56,7 +57,7 @@ def _sticky(old: np.ndarray, alive: np.ndarray, cnt: np.ndarray, wc: np.ndarray,
     kl = wslot.sum(-1)
     w_min = np.where(cnt > 0, wc, np.inf).min(1)
     reserve = lambda: (num_s - keep.sum(-1)) * w_min[:, None]  # noqa: E731
-    limit = thr[:, None] * (1 + _EPS)
+    limit = thr[:, None] * (1 + EPS)
     for _ in range(num_s):
         ob, ok = np.nonzero((kl + reserve() > limit) & alive & keep.any(-1))
         if not len(ob):
@@ -73,7 +74,7 @@ def _sticky(old: np.ndarray, alive: np.ndarray, cnt: np.ndarray, wc: np.ndarray,
         wslot[ob, ok, s] = 0.0
 
     new = np.where(keep, x, -1)
-    kept_cnt = _count_last(np.where(keep, xe, -1).reshape(num_b, -1), num_e)
+    kept_cnt = count_last(np.where(keep, xe, -1).reshape(num_b, -1), num_e)
     rem = cnt - kept_cnt[:, :num_e]
     assert (rem >= 0).all()
     nfree = ((new < 0) & alive[:, :, None]).sum(-1)
@@ -92,7 +93,7 @@ def _sticky(old: np.ndarray, alive: np.ndarray, cnt: np.ndarray, wc: np.ndarray,
     pool_e = np.full((num_b, m), -1, dtype=np.int64)
     pool_e[ib, ipos] = ie
     pool_w = np.where(pool_e >= 0, wc[rows[:, None], np.maximum(pool_e, 0)], -np.inf)
-    counts = _count_last(new, num_e)
+    counts = count_last(new, num_e)
     while True:
         r = np.nonzero(np.isfinite(pool_w).any(1))[0]
         if not len(r):
@@ -109,7 +110,7 @@ def _sticky(old: np.ndarray, alive: np.ndarray, cnt: np.ndarray, wc: np.ndarray,
         fa = after_a[ar, ka]
         # room for this copy and the lightest possible copy in each further free slot
         fit = np.where(free & ~blocked, load + w[:, None] + (nfree[r] - 1) * w_min[r][:, None], np.inf)
-        fit = np.where(fit <= thr[r][:, None] * (1 + _EPS), after_a, np.inf)
+        fit = np.where(fit <= thr[r][:, None] * (1 + EPS), after_a, np.inf)
         kf = fit.argmin(1)
         ok_a = np.isfinite(fit[ar, kf])
         ka = np.where(ok_a, kf, ka)
@@ -123,7 +124,7 @@ def _sticky(old: np.ndarray, alive: np.ndarray, cnt: np.ndarray, wc: np.ndarray,
         kl[r, ka] += w
         counts[r, ka, e] += 1
     if no_duplicates:
-        _repair(new, wc, cap)
+        repair_duplicates(new, wc, cap)
     _swap_repair(new, alive, wc, cap, x, thr)
     return new
 
@@ -134,7 +135,7 @@ def _swap_repair(new: np.ndarray, alive: np.ndarray, wc: np.ndarray, cap: np.nda
     with a lighter copy on one of the row's ``num_light`` least loaded ranks, so that both end
     at most ``thr`` (fewest added moves, then the lowest peak) or at least the peak drops.
 
-    The greedy placement of _sticky can only use the slots that evictions freed, and those are
+    The greedy placement of sticky_pack can only use the slots that evictions freed, and those are
     on ranks near the threshold; a few 2-exchanges with light ranks fix that. Each round
     repairs up to ``num_heavy`` overloaded ranks per row (distinct partners). ``new``
     ``int[B, K, S]``; ``old`` ``int[B, K, S]`` the old copies (to count moves); ``alive``
@@ -146,7 +147,7 @@ def _swap_repair(new: np.ndarray, alive: np.ndarray, wc: np.ndarray, cap: np.nda
     wslot = np.where(new >= 0, wc[li, np.maximum(new, 0)], 0.0)
     loads = np.where(alive, wslot.sum(-1), np.nan)
     # only rows with a rank over the threshold change: work on those
-    rows0 = np.flatnonzero((np.nan_to_num(loads, nan=-np.inf) > (thr * (1 + _EPS))[:, None]).any(1))
+    rows0 = np.flatnonzero((np.nan_to_num(loads, nan=-np.inf) > (thr * (1 + EPS))[:, None]).any(1))
     if not len(rows0):
         return
     full, new = new, new[rows0]
@@ -157,8 +158,8 @@ def _swap_repair(new: np.ndarray, alive: np.ndarray, wc: np.ndarray, cap: np.nda
     ki = np.arange(num_k)[None, :, None]
     held = np.zeros((num_b, num_k, num_e + 1), dtype=bool)
     held[li, ki, np.where(old < 0, num_e, old)] = True
-    counts = _count_last(new, num_e)
-    limit = thr * (1 + _EPS)
+    counts = count_last(new, num_e)
+    limit = thr * (1 + EPS)
     stuck = np.zeros(num_b, dtype=bool)
     m1 = min(num_heavy, num_k)
     m2 = min(num_light, num_k)
@@ -182,7 +183,7 @@ def _swap_repair(new: np.ndarray, alive: np.ndarray, wc: np.ndarray, cap: np.nda
         peak = np.maximum(l1[:, :, None, None, None] - d, l2[:, None, None, :, None] + d)
         ae, be = np.maximum(a, 0), np.maximum(b, 0)
         r4 = r[:, None, None, None]
-        ok = (d > 0) & (peak < l1[:, :, None, None, None] * (1 - _EPS))
+        ok = (d > 0) & (peak < l1[:, :, None, None, None] * (1 - EPS))
         ok &= (v1[:, :, None] & (a >= 0))[:, :, :, None, None] & (v2[:, :, None] & (b >= 0))[:, None, None]
         ok &= a[:, :, :, None, None] != b[:, None, None]
         # the per-rank cap: k2 may take a, k1 may take b
@@ -220,7 +221,7 @@ def _swap_repair(new: np.ndarray, alive: np.ndarray, wc: np.ndarray, cap: np.nda
     full[rows0] = new
 
 
-def _restore(new: np.ndarray, old: np.ndarray, alive: np.ndarray, wc: np.ndarray, cap: np.ndarray,
+def restore(new: np.ndarray, old: np.ndarray, alive: np.ndarray, wc: np.ndarray, cap: np.ndarray,
              thr: np.ndarray, max_rounds: int = 8, num_holders: int = 1) -> None:
     """Local search, in place, that brings copies back to ranks that held them: swap two copies
     of two ranks of a row when the swap raises the number of copies on a rank that held
@@ -245,7 +246,7 @@ def _restore(new: np.ndarray, old: np.ndarray, alive: np.ndarray, wc: np.ndarray
     x = new.reshape(num_b, -1).copy()
     ks = num_k * num_s
     rank_of = np.repeat(np.arange(num_k), num_s)
-    limit = thr * (1 + _EPS)
+    limit = thr * (1 + EPS)
     scale = 0.5 / np.maximum(thr, 1e-300)
     active = np.arange(num_b)
     for _ in range(max_rounds):
@@ -259,7 +260,7 @@ def _restore(new: np.ndarray, old: np.ndarray, alive: np.ndarray, wc: np.ndarray
         xc = np.minimum(xe, num_e - 1)
         wx = np.where(xb >= 0, wc[b[:, None], xc], 0.0)
         loads = wx.reshape(nb, num_k, num_s).sum(-1)
-        counts = _count_last(xb.reshape(nb, num_k, num_s), num_e)  # [nb, K, E+1]
+        counts = count_last(xb.reshape(nb, num_k, num_s), num_e)  # [nb, K, E+1]
         h_own = held[b[:, None], rank_of[None, :], xe]  # [nb, KS]
         # candidate swaps: a copy p that its rank did not hold -> slot t of a rank r that
         # held its expert (a kept copy gains nothing by leaving; the other side of a swap

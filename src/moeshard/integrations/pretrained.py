@@ -23,14 +23,15 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from .. import _dist
+from .. import collectives
 from ..io.placement_files import NAMED_PLACEMENTS, moe_layer_indices, named_placement, read_placement_file
 from ..io.sources import Storage
 from ..models.build import MoELayout, meta_model, moe_layout, read_config
@@ -55,7 +56,7 @@ def job_device() -> torch.device:
     Raises:
         ValueError: no process group, or an accelerator backend with no accelerator.
     """
-    if not _dist.is_dist():
+    if not collectives.is_dist():
         raise ValueError("no torch.distributed process group: initialize one first (torchrun, then "
                          "torch.distributed.init_process_group())")
     backend = str(dist.get_backend())
@@ -128,7 +129,7 @@ def from_pretrained(
         DistributedError: as :func:`moeshard.load` and :func:`moeshard.verify` (a checkpoint
             that does not fit the model, a wrong slice).
     """
-    if not _dist.is_dist():
+    if not collectives.is_dist():
         raise ValueError("moeshard.from_pretrained is collective: initialize torch.distributed first (torchrun, "
                          "then torch.distributed.init_process_group())")
     path = os.fspath(path)
@@ -295,8 +296,8 @@ def _first(seen: list, i: int) -> int:
 
 def _agreed(step: Callable[[], T], what: str, fingerprint: Callable[[T], str] | None = None,
             share: Callable[[T], Any] | None = None):
-    """Collective: ``step`` on every rank (:func:`moeshard._dist.agree`; with ``share``:
-    ``(result, every rank's share)`` as :func:`moeshard._dist.agree_and_gather`). Input errors
+    """Collective: ``step`` on every rank (:func:`moeshard.collectives.agree`; with ``share``:
+    ``(result, every rank's share)`` as :func:`moeshard.collectives.agree_and_gather`). Input errors
     are ValueErrors on every rank: a rank's own where it failed, else one naming the ranks that
     failed (or disagree) and why."""
     own: list[BaseException] = []
@@ -304,17 +305,17 @@ def _agreed(step: Callable[[], T], what: str, fingerprint: Callable[[T], str] | 
     def run():
         try:
             return step()
-        except Exception as e:  # noqa: BLE001 - kept to re-raise on this rank
+        except Exception as e:
             own.append(e)
             raise
 
     try:
         if share is None:
-            return _dist.agree(run, what, fingerprint)
-        return _dist.agree_and_gather(run, what, share)
-    except _dist.PeerLostError:
+            return collectives.agree(run, what, fingerprint)
+        return collectives.agree_and_gather(run, what, share)
+    except collectives.PeerLostError:
         raise
-    except _dist.DistributedError as e:
+    except collectives.DistributedError as e:
         if own:
             raise own[0] from None
         raise ValueError(str(e)) from None
@@ -329,12 +330,12 @@ def _on_one_rank(src: int, step: Callable[[], T], what: str) -> T:
     if rank == src:
         try:
             payload = (None, step())
-        except _dist.PeerLostError:
+        except collectives.PeerLostError:
             raise
         except Exception as e:  # noqa: BLE001 - every rank must raise
             own = e
             payload = (f"{type(e).__name__}: {e}", None)
-    error, result = _dist.broadcast_object(payload, src=src, what=what)
+    error, result = collectives.broadcast_object(payload, src=src, what=what)
     if error is None:
         return result
     if own is not None and isinstance(own, ValueError):

@@ -65,10 +65,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from .. import _dist
-from .._dist import DistributedError
-from ..io.placement_files import read_placement_file, write_placement
+from .. import collectives
+from ..collectives import DistributedError
 from ..eplb import rebalance
+from ..io.placement_files import read_placement_file, write_placement
 from ..models.ep import ROUTED, ep_layers, model_placement
 from ..models.slot_guard import guard_optimizer
 from ..ops.load import load
@@ -132,7 +132,7 @@ def save_optimizer_state(model: nn.Module, optimizer, out_dir: str | os.PathLike
     ``optimizer.state_dict()``. Returns this rank's file. Raises on every rank if any rank
     failed to write.
     """
-    rank, world = _dist.rank_and_world()
+    rank, world = collectives.rank_and_world()
     opt = _inner_optimizer(optimizer)
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     path = _rank_path(os.fspath(out_dir), rank, world)
@@ -159,7 +159,7 @@ def save_optimizer_state(model: nn.Module, optimizer, out_dir: str | os.PathLike
         os.replace(tmp, path)
         return path
 
-    return _dist.agree(write, "moeshard: saving the optimizer state")
+    return collectives.agree(write, "moeshard: saving the optimizer state")
 
 
 @dataclass(frozen=True)
@@ -282,7 +282,7 @@ def load_optimizer_state(model: nn.Module, optimizer, checkpoint: str | os.PathL
     with ``optimizer=``). Returns ``"same"`` or ``"relocated"``.
     """
     checkpoint = os.fspath(checkpoint)
-    rank, world = _dist.rank_and_world()
+    rank, world = collectives.rank_and_world()
     opt = _inner_optimizer(optimizer)
     # The state goes in by name with the placement it was saved under (and is relocated with its
     # experts where that differs): checked here, so the slot guard trusts it from now on.
@@ -301,10 +301,10 @@ def load_optimizer_state(model: nn.Module, optimizer, checkpoint: str | os.PathL
         saved, current = _read_placement(checkpoint, model), model_placement(model)
         return _SavedOptimizer(payload, saved, current, _resume_mode(saved, current, checkpoint))
 
-    with _dist.errors_as(ResumeError):
-        got = _dist.agree(read, "moeshard: reading the optimizer state to resume", fingerprint=lambda r: r.mode)
+    with collectives.errors_as(ResumeError):
+        got = collectives.agree(read, "moeshard: reading the optimizer state to resume", fingerprint=lambda r: r.mode)
         if got.mode == "same":
-            _dist.agree(lambda: _put_state(model, opt, got.payload, checkpoint),
+            collectives.agree(lambda: _put_state(model, opt, got.payload, checkpoint),
                         "moeshard: loading the optimizer state")
             return "same"
     # Another placement, same slots: the saved local state belongs to the saved placement's
@@ -313,8 +313,9 @@ def load_optimizer_state(model: nn.Module, optimizer, checkpoint: str | os.PathL
     for p in list(opt.state):
         opt.state.pop(p)
     relocate(model, got.current, got.saved)
-    with _dist.errors_as(ResumeError):
-        _dist.agree(lambda: _put_state(model, opt, got.payload, checkpoint), "moeshard: loading the optimizer state")
+    with collectives.errors_as(ResumeError):
+        collectives.agree(lambda: _put_state(model, opt, got.payload, checkpoint),
+                          "moeshard: loading the optimizer state")
     relocate(model, got.saved, got.current, optimizer=opt)
     return "relocated"
 
@@ -386,7 +387,7 @@ class MoeshardTrainerMixin:
             if processing is not None:
                 processing.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, _TRAINING_ARGS_NAME))
-        _dist.barrier("moeshard: saving the model (placement file, processing class)")
+        collectives.barrier("moeshard: saving the model (placement file, processing class)")
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Collective: every rank's local optimizer state (:func:`save_optimizer_state`); the
@@ -426,8 +427,8 @@ class MoeshardTrainerMixin:
                                  "expert slots, not experts; resume with a fresh optimizer")
             return has_ours
 
-        with _dist.errors_as(ResumeError):
-            if not _dist.agree(check, "moeshard: finding the optimizer state", fingerprint=str):
+        with collectives.errors_as(ResumeError):
+            if not collectives.agree(check, "moeshard: finding the optimizer state", fingerprint=str):
                 return
         # "same" or "relocated" (load_optimizer_state), for the user's logs and the tests.
         self.moeshard_resumed = load_optimizer_state(self._moeshard_model(), self.optimizer, checkpoint)
@@ -497,8 +498,9 @@ class MoeshardRebalanceCallback(_CallbackBase):
             if module.moeshard_kind != ROUTED:
                 raise ValueError(f"MoeshardRebalanceCallback: {type(module).__name__} takes pre-routed rows; "
                                  "counting its tokens is not supported")
+            num_logical = len(ep.logcnt)
 
-            def count(mod, args, kwargs, i=i, num_logical=len(ep.logcnt)):
+            def count(mod, args, kwargs, i=i, num_logical=num_logical):
                 if not mod.training:
                     return
                 idx = args[1] if len(args) > 1 else kwargs["top_k_index"]
@@ -521,7 +523,7 @@ class MoeshardRebalanceCallback(_CallbackBase):
             next(model.parameters())).device
         load_ = torch.stack([c if c is not None else torch.zeros(current.num_logical, dtype=torch.int64,
                                                                  device=device) for c in self._counts])
-        if _dist.is_dist():
+        if collectives.is_dist():
             torch.distributed.all_reduce(load_)
         self._counts = [None] * len(self._counts)
         new = rebalance(load_.cpu().numpy().astype(np.float64), current, num_physical=current.num_physical,

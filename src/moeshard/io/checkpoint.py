@@ -63,7 +63,7 @@ __all__ = ["TensorInfo", "CheckpointIndex", "CheckpointReader", "CheckpointError
            "safetensors_header", "pwrite_all", "load_json"]
 
 INDEX_NAME = "model.safetensors.index.json"
-_MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own limit (MAX_HEADER_SIZE): bytes, not MiB
+MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own limit (MAX_HEADER_SIZE): bytes, not MiB
 # Shapes and byte offsets are int64 in torch; safetensors itself refuses a shape whose product
 # overflows its usize (checked dim by dim, in order).
 _MAX_INT = 2**63
@@ -127,7 +127,7 @@ class CheckpointIndex:
         if p.is_file():
             root, files = p.parent, {p.name: None}
         elif (p / INDEX_NAME).is_file():
-            root, files = p, _read_index(p)
+            root, files = p, read_index(p)
         elif p.is_dir():
             singles = sorted(x.name for x in p.glob("*.safetensors"))
             if len(singles) != 1:
@@ -140,7 +140,7 @@ class CheckpointIndex:
         tensors: dict[str, TensorInfo] = {}
         sizes: dict[str, int] = {}
         for name, expected_keys in files.items():
-            header, size = _read_header(root / name, name)
+            header, size = read_header(root / name, name)
             sizes[name] = size
             if expected_keys is None:  # the only file: its header is the index (no copy)
                 tensors = header
@@ -235,7 +235,7 @@ def _index_from_columns(root: str, columns: tuple, file_sizes: dict[str, int]) -
     return CheckpointIndex(root, tensors, file_sizes)
 
 
-def _read_index(root: Path, require_files: bool = True) -> dict[str, list[str]]:
+def read_index(root: Path, require_files: bool = True) -> dict[str, list[str]]:
     """The index's ``weight_map`` as ``{normalized file name: [keys]}``, every file name
     validated; ``require_files=False`` accepts names of files that do not exist (for a
     report that lists them rather than stopping at the first)."""
@@ -515,7 +515,7 @@ def _numel(shape: list) -> int:
     return n
 
 
-def _read_header(path: Path, name: str | None = None) -> tuple[dict[str, TensorInfo], int]:
+def read_header(path: Path, name: str | None = None) -> tuple[dict[str, TensorInfo], int]:
     """Parse and validate a safetensors header -> ``({key: TensorInfo}, file size)``; ``name``
     (default: the file's own name) is the ``file`` the TensorInfos carry. The rules are the
     module docstring's; any violation is a CheckpointError naming ``path``."""
@@ -526,10 +526,10 @@ def _read_header(path: Path, name: str | None = None) -> tuple[dict[str, TensorI
             if len(head) < 8:
                 raise CheckpointError(f"{path}: truncated file ({size} bytes), no safetensors header")
             (n,) = struct.unpack("<Q", head)
-            if n > _MAX_HEADER_BYTES or 8 + n > size:
+            if n > MAX_HEADER_BYTES or 8 + n > size:
                 raise CheckpointError(
                     f"{path}: header length {n} does not fit in the file ({size} bytes) or exceeds the format's "
-                    f"{_MAX_HEADER_BYTES:,}-byte limit: truncated or not safetensors"
+                    f"{MAX_HEADER_BYTES:,}-byte limit: truncated or not safetensors"
                 )
             raw = f.read(n)
     except OSError as e:

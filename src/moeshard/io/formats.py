@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Iterable, Mapping, NamedTuple
 if TYPE_CHECKING:  # only for annotations: the recognizer never imports torch
     from .checkpoint import TensorInfo
 
-__all__ = ["SCALE_SUFFIXES", "MAX_LISTED", "ExpertKey", "TensorGroup", "MoeLayerFormat", "ExpertTensor",
+__all__ = ["SCALE_SUFFIXES", "MAX_LISTED", "ExpertKey", "TensorGroup", "MoeLayerFormat", "ExpertTensorInfo",
            "MoeFormat", "Problem", "recognize", "check", "parse_expert_key", "layer_of", "scaled_weight",
            "scale_keys", "natural_key", "id_ranges", "shape_str"]
 
@@ -185,7 +185,7 @@ class MoeLayerFormat:
 
 
 @dataclass(frozen=True)
-class ExpertTensor:
+class ExpertTensorInfo:
     """The expected slice of one tensor of one expert: ``name`` relative to the expert or,
     when ``fused``, to the experts module; ``shape``/``dtype``/``nbytes`` are one expert's
     (the most common over all experts of all layers: the odd ones out are problems)."""
@@ -205,7 +205,7 @@ class MoeFormat:
     (in the headers' order)."""
 
     modules: tuple[MoeLayerFormat, ...]
-    expert_tensors: tuple[ExpertTensor, ...]
+    expert_tensors: tuple[ExpertTensorInfo, ...]
     dense_keys: tuple[str, ...]
 
     @property
@@ -305,7 +305,7 @@ def _fused_count(infos: Iterable[TensorInfo]) -> int:
     return Counter(t.shape[0] for t in infos).most_common(1)[0][0]
 
 
-def _expert_tensors(modules: tuple[MoeLayerFormat, ...]) -> tuple[ExpertTensor, ...]:
+def _expert_tensors(modules: tuple[MoeLayerFormat, ...]) -> tuple[ExpertTensorInfo, ...]:
     """The expected slice of each tensor name: its most common shape and dtype over all
     experts of all layers (so the odd one out is the one reported)."""
     seen: dict[tuple[str, bool], Counter] = {}
@@ -319,7 +319,7 @@ def _expert_tensors(modules: tuple[MoeLayerFormat, ...]) -> tuple[ExpertTensor, 
     refs = []
     for (name, is_fused), counter in seen.items():
         (shape, dtype), _ = counter.most_common(1)[0]
-        refs.append(ExpertTensor(name, shape, dtype, math.prod(shape) * itemsize[dtype], is_fused))
+        refs.append(ExpertTensorInfo(name, shape, dtype, math.prod(shape) * itemsize[dtype], is_fused))
     # Per-expert tensors before fused ones; each kind in the order first seen (a stable sort).
     return tuple(sorted(refs, key=lambda r: r.fused))
 

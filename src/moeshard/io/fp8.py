@@ -123,7 +123,7 @@ def dequantize(q: "torch.Tensor", box: Box, scale: "torch.Tensor", block: tuple[
     device: moved to ``q``'s)."""
     import torch
 
-    out = _to_float32(q)
+    out = to_float32(q)
     s = scale.to(device=q.device, dtype=torch.float32)
     if len(box) == 2 and box[1][0] % block[1] == 0 and out.numel():
         # Columns start on a block: multiply whole column blocks through a view (no expanded
@@ -147,7 +147,7 @@ def dequantize(q: "torch.Tensor", box: Box, scale: "torch.Tensor", block: tuple[
 _LUTS: dict = {}
 
 
-def _to_float32(q: "torch.Tensor") -> "torch.Tensor":
+def to_float32(q: "torch.Tensor") -> "torch.Tensor":
     """``q.to(float32)``; on CPU, for a one-byte float, through a 256-entry table: torch's CPU
     FP8 cast converts element by element, the table lookup is ~5x faster (same values, NaNs
     included)."""

@@ -111,18 +111,18 @@ def resolve_sources(path: str, storage: Storage, topology: Topology, can_read: b
 
     Returns ``(mode, readers: bool[world], scope, index)``, the same on every rank.
     """
-    from .. import _dist  # torch.distributed: only this collective needs it (storage_sources is pure)
+    from .. import collectives  # torch.distributed: only this collective needs it (storage_sources is pure)
 
     what = f"moeshard: storage of {path}"
     if everyone is None:
-        everyone = _dist.all_gather_object(sources_share(can_read, storage, topology, active), what=what)
+        everyone = collectives.all_gather_object(sources_share(can_read, storage, topology, active), what=what)
     # A pure function of what every rank now holds alike: its error is every rank's, no exchange.
-    mode, readers, scope = _dist.unanimous(lambda: _agreed_sources(everyone, topology, active), what)
+    mode, readers, scope = collectives.unanimous(lambda: _agreed_sources(everyone, topology, active), what)
     live = readers if active is None else readers & np.asarray(active, dtype=bool)
     first = int(np.flatnonzero(live if live.any() else readers)[0])
     what = f"moeshard: reading the headers of {path}"
     # One broadcast: the headers, or the first reader's error on every rank.
-    index = _dist.broadcast_result(lambda: CheckpointIndex.open(path), first, what)
+    index = collectives.broadcast_result(lambda: CheckpointIndex.open(path), first, what)
     return mode, readers, scope, index
 
 

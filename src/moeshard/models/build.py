@@ -11,8 +11,9 @@ it and the others build the same model from what it sent (a checkpoint only rank
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from ..io.checkpoint import load_json
 from .adapters import DEFAULT_SPECS, ExpertsSpec, num_logical_experts

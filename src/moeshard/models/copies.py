@@ -68,15 +68,15 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .. import _dist
+from .. import collectives
 from .describe import local_tensor
 
 __all__ = ["CopyRoutes", "combine_copy_grads", "copy_first_copies_", "track", "tracked_layers", "sync_after_step"]
@@ -106,7 +106,7 @@ class CopyRoutes:
     from_copies: dict[int, np.ndarray]
     _on_device: dict = field(default_factory=dict, repr=False)
 
-    def on(self, device: torch.device) -> "CopyRoutes":
+    def on(self, device: torch.device) -> CopyRoutes:
         """The same routes as ``int64`` tensors on ``device`` (the gradients' device), made once
         per device: no host-to-device copy per backward or step."""
         got = self._on_device.get(device)
@@ -124,7 +124,7 @@ class CopyRoutes:
         return not len(self.others) and not self.from_copies
 
     @staticmethod
-    def of(phy2log: np.ndarray, log2phy: np.ndarray, slots_per_rank: int, ep_rank: int) -> "CopyRoutes":
+    def of(phy2log: np.ndarray, log2phy: np.ndarray, slots_per_rank: int, ep_rank: int) -> CopyRoutes:
         """Routes of EP rank ``ep_rank`` for one layer: ``phy2log int[num_physical]`` (-1: empty
         slot), ``log2phy int[num_logical, max_copies]`` (-1 padded)."""
         spr = slots_per_rank
@@ -153,8 +153,8 @@ def _swap(ep, send: dict[int, list[torch.Tensor]], recv: dict[int, list[torch.Te
     ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(group, peer), group=group, tag=i)
             for peer in sorted(recv) for i, t in enumerate(recv[peer])]
     if ops:
-        with _dist.scope(group):
-            _dist.start_p2p(ops, what)()
+        with collectives.scope(group):
+            collectives.start_p2p(ops, what)()
 
 
 class _CombineCopies(torch.autograd.Function):
@@ -258,7 +258,8 @@ def track(module: torch.nn.Module, describe: Callable) -> None:
             _HOOK.append(register_optimizer_step_post_hook(_after_step))
 
 
-def tracked_layers(params: Sequence[torch.Tensor] | None = None) -> list[tuple[object, list[tuple[torch.Tensor, View]]]]:
+def tracked_layers(
+        params: Sequence[torch.Tensor] | None = None) -> list[tuple[object, list[tuple[torch.Tensor, View]]]]:
     """``[(ep, [(parameter, view), ...])]``: the tracked experts modules' layouts with redundant
     copies and their per-slot parameters (only those in ``params``, when given), in tracking
     order; a module with none of ``params`` is left out."""

@@ -15,15 +15,25 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from ..io.checkpoint import CheckpointIndex
 from ..io.formats import scaled_weight
-from .adapters import (DEFAULT_SPECS, ExpertParam, ExpertsSpec, checkpoint_names, class_names, expert_shape,
-                       identity_rows, specs_for, with_scales)
+from .adapters import (
+    DEFAULT_SPECS,
+    ExpertParam,
+    ExpertsSpec,
+    checkpoint_names,
+    class_names,
+    expert_shape,
+    identity_rows,
+    specs_for,
+    with_scales,
+)
 from .hf_names import HFNames, hf_names
 
 if TYPE_CHECKING:  # torch only where a model is looked at
@@ -75,7 +85,7 @@ class ParamDesc:
 
     name: str
     shape: tuple[int, ...]
-    dtype: "torch.dtype | str"
+    dtype: torch.dtype | str
     mesh: np.ndarray | None
     placements: tuple = ()
     keys: tuple[str, ...] = ()
@@ -96,7 +106,7 @@ _BASE_LAYER = re.compile(r"\.base_layer(?=\.|$)")
 _ADAPTER_SEGMENTS = re.compile(r"(^|\.)(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)\.")
 
 
-class _Tree(NamedTuple):
+class ModuleTree(NamedTuple):
     """One walk of a model's module tree (what describing it looks at, gathered once).
 
     ``modules``: each module once, under its first name (``named_modules()``); ``params``:
@@ -115,7 +125,8 @@ class _Tree(NamedTuple):
         return _strip_peft if self.peft else _same_name
 
 
-def _walk(model: nn.Module) -> _Tree:
+def walk_modules(model: nn.Module) -> ModuleTree:
+    """One walk of ``model``'s module tree: its modules, parameters and persistent buffers."""
     # torch's named_modules / named_parameters / named_buffers each walk the tree again (a
     # generator per module and depth); one walk with their rules costs a fifth of four.
     seen: set[int] = set()
@@ -134,7 +145,7 @@ def _walk(model: nn.Module) -> _Tree:
             if b is not None and id(b) not in listed and k not in mod._non_persistent_buffers_set:
                 listed.add(id(b))
                 buffers.append((dot + k, b))
-    return _Tree(modules, params, buffers, peft)
+    return ModuleTree(modules, params, buffers, peft)
 
 
 def preorder(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -149,10 +160,10 @@ def preorder(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 
 
 def _wraps_lora(mod: nn.Module) -> bool:
-    return _has(mod, "lora_A") and _has(mod, "base_layer")
+    return has_attr(mod, "lora_A") and has_attr(mod, "base_layer")
 
 
-def _has(mod: nn.Module, name: str) -> bool:
+def has_attr(mod: nn.Module, name: str) -> bool:
     """``hasattr(mod, name)`` without the AttributeError that ``Module.__getattr__`` raises
     (and hasattr catches) for a missing name: most modules have neither peft attribute."""
     return (name in mod._modules or name in mod.__dict__ or name in mod._parameters or name in mod._buffers
@@ -183,11 +194,12 @@ def is_adapter_param(name: str) -> bool:
     return _ADAPTER_SEGMENTS.search(name) is not None
 
 
-def expert_layers(model: nn.Module, specs: Sequence[ExpertsSpec] = DEFAULT_SPECS) -> list[tuple[str, nn.Module, ExpertsSpec]]:
+def expert_layers(model: nn.Module,
+                  specs: Sequence[ExpertsSpec] = DEFAULT_SPECS) -> list[tuple[str, nn.Module, ExpertsSpec]]:
     """Experts modules of ``model`` in module order (their index is the MoE layer). In a peft
     model the experts module is the innermost one (under its ``ParamWrapper`` chain)."""
     out = []
-    tree = _walk(model)
+    tree = walk_modules(model)
     base = tree.base
     for name, mod in tree.modules:
         names = {n for n, p in mod._parameters.items() if p is not None}
@@ -304,7 +316,7 @@ def describe_model(
         ordered, renamed = (*hf.specs, *(s for s in specs if s not in hf.specs)), False
     else:
         ordered, renamed = specs_for(model, specs)
-    tree = _walk(model)
+    tree = walk_modules(model)
     base = tree.base
     experts: dict[str, tuple[int, ExpertsSpec, dict[str, str], nn.Module]] = {}
     layer = 0
@@ -328,9 +340,9 @@ def describe_model(
     aliases, tensors = _aliases(tree)
     descs = []
     meshes: dict[int, np.ndarray] = {}  # id(DeviceMesh) -> its ranks (computing it is not free)
-    from .. import _dist  # here: the module's need table stays importable without torch
+    from .. import collectives  # here: the module's need table stays importable without torch
 
-    members = _dist.group_ranks()  # the running operation's group, if not the default one
+    members = collectives.group_ranks()  # the running operation's group, if not the default one
     for tid, aliases_of in aliases.items():
         t = tensors[tid]
         name = aliases_of[0]
@@ -382,7 +394,7 @@ def _group_mesh(mesh: np.ndarray, members: list[int] | None, name: str) -> np.nd
     return np.vectorize(of.__getitem__, otypes=[np.int64])(mesh)
 
 
-def _aliases(tree: _Tree) -> tuple[dict[int, list[str]], dict[int, torch.Tensor]]:
+def _aliases(tree: ModuleTree) -> tuple[dict[int, list[str]], dict[int, torch.Tensor]]:
     """Every parameter and persistent buffer of a model (its ``tree``) once: ``id -> [its
     names]`` (tied names together, in module order) and ``id -> tensor``; a peft adapter's
     weights left out."""
@@ -399,14 +411,14 @@ def _aliases(tree: _Tree) -> tuple[dict[int, list[str]], dict[int, torch.Tensor]
 def tensor_names(model: nn.Module) -> list[tuple[str, ...]]:
     """The names of each parameter and persistent buffer of ``model`` (tied names together),
     as the base model's checkpoint names them (a peft model's adapters left out)."""
-    tree = _walk(model)
+    tree = walk_modules(model)
     base = tree.base
     aliases, _ = _aliases(tree)
     return [tuple(dict.fromkeys(base(n) for n in names)) for names in aliases.values()]
 
 
 def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return _walk(model).buffers
+    return walk_modules(model).buffers
 
 
 @functools.lru_cache(maxsize=1)

@@ -77,16 +77,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import _dist
+from .. import collectives
 from ..placement import Placement
 from .adapters import class_names, identity_experts
 from .copies import CopyRoutes, combine_copy_grads, track
@@ -385,7 +385,7 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x, recv, send, group):
         ctx.splits, ctx.group = (recv, send), group
         out = x.new_empty((sum(recv), *x.shape[1:]))
-        with _dist.collective("moeshard EP forward: exchanging tokens (all-to-all)"):
+        with collectives.collective("moeshard EP forward: exchanging tokens (all-to-all)"):
             dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
         return out
 
@@ -393,7 +393,7 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, grad):
         recv, send = ctx.splits
         out = grad.new_empty((sum(send), *grad.shape[1:]))
-        with _dist.collective("moeshard EP backward: exchanging gradients (all-to-all)"):
+        with collectives.collective("moeshard EP backward: exchanging gradients (all-to-all)"):
             dist.all_to_all_single(out, grad.contiguous(), send, recv, group=ctx.group)
         return out, None, None, None
 
@@ -549,7 +549,7 @@ def _exchange(self, source: torch.Tensor, rows: torch.Tensor, experts: torch.Ten
         sorted_slots = slots[order]
         send_counts = torch.bincount(sorted_slots // spr, minlength=n)
         recv_counts = torch.empty_like(send_counts)
-        with _dist.collective("moeshard EP forward: exchanging routing counts (all-to-all)"):
+        with collectives.collective("moeshard EP forward: exchanging routing counts (all-to-all)"):
             dist.all_to_all_single(recv_counts, send_counts, group=group)
             send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
             recv_slots = sorted_slots.new_empty(sum(recv_splits))

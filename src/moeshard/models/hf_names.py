@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from ..io.formats import scaled_weight
 from .adapters import ExpertParam, ExpertsSpec
@@ -148,7 +149,7 @@ class HFNames:
                 return scale
         return name
 
-    def check_keys(self, keys: Iterable[str], expected: Iterable[Iterable[str]]) -> "KeyMismatch | None":
+    def check_keys(self, keys: Iterable[str], expected: Iterable[Iterable[str]]) -> KeyMismatch | None:
         """Whether ``from_pretrained`` would consume exactly ``keys``: every key lands on a
         model tensor, and every tensor (``expected``: the names of each tensor, tied aliases
         together) gets a key. Returns the mismatch, or None when there is none."""

@@ -258,7 +258,7 @@ def _dense_rows(i: int, d: ParamDesc, index: CheckpointIndex, layout: _Layout, d
 
     if d.parts and not any(k in index for k in d.keys) and all(k in index for k in d.parts):
         return _dense_part_rows(i, d, index, layout, dequantize)
-    key = _find_key(d, index)
+    key = find_key(d, index)
     info = index.info(key)
     check_cast(f"parameter {d.name}", key, index, d.dtype, dequantize)
     if tuple(info.shape) != d.shape:
@@ -315,7 +315,7 @@ def _dense_part_rows(i: int, d: ParamDesc, index: CheckpointIndex, layout: _Layo
     )
 
 
-def _find_key(d: ParamDesc, index: CheckpointIndex) -> str:
+def find_key(d: ParamDesc, index: CheckpointIndex) -> str:
     for key in d.keys:
         if key in index:
             return key

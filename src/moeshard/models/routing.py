@@ -27,8 +27,8 @@ module of a model, who sends tokens to its slots (:class:`ExpertsRouting`'s ``ki
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 from torch import nn

@@ -9,7 +9,7 @@ nested chunks. Pure and torch-free (a torch placement is only looked at when one
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -118,8 +118,9 @@ def shard_boxes(shape: Sequence[int], mesh_shape: Sequence[int], placements: Seq
     """Box (global coordinates) of every mesh coordinate of a DTensor of global ``shape``.
 
     ``placements``: one torch ``Shard(dim)`` / ``Replicate()`` per mesh dim (or the torch-free
-    spelling, :class:`~moeshard.models.describe.ParamDesc`), or FSDP2's ``_StridedShard`` over a later ``Shard`` of the same
-    dim (torchtitan's expert FSDP, :func:`_strided_order`; even shards only). The rule is torch's
+    spelling, :class:`~moeshard.models.describe.ParamDesc`), or FSDP2's ``_StridedShard`` over a
+    later ``Shard`` of the same dim (torchtitan's expert FSDP, :func:`_strided_order`; even
+    shards only). The rule is torch's
     (``_compute_local_shape_and_global_offset``) done with numpy, cached.
 
     Returns:

@@ -51,8 +51,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 from torch import nn
@@ -65,9 +65,9 @@ __all__ = ["PlacementRecord", "SlotGuard", "allow_slot_order", "follow_placement
 
 # Modules owning a guarded parameter (the optimizer hooks look their parameters up here: FSDP2
 # replaces parameter objects when it shards, so they are read from the module when needed).
-_OWNERS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+_OWNERS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 # Optimizers the global step hook has met (each is looked at once).
-_SEEN: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+_SEEN: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 _STEP_HOOK = None
 _ALLOW = threading.local()
 

@@ -7,8 +7,9 @@ it expects to leave unread.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from ..io.checkpoint import CheckpointIndex
 from ..io.formats import layer_of, parse_expert_key, scaled_weight
@@ -105,7 +106,7 @@ def unused_keys(
             # model does not, but they are the model's, not stray experts.
             num_logical = placement.num_logical + d.expert.identity if placement is not None else d.shape[0]
             prefixes[f"{d.expert.module}."] = None
-            consumed.update(_expert_keys(d.expert, num_logical))
+            consumed.update(expert_checkpoint_keys(d.expert, num_logical))
     consumed.update(dense)
     consumed.update(also_read)
     unused = sorted(index.tensors.keys() - consumed)
@@ -129,7 +130,7 @@ def unused_keys(
     return UnusedKeys(tuple(unused), {r: tuple(k) for r, k in suspicious.items()})
 
 
-def _expert_keys(ref: ExpertRef, num_logical: int) -> list[str]:
+def expert_checkpoint_keys(ref: ExpertRef, num_logical: int) -> list[str]:
     """Every checkpoint key of logical experts ``0 .. num_logical - 1`` of ``ref``
     (:func:`keys_of_experts`; the one tensor of a parameter fused on disk)."""
     if ref.param.fused:

@@ -11,20 +11,17 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import resource
-import sys
-import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import NamedTuple
 
 import numpy as np
-import psutil
 import torch
 from torch import nn
 
-from .. import _dist
+from .. import collectives
 from ..dtypes import cast_refusal
-from ..execute import DequantSink, ReaderSource, TensorSink, execute_schedule, node_groups
+from ..execute import DequantSink, ExecStats, ReaderSource, TensorSink, execute_schedule, node_groups
 from ..io.checkpoint import CheckpointIndex, CheckpointReader
 from ..io.fp8 import FP8_DTYPES
 from ..io.readpool import default_read_threads
@@ -37,9 +34,9 @@ from ..models.unused import ignored_patterns, unused_keys
 from ..placement import Placement
 from ..plan import DEFAULT_STAGING_BYTES, NeedTable, Schedule, minimal_cost, plan_transfers
 from ..plan.scales import ScaleNeeds, scale_needs
-from ..progress import Progress, progress_enabled
 from ..topology import Topology
-from .report import OpReport, Phases
+from .report import OpReport
+from .skeleton import OpMeter, group_topology, local_tensors, named_tensors, progress_bar
 
 __all__ = ["LoadReport", "load", "plan_load", "materialize", "target_device", "checked_unused_keys", "refuse_or_warn",
            "float_params"]
@@ -88,7 +85,7 @@ def target_device(model: nn.Module) -> torch.device:
         if p.device.type != "meta":
             return p.device
     else:
-        kind = "cuda" if (_dist.is_dist() and torch.distributed.get_backend() == "nccl") else "cpu"
+        kind = "cuda" if (collectives.is_dist() and torch.distributed.get_backend() == "nccl") else "cpu"
     if kind == "cpu":
         return torch.device("cpu")
     mod = getattr(torch, kind)
@@ -241,11 +238,11 @@ def refuse_or_warn(problem: str | None, strict: bool, op: str) -> None:
         return
     if strict:
         raise ValueError(f"{problem}; pass strict=False to load it anyway")
-    if _dist.rank_and_world()[0] == 0:
+    if collectives.rank_and_world()[0] == 0:
         logger.warning("%s: %s (strict=False: ignored)", op, problem)
 
 
-@_dist.runs_on_group
+@collectives.runs_on_group
 def load(
     model: nn.Module,
     checkpoint: str | os.PathLike,
@@ -313,150 +310,178 @@ def load(
             e.g. FP8 weights into a bf16 model), bad file, inconsistent placement, a strict
             unused-key error) or the ranks' plans differ.
     """
-    t0 = time.perf_counter()
-    phases = Phases(t0)
-    hwm_reset = _reset_peak_rss()
-    rss0 = psutil.Process().memory_info().rss
+    meter = OpMeter(peak_rss=True)
     placement = resolve_placement(model, placement, "moeshard.load")
-    topo = topology or Topology.of_group(group)
-    rank = _dist.rank_and_world()[0]
-    if topo.world_size != _dist.rank_and_world()[1]:
-        raise ValueError(f"topology has world_size {topo.world_size}, the process group has {_dist.rank_and_world()[1]}")
-    topo = topo.with_rank(rank)
+    topo = group_topology(topology, group)
     path = os.fspath(checkpoint)
-
-    def prepare():
-        dev = materialize(model, device)
-        return dev, os.path.exists(path)
-
     # One exchange: every rank's errors, whether it can see the checkpoint and its storage arguments.
-    (dev, can), everyone = _dist.agree_and_gather(prepare, "moeshard.load: materializing the model",
-                                                  share=lambda dc: sources_share(dc[1], storage, topo))
-    phases.end("materialize")
-    mode, readers, scope, index = resolve_sources(path, storage, topo, can, everyone=everyone)
-    phases.end("headers")
-    reader = CheckpointReader(index, reader_root(path), direct_io=direct_io) if readers[rank] else None
-    if read_threads is None:
-        read_threads = default_read_threads(topo.local_world_size, dev.type)
-    elif read_threads < 1:
-        raise ValueError(f"read_threads must be >= 1, got {read_threads}")
-
-    def make_plan() -> tuple[list[ParamDesc], NeedTable, Schedule, tuple[str, ...], ScaleNeeds | None,
-                             Schedule | None]:
-        # Each rank plans what it runs: the transfers and its own local reads. Every rank's needs
-        # only where the scales of FP8 weights are planned (each rank gets those of the weights it
-        # receives, wherever they come from) or the lower bounds are asked for.
-        fp8 = dequantize and bool(index.dtypes & FP8_DTYPES)
-        descs, needs, plan = plan_load(model, index, placement, topo, readers, scope, staging_bytes, specs,
-                                         dequantize, rank, all_needs=fp8 or report_minimal)
-        scales = scale_needs(needs, index, float_params(descs)) if fp8 else None
-        scale_plan = None if scales is None else plan_transfers(scales.table, index, topo, readers, scope=scope,
-                                                                 staging_bytes=staging_bytes, rank=rank)
-        unused = checked_unused_keys(model, descs, index, placement, strict, "moeshard.load",
-                                     consumed=scales.table.keys if scales is not None else ())
-        mine = set()
-        for p in (plan, scale_plan):
-            if p is not None:
-                keys = np.unique(p.piece_key[p.read_piece[p.read_rank == rank]])
-                mine |= {index.info(p.keys[k]).file for k in keys.tolist()}
-        if mine:
-            assert reader is not None
-            reader.check_files(mine)
-        return descs, needs, plan, unused, scales, scale_plan
-
-    descs, needs, plan, unused, scales, scale_plan = _dist.agree(
-        make_plan, "moeshard.load: planning",
-        fingerprint=lambda dp: dp[2].fingerprint + (dp[5].fingerprint if dp[5] is not None else ""))
-    t_plan = phases.end("plan") - t0
-    broadcasts = plan.has_broadcasts or (scale_plan is not None and scale_plan.has_broadcasts)
-    node_group = node_groups(topo) if broadcasts else None
-    tensors = dict(model.named_parameters(remove_duplicate=False))
-    tensors.update(model.named_buffers())
-    dests = [local_tensor(tensors[d.name], d) for d in descs]
+    opened, everyone = collectives.agree_and_gather(
+        lambda: _Opened(materialize(model, device), os.path.exists(path)), "moeshard.load: materializing the model",
+        share=lambda o: sources_share(o.sees_checkpoint, storage, topo))
+    meter.end("materialize")
+    mode, readers, scope, index = resolve_sources(path, storage, topo, opened.sees_checkpoint, everyone=everyone)
+    meter.end("headers")
+    read_threads = _read_threads(read_threads, topo, opened.device)
+    reader = CheckpointReader(index, reader_root(path), direct_io=direct_io) if readers[topo.rank] else None
     try:
-        with torch.no_grad():
-            fp8: dict[str, tuple[torch.Tensor, tuple[int, ...]]] = {}
-            scale_stats = None
-            if scale_plan is not None:  # first every rank's scales, whole (small), by the same runner
-                assert scales is not None
-                mine = set(scale_plan.dlv_param[scale_plan.dlv_rank == rank].tolist())
-                scratch = [torch.empty(sh, dtype=index.info(k).torch_dtype, device=dev) if j in mine else None
-                           for j, (k, sh) in enumerate(zip(scales.table.keys, scales.shapes(index)))]
-                what = "moeshard.load: loading FP8 scales"
-                scale_stats = _dist.agree(lambda: execute_schedule(
-                    scale_plan, rank, ReaderSource(scale_plan, reader, index), TensorSink(scale_plan, scratch, rank),
-                    dev, node_group=node_group, what=what).check(), what)
-                fp8 = {w: (scratch[j], block) for w, (j, block) in scales.weights.items() if scratch[j] is not None}
-                phases.end("scales")
-            bar = Progress("load", plan.delivered_bytes(rank), enabled=progress_enabled(progress),
-                           local_rank=topo.local_rank, node=topo.node)
-            what = "moeshard.load: executing the plan"
-            sink = DequantSink(plan, dests, rank, fp8) if fp8 else TensorSink(plan, dests, rank)
-            with ReaderSource(plan, reader, index, read_threads=read_threads) as source:
-                stats = _dist.agree(lambda: execute_schedule(
-                    plan, rank, source, sink, dev, node_group=node_group, progress=bar.update, what=what).check(),
-                    what)
-            bar.close()
-            phases.end("execute")
+        planned = collectives.agree(
+            lambda: _plan(model, index, placement, topo, readers, scope, staging_bytes, specs, dequantize, strict,
+                          report_minimal, reader),
+            "moeshard.load: planning", fingerprint=lambda p: p.fingerprint)
+        t_plan = meter.end("plan")
+        ran = _run(model, planned, index, reader, topo, opened.device, progress, read_threads, meter)
     finally:
         if reader is not None:
             reader.close()
-    _dist.barrier("moeshard.load: finishing")
-    phases.end("finish")
-    peak = _read_peak_rss() if hwm_reset else None
-    peak_source = "vmhwm" if peak is not None else "ru_maxrss"
-    if peak is None:
-        peak = _ru_maxrss_bytes()
-    minimal = minimal_cost(needs, index, topo, readers, scope) if report_minimal else {}
+    collectives.barrier("moeshard.load: finishing")
+    meter.end("finish")
+    peak = meter.peak_rss()
+    minimal = minimal_cost(planned.needs, index, topo, readers, scope) if report_minimal else {}
     return LoadReport(
         storage=mode,
-        rank=rank,
+        rank=topo.rank,
         world_size=topo.world_size,
-        wall_seconds=time.perf_counter() - t0,
+        wall_seconds=meter.seconds(),
         plan_seconds=t_plan,
         checkpoint_bytes=index.total_bytes,
-        bytes_read_rank=stats.bytes_read + (scale_stats.bytes_read if scale_stats else 0),
-        bytes_sent_rank=stats.bytes_sent + (scale_stats.bytes_sent if scale_stats else 0),
-        bytes_received_rank=stats.bytes_received + (scale_stats.bytes_received if scale_stats else 0),
-        peak_staging_bytes_rank=stats.peak_staging_bytes,
-        rss_before_bytes=rss0,
-        peak_rss_bytes=peak,
-        plan=plan.cost.summary(),
+        bytes_read_rank=ran.total("bytes_read"),
+        bytes_sent_rank=ran.total("bytes_sent"),
+        bytes_received_rank=ran.total("bytes_received"),
+        peak_staging_bytes_rank=ran.stats.peak_staging_bytes,
+        rss_before_bytes=meter.rss_before,
+        peak_rss_bytes=peak.bytes,
+        plan=planned.schedule.cost.summary(),
         minimal=minimal,
-        fingerprint=plan.fingerprint,
-        peak_rss_source=peak_source,
-        unused_keys=unused,
-        dequantized_keys=len(scales.weights) if scales is not None else 0,
-        phase_seconds=phases.seconds,
-        phase_cpu_seconds=phases.cpu_seconds,
+        fingerprint=planned.schedule.fingerprint,
+        peak_rss_source=peak.source,
+        unused_keys=planned.unused_keys,
+        dequantized_keys=len(planned.scales.weights) if planned.scales is not None else 0,
+        phase_seconds=meter.phases.seconds,
+        phase_cpu_seconds=meter.phases.cpu_seconds,
     )
 
 
+@dataclass(frozen=True)
+class _Opened:
+    """A rank's part of load's first exchange: the device its model now lives on, and
+    whether it sees the checkpoint."""
 
-def _reset_peak_rss() -> bool:
-    """Reset this process's peak RSS (Linux VmHWM: write 5 to /proc/self/clear_refs);
-    False where that is not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    return True
+    device: torch.device
+    sees_checkpoint: bool
 
 
-def _read_peak_rss() -> int | None:
-    """VmHWM of this process in bytes (Linux), or None."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+def _read_threads(read_threads: int | None, topology: Topology, device: torch.device) -> int:
+    if read_threads is None:
+        return default_read_threads(topology.local_world_size, device.type)
+    if read_threads < 1:
+        raise ValueError(f"read_threads must be >= 1, got {read_threads}")
+    return read_threads
 
 
-def _ru_maxrss_bytes() -> int:
-    """Peak RSS over the process's life (ru_maxrss: KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
+@dataclass(frozen=True)
+class _LoadPlan:
+    """What every rank agreed on before any data moves: the model's descriptions, the needs,
+    this rank's schedule, the unused checkpoint keys and, for FP8 weights that load
+    dequantized, their scales' needs and schedule (run first)."""
+
+    descs: list[ParamDesc]
+    needs: NeedTable
+    schedule: Schedule
+    unused_keys: tuple[str, ...]
+    scales: ScaleNeeds | None
+    scale_schedule: Schedule | None
+
+    @property
+    def fingerprint(self) -> str:
+        return self.schedule.fingerprint + (self.scale_schedule.fingerprint if self.scale_schedule is not None else "")
+
+    @property
+    def has_broadcasts(self) -> bool:
+        return self.schedule.has_broadcasts or (self.scale_schedule is not None and self.scale_schedule.has_broadcasts)
+
+
+def _plan(model: nn.Module, index: CheckpointIndex, placement: Placement | None, topo: Topology, readers: np.ndarray,
+          scope: str, staging_bytes: int, specs: Sequence[ExpertsSpec], dequantize: bool, strict: bool,
+          report_minimal: bool, reader: CheckpointReader | None) -> _LoadPlan:
+    """This rank's step of load's planning (agreed by every rank): each rank plans what it
+    runs, the transfers and its own local reads; and checks the files it reads."""
+    rank = topo.rank
+    # Every rank's needs only where the scales of FP8 weights are planned (each rank gets those of
+    # the weights it receives, wherever they come from) or the lower bounds are asked for.
+    fp8 = dequantize and bool(index.dtypes & FP8_DTYPES)
+    descs, needs, plan = plan_load(model, index, placement, topo, readers, scope, staging_bytes, specs,
+                                   dequantize, rank, all_needs=fp8 or report_minimal)
+    scales = scale_needs(needs, index, float_params(descs)) if fp8 else None
+    scale_plan = None if scales is None else plan_transfers(scales.table, index, topo, readers, scope=scope,
+                                                             staging_bytes=staging_bytes, rank=rank)
+    unused = checked_unused_keys(model, descs, index, placement, strict, "moeshard.load",
+                                 consumed=scales.table.keys if scales is not None else ())
+    mine = set()
+    for p in (plan, scale_plan):
+        if p is not None:
+            keys = np.unique(p.piece_key[p.read_piece[p.read_rank == rank]])
+            mine |= {index.info(p.keys[k]).file for k in keys.tolist()}
+    if mine:
+        assert reader is not None
+        reader.check_files(mine)
+    return _LoadPlan(descs, needs, plan, unused, scales, scale_plan)
+
+
+@dataclass(frozen=True)
+class _Ran:
+    """What this rank's run of the schedules moved: the weights' and, with FP8 scales, theirs."""
+
+    stats: ExecStats
+    scale_stats: ExecStats | None
+
+    def total(self, counter: str) -> int:
+        return getattr(self.stats, counter) + (getattr(self.scale_stats, counter) if self.scale_stats else 0)
+
+
+def _run(model: nn.Module, planned: _LoadPlan, index: CheckpointIndex, reader: CheckpointReader | None,
+         topo: Topology, dev: torch.device, progress: bool | None, read_threads: int, meter: OpMeter) -> _Ran:
+    """Collective (every rank of the load): run the agreed schedules into the model's local
+    tensors, the FP8 scales' first (each rank's whole, small) then the weights'."""
+    rank, plan = topo.rank, planned.schedule
+    node_group = node_groups(topo) if planned.has_broadcasts else None
+    dests = local_tensors(named_tensors(model), planned.descs)
+    with torch.no_grad():
+        fp8: dict[str, tuple[torch.Tensor, tuple[int, ...]]] = {}
+        scale_stats = None
+        if planned.scale_schedule is not None:
+            fp8, scale_stats = _run_scales(planned, index, reader, rank, dev, node_group)
+            meter.end("scales")
+        bar = progress_bar("load", plan.delivered_bytes(rank), progress, topo)
+        what = "moeshard.load: executing the plan"
+        sink = DequantSink(plan, dests, rank, fp8) if fp8 else TensorSink(plan, dests, rank)
+        with ReaderSource(plan, reader, index, read_threads=read_threads) as source:
+            stats = collectives.agree(lambda: execute_schedule(
+                plan, rank, source, sink, dev, node_group=node_group, progress=bar.update, what=what).check(),
+                what)
+        bar.close()
+        meter.end("execute")
+    return _Ran(stats, scale_stats)
+
+
+class _Scales(NamedTuple):
+    """The FP8 scales this rank received: ``weights`` maps a weight's key to ``(scale tensor,
+    block shape)``; ``stats``: this rank's counters of their schedule."""
+
+    weights: dict[str, tuple[torch.Tensor, tuple[int, ...]]]
+    stats: ExecStats
+
+
+def _run_scales(planned: _LoadPlan, index: CheckpointIndex, reader: CheckpointReader | None, rank: int,
+                dev: torch.device, node_group) -> _Scales:
+    """Collective (every rank of the load): every rank's FP8 scales, whole, by the same runner."""
+    scale_plan, scales = planned.scale_schedule, planned.scales
+    assert scale_plan is not None and scales is not None
+    mine = set(scale_plan.dlv_param[scale_plan.dlv_rank == rank].tolist())
+    scratch = [torch.empty(sh, dtype=index.info(k).torch_dtype, device=dev) if j in mine else None
+               for j, (k, sh) in enumerate(zip(scales.table.keys, scales.shapes(index)))]
+    what = "moeshard.load: loading FP8 scales"
+    stats = collectives.agree(lambda: execute_schedule(
+        scale_plan, rank, ReaderSource(scale_plan, reader, index), TensorSink(scale_plan, scratch, rank),
+        dev, node_group=node_group, what=what).check(), what)
+    return _Scales({w: (scratch[j], block) for w, (j, block) in scales.weights.items() if scratch[j] is not None},
+                   stats)

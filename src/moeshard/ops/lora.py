@@ -43,15 +43,15 @@ import dataclasses
 import hashlib
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
 from torch import nn
 
-from .. import _dist
+from .. import collectives
 from ..box import box_numel, box_shape, box_slices
 from ..execute import LocalTensors, Sink, Source, execute_schedule
 from ..io.checkpoint import DTYPE_NAMES, CheckpointIndex, CheckpointReader, load_json, pwrite_all, safetensors_header
@@ -74,6 +74,7 @@ from ..plan.save import HeldBoxes, tensor_schedule
 from ..topology import Topology
 from .load import refuse_or_warn
 from .report import OpReport
+from .skeleton import group_topology
 
 __all__ = ["AdapterError", "AdapterReport", "ADAPTER_WEIGHTS", "ADAPTER_CONFIG", "adapter_tensors", "load",
            "load_adapter", "save_adapter"]
@@ -82,7 +83,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 
 
-class AdapterError(_dist.DistributedError, ValueError):
+class AdapterError(collectives.DistributedError, ValueError):
     """Raised on every rank when an adapter does not fit the model (missing or unexpected key,
     a shape of another LoRA rank ``r``, a config with other ``r`` / ``lora_alpha``) or when
     loading or saving it failed on any rank; names each failing rank and its message."""
@@ -101,7 +102,7 @@ class AdapterReport(OpReport):
     unused_keys: tuple[str, ...] = ()
 
 
-def _check_adapter(pairs: list[tuple[AdapterTensor, torch.Tensor]], index: CheckpointIndex, config: dict | None,
+def check_adapter(pairs: list[tuple[AdapterTensor, torch.Tensor]], index: CheckpointIndex, config: dict | None,
                    path: str, scalings: dict[str, tuple[int, float]], strict: bool = True) -> tuple[str, ...]:
     """ValueError for a key set, shape, dtype (the cast rule, :func:`moeshard.models.layout.check_cast`)
     or config that does not fit the model's adapter. Returns the adapter's keys the model has
@@ -186,8 +187,8 @@ def _scalings(model: nn.Module) -> dict[str, tuple[int, float]]:
 
 
 def _agree(step, what: str, fingerprint=None):
-    with _dist.errors_as(AdapterError):
-        return _dist.agree(step, what, fingerprint=fingerprint)
+    with collectives.errors_as(AdapterError):
+        return collectives.agree(step, what, fingerprint=fingerprint)
 
 
 def load_adapter(
@@ -212,16 +213,15 @@ def load_adapter(
 
     Raises:
         AdapterError (a ValueError) on every rank: an adapter key missing or unexpected, a
-            shape of another rank r or expert count, a dtype the cast rule refuses, ``adapter_config.json``'s r / lora_alpha
-            different from the model's, a failed read.
+            shape of another rank r or expert count, a dtype the cast rule refuses,
+            ``adapter_config.json``'s r / lora_alpha different from the model's, a failed read.
     """
     from ..execute import ReaderSource, TensorSink, node_groups
     from ..io.sources import resolve_sources
     from .load import materialize
 
-    topo = (topology or Topology.from_env())
-    rank = _dist.rank_and_world()[0]
-    topo = topo.with_rank(rank)
+    topo = group_topology(topology)
+    rank = topo.rank
     path = Path(os.fspath(adapter))
     weights = path if path.suffix == ".safetensors" else path / ADAPTER_WEIGHTS
     root = weights.parent
@@ -236,11 +236,11 @@ def load_adapter(
         return load_json(root / ADAPTER_CONFIG, "unreadable adapter config")  # untrusted: errors name the file
 
     what = f"moeshard.lora.load_adapter: reading {ADAPTER_CONFIG}"
-    config = _dist.broadcast_object(_agree(read_config, what), src=first, what=what)
+    config = collectives.broadcast_object(_agree(read_config, what), src=first, what=what)
 
     def make_plan():
         pairs = adapter_tensors(model, placement)
-        unused = _check_adapter(pairs, index, config, str(root), _scalings(model), strict)
+        unused = check_adapter(pairs, index, config, str(root), _scalings(model), strict)
         items = [(t, adapter_desc(t, p)) for t, p in pairs]
         view = _planning_index(index, items)
         keep = ~np.asarray(readers, dtype=bool)  # this rank's plan: its needs and those of ranks that cannot read
@@ -254,18 +254,19 @@ def load_adapter(
     reader = CheckpointReader(view, str(root)) if readers[rank] else None
     group = node_groups(topo) if plan.has_broadcasts else None
     try:
-        with torch.no_grad(), _dist.errors_as(AdapterError):
+        with torch.no_grad(), collectives.errors_as(AdapterError):
             what = "moeshard.lora.load_adapter: executing the plan"
             dests = [local_view(t, local_tensor(p)) for t, p in pairs]
-            stats = _dist.agree(lambda: execute_schedule(
+            stats = collectives.agree(lambda: execute_schedule(
                 plan, rank, ReaderSource(plan, reader, view), TensorSink(plan, dests, rank), dev, node_group=group,
                 what=what).check(), what)
     finally:
         if reader is not None:
             reader.close()
-    _dist.barrier("moeshard.lora.load_adapter: finishing")
+    collectives.barrier("moeshard.lora.load_adapter: finishing")
     return AdapterReport(rank=rank, world_size=topo.world_size, num_tensors=len(pairs),
-                         num_boxes=int((plan.dlv_rank == rank).sum()), bytes_rank=stats.bytes_read + stats.bytes_received,
+                         num_boxes=int((plan.dlv_rank == rank).sum()),
+                         bytes_rank=stats.bytes_read + stats.bytes_received,
                          plan=plan.cost.summary(), fingerprint=plan.fingerprint, bytes_read_rank=stats.bytes_read,
                          bytes_sent_rank=stats.bytes_sent, bytes_received_rank=stats.bytes_received,
                          peak_staging_bytes_rank=stats.peak_staging_bytes, unused_keys=unused)
@@ -334,7 +335,7 @@ def save_adapter(
     Raises:
         AdapterError on every rank if any rank failed.
     """
-    rank, world = _dist.rank_and_world()
+    rank, world = collectives.rank_and_world()
     out = Path(os.fspath(out_dir))
 
     def make_plan():

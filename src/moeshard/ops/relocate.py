@@ -14,17 +14,16 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterator, Mapping, Sequence, Union
 
 import numpy as np
 import torch
 from torch import nn
 
-from .. import _dist
+from .. import collectives
 from ..box import box_shape, full_box
-from ..execute import Backup, LocalTensors, Source, TensorSink, execute_schedule
+from ..execute import Backup, ExecStats, LocalTensors, Source, TensorSink, execute_schedule
 from ..io.checkpoint import CheckpointIndex, CheckpointReader
 from ..io.sources import Storage, reader_root, resolve_sources
 from ..models.adapters import DEFAULT_SPECS, ExpertParam, ExpertsSpec, read_expert_box
@@ -45,10 +44,10 @@ from ..plan.relocation import (
     plan_relocation,
 )
 from ..plan.schedule import Schedule
-from ..progress import Progress, progress_enabled
 from ..topology import Topology
 from .load import target_device
 from .report import OpReport
+from .skeleton import OpMeter, group_topology, progress_bar
 
 __all__ = ["RelocationReport", "RelocationStep", "relocate", "relocate_chunks", "describe_expert_tensors",
            "expert_states"]
@@ -88,11 +87,11 @@ class _Source:
 
 
 def describe_expert_tensors(
-    target: Union[nn.Module, ExpertTensors],
+    target: nn.Module | ExpertTensors,
     world_size: int,
     specs: Sequence[ExpertsSpec] = DEFAULT_SPECS,
     expert_params: Sequence[ExpertParam] | None = None,
-    module: Union[str, Callable[[int], str]] = "model.layers.{layer}.mlp.experts",
+    module: str | Callable[[int], str] = "model.layers.{layer}.mlp.experts",
     ep_ranks: Sequence[int] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
 ) -> tuple[list[ExpertTensor], list[torch.Tensor | None], list[_Source | None]]:
@@ -108,7 +107,7 @@ def describe_expert_tensors(
 
     Returns ``(tensors, local tensors of this rank (None where it holds nothing), sources)``.
     """
-    rank = _dist.rank_and_world()[0]
+    rank = collectives.rank_and_world()[0]
     if isinstance(target, nn.Module):
         out, locals_, sources = [], [], []
         params = dict(target.named_parameters(remove_duplicate=False))
@@ -123,7 +122,8 @@ def describe_expert_tensors(
                 holdings = tuple((r, b[0][0], b[0][1], b[1:]) for r, b in zip(d.mesh.reshape(-1).tolist(), boxes))
             mine = any(r == rank for r, *_ in holdings)
             entries = [(d.name, params[d.name], _Source(d.expert.module, d.expert.param, d.dtype))]
-            entries += [(f"{d.name} (optimizer state {key!r})", st, _Source(d.expert.module, None, st.dtype, zeros=True))
+            entries += [(f"{d.name} (optimizer state {key!r})", st,
+                         _Source(d.expert.module, None, st.dtype, zeros=True))
                         for key, st in expert_states(optimizer, params[d.name], d.name)]
             for name, t, src in entries:
                 out.append(ExpertTensor(d.expert.layer, name, slice_shape, t.element_size(), holdings))
@@ -277,7 +277,7 @@ def _job_summary(plan: RelocationPlan, rank: int) -> dict:
     k = int(plan.component[rank])
     if k >= 0:
         table[k] = plan.cost.counters()
-    return job_summary(_dist.all_reduce_max(table, "moeshard.relocate: the job's counters"))
+    return job_summary(collectives.all_reduce_max(table, "moeshard.relocate: the job's counters"))
 
 
 def _check_disk_keys(plan: RelocationPlan, index: CheckpointIndex, sources) -> None:
@@ -296,13 +296,14 @@ def _check_disk_keys(plan: RelocationPlan, index: CheckpointIndex, sources) -> N
                     f"{et.name}: logical expert {expert} must be read from the checkpoint, but no "
                     "expert_params say which checkpoint keys hold it"
                 )
-            desc = ParamDesc(et.name, (0, *et.slice_shape), src.dtype, None, (), (), ExpertRef(layer, src.module, src.param))
+            desc = ParamDesc(et.name, (0, *et.slice_shape), src.dtype, None, (), (),
+                             ExpertRef(layer, src.module, src.param))
             expert_part_sizes(desc, index, expert, et.slice_shape, dequantize=True)
 
 
-@_dist.runs_on_group
+@collectives.runs_on_group
 def relocate(
-    target: Union[nn.Module, ExpertTensors],
+    target: nn.Module | ExpertTensors,
     old: Placement | None,
     new: Placement,
     checkpoint: str | os.PathLike | None = None,
@@ -314,7 +315,7 @@ def relocate(
     max_ops: int = DEFAULT_MAX_OPS,
     specs: Sequence[ExpertsSpec] = DEFAULT_SPECS,
     expert_params: Sequence[ExpertParam] | None = None,
-    module: Union[str, Callable[[int], str]] = "model.layers.{layer}.mlp.experts",
+    module: str | Callable[[int], str] = "model.layers.{layer}.mlp.experts",
     from_checkpoint: bool = False,
     progress: bool | None = None,
     transactional: bool = True,
@@ -397,8 +398,33 @@ def relocate(
         PeerLostError: on the ranks that saw a peer die or the network fail (a
             DistributedError naming the step and, for P2P, the peers).
     """
-    t0 = time.perf_counter()
-    rank, world = _dist.rank_and_world()
+    meter = OpMeter()
+    old = _checked_old(target, old, optimizer, routing)
+    topo = group_topology(topology, group)
+    planned = _describe_and_plan(target, old, new, topo, active_ranks, specs, expert_params, module, optimizer,
+                                 routing, staging_bytes, max_ops, from_checkpoint)
+    reads = _CheckpointReads(planned.plan, planned.sources, None)
+    if planned.plan.disk_experts:
+        reads = _plan_checkpoint_reads(target, checkpoint, storage, planned, old, new, topo, specs, staging_bytes,
+                                       max_ops, from_checkpoint)
+    t_plan = meter.end("plan")
+    try:
+        stats = _run(target, reads.plan, planned.locals_, reads.sources, reads.reader, topo, progress,
+                     transactional and old is not None)
+    finally:
+        if reads.reader is not None:
+            reads.reader.close()
+    meter.end("execute")
+    if isinstance(target, nn.Module):
+        if routing == "auto":
+            take_over(planned.routes, new)  # transformers' EP experts: moeshard's EP forward, by the placement
+        set_placement(target, new)  # route tokens to where the experts are now
+    return _report(reads.plan, topo, meter, t_plan, stats)
+
+
+def _checked_old(target, old: Placement | None, optimizer, routing: str) -> Placement | None:
+    """The arguments :func:`relocate` refuses before any exchange, and ``old`` resolved
+    against a moeshard model's own placement."""
     if optimizer is not None and not isinstance(target, nn.Module):
         raise ValueError("optimizer= needs a model (plain expert tensors have no optimizer to look up)")
     if routing not in ROUTING_MODES:
@@ -406,116 +432,17 @@ def relocate(
     if isinstance(target, nn.Module) and old is not None and model_placement(target) is not None:
         # The experts are where moeshard's forward routes tokens: an ``old`` that says otherwise
         # would move the wrong slots (check_routing judges other forwards' ``old``).
-        old = resolve_placement(target, old, "moeshard.relocate (old)")
-    topo = (topology or Topology.of_group(group)).with_rank(rank)
-    if topo.world_size != world:
-        raise ValueError(f"topology has world_size {topo.world_size}, the process group has {world}")
-    # Plain tensors: their layers, shapes and dtypes are part of what the ranks agree on below
-    # (in the fingerprint); every rank's are gathered only when the ranks disagree, to name them.
-    signature = None if isinstance(target, nn.Module) else _signature(target)
+        return resolve_placement(target, old, "moeshard.relocate (old)")
+    return old
 
-    def describe():
-        # Before anything moves: who routes the tokens afterwards (refused here, on every rank).
-        routes = check_routing(target, old, new, routing, specs) if isinstance(target, nn.Module) else None
-        ep_ranks = None if isinstance(target, nn.Module) else _ep_ranks(target, new, active_ranks, world)
-        tensors, locals_, sources = describe_expert_tensors(target, world, specs, expert_params, module, ep_ranks,
-                                                            optimizer)
-        for p, what in ((old, "old"), (new, "new")):
-            if p is None:
-                continue
-            layers = 1 + max(t.layer for t in tensors)
-            if p.num_layers != layers:
-                raise ValueError(f"the {what} placement has {p.num_layers} layers, the experts have {layers} MoE layers")
-            for t in (tensors if ep_ranks is None else ()):  # else _ep_ranks checked the slots
-                top = max(s0 + ns for _, s0, ns, _ in t.holdings)
-                if top != p.num_physical:
-                    raise ValueError(f"{t.name} has {top} expert slots, the {what} placement has {p.num_physical}")
-        active = _active_global(active_ranks, tensors, new.num_physical, world)
-        # First plan as if every live rank could read: it tells whether the checkpoint is needed.
-        plan = plan_relocation(tensors, old, new, topo, active, active, staging_bytes, max_ops, from_checkpoint,
-                               rank=rank)
-        return tensors, locals_, sources, active, plan, routes
 
-    def fingerprint(x) -> str:
-        if signature is None:
-            return x[4].fingerprint
-        return f"{x[4].fingerprint}:{hashlib.blake2b(repr(signature).encode(), digest_size=8).hexdigest()}"
-
-    try:
-        tensors, locals_, sources, active, plan, routes = _dist.agree(describe, "moeshard.relocate: planning",
-                                                                      fingerprint)
-    except _dist.PlanMismatchError:
-        if signature is None:
-            raise
-        # Every rank is here (the mismatch is raised on all): name the tensors that differ.
-        everyone = _dist.all_gather_object(signature, what="moeshard.relocate: comparing the expert tensors")
-        _dist.unanimous(lambda: _check_same_tensors(everyone), "moeshard.relocate: comparing the expert tensors")
-        raise
-    reader = None
-    index = None
-    if plan.disk_experts:
-        if checkpoint is None:
-            lost = plan.disk_experts
-            raise _dist.DistributedError(
-                f"moeshard.relocate: {len(lost)} expert(s) have no live copy and no checkpoint was given "
-                f"(layer, logical expert): {lost[:8]}{' ...' if len(lost) > 8 else ''}"
-            )
-        path = os.fspath(checkpoint)
-        _, readers, _, index = resolve_sources(path, storage, topo, os.path.exists(path), active=active)
-
-        def replan():
-            nonlocal sources
-            if isinstance(target, nn.Module):  # the model's keys in this checkpoint (per expert, or fused)
-                found = iter([_Source(d.expert.module, d.expert.param, d.dtype)
-                              for d in describe_model(target, index, specs) if d.expert is not None])
-                sources = [src if src.zeros else next(found) for src in sources]
-                assert next(found, None) is None and len(sources) == len(tensors)
-            p = plan_relocation(tensors, old, new, topo, active, readers, staging_bytes, max_ops, from_checkpoint,
-                                rank=rank)
-            _check_disk_keys(p, index, sources)
-            if p.moves and any(m.read == rank for m in p.moves):
-                r = CheckpointReader(index, reader_root(path))
-                r.check_files({index.info(k).file for k in _disk_keys(p, rank, sources)})
-                return p, r
-            return p, None
-
-        plan, reader = _dist.agree(replan, "moeshard.relocate: planning checkpoint reads",
-                                   fingerprint=lambda x: x[0].fingerprint)
-    t_plan = time.perf_counter() - t0
-    try:
-        with torch.no_grad():
-            s = plan.schedule_for(rank)  # this rank's rows only (the job's would be O(world))
-            bar = Progress("relocate", s.delivered_bytes(rank), enabled=progress_enabled(progress),
-                           local_rank=topo.local_rank, node=topo.node)
-            device = target_device(target) if isinstance(target, nn.Module) else \
-                next((x.device for x in locals_ if x is not None), torch.device("cpu"))
-            what = "moeshard.relocate: running the plan"
-            sink = TensorSink(s, locals_, rank)
-            # Old or new, never a mix: what this rank's deliveries overwrite is kept aside until
-            # every rank has run the whole plan (the agreement below), and put back otherwise.
-            backup = Backup(s, sink, rank) if transactional and old is not None else None
-            try:
-                stats = _dist.agree(lambda: execute_schedule(
-                    s, rank, _ExpertSource(plan, s, rank, locals_, reader, sources, device), sink,
-                    device, progress=bar.update, what=what).check(), what)
-            except BaseException:
-                if backup is not None:
-                    backup.restore()
-                raise
-            finally:
-                bar.close()
-    finally:
-        if reader is not None:
-            reader.close()
-    if isinstance(target, nn.Module):
-        if routing == "auto":
-            take_over(routes, new)  # transformers' EP experts: moeshard's EP forward, by the placement
-        set_placement(target, new)  # route tokens to where the experts are now
-    c = _job_summary(plan, rank)
+def _report(plan: RelocationPlan, topo: Topology, meter: OpMeter, t_plan: float, stats: ExecStats) -> RelocationReport:
+    """Collective (every rank of the relocation, :func:`_job_summary`): the report."""
+    c = _job_summary(plan, topo.rank)
     return RelocationReport(
-        rank=rank,
-        world_size=world,
-        wall_seconds=time.perf_counter() - t0,
+        rank=topo.rank,
+        world_size=topo.world_size,
+        wall_seconds=meter.seconds(),
         plan_seconds=t_plan,
         copies=dict(c["copies"]),
         bytes=dict(c["bytes"]),
@@ -532,7 +459,151 @@ def relocate(
         peak_staging_bytes_rank=stats.peak_staging_bytes,
         plan=c,
         fingerprint=plan.fingerprint,
+        phase_seconds=meter.phases.seconds,
+        phase_cpu_seconds=meter.phases.cpu_seconds,
     )
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """What every rank agreed on from the live copies alone: the expert tensors, this rank's
+    local ones (None where it holds nothing) and their checkpoint sources, the active ranks
+    (``bool[world]``), the plan (as if every live rank could read), and for a model who
+    routes its tokens afterwards (:func:`~moeshard.models.routing.check_routing`)."""
+
+    tensors: list[ExpertTensor]
+    locals_: list[torch.Tensor | None]
+    sources: list[_Source | None]
+    active: np.ndarray
+    plan: RelocationPlan
+    routes: object
+
+
+def _describe_and_plan(target, old: Placement | None, new: Placement, topo: Topology, active_ranks, specs,
+                       expert_params, module, optimizer, routing: str, staging_bytes: int, max_ops: int,
+                       from_checkpoint: bool) -> _Planned:
+    """Collective (every rank of the relocation): describe the expert tensors, check them
+    against both placements, and plan from the live copies; agreed on the plan's fingerprint
+    (and, for plain tensors, their layers, shapes and dtypes: ranks that differ are named)."""
+    rank, world = topo.rank, topo.world_size
+    # Plain tensors: their layers, shapes and dtypes are part of what the ranks agree on below
+    # (in the fingerprint); every rank's are gathered only when the ranks disagree, to name them.
+    signature = None if isinstance(target, nn.Module) else _signature(target)
+
+    def describe() -> _Planned:
+        # Before anything moves: who routes the tokens afterwards (refused here, on every rank).
+        routes = check_routing(target, old, new, routing, specs) if isinstance(target, nn.Module) else None
+        ep_ranks = None if isinstance(target, nn.Module) else _ep_ranks(target, new, active_ranks, world)
+        tensors, locals_, sources = describe_expert_tensors(target, world, specs, expert_params, module, ep_ranks,
+                                                            optimizer)
+        for p, what in ((old, "old"), (new, "new")):
+            if p is not None:
+                _check_fits(p, what, tensors, ep_ranks is None)
+        active = _active_global(active_ranks, tensors, new.num_physical, world)
+        # First plan as if every live rank could read: it tells whether the checkpoint is needed.
+        plan = plan_relocation(tensors, old, new, topo, active, active, staging_bytes, max_ops, from_checkpoint,
+                               rank=rank)
+        return _Planned(tensors, locals_, sources, active, plan, routes)
+
+    def fingerprint(x: _Planned) -> str:
+        if signature is None:
+            return x.plan.fingerprint
+        return f"{x.plan.fingerprint}:{hashlib.blake2b(repr(signature).encode(), digest_size=8).hexdigest()}"
+
+    try:
+        return collectives.agree(describe, "moeshard.relocate: planning", fingerprint)
+    except collectives.PlanMismatchError:
+        if signature is None:
+            raise
+        # Every rank is here (the mismatch is raised on all): name the tensors that differ.
+        everyone = collectives.all_gather_object(signature, what="moeshard.relocate: comparing the expert tensors")
+        collectives.unanimous(lambda: _check_same_tensors(everyone), "moeshard.relocate: comparing the expert tensors")
+        raise
+
+
+def _check_fits(p: Placement, what: str, tensors: Sequence[ExpertTensor], check_slots: bool) -> None:
+    """Placement ``p`` (``what``: "old" or "new") has the tensors' MoE layers and, where
+    ``check_slots`` (else :func:`_ep_ranks` checked them), their number of slots."""
+    layers = 1 + max(t.layer for t in tensors)
+    if p.num_layers != layers:
+        raise ValueError(f"the {what} placement has {p.num_layers} layers, "
+                         f"the experts have {layers} MoE layers")
+    for t in (tensors if check_slots else ()):
+        top = max(s0 + ns for _, s0, ns, _ in t.holdings)
+        if top != p.num_physical:
+            raise ValueError(f"{t.name} has {top} expert slots, the {what} placement has {p.num_physical}")
+
+
+@dataclass(frozen=True)
+class _CheckpointReads:
+    """The plan again, now with the ranks that can read the checkpoint, the tensors' sources
+    in it, and this rank's reader (None where it reads nothing)."""
+
+    plan: RelocationPlan
+    sources: list[_Source | None]
+    reader: CheckpointReader | None
+
+
+def _plan_checkpoint_reads(target, checkpoint, storage: Storage, planned: _Planned, old: Placement | None,
+                           new: Placement, topo: Topology, specs, staging_bytes: int, max_ops: int,
+                           from_checkpoint: bool) -> _CheckpointReads:
+    """Collective (every rank of the relocation): for experts with no live copy, agree on who
+    reads ``checkpoint`` and plan again with those readers; every key read exists with a
+    fitting shape and dtype, and every file a rank reads opens there."""
+    if checkpoint is None:
+        lost = planned.plan.disk_experts
+        raise collectives.DistributedError(
+            f"moeshard.relocate: {len(lost)} expert(s) have no live copy and no checkpoint was given "
+            f"(layer, logical expert): {lost[:8]}{' ...' if len(lost) > 8 else ''}"
+        )
+    rank, path = topo.rank, os.fspath(checkpoint)
+    _, readers, _, index = resolve_sources(path, storage, topo, os.path.exists(path), active=planned.active)
+
+    def replan() -> _CheckpointReads:
+        sources = planned.sources
+        if isinstance(target, nn.Module):  # the model's keys in this checkpoint (per expert, or fused)
+            found = iter([_Source(d.expert.module, d.expert.param, d.dtype)
+                          for d in describe_model(target, index, specs) if d.expert is not None])
+            sources = [src if src.zeros else next(found) for src in sources]
+            assert next(found, None) is None and len(sources) == len(planned.tensors)
+        p = plan_relocation(planned.tensors, old, new, topo, planned.active, readers, staging_bytes, max_ops,
+                            from_checkpoint, rank=rank)
+        _check_disk_keys(p, index, sources)
+        if p.moves and any(m.read == rank for m in p.moves):
+            r = CheckpointReader(index, reader_root(path))
+            r.check_files({index.info(k).file for k in _disk_keys(p, rank, sources)})
+            return _CheckpointReads(p, sources, r)
+        return _CheckpointReads(p, sources, None)
+
+    return collectives.agree(replan, "moeshard.relocate: planning checkpoint reads",
+                             fingerprint=lambda x: x.plan.fingerprint)
+
+
+def _run(target, plan: RelocationPlan, locals_, sources, reader: CheckpointReader | None, topo: Topology,
+         progress: bool | None, transactional: bool) -> ExecStats:
+    """Collective (every rank of the relocation): run this rank's rows of ``plan`` into its
+    local expert tensors; with ``transactional``, what they held is put back if any rank fails."""
+    rank = topo.rank
+    with torch.no_grad():
+        s = plan.schedule_for(rank)  # this rank's rows only (the job's would be O(world))
+        bar = progress_bar("relocate", s.delivered_bytes(rank), progress, topo)
+        device = target_device(target) if isinstance(target, nn.Module) else \
+            next((x.device for x in locals_ if x is not None), torch.device("cpu"))
+        what = "moeshard.relocate: running the plan"
+        sink = TensorSink(s, locals_, rank)
+        # Old or new, never a mix: what this rank's deliveries overwrite is kept aside until
+        # every rank has run the whole plan (the agreement below), and put back otherwise.
+        backup = Backup(s, sink, rank) if transactional else None
+        try:
+            return collectives.agree(lambda: execute_schedule(
+                s, rank, _ExpertSource(plan, s, rank, locals_, reader, sources, device), sink,
+                device, progress=bar.update, what=what).check(), what)
+        except BaseException:
+            if backup is not None:
+                backup.restore()
+            raise
+        finally:
+            bar.close()
 
 
 @dataclass(frozen=True)
@@ -546,7 +617,7 @@ class RelocationStep:
 
 
 def relocate_chunks(
-    target: Union[nn.Module, ExpertTensors],
+    target: nn.Module | ExpertTensors,
     old: Placement,
     new: Placement,
     *,
@@ -586,7 +657,7 @@ def relocate_chunks(
         old = placement
 
 
-def _slot_bytes(target: Union[nn.Module, ExpertTensors], specs: Sequence[ExpertsSpec], optimizer) -> np.ndarray:
+def _slot_bytes(target: nn.Module | ExpertTensors, specs: Sequence[ExpertsSpec], optimizer) -> np.ndarray:
     """``int64[num_moe_layers]``: bytes of one expert slot per MoE layer (every expert tensor,
     and a model's optimizer state that moves with it). Local, from shapes only."""
     if not isinstance(target, nn.Module):
@@ -596,7 +667,8 @@ def _slot_bytes(target: Union[nn.Module, ExpertTensors], specs: Sequence[Experts
     out: dict[int, int] = {}
     for d in describe_model(target, None, specs):
         if d.expert is not None:
-            sizes = [d.dtype.itemsize] + [st.element_size() for _, st in expert_states(optimizer, params[d.name], d.name)]
+            states = expert_states(optimizer, params[d.name], d.name)
+            sizes = [d.dtype.itemsize] + [st.element_size() for _, st in states]
             out[d.expert.layer] = out.get(d.expert.layer, 0) + math.prod(d.shape[1:]) * sum(sizes)
     return np.array([out[k] for k in sorted(out)], dtype=np.int64)
 

@@ -30,21 +30,19 @@ import os
 import re
 import shutil
 import sys
-import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
-import psutil
 import torch
 from torch import nn
 
-from .. import _dist
-from .._dist import DistributedError
+from .. import collectives
 from ..box import Box
+from ..collectives import DistributedError
 from ..execute import LocalTensors, Sink, Source, execute_schedule
-from ..io.checkpoint import DTYPES, INDEX_NAME, CheckpointIndex, _read_header, pwrite_all, safetensors_header
+from ..io.checkpoint import DTYPES, INDEX_NAME, CheckpointIndex, pwrite_all, read_header, safetensors_header
 from ..io.sources import resolve_sources
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
 from ..models.describe import ParamDesc, describe_model, expert_layers, local_tensor, persistent_buffers, tensor_names
@@ -54,10 +52,10 @@ from ..placement import Placement
 from ..plan import DEFAULT_STAGING_BYTES
 from ..plan.save import SavePlan, describe_outputs, plan_save
 from ..plan.schedule import Schedule
-from ..progress import Progress, progress_enabled
 from ..topology import Topology
-from .load import _read_peak_rss, _reset_peak_rss, _ru_maxrss_bytes, target_device
+from .load import target_device
 from .report import OpReport
+from .skeleton import OpMeter, group_topology, local_tensors, named_tensors, progress_bar
 
 __all__ = ["SaveError", "SaveReport", "save", "plan_model_save", "DEFAULT_MAX_SHARD_BYTES"]
 
@@ -153,7 +151,7 @@ def _tied_targets(model: nn.Module) -> frozenset[str]:
     return frozenset(out)
 
 
-@_dist.runs_on_group
+@collectives.runs_on_group
 def save(
     model: nn.Module,
     out_dir: str | os.PathLike,
@@ -207,29 +205,33 @@ def save(
             files it wrote, the index is not published.
     """
     placement = resolve_placement(model, placement, "moeshard.save")
-    with _dist.errors_as(SaveError):
+    with collectives.errors_as(SaveError):
         return _save(model, out_dir, placement, specs, reference, max_shard_bytes, overwrite, staging_bytes,
-                     topology or Topology.of_group(group), fsync, progress)
+                     topology, group, fsync, progress)
 
 
-def _save(model, out_dir, placement, specs, reference, max_shard_bytes, overwrite, staging_bytes, topology,
+@dataclass(frozen=True)
+class _PlannedSave:
+    """What every rank agreed on before any file is written: the model's descriptions, this
+    rank's part of the save plan, and the device of its local tensors."""
+
+    descs: list[ParamDesc]
+    plan: SavePlan
+    device: torch.device
+
+
+def _save(model, out_dir, placement, specs, reference, max_shard_bytes, overwrite, staging_bytes, topology, group,
           fsync, progress) -> SaveReport:
-    t0 = time.perf_counter()
-    hwm_reset = _reset_peak_rss()
-    rss0 = psutil.Process().memory_info().rss
-    rank, world = _dist.rank_and_world()
-    topo = topology
-    if topo.world_size != world:
-        raise ValueError(f"topology has world_size {topo.world_size}, the process group has {world}")
-    topo = topo.with_rank(rank)
+    meter = OpMeter(peak_rss=True)
+    topo = group_topology(topology, group)
+    rank, world = topo.rank, topo.world_size
     out = Path(out_dir)
     index = reference
     if reference is not None and not isinstance(reference, CheckpointIndex):
         path = os.fspath(reference)
         index = resolve_sources(path, "auto", topo, os.path.exists(path))[3]
 
-    tensors = dict(model.named_parameters(remove_duplicate=False))
-    tensors.update(model.named_buffers())
+    tensors = named_tensors(model)
     made: list[Path] = []  # directories rank 0 created (removed again if the save fails)
 
     def make_plan():
@@ -242,7 +244,7 @@ def _save(model, out_dir, placement, specs, reference, max_shard_bytes, overwrit
                              "before saving it")
         if rank == 0:
             _prepare_dir(out, out / f"{_TMP_PREFIX}{plan.fingerprint}", overwrite, made)
-        return descs, plan, target_device(model)
+        return _PlannedSave(descs, plan, target_device(model))
 
     def unmake() -> None:
         for d in reversed(made):
@@ -253,11 +255,12 @@ def _save(model, out_dir, placement, specs, reference, max_shard_bytes, overwrit
 
     # One round: every rank's plan (the same fingerprint, the same overwrite flag, so the same
     # collectives follow) and rank 0's check of out_dir; nothing is written if any rank failed.
-    descs, plan, device = _agree_or_undo(make_plan, "moeshard.save: planning and checking the output directory",
-                                         unmake, fingerprint=lambda r: f"{r[1].fingerprint}/{overwrite}")
-    t_plan = time.perf_counter() - t0
+    planned = _agree_or_undo(make_plan, "moeshard.save: planning and checking the output directory",
+                             unmake, fingerprint=lambda r: f"{r.plan.fingerprint}/{overwrite}")
+    plan = planned.plan
+    t_plan = meter.end("plan")
     tmp = out / f"{_TMP_PREFIX}{plan.fingerprint}"
-    dests = [local_tensor(tensors[d.name], d) for d in descs]
+    dests = local_tensors(tensors, planned.descs)
     created: list[Path] = []
     failure: list[Exception] = []
     if not tmp.is_dir():
@@ -271,12 +274,11 @@ def _save(model, out_dir, placement, specs, reference, max_shard_bytes, overwrit
         if rank == 0:
             unmake()
 
-    bar = Progress("save", int(plan.cost.write_bytes[rank]), enabled=progress_enabled(progress),
-                   local_rank=topo.local_rank, node=topo.node)
+    bar = progress_bar("save", int(plan.cost.write_bytes[rank]), progress, topo)
     try:
         with torch.no_grad():
-            stats = _write_shards(plan, rank, dests, device, tmp, fsync, bar, created, failure)
-    except _dist.PeerLostError:
+            stats = _write_shards(plan, rank, dests, planned.device, tmp, fsync, bar, created, failure)
+    except collectives.PeerLostError:
         undo()  # this rank's files; no exchange can follow
         raise
     bar.close()
@@ -293,7 +295,39 @@ def _save(model, out_dir, placement, specs, reference, max_shard_bytes, overwrit
             raise failure[0]
 
     _agree_or_undo(outcome, "moeshard.save: writing the shard files", undo)
+    meter.end("write")
     mine = [plan.files[i].name for i in plan.files_of(rank)]
+    _put_in_place(plan, rank, out, tmp, mine + extra, overwrite, fsync, undo, renamed)
+    meter.end("publish")
+    peak = meter.peak_rss()
+    return SaveReport(
+        rank=rank,
+        world_size=world,
+        out_dir=str(out),
+        files=tuple(mine),
+        num_files=len(plan.files),
+        bytes_written_rank=stats["written"],
+        total_bytes=plan.total_bytes,
+        wall_seconds=meter.seconds(),
+        plan_seconds=t_plan,
+        bytes_sent_rank=stats["sent"],
+        bytes_received_rank=stats["received"],
+        peak_staging_bytes_rank=stats["peak"],
+        rss_before_bytes=meter.rss_before,
+        peak_rss_bytes=peak.bytes,
+        peak_rss_source=peak.source,
+        plan=plan.cost.summary(),
+        fingerprint=plan.fingerprint,
+        phase_seconds=meter.phases.seconds,
+        phase_cpu_seconds=meter.phases.cpu_seconds,
+    )
+
+
+def _put_in_place(plan: SavePlan, rank: int, out: Path, tmp: Path, names: list[str], overwrite: bool, fsync: bool,
+                  undo: Callable[[], None], renamed: list[Path]) -> None:
+    """Collective (every rank of the save), once every file is written in ``tmp``: remove the
+    old index (``overwrite``), move this rank's files ``names`` into ``out`` (each recorded in
+    ``renamed``), then rank 0 publishes the index; each step agreed, ``undo`` on a failure."""
     if overwrite:  # the old index goes first: from now on the directory is not a complete checkpoint
         def remove_old_index() -> None:
             if rank == 0:
@@ -304,10 +338,10 @@ def _save(model, out_dir, placement, specs, reference, max_shard_bytes, overwrit
         _agree_or_undo(remove_old_index, "moeshard.save: removing the old index", undo)
 
     def move_into_place() -> None:
-        for name in mine + extra:
+        for name in names:
             _replace(tmp / name, out / name)
             renamed.append(out / name)
-        if mine or extra:
+        if names:
             _fsync_dir(out, fsync)
 
     _agree_or_undo(move_into_place, "moeshard.save: moving the files into place", undo)
@@ -325,39 +359,19 @@ def _save(model, out_dir, placement, specs, reference, max_shard_bytes, overwrit
         _fsync_dir(out, fsync, strict=False)
 
     _agree_or_undo(publish, "moeshard.save: writing the index", undo)
-    peak = _read_peak_rss() if hwm_reset else None
-    return SaveReport(
-        rank=rank,
-        world_size=world,
-        out_dir=str(out),
-        files=tuple(mine),
-        num_files=len(plan.files),
-        bytes_written_rank=stats["written"],
-        total_bytes=plan.total_bytes,
-        wall_seconds=time.perf_counter() - t0,
-        plan_seconds=t_plan,
-        bytes_sent_rank=stats["sent"],
-        bytes_received_rank=stats["received"],
-        peak_staging_bytes_rank=stats["peak"],
-        rss_before_bytes=rss0,
-        peak_rss_bytes=peak if peak is not None else _ru_maxrss_bytes(),
-        peak_rss_source="vmhwm" if peak is not None else "ru_maxrss",
-        plan=plan.cost.summary(),
-        fingerprint=plan.fingerprint,
-    )
 
 
 def _agree_or_undo(step, what: str, undo, fingerprint=None):
     """Collective: run ``step``; if it failed on any rank, run ``undo`` on every rank, then raise.
     After a lost peer (:class:`PeerLostError`) each rank undoes its own part and raises at once."""
     try:
-        return _dist.agree(step, what, fingerprint=fingerprint)
-    except _dist.PeerLostError:
+        return collectives.agree(step, what, fingerprint=fingerprint)
+    except collectives.PeerLostError:
         undo()
         raise
     except BaseException:
         undo()
-        _dist.barrier(what)  # nobody returns before every rank has cleaned up
+        collectives.barrier(what)  # nobody returns before every rank has cleaned up
         raise
 
 
@@ -392,7 +406,7 @@ def _rmdir(path: Path) -> None:
 # -- writing ------------------------------------------------------------------------------------
 
 
-class _ShardWriter:
+class ShardWriter:
     """One safetensors file, written in place: the header first (every offset is known), then
     boxes at their offsets, in any order. Counts the data bytes written."""
 
@@ -431,7 +445,7 @@ class _ShardWriter:
 
     def _check(self) -> None:
         """Read the header back with the checkpoint reader's validation."""
-        header, size = _read_header(self.path)
+        header, size = read_header(self.path)
         want = {self.plan.tensors[i].key: self.plan.tensors[i] for i in self.plan.files[self.file].tensors}
         if size != self.data_start + self.plan.files[self.file].data_bytes or set(header) != set(want):
             raise RuntimeError(f"{self.path}: the written file does not match its plan")
@@ -518,11 +532,11 @@ def _write_shards(plan: SavePlan, rank: int, dests, device: torch.device, tmp: P
     """Collective: run the plan's schedule and write this rank's files. A write that fails
     stops this rank's writing (recorded in ``failure``) but not its sends and receives, so no
     peer is left waiting."""
-    writers: dict[int, _ShardWriter] = {}
+    writers: dict[int, ShardWriter] = {}
     try:
         for i in plan.files_of(rank):
             path = tmp / plan.files[i].name
-            writers[i] = _ShardWriter(path, plan, i)
+            writers[i] = ShardWriter(path, plan, i)
             created.append(path)
     except Exception as e:  # noqa: BLE001 - reported on every rank
         failure.append(e)
@@ -533,7 +547,7 @@ def _write_shards(plan: SavePlan, rank: int, dests, device: torch.device, tmp: P
     for e in stats.failures:
         if e not in failure:
             failure.append(e)
-    for i, w in writers.items():
+    for w in writers.values():
         try:
             w.close(fsync and not failure)
         except Exception as e:  # noqa: BLE001 - reported on every rank

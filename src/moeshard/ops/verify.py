@@ -27,21 +27,21 @@ import hashlib
 import itertools
 import os
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-from .. import _dist
+from .. import collectives
 from ..box import box_numel, box_shape, box_slices
 from ..execute import exchange
-from ..io.checkpoint import CheckpointReader
+from ..io.checkpoint import CheckpointIndex, CheckpointReader
 from ..io.fp8 import FP8_DTYPES, dequantize, scale_box, scale_of
 from ..io.sources import Storage, reader_root, resolve_sources
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
-from ..models.describe import local_tensor
+from ..models.describe import ParamDesc
 from ..models.layout import Need
 from ..models.routing import resolve_placement
 from ..placement import Placement
@@ -50,6 +50,7 @@ from ..plan.scales import scale_needs
 from ..topology import Topology
 from .load import checked_unused_keys, float_params, plan_load, target_device
 from .report import OpReport
+from .skeleton import group_topology, local_tensors, named_tensors
 
 __all__ = ["VerifyReport", "VerificationError", "verify"]
 
@@ -80,7 +81,7 @@ def _digest_bytes(t: torch.Tensor) -> bytes:
     return hashlib.blake2b(memoryview(flat.numpy()), digest_size=DIGEST_BYTES).digest()  # no copy of the bytes
 
 
-def _digest(t: torch.Tensor) -> str:
+def digest_hex(t: torch.Tensor) -> str:
     return _digest_bytes(t).hex()
 
 
@@ -89,7 +90,7 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8)
 
 
-def _differs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def bytes_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """0-dim bool tensor on ``a``'s device (no synchronize): whether the bytes of ``a`` and ``b``
     (same shape and dtype) differ. Compared 8, 4 or 2 bytes at a time where the byte count and
     both tensors' offsets allow: torch's ``ne`` and ``any`` cost per element, so comparing
@@ -155,7 +156,74 @@ def _dtypes(dtype_of: Sequence[torch.dtype], plan: Schedule, idx: Sequence[int])
     return tuple(sorted({dtype_of[int(plan.dlv_param[i])] for i in idx}, key=str))
 
 
-@_dist.runs_on_group
+@dataclass(frozen=True)
+class _VerifyPlan:
+    """What every rank agreed on before reading: the model's descriptions, this rank's
+    schedule (its needs are the delivery rows) and the unused checkpoint keys."""
+
+    descs: list[ParamDesc]
+    plan: Schedule
+    unused_keys: tuple[str, ...]
+
+
+class _PieceChecks:
+    """Step 1 of :func:`verify` on this rank (no communication): read each of its pieces, one
+    in memory at a time; compare its own boxes (:attr:`flags`: ``(need index, 0-dim bool
+    tensor on the device: the box differs)``, no synchronize per box) and digest the other
+    needers' boxes into :attr:`outbox` (per peer, ``uint8[digests, DIGEST_BYTES]`` in the order
+    of ``routes.sends``). Errors go to :attr:`failure` (reported on every rank at the end); a
+    piece that cannot be read leaves all-zero digests for its needers."""
+
+    def __init__(self, plan: Schedule, index: CheckpointIndex, routes: _Routes, dtype_of: Sequence[torch.dtype],
+                 box: Callable[[int], torch.Tensor]):
+        self.plan, self.index, self.routes, self.dtype_of, self.box = plan, index, routes, dtype_of, box
+        self.flags: list[tuple[int, torch.Tensor]] = []
+        self.outbox = {r: np.zeros((len(v), DIGEST_BYTES), dtype=np.uint8) for r, v in routes.sends.items()}
+        self.filled = dict.fromkeys(self.outbox, 0)
+        self.failure: list[Exception] = []
+
+    def read_all(self, path: str) -> None:
+        try:
+            with CheckpointReader(self.index, reader_root(path)) as reader:
+                for pid, mine, others in self.routes.reads:
+                    self.read_and_check(reader, pid, mine, others)
+        except Exception as e:  # noqa: BLE001 - e.g. a file that cannot be opened; reported below
+            self.failure.append(e)
+
+    def read_and_check(self, reader: CheckpointReader, pid: int, mine: tuple[int, ...], others) -> None:
+        plan, dtype_of, outbox, filled = self.plan, self.dtype_of, self.outbox, self.filled
+        try:
+            key, pbox = plan.piece_name(pid), plan.piece_box(pid)
+            raw = deq = reader.read(key, pbox)
+            quant = scale_of(self.index, key)
+            wanted = {dtype_of[int(plan.dlv_param[i])] for i in mine} | {dt for _, dts in others for dt in dts}
+            if quant is not None and any(dt.itemsize > 1 for dt in wanted):
+                # FP8 weights into float tensors are checked dequantized, apart from load's path.
+                deq = dequantize(raw, pbox, reader.read(quant[0], scale_box(pbox, quant[1])), quant[1])
+        except Exception as e:  # noqa: BLE001 - the needers still expect digests: all-zero ones
+            self.failure.append(e)
+            for r, dtypes in others:
+                filled[r] += len(dtypes)
+            return
+
+        def as_dtype(dt: torch.dtype) -> torch.Tensor:
+            return (raw if dt.itemsize == 1 else deq).to(dt)  # an FP8 tensor holds the FP8 bytes
+
+        cast = {dt: as_dtype(dt) for dt in {dtype_of[int(plan.dlv_param[i])] for i in mine}}
+        for i in mine:
+            got = self.box(i)
+            want = cast[dtype_of[int(plan.dlv_param[i])]].to(got.device)
+            self.flags.append((i, bytes_differ(got, want)))
+        digests: dict[torch.dtype, bytes] = {}
+        for r, dtypes in others:
+            for dt in dtypes:
+                if dt not in digests:
+                    digests[dt] = _digest_bytes(cast[dt] if dt in cast else as_dtype(dt))
+                outbox[r][filled[r]] = np.frombuffer(digests[dt], dtype=np.uint8)
+                filled[r] += 1
+
+
+@collectives.runs_on_group
 def verify(
     model: nn.Module,
     checkpoint: str | os.PathLike,
@@ -184,9 +252,8 @@ def verify(
             expert params), box and checkpoint key of its first mismatch.
     """
     placement = resolve_placement(model, placement, "moeshard.verify")
-    topo = topology or Topology.of_group(group)
-    rank, world_size = _dist.rank_and_world()
-    topo = topo.with_rank(rank)
+    topo = group_topology(topology, group)
+    rank, world_size = topo.rank, topo.world_size
     path = os.fspath(checkpoint)
     _, readers, _, index = resolve_sources(path, storage, topo, os.path.exists(path))
 
@@ -198,17 +265,17 @@ def verify(
                                        True, rank, all_needs=fp8)
         scales = scale_needs(needs, index, float_params(descs)) if fp8 else None
         also = scales.table.keys if scales is not None else ()
-        return descs, plan, checked_unused_keys(model, descs, index, placement, strict, "moeshard.verify", also)
+        return _VerifyPlan(descs, plan,
+                           checked_unused_keys(model, descs, index, placement, strict, "moeshard.verify", also))
 
-    def fingerprint(dp) -> str:
+    def fingerprint(vp: _VerifyPlan) -> str:
         # Both ends of a digest count the dtypes of its needs: ranks must agree on them too.
-        dtypes = hashlib.blake2b(repr([str(d.dtype) for d in dp[0]]).encode(), digest_size=8).hexdigest()
-        return f"{dp[1].fingerprint}:{dtypes}"
+        dtypes = hashlib.blake2b(repr([str(d.dtype) for d in vp.descs]).encode(), digest_size=8).hexdigest()
+        return f"{vp.plan.fingerprint}:{dtypes}"
 
-    descs, plan, unused = _dist.agree(make_plan, "moeshard.verify: planning", fingerprint=fingerprint)
-    tensors = dict(model.named_parameters(remove_duplicate=False))
-    tensors.update(model.named_buffers())
-    locals_ = [local_tensor(tensors[d.name], d) for d in descs]
+    planned = collectives.agree(make_plan, "moeshard.verify: planning", fingerprint=fingerprint)
+    descs, plan, unused = planned.descs, planned.plan, planned.unused_keys
+    locals_ = local_tensors(named_tensors(model), descs)
     dtype_of = [d.dtype for d in descs]
     routes = _routes(plan, dtype_of, rank)
 
@@ -217,7 +284,6 @@ def verify(
 
     device = target_device(model)
     what = "moeshard.verify"
-    failure: list[Exception] = []  # this rank's errors before the final agreement
 
     def box(i: int) -> torch.Tensor:
         n = need(i)
@@ -225,48 +291,10 @@ def verify(
 
     # 1. Read this rank's pieces, one in memory at a time: compare its own boxes locally (the
     # flags stay on the device: no synchronize per box), digest the boxes of the other needers.
-    flags: list[tuple[int, torch.Tensor]] = []  # (need index, bool: the box differs)
-    outbox = {r: np.zeros((len(v), DIGEST_BYTES), dtype=np.uint8) for r, v in routes.sends.items()}
-    filled = dict.fromkeys(outbox, 0)
-
-    def read_and_check(reader: CheckpointReader, pid: int, mine: tuple[int, ...], others) -> None:
-        try:
-            key, pbox = plan.piece_name(pid), plan.piece_box(pid)
-            raw = deq = reader.read(key, pbox)
-            quant = scale_of(index, key)
-            wanted = {dtype_of[int(plan.dlv_param[i])] for i in mine} | {dt for _, dts in others for dt in dts}
-            if quant is not None and any(dt.itemsize > 1 for dt in wanted):
-                # FP8 weights into float tensors are checked dequantized, apart from load's path.
-                deq = dequantize(raw, pbox, reader.read(quant[0], scale_box(pbox, quant[1])), quant[1])
-        except Exception as e:  # noqa: BLE001 - the needers still expect digests: all-zero ones
-            failure.append(e)
-            for r, dtypes in others:
-                filled[r] += len(dtypes)
-            return
-
-        def as_dtype(dt: torch.dtype) -> torch.Tensor:
-            return (raw if dt.itemsize == 1 else deq).to(dt)  # an FP8 tensor holds the FP8 bytes
-
-        cast = {dt: as_dtype(dt) for dt in {dtype_of[int(plan.dlv_param[i])] for i in mine}}
-        for i in mine:
-            got = box(i)
-            want = cast[dtype_of[int(plan.dlv_param[i])]].to(got.device)
-            flags.append((i, _differs(got, want)))
-        digests: dict[torch.dtype, bytes] = {}
-        for r, dtypes in others:
-            for dt in dtypes:
-                if dt not in digests:
-                    digests[dt] = _digest_bytes(cast[dt] if dt in cast else as_dtype(dt))
-                outbox[r][filled[r]] = np.frombuffer(digests[dt], dtype=np.uint8)
-                filled[r] += 1
-
+    pieces = _PieceChecks(plan, index, routes, dtype_of, box)
     if routes.reads:
-        try:
-            with CheckpointReader(index, reader_root(path)) as reader:
-                for pid, mine, others in routes.reads:
-                    read_and_check(reader, pid, mine, others)
-        except Exception as e:  # noqa: BLE001 - e.g. a file that cannot be opened; reported below
-            failure.append(e)
+        pieces.read_all(path)
+    flags, outbox, failure = pieces.flags, pieces.outbox, pieces.failure
 
     # 2. Digests point to point: each reader to exactly the ranks that need its pieces.
     inbox = {r: torch.empty(len(routes.recvs[r]) * DIGEST_BYTES, dtype=torch.uint8, device=device)
@@ -302,10 +330,11 @@ def verify(
         checked = [i for i, _ in flags] + [i for _, i in routes.remote]
         nbytes = sum(box_numel(need(i).src) * locals_[int(plan.dlv_param[i])].element_size() for i in checked)
         return VerifyReport(rank=rank, world_size=world_size, num_boxes_checked=len(checked), bytes_checked=nbytes,
-                            fingerprint=plan.fingerprint, unused_keys=unused, digests_sent=sum(len(v) for v in outbox.values()),
+                            fingerprint=plan.fingerprint, unused_keys=unused,
+                            digests_sent=sum(len(v) for v in outbox.values()),
                             digests_received=sum(len(v) for v in routes.recvs.values()))
 
-    return _dist.agree(check, what)
+    return collectives.agree(check, what)
 
 
 def _mismatch(plan: Schedule, descs, placement: Placement | None, rank: int, i: int) -> str:

@@ -110,7 +110,7 @@ def plan_transfers(
                 table = needs if isinstance(needs, NeedTable) else NeedTable.from_needs(needs)
                 return _plan_rank(table, index, topology, readers, scope, staging_bytes, max_ops, rank)
         pieces = _pieces(needs, index, staging_bytes)
-        plan = _plan(pieces, topology, readers, scope, staging_bytes, max_ops)
+        plan = plan_pieces(pieces, topology, readers, scope, staging_bytes, max_ops)
         return plan if rank is None else dataclasses.replace(plan, rank=rank)
 
 
@@ -486,9 +486,9 @@ def _plan_rank(table: NeedTable, index: CheckpointIndex, topology: Topology, rea
     if table.omitted_bytes is not None:  # other ranks' alone rows, left out of a table built for this rank
         local_bytes += table.omitted_bytes
     if local.all():  # every need a local read (FSDP-sharded parameters, shared storage): no transfers
-        shared = _no_transfers(table, topology, staging_bytes, max_ops)
+        shared = no_transfers(table, topology, staging_bytes, max_ops)
     else:
-        shared = _plan(cut_pieces(table.take(~local), index, staging_bytes, keys), topology, readers, scope,
+        shared = plan_pieces(cut_pieces(table.take(~local), index, staging_bytes, keys), topology, readers, scope,
                        staging_bytes, max_ops, base_load=local_bytes)
     mine = cut_pieces(table.take(local & (table.rank == rank)), index, staging_bytes, keys)
     h = hashlib.sha256(shared.fingerprint.encode())
@@ -498,8 +498,8 @@ def _plan_rank(table: NeedTable, index: CheckpointIndex, topology: Topology, rea
     return _with_local_reads(shared, mine, rank, local_bytes, h.hexdigest()[:16])
 
 
-def _no_transfers(table: NeedTable, topology: Topology, staging_bytes: int, max_ops: int) -> Schedule:
-    """What :func:`_plan` makes of no pieces (over ``table``'s keys), without its ~100 numpy
+def no_transfers(table: NeedTable, topology: Topology, staging_bytes: int, max_ops: int) -> Schedule:
+    """What :func:`plan_pieces` makes of no pieces (over ``table``'s keys), without its ~100 numpy
     calls on empty columns: no reads, sends or rounds, zero cost (the same arrays, dtypes and
     fingerprint, tests/test_pieces.py)."""
     world, d = topology.world_size, table.width
@@ -568,7 +568,7 @@ def _with_local_reads(shared: Schedule, mine: Pieces, rank: int, local_bytes: np
         cost=cost, rank=rank, basis=basis)
 
 
-def _plan(pieces: Pieces, topology: Topology, readers: np.ndarray, scope: str, staging_bytes: int,
+def plan_pieces(pieces: Pieces, topology: Topology, readers: np.ndarray, scope: str, staging_bytes: int,
           max_ops: int, base_load: np.ndarray | None = None) -> Schedule:
     world = topology.world_size
     t = _trees(pieces, topology, readers, scope, base_load)
@@ -654,7 +654,7 @@ def _cost(t: _Trees, r: _Rounds, pbytes: np.ndarray, read_round: np.ndarray, rea
     num = len(r_groups) + len(t.e0_dst) + len(t.e1_dst) + len(bc_ranks)
     return PlanCost(
         read_bytes=read_bytes, sent_bytes=sent, recv_bytes=recv,
-        peak_staging_bytes=_peak(world, r.num_rounds, num, holds()),
+        peak_staging_bytes=peak_held_bytes(world, r.num_rounds, num, holds()),
         cross_node_bytes=cross_node, num_p2p_ops=len(src),
         num_batches=int((np.bincount(rounds, minlength=r.num_rounds) > 0).sum()), num_broadcasts=len(bc_root),
     )
@@ -670,7 +670,7 @@ def _broadcast_receivers(node: np.ndarray, root: np.ndarray, topology: Topology)
     return ranks[keep], of[keep]
 
 
-def _peak(world: int, num_rounds: int, num: int, holds) -> np.ndarray:
+def peak_held_bytes(world: int, num_rounds: int, num: int, holds) -> np.ndarray:
     """``int64[world]``: the most bytes each rank holds at once, given ``num`` buffers as
     ``(rank, bytes, first round, last round)`` column groups (``holds``: an iterable of them;
     rounds ``0 .. num_rounds - 1``). A buffer is held from the start of its first round to the

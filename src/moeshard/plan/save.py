@@ -33,7 +33,7 @@ from ..box import Box, split_box
 from ..io.checkpoint import DTYPES
 from ..topology import Topology
 from .arrays import expand_runs, group_rows, lex_order, row_prod, run_starts
-from .save_outputs import Segment, _Out, _SegTable, describe_outputs
+from .save_outputs import Segment, OutputTensor, SegmentTable, describe_outputs
 from .schedule import PlanCost, Schedule
 
 __all__ = ["Segment", "OutTensor", "SaveFile", "Transfer", "LocalWrite", "SaveCost", "SavePlan",
@@ -155,7 +155,7 @@ class SavePlan:
     fingerprint: str = ""
     rank: int | None = None
     _pieces: _Pieces | None = field(default=None, repr=False)
-    _segs: _SegTable | None = field(default=None, repr=False)
+    _segs: SegmentTable | None = field(default=None, repr=False)
 
     @functools.cached_property
     def schedule(self) -> Schedule:
@@ -224,7 +224,7 @@ def shard_name(i: int, num_files: int) -> str:
 
 
 def plan_save(
-    outs: Sequence[_Out],
+    outs: Sequence[OutputTensor],
     world_size: int,
     max_shard_bytes: int,
     staging_bytes: int,
@@ -275,7 +275,7 @@ class _Boxes:
     h_seg: np.ndarray
 
 
-def _gather(outs: Sequence[_Out], width: int) -> tuple[_SegTable, np.ndarray]:
+def _gather(outs: Sequence[OutputTensor], width: int) -> tuple[SegmentTable, np.ndarray]:
     """Every tensor's segments as one table (tensor by tensor, each in its own order) and
     ``int64[T + 1]`` each tensor's first row."""
     counts = np.asarray([len(o) for o in outs], np.int64)
@@ -285,10 +285,10 @@ def _gather(outs: Sequence[_Out], width: int) -> tuple[_SegTable, np.ndarray]:
     if table is not None and all(o.table is table for o in outs) and all(
             a.rows[1] == b.rows[0] for a, b in zip(outs, outs[1:])):  # describe_outputs' rows, in order
         return table.rows(outs[0].rows[0], outs[-1].rows[1], width), first
-    return _SegTable.concat([o.table.rows(*o.rows, width) for o in outs], width), first
+    return SegmentTable.concat([o.table.rows(*o.rows, width) for o in outs], width), first
 
 
-def _distinct_boxes(segs: _SegTable, seg_first: np.ndarray, itemsize: np.ndarray) -> _Boxes:
+def _distinct_boxes(segs: SegmentTable, seg_first: np.ndarray, itemsize: np.ndarray) -> _Boxes:
     """The distinct boxes of each tensor (``seg_first``: ``int64[T + 1]`` each tensor's first
     segment) and their holders, in the order of :class:`_Boxes`."""
     n = len(seg_first) - 1
@@ -537,7 +537,7 @@ def _split(boxes: _Boxes, g: np.ndarray, itemsize: np.ndarray, ndim: np.ndarray,
     return g[rep], off, ln
 
 
-def _make_pieces(boxes: _Boxes, chosen: np.ndarray, segs: _SegTable, writer: list[int], itemsize, ndim,
+def _make_pieces(boxes: _Boxes, chosen: np.ndarray, segs: SegmentTable, writer: list[int], itemsize, ndim,
                  t_order: np.ndarray, staging_bytes: int, max_ops: int, world: int,
                  rank: int | None) -> tuple[_Pieces, np.ndarray, np.ndarray, "_Packer"]:
     """Every tensor's boxes (tensors in ``t_order``, boxes in order) cut into pieces; pieces
@@ -677,7 +677,7 @@ class _Chosen:
     """The chosen segment of every box, as :class:`Segment` objects on demand: the caller's
     own objects where it gave them, else made from the table's rows."""
 
-    def __init__(self, outs, segs: _SegTable, seg_first: np.ndarray, boxes: _Boxes, chosen: np.ndarray):
+    def __init__(self, outs, segs: SegmentTable, seg_first: np.ndarray, boxes: _Boxes, chosen: np.ndarray):
         self.outs, self.segs, self.seg_first, self.box_first, self.chosen = outs, segs, seg_first, boxes.first, chosen
 
     def of(self, t: int) -> tuple[Segment, ...]:
@@ -866,7 +866,7 @@ def _check_tiling(key: str, shape: tuple[int, ...], boxes: list[Box], nbytes: in
 _RULE = b"moeshard.plan.save/inputs-1"  # changes with the planner's rules: old and new ranks disagree
 
 
-def _fingerprint(outs: Sequence[_Out], segs: _SegTable, seg_first: np.ndarray, world: int, max_shard_bytes: int,
+def _fingerprint(outs: Sequence[OutputTensor], segs: SegmentTable, seg_first: np.ndarray, world: int, max_shard_bytes: int,
                  staging_bytes: int, max_ops: int) -> str:
     """sha256 of what the plan is made from: the budgets, every tensor's key, shape, dtype and
     kind, and the bytes of the segment table (``seg_first``: each tensor's first row). The

@@ -4,7 +4,7 @@
 Every checkpoint tensor to write (a non-expert parameter or persistent buffer under its
 checkpoint name; one part of one logical expert of a per-expert parameter; or a fused expert
 tensor) is described by its :class:`Segment` s: which rank holds which box of it, and where in
-its local tensor. The segments of all tensors are one table of columns (:class:`_SegTable`);
+its local tensor. The segments of all tensors are one table of columns (:class:`SegmentTable`);
 ``Segment`` objects are made only when a caller reads them.
 """
 
@@ -23,7 +23,7 @@ from ..models.shards import param_boxes
 from ..placement import Placement
 from .arrays import expand_runs
 
-__all__ = ["Segment", "describe_outputs"]
+__all__ = ["Segment", "SegmentTable", "OutputTensor", "describe_outputs"]
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class Segment:
 
 
 @dataclass(frozen=True)
-class _SegTable:
+class SegmentTable:
     """Segments of checkpoint tensors as columns (``S`` segments, ``W`` padded box dims: a
     tensor of fewer dims has offset 0, length 1 and delta 0 in the others).
 
@@ -64,26 +64,26 @@ class _SegTable:
     len: np.ndarray
     delta: np.ndarray
 
-    def rows(self, lo: int, hi: int, width: int) -> _SegTable:
+    def rows(self, lo: int, hi: int, width: int) -> SegmentTable:
         """Rows ``lo:hi`` with ``width`` box dims (>= their tensors' dims: cut or padded); the
         table itself when that is all of it (the planner only reads it: no copy of the job's
         largest table)."""
         if lo == 0 and hi == len(self.rank) and width == self.off.shape[1]:
             return self
         pad = ((0, 0), (0, max(0, width - self.off.shape[1])))
-        return _SegTable(self.rank[lo:hi], self.param[lo:hi], self.slot[lo:hi], np.pad(self.off[lo:hi, :width], pad),
+        return SegmentTable(self.rank[lo:hi], self.param[lo:hi], self.slot[lo:hi], np.pad(self.off[lo:hi, :width], pad),
                          np.pad(self.len[lo:hi, :width], pad, constant_values=1), np.pad(self.delta[lo:hi, :width], pad))
 
     @staticmethod
-    def concat(parts: list[_SegTable], width: int) -> _SegTable:
+    def concat(parts: list[SegmentTable], width: int) -> SegmentTable:
         if not parts:
             e, e2 = np.zeros(0, np.int64), np.zeros((0, width), np.int64)
-            return _SegTable(e, e, e, e2, e2, e2)
-        return _SegTable(*(np.concatenate([getattr(p, f) for p in parts]) for f in
+            return SegmentTable(e, e, e, e2, e2, e2)
+        return SegmentTable(*(np.concatenate([getattr(p, f) for p in parts]) for f in
                            ("rank", "param", "slot", "off", "len", "delta")))
 
     @staticmethod
-    def of_segments(segments: Sequence[Segment], ndim: int, width: int) -> _SegTable:
+    def of_segments(segments: Sequence[Segment], ndim: int, width: int) -> SegmentTable:
         """The table of :class:`Segment` objects of a tensor of ``ndim`` dims."""
         for s in segments:
             if len(s.box) != ndim:
@@ -96,7 +96,7 @@ class _SegTable:
             ln[i, :ndim] = [n for _, n in s.box]
             dl = s.delta[:ndim]
             delta[i, :len(dl)] = dl
-        return _SegTable(np.asarray([s.rank for s in segments], np.int64).reshape(k),
+        return SegmentTable(np.asarray([s.rank for s in segments], np.int64).reshape(k),
                          np.asarray([s.param for s in segments], np.int64).reshape(k),
                          np.asarray([s.lead[0][0] if s.lead else -1 for s in segments], np.int64).reshape(k),
                          off, ln, delta)
@@ -109,9 +109,9 @@ class _SegTable:
                        tuple(delta))
 
 
-class _Out:
+class OutputTensor:
     """One checkpoint tensor to write and its holders' segments, always rows ``lo:hi`` of a
-    :class:`_SegTable` (the planner reads only the table): the table :func:`describe_outputs`
+    :class:`SegmentTable` (the planner reads only the table): the table :func:`describe_outputs`
     shares between its tensors, or one of this tensor's own made from a list of
     :class:`Segment` (built by hand), which :attr:`segments` then gives back as it was.
     ``zeros``: nobody holds the tensor (no segments): it is written as zeros."""
@@ -119,12 +119,12 @@ class _Out:
     __slots__ = ("key", "shape", "dtype", "is_buffer", "_segments", "table", "rows", "zeros")
 
     def __init__(self, key: str, shape: tuple[int, ...], dtype: str, segments: list[Segment] | None = None,
-                 is_buffer: bool = False, *, table: _SegTable | None = None, rows: tuple[int, int] = (0, 0),
+                 is_buffer: bool = False, *, table: SegmentTable | None = None, rows: tuple[int, int] = (0, 0),
                  zeros: bool = False):
         self.key, self.shape, self.dtype, self.is_buffer, self.zeros = key, shape, dtype, is_buffer, zeros
         if table is None:
             segments = [] if segments is None else segments
-            table, rows = _SegTable.of_segments(segments, len(shape), max(len(shape), 1)), (0, len(segments))
+            table, rows = SegmentTable.of_segments(segments, len(shape), max(len(shape), 1)), (0, len(segments))
         self._segments = segments  # None: made from the table on first use
         self.table, self.rows = table, rows
 
@@ -135,7 +135,7 @@ class _Out:
         return self._segments
 
     def __repr__(self) -> str:
-        return f"_Out({self.key!r}, {self.shape}, {self.dtype!r}, {len(self)} segments)"
+        return f"OutputTensor({self.key!r}, {self.shape}, {self.dtype!r}, {len(self)} segments)"
 
     def __len__(self) -> int:
         return self.rows[1] - self.rows[0]
@@ -151,7 +151,7 @@ def describe_outputs(
     skip_keys: frozenset[str] = frozenset(),
     buffers: frozenset[str] = frozenset(),
     num_experts: dict[int, int] | None = None,
-) -> list[_Out]:
+) -> list[OutputTensor]:
     """Checkpoint tensors of a model and every rank's boxes of them (pure).
 
     Args:
@@ -175,7 +175,7 @@ def describe_outputs(
 
 class _Rows:
     """Segment rows collected per chunk (``tensor``: ``int64[k]`` output index of each row),
-    made into one :class:`_SegTable` sorted by tensor at the end."""
+    made into one :class:`SegmentTable` sorted by tensor at the end."""
 
     def __init__(self):
         self.chunks: list[tuple] = []
@@ -183,7 +183,7 @@ class _Rows:
     def add(self, tensor, rank, param: int, slot, off, ln, delta) -> None:
         self.chunks.append((tensor, rank, param, slot, off, ln, delta))
 
-    def table(self, num_tensors: int, width: int) -> tuple[_SegTable, np.ndarray]:
+    def table(self, num_tensors: int, width: int) -> tuple[SegmentTable, np.ndarray]:
         """The table (rows of each tensor in the order they were added) and ``int64[T + 1]``
         the first row of each tensor. Each chunk is written straight to its rows' places (a
         stable sort by tensor) and let go: the rows are never held twice over (DeepSeek-V3 on
@@ -211,11 +211,11 @@ class _Rows:
             if nd < width:  # padded dims: offset 0, length 1, no shift
                 off[rows, nd:], ln[rows, nd:], delta[rows, nd:] = 0, 1, 0
             at += k
-        return _SegTable(rank, param, slot, off, ln, delta), bounds
+        return SegmentTable(rank, param, slot, off, ln, delta), bounds
 
 
 def _describe_outputs(descs, placement, world_size, reference, tied_targets, skip_keys, buffers,
-                      num_experts) -> list[_Out]:
+                      num_experts) -> list[OutputTensor]:
     heads: list[tuple] = []  # (key, shape, dtype, is_buffer, zeros) per output
     rows = _Rows()
     num_layers = 1 + max((d.expert.layer for d in descs if d.expert), default=-1)
@@ -255,7 +255,7 @@ def _describe_outputs(descs, placement, world_size, reference, tied_targets, ski
                             d.expert.identity)
     width = max((len(h[1]) for h in heads), default=1) or 1
     table, bounds = rows.table(len(heads), width)
-    outs = [_Out(key, shape, dtype, None, is_buffer, table=table, rows=(lo, hi), zeros=zeros)
+    outs = [OutputTensor(key, shape, dtype, None, is_buffer, table=table, rows=(lo, hi), zeros=zeros)
             for (key, shape, dtype, is_buffer, zeros), lo, hi in zip(heads, bounds[:-1].tolist(), bounds[1:].tolist())]
     if len({o.key for o in outs}) == len(outs):
         return outs

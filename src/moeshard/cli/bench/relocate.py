@@ -10,8 +10,9 @@ Reports (table on stdout, JSON in ``--out``):
 1. per rebalance step, the oblivious policy and the migration-aware one: balance (mean over
    layers of max/mean rank load) and expert copies moved (pure, no ranks involved);
 2. per step, wall time of the migration-aware relocation by P2P (with and without keeping the
-   overwritten slots for a rollback, ``transactional``; and in chunks of one layer), of re-reading the changed experts from
-   the checkpoint, and of reloading every expert from the checkpoint, one after
+   overwritten slots for a rollback, ``transactional``; and in chunks of one layer), of
+   re-reading the changed experts from the checkpoint, and of reloading every expert from the
+   checkpoint, one after
    the other on the same ranks and state; bytes sent vs the minimum for the two placements;
 3. 1 and 2 dead ranks: experts recovered from live replicas vs read from disk; every live
    slot compared with the checkpoint (no expert lost);
@@ -89,7 +90,8 @@ def write_checkpoint(cfg: Config, path: str) -> None:
             for e in range(cfg.experts):
                 for j, shape in enumerate(cfg.shapes()):
                     name = ("w13", "w2")[j]
-                    yield f"{MODULE.format(layer=layer)}.{e}.{name}.weight", torch.randn(shape, generator=gen).to(torch.bfloat16)
+                    value = torch.randn(shape, generator=gen).to(torch.bfloat16)
+                    yield f"{MODULE.format(layer=layer)}.{e}.{name}.weight", value
 
     write(path, pairs(), max_shard_bytes=256 << 20)
     for name in os.listdir(path):
@@ -237,7 +239,8 @@ def plan_dsv3(repeat: int = 5) -> dict:
 
     L, E, P, R, N, G = 58, 256, 288, 32, 4, 8
     spr = P // R
-    tensors = [ExpertTensor(layer, f"l{layer}.{j}", shape, 1, tuple((r, r * spr, spr, full_box(shape)) for r in range(R)))
+    tensors = [ExpertTensor(layer, f"l{layer}.{j}", shape, 1,
+                            tuple((r, r * spr, spr, full_box(shape)) for r in range(R)))
                for layer in range(L) for j, shape in enumerate([(4096, 7168), (7168, 2048)])]
     loads = zipf_trace(L, E, 2, seed=1)
     kw = dict(num_physical=P, num_ranks=R, num_nodes=N, num_groups=G)
@@ -310,11 +313,13 @@ def main(argv: list[str] | None = None) -> int:
         rep = results[0]["steps"][i]["p2p"][0]
         plan_s = statistics.median(max(r["steps"][i]["p2p"][k]["plan"] for r in results) for k in range(cfg.repeat))
         steps.append(dict(step=i + 1, p2p_s=p2p, p2p_plan_s=plan_s, p2p_nobackup_s=p2p_nb, chunked_s=chunked,
-                          chunks=results[0]["steps"][i]["chunked"][0]["chunks"], disk_s=disk, full_s=full, disk_over_p2p=disk / p2p,
+                          chunks=results[0]["steps"][i]["chunked"][0]["chunks"], disk_s=disk, full_s=full,
+                          disk_over_p2p=disk / p2p,
                           full_over_p2p=full / p2p, network_bytes=rep["network"], min_network_bytes=rep["min_network"],
                           cross_node_bytes=rep["cross"], min_cross_node_bytes=rep["min_cross"],
                           copies=rep["copies"], rounds=rep["rounds"]))
-        print(f"{i + 1:>4} {p2p:7.3f} {plan_s:7.3f} {p2p_nb:8.3f} {chunked:8.3f} {disk:7.3f} {full:7.3f} {disk / p2p:9.2f} {full / p2p:9.2f} "
+        print(f"{i + 1:>4} {p2p:7.3f} {plan_s:7.3f} {p2p_nb:8.3f} {chunked:8.3f} {disk:7.3f} {full:7.3f} "
+              f"{disk / p2p:9.2f} {full / p2p:9.2f} "
               f"{rep['network'] / 2**20:9.1f} {rep['min_network'] / 2**20:8.1f} {rep['cross'] / 2**20:10.1f} "
               f"{rep['rounds']:>7}")
     init = job(lambda r: r["initial"]["wall"])

@@ -28,15 +28,17 @@ import functools
 import hashlib
 import pickle
 import re
-from typing import Any, Callable, Iterable, Iterator, TypeVar
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistributedError", "PlanMismatchError", "PeerLostError", "is_dist", "rank_and_world", "agree", "agree_and_gather", "unanimous",
-           "broadcast_result", "all_gather_object", "broadcast_object", "barrier", "collective", "errors_as",
-           "start_p2p", "scope", "runs_on_group", "p2p", "global_rank", "group_ranks"]
+__all__ = ["DistributedError", "PlanMismatchError", "PeerLostError", "is_dist", "rank_and_world", "agree",
+           "agree_and_gather", "Gathered", "unanimous", "broadcast_result", "all_gather_object", "broadcast_object",
+           "barrier", "collective", "errors_as", "start_p2p", "scope", "runs_on_group", "p2p", "global_rank",
+           "group_ranks", "all_reduce_max"]
 
 T = TypeVar("T")
 
@@ -92,7 +94,7 @@ def global_rank(rank: int, group=None) -> int:
     return rank if group is None or not is_dist() else dist.get_global_rank(group, rank)
 
 
-def p2p(op: Callable, tensor: torch.Tensor, peer: int, members: list[int] | None = None) -> "dist.P2POp":
+def p2p(op: Callable, tensor: torch.Tensor, peer: int, members: list[int] | None = None) -> dist.P2POp:
     """A ``torch.distributed.P2POp`` with ``peer``, a rank of the current group (``members``:
     :func:`group_ranks`, looked up once by callers that build many ops)."""
     group = _GROUP.get()
@@ -251,11 +253,19 @@ def agree(step: Callable[[], T], what: str, fingerprint: Callable[[T], str] | No
     return _agree(step, what, fingerprint, None, group)[0]
 
 
-def agree_and_gather(step: Callable[[], T], what: str, share: Callable[[T], Any], group=None) -> tuple[T, list[Any]]:
-    """Collective: :func:`agree` on ``step``, and every rank's ``share(result)`` (a list
-    indexed by group rank) on every rank, in the same exchange: one all-gather where
-    :func:`agree` then :func:`all_gather_object` take two."""
-    return _agree(step, what, None, share, group)
+class Gathered(NamedTuple):
+    """What :func:`agree_and_gather` returns: this rank's ``result`` and every rank's
+    ``shares`` (a list indexed by group rank)."""
+
+    result: Any
+    shares: list[Any]
+
+
+def agree_and_gather(step: Callable[[], T], what: str, share: Callable[[T], Any], group=None) -> Gathered:
+    """Collective: :func:`agree` on ``step``, and every rank's ``share(result)`` on every rank,
+    in the same exchange: one all-gather where :func:`agree` then :func:`all_gather_object`
+    take two."""
+    return Gathered(*_agree(step, what, None, share, group))
 
 
 def unanimous(step: Callable[[], T], what: str, group=None) -> T:
@@ -268,7 +278,7 @@ def unanimous(step: Callable[[], T], what: str, group=None) -> T:
     """
     try:
         return step()
-    except Exception as e:  # noqa: BLE001 - the same error on every rank, raised alike
+    except Exception as e:
         if not is_dist():
             raise
         world = dist.get_world_size(_g(group))
@@ -324,7 +334,7 @@ def _agree(step: Callable[[], T], what: str, fingerprint: Callable[[T], str] | N
         result = step()
     except PeerLostError:
         raise  # the group is broken: no exchange can follow
-    except Exception as e:  # noqa: BLE001 - every error must reach the other ranks
+    except Exception as e:
         if not is_dist():
             raise
         error = f"{type(e).__name__}: {e}"
