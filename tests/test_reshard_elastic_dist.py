@@ -219,7 +219,7 @@ def test_node_loss_survivors_reshard_from_live_peers_and_continue(tmp_path):
         assert kind == "ok", f"process {i} failed:\n{value}"
         res[i] = value
     names = sorted(res[0]["full_a"])
-    for i, r in res.items():
+    for r in res.values():
         # the loss during a reshard: raised on every survivor, old tensors intact
         assert r["lost"] is not None and r["lost"][0] == "PeerLostError", r["lost"]
         assert r["lost"][2] < LOSS_TIMEOUT_S + 15

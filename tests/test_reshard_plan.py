@@ -75,11 +75,13 @@ def _simulate(plan, old_locals, new_shapes, storage_values):
     data = {}
     for c in range(len(s.copy_view)):
         v, pid = int(s.copy_view[c]), int(s.copy_piece[c])
-        data[(pid, int(s.view_rank[v]))] = at(old_locals[s.view_rank[v]], s.view_param[v], s.view_slot[v], s.view_off[v], pid).copy()
+        r = int(s.view_rank[v])
+        data[(pid, r)] = at(old_locals[r], s.view_param[v], s.view_slot[v], s.view_off[v], pid).copy()
     for i in range(len(s.send_src)):
         v, pid = int(s.send_view[i]), int(s.send_piece[i])
         assert s.view_rank[v] == s.send_src[i]
-        data[(pid, int(s.send_dst[i]))] = at(old_locals[s.send_src[i]], s.view_param[v], s.view_slot[v], s.view_off[v], pid).copy()
+        src = old_locals[s.send_src[i]]
+        data[(pid, int(s.send_dst[i]))] = at(src, s.view_param[v], s.view_slot[v], s.view_off[v], pid).copy()
     for i in range(len(s.dlv_piece)):
         pid, r = int(s.dlv_piece[i]), int(s.dlv_rank[i])
         at(new[r], s.dlv_param[i], s.dlv_slot[i], s.dlv_off[i], pid)[...] = data[(pid, r)]
@@ -98,10 +100,12 @@ def _case(seed: int, old_world: int, new_world: int, alive: list[int], staging: 
     rng = np.random.default_rng(seed)
     layers, logical = 2, 6
     old_slots, new_slots = old_world * 3, new_world * 4
-    old_p2l = np.stack([rng.permutation(np.concatenate([np.arange(logical), rng.integers(0, logical, old_slots - logical)]))
-                        for _ in range(layers)])
-    new_p2l = np.stack([rng.permutation(np.concatenate([np.arange(logical), rng.integers(0, logical, new_slots - logical)]))
-                        for _ in range(layers)])
+
+    def p2l(slots):
+        extra = rng.integers(0, logical, slots - logical)
+        return np.stack([rng.permutation(np.concatenate([np.arange(logical), extra])) for _ in range(layers)])
+
+    old_p2l, new_p2l = p2l(old_slots), p2l(new_slots)
 
     def layout(world, slots, replicate, w_replicas=1):
         return [

@@ -15,7 +15,7 @@ ignores (efsdp == 1), see :mod:`moeshard.models.ep`.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -26,8 +26,8 @@ from torch.distributed.tensor import DTensor, Shard
 from ..placement import Placement
 from .adapters import DEFAULT_SPECS, ExpertsSpec, expert_shape, identity_rows
 from .describe import expert_layers
-from .hsdp import HybridMesh, as_hybrid, dense_mesh
 from .ep import EPLayer, ep_host, install_ep_forward
+from .hsdp import HybridMesh, as_hybrid, dense_mesh
 from .lora import expert_lora_wrappers, shard_expert_lora
 from .slot_guard import PlacementRecord, SlotGuard, guard_model, guard_slots
 
@@ -110,8 +110,9 @@ def parallelize(
             or its degree).
 
     Raises:
-        ValueError (before the model changes): ``replicate`` not dividing the ranks; with efsdp > 1, a parameter of an experts
-            module whose dim 1 does not divide by efsdp (FSDP2 shards it there, evenly only);
+        ValueError (before the model changes): ``replicate`` not dividing the ranks; with
+            efsdp > 1, a parameter of an experts module whose dim 1 does not divide by efsdp
+            (FSDP2 shards it there, evenly only);
             with efsdp > 1 and ep_forward, a parameter of an experts module outside its spec;
             an ``mp_policy`` that is not a ``MixedPrecisionPolicy``.
     """

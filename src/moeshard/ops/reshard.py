@@ -28,14 +28,15 @@ import hashlib
 import logging
 import os
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Mapping, Sequence
+from typing import Literal
 
 import numpy as np
 import torch
 from torch import nn
 
-from .. import _dist
+from .. import collectives
 from ..execute import LocalTensors, ReaderSource, Source, TensorSink, execute_schedule
 from ..io.checkpoint import CheckpointReader
 from ..io.sources import Storage, reader_root, resolve_sources, sources_share
@@ -50,6 +51,7 @@ from ..plan.reshard import BoxRows, ReshardPlan, StorageCells, Units, plan_resha
 from ..topology import Topology
 from .load import materialize
 from .report import OpReport, Phases
+from .skeleton import group_topology, named_tensors
 
 __all__ = ["TensorLayout", "ShardLayout", "describe_shards", "ReshardReport", "StaleStateError", "reshard",
            "OPTIMIZER_SEP"]
@@ -60,7 +62,7 @@ logger = logging.getLogger("moeshard")
 OPTIMIZER_SEP = "::"
 
 
-class StaleStateError(_dist.DistributedError):
+class StaleStateError(collectives.DistributedError):
     """Raised on every rank by :func:`reshard` with ``dense_from_storage="raise"`` when some
     dense box has no live holder: reading it from the checkpoint would mix the checkpoint's
     training step with the live weights'. The message names the tensors."""
@@ -121,7 +123,7 @@ class ShardLayout:
             h.update(np.ascontiguousarray(self.phy2log, np.int64).tobytes())
         return h.hexdigest()[:16]
 
-    def shared(self) -> "ShardLayout":
+    def shared(self) -> ShardLayout:
         """The layout without a rank's place (what a joiner is sent)."""
         return ShardLayout(self.tensors, self.phy2log, self.num_logical, self.world_size, -1)
 
@@ -170,12 +172,6 @@ def _state_layouts(layouts: Sequence[TensorLayout], params: Mapping[str, torch.T
     return out
 
 
-def _params(model: nn.Module) -> dict[str, torch.Tensor]:
-    tensors = dict(model.named_parameters(remove_duplicate=False))
-    tensors.update(model.named_buffers())
-    return tensors
-
-
 def describe_shards(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                     specs: Sequence[ExpertsSpec] = DEFAULT_SPECS, group=None) -> ShardLayout:
     """Local (no communication): the layout of ``model`` (parallelized and loaded) and this
@@ -183,12 +179,12 @@ def describe_shards(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
     too. Take it while the job is whole (after parallelize, after each relocation); it is small
     (a record per tensor) and picklable. Ranks are those of ``group`` (default: the default
     group), in which every DTensor mesh of the model must lie."""
-    with _dist.scope(group):
-        rank, world = _dist.rank_and_world()
+    with collectives.scope(group):
+        rank, world = collectives.rank_and_world()
         descs = describe_model(model, None, specs)
         layouts = _tensor_layouts(descs)
         if optimizer is not None:
-            layouts += _state_layouts(layouts, _params(model), optimizer)
+            layouts += _state_layouts(layouts, named_tensors(model), optimizer)
         pl = getattr(model, "moeshard_placement", None)
         has_experts = any(t.layer >= 0 for t in layouts)
         if has_experts and pl is None:
@@ -387,7 +383,7 @@ def _old_locals(layout: ShardLayout, tensors, old_optimizer) -> list[torch.Tenso
     """This rank's old local tensors in the layout's order; ValueError naming a missing one or one
     whose shape is not the box the layout says this rank holds."""
     if isinstance(tensors, nn.Module):
-        params = _params(tensors)
+        params = named_tensors(tensors)
     else:
         params = dict(tensors)
     out = []
@@ -425,7 +421,7 @@ def _new_states(model: nn.Module, descs: Sequence[ParamDesc], optimizer: torch.o
                 state_names: Sequence[str]) -> dict[str, torch.Tensor]:
     """Create the new optimizer's per-parameter state tensors (zeros, like their parameter) that
     the old layout holds, so the reshard can fill them: ``{unit tensor name: state tensor}``."""
-    params = _params(model)
+    params = named_tensors(model)
     out = {}
     for d in descs:
         p = params[d.name]
@@ -438,7 +434,7 @@ def _new_states(model: nn.Module, descs: Sequence[ParamDesc], optimizer: torch.o
     return out
 
 
-@_dist.runs_on_group
+@collectives.runs_on_group
 def reshard(
     model: nn.Module,
     old: ShardLayout | None,
@@ -497,8 +493,8 @@ def reshard(
         raise ValueError("pass optimizer= and old_optimizer= together (a joiner passes optimizer= only)")
     if old is not None and optimizer is None:  # the parameters only
         old = dataclasses.replace(old, tensors=tuple(t for t in old.tensors if OPTIMIZER_SEP not in t.name))
-    rank, world = _dist.rank_and_world()
-    topo = (topology or Topology.of_group(group)).with_rank(rank)
+    rank, world = collectives.rank_and_world()
+    topo = group_topology(topology, group)
     path = None if checkpoint is None else os.fspath(checkpoint)
 
     def prepare():
@@ -506,21 +502,23 @@ def reshard(
         locals_ = _old_locals(old, old_tensors, old_optimizer) if old is not None else []
         return dev, locals_
 
-    (dev, old_locals), everyone = _dist.agree_and_gather(
+    gathered = collectives.agree_and_gather(
         prepare, "moeshard.reshard: materializing the model",
         share=lambda _: (old.rank if old is not None else -1, old.digest() if old is not None else None,
                          path is not None and os.path.exists(path)))
+    (dev, old_locals), everyone = gathered.result, gathered.shares
     old_ranks = np.asarray([e[0] for e in everyone], np.int64)
     survivors = np.flatnonzero(old_ranks >= 0)
     digests = {e[1] for e in everyone if e[1] is not None}
     if not len(survivors):
-        _dist.unanimous(lambda: _fail("no member holds the old model (every old= is None): use moeshard.load"),
+        collectives.unanimous(lambda: _fail("no member holds the old model (every old= is None): use moeshard.load"),
                         "moeshard.reshard")
     if len(digests) > 1:
-        _dist.unanimous(lambda: _fail(f"the members' old layouts differ (digests {sorted(digests)}): every survivor "
-                                      "must pass the describe_shards of the same old model"), "moeshard.reshard")
+        collectives.unanimous(lambda: _fail(f"the members' old layouts differ (digests {sorted(digests)}): every "
+                                            "survivor must pass the describe_shards of the same old model"),
+                              "moeshard.reshard")
     first = int(survivors[0])
-    shared = _dist.broadcast_object(old.shared() if rank == first else None, src=first,
+    shared = collectives.broadcast_object(old.shared() if rank == first else None, src=first,
                                     what="moeshard.reshard: sending the old layout")
     phases.end("exchange")
     placement = resolve_placement(model, None, "moeshard.reshard", specs)
@@ -560,12 +558,12 @@ def reshard(
         if len(plan.storage) and path is None:
             raise ValueError(f"{len(plan.storage_boxes)} boxes have no live holder (e.g. {plan.storage_boxes[0][0]}) "
                              "and no checkpoint= was given")
-        dests = [local_tensor(t, d) for t, d in zip((_params(model)[d.name] for d in descs), descs)]
+        dests = [local_tensor(t, d) for t, d in zip((named_tensors(model)[d.name] for d in descs), descs)]
         dests += [local_tensor(new_states[t.name]) for t in new_layouts[len(descs):]]
         dtypes = [getattr(torch, d) for d in units.dtype]
         return descs, plan, dests, dtypes
 
-    descs, plan, dests, dtypes = _dist.agree(make_plan, "moeshard.reshard: planning",
+    descs, plan, dests, dtypes = collectives.agree(make_plan, "moeshard.reshard: planning",
                                              fingerprint=lambda r: r[1].fingerprint)
     if plan.dense_from_storage and dense_from_storage != "allow":
         names = ", ".join(plan.dense_from_storage[:6]) + (" ..." if len(plan.dense_from_storage) > 6 else "")
@@ -581,7 +579,7 @@ def reshard(
     what = "moeshard.reshard: copying from live ranks"
     with torch.no_grad():
         sched = plan.schedule
-        stats = _dist.agree(lambda: execute_schedule(
+        stats = collectives.agree(lambda: execute_schedule(
             sched, rank, _OldTensors(plan, old_locals, rank, dtypes), TensorSink(sched, dests, rank), dev,
             what=what).check(), what)
         phases.end("peers")
@@ -591,7 +589,7 @@ def reshard(
             phases.end("storage")
         if optimizer is not None:
             _scalar_states(model, descs, optimizer, old_tensors, old_optimizer, first, rank)
-    _dist.barrier("moeshard.reshard: finishing")
+    collectives.barrier("moeshard.reshard: finishing")
     phases.end("finish")
     copied = int(sched.piece_bytes[sched.copy_piece[sched.view_rank[sched.copy_view] == rank]].sum())
     return ReshardReport(
@@ -623,7 +621,7 @@ def _read_storage(plan: ReshardPlan, descs, placement, path: str, storage: Stora
         sched = plan_transfers(table, index, topo, readers, scope=scope, staging_bytes=staging_bytes)
         return sched
 
-    sched = _dist.agree(make, "moeshard.reshard: planning the storage reads", fingerprint=lambda s: s.fingerprint)
+    sched = collectives.agree(make, "moeshard.reshard: planning the storage reads", fingerprint=lambda s: s.fingerprint)
     reader = CheckpointReader(index, reader_root(path)) if readers[rank] else None
     node_group = None
     if sched.has_broadcasts:
@@ -633,7 +631,7 @@ def _read_storage(plan: ReshardPlan, descs, placement, path: str, storage: Stora
     what = "moeshard.reshard: reading boxes no live rank holds"
     try:
         with ReaderSource(sched, reader, index) as source:
-            stats = _dist.agree(lambda: execute_schedule(sched, rank, source, TensorSink(sched, dests, rank), dev,
+            stats = collectives.agree(lambda: execute_schedule(sched, rank, source, TensorSink(sched, dests, rank), dev,
                                                          node_group=node_group, what=what).check(), what)
     finally:
         if reader is not None:
@@ -646,15 +644,15 @@ def _scalar_states(model, descs, optimizer, old_tensors, old_optimizer, first: i
     hyperparameters of the first survivor, on every member."""
     scalars = None
     if rank == first:
-        params = _params(old_tensors) if isinstance(old_tensors, nn.Module) else dict(old_tensors)
+        params = named_tensors(old_tensors) if isinstance(old_tensors, nn.Module) else dict(old_tensors)
         scalars = {}
         for d in descs:
             p = params.get(d.name)
             for k, v in (old_optimizer.state.get(p, {}) if p is not None else {}).items():
                 if not (isinstance(v, torch.Tensor) and v.dim() > 0):
                     scalars.setdefault(d.name, {})[k] = v.item() if isinstance(v, torch.Tensor) else v
-    scalars = _dist.broadcast_object(scalars, src=first, what="moeshard.reshard: optimizer scalars")
-    params = _params(model)
+    scalars = collectives.broadcast_object(scalars, src=first, what="moeshard.reshard: optimizer scalars")
+    params = named_tensors(model)
     for name, states in scalars.items():
         p = params[name]
         st = optimizer.state.setdefault(p, {})

@@ -74,7 +74,7 @@ class BoxRows:
         assert all(len(a) == n for a in (self.rank, self.param, self.slot, self.off, self.len, self.local))
 
     @staticmethod
-    def empty(width: int) -> "BoxRows":
+    def empty(width: int) -> BoxRows:
         z = np.zeros(0, np.int64)
         zz = np.zeros((0, width), np.int64)
         return BoxRows(z, z, z, z, zz, zz, zz)

@@ -233,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.world % a.local_world or a.world // a.local_world < 2:
         raise ValueError(f"--world {a.world} must be 2 or more nodes of --local-world {a.local_world}")
-    ckpt = a.checkpoint or os.path.join(tempfile.gettempdir(), f"moeshard-bench-reshard-{a.hidden}-{a.layers}-{a.experts}")
+    name = f"moeshard-bench-reshard-{a.hidden}-{a.layers}-{a.experts}"
+    ckpt = a.checkpoint or os.path.join(tempfile.gettempdir(), name)
     cfg = Config(a.hidden, a.layers, a.experts, a.world, a.local_world, a.placement, a.repeat, a.warm, ckpt)
     rows = run(cfg)
     print(f"moeshard bench reshard: {cfg.world} ranks ({cfg.world // cfg.local_world} nodes), node lost, "
