@@ -187,21 +187,15 @@ def _rank_main(idx: int, cfg: Config, ports: tuple, out_dir: str) -> None:
     os._exit(0)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(cfg: Config) -> dict:
     """Write the checkpoint (once), run the ranks, return ``{variant: row}`` (rank 0's view)."""
     _write(cfg, cfg.checkpoint)
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "transformers", "moeshard"])
     with tempfile.TemporaryDirectory() as out_dir:
-        ports = (_free_port(), _free_port())
+        from ..._launch import free_port
+
+        ports = (free_port(), free_port())
         procs = [ctx.Process(target=_rank_main, args=(i, cfg, ports, out_dir), daemon=True) for i in range(cfg.world)]
         for p in procs:
             p.start()
