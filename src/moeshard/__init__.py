@@ -39,6 +39,10 @@ _EXPORTS = {
     "RelocationPlan": (".plan.relocation", "RelocationPlan"), "plan_relocation": (".plan.relocation", "plan_relocation"),
     "Topology": (".topology", "Topology"),
     "from_pretrained": (".integrations.pretrained", "from_pretrained"),
+    "HybridMesh": (".models.hsdp", "HybridMesh"),
+    "ReshardReport": (".ops.reshard", "ReshardReport"), "ShardLayout": (".ops.reshard", "ShardLayout"),
+    "StaleStateError": (".ops.reshard", "StaleStateError"), "describe_shards": (".ops.reshard", "describe_shards"),
+    "reshard": (".ops.reshard", "reshard"),
 }
 
 __all__ = [
@@ -49,6 +53,7 @@ __all__ = [
     "RelocationStep", "relocate_chunks", "relocation_chunks",
     "SaveError", "SaveReport", "save", "verify", "write_checkpoint", "clip_grad_norm_", "grad_norm", "sync_redundant_grads",
     "from_pretrained", "allow_slot_order", "guard_optimizer", "logical_state_dict",
+    "HybridMesh", "ReshardReport", "ShardLayout", "StaleStateError", "describe_shards", "reshard",
 ]
 __version__ = "0.1.0"
 
@@ -87,11 +92,13 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the names as eager imports woul
     from .io.checkpoint import CheckpointError, CheckpointIndex, CheckpointReader, write_checkpoint
     from .models.adapters import HF_EXPERTS, MIXTRAL_EXPERTS, ExpertParam, ExpertsSpec
     from .models.ep import clip_grad_norm_, grad_norm, sync_redundant_grads
+    from .models.hsdp import HybridMesh
     from .models.parallel import make_mesh, parallelize
     from .models.logical_state import logical_state_dict
     from .models.slot_guard import allow_slot_order, guard_optimizer
     from .ops.load import LoadReport, load, materialize
     from .ops.relocate import RelocationReport, RelocationStep, relocate, relocate_chunks
+    from .ops.reshard import ReshardReport, ShardLayout, StaleStateError, describe_shards, reshard
     from .ops.save import SaveError, SaveReport, save
     from .ops.verify import VerificationError, VerifyReport, verify
     from .placement import Placement

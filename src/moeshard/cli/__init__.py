@@ -26,6 +26,8 @@ COMMANDS = {
     "verify": ("moeshard.cli.verify", "under torchrun: load a checkpoint with a saved placement, verify, report slots"),
     "bench": ("moeshard.cli.bench.relocate", "benchmarks that print figures and write JSON ('bench relocate')"),
 }
+# ``moeshard bench <name>`` -> its module
+BENCHES = {"relocate": "moeshard.cli.bench.relocate", "reshard": "moeshard.cli.bench.reshard"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,11 +56,12 @@ def _run(argv: list[str]) -> int:
         sub.add_parser(name, help=help_, add_help=False)
     args, rest = parser.parse_known_args(argv[:1])
     rest += argv[1:]
+    module_name = COMMANDS[args.command][0]
     if args.command == "bench":
-        if not rest or rest[0] not in ("relocate",):
-            parser.error("usage: moeshard bench relocate [options] ('moeshard bench relocate -h')")
-        rest = rest[1:]
-    module = importlib.import_module(COMMANDS[args.command][0])
+        if not rest or rest[0] not in BENCHES:
+            parser.error(f"usage: moeshard bench {{{','.join(BENCHES)}}} [options] ('moeshard bench relocate -h')")
+        module_name, rest = BENCHES[rest[0]], rest[1:]
+    module = importlib.import_module(module_name)
     try:
         return int(module.main(rest) or 0)
     except (ValueError, OSError) as e:

@@ -5,7 +5,9 @@ group is ``ep`` consecutive ranks (one node, when EP fits in a node). Expert par
 become DTensors whose global view is the physical tensor ``[num_physical, ...]`` (EP rank k
 holds slots k*S..(k+1)*S-1, ``Shard(0)`` on "ep"); with efsdp > 1 FSDP2 shards them further
 along dim 1 (``Shard(1)``, so the local box stays contiguous whatever the slot count). Every
-other parameter gets ``fully_shard`` on the flattened data-parallel axis ("dp" = all ranks).
+other parameter gets ``fully_shard`` on the flattened data-parallel axis ("dp" = all ranks), or
+with ``replicate > 1`` FSDP2's HSDP on a ``("replicate", "shard")`` mesh over the same ranks
+(:mod:`moeshard.models.hsdp`: a full set of dense shards per replica group).
 Mixed precision is FSDP2's own :class:`~torch.distributed.fsdp.MixedPrecisionPolicy`, given to
 every ``fully_shard`` here; the EP forward applies its ``param_dtype`` to the expert weights FSDP
 ignores (efsdp == 1), see :mod:`moeshard.models.ep`.
@@ -13,7 +15,7 @@ ignores (efsdp == 1), see :mod:`moeshard.models.ep`.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -25,18 +27,27 @@ from ..placement import Placement
 from .adapters import DEFAULT_SPECS, ExpertsSpec, expert_shape, identity_rows
 from .describe import expert_layers
 from .ep import EPLayer, ep_host, install_ep_forward
+from .hsdp import HybridMesh, as_hybrid, dense_mesh
 from .lora import expert_lora_wrappers, shard_expert_lora
 from .slot_guard import PlacementRecord, SlotGuard, guard_model, guard_slots
 
 __all__ = ["make_mesh", "parallelize"]
 
 
-def make_mesh(device_type: str, ep: int, efsdp: int = 1) -> DeviceMesh:
-    """Collective (all ranks): a ``("efsdp", "ep")`` mesh over all ranks (world = efsdp * ep)."""
+def make_mesh(device_type: str, ep: int, efsdp: int = 1, *, replicate: int = 1) -> DeviceMesh | HybridMesh:
+    """Collective (all ranks): a ``("efsdp", "ep")`` mesh over all ranks (world = efsdp * ep).
+
+    ``replicate > 1``: a :class:`~moeshard.models.hsdp.HybridMesh`, that mesh for the experts
+    and a ``("replicate", "shard")`` mesh of ``replicate`` replica groups of ``world / replicate``
+    consecutive ranks for the dense parameters (HSDP; :func:`parallelize` takes either).
+    Raises ValueError when the sizes do not match the world size."""
     world = torch.distributed.get_world_size()
     if ep * efsdp != world:
         raise ValueError(f"ep={ep} x efsdp={efsdp} must equal the world size {world}")
-    return init_device_mesh(device_type, (efsdp, ep), mesh_dim_names=("efsdp", "ep"))
+    if replicate < 1 or world % replicate:
+        raise ValueError(f"replicate={replicate} must be a positive divisor of the world size {world}")
+    mesh = init_device_mesh(device_type, (efsdp, ep), mesh_dim_names=("efsdp", "ep"))
+    return mesh if replicate == 1 else HybridMesh(mesh, dense_mesh(mesh, replicate))
 
 
 def _dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -48,12 +59,13 @@ def _dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 def parallelize(
     model: nn.Module,
-    mesh: DeviceMesh,
+    mesh: DeviceMesh | HybridMesh,
     placement: Placement,
     specs: Sequence[ExpertsSpec] = DEFAULT_SPECS,
     ep_forward: bool = True,
     *,
     mp_policy: MixedPrecisionPolicy | None = None,
+    replicate: int = 1,
 ) -> nn.Module:
     """Collective (all ranks): shard ``model`` in place for EP (+ expert FSDP) and FSDP2.
 
@@ -63,7 +75,8 @@ def parallelize(
             (``get_peft_model``) works too: adapters on expert parameters (``target_parameters``)
             keep this rank's slots' rows of ``lora_A`` and columns of ``lora_B`` (see
             :mod:`moeshard.lora`); other adapters are sharded by FSDP2 like any parameter.
-        mesh: from :func:`make_mesh` (dims "ep", optionally "efsdp").
+        mesh: from :func:`make_mesh` (dims "ep", optionally "efsdp"), or its
+            :class:`~moeshard.models.hsdp.HybridMesh` (HSDP dense parameters).
         placement: num_physical must be a multiple of the EP size; its num_logical must
             match the model's expert count and its num_layers its MoE layer count.
         ep_forward: give experts modules the EP forward of :mod:`moeshard.models.ep` (tokens reach the
@@ -90,9 +103,16 @@ def parallelize(
         the policy and ``model.moeshard_placement`` =
         ``placement`` (kept current by :func:`moeshard.relocate`).
 
+        replicate: HSDP replica groups for the dense parameters (FSDP2's ``fully_shard`` on a
+            ``("replicate", "shard")`` mesh, :func:`moeshard.models.hsdp.dense_mesh` of ``mesh``):
+            every dense parameter is sharded within a replica group and held once per group.
+            1 (default): FSDP on all ranks. A HybridMesh brings its own (``replicate`` must be 1
+            or its degree).
+
     Raises:
-        ValueError (before the model changes): with efsdp > 1, a parameter of an experts
-            module whose dim 1 does not divide by efsdp (FSDP2 shards it there, evenly only);
+        ValueError (before the model changes): ``replicate`` not dividing the ranks; with
+            efsdp > 1, a parameter of an experts module whose dim 1 does not divide by efsdp
+            (FSDP2 shards it there, evenly only);
             with efsdp > 1 and ep_forward, a parameter of an experts module outside its spec;
             an ``mp_policy`` that is not a ``MixedPrecisionPolicy``.
     """
@@ -101,6 +121,11 @@ def parallelize(
     elif not isinstance(mp_policy, MixedPrecisionPolicy):
         raise ValueError(f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy (FSDP2's), got "
                          f"{type(mp_policy).__module__}.{type(mp_policy).__qualname__}")
+    mesh, dense = as_hybrid(mesh)
+    if dense is not None and replicate not in (1, dense.size(0)):
+        raise ValueError(f"replicate={replicate} differs from the HybridMesh's {dense.size(0)} replica groups")
+    if replicate < 1 or mesh.size() % replicate:
+        raise ValueError(f"replicate={replicate} must be a positive divisor of the mesh's {mesh.size()} ranks")
     names = mesh.mesh_dim_names or ()
     if "ep" not in names:
         raise ValueError(f"mesh must have an 'ep' dim, got dims {names}")
@@ -169,7 +194,9 @@ def parallelize(
             raise ValueError(f"{module_name}: LoRA adapters on expert parameters need moeshard's EP forward ({why})")
     # A refused load_state_dict must copy nothing: the root checks every guarded module first.
     guard_model(model, {names[id(m)]: m for m in model.modules() if getattr(m, "moeshard_slot_guard", None)})
-    dp = _dp_mesh(mesh)
+    if dense is None and replicate > 1:
+        dense = dense_mesh(mesh, replicate)
+    dp = dense if dense is not None else _dp_mesh(mesh)
     ignored = expert_params if efsdp == 1 else None
     blocks = _blocks(model)
     for block in blocks:

@@ -1,0 +1,389 @@
+"""The reshard planner: fill a model on a new mesh from the boxes live ranks still hold.
+
+A reshard is a load whose sources are the live holders of each box: the survivors' (and, for a
+planned resize, every old rank's) local tensors of the old model, described as *holdings*; the
+new model's local tensors are described as *needs*. Both are rows over *units*: a dense tensor
+(its global shape), or one logical expert of an expert parameter (its slice shape; every slot of
+that expert, old or new, is a row of the same unit). The planner cuts each unit into *cells* at
+every holding's and need's boundary, so that every cell lies wholly inside or outside each
+holding; per cell and needing rank it picks a source:
+
+* the rank itself, when it holds the cell (a copy from its old local tensor: ``copy_view``,
+  round -1);
+* else a live holder, same node first, the one that has sent the fewest bytes so far (a send
+  from the holder's view: ``send_view``), in the first round whose budgets allow it;
+* else storage: the cell is returned in :class:`StorageCells` (the caller reads it with the
+  load planner), and when it is a dense unit's the plan names it in ``dense_from_storage`` (a
+  checkpoint is older than the live weights: mixing training steps).
+
+Pure and torch-free: every rank computes the same plan from the same tables. Ranks are the new
+group's; a joiner holds nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..topology import Topology
+from .schedule import PlanCost, Schedule
+
+__all__ = ["Units", "BoxRows", "StorageCells", "ReshardPlan", "plan_reshard"]
+
+
+@dataclass(frozen=True)
+class Units:
+    """The units of a reshard (``U`` of them).
+
+    Args:
+        keys: a name per unit (a dense tensor's name; ``"<param>[<expert>]"`` for an expert).
+        ndim: ``int64[U]`` dims of each unit (an expert's: its slice's).
+        itemsize: ``int64[U]`` bytes per element of the buffers that carry it (the holders' dtype).
+        dense: ``bool[U]`` whether a unit is a dense tensor (not an expert).
+    """
+
+    keys: tuple[str, ...]
+    ndim: np.ndarray
+    itemsize: np.ndarray
+    dense: np.ndarray
+
+    def __post_init__(self) -> None:
+        assert len(self.ndim) == len(self.itemsize) == len(self.dense) == len(self.keys)
+
+
+@dataclass(frozen=True)
+class BoxRows:
+    """Rows ``(unit, rank, param, slot, box)`` (``N`` rows, ``D`` padded dims): rank ``rank[i]``
+    holds (or needs) box ``(off[i], len[i])`` of unit ``unit[i]`` in its local tensor of parameter
+    number ``param[i]``, in local slot ``slot[i]`` (-1: no slot), where the box starts at
+    ``local[i]`` (local coordinates). ``int64`` arrays; ``off``, ``len``, ``local``: ``[N, D]``."""
+
+    unit: np.ndarray
+    rank: np.ndarray
+    param: np.ndarray
+    slot: np.ndarray
+    off: np.ndarray
+    len: np.ndarray
+    local: np.ndarray
+
+    def __post_init__(self) -> None:
+        n = len(self.unit)
+        assert all(len(a) == n for a in (self.rank, self.param, self.slot, self.off, self.len, self.local))
+
+    @staticmethod
+    def empty(width: int) -> BoxRows:
+        z = np.zeros(0, np.int64)
+        zz = np.zeros((0, width), np.int64)
+        return BoxRows(z, z, z, z, zz, zz, zz)
+
+
+@dataclass(frozen=True)
+class StorageCells:
+    """The cells no live rank holds (``M`` rows, ``D`` padded dims), to be read from storage:
+    rank ``rank[i]`` needs box ``(off[i], len[i])`` of unit ``unit[i]`` at ``dst[i]`` in its
+    local tensor of new parameter ``param[i]`` (slot ``slot[i]``). ``int64`` arrays."""
+
+    unit: np.ndarray
+    rank: np.ndarray
+    param: np.ndarray
+    slot: np.ndarray
+    off: np.ndarray
+    len: np.ndarray
+    dst: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.unit)
+
+
+@dataclass(frozen=True, eq=False)
+class ReshardPlan:
+    """What a reshard does (the same on every rank).
+
+    Args:
+        schedule: the transfers from live holders (keys are the units'; ``view_*`` rows are
+            boxes of the old local tensors, ``dlv_*`` rows boxes of the new ones).
+        storage: the cells to read from storage.
+        storage_boxes: ``(unit key, box)`` of every distinct cell in ``storage``, sorted.
+        dense_from_storage: the dense units some of whose cells come from storage, sorted.
+        peer_bytes, copy_bytes: job-wide bytes sent between ranks and copied within a rank (the
+            holders' dtype).
+        storage_bytes: bytes of the distinct boxes in ``storage_boxes`` (the units' itemsize):
+            what a plan reading each box once reads.
+    """
+
+    schedule: Schedule
+    storage: StorageCells
+    storage_boxes: tuple[tuple[str, tuple[tuple[int, int], ...]], ...]
+    dense_from_storage: tuple[str, ...]
+    peer_bytes: int
+    copy_bytes: int
+    storage_bytes: int
+    fingerprint: str = field(default="")
+
+
+def _cells(holds: list[np.ndarray], needs_off: np.ndarray, needs_len: np.ndarray,
+           nd: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """``[(need row, cell off, cell len)]``: each need box cut at every boundary of the unit's
+    holdings and needs (``holds``: ``[off, len]`` arrays)."""
+    cuts = []
+    for d in range(nd):
+        pts = [needs_off[:, d], needs_off[:, d] + needs_len[:, d]]
+        pts += [h[:, d] for h in holds]
+        cuts.append(np.unique(np.concatenate(pts)))
+    out = []
+    for i in range(len(needs_off)):
+        axes = []
+        for d in range(nd):
+            a, b = int(needs_off[i, d]), int(needs_off[i, d] + needs_len[i, d])
+            c = cuts[d]
+            inner = c[(c > a) & (c < b)].tolist()
+            bounds = [a, *inner, b]
+            axes.append(list(zip(bounds[:-1], bounds[1:])))
+        for combo in _product(axes):
+            off = np.asarray([lo for lo, _ in combo], np.int64)
+            ln = np.asarray([hi - lo for lo, hi in combo], np.int64)
+            out.append((i, off, ln))
+    return out
+
+
+def _product(axes: list[list[tuple[int, int]]]):
+    if not axes:
+        yield ()
+        return
+    for head in axes[0]:
+        for rest in _product(axes[1:]):
+            yield (head, *rest)
+
+
+def _split(off: np.ndarray, ln: np.ndarray, max_cell: int, itemsize: int):
+    """The cell, cut along its first dim of length > 1 into runs of at most ``max_cell`` bytes
+    (a run is at least one index: a larger index stays whole)."""
+    nbytes = math.prod(ln.tolist()) * itemsize
+    if nbytes <= max_cell:
+        yield off, ln
+        return
+    dims = np.flatnonzero(ln > 1)
+    if not len(dims):
+        yield off, ln
+        return
+    d = int(dims[0])
+    step = max(1, max_cell // (nbytes // int(ln[d])))
+    for s in range(0, int(ln[d]), step):
+        o, n = off.copy(), ln.copy()
+        o[d] += s
+        n[d] = min(step, int(ln[d]) - s)
+        yield o, n
+
+
+def plan_reshard(units: Units, holds: BoxRows, needs: BoxRows, topology: Topology, staging_bytes: int,
+                 max_ops: int) -> ReshardPlan:
+    """Plan a reshard (pure, deterministic; module docstring).
+
+    Args:
+        units: the units.
+        holds: the live ranks' holdings (``param`` indexes the old tensors).
+        needs: the new local tensors' needs (``param`` indexes the new tensors); ranks and
+            nodes are ``topology``'s.
+        staging_bytes: per-rank budget for received pieces in one round (a cell is cut to fit;
+            one index of a dim larger than the budget is sent whole, alone in its round).
+        max_ops: at most this many P2P ops per rank in one round.
+
+    Raises ValueError for budgets below 1 byte or 2 ops.
+    """
+    if staging_bytes < 1 or max_ops < 2:
+        raise ValueError(f"staging_bytes must be >= 1 and max_ops >= 2, got {staging_bytes}, {max_ops}")
+    width = needs.off.shape[1]
+    world = topology.world_size
+    node = np.asarray([topology.node_of(r) for r in range(world)], np.int64)
+    h_by_unit = _group(holds.unit, len(units.keys))
+    n_by_unit = _group(needs.unit, len(units.keys))
+
+    pieces: list[tuple[int, np.ndarray, np.ndarray]] = []  # (unit, off, len)
+    holders_of: dict[int, np.ndarray] = {}  # piece -> rows of holds that hold it
+    piece_of: dict[tuple, int] = {}
+    # (piece, rank) -> rows of needs with the local offset of the piece
+    dlv: dict[tuple[int, int], list[tuple[int, int, np.ndarray]]] = {}
+    storage = []
+    for u in range(len(units.keys)):
+        nrows = n_by_unit[u]
+        if not len(nrows):
+            continue
+        nd = int(units.ndim[u])
+        hrows = h_by_unit[u]
+        h_off, h_len = holds.off[hrows, :nd], holds.len[hrows, :nd]
+        cells = _cells([h_off, h_off + h_len], needs.off[nrows, :nd], needs.len[nrows, :nd], nd)
+        for i, cell_off, cell_len in cells:
+            row = int(nrows[i])
+            rank = int(needs.rank[row])
+            inside = (np.all((h_off <= cell_off) & (cell_off + cell_len <= h_off + h_len), axis=1) if len(hrows)
+                      else np.zeros(0, bool))
+            if not inside.any():
+                dst = needs.local[row, :nd] + cell_off - needs.off[row, :nd]
+                storage.append((u, rank, int(needs.param[row]), int(needs.slot[row]), cell_off, cell_len, dst))
+                continue
+            # A cell that travels is cut to the staging budget (storage cells are the load planner's).
+            for off, ln in _split(cell_off, cell_len, max(1, staging_bytes), int(units.itemsize[u])):
+                dst = needs.local[row, :nd] + off - needs.off[row, :nd]
+                key = (u, off.tobytes(), ln.tobytes())
+                pid = piece_of.get(key)
+                if pid is None:
+                    pid = piece_of[key] = len(pieces)
+                    pieces.append((u, off, ln))
+                    holders_of[pid] = hrows[inside]  # those holding the cell hold each of its pieces
+                dlv.setdefault((pid, rank), []).append((int(needs.param[row]), int(needs.slot[row]), dst))
+
+    # Sources, per (piece, rank) in a fixed order: the rank's own copy, else the least-loaded
+    # holder on its node, else anywhere.
+    sent = np.zeros(world, np.int64)
+    views: list[tuple[int, int, int, np.ndarray]] = []  # (rank, param, slot, local off)
+    view_of: dict[tuple[int, int], int] = {}
+    copies: list[tuple[int, int]] = []  # (view, piece)
+    sends: list[tuple[int, int, int, int]] = []  # (src, dst, piece, view)
+    pbytes = np.asarray([int(np.prod(ln)) * int(units.itemsize[u]) for u, _, ln in pieces], np.int64)
+    for (pid, rank) in sorted(dlv):
+        u, off, _ = pieces[pid]
+        hs = holders_of[pid]
+        ranks = holds.rank[hs]
+        own = hs[ranks == rank]
+        if len(own):
+            copies.append((_view(views, view_of, holds, int(own[0]), off, pid), pid))
+            continue
+        near = hs[node[ranks] == node[rank]]
+        pool = near if len(near) else hs
+        load = sent[holds.rank[pool]]
+        pick = int(pool[np.lexsort((holds.rank[pool], load))[0]])
+        src = int(holds.rank[pick])
+        sent[src] += pbytes[pid]
+        sends.append((src, rank, pid, _view(views, view_of, holds, pick, off, pid)))
+
+    send_round = _rounds(sends, pbytes, world, staging_bytes, max_ops)
+    sched = _schedule(units, pieces, pbytes, width, views, copies, sends, send_round, dlv, topology, staging_bytes,
+                      max_ops, node)
+    st = _storage(storage, width)
+    boxes = sorted({(units.keys[u], tuple(zip(off.tolist(), ln.tolist()))) for u, _, _, _, off, ln, _ in storage})
+    dense = sorted({units.keys[u] for u, *_ in storage if units.dense[u]})
+    by_key = {k: u for u, k in enumerate(units.keys)}
+    store_bytes = sum(int(np.prod([n for _, n in box])) * int(units.itemsize[by_key[k]]) for k, box in boxes)
+    copy_bytes = int(sum(pbytes[p] for _, p in copies))
+    h = hashlib.sha256(sched.fingerprint.encode())
+    for a in (st.unit, st.rank, st.param, st.slot, st.off, st.len, st.dst):
+        h.update(np.ascontiguousarray(a).tobytes())
+    return ReshardPlan(sched, st, tuple(boxes), tuple(dense), int(sched.cost.sent_bytes.sum()), copy_bytes, store_bytes,
+                       h.hexdigest()[:16])
+
+
+def _group(values: np.ndarray, n: int) -> list[np.ndarray]:
+    order = np.argsort(values, kind="stable")
+    bounds = np.searchsorted(values[order], np.arange(n + 1))
+    return [order[bounds[i]:bounds[i + 1]] for i in range(n)]
+
+
+def _view(views: list, view_of: dict, holds: BoxRows, row: int, off: np.ndarray, pid: int) -> int:
+    key = (row, pid)
+    v = view_of.get(key)
+    if v is None:
+        nd = len(off)
+        local = holds.local[row, :nd] + off - holds.off[row, :nd]
+        v = view_of[key] = len(views)
+        views.append((int(holds.rank[row]), int(holds.param[row]), int(holds.slot[row]), local))
+    return v
+
+
+def _rounds(sends: list, pbytes: np.ndarray, world: int, staging_bytes: int, max_ops: int) -> np.ndarray:
+    """The first round for each send whose budgets allow it: at most ``max_ops`` ops per rank and
+    ``staging_bytes`` received per rank (a piece larger than the budget alone)."""
+    ops: list[np.ndarray] = []
+    staged: list[np.ndarray] = []
+    out = np.zeros(len(sends), np.int64)
+    first = np.zeros(world, np.int64)  # per receiver: rounds before it are full (a hint, monotone)
+    for i, (src, dst, pid, _) in enumerate(sends):
+        b = int(pbytes[pid])
+        t = int(first[dst])
+        while True:
+            if t == len(ops):
+                ops.append(np.zeros(world, np.int64))
+                staged.append(np.zeros(world, np.int64))
+            fits = staged[t][dst] == 0 or staged[t][dst] + b <= staging_bytes
+            if ops[t][src] < max_ops and ops[t][dst] < max_ops and fits:
+                break
+            t += 1
+        ops[t][src] += 1
+        ops[t][dst] += 1
+        staged[t][dst] += b
+        out[i] = t
+        if staged[t][dst] >= staging_bytes or ops[t][dst] >= max_ops:
+            first[dst] = max(first[dst], t + 1)
+    return out
+
+
+def _schedule(units: Units, pieces: list, pbytes: np.ndarray, width: int, views: list, copies: list, sends: list,
+              send_round: np.ndarray, dlv: dict, topology: Topology, staging_bytes: int, max_ops: int,
+              node: np.ndarray) -> Schedule:
+    world = topology.world_size
+    i32, i64 = np.int32, np.int64
+
+    def pad(a) -> np.ndarray:
+        out = np.zeros(width, i64)
+        out[:len(a)] = a
+        return out
+
+    num = len(pieces)
+    piece_off = np.stack([pad(o) for _, o, _ in pieces]) if num else np.zeros((0, width), i64)
+    piece_len = np.stack([pad(n) for _, _, n in pieces]) if num else np.zeros((0, width), i64)
+    rows = [(pid, rank, p, s, d) for (pid, rank), items in sorted(dlv.items()) for p, s, d in items]
+    src = np.asarray([s for s, _, _, _ in sends], i32)
+    dst = np.asarray([d for _, d, _, _ in sends], i32)
+    spiece = np.asarray([p for _, _, p, _ in sends], i32)
+    sb = pbytes[spiece] if len(sends) else np.zeros(0, i64)
+    sent, recv = np.zeros(world, i64), np.zeros(world, i64)
+    np.add.at(sent, src, sb)
+    np.add.at(recv, dst, sb)
+    num_rounds = int(send_round.max()) + 1 if len(sends) else 0
+    peak = np.zeros(world, i64)
+    for t in range(num_rounds):
+        per = np.zeros(world, i64)
+        m = send_round == t
+        np.add.at(per, dst[m], sb[m])
+        peak = np.maximum(peak, per)
+    cross = int(sb[node[src] != node[dst]].sum()) if len(sends) else 0
+    cost = PlanCost(read_bytes=np.zeros(world, i64), sent_bytes=sent, recv_bytes=recv, peak_staging_bytes=peak,
+                    cross_node_bytes=cross, num_p2p_ops=len(sends),
+                    num_batches=int(sum(len(np.unique(np.concatenate([src[send_round == t], dst[send_round == t]])))
+                                        for t in range(num_rounds))),
+                    num_broadcasts=0)
+    empty32, empty64 = np.zeros(0, i32), np.zeros(0, i64)
+    return Schedule(
+        topology=topology, staging_bytes=staging_bytes, max_ops=max_ops, keys=units.keys,
+        key_ndim=units.ndim.astype(np.int8),
+        piece_key=np.asarray([u for u, _, _ in pieces], i32), piece_off=piece_off, piece_len=piece_len,
+        piece_bytes=pbytes.astype(i64),
+        read_rank=empty32, read_piece=empty32, read_round=empty64,
+        send_src=src, send_dst=dst, send_piece=spiece, send_round=send_round.astype(i64),
+        bcast_node=empty32, bcast_root=empty32, bcast_piece=empty32, bcast_round=empty64,
+        dlv_piece=np.asarray([r[0] for r in rows], i32), dlv_rank=np.asarray([r[1] for r in rows], i32),
+        dlv_param=np.asarray([r[2] for r in rows], i32), dlv_slot=np.asarray([r[3] for r in rows], i64),
+        dlv_off=np.stack([pad(r[4]) for r in rows]) if rows else np.zeros((0, width), i64),
+        num_rounds=num_rounds, cost=cost,
+        view_rank=np.asarray([v[0] for v in views], i32), view_param=np.asarray([v[1] for v in views], i32),
+        view_slot=np.asarray([v[2] for v in views], i64),
+        view_off=np.stack([pad(v[3]) for v in views]) if views else np.zeros((0, width), i64),
+        send_view=np.asarray([v for _, _, _, v in sends], i32),
+        copy_view=np.asarray([v for v, _ in copies], i32), copy_piece=np.asarray([p for _, p in copies], i32),
+        copy_round=np.full(len(copies), -1, i64),
+    )
+
+
+def _storage(rows: list, width: int) -> StorageCells:
+    def col(j):
+        return np.asarray([r[j] for r in rows], np.int64)
+
+    def box(j):
+        out = np.zeros((len(rows), width), np.int64)
+        for i, r in enumerate(rows):
+            out[i, :len(r[j])] = r[j]
+        return out
+
+    return StorageCells(col(0), col(1), col(2), col(3), box(4), box(5), box(6))
