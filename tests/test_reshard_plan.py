@@ -20,8 +20,9 @@ def _rows(tensors, world, rank_map, phy2log, unit_ids):
     cols = {k: [] for k in ("unit", "rank", "param", "slot", "off", "len")}
     for j, (name, shape, mesh_shape, placements, layer) in enumerate(tensors):
         if mesh_shape is None:
-            boxes = np.broadcast_to(np.stack([np.zeros(len(shape), np.int64), np.asarray(shape)], -1),
-                                    (world, len(shape), 2))
+            boxes = np.broadcast_to(
+                np.stack([np.zeros(len(shape), np.int64), np.asarray(shape)], -1), (world, len(shape), 2)
+            )
         else:
             boxes = shard_boxes(shape, mesh_shape, placements)
         for r, box in enumerate(boxes):
@@ -31,11 +32,14 @@ def _rows(tensors, world, rank_map, phy2log, unit_ids):
             if layer < 0:
                 items = [(unit_ids.setdefault(name, len(unit_ids)), -1, box)]
             else:
-                items = [(unit_ids.setdefault(f"{name}[{phy2log[layer, s]}]", len(unit_ids)), k, box[1:])
-                         for k, s in enumerate(range(box[0, 0], box[0, 0] + box[0, 1])) if phy2log[layer, s] >= 0]
+                items = [
+                    (unit_ids.setdefault(f"{name}[{phy2log[layer, s]}]", len(unit_ids)), k, box[1:])
+                    for k, s in enumerate(range(box[0, 0], box[0, 0] + box[0, 1]))
+                    if phy2log[layer, s] >= 0
+                ]
             for u, slot, b in items:
                 off, ln = np.zeros(WIDTH, np.int64), np.ones(WIDTH, np.int64)
-                off[:len(b)], ln[:len(b)] = b[:, 0], b[:, 1]
+                off[: len(b)], ln[: len(b)] = b[:, 0], b[:, 1]
                 for k, v in zip(("unit", "rank", "param", "slot", "off", "len"), (u, nr, j, slot, off, ln)):
                     cols[k].append(v)
     n = len(cols["unit"])
@@ -49,15 +53,18 @@ def _locals(tensors, world, phy2log, values):
     """Each rank's local arrays of the layouts (expert params ``[local slots, *slice]``)."""
     out = [dict() for _ in range(world)]
     for j, (name, shape, mesh_shape, placements, layer) in enumerate(tensors):
-        boxes = (np.broadcast_to(np.stack([np.zeros(len(shape), np.int64), np.asarray(shape)], -1),
-                                 (world, len(shape), 2)) if mesh_shape is None
-                 else shard_boxes(shape, mesh_shape, placements))
+        boxes = (
+            np.broadcast_to(np.stack([np.zeros(len(shape), np.int64), np.asarray(shape)], -1), (world, len(shape), 2))
+            if mesh_shape is None
+            else shard_boxes(shape, mesh_shape, placements)
+        )
         for r, box in enumerate(boxes):
             if layer < 0:
                 full = values[name]
             else:
-                full = np.stack([values[f"{name}[{e}]"] if e >= 0 else np.full(shape[1:], np.nan)
-                                 for e in phy2log[layer]])
+                full = np.stack(
+                    [values[f"{name}[{e}]"] if e >= 0 else np.full(shape[1:], np.nan) for e in phy2log[layer]]
+                )
             out[r][j] = full[tuple(slice(o, o + n) for o, n in box)].copy()
     return out
 
@@ -68,23 +75,23 @@ def _simulate(plan, old_locals, new_shapes, storage_values):
     new = [{j: np.full(sh, np.nan) for j, sh in new_shapes[r].items()} for r in range(world)]
 
     def at(tensors, param, slot, off, pid):
-        nd = int(s.key_ndim[s.piece_key[pid]])
+        nd = int(s.key_ndim[s.pieces.key[pid]])
         t = tensors[param] if slot < 0 else tensors[param][slot]
-        return t[tuple(slice(o, o + n) for o, n in zip(off[:nd], s.piece_len[pid, :nd]))]
+        return t[tuple(slice(o, o + n) for o, n in zip(off[:nd], s.pieces.len[pid, :nd]))]
 
     data = {}
-    for c in range(len(s.copy_view)):
-        v, pid = int(s.copy_view[c]), int(s.copy_piece[c])
-        r = int(s.view_rank[v])
-        data[(pid, r)] = at(old_locals[r], s.view_param[v], s.view_slot[v], s.view_off[v], pid).copy()
-    for i in range(len(s.send_src)):
-        v, pid = int(s.send_view[i]), int(s.send_piece[i])
-        assert s.view_rank[v] == s.send_src[i]
-        src = old_locals[s.send_src[i]]
-        data[(pid, int(s.send_dst[i]))] = at(src, s.view_param[v], s.view_slot[v], s.view_off[v], pid).copy()
-    for i in range(len(s.dlv_piece)):
-        pid, r = int(s.dlv_piece[i]), int(s.dlv_rank[i])
-        at(new[r], s.dlv_param[i], s.dlv_slot[i], s.dlv_off[i], pid)[...] = data[(pid, r)]
+    for c in range(len(s.copies.view)):
+        v, pid = int(s.copies.view[c]), int(s.copies.piece[c])
+        r = int(s.views.rank[v])
+        data[(pid, r)] = at(old_locals[r], s.views.param[v], s.views.slot[v], s.views.off[v], pid).copy()
+    for i in range(len(s.sends.src)):
+        v, pid = int(s.sends.view[i]), int(s.sends.piece[i])
+        assert s.views.rank[v] == s.sends.src[i]
+        src = old_locals[s.sends.src[i]]
+        data[(pid, int(s.sends.dst[i]))] = at(src, s.views.param[v], s.views.slot[v], s.views.off[v], pid).copy()
+    for i in range(len(s.deliveries.piece)):
+        pid, r = int(s.deliveries.piece[i]), int(s.deliveries.rank[i])
+        at(new[r], s.deliveries.param[i], s.deliveries.slot[i], s.deliveries.off[i], pid)[...] = data[(pid, r)]
     st = plan.storage
     for i in range(len(st)):
         u = plan.schedule.keys[st.unit[i]]
@@ -163,19 +170,19 @@ def test_plan_fills_every_new_tensor(seed, case):
         for j in want[r]:
             np.testing.assert_array_equal(got[r][j], want[r][j], err_msg=f"rank {r} tensor {j}")
     s = plan.schedule
-    assert (s.cost.peak_staging_bytes <= max(s.staging_bytes, int(s.piece_bytes.max(initial=0)))).all()
+    assert (s.cost.peak_staging_bytes <= max(s.staging_bytes, int(s.pieces.bytes.max(initial=0)))).all()
 
 
 def test_plan_prefers_own_then_same_node():
     plan, _, _, _, _ = _case(0, 4, 4, [0, 1, 2, 3], staging=1 << 20)
     s = plan.schedule
     # a piece a rank holds itself is never sent to it; sends prefer the receiver's node
-    own = {(int(s.copy_piece[c]), int(s.view_rank[s.copy_view[c]])) for c in range(len(s.copy_piece))}
-    assert not own & {(int(p), int(d)) for p, d in zip(s.send_piece, s.send_dst)}
+    own = {(int(s.copies.piece[c]), int(s.views.rank[s.copies.view[c]])) for c in range(len(s.copies.piece))}
+    assert not own & {(int(p), int(d)) for p, d in zip(s.sends.piece, s.sends.dst)}
     assert own  # the norm (held whole everywhere) at least
     node = np.asarray([0, 0, 1, 1])
-    assert s.cost.cross_node_bytes < int(s.piece_bytes[s.send_piece].sum())
-    assert (node[s.send_src] == node[s.send_dst]).any()
+    assert s.cost.cross_node_bytes < int(s.pieces.bytes[s.sends.piece].sum())
+    assert (node[s.sends.src] == node[s.sends.dst]).any()
 
 
 def test_plan_is_deterministic_and_dense_loss_is_named():
@@ -188,4 +195,3 @@ def test_plan_is_deterministic_and_dense_loss_is_named():
     for r in range(len(want)):  # and it is read from storage into place
         for j in want[r]:
             np.testing.assert_array_equal(got[r][j], want[r][j])
-

@@ -53,8 +53,15 @@ from .load import materialize
 from .report import OpReport, Phases
 from .skeleton import group_topology, named_tensors
 
-__all__ = ["TensorLayout", "ShardLayout", "describe_shards", "ReshardReport", "StaleStateError", "reshard",
-           "OPTIMIZER_SEP"]
+__all__ = [
+    "TensorLayout",
+    "ShardLayout",
+    "describe_shards",
+    "ReshardReport",
+    "StaleStateError",
+    "reshard",
+    "OPTIMIZER_SEP",
+]
 
 logger = logging.getLogger("moeshard")
 
@@ -151,13 +158,22 @@ def _dtype_name(dtype) -> str:
 
 
 def _tensor_layouts(descs: Sequence[ParamDesc]) -> list[TensorLayout]:
-    return [TensorLayout(d.name, tuple(d.shape), _dtype_name(d.dtype),
-                         None if d.mesh is None else np.asarray(d.mesh, np.int64), _placements(d),
-                         d.expert.layer if d.expert is not None else -1) for d in descs]
+    return [
+        TensorLayout(
+            d.name,
+            tuple(d.shape),
+            _dtype_name(d.dtype),
+            None if d.mesh is None else np.asarray(d.mesh, np.int64),
+            _placements(d),
+            d.expert.layer if d.expert is not None else -1,
+        )
+        for d in descs
+    ]
 
 
-def _state_layouts(layouts: Sequence[TensorLayout], params: Mapping[str, torch.Tensor],
-                   optimizer: torch.optim.Optimizer) -> list[TensorLayout]:
+def _state_layouts(
+    layouts: Sequence[TensorLayout], params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer
+) -> list[TensorLayout]:
     """The optimizer's per-parameter state tensors shaped like their parameter, as layouts of
     their own (sorted state names; a state the optimizer has not created yet is left out)."""
     out = []
@@ -167,13 +183,21 @@ def _state_layouts(layouts: Sequence[TensorLayout], params: Mapping[str, torch.T
         for k in sorted(state):
             v = state[k]
             if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p.shape) and v.dim() > 0:
-                out.append(TensorLayout(f"{t.name}{OPTIMIZER_SEP}{k}", t.shape, _dtype_name(v.dtype), t.mesh,
-                                        t.placements, t.layer))
+                out.append(
+                    TensorLayout(
+                        f"{t.name}{OPTIMIZER_SEP}{k}", t.shape, _dtype_name(v.dtype), t.mesh, t.placements, t.layer
+                    )
+                )
     return out
 
 
-def describe_shards(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-                    specs: Sequence[ExpertsSpec] = DEFAULT_SPECS, group=None) -> ShardLayout:
+def describe_shards(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    specs: Sequence[ExpertsSpec] = DEFAULT_SPECS,
+    group=None,
+) -> ShardLayout:
     """Local (no communication): the layout of ``model`` (parallelized and loaded) and this
     rank's place in it, for a later :func:`reshard`; with ``optimizer``, its per-parameter state
     too. Take it while the job is whole (after parallelize, after each relocation); it is small
@@ -188,8 +212,9 @@ def describe_shards(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
         pl = getattr(model, "moeshard_placement", None)
         has_experts = any(t.layer >= 0 for t in layouts)
         if has_experts and pl is None:
-            raise ValueError("the model has expert parameters but no placement (moeshard.parallelize sets "
-                             "model.moeshard_placement)")
+            raise ValueError(
+                "the model has expert parameters but no placement (moeshard.parallelize sets model.moeshard_placement)"
+            )
         phy2log = np.array(pl.phy2log, np.int64) if has_experts else None
         return ShardLayout(tuple(layouts), phy2log, pl.num_logical if has_experts else 0, world, rank)
 
@@ -242,16 +267,26 @@ class _UnitIndex:
 
     def units(self) -> Units:
         itemsize = [torch.empty(0, dtype=getattr(torch, d)).element_size() for d in self.dtype]
-        return Units(tuple(self.ids), np.asarray(self.ndim, np.int64), np.asarray(itemsize, np.int64),
-                     np.asarray(self.dense, bool))
+        return Units(
+            tuple(self.ids),
+            np.asarray(self.ndim, np.int64),
+            np.asarray(itemsize, np.int64),
+            np.asarray(self.dense, bool),
+        )
 
 
 def unit_key(name: str, expert: int | None) -> str:
     return name if expert is None else f"{name}[{expert}]"
 
 
-def _box_rows(layouts: Sequence[TensorLayout], phy2log: np.ndarray | None, world: int, rank_map: np.ndarray,
-              units: _UnitIndex, width: int) -> BoxRows:
+def _box_rows(
+    layouts: Sequence[TensorLayout],
+    phy2log: np.ndarray | None,
+    world: int,
+    rank_map: np.ndarray,
+    units: _UnitIndex,
+    width: int,
+) -> BoxRows:
     """Every rank's boxes of every unit of ``layouts`` (ranks of the layout's group mapped by
     ``rank_map``; a rank mapped to -1 holds nothing), rows as :class:`BoxRows`."""
     cols: list[list] = [[] for _ in range(5)]
@@ -260,8 +295,9 @@ def _box_rows(layouts: Sequence[TensorLayout], phy2log: np.ndarray | None, world
         nd = len(t.shape)
         if t.mesh is None:
             ranks = np.arange(world, dtype=np.int64)
-            boxes = np.broadcast_to(np.stack([np.zeros(nd, np.int64), np.asarray(t.shape, np.int64)], -1),
-                                    (world, nd, 2))
+            boxes = np.broadcast_to(
+                np.stack([np.zeros(nd, np.int64), np.asarray(t.shape, np.int64)], -1), (world, nd, 2)
+            )
         else:
             ranks = np.asarray(t.mesh, np.int64).reshape(-1)
             boxes = shard_boxes(t.shape, t.mesh.shape, t.placements)
@@ -287,8 +323,8 @@ def _box_rows(layouts: Sequence[TensorLayout], phy2log: np.ndarray | None, world
     n = len(cols[0])
     off, ln = np.zeros((n, width), np.int64), np.ones((n, width), np.int64)
     for i, (o, l_) in enumerate(zip(offs, lens)):
-        off[i, :len(o)] = o
-        ln[i, :len(l_)] = l_
+        off[i, : len(o)] = o
+        ln[i, : len(l_)] = l_
     a = [np.asarray(c, np.int64) for c in cols[:4]]
     return BoxRows(a[0], a[1], a[2], a[3], off, ln, np.zeros((n, width), np.int64))
 
@@ -306,8 +342,10 @@ def _check_compatible(old: Sequence[TensorLayout], new: Sequence[TensorLayout], 
         if t.layer < 0 and o.shape != t.shape:
             raise ValueError(f"tensor {t.name}: shape {list(t.shape)} in the new model, {list(o.shape)} in the old")
         if t.layer >= 0 and (o.shape[1:] != t.shape[1:] or old_nl != new_nl):
-            raise ValueError(f"expert parameter {t.name}: slice {list(t.shape[1:])} of {new_nl} logical experts in "
-                             f"the new model, {list(o.shape[1:])} of {old_nl} in the old")
+            raise ValueError(
+                f"expert parameter {t.name}: slice {list(t.shape[1:])} of {new_nl} logical experts in "
+                f"the new model, {list(o.shape[1:])} of {old_nl} in the old"
+            )
 
 
 # -- run -----------------------------------------------------------------------------------
@@ -316,8 +354,9 @@ def _check_compatible(old: Sequence[TensorLayout], new: Sequence[TensorLayout], 
 class _OldTensors(Source):
     """Boxes of this rank's old local tensors (the plan's views); buffers in the holders' dtype."""
 
-    def __init__(self, plan: ReshardPlan, tensors: Sequence[torch.Tensor | None], rank: int,
-                 dtypes: Sequence[torch.dtype]):
+    def __init__(
+        self, plan: ReshardPlan, tensors: Sequence[torch.Tensor | None], rank: int, dtypes: Sequence[torch.dtype]
+    ):
         self.s = plan.schedule
         self.local = LocalTensors(plan.schedule, tensors, rank)
         self.dtypes = dtypes
@@ -326,7 +365,7 @@ class _OldTensors(Source):
         return self.local.view(v, pid)
 
     def dtype(self, pid: int) -> torch.dtype:
-        return self.dtypes[int(self.s.piece_key[pid])]
+        return self.dtypes[int(self.s.pieces.key[pid])]
 
 
 def _clip_storage(cells: StorageCells, table: NeedTable) -> NeedTable:
@@ -367,16 +406,27 @@ def _clip_storage(cells: StorageCells, table: NeedTable) -> NeedTable:
             out.append((r, src, n, dst))
             covered += int(np.prod(n[:nd]))
         if covered != int(np.prod(cells.len[i][cells.len[i] > 0])):
-            raise ValueError(f"rank {int(cells.rank[i])}: the checkpoint's needs for parameter {int(cells.param[i])} "
-                             f"slot {int(cells.slot[i])} do not cover box {cells.dst[i].tolist()} + "
-                             f"{cells.len[i].tolist()} (a layout the reshard cannot read from storage)")
+            raise ValueError(
+                f"rank {int(cells.rank[i])}: the checkpoint's needs for parameter {int(cells.param[i])} "
+                f"slot {int(cells.slot[i])} do not cover box {cells.dst[i].tolist()} + "
+                f"{cells.len[i].tolist()} (a layout the reshard cannot read from storage)"
+            )
     rows = np.asarray([o[0] for o in out], np.int64)
 
     def stack(j):
         return np.stack([o[j] for o in out]).astype(np.int64) if out else np.zeros((0, width), np.int64)
 
-    return NeedTable(keys=table.keys, ndim=table.ndim, rank=table.rank[rows], param=table.param[rows],
-                     key=table.key[rows], slot=table.slot[rows], src_off=stack(1), src_len=stack(2), dst_off=stack(3))
+    return NeedTable(
+        keys=table.keys,
+        ndim=table.ndim,
+        rank=table.rank[rows],
+        param=table.param[rows],
+        key=table.key[rows],
+        slot=table.slot[rows],
+        src_off=stack(1),
+        src_len=stack(2),
+        dst_off=stack(3),
+    )
 
 
 def _old_locals(layout: ShardLayout, tensors, old_optimizer) -> list[torch.Tensor | None]:
@@ -394,8 +444,9 @@ def _old_locals(layout: ShardLayout, tensors, old_optimizer) -> list[torch.Tenso
             raise ValueError(f"old rank {layout.rank}: no tensor {name} in old_tensors (the old model)")
         if state:
             if old_optimizer is None:
-                raise ValueError(f"old rank {layout.rank}: the old layout has optimizer state {t.name}; pass "
-                                 "old_optimizer=")
+                raise ValueError(
+                    f"old rank {layout.rank}: the old layout has optimizer state {t.name}; pass old_optimizer="
+                )
             v = old_optimizer.state.get(p, {}).get(state)
             if v is None:
                 raise ValueError(f"old rank {layout.rank}: the old optimizer has no state {state!r} for {name}")
@@ -409,16 +460,19 @@ def _old_locals(layout: ShardLayout, tensors, old_optimizer) -> list[torch.Tenso
                 box = shard_boxes(t.shape, t.mesh.shape, t.placements)[int(at[0])]
                 want = tuple(int(n) for n in box[:, 1])
             if want is not None and tuple(loc.shape) != want:
-                raise ValueError(f"old rank {layout.rank}: tensor {t.name} has local shape {list(loc.shape)}, the "
-                                 f"layout says {list(want)}")
+                raise ValueError(
+                    f"old rank {layout.rank}: tensor {t.name} has local shape {list(loc.shape)}, the "
+                    f"layout says {list(want)}"
+                )
         elif tuple(loc.shape) != t.shape:
             loc = loc.view(t.shape)
         out.append(loc)
     return out
 
 
-def _new_states(model: nn.Module, descs: Sequence[ParamDesc], optimizer: torch.optim.Optimizer,
-                state_names: Sequence[str]) -> dict[str, torch.Tensor]:
+def _new_states(
+    model: nn.Module, descs: Sequence[ParamDesc], optimizer: torch.optim.Optimizer, state_names: Sequence[str]
+) -> dict[str, torch.Tensor]:
     """Create the new optimizer's per-parameter state tensors (zeros, like their parameter) that
     the old layout holds, so the reshard can fill them: ``{unit tensor name: state tensor}``."""
     params = named_tensors(model)
@@ -503,23 +557,34 @@ def reshard(
         return dev, locals_
 
     gathered = collectives.agree_and_gather(
-        prepare, "moeshard.reshard: materializing the model",
-        share=lambda _: (old.rank if old is not None else -1, old.digest() if old is not None else None,
-                         path is not None and os.path.exists(path)))
+        prepare,
+        "moeshard.reshard: materializing the model",
+        share=lambda _: (
+            old.rank if old is not None else -1,
+            old.digest() if old is not None else None,
+            path is not None and os.path.exists(path),
+        ),
+    )
     (dev, old_locals), everyone = gathered.result, gathered.shares
     old_ranks = np.asarray([e[0] for e in everyone], np.int64)
     survivors = np.flatnonzero(old_ranks >= 0)
     digests = {e[1] for e in everyone if e[1] is not None}
     if not len(survivors):
-        collectives.unanimous(lambda: _fail("no member holds the old model (every old= is None): use moeshard.load"),
-                        "moeshard.reshard")
+        collectives.unanimous(
+            lambda: _fail("no member holds the old model (every old= is None): use moeshard.load"), "moeshard.reshard"
+        )
     if len(digests) > 1:
-        collectives.unanimous(lambda: _fail(f"the members' old layouts differ (digests {sorted(digests)}): every "
-                                            "survivor must pass the describe_shards of the same old model"),
-                              "moeshard.reshard")
+        collectives.unanimous(
+            lambda: _fail(
+                f"the members' old layouts differ (digests {sorted(digests)}): every "
+                "survivor must pass the describe_shards of the same old model"
+            ),
+            "moeshard.reshard",
+        )
     first = int(survivors[0])
-    shared = collectives.broadcast_object(old.shared() if rank == first else None, src=first,
-                                    what="moeshard.reshard: sending the old layout")
+    shared = collectives.broadcast_object(
+        old.shared() if rank == first else None, src=first, what="moeshard.reshard: sending the old layout"
+    )
     phases.end("exchange")
     placement = resolve_placement(model, None, "moeshard.reshard", specs)
 
@@ -531,9 +596,11 @@ def reshard(
         if optimizer is not None:
             states = sorted({t.name.partition(OPTIMIZER_SEP)[2] for t in shared.tensors if OPTIMIZER_SEP in t.name})
             new_states = _new_states(model, descs, optimizer, states)
-            new_layouts += [TensorLayout(name, t.shape, _dtype_name(new_states[name].dtype), t.mesh, t.placements,
-                                         t.layer) for t in list(new_layouts) for name in
-                            (f"{t.name}{OPTIMIZER_SEP}{k}" for k in states)]
+            new_layouts += [
+                TensorLayout(name, t.shape, _dtype_name(new_states[name].dtype), t.mesh, t.placements, t.layer)
+                for t in list(new_layouts)
+                for name in (f"{t.name}{OPTIMIZER_SEP}{k}" for k in states)
+            ]
         else:
             new_states = {}
         new_nl = placement.num_logical if placement is not None else 0
@@ -550,28 +617,38 @@ def reshard(
         new_p2l = np.asarray(placement.phy2log) if placement is not None else None
         needs = _box_rows(new_layouts, new_p2l, world, np.arange(world, dtype=np.int64), units, width)
         plan = plan_reshard(units.units(), holds, needs, topo, staging_bytes, max_ops)
-        state_missing = sorted({plan.schedule.keys[u] for u in plan.storage.unit.tolist()
-                                if OPTIMIZER_SEP in plan.schedule.keys[u]})
+        state_missing = sorted(
+            {plan.schedule.keys[u] for u in plan.storage.unit.tolist() if OPTIMIZER_SEP in plan.schedule.keys[u]}
+        )
         if state_missing:
-            raise ValueError(f"optimizer state boxes of {state_missing[:4]} (of {len(state_missing)}) have no live "
-                             "holder and no checkpoint holds optimizer state")
+            raise ValueError(
+                f"optimizer state boxes of {state_missing[:4]} (of {len(state_missing)}) have no live "
+                "holder and no checkpoint holds optimizer state"
+            )
         if len(plan.storage) and path is None:
-            raise ValueError(f"{len(plan.storage_boxes)} boxes have no live holder (e.g. {plan.storage_boxes[0][0]}) "
-                             "and no checkpoint= was given")
+            raise ValueError(
+                f"{len(plan.storage_boxes)} boxes have no live holder (e.g. {plan.storage_boxes[0][0]}) "
+                "and no checkpoint= was given"
+            )
         dests = [local_tensor(t, d) for t, d in zip((named_tensors(model)[d.name] for d in descs), descs)]
-        dests += [local_tensor(new_states[t.name]) for t in new_layouts[len(descs):]]
+        dests += [local_tensor(new_states[t.name]) for t in new_layouts[len(descs) :]]
         dtypes = [getattr(torch, d) for d in units.dtype]
         return descs, plan, dests, dtypes
 
-    descs, plan, dests, dtypes = collectives.agree(make_plan, "moeshard.reshard: planning",
-                                             fingerprint=lambda r: r[1].fingerprint)
+    descs, plan, dests, dtypes = collectives.agree(
+        make_plan, "moeshard.reshard: planning", fingerprint=lambda r: r[1].fingerprint
+    )
     if plan.dense_from_storage and dense_from_storage != "allow":
         names = ", ".join(plan.dense_from_storage[:6]) + (" ..." if len(plan.dense_from_storage) > 6 else "")
-        text = (f"moeshard.reshard: {len(plan.dense_from_storage)} dense tensors have boxes no live rank holds "
-                f"({names}); their checkpoint values are older than the live weights (mixing training steps)")
+        text = (
+            f"moeshard.reshard: {len(plan.dense_from_storage)} dense tensors have boxes no live rank holds "
+            f"({names}); their checkpoint values are older than the live weights (mixing training steps)"
+        )
         if dense_from_storage == "raise":  # the plan is every rank's: every rank raises here
-            raise StaleStateError(f"{text}; keep an HSDP replica (make_mesh(replicate=...)) or pass "
-                                  "dense_from_storage='warn' to read them anyway")
+            raise StaleStateError(
+                f"{text}; keep an HSDP replica (make_mesh(replicate=...)) or pass "
+                "dense_from_storage='warn' to read them anyway"
+            )
         if rank == 0:
             logger.warning("%s: reading them from the checkpoint (dense_from_storage='warn')", text)
     t_plan = phases.end("plan") - t0
@@ -579,9 +656,12 @@ def reshard(
     what = "moeshard.reshard: copying from live ranks"
     with torch.no_grad():
         sched = plan.schedule
-        stats = collectives.agree(lambda: execute_schedule(
-            sched, rank, _OldTensors(plan, old_locals, rank, dtypes), TensorSink(sched, dests, rank), dev,
-            what=what).check(), what)
+        stats = collectives.agree(
+            lambda: execute_schedule(
+                sched, rank, _OldTensors(plan, old_locals, rank, dtypes), TensorSink(sched, dests, rank), dev, what=what
+            ).check(),
+            what,
+        )
         phases.end("peers")
         read = 0
         if len(plan.storage):
@@ -591,15 +671,27 @@ def reshard(
             _scalar_states(model, descs, optimizer, old_tensors, old_optimizer, first, rank)
     collectives.barrier("moeshard.reshard: finishing")
     phases.end("finish")
-    copied = int(sched.piece_bytes[sched.copy_piece[sched.view_rank[sched.copy_view] == rank]].sum())
+    copied = int(sched.pieces.bytes[sched.copies.piece[sched.views.rank[sched.copies.view] == rank]].sum())
     return ReshardReport(
-        rank=rank, world_size=world, wall_seconds=time.perf_counter() - t0, plan_seconds=t_plan,
-        fingerprint=plan.fingerprint, plan=sched.cost.summary(), bytes_read_rank=read,
-        bytes_sent_rank=stats.bytes_sent, bytes_received_rank=stats.bytes_received,
-        peak_staging_bytes_rank=stats.peak_staging_bytes, phase_seconds=phases.seconds,
-        phase_cpu_seconds=phases.cpu_seconds, storage_boxes=plan.storage_boxes,
-        dense_from_storage=plan.dense_from_storage, peer_bytes=plan.peer_bytes, copy_bytes=plan.copy_bytes,
-        storage_bytes=plan.storage_bytes, bytes_copied_rank=copied, joined=old is None,
+        rank=rank,
+        world_size=world,
+        wall_seconds=time.perf_counter() - t0,
+        plan_seconds=t_plan,
+        fingerprint=plan.fingerprint,
+        plan=sched.cost.summary(),
+        bytes_read_rank=read,
+        bytes_sent_rank=stats.bytes_sent,
+        bytes_received_rank=stats.bytes_received,
+        peak_staging_bytes_rank=stats.peak_staging_bytes,
+        phase_seconds=phases.seconds,
+        phase_cpu_seconds=phases.cpu_seconds,
+        storage_boxes=plan.storage_boxes,
+        dense_from_storage=plan.dense_from_storage,
+        peer_bytes=plan.peer_bytes,
+        copy_bytes=plan.copy_bytes,
+        storage_bytes=plan.storage_bytes,
+        bytes_copied_rank=copied,
+        joined=old is None,
     )
 
 
@@ -607,8 +699,18 @@ def _fail(message: str):
     raise ValueError(message)
 
 
-def _read_storage(plan: ReshardPlan, descs, placement, path: str, storage: Storage, topo: Topology, everyone,
-                  dests, dev, staging_bytes: int) -> int:
+def _read_storage(
+    plan: ReshardPlan,
+    descs,
+    placement,
+    path: str,
+    storage: Storage,
+    topo: Topology,
+    everyone,
+    dests,
+    dev,
+    staging_bytes: int,
+) -> int:
     """Collective: read the plan's storage cells with the load planner (its needs clipped to the
     cells); this rank's bytes read."""
     rank = topo.rank
@@ -631,8 +733,12 @@ def _read_storage(plan: ReshardPlan, descs, placement, path: str, storage: Stora
     what = "moeshard.reshard: reading boxes no live rank holds"
     try:
         with ReaderSource(sched, reader, index) as source:
-            stats = collectives.agree(lambda: execute_schedule(sched, rank, source, TensorSink(sched, dests, rank), dev,
-                                                         node_group=node_group, what=what).check(), what)
+            stats = collectives.agree(
+                lambda: execute_schedule(
+                    sched, rank, source, TensorSink(sched, dests, rank), dev, node_group=node_group, what=what
+                ).check(),
+                what,
+            )
     finally:
         if reader is not None:
             reader.close()
@@ -658,5 +764,8 @@ def _scalar_states(model, descs, optimizer, old_tensors, old_optimizer, first: i
         st = optimizer.state.setdefault(p, {})
         for k, v in states.items():
             old = st.get(k)
-            st[k] = torch.tensor(v, dtype=old.dtype if isinstance(old, torch.Tensor) else torch.float32) \
-                if isinstance(v, float) or isinstance(old, torch.Tensor) else v
+            st[k] = (
+                torch.tensor(v, dtype=old.dtype if isinstance(old, torch.Tensor) else torch.float32)
+                if isinstance(v, float) or isinstance(old, torch.Tensor)
+                else v
+            )

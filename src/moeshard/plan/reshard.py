@@ -29,7 +29,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..topology import Topology
-from .schedule import PlanCost, Schedule
+from .schedule import (
+    CopyTable,
+    DeliveryTable,
+    PieceTable,
+    PlanCost,
+    ReadTable,
+    Schedule,
+    SendTable,
+    ViewTable,
+)
 
 __all__ = ["Units", "BoxRows", "StorageCells", "ReshardPlan", "plan_reshard"]
 
@@ -124,8 +133,9 @@ class ReshardPlan:
     fingerprint: str = field(default="")
 
 
-def _cells(holds: list[np.ndarray], needs_off: np.ndarray, needs_len: np.ndarray,
-           nd: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
+def _cells(
+    holds: list[np.ndarray], needs_off: np.ndarray, needs_len: np.ndarray, nd: int
+) -> list[tuple[int, np.ndarray, np.ndarray]]:
     """``[(need row, cell off, cell len)]``: each need box cut at every boundary of the unit's
     holdings and needs (``holds``: ``[off, len]`` arrays)."""
     cuts = []
@@ -178,8 +188,9 @@ def _split(off: np.ndarray, ln: np.ndarray, max_cell: int, itemsize: int):
         yield o, n
 
 
-def plan_reshard(units: Units, holds: BoxRows, needs: BoxRows, topology: Topology, staging_bytes: int,
-                 max_ops: int) -> ReshardPlan:
+def plan_reshard(
+    units: Units, holds: BoxRows, needs: BoxRows, topology: Topology, staging_bytes: int, max_ops: int
+) -> ReshardPlan:
     """Plan a reshard (pure, deterministic; module docstring).
 
     Args:
@@ -218,8 +229,11 @@ def plan_reshard(units: Units, holds: BoxRows, needs: BoxRows, topology: Topolog
         for i, cell_off, cell_len in cells:
             row = int(nrows[i])
             rank = int(needs.rank[row])
-            inside = (np.all((h_off <= cell_off) & (cell_off + cell_len <= h_off + h_len), axis=1) if len(hrows)
-                      else np.zeros(0, bool))
+            inside = (
+                np.all((h_off <= cell_off) & (cell_off + cell_len <= h_off + h_len), axis=1)
+                if len(hrows)
+                else np.zeros(0, bool)
+            )
             if not inside.any():
                 dst = needs.local[row, :nd] + cell_off - needs.off[row, :nd]
                 storage.append((u, rank, int(needs.param[row]), int(needs.slot[row]), cell_off, cell_len, dst))
@@ -243,7 +257,7 @@ def plan_reshard(units: Units, holds: BoxRows, needs: BoxRows, topology: Topolog
     copies: list[tuple[int, int]] = []  # (view, piece)
     sends: list[tuple[int, int, int, int]] = []  # (src, dst, piece, view)
     pbytes = np.asarray([int(np.prod(ln)) * int(units.itemsize[u]) for u, _, ln in pieces], np.int64)
-    for (pid, rank) in sorted(dlv):
+    for pid, rank in sorted(dlv):
         u, off, _ = pieces[pid]
         hs = holders_of[pid]
         ranks = holds.rank[hs]
@@ -260,8 +274,9 @@ def plan_reshard(units: Units, holds: BoxRows, needs: BoxRows, topology: Topolog
         sends.append((src, rank, pid, _view(views, view_of, holds, pick, off, pid)))
 
     send_round = _rounds(sends, pbytes, world, staging_bytes, max_ops)
-    sched = _schedule(units, pieces, pbytes, width, views, copies, sends, send_round, dlv, topology, staging_bytes,
-                      max_ops, node)
+    sched = _schedule(
+        units, pieces, pbytes, width, views, copies, sends, send_round, dlv, topology, staging_bytes, max_ops, node
+    )
     st = _storage(storage, width)
     boxes = sorted({(units.keys[u], tuple(zip(off.tolist(), ln.tolist()))) for u, _, _, _, off, ln, _ in storage})
     dense = sorted({units.keys[u] for u, *_ in storage if units.dense[u]})
@@ -271,14 +286,22 @@ def plan_reshard(units: Units, holds: BoxRows, needs: BoxRows, topology: Topolog
     h = hashlib.sha256(sched.fingerprint.encode())
     for a in (st.unit, st.rank, st.param, st.slot, st.off, st.len, st.dst):
         h.update(np.ascontiguousarray(a).tobytes())
-    return ReshardPlan(sched, st, tuple(boxes), tuple(dense), int(sched.cost.sent_bytes.sum()), copy_bytes, store_bytes,
-                       h.hexdigest()[:16])
+    return ReshardPlan(
+        sched,
+        st,
+        tuple(boxes),
+        tuple(dense),
+        int(sched.cost.sent_bytes.sum()),
+        copy_bytes,
+        store_bytes,
+        h.hexdigest()[:16],
+    )
 
 
 def _group(values: np.ndarray, n: int) -> list[np.ndarray]:
     order = np.argsort(values, kind="stable")
     bounds = np.searchsorted(values[order], np.arange(n + 1))
-    return [order[bounds[i]:bounds[i + 1]] for i in range(n)]
+    return [order[bounds[i] : bounds[i + 1]] for i in range(n)]
 
 
 def _view(views: list, view_of: dict, holds: BoxRows, row: int, off: np.ndarray, pid: int) -> int:
@@ -319,15 +342,27 @@ def _rounds(sends: list, pbytes: np.ndarray, world: int, staging_bytes: int, max
     return out
 
 
-def _schedule(units: Units, pieces: list, pbytes: np.ndarray, width: int, views: list, copies: list, sends: list,
-              send_round: np.ndarray, dlv: dict, topology: Topology, staging_bytes: int, max_ops: int,
-              node: np.ndarray) -> Schedule:
+def _schedule(
+    units: Units,
+    pieces: list,
+    pbytes: np.ndarray,
+    width: int,
+    views: list,
+    copies: list,
+    sends: list,
+    send_round: np.ndarray,
+    dlv: dict,
+    topology: Topology,
+    staging_bytes: int,
+    max_ops: int,
+    node: np.ndarray,
+) -> Schedule:
     world = topology.world_size
     i32, i64 = np.int32, np.int64
 
     def pad(a) -> np.ndarray:
         out = np.zeros(width, i64)
-        out[:len(a)] = a
+        out[: len(a)] = a
         return out
 
     num = len(pieces)
@@ -349,30 +384,55 @@ def _schedule(units: Units, pieces: list, pbytes: np.ndarray, width: int, views:
         np.add.at(per, dst[m], sb[m])
         peak = np.maximum(peak, per)
     cross = int(sb[node[src] != node[dst]].sum()) if len(sends) else 0
-    cost = PlanCost(read_bytes=np.zeros(world, i64), sent_bytes=sent, recv_bytes=recv, peak_staging_bytes=peak,
-                    cross_node_bytes=cross, num_p2p_ops=len(sends),
-                    num_batches=int(sum(len(np.unique(np.concatenate([src[send_round == t], dst[send_round == t]])))
-                                        for t in range(num_rounds))),
-                    num_broadcasts=0)
-    empty32, empty64 = np.zeros(0, i32), np.zeros(0, i64)
+    cost = PlanCost(
+        read_bytes=np.zeros(world, i64),
+        sent_bytes=sent,
+        recv_bytes=recv,
+        peak_staging_bytes=peak,
+        cross_node_bytes=cross,
+        num_p2p_ops=len(sends),
+        num_batches=int(
+            sum(len(np.unique(np.concatenate([src[send_round == t], dst[send_round == t]]))) for t in range(num_rounds))
+        ),
+        num_broadcasts=0,
+    )
     return Schedule(
-        topology=topology, staging_bytes=staging_bytes, max_ops=max_ops, keys=units.keys,
+        topology=topology,
+        staging_bytes=staging_bytes,
+        max_ops=max_ops,
+        keys=units.keys,
         key_ndim=units.ndim.astype(np.int8),
-        piece_key=np.asarray([u for u, _, _ in pieces], i32), piece_off=piece_off, piece_len=piece_len,
-        piece_bytes=pbytes.astype(i64),
-        read_rank=empty32, read_piece=empty32, read_round=empty64,
-        send_src=src, send_dst=dst, send_piece=spiece, send_round=send_round.astype(i64),
-        bcast_node=empty32, bcast_root=empty32, bcast_piece=empty32, bcast_round=empty64,
-        dlv_piece=np.asarray([r[0] for r in rows], i32), dlv_rank=np.asarray([r[1] for r in rows], i32),
-        dlv_param=np.asarray([r[2] for r in rows], i32), dlv_slot=np.asarray([r[3] for r in rows], i64),
-        dlv_off=np.stack([pad(r[4]) for r in rows]) if rows else np.zeros((0, width), i64),
-        num_rounds=num_rounds, cost=cost,
-        view_rank=np.asarray([v[0] for v in views], i32), view_param=np.asarray([v[1] for v in views], i32),
-        view_slot=np.asarray([v[2] for v in views], i64),
-        view_off=np.stack([pad(v[3]) for v in views]) if views else np.zeros((0, width), i64),
-        send_view=np.asarray([v for _, _, _, v in sends], i32),
-        copy_view=np.asarray([v for v, _ in copies], i32), copy_piece=np.asarray([p for _, p in copies], i32),
-        copy_round=np.full(len(copies), -1, i64),
+        pieces=PieceTable(
+            key=np.asarray([u for u, _, _ in pieces], i32), off=piece_off, len=piece_len, bytes=pbytes.astype(i64)
+        ),
+        reads=ReadTable(),
+        sends=SendTable(
+            src=src,
+            dst=dst,
+            piece=spiece,
+            round=send_round.astype(i64),
+            view=np.asarray([v for _, _, _, v in sends], i32),
+        ),
+        deliveries=DeliveryTable(
+            piece=np.asarray([r[0] for r in rows], i32),
+            rank=np.asarray([r[1] for r in rows], i32),
+            param=np.asarray([r[2] for r in rows], i32),
+            slot=np.asarray([r[3] for r in rows], i64),
+            off=np.stack([pad(r[4]) for r in rows]) if rows else np.zeros((0, width), i64),
+        ),
+        num_rounds=num_rounds,
+        cost=cost,
+        views=ViewTable(
+            rank=np.asarray([v[0] for v in views], i32),
+            param=np.asarray([v[1] for v in views], i32),
+            slot=np.asarray([v[2] for v in views], i64),
+            off=np.stack([pad(v[3]) for v in views]) if views else np.zeros((0, width), i64),
+        ),
+        copies=CopyTable(
+            view=np.asarray([v for v, _ in copies], i32),
+            piece=np.asarray([p for _, p in copies], i32),
+            round=np.full(len(copies), -1, i64),
+        ),
     )
 
 
@@ -383,7 +443,7 @@ def _storage(rows: list, width: int) -> StorageCells:
     def box(j):
         out = np.zeros((len(rows), width), np.int64)
         for i, r in enumerate(rows):
-            out[i, :len(r[j])] = r[j]
+            out[i, : len(r[j])] = r[j]
         return out
 
     return StorageCells(col(0), col(1), col(2), col(3), box(4), box(5), box(6))
