@@ -35,6 +35,7 @@ import torch.distributed as dist
 from . import _dist
 from .box import box_shape, box_slices
 from .io.checkpoint import CheckpointIndex, CheckpointReader
+from .io.extents import ExtentReads
 from .io.fp8 import dequantize, scale_box
 from .io.readpool import ReadPool
 from .plan.schedule import Schedule
@@ -48,9 +49,14 @@ __all__ = ["ExecStats", "Source", "Sink", "LocalTensors", "ReaderSource", "Tenso
 @dataclass
 class ExecStats:
     """What one rank did: bytes read from storage, sent, received (staging buffers), the
-    peak of staging bytes held at once, and the errors of its failed reads and deliveries."""
+    peak of staging bytes held at once, and the errors of its failed reads and deliveries.
+
+    ``bytes_read`` counts the pieces' bytes (what the plan predicts); ``gap_bytes_read`` the
+    bytes between pieces that coalesced reads also read (into a scratch buffer, thrown away:
+    :mod:`moeshard.io.extents`), not in ``bytes_read``."""
 
     bytes_read: int = 0
+    gap_bytes_read: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
     peak_staging_bytes: int = 0
@@ -136,6 +142,24 @@ class Source:
         it completes later: its bytes in :meth:`reads_done`, its error from :meth:`finish_reads`."""
         self.read_into(pid, out)
         return True
+
+    def local_reads(self, items: list[tuple[int, torch.Tensor]], rank: int) -> list[Callable[[], int]]:
+        """Units of work that read pieces straight into place, for ``rank`` (this process):
+        ``items`` are ``(piece, out)`` (``out`` contiguous, the piece's shape). Each unit reads some of them (or starts to,
+        on a pool) and returns the bytes that landed now (in the pieces' :meth:`dtype`); a unit that completes later counts
+        in :meth:`reads_done`, its error in :meth:`finish_reads`; one that fails now raises.
+        Default: a unit per piece (:meth:`start_read_into`)."""
+
+        def unit(pid: int, out: torch.Tensor) -> Callable[[], int]:
+            def run() -> int:
+                return out.numel() * self.dtype(pid).itemsize if self.start_read_into(pid, out) else 0
+            return run
+
+        return [unit(pid, out) for pid, out in items]
+
+    def gap_bytes(self) -> int:
+        """Bytes read from storage between pieces (coalesced reads), not counted as pieces'."""
+        return 0
 
     def start_read(self, pid: int, device: torch.device) -> Callable[[], torch.Tensor] | None:
         """Begin :meth:`read` of piece ``pid`` into a new buffer on ``device``, in the
@@ -298,6 +322,7 @@ class ReaderSource(Source):
         self.local = LocalTensors(schedule, tensors, rank)
         self.pool = ReadPool(reader, read_threads) if reader is not None and read_threads > 1 else None
         self._counted = 0
+        self._gap0 = 0 if reader is None else reader.gap_bytes_read
 
     def read(self, pid: int) -> torch.Tensor:
         assert self.reader is not None
@@ -312,6 +337,41 @@ class ReaderSource(Source):
             return super().start_read_into(pid, out)
         self.pool.submit(self.s.piece_name(pid), self.s.piece_box(pid), out)
         return False
+
+    def local_reads(self, items: list[tuple[int, torch.Tensor]], rank: int) -> list[Callable[[], int]]:
+        """Destinations a read lands in as they are (contiguous CPU tensors of the checkpoint's
+        dtype) are read by extents (:class:`~moeshard.io.extents.ExtentReads`: coalesced
+        ``preadv``, files in ``rank``'s staggered order, read-ahead hints issued now for the
+        first extents), a unit per extent; the others a unit per piece (through the pool for
+        CUDA destinations). On the pool when there is one."""
+        if self.reader is None or not items:
+            return super().local_reads(items, rank)
+        s, reader = self.s, self.reader
+        straight = [(pid, out) for pid, out in items if reader.reads_straight_into(s.piece_name(pid), out)]
+        others = [(pid, out) for pid, out in items if not reader.reads_straight_into(s.piece_name(pid), out)]
+        units = []
+        if straight:
+            extents = ExtentReads(reader, [(s.piece_name(pid), s.piece_box(pid), out) for pid, out in straight],
+                                  rank=rank)
+            extents.advise(-1)
+
+            def unit(i: int) -> Callable[[], int]:
+                def run() -> int:
+                    extents.advise(i)
+                    return extents.read(i)
+
+                def submit() -> int:  # lands later: its bytes by reads_done, its error by finish_reads
+                    assert self.pool is not None
+                    self.pool.run(run)
+                    return 0
+
+                return run if self.pool is None else submit
+
+            units = [unit(i) for i in range(len(extents))]
+        return units + super().local_reads(others, rank)
+
+    def gap_bytes(self) -> int:
+        return 0 if self.reader is None else self.reader.gap_bytes_read - self._gap0
 
     def start_read(self, pid: int, device: torch.device) -> Callable[[], torch.Tensor] | None:
         if self.pool is None:
@@ -363,7 +423,7 @@ def execute_schedule(
     what: str = "moeshard: running the schedule",
 ) -> ExecStats:
     """Collective (every rank of the current group, :func:`moeshard._dist.scope`): run
-    ``schedule`` on this rank.
+    ``schedule`` on this rank (a :class:`Runner`).
 
     Args:
         rank: this process's rank in the current group (the schedule's ranks are the group's).
@@ -383,199 +443,274 @@ def execute_schedule(
         PeerLostError: on the ranks that saw a peer die (a P2P batch or node broadcast with
             it), naming the peers where known.
     """
-    s = schedule
-    mine = s.for_rank(rank)
-    stats = ExecStats()
-    failure = stats.failures
-    if len(mine.bcasts) and node_group is None:
-        raise ValueError("the schedule has node broadcasts but no node group was given")
-    members = _dist.group_ranks()  # the schedule's ranks are the current group's
-    node_size = s.topology.node_sizes()
+    return Runner(schedule, rank, source, sink, device, node_group, progress, what).run()
 
-    # This rank's deliveries: {round: {piece: [rows]}} in schedule order.
-    dlv_at: dict[int, dict[int, list[int]]] = {}
-    for row, t in zip(mine.deliveries.tolist(), mine.delivery_rounds.tolist()):
-        dlv_at.setdefault(t, {}).setdefault(int(s.dlv_piece[row]), []).append(row)
-    local_rows = dlv_at.pop(-1, {})
 
-    def shape(pid: int) -> tuple[int, ...]:
+class Runner:
+    """One rank's run of a schedule (:func:`execute_schedule`; the module docstring says what
+    a round does). Its methods are the steps: :meth:`stage` (copies and reads of the round's
+    pieces), :meth:`post` (the round's P2P batch), :meth:`read_ahead` (the next round's reads,
+    a source with a reader pool), :meth:`local_work` (a share of the reads and copies of round
+    -1), :meth:`join_broadcasts`, :meth:`deliver`, :meth:`free`. Failed reads and deliveries
+    go to ``stats.failures``; the run goes on, so that no peer waits for this rank in vain.
+
+    Collective (every rank of the current group) through :meth:`run`; one run per object.
+    """
+
+    def __init__(self, schedule: Schedule, rank: int, source: Source, sink: Sink, device: torch.device,
+                 node_group=None, progress: Callable[[int], None] | None = None,
+                 what: str = "moeshard: running the schedule"):
+        s = self.s = schedule
+        self.rank, self.source, self.sink, self.device = rank, source, sink, device
+        self.node_group, self.progress, self.what = node_group, progress, what
+        mine = self.mine = s.for_rank(rank)
+        self.stats = ExecStats()
+        if len(mine.bcasts) and node_group is None:
+            raise ValueError("the schedule has node broadcasts but no node group was given")
+        self.members = _dist.group_ranks()  # the schedule's ranks are the current group's
+        self.node_size = s.topology.node_sizes()
+        # This rank's deliveries: {round: {piece: [rows]}} in schedule order.
+        self.dlv_at: dict[int, dict[int, list[int]]] = {}
+        for row, t in zip(mine.deliveries.tolist(), mine.delivery_rounds.tolist()):
+            self.dlv_at.setdefault(t, {}).setdefault(int(s.dlv_piece[row]), []).append(row)
+        self.local_rows = self.dlv_at.pop(-1, {})
+        # Per round: pieces to read, views to copy, P2P rows, broadcast rows (by node, piece).
+        self.reads_at = _by_round(s.read_round[mine.reads], s.read_piece[mine.reads])
+        self.copies_at = _by_round(s.copy_round[mine.copies], mine.copies)
+        self.sends_at = _by_round(s.send_round[mine.sends], mine.sends)
+        order = np.lexsort((s.bcast_piece[mine.bcasts], s.bcast_round[mine.bcasts]))
+        self.bcasts_at = _by_round(s.bcast_round[mine.bcasts][order], mine.bcasts[order])
+        # The last round each buffer of this rank is used in (it is freed after it).
+        self.last_use: dict[int, int] = {}
+        out_rows = mine.sends[(s.send_src[mine.sends] == rank) & (s.send_view[mine.sends] < 0)]
+        out_b = mine.bcasts[s.bcast_root[mine.bcasts] == rank]
+        for pid, t in zip(np.concatenate([s.send_piece[out_rows], s.bcast_piece[out_b],
+                                          s.dlv_piece[mine.deliveries]]).tolist(),
+                          np.concatenate([s.send_round[out_rows], s.bcast_round[out_b], mine.delivery_rounds]).tolist()):
+            self.last_use[pid] = max(self.last_use.get(pid, -1), t)
+        self.rounds = mine.rounds.tolist()
+        self.bufs: dict[int, torch.Tensor] = {}
+        self.staged = 0  # bytes of self.bufs
+        # Reads of the next round's pieces started while this round's transfers fly (a source
+        # with a reader pool), as far as the staging budget allows with what is staged now.
+        self.ahead: dict[int, Callable[[], torch.Tensor]] = {}
+        self.ahead_bytes = 0
+        self.work = self._local_work_list()
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def shape(self, pid: int) -> tuple[int, ...]:
+        s = self.s
         return tuple(s.piece_len[pid, : int(s.key_ndim[s.piece_key[pid]])].tolist())
 
-    def deliver(items: list[tuple[int, torch.Tensor]], nbytes: int) -> None:
+    def nbytes(self, pid: int) -> int:
+        return int(self.s.piece_bytes[pid])
+
+    def empty(self, pid: int) -> torch.Tensor:
+        return torch.empty(self.shape(pid), dtype=self.source.dtype(pid), device=self.device)
+
+    def landed(self, nbytes: int) -> None:
+        """Bytes read straight into place (delivered without staging)."""
+        self.stats.bytes_read += nbytes
+        if self.progress and nbytes:
+            self.progress(nbytes)
+
+    def read(self, pid: int) -> torch.Tensor:
+        """Piece ``pid`` from storage into a new buffer on the device (zeros if the read
+        failed: peers still expect the piece)."""
         try:
-            sink.put(items)
+            buf = self.source.read(pid)
         except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
-            failure.append(e)
-        if progress and nbytes:
-            progress(nbytes)
+            self.stats.failures.append(e)
+            buf = torch.zeros(self.shape(pid), dtype=self.source.dtype(pid), device=self.device)
+        self.stats.bytes_read += self.nbytes(pid)
+        return buf.to(self.device, non_blocking=True) if buf.device != self.device else buf
 
-    def read(pid: int) -> torch.Tensor:
+    # -- the steps -------------------------------------------------------------------------
+
+    def deliver(self, items: list[tuple[int, torch.Tensor]], nbytes: int) -> None:
+        """Hand ``(delivery row, data)`` items to the sink (one call), then report progress."""
         try:
-            buf = source.read(pid)
+            self.sink.put(items)
         except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
-            failure.append(e)
-            # Peers still expect this piece: send zeros rather than leave them waiting.
-            buf = torch.zeros(shape(pid), dtype=source.dtype(pid), device=device)
-        stats.bytes_read += int(s.piece_bytes[pid])
-        return buf.to(device, non_blocking=True) if buf.device != device else buf
+            self.stats.failures.append(e)
+        if self.progress and nbytes:
+            self.progress(nbytes)
 
-    def landed(nbytes: int) -> None:  # bytes read straight into place
-        stats.bytes_read += nbytes
-        if progress and nbytes:
-            progress(nbytes)
-
-    def local_read(pid: int) -> None:
-        rows = local_rows.get(pid, [])
-        out = sink.target(rows[0]) if len(rows) == 1 else None
-        try:
+    def _local_work_list(self) -> list:
+        """This rank's work of round -1, in the order it is done (popped from the end): reads
+        straight into place (the source's units: coalesced extents for a checkpoint reader),
+        staged reads (a piece with several destinations, or one a read cannot land in), and
+        copies from views."""
+        mine = self.mine
+        direct: list[tuple[int, torch.Tensor]] = []
+        staged: list = []
+        for pid in mine.local_reads().tolist():
+            rows = self.local_rows.get(pid, [])
+            try:
+                out = self.sink.target(rows[0]) if len(rows) == 1 else None
+            except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
+                self.stats.failures.append(e)
+                continue
             if out is not None and out.is_contiguous():
-                # Straight from storage into place (cast on the way): no staging. A source
-                # with a reader pool finishes it later (bytes by reads_done, errors by
-                # finish_reads).
-                if source.start_read_into(pid, out.view(shape(pid))):
-                    landed(int(s.piece_bytes[pid]))
-                return
+                direct.append((pid, out.view(self.shape(pid))))
+            else:
+                staged.append(("staged", pid))
+        try:
+            units = [("unit", u) for u in self.source.local_reads(direct, self.rank)] if direct else []
         except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
-            failure.append(e)
-            return
-        buf = read(pid)
-        deliver([(r, buf) for r in rows], int(s.piece_bytes[pid]))
+            self.stats.failures.append(e)
+            units = []
+        work = units + staged + [("copy", c) for c in mine.local_copies().tolist()]
+        work.reverse()
+        return work
 
-    def local_copies(copies: list[int]) -> None:
+    def local_work(self, n: int) -> None:
+        """Do ``n`` items of this rank's round -1 work (the copies among them as one group)."""
+        copies = []
+        for _ in range(min(n, len(self.work))):
+            kind, x = self.work.pop()
+            if kind == "unit":
+                try:
+                    self.landed(x())
+                except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
+                    self.stats.failures.append(e)
+            elif kind == "staged":
+                buf = self.read(x)
+                self.deliver([(r, buf) for r in self.local_rows.get(x, [])], self.nbytes(x))
+            else:
+                copies.append(x)
+        self.local_copies(copies)
+
+    def local_copies(self, copies: list[int]) -> None:
         # Grouped up to half the staging budget: a file sink moves a group to the host with
         # one synchronization.
+        s = self.s
         items: list[tuple[int, torch.Tensor]] = []
         nbytes = 0
         for c in copies:
             pid = int(s.copy_piece[c])
-            if items and nbytes + int(s.piece_bytes[pid]) > s.staging_bytes // 2:
-                deliver(items, nbytes)
+            if items and nbytes + self.nbytes(pid) > s.staging_bytes // 2:
+                self.deliver(items, nbytes)
                 items, nbytes = [], 0
-            data = source.view(int(s.copy_view[c]), pid)
-            items.extend((r, data) for r in local_rows.get(pid, []))
-            nbytes += int(s.piece_bytes[pid])
+            data = self.source.view(int(s.copy_view[c]), pid)
+            items.extend((r, data) for r in self.local_rows.get(pid, []))
+            nbytes += self.nbytes(pid)
         if items:
-            deliver(items, nbytes)
+            self.deliver(items, nbytes)
 
-    def empty(pid: int) -> torch.Tensor:
-        return torch.empty(shape(pid), dtype=source.dtype(pid), device=device)
-
-    # Per round: pieces to read, views to copy, P2P rows, broadcast rows; and the last round
-    # each buffer of this rank is used in (it is freed after it).
-    reads_at = _by_round(s.read_round[mine.reads], s.read_piece[mine.reads])
-    copies_at = _by_round(s.copy_round[mine.copies], mine.copies)
-    sends_at = _by_round(s.send_round[mine.sends], mine.sends)
-    order = np.lexsort((s.bcast_piece[mine.bcasts], s.bcast_round[mine.bcasts]))
-    bcasts_at = _by_round(s.bcast_round[mine.bcasts][order], mine.bcasts[order])
-    last_use: dict[int, int] = {}
-    out_rows = mine.sends[(s.send_src[mine.sends] == rank) & (s.send_view[mine.sends] < 0)]
-    out_b = mine.bcasts[s.bcast_root[mine.bcasts] == rank]
-    for pid, t in zip(np.concatenate([s.send_piece[out_rows], s.bcast_piece[out_b], s.dlv_piece[mine.deliveries]]).tolist(),
-                      np.concatenate([s.send_round[out_rows], s.bcast_round[out_b], mine.delivery_rounds]).tolist()):
-        last_use[pid] = max(last_use.get(pid, -1), t)
-    my_local = [("read", p) for p in mine.local_reads().tolist()] + [("copy", c) for c in mine.local_copies().tolist()]
-    my_local.reverse()
-
-    def local_work(n: int) -> None:
-        copies = []
-        for _ in range(min(n, len(my_local))):
-            kind, x = my_local.pop()
-            if kind == "read":
-                local_read(x)
-            else:
-                copies.append(x)
-        local_copies(copies)
-
-    rounds = mine.rounds.tolist()
-    bufs: dict[int, torch.Tensor] = {}
-    staged = 0
-    # Reads of the next round's pieces started while this round's transfers fly (a source with
-    # a reader pool), as far as the staging budget allows with what is staged now.
-    ahead: dict[int, Callable[[], torch.Tensor]] = {}
-    ahead_bytes = 0
-
-    def read_ahead(t: int) -> None:
-        nonlocal ahead_bytes
-        for pid in reads_at.get(t, ()):
-            nbytes = int(s.piece_bytes[pid])
-            if staged + ahead_bytes + nbytes > s.staging_bytes:
+    def read_ahead(self, t: int) -> None:
+        """Start reading round ``t``'s pieces in the background (a source that can), within
+        the staging budget."""
+        for pid in self.reads_at.get(t, ()):
+            nbytes = self.nbytes(pid)
+            if self.staged + self.ahead_bytes + nbytes > self.s.staging_bytes:
                 return
             try:
-                done = source.start_read(pid, device)
+                done = self.source.start_read(pid, self.device)
             except Exception:  # noqa: BLE001 - read in its round instead, where its error is kept
                 return
             if done is None:
                 return
-            ahead[pid] = done
-            ahead_bytes += nbytes
+            self.ahead[pid] = done
+            self.ahead_bytes += nbytes
 
-    if rounds:  # the first round's reads in parallel, too
-        read_ahead(rounds[0])
-    for step, t in enumerate(rounds):
-        for c in copies_at.get(t, ()):
+    def stage(self, t: int) -> None:
+        """Round ``t``'s buffers before its transfers: copies of views (stashes), and reads."""
+        s = self.s
+        for c in self.copies_at.get(t, ()):
             pid = int(s.copy_piece[c])
-            if pid not in bufs:  # a second copy of the same piece (another slot) is the same data
-                bufs[pid] = source.view(int(s.copy_view[c]), pid).clone()
-                staged += int(s.piece_bytes[pid])
-        for pid in reads_at.get(t, ()):
-            done = ahead.pop(pid, None)
+            if pid not in self.bufs:  # a second copy of the same piece (another slot) is the same data
+                self.bufs[pid] = self.source.view(int(s.copy_view[c]), pid).clone()
+                self.staged += self.nbytes(pid)
+        for pid in self.reads_at.get(t, ()):
+            done = self.ahead.pop(pid, None)
             if done is None:
-                bufs[pid] = read(pid)
+                self.bufs[pid] = self.read(pid)
             else:
-                ahead_bytes -= int(s.piece_bytes[pid])
+                self.ahead_bytes -= self.nbytes(pid)
                 try:
-                    bufs[pid] = done()
+                    self.bufs[pid] = done()
                 except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
-                    failure.append(e)
-                    bufs[pid] = torch.zeros(shape(pid), dtype=source.dtype(pid), device=device)
-                stats.bytes_read += int(s.piece_bytes[pid])
-            staged += int(s.piece_bytes[pid])
+                    self.stats.failures.append(e)
+                    self.bufs[pid] = torch.zeros(self.shape(pid), dtype=self.source.dtype(pid), device=self.device)
+                self.stats.bytes_read += self.nbytes(pid)
+            self.staged += self.nbytes(pid)
+
+    def post(self, t: int) -> Callable[[], None]:
+        """Post round ``t``'s P2P ops as one batch; returns the wait."""
+        s, stats = self.s, self.stats
         ops = []
-        for row in sends_at.get(t, ()):
+        for row in self.sends_at.get(t, ()):
             pid = int(s.send_piece[row])
-            if s.send_src[row] == rank:
+            if s.send_src[row] == self.rank:
                 v = int(s.send_view[row])
-                data = bufs[pid] if v < 0 else source.view(v, pid)
+                data = self.bufs[pid] if v < 0 else self.source.view(v, pid)
                 ops.append(_dist.p2p(dist.isend, data if data.is_contiguous() else data.contiguous(),
-                                     int(s.send_dst[row]), members))
-                stats.bytes_sent += int(s.piece_bytes[pid])
+                                     int(s.send_dst[row]), self.members))
+                stats.bytes_sent += self.nbytes(pid)
             else:
-                bufs[pid] = empty(pid)
-                ops.append(_dist.p2p(dist.irecv, bufs[pid], int(s.send_src[row]), members))
-                stats.bytes_received += int(s.piece_bytes[pid])
-                staged += int(s.piece_bytes[pid])
-        stats.peak_staging_bytes = max(stats.peak_staging_bytes, staged)
-        wait = _dist.start_p2p(ops, what) if ops else (lambda: None)
-        if step + 1 < len(rounds):
-            read_ahead(rounds[step + 1])
-            stats.peak_staging_bytes = max(stats.peak_staging_bytes, staged + ahead_bytes)
-        # Overlap: a share of this rank's own work while the batch is in flight.
-        local_work(math.ceil(len(my_local) / max(len(rounds) - step, 1)))
-        wait()
-        landed(source.reads_done())
-        for row in bcasts_at.get(t, ()):
+                self.bufs[pid] = self.empty(pid)
+                ops.append(_dist.p2p(dist.irecv, self.bufs[pid], int(s.send_src[row]), self.members))
+                stats.bytes_received += self.nbytes(pid)
+                self.staged += self.nbytes(pid)
+        stats.peak_staging_bytes = max(stats.peak_staging_bytes, self.staged)
+        return _dist.start_p2p(ops, self.what) if ops else (lambda: None)
+
+    def join_broadcasts(self, t: int) -> None:
+        """Round ``t``'s node broadcasts, by node and piece (as every rank of the node)."""
+        s, stats = self.s, self.stats
+        for row in self.bcasts_at.get(t, ()):
             pid, root = int(s.bcast_piece[row]), int(s.bcast_root[row])
-            if root != rank:
-                bufs[pid] = empty(pid)
-                stats.bytes_received += int(s.piece_bytes[pid])
-                staged += int(s.piece_bytes[pid])
-                stats.peak_staging_bytes = max(stats.peak_staging_bytes, staged)
+            if root != self.rank:
+                self.bufs[pid] = self.empty(pid)
+                stats.bytes_received += self.nbytes(pid)
+                self.staged += self.nbytes(pid)
+                stats.peak_staging_bytes = max(stats.peak_staging_bytes, self.staged)
             node = int(s.bcast_node[row])
-            if root == rank:
-                stats.bytes_sent += int(s.piece_bytes[pid]) * int(node_size[node] - 1)
-            with _dist.collective(what, set(s.topology.node_ranks(node)) - {rank}):
-                dist.broadcast(bufs[pid], src=root if members is None else members[root], group=node_group)
-        due = dlv_at.get(t, {})
+            if root == self.rank:
+                stats.bytes_sent += self.nbytes(pid) * int(self.node_size[node] - 1)
+            with _dist.collective(self.what, set(s.topology.node_ranks(node)) - {self.rank}):
+                dist.broadcast(self.bufs[pid], src=root if self.members is None else self.members[root],
+                               group=self.node_group)
+
+    def deliver_round(self, t: int) -> None:
+        """Round ``t``'s deliveries, after every op of the round (a delivery may overwrite a
+        slot that a send of the same round reads)."""
+        due = self.dlv_at.get(t, {})
         if due:
-            deliver([(r, bufs[pid]) for pid, rows in due.items() for r in rows],
-                    sum(int(s.piece_bytes[pid]) for pid in due))
-        for pid in [p for p in bufs if last_use.get(p, -1) <= t]:
-            staged -= int(s.piece_bytes[pid])
-            del bufs[pid]
-    local_work(len(my_local))
-    failure.extend(source.finish_reads())
-    landed(source.reads_done())
-    return stats
+            self.deliver([(r, self.bufs[pid]) for pid, rows in due.items() for r in rows],
+                         sum(self.nbytes(pid) for pid in due))
+
+    def free(self, t: int) -> None:
+        """Drop the buffers whose last use was round ``t`` or earlier."""
+        for pid in [p for p in self.bufs if self.last_use.get(p, -1) <= t]:
+            self.staged -= self.nbytes(pid)
+            del self.bufs[pid]
+
+    def run(self) -> ExecStats:
+        """Every round of this rank, then the rest of its local work (Collective)."""
+        rounds, stats = self.rounds, self.stats
+        if rounds:  # the first round's reads in parallel, too
+            self.read_ahead(rounds[0])
+        for step, t in enumerate(rounds):
+            self.stage(t)
+            wait = self.post(t)
+            if step + 1 < len(rounds):
+                self.read_ahead(rounds[step + 1])
+                stats.peak_staging_bytes = max(stats.peak_staging_bytes, self.staged + self.ahead_bytes)
+            # Overlap: a share of this rank's own work while the batch is in flight.
+            self.local_work(math.ceil(len(self.work) / max(len(rounds) - step, 1)))
+            wait()
+            self.landed(self.source.reads_done())
+            self.join_broadcasts(t)
+            self.deliver_round(t)
+            self.free(t)
+        self.local_work(len(self.work))
+        stats.failures.extend(self.source.finish_reads())
+        self.landed(self.source.reads_done())
+        stats.gap_bytes_read = self.source.gap_bytes()
+        return stats
 
 
 def exchange(outbox: dict[int, torch.Tensor], inbox: dict[int, torch.Tensor], what: str) -> Callable[[], None]:

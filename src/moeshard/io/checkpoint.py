@@ -59,6 +59,8 @@ from ..dtypes import ITEMSIZE, LazyTable, torch_dtypes
 if TYPE_CHECKING:
     import torch
 
+    from .extents import Extent
+
 __all__ = ["TensorInfo", "CheckpointIndex", "CheckpointReader", "CheckpointError", "write_checkpoint",
            "safetensors_header", "pwrite_all", "load_json"]
 
@@ -617,6 +619,8 @@ def _key_at(header: dict, position: int) -> str:
 # size of common devices), through a bounce buffer of this many bytes per reading thread.
 DIRECT_ALIGN = 4096
 DIRECT_BOUNCE_BYTES = 8 * 2**20
+# Buffers one preadv fills at most (the system's IOV_MAX; POSIX guarantees 16, Linux has 1024).
+IOV_MAX = max(16, os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in getattr(os, "sysconf_names", {}) else 16)
 
 
 class CheckpointReader:
@@ -641,6 +645,7 @@ class CheckpointReader:
         self.root = Path(index.root if root is None else root)
         self.direct_io = direct_io
         self.bytes_read = 0
+        self.gap_bytes_read = 0
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
         self._bounce = threading.local()
@@ -676,19 +681,27 @@ class CheckpointReader:
         for name in sorted(set(names)):
             self._fd(name)
 
-    def _pread(self, fd: int, buf: torch.Tensor, offset: int, name: str) -> None:
-        view = memoryview(buf.numpy()).cast("B")
+    def _pread(self, fd: int, buf, offset: int, name: str) -> None:
+        """Fill ``buf`` from file byte ``offset`` on: a tensor (its bytes), or a list of
+        writable byte buffers filled in order (one ``preadv`` with several iovecs: an extent).
+        Short reads continue where they stopped; the end of the file is a CheckpointError."""
+        views = [memoryview(buf.numpy()).cast("B")] if not isinstance(buf, list) else list(buf)
+        total = sum(len(v) for v in views)
         done = 0
-        while done < len(view):
+        first = 0  # views[first] is the first not yet full
+        while done < total:
             if self.direct_io:
-                n = self._pread_direct(fd, view[done:], offset + done)
+                n = self._pread_direct(fd, views[first], offset + done)
             else:
-                n = os.preadv(fd, [view[done:]], offset + done)
+                n = os.preadv(fd, views[first:first + IOV_MAX], offset + done)
             if n <= 0:
                 raise CheckpointError(f"{self.root / name}: unexpected end of file at byte {offset + done}")
             done += n
-        with self._lock:
-            self.bytes_read += done
+            while first < len(views) and n >= len(views[first]):
+                n -= len(views[first])
+                first += 1
+            if n:  # a short read inside one buffer: its rest next
+                views[first] = views[first][n:]
 
     def _pread_direct(self, fd: int, view: memoryview, offset: int) -> int:
         """One aligned ``O_DIRECT`` read of the blocks around the first bytes of ``view`` (at
@@ -719,46 +732,75 @@ class CheckpointReader:
             raise ValueError(f"{key}: destination of shape {list(out.shape)} for a box of shape {list(shape)}")
         import torch  # the reader allocates tensors; the headers (above) need no torch
 
-        direct = out is not None and out.device.type == "cpu" and out.dtype == info.torch_dtype and out.is_contiguous()
+        direct = out is not None and self.reads_straight_into(key, out)
         buf = out if direct else torch.empty(shape, dtype=info.torch_dtype)
         if box_numel(box):
-            self._read_into(info, box, buf.view(-1).view(torch.uint8), key)
+            flat = buf.view(-1).view(torch.uint8)
+            fd = self._fd(info.file)
+            pos = 0
+            for start, n in self.runs(key, box):
+                self._pread(fd, flat[pos:pos + n], start, info.file)
+                pos += n
+            with self._lock:
+                self.bytes_read += pos
         if out is None or direct:
             return buf
         return out.copy_(buf)
 
-    def _read_into(self, info: TensorInfo, box: Box, flat: torch.Tensor, key: str) -> None:
-        fd = self._fd(info.file)
+    def reads_straight_into(self, key: str, out: torch.Tensor) -> bool:
+        """Whether a read of ``key`` lands in ``out`` itself (a contiguous CPU tensor of the
+        checkpoint's dtype), rather than in a buffer copied (and cast) into it."""
+        return out.device.type == "cpu" and out.dtype == self.index.info(key).torch_dtype and out.is_contiguous()
+
+    def runs(self, key: str, box: Box) -> list[tuple[int, int]]:
+        """The file byte ranges ``(offset, nbytes)`` that ``box`` of ``key`` is made of, in the
+        box's row-major order (its bytes, concatenated, are the box as a contiguous tensor):
+        one range unless the box is cut along a dim after its first cut one. Empty for an
+        empty box. The box must lie inside the tensor (:func:`~moeshard.box.check_box`)."""
+        info = self.index.info(key)
         shape, item = info.shape, info.itemsize
+        if not box_numel(box):
+            return []
         if not shape:  # a 0-dim tensor: one element
-            self._pread(fd, flat, info.offset, info.file)
-            return
-        # Collapse trailing dims the box covers fully: each run is then one contiguous read.
+            return [(info.offset, item)]
+        # Collapse trailing dims the box covers fully: each run is then one contiguous range.
         k = len(shape) - 1
         while k > 0 and box[k] == (0, shape[k]):
             k -= 1
         inner = math.prod(shape[k + 1 :])
         run = box[k][1] * inner * item
-        strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+        strides = [math.prod(shape[d + 1 :]) * item for d in range(k)]
         outer = box[:k]
-        num_runs = math.prod(n for _, n in outer)
         base = info.offset + box[k][0] * inner * item
-        if num_runs == 1:
-            start = base + sum(o * strides[d] * item for d, (o, _) in enumerate(outer))
-            self._pread(fd, flat, start, info.file)
+        # Row-major over the outer dims: the first outer dim varies slowest.
+        starts = [base]
+        for d in range(k):
+            o, n = outer[d]
+            starts = [s + (o + i) * strides[d] for s in starts for i in range(n)]
+        return [(s, run) for s in starts]
+
+    def read_extent(self, extent: "Extent", views: Sequence[memoryview], scratch: memoryview) -> None:
+        """One :class:`~moeshard.io.extents.Extent` of a file with one ``preadv`` (several when
+        it has more parts than the system's iovec limit, or when reads come back short):
+        part ``i`` lands in ``views[extent.parts[i].seg]``, its gaps in ``scratch`` (a throwaway
+        buffer at least as long as the longest gap). Counts the parts' bytes in ``bytes_read``,
+        the gaps' in ``gap_bytes_read``."""
+        iovs = [views[p.seg] if p.seg >= 0 else scratch[:p.nbytes] for p in extent.parts]
+        self._pread(self._fd(extent.file), iovs, extent.offset, extent.file)
+        with self._lock:
+            self.bytes_read += extent.nbytes - extent.gap_bytes
+            self.gap_bytes_read += extent.gap_bytes
+
+    def advise(self, file: str, offset: int, nbytes: int) -> None:
+        """Hint that ``nbytes`` of ``file`` from ``offset`` on will be read soon
+        (``posix_fadvise(WILLNEED)``: the kernel starts reading them into the page cache).
+        Nothing where the platform lacks it or with ``direct_io`` (no page cache)."""
+        if self.direct_io or not hasattr(os, "posix_fadvise") or nbytes <= 0:
             return
-        # Several runs (a box cut along a later dim): one pread per run.
-        idx = [0] * k
-        pos = 0
-        for _ in range(num_runs):
-            start = base + sum((outer[d][0] + idx[d]) * strides[d] * item for d in range(k))
-            self._pread(fd, flat[pos : pos + run], start, info.file)
-            pos += run
-            for d in reversed(range(k)):
-                idx[d] += 1
-                if idx[d] < outer[d][1]:
-                    break
-                idx[d] = 0
+        try:
+            os.posix_fadvise(self._fd(file), offset, nbytes, os.POSIX_FADV_WILLNEED)
+        except OSError:  # a hint: a file system without it reads on demand, as without the hint
+            pass
 
     def close(self) -> None:
         with self._lock:
