@@ -122,7 +122,7 @@ def test_extent_reads_are_the_files_bytes(ckpt, gap, seed):
             box = tuple((0, n) for n in index.info(key).shape)
             items.append((key, box, torch.empty(box_shape(box), dtype=index.info(key).torch_dtype)))
     with moeshard.CheckpointReader(index) as reader:
-        reads = ExtentReads(reader, items, rank=seed, gap_bytes=gap, max_bytes=1500)
+        reads = ExtentReads.of_boxes(reader, items, rank=seed, gap_bytes=gap, max_bytes=1500)
         landed = sum(reads.read(i) for i in range(len(reads)))
         want = sum(box_numel(box) * index.info(key).itemsize for key, box, _ in items)
         gaps = sum(e.gap_bytes for e in reads.extents)
@@ -138,7 +138,7 @@ def test_hints_cover_every_extent_once(ckpt):
     items = [(k, tuple((0, n) for n in index.info(k).shape), torch.empty(index.info(k).shape,
               dtype=index.info(k).torch_dtype)) for k in sorted(index.tensors)]
     with moeshard.CheckpointReader(index) as reader:
-        reads = ExtentReads(reader, items, advise_bytes=1000, max_bytes=400)
+        reads = ExtentReads.of_boxes(reader, items, advise_bytes=1000, max_bytes=400)
         hints = []
         with mock.patch.object(reader, "advise", lambda f, o, n: hints.append((f, o, n))):
             reads.advise(-1)
@@ -219,3 +219,28 @@ def test_a_failed_extent_is_reported_not_lost(tmp_path, threads):
     rep = moeshard.load(model, tmp_path, read_threads=threads)
     assert rep.bytes_read_rank == rep.checkpoint_bytes
     assert tiny_moe.compare(model, tiny_moe.read_all(tmp_path), moeshard.Placement.contiguous(2, tiny_moe.NUM_EXPERTS, 1)) == []
+
+
+def test_flat_targets_are_the_views_bytes(tmp_path):
+    """TensorSink.flat_targets (the byte ranges the runner reads into without a view per
+    piece) names, for every delivery, exactly the bytes of its view, or declines (-1)."""
+    tiny_moe.write(tmp_path)
+    model = tiny_moe.TinyMoE()
+    index, descs, plan, dests = _single_rank_plan(tmp_path, model)
+    names = [d.name for d in descs]
+    dests[names.index("lm_head.weight")] = torch.empty(dests[names.index("lm_head.weight")].shape[::-1]).t()
+    sink = TensorSink(plan, dests, 0)
+    rows = np.arange(len(plan.dlv_piece))
+    flat = sink.flat_targets(rows)
+    assert (flat.buffer >= 0).sum() > len(rows) // 2
+    for i, row in enumerate(rows.tolist()):
+        view = sink.target(row)
+        b = int(flat.buffer[i])
+        if b < 0:
+            assert not view.is_contiguous() or descs[int(plan.dlv_param[row])].name == "lm_head.weight", row
+            continue
+        assert view.is_contiguous() and flat.dtypes[b] == view.dtype
+        base = np.frombuffer(flat.buffers[b], dtype=np.uint8).ctypes.data
+        assert view.data_ptr() - base == int(flat.start[i]), (row, descs[int(plan.dlv_param[row])].name)
+    # Slots: experts' rows address their slot's part of the fused tensor.
+    assert any(int(plan.dlv_slot[r]) > 0 and flat.buffer[r] >= 0 for r in rows.tolist())

@@ -399,8 +399,9 @@ def _check_low_level(results):
         for rank, rec in enumerate(per_rank):
             assert rec["problems"] == [], f"{rec['config']} {rec['placement']} rank {rank}: {rec['problems']}"
             assert rec["bytes_received"] == rec["recv_plan"]
-            assert rec["peak"] <= 4096
-            assert rec["peak"] == rec["peak_plan"]
+            # The plan's buffers, plus the next round's pieces read while a batch is in flight
+            # (within the budget).
+            assert rec["peak_plan"] <= rec["peak"] <= 4096
         assert per_rank[0]["bytes_read"] == per_rank[0]["read_total"]
         assert all(rec["bytes_read"] == 0 for rec in per_rank[1:])
     return max(r["max_rounds"] for r in results[0]["lowlevel"])

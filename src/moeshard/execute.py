@@ -7,13 +7,23 @@ Load, LoRA load, relocation, save and LoRA save all run here; they differ only i
 Every rank runs the rounds it takes part in, in the schedule's order, and posts only its own
 rows, so P2P ops pair up without any loop over ranks and without deadlock (round t's
 participants all finished their earlier rounds). Per round: copy the views the schedule
-stashes or copies, read the pieces it sends first in this round, post the round's P2P ops as
-one batch, start reading the next round's pieces (a source with a reader pool, within the
-staging budget) and do a share of this rank's local work (reads and copies of round -1, which
-go straight from storage or a view into place) while the batch is in flight, wait, join the
+stashes or copies, read the pieces it sends first in this round (unless read ahead), post the
+round's P2P ops as one batch, read the next round's pieces ahead (on a reader pool's threads,
+or on this thread; within the staging budget, so that they are ready to send when their round
+begins) and do a share of this rank's local work (reads and copies of round -1, which go
+straight from storage or a view into place) while the batch is in flight, wait, join the
 round's node broadcasts, make the round's deliveries (after every op of the round: a delivery
 may overwrite a slot that a send of the same round reads), free the buffers it no longer
 needs. Nothing calls a device synchronize: waits are on the ops' own work handles.
+
+A round's ops go out as one batch, not each as soon as its piece has landed: on NCCL a batch
+is one group, and ops of two ranks that send each other pieces in the same round, posted as
+separate groups in different orders, can wait for each other forever. Reading ahead gives the
+same overlap without changing what is paired with what.
+
+A rank's local reads are planned as extents (:mod:`moeshard.io.extents`): its reads in one
+file coalesced into few ``preadv`` calls straight into the destinations, files in a per-rank
+staggered order, with read-ahead hints.
 
 A read or a delivery that fails on one rank (an I/O error, a file changed under the job) does
 not leave its peers blocked in a receive: the rank keeps running the schedule (sending zeros
@@ -33,15 +43,16 @@ import torch
 import torch.distributed as dist
 
 from . import _dist
+from ._gc import paused_gc
 from .box import box_shape, box_slices
 from .io.checkpoint import CheckpointIndex, CheckpointReader
-from .io.extents import ExtentReads
+from .io.extents import ExtentReads, contiguous_boxes
 from .io.fp8 import dequantize, scale_box
 from .io.readpool import ReadPool
 from .plan.schedule import Schedule
 from .topology import Topology
 
-__all__ = ["ExecStats", "Source", "Sink", "LocalTensors", "ReaderSource", "TensorSink", "Backup", "DequantSink",
+__all__ = ["ExecStats", "Source", "Sink", "FlatTargets", "Runner", "LocalTensors", "ReaderSource", "TensorSink", "Backup", "DequantSink",
            "execute_schedule",
            "exchange", "node_groups"]
 
@@ -157,14 +168,23 @@ class Source:
 
         return [unit(pid, out) for pid, out in items]
 
+    def read_ranges(self, pids: np.ndarray, views: list[memoryview], rank: int) -> list[Callable[[], int]] | None:
+        """Units of work (as :meth:`local_reads`) that read pieces ``pids`` (``int[N]``), their
+        bytes as stored, into ``views`` (writable byte buffers of each piece's
+        ``piece_bytes``, e.g. slices of contiguous CPU tensors of the pieces' :meth:`dtype`);
+        None where this source cannot (the default: the runner reads them by
+        :meth:`local_reads`)."""
+        return None
+
     def gap_bytes(self) -> int:
         """Bytes read from storage between pieces (coalesced reads), not counted as pieces'."""
         return 0
 
     def start_read(self, pid: int, device: torch.device) -> Callable[[], torch.Tensor] | None:
-        """Begin :meth:`read` of piece ``pid`` into a new buffer on ``device``, in the
-        background: a function that waits for it and returns the buffer (raising the read's
-        error), or None where this source reads only in the foreground (the default)."""
+        """Begin :meth:`read` of piece ``pid`` into a new buffer on ``device`` ahead of its
+        round (in the background, or now): a function that waits for it and returns the
+        buffer (raising the read's error), or None where this source reads only in the piece's
+        round (the default)."""
         return None
 
     def reads_done(self) -> int:
@@ -196,6 +216,25 @@ class Sink:
         """Make deliveries: ``(delivery row, data of the piece's shape)`` each. One call per
         round (a file sink moves them to the host with one synchronization)."""
         raise NotImplementedError
+
+    def flat_targets(self, rows: np.ndarray) -> "FlatTargets | None":
+        """Where deliveries ``rows`` land as byte ranges of contiguous CPU tensors, for reads
+        straight into them without a tensor view per piece; None (the default): nowhere
+        (the runner asks :meth:`target` row by row)."""
+        return None
+
+
+@dataclass(frozen=True)
+class FlatTargets:
+    """Deliveries as byte ranges: row ``i`` lands at bytes ``start[i]`` on of
+    ``buffers[buffer[i]]`` (a contiguous CPU tensor's bytes, of dtype ``dtypes[buffer[i]]``),
+    or not as a byte range where ``buffer[i]`` is -1 (another device, not contiguous, a
+    delivery that transforms the data)."""
+
+    buffers: list
+    dtypes: list
+    buffer: np.ndarray
+    start: np.ndarray
 
 
 class LocalTensors:
@@ -236,6 +275,45 @@ class TensorSink(Sink):
         for row, data in items:
             out = self.target(row)
             out.copy_(data.view(out.shape))
+
+    def flat_targets(self, rows: np.ndarray) -> FlatTargets:
+        s, tensors = self.s, self.local.tensors
+        rows = np.asarray(rows, dtype=np.int64)
+        params, slots, pids = s.dlv_param[rows], s.dlv_slot[rows], s.dlv_piece[rows]
+        d = s.dlv_off.shape[1]
+        nd = s.key_ndim[s.piece_key[pids]].astype(np.int64)
+        used, at = np.unique(params, return_inverse=True)
+        buffers, dtypes = [], []
+        ok_param = np.zeros(len(used), dtype=bool)
+        shape = np.ones((len(used), d + 1), dtype=np.int64)  # the local tensor's, slot dim first
+        tdim = np.zeros(len(used), dtype=np.int64)
+        item = np.ones(len(used), dtype=np.int64)
+        for j, p in enumerate(used.tolist()):
+            t = tensors[p]
+            buffers.append(None)
+            dtypes.append(None)
+            if t is None or t.device.type != "cpu" or not t.is_contiguous() or not t.numel() or t.dim() > d + 1:
+                continue
+            ok_param[j] = True
+            buffers[j] = memoryview(t.detach().view(-1).view(torch.uint8).numpy()).cast("B")
+            dtypes[j] = t.dtype
+            shape[j, :t.dim()] = t.shape
+            tdim[j] = t.dim()
+            item[j] = t.element_size()
+        has_slot = slots >= 0
+        # A row addresses the local tensor (no slot) or its slot (the first dim); its box has
+        # the piece's rank, which must be the addressed tensor's (else the runner's views).
+        full = shape[at]
+        sub = np.where(has_slot[:, None], full[:, 1:], full[:, :-1])
+        fits = ok_param[at] & (tdim[at] - has_slot == nd)
+        pad = np.arange(d)[None, :] >= nd[:, None]
+        sub = np.where(pad, 1, sub)
+        off = np.where(pad, 0, s.dlv_off[rows])
+        length = np.where(pad, 1, s.piece_len[pids])
+        ok, start = contiguous_boxes(sub, off, length)
+        per_slot = np.prod(full[:, 1:], axis=1)
+        start = (start + np.where(has_slot, slots * per_slot, 0)) * item[at]
+        return FlatTargets(buffers, dtypes, np.where(ok & fits, at, -1), start)
 
 
 class Backup:
@@ -293,6 +371,18 @@ class DequantSink(TensorSink):
         out = super().target(row)
         return None if self._scale(row, out) is not None else out
 
+    def flat_targets(self, rows: np.ndarray) -> FlatTargets:
+        # FP8 pieces are staged and go through put(), as in target().
+        flat = super().flat_targets(rows)
+        if not self.scales:
+            return flat
+        buffer = flat.buffer.copy()
+        for i, row in enumerate(np.asarray(rows).tolist()):
+            if buffer[i] >= 0 and self.s.piece_name(int(self.s.dlv_piece[row])) in self.scales \
+                    and flat.dtypes[buffer[i]].itemsize > 1:
+                buffer[i] = -1
+        return FlatTargets(flat.buffers, flat.dtypes, buffer, flat.start)
+
     def put(self, items: list[tuple[int, torch.Tensor]]) -> None:
         for row, data in items:
             pid = int(self.s.dlv_piece[row])
@@ -311,10 +401,14 @@ class ReaderSource(Source):
     """Pieces of checkpoint tensors (a schedule's keys are checkpoint keys), and views of
     this rank's local tensors (for schedules that send from them).
 
-    ``read_threads`` > 1: reads straight into place (a schedule's local reads) run on a
+    A rank's reads straight into place (a schedule's local reads) into contiguous CPU tensors
+    of the checkpoint's dtype go by extents (:mod:`moeshard.io.extents`: coalesced ``preadv``
+    calls, files in a per-rank staggered order, read-ahead hints); other destinations piece by
+    piece. ``read_threads`` > 1: those reads and the read-ahead of pieces to send run on a
     :class:`~moeshard.io.readpool.ReadPool` of that many threads, overlapped with each other
-    and with the rounds (pinned buffers and side-stream copies for CUDA destinations). Close
-    the source (or use it as a context manager) to stop the threads."""
+    and with the rounds (pinned buffers and side-stream copies for CUDA destinations); 1: on
+    the calling thread, the pieces to send of a round read while the previous round's batch
+    is in flight. Close the source (or use it as a context manager) to stop the threads."""
 
     def __init__(self, schedule: Schedule, reader: CheckpointReader | None, index: CheckpointIndex,
                  tensors: Sequence[torch.Tensor | None] = (), rank: int = 0, read_threads: int = 1):
@@ -340,42 +434,64 @@ class ReaderSource(Source):
 
     def local_reads(self, items: list[tuple[int, torch.Tensor]], rank: int) -> list[Callable[[], int]]:
         """Destinations a read lands in as they are (contiguous CPU tensors of the checkpoint's
-        dtype) are read by extents (:class:`~moeshard.io.extents.ExtentReads`: coalesced
-        ``preadv``, files in ``rank``'s staggered order, read-ahead hints issued now for the
-        first extents), a unit per extent; the others a unit per piece (through the pool for
-        CUDA destinations). On the pool when there is one."""
+        dtype) are read by extents (:meth:`read_ranges`); the others a unit per piece (through
+        the pool for CUDA destinations)."""
         if self.reader is None or not items:
             return super().local_reads(items, rank)
         s, reader = self.s, self.reader
-        straight = [(pid, out) for pid, out in items if reader.reads_straight_into(s.piece_name(pid), out)]
-        others = [(pid, out) for pid, out in items if not reader.reads_straight_into(s.piece_name(pid), out)]
-        units = []
-        if straight:
-            extents = ExtentReads(reader, [(s.piece_name(pid), s.piece_box(pid), out) for pid, out in straight],
-                                  rank=rank)
-            extents.advise(-1)
+        straight, others, views = [], [], []
+        for pid, out in items:
+            if reader.reads_straight_into(s.piece_name(pid), out) and out.numel():
+                straight.append(pid)
+                views.append(memoryview(out.detach().view(-1).view(torch.uint8).numpy()).cast("B"))
+            else:
+                others.append((pid, out))
+        units = self.read_ranges(np.asarray(straight, dtype=np.int64), views, rank) if straight else []
+        return (units or []) + super().local_reads(others, rank)
 
-            def unit(i: int) -> Callable[[], int]:
-                def run() -> int:
-                    extents.advise(i)
-                    return extents.read(i)
+    def read_ranges(self, pids: np.ndarray, views: list[memoryview], rank: int) -> list[Callable[[], int]] | None:
+        """By extents (:class:`~moeshard.io.extents.ExtentReads`): coalesced ``preadv`` calls,
+        files in ``rank``'s staggered order, read-ahead hints for the first extents issued now;
+        a unit per extent, on the pool when there is one."""
+        if self.reader is None:
+            return None
+        s = self.s
+        extents = ExtentReads.of_pieces(self.reader, s.keys, s.piece_key[pids], s.piece_off[pids],
+                                        s.piece_len[pids], views, rank=rank)
+        extents.advise(-1)
 
-                def submit() -> int:  # lands later: its bytes by reads_done, its error by finish_reads
-                    assert self.pool is not None
-                    self.pool.run(run)
-                    return 0
+        def unit(i: int) -> Callable[[], int]:
+            def run() -> int:
+                extents.advise(i)
+                return extents.read(i)
 
-                return run if self.pool is None else submit
+            def submit() -> int:  # lands later: its bytes by reads_done, its error by finish_reads
+                assert self.pool is not None
+                self.pool.run(run)
+                return 0
 
-            units = [unit(i) for i in range(len(extents))]
-        return units + super().local_reads(others, rank)
+            return run if self.pool is None else submit
+
+        return [unit(i) for i in range(len(extents))]
 
     def gap_bytes(self) -> int:
         return 0 if self.reader is None else self.reader.gap_bytes_read - self._gap0
 
     def start_read(self, pid: int, device: torch.device) -> Callable[[], torch.Tensor] | None:
         if self.pool is None:
-            return None
+            # No threads: read now, on the caller's thread, which the runner calls while the
+            # round's batch is in flight (the piece is ready to send when its round begins).
+            try:
+                buf, error = self.read(pid).to(device, non_blocking=True), None
+            except Exception as e:  # noqa: BLE001 - raised by done(), in the piece's round
+                buf, error = None, e
+
+            def ready() -> torch.Tensor:
+                if error is not None:
+                    raise error
+                return buf
+
+            return ready
         buf = torch.empty(box_shape(self.s.piece_box(pid)), dtype=self.dtype(pid), device=device)
         wait = self.pool.read_ahead(self.s.piece_name(pid), self.s.piece_box(pid), buf)
 
@@ -443,15 +559,19 @@ def execute_schedule(
         PeerLostError: on the ranks that saw a peer die (a P2P batch or node broadcast with
             it), naming the peers where known.
     """
-    return Runner(schedule, rank, source, sink, device, node_group, progress, what).run()
+    # The setup allocates a few small objects per piece and no reference cycles: the cyclic
+    # collector's passes over them (and over the whole heap of a large model) cost more than
+    # the setup itself. Reference counting still frees everything.
+    with paused_gc():
+        return Runner(schedule, rank, source, sink, device, node_group, progress, what).run()
 
 
 class Runner:
     """One rank's run of a schedule (:func:`execute_schedule`; the module docstring says what
     a round does). Its methods are the steps: :meth:`stage` (copies and reads of the round's
-    pieces), :meth:`post` (the round's P2P batch), :meth:`read_ahead` (the next round's reads,
-    a source with a reader pool), :meth:`local_work` (a share of the reads and copies of round
-    -1), :meth:`join_broadcasts`, :meth:`deliver`, :meth:`free`. Failed reads and deliveries
+    pieces), :meth:`post` (the round's P2P batch), :meth:`read_ahead` (the next round's reads
+    while the batch flies), :meth:`local_work` (a share of the reads and copies of round -1),
+    :meth:`join_broadcasts`, :meth:`deliver_round`, :meth:`free`. Failed reads and deliveries
     go to ``stats.failures``; the run goes on, so that no peer waits for this rank in vain.
 
     Collective (every rank of the current group) through :meth:`run`; one run per object.
@@ -491,8 +611,8 @@ class Runner:
         self.rounds = mine.rounds.tolist()
         self.bufs: dict[int, torch.Tensor] = {}
         self.staged = 0  # bytes of self.bufs
-        # Reads of the next round's pieces started while this round's transfers fly (a source
-        # with a reader pool), as far as the staging budget allows with what is staged now.
+        # Reads of the next round's pieces started while this round's transfers fly, as far as
+        # the staging budget allows with what is staged now.
         self.ahead: dict[int, Callable[[], torch.Tensor]] = {}
         self.ahead_bytes = 0
         self.work = self._local_work_list()
@@ -542,13 +662,43 @@ class Runner:
         straight into place (the source's units: coalesced extents for a checkpoint reader),
         staged reads (a piece with several destinations, or one a read cannot land in), and
         copies from views."""
-        mine = self.mine
+        s, mine, source = self.s, self.mine, self.source
+        pids = mine.local_reads().tolist()
+        rows = [self.local_rows.get(pid, ()) for pid in pids]
+        single = [pid for pid, r in zip(pids, rows) if len(r) == 1]
+        staged = [("staged", pid) for pid, r in zip(pids, rows) if len(r) != 1]
+        one = np.array([self.local_rows[pid][0] for pid in single], dtype=np.int64)
+        units: list = []
+        # Destinations that are byte ranges of contiguous CPU tensors of the piece's dtype: read
+        # by ranges, without a tensor view per piece.
+        flat = self.sink.flat_targets(one) if len(one) else None
+        ranged, views, rest = [], [], []
+        dtypes: dict[int, torch.dtype] = {}
+        for i, pid in enumerate(single):
+            b = -1 if flat is None else int(flat.buffer[i])
+            key = int(s.piece_key[pid])
+            if b >= 0 and key not in dtypes:
+                dtypes[key] = source.dtype(pid)
+            if b >= 0 and flat.dtypes[b] == dtypes[key]:
+                start = int(flat.start[i])
+                ranged.append(pid)
+                views.append(flat.buffers[b][start:start + self.nbytes(pid)])
+            else:
+                rest.append((pid, int(one[i])))
+        try:
+            got = source.read_ranges(np.asarray(ranged, dtype=np.int64), views, self.rank) if ranged else []
+        except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
+            self.stats.failures.append(e)
+            got = []
+        if got is None:  # the source reads by tensors only
+            row_of = dict(zip(single, one.tolist()))
+            rest = [(pid, row_of[pid]) for pid in ranged] + rest
+            got = []
+        units.extend(("unit", u) for u in got)
         direct: list[tuple[int, torch.Tensor]] = []
-        staged: list = []
-        for pid in mine.local_reads().tolist():
-            rows = self.local_rows.get(pid, [])
+        for pid, row in rest:
             try:
-                out = self.sink.target(rows[0]) if len(rows) == 1 else None
+                out = self.sink.target(row)
             except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
                 self.stats.failures.append(e)
                 continue
@@ -557,10 +707,10 @@ class Runner:
             else:
                 staged.append(("staged", pid))
         try:
-            units = [("unit", u) for u in self.source.local_reads(direct, self.rank)] if direct else []
+            if direct:
+                units.extend(("unit", u) for u in source.local_reads(direct, self.rank))
         except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
             self.stats.failures.append(e)
-            units = []
         work = units + staged + [("copy", c) for c in mine.local_copies().tolist()]
         work.reverse()
         return work
@@ -600,8 +750,8 @@ class Runner:
             self.deliver(items, nbytes)
 
     def read_ahead(self, t: int) -> None:
-        """Start reading round ``t``'s pieces in the background (a source that can), within
-        the staging budget."""
+        """Start reading round ``t``'s pieces ahead (:meth:`Source.start_read`: on a pool's
+        threads, or now on this thread), within the staging budget."""
         for pid in self.reads_at.get(t, ()):
             nbytes = self.nbytes(pid)
             if self.staged + self.ahead_bytes + nbytes > self.s.staging_bytes:
