@@ -244,3 +244,34 @@ def test_flat_targets_are_the_views_bytes(tmp_path):
         assert view.data_ptr() - base == int(flat.start[i]), (row, descs[int(plan.dlv_param[row])].name)
     # Slots: experts' rows address their slot's part of the fused tensor.
     assert any(int(plan.dlv_slot[r]) > 0 and flat.buffer[r] >= 0 for r in rows.tolist())
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_pieces_given_as_arrays_read_the_files_bytes(ckpt, seed):
+    """ExtentReads.of_pieces (the runner's path: a schedule's padded box arrays, no step per
+    piece for one-range boxes) against safetensors, boxes of one and of several runs."""
+    index = moeshard.CheckpointIndex.open(ckpt)
+    rng = np.random.default_rng(10 + seed)
+    boxes = _random_boxes(index, rng, 12) + [("scalar", ())]
+    keys = sorted({k for k, _ in boxes})
+    d = 3
+    off = np.zeros((len(boxes), d), dtype=np.int64)
+    length = np.full((len(boxes), d), 7, dtype=np.int64)  # padding values must not matter
+    outs, views = [], []
+    for i, (key, box) in enumerate(boxes):
+        off[i, :len(box)] = [o for o, _ in box]
+        length[i, :len(box)] = [n for _, n in box]
+        out = torch.full(box_shape(box), -7, dtype=index.info(key).torch_dtype)
+        outs.append(out)
+        views.append(memoryview(out.view(-1).view(torch.uint8).numpy()).cast("B"))
+    key = np.array([keys.index(k) for k, _ in boxes], dtype=np.int64)
+    with moeshard.CheckpointReader(index) as reader:
+        reads = ExtentReads.of_pieces(reader, keys, key, off, length, views, rank=seed, gap_bytes=32)
+        landed = sum(reads.read(i) for i in range(len(reads)))
+        assert landed == reader.bytes_read == sum(o.numel() * o.element_size() for o in outs)
+        bad = off.copy()
+        bad[0, 0] = 10**6
+        with pytest.raises(ValueError, match="does not fit"):
+            ExtentReads.of_pieces(reader, keys, key, bad, length, views)
+    for (k, box), out in zip(boxes, outs):
+        assert torch.equal(out, _file_values(ckpt, index, k, box)), (k, box)

@@ -671,14 +671,22 @@ class Runner:
         units: list = []
         # Destinations that are byte ranges of contiguous CPU tensors of the piece's dtype: read
         # by ranges, without a tensor view per piece.
-        flat = self.sink.flat_targets(one) if len(one) else None
+        try:
+            flat = self.sink.flat_targets(one) if len(one) else None
+        except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule; the
+            self.stats.failures.append(e)  # pieces still go by target() below
+            flat = None
         ranged, views, rest = [], [], []
         dtypes: dict[int, torch.dtype] = {}
         for i, pid in enumerate(single):
             b = -1 if flat is None else int(flat.buffer[i])
             key = int(s.piece_key[pid])
             if b >= 0 and key not in dtypes:
-                dtypes[key] = source.dtype(pid)
+                try:
+                    dtypes[key] = source.dtype(pid)
+                except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
+                    self.stats.failures.append(e)
+                    dtypes[key] = None
             if b >= 0 and flat.dtypes[b] == dtypes[key]:
                 start = int(flat.start[i])
                 ranged.append(pid)

@@ -206,7 +206,7 @@ class ExtentReads:
         ``off[i], length[i]`` (``int64[N, D]``, padded past the tensor's rank) of tensor
         ``keys[key[i]]`` and lands, all of it, in ``views[i]`` (a writable byte buffer of its
         size)."""
-        n, d = off.shape if off.ndim == 2 else (len(key), 0)
+        d = off.shape[1] if off.ndim == 2 else 0
         used, at = np.unique(key, return_inverse=True)
         infos = [reader.index.info(keys[k]) for k in used.tolist()]
         files = sorted({i.file for i in infos})
@@ -218,12 +218,20 @@ class ExtentReads:
         pad = np.arange(d)[None, :] >= ndim[:, None]
         off = np.where(pad, 0, off)
         length = np.where(pad, 1, length)
+        outside = np.flatnonzero(np.any((off < 0) | (length < 0) | (off + length > shape[at]), axis=1))
+        if len(outside):
+            i = int(outside[0])
+            raise ValueError(f"{keys[int(key[i])]}: box {list(zip(off[i].tolist(), length[i].tolist()))} does not "
+                             f"fit in shape {list(infos[int(at[i])].shape)}")
         ok, start = contiguous_boxes(shape[at], off, length)
         item = np.array([i.itemsize for i in infos], dtype=np.int64)[at]
         file_no = np.array([number[i.file] for i in infos], dtype=np.int64)[at]
         begin = np.array([i.offset for i in infos], dtype=np.int64)[at] + start * item
         nbytes = length.prod(axis=1) * item
-        seg_file, seg_off, seg_len, seg_views = [file_no[ok]], [begin[ok]], [nbytes[ok]], [views[i] for i in np.flatnonzero(ok).tolist()]
+        assert np.array_equal(np.fromiter(map(len, views), dtype=np.int64, count=len(views)), nbytes), \
+            "a destination's size differs from its piece's"
+        seg_file, seg_off, seg_len = [file_no[ok]], [begin[ok]], [nbytes[ok]]
+        seg_views = [views[i] for i in np.flatnonzero(ok).tolist()]
         for i in np.flatnonzero(~ok).tolist():  # boxes of several runs: one segment per run
             name = keys[int(key[i])]
             nd = int(ndim[i])
