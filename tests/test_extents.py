@@ -226,7 +226,7 @@ def test_flat_targets_are_the_views_bytes(tmp_path):
     piece) names, for every delivery, exactly the bytes of its view, or declines (-1)."""
     tiny_moe.write(tmp_path)
     model = tiny_moe.TinyMoE()
-    index, descs, plan, dests = _single_rank_plan(tmp_path, model)
+    _, descs, plan, dests = _single_rank_plan(tmp_path, model)
     names = [d.name for d in descs]
     dests[names.index("lm_head.weight")] = torch.empty(dests[names.index("lm_head.weight")].shape[::-1]).t()
     sink = TensorSink(plan, dests, 0)
