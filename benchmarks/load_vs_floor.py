@@ -6,7 +6,8 @@ The checkpoint: a Qwen3-MoE (8 layers, 64 experts, ~405 MiB bf16) written by tra
 alternating order: the floor (every rank ``preadv``-s its 1/W of the files' bytes, files in
 name order concatenated and cut in W equal ranges, into fresh memory) and
 ``moeshard.load(storage="shared")``; each timed barrier to barrier, the max over ranks.
-``--cold``: rank 0 evicts the checkpoint's pages (``posix_fadvise(DONTNEED)``) before each.
+Also each one's CPU seconds (the rank's process, to the closing barrier; max over ranks): a
+steadier comparison on a loaded host. ``--cold``: rank 0 evicts the checkpoint's pages (``posix_fadvise(DONTNEED)``) before each.
 
     python benchmarks/load_vs_floor.py --world 4 --runs 9 [--cold] [--verify] [--profile]
 """
@@ -86,7 +87,7 @@ def rank_main(spec):
     placement = moeshard.Placement.contiguous(d["num_layers"], d["num_experts"], world)
     moeshard.parallelize(model, mesh, placement)
     moeshard.materialize(model)
-    out = {"floor": [], "load": [], "phases": [], "read": []}
+    out = {"floor": [], "load": [], "floor_cpu": [], "load_cpu": [], "phases": [], "read": []}
     prof = None
     if spec["profile"] and rank == 0:
         import cProfile
@@ -97,7 +98,7 @@ def rank_main(spec):
                 if rank == 0:
                     evict(ckpt)
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             if what == "floor":
                 b = floor_once(ckpt, rank, world)
             else:
@@ -106,11 +107,13 @@ def rank_main(spec):
                 rep = moeshard.load(model, ckpt, placement=placement, storage="shared")
                 if prof is not None:
                     prof.disable()
+            cpu = time.process_time() - c0  # this rank's own work, before waiting for the others
             dist.barrier()
             dt = time.perf_counter() - t0
             if run == 0:
                 continue  # warm-up
             out[what].append(dt)
+            out[what + "_cpu"].append(cpu)
             if what == "load":
                 out["phases"].append(rep.phase_seconds)
                 out["read"].append(rep.bytes_read_rank)
@@ -144,6 +147,10 @@ def main():
     print(f"world {a.world} {'cold' if a.cold else 'warm'}: floor median {st.median(floor):.3f} s, "
           f"load median {st.median(load):.3f} s, ratio median {st.median(ratios):.2f} "
           f"(min {min(ratios):.2f}, max {max(ratios):.2f})")
+    fc = [max(r["floor_cpu"][i] for r in res) for i in range(a.runs)]
+    lc = [max(r["load_cpu"][i] for r in res) for i in range(a.runs)]
+    print(f"CPU seconds (max over ranks, up to the closing barrier): floor median {st.median(fc):.3f}, "
+          f"load median {st.median(lc):.3f}, ratio of medians {st.median(lc) / st.median(fc):.2f}")
     print("floor", " ".join(f"{x:.3f}" for x in floor))
     print("load ", " ".join(f"{x:.3f}" for x in load))
     ph = res[0]["phases"][len(res[0]["phases"]) // 2]
