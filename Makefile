@@ -21,6 +21,7 @@ test: $(BIN)/.installed
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check
+	$(BIN)/ruff format --check
 
 bench: $(BIN)/.installed
 	$(BIN)/python -m benchmarks.bench_load

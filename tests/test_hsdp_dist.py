@@ -53,8 +53,11 @@ def _worker(ckpt: str, root: str) -> list:
         pl = _placement(ep, redundant)
         moeshard.parallelize(model, mesh, pl)
         dense = model.get_parameter("model.embed_tokens.weight")
-        hsdp = (isinstance(dense, DTensor) and tuple(dense.placements) == (Replicate(), Shard(0))
-                and dense.device_mesh.mesh.tolist() == [[0, 1], [2, 3]])
+        hsdp = (
+            isinstance(dense, DTensor)
+            and tuple(dense.placements) == (Replicate(), Shard(0))
+            and dense.device_mesh.mesh.tolist() == [[0, 1], [2, 3]]
+        )
         moeshard.load(model, ckpt, placement=pl)
         moeshard.verify(model, ckpt, placement=pl)
         loaded = {k: v.numpy() for k, v in tiny_hf.full_params(model, pl).items()}
@@ -73,8 +76,15 @@ def _worker(ckpt: str, root: str) -> list:
         saved = os.path.join(root, f"saved{i}")
         moeshard.save(model, saved, placement=pl, max_shard_bytes=40_000)
         trained = {k: v.numpy() for k, v in tiny_hf.full_params(model, pl).items()}
-        out.append(dict(hsdp=hsdp, losses=losses, norms=norms, loaded=loaded if rank == 0 else None,
-                        trained=trained if rank == 0 else None))
+        out.append(
+            dict(
+                hsdp=hsdp,
+                losses=losses,
+                norms=norms,
+                loaded=loaded if rank == 0 else None,
+                trained=trained if rank == 0 else None,
+            )
+        )
     return out
 
 
@@ -90,8 +100,9 @@ def runs(tmp_path_factory):
     return root, reference, (ref_losses, ref_norms), results
 
 
-@pytest.mark.parametrize("i", range(len(SCENARIOS)), ids=[f"ep{e}-efsdp{f}{'-redundant' if r else ''}"
-                                                         for e, f, r in SCENARIOS])
+@pytest.mark.parametrize(
+    "i", range(len(SCENARIOS)), ids=[f"ep{e}-efsdp{f}{'-redundant' if r else ''}" for e, f, r in SCENARIOS]
+)
 def test_hsdp_load_train_save(runs, i):
     from safetensors.numpy import load_file
 

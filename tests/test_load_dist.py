@@ -47,9 +47,11 @@ def _storage_scenarios(root: str, rank: int, lws: int):
     ]
     # A pool of reader threads: reads straight into place in the background, and the reads of
     # the pieces a rank sends started a round ahead, within the staging budget.
-    threaded = [("single-threads", "single", shared, 256 << 20, "single"),
-                ("single-small-staging-threads", "single", shared, 512, "single"),
-                ("node-threads", "node", shared, 256 << 20, "node")]
+    threaded = [
+        ("single-threads", "single", shared, 256 << 20, "single"),
+        ("single-small-staging-threads", "single", shared, 512, "single"),
+        ("node-threads", "node", shared, 256 << 20, "node"),
+    ]
     return [(*row, 1) for row in plain] + [(*row, 3) for row in threaded]
 
 
@@ -90,16 +92,29 @@ def _run_low_level(model, pl, path, config, pname, ckpt) -> dict:
     tiny_moe.scramble(model)
     reader = moeshard.CheckpointReader(index) if rank == 0 else None
     with torch.no_grad():
-        stats = execute_schedule(plan, rank, ReaderSource(plan, reader, index), TensorSink(plan, dests, rank),
-                                 torch.device("cpu"), node_group=group).check()
+        stats = execute_schedule(
+            plan,
+            rank,
+            ReaderSource(plan, reader, index),
+            TensorSink(plan, dests, rank),
+            torch.device("cpu"),
+            node_group=group,
+        ).check()
     if reader is not None:
         reader.close()
     dist.barrier()
-    return dict(config=config, placement=pname, problems=tiny_moe.compare(model, ckpt, pl),
-                max_rounds=_max_rounds_per_piece(plan), bytes_read=stats.bytes_read,
-                bytes_received=stats.bytes_received, read_total=int(plan.cost.read_bytes.sum()),
-                recv_plan=int(plan.cost.recv_bytes[rank]), peak=stats.peak_staging_bytes,
-                peak_plan=int(plan.cost.peak_staging_bytes[rank]))
+    return dict(
+        config=config,
+        placement=pname,
+        problems=tiny_moe.compare(model, ckpt, pl),
+        max_rounds=_max_rounds_per_piece(plan),
+        bytes_read=stats.bytes_read,
+        bytes_received=stats.bytes_received,
+        read_total=int(plan.cost.read_bytes.sum()),
+        recv_plan=int(plan.cost.recv_bytes[rank]),
+        peak=stats.peak_staging_bytes,
+        peak_plan=int(plan.cost.peak_staging_bytes[rank]),
+    )
 
 
 def _max_rounds_per_piece(plan) -> int:
@@ -128,9 +143,15 @@ def _expected_digests(model, path: str, pl, storage: str) -> dict:
     reader_of = plan.piece_readers()
     needers = sorted({(p, r) for p, r in zip(plan.deliveries.piece.tolist(), plan.deliveries.rank.tolist())})
     pairs = [(r, int(reader_of[pid])) for pid, r in needers]
-    return dict(mode=mode, all_read=bool(readers.all()), remote=sum(r != rd for r, rd in pairs),
-                to_me=sum(r == rank != rd for r, rd in pairs), needed=sum(r == rank for r, _ in pairs),
-                shared_pieces=len(pairs) - plan.num_pieces, readers=sorted(set(reader_of.tolist())))
+    return dict(
+        mode=mode,
+        all_read=bool(readers.all()),
+        remote=sum(r != rd for r, rd in pairs),
+        to_me=sum(r == rank != rd for r, rd in pairs),
+        needed=sum(r == rank for r, _ in pairs),
+        shared_pieces=len(pairs) - plan.num_pieces,
+        readers=sorted(set(reader_of.tolist())),
+    )
 
 
 def load_worker(root: str, configs: list[tuple[int, int]], placements: tuple[str, ...]) -> dict:
@@ -161,8 +182,9 @@ def load_worker(root: str, configs: list[tuple[int, int]], placements: tuple[str
         choices = {
             "contiguous": moeshard.Placement.contiguous(num_moe, tiny_moe.NUM_EXPERTS, ep),
             "redundant": moeshard.Placement.contiguous(num_moe, tiny_moe.NUM_EXPERTS, ep, num_redundant=ep),
-            "shuffled": tiny_moe.shuffled_placement(num_moe, tiny_moe.NUM_EXPERTS, ep,
-                                                    tiny_moe.NUM_EXPERTS + 2 * ep, seed=10 * ep + efsdp),
+            "shuffled": tiny_moe.shuffled_placement(
+                num_moe, tiny_moe.NUM_EXPERTS, ep, tiny_moe.NUM_EXPERTS + 2 * ep, seed=10 * ep + efsdp
+            ),
         }
         for pname in placements:
             pl = choices[pname]
@@ -175,26 +197,49 @@ def load_worker(root: str, configs: list[tuple[int, int]], placements: tuple[str
                 minimal = i % 2 == 0
                 tiny_moe.scramble(model)
                 del tables[:]
-                rep = moeshard.load(model, path, placement=pl, storage=storage, staging_bytes=staging,
-                                    report_minimal=minimal, read_threads=threads)
+                rep = moeshard.load(
+                    model,
+                    path,
+                    placement=pl,
+                    storage=storage,
+                    staging_bytes=staging,
+                    report_minimal=minimal,
+                    read_threads=threads,
+                )
                 per_rank_table = tables == [True]
                 problems = tiny_moe.compare(model, ckpt, pl)
                 digests = None
                 try:
                     v = moeshard.verify(model, path, placement=pl, storage=storage)
                     verified = (v.num_boxes_checked, v.bytes_checked)
-                    digests = dict(sent=v.digests_sent, received=v.digests_received,
-                                   **_expected_digests(model, path, pl, storage))
+                    digests = dict(
+                        sent=v.digests_sent, received=v.digests_received, **_expected_digests(model, path, pl, storage)
+                    )
                 except Exception as e:  # noqa: BLE001 - reported to the test
                     verified = f"{type(e).__name__}: {e}"
-                out["loads"].append(dict(
-                    config=(ep, efsdp), placement=pname, label=label, storage=rep.storage, expected_storage=resolved,
-                    problems=problems, verified=verified, digests=digests, bytes_read=rep.bytes_read_rank,
-                    bytes_received=rep.bytes_received_rank, bytes_sent=rep.bytes_sent_rank,
-                    peak_staging=rep.peak_staging_bytes_rank, staging=staging, plan=rep.plan,
-                    minimal=rep.minimal, fingerprint=rep.fingerprint, elements=tiny_moe.num_elements(model),
-                    asked_minimal=minimal, per_rank_table=per_rank_table,
-                ))
+                out["loads"].append(
+                    dict(
+                        config=(ep, efsdp),
+                        placement=pname,
+                        label=label,
+                        storage=rep.storage,
+                        expected_storage=resolved,
+                        problems=problems,
+                        verified=verified,
+                        digests=digests,
+                        bytes_read=rep.bytes_read_rank,
+                        bytes_received=rep.bytes_received_rank,
+                        bytes_sent=rep.bytes_sent_rank,
+                        peak_staging=rep.peak_staging_bytes_rank,
+                        staging=staging,
+                        plan=rep.plan,
+                        minimal=rep.minimal,
+                        fingerprint=rep.fingerprint,
+                        elements=tiny_moe.num_elements(model),
+                        asked_minimal=minimal,
+                        per_rank_table=per_rank_table,
+                    )
+                )
             # -- the low-level pipeline with a tiny op limit: phases split into batches ----
             out["lowlevel"].append(_run_low_level(model, pl, shared, (ep, efsdp), pname, ckpt))
             # -- corruption on the last placement's model -------------------------------
@@ -229,10 +274,24 @@ def load_worker(root: str, configs: list[tuple[int, int]], placements: tuple[str
                     full = tiny_moe.expected_full(name, ckpt, pl.phy2log, layers).to(loc.dtype)
                     want = full[tiny_moe.local_box(t)]
                     i = slot - origin
-                    consistent = (r == rank and logical == int(pl.phy2log[layer, slot]) and 0 <= i < loc.shape[0]
-                                  and not torch.equal(loc[i], want[i]))
-                out["corrupt"].append(dict(config=(ep, efsdp), placement=pname, kind=kind, storage=storage,
-                                           wrong=wrong, text=text, own_line=own, consistent=consistent))
+                    consistent = (
+                        r == rank
+                        and logical == int(pl.phy2log[layer, slot])
+                        and 0 <= i < loc.shape[0]
+                        and not torch.equal(loc[i], want[i])
+                    )
+                out["corrupt"].append(
+                    dict(
+                        config=(ep, efsdp),
+                        placement=pname,
+                        kind=kind,
+                        storage=storage,
+                        wrong=wrong,
+                        text=text,
+                        own_line=own,
+                        consistent=consistent,
+                    )
+                )
 
             # 1. transformers #45662: every rank ends up with rank 0's experts.
             with torch.no_grad():
@@ -255,8 +314,15 @@ def load_worker(root: str, configs: list[tuple[int, int]], placements: tuple[str
             # Reloading repairs it.
             moeshard.load(model, shared, placement=pl)
             v = moeshard.verify(model, shared, placement=pl)
-            out["corrupt"].append(dict(config=(ep, efsdp), placement=pname, kind="repaired",
-                                       problems=tiny_moe.compare(model, ckpt, pl), boxes=v.num_boxes_checked))
+            out["corrupt"].append(
+                dict(
+                    config=(ep, efsdp),
+                    placement=pname,
+                    kind="repaired",
+                    problems=tiny_moe.compare(model, ckpt, pl),
+                    boxes=v.num_boxes_checked,
+                )
+            )
             out.setdefault("phy2log", {})[(ep, efsdp, pname)] = np.asarray(pl.phy2log).tolist()
     return out
 
@@ -272,16 +338,16 @@ def _make_root(tmp_path_factory, num_nodes: int) -> str:
 @pytest.fixture(scope="module")
 def results4(tmp_path_factory):
     root = _make_root(tmp_path_factory, 2)
-    return run_ranks(load_worker, root, [(4, 1), (2, 2)], ("contiguous", "redundant", "shuffled"),
-                     world=4, local_world=2)
+    return run_ranks(
+        load_worker, root, [(4, 1), (2, 2)], ("contiguous", "redundant", "shuffled"), world=4, local_world=2
+    )
 
 
 @pytest.fixture(scope="module")
 def results8(tmp_path_factory):
     root = _make_root(tmp_path_factory, 2)
     # Shuffled only (it is redundant too): 8 ranks on CI's 2 cores are the suite's slowest group.
-    return run_ranks(load_worker, root, [(8, 1), (4, 2), (2, 4)], ("shuffled",),
-                     world=8, local_world=4)
+    return run_ranks(load_worker, root, [(8, 1), (4, 2), (2, 4)], ("shuffled",), world=8, local_world=4)
 
 
 def _check_loads(results, world):
@@ -293,7 +359,9 @@ def _check_loads(results, world):
         what = f"{first['config']} {first['placement']} {first['label']}"
         for rank, rec in enumerate(per_rank):
             assert rec["problems"] == [], f"{what} rank {rank}: {rec['problems']}"
-            assert isinstance(rec["verified"], tuple) and rec["verified"][0] > 0, f"{what} rank {rank}: {rec['verified']}"
+            assert isinstance(rec["verified"], tuple) and rec["verified"][0] > 0, (
+                f"{what} rank {rank}: {rec['verified']}"
+            )
             assert rec["storage"] == rec["expected_storage"], what
             assert rec["peak_staging"] <= rec["staging"], what
             assert rec["fingerprint"] == first["fingerprint"], what
@@ -399,8 +467,9 @@ def _check_low_level(results):
         for rank, rec in enumerate(per_rank):
             assert rec["problems"] == [], f"{rec['config']} {rec['placement']} rank {rank}: {rec['problems']}"
             assert rec["bytes_received"] == rec["recv_plan"]
-            assert rec["peak"] <= 4096
-            assert rec["peak"] == rec["peak_plan"]
+            # The plan's buffers, plus the next round's pieces read while a batch is in flight
+            # (within the budget).
+            assert rec["peak_plan"] <= rec["peak"] <= 4096
         assert per_rank[0]["bytes_read"] == per_rank[0]["read_total"]
         assert all(rec["bytes_read"] == 0 for rec in per_rank[1:])
     return max(r["max_rounds"] for r in results[0]["lowlevel"])

@@ -83,23 +83,39 @@ def _worker(ckpt: str) -> dict:
     out: dict = {"layout_digest": layout.digest(), "resize": []}
 
     # 1. planned resizes, every rank holding its shards
-    for ep, efsdp, replicate, pl in ((2, 2, 1, moeshard.Placement.contiguous(tiny_hf.NUM_LAYERS, NUM_EXPERTS, 2)),
-                                     (4, 1, 1, _placement(7))):
+    for ep, efsdp, replicate, pl in (
+        (2, 2, 1, moeshard.Placement.contiguous(tiny_hf.NUM_LAYERS, NUM_EXPERTS, 2)),
+        (4, 1, 1, _placement(7)),
+    ):
         new = _build(ep, efsdp, replicate, pl)
         opt = torch.optim.AdamW(new.parameters(), lr=LR)
         rep = moeshard.reshard(new, layout, old, optimizer=opt, old_optimizer=opt0)
         full = _full(new, pl)
         same = sorted(k for k in old_full if np.array_equal(full[k], old_full[k]))
-        out["resize"].append(dict(same=same, read=rep.bytes_read_rank, storage=rep.storage_bytes,
-                                  boxes=rep.storage_boxes, peer=rep.peer_bytes, losses=_steps(new, opt, ids, STEPS)))
+        out["resize"].append(
+            dict(
+                same=same,
+                read=rep.bytes_read_rank,
+                storage=rep.storage_bytes,
+                boxes=rep.storage_boxes,
+                peer=rep.peer_bytes,
+                losses=_steps(new, opt, ids, STEPS),
+            )
+        )
 
     # 2. node 1's shards lost: dense from the node-0 replica, experts from live copies or storage
     lost = rank >= 2
     new = _build(4, 1, 2, pl0)
     rep = moeshard.reshard(new, None if lost else layout, None if lost else old, ckpt)
     full = _full(new, pl0)  # collective
-    out["lost"] = dict(full=full if rank == 0 else None, boxes=rep.storage_boxes, read=rep.bytes_read_rank,
-                       storage=rep.storage_bytes, dense=rep.dense_from_storage, joined=rep.joined)
+    out["lost"] = dict(
+        full=full if rank == 0 else None,
+        boxes=rep.storage_boxes,
+        read=rep.bytes_read_rank,
+        storage=rep.storage_bytes,
+        dense=rep.dense_from_storage,
+        joined=rep.joined,
+    )
 
     # 3. without HSDP: a dense box with no live holder is refused on every rank, or read with "warn"
     plain = _build(4, 1, 1, pl0)
@@ -111,8 +127,9 @@ def _worker(ckpt: str) -> dict:
         out["refused"] = None
     except moeshard.StaleStateError as e:
         out["refused"] = str(e)
-    rep = moeshard.reshard(new, None if lost else plain_layout, None if lost else plain, ckpt,
-                           dense_from_storage="warn")
+    rep = moeshard.reshard(
+        new, None if lost else plain_layout, None if lost else plain, ckpt, dense_from_storage="warn"
+    )
     full = _full(new, pl0)
     out["warned"] = dict(dense=rep.dense_from_storage, read=rep.bytes_read_rank, full=full if rank == 0 else None)
 
@@ -162,8 +179,9 @@ def test_lost_node_recovers_dense_from_replica_and_reads_only_lost_experts(runs)
     pl0 = _placement(1)
     missing = _only_on(pl0, {2, 3})
     assert missing, "the placement must leave some experts only on node 1"
-    want = sorted(f"model.layers.{layer}.mlp.experts.{p}[{e}]" for layer, e in missing
-                  for p in ("down_proj", "gate_up_proj"))
+    want = sorted(
+        f"model.layers.{layer}.mlp.experts.{p}[{e}]" for layer, e in missing for p in ("down_proj", "gate_up_proj")
+    )
     for r in results:
         lost = r["lost"]
         assert lost["dense"] == ()

@@ -49,8 +49,9 @@ def _pl_a():
     """Every expert on both nodes: slots of node 0 (ranks 0, 1) and node 1 (ranks 2, 3) each
     hold all 8 experts, shuffled."""
     rng = np.random.default_rng(0)
-    rows = [np.concatenate([rng.permutation(NUM_EXPERTS), rng.permutation(NUM_EXPERTS)])
-            for _ in range(tiny_hf.NUM_LAYERS)]
+    rows = [
+        np.concatenate([rng.permutation(NUM_EXPERTS), rng.permutation(NUM_EXPERTS)]) for _ in range(tiny_hf.NUM_LAYERS)
+    ]
     return moeshard.Placement(np.stack(rows), num_logical=NUM_EXPERTS, num_ranks=4)
 
 
@@ -90,8 +91,13 @@ def _full(model, pl) -> dict:
 
 def _init(port: int, rank: int, world: int, timeout: float) -> None:
     os.environ["LOCAL_WORLD_SIZE"] = str(LWS)
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                         timeout=datetime.timedelta(seconds=timeout))
+    torch.distributed.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
 
 
 def _wait_for(path: str) -> None:
@@ -178,13 +184,19 @@ def _rank_main(idx: int, ports: tuple, root: str, ckpt: str) -> None:
         # Job D: the survivors (node 0) recover from each other.
         _init(ports[3], idx, 2, BACKSTOP_S)
         rep, full, out["losses"] = _scale_down(a2, layout_a2, opt_a2, ckpt, idx)
-        out["recovery"] = dict(read=rep.bytes_read_rank, storage=rep.storage_bytes, boxes=rep.storage_boxes,
-                               received=rep.bytes_received_rank, copied=rep.bytes_copied_rank)
+        out["recovery"] = dict(
+            read=rep.bytes_read_rank,
+            storage=rep.storage_bytes,
+            boxes=rep.storage_boxes,
+            received=rep.bytes_received_rank,
+            copied=rep.bytes_copied_rank,
+        )
         out["equal"] = sorted(k for k in full_a if np.array_equal(full[k], full_a[k]))
         nb = _build(2, 1, _pl_new())
         rep = moeshard.reshard(nb, layout_b2, b2, ckpt)
-        out["b"] = dict(read=rep.bytes_read_rank, storage=rep.storage_bytes, boxes=rep.storage_boxes,
-                        dense=rep.dense_from_storage)
+        out["b"] = dict(
+            read=rep.bytes_read_rank, storage=rep.storage_bytes, boxes=rep.storage_boxes, dense=rep.dense_from_storage
+        )
         full_b = _full(nb, _pl_new())
         out["b_full"] = full_b if idx == 0 else None
         out["full_a"] = full_a if idx == 0 else None
@@ -203,8 +215,10 @@ def test_node_loss_survivors_reshard_from_live_peers_and_continue(tmp_path):
     root = str(tmp_path)
     ckpt = os.path.join(root, "ckpt")
     tiny_hf.save_checkpoint("qwen3_moe", ckpt)
-    reference = {k: v.detach().numpy() for k, v in
-                 transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).named_parameters()}
+    reference = {
+        k: v.detach().numpy()
+        for k, v in transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).named_parameters()
+    }
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "transformers", "moeshard", "tiny_hf", __name__])
     ports = tuple(free_port() for _ in range(4))
@@ -234,11 +248,16 @@ def test_node_loss_survivors_reshard_from_live_peers_and_continue(tmp_path):
     # model B: exactly the experts whose every copy was on node 1 came from storage
     pl_b = _pl_b()
     spr = pl_b.num_physical // 4
-    missing = [(layer, e) for layer, row in enumerate(pl_b.phy2log) for e in range(NUM_EXPERTS)
-               if {int(p) // spr for p in np.flatnonzero(row == e)} <= set(VICTIMS)]
+    missing = [
+        (layer, e)
+        for layer, row in enumerate(pl_b.phy2log)
+        for e in range(NUM_EXPERTS)
+        if {int(p) // spr for p in np.flatnonzero(row == e)} <= set(VICTIMS)
+    ]
     assert missing, "model B's placement must leave some experts only on node 1"
-    want = sorted(f"model.layers.{layer}.mlp.experts.{p}[{e}]" for layer, e in missing
-                  for p in ("down_proj", "gate_up_proj"))
+    want = sorted(
+        f"model.layers.{layer}.mlp.experts.{p}[{e}]" for layer, e in missing for p in ("down_proj", "gate_up_proj")
+    )
     expert_bytes = 4 * (2 * 16 * 32 + 32 * 16)
     for r in res.values():
         assert sorted({k for k, _ in r["b"]["boxes"]}) == want and r["b"]["dense"] == ()

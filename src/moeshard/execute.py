@@ -7,13 +7,23 @@ Load, LoRA load, relocation, save and LoRA save all run here; they differ only i
 Every rank runs the rounds it takes part in, in the schedule's order, and posts only its own
 rows, so P2P ops pair up without any loop over ranks and without deadlock (round t's
 participants all finished their earlier rounds). Per round: copy the views the schedule
-stashes or copies, read the pieces it sends first in this round, post the round's P2P ops as
-one batch, start reading the next round's pieces (a source with a reader pool, within the
-staging budget) and do a share of this rank's local work (reads and copies of round -1, which
-go straight from storage or a view into place) while the batch is in flight, wait, join the
+stashes or copies, read the pieces it sends first in this round (unless read ahead), post the
+round's P2P ops as one batch, read the next round's pieces ahead (on a reader pool's threads,
+or on this thread; within the staging budget, so that they are ready to send when their round
+begins) and do a share of this rank's local work (reads and copies of round -1, which go
+straight from storage or a view into place) while the batch is in flight, wait, join the
 round's node broadcasts, make the round's deliveries (after every op of the round: a delivery
 may overwrite a slot that a send of the same round reads), free the buffers it no longer
 needs. Nothing calls a device synchronize: waits are on the ops' own work handles.
+
+A round's ops go out as one batch, not each as soon as its piece has landed: on NCCL a batch
+is one group, and ops of two ranks that send each other pieces in the same round, posted as
+separate groups in different orders, can wait for each other forever. Reading ahead gives the
+same overlap without changing what is paired with what.
+
+A rank's local reads are planned as extents (:mod:`moeshard.io.extents`): its reads in one
+file coalesced into few ``preadv`` calls straight into the destinations, files in a per-rank
+staggered order, with read-ahead hints.
 
 A read or a delivery that fails on one rank (an I/O error, a file changed under the job) does
 not leave its peers blocked in a receive: the rank keeps running the schedule (sending zeros
@@ -25,38 +35,57 @@ raises one DistributedError naming the failing rank.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from . import collectives
+from ._gc import paused_gc
 from .box import box_shape, box_slices
 from .io.checkpoint import CheckpointIndex, CheckpointReader
+from .io.extents import ExtentReads, contiguous_boxes
 from .io.fp8 import dequantize, scale_box
 from .io.readpool import ReadPool
 from .plan.schedule import Schedule
 from .topology import Topology
 
-__all__ = ["ExecStats", "Source", "Sink", "LocalTensors", "ReaderSource", "TensorSink", "Backup", "DequantSink",
-           "execute_schedule",
-           "exchange", "node_groups"]
+__all__ = [
+    "ExecStats",
+    "Source",
+    "Sink",
+    "FlatTargets",
+    "Runner",
+    "LocalTensors",
+    "ReaderSource",
+    "TensorSink",
+    "Backup",
+    "DequantSink",
+    "execute_schedule",
+    "exchange",
+    "node_groups",
+]
 
 
 @dataclass
 class ExecStats:
     """What one rank did: bytes read from storage, sent, received (staging buffers), the
-    peak of staging bytes held at once, and the errors of its failed reads and deliveries."""
+    peak of staging bytes held at once, and the errors of its failed reads and deliveries.
+
+    ``bytes_read`` counts the pieces' bytes (what the plan predicts); ``gap_bytes_read`` the
+    bytes between pieces that coalesced reads also read (into a scratch buffer, thrown away:
+    :mod:`moeshard.io.extents`), not in ``bytes_read``."""
 
     bytes_read: int = 0
+    gap_bytes_read: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
     peak_staging_bytes: int = 0
     failures: list = field(default_factory=list)
 
-    def check(self) -> "ExecStats":
+    def check(self) -> ExecStats:
         """Raise this rank's first failure, if any (callers run it inside ``collectives.agree``)."""
         if self.failures:
             raise self.failures[0]
@@ -100,8 +129,11 @@ def node_groups(topology: Topology):
     plain = members is None and topology.nodes is None
     # A node's group is defined by its global ranks: groups of different callers with the same
     # ranks are one (and torch names a locally synchronized group by its ranks).
-    mine = None if plain else tuple(members[r] if members is not None else r
-                                    for r in topology.node_ranks(topology.node_of(rank)))
+    mine = (
+        None
+        if plain
+        else tuple(members[r] if members is not None else r for r in topology.node_ranks(topology.node_of(rank)))
+    )
     key = topology.local_world_size if plain else mine
     group = cache["groups"].get(key)
     if group is None or not _is_live(group):
@@ -124,7 +156,7 @@ class Source:
     """Where one rank's pieces come from. Override what the schedules it runs use."""
 
     def read(self, pid: int) -> torch.Tensor:
-        """Piece ``pid`` from storage (shape ``pieces.len``, any device)."""
+        """Piece ``pid`` from storage (shape ``piece_len``, any device)."""
         raise NotImplementedError(f"this source cannot read piece {pid}")
 
     def read_into(self, pid: int, out: torch.Tensor) -> None:
@@ -137,10 +169,39 @@ class Source:
         self.read_into(pid, out)
         return True
 
+    def local_reads(self, items: list[tuple[int, torch.Tensor]], rank: int) -> list[Callable[[], int]]:
+        """Units of work that read pieces straight into place, for ``rank`` (this process):
+        ``items`` are ``(piece, out)`` (``out`` contiguous, the piece's shape). Each unit reads
+        some of them (or starts to, on a pool) and returns the bytes that landed now (in the
+        pieces' :meth:`dtype`); a unit that completes later counts in :meth:`reads_done`, its
+        error in :meth:`finish_reads`; one that fails now raises.
+        Default: a unit per piece (:meth:`start_read_into`)."""
+
+        def unit(pid: int, out: torch.Tensor) -> Callable[[], int]:
+            def run() -> int:
+                return out.numel() * self.dtype(pid).itemsize if self.start_read_into(pid, out) else 0
+
+            return run
+
+        return [unit(pid, out) for pid, out in items]
+
+    def read_ranges(self, pids: np.ndarray, views: list[memoryview], rank: int) -> list[Callable[[], int]] | None:
+        """Units of work (as :meth:`local_reads`) that read pieces ``pids`` (``int[N]``), their
+        bytes as stored, into ``views`` (writable byte buffers of each piece's
+        ``piece_bytes``, e.g. slices of contiguous CPU tensors of the pieces' :meth:`dtype`);
+        None where this source cannot (the default: the runner reads them by
+        :meth:`local_reads`)."""
+        return None
+
+    def gap_bytes(self) -> int:
+        """Bytes read from storage between pieces (coalesced reads), not counted as pieces'."""
+        return 0
+
     def start_read(self, pid: int, device: torch.device) -> Callable[[], torch.Tensor] | None:
-        """Begin :meth:`read` of piece ``pid`` into a new buffer on ``device``, in the
-        background: a function that waits for it and returns the buffer (raising the read's
-        error), or None where this source reads only in the foreground (the default)."""
+        """Begin :meth:`read` of piece ``pid`` into a new buffer on ``device`` ahead of its
+        round (in the background, or now): a function that waits for it and returns the
+        buffer (raising the read's error), or None where this source reads only in the piece's
+        round (the default)."""
         return None
 
     def reads_done(self) -> int:
@@ -172,6 +233,25 @@ class Sink:
         """Make deliveries: ``(delivery row, data of the piece's shape)`` each. One call per
         round (a file sink moves them to the host with one synchronization)."""
         raise NotImplementedError
+
+    def flat_targets(self, rows: np.ndarray) -> FlatTargets | None:
+        """Where deliveries ``rows`` land as byte ranges of contiguous CPU tensors, for reads
+        straight into them without a tensor view per piece; None (the default): nowhere
+        (the runner asks :meth:`target` row by row)."""
+        return None
+
+
+@dataclass(frozen=True)
+class FlatTargets:
+    """Deliveries as byte ranges: row ``i`` lands at bytes ``start[i]`` on of
+    ``buffers[buffer[i]]`` (a contiguous CPU tensor's bytes, of dtype ``dtypes[buffer[i]]``),
+    or not as a byte range where ``buffer[i]`` is -1 (another device, not contiguous, a
+    delivery that transforms the data)."""
+
+    buffers: list
+    dtypes: list
+    buffer: np.ndarray
+    start: np.ndarray
 
 
 class LocalTensors:
@@ -206,12 +286,56 @@ class TensorSink(Sink):
 
     def target(self, row: int) -> torch.Tensor:
         s = self.s
-        return self.local.at(int(s.deliveries.param[row]), int(s.deliveries.slot[row]), s.deliveries.off[row], int(s.deliveries.piece[row]))
+        return self.local.at(
+            int(s.deliveries.param[row]),
+            int(s.deliveries.slot[row]),
+            s.deliveries.off[row],
+            int(s.deliveries.piece[row]),
+        )
 
     def put(self, items: list[tuple[int, torch.Tensor]]) -> None:
         for row, data in items:
             out = self.target(row)
             out.copy_(data.view(out.shape))
+
+    def flat_targets(self, rows: np.ndarray) -> FlatTargets:
+        s, tensors = self.s, self.local.tensors
+        rows = np.asarray(rows, dtype=np.int64)
+        params, slots, pids = s.deliveries.param[rows], s.deliveries.slot[rows], s.deliveries.piece[rows]
+        d = s.deliveries.off.shape[1]
+        nd = s.key_ndim[s.pieces.key[pids]].astype(np.int64)
+        used, at = np.unique(params, return_inverse=True)
+        buffers, dtypes = [], []
+        ok_param = np.zeros(len(used), dtype=bool)
+        shape = np.ones((len(used), d + 1), dtype=np.int64)  # the local tensor's, slot dim first
+        tdim = np.zeros(len(used), dtype=np.int64)
+        item = np.ones(len(used), dtype=np.int64)
+        for j, p in enumerate(used.tolist()):
+            t = tensors[p]
+            buffers.append(None)
+            dtypes.append(None)
+            if t is None or t.device.type != "cpu" or not t.is_contiguous() or not t.numel() or t.dim() > d + 1:
+                continue
+            ok_param[j] = True
+            buffers[j] = memoryview(t.detach().view(-1).view(torch.uint8).numpy()).cast("B")
+            dtypes[j] = t.dtype
+            shape[j, : t.dim()] = t.shape
+            tdim[j] = t.dim()
+            item[j] = t.element_size()
+        has_slot = slots >= 0
+        # A row addresses the local tensor (no slot) or its slot (the first dim); its box has
+        # the piece's rank, which must be the addressed tensor's (else the runner's views).
+        full = shape[at]
+        sub = np.where(has_slot[:, None], full[:, 1:], full[:, :-1])
+        fits = ok_param[at] & (tdim[at] - has_slot == nd)
+        pad = np.arange(d)[None, :] >= nd[:, None]
+        sub = np.where(pad, 1, sub)
+        off = np.where(pad, 0, s.deliveries.off[rows])
+        length = np.where(pad, 1, s.pieces.len[pids])
+        ok, start = contiguous_boxes(sub, off, length)
+        per_slot = np.prod(full[:, 1:], axis=1)
+        start = (start + np.where(has_slot, slots * per_slot, 0)) * item[at]
+        return FlatTargets(buffers, dtypes, np.where(ok & fits, at, -1), start)
 
 
 class Backup:
@@ -232,8 +356,12 @@ class Backup:
         self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
         for (dtype, device), vs in views.items():
             on_host = device.type != "cpu"
-            buf = torch.empty(sum(v.numel() for v in vs), dtype=dtype, device="cpu" if on_host else device,
-                              pin_memory=on_host and device.type == "cuda")
+            buf = torch.empty(
+                sum(v.numel() for v in vs),
+                dtype=dtype,
+                device="cpu" if on_host else device,
+                pin_memory=on_host and device.type == "cuda",
+            )
             for v, flat in zip(vs, buf.split([v.numel() for v in vs])):
                 copy = flat.view(v.shape)
                 copy.copy_(v, non_blocking=True)
@@ -254,8 +382,13 @@ class DequantSink(TensorSink):
     FP8 key this rank receives pieces of (loaded beforehand: they are small, 1/16,384 of the
     weights' elements with DeepSeek's 128 x 128 blocks)."""
 
-    def __init__(self, schedule: Schedule, tensors: Sequence[torch.Tensor | None], rank: int,
-                 scales: dict[str, tuple[torch.Tensor, tuple[int, ...]]]):
+    def __init__(
+        self,
+        schedule: Schedule,
+        tensors: Sequence[torch.Tensor | None],
+        rank: int,
+        scales: dict[str, tuple[torch.Tensor, tuple[int, ...]]],
+    ):
         super().__init__(schedule, tensors, rank)
         self.scales = scales
 
@@ -268,6 +401,21 @@ class DequantSink(TensorSink):
         # FP8 pieces are staged and go through put(): a read straight into place would cast unscaled.
         out = super().target(row)
         return None if self._scale(row, out) is not None else out
+
+    def flat_targets(self, rows: np.ndarray) -> FlatTargets:
+        # FP8 pieces are staged and go through put(), as in target().
+        flat = super().flat_targets(rows)
+        if not self.scales:
+            return flat
+        buffer = flat.buffer.copy()
+        for i, row in enumerate(np.asarray(rows).tolist()):
+            if (
+                buffer[i] >= 0
+                and self.s.piece_name(int(self.s.deliveries.piece[row])) in self.scales
+                and flat.dtypes[buffer[i]].itemsize > 1
+            ):
+                buffer[i] = -1
+        return FlatTargets(flat.buffers, flat.dtypes, buffer, flat.start)
 
     def put(self, items: list[tuple[int, torch.Tensor]]) -> None:
         for row, data in items:
@@ -287,17 +435,29 @@ class ReaderSource(Source):
     """Pieces of checkpoint tensors (a schedule's keys are checkpoint keys), and views of
     this rank's local tensors (for schedules that send from them).
 
-    ``read_threads`` > 1: reads straight into place (a schedule's local reads) run on a
+    A rank's reads straight into place (a schedule's local reads) into contiguous CPU tensors
+    of the checkpoint's dtype go by extents (:mod:`moeshard.io.extents`: coalesced ``preadv``
+    calls, files in a per-rank staggered order, read-ahead hints); other destinations piece by
+    piece. ``read_threads`` > 1: those reads and the read-ahead of pieces to send run on a
     :class:`~moeshard.io.readpool.ReadPool` of that many threads, overlapped with each other
-    and with the rounds (pinned buffers and side-stream copies for CUDA destinations). Close
-    the source (or use it as a context manager) to stop the threads."""
+    and with the rounds (pinned buffers and side-stream copies for CUDA destinations); 1: on
+    the calling thread, the pieces to send of a round read while the previous round's batch
+    is in flight. Close the source (or use it as a context manager) to stop the threads."""
 
-    def __init__(self, schedule: Schedule, reader: CheckpointReader | None, index: CheckpointIndex,
-                 tensors: Sequence[torch.Tensor | None] = (), rank: int = 0, read_threads: int = 1):
+    def __init__(
+        self,
+        schedule: Schedule,
+        reader: CheckpointReader | None,
+        index: CheckpointIndex,
+        tensors: Sequence[torch.Tensor | None] = (),
+        rank: int = 0,
+        read_threads: int = 1,
+    ):
         self.s, self.reader, self.index = schedule, reader, index
         self.local = LocalTensors(schedule, tensors, rank)
         self.pool = ReadPool(reader, read_threads) if reader is not None and read_threads > 1 else None
         self._counted = 0
+        self._gap0 = 0 if reader is None else reader.gap_bytes_read
 
     def read(self, pid: int) -> torch.Tensor:
         assert self.reader is not None
@@ -313,9 +473,67 @@ class ReaderSource(Source):
         self.pool.submit(self.s.piece_name(pid), self.s.piece_box(pid), out)
         return False
 
+    def local_reads(self, items: list[tuple[int, torch.Tensor]], rank: int) -> list[Callable[[], int]]:
+        """Destinations a read lands in as they are (contiguous CPU tensors of the checkpoint's
+        dtype) are read by extents (:meth:`read_ranges`); the others a unit per piece (through
+        the pool for CUDA destinations)."""
+        if self.reader is None or not items:
+            return super().local_reads(items, rank)
+        s, reader = self.s, self.reader
+        straight, others, views = [], [], []
+        for pid, out in items:
+            if reader.reads_straight_into(s.piece_name(pid), out) and out.numel():
+                straight.append(pid)
+                views.append(memoryview(out.detach().view(-1).view(torch.uint8).numpy()).cast("B"))
+            else:
+                others.append((pid, out))
+        units = self.read_ranges(np.asarray(straight, dtype=np.int64), views, rank) if straight else []
+        return (units or []) + super().local_reads(others, rank)
+
+    def read_ranges(self, pids: np.ndarray, views: list[memoryview], rank: int) -> list[Callable[[], int]] | None:
+        """By extents (:class:`~moeshard.io.extents.ExtentReads`): coalesced ``preadv`` calls,
+        files in ``rank``'s staggered order, read-ahead hints for the first extents issued now;
+        a unit per extent, on the pool when there is one."""
+        if self.reader is None:
+            return None
+        s = self.s
+        extents = ExtentReads.of_pieces(
+            self.reader, s.keys, s.pieces.key[pids], s.pieces.off[pids], s.pieces.len[pids], views, rank=rank
+        )
+        extents.advise(-1)
+
+        def unit(i: int) -> Callable[[], int]:
+            def run() -> int:
+                extents.advise(i)
+                return extents.read(i)
+
+            def submit() -> int:  # lands later: its bytes by reads_done, its error by finish_reads
+                assert self.pool is not None
+                self.pool.run(run)
+                return 0
+
+            return run if self.pool is None else submit
+
+        return [unit(i) for i in range(len(extents))]
+
+    def gap_bytes(self) -> int:
+        return 0 if self.reader is None else self.reader.gap_bytes_read - self._gap0
+
     def start_read(self, pid: int, device: torch.device) -> Callable[[], torch.Tensor] | None:
         if self.pool is None:
-            return None
+            # No threads: read now, on the caller's thread, which the runner calls while the
+            # round's batch is in flight (the piece is ready to send when its round begins).
+            try:
+                buf, error = self.read(pid).to(device, non_blocking=True), None
+            except Exception as e:  # noqa: BLE001 - raised by done(), in the piece's round
+                buf, error = None, e
+
+            def ready() -> torch.Tensor:
+                if error is not None:
+                    raise error
+                return buf
+
+            return ready
         buf = torch.empty(box_shape(self.s.piece_box(pid)), dtype=self.dtype(pid), device=device)
         wait = self.pool.read_ahead(self.s.piece_name(pid), self.s.piece_box(pid), buf)
 
@@ -339,7 +557,7 @@ class ReaderSource(Source):
         if self.pool is not None:
             self.pool.close()
 
-    def __enter__(self) -> "ReaderSource":
+    def __enter__(self) -> ReaderSource:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -363,7 +581,7 @@ def execute_schedule(
     what: str = "moeshard: running the schedule",
 ) -> ExecStats:
     """Collective (every rank of the current group, :func:`moeshard.collectives.scope`): run
-    ``schedule`` on this rank.
+    ``schedule`` on this rank (a :class:`Runner`).
 
     Args:
         rank: this process's rank in the current group (the schedule's ranks are the group's).
@@ -383,199 +601,335 @@ def execute_schedule(
         PeerLostError: on the ranks that saw a peer die (a P2P batch or node broadcast with
             it), naming the peers where known.
     """
-    s = schedule
-    mine = s.for_rank(rank)
-    stats = ExecStats()
-    failure = stats.failures
-    if len(mine.bcasts) and node_group is None:
-        raise ValueError("the schedule has node broadcasts but no node group was given")
-    members = collectives.group_ranks()  # the schedule's ranks are the current group's
-    node_size = s.topology.node_sizes()
+    # The setup allocates a few small objects per piece and no reference cycles: the cyclic
+    # collector's passes over them (and over the whole heap of a large model) cost more than
+    # the setup itself. Reference counting still frees everything.
+    with paused_gc():
+        return Runner(schedule, rank, source, sink, device, node_group, progress, what).run()
 
-    # This rank's deliveries: {round: {piece: [rows]}} in schedule order.
-    dlv_at: dict[int, dict[int, list[int]]] = {}
-    for row, t in zip(mine.deliveries.tolist(), mine.delivery_rounds.tolist()):
-        dlv_at.setdefault(t, {}).setdefault(int(s.deliveries.piece[row]), []).append(row)
-    local_rows = dlv_at.pop(-1, {})
 
-    def shape(pid: int) -> tuple[int, ...]:
+class Runner:
+    """One rank's run of a schedule (:func:`execute_schedule`; the module docstring says what
+    a round does). Its methods are the steps: :meth:`stage` (copies and reads of the round's
+    pieces), :meth:`post` (the round's P2P batch), :meth:`read_ahead` (the next round's reads
+    while the batch flies), :meth:`local_work` (a share of the reads and copies of round -1),
+    :meth:`join_broadcasts`, :meth:`deliver_round`, :meth:`free`. Failed reads and deliveries
+    go to ``stats.failures``; the run goes on, so that no peer waits for this rank in vain.
+
+    Collective (every rank of the current group) through :meth:`run`; one run per object.
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        rank: int,
+        source: Source,
+        sink: Sink,
+        device: torch.device,
+        node_group=None,
+        progress: Callable[[int], None] | None = None,
+        what: str = "moeshard: running the schedule",
+    ):
+        s = self.s = schedule
+        self.rank, self.source, self.sink, self.device = rank, source, sink, device
+        self.node_group, self.progress, self.what = node_group, progress, what
+        mine = self.mine = s.for_rank(rank)
+        self.stats = ExecStats()
+        if len(mine.bcasts) and node_group is None:
+            raise ValueError("the schedule has node broadcasts but no node group was given")
+        self.members = collectives.group_ranks()  # the schedule's ranks are the current group's
+        self.node_size = s.topology.node_sizes()
+        # This rank's deliveries: {round: {piece: [rows]}} in schedule order.
+        self.dlv_at: dict[int, dict[int, list[int]]] = {}
+        for row, t in zip(mine.deliveries.tolist(), mine.delivery_rounds.tolist()):
+            self.dlv_at.setdefault(t, {}).setdefault(int(s.deliveries.piece[row]), []).append(row)
+        self.local_rows = self.dlv_at.pop(-1, {})
+        # Per round: pieces to read, views to copy, P2P rows, broadcast rows (by node, piece).
+        self.reads_at = _by_round(s.reads.round[mine.reads], s.reads.piece[mine.reads])
+        self.copies_at = _by_round(s.copies.round[mine.copies], mine.copies)
+        self.sends_at = _by_round(s.sends.round[mine.sends], mine.sends)
+        order = np.lexsort((s.bcasts.piece[mine.bcasts], s.bcasts.round[mine.bcasts]))
+        self.bcasts_at = _by_round(s.bcasts.round[mine.bcasts][order], mine.bcasts[order])
+        # The last round each buffer of this rank is used in (it is freed after it).
+        self.last_use: dict[int, int] = {}
+        out_rows = mine.sends[(s.sends.src[mine.sends] == rank) & (s.sends.view[mine.sends] < 0)]
+        out_b = mine.bcasts[s.bcasts.root[mine.bcasts] == rank]
+        for pid, t in zip(
+            np.concatenate(
+                [s.sends.piece[out_rows], s.bcasts.piece[out_b], s.deliveries.piece[mine.deliveries]]
+            ).tolist(),
+            np.concatenate([s.sends.round[out_rows], s.bcasts.round[out_b], mine.delivery_rounds]).tolist(),
+        ):
+            self.last_use[pid] = max(self.last_use.get(pid, -1), t)
+        self.rounds = mine.rounds.tolist()
+        self.bufs: dict[int, torch.Tensor] = {}
+        self.staged = 0  # bytes of self.bufs
+        # Reads of the next round's pieces started while this round's transfers fly, as far as
+        # the staging budget allows with what is staged now.
+        self.ahead: dict[int, Callable[[], torch.Tensor]] = {}
+        self.ahead_bytes = 0
+        self.work = self._local_work_list()
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def shape(self, pid: int) -> tuple[int, ...]:
+        s = self.s
         return tuple(s.pieces.len[pid, : int(s.key_ndim[s.pieces.key[pid]])].tolist())
 
-    def deliver(items: list[tuple[int, torch.Tensor]], nbytes: int) -> None:
+    def nbytes(self, pid: int) -> int:
+        return int(self.s.pieces.bytes[pid])
+
+    def empty(self, pid: int) -> torch.Tensor:
+        return torch.empty(self.shape(pid), dtype=self.source.dtype(pid), device=self.device)
+
+    def landed(self, nbytes: int) -> None:
+        """Bytes read straight into place (delivered without staging)."""
+        self.stats.bytes_read += nbytes
+        if self.progress and nbytes:
+            self.progress(nbytes)
+
+    def read(self, pid: int) -> torch.Tensor:
+        """Piece ``pid`` from storage into a new buffer on the device (zeros if the read
+        failed: peers still expect the piece)."""
         try:
-            sink.put(items)
+            buf = self.source.read(pid)
         except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
-            failure.append(e)
-        if progress and nbytes:
-            progress(nbytes)
+            self.stats.failures.append(e)
+            buf = torch.zeros(self.shape(pid), dtype=self.source.dtype(pid), device=self.device)
+        self.stats.bytes_read += self.nbytes(pid)
+        return buf.to(self.device, non_blocking=True) if buf.device != self.device else buf
 
-    def read(pid: int) -> torch.Tensor:
+    # -- the steps -------------------------------------------------------------------------
+
+    def deliver(self, items: list[tuple[int, torch.Tensor]], nbytes: int) -> None:
+        """Hand ``(delivery row, data)`` items to the sink (one call), then report progress."""
         try:
-            buf = source.read(pid)
+            self.sink.put(items)
         except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
-            failure.append(e)
-            # Peers still expect this piece: send zeros rather than leave them waiting.
-            buf = torch.zeros(shape(pid), dtype=source.dtype(pid), device=device)
-        stats.bytes_read += int(s.pieces.bytes[pid])
-        return buf.to(device, non_blocking=True) if buf.device != device else buf
+            self.stats.failures.append(e)
+        if self.progress and nbytes:
+            self.progress(nbytes)
 
-    def landed(nbytes: int) -> None:  # bytes read straight into place
-        stats.bytes_read += nbytes
-        if progress and nbytes:
-            progress(nbytes)
-
-    def local_read(pid: int) -> None:
-        rows = local_rows.get(pid, [])
-        out = sink.target(rows[0]) if len(rows) == 1 else None
+    def _local_work_list(self) -> list:
+        """This rank's work of round -1, in the order it is done (popped from the end): reads
+        straight into place (the source's units: coalesced extents for a checkpoint reader),
+        staged reads (a piece with several destinations, or one a read cannot land in), and
+        copies from views."""
+        s, mine, source = self.s, self.mine, self.source
+        pids = mine.local_reads().tolist()
+        rows = [self.local_rows.get(pid, ()) for pid in pids]
+        single = [pid for pid, r in zip(pids, rows) if len(r) == 1]
+        staged = [("staged", pid) for pid, r in zip(pids, rows) if len(r) != 1]
+        one = np.array([self.local_rows[pid][0] for pid in single], dtype=np.int64)
+        units: list = []
+        # Destinations that are byte ranges of contiguous CPU tensors of the piece's dtype: read
+        # by ranges, without a tensor view per piece.
         try:
+            flat = self.sink.flat_targets(one) if len(one) else None
+        except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule; the
+            self.stats.failures.append(e)  # pieces still go by target() below
+            flat = None
+        ranged, views, rest = [], [], []
+        dtypes: dict[int, torch.dtype] = {}
+        for i, pid in enumerate(single):
+            b = -1 if flat is None else int(flat.buffer[i])
+            key = int(s.pieces.key[pid])
+            if b >= 0 and key not in dtypes:
+                try:
+                    dtypes[key] = source.dtype(pid)
+                except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
+                    self.stats.failures.append(e)
+                    dtypes[key] = None
+            if b >= 0 and flat.dtypes[b] == dtypes[key]:
+                start = int(flat.start[i])
+                ranged.append(pid)
+                views.append(flat.buffers[b][start : start + self.nbytes(pid)])
+            else:
+                rest.append((pid, int(one[i])))
+        try:
+            got = source.read_ranges(np.asarray(ranged, dtype=np.int64), views, self.rank) if ranged else []
+        except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
+            self.stats.failures.append(e)
+            got = []
+        if got is None:  # the source reads by tensors only
+            row_of = dict(zip(single, one.tolist()))
+            rest = [(pid, row_of[pid]) for pid in ranged] + rest
+            got = []
+        units.extend(("unit", u) for u in got)
+        direct: list[tuple[int, torch.Tensor]] = []
+        for pid, row in rest:
+            try:
+                out = self.sink.target(row)
+            except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
+                self.stats.failures.append(e)
+                continue
             if out is not None and out.is_contiguous():
-                # Straight from storage into place (cast on the way): no staging. A source
-                # with a reader pool finishes it later (bytes by reads_done, errors by
-                # finish_reads).
-                if source.start_read_into(pid, out.view(shape(pid))):
-                    landed(int(s.pieces.bytes[pid]))
-                return
+                direct.append((pid, out.view(self.shape(pid))))
+            else:
+                staged.append(("staged", pid))
+        try:
+            if direct:
+                units.extend(("unit", u) for u in source.local_reads(direct, self.rank))
         except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
-            failure.append(e)
-            return
-        buf = read(pid)
-        deliver([(r, buf) for r in rows], int(s.pieces.bytes[pid]))
+            self.stats.failures.append(e)
+        work = units + staged + [("copy", c) for c in mine.local_copies().tolist()]
+        work.reverse()
+        return work
 
-    def local_copies(copies: list[int]) -> None:
+    def local_work(self, n: int) -> None:
+        """Do ``n`` items of this rank's round -1 work (the copies among them as one group)."""
+        copies = []
+        for _ in range(min(n, len(self.work))):
+            kind, x = self.work.pop()
+            if kind == "unit":
+                try:
+                    self.landed(x())
+                except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
+                    self.stats.failures.append(e)
+            elif kind == "staged":
+                buf = self.read(x)
+                self.deliver([(r, buf) for r in self.local_rows.get(x, [])], self.nbytes(x))
+            else:
+                copies.append(x)
+        self.local_copies(copies)
+
+    def local_copies(self, copies: list[int]) -> None:
         # Grouped up to half the staging budget: a file sink moves a group to the host with
         # one synchronization.
+        s = self.s
         items: list[tuple[int, torch.Tensor]] = []
         nbytes = 0
         for c in copies:
             pid = int(s.copies.piece[c])
-            if items and nbytes + int(s.pieces.bytes[pid]) > s.staging_bytes // 2:
-                deliver(items, nbytes)
+            if items and nbytes + self.nbytes(pid) > s.staging_bytes // 2:
+                self.deliver(items, nbytes)
                 items, nbytes = [], 0
-            data = source.view(int(s.copies.view[c]), pid)
-            items.extend((r, data) for r in local_rows.get(pid, []))
-            nbytes += int(s.pieces.bytes[pid])
+            data = self.source.view(int(s.copies.view[c]), pid)
+            items.extend((r, data) for r in self.local_rows.get(pid, []))
+            nbytes += self.nbytes(pid)
         if items:
-            deliver(items, nbytes)
+            self.deliver(items, nbytes)
 
-    def empty(pid: int) -> torch.Tensor:
-        return torch.empty(shape(pid), dtype=source.dtype(pid), device=device)
-
-    # Per round: pieces to read, views to copy, P2P rows, broadcast rows; and the last round
-    # each buffer of this rank is used in (it is freed after it).
-    reads_at = _by_round(s.reads.round[mine.reads], s.reads.piece[mine.reads])
-    copies_at = _by_round(s.copies.round[mine.copies], mine.copies)
-    sends_at = _by_round(s.sends.round[mine.sends], mine.sends)
-    order = np.lexsort((s.bcasts.piece[mine.bcasts], s.bcasts.round[mine.bcasts]))
-    bcasts_at = _by_round(s.bcasts.round[mine.bcasts][order], mine.bcasts[order])
-    last_use: dict[int, int] = {}
-    out_rows = mine.sends[(s.sends.src[mine.sends] == rank) & (s.sends.view[mine.sends] < 0)]
-    out_b = mine.bcasts[s.bcasts.root[mine.bcasts] == rank]
-    for pid, t in zip(np.concatenate([s.sends.piece[out_rows], s.bcasts.piece[out_b], s.deliveries.piece[mine.deliveries]]).tolist(),
-                      np.concatenate([s.sends.round[out_rows], s.bcasts.round[out_b], mine.delivery_rounds]).tolist()):
-        last_use[pid] = max(last_use.get(pid, -1), t)
-    my_local = [("read", p) for p in mine.local_reads().tolist()] + [("copy", c) for c in mine.local_copies().tolist()]
-    my_local.reverse()
-
-    def local_work(n: int) -> None:
-        copies = []
-        for _ in range(min(n, len(my_local))):
-            kind, x = my_local.pop()
-            if kind == "read":
-                local_read(x)
-            else:
-                copies.append(x)
-        local_copies(copies)
-
-    rounds = mine.rounds.tolist()
-    bufs: dict[int, torch.Tensor] = {}
-    staged = 0
-    # Reads of the next round's pieces started while this round's transfers fly (a source with
-    # a reader pool), as far as the staging budget allows with what is staged now.
-    ahead: dict[int, Callable[[], torch.Tensor]] = {}
-    ahead_bytes = 0
-
-    def read_ahead(t: int) -> None:
-        nonlocal ahead_bytes
-        for pid in reads_at.get(t, ()):
-            nbytes = int(s.pieces.bytes[pid])
-            if staged + ahead_bytes + nbytes > s.staging_bytes:
+    def read_ahead(self, t: int) -> None:
+        """Start reading round ``t``'s pieces ahead (:meth:`Source.start_read`: on a pool's
+        threads, or now on this thread), within the staging budget."""
+        for pid in self.reads_at.get(t, ()):
+            nbytes = self.nbytes(pid)
+            if self.staged + self.ahead_bytes + nbytes > self.s.staging_bytes:
                 return
             try:
-                done = source.start_read(pid, device)
+                done = self.source.start_read(pid, self.device)
             except Exception:  # noqa: BLE001 - read in its round instead, where its error is kept
                 return
             if done is None:
                 return
-            ahead[pid] = done
-            ahead_bytes += nbytes
+            self.ahead[pid] = done
+            self.ahead_bytes += nbytes
 
-    if rounds:  # the first round's reads in parallel, too
-        read_ahead(rounds[0])
-    for step, t in enumerate(rounds):
-        for c in copies_at.get(t, ()):
+    def stage(self, t: int) -> None:
+        """Round ``t``'s buffers before its transfers: copies of views (stashes), and reads."""
+        s = self.s
+        for c in self.copies_at.get(t, ()):
             pid = int(s.copies.piece[c])
-            if pid not in bufs:  # a second copy of the same piece (another slot) is the same data
-                bufs[pid] = source.view(int(s.copies.view[c]), pid).clone()
-                staged += int(s.pieces.bytes[pid])
-        for pid in reads_at.get(t, ()):
-            done = ahead.pop(pid, None)
+            if pid not in self.bufs:  # a second copy of the same piece (another slot) is the same data
+                self.bufs[pid] = self.source.view(int(s.copies.view[c]), pid).clone()
+                self.staged += self.nbytes(pid)
+        for pid in self.reads_at.get(t, ()):
+            done = self.ahead.pop(pid, None)
             if done is None:
-                bufs[pid] = read(pid)
+                self.bufs[pid] = self.read(pid)
             else:
-                ahead_bytes -= int(s.pieces.bytes[pid])
+                self.ahead_bytes -= self.nbytes(pid)
                 try:
-                    bufs[pid] = done()
+                    self.bufs[pid] = done()
                 except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
-                    failure.append(e)
-                    bufs[pid] = torch.zeros(shape(pid), dtype=source.dtype(pid), device=device)
-                stats.bytes_read += int(s.pieces.bytes[pid])
-            staged += int(s.pieces.bytes[pid])
+                    self.stats.failures.append(e)
+                    self.bufs[pid] = torch.zeros(self.shape(pid), dtype=self.source.dtype(pid), device=self.device)
+                self.stats.bytes_read += self.nbytes(pid)
+            self.staged += self.nbytes(pid)
+
+    def post(self, t: int) -> Callable[[], None]:
+        """Post round ``t``'s P2P ops as one batch; returns the wait."""
+        s, stats = self.s, self.stats
         ops = []
-        for row in sends_at.get(t, ()):
+        for row in self.sends_at.get(t, ()):
             pid = int(s.sends.piece[row])
-            if s.sends.src[row] == rank:
+            if s.sends.src[row] == self.rank:
                 v = int(s.sends.view[row])
-                data = bufs[pid] if v < 0 else source.view(v, pid)
-                ops.append(collectives.p2p(dist.isend, data if data.is_contiguous() else data.contiguous(),
-                                     int(s.sends.dst[row]), members))
-                stats.bytes_sent += int(s.pieces.bytes[pid])
+                data = self.bufs[pid] if v < 0 else self.source.view(v, pid)
+                ops.append(
+                    collectives.p2p(
+                        dist.isend,
+                        data if data.is_contiguous() else data.contiguous(),
+                        int(s.sends.dst[row]),
+                        self.members,
+                    )
+                )
+                stats.bytes_sent += self.nbytes(pid)
             else:
-                bufs[pid] = empty(pid)
-                ops.append(collectives.p2p(dist.irecv, bufs[pid], int(s.sends.src[row]), members))
-                stats.bytes_received += int(s.pieces.bytes[pid])
-                staged += int(s.pieces.bytes[pid])
-        stats.peak_staging_bytes = max(stats.peak_staging_bytes, staged)
-        wait = collectives.start_p2p(ops, what) if ops else (lambda: None)
-        if step + 1 < len(rounds):
-            read_ahead(rounds[step + 1])
-            stats.peak_staging_bytes = max(stats.peak_staging_bytes, staged + ahead_bytes)
-        # Overlap: a share of this rank's own work while the batch is in flight.
-        local_work(math.ceil(len(my_local) / max(len(rounds) - step, 1)))
-        wait()
-        landed(source.reads_done())
-        for row in bcasts_at.get(t, ()):
+                self.bufs[pid] = self.empty(pid)
+                ops.append(collectives.p2p(dist.irecv, self.bufs[pid], int(s.sends.src[row]), self.members))
+                stats.bytes_received += self.nbytes(pid)
+                self.staged += self.nbytes(pid)
+        stats.peak_staging_bytes = max(stats.peak_staging_bytes, self.staged)
+        return collectives.start_p2p(ops, self.what) if ops else (lambda: None)
+
+    def join_broadcasts(self, t: int) -> None:
+        """Round ``t``'s node broadcasts, by node and piece (as every rank of the node)."""
+        s, stats = self.s, self.stats
+        for row in self.bcasts_at.get(t, ()):
             pid, root = int(s.bcasts.piece[row]), int(s.bcasts.root[row])
-            if root != rank:
-                bufs[pid] = empty(pid)
-                stats.bytes_received += int(s.pieces.bytes[pid])
-                staged += int(s.pieces.bytes[pid])
-                stats.peak_staging_bytes = max(stats.peak_staging_bytes, staged)
+            if root != self.rank:
+                self.bufs[pid] = self.empty(pid)
+                stats.bytes_received += self.nbytes(pid)
+                self.staged += self.nbytes(pid)
+                stats.peak_staging_bytes = max(stats.peak_staging_bytes, self.staged)
             node = int(s.bcasts.node[row])
-            if root == rank:
-                stats.bytes_sent += int(s.pieces.bytes[pid]) * int(node_size[node] - 1)
-            with collectives.collective(what, set(s.topology.node_ranks(node)) - {rank}):
-                dist.broadcast(bufs[pid], src=root if members is None else members[root], group=node_group)
-        due = dlv_at.get(t, {})
+            if root == self.rank:
+                stats.bytes_sent += self.nbytes(pid) * int(self.node_size[node] - 1)
+            with collectives.collective(self.what, set(s.topology.node_ranks(node)) - {self.rank}):
+                dist.broadcast(
+                    self.bufs[pid], src=root if self.members is None else self.members[root], group=self.node_group
+                )
+
+    def deliver_round(self, t: int) -> None:
+        """Round ``t``'s deliveries, after every op of the round (a delivery may overwrite a
+        slot that a send of the same round reads)."""
+        due = self.dlv_at.get(t, {})
         if due:
-            deliver([(r, bufs[pid]) for pid, rows in due.items() for r in rows],
-                    sum(int(s.pieces.bytes[pid]) for pid in due))
-        for pid in [p for p in bufs if last_use.get(p, -1) <= t]:
-            staged -= int(s.pieces.bytes[pid])
-            del bufs[pid]
-    local_work(len(my_local))
-    failure.extend(source.finish_reads())
-    landed(source.reads_done())
-    return stats
+            self.deliver(
+                [(r, self.bufs[pid]) for pid, rows in due.items() for r in rows], sum(self.nbytes(pid) for pid in due)
+            )
+
+    def free(self, t: int) -> None:
+        """Drop the buffers whose last use was round ``t`` or earlier."""
+        for pid in [p for p in self.bufs if self.last_use.get(p, -1) <= t]:
+            self.staged -= self.nbytes(pid)
+            del self.bufs[pid]
+
+    def run(self) -> ExecStats:
+        """Every round of this rank, then the rest of its local work (Collective)."""
+        rounds, stats = self.rounds, self.stats
+        if rounds:  # the first round's reads in parallel, too
+            self.read_ahead(rounds[0])
+        for step, t in enumerate(rounds):
+            self.stage(t)
+            wait = self.post(t)
+            if step + 1 < len(rounds):
+                self.read_ahead(rounds[step + 1])
+                stats.peak_staging_bytes = max(stats.peak_staging_bytes, self.staged + self.ahead_bytes)
+            # Overlap: a share of this rank's own work while the batch is in flight.
+            self.local_work(math.ceil(len(self.work) / max(len(rounds) - step, 1)))
+            wait()
+            self.landed(self.source.reads_done())
+            self.join_broadcasts(t)
+            self.deliver_round(t)
+            self.free(t)
+        self.local_work(len(self.work))
+        stats.failures.extend(self.source.finish_reads())
+        self.landed(self.source.reads_done())
+        stats.gap_bytes_read = self.source.gap_bytes()
+        return stats
 
 
 def exchange(outbox: dict[int, torch.Tensor], inbox: dict[int, torch.Tensor], what: str) -> Callable[[], None]:

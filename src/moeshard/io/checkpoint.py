@@ -46,10 +46,11 @@ import re
 import reprlib
 import struct
 import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from json.decoder import WHITESPACE, JSONDecodeError, scanstring
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -59,8 +60,18 @@ from ..dtypes import ITEMSIZE, LazyTable, torch_dtypes
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["TensorInfo", "CheckpointIndex", "CheckpointReader", "CheckpointError", "write_checkpoint",
-           "safetensors_header", "pwrite_all", "load_json"]
+    from .extents import Extent
+
+__all__ = [
+    "TensorInfo",
+    "CheckpointIndex",
+    "CheckpointReader",
+    "CheckpointError",
+    "write_checkpoint",
+    "safetensors_header",
+    "pwrite_all",
+    "load_json",
+]
 
 INDEX_NAME = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own limit (MAX_HEADER_SIZE): bytes, not MiB
@@ -117,7 +128,7 @@ class CheckpointIndex:
     file_sizes: dict[str, int]
 
     @classmethod
-    def open(cls, path: str | os.PathLike) -> "CheckpointIndex":
+    def open(cls, path: str | os.PathLike) -> CheckpointIndex:
         """Read the index (a directory with ``model.safetensors.index.json`` or that file
         itself, a directory with one ``.safetensors`` file, or a ``.safetensors`` file) and
         every header."""
@@ -223,8 +234,14 @@ class CheckpointIndex:
         # shared objects, so pickle writes each distinct one once.
         infos = self.tensors.values()
         files = {f: i for i, f in enumerate(dict.fromkeys(t.file for t in infos))}
-        columns = (tuple(self.tensors), tuple(files), [files[t.file] for t in infos], [t.offset for t in infos],
-                   [t.dtype for t in infos], [t.shape for t in infos])
+        columns = (
+            tuple(self.tensors),
+            tuple(files),
+            [files[t.file] for t in infos],
+            [t.offset for t in infos],
+            [t.dtype for t in infos],
+            [t.shape for t in infos],
+        )
         return _index_from_columns, (self.root, columns, self.file_sizes)
 
 
@@ -381,8 +398,12 @@ def _json_errors(where: object, what: str) -> Iterator[None]:
 def _decoder(object_pairs_hook=_unique_keys, parse_int=None) -> json.JSONDecoder:
     """Stricter than ``json.loads`` where other readers are: no duplicate keys, no NaN /
     Infinity, no number out of float range."""
-    return json.JSONDecoder(object_pairs_hook=object_pairs_hook, parse_constant=_reject_constant,
-                            parse_float=_finite_float, parse_int=parse_int)
+    return json.JSONDecoder(
+        object_pairs_hook=object_pairs_hook,
+        parse_constant=_reject_constant,
+        parse_float=_finite_float,
+        parse_int=parse_int,
+    )
 
 
 def _parse_json(text: str, where: object, what: str) -> object:
@@ -412,23 +433,24 @@ def _object_items(text: str, decoder: json.JSONDecoder) -> Iterator[tuple[str, o
     ``decoder``: unlike ``json.loads``, never a list of all the members' pairs and a dict of
     all their keys besides the caller's own structure (about 110 MB for a maximal header).
     The grammar is ``json.decoder.JSONObject``'s, the errors its JSONDecodeErrors."""
+
     def skip(pos: int) -> int:  # past any whitespace at pos (compact JSON has none: no regex call)
-        return ws(text, pos).end() if text[pos:pos + 1] in _WS_CHARS else pos
+        return ws(text, pos).end() if text[pos : pos + 1] in _WS_CHARS else pos
 
     ws, scan = WHITESPACE.match, decoder.scan_once
     end = skip(0)
-    if text[end:end + 1] != "{":
+    if text[end : end + 1] != "{":
         raise JSONDecodeError("Expecting '{' (a safetensors header is a JSON object)", text, end)
     end = skip(end + 1)
-    if text[end:end + 1] == "}":
+    if text[end : end + 1] == "}":
         end += 1
     else:
         while True:
-            if text[end:end + 1] != '"':
+            if text[end : end + 1] != '"':
                 raise JSONDecodeError("Expecting property name enclosed in double quotes", text, end)
             key, end = scanstring(text, end + 1)
             end = skip(end)
-            if text[end:end + 1] != ":":
+            if text[end : end + 1] != ":":
                 raise JSONDecodeError("Expecting ':' delimiter", text, end)
             try:  # scan_once is raw_decode's C core, without its Python frame
                 value, end = scan(text, skip(end + 1))
@@ -436,7 +458,7 @@ def _object_items(text: str, decoder: json.JSONDecoder) -> Iterator[tuple[str, o
                 raise JSONDecodeError("Expecting value", text, e.value) from None
             yield key, value
             end = skip(end)
-            sep = text[end:end + 1]
+            sep = text[end : end + 1]
             end = skip(end + 1)
             if sep == "}":
                 break
@@ -482,21 +504,21 @@ class _EntryParser:
 
     def _info(self, obj: dict) -> TensorInfo:
         dtype, shape, offsets = obj.get("dtype"), obj.get("shape"), obj["data_offsets"]
-        if not (isinstance(dtype, str) and isinstance(shape, list) and isinstance(offsets, list)
-                and len(offsets) == 2):
+        if not (isinstance(dtype, str) and isinstance(shape, list) and isinstance(offsets, list) and len(offsets) == 2):
             raise _JsonRejected("lacks dtype/shape/data_offsets (a string, a list and [begin, end])")
         canonical = self.dtypes.get(dtype)
         if canonical is None:
             raise _JsonRejected(f"has unsupported dtype {_brief(dtype)}")
         numel = _numel(shape)
         begin, end = offsets
-        if not (type(begin) is int and type(end) is int):  # noqa: E721 -- bool is an int subclass
+        if not (type(begin) is int and type(end) is int):
             raise _JsonRejected(f"has a malformed shape or offsets: data_offsets {_brief(offsets)} are not integers")
         nbytes = numel * _ITEMSIZE[canonical]
         if not 0 <= begin <= end <= self.data_len or end - begin != nbytes:
             raise _JsonRejected(
                 f"has data_offsets [{begin}, {end}] but dtype {dtype} x shape {_brief(shape)} needs {nbytes} bytes "
-                f"inside a data section of {self.data_len} bytes (truncated or corrupt file)")
+                f"inside a data section of {self.data_len} bytes (truncated or corrupt file)"
+            )
         key = tuple(shape)
         return TensorInfo(self.name, self.data_start + begin, canonical, self.shapes.setdefault(key, key))
 
@@ -506,9 +528,10 @@ def _numel(shape: list) -> int:
     product below 2**63, as safetensors checks it (so no product of huge dims is ever built)."""
     n = 1
     for d in shape:
-        if type(d) is not int or not 0 <= d < _MAX_INT:  # noqa: E721 -- bool is an int subclass
-            raise _JsonRejected(f"has a malformed shape or offsets: shape {_brief(shape)} is not non-negative "
-                                "integers below 2**63")
+        if type(d) is not int or not 0 <= d < _MAX_INT:
+            raise _JsonRejected(
+                f"has a malformed shape or offsets: shape {_brief(shape)} is not non-negative integers below 2**63"
+            )
         n *= d
         if n >= _MAX_INT:
             raise _JsonRejected(f"has a malformed shape or offsets: shape {_brief(shape)} has 2**63 elements or more")
@@ -550,7 +573,7 @@ def read_header(path: Path, name: str | None = None) -> tuple[dict[str, TensorIn
                 raise _JsonRejected(f"key {_brief(key)} appears twice in the header")
             if key == "__metadata__":
                 meta = value
-            elif type(value) is TensorInfo:  # noqa: E721 -- the parser's own class, fast
+            elif type(value) is TensorInfo:
                 header[key] = value
             else:
                 why = value.reason if isinstance(value, _BadEntry) else "lacks dtype/shape/data_offsets"
@@ -570,8 +593,9 @@ def _check_tiling(path: Path, header: dict[str, TensorInfo], data_start: int, da
     num = len(header)
     if not num:
         if data_len:
-            raise CheckpointError(f"{path}: a header with no tensors, but {data_len} data bytes follow it: "
-                                  "corrupt file")
+            raise CheckpointError(
+                f"{path}: a header with no tensors, but {data_len} data bytes follow it: corrupt file"
+            )
         return
     begin = np.fromiter((t.offset for t in header.values()), dtype=np.int64, count=num) - data_start
     end = begin + np.fromiter((t.nbytes for t in header.values()), dtype=np.int64, count=num)
@@ -584,18 +608,26 @@ def _check_tiling(path: Path, header: dict[str, TensorInfo], data_start: int, da
         i = int(bad[0])
         if i == 0:
             first = _brief(_key_at(header, order[0]))
-            raise CheckpointError(f"{path}: bytes [0, {begin[0]}) of the data section belong to no tensor "
-                                  f"(the first, {first}, begins at {begin[0]}): corrupt file")
+            raise CheckpointError(
+                f"{path}: bytes [0, {begin[0]}) of the data section belong to no tensor "
+                f"(the first, {first}, begins at {begin[0]}): corrupt file"
+            )
         a, b = _brief(_key_at(header, order[i - 1])), _brief(_key_at(header, order[i]))
         if begin[i] < prev_end[i]:
-            raise CheckpointError(f"{path}: tensors {a} (data bytes [{begin[i - 1]}, {end[i - 1]})) and {b} "
-                                  f"([{begin[i]}, {end[i]})) overlap: corrupt file")
-        raise CheckpointError(f"{path}: bytes [{prev_end[i]}, {begin[i]}) of the data section, between tensors "
-                              f"{a} and {b}, belong to no tensor: corrupt file")
+            raise CheckpointError(
+                f"{path}: tensors {a} (data bytes [{begin[i - 1]}, {end[i - 1]})) and {b} "
+                f"([{begin[i]}, {end[i]})) overlap: corrupt file"
+            )
+        raise CheckpointError(
+            f"{path}: bytes [{prev_end[i]}, {begin[i]}) of the data section, between tensors "
+            f"{a} and {b}, belong to no tensor: corrupt file"
+        )
     last = int(end[-1])
     if last != data_len:
-        raise CheckpointError(f"{path}: bytes [{last}, {data_len}) at the end of the data section belong to no "
-                              "tensor (safetensors requires the tensors to cover the file): corrupt or appended file")
+        raise CheckpointError(
+            f"{path}: bytes [{last}, {data_len}) at the end of the data section belong to no "
+            "tensor (safetensors requires the tensors to cover the file): corrupt or appended file"
+        )
 
 
 def _brief(value: object) -> str:
@@ -617,6 +649,8 @@ def _key_at(header: dict, position: int) -> str:
 # size of common devices), through a bounce buffer of this many bytes per reading thread.
 DIRECT_ALIGN = 4096
 DIRECT_BOUNCE_BYTES = 8 * 2**20
+# Buffers one preadv fills at most (the system's IOV_MAX; POSIX guarantees 16, Linux has 1024).
+IOV_MAX = max(16, os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in getattr(os, "sysconf_names", {}) else 16)
 
 
 class CheckpointReader:
@@ -641,6 +675,7 @@ class CheckpointReader:
         self.root = Path(index.root if root is None else root)
         self.direct_io = direct_io
         self.bytes_read = 0
+        self.gap_bytes_read = 0
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
         self._bounce = threading.local()
@@ -676,19 +711,27 @@ class CheckpointReader:
         for name in sorted(set(names)):
             self._fd(name)
 
-    def _pread(self, fd: int, buf: torch.Tensor, offset: int, name: str) -> None:
-        view = memoryview(buf.numpy()).cast("B")
+    def _pread(self, fd: int, buf, offset: int, name: str) -> None:
+        """Fill ``buf`` from file byte ``offset`` on: a tensor (its bytes), or a list of
+        writable byte buffers filled in order (one ``preadv`` with several iovecs: an extent).
+        Short reads continue where they stopped; the end of the file is a CheckpointError."""
+        views = [memoryview(buf.numpy()).cast("B")] if not isinstance(buf, list) else list(buf)
+        total = sum(len(v) for v in views)
         done = 0
-        while done < len(view):
+        first = 0  # views[first] is the first not yet full
+        while done < total:
             if self.direct_io:
-                n = self._pread_direct(fd, view[done:], offset + done)
+                n = self._pread_direct(fd, views[first], offset + done)
             else:
-                n = os.preadv(fd, [view[done:]], offset + done)
+                n = os.preadv(fd, views[first : first + IOV_MAX], offset + done)
             if n <= 0:
                 raise CheckpointError(f"{self.root / name}: unexpected end of file at byte {offset + done}")
             done += n
-        with self._lock:
-            self.bytes_read += done
+            while first < len(views) and n >= len(views[first]):
+                n -= len(views[first])
+                first += 1
+            if n:  # a short read inside one buffer: its rest next
+                views[first] = views[first][n:]
 
     def _pread_direct(self, fd: int, view: memoryview, offset: int) -> int:
         """One aligned ``O_DIRECT`` read of the blocks around the first bytes of ``view`` (at
@@ -702,7 +745,7 @@ class CheckpointReader:
         span = -(-(skip + want) // DIRECT_ALIGN) * DIRECT_ALIGN
         got = os.preadv(fd, [memoryview(bounce)[:span]], offset - skip) - skip  # short at the end of the file
         n = max(0, min(got, want))
-        view[:n] = memoryview(bounce)[skip:skip + n]
+        view[:n] = memoryview(bounce)[skip : skip + n]
         return n
 
     def read(self, key: str, box: Box | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -719,46 +762,75 @@ class CheckpointReader:
             raise ValueError(f"{key}: destination of shape {list(out.shape)} for a box of shape {list(shape)}")
         import torch  # the reader allocates tensors; the headers (above) need no torch
 
-        direct = out is not None and out.device.type == "cpu" and out.dtype == info.torch_dtype and out.is_contiguous()
+        direct = out is not None and self.reads_straight_into(key, out)
         buf = out if direct else torch.empty(shape, dtype=info.torch_dtype)
         if box_numel(box):
-            self._read_into(info, box, buf.view(-1).view(torch.uint8), key)
+            flat = buf.view(-1).view(torch.uint8)
+            fd = self._fd(info.file)
+            pos = 0
+            for start, n in self.runs(key, box):
+                self._pread(fd, flat[pos : pos + n], start, info.file)
+                pos += n
+            with self._lock:
+                self.bytes_read += pos
         if out is None or direct:
             return buf
         return out.copy_(buf)
 
-    def _read_into(self, info: TensorInfo, box: Box, flat: torch.Tensor, key: str) -> None:
-        fd = self._fd(info.file)
+    def reads_straight_into(self, key: str, out: torch.Tensor) -> bool:
+        """Whether a read of ``key`` lands in ``out`` itself (a contiguous CPU tensor of the
+        checkpoint's dtype), rather than in a buffer copied (and cast) into it."""
+        return out.device.type == "cpu" and out.dtype == self.index.info(key).torch_dtype and out.is_contiguous()
+
+    def runs(self, key: str, box: Box) -> list[tuple[int, int]]:
+        """The file byte ranges ``(offset, nbytes)`` that ``box`` of ``key`` is made of, in the
+        box's row-major order (its bytes, concatenated, are the box as a contiguous tensor):
+        one range unless the box is cut along a dim after its first cut one. Empty for an
+        empty box. The box must lie inside the tensor (:func:`~moeshard.box.check_box`)."""
+        info = self.index.info(key)
         shape, item = info.shape, info.itemsize
+        if not box_numel(box):
+            return []
         if not shape:  # a 0-dim tensor: one element
-            self._pread(fd, flat, info.offset, info.file)
-            return
-        # Collapse trailing dims the box covers fully: each run is then one contiguous read.
+            return [(info.offset, item)]
+        # Collapse trailing dims the box covers fully: each run is then one contiguous range.
         k = len(shape) - 1
         while k > 0 and box[k] == (0, shape[k]):
             k -= 1
         inner = math.prod(shape[k + 1 :])
         run = box[k][1] * inner * item
-        strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+        strides = [math.prod(shape[d + 1 :]) * item for d in range(k)]
         outer = box[:k]
-        num_runs = math.prod(n for _, n in outer)
         base = info.offset + box[k][0] * inner * item
-        if num_runs == 1:
-            start = base + sum(o * strides[d] * item for d, (o, _) in enumerate(outer))
-            self._pread(fd, flat, start, info.file)
+        # Row-major over the outer dims: the first outer dim varies slowest.
+        starts = [base]
+        for d in range(k):
+            o, n = outer[d]
+            starts = [s + (o + i) * strides[d] for s in starts for i in range(n)]
+        return [(s, run) for s in starts]
+
+    def read_extent(self, extent: Extent, views: Sequence[memoryview], scratch: memoryview) -> None:
+        """One :class:`~moeshard.io.extents.Extent` of a file with one ``preadv`` (several when
+        it has more parts than the system's iovec limit, or when reads come back short):
+        part ``i`` lands in ``views[extent.parts[i].seg]``, its gaps in ``scratch`` (a throwaway
+        buffer at least as long as the longest gap). Counts the parts' bytes in ``bytes_read``,
+        the gaps' in ``gap_bytes_read``."""
+        iovs = [views[p.seg] if p.seg >= 0 else scratch[: p.nbytes] for p in extent.parts]
+        self._pread(self._fd(extent.file), iovs, extent.offset, extent.file)
+        with self._lock:
+            self.bytes_read += extent.nbytes - extent.gap_bytes
+            self.gap_bytes_read += extent.gap_bytes
+
+    def advise(self, file: str, offset: int, nbytes: int) -> None:
+        """Hint that ``nbytes`` of ``file`` from ``offset`` on will be read soon
+        (``posix_fadvise(WILLNEED)``: the kernel starts reading them into the page cache).
+        Nothing where the platform lacks it or with ``direct_io`` (no page cache)."""
+        if self.direct_io or not hasattr(os, "posix_fadvise") or nbytes <= 0:
             return
-        # Several runs (a box cut along a later dim): one pread per run.
-        idx = [0] * k
-        pos = 0
-        for _ in range(num_runs):
-            start = base + sum((outer[d][0] + idx[d]) * strides[d] * item for d in range(k))
-            self._pread(fd, flat[pos : pos + run], start, info.file)
-            pos += run
-            for d in reversed(range(k)):
-                idx[d] += 1
-                if idx[d] < outer[d][1]:
-                    break
-                idx[d] = 0
+        try:
+            os.posix_fadvise(self._fd(file), offset, nbytes, os.POSIX_FADV_WILLNEED)
+        except OSError:  # a hint: a file system without it reads on demand, as without the hint
+            pass
 
     def close(self) -> None:
         with self._lock:
@@ -766,7 +838,7 @@ class CheckpointReader:
                 os.close(fd)
             self._fds.clear()
 
-    def __enter__(self) -> "CheckpointReader":
+    def __enter__(self) -> CheckpointReader:
         return self
 
     def __exit__(self, *exc: object) -> None:

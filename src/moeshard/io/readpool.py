@@ -25,8 +25,8 @@ from __future__ import annotations
 import collections
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
 
 import torch
 
@@ -117,6 +117,17 @@ class ReadPool:
         and its bytes count in ``bytes_done``."""
         self._futures.append(self._start(key, box, out, counted=True))
 
+    def run(self, read: Callable[[], int]) -> None:
+        """Call ``read`` (a read straight into CPU destinations, e.g. one extent of
+        :class:`~moeshard.io.extents.ExtentReads`) on a worker thread; it returns the bytes it
+        landed, counted in ``bytes_done``; :meth:`drain` waits for it and returns its error."""
+        self._futures.append(self._pool.submit(self._run, read))
+
+    def _run(self, read: Callable[[], int]) -> None:
+        nbytes = read()
+        with self._lock:
+            self.bytes_done += nbytes
+
     def read_ahead(self, key: str, box: Box, out: torch.Tensor) -> Callable[[], None]:
         """Start reading ``box`` of ``key`` into ``out`` (as :meth:`submit`) for a caller that
         waits for this read itself: returns the wait, which raises the read's error and makes
@@ -190,7 +201,7 @@ class ReadPool:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def __enter__(self) -> "ReadPool":
+    def __enter__(self) -> ReadPool:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -56,5 +56,3 @@ def as_hybrid(mesh) -> tuple[DeviceMesh, DeviceMesh | None]:
     if not isinstance(mesh, DeviceMesh):
         raise ValueError(f"mesh must be a DeviceMesh or a moeshard HybridMesh (make_mesh), got {type(mesh).__name__}")
     return mesh, None
-
-

@@ -119,8 +119,10 @@ def parallelize(
     if mp_policy is None:
         mp_policy = MixedPrecisionPolicy()  # fully_shard's default: no casts
     elif not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise ValueError(f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy (FSDP2's), got "
-                         f"{type(mp_policy).__module__}.{type(mp_policy).__qualname__}")
+        raise ValueError(
+            f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy (FSDP2's), got "
+            f"{type(mp_policy).__module__}.{type(mp_policy).__qualname__}"
+        )
     mesh, dense = as_hybrid(mesh)
     if dense is not None and replicate not in (1, dense.size(0)):
         raise ValueError(f"replicate={replicate} differs from the HybridMesh's {dense.size(0)} replica groups")
@@ -161,9 +163,14 @@ def parallelize(
                     f"{module_name}.{p.name} has {shape[0]} experts, the placement {placement.num_logical}{also}"
                 )
             local = torch.empty((spr, *shape[1:]), dtype=old.dtype, device=old.device)
-            dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False,
-                                    shape=torch.Size((placement.num_physical, *shape[1:])),
-                                    stride=_contiguous_stride((placement.num_physical, *shape[1:])))
+            dt = DTensor.from_local(
+                local,
+                ep_mesh,
+                [Shard(0)],
+                run_check=False,
+                shape=torch.Size((placement.num_physical, *shape[1:])),
+                stride=_contiguous_stride((placement.num_physical, *shape[1:])),
+            )
             new = nn.Parameter(dt, requires_grad=old.requires_grad)
             setattr(module, p.name, new)
             expert_params.add(new)
@@ -175,20 +182,45 @@ def parallelize(
         for lora in loras:  # A's rows are whole slots; B's columns interleave r with them
             w, a = lora.wrapper, lora.adapter
             for lin, r in ((w.lora_A[a], 0), (w.lora_B[a], w.r[a])):
-                guard_slots(lin, SlotGuard(record, layer, ("weight",), names.get(id(lin), ""), lora_rank=r,
-                                           saver="moeshard.lora.save_adapter(model, dir, placement=placement)"))
+                guard_slots(
+                    lin,
+                    SlotGuard(
+                        record,
+                        layer,
+                        ("weight",),
+                        names.get(id(lin), ""),
+                        lora_rank=r,
+                        saver="moeshard.lora.save_adapter(model, dir, placement=placement)",
+                    ),
+                )
         if efsdp > 1:
             # Shard(1), not Shard(0): the local box stays one contiguous run of whole slots
             # whether or not the slot count divides by efsdp (torchtitan's fallback).
             # LoRA B [out, r*S] shards its rows instead (its columns are EP's). On the module
             # whose forward is called, so that FSDP gathers the parameters before it runs.
-            fully_shard(wrappers[-1] if wrappers else host, mesh=mesh["efsdp"], mp_policy=mp_policy,
-                        shard_placement_fn=lambda t, b=lora_b: Shard(0) if id(t) in b else Shard(1))
-        installed = ep_forward and install_ep_forward(host, EPLayer(
-            layer, placement.phy2log[layer], placement.log2phy[layer], placement.logcnt[layer], spr,
-            ep_mesh.get_local_rank(), ep_mesh.get_group(), 1.0 / ep, tuple(p.name for p in spec.params),
-            mp_policy.param_dtype,
-        ), loras, holder=module)
+            fully_shard(
+                wrappers[-1] if wrappers else host,
+                mesh=mesh["efsdp"],
+                mp_policy=mp_policy,
+                shard_placement_fn=lambda t, b=lora_b: Shard(0) if id(t) in b else Shard(1),
+            )
+        installed = ep_forward and install_ep_forward(
+            host,
+            EPLayer(
+                layer,
+                placement.phy2log[layer],
+                placement.log2phy[layer],
+                placement.logcnt[layer],
+                spr,
+                ep_mesh.get_local_rank(),
+                ep_mesh.get_group(),
+                1.0 / ep,
+                tuple(p.name for p in spec.params),
+                mp_policy.param_dtype,
+            ),
+            loras,
+            holder=module,
+        )
         if loras and not installed:
             why = f"{type(module).__name__} is not an experts module it supports" if ep_forward else "ep_forward=False"
             raise ValueError(f"{module_name}: LoRA adapters on expert parameters need moeshard's EP forward ({why})")
@@ -245,9 +277,11 @@ def _check_whole_params(layers) -> None:
         names = {p.name for p in spec.params}
         extra = [n for n, _ in module.named_parameters(recurse=False) if n not in names]
         if extra:
-            raise ValueError(f"{module_name}: parameters {extra} of {type(module).__name__} are not expert "
-                             f"parameters of its spec ({sorted(names)}); with efsdp > 1 their gradients would not "
-                             "be reduced over the EP ranks: use efsdp=1, or ep_forward=False")
+            raise ValueError(
+                f"{module_name}: parameters {extra} of {type(module).__name__} are not expert "
+                f"parameters of its spec ({sorted(names)}); with efsdp > 1 their gradients would not "
+                "be reduced over the EP ranks: use efsdp=1, or ep_forward=False"
+            )
 
 
 def _contiguous_stride(shape) -> tuple[int, ...]:

@@ -54,10 +54,20 @@ class Config:
 def _config(cfg: Config):
     from transformers import Qwen3MoeConfig
 
-    return Qwen3MoeConfig(vocab_size=4096, hidden_size=cfg.hidden, intermediate_size=2 * cfg.hidden,
-                          moe_intermediate_size=cfg.hidden // 2, num_hidden_layers=cfg.layers, num_attention_heads=8,
-                          num_key_value_heads=4, head_dim=cfg.hidden // 8, num_experts=cfg.experts,
-                          num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False)
+    return Qwen3MoeConfig(
+        vocab_size=4096,
+        hidden_size=cfg.hidden,
+        intermediate_size=2 * cfg.hidden,
+        moe_intermediate_size=cfg.hidden // 2,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=cfg.hidden // 8,
+        num_experts=cfg.experts,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
 
 
 def _write(cfg: Config, path: str) -> None:
@@ -78,8 +88,10 @@ def _old_placement(cfg: Config):
     if cfg.placement == "full":  # every expert on every node
         rows = [np.concatenate([rng.permutation(cfg.experts) for _ in range(nodes)]) for _ in range(cfg.layers)]
     else:  # every expert once, one redundant copy per rank
-        rows = [rng.permutation(np.concatenate([np.arange(cfg.experts), rng.integers(0, cfg.experts, cfg.world)]))
-                for _ in range(cfg.layers)]
+        rows = [
+            rng.permutation(np.concatenate([np.arange(cfg.experts), rng.integers(0, cfg.experts, cfg.world)]))
+            for _ in range(cfg.layers)
+        ]
     return moeshard.Placement(np.stack(rows), num_logical=cfg.experts, num_ranks=cfg.world)
 
 
@@ -131,8 +143,13 @@ def _rank_main(idx: int, cfg: Config, ports: tuple, out_dir: str) -> None:
     torch.set_num_threads(1)
     result: tuple = ("ok", None)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=idx, world_size=cfg.world,
-                                timeout=datetime.timedelta(seconds=600))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{ports[0]}",
+            rank=idx,
+            world_size=cfg.world,
+            timeout=datetime.timedelta(seconds=600),
+        )
         pl = _old_placement(cfg)
         old = _build(cfg, cfg.world, cfg.world // cfg.local_world, pl)
         moeshard.load(old, cfg.checkpoint, placement=pl)
@@ -145,8 +162,13 @@ def _rank_main(idx: int, cfg: Config, ports: tuple, out_dir: str) -> None:
         dist.destroy_process_group()
         if idx >= cfg.survivors:  # the lost node
             raise SystemExit
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[1]}", rank=idx,
-                                world_size=cfg.survivors, timeout=datetime.timedelta(seconds=600))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{ports[1]}",
+            rank=idx,
+            world_size=cfg.survivors,
+            timeout=datetime.timedelta(seconds=600),
+        )
         new_pl = moeshard.Placement.contiguous(cfg.layers, cfg.experts, cfg.survivors)
         rows = {}
         for _ in range(cfg.repeat):
@@ -155,9 +177,14 @@ def _rank_main(idx: int, cfg: Config, ports: tuple, out_dir: str) -> None:
             new = _build(cfg, cfg.survivors, 1, new_pl)
             rep = moeshard.reshard(new, layout, old, cfg.checkpoint, dense_from_storage="allow")
             t = _max(time.perf_counter() - t0)
-            row = dict(seconds=t, read_bytes=_sum(rep.bytes_read_rank), received_bytes=_sum(rep.bytes_received_rank),
-                       copied_bytes=_sum(rep.bytes_copied_rank), storage_boxes=len(rep.storage_boxes),
-                       phases={k: round(_max(v), 4) for k, v in rep.phase_seconds.items()})
+            row = dict(
+                seconds=t,
+                read_bytes=_sum(rep.bytes_read_rank),
+                received_bytes=_sum(rep.bytes_received_rank),
+                copied_bytes=_sum(rep.bytes_copied_rank),
+                storage_boxes=len(rep.storage_boxes),
+                phases={k: round(_max(v), 4) for k, v in rep.phase_seconds.items()},
+            )
             if "reshard" not in rows or t < rows["reshard"]["seconds"]:
                 rows["reshard"] = row
             del new
@@ -168,9 +195,14 @@ def _rank_main(idx: int, cfg: Config, ports: tuple, out_dir: str) -> None:
             new = _build(cfg, cfg.survivors, 1, new_pl)
             rep = moeshard.load(new, cfg.checkpoint, placement=new_pl)
             t = _max(time.perf_counter() - t0)
-            row = dict(seconds=t, read_bytes=_sum(rep.bytes_read_rank), received_bytes=_sum(rep.bytes_received_rank),
-                       copied_bytes=0, storage_boxes=-1,
-                       phases={k: round(_max(v), 4) for k, v in rep.phase_seconds.items()})
+            row = dict(
+                seconds=t,
+                read_bytes=_sum(rep.bytes_read_rank),
+                received_bytes=_sum(rep.bytes_received_rank),
+                copied_bytes=0,
+                storage_boxes=-1,
+                phases={k: round(_max(v), 4) for k, v in rep.phase_seconds.items()},
+            )
             if "reload" not in rows or t < rows["reload"]["seconds"]:
                 rows["reload"] = row
             del new
@@ -231,12 +263,16 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = a.checkpoint or os.path.join(tempfile.gettempdir(), name)
     cfg = Config(a.hidden, a.layers, a.experts, a.world, a.local_world, a.placement, a.repeat, a.warm, ckpt)
     rows = run(cfg)
-    print(f"moeshard bench reshard: {cfg.world} ranks ({cfg.world // cfg.local_world} nodes), node lost, "
-          f"{cfg.survivors} survivors; placement {cfg.placement}")
+    print(
+        f"moeshard bench reshard: {cfg.world} ranks ({cfg.world // cfg.local_world} nodes), node lost, "
+        f"{cfg.survivors} survivors; placement {cfg.placement}"
+    )
     print(f"{'variant':10} {'seconds':>9} {'read MiB':>10} {'recv MiB':>10} {'copied MiB':>11} {'boxes':>6}")
     for name, r in rows.items():
-        print(f"{name:10} {r['seconds']:9.3f} {r['read_bytes'] / 2**20:10.2f} {r['received_bytes'] / 2**20:10.2f} "
-              f"{r['copied_bytes'] / 2**20:11.2f} {r['storage_boxes'] if r['storage_boxes'] >= 0 else '-':>6}")
+        print(
+            f"{name:10} {r['seconds']:9.3f} {r['read_bytes'] / 2**20:10.2f} {r['received_bytes'] / 2**20:10.2f} "
+            f"{r['copied_bytes'] / 2**20:11.2f} {r['storage_boxes'] if r['storage_boxes'] >= 0 else '-':>6}"
+        )
     if a.out:
         with open(a.out, "w") as f:
             json.dump(dict(config=asdict(cfg), results=rows), f, indent=2)
