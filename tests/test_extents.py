@@ -53,7 +53,7 @@ def test_gaps_below_the_threshold_are_read_into_scratch_others_split():
     segs = [Segment("a", 0, 10, 0, 0), Segment("a", 14, 10, 1, 0), Segment("a", 100, 10, 2, 0)]
     ext = plan_extents(segs, gap_bytes=4)
     assert [(e.offset, e.nbytes, e.gap_bytes) for e in ext] == [(0, 24, 4), (100, 10, 0)]
-    assert ext[0].parts == (Part(0, 10), Part(-1, 4), Part(1, 10)) and ext[0].pieces.bytes == 20
+    assert ext[0].parts == (Part(0, 10), Part(-1, 4), Part(1, 10)) and ext[0].piece_bytes == 20
     _covers(ext, segs)
     assert len(plan_extents(segs, gap_bytes=3)) == 3
 

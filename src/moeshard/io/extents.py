@@ -339,4 +339,4 @@ class ExtentReads:
         Raises the reader's CheckpointError (naming the file and byte) on a failed read."""
         extent = self.extents[i]
         self.reader.read_extent(extent, self.views, self.scratch)
-        return extent.pieces.bytes
+        return extent.piece_bytes
