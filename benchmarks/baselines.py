@@ -41,7 +41,8 @@ import torch.distributed as dist
 from torch import nn
 
 from moeshard.box import box_shape, box_slices
-from moeshard.io.checkpoint import CheckpointIndex, CheckpointReader
+from moeshard.io.index import CheckpointIndex
+from moeshard.io.reader import CheckpointReader
 from moeshard.models.adapters import DEFAULT_SPECS, ExpertsSpec
 from moeshard.models.describe import ParamDesc, describe_model, local_tensor
 from moeshard.models.layout import Need, compute_needs

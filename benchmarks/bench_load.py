@@ -168,7 +168,7 @@ def ensure_checkpoint(path: Path, d: dict, rebuild: bool = False) -> tuple[bool,
     """Write the checkpoint (safetensors shards, index, ``config.json``) unless ``path``
     already holds one with these dims. Returns ``(built, seconds)``."""
     from moeshard import write_checkpoint
-    from moeshard.io.checkpoint import INDEX_NAME
+    from moeshard.io.index import INDEX_NAME
 
     dims_path = path / DIMS_FILE
     config_path = path / "config.json"

@@ -41,7 +41,8 @@ def adapter(world: int):
     import numpy as np
     import torch
 
-    from moeshard.io.checkpoint import CheckpointIndex, TensorInfo
+    from moeshard.io.header import TensorInfo
+    from moeshard.io.index import CheckpointIndex
 
     try:
         from moeshard.models.describe import ParamDesc

@@ -82,7 +82,7 @@ from moeshard.cluster import (
     synthetic_index,
 )
 from moeshard.cluster.render import format_bytes
-from moeshard.io.checkpoint import INDEX_NAME, CheckpointIndex
+from moeshard.io.index import INDEX_NAME, CheckpointIndex
 from moeshard.models.layout import need_table
 from moeshard.plan import plan_transfers
 

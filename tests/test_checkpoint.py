@@ -489,15 +489,15 @@ def test_project_writers_produce_tiled_files(tmp_path):
     entries, pos = [], 0
     for key, t in ts.items():
         n = t.numel() * t.element_size()
-        entries.append((key, moeshard.io.checkpoint.DTYPE_NAMES[t.dtype], t.shape, pos, pos + n))
+        entries.append((key, moeshard.io.header.DTYPE_NAMES[t.dtype], t.shape, pos, pos + n))
         pos += n
-    head = moeshard.io.checkpoint.safetensors_header(entries)
+    head = moeshard.io.writer.safetensors_header(entries)
     f = tmp_path / "streamed.safetensors"
     fd = os.open(f, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
         for (_key, *_, begin, _end), t in zip(entries, ts.values()):
-            moeshard.io.checkpoint.pwrite_all(fd, t.contiguous().view(-1).view(torch.uint8).numpy(), len(head) + begin)
-        moeshard.io.checkpoint.pwrite_all(fd, head, 0)
+            moeshard.io.writer.pwrite_all(fd, t.contiguous().view(-1).view(torch.uint8).numpy(), len(head) + begin)
+        moeshard.io.writer.pwrite_all(fd, head, 0)
     finally:
         os.close(fd)
     assert _safetensors_accepts(f)
@@ -508,7 +508,7 @@ def test_project_writers_produce_tiled_files(tmp_path):
 
 def test_header_size_limit_is_the_formats(tmp_path):
     """100,000,000 bytes (safetensors' MAX_HEADER_SIZE), not 100 MiB."""
-    from moeshard.io.checkpoint import MAX_HEADER_BYTES
+    from moeshard.io.header import MAX_HEADER_BYTES
 
     assert MAX_HEADER_BYTES == 100_000_000
     f = tmp_path / "big.safetensors"
@@ -596,7 +596,7 @@ def test_hostile_index_json(good_dir):
 
 
 def test_load_json_names_the_file(tmp_path):
-    from moeshard.io.checkpoint import load_json
+    from moeshard.io.strict_json import load_json
 
     cfg = tmp_path / "config.json"
     cfg.write_bytes(b'{"a": ' + _nested(100_000) + b"}")
@@ -613,7 +613,7 @@ def test_tensor_info_is_compact_and_picklable():
     travel between ranks pickled."""
     import pickle
 
-    from moeshard.io.checkpoint import TensorInfo
+    from moeshard.io.header import TensorInfo
 
     t = TensorInfo("f.safetensors", 8, "BF16", (2, 3))
     assert not hasattr(t, "__dict__")

@@ -37,7 +37,8 @@ from moeshard.cluster import (
     synthetic_index,
 )
 from moeshard.dtypes import dtype_name
-from moeshard.io.checkpoint import CheckpointIndex, write_checkpoint
+from moeshard.io.index import CheckpointIndex
+from moeshard.io.writer import write_checkpoint
 from moeshard.models.layout import compute_needs, need_table
 from moeshard.models.shards import shard_boxes
 from moeshard.topology import Topology

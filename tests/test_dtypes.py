@@ -13,7 +13,8 @@ import torch
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from moeshard.dtypes import ITEMSIZE, LazyTable, cast_refusal, dtype_name, itemsize, torch_dtypes
-from moeshard.io.checkpoint import DTYPE_NAMES, DTYPES, CheckpointIndex, TensorInfo
+from moeshard.io.header import DTYPE_NAMES, DTYPES, TensorInfo
+from moeshard.io.index import CheckpointIndex
 from moeshard.models.shards import shard_boxes
 
 

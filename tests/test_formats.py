@@ -12,7 +12,6 @@ import sys
 
 import pytest
 
-from moeshard.io.checkpoint import CheckpointIndex, TensorInfo
 from moeshard.io.formats import (
     MAX_LISTED,
     ExpertKey,
@@ -24,6 +23,8 @@ from moeshard.io.formats import (
     scale_keys,
     scaled_weight,
 )
+from moeshard.io.header import TensorInfo
+from moeshard.io.index import CheckpointIndex
 from moeshard.models.adapters import ExpertParam, expert_params
 
 ITEMSIZE = {"F32": 4, "BF16": 2, "F8_E4M3": 1}

@@ -19,7 +19,8 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from moeshard import Placement
 from moeshard.box import Box, full_box
 from moeshard.cluster import ClusterSpec, find_experts, make_placement, synthesize_descs, synthetic_index
-from moeshard.io.checkpoint import CheckpointIndex, TensorInfo
+from moeshard.io.header import TensorInfo
+from moeshard.io.index import CheckpointIndex
 from moeshard.models.adapters import ExpertParam, expert_parts
 from moeshard.models.describe import ExpertRef, ParamDesc
 from moeshard.models.layout import Need, check_cast, compute_needs, find_key, need_table

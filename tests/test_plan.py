@@ -20,7 +20,8 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from moeshard import HF_EXPERTS, Placement, Topology
 from moeshard.box import box_numel, box_slices
-from moeshard.io.checkpoint import DTYPES, CheckpointIndex, TensorInfo
+from moeshard.io.header import DTYPES, TensorInfo
+from moeshard.io.index import CheckpointIndex
 from moeshard.models.describe import ExpertRef, ParamDesc
 from moeshard.models.layout import compute_needs
 from moeshard.plan import STAGING_PARTS, minimal_cost, plan_transfers

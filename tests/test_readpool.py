@@ -167,7 +167,7 @@ def _direct_io_or_skip(root, index):
 
 @pytest.mark.parametrize("threads", [1, 3])
 def test_direct_io_reads(ckpt, threads, monkeypatch):
-    import moeshard.io.checkpoint as cp
+    import moeshard.io.reader as cp
 
     index = moeshard.CheckpointIndex.open(ckpt)
     _direct_io_or_skip(ckpt, index)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moeshard.io.checkpoint import DTYPES
+from moeshard.io.header import DTYPES
 from moeshard.plan.save import plan_save
 from test_schedule_sim import save_case
 

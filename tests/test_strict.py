@@ -477,7 +477,7 @@ def test_expert_keys_match_the_spec_templates():
 def test_adapter_config_is_checked_after_the_key_checks():
     """The adapter checks go on past the key and dtype checks to adapter_config.json's r and
     lora_alpha (a regression: an early return once skipped them)."""
-    from moeshard.io.checkpoint import CheckpointIndex
+    from moeshard.io.index import CheckpointIndex
     from moeshard.ops.lora import check_adapter
 
     empty = CheckpointIndex("adapter", {}, {})

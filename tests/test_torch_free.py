@@ -54,7 +54,8 @@ def test_planning_packages_import_without_torch():
     _torch_free(
         "import moeshard, moeshard.plan, moeshard.plan.pieces, moeshard.plan.relocation, moeshard.cluster, "
         "moeshard.cli, moeshard.cli.plan, moeshard.models.layout, moeshard.models.describe, "
-        "moeshard.models.shards, moeshard.models.unused, moeshard.io.checkpoint, moeshard.io.sources, "
+        "moeshard.models.shards, moeshard.models.unused, moeshard.io.checkpoint, moeshard.io.index, "
+        "moeshard.io.header, moeshard.io.strict_json, moeshard.io.reader, moeshard.io.writer, moeshard.io.sources, "
         "moeshard.dtypes, moeshard.placement, moeshard.topology, moeshard.eplb"
     )
 
@@ -111,7 +112,7 @@ import moeshard
 for name in moeshard.__all__:
     assert getattr(moeshard, name) is not None, name
 # An eager import bound the API's modules under their subpackages; so does first use.
-assert moeshard.io.checkpoint.write_checkpoint is moeshard.write_checkpoint
+assert moeshard.io.writer.write_checkpoint is moeshard.write_checkpoint
 assert moeshard.ops.save.save is moeshard.save
 print("OK")
 """,

@@ -17,10 +17,10 @@ _EXPORTS = {
     "DistributedError": (".collectives", "DistributedError"),
     "PeerLostError": (".collectives", "PeerLostError"),
     "PlanMismatchError": (".collectives", "PlanMismatchError"),
-    "CheckpointError": (".io.checkpoint", "CheckpointError"),
-    "CheckpointIndex": (".io.checkpoint", "CheckpointIndex"),
-    "CheckpointReader": (".io.checkpoint", "CheckpointReader"),
-    "write_checkpoint": (".io.checkpoint", "write_checkpoint"),
+    "CheckpointError": (".io.errors", "CheckpointError"),
+    "CheckpointIndex": (".io.index", "CheckpointIndex"),
+    "CheckpointReader": (".io.reader", "CheckpointReader"),
+    "write_checkpoint": (".io.writer", "write_checkpoint"),
     "HF_EXPERTS": (".models.adapters", "HF_EXPERTS"),
     "MIXTRAL_EXPERTS": (".models.adapters", "MIXTRAL_EXPERTS"),
     "ExpertParam": (".models.adapters", "ExpertParam"),
@@ -130,7 +130,7 @@ def __getattr__(name: str):
         if e.name != f"{__name__}.{name}":
             raise
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    # An eager ``import moeshard`` bound the API's modules under it (``moeshard.io.checkpoint``,
+    # An eager ``import moeshard`` bound the API's modules under it (``moeshard.io.index``,
     # ``moeshard.ops.load``): so does the first use of the subpackage.
     for module, _ in _EXPORTS.values():
         if module.startswith(f".{name}."):
@@ -146,7 +146,10 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the names as eager imports woul
     from . import eplb, lora
     from .collectives import DistributedError, PeerLostError, PlanMismatchError
     from .integrations.pretrained import from_pretrained
-    from .io.checkpoint import CheckpointError, CheckpointIndex, CheckpointReader, write_checkpoint
+    from .io.errors import CheckpointError
+    from .io.index import CheckpointIndex
+    from .io.reader import CheckpointReader
+    from .io.writer import write_checkpoint
     from .models.adapters import HF_EXPERTS, MIXTRAL_EXPERTS, ExpertParam, ExpertsSpec
     from .models.ep import clip_grad_norm_, grad_norm, sync_redundant_grads
     from .models.hsdp import HybridMesh

@@ -45,9 +45,10 @@ import torch.distributed as dist
 from . import collectives
 from ._gc import paused_gc
 from .box import box_shape, box_slices
-from .io.checkpoint import CheckpointIndex, CheckpointReader
 from .io.extents import ExtentReads, contiguous_boxes
 from .io.fp8 import dequantize, scale_box
+from .io.index import CheckpointIndex
+from .io.reader import CheckpointReader
 from .io.readpool import ReadPool
 from .plan.schedule import Schedule
 from .topology import Topology

@@ -29,9 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .._gc import paused_gc
-from ..io.checkpoint import DTYPES, INDEX_NAME, CheckpointError, CheckpointIndex, TensorInfo, read_header, read_index
+from ..io.errors import CheckpointError
 from ..io.formats import MAX_LISTED, ExpertTensorInfo, Problem, check, id_ranges, recognize, shape_str
 from ..io.fp8 import Quantization, quantization
+from ..io.header import DTYPES, TensorInfo, read_header
+from ..io.index import INDEX_NAME, CheckpointIndex, read_index
 
 __all__ = [
     "CheckpointSummary",

@@ -25,8 +25,8 @@ from ..cluster.rebalance import plan_relocation_summary
 from ..cluster.render import format_report
 from ..cluster.spec import ClusterSpec
 from ..cluster.synthetic import num_params, read_config, synthetic_index
-from ..io.checkpoint import CheckpointIndex
 from ..io.fp8 import quantization
+from ..io.index import CheckpointIndex
 from ..io.placement_files import FORMATS, NAMED_PLACEMENTS, moe_layer_indices, named_placement, read_placement_file
 from ..io.sources import storage_sources
 from ..models.layout import need_table

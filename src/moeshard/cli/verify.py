@@ -54,7 +54,7 @@ def _slot_report(model, placement, index, reader_root_dir: str) -> list[tuple[in
     checksum is of the slot's bytes, ``ok`` compares it with the checkpoint's (cast alike)."""
     import torch
 
-    from ..io.checkpoint import CheckpointReader
+    from ..io.reader import CheckpointReader
     from ..models.adapters import read_expert_box
     from ..models.describe import expert_layers, local_tensor
     from ..models.shards import local_boxes
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .. import collectives
     from ..integrations.pretrained import job_device
-    from ..io.checkpoint import CheckpointIndex
+    from ..io.index import CheckpointIndex
     from ..io.sources import reader_root
     from ..models.build import meta_model, moe_layout, read_config
     from ..models.parallel import make_mesh, parallelize

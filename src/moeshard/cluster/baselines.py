@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..dtypes import ITEMSIZE
-from ..io.checkpoint import CheckpointIndex
+from ..io.index import CheckpointIndex
 from ..models.describe import ParamDesc
 from ..models.shards import param_boxes
 from ..plan import NeedTable

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..io.checkpoint import CheckpointIndex
 from ..io.formats import MoeFormat, check, layer_of, recognize
+from ..io.index import CheckpointIndex
 from ..models.adapters import ExpertParam, expert_params
 
 __all__ = ["ExpertModule", "MoeLayout", "find_experts"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..io.checkpoint import CheckpointIndex
+from ..io.index import CheckpointIndex
 from ..models.describe import ExpertRef, ParamDesc
 from ..placement import Placement
 from .experts import MoeLayout

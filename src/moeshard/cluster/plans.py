@@ -9,7 +9,7 @@ from dataclasses import asdict
 
 import numpy as np
 
-from ..io.checkpoint import CheckpointIndex
+from ..io.index import CheckpointIndex
 from ..io.sources import storage_sources
 from ..plan import NeedTable, Pieces, Schedule, cut_pieces, minimal_cost, plan_transfers
 from ..topology import Topology

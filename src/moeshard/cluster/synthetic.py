@@ -11,7 +11,9 @@ import os
 from pathlib import Path
 
 from ..dtypes import ITEMSIZE
-from ..io.checkpoint import CheckpointIndex, TensorInfo, load_json
+from ..io.header import TensorInfo
+from ..io.index import CheckpointIndex
+from ..io.strict_json import load_json
 
 __all__ = ["read_config", "synthetic_index", "num_params"]
 

@@ -31,7 +31,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..box import Box
-from .checkpoint import IOV_MAX, CheckpointReader
+from .reader import IOV_MAX, CheckpointReader
 
 __all__ = [
     "Segment",

@@ -15,7 +15,7 @@ FP8 release: ``gate_proj.weight_scale_inv``) or ``<weight>_scale`` (compressed-t
 FBGEMM). Such a scale is an expert tensor like the others, and :func:`recognize` pairs it with
 its weight (:attr:`TensorGroup.scale_of`).
 
-* :func:`recognize`: headers (key -> :class:`~moeshard.io.checkpoint.TensorInfo`) -> a
+* :func:`recognize`: headers (key -> :class:`~moeshard.io.header.TensorInfo`) -> a
   frozen :class:`MoeFormat`, or None for a checkpoint without experts;
 * :func:`check`: what is wrong with it, as :class:`Problem` records (``moeshard inspect``
   lists them; ``moeshard plan`` refuses the structural ones);
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:  # only for annotations: the recognizer never imports torch
-    from .checkpoint import TensorInfo
+    from .header import TensorInfo
 
 __all__ = [
     "SCALE_SUFFIXES",

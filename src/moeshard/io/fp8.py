@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..box import Box
-from .checkpoint import CheckpointIndex, TensorInfo
 from .formats import scale_keys
+from .header import TensorInfo
+from .index import CheckpointIndex
 
 if TYPE_CHECKING:
     import torch
@@ -174,7 +175,7 @@ def to_float32(q: torch.Tensor) -> torch.Tensor:
 def read_dequantized(reader, key: str, box: Box, out: torch.Tensor) -> bool:
     """Read ``box`` of checkpoint tensor ``key`` into float tensor ``out`` (shape
     ``box_shape(box)``, two or more bytes per element) dequantized with the scale blocks covering
-    it, which ``reader`` (a :class:`~moeshard.io.checkpoint.CheckpointReader`) reads itself; the
+    it, which ``reader`` (a :class:`~moeshard.io.reader.CheckpointReader`) reads itself; the
     path of a read of a few boxes (relocation from disk), where load instead moves whole scales
     first. False, reading nothing, when ``key`` is no FP8 weight with a block scale or ``out`` is
     an FP8 tensor (which takes the bytes as stored)."""

@@ -216,7 +216,7 @@ def _load(path: str, format: str | None) -> tuple[str, object]:
         return "torch", _torch_load(path)
     if format == "npy":
         raise ValueError(f"placement file {path}: not a readable .npy array (no .npy header)")
-    from .checkpoint import load_json
+    from .strict_json import load_json
 
     try:
         return "json", load_json(path, "not a readable placement JSON")

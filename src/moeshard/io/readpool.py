@@ -31,7 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from ..box import Box, box_numel, box_shape
-from .checkpoint import CheckpointReader
+from .reader import CheckpointReader
 
 __all__ = ["ReadPool", "default_read_threads"]
 

@@ -17,7 +17,7 @@ from typing import Literal
 import numpy as np
 
 from ..topology import Topology
-from .checkpoint import CheckpointIndex
+from .index import CheckpointIndex
 
 __all__ = ["Storage", "storage_sources", "sources_share", "resolve_sources", "reader_root"]
 

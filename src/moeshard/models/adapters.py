@@ -379,7 +379,7 @@ def read_expert_box(reader, param: ExpertParam, module: str, expert: int, box: B
     ``slice_rows``: a merged parameter's rows per expert, its slice's dim 0;
     values are cast to its dtype, FP8 weights with a block scale dequantized into a float
     ``out``: :func:`moeshard.io.fp8.read_dequantized`). ``reader`` is a
-    :class:`~moeshard.io.checkpoint.CheckpointReader`.
+    :class:`~moeshard.io.reader.CheckpointReader`.
     """
     from ..io.fp8 import read_dequantized
 

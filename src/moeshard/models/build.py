@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..io.checkpoint import load_json
+from ..io.strict_json import load_json
 from .adapters import DEFAULT_SPECS, ExpertsSpec, num_logical_experts
 from .describe import expert_layers
 
@@ -32,7 +32,7 @@ def read_config(checkpoint: str | os.PathLike) -> dict[str, Any]:
     """The parsed ``config.json`` of checkpoint directory ``checkpoint``.
 
     Raises:
-        ValueError (a :class:`~moeshard.io.checkpoint.CheckpointError` for a bad file): naming
+        ValueError (a :class:`~moeshard.io.errors.CheckpointError` for a bad file): naming
             the path, for a missing directory or config.json, a file that is not strict JSON,
             or JSON that is not an object.
     """

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from ..io.checkpoint import CheckpointIndex
 from ..io.formats import scaled_weight
+from ..io.index import CheckpointIndex
 from .adapters import (
     DEFAULT_SPECS,
     ExpertParam,

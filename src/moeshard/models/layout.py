@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from ..dtypes import TORCH_NAMES, cast_refusal
-from ..io.checkpoint import CheckpointIndex
 from ..io.formats import scale_keys
 from ..io.fp8 import scale_of
+from ..io.index import CheckpointIndex
 from ..placement import Placement
 from ..plan.arrays import expand_runs, row_prod, unique_rows
 from ..plan.needs import Need, NeedPart, NeedTable, SharedKeysLeftOut

@@ -12,7 +12,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from .._gc import paused_gc
-from ..io.checkpoint import DTYPE_NAMES, CheckpointIndex
+from ..io.header import DTYPE_NAMES
+from ..io.index import CheckpointIndex
 from ..placement import Placement
 from ..plan.arrays import expand_runs
 from ..plan.save_outputs import Output, SegTable

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..io.checkpoint import CheckpointIndex
 from ..io.formats import layer_of, parse_expert_key, scaled_weight
+from ..io.index import CheckpointIndex
 from ..placement import Placement
 from .describe import ExpertRef, ParamDesc, preorder
 

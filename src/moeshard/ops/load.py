@@ -22,8 +22,9 @@ from torch import nn
 from .. import collectives
 from ..dtypes import cast_refusal
 from ..execute import DequantSink, ExecStats, ReaderSource, TensorSink, execute_schedule, node_groups
-from ..io.checkpoint import CheckpointIndex, CheckpointReader
 from ..io.fp8 import FP8_DTYPES
+from ..io.index import CheckpointIndex
+from ..io.reader import CheckpointReader
 from ..io.readpool import default_read_threads
 from ..io.sources import Storage, reader_root, resolve_sources, sources_share
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
@@ -320,7 +321,7 @@ def load(
             measured on a GPU host); 1 reads serially on the calling thread.
         direct_io: read with ``O_DIRECT``, bypassing the page cache (cold storage read once,
             a checkpoint larger than host memory; Linux; see
-            :class:`~moeshard.io.checkpoint.CheckpointReader`).
+            :class:`~moeshard.io.reader.CheckpointReader`).
         group: the process group that loads (default: the default group), e.g. one EP group
             of a larger job; ranks in plans and messages are its ranks. The model's device
             meshes must lie within it; ``topology`` defaults to its members' nodes.

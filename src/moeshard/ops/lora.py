@@ -54,7 +54,11 @@ from torch import nn
 from .. import collectives
 from ..box import box_numel, box_shape, box_slices
 from ..execute import LocalTensors, Sink, Source, execute_schedule
-from ..io.checkpoint import DTYPE_NAMES, CheckpointIndex, CheckpointReader, load_json, pwrite_all, safetensors_header
+from ..io.header import DTYPE_NAMES
+from ..io.index import CheckpointIndex
+from ..io.reader import CheckpointReader
+from ..io.strict_json import load_json
+from ..io.writer import pwrite_all, safetensors_header
 from ..models.describe import ParamDesc, local_tensor
 from ..models.layout import check_cast, inputs_digest, need_table
 from ..models.lora import (

@@ -24,7 +24,8 @@ from torch import nn
 from .. import collectives
 from ..box import box_shape, full_box
 from ..execute import Backup, ExecStats, LocalTensors, Source, TensorSink, execute_schedule
-from ..io.checkpoint import CheckpointIndex, CheckpointReader
+from ..io.index import CheckpointIndex
+from ..io.reader import CheckpointReader
 from ..io.sources import Storage, reader_root, resolve_sources
 from ..models.adapters import DEFAULT_SPECS, ExpertParam, ExpertsSpec, read_expert_box
 from ..models.describe import ExpertRef, ParamDesc, describe_model, expert_layers, local_tensor

@@ -42,8 +42,10 @@ from .. import collectives
 from ..box import Box
 from ..collectives import DistributedError
 from ..execute import LocalTensors, Sink, Source, execute_schedule
-from ..io.checkpoint import DTYPES, INDEX_NAME, CheckpointIndex, pwrite_all, read_header, safetensors_header
+from ..io.header import DTYPES, read_header
+from ..io.index import INDEX_NAME, CheckpointIndex
 from ..io.sources import resolve_sources
+from ..io.writer import pwrite_all, safetensors_header
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
 from ..models.describe import ParamDesc, describe_model, expert_layers, local_tensor, persistent_buffers, tensor_names
 from ..models.hf_names import hf_names

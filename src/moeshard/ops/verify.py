@@ -37,8 +37,9 @@ from torch import nn
 from .. import collectives
 from ..box import box_numel, box_shape, box_slices
 from ..execute import exchange
-from ..io.checkpoint import CheckpointIndex, CheckpointReader
 from ..io.fp8 import FP8_DTYPES, dequantize, scale_box, scale_of
+from ..io.index import CheckpointIndex
+from ..io.reader import CheckpointReader
 from ..io.sources import Storage, reader_root, resolve_sources
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
 from ..models.describe import ParamDesc

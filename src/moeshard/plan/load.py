@@ -39,7 +39,7 @@ from typing import Literal, NamedTuple
 import numpy as np
 
 from .._gc import paused_gc
-from ..io.checkpoint import CheckpointIndex
+from ..io.index import CheckpointIndex
 from ..topology import Topology
 from .arrays import dense_rank, expand_runs, lex_order, run_starts, seg_excl_cumsum
 from .needs import NeedTable

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..box import split_box
-from ..io.checkpoint import CheckpointIndex
+from ..io.index import CheckpointIndex
 from .arrays import expand_runs, group_rows, lex_order, row_prod, run_starts
 from .needs import NeedTable
 

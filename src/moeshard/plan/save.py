@@ -31,7 +31,7 @@ import numpy as np
 
 from .._gc import paused_gc
 from ..box import Box, split_box
-from ..io.checkpoint import DTYPES
+from ..io.header import DTYPES
 from ..topology import Topology
 from .arrays import expand_runs, group_rows, lex_order, row_prod, run_starts
 from .save_outputs import Output, Segment, SegTable

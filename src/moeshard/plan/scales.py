@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..io.checkpoint import CheckpointIndex
 from ..io.fp8 import scale_of
+from ..io.index import CheckpointIndex
 from .needs import NeedTable
 
 __all__ = ["ScaleNeeds", "scale_needs"]

@@ -77,7 +77,7 @@ def write_checkpoint(cfg: Config, path: str) -> None:
     """Random bf16 experts, one key per (layer, expert, tensor); skipped when already there."""
     import torch
 
-    from ...io.checkpoint import write_checkpoint as write
+    from ...io.writer import write_checkpoint as write
 
     marker = os.path.join(path, "bench-config.json")
     want = json.dumps({k: v for k, v in asdict(cfg).items() if k in ("layers", "experts", "hidden", "inter")})
@@ -173,7 +173,8 @@ def rank_worker(cfg: Config, path: str, aware: list, dead: list) -> dict:
     import torch
     import torch.distributed as dist
 
-    from ...io.checkpoint import CheckpointIndex, CheckpointReader
+    from ...io.index import CheckpointIndex
+    from ...io.reader import CheckpointReader
     from ...ops.relocate import relocate, relocate_chunks
     from ...topology import Topology
 
