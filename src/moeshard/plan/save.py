@@ -166,7 +166,7 @@ class SavePlan:
     max_ops: int = DEFAULT_MAX_OPS
     fingerprint: str = ""
     rank: int | None = None
-    _pieces: _Pieces | None = field(default=None, repr=False)
+    _pieces: _TransferColumns | None = field(default=None, repr=False)
     _segs: SegTable | None = field(default=None, repr=False)
 
     @functools.cached_property
@@ -522,9 +522,10 @@ def _files(nbytes: list[int], writer: list[int], world: int, max_shard_bytes: in
 
 
 @dataclass(frozen=True)
-class _Pieces:
-    """Transfers and local writes as columns, in the schedule's piece order: the ``X``
-    transfers in batch order, then the local writes by writer (``P`` pieces in all).
+class _TransferColumns:
+    """The save's transfers and local writes as columns (not the load's
+    :class:`~moeshard.plan.pieces.Pieces`), in the schedule's piece order: the ``X`` transfers
+    in batch order, then the local writes by writer (``P`` pieces in all).
 
     ``tensor``, ``si`` (the box's index among its tensor's), ``seg`` (row of the segment it is
     read from), ``src``, ``dst`` (the writer), ``nbytes``: ``int64[P]``; ``off``, ``len``:
@@ -580,7 +581,7 @@ def _make_pieces(
     max_ops: int,
     world: int,
     rank: int | None,
-) -> tuple[_Pieces, np.ndarray, np.ndarray, _Packer]:
+) -> tuple[_TransferColumns, np.ndarray, np.ndarray, _Packer]:
     """Every tensor's boxes (tensors in ``t_order``, boxes in order) cut into pieces; pieces
     from another rank are transfers, packed into batches; the writer's are local writes.
 
@@ -621,7 +622,7 @@ def _make_pieces(
     ls = [np.concatenate(c) for c in zip(empty[:8], *written)]
     by_writer = np.argsort(ls[4], kind="stable")  # local writes by writer, each in order
     cols = [np.concatenate([a, b[by_writer]]) for a, b in zip(xs[:8], ls)]
-    pieces = _Pieces(*cols[:6], cols[6], cols[7], ndim[cols[0]], xs[8])
+    pieces = _TransferColumns(*cols[:6], cols[6], cols[7], ndim[cols[0]], xs[8])
     return pieces, sent, recv, pack
 
 
