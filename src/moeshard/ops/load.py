@@ -376,6 +376,23 @@ def load(
             reader.close()
     collectives.barrier("moeshard.load: finishing")
     meter.end("finish")
+    return _report(meter, mode, topo, index, readers, scope, planned, ran, t_plan, report_minimal)
+
+
+def _report(
+    meter: OpMeter,
+    mode: str,
+    topo: Topology,
+    index: CheckpointIndex,
+    readers: np.ndarray,
+    scope: str,
+    planned: _LoadPlan,
+    ran: _Ran,
+    t_plan: float,
+    report_minimal: bool,
+) -> LoadReport:
+    """This rank's :class:`LoadReport` of a finished load (``report_minimal``: with the
+    plan's lower bounds, computed now)."""
     peak = meter.peak_rss()
     minimal = minimal_cost(planned.needs, index, topo, readers, scope) if report_minimal else {}
     return LoadReport(

@@ -16,6 +16,7 @@ import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -414,46 +415,15 @@ def relocate(
     meter = OpMeter()
     old = _checked_old(target, old, optimizer, routing)
     topo = group_topology(topology, group)
+    options = _PlanOptions(staging_bytes, max_ops, from_checkpoint)
     planned = _describe_and_plan(
-        target,
-        old,
-        new,
-        topo,
-        active_ranks,
-        specs,
-        expert_params,
-        module,
-        optimizer,
-        routing,
-        staging_bytes,
-        max_ops,
-        from_checkpoint,
+        target, old, new, topo, active_ranks, specs, expert_params, module, optimizer, routing, options
     )
-    reads = _CheckpointReads(planned.plan, planned.sources, None)
-    if planned.plan.disk_experts:
-        reads = _plan_checkpoint_reads(
-            target, checkpoint, storage, planned, old, new, topo, specs, staging_bytes, max_ops, from_checkpoint
-        )
+    reads = _plan_checkpoint_reads(target, checkpoint, storage, planned, old, new, topo, specs, options)
     t_plan = meter.end("plan")
-    try:
-        stats = _run(
-            target,
-            reads.plan,
-            planned.locals_,
-            reads.sources,
-            reads.reader,
-            topo,
-            progress,
-            transactional and old is not None,
-        )
-    finally:
-        if reads.reader is not None:
-            reads.reader.close()
+    stats = _execute(target, reads, planned.locals_, topo, progress, transactional and old is not None)
     meter.end("execute")
-    if isinstance(target, nn.Module):
-        if routing == "auto":
-            take_over(planned.routes, new)  # transformers' EP experts: moeshard's EP forward, by the placement
-        set_placement(target, new)  # route tokens to where the experts are now
+    _reroute(target, planned.routes, new, routing)
     return _report(reads.plan, topo, meter, t_plan, stats)
 
 
@@ -499,6 +469,15 @@ def _report(plan: RelocationPlan, topo: Topology, meter: OpMeter, t_plan: float,
     )
 
 
+class _PlanOptions(NamedTuple):
+    """:func:`relocate`'s arguments that every plan of one relocation takes, in
+    :func:`~moeshard.plan.relocation.plan_relocation`'s order."""
+
+    staging_bytes: int
+    max_ops: int
+    from_checkpoint: bool
+
+
 @dataclass(frozen=True)
 class _Planned:
     """What every rank agreed on from the live copies alone: the expert tensors, this rank's
@@ -525,9 +504,7 @@ def _describe_and_plan(
     module,
     optimizer,
     routing: str,
-    staging_bytes: int,
-    max_ops: int,
-    from_checkpoint: bool,
+    options: _PlanOptions,
 ) -> _Planned:
     """Collective (every rank of the relocation): describe the expert tensors, check them
     against both placements, and plan from the live copies; agreed on the plan's fingerprint
@@ -549,9 +526,7 @@ def _describe_and_plan(
                 _check_fits(p, what, tensors, ep_ranks is None)
         active = _active_global(active_ranks, tensors, new.num_physical, world)
         # First plan as if every live rank could read: it tells whether the checkpoint is needed.
-        plan = plan_relocation(
-            tensors, old, new, topo, active, active, staging_bytes, max_ops, from_checkpoint, rank=rank
-        )
+        plan = plan_relocation(tensors, old, new, topo, active, active, *options, rank=rank)
         return _Planned(tensors, locals_, sources, active, plan, routes)
 
     def fingerprint(x: _Planned) -> str:
@@ -601,13 +576,14 @@ def _plan_checkpoint_reads(
     new: Placement,
     topo: Topology,
     specs,
-    staging_bytes: int,
-    max_ops: int,
-    from_checkpoint: bool,
+    options: _PlanOptions,
 ) -> _CheckpointReads:
     """Collective (every rank of the relocation): for experts with no live copy, agree on who
     reads ``checkpoint`` and plan again with those readers; every key read exists with a
-    fitting shape and dtype, and every file a rank reads opens there."""
+    fitting shape and dtype, and every file a rank reads opens there. Every expert with a live
+    copy: the live copies' plan as it is, and no reader (no exchange)."""
+    if not planned.plan.disk_experts:  # the agreed plan's: the same answer on every rank
+        return _CheckpointReads(planned.plan, planned.sources, None)
     if checkpoint is None:
         lost = planned.plan.disk_experts
         raise collectives.DistributedError(
@@ -629,9 +605,7 @@ def _plan_checkpoint_reads(
             )
             sources = [src if src.zeros else next(found) for src in sources]
             assert next(found, None) is None and len(sources) == len(planned.tensors)
-        p = plan_relocation(
-            planned.tensors, old, new, topo, planned.active, readers, staging_bytes, max_ops, from_checkpoint, rank=rank
-        )
+        p = plan_relocation(planned.tensors, old, new, topo, planned.active, readers, *options, rank=rank)
         _check_disk_keys(p, index, sources)
         if p.moves and any(m.read == rank for m in p.moves):
             r = CheckpointReader(index, reader_root(path))
@@ -642,6 +616,33 @@ def _plan_checkpoint_reads(
     return collectives.agree(
         replan, "moeshard.relocate: planning checkpoint reads", fingerprint=lambda x: x.plan.fingerprint
     )
+
+
+def _execute(
+    target,
+    reads: _CheckpointReads,
+    locals_,
+    topo: Topology,
+    progress: bool | None,
+    transactional: bool,
+) -> ExecStats:
+    """Collective (every rank of the relocation): :func:`_run` the plan with its checkpoint
+    reads, then close this rank's reader (also when the run fails)."""
+    try:
+        return _run(target, reads.plan, locals_, reads.sources, reads.reader, topo, progress, transactional)
+    finally:
+        if reads.reader is not None:
+            reads.reader.close()
+
+
+def _reroute(target, routes, new: Placement, routing: str) -> None:
+    """A model's tokens go where the experts are now: transformers' EP experts get moeshard's
+    EP forward (``routing="auto"``), moeshard's EP forward routes by ``new``. Nothing for
+    plain tensors (their caller routes)."""
+    if isinstance(target, nn.Module):
+        if routing == "auto":
+            take_over(routes, new)  # transformers' EP experts: moeshard's EP forward, by the placement
+        set_placement(target, new)  # route tokens to where the experts are now
 
 
 def _run(

@@ -238,6 +238,15 @@ class _PlannedSave:
     device: torch.device
 
 
+def _reference_index(reference, topo: Topology) -> CheckpointIndex | None:
+    """Collective where ``reference`` is a path (its headers, read by the ranks that see it and
+    sent to every rank): the index of the checkpoint whose names and dtypes the save keeps."""
+    if reference is None or isinstance(reference, CheckpointIndex):
+        return reference
+    path = os.fspath(reference)
+    return resolve_sources(path, "auto", topo, os.path.exists(path))[3]
+
+
 def _save(
     model,
     out_dir,
@@ -256,10 +265,7 @@ def _save(
     topo = group_topology(topology, group)
     rank, world = topo.rank, topo.world_size
     out = Path(out_dir)
-    index = reference
-    if reference is not None and not isinstance(reference, CheckpointIndex):
-        path = os.fspath(reference)
-        index = resolve_sources(path, "auto", topo, os.path.exists(path))[3]
+    index = _reference_index(reference, topo)
 
     tensors = named_tensors(model)
     made: list[Path] = []  # directories rank 0 created (removed again if the save fails)
@@ -337,10 +343,18 @@ def _save(
     mine = [plan.files[i].name for i in plan.files_of(rank)]
     _put_in_place(plan, rank, out, tmp, mine + extra, overwrite, fsync, undo, renamed)
     meter.end("publish")
+    return _report(plan, topo, out, mine, stats, meter, t_plan)
+
+
+def _report(
+    plan: SavePlan, topo: Topology, out: Path, mine: list[str], stats: dict[str, int], meter: OpMeter, t_plan: float
+) -> SaveReport:
+    """This rank's :class:`SaveReport` of a finished save: ``mine`` are the files it wrote,
+    ``stats`` its bytes (:func:`_write_shards`)."""
     peak = meter.peak_rss()
     return SaveReport(
-        rank=rank,
-        world_size=world,
+        rank=topo.rank,
+        world_size=topo.world_size,
         out_dir=str(out),
         files=tuple(mine),
         num_files=len(plan.files),

@@ -308,26 +308,7 @@ def verify(
     flags, outbox, failure = pieces.flags, pieces.outbox, pieces.failure
 
     # 2. Digests point to point: each reader to exactly the ranks that need its pieces.
-    inbox = {
-        r: torch.empty(len(routes.recvs[r]) * DIGEST_BYTES, dtype=torch.uint8, device=device)
-        for r in sorted(routes.recvs)
-    }
-    wait = exchange(
-        {r: torch.from_numpy(outbox[r]).view(-1).to(device) for r in sorted(outbox)},
-        inbox,
-        f"{what}: exchanging digests",
-    )
-    own: dict[int, bytes] = {}  # need index -> digest of this rank's box, while digests fly
-    try:
-        for _, i in routes.remote:
-            own[i] = _digest_bytes(box(i))
-    except Exception as e:  # noqa: BLE001 - reported below
-        failure.append(e)
-    wait()
-    got: dict[tuple[int, torch.dtype], bytes] = {}
-    for r, buf in inbox.items():
-        rows = buf.cpu().numpy().reshape(-1, DIGEST_BYTES)
-        got.update((key, rows[k].tobytes()) for k, key in enumerate(routes.recvs[r]))
+    own, got = _exchange_digests(routes, outbox, box, device, failure)
 
     def check() -> VerifyReport:
         if failure:
@@ -357,6 +338,41 @@ def verify(
         )
 
     return collectives.agree(check, what)
+
+
+def _exchange_digests(
+    routes: _Routes,
+    outbox: dict[int, np.ndarray],
+    box: Callable[[int], torch.Tensor],
+    device: torch.device,
+    failure: list[Exception],
+) -> tuple[dict[int, bytes], dict[tuple[int, torch.dtype], bytes]]:
+    """Collective (every rank of the verification): send each rank the digests in ``outbox``
+    and receive those ``routes.recvs`` names; while they fly, digest this rank's own box of
+    each remote need (an error doing so goes to ``failure``, reported by the caller's
+    agreement). ``(own, got)``: need index -> digest of this rank's box, and (piece, dtype) ->
+    the digest its reader sent."""
+    inbox = {
+        r: torch.empty(len(routes.recvs[r]) * DIGEST_BYTES, dtype=torch.uint8, device=device)
+        for r in sorted(routes.recvs)
+    }
+    wait = exchange(
+        {r: torch.from_numpy(outbox[r]).view(-1).to(device) for r in sorted(outbox)},
+        inbox,
+        "moeshard.verify: exchanging digests",
+    )
+    own: dict[int, bytes] = {}  # need index -> digest of this rank's box, while digests fly
+    try:
+        for _, i in routes.remote:
+            own[i] = _digest_bytes(box(i))
+    except Exception as e:  # noqa: BLE001 - reported by the caller
+        failure.append(e)
+    wait()
+    got: dict[tuple[int, torch.dtype], bytes] = {}
+    for r, buf in inbox.items():
+        rows = buf.cpu().numpy().reshape(-1, DIGEST_BYTES)
+        got.update((key, rows[k].tobytes()) for k, key in enumerate(routes.recvs[r]))
+    return own, got
 
 
 def _mismatch(plan: Schedule, descs, placement: Placement | None, rank: int, i: int) -> str:
