@@ -38,7 +38,7 @@ from torch import nn
 
 from .. import collectives
 from ..execute import LocalTensors, ReaderSource, Source, TensorSink, execute_schedule
-from ..io.checkpoint import CheckpointReader
+from ..io.reader import CheckpointReader
 from ..io.sources import Storage, reader_root, resolve_sources, sources_share
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
 from ..models.describe import ParamDesc, describe_model, local_tensor
