@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import reshard_plan_reference as reference
 from moeshard.models.shards import shard_boxes
 from moeshard.plan.reshard import BoxRows, Units, plan_reshard
 from moeshard.topology import Topology
@@ -103,7 +104,9 @@ def _simulate(plan, old_locals, new_shapes, storage_values):
     return new
 
 
-def _case(seed: int, old_world: int, new_world: int, alive: list[int], staging: int, w_replicas: int = 2):
+def _case(
+    seed: int, old_world: int, new_world: int, alive: list[int], staging: int, w_replicas: int = 2, planner=plan_reshard
+):
     rng = np.random.default_rng(seed)
     layers, logical = 2, 6
     old_slots, new_slots = old_world * 3, new_world * 4
@@ -138,7 +141,7 @@ def _case(seed: int, old_world: int, new_world: int, alive: list[int], staging: 
     ndim = np.asarray([1 if k == "norm" else 2 for k in keys], np.int64)
     u = Units(keys, ndim, np.full(len(keys), 8, np.int64), np.asarray(["[" not in k for k in keys]))
     topo = Topology(new_world, 2)
-    plan = plan_reshard(u, holds, needs, topo, staging, 4)
+    plan = planner(u, holds, needs, topo, staging, 4)
     old_locals_all = _locals(old_t, old_world, old_p2l, values)
     old_locals = [None] * new_world
     for r in range(old_world):
@@ -195,3 +198,38 @@ def test_plan_is_deterministic_and_dense_loss_is_named():
     for r in range(len(want)):  # and it is read from storage into place
         for j in want[r]:
             np.testing.assert_array_equal(got[r][j], want[r][j])
+
+
+def _plan_arrays(plan) -> dict:
+    s = plan.schedule
+    out = {}
+    for table in ("pieces", "sends", "deliveries", "views", "copies"):
+        t = getattr(s, table)
+        for f in t.__dataclass_fields__:
+            out[f"{table}.{f}"] = getattr(t, f)
+    for f in ("unit", "rank", "param", "slot", "off", "len", "dst"):
+        out[f"storage.{f}"] = getattr(plan.storage, f)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_vectorized_planner_matches_the_reference(seed):
+    """The vectorized planner gives the old per-row planner's schedule arrays, storage cells,
+    bytes and fingerprint (random layouts, losses and staging budgets)."""
+    rng = np.random.default_rng(100 + seed)
+    alive = [0, 1] if seed % 2 else [0, 1, 2, 3]
+    new_world = len(alive) if seed % 4 < 2 else 4
+    staging = int(rng.integers(24, 400))
+    args = dict(old_world=4, new_world=new_world, alive=alive, staging=staging, w_replicas=1 + seed % 2)
+    got, _, _, _, _ = _case(seed, **args)
+    want, _, _, _, _ = _case(seed, **args, planner=reference.plan_reshard)
+    a, b = _plan_arrays(want), _plan_arrays(got)
+    for name in a:
+        assert (a[name] is None) == (b[name] is None), name
+        if a[name] is not None:
+            assert a[name].dtype == b[name].dtype, name
+            np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    for name in ("storage_boxes", "dense_from_storage", "peer_bytes", "copy_bytes", "storage_bytes", "fingerprint"):
+        assert getattr(want, name) == getattr(got, name), name
+    assert want.schedule.num_rounds == got.schedule.num_rounds
+    assert want.schedule.cost.summary() == got.schedule.cost.summary()

@@ -133,68 +133,74 @@ class ReshardPlan:
     fingerprint: str = field(default="")
 
 
-def _cells(
-    holds: list[np.ndarray], needs_off: np.ndarray, needs_len: np.ndarray, nd: int
-) -> list[tuple[int, np.ndarray, np.ndarray]]:
-    """``[(need row, cell off, cell len)]``: each need box cut at every boundary of the unit's
-    holdings and needs (``holds``: ``[off, len]`` arrays)."""
-    cuts = []
-    for d in range(nd):
-        pts = [needs_off[:, d], needs_off[:, d] + needs_len[:, d]]
-        pts += [h[:, d] for h in holds]
-        cuts.append(np.unique(np.concatenate(pts)))
-    out = []
-    for i in range(len(needs_off)):
-        axes = []
-        for d in range(nd):
-            a, b = int(needs_off[i, d]), int(needs_off[i, d] + needs_len[i, d])
-            c = cuts[d]
-            inner = c[(c > a) & (c < b)].tolist()
-            bounds = [a, *inner, b]
-            axes.append(list(zip(bounds[:-1], bounds[1:])))
-        for combo in _product(axes):
-            off = np.asarray([lo for lo, _ in combo], np.int64)
-            ln = np.asarray([hi - lo for lo, hi in combo], np.int64)
-            out.append((i, off, ln))
-    return out
+def _unit_rows(n: int, units: np.ndarray, width: int, ndim: np.ndarray) -> np.ndarray:
+    """``bool[n, width]``: which padded dims of each row are its unit's."""
+    return np.arange(width)[None, :] < ndim[units][:, None]
 
 
-def _product(axes: list[list[tuple[int, int]]]):
-    if not axes:
-        yield ()
-        return
-    for head in axes[0]:
-        for rest in _product(axes[1:]):
-            yield (head, *rest)
+def _ranges(start: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """``int64[count.sum()]``: ``start[i], ..., start[i] + count[i] - 1`` for each ``i``, concatenated."""
+    return np.repeat(start - (np.cumsum(count) - count), count) + np.arange(int(count.sum()), dtype=np.int64)
 
 
-def _split(off: np.ndarray, ln: np.ndarray, max_cell: int, itemsize: int):
-    """The cell, cut along its first dim of length > 1 into runs of at most ``max_cell`` bytes
-    (a run is at least one index: a larger index stays whole)."""
-    nbytes = math.prod(ln.tolist()) * itemsize
-    if nbytes <= max_cell:
-        yield off, ln
-        return
-    dims = np.flatnonzero(ln > 1)
-    if not len(dims):
-        yield off, ln
-        return
-    d = int(dims[0])
-    step = max(1, max_cell // (nbytes // int(ln[d])))
-    for s in range(0, int(ln[d]), step):
-        o, n = off.copy(), ln.copy()
-        o[d] += s
-        n[d] = min(step, int(ln[d]) - s)
-        yield o, n
+def _cells(units: Units, holds: BoxRows, needs: BoxRows, width: int):
+    """Every need box cut at every boundary of its unit's holdings and needs (so that a cell lies
+    wholly inside or outside each holding), in the order: unit, need row, then the cells of a row
+    in row-major order of their per-dim intervals (dim 0 outermost).
+
+    Returns ``(row, off, len)``: ``int64[C]`` need row of each cell, ``int64[C, width]`` its box
+    (dims past the unit's ``ndim``: offset 0, length 1)."""
+    nd_all = units.ndim
+    n_order = np.argsort(needs.unit, kind="stable")
+    # Cut points as keys (unit, dim, point) encoded in one int64, sorted and distinct.
+    pts, grp = [], []
+    for rows in (holds, needs):
+        valid = _unit_rows(len(rows.unit), rows.unit, width, nd_all)
+        g = rows.unit[:, None] * width + np.arange(width)[None, :]
+        for a in (rows.off, rows.off + rows.len):
+            pts.append(a[valid])
+            grp.append(g[valid])
+    pts_a, grp_a = np.concatenate(pts), np.concatenate(grp)
+    scale = int(pts_a.max(initial=0)) + 1
+    if (int(grp_a.max(initial=0)) + 1) * scale >= 2**62:
+        raise ValueError("tensor shapes too large to plan a reshard (cut keys overflow int64)")
+    cuts = np.unique(grp_a * scale + pts_a)
+    m = len(n_order)
+    nu = needs.unit[n_order]
+    valid = _unit_rows(m, nu, width, nd_all)
+    g = nu[:, None] * width + np.arange(width)[None, :]
+    a = needs.off[n_order]
+    b = a + needs.len[n_order]
+    lo = np.searchsorted(cuts, g * scale + a)  # the cut at a
+    hi = np.searchsorted(cuts, g * scale + b)  # the cut at b
+    count = np.where(valid, hi - lo, 1)  # intervals per dim
+    per_row = np.prod(count, axis=1)
+    total = int(per_row.sum())
+    row = np.repeat(n_order, per_row)
+    first = np.repeat(np.cumsum(per_row) - per_row, per_row)
+    k = np.arange(total, dtype=np.int64) - first  # index of the cell within its row
+    lo_r, cnt_r, val_r = np.repeat(lo, per_row, 0), np.repeat(count, per_row, 0), np.repeat(valid, per_row, 0)
+    off = np.zeros((total, width), np.int64)
+    ln = np.ones((total, width), np.int64)
+    for d in range(width - 1, -1, -1):  # last dim fastest
+        j = k % cnt_r[:, d]
+        k = k // cnt_r[:, d]
+        v = val_r[:, d]
+        idx = lo_r[v, d] + j[v]
+        off[v, d] = cuts[idx] % scale
+        ln[v, d] = cuts[idx + 1] % scale - off[v, d]
+    return row, off, ln
 
 
 def plan_reshard(
     units: Units, holds: BoxRows, needs: BoxRows, topology: Topology, staging_bytes: int, max_ops: int
 ) -> ReshardPlan:
-    """Plan a reshard (pure, deterministic; module docstring).
+    """Plan a reshard (pure, deterministic; module docstring). Every rank calls it with the same
+    tables and gets the same plan (vectorized over rows; the source choice and the rounds are a
+    loop over sends).
 
     Args:
-        units: the units.
+        units: the units (``U``).
         holds: the live ranks' holdings (``param`` indexes the old tensors).
         needs: the new local tensors' needs (``param`` indexes the new tensors); ranks and
             nodes are ``topology``'s.
@@ -206,86 +212,232 @@ def plan_reshard(
     """
     if staging_bytes < 1 or max_ops < 2:
         raise ValueError(f"staging_bytes must be >= 1 and max_ops >= 2, got {staging_bytes}, {max_ops}")
+    i64 = np.int64
     width = needs.off.shape[1]
     world = topology.world_size
-    node = np.asarray([topology.node_of(r) for r in range(world)], np.int64)
-    h_by_unit = _group(holds.unit, len(units.keys))
-    n_by_unit = _group(needs.unit, len(units.keys))
+    node = np.asarray([topology.node_of(r) for r in range(world)], i64)
+    ndim, itemsize = units.ndim.astype(i64), units.itemsize.astype(i64)
 
-    pieces: list[tuple[int, np.ndarray, np.ndarray]] = []  # (unit, off, len)
-    holders_of: dict[int, np.ndarray] = {}  # piece -> rows of holds that hold it
-    piece_of: dict[tuple, int] = {}
-    # (piece, rank) -> rows of needs with the local offset of the piece
-    dlv: dict[tuple[int, int], list[tuple[int, int, np.ndarray]]] = {}
-    storage = []
-    for u in range(len(units.keys)):
-        nrows = n_by_unit[u]
-        if not len(nrows):
-            continue
-        nd = int(units.ndim[u])
-        hrows = h_by_unit[u]
-        h_off, h_len = holds.off[hrows, :nd], holds.len[hrows, :nd]
-        cells = _cells([h_off, h_off + h_len], needs.off[nrows, :nd], needs.len[nrows, :nd], nd)
-        for i, cell_off, cell_len in cells:
-            row = int(nrows[i])
-            rank = int(needs.rank[row])
-            inside = (
-                np.all((h_off <= cell_off) & (cell_off + cell_len <= h_off + h_len), axis=1)
-                if len(hrows)
-                else np.zeros(0, bool)
-            )
-            if not inside.any():
-                dst = needs.local[row, :nd] + cell_off - needs.off[row, :nd]
-                storage.append((u, rank, int(needs.param[row]), int(needs.slot[row]), cell_off, cell_len, dst))
-                continue
-            # A cell that travels is cut to the staging budget (storage cells are the load planner's).
-            for off, ln in _split(cell_off, cell_len, max(1, staging_bytes), int(units.itemsize[u])):
-                dst = needs.local[row, :nd] + off - needs.off[row, :nd]
-                key = (u, off.tobytes(), ln.tobytes())
-                pid = piece_of.get(key)
-                if pid is None:
-                    pid = piece_of[key] = len(pieces)
-                    pieces.append((u, off, ln))
-                    holders_of[pid] = hrows[inside]  # those holding the cell hold each of its pieces
-                dlv.setdefault((pid, rank), []).append((int(needs.param[row]), int(needs.slot[row]), dst))
+    # Cells, and the holdings that contain each (pairs cell x holding of its unit).
+    row, c_off, c_len = _cells(units, holds, needs, width)
+    c_unit = needs.unit[row]
+    h_order = np.argsort(holds.unit, kind="stable")
+    h_start = np.searchsorted(holds.unit[h_order], np.arange(len(units.keys) + 1))
+    n_h = (h_start[1:] - h_start[:-1])[c_unit]
+    pair_cell = np.repeat(np.arange(len(row)), n_h)
+    pair_hold = h_order[_ranges(h_start[c_unit], n_h)]
+    h_lo, h_hi = holds.off[pair_hold], holds.off[pair_hold] + holds.len[pair_hold]
+    p_lo, p_hi = c_off[pair_cell], c_off[pair_cell] + c_len[pair_cell]
+    pv = _unit_rows(len(pair_cell), c_unit[pair_cell], width, ndim)
+    inside = np.all(~pv | ((h_lo <= p_lo) & (p_hi <= h_hi)), axis=1)
+    pair_cell, pair_hold = pair_cell[inside], pair_hold[inside]  # cell order, then holding row
+    held = np.zeros(len(row), bool)
+    held[pair_cell] = True
 
-    # Sources, per (piece, rank) in a fixed order: the rank's own copy, else the least-loaded
-    # holder on its node, else anywhere.
-    sent = np.zeros(world, np.int64)
-    views: list[tuple[int, int, int, np.ndarray]] = []  # (rank, param, slot, local off)
-    view_of: dict[tuple[int, int], int] = {}
-    copies: list[tuple[int, int]] = []  # (view, piece)
-    sends: list[tuple[int, int, int, int]] = []  # (src, dst, piece, view)
-    pbytes = np.asarray([int(np.prod(ln)) * int(units.itemsize[u]) for u, _, ln in pieces], np.int64)
-    for pid, rank in sorted(dlv):
-        u, off, _ = pieces[pid]
-        hs = holders_of[pid]
-        ranks = holds.rank[hs]
-        own = hs[ranks == rank]
-        if len(own):
-            copies.append((_view(views, view_of, holds, int(own[0]), off, pid), pid))
-            continue
-        near = hs[node[ranks] == node[rank]]
-        pool = near if len(near) else hs
-        load = sent[holds.rank[pool]]
-        pick = int(pool[np.lexsort((holds.rank[pool], load))[0]])
-        src = int(holds.rank[pick])
-        sent[src] += pbytes[pid]
-        sends.append((src, rank, pid, _view(views, view_of, holds, pick, off, pid)))
-
-    send_round = _rounds(sends, pbytes, world, staging_bytes, max_ops)
-    sched = _schedule(
-        units, pieces, pbytes, width, views, copies, sends, send_round, dlv, topology, staging_bytes, max_ops, node
+    # Cells no live rank holds: storage.
+    valid_c = _unit_rows(len(row), c_unit, width, ndim)
+    dst_c = np.where(valid_c, needs.local[row] + c_off - needs.off[row], 0)
+    s = ~held
+    st = StorageCells(
+        c_unit[s],
+        needs.rank[row[s]],
+        needs.param[row[s]],
+        needs.slot[row[s]],
+        np.where(valid_c[s], c_off[s], 0),
+        np.where(valid_c[s], c_len[s], 0),
+        dst_c[s],
     )
-    st = _storage(storage, width)
-    boxes = sorted({(units.keys[u], tuple(zip(off.tolist(), ln.tolist()))) for u, _, _, _, off, ln, _ in storage})
-    dense = sorted({units.keys[u] for u, *_ in storage if units.dense[u]})
-    by_key = {k: u for u, k in enumerate(units.keys)}
-    store_bytes = sum(int(np.prod([n for _, n in box])) * int(units.itemsize[by_key[k]]) for k, box in boxes)
-    copy_bytes = int(sum(pbytes[p] for _, p in copies))
+
+    # Cells that travel, cut to the staging budget along their first dim of length > 1 (a run
+    # is at least one index: a larger index stays whole).
+    cell = np.flatnonzero(held)
+    u_c = c_unit[cell]
+    ln = c_len[cell]
+    nbytes = np.prod(ln, axis=1) * itemsize[u_c]
+    max_cell = max(1, staging_bytes)
+    big = (ln > 1) & valid_c[cell]
+    has = big.any(axis=1)
+    d_cut = np.argmax(big, axis=1)
+    n_d = ln[np.arange(len(cell)), d_cut]
+    cut = (nbytes > max_cell) & has
+    step = np.where(cut, np.maximum(1, max_cell // np.maximum(1, nbytes // n_d)), n_d)
+    n_runs = np.where(cut, -(-n_d // step), 1)
+    q_cell = np.repeat(cell, n_runs)  # a piece instance per run of each travelling cell
+    q_run = np.arange(len(q_cell)) - np.repeat(np.cumsum(n_runs) - n_runs, n_runs)
+    q_d = np.repeat(d_cut, n_runs)
+    q_step = np.repeat(step, n_runs)
+    q_off = c_off[q_cell].copy()
+    q_len = c_len[q_cell].copy()
+    rr = np.arange(len(q_cell))
+    base = q_off[rr, q_d]
+    q_off[rr, q_d] = base + q_run * q_step
+    q_len[rr, q_d] = np.minimum(q_step, c_len[q_cell, q_d] - q_run * q_step)
+    q_unit = c_unit[q_cell]
+    q_valid = valid_c[q_cell]
+    q_off = np.where(q_valid, q_off, 0)
+    q_len_p = np.where(q_valid, q_len, 0)
+
+    # Pieces: distinct (unit, box), numbered in order of first appearance.
+    key = np.concatenate([q_unit[:, None], q_off, q_len_p], axis=1)
+    if len(key):
+        _, first, inv = np.unique(key, axis=0, return_index=True, return_inverse=True)
+        inv = inv.reshape(-1)
+        order = np.argsort(first)
+        rank_of = np.empty(len(first), i64)
+        rank_of[order] = np.arange(len(first))
+        q_pid = rank_of[inv]
+        p_first = first[order]
+    else:
+        q_pid, p_first = np.zeros(0, i64), np.zeros(0, i64)
+    num = len(p_first)
+    piece_unit = q_unit[p_first]
+    piece_off, piece_len = q_off[p_first], q_len_p[p_first]
+    pbytes = np.prod(q_len[p_first], axis=1) * itemsize[piece_unit] if num else np.zeros(0, i64)
+    piece_cell = q_cell[p_first]  # the cell whose holders hold the piece
+
+    # Deliveries, by (piece, rank), then in order of appearance; the distinct pairs are the
+    # (piece, receiver) pairs to source.
+    q_rank = needs.rank[row[q_cell]]
+    d_order = np.lexsort((np.arange(len(q_pid)), q_rank, q_pid))
+    d_pid, d_rank = q_pid[d_order], q_rank[d_order]
+    d_row = row[q_cell[d_order]]
+    d_dst = np.where(q_valid[d_order], needs.local[d_row] + q_off[d_order] - needs.off[d_row], 0)
+    new = np.ones(len(d_pid), bool)
+    new[1:] = (d_pid[1:] != d_pid[:-1]) | (d_rank[1:] != d_rank[:-1])
+    t_pid, t_rank = d_pid[new], d_rank[new]
+
+    # Holders of each (piece, receiver): pairs of its piece's cell (holding rows ascending).
+    cell_start = np.searchsorted(pair_cell, np.arange(len(row) + 1))
+    t_cell = piece_cell[t_pid]
+    t_n = cell_start[t_cell + 1] - cell_start[t_cell]
+    x_t = np.repeat(np.arange(len(t_pid)), t_n)
+    x_hold = pair_hold[_ranges(cell_start[t_cell], t_n)]
+    x_rank = holds.rank[x_hold]
+    own = x_rank == t_rank[x_t]
+    t_own = np.full(len(t_pid), -1, i64)
+    ot, oi = np.unique(x_t[own], return_index=True)  # the first own holding of each pair
+    t_own[ot] = x_hold[own][oi]
+
+    # Sources of the others, in (piece, receiver) order: the least-loaded holder on the
+    # receiver's node, else anywhere (ties: the lower rank, then the first holding).
+    t_src_row = t_own.copy()
+    sent = [0] * world
+    near = node[x_rank] == node[t_rank[x_t]]
+    t_near = np.zeros(len(t_pid), bool)
+    t_near[x_t[near]] = True
+    keep = (~own) & (t_own[x_t] < 0) & (near | ~t_near[x_t])
+    kx = np.flatnonzero(keep)
+    starts = np.searchsorted(x_t[kx], np.arange(len(t_pid) + 1))
+    k_rank, k_hold = x_rank[kx].tolist(), x_hold[kx].tolist()
+    pb = pbytes[t_pid].tolist()
+    src_rows = t_src_row.tolist()
+    starts_l = starts.tolist()
+    for t in np.flatnonzero(t_own < 0).tolist():
+        best = None
+        for j in range(starts_l[t], starts_l[t + 1]):
+            r = k_rank[j]
+            c = (sent[r], r)
+            if best is None or c < best[0]:
+                best = (c, k_hold[j])
+        src_rows[t] = best[1]
+        sent[best[0][1]] += pb[t]
+    t_src_row = np.asarray(src_rows, i64)
+
+    # Views: distinct (holding, piece), numbered in order of first use.
+    if len(t_pid):
+        vk = np.stack([t_src_row, t_pid], 1)
+        _, vfirst, vinv = np.unique(vk, axis=0, return_index=True, return_inverse=True)
+        vinv = vinv.reshape(-1)
+        vorder = np.argsort(vfirst)
+        vnum = np.empty(len(vfirst), i64)
+        vnum[vorder] = np.arange(len(vfirst))
+        t_view = vnum[vinv]
+        v_first = vfirst[vorder]
+    else:
+        t_view, v_first = np.zeros(0, i64), np.zeros(0, i64)
+    v_row, v_pid = t_src_row[v_first], t_pid[v_first]
+    v_valid = _unit_rows(len(v_row), piece_unit[v_pid], width, ndim)
+    v_off = np.where(v_valid, holds.local[v_row] + piece_off[v_pid] - holds.off[v_row], 0)
+
+    is_copy = t_own >= 0
+    sends_src = holds.rank[t_src_row[~is_copy]]
+    sends_dst, sends_pid, sends_view = t_rank[~is_copy], t_pid[~is_copy], t_view[~is_copy]
+    send_round = _rounds(sends_src, sends_dst, pbytes[sends_pid], world, staging_bytes, max_ops)
+
+    i32 = np.int32
+    sb = pbytes[sends_pid]
+    sent_b, recv_b = np.zeros(world, i64), np.zeros(world, i64)
+    np.add.at(sent_b, sends_src, sb)
+    np.add.at(recv_b, sends_dst, sb)
+    num_rounds = int(send_round.max()) + 1 if len(send_round) else 0
+    per = np.zeros((num_rounds, world), i64)
+    np.add.at(per, (send_round, sends_dst), sb)
+    peak = per.max(axis=0) if num_rounds else np.zeros(world, i64)
+    cross = int(sb[node[sends_src] != node[sends_dst]].sum())
+    pairs = np.unique(np.concatenate([send_round * world + sends_src, send_round * world + sends_dst]))
+    cost = PlanCost(
+        read_bytes=np.zeros(world, i64),
+        sent_bytes=sent_b,
+        recv_bytes=recv_b,
+        peak_staging_bytes=peak,
+        cross_node_bytes=cross,
+        num_p2p_ops=len(sends_src),
+        num_batches=len(pairs),
+        num_broadcasts=0,
+    )
+    sched = Schedule(
+        topology=topology,
+        staging_bytes=staging_bytes,
+        max_ops=max_ops,
+        keys=units.keys,
+        key_ndim=units.ndim.astype(np.int8),
+        pieces=PieceTable(key=piece_unit.astype(i32), off=piece_off, len=piece_len, bytes=pbytes.astype(i64)),
+        reads=ReadTable(),
+        sends=SendTable(
+            src=sends_src.astype(i32),
+            dst=sends_dst.astype(i32),
+            piece=sends_pid.astype(i32),
+            round=send_round.astype(i64),
+            view=sends_view.astype(i32),
+        ),
+        deliveries=DeliveryTable(
+            piece=d_pid.astype(i32),
+            rank=d_rank.astype(i32),
+            param=needs.param[d_row].astype(i32),
+            slot=needs.slot[d_row].astype(i64),
+            off=d_dst.astype(i64),
+        ),
+        num_rounds=num_rounds,
+        cost=cost,
+        views=ViewTable(
+            rank=holds.rank[v_row].astype(i32),
+            param=holds.param[v_row].astype(i32),
+            slot=holds.slot[v_row].astype(i64),
+            off=v_off.astype(i64),
+        ),
+        copies=CopyTable(
+            view=t_view[is_copy].astype(i32),
+            piece=t_pid[is_copy].astype(i32),
+            round=np.full(int(is_copy.sum()), -1, i64),
+        ),
+    )
+
+    # The distinct storage boxes, their bytes, and the dense units among them.
+    boxes: list = []
+    store_bytes = 0
+    if len(st):
+        sk = np.concatenate([st.unit[:, None], st.off, st.len], axis=1)
+        for r in np.unique(sk, axis=0).tolist():
+            u, nd = r[0], int(ndim[r[0]])
+            box = tuple(zip(r[1 : 1 + nd], r[1 + width : 1 + width + nd]))
+            boxes.append((units.keys[u], box))
+            store_bytes += math.prod(n for _, n in box) * int(itemsize[u])
+    boxes.sort()
+    dense = sorted({units.keys[u] for u in np.unique(st.unit).tolist() if units.dense[u]})
+    copy_bytes = int(pbytes[t_pid[is_copy]].sum())
     h = hashlib.sha256(sched.fingerprint.encode())
     for a in (st.unit, st.rank, st.param, st.slot, st.off, st.len, st.dst):
-        h.update(np.ascontiguousarray(a).tobytes())
+        h.update(np.ascontiguousarray(a, np.int64).tobytes())
     return ReshardPlan(
         sched,
         st,
@@ -298,152 +450,30 @@ def plan_reshard(
     )
 
 
-def _group(values: np.ndarray, n: int) -> list[np.ndarray]:
-    order = np.argsort(values, kind="stable")
-    bounds = np.searchsorted(values[order], np.arange(n + 1))
-    return [order[bounds[i] : bounds[i + 1]] for i in range(n)]
-
-
-def _view(views: list, view_of: dict, holds: BoxRows, row: int, off: np.ndarray, pid: int) -> int:
-    key = (row, pid)
-    v = view_of.get(key)
-    if v is None:
-        nd = len(off)
-        local = holds.local[row, :nd] + off - holds.off[row, :nd]
-        v = view_of[key] = len(views)
-        views.append((int(holds.rank[row]), int(holds.param[row]), int(holds.slot[row]), local))
-    return v
-
-
-def _rounds(sends: list, pbytes: np.ndarray, world: int, staging_bytes: int, max_ops: int) -> np.ndarray:
-    """The first round for each send whose budgets allow it: at most ``max_ops`` ops per rank and
-    ``staging_bytes`` received per rank (a piece larger than the budget alone)."""
-    ops: list[np.ndarray] = []
-    staged: list[np.ndarray] = []
-    out = np.zeros(len(sends), np.int64)
-    first = np.zeros(world, np.int64)  # per receiver: rounds before it are full (a hint, monotone)
-    for i, (src, dst, pid, _) in enumerate(sends):
-        b = int(pbytes[pid])
-        t = int(first[dst])
+def _rounds(
+    src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, world: int, staging_bytes: int, max_ops: int
+) -> np.ndarray:
+    """``int64[S]``: the first round for each send (in order) whose budgets allow it: at most
+    ``max_ops`` ops per rank and ``staging_bytes`` received per rank (a piece larger than the
+    budget alone)."""
+    ops: list[list[int]] = []
+    staged: list[list[int]] = []
+    out = [0] * len(src)
+    first = [0] * world  # per receiver: rounds before it are full (a hint, monotone)
+    for i, (s, d, b) in enumerate(zip(src.tolist(), dst.tolist(), nbytes.tolist())):
+        t = first[d]
         while True:
             if t == len(ops):
-                ops.append(np.zeros(world, np.int64))
-                staged.append(np.zeros(world, np.int64))
-            fits = staged[t][dst] == 0 or staged[t][dst] + b <= staging_bytes
-            if ops[t][src] < max_ops and ops[t][dst] < max_ops and fits:
+                ops.append([0] * world)
+                staged.append([0] * world)
+            o, g = ops[t], staged[t]
+            if o[s] < max_ops and o[d] < max_ops and (g[d] == 0 or g[d] + b <= staging_bytes):
                 break
             t += 1
-        ops[t][src] += 1
-        ops[t][dst] += 1
-        staged[t][dst] += b
+        o[s] += 1
+        o[d] += 1
+        g[d] += b
         out[i] = t
-        if staged[t][dst] >= staging_bytes or ops[t][dst] >= max_ops:
-            first[dst] = max(first[dst], t + 1)
-    return out
-
-
-def _schedule(
-    units: Units,
-    pieces: list,
-    pbytes: np.ndarray,
-    width: int,
-    views: list,
-    copies: list,
-    sends: list,
-    send_round: np.ndarray,
-    dlv: dict,
-    topology: Topology,
-    staging_bytes: int,
-    max_ops: int,
-    node: np.ndarray,
-) -> Schedule:
-    world = topology.world_size
-    i32, i64 = np.int32, np.int64
-
-    def pad(a) -> np.ndarray:
-        out = np.zeros(width, i64)
-        out[: len(a)] = a
-        return out
-
-    num = len(pieces)
-    piece_off = np.stack([pad(o) for _, o, _ in pieces]) if num else np.zeros((0, width), i64)
-    piece_len = np.stack([pad(n) for _, _, n in pieces]) if num else np.zeros((0, width), i64)
-    rows = [(pid, rank, p, s, d) for (pid, rank), items in sorted(dlv.items()) for p, s, d in items]
-    src = np.asarray([s for s, _, _, _ in sends], i32)
-    dst = np.asarray([d for _, d, _, _ in sends], i32)
-    spiece = np.asarray([p for _, _, p, _ in sends], i32)
-    sb = pbytes[spiece] if len(sends) else np.zeros(0, i64)
-    sent, recv = np.zeros(world, i64), np.zeros(world, i64)
-    np.add.at(sent, src, sb)
-    np.add.at(recv, dst, sb)
-    num_rounds = int(send_round.max()) + 1 if len(sends) else 0
-    peak = np.zeros(world, i64)
-    for t in range(num_rounds):
-        per = np.zeros(world, i64)
-        m = send_round == t
-        np.add.at(per, dst[m], sb[m])
-        peak = np.maximum(peak, per)
-    cross = int(sb[node[src] != node[dst]].sum()) if len(sends) else 0
-    cost = PlanCost(
-        read_bytes=np.zeros(world, i64),
-        sent_bytes=sent,
-        recv_bytes=recv,
-        peak_staging_bytes=peak,
-        cross_node_bytes=cross,
-        num_p2p_ops=len(sends),
-        num_batches=int(
-            sum(len(np.unique(np.concatenate([src[send_round == t], dst[send_round == t]]))) for t in range(num_rounds))
-        ),
-        num_broadcasts=0,
-    )
-    return Schedule(
-        topology=topology,
-        staging_bytes=staging_bytes,
-        max_ops=max_ops,
-        keys=units.keys,
-        key_ndim=units.ndim.astype(np.int8),
-        pieces=PieceTable(
-            key=np.asarray([u for u, _, _ in pieces], i32), off=piece_off, len=piece_len, bytes=pbytes.astype(i64)
-        ),
-        reads=ReadTable(),
-        sends=SendTable(
-            src=src,
-            dst=dst,
-            piece=spiece,
-            round=send_round.astype(i64),
-            view=np.asarray([v for _, _, _, v in sends], i32),
-        ),
-        deliveries=DeliveryTable(
-            piece=np.asarray([r[0] for r in rows], i32),
-            rank=np.asarray([r[1] for r in rows], i32),
-            param=np.asarray([r[2] for r in rows], i32),
-            slot=np.asarray([r[3] for r in rows], i64),
-            off=np.stack([pad(r[4]) for r in rows]) if rows else np.zeros((0, width), i64),
-        ),
-        num_rounds=num_rounds,
-        cost=cost,
-        views=ViewTable(
-            rank=np.asarray([v[0] for v in views], i32),
-            param=np.asarray([v[1] for v in views], i32),
-            slot=np.asarray([v[2] for v in views], i64),
-            off=np.stack([pad(v[3]) for v in views]) if views else np.zeros((0, width), i64),
-        ),
-        copies=CopyTable(
-            view=np.asarray([v for v, _ in copies], i32),
-            piece=np.asarray([p for _, p in copies], i32),
-            round=np.full(len(copies), -1, i64),
-        ),
-    )
-
-
-def _storage(rows: list, width: int) -> StorageCells:
-    def col(j):
-        return np.asarray([r[j] for r in rows], np.int64)
-
-    def box(j):
-        out = np.zeros((len(rows), width), np.int64)
-        for i, r in enumerate(rows):
-            out[i, : len(r[j])] = r[j]
-        return out
-
-    return StorageCells(col(0), col(1), col(2), col(3), box(4), box(5), box(6))
+        if g[d] >= staging_bytes or o[d] >= max_ops:
+            first[d] = max(first[d], t + 1)
+    return np.asarray(out, np.int64)
