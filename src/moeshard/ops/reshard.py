@@ -51,7 +51,7 @@ from ..plan.reshard import BoxRows, ReshardPlan, StorageCells, Units, plan_resha
 from ..topology import Topology
 from .load import materialize
 from .report import OpReport, Phases
-from .skeleton import group_topology, named_tensors
+from .skeleton import group_topology, local_tensors, named_tensors
 
 __all__ = [
     "TensorLayout",
@@ -369,63 +369,62 @@ class _OldTensors(Source):
 
 
 def _clip_storage(cells: StorageCells, table: NeedTable) -> NeedTable:
-    """The load's needs cut to the storage cells: for each cell (a box of a new local tensor),
-    the parts of the need rows of its rank, parameter and slot that fall inside it (their
-    checkpoint boxes shifted alike). Raises ValueError where the rows do not cover a cell."""
-    groups: dict[tuple[int, int, int], np.ndarray] = {}
-    keys = np.stack([table.rank.astype(np.int64), table.param.astype(np.int64), table.slot.astype(np.int64)], 1)
-    order = np.lexsort(keys.T[::-1])
-    if len(order):
-        k = keys[order]
-        cut = np.flatnonzero(np.any(k[1:] != k[:-1], axis=1)) + 1
-        for rows in np.split(order, cut):
-            groups[tuple(keys[rows[0]].tolist())] = rows
-    out: list[tuple] = []
+    """The load's needs cut to the storage cells (``M`` cells, the table's ``N`` rows of width
+    ``D``): for each cell (a box of a new local tensor), the parts of the need rows of its rank,
+    parameter and slot that fall inside it (their checkpoint boxes shifted alike); rows in cell
+    order, then in the table's order. Pure; numpy over (cell, row) pairs of the same rank,
+    parameter and slot. Raises ValueError where the rows do not cover a cell."""
+    i64 = np.int64
     width = table.src_off.shape[1]
-    for i in range(len(cells)):
-        rows = groups.get((int(cells.rank[i]), int(cells.param[i]), int(cells.slot[i])), np.zeros(0, np.int64))
-        nd_rows = table.ndim[table.key[rows]]
-        # The cell in the table's width (a cell's padding dims are beyond every key's ndim).
-        k = min(width, cells.dst.shape[1])
-        lo_c, hi_c = np.zeros(width, np.int64), np.ones(width, np.int64)
-        lo_c[:k] = cells.dst[i, :k]
-        hi_c[:k] = cells.dst[i, :k] + np.maximum(cells.len[i, :k], 1)
-        covered = 0
-        for r, nd in zip(rows.tolist(), nd_rows.tolist()):
-            d0, ln = table.dst_off[r], table.src_len[r]
-            lo = np.maximum(d0, lo_c)
-            hi = np.minimum(d0 + ln, hi_c)
-            if not (hi[:nd] > lo[:nd]).all():
-                continue
-            src = table.src_off[r].copy()
-            src[:nd] += lo[:nd] - d0[:nd]
-            n = table.src_len[r].copy()
-            n[:nd] = hi[:nd] - lo[:nd]
-            dst = table.dst_off[r].copy()
-            dst[:nd] = lo[:nd]
-            out.append((r, src, n, dst))
-            covered += int(np.prod(n[:nd]))
-        if covered != int(np.prod(cells.len[i][cells.len[i] > 0])):
-            raise ValueError(
-                f"rank {int(cells.rank[i])}: the checkpoint's needs for parameter {int(cells.param[i])} "
-                f"slot {int(cells.slot[i])} do not cover box {cells.dst[i].tolist()} + "
-                f"{cells.len[i].tolist()} (a layout the reshard cannot read from storage)"
-            )
-    rows = np.asarray([o[0] for o in out], np.int64)
-
-    def stack(j):
-        return np.stack([o[j] for o in out]).astype(np.int64) if out else np.zeros((0, width), np.int64)
-
+    m = len(cells)
+    keys = np.concatenate(
+        [
+            np.stack([cells.rank, cells.param, cells.slot], 1).astype(i64),
+            np.stack([table.rank, table.param, table.slot], 1).astype(i64),
+        ]
+    )
+    gid = np.unique(keys, axis=0, return_inverse=True)[1].reshape(-1)
+    g_cell, g_row = gid[:m], gid[m:]
+    order = np.argsort(g_row, kind="stable")
+    starts = np.searchsorted(g_row[order], np.arange(len(keys) + 1))
+    count = starts[g_cell + 1] - starts[g_cell]
+    pc = np.repeat(np.arange(m), count)  # pairs (cell, row) of the same rank, param, slot
+    pr = order[np.repeat(starts[g_cell] - (np.cumsum(count) - count), count) + np.arange(int(count.sum()))]
+    # The cells in the table's width (a cell's padding dims are beyond every key's ndim).
+    k = min(width, cells.dst.shape[1])
+    lo_c, hi_c = np.zeros((m, width), i64), np.ones((m, width), i64)
+    lo_c[:, :k] = cells.dst[:, :k]
+    hi_c[:, :k] = cells.dst[:, :k] + np.maximum(cells.len[:, :k], 1)
+    d0, ln = table.dst_off[pr].astype(i64), table.src_len[pr].astype(i64)
+    lo = np.maximum(d0, lo_c[pc])
+    hi = np.minimum(d0 + ln, hi_c[pc])
+    valid = np.arange(width)[None, :] < table.ndim[table.key[pr]].astype(i64)[:, None]
+    ok = np.all(~valid | (hi > lo), axis=1)
+    pc, pr, lo, hi, d0, valid = pc[ok], pr[ok], lo[ok], hi[ok], d0[ok], valid[ok]
+    src = np.where(valid, table.src_off[pr] + lo - d0, table.src_off[pr]).astype(i64)
+    size = np.where(valid, hi - lo, table.src_len[pr]).astype(i64)
+    dst = np.where(valid, lo, table.dst_off[pr]).astype(i64)
+    covered = np.zeros(m, i64)
+    np.add.at(covered, pc, np.prod(np.where(valid, size, 1), axis=1))
+    want = np.prod(np.where(cells.len > 0, cells.len, 1), axis=1) if m else np.zeros(0, i64)
+    bad = np.flatnonzero(covered != want)
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(
+            f"rank {int(cells.rank[i])}: the checkpoint's needs for parameter {int(cells.param[i])} "
+            f"slot {int(cells.slot[i])} do not cover box {cells.dst[i].tolist()} + "
+            f"{cells.len[i].tolist()} (a layout the reshard cannot read from storage)"
+        )
     return NeedTable(
         keys=table.keys,
         ndim=table.ndim,
-        rank=table.rank[rows],
-        param=table.param[rows],
-        key=table.key[rows],
-        slot=table.slot[rows],
-        src_off=stack(1),
-        src_len=stack(2),
-        dst_off=stack(3),
+        rank=table.rank[pr],
+        param=table.param[pr],
+        key=table.key[pr],
+        slot=table.slot[pr],
+        src_off=src,
+        src_len=size,
+        dst_off=dst,
     )
 
 
@@ -630,7 +629,7 @@ def reshard(
                 f"{len(plan.storage_boxes)} boxes have no live holder (e.g. {plan.storage_boxes[0][0]}) "
                 "and no checkpoint= was given"
             )
-        dests = [local_tensor(t, d) for t, d in zip((named_tensors(model)[d.name] for d in descs), descs)]
+        dests = local_tensors(named_tensors(model), descs)  # one walk of the model, not one per tensor
         dests += [local_tensor(new_states[t.name]) for t in new_layouts[len(descs) :]]
         dtypes = [getattr(torch, d) for d in units.dtype]
         return descs, plan, dests, dtypes
