@@ -289,44 +289,55 @@ def _box_rows(
 ) -> BoxRows:
     """Every rank's boxes of every unit of ``layouts`` (ranks of the layout's group mapped by
     ``rank_map``; a rank mapped to -1 holds nothing), rows as :class:`BoxRows`."""
-    cols: list[list] = [[] for _ in range(5)]
-    offs, lens = [], []
+    i64 = np.int64
+    parts: list[tuple[np.ndarray, ...]] = []  # (unit, rank, param, slot, off, len) per layout
     for j, t in enumerate(layouts):
         nd = len(t.shape)
         if t.mesh is None:
-            ranks = np.arange(world, dtype=np.int64)
-            boxes = np.broadcast_to(
-                np.stack([np.zeros(nd, np.int64), np.asarray(t.shape, np.int64)], -1), (world, nd, 2)
-            )
+            ranks = np.arange(world, dtype=i64)
+            boxes = np.broadcast_to(np.stack([np.zeros(nd, i64), np.asarray(t.shape, i64)], -1), (world, nd, 2))
         else:
-            ranks = np.asarray(t.mesh, np.int64).reshape(-1)
+            ranks = np.asarray(t.mesh, i64).reshape(-1)
             boxes = shard_boxes(t.shape, t.mesh.shape, t.placements)
         keep = (rank_map[ranks] >= 0) & (boxes[:, :, 1] > 0).all(axis=1)
-        for r, box in zip(rank_map[ranks[keep]].tolist(), boxes[keep]):
-            if t.layer < 0:
-                u = units.get(t.name, nd, t.dtype, True)
-                for c, v in zip(cols, (u, r, j, -1)):
-                    c.append(v)
-                offs.append(box[:, 0])
-                lens.append(box[:, 1])
-                continue
-            s0, n = int(box[0, 0]), int(box[0, 1])
-            for k in range(n):
-                e = int(phy2log[t.layer, s0 + k])
-                if e < 0:
-                    continue
-                u = units.get(unit_key(t.name, e), nd - 1, t.dtype, False)
-                for c, v in zip(cols, (u, r, j, k)):
-                    c.append(v)
-                offs.append(box[1:, 0])
-                lens.append(box[1:, 1])
-    n = len(cols[0])
-    off, ln = np.zeros((n, width), np.int64), np.ones((n, width), np.int64)
-    for i, (o, l_) in enumerate(zip(offs, lens)):
-        off[i, : len(o)] = o
-        ln[i, : len(l_)] = l_
-    a = [np.asarray(c, np.int64) for c in cols[:4]]
-    return BoxRows(a[0], a[1], a[2], a[3], off, ln, np.zeros((n, width), np.int64))
+        r, box = rank_map[ranks[keep]], boxes[keep]
+        if t.layer < 0:
+            u = units.get(t.name, nd, t.dtype, True)
+            parts.append(
+                (
+                    np.full(len(r), u, i64),
+                    r,
+                    np.full(len(r), j, i64),
+                    np.full(len(r), -1, i64),
+                    box[:, :, 0],
+                    box[:, :, 1],
+                )
+            )
+            continue
+        n = box[:, 0, 1]  # local slots of each rank's box, in rank then slot order
+        row = np.repeat(np.arange(len(r)), n)
+        k = np.arange(len(row), dtype=i64) - np.repeat(np.cumsum(n) - n, n)
+        e = phy2log[t.layer, box[row, 0, 0] + k].astype(i64)
+        on = e >= 0
+        row, k, e = row[on], k[on], e[on]
+        # Unit ids in order of first appearance (as a row-by-row walk gives them).
+        first = np.unique(e, return_index=True)[1]
+        ids = np.zeros(int(e.max(initial=-1)) + 1, i64)
+        for x in e[np.sort(first)].tolist():
+            ids[x] = units.get(unit_key(t.name, x), nd - 1, t.dtype, False)
+        parts.append((ids[e], r[row], np.full(len(row), j, i64), k, box[row, 1:, 0], box[row, 1:, 1]))
+    n = sum(len(p[0]) for p in parts)
+    off, ln = np.zeros((n, width), i64), np.ones((n, width), i64)
+    at = 0
+    for p in parts:
+        m, nd = len(p[0]), p[4].shape[1]
+        off[at : at + m, :nd], ln[at : at + m, :nd] = p[4], p[5]
+        at += m
+
+    def col(c: int) -> np.ndarray:
+        return np.concatenate([p[c] for p in parts]).astype(i64) if parts else np.zeros(0, i64)
+
+    return BoxRows(col(0), col(1), col(2), col(3), off, ln, np.zeros((n, width), i64))
 
 
 def _check_compatible(old: Sequence[TensorLayout], new: Sequence[TensorLayout], old_nl: int, new_nl: int) -> None:
@@ -668,7 +679,8 @@ def reshard(
             phases.end("storage")
         if optimizer is not None:
             _scalar_states(model, descs, optimizer, old_tensors, old_optimizer, first, rank)
-    collectives.barrier("moeshard.reshard: finishing")
+    # No closing barrier: the last agree (an all-reduce after every rank's transfers) already
+    # returns only once every rank is done.
     phases.end("finish")
     copied = int(sched.pieces.bytes[sched.copies.piece[sched.views.rank[sched.copies.view] == rank]].sum())
     return ReshardReport(
