@@ -133,8 +133,8 @@ class ReshardPlan:
     fingerprint: str = field(default="")
 
 
-def _unit_rows(n: int, units: np.ndarray, width: int, ndim: np.ndarray) -> np.ndarray:
-    """``bool[n, width]``: which padded dims of each row are its unit's."""
+def _unit_rows(units: np.ndarray, width: int, ndim: np.ndarray) -> np.ndarray:
+    """``bool[len(units), width]``: which padded dims of each row (of unit ``units[i]``) are its unit's."""
     return np.arange(width)[None, :] < ndim[units][:, None]
 
 
@@ -155,7 +155,7 @@ def _cells(units: Units, holds: BoxRows, needs: BoxRows, width: int):
     # Cut points as keys (unit, dim, point) encoded in one int64, sorted and distinct.
     pts, grp = [], []
     for rows in (holds, needs):
-        valid = _unit_rows(len(rows.unit), rows.unit, width, nd_all)
+        valid = _unit_rows(rows.unit, width, nd_all)
         g = rows.unit[:, None] * width + np.arange(width)[None, :]
         for a in (rows.off, rows.off + rows.len):
             pts.append(a[valid])
@@ -165,9 +165,8 @@ def _cells(units: Units, holds: BoxRows, needs: BoxRows, width: int):
     if (int(grp_a.max(initial=0)) + 1) * scale >= 2**62:
         raise ValueError("tensor shapes too large to plan a reshard (cut keys overflow int64)")
     cuts = np.unique(grp_a * scale + pts_a)
-    m = len(n_order)
     nu = needs.unit[n_order]
-    valid = _unit_rows(m, nu, width, nd_all)
+    valid = _unit_rows(nu, width, nd_all)
     g = nu[:, None] * width + np.arange(width)[None, :]
     a = needs.off[n_order]
     b = a + needs.len[n_order]
@@ -228,14 +227,14 @@ def plan_reshard(
     pair_hold = h_order[_ranges(h_start[c_unit], n_h)]
     h_lo, h_hi = holds.off[pair_hold], holds.off[pair_hold] + holds.len[pair_hold]
     p_lo, p_hi = c_off[pair_cell], c_off[pair_cell] + c_len[pair_cell]
-    pv = _unit_rows(len(pair_cell), c_unit[pair_cell], width, ndim)
+    pv = _unit_rows(c_unit[pair_cell], width, ndim)
     inside = np.all(~pv | ((h_lo <= p_lo) & (p_hi <= h_hi)), axis=1)
     pair_cell, pair_hold = pair_cell[inside], pair_hold[inside]  # cell order, then holding row
     held = np.zeros(len(row), bool)
     held[pair_cell] = True
 
     # Cells no live rank holds: storage.
-    valid_c = _unit_rows(len(row), c_unit, width, ndim)
+    valid_c = _unit_rows(c_unit, width, ndim)
     dst_c = np.where(valid_c, needs.local[row] + c_off - needs.off[row], 0)
     s = ~held
     st = StorageCells(
@@ -356,7 +355,7 @@ def plan_reshard(
     else:
         t_view, v_first = np.zeros(0, i64), np.zeros(0, i64)
     v_row, v_pid = t_src_row[v_first], t_pid[v_first]
-    v_valid = _unit_rows(len(v_row), piece_unit[v_pid], width, ndim)
+    v_valid = _unit_rows(piece_unit[v_pid], width, ndim)
     v_off = np.where(v_valid, holds.local[v_row] + piece_off[v_pid] - holds.off[v_row], 0)
 
     is_copy = t_own >= 0
