@@ -560,6 +560,86 @@ def reshard(
     rank, world = collectives.rank_and_world()
     topo = group_topology(topology, group)
     path = None if checkpoint is None else os.fspath(checkpoint)
+    members = _meet(model, old, old_tensors, old_optimizer, device, path)
+    phases.end("exchange")
+    placement = resolve_placement(model, None, "moeshard.reshard", specs)
+    planned = collectives.agree(
+        lambda: _plan(model, members, placement, optimizer, specs, topo, staging_bytes, max_ops, path),
+        "moeshard.reshard: planning",
+        fingerprint=lambda r: r.plan.fingerprint,
+    )
+    descs, plan, dests, dtypes = planned.descs, planned.plan, planned.dests, planned.dtypes
+    _check_stale(plan, dense_from_storage, rank)
+    t_plan = phases.end("plan") - t0
+
+    what = "moeshard.reshard: copying from live ranks"
+    with torch.no_grad():
+        sched = plan.schedule
+        stats = collectives.agree(
+            lambda: execute_schedule(
+                sched,
+                rank,
+                _OldTensors(plan, members.old_locals, rank, dtypes),
+                TensorSink(sched, dests, rank),
+                members.device,
+                what=what,
+            ).check(),
+            what,
+        )
+        phases.end("peers")
+        read = 0
+        if len(plan.storage):
+            read = _read_storage(
+                plan, descs, placement, path, storage, topo, members.everyone, dests, members.device, staging_bytes
+            )
+            phases.end("storage")
+        if optimizer is not None:
+            _scalar_states(model, descs, optimizer, old_tensors, old_optimizer, members.first, rank)
+    # No closing barrier: the last agree (an all-reduce) returns once every rank is done.
+    phases.end("finish")
+    copied = int(sched.pieces.bytes[sched.copies.piece[sched.views.rank[sched.copies.view] == rank]].sum())
+    return ReshardReport(
+        rank=rank,
+        world_size=world,
+        wall_seconds=time.perf_counter() - t0,
+        plan_seconds=t_plan,
+        fingerprint=plan.fingerprint,
+        plan=sched.cost.summary(),
+        bytes_read_rank=read,
+        bytes_sent_rank=stats.bytes_sent,
+        bytes_received_rank=stats.bytes_received,
+        peak_staging_bytes_rank=stats.peak_staging_bytes,
+        phase_seconds=phases.seconds,
+        phase_cpu_seconds=phases.cpu_seconds,
+        storage_boxes=plan.storage_boxes,
+        dense_from_storage=plan.dense_from_storage,
+        peer_bytes=plan.peer_bytes,
+        copy_bytes=plan.copy_bytes,
+        storage_bytes=plan.storage_bytes,
+        bytes_copied_rank=copied,
+        joined=old is None,
+    )
+
+
+@dataclass(frozen=True)
+class _Members:
+    """What one exchange tells every member: its device, its old local tensors, every member's
+    shares (old rank, old layout's digest, sees the checkpoint), their old ranks, the first
+    survivor and the old layout (sent by it)."""
+
+    device: torch.device
+    old_locals: list
+    everyone: list
+    old_ranks: np.ndarray
+    survivors: np.ndarray
+    first: int
+    shared: ShardLayout
+
+
+def _meet(model, old, old_tensors, old_optimizer, device, path) -> _Members:
+    """Collective: materialize the new model, gather every member's old rank and layout digest,
+    refuse (on every rank) when no member holds the old model or their layouts differ, and send
+    the old layout from the first survivor."""
 
     def prepare():
         dev = materialize(model, device)
@@ -592,118 +672,92 @@ def reshard(
             "moeshard.reshard",
         )
     first = int(survivors[0])
+    rank, _ = collectives.rank_and_world()
     shared = collectives.broadcast_object(
         old.shared() if rank == first else None, src=first, what="moeshard.reshard: sending the old layout"
     )
-    phases.end("exchange")
-    placement = resolve_placement(model, None, "moeshard.reshard", specs)
+    return _Members(dev, old_locals, everyone, old_ranks, survivors, first, shared)
 
-    def make_plan():
-        if optimizer is not None:  # its moments are placed in slot order: checked from now on
-            guard_optimizer(optimizer)
-        descs = describe_model(model, None, specs)
-        new_layouts = _tensor_layouts(descs)
-        if optimizer is not None:
-            states = sorted({t.name.partition(OPTIMIZER_SEP)[2] for t in shared.tensors if OPTIMIZER_SEP in t.name})
-            new_states = _new_states(model, descs, optimizer, states)
-            new_layouts += [
-                TensorLayout(name, t.shape, _dtype_name(new_states[name].dtype), t.mesh, t.placements, t.layer)
-                for t in list(new_layouts)
-                for name in (f"{t.name}{OPTIMIZER_SEP}{k}" for k in states)
-            ]
-        else:
-            new_states = {}
-        new_nl = placement.num_logical if placement is not None else 0
-        _check_compatible(shared.tensors, new_layouts, shared.num_logical, new_nl)
-        if old_ranks.max() >= shared.world_size:
-            raise ValueError(f"old ranks {old_ranks.tolist()} outside the old layout's {shared.world_size} ranks")
-        if len(set(old_ranks[survivors].tolist())) != len(survivors):
-            raise ValueError(f"two members claim the same old rank: {old_ranks.tolist()}")
-        rank_map = np.full(shared.world_size, -1, np.int64)
-        rank_map[old_ranks[survivors]] = survivors
-        width = max([len(t.shape) for t in (*shared.tensors, *new_layouts)] + [1])
-        units = _UnitIndex()
-        holds = _box_rows(shared.tensors, shared.phy2log, shared.world_size, rank_map, units, width)
-        new_p2l = np.asarray(placement.phy2log) if placement is not None else None
-        needs = _box_rows(new_layouts, new_p2l, world, np.arange(world, dtype=np.int64), units, width)
-        plan = plan_reshard(units.units(), holds, needs, topo, staging_bytes, max_ops)
-        state_missing = sorted(
-            {plan.schedule.keys[u] for u in plan.storage.unit.tolist() if OPTIMIZER_SEP in plan.schedule.keys[u]}
-        )
-        if state_missing:
-            raise ValueError(
-                f"optimizer state boxes of {state_missing[:4]} (of {len(state_missing)}) have no live "
-                "holder and no checkpoint holds optimizer state"
-            )
-        if len(plan.storage) and path is None:
-            raise ValueError(
-                f"{len(plan.storage_boxes)} boxes have no live holder (e.g. {plan.storage_boxes[0][0]}) "
-                "and no checkpoint= was given"
-            )
-        dests = local_tensors(named_tensors(model), descs)  # one walk of the model, not one per tensor
-        dests += [local_tensor(new_states[t.name]) for t in new_layouts[len(descs) :]]
-        dtypes = [getattr(torch, d) for d in units.dtype]
-        return descs, plan, dests, dtypes
 
-    descs, plan, dests, dtypes = collectives.agree(
-        make_plan, "moeshard.reshard: planning", fingerprint=lambda r: r[1].fingerprint
+@dataclass(frozen=True)
+class _Planned:
+    """A rank's reshard plan and what its run needs: the new model's descriptions, the plan, the
+    destination local tensors (parameters, then optimizer states) and each unit's dtype."""
+
+    descs: list
+    plan: ReshardPlan
+    dests: list
+    dtypes: list
+
+
+def _plan(model, members: _Members, placement, optimizer, specs, topo, staging_bytes, max_ops, path) -> _Planned:
+    """One rank's step of the planning agreement: the new layouts (with optimizer states), the
+    holders' and the new model's box rows, :func:`~moeshard.plan.reshard.plan_reshard`, and the
+    refusals that need the plan (an optimizer state or a box with no holder and no checkpoint)."""
+    shared, old_ranks, survivors = members.shared, members.old_ranks, members.survivors
+    _, world = collectives.rank_and_world()
+    if optimizer is not None:  # its moments are placed in slot order: checked from now on
+        guard_optimizer(optimizer)
+    descs = describe_model(model, None, specs)
+    new_layouts = _tensor_layouts(descs)
+    new_states = {}
+    if optimizer is not None:
+        states = sorted({t.name.partition(OPTIMIZER_SEP)[2] for t in shared.tensors if OPTIMIZER_SEP in t.name})
+        new_states = _new_states(model, descs, optimizer, states)
+        new_layouts += [
+            TensorLayout(name, t.shape, _dtype_name(new_states[name].dtype), t.mesh, t.placements, t.layer)
+            for t in list(new_layouts)
+            for name in (f"{t.name}{OPTIMIZER_SEP}{k}" for k in states)
+        ]
+    new_nl = placement.num_logical if placement is not None else 0
+    _check_compatible(shared.tensors, new_layouts, shared.num_logical, new_nl)
+    if old_ranks.max() >= shared.world_size:
+        raise ValueError(f"old ranks {old_ranks.tolist()} outside the old layout's {shared.world_size} ranks")
+    if len(set(old_ranks[survivors].tolist())) != len(survivors):
+        raise ValueError(f"two members claim the same old rank: {old_ranks.tolist()}")
+    rank_map = np.full(shared.world_size, -1, np.int64)
+    rank_map[old_ranks[survivors]] = survivors
+    width = max([len(t.shape) for t in (*shared.tensors, *new_layouts)] + [1])
+    units = _UnitIndex()
+    holds = _box_rows(shared.tensors, shared.phy2log, shared.world_size, rank_map, units, width)
+    new_p2l = np.asarray(placement.phy2log) if placement is not None else None
+    needs = _box_rows(new_layouts, new_p2l, world, np.arange(world, dtype=np.int64), units, width)
+    plan = plan_reshard(units.units(), holds, needs, topo, staging_bytes, max_ops)
+    state_missing = sorted(
+        {plan.schedule.keys[u] for u in plan.storage.unit.tolist() if OPTIMIZER_SEP in plan.schedule.keys[u]}
     )
-    if plan.dense_from_storage and dense_from_storage != "allow":
-        names = ", ".join(plan.dense_from_storage[:6]) + (" ..." if len(plan.dense_from_storage) > 6 else "")
-        text = (
-            f"moeshard.reshard: {len(plan.dense_from_storage)} dense tensors have boxes no live rank holds "
-            f"({names}); their checkpoint values are older than the live weights (mixing training steps)"
+    if state_missing:
+        raise ValueError(
+            f"optimizer state boxes of {state_missing[:4]} (of {len(state_missing)}) have no live "
+            "holder and no checkpoint holds optimizer state"
         )
-        if dense_from_storage == "raise":  # the plan is every rank's: every rank raises here
-            raise StaleStateError(
-                f"{text}; keep an HSDP replica (make_mesh(replicate=...)) or pass "
-                "dense_from_storage='warn' to read them anyway"
-            )
-        if rank == 0:
-            logger.warning("%s: reading them from the checkpoint (dense_from_storage='warn')", text)
-    t_plan = phases.end("plan") - t0
+    if len(plan.storage) and path is None:
+        raise ValueError(
+            f"{len(plan.storage_boxes)} boxes have no live holder (e.g. {plan.storage_boxes[0][0]}) "
+            "and no checkpoint= was given"
+        )
+    dests = local_tensors(named_tensors(model), descs)  # one walk of the model, not one per tensor
+    dests += [local_tensor(new_states[t.name]) for t in new_layouts[len(descs) :]]
+    return _Planned(descs, plan, dests, [getattr(torch, d) for d in units.dtype])
 
-    what = "moeshard.reshard: copying from live ranks"
-    with torch.no_grad():
-        sched = plan.schedule
-        stats = collectives.agree(
-            lambda: execute_schedule(
-                sched, rank, _OldTensors(plan, old_locals, rank, dtypes), TensorSink(sched, dests, rank), dev, what=what
-            ).check(),
-            what,
-        )
-        phases.end("peers")
-        read = 0
-        if len(plan.storage):
-            read = _read_storage(plan, descs, placement, path, storage, topo, everyone, dests, dev, staging_bytes)
-            phases.end("storage")
-        if optimizer is not None:
-            _scalar_states(model, descs, optimizer, old_tensors, old_optimizer, first, rank)
-    # No closing barrier: the last agree (an all-reduce after every rank's transfers) already
-    # returns only once every rank is done.
-    phases.end("finish")
-    copied = int(sched.pieces.bytes[sched.copies.piece[sched.views.rank[sched.copies.view] == rank]].sum())
-    return ReshardReport(
-        rank=rank,
-        world_size=world,
-        wall_seconds=time.perf_counter() - t0,
-        plan_seconds=t_plan,
-        fingerprint=plan.fingerprint,
-        plan=sched.cost.summary(),
-        bytes_read_rank=read,
-        bytes_sent_rank=stats.bytes_sent,
-        bytes_received_rank=stats.bytes_received,
-        peak_staging_bytes_rank=stats.peak_staging_bytes,
-        phase_seconds=phases.seconds,
-        phase_cpu_seconds=phases.cpu_seconds,
-        storage_boxes=plan.storage_boxes,
-        dense_from_storage=plan.dense_from_storage,
-        peer_bytes=plan.peer_bytes,
-        copy_bytes=plan.copy_bytes,
-        storage_bytes=plan.storage_bytes,
-        bytes_copied_rank=copied,
-        joined=old is None,
+
+def _check_stale(plan: ReshardPlan, dense_from_storage: str, rank: int) -> None:
+    """Refuse (every rank: the plan is every rank's) or warn when dense boxes would come from
+    storage, whose values are older than the live weights."""
+    if not plan.dense_from_storage or dense_from_storage == "allow":
+        return
+    names = ", ".join(plan.dense_from_storage[:6]) + (" ..." if len(plan.dense_from_storage) > 6 else "")
+    text = (
+        f"moeshard.reshard: {len(plan.dense_from_storage)} dense tensors have boxes no live rank holds "
+        f"({names}); their checkpoint values are older than the live weights (mixing training steps)"
     )
+    if dense_from_storage == "raise":
+        raise StaleStateError(
+            f"{text}; keep an HSDP replica (make_mesh(replicate=...)) or pass "
+            "dense_from_storage='warn' to read them anyway"
+        )
+    if rank == 0:
+        logger.warning("%s: reading them from the checkpoint (dense_from_storage='warn')", text)
 
 
 def _fail(message: str):
