@@ -191,54 +191,118 @@ def _cells(units: Units, holds: BoxRows, needs: BoxRows, width: int):
     return row, off, ln
 
 
-def plan_reshard(
-    units: Units, holds: BoxRows, needs: BoxRows, topology: Topology, staging_bytes: int, max_ops: int
-) -> ReshardPlan:
-    """Plan a reshard (pure, deterministic; module docstring). Every rank calls it with the same
-    tables and gets the same plan (vectorized over rows; the source choice and the rounds are a
-    loop over sends).
+@dataclass(frozen=True)
+class _Cells:
+    """The cells (``C`` rows, ``D`` padded dims): need row, unit, box and valid dims of each."""
 
-    Args:
-        units: the units (``U``).
-        holds: the live ranks' holdings (``param`` indexes the old tensors).
-        needs: the new local tensors' needs (``param`` indexes the new tensors); ranks and
-            nodes are ``topology``'s.
-        staging_bytes: per-rank budget for received pieces in one round (a cell is cut to fit;
-            one index of a dim larger than the budget is sent whole, alone in its round).
-        max_ops: at most this many P2P ops per rank in one round.
+    row: np.ndarray  # int64[C]
+    unit: np.ndarray  # int64[C]
+    off: np.ndarray  # int64[C, D]
+    len: np.ndarray  # int64[C, D]
+    valid: np.ndarray  # bool[C, D]
 
-    Raises ValueError for budgets below 1 byte or 2 ops.
-    """
-    if staging_bytes < 1 or max_ops < 2:
-        raise ValueError(f"staging_bytes must be >= 1 and max_ops >= 2, got {staging_bytes}, {max_ops}")
-    i64 = np.int64
-    width = needs.off.shape[1]
-    world = topology.world_size
-    node = np.asarray([topology.node_of(r) for r in range(world)], i64)
-    ndim, itemsize = units.ndim.astype(i64), units.itemsize.astype(i64)
 
-    # Cells, and the holdings that contain each (pairs cell x holding of its unit).
-    row, c_off, c_len = _cells(units, holds, needs, width)
-    c_unit = needs.unit[row]
+@dataclass(frozen=True)
+class _Holdings:
+    """Pairs (cell, holding) with the cell inside the holding (``P`` pairs), and which cells are held."""
+
+    cell: np.ndarray  # int64[P], ascending (then holding row)
+    hold: np.ndarray  # int64[P]
+    held: np.ndarray  # bool[C]
+
+
+@dataclass(frozen=True)
+class _Runs:
+    """Piece instances: a run of each travelling cell (``Q`` rows, ``D`` padded dims)."""
+
+    cell: np.ndarray  # int64[Q] the cell of each run
+    unit: np.ndarray  # int64[Q]
+    off: np.ndarray  # int64[Q, D] (0 past the unit's dims)
+    len: np.ndarray  # int64[Q, D] (1 past the unit's dims)
+    len_p: np.ndarray  # int64[Q, D] (0 past the unit's dims)
+    valid: np.ndarray  # bool[Q, D]
+
+
+@dataclass(frozen=True)
+class _Pieces:
+    """Distinct (unit, box) of the runs (``K`` pieces) and the piece of each run."""
+
+    of_run: np.ndarray  # int64[Q]
+    unit: np.ndarray  # int64[K]
+    off: np.ndarray  # int64[K, D]
+    len: np.ndarray  # int64[K, D]
+    bytes: np.ndarray  # int64[K]
+    cell: np.ndarray  # int64[K] the cell whose holders hold the piece
+
+
+@dataclass(frozen=True)
+class _Deliveries:
+    """Deliveries (``E`` rows, by (piece, rank)) and the distinct (piece, receiver) pairs (``T``)."""
+
+    pid: np.ndarray  # int64[E]
+    rank: np.ndarray  # int64[E]
+    row: np.ndarray  # int64[E] need row
+    dst: np.ndarray  # int64[E, D] local offset in the receiver's tensor
+    t_pid: np.ndarray  # int64[T]
+    t_rank: np.ndarray  # int64[T]
+
+
+@dataclass(frozen=True)
+class _Holders:
+    """Holders of each (piece, receiver) pair (``X`` rows) and the receiver's own holding."""
+
+    t: np.ndarray  # int64[X] the pair
+    hold: np.ndarray  # int64[X] holding row
+    rank: np.ndarray  # int64[X] holder rank
+    own: np.ndarray  # bool[X] held by the receiver
+    t_own: np.ndarray  # int64[T] first own holding row (-1: none)
+
+
+@dataclass(frozen=True)
+class _Views:
+    """Distinct (holding, piece) views (``V``) and the view of each (piece, receiver) pair."""
+
+    of_t: np.ndarray  # int64[T]
+    row: np.ndarray  # int64[V] holding row
+    off: np.ndarray  # int64[V, D] local offset in the holder's tensor
+
+
+@dataclass(frozen=True)
+class _StorageSummary:
+    """The distinct storage boxes (sorted), their bytes, and the dense units among them (sorted)."""
+
+    boxes: tuple
+    bytes: int
+    dense: tuple[str, ...]
+
+
+def _holdings(holds: BoxRows, cells: _Cells, num_units: int, width: int, ndim: np.ndarray) -> _Holdings:
+    """Pairs cell x holding of its unit (``int64[P]`` each) where the cell lies inside the
+    holding, in cell order, then holding row; ``bool[C]`` whether each cell is held."""
+    c_unit, c_off, c_len = cells.unit, cells.off, cells.len
     h_order = np.argsort(holds.unit, kind="stable")
-    h_start = np.searchsorted(holds.unit[h_order], np.arange(len(units.keys) + 1))
+    h_start = np.searchsorted(holds.unit[h_order], np.arange(num_units + 1))
     n_h = (h_start[1:] - h_start[:-1])[c_unit]
-    pair_cell = np.repeat(np.arange(len(row)), n_h)
+    pair_cell = np.repeat(np.arange(len(cells.row)), n_h)
     pair_hold = h_order[_ranges(h_start[c_unit], n_h)]
     h_lo, h_hi = holds.off[pair_hold], holds.off[pair_hold] + holds.len[pair_hold]
     p_lo, p_hi = c_off[pair_cell], c_off[pair_cell] + c_len[pair_cell]
     pv = _unit_rows(c_unit[pair_cell], width, ndim)
     inside = np.all(~pv | ((h_lo <= p_lo) & (p_hi <= h_hi)), axis=1)
     pair_cell, pair_hold = pair_cell[inside], pair_hold[inside]  # cell order, then holding row
-    held = np.zeros(len(row), bool)
+    held = np.zeros(len(cells.row), bool)
     held[pair_cell] = True
+    return _Holdings(pair_cell, pair_hold, held)
 
-    # Cells no live rank holds: storage.
-    valid_c = _unit_rows(c_unit, width, ndim)
+
+def _storage(needs: BoxRows, cells: _Cells, held: np.ndarray) -> StorageCells:
+    """The cells (``bool[C]`` ``held`` false) no live rank holds, as :class:`StorageCells`
+    (``M`` rows; boxes ``int64[M, D]``, 0 past the unit's dims)."""
+    row, c_off, c_len, valid_c = cells.row, cells.off, cells.len, cells.valid
     dst_c = np.where(valid_c, needs.local[row] + c_off - needs.off[row], 0)
     s = ~held
-    st = StorageCells(
-        c_unit[s],
+    return StorageCells(
+        cells.unit[s],
         needs.rank[row[s]],
         needs.param[row[s]],
         needs.slot[row[s]],
@@ -247,8 +311,11 @@ def plan_reshard(
         dst_c[s],
     )
 
-    # Cells that travel, cut to the staging budget along their first dim of length > 1 (a run
-    # is at least one index: a larger index stays whole).
+
+def _runs(cells: _Cells, held: np.ndarray, itemsize: np.ndarray, staging_bytes: int) -> _Runs:
+    """The held cells (``bool[C]``) cut to the staging budget along their first dim of length > 1
+    (a run is at least one index: a larger index stays whole): ``Q`` runs, boxes ``[Q, D]``."""
+    c_unit, c_off, c_len, valid_c = cells.unit, cells.off, cells.len, cells.valid
     cell = np.flatnonzero(held)
     u_c = c_unit[cell]
     ln = c_len[cell]
@@ -275,61 +342,83 @@ def plan_reshard(
     q_valid = valid_c[q_cell]
     q_off = np.where(q_valid, q_off, 0)
     q_len_p = np.where(q_valid, q_len, 0)
+    return _Runs(q_cell, q_unit, q_off, q_len, q_len_p, q_valid)
 
-    # Pieces: distinct (unit, box), numbered in order of first appearance.
-    key = np.concatenate([q_unit[:, None], q_off, q_len_p], axis=1)
+
+def _first_numbering(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct rows of ``key`` (``int64[N, k]``, ``N > 0``) numbered in order of first
+    appearance: ``(number of each row int64[N], first row of each number int64[K])``."""
+    _, first, inv = np.unique(key, axis=0, return_index=True, return_inverse=True)
+    inv = inv.reshape(-1)
+    order = np.argsort(first)
+    num = np.empty(len(first), np.int64)
+    num[order] = np.arange(len(first))
+    return num[inv], first[order]
+
+
+def _pieces(runs: _Runs, itemsize: np.ndarray) -> _Pieces:
+    """Pieces: distinct (unit, box) of the ``Q`` runs, numbered in order of first appearance
+    (``K`` pieces; boxes ``int64[K, D]``, bytes ``int64[K]``)."""
+    i64 = np.int64
+    key = np.concatenate([runs.unit[:, None], runs.off, runs.len_p], axis=1)
     if len(key):
-        _, first, inv = np.unique(key, axis=0, return_index=True, return_inverse=True)
-        inv = inv.reshape(-1)
-        order = np.argsort(first)
-        rank_of = np.empty(len(first), i64)
-        rank_of[order] = np.arange(len(first))
-        q_pid = rank_of[inv]
-        p_first = first[order]
+        q_pid, p_first = _first_numbering(key)
     else:
         q_pid, p_first = np.zeros(0, i64), np.zeros(0, i64)
     num = len(p_first)
-    piece_unit = q_unit[p_first]
-    piece_off, piece_len = q_off[p_first], q_len_p[p_first]
-    pbytes = np.prod(q_len[p_first], axis=1) * itemsize[piece_unit] if num else np.zeros(0, i64)
-    piece_cell = q_cell[p_first]  # the cell whose holders hold the piece
+    piece_unit = runs.unit[p_first]
+    pbytes = np.prod(runs.len[p_first], axis=1) * itemsize[piece_unit] if num else np.zeros(0, i64)
+    return _Pieces(q_pid, piece_unit, runs.off[p_first], runs.len_p[p_first], pbytes, runs.cell[p_first])
 
-    # Deliveries, by (piece, rank), then in order of appearance; the distinct pairs are the
-    # (piece, receiver) pairs to source.
-    q_rank = needs.rank[row[q_cell]]
+
+def _deliveries(needs: BoxRows, row: np.ndarray, runs: _Runs, q_pid: np.ndarray) -> _Deliveries:
+    """Deliveries of the ``Q`` runs (need row of each cell ``row`` ``int64[C]``, piece of each
+    run ``q_pid`` ``int64[Q]``) by (piece, rank), then in order of appearance; the distinct
+    pairs are the (piece, receiver) pairs to source."""
+    q_rank = needs.rank[row[runs.cell]]
     d_order = np.lexsort((np.arange(len(q_pid)), q_rank, q_pid))
     d_pid, d_rank = q_pid[d_order], q_rank[d_order]
-    d_row = row[q_cell[d_order]]
-    d_dst = np.where(q_valid[d_order], needs.local[d_row] + q_off[d_order] - needs.off[d_row], 0)
+    d_row = row[runs.cell[d_order]]
+    d_dst = np.where(runs.valid[d_order], needs.local[d_row] + runs.off[d_order] - needs.off[d_row], 0)
     new = np.ones(len(d_pid), bool)
     new[1:] = (d_pid[1:] != d_pid[:-1]) | (d_rank[1:] != d_rank[:-1])
-    t_pid, t_rank = d_pid[new], d_rank[new]
+    return _Deliveries(d_pid, d_rank, d_row, d_dst, d_pid[new], d_rank[new])
 
-    # Holders of each (piece, receiver): pairs of its piece's cell (holding rows ascending).
-    cell_start = np.searchsorted(pair_cell, np.arange(len(row) + 1))
-    t_cell = piece_cell[t_pid]
+
+def _holders(holds: BoxRows, pairs: _Holdings, num_cells: int, piece_cell: np.ndarray, dl: _Deliveries) -> _Holders:
+    """Holders of each of the ``T`` (piece, receiver) pairs: the pairs of its piece's cell
+    (holding rows ascending), ``X`` rows; and the first holding of the receiver's own
+    (``int64[T]``, -1: none)."""
+    cell_start = np.searchsorted(pairs.cell, np.arange(num_cells + 1))
+    t_cell = piece_cell[dl.t_pid]
     t_n = cell_start[t_cell + 1] - cell_start[t_cell]
-    x_t = np.repeat(np.arange(len(t_pid)), t_n)
-    x_hold = pair_hold[_ranges(cell_start[t_cell], t_n)]
+    x_t = np.repeat(np.arange(len(dl.t_pid)), t_n)
+    x_hold = pairs.hold[_ranges(cell_start[t_cell], t_n)]
     x_rank = holds.rank[x_hold]
-    own = x_rank == t_rank[x_t]
-    t_own = np.full(len(t_pid), -1, i64)
+    own = x_rank == dl.t_rank[x_t]
+    t_own = np.full(len(dl.t_pid), -1, np.int64)
     ot, oi = np.unique(x_t[own], return_index=True)  # the first own holding of each pair
     t_own[ot] = x_hold[own][oi]
+    return _Holders(x_t, x_hold, x_rank, own, t_own)
 
-    # Sources of the others, in (piece, receiver) order: the least-loaded holder on the
-    # receiver's node, else anywhere (ties: the lower rank, then the first holding).
-    t_src_row = t_own.copy()
+
+def _sources(x: _Holders, t_rank: np.ndarray, t_bytes: np.ndarray, node: np.ndarray, world: int) -> np.ndarray:
+    """``int64[T]`` source holding row of each (piece, receiver) pair (receiver ``t_rank``,
+    piece bytes ``t_bytes``, ``int64[T]``): its own holding, else, in pair order, the
+    least-loaded holder on the receiver's node, else anywhere (ties: the lower rank, then the
+    first holding)."""
+    x_t, x_rank, own, t_own = x.t, x.rank, x.own, x.t_own
+    num_t = len(t_rank)
     sent = [0] * world
     near = node[x_rank] == node[t_rank[x_t]]
-    t_near = np.zeros(len(t_pid), bool)
+    t_near = np.zeros(num_t, bool)
     t_near[x_t[near]] = True
     keep = (~own) & (t_own[x_t] < 0) & (near | ~t_near[x_t])
     kx = np.flatnonzero(keep)
-    starts = np.searchsorted(x_t[kx], np.arange(len(t_pid) + 1))
-    k_rank, k_hold = x_rank[kx].tolist(), x_hold[kx].tolist()
-    pb = pbytes[t_pid].tolist()
-    src_rows = t_src_row.tolist()
+    starts = np.searchsorted(x_t[kx], np.arange(num_t + 1))
+    k_rank, k_hold = x_rank[kx].tolist(), x.hold[kx].tolist()
+    pb = t_bytes.tolist()
+    src_rows = t_own.copy().tolist()
     starts_l = starts.tolist()
     for t in np.flatnonzero(t_own < 0).tolist():
         best = None
@@ -340,57 +429,85 @@ def plan_reshard(
                 best = (c, k_hold[j])
         src_rows[t] = best[1]
         sent[best[0][1]] += pb[t]
-    t_src_row = np.asarray(src_rows, i64)
+    return np.asarray(src_rows, np.int64)
 
-    # Views: distinct (holding, piece), numbered in order of first use.
+
+def _views(
+    holds: BoxRows, t_src_row: np.ndarray, t_pid: np.ndarray, pieces: _Pieces, width: int, ndim: np.ndarray
+) -> _Views:
+    """Views: distinct (holding, piece) of the ``T`` pairs (source ``t_src_row``, piece
+    ``t_pid``), numbered in order of first use (``V`` views, offsets ``int64[V, D]``)."""
     if len(t_pid):
-        vk = np.stack([t_src_row, t_pid], 1)
-        _, vfirst, vinv = np.unique(vk, axis=0, return_index=True, return_inverse=True)
-        vinv = vinv.reshape(-1)
-        vorder = np.argsort(vfirst)
-        vnum = np.empty(len(vfirst), i64)
-        vnum[vorder] = np.arange(len(vfirst))
-        t_view = vnum[vinv]
-        v_first = vfirst[vorder]
+        t_view, v_first = _first_numbering(np.stack([t_src_row, t_pid], 1))
     else:
-        t_view, v_first = np.zeros(0, i64), np.zeros(0, i64)
+        t_view, v_first = np.zeros(0, np.int64), np.zeros(0, np.int64)
     v_row, v_pid = t_src_row[v_first], t_pid[v_first]
-    v_valid = _unit_rows(piece_unit[v_pid], width, ndim)
-    v_off = np.where(v_valid, holds.local[v_row] + piece_off[v_pid] - holds.off[v_row], 0)
+    v_valid = _unit_rows(pieces.unit[v_pid], width, ndim)
+    v_off = np.where(v_valid, holds.local[v_row] + pieces.off[v_pid] - holds.off[v_row], 0)
+    return _Views(t_view, v_row, v_off)
 
-    is_copy = t_own >= 0
-    sends_src = holds.rank[t_src_row[~is_copy]]
-    sends_dst, sends_pid, sends_view = t_rank[~is_copy], t_pid[~is_copy], t_view[~is_copy]
-    send_round = _rounds(sends_src, sends_dst, pbytes[sends_pid], world, staging_bytes, max_ops)
 
-    i32 = np.int32
-    sb = pbytes[sends_pid]
+def _cost(
+    src: np.ndarray, dst: np.ndarray, sb: np.ndarray, send_round: np.ndarray, node: np.ndarray, world: int
+) -> PlanCost:
+    """The :class:`PlanCost` of ``S`` sends (``int64[S]`` each: ``src``, ``dst``, bytes ``sb``,
+    round ``send_round``); ``num_rounds`` is ``send_round.max() + 1``."""
+    i64 = np.int64
     sent_b, recv_b = np.zeros(world, i64), np.zeros(world, i64)
-    np.add.at(sent_b, sends_src, sb)
-    np.add.at(recv_b, sends_dst, sb)
+    np.add.at(sent_b, src, sb)
+    np.add.at(recv_b, dst, sb)
     num_rounds = int(send_round.max()) + 1 if len(send_round) else 0
     per = np.zeros((num_rounds, world), i64)
-    np.add.at(per, (send_round, sends_dst), sb)
+    np.add.at(per, (send_round, dst), sb)
     peak = per.max(axis=0) if num_rounds else np.zeros(world, i64)
-    cross = int(sb[node[sends_src] != node[sends_dst]].sum())
-    pairs = np.unique(np.concatenate([send_round * world + sends_src, send_round * world + sends_dst]))
-    cost = PlanCost(
+    cross = int(sb[node[src] != node[dst]].sum())
+    pairs = np.unique(np.concatenate([send_round * world + src, send_round * world + dst]))
+    return PlanCost(
         read_bytes=np.zeros(world, i64),
         sent_bytes=sent_b,
         recv_bytes=recv_b,
         peak_staging_bytes=peak,
         cross_node_bytes=cross,
-        num_p2p_ops=len(sends_src),
+        num_p2p_ops=len(src),
         num_batches=len(pairs),
         num_broadcasts=0,
     )
-    sched = Schedule(
+
+
+def _schedule(
+    units: Units,
+    holds: BoxRows,
+    needs: BoxRows,
+    topology: Topology,
+    staging_bytes: int,
+    max_ops: int,
+    pieces: _Pieces,
+    dl: _Deliveries,
+    t_own: np.ndarray,
+    t_src_row: np.ndarray,
+    views: _Views,
+) -> Schedule:
+    """The :class:`Schedule`: the ``T`` (piece, receiver) pairs with an own holding
+    (``t_own`` ``int64[T]`` >= 0) are copies in round -1, the others sends from their source
+    holding (``t_src_row`` ``int64[T]``) in the first round whose budgets allow it."""
+    i32, i64 = np.int32, np.int64
+    world = topology.world_size
+    node = np.asarray([topology.node_of(r) for r in range(world)], i64)
+    pbytes, t_pid, t_view = pieces.bytes, dl.t_pid, views.of_t
+    is_copy = t_own >= 0
+    sends_src = holds.rank[t_src_row[~is_copy]]
+    sends_dst, sends_pid, sends_view = dl.t_rank[~is_copy], t_pid[~is_copy], t_view[~is_copy]
+    send_round = _rounds(sends_src, sends_dst, pbytes[sends_pid], world, staging_bytes, max_ops)
+    cost = _cost(sends_src, sends_dst, pbytes[sends_pid], send_round, node, world)
+    num_rounds = int(send_round.max()) + 1 if len(send_round) else 0
+    v_row = views.row
+    return Schedule(
         topology=topology,
         staging_bytes=staging_bytes,
         max_ops=max_ops,
         keys=units.keys,
         key_ndim=units.ndim.astype(np.int8),
-        pieces=PieceTable(key=piece_unit.astype(i32), off=piece_off, len=piece_len, bytes=pbytes.astype(i64)),
+        pieces=PieceTable(key=pieces.unit.astype(i32), off=pieces.off, len=pieces.len, bytes=pbytes.astype(i64)),
         reads=ReadTable(),
         sends=SendTable(
             src=sends_src.astype(i32),
@@ -400,11 +517,11 @@ def plan_reshard(
             view=sends_view.astype(i32),
         ),
         deliveries=DeliveryTable(
-            piece=d_pid.astype(i32),
-            rank=d_rank.astype(i32),
-            param=needs.param[d_row].astype(i32),
-            slot=needs.slot[d_row].astype(i64),
-            off=d_dst.astype(i64),
+            piece=dl.pid.astype(i32),
+            rank=dl.rank.astype(i32),
+            param=needs.param[dl.row].astype(i32),
+            slot=needs.slot[dl.row].astype(i64),
+            off=dl.dst.astype(i64),
         ),
         num_rounds=num_rounds,
         cost=cost,
@@ -412,7 +529,7 @@ def plan_reshard(
             rank=holds.rank[v_row].astype(i32),
             param=holds.param[v_row].astype(i32),
             slot=holds.slot[v_row].astype(i64),
-            off=v_off.astype(i64),
+            off=views.off.astype(i64),
         ),
         copies=CopyTable(
             view=t_view[is_copy].astype(i32),
@@ -421,7 +538,12 @@ def plan_reshard(
         ),
     )
 
-    # The distinct storage boxes, their bytes, and the dense units among them.
+
+def _storage_summary(
+    units: Units, st: StorageCells, width: int, ndim: np.ndarray, itemsize: np.ndarray
+) -> _StorageSummary:
+    """The distinct storage boxes of the ``M`` storage cells, their bytes, and the dense units
+    among them."""
     boxes: list = []
     store_bytes = 0
     if len(st):
@@ -433,18 +555,61 @@ def plan_reshard(
             store_bytes += math.prod(n for _, n in box) * int(itemsize[u])
     boxes.sort()
     dense = sorted({units.keys[u] for u in np.unique(st.unit).tolist() if units.dense[u]})
-    copy_bytes = int(pbytes[t_pid[is_copy]].sum())
+    return _StorageSummary(tuple(boxes), store_bytes, tuple(dense))
+
+
+def plan_reshard(
+    units: Units, holds: BoxRows, needs: BoxRows, topology: Topology, staging_bytes: int, max_ops: int
+) -> ReshardPlan:
+    """Plan a reshard (pure, deterministic; module docstring). Every rank calls it with the same
+    tables and gets the same plan (vectorized over rows; the source choice and the rounds are a
+    loop over sends).
+
+    Args:
+        units: the units (``U``).
+        holds: the live ranks' holdings (``param`` indexes the old tensors).
+        needs: the new local tensors' needs (``param`` indexes the new tensors); ranks and
+            nodes are ``topology``'s.
+        staging_bytes: per-rank budget for received pieces in one round (a cell is cut to fit;
+            one index of a dim larger than the budget is sent whole, alone in its round).
+        max_ops: at most this many P2P ops per rank in one round.
+
+    Raises ValueError for budgets below 1 byte or 2 ops.
+    """
+    if staging_bytes < 1 or max_ops < 2:
+        raise ValueError(f"staging_bytes must be >= 1 and max_ops >= 2, got {staging_bytes}, {max_ops}")
+    i64 = np.int64
+    width = needs.off.shape[1]
+    world = topology.world_size
+    node = np.asarray([topology.node_of(r) for r in range(world)], i64)
+    ndim, itemsize = units.ndim.astype(i64), units.itemsize.astype(i64)
+
+    row, c_off, c_len = _cells(units, holds, needs, width)
+    c_unit = needs.unit[row]
+    cells = _Cells(row, c_unit, c_off, c_len, _unit_rows(c_unit, width, ndim))
+    pairs = _holdings(holds, cells, len(units.keys), width, ndim)
+    st = _storage(needs, cells, pairs.held)
+    runs = _runs(cells, pairs.held, itemsize, staging_bytes)
+    pieces = _pieces(runs, itemsize)
+    dl = _deliveries(needs, row, runs, pieces.of_run)
+    x = _holders(holds, pairs, len(row), pieces.cell, dl)
+    t_src_row = _sources(x, dl.t_rank, pieces.bytes[dl.t_pid], node, world)
+    views = _views(holds, t_src_row, dl.t_pid, pieces, width, ndim)
+    sched = _schedule(units, holds, needs, topology, staging_bytes, max_ops, pieces, dl, x.t_own, t_src_row, views)
+
+    summary = _storage_summary(units, st, width, ndim, itemsize)
+    copy_bytes = int(pieces.bytes[dl.t_pid[x.t_own >= 0]].sum())
     h = hashlib.sha256(sched.fingerprint.encode())
     for a in (st.unit, st.rank, st.param, st.slot, st.off, st.len, st.dst):
         h.update(np.ascontiguousarray(a, np.int64).tobytes())
     return ReshardPlan(
         sched,
         st,
-        tuple(boxes),
-        tuple(dense),
+        summary.boxes,
+        summary.dense,
         int(sched.cost.sent_bytes.sum()),
         copy_bytes,
-        store_bytes,
+        summary.bytes,
         h.hexdigest()[:16],
     )
 
