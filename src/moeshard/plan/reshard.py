@@ -143,13 +143,13 @@ def _ranges(start: np.ndarray, count: np.ndarray) -> np.ndarray:
     return np.repeat(start - (np.cumsum(count) - count), count) + np.arange(int(count.sum()), dtype=np.int64)
 
 
-def _cells(units: Units, holds: BoxRows, needs: BoxRows, width: int):
+def _cells(units: Units, holds: BoxRows, needs: BoxRows, width: int) -> _Cells:
     """Every need box cut at every boundary of its unit's holdings and needs (so that a cell lies
     wholly inside or outside each holding), in the order: unit, need row, then the cells of a row
     in row-major order of their per-dim intervals (dim 0 outermost).
 
-    Returns ``(row, off, len)``: ``int64[C]`` need row of each cell, ``int64[C, width]`` its box
-    (dims past the unit's ``ndim``: offset 0, length 1)."""
+    Returns a :class:`_Cells`: ``int64[C]`` need row and unit of each cell, ``int64[C, width]`` its
+    box (dims past the unit's ``ndim``: offset 0, length 1), ``bool[C, width]`` its unit's dims."""
     nd_all = units.ndim
     n_order = np.argsort(needs.unit, kind="stable")
     # Cut points as keys (unit, dim, point) encoded in one int64, sorted and distinct.
@@ -188,7 +188,8 @@ def _cells(units: Units, holds: BoxRows, needs: BoxRows, width: int):
         idx = lo_r[v, d] + j[v]
         off[v, d] = cuts[idx] % scale
         ln[v, d] = cuts[idx + 1] % scale - off[v, d]
-    return row, off, ln
+    c_unit = needs.unit[row]
+    return _Cells(row, c_unit, off, ln, _unit_rows(c_unit, width, nd_all))
 
 
 @dataclass(frozen=True)
@@ -584,9 +585,8 @@ def plan_reshard(
     node = np.asarray([topology.node_of(r) for r in range(world)], i64)
     ndim, itemsize = units.ndim.astype(i64), units.itemsize.astype(i64)
 
-    row, c_off, c_len = _cells(units, holds, needs, width)
-    c_unit = needs.unit[row]
-    cells = _Cells(row, c_unit, c_off, c_len, _unit_rows(c_unit, width, ndim))
+    cells = _cells(units, holds, needs, width)
+    row = cells.row
     pairs = _holdings(holds, cells, len(units.keys), width, ndim)
     st = _storage(needs, cells, pairs.held)
     runs = _runs(cells, pairs.held, itemsize, staging_bytes)
