@@ -185,3 +185,20 @@ def test_the_checks_see_circles_and_wrong_imports():
     del fake["moeshard.models.m"]
     fake["moeshard.plan.b"] = ("moeshard.plan", "def g():\n    return 2\n")
     assert _cycles(_graph(fake)) == [] and _plan_imports_above(_graph(fake)) == []
+
+
+def test_core_functions_fit_on_a_screen():
+    """House rule: no function over 120 lines (``def`` to its last line, docstring included) in
+    the planners, the operations and the runner: a longer one hides shared state that belongs in
+    a small object or a named step."""
+    long = []
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC).as_posix()
+        if not (rel.startswith(("plan/", "ops/")) or rel == "execute.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > 120:
+                    long.append(f"{rel}:{node.lineno}: {node.name} ({n} lines)")
+    assert not long, long
