@@ -12,6 +12,8 @@ from __future__ import annotations
 import ctypes
 import threading
 
+from moeshard.ops.peak_rss import read_peak_rss, reset_peak_rss
+
 __all__ = ["RssMonitor", "malloc_trim", "read_peak_rss", "reset_peak_rss", "rss_parts"]
 
 
@@ -22,28 +24,6 @@ def malloc_trim() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
-
-
-def reset_peak_rss() -> bool:
-    """Reset this process's VmHWM to its current RSS (Linux); False where that is not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    return True
-
-
-def read_peak_rss() -> int | None:
-    """This process's VmHWM in bytes (Linux), or None."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def rss_parts() -> dict[str, int]:

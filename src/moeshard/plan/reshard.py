@@ -225,7 +225,7 @@ class _Runs:
 
 
 @dataclass(frozen=True)
-class _Pieces:
+class _DistinctPieces:
     """Distinct (unit, box) of the runs (``K`` pieces) and the piece of each run."""
 
     of_run: np.ndarray  # int64[Q]
@@ -357,7 +357,7 @@ def _first_numbering(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return num[inv], first[order]
 
 
-def _pieces(runs: _Runs, itemsize: np.ndarray) -> _Pieces:
+def _pieces(runs: _Runs, itemsize: np.ndarray) -> _DistinctPieces:
     """Pieces: distinct (unit, box) of the ``Q`` runs, numbered in order of first appearance
     (``K`` pieces; boxes ``int64[K, D]``, bytes ``int64[K]``)."""
     i64 = np.int64
@@ -369,7 +369,7 @@ def _pieces(runs: _Runs, itemsize: np.ndarray) -> _Pieces:
     num = len(p_first)
     piece_unit = runs.unit[p_first]
     pbytes = np.prod(runs.len[p_first], axis=1) * itemsize[piece_unit] if num else np.zeros(0, i64)
-    return _Pieces(q_pid, piece_unit, runs.off[p_first], runs.len_p[p_first], pbytes, runs.cell[p_first])
+    return _DistinctPieces(q_pid, piece_unit, runs.off[p_first], runs.len_p[p_first], pbytes, runs.cell[p_first])
 
 
 def _deliveries(needs: BoxRows, row: np.ndarray, runs: _Runs, q_pid: np.ndarray) -> _Deliveries:
@@ -434,7 +434,7 @@ def _sources(x: _Holders, t_rank: np.ndarray, t_bytes: np.ndarray, node: np.ndar
 
 
 def _views(
-    holds: BoxRows, t_src_row: np.ndarray, t_pid: np.ndarray, pieces: _Pieces, width: int, ndim: np.ndarray
+    holds: BoxRows, t_src_row: np.ndarray, t_pid: np.ndarray, pieces: _DistinctPieces, width: int, ndim: np.ndarray
 ) -> _Views:
     """Views: distinct (holding, piece) of the ``T`` pairs (source ``t_src_row``, piece
     ``t_pid``), numbered in order of first use (``V`` views, offsets ``int64[V, D]``)."""
@@ -482,7 +482,7 @@ def _schedule(
     topology: Topology,
     staging_bytes: int,
     max_ops: int,
-    pieces: _Pieces,
+    pieces: _DistinctPieces,
     dl: _Deliveries,
     t_own: np.ndarray,
     t_src_row: np.ndarray,
