@@ -96,6 +96,17 @@ def test_cli_dispatch_and_bad_input(tmp_path, capsys):
         main(["bench"])
 
 
+def test_bench_reshard_refuses_bad_cache_and_layout():
+    from moeshard.cli.bench.reshard import best_and_median, main
+
+    with pytest.raises(ValueError, match="--cache: expected cold, warm or cold,warm, got 'hot'"):
+        main(["--cache", "hot"])
+    with pytest.raises(ValueError, match="--world 3 must be 2 or more nodes"):
+        main(["--world", "3", "--local-world", "2"])
+    rows = [dict(seconds=s, read_bytes=i) for i, s in enumerate((0.3, 0.1, 0.2))]
+    assert best_and_median(rows) == dict(seconds=0.1, read_bytes=1, median_seconds=0.2, all_seconds=[0.3, 0.1, 0.2])
+
+
 # -- hostile input: one line, exit 2 ----------------------------------------------------------
 
 NESTED = b"[" * 50_000 + b"]" * 50_000

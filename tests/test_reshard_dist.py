@@ -99,6 +99,8 @@ def _worker(ckpt: str) -> dict:
                 storage=rep.storage_bytes,
                 boxes=rep.storage_boxes,
                 peer=rep.peer_bytes,
+                received=rep.bytes_received_rank,
+                staged=rep.peak_staging_bytes_rank,
                 losses=_steps(new, opt, ids, STEPS),
             )
         )
@@ -172,6 +174,10 @@ def test_planned_resize_moves_live_state(runs):
             assert res["read"] == 0 and res["storage"] == 0 and res["boxes"] == ()
             assert res["peer"] > 0
             np.testing.assert_allclose(res["losses"], r["ref_losses"], rtol=0, atol=1e-6)
+        # The contiguous EP=2 x expert-FSDP=2 target has one delivery per received piece, each a
+        # contiguous box: every piece lands straight in the new tensor, none is staged.
+        assert r["resize"][0]["staged"] == 0
+    assert sum(r["resize"][0]["received"] for r in results) > 0
 
 
 def test_lost_node_recovers_dense_from_replica_and_reads_only_lost_experts(runs):

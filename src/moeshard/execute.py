@@ -241,6 +241,13 @@ class Sink:
         (the runner asks :meth:`target` row by row)."""
         return None
 
+    def receive_target(self, row: int) -> torch.Tensor | None:
+        """The tensor a piece received from a peer for delivery ``row`` may land in directly
+        (no staging buffer, no copy), or None (the default: staged, then :meth:`put`). Only a
+        sink whose targets no send of the same schedule reads from may give one: a receive
+        lands when its batch completes, before the round's deliveries would have."""
+        return None
+
 
 @dataclass(frozen=True)
 class FlatTargets:
@@ -280,10 +287,28 @@ class LocalTensors:
 
 
 class TensorSink(Sink):
-    """Deliveries into local tensors (parameters, expert slots), cast to their dtype."""
+    """Deliveries into local tensors (parameters, expert slots), cast to their dtype.
 
-    def __init__(self, schedule: Schedule, tensors: Sequence[torch.Tensor | None], rank: int):
+    ``receive_in_place``: received pieces land straight in their target (:meth:`receive_target`)
+    where it is contiguous and of the piece's shape; only for tensors that none of the
+    schedule's sends reads before its delivery (a load's or a reshard's new tensors, not a
+    relocation's slots, which same-round sends read)."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        tensors: Sequence[torch.Tensor | None],
+        rank: int,
+        receive_in_place: bool = False,
+    ):
         self.s, self.local = schedule, LocalTensors(schedule, tensors, rank)
+        self.receive_in_place = receive_in_place
+
+    def receive_target(self, row: int) -> torch.Tensor | None:
+        if not self.receive_in_place:
+            return None
+        out = self.target(row)
+        return out if out.is_contiguous() else None
 
     def target(self, row: int) -> torch.Tensor:
         s = self.s
@@ -665,6 +690,7 @@ class Runner:
         self.rounds = mine.rounds.tolist()
         self.bufs: dict[int, torch.Tensor] = {}
         self.staged = 0  # bytes of self.bufs
+        self.received_in_place = 0  # bytes of this round that landed in place (for progress)
         # Reads of the next round's pieces started while this round's transfers fly, as far as
         # the staging budget allows with what is staged now.
         self.ahead: dict[int, Callable[[], torch.Tensor]] = {}
@@ -868,12 +894,37 @@ class Runner:
                 )
                 stats.bytes_sent += self.nbytes(pid)
             else:
-                self.bufs[pid] = self.empty(pid)
-                ops.append(collectives.p2p(dist.irecv, self.bufs[pid], int(s.sends.src[row]), self.members))
+                into = self.receive_in_place(t, pid)
+                if into is None:
+                    into = self.bufs[pid] = self.empty(pid)
+                    self.staged += self.nbytes(pid)
+                ops.append(collectives.p2p(dist.irecv, into, int(s.sends.src[row]), self.members))
                 stats.bytes_received += self.nbytes(pid)
-                self.staged += self.nbytes(pid)
         stats.peak_staging_bytes = max(stats.peak_staging_bytes, self.staged)
         return collectives.start_p2p(ops, self.what) if ops else (lambda: None)
+
+    def receive_in_place(self, t: int, pid: int) -> torch.Tensor | None:
+        """Where piece ``pid``, received in round ``t``, lands if it goes straight into its one
+        delivery of the round (the sink's :meth:`Sink.receive_target`, of the piece's shape and
+        dtype, and no later use of the buffer); that delivery is then done. None: staged."""
+        rows = self.dlv_at.get(t, {}).get(pid)
+        if rows is None or len(rows) != 1 or self.last_use.get(pid, t) != t:
+            return None
+        try:
+            out = self.sink.receive_target(rows[0])
+            dtype = self.source.dtype(pid)
+        except Exception:  # noqa: BLE001 - staged instead; the delivery reports any error
+            return None
+        if (
+            out is None
+            or out.dtype != dtype
+            or out.device != self.device
+            or out.numel() != self.nbytes(pid) // out.element_size()
+        ):
+            return None
+        del self.dlv_at[t][pid]
+        self.received_in_place += self.nbytes(pid)
+        return out.view(self.shape(pid))
 
     def join_broadcasts(self, t: int) -> None:
         """Round ``t``'s node broadcasts, by node and piece (as every rank of the node)."""
@@ -901,6 +952,9 @@ class Runner:
             self.deliver(
                 [(r, self.bufs[pid]) for pid, rows in due.items() for r in rows], sum(self.nbytes(pid) for pid in due)
             )
+        if self.received_in_place and self.progress:
+            self.progress(self.received_in_place)
+        self.received_in_place = 0
 
     def free(self, t: int) -> None:
         """Drop the buffers whose last use was round ``t`` or earlier."""

@@ -469,8 +469,10 @@ def local_tensor(t: torch.Tensor, desc: ParamDesc | None = None) -> torch.Tensor
     ``desc`` (the parameter's description), viewed with its dims: a plain merged expert parameter
     (DBRX's ``[E * n, d]``) as ``[E, n, d]``."""
     parameter, dtensor = _torch_classes()
-    t = t.data if isinstance(t, parameter) else t
-    t = t._local_tensor if isinstance(t, dtensor) else t
+    if isinstance(t, dtensor):  # a DTensor parameter too: .data on it would go through DTensor dispatch
+        t = t._local_tensor.detach()
+    elif isinstance(t, parameter):
+        t = t.data
     if desc is not None and desc.mesh is None and tuple(t.shape) != desc.shape:
         t = t.view(desc.shape)
     return t

@@ -552,7 +552,7 @@ def _run(
             meter.end("scales")
         bar = progress_bar("load", plan.delivered_bytes(rank), progress, topo)
         what = "moeshard.load: executing the plan"
-        sink = DequantSink(plan, dests, rank, fp8) if fp8 else TensorSink(plan, dests, rank)
+        sink = DequantSink(plan, dests, rank, fp8) if fp8 else TensorSink(plan, dests, rank, receive_in_place=True)
         with ReaderSource(plan, reader, index, read_threads=read_threads) as source:
             stats = collectives.agree(
                 lambda: execute_schedule(

@@ -580,7 +580,7 @@ def reshard(
                 sched,
                 rank,
                 _OldTensors(plan, members.old_locals, rank, dtypes),
-                TensorSink(sched, dests, rank),
+                TensorSink(sched, dests, rank, receive_in_place=True),
                 members.device,
                 what=what,
             ).check(),
@@ -639,7 +639,7 @@ class _Members:
 def _meet(model, old, old_tensors, old_optimizer, device, path) -> _Members:
     """Collective: materialize the new model, gather every member's old rank and layout digest,
     refuse (on every rank) when no member holds the old model or their layouts differ, and send
-    the old layout from the first survivor."""
+    the old layout from the first survivor where a joiner needs it."""
 
     def prepare():
         dev = materialize(model, device)
@@ -673,9 +673,12 @@ def _meet(model, old, old_tensors, old_optimizer, device, path) -> _Members:
         )
     first = int(survivors[0])
     rank, _ = collectives.rank_and_world()
-    shared = collectives.broadcast_object(
-        old.shared() if rank == first else None, src=first, what="moeshard.reshard: sending the old layout"
-    )
+    if len(survivors) == len(old_ranks):  # no joiner: every member has the (agreed) layout
+        shared = old.shared()
+    else:
+        shared = collectives.broadcast_object(
+            old.shared() if rank == first else None, src=first, what="moeshard.reshard: sending the old layout"
+        )
     return _Members(dev, old_locals, everyone, old_ranks, survivors, first, shared)
 
 
@@ -800,7 +803,13 @@ def _read_storage(
         with ReaderSource(sched, reader, index) as source:
             stats = collectives.agree(
                 lambda: execute_schedule(
-                    sched, rank, source, TensorSink(sched, dests, rank), dev, node_group=node_group, what=what
+                    sched,
+                    rank,
+                    source,
+                    TensorSink(sched, dests, rank, receive_in_place=True),
+                    dev,
+                    node_group=node_group,
+                    what=what,
                 ).check(),
                 what,
             )

@@ -10,11 +10,18 @@ step; then its last node's processes exit (the loss) and the survivors form a ne
 (a new rendezvous) and, on an EP-over-survivors mesh:
 
 1. ``reshard``: build the model and fill it from their live shards (``moeshard.reshard``);
-2. ``reload``: build the model and ``moeshard.load`` the checkpoint (page cache dropped first
-   unless ``--warm``; the checkpoint is older than the live weights).
+2. ``reload``: build the model and ``moeshard.load`` the checkpoint (the checkpoint is older
+   than the live weights).
 
-Reports per variant the wall time (the slowest survivor's, best of ``--repeat``), bytes read from
-storage and bytes received from peers (job-wide), as a table and as JSON (``--out``).
+``--cache cold`` (the default) empties the page cache before each variant of each round, as after
+a real loss, where the survivors have not read the checkpoint lately: the host's whole cache
+(``/proc/sys/vm/drop_caches``) where this runs as root, else ``posix_fadvise(DONTNEED)`` on the
+checkpoint's files (best effort: the output says which). ``--cache warm`` keeps it; ``cold,warm``
+runs both.
+
+Reports per cache state and variant the wall time (the slowest survivor's, best and median of
+``--repeat`` alternated rounds), bytes read from storage and bytes received from peers (job-wide),
+as a table and as JSON (``--out``).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-__all__ = ["main", "Config"]
+__all__ = ["main", "Config", "best_and_median", "cold_method"]
 
 
 @dataclass(frozen=True)
@@ -43,7 +50,7 @@ class Config:
     local_world: int = 2
     placement: str = "full"
     repeat: int = 2
-    warm: bool = False
+    caches: tuple[str, ...] = ("cold",)
     checkpoint: str = ""
 
     @property
@@ -107,12 +114,37 @@ def _build(cfg: Config, ep: int, replicate: int, pl):
     return model
 
 
+DROP_CACHES = "/proc/sys/vm/drop_caches"
+
+
+def cold_method() -> str:
+    """How ``--cache cold`` empties the cache here: ``drop_caches`` (root) or ``fadvise``."""
+    root = hasattr(os, "geteuid") and os.geteuid() == 0
+    return "drop_caches" if root and os.access(DROP_CACHES, os.W_OK) else "fadvise"
+
+
 def _drop_cache(path: str) -> None:
+    """Empty the page cache of the checkpoint (the host's whole cache where permitted)."""
+    if cold_method() == "drop_caches":
+        os.sync()
+        with open(DROP_CACHES, "w") as f:
+            f.write("3")
+        return
     for name in os.listdir(path):
         if name.endswith(".safetensors"):
             fd = os.open(os.path.join(path, name), os.O_RDONLY)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             os.close(fd)
+
+
+def _prepare(cfg: Config, cache: str, idx: int) -> None:
+    """Collective: with a cold cache, rank 0 empties it while the others wait."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    if cache == "cold" and idx == 0:
+        _drop_cache(cfg.checkpoint)
+    dist.barrier()
 
 
 def _max(x: float) -> float:
@@ -131,6 +163,14 @@ def _sum(x: int) -> int:
     t = torch.tensor([x], dtype=torch.int64)
     dist.all_reduce(t)
     return int(t)
+
+
+def best_and_median(rows: list[dict]) -> dict:
+    """The best round's row, with the median and every round's seconds."""
+    best = dict(min(rows, key=lambda r: r["seconds"]))
+    best["median_seconds"] = float(np.median([r["seconds"] for r in rows]))
+    best["all_seconds"] = [round(r["seconds"], 4) for r in rows]
+    return best
 
 
 def _rank_main(idx: int, cfg: Config, ports: tuple, out_dir: str) -> None:
@@ -170,42 +210,29 @@ def _rank_main(idx: int, cfg: Config, ports: tuple, out_dir: str) -> None:
             timeout=datetime.timedelta(seconds=600),
         )
         new_pl = moeshard.Placement.contiguous(cfg.layers, cfg.experts, cfg.survivors)
-        rows = {}
-        for _ in range(cfg.repeat):
-            dist.barrier()
-            t0 = time.perf_counter()
-            new = _build(cfg, cfg.survivors, 1, new_pl)
-            rep = moeshard.reshard(new, layout, old, cfg.checkpoint, dense_from_storage="allow")
-            t = _max(time.perf_counter() - t0)
-            row = dict(
-                seconds=t,
-                read_bytes=_sum(rep.bytes_read_rank),
-                received_bytes=_sum(rep.bytes_received_rank),
-                copied_bytes=_sum(rep.bytes_copied_rank),
-                storage_boxes=len(rep.storage_boxes),
-                phases={k: round(_max(v), 4) for k, v in rep.phase_seconds.items()},
-            )
-            if "reshard" not in rows or t < rows["reshard"]["seconds"]:
-                rows["reshard"] = row
-            del new
-            if idx == 0 and not cfg.warm:
-                _drop_cache(cfg.checkpoint)
-            dist.barrier()
-            t0 = time.perf_counter()
-            new = _build(cfg, cfg.survivors, 1, new_pl)
-            rep = moeshard.load(new, cfg.checkpoint, placement=new_pl)
-            t = _max(time.perf_counter() - t0)
-            row = dict(
-                seconds=t,
-                read_bytes=_sum(rep.bytes_read_rank),
-                received_bytes=_sum(rep.bytes_received_rank),
-                copied_bytes=0,
-                storage_boxes=-1,
-                phases={k: round(_max(v), 4) for k, v in rep.phase_seconds.items()},
-            )
-            if "reload" not in rows or t < rows["reload"]["seconds"]:
-                rows["reload"] = row
-            del new
+        runs: dict = {}  # {cache: {variant: [row per round]}}
+        for cache in cfg.caches:
+            for _ in range(cfg.repeat):  # alternated: reshard, reload, reshard, ...
+                for variant in ("reshard", "reload"):
+                    _prepare(cfg, cache, idx)
+                    t0 = time.perf_counter()
+                    new = _build(cfg, cfg.survivors, 1, new_pl)
+                    if variant == "reshard":
+                        rep = moeshard.reshard(new, layout, old, cfg.checkpoint, dense_from_storage="allow")
+                    else:
+                        rep = moeshard.load(new, cfg.checkpoint, placement=new_pl)
+                    t = _max(time.perf_counter() - t0)
+                    row = dict(
+                        seconds=t,
+                        read_bytes=_sum(rep.bytes_read_rank),
+                        received_bytes=_sum(rep.bytes_received_rank),
+                        copied_bytes=_sum(rep.bytes_copied_rank) if variant == "reshard" else 0,
+                        storage_boxes=len(rep.storage_boxes) if variant == "reshard" else -1,
+                        phases={k: round(_max(v), 4) for k, v in rep.phase_seconds.items()},
+                    )
+                    runs.setdefault(cache, {}).setdefault(variant, []).append(row)
+                    del new
+        rows = {cache: {v: best_and_median(rs) for v, rs in by.items()} for cache, by in runs.items()}
         result = ("ok", rows)
         dist.destroy_process_group()
     except SystemExit:
@@ -253,27 +280,41 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--local-world", type=int, default=d.local_world)
     p.add_argument("--placement", choices=("full", "partial"), default=d.placement)
     p.add_argument("--repeat", type=int, default=d.repeat)
-    p.add_argument("--warm", action="store_true", help="keep the checkpoint in the page cache for the reload")
+    p.add_argument(
+        "--cache",
+        default="cold",
+        help="cold, warm or cold,warm: empty the page cache before each variant (cold: as after a real loss)",
+    )
     p.add_argument("--checkpoint", default="", help="where the checkpoint is written (default: a cache directory)")
     p.add_argument("--out", default="", help="write the JSON here")
     a = p.parse_args(argv)
     if a.world % a.local_world or a.world // a.local_world < 2:
         raise ValueError(f"--world {a.world} must be 2 or more nodes of --local-world {a.local_world}")
+    caches = tuple(c.strip() for c in a.cache.split(",") if c.strip())
+    if not caches or set(caches) - {"cold", "warm"}:
+        raise ValueError(f"--cache: expected cold, warm or cold,warm, got {a.cache!r}")
     name = f"moeshard-bench-reshard-{a.hidden}-{a.layers}-{a.experts}"
     ckpt = a.checkpoint or os.path.join(tempfile.gettempdir(), name)
-    cfg = Config(a.hidden, a.layers, a.experts, a.world, a.local_world, a.placement, a.repeat, a.warm, ckpt)
+    cfg = Config(a.hidden, a.layers, a.experts, a.world, a.local_world, a.placement, a.repeat, caches, ckpt)
     rows = run(cfg)
     print(
         f"moeshard bench reshard: {cfg.world} ranks ({cfg.world // cfg.local_world} nodes), node lost, "
-        f"{cfg.survivors} survivors; placement {cfg.placement}"
+        f"{cfg.survivors} survivors; placement {cfg.placement}; cold cache by {cold_method()}"
     )
-    print(f"{'variant':10} {'seconds':>9} {'read MiB':>10} {'recv MiB':>10} {'copied MiB':>11} {'boxes':>6}")
-    for name, r in rows.items():
-        print(
-            f"{name:10} {r['seconds']:9.3f} {r['read_bytes'] / 2**20:10.2f} {r['received_bytes'] / 2**20:10.2f} "
-            f"{r['copied_bytes'] / 2**20:11.2f} {r['storage_boxes'] if r['storage_boxes'] >= 0 else '-':>6}"
-        )
+    print(
+        f"{'cache':6} {'variant':8} {'best s':>8} {'median s':>9} {'read MiB':>10} {'recv MiB':>10} "
+        f"{'copied MiB':>11} {'boxes':>6}"
+    )
+    for cache, by in rows.items():
+        for name, r in by.items():
+            print(
+                f"{cache:6} {name:8} {r['seconds']:8.3f} {r['median_seconds']:9.3f} {r['read_bytes'] / 2**20:10.2f} "
+                f"{r['received_bytes'] / 2**20:10.2f} {r['copied_bytes'] / 2**20:11.2f} "
+                f"{r['storage_boxes'] if r['storage_boxes'] >= 0 else '-':>6}"
+            )
+        ratio = by["reload"]["median_seconds"] / by["reshard"]["median_seconds"]
+        print(f"{cache:6} reload / reshard (medians): {ratio:.2f}x")
     if a.out:
         with open(a.out, "w") as f:
-            json.dump(dict(config=asdict(cfg), results=rows), f, indent=2)
+            json.dump(dict(config=asdict(cfg), cold_method=cold_method(), results=rows), f, indent=2)
     return 0
