@@ -8,9 +8,12 @@
 #                                            # on NCCL (gpu_pretrained_check.py), then bench_gpu at Qwen3-30B-A3B's
 #                                            # expert shape (~4.9 GiB): safetensors, transformers,
 #                                            # moeshard.load with 1, 4, 8 reader threads, O_DIRECT
-#   benchmarks/gpu_checks.sh cpu16 OUT_DIR   # multi-rank CPU figures on a quiet many-core host:
-#                                            # moeshard bench relocate (P2P vs re-reading), and
-#                                            # bench_load at 1 GiB (the planning share of a load)
+#   benchmarks/gpu_checks.sh cpu16 OUT_DIR   # multi-rank CPU figures on a quiet many-core host
+#                                            # (a core per rank): bench_load at 1 GiB (the planning
+#                                            # share of a load), bench_load's fresh-memory rows at 4
+#                                            # and 8 ranks against transformers' own EP loader and the
+#                                            # parallel read floor (warm and cold), moeshard bench
+#                                            # reshard (cold), moeshard bench relocate
 #
 # Each writes its log and JSON under OUT_DIR. A failing step is noted in its log, the part goes on,
 # and the part exits non-zero at the end.
@@ -36,6 +39,19 @@ case "$what" in
     python3 -m benchmarks.bench_load --size-mib 1024 --repeat 3 --strategies shared,node,single \
       --no-negative-control --out "$out/bench_load.json" 2>&1 | tee "$out/bench_load.txt" \
       || { rc=$?; echo "[gpu_checks] bench_load failed (exit $rc)" | tee -a "$out/bench_load.txt"; }
+    # Loads at the read floor: whole loads in fresh memory, a core per rank.
+    for ranks in 4 8; do
+      python3 -m benchmarks.bench_load --size-mib 512 --ranks "$ranks" --ranks-per-node 4 --layouts "${ranks}x1" \
+        --strategies moeshard-fresh,transformers-native,parallel-read-floor --repeat 5 --cache warm,cold \
+        --out "$out/bench_load_fresh_$ranks.json" 2>&1 | tee "$out/bench_load_fresh_$ranks.txt" \
+        || { rc=$?; echo "[gpu_checks] bench_load fresh $ranks failed (exit $rc)" | tee -a "$out/bench_load_fresh_$ranks.txt"; }
+    done
+    # Recovery after a lost node: reshard from live peers against a cold reload.
+    for placement in full partial; do
+      python3 -m moeshard.cli bench reshard --hidden 512 --layers 4 --experts 16 --repeat 5 --cache cold,warm \
+        --placement "$placement" --out "$out/bench_reshard_$placement.json" 2>&1 | tee "$out/bench_reshard_$placement.txt" \
+        || { rc=$?; echo "[gpu_checks] bench reshard failed (exit $rc)" | tee -a "$out/bench_reshard_$placement.txt"; }
+    done
     # Its checkpoint (~1.1 GiB) goes to $out/relocate_ckpt: leave that out of what you keep.
     python3 -m moeshard.cli bench relocate --out "$out" 2>&1 | tee "$out/bench_relocate.txt"
     ;;
