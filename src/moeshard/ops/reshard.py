@@ -23,6 +23,7 @@ scalar state (``step``) is taken from the survivors (the same on every rank of a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -46,7 +47,7 @@ from ..models.layout import need_table
 from ..models.routing import resolve_placement
 from ..models.shards import shard_boxes
 from ..models.slot_guard import guard_optimizer
-from ..plan import DEFAULT_MAX_OPS, DEFAULT_STAGING_BYTES, NeedTable, plan_transfers
+from ..plan import DEFAULT_MAX_OPS, DEFAULT_STAGING_BYTES, NeedTable, Schedule, plan_transfers
 from ..plan.reshard import BoxRows, ReshardPlan, StorageCells, Units, plan_reshard
 from ..topology import Topology
 from .load import materialize
@@ -573,7 +574,9 @@ def reshard(
     t_plan = phases.end("plan") - t0
 
     what = "moeshard.reshard: copying from live ranks"
-    with torch.no_grad():
+    with torch.no_grad(), contextlib.ExitStack() as closing:
+        # Storage reads planned and hinted to the kernel first: storage works while peers send.
+        reads = _plan_storage(plan, descs, placement, path, storage, topo, members.everyone, staging_bytes, closing)
         sched = plan.schedule
         stats = collectives.agree(
             lambda: execute_schedule(
@@ -588,10 +591,8 @@ def reshard(
         )
         phases.end("peers")
         read = 0
-        if len(plan.storage):
-            read = _read_storage(
-                plan, descs, placement, path, storage, topo, members.everyone, dests, members.device, staging_bytes
-            )
+        if reads is not None:
+            read = _read_storage(reads, dests, members.device)
             phases.end("storage")
         if optimizer is not None:
             _scalar_states(model, descs, optimizer, old_tensors, old_optimizer, members.first, rank)
@@ -767,7 +768,19 @@ def _fail(message: str):
     raise ValueError(message)
 
 
-def _read_storage(
+@dataclass(frozen=True)
+class _StorageReads:
+    """A rank's part of reading the boxes no member holds: the load planner's schedule for
+    them, its reader (None where this rank reads nothing) and index, and the node group for
+    the schedule's broadcasts (None without them)."""
+
+    sched: Schedule
+    reader: CheckpointReader | None
+    index: object
+    node_group: object
+
+
+def _plan_storage(
     plan: ReshardPlan,
     descs,
     placement,
@@ -775,12 +788,15 @@ def _read_storage(
     storage: Storage,
     topo: Topology,
     everyone,
-    dests,
-    dev,
     staging_bytes: int,
-) -> int:
-    """Collective: read the plan's storage cells with the load planner (its needs clipped to the
-    cells); this rank's bytes read."""
+    closing: contextlib.ExitStack,
+) -> _StorageReads | None:
+    """Collective: plan the reads of the plan's storage cells with the load planner (its needs
+    clipped to the cells), and hint the kernel about this rank's (``posix_fadvise(WILLNEED)``)
+    so that storage reads them while the peers' transfers run. None without storage cells;
+    the reader is closed with ``closing``."""
+    if not len(plan.storage):
+        return None
     rank = topo.rank
     can = bool(everyone[rank][2])
     shares = [sources_share(bool(e[2]), storage, topo) for e in everyone]
@@ -792,30 +808,56 @@ def _read_storage(
         return sched
 
     sched = collectives.agree(make, "moeshard.reshard: planning the storage reads", fingerprint=lambda s: s.fingerprint)
-    reader = CheckpointReader(index, reader_root(path)) if readers[rank] else None
+    reader = closing.enter_context(CheckpointReader(index, reader_root(path))) if readers[rank] else None
+    if reader is not None:
+        _hint_reads(sched, reader, rank)
     node_group = None
     if sched.has_broadcasts:
         from ..execute import node_groups
 
         node_group = node_groups(topo)
+    return _StorageReads(sched, reader, index, node_group)
+
+
+def _hint_reads(sched: Schedule, reader: CheckpointReader, rank: int) -> None:
+    """``posix_fadvise(WILLNEED)`` every file byte range this rank will read in ``sched``,
+    neighbouring ranges of a file joined into one hint."""
+    mine = sched.for_rank(rank)
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for pid in sched.reads.piece[mine.reads].tolist():
+        key = sched.piece_name(pid)
+        nd = int(sched.key_ndim[sched.pieces.key[pid]])
+        box = tuple(zip(sched.pieces.off[pid, :nd].tolist(), sched.pieces.len[pid, :nd].tolist()))
+        ranges.setdefault(reader.index.info(key).file, []).extend(reader.runs(key, box))
+    for file, runs in ranges.items():
+        runs.sort()
+        start, end = runs[0][0], runs[0][0] + runs[0][1]
+        for off, n in runs[1:]:
+            if off > end:
+                reader.advise(file, start, end - start)
+                start = off
+            end = max(end, off + n)
+        reader.advise(file, start, end - start)
+
+
+def _read_storage(reads: _StorageReads, dests, dev) -> int:
+    """Collective: run the storage reads planned by :func:`_plan_storage` (the caller closes
+    the reader); this rank's bytes read."""
+    rank = collectives.rank_and_world()[0]
     what = "moeshard.reshard: reading boxes no live rank holds"
-    try:
-        with ReaderSource(sched, reader, index) as source:
-            stats = collectives.agree(
-                lambda: execute_schedule(
-                    sched,
-                    rank,
-                    source,
-                    TensorSink(sched, dests, rank, receive_in_place=True),
-                    dev,
-                    node_group=node_group,
-                    what=what,
-                ).check(),
-                what,
-            )
-    finally:
-        if reader is not None:
-            reader.close()
+    with ReaderSource(reads.sched, reads.reader, reads.index) as source:
+        stats = collectives.agree(
+            lambda: execute_schedule(
+                reads.sched,
+                rank,
+                source,
+                TensorSink(reads.sched, dests, rank, receive_in_place=True),
+                dev,
+                node_group=reads.node_group,
+                what=what,
+            ).check(),
+            what,
+        )
     return stats.bytes_read
 
 
