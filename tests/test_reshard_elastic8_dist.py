@@ -22,6 +22,7 @@ before it bit for bit; the losses of S and J equal R4's and R8's within 1e-6.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import fcntl
 import os
 import pickle
@@ -210,11 +211,15 @@ def _wait_for(path: str) -> None:
         time.sleep(0.05)
 
 
-def _rank_main(role: str, idx: int, ports: dict, root: str, ckpt: str) -> None:
+def _rank_main(role: str, idx: int, ports: dict, root: str, ckpt: str, deadline: float) -> None:
     os.environ.update(MOESHARD_PROGRESS="0")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(k, None)
     torch.set_num_threads(1)
+    # A process still running shortly before the test gives up on it leaves its stacks, for the
+    # test's message (the monotonic clock is the machine's, the test's deadline is ours too).
+    stacks = open(os.path.join(root, f"{role}{idx}.stacks"), "w")
+    faulthandler.dump_traceback_later(max(1.0, deadline - time.monotonic() - 10), file=stacks)
     out: dict = {}
     t0 = time.monotonic()
     try:
@@ -235,6 +240,22 @@ def _join(procs: list, deadline: float) -> None:
         p.join(max(0.1, deadline - time.monotonic()))
 
 
+def _diagnosis(root: str) -> str:
+    """What the processes left: every error, and the stacks of those that hung."""
+    out = []
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if name.endswith(".pkl"):
+            with open(path, "rb") as f:
+                kind, value = pickle.load(f)
+            if kind != "ok":
+                out.append(f"{name}: {value}")
+        elif name.endswith(".stacks") and os.path.getsize(path):
+            with open(path) as f:
+                out.append(f"{name}:\n{f.read()}")
+    return "\n".join(out)
+
+
 def test_node_lost_then_replaced_8_to_4_to_8(tmp_path):
     root = str(tmp_path)
     ckpt = os.path.join(root, "ckpt")
@@ -242,18 +263,21 @@ def test_node_lost_then_replaced_8_to_4_to_8(tmp_path):
     ctx = forkserver(__name__)
     ports = {k: free_port() for k in JOBS}
     deadline = time.monotonic() + 280  # within pytest's 300 s: a hang is reported as one
-    old = [ctx.Process(target=_rank_main, args=("old", i, ports, root, ckpt), daemon=True) for i in range(WORLD)]
-    joiners = [ctx.Process(target=_rank_main, args=("join", i, ports, root, ckpt), daemon=True) for i in VICTIMS]
+    old, joiners = (
+        [ctx.Process(target=_rank_main, args=(role, i, ports, root, ckpt, deadline), daemon=True) for i in ranks]
+        for role, ranks in (("old", range(WORLD)), ("join", VICTIMS))
+    )
     try:
         for p in old:
             p.start()
         _join([old[v] for v in VICTIMS], deadline)
-        assert [old[v].exitcode for v in VICTIMS] == [-signal.SIGKILL] * 4, "node 1 did not die as planned"
+        dead = [old[v].exitcode for v in VICTIMS]
+        assert dead == [-signal.SIGKILL] * 4, f"node 1 did not die as planned: {dead}\n{_diagnosis(root)}"
         for p in joiners:  # replacements, started after the loss
             p.start()
         _join(old + joiners, deadline)
         alive = [p.name for p in old + joiners if p.is_alive()]
-        assert not alive, f"processes {alive} still running (a hang)"
+        assert not alive, f"processes {alive} still running (a hang)\n{_diagnosis(root)}"
     finally:
         for p in old + joiners:
             if p.is_alive():
@@ -264,7 +288,7 @@ def test_node_lost_then_replaced_8_to_4_to_8(tmp_path):
             kind, value = pickle.load(f)
         assert kind == "ok", f"process {name} failed:\n{value}"
         res[name] = value
-    print({k: round(r["wall"], 1) for k, r in res.items()})
+    print({k: round(r["wall"], 1) for k, r in res.items()})  # each process's seconds (pytest -s)
     survivors = [res[f"old{i}"] for i in SURVIVORS]
     joined = [res[f"join{i}"] for i in VICTIMS]
     for r in survivors:

@@ -1,5 +1,5 @@
-"""Tier 3: elastic training of a whole model with real process loss (4 ranks -> 2; 8 -> 4 is too
-slow on the 2-core test machine).
+"""Tier 3: elastic training of a whole model with real process loss (4 ranks -> 2; 8 -> 4 -> 8,
+with joiners: test_reshard_elastic8_dist).
 
 4 forked processes, 2 simulated nodes of 2 (LOCAL_WORLD_SIZE), a tiny float32 Qwen3-MoE: model A
 with EP=4 and every expert on both nodes (redundant experts), HSDP dense (a replica group per
