@@ -6,9 +6,27 @@ The launcher itself is the package's (:mod:`moeshard._launch`); this keeps the t
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 
 from moeshard._launch import run_local_ranks
+
+# What every forkserver test's ranks import. multiprocessing starts one forkserver per pytest
+# process, with the preload list of the first test that forks from it, and keeps it: a test
+# asking for transformers after a tiny_moe test started the server would have each rank import
+# transformers itself (test_reshard_elastic8_dist on 2 cores: 45 s instead of 18 s). So every
+# test asks for all of it.
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "transformers",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe",
+    "moeshard",
+    "moeshard.ops.reshard",
+    "moeshard.models.parallel",
+    "tiny_moe",
+    "tiny_hf",
+)
 
 
 def run_ranks(fn, *args, world: int = 4, local_world: int | None = None, timeout: float = 240):
@@ -17,6 +35,15 @@ def run_ranks(fn, *args, world: int = 4, local_world: int | None = None, timeout
     Raises RuntimeError with every failing rank's traceback, TimeoutError on a hang.
     """
     return run_local_ranks(fn, *args, world=world, local_world=local_world, timeout=timeout)
+
+
+def forkserver(*modules: str):
+    """The forkserver context, its server (if this call starts it) having imported
+    :data:`PRELOAD` and ``modules`` (the caller's module, whose function the ranks run); a
+    module that fails to import is skipped."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([*PRELOAD, *modules])
+    return ctx
 
 
 def start_and_join(procs: list, timeout: float) -> list[int]:

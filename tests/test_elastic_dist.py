@@ -22,7 +22,6 @@ Every slot is compared with the checkpoint's bytes after every step.
 from __future__ import annotations
 
 import datetime
-import multiprocessing
 import os
 import pickle
 import signal
@@ -38,7 +37,7 @@ import tiny_moe
 from expert_values import checkpoint_pairs
 from moeshard import eplb
 from moeshard._launch import free_port
-from mp import start_and_join
+from mp import forkserver, start_and_join
 
 pytestmark = pytest.mark.dist
 
@@ -291,8 +290,7 @@ def test_survivors_recover_and_joiner_is_fed_by_live_ranks(tmp_path):
     root = str(tmp_path)
     write_checkpoint(os.path.join(root, "ckpt"))
     tiny_moe.write(os.path.join(root, "tiny"))
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "moeshard", "tiny_moe", __name__])
+    ctx = forkserver(__name__)
     ports = (free_port(), free_port())
     procs = [ctx.Process(target=_rank_main, args=(i, ports, root, root), daemon=True) for i in range(WORLD + 1)]
     alive = start_and_join(procs, 4 * BACKSTOP_S)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime
 import importlib
-import multiprocessing
 import os
 import pickle
 import signal
@@ -27,7 +26,7 @@ import moeshard
 import tiny_moe
 from moeshard import collectives
 from moeshard._launch import free_port
-from mp import start_and_join
+from mp import forkserver, start_and_join
 
 WORLD, LWS, VICTIM = 4, 2, 3
 # The backend's timeout is a backstop only: survivors must fail long before it (the load of a
@@ -175,11 +174,10 @@ _FORKSERVER = None
 
 
 def _context():
-    """A forkserver context whose server has imported torch, moeshard and this module."""
+    """A forkserver context whose server has imported mp.PRELOAD (torch, moeshard, ...) and this module."""
     global _FORKSERVER
     if _FORKSERVER is None:
-        _FORKSERVER = multiprocessing.get_context("forkserver")
-        _FORKSERVER.set_forkserver_preload(["torch", "torch.distributed", "moeshard", "tiny_moe", __name__])
+        _FORKSERVER = forkserver(__name__)
     return _FORKSERVER
 
 

@@ -1,5 +1,5 @@
-"""Tier 3: elastic training of a whole model with real process loss (4 ranks -> 2; 8 -> 4 is too
-slow on the 2-core test machine).
+"""Tier 3: elastic training of a whole model with real process loss (4 ranks -> 2; 8 -> 4 -> 8,
+with joiners: test_reshard_elastic8_dist).
 
 4 forked processes, 2 simulated nodes of 2 (LOCAL_WORLD_SIZE), a tiny float32 Qwen3-MoE: model A
 with EP=4 and every expert on both nodes (redundant experts), HSDP dense (a replica group per
@@ -19,7 +19,6 @@ node), trained 2 AdamW steps; model B (EP=4, HSDP, some experts only on node 1),
 from __future__ import annotations
 
 import datetime
-import multiprocessing
 import os
 import pickle
 import signal
@@ -32,7 +31,7 @@ import torch
 import moeshard
 import tiny_hf
 from moeshard._launch import free_port
-from mp import start_and_join
+from mp import forkserver, start_and_join
 
 transformers = pytest.importorskip("transformers")
 
@@ -219,8 +218,7 @@ def test_node_loss_survivors_reshard_from_live_peers_and_continue(tmp_path):
         k: v.detach().numpy()
         for k, v in transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).named_parameters()
     }
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "transformers", "moeshard", "tiny_hf", __name__])
+    ctx = forkserver(__name__)
     ports = tuple(free_port() for _ in range(4))
     procs = [ctx.Process(target=_rank_main, args=(i, ports, root, ckpt), daemon=True) for i in range(WORLD)]
     alive = start_and_join(procs, 280)  # within pytest's 300 s: a hang is reported as one

@@ -63,11 +63,12 @@ def shuffled_redundant(num_logical: int, ep: int, seed: int):
     return moeshard.Placement(np.stack(rows), num_logical=num_logical, num_ranks=ep)
 
 
-def full_params(model, placement, grads: bool = False) -> dict[str, torch.Tensor]:
-    """Collective (every rank): every parameter (or its gradient) of a parallelized model as one
-    process holds it: DTensors gathered whole, and each expert parameter ``[num_physical, ...]``
-    in slot order turned into ``[num_logical, ...]`` logical order, after checking that every
-    copy of a redundant expert is the same (a copy differing is reported as NaN rows)."""
+def full_params(model, placement, grads: bool = False, of=None) -> dict[str, torch.Tensor]:
+    """Collective (every rank): every parameter (or its gradient; or ``of(parameter)``, e.g. an
+    optimizer state shaped like it) of a parallelized model as one process holds it: DTensors
+    gathered whole, and each expert parameter ``[num_physical, ...]`` in slot order turned into
+    ``[num_logical, ...]`` logical order, after checking that every copy of a redundant expert is
+    the same (a copy differing is reported as NaN rows)."""
     from torch.distributed.tensor import DTensor
 
     from moeshard.models.describe import expert_layers
@@ -75,7 +76,7 @@ def full_params(model, placement, grads: bool = False) -> dict[str, torch.Tensor
     layer_of = {name: i for i, (name, _, _) in enumerate(expert_layers(model))}
     out = {}
     for name, p in model.named_parameters():
-        t = p.grad if grads else p
+        t = of(p) if of is not None else p.grad if grads else p
         t = t.full_tensor() if isinstance(t, DTensor) else t
         t = t.detach().clone()
         module = name.rsplit(".", 1)[0]
