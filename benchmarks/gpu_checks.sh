@@ -47,10 +47,12 @@ case "$what" in
         || { rc=$?; echo "[gpu_checks] bench_load fresh $ranks failed (exit $rc)" | tee -a "$out/bench_load_fresh_$ranks.txt"; }
     done
     # Recovery after a lost node: reshard from live peers against a cold reload.
-    for placement in full partial; do
+    for run in "full 4 2" "partial 4 2" "full 8 4"; do
+      set -- $run
       python3 -m moeshard.cli bench reshard --hidden 512 --layers 4 --experts 16 --repeat 5 --cache cold,warm \
-        --placement "$placement" --out "$out/bench_reshard_$placement.json" 2>&1 | tee "$out/bench_reshard_$placement.txt" \
-        || { rc=$?; echo "[gpu_checks] bench reshard failed (exit $rc)" | tee -a "$out/bench_reshard_$placement.txt"; }
+        --placement "$1" --world "$2" --local-world "$3" --out "$out/bench_reshard_$1_$2.json" 2>&1 \
+        | tee "$out/bench_reshard_$1_$2.txt" \
+        || { rc=$?; echo "[gpu_checks] bench reshard failed (exit $rc)" | tee -a "$out/bench_reshard_$1_$2.txt"; }
     done
     # Its checkpoint (~1.1 GiB) goes to $out/relocate_ckpt: leave that out of what you keep.
     python3 -m moeshard.cli bench relocate --out "$out" 2>&1 | tee "$out/bench_relocate.txt"
