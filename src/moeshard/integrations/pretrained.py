@@ -180,9 +180,15 @@ def from_pretrained(
             f"num_redundant, placement_format, storage, mp_policy, verify and strict"
         )
     config = _on_one_rank(_first(seen, 1), lambda: read_config(path), f"{what}: reading {config_file}")
-    model, layout = _agreed(lambda: _build(config, dtype_, path), f"{what}: building the model on the meta device")
-    read = None
-    if placement_file is not None:
+    if placement_file is None:
+        # No file to read between them: the build and the placement agreed in one exchange.
+        model, layout, placement_ = _agreed(
+            lambda: _build_and_place(config, dtype_, path, placement, ep, num_redundant),
+            f"{what}: building the model on the meta device and choosing the placement",
+            fingerprint=lambda built: built[2].fingerprint(),
+        )
+    else:
+        model, layout = _agreed(lambda: _build(config, dtype_, path), f"{what}: building the model on the meta device")
         read = _on_one_rank(
             _first(seen, 2),
             lambda: read_placement_file(
@@ -190,11 +196,11 @@ def from_pretrained(
             ),
             f"{what}: reading the placement file {placement_file}",
         )
-    placement_ = _agreed(
-        lambda: _placement(placement, read, layout, ep, num_redundant, path),
-        f"{what}: choosing the placement",
-        fingerprint=lambda p: p.fingerprint(),
-    )
+        placement_ = _agreed(
+            lambda: _placement(placement, read, layout, ep, num_redundant, path),
+            f"{what}: choosing the placement",
+            fingerprint=lambda p: p.fingerprint(),
+        )
     mesh = make_mesh(device_.type, ep=ep, efsdp=efsdp)
     parallelize(model, mesh, placement_, mp_policy=mp_policy)
     load(model, path, placement=placement_, storage=storage, device=device_, strict=strict, progress=progress)
@@ -287,8 +293,18 @@ def _placement_key(placement) -> str | None:
 
 
 def _build(config: dict, dtype: torch.dtype | None, path: str) -> tuple[nn.Module, MoELayout]:
+    """Every rank, no communication: the meta-device model of ``config`` and its MoE layout."""
     model = meta_model(config, dtype, source=path)
     return model, moe_layout(model, source=path)
+
+
+def _build_and_place(
+    config: dict, dtype: torch.dtype | None, path: str, given, ep: int, num_redundant: int
+) -> tuple[nn.Module, MoELayout, Placement]:
+    """Every rank, no communication: :func:`_build`, then the placement (``given``: a
+    :class:`Placement`, a named one or None; not a file) checked against its MoE layers."""
+    model, layout = _build(config, dtype, path)
+    return model, layout, _placement(given, None, layout, ep, num_redundant, path)
 
 
 def _placement(given, read, layout: MoELayout, ep: int, num_redundant: int, path: str) -> Placement:
