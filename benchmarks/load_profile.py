@@ -24,7 +24,7 @@ Two levels:
   - ``deliver``: ``TensorSink.put`` / ``DequantSink.put`` (copies into the parameters);
   - ``collective``: the other collectives the library calls (``all_reduce``, ``all_gather``,
     ``all_gather_object``, ``broadcast_object_list``, ``barrier``): moeshard's agreement on
-    errors and plan fingerprints, the shared headers, the final barrier;
+    errors and plan fingerprints, the shared headers, the config;
 
   each event attributed to the step it fell in. The remainder of a step is its own work (e.g.
   ``plan``'s planning, ``execute``'s bookkeeping) plus page faults of fresh memory outside the
