@@ -43,6 +43,10 @@ from ..placement import Placement
 __all__ = ["from_pretrained", "job_device"]
 
 T = TypeVar("T")
+# The default process group that the cached meshes belong to and {(device type, ep, efsdp):
+# mesh}: :func:`_mesh`. It holds the default group object itself, so that a destroyed and
+# re-initialized group (a new object) never finds an old group's mesh.
+_MESH_CACHE: dict = {"default": None, "meshes": {}}
 _STORAGE = ("auto", "shared", "node", "single")
 # Backends that only move host tensors: their jobs keep the model on the CPU.
 _CPU_BACKENDS = frozenset({"gloo", "mpi"})
@@ -201,12 +205,30 @@ def from_pretrained(
             f"{what}: choosing the placement",
             fingerprint=lambda p: p.fingerprint(),
         )
-    mesh = make_mesh(device_.type, ep=ep, efsdp=efsdp)
+    mesh = _mesh(device_.type, ep, efsdp)
     parallelize(model, mesh, placement_, mp_policy=mp_policy)
     load(model, path, placement=placement_, storage=storage, device=device_, strict=strict, progress=progress)
     if verify:
         verify_model(model, path, placement=placement_, storage=storage, strict=strict)
     return model
+
+
+def _mesh(device_type: str, ep: int, efsdp: int):
+    """Collective (every rank of the default group, with the same arguments): the
+    ``("efsdp", "ep")`` mesh of :func:`moeshard.models.parallel.make_mesh`, made once per default
+    process group and sizes and reused by later calls (its process groups, and the flattened
+    "dp" mesh that :func:`moeshard.parallelize` derives and torch keeps on it, are not created
+    again on every call: nothing frees them). Every rank calls with the same arguments in the
+    same order, so every rank hits or misses alike and the creation stays matched."""
+    default = dist.distributed_c10d._get_default_group()
+    cache = _MESH_CACHE
+    if cache["default"] is not default:
+        cache.update(default=default, meshes={})
+    key = (device_type, ep, efsdp)
+    mesh = cache["meshes"].get(key)
+    if mesh is None:
+        mesh = cache["meshes"][key] = make_mesh(device_type, ep=ep, efsdp=efsdp)
+    return mesh
 
 
 def _checked(ep, efsdp, dtype, placement, num_redundant, storage, mp_policy, device):
