@@ -71,28 +71,6 @@ def test_write_checkpoint_roundtrip_sharded(tmp_path):
         write_checkpoint(tmp_path / "dup", [("x", torch.zeros(1)), ("x", torch.zeros(1))])
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 7])
-def test_index_parts_join_to_the_whole_index(tmp_path, n):
-    """Several ranks each read every n-th file's header (moeshard.load on shared storage):
-    the parts join to the index one reader reads, key and file order included; a part
-    pickles as the whole index does (one rank's share travels in an all-gather)."""
-    import pickle
-
-    ts = _tensors(3)
-    write_checkpoint(tmp_path / "many", ts.items(), max_shard_bytes=300)
-    save_file(ts, str(tmp_path / "one.safetensors"))
-    for path in (tmp_path / "many", tmp_path / "one.safetensors"):
-        whole = CheckpointIndex.open(path)
-        parts = [pickle.loads(pickle.dumps(CheckpointIndex.open(path, part=(i, n)))) for i in range(n)]
-        assert sum(len(p.file_sizes) for p in parts) == len(whole.file_sizes)
-        joined = CheckpointIndex.join(parts)
-        assert list(joined.tensors.items()) == list(whole.tensors.items())
-        assert list(joined.file_sizes.items()) == list(whole.file_sizes.items()) and joined.root == whole.root
-    assert len(whole.file_sizes) == 1 and len(CheckpointIndex.open(tmp_path / "many").file_sizes) > 4
-    with pytest.raises(CheckpointError, match="different numbers of files"):
-        CheckpointIndex.join([CheckpointIndex.open(tmp_path / "many", part=(i, 3)) for i in (0, 2, 1)])
-
-
 def test_index_file_path_opens_its_directory(tmp_path):
     ts = _tensors(5)
     write_checkpoint(tmp_path, ts.items(), max_shard_bytes=200)

@@ -40,19 +40,29 @@ class CheckpointIndex:
     file_sizes: dict[str, int]
 
     @classmethod
-    def open(cls, path: str | os.PathLike, part: tuple[int, int] = (0, 1)) -> CheckpointIndex:
+    def open(cls, path: str | os.PathLike) -> CheckpointIndex:
         """Read the index (a directory with ``model.safetensors.index.json`` or that file
         itself, a directory with one ``.safetensors`` file, or a ``.safetensors`` file) and
-        every header.
-
-        ``part=(i, n)``: only the headers of files ``i, i + n, i + 2n, ...`` (in the index's
-        order): a part of the index that :meth:`join` puts together with the other ``n - 1``
-        (several ranks each read a share of the headers). One process, no communication."""
-        root, files = _checkpoint_files(Path(path))
-        i, n = part
+        every header."""
+        p = Path(path)
+        if p.name == INDEX_NAME and p.is_file():
+            p = p.parent  # the index file stands for its checkpoint directory
+        if p.is_file():
+            root, files = p.parent, {p.name: None}
+        elif (p / INDEX_NAME).is_file():
+            root, files = p, read_index(p)
+        elif p.is_dir():
+            singles = sorted(x.name for x in p.glob("*.safetensors"))
+            if len(singles) != 1:
+                raise CheckpointError(
+                    f"{p}: expected {INDEX_NAME} or exactly one .safetensors file, found {len(singles)}"
+                )
+            root, files = p, {singles[0]: None}
+        else:
+            raise CheckpointError(f"{p}: no such checkpoint file or directory")
         tensors: dict[str, TensorInfo] = {}
         sizes: dict[str, int] = {}
-        for name, expected_keys in itertools.islice(files.items(), i, None, n):
+        for name, expected_keys in files.items():
             header, size = read_header(root / name, name)
             sizes[name] = size
             if expected_keys is None:  # the only file: its header is the index (no copy)
@@ -64,31 +74,6 @@ class CheckpointIndex:
                     raise CheckpointError(f"{INDEX_NAME} places {key!r} in {name}, but {name} has no such tensor")
                 tensors[key] = info
         return cls(str(root), tensors, sizes)
-
-    @classmethod
-    def join(cls, parts: Sequence[CheckpointIndex]) -> CheckpointIndex:
-        """The index that ``CheckpointIndex.open(path)`` reads, from ``parts[i] =
-        CheckpointIndex.open(path, part=(i, len(parts)))``: keys, files and their sizes in the
-        same order (pure). Raises CheckpointError if the parts are not the shares of one index."""
-        roots = {p.root for p in parts}
-        if len(roots) != 1:
-            raise CheckpointError(f"the parts of a checkpoint index name different directories: {sorted(roots)}")
-        by_file: list[list[tuple[str, dict[str, TensorInfo], int]]] = []
-        for p in parts:
-            keys_of: dict[str, dict[str, TensorInfo]] = {name: {} for name in p.file_sizes}
-            for key, info in p.tensors.items():
-                keys_of[info.file][key] = info
-            by_file.append([(name, keys_of[name], size) for name, size in p.file_sizes.items()])
-        tensors: dict[str, TensorInfo] = {}
-        sizes: dict[str, int] = {}
-        n = len(parts)
-        for j in range(sum(map(len, by_file))):  # file j is the (j // n)-th of part j % n
-            if j // n >= len(by_file[j % n]):
-                raise CheckpointError(f"{parts[0].root}: the parts of its index hold different numbers of files")
-            name, keys, size = by_file[j % n][j // n]
-            sizes[name] = size
-            tensors.update(keys)
-        return cls(parts[0].root, tensors, sizes)
 
     @property
     def total_bytes(self) -> int:
@@ -177,24 +162,6 @@ def _index_from_columns(root: str, columns: tuple, file_sizes: dict[str, int]) -
     keys, files, file_of, offsets, dtypes, shapes = columns
     tensors = {k: TensorInfo(files[f], o, d, s) for k, f, o, d, s in zip(keys, file_of, offsets, dtypes, shapes)}
     return CheckpointIndex(root, tensors, file_sizes)
-
-
-def _checkpoint_files(p: Path) -> tuple[Path, dict[str, list[str] | None]]:
-    """The checkpoint directory of path ``p`` (as :meth:`CheckpointIndex.open` takes it) and
-    its files in the index's order, each with the keys the index places in it (None: the only
-    file, whose header is the index)."""
-    if p.name == INDEX_NAME and p.is_file():
-        p = p.parent  # the index file stands for its checkpoint directory
-    if p.is_file():
-        return p.parent, {p.name: None}
-    if (p / INDEX_NAME).is_file():
-        return p, read_index(p)
-    if p.is_dir():
-        singles = sorted(x.name for x in p.glob("*.safetensors"))
-        if len(singles) != 1:
-            raise CheckpointError(f"{p}: expected {INDEX_NAME} or exactly one .safetensors file, found {len(singles)}")
-        return p, {singles[0]: None}
-    raise CheckpointError(f"{p}: no such checkpoint file or directory")
 
 
 def read_index(root: Path, require_files: bool = True) -> dict[str, list[str]]:

@@ -116,11 +116,9 @@ def resolve_sources(
 ) -> tuple[str, np.ndarray, str, CheckpointIndex]:
     """Collective (every rank): agree on the storage mode from which ranks can see ``path``;
     the first reader (the first active one, given ``active``; see :func:`storage_sources`)
-    reads the headers and sends them to all ranks, or, where every rank reads the same files
-    (mode "shared", no ``active``), each of the ``W`` ranks reads every ``W``-th file's header
-    and one all-gather joins them (:meth:`CheckpointIndex.join`: the same index). ``everyone``:
-    every rank's :func:`sources_share` when the caller has gathered it already (in its own
-    first exchange: then the mode costs no exchange, and the headers one exchange).
+    reads the headers and sends them to all ranks. ``everyone``: every rank's
+    :func:`sources_share` when the caller has gathered it already (in its own first exchange:
+    then the mode costs no exchange, and the headers one broadcast).
 
     Returns ``(mode, readers: bool[world], scope, index)``, the same on every rank.
     """
@@ -134,14 +132,6 @@ def resolve_sources(
     live = readers if active is None else readers & np.asarray(active, dtype=bool)
     first = int(np.flatnonzero(live if live.any() else readers)[0])
     what = f"moeshard: reading the headers of {path}"
-    rank, world = collectives.rank_and_world()
-    if mode == "shared" and active is None and world > 1 and readers.all():
-        # One all-gather: every rank's share of the headers (or the failed ranks' errors on
-        # every rank), parsed in parallel rather than by one rank while the others wait.
-        parts = collectives.agree_and_gather(
-            lambda: CheckpointIndex.open(path, part=(rank, world)), what, share=lambda part: part
-        ).shares
-        return mode, readers, scope, collectives.unanimous(lambda: CheckpointIndex.join(parts), what)
     # One broadcast: the headers, or the first reader's error on every rank.
     index = collectives.broadcast_result(lambda: CheckpointIndex.open(path), first, what)
     return mode, readers, scope, index
