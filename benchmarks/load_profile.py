@@ -11,16 +11,20 @@ Two levels:
 * :class:`CallProfiler` (``--profile``, separate rounds kept out of the timed medians): the
   calling thread's seconds inside
 
-  - ``reads``: ``ReaderSource.read`` / ``read_into`` / ``start_read_into`` / ``finish_reads``
-    and the waits on read-ahead (with one read thread per rank, as on a host with fewer cores
-    than ranks, every read runs here; with a read pool this is the time spent waiting for it);
+  - ``reads``: ``ReaderSource.read`` / ``read_into`` / ``start_read_into`` / ``finish_reads``,
+    the waits on read-ahead, and the runner's coalesced extent reads
+    (:class:`moeshard.io.extents.ExtentReads`: ``read``, one ``preadv`` per extent straight into
+    the parameters, and ``advise``, the read-ahead hints; ``ReaderSource.read_ranges``, which
+    plans the extents): the reads that land straight in place, most of a load's bytes (with
+    one read thread per rank, as on a host with fewer cores than ranks, every read runs here;
+    with a read pool this is the time spent waiting for it);
   - ``p2p``: posting P2P batches (``torch.distributed.batch_isend_irecv``) and waiting on their
     work handles;
   - ``bcast``: node broadcasts (``torch.distributed.broadcast``);
   - ``deliver``: ``TensorSink.put`` / ``DequantSink.put`` (copies into the parameters);
   - ``collective``: the other collectives the library calls (``all_reduce``, ``all_gather``,
     ``all_gather_object``, ``broadcast_object_list``, ``barrier``): moeshard's agreement on
-    errors and plan fingerprints, the shared headers, the final barrier;
+    errors and plan fingerprints, the shared headers, the config;
 
   each event attributed to the step it fell in. The remainder of a step is its own work (e.g.
   ``plan``'s planning, ``execute``'s bookkeeping) plus page faults of fresh memory outside the
@@ -114,6 +118,7 @@ class CallProfiler:
         import torch.distributed as dist
 
         from moeshard.execute import DequantSink, ReaderSource, TensorSink
+        from moeshard.io.extents import ExtentReads
 
         self._thread = threading.get_ident()
         self._depth = 0
@@ -121,6 +126,11 @@ class CallProfiler:
         for name in ("read", "read_into", "start_read_into", "finish_reads"):
             self._wrap(ReaderSource, name, "reads")
         self._wrap(ReaderSource, "start_read", "reads", wrap_result=True)
+        # Reads straight into place go by extents: their units call ExtentReads.read (looked up
+        # on the class at each call, so the wrapper sees units made before or after it).
+        self._wrap(ReaderSource, "read_ranges", "reads")
+        for name in ("read", "advise"):
+            self._wrap(ExtentReads, name, "reads")
         for cls in (TensorSink, DequantSink):
             self._wrap(cls, "put", "deliver", own=True)
         self._wrap(dist, "batch_isend_irecv", "p2p", wrap_result=True)

@@ -17,7 +17,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.load_fresh import check_against_checkpoint, file_shares, read_floor_parallel  # noqa: E402
 from benchmarks.load_fresh_report import aggregate_fresh, format_fresh  # noqa: E402
-from benchmarks.load_profile import attribute  # noqa: E402
+from benchmarks.load_profile import CallProfiler, attribute  # noqa: E402
 
 
 @pytest.mark.parametrize("world", [1, 3, 4, 8])
@@ -77,6 +77,50 @@ def test_attribute_splits_each_step():
     ex = out["execute"]
     assert (ex["reads"], ex["p2p"], ex["collective"]) == pytest.approx((0.5, 0.25, 0.1))
     assert sum(ex.values()) == pytest.approx(2.0)
+
+
+def test_profile_counts_the_runners_extent_reads_as_reads(tmp_path):
+    """A rank's reads straight into place go by coalesced extents (moeshard.io.extents): the
+    profiler times them as ``reads`` (each extent's read slowed here, so that they dominate)."""
+    import time
+    from unittest import mock
+
+    import numpy as np
+
+    import moeshard
+    import tiny_moe
+    from moeshard.execute import ReaderSource, TensorSink, execute_schedule
+    from moeshard.io.extents import ExtentReads
+    from moeshard.models.describe import local_tensor
+    from moeshard.ops.load import plan_load
+    from moeshard.topology import Topology
+
+    tiny_moe.write(tmp_path)
+    model = tiny_moe.TinyMoE()
+    index = moeshard.CheckpointIndex.open(tmp_path)
+    topo = Topology(1, 1).with_rank(0)
+    descs, _, plan = plan_load(model, index, None, topo, np.ones(1, dtype=bool), "job", rank=0)
+    tensors = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
+    dests = [local_tensor(tensors[d.name], d) for d in descs]
+    real, slow = ExtentReads.read, 0.01
+    calls = []
+
+    def read(self, i):
+        calls.append(i)
+        time.sleep(slow)
+        return real(self, i)
+
+    with moeshard.CheckpointReader(index) as reader, mock.patch.object(ExtentReads, "read", read):
+        with CallProfiler() as prof, torch.no_grad():
+            t0 = time.perf_counter()
+            execute_schedule(
+                plan, 0, ReaderSource(plan, reader, index), TensorSink(plan, dests, 0), torch.device("cpu")
+            )
+            t1 = time.perf_counter()
+    assert calls and ExtentReads.read is real  # the profiler (and the mock) put back what they wrapped
+    row = attribute(prof.events, [("execute", t0, t1)])["execute"]
+    assert row["reads"] >= slow * len(calls)
+    assert row["other"] < row["reads"]
 
 
 def _row(wall, **kw):

@@ -111,6 +111,8 @@ def worker(ckpts: dict, files: str) -> dict:
             _compare(model, refs[family, dtype], ids),
             same_placement=model.moeshard_placement == pl,
             fsdp=isinstance(model, torch.distributed.fsdp.FSDPModule),
+            # The ("efsdp", "ep") mesh the experts are DTensors on (from_pretrained reuses one per sizes).
+            mesh=next(id(p.device_mesh._get_root_mesh()) for n, p in model.named_parameters() if ".experts." in n),
         )
         if i == RELOCATED:  # relocate: the attribute names the new placement, the model stays the same
             new = moeshard.Placement(
@@ -178,6 +180,17 @@ def test_from_pretrained_equals_one_process(results, i):
             # bf16 parameters: bf16 compute on both sides, one rounding (2**-8 relative) of slack; else 1e-5.
             tol = 2**-8 if dtype == torch.bfloat16 else LOGITS_RTOL
             assert g["logits_diff"] <= tol, f"rank {r}, {what}: logits differ by {g['logits_diff']:.3g} of their max"
+
+
+def test_calls_with_the_same_sizes_share_one_mesh(results):
+    """from_pretrained makes the ("efsdp", "ep") mesh (its process groups) once per sizes:
+    later calls reuse it (and load exactly: test_from_pretrained_equals_one_process)."""
+    for rank_results in results:
+        by_sizes: dict = {}
+        for (_, ep, efsdp, _, _), got in zip(SCENARIOS, rank_results["good"]):
+            by_sizes.setdefault((ep, efsdp), set()).add(got["mesh"])
+        assert all(len(ids) == 1 for ids in by_sizes.values()), by_sizes
+        assert len(by_sizes) == 2
 
 
 @pytest.mark.parametrize(

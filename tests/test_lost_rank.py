@@ -109,7 +109,8 @@ def _steps(model, pl, root: str) -> dict:
             "execute_schedule",
             lambda: moeshard.load(model, ckpt, placement=pl, storage="single"),
         ),
-        "load-barrier": (collectives, "barrier", lambda: moeshard.load(model, ckpt, placement=pl)),
+        # The planning agreement (an all-reduce; load's last collective is the execution's).
+        "load-agree": (collectives, "_all_reduce_max", lambda: moeshard.load(model, ckpt, placement=pl)),
         "relocate": (module("moeshard.ops.relocate"), "execute_schedule", lambda: moeshard.relocate(model, pl, new)),
         "save": (
             module("moeshard.ops.save"),
@@ -205,7 +206,7 @@ SCENARIOS = {
     # scenario: what every survivor's error text starts with
     "load-enter": "moeshard.load: materializing the model: lost contact with a peer",
     "load-execute": "moeshard.load: executing the plan: lost contact with ",
-    "load-barrier": "moeshard.load: finishing: lost contact with a peer",
+    "load-agree": "moeshard.load: planning: lost contact with a peer",
     "relocate": "moeshard.relocate: running the plan: lost contact with ",
     "save": "moeshard.save: ",
 }

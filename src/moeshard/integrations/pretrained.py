@@ -43,6 +43,10 @@ from ..placement import Placement
 __all__ = ["from_pretrained", "job_device"]
 
 T = TypeVar("T")
+# The default process group that the cached meshes belong to and {(device type, ep, efsdp):
+# mesh}: :func:`_mesh`. It holds the default group object itself, so that a destroyed and
+# re-initialized group (a new object) never finds an old group's mesh.
+_MESH_CACHE: dict = {"default": None, "meshes": {}}
 _STORAGE = ("auto", "shared", "node", "single")
 # Backends that only move host tensors: their jobs keep the model on the CPU.
 _CPU_BACKENDS = frozenset({"gloo", "mpi"})
@@ -180,9 +184,15 @@ def from_pretrained(
             f"num_redundant, placement_format, storage, mp_policy, verify and strict"
         )
     config = _on_one_rank(_first(seen, 1), lambda: read_config(path), f"{what}: reading {config_file}")
-    model, layout = _agreed(lambda: _build(config, dtype_, path), f"{what}: building the model on the meta device")
-    read = None
-    if placement_file is not None:
+    if placement_file is None:
+        # No file to read between them: the build and the placement agreed in one exchange.
+        model, layout, placement_ = _agreed(
+            lambda: _build_and_place(config, dtype_, path, placement, ep, num_redundant),
+            f"{what}: building the model on the meta device and choosing the placement",
+            fingerprint=lambda built: built[2].fingerprint(),
+        )
+    else:
+        model, layout = _agreed(lambda: _build(config, dtype_, path), f"{what}: building the model on the meta device")
         read = _on_one_rank(
             _first(seen, 2),
             lambda: read_placement_file(
@@ -190,17 +200,35 @@ def from_pretrained(
             ),
             f"{what}: reading the placement file {placement_file}",
         )
-    placement_ = _agreed(
-        lambda: _placement(placement, read, layout, ep, num_redundant, path),
-        f"{what}: choosing the placement",
-        fingerprint=lambda p: p.fingerprint(),
-    )
-    mesh = make_mesh(device_.type, ep=ep, efsdp=efsdp)
+        placement_ = _agreed(
+            lambda: _placement(placement, read, layout, ep, num_redundant, path),
+            f"{what}: choosing the placement",
+            fingerprint=lambda p: p.fingerprint(),
+        )
+    mesh = _mesh(device_.type, ep, efsdp)
     parallelize(model, mesh, placement_, mp_policy=mp_policy)
     load(model, path, placement=placement_, storage=storage, device=device_, strict=strict, progress=progress)
     if verify:
         verify_model(model, path, placement=placement_, storage=storage, strict=strict)
     return model
+
+
+def _mesh(device_type: str, ep: int, efsdp: int):
+    """Collective (every rank of the default group, with the same arguments): the
+    ``("efsdp", "ep")`` mesh of :func:`moeshard.models.parallel.make_mesh`, made once per default
+    process group and sizes and reused by later calls (its process groups, and the flattened
+    "dp" mesh that :func:`moeshard.parallelize` derives and torch keeps on it, are not created
+    again on every call: nothing frees them). Every rank calls with the same arguments in the
+    same order, so every rank hits or misses alike and the creation stays matched."""
+    default = dist.distributed_c10d._get_default_group()
+    cache = _MESH_CACHE
+    if cache["default"] is not default:
+        cache.update(default=default, meshes={})
+    key = (device_type, ep, efsdp)
+    mesh = cache["meshes"].get(key)
+    if mesh is None:
+        mesh = cache["meshes"][key] = make_mesh(device_type, ep=ep, efsdp=efsdp)
+    return mesh
 
 
 def _checked(ep, efsdp, dtype, placement, num_redundant, storage, mp_policy, device):
@@ -287,8 +315,18 @@ def _placement_key(placement) -> str | None:
 
 
 def _build(config: dict, dtype: torch.dtype | None, path: str) -> tuple[nn.Module, MoELayout]:
+    """Every rank, no communication: the meta-device model of ``config`` and its MoE layout."""
     model = meta_model(config, dtype, source=path)
     return model, moe_layout(model, source=path)
+
+
+def _build_and_place(
+    config: dict, dtype: torch.dtype | None, path: str, given, ep: int, num_redundant: int
+) -> tuple[nn.Module, MoELayout, Placement]:
+    """Every rank, no communication: :func:`_build`, then the placement (``given``: a
+    :class:`Placement`, a named one or None; not a file) checked against its MoE layers."""
+    model, layout = _build(config, dtype, path)
+    return model, layout, _placement(given, None, layout, ep, num_redundant, path)
 
 
 def _placement(given, read, layout: MoELayout, ep: int, num_redundant: int, path: str) -> Placement:
