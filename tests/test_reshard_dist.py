@@ -35,33 +35,6 @@ def _placement(seed: int, ep: int = 4):
     return tiny_hf.shuffled_redundant(NUM_EXPERTS, ep, seed)
 
 
-def _build(ep: int, efsdp: int, replicate: int, pl):
-    import moeshard
-
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(tiny_hf.config("qwen3_moe"))
-    moeshard.parallelize(model, moeshard.make_mesh("cpu", ep=ep, efsdp=efsdp, replicate=replicate), pl)
-    return model
-
-
-def _steps(model, opt, ids, n: int) -> list[float]:
-    import torch.distributed as dist
-
-    import moeshard
-
-    losses = []
-    for _ in range(n):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        moeshard.sync_redundant_grads(model)
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(float(mean) / WORLD)
-    return losses
-
-
 def _full(model, pl) -> dict:
     return {k: v.numpy() for k, v in tiny_hf.full_params(model, pl).items()}
 
@@ -74,10 +47,10 @@ def _worker(ckpt: str) -> dict:
     rank = dist.get_rank()
     ids = tiny_hf.data(WORLD)[rank : rank + 1]
     pl0 = _placement(1)
-    old = _build(4, 1, 2, pl0)
+    old = tiny_hf.meta_qwen3(4, pl0, replicate=2)
     moeshard.load(old, ckpt, placement=pl0)
     opt0 = torch.optim.AdamW(old.parameters(), lr=LR)
-    _steps(old, opt0, ids, STEPS)
+    tiny_hf.train_steps(old, opt0, ids, STEPS)
     layout = moeshard.describe_shards(old, opt0)
     old_full = _full(old, pl0)
     out: dict = {"layout_digest": layout.digest(), "resize": []}
@@ -87,7 +60,7 @@ def _worker(ckpt: str) -> dict:
         (2, 2, 1, moeshard.Placement.contiguous(tiny_hf.NUM_LAYERS, NUM_EXPERTS, 2)),
         (4, 1, 1, _placement(7)),
     ):
-        new = _build(ep, efsdp, replicate, pl)
+        new = tiny_hf.meta_qwen3(ep, pl, efsdp=efsdp, replicate=replicate)
         opt = torch.optim.AdamW(new.parameters(), lr=LR)
         rep = moeshard.reshard(new, layout, old, optimizer=opt, old_optimizer=opt0)
         full = _full(new, pl)
@@ -101,13 +74,13 @@ def _worker(ckpt: str) -> dict:
                 peer=rep.peer_bytes,
                 received=rep.bytes_received_rank,
                 staged=rep.peak_staging_bytes_rank,
-                losses=_steps(new, opt, ids, STEPS),
+                losses=tiny_hf.train_steps(new, opt, ids, STEPS),
             )
         )
 
     # 2. node 1's shards lost: dense from the node-0 replica, experts from live copies or storage
     lost = rank >= 2
-    new = _build(4, 1, 2, pl0)
+    new = tiny_hf.meta_qwen3(4, pl0, replicate=2)
     rep = moeshard.reshard(new, None if lost else layout, None if lost else old, ckpt)
     full = _full(new, pl0)  # collective
     out["lost"] = dict(
@@ -120,10 +93,10 @@ def _worker(ckpt: str) -> dict:
     )
 
     # 3. without HSDP: a dense box with no live holder is refused on every rank, or read with "warn"
-    plain = _build(4, 1, 1, pl0)
+    plain = tiny_hf.meta_qwen3(4, pl0)
     moeshard.load(plain, ckpt, placement=pl0)
     plain_layout = moeshard.describe_shards(plain)
-    new = _build(4, 1, 1, pl0)
+    new = tiny_hf.meta_qwen3(4, pl0)
     try:
         moeshard.reshard(new, None if lost else plain_layout, None if lost else plain, ckpt)
         out["refused"] = None
@@ -136,7 +109,7 @@ def _worker(ckpt: str) -> dict:
     out["warned"] = dict(dense=rep.dense_from_storage, read=rep.bytes_read_rank, full=full if rank == 0 else None)
 
     # the reference: the old model's next steps
-    out["ref_losses"] = _steps(old, opt0, ids, STEPS)
+    out["ref_losses"] = tiny_hf.train_steps(old, opt0, ids, STEPS)
     out["old_full"] = old_full if rank == 0 else None
     return out
 

@@ -63,31 +63,12 @@ def _pl8(seed: int):
 PL_A, PL_4, PL_8 = _pl8(0), moeshard.Placement.contiguous(tiny_hf.NUM_LAYERS, NUM_EXPERTS, 4), _pl8(1)
 
 
-def _build(ep: int, replicate: int, pl):
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(tiny_hf.config("qwen3_moe"))
-    moeshard.parallelize(model, moeshard.make_mesh("cpu", ep=ep, replicate=replicate), pl)
-    return model
-
-
 def _steps(model, opt, n: int) -> list[float]:
     """``n`` steps on the same global batch whatever the world size (8 rows, this rank's share),
     so that a resize keeps the gradients; the losses averaged over the ranks."""
-    dist = torch.distributed
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     per = WORLD // world
-    ids = tiny_hf.data(WORLD)[rank * per : (rank + 1) * per]
-    losses = []
-    for _ in range(n):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        moeshard.sync_redundant_grads(model)
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(float(mean) / world)
-    return losses
+    return tiny_hf.train_steps(model, opt, tiny_hf.data(WORLD)[rank * per : (rank + 1) * per], n)
 
 
 def _full(model, opt, pl) -> dict:
@@ -117,7 +98,7 @@ def _init(port: int, rank: int, world: int) -> None:
 def _reshard(ep: int, replicate: int, pl, old, old_model, old_opt, ckpt: str, before: dict | None) -> tuple:
     """Collective: reshard onto a new model (EP=``ep``, HSDP ``replicate``) with its AdamW; what
     the report says, and the tensors that differ from ``before`` (None on a joiner)."""
-    new = _build(ep, replicate, pl)
+    new = tiny_hf.meta_qwen3(ep, pl, replicate=replicate)
     opt = torch.optim.AdamW(new.parameters(), lr=LR)
     rep = moeshard.reshard(new, old, old_model, ckpt, optimizer=opt, old_optimizer=old_opt)
     full = _full(new, opt, pl)
@@ -162,7 +143,7 @@ def _old_main(idx: int, ports: dict, root: str, ckpt: str, out: dict) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)
     # Job A: the model to recover, trained.
     _init(ports["a"], idx, WORLD)
-    a = _build(8, 2, PL_A)
+    a = tiny_hf.meta_qwen3(8, PL_A, replicate=2)
     moeshard.load(a, ckpt, placement=PL_A)
     opt_a = torch.optim.AdamW(a.parameters(), lr=LR)
     out["a_losses"] = _steps(a, opt_a, STEPS)

@@ -62,28 +62,6 @@ def _pl_new():
     return moeshard.Placement.contiguous(tiny_hf.NUM_LAYERS, NUM_EXPERTS, 2)
 
 
-def _build(ep: int, replicate: int, pl):
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(tiny_hf.config("qwen3_moe"))
-    moeshard.parallelize(model, moeshard.make_mesh("cpu", ep=ep, replicate=replicate), pl)
-    return model
-
-
-def _steps(model, opt, ids, n: int) -> list[float]:
-    dist = torch.distributed
-    losses = []
-    for _ in range(n):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        moeshard.sync_redundant_grads(model)
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(float(mean) / dist.get_world_size())
-    return losses
-
-
 def _full(model, pl) -> dict:
     return {k: v.numpy() for k, v in tiny_hf.full_params(model, pl).items()}
 
@@ -113,12 +91,12 @@ def _local_copies(model) -> dict:
 def _scale_down(model, layout, opt_old, ckpt: str, rank: int) -> tuple:
     """On a group of node 0's 2 ranks: reshard ``model`` onto EP=2 FSDP and train 2 steps on
     the whole batch (each rank 2 rows)."""
-    new = _build(2, 1, _pl_new())
+    new = tiny_hf.meta_qwen3(2, _pl_new())
     opt = torch.optim.AdamW(new.parameters(), lr=LR)
     rep = moeshard.reshard(new, layout, model, ckpt, optimizer=opt, old_optimizer=opt_old)
     full = _full(new, _pl_new())
     ids = tiny_hf.data(WORLD)[2 * rank : 2 * rank + 2]
-    return rep, full, _steps(new, opt, ids, STEPS)
+    return rep, full, tiny_hf.train_steps(new, opt, ids, STEPS)
 
 
 def _rank_main(idx: int, ports: tuple, root: str, ckpt: str) -> None:
@@ -131,13 +109,13 @@ def _rank_main(idx: int, ports: tuple, root: str, ckpt: str) -> None:
     try:
         # Job A: train model A, load model B.
         _init(ports[0], idx, WORLD, BACKSTOP_S)
-        a = _build(4, 2, _pl_a())
+        a = tiny_hf.meta_qwen3(4, _pl_a(), replicate=2)
         moeshard.load(a, ckpt, placement=_pl_a())
         opt_a = torch.optim.AdamW(a.parameters(), lr=LR)
-        _steps(a, opt_a, tiny_hf.data(WORLD)[idx : idx + 1], STEPS)
+        tiny_hf.train_steps(a, opt_a, tiny_hf.data(WORLD)[idx : idx + 1], STEPS)
         layout_a = moeshard.describe_shards(a, opt_a)
         full_a = _full(a, _pl_a())
-        b = _build(4, 2, _pl_b())
+        b = tiny_hf.meta_qwen3(4, _pl_b(), replicate=2)
         moeshard.load(b, ckpt, placement=_pl_b())
         layout_b = moeshard.describe_shards(b)
         dist.destroy_process_group()
@@ -153,14 +131,14 @@ def _rank_main(idx: int, ports: tuple, root: str, ckpt: str) -> None:
         _wait_for(os.path.join(root, "job_c"))
         # Job C: A and B moved onto a new group of the 4 ranks (from live shards), then node 1 dies.
         _init(ports[2], idx, WORLD, LOSS_TIMEOUT_S)
-        a2, b2 = _build(4, 2, _pl_a()), _build(4, 2, _pl_b())
+        a2, b2 = tiny_hf.meta_qwen3(4, _pl_a(), replicate=2), tiny_hf.meta_qwen3(4, _pl_b(), replicate=2)
         opt_a2 = torch.optim.AdamW(a2.parameters(), lr=LR)
         rep_a = moeshard.reshard(a2, layout_a, a, optimizer=opt_a2, old_optimizer=opt_a)
         rep_b = moeshard.reshard(b2, layout_b, b)
         out["move_read"] = rep_a.bytes_read_rank + rep_b.bytes_read_rank
         layout_a2, layout_b2 = moeshard.describe_shards(a2, opt_a2), moeshard.describe_shards(b2)
         before = _local_copies(a2)
-        scratch = _build(4, 1, moeshard.Placement.contiguous(tiny_hf.NUM_LAYERS, NUM_EXPERTS, 4))
+        scratch = tiny_hf.meta_qwen3(4, moeshard.Placement.contiguous(tiny_hf.NUM_LAYERS, NUM_EXPERTS, 4))
         if idx in VICTIMS:
             from moeshard.ops import reshard as reshard_mod
 
@@ -191,7 +169,7 @@ def _rank_main(idx: int, ports: tuple, root: str, ckpt: str) -> None:
             copied=rep.bytes_copied_rank,
         )
         out["equal"] = sorted(k for k in full_a if np.array_equal(full[k], full_a[k]))
-        nb = _build(2, 1, _pl_new())
+        nb = tiny_hf.meta_qwen3(2, _pl_new())
         rep = moeshard.reshard(nb, layout_b2, b2, ckpt)
         out["b"] = dict(
             read=rep.bytes_read_rank, storage=rep.storage_bytes, boxes=rep.storage_boxes, dense=rep.dense_from_storage

@@ -49,6 +49,41 @@ def data(world: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (world, SEQ), generator=torch.Generator().manual_seed(0))
 
 
+def meta_qwen3(ep: int, placement, efsdp: int = 1, replicate: int = 1):
+    """The tiny Qwen3-MoE built on the meta device and parallelized on a CPU mesh of the current
+    group (EP ``ep``, expert-FSDP ``efsdp``, HSDP ``replicate``) with ``placement``."""
+    import transformers
+
+    import moeshard
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config("qwen3_moe"))
+    mesh = moeshard.make_mesh("cpu", ep=ep, efsdp=efsdp, replicate=replicate)
+    moeshard.parallelize(model, mesh, placement)
+    return model
+
+
+def train_steps(model, opt, ids: torch.Tensor, n: int) -> list[float]:
+    """Collective (every rank of the current group): ``n`` optimizer steps on this rank's
+    ``ids`` (``int64[batch, SEQ]``), redundant experts' gradients synced; each step's loss
+    averaged over the group's ranks."""
+    import torch.distributed as dist
+
+    import moeshard
+
+    losses = []
+    for _ in range(n):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        moeshard.sync_redundant_grads(model)
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / dist.get_world_size())
+    return losses
+
+
 def shuffled_redundant(num_logical: int, ep: int, seed: int):
     """Every expert once plus redundant copies (at least one per EP rank, slots a multiple of
     ``ep``), shuffled, per layer."""
