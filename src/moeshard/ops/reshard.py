@@ -39,6 +39,7 @@ from torch import nn
 
 from .. import collectives
 from ..execute import LocalTensors, ReaderSource, Source, TensorSink, execute_schedule
+from ..io.extents import plan_extent_arrays
 from ..io.reader import CheckpointReader
 from ..io.sources import Storage, reader_root, resolve_sources, sources_share
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
@@ -821,23 +822,18 @@ def _plan_storage(
 
 def _hint_reads(sched: Schedule, reader: CheckpointReader, rank: int) -> None:
     """``posix_fadvise(WILLNEED)`` every file byte range this rank will read in ``sched``,
-    neighbouring ranges of a file joined into one hint."""
-    mine = sched.for_rank(rank)
-    ranges: dict[str, list[tuple[int, int]]] = {}
-    for pid in sched.reads.piece[mine.reads].tolist():
+    coalesced as the runner's reads are (:func:`~moeshard.io.extents.plan_extent_arrays`)."""
+    files, offsets, sizes = [], [], []
+    for pid in sched.reads.piece[sched.for_rank(rank).reads].tolist():
         key = sched.piece_name(pid)
-        nd = int(sched.key_ndim[sched.pieces.key[pid]])
-        box = tuple(zip(sched.pieces.off[pid, :nd].tolist(), sched.pieces.len[pid, :nd].tolist()))
-        ranges.setdefault(reader.index.info(key).file, []).extend(reader.runs(key, box))
-    for file, runs in ranges.items():
-        runs.sort()
-        start, end = runs[0][0], runs[0][0] + runs[0][1]
-        for off, n in runs[1:]:
-            if off > end:
-                reader.advise(file, start, end - start)
-                start = off
-            end = max(end, off + n)
-        reader.advise(file, start, end - start)
+        for offset, n in reader.runs(key, sched.piece_box(pid)):
+            files.append(reader.index.info(key).file)
+            offsets.append(offset)
+            sizes.append(n)
+    names = sorted(set(files))
+    file_no = np.searchsorted(names, files).astype(np.int64)
+    for e in plan_extent_arrays(names, file_no, np.asarray(offsets, np.int64), np.asarray(sizes, np.int64), rank=rank):
+        reader.advise(e.file, e.offset, e.nbytes)
 
 
 def _read_storage(reads: _StorageReads, dests, dev) -> int:
