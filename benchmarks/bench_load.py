@@ -56,9 +56,10 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.load_fresh import FRESH_STRATEGIES, cold_cache_problem
+from benchmarks.load_fresh import FRESH_STRATEGIES
 from benchmarks.load_fresh_report import aggregate_fresh, format_fresh
 from benchmarks.load_rss import RssMonitor, malloc_trim
+from moeshard.cli.bench.page_cache import cold_cache_problem
 
 MOESHARD_MODES = ("shared", "node", "single")
 BASELINE_NAMES = ("rank0-broadcast", "chunk-broadcast-loop", "node-local-p2p")

@@ -20,7 +20,8 @@ the slowest rank's):
 After each load, :func:`check_against_checkpoint` compares every parameter's local shard on
 every rank with the checkpoint's bytes (independently of moeshard: torch's own DTensor
 sharding of the tensor read with safetensors), outside the timed part. ``--cache cold`` drops
-the page cache (:func:`drop_page_cache`, rank 0, between two barriers) before each timed call.
+the page cache (:func:`moeshard.cli.bench.page_cache.drop_page_cache`, rank 0, between two
+barriers) before each timed call.
 
 Every function taking ``spec`` is collective: every rank of the default group calls it.
 """
@@ -35,14 +36,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks.load_rss import RssMonitor, malloc_trim
+from moeshard.cli.bench.page_cache import drop_page_cache
 
 __all__ = [
-    "DROP_CACHES",
     "FRESH_STRATEGIES",
     "CheckResult",
     "check_against_checkpoint",
-    "cold_cache_problem",
-    "drop_page_cache",
     "file_shares",
     "negative_control",
     "profile_moeshard",
@@ -51,31 +50,11 @@ __all__ = [
 ]
 
 FRESH_STRATEGIES = ("moeshard-fresh", "transformers-native", "parallel-read-floor")
-DROP_CACHES = "/proc/sys/vm/drop_caches"
 PAGE = 4096
 CHUNK = 64 * 2**20  # bytes per preadv call
 
 
 # -- page cache -----------------------------------------------------------------------------
-
-
-def cold_cache_problem() -> str | None:
-    """Why this process cannot drop the page cache (not root, or the file not writable), or None."""
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        return "not running as root"
-    if not os.path.exists(DROP_CACHES):
-        return f"{DROP_CACHES} does not exist (not Linux?)"
-    if not os.access(DROP_CACHES, os.W_OK):
-        return f"{DROP_CACHES} is not writable (a read-only /proc in this container?)"
-    return None
-
-
-def drop_page_cache() -> None:
-    """Write dirty pages, then drop the host's page cache, dentries and inodes (every process
-    on the host reads from storage again afterwards). Raises OSError where not permitted."""
-    os.sync()
-    with open(DROP_CACHES, "w") as f:
-        f.write("3")
 
 
 def _prepare_cache(cold: bool) -> None:

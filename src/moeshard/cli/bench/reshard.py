@@ -38,6 +38,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from .page_cache import cold_cache_problem, drop_file_cache, drop_page_cache
+
 __all__ = ["main", "Config", "best_and_median", "cold_method"]
 
 
@@ -114,27 +116,17 @@ def _build(cfg: Config, ep: int, replicate: int, pl):
     return model
 
 
-DROP_CACHES = "/proc/sys/vm/drop_caches"
-
-
 def cold_method() -> str:
     """How ``--cache cold`` empties the cache here: ``drop_caches`` (root) or ``fadvise``."""
-    root = hasattr(os, "geteuid") and os.geteuid() == 0
-    return "drop_caches" if root and os.access(DROP_CACHES, os.W_OK) else "fadvise"
+    return "drop_caches" if cold_cache_problem() is None else "fadvise"
 
 
 def _drop_cache(path: str) -> None:
     """Empty the page cache of the checkpoint (the host's whole cache where permitted)."""
-    if cold_method() == "drop_caches":
-        os.sync()
-        with open(DROP_CACHES, "w") as f:
-            f.write("3")
-        return
-    for name in os.listdir(path):
-        if name.endswith(".safetensors"):
-            fd = os.open(os.path.join(path, name), os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
+    if cold_cache_problem() is None:
+        drop_page_cache()
+    else:
+        drop_file_cache(path)
 
 
 def _prepare(cfg: Config, cache: str, idx: int) -> None:
