@@ -1,13 +1,17 @@
-"""Tiny transformers MoE models (Qwen3-MoE: 8 experts, Mixtral: 6) and their checkpoints, for the
-tests of ``moeshard.from_pretrained`` and mixed precision. A helper module, not a test file."""
+"""Tiny transformers MoE models (Qwen3-MoE: 8 experts, Mixtral: 6, DeepSeek-V3: 8 routed experts
+with MLA, a dense first layer, a shared expert, ``e_score_correction_bias`` buffers and
+group-limited routing) and their checkpoints, for the tests of every operation. A helper module,
+not a test file."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-FAMILIES = {"qwen3_moe": 8, "mixtral": 6}  # family -> logical experts per MoE layer
-NUM_LAYERS = 2  # MoE layers (every decoder layer)
+FAMILIES = {"qwen3_moe": 8, "mixtral": 6, "deepseek_v3": 8}  # family -> logical experts per MoE layer
+NUM_LAYERS = 2  # MoE layers (every decoder layer, but DeepSeek-V3's first, which is dense)
+# The families that stand side by side in every test matrix.
+MATRIX = ("qwen3_moe", "deepseek_v3")
 VOCAB, SEQ = 128, 16
 
 
@@ -27,13 +31,32 @@ def config(family: str):
     )
     if family == "qwen3_moe":
         return transformers.Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=16, num_experts=8, **common)
+    if family == "deepseek_v3":
+        common.pop("head_dim")
+        common["num_hidden_layers"] = NUM_LAYERS + 1  # layer 0 is dense (first_k_dense_replace)
+        return transformers.DeepseekV3Config(
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            kv_lora_rank=16,
+            q_lora_rank=24,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=4,
+            v_head_dim=8,
+            **common,
+        )
     assert family == "mixtral"
     return transformers.MixtralConfig(intermediate_size=16, num_local_experts=6, **common)
 
 
 def save_checkpoint(family: str, directory) -> None:
     """``save_pretrained`` of a float32 model with distinct values everywhere (norms start at
-    ones, biases at zero), in several shards."""
+    ones, biases at zero; DeepSeek-V3's ``e_score_correction_bias`` buffers too), in several
+    shards."""
     import transformers
 
     torch.manual_seed(0)
@@ -41,6 +64,9 @@ def save_checkpoint(family: str, directory) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a persistent buffer: saved, loaded, moved
+                b.add_(torch.randn_like(b) * 0.1)
     model.save_pretrained(directory, max_shard_size="50KB")
 
 
@@ -52,12 +78,18 @@ def data(world: int) -> torch.Tensor:
 def meta_qwen3(ep: int, placement, efsdp: int = 1, replicate: int = 1):
     """The tiny Qwen3-MoE built on the meta device and parallelized on a CPU mesh of the current
     group (EP ``ep``, expert-FSDP ``efsdp``, HSDP ``replicate``) with ``placement``."""
+    return meta_model("qwen3_moe", ep, placement, efsdp=efsdp, replicate=replicate)
+
+
+def meta_model(family: str, ep: int, placement, efsdp: int = 1, replicate: int = 1):
+    """The tiny ``family`` model built on the meta device and parallelized on a CPU mesh of the
+    current group (EP ``ep``, expert-FSDP ``efsdp``, HSDP ``replicate``) with ``placement``."""
     import transformers
 
     import moeshard
 
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config("qwen3_moe"))
+        model = transformers.AutoModelForCausalLM.from_config(config(family))
     mesh = moeshard.make_mesh("cpu", ep=ep, efsdp=efsdp, replicate=replicate)
     moeshard.parallelize(model, mesh, placement)
     return model
