@@ -131,6 +131,31 @@ def test_relocate_plain_model_in_one_process(ckpt):
     assert rep.num_rounds > 1
 
 
+def test_relocate_moves_optimizer_state_with_its_experts_or_refuses(ckpt):
+    """relocate(optimizer=) moves each expert's AdamW moments with it (training goes on as if
+    nothing moved); from_checkpoint=True would re-read older weights and zero the moments, so
+    that combination is refused before anything changes."""
+    root, values = ckpt
+    model = _meta_model()
+    E = tiny_moe.NUM_EXPERTS
+    old = moeshard.Placement.contiguous(2, E, 1)
+    moeshard.load(model, root / "sharded", placement=old)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    torch.manual_seed(0)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    w = model.layers[0].mlp.experts.gate_up_proj
+    weights, moments = w.detach().clone(), opt.state[w]["exp_avg"].clone()
+    new = moeshard.Placement(np.stack([np.roll(np.arange(E), 3), np.arange(E)[::-1]]), num_ranks=1)
+    with pytest.raises(ValueError, match="from_checkpoint=True with optimizer="):
+        moeshard.relocate(model, old, new, checkpoint=root / "sharded", optimizer=opt, from_checkpoint=True)
+    assert torch.equal(w.detach(), weights) and torch.equal(opt.state[w]["exp_avg"], moments)
+    moeshard.relocate(model, old, new, checkpoint=root / "sharded", optimizer=opt)
+    perm = torch.as_tensor(new.phy2log[0].copy())
+    assert torch.equal(w.detach(), weights[perm]) and torch.equal(opt.state[w]["exp_avg"], moments[perm])
+
+
 def test_relocate_refuses_undeclared_per_expert_param(ckpt):
     root, _ = ckpt
     model = _meta_model()

@@ -361,7 +361,8 @@ def relocate(
         max_ops: P2P ops per rank in one batch.
         expert_params, module: for plain tensors, the checkpoint keys of tensor ``j`` of a
             layer are ``expert_params[j].keys(module.format(layer=key), expert)``.
-        from_checkpoint: read every changed slot from the checkpoint, ignoring live copies.
+        from_checkpoint: read every changed slot from the checkpoint, ignoring live copies
+            (refused with ``optimizer``: the checkpoint holds older weights and no state).
         progress: show progress on local rank 0 of each node (a bar on a terminal, log
             lines otherwise); default: the ``MOESHARD_PROGRESS`` environment variable.
         transactional: keep what this rank's slots held before they are overwritten (in host
@@ -413,7 +414,7 @@ def relocate(
             DistributedError naming the step and, for P2P, the peers).
     """
     meter = OpMeter()
-    old = _checked_old(target, old, optimizer, routing)
+    old = _checked_old(target, old, optimizer, routing, from_checkpoint)
     topo = group_topology(topology, group)
     options = _PlanOptions(staging_bytes, max_ops, from_checkpoint)
     planned = _describe_and_plan(
@@ -427,11 +428,19 @@ def relocate(
     return _report(reads.plan, topo, meter, t_plan, stats)
 
 
-def _checked_old(target, old: Placement | None, optimizer, routing: str) -> Placement | None:
+def _checked_old(target, old: Placement | None, optimizer, routing: str, from_checkpoint: bool) -> Placement | None:
     """The arguments :func:`relocate` refuses before any exchange, and ``old`` resolved
     against a moeshard model's own placement."""
     if optimizer is not None and not isinstance(target, nn.Module):
         raise ValueError("optimizer= needs a model (plain expert tensors have no optimizer to look up)")
+    if optimizer is not None and from_checkpoint:
+        # The checkpoint is older than the live weights and holds no optimizer state: the moved
+        # experts would go back to it and their state to zero, not "as if nothing moved".
+        raise ValueError(
+            "from_checkpoint=True with optimizer=: the moved experts would be re-read from the checkpoint "
+            "(older than the live weights) and their optimizer state reset to zero; relocate from the live "
+            "copies (from_checkpoint=False) to keep training"
+        )
     if routing not in ROUTING_MODES:
         raise ValueError(f"routing={routing!r}: expected one of {list(ROUTING_MODES)}")
     if isinstance(target, nn.Module) and old is not None and model_placement(target) is not None:
