@@ -485,6 +485,31 @@ def test_single_process_plain_model(tmp_path, caplog):
     ]
 
 
+def test_failed_overwrite_leaves_no_complete_looking_checkpoint(tmp_path, monkeypatch):
+    """save(overwrite=True) removes the old index before the first new file replaces an old
+    one: a failure while moving files into place leaves a directory no reader takes for a
+    checkpoint (no index), not the old index over a mix of old and new shards."""
+    from moeshard.ops import save as msave
+
+    torch.manual_seed(0)
+    model = build("qwen-bf16-tied", meta=False)
+    out = tmp_path / "out"
+    msave.save(model, out, max_shard_bytes=30_000)
+    assert (out / "model.safetensors.index.json").is_file() and len(list(out.glob("model-*"))) > 2
+    real, calls = msave._replace, []
+
+    def fail_second(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError("simulated crash moving the second file into place")
+        return real(src, dst)
+
+    monkeypatch.setattr(msave, "_replace", fail_second)
+    with pytest.raises(OSError, match="simulated crash"):
+        msave.save(model, out, max_shard_bytes=30_000, overwrite=True)
+    assert len(calls) == 2 and not (out / "model.safetensors.index.json").exists()
+
+
 def test_writer_boxes_any_order(tmp_path):
     """The streaming writer puts boxes cut along any dims, written in any order, in place."""
     from safetensors.torch import load_file
