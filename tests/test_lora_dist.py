@@ -10,7 +10,8 @@ built on meta, wrapped by peft, parallelized, loaded (base + adapter); then
 * every loaded LoRA tensor, per logical expert and per copy, equals the adapter file's;
 * ``save_adapter`` writes a byte-identical adapter that peft loads;
 * two AdamW steps on the LoRA weights give the one-process losses and gradient norms;
-* an adapter of another rank r, or with a missing key, raises AdapterError on every rank.
+* an adapter of another rank r, or with a missing key (strict or not), raises AdapterError on every rank;
+* relocate refuses the model (expert LoRA) on every rank, weights and placement unchanged.
 """
 
 from __future__ import annotations
@@ -151,7 +152,23 @@ def lora_worker(paths: dict, scenarios: list) -> list:
                     errors.append(None)
                 except ValueError as e:
                     errors.append((type(e).__name__, str(e)))
+            try:  # a missing key is an error under strict=False too
+                mlora.load_adapter(model, paths["bad_keys"], placement=pl, strict=False)
+                errors.append(None)
+            except ValueError as e:
+                errors.append((type(e).__name__, str(e)))
             rec["errors"] = errors
+            # relocate refuses a model with expert LoRA before anything moves
+            held = {n: p.to_local().detach().clone() for n, p in model.named_parameters() if ".experts." in n}
+            moved = moeshard.Placement(np.roll(pl.phy2log, 1, axis=1), num_logical=NUM_EXPERTS, num_ranks=ep)
+            try:
+                moeshard.relocate(model, pl, moved)
+                rec["relocate_error"] = None
+            except Exception as e:  # noqa: BLE001 - the test checks it
+                rec["relocate_error"] = (type(e).__name__, str(e))
+            rec["relocate_unchanged"] = model.moeshard_placement == pl and all(
+                torch.equal(p.to_local(), held[n]) for n, p in model.named_parameters() if n in held
+            )
         # Training: AdamW on the LoRA weights (the base is frozen, as peft leaves it).
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
         losses, norms = [], []
@@ -269,8 +286,18 @@ def test_training_matches_peft(lora_results, i):
 def test_bad_adapter_fails_on_every_rank(lora_results):
     _, _, results = lora_results
     for per_rank in results:
-        (kind_r, msg_r), (kind_k, msg_k) = per_rank[0]["errors"]
-        assert kind_r == kind_k == "AdapterError"
+        (kind_r, msg_r), (kind_k, msg_k), (kind_lax, msg_lax) = per_rank[0]["errors"]
+        assert kind_r == kind_k == kind_lax == "AdapterError"
+        assert "layers.1.mlp.experts.lora_B.weight" in msg_lax and "no tensor" in msg_lax, msg_lax
         assert "lora_A.weight" in msg_r and "expects" in msg_r and f"r={R}" in msg_r, msg_r
         assert "layers.1.mlp.experts.lora_B.weight" in msg_k and "no tensor" in msg_k, msg_k
         assert msg_r.count("rank ") >= WORLD  # every rank reports it
+
+
+def test_relocate_refuses_expert_lora_with_nothing_changed(lora_results):
+    _, _, results = lora_results
+    for per_rank in results:
+        kind, msg = per_rank[0]["relocate_error"]
+        assert kind == "DistributedError" and msg.count("carries LoRA adapters") == WORLD, msg
+        assert "carries LoRA adapters" in msg and "save_adapter" in msg, msg
+        assert per_rank[0]["relocate_unchanged"]
