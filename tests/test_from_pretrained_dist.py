@@ -96,6 +96,32 @@ def worker(ckpts: dict, files: str) -> dict:
             out["bad"][name] = ("no error", "")
         except Exception as e:  # noqa: BLE001 - the test checks the type
             out["bad"][name] = (type(e).__name__, str(e))
+    # make_mesh and parallelize refuse sizes that do not fit the ranks; parallelize before the model changes.
+    import transformers
+
+    from tiny_hf import config
+
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(config("qwen3_moe"))
+    pl4 = moeshard.Placement.contiguous(2, 8, 4)
+    calls = {
+        "make_mesh_ep3": lambda: moeshard.make_mesh("cpu", ep=3),
+        "make_mesh_replicate3": lambda: moeshard.make_mesh("cpu", ep=4, replicate=3),
+        "parallelize_replicate3": lambda: moeshard.parallelize(meta, moeshard.make_mesh("cpu", ep=4), pl4, replicate=3),
+        "parallelize_hybrid_replicate4": lambda: moeshard.parallelize(
+            meta, moeshard.make_mesh("cpu", ep=4, replicate=2), pl4, replicate=4
+        ),
+    }
+    out["mesh"] = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out["mesh"][name] = ("no error", "")
+        except Exception as e:  # noqa: BLE001 - the test checks the type
+            out["mesh"][name] = (type(e).__name__, str(e))
+    out["meta_untouched"] = not isinstance(meta, torch.distributed.fsdp.FSDPModule) and all(
+        p.is_meta and not hasattr(p, "placements") for p in meta.parameters()
+    )
     ids = data(WORLD)[rank : rank + 1]
     refs = {}
     for i, (family, ep, efsdp, kind, extra) in enumerate(SCENARIOS):
@@ -219,6 +245,26 @@ def test_bad_input_raises_value_error_on_every_rank(results, name, expected):
         kind, message = rank_results["bad"][name]
         assert kind == "ValueError", f"rank {r}: {kind}: {message}"
         assert re.search(expected, message), f"rank {r}: {message}"
+
+
+@pytest.mark.parametrize(
+    "name,expected",
+    [
+        ("make_mesh_ep3", r"ep=3 x efsdp=1 must equal the world size 4"),
+        ("make_mesh_replicate3", r"replicate=3 must be a positive divisor of the world size 4"),
+        ("parallelize_replicate3", r"replicate=3 must be a positive divisor of the mesh's 4 ranks"),
+        ("parallelize_hybrid_replicate4", r"replicate=4 differs from the HybridMesh's 2 replica groups"),
+    ],
+)
+def test_mesh_sizes_that_do_not_fit_are_refused(results, name, expected):
+    """make_mesh's and parallelize's ValueErrors (their docstrings'), parallelize's before the
+    model changes."""
+    import re
+
+    for r, rank_results in enumerate(results):
+        kind, message = rank_results["mesh"][name]
+        assert kind == "ValueError" and re.search(expected, message), f"rank {r}: {kind}: {message}"
+        assert rank_results["meta_untouched"], f"rank {r}: a refused parallelize changed the model"
 
 
 def test_from_pretrained_needs_a_process_group(tmp_path):
