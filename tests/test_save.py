@@ -172,14 +172,17 @@ def save_worker(ckpts: dict, out_root: str, scenarios: list) -> list:
     for sc in scenarios:
         kind, name = sc["kind"], sc["ckpt"]
         out = os.path.join(out_root, sc["out"])
-        if kind in ("save", "overwrite") or model is None:
+        if kind == "unshared" and rank:  # a directory only rank 0 sees (each other rank its own, empty)
+            out += f"-rank{rank}"
+        if kind in ("save", "overwrite", "meta") or model is None:
             key = (sc["ep"], sc["efsdp"])
             if key not in meshes:
                 meshes[key] = moeshard.make_mesh("cpu", ep=sc["ep"], efsdp=sc["efsdp"])
             model = build(name, meta=True)
             pl = placement(name, sc["ep"], sc["placement"])
             moeshard.parallelize(model, meshes[key], pl)
-            moeshard.load(model, ckpts[name], placement=pl)
+            if kind != "meta":  # "meta": parallelized, never loaded
+                moeshard.load(model, ckpts[name], placement=pl)
         use_pl = placement(name, sc["ep"], "shuffled", drop=sc["drop"]) if kind == "missing" else pl
         patched = {}
         if kind == "crash_rename" and rank == 1:
@@ -230,6 +233,7 @@ def save_worker(ckpts: dict, out_root: str, scenarios: list) -> list:
         dist.barrier()
         if rank == 0:
             rec["before"], rec["after"] = before, listing(out)
+        rec["own_after"] = listing(out)
         results.append(rec)
     return results
 
@@ -260,6 +264,8 @@ SCENARIOS = [
     dict(kind="crash_rename", ckpt="dsv3-fp32", out="crash-rename"),
     dict(kind="crash_write", ckpt="dsv3-fp32", out="crash-write"),
     dict(kind="crash_index", ckpt="dsv3-fp32", out="crash-index"),
+    dict(kind="unshared", ckpt="dsv3-fp32", out="unshared"),
+    dict(kind="meta", ckpt="dsv3-fp32", out="meta", ep=4, efsdp=1, placement="shuffled"),
     # overwrite: replaces a copy of the bf16 checkpoint (many small files) by a save with bigger
     # shards; the stale shards are removed.
     dict(
@@ -445,6 +451,25 @@ def test_failure_on_one_rank_leaves_nothing(saved, kind, rank, what):
         assert name == "SaveError" and f"rank {rank}:" in msg and what in msg, msg
     # No index, no final-named files, no temporary files: an empty directory.
     assert rec0["after"] == {}, rec0["after"]
+
+
+@pytest.mark.parametrize(
+    "kind,what",
+    [
+        ("unshared", "is not shared with rank 0"),
+        ("meta", "is on the meta device"),
+    ],
+)
+def test_bad_input_is_refused_on_every_rank_and_leaves_nothing(saved, kind, what):
+    """save's docstring: a directory some rank cannot see, a model on the meta device: SaveError
+    (a ValueError) on every rank, and no file left behind on any rank."""
+    _, _, results = saved
+    i = next(i for i, s in enumerate(SCENARIOS) if s["kind"] == kind)
+    errs, _ = errors(results, i)
+    for name, is_value_error, msg in errs:
+        assert name == "SaveError" and is_value_error and what in msg, msg
+    for rec in records(results, i):
+        assert rec["own_after"] == {}, (rec["rank"], rec["own_after"])
 
 
 # -- single process and pure parts ------------------------------------------------------------------
