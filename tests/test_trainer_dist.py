@@ -403,3 +403,46 @@ def test_optimizer_state_of_another_world_size_or_the_trainers_own_is_refused(tm
         MoeshardTrainerMixin._load_optimizer_and_scheduler(trainer, str(stock))
     assert moeshard_trainer(transformers.Trainer) is moeshard_trainer(transformers.Trainer)
     assert moeshard_trainer(transformers.Trainer).__mro__[1:3] == (MoeshardTrainerMixin, transformers.Trainer)
+
+
+def test_refused_resume_changes_nothing(tmp_path):
+    """ResumeError 'before anything changed' (load_optimizer_state's and ResumeError's docstrings):
+    another parameter layout, or param groups other than the saved ones, leave the optimizer's
+    state and hyperparameters as they were."""
+    from moeshard.integrations.transformers import load_optimizer_state, save_optimizer_state
+
+    def stepped(shape, lr):
+        torch.manual_seed(len(shape) + shape[0])
+        model = torch.nn.Sequential(torch.nn.Linear(*shape), torch.nn.Linear(shape[1], 3))
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        model(torch.randn(2, shape[0])).sum().backward()
+        opt.step()
+        return model, opt
+
+    saved_model, saved_opt = stepped((4, 4), 5e-4)
+    save_optimizer_state(saved_model, saved_opt, tmp_path)
+    other_layout = stepped((4, 6), 1e-3)  # weight [6, 4]: sharded otherwise
+    model, opt = stepped((4, 4), 1e-3)
+    other_groups = (model, torch.optim.AdamW([{"params": [p]} for p in model.parameters()], lr=1e-3))
+    other_groups[1].step()  # the gradients stepped() left: state in every group
+    for (m, o), match in ((other_layout, "sharded otherwise"), (other_groups, "param groups")):
+        before = ([dict(g, params=None) for g in o.param_groups], {k: dict(v) for k, v in o.state.items()})
+        snapshot = {id(p): {k: v.clone() for k, v in st.items()} for p, st in o.state.items()}
+        with pytest.raises(ValueError, match=match):  # a ResumeError on every rank of a job
+            load_optimizer_state(m, o, tmp_path)
+        assert [dict(g, params=None) for g in o.param_groups] == before[0]
+        assert o.state.keys() == before[1].keys()
+        for p, st in o.state.items():
+            assert all(torch.equal(v, snapshot[id(p)][k]) for k, v in st.items())
+
+
+def test_callback_and_trainer_class_arguments_are_checked():
+    from moeshard.integrations.transformers import MoeshardRebalanceCallback, moeshard_trainer
+
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="every_n_steps must be a positive int"):
+            MoeshardRebalanceCallback(every_n_steps=bad)
+    with pytest.raises(ValueError, match="has no moeshard EP layers"):
+        MoeshardRebalanceCallback(every_n_steps=1).on_train_begin(None, None, None, model=torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="expects a Trainer class"):
+        moeshard_trainer("Trainer")
