@@ -142,3 +142,37 @@ def test_distinct_boxes_tile_once_from_first_holders():
     assert b.off.tolist() == [[0, 0], [3, 0], [6, 0]] and b.len.tolist() == [[3, 4], [3, 4], [1, 4]]
     plain = distinct_boxes(ParamDesc("x", (2, 3), torch.float32, None), 4)
     assert plain.rank.tolist() == [0] and plain.len.tolist() == [[2, 3]]
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [dict(use_dora=True), dict(lora_bias=True), dict(target_modules=["embed_tokens"])],
+    ids=["dora", "lora_bias", "embedding"],
+)
+def test_lora_variants_are_refused(variant):
+    """moeshard.lora's promise: LoRA variants (DoRA, biases, embeddings) are refused, by the
+    walk over the adapter's weights that load_adapter and save_adapter both plan from."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from moeshard.lora import adapter_tensors
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=16,
+        moe_intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
+
+    def peft_model(**kw):
+        args = {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"], **kw}
+        return peft.get_peft_model(transformers.Qwen3MoeForCausalLM(config), peft.LoraConfig(**args))
+
+    assert len(adapter_tensors(peft_model(), None)) == 2  # plain LoRA A/B: accepted
+    with pytest.raises(ValueError, match=r"only LoRA A/B weights are supported \(no DoRA, embeddings, biases\)"):
+        adapter_tensors(peft_model(**variant), None)
