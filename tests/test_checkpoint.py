@@ -71,6 +71,27 @@ def test_write_checkpoint_roundtrip_sharded(tmp_path):
         write_checkpoint(tmp_path / "dup", [("x", torch.zeros(1)), ("x", torch.zeros(1))])
 
 
+def test_write_checkpoint_crash_leaves_no_complete_looking_directory(tmp_path):
+    """write_checkpoint's promise: a crash (here the tensors' iterator failing after a shard was
+    written) leaves no index, in a fresh directory and over an earlier checkpoint alike."""
+    ts = {f"t{i}": torch.full((64,), float(i)) for i in range(6)}
+
+    def failing():
+        for i, kv in enumerate(ts.items()):
+            if i == 4:
+                raise OSError("simulated crash")
+            yield kv
+
+    for earlier in (False, True):
+        root = tmp_path / str(earlier)
+        if earlier:
+            write_checkpoint(root, ts.items(), max_shard_bytes=300)
+            assert (root / INDEX).is_file()
+        with pytest.raises(OSError, match="simulated crash"):
+            write_checkpoint(root, failing(), max_shard_bytes=300)
+        assert list(root.glob("model-*.safetensors")) and not (root / INDEX).exists()
+
+
 def test_index_file_path_opens_its_directory(tmp_path):
     ts = _tensors(5)
     write_checkpoint(tmp_path, ts.items(), max_shard_bytes=200)

@@ -53,13 +53,16 @@ def write_checkpoint(
     """Write ``(key, tensor)`` pairs as HF-style sharded safetensors + index.
 
     Tensors are consumed one shard at a time (memory stays at one shard). Every file is
-    written under a temporary name and renamed; the index is renamed last, so a crash never
-    leaves a directory that looks complete.
+    written under a temporary name and renamed; an index already in ``directory`` is removed
+    first and the new one is renamed last, so a crash never leaves a directory that looks
+    complete.
     """
     from safetensors.torch import save_file
 
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
+    # An index already here would name files this call replaces: gone before the first one is.
+    (root / INDEX_NAME).unlink(missing_ok=True)
     shards: list[str] = []
     weight_map: dict[str, str] = {}
     total = 0
