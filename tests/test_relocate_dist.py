@@ -311,6 +311,26 @@ def bad_input_worker(root: str) -> dict:
         except moeshard.DistributedError as e:
             out[label] = str(e)
         out[label + " unchanged"] = all(torch.equal(a, b) for k in tensors for a, b in zip(tensors[k], before[k]))
+    # relocate_chunks cannot evacuate a dead rank (its docstring: dead ranks' slots must be empty
+    # in old already): refused on every rank at the first chunk, nothing changed.
+    label = "chunks from a dead rank's slots"
+    try:
+        for _ in moeshard.relocate_chunks(
+            tensors,
+            old_pl,
+            moved_pl,
+            layers_per_chunk=1,
+            active_ranks=alive,
+            checkpoint=ckpt,
+            topology=topo,
+            expert_params=expert_values.params(len(SHAPES)),
+            module=MODULE,
+        ):
+            pass
+        out[label] = "no error"
+    except moeshard.DistributedError as e:
+        out[label] = str(e)
+    out[label + " unchanged"] = all(torch.equal(a, b) for k in tensors for a, b in zip(tensors[k], before[k]))
     # Tensors that disagree across ranks: rank 3's bias has another shape.
     odd = {k: list(v) for k, v in tensors.items()}
     if rank == 3:
@@ -387,6 +407,7 @@ def test_bad_input_every_rank_weights_unchanged(tmp_path):
         "placements differ across ranks": "ranks disagree on the plan fingerprint",
         "wrong slot count": "has 16 expert slots, the old placement has 24",
         "wrong layer count": "the old placement has 1 layers, the experts have 2 MoE layers",
+        "chunks from a dead rank's slots": "rank 6 is not active",
         "shapes differ": r"layer 1 tensor 1: rank 3 has shape \[2, 5\] torch.float64, rank 0 has shape \[2, 4\]",
     }
     import re
