@@ -183,3 +183,10 @@ def test_verify_compares_bytes_in_wide_words():
                 assert bool(bytes_differ(a, b)), (start, length, pos)
     x = torch.full((4, 6), float("nan"), dtype=torch.bfloat16)
     assert not bool(bytes_differ(x[:, 1:5], x.clone()[:, 1:5]))
+
+
+def test_grad_norm_refuses_other_norms():
+    """grad_norm / clip_grad_norm_ take the 2-norm only: another norm_type is refused, not
+    silently computed as the 2-norm."""
+    with pytest.raises(ValueError, match="only the 2-norm is supported, got norm_type=1.0"):
+        moeshard.grad_norm(nn.Linear(2, 2), norm_type=1.0)
