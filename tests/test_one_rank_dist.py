@@ -70,6 +70,22 @@ def _placements(family: str):
     return tiny_hf.shuffled_redundant(num_logical, 2, seed=1), tiny_hf.shuffled_redundant(num_logical, 2, seed=2)
 
 
+def _save_failing_on(bad: bool, model, out: Path):
+    """``moeshard.save``, where rank BAD's shard files cannot be created (a full or read-only
+    disk on its host)."""
+    import contextlib
+    from unittest import mock
+
+    import moeshard
+    from moeshard.ops import save as save_module
+
+    def full(path, *args):
+        raise OSError(28, "No space left on device", str(path))
+
+    with mock.patch.object(save_module, "ShardWriter", full) if bad else contextlib.nullcontext():
+        return moeshard.save(model, out, fsync=False)
+
+
 def _scenarios(rank: int, root: Path, mesh) -> dict:
     """Scenario name -> the call every rank makes (rank ``BAD`` with its bad input)."""
     import moeshard
@@ -97,6 +113,7 @@ def _scenarios(rank: int, root: Path, mesh) -> dict:
                 m, c, topology=wrong_world if bad else None
             ),
             f"load/read-threads/{f}": lambda m=model, c=ckpt: moeshard.load(m, c, read_threads=0 if bad else None),
+            f"load/checkpoint-not-a-path/{f}": lambda m=model, c=ckpt: moeshard.load(m, None if bad else c),
             f"load/checkpoint-not-visible/{f}": lambda m=model, c=ckpt: moeshard.load(
                 m, c + "-nowhere" if bad else c, storage="shared"
             ),
@@ -127,6 +144,10 @@ def _scenarios(rank: int, root: Path, mesh) -> dict:
             f"save/reference-kind/{f}": lambda m=model, c=ckpt, d=root / f"save-ref-{f}": moeshard.save(
                 m, d, reference=None if bad else c, fsync=False
             ),
+            f"save/write-fails/{f}": lambda m=model, d=root / f"save-full-{f}": _save_failing_on(bad, m, d),
+            f"save/out-dir-not-a-path/{f}": lambda m=model, d=root / f"save-none-{f}": moeshard.save(
+                m, None if bad else d, fsync=False
+            ),
             f"relocate/old-not-the-model's/{f}": lambda m=model, o=other, p=pl: moeshard.relocate(
                 m, o if bad else p, o
             ),
@@ -140,6 +161,13 @@ def _scenarios(rank: int, root: Path, mesh) -> dict:
                 m, p, o, checkpoint=None if bad else c, from_checkpoint=True
             ),
             f"relocate/new-differs/{f}": lambda m=model, o=other, p=pl: moeshard.relocate(m, p, p if bad else o),
+            # Rank BAD has nothing to move (no chunk), the others two chunks.
+            f"relocate_chunks/no-chunk-on-one-rank/{f}": lambda m=model, o=other, p=pl: list(
+                moeshard.relocate_chunks(m, p, p if bad else o, layers_per_chunk=1)
+            ),
+            f"relocate_chunks/old-missing/{f}": lambda m=model, o=other, p=pl: list(
+                moeshard.relocate_chunks(m, None if bad else p, o, layers_per_chunk=1)
+            ),
             f"verify/after-refused-relocations/{f}": lambda m=model, c=ckpt, p=pl: moeshard.verify(m, c, placement=p),
         }
         # LoRA: a peft model of the same family, its base and adapter loaded.
@@ -156,6 +184,9 @@ def _scenarios(rank: int, root: Path, mesh) -> dict:
             ),
             f"lora.save_adapter/out-dir-not-writable/{f}": lambda m=lora, p=pl, d=root / f"adapter-out-{f}": (
                 mlora.save_adapter(m, root / "a-file" / "adapter" if bad else d, p)
+            ),
+            f"lora.save_adapter/out-dir-not-a-path/{f}": lambda m=lora, p=pl, d=root / f"adapter-none-{f}": (
+                mlora.save_adapter(m, None if bad else d, p)
             ),
             f"lora.load_adapter/placement-not-the-model's/{f}": lambda m=lora, a=adapter, o=other, p=pl: (
                 mlora.load_adapter(m, a, o if bad else p)
@@ -294,6 +325,7 @@ EXPECT = {
     "load/placement-not-the-model's": "ValueError: moeshard.load: the placement given (phy2log [2, 10]) differs",
     "load/topology-world": "ValueError: topology has world_size 2, the process group has 4",
     "load/read-threads": "ValueError: read_threads must be >= 1, got 0",
+    "load/checkpoint-not-a-path": "TypeError: expected str, bytes or os.PathLike object, not NoneType",
     "load/checkpoint-not-visible": "storage='shared' but ranks [2] cannot read the checkpoint",
     "load/truncated-copy": "CheckpointError: ",
     "load/model-shape": "checkpoint tensor 'model.embed_tokens.weight' has shape [128, 32]",
@@ -304,15 +336,20 @@ EXPECT = {
     "save/topology-world": "ValueError: topology has world_size 2, the process group has 4",
     "save/out-dir-not-writable": "save needs a directory that every rank sees",
     "save/reference-kind": "reference: ranks [0, 1, 3] passed a path, ranks [2] none or a CheckpointIndex",
+    "save/write-fails": "rank 2: OSError: [Errno 28] No space left on device",
+    "save/out-dir-not-a-path": "TypeError: expected str, bytes or os.PathLike object, not NoneType",
     "relocate/old-not-the-model's": "ValueError: moeshard.relocate (old): the placement given",
     "relocate/routing-mode": "ValueError: routing='bogus': expected one of ['auto', 'caller']",
     "relocate/topology-world": "ValueError: topology has world_size 2, the process group has 4",
     "relocate/no-checkpoint": "expert(s) have no live copy and no checkpoint was given",
     "relocate/new-differs": "ranks disagree on the plan fingerprint",
+    "relocate_chunks/no-chunk-on-one-rank": "moeshard.relocate_chunks: planning the chunks: ranks disagree",
+    "relocate_chunks/old-missing": "ValueError: relocate_chunks needs the old placement",
     "lora.load_adapter/topology-world": "ValueError: topology has world_size 2, the process group has 4",
     "lora.load_adapter/adapter-not-visible": "storage='shared' but ranks [2] cannot read the checkpoint",
     "lora.load_adapter/placement-not-the-model's": "ValueError: moeshard.lora.load_adapter: the placement given",
     "lora.save_adapter/out-dir-not-writable": "rank 2: NotADirectoryError: ",
+    "lora.save_adapter/out-dir-not-a-path": "TypeError: expected str, bytes or os.PathLike object, not NoneType",
     "lora.save_adapter/placement-not-the-model's": "ValueError: moeshard.lora.save_adapter: the placement given",
     "from_pretrained/path-not-a-path": "path must be a checkpoint directory (str or os.PathLike), got None",
     "from_pretrained/ep-differs": "the ranks passed different arguments",
@@ -322,7 +359,7 @@ EXPECT = {
 }
 # Errors that compare every rank's arguments: each names the ranks with each value (rank BAD among
 # them) or each rank's plan fingerprint, not one failing rank.
-COMPARED = {"relocate/new-differs", "from_pretrained/ep-differs"}
+COMPARED = {"relocate/new-differs", "relocate_chunks/no-chunk-on-one-rank", "from_pretrained/ep-differs"}
 
 
 @pytest.mark.timeout(900)
@@ -359,11 +396,11 @@ def test_group_usable_and_exact_after_every_refusal(results, family):
 @pytest.mark.parametrize("family", tiny_hf.MATRIX)
 def test_refused_saves_leave_nothing(results, family):
     root, _ = results
-    for d in ("save-pl", "save-topo", "save-ref"):
+    for d in ("save-pl", "save-topo", "save-ref", "save-none", "save-full"):
         assert not (root / f"{d}-{family}").exists(), f"{d}: {list((root / f'{d}-{family}').iterdir())}"
     # The directory rank 0 writes to while rank BAD cannot: no index, shard or temporary directory.
     left = list((root / f"save-dir-{family}").glob("*")) if (root / f"save-dir-{family}").exists() else []
     assert left == [], left
-    for d in ("adapter-out", "adapter-pl"):
+    for d in ("adapter-out", "adapter-pl", "adapter-none"):
         left = list((root / f"{d}-{family}").glob("*")) if (root / f"{d}-{family}").exists() else []
         assert left == [], f"{d}: {left}"

@@ -338,17 +338,16 @@ def load(
             raises on every rank in the first exchange, naming that rank.
     """
     meter = OpMeter(peak_rss=True)
-    path = os.fspath(checkpoint)
     # One exchange: every rank's errors (its own arguments checked first, then its model
     # materialized), whether it can see the checkpoint and its storage arguments. A rank whose
     # arguments are wrong raises here with the others, before any of them waits on it.
     opened, everyone = collectives.agree_and_gather(
-        lambda: _open(model, placement, topology, group, path, device, read_threads),
+        lambda: _open(model, placement, topology, group, checkpoint, device, read_threads),
         "moeshard.load: checking the arguments and materializing the model",
         share=lambda o: sources_share(o.sees_checkpoint, storage, o.topology),
     )
     meter.end("materialize")
-    placement, topo, read_threads = opened.placement, opened.topology, opened.read_threads
+    placement, topo, read_threads, path = opened.placement, opened.topology, opened.read_threads, opened.path
     mode, readers, scope, index = resolve_sources(path, storage, topo, opened.sees_checkpoint, everyone=everyone)
     meter.end("headers")
     opening: list[CheckpointReader] = []  # this rank's reader, opened in the planning step
@@ -435,6 +434,7 @@ class _Opened:
     topology: Topology
     read_threads: int
     device: torch.device
+    path: str
     sees_checkpoint: bool
 
 
@@ -443,18 +443,19 @@ def _open(
     placement: Placement | None,
     topology: Topology | None,
     group,
-    path: str,
+    checkpoint: str | os.PathLike,
     device: torch.device | None,
     read_threads: int | None,
 ) -> _Opened:
     """This rank's step of load's first exchange: every check of its own arguments that can
-    fail (a placement other than the model's, a topology of another world size, a read thread
-    count below 1), then the model materialized. Agreed, so a rank's bad argument raises on
-    every rank."""
+    fail (a placement other than the model's, a topology of another world size, a checkpoint
+    that is not a path, a read thread count below 1), then the model materialized. Agreed, so
+    a rank's bad argument raises on every rank."""
     placement = resolve_placement(model, placement, "moeshard.load")
     topo = group_topology(topology, group)
+    path = os.fspath(checkpoint)
     dev = materialize(model, device)
-    return _Opened(placement, topo, _read_threads(read_threads, topo, dev), dev, os.path.exists(path))
+    return _Opened(placement, topo, _read_threads(read_threads, topo, dev), dev, path, os.path.exists(path))
 
 
 def _read_threads(read_threads: int | None, topology: Topology, device: torch.device) -> int:

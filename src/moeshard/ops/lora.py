@@ -263,16 +263,19 @@ def load_adapter(
     from ..io.sources import resolve_sources
     from .load import materialize
 
-    path = Path(os.fspath(adapter))
-    weights = path if path.suffix == ".safetensors" else path / ADAPTER_WEIGHTS
-    root = weights.parent
-
     op = "moeshard.lora.load_adapter"
     # This rank's arguments are checked in the first exchange: a bad one raises on every rank.
-    placement, topo, dev = _agree(
-        lambda: (resolve_placement(model, placement, op), group_topology(topology), materialize(model, device)),
+    placement, topo, path, dev = _agree(
+        lambda: (
+            resolve_placement(model, placement, op),
+            group_topology(topology),
+            Path(os.fspath(adapter)),
+            materialize(model, device),
+        ),
         f"{op}: checking the arguments and materializing the model",
     )
+    weights = path if path.suffix == ".safetensors" else path / ADAPTER_WEIGHTS
+    root = weights.parent
     rank = topo.rank
     mode, readers, scope, index = resolve_sources(str(weights), storage, topo, weights.is_file())
     first = int(np.flatnonzero(readers)[0])
@@ -413,9 +416,9 @@ def save_adapter(
             ``out_dir`` one rank cannot write); what the save created in ``out_dir`` is removed.
     """
     rank, world = collectives.rank_and_world()
-    out = Path(os.fspath(out_dir))
 
     def make_plan():
+        out = Path(os.fspath(out_dir))
         placement_ = resolve_placement(model, placement, "moeshard.lora.save_adapter")
         items = [(t, adapter_desc(t, p)) for t, p in adapter_tensors(model, placement_)]
         if not items:
@@ -435,11 +438,11 @@ def save_adapter(
             staging_bytes,
             rank=rank,
         )
-        return items, schedule, writers, head, offsets
+        return out, items, schedule, writers, head, offsets
 
     # The schedule's fingerprint digests its inputs: keys, shapes, writers and every box.
-    items, schedule, writers, head, offsets = _agree(
-        make_plan, "moeshard.lora.save_adapter: planning", fingerprint=lambda x: x[1].fingerprint
+    out, items, schedule, writers, head, offsets = _agree(
+        make_plan, "moeshard.lora.save_adapter: planning", fingerprint=lambda x: x[2].fingerprint
     )
     params = dict(model.named_parameters())
     locals_ = [local_view(t, local_tensor(params[t.name])) for t, _ in items]

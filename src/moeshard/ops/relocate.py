@@ -754,17 +754,27 @@ def relocate_chunks(
     (:func:`relocate`, "Failures"): after a failure every rank holds the placement of the
     last completed chunk (or its own next one; see there).
     """
-    if old is None:
-        raise ValueError(
-            "relocate_chunks needs the old placement: a fill from the checkpoint (old=None) is one relocate call"
+
+    def chunks() -> list[tuple[tuple[int, ...], Placement]]:
+        if old is None:
+            raise ValueError(
+                "relocate_chunks needs the old placement: a fill from the checkpoint (old=None) is one relocate call"
+            )
+        slot_bytes = _slot_bytes(target, specs, optimizer)
+        return list(
+            relocation_chunks(old, new, layers_per_chunk=layers_per_chunk, max_bytes=max_bytes, slot_bytes=slot_bytes)
         )
-    for layers, placement in relocation_chunks(
-        old,
-        new,
-        layers_per_chunk=layers_per_chunk,
-        max_bytes=max_bytes,
-        slot_bytes=_slot_bytes(target, specs, optimizer),
-    ):
+
+    def fingerprint(steps) -> str:
+        return hashlib.blake2b(
+            repr([(layers, p.fingerprint()) for layers, p in steps]).encode(), digest_size=8
+        ).hexdigest()
+
+    # Every rank steps through the same chunks (each a relocate call): a rank whose arguments make
+    # other chunks, or none, raises with the others here instead of leaving them in a relocate.
+    with collectives.scope(kwargs.get("group")):
+        steps = collectives.agree(chunks, "moeshard.relocate_chunks: planning the chunks", fingerprint)
+    for layers, placement in steps:
         report = relocate(target, old, placement, specs=specs, optimizer=optimizer, **kwargs)
         yield RelocationStep(layers, placement, report)
         old = placement

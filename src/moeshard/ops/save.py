@@ -245,19 +245,22 @@ class _Arguments:
 
     placement: Placement | None
     topology: Topology
+    out: Path
     reference_path: str | None
     sees_reference: bool
 
 
-def _check_arguments(model: nn.Module, placement, topology: Topology | None, group, reference) -> _Arguments:
+def _check_arguments(model: nn.Module, placement, topology: Topology | None, group, out_dir, reference) -> _Arguments:
     """This rank's step of save's first exchange: every check of its own arguments that can
-    fail (a placement other than the model's, a topology of another world size)."""
+    fail (a placement other than the model's, a topology of another world size, an output
+    directory or reference that is not a path)."""
     placement = resolve_placement(model, placement, "moeshard.save")
     topo = group_topology(topology, group)
+    out = Path(out_dir)
     if reference is None or isinstance(reference, CheckpointIndex):
-        return _Arguments(placement, topo, None, False)
+        return _Arguments(placement, topo, out, None, False)
     path = os.fspath(reference)
-    return _Arguments(placement, topo, path, os.path.exists(path))
+    return _Arguments(placement, topo, out, path, os.path.exists(path))
 
 
 def _reference_index(reference, args: _Arguments, everyone: list) -> CheckpointIndex | None:
@@ -301,13 +304,12 @@ def _save(
     # One exchange: every rank's argument errors (a rank's bad argument raises on every rank,
     # before any of them waits on it) and what the reference's storage is resolved from.
     args, everyone = collectives.agree_and_gather(
-        lambda: _check_arguments(model, placement, topology, group, reference),
+        lambda: _check_arguments(model, placement, topology, group, out_dir, reference),
         "moeshard.save: checking the arguments",
         share=lambda a: None if a.reference_path is None else sources_share(a.sees_reference, "auto", a.topology),
     )
     placement, topo = args.placement, args.topology
-    rank, world = topo.rank, topo.world_size
-    out = Path(out_dir)
+    rank, world, out = topo.rank, topo.world_size, args.out
     index = _reference_index(reference, args, everyone)
 
     tensors = named_tensors(model)

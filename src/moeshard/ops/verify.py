@@ -262,18 +262,17 @@ def verify(
             before anything is read, for any rank's bad argument (a placement other than its
             model's, a topology of another world size), naming that rank.
     """
-    path = os.fspath(checkpoint)
 
-    def arguments() -> tuple[Placement | None, Topology, bool]:
-        placement_ = resolve_placement(model, placement, "moeshard.verify")
-        return placement_, group_topology(topology, group), os.path.exists(path)
+    def arguments() -> tuple[Placement | None, Topology, str, bool]:
+        placement_, path_ = resolve_placement(model, placement, "moeshard.verify"), os.fspath(checkpoint)
+        return placement_, group_topology(topology, group), path_, os.path.exists(path_)
 
     # One exchange: every rank's argument errors (a rank's bad argument raises on every rank,
     # before any of them waits on it), whether it sees the checkpoint and its storage arguments.
-    (placement, topo, sees), everyone = collectives.agree_and_gather(
+    (placement, topo, path, sees), everyone = collectives.agree_and_gather(
         arguments,
         "moeshard.verify: checking the arguments",
-        share=lambda checked: sources_share(checked[2], storage, checked[1]),
+        share=lambda checked: sources_share(checked[3], storage, checked[1]),
     )
     rank, world_size = topo.rank, topo.world_size
     _, readers, _, index = resolve_sources(path, storage, topo, sees, everyone=everyone)
