@@ -204,7 +204,7 @@ def _run_group(name: str, root: str, out_dir: str, timeout: float = 3 * BACKSTOP
 
 SCENARIOS = {
     # scenario: what every survivor's error text starts with
-    "load-enter": "moeshard.load: materializing the model: lost contact with a peer",
+    "load-enter": "moeshard.load: checking the arguments and materializing the model: lost contact with a peer",
     "load-execute": "moeshard.load: executing the plan: lost contact with ",
     "load-agree": "moeshard.load: planning: lost contact with a peer",
     "relocate": "moeshard.relocate: running the plan: lost contact with ",

@@ -140,13 +140,12 @@ def from_pretrained(
             "moeshard.from_pretrained is collective: initialize torch.distributed first (torchrun, "
             "then torch.distributed.init_process_group())"
         )
-    path = os.fspath(path)
     what = "moeshard.from_pretrained"
-    config_file = os.path.join(path, "config.json")
-    placement_file = _placement_path(placement)
+    given_path = path
 
     def arguments():
-        return _checked(ep, efsdp, dtype, placement, num_redundant, storage, mp_policy, device)
+        checked = _checked(ep, efsdp, dtype, placement, num_redundant, storage, mp_policy, device)
+        return checked, _path(given_path), _placement_path(placement)
 
     # One exchange: every rank's argument errors, a digest of its arguments (they must be the
     # same everywhere) and which ranks see config.json and the placement file (read by the
@@ -165,15 +164,16 @@ def from_pretrained(
             _placement_key(placement),
         )
     )
-    (dtype_, device_), seen = _agreed(
+    ((dtype_, device_), path, placement_file), seen = _agreed(
         arguments,
         f"{what}: checking the arguments",
-        share=lambda _: (
+        share=lambda checked: (
             hashlib.blake2b(args.encode(), digest_size=8).hexdigest(),
-            os.path.isfile(config_file),
-            placement_file is not None and os.path.isfile(placement_file),
+            os.path.isfile(os.path.join(checked[1], "config.json")),
+            checked[2] is not None and os.path.isfile(checked[2]),
         ),
     )
+    config_file = os.path.join(path, "config.json")
     if len({s[0] for s in seen}) > 1:
         ranks = {}
         for r, s in enumerate(seen):
@@ -296,6 +296,14 @@ def _device(device) -> torch.device:
             f"(torch.{dev.type}.set_device)"
         )
     return dev if dev.index is not None or job.index is None else job
+
+
+def _path(path) -> str:
+    """The checkpoint directory's path as a string (ValueError for anything but a path)."""
+    try:
+        return os.fspath(path)
+    except TypeError:
+        raise ValueError(f"path must be a checkpoint directory (str or os.PathLike), got {path!r}") from None
 
 
 def _placement_path(placement) -> str | None:

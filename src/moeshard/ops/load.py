@@ -333,26 +333,30 @@ def load(
         DistributedError: on every rank, if any rank hit a bad input (missing key, shape or
             dtype mismatch, a cast the cast rule refuses (:func:`moeshard.dtypes.cast_refusal`:
             e.g. FP8 weights into a bf16 model), bad file, inconsistent placement, a strict
-            unused-key error) or the ranks' plans differ.
+            unused-key error) or the ranks' plans differ. One rank's bad argument (a placement
+            other than its model's, a topology of another world size, ``read_threads`` below 1)
+            raises on every rank in the first exchange, naming that rank.
     """
     meter = OpMeter(peak_rss=True)
-    placement = resolve_placement(model, placement, "moeshard.load")
-    topo = group_topology(topology, group)
-    path = os.fspath(checkpoint)
-    # One exchange: every rank's errors, whether it can see the checkpoint and its storage arguments.
+    # One exchange: every rank's errors (its own arguments checked first, then its model
+    # materialized), whether it can see the checkpoint and its storage arguments. A rank whose
+    # arguments are wrong raises here with the others, before any of them waits on it.
     opened, everyone = collectives.agree_and_gather(
-        lambda: _Opened(materialize(model, device), os.path.exists(path)),
-        "moeshard.load: materializing the model",
-        share=lambda o: sources_share(o.sees_checkpoint, storage, topo),
+        lambda: _open(model, placement, topology, group, checkpoint, device, read_threads),
+        "moeshard.load: checking the arguments and materializing the model",
+        share=lambda o: sources_share(o.sees_checkpoint, storage, o.topology),
     )
     meter.end("materialize")
+    placement, topo, read_threads, path = opened.placement, opened.topology, opened.read_threads, opened.path
     mode, readers, scope, index = resolve_sources(path, storage, topo, opened.sees_checkpoint, everyone=everyone)
     meter.end("headers")
-    read_threads = _read_threads(read_threads, topo, opened.device)
-    reader = CheckpointReader(index, reader_root(path), direct_io=direct_io) if readers[topo.rank] else None
+    opening: list[CheckpointReader] = []  # this rank's reader, opened in the planning step
     try:
-        planned = collectives.agree(
-            lambda: _plan(
+
+        def plan() -> _LoadPlan:
+            if readers[topo.rank]:
+                opening.append(CheckpointReader(index, reader_root(path), direct_io=direct_io))
+            return _plan(
                 model,
                 index,
                 placement,
@@ -364,15 +368,15 @@ def load(
                 dequantize,
                 strict,
                 report_minimal,
-                reader,
-            ),
-            "moeshard.load: planning",
-            fingerprint=lambda p: p.fingerprint,
-        )
+                opening[0] if opening else None,
+            )
+
+        planned = collectives.agree(plan, "moeshard.load: planning", fingerprint=lambda p: p.fingerprint)
         t_plan = meter.end("plan")
+        reader = opening[0] if opening else None
         ran = _run(model, planned, index, reader, topo, opened.device, progress, read_threads, meter)
     finally:
-        if reader is not None:
+        for reader in opening:
             reader.close()
     # No barrier here: the execution's agreement (an all-reduce every rank enters after its
     # last transfer) already returns on no rank before every rank has finished.
@@ -422,11 +426,36 @@ def _report(
 
 @dataclass(frozen=True)
 class _Opened:
-    """A rank's part of load's first exchange: the device its model now lives on, and
-    whether it sees the checkpoint."""
+    """A rank's part of load's first exchange: its arguments checked (the placement, the
+    topology with its rank, the read threads), the device its model now lives on, and whether
+    it sees the checkpoint."""
 
+    placement: Placement | None
+    topology: Topology
+    read_threads: int
     device: torch.device
+    path: str
     sees_checkpoint: bool
+
+
+def _open(
+    model: nn.Module,
+    placement: Placement | None,
+    topology: Topology | None,
+    group,
+    checkpoint: str | os.PathLike,
+    device: torch.device | None,
+    read_threads: int | None,
+) -> _Opened:
+    """This rank's step of load's first exchange: every check of its own arguments that can
+    fail (a placement other than the model's, a topology of another world size, a checkpoint
+    that is not a path, a read thread count below 1), then the model materialized. Agreed, so
+    a rank's bad argument raises on every rank."""
+    placement = resolve_placement(model, placement, "moeshard.load")
+    topo = group_topology(topology, group)
+    path = os.fspath(checkpoint)
+    dev = materialize(model, device)
+    return _Opened(placement, topo, _read_threads(read_threads, topo, dev), dev, path, os.path.exists(path))
 
 
 def _read_threads(read_threads: int | None, topology: Topology, device: torch.device) -> int:

@@ -71,6 +71,7 @@ from ..models.lora import (
     lora_modules,
     plan_shape,
 )
+from ..models.routing import resolve_placement
 from ..placement import Placement
 from ..plan import DEFAULT_STAGING_BYTES, NeedTable, plan_transfers
 from ..plan.arrays import row_prod, unique_rows
@@ -247,25 +248,35 @@ def load_adapter(
     (every copy of a redundant expert gets its logical expert's). Reads, P2P and storage
     modes are :func:`moeshard.load`'s (the same planner and executor).
 
-    ``strict=False`` loads an adapter with keys the model has no LoRA weight for (a warning;
-    ``AdapterReport.unused_keys``); a missing key is always an error.
+    ``placement``: as in :func:`moeshard.load` (None: the one the model routes by; another is
+    refused). ``strict=False`` loads an adapter with keys the model has no LoRA weight for (a
+    warning; ``AdapterReport.unused_keys``); a missing key is always an error.
 
     Raises:
         AdapterError (a ValueError) on every rank: an adapter key missing or unexpected, a
             shape of another rank r or expert count, a dtype the cast rule refuses,
-            ``adapter_config.json``'s r / lora_alpha different from the model's, a failed read.
+            ``adapter_config.json``'s r / lora_alpha different from the model's, a failed read,
+            any rank's bad argument (a placement other than its model's, a topology of another
+            world size).
     """
     from ..execute import ReaderSource, TensorSink, node_groups
     from ..io.sources import resolve_sources
     from .load import materialize
 
-    topo = group_topology(topology)
-    rank = topo.rank
-    path = Path(os.fspath(adapter))
+    op = "moeshard.lora.load_adapter"
+    # This rank's arguments are checked in the first exchange: a bad one raises on every rank.
+    placement, topo, path, dev = _agree(
+        lambda: (
+            resolve_placement(model, placement, op),
+            group_topology(topology),
+            Path(os.fspath(adapter)),
+            materialize(model, device),
+        ),
+        f"{op}: checking the arguments and materializing the model",
+    )
     weights = path if path.suffix == ".safetensors" else path / ADAPTER_WEIGHTS
     root = weights.parent
-
-    dev = _agree(lambda: materialize(model, device), "moeshard.lora.load_adapter: materializing the model")
+    rank = topo.rank
     mode, readers, scope, index = resolve_sources(str(weights), storage, topo, weights.is_file())
     first = int(np.flatnonzero(readers)[0])
 
@@ -397,15 +408,19 @@ def save_adapter(
     Writers write their tensors at their offsets (known to every rank from the header) in the
     one file, so ``out_dir`` must be on storage all ranks share unless ``single_writer``. The
     file is written under a temporary name and renamed once every rank succeeded.
+    ``placement``: as in :func:`moeshard.save` (None: the one the model routes by; another is
+    refused).
 
     Raises:
-        AdapterError on every rank if any rank failed.
+        AdapterError on every rank if any rank failed (its input, or a write such as an
+            ``out_dir`` one rank cannot write); what the save created in ``out_dir`` is removed.
     """
     rank, world = collectives.rank_and_world()
-    out = Path(os.fspath(out_dir))
 
     def make_plan():
-        items = [(t, adapter_desc(t, p)) for t, p in adapter_tensors(model, placement)]
+        out = Path(os.fspath(out_dir))
+        placement_ = resolve_placement(model, placement, "moeshard.lora.save_adapter")
+        items = [(t, adapter_desc(t, p)) for t, p in adapter_tensors(model, placement_)]
         if not items:
             raise ValueError("the model has no LoRA weights")
         for t, d in items:
@@ -417,47 +432,61 @@ def save_adapter(
             [t.key for t, _ in items],
             [plan_shape(t) for t, _ in items],
             [d.dtype.itemsize for _, d in items],
-            _held_boxes(items, placement, world),
+            _held_boxes(items, placement_, world),
             writers,
             world,
             staging_bytes,
             rank=rank,
         )
-        return items, schedule, writers, head, offsets
+        return out, items, schedule, writers, head, offsets
 
     # The schedule's fingerprint digests its inputs: keys, shapes, writers and every box.
-    items, schedule, writers, head, offsets = _agree(
-        make_plan, "moeshard.lora.save_adapter: planning", fingerprint=lambda x: x[1].fingerprint
+    out, items, schedule, writers, head, offsets = _agree(
+        make_plan, "moeshard.lora.save_adapter: planning", fingerprint=lambda x: x[2].fingerprint
     )
     params = dict(model.named_parameters())
     locals_ = [local_view(t, local_tensor(params[t.name])) for t, _ in items]
     tmp = out / f".{ADAPTER_WEIGHTS}.moeshard-tmp"
+    made: list[Path] = []  # what rank 0 created: removed again if the save fails
 
     def create():
         if rank == 0:
+            missing = [p for p in [out, *out.parents] if not p.exists()]
             out.mkdir(parents=True, exist_ok=True)
+            made.extend(reversed(missing))
+            made.append(tmp)
             with open(tmp, "wb") as f:
                 f.write(head)
                 f.truncate(len(head) + sum(int(np.prod(t.shape)) * d.dtype.itemsize for t, d in items))
 
-    _agree(create, f"moeshard.lora.save_adapter: creating {tmp}")
     written = [0]
 
     def write():
         _write_tensors(schedule, items, writers, offsets, len(head), locals_, tmp, rank, written)
 
-    _agree(write, f"moeshard.lora.save_adapter: writing {tmp}")
-
     def finish():
         if rank == 0:
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
-            os.replace(tmp, out / ADAPTER_WEIGHTS)
             config = getattr(model, "peft_config", None)
             if config:
+                had = (out / ADAPTER_CONFIG).exists()
                 (next(iter(config.values()))).save_pretrained(str(out))
+                if not had:
+                    made.append(out / ADAPTER_CONFIG)
+            os.replace(tmp, out / ADAPTER_WEIGHTS)  # last: now the adapter is complete
 
-    _agree(finish, f"moeshard.lora.save_adapter: renaming into {out}")
+    try:
+        _agree(create, f"moeshard.lora.save_adapter: creating {tmp}")
+        _agree(write, f"moeshard.lora.save_adapter: writing {tmp}")
+        _agree(finish, f"moeshard.lora.save_adapter: renaming into {out}")
+    except collectives.PeerLostError:
+        _unmake(made)
+        raise
+    except AdapterError:  # raised on every rank: rank 0 removes what it made, then all return
+        _unmake(made)
+        collectives.barrier("moeshard.lora.save_adapter: removing the temporary file")
+        raise
     return AdapterReport(
         rank=rank,
         world_size=world,
@@ -475,6 +504,7 @@ class _AdapterFile(Sink):
     columns: one write per tensor, not per run)."""
 
     def __init__(self, schedule, items, offsets, data_start: int, fd: int | None):
+        # fd None on a writer: it could not open the file; it assembles and drops its tensors.
         self.s, self.items, self.offsets, self.data_start, self.fd = schedule, items, offsets, data_start, fd
         self.partial: dict[int, tuple[torch.Tensor, list[int]]] = {}
         self.written = 0
@@ -493,7 +523,8 @@ class _AdapterFile(Sink):
             filled[0] += box_numel(box)
             if filled[0] == full.numel():
                 del self.partial[i]
-                assert self.fd is not None
+                if self.fd is None:
+                    continue
                 raw = full.contiguous().view(torch.uint8).numpy().tobytes()
                 pwrite_all(self.fd, raw, self.data_start + self.offsets[i])
                 self.written += len(raw)
@@ -510,22 +541,42 @@ class _AdapterViews(Source):
         return self.items[int(self.s.pieces.key[pid])][1].dtype
 
 
+def _unmake(made: list[Path]) -> None:
+    """Remove what a failed :func:`save_adapter` created (files, then directories if empty), last first."""
+    for p in reversed(made):
+        try:
+            if p.is_dir():
+                p.rmdir()
+            else:
+                p.unlink(missing_ok=True)
+        except OSError:
+            pass  # a directory someone else filled meanwhile: not ours to remove
+
+
 def _write_tensors(schedule, items, writers, offsets, data_start, locals_, path, rank, written) -> None:
     """Collective: run this rank's rows of the adapter's schedule
     (:func:`~moeshard.plan.save.tensor_schedule`); writers assemble their tensors and write them
     at their offsets."""
     device = next((x.device for x in locals_ if x is not None), torch.device("cpu"))
-    fd = os.open(path, os.O_WRONLY) if rank in writers else None
+    fd, failure = None, None
+    if rank in writers:
+        try:
+            fd = os.open(path, os.O_WRONLY)
+        except OSError as e:  # this rank cannot write there: it still takes part (peers send to it)
+            failure = e
     try:
         sink = _AdapterFile(schedule, items, offsets, data_start, fd)
-        execute_schedule(
+        stats = execute_schedule(
             schedule,
             rank,
             _AdapterViews(schedule, locals_, rank, items),
             sink,
             device,
             what="moeshard.lora.save_adapter: sending the tensors to their writers",
-        ).check()
+        )
+        if failure is not None:
+            raise failure
+        stats.check()
         assert not sink.partial, f"rank {rank}: adapter tensors left incomplete: {sorted(sink.partial)}"
         written[0] += sink.written
     finally:

@@ -27,7 +27,7 @@ from ..box import box_shape, full_box
 from ..execute import Backup, ExecStats, LocalTensors, Source, TensorSink, execute_schedule
 from ..io.index import CheckpointIndex
 from ..io.reader import CheckpointReader
-from ..io.sources import Storage, reader_root, resolve_sources
+from ..io.sources import Storage, reader_root, resolve_sources, sources_share
 from ..models.adapters import DEFAULT_SPECS, ExpertParam, ExpertsSpec, read_expert_box
 from ..models.describe import ExpertRef, ParamDesc, describe_model, expert_layers, local_tensor
 from ..models.ep import model_placement, set_placement
@@ -409,17 +409,19 @@ def relocate(
         DistributedError: on every rank, before any weight changes, for a bad input (placements
             that differ across ranks or do not fit the tensors, a new slot on a dead rank, an
             expert with no live copy and no checkpoint, tensors that disagree across ranks, an
-            experts module whose routing moeshard cannot update, see ``routing``).
+            experts module whose routing moeshard cannot update, see ``routing``), also where
+            only one rank's argument is bad (an ``old`` other than its model's placement, a
+            ``routing`` or topology it alone passed, no checkpoint where one is needed): that
+            rank is named.
         PeerLostError: on the ranks that saw a peer die or the network fail (a
             DistributedError naming the step and, for P2P, the peers).
     """
     meter = OpMeter()
-    old = _checked_old(target, old, optimizer, routing, from_checkpoint)
-    topo = group_topology(topology, group)
     options = _PlanOptions(staging_bytes, max_ops, from_checkpoint)
     planned = _describe_and_plan(
-        target, old, new, topo, active_ranks, specs, expert_params, module, optimizer, routing, options
+        target, old, new, topology, group, active_ranks, specs, expert_params, module, optimizer, routing, options
     )
+    old, topo = planned.old, planned.topology
     reads = _plan_checkpoint_reads(target, checkpoint, storage, planned, old, new, topo, specs, options)
     t_plan = meter.end("plan")
     stats = _execute(target, reads, planned.locals_, topo, progress, transactional and old is not None)
@@ -500,13 +502,16 @@ class _Planned:
     active: np.ndarray
     plan: RelocationPlan
     routes: object
+    old: Placement | None
+    topology: Topology
 
 
 def _describe_and_plan(
     target,
     old: Placement | None,
     new: Placement,
-    topo: Topology,
+    topology: Topology | None,
+    group,
     active_ranks,
     specs,
     expert_params,
@@ -515,28 +520,32 @@ def _describe_and_plan(
     routing: str,
     options: _PlanOptions,
 ) -> _Planned:
-    """Collective (every rank of the relocation): describe the expert tensors, check them
-    against both placements, and plan from the live copies; agreed on the plan's fingerprint
-    (and, for plain tensors, their layers, shapes and dtypes: ranks that differ are named)."""
-    rank, world = topo.rank, topo.world_size
+    """Collective (every rank of the relocation): check this rank's arguments (:func:`_checked_old`,
+    the topology), describe the expert tensors, check them against both placements, and plan
+    from the live copies; agreed on the plan's fingerprint (and, for plain tensors, their layers,
+    shapes and dtypes: ranks that differ are named). A rank's bad argument raises here on every
+    rank, before any of them waits on it."""
     # Plain tensors: their layers, shapes and dtypes are part of what the ranks agree on below
     # (in the fingerprint); every rank's are gathered only when the ranks disagree, to name them.
     signature = None if isinstance(target, nn.Module) else _signature(target)
 
     def describe() -> _Planned:
+        old_ = _checked_old(target, old, optimizer, routing, options.from_checkpoint)
+        topo = group_topology(topology, group)
+        rank, world = topo.rank, topo.world_size
         # Before anything moves: who routes the tokens afterwards (refused here, on every rank).
-        routes = check_routing(target, old, new, routing, specs) if isinstance(target, nn.Module) else None
+        routes = check_routing(target, old_, new, routing, specs) if isinstance(target, nn.Module) else None
         ep_ranks = None if isinstance(target, nn.Module) else _ep_ranks(target, new, active_ranks, world)
         tensors, locals_, sources = describe_expert_tensors(
             target, world, specs, expert_params, module, ep_ranks, optimizer
         )
-        for p, what in ((old, "old"), (new, "new")):
+        for p, what in ((old_, "old"), (new, "new")):
             if p is not None:
                 _check_fits(p, what, tensors, ep_ranks is None)
         active = _active_global(active_ranks, tensors, new.num_physical, world)
         # First plan as if every live rank could read: it tells whether the checkpoint is needed.
-        plan = plan_relocation(tensors, old, new, topo, active, active, *options, rank=rank)
-        return _Planned(tensors, locals_, sources, active, plan, routes)
+        plan = plan_relocation(tensors, old_, new, topo, active, active, *options, rank=rank)
+        return _Planned(tensors, locals_, sources, active, plan, routes, old_, topo)
 
     def fingerprint(x: _Planned) -> str:
         if signature is None:
@@ -593,14 +602,26 @@ def _plan_checkpoint_reads(
     copy: the live copies' plan as it is, and no reader (no exchange)."""
     if not planned.plan.disk_experts:  # the agreed plan's: the same answer on every rank
         return _CheckpointReads(planned.plan, planned.sources, None)
-    if checkpoint is None:
-        lost = planned.plan.disk_experts
-        raise collectives.DistributedError(
-            f"moeshard.relocate: {len(lost)} expert(s) have no live copy and no checkpoint was given "
-            f"(layer, logical expert): {lost[:8]}{' ...' if len(lost) > 8 else ''}"
-        )
-    rank, path = topo.rank, os.fspath(checkpoint)
-    _, readers, _, index = resolve_sources(path, storage, topo, os.path.exists(path), active=planned.active)
+
+    def sees() -> tuple[str, bool]:
+        if checkpoint is None:
+            lost = planned.plan.disk_experts
+            raise ValueError(
+                f"{len(lost)} expert(s) have no live copy and no checkpoint was given "
+                f"(layer, logical expert): {lost[:8]}{' ...' if len(lost) > 8 else ''}"
+            )
+        path = os.fspath(checkpoint)
+        return path, os.path.exists(path)
+
+    # One exchange: a rank given no checkpoint raises on every rank (with those given one), and
+    # every rank's storage arguments for the readers.
+    (path, can_read), everyone = collectives.agree_and_gather(
+        sees,
+        "moeshard.relocate: finding the checkpoint",
+        share=lambda s: sources_share(s[1], storage, topo, planned.active),
+    )
+    rank = topo.rank
+    _, readers, _, index = resolve_sources(path, storage, topo, can_read, active=planned.active, everyone=everyone)
 
     def replan() -> _CheckpointReads:
         sources = planned.sources
@@ -742,17 +763,27 @@ def relocate_chunks(
     (:func:`relocate`, "Failures"): after a failure every rank holds the placement of the
     last completed chunk (or its own next one; see there).
     """
-    if old is None:
-        raise ValueError(
-            "relocate_chunks needs the old placement: a fill from the checkpoint (old=None) is one relocate call"
+
+    def chunks() -> list[tuple[tuple[int, ...], Placement]]:
+        if old is None:
+            raise ValueError(
+                "relocate_chunks needs the old placement: a fill from the checkpoint (old=None) is one relocate call"
+            )
+        slot_bytes = _slot_bytes(target, specs, optimizer)
+        return list(
+            relocation_chunks(old, new, layers_per_chunk=layers_per_chunk, max_bytes=max_bytes, slot_bytes=slot_bytes)
         )
-    for layers, placement in relocation_chunks(
-        old,
-        new,
-        layers_per_chunk=layers_per_chunk,
-        max_bytes=max_bytes,
-        slot_bytes=_slot_bytes(target, specs, optimizer),
-    ):
+
+    def fingerprint(steps) -> str:
+        return hashlib.blake2b(
+            repr([(layers, p.fingerprint()) for layers, p in steps]).encode(), digest_size=8
+        ).hexdigest()
+
+    # Every rank steps through the same chunks (each a relocate call): a rank whose arguments make
+    # other chunks, or none, raises with the others here instead of leaving them in a relocate.
+    with collectives.scope(kwargs.get("group")):
+        steps = collectives.agree(chunks, "moeshard.relocate_chunks: planning the chunks", fingerprint)
+    for layers, placement in steps:
         report = relocate(target, old, placement, specs=specs, optimizer=optimizer, **kwargs)
         yield RelocationStep(layers, placement, report)
         old = placement

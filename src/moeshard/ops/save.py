@@ -44,7 +44,7 @@ from ..collectives import DistributedError
 from ..execute import LocalTensors, Sink, Source, execute_schedule
 from ..io.header import DTYPES, read_header
 from ..io.index import INDEX_NAME, CheckpointIndex
-from ..io.sources import resolve_sources
+from ..io.sources import resolve_sources, sources_share
 from ..io.writer import pwrite_all, safetensors_header
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
 from ..models.describe import ParamDesc, describe_model, expert_layers, local_tensor, persistent_buffers, tensor_names
@@ -204,13 +204,13 @@ def save(
     Raises:
         SaveError (a ValueError and a DistributedError): on every rank, before any file is
             written, for bad input (a logical expert with no slot, a model on the meta device,
-            an existing checkpoint, a directory some rank cannot see); or after a failed write
+            an existing checkpoint, a directory some rank cannot see, one rank's placement
+            other than its model's or topology of another world size); or after a failed write
             or rename on any rank, with every file of this save removed. Without a process
             group the underlying error is raised as is.
         PeerLostError: on the ranks that saw a peer die or the network fail; each removes the
             files it wrote, the index is not published.
     """
-    placement = resolve_placement(model, placement, "moeshard.save")
     with collectives.errors_as(SaveError):
         return _save(
             model,
@@ -238,13 +238,52 @@ class _PlannedSave:
     device: torch.device
 
 
-def _reference_index(reference, topo: Topology) -> CheckpointIndex | None:
-    """Collective where ``reference`` is a path (its headers, read by the ranks that see it and
-    sent to every rank): the index of the checkpoint whose names and dtypes the save keeps."""
+@dataclass(frozen=True)
+class _Arguments:
+    """A rank's arguments of a save, checked: the placement, the topology with its rank, and
+    for a ``reference`` given as a path, that path and whether this rank sees it."""
+
+    placement: Placement | None
+    topology: Topology
+    out: Path
+    reference_path: str | None
+    sees_reference: bool
+
+
+def _check_arguments(model: nn.Module, placement, topology: Topology | None, group, out_dir, reference) -> _Arguments:
+    """This rank's step of save's first exchange: every check of its own arguments that can
+    fail (a placement other than the model's, a topology of another world size, an output
+    directory or reference that is not a path)."""
+    placement = resolve_placement(model, placement, "moeshard.save")
+    topo = group_topology(topology, group)
+    out = Path(out_dir)
     if reference is None or isinstance(reference, CheckpointIndex):
-        return reference
+        return _Arguments(placement, topo, out, None, False)
     path = os.fspath(reference)
-    return resolve_sources(path, "auto", topo, os.path.exists(path))[3]
+    return _Arguments(placement, topo, out, path, os.path.exists(path))
+
+
+def _reference_index(reference, args: _Arguments, everyone: list) -> CheckpointIndex | None:
+    """Collective where ``reference`` is a path (its headers, read by the ranks that see it and
+    sent to every rank): the index of the checkpoint whose names and dtypes the save keeps.
+    ``everyone``: every rank's share of the first exchange (None where it passed no path)."""
+    # Every rank holds ``everyone`` alike: the same answer on every rank, with no exchange.
+    collectives.unanimous(lambda: _same_reference_kind(everyone), "moeshard.save: checking the arguments")
+    if args.reference_path is None:
+        return reference
+    return resolve_sources(args.reference_path, "auto", args.topology, args.sees_reference, everyone=everyone)[3]
+
+
+def _same_reference_kind(everyone: list) -> None:
+    """Every rank passed ``reference`` as a path, or none did (the path's headers take an
+    exchange that every rank must join). Pure."""
+    paths = [r for r, e in enumerate(everyone) if e is not None]
+    if paths and len(paths) != len(everyone):
+        others = [r for r, e in enumerate(everyone) if e is None]
+        raise ValueError(
+            f"reference: ranks {paths[:16]} passed a path, ranks {others[:16]} none or a CheckpointIndex; "
+            "every rank must pass the same"
+        )
 
 
 def _save(
@@ -262,10 +301,16 @@ def _save(
     progress,
 ) -> SaveReport:
     meter = OpMeter(peak_rss=True)
-    topo = group_topology(topology, group)
-    rank, world = topo.rank, topo.world_size
-    out = Path(out_dir)
-    index = _reference_index(reference, topo)
+    # One exchange: every rank's argument errors (a rank's bad argument raises on every rank,
+    # before any of them waits on it) and what the reference's storage is resolved from.
+    args, everyone = collectives.agree_and_gather(
+        lambda: _check_arguments(model, placement, topology, group, out_dir, reference),
+        "moeshard.save: checking the arguments",
+        share=lambda a: None if a.reference_path is None else sources_share(a.sees_reference, "auto", a.topology),
+    )
+    placement, topo = args.placement, args.topology
+    rank, world, out = topo.rank, topo.world_size, args.out
+    index = _reference_index(reference, args, everyone)
 
     tensors = named_tensors(model)
     made: list[Path] = []  # directories rank 0 created (removed again if the save fails)

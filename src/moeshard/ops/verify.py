@@ -40,7 +40,7 @@ from ..execute import exchange
 from ..io.fp8 import FP8_DTYPES, dequantize, scale_box, scale_of
 from ..io.index import CheckpointIndex
 from ..io.reader import CheckpointReader
-from ..io.sources import Storage, reader_root, resolve_sources
+from ..io.sources import Storage, reader_root, resolve_sources, sources_share
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
 from ..models.describe import ParamDesc
 from ..models.layout import Need
@@ -258,13 +258,24 @@ def verify(
     Raises:
         DistributedError: on every rank if any rank's slice differs or a read failed; each
             rank's message names the rank, parameter, physical slot and logical expert (for
-            expert params), box and checkpoint key of its first mismatch.
+            expert params), box and checkpoint key of its first mismatch. Also on every rank,
+            before anything is read, for any rank's bad argument (a placement other than its
+            model's, a topology of another world size), naming that rank.
     """
-    placement = resolve_placement(model, placement, "moeshard.verify")
-    topo = group_topology(topology, group)
+
+    def arguments() -> tuple[Placement | None, Topology, str, bool]:
+        placement_, path_ = resolve_placement(model, placement, "moeshard.verify"), os.fspath(checkpoint)
+        return placement_, group_topology(topology, group), path_, os.path.exists(path_)
+
+    # One exchange: every rank's argument errors (a rank's bad argument raises on every rank,
+    # before any of them waits on it), whether it sees the checkpoint and its storage arguments.
+    (placement, topo, path, sees), everyone = collectives.agree_and_gather(
+        arguments,
+        "moeshard.verify: checking the arguments",
+        share=lambda checked: sources_share(checked[3], storage, checked[1]),
+    )
     rank, world_size = topo.rank, topo.world_size
-    path = os.fspath(checkpoint)
-    _, readers, _, index = resolve_sources(path, storage, topo, os.path.exists(path))
+    _, readers, _, index = resolve_sources(path, storage, topo, sees, everyone=everyone)
 
     def make_plan():
         # Every rank's needs only where FP8 scales may be consumed (the unused-key check counts
