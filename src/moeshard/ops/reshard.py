@@ -551,11 +551,9 @@ def reshard(
     on a new mesh and parallelized (it may be on the meta device), from the old model's shards
     that the members still hold; read from ``checkpoint`` only the boxes no member holds.
 
-    All or nothing for the caller's objects on a refusal: every check (each member's arguments,
-    the layouts, the optimizers' param groups, the boxes no member holds) runs and is agreed
-    before anything is written to ``model`` or ``optimizer``; the optimizer's new state is
-    built aside and installed only once every tensor has arrived. The old model and optimizer
-    are only read.
+    Every check (each member's arguments, the layouts, the param groups, the boxes no member
+    holds) is agreed before anything is written to ``model`` or ``optimizer`` (whose new state
+    is built aside, installed at the end): a refusal changes nothing. The old ones are only read.
 
     Args:
         model: the new model (:func:`moeshard.parallelize` on a mesh of ``group``'s ranks, any EP,
@@ -567,16 +565,13 @@ def reshard(
             buffers) whose local shards this rank still holds; only read. None on a joiner.
         checkpoint: read for boxes no member holds (None: every box must have a live holder).
         optimizer, old_optimizer: carry ``old_optimizer``'s state into ``optimizer`` (over
-            ``model``'s parameters; a joiner passes ``optimizer`` only): every per-parameter
-            state tensor shaped like its parameter (AdamW's ``exp_avg``, ``exp_avg_sq``) is
-            resharded with it, the scalar states (AdamW's ``step``) and every param group's
-            hyperparameters (``lr`` as a scheduler left it, ``betas``, ``weight_decay``, ...)
-            are the first survivor's. ``optimizer``'s param groups must hold the parameters of
-            ``old_optimizer``'s, group by group (matched by parameter name); its existing state
-            is replaced. Persistent buffers are model state: resharded with the model, never
-            optimizer state. A state box with no live holder (its parameter's box is read from
-            the checkpoint, as allowed below) starts at zero, as for a parameter the optimizer
-            has not stepped.
+            ``model``'s parameters; a joiner passes ``optimizer`` only): state tensors shaped like
+            their parameter (AdamW's ``exp_avg``) resharded with it; scalar states (``step``) and
+            each param group's hyperparameters (``lr`` as a scheduler left it, ``betas``, ...)
+            the first survivor's. ``optimizer``'s param groups must hold ``old_optimizer``'s
+            parameters group by group (by name); its state is replaced. Buffers are model state,
+            never optimizer state. A state box with no live holder (its parameter's read from
+            the checkpoint, as allowed below) starts at zero.
         dense_from_storage: a dense box with no live holder (its checkpoint value is older than
             the live weights): "raise" (:class:`StaleStateError` on every rank, nothing
             changed), "warn" (read it, with a warning naming the staleness), "allow" (read it).
@@ -587,20 +582,17 @@ def reshard(
         storage, topology, staging_bytes, max_ops, device: as :func:`moeshard.load`'s.
         group: the process group of the members (default: the default group).
 
-    Every read from the checkpoint is logged (``logging.warning`` of the ``moeshard`` logger
-    on rank 0, naming the dense tensors and the experts read and their bytes).
-
-    Returns a :class:`ReshardReport` (which boxes came from storage, bytes per source).
+    Every checkpoint read is logged (``logging.warning`` on rank 0: dense tensors, experts,
+    bytes). Returns a :class:`ReshardReport` (boxes from storage, bytes per source).
 
     Raises:
         StaleStateError: on every rank, a dense box or (by the choice above) an expert has no
             live holder; nothing changed.
         PeerLostError: a member died during the reshard (on every member that saw it; the old
             tensors and ``optimizer`` are intact, the new model partly filled).
-        DistributedError: on every rank, for any member's bad input (arguments that differ
-            between members, layouts that differ between members, shapes that differ between
-            the models, a box with no holder and no checkpoint, param groups that cannot be
-            mapped); nothing changed.
+        DistributedError: on every rank, for any member's bad input (arguments or layouts
+            that differ between members, shapes between the models, a box with no holder and
+            no checkpoint, param groups that cannot be mapped); nothing changed.
     """
     t0 = time.perf_counter()
     phases = Phases(t0)
@@ -617,49 +609,20 @@ def reshard(
         group,
     )
     rank, world = collectives.rank_and_world()
-    topo, path = members.topology, members.path
     phases.end("exchange")
     planned = collectives.agree(
-        lambda: _plan(model, members, optimizer, specs, topo, staging_bytes, max_ops, path),
+        lambda: _plan(model, members, optimizer, specs, staging_bytes, max_ops),
         "moeshard.reshard: planning",
         fingerprint=lambda r: r.plan.fingerprint,
     )
-    descs, plan, use = planned.descs, planned.plan, planned.use
+    plan, use = planned.plan, planned.use
     _check_stale(use, dense_from_storage, experts_from_storage, optimizer is not None)
     t_plan = phases.end("plan") - t0
 
-    what = "moeshard.reshard: copying from live ranks"
-    with torch.no_grad(), contextlib.ExitStack() as closing:
-        # Storage reads planned and hinted to the kernel first: storage works while peers send.
-        reads = _plan_storage(
-            use.cells, descs, planned.placement, path, storage, topo, members.everyone, staging_bytes, closing
-        )
-        # Every check is behind us: only now is the new model written (the optimizer's state
-        # goes into fresh tensors, installed at the end).
-        dev, dests, fresh = collectives.agree(
-            lambda: _targets(model, descs, planned.states, device), "moeshard.reshard: materializing the model"
-        )
-        if rank == 0:
-            _log_storage(use)
-        sched = plan.schedule
-        stats = collectives.agree(
-            lambda: execute_schedule(
-                sched,
-                rank,
-                _OldTensors(plan, members.old_locals, rank, planned.dtypes),
-                TensorSink(sched, dests, rank, receive_in_place=True),
-                dev,
-                what=what,
-            ).check(),
-            what,
-        )
-        phases.end("peers")
-        read = 0
-        if reads is not None:
-            read = _read_storage(reads, dests, dev)
-            phases.end("storage")
+    stats, read = _fill(model, members, planned, storage, staging_bytes, device, phases)
     if optimizer is not None:
-        install(optimizer, named_tensors(model), members.record, planned.group_map, fresh)
+        install(optimizer, named_tensors(model), members.record, planned.group_map, stats.fresh)
+    sched = plan.schedule
     # No closing barrier: the last agree (an all-reduce) returns once every rank is done.
     phases.end("finish")
     copied = int(sched.pieces.bytes[sched.copies.piece[sched.views.rank[sched.copies.view] == rank]].sum())
@@ -671,9 +634,9 @@ def reshard(
         fingerprint=plan.fingerprint,
         plan=sched.cost.summary(),
         bytes_read_rank=read,
-        bytes_sent_rank=stats.bytes_sent,
-        bytes_received_rank=stats.bytes_received,
-        peak_staging_bytes_rank=stats.peak_staging_bytes,
+        bytes_sent_rank=stats.peers.bytes_sent,
+        bytes_received_rank=stats.peers.bytes_received,
+        peak_staging_bytes_rank=stats.peers.peak_staging_bytes,
         phase_seconds=phases.seconds,
         phase_cpu_seconds=phases.cpu_seconds,
         storage_boxes=use.boxes,
@@ -804,11 +767,12 @@ class _Planned:
     group_map: tuple[int, ...]
 
 
-def _plan(model, members: _Members, optimizer, specs, topo, staging_bytes, max_ops, path) -> _Planned:
+def _plan(model, members: _Members, optimizer, specs, staging_bytes, max_ops) -> _Planned:
     """One rank's step of the planning agreement (writes nothing): the new layouts (with the
     optimizer states the old layout has), the holders' and the new model's box rows,
     :func:`~moeshard.plan.reshard.plan_reshard`, and the refusals that need them."""
     shared, old_ranks, survivors = members.shared, members.old_ranks, members.survivors
+    topo, path = members.topology, members.path
     _, world = collectives.rank_and_world()
     placement = resolve_placement(model, None, "moeshard.reshard", specs)
     descs = describe_model(model, None, specs)
@@ -954,6 +918,60 @@ def _targets(model, descs, states: dict, device) -> tuple[torch.device, list, di
         fresh.setdefault(name, {})[k] = t
         dests.append(local_tensor(t))
     return dev, dests, fresh
+
+
+@dataclass(frozen=True)
+class _Filled:
+    """What :func:`_fill` did on this rank: the peer schedule's run statistics and the
+    optimizer's new state tensors (``{parameter name: {state name: tensor}}``)."""
+
+    peers: object
+    fresh: dict
+
+
+def _fill(model, members: _Members, planned: _Planned, storage, staging_bytes, device, phases) -> tuple[_Filled, int]:
+    """Collective, once every refusal is behind: plan the storage reads (hinted to the kernel
+    first, so that storage works while peers send), materialize the new model and create the
+    optimizer's new state tensors aside, log what storage gives, run the peer schedule, then
+    the storage reads. Returns what was done and this rank's bytes read."""
+    rank = members.topology.rank
+    plan, use, descs = planned.plan, planned.use, planned.descs
+    what = "moeshard.reshard: copying from live ranks"
+    with torch.no_grad(), contextlib.ExitStack() as closing:
+        reads = _plan_storage(
+            use.cells,
+            descs,
+            planned.placement,
+            members.path,
+            storage,
+            members.topology,
+            members.everyone,
+            staging_bytes,
+            closing,
+        )
+        dev, dests, fresh = collectives.agree(
+            lambda: _targets(model, descs, planned.states, device), "moeshard.reshard: materializing the model"
+        )
+        if rank == 0:
+            _log_storage(use)
+        sched = plan.schedule
+        stats = collectives.agree(
+            lambda: execute_schedule(
+                sched,
+                rank,
+                _OldTensors(plan, members.old_locals, rank, planned.dtypes),
+                TensorSink(sched, dests, rank, receive_in_place=True),
+                dev,
+                what=what,
+            ).check(),
+            what,
+        )
+        phases.end("peers")
+        read = 0
+        if reads is not None:
+            read = _read_storage(reads, dests, dev)
+            phases.end("storage")
+    return _Filled(stats, fresh), read
 
 
 def _fail(message: str):
