@@ -10,7 +10,8 @@ checkpoint's). Then:
    placement; for Qwen3-MoE also EP=4 FSDP with another redundant placement): every new tensor
    equals the old model's, bit for bit; 0 bytes read from storage; the optimizer's moments move
    with their parameters and its param groups' hyperparameters with their groups (no buffer
-   gets optimizer state), so 2 more steps give the losses the old model gives (within 1e-6);
+   gets optimizer state; for DeepSeek-V3 from a layout described at start-up, before the
+   optimizer had state), so 2 more steps give the losses the old model gives (within 1e-6);
 2. node 1's shards lost (ranks 2 and 3 pass ``old=None``, as joiners): dense weights and buffers
    come from node 0's HSDP replica, experts with a copy on node 0 from it, and exactly the
    experts whose every copy was on node 1 from the checkpoint (their bytes read, once; logged);
@@ -125,6 +126,7 @@ def _family(family: str, ckpt: str, log: _Log) -> dict:
     pl0 = _placement(1)
     old = tiny_hf.meta_model(family, 4, pl0, replicate=2)
     moeshard.load(old, ckpt, placement=pl0)
+    early = moeshard.describe_shards(old)  # at start-up: no optimizer state yet
     opt0 = _adamw(old, lr=LR, betas=OLD_BETAS, weight_decay=OLD_DECAY)
     torch.optim.lr_scheduler.LambdaLR(opt0, lambda step: 0.5)
     tiny_hf.train_steps(old, opt0, ids, STEPS)
@@ -140,7 +142,11 @@ def _family(family: str, ckpt: str, log: _Log) -> dict:
     for ep, efsdp, replicate, pl in targets:
         new = tiny_hf.meta_model(family, ep, pl, efsdp=efsdp, replicate=replicate)
         opt = _adamw(new, lr=LR)
-        rep = moeshard.reshard(new, layout, old, optimizer=opt, old_optimizer=opt0)
+        # DeepSeek-V3 reshards from the layout taken at start-up: the state old_optimizer holds
+        # now is what is carried
+        rep = moeshard.reshard(
+            new, early if family == "deepseek_v3" else layout, old, optimizer=opt, old_optimizer=opt0
+        )
         full = _full(new, pl)
         same = sorted(k for k in old_full if np.array_equal(full[k], old_full[k]))
         buffers = _buffers(new)
