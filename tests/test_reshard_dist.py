@@ -233,7 +233,12 @@ def _training_loss(out: dict, family: str, ckpt: str, log: _Log, olds: tuple, id
     out["groups_unchanged"] = _same_snapshot(before, _snapshot(new, one_group))
     log.lines.clear()
     rep = moeshard.reshard(new, *args, ckpt, **kw, experts_from_storage="warn")
+    moments = [
+        {k: v.numpy() for k, v in tiny_hf.full_params(m, pl0, of=lambda p, o=o: o.state[p]["exp_avg"]).items()}
+        for m, o in ((new, opt), (old, opt0))
+    ]
     out["train_warned"] = dict(
+        moments=moments if dist.get_rank() == 0 else None,
         experts=rep.experts_from_storage,
         zeroed=rep.states_zeroed,
         log=list(log.lines),
@@ -449,6 +454,16 @@ def test_lost_experts_under_training_are_refused_and_nothing_changes(runs):
         assert zeroed == set(want) and len(warned["zeroed"]) == 2 * len(want)
         assert warned["hyper"] == r["old_hyper"]
         assert np.isfinite(warned["steps"]).all()
+    # the lost experts' moments start at zero, every other moment is the live one
+    new_m, old_m = results[0][family]["train_warned"]["moments"]
+    gone = {(k.rsplit(".", 1)[0], int(k.rsplit("[", 1)[1][:-1])) for k in want}
+    for name, t in new_m.items():
+        if ".mlp.experts." not in name:
+            np.testing.assert_array_equal(t, old_m[name], err_msg=name)
+            continue
+        for e in range(NUM_EXPERTS):
+            lost = (name.rsplit(".", 1)[0], e) in gone
+            np.testing.assert_array_equal(t[e], np.zeros_like(t[e]) if lost else old_m[name][e], err_msg=f"{name}[{e}]")
     log = results[0][family]["train_warned"]["log"]
     assert any("experts have no live copy" in line for line in log), log
     assert any("reading" in line and "from the checkpoint" in line for line in log), log
