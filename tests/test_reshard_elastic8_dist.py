@@ -1,8 +1,9 @@
 """Tier 3: elastic training with real process loss, 8 ranks -> 4 -> 8 (a node lost, then replaced).
 
-8 forked processes, 2 simulated nodes of 4 (LOCAL_WORLD_SIZE), a tiny float32 Qwen3-MoE with
-EP=8, every expert on both nodes (redundant experts) and HSDP dense (a replica group per node),
-trained 2 AdamW steps (job A). Then:
+8 forked processes, 2 simulated nodes of 4 (LOCAL_WORLD_SIZE), a tiny float32 model of each
+family (Qwen3-MoE and DeepSeek-V3, side by side in the same processes and jobs) with EP=8, every
+expert on both nodes (redundant experts) and HSDP dense (a replica group per node), trained 2
+AdamW steps (job A). Then, for each family:
 
 1. The reference, planned resizes from A's state with every process alive: node 0's ranks form a
    group of 4 (job R4), reshard A onto EP=4 FSDP (AdamW moments included) and train 2 steps;
@@ -15,8 +16,9 @@ trained 2 AdamW steps (job A). Then:
    2 steps.
 
 Asserted: no reshard reads anything from storage (every box has a live copy: no storage box,
-0 bytes); after each reshard every parameter and AdamW moment, gathered whole, equals the one
-before it bit for bit; the losses of S and J equal R4's and R8's within 1e-6.
+0 bytes); after each reshard every parameter and AdamW moment, gathered whole (and DeepSeek-V3's
+``e_score_correction_bias`` buffers), equals the one before it bit for bit; the losses of S and J
+equal R4's and R8's within 1e-6.
 """
 
 from __future__ import annotations
@@ -72,11 +74,13 @@ def _steps(model, opt, n: int) -> list[float]:
 
 
 def _full(model, opt, pl) -> dict:
-    """Collective: every parameter and AdamW moment gathered whole (experts in logical order)."""
+    """Collective: every parameter and AdamW moment gathered whole (experts in logical order),
+    and the routers' ``e_score_correction_bias`` buffers."""
     out = {k: v.numpy() for k, v in tiny_hf.full_params(model, pl).items()}
     for s in STATES:
         got = tiny_hf.full_params(model, pl, of=lambda p, s=s: opt.state[p][s])
         out.update({f"{k}::{s}": v.numpy() for k, v in got.items()})
+    out.update({k: v.detach().numpy() for k, v in model.named_buffers() if k.endswith("e_score_correction_bias")})
     return out
 
 
@@ -95,10 +99,12 @@ def _init(port: int, rank: int, world: int) -> None:
     )
 
 
-def _reshard(ep: int, replicate: int, pl, old, old_model, old_opt, ckpt: str, before: dict | None) -> tuple:
-    """Collective: reshard onto a new model (EP=``ep``, HSDP ``replicate``) with its AdamW; what
-    the report says, and the tensors that differ from ``before`` (None on a joiner)."""
-    new = tiny_hf.meta_qwen3(ep, pl, replicate=replicate)
+def _reshard(
+    family: str, ep: int, replicate: int, pl, old, old_model, old_opt, ckpt: str, before: dict | None
+) -> tuple:
+    """Collective: reshard onto a new ``family`` model (EP=``ep``, HSDP ``replicate``) with its
+    AdamW; what the report says, and the tensors that differ from ``before`` (None on a joiner)."""
+    new = tiny_hf.meta_model(family, ep, pl, replicate=replicate)
     opt = torch.optim.AdamW(new.parameters(), lr=LR)
     rep = moeshard.reshard(new, old, old_model, ckpt, optimizer=opt, old_optimizer=old_opt)
     full = _full(new, opt, pl)
@@ -115,16 +121,16 @@ def _reshard(ep: int, replicate: int, pl, old, old_model, old_opt, ckpt: str, be
     return new, opt, out
 
 
-def _to4(a, layout_a, opt_a, ckpt: str, full_a: dict) -> tuple:
+def _to4(family: str, a, layout_a, opt_a, ckpt: str, full_a: dict) -> tuple:
     """On node 0's 4 ranks: A onto EP=4 FSDP, 2 steps; the model, its layout, its state, the record."""
-    m4, opt4, out = _reshard(4, 1, PL_4, layout_a, a, opt_a, ckpt, full_a)
+    m4, opt4, out = _reshard(family, 4, 1, PL_4, layout_a, a, opt_a, ckpt, full_a)
     out["losses"] = _steps(m4, opt4, STEPS)
     return m4, opt4, moeshard.describe_shards(m4, opt4), _full(m4, opt4, PL_4), out
 
 
-def _to8(layout4, m4, opt4, ckpt: str, full4: dict | None) -> dict:
+def _to8(family: str, layout4, m4, opt4, ckpt: str, full4: dict | None) -> dict:
     """On 8 ranks (node 1's with nothing): the EP=4 model onto EP=8 HSDP, 2 steps; the record."""
-    m8, opt8, out = _reshard(8, 2, PL_8, layout4, m4, opt4, ckpt, full4)
+    m8, opt8, out = _reshard(family, 8, 2, PL_8, layout4, m4, opt4, ckpt, full4)
     out["losses"] = _steps(m8, opt8, STEPS)
     return out
 
@@ -133,7 +139,7 @@ def _lock_path(root: str, idx: int) -> str:
     return os.path.join(root, f"alive{idx}")
 
 
-def _old_main(idx: int, ports: dict, root: str, ckpt: str, out: dict) -> None:
+def _old_main(idx: int, ports: dict, root: str, ckpts: dict, out: dict) -> None:
     dist = torch.distributed
     victim = idx in VICTIMS
     if victim:
@@ -141,25 +147,34 @@ def _old_main(idx: int, ports: dict, root: str, ckpt: str, out: dict) -> None:
         # of the loss without a timeout or a sleep.
         lock = open(_lock_path(root, idx), "w")
         fcntl.flock(lock, fcntl.LOCK_EX)
-    # Job A: the model to recover, trained.
+    fams = tiny_hf.MATRIX
+    for f in fams:
+        out[f] = {}
+    # Job A: the models to recover, trained.
     _init(ports["a"], idx, WORLD)
-    a = tiny_hf.meta_qwen3(8, PL_A, replicate=2)
-    moeshard.load(a, ckpt, placement=PL_A)
-    opt_a = torch.optim.AdamW(a.parameters(), lr=LR)
-    out["a_losses"] = _steps(a, opt_a, STEPS)
-    layout_a = moeshard.describe_shards(a, opt_a)
-    full_a = _full(a, opt_a, PL_A)
+    a, opt_a, layout_a, full_a = {}, {}, {}, {}
+    for f in fams:
+        a[f] = tiny_hf.meta_model(f, 8, PL_A, replicate=2)
+        moeshard.load(a[f], ckpts[f], placement=PL_A)
+        opt_a[f] = torch.optim.AdamW(a[f].parameters(), lr=LR)
+        out[f]["a_losses"] = _steps(a[f], opt_a[f], STEPS)
+        layout_a[f] = moeshard.describe_shards(a[f], opt_a[f])
+        full_a[f] = _full(a[f], opt_a[f], PL_A)
     dist.destroy_process_group()
     # Job R4, the reference: node 0 alone, a planned scale-down (node 1 waits in R8's rendezvous).
-    layout4 = m4 = opt4 = full4 = None
+    r4 = {f: (None, None, None, None) for f in fams}
     if not victim:
         _init(ports["r4"], idx, 4)
-        m4, opt4, layout4, full4, out["r4"] = _to4(a, layout_a, opt_a, ckpt, full_a)
+        for f in fams:
+            m4, opt4, layout4, full4, out[f]["r4"] = _to4(f, a[f], layout_a[f], opt_a[f], ckpts[f], full_a[f])
+            r4[f] = (layout4, m4, opt4, full4)
         dist.destroy_process_group()
     # Job R8, the reference: back to 8, node 1's ranks holding nothing as the joiners will.
     _init(ports["r8"], idx, WORLD)
-    out["r8"] = _to8(layout4, m4, opt4, ckpt, full4)
-    del m4, opt4, layout4, full4
+    for f in fams:
+        layout4, m4, opt4, full4 = r4[f]
+        out[f]["r8"] = _to8(f, layout4, m4, opt4, ckpts[f], full4)
+    del r4, m4, opt4, layout4, full4
     # Node 1 dies once every survivor is past R8's last collective (nothing of it in flight),
     # with R8's group still up on the survivors.
     if victim:
@@ -173,17 +188,22 @@ def _old_main(idx: int, ports: dict, root: str, ckpt: str, out: dict) -> None:
     dist.destroy_process_group()
     # Job S: the survivors recover A from each other.
     _init(ports["s"], idx, 4)
-    m4, opt4, layout4, full4, out["s"] = _to4(a, layout_a, opt_a, ckpt, full_a)
+    s4 = {}
+    for f in fams:
+        m4, opt4, layout4, full4, out[f]["s"] = _to4(f, a[f], layout_a[f], opt_a[f], ckpts[f], full_a[f])
+        s4[f] = (layout4, m4, opt4, full4)
     dist.destroy_process_group()
-    # Job J: 4 fresh processes join; S's model back onto 8.
+    # Job J: 4 fresh processes join; S's models back onto 8.
     _init(ports["j"], idx, WORLD)
-    out["j"] = _to8(layout4, m4, opt4, ckpt, full4)
+    for f in fams:
+        out[f]["j"] = _to8(f, *s4[f][:3], ckpts[f], s4[f][3])
     dist.destroy_process_group()
 
 
-def _joiner_main(idx: int, ports: dict, root: str, ckpt: str, out: dict) -> None:
+def _joiner_main(idx: int, ports: dict, root: str, ckpts: dict, out: dict) -> None:
     _init(ports["j"], idx, WORLD)
-    out["j"] = _to8(None, None, None, ckpt, None)
+    for f in tiny_hf.MATRIX:
+        out[f] = {"j": _to8(f, None, None, None, ckpts[f], None)}
     torch.distributed.destroy_process_group()
 
 
@@ -192,7 +212,7 @@ def _wait_for(path: str) -> None:
         time.sleep(0.05)
 
 
-def _rank_main(role: str, idx: int, ports: dict, root: str, ckpt: str, deadline: float) -> None:
+def _rank_main(role: str, idx: int, ports: dict, root: str, ckpts: dict, deadline: float) -> None:
     os.environ.update(MOESHARD_PROGRESS="0")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(k, None)
@@ -204,7 +224,7 @@ def _rank_main(role: str, idx: int, ports: dict, root: str, ckpt: str, deadline:
     out: dict = {}
     t0 = time.monotonic()
     try:
-        (_old_main if role == "old" else _joiner_main)(idx, ports, root, ckpt, out)
+        (_old_main if role == "old" else _joiner_main)(idx, ports, root, ckpts, out)
         out["wall"] = time.monotonic() - t0
         result = ("ok", out)
     except BaseException as e:  # noqa: BLE001 - reported to the test
@@ -239,13 +259,14 @@ def _diagnosis(root: str) -> str:
 
 def test_node_lost_then_replaced_8_to_4_to_8(tmp_path):
     root = str(tmp_path)
-    ckpt = os.path.join(root, "ckpt")
-    tiny_hf.save_checkpoint("qwen3_moe", ckpt)
+    ckpts = {f: os.path.join(root, f) for f in tiny_hf.MATRIX}
+    for f, path in ckpts.items():
+        tiny_hf.save_checkpoint(f, path)
     ctx = forkserver(__name__)
     ports = {k: free_port() for k in JOBS}
     deadline = time.monotonic() + 280  # within pytest's 300 s: a hang is reported as one
     old, joiners = (
-        [ctx.Process(target=_rank_main, args=(role, i, ports, root, ckpt, deadline), daemon=True) for i in ranks]
+        [ctx.Process(target=_rank_main, args=(role, i, ports, root, ckpts, deadline), daemon=True) for i in ranks]
         for role, ranks in (("old", range(WORLD)), ("join", VICTIMS))
     )
     try:
@@ -270,18 +291,23 @@ def test_node_lost_then_replaced_8_to_4_to_8(tmp_path):
         assert kind == "ok", f"process {name} failed:\n{value}"
         res[name] = value
     print({k: round(r["wall"], 1) for k, r in res.items()})  # each process's seconds (pytest -s)
-    survivors = [res[f"old{i}"] for i in SURVIVORS]
-    joined = [res[f"join{i}"] for i in VICTIMS]
-    for r in survivors:
-        # the reference and the recovery: the same re-layouts of the same state
-        for job in ("r4", "s", "r8", "j"):
-            rec = r[job]
-            assert rec["read"] == 0 and rec["storage"] == 0 and rec["boxes"] == () and rec["dense"] == (), (job, rec)
-            assert rec["differ"] == [] and rec["names"] > 0, (job, rec["differ"][:4])
-            assert not rec["joined"]
-        np.testing.assert_allclose(r["s"]["losses"], r["r4"]["losses"], rtol=0, atol=1e-6)
-        np.testing.assert_allclose(r["j"]["losses"], r["r8"]["losses"], rtol=0, atol=1e-6)
-    for r in joined:
-        rec = r["j"]
-        assert rec["joined"] and rec["read"] == 0 and rec["boxes"] == () and rec["received"] > 0
-        np.testing.assert_allclose(rec["losses"], survivors[0]["r8"]["losses"], rtol=0, atol=1e-6)
+    for f in tiny_hf.MATRIX:
+        survivors = [res[f"old{i}"][f] for i in SURVIVORS]
+        joined = [res[f"join{i}"][f] for i in VICTIMS]
+        for r in survivors:
+            # the reference and the recovery: the same re-layouts of the same state
+            for job in ("r4", "s", "r8", "j"):
+                rec = r[job]
+                assert rec["read"] == 0 and rec["storage"] == 0 and rec["boxes"] == () and rec["dense"] == (), (
+                    f,
+                    job,
+                    rec,
+                )
+                assert rec["differ"] == [] and rec["names"] > 0, (f, job, rec["differ"][:4])
+                assert not rec["joined"]
+            np.testing.assert_allclose(r["s"]["losses"], r["r4"]["losses"], rtol=0, atol=1e-6, err_msg=f)
+            np.testing.assert_allclose(r["j"]["losses"], r["r8"]["losses"], rtol=0, atol=1e-6, err_msg=f)
+        for r in joined:
+            rec = r["j"]
+            assert rec["joined"] and rec["read"] == 0 and rec["boxes"] == () and rec["received"] > 0, f
+            np.testing.assert_allclose(rec["losses"], survivors[0]["r8"]["losses"], rtol=0, atol=1e-6, err_msg=f)

@@ -1,19 +1,21 @@
 """Tier 3: elastic training of a whole model with real process loss (4 ranks -> 2; 8 -> 4 -> 8,
 with joiners: test_reshard_elastic8_dist).
 
-4 forked processes, 2 simulated nodes of 2 (LOCAL_WORLD_SIZE), a tiny float32 Qwen3-MoE: model A
-with EP=4 and every expert on both nodes (redundant experts), HSDP dense (a replica group per
-node), trained 2 AdamW steps; model B (EP=4, HSDP, some experts only on node 1), loaded only.
+4 forked processes, 2 simulated nodes of 2 (LOCAL_WORLD_SIZE), tiny float32 models: model A of
+each family (Qwen3-MoE and DeepSeek-V3, side by side in the same processes) with EP=4 and every
+expert on both nodes (redundant experts), HSDP dense (a replica group per node), trained 2 AdamW
+steps; model B (Qwen3-MoE, EP=4, HSDP, some experts only on node 1), loaded only.
 
 1. The reference (job R: a planned scale-down, no loss): node 0's ranks form a group of 2,
-   reshard A onto EP=2 FSDP from live shards (optimizer moments included) and train 2 steps.
+   reshard each A onto EP=2 FSDP from live shards (optimizer moments included) and train 2 steps.
 2. Job C (4 ranks, a new rendezvous) reshards A and B 4 -> 4 onto a new group (nothing read).
    Node 1 then dies during a reshard (both its ranks SIGKILL themselves once they have sent
    their part): every survivor raises PeerLostError, and its old tensors are intact.
-3. Job D: the survivors rendezvous anew and reshard A onto EP=2 from each other: 0 bytes from
-   storage, every tensor equal to A's at the loss, and the next 2 losses equal the reference's
-   within 1e-6. B's reshard reads from storage exactly the experts whose every copy was on
-   node 1 (their bytes, once), everything else from the survivors.
+3. Job D: the survivors rendezvous anew and reshard each A onto EP=2 from each other: 0 bytes
+   from storage, every tensor (and DeepSeek-V3's buffers) equal to A's at the loss, and the next
+   2 losses equal the reference's within 1e-6. B's reshard reads from storage exactly the
+   experts whose every copy was on node 1 (their bytes, once), everything else from the
+   survivors.
 """
 
 from __future__ import annotations
@@ -88,18 +90,22 @@ def _local_copies(model) -> dict:
     return {n: local_tensor(p).clone() for n, p in model.named_parameters()}
 
 
-def _scale_down(model, layout, opt_old, ckpt: str, rank: int) -> tuple:
+def _buffers(model) -> dict:
+    return {k: v.detach().clone().numpy() for k, v in model.named_buffers() if k.endswith("e_score_correction_bias")}
+
+
+def _scale_down(family: str, model, layout, opt_old, ckpt: str, rank: int) -> tuple:
     """On a group of node 0's 2 ranks: reshard ``model`` onto EP=2 FSDP and train 2 steps on
     the whole batch (each rank 2 rows)."""
-    new = tiny_hf.meta_qwen3(2, _pl_new())
+    new = tiny_hf.meta_model(family, 2, _pl_new())
     opt = torch.optim.AdamW(new.parameters(), lr=LR)
     rep = moeshard.reshard(new, layout, model, ckpt, optimizer=opt, old_optimizer=opt_old)
     full = _full(new, _pl_new())
     ids = tiny_hf.data(WORLD)[2 * rank : 2 * rank + 2]
-    return rep, full, tiny_hf.train_steps(new, opt, ids, STEPS)
+    return rep, full, _buffers(new), tiny_hf.train_steps(new, opt, ids, STEPS)
 
 
-def _rank_main(idx: int, ports: tuple, root: str, ckpt: str) -> None:
+def _rank_main(idx: int, ports: tuple, root: str, ckpts: dict) -> None:
     os.environ.update(MOESHARD_PROGRESS="0")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(k, None)
@@ -107,37 +113,47 @@ def _rank_main(idx: int, ports: tuple, root: str, ckpt: str) -> None:
     dist = torch.distributed
     out: dict = {}
     try:
-        # Job A: train model A, load model B.
+        # Job A: train model A of each family, load model B.
         _init(ports[0], idx, WORLD, BACKSTOP_S)
-        a = tiny_hf.meta_qwen3(4, _pl_a(), replicate=2)
-        moeshard.load(a, ckpt, placement=_pl_a())
-        opt_a = torch.optim.AdamW(a.parameters(), lr=LR)
-        tiny_hf.train_steps(a, opt_a, tiny_hf.data(WORLD)[idx : idx + 1], STEPS)
-        layout_a = moeshard.describe_shards(a, opt_a)
-        full_a = _full(a, _pl_a())
+        a, opt_a, layout_a, full_a, buffers_a = {}, {}, {}, {}, {}
+        for f in tiny_hf.MATRIX:
+            a[f] = tiny_hf.meta_model(f, 4, _pl_a(), replicate=2)
+            moeshard.load(a[f], ckpts[f], placement=_pl_a())
+            opt_a[f] = torch.optim.AdamW(a[f].parameters(), lr=LR)
+            tiny_hf.train_steps(a[f], opt_a[f], tiny_hf.data(WORLD)[idx : idx + 1], STEPS)
+            layout_a[f] = moeshard.describe_shards(a[f], opt_a[f])
+            full_a[f], buffers_a[f] = _full(a[f], _pl_a()), _buffers(a[f])
         b = tiny_hf.meta_qwen3(4, _pl_b(), replicate=2)
-        moeshard.load(b, ckpt, placement=_pl_b())
+        moeshard.load(b, ckpts["qwen3_moe"], placement=_pl_b())
         layout_b = moeshard.describe_shards(b)
         dist.destroy_process_group()
         # Job R: the reference, a planned scale-down to node 0 (node 1 waits).
         if idx < 2:
             _init(ports[1], idx, 2, BACKSTOP_S)
-            rep, full, out["ref_losses"] = _scale_down(a, layout_a, opt_a, ckpt, idx)
-            out["ref_equal"] = sorted(k for k in full_a if np.array_equal(full[k], full_a[k]))
-            out["ref_read"] = rep.bytes_read_rank
+            for f in tiny_hf.MATRIX:
+                rep, full, _, out[f, "ref_losses"] = _scale_down(f, a[f], layout_a[f], opt_a[f], ckpts[f], idx)
+                out[f, "ref_equal"] = sorted(k for k in full_a[f] if np.array_equal(full[k], full_a[f][k]))
+                out[f, "ref_read"] = rep.bytes_read_rank
             dist.destroy_process_group()
             if idx == 0:
                 open(os.path.join(root, "job_c"), "w").close()
         _wait_for(os.path.join(root, "job_c"))
         # Job C: A and B moved onto a new group of the 4 ranks (from live shards), then node 1 dies.
         _init(ports[2], idx, WORLD, LOSS_TIMEOUT_S)
-        a2, b2 = tiny_hf.meta_qwen3(4, _pl_a(), replicate=2), tiny_hf.meta_qwen3(4, _pl_b(), replicate=2)
-        opt_a2 = torch.optim.AdamW(a2.parameters(), lr=LR)
-        rep_a = moeshard.reshard(a2, layout_a, a, optimizer=opt_a2, old_optimizer=opt_a)
+        a2, opt_a2, layout_a2 = {}, {}, {}
+        out["move_read"] = 0
+        for f in tiny_hf.MATRIX:
+            a2[f] = tiny_hf.meta_model(f, 4, _pl_a(), replicate=2)
+            opt_a2[f] = torch.optim.AdamW(a2[f].parameters(), lr=LR)
+            rep = moeshard.reshard(a2[f], layout_a[f], a[f], optimizer=opt_a2[f], old_optimizer=opt_a[f])
+            out["move_read"] += rep.bytes_read_rank
+            layout_a2[f] = moeshard.describe_shards(a2[f], opt_a2[f])
+        b2 = tiny_hf.meta_qwen3(4, _pl_b(), replicate=2)
         rep_b = moeshard.reshard(b2, layout_b, b)
-        out["move_read"] = rep_a.bytes_read_rank + rep_b.bytes_read_rank
-        layout_a2, layout_b2 = moeshard.describe_shards(a2, opt_a2), moeshard.describe_shards(b2)
-        before = _local_copies(a2)
+        out["move_read"] += rep_b.bytes_read_rank
+        layout_b2 = moeshard.describe_shards(b2)
+        q = "qwen3_moe"
+        before = _local_copies(a2[q])
         scratch = tiny_hf.meta_qwen3(4, moeshard.Placement.contiguous(tiny_hf.NUM_LAYERS, NUM_EXPERTS, 4))
         if idx in VICTIMS:
             from moeshard.ops import reshard as reshard_mod
@@ -151,32 +167,36 @@ def _rank_main(idx: int, ports: tuple, root: str, ckpt: str) -> None:
             reshard_mod.execute_schedule = run_then_die
         t0 = time.monotonic()
         try:
-            moeshard.reshard(scratch, layout_a2, a2)
+            moeshard.reshard(scratch, layout_a2[q], a2[q])
             out["lost"] = None
         except moeshard.DistributedError as e:
             out["lost"] = (type(e).__name__, str(e), time.monotonic() - t0)
-        after = _local_copies(a2)
+        after = _local_copies(a2[q])
         out["old_intact"] = all(torch.equal(before[k], after[k]) for k in before)
         dist.destroy_process_group()
         # Job D: the survivors (node 0) recover from each other.
         _init(ports[3], idx, 2, BACKSTOP_S)
-        rep, full, out["losses"] = _scale_down(a2, layout_a2, opt_a2, ckpt, idx)
-        out["recovery"] = dict(
-            read=rep.bytes_read_rank,
-            storage=rep.storage_bytes,
-            boxes=rep.storage_boxes,
-            received=rep.bytes_received_rank,
-            copied=rep.bytes_copied_rank,
-        )
-        out["equal"] = sorted(k for k in full_a if np.array_equal(full[k], full_a[k]))
+        for f in tiny_hf.MATRIX:
+            rep, full, buffers, out[f, "losses"] = _scale_down(f, a2[f], layout_a2[f], opt_a2[f], ckpts[f], idx)
+            out[f, "recovery"] = dict(
+                read=rep.bytes_read_rank,
+                storage=rep.storage_bytes,
+                boxes=rep.storage_boxes,
+                received=rep.bytes_received_rank,
+                copied=rep.bytes_copied_rank,
+            )
+            out[f, "equal"] = sorted(k for k in full_a[f] if np.array_equal(full[k], full_a[f][k]))
+            out[f, "buffers_equal"] = buffers.keys() == buffers_a[f].keys() and all(
+                np.array_equal(buffers[k], buffers_a[f][k]) for k in buffers
+            )
+            out[f, "full_a"] = full_a[f] if idx == 0 else None
         nb = tiny_hf.meta_qwen3(2, _pl_new())
-        rep = moeshard.reshard(nb, layout_b2, b2, ckpt)
+        rep = moeshard.reshard(nb, layout_b2, b2, ckpts["qwen3_moe"])
         out["b"] = dict(
             read=rep.bytes_read_rank, storage=rep.storage_bytes, boxes=rep.storage_boxes, dense=rep.dense_from_storage
         )
         full_b = _full(nb, _pl_new())
         out["b_full"] = full_b if idx == 0 else None
-        out["full_a"] = full_a if idx == 0 else None
         dist.destroy_process_group()
         result = ("ok", out)
     except BaseException as e:  # noqa: BLE001 - reported to the test
@@ -190,15 +210,18 @@ def _rank_main(idx: int, ports: tuple, root: str, ckpt: str) -> None:
 
 def test_node_loss_survivors_reshard_from_live_peers_and_continue(tmp_path):
     root = str(tmp_path)
-    ckpt = os.path.join(root, "ckpt")
-    tiny_hf.save_checkpoint("qwen3_moe", ckpt)
+    ckpts = {f: os.path.join(root, f) for f in tiny_hf.MATRIX}
+    for f, path in ckpts.items():
+        tiny_hf.save_checkpoint(f, path)
     reference = {
         k: v.detach().numpy()
-        for k, v in transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).named_parameters()
+        for k, v in transformers.AutoModelForCausalLM.from_pretrained(
+            ckpts["qwen3_moe"], dtype=torch.float32
+        ).named_parameters()
     }
     ctx = forkserver(__name__)
     ports = tuple(free_port() for _ in range(4))
-    procs = [ctx.Process(target=_rank_main, args=(i, ports, root, ckpt), daemon=True) for i in range(WORLD)]
+    procs = [ctx.Process(target=_rank_main, args=(i, ports, root, ckpts), daemon=True) for i in range(WORLD)]
     alive = start_and_join(procs, 280)  # within pytest's 300 s: a hang is reported as one
     assert not alive, f"processes {alive} still running (a hang)"
     assert all(procs[v].exitcode == -signal.SIGKILL for v in VICTIMS)
@@ -208,19 +231,24 @@ def test_node_loss_survivors_reshard_from_live_peers_and_continue(tmp_path):
             kind, value = pickle.load(f)
         assert kind == "ok", f"process {i} failed:\n{value}"
         res[i] = value
-    names = sorted(res[0]["full_a"])
     for r in res.values():
         # the loss during a reshard: raised on every survivor, old tensors intact
         assert r["lost"] is not None and r["lost"][0] == "PeerLostError", r["lost"]
         assert r["lost"][2] < LOSS_TIMEOUT_S + 15
         assert r["old_intact"]
-        assert r["move_read"] == 0 and r["ref_read"] == 0
-        # recovery from live peers: nothing from storage, the live state bit for bit
-        assert r["recovery"]["read"] == 0 and r["recovery"]["storage"] == 0 and r["recovery"]["boxes"] == ()
-        assert r["recovery"]["copied"] > 0
-        assert r["equal"] == names and r["ref_equal"] == names
-        np.testing.assert_allclose(r["losses"], r["ref_losses"], rtol=0, atol=1e-6)
-    assert sum(r["recovery"]["received"] for r in res.values()) > 0
+        assert r["move_read"] == 0
+        for f in tiny_hf.MATRIX:
+            names = sorted(res[0][f, "full_a"])
+            assert r[f, "ref_read"] == 0
+            # recovery from live peers: nothing from storage, the live state bit for bit
+            rec = r[f, "recovery"]
+            assert rec["read"] == 0 and rec["storage"] == 0 and rec["boxes"] == (), (f, rec)
+            assert rec["copied"] > 0
+            assert r[f, "equal"] == names and r[f, "ref_equal"] == names, f
+            assert r[f, "buffers_equal"], f
+            np.testing.assert_allclose(r[f, "losses"], r[f, "ref_losses"], rtol=0, atol=1e-6, err_msg=f)
+    for f in tiny_hf.MATRIX:
+        assert sum(r[f, "recovery"]["received"] for r in res.values()) > 0
     # model B: exactly the experts whose every copy was on node 1 came from storage
     pl_b = _pl_b()
     spr = pl_b.num_physical // 4

@@ -8,17 +8,22 @@ a NEW process group, build the model on a new mesh (another EP, expert-FSDP, FSD
 replicate size, another placement) and call :func:`reshard` on it with their old record and old
 local tensors (the old model object: its DTensors' local shards outlive their process group).
 
-Steps (collective, every rank of ``group``): materialize the new model -> learn each member's
-old rank and the old record (one exchange) -> plan (pure, :func:`moeshard.plan.reshard.plan_reshard`:
-sources are the live holders of each box; storage only for boxes no survivor holds) -> agree ->
-refuse or warn when a dense box would come from storage (older than the live weights) -> run the
-peer schedule with the one runner -> read the missing boxes from the checkpoint (the load
-planner, its needs clipped to those boxes) -> report. The old tensors are only read: a peer
-lost during the reshard raises :class:`~moeshard.PeerLostError` and leaves them intact.
+Steps (collective, every rank of ``group``): check every member's arguments and old tensors and
+learn each member's old rank and the old record (one exchange) -> plan (pure,
+:func:`moeshard.plan.reshard.plan_reshard`: sources are the live holders of each box; storage only
+for boxes no survivor holds) -> agree -> refuse or warn when a dense box or, under training, an
+expert would come from storage (older than the live weights) -> plan the storage reads -> only
+then materialize and write the new model -> run the peer schedule with the one runner -> read
+the missing boxes from the checkpoint (the load planner, its needs clipped to those boxes) ->
+install the optimizer's new state -> report. Every refusal comes before anything is written.
+The old tensors are only read: a peer lost during the reshard raises
+:class:`~moeshard.PeerLostError` and leaves them intact.
 
 Optimizer state (``optimizer`` / ``old_optimizer``): every state tensor shaped like its
-parameter (AdamW's ``exp_avg``, ``exp_avg_sq``) is resharded with it, as a unit of its own; a
-scalar state (``step``) is taken from the survivors (the same on every rank of a job).
+parameter (AdamW's ``exp_avg``, ``exp_avg_sq``) is resharded with it, as a unit of its own; the
+scalar states (``step``) and the param groups' hyperparameters are the first survivor's
+(:mod:`moeshard.ops.reshard_optimizer`). Persistent buffers are model state, never optimizer
+state.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
+import math
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -53,6 +59,7 @@ from ..plan.reshard import BoxRows, ReshardPlan, StorageCells, Units, plan_resha
 from ..topology import Topology
 from .load import materialize
 from .report import OpReport, Phases
+from .reshard_optimizer import OPTIMIZER_SEP, OptimizerRecord, install, map_groups, record_optimizer
 from .skeleton import group_topology, local_tensors, named_tensors
 
 __all__ = [
@@ -67,14 +74,12 @@ __all__ = [
 
 logger = logging.getLogger("moeshard")
 
-# A unit of optimizer state is named "<parameter>::<state>" (AdamW's "...::exp_avg").
-OPTIMIZER_SEP = "::"
-
 
 class StaleStateError(collectives.DistributedError):
-    """Raised on every rank by :func:`reshard` with ``dense_from_storage="raise"`` when some
-    dense box has no live holder: reading it from the checkpoint would mix the checkpoint's
-    training step with the live weights'. The message names the tensors."""
+    """Raised on every rank by :func:`reshard` when some dense box (``dense_from_storage="raise"``)
+    or some expert (``experts_from_storage="raise"``, the default with an optimizer) has no live
+    holder: reading it from the checkpoint would mix the checkpoint's training step with the
+    live weights'. The message names the tensors or experts; nothing was changed."""
 
 
 @dataclass(frozen=True)
@@ -202,9 +207,11 @@ def describe_shards(
 ) -> ShardLayout:
     """Local (no communication): the layout of ``model`` (parallelized and loaded) and this
     rank's place in it, for a later :func:`reshard`; with ``optimizer``, its per-parameter state
-    too. Take it while the job is whole (after parallelize, after each relocation); it is small
-    (a record per tensor) and picklable. Ranks are those of ``group`` (default: the default
-    group), in which every DTensor mesh of the model must lie."""
+    too (what :func:`reshard` carries is the state ``old_optimizer`` holds when it runs, so a
+    layout taken before the first step serves as well). Take it while the job is whole (after
+    parallelize, after each relocation); it is small (a record per tensor) and picklable. Ranks
+    are those of ``group`` (default: the default group), in which every DTensor mesh of the
+    model must lie."""
     with collectives.scope(group):
         rank, world = collectives.rank_and_world()
         descs = describe_model(model, None, specs)
@@ -227,10 +234,14 @@ class ReshardReport(OpReport):
 
     Args:
         storage_boxes: ``(unit, box)`` of every box read from storage, sorted: a unit is a dense
-            tensor's name or ``"<expert parameter>[<logical expert>]"`` (an optimizer state's
-            with ``"::<state>"``), a box per-dim ``(offset, length)`` in it.
+            tensor's name or ``"<expert parameter>[<logical expert>]"``, a box per-dim
+            ``(offset, length)`` in it.
         dense_from_storage: the dense tensors some of whose boxes came from storage (older than
             the live state; allowed by ``dense_from_storage="warn"`` or ``"allow"``).
+        experts_from_storage: the experts (``"<expert parameter>[<logical expert>]"``) that came
+            from storage: no live rank held a copy.
+        states_zeroed: the optimizer state units (``"<parameter>::<state>"``, an expert's with
+            ``"[<logical expert>]"``) with no live holder, which start at zero.
         peer_bytes, copy_bytes, storage_bytes: bytes sent between ranks, copied within ranks,
             and read from storage (planned, job-wide).
         bytes_copied_rank: this rank's bytes copied from its own old tensors.
@@ -239,6 +250,8 @@ class ReshardReport(OpReport):
 
     storage_boxes: tuple = ()
     dense_from_storage: tuple[str, ...] = ()
+    experts_from_storage: tuple[str, ...] = ()
+    states_zeroed: tuple[str, ...] = ()
     peer_bytes: int = 0
     copy_bytes: int = 0
     storage_bytes: int = 0
@@ -482,22 +495,37 @@ def _old_locals(layout: ShardLayout, tensors, old_optimizer) -> list[torch.Tenso
     return out
 
 
-def _new_states(
-    model: nn.Module, descs: Sequence[ParamDesc], optimizer: torch.optim.Optimizer, state_names: Sequence[str]
-) -> dict[str, torch.Tensor]:
-    """Create the new optimizer's per-parameter state tensors (zeros, like their parameter) that
-    the old layout holds, so the reshard can fill them: ``{unit tensor name: state tensor}``."""
-    params = named_tensors(model)
-    out = {}
-    for d in descs:
-        p = params[d.name]
-        for k in state_names:
-            name = f"{d.name}{OPTIMIZER_SEP}{k}"
-            st = optimizer.state.setdefault(p, {})
-            if k not in st:
-                st[k] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            out[name] = st[k]
-    return out
+_CHOICES = ("raise", "warn", "allow")
+
+
+def _check_args(
+    old, old_tensors, optimizer, old_optimizer, dense_from_storage, experts_from_storage, checkpoint
+) -> str | None:
+    """This rank's arguments, checked before the first exchange (agreed there): the checkpoint
+    path (None: none)."""
+    if dense_from_storage not in _CHOICES:
+        raise ValueError(f"dense_from_storage must be 'raise', 'warn' or 'allow', got {dense_from_storage!r}")
+    if experts_from_storage is not None and experts_from_storage not in _CHOICES:
+        raise ValueError(f"experts_from_storage must be None, 'raise', 'warn' or 'allow', got {experts_from_storage!r}")
+    if old is not None and (optimizer is None) != (old_optimizer is None):
+        raise ValueError("pass optimizer= and old_optimizer= together (a joiner passes optimizer= only)")
+    if old is not None and old_tensors is None:
+        raise ValueError("old= was given without old_tensors= (the old model, whose local shards this rank holds)")
+    return None if checkpoint is None else os.fspath(checkpoint)
+
+
+def _old_layout(old: ShardLayout, old_tensors, old_optimizer) -> ShardLayout:
+    """The old layout to reshard from: its parameters and persistent buffers, and with
+    ``old_optimizer`` the per-parameter state tensors that optimizer holds now (described
+    here, so that a layout taken before the optimizer's first step carries them too)."""
+    tensors = tuple(t for t in old.tensors if OPTIMIZER_SEP not in t.name)
+    if old_optimizer is not None:
+        tensors += tuple(_state_layouts(tensors, _old_params(old_tensors), old_optimizer))
+    return dataclasses.replace(old, tensors=tensors)
+
+
+def _old_params(old_tensors) -> dict[str, torch.Tensor]:
+    return named_tensors(old_tensors) if isinstance(old_tensors, nn.Module) else dict(old_tensors)
 
 
 @collectives.runs_on_group
@@ -510,6 +538,7 @@ def reshard(
     optimizer: torch.optim.Optimizer | None = None,
     old_optimizer: torch.optim.Optimizer | None = None,
     dense_from_storage: Literal["raise", "warn", "allow"] = "raise",
+    experts_from_storage: Literal["raise", "warn", "allow"] | None = None,
     storage: Storage = "auto",
     topology: Topology | None = None,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
@@ -522,81 +551,78 @@ def reshard(
     on a new mesh and parallelized (it may be on the meta device), from the old model's shards
     that the members still hold; read from ``checkpoint`` only the boxes no member holds.
 
+    Every check (each member's arguments, the layouts, the param groups, the boxes no member
+    holds) is agreed before anything is written to ``model`` or ``optimizer`` (whose new state
+    is built aside, installed at the end): a refusal changes nothing. The old ones are only read.
+
     Args:
         model: the new model (:func:`moeshard.parallelize` on a mesh of ``group``'s ranks, any EP,
             expert-FSDP, FSDP / HSDP replicate size or placement; its placement is the model's).
-        old: this rank's :func:`describe_shards` of the old model (taken before the loss); None
-            on a joiner, which holds nothing (every member must have the same old layout).
+        old: this rank's :func:`describe_shards` of the old model (taken while the job was
+            whole); None on a joiner, which holds nothing (every member must have the same old
+            layout).
         old_tensors: the old model (or ``{name: tensor}`` of its parameters and persistent
             buffers) whose local shards this rank still holds; only read. None on a joiner.
         checkpoint: read for boxes no member holds (None: every box must have a live holder).
-        optimizer, old_optimizer: reshard the per-parameter state of ``old_optimizer`` (described
-            by ``describe_shards(old_model, old_optimizer)``) into ``optimizer`` over ``model``'s
-            parameters (its state tensors created as needed; scalar states, e.g. AdamW's
-            ``step``, taken from the first survivor). A state box with no live holder is refused
-            (a checkpoint has no optimizer state).
+        optimizer, old_optimizer: carry ``old_optimizer``'s state into ``optimizer`` (over
+            ``model``'s parameters; a joiner passes ``optimizer`` only): state tensors shaped like
+            their parameter (AdamW's ``exp_avg``) resharded with it; scalar states (``step``) and
+            each param group's hyperparameters (``lr`` as a scheduler left it, ``betas``, ...)
+            the first survivor's. ``optimizer``'s param groups must hold ``old_optimizer``'s
+            parameters group by group (by name); its state is replaced. Buffers are model state,
+            never optimizer state. A state box with no live holder (its parameter's read from
+            the checkpoint, as allowed below) starts at zero.
         dense_from_storage: a dense box with no live holder (its checkpoint value is older than
-            the live weights): "raise" (:class:`StaleStateError` on every rank, nothing changed),
-            "warn" (log a warning on rank 0 and read it), "allow".
+            the live weights): "raise" (:class:`StaleStateError` on every rank, nothing
+            changed), "warn" (read it, with a warning naming the staleness), "allow" (read it).
+        experts_from_storage: an expert whose every holder is lost, the same choice; None (the
+            default): "raise" when ``optimizer`` is given (training: the checkpoint's expert is
+            older than the live weights) and "allow" without (serving: the checkpoint's experts
+            are the weights).
         storage, topology, staging_bytes, max_ops, device: as :func:`moeshard.load`'s.
         group: the process group of the members (default: the default group).
 
-    Returns a :class:`ReshardReport` (which boxes came from storage, bytes per source).
+    Every checkpoint read is logged (``logging.warning`` on rank 0: dense tensors, experts,
+    bytes). Returns a :class:`ReshardReport` (boxes from storage, bytes per source).
 
     Raises:
-        StaleStateError: ``dense_from_storage="raise"`` and some dense box has no live holder.
+        StaleStateError: on every rank, a dense box or (by the choice above) an expert has no
+            live holder; nothing changed.
         PeerLostError: a member died during the reshard (on every member that saw it; the old
-            tensors are intact, the new model partly filled).
-        DistributedError: on every rank, for any member's bad input (layouts that differ between
-            members, shapes that differ between the models, a box with no holder and no
-            checkpoint, an optimizer state with no holder).
+            tensors and ``optimizer`` are intact, the new model partly filled).
+        DistributedError: on every rank, for any member's bad input (arguments or layouts
+            that differ between members, shapes between the models, a box with no holder and
+            no checkpoint, param groups that cannot be mapped); nothing changed.
     """
     t0 = time.perf_counter()
     phases = Phases(t0)
-    if dense_from_storage not in ("raise", "warn", "allow"):
-        raise ValueError(f"dense_from_storage must be 'raise', 'warn' or 'allow', got {dense_from_storage!r}")
-    if old is not None and (optimizer is None) != (old_optimizer is None):
-        raise ValueError("pass optimizer= and old_optimizer= together (a joiner passes optimizer= only)")
-    if old is not None and optimizer is None:  # the parameters only
-        old = dataclasses.replace(old, tensors=tuple(t for t in old.tensors if OPTIMIZER_SEP not in t.name))
+    members = _meet(
+        model,
+        old,
+        old_tensors,
+        optimizer,
+        old_optimizer,
+        (dense_from_storage, experts_from_storage),
+        checkpoint,
+        storage,
+        topology,
+        group,
+    )
     rank, world = collectives.rank_and_world()
-    topo = group_topology(topology, group)
-    path = None if checkpoint is None else os.fspath(checkpoint)
-    members = _meet(model, old, old_tensors, old_optimizer, device, path)
     phases.end("exchange")
-    placement = resolve_placement(model, None, "moeshard.reshard", specs)
     planned = collectives.agree(
-        lambda: _plan(model, members, placement, optimizer, specs, topo, staging_bytes, max_ops, path),
+        lambda: _plan(model, members, optimizer, specs, staging_bytes, max_ops),
         "moeshard.reshard: planning",
         fingerprint=lambda r: r.plan.fingerprint,
     )
-    descs, plan, dests, dtypes = planned.descs, planned.plan, planned.dests, planned.dtypes
-    _check_stale(plan, dense_from_storage, rank)
+    plan, use = planned.plan, planned.use
+    _check_stale(use, dense_from_storage, experts_from_storage, optimizer is not None)
     t_plan = phases.end("plan") - t0
 
-    what = "moeshard.reshard: copying from live ranks"
-    with torch.no_grad(), contextlib.ExitStack() as closing:
-        # Storage reads planned and hinted to the kernel first: storage works while peers send.
-        reads = _plan_storage(plan, descs, placement, path, storage, topo, members.everyone, staging_bytes, closing)
-        sched = plan.schedule
-        stats = collectives.agree(
-            lambda: execute_schedule(
-                sched,
-                rank,
-                _OldTensors(plan, members.old_locals, rank, dtypes),
-                TensorSink(sched, dests, rank, receive_in_place=True),
-                members.device,
-                what=what,
-            ).check(),
-            what,
-        )
-        phases.end("peers")
-        read = 0
-        if reads is not None:
-            read = _read_storage(reads, dests, members.device)
-            phases.end("storage")
-        if optimizer is not None:
-            _scalar_states(model, descs, optimizer, old_tensors, old_optimizer, members.first, rank)
+    stats, read = _fill(model, members, planned, storage, staging_bytes, device, phases)
+    if optimizer is not None:
+        install(optimizer, named_tensors(model), members.record, planned.group_map, stats.fresh)
+    sched = plan.schedule
     # No closing barrier: the last agree (an all-reduce) returns once every rank is done.
     phases.end("finish")
     copied = int(sched.pieces.bytes[sched.copies.piece[sched.views.rank[sched.copies.view] == rank]].sum())
@@ -608,16 +634,18 @@ def reshard(
         fingerprint=plan.fingerprint,
         plan=sched.cost.summary(),
         bytes_read_rank=read,
-        bytes_sent_rank=stats.bytes_sent,
-        bytes_received_rank=stats.bytes_received,
-        peak_staging_bytes_rank=stats.peak_staging_bytes,
+        bytes_sent_rank=stats.peers.bytes_sent,
+        bytes_received_rank=stats.peers.bytes_received,
+        peak_staging_bytes_rank=stats.peers.peak_staging_bytes,
         phase_seconds=phases.seconds,
         phase_cpu_seconds=phases.cpu_seconds,
-        storage_boxes=plan.storage_boxes,
-        dense_from_storage=plan.dense_from_storage,
+        storage_boxes=use.boxes,
+        dense_from_storage=use.dense,
+        experts_from_storage=use.experts,
+        states_zeroed=use.states,
         peer_bytes=plan.peer_bytes,
         copy_bytes=plan.copy_bytes,
-        storage_bytes=plan.storage_bytes,
+        storage_bytes=use.bytes,
         bytes_copied_rank=copied,
         joined=old is None,
     )
@@ -625,95 +653,152 @@ def reshard(
 
 @dataclass(frozen=True)
 class _Members:
-    """What one exchange tells every member: its device, its old local tensors, every member's
-    shares (old rank, old layout's digest, sees the checkpoint), their old ranks, the first
-    survivor and the old layout (sent by it)."""
+    """What the first exchanges tell every member: this rank's topology, checkpoint path and old
+    local tensors; every member's shares (old rank, old layout's digest, sees the checkpoint,
+    arguments); their old ranks, the first survivor, the old layout (the first survivor's) and
+    the first survivor's :class:`OptimizerRecord` (None without an optimizer)."""
 
-    device: torch.device
+    topology: Topology
+    path: str | None
     old_locals: list
     everyone: list
     old_ranks: np.ndarray
     survivors: np.ndarray
     first: int
     shared: ShardLayout
+    record: OptimizerRecord | None
 
 
-def _meet(model, old, old_tensors, old_optimizer, device, path) -> _Members:
-    """Collective: materialize the new model, gather every member's old rank and layout digest,
-    refuse (on every rank) when no member holds the old model or their layouts differ, and send
-    the old layout from the first survivor where a joiner needs it."""
+def _meet(model, old, old_tensors, optimizer, old_optimizer, choices, checkpoint, storage, topology, group) -> _Members:
+    """Collective: check this rank's arguments and old tensors, gather every member's old rank,
+    layout digest and arguments, refuse (on every rank) when no member holds the old model or
+    their layouts or arguments differ, and send the old layout (where a joiner needs it) and
+    the old optimizer's record (with an optimizer) from the first survivor."""
 
     def prepare():
-        dev = materialize(model, device)
-        locals_ = _old_locals(old, old_tensors, old_optimizer) if old is not None else []
-        return dev, locals_
+        path = _check_args(old, old_tensors, optimizer, old_optimizer, *choices, checkpoint)
+        topo = group_topology(topology, group)
+        layout = _old_layout(old, old_tensors, old_optimizer) if old is not None else None
+        locals_ = _old_locals(layout, old_tensors, old_optimizer) if layout is not None else []
+        return topo, path, layout, locals_
 
     gathered = collectives.agree_and_gather(
         prepare,
-        "moeshard.reshard: materializing the model",
-        share=lambda _: (
-            old.rank if old is not None else -1,
-            old.digest() if old is not None else None,
-            path is not None and os.path.exists(path),
+        "moeshard.reshard: checking the arguments",
+        share=lambda r: (
+            r[2].rank if r[2] is not None else -1,
+            r[2].digest() if r[2] is not None else None,
+            r[1] is not None and os.path.exists(r[1]),
+            (optimizer is not None, *choices, storage),
         ),
     )
-    (dev, old_locals), everyone = gathered.result, gathered.shares
+    (topo, path, layout, old_locals), everyone = gathered.result, gathered.shares
     old_ranks = np.asarray([e[0] for e in everyone], np.int64)
     survivors = np.flatnonzero(old_ranks >= 0)
     digests = {e[1] for e in everyone if e[1] is not None}
+    args = [e[3] for e in everyone]
     if not len(survivors):
         collectives.unanimous(
             lambda: _fail("no member holds the old model (every old= is None): use moeshard.load"), "moeshard.reshard"
+        )
+    if len(set(args)) > 1:
+        differ = ", ".join(f"rank {r}: {a}" for r, a in enumerate(args) if a != args[0])
+        collectives.unanimous(
+            lambda: _fail(
+                "the members pass different arguments (optimizer given, dense_from_storage, "
+                f"experts_from_storage, storage): rank 0: {args[0]}, {differ}"
+            ),
+            "moeshard.reshard",
         )
     if len(digests) > 1:
         collectives.unanimous(
             lambda: _fail(
                 f"the members' old layouts differ (digests {sorted(digests)}): every "
-                "survivor must pass the describe_shards of the same old model"
+                "survivor must pass the describe_shards of the same old model (and its old_optimizer)"
             ),
             "moeshard.reshard",
         )
     first = int(survivors[0])
     rank, _ = collectives.rank_and_world()
-    if len(survivors) == len(old_ranks):  # no joiner: every member has the (agreed) layout
-        shared = old.shared()
-    else:
-        shared = collectives.broadcast_object(
-            old.shared() if rank == first else None, src=first, what="moeshard.reshard: sending the old layout"
+    joiners = len(survivors) < len(old_ranks)
+    shared, record = (layout.shared() if layout is not None else None), None
+    if joiners or optimizer is not None:
+        sent = collectives.broadcast_result(
+            lambda: (
+                shared if joiners else None,
+                record_optimizer(_old_params(old_tensors), old_optimizer) if optimizer is not None else None,
+            ),
+            src=first,
+            what="moeshard.reshard: sending the old layout and optimizer record",
         )
-    return _Members(dev, old_locals, everyone, old_ranks, survivors, first, shared)
+        shared = sent[0] if joiners else shared
+        record = sent[1]
+    return _Members(topo, path, old_locals, everyone, old_ranks, survivors, first, shared, record)
+
+
+@dataclass(frozen=True)
+class _StorageUse:
+    """What a plan reads from storage, and what it cannot: the cells to read (the plan's
+    storage cells but the optimizer states'), their distinct boxes (sorted) and bytes, the dense
+    tensors and the expert units among them (sorted), and the optimizer state units with no
+    live holder (they start at zero)."""
+
+    cells: StorageCells
+    boxes: tuple
+    bytes: int
+    dense: tuple[str, ...]
+    experts: tuple[str, ...]
+    states: tuple[str, ...]
 
 
 @dataclass(frozen=True)
 class _Planned:
-    """A rank's reshard plan and what its run needs: the new model's descriptions, the plan, the
-    destination local tensors (parameters, then optimizer states) and each unit's dtype."""
+    """A rank's reshard plan and what its run needs: the new model's descriptions and
+    placement, the plan, each unit's dtype, what comes from storage, the optimizer state
+    tensors to create (``{state unit name: (parameter name, state name)}``, in destination
+    order after the parameters) and the new param groups' old groups."""
 
     descs: list
+    placement: object
     plan: ReshardPlan
-    dests: list
     dtypes: list
+    use: _StorageUse
+    states: dict
+    group_map: tuple[int, ...]
 
 
-def _plan(model, members: _Members, placement, optimizer, specs, topo, staging_bytes, max_ops, path) -> _Planned:
-    """One rank's step of the planning agreement: the new layouts (with optimizer states), the
-    holders' and the new model's box rows, :func:`~moeshard.plan.reshard.plan_reshard`, and the
-    refusals that need the plan (an optimizer state or a box with no holder and no checkpoint)."""
+def _plan(model, members: _Members, optimizer, specs, staging_bytes, max_ops) -> _Planned:
+    """One rank's step of the planning agreement (writes nothing): the new layouts (with the
+    optimizer states the old layout has), the holders' and the new model's box rows,
+    :func:`~moeshard.plan.reshard.plan_reshard`, and the refusals that need them."""
     shared, old_ranks, survivors = members.shared, members.old_ranks, members.survivors
+    topo, path = members.topology, members.path
     _, world = collectives.rank_and_world()
-    if optimizer is not None:  # its moments are placed in slot order: checked from now on
-        guard_optimizer(optimizer)
+    placement = resolve_placement(model, None, "moeshard.reshard", specs)
     descs = describe_model(model, None, specs)
     new_layouts = _tensor_layouts(descs)
-    new_states = {}
-    if optimizer is not None:
-        states = sorted({t.name.partition(OPTIMIZER_SEP)[2] for t in shared.tensors if OPTIMIZER_SEP in t.name})
-        new_states = _new_states(model, descs, optimizer, states)
-        new_layouts += [
-            TensorLayout(name, t.shape, _dtype_name(new_states[name].dtype), t.mesh, t.placements, t.layer)
-            for t in list(new_layouts)
-            for name in (f"{t.name}{OPTIMIZER_SEP}{k}" for k in states)
-        ]
+    states: dict[str, tuple[str, str]] = {}
+    group_map: tuple[int, ...] = ()
+    if optimizer is not None:  # its moments are placed in slot order: checked from now on
+        guard_optimizer(optimizer)
+        params = named_tensors(model)
+        held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        old_states = [t.name.partition(OPTIMIZER_SEP) for t in shared.tensors if OPTIMIZER_SEP in t.name]
+        by_param: dict[str, list[str]] = {}
+        for name, _, k in old_states:
+            by_param.setdefault(name, []).append(k)
+        for t in list(new_layouts):
+            ks = by_param.get(t.name, ())
+            if ks and id(params[t.name]) not in held:
+                raise ValueError(
+                    f"optimizer does not hold parameter {t.name}, whose state old_optimizer holds "
+                    f"({', '.join(ks)}): build the new optimizer over the same parameters"
+                )
+            for k in ks:
+                name = f"{t.name}{OPTIMIZER_SEP}{k}"
+                states[name] = (t.name, k)
+                new_layouts.append(TensorLayout(name, t.shape, t.dtype, t.mesh, t.placements, t.layer))
+        group_map = map_groups(members.record, params, optimizer)
     new_nl = placement.num_logical if placement is not None else 0
     _check_compatible(shared.tensors, new_layouts, shared.num_logical, new_nl)
     if old_ranks.max() >= shared.world_size:
@@ -727,42 +812,166 @@ def _plan(model, members: _Members, placement, optimizer, specs, topo, staging_b
     holds = _box_rows(shared.tensors, shared.phy2log, shared.world_size, rank_map, units, width)
     new_p2l = np.asarray(placement.phy2log) if placement is not None else None
     needs = _box_rows(new_layouts, new_p2l, world, np.arange(world, dtype=np.int64), units, width)
-    plan = plan_reshard(units.units(), holds, needs, topo, staging_bytes, max_ops)
-    state_missing = sorted(
-        {plan.schedule.keys[u] for u in plan.storage.unit.tolist() if OPTIMIZER_SEP in plan.schedule.keys[u]}
-    )
-    if state_missing:
+    table = units.units()
+    plan = plan_reshard(table, holds, needs, topo, staging_bytes, max_ops)
+    use = _storage_use(plan, table)
+    if len(use.cells) and path is None:
         raise ValueError(
-            f"optimizer state boxes of {state_missing[:4]} (of {len(state_missing)}) have no live "
-            "holder and no checkpoint holds optimizer state"
+            f"{len(use.boxes)} boxes have no live holder (e.g. {use.boxes[0][0]}) and no checkpoint= was given"
         )
-    if len(plan.storage) and path is None:
-        raise ValueError(
-            f"{len(plan.storage_boxes)} boxes have no live holder (e.g. {plan.storage_boxes[0][0]}) "
-            "and no checkpoint= was given"
-        )
-    dests = local_tensors(named_tensors(model), descs)  # one walk of the model, not one per tensor
-    dests += [local_tensor(new_states[t.name]) for t in new_layouts[len(descs) :]]
-    return _Planned(descs, plan, dests, [getattr(torch, d) for d in units.dtype])
+    return _Planned(descs, placement, plan, [getattr(torch, d) for d in units.dtype], use, states, group_map)
 
 
-def _check_stale(plan: ReshardPlan, dense_from_storage: str, rank: int) -> None:
-    """Refuse (every rank: the plan is every rank's) or warn when dense boxes would come from
-    storage, whose values are older than the live weights."""
-    if not plan.dense_from_storage or dense_from_storage == "allow":
+def _storage_use(plan: ReshardPlan, units: Units) -> _StorageUse:
+    """The plan's storage cells split into reads (parameters and buffers) and optimizer states
+    that start at zero. Raises ValueError for a state box whose parameter's box is live (a
+    layout no optimizer makes)."""
+    keys = plan.schedule.keys
+    is_state = np.asarray([OPTIMIZER_SEP in k for k in keys], bool)
+    st = plan.storage
+    keep = ~is_state[st.unit] if len(st) else np.zeros(0, bool)
+    cells = StorageCells(*(a[keep] for a in (st.unit, st.rank, st.param, st.slot, st.off, st.len, st.dst)))
+    read_units = {keys[u] for u in np.unique(cells.unit).tolist()}
+    states = sorted({keys[u] for u in np.unique(st.unit[~keep]).tolist()})
+    for s in states:
+        name, _, rest = s.partition(OPTIMIZER_SEP)
+        param = name + rest[rest.index("[") :] if "[" in rest else name
+        if param not in read_units:
+            raise ValueError(f"optimizer state {s} has no live holder while its parameter has one")
+    boxes = tuple(b for b in plan.storage_boxes if OPTIMIZER_SEP not in b[0])
+    nbytes = 0
+    ids = {k: u for u, k in enumerate(keys)}
+    for key, box in boxes:
+        nbytes += math.prod(n for _, n in box) * int(units.itemsize[ids[key]])
+    dense = tuple(sorted(k for k in read_units if units.dense[ids[k]]))
+    experts = tuple(sorted(k for k in read_units if not units.dense[ids[k]]))
+    return _StorageUse(cells, boxes, nbytes, dense, experts, tuple(states))
+
+
+def _experts_named(keys: Sequence[str]) -> str:
+    """Expert unit keys (``"<parameter>[<expert>]"``) as ``"<parameter> [e, ...]"`` per parameter."""
+    by: dict[str, list[int]] = {}
+    for k in keys:
+        name, _, e = k.rpartition("[")
+        by.setdefault(name, []).append(int(e.rstrip("]")))
+    return "; ".join(f"{n} experts {sorted(es)}" for n, es in sorted(by.items()))
+
+
+def _check_stale(use: _StorageUse, dense_from_storage: str, experts_from_storage: str | None, training: bool) -> None:
+    """Refuse (every rank: the plan is every rank's) or warn when dense boxes, or experts, would
+    come from storage, whose values are older than the live weights."""
+    experts = experts_from_storage or ("raise" if training else "allow")
+    for kind, found, choice in (("dense", use.dense, dense_from_storage), ("experts", use.experts, experts)):
+        if not found or choice == "allow":
+            continue
+        if kind == "dense":
+            names = ", ".join(found[:6]) + (" ..." if len(found) > 6 else "")
+            text = f"{len(found)} dense tensors have boxes no live rank holds ({names})"
+            fix = "keep an HSDP replica (make_mesh(replicate=...)) or pass dense_from_storage='warn'"
+        else:
+            text = f"{len(found)} experts have no live copy ({_experts_named(found)})"
+            fix = "keep redundant copies on other nodes or pass experts_from_storage='warn'"
+        text = (
+            f"moeshard.reshard: {text}; their checkpoint values are older than the live weights (mixing training steps)"
+        )
+        if choice == "raise":
+            raise StaleStateError(f"{text}; {fix} to read them anyway")
+        if collectives.rank_and_world()[0] == 0:
+            logger.warning("%s: reading them from the checkpoint (%s_from_storage='warn')", text, kind)
+
+
+def _log_storage(use: _StorageUse) -> None:
+    """Log (warning) what the reshard reads from the checkpoint, and which optimizer states
+    start at zero."""
+    if not len(use.cells):
         return
-    names = ", ".join(plan.dense_from_storage[:6]) + (" ..." if len(plan.dense_from_storage) > 6 else "")
-    text = (
-        f"moeshard.reshard: {len(plan.dense_from_storage)} dense tensors have boxes no live rank holds "
-        f"({names}); their checkpoint values are older than the live weights (mixing training steps)"
+    parts = []
+    if use.dense:
+        parts.append(f"dense {', '.join(use.dense[:8])}{' ...' if len(use.dense) > 8 else ''}")
+    if use.experts:
+        parts.append(_experts_named(use.experts))
+    logger.warning(
+        "moeshard.reshard: reading %d boxes (%d bytes) from the checkpoint that no live rank holds: %s",
+        len(use.boxes),
+        use.bytes,
+        "; ".join(parts),
     )
-    if dense_from_storage == "raise":
-        raise StaleStateError(
-            f"{text}; keep an HSDP replica (make_mesh(replicate=...)) or pass "
-            "dense_from_storage='warn' to read them anyway"
+    if use.states:
+        logger.warning(
+            "moeshard.reshard: optimizer state of %d units with no live holder starts at zero (%s%s)",
+            len(use.states),
+            ", ".join(use.states[:6]),
+            " ..." if len(use.states) > 6 else "",
         )
-    if rank == 0:
-        logger.warning("%s: reading them from the checkpoint (dense_from_storage='warn')", text)
+
+
+def _targets(model, descs, states: dict, device) -> tuple[torch.device, list, dict]:
+    """Materialize the new model and create the optimizer's new state tensors (zeros, like
+    their parameter; not yet in the optimizer): the device, every destination local tensor
+    (parameters, then states) and ``{parameter name: {state name: tensor}}``."""
+    dev = materialize(model, device)
+    params = named_tensors(model)
+    dests = local_tensors(params, descs)
+    fresh: dict[str, dict[str, torch.Tensor]] = {}
+    for name, k in states.values():
+        t = torch.zeros_like(params[name], memory_format=torch.preserve_format)
+        fresh.setdefault(name, {})[k] = t
+        dests.append(local_tensor(t))
+    return dev, dests, fresh
+
+
+@dataclass(frozen=True)
+class _Filled:
+    """What :func:`_fill` did on this rank: the peer schedule's run statistics and the
+    optimizer's new state tensors (``{parameter name: {state name: tensor}}``)."""
+
+    peers: object
+    fresh: dict
+
+
+def _fill(model, members: _Members, planned: _Planned, storage, staging_bytes, device, phases) -> tuple[_Filled, int]:
+    """Collective, once every refusal is behind: plan the storage reads (hinted to the kernel
+    first, so that storage works while peers send), materialize the new model and create the
+    optimizer's new state tensors aside, log what storage gives, run the peer schedule, then
+    the storage reads. Returns what was done and this rank's bytes read."""
+    rank = members.topology.rank
+    plan, use, descs = planned.plan, planned.use, planned.descs
+    what = "moeshard.reshard: copying from live ranks"
+    with torch.no_grad(), contextlib.ExitStack() as closing:
+        reads = _plan_storage(
+            use.cells,
+            descs,
+            planned.placement,
+            members.path,
+            storage,
+            members.topology,
+            members.everyone,
+            staging_bytes,
+            closing,
+        )
+        dev, dests, fresh = collectives.agree(
+            lambda: _targets(model, descs, planned.states, device), "moeshard.reshard: materializing the model"
+        )
+        if rank == 0:
+            _log_storage(use)
+        sched = plan.schedule
+        stats = collectives.agree(
+            lambda: execute_schedule(
+                sched,
+                rank,
+                _OldTensors(plan, members.old_locals, rank, planned.dtypes),
+                TensorSink(sched, dests, rank, receive_in_place=True),
+                dev,
+                what=what,
+            ).check(),
+            what,
+        )
+        phases.end("peers")
+        read = 0
+        if reads is not None:
+            read = _read_storage(reads, dests, dev)
+            phases.end("storage")
+    return _Filled(stats, fresh), read
 
 
 def _fail(message: str):
@@ -782,7 +991,7 @@ class _StorageReads:
 
 
 def _plan_storage(
-    plan: ReshardPlan,
+    cells: StorageCells,
     descs,
     placement,
     path: str,
@@ -792,11 +1001,12 @@ def _plan_storage(
     staging_bytes: int,
     closing: contextlib.ExitStack,
 ) -> _StorageReads | None:
-    """Collective: plan the reads of the plan's storage cells with the load planner (its needs
-    clipped to the cells), and hint the kernel about this rank's (``posix_fadvise(WILLNEED)``)
-    so that storage reads them while the peers' transfers run. None without storage cells;
-    the reader is closed with ``closing``."""
-    if not len(plan.storage):
+    """Collective: plan the reads of the storage ``cells`` with the load planner (its needs
+    clipped to the cells), open this rank's reader and hint the kernel about its reads
+    (``posix_fadvise(WILLNEED)``) so that storage reads them while the peers' transfers run;
+    a rank's failure is every rank's. None without storage cells; the reader is closed with
+    ``closing``."""
+    if not len(cells):
         return None
     rank = topo.rank
     can = bool(everyone[rank][2])
@@ -804,14 +1014,16 @@ def _plan_storage(
     mode, readers, scope, index = resolve_sources(path, storage, topo, can, everyone=shares)
 
     def make():
-        table = _clip_storage(plan.storage, need_table(descs, index, placement, topo.world_size))
+        table = _clip_storage(cells, need_table(descs, index, placement, topo.world_size))
         sched = plan_transfers(table, index, topo, readers, scope=scope, staging_bytes=staging_bytes)
-        return sched
+        reader = closing.enter_context(CheckpointReader(index, reader_root(path))) if readers[rank] else None
+        if reader is not None:
+            _hint_reads(sched, reader, rank)
+        return sched, reader
 
-    sched = collectives.agree(make, "moeshard.reshard: planning the storage reads", fingerprint=lambda s: s.fingerprint)
-    reader = closing.enter_context(CheckpointReader(index, reader_root(path))) if readers[rank] else None
-    if reader is not None:
-        _hint_reads(sched, reader, rank)
+    sched, reader = collectives.agree(
+        make, "moeshard.reshard: planning the storage reads", fingerprint=lambda r: r[0].fingerprint
+    )
     node_group = None
     if sched.has_broadcasts:
         from ..execute import node_groups
@@ -855,29 +1067,3 @@ def _read_storage(reads: _StorageReads, dests, dev) -> int:
             what,
         )
     return stats.bytes_read
-
-
-def _scalar_states(model, descs, optimizer, old_tensors, old_optimizer, first: int, rank: int) -> None:
-    """Collective: the scalar per-parameter states (AdamW's ``step``) and the param groups'
-    hyperparameters of the first survivor, on every member."""
-    scalars = None
-    if rank == first:
-        params = named_tensors(old_tensors) if isinstance(old_tensors, nn.Module) else dict(old_tensors)
-        scalars = {}
-        for d in descs:
-            p = params.get(d.name)
-            for k, v in (old_optimizer.state.get(p, {}) if p is not None else {}).items():
-                if not (isinstance(v, torch.Tensor) and v.dim() > 0):
-                    scalars.setdefault(d.name, {})[k] = v.item() if isinstance(v, torch.Tensor) else v
-    scalars = collectives.broadcast_object(scalars, src=first, what="moeshard.reshard: optimizer scalars")
-    params = named_tensors(model)
-    for name, states in scalars.items():
-        p = params[name]
-        st = optimizer.state.setdefault(p, {})
-        for k, v in states.items():
-            old = st.get(k)
-            st[k] = (
-                torch.tensor(v, dtype=old.dtype if isinstance(old, torch.Tensor) else torch.float32)
-                if isinstance(v, float) or isinstance(old, torch.Tensor)
-                else v
-            )
