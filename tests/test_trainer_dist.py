@@ -1,6 +1,7 @@
 """Tier 3: the stock transformers Trainer (and TRL's SFTTrainer) with moeshard's Trainer mixin.
 
-A tiny fp32 Qwen3-MoE is written by ``save_pretrained``. On 4 gloo ranks it is built on meta,
+A tiny fp32 Qwen3-MoE and a tiny DeepSeek-V3 (:mod:`tiny_hf`, ``tiny_hf.MATRIX``) are written
+by ``save_pretrained``. On 4 gloo ranks each is built on meta,
 parallelized by hand (EP=4, or EP=2 x expert-FSDP=2) with a SHUFFLED placement (every expert
 once, in another slot), loaded by moeshard and trained 4 steps by the stock ``Trainer`` with
 :class:`~moeshard.integrations.transformers.MoeshardTrainerMixin` (clipping on, a checkpoint
@@ -20,10 +21,19 @@ Trainer setup in one process on ``from_pretrained`` with the whole batch:
 * a REDUNDANT shuffled placement (12 slots for 8 experts, EP=4): the same checks with no
   moeshard call in the Trainer's loop (copies' gradients combined in backward, copies equal
   after each step), and its step-2 checkpoint resumed under another redundant placement;
-* TRL's SFTTrainer with the mixin (``moeshard_trainer(SFTTrainer)``), 3 steps, EP=4 shuffled:
-  losses, gradient norms and the saved model as above;
+* TRL's SFTTrainer with the mixin (``moeshard_trainer(SFTTrainer)``), EP=4 shuffled: losses,
+  gradient norms and the saved model as above;
 * that checkpoint resumed on another mesh (EP=2 x efsdp=2): refused on every rank, naming the
   parameter and the mesh.
+
+Both families run EP=4 and EP=2 x efsdp=2 training, saving, rebalancing and resuming under
+another placement; the redundant placement, SFT and the same-placement resume run on
+Qwen3-MoE. Then (Qwen3-MoE): ``bf16=True`` on a float32 model without a mixed-precision policy
+is refused on every rank (the stock Trainer, SFTTrainer's default SFTConfig, one rank alone),
+and with FSDP2's bf16 policy the model trains computing in bf16; and exactly one rank's bad
+input at each save and resume step (an unwritable directory, a file in the way, a damaged or
+missing file in that rank's copy of the checkpoint, another placement file or last checkpoint)
+raises on every rank within seconds.
 
 accelerate ignores its FSDP plugin on CPU and wraps the model in DDP (which fails on DTensor
 parameters); on GPUs it takes the FSDP2 path, which passes the model's FSDPModule root through.
@@ -48,7 +58,8 @@ from mp import run_ranks
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-pytestmark = [pytest.mark.hf, pytest.mark.dist]
+# The spawned group (both families, the bf16 and one-rank-bad scenarios) runs in the first test's setup.
+pytestmark = [pytest.mark.hf, pytest.mark.dist, pytest.mark.timeout(900)]
 
 STEPS, LR, WORLD, SEQ, LAYERS = 4, 1e-3, 4, tiny_hf.SEQ, tiny_hf.NUM_LAYERS
 EXPERTS, VOCAB = 8, tiny_hf.VOCAB
@@ -464,7 +475,7 @@ def _one_rank_bad_runs(ckpt: str, root: str, meshes: dict, out: dict) -> None:
     scenario("resume-last-checkpoint", 2, later_checkpoint, lambda d: resume(d, True))
 
 
-SFT_STEPS = 3
+SFT_STEPS = STEPS
 
 
 def _sft(model, ckpt: str, out: str, distributed: bool):
