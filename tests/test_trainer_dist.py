@@ -626,7 +626,8 @@ def test_bf16_with_fsdp2_policy_trains_in_bf16(runs):
         want = np.array([loss for _, loss, _ in fp32])
         assert len(losses) == STEPS and losses[-1] < losses[0]
         np.testing.assert_allclose(losses, want, rtol=5e-2)
-        assert np.abs(losses / want - 1).max() > 1e-4, "bf16 matmuls round: the losses cannot equal float32's"
+        # bf16 rounding moves them by ~1e-4 relative; an ignored flag leaves them bitwise float32's.
+        assert np.abs(losses / want - 1).max() > 1e-5, "bf16 matmuls round: the losses cannot equal float32's"
 
 
 # scenario -> the error every rank raises
