@@ -9,6 +9,8 @@ slots in *physical* order, a redundant expert several times) and its optimizer s
 order, and a resume under another placement would put both in the wrong slots. The mixin here
 sends every saver and loader the Trainer calls through moeshard::
 
+    from trl import SFTTrainer
+
     from moeshard.integrations.transformers import MoeshardTrainerMixin
 
     class MyTrainer(MoeshardTrainerMixin, SFTTrainer):   # or Trainer, DPOTrainer, ...
@@ -56,6 +58,8 @@ from __future__ import annotations
 
 import functools
 import glob
+import hashlib
+import json
 import os
 import re
 import warnings
@@ -73,7 +77,7 @@ from ..models.ep import ROUTED, ep_layers, model_placement
 from ..models.slot_guard import guard_optimizer
 from ..ops.load import load
 from ..ops.relocate import relocate
-from ..ops.save import save
+from ..ops.save import SaveError, save
 from ..placement import Placement
 
 __all__ = [
@@ -81,11 +85,13 @@ __all__ = [
     "moeshard_trainer",
     "MoeshardRebalanceCallback",
     "ResumeError",
+    "MixedPrecisionError",
     "PLACEMENT_NAME",
     "OPTIMIZER_DIR",
     "save_optimizer_state",
     "load_optimizer_state",
     "check_mixed_precision",
+    "check_checkpoint",
 ]
 
 PLACEMENT_NAME = "moeshard_placement.json"
@@ -97,11 +103,20 @@ _RANK_FILE = re.compile(r"rank-(\d+)-of-(\d+)\.pt$")
 _SCHEDULER_NAME = "scheduler.pt"
 _TRAINER_OPTIMIZER_NAMES = ("optimizer.pt", "optimizer.bin")
 _TRAINING_ARGS_NAME = "training_args.bin"
+_TRAINER_STATE_NAME = "trainer_state.json"
+_SCALER_NAME = "scaler.pt"
 
 
 class ResumeError(DistributedError, ValueError):
-    """Raised on every rank when a checkpoint's optimizer state cannot resume this job (another
-    world size, mesh, parameter layout or slot count), before anything changed."""
+    """Raised on every rank when a checkpoint cannot resume this job on some rank: its optimizer
+    state was saved under another world size, mesh, parameter layout or slot count (refused
+    before anything changed), or a file the resume reads is missing, unreadable or differs
+    between ranks."""
+
+
+class MixedPrecisionError(DistributedError, ValueError):
+    """Raised on every rank when the Trainer's ``bf16`` / ``fp16`` flag would be ignored on some
+    rank (:func:`check_mixed_precision`)."""
 
 
 def _inner_optimizer(optimizer) -> torch.optim.Optimizer:
@@ -272,6 +287,12 @@ def _resume_mode(saved: Placement | None, current: Placement | None, checkpoint:
     return "same" if np.array_equal(saved.phy2log, current.phy2log) else "relocate"
 
 
+def _resume_fingerprint(got: _SavedOptimizer) -> str:
+    """What every rank must read alike: the mode and the placement the state was saved under
+    (a rank whose placement file differs would relocate to other slots)."""
+    return f"{got.mode}, saved placement {got.saved.fingerprint() if got.saved is not None else None}"
+
+
 def _put_state(model: nn.Module, opt: torch.optim.Optimizer, payload: dict, checkpoint: str) -> None:
     """Local: the saved local state back into ``opt.state`` (a per-element state as a DTensor
     of its parameter's mesh and placements), the saved hyperparameters into its groups."""
@@ -350,7 +371,9 @@ def load_optimizer_state(model: nn.Module, optimizer, checkpoint: str | os.PathL
         return _SavedOptimizer(payload, saved, current, _resume_mode(saved, current, checkpoint))
 
     with collectives.errors_as(ResumeError):
-        got = collectives.agree(read, "moeshard: reading the optimizer state to resume", fingerprint=lambda r: r.mode)
+        got = collectives.agree(
+            read, "moeshard: reading the optimizer state to resume", fingerprint=_resume_fingerprint
+        )
         if got.mode == "same":
             collectives.agree(
                 lambda: _put_state(model, opt, got.payload, checkpoint), "moeshard: loading the optimizer state"
@@ -370,12 +393,49 @@ def load_optimizer_state(model: nn.Module, optimizer, checkpoint: str | os.PathL
     return "relocated"
 
 
+def check_checkpoint(checkpoint: str) -> str:
+    """Local: what the Trainer's resume reads from ``checkpoint`` before moeshard is called (the
+    directory, ``trainer_state.json``) and the placement file, checked; returns what every rank
+    must find alike (the checkpoint's name and step, the placement, which optimizer, scheduler
+    and scaler files it has).
+
+    Raises:
+        ValueError: naming the checkpoint and the file that is missing or unreadable.
+    """
+    if not os.path.isdir(checkpoint):
+        raise ValueError(f"{checkpoint}: no such checkpoint directory")
+    try:
+        with open(os.path.join(checkpoint, _TRAINER_STATE_NAME)) as f:
+            step = json.load(f)["global_step"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(
+            f"{checkpoint}: its {_TRAINER_STATE_NAME}, which the Trainer resumes from, cannot be read "
+            f"({type(e).__name__}: {e})"
+        ) from None
+    placement = os.path.join(checkpoint, PLACEMENT_NAME)
+    digest = None
+    if os.path.exists(placement):
+        table = np.ascontiguousarray(read_placement_file(placement, format="moeshard").phy2log, dtype=np.int64)
+        digest = hashlib.blake2b(table.tobytes() + str(table.shape).encode(), digest_size=8).hexdigest()
+    names = (OPTIMIZER_DIR, *_TRAINER_OPTIMIZER_NAMES, _SCHEDULER_NAME, _SCALER_NAME)
+    found = [n for n in names if os.path.exists(os.path.join(checkpoint, n))]
+    return f"{os.path.basename(os.path.normpath(checkpoint))} at step {step}, placement {digest}, files {found}"
+
+
+def _agreed(step, what: str, error: type[DistributedError]):
+    """Collective: ``step()`` on every rank, a failure on any rank raised as ``error`` on all."""
+    with collectives.errors_as(error):
+        return collectives.agree(step, what)
+
+
 def check_mixed_precision(model: nn.Module, args) -> None:
     """Local: refuse ``args.bf16`` / ``args.fp16`` (TRL's trainers default to ``bf16=True``) that
     would be silently ignored. accelerate applies mixed precision to a model it shards with
     ``fully_shard`` itself, and it passes a moeshard model (already FSDP2) through, so the flag
     would leave training in the parameters' dtype. Accepted: parameters already in that dtype, or
     a model :func:`moeshard.parallelize` gave a ``MixedPrecisionPolicy`` that computes in it.
+    :class:`MoeshardTrainerMixin` runs it on every rank, agreed, when the Trainer is created and
+    when ``train`` starts.
 
     Raises:
         ValueError: naming the flag, the parameters' dtype and what to do instead.
@@ -393,9 +453,9 @@ def check_mixed_precision(model: nn.Module, args) -> None:
     raise ValueError(
         f"{flag}=True with a moeshard model whose parameters are {sorted(str(d) for d in dtypes)}: accelerate applies "
         "mixed precision only inside the fully_shard it skips for a model that is already FSDP2, so training would "
-        f"run in {sorted(str(d) for d in dtypes)[0]} without a word. Give parallelize FSDP2's own policy "
-        f"(mp_policy=MixedPrecisionPolicy(param_dtype={want}, reduce_dtype=torch.float32)), load the model in "
-        f"{want}, or set {flag}=False"
+        f"run in {sorted(str(d) for d in dtypes)[0]} without a word. Pass FSDP2's own policy to "
+        f"moeshard.from_pretrained or moeshard.parallelize (mp_policy=MixedPrecisionPolicy(param_dtype={want}, "
+        f"reduce_dtype=torch.float32), from torch.distributed.fsdp), load the model in {want}, or set {flag}=False"
     )
 
 
@@ -404,12 +464,57 @@ class MoeshardTrainerMixin:
     ``class MyTrainer(MoeshardTrainerMixin, SFTTrainer): pass``. The model must be a moeshard
     model (parallelized and loaded by moeshard); the module doc says what is saved and how a
     resume works. Every override is collective; the Trainer calls each on every rank.
+
+    Every step that can fail on one rank (a flag, a file written or read) is agreed: a failure
+    on any rank raises on every rank (:class:`MixedPrecisionError`, ``moeshard.SaveError``,
+    :class:`ResumeError`), never leaving the others waiting in a collective.
     """
+
+    def __init__(self, *args, **kwargs):
+        """Collective: the Trainer's own ``__init__``, then :func:`check_mixed_precision` agreed
+        on every rank (``bf16=True`` / ``fp16=True`` that would be ignored raises
+        :class:`MixedPrecisionError` on every rank)."""
+        super().__init__(*args, **kwargs)
+        self._moeshard_check_precision()
 
     def _moeshard_model(self) -> nn.Module:
         model = self.model
         unwrap = getattr(getattr(self, "accelerator", None), "unwrap_model", None)
-        return unwrap(model, keep_torch_compile=False) if unwrap is not None else model
+        return unwrap(model, keep_torch_compile=False) if unwrap is not None and model is not None else model
+
+    def _moeshard_check_precision(self) -> None:
+        model = self._moeshard_model()
+        if model is None:  # built by model_init when train() starts: checked there
+            return
+        with collectives.errors_as(MixedPrecisionError):
+            collectives.agree(
+                lambda: check_mixed_precision(model, self.args), "moeshard: checking the Trainer's bf16 / fp16 flags"
+            )
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        """Collective: the Trainer's ``train``, after every rank agreed that the mixed-precision
+        flags are honoured and, when resuming, on the checkpoint (``True``: the last one in
+        ``args.output_dir``; :func:`check_checkpoint`). A checkpoint missing, unreadable or
+        different on any rank raises :class:`ResumeError` on every rank before anything is
+        loaded."""
+        self._moeshard_check_precision()
+        if resume_from_checkpoint is None or resume_from_checkpoint is False:
+            return super().train(None, *args, **kwargs)
+
+        def find() -> tuple[str, str]:
+            path = resume_from_checkpoint
+            if path is True:
+                from transformers.trainer_utils import get_last_checkpoint
+
+                path = get_last_checkpoint(self.args.output_dir)
+                if path is None:
+                    raise ValueError(f"no checkpoint to resume from in {self.args.output_dir}")
+            path = os.fspath(path)
+            return path, check_checkpoint(path)
+
+        with collectives.errors_as(ResumeError):
+            path, _ = collectives.agree(find, "moeshard: checking the checkpoint to resume from", lambda r: r[1])
+        return super().train(path, *args, **kwargs)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Collective: the model as a Hugging Face checkpoint in ``output_dir`` (default
@@ -429,7 +534,10 @@ class MoeshardTrainerMixin:
         model = self._moeshard_model()
         save(model, output_dir, overwrite=True)
         placement = model_placement(model)
-        if self.args.should_save:
+
+        def write_main() -> None:
+            if not self.args.should_save:
+                return
             if placement is not None:
                 names = {id(m): n for n, m in model.named_modules()}
                 write_placement(
@@ -444,23 +552,60 @@ class MoeshardTrainerMixin:
             if processing is not None:
                 processing.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, _TRAINING_ARGS_NAME))
-        collectives.barrier("moeshard: saving the model (placement file, processing class)")
+
+        _agreed(write_main, "moeshard: saving the placement file, processing class and training arguments", SaveError)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Collective: every rank's local optimizer state (:func:`save_optimizer_state`); the
         scheduler on the main process, as the Trainer writes it."""
-        save_optimizer_state(self._moeshard_model(), self.optimizer, output_dir)
-        if self.args.should_save and self.lr_scheduler is not None:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # the scheduler's "save the optimizer too" reminder
-                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER_NAME))
+        with collectives.errors_as(SaveError):
+            save_optimizer_state(self._moeshard_model(), self.optimizer, output_dir)
+
+        def write_scheduler() -> None:
+            if self.args.should_save and self.lr_scheduler is not None:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # the scheduler's "save the optimizer too" reminder
+                    torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER_NAME))
+
+        _agreed(write_scheduler, "moeshard: saving the scheduler", SaveError)
+
+    def _save_scaler(self, output_dir: str) -> None:
+        """Collective: the Trainer's own (the gradient scaler, if any, on the main process), agreed."""
+        base = super()._save_scaler
+        _agreed(lambda: base(output_dir), "moeshard: saving the gradient scaler", SaveError)
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        """Collective: the Trainer's own (each rank's RNG file), agreed."""
+        base = super()._save_rng_state
+        _agreed(lambda: base(output_dir), "moeshard: saving the RNG state", SaveError)
+
+    def _save_checkpoint(self, model: nn.Module, trial) -> None:
+        """Collective: the Trainer's own (``save_model``, the optimizer, scheduler, scaler and RNG
+        state, each agreed above; then, on the main process, the trainer state and the rotation
+        of old checkpoints), its outcome agreed: a failure on any rank raises
+        ``moeshard.SaveError`` on every rank."""
+        failure: Exception | None = None
+        try:
+            super()._save_checkpoint(model, trial)
+        except DistributedError:
+            raise  # an agreed step: raised on every rank already
+        except Exception as e:  # noqa: BLE001 - a local step's error must reach the other ranks
+            failure = e
+
+        def outcome() -> None:
+            if failure is not None:
+                raise failure
+
+        _agreed(outcome, "moeshard: saving the checkpoint (trainer state)", SaveError)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         """Collective: the checkpoint's weights into the model, by :func:`moeshard.load` under
-        the placement the model routes by."""
+        the placement the model routes by (its failure on any rank: :class:`ResumeError` on
+        every rank)."""
         model = self._moeshard_model() if model is None else model
         unwrap = getattr(getattr(self, "accelerator", None), "unwrap_model", None)
-        load(unwrap(model, keep_torch_compile=False) if unwrap is not None else model, resume_from_checkpoint)
+        with collectives.errors_as(ResumeError):
+            load(unwrap(model, keep_torch_compile=False) if unwrap is not None else model, resume_from_checkpoint)
 
     def _load_best_model(self) -> None:
         """Collective: the best checkpoint's weights, by :func:`moeshard.load`."""
@@ -492,10 +637,30 @@ class MoeshardTrainerMixin:
         # "same" or "relocated" (load_optimizer_state), for the user's logs and the tests.
         self.moeshard_resumed = load_optimizer_state(self._moeshard_model(), self.optimizer, checkpoint)
         path = os.path.join(checkpoint, _SCHEDULER_NAME)
-        if self.lr_scheduler is not None and os.path.isfile(path):
+
+        def read_scheduler() -> dict | None:
+            if self.lr_scheduler is None or not os.path.isfile(path):
+                return None
+            return torch.load(path, weights_only=True)
+
+        with collectives.errors_as(ResumeError):
+            state = collectives.agree(
+                read_scheduler, "moeshard: reading the scheduler", fingerprint=lambda r: str(r is not None)
+            )
+        if state is not None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
+                self.lr_scheduler.load_state_dict(state)
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        """Collective: the Trainer's own (the gradient scaler's file, if any), agreed."""
+        base = super()._load_scaler
+        _agreed(lambda: base(checkpoint), "moeshard: loading the gradient scaler", ResumeError)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        """Collective: the Trainer's own (this rank's RNG file), agreed."""
+        base = super()._load_rng_state
+        _agreed(lambda: base(checkpoint), "moeshard: loading the RNG state", ResumeError)
 
 
 @functools.cache
