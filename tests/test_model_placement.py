@@ -5,11 +5,18 @@
 anything moves. Without this, ``save(model, dir)`` of a shuffled model wrote its slots as if
 slot p held expert p, and ``load`` by a placement other than the forward's put experts where no
 token reaches them: both silently. A real transformers Qwen3-MoE, 2 gloo ranks (EP=2).
+
+The model's placement has one record, its EP layers' routing tables: ``model.moeshard_placement``,
+``model_placement``, ``describe_shards`` (reshard's layout) and each layer's state-dict guard read
+them, after a relocation, after refused changes (a stale relocate, a ``set_placement`` that does
+not fit, an assignment to the attribute) and after relocating back.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -59,8 +66,46 @@ def worker(root: str) -> dict:
         out["stale_old"] = str(e)
     out["verify_after"] = moeshard.verify(model, ckpt).num_boxes_checked
     moeshard.save(model, os.path.join(root, "saved_after"), fsync=False)
+    out["views"] = {"relocated": _views(model)}
+    try:  # 8 slots per layer for a model of 12: refused, and nothing may change
+        moeshard.models.ep.set_placement(model, moeshard.Placement.contiguous(2, 8, 2))
+        out["set_refused"] = None
+    except ValueError as e:
+        out["set_refused"] = str(e)
+    try:
+        model.moeshard_placement = placement
+        out["assigned"] = None
+    except AttributeError as e:
+        out["assigned"] = str(e)
+    out["views"]["refused"] = _views(model)
+    moeshard.relocate(model, new, placement)
+    out["views"]["back"] = _views(model)
+    out["new"], out["placement"] = new.phy2log.tolist(), placement.phy2log.tolist()
     dist.barrier()
     return out
+
+
+def _views(model) -> dict:
+    """Every record of ``model``'s placement as ``phy2log`` lists: its EP layers' routing tables,
+    ``model.moeshard_placement``, ``model_placement``, ``describe_shards``, and per layer the
+    slots the state-dict guard's refusal names."""
+    import moeshard
+    from moeshard.models.ep import ep_layers, model_placement
+
+    guards = []
+    for module, _ in ep_layers(model):
+        try:
+            module.state_dict()
+            guards.append(None)
+        except ValueError as e:
+            guards.append(json.loads(re.search(r"slot -> logical expert: (\[[^\]]*\])", str(e)).group(1)))
+    return dict(
+        tables=[ep.phy2log.tolist() for _, ep in ep_layers(model)],
+        attribute=model.moeshard_placement.phy2log.tolist(),
+        own=model_placement(model).phy2log.tolist(),
+        shards=moeshard.describe_shards(model).phy2log.tolist(),
+        guards=guards,
+    )
 
 
 def test_operations_use_the_models_placement(tmp_path):
@@ -77,6 +122,13 @@ def test_operations_use_the_models_placement(tmp_path):
             assert "differs from the one the model routes tokens by" in res[name]
         assert res["stale_old"] is not None and "moeshard.relocate (old)" in res["stale_old"]
         assert res["verify_after"] > 0
+        for when, want in (("relocated", res["new"]), ("refused", res["new"]), ("back", res["placement"])):
+            views = res["views"][when]
+            assert views["tables"] == want, when
+            for name in ("attribute", "own", "shards", "guards"):
+                assert views[name] == views["tables"], (when, name, views)
+        assert res["set_refused"] is not None and "the placement has 2 layers x 8 slots" in res["set_refused"]
+        assert res["assigned"] is not None and "moeshard_placement" in res["assigned"], "the attribute is read-only"
     assert not (tmp_path / "never").exists()
     want = tiny_moe.read_all(tmp_path / "tiny")
     for saved in ("saved", "saved_after"):

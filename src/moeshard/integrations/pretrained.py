@@ -120,9 +120,10 @@ def from_pretrained(
 
     Returns:
         the model (an ``FSDPModule``; ``model(input_ids=...)`` as transformers' own). Its
-        placement is ``model.moeshard_placement`` (a :class:`Placement`, kept current by
-        :func:`moeshard.relocate`): pass it to :func:`moeshard.save`, ``relocate`` and the EPLB
-        policies. Expert parameters are DTensors ``[num_physical, ...]`` in slot order.
+        placement is ``model.moeshard_placement`` (a :class:`Placement`, read-only, read from
+        the routing tables that :func:`moeshard.relocate` changes): pass it to
+        :func:`moeshard.save`, ``relocate`` and the EPLB policies. Expert parameters are
+        DTensors ``[num_physical, ...]`` in slot order.
 
     Raises:
         ValueError: on every rank, before any weight is read, naming what was expected: no

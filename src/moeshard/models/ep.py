@@ -91,15 +91,18 @@ from ..placement import Placement
 from .adapters import class_names, identity_experts
 from .copies import CopyRoutes, combine_copy_grads, track
 from .describe import local_tensor
-from .slot_guard import follow_placement
 
 __all__ = [
     "EPLayer",
     "SlotLora",
     "ep_host",
+    "ep_forward_installed",
+    "expose_placement",
     "experts_kind",
     "install_ep_forward",
     "model_placement",
+    "routing_tables",
+    "slot_placement",
     "unsupported_forward",
     "set_placement",
     "slot_params",
@@ -336,21 +339,28 @@ def unsupported_forward(self, *args, **kwargs):
 
 
 def set_placement(model: nn.Module, placement) -> int:
-    """Point every EP experts module of ``model`` at ``placement`` (after its weights moved:
-    :func:`moeshard.relocate` calls this), so tokens are routed to the slots that now hold
-    their experts. Local, no communication; every rank must do it with the same placement.
-    Returns the number of layers updated. Also updates ``model.moeshard_placement`` (set by
-    :func:`moeshard.parallelize`), so that it names where the experts are now."""
-    if hasattr(model, "moeshard_placement"):
-        model.moeshard_placement = placement
-    layers = ep_layers(model)
-    follow_placement(model, placement)  # the state-dict guards too (custom experts modules included)
-    if not layers:  # custom experts modules route tokens themselves
+    """Point every routing table of ``model`` (:func:`routing_tables`) at ``placement`` (after
+    its weights moved: :func:`moeshard.relocate` calls this), so tokens are routed to the slots
+    that now hold their experts. The tables are the model's one record of its placement:
+    ``model.moeshard_placement``, :func:`model_placement` and the state-dict guards
+    (:mod:`moeshard.models.slot_guard`) read them. Local, no communication; every rank must do
+    it with the same placement. Returns the number of layers whose EP forward now routes by it.
+
+    Raises:
+        ValueError: ``placement`` does not fit the model (layers, slots per layer, logical
+            experts), before any table changes.
+    """
+    tables = routing_tables(model)
+    if not tables:  # nothing parallelized by moeshard: the caller routes tokens itself
         return 0
-    placement.check_layers(len(layers))
-    for module, ep in layers:
-        if placement.num_physical != len(ep.phy2log):
-            raise ValueError(f"the placement has {placement.num_physical} slots per layer, the model {len(ep.phy2log)}")
+    first = tables[0][1]
+    have = (len(tables), len(first.phy2log), len(first.logcnt))
+    if (placement.num_layers, placement.num_physical, placement.num_logical) != have:
+        raise ValueError(
+            f"the placement has {placement.num_layers} layers x {placement.num_physical} slots for "
+            f"{placement.num_logical} logical experts, the model {have[0]} x {have[1]} for {have[2]}"
+        )
+    for module, ep in tables:
         module.moeshard_ep = dataclasses.replace(
             ep,
             phy2log=placement.phy2log[ep.layer],
@@ -358,19 +368,53 @@ def set_placement(model: nn.Module, placement) -> int:
             logcnt=placement.logcnt[ep.layer],
         )
         module._moeshard_route = {}
-    return len(layers)
+    return len(ep_layers(model))
 
 
 def model_placement(model: nn.Module) -> Placement | None:
     """The placement ``model``'s EP forward routes tokens by (:func:`moeshard.parallelize` sets
-    it, :func:`moeshard.relocate` changes it): ``phy2log [num_moe_layers, num_physical]``. None
-    for a model without moeshard EP layers (custom experts modules route tokens themselves).
-    Local, no communication."""
-    layers = ep_layers(model)
+    it, :func:`moeshard.relocate` changes it), read from its routing tables: ``phy2log
+    [num_moe_layers, num_physical]``. None for a model without moeshard EP layers (custom
+    experts modules route tokens themselves). Local, no communication."""
+    return _placement_of(ep_layers(model))
+
+
+def slot_placement(model: nn.Module) -> Placement | None:
+    """The placement the expert slots of ``model`` hold, read from the routing table of every
+    experts module :func:`moeshard.parallelize` gave slots (:func:`routing_tables`: those with
+    moeshard's EP forward and those that route tokens themselves): ``model.moeshard_placement``.
+    It is :func:`model_placement` whenever moeshard's EP forward runs every MoE layer. None
+    when no module has a table. Local, no communication."""
+    return _placement_of(routing_tables(model))
+
+
+def _placement_of(layers: list[tuple[nn.Module, EPLayer]]) -> Placement | None:
     if not layers:
         return None
     first = layers[0][1]
     return Placement(np.stack([ep.phy2log for _, ep in layers]), num_logical=len(first.logcnt), num_ranks=first.ep_size)
+
+
+# A parallelized model's class with the derived ``moeshard_placement``, by the model's class.
+_WITH_PLACEMENT: dict[type, type] = {}
+
+
+def expose_placement(model: nn.Module) -> None:
+    """Give ``model`` a read-only ``model.moeshard_placement``: :func:`slot_placement`, derived
+    from its routing tables on every read, so it cannot fall out of step with them (assigning it
+    raises AttributeError). Local. Called by :func:`moeshard.parallelize` before FSDP2 wraps the
+    model: as ``fully_shard`` does, it gives the instance a subclass of its class (same name,
+    one property added)."""
+    cls = type(model)
+    if isinstance(getattr(cls, "moeshard_placement", None), property):
+        return
+    sub = _WITH_PLACEMENT.get(cls)
+    if sub is None:
+        prop = property(slot_placement, doc=slot_placement.__doc__)
+        sub = _WITH_PLACEMENT[cls] = type(
+            cls.__name__, (cls,), {"moeshard_placement": prop, "__module__": cls.__module__}
+        )
+    model.__class__ = sub
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -728,9 +772,26 @@ def _with_lora(w: torch.Tensor, loras: list[tuple[SlotLora, torch.Tensor, torch.
     return w
 
 
+def routing_tables(model: nn.Module) -> list[tuple[nn.Module, EPLayer]]:
+    """Every module of ``model`` with a routing table (``module.moeshard_ep``), in layer order:
+    the module running each experts module :func:`moeshard.parallelize` (or a relocation of a
+    transformers EP model, :func:`moeshard.models.routing.take_over`) gave slots, whether its
+    forward is moeshard's EP forward (:func:`ep_layers`) or routes tokens itself by the table.
+    The tables are the one record of the model's placement; :func:`set_placement` changes them."""
+    return [(m, m.moeshard_ep) for m in model.modules() if isinstance(getattr(m, "moeshard_ep", None), EPLayer)]
+
+
+def ep_forward_installed(module: nn.Module) -> bool:
+    """Whether ``module`` runs moeshard's EP forward (:func:`install_ep_forward`), routing tokens
+    by its table."""
+    return (
+        isinstance(getattr(module, "moeshard_ep", None), EPLayer) and getattr(module, "moeshard_kind", None) is not None
+    )
+
+
 def ep_layers(model: nn.Module) -> list[tuple[nn.Module, EPLayer]]:
     """Experts modules of ``model`` with an EP forward installed, in layer order."""
-    return [(m, m.moeshard_ep) for m in model.modules() if isinstance(getattr(m, "moeshard_ep", None), EPLayer)]
+    return [(m, ep) for m, ep in routing_tables(model) if ep_forward_installed(m)]
 
 
 def sync_redundant_grads(model: nn.Module) -> int:

@@ -52,12 +52,13 @@ def logical_state_dict(model: nn.Module, *, cpu_offload: bool = True) -> dict[st
 def _logical(t: torch.Tensor, guard: SlotGuard) -> torch.Tensor:
     """One full slot-ordered tensor -> logical order (module doc of :class:`SlotGuard` for the
     layouts)."""
-    p = guard.record.placement
-    first = torch.as_tensor(p.log2phy[guard.layer, :, 0].copy(), device=t.device)  # [E] first copy's slot
+    table = guard.table  # the layer's routing table: the placement the slots hold now
+    num_physical, num_logical = len(table.phy2log), len(table.logcnt)
+    first = torch.as_tensor(table.log2phy[:, 0].copy(), device=t.device)  # [E] first copy's slot
     if guard.lora_rank:  # LoRA B [out, r*P]: columns (EP rank, r, slot) -> (r, expert)
-        ep, r = guard.record.ep_size, guard.lora_rank
-        spr = p.num_physical // ep
-        cols = t.reshape(t.shape[0], ep, r, spr).permute(0, 2, 1, 3).reshape(t.shape[0], r, p.num_physical)
-        return cols[:, :, first].reshape(t.shape[0], r * p.num_logical).contiguous()
-    rows = t.reshape(p.num_physical, -1, *t.shape[1:])  # [P, k, ...]: LoRA A has r rows per slot
+        ep, r = table.ep_size, guard.lora_rank
+        spr = num_physical // ep
+        cols = t.reshape(t.shape[0], ep, r, spr).permute(0, 2, 1, 3).reshape(t.shape[0], r, num_physical)
+        return cols[:, :, first].reshape(t.shape[0], r * num_logical).contiguous()
+    rows = t.reshape(num_physical, -1, *t.shape[1:])  # [P, k, ...]: LoRA A has r rows per slot
     return rows[first].reshape(-1, *t.shape[1:]).contiguous()

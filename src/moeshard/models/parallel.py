@@ -26,10 +26,10 @@ from torch.distributed.tensor import DTensor, Shard
 from ..placement import Placement
 from .adapters import DEFAULT_SPECS, ExpertsSpec, expert_shape, identity_rows
 from .describe import expert_layers
-from .ep import EPLayer, ep_host, install_ep_forward
+from .ep import EPLayer, ep_host, expose_placement, install_ep_forward
 from .hsdp import HybridMesh, as_hybrid, dense_mesh
 from .lora import expert_lora_wrappers, shard_expert_lora
-from .slot_guard import PlacementRecord, SlotGuard, guard_model, guard_slots
+from .slot_guard import SlotGuard, guard_model, guard_slots
 
 __all__ = ["make_mesh", "parallelize"]
 
@@ -100,8 +100,10 @@ def parallelize(
             transformers' and not HF-style) must do that cast itself. None: no mixed precision.
     Returns:
         the same model (call :func:`moeshard.load` next), with ``model.moeshard_mp_policy`` =
-        the policy and ``model.moeshard_placement`` =
-        ``placement`` (kept current by :func:`moeshard.relocate`).
+        the policy and a read-only ``model.moeshard_placement``: ``placement`` now, read from
+        the experts modules' routing tables at every access, so it follows
+        :func:`moeshard.relocate` (:func:`moeshard.models.ep.slot_placement`; the model's class
+        becomes a subclass of its own adding that property, before FSDP2 wraps it).
 
         replicate: HSDP replica groups for the dense parameters (FSDP2's ``fully_shard`` on a
             ``("replicate", "shard")`` mesh, :func:`moeshard.models.hsdp.dense_mesh` of ``mesh``):
@@ -142,7 +144,6 @@ def parallelize(
         if ep_forward:
             _check_whole_params(layers)
     expert_params: set[nn.Parameter] = set()
-    record = PlacementRecord(placement, ep)  # the placement the slots hold; relocate moves it
     names = {id(m): n for n, m in model.named_modules()}
     for layer, (module_name, module, spec) in enumerate(layers):
         # peft LoRA on expert params (ParamWrappers around the module): per-slot local factors.
@@ -177,15 +178,30 @@ def parallelize(
         # The module now holds this rank's slots only; record the layout for forward code.
         module.num_local_experts = spr
         host = ep_host(model, module_name, module)  # whose forward runs the experts (DBRX: the parent)
+        # The layer's routing table, the one record of the placement its slots hold: the EP
+        # forward routes by it, the guards and model.moeshard_placement read it, and
+        # set_placement (relocate) changes it. A module keeping its own forward has it too.
+        host.moeshard_ep = EPLayer(
+            layer,
+            placement.phy2log[layer],
+            placement.log2phy[layer],
+            placement.logcnt[layer],
+            spr,
+            ep_mesh.get_local_rank(),
+            ep_mesh.get_group(),
+            1.0 / ep,
+            tuple(p.name for p in spec.params),
+            mp_policy.param_dtype,
+        )
         # torch's state-dict paths must not read or write slots as experts (slot_guard's doc).
-        guard_slots(module, SlotGuard(record, layer, tuple(p.name for p in spec.params), module_name))
+        guard_slots(module, SlotGuard(host, layer, tuple(p.name for p in spec.params), module_name))
         for lora in loras:  # A's rows are whole slots; B's columns interleave r with them
             w, a = lora.wrapper, lora.adapter
             for lin, r in ((w.lora_A[a], 0), (w.lora_B[a], w.r[a])):
                 guard_slots(
                     lin,
                     SlotGuard(
-                        record,
+                        host,
                         layer,
                         ("weight",),
                         names.get(id(lin), ""),
@@ -204,28 +220,15 @@ def parallelize(
                 mp_policy=mp_policy,
                 shard_placement_fn=lambda t, b=lora_b: Shard(0) if id(t) in b else Shard(1),
             )
-        installed = ep_forward and install_ep_forward(
-            host,
-            EPLayer(
-                layer,
-                placement.phy2log[layer],
-                placement.log2phy[layer],
-                placement.logcnt[layer],
-                spr,
-                ep_mesh.get_local_rank(),
-                ep_mesh.get_group(),
-                1.0 / ep,
-                tuple(p.name for p in spec.params),
-                mp_policy.param_dtype,
-            ),
-            loras,
-            holder=module,
-        )
+        installed = ep_forward and install_ep_forward(host, host.moeshard_ep, loras, holder=module)
         if loras and not installed:
             why = f"{type(module).__name__} is not an experts module it supports" if ep_forward else "ep_forward=False"
             raise ValueError(f"{module_name}: LoRA adapters on expert parameters need moeshard's EP forward ({why})")
     # A refused load_state_dict must copy nothing: the root checks every guarded module first.
     guard_model(model, {names[id(m)]: m for m in model.modules() if getattr(m, "moeshard_slot_guard", None)})
+    # Where each logical expert is, for callers that did not keep it (from_pretrained's users):
+    # derived from the routing tables (before fully_shard, which subclasses the class again).
+    expose_placement(model)
     if dense is None and replicate > 1:
         dense = dense_mesh(mesh, replicate)
     dp = dense if dense is not None else _dp_mesh(mesh)
@@ -234,9 +237,6 @@ def parallelize(
     for block in blocks:
         fully_shard(block, mesh=dp, ignored_params=ignored, mp_policy=mp_policy)
     fully_shard(model, mesh=dp, ignored_params=ignored, mp_policy=mp_policy)
-    # Where each logical expert is, for callers that did not keep it (from_pretrained's users);
-    # set_placement keeps it current when experts move.
-    model.moeshard_placement = placement
     model.moeshard_mp_policy = mp_policy  # what the Trainer integration checks bf16/fp16 against
     return model
 

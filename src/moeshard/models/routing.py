@@ -35,8 +35,17 @@ from torch import nn
 
 from .adapters import DEFAULT_SPECS, ExpertsSpec
 from .describe import expert_layers
-from .ep import ROUTED, EPLayer, ep_host, experts_kind, install_ep_forward, model_placement, unsupported_forward
-from .slot_guard import PlacementRecord, SlotGuard, guard_slots
+from .ep import (
+    ROUTED,
+    EPLayer,
+    ep_forward_installed,
+    ep_host,
+    experts_kind,
+    install_ep_forward,
+    model_placement,
+    unsupported_forward,
+)
+from .slot_guard import SlotGuard, guard_slots
 
 __all__ = [
     "ExpertsRouting",
@@ -91,7 +100,7 @@ def _tp_size(model: nn.Module) -> int:
 def _classify(model: nn.Module, module: nn.Module, spec: ExpertsSpec, host: nn.Module) -> tuple[str, str]:
     """``(kind, why)`` of one experts module (module doc); ``host``: the module whose forward runs
     its experts (:func:`moeshard.models.ep.ep_host`: itself, or DBRX's parent)."""
-    if getattr(host, "moeshard_ep", None) is not None:
+    if ep_forward_installed(host):
         return "moeshard", ""
     own = module.__dict__.get("forward")
     if own is not None and getattr(own, "__func__", None) is unsupported_forward:
@@ -195,7 +204,6 @@ def take_over(entries: Sequence[ExpertsRouting], placement) -> int:
     as transformers' own all-to-all does: training goes on with the gradients it had.
     """
     done = 0
-    record = None
     for e in entries:
         if e.kind != "transformers":
             continue
@@ -215,9 +223,9 @@ def take_over(entries: Sequence[ExpertsRouting], placement) -> int:
         )
         if not install_ep_forward(e.module, ep_layer):
             raise AssertionError(f"{e.name}: the routed EP forward was not installed")  # _classify checked its kind
-        # Its slots may now hold a shuffled placement: its state dict would be slot order.
-        record = record or PlacementRecord(placement, ep_mesh.size())
-        guard_slots(e.module, SlotGuard(record, e.layer, names, e.name))
+        # Its slots may now hold a shuffled placement: its state dict would be slot order (the
+        # guard reads the routing table just installed, which set_placement then changes).
+        guard_slots(e.module, SlotGuard(e.module, e.layer, names, e.name))
         done += 1
     return done
 

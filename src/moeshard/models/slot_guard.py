@@ -16,8 +16,10 @@ module makes those paths *loud* instead: every one raises ``ValueError`` on ever
 the parameter, the layer's placement and :func:`moeshard.save` (:func:`moeshard.lora.save_adapter`
 for LoRA factors). The identity placement (``phy2log[layer] == arange(num_logical)``: what
 ``Placement.contiguous(..., num_redundant=0)`` gives) is logical order already, and passes
-untouched. The check reads the model's *current* placement: :func:`follow_placement` (called by
-:func:`moeshard.models.ep.set_placement`, hence by :func:`moeshard.relocate`) moves it.
+untouched. The check reads the model's *current* placement from the layer's routing table (the
+``moeshard_ep`` of the module running the experts, :func:`moeshard.models.ep.routing_tables`),
+which :func:`moeshard.models.ep.set_placement` (hence :func:`moeshard.relocate`) changes: a guard
+keeps no placement of its own.
 
 How each path is reached (public torch hooks only):
 
@@ -54,17 +56,14 @@ import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..placement import Placement
-
 __all__ = [
-    "PlacementRecord",
     "SlotGuard",
     "allow_slot_order",
-    "follow_placement",
     "guard_model",
     "guard_optimizer",
     "guard_slots",
@@ -80,22 +79,14 @@ _STEP_HOOK = None
 _ALLOW = threading.local()
 
 
-class PlacementRecord:
-    """The placement a parallelized model's expert slots hold now, and its EP size. One per
-    :func:`moeshard.parallelize` call, shared by the model's guards; mutable, because the
-    placement changes at run time (:func:`follow_placement`)."""
-
-    def __init__(self, placement: Placement, ep_size: int):
-        self.placement = placement
-        self.ep_size = ep_size
-
-
 @dataclass(frozen=True, eq=False)
 class SlotGuard:
     """What the hooks on one module check.
 
     Args:
-        record: the model's current placement.
+        host: the module whose ``moeshard_ep`` (a :class:`moeshard.models.ep.EPLayer`) is this
+            layer's routing table: the placement the slots hold now is read from it at every
+            check (:attr:`table`).
         layer: MoE layer index (the placement's row).
         params: the module's parameters whose dim ``dim`` runs over slots.
         where: the module's name in the model (for optimizer messages; state-dict messages use
@@ -107,24 +98,30 @@ class SlotGuard:
         saver: the call that writes these tensors right (for messages).
     """
 
-    record: PlacementRecord
+    host: nn.Module
     layer: int
     params: tuple[str, ...]
     where: str
     lora_rank: int = 0
     saver: str = "moeshard.save(model, dir, placement=placement)"
 
+    @property
+    def table(self):
+        """The layer's routing table now (``phy2log int[num_physical]``, ``log2phy
+        int[num_logical, max_copies]``, ``logcnt int[num_logical]``, ``ep_size``)."""
+        return self.host.moeshard_ep
+
 
 def slot_order_problem(guard: SlotGuard) -> str | None:
     """None when ``guard``'s parameters are in logical order under the current placement (the
     identity placement); else what is wrong, for messages."""
-    p = guard.record.placement
-    row = p.phy2log[guard.layer]
-    n = p.num_logical
-    if p.is_identity(guard.layer):
-        if guard.lora_rank > 1 and guard.record.ep_size > 1:
+    table = guard.table
+    row = table.phy2log
+    n = len(table.logcnt)
+    if len(row) == n and np.array_equal(row, np.arange(n)):
+        if guard.lora_rank > 1 and table.ep_size > 1:
             return (
-                f"its columns are (r={guard.lora_rank}, slots) per EP rank over {guard.record.ep_size} EP ranks, "
+                f"its columns are (r={guard.lora_rank}, slots) per EP rank over {table.ep_size} EP ranks, "
                 "not peft's (r, experts) order"
             )
         return None
@@ -239,34 +236,6 @@ def guard_model(model: nn.Module, owners: dict[str, nn.Module]) -> None:
     model.register_load_state_dict_pre_hook(hook)
 
 
-def follow_placement(model: nn.Module, placement: Placement) -> int:
-    """Make the guards of ``model`` check ``placement`` from now on (its experts hold it now).
-    Local, no communication. Returns the number of guarded modules.
-
-    Raises:
-        ValueError: ``placement`` does not fit the model (layers, slots per layer, logical
-            experts), before anything changes.
-    """
-    guards = [
-        m.moeshard_slot_guard for m in model.modules() if isinstance(getattr(m, "moeshard_slot_guard", None), SlotGuard)
-    ]
-    for g in guards:
-        old = g.record.placement
-        if (placement.num_layers, placement.num_physical, placement.num_logical) != (
-            old.num_layers,
-            old.num_physical,
-            old.num_logical,
-        ):
-            raise ValueError(
-                f"the placement has {placement.num_layers} layers x {placement.num_physical} slots for "
-                f"{placement.num_logical} logical experts, the model {old.num_layers} x "
-                f"{old.num_physical} for {old.num_logical}"
-            )
-    for g in guards:
-        g.record.placement = placement
-    return len(guards)
-
-
 # -- optimizers ------------------------------------------------------------------------------
 
 
@@ -296,11 +265,11 @@ def _per_element(state) -> bool:
 
 
 def _optimizer_error(guard: SlotGuard, name: str, problem: str, what: str) -> ValueError:
-    p = guard.record.placement
+    table = guard.table
     relocate = (
         "relocate to the identity placement first (moeshard.relocate(model, old, Placement.contiguous(..., "
         "num_redundant=0), optimizer=optimizer)) or, "
-        if p.num_physical == p.num_logical
+        if len(table.phy2log) == len(table.logcnt)
         else ""
     )
     return ValueError(

@@ -50,6 +50,7 @@ from ..io.reader import CheckpointReader
 from ..io.sources import Storage, reader_root, resolve_sources, sources_share
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
 from ..models.describe import ParamDesc, describe_model, local_tensor
+from ..models.ep import slot_placement
 from ..models.layout import need_table
 from ..models.routing import resolve_placement
 from ..models.shards import shard_boxes
@@ -218,7 +219,7 @@ def describe_shards(
         layouts = _tensor_layouts(descs)
         if optimizer is not None:
             layouts += _state_layouts(layouts, named_tensors(model), optimizer)
-        pl = getattr(model, "moeshard_placement", None)
+        pl = slot_placement(model)  # read from the routing tables
         has_experts = any(t.layer >= 0 for t in layouts)
         if has_experts and pl is None:
             raise ValueError(
