@@ -97,6 +97,7 @@ __all__ = [
     "EPLayer",
     "SlotLora",
     "ep_host",
+    "ep_layer_names",
     "experts_kind",
     "install_ep_forward",
     "model_placement",
@@ -339,7 +340,8 @@ def set_placement(model: nn.Module, placement) -> int:
     """Point every EP experts module of ``model`` at ``placement`` (after its weights moved:
     :func:`moeshard.relocate` calls this), so tokens are routed to the slots that now hold
     their experts. Local, no communication; every rank must do it with the same placement.
-    Returns the number of layers updated. Also updates ``model.moeshard_placement`` (set by
+    Returns the number of MoE layers updated (experts modules one router drives share one).
+    Also updates ``model.moeshard_placement`` (set by
     :func:`moeshard.parallelize`), so that it names where the experts are now."""
     if hasattr(model, "moeshard_placement"):
         model.moeshard_placement = placement
@@ -347,7 +349,7 @@ def set_placement(model: nn.Module, placement) -> int:
     follow_placement(model, placement)  # the state-dict guards too (custom experts modules included)
     if not layers:  # custom experts modules route tokens themselves
         return 0
-    placement.check_layers(len(layers))
+    placement.check_layers(len(_layer_rows(layers)))
     for module, ep in layers:
         if placement.num_physical != len(ep.phy2log):
             raise ValueError(f"the placement has {placement.num_physical} slots per layer, the model {len(ep.phy2log)}")
@@ -358,7 +360,7 @@ def set_placement(model: nn.Module, placement) -> int:
             logcnt=placement.logcnt[ep.layer],
         )
         module._moeshard_route = {}
-    return len(layers)
+    return len(_layer_rows(layers))
 
 
 def model_placement(model: nn.Module) -> Placement | None:
@@ -369,8 +371,20 @@ def model_placement(model: nn.Module) -> Placement | None:
     layers = ep_layers(model)
     if not layers:
         return None
+    rows = _layer_rows(layers)
     first = layers[0][1]
-    return Placement(np.stack([ep.phy2log for _, ep in layers]), num_logical=len(first.logcnt), num_ranks=first.ep_size)
+    return Placement(
+        np.stack([rows[i].phy2log for i in sorted(rows)]), num_logical=len(first.logcnt), num_ranks=first.ep_size
+    )
+
+
+def _layer_rows(layers: list[tuple[nn.Module, EPLayer]]) -> dict[int, EPLayer]:
+    """MoE layer -> the EP layout of its first experts module (:func:`ep_layers`' ``layers``;
+    the experts modules one router drives share their layer and its routing tables)."""
+    rows: dict[int, EPLayer] = {}
+    for _, ep in layers:
+        rows.setdefault(ep.layer, ep)
+    return rows
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -733,6 +747,25 @@ def ep_layers(model: nn.Module) -> list[tuple[nn.Module, EPLayer]]:
     return [(m, m.moeshard_ep) for m in model.modules() if isinstance(getattr(m, "moeshard_ep", None), EPLayer)]
 
 
+def ep_layer_names(model: nn.Module) -> list[str]:
+    """One name per MoE layer of ``model``'s EP experts modules (:func:`ep_layers`), in layer
+    order: the module whose forward runs the layer's experts, or where several do (JetMoE's
+    ``input_linear`` and ``output_linear``, which one router drives) their common parent. Local."""
+    names = {id(m): n for n, m in model.named_modules()}
+    by_layer: dict[int, list[str]] = {}
+    for module, ep in ep_layers(model):
+        by_layer.setdefault(ep.layer, []).append(names[id(module)])
+    out = []
+    for layer in sorted(by_layer):
+        parts = [n.split(".") for n in by_layer[layer]]
+        common = parts[0]
+        for p in parts[1:]:
+            k = next((i for i, (a, b) in enumerate(zip(common, p)) if a != b), min(len(common), len(p)))
+            common = common[:k]
+        out.append(".".join(common) if len(parts) > 1 else by_layer[layer][0])
+    return out
+
+
 def sync_redundant_grads(model: nn.Module) -> int:
     """A no-op kept for loops written before the EP forward did it in backward: every redundant
     expert's first copy already holds the sum of its copies' gradients and the other copies
@@ -743,7 +776,7 @@ def sync_redundant_grads(model: nn.Module) -> int:
     Returns the number of MoE layers of ``model`` with redundant copies (each combined in
     backward).
     """
-    return sum(int(ep.logcnt.max()) > 1 for _, ep in ep_layers(model))
+    return sum(int(ep.logcnt.max()) > 1 for ep in _layer_rows(ep_layers(model)).values())
 
 
 @torch.no_grad()
