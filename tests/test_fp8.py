@@ -450,3 +450,36 @@ def test_plan_reports_the_quantization(ckpts, capsys):
     assert f"FP8: {num} weights with block scales (blocks {BLOCK}x{BLOCK}): moved as stored" in capsys.readouterr().out
     assert main([dq, "--nodes", "1", "--ranks-per-node", "2", "--ep", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["checkpoint"]["quantization"] is None
+
+
+def test_fitting_scales_equals_scale_of_key_by_key(tmp_path):
+    """The one-pass check of every expert's scale says what scale_of says of each key: a fitting
+    ``_scale_inv``, a fitting ``_scale`` (behind an integer ``_scale_inv``), none, one of a shape
+    no block grid gives, a weight that is not FP8, a key the checkpoint lacks, a key twice."""
+    import moeshard
+    from moeshard.io.fp8 import fitting_scales, scale_of
+
+    def q():
+        return torch.randn(32, 16).to(torch.float8_e4m3fn)
+
+    moeshard.write_checkpoint(
+        str(tmp_path),
+        [
+            ("a.weight", q()),
+            ("a.weight_scale_inv", torch.ones(2, 1)),
+            ("b.weight", q()),
+            ("c.weight", q()),
+            ("c.weight_scale_inv", torch.ones(3, 1)),
+            ("e.weight", q()),
+            ("e.weight_scale", torch.ones(2, 1)),
+            ("f.weight", torch.ones(2, 2)),
+            ("g.weight", q()),
+            ("g.weight_scale_inv", torch.ones(2, 1, dtype=torch.int32)),
+            ("g.weight_scale", torch.ones(2, 1)),
+        ],
+    )
+    index = moeshard.CheckpointIndex.open(str(tmp_path))
+    keys = ["a.weight", "b.weight", "c.weight", "e.weight", "f.weight", "g.weight", "missing", "a.weight"]
+    want = [k in index and scale_of(index, k) is not None for k in keys]
+    assert fitting_scales(index, keys).tolist() == want == [True, False, False, True, False, True, False, True]
+    assert fitting_scales(index, []).shape == (0,)

@@ -97,11 +97,13 @@ def fitting_scales(index: CheckpointIndex, keys: Sequence[str]) -> np.ndarray:
     (256 experts x 61 layers) in a dict lookup per key and scale suffix."""
     if not len(keys):
         return np.zeros(0, dtype=bool)
-    # One int64 per key for its kind and its scale keys' (kinds are -1 .. num_tensors - 1).
+    # One int64 per key for its kind and its scale keys' (kinds are -1 .. num_tensors - 1),
+    # renumbered densely before each product so that it stays below len(keys) * (num_tensors + 1).
     base = len(index.tensors) + 1
     code = index.key_kinds(keys) + 1
     for suffix in SCALE_SUFFIXES:
-        code = code * base + index.key_kinds([k + suffix for k in keys]) + 1
+        code = np.unique(code, return_inverse=True)[1].reshape(-1) * base
+        code += index.key_kinds([k + suffix for k in keys]) + 1
     _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
     fits = np.asarray([keys[i] in index and scale_of(index, keys[i]) is not None for i in first.tolist()], dtype=bool)
     return fits[inverse.reshape(-1)]
