@@ -43,8 +43,8 @@ def expert_layers(model) -> tuple[int, int]:
     found = layers(model)
     if not found:
         raise ValueError("the model has 0 MoE layers")
-    _, mod, spec = found[0]
-    return len(found), num_logical_experts(mod, spec)
+    _, mod, spec, _ = found[0]
+    return 1 + max(e.layer for e in found), num_logical_experts(mod, spec)
 
 
 def reference(family: str, root: str) -> str | None:

@@ -110,7 +110,22 @@ def test_unsupported_transformers_experts_raise_naming_the_class():
     assert custom(x, None, None) is x
 
 
-def _longcat_save_worker(root: str) -> None:
+ROUTERS = {"jetmoe": 4, "doge": 2}  # routers of the tiny models: 2 decoder layers (MoA + MoE each for jetmoe)
+
+
+def _router_placement(n: int, layers: int, seed: int):
+    import moeshard
+
+    rng = np.random.default_rng(seed)
+    rows = [rng.permutation(np.concatenate([np.arange(n), rng.integers(0, n, 2)])) for _ in range(layers)]
+    return moeshard.Placement(np.stack(rows), num_logical=n, num_ranks=2)
+
+
+def _save_worker(root: str) -> dict:
+    """longcat_flash: load and save at EP=2. jetmoe and doge (several expert tensors per router)
+    with a placement of one row per router: parallelize, load, verify, relocate P2P to another
+    placement (weights and routing), verify, forward, save; a placement with a row per expert
+    tensor refused by parallelize and relocate."""
     import torch
 
     import hf_families
@@ -125,9 +140,62 @@ def _longcat_save_worker(root: str) -> None:
     moeshard.parallelize(model, mesh, pl)
     moeshard.load(model, os.path.join(root, "longcat_flash", "ckpt"), placement=pl)
     moeshard.save(model, os.path.join(root, "saved"), placement=pl, max_shard_bytes=40_000)
+    out = {}
+    for family in ROUTERS:
+        ref = torch.load(os.path.join(root, family, "ref.pt"))
+        ckpt = os.path.join(root, family, "ckpt")
+        n, layers = ref["n_experts"], ref["n_layers"]
+        tensors = sum(
+            1
+            for name, _ in hf_families.build(family, device="meta").named_parameters()
+            if "_linear" in name or "_embed" in name
+        )
+        per_tensor = _router_placement(n, tensors, 9)
+        refused = []
+        with pytest.raises(ValueError, match="one row per MoE layer") as e:
+            moeshard.parallelize(hf_families.build(family, device="meta"), mesh, per_tensor)
+        refused.append(str(e.value))
+        model = hf_families.build(family, device="meta")
+        old, new = _router_placement(n, layers, 3), _router_placement(n, layers, 4)
+        moeshard.parallelize(model, mesh, old)
+        moeshard.load(model, ckpt, placement=old)
+        checked = moeshard.verify(model, ckpt, placement=old).num_boxes_checked
+        with pytest.raises(moeshard.DistributedError, match="one row per MoE layer") as e:  # on every rank
+            moeshard.relocate(model, old, per_tensor)
+        refused.append(str(e.value))
+        moved = moeshard.relocate(model, old, new)  # P2P: no checkpoint
+        checked += moeshard.verify(model, ckpt, placement=new).num_boxes_checked
+        model.eval()
+        with torch.no_grad():
+            logits = model(input_ids=ref["ids"], use_cache=False).logits
+        moeshard.save(model, os.path.join(root, f"{family}_saved"), placement=new)
+        placement = moeshard.models.ep.model_placement(model)
+        out[family] = dict(
+            layers=layers,
+            tensors=tensors,
+            refused=refused,
+            checked=checked,
+            sent=moved.bytes_sent_rank,
+            routed=placement.phy2log,
+            new=new.phy2log,
+            names=moeshard.models.ep.ep_layer_names(model),
+            err=float((logits - ref["logits"]).abs().max()),
+        )
+    return out
 
 
-def test_longcat_identity_experts_saved_from_ep(tmp_path):
+@pytest.fixture(scope="module")
+def ep_saves(tmp_path_factory):
+    """One spawn of 2 ranks for the tests below (:func:`_save_worker`)."""
+    from mp import run_ranks
+
+    root = tmp_path_factory.mktemp("ep_saves")
+    for family in ("longcat_flash", *ROUTERS):
+        assert family_sweep.reference(family, str(root)) is None
+    return root, run_ranks(_save_worker, str(root), world=2, local_world=2)
+
+
+def test_longcat_identity_experts_saved_from_ep(ep_saves):
     """longcat_flash at EP=2 with redundant copies: its EP model holds the 4 routed experts only
     (not the gate_up_proj rows of the 2 identity "zero experts", which no forward reads); its save
     writes those rows as zeros, so from_pretrained reads it with no missing or mismatched key,
@@ -135,10 +203,7 @@ def test_longcat_identity_experts_saved_from_ep(tmp_path):
     import torch
     import transformers
 
-    from mp import run_ranks
-
-    assert family_sweep.reference("longcat_flash", str(tmp_path)) is None
-    run_ranks(_longcat_save_worker, str(tmp_path), world=2, local_world=2)
+    tmp_path, _ = ep_saves
     want = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "longcat_flash" / "ckpt", dtype=torch.float32)
     back, info = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "saved", dtype=torch.float32, output_loading_info=True
@@ -161,6 +226,44 @@ def test_longcat_identity_experts_saved_from_ep(tmp_path):
         )
 
 
+def test_one_placement_row_per_router(ep_saves):
+    """jetmoe (a router per mixture of attention heads and per MoE MLP, each driving an
+    ``input_linear`` and an ``output_linear``) and doge (a router per block for two embedding
+    tables) at EP=2 with a redundant placement of one row per router (what EPLB's per-router
+    counts give): load and verify; relocate P2P moves the experts and the routing together (the
+    EP forward then gives the one-process logits, and the model routes by the new placement);
+    the save round-trips through from_pretrained bit for bit. A placement with one row per
+    expert tensor is refused, naming the rule."""
+    import torch
+    import transformers
+
+    tmp_path, per_rank = ep_saves
+    for family, routers in ROUTERS.items():
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / family / "ckpt", dtype=torch.float32)
+        # The routers, counted apart from moeshard: what a placement built from router counts has.
+        gates = [n for n, m in model.named_modules() if n.endswith((".router", ".router_gate"))]
+        assert len(gates) == routers
+        for r in per_rank:
+            got = r[family]
+            assert got["layers"] == routers and got["tensors"] == 2 * routers, got
+            # Each MoE layer named by the block its router sits in.
+            assert [f"{n}.{gates[0].rpartition('.')[2]}" for n in got["names"]] == gates, got["names"]
+            parallelize, relocate = got["refused"]
+            assert f"the model has {routers} MoE layers, the placement describes {2 * routers}" in parallelize
+            assert f"the new placement has {2 * routers} layers, the experts have {routers} MoE layers" in relocate
+            assert np.array_equal(got["routed"], got["new"])  # the routing moved with the experts
+            assert got["checked"] > 0 and got["err"] <= 1e-4, got
+        assert sum(r[family]["sent"] for r in per_rank) > 0  # experts moved between the ranks
+        back, info = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / f"{family}_saved", dtype=torch.float32, output_loading_info=True
+        )
+        assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+        want = model.state_dict()
+        assert back.state_dict().keys() == want.keys()
+        for name, t in back.state_dict().items():
+            assert torch.equal(t, want[name]), (family, name)
+
+
 GRADS = ("longcat_flash", "jetmoe", "dbrx", "doge")  # identity experts, grouped, held by a child, lookup
 
 
@@ -181,7 +284,7 @@ def _grads_worker(root: str, families) -> dict:
         n = ref["n_experts"]
         rows = [rng.permutation(np.concatenate([np.arange(n), rng.integers(0, n, 2)])) for _ in range(ref["n_layers"])]
         pl = moeshard.Placement(np.stack(rows), num_logical=n, num_ranks=2)
-        layers = {name: i for i, (name, _, _) in enumerate(expert_layers(model))}
+        layers = {e.name: e.layer for e in expert_layers(model)}
         moeshard.parallelize(model, mesh, pl)
         moeshard.load(model, os.path.join(root, family, "ckpt"), placement=pl)
         model.train()

@@ -88,6 +88,51 @@ def ckpts(tmp_path_factory):
     return make_checkpoints(str(tmp_path_factory.mktemp("fp8")))
 
 
+# An expert other than 0 (whose checks the others' used to ride on), in the second MoE layer.
+ODD_KEY = "model.layers.2.mlp.experts.3.down_proj.weight"
+
+
+def _rewrite(src: str, dst: str, changes: dict) -> str:
+    """A copy of checkpoint ``src`` at ``dst`` with ``changes`` (key -> tensor, or None to drop
+    it), in the same small shards (scales in other files than their weights)."""
+    from safetensors.torch import load_file
+
+    import moeshard
+
+    state = {}
+    for f in sorted(os.listdir(src)):
+        if f.endswith(".safetensors"):
+            state.update(load_file(os.path.join(src, f)))
+    weights = sorted((k, v) for k, v in state.items() if not k.endswith("_scale_inv"))
+    scales = sorted((k, v) for k, v in state.items() if k.endswith("_scale_inv"))
+    kept = [(k, changes.get(k, v)) for k, v in weights + scales if changes.get(k, v) is not None]
+    moeshard.write_checkpoint(dst, kept, max_shard_bytes=8_000)
+    shutil.copy(os.path.join(src, "config.json"), dst)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def broken(ckpts, tmp_path_factory):
+    """The FP8 checkpoint with :data:`ODD_KEY`'s scale missing, of a shape no block grid of the
+    weight gives, or of an integer dtype."""
+    fp8, _, _ = ckpts
+    root = tmp_path_factory.mktemp("fp8_broken")
+    scale = ODD_KEY + "_scale_inv"
+    rows, cols = load_tensor(fp8, scale).shape
+    return {
+        "missing": _rewrite(fp8, str(root / "missing"), {scale: None}),
+        "shape": _rewrite(fp8, str(root / "shape"), {scale: torch.ones(rows + 1, cols)}),
+        "dtype": _rewrite(fp8, str(root / "dtype"), {scale: torch.ones(rows, cols, dtype=torch.int32)}),
+    }
+
+
+def load_tensor(path: str, key: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(path, _file_of(path, key)), "pt") as f:
+        return f.get_tensor(key)
+
+
 def _file_of(path: str, key: str) -> str:
     with open(os.path.join(path, "model.safetensors.index.json")) as f:
         return json.load(f)["weight_map"][key]
@@ -118,6 +163,37 @@ def test_fp8_dequantized_on_load(ckpts, dtype):
         moeshard.load(hf_families.build(FAMILY, dtype), fp8, dequantize=False)
 
 
+@pytest.mark.parametrize("case", ["missing", "shape", "dtype"])
+def test_every_experts_scale_is_checked(ckpts, broken, case):
+    """Expert 3's FP8 weight without a usable scale (missing, of a shape its block grid does not
+    give, not float), its neighbours' fine: load refuses it, strict or not, naming the key, the
+    expert and the file, never loading its raw FP8 values (up to 448) unscaled; verify refuses it
+    as well, so a model holding those raw values cannot pass."""
+    import re
+
+    import moeshard
+
+    fp8, _, _ = ckpts
+    bad = broken[case]
+    where = rf"'{re.escape(ODD_KEY)}' has dtype F8_E4M3 \(FP8\).*\(logical expert 3's tensor, in file model-\d+"
+    for strict in (True, False):
+        with pytest.raises(ValueError, match=where):
+            moeshard.load(hf_families.build(FAMILY, torch.float32), bad, strict=strict)
+    # A model holding expert 3's raw FP8 values (what such a load gave) fails verify against the
+    # intact checkpoint (compared dequantized), and verify refuses the broken one.
+    model = hf_families.build(FAMILY, torch.float32)
+    moeshard.load(model, fp8)
+    experts = model.model.layers[2].mlp.experts
+    with torch.no_grad():
+        experts.down_proj[3] = load_tensor(fp8, ODD_KEY).float()
+    assert experts.down_proj[3].abs().max() > 1  # raw FP8 values; dequantized they are below 1
+    with pytest.raises(moeshard.VerificationError, match=r"down_proj, physical slot 3 = logical expert 3"):
+        moeshard.verify(model, fp8)
+    for strict in (True, False):
+        with pytest.raises(ValueError, match=where):
+            moeshard.verify(model, bad, strict=strict)
+
+
 def _placement(seed: int, n: int, layers: int):
     """A shuffled placement of ``n`` experts with 2 redundant copies per layer on 2 EP ranks."""
     import moeshard
@@ -127,7 +203,7 @@ def _placement(seed: int, n: int, layers: int):
     return moeshard.Placement(np.stack(rows), num_logical=n, num_ranks=2)
 
 
-def fp8_worker(fp8: str) -> list:
+def fp8_worker(fp8: str, missing: str) -> list:
     from torch.distributed.tensor import DTensor
 
     import moeshard
@@ -155,6 +231,10 @@ def fp8_worker(fp8: str) -> list:
         experts = [n for n, m in model.named_modules() if n.endswith(".experts")]
         pl = _placement(5, model.config.n_routed_experts, len(experts))
         moeshard.parallelize(model, mesh, pl)
+        if storage == "shared":
+            # Expert 3's scale missing (its neighbours' there): refused on every rank, before any read.
+            with pytest.raises(moeshard.DistributedError) as refused:
+                moeshard.load(model, missing, placement=pl, strict=False)
         # "single" with a small staging budget: pieces (and so dequantized boxes) cut blocks.
         rep = moeshard.load(
             model, fp8, placement=pl, storage=storage, staging_bytes=4096 if storage == "single" else 256 << 20
@@ -166,16 +246,18 @@ def fp8_worker(fp8: str) -> list:
     moved = moeshard.relocate(model, pl, new, checkpoint=fp8, from_checkpoint=True)
     assert moeshard.verify(model, fp8, placement=new).num_boxes_checked > 0
     out.append(("relocated", "relocated", rep.dequantized_keys, moved.bytes_read_rank, state_of(model, experts, new)))
-    return out
+    return out, str(refused.value)
 
 
 @pytest.mark.dist
-def test_fp8_dequantized_on_ep_and_expert_fsdp_ranks(ckpts):
+def test_fp8_dequantized_on_ep_and_expert_fsdp_ranks(ckpts, broken):
     fp8, dq, num = ckpts
     want = dict(transformers.AutoModelForCausalLM.from_pretrained(dq, dtype=torch.bfloat16).named_parameters())
-    results = run_ranks(fp8_worker, fp8, world=4, local_world=2, timeout=240)
+    results = run_ranks(fp8_worker, fp8, broken["missing"], world=4, local_world=2, timeout=240)
     relocated_read = 0
-    for rank, res in enumerate(results):
+    for rank, (res, refused) in enumerate(results):
+        assert f"{ODD_KEY!r} has dtype F8_E4M3 (FP8)" in refused and "no scale tensor" in refused, (rank, refused)
+        assert "logical expert 3's tensor, in file model-" in refused, (rank, refused)
         for storage, mode, deq, read, state in res:
             assert mode == storage and deq == num
             relocated_read += read if storage == "relocated" else 0
@@ -368,3 +450,36 @@ def test_plan_reports_the_quantization(ckpts, capsys):
     assert f"FP8: {num} weights with block scales (blocks {BLOCK}x{BLOCK}): moved as stored" in capsys.readouterr().out
     assert main([dq, "--nodes", "1", "--ranks-per-node", "2", "--ep", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["checkpoint"]["quantization"] is None
+
+
+def test_fitting_scales_equals_scale_of_key_by_key(tmp_path):
+    """The one-pass check of every expert's scale says what scale_of says of each key: a fitting
+    ``_scale_inv``, a fitting ``_scale`` (behind an integer ``_scale_inv``), none, one of a shape
+    no block grid gives, a weight that is not FP8, a key the checkpoint lacks, a key twice."""
+    import moeshard
+    from moeshard.io.fp8 import fitting_scales, scale_of
+
+    def q():
+        return torch.randn(32, 16).to(torch.float8_e4m3fn)
+
+    moeshard.write_checkpoint(
+        str(tmp_path),
+        [
+            ("a.weight", q()),
+            ("a.weight_scale_inv", torch.ones(2, 1)),
+            ("b.weight", q()),
+            ("c.weight", q()),
+            ("c.weight_scale_inv", torch.ones(3, 1)),
+            ("e.weight", q()),
+            ("e.weight_scale", torch.ones(2, 1)),
+            ("f.weight", torch.ones(2, 2)),
+            ("g.weight", q()),
+            ("g.weight_scale_inv", torch.ones(2, 1, dtype=torch.int32)),
+            ("g.weight_scale", torch.ones(2, 1)),
+        ],
+    )
+    index = moeshard.CheckpointIndex.open(str(tmp_path))
+    keys = ["a.weight", "b.weight", "c.weight", "e.weight", "f.weight", "g.weight", "missing", "a.weight"]
+    want = [k in index and scale_of(index, k) is not None for k in keys]
+    assert fitting_scales(index, keys).tolist() == want == [True, False, False, True, False, True, False, True]
+    assert fitting_scales(index, []).shape == (0,)

@@ -47,7 +47,7 @@ def fused_worker(root: str) -> dict:
     out = {}
     for family in FAMILIES:
         model = hf_families.build(family, device="meta")
-        params = {name: [p.name for p in spec.params] for name, _, spec in expert_layers(model)}
+        params = {e.name: [p.name for p in e.spec.params] for e in expert_layers(model)}
         experts = list(params)
         pl = _placement(len(experts))
         moeshard.parallelize(model, mesh, pl)

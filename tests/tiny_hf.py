@@ -140,7 +140,7 @@ def full_params(model, placement, grads: bool = False, of=None) -> dict[str, tor
 
     from moeshard.models.describe import expert_layers
 
-    layer_of = {name: i for i, (name, _, _) in enumerate(expert_layers(model))}
+    layer_of = {e.name: e.layer for e in expert_layers(model)}
     out = {}
     for name, p in model.named_parameters():
         t = of(p) if of is not None else p.grad if grads else p

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["Placement", "slots_changed"]
+__all__ = ["ROW_RULE", "Placement", "slots_changed"]
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
@@ -25,14 +25,19 @@ def _frozen(a: np.ndarray) -> np.ndarray:
     return a
 
 
+# What a placement's row is, for messages.
+ROW_RULE = "a placement has one row per MoE layer, i.e. per router: the expert tensors one router drives share it"
+
+
 @dataclass(frozen=True, eq=False)
 class Placement:
     """Expert placement of every MoE layer.
 
     Args:
         phy2log: ``int[num_layers, num_physical]``: logical expert held by each physical slot,
-            ``-1`` for an empty slot. The layer index counts MoE layers only, in module order
-            (dense layers are skipped).
+            ``-1`` for an empty slot. The layer index counts MoE layers only, one per router,
+            in module order (dense layers are skipped; the experts modules one router drives,
+            JetMoE's ``input_linear`` and ``output_linear``, share a row).
         num_logical: number of logical experts per layer; inferred as ``phy2log.max() + 1``
             when omitted (pass it to catch a trailing expert with no copy).
         num_ranks: EP size, when known. ``num_physical`` must be a multiple of it.
@@ -195,8 +200,11 @@ class Placement:
         return len(row) == self.num_logical and bool(np.array_equal(row, np.arange(len(row))))
 
     def check_layers(self, num_layers: int) -> None:
+        """ValueError unless the placement has ``num_layers`` rows (a model's MoE layers)."""
         if num_layers != self.num_layers:
-            raise ValueError(f"the model has {num_layers} MoE layers, the placement describes {self.num_layers}")
+            raise ValueError(
+                f"the model has {num_layers} MoE layers, the placement describes {self.num_layers} ({ROW_RULE})"
+            )
 
     def fingerprint(self) -> str:
         import hashlib

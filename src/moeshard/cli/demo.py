@@ -179,7 +179,7 @@ def _rank_main(ckpt: str):
     }
     new = dead
     # The transformers #45662 bug: every rank ends up with rank 0's experts.
-    for _, module, spec in expert_layers(model):
+    for _, module, spec, _ in expert_layers(model):
         for p in spec.params:
             t = local_tensor(getattr(module, p.name))
             dist.broadcast(t, src=0)

@@ -62,7 +62,7 @@ def _slot_report(model, placement, index, reader_root_dir: str) -> list[tuple[in
 
     out = []
     with CheckpointReader(index, reader_root_dir) as reader:
-        for layer, (name, mod, spec) in enumerate(expert_layers(model)):
+        for name, mod, spec, layer in expert_layers(model):
             rows: dict[int, list] = {}
             for p in spec.params:
                 t = getattr(mod, p.name)

@@ -73,7 +73,7 @@ from .. import collectives
 from ..collectives import DistributedError
 from ..eplb import rebalance
 from ..io.placement_files import read_placement_file, write_placement
-from ..models.ep import ROUTED, ep_layers, model_placement
+from ..models.ep import ROUTED, ep_layer_names, ep_layers, model_placement
 from ..models.slot_guard import guard_optimizer
 from ..ops.load import load
 from ..ops.relocate import relocate
@@ -539,12 +539,11 @@ class MoeshardTrainerMixin:
             if not self.args.should_save:
                 return
             if placement is not None:
-                names = {id(m): n for n, m in model.named_modules()}
                 write_placement(
                     placement,
                     os.path.join(output_dir, PLACEMENT_NAME),
                     format="moeshard",
-                    modules=[names[id(m)] for m, _ in ep_layers(model)],
+                    modules=ep_layer_names(model),
                 )
             processing = getattr(self, "processing_class", None)
             if processing is None:

@@ -12,12 +12,14 @@ align to the blocks: it is dequantized with the rows and columns of ``S`` it ove
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ..box import Box
-from .formats import scale_keys
+from .formats import SCALE_SUFFIXES, scale_keys
 from .header import TensorInfo
 from .index import CheckpointIndex
 
@@ -29,6 +31,7 @@ __all__ = [
     "Quantization",
     "block_size",
     "scale_of",
+    "fitting_scales",
     "scale_box",
     "quantization",
     "dequantize",
@@ -84,6 +87,26 @@ def scale_of(index: CheckpointIndex | Mapping[str, TensorInfo], key: str) -> tup
             if block is not None:
                 return sk, block
     return None
+
+
+def fitting_scales(index: CheckpointIndex, keys: Sequence[str]) -> np.ndarray:
+    """``bool[len(keys)]``: for each key, whether :func:`scale_of` finds a scale that fits it (an
+    FP8 weight with a float block scale of its block grid), without a Python step per key: the
+    index's kinds (dtype and shape) of each key and of its scale keys, then :func:`scale_of`
+    once per distinct combination of them. What checks every expert's scale of every layer
+    (256 experts x 61 layers) in a dict lookup per key and scale suffix."""
+    if not len(keys):
+        return np.zeros(0, dtype=bool)
+    # One int64 per key for its kind and its scale keys' (kinds are -1 .. num_tensors - 1),
+    # renumbered densely before each product so that it stays below len(keys) * (num_tensors + 1).
+    base = len(index.tensors) + 1
+    code = index.key_kinds(keys) + 1
+    for suffix in SCALE_SUFFIXES:
+        code = np.unique(code, return_inverse=True)[1].reshape(-1) * base
+        code += index.key_kinds([k + suffix for k in keys]) + 1
+    _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
+    fits = np.asarray([keys[i] in index and scale_of(index, keys[i]) is not None for i in first.tolist()], dtype=bool)
+    return fits[inverse.reshape(-1)]
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,7 @@ __all__ = [
     "identity_rows",
     "num_logical_experts",
     "read_expert_box",
+    "routed_block",
     "specs_for",
     "with_scales",
 ]
@@ -100,12 +101,18 @@ def class_names(cls: type) -> frozenset[str]:
 class ExpertsSpec:
     """Which modules are experts modules (``module``: a regex searched in the module's
     qualified name; ``classes``: where given, the names of the classes one of which the module
-    must be an instance of) and how their fused parameters map to per-expert checkpoint keys."""
+    must be an instance of) and how their fused parameters map to per-expert checkpoint keys.
+
+    ``routed_by_parent``: the experts modules of this spec under one parent module are driven
+    by one router, the parent's (JetMoE's ``input_linear`` and ``output_linear``, Doge's
+    ``down_embed`` and ``up_embed``): together they are one MoE layer, one placement row
+    (:func:`routed_block`). Otherwise each experts module is a MoE layer of its own."""
 
     module: str
     params: tuple[ExpertParam, ...]
     classes: frozenset[str] = frozenset()
     count: str = ""  # the module's attribute giving its number of experts, where a merged parameter hides it
+    routed_by_parent: bool = False
 
     def matches(self, module_name: str, param_names: set[str], module=None) -> bool:
         # The names first: most modules fail there, without a regex search.
@@ -146,6 +153,7 @@ JETMOE_EXPERTS = ExpertsSpec(
     module=r"(^|\.)(input|output)_linear$",
     params=(ExpertParam("weight", ("weight",)),),
     classes=frozenset({"JetMoeParallelExperts"}),
+    routed_by_parent=True,  # the block's router (``mlp.router``, ``self_attention.experts.router``) drives both
 )
 # DBRX's experts: ``ffn.experts.mlp`` (DbrxExpertGLU) holds w1 (gate), v1 (up) and w2 (down, used
 # transposed), each ``[num_experts * ffn_hidden_size, d_model]``, merged on disk as in memory.
@@ -162,6 +170,7 @@ DOGE_EXPERTS = ExpertsSpec(
     module=r"(^|\.)mlp\.(down|up)_embed$",
     params=(ExpertParam("weight", ("weight",)),),
     classes=frozenset({"Embedding"}),
+    routed_by_parent=True,  # ``mlp.router_gate`` picks the ids both tables are looked up by
 )
 DEFAULT_SPECS: tuple[ExpertsSpec, ...] = (
     HF_EXPERTS,
@@ -171,6 +180,13 @@ DEFAULT_SPECS: tuple[ExpertsSpec, ...] = (
     DBRX_EXPERTS,
     DOGE_EXPERTS,
 )
+
+
+def routed_block(name: str, spec: ExpertsSpec) -> str:
+    """The routed block (one router, one MoE layer, one placement row) of experts module
+    ``name`` of ``spec``: the module itself, or its parent for a spec ``routed_by_parent``
+    (``model.layers.0.mlp.input_linear`` -> ``model.layers.0.mlp``)."""
+    return name.rpartition(".")[0] if spec.routed_by_parent else name
 
 
 def expert_shape(

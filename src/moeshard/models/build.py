@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..io.strict_json import load_json
 from .adapters import DEFAULT_SPECS, ExpertsSpec, num_logical_experts
-from .describe import expert_layers
+from .describe import expert_layers, layer_names
 
 if TYPE_CHECKING:
     import torch
@@ -100,7 +100,9 @@ class MoELayout:
     """The MoE layers of a model, as a placement must fit them.
 
     Attributes:
-        modules: each experts module's name, in MoE-layer order (a placement's rows).
+        modules: each MoE layer's name, in layer order (a placement's rows): its experts
+            module's, or the parent of the experts modules one router drives together
+            (JetMoE's ``mlp`` for ``mlp.input_linear`` and ``mlp.output_linear``).
         num_logical: the logical experts of every layer.
     """
 
@@ -115,7 +117,8 @@ class MoELayout:
 def moe_layout(
     model: nn.Module, specs: Sequence[ExpertsSpec] = DEFAULT_SPECS, *, source: str = "the model"
 ) -> MoELayout:
-    """The experts modules of ``model`` (unsharded: on meta or whole) and their expert count.
+    """The MoE layers of ``model`` (unsharded: on meta or whole; one per router) and their
+    expert count.
 
     Raises:
         ValueError: naming ``source``: no experts module moeshard knows (not an MoE model), or
@@ -124,7 +127,7 @@ def moe_layout(
     layers = expert_layers(model, specs)
     if not layers:
         raise ValueError(f"{source}: the model has no experts module moeshard knows (not MoE?)")
-    counts = {name: num_logical_experts(mod, spec) for name, mod, spec in layers}
+    counts = {name: num_logical_experts(mod, spec) for name, mod, spec, _ in layers}
     if len(set(counts.values())) > 1:
         raise ValueError(f"{source}: the MoE layers have different expert counts ({counts}); a placement has one")
-    return MoELayout(tuple(counts), next(iter(counts.values())))
+    return MoELayout(tuple(layer_names(layers)), next(iter(counts.values())))

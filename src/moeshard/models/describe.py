@@ -31,6 +31,7 @@ from .adapters import (
     class_names,
     expert_shape,
     identity_rows,
+    routed_block,
     specs_for,
     with_scales,
 )
@@ -42,9 +43,11 @@ if TYPE_CHECKING:  # torch only where a model is looked at
 
 __all__ = [
     "ExpertRef",
+    "ExpertsModule",
     "ParamDesc",
     "describe_model",
     "expert_layers",
+    "layer_names",
     "tensor_names",
     "local_tensor",
     "base_names",
@@ -209,21 +212,44 @@ def is_adapter_param(name: str) -> bool:
     return _ADAPTER_SEGMENTS.search(name) is not None
 
 
-def expert_layers(
-    model: nn.Module, specs: Sequence[ExpertsSpec] = DEFAULT_SPECS
-) -> list[tuple[str, nn.Module, ExpertsSpec]]:
-    """Experts modules of ``model`` in module order (their index is the MoE layer). In a peft
-    model the experts module is the innermost one (under its ``ParamWrapper`` chain)."""
+class ExpertsModule(NamedTuple):
+    """An experts module of a model: its ``name``, the ``module``, its ``spec`` (FP8 scales
+    included) and its MoE ``layer``: the placement row, shared by the experts modules one
+    router drives (:func:`~moeshard.models.adapters.routed_block`)."""
+
+    name: str
+    module: nn.Module
+    spec: ExpertsSpec
+    layer: int
+
+
+def expert_layers(model: nn.Module, specs: Sequence[ExpertsSpec] = DEFAULT_SPECS) -> list[ExpertsModule]:
+    """Experts modules of ``model`` in module order, each with its MoE layer (layers numbered
+    in the order their first experts module comes; JetMoE's ``input_linear`` and
+    ``output_linear`` of one block share one). In a peft model the experts module is the
+    innermost one (under its ``ParamWrapper`` chain)."""
     out = []
     tree = walk_modules(model)
     base = tree.base
+    blocks: dict[str, int] = {}
     for name, mod in tree.modules:
         names = {n for n, p in mod._parameters.items() if p is not None}
         for spec in specs if names else ():  # an experts module has parameters
             if spec.matches(base(name), names, mod):
-                out.append((name, mod, with_scales(spec, names)))
+                layer = blocks.setdefault(routed_block(base(name), spec), len(blocks))
+                out.append(ExpertsModule(name, mod, with_scales(spec, names), layer))
                 break
     return out
+
+
+def layer_names(layers: Sequence[ExpertsModule]) -> list[str]:
+    """One name per MoE layer of :func:`expert_layers`' ``layers``, in layer order: the experts
+    module's, or for experts modules one router drives together their parent's."""
+    out: dict[int, str] = {}
+    for e in layers:
+        if e.layer not in out:
+            out[e.layer] = routed_block(e.name, e.spec)
+    return [out[i] for i in range(len(out))]
 
 
 def _choose_spec(
@@ -344,7 +370,7 @@ def describe_model(
     tree = walk_modules(model)
     base = tree.base
     experts: dict[str, tuple[int, ExpertsSpec, dict[str, str], nn.Module]] = {}
-    layer = 0
+    blocks: dict[str, int] = {}  # routed block -> MoE layer (as expert_layers numbers them)
     # A spec matches only a module with its parameters: most modules have no spec's first one. A
     # spec of given classes (JetMoE's, whose one parameter is a ``weight``) only an instance of one.
     firsts = {s.params[0].name for s in ordered if not s.classes} if all(s.params for s in ordered) else None
@@ -361,8 +387,8 @@ def describe_model(
             scaled = with_scales(spec, own)
             for p in scaled.params[len(spec.params) :]:  # an FP8 scale is stored where its weight is
                 prefixes[p.name] = prefixes[scaled_weight(p.name)]
+            layer = blocks.setdefault(routed_block(base(name), spec), len(blocks))
             experts[name] = (layer, scaled, prefixes, mod)
-            layer += 1
     aliases, tensors = _aliases(tree)
     descs = []
     meshes: dict[int, np.ndarray] = {}  # id(DeviceMesh) -> its ranks (computing it is not free)

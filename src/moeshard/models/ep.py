@@ -97,6 +97,7 @@ __all__ = [
     "SlotLora",
     "ep_host",
     "ep_forward_installed",
+    "ep_layer_names",
     "expose_placement",
     "experts_kind",
     "install_ep_forward",
@@ -344,7 +345,8 @@ def set_placement(model: nn.Module, placement) -> int:
     that now hold their experts. The tables are the model's one record of its placement:
     ``model.moeshard_placement``, :func:`model_placement` and the state-dict guards
     (:mod:`moeshard.models.slot_guard`) read them. Local, no communication; every rank must do
-    it with the same placement. Returns the number of layers whose EP forward now routes by it.
+    it with the same placement. Returns the number of MoE layers whose EP forward now routes by
+    it (experts modules one router drives share one).
 
     Raises:
         ValueError: ``placement`` does not fit the model (layers, slots per layer, logical
@@ -354,10 +356,11 @@ def set_placement(model: nn.Module, placement) -> int:
     if not tables:  # nothing parallelized by moeshard: the caller routes tokens itself
         return 0
     first = tables[0][1]
-    have = (len(tables), len(first.phy2log), len(first.logcnt))
+    # The experts modules one router drives (JetMoE's input_linear/output_linear) share a row.
+    have = (len(_layer_rows(tables)), len(first.phy2log), len(first.logcnt))
     if (placement.num_layers, placement.num_physical, placement.num_logical) != have:
         raise ValueError(
-            f"the placement has {placement.num_layers} layers x {placement.num_physical} slots for "
+            f"the placement has {placement.num_layers} layers (one per router) x {placement.num_physical} slots for "
             f"{placement.num_logical} logical experts, the model {have[0]} x {have[1]} for {have[2]}"
         )
     for module, ep in tables:
@@ -368,7 +371,7 @@ def set_placement(model: nn.Module, placement) -> int:
             logcnt=placement.logcnt[ep.layer],
         )
         module._moeshard_route = {}
-    return len(ep_layers(model))
+    return len(_layer_rows(ep_layers(model)))
 
 
 def model_placement(model: nn.Module) -> Placement | None:
@@ -391,8 +394,20 @@ def slot_placement(model: nn.Module) -> Placement | None:
 def _placement_of(layers: list[tuple[nn.Module, EPLayer]]) -> Placement | None:
     if not layers:
         return None
+    rows = _layer_rows(layers)
     first = layers[0][1]
-    return Placement(np.stack([ep.phy2log for _, ep in layers]), num_logical=len(first.logcnt), num_ranks=first.ep_size)
+    return Placement(
+        np.stack([rows[i].phy2log for i in sorted(rows)]), num_logical=len(first.logcnt), num_ranks=first.ep_size
+    )
+
+
+def _layer_rows(layers: list[tuple[nn.Module, EPLayer]]) -> dict[int, EPLayer]:
+    """MoE layer -> the EP layout of its first experts module (:func:`ep_layers`' ``layers``;
+    the experts modules one router drives share their layer and its routing tables)."""
+    rows: dict[int, EPLayer] = {}
+    for _, ep in layers:
+        rows.setdefault(ep.layer, ep)
+    return rows
 
 
 # A parallelized model's class with the derived ``moeshard_placement``, by the model's class.
@@ -794,6 +809,25 @@ def ep_layers(model: nn.Module) -> list[tuple[nn.Module, EPLayer]]:
     return [(m, ep) for m, ep in routing_tables(model) if ep_forward_installed(m)]
 
 
+def ep_layer_names(model: nn.Module) -> list[str]:
+    """One name per MoE layer of ``model``'s EP experts modules (:func:`ep_layers`), in layer
+    order: the module whose forward runs the layer's experts, or where several do (JetMoE's
+    ``input_linear`` and ``output_linear``, which one router drives) their common parent. Local."""
+    names = {id(m): n for n, m in model.named_modules()}
+    by_layer: dict[int, list[str]] = {}
+    for module, ep in ep_layers(model):
+        by_layer.setdefault(ep.layer, []).append(names[id(module)])
+    out = []
+    for layer in sorted(by_layer):
+        parts = [n.split(".") for n in by_layer[layer]]
+        common = parts[0]
+        for p in parts[1:]:
+            k = next((i for i, (a, b) in enumerate(zip(common, p)) if a != b), min(len(common), len(p)))
+            common = common[:k]
+        out.append(".".join(common) if len(parts) > 1 else by_layer[layer][0])
+    return out
+
+
 def sync_redundant_grads(model: nn.Module) -> int:
     """A no-op kept for loops written before the EP forward did it in backward: every redundant
     expert's first copy already holds the sum of its copies' gradients and the other copies
@@ -804,7 +838,7 @@ def sync_redundant_grads(model: nn.Module) -> int:
     Returns the number of MoE layers of ``model`` with redundant copies (each combined in
     backward).
     """
-    return sum(int(ep.logcnt.max()) > 1 for _, ep in ep_layers(model))
+    return sum(int(ep.logcnt.max()) > 1 for ep in _layer_rows(ep_layers(model)).values())
 
 
 @torch.no_grad()

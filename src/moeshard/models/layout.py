@@ -19,7 +19,7 @@ import numpy as np
 
 from ..dtypes import TORCH_NAMES, cast_refusal
 from ..io.formats import scale_keys
-from ..io.fp8 import scale_of
+from ..io.fp8 import fitting_scales, scale_of
 from ..io.index import CheckpointIndex
 from ..placement import Placement
 from ..plan.arrays import expand_runs, row_prod, unique_rows
@@ -343,31 +343,50 @@ def find_key(d: ParamDesc, index: CheckpointIndex) -> str:
     raise ValueError(f"parameter {d.name}: checkpoint {index.root} has no tensor {d.keys[0]!r}{also}")
 
 
-def check_cast(what: str, key: str, index: CheckpointIndex, dtype: torch.dtype | str, dequantize: bool = False) -> None:
+def check_cast(
+    what: str,
+    key: str,
+    index: CheckpointIndex,
+    dtype: torch.dtype | str,
+    dequantize: bool = False,
+    expert: int | None = None,
+) -> None:
     """Raise ValueError when checkpoint tensor ``key`` may not be cast to ``dtype``
-    (:func:`~moeshard.dtypes.cast_refusal`); ``what`` names the destination ("parameter x").
-    ``dequantize``: an FP8 weight with a block scale that fits it (:func:`moeshard.io.fp8.scale_of`)
-    may go into a float tensor of two or more bytes (the caller dequantizes it with that scale).
-    Pure; every rank that plans a read calls it."""
+    (:func:`~moeshard.dtypes.cast_refusal`); ``what`` names the destination ("parameter x"),
+    ``expert`` the logical expert whose tensor it is (None: not an expert's). The message ends
+    with the file holding ``key``. ``dequantize``: an FP8 weight with a block scale that fits it
+    (:func:`moeshard.io.fp8.scale_of`: a float tensor of the weight's block grid) may go into a
+    float tensor of two or more bytes (the caller dequantizes it with that scale). Pure; every
+    rank that plans a read calls it."""
+    problem = _cast_problem(what, key, index, dtype, dequantize)
+    if problem is not None:
+        whose = f"logical expert {expert}'s tensor, " if expert is not None else ""
+        raise ValueError(f"{problem} ({whose}in file {index.info(key).file})")
+
+
+def _cast_problem(
+    what: str, key: str, index: CheckpointIndex, dtype: torch.dtype | str, dequantize: bool
+) -> str | None:
+    """:func:`check_cast`'s message, or None when the cast is allowed."""
     ckpt_dtype = index.info(key).dtype
     why = cast_refusal(ckpt_dtype, dtype)
     if why is None:
-        return
+        return None
     if why == "from_fp8" and dequantize and cast_refusal("F32", dtype) is None and scale_of(index, key) is not None:
-        return
+        return None
     src = f"torch.{TORCH_NAMES[ckpt_dtype]}"  # as a torch dtype prints
     head = f"{what}: checkpoint tensor {key!r} has dtype {ckpt_dtype}"
     if why == "kind":
-        raise ValueError(f"{head}, which cannot be cast to the model's {dtype}")
+        return f"{head}, which cannot be cast to the model's {dtype}"
     if why == "to_fp8":
-        raise ValueError(
+        return (
             f"{head}, the model's tensor is {dtype}: casting to FP8 is a quantization that needs a scale, "
             "which moeshard does not do; quantize the checkpoint (with its scales) or keep this tensor "
             f"in a wider dtype"
         )
     keep = f"load it into a model that keeps this tensor in {src}"
     if why == "fp8_formats":
-        raise ValueError(
+        return (
             f"{head}, the model's tensor is {dtype}: converting between FP8 formats without rescaling "
             f"loses precision or overflows (float8_e4m3fn's largest value is 448, float8_e5m2 has 2 "
             f"mantissa bits); {keep}"
@@ -377,18 +396,18 @@ def check_cast(what: str, key: str, index: CheckpointIndex, dtype: torch.dtype |
     if scales:
         info = index.info(scales[0])
         what_scale = f"its scale tensor {scales[0]!r} ({info.dtype} {list(info.shape)})"
-        if dequantize:  # there is a scale, but no block quantization of this weight makes its shape
-            raise ValueError(
+        if dequantize:  # there is a scale, but not a float one of this weight's block grid
+            return (
                 f"{head} (FP8), the model's tensor is {dtype}: {what_scale} is not a float block scale of a "
-                f"weight of shape {list(index.info(key).shape)} (no power-of-two block gives that shape), "
-                f"so it cannot be dequantized; {keep}"
+                f"weight of shape {list(index.info(key).shape)} (F32, BF16 or F16, of the shape a "
+                f"power-of-two block grid gives), so it cannot be dequantized; {keep}"
             )
-        raise ValueError(
+        return (
             f"{head} (FP8), the model's tensor is {dtype}: {what_scale} would be dropped and the raw FP8 "
             f"values loaded unscaled. moeshard.load dequantizes such weights (dequantize=True, its "
             f"default); this operation does not: {keep}"
         )
-    raise ValueError(
+    return (
         f"{head} (FP8), the model's tensor is {dtype}: the checkpoint has no scale tensor for it (no "
         f"{scale_keys(key)[0]!r}), and its raw FP8 values would be meaningless as {dtype}; use a "
         f"dequantized checkpoint, or {keep}"
@@ -713,16 +732,30 @@ def _held_expert_keys(
     d: ParamDesc, index: CheckpointIndex, held: Sequence[int], part_sizes: tuple[int, ...], dequantize: bool = False
 ) -> list[str]:
     """The checkpoint keys of logical experts ``held`` (ascending) of expert parameter ``d``,
-    part by part (:func:`~moeshard.models.unused.keys_of_experts`). Raises ValueError for an expert whose parts do not
-    fit the slice as expert 0's (``part_sizes``) do: checked once per expert."""
+    part by part (:func:`~moeshard.models.unused.keys_of_experts`). Raises ValueError for an
+    expert whose parts do not fit the slice as expert 0's (``part_sizes``) do, or (with
+    ``dequantize``) whose FP8 part going into a float tensor lacks a block scale that fits it
+    (missing, not float, or not of its block grid: :func:`~moeshard.io.fp8.scale_of`), naming
+    the key, its file and the expert. Every expert is checked, in one pass over the index."""
     ref = d.expert
     assert ref is not None
     keys = keys_of_experts(ref, held)
-    # An expert whose parts have expert 0's dtypes and shapes passes every check expert 0
-    # passed; only the others go through the full check, for its error message.
-    kinds = index.key_kinds(keys).reshape(len(ref.param.parts), len(held))
-    want = index.key_kinds(ref.param.keys(ref.module, 0))
-    suspect = np.asarray(held, dtype=np.int64)[(kinds != want[:, None]).any(axis=0)]
+    num_parts, num_held = len(ref.param.parts), len(held)
+    # An expert whose parts have expert 0's dtypes and shapes passes every check of the parts
+    # expert 0 passed; only the others go through the full check, for its error message.
+    kinds = index.key_kinds(keys).reshape(num_parts, num_held)
+    first = ref.param.keys(ref.module, 0)
+    want = index.key_kinds(first)
+    odd = (kinds != want[:, None]).any(axis=0)
+    if dequantize:
+        # Each expert's FP8 part is dequantized with its own scale: expert 0's scale fitting says
+        # nothing of the others' (one missing would load that expert's raw FP8 values).
+        fp8 = [
+            j for j, k in enumerate(first) if k in index and cast_refusal(index.info(k).dtype, d.dtype) == "from_fp8"
+        ]
+        for j in fp8:
+            odd |= ~fitting_scales(index, keys[j * num_held : (j + 1) * num_held])
+    suspect = np.asarray(held, dtype=np.int64)[odd]
     for e in suspect.tolist():
         if expert_part_sizes(d, index, e, d.shape[1:], dequantize) != part_sizes:
             raise ValueError(
@@ -806,7 +839,7 @@ def expert_part_sizes(
                 f"parameter {d.name}: checkpoint {index.root} has no tensor {key!r} (logical expert {expert})"
             )
         info = index.info(key)
-        check_cast(f"parameter {d.name}", key, index, d.dtype, dequantize)
+        check_cast(f"parameter {d.name}", key, index, d.dtype, dequantize, expert)
         shape = list(info.shape)
         want = list(slice_shape)
         if len(shape) != len(want) or any(a != b for k, (a, b) in enumerate(zip(shape, want)) if k != dim):

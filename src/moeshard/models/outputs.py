@@ -14,7 +14,7 @@ import numpy as np
 from .._gc import paused_gc
 from ..io.header import DTYPE_NAMES
 from ..io.index import CheckpointIndex
-from ..placement import Placement
+from ..placement import ROW_RULE, Placement
 from ..plan.arrays import expand_runs
 from ..plan.save_outputs import Output, SegTable
 from .describe import ParamDesc
@@ -198,7 +198,7 @@ def _expert_table(descs, placement, num_layers, reference, num_experts) -> tuple
         if phy2log.ndim != 2 or phy2log.shape[0] != num_layers:
             raise ValueError(
                 f"the model has {num_layers} MoE layers, the placement describes "
-                f"{phy2log.shape[0] if phy2log.ndim == 2 else '?'}"
+                f"{phy2log.shape[0] if phy2log.ndim == 2 else '?'} ({ROW_RULE})"
             )
         num_logical = int(getattr(placement, "num_logical", None) or (phy2log.max() + 1))
     for d in descs:

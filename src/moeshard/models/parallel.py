@@ -138,14 +138,14 @@ def parallelize(
     efsdp = mesh["efsdp"].size() if "efsdp" in names else 1
     spr = placement.slots_per_rank(ep)
     layers = expert_layers(model, specs)
-    placement.check_layers(len(layers))
+    placement.check_layers(1 + max((e.layer for e in layers), default=-1))
     if efsdp > 1:
         _check_efsdp_dims(model, layers, efsdp, mesh.size())
         if ep_forward:
             _check_whole_params(layers)
     expert_params: set[nn.Parameter] = set()
     names = {id(m): n for n, m in model.named_modules()}
-    for layer, (module_name, module, spec) in enumerate(layers):
+    for module_name, module, spec, layer in layers:
         # peft LoRA on expert params (ParamWrappers around the module): per-slot local factors.
         wrappers = expert_lora_wrappers(model, module_name, spec)
         loras = tuple(shard_expert_lora(w, ep_mesh, placement) for w in wrappers)
@@ -248,7 +248,7 @@ def _check_efsdp_dims(model: nn.Module, layers, efsdp: int, world: int) -> None:
     ``fully_shard`` without naming the parameter. EP sharding changes dim 0 only, so the
     unsharded shapes tell."""
     names = {id(m): n for n, m in model.named_modules()}
-    for module_name, module, spec in layers:
+    for module_name, module, spec, _ in layers:
         wrappers = expert_lora_wrappers(model, module_name, spec)
         target = wrappers[-1] if wrappers else module
         lora_b = {id(lin.weight) for w in wrappers for lin in w.lora_B.values()}
@@ -273,7 +273,7 @@ def _check_whole_params(layers) -> None:
     the EP forward gathers any other one (one row per logical expert, gpt-oss's biases) at the
     local slots' experts, so each EP rank computes its gradient from different tokens, and the
     expert FSDP that owns the module reduces it over "efsdp" only, never over "ep"."""
-    for module_name, module, spec in layers:
+    for module_name, module, spec, _ in layers:
         names = {p.name for p in spec.params}
         extra = [n for n, _ in module.named_parameters(recurse=False) if n not in names]
         if extra:

@@ -134,7 +134,7 @@ def experts_routing(model: nn.Module, specs: Sequence[ExpertsSpec] = DEFAULT_SPE
     """Who routes each experts module of ``model`` (module doc), in MoE layer order. Local."""
     return [
         ExpertsRouting(name, mod, layer, *_classify(model, mod, spec, ep_host(model, name, mod)))
-        for layer, (name, mod, spec) in enumerate(expert_layers(model, specs))
+        for name, mod, spec, layer in expert_layers(model, specs)
     ]
 
 

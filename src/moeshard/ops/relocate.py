@@ -34,7 +34,7 @@ from ..models.ep import model_placement, set_placement
 from ..models.layout import expert_part_sizes
 from ..models.routing import ROUTING_MODES, check_routing, resolve_placement, take_over
 from ..models.shards import local_boxes
-from ..placement import Placement
+from ..placement import ROW_RULE, Placement
 from ..plan.chunks import relocation_chunks
 from ..plan.relocation import (
     COUNTERS,
@@ -193,7 +193,7 @@ def _check_undeclared(model: nn.Module, specs: Sequence[ExpertsSpec], tensors: l
     """An experts module's parameter that the spec does not declare would stay behind while
     its expert moves: refuse when it looks per-expert (leading dim = number of slots)."""
     num_physical = max(s0 + ns for t in tensors for _, s0, ns, _ in t.holdings)
-    for name, mod, spec in expert_layers(model, specs):
+    for name, mod, spec, _ in expert_layers(model, specs):
         if getattr(mod, "moeshard_lora", ()):
             raise ValueError(
                 f"experts module {name} carries LoRA adapters (peft), which relocate does not move yet: "
@@ -568,7 +568,9 @@ def _check_fits(p: Placement, what: str, tensors: Sequence[ExpertTensor], check_
     ``check_slots`` (else :func:`_ep_ranks` checked them), their number of slots."""
     layers = 1 + max(t.layer for t in tensors)
     if p.num_layers != layers:
-        raise ValueError(f"the {what} placement has {p.num_layers} layers, the experts have {layers} MoE layers")
+        raise ValueError(
+            f"the {what} placement has {p.num_layers} layers, the experts have {layers} MoE layers ({ROW_RULE})"
+        )
     for t in tensors if check_slots else ():
         top = max(s0 + ns for _, s0, ns, _ in t.holdings)
         if top != p.num_physical:

@@ -114,10 +114,10 @@ def plan_model_save(
     """
     descs = describe_model(model, reference, specs)
     hints = {}
-    for layer, (_, mod, _) in enumerate(expert_layers(model, specs)):
-        n = declared_experts(mod)  # not num_experts as such: transformers' EP counts one rank's there
+    for e in expert_layers(model, specs):
+        n = declared_experts(e.module)  # not num_experts as such: transformers' EP counts one rank's there
         if n is not None:
-            hints[layer] = n
+            hints[e.layer] = n
     skip = frozenset(getattr(model, "_keys_to_ignore_on_save", None) or ())
     outs = describe_outputs(
         descs,
