@@ -360,7 +360,7 @@ def set_placement(model: nn.Module, placement) -> int:
     have = (len(_layer_rows(tables)), len(first.phy2log), len(first.logcnt))
     if (placement.num_layers, placement.num_physical, placement.num_logical) != have:
         raise ValueError(
-            f"the placement has {placement.num_layers} layers (one per router) x {placement.num_physical} slots for "
+            f"the placement has {placement.num_layers} layers x {placement.num_physical} slots for "
             f"{placement.num_logical} logical experts, the model {have[0]} x {have[1]} for {have[2]}"
         )
     for module, ep in tables:
