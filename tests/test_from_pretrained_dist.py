@@ -1,18 +1,22 @@
 """Tier 3: ``moeshard.from_pretrained`` on 4 gloo ranks, against the one-process model.
 
-Tiny float32 Qwen3-MoE (8 experts) and Mixtral (6 experts) checkpoints from ``save_pretrained``
-are loaded by one ``from_pretrained`` call with EP=4 and EP=2 x efsdp=2, a contiguous placement
-and shuffled redundant ones given as a :class:`moeshard.Placement` and as a placement file (both
-moeshard JSON and ``.npy``), in float32, in bf16 (``dtype=``) and with a bf16 ``mp_policy``
-(float32 parameters, bf16 logits). Every parameter, gathered whole and put back in logical expert order
-(each redundant copy checked), must equal transformers' one-process ``from_pretrained`` of the
-same checkpoint bit for bit, and every rank's logits on its own batch must equal the one-process
-model's within 1e-5 of their largest magnitude (float32: the EP forward sums the same products
-in another order). Bad inputs (no config.json, an EP size that does not divide the world, a
-placement or placement file for another expert count, arguments that differ between ranks)
-must raise ValueError on every rank, naming what was expected, and leave the process group
-usable (the good scenarios run after them, in the same processes). One model is then relocated:
-``model.moeshard_placement`` must name the new placement, the parameters and logits stay the same.
+Tiny float32 Qwen3-MoE (8 experts), Mixtral (6 experts) and DeepSeek-V3 (8 routed experts, MLA,
+a dense first layer, a shared expert, ``e_score_correction_bias`` buffers) checkpoints from
+``save_pretrained`` are loaded by one ``from_pretrained`` call with EP=4 and EP=2 x efsdp=2, a
+contiguous placement and shuffled redundant ones given as a :class:`moeshard.Placement` and as a
+placement file (both moeshard JSON and ``.npy``), in float32, in bf16 (``dtype=``) and with a
+bf16 ``mp_policy`` (float32 parameters, bf16 logits). Every parameter, gathered whole and put back
+in logical expert order (each redundant copy checked), and every persistent buffer on every rank
+must equal transformers' one-process ``from_pretrained`` of the same checkpoint bit for bit, in
+the same dtypes (in bf16, DeepSeek-V3's routers stay float32 as transformers keeps them), and
+every rank's logits on its own batch must equal the one-process model's within 1e-5 of their
+largest magnitude (float32: the EP forward sums the same products in another order). Bad inputs
+(no config.json, an EP size that does not divide the world, a placement or placement file for
+another expert count, arguments that differ between ranks) must raise ValueError on every rank,
+naming what was expected, and leave the process group usable (the good scenarios run after them,
+in the same processes). Two models (a Qwen3-MoE, a DeepSeek-V3) are then relocated:
+``model.moeshard_placement`` must name the new placement, the parameters, buffers and logits stay
+the same.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import pytest
 import torch
 
 from mp import run_ranks
-from tiny_hf import FAMILIES, data, full_params, save_checkpoint, shuffled_redundant
+from tiny_hf import FAMILIES, NUM_LAYERS, data, full_params, persistent_buffers, save_checkpoint, shuffled_redundant
 
 transformers = pytest.importorskip("transformers")
 
@@ -42,8 +46,10 @@ SCENARIOS = [
     ("mixtral", 4, 1, "npy", {}),
     ("mixtral", 2, 2, "placement", {"verify": True}),
     ("mixtral", 4, 1, None, {"mp_policy": "bf16", "num_redundant": 2}),
+    ("deepseek_v3", 4, 1, "placement", {"verify": True}),
+    ("deepseek_v3", 2, 2, None, {"dtype": torch.bfloat16}),
 ]
-RELOCATED = 0  # the scenario whose model is then relocated: model.moeshard_placement must follow
+RELOCATED = (0, 7)  # the scenarios whose model is then relocated: model.moeshard_placement must follow
 BAD = ["no_config", "ep_3", "placement_6_experts", "placement_file_6_experts", "args_differ", "uneven_default"]
 
 
@@ -140,9 +146,11 @@ def worker(ckpts: dict, files: str) -> dict:
             # The ("efsdp", "ep") mesh the experts are DTensors on (from_pretrained reuses one per sizes).
             mesh=next(id(p.device_mesh._get_root_mesh()) for n, p in model.named_parameters() if ".experts." in n),
         )
-        if i == RELOCATED:  # relocate: the attribute names the new placement, the model stays the same
+        if i in RELOCATED:  # relocate: the attribute names the new placement, the model stays the same
             new = moeshard.Placement(
-                np.stack([np.random.default_rng(5 + k).permutation(pl.num_physical) for k in range(pl.num_layers)]),
+                np.stack(
+                    [row[np.random.default_rng(5 + k).permutation(pl.num_physical)] for k, row in enumerate(pl.phy2log)]
+                ),
                 num_logical=pl.num_logical,
                 num_ranks=ep,
             )
@@ -159,15 +167,21 @@ def _compare(model, ref, ids) -> dict:
     through ``model.moeshard_placement``), and the logits' largest difference."""
     dtypes = {str(p.dtype) for p in model.parameters()}  # before a forward unshards the root's in bf16
     got = full_params(model, model.moeshard_placement)
+    got.update(persistent_buffers(model))  # whole on every rank
     want = dict(ref.named_parameters())
-    unequal = sorted(n for n in want if n not in got or not torch.equal(got[n], want[n].detach()))
+    want.update(persistent_buffers(ref))
+    unequal = sorted(
+        n for n in want if n not in got or got[n].dtype != want[n].dtype or not torch.equal(got[n], want[n].detach())
+    )
     with torch.no_grad():
         logits = model(input_ids=ids).logits
         ref_logits = ref(input_ids=ids).logits
     return dict(
         unequal=unequal,
         extra_names=sorted(set(got) - set(want)),
+        num_buffers=sum(n.endswith("e_score_correction_bias") for n in want),
         dtypes=dtypes,
+        ref_dtypes={str(p.dtype) for p in ref.parameters()},
         logits_dtype=str(logits.dtype),
         logits_diff=float((logits.float() - ref_logits.float()).abs().max() / ref_logits.float().abs().max()),
     )
@@ -194,16 +208,21 @@ def test_from_pretrained_equals_one_process(results, i):
     for r, rank_results in enumerate(results):
         got = rank_results["good"][i]
         assert got["fsdp"], "the model is FSDP2's (its root an FSDPModule)"
-        for what, g in [("loaded", got), *([("relocated", got["relocated"])] if i == RELOCATED else [])]:
+        for what, g in [("loaded", got), *([("relocated", got["relocated"])] if i in RELOCATED else [])]:
             assert not g["unequal"], f"rank {r}, {what}: parameters differ from the one-process model: {g['unequal']}"
             assert not g["extra_names"], g["extra_names"]
             assert g["same_placement"], f"rank {r}, {what}: model.moeshard_placement is not the model's placement"
-            assert g["dtypes"] == {str(dtype)}
+            assert g["dtypes"] == g["ref_dtypes"] and str(dtype) in g["dtypes"]
+            # DeepSeek-V3: the routers' buffers are compared; in bf16 the routers stay float32.
+            assert g["num_buffers"] == (NUM_LAYERS if family == "deepseek_v3" else 0)
+            assert len(g["dtypes"]) == (2 if family == "deepseek_v3" and dtype == torch.bfloat16 else 1)
             if "mp_policy" in extra:  # float32 parameters, bf16 compute (tests/test_mixed_precision_dist.py)
                 assert g["logits_dtype"] == "torch.bfloat16"
                 continue
             assert g["logits_dtype"] == str(dtype)
-            # bf16 parameters: bf16 compute on both sides, one rounding (2**-8 relative) of slack; else 1e-5.
+            # bf16 parameters: bf16 compute on both sides, one rounding (2**-8 relative) of slack; else
+            # 1e-5. (DeepSeek-V3: the EP forward sums its float32-weighted outputs as transformers
+            # does; one more bf16 rounding in each flips a group-limited routing choice: 0.16.)
             tol = 2**-8 if dtype == torch.bfloat16 else LOGITS_RTOL
             assert g["logits_diff"] <= tol, f"rank {r}, {what}: logits differ by {g['logits_diff']:.3g} of their max"
 

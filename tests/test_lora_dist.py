@@ -1,7 +1,9 @@
-"""Tier 3: peft LoRA adapters on an EP + FSDP2 Qwen3-MoE (moeshard.lora).
+"""Tier 3: peft LoRA adapters on an EP + FSDP2 Qwen3-MoE and DeepSeek-V3 (moeshard.lora).
 
-A tiny fp32 Qwen3-MoE checkpoint (``save_pretrained``) and a peft adapter with random nonzero
-A and B on attention projections (``lora.Linear``) and on the fused expert parameters
+For each family of ``tiny_hf.MATRIX`` a tiny fp32 checkpoint (``tiny_hf.save_checkpoint``; for
+DeepSeek-V3: MLA, a dense first layer, a shared expert, ``e_score_correction_bias`` buffers) and a
+peft adapter with random nonzero A and B on attention projections (``lora.Linear``: Qwen3-MoE's
+q_proj / v_proj, DeepSeek-V3's q_b_proj / kv_b_proj) and on the fused expert parameters
 (``target_parameters``: ``lora.ParamWrapper``, A ``[r*E, in]`` / B ``[out, r*E]``). On 4 gloo
 ranks (EP=4; EP=2 x expert-FSDP=2; contiguous and redundant shuffled placements) the model is
 built on meta, wrapped by peft, parallelized, loaded (base + adapter); then
@@ -20,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 
+import tiny_hf
 from mp import run_ranks
 from training import one_process_steps
 
@@ -28,32 +31,16 @@ peft = pytest.importorskip("peft")
 
 pytestmark = pytest.mark.hf
 
-WORLD, SEQ, NUM_LAYERS, NUM_EXPERTS, R, STEPS, LR = 4, 16, 2, 8, 4, 2, 1e-2
+WORLD, SEQ, NUM_LAYERS, NUM_EXPERTS, R, STEPS, LR = 4, 16, tiny_hf.NUM_LAYERS, 8, 4, 2, 1e-2
 RTOL = 1e-5
+ATTENTION = {"qwen3_moe": ["q_proj", "v_proj"], "deepseek_v3": ["q_b_proj", "kv_b_proj"]}  # MLA's
 
 
-def _config():
-    return transformers.Qwen3MoeConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=NUM_EXPERTS,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-
-
-def _lora_config(r: int = R):
+def _lora_config(family: str, r: int = R):
     return peft.LoraConfig(
         r=r,
         lora_alpha=2 * r,
-        target_modules=["q_proj", "v_proj"],
+        target_modules=ATTENTION[family],
         target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
     )
 
@@ -89,7 +76,7 @@ def _physical_to_file(name: str, full: torch.Tensor, pl, layer: int, factor: str
     return out
 
 
-def lora_worker(paths: dict, scenarios: list) -> list:
+def lora_worker(all_paths: dict, scenarios: list) -> list:
     import torch.distributed as dist
     from safetensors.torch import load_file
     from torch.distributed.tensor import DTensor
@@ -99,12 +86,13 @@ def lora_worker(paths: dict, scenarios: list) -> list:
 
     rank = dist.get_rank()
     ids = _data()[rank : rank + 1]
-    file = load_file(f"{paths['adapter']}/adapter_model.safetensors")
     meshes, out = {}, []
-    for i, (ep, efsdp, kind) in enumerate(scenarios):
+    for i, (family, ep, efsdp, kind) in enumerate(scenarios):
+        paths = all_paths[family]
+        file = load_file(f"{paths['adapter']}/adapter_model.safetensors")
         with torch.device("meta"):
-            model = transformers.Qwen3MoeForCausalLM(_config())
-        model = peft.get_peft_model(model, _lora_config())
+            model = transformers.AutoModelForCausalLM.from_config(tiny_hf.config(family))
+        model = peft.get_peft_model(model, _lora_config(family))
         if (ep, efsdp) not in meshes:
             meshes[(ep, efsdp)] = moeshard.make_mesh("cpu", ep=ep, efsdp=efsdp)
         pl = _placement(kind, ep)
@@ -118,6 +106,8 @@ def lora_worker(paths: dict, scenarios: list) -> list:
             scenario=(ep, efsdp, kind),
             boxes=report.num_boxes,
             all_dtensors=all(isinstance(p, DTensor) for p in model.parameters()),
+            # DeepSeek-V3's routers' persistent buffers, loaded on every rank with the base.
+            buffers={k.removeprefix("base_model.model."): v for k, v in tiny_hf.persistent_buffers(model).items()},
         )
         with torch.no_grad():
             rec["logits"] = model(input_ids=ids).logits[0].clone()
@@ -187,18 +177,26 @@ def lora_worker(paths: dict, scenarios: list) -> list:
     return out
 
 
-SCENARIOS = [(4, 1, "contiguous"), (2, 2, "contiguous"), (4, 1, "shuffled"), (2, 2, "shuffled")]
-IDS = [f"ep{e}-efsdp{d}-{k}" for e, d, k in SCENARIOS]
+SCENARIOS = [  # (family, EP, expert FSDP, placement); scenario 0 also tries the bad adapters
+    ("qwen3_moe", 4, 1, "contiguous"),
+    ("qwen3_moe", 2, 2, "contiguous"),
+    ("qwen3_moe", 4, 1, "shuffled"),
+    ("qwen3_moe", 2, 2, "shuffled"),
+    ("deepseek_v3", 4, 1, "contiguous"),
+    ("deepseek_v3", 2, 2, "shuffled"),
+]
+IDS = [f"{f}-ep{e}-efsdp{d}-{k}" for f, e, d, k in SCENARIOS]
 
 
 def _reference(paths):
-    base = transformers.Qwen3MoeForCausalLM.from_pretrained(paths["base"], dtype=torch.float32)
+    base = transformers.AutoModelForCausalLM.from_pretrained(paths["base"], dtype=torch.float32)
+    buffers = tiny_hf.persistent_buffers(base)
     model = peft.PeftModel.from_pretrained(base, paths["adapter"], is_trainable=True)
     ids = _data()
     with torch.no_grad():
         logits = model(input_ids=ids).logits.clone()
     losses, norms = one_process_steps(model, ids, STEPS, LR)
-    return logits, losses, norms
+    return logits, losses, norms, buffers
 
 
 @pytest.fixture(scope="module")
@@ -208,48 +206,55 @@ def lora_results(tmp_path_factory):
     from safetensors.torch import load_file, save_file
 
     root = tmp_path_factory.mktemp("lora")
-    paths = {k: str(root / k) for k in ("base", "adapter", "bad_r", "bad_keys", "out")}
-    torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(_config())
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(paths["base"])
-    for key, r in (("adapter", R), ("bad_r", 2)):
-        torch.manual_seed(r)
-        pm = peft.get_peft_model(transformers.Qwen3MoeForCausalLM(_config()), _lora_config(r))
-        with torch.no_grad():  # peft initializes B to zero: make every factor nonzero
-            for n, p in pm.named_parameters():
-                if "lora_" in n:
-                    p.copy_(torch.randn_like(p) * 0.2)
-        pm.save_pretrained(paths[key])
-    shutil.copytree(paths["adapter"], paths["bad_keys"])
-    tensors = load_file(f"{paths['bad_keys']}/adapter_model.safetensors")
-    tensors.pop("base_model.model.model.layers.1.mlp.experts.lora_B.weight")
-    save_file(tensors, f"{paths['bad_keys']}/adapter_model.safetensors", metadata={"format": "pt"})
-    ref = _reference(paths)
-    results = run_ranks(lora_worker, paths, SCENARIOS, world=WORLD, local_world=2, timeout=280)
-    return paths, ref, results
+    all_paths, refs = {}, {}
+    for family in tiny_hf.MATRIX:
+        paths = {k: str(root / family / k) for k in ("base", "adapter", "bad_r", "bad_keys", "out")}
+        tiny_hf.save_checkpoint(family, paths["base"])
+        for key, r in (("adapter", R), ("bad_r", 2)):
+            torch.manual_seed(r)
+            pm = peft.get_peft_model(
+                transformers.AutoModelForCausalLM.from_config(tiny_hf.config(family)), _lora_config(family, r)
+            )
+            with torch.no_grad():  # peft initializes B to zero: make every factor nonzero
+                for n, p in pm.named_parameters():
+                    if "lora_" in n:
+                        p.copy_(torch.randn_like(p) * 0.2)
+            pm.save_pretrained(paths[key])
+        shutil.copytree(paths["adapter"], paths["bad_keys"])
+        tensors = load_file(f"{paths['bad_keys']}/adapter_model.safetensors")
+        tensors.pop("base_model.model.model.layers.1.mlp.experts.lora_B.weight")
+        save_file(tensors, f"{paths['bad_keys']}/adapter_model.safetensors", metadata={"format": "pt"})
+        all_paths[family], refs[family] = paths, _reference(paths)
+    results = run_ranks(lora_worker, all_paths, SCENARIOS, world=WORLD, local_world=2, timeout=400)
+    return all_paths, refs, results
 
 
 def test_adapter_targets_experts_and_attention(lora_results):
     from safetensors.torch import load_file
 
-    paths, _, _ = lora_results
-    tensors = load_file(f"{paths['adapter']}/adapter_model.safetensors")
-    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in tensors
-    fused = [k for k in tensors if ".mlp.experts." in k]  # A and B of gate_up_proj and down_proj
-    assert len(fused) == 4 * NUM_LAYERS, fused
-    assert all(t.abs().max() > 0 for t in tensors.values())  # B randomized, not peft's zeros
+    all_paths, _, _ = lora_results
+    for family, paths in all_paths.items():
+        tensors = load_file(f"{paths['adapter']}/adapter_model.safetensors")
+        for module in ATTENTION[family]:
+            assert f"base_model.model.model.layers.0.self_attn.{module}.lora_A.weight" in tensors
+        fused = [k for k in tensors if ".mlp.experts." in k]  # A and B of gate_up_proj and down_proj
+        assert len(fused) == 4 * NUM_LAYERS, fused
+        assert all(t.abs().max() > 0 for t in tensors.values())  # B randomized, not peft's zeros
 
 
 @pytest.mark.parametrize("i", range(len(SCENARIOS)), ids=IDS)
 def test_logits_and_loaded_tensors_match_peft(lora_results, i):
-    _, (ref_logits, _, _), results = lora_results
+    _, refs, results = lora_results
+    ref_logits, _, _, ref_buffers = refs[SCENARIOS[i][0]]
+    if SCENARIOS[i][0] == "deepseek_v3":
+        assert len(ref_buffers) == NUM_LAYERS, ref_buffers  # e_score_correction_bias of each MoE layer
     for rank, per_rank in enumerate(results):
         rec = per_rank[i]
         assert rec["all_dtensors"]
         assert rec["boxes"] > 0
+        assert rec["buffers"].keys() == ref_buffers.keys()
+        for k, want in ref_buffers.items():
+            assert torch.equal(rec["buffers"][k], want), (rank, k)
         assert rec["bad"] == [], f"rank {rank}: loaded LoRA tensors differ from the file: {rec['bad'][:4]}"
         torch.testing.assert_close(
             rec["logits"], ref_logits[rank], rtol=RTOL, atol=RTOL * ref_logits.abs().max().item()
@@ -260,15 +265,17 @@ def test_logits_and_loaded_tensors_match_peft(lora_results, i):
 def test_save_adapter_round_trip(lora_results, i):
     from safetensors.torch import load_file
 
-    paths, (ref_logits, _, _), results = lora_results
+    all_paths, refs, results = lora_results
+    family = SCENARIOS[i][0]
+    paths, ref_logits = all_paths[family], refs[family][0]
     assert results[0][i]["save"] == results[0][i]["num_lora"]
     want = load_file(f"{paths['adapter']}/adapter_model.safetensors")
     got = load_file(f"{paths['out']}/{i}/adapter_model.safetensors")
     assert set(got) == set(want)
     for k in want:
         assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
-    if i == 0:  # peft loads what moeshard wrote
-        base = transformers.Qwen3MoeForCausalLM.from_pretrained(paths["base"], dtype=torch.float32)
+    if i == next(j for j, s in enumerate(SCENARIOS) if s[0] == family):  # peft loads what moeshard wrote
+        base = transformers.AutoModelForCausalLM.from_pretrained(paths["base"], dtype=torch.float32)
         model = peft.PeftModel.from_pretrained(base, f"{paths['out']}/{i}")
         with torch.no_grad():
             torch.testing.assert_close(model(input_ids=_data()).logits, ref_logits, rtol=0, atol=0)
@@ -276,7 +283,8 @@ def test_save_adapter_round_trip(lora_results, i):
 
 @pytest.mark.parametrize("i", range(len(SCENARIOS)), ids=IDS)
 def test_training_matches_peft(lora_results, i):
-    _, (_, ref_losses, ref_norms), results = lora_results
+    _, refs, results = lora_results
+    _, ref_losses, ref_norms, _ = refs[SCENARIOS[i][0]]
     assert ref_losses[-1] < ref_losses[0]
     for per_rank in results:
         np.testing.assert_allclose(per_rank[i]["losses"], ref_losses, rtol=RTOL, atol=0)

@@ -1,6 +1,7 @@
 """Tier 3, redundant expert copies in a STOCK training loop (no moeshard call in the loop).
 
-A tiny fp32 Qwen3-MoE written by ``save_pretrained`` is built on meta on 4 gloo ranks,
+A tiny fp32 Qwen3-MoE (and in two scenarios a DeepSeek-V3: a dense first layer, a shared expert,
+grouped routing) written by ``save_pretrained`` is built on meta on 4 gloo ranks,
 parallelized with a redundant, shuffled placement (8 logical experts in 12 slots: every expert
 once plus 4 extra copies, permuted per layer) and loaded by moeshard. Then the loop a stock
 Trainer runs, nothing else: forward, ``loss.backward()`` (two micro-batches of gradient
@@ -44,6 +45,7 @@ import numpy as np
 import pytest
 import torch
 
+import tiny_hf
 from mp import run_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -61,32 +63,23 @@ NUM_LAYERS, NUM_EXPERTS, NUM_PHYSICAL = 2, 8, 12
 # 1e-5 (1% of one step's largest update) fails on any wrong step, e.g. a copy's gradient lost.
 WEIGHT_ATOL = 1e-5
 
-# (name, EP, expert FSDP, gradient accumulation micro-batches, clipping)
+# (name, family, EP, expert FSDP, gradient accumulation micro-batches, clipping)
 SCENARIOS = [
-    ("ep4-per-mesh", 4, 1, 1, "per-mesh"),
-    ("ep4-accelerate-acc2", 4, 1, 2, "accelerate"),
-    ("ep2-efsdp2-accelerate-acc2", 2, 2, 2, "accelerate"),
-    ("ep2-efsdp2-per-mesh", 2, 2, 1, "per-mesh"),
-    ("ep2-efsdp2-moeshard-explicit", 2, 2, 1, "explicit"),
-    ("ep4-moeshard-explicit-acc2", 4, 1, 2, "explicit"),
+    ("ep4-per-mesh", "qwen3_moe", 4, 1, 1, "per-mesh"),
+    ("ep4-accelerate-acc2", "qwen3_moe", 4, 1, 2, "accelerate"),
+    ("ep2-efsdp2-accelerate-acc2", "qwen3_moe", 2, 2, 2, "accelerate"),
+    ("ep2-efsdp2-per-mesh", "qwen3_moe", 2, 2, 1, "per-mesh"),
+    ("ep2-efsdp2-moeshard-explicit", "qwen3_moe", 2, 2, 1, "explicit"),
+    ("ep4-moeshard-explicit-acc2", "qwen3_moe", 4, 1, 2, "explicit"),
+    # DeepSeek-V3 (a dense first layer, a shared expert, grouped routing with its
+    # e_score_correction_bias): the same stock loop.
+    ("deepseek_v3-ep4-per-mesh", "deepseek_v3", 4, 1, 1, "per-mesh"),
+    ("deepseek_v3-ep2-efsdp2-accelerate-acc2", "deepseek_v3", 2, 2, 2, "accelerate"),
 ]
 
 
-def _config():
-    return transformers.Qwen3MoeConfig(
-        vocab_size=128,
-        hidden_size=32,
-        num_attention_heads=4,
-        max_position_embeddings=64,
-        num_experts_per_tok=2,
-        tie_word_embeddings=False,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=NUM_LAYERS,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=NUM_EXPERTS,
-    )
+def _config(family: str = "qwen3_moe"):
+    return tiny_hf.config(family)
 
 
 def _data(acc: int) -> torch.Tensor:
@@ -127,7 +120,7 @@ def _torch_clip_probe(model) -> dict:
     return out
 
 
-def stock_worker(ckpt: str, scenarios: list) -> list:
+def stock_worker(ckpts: dict, scenarios: list) -> list:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -135,15 +128,15 @@ def stock_worker(ckpt: str, scenarios: list) -> list:
 
     rank = dist.get_rank()
     meshes, out = {}, []
-    for _name, ep, efsdp, acc, clip in scenarios:
+    for _name, family, ep, efsdp, acc, clip in scenarios:
         ids = _data(acc)
         with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(_config())
+            model = transformers.AutoModelForCausalLM.from_config(_config(family))
         if (ep, efsdp) not in meshes:
             meshes[(ep, efsdp)] = moeshard.make_mesh("cpu", ep=ep, efsdp=efsdp)
         pl = _placement(ep)
         moeshard.parallelize(model, meshes[(ep, efsdp)], pl)
-        moeshard.load(model, ckpt, placement=pl)
+        moeshard.load(model, ckpts[family], placement=pl)
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
         losses, norms, probe = [], [], None
         for step in range(STEPS):
@@ -211,7 +204,7 @@ def _per_mesh_clip(model, max_norm):
     return total
 
 
-def _reference(ckpt: str, acc: int, weight_decay: float = 0.01):
+def _reference(ckpt: str, acc: int, weight_decay: float = 0.01, family: str = "qwen3_moe"):
     model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     ids = _data(acc)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=weight_decay)
@@ -224,37 +217,42 @@ def _reference(ckpt: str, acc: int, weight_decay: float = 0.01):
         opt.zero_grad()
         losses.append(loss.item())
     experts = {}
-    for layer, block in enumerate(model.model.layers):
+    for layer, block in enumerate(tiny_hf.moe_blocks(family)):
         for pname in ("gate_up_proj", "down_proj"):
-            experts[(layer, pname)] = getattr(block.mlp.experts, pname).detach().clone()
+            experts[(layer, pname)] = getattr(model.model.layers[block].mlp.experts, pname).detach().clone()
     return losses, norms, experts
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
+def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("redundant")
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(_config())
-    with torch.no_grad():  # distinct values everywhere (norms start at ones, biases at zero)
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    path = str(root / "ckpt")
-    model.save_pretrained(path, max_shard_size="50KB")
-    return path
+    out = {}
+    for family in tiny_hf.MATRIX:  # distinct values everywhere (norms start at ones, biases at zero)
+        out[family] = str(root / family)
+        tiny_hf.save_checkpoint(family, out[family])
+    return out
 
 
 @pytest.fixture(scope="module")
-def stock(ckpt):
-    refs = {acc: _reference(ckpt, acc) for acc in sorted({s[3] for s in SCENARIOS})}
-    results = run_ranks(stock_worker, ckpt, SCENARIOS, world=WORLD, local_world=2, timeout=280)
+def ckpt(ckpts):
+    return ckpts["qwen3_moe"]
+
+
+@pytest.fixture(scope="module")
+def stock(ckpts):
+    refs = {
+        (family, acc): _reference(ckpts[family], acc, family=family)
+        for family, acc in sorted({(s[1], s[4]) for s in SCENARIOS})
+    }
+    results = run_ranks(stock_worker, ckpts, SCENARIOS, world=WORLD, local_world=2, timeout=360)
     return refs, results
 
 
 @pytest.mark.parametrize("i", range(len(SCENARIOS)), ids=[s[0] for s in SCENARIOS])
 def test_stock_loop_matches_one_process(stock, i):
     refs, results = stock
-    name, ep, efsdp, acc, clip = SCENARIOS[i]
-    ref_losses, ref_norms, ref_experts = refs[acc]
+    name, family, ep, efsdp, acc, clip = SCENARIOS[i]
+    ref_losses, ref_norms, ref_experts = refs[family, acc]
     assert ref_losses[-1] < ref_losses[0], "the reference must actually train"
     assert min(ref_norms) > 2 * MAX_NORM, "every step must clip"
     for rank, rank_results in enumerate(results):
@@ -290,13 +288,13 @@ def test_torch_clip_over_mixed_meshes(stock):
     norm; where it raises, the error is torch's (DTensor refuses an op across meshes), which
     is why accelerate and the Trainer take a norm per mesh and combine them."""
     refs, results = stock
-    for i, (name, _ep, _efsdp, acc, clip) in enumerate(SCENARIOS):
+    for i, (name, family, _ep, _efsdp, acc, clip) in enumerate(SCENARIOS):
         if clip != "per-mesh":
             continue
         probe = results[0][i]["probe"]
         assert len(probe["meshes"]) >= 2, probe  # the gradients do live on several meshes
         if probe["ok"]:
-            np.testing.assert_allclose(probe["norm"], refs[acc][1][0], rtol=RTOL)
+            np.testing.assert_allclose(probe["norm"], refs[family, acc][1][0], rtol=RTOL)
         else:
             assert "mesh" in probe["error"].lower(), probe
         print(f"{name}: torch.nn.utils.clip_grad_norm_: {probe}")

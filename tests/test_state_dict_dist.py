@@ -1,7 +1,8 @@
 """Tier 2: torch's own savers and loaders on a moeshard model are right or loud.
 
-On 4 gloo ranks (EP=4, and EP=2 x expert-FSDP=2), for the tiny custom MoE of ``tiny_moe`` and a
-transformers Qwen3-MoE written by ``save_pretrained``:
+On 4 gloo ranks (EP=4, and EP=2 x expert-FSDP=2), for the tiny custom MoE of ``tiny_moe`` and the
+transformers families of ``tiny_hf.MATRIX`` written by ``save_pretrained`` (Qwen3-MoE; DeepSeek-V3,
+its ``e_score_correction_bias`` buffers compared with the rest, on EP=2 x expert-FSDP=2):
 
 * identity placement (``Placement.contiguous(..., num_redundant=0)``): ``state_dict()`` and DCP's
   ``get_model_state_dict(full_state_dict=True)`` equal the checkpoint's tensors (bit for bit),
@@ -27,6 +28,7 @@ import numpy as np
 import pytest
 import torch
 
+import tiny_hf
 import tiny_moe
 from mp import run_ranks
 
@@ -34,25 +36,12 @@ pytestmark = pytest.mark.dist
 
 WORLD = 4
 NUM_MOE = len(tiny_moe.MOE_BLOCKS)
-
-
-def _qwen_config():
-    import transformers
-
-    return transformers.Qwen3MoeConfig(
-        vocab_size=128,
-        hidden_size=32,
-        num_attention_heads=4,
-        max_position_embeddings=64,
-        num_experts_per_tok=2,
-        tie_word_embeddings=False,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=8,
-    )
+# The transformers families (tiny_hf.MATRIX) beside the custom MoE: "hf" is Qwen3-MoE.
+FAMILY = {"hf": "qwen3_moe", "deepseek_v3": "deepseek_v3"}
+KINDS = ("tiny", *FAMILY)
+# DeepSeek-V3 (its persistent buffers, MLA, dense first layer) on EP=2 x expert-FSDP=2 only: the
+# suite's time; the EP=4 paths are the same code.
+CONFIGS = [(k, ep, f) for k in KINDS for ep, f in ((4, 1), (2, 2)) if k != "deepseek_v3" or f == 2]
 
 
 def _placements(ep: int, num_logical: int, num_layers: int) -> dict:
@@ -104,7 +93,7 @@ def _sd_mismatches(sd: dict, want: dict) -> list[str]:
     return bad
 
 
-def worker(root: str, hf_ckpt: str) -> dict:
+def worker(root: str, hf_ckpts: dict) -> dict:
     import copy
 
     import torch.distributed as dist
@@ -121,8 +110,14 @@ def worker(root: str, hf_ckpt: str) -> dict:
 
     full_opts = StateDictOptions(full_state_dict=True)
     ckpt = tiny_moe.read_all(os.path.join(root, "tiny"))
-    out: dict = {"tiny": {}, "hf": {}, "relocate": {}}
-    hf_ref = transformers.AutoModelForCausalLM.from_pretrained(hf_ckpt, dtype=torch.float32).state_dict()
+    out: dict = {kind: {} for kind in KINDS}
+    out["relocate"] = {}
+    # The one-process state dicts (parameters and persistent buffers: DeepSeek-V3's
+    # e_score_correction_bias), per transformers family.
+    hf_refs = {
+        kind: transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+        for kind, path in hf_ckpts.items()
+    }
 
     def build(kind: str, mesh, pl):
         if kind == "tiny":
@@ -132,9 +127,9 @@ def worker(root: str, hf_ckpt: str) -> dict:
             moeshard.load(model, os.path.join(root, "tiny"), placement=pl)
             return model
         with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(_qwen_config())
+            model = transformers.AutoModelForCausalLM.from_config(tiny_hf.config(FAMILY[kind]))
         moeshard.parallelize(model, mesh, pl)
-        moeshard.load(model, hf_ckpt, placement=pl)
+        moeshard.load(model, hf_ckpts[kind], placement=pl)
         return model
 
     def wrong(kind: str, model, pl) -> list[str]:
@@ -144,10 +139,10 @@ def worker(root: str, hf_ckpt: str) -> dict:
         layers = tiny_moe.moe_layers(model)
         bad = []
         for name, t in tiny_moe.named_tensors(model).items():
-            if name not in hf_ref:  # a non-persistent buffer
+            if name not in hf_refs[kind]:  # a non-persistent buffer
                 continue
             module, _, param = name.rpartition(".")
-            want = hf_ref[name]
+            want = hf_refs[kind][name]
             if module in layers and param in ("gate_up_proj", "down_proj"):
                 want = want[torch.tensor(pl.phy2log[layers[module]])]  # slot p holds expert phy2log[p]
             if not torch.equal(tiny_moe.local_of(t), want[tiny_moe.local_box(t)]):
@@ -156,16 +151,18 @@ def worker(root: str, hf_ckpt: str) -> dict:
 
     def logical(kind: str, model) -> dict:
         """The checkpoint's tensors under the model's names (what a logical state dict holds)."""
-        if kind == "hf":
-            return hf_ref
+        if kind != "tiny":
+            return hf_refs[kind]
         ident = np.tile(np.arange(tiny_moe.NUM_EXPERTS), (NUM_MOE, 1))
         layers = tiny_moe.moe_layers(model)
         return {k: tiny_moe.expected_full(k, ckpt, ident, layers) for k in tiny_moe.named_tensors(model)}
 
     meshes = {(4, 1): moeshard.make_mesh("cpu", ep=4), (2, 2): moeshard.make_mesh("cpu", ep=2, efsdp=2)}
-    for kind in ("tiny", "hf"):
+    for kind in KINDS:
         num_logical = tiny_moe.NUM_EXPERTS if kind == "tiny" else 8
         for (ep, efsdp), mesh in meshes.items():
+            if (kind, ep, efsdp) not in CONFIGS:
+                continue
             pls = _placements(ep, num_logical, NUM_MOE)
             # -- identity: every path works and is the checkpoint's ---------------------------
             model = build(kind, mesh, pls["identity"])
@@ -228,7 +225,7 @@ def worker(root: str, hf_ckpt: str) -> dict:
                     "dcp_set_sharded": lambda: set_model_state_dict(model, dict(bumped)),
                     "dcp_set_full": lambda: set_model_state_dict(model, dict(bumped_full), options=full_opts),
                 }
-                if kind == "hf":
+                if kind != "tiny":
                     where = os.path.join(root, f"sp{dist.get_rank()}")
                     attempts["save_pretrained"] = lambda: model.save_pretrained(where)
                 rec["model_paths"] = {k: _try(f) for k, f in attempts.items()}
@@ -303,7 +300,7 @@ def _lora_paths(mesh) -> dict:
         if pname == "redundant":
             continue
         with torch.device("meta"):
-            model = transformers.Qwen3MoeForCausalLM(_qwen_config())
+            model = transformers.AutoModelForCausalLM.from_config(tiny_hf.config("qwen3_moe"))
         model = peft.get_peft_model(
             model,
             peft.LoraConfig(
@@ -353,20 +350,14 @@ def _lora_paths(mesh) -> dict:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     root = tmp_path_factory.mktemp("state_dict")
     tiny_moe.write(os.path.join(root, "tiny"))
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(_qwen_config())
-    with torch.no_grad():  # distinct values everywhere (norms start at ones)
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    hf = os.path.join(root, "hf")
-    model.save_pretrained(hf, max_shard_size="50KB")
-    return run_ranks(worker, str(root), hf, world=WORLD, local_world=2, timeout=280)
-
-
-CONFIGS = [(k, ep, f) for k in ("tiny", "hf") for ep, f in ((4, 1), (2, 2))]
+    hf = {}
+    for kind, family in FAMILY.items():
+        hf[kind] = os.path.join(root, kind)
+        tiny_hf.save_checkpoint(family, hf[kind])
+    return run_ranks(worker, str(root), hf, world=WORLD, local_world=2, timeout=400)
 
 
 @pytest.mark.parametrize("kind,ep,efsdp", CONFIGS)

@@ -156,3 +156,20 @@ def full_params(model, placement, grads: bool = False, of=None) -> dict[str, tor
             t = logical
         out[name] = t
     return out
+
+
+def moe_blocks(family: str) -> tuple[int, ...]:
+    """Decoder-layer indices of the ``NUM_LAYERS`` MoE layers (DeepSeek-V3's layer 0 is dense)."""
+    first = 1 if family == "deepseek_v3" else 0
+    return tuple(range(first, first + NUM_LAYERS))
+
+
+def persistent_buffers(model) -> dict[str, torch.Tensor]:
+    """Every persistent buffer of ``model`` (DeepSeek-V3's ``e_score_correction_bias [8]``),
+    by name, as this rank holds it (FSDP2 leaves buffers whole on every rank); cloned."""
+    out = {}
+    for prefix, module in model.named_modules():
+        for name, b in module.named_buffers(recurse=False):
+            if b is not None and name not in module._non_persistent_buffers_set:
+                out[f"{prefix}.{name}" if prefix else name] = b.detach().clone()
+    return out

@@ -541,19 +541,23 @@ def _ep_forward(
     experts = top_k_index.reshape(-1)
     tokens = torch.arange(T, device=experts.device).repeat_interleave(K)
     weights = top_k_weights.reshape(-1)
-    out = torch.zeros_like(hidden_states)
+    # As transformers' experts (grouped_mm): each output times its weight in their promoted dtype
+    # (float32 for DeepSeek-V3's float32 router weights), the K products summed in at least
+    # float32, rounded once to the hidden dtype.
+    acc = torch.promote_types(torch.promote_types(hidden_states.dtype, weights.dtype), torch.float32)
+    out = torch.zeros(hidden_states.shape, dtype=acc, device=hidden_states.device)
     if self.moeshard_identity:
         # Identity ("zero") experts, ids past the logical ones: the token's own state times its
         # weight, where it is; the other pairs go to their experts.
         with torch.no_grad():
             zero = experts >= len(self.moeshard_ep.logcnt)
             ident, routed = zero.nonzero().squeeze(1), (~zero).nonzero().squeeze(1)
-        y = hidden_states[tokens[ident]] * weights[ident, None].to(hidden_states.dtype)
-        out = out.index_add(0, tokens[ident], y.to(out.dtype))
+        y = hidden_states[tokens[ident]] * weights[ident, None]
+        out = out.index_add(0, tokens[ident], y.to(acc))
         experts, tokens, weights = experts[routed], tokens[routed], weights[routed]
     y, order = _exchange(self, hidden_states, tokens, experts, tokens)
-    y = y * weights[order, None].to(y.dtype)
-    return out.index_add(0, tokens[order], y.to(out.dtype)).view(shape)
+    y = y * weights[order, None]
+    return out.index_add(0, tokens[order], y.to(acc)).to(hidden_states.dtype).view(shape)
 
 
 def _ep_forward_prerouted(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -98,6 +98,10 @@ def parallelize(
             dtype); the whole model then computes in ``param_dtype`` as FSDP2 alone would. A
             custom experts module that keeps its own forward (``ep_forward=False``, or not
             transformers' and not HF-style) must do that cast itself. None: no mixed precision.
+            A module whose trainable parameters keep a dtype other than the rest of its block's
+            (transformers' ``_keep_in_fp32_modules``: DeepSeek-V3's router stays float32 in a
+            bf16 model) gets a ``fully_shard`` of its own (FSDP2 shards one dtype per group), and
+            so computes in its own dtype as it does in transformers.
     Returns:
         the same model (call :func:`moeshard.load` next), with ``model.moeshard_mp_policy`` =
         the policy and a read-only ``model.moeshard_placement``: ``placement`` now, read from
@@ -116,7 +120,8 @@ def parallelize(
             efsdp > 1, a parameter of an experts module whose dim 1 does not divide by efsdp
             (FSDP2 shards it there, evenly only);
             with efsdp > 1 and ep_forward, a parameter of an experts module outside its spec;
-            an ``mp_policy`` that is not a ``MixedPrecisionPolicy``.
+            an ``mp_policy`` that is not a ``MixedPrecisionPolicy``; a module (not an experts
+            module) whose own trainable parameters mix dtypes.
     """
     if mp_policy is None:
         mp_policy = MixedPrecisionPolicy()  # fully_shard's default: no casts
@@ -143,6 +148,12 @@ def parallelize(
         _check_efsdp_dims(model, layers, efsdp, mesh.size())
         if ep_forward:
             _check_whole_params(layers)
+    # Modules to shard on their own for their dtype, found before anything changes: experts
+    # modules (with their LoRA wrappers) are EP's or expert FSDP's, blocks the root's children.
+    blocks = _blocks(model)
+    opaque = {id(e.module) for e in layers} | {id(b) for b in blocks}
+    opaque |= {id(w) for e in layers for w in expert_lora_wrappers(model, e.name, e.spec)}
+    units = [(unit, _other_dtype_modules(unit, opaque - {id(unit)})) for unit in (*blocks, model)]
     expert_params: set[nn.Parameter] = set()
     names = {id(m): n for n, m in model.named_modules()}
     for module_name, module, spec, layer in layers:
@@ -233,10 +244,10 @@ def parallelize(
         dense = dense_mesh(mesh, replicate)
     dp = dense if dense is not None else _dp_mesh(mesh)
     ignored = expert_params if efsdp == 1 else None
-    blocks = _blocks(model)
-    for block in blocks:
-        fully_shard(block, mesh=dp, ignored_params=ignored, mp_policy=mp_policy)
-    fully_shard(model, mesh=dp, ignored_params=ignored, mp_policy=mp_policy)
+    for unit, islands in units:
+        for island in islands:
+            fully_shard(island, mesh=dp, ignored_params=ignored, mp_policy=mp_policy)
+        fully_shard(unit, mesh=dp, ignored_params=ignored, mp_policy=mp_policy)
     model.moeshard_mp_policy = mp_policy  # what the Trainer integration checks bf16/fp16 against
     return model
 
@@ -290,6 +301,48 @@ def _contiguous_stride(shape) -> tuple[int, ...]:
         stride.append(acc)
         acc *= n
     return tuple(reversed(stride))
+
+
+def _other_dtype_modules(unit: nn.Module, opaque: set[int]) -> list[nn.Module]:
+    """Submodules of ``unit`` whose trainable parameters have a dtype other than the rest of
+    ``unit``'s (the dtype of most of its elements): transformers keeps some modules in float32
+    in a bf16 model (``_keep_in_fp32_modules``: DeepSeek-V3's router), and FSDP2 needs one dtype
+    of trainable parameters per ``fully_shard`` group, so each such module gets its own (and
+    computes in its own dtype, as in transformers). Submodules whose ``id`` is in ``opaque``
+    (sharded otherwise) and their parameters do not count.
+
+    Raises:
+        ValueError: a module whose own trainable parameters mix the two dtypes.
+    """
+    owners: list[tuple[str, nn.Module, list[nn.Parameter]]] = []
+
+    def walk(prefix: str, module: nn.Module) -> None:
+        own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        if own:
+            owners.append((prefix, module, own))
+        for name, child in module.named_children():
+            if id(child) not in opaque:
+                walk(f"{prefix}.{name}" if prefix else name, child)
+
+    walk("", unit)
+    sizes: dict[torch.dtype, int] = {}
+    for _, _, own in owners:
+        for p in own:
+            sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+    if len(sizes) < 2:
+        return []
+    main = max(sizes, key=lambda dt: sizes[dt])
+    out = []
+    for name, module, own in owners:
+        dtypes = {p.dtype for p in own}
+        if main not in dtypes:
+            out.append(module)
+        elif len(dtypes) > 1:
+            raise ValueError(
+                f"module {name!r} of {type(unit).__name__} ({type(module).__name__}) has trainable parameters "
+                f"of dtypes {sorted(map(str, dtypes))}; FSDP2 shards one dtype per group: give them one dtype"
+            )
+    return out
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
