@@ -120,8 +120,7 @@ def parallelize(
             efsdp > 1, a parameter of an experts module whose dim 1 does not divide by efsdp
             (FSDP2 shards it there, evenly only);
             with efsdp > 1 and ep_forward, a parameter of an experts module outside its spec;
-            an ``mp_policy`` that is not a ``MixedPrecisionPolicy``; a module (not an experts
-            module) whose own trainable parameters mix dtypes.
+            an ``mp_policy`` that is not a ``MixedPrecisionPolicy``.
     """
     if mp_policy is None:
         mp_policy = MixedPrecisionPolicy()  # fully_shard's default: no casts
@@ -309,10 +308,10 @@ def _other_dtype_modules(unit: nn.Module, opaque: set[int]) -> list[nn.Module]:
     in a bf16 model (``_keep_in_fp32_modules``: DeepSeek-V3's router), and FSDP2 needs one dtype
     of trainable parameters per ``fully_shard`` group, so each such module gets its own (and
     computes in its own dtype, as in transformers). Submodules whose ``id`` is in ``opaque``
-    (sharded otherwise) and their parameters do not count.
-
-    Raises:
-        ValueError: a module whose own trainable parameters mix the two dtypes.
+    (sharded otherwise) and their parameters do not count. A module whose own parameters mix
+    dtypes (a quantized layer kept with its scales, e.g. transformers' ``FP8Linear``) stays in
+    ``unit``'s group: moving it would not give either group one dtype, and FSDP2 judges such a
+    group itself when it runs.
     """
     owners: list[tuple[str, nn.Module, list[nn.Parameter]]] = []
 
@@ -333,15 +332,10 @@ def _other_dtype_modules(unit: nn.Module, opaque: set[int]) -> list[nn.Module]:
         return []
     main = max(sizes, key=lambda dt: sizes[dt])
     out = []
-    for name, module, own in owners:
+    for _, module, own in owners:
         dtypes = {p.dtype for p in own}
         if main not in dtypes:
             out.append(module)
-        elif len(dtypes) > 1:
-            raise ValueError(
-                f"module {name!r} of {type(unit).__name__} ({type(module).__name__}) has trainable parameters "
-                f"of dtypes {sorted(map(str, dtypes))}; FSDP2 shards one dtype per group: give them one dtype"
-            )
     return out
 
 
