@@ -313,30 +313,25 @@ def _other_dtype_modules(unit: nn.Module, opaque: set[int]) -> list[nn.Module]:
     ``unit``'s group: moving it would not give either group one dtype, and FSDP2 judges such a
     group itself when it runs.
     """
-    owners: list[tuple[str, nn.Module, list[nn.Parameter]]] = []
+    owners: list[tuple[nn.Module, list[nn.Parameter]]] = []
 
-    def walk(prefix: str, module: nn.Module) -> None:
+    def walk(module: nn.Module) -> None:
         own = [p for p in module.parameters(recurse=False) if p.requires_grad]
         if own:
-            owners.append((prefix, module, own))
-        for name, child in module.named_children():
+            owners.append((module, own))
+        for child in module.children():
             if id(child) not in opaque:
-                walk(f"{prefix}.{name}" if prefix else name, child)
+                walk(child)
 
-    walk("", unit)
+    walk(unit)
     sizes: dict[torch.dtype, int] = {}
-    for _, _, own in owners:
+    for _, own in owners:
         for p in own:
             sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
     if len(sizes) < 2:
         return []
     main = max(sizes, key=lambda dt: sizes[dt])
-    out = []
-    for _, module, own in owners:
-        dtypes = {p.dtype for p in own}
-        if main not in dtypes:
-            out.append(module)
-    return out
+    return [module for module, own in owners if main not in {p.dtype for p in own}]
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
