@@ -7,6 +7,7 @@ The launcher itself is the package's (:mod:`moeshard._launch`); this keeps the t
 from __future__ import annotations
 
 import multiprocessing
+import os
 import time
 
 from moeshard._launch import run_local_ranks
@@ -58,3 +59,16 @@ def start_and_join(procs: list, timeout: float) -> list[int]:
     for i in alive:
         procs[i].kill()
     return alive
+
+
+def set_rank_env(rank: int, world: int, local_world: int, port: int) -> None:
+    """The environment torchrun gives rank ``rank`` of ``world`` (``local_world`` per simulated
+    node, the rendezvous on 127.0.0.1:``port``), for a process a test starts itself."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank % local_world),
+        LOCAL_WORLD_SIZE=str(local_world),
+    )

@@ -26,7 +26,7 @@ import moeshard
 import tiny_moe
 from moeshard import collectives
 from moeshard._launch import free_port
-from mp import forkserver, start_and_join
+from mp import forkserver, set_rank_env, start_and_join
 
 WORLD, LWS, VICTIM = 4, 2, 3
 # The backend's timeout is a backstop only: survivors must fail long before it (the load of a
@@ -146,14 +146,7 @@ def _scenario(name: str, rank: int, root: str, patch) -> tuple | None:
 
 
 def _rank_main(name: str, rank: int, port: int, root: str, out_dir: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
-        LOCAL_RANK=str(rank % LWS),
-        LOCAL_WORLD_SIZE=str(LWS),
-    )
+    set_rank_env(rank, WORLD, LWS, port)
     torch.set_num_threads(1)
     torch.distributed.init_process_group(
         "gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=BACKSTOP_S)

@@ -32,7 +32,7 @@ import torch
 
 import tiny_hf
 from moeshard._launch import exit_process, free_port
-from mp import forkserver, start_and_join
+from mp import forkserver, set_rank_env, start_and_join
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -249,14 +249,7 @@ def _run(names: list[str] | None, rank: int, root: Path) -> dict:
 
 
 def _rank_main(rank: int, port: int, root: str, names, timeout: float, out_dir: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
-        LOCAL_RANK=str(rank % LWS),
-        LOCAL_WORLD_SIZE=str(LWS),
-    )
+    set_rank_env(rank, WORLD, LWS, port)
     torch.set_num_threads(1)
     dist = torch.distributed
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=timeout))
