@@ -5,6 +5,8 @@ decompression for its formats, and ModelOpt NVFP4's stated math computed here in
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
@@ -16,6 +18,7 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from compressed_tensors.quantization.lifecycle.forward import dequantize as ct_dequantize
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
+import quant_fixtures
 from moeshard.io.codecs import decode
 from moeshard.io.errors import CheckpointError
 from moeshard.io.header import TensorInfo
@@ -457,3 +460,89 @@ def test_recognize_leaves_other_checkpoints_alone():
     blk = {**FP8_CH_W, "strategy": "block", "block_structure": [128, 128]}
     t = _tensors(**{"b.weight": ("F8_E4M3", (256, 256)), "b.weight_scale": ("BF16", (2, 2))})
     assert recognize(ct_config("float-quantized", blk), None, t) == {}
+
+
+# -- the fixtures: real checkpoints, recognized and decoded equal to their references ------------
+
+
+@pytest.mark.parametrize("fmt", sorted(quant_fixtures.WRITERS))
+def test_fixture_checkpoints_recognized_and_decoded_equal_to_reference(fmt, tmp_path):
+    from safetensors import safe_open
+
+    from moeshard.io.index import CheckpointIndex
+    from moeshard.io.quant import read_quant_configs
+
+    t0 = time.perf_counter()
+    fx = quant_fixtures.WRITERS[fmt](str(tmp_path / fmt))
+    assert time.perf_counter() - t0 < 4.0  # fast: the transformers import is paid once per session
+    index = CheckpointIndex.open(fx.path)
+    config, hf_quant = read_quant_configs(fx.path)
+    assert (config is None) == (fmt == "modelopt-nvfp4") and (hf_quant is None) == (fmt != "modelopt-nvfp4")
+    packed = recognize(config, hf_quant, index.tensors)
+    assert sorted(packed) == sorted(fx.quantized) and len(packed) >= 4
+    consumed = {k for pw in packed.values() for k in pw.keys}
+    # every stored key is a plain reference tensor or accounted for by a quantized weight
+    assert set(index.tensors) == consumed | (set(fx.reference) - set(fx.quantized))
+    files = {}
+
+    def read(key):
+        f = index.tensors[key].file
+        if f not in files:
+            files[f] = safe_open(f"{fx.path}/{f}", "pt")
+        return files[f].get_tensor(key)
+
+    for key, pw in packed.items():
+        if pw.shape_key:
+            check_weight_shape(pw, read(pw.shape_key).tolist())
+        out = decode(pw.scheme, read(pw.values), read(pw.scale), read(pw.global_scale) if pw.global_scale else None)
+        if pw.transposed:
+            out = out.transpose(-1, -2)
+        _same(out, fx.reference[key])
+        assert pw.shape == fx.reference[key].shape
+        assert fx.reference[key].abs().max() < 1.0 and fx.reference[key].abs().max() > 0.01
+
+
+def test_reference_checkpoint_is_a_plain_float_checkpoint(tmp_path):
+    from safetensors import safe_open
+
+    from moeshard.io.index import CheckpointIndex
+
+    fx = quant_fixtures.write_qwen3_fp8(str(tmp_path / "q"))
+    path = quant_fixtures.write_reference(fx, str(tmp_path / "ref"), torch.bfloat16)
+    index = CheckpointIndex.open(path)
+    assert recognize(*read_quant_configs_of(path), index.tensors) == {}
+    assert set(index.tensors) == set(fx.reference)
+    key = fx.quantized[0]
+    with safe_open(f"{path}/{index.tensors[key].file}", "pt") as f:
+        _same(f.get_tensor(key), fx.reference[key].bfloat16())
+
+
+def read_quant_configs_of(path):
+    from moeshard.io.quant import read_quant_configs
+
+    return read_quant_configs(path)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
+def test_transformers_loads_the_fixture_as_its_reference(fmt, tmp_path):
+    """The fixtures are real checkpoints: transformers' own loader (its MXFP4 dequantization, its
+    compressed-tensors FP8 decompression) reads them into a bf16 model equal to the reference.
+    (For INT4 into fp32 and for NVFP4 transformers is not exact: issue 44; ModelOpt it cannot
+    load.)"""
+    import transformers
+
+    fx = quant_fixtures.WRITERS[fmt](str(tmp_path / fmt))
+    model = transformers.AutoModelForCausalLM.from_pretrained(fx.path, dtype=torch.bfloat16)
+    ref, n = fx.reference, 0
+    for k, v in model.state_dict().items():
+        if fmt == "fp8" and k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            p, proj = k.rsplit(".", 1)
+            parts = ("gate_proj", "up_proj") if proj == "gate_up_proj" else ("down_proj",)
+            r = torch.stack([torch.cat([ref[f"{p}.{e}.{q}.weight"] for q in parts]) for e in range(v.shape[0])])
+        elif k in ref:
+            r = ref[k]
+        else:
+            continue
+        _same(v, r.bfloat16())
+        n += 1
+    assert n > 20
