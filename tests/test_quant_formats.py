@@ -33,7 +33,7 @@ from moeshard.io.quant import (
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """Integer view of a float tensor: equal bits (NaN payloads and -0.0 included)."""
-    return t.contiguous().view({4: torch.int32, 2: torch.int16}[t.element_size()])
+    return t.contiguous().view({4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()])
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -546,3 +546,198 @@ def test_transformers_loads_the_fixture_as_its_reference(fmt, tmp_path):
         _same(v, r.bfloat16())
         n += 1
     assert n > 20
+
+
+# -- encode: compressed-tensors' quantization, and idempotent on what it represents --------------
+
+
+def _same_value(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Equal values (bits but for the sign of zeros): compressed-tensors' quantize-dequantize
+    keeps -0.0 where a stored INT4 code can only hold 0."""
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert torch.equal(a, b) and not a.isnan().any()
+
+
+def _ct_qdq(args, w, scale, zp, gscale=None):
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+
+    return fake_quantize(w, scale, zp, args, global_scale=gscale)
+
+
+def _minmax(w, group):
+    """compressed-tensors' observer statistics: per group of ``group`` (0: the whole tensor)."""
+    if group == 0:
+        return w.amin(), w.amax()
+    g = w.unflatten(-1, (w.shape[-1] // group, group))
+    return g.amin(-1), g.amax(-1)
+
+
+def _weights(dtype, seed=7, shape=(24, 128)):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(shape, generator=gen) * 0.05
+    w[0, :32] = 0.0  # a zero group: the replaced zero scale
+    w[1, 5] = 0.9  # an outlier group
+    return w.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_encode_int4_and_fp8_equal_compressed_tensors(dtype):
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    from moeshard.io.codecs import encode
+    from moeshard.io.quant import Scheme
+
+    w = _weights(dtype)
+    name = {torch.float32: "F32", torch.bfloat16: "BF16"}[dtype]
+    cases = [
+        (
+            Scheme("int4", "compressed-tensors/pack-quantized", "int4", 4, 32, name, ""),
+            INT4_W,
+            32,
+            PackedQuantizationCompressor,
+            "weight_packed",
+        ),
+        (
+            Scheme("int4", "compressed-tensors/pack-quantized", "int4", 4, 128, name, ""),
+            {**INT4_W, "strategy": "channel", "group_size": None},
+            128,
+            PackedQuantizationCompressor,
+            "weight_packed",
+        ),
+        (
+            Scheme("fp8", "compressed-tensors/float-quantized", "f8_e4m3", 8, 128, name, ""),
+            FP8_CH_W,
+            128,
+            FloatQuantizationCompressor,
+            "weight",
+        ),
+        (
+            Scheme("fp8", "compressed-tensors/float-quantized", "f8_e4m3", 8, 0, name, ""),
+            FP8_T_W,
+            0,
+            FloatQuantizationCompressor,
+            "weight",
+        ),
+    ]
+    for scheme, wargs, group, compressor, values_key in cases:
+        args = QuantizationArgs(**wargs)
+        scale, zp = calculate_qparams(*_minmax(w, group), args)
+        enc = encode(scheme, w)
+        assert enc.global_scale is None and enc.scale.dtype == dtype
+        _same(enc.scale.reshape(scale.shape), scale)
+        packed = compressor.compress(
+            {"weight": w, "weight_scale": scale, "weight_zero_point": zp},
+            QuantizationScheme(targets=["Linear"], weights=args),
+        )[values_key]
+        assert enc.values.dtype == packed.dtype and enc.values.shape == packed.shape
+        assert torch.equal(enc.values.view(torch.uint8), packed.view(torch.uint8))
+        ref = _ct_qdq(args, w, scale, zp)
+        _same_value(decode(scheme, enc.values, enc.scale, None).to(ref.dtype), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_encode_nvfp4_and_mxfp4_equal_compressed_tensors(dtype):
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
+
+    from moeshard.io.codecs import encode
+    from moeshard.io.quant import Scheme
+
+    w = _weights(dtype)
+    # NVFP4: the global scale, the FP8 group scales, the packed bytes, and quantize-dequantize
+    args = QuantizationArgs(**NVFP4_W, scale_dtype=torch.float8_e4m3fn)
+    gscale = generate_gparam(w.amin(), w.amax())
+    scale, zp = calculate_qparams(*_minmax(w, 16), args, global_scale=gscale)
+    scheme = Scheme("nvfp4", "compressed-tensors/nvfp4-pack-quantized", "e2m1", 4, 16, "F8_E4M3", "divide")
+    enc = encode(scheme, w)
+    _same(enc.global_scale, gscale)
+    comp = NVFP4PackedCompressor.compress(
+        {"weight": w, "weight_scale": scale, "weight_global_scale": gscale},
+        QuantizationScheme(targets=["Linear"], weights=args),
+    )
+    assert torch.equal(enc.scale.view(torch.uint8), comp["weight_scale"].view(torch.uint8))
+    assert torch.equal(enc.values, comp["weight_packed"])
+    ref = _ct_qdq(args, w, scale, zp, gscale)
+    _same_value(decode(scheme, enc.values, enc.scale, enc.global_scale).to(ref.dtype), ref)
+    # MXFP4: compressed-tensors' MX scale choice (E8M0) and quantize-dequantize; the last rows
+    # hold E2M1's ties exactly (a group max of 6 x 2^-8 fixes the scale at 2^-8)
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.5, 6.0, 0.1, 7.0, 8.0])
+    row = torch.cat([ties, -ties, ties[:4], -ties[:4]]) * 2.0**-8
+    row[-1] = 6.0 * 2.0**-8
+    w = torch.cat([w, row.repeat(2, 4).to(dtype)])
+    args = QuantizationArgs(
+        num_bits=4,
+        type="float",
+        strategy="group",
+        group_size=32,
+        symmetric=True,
+        scale_dtype=torch.uint8,
+        zp_dtype=torch.uint8,
+    )
+    scale, zp = calculate_qparams(*_minmax(w, 32), args)
+    scheme = Scheme("mxfp4", "mxfp4", "e2m1", 4, 32, "U8", "")
+    enc = encode(scheme, w)
+    assert enc.values.shape == (26, 4, 16) and enc.scale.dtype == torch.uint8
+    _same(torch.ldexp(torch.ones(enc.scale.shape), enc.scale.int() - 127).to(dtype), scale)
+    ref = _ct_qdq(args, w, scale, zp)
+    _same_value(decode(scheme, enc.values, enc.scale, None).to(ref.dtype), ref)
+
+
+def test_encode_is_idempotent_on_what_the_scheme_represents():
+    """Decoded values requantized with the checkpoint's own scales give back its bytes (every
+    scheme, ModelOpt included); MXFP4 and FP8 recompute the same scales from them."""
+    from moeshard.io.codecs import encode
+    from moeshard.io.quant import Scheme
+
+    gen = torch.Generator().manual_seed(8)
+    pw, blocks, scales = _mxfp4_weight(E=2, R=8, C=64)
+    scales = scales.clamp(1, 250)  # E8M0 NaN (255) and 6 x 2^126.. overflow float32: no round trip
+    codes, packed, scale = _int4_weight(R=16, C=64)
+    npacked, nscale = _nvfp4_weight(R=16, C=64)
+    fp8 = _fp8((16, 64), gen)
+    cases = [
+        (pw.scheme, blocks, scales, None),
+        (Scheme("int4", "compressed-tensors/pack-quantized", "int4", 4, 32, "BF16", ""), packed, scale, None),
+        (
+            Scheme("nvfp4", "compressed-tensors/nvfp4-pack-quantized", "e2m1", 4, 16, "F8_E4M3", "divide"),
+            npacked,
+            nscale,
+            torch.tensor([2000.0]),
+        ),
+        (Scheme("nvfp4", "modelopt/NVFP4", "e2m1", 4, 16, "F8_E4M3", "multiply"), npacked, nscale, torch.tensor(3e-4)),
+        (
+            Scheme("fp8", "compressed-tensors/float-quantized", "f8_e4m3", 8, 64, "BF16", ""),
+            fp8,
+            torch.rand(16, 1, generator=gen).bfloat16(),
+            None,
+        ),
+    ]
+    for scheme, values, s, g in cases:
+        w = decode(scheme, values, s, g)
+        enc = encode(scheme, w, global_scale=g, scale=s)
+        assert torch.equal(enc.values.contiguous().view(torch.uint8), values.contiguous().view(torch.uint8))
+        _same(enc.scale, s)
+        _same(decode(scheme, enc.values, enc.scale, enc.global_scale), w)
+    # recomputed scales: MXFP4 (a group max is a power of two times 1..6) and FP8 (a row's max is 448 x its scale)
+    w = decode(pw.scheme, blocks, scales, None)
+    _same(decode(pw.scheme, *encode(pw.scheme, w)), w)
+    sfp8 = torch.rand(16, 1, generator=gen).bfloat16()
+    q = fp8.float().clone()
+    q[:, 0] = 448.0  # every row reaches the FP8 max, as amax / 448 scales make it
+    fp8 = q.to(torch.float8_e4m3fn)
+    w = decode(cases[-1][0], fp8, sfp8, None)
+    _same(decode(cases[-1][0], *encode(cases[-1][0], w)), w)
+
+
+def test_encode_modelopt_nvfp4_error_is_within_half_a_step():
+    from moeshard.io.codecs import encode
+    from moeshard.io.quant import Scheme
+
+    scheme = Scheme("nvfp4", "modelopt/NVFP4", "e2m1", 4, 16, "F8_E4M3", "multiply")
+    w = _weights(torch.float32)
+    enc = encode(scheme, w)
+    assert enc.values.shape == (24, 64) and enc.scale.shape == (24, 8) and enc.global_scale.shape == ()
+    _same(enc.global_scale, w.abs().amax() / (6.0 * 448.0))
+    out = decode(scheme, enc.values, enc.scale, enc.global_scale)
+    step = (enc.scale.float() * enc.global_scale).repeat_interleave(16, dim=1)  # E2M1's widest gap is 2 x step
+    assert ((out - w).abs() <= step * 1.0001 + 1e-12).all()
+    assert (out - w).abs().max() > 0  # it did quantize

@@ -128,5 +128,133 @@ class Encoded(NamedTuple):
     global_scale: torch.Tensor | None
 
 
-def encode(scheme: Scheme, w: torch.Tensor, global_scale: torch.Tensor | None = None) -> Encoded:
-    raise NotImplementedError("encode: next part")
+_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F8_E4M3": "float8_e4m3fn", "U8": "uint8"}
+# |x| thresholds of E2M1's round-to-nearest-even: (0.25, 0.75, ...]; index i -> E2M1_VALUES[i].
+_E2M1_UP = (0.25, 1.25, 2.5, 5.0)  # ties round down (to the even code)
+_E2M1_AT = (0.75, 1.75, 3.5)  # ties round up (to the even code)
+
+
+def _e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """uint8 E2M1 codes of ``x`` (already scaled), saturated at 6, ties to even (compressed-
+    tensors' ``cast_to_fp4``); the sign bit is ``x``'s (so -0.0 codes as 8)."""
+    import torch
+
+    a = x.abs()
+    idx = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+    for t in _E2M1_UP:
+        idx += a > t
+    for t in _E2M1_AT:
+        idx += a >= t
+    return idx | (torch.signbit(x).to(torch.uint8) << 3)
+
+
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[..., C/2]``: two 4-bit codes per byte, the even index in the low nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def _group_amax(w: torch.Tensor, group: int) -> torch.Tensor:
+    """``[..., R, C // group]`` max |w| per group (``group`` 0: the whole tensor, shape [])."""
+    if group == 0:
+        return w.abs().amax()
+    return w.unflatten(-1, (w.shape[-1] // group, group)).abs().amax(dim=-1)
+
+
+def _expand(s: torch.Tensor, group: int, cols: int) -> torch.Tensor:
+    return s if group in (0, cols) else s.repeat_interleave(group, dim=-1)
+
+
+def _mx_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """uint8 E8M0 ``127 + floor(log2(amax')) - 2`` where ``amax'`` is ``amax`` rounded up to the
+    next power of two when its mantissa is >= 1.75 (compressed-tensors' ``round_to_power_2``
+    for E2M1's one mantissa bit, ``generate_mx_scales``), clamped to 0..255."""
+    import torch
+
+    bits = amax.float().contiguous().view(torch.int32)
+    p2 = ((bits + (1 << 21)) & 0x7F800000).view(torch.float32)
+    return (127 + torch.floor(torch.log2(p2)) - 2).clamp(0, 255).round().to(torch.uint8)
+
+
+def _zero_to(s: torch.Tensor, eps: float) -> torch.Tensor:
+    import torch
+
+    return torch.where(s == 0, torch.tensor(eps, dtype=s.dtype, device=s.device), s)
+
+
+def encode(
+    scheme: Scheme, w: torch.Tensor, global_scale: torch.Tensor | None = None, scale: torch.Tensor | None = None
+) -> Encoded:
+    """The quantization of float ``w`` ``[..., R, C]`` (value-oriented: gpt-oss's logical
+    ``[E, H, 2I]`` transposed first) in ``scheme``, stored as the format's checkpoints store it:
+
+    * MXFP4: values U8 ``[..., R, C/32, 16]``, scale U8 E8M0 ``[..., R, C/32]``, exponent
+      ``floor(log2(amax)) - 2`` (OCP's shared exponent, emax(E2M1) = 2) where ``amax`` is first
+      rounded to E2M1's precision (a group max of mantissa >= 1.75 takes the next exponent
+      instead of clipping to 6: compressed-tensors' ``generate_mx_scales``);
+    * NVFP4 (compressed-tensors): values U8 ``[..., R, C/2]``, scale F8_E4M3 ``[..., R, C/16]`` =
+      ``fp8(global * amax_group / 6)``, global F32 ``[1]`` = ``448 * 6 / amax`` (compressed-tensors'
+      ``generate_gparam``);
+    * NVFP4 (ModelOpt): as above with ``weight_scale_2`` F32 ``[]`` = ``amax / (6 * 448)`` and scale
+      ``fp8(amax_group / (6 * weight_scale_2))`` (ModelOpt's NVFP4 quantizer);
+    * INT4 (pack-quantized): values I32 ``[..., R, C/8]`` (``code + 8``, eight per word, the first
+      in the low bits), scale ``[..., R, C/group]`` = ``amax_group / 7.5`` in ``scheme.scale_dtype``;
+    * FP8: values F8_E4M3 ``[..., R, C]``, scale ``amax / 448`` per row ``[..., R, 1]`` or per
+      tensor ``[1]``, in ``scheme.scale_dtype``.
+
+    ``global_scale`` / ``scale``, when given, are used instead of computed (requantizing with a
+    checkpoint's own scales reproduces its bytes for values they represent exactly). Codes
+    round to nearest, ties to even, saturating; the arithmetic is compressed-tensors' (scales
+    computed in ``w``'s dtype, a zero scale replaced as it replaces it), so decoding the result
+    equals compressed-tensors' quantize-dequantize of ``w``. Local (any rank); runs on ``w``'s
+    device."""
+    import torch
+
+    if w.dim() < 2 or not w.is_floating_point():
+        raise ValueError(f"encode: expected a float tensor [..., R, C], got {w.dtype} {list(w.shape)}")
+    cols, group = w.shape[-1], scheme.group
+    if group and cols % group:
+        raise ValueError(f"{scheme.name}: {cols} columns are not whole groups of {group}")
+    if scheme.name == "mxfp4":
+        e = _mx_exponent(_group_amax(w, 32)) if scale is None else scale.to(torch.uint8)
+        step = torch.ldexp(torch.ones(e.shape, dtype=torch.float32, device=w.device), e.to(torch.int32) - 127)
+        q = w.float().unflatten(-1, (cols // 32, 32)) / step.unsqueeze(-1)
+        codes = _e2m1_codes(q.clamp(-6.0, 6.0))
+        return Encoded(_pack_nibbles(codes).reshape(*w.shape[:-1], cols // 32, 16), e, None)
+    if scheme.name == "nvfp4":
+        if scheme.global_scale == "divide":  # compressed-tensors
+            if global_scale is None:
+                m = w.abs().amax().clamp(min=torch.finfo(w.dtype).tiny)
+                global_scale = torch.nan_to_num(448.0 * 6.0 / m, nan=1.0, posinf=1.0, neginf=1.0)
+            g = global_scale.to(torch.float32).reshape([1])
+            if scale is None:
+                amax = _group_amax(w, group)
+                s32 = (g * (amax / torch.tensor(6.0, dtype=amax.dtype))).clamp(-448.0, 448.0)
+                scale = _zero_to(s32.to(torch.float8_e4m3fn).to(torch.float32), 0.125).to(torch.float8_e4m3fn)
+            eff = scale.to(torch.float32) / g
+        else:  # ModelOpt
+            if global_scale is None:
+                global_scale = w.abs().amax().float() / (6.0 * 448.0)
+            g = global_scale.to(torch.float32).reshape(())
+            if scale is None:
+                scale = _zero_to(_group_amax(w, group).float() / (6.0 * g), 1.0).to(torch.float8_e4m3fn)
+            eff = scale.to(torch.float32) * g
+        codes = _e2m1_codes((w.float() / _expand(eff, group, cols)).clamp(-6.0, 6.0))
+        return Encoded(_pack_nibbles(codes), scale, g)
+    sdt = getattr(torch, _DTYPES[scheme.scale_dtype])
+    if scheme.name == "int4":
+        if sys.byteorder != "little":
+            raise ValueError("INT4 values packed in int32 are written on little-endian hosts only")
+        g = min(group, cols)  # per channel: one group of the row
+        if scale is None:
+            amax = _group_amax(w, g)
+            scale = _zero_to(amax / torch.tensor(7.5, dtype=amax.dtype), torch.finfo(amax.dtype).eps).to(sdt)
+        codes = (torch.round((w / _expand(scale, g, cols)).clamp(-8, 7)).to(torch.int32) + 8).to(torch.uint8)
+        # little-endian int32 words of the nibble bytes: code i at bits 4i.. of its word
+        return Encoded(_pack_nibbles(codes).contiguous().view(torch.int32), scale, None)
+    if scheme.name == "fp8":
+        if scale is None:
+            amax = _group_amax(w, group)
+            scale = _zero_to(amax / torch.tensor(448.0, dtype=amax.dtype), torch.finfo(amax.dtype).eps).to(sdt)
+            scale = scale.reshape([1]) if group == 0 else scale
+        return Encoded((w / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale, None)
+    raise ValueError(f"encode: unknown scheme {scheme.name!r}")
