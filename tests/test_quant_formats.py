@@ -5,6 +5,7 @@ decompression for its formats, and ModelOpt NVFP4's stated math computed here in
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -741,3 +742,73 @@ def test_encode_modelopt_nvfp4_error_is_within_half_a_step():
     step = (enc.scale.float() * enc.global_scale).repeat_interleave(16, dim=1)  # E2M1's widest gap is 2 x step
     assert ((out - w).abs() <= step * 1.0001 + 1e-12).all()
     assert (out - w).abs().max() > 0  # it did quantize
+
+
+# -- moeshard inspect / plan name and cost the formats -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fixtures(tmp_path_factory):
+    root = tmp_path_factory.mktemp("quant")
+    return {fmt: write(str(root / fmt)) for fmt, write in quant_fixtures.WRITERS.items()}
+
+
+EXPECT = {  # fmt: (method, scheme, group, packed bytes per weight [R, C] = [64, 64], scale bytes per weight)
+    "mxfp4": ("mxfp4", "mxfp4", 32, None, None),
+    "int4": ("compressed-tensors/pack-quantized", "int4", 32, 64 * 64 // 2, 64 * 2 * 2),
+    "nvfp4": ("compressed-tensors/nvfp4-pack-quantized", "nvfp4", 16, 64 * 64 // 2, 64 * 4 + 4),
+    "modelopt-nvfp4": ("modelopt/NVFP4", "nvfp4", 16, 64 * 64 // 2, 64 * 4 + 4),
+    "fp8": ("compressed-tensors/float-quantized", "fp8", 64, 64 * 64, 64 * 2),
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(EXPECT))
+def test_inspect_names_format_group_and_packed_bytes(fmt, fixtures):
+    from moeshard.cli.inspect import format_summary, inspect_checkpoint
+
+    fx = fixtures[fmt]
+    s = inspect_checkpoint(fx.path)
+    method, scheme, group, packed, scale = EXPECT[fmt]
+    q = s.quantized
+    assert q is not None and q.error is None and q.method == method
+    assert q.num_weights == len(fx.quantized) == sum(r.num_weights for r in q.rows)
+    assert {r.scheme for r in q.rows} == {scheme} and {r.group for r in q.rows} == {group}
+    if packed is not None:
+        assert q.packed_bytes == packed * q.num_weights and q.scale_bytes == scale * q.num_weights
+    else:  # gpt-oss: 2 layers of [E, H, 2I] and [E, I, H], E = 8, H = I = 64; a byte per 2, a scale per 32
+        values = 2 * 8 * (64 * 128 + 64 * 64)
+        assert q.packed_bytes == values // 2 and q.scale_bytes == values // 32
+    assert q.bf16_bytes == sum(2 * fx.reference[k].numel() for k in fx.quantized)
+    # scales in their own dtypes are no "mixed dtypes", NVFP4's FP8 scales no unscaled FP8 weights
+    assert s.problems == () and s.quantization is None, s.problems
+    text = format_summary(s)
+    assert f"quantized weights ({method})" in text and f"{scheme} (" in text and "problems: none" in text
+
+
+def test_inspect_reports_an_unreadable_quantization_as_a_problem(fixtures, tmp_path):
+    import shutil
+
+    from moeshard.cli.inspect import inspect_checkpoint
+
+    path = tmp_path / "broken"
+    shutil.copytree(fixtures["nvfp4"].path, path)
+    (path / "config.json").write_text(
+        (path / "config.json").read_text().replace('"nvfp4-pack-quantized"', '"mxfp8-quantized"')
+    )
+    s = inspect_checkpoint(path)
+    assert [p.kind for p in s.problems] == ["quantization"]
+    assert "compressed-tensors format 'mxfp8-quantized' is not read" in s.problems[0].message
+
+
+def test_plan_costs_quantized_weights(fixtures, capsys):
+    from moeshard.cli import main
+
+    fx = fixtures["int4"]
+    assert main(["plan", fx.path, "--nodes", "1", "--ranks-per-node", "2", "--ep", "2", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    q = rep["checkpoint"]["quantized"]
+    assert q["method"] == "compressed-tensors/pack-quantized" and q["num_weights"] == 48
+    assert q["packed_bytes"] == 48 * 64 * 64 // 2 and q["rows"][0]["group"] == 32
+    assert rep["checkpoint"]["quantization"] is None
+    assert main(["plan", fixtures["modelopt-nvfp4"].path, "--nodes", "1", "--ranks-per-node", "2", "--ep", "2"]) == 0
+    assert "quantized (modelopt/NVFP4): 48 weights (nvfp4 group 16) read as stored" in capsys.readouterr().out
