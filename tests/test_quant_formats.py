@@ -812,3 +812,71 @@ def test_plan_costs_quantized_weights(fixtures, capsys):
     assert rep["checkpoint"]["quantization"] is None
     assert main(["plan", fixtures["modelopt-nvfp4"].path, "--nodes", "1", "--ranks-per-node", "2", "--ep", "2"]) == 0
     assert "quantized (modelopt/NVFP4): 48 weights (nvfp4 group 16) read as stored" in capsys.readouterr().out
+
+
+# -- refusals name the quantization; strict counts every key of these checkpoints -----------------
+
+# The key a plain float load of each fixture trips over (moeshard.load of a bf16 model without
+# quantized-format support: "has no tensor ..." / "dtype U8 ... cannot be cast").
+FIRST_REFUSED = {
+    "mxfp4": "model.layers.0.mlp.experts.gate_up_proj",
+    "int4": "model.layers.1.mlp.experts.0.gate_proj.weight",
+    "nvfp4": "model.layers.0.mlp.experts.0.gate_proj.weight",
+    "modelopt-nvfp4": "model.layers.0.mlp.experts.0.gate_proj.weight",
+    "fp8": "model.layers.0.mlp.experts.0.gate_proj.weight",
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(FIRST_REFUSED))
+def test_explain_names_the_quantization_of_a_refused_key(fmt, fixtures):
+    from moeshard.io.index import CheckpointIndex
+    from moeshard.io.quant import explain, quant_method, read_quant_configs
+
+    fx = fixtures[fmt]
+    config, hf_quant = read_quant_configs(fx.path)
+    index = CheckpointIndex.open(fx.path)
+    packed = recognize(config, hf_quant, index.tensors)
+    method = quant_method(config, hf_quant)
+    key = FIRST_REFUSED[fmt]
+    text = explain(packed, method, key)
+    pw = packed[key]
+    assert text.startswith(f"{key} is stored quantized as {pw.scheme.name} ({pw.scheme.method}, ") and pw.values in text
+    assert pw.scale in text
+    # the packed values' own key (ModelOpt's U8 "weight" is the logical key itself) and a scale
+    assert explain(packed, method, pw.scale) == text
+    # a key of no quantized weight in a quantized checkpoint
+    other = explain(packed, method, "model.embed_tokens.weight")
+    assert other.startswith(f"the checkpoint is quantized ({method}: {len(packed)} quantized weights, e.g. ")
+    assert explain({}, None, key) is None and explain({}, "fp8", key) is None
+
+
+@pytest.mark.parametrize("fmt", sorted(FIRST_REFUSED))
+def test_strict_counts_every_key_of_a_quantized_checkpoint(fmt, fixtures):
+    """With the quantized weights' keys counted as read (``also_read=consumed_keys``), no key
+    of these checkpoints is unused: input_scale, weight_scale_2, weight_global_scale,
+    weight_shape included; without, their scales and packed values are suspicious."""
+    import transformers
+
+    from moeshard.io.index import CheckpointIndex
+    from moeshard.io.quant import consumed_keys, read_quant_configs
+    from moeshard.models.describe import describe_model
+    from moeshard.models.unused import ignored_patterns, unused_keys
+
+    fx = fixtures[fmt]
+    index = CheckpointIndex.open(fx.path)
+    packed = recognize(*read_quant_configs(fx.path), index.tensors)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(fx.config)
+    descs = describe_model(model, index)
+    got = unused_keys(descs, index, None, ignored_patterns(model), consumed_keys(packed))
+    assert got.keys == () and got.suspicious == {}
+    bare = unused_keys(descs, index, None, ignored_patterns(model))
+    kinds = {k.rsplit(".", 1)[-1].rsplit("_proj_", 1)[-1] for k in bare.keys}
+    want = {
+        "mxfp4": {"blocks", "scales"},
+        "int4": {"weight_packed", "weight_scale", "weight_shape"},
+        "nvfp4": {"weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"},
+        "modelopt-nvfp4": {"weight_scale", "weight_scale_2", "input_scale"},
+        "fp8": {"weight_scale"},
+    }[fmt]
+    assert kinds == want and bare.suspicious

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from .errors import CheckpointError
 from .header import TensorInfo
-from .quant import PackedWeight, describe, quant_method, read_quant_configs, recognize
+from .quant import PackedWeight, consumed_keys, describe, quant_method, read_quant_configs, recognize
 
-__all__ = ["QuantRow", "QuantSummary", "summarize", "summarize_checkpoint", "consumed_keys"]
+__all__ = ["QuantRow", "QuantSummary", "summarize", "summarize_checkpoint"]
 
 _NUMBER = re.compile(r"(?<=\.)\d+(?=\.|$)")
 
@@ -56,11 +56,6 @@ class QuantSummary:
     bf16_bytes: int
     rows: tuple[QuantRow, ...]
     error: str | None = None
-
-
-def consumed_keys(packed: Mapping[str, PackedWeight]) -> frozenset[str]:
-    """Every checkpoint key the quantized weights account for (values, scales, ignored)."""
-    return frozenset(k for pw in packed.values() for k in pw.keys)
 
 
 def summarize(
