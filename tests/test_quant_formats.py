@@ -475,7 +475,7 @@ def test_fixture_checkpoints_recognized_and_decoded_equal_to_reference(fmt, tmp_
 
     t0 = time.perf_counter()
     fx = quant_fixtures.WRITERS[fmt](str(tmp_path / fmt))
-    assert time.perf_counter() - t0 < 4.0  # fast: the transformers import is paid once per session
+    assert time.perf_counter() - t0 < 15.0  # ~1 s unloaded; a loose bound on a shared machine
     index = CheckpointIndex.open(fx.path)
     config, hf_quant = read_quant_configs(fx.path)
     assert (config is None) == (fmt == "modelopt-nvfp4") and (hf_quant is None) == (fmt != "modelopt-nvfp4")
@@ -880,3 +880,32 @@ def test_strict_counts_every_key_of_a_quantized_checkpoint(fmt, fixtures):
         "fp8": {"weight_scale"},
     }[fmt]
     assert kinds == want and bare.suspicious
+
+
+@pytest.mark.parametrize("fmt", sorted(quant_fixtures.WRITERS))
+def test_read_decoded_boxes_of_the_fixtures_equal_the_reference(fmt, fixtures):
+    from moeshard.io.codecs import read_decoded
+    from moeshard.io.index import CheckpointIndex
+    from moeshard.io.quant import read_quant_configs
+    from moeshard.io.reader import CheckpointReader
+
+    fx = fixtures[fmt]
+    index = CheckpointIndex.open(fx.path)
+    reader = CheckpointReader(index)
+    packed = recognize(*read_quant_configs(fx.path), index.tensors)
+    for key, pw in list(packed.items())[:6]:
+        ref = fx.reference[key]
+        boxes = [tuple((0, n) for n in pw.shape)]
+        if len(pw.shape) == 3:  # gpt-oss [E, H, 2I]: experts 2..4, the second half of H (an efsdp=2 shard)
+            e, h, i = pw.shape
+            boxes += [((2, 3), (h // 2, h // 2), (0, i)), ((7, 1), (0, h), (i // 2, i // 2))]
+        else:  # [R, C]: an efsdp=2 half of the rows, and of the columns (on groups)
+            r, c = pw.shape
+            boxes += [((r // 2, r // 2), (0, c)), ((0, r), (c // 2, c // 2)), ((3, 5), (32, 32))]
+        for box in boxes:
+            got = read_decoded(reader, pw, box)
+            _same(got, ref[tuple(slice(o, o + n) for o, n in box)])
+    pw = next(iter(packed.values()))
+    if pw.step > 1:  # FP8 per channel reads any box
+        with pytest.raises(ValueError, match=f"{pw.key}: columns 0..1 .* do not align to groups of {pw.step}"):
+            read_decoded(reader, pw, tuple((0, 1) for _ in pw.shape))
