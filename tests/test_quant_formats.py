@@ -909,3 +909,33 @@ def test_read_decoded_boxes_of_the_fixtures_equal_the_reference(fmt, fixtures):
     if pw.step > 1:  # FP8 per channel reads any box
         with pytest.raises(ValueError, match=f"{pw.key}: columns 0..1 .* do not align to groups of {pw.step}"):
             read_decoded(reader, pw, tuple((0, 1) for _ in pw.shape))
+
+
+def test_dense_nvfp4_fixture_and_a_group_without_its_own_format(tmp_path):
+    """Attention projections packed too (dense quantized weights; q_proj [32, 64], o_proj
+    [64, 32]); a config group without a ``format`` takes the global one (Kimi-K2's config)."""
+    import json as _json
+
+    from moeshard.io.index import CheckpointIndex
+    from moeshard.io.quant import read_quant_configs
+
+    fx = quant_fixtures.write_qwen3_nvfp4(str(tmp_path / "dense"), dense=True)
+    cfg_path = tmp_path / "dense" / "config.json"
+    cfg = _json.loads(cfg_path.read_text())
+    del cfg["quantization_config"]["config_groups"]["group_0"]["format"]
+    cfg_path.write_text(_json.dumps(cfg))
+    index = CheckpointIndex.open(fx.path)
+    packed = recognize(*read_quant_configs(fx.path), index.tensors)
+    attn = [k for k in packed if ".self_attn." in k]
+    assert len(attn) == 2 * 4 and sorted(packed) == sorted(fx.quantized)
+    from safetensors import safe_open
+
+    for key in attn:
+        pw = packed[key]
+        with safe_open(f"{fx.path}/{index.tensors[pw.values].file}", "pt") as f:
+            values = f.get_tensor(pw.values)
+        with safe_open(f"{fx.path}/{index.tensors[pw.scale].file}", "pt") as f:
+            scale = f.get_tensor(pw.scale)
+        with safe_open(f"{fx.path}/{index.tensors[pw.global_scale].file}", "pt") as f:
+            gs = f.get_tensor(pw.global_scale)
+        _same(decode(pw.scheme, values, scale, gs), fx.reference[key])
