@@ -135,6 +135,11 @@ def test_mxfp4_decode_equals_transformers():
         _same(ours.transpose(-1, -2).to(dtype).contiguous(), ref)
     # and through a uint8 view [E, R, C/2] of the same bytes
     _same(decode(pw.scheme, blocks.reshape(2, 64, 48), scales, None), ours)
+    # without E8M0's NaN code the scale multiplies (2^-127 subnormal and 2^127 included): same bits
+    scales[1, 2, 1] = 200
+    ours = decode(pw.scheme, blocks, scales, None)
+    for dtype in (torch.float32, torch.bfloat16):
+        _same(ours.transpose(-1, -2).to(dtype).contiguous(), convert_moe_packed_tensors(blocks, scales, dtype=dtype))
 
 
 def _int4_weight(R=64, C=128, group=32, scale_dtype=torch.bfloat16, seed=1):

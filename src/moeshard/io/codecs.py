@@ -33,7 +33,8 @@ _PAIR_LUTS: dict = {}
 
 
 def _pair_lut(code: str, device) -> torch.Tensor:
-    """float32 ``[256, 2]``: the two values (low nibble first) of each byte of 4-bit codes."""
+    """int64 ``[256]``: for each byte of 4-bit codes, its two float32 values (low nibble first)
+    as one 8-byte element (a 1-D gather of 8-byte elements is the fastest on CPU)."""
     import torch
 
     lut = _PAIR_LUTS.get((code, device))
@@ -41,10 +42,10 @@ def _pair_lut(code: str, device) -> torch.Tensor:
         b = torch.arange(256, dtype=torch.int64)
         if code == "e2m1":
             vals = torch.tensor(E2M1_VALUES, dtype=torch.float32)
-            lut = torch.stack((vals[b & 15], vals[b >> 4]), dim=1)
+            pairs = torch.stack((vals[b & 15], vals[b >> 4]), dim=1)
         else:  # int4: stored code + 8
-            lut = torch.stack(((b & 15) - 8, (b >> 4) - 8), dim=1).to(torch.float32)
-        lut = _PAIR_LUTS[(code, device)] = lut.to(device)
+            pairs = torch.stack(((b & 15) - 8, (b >> 4) - 8), dim=1).to(torch.float32)
+        lut = _PAIR_LUTS[(code, device)] = pairs.contiguous().view(torch.int64).reshape(256).to(device)
     return lut
 
 
@@ -61,15 +62,20 @@ def _codes(scheme: Scheme, values: torch.Tensor, lead: tuple[int, ...]) -> torch
         return to_float32(raw).reshape(*lead, -1)
     b = raw.view(torch.uint8).reshape(-1).to(torch.int32)
     pairs = torch.index_select(_pair_lut(scheme.code, values.device), 0, b)
-    return pairs.view(*lead, -1)
+    return pairs.view(torch.float32).view(*lead, -1)
 
 
 def _scale32(scheme: Scheme, scale: torch.Tensor) -> torch.Tensor:
-    """float32 scale; for E8M0 the int32 exponent ``s - 127`` (applied by ``ldexp``)."""
+    """float32 scale. E8M0: ``2^(s - 127)`` built from its bits (s = 0: the subnormal 2^-127),
+    exact, so ``q * scale`` equals transformers' ``ldexp(q, s - 127)``; int32 ``s - 127`` (for
+    ``ldexp`` itself) when some ``s`` is 255, E8M0's NaN, where ldexp's result is finite."""
     import torch
 
     if scheme.scale_dtype == "U8":
-        return scale.contiguous().view(torch.uint8).to(torch.int32) - 127
+        e = scale.contiguous().view(torch.uint8).to(torch.int32)
+        if bool((e == 255).any()):
+            return e - 127
+        return torch.where(e > 0, e << 23, 1 << 22).view(torch.float32)
     return to_float32(scale.contiguous())
 
 
@@ -109,8 +115,8 @@ def decode(
         if ngroups == 0 or cols % ngroups:
             raise ValueError(f"{scheme.name}: {cols} columns of values do not split into {ngroups} scale groups")
         grouped = q.view(*lead, ngroups, cols // ngroups)
-        if scheme.scale_dtype == "U8":
-            # E8M0: ldexp, as transformers computes it (finite 0.5 * 2^128, 0 * 2^128 == 0)
+        if s.dtype == torch.int32:
+            # E8M0 with its NaN code 255: ldexp, as transformers computes it (finite 0.5 * 2^128)
             out = torch.ldexp(grouped, s.unsqueeze(-1)).view(*lead, cols)
         else:
             out = grouped.mul_(s.unsqueeze(-1)).view(*lead, cols)
