@@ -49,6 +49,21 @@ def _pair_lut(code: str, device) -> torch.Tensor:
     return lut
 
 
+def _mx_lut(device) -> torch.Tensor:
+    """int64 ``[256 * 256]``: entry ``s * 256 + byte`` holds the two float32 values (low nibble
+    first) of a byte of E2M1 codes under E8M0 scale ``s``, ``ldexp(e2m1, s - 127)`` as
+    transformers computes it (s = 255 included): MXFP4 decodes in one gather (512 KiB table)."""
+    import torch
+
+    lut = _PAIR_LUTS.get(("mx", device))
+    if lut is None:
+        pairs = _pair_lut("e2m1", "cpu").view(torch.float32).view(1, 256, 2)
+        exp = (torch.arange(256, dtype=torch.int32) - 127).view(256, 1, 1)
+        table = torch.ldexp(pairs.expand(256, 256, 2), exp).contiguous()
+        lut = _PAIR_LUTS[("mx", device)] = table.view(torch.int64).reshape(-1).to(device)
+    return lut
+
+
 def _codes(scheme: Scheme, values: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
     """float32 ``[*lead, C]`` of the codes in ``values`` (any dtype/shape, row-major bytes)."""
     import torch
@@ -65,18 +80,18 @@ def _codes(scheme: Scheme, values: torch.Tensor, lead: tuple[int, ...]) -> torch
     return pairs.view(torch.float32).view(*lead, -1)
 
 
-def _scale32(scheme: Scheme, scale: torch.Tensor) -> torch.Tensor:
-    """float32 scale. E8M0: ``2^(s - 127)`` built from its bits (s = 0: the subnormal 2^-127),
-    exact, so ``q * scale`` equals transformers' ``ldexp(q, s - 127)``; int32 ``s - 127`` (for
-    ``ldexp`` itself) when some ``s`` is 255, E8M0's NaN, where ldexp's result is finite."""
+def _decode_mx(values: torch.Tensor, scale: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
+    """MXFP4: one gather per byte from :func:`_mx_lut` at ``s * 256 + byte``."""
     import torch
 
-    if scheme.scale_dtype == "U8":
-        e = scale.contiguous().view(torch.uint8).to(torch.int32)
-        if bool((e == 255).any()):
-            return e - 127
-        return torch.where(e > 0, e << 23, 1 << 22).view(torch.float32)
-    return to_float32(scale.contiguous())
+    raw = values.contiguous().view(torch.uint8).reshape(*lead, -1)
+    ngroups = scale.shape[-1]
+    if ngroups == 0 or raw.shape[-1] % ngroups:
+        raise ValueError(f"mxfp4: {2 * raw.shape[-1]} columns of values do not split into {ngroups} scale groups")
+    s = scale.contiguous().view(torch.uint8).to(torch.int32) << 8
+    idx = raw.view(*lead, ngroups, -1).to(torch.int32) | s.unsqueeze(-1)
+    out = torch.index_select(_mx_lut(values.device), 0, idx.reshape(-1))
+    return out.view(torch.float32).view(*lead, 2 * raw.shape[-1])
 
 
 def decode(
@@ -89,16 +104,16 @@ def decode(
     ``scale``: the scale's box ``[..., R, C // group]`` (per channel ``[..., R, 1]``; per tensor
     one value, then ``values`` carries the shape); ``global_scale``: one value for a scheme with
     one, else None. All on one device; runs there. Any rank may call it (local)."""
-    import torch
-
     if scheme.group == 0:
         if scale.numel() != 1:
             raise ValueError(f"{scheme.name} per-tensor scale must be one value, got shape {list(scale.shape)}")
         lead = tuple(values.shape[:-1])
     else:
         lead = tuple(scale.shape[:-1])
+    if scheme.scale_dtype == "U8":  # E8M0: MXFP4
+        return _decode_mx(values, scale, lead)
     q = _codes(scheme, values, lead)
-    s = _scale32(scheme, scale)
+    s = to_float32(scale.contiguous())
     if scheme.global_scale:
         if global_scale is None or global_scale.numel() != 1:
             raise ValueError(
@@ -115,11 +130,7 @@ def decode(
         if ngroups == 0 or cols % ngroups:
             raise ValueError(f"{scheme.name}: {cols} columns of values do not split into {ngroups} scale groups")
         grouped = q.view(*lead, ngroups, cols // ngroups)
-        if s.dtype == torch.int32:
-            # E8M0 with its NaN code 255: ldexp, as transformers computes it (finite 0.5 * 2^128)
-            out = torch.ldexp(grouped, s.unsqueeze(-1)).view(*lead, cols)
-        else:
-            out = grouped.mul_(s.unsqueeze(-1)).view(*lead, cols)
+        out = grouped.mul_(s.unsqueeze(-1)).view(*lead, cols)
     if scheme.global_scale == "multiply":
         out.mul_(g)
     return out
