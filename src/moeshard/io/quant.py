@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from .._gc import paused_gc
 from ..box import Box
 from .errors import CheckpointError
 from .header import TensorInfo
@@ -131,6 +132,17 @@ class PackedWeight:
         return 8 if s.code == "int4" else (2 if s.bits == 4 else 1)
 
 
+_SCHEMES: dict[tuple, Scheme] = {}
+
+
+def _scheme(*fields) -> Scheme:
+    """One shared :class:`Scheme` per distinct value (a checkpoint has ~70,000 weights of a few)."""
+    scheme = _SCHEMES.get(fields)
+    if scheme is None:
+        scheme = _SCHEMES[fields] = Scheme(*fields)
+    return scheme
+
+
 def read_quant_configs(path: str | Path) -> tuple[Mapping | None, Mapping | None]:
     """``(config.json's quantization_config, hf_quant_config.json)`` of checkpoint directory
     ``path``: None for a file that is absent or a config without a quantization_config."""
@@ -221,7 +233,7 @@ def _mxfp4(tensors: Mapping[str, TensorInfo]) -> dict[str, PackedWeight]:
                 f"got {s.dtype} {list(_shape(s))}",
             )
         e, r, g, _ = shape
-        scheme = Scheme("mxfp4", "mxfp4", "e2m1", 4, 32, "U8", "")
+        scheme = _scheme("mxfp4", "mxfp4", "e2m1", 4, 32, "U8", "")
         out[logical] = PackedWeight(logical, (e, g * 32, r), key, skey, None, (), scheme, True)
     for key in tensors:
         if key.endswith("_scales") and key[: -len("_scales")] not in out:
@@ -305,8 +317,16 @@ def _targets(group: _Group, module: str) -> bool:
     return False
 
 
-def _ct_group(groups: list[_Group], module: str, formats: tuple[str, ...], key: str) -> _Group:
-    """The config group describing ``module``, whose weights are stored in one of ``formats``."""
+def _matches_any_module(group: _Group) -> bool:
+    return not group.targets or any(not t.startswith("re:") and "." not in t for t in group.targets)
+
+
+def _ct_group(groups, module: str, formats: tuple[str, ...], key: str, cache: dict | None = None) -> _Group:
+    """The config group describing ``module``, whose weights are stored in one of ``formats``.
+    ``cache``: a dict to remember the answer per ``formats`` in, when every group matches any
+    module (class-name targets such as ``Linear``, the usual case), else None."""
+    if cache is not None and formats in cache:
+        return cache[formats]
     found = [g for g in groups if g.format in formats and _targets(g, module)]
     kinds = {(g.format, g.num_bits, g.type, g.strategy, g.group_size, g.symmetric) for g in found}
     if not found:
@@ -320,6 +340,8 @@ def _ct_group(groups: list[_Group], module: str, formats: tuple[str, ...], key: 
             key,
             f"compressed-tensors config groups {[g.name for g in found]} all target {module} with different schemes",
         )
+    if cache is not None:
+        cache[formats] = found[0]
     return found[0]
 
 
@@ -335,14 +357,14 @@ def _present(tensors: Mapping[str, TensorInfo], prefix: str, names: Sequence[str
     return tuple(prefix + n for n in names if prefix + n in tensors)
 
 
-def _ct_pack(tensors, groups, module: str, key: str) -> PackedWeight:
+def _ct_pack(tensors, groups, module: str, key: str, cache: dict | None) -> PackedWeight:
     info = tensors[key]
     prefix = module + "."
     logical = prefix + "weight"
     skey = prefix + "weight_scale"
     zp = prefix + "weight_zero_point"
     if info.dtype == "I32":
-        g = _ct_group(groups, module, (_CT_PACKED,), key)
+        g = _ct_group(groups, module, (_CT_PACKED,), key, cache)
         if g.type != "int" or g.num_bits != 4:
             raise _fail(
                 key, f"pack-quantized {g.type}{g.num_bits} is not read (only 4-bit int, as INT4 checkpoints store it)"
@@ -385,7 +407,7 @@ def _ct_pack(tensors, groups, module: str, key: str) -> PackedWeight:
             sk = shape_key
         if len(shape) > 2 and sk is not None:
             raise _fail(shape_key, f"weight_shape [2] cannot describe {len(shape)}-dim values {key} {list(shape)}")
-        scheme = Scheme("int4", "compressed-tensors/" + _CT_PACKED, "int4", 4, gs, s.dtype, "")
+        scheme = _scheme("int4", "compressed-tensors/" + _CT_PACKED, "int4", 4, gs, s.dtype, "")
         return PackedWeight(
             logical,
             (*shape[:-1], cols),
@@ -398,7 +420,7 @@ def _ct_pack(tensors, groups, module: str, key: str) -> PackedWeight:
             sk,
         )
     if info.dtype == "U8":
-        g = _ct_group(groups, module, (_CT_NVFP4,), key)
+        g = _ct_group(groups, module, (_CT_NVFP4,), key, cache)
         if g.type != "float" or g.num_bits != 4 or g.group_size != 16:
             raise _fail(
                 key,
@@ -446,18 +468,18 @@ def _nvfp4(tensors, key, prefix, logical, method, group, global_name, global_kin
     gs = tensors[gkey]
     if gs.dtype not in _FLOAT_SCALES or math.prod(_shape(gs)) != 1:
         raise _fail(gkey, f"NVFP4 global scale must be one float value, got {gs.dtype} {list(_shape(gs))}")
-    scheme = Scheme("nvfp4", method, "e2m1", 4, group, "F8_E4M3", global_kind)
+    scheme = _scheme("nvfp4", method, "e2m1", 4, group, "F8_E4M3", global_kind)
     return PackedWeight(
         logical, (*shape[:-1], shape[-1] * 2), key, skey, gkey, _present(tensors, prefix, ignorable), scheme, False
     )
 
 
-def _ct_float(tensors, groups, module: str, key: str) -> PackedWeight | None:
+def _ct_float(tensors, groups, module: str, key: str, cache: dict | None) -> PackedWeight | None:
     prefix = module + "."
     skey = prefix + "weight_scale"
     info = tensors[key]
     shape = _shape(info)
-    g = _ct_group(groups, module, (_CT_FLOAT, "naive-quantized"), key)
+    g = _ct_group(groups, module, (_CT_FLOAT, "naive-quantized"), key, cache)
     if g.strategy == "block":
         return None  # block FP8: moeshard.io.fp8
     if g.type != "float" or g.num_bits != 8:
@@ -484,7 +506,7 @@ def _ct_float(tensors, groups, module: str, key: str) -> PackedWeight | None:
             f"float-quantized FP8 with strategy {g.strategy!r} is not read "
             "(channel, tensor; block is read as block FP8)",
         )
-    scheme = Scheme("fp8", "compressed-tensors/" + _CT_FLOAT, "f8_e4m3", 8, group, s.dtype, "")
+    scheme = _scheme("fp8", "compressed-tensors/" + _CT_FLOAT, "f8_e4m3", 8, group, s.dtype, "")
     return PackedWeight(key, shape, key, skey, None, _present(tensors, prefix, ("input_scale",)), scheme, False)
 
 
@@ -500,12 +522,13 @@ def _compressed_tensors(qc: Mapping, tensors: Mapping[str, TensorInfo]) -> dict[
     if not groups and fmt not in (None, "dense"):
         raise CheckpointError(f"quantization_config: compressed-tensors format {fmt!r} without config_groups")
     out: dict[str, PackedWeight] = {}
+    cache: dict | None = {} if all(_matches_any_module(g) for g in groups) else None
     for key, info in tensors.items():
         if key.endswith(".weight_packed"):
             module = key[: -len(".weight_packed")]
-            pw = _ct_pack(tensors, groups, module, key)
+            pw = _ct_pack(tensors, groups, module, key, cache)
         elif key.endswith(".weight") and info.dtype in ("F8_E4M3", "F8_E5M2") and key + "_scale" in tensors:
-            pw = _ct_float(tensors, groups, key[: -len(".weight")], key)
+            pw = _ct_float(tensors, groups, key[: -len(".weight")], key, cache)
             if pw is None:
                 continue
         else:
@@ -581,6 +604,11 @@ def recognize(
     values tensor whose shape or dtype disagrees, a zero point (asymmetric), packed tensors that
     no config declares. Pure: the values of ``weight_shape`` tensors are checked by
     :func:`check_weight_shape` once read."""
+    with paused_gc():  # ~70,000 weights of a large checkpoint, no reference cycles
+        return _recognize(config, hf_quant_config, tensors)
+
+
+def _recognize(config, hf_quant_config, tensors) -> dict[str, PackedWeight]:
     mo = _modelopt(config, hf_quant_config)
     if mo is not None:
         return _modelopt_nvfp4(mo, tensors)
