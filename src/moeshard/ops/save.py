@@ -46,7 +46,7 @@ from ..io.header import DTYPES, read_header
 from ..io.index import INDEX_NAME, CheckpointIndex
 from ..io.sources import resolve_sources, sources_share
 from ..io.writer import pwrite_all, safetensors_header
-from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
+from ..models.adapters import DEFAULT_SPECS, ExpertsSpec, packed_tensor_names
 from ..models.describe import ParamDesc, describe_model, expert_layers, local_tensor, persistent_buffers, tensor_names
 from ..models.hf_names import hf_names
 from ..models.outputs import describe_outputs
@@ -129,17 +129,25 @@ def plan_model_save(
         buffers=frozenset(name for name, _ in persistent_buffers(model)),
         num_experts=hints,
     )
-    _check_names(model, [o.key for o in outs], skip)
+    _check_names(model, [o.key for o in outs], skip, descs)
     return descs, plan_save(outs, world_size, max_shard_bytes, staging_bytes, rank=rank)
 
 
-def _check_names(model: nn.Module, keys: list[str], skip: frozenset[str]) -> None:
+def _check_names(model: nn.Module, keys: list[str], skip: frozenset[str], descs: list[ParamDesc]) -> None:
     """Refuse a key set that the model's ``from_pretrained`` would not read back whole: a
     missing tensor is re-initialized there and an unexpected key ignored, with only a warning.
+    Experts kept packed (``descs``' parameters of a packed spec and their checkpoint tensors)
+    are left out: transformers reads those through its quantizer, not the family's converters.
     Pure (every rank raises the same error while planning, before anything is written)."""
     names = hf_names(model)
     if names is None:
         return
+    params, leaves = packed_tensor_names()
+    packed = [d for d in descs if d.expert is not None and d.expert.param.name in params]
+    if packed:
+        prefixes = tuple(f"{d.expert.module}." for d in packed)
+        skip = skip | {d.name for d in packed}
+        keys = [k for k in keys if not (k.startswith(prefixes) and k.rpartition(".")[2] in leaves)]
     expected = [n for n in tensor_names(model) if not set(n) & skip]
     mismatch = names.check_keys(keys, expected)
     if mismatch is not None:
