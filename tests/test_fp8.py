@@ -531,6 +531,8 @@ def packed_kept_worker(packed: dict, out_dir: str) -> dict:
     out = {}
     for family, ckpt in packed.items():
         model = _packed_model(family)
+        with open(os.path.join(ckpt, "config.json")) as f:  # what transformers' quantizer leaves on the config
+            model.config.quantization_config = json.load(f)["quantization_config"]
         n = 4 if family == "gpt_oss" else model.config.n_routed_experts
         layers = 2
         old, new = _placement(7, n, layers), _placement(8, n, layers)
@@ -622,5 +624,7 @@ def test_packed_experts_kept_moved_and_saved_byte_identical(kept_runs, family):
     assert sent > 0
     saved = _saved(str(root / "packed_saved" / family))
     assert set(saved) == set(want)
+    with open(os.path.join(ckpt, "config.json")) as f, open(root / "packed_saved" / family / "config.json") as g:
+        assert json.load(g)["quantization_config"] == json.load(f)["quantization_config"]
     for key, t in want.items():
         assert saved[key].dtype == t.dtype and torch.equal(_raw(saved[key]), _raw(t)), key
