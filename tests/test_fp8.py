@@ -369,8 +369,8 @@ def test_fp8_kept_with_scales_that_move_with_their_experts(ckpts, kept_runs):
             [_raw(torch.cat([want[f"{module}.{int(e)}.{q}_proj.weight{suffix}"] for q in parts])) for e in rows]
         )
 
-    root, _, both = kept_runs
-    results = [fp8_results for fp8_results, _ in both]
+    root, _, both, _ = kept_runs
+    results = [fp8_results for fp8_results, _, _ in both]
     sent = 0
     for rank, steps in enumerate(results):
         for deq, unused, moved, phy2log, state in steps:
@@ -550,9 +550,28 @@ def packed_kept_worker(packed: dict, out_dir: str) -> dict:
     return out
 
 
-def kept_worker(fp8: str, out_dir: str, packed: dict, packed_out: str) -> tuple:
-    """Both kept-quantized scenarios in one spawn (spawning costs seconds)."""
-    return fp8_kept_worker(fp8, out_dir), packed_kept_worker(packed, packed_out)
+def requant_worker(source: str, float_dir: str, out_dir: str) -> tuple:
+    """A float DeepSeek-V3 (the INT4 source's dequantized reference) on EP=2 x efsdp=2 ranks with
+    a redundant placement, saved in the source's format (quantize="source")."""
+    import transformers
+
+    import moeshard
+
+    mesh = moeshard.make_mesh("cpu", ep=2, efsdp=2)
+    config = transformers.AutoConfig.from_pretrained(float_dir)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    pl = _placement(9, config.n_routed_experts, config.num_hidden_layers - config.first_k_dense_replace)
+    moeshard.parallelize(model, mesh, pl)
+    moeshard.load(model, float_dir, placement=pl)
+    rep = moeshard.save(model, out_dir, pl, quantize="source", reference=source, max_shard_bytes=40_000)
+    return rep.num_requantized, rep.requant_max_abs_error, rep.files
+
+
+def kept_worker(fp8: str, out_dir: str, packed: dict, packed_out: str, requant: tuple) -> tuple:
+    """Every kept-quantized scenario and the requantizing save in one spawn (spawning costs
+    seconds)."""
+    return fp8_kept_worker(fp8, out_dir), packed_kept_worker(packed, packed_out), requant_worker(*requant)
 
 
 def _expected_packed(family: str, want: dict, name: str, phy2log: np.ndarray, experts: list[str]) -> torch.Tensor:
@@ -586,10 +605,23 @@ def kept_runs(ckpts, tmp_path_factory):
     fp8, _, _ = ckpts
     root = tmp_path_factory.mktemp("kept")
     packed = packed_checkpoints(str(root / "packed"))
+    import quant_fixtures
+
+    fx = quant_fixtures.WRITERS["int4"](str(root / "int4"))
+    float_dir = quant_fixtures.write_reference(fx, str(root / "int4-float"), torch.float32)
+    requant = (fx.path, float_dir, str(root / "requantized"))
     results = run_ranks(
-        kept_worker, fp8, str(root / "saved"), packed, str(root / "packed_saved"), world=4, local_world=2, timeout=300
+        kept_worker,
+        fp8,
+        str(root / "saved"),
+        packed,
+        str(root / "packed_saved"),
+        requant,
+        world=4,
+        local_world=2,
+        timeout=300,
     )
-    return root, packed, results
+    return root, packed, results, fx
 
 
 @pytest.mark.dist
@@ -602,7 +634,7 @@ def test_packed_experts_kept_moved_and_saved_byte_identical(kept_runs, family):
     (scales and shapes move with their experts) and after one back read from disk; saved after the
     relocation, every tensor of the checkpoint (scales and shapes included) is written, with its
     dtype and bytes unchanged."""
-    root, packed, results = kept_runs
+    root, packed, results, _ = kept_runs
     ckpt = packed[family]
     want = _saved(ckpt)
     model = _packed_model(family)
@@ -628,3 +660,32 @@ def test_packed_experts_kept_moved_and_saved_byte_identical(kept_runs, family):
         assert json.load(g)["quantization_config"] == json.load(f)["quantization_config"]
     for key, t in want.items():
         assert saved[key].dtype == t.dtype and torch.equal(_raw(saved[key]), _raw(t)), key
+
+
+@pytest.mark.dist
+def test_requantized_save_from_ep_ranks_with_redundant_experts(kept_runs):
+    """A float DeepSeek-V3 loaded from the dequantized values of an INT4 checkpoint (Kimi-K2-Thinking's
+    layout) and saved with quantize="source" from EP=2 x expert-FSDP=2 ranks with a redundant
+    placement writes the source's key set and dtypes: every requantized weight's bytes equal
+    moeshard.io.codecs.encode of the float weight in this process, every other tensor the
+    source's bytes (its bf16 values cast back), and the report gives the error."""
+    import moeshard
+    from moeshard.io import codecs
+    from moeshard.io.quant import read_quant_configs, recognize
+
+    root, _, results, fx = kept_runs
+    src, saved = _saved(fx.path), _saved(str(root / "requantized"))
+    assert set(saved) == set(src)
+    packed = recognize(*read_quant_configs(fx.path), moeshard.CheckpointIndex.open(fx.path).tensors)
+    written = set()
+    for key, pw in packed.items():
+        enc = codecs.encode(pw.scheme, fx.reference[key])
+        assert torch.equal(saved[pw.values], enc.values) and torch.equal(saved[pw.scale], enc.scale), key
+        written |= set(pw.keys)
+    for key, t in src.items():
+        assert saved[key].dtype == t.dtype and saved[key].shape == t.shape, key
+        if key not in written or key.endswith("weight_shape"):
+            assert torch.equal(saved[key], t), key
+    num = {r[2][0] for r in results}
+    assert num == {len(packed)}  # job-wide, the same on every rank
+    assert len({f for r in results for f in r[2][2]}) > 1  # several ranks wrote

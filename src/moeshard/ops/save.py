@@ -171,9 +171,16 @@ def _check_names(model: nn.Module, keys: list[str], skip: frozenset[str], descs:
         raise ValueError(mismatch.message("moeshard.save"))
 
 
+def _requantization(tensors: dict, source: str, index: CheckpointIndex) -> Requantization:
+    """What ``quantize="source"`` writes (source checkpoint ``source``, its ``index``), refused
+    before anything is written for a model that keeps experts packed (``tensors``: the model's,
+    by name) or a source without weights to requantize into."""
+    _check_float_experts(tensors)
+    return requantization(source, index)
+
+
 def _check_float_experts(tensors: dict) -> None:
-    """``quantize`` requantizes float weights: refuse a model that keeps experts packed
-    (``tensors``: the model's, by name)."""
+    """``quantize`` requantizes float weights: refuse a model that keeps experts packed."""
     params, _ = packed_tensor_names()
     kept = [(n, t) for n, t in tensors.items() if n.rpartition(".")[2] in params]
     if kept:
@@ -378,12 +385,8 @@ def _save(
 
     def make_plan():
         # This rank's pieces only: the job's are O(transfers) (4.2 million at DeepSeek-V3 on 8,192 ranks).
-        requant = None
-        names = index
-        if quantize is not None:  # refused here, before anything is written
-            _check_float_experts(tensors)
-            requant = requantization(args.reference_path, index)
-            names = logical_index(requant)  # the float model's names of the source's tensors
+        requant = None if quantize is None else _requantization(tensors, args.reference_path, index)
+        names = index if requant is None else logical_index(requant)  # a float model's names
         descs, plan = plan_model_save(model, placement, world, names, specs, max_shard_bytes, staging_bytes, rank=rank)
         meta = [d.name for d in descs if local_tensor(tensors[d.name]).is_meta]
         if meta:
@@ -464,8 +467,11 @@ def _save(
     _put_in_place(plan, rank, out, tmp, mine + extra, overwrite, fsync, undo, renamed)
     meter.end("publish")
     report = _report(plan, topo, out, mine, stats, meter, t_plan)
-    if converted is None:
-        return report
+    return report if converted is None else _with_requantization(report, converted)
+
+
+def _with_requantization(report: SaveReport, converted: list[list[tuple[str, ConvertedFile]]]) -> SaveReport:
+    """``report`` with the job's requantization figures (every rank's ``converted`` files)."""
     files = [c for share in converted for _, c in share]
     return dataclasses.replace(
         report,
