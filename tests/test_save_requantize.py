@@ -163,3 +163,36 @@ def test_requantize_refused_before_anything_is_written(tmp_path):
     with pytest.raises(ValueError, match="keeps its experts packed .*gate_up_proj_blocks"):
         moeshard.save(kept, tmp_path / "d", quantize="source", reference=src)
     assert not any((tmp_path / d).exists() for d in "abcd")
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "modelopt-nvfp4", "fp8"])
+def test_qwen3_fine_tune_saved_in_its_format(tmp_path, fmt):
+    """Qwen3-MoE in compressed-tensors NVFP4, ModelOpt NVFP4 (hf_quant_config.json) and
+    compressed-tensors FP8 per channel: the saved values, scales and global scales equal
+    moeshard.io.codecs.encode of the fine-tuned float weights in this process, under the source's
+    keys, shapes and dtypes, with the source's config files."""
+    import moeshard
+    from moeshard.io import codecs
+    from moeshard.io.quant import read_quant_configs, recognize
+
+    fx = quant_fixtures.WRITERS[fmt](str(tmp_path / "src"))
+    model = _fine_tuned(fx, str(tmp_path))
+    out = str(tmp_path / "out")
+    rep = moeshard.save(model, out, quantize="source", reference=fx.path)
+    src, saved = _tensors(fx.path), _tensors(out)
+    assert set(saved) == set(src)
+    for k, t in src.items():
+        assert saved[k].dtype == t.dtype and saved[k].shape == t.shape, k
+    configs = read_quant_configs(fx.path)
+    assert read_quant_configs(out) == configs
+    packed = recognize(*configs, moeshard.CheckpointIndex.open(fx.path).tensors)
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    for key, pw in packed.items():
+        enc = codecs.encode(pw.scheme, state[key] if key in state else _expert_weight(state, key))
+        assert torch.equal(
+            saved[pw.values].view(torch.uint8), enc.values.reshape(src[pw.values].shape).view(torch.uint8)
+        )
+        assert torch.equal(saved[pw.scale].float(), enc.scale.reshape(src[pw.scale].shape).float()), key
+        if pw.global_scale is not None:
+            assert torch.equal(saved[pw.global_scale], enc.global_scale.reshape(src[pw.global_scale].shape)), key
+    assert rep.num_requantized == len(packed) > 0 and rep.requant_max_abs_error > 0
