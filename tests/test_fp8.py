@@ -336,7 +336,7 @@ def fp8_kept_worker(fp8: str, out_dir: str) -> list:
 
 
 @pytest.mark.dist
-def test_fp8_kept_with_scales_that_move_with_their_experts(ckpts, tmp_path):
+def test_fp8_kept_with_scales_that_move_with_their_experts(ckpts, kept_runs):
     """An FP8 model (transformers' FP8Linear / FP8Experts) takes the FP8 bytes and the block scales
     as stored, on EP=2 x expert-FSDP=2 ranks with a redundant placement: every local byte equals
     the checkpoint's (an expert's ``gate_up_proj_scale_inv`` row is its gate and up scales
@@ -369,7 +369,8 @@ def test_fp8_kept_with_scales_that_move_with_their_experts(ckpts, tmp_path):
             [_raw(torch.cat([want[f"{module}.{int(e)}.{q}_proj.weight{suffix}"] for q in parts])) for e in rows]
         )
 
-    results = run_ranks(fp8_kept_worker, fp8, str(tmp_path / "saved"), world=4, local_world=2, timeout=240)
+    root, _, both, _ = kept_runs
+    results = [fp8_results for fp8_results, _, _ in both]
     sent = 0
     for rank, steps in enumerate(results):
         for deq, unused, moved, phy2log, state in steps:
@@ -383,14 +384,14 @@ def test_fp8_kept_with_scales_that_move_with_their_experts(ckpts, tmp_path):
                 assert torch.equal(got, full[box]), f"rank {rank} {name}"
     assert sent > 0  # the relocation moved experts (and their scales) between ranks
     saved = {}
-    for f in os.listdir(tmp_path / "saved"):
+    for f in os.listdir(root / "saved"):
         if f.endswith(".safetensors"):
-            saved.update(load_file(os.path.join(tmp_path / "saved", f)))
+            saved.update(load_file(os.path.join(root / "saved", f)))
     assert set(saved) == set(want)
     for key, t in want.items():
         assert saved[key].dtype == t.dtype and torch.equal(_raw(saved[key]), _raw(t)), key
     assert (
-        moeshard.CheckpointIndex.open(str(tmp_path / "saved")).tensors.keys()
+        moeshard.CheckpointIndex.open(str(root / "saved")).tensors.keys()
         == moeshard.CheckpointIndex.open(fp8).tensors.keys()
     )
 
@@ -483,3 +484,208 @@ def test_fitting_scales_equals_scale_of_key_by_key(tmp_path):
     want = [k in index and scale_of(index, k) is not None for k in keys]
     assert fitting_scales(index, keys).tolist() == want == [True, False, False, True, False, True, False, True]
     assert fitting_scales(index, []).shape == (0,)
+
+
+# -- experts kept packed in other formats (MXFP4, compressed-tensors INT4) ---------------------
+
+
+def packed_checkpoints(root: str) -> dict[str, str]:
+    """gpt-oss with MXFP4 experts and DeepSeek-V3 with compressed-tensors INT4 routed experts
+    (Kimi-K2-Thinking's layout), each in two shards with its quantization_config."""
+    import packed_experts
+
+    out = {"gpt_oss": os.path.join(root, "mxfp4"), "deepseek_v3": os.path.join(root, "int4")}
+    packed_experts.write_mxfp4_checkpoint(out["gpt_oss"])
+    packed_experts.write_int4_checkpoint(out["deepseek_v3"])
+    return out
+
+
+def _packed_model(family: str):
+    import packed_experts
+
+    return packed_experts.packed_gpt_oss() if family == "gpt_oss" else packed_experts.compressed_deepseek_v3()
+
+
+def _local_state(model) -> dict:
+    """Each parameter's local bytes, global offset (torch's own rule) and global shape."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    state = {}
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            state[name] = (_raw(p.to_local()).clone(), tuple(offset), tuple(p.shape))
+        else:
+            state[name] = (_raw(p.detach()).clone(), (0,) * p.dim(), tuple(p.shape))
+    return state
+
+
+def packed_kept_worker(packed: dict, out_dir: str) -> dict:
+    """Per family: load the packed checkpoint into a model that keeps its experts packed
+    (EP=2 x efsdp=2, a redundant placement), verify, relocate P2P (the scales and shapes travel
+    with their experts), verify, save, relocate back from disk; each step's local bytes."""
+    import moeshard
+
+    mesh = moeshard.make_mesh("cpu", ep=2, efsdp=2)
+    out = {}
+    for family, ckpt in packed.items():
+        model = _packed_model(family)
+        with open(os.path.join(ckpt, "config.json")) as f:  # what transformers' quantizer leaves on the config
+            model.config.quantization_config = json.load(f)["quantization_config"]
+        n = 4 if family == "gpt_oss" else model.config.n_routed_experts
+        layers = 2
+        old, new = _placement(7, n, layers), _placement(8, n, layers)
+        moeshard.parallelize(model, mesh, old, ep_forward=False)
+        rep = moeshard.load(model, ckpt, placement=old)
+        checked = moeshard.verify(model, ckpt, placement=old).num_boxes_checked
+        steps = [(rep.unused_keys, old.phy2log, _local_state(model))]
+        moved = moeshard.relocate(model, old, new, routing="caller")
+        checked += moeshard.verify(model, ckpt, placement=new).num_boxes_checked
+        moeshard.save(model, os.path.join(out_dir, family), new, max_shard_bytes=20_000)
+        steps.append(((), new.phy2log, _local_state(model)))
+        moeshard.relocate(model, new, old, checkpoint=ckpt, from_checkpoint=True, routing="caller")
+        steps.append(((), old.phy2log, _local_state(model)))
+        out[family] = (steps, moved.bytes_sent_rank, checked)
+    return out
+
+
+def requant_worker(source: str, float_dir: str, out_dir: str) -> tuple:
+    """A float DeepSeek-V3 (the INT4 source's dequantized reference) on EP=2 x efsdp=2 ranks with
+    a redundant placement, saved in the source's format (quantize="source")."""
+    import transformers
+
+    import moeshard
+
+    mesh = moeshard.make_mesh("cpu", ep=2, efsdp=2)
+    config = transformers.AutoConfig.from_pretrained(float_dir)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    pl = _placement(9, config.n_routed_experts, config.num_hidden_layers - config.first_k_dense_replace)
+    moeshard.parallelize(model, mesh, pl)
+    moeshard.load(model, float_dir, placement=pl)
+    rep = moeshard.save(model, out_dir, pl, quantize="source", reference=source, max_shard_bytes=40_000)
+    return rep.num_requantized, rep.requant_max_abs_error, rep.files
+
+
+def kept_worker(fp8: str, out_dir: str, packed: dict, packed_out: str, requant: tuple) -> tuple:
+    """Every kept-quantized scenario and the requantizing save in one spawn (spawning costs
+    seconds)."""
+    return fp8_kept_worker(fp8, out_dir), packed_kept_worker(packed, packed_out), requant_worker(*requant)
+
+
+def _expected_packed(family: str, want: dict, name: str, phy2log: np.ndarray, experts: list[str]) -> torch.Tensor:
+    """The bytes parameter ``name`` holds under placement ``phy2log``: the checkpoint tensor
+    itself, or for an expert parameter its slots' logical experts' rows (gpt-oss: rows of the
+    fused ``*_blocks`` / ``*_scales``; DeepSeek-V3: each expert's gate and up tensors stacked)."""
+    module, _, attr = name.rpartition(".")
+    if module not in experts or attr.endswith("_bias"):
+        return _raw(want[name])
+    rows = torch.as_tensor(phy2log[experts.index(module)])
+    if family == "gpt_oss":
+        return _raw(want[name])[rows]
+    proj, _, tensor = attr.partition("_proj_")
+    parts = ("gate", "up") if proj == "gate_up" else (proj,)
+    return torch.stack([_raw(torch.cat([want[f"{module}.{int(e)}.{q}_proj.{tensor}"] for q in parts])) for e in rows])
+
+
+def _saved(path: str) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in os.listdir(path):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(path, f)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def kept_runs(ckpts, tmp_path_factory):
+    """One spawn of 4 ranks (EP=2 x expert-FSDP=2, 2 per node) for every kept-quantized model."""
+    fp8, _, _ = ckpts
+    root = tmp_path_factory.mktemp("kept")
+    packed = packed_checkpoints(str(root / "packed"))
+    import quant_fixtures
+
+    fx = quant_fixtures.WRITERS["int4"](str(root / "int4"))
+    float_dir = quant_fixtures.write_reference(fx, str(root / "int4-float"), torch.float32)
+    requant = (fx.path, float_dir, str(root / "requantized"))
+    results = run_ranks(
+        kept_worker,
+        fp8,
+        str(root / "saved"),
+        packed,
+        str(root / "packed_saved"),
+        requant,
+        world=4,
+        local_world=2,
+        timeout=300,
+    )
+    return root, packed, results, fx
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])
+def test_packed_experts_kept_moved_and_saved_byte_identical(kept_runs, family):
+    """A model that keeps its experts packed (gpt-oss: MXFP4 ``*_blocks`` uint8 + E8M0
+    ``*_scales``; DeepSeek-V3: compressed-tensors INT4 ``weight_packed`` int32 + ``weight_scale``
+    + ``weight_shape``, Kimi-K2-Thinking's layout) loads on EP=2 x expert-FSDP=2 ranks with a
+    redundant placement, every local byte the checkpoint's: after load, after a P2P relocation
+    (scales and shapes move with their experts) and after one back read from disk; saved after the
+    relocation, every tensor of the checkpoint (scales and shapes included) is written, with its
+    dtype and bytes unchanged."""
+    root, packed, results, _ = kept_runs
+    ckpt = packed[family]
+    want = _saved(ckpt)
+    model = _packed_model(family)
+    experts = [name for name, _ in model.named_modules() if name.endswith("mlp.experts")]
+    names = {name for name, _ in model.named_parameters()}
+    sent = 0
+    for rank, res in enumerate(results):
+        steps, moved, checked = res[1][family]
+        assert checked > 0
+        sent += moved
+        for unused, phy2log, state in steps:
+            assert unused == ()  # every tensor read into a parameter
+            assert set(state) == names
+            for name, (got, offset, shape) in state.items():
+                full = _expected_packed(family, want, name, phy2log, experts)
+                assert tuple(full.shape) == shape, name
+                box = tuple(slice(o, o + n) for o, n in zip(offset, got.shape))
+                assert got.dtype == full.dtype and torch.equal(got, full[box]), f"rank {rank} {name}"
+    assert sent > 0
+    saved = _saved(str(root / "packed_saved" / family))
+    assert set(saved) == set(want)
+    with open(os.path.join(ckpt, "config.json")) as f, open(root / "packed_saved" / family / "config.json") as g:
+        assert json.load(g)["quantization_config"] == json.load(f)["quantization_config"]
+    for key, t in want.items():
+        assert saved[key].dtype == t.dtype and torch.equal(_raw(saved[key]), _raw(t)), key
+
+
+@pytest.mark.dist
+def test_requantized_save_from_ep_ranks_with_redundant_experts(kept_runs):
+    """A float DeepSeek-V3 loaded from the dequantized values of an INT4 checkpoint (Kimi-K2-Thinking's
+    layout) and saved with quantize="source" from EP=2 x expert-FSDP=2 ranks with a redundant
+    placement writes the source's key set and dtypes: every requantized weight's bytes equal
+    moeshard.io.codecs.encode of the float weight in this process, every other tensor the
+    source's bytes (its bf16 values cast back), and the report gives the error."""
+    import moeshard
+    from moeshard.io import codecs
+    from moeshard.io.quant import read_quant_configs, recognize
+
+    root, _, results, fx = kept_runs
+    src, saved = _saved(fx.path), _saved(str(root / "requantized"))
+    assert set(saved) == set(src)
+    packed = recognize(*read_quant_configs(fx.path), moeshard.CheckpointIndex.open(fx.path).tensors)
+    written = set()
+    for key, pw in packed.items():
+        enc = codecs.encode(pw.scheme, fx.reference[key])
+        assert torch.equal(saved[pw.values], enc.values) and torch.equal(saved[pw.scale], enc.scale), key
+        written |= set(pw.keys)
+    for key, t in src.items():
+        assert saved[key].dtype == t.dtype and saved[key].shape == t.shape, key
+        if key not in written or key.endswith("weight_shape"):
+            assert torch.equal(saved[key], t), key
+    num = {r[2][0] for r in results}
+    assert num == {len(packed)}  # job-wide, the same on every rank
+    assert len({f for r in results for f in r[2][2]}) > 1  # several ranks wrote

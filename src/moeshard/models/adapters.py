@@ -43,6 +43,10 @@ __all__ = [
     "JETMOE_EXPERTS",
     "DBRX_EXPERTS",
     "DOGE_EXPERTS",
+    "MXFP4_EXPERTS",
+    "COMPRESSED_EXPERTS",
+    "PACKED_SPECS",
+    "packed_tensor_names",
     "DEFAULT_SPECS",
     "KEY_RENAMES",
     "IDENTITY_EXPERTS",
@@ -172,6 +176,54 @@ DOGE_EXPERTS = ExpertsSpec(
     classes=frozenset({"Embedding"}),
     routed_by_parent=True,  # ``mlp.router_gate`` picks the ids both tables are looked up by
 )
+# gpt-oss experts kept in MXFP4 as its checkpoints store them (a serving model, a frozen
+# quantized base): ``gate_up_proj_blocks`` uint8 ``[E, 2I, H/32, 16]`` (two E2M1 values per byte)
+# and ``gate_up_proj_scales`` uint8 ``[E, 2I, H/32]`` (E8M0), ``down_proj_blocks`` ``[E, H, I/32,
+# 16]`` and ``down_proj_scales`` ``[E, H, I/32]``, each fused on disk under its own name; the
+# packed bytes and their scales are expert parameters that load, move and save unchanged. The
+# float biases stay whole tensors, as in the float module.
+MXFP4_EXPERTS = ExpertsSpec(
+    module=r"(^|\.)experts$",
+    params=tuple(
+        ExpertParam(f"{proj}_{kind}", (f"{proj}_{kind}",))
+        for proj in ("gate_up_proj", "down_proj")
+        for kind in ("blocks", "scales")
+    ),
+)
+
+
+def _compressed_experts(tensors: tuple[str, ...]) -> ExpertsSpec:
+    """HF-style experts kept compressed as compressed-tensors stores each expert's linear
+    layers: every tensor ``<t>`` of ``tensors`` (``weight_packed``, ``weight_scale``, ...) of
+    ``experts.{e}.gate_proj`` + ``up_proj`` is parameter ``gate_up_proj_<t>`` (the two stacked
+    along dim 0, as ``gate_up_proj`` is from their weights), of ``down_proj`` ``down_proj_<t>``:
+    e.g. ``gate_up_proj_weight_packed`` int32 ``[E, 2I, H/8]``, ``gate_up_proj_weight_scale``
+    ``[E, 2I, H/group]``, ``gate_up_proj_weight_shape`` ``[E, 4]`` (the two ``[2]`` shapes)."""
+    return ExpertsSpec(
+        module=r"(^|\.)experts$",
+        params=tuple(
+            ExpertParam(f"{fused}_{t}", tuple(f"{{e}}.{part}.{t}" for part in parts))
+            for fused, parts in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",)))
+            for t in tensors
+        ),
+    )
+
+
+# Experts kept compressed (a serving model, a frozen quantized base under LoRA), one spec per
+# set of tensors compressed-tensors writes, the largest first (a module matches the first spec
+# whose parameters it has all of): NVFP4 (``nvfp4-pack-quantized``), INT4 with a zero point and
+# without (``pack-quantized``, Kimi-K2-Thinking's routed experts).
+COMPRESSED_EXPERTS: tuple[ExpertsSpec, ...] = tuple(
+    _compressed_experts(t)
+    for t in (
+        ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"),
+        ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape"),
+        ("weight_packed", "weight_scale", "weight_shape"),
+    )
+)
+# The specs of experts kept packed: transformers reads their tensors through its quantizer
+# (mxfp4, compressed-tensors), not through the family's converters.
+PACKED_SPECS: tuple[ExpertsSpec, ...] = (MXFP4_EXPERTS, *COMPRESSED_EXPERTS)
 DEFAULT_SPECS: tuple[ExpertsSpec, ...] = (
     HF_EXPERTS,
     MIXTRAL_EXPERTS,
@@ -179,7 +231,18 @@ DEFAULT_SPECS: tuple[ExpertsSpec, ...] = (
     JETMOE_EXPERTS,
     DBRX_EXPERTS,
     DOGE_EXPERTS,
+    *PACKED_SPECS,
 )
+
+
+@functools.lru_cache(maxsize=1)
+def packed_tensor_names() -> tuple[frozenset[str], frozenset[str]]:
+    """``(parameter names, checkpoint leaf names)`` of experts kept packed (:data:`PACKED_SPECS`):
+    ``gate_up_proj_blocks``, ``gate_up_proj_weight_packed``, ...; ``gate_up_proj_blocks``,
+    ``weight_packed``, ``weight_scale``, ..."""
+    params = frozenset(p.name for s in PACKED_SPECS for p in s.params)
+    leaves = frozenset(part.rpartition(".")[2] for s in PACKED_SPECS for p in s.params for part in p.parts)
+    return params, leaves
 
 
 def routed_block(name: str, spec: ExpertsSpec) -> str:

@@ -25,6 +25,7 @@ from ..io.formats import scaled_weight
 from ..io.index import CheckpointIndex
 from .adapters import (
     DEFAULT_SPECS,
+    PACKED_SPECS,
     ExpertParam,
     ExpertsSpec,
     checkpoint_names,
@@ -303,11 +304,12 @@ def _choose_spec(
     spec = candidates[0]
     if (
         names is not None
-        and not any(s in names.specs for s in candidates)
+        and not any(s in names.specs or s in PACKED_SPECS for s in candidates)
         and not any(_refused(names, f"{module}.{p.name}") for p in spec.params)
     ):
         # No converter of the family stacks this module's experts: transformers writes and reads
-        # them fused on disk, under their (renamed) names.
+        # them fused on disk, under their (renamed) names. Experts kept packed are stored as
+        # their spec says (transformers' quantizer reads them, not the family's converters).
         fused = _fused_spec(spec, module, names.checkpoint_name)
         assert fused is not None
         return fused

@@ -119,7 +119,7 @@ def parallelize(
         ValueError (before the model changes): ``replicate`` not dividing the ranks; with
             efsdp > 1, a parameter of an experts module whose dim 1 does not divide by efsdp
             (FSDP2 shards it there, evenly only);
-            with efsdp > 1 and ep_forward, a parameter of an experts module outside its spec;
+            with efsdp > 1, a trainable parameter of an experts module outside its spec;
             an ``mp_policy`` that is not a ``MixedPrecisionPolicy``.
     """
     if mp_policy is None:
@@ -145,8 +145,7 @@ def parallelize(
     placement.check_layers(1 + max((e.layer for e in layers), default=-1))
     if efsdp > 1:
         _check_efsdp_dims(model, layers, efsdp, mesh.size())
-        if ep_forward:
-            _check_whole_params(layers)
+        _check_whole_params(layers)
     # Modules to shard on their own for their dtype, found before anything changes: experts
     # modules (with their LoRA wrappers) are EP's or expert FSDP's, blocks the root's children.
     blocks = _blocks(model)
@@ -224,11 +223,17 @@ def parallelize(
             # whether or not the slot count divides by efsdp (torchtitan's fallback).
             # LoRA B [out, r*S] shards its rows instead (its columns are EP's). On the module
             # whose forward is called, so that FSDP gathers the parameters before it runs.
+            # The module's other parameters (frozen: _check_whole_params), e.g. a packed
+            # gpt-oss's expert biases, stay whole on every rank: sharded on "efsdp", each EP
+            # group would hold its own copy on a mesh of its own, a tensor no description of
+            # the model names alike on every rank.
+            whole = {t for n, t in module.named_parameters(recurse=False) if n not in {p.name for p in spec.params}}
             fully_shard(
                 wrappers[-1] if wrappers else host,
                 mesh=mesh["efsdp"],
                 mp_policy=mp_policy,
                 shard_placement_fn=lambda t, b=lora_b: Shard(0) if id(t) in b else Shard(1),
+                ignored_params=whole or None,
             )
         installed = ep_forward and install_ep_forward(host, host.moeshard_ep, loras, holder=module)
         if loras and not installed:
@@ -279,18 +284,19 @@ def _check_efsdp_dims(model: nn.Module, layers, efsdp: int, world: int) -> None:
 
 
 def _check_whole_params(layers) -> None:
-    """With efsdp > 1, every parameter of an experts module is an expert parameter of its spec:
-    the EP forward gathers any other one (one row per logical expert, gpt-oss's biases) at the
-    local slots' experts, so each EP rank computes its gradient from different tokens, and the
-    expert FSDP that owns the module reduces it over "efsdp" only, never over "ep"."""
+    """With efsdp > 1, every trainable parameter of an experts module is an expert parameter of
+    its spec. Any other one (one row per logical expert, gpt-oss's biases) is whole on every EP
+    rank, and the EP forward gathers its rows at the local slots' experts, so each EP rank
+    computes its gradient from different tokens, which the expert FSDP (on "efsdp" only) would
+    not reduce over "ep". A frozen one (a packed model's biases) stays whole on every rank."""
     for module_name, module, spec, _ in layers:
         names = {p.name for p in spec.params}
-        extra = [n for n, _ in module.named_parameters(recurse=False) if n not in names]
+        extra = [n for n, p in module.named_parameters(recurse=False) if n not in names and p.requires_grad]
         if extra:
             raise ValueError(
                 f"{module_name}: parameters {extra} of {type(module).__name__} are not expert "
                 f"parameters of its spec ({sorted(names)}); with efsdp > 1 their gradients would not "
-                "be reduced over the EP ranks: use efsdp=1, or ep_forward=False"
+                "be reduced over the EP ranks: use efsdp=1, or freeze them (requires_grad=False)"
             )
 
 

@@ -24,6 +24,7 @@ no index, so the directory never looks like a complete checkpoint.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -46,7 +47,7 @@ from ..io.header import DTYPES, read_header
 from ..io.index import INDEX_NAME, CheckpointIndex
 from ..io.sources import resolve_sources, sources_share
 from ..io.writer import pwrite_all, safetensors_header
-from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
+from ..models.adapters import DEFAULT_SPECS, ExpertsSpec, packed_tensor_names
 from ..models.describe import ParamDesc, describe_model, expert_layers, local_tensor, persistent_buffers, tensor_names
 from ..models.hf_names import hf_names
 from ..models.outputs import describe_outputs
@@ -58,6 +59,16 @@ from ..plan.schedule import Schedule
 from ..topology import Topology
 from .load import target_device
 from .report import OpReport
+from .requantize import (
+    HF_QUANT_CONFIG,
+    QUANTIZE_MODES,
+    ConvertedFile,
+    Requantization,
+    check_outputs,
+    convert_file,
+    logical_index,
+    requantization,
+)
 from .skeleton import OpMeter, group_topology, local_tensors, named_tensors, progress_bar
 
 __all__ = ["SaveError", "SaveReport", "save", "plan_model_save", "DEFAULT_MAX_SHARD_BYTES"]
@@ -92,6 +103,12 @@ class SaveReport(OpReport):
     rss_before_bytes: int
     peak_rss_bytes: int
     peak_rss_source: str = "vmhwm"
+    # quantize="source": the weights requantized (job-wide) and the largest error of their
+    # requantized values against the model's float ones (absolute; relative to the weight's
+    # largest magnitude).
+    num_requantized: int = 0
+    requant_max_abs_error: float = 0.0
+    requant_max_rel_error: float = 0.0
 
 
 def plan_model_save(
@@ -129,21 +146,49 @@ def plan_model_save(
         buffers=frozenset(name for name, _ in persistent_buffers(model)),
         num_experts=hints,
     )
-    _check_names(model, [o.key for o in outs], skip)
+    _check_names(model, [o.key for o in outs], skip, descs)
     return descs, plan_save(outs, world_size, max_shard_bytes, staging_bytes, rank=rank)
 
 
-def _check_names(model: nn.Module, keys: list[str], skip: frozenset[str]) -> None:
+def _check_names(model: nn.Module, keys: list[str], skip: frozenset[str], descs: list[ParamDesc]) -> None:
     """Refuse a key set that the model's ``from_pretrained`` would not read back whole: a
     missing tensor is re-initialized there and an unexpected key ignored, with only a warning.
+    Experts kept packed (``descs``' parameters of a packed spec and their checkpoint tensors)
+    are left out: transformers reads those through its quantizer, not the family's converters.
     Pure (every rank raises the same error while planning, before anything is written)."""
     names = hf_names(model)
     if names is None:
         return
+    params, leaves = packed_tensor_names()
+    packed = [d for d in descs if d.expert is not None and d.expert.param.name in params]
+    if packed:
+        prefixes = tuple(f"{d.expert.module}." for d in packed)
+        skip = skip | {d.name for d in packed}
+        keys = [k for k in keys if not (k.startswith(prefixes) and k.rpartition(".")[2] in leaves)]
     expected = [n for n in tensor_names(model) if not set(n) & skip]
     mismatch = names.check_keys(keys, expected)
     if mismatch is not None:
         raise ValueError(mismatch.message("moeshard.save"))
+
+
+def _requantization(tensors: dict, source: str, index: CheckpointIndex) -> Requantization:
+    """What ``quantize="source"`` writes (source checkpoint ``source``, its ``index``), refused
+    before anything is written for a model that keeps experts packed (``tensors``: the model's,
+    by name) or a source without weights to requantize into."""
+    _check_float_experts(tensors)
+    return requantization(source, index)
+
+
+def _check_float_experts(tensors: dict) -> None:
+    """``quantize`` requantizes float weights: refuse a model that keeps experts packed."""
+    params, _ = packed_tensor_names()
+    kept = [(n, t) for n, t in tensors.items() if n.rpartition(".")[2] in params]
+    if kept:
+        name, t = kept[0]
+        raise ValueError(
+            f"quantize='source': the model keeps its experts packed ({name}, {t.dtype}); only float weights are "
+            "requantized: save it without quantize, which writes the packed tensors as they are"
+        )
 
 
 def _tied_targets(model: nn.Module) -> frozenset[str]:
@@ -171,6 +216,7 @@ def save(
     topology: Topology | None = None,
     fsync: bool = True,
     progress: bool | None = None,
+    quantize: str | None = None,
     group=None,
 ) -> SaveReport:
     """Collective (every rank of ``group``): write ``model`` to ``out_dir`` as a
@@ -197,6 +243,16 @@ def save(
         fsync: fsync every file and the directory before the index is published.
         progress: bytes written / total on local rank 0 of each node (default: the
             ``MOESHARD_PROGRESS`` environment variable).
+        quantize: ``"source"``: write the weights that ``reference`` (required; a directory every
+            rank sees) stores quantized (MXFP4, NVFP4, INT4, FP8 per channel) in its format
+            again: same scheme and group size (:func:`moeshard.io.codecs.encode`), the same
+            keys and dtypes (packed values, scales, global scales, ``weight_shape``; activation
+            scales copied), its ``quantization_config`` in ``config.json`` and its
+            ``hf_quant_config.json``, so its readers (transformers, compressed-tensors) read
+            the result. For a model trained in float; the report gives the error of the
+            requantized values against the float ones. Refused before anything is written for a
+            source without such weights, or a weight the model does not hold in float with the
+            source's shape. None: every tensor as the model holds it.
         group: the process group that runs it (default: the default group), e.g. one EP group
             of a larger job; ranks in plans and messages are its ranks. The model's device
             meshes must lie within it; ``topology`` defaults to its members' nodes.
@@ -225,6 +281,7 @@ def save(
             group,
             fsync,
             progress,
+            quantize,
         )
 
 
@@ -236,6 +293,7 @@ class _PlannedSave:
     descs: list[ParamDesc]
     plan: SavePlan
     device: torch.device
+    requant: Requantization | None = None
 
 
 @dataclass(frozen=True)
@@ -250,10 +308,19 @@ class _Arguments:
     sees_reference: bool
 
 
-def _check_arguments(model: nn.Module, placement, topology: Topology | None, group, out_dir, reference) -> _Arguments:
+def _check_arguments(
+    model: nn.Module, placement, topology: Topology | None, group, out_dir, reference, quantize=None
+) -> _Arguments:
     """This rank's step of save's first exchange: every check of its own arguments that can
     fail (a placement other than the model's, a topology of another world size, an output
-    directory or reference that is not a path)."""
+    directory or reference that is not a path; ``quantize`` without a source this rank sees)."""
+    if quantize is not None:
+        if quantize not in QUANTIZE_MODES:
+            raise ValueError(f"quantize={quantize!r}: expected one of {QUANTIZE_MODES} or None")
+        if reference is None or isinstance(reference, CheckpointIndex):
+            raise ValueError("quantize='source' needs reference=<the directory of the quantized source checkpoint>")
+        if not os.path.isdir(os.fspath(reference)):
+            raise ValueError(f"quantize='source': the source checkpoint {os.fspath(reference)} is not visible here")
     placement = resolve_placement(model, placement, "moeshard.save")
     topo = group_topology(topology, group)
     out = Path(out_dir)
@@ -299,12 +366,13 @@ def _save(
     group,
     fsync,
     progress,
+    quantize=None,
 ) -> SaveReport:
     meter = OpMeter(peak_rss=True)
     # One exchange: every rank's argument errors (a rank's bad argument raises on every rank,
     # before any of them waits on it) and what the reference's storage is resolved from.
     args, everyone = collectives.agree_and_gather(
-        lambda: _check_arguments(model, placement, topology, group, out_dir, reference),
+        lambda: _check_arguments(model, placement, topology, group, out_dir, reference, quantize),
         "moeshard.save: checking the arguments",
         share=lambda a: None if a.reference_path is None else sources_share(a.sees_reference, "auto", a.topology),
     )
@@ -317,15 +385,19 @@ def _save(
 
     def make_plan():
         # This rank's pieces only: the job's are O(transfers) (4.2 million at DeepSeek-V3 on 8,192 ranks).
-        descs, plan = plan_model_save(model, placement, world, index, specs, max_shard_bytes, staging_bytes, rank=rank)
+        requant = None if quantize is None else _requantization(tensors, args.reference_path, index)
+        names = index if requant is None else logical_index(requant)  # a float model's names
+        descs, plan = plan_model_save(model, placement, world, names, specs, max_shard_bytes, staging_bytes, rank=rank)
         meta = [d.name for d in descs if local_tensor(tensors[d.name]).is_meta]
         if meta:
             raise ValueError(
                 f"parameter {meta[0]} is on the meta device ({len(meta)} in all): load the model before saving it"
             )
+        if requant is not None:
+            check_outputs(requant, [(t.key, t.shape, t.dtype) for t in plan.tensors])
         if rank == 0:
             _prepare_dir(out, out / f"{_TMP_PREFIX}{plan.fingerprint}", overwrite, made)
-        return _PlannedSave(descs, plan, target_device(model))
+        return _PlannedSave(descs, plan, target_device(model), requant)
 
     def unmake() -> None:
         for d in reversed(made):
@@ -371,11 +443,17 @@ def _save(
         undo()  # this rank's files; no exchange can follow
         raise
     bar.close()
+    converted = None
+    if planned.requant is not None:
+        converted = _requantize_files(planned.requant, plan, rank, tmp, failure, undo)
     extra: list[str] = []  # config files (rank 0)
     if rank == 0 and not failure:
         try:
-            extra = _write_configs(model, tmp, fsync)
-            _write_index(plan, tmp / INDEX_NAME, fsync)
+            extra = _write_configs(model, tmp, fsync, planned.requant)
+            if converted is None:
+                _write_index(plan, tmp / INDEX_NAME, fsync)
+            else:
+                _write_converted_index(converted, tmp / INDEX_NAME, fsync)
         except Exception as e:  # noqa: BLE001 - reported on every rank
             failure.append(e)
 
@@ -388,7 +466,58 @@ def _save(
     mine = [plan.files[i].name for i in plan.files_of(rank)]
     _put_in_place(plan, rank, out, tmp, mine + extra, overwrite, fsync, undo, renamed)
     meter.end("publish")
-    return _report(plan, topo, out, mine, stats, meter, t_plan)
+    report = _report(plan, topo, out, mine, stats, meter, t_plan)
+    return report if converted is None else _with_requantization(report, converted)
+
+
+def _with_requantization(report: SaveReport, converted: list[list[tuple[str, ConvertedFile]]]) -> SaveReport:
+    """``report`` with the job's requantization figures (every rank's ``converted`` files)."""
+    files = [c for share in converted for _, c in share]
+    return dataclasses.replace(
+        report,
+        num_requantized=sum(c.num_requantized for c in files),
+        requant_max_abs_error=max((c.max_abs_error for c in files), default=0.0),
+        requant_max_rel_error=max((c.max_rel_error for c in files), default=0.0),
+    )
+
+
+def _requantize_files(
+    req: Requantization, plan: SavePlan, rank: int, tmp: Path, failure: list, undo: Callable[[], None]
+) -> list[list[tuple[str, ConvertedFile]]]:
+    """Collective (every rank of the save), once every shard is written in ``tmp``: each rank
+    requantizes the files it wrote (:func:`~moeshard.ops.requantize.convert_file`); returns every
+    rank's ``[(file name, ConvertedFile)]``. A failure (of the writing before, or here) on any
+    rank runs ``undo`` on every rank and raises."""
+
+    def step():
+        if failure:
+            raise failure[0]
+        return [(plan.files[i].name, convert_file(req, tmp / plan.files[i].name)) for i in plan.files_of(rank)]
+
+    what = "moeshard.save: requantizing the shard files"
+    try:
+        return collectives.agree_and_gather(step, what, share=lambda r: r).shares
+    except collectives.PeerLostError:
+        undo()
+        raise
+    except BaseException:
+        undo()
+        collectives.barrier(what)
+        raise
+
+
+def _write_converted_index(converted: list[list[tuple[str, ConvertedFile]]], path: Path, fsync: bool) -> None:
+    """The index of requantized shard files (every rank's ``converted`` files)."""
+    files = [(name, c) for share in converted for name, c in share]
+    index = {
+        "metadata": {"total_size": sum(c.nbytes for _, c in files)},
+        "weight_map": {key: name for name, c in files for key in c.keys},
+    }
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
 
 
 def _report(
@@ -690,18 +819,25 @@ def _write_shards(
     }
 
 
-def _write_configs(model: nn.Module, tmp: Path, fsync: bool) -> list[str]:
+def _write_configs(model: nn.Module, tmp: Path, fsync: bool, requant: Requantization | None = None) -> list[str]:
     """config.json (and generation_config.json for a generative model) as transformers'
-    save_pretrained writes them: dtype and architectures set. Returns the file names."""
+    save_pretrained writes them: dtype and architectures set; with ``requant``, the source's
+    ``quantization_config`` in it and its ``hf_quant_config.json`` beside it. Returns the file
+    names."""
     config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "save_pretrained"):
-        return []
     before = set(os.listdir(tmp))
+    if requant is not None and requant.hf_quant is not None:
+        with open(tmp / HF_QUANT_CONFIG, "w", encoding="utf-8") as f:
+            f.write(json.dumps(requant.hf_quant, indent=2) + "\n")
+    if config is None or not hasattr(config, "save_pretrained"):
+        return sorted(set(os.listdir(tmp)) - before)
     config = copy.deepcopy(config)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
     if dtype is not None:
         config.dtype = str(dtype).split(".")[1]
     config.architectures = [type(model).__name__.removeprefix("FSDP")]
+    if requant is not None and requant.config is not None:
+        config.quantization_config = dict(requant.config)
     config.save_pretrained(tmp)
     can_generate = getattr(model, "can_generate", None)
     gen = getattr(model, "generation_config", None)
