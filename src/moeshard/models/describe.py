@@ -427,6 +427,13 @@ def describe_model(
             if renamed and index is None:  # the family's names first: they are what it writes
                 keys = [k for n in aliases_of for k in reversed(checkpoint_names(base(n)))]
         parts, part_dim = split if split is not None else ((), 0)
+        if index is not None and expert is None and not parts and not any(k in index for k in keys):
+            refused = _refused(hf, base(name))
+            if refused is not None:  # say why, rather than "no tensor ..." when the needs are built
+                raise ValueError(
+                    f"parameter {name}: transformers reads {hf.family} checkpoints into it with a converter "
+                    f"moeshard cannot express as box reads ({refused})"
+                )
         descs.append(
             ParamDesc(name, shape, t.dtype, mesh, placements, tuple(dict.fromkeys(keys)), expert, parts, part_dim)
         )
