@@ -96,7 +96,7 @@ def ep_worker(root: str, families: list[str]) -> dict:
         except Exception as e:  # noqa: BLE001 - reported per family
             # A DistributedError's first line says which step failed; its next one rank 0's error.
             lines = str(e).splitlines()
-            out[family] = dict(error=f"{type(e).__name__}: " + " ".join(x.strip() for x in lines[:2])[:320])
+            out[family] = dict(error=f"{type(e).__name__}: " + " ".join(x.strip() for x in lines[:2]))
             if os.environ.get("FAMILY_SWEEP_TRACE"):
                 import traceback
 
@@ -135,7 +135,7 @@ def main(argv=None) -> dict:
         results = sweep(args.families.split(","), root)
     ok = [f for f, r in results.items() if r.get("err", 1.0) <= 1e-4]
     for family, r in results.items():
-        what = f"max |dlogit| {r['err']:.2e}, {r['boxes']} boxes verified" if "err" in r else r["error"]
+        what = f"max |dlogit| {r['err']:.2e}, {r['boxes']} boxes verified" if "err" in r else r["error"][:320]
         print(f"{family:<20} {what}")
         if "trace" in r:
             print(r["trace"])

@@ -11,12 +11,15 @@ jetmoe (each `JetMoeParallelExperts`, `weight` [E, out, in]) and doge (with `is_
 embedding tables `mlp.down_embed` / `mlp.up_embed`, [E, hidden], one row per expert).
 `tiny_config(mt)` gives that config and `build(mt)` the model, with reproducible weights.
 
-Enumerated on transformers 5.23.0 (torch 2.13, CPU) by a development-time script, not at import
+Enumerated on transformers 5.24.0 (torch 2.13, CPU) by a development-time script, not at import
 time: every family in FAMILIES builds, has >= 2 MoE layers and < 300k parameters, has untied
-embeddings, and survives `save_pretrained` -> `AutoModelForCausalLM.from_pretrained(dtype=fp32,
+embeddings, and survives `save_pretrained` -> `from_pretrained(dtype=fp32,
 output_loading_info=True)` with no missing/unexpected/mismatched keys and a bit-identical
 state_dict. `PER_EXPERT_ON_DISK` / `FUSED_ON_DISK` record what that `save_pretrained` wrote.
-(dbrx, jetmoe and doge were added on transformers 5.24.0, with the same checks.)
+The families transformers 5.24.0 added (hy_v4_vl, inkling2_loop, inkling2_loop_text, lara_mini,
+sarvam_mla, sarvam_moe) are skipped on an older transformers (`installed()`); `REFUSED` names
+those moeshard refuses to load, and why. hy_v4_vl and inkling2_loop have no causal-LM class: they
+are image-text-to-text models (`IMAGE_TEXT`), built with tiny vision towers and run on text.
 
 Notes for test writers:
 - The composite model_types dots3_note, llama4, qwen3_5_moe and qwen4_exp build the same
@@ -45,7 +48,7 @@ from __future__ import annotations
 
 import torch
 
-TRANSFORMERS_VERSION = "5.23.0"  # the version FAMILIES and the *_ON_DISK sets were computed on
+TRANSFORMERS_VERSION = "5.24.0"  # the version FAMILIES and the *_ON_DISK sets were computed on
 
 FAMILIES: tuple[str, ...] = (
     "afmoe",
@@ -81,6 +84,9 @@ FAMILIES: tuple[str, ...] = (
     "hunyuan_v1_moe",
     "hy_v3",
     "hy_v4",
+    "hy_v4_vl",
+    "inkling2_loop",
+    "inkling2_loop_text",
     "inkling2_text",
     "inkling_text",
     "jamba",
@@ -88,6 +94,7 @@ FAMILIES: tuple[str, ...] = (
     "kimi_linear",
     "kolibri1",
     "laguna",
+    "lara_mini",
     "lfm2_moe",
     "llama4",
     "llama4_text",
@@ -108,6 +115,8 @@ FAMILIES: tuple[str, ...] = (
     "qwen3_next",
     "qwen4_exp",
     "qwen4_exp_text",
+    "sarvam_mla",
+    "sarvam_moe",
     "solar_open",
     "zaya",
 )
@@ -159,11 +168,35 @@ PER_EXPERT_ON_DISK: frozenset[str] = frozenset(
         "qwen3_next",
         "qwen4_exp",
         "qwen4_exp_text",
+        "sarvam_mla",
+        "sarvam_moe",
         "solar_open",
     }
 )
+# Image-text-to-text families (no causal-LM class): built and loaded by AutoModelForImageTextToText
+# (:func:`auto_class`), tiny vision towers included; run on text alone.
+IMAGE_TEXT: frozenset[str] = frozenset({"hy_v4_vl", "inkling2_loop"})
 # The others: save_pretrained writes the experts fused (one tensor per layer and projection).
 FUSED_ON_DISK: frozenset[str] = frozenset(FAMILIES) - PER_EXPERT_ON_DISK
+
+# Families moeshard refuses to load from what save_pretrained writes, with the reason its error
+# states (a substring of it): a transformers converter between the checkpoint and the model that
+# moeshard cannot express as box reads. load and verify raise it naming the converter; save
+# writes what from_pretrained reads back where it can (lara_mini and sarvam_moe: the model's
+# own tensors, which from_pretrained also reads), else refuses before writing.
+REFUSED: dict[str, str] = {
+    # experts: gate and up rows alternate on disk
+    "inkling2_text": "operations ['Interleave'] on checkpoint tensor mlp.experts.w13_weight: Interleave(dim=1)",
+    # experts dequantized by the family's own op (NVFP4 / MXFP8 with amax and an outer scale
+    # denominator), then interleaved
+    "inkling2_loop_text": "operations ['Inkling2LoopDequantizeExperts', 'Interleave']",
+    "inkling2_loop": "operations ['Inkling2LoopDequantizeExperts', 'Interleave']",
+    # dense: one checkpoint tensor cut into several model tensors
+    "lara_mini": "Split(dim=0) cuts checkpoint tensor linear_attn.in_proj into the model's linear_attn.in_proj_qkv",
+    "sarvam_moe": "Split(dim=0) cuts checkpoint tensor query_key_value into the model's q_proj, k_proj, v_proj",
+}
+# Families whose refusal covers save too (it would write names from_pretrained does not read back).
+SAVE_REFUSED: frozenset[str] = frozenset({"inkling2_text", "inkling2_loop_text", "inkling2_loop"})
 
 # Generic small overrides. tiny_config passes each one only if the family's config class knows the
 # field (it appears in the default config's to_dict()), so one dict serves every naming scheme.
@@ -252,6 +285,20 @@ _GEMMA4_TEXT = dict(
     global_head_dim=16,  # full-attention layers get head_dim 512 by default
 )
 
+# its looped layers start and end on attention-residual block boundaries (blocks of 6 layers by
+# default, loop layers 6..18): blocks of 1 layer loop layer 1 twice in 3 layers
+_INKLING2_LOOP_TEXT = dict(
+    num_hidden_layers=3,
+    n_layers_per_attn_res_block=1,
+    loop_layer_index_start=1,
+    loop_layer_index_end=2,
+    loop_num_passes=2,
+    loop_gate_rank=8,  # default 64
+    swa_num_attention_heads=4,  # sliding-window heads as inkling_text's
+    swa_num_key_value_heads=2,
+    swa_head_dim=8,
+)
+
 _FAMILY: dict[str, dict] = {
     "afmoe": dict(num_hidden_layers=3),  # dense first (num_dense_layers=1)
     "axk1": dict(num_hidden_layers=3),  # dense first (default mlp_layer_types)
@@ -302,6 +349,22 @@ _FAMILY: dict[str, dict] = {
     # sliding-window layers have their own head counts (defaults 64/48 heads x 128 -> ~1.4M params)
     "inkling_text": dict(swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=8),
     "inkling2_text": dict(swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=8),
+    "inkling2_loop_text": _INKLING2_LOOP_TEXT,
+    # its vision sub-config is declared as any AutoConfig: named here; its projection must output
+    # the text hidden size (validation)
+    "inkling2_loop": dict(
+        text_config=_INKLING2_LOOP_TEXT,
+        vision_config=dict(
+            model_type="inkling2_vision",
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            patch_size=4,
+            posemb_grid_size=4,
+            projection_hidden_dim=32,
+            text_hidden_size=32,
+        ),
+    ),
     # default: experts every 2nd layer from 1 and attention every 8th from 4 (none in 2 layers);
     # here both layers are MoE, layer 0 mamba and layer 1 attention
     "jamba": dict(expert_layer_period=1, expert_layer_offset=0, attn_layer_period=2, attn_layer_offset=1),
@@ -319,13 +382,30 @@ _FAMILY: dict[str, dict] = {
     # mixer's n_groups (default 8) must divide mamba_num_heads (its scan repeats B and C
     # num_heads // n_groups times: 0 with 4 heads, and forward fails)
     "nemotron_h": dict(layers_block_type=["linear_attention", "moe", "full_attention", "moe"], n_groups=2),
+    # mrope_section must sum to qk_rope_head_dim // 2; the vision tower's position table is
+    # (max_image_size / patch_size)^2 x hidden (8.4M parameters with the defaults)
+    "hy_v4_vl": dict(
+        text_config=dict(
+            num_hidden_layers=3,  # dense first, as hy_v4
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1]),
+        ),
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_hidden_layers=1,
+            out_hidden_size=32,
+            patch_size=4,
+            max_image_size=32,
+        ),
+    ),
     "qwen4_exp": dict(text_config=dict(hc_lowrank=8)),  # hyper-connection rank 320 -> ~400k params
     "qwen4_exp_text": dict(hc_lowrank=8),
     # validation: only num_experts_per_tok=1; router MLP width 256 -> ~260k params
     "zaya": dict(num_experts_per_tok=1, router_hidden_size=16),
 }
-# Families whose causal-LM class also builds the vision/audio towers: shrink those sub-configs too.
-_SHRINK_SUBCONFIGS = frozenset({"gemma4"})
+# Families whose model class also builds the vision/audio towers: shrink those sub-configs too.
+_SHRINK_SUBCONFIGS = frozenset({"gemma4", "hy_v4_vl", "inkling2_loop"})
 
 
 def _kwargs(cls, overrides: dict, shrink_subconfigs: bool = False) -> dict:
@@ -334,6 +414,11 @@ def _kwargs(cls, overrides: dict, shrink_subconfigs: bool = False) -> dict:
     A `text_config` sub-config is always shrunk the same way; other sub-configs (vision, audio) only
     when `shrink_subconfigs` (the causal-LM class builds them), else their overrides pass verbatim.
     """
+    if "model_type" in overrides:  # a sub-config declared as any AutoConfig: the class it names
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        cls = CONFIG_MAPPING[overrides["model_type"]]
+        overrides = {k: v for k, v in overrides.items() if k != "model_type"}
     default = cls().to_dict()
     kw = {k: v for k, v in _GENERIC.items() if k in default}
     vocab = kw.get("vocab_size", default.get("vocab_size"))
@@ -348,6 +433,16 @@ def _kwargs(cls, overrides: dict, shrink_subconfigs: bool = False) -> dict:
     return kw
 
 
+def auto_class(model_type: str):
+    """The transformers auto class that builds and loads family `model_type`: the causal-LM one,
+    or the image-text-to-text one for the families of :data:`IMAGE_TEXT`."""
+    import transformers
+
+    if model_type in IMAGE_TEXT:
+        return transformers.AutoModelForImageTextToText
+    return transformers.AutoModelForCausalLM
+
+
 def tiny_config(model_type: str):
     """A tiny config of family `model_type` (a key of transformers' CONFIG_MAPPING)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -357,21 +452,34 @@ def tiny_config(model_type: str):
 
 
 def build(model_type: str, dtype: torch.dtype = torch.float32, device=None):
-    """`AutoModelForCausalLM.from_config(tiny_config(model_type))` with parameters in `dtype`,
+    """`auto_class(model_type).from_config(tiny_config(model_type))` with parameters in `dtype`,
     created under `torch.device(device)` when given (e.g. "meta"); seeded, so reproducible."""
-    from transformers import AutoModelForCausalLM
-
+    cls = auto_class(model_type)
     cfg = tiny_config(model_type)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         torch.manual_seed(0)
         if device is None:
-            return AutoModelForCausalLM.from_config(cfg)
+            return cls.from_config(cfg)
         with torch.device(device):
-            return AutoModelForCausalLM.from_config(cfg)
+            return cls.from_config(cfg)
     finally:
         torch.set_default_dtype(old)
+
+
+# The families transformers 5.24.0 added: an older transformers has none of them.
+ADDED_IN_5_24: frozenset[str] = frozenset(
+    {"hy_v4_vl", "inkling2_loop", "inkling2_loop_text", "lara_mini", "sarvam_mla", "sarvam_moe"}
+)
+
+
+def installed(model_type: str) -> bool:
+    """Whether the installed transformers has family `model_type` (the suite runs on the pinned
+    transformers and on the newest, which may differ in families)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return model_type in CONFIG_MAPPING_NAMES
 
 
 def per_expert_on_disk(model_type: str) -> bool:

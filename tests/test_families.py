@@ -7,8 +7,11 @@ For each family whose checkpoints hold per-expert tensors:
   and the same key set as transformers' own save_pretrained;
 - save_pretrained -> moeshard.load into a model with other values: the state dict bit for bit.
 For each family that stores its experts fused on disk (``[E, ...]`` tensors): load reads rows of
-them and save writes them fused, as save_pretrained does; a family whose converter moeshard
-cannot express (gate and up interleaved) is refused by both, before save writes anything.
+them and save writes them fused, as save_pretrained does. A family whose converter moeshard
+cannot express as box reads (gate and up rows interleaved, one checkpoint tensor split into
+several model tensors) is refused by load and verify, naming the converter and why
+(``hf_families.REFUSED``); save refuses before writing anything or writes names from_pretrained
+reads back. Families the installed transformers lacks are skipped.
 """
 
 from __future__ import annotations
@@ -57,13 +60,24 @@ def quiet():
 
 
 def _reference(family, tmp_path):
+    if not hf_families.installed(family):
+        pytest.skip(f"transformers {transformers.__version__} has no {family}")
     model = hf_families.build(family)
     ref = tmp_path / "ref"
     model.save_pretrained(ref, max_shard_size="40KB")
     return model, str(ref)
 
 
-@pytest.mark.parametrize("family", sorted(hf_families.PER_EXPERT_ON_DISK))
+def _perturbed(family):
+    other = hf_families.build(family)
+    with torch.no_grad():  # every value differs from the checkpoint's before the load
+        for t in list(other.parameters()) + list(other.buffers()):
+            if t.is_floating_point():
+                t.add_(1.0)
+    return other
+
+
+@pytest.mark.parametrize("family", sorted(hf_families.PER_EXPERT_ON_DISK - set(hf_families.REFUSED)))
 def test_save_is_read_back_by_from_pretrained(family, tmp_path):
     import moeshard
 
@@ -74,32 +88,24 @@ def test_save_is_read_back_by_from_pretrained(family, tmp_path):
     if family in SPLIT_ON_DISK:
         assert any(k.endswith("q_conv1d.weight") for k in _keys(str(out)))
         assert not any(k.endswith(".conv1d.weight") for k in _keys(str(out)))
-    back, info = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    back, info = hf_families.auto_class(family).from_pretrained(out, dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     assert type(back) is type(model)
     assert _same(_state(model), _state(back)) == []
 
 
-@pytest.mark.parametrize("family", sorted(hf_families.PER_EXPERT_ON_DISK))
+@pytest.mark.parametrize("family", sorted(hf_families.PER_EXPERT_ON_DISK - set(hf_families.REFUSED)))
 def test_load_reads_save_pretrained(family, tmp_path):
     import moeshard
 
     model, ref = _reference(family, tmp_path)
-    other = hf_families.build(family)
-    with torch.no_grad():  # every value differs from the checkpoint's before the load
-        for t in list(other.parameters()) + list(other.buffers()):
-            if t.is_floating_point():
-                t.add_(1.0)
+    other = _perturbed(family)
     moeshard.load(other, ref)
     # state_dict: parameters and persistent buffers (rotary tables are no checkpoint's).
     assert _same(_state(model), _state(other)) == []
 
 
-# Fused on disk, through a converter moeshard cannot express as box reads (gate and up interleaved).
-FUSED_REFUSED = {"inkling2_text": "Interleave"}
-
-
-@pytest.mark.parametrize("family", sorted(hf_families.FUSED_ON_DISK))
+@pytest.mark.parametrize("family", sorted(hf_families.FUSED_ON_DISK - set(hf_families.REFUSED)))
 def test_fused_on_disk_families(family, tmp_path):
     """Experts fused on disk: load reads rows of the one tensor per projection; save writes the
     names and layout save_pretrained writes (with and without the checkpoint as reference), and
@@ -109,31 +115,48 @@ def test_fused_on_disk_families(family, tmp_path):
     model, ref = _reference(family, tmp_path)
     assert not any(re.search(r"\.experts\.\d+\.", k) for k in moeshard.CheckpointIndex.open(ref).tensors)
     out = tmp_path / "out"
-    other = hf_families.build(family)
-    with torch.no_grad():
-        for t in list(other.parameters()) + list(other.buffers()):
-            if t.is_floating_point():
-                t.add_(1.0)
-    if family in FUSED_REFUSED:
-        with pytest.raises(ValueError) as e:
-            moeshard.save(model, out)
-        msg = str(e.value)
-        assert "from_pretrained" in msg and "would not read these names back" in msg, msg
-        assert not out.exists() or not os.listdir(out), "nothing may be written"
-        for op in (moeshard.load, moeshard.verify):  # load, verify and save alike (docs/formats.md)
-            with pytest.raises(ValueError, match=f"cannot express as box reads.*{FUSED_REFUSED[family]}"):
-                op(other, ref)
-        return
+    other = _perturbed(family)
     moeshard.load(other, ref)
     assert _same(_state(model), _state(other)) == []
     for i, reference in enumerate((None, ref)):
         moeshard.save(model, out / str(i), max_shard_bytes=40_000, reference=reference)
         assert _keys(str(out / str(i))) == _keys(ref), "not the names transformers' own save_pretrained writes"
-        back, info = transformers.AutoModelForCausalLM.from_pretrained(
+        back, info = hf_families.auto_class(family).from_pretrained(
             out / str(i), dtype=torch.float32, output_loading_info=True
         )
         assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
         assert _same(_state(model), _state(back)) == []
+
+
+@pytest.mark.parametrize("family", sorted(hf_families.REFUSED))
+def test_refused_families(family, tmp_path):
+    """A family whose checkpoints transformers reads through a converter moeshard cannot express
+    as box reads: load and verify of what save_pretrained wrote raise, naming the converter and
+    why (hf_families.REFUSED), before any read. save either refuses before writing anything
+    (the names it would write are not read back) or writes the model's own tensors, which
+    from_pretrained and moeshard.load read back bit for bit."""
+    import moeshard
+
+    model, ref = _reference(family, tmp_path)
+    other = _perturbed(family)
+    for op in (moeshard.load, moeshard.verify):
+        with pytest.raises(ValueError, match="converter moeshard cannot express as box reads") as e:
+            op(other, ref)
+        assert hf_families.REFUSED[family] in str(e.value), str(e.value)
+    out = tmp_path / "out"
+    if family in hf_families.SAVE_REFUSED:
+        with pytest.raises(ValueError) as e:
+            moeshard.save(model, out)
+        msg = str(e.value)
+        assert "from_pretrained" in msg and "would not read these names back" in msg, msg
+        assert not out.exists() or not os.listdir(out), "nothing may be written"
+        return
+    moeshard.save(model, out, max_shard_bytes=40_000)
+    back, info = hf_families.auto_class(family).from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert _same(_state(model), _state(back)) == []
+    moeshard.load(other, out)
+    assert _same(_state(model), _state(other)) == []
 
 
 def test_names_come_from_transformers_mapping():

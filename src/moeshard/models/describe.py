@@ -95,6 +95,9 @@ class ParamDesc:
             converters: :meth:`~moeshard.models.hf_names.HFNames.checkpoint_parts`), in order;
             what a save writes. Empty: the tensor is stored whole.
         part_dim: the dim ``parts`` are concatenated along.
+        refused: for a dense tensor the checkpoint stores under none of ``keys``, the reason when
+            one of transformers' converters moeshard cannot express writes it (a ``Split`` of
+            one checkpoint tensor into several model tensors): what a read of it raises.
     """
 
     name: str
@@ -106,6 +109,7 @@ class ParamDesc:
     expert: ExpertRef | None = None
     parts: tuple[str, ...] = ()
     part_dim: int = 0
+    refused: str = ""
 
 
 # -- model -> ParamDesc -------------------------------------------------------------------
@@ -429,8 +433,18 @@ def describe_model(
             if renamed and index is None:  # the family's names first: they are what it writes
                 keys = [k for n in aliases_of for k in reversed(checkpoint_names(base(n)))]
         parts, part_dim = split if split is not None else ((), 0)
+        refused = ""
+        if index is not None and expert is None and not parts and not any(k in index for k in keys):
+            why = _refused(hf, base(name))
+            if why is not None:  # what a read of it says, rather than "no tensor ..."
+                refused = (
+                    f"transformers reads {hf.family} checkpoints into it with a converter moeshard cannot "
+                    f"express as box reads ({why})"
+                )
         descs.append(
-            ParamDesc(name, shape, t.dtype, mesh, placements, tuple(dict.fromkeys(keys)), expert, parts, part_dim)
+            ParamDesc(
+                name, shape, t.dtype, mesh, placements, tuple(dict.fromkeys(keys)), expert, parts, part_dim, refused
+            )
         )
     return descs
 

@@ -303,6 +303,16 @@ def _expert_spec(conv) -> tuple[ExpertsSpec | None, str]:
                 f"half of an expert's slice is every other row of the checkpoint tensor: no box of it, and "
                 f"moeshard reads and writes boxes only"
             )
+        split = next((op for op in conv.operations if type(op).__name__ == "Split"), None)
+        if split is not None and len(conv._original_source_patterns) == 1:
+            source = _plain(conv._original_source_patterns[0]) or conv._original_source_patterns[0]
+            targets = [_plain(p) or p for p in conv._original_target_patterns]
+            return None, (
+                f"operations {ops}: Split(dim={split.dim}) cuts checkpoint tensor {source} into the model's "
+                f"{', '.join(targets)} (consecutive runs of dim {split.dim}); moeshard reads and writes each "
+                f"model tensor as a checkpoint tensor of its own (or the parts a Concatenate joins), and does "
+                f"not cut one checkpoint tensor into several"
+            )
         return None, f"operations {ops}"
     targets = conv._original_target_patterns
     if len(targets) != 1 or _plain(targets[0]) is None or "*" in targets[0]:

@@ -333,6 +333,8 @@ def find_key(d: ParamDesc, index: CheckpointIndex) -> str:
     for key in d.keys:
         if key in index:
             return key
+    if d.refused:
+        raise ValueError(f"parameter {d.name}: {d.refused}")
     also = f" (nor under its other names {list(d.keys[1:])})" if len(d.keys) > 1 else ""
     if d.parts:
         missing = [k for k in d.parts if k not in index]
