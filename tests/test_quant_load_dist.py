@@ -78,13 +78,14 @@ def write_mxfp4(directory: str, hidden: int = 64, drop: str | None = None) -> di
     return ref
 
 
-def _placement(seed: int, n: int, layers: int):
-    """``n`` experts and 2 redundant copies per layer, shuffled, on 2 EP ranks."""
+def _placement(seed: int, n: int, layers: int, ranks: int = 2):
+    """``n`` experts and redundant copies (slots a multiple of ``ranks``), shuffled per layer."""
     import moeshard
 
     rng = np.random.default_rng(seed)
-    rows = [rng.permutation(np.concatenate([np.arange(n), rng.integers(0, n, 2)])) for _ in range(layers)]
-    return moeshard.Placement(np.stack(rows), num_logical=n, num_ranks=2)
+    extra = ranks + (-(n + ranks)) % ranks
+    rows = [rng.permutation(np.concatenate([np.arange(n), rng.integers(0, n, extra)])) for _ in range(layers)]
+    return moeshard.Placement(np.stack(rows), num_logical=n, num_ranks=ranks)
 
 
 def _state(model, pl) -> dict[str, torch.Tensor]:
@@ -106,70 +107,170 @@ def _state(model, pl) -> dict[str, torch.Tensor]:
     return out
 
 
-def quant_worker(ckpt: str, missing: str) -> dict:
+def _build(config, placement, efsdp: int):
+    """``config``'s model on the meta device in bf16, parallelized with ``placement`` on the 4
+    ranks: EP 2 x expert-FSDP 2, or EP 4 (``efsdp=1``: gpt-oss, whose expert biases its spec does
+    not shard, so that parallelize refuses expert FSDP)."""
     import moeshard
 
-    def build(hidden: int = 64):
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(gptoss_config(hidden), dtype=torch.bfloat16)
-        pl = _placement(5, 4, 2)
-        # gpt-oss's expert biases are no expert parameters of its spec: parallelize refuses efsdp > 1
-        moeshard.parallelize(model, moeshard.make_mesh("cpu", ep=2), pl)
-        return model, pl
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    mesh = moeshard.make_mesh("cpu", ep=4 // efsdp, efsdp=efsdp)
+    moeshard.parallelize(model, mesh, placement)
+    return model
 
-    out: dict = {"loads": []}
-    for storage, staging in (("shared", 256 << 20), ("single", 8192)):
-        model, pl = build()
-        rep = moeshard.load(model, ckpt, placement=pl, storage=storage, staging_bytes=staging)
-        assert moeshard.verify(model, ckpt, placement=pl).num_boxes_checked > 0
-        out["loads"].append((storage, rep.bytes_read_rank, rep.plan["read_bytes_total"], _state(model, pl)))
-    # verify decodes too: one wrong value in the model is found
-    p = model.model.layers[1].mlp.experts.down_proj
-    local = p.to_local()
-    with torch.no_grad():
-        local.view(-1)[0] += 1
-    with pytest.raises(moeshard.DistributedError) as wrong_value:
-        moeshard.verify(model, ckpt, placement=pl)
-    out["wrong_value"] = str(wrong_value.value)
-    with torch.no_grad():
-        local.view(-1)[0] -= 1
-    new = _placement(6, 4, 2)
-    moved = moeshard.relocate(model, pl, new, checkpoint=ckpt, from_checkpoint=True)
-    assert moeshard.verify(model, ckpt, placement=new).num_boxes_checked > 0
-    out["relocated"] = (moved.bytes_read_rank, _state(model, new))
-    for name, path in (("missing", missing),):
-        model, pl = build()
-        with pytest.raises(moeshard.DistributedError) as refused:
-            moeshard.load(model, path, placement=pl)
-        out[name] = str(refused.value)
+
+PACKED = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
+
+
+def _kept_packed(path: str) -> dict:
+    """gpt-oss with its experts kept packed (parameters named by the checkpoint's keys, uint8),
+    on EP 4 with redundant experts: loaded as stored; each rank's slots as bytes, by logical
+    expert."""
+    from torch import nn
+
+    import moeshard
+    from moeshard.models.adapters import DEFAULT_SPECS, ExpertParam, ExpertsSpec
+
+    class PackedExperts(nn.Module):
+        def __init__(self, cfg):
+            super().__init__()
+            e, h, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+            shapes = {
+                "gate_up_proj_blocks": (e, 2 * i, h // 32, 16),
+                "gate_up_proj_scales": (e, 2 * i, h // 32),
+                "down_proj_blocks": (e, h, i // 32, 16),
+                "down_proj_scales": (e, h, i // 32),
+            }
+            for name, shape in shapes.items():
+                self.register_parameter(name, nn.Parameter(torch.empty(shape, dtype=torch.uint8), requires_grad=False))
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i))
+            self.down_proj_bias = nn.Parameter(torch.empty(e, h))
+
+    spec = ExpertsSpec(
+        module=r"(^|\.)experts$",
+        params=tuple(ExpertParam(n, (n,)) for n in (*PACKED, "gate_up_proj_bias", "down_proj_bias")),
+        classes=frozenset({"PackedExperts"}),
+    )
+    config = gptoss_config()
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        for layer in model.model.layers:
+            layer.mlp.experts = PackedExperts(config)
+    pl = _placement(7, 4, 2, 4)
+    specs = (spec, *DEFAULT_SPECS)
+    moeshard.parallelize(model, moeshard.make_mesh("cpu", ep=4), pl, specs=specs, ep_forward=False)
+    rep = moeshard.load(model, path, placement=pl, specs=specs)
+    assert moeshard.verify(model, path, placement=pl, specs=specs).num_boxes_checked > 0
+    slots = {}
+    for layer, block in enumerate(model.model.layers):
+        for name in PACKED:
+            local = getattr(block.mlp.experts, name).to_local()
+            first = local.shape[0] * int(torch.distributed.get_rank())
+            for j in range(local.shape[0]):
+                slots[(layer, name, first + j)] = (int(pl.phy2log[layer, first + j]), local[j].clone())
+    return {"slots": slots, "dequantized": rep.dequantized_keys, "unused": rep.unused_keys}
+
+
+def formats_worker(cases: list, missing: str) -> dict:
+    """Per format: the quantized checkpoint loaded dequantized (shared, and single storage with
+    a small staging budget: packed pieces sent between ranks), verified, a wrong value found,
+    relocated from the checkpoint; the reference float checkpoint loaded the same way."""
+    import moeshard
+
+    out: dict = {}
+    for fmt, path, ref_path, config, num_experts, efsdp in cases:
+        moe_layers = config.num_hidden_layers - getattr(config, "first_k_dense_replace", 0)
+        ranks = 4 // efsdp
+        pl, new = _placement(5, num_experts, moe_layers, ranks), _placement(6, num_experts, moe_layers, ranks)
+        res: dict = {"loads": []}
+        for storage, staging in (("shared", 256 << 20), ("single", 16384)):
+            model = _build(config, pl, efsdp)
+            rep = moeshard.load(model, path, placement=pl, storage=storage, staging_bytes=staging)
+            assert moeshard.verify(model, path, placement=pl).num_boxes_checked > 0
+            res["loads"].append((storage, rep.bytes_read_rank, rep.plan["read_bytes_total"], _state(model, pl)))
+        experts = next(m for n, m in model.named_modules() if n.endswith("layers.1.mlp.experts"))
+        local = experts.down_proj.to_local()
+        kept = local.view(-1)[0].clone()
+        with torch.no_grad():
+            local.view(-1)[0] += 1
+        with pytest.raises(moeshard.DistributedError) as wrong_value:
+            moeshard.verify(model, path, placement=pl)
+        res["wrong_value"] = str(wrong_value.value)
+        with torch.no_grad():
+            local.view(-1)[0] = kept
+        moved = moeshard.relocate(model, pl, new, checkpoint=path, from_checkpoint=True)
+        assert moeshard.verify(model, path, placement=new).num_boxes_checked > 0
+        res["relocated"] = (moved.bytes_read_rank, _state(model, new))
+        if ref_path is not None:
+            reference = _build(config, pl, efsdp)
+            moeshard.load(reference, ref_path, placement=pl)
+            res["reference"] = _state(reference, pl)
+        out[fmt] = res
+    out["kept"] = _kept_packed(cases[0][1])
+    fmt, path, ref_path, config, num_experts, efsdp = cases[0]
+    pl = _placement(5, num_experts, 2, 4 // efsdp)
+    model = _build(config, pl, efsdp)
+    with pytest.raises(moeshard.DistributedError) as refused:
+        moeshard.load(model, missing, placement=pl)
+    out["missing"] = str(refused.value)
     return out
 
 
 @pytest.mark.dist
-def test_mxfp4_loads_dequantized_verifies_relocates_and_refuses(tmp_path):
-    ckpt, missing = (str(tmp_path / n) for n in ("mxfp4", "missing"))
-    ref = write_mxfp4(ckpt)
+def test_packed_formats_load_dequantized_verify_relocate_and_refuse(tmp_path):
+    """gpt-oss MXFP4 (EP 4), DeepSeek-V3 INT4, Qwen3-MoE NVFP4 (compressed-tensors and
+    ModelOpt) and FP8 per channel (EP 2 x expert-FSDP 2), redundant experts: every value equal
+    to the independent dequantizer's (through a float load of its reference checkpoint, and for
+    gpt-oss also to this file's own numpy decode), bytes read as the plan counts them."""
+    from quant_fixtures import WRITERS, write_reference
+
+    own = str(tmp_path / "own-mxfp4")
+    own_ref = write_mxfp4(own)
+    missing = str(tmp_path / "missing")
     write_mxfp4(missing, drop="model.layers.1.mlp.experts.down_proj_scales")
-    results = run_ranks(quant_worker, ckpt, missing, world=2, local_world=1, timeout=400)
-    want = {k: v.to(torch.bfloat16) for k, v in ref.items()}
-    total, planned_total = {}, {}
+    cases = []
+    for fmt in ("mxfp4", "int4", "nvfp4", "modelopt-nvfp4", "fp8"):
+        fx = WRITERS[fmt](str(tmp_path / fmt))
+        ref_path = write_reference(fx, str(tmp_path / f"{fmt}-reference"))
+        n = getattr(fx.config, "num_local_experts", None) or getattr(fx.config, "n_routed_experts", None)
+        n = n or fx.config.num_experts
+        cases.append((fmt, fx.path, ref_path, fx.config, n, 1 if fmt == "mxfp4" else 2))
+    cases.insert(0, ("own-mxfp4", own, None, gptoss_config(), 4, 1))
+    results = run_ranks(formats_worker, cases, missing, world=4, local_world=2, timeout=600)
+    own_want = {k: v.to(torch.bfloat16) for k, v in own_ref.items()}
+    from safetensors import safe_open
+
+    stored = {}
+    for name in os.listdir(own):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(own, name), "pt") as f:
+                stored.update({k: f.get_tensor(k) for k in f.keys()})
     for rank, res in enumerate(results):
-        for storage, read, planned, state in res["loads"]:
-            total[storage] = total.get(storage, 0) + read
-            planned_total[storage] = planned
-            if storage == "single":
-                assert (read > 0) == (rank == 0)
-            assert set(state) == set(want)
-            for name, got in state.items():
-                assert torch.equal(got, want[name]), f"rank {rank} {storage} {name}"
-        for name, got in res["relocated"][1].items():
-            assert torch.equal(got, want[name]), f"rank {rank} relocated {name}"
-        assert "down_proj" in res["wrong_value"], res["wrong_value"]
         assert "down_proj_scales" in res["missing"], res["missing"]
-    # What the ranks read is what the plan counts (packed values and scales, not floats).
-    assert planned_total == total, (planned_total, total)
-    floats = sum(v.numel() * 4 for v in ref.values())
-    assert total["single"] < floats / 2, (total, floats)
+        kept = res["kept"]
+        assert kept["unused"] == () and len(kept["slots"]) == 2 * 4 * 2  # 2 layers x 4 tensors x 2 slots
+        for (layer, name, _), (expert, got) in kept["slots"].items():  # the stored bytes, unchanged
+            assert torch.equal(got, stored[f"model.layers.{layer}.mlp.experts.{name}"][expert]), (rank, name)
+        for fmt, *_ in cases:
+            r = res[fmt]
+            want = own_want if fmt == "own-mxfp4" else r["reference"]
+            assert set(want) == set(r["loads"][0][3])
+            for storage, read, _, state in r["loads"]:
+                if storage == "single":
+                    assert (read > 0) == (rank == 0), (fmt, rank, read)
+                for name, got in state.items():
+                    assert torch.equal(got, want[name]), f"{fmt} rank {rank} {storage} {name}"
+            for name, got in r["relocated"][1].items():
+                assert torch.equal(got, want[name]), f"{fmt} rank {rank} relocated {name}"
+            assert "down_proj" in r["wrong_value"], (fmt, r["wrong_value"])
+    for fmt, *_ in cases:
+        for i, storage in enumerate(("shared", "single")):
+            read = sum(res[fmt]["loads"][i][1] for res in results)
+            planned = results[0][fmt]["loads"][i][2]
+            # What the ranks read is what the plan counts: packed values and scales, not floats.
+            assert read == planned, (fmt, storage, read, planned)
+        assert sum(res[fmt]["relocated"][0] for res in results) > 0  # changed slots re-read, decoded
 
 
 def test_a_box_that_splits_a_group_is_refused_naming_it(tmp_path):

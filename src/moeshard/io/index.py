@@ -20,7 +20,6 @@ import numpy as np
 from ..dtypes import ITEMSIZE
 from .errors import CheckpointError
 from .header import TensorInfo, read_header
-from .packed import logical_info
 from .strict_json import load_json
 
 __all__ = ["INDEX_NAME", "CheckpointIndex", "read_index"]
@@ -98,7 +97,7 @@ class CheckpointIndex:
         if self.packed:
             pw = self.packed.get(key)
             if pw is not None:
-                return logical_info(pw, self.tensors)
+                return _logical_info(pw, self.tensors)
         try:
             return self.tensors[key]
         except KeyError:
@@ -135,7 +134,7 @@ class CheckpointIndex:
     def _columns(self) -> tuple[dict[str, int], np.ndarray, np.ndarray]:
         # Built on every rank for every load (the index is fresh each time): map() over the
         # infos, not a Python loop per tensor.
-        infos = list(self.tensors.values()) + [logical_info(pw, self.tensors) for pw in self.packed.values()]
+        infos = list(self.tensors.values()) + [_logical_info(pw, self.tensors) for pw in self.packed.values()]
         n = len(infos)
         dtypes = list(map(operator.attrgetter("dtype"), infos))
         file_names = list(map(operator.attrgetter("file"), infos))
@@ -151,7 +150,7 @@ class CheckpointIndex:
     @functools.cached_property
     def _kinds(self) -> np.ndarray:
         # A tensor's kind: the position of the first tensor of its dtype and shape.
-        infos = list(self.tensors.values()) + [logical_info(pw, self.tensors) for pw in self.packed.values()]
+        infos = list(self.tensors.values()) + [_logical_info(pw, self.tensors) for pw in self.packed.values()]
         kinds: dict[tuple, int] = {}
         pairs = zip(map(operator.attrgetter("dtype"), infos), map(operator.attrgetter("shape"), infos))
         return np.fromiter(map(kinds.setdefault, pairs, itertools.count()), dtype=np.int64, count=len(infos))
@@ -179,6 +178,13 @@ def _index_from_columns(root: str, columns: tuple, file_sizes: dict[str, int], p
     keys, files, file_of, offsets, dtypes, shapes = columns
     tensors = {k: TensorInfo(files[f], o, d, s) for k, f, o, d, s in zip(keys, file_of, offsets, dtypes, shapes)}
     return CheckpointIndex(root, tensors, file_sizes, packed or {})
+
+
+def _logical_info(pw, tensors: dict[str, TensorInfo]) -> TensorInfo:
+    """The :class:`TensorInfo` a float model sees for packed weight ``pw``: its values' file and
+    offset (file order), float32 (what it decodes to) and its logical shape."""
+    v = tensors[pw.values]
+    return TensorInfo(v.file, v.offset, "F32", tuple(pw.shape))
 
 
 def _recognized(root: Path, tensors: dict[str, TensorInfo]) -> dict:

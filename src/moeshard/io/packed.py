@@ -40,7 +40,6 @@ __all__ = [
     "scale_box",
     "blob_parts",
     "blob_nbytes",
-    "logical_info",
     "read_blob",
     "decode_blob",
 ]
@@ -116,13 +115,6 @@ def blob_parts(pw: PackedWeight, box: Box, tensors: Mapping[str, TensorInfo]) ->
 def blob_nbytes(pw: PackedWeight, box: Box, tensors: Mapping[str, TensorInfo]) -> int:
     """Bytes read for logical ``box``: its packed values, its scales and the global scale."""
     return sum(blob_parts(pw, box, tensors))
-
-
-def logical_info(pw: PackedWeight, tensors: Mapping[str, TensorInfo]) -> TensorInfo:
-    """The :class:`TensorInfo` a float model sees for ``pw``: its values' file and offset (file
-    order), float32 (what it decodes to) and its logical shape."""
-    v = tensors[pw.values]
-    return TensorInfo(v.file, v.offset, "F32", tuple(pw.shape))
 
 
 def read_blob(reader, pw: PackedWeight, box: Box) -> torch.Tensor:

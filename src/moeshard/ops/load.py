@@ -69,7 +69,8 @@ class LoadReport(OpReport):
 
     ``unused_keys`` are the checkpoint keys no parameter or buffer reads (sorted; the same on
     every rank), see :func:`checked_unused_keys`. ``dequantized_keys``: how many FP8 weights
-    (job-wide) were dequantized with their block scales (whose bytes the byte counts include).
+    (job-wide) were dequantized with their block scales (whose bytes the byte counts include),
+    and packed quantized weights (MXFP4, NVFP4, INT4, FP8 per channel / tensor) with theirs.
     """
 
     storage: str
@@ -216,7 +217,9 @@ def plan_load(
     ranks share)."""
     descs = describe_model(model, index, specs)
     keep = None
-    if rank is not None and not all_needs:
+    # Packed weights: every rank's rows, whose reads are counted as packed values and scales
+    # (plan.load.packed_bytes_delta), not as left-out rows' logical elements.
+    if rank is not None and not all_needs and not index.packed:
         keep = ~np.asarray(readers, dtype=bool)
         keep[rank] = True
     needs = need_table(descs, index, placement, topology.world_size, dequantize, keep_ranks=keep)
@@ -420,7 +423,8 @@ def _report(
         fingerprint=planned.schedule.fingerprint,
         peak_rss_source=peak.source,
         unused_keys=planned.unused_keys,
-        dequantized_keys=len(planned.scales.weights) if planned.scales is not None else 0,
+        dequantized_keys=(len(planned.scales.weights) if planned.scales is not None else 0)
+        + sum(k in index.packed for k in planned.needs.keys),
         phase_seconds=meter.phases.seconds,
         phase_cpu_seconds=meter.phases.cpu_seconds,
     )
@@ -521,8 +525,7 @@ def _plan(
         specs,
         dequantize,
         rank,
-        # Packed weights: every rank's rows, whose reads are counted as packed bytes and scales.
-        all_needs=fp8 or report_minimal or bool(index.packed),
+        all_needs=fp8 or report_minimal,
     )
     scales = scale_needs(needs, index, float_params(descs)) if fp8 else None
     scale_plan = (
