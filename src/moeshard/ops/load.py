@@ -69,7 +69,8 @@ class LoadReport(OpReport):
 
     ``unused_keys`` are the checkpoint keys no parameter or buffer reads (sorted; the same on
     every rank), see :func:`checked_unused_keys`. ``dequantized_keys``: how many FP8 weights
-    (job-wide) were dequantized with their block scales (whose bytes the byte counts include).
+    (job-wide) were dequantized with their block scales (whose bytes the byte counts include),
+    and packed quantized weights (MXFP4, NVFP4, INT4, FP8 per channel / tensor) with theirs.
     """
 
     storage: str
@@ -216,7 +217,9 @@ def plan_load(
     ranks share)."""
     descs = describe_model(model, index, specs)
     keep = None
-    if rank is not None and not all_needs:
+    # Packed weights: every rank's rows, whose reads are counted as packed values and scales
+    # (plan.load.packed_bytes_delta), not as left-out rows' logical elements.
+    if rank is not None and not all_needs and not index.packed:
         keep = ~np.asarray(readers, dtype=bool)
         keep[rank] = True
     needs = need_table(descs, index, placement, topology.world_size, dequantize, keep_ranks=keep)
@@ -349,6 +352,8 @@ def load(
     meter.end("materialize")
     placement, topo, read_threads, path = opened.placement, opened.topology, opened.read_threads, opened.path
     mode, readers, scope, index = resolve_sources(path, storage, topo, opened.sees_checkpoint, everyone=everyone)
+    if not dequantize:  # packed weights under their stored keys only (a model keeping them packed)
+        index = index.without_packed()
     meter.end("headers")
     opening: list[CheckpointReader] = []  # this rank's reader, opened in the planning step
     try:
@@ -418,7 +423,8 @@ def _report(
         fingerprint=planned.schedule.fingerprint,
         peak_rss_source=peak.source,
         unused_keys=planned.unused_keys,
-        dequantized_keys=len(planned.scales.weights) if planned.scales is not None else 0,
+        dequantized_keys=(len(planned.scales.weights) if planned.scales is not None else 0)
+        + sum(k in index.packed for k in planned.needs.keys),
         phase_seconds=meter.phases.seconds,
         phase_cpu_seconds=meter.phases.cpu_seconds,
     )
@@ -582,7 +588,11 @@ def _run(
             meter.end("scales")
         bar = progress_bar("load", plan.delivered_bytes(rank), progress, topo)
         what = "moeshard.load: executing the plan"
-        sink = DequantSink(plan, dests, rank, fp8) if fp8 else TensorSink(plan, dests, rank, receive_in_place=True)
+        sink = (
+            DequantSink(plan, dests, rank, fp8, index=index)
+            if fp8
+            else TensorSink(plan, dests, rank, receive_in_place=True, index=index)
+        )
         with ReaderSource(plan, reader, index, read_threads=read_threads) as source:
             stats = collectives.agree(
                 lambda: execute_schedule(

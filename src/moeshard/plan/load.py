@@ -547,7 +547,15 @@ def _plan_rank(
     world = topology.world_size
     local = np.zeros(len(table), bool) if table.alone is None else table.alone & readers[table.rank]
     keys = index.key_columns(table.keys)
-    local_bytes = table.bytes_per_rank(np.flatnonzero(local), keys[0], world)
+    if index.packed and any(k in index.packed for k in table.keys):
+        # A packed weight's local reads are counted as their pieces read them (packed values,
+        # scales and a global scale per piece), which a row's elements do not tell.
+        every = cut_pieces(table.take(local), index, staging_bytes, keys)
+        piece, reader = every.pairs()  # a rank reads a piece once, however many slots it fills
+        local_bytes = np.bincount(reader, weights=every.piece_bytes[piece], minlength=world)
+        local_bytes = local_bytes.astype(np.int64)
+    else:
+        local_bytes = table.bytes_per_rank(np.flatnonzero(local), keys[0], world)
     if table.omitted_bytes is not None:  # other ranks' alone rows, left out of a table built for this rank
         local_bytes += table.omitted_bytes
     if local.all():  # every need a local read (FSDP-sharded parameters, shared storage): no transfers
