@@ -48,6 +48,7 @@ from .box import box_shape, box_slices
 from .io.extents import ExtentReads, contiguous_boxes
 from .io.fp8 import dequantize, scale_box
 from .io.index import CheckpointIndex
+from .io.packed import decode_blob, read_blob
 from .io.reader import CheckpointReader
 from .io.readpool import ReadPool
 from .plan.schedule import Schedule
@@ -221,6 +222,13 @@ class Source:
         """dtype of a buffer that receives piece ``pid``."""
         raise NotImplementedError
 
+    def buffer_shape(self, pid: int) -> tuple[int, ...] | None:
+        """The shape of a buffer of piece ``pid`` where it is not the piece's box: a packed
+        weight's piece travels as its blob (``uint8[bytes]``: packed values and scales,
+        :mod:`moeshard.io.packed`), decoded by the sink where it lands, never read straight
+        into place. None (the default): the box's shape."""
+        return None
+
 
 class Sink:
     """Where one rank's pieces go."""
@@ -300,9 +308,13 @@ class TensorSink(Sink):
         tensors: Sequence[torch.Tensor | None],
         rank: int,
         receive_in_place: bool = False,
+        index: CheckpointIndex | None = None,
     ):
         self.s, self.local = schedule, LocalTensors(schedule, tensors, rank)
         self.receive_in_place = receive_in_place
+        # Packed weights' pieces arrive as blobs (ReaderSource.buffer_shape), decoded in put().
+        self.packed = index.packed if index is not None else {}
+        self.infos = index.tensors if index is not None else {}
 
     def receive_target(self, row: int) -> torch.Tensor | None:
         if not self.receive_in_place:
@@ -322,7 +334,20 @@ class TensorSink(Sink):
     def put(self, items: list[tuple[int, torch.Tensor]]) -> None:
         for row, data in items:
             out = self.target(row)
-            out.copy_(data.view(out.shape))
+            if not self.put_packed(row, data, out):
+                out.copy_(data.view(out.shape))
+
+    def put_packed(self, row: int, data: torch.Tensor, out: torch.Tensor) -> bool:
+        """Deliver ``data``, the blob of a packed weight's piece, decoded (float32, then cast
+        once into ``out``); False, doing nothing, for a piece of another tensor."""
+        if not self.packed:
+            return False
+        pid = int(self.s.deliveries.piece[row])
+        pw = self.packed.get(self.s.piece_name(pid))
+        if pw is None:
+            return False
+        out.copy_(decode_blob(pw, self.s.piece_box(pid), data, self.infos).view(out.shape))
+        return True
 
     def flat_targets(self, rows: np.ndarray) -> FlatTargets:
         s, tensors = self.s, self.local.tensors
@@ -414,8 +439,9 @@ class DequantSink(TensorSink):
         tensors: Sequence[torch.Tensor | None],
         rank: int,
         scales: dict[str, tuple[torch.Tensor, tuple[int, ...]]],
+        index: CheckpointIndex | None = None,
     ):
-        super().__init__(schedule, tensors, rank)
+        super().__init__(schedule, tensors, rank, index=index)
         self.scales = scales
 
     def _scale(self, row: int, out: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]] | None:
@@ -447,6 +473,8 @@ class DequantSink(TensorSink):
         for row, data in items:
             pid = int(self.s.deliveries.piece[row])
             out = super().target(row)
+            if self.put_packed(row, data, out):
+                continue
             entry = self._scale(row, out)
             if entry is None:
                 out.copy_(data.view(out.shape))
@@ -487,7 +515,15 @@ class ReaderSource(Source):
 
     def read(self, pid: int) -> torch.Tensor:
         assert self.reader is not None
+        pw = self.index.packed.get(self.s.piece_name(pid)) if self.index.packed else None
+        if pw is not None:
+            return read_blob(self.reader, pw, self.s.piece_box(pid))
         return self.reader.read(self.s.piece_name(pid), self.s.piece_box(pid))
+
+    def buffer_shape(self, pid: int) -> tuple[int, ...] | None:
+        if self.index.packed and self.s.piece_name(pid) in self.index.packed:
+            return (int(self.s.pieces.bytes[pid]),)
+        return None
 
     def read_into(self, pid: int, out: torch.Tensor) -> None:
         assert self.reader is not None
@@ -546,7 +582,7 @@ class ReaderSource(Source):
         return 0 if self.reader is None else self.reader.gap_bytes_read - self._gap0
 
     def start_read(self, pid: int, device: torch.device) -> Callable[[], torch.Tensor] | None:
-        if self.pool is None:
+        if self.pool is None or self.buffer_shape(pid) is not None:
             # No threads: read now, on the caller's thread, which the runner calls while the
             # round's batch is in flight (the piece is ready to send when its round begins).
             try:
@@ -593,6 +629,8 @@ class ReaderSource(Source):
         return self.local.view(v, pid)
 
     def dtype(self, pid: int) -> torch.dtype:
+        if self.buffer_shape(pid) is not None:
+            return torch.uint8
         return self.index.info(self.s.piece_name(pid)).torch_dtype
 
 
@@ -701,6 +739,9 @@ class Runner:
 
     def shape(self, pid: int) -> tuple[int, ...]:
         s = self.s
+        blob = self.source.buffer_shape(pid)
+        if blob is not None:
+            return blob
         return tuple(s.pieces.len[pid, : int(s.key_ndim[s.pieces.key[pid]])].tolist())
 
     def nbytes(self, pid: int) -> int:
@@ -785,6 +826,9 @@ class Runner:
         units.extend(("unit", u) for u in got)
         direct: list[tuple[int, torch.Tensor]] = []
         for pid, row in rest:
+            if self.source.buffer_shape(pid) is not None:  # a blob: decoded by the sink's put
+                staged.append(("staged", pid))
+                continue
             try:
                 out = self.sink.target(row)
             except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
@@ -908,7 +952,12 @@ class Runner:
         delivery of the round (the sink's :meth:`Sink.receive_target`, of the piece's shape and
         dtype, and no later use of the buffer); that delivery is then done. None: staged."""
         rows = self.dlv_at.get(t, {}).get(pid)
-        if rows is None or len(rows) != 1 or self.last_use.get(pid, t) != t:
+        if (
+            rows is None
+            or len(rows) != 1
+            or self.last_use.get(pid, t) != t
+            or self.source.buffer_shape(pid) is not None
+        ):
             return None
         try:
             out = self.sink.receive_target(rows[0])

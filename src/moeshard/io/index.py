@@ -12,7 +12,7 @@ import itertools
 import operator
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +20,7 @@ import numpy as np
 from ..dtypes import ITEMSIZE
 from .errors import CheckpointError
 from .header import TensorInfo, read_header
+from .packed import logical_info
 from .strict_json import load_json
 
 __all__ = ["INDEX_NAME", "CheckpointIndex", "read_index"]
@@ -38,6 +39,12 @@ class CheckpointIndex:
     root: str
     tensors: dict[str, TensorInfo]
     file_sizes: dict[str, int]
+    # Packed quantized weights (MXFP4, NVFP4, INT4, FP8 per channel / tensor) by logical key
+    # (:func:`moeshard.io.quant.recognize`): :meth:`info`, ``in`` and the key columns present
+    # each as its logical tensor (float32, logical shape; where a logical key is also a stored
+    # key, as ModelOpt's ``weight``, the logical one), read decoded (:mod:`moeshard.io.packed`).
+    # ``without_packed()``: the stored tensors only (a model that keeps them packed).
+    packed: dict = field(default_factory=dict)
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> CheckpointIndex:
@@ -73,16 +80,25 @@ class CheckpointIndex:
                 if info is None:
                     raise CheckpointError(f"{INDEX_NAME} places {key!r} in {name}, but {name} has no such tensor")
                 tensors[key] = info
-        return cls(str(root), tensors, sizes)
+        return cls(str(root), tensors, sizes, _recognized(root, tensors))
+
+    def without_packed(self) -> CheckpointIndex:
+        """This index with its stored tensors only: packed weights under their stored keys (a
+        model whose parameters are the packed tensors)."""
+        return replace(self, packed={}) if self.packed else self
 
     @property
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 
     def __contains__(self, key: str) -> bool:
-        return key in self.tensors
+        return key in self.tensors or key in self.packed
 
     def info(self, key: str) -> TensorInfo:
+        if self.packed:
+            pw = self.packed.get(key)
+            if pw is not None:
+                return logical_info(pw, self.tensors)
         try:
             return self.tensors[key]
         except KeyError:
@@ -119,7 +135,7 @@ class CheckpointIndex:
     def _columns(self) -> tuple[dict[str, int], np.ndarray, np.ndarray]:
         # Built on every rank for every load (the index is fresh each time): map() over the
         # infos, not a Python loop per tensor.
-        infos = list(self.tensors.values())
+        infos = list(self.tensors.values()) + [logical_info(pw, self.tensors) for pw in self.packed.values()]
         n = len(infos)
         dtypes = list(map(operator.attrgetter("dtype"), infos))
         file_names = list(map(operator.attrgetter("file"), infos))
@@ -129,15 +145,16 @@ class CheckpointIndex:
         order = np.empty(n, dtype=np.int64)
         order[np.lexsort((offset, file_no))] = np.arange(n)
         itemsize = np.fromiter(map(ITEMSIZE.__getitem__, dtypes), dtype=np.int64, count=n)
-        return dict(zip(self.tensors, range(n))), itemsize, order
+        # A logical key that is also a stored key (ModelOpt's ``weight``) is the logical one.
+        return dict(zip([*self.tensors, *self.packed], range(n))), itemsize, order
 
     @functools.cached_property
     def _kinds(self) -> np.ndarray:
         # A tensor's kind: the position of the first tensor of its dtype and shape.
-        infos = self.tensors.values()
+        infos = list(self.tensors.values()) + [logical_info(pw, self.tensors) for pw in self.packed.values()]
         kinds: dict[tuple, int] = {}
         pairs = zip(map(operator.attrgetter("dtype"), infos), map(operator.attrgetter("shape"), infos))
-        return np.fromiter(map(kinds.setdefault, pairs, itertools.count()), dtype=np.int64, count=len(self.tensors))
+        return np.fromiter(map(kinds.setdefault, pairs, itertools.count()), dtype=np.int64, count=len(infos))
 
     def __reduce__(self):
         # One rank reads the headers and sends them to every rank (moeshard.load): pickled as
@@ -154,14 +171,29 @@ class CheckpointIndex:
             [t.dtype for t in infos],
             [t.shape for t in infos],
         )
-        return _index_from_columns, (self.root, columns, self.file_sizes)
+        return _index_from_columns, (self.root, columns, self.file_sizes, self.packed)
 
 
-def _index_from_columns(root: str, columns: tuple, file_sizes: dict[str, int]) -> CheckpointIndex:
+def _index_from_columns(root: str, columns: tuple, file_sizes: dict[str, int], packed=None) -> CheckpointIndex:
     """The :class:`CheckpointIndex` that :meth:`CheckpointIndex.__reduce__` pickled."""
     keys, files, file_of, offsets, dtypes, shapes = columns
     tensors = {k: TensorInfo(files[f], o, d, s) for k, f, o, d, s in zip(keys, file_of, offsets, dtypes, shapes)}
-    return CheckpointIndex(root, tensors, file_sizes)
+    return CheckpointIndex(root, tensors, file_sizes, packed or {})
+
+
+def _recognized(root: Path, tensors: dict[str, TensorInfo]) -> dict:
+    """The packed weights of a checkpoint (:func:`moeshard.io.quant.recognize` of its JSON
+    configs and headers); CheckpointError naming the key and the reason for one it refuses."""
+    try:
+        from .quant import read_quant_configs, recognize
+    except ImportError:  # until the formats' recognizer lands: no packed weights
+        return {}
+    try:
+        return recognize(*read_quant_configs(root), tensors)
+    except CheckpointError:
+        raise
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {root}: {e}") from None
 
 
 def read_index(root: Path, require_files: bool = True) -> dict[str, list[str]]:

@@ -162,7 +162,9 @@ class CheckpointReader:
         """Read ``box`` of tensor ``key`` (whole tensor if None).
 
         Returns a CPU tensor of the checkpoint's dtype and shape ``box_shape(box)``, or, with
-        ``out`` (any device/dtype, that shape), casts into ``out`` and returns it.
+        ``out`` (any device/dtype, that shape), casts into ``out`` and returns it. A packed
+        weight's logical key (``index.packed``, :mod:`moeshard.io.packed`) reads the packed
+        values and scales of the box and returns it decoded, float32 (cast once into ``out``).
         """
         info = self.index.info(key)
         box = full_box(info.shape) if box is None else box
@@ -170,15 +172,30 @@ class CheckpointReader:
         shape = box_shape(box)
         if out is not None and tuple(out.shape) != shape:
             raise ValueError(f"{key}: destination of shape {list(out.shape)} for a box of shape {list(shape)}")
+        pw = self.index.packed.get(key)
+        if pw is not None:
+            from .packed import decode_blob, misaligned, read_blob
+
+            why = misaligned(pw, box)
+            if why is not None:
+                raise ValueError(why)
+            data = decode_blob(pw, box, read_blob(self, pw, box), self.index.tensors)
+            return data if out is None else out.copy_(data)
+        return self.read_info(key, info, box, out)
+
+    def read_info(self, key: str, info, box: Box, out: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`read` of a tensor described by ``info`` (a :class:`~moeshard.io.header.TensorInfo`
+        of the index's files, e.g. a byte view of a stored tensor), named ``key`` in errors."""
         import torch  # the reader allocates tensors; the headers (above) need no torch
 
-        direct = out is not None and self.reads_straight_into(key, out)
+        shape = box_shape(box)
+        direct = out is not None and out.device.type == "cpu" and out.dtype == info.torch_dtype and out.is_contiguous()
         buf = out if direct else torch.empty(shape, dtype=info.torch_dtype)
         if box_numel(box):
             flat = buf.view(-1).view(torch.uint8)
             fd = self._fd(info.file)
             pos = 0
-            for start, n in self.runs(key, box):
+            for start, n in self.info_runs(info, box):
                 self._pread(fd, flat[pos : pos + n], start, info.file)
                 pos += n
             with self._lock:
@@ -189,7 +206,10 @@ class CheckpointReader:
 
     def reads_straight_into(self, key: str, out: torch.Tensor) -> bool:
         """Whether a read of ``key`` lands in ``out`` itself (a contiguous CPU tensor of the
-        checkpoint's dtype), rather than in a buffer copied (and cast) into it."""
+        checkpoint's dtype), rather than in a buffer copied (and cast) into it; never for a
+        packed weight's logical key (decoded)."""
+        if key in self.index.packed:
+            return False
         return out.device.type == "cpu" and out.dtype == self.index.info(key).torch_dtype and out.is_contiguous()
 
     def runs(self, key: str, box: Box) -> list[tuple[int, int]]:
@@ -197,7 +217,10 @@ class CheckpointReader:
         box's row-major order (its bytes, concatenated, are the box as a contiguous tensor):
         one range unless the box is cut along a dim after its first cut one. Empty for an
         empty box. The box must lie inside the tensor (:func:`~moeshard.box.check_box`)."""
-        info = self.index.info(key)
+        return self.info_runs(self.index.info(key), box)
+
+    def info_runs(self, info, box: Box) -> list[tuple[int, int]]:
+        """:meth:`runs` of a tensor described by ``info``."""
         shape, item = info.shape, info.itemsize
         if not box_numel(box):
             return []

@@ -109,6 +109,13 @@ def unused_keys(
             consumed.update(expert_checkpoint_keys(d.expert, num_logical))
     consumed.update(dense)
     consumed.update(also_read)
+    # A packed weight read as its logical tensor consumes its values, scales and the tensors its
+    # format stores beside them (weight_shape, input_scale, ...); one kept packed (read under
+    # its stored values key) consumes those it knowingly leaves unread.
+    for pw in index.packed.values():
+        if pw.key in consumed or pw.values in consumed:
+            extra = (pw.values, pw.scale, pw.global_scale, getattr(pw, "shape_key", None), *pw.ignored)
+            consumed.update(k for k in extra if k)
     unused = sorted(index.tensors.keys() - consumed)
     counts = _layer_counts(dense + list(prefixes))
     ignored = re.compile("|".join(f"(?:{p})" for p in ignore)) if ignore else None

@@ -349,6 +349,8 @@ def load(
     meter.end("materialize")
     placement, topo, read_threads, path = opened.placement, opened.topology, opened.read_threads, opened.path
     mode, readers, scope, index = resolve_sources(path, storage, topo, opened.sees_checkpoint, everyone=everyone)
+    if not dequantize:  # packed weights under their stored keys only (a model keeping them packed)
+        index = index.without_packed()
     meter.end("headers")
     opening: list[CheckpointReader] = []  # this rank's reader, opened in the planning step
     try:
@@ -519,7 +521,8 @@ def _plan(
         specs,
         dequantize,
         rank,
-        all_needs=fp8 or report_minimal,
+        # Packed weights: every rank's rows, whose reads are counted as packed bytes and scales.
+        all_needs=fp8 or report_minimal or bool(index.packed),
     )
     scales = scale_needs(needs, index, float_params(descs)) if fp8 else None
     scale_plan = (
@@ -582,7 +585,11 @@ def _run(
             meter.end("scales")
         bar = progress_bar("load", plan.delivered_bytes(rank), progress, topo)
         what = "moeshard.load: executing the plan"
-        sink = DequantSink(plan, dests, rank, fp8) if fp8 else TensorSink(plan, dests, rank, receive_in_place=True)
+        sink = (
+            DequantSink(plan, dests, rank, fp8, index=index)
+            if fp8
+            else TensorSink(plan, dests, rank, receive_in_place=True, index=index)
+        )
         with ReaderSource(plan, reader, index, read_threads=read_threads) as source:
             stats = collectives.agree(
                 lambda: execute_schedule(

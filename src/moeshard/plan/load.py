@@ -40,6 +40,7 @@ import numpy as np
 
 from .._gc import paused_gc
 from ..io.index import CheckpointIndex
+from ..io.packed import blob_nbytes
 from ..topology import Topology
 from .arrays import dense_rank, expand_runs, lex_order, run_starts, seg_excl_cumsum
 from .needs import NeedTable
@@ -548,6 +549,7 @@ def _plan_rank(
     local = np.zeros(len(table), bool) if table.alone is None else table.alone & readers[table.rank]
     keys = index.key_columns(table.keys)
     local_bytes = table.bytes_per_rank(np.flatnonzero(local), keys[0], world)
+    local_bytes += packed_bytes_delta(table, local, index, keys[0], world)
     if table.omitted_bytes is not None:  # other ranks' alone rows, left out of a table built for this rank
         local_bytes += table.omitted_bytes
     if local.all():  # every need a local read (FSDP-sharded parameters, shared storage): no transfers
@@ -568,6 +570,28 @@ def _plan_rank(
     # The local reads themselves (two experts swapped between ranks: the same bytes, no transfer).
     h.update(table.digest if table.digest is not None else _table_digest(table))
     return _with_local_reads(shared, mine, rank, local_bytes, h.hexdigest()[:16])
+
+
+def packed_bytes_delta(
+    table: NeedTable, rows: np.ndarray, index: CheckpointIndex, itemsize: np.ndarray, world: int
+) -> np.ndarray:
+    """``int64[world]``: what the rows ``rows`` (``bool[N]``) of packed weights' logical keys
+    read (packed values and scales, :func:`~moeshard.io.packed.blob_nbytes`) minus what
+    ``table.bytes_per_rank`` counts for them (their logical elements at ``itemsize``)."""
+    out = np.zeros(world, np.int64)
+    if not index.packed:
+        return out
+    packed = {k: pw for k, key in enumerate(table.keys) if (pw := index.packed.get(key)) is not None}
+    if not packed:
+        return out
+    for r in np.flatnonzero(rows & np.isin(table.key, list(packed))).tolist():
+        k = int(table.key[r])
+        nd = int(table.ndim[k])
+        box = tuple(zip(table.src_off[r, :nd].tolist(), table.src_len[r, :nd].tolist()))
+        out[table.rank[r]] += blob_nbytes(packed[k], box, index.tensors) - int(np.prod(table.src_len[r, :nd])) * int(
+            itemsize[k]
+        )
+    return out
 
 
 def no_transfers(table: NeedTable, topology: Topology, staging_bytes: int, max_ops: int) -> Schedule:

@@ -19,6 +19,7 @@ import numpy as np
 
 from ..box import split_box
 from ..io.index import CheckpointIndex
+from ..io.packed import blob_nbytes, misaligned, packed_align, packed_dim
 from .arrays import expand_runs, group_rows, lex_order, row_prod, run_starts
 from .needs import NeedTable
 
@@ -102,9 +103,21 @@ def cut_pieces(
     del start
     pkey = table.key[first_row].astype(np.int64)
     poff, plen = table.src_off[first_row], table.src_len[first_row]
+    packed = _packed_keys(table.keys, index)
+    if packed:
+        _check_aligned(packed, pkey, poff, plen)
     parent = None
     if staging_bytes is not None:
-        parent, poff, plen = _split(pkey, poff, plen, table.ndim, np.maximum(1, part // itemsize[pkey]))
+        limit = np.maximum(1, part // itemsize[pkey])
+        if packed:  # split packed weights in whole groups: lengths along their packed dim in groups
+            units = _group_units(packed, pkey, len(table.keys), poff.shape[1])
+            poff, plen, limit = poff // units, -(-plen // units), np.maximum(1, limit // units.prod(axis=1))
+        parent, poff, plen = _split(pkey, poff, plen, table.ndim, limit)
+        if packed:
+            units = _group_units(packed, pkey if parent is None else pkey[parent], len(table.keys), poff.shape[1])
+            ends = _key_shapes(packed, pkey if parent is None else pkey[parent], len(table.keys), poff.shape[1])
+            poff = poff * units
+            plen = np.minimum(plen * units, ends - poff)
     if parent is None:  # nothing cut: one delivery per row
         d_piece, rows = row_piece, order
     else:
@@ -122,6 +135,11 @@ def cut_pieces(
     if parent is not None:  # a delivery of a cut piece starts where the piece starts in the need
         d_off += poff[d_piece]
         d_off -= table.src_off[rows]
+    piece_bytes = row_prod(plen) * itemsize[pkey]
+    for p in np.flatnonzero(np.isin(pkey, list(packed))).tolist() if packed else ():
+        nd = int(table.ndim[pkey[p]])
+        box = tuple(zip(poff[p, :nd].tolist(), plen[p, :nd].tolist()))
+        piece_bytes[p] = blob_nbytes(packed[int(pkey[p])], box, index.tensors)
     return Pieces(
         keys=table.keys,
         key_ndim=table.ndim,
@@ -129,7 +147,7 @@ def cut_pieces(
         piece_key=pkey.astype(np.int32),
         piece_off=poff,
         piece_len=plen,
-        piece_bytes=row_prod(plen) * itemsize[pkey],
+        piece_bytes=piece_bytes,
         dlv_piece=d_piece.astype(np.int32),
         dlv_rank=table.rank[rows].astype(np.int32),
         dlv_param=table.param[rows].astype(np.int32),
@@ -137,6 +155,48 @@ def cut_pieces(
         dlv_off=d_off,
         num_needs=len(table),
     )
+
+
+def _packed_keys(keys: tuple[str, ...], index: CheckpointIndex) -> dict:
+    """``{key number: PackedWeight}`` of the keys that are packed weights' logical keys."""
+    if not index.packed:
+        return {}
+    return {k: pw for k, key in enumerate(keys) if (pw := index.packed.get(key)) is not None}
+
+
+def _check_aligned(packed: dict, pkey: np.ndarray, poff: np.ndarray, plen: np.ndarray) -> None:
+    """ValueError naming the key and its group when a needed box of a packed weight does not
+    start and end on whole groups along its packed dim (an FSDP shard cutting a group)."""
+    for k, pw in packed.items():
+        d, a, c = packed_dim(pw), packed_align(pw), int(pw.shape[packed_dim(pw)])
+        rows = np.flatnonzero(pkey == k)
+        o, n = poff[rows, d], plen[rows, d]
+        bad = rows[(o % a != 0) | (((o + n) % a != 0) & (o + n != c))]
+        if len(bad):
+            p = int(bad[0])
+            box = tuple(zip(poff[p, : len(pw.shape)].tolist(), plen[p, : len(pw.shape)].tolist()))
+            raise ValueError(
+                f"{misaligned(pw, box)}: it cannot be loaded dequantized with this sharding (shard the "
+                f"model so that each rank's part of {pw.key!r} holds whole groups of {a})"
+            )
+
+
+def _group_units(packed: dict, pkey: np.ndarray, num_keys: int, width: int) -> np.ndarray:
+    """``int64[P, D]``: per piece and dim, the values one unit of a split stands for (its group
+    along a packed weight's packed dim, else 1)."""
+    unit = np.ones((num_keys, width), np.int64)
+    for k, pw in packed.items():
+        unit[k, packed_dim(pw)] = packed_align(pw)
+    return unit[pkey]
+
+
+def _key_shapes(packed: dict, pkey: np.ndarray, num_keys: int, width: int) -> np.ndarray:
+    """``int64[P, D]``: per piece, its packed weight's logical shape (padded with a huge value)."""
+    big = np.iinfo(np.int64).max // 4
+    shape = np.full((num_keys, width), big, np.int64)
+    for k, pw in packed.items():
+        shape[k, : len(pw.shape)] = pw.shape
+    return shape[pkey]
 
 
 def _box_columns(off: np.ndarray, ln: np.ndarray) -> list[np.ndarray]:
