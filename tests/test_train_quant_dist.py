@@ -15,9 +15,9 @@ reference state dict, written as a plain float32 checkpoint and read by transfor
 Scenarios (:data:`SCENARIOS`): gpt-oss with MXFP4 experts, DeepSeek-V3 with INT4
 pack-quantized routed experts (Kimi-K2-Thinking's layout), Qwen3-MoE with NVFP4 experts
 (compressed-tensors and ModelOpt) and with FP8 per-channel experts; the checkpoints and their
-references come from ``quant_fixtures``. Each family also runs stored in bf16 (the same tiny
-model, ``save_pretrained`` in bf16; reference: transformers' own upcast to float32). All run in
-one spawned group.
+references come from ``quant_fixtures`` (a scenario may also take the same tiny model stored in
+bf16: its reference rounded to bf16 and saved plain, read by transformers' exact upcast). All
+run in one spawned group.
 """
 
 from __future__ import annotations
@@ -39,70 +39,45 @@ pytest.importorskip("accelerate")
 pytestmark = [pytest.mark.hf, pytest.mark.dist, pytest.mark.timeout(600)]
 
 STEPS, LR, WORLD, SEQ = 2, 1e-3, 4, tiny_hf.SEQ
-# Parameters: AdamW divides by the root of the squared gradients, so an element whose gradients
-# are tiny moves by ~1e-6 on a sum in another order; a misplaced expert is off by ~0.1.
-RTOL, ATOL = 1e-6, 1e-5
+# Losses and gradient norms: 1e-6 relative (the step-1 loss checks every loaded weight). Parameters:
+# AdamW's first steps move an element by about the learning rate whatever its gradient's size, so
+# one whose gradient is near zero moves by ~1e-5 on sums in another order; a misplaced expert or a
+# wrongly dequantized group is off by 1e-2 or more.
+RTOL, ATOL = 1e-6, 1e-4
 # (ep, efsdp) per family. gpt-oss: EP alone, since parallelize refuses expert FSDP for an experts
 # module with parameters that are not sliced per expert (gpt-oss's biases, whose gradients expert
 # FSDP would reduce over "efsdp" only).
 MESH = {"gpt_oss": (4, 1), "deepseek_v3": (2, 2), "qwen3_moe": (2, 2)}
 
-# (scenario, family, format): "bf16" is the tiny model stored in bf16; the others are quant_fixtures'.
+# (scenario, quant_fixtures format, stored in bf16 instead): the quantized checkpoints; with
+# True, the same tiny model stored in bf16 instead (its reference rounded to bf16 and saved plain).
 SCENARIOS = (
-    ("gpt_oss-bf16", "gpt_oss", "bf16"),
-    ("deepseek_v3-bf16", "deepseek_v3", "bf16"),
-    ("qwen3_moe-bf16", "qwen3_moe", "bf16"),
+    ("gpt_oss-mxfp4", "mxfp4", False),
+    ("deepseek_v3-int4", "int4", False),
+    ("qwen3_moe-nvfp4", "nvfp4", False),
+    ("qwen3_moe-modelopt-nvfp4", "modelopt-nvfp4", False),
+    ("qwen3_moe-fp8", "fp8", False),
 )
+# Load bugs this test shows (QUANT_API.md, REQUESTS); strict: the fix makes the mark fail, remove it.
+KNOWN = {
+    "qwen3_moe-nvfp4": "load: io/fp8.scale_of looks the NVFP4 weight's logical key up among the checkpoint's "
+    "tensors (KeyError ...experts.0.gate_proj.weight)",
+}
 
 
-def _config(family: str):
-    if family == "gpt_oss":
-        import hf_families
-
-        return hf_families.tiny_config("gpt_oss")
-    return tiny_hf.config(family)
-
-
-def write_bf16(family: str, path: str) -> None:
-    """The tiny ``family`` model with distinct values everywhere, saved in bf16."""
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(_config(family))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.add_(torch.randn_like(b) * 0.1)
-    model.to(torch.bfloat16).save_pretrained(path, max_shard_size="50KB")
-
-
-def write_plain(config: dict, tensors: dict[str, torch.Tensor], path: str) -> None:
-    """A plain float32 checkpoint of ``tensors`` (checkpoint keys, as a float checkpoint of
-    the model names them) with ``config`` minus any quantization, for transformers to read."""
-    from safetensors.torch import save_file
-
-    os.makedirs(path, exist_ok=True)
-    config = {k: v for k, v in config.items() if k != "quantization_config"}
-    config["dtype"] = "float32"
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
-    save_file(
-        {k: v.to(torch.float32).contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors")
-    )
-
-
-def write_scenario(family: str, fmt: str, path: str, reference: str) -> None:
-    """The checkpoint of one scenario at ``path`` and, at ``reference``, the checkpoint
-    transformers reads for the one-process run (the same weights, dequantized independently)."""
-    if fmt == "bf16":
-        write_bf16(family, path)
-        os.symlink(path, reference)  # transformers' upcast of bf16 to float32 is exact
-        return
+def write_scenario(fmt: str, bf16: bool, path: str, reference: str) -> str:
+    """The checkpoint of one scenario at ``path`` and, at ``reference``, the plain float32
+    checkpoint transformers reads for the one-process run: the weights dequantized by the format's
+    independent dequantizer (quant_fixtures). Returns the model's family."""
     import quant_fixtures
 
-    tensors = quant_fixtures.write(family, fmt, path)
-    with open(os.path.join(path, "config.json")) as f:
-        write_plain(json.load(f), tensors, reference)
+    fx = quant_fixtures.WRITERS[fmt](path + ("-quantized" if bf16 else ""))
+    if bf16:
+        quant_fixtures.write_reference(fx, path, torch.bfloat16)
+        os.symlink(path, reference)  # transformers' upcast of bf16 to float32 is exact
+    else:
+        quant_fixtures.write_reference(fx, reference, torch.float32)
+    return fx.config.model_type
 
 
 class _Data(torch.utils.data.Dataset):
@@ -170,11 +145,14 @@ def train_worker(ckpts: dict, root: str) -> dict:
         experts = next(config[k] for k in ("num_local_experts", "n_routed_experts", "num_experts") if k in config)
         ep, efsdp = MESH[family]
         placement = tiny_hf.shuffled_redundant(experts, ep, seed=len(name))
-        model = moeshard.from_pretrained(ckpt, ep=ep, efsdp=efsdp, dtype=torch.float32, placement=placement)
-        trainer = cls(model=model, args=_args(os.path.join(root, name), True), train_dataset=_Data(_vocab(ckpt)))
-        trainer.train()
-        params = tiny_hf.full_params(model, model.moeshard_placement)
-        out[name] = (_log(trainer), params if dist.get_rank() == 0 else None)
+        try:  # moeshard's errors are raised on every rank alike: the next scenario runs
+            model = moeshard.from_pretrained(ckpt, ep=ep, efsdp=efsdp, dtype=torch.float32, placement=placement)
+            trainer = cls(model=model, args=_args(os.path.join(root, name), True), train_dataset=_Data(_vocab(ckpt)))
+            trainer.train()
+            params = tiny_hf.full_params(model, model.moeshard_placement)
+            out[name] = (_log(trainer), params if dist.get_rank() == 0 else None)
+        except Exception as e:  # noqa: BLE001 - each scenario's test reports its own
+            out[name] = f"{type(e).__name__}: {e}"
     return out
 
 
@@ -194,21 +172,28 @@ def _reference(ckpt: str, out: str):
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("train_quant")
     ckpts, refs = {}, {}
-    for name, family, fmt in SCENARIOS:
+    for name, fmt, bf16 in SCENARIOS:
+        family = write_scenario(fmt, bf16, str(root / name), str(root / f"{name}-reference"))
         ckpts[name] = (str(root / name), family)
-        write_scenario(family, fmt, ckpts[name][0], str(root / f"{name}-reference"))
         refs[name] = _reference(str(root / f"{name}-reference"), str(root / f"{name}-reference-run"))
     results = run_ranks(train_worker, ckpts, str(root / "runs"), world=WORLD, timeout=500)
     return refs, results
 
 
-@pytest.mark.parametrize("name", [s[0] for s in SCENARIOS])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(s[0], marks=pytest.mark.xfail(strict=True, reason=KNOWN[s[0]])) if s[0] in KNOWN else s[0]
+        for s in SCENARIOS
+    ],
+)
 def test_two_steps_match_one_process_on_the_independently_dequantized_weights(runs, name):
     refs, results = runs
     ref_log, ref_params, moved = refs[name]
     assert [s for s, _, _ in ref_log] == list(range(1, STEPS + 1))
-    assert moved > 10 * ATOL, f"the reference must train every parameter (one moved by {moved:.1e} only)"
+    assert moved > 5 * ATOL, f"the reference must train every parameter (one moved by {moved:.1e} only)"
     for rank, r in enumerate(results):
+        assert isinstance(r[name], tuple), f"rank {rank}: {r[name]}"
         log = r[name][0]
         assert [s for s, _, _ in log] == [s for s, _, _ in ref_log], (rank, log)
         np.testing.assert_allclose([x[1] for x in log], [x[1] for x in ref_log], rtol=RTOL, atol=0, err_msg="loss")
