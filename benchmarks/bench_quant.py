@@ -11,9 +11,9 @@ one run (A B A B ...).
 Each bf16 twin holds exactly the quantized checkpoint's values (its dequantization, cast once to
 bf16; every other tensor the same), so the two loads must give equal models: after every load,
 each rank compares every local parameter with what the twin's first load gave (parameters zeroed
-before every load). Per checkpoint: wall (barrier to barrier, the slowest rank; median of
-``--repeat``), bytes read by all ranks, bytes sent. Prints a table and the ratios; writes JSON
-(``--out``).
+before every load). One untimed round of every load comes first (first touches, imports). Per
+checkpoint: wall (barrier to barrier, the slowest rank; median of ``--repeat``), bytes read by all
+ranks, bytes sent. Prints a table and the ratios; writes JSON (``--out``).
 
     python -m benchmarks.bench_quant --repeat 3           # ~256 MiB bf16 each, a few minutes
     python -m benchmarks.bench_quant --size-mib 64 --repeat 2
@@ -212,7 +212,7 @@ def rank_main(spec: dict) -> list[dict]:
         pl = moeshard.Placement.contiguous(d["layers"], d["experts"], WORLD)
         moeshard.parallelize(model, moeshard.make_mesh("cpu", ep=WORLD), pl)
         models[fmt] = (model, pl, {})
-    for run in range(spec["repeat"]):
+    for run in range(-1, spec["repeat"]):  # run -1: an untimed warm-up of every load (first touches, imports)
         for fmt in FORMATS:  # A B A B: bf16 then quantized, per format, every run
             model, pl, want = models[fmt]
             for kind in ("bf16", fmt):
@@ -228,6 +228,10 @@ def rank_main(spec: dict) -> list[dict]:
                 if not want:
                     want.update(got)
                 same = [n for n in got if not torch.equal(got[n], want[n])]
+                if run < 0:
+                    if same:
+                        raise AssertionError(f"{kind}: the warm-up load differs from the bf16 twin's at {same[:3]}")
+                    continue
                 rows.append(
                     dict(
                         fmt=fmt,

@@ -11,7 +11,8 @@
 #                                            # InstantTensor (buffered, direct I/O), fastsafetensors
 #   benchmarks/gpu_checks.sh cpu16 OUT_DIR   # multi-rank CPU figures on a quiet many-core host
 #                                            # (a core per rank): bench_load at 1 GiB (the planning
-#                                            # share of a load), bench_load's fresh-memory rows at 4
+#                                            # share of a load), bench_quant (MXFP4 and INT4 loads
+#                                            # against bf16, 4 ranks), bench_load's fresh-memory rows at 4
 #                                            # and 8 ranks against transformers' own EP loader and the
 #                                            # parallel read floor (warm and cold), moeshard bench
 #                                            # reshard (cold), moeshard bench relocate
@@ -77,6 +78,10 @@ case "$what" in
     python3 -m benchmarks.bench_load --size-mib 1024 --repeat 3 --strategies shared,node,single \
       --no-negative-control --out "$out/bench_load.json" 2>&1 | tee "$out/bench_load.txt" \
       || { rc=$?; echo "[gpu_checks] bench_load failed (exit $rc)" | tee -a "$out/bench_load.txt"; }
+    # Quantized checkpoints (MXFP4, INT4) dequantized on load against their bf16 twins, 4 ranks, A B A B.
+    python3 -m benchmarks.bench_quant --size-mib 256 --repeat 3 --cache /tmp/moeshard-quant-ckpt \
+      --out "$out/bench_quant.json" 2>&1 | tee "$out/bench_quant.txt" \
+      || { rc=$?; echo "[gpu_checks] bench_quant failed (exit $rc)" | tee -a "$out/bench_quant.txt"; }
     # Loads at the read floor: whole loads in fresh memory, a core per rank.
     for ranks in 4 8; do
       python3 -m benchmarks.bench_load --size-mib 512 --ranks "$ranks" --ranks-per-node 4 --layouts "${ranks}x1" \
