@@ -55,8 +55,8 @@ def test_planning_packages_import_without_torch():
         "import moeshard, moeshard.plan, moeshard.plan.pieces, moeshard.plan.relocation, moeshard.cluster, "
         "moeshard.cli, moeshard.cli.plan, moeshard.models.layout, moeshard.models.describe, "
         "moeshard.models.shards, moeshard.models.unused, moeshard.io.checkpoint, moeshard.io.index, "
-        "moeshard.io.header, moeshard.io.quant, moeshard.io.strict_json, moeshard.io.reader, moeshard.io.writer, "
-        "moeshard.io.sources, "
+        "moeshard.io.header, moeshard.io.quant, moeshard.io.quant_report, moeshard.io.strict_json, moeshard.io.reader, "
+        "moeshard.io.writer, moeshard.io.sources, "
         "moeshard.dtypes, moeshard.placement, moeshard.topology, moeshard.eplb"
     )
 

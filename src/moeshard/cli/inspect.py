@@ -34,6 +34,7 @@ from ..io.formats import MAX_LISTED, ExpertTensorInfo, Problem, check, id_ranges
 from ..io.fp8 import Quantization, quantization
 from ..io.header import DTYPES, TensorInfo, read_header
 from ..io.index import INDEX_NAME, CheckpointIndex, read_index
+from ..io.quant_report import QuantSummary, summarize_checkpoint
 
 __all__ = [
     "CheckpointSummary",
@@ -104,6 +105,7 @@ class CheckpointSummary:
     moe: MoeSummary | None
     problems: tuple[Problem, ...]
     quantization: Quantization | None = None
+    quantized: QuantSummary | None = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -204,7 +206,13 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointSummary:
     with paused_gc():
         h = _read_headers(path)
         problems = list(h.problems)
-        problems += _dtype_problems(h.tensors)
+        quantized, consumed = summarize_checkpoint(h.root, h.tensors)
+        if quantized is not None and quantized.error:
+            problems.append(Problem("quantization", quantized.error))
+        # Scales and packed values of the quantized weights are in their format's dtypes, not
+        # the model's, and are not block-FP8 weights.
+        plain = {k: t for k, t in h.tensors.items() if k not in consumed} if consumed else h.tensors
+        problems += _dtype_problems(plain)
         moe, moe_problems = _moe_layout(h.tensors)
         problems += moe_problems
         return CheckpointSummary(
@@ -216,7 +224,8 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointSummary:
             files=_file_stats(h.tensors, h.file_sizes),
             moe=moe,
             problems=tuple(problems),
-            quantization=quantization(h.tensors),
+            quantization=quantization(plain),
+            quantized=quantized,
         )
 
 
@@ -373,6 +382,7 @@ def format_summary(s: CheckpointSummary) -> str:
         lines.append(
             f"  expert bytes: {_fmt_bytes(moe.expert_bytes)} ({pct:.1f}%), dense bytes: {_fmt_bytes(moe.dense_bytes)}"
         )
+    lines += _quantized_lines(s.quantized)
     q = s.quantization
     if q is not None:
         blocks = ", ".join("x".join(map(str, b)) for b in q.blocks) or "-"
@@ -395,6 +405,30 @@ def format_summary(s: CheckpointSummary) -> str:
     else:
         lines.append("problems: none")
     return "\n".join(lines)
+
+
+def _quantized_lines(q: QuantSummary | None) -> list[str]:
+    """The quantized weights: format, group size, packed and scale bytes per key pattern."""
+    if q is None:
+        return []
+    lines = ["", f"quantized weights ({q.method or 'no quantization declared'}):"]
+    if q.error:
+        return lines + [f"  not readable: {q.error}"]
+    lines.append(
+        f"  {q.num_weights:,} weights: {_fmt_bytes(q.packed_bytes)} packed + {_fmt_bytes(q.scale_bytes)} of scales "
+        f"on disk ({_fmt_bytes(q.ignored_bytes)} more not read), {_fmt_bytes(q.bf16_bytes)} dequantized to bf16"
+    )
+    lines += _table(
+        [
+            (r.pattern, r.format, shape_str(r.shape), f"{r.num_weights:,}", f"{r.packed_bytes:,}", f"{r.scale_bytes:,}")
+            for r in q.rows[:MAX_LISTED]
+        ],
+        ("tensors", "format", "shape", "count", "packed bytes", "scale bytes"),
+        indent="    ",
+    )
+    if len(q.rows) > MAX_LISTED:
+        lines.append(f"    ... ({len(q.rows) - MAX_LISTED:,} more patterns)")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

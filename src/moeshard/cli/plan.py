@@ -28,6 +28,7 @@ from ..cluster.synthetic import num_params, read_config, synthetic_index
 from ..io.fp8 import quantization
 from ..io.index import CheckpointIndex
 from ..io.placement_files import FORMATS, NAMED_PLACEMENTS, moe_layer_indices, named_placement, read_placement_file
+from ..io.quant_report import summarize_checkpoint
 from ..io.sources import storage_sources
 from ..models.layout import need_table
 from ..placement import Placement
@@ -259,6 +260,10 @@ def _run(args: argparse.Namespace) -> dict:
     t = time.perf_counter()
     descs = synthesize_descs(layout, index, cluster)
     timings["synthesize"] = time.perf_counter() - t
+    quantized, consumed = summarize_checkpoint(index.root, index.tensors) if args.ckpt else (None, frozenset())
+    if quantized is not None and quantized.error:
+        raise ValueError(f"{args.ckpt}: quantized weights not readable: {quantized.error}")
+    plain = {k: v for k, v in index.tensors.items() if k not in consumed} if consumed else index.tensors
     rep: dict = {
         "checkpoint": {
             "source": source,
@@ -271,7 +276,10 @@ def _run(args: argparse.Namespace) -> dict:
             "num_skipped_keys": len(layout.skipped_keys),
             # FP8 weights with block scales: the plan moves them as stored (FP8 + scales); a
             # bf16 model that load dequantizes them into holds bf16_bytes of them.
-            "quantization": dataclasses.asdict(q) if (q := quantization(index.tensors)) is not None else None,
+            "quantization": dataclasses.asdict(q) if (q := quantization(plain)) is not None else None,
+            # MXFP4 / NVFP4 / INT4 / FP8-channel weights: read as stored (packed values + scales,
+            # the bytes the strategies count), bf16_bytes once dequantized.
+            "quantized": dataclasses.asdict(quantized) if quantized is not None else None,
         },
         "cluster": {
             "num_nodes": cluster.num_nodes,

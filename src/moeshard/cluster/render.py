@@ -45,6 +45,16 @@ def _header(rep: dict) -> list[str]:
             f"{format_bytes(q['bf16_bytes'])} dequantized to bf16 (what load gives a bf16 model)"
             + (f"; {len(q['unscaled']):,} FP8 tensors with no fitting scale" if q["unscaled"] else "")
         )
+    qz = ck.get("quantized")
+    if qz:
+        schemes = sorted(
+            {f"{r['scheme']} group {r['group']}" if r["group"] else f"{r['scheme']} per tensor" for r in qz["rows"]}
+        )
+        lines.append(
+            f"quantized ({qz['method']}): {qz['num_weights']:,} weights ({', '.join(schemes)}) read as stored, "
+            f"{format_bytes(qz['packed_bytes'])} packed + {format_bytes(qz['scale_bytes'])} of scales; "
+            f"{format_bytes(qz['bf16_bytes'])} dequantized to bf16 (what load gives a bf16 model)"
+        )
     t = rep["timings_s"]
     lines.append("planning time: " + ", ".join(f"{k} {_secs(v)}" for k, v in t.items()))
     per_mode = [s for s in rep.get("strategies", ()) if s["kind"] == "moeshard"]

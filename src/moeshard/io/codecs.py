@@ -19,12 +19,12 @@ import sys
 from typing import TYPE_CHECKING, NamedTuple
 
 from .fp8 import to_float32
-from .quant import Scheme
+from .quant import PackedWeight, Scheme, storage_boxes, value_box
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["E2M1_VALUES", "decode", "Encoded", "encode"]
+__all__ = ["E2M1_VALUES", "decode", "read_decoded", "Encoded", "encode"]
 
 # The 16 FP4 E2M1 codes: sign bit 3, exponent bits 2..1, mantissa bit 0.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -33,7 +33,8 @@ _PAIR_LUTS: dict = {}
 
 
 def _pair_lut(code: str, device) -> torch.Tensor:
-    """float32 ``[256, 2]``: the two values (low nibble first) of each byte of 4-bit codes."""
+    """int64 ``[256]``: for each byte of 4-bit codes, its two float32 values (low nibble first)
+    as one 8-byte element (a 1-D gather of 8-byte elements is the fastest on CPU)."""
     import torch
 
     lut = _PAIR_LUTS.get((code, device))
@@ -41,10 +42,10 @@ def _pair_lut(code: str, device) -> torch.Tensor:
         b = torch.arange(256, dtype=torch.int64)
         if code == "e2m1":
             vals = torch.tensor(E2M1_VALUES, dtype=torch.float32)
-            lut = torch.stack((vals[b & 15], vals[b >> 4]), dim=1)
+            pairs = torch.stack((vals[b & 15], vals[b >> 4]), dim=1)
         else:  # int4: stored code + 8
-            lut = torch.stack(((b & 15) - 8, (b >> 4) - 8), dim=1).to(torch.float32)
-        lut = _PAIR_LUTS[(code, device)] = lut.to(device)
+            pairs = torch.stack(((b & 15) - 8, (b >> 4) - 8), dim=1).to(torch.float32)
+        lut = _PAIR_LUTS[(code, device)] = pairs.contiguous().view(torch.int64).reshape(256).to(device)
     return lut
 
 
@@ -61,15 +62,20 @@ def _codes(scheme: Scheme, values: torch.Tensor, lead: tuple[int, ...]) -> torch
         return to_float32(raw).reshape(*lead, -1)
     b = raw.view(torch.uint8).reshape(-1).to(torch.int32)
     pairs = torch.index_select(_pair_lut(scheme.code, values.device), 0, b)
-    return pairs.view(*lead, -1)
+    return pairs.view(torch.float32).view(*lead, -1)
 
 
 def _scale32(scheme: Scheme, scale: torch.Tensor) -> torch.Tensor:
-    """float32 scale; for E8M0 the int32 exponent ``s - 127`` (applied by ``ldexp``)."""
+    """float32 scale. E8M0: ``2^(s - 127)`` built from its bits (s = 0: the subnormal 2^-127),
+    exact, so ``q * scale`` equals transformers' ``ldexp(q, s - 127)``; int32 ``s - 127`` (for
+    ``ldexp`` itself) when some ``s`` is 255, E8M0's NaN, where ldexp's result is finite."""
     import torch
 
     if scheme.scale_dtype == "U8":
-        return scale.contiguous().view(torch.uint8).to(torch.int32) - 127
+        e = scale.contiguous().view(torch.uint8).to(torch.int32)
+        if bool((e == 255).any()):
+            return e - 127
+        return torch.where(e > 0, e << 23, 1 << 22).view(torch.float32)
     return to_float32(scale.contiguous())
 
 
@@ -109,14 +115,33 @@ def decode(
         if ngroups == 0 or cols % ngroups:
             raise ValueError(f"{scheme.name}: {cols} columns of values do not split into {ngroups} scale groups")
         grouped = q.view(*lead, ngroups, cols // ngroups)
-        if scheme.scale_dtype == "U8":
-            # E8M0: ldexp, as transformers computes it (finite 0.5 * 2^128, 0 * 2^128 == 0)
+        if s.dtype == torch.int32:
+            # E8M0 with its NaN code 255: ldexp, as transformers computes it (finite 0.5 * 2^128)
             out = torch.ldexp(grouped, s.unsqueeze(-1)).view(*lead, cols)
         else:
             out = grouped.mul_(s.unsqueeze(-1)).view(*lead, cols)
     if scheme.global_scale == "multiply":
         out.mul_(g)
     return out
+
+
+def read_decoded(reader, pw: PackedWeight, box) -> torch.Tensor:
+    """float32 box ``box`` of quantized weight ``pw``'s LOGICAL tensor (``pw.shape``; gpt-oss's
+    transposed ``[E, H, 2I]`` included), read through ``reader`` (a
+    :class:`~moeshard.io.reader.CheckpointReader`): the packed values' and scales' boxes that hold
+    it, then :func:`decode`. The box must start and end on groups along the packed dim (ValueError
+    naming the key and the group otherwise); any box of the other dims. The path of a read of a
+    few boxes (verify, relocation from disk). Local (any rank); returns a CPU tensor."""
+    tensors = reader.index.tensors
+    vbox = value_box(pw, box)
+    vb, sb = storage_boxes(pw, vbox, tensors[pw.values].shape, tensors[pw.scale].shape)
+    values = reader.read(pw.values, vb)
+    scale = reader.read(pw.scale, sb)
+    global_scale = reader.read(pw.global_scale) if pw.global_scale else None
+    out = decode(pw.scheme, values, scale, global_scale)
+    if pw.scheme.group == 0:  # per tensor: the values carry the shape
+        out = out.reshape(tuple(n for _, n in vbox))
+    return out.transpose(-1, -2) if pw.transposed else out
 
 
 class Encoded(NamedTuple):
@@ -128,5 +153,133 @@ class Encoded(NamedTuple):
     global_scale: torch.Tensor | None
 
 
-def encode(scheme: Scheme, w: torch.Tensor, global_scale: torch.Tensor | None = None) -> Encoded:
-    raise NotImplementedError("encode: next part")
+_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F8_E4M3": "float8_e4m3fn", "U8": "uint8"}
+# |x| thresholds of E2M1's round-to-nearest-even: (0.25, 0.75, ...]; index i -> E2M1_VALUES[i].
+_E2M1_UP = (0.25, 1.25, 2.5, 5.0)  # ties round down (to the even code)
+_E2M1_AT = (0.75, 1.75, 3.5)  # ties round up (to the even code)
+
+
+def _e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """uint8 E2M1 codes of ``x`` (already scaled), saturated at 6, ties to even (compressed-
+    tensors' ``cast_to_fp4``); the sign bit is ``x``'s (so -0.0 codes as 8)."""
+    import torch
+
+    a = x.abs()
+    idx = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+    for t in _E2M1_UP:
+        idx += a > t
+    for t in _E2M1_AT:
+        idx += a >= t
+    return idx | (torch.signbit(x).to(torch.uint8) << 3)
+
+
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[..., C/2]``: two 4-bit codes per byte, the even index in the low nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def _group_amax(w: torch.Tensor, group: int) -> torch.Tensor:
+    """``[..., R, C // group]`` max |w| per group (``group`` 0: the whole tensor, shape [])."""
+    if group == 0:
+        return w.abs().amax()
+    return w.unflatten(-1, (w.shape[-1] // group, group)).abs().amax(dim=-1)
+
+
+def _expand(s: torch.Tensor, group: int, cols: int) -> torch.Tensor:
+    return s if group in (0, cols) else s.repeat_interleave(group, dim=-1)
+
+
+def _mx_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """uint8 E8M0 ``127 + floor(log2(amax')) - 2`` where ``amax'`` is ``amax`` rounded up to the
+    next power of two when its mantissa is >= 1.75 (compressed-tensors' ``round_to_power_2``
+    for E2M1's one mantissa bit, ``generate_mx_scales``), clamped to 0..255."""
+    import torch
+
+    bits = amax.float().contiguous().view(torch.int32)
+    p2 = ((bits + (1 << 21)) & 0x7F800000).view(torch.float32)
+    return (127 + torch.floor(torch.log2(p2)) - 2).clamp(0, 255).round().to(torch.uint8)
+
+
+def _zero_to(s: torch.Tensor, eps: float) -> torch.Tensor:
+    import torch
+
+    return torch.where(s == 0, torch.tensor(eps, dtype=s.dtype, device=s.device), s)
+
+
+def encode(
+    scheme: Scheme, w: torch.Tensor, global_scale: torch.Tensor | None = None, scale: torch.Tensor | None = None
+) -> Encoded:
+    """The quantization of float ``w`` ``[..., R, C]`` (value-oriented: gpt-oss's logical
+    ``[E, H, 2I]`` transposed first) in ``scheme``, stored as the format's checkpoints store it:
+
+    * MXFP4: values U8 ``[..., R, C/32, 16]``, scale U8 E8M0 ``[..., R, C/32]``, exponent
+      ``floor(log2(amax)) - 2`` (OCP's shared exponent, emax(E2M1) = 2) where ``amax`` is first
+      rounded to E2M1's precision (a group max of mantissa >= 1.75 takes the next exponent
+      instead of clipping to 6: compressed-tensors' ``generate_mx_scales``);
+    * NVFP4 (compressed-tensors): values U8 ``[..., R, C/2]``, scale F8_E4M3 ``[..., R, C/16]`` =
+      ``fp8(global * amax_group / 6)``, global F32 ``[1]`` = ``448 * 6 / amax`` (compressed-tensors'
+      ``generate_gparam``);
+    * NVFP4 (ModelOpt): as above with ``weight_scale_2`` F32 ``[]`` = ``amax / (6 * 448)`` and scale
+      ``fp8(amax_group / (6 * weight_scale_2))`` (ModelOpt's NVFP4 quantizer);
+    * INT4 (pack-quantized): values I32 ``[..., R, C/8]`` (``code + 8``, eight per word, the first
+      in the low bits), scale ``[..., R, C/group]`` = ``amax_group / 7.5`` in ``scheme.scale_dtype``;
+    * FP8: values F8_E4M3 ``[..., R, C]``, scale ``amax / 448`` per row ``[..., R, 1]`` or per
+      tensor ``[1]``, in ``scheme.scale_dtype``.
+
+    ``global_scale`` / ``scale``, when given, are used instead of computed (requantizing with a
+    checkpoint's own scales reproduces its bytes for values they represent exactly). Codes
+    round to nearest, ties to even, saturating; the arithmetic is compressed-tensors' (scales
+    computed in ``w``'s dtype, a zero scale replaced as it replaces it), so decoding the result
+    equals compressed-tensors' quantize-dequantize of ``w``. Local (any rank); runs on ``w``'s
+    device."""
+    import torch
+
+    if w.dim() < 2 or not w.is_floating_point():
+        raise ValueError(f"encode: expected a float tensor [..., R, C], got {w.dtype} {list(w.shape)}")
+    cols, group = w.shape[-1], scheme.group
+    if group and cols % group:
+        raise ValueError(f"{scheme.name}: {cols} columns are not whole groups of {group}")
+    if scheme.name == "mxfp4":
+        e = _mx_exponent(_group_amax(w, 32)) if scale is None else scale.to(torch.uint8)
+        step = torch.ldexp(torch.ones(e.shape, dtype=torch.float32, device=w.device), e.to(torch.int32) - 127)
+        q = w.float().unflatten(-1, (cols // 32, 32)) / step.unsqueeze(-1)
+        codes = _e2m1_codes(q.clamp(-6.0, 6.0))
+        return Encoded(_pack_nibbles(codes).reshape(*w.shape[:-1], cols // 32, 16), e, None)
+    if scheme.name == "nvfp4":
+        if scheme.global_scale == "divide":  # compressed-tensors
+            if global_scale is None:
+                m = w.abs().amax().clamp(min=torch.finfo(w.dtype).tiny)
+                global_scale = torch.nan_to_num(448.0 * 6.0 / m, nan=1.0, posinf=1.0, neginf=1.0)
+            g = global_scale.to(torch.float32).reshape([1])
+            if scale is None:
+                amax = _group_amax(w, group)
+                s32 = (g * (amax / torch.tensor(6.0, dtype=amax.dtype))).clamp(-448.0, 448.0)
+                scale = _zero_to(s32.to(torch.float8_e4m3fn).to(torch.float32), 0.125).to(torch.float8_e4m3fn)
+            eff = scale.to(torch.float32) / g
+        else:  # ModelOpt
+            if global_scale is None:
+                global_scale = w.abs().amax().float() / (6.0 * 448.0)
+            g = global_scale.to(torch.float32).reshape(())
+            if scale is None:
+                scale = _zero_to(_group_amax(w, group).float() / (6.0 * g), 1.0).to(torch.float8_e4m3fn)
+            eff = scale.to(torch.float32) * g
+        codes = _e2m1_codes((w.float() / _expand(eff, group, cols)).clamp(-6.0, 6.0))
+        return Encoded(_pack_nibbles(codes), scale, g)
+    sdt = getattr(torch, _DTYPES[scheme.scale_dtype])
+    if scheme.name == "int4":
+        if sys.byteorder != "little":
+            raise ValueError("INT4 values packed in int32 are written on little-endian hosts only")
+        g = min(group, cols)  # per channel: one group of the row
+        if scale is None:
+            amax = _group_amax(w, g)
+            scale = _zero_to(amax / torch.tensor(7.5, dtype=amax.dtype), torch.finfo(amax.dtype).eps).to(sdt)
+        codes = (torch.round((w / _expand(scale, g, cols)).clamp(-8, 7)).to(torch.int32) + 8).to(torch.uint8)
+        # little-endian int32 words of the nibble bytes: code i at bits 4i.. of its word
+        return Encoded(_pack_nibbles(codes).contiguous().view(torch.int32), scale, None)
+    if scheme.name == "fp8":
+        if scale is None:
+            amax = _group_amax(w, group)
+            scale = _zero_to(amax / torch.tensor(448.0, dtype=amax.dtype), torch.finfo(amax.dtype).eps).to(sdt)
+            scale = scale.reshape([1]) if group == 0 else scale
+        return Encoded((w / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale, None)
+    raise ValueError(f"encode: unknown scheme {scheme.name!r}")

@@ -46,6 +46,8 @@ __all__ = [
     "storage_boxes",
     "check_weight_shape",
     "describe",
+    "consumed_keys",
+    "explain",
 ]
 
 QUANT_CONFIG_NAME = "hf_quant_config.json"
@@ -660,3 +662,31 @@ def describe(pw: PackedWeight) -> str:
     scale = "E8M0" if s.scale_dtype == "U8" else s.scale_dtype
     extra = ", global scale" if s.global_scale else ""
     return f"{s.name} ({s.method}, {group}, {scale} scale{extra})"
+
+
+def consumed_keys(packed: Mapping[str, PackedWeight]) -> frozenset[str]:
+    """Every checkpoint key the quantized weights ``packed`` account for (values, scales, global
+    scales, knowingly ignored ``weight_shape`` / input scales): what a strict check of unused
+    keys counts as read."""
+    return frozenset(k for pw in packed.values() for k in pw.keys)
+
+
+def explain(packed: Mapping[str, PackedWeight], method: str | None, key: str) -> str | None:
+    """What a float load's refusal of checkpoint key ``key`` (a tensor it found missing, or of a
+    dtype it cannot cast) must add for a quantized checkpoint: the format it is stored in
+    ("model.layers.0.mlp.experts.gate_up_proj is stored quantized as mxfp4 (mxfp4, group 32,
+    E8M0 scale): model.layers.0.mlp.experts.gate_up_proj_blocks + ..._scales"), or, for a key
+    of no quantized weight, that the checkpoint is quantized; None for a checkpoint with no
+    quantized weight and no declared method. ``packed`` / ``method``: :func:`recognize` and
+    :func:`quant_method` of the checkpoint."""
+    pw = packed.get(key)
+    if pw is None:
+        pw = next((p for p in packed.values() if p.values == key or p.scale == key or p.global_scale == key), None)
+    if pw is not None:
+        parts = " + ".join([pw.values, pw.scale] + ([pw.global_scale] if pw.global_scale else []))
+        return f"{pw.key} is stored quantized as {describe(pw)}: {parts}"
+    if not packed and method in (None, "fp8"):
+        return None
+    some = next(iter(sorted(packed)), None)
+    example = f", e.g. {describe(packed[some])} for {some}" if some else ""
+    return f"the checkpoint is quantized ({method or 'undeclared'}: {len(packed)} quantized weights{example})"
