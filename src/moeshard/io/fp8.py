@@ -76,6 +76,8 @@ def scale_of(index: CheckpointIndex | Mapping[str, TensorInfo], key: str) -> tup
     """``(scale key, block shape)`` of FP8 weight ``key`` when the checkpoint (an index, or its
     ``{key: TensorInfo}``) stores a float scale that fits it (:func:`block_size`), else None (not
     FP8, no scale, or a scale of another shape)."""
+    if isinstance(index, CheckpointIndex) and key in index.packed:
+        return None  # a packed weight's logical key: decoded by its format (moeshard.io.packed)
     tensors = index.tensors if isinstance(index, CheckpointIndex) else index
     info = tensors[key]
     if info.dtype not in FP8_DTYPES:

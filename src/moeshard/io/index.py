@@ -184,16 +184,28 @@ def _index_from_columns(root: str, columns: tuple, file_sizes: dict[str, int], p
 def _recognized(root: Path, tensors: dict[str, TensorInfo]) -> dict:
     """The packed weights of a checkpoint (:func:`moeshard.io.quant.recognize` of its JSON
     configs and headers); CheckpointError naming the key and the reason for one it refuses."""
+    from .quant import check_weight_shape, read_quant_configs, recognize
+
     try:
-        from .quant import read_quant_configs, recognize
-    except ImportError:  # until the formats' recognizer lands: no packed weights
-        return {}
-    try:
-        return recognize(*read_quant_configs(root), tensors)
-    except CheckpointError:
-        raise
-    except ValueError as e:
+        packed = recognize(*read_quant_configs(root), tensors)
+        for pw in packed.values():
+            if pw.shape_key:  # compressed-tensors' weight_shape: its value, read now (a few bytes)
+                check_weight_shape(pw, _small_ints(root, tensors[pw.shape_key]).tolist())
+    except ValueError as e:  # CheckpointError included: named with the checkpoint
         raise CheckpointError(f"checkpoint {root}: {e}") from None
+    return packed
+
+
+def _small_ints(root: Path, info: TensorInfo) -> np.ndarray:
+    """The values of a small integer tensor (``weight_shape``: two I32 / I64), read directly."""
+    if info.dtype not in ("I32", "I64") or info.nbytes > 64:
+        raise CheckpointError(f"{info.file}: a weight_shape of dtype {info.dtype} and {info.nbytes} bytes")
+    with open(root / info.file, "rb") as f:
+        f.seek(info.offset)
+        data = f.read(info.nbytes)
+    if len(data) != info.nbytes:
+        raise CheckpointError(f"{root / info.file}: unexpected end of file at byte {info.offset + len(data)}")
+    return np.frombuffer(data, dtype="<i4" if info.dtype == "I32" else "<i8")
 
 
 def read_index(root: Path, require_files: bool = True) -> dict[str, list[str]]:

@@ -37,7 +37,6 @@ __all__ = [
     "packed_align",
     "packed_dim",
     "misaligned",
-    "value_box",
     "scale_box",
     "blob_parts",
     "blob_nbytes",
@@ -59,12 +58,9 @@ def _columns(pw: PackedWeight) -> int:
 
 def packed_align(pw: PackedWeight) -> int:
     """The values a box of ``pw`` must start and end on along :func:`packed_dim` (but at the
-    tensor's end): a scale group (16 or 32 for MXFP4 / NVFP4, the group of INT4), else the
-    values of one byte (2 for a 4-bit code without groups), else 1."""
-    g, c = pw.scheme.group, _columns(pw)
-    if 0 < g < c:
-        return g
-    return max(1, 8 // pw.scheme.bits)
+    tensor's end): :attr:`~moeshard.io.quant.PackedWeight.step` (a scale group: 16 or 32 for
+    NVFP4 / MXFP4, the group of INT4; else the values of one stored unit)."""
+    return pw.step
 
 
 def misaligned(pw: PackedWeight, box: Box) -> str | None:
@@ -80,20 +76,13 @@ def misaligned(pw: PackedWeight, box: Box) -> str | None:
     return None
 
 
-def value_box(pw: PackedWeight, box: Box) -> Box:
-    """The box of ``V`` (value-oriented) that logical ``box`` is."""
-    if not pw.transposed:
-        return tuple(box)
-    return (*box[:-2], box[-1], box[-2])
-
-
 def _value_bytes_box(pw: PackedWeight, box: Box) -> tuple[Box, tuple[int, ...]]:
     """``(byte box, byte view shape)``: the box of the values' ``uint8`` view ``[..., R,
     C * bits // 8]`` holding ``value_box(box)``."""
+    from .quant import value_box
+
     v = value_box(pw, box)
-    shape = list(pw.shape)
-    if pw.transposed:
-        shape[-1], shape[-2] = shape[-2], shape[-1]
+    shape = list(pw.value_shape)
     bits = pw.scheme.bits
     (o, n) = v[-1]
     vshape = (*shape[:-1], shape[-1] * bits // 8)
@@ -103,6 +92,8 @@ def _value_bytes_box(pw: PackedWeight, box: Box) -> tuple[Box, tuple[int, ...]]:
 def scale_box(pw: PackedWeight, box: Box, scale_shape: tuple[int, ...]) -> Box:
     """The box of the scale tensor (stored shape ``scale_shape``) that logical ``box`` needs:
     the groups it covers (per channel: its rows; per tensor: the whole, one value)."""
+    from .quant import value_box
+
     g = pw.scheme.group
     if g == 0:
         return tuple((0, s) for s in scale_shape)
@@ -176,6 +167,7 @@ def decode_blob(pw: PackedWeight, box: Box, blob: torch.Tensor, tensors: Mapping
     """float32 logical ``box`` of ``pw`` from its blob (:func:`read_blob`, any device)."""
     from .codecs import decode
     from .header import DTYPES
+    from .quant import value_box
 
     nv, ns, ng = blob_parts(pw, box, tensors)
     blob = blob.reshape(-1)
