@@ -15,9 +15,7 @@ reference state dict, written as a plain float32 checkpoint and read by transfor
 Scenarios (:data:`SCENARIOS`): gpt-oss with MXFP4 experts, DeepSeek-V3 with INT4
 pack-quantized routed experts (Kimi-K2-Thinking's layout), Qwen3-MoE with NVFP4 experts
 (compressed-tensors and ModelOpt) and with FP8 per-channel experts; the checkpoints and their
-references come from ``quant_fixtures`` (a scenario may also take the same tiny model stored in
-bf16: its reference rounded to bf16 and saved plain, read by transformers' exact upcast). All
-run in one spawned group.
+references come from ``quant_fixtures``. All run in one spawned group.
 """
 
 from __future__ import annotations
@@ -49,34 +47,24 @@ RTOL, ATOL = 1e-6, 1e-4
 # FSDP would reduce over "efsdp" only).
 MESH = {"gpt_oss": (4, 1), "deepseek_v3": (2, 2), "qwen3_moe": (2, 2)}
 
-# (scenario, quant_fixtures format, stored in bf16 instead): the quantized checkpoints; with
-# True, the same tiny model stored in bf16 instead (its reference rounded to bf16 and saved plain).
+# (scenario, quant_fixtures format)
 SCENARIOS = (
-    ("gpt_oss-mxfp4", "mxfp4", False),
-    ("deepseek_v3-int4", "int4", False),
-    ("qwen3_moe-nvfp4", "nvfp4", False),
-    ("qwen3_moe-modelopt-nvfp4", "modelopt-nvfp4", False),
-    ("qwen3_moe-fp8", "fp8", False),
+    ("gpt_oss-mxfp4", "mxfp4"),
+    ("deepseek_v3-int4", "int4"),
+    ("qwen3_moe-nvfp4", "nvfp4"),
+    ("qwen3_moe-modelopt-nvfp4", "modelopt-nvfp4"),
+    ("qwen3_moe-fp8", "fp8"),
 )
-# Load bugs this test shows (QUANT_API.md, REQUESTS); strict: the fix makes the mark fail, remove it.
-KNOWN = {
-    "qwen3_moe-nvfp4": "load: io/fp8.scale_of looks the NVFP4 weight's logical key up among the checkpoint's "
-    "tensors (KeyError ...experts.0.gate_proj.weight)",
-}
 
 
-def write_scenario(fmt: str, bf16: bool, path: str, reference: str) -> str:
+def write_scenario(fmt: str, path: str, reference: str) -> str:
     """The checkpoint of one scenario at ``path`` and, at ``reference``, the plain float32
     checkpoint transformers reads for the one-process run: the weights dequantized by the format's
     independent dequantizer (quant_fixtures). Returns the model's family."""
     import quant_fixtures
 
-    fx = quant_fixtures.WRITERS[fmt](path + ("-quantized" if bf16 else ""))
-    if bf16:
-        quant_fixtures.write_reference(fx, path, torch.bfloat16)
-        os.symlink(path, reference)  # transformers' upcast of bf16 to float32 is exact
-    else:
-        quant_fixtures.write_reference(fx, reference, torch.float32)
+    fx = quant_fixtures.WRITERS[fmt](path)
+    quant_fixtures.write_reference(fx, reference, torch.float32)
     return fx.config.model_type
 
 
@@ -172,21 +160,15 @@ def _reference(ckpt: str, out: str):
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("train_quant")
     ckpts, refs = {}, {}
-    for name, fmt, bf16 in SCENARIOS:
-        family = write_scenario(fmt, bf16, str(root / name), str(root / f"{name}-reference"))
+    for name, fmt in SCENARIOS:
+        family = write_scenario(fmt, str(root / name), str(root / f"{name}-reference"))
         ckpts[name] = (str(root / name), family)
         refs[name] = _reference(str(root / f"{name}-reference"), str(root / f"{name}-reference-run"))
     results = run_ranks(train_worker, ckpts, str(root / "runs"), world=WORLD, timeout=500)
     return refs, results
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(s[0], marks=pytest.mark.xfail(strict=True, reason=KNOWN[s[0]])) if s[0] in KNOWN else s[0]
-        for s in SCENARIOS
-    ],
-)
+@pytest.mark.parametrize("name", [s[0] for s in SCENARIOS])
 def test_two_steps_match_one_process_on_the_independently_dequantized_weights(runs, name):
     refs, results = runs
     ref_log, ref_params, moved = refs[name]
