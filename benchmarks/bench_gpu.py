@@ -10,7 +10,14 @@ Rows (best of ``--repeat``, each after one untimed warm-up pass over the files):
 * ``moeshard.load`` into a meta-built model ``parallelize``-d on a one-rank mesh of the device
   (EP = 1; NCCL on CUDA, gloo on the CPU), once per ``--threads`` value (``read_threads``), and
   with ``--direct-io`` also with ``direct_io=True`` (O_DIRECT: what cold storage costs);
-  ``moeshard.verify`` checks every load, timed apart ("verify s").
+  ``moeshard.verify`` checks every load, timed apart ("verify s");
+* the fastest public loaders (``--external``, default both; ``benchmarks/external_loaders.py``):
+  InstantTensor ``safe_open`` over every file (buffered and direct I/O; CUDA only) and
+  fastsafetensors ``SafeTensorsFileLoader`` (nogds). Not dependencies: a row whose package is
+  missing, or that cannot run on the device, is skipped with a note (``pip install --no-deps
+  instanttensor==0.2.2 fastsafetensors==0.5.0`` installs both beside the host's torch). After its
+  first pass, each is checked against safetensors' bytes on a sample of tensors; a row that
+  raises is reported as failed, the other rows go on, and the exit status is 1.
 
 On the CPU, ``load_file`` returns tensors backed by a memory map whose pages are read only when
 touched, so its CPU row is not a full load; compare on CUDA, where it copies every byte.
@@ -40,6 +47,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_load import DIMS_VERSION, checkpoint_bytes, ensure_checkpoint, hf_config
+from benchmarks.external_loaders import PACKAGES, check_sample, external_rows, parse_packages
 
 GiB = 2**30
 
@@ -143,7 +151,21 @@ def moeshard_load(ckpt: Path, device, threads: int, direct_io: bool = False) -> 
     }
 
 
-def main(argv=None) -> int:
+def external_load(row, files: list[Path], device, check: bool) -> tuple[float, dict]:
+    """Time ``row.load`` (every tensor on the device, synchronized); with ``check``, then
+    compare a sample with safetensors' bytes (untimed)."""
+    t0 = time.perf_counter()
+    tensors = row.load(files, device)
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    info = {"tensors": len(tensors)}
+    if check:
+        info["checked_tensors"] = check_sample(tensors, files)
+    del tensors
+    return seconds, info
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ckpt", type=Path, help="a Qwen3-MoE checkpoint directory (default: a synthetic one)")
     ap.add_argument("--hidden", type=int, default=2048)
@@ -163,7 +185,21 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--cache", type=Path, default=None, help="where the synthetic checkpoint is written (default: --out)"
     )
+    ap.add_argument(
+        "--external",
+        default=",".join(PACKAGES),
+        help=f"public loaders to compare, comma-separated, '' for none (default {','.join(PACKAGES)})",
+    )
     args = ap.parse_args(argv)
+    try:
+        args.external = parse_packages(args.external)
+    except ValueError as e:
+        ap.error(str(e))
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
 
     import torch
     import torch.distributed as dist
@@ -188,6 +224,11 @@ def main(argv=None) -> int:
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
     threads = [int(t) for t in args.threads.split(",") if t]
+    externals = external_rows(args.external, device.type)
+    skipped = {r.label: r.skipped for r in externals if r.load is None}
+    for label, why in skipped.items():
+        print(f"[bench_gpu] skipped {label}: {why}", flush=True)
+    failed: dict[str, str] = {}
 
     rows: dict[str, list[float]] = {}
     extra: dict[str, dict] = {}
@@ -201,11 +242,22 @@ def main(argv=None) -> int:
         seconds, info = out if isinstance(out, tuple) else (out, None)
         rows.setdefault(name, []).append(seconds)
         if info is not None:
-            extra[name] = info
-            verify_s.setdefault(name, []).append(info["verify_seconds"])
+            extra[name] = {**extra.get(name, {}), **info}
+            if "verify_seconds" in info:
+                verify_s.setdefault(name, []).append(info["verify_seconds"])
 
+    def timed_external(row, first: bool) -> None:
+        if row.label in failed:
+            return
+        try:
+            timed(row.label, lambda: external_load(row, files, device, check=first))
+        except (ImportError, OSError, RuntimeError, ValueError) as e:  # noted, reported, exit status 1
+            failed[row.label] = f"{type(e).__name__}: {e}"
+            print(f"[bench_gpu] {row.label} failed: {failed[row.label]}", flush=True)
+
+    files = _files(ckpt)
     warm(ckpt)
-    for _ in range(args.repeat):  # round-robin, so drift on a shared host hits every row alike
+    for rep in range(args.repeat):  # round-robin, so drift on a shared host hits every row alike
         timed("read floor (one process, every tensor)", lambda: read_floor(ckpt, device))
         timed(f"safetensors load_file(device={device.type!r})", lambda: safetensors_load(ckpt, device))
         if not args.no_transformers:
@@ -214,6 +266,9 @@ def main(argv=None) -> int:
             timed(f"moeshard.load (read_threads={t})", lambda t=t: moeshard_load(ckpt, device, t))
             if args.direct_io:
                 timed(f"moeshard.load (read_threads={t}, O_DIRECT)", lambda t=t: moeshard_load(ckpt, device, t, True))
+        for row in externals:
+            if row.load is not None:
+                timed_external(row, first=rep == 0)
     dist.destroy_process_group()
 
     st = min(next(v for k, v in rows.items() if k.startswith("safetensors")))
@@ -239,6 +294,10 @@ def main(argv=None) -> int:
                 "verify_seconds_all": verify_s.get(label, []),
             }
         )
+    for label, why in {**skipped, **failed}.items():
+        state = "skipped" if label in skipped else "FAILED"
+        print(f"{label:<48}{state:>9}  {why}")
+        result.append({"loader": label, state.lower(): why})
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / "bench_gpu.json"
     out.write_text(
@@ -257,7 +316,7 @@ def main(argv=None) -> int:
         )
     )
     print(f"[bench_gpu] wrote {out}")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ raises on every rank within seconds.
 
 accelerate ignores its FSDP plugin on CPU and wraps the model in DDP (which fails on DTensor
 parameters); on GPUs it takes the FSDP2 path, which passes the model's FSDPModule root through.
-:func:`_accelerate_fsdp_on_cpu` makes the CPU take the GPU's path (test-only: the library
+training's :func:`accelerate_fsdp_on_cpu` makes the CPU take the GPU's path (test-only: the library
 patches neither accelerate nor transformers).
 """
 
@@ -54,6 +54,7 @@ import torch
 
 import tiny_hf
 from mp import run_ranks
+from training import accelerate_fsdp_on_cpu
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -138,26 +139,6 @@ def _log(trainer) -> list[tuple[int, float, float]]:
     return [(h["step"], h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
 
 
-def _accelerate_fsdp_on_cpu() -> None:
-    """Test shim: accelerate's state keeps MULTI_CPU and drops the FSDP plugin on CPU (it sets
-    FSDP for GPU types only); do for CPU what it does for GPUs."""
-    from accelerate.state import AcceleratorState
-    from accelerate.utils import DistributedType
-
-    if getattr(AcceleratorState, "_moeshard_test_shim", False):
-        return
-    orig = AcceleratorState.__init__
-
-    def init(self, *args, fsdp_plugin=None, **kwargs):
-        orig(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
-        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
-            self.distributed_type = DistributedType.FSDP
-            self.fsdp_plugin = fsdp_plugin
-
-    AcceleratorState.__init__ = init
-    AcceleratorState._moeshard_test_shim = True
-
-
 def _shuffled(ep: int, seed: int):
     import moeshard
 
@@ -180,7 +161,7 @@ def _redundant(ep: int, seed: int, extra: int = 4):
 def trainer_worker(ckpts: dict, root: str) -> dict:
     import moeshard
 
-    _accelerate_fsdp_on_cpu()
+    accelerate_fsdp_on_cpu()
     meshes, out = {}, {}
     for family in tiny_hf.MATRIX:
         _family_runs(family, ckpts[family], os.path.join(root, family), meshes, out)

@@ -140,15 +140,16 @@ def full_params(model, placement, grads: bool = False, of=None) -> dict[str, tor
 
     from moeshard.models.describe import expert_layers
 
-    layer_of = {e.name: e.layer for e in expert_layers(model)}
+    # Only the experts' sliced parameters are in slot order; an experts module's others (gpt-oss's
+    # biases) are whole, one row per logical expert.
+    layer_of = {f"{e.name}.{p.name}": e.layer for e in expert_layers(model) for p in e.spec.params}
     out = {}
     for name, p in model.named_parameters():
         t = of(p) if of is not None else p.grad if grads else p
         t = t.full_tensor() if isinstance(t, DTensor) else t
         t = t.detach().clone()
-        module = name.rsplit(".", 1)[0]
-        if module in layer_of:
-            p2l = torch.from_numpy(placement.phy2log[layer_of[module]].copy()).to(t.device)
+        if name in layer_of:
+            p2l = torch.from_numpy(placement.phy2log[layer_of[name]].copy()).to(t.device)
             logical = t.new_empty((placement.num_logical, *t.shape[1:]))
             logical[p2l] = t  # one copy of each expert
             differs = (t != logical[p2l]).flatten(1).any(1)
