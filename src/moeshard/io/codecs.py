@@ -19,12 +19,12 @@ import sys
 from typing import TYPE_CHECKING, NamedTuple
 
 from .fp8 import to_float32
-from .quant import PackedWeight, Scheme, storage_boxes, value_box
+from .quant import Scheme
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["E2M1_VALUES", "decode", "read_decoded", "Encoded", "encode"]
+__all__ = ["E2M1_VALUES", "decode", "Encoded", "encode"]
 
 # The 16 FP4 E2M1 codes: sign bit 3, exponent bits 2..1, mantissa bit 0.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -134,25 +134,6 @@ def decode(
     if scheme.global_scale == "multiply":
         out.mul_(g)
     return out
-
-
-def read_decoded(reader, pw: PackedWeight, box) -> torch.Tensor:
-    """float32 box ``box`` of quantized weight ``pw``'s LOGICAL tensor (``pw.shape``; gpt-oss's
-    transposed ``[E, H, 2I]`` included), read through ``reader`` (a
-    :class:`~moeshard.io.reader.CheckpointReader`): the packed values' and scales' boxes that hold
-    it, then :func:`decode`. The box must start and end on groups along the packed dim (ValueError
-    naming the key and the group otherwise); any box of the other dims. The path of a read of a
-    few boxes (verify, relocation from disk). Local (any rank); returns a CPU tensor."""
-    tensors = reader.index.tensors
-    vbox = value_box(pw, box)
-    vb, sb = storage_boxes(pw, vbox, tensors[pw.values].shape, tensors[pw.scale].shape)
-    values = reader.read(pw.values, vb)
-    scale = reader.read(pw.scale, sb)
-    global_scale = reader.read(pw.global_scale) if pw.global_scale else None
-    out = decode(pw.scheme, values, scale, global_scale)
-    if pw.scheme.group == 0:  # per tensor: the values carry the shape
-        out = out.reshape(tuple(n for _, n in vbox))
-    return out.transpose(-1, -2) if pw.transposed else out
 
 
 class Encoded(NamedTuple):
