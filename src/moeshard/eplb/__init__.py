@@ -15,7 +15,10 @@ expert has that many) and the reference's answer itself, each refined by a swap 
 that never raises the heaviest rank. So per layer it is never less balanced (max/mean rank
 load) than the reference, by construction. One rule is added: a rank never holds two copies
 of one expert when it can be avoided, unless keeping the rule would be less balanced than
-the reference (then the reference's own duplicates are kept). Slots of dead (or not yet
+the reference (then the reference's own duplicates are kept). Where a node has few slots (at most
+64: small shapes, where the replica counts decide the balance), a joint search over replica
+counts and packing replaces a layer's answer when it is lighter (:mod:`moeshard.eplb.joint`;
+it reaches the optimum of FlashLB's example, 196.7 where the reference has 232). Slots of dead (or not yet
 joined) ranks are ``-1``; slot ids stay those of the full job, so an elastic job never
 renumbers. Details: :mod:`moeshard.eplb.oblivious`.
 
@@ -49,6 +52,7 @@ Modules, each built on those above it:
 * ``oblivious``: deepseek-ai/EPLB's policy (replicate, balanced packing, hierarchical / global)
   and moeshard's improvement of it (spread counts, refinement, the most balanced per layer);
 * ``sticky``: sticky packing of copies onto ranks, the swap repair, the restoring local search;
+* ``joint``: the joint search over replica counts and packing (small nodes);
 * ``aware``: the migration-aware policy (per node and layer, the candidate that moves fewest
   copies);
 * here: :func:`rebalance`, the entry point, and :func:`reference`.
@@ -59,6 +63,7 @@ from __future__ import annotations
 from ..placement import Placement, slots_changed
 from .aware import aware_policy
 from .inputs import check_load, check_placement, check_shape
+from .joint import joint_improve
 from .metrics import balance, copies_moved, rank_loads
 from .oblivious import oblivious_policy, reference_answer
 
@@ -112,7 +117,7 @@ def rebalance(
     if placement is not None:
         check_placement(placement, sh)
     ref = reference_answer(w, sh)
-    obl = oblivious_policy(w, sh, ref)
+    obl = joint_improve(w, sh, oblivious_policy(w, sh, ref))
     if not migration_aware or placement is None:
         return Placement(obl.phy2log.reshape(sh.num_layers, -1), num_logical=sh.num_logical, num_ranks=sh.num_ranks)
     new = aware_policy(w, placement, obl, ref, sh, float(tolerance))
