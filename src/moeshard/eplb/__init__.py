@@ -60,8 +60,11 @@ Modules, each built on those above it:
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..placement import Placement, slots_changed
 from .aware import aware_policy
+from .budget import within_budget
 from .inputs import check_load, check_placement, check_shape
 from .joint import joint_improve
 from .metrics import balance, copies_moved, rank_loads
@@ -81,6 +84,9 @@ def rebalance(
     active_ranks=None,
     migration_aware: bool = True,
     tolerance: float = 0.0,
+    relative_to: str = "reference",
+    hysteresis: float = 0.0,
+    max_moves: int | None = None,
 ) -> Placement:
     """A balanced placement of every MoE layer's experts for ``load``.
 
@@ -100,8 +106,17 @@ def rebalance(
             ``placement`` is None), never less balanced than the reference per layer.
         tolerance: per layer, the aware policy's max/mean rank load is at most
             ``(1 + tolerance)`` x the reference's (:func:`reference`; default 0: never less
-            balanced than the reference. Before 2026-11-26 the limit was the better of the
-            reference's and the oblivious policy's, which was then seldom better).
+            balanced than the reference), or the oblivious policy's (``relative_to``).
+        relative_to: ``"reference"`` (default) or ``"oblivious"``: the answer whose balance
+            ``tolerance`` is relative to (the oblivious answer is at least as balanced).
+        hysteresis: with a current placement, a layer is rebalanced only where the new
+            heaviest rank is lighter than the current one's by more than ``1 + hysteresis``
+            (0: any gain); layers whose current placement is invalid (dead ranks) always are.
+        max_moves: with a current placement, at most this many copies moved in all (copies
+            whose rank did not hold the expert, :func:`copies_moved`); layers in order of
+            balance gained per copy moved, each either rebalanced or left as it is (``0``:
+            nothing moves). Only layers that a dead rank leaves without a live copy of an
+            expert (or, hierarchical, split a group) are rebalanced beyond it. None: no budget.
 
     Returns:
         ``Placement`` with ``phy2log`` ``int[num_layers, num_physical]``.
@@ -114,13 +129,27 @@ def rebalance(
     sh = check_shape(w, num_physical, num_ranks, num_nodes, num_groups, active_ranks)
     if not tolerance >= 0:
         raise ValueError(f"tolerance must be >= 0, got {tolerance}")
+    if not hysteresis >= 0:
+        raise ValueError(f"hysteresis must be >= 0, got {hysteresis}")
+    if relative_to not in ("reference", "oblivious"):
+        raise ValueError(f"relative_to must be 'reference' or 'oblivious', got {relative_to!r}")
+    if max_moves is not None:
+        if isinstance(max_moves, bool) or not isinstance(max_moves, (int, np.integer)) or max_moves < 0:
+            raise ValueError(f"max_moves must be a non-negative integer or None, got {max_moves!r}")
+        if placement is None:
+            raise ValueError("max_moves needs the current placement (moves are counted from it)")
     if placement is not None:
         check_placement(placement, sh)
     ref = reference_answer(w, sh)
     obl = joint_improve(w, sh, oblivious_policy(w, sh, ref))
     if not migration_aware or placement is None:
-        return Placement(obl.phy2log.reshape(sh.num_layers, -1), num_logical=sh.num_logical, num_ranks=sh.num_ranks)
-    new = aware_policy(w, placement, obl, ref, sh, float(tolerance))
+        new = obl.phy2log
+    else:
+        limit = obl.max_load * (1 + tolerance) if relative_to == "oblivious" else None
+        new = aware_policy(w, placement, obl, ref, sh, float(tolerance), limit)
+    if placement is not None and (max_moves is not None or hysteresis > 0):
+        old3 = np.where(sh.active[None, :, None], placement.phy2log.reshape(new.shape), -1)
+        new = within_budget(w, old3, new, sh, max_moves, float(hysteresis))
     return Placement(new.reshape(sh.num_layers, -1), num_logical=sh.num_logical, num_ranks=sh.num_ranks)
 
 

@@ -40,13 +40,15 @@ from .refine import lower_peak
 
 # Most count vectors packed by the enumeration per call (spread over the rows that need it,
 # at least ENUMERATE_ROW per row; rows with more ways go to the local search).
-ENUMERATE = 20000
+ENUMERATE = 4096
 ENUMERATE_ROW = 64
 # Most rows x count vectors packed in one batch of the enumeration (memory).
 BATCH = 16384
 # Local search rounds, and the most experts whose copy is taken per round.
-ROUNDS = 12
+ROUNDS = 6
 NUM_DONORS = 6
+# Most count vectors packed per local search round (fewer donors per row when many rows).
+ROUND_BUDGET = 512
 # Nodes of more slots than this are left to the oblivious policy: the search repacks whole
 # rows many times (seconds at DeepSeek-V3's shape), and there it found no lighter rank (nine
 # slots per rank leave the packing room to even out the counts' choice).
@@ -79,13 +81,15 @@ def row_bound(w: np.ndarray, num_slots: int, num_ranks: int) -> np.ndarray:
 
 
 def pack_counts(
-    w: np.ndarray, cnt: np.ndarray, num_ranks: int, num_s: int, duplicates: bool = False
+    w: np.ndarray, cnt: np.ndarray, num_ranks: int, num_s: int, duplicates: bool = False, repair: bool = True
 ) -> tuple[np.ndarray, np.ndarray]:
     """Pack ``cnt`` ``int[B, n]`` copies (sum ``num_ranks * num_s`` per row) of items of load
     ``w`` ``float[B, n]`` onto ``num_ranks`` ranks of ``num_s`` slots: the reference's greedy
     with moeshard's rule, the swap repair, the swap local search. ``duplicates``: also without
     the rule, taken per row where strictly lighter (a rank with two copies of an expert
-    carries both shares; with few slots that can lower the heaviest rank). Returns packs
+    carries both shares; with few slots that can lower the heaviest rank). ``repair``: the
+    swap repair of the rule's rare dead ends (a loop over rows: the search scores count
+    vectors without it and repairs its final answer). Returns packs
     ``int[B, num_ranks, num_s]`` item ids and rank loads ``float[B, num_ranks]``."""
     num_b, n = w.shape
     phy = np.repeat(np.tile(np.arange(n), num_b), cnt.ravel()).reshape(num_b, -1)
@@ -97,7 +101,7 @@ def pack_counts(
         slots = balanced_pack(wc[rows, phy], phy if rule else None, n, num_ranks, num_s)
         packs = phy[bi, slots]
         cap = per_rank_cap(cnt, np.full(num_b, num_ranks))
-        if rule:
+        if rule and repair:
             repair_duplicates(packs, wc, cap)
         else:
             cap = np.maximum(cap, count_last(packs, n)[..., :n].max(1))
@@ -140,7 +144,7 @@ class _Best:
 
     def __init__(self, w, cnt, num_ranks, num_s):
         self.cnt = cnt.copy()
-        self.packs, loads = pack_counts(w, cnt, num_ranks, num_s, duplicates=True)
+        self.packs, loads = pack_counts(w, cnt, num_ranks, num_s, duplicates=True, repair=False)
         self.peak, self.sq = _score(loads)
 
     def offer(self, rows: np.ndarray, cnt: np.ndarray, packs: np.ndarray, loads: np.ndarray) -> np.ndarray:
@@ -182,7 +186,7 @@ def _enumerate(w, best: _Best, rows: np.ndarray, num_ranks: int, num_s: int) -> 
             r = sel[i : i + per]
             rr = np.repeat(r, len(comps))
             cnt = np.repeat(kx[i : i + per], len(comps), 0) + np.tile(comps, (len(r), 1))
-            packs, loads = pack_counts(w[rr], cnt, num_ranks, num_s, duplicates=True)
+            packs, loads = pack_counts(w[rr], cnt, num_ranks, num_s, duplicates=True, repair=False)
             best.offer(rr, cnt, packs, loads)
 
 
@@ -190,11 +194,11 @@ def _local_search(w, best: _Best, rows: np.ndarray, lb: np.ndarray, num_ranks: i
     """Moves of one copy from a donor (an expert whose copy grows least) to an expert on the
     heaviest rank, the best per row and round while it improves."""
     n = w.shape[1]
-    num_d = min(NUM_DONORS, n)
     for _ in range(ROUNDS):
         rows = rows[best.peak[rows] > lb[rows] * (1 + 1e-9)]
         if not len(rows):
             return
+        num_d = max(1, min(NUM_DONORS, n, ROUND_BUDGET // (len(rows) * num_s)))
         cnt, wr = best.cnt[rows], w[rows]
         loads = load_per_copy(wr, cnt)[np.arange(len(rows))[:, None, None], best.packs[rows]].sum(-1)
         h = loads.argmax(1)
@@ -208,7 +212,7 @@ def _local_search(w, best: _Best, rows: np.ndarray, lb: np.ndarray, num_ranks: i
         cand = cnt[m_].copy()
         cand[np.arange(len(m_)), takers[m_, t_]] += 1
         cand[np.arange(len(m_)), donors[m_, d_]] -= 1
-        packs, cl = pack_counts(wr[m_], cand, num_ranks, num_s, duplicates=True)
+        packs, cl = pack_counts(wr[m_], cand, num_ranks, num_s, duplicates=True, repair=False)
         improved = best.offer(rows[m_], cand, packs, cl)
         rows = rows[improved[rows]]
 
@@ -226,7 +230,7 @@ def search(
     for c in starts[1:]:
         new = np.flatnonzero((c != starts[0]).any(1))
         if len(new):
-            best.offer(new, c[new], *pack_counts(w[new], c[new], num_ranks, num_s, duplicates=True))
+            best.offer(new, c[new], *pack_counts(w[new], c[new], num_ranks, num_s, duplicates=True, repair=False))
     lb = row_bound(w, num_slots, num_ranks)
     # counts just enough for every copy to fit under a few targets above the bound
     loaded = np.flatnonzero(lb > 0)  # a row with no load is balanced as it is
@@ -236,13 +240,17 @@ def search(
         fits, c = loaded[keep], c[keep]
         if len(fits):
             c = fill_counts(w[fits], c, num_slots, num_ranks)
-            best.offer(fits, c, *pack_counts(w[fits], c, num_ranks, num_s, duplicates=True))
+            best.offer(fits, c, *pack_counts(w[fits], c, num_ranks, num_s, duplicates=True, repair=False))
     open_ = np.flatnonzero(best.peak > lb * (1 + 1e-9))
     if len(open_):
         _enumerate(w, best, open_, num_ranks, num_s)
     open_ = np.flatnonzero(best.peak > lb * (1 + 1e-9))
     if len(open_):
         _local_search(w, best, open_, lb, num_ranks, num_s)
+    # the final counts packed again with the repair: kept where no heavier
+    packs, loads = pack_counts(w, best.cnt, num_ranks, num_s, duplicates=True)
+    take = loads.max(1) <= best.peak * (1 + _TIE)
+    best.packs[take], best.peak[take] = packs[take], loads.max(1)[take]
     return best.cnt, best.packs, best.peak
 
 
