@@ -92,3 +92,35 @@ def test_budget_needs_a_placement():
     load, _ = _trace()
     with pytest.raises(ValueError, match="current placement"):
         eplb.rebalance(load, None, **CFG, max_moves=3)
+
+
+# -- replica budgets per layer -------------------------------------------------------------------
+
+
+def test_replica_budget_per_layer_with_empty_slots():
+    skewed = zipf_trace(2, 16, 1, seed=1, alpha=1.5)[0]
+    flat = zipf_trace(2, 16, 1, seed=2, alpha=0.1)[0]
+    load = np.concatenate([skewed, flat])
+    total = 4 * 16 + 12
+    pl = eplb.rebalance_replicas(load, total, num_physical=32, num_ranks=8)
+    per = pl.logcnt.sum(1)
+    assert per.sum() == total and (pl.logcnt >= 1).all()
+    assert (per[:2] > per[2:]).all()  # the skewed layers get the copies
+    np.testing.assert_array_equal((pl.phy2log < 0).sum(1), 32 - per)  # the rest empty
+    np.testing.assert_array_equal(pl.empty.sum(1), 32 - per)
+    # skewed layers are more balanced than with one copy per expert and every slot empty beyond
+    one = eplb.rebalance_replicas(load, 4 * 16, num_physical=32, num_ranks=8)
+    assert (eplb.balance(load, pl, 8)[:2] < eplb.balance(load, one, 8)[:2]).all()
+    # a dead rank: its slots empty, the budget counts live slots only
+    alive = np.ones(8, dtype=bool)
+    alive[3] = False
+    dead = eplb.rebalance_replicas(load, total, num_physical=32, num_ranks=8, active_ranks=alive)
+    assert (dead.phy2log.reshape(4, 8, 4)[:, 3] == -1).all()
+    assert dead.logcnt.sum() == total and (dead.logcnt >= 1).all()
+
+
+@pytest.mark.parametrize("total", [4 * 16 - 1, 4 * 32 + 1, 70.0])
+def test_replica_budget_checked(total):
+    load = zipf_trace(4, 16, 1, seed=1)[0]
+    with pytest.raises(ValueError, match="total_copies"):
+        eplb.rebalance_replicas(load, total, num_physical=32, num_ranks=8)

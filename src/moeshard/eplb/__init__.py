@@ -53,6 +53,8 @@ Modules, each built on those above it:
   and moeshard's improvement of it (spread counts, refinement, the most balanced per layer);
 * ``sticky``: sticky packing of copies onto ranks, the swap repair, the restoring local search;
 * ``joint``: the joint search over replica counts and packing (small nodes);
+* ``budget``: move budgets and hysteresis (which layers of a new placement to take);
+* ``replicas``: replica budgets per layer (:func:`rebalance_replicas`);
 * ``aware``: the migration-aware policy (per node and layer, the candidate that moves fewest
   copies);
 * here: :func:`rebalance`, the entry point, and :func:`reference`.
@@ -69,8 +71,9 @@ from .inputs import check_load, check_placement, check_shape
 from .joint import joint_improve
 from .metrics import balance, copies_moved, rank_loads
 from .oblivious import oblivious_policy, reference_answer
+from .replicas import budget_policy, split_budget
 
-__all__ = ["rebalance", "reference", "rank_loads", "balance", "copies_moved", "slots_changed"]
+__all__ = ["rebalance", "rebalance_replicas", "reference", "rank_loads", "balance", "copies_moved", "slots_changed"]
 
 
 def rebalance(
@@ -182,3 +185,48 @@ def reference(
     sh = check_shape(w, num_physical, num_ranks, num_nodes, num_groups, active_ranks)
     ref = reference_answer(w, sh)
     return Placement(ref.phy2log.reshape(sh.num_layers, -1), num_logical=sh.num_logical, num_ranks=sh.num_ranks)
+
+
+def rebalance_replicas(
+    load,
+    total_copies: int,
+    *,
+    num_physical: int,
+    num_ranks: int,
+    num_nodes: int = 1,
+    active_ranks=None,
+) -> Placement:
+    """Per-layer replica budgets: ``total_copies`` expert copies for all layers, skewed layers
+    getting more (each copy beyond one per expert to the layer whose heaviest copy over its
+    mean rank load is highest), each layer placed by the oblivious policy (global: any expert
+    on any live rank), the live slots it does not use empty (``-1``). Pure.
+
+    Args:
+        load: ``float[num_layers, num_logical]`` tokens routed to each logical expert.
+        total_copies: copies in all layers together, from ``num_layers * num_logical`` (one
+            per expert) to ``num_layers`` x the live slots of a layer.
+        num_physical, num_ranks, num_nodes, active_ranks: as :func:`rebalance`.
+
+    Returns:
+        ``Placement`` with ``phy2log`` ``int[num_layers, num_physical]``; ``logcnt.sum(1)``
+        is each layer's share of ``total_copies``.
+
+    Raises:
+        ValueError: as :func:`rebalance`, and a ``total_copies`` out of that range.
+    """
+    w = check_load(load)
+    sh = check_shape(w, num_physical, num_ranks, num_nodes, None, active_ranks)
+    live_slots = int(sh.active.sum()) * sh.slots_per_rank
+    lo, hi = sh.num_layers * sh.num_logical, sh.num_layers * live_slots
+    if (
+        isinstance(total_copies, bool)
+        or not isinstance(total_copies, (int, np.integer))
+        or not lo <= total_copies <= hi
+    ):
+        raise ValueError(
+            f"total_copies must be an integer in [{lo}, {hi}] (one copy per expert to every live slot), "
+            f"got {total_copies!r}"
+        )
+    per = split_budget(w, int(total_copies), live_slots, int(sh.active.sum()))
+    new = budget_policy(w, sh, per, int(num_nodes), sh.active)
+    return Placement(new.reshape(sh.num_layers, -1), num_logical=sh.num_logical, num_ranks=sh.num_ranks)
