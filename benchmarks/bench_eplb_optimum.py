@@ -41,6 +41,7 @@ from moeshard.cli.bench.traces import zipf_trace
 
 SHAPES = {
     "deepseek_v3": dict(logical=256, physical=288, ranks=32, nodes=4, groups=8),
+    "deepseek_v3_global": dict(logical=256, physical=288, ranks=32, nodes=4, groups=None),
     "qwen3_235b": dict(logical=128, physical=160, ranks=32, nodes=4, groups=None),
     "kimi_k2": dict(logical=384, physical=416, ranks=32, nodes=4, groups=None),
 }

@@ -4,8 +4,10 @@ the shapes the solver cannot finish.
 
 The problem (one layer): experts of load ``w[e]``; ``num_ranks`` ranks of ``slots_per_rank``
 slots, every slot filled; expert ``e`` gets ``c[e] >= 1`` copies, each carrying ``w[e] / c[e]``
-(two copies on one rank count twice, as :func:`moeshard.eplb.balance` weighs them). Minimize
-the heaviest rank's load.
+(two copies on one rank count twice, as :func:`moeshard.eplb.balance` weighs them); by default
+a rank holds at most ``ceil(c[e] / num_ranks)`` copies of ``e``, moeshard's rule (a second
+copy of an expert on a rank wastes a slot; the policies keep the rule wherever they can).
+Minimize the heaviest rank's load.
 
 Integer program (:func:`solve_exact`): binary ``z[e, k]`` (expert ``e`` has ``k`` copies),
 integer ``n[p]`` (ranks holding the multiset ``p`` of copies), ``sum_k z[e, k] = 1``, copies
@@ -41,11 +43,15 @@ class Exact:
     seconds: float
 
 
-def solve_exact(w, num_ranks: int, slots_per_rank: int, upper: float | None = None, time_limit: float = 20.0) -> Exact:
+def solve_exact(
+    w, num_ranks: int, slots_per_rank: int, upper: float | None = None, time_limit: float = 20.0, rule: bool = True
+) -> Exact:
     """The exact min-max rank load of one layer ``w`` ``float[E]`` (global policy: any expert
     on any rank). ``upper``: a known max rank load (a heuristic's) that prunes the copy counts
-    and rank patterns (default: the reference's, :func:`moeshard.eplb.reference`). Needs
-    ``highspy``.
+    and rank patterns (default: the larger of the reference's and moeshard's; where it
+    proves too low, the total load). ``rule``: moeshard's rule, a rank holds at most
+    ``ceil(k / num_ranks)`` copies of an expert of ``k`` copies (False: any number, the
+    unconstrained optimum). Needs ``highspy``.
 
     Ranks are interchangeable, so the program counts rank *patterns* (a multiset of
     ``slots_per_rank`` copies ``(e, k)``: a copy of ``e`` when it has ``k`` copies) instead of
@@ -60,8 +66,14 @@ def solve_exact(w, num_ranks: int, slots_per_rank: int, upper: float | None = No
     if upper is None:
         from moeshard import eplb
 
-        ref = eplb.reference(w[None], num_physical=num_slots, num_ranks=num_ranks)
-        upper = float(eplb.rank_loads(w[None], ref, num_ranks).max())
+        cfg = dict(num_physical=num_slots, num_ranks=num_ranks)
+        ref = eplb.reference(w[None], **cfg)
+        own = eplb.rebalance(w[None], **cfg, migration_aware=False)
+        upper = max(float(eplb.rank_loads(w[None], p, num_ranks).max()) for p in (ref, own))
+        found = solve_exact(w, num_ranks, slots_per_rank, upper, time_limit, rule)
+        if found.status != "infeasible":
+            return found
+        upper = float(w.sum())
     upper = upper * (1 + 1e-9) + 1e-12
     kmin = np.maximum(1, np.ceil(w / upper - 1e-12)).astype(np.int64)
     kmax = num_slots - (kmin.sum() - kmin)
@@ -75,6 +87,8 @@ def solve_exact(w, num_ranks: int, slots_per_rank: int, upper: float | None = No
             experts.setdefault(e, set()).add(k)
         if any(len(ks) > 1 for ks in experts.values()):
             continue  # two different counts of one expert: never consistent
+        if rule and any(combo.count(i) > -(-pieces[i][1] // num_ranks) for i in set(combo)):
+            continue  # moeshard's rule: no two copies of an expert on a rank when avoidable
         load = float(pw[list(combo)].sum())
         if load <= upper:
             patterns.append(combo)
@@ -117,6 +131,8 @@ def solve_exact(w, num_ranks: int, slots_per_rank: int, upper: float | None = No
     ranks = np.array(ranks, dtype=np.int64).reshape(-1, slots_per_rank)
     value = float(sol[t.index])
     bound = value if ok else float(h.getInfo().mip_dual_bound)
+    if status == highspy.HighsModelStatus.kInfeasible:
+        return Exact("infeasible", np.inf, np.inf, counts, ranks, float(h.getRunTime()))
     return Exact("optimal" if ok else "time_limit", value, bound, counts, ranks, float(h.getRunTime()))
 
 

@@ -1,5 +1,6 @@
 """Tier 1: the oblivious policy at the optimum of small instances (the joint search over replica
-counts and placement), checked against the exact solver (``benchmarks/eplb_exact.py``, HiGHS)."""
+counts and placement), checked against the exact solver (``benchmarks/eplb_exact.py``, HiGHS,
+with moeshard's rule: no two copies of an expert on a rank when avoidable)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ def test_small_instances_at_the_exact_optimum():
         assert exact.status == "optimal"
         pl = eplb.rebalance(w[None], num_physical=ranks * slots, num_ranks=ranks, migration_aware=False)
         got = eplb.rank_loads(w[None], pl, ranks).max()
-        # the solver's value is within its own tolerance of the optimum
+        # the optimum among placements that keep moeshard's rule (the policy yields the rule
+        # only to the reference's own duplicates, which can be lighter still), within the
+        # solver's tolerance
         assert got <= exact.value * (1 + 1e-6), (w, ranks, slots, pl.logcnt, exact.counts)
-        assert got >= exact.bound * (1 - 1e-6)

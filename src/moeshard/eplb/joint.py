@@ -144,7 +144,7 @@ class _Best:
 
     def __init__(self, w, cnt, num_ranks, num_s):
         self.cnt = cnt.copy()
-        self.packs, loads = pack_counts(w, cnt, num_ranks, num_s, duplicates=True, repair=False)
+        self.packs, loads = pack_counts(w, cnt, num_ranks, num_s, repair=False)
         self.peak, self.sq = _score(loads)
 
     def offer(self, rows: np.ndarray, cnt: np.ndarray, packs: np.ndarray, loads: np.ndarray) -> np.ndarray:
@@ -186,7 +186,7 @@ def _enumerate(w, best: _Best, rows: np.ndarray, num_ranks: int, num_s: int) -> 
             r = sel[i : i + per]
             rr = np.repeat(r, len(comps))
             cnt = np.repeat(kx[i : i + per], len(comps), 0) + np.tile(comps, (len(r), 1))
-            packs, loads = pack_counts(w[rr], cnt, num_ranks, num_s, duplicates=True, repair=False)
+            packs, loads = pack_counts(w[rr], cnt, num_ranks, num_s, repair=False)
             best.offer(rr, cnt, packs, loads)
 
 
@@ -212,7 +212,7 @@ def _local_search(w, best: _Best, rows: np.ndarray, lb: np.ndarray, num_ranks: i
         cand = cnt[m_].copy()
         cand[np.arange(len(m_)), takers[m_, t_]] += 1
         cand[np.arange(len(m_)), donors[m_, d_]] -= 1
-        packs, cl = pack_counts(wr[m_], cand, num_ranks, num_s, duplicates=True, repair=False)
+        packs, cl = pack_counts(wr[m_], cand, num_ranks, num_s, repair=False)
         improved = best.offer(rows[m_], cand, packs, cl)
         rows = rows[improved[rows]]
 
@@ -230,7 +230,7 @@ def search(
     for c in starts[1:]:
         new = np.flatnonzero((c != starts[0]).any(1))
         if len(new):
-            best.offer(new, c[new], *pack_counts(w[new], c[new], num_ranks, num_s, duplicates=True, repair=False))
+            best.offer(new, c[new], *pack_counts(w[new], c[new], num_ranks, num_s, repair=False))
     lb = row_bound(w, num_slots, num_ranks)
     # counts just enough for every copy to fit under a few targets above the bound
     loaded = np.flatnonzero(lb > 0)  # a row with no load is balanced as it is
@@ -240,7 +240,7 @@ def search(
         fits, c = loaded[keep], c[keep]
         if len(fits):
             c = fill_counts(w[fits], c, num_slots, num_ranks)
-            best.offer(fits, c, *pack_counts(w[fits], c, num_ranks, num_s, duplicates=True, repair=False))
+            best.offer(fits, c, *pack_counts(w[fits], c, num_ranks, num_s, repair=False))
     open_ = np.flatnonzero(best.peak > lb * (1 + 1e-9))
     if len(open_):
         _enumerate(w, best, open_, num_ranks, num_s)
@@ -248,7 +248,7 @@ def search(
     if len(open_):
         _local_search(w, best, open_, lb, num_ranks, num_s)
     # the final counts packed again with the repair: kept where no heavier
-    packs, loads = pack_counts(w, best.cnt, num_ranks, num_s, duplicates=True)
+    packs, loads = pack_counts(w, best.cnt, num_ranks, num_s)
     take = loads.max(1) <= best.peak * (1 + _TIE)
     best.packs[take], best.peak[take] = packs[take], loads.max(1)[take]
     return best.cnt, best.packs, best.peak
