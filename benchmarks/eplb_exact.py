@@ -48,7 +48,7 @@ def solve_exact(
 ) -> Exact:
     """The exact min-max rank load of one layer ``w`` ``float[E]`` (global policy: any expert
     on any rank). ``upper``: a known max rank load (a heuristic's) that prunes the copy counts
-    and rank patterns (default: the larger of the reference's and moeshard's; where it
+    and rank patterns (default: the lighter of the reference's and moeshard's; where it
     proves too low, the total load). ``rule``: moeshard's rule, a rank holds at most
     ``ceil(k / num_ranks)`` copies of an expert of ``k`` copies (False: any number, the
     unconstrained optimum). Needs ``highspy``.
@@ -69,7 +69,9 @@ def solve_exact(
         cfg = dict(num_physical=num_slots, num_ranks=num_ranks)
         ref = eplb.reference(w[None], **cfg)
         own = eplb.rebalance(w[None], **cfg, migration_aware=False)
-        upper = max(float(eplb.rank_loads(w[None], p, num_ranks).max()) for p in (ref, own))
+        # moeshard's answer first (the tightest pruning); it may hold the reference's
+        # duplicates, then the rule's optimum can lie above it: the solver says infeasible
+        upper = min(float(eplb.rank_loads(w[None], p, num_ranks).max()) for p in (ref, own))
         found = solve_exact(w, num_ranks, slots_per_rank, upper, time_limit, rule)
         if found.status != "infeasible":
             return found

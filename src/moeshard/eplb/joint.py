@@ -247,11 +247,9 @@ def search(
     open_ = np.flatnonzero(best.peak > lb * (1 + 1e-9))
     if len(open_):
         _local_search(w, best, open_, lb, num_ranks, num_s)
-    # the final counts packed again with the repair: kept where no heavier
+    # the final counts packed again with the rule's repair (the search scored them without)
     packs, loads = pack_counts(w, best.cnt, num_ranks, num_s)
-    take = loads.max(1) <= best.peak * (1 + _TIE)
-    best.packs[take], best.peak[take] = packs[take], loads.max(1)[take]
-    return best.cnt, best.packs, best.peak
+    return best.cnt, packs, loads.max(1)
 
 
 def joint_improve(w: np.ndarray, sh: Shape, obl: ObliviousAnswer) -> ObliviousAnswer:
@@ -273,7 +271,10 @@ def joint_improve(w: np.ndarray, sh: Shape, obl: ObliviousAnswer) -> ObliviousAn
     wc = load_per_copy(w, cnt)
     li = np.arange(num_layers)[:, None, None]
     max_load = np.where(p2l >= 0, wc[li, np.maximum(p2l, 0)], 0.0).sum(-1).max(1)
-    take = max_load < obl.max_load * (1 - _TIE)
+    # taken where lighter and keeping moeshard's rule (the repair may meet a dead end)
+    per_rank = count_last(packs.reshape(num_layers, n * live, s), num_logical)[..., :num_logical]
+    keeps = (per_rank <= per_rank_cap(cnt, np.full(num_layers, live))[:, None, :]).all((1, 2))
+    take = keeps & (max_load < obl.max_load * (1 - _TIE))
     if not take.any():
         return obl
     fields = {f: getattr(obl, f).copy() for f in ObliviousAnswer.__dataclass_fields__}
