@@ -71,7 +71,9 @@ def test_reference_properties(cfg):
     load = rng.random((3, num_logical)) * 100  # no ties: replica counts as moeshard's
     ref = eplb.reference(load, **cfg)
     _valid(ref, load, cfg, np.ones(r, dtype=bool))
-    np.testing.assert_array_equal(ref.logcnt, eplb.rebalance(load, **cfg, migration_aware=False).logcnt)
+    # the oblivious policy may choose other replica counts (the joint search), never less balanced
+    obl = eplb.rebalance(load, **cfg, migration_aware=False)
+    assert (eplb.balance(load, obl, r) <= eplb.balance(load, ref, r) * (1 + 1e-12)).all()
     # dead rank: its slots empty, slot ids of the others unchanged
     active = np.ones(r, dtype=bool)
     active[1] = False

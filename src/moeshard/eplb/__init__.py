@@ -15,7 +15,10 @@ expert has that many) and the reference's answer itself, each refined by a swap 
 that never raises the heaviest rank. So per layer it is never less balanced (max/mean rank
 load) than the reference, by construction. One rule is added: a rank never holds two copies
 of one expert when it can be avoided, unless keeping the rule would be less balanced than
-the reference (then the reference's own duplicates are kept). Slots of dead (or not yet
+the reference (then the reference's own duplicates are kept). Where a node has few slots (at most
+64: small shapes, where the replica counts decide the balance), a joint search over replica
+counts and packing replaces a layer's answer when it is lighter (:mod:`moeshard.eplb.joint`;
+it reaches the optimum of FlashLB's example, 196.7 where the reference has 232). Slots of dead (or not yet
 joined) ranks are ``-1``; slot ids stay those of the full job, so an elastic job never
 renumbers. Details: :mod:`moeshard.eplb.oblivious`.
 
@@ -49,6 +52,9 @@ Modules, each built on those above it:
 * ``oblivious``: deepseek-ai/EPLB's policy (replicate, balanced packing, hierarchical / global)
   and moeshard's improvement of it (spread counts, refinement, the most balanced per layer);
 * ``sticky``: sticky packing of copies onto ranks, the swap repair, the restoring local search;
+* ``joint``: the joint search over replica counts and packing (small nodes);
+* ``budget``: move budgets and hysteresis (which layers of a new placement to take);
+* ``replicas``: replica budgets per layer (:func:`rebalance_replicas`);
 * ``aware``: the migration-aware policy (per node and layer, the candidate that moves fewest
   copies);
 * here: :func:`rebalance`, the entry point, and :func:`reference`.
@@ -56,13 +62,18 @@ Modules, each built on those above it:
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..placement import Placement, slots_changed
 from .aware import aware_policy
+from .budget import within_budget
 from .inputs import check_load, check_placement, check_shape
+from .joint import joint_improve
 from .metrics import balance, copies_moved, rank_loads
 from .oblivious import oblivious_policy, reference_answer
+from .replicas import budget_policy, split_budget
 
-__all__ = ["rebalance", "reference", "rank_loads", "balance", "copies_moved", "slots_changed"]
+__all__ = ["rebalance", "rebalance_replicas", "reference", "rank_loads", "balance", "copies_moved", "slots_changed"]
 
 
 def rebalance(
@@ -76,6 +87,9 @@ def rebalance(
     active_ranks=None,
     migration_aware: bool = True,
     tolerance: float = 0.0,
+    relative_to: str = "reference",
+    hysteresis: float = 0.0,
+    max_moves: int | None = None,
 ) -> Placement:
     """A balanced placement of every MoE layer's experts for ``load``.
 
@@ -95,8 +109,17 @@ def rebalance(
             ``placement`` is None), never less balanced than the reference per layer.
         tolerance: per layer, the aware policy's max/mean rank load is at most
             ``(1 + tolerance)`` x the reference's (:func:`reference`; default 0: never less
-            balanced than the reference. Before 2026-11-26 the limit was the better of the
-            reference's and the oblivious policy's, which was then seldom better).
+            balanced than the reference), or the oblivious policy's (``relative_to``).
+        relative_to: ``"reference"`` (default) or ``"oblivious"``: the answer whose balance
+            ``tolerance`` is relative to (the oblivious answer is at least as balanced).
+        hysteresis: with a current placement, a layer is rebalanced only where the new
+            heaviest rank is lighter than the current one's by more than ``1 + hysteresis``
+            (0: any gain); layers whose current placement is invalid (dead ranks) always are.
+        max_moves: with a current placement, at most this many copies moved in all (copies
+            whose rank did not hold the expert, :func:`copies_moved`); layers in order of
+            balance gained per copy moved, each either rebalanced or left as it is (``0``:
+            nothing moves). Only layers that a dead rank leaves without a live copy of an
+            expert (or, hierarchical, split a group) are rebalanced beyond it. None: no budget.
 
     Returns:
         ``Placement`` with ``phy2log`` ``int[num_layers, num_physical]``.
@@ -109,13 +132,27 @@ def rebalance(
     sh = check_shape(w, num_physical, num_ranks, num_nodes, num_groups, active_ranks)
     if not tolerance >= 0:
         raise ValueError(f"tolerance must be >= 0, got {tolerance}")
+    if not hysteresis >= 0:
+        raise ValueError(f"hysteresis must be >= 0, got {hysteresis}")
+    if relative_to not in ("reference", "oblivious"):
+        raise ValueError(f"relative_to must be 'reference' or 'oblivious', got {relative_to!r}")
+    if max_moves is not None:
+        if isinstance(max_moves, bool) or not isinstance(max_moves, (int, np.integer)) or max_moves < 0:
+            raise ValueError(f"max_moves must be a non-negative integer or None, got {max_moves!r}")
+        if placement is None:
+            raise ValueError("max_moves needs the current placement (moves are counted from it)")
     if placement is not None:
         check_placement(placement, sh)
     ref = reference_answer(w, sh)
-    obl = oblivious_policy(w, sh, ref)
+    obl = joint_improve(w, sh, oblivious_policy(w, sh, ref))
     if not migration_aware or placement is None:
-        return Placement(obl.phy2log.reshape(sh.num_layers, -1), num_logical=sh.num_logical, num_ranks=sh.num_ranks)
-    new = aware_policy(w, placement, obl, ref, sh, float(tolerance))
+        new = obl.phy2log
+    else:
+        limit = obl.max_load * (1 + tolerance) if relative_to == "oblivious" else None
+        new = aware_policy(w, placement, obl, ref, sh, float(tolerance), limit)
+    if placement is not None and (max_moves is not None or hysteresis > 0):
+        old3 = np.where(sh.active[None, :, None], placement.phy2log.reshape(new.shape), -1)
+        new = within_budget(w, old3, new, sh, max_moves, float(hysteresis))
     return Placement(new.reshape(sh.num_layers, -1), num_logical=sh.num_logical, num_ranks=sh.num_ranks)
 
 
@@ -148,3 +185,48 @@ def reference(
     sh = check_shape(w, num_physical, num_ranks, num_nodes, num_groups, active_ranks)
     ref = reference_answer(w, sh)
     return Placement(ref.phy2log.reshape(sh.num_layers, -1), num_logical=sh.num_logical, num_ranks=sh.num_ranks)
+
+
+def rebalance_replicas(
+    load,
+    total_copies: int,
+    *,
+    num_physical: int,
+    num_ranks: int,
+    num_nodes: int = 1,
+    active_ranks=None,
+) -> Placement:
+    """Per-layer replica budgets: ``total_copies`` expert copies for all layers, skewed layers
+    getting more (each copy beyond one per expert to the layer whose heaviest copy over its
+    mean rank load is highest), each layer placed by the oblivious policy (global: any expert
+    on any live rank), the live slots it does not use empty (``-1``). Pure.
+
+    Args:
+        load: ``float[num_layers, num_logical]`` tokens routed to each logical expert.
+        total_copies: copies in all layers together, from ``num_layers * num_logical`` (one
+            per expert) to ``num_layers`` x the live slots of a layer.
+        num_physical, num_ranks, num_nodes, active_ranks: as :func:`rebalance`.
+
+    Returns:
+        ``Placement`` with ``phy2log`` ``int[num_layers, num_physical]``; ``logcnt.sum(1)``
+        is each layer's share of ``total_copies``.
+
+    Raises:
+        ValueError: as :func:`rebalance`, and a ``total_copies`` out of that range.
+    """
+    w = check_load(load)
+    sh = check_shape(w, num_physical, num_ranks, num_nodes, None, active_ranks)
+    live_slots = int(sh.active.sum()) * sh.slots_per_rank
+    lo, hi = sh.num_layers * sh.num_logical, sh.num_layers * live_slots
+    if (
+        isinstance(total_copies, bool)
+        or not isinstance(total_copies, (int, np.integer))
+        or not lo <= total_copies <= hi
+    ):
+        raise ValueError(
+            f"total_copies must be an integer in [{lo}, {hi}] (one copy per expert to every live slot), "
+            f"got {total_copies!r}"
+        )
+    per = split_budget(w, int(total_copies), live_slots, int(sh.active.sum()))
+    new = budget_policy(w, sh, per, int(num_nodes), sh.active)
+    return Placement(new.reshape(sh.num_layers, -1), num_logical=sh.num_logical, num_ranks=sh.num_ranks)

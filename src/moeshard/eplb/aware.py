@@ -397,7 +397,7 @@ def _lpt_nodes(
     return np.where(np.repeat(bad, sh.ranks_per_node, axis=1)[:, :, None], lpt, cand)
 
 
-def _still_valid(old3: np.ndarray, sh: Shape) -> np.ndarray:
+def still_valid(old3: np.ndarray, sh: Shape) -> np.ndarray:
     """``bool[L]``: the old placement ``int[L, R, S]`` (dead ranks' slots -1) is a valid answer
     as it is: every expert has a live copy, and (hierarchical) each group lives on one node,
     ``G / N`` groups per node."""
@@ -416,27 +416,35 @@ def _still_valid(old3: np.ndarray, sh: Shape) -> np.ndarray:
 
 
 def aware_policy(
-    w: np.ndarray, placement: Placement, obl: ObliviousAnswer, ref: ObliviousAnswer, sh: Shape, tol: float
+    w: np.ndarray,
+    placement: Placement,
+    obl: ObliviousAnswer,
+    ref: ObliviousAnswer,
+    sh: Shape,
+    tol: float,
+    limit: np.ndarray | None = None,
 ) -> np.ndarray:
     """The migration-aware policy (module docstring): ``obl`` moeshard's oblivious answer,
-    ``ref`` the reference's; returns ``int[L, R, S]``."""
+    ``ref`` the reference's; per layer the heaviest rank stays within ``limit`` ``float[L]``
+    (default: the reference's, times ``1 + tol``; never below the oblivious answer's);
+    returns ``int[L, R, S]``."""
     num_layers, num_logical = w.shape
     s = sh.slots_per_rank
     old3 = np.where(sh.active[None, :, None], placement.phy2log.reshape(num_layers, sh.num_ranks, s), -1)
     held_old = held_by_rank(old3, num_logical)
-    limit = ref.max_load * (1 + tol)
-    # The oblivious answer and the reference's, as they are and matched to the old placement
-    # (greedily), are within the limit (the oblivious answer is never less balanced than the
-    # reference's): the baseline to beat is the one of them that moves fewest copies, so the
-    # aware policy never moves more copies than the oblivious policy.
+    limit = ref.max_load * (1 + tol) if limit is None else np.maximum(limit, obl.max_load)
+    # The oblivious answer is within the limit (never less balanced than the reference's);
+    # it, the reference's and both matched to the old placement (greedily) are the baseline
+    # to beat where within the limit: the one of them that moves fewest copies, so the aware
+    # policy never moves more copies than the oblivious policy.
     best = obl.phy2log.copy()
     best_moves = moves3(held_old, best)
     for o in (ref.phy2log, _matched_oblivious(obl, held_old, sh)[0], _matched_oblivious(ref, held_old, sh)[0]):
         mv = moves3(held_old, o)
-        take = mv < best_moves
+        take = (mv < best_moves) & (max_rank_load(w, o, copy_counts(o, num_logical)) <= limit * (1 + _SLACK))
         best[take], best_moves[take] = o[take], mv[take]
     # The old placement itself where it still is a valid answer within the limit: nothing moves.
-    stay = _still_valid(old3, sh) & (max_rank_load(w, old3, copy_counts(old3, num_logical)) <= limit * (1 + _SLACK))
+    stay = still_valid(old3, sh) & (max_rank_load(w, old3, copy_counts(old3, num_logical)) <= limit * (1 + _SLACK))
     best[stay], best_moves[stay] = old3[stay], 0
     # Group assignments to try (hierarchical): groups stay on their node unless its load
     # would exceed what its ranks may well carry under the limit (most nodes are far under

@@ -87,7 +87,7 @@ def replicate_experts(w: np.ndarray, num_phy: int, num_ranks: int | None = None)
     return phy, cnt
 
 
-def _pack(w: np.ndarray, key: np.ndarray | None, num_keys: int, num_packs: int, cap: int) -> np.ndarray:
+def balanced_pack(w: np.ndarray, key: np.ndarray | None, num_keys: int, num_packs: int, cap: int) -> np.ndarray:
     """EPLB ``balanced_packing`` with the no-duplicate rule: items ``float[B, n]``
     (``n == num_packs * cap``), heaviest first (stable), each to the lightest pack with room
     (first on ties) that holds no item of the same ``key`` (``int[B, n]`` in [0, num_keys)) if
@@ -241,7 +241,7 @@ def node_packs(
     mlog2log, phy2m, mcnt, cnt = replicate_nodes(w, group_node, sh, spread)
     w_m = np.take_along_axis(np.repeat(w, n, axis=0), mlog2log, axis=1)
     w_phy = np.take_along_axis((w_m / mcnt).astype(w.dtype), phy2m, axis=1)
-    slots = _pack(w_phy, phy2m if no_duplicates else None, mlog2log.shape[1], live, s)
+    slots = balanced_pack(w_phy, phy2m if no_duplicates else None, mlog2log.shape[1], live, s)
     packs_m = np.take_along_axis(phy2m, slots.reshape(num_layers * n, -1), axis=1)
     return np.take_along_axis(mlog2log, packs_m, axis=1).reshape(num_layers * n, live, s), cnt
 
@@ -252,7 +252,7 @@ def _groups_to_nodes(w: np.ndarray, sh: Shape) -> np.ndarray:
     n = sh.num_nodes
     group_node = np.zeros((num_layers, sh.num_groups), dtype=np.int64)
     if n > 1:
-        gslots = _pack(group_loads(w, sh), None, 0, n, sh.num_groups // n)
+        gslots = balanced_pack(group_loads(w, sh), None, 0, n, sh.num_groups // n)
         np.put_along_axis(
             group_node, gslots.reshape(num_layers, -1), np.repeat(np.arange(n), sh.num_groups // n)[None, :], axis=1
         )

@@ -1,0 +1,225 @@
+"""EPLB against the optimum: moeshard's oblivious policy, deepseek-ai/EPLB (the reference,
+``eplb.reference``) and FlashLB (re-implemented, ``benchmarks/flashlb.py``) against the
+yardstick (``benchmarks/eplb_exact.py``: the exact optimum where HiGHS finishes, else a lower
+bound), and the migration-aware policy's moves under a limit relative to the oblivious one.
+
+Sections (all on the same seeded loads per section):
+
+1. FlashLB's example (8 experts, 16 slots on 8 ranks): each policy's heaviest rank.
+2. ``--instances`` seeded random small shapes (two slots per rank on 3-8 ranks with up to 10
+   experts, or three per rank on 3 ranks; Zipf-like loads), solved exactly: per policy, the
+   ratio of its heaviest rank to the optimum (instances at it, mean, max).
+3. Model shapes (DeepSeek-V3 256 experts / 288 slots / 32 ranks / 4 nodes / 8 groups,
+   Qwen3-235B 128 / 160 / 32, Kimi-K2 384 / 416 / 32), on a Zipf trace and a bursty trace:
+   per policy, mean max/mean rank load and its ratio to the lower bound; layers where moeshard
+   is strictly lighter than FlashLB and the reference (or equal to the lower bound); ms per call.
+4. Migration-aware steps on DeepSeek-V3's drifting trace: tolerance 1 % over the oblivious
+   answer, copies moved against the reference's.
+
+Run from the repository root::
+
+    python -m benchmarks.bench_eplb_optimum --out bench_out/bench_eplb_optimum.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.eplb_exact import lower_bound, solve_exact
+from benchmarks.flashlb import flashlb
+from moeshard import eplb
+from moeshard.cli.bench.traces import zipf_trace
+
+SHAPES = {
+    "deepseek_v3": dict(logical=256, physical=288, ranks=32, nodes=4, groups=8),
+    "deepseek_v3_global": dict(logical=256, physical=288, ranks=32, nodes=4, groups=None),
+    "qwen3_235b": dict(logical=128, physical=160, ranks=32, nodes=4, groups=None),
+    "kimi_k2": dict(logical=384, physical=416, ranks=32, nodes=4, groups=None),
+}
+
+
+def _peak(load, pl, ranks) -> np.ndarray:
+    return eplb.rank_loads(load, pl, ranks).max(1)
+
+
+def _timed(fn, repeat=3):
+    out, secs = None, []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        out = fn()
+        secs.append(time.perf_counter() - t0)
+    return out, float(np.median(secs))
+
+
+def flashlb_example() -> dict:
+    w = np.array([[600, 560, 120, 120, 20, 10, 10, 10]], dtype=float)
+    ex = solve_exact(w[0], 8, 2)
+    return {
+        "reference": float(_peak(w, eplb.reference(w, num_physical=16, num_ranks=8), 8)[0]),
+        "flashlb_reimplemented": float(_peak(w, flashlb(w, 16, 8), 8)[0]),
+        "flashlb_published": 205.0,
+        "moeshard": float(_peak(w, eplb.rebalance(w, num_physical=16, num_ranks=8, migration_aware=False), 8)[0]),
+        "optimum": ex.value,
+        "optimum_status": ex.status,
+        "mean": float(w.sum() / 8),
+    }
+
+
+def small_instances(num: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    ratios = {"moeshard": [], "reference": [], "flashlb": []}
+    unsolved, secs = 0, []
+    for i in range(num):
+        ranks, slots = int(rng.integers(3, 9)), 2
+        experts = int(rng.integers(ranks, min(10, 2 * ranks) + 1))
+        if i % 3 == 0:
+            ranks, slots, experts = 3, 3, int(rng.integers(3, 10))
+        w = (np.arange(1, experts + 1) ** -rng.uniform(0.5, 1.5)) * 1000 * rng.lognormal(0, 0.2, experts)
+        w = w[rng.permutation(experts)][None]
+        ex = solve_exact(w[0], ranks, slots)
+        if ex.status != "optimal":
+            unsolved += 1
+            continue
+        cfg = dict(num_physical=ranks * slots, num_ranks=ranks)
+        pl, s = _timed(lambda: eplb.rebalance(w, **cfg, migration_aware=False), 1)
+        secs.append(s)
+        ratios["moeshard"].append(_peak(w, pl, ranks)[0] / ex.value)
+        ratios["reference"].append(_peak(w, eplb.reference(w, **cfg), ranks)[0] / ex.value)
+        ratios["flashlb"].append(_peak(w, flashlb(w, ranks * slots, ranks), ranks)[0] / ex.value)
+    out = {"instances": num, "solved": num - unsolved, "moeshard_ms_median": 1e3 * float(np.median(secs))}
+    for name, r in ratios.items():
+        r = np.array(r)
+        out[name] = {
+            "at_optimum": int((r <= 1 + 1e-6).sum()),
+            "within_1pct": int((r <= 1.01).sum()),
+            "mean": float(r.mean()),
+            "max": float(r.max()),
+        }
+    return out
+
+
+def bursty_trace(layers: int, logical: int, seed: int) -> np.ndarray:
+    """A Zipf (alpha 0.9) load where a few random experts per layer burst to 10x."""
+    rng = np.random.default_rng(seed)
+    w = zipf_trace(layers, logical, 1, seed=seed, alpha=0.9)[0]
+    for layer in range(layers):
+        hot = rng.choice(logical, size=max(1, logical // 64), replace=False)
+        w[layer, hot] *= 10
+    return w
+
+
+def shapes(layers: int, flash_layers: int, seed: int) -> dict:
+    out = {}
+    for name, s in SHAPES.items():
+        cfg = dict(num_physical=s["physical"], num_ranks=s["ranks"], num_nodes=s["nodes"], num_groups=s["groups"])
+        for trace in ("zipf", "bursty"):
+            if trace == "zipf":
+                w = zipf_trace(layers, s["logical"], 1, seed=seed, alpha=1.2)[0]
+            else:
+                w = bursty_trace(layers, s["logical"], seed)
+            lb = lower_bound(w, s["physical"], s["ranks"], s["nodes"], s["groups"])
+            mean = w.sum(1) / s["ranks"]
+            obl, ms = _timed(lambda: eplb.rebalance(w, **cfg, migration_aware=False))
+            ref, ms_ref = _timed(lambda: eplb.reference(w, **cfg))
+            pm, pr = _peak(w, obl, s["ranks"]), _peak(w, ref, s["ranks"])
+            fl_rows = slice(0, flash_layers)
+            fl, ms_fl = _timed(lambda: flashlb(w[fl_rows], s["physical"], s["ranks"]), 1)
+            pf = _peak(w[fl_rows], fl, s["ranks"])
+            tie = 1e-9
+            at_lb = pm <= lb * (1 + tie)
+            row = {
+                "layers": layers,
+                "balance": {
+                    "moeshard": float((pm / mean).mean()),
+                    "reference": float((pr / mean).mean()),
+                    "lower_bound": float((lb / mean).mean()),
+                },
+                "over_lower_bound": {"moeshard": float((pm / lb).mean()), "reference": float((pr / lb).mean())},
+                "over_lower_bound_max": {"moeshard": float((pm / lb).max()), "reference": float((pr / lb).max())},
+                "layers_better_than_reference_or_at_bound": int(((pm < pr * (1 - tie)) | at_lb).sum()),
+                "layers_worse_than_reference": int((pm > pr * (1 + tie)).sum()),
+                "flashlb_layers": flash_layers,
+                "flashlb_over_lower_bound": float((pf / lb[fl_rows]).mean()),
+                "moeshard_over_lower_bound_same_layers": float((pm[fl_rows] / lb[fl_rows]).mean()),
+                "layers_better_than_flashlb_or_at_bound": int(((pm[fl_rows] < pf * (1 - tie)) | at_lb[fl_rows]).sum()),
+                "layers_worse_than_flashlb": int((pm[fl_rows] > pf * (1 + tie)).sum()),
+                "ms": {
+                    "moeshard": 1e3 * ms,
+                    "reference": 1e3 * ms_ref,
+                    "flashlb_per_layer": 1e3 * ms_fl / flash_layers,
+                },
+            }
+            out[f"{name}/{trace}"] = row
+            print(f"{name}/{trace}: {json.dumps(row)}", flush=True)
+    return out
+
+
+def migration(layers: int, steps: int, seed: int) -> dict:
+    s = SHAPES["deepseek_v3"]
+    cfg = dict(num_physical=s["physical"], num_ranks=s["ranks"], num_nodes=s["nodes"], num_groups=s["groups"])
+    tr = zipf_trace(layers, s["logical"], steps + 1, seed=seed, alpha=1.2, drift=0.1)
+    start = eplb.rebalance(tr[0], **cfg, migration_aware=False)
+    cur = {"reference": eplb.reference(tr[0], **cfg), "oblivious": start, "aware": start}
+    rows = []
+    for t in range(1, steps + 1):
+        w = tr[t]
+        new = {
+            "reference": eplb.reference(w, **cfg),
+            "oblivious": eplb.rebalance(w, cur["oblivious"], **cfg, migration_aware=False),
+        }
+        new["aware"], ms = _timed(
+            lambda: eplb.rebalance(w, cur["aware"], **cfg, tolerance=0.01, relative_to="oblivious"), 1
+        )
+        obl_here = eplb.rebalance(w, **cfg, migration_aware=False)
+        b_obl = eplb.balance(w, obl_here, s["ranks"])
+        row = {n: {"moved": eplb.copies_moved(cur[n], new[n], s["ranks"])} for n in new}
+        for n in new:
+            row[n]["balance"] = float(eplb.balance(w, new[n], s["ranks"]).mean())
+        row["aware_over_oblivious_max"] = float((eplb.balance(w, new["aware"], s["ranks"]) / b_obl).max())
+        row["aware_ms"] = 1e3 * ms
+        rows.append(row)
+        cur = new
+    tot = {n: sum(r[n]["moved"] for r in rows) for n in ("reference", "oblivious", "aware")}
+    return {
+        "steps": rows,
+        "moved_total": tot,
+        "aware_over_reference_moves": tot["aware"] / max(1, tot["reference"]),
+        "aware_over_oblivious_balance_max": max(r["aware_over_oblivious_max"] for r in rows),
+        "aware_ms_median": float(np.median([r["aware_ms"] for r in rows])),
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--instances", type=int, default=200)
+    ap.add_argument("--layers", type=int, default=58)
+    ap.add_argument("--flashlb-layers", type=int, default=8, help="layers per trace FlashLB runs on (slow)")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="bench_out/bench_eplb_optimum.json")
+    args = ap.parse_args(argv)
+    res = {"flashlb_example": flashlb_example()}
+    print("FlashLB example:", json.dumps(res["flashlb_example"]), flush=True)
+    res["small_instances"] = small_instances(args.instances, args.seed)
+    print("small instances:", json.dumps(res["small_instances"]), flush=True)
+    res["shapes"] = shapes(args.layers, args.flashlb_layers, args.seed)
+    res["migration"] = migration(args.layers, args.steps, args.seed)
+    print("migration:", json.dumps({k: v for k, v in res["migration"].items() if k != "steps"}), flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""The EPLB yardstick: the exact min-max rank load over replica counts and placement (an integer
+program solved by HiGHS, ``highspy``, a benchmark/test dependency only) and a lower bound for
+the shapes the solver cannot finish.
+
+The problem (one layer): experts of load ``w[e]``; ``num_ranks`` ranks of ``slots_per_rank``
+slots, every slot filled; expert ``e`` gets ``c[e] >= 1`` copies, each carrying ``w[e] / c[e]``
+(two copies on one rank count twice, as :func:`moeshard.eplb.balance` weighs them); by default
+a rank holds at most ``ceil(c[e] / num_ranks)`` copies of ``e``, moeshard's rule (a second
+copy of an expert on a rank wastes a slot; the policies keep the rule wherever they can).
+Minimize the heaviest rank's load.
+
+Integer program (:func:`solve_exact`): binary ``z[e, k]`` (expert ``e`` has ``k`` copies),
+integer ``n[p]`` (ranks holding the multiset ``p`` of copies), ``sum_k z[e, k] = 1``, copies
+of ``(e, k)`` over all patterns ``= k z[e, k]``, ``sum_p n[p] = num_ranks``, ``T >= load(p)``
+for every used pattern; minimize ``T``.
+
+Lower bound (:func:`lower_bound`, pure numpy, any shape): the largest of the mean rank load
+and the smallest ``T`` with ``sum_e max(1, ceil(w[e] / T)) <= slots`` (no copy can exceed the
+heaviest rank); hierarchical (expert groups onto nodes, ``num_groups / num_nodes`` per node):
+the smallest over the assignments of groups to nodes of the heaviest node's bound, when there
+are few enough assignments to enumerate (else the global bound, which is also a bound).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Exact:
+    """One layer solved: ``status`` "optimal" or "time_limit"; ``value`` the best max rank load
+    found; ``bound`` the solver's lower bound (``== value`` when optimal); ``counts``
+    ``int[E]``; ``ranks`` ``int[R, S]`` expert ids per rank."""
+
+    status: str
+    value: float
+    bound: float
+    counts: np.ndarray
+    ranks: np.ndarray
+    seconds: float
+
+
+def solve_exact(
+    w, num_ranks: int, slots_per_rank: int, upper: float | None = None, time_limit: float = 20.0, rule: bool = True
+) -> Exact:
+    """The exact min-max rank load of one layer ``w`` ``float[E]`` (global policy: any expert
+    on any rank). ``upper``: a known max rank load (a heuristic's) that prunes the copy counts
+    and rank patterns (default: the lighter of the reference's and moeshard's; where it
+    proves too low, the total load). ``rule``: moeshard's rule, a rank holds at most
+    ``ceil(k / num_ranks)`` copies of an expert of ``k`` copies (False: any number, the
+    unconstrained optimum). Needs ``highspy``.
+
+    Ranks are interchangeable, so the program counts rank *patterns* (a multiset of
+    ``slots_per_rank`` copies ``(e, k)``: a copy of ``e`` when it has ``k`` copies) instead of
+    placing copies on numbered ranks: ``n[p]`` ranks use pattern ``p``, ``u[p]`` binary marks a
+    used pattern, ``T >= load(p) u[p]``. No rank symmetry is left to search through."""
+    import highspy
+
+    w = np.asarray(w, dtype=np.float64)
+    num_e = len(w)
+    num_slots = num_ranks * slots_per_rank
+    assert num_slots >= num_e
+    if upper is None:
+        from moeshard import eplb
+
+        cfg = dict(num_physical=num_slots, num_ranks=num_ranks)
+        ref = eplb.reference(w[None], **cfg)
+        own = eplb.rebalance(w[None], **cfg, migration_aware=False)
+        # moeshard's answer first (the tightest pruning); it may hold the reference's
+        # duplicates, then the rule's optimum can lie above it: the solver says infeasible
+        upper = min(float(eplb.rank_loads(w[None], p, num_ranks).max()) for p in (ref, own))
+        found = solve_exact(w, num_ranks, slots_per_rank, upper, time_limit, rule)
+        if found.status != "infeasible":
+            return found
+        upper = float(w.sum())
+    upper = upper * (1 + 1e-9) + 1e-12
+    kmin = np.maximum(1, np.ceil(w / upper - 1e-12)).astype(np.int64)
+    kmax = num_slots - (kmin.sum() - kmin)
+    pieces = [(e, k) for e in range(num_e) for k in range(int(kmin[e]), int(kmax[e]) + 1)]
+    pw = np.array([w[e] / k for e, k in pieces])
+    patterns, loads = [], []
+    for combo in itertools.combinations_with_replacement(range(len(pieces)), slots_per_rank):
+        experts = {}
+        for i in combo:
+            e, k = pieces[i]
+            experts.setdefault(e, set()).add(k)
+        if any(len(ks) > 1 for ks in experts.values()):
+            continue  # two different counts of one expert: never consistent
+        if rule and any(combo.count(i) > -(-pieces[i][1] // num_ranks) for i in set(combo)):
+            continue  # moeshard's rule: no two copies of an expert on a rank when avoidable
+        load = float(pw[list(combo)].sum())
+        if load <= upper:
+            patterns.append(combo)
+            loads.append(load)
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("time_limit", float(time_limit))
+    h.setOptionValue("mip_rel_gap", 1e-9)
+    h.setOptionValue("mip_abs_gap", 1e-9)
+    h.setOptionValue("threads", 1)
+    integer = highspy.HighsVarType.kInteger
+    t = h.addVariable(lb=0.0, ub=highspy.kHighsInf, obj=1.0)
+    z = [h.addVariable(lb=0, ub=1, type=integer) for _ in pieces]
+    n = [h.addVariable(lb=0, ub=num_ranks, type=integer) for _ in patterns]
+    u = [h.addVariable(lb=0, ub=1, type=integer) for _ in patterns]
+    for e in range(num_e):
+        h.addConstr(sum(z[i] for i, (f, _) in enumerate(pieces) if f == e) == 1)
+    uses = [dict() for _ in pieces]
+    for j, combo in enumerate(patterns):
+        for i in combo:
+            uses[i][j] = uses[i].get(j, 0) + 1
+    for i, (_, k) in enumerate(pieces):
+        h.addConstr(sum(m * n[j] for j, m in uses[i].items()) - k * z[i] == 0)
+    h.addConstr(sum(n) == num_ranks)
+    for j, load in enumerate(loads):
+        h.addConstr(n[j] - num_ranks * u[j] <= 0)
+        h.addConstr(t - load * u[j] >= 0)
+    h.addConstr(t >= float(row_bound(w[None], num_slots, num_ranks)[0]))  # a valid cut
+    h.run()
+    status = h.getModelStatus()
+    sol = np.asarray(h.getSolution().col_value)
+    ok = status == highspy.HighsModelStatus.kOptimal
+    counts = np.zeros(num_e, dtype=np.int64)
+    for i, (e, k) in enumerate(pieces):
+        if sol[z[i].index] > 0.5:
+            counts[e] = k
+    ranks = []
+    for j, combo in enumerate(patterns):
+        ranks += [[pieces[i][0] for i in combo]] * int(round(sol[n[j].index]))
+    ranks = np.array(ranks, dtype=np.int64).reshape(-1, slots_per_rank)
+    value = float(sol[t.index])
+    bound = value if ok else float(h.getInfo().mip_dual_bound)
+    if status == highspy.HighsModelStatus.kInfeasible:
+        return Exact("infeasible", np.inf, np.inf, counts, ranks, float(h.getRunTime()))
+    return Exact("optimal" if ok else "time_limit", value, bound, counts, ranks, float(h.getRunTime()))
+
+
+def count_bound(w: np.ndarray, num_slots: int) -> np.ndarray:
+    """``float[B]``: per row of ``w`` ``float[B, E]``, the smallest ``T`` with
+    ``sum_e max(1, ceil(w[e] / T)) <= num_slots`` (every copy at most ``T``)."""
+    num_b, num_e = w.shape
+    extra = num_slots - num_e
+    assert extra >= 0
+    ks = np.arange(1, extra + 2)
+    cand = (w[:, :, None] / ks).reshape(num_b, -1)  # T among the per-copy loads w / k
+    cand = np.sort(cand, axis=1)
+    lo, hi = np.zeros(num_b, dtype=np.int64), np.full(num_b, cand.shape[1] - 1)
+    rows = np.arange(num_b)
+    # smallest index i with need(cand[i]) <= num_slots (need is non-increasing in T)
+    while (lo < hi).any():
+        mid = (lo + hi) // 2
+        tt = cand[rows, mid]
+        need = np.maximum(1, np.ceil(w / np.maximum(tt, 1e-300)[:, None] - 1e-12)).sum(1)
+        ok = need <= num_slots
+        hi = np.where(ok & (lo < hi), mid, hi)
+        lo = np.where(~ok & (lo < hi), mid + 1, lo)
+    return cand[rows, lo]
+
+
+def row_bound(w: np.ndarray, num_slots: int, num_ranks: int) -> np.ndarray:
+    """``float[B]``: max of the mean rank load and :func:`count_bound`."""
+    return np.maximum(w.sum(1) / num_ranks, count_bound(w, num_slots))
+
+
+def _partitions(num_groups: int, num_nodes: int):
+    """Every way to split ``range(num_groups)`` into ``num_nodes`` unordered parts of equal size."""
+    size = num_groups // num_nodes
+
+    def rec(rest):
+        if not rest:
+            yield []
+            return
+        first = rest[0]
+        for others in itertools.combinations(rest[1:], size - 1):
+            part = (first, *others)
+            left = [g for g in rest if g not in part]
+            for tail in rec(left):
+                yield [part, *tail]
+
+    yield from rec(list(range(num_groups)))
+
+
+def lower_bound(
+    w, num_physical: int, num_ranks: int, num_nodes: int = 1, num_groups: int | None = None, max_partitions: int = 5000
+) -> np.ndarray:
+    """``float[L]``: a lower bound on the heaviest rank's load of any placement of ``w``
+    ``float[L, E]`` (module docstring)."""
+    w = np.asarray(w, dtype=np.float64)
+    num_layers, num_e = w.shape
+    glob = row_bound(w, num_physical, num_ranks)
+    if not num_groups or num_groups % num_nodes or num_nodes == 1:
+        return glob
+    parts = []
+    for i, p in enumerate(_partitions(num_groups, num_nodes)):
+        if i >= max_partitions:
+            return glob
+        parts.append(p)
+    gsize = num_e // num_groups
+    wg = w.reshape(num_layers, num_groups, gsize)
+    best = np.full(num_layers, np.inf)
+    for p in parts:
+        worst = np.zeros(num_layers)
+        for node in p:
+            wn = wg[:, list(node)].reshape(num_layers, -1)
+            worst = np.maximum(worst, row_bound(wn, num_physical // num_nodes, num_ranks // num_nodes))
+        best = np.minimum(best, worst)
+    return np.maximum(best, glob)

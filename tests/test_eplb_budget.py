@@ -1,0 +1,126 @@
+"""Tier 1: move budgets and hysteresis of ``eplb.rebalance`` (a layer is rebalanced or left as
+it is; the budget is never exceeded; a zero budget moves nothing; dead ranks still force the
+layers they break) and the aware policy's limit relative to the oblivious policy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moeshard import eplb
+from moeshard.cli.bench.traces import zipf_trace
+
+CFG = dict(num_physical=48, num_ranks=8, num_nodes=2, num_groups=4)
+R = CFG["num_ranks"]
+
+
+def _trace():
+    tr = zipf_trace(8, 32, 2, seed=3, alpha=1.2, drift=0.3)
+    old = eplb.rebalance(tr[0], **CFG, migration_aware=False)
+    return tr[1], old
+
+
+def test_zero_budget_moves_nothing():
+    load, old = _trace()
+    for aware in (True, False):
+        new = eplb.rebalance(load, old, **CFG, migration_aware=aware, max_moves=0)
+        assert eplb.copies_moved(old, new, R) == 0
+        np.testing.assert_array_equal(new.phy2log, old.phy2log)
+
+
+def test_budget_respected_layer_by_layer():
+    load, old = _trace()
+    free = eplb.rebalance(load, old, **CFG, migration_aware=False)
+    total = eplb.copies_moved(old, free, R)
+    assert total > 0
+    np.testing.assert_array_equal(
+        eplb.rebalance(load, old, **CFG, migration_aware=False, max_moves=None).phy2log, free.phy2log
+    )
+    seen = set()
+    for budget in (1, total // 4, total // 2, total):
+        new = eplb.rebalance(load, old, **CFG, migration_aware=False, max_moves=budget)
+        assert eplb.copies_moved(old, new, R) <= budget
+        # each layer is the unconstrained answer's or the old one
+        same_new = (new.phy2log == free.phy2log).all(1)
+        same_old = (new.phy2log == old.phy2log).all(1)
+        assert (same_new | same_old).all()
+        seen.add(int(same_new.sum()))
+    assert len(seen) > 1  # the budget changes which layers move
+    # with the whole unconstrained cost, every layer that gains is rebalanced
+    full = eplb.rebalance(load, old, **CFG, migration_aware=False, max_moves=total)
+    assert eplb.balance(load, full, R).mean() == pytest.approx(eplb.balance(load, free, R).mean())
+
+
+def test_hysteresis_keeps_layers_with_small_gains():
+    load, old = _trace()
+    assert eplb.copies_moved(old, eplb.rebalance(load, old, **CFG, hysteresis=100.0), R) == 0
+    small = eplb.rebalance(load, old, **CFG, migration_aware=False, hysteresis=0.05)
+    free = eplb.rebalance(load, old, **CFG, migration_aware=False)
+    b_old, b_new = eplb.balance(load, old, R), eplb.balance(load, free, R)
+    kept = (small.phy2log == old.phy2log).all(1)
+    np.testing.assert_array_equal(kept, ~(b_old > b_new * 1.05 * (1 + 1e-12)))
+
+
+def test_dead_rank_forces_its_layers_beyond_the_budget():
+    load, old = _trace()
+    alive = np.ones(R, dtype=bool)
+    alive[3] = False
+    new = eplb.rebalance(load, old, **CFG, active_ranks=alive, max_moves=0)
+    assert (new.phy2log.reshape(8, R, -1)[:, 3] == -1).all()
+    assert (new.logcnt >= 1).all()
+
+
+def test_aware_relative_to_oblivious():
+    load, old = _trace()
+    obl = eplb.rebalance(load, old, **CFG, migration_aware=False)
+    new = eplb.rebalance(load, old, **CFG, tolerance=0.01, relative_to="oblivious")
+    assert (eplb.balance(load, new, R) <= eplb.balance(load, obl, R) * 1.01 * (1 + 1e-9)).all()
+    assert eplb.copies_moved(old, new, R) <= eplb.copies_moved(old, obl, R)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(max_moves=-1), dict(max_moves=1.5), dict(hysteresis=-0.1), dict(relative_to="best")],
+)
+def test_budget_arguments_checked(kw):
+    load, old = _trace()
+    with pytest.raises(ValueError):
+        eplb.rebalance(load, old, **CFG, **kw)
+
+
+def test_budget_needs_a_placement():
+    load, _ = _trace()
+    with pytest.raises(ValueError, match="current placement"):
+        eplb.rebalance(load, None, **CFG, max_moves=3)
+
+
+# -- replica budgets per layer -------------------------------------------------------------------
+
+
+def test_replica_budget_per_layer_with_empty_slots():
+    skewed = zipf_trace(2, 16, 1, seed=1, alpha=1.5)[0]
+    flat = zipf_trace(2, 16, 1, seed=2, alpha=0.1)[0]
+    load = np.concatenate([skewed, flat])
+    total = 4 * 16 + 12
+    pl = eplb.rebalance_replicas(load, total, num_physical=32, num_ranks=8)
+    per = pl.logcnt.sum(1)
+    assert per.sum() == total and (pl.logcnt >= 1).all()
+    assert (per[:2] > per[2:]).all()  # the skewed layers get the copies
+    np.testing.assert_array_equal((pl.phy2log < 0).sum(1), 32 - per)  # the rest empty
+    np.testing.assert_array_equal(pl.empty.sum(1), 32 - per)
+    # skewed layers are more balanced than with one copy per expert and every slot empty beyond
+    one = eplb.rebalance_replicas(load, 4 * 16, num_physical=32, num_ranks=8)
+    assert (eplb.balance(load, pl, 8)[:2] < eplb.balance(load, one, 8)[:2]).all()
+    # a dead rank: its slots empty, the budget counts live slots only
+    alive = np.ones(8, dtype=bool)
+    alive[3] = False
+    dead = eplb.rebalance_replicas(load, total, num_physical=32, num_ranks=8, active_ranks=alive)
+    assert (dead.phy2log.reshape(4, 8, 4)[:, 3] == -1).all()
+    assert dead.logcnt.sum() == total and (dead.logcnt >= 1).all()
+
+
+@pytest.mark.parametrize("total", [4 * 16 - 1, 4 * 32 + 1, 70.0])
+def test_replica_budget_checked(total):
+    load = zipf_trace(4, 16, 1, seed=1)[0]
+    with pytest.raises(ValueError, match="total_copies"):
+        eplb.rebalance_replicas(load, total, num_physical=32, num_ranks=8)
