@@ -489,20 +489,31 @@ def test_fitting_scales_equals_scale_of_key_by_key(tmp_path):
 # -- experts kept packed in other formats (MXFP4, compressed-tensors INT4) ---------------------
 
 
+# Qwen3-MoE fixtures whose experts are kept as stored (packed_experts.stored_qwen3): compressed-tensors
+# NVFP4, ModelOpt NVFP4 (per-expert 0-d weight_scale_2 / input_scale) and FP8 per channel.
+STORED = ("nvfp4", "modelopt-nvfp4", "fp8")
+
+
 def packed_checkpoints(root: str) -> dict[str, str]:
-    """gpt-oss with MXFP4 experts and DeepSeek-V3 with compressed-tensors INT4 routed experts
-    (Kimi-K2-Thinking's layout), each in two shards with its quantization_config."""
+    """gpt-oss with MXFP4 experts, DeepSeek-V3 with compressed-tensors INT4 routed experts
+    (Kimi-K2-Thinking's layout), each in two shards with its quantization_config, and the
+    Qwen3-MoE fixtures of :data:`STORED`."""
     import packed_experts
+    import quant_fixtures
 
     out = {"gpt_oss": os.path.join(root, "mxfp4"), "deepseek_v3": os.path.join(root, "int4")}
     packed_experts.write_mxfp4_checkpoint(out["gpt_oss"])
     packed_experts.write_int4_checkpoint(out["deepseek_v3"])
+    for fmt in STORED:
+        out[fmt] = quant_fixtures.WRITERS[fmt](os.path.join(root, fmt)).path
     return out
 
 
-def _packed_model(family: str):
+def _packed_model(family: str, path: str):
     import packed_experts
 
+    if family in STORED:
+        return packed_experts.stored_qwen3(family, path)
     return packed_experts.packed_gpt_oss() if family == "gpt_oss" else packed_experts.compressed_deepseek_v3()
 
 
@@ -530,10 +541,10 @@ def packed_kept_worker(packed: dict, out_dir: str) -> dict:
     mesh = moeshard.make_mesh("cpu", ep=2, efsdp=2)
     out = {}
     for family, ckpt in packed.items():
-        model = _packed_model(family)
+        model = _packed_model(family, ckpt)
         with open(os.path.join(ckpt, "config.json")) as f:  # what transformers' quantizer leaves on the config
-            model.config.quantization_config = json.load(f)["quantization_config"]
-        n = 4 if family == "gpt_oss" else model.config.n_routed_experts
+            model.config.quantization_config = json.load(f).get("quantization_config")
+        n = {"gpt_oss": 4, "deepseek_v3": getattr(model.config, "n_routed_experts", 0)}.get(family, 8)
         layers = 2
         old, new = _placement(7, n, layers), _placement(8, n, layers)
         moeshard.parallelize(model, mesh, old, ep_forward=False)
@@ -574,19 +585,24 @@ def kept_worker(fp8: str, out_dir: str, packed: dict, packed_out: str, requant: 
     return fp8_kept_worker(fp8, out_dir), packed_kept_worker(packed, packed_out), requant_worker(*requant)
 
 
-def _expected_packed(family: str, want: dict, name: str, phy2log: np.ndarray, experts: list[str]) -> torch.Tensor:
+def _expected_packed(want: dict, name: str, phy2log: np.ndarray, layers: dict) -> torch.Tensor:
     """The bytes parameter ``name`` holds under placement ``phy2log``: the checkpoint tensor
-    itself, or for an expert parameter its slots' logical experts' rows (gpt-oss: rows of the
-    fused ``*_blocks`` / ``*_scales``; DeepSeek-V3: each expert's gate and up tensors stacked)."""
+    itself, or for an expert parameter of experts module ``layers[module] = (layer, spec)`` its
+    slots' logical experts' rows, each its checkpoint parts concatenated (gpt-oss: rows of the
+    fused ``*_blocks`` / ``*_scales``; a 0-d part, ModelOpt's ``weight_scale_2``: itself)."""
     module, _, attr = name.rpartition(".")
-    if module not in experts or attr.endswith("_bias"):
+    param = next((p for p in layers[module][1].params if p.name == attr), None) if module in layers else None
+    if param is None:
         return _raw(want[name])
-    rows = torch.as_tensor(phy2log[experts.index(module)])
-    if family == "gpt_oss":
-        return _raw(want[name])[rows]
-    proj, _, tensor = attr.partition("_proj_")
-    parts = ("gate", "up") if proj == "gate_up" else (proj,)
-    return torch.stack([_raw(torch.cat([want[f"{module}.{int(e)}.{q}_proj.{tensor}"] for q in parts])) for e in rows])
+    rows = torch.as_tensor(phy2log[layers[module][0]])
+    if param.fused:
+        return _raw(want[f"{module}.{param.parts[0]}"])[rows]
+
+    def one(e: int) -> torch.Tensor:
+        parts = [want[k] for k in param.keys(module, e)]
+        return parts[0] if parts[0].dim() == 0 else torch.cat(parts)
+
+    return _raw(torch.stack([one(int(e)) for e in rows]))
 
 
 def _saved(path: str) -> dict:
@@ -625,7 +641,7 @@ def kept_runs(ckpts, tmp_path_factory):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3", *STORED])
 def test_packed_experts_kept_moved_and_saved_byte_identical(kept_runs, family):
     """A model that keeps its experts packed (gpt-oss: MXFP4 ``*_blocks`` uint8 + E8M0
     ``*_scales``; DeepSeek-V3: compressed-tensors INT4 ``weight_packed`` int32 + ``weight_scale``
@@ -634,11 +650,13 @@ def test_packed_experts_kept_moved_and_saved_byte_identical(kept_runs, family):
     (scales and shapes move with their experts) and after one back read from disk; saved after the
     relocation, every tensor of the checkpoint (scales and shapes included) is written, with its
     dtype and bytes unchanged."""
+    from moeshard.models.describe import expert_layers
+
     root, packed, results, _ = kept_runs
     ckpt = packed[family]
     want = _saved(ckpt)
-    model = _packed_model(family)
-    experts = [name for name, _ in model.named_modules() if name.endswith("mlp.experts")]
+    model = _packed_model(family, ckpt)
+    layers = {e.name: (e.layer, e.spec) for e in expert_layers(model)}
     names = {name for name, _ in model.named_parameters()}
     sent = 0
     for rank, res in enumerate(results):
@@ -649,7 +667,7 @@ def test_packed_experts_kept_moved_and_saved_byte_identical(kept_runs, family):
             assert unused == ()  # every tensor read into a parameter
             assert set(state) == names
             for name, (got, offset, shape) in state.items():
-                full = _expected_packed(family, want, name, phy2log, experts)
+                full = _expected_packed(want, name, phy2log, layers)
                 assert tuple(full.shape) == shape, name
                 box = tuple(slice(o, o + n) for o, n in zip(offset, got.shape))
                 assert got.dtype == full.dtype and torch.equal(got, full[box]), f"rank {rank} {name}"
@@ -657,9 +675,10 @@ def test_packed_experts_kept_moved_and_saved_byte_identical(kept_runs, family):
     saved = _saved(str(root / "packed_saved" / family))
     assert set(saved) == set(want)
     with open(os.path.join(ckpt, "config.json")) as f, open(root / "packed_saved" / family / "config.json") as g:
-        assert json.load(g)["quantization_config"] == json.load(f)["quantization_config"]
+        assert json.load(g).get("quantization_config") == json.load(f).get("quantization_config")
     for key, t in want.items():
-        assert saved[key].dtype == t.dtype and torch.equal(_raw(saved[key]), _raw(t)), key
+        assert saved[key].dtype == t.dtype and saved[key].shape == t.shape, key
+        assert torch.equal(_raw(saved[key].reshape(-1)), _raw(t.reshape(-1))), key
 
 
 @pytest.mark.dist
