@@ -369,8 +369,8 @@ def test_fp8_kept_with_scales_that_move_with_their_experts(ckpts, kept_runs):
             [_raw(torch.cat([want[f"{module}.{int(e)}.{q}_proj.weight{suffix}"] for q in parts])) for e in rows]
         )
 
-    root, _, both, _ = kept_runs
-    results = [fp8_results for fp8_results, _, _ in both]
+    root, _, both, _, _ = kept_runs
+    results = [res[0] for res in both]
     sent = 0
     for rank, steps in enumerate(results):
         for deq, unused, moved, phy2log, state in steps:
@@ -579,10 +579,40 @@ def requant_worker(source: str, float_dir: str, out_dir: str) -> tuple:
     return rep.num_requantized, rep.requant_max_abs_error, rep.files
 
 
-def kept_worker(fp8: str, out_dir: str, packed: dict, packed_out: str, requant: tuple) -> tuple:
-    """Every kept-quantized scenario and the requantizing save in one spawn (spawning costs
-    seconds)."""
-    return fp8_kept_worker(fp8, out_dir), packed_kept_worker(packed, packed_out), requant_worker(*requant)
+def gpt_oss_efsdp_worker(float_dir: str, ids: torch.Tensor) -> tuple:
+    """A float gpt-oss (trainable expert biases) on EP=2 x efsdp=2 ranks with a redundant
+    placement and the EP forward: loss and logits of ``ids`` (every rank the same batch), then
+    backward; the local gradient of each slot's biases."""
+    import transformers
+
+    import moeshard
+
+    mesh = moeshard.make_mesh("cpu", ep=2, efsdp=2)
+    config = transformers.AutoConfig.from_pretrained(float_dir)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    pl = _placement(10, config.num_local_experts, config.num_hidden_layers)
+    moeshard.parallelize(model, mesh, pl)
+    moeshard.load(model, float_dir, placement=pl)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    grads = {
+        name: p.grad.to_local().clone()
+        for name, p in model.named_parameters()
+        if name.endswith("_bias") and "experts" in name
+    }
+    return float(out.loss), out.logits.detach(), grads
+
+
+def kept_worker(fp8: str, out_dir: str, packed: dict, packed_out: str, requant: tuple, gpt_oss: tuple) -> tuple:
+    """Every kept-quantized scenario, the requantizing save and a float gpt-oss at EP x efsdp in
+    one spawn (spawning costs seconds)."""
+    return (
+        fp8_kept_worker(fp8, out_dir),
+        packed_kept_worker(packed, packed_out),
+        requant_worker(*requant),
+        gpt_oss_efsdp_worker(*gpt_oss),
+    )
 
 
 def _expected_packed(want: dict, name: str, phy2log: np.ndarray, layers: dict) -> torch.Tensor:
@@ -626,6 +656,9 @@ def kept_runs(ckpts, tmp_path_factory):
     fx = quant_fixtures.WRITERS["int4"](str(root / "int4"))
     float_dir = quant_fixtures.write_reference(fx, str(root / "int4-float"), torch.float32)
     requant = (fx.path, float_dir, str(root / "requantized"))
+    oss = quant_fixtures.WRITERS["mxfp4"](str(root / "gpt_oss"))
+    ids = torch.randint(0, oss.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    gpt_oss = (quant_fixtures.write_reference(oss, str(root / "gpt_oss-float"), torch.float32), ids)
     results = run_ranks(
         kept_worker,
         fp8,
@@ -633,11 +666,12 @@ def kept_runs(ckpts, tmp_path_factory):
         packed,
         str(root / "packed_saved"),
         requant,
+        gpt_oss,
         world=4,
         local_world=2,
         timeout=300,
     )
-    return root, packed, results, fx
+    return root, packed, results, fx, gpt_oss
 
 
 @pytest.mark.dist
@@ -652,7 +686,7 @@ def test_packed_experts_kept_moved_and_saved_byte_identical(kept_runs, family):
     dtype and bytes unchanged."""
     from moeshard.models.describe import expert_layers
 
-    root, packed, results, _ = kept_runs
+    root, packed, results, _, _ = kept_runs
     ckpt = packed[family]
     want = _saved(ckpt)
     model = _packed_model(family, ckpt)
@@ -692,7 +726,7 @@ def test_requantized_save_from_ep_ranks_with_redundant_experts(kept_runs):
     from moeshard.io import codecs
     from moeshard.io.quant import read_quant_configs, recognize
 
-    root, _, results, fx = kept_runs
+    root, _, results, fx, _ = kept_runs
     src, saved = _saved(fx.path), _saved(str(root / "requantized"))
     assert set(saved) == set(src)
     packed = recognize(*read_quant_configs(fx.path), moeshard.CheckpointIndex.open(fx.path).tensors)
@@ -708,3 +742,21 @@ def test_requantized_save_from_ep_ranks_with_redundant_experts(kept_runs):
     num = {r[2][0] for r in results}
     assert num == {len(packed)}  # job-wide, the same on every rank
     assert len({f for r in results for f in r[2][2]}) > 1  # several ranks wrote
+
+
+@pytest.mark.dist
+def test_gpt_oss_trains_with_expert_biases_at_ep_and_efsdp(kept_runs):
+    """A float gpt-oss, whose experts have trainable biases (``gate_up_proj_bias`` [E, 2I],
+    ``down_proj_bias`` [E, H]: expert parameters that move with their experts), runs the EP
+    forward on EP=2 x expert-FSDP=2 ranks with a redundant placement: the loss and logits equal
+    one process's, and backward gives each local slot's biases a gradient."""
+    import transformers
+
+    _, _, results, _, (float_dir, ids) = kept_runs
+    model = transformers.AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32)
+    want = model(input_ids=ids, labels=ids)
+    for rank, (_, _, _, (loss, logits, grads)) in enumerate(results):
+        assert abs(loss - float(want.loss)) < 1e-5, rank
+        torch.testing.assert_close(logits, want.logits.detach(), rtol=1e-5, atol=1e-5)
+        assert len(grads) == 2 * model.config.num_hidden_layers, sorted(grads)
+        assert all(g.abs().sum() > 0 for g in grads.values()), rank
