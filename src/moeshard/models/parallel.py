@@ -231,7 +231,7 @@ def parallelize(
             # LoRA B [out, r*S] shards its rows instead (its columns are EP's). On the module
             # whose forward is called, so that FSDP gathers the parameters before it runs.
             # The module's other parameters (frozen: _check_whole_params), e.g. a packed
-            # gpt-oss's expert biases, stay whole on every rank: sharded on "efsdp", each EP
+            # gpt-oss's frozen expert biases, stay whole on every rank: sharded on "efsdp", each EP
             # group would hold its own copy on a mesh of its own, a tensor no description of
             # the model names alike on every rank.
             whole = {t for n, t in module.named_parameters(recurse=False) if n not in {p.name for p in spec.params}}
@@ -300,7 +300,7 @@ def _experts_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 def _check_whole_params(layers) -> None:
     """With efsdp > 1, every trainable parameter of an experts module is an expert parameter of
-    its spec. Any other one (one row per logical expert, gpt-oss's biases) is whole on every EP
+    its spec. Any other one (one row per logical expert) is whole on every EP
     rank, and the EP forward gathers its rows at the local slots' experts, so each EP rank
     computes its gradient from different tokens, which the expert FSDP (on "efsdp" only) would
     not reduce over "ep". A frozen one (a packed model's biases) stays whole on every rank."""
