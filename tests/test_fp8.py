@@ -581,8 +581,9 @@ def requant_worker(source: str, float_dir: str, out_dir: str) -> tuple:
 
 def gpt_oss_efsdp_worker(float_dir: str, ids: torch.Tensor) -> tuple:
     """A float gpt-oss (trainable expert biases) on EP=2 x efsdp=2 ranks with a redundant
-    placement and the EP forward: loss and logits of ``ids`` (every rank the same batch), then
-    backward; the local gradient of each slot's biases."""
+    placement and the EP forward: loss and logits of ``ids`` (every rank the same batch, so the
+    data-parallel mean is the one-process gradient), then backward; each expert bias's gradient
+    ``[num_physical, ...]`` (gathered) with its layer's ``(phy2log, first copy of each expert)``."""
     import transformers
 
     import moeshard
@@ -596,11 +597,11 @@ def gpt_oss_efsdp_worker(float_dir: str, ids: torch.Tensor) -> tuple:
     moeshard.load(model, float_dir, placement=pl)
     out = model(input_ids=ids, labels=ids)
     out.loss.backward()
-    grads = {
-        name: p.grad.to_local().clone()
-        for name, p in model.named_parameters()
-        if name.endswith("_bias") and "experts" in name
-    }
+    grads = {}
+    for name, p in model.named_parameters():
+        if name.endswith("_bias") and ".experts." in name:
+            layer = int(name.split(".")[2])
+            grads[name] = (p.grad.full_tensor(), pl.phy2log[layer].tolist(), pl.log2phy[layer, :, 0].tolist())
     return float(out.loss), out.logits.detach(), grads
 
 
@@ -749,14 +750,21 @@ def test_gpt_oss_trains_with_expert_biases_at_ep_and_efsdp(kept_runs):
     """A float gpt-oss, whose experts have trainable biases (``gate_up_proj_bias`` [E, 2I],
     ``down_proj_bias`` [E, H]: expert parameters that move with their experts), runs the EP
     forward on EP=2 x expert-FSDP=2 ranks with a redundant placement: the loss and logits equal
-    one process's, and backward gives each local slot's biases a gradient."""
+    one process's, and each bias's gradient is the one-process gradient in the first copy of
+    each expert, zero in the other copies."""
     import transformers
 
     _, _, results, _, (float_dir, ids) = kept_runs
     model = transformers.AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32)
     want = model(input_ids=ids, labels=ids)
+    want.loss.backward()
+    params = dict(model.named_parameters())
     for rank, (_, _, _, (loss, logits, grads)) in enumerate(results):
         assert abs(loss - float(want.loss)) < 1e-5, rank
         torch.testing.assert_close(logits, want.logits.detach(), rtol=1e-5, atol=1e-5)
         assert len(grads) == 2 * model.config.num_hidden_layers, sorted(grads)
-        assert all(g.abs().sum() > 0 for g in grads.values()), rank
+        for name, (g, phy2log, first) in grads.items():
+            expected = params[name].grad[torch.as_tensor(phy2log)].clone()
+            expected[torch.as_tensor([first[e] != s for s, e in enumerate(phy2log)])] = 0
+            assert expected.abs().sum() > 0, name
+            torch.testing.assert_close(g, expected, rtol=1e-4, atol=1e-7, msg=f"rank {rank} {name}")
