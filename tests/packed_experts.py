@@ -207,3 +207,55 @@ def _write(path: str, tensors: dict[str, torch.Tensor], config: dict) -> None:
         json.dump({"metadata": {}, "weight_map": {k: names[i >= half] for i, k in enumerate(keys)}}, f)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
+
+
+class StoredExperts(nn.Module):
+    """HF-style experts kept as a checkpoint stores them: one frozen parameter per expert
+    parameter of ``spec`` (:mod:`moeshard.models.adapters`), ``[E, *parts concatenated along
+    dim 0]`` (a 0-d part: ``[E]``), of the checkpoint's dtype (shapes from expert 0 of
+    ``prefix`` in ``tensors``)."""
+
+    def __init__(self, spec, tensors: dict[str, torch.Tensor], prefix: str, num_experts: int):
+        super().__init__()
+        self.num_experts = num_experts
+        for p in spec.params:
+            parts = [tensors[k] for k in p.keys(prefix, 0)]
+            one = parts[0] if parts[0].dim() == 0 else torch.cat(parts)
+            t = torch.zeros((num_experts, *one.shape), dtype=one.dtype)
+            self.register_parameter(p.name, nn.Parameter(t, requires_grad=False))
+
+
+def stored_spec(fmt: str):
+    """The spec of the experts a Qwen3-MoE in quant_fixtures format ``fmt`` keeps as stored:
+    compressed-tensors NVFP4, ModelOpt NVFP4, or FP8 per channel (``gate_up_proj`` float8 and its
+    ``gate_up_proj_scale`` ``[E, 2I, 1]``, transformers' FP8 experts' naming)."""
+    from moeshard.models import adapters
+
+    if fmt == "nvfp4":
+        return adapters.COMPRESSED_EXPERTS[0]
+    if fmt == "modelopt-nvfp4":
+        return adapters.MODELOPT_EXPERTS
+    assert fmt == "fp8", fmt
+    return adapters.with_scales(adapters.HF_EXPERTS, {"gate_up_proj_scale", "down_proj_scale"})
+
+
+def stored_qwen3(fmt: str, path: str) -> nn.Module:
+    """The Qwen3-MoE of quant_fixtures checkpoint ``path`` (format ``fmt``), bf16, every
+    ``mlp.experts`` a :class:`StoredExperts` of :func:`stored_spec`, on the meta device."""
+    import transformers
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(path, f)))
+    config = transformers.AutoConfig.from_pretrained(path)
+    config.quantization_config = None
+    spec = stored_spec(fmt)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    for name, _ in list(model.named_modules()):
+        if name.endswith("mlp.experts"):
+            with torch.device("meta"):
+                model.set_submodule(name, StoredExperts(spec, tensors, name, config.num_experts))
+    return model

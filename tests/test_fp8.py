@@ -369,8 +369,8 @@ def test_fp8_kept_with_scales_that_move_with_their_experts(ckpts, kept_runs):
             [_raw(torch.cat([want[f"{module}.{int(e)}.{q}_proj.weight{suffix}"] for q in parts])) for e in rows]
         )
 
-    root, _, both, _ = kept_runs
-    results = [fp8_results for fp8_results, _, _ in both]
+    root, _, both, _, _ = kept_runs
+    results = [res[0] for res in both]
     sent = 0
     for rank, steps in enumerate(results):
         for deq, unused, moved, phy2log, state in steps:
@@ -489,20 +489,31 @@ def test_fitting_scales_equals_scale_of_key_by_key(tmp_path):
 # -- experts kept packed in other formats (MXFP4, compressed-tensors INT4) ---------------------
 
 
+# Qwen3-MoE fixtures whose experts are kept as stored (packed_experts.stored_qwen3): compressed-tensors
+# NVFP4, ModelOpt NVFP4 (per-expert 0-d weight_scale_2 / input_scale) and FP8 per channel.
+STORED = ("nvfp4", "modelopt-nvfp4", "fp8")
+
+
 def packed_checkpoints(root: str) -> dict[str, str]:
-    """gpt-oss with MXFP4 experts and DeepSeek-V3 with compressed-tensors INT4 routed experts
-    (Kimi-K2-Thinking's layout), each in two shards with its quantization_config."""
+    """gpt-oss with MXFP4 experts, DeepSeek-V3 with compressed-tensors INT4 routed experts
+    (Kimi-K2-Thinking's layout), each in two shards with its quantization_config, and the
+    Qwen3-MoE fixtures of :data:`STORED`."""
     import packed_experts
+    import quant_fixtures
 
     out = {"gpt_oss": os.path.join(root, "mxfp4"), "deepseek_v3": os.path.join(root, "int4")}
     packed_experts.write_mxfp4_checkpoint(out["gpt_oss"])
     packed_experts.write_int4_checkpoint(out["deepseek_v3"])
+    for fmt in STORED:
+        out[fmt] = quant_fixtures.WRITERS[fmt](os.path.join(root, fmt)).path
     return out
 
 
-def _packed_model(family: str):
+def _packed_model(family: str, path: str):
     import packed_experts
 
+    if family in STORED:
+        return packed_experts.stored_qwen3(family, path)
     return packed_experts.packed_gpt_oss() if family == "gpt_oss" else packed_experts.compressed_deepseek_v3()
 
 
@@ -530,10 +541,10 @@ def packed_kept_worker(packed: dict, out_dir: str) -> dict:
     mesh = moeshard.make_mesh("cpu", ep=2, efsdp=2)
     out = {}
     for family, ckpt in packed.items():
-        model = _packed_model(family)
+        model = _packed_model(family, ckpt)
         with open(os.path.join(ckpt, "config.json")) as f:  # what transformers' quantizer leaves on the config
-            model.config.quantization_config = json.load(f)["quantization_config"]
-        n = 4 if family == "gpt_oss" else model.config.n_routed_experts
+            model.config.quantization_config = json.load(f).get("quantization_config")
+        n = {"gpt_oss": 4, "deepseek_v3": getattr(model.config, "n_routed_experts", 0)}.get(family, 8)
         layers = 2
         old, new = _placement(7, n, layers), _placement(8, n, layers)
         moeshard.parallelize(model, mesh, old, ep_forward=False)
@@ -568,25 +579,61 @@ def requant_worker(source: str, float_dir: str, out_dir: str) -> tuple:
     return rep.num_requantized, rep.requant_max_abs_error, rep.files
 
 
-def kept_worker(fp8: str, out_dir: str, packed: dict, packed_out: str, requant: tuple) -> tuple:
-    """Every kept-quantized scenario and the requantizing save in one spawn (spawning costs
-    seconds)."""
-    return fp8_kept_worker(fp8, out_dir), packed_kept_worker(packed, packed_out), requant_worker(*requant)
+def gpt_oss_efsdp_worker(float_dir: str, ids: torch.Tensor) -> tuple:
+    """A float gpt-oss (trainable expert biases) on EP=2 x efsdp=2 ranks with a redundant
+    placement and the EP forward: loss and logits of ``ids`` (every rank the same batch, so the
+    data-parallel mean is the one-process gradient), then backward; each expert bias's gradient
+    ``[num_physical, ...]`` (gathered) with its layer's ``(phy2log, first copy of each expert)``."""
+    import transformers
+
+    import moeshard
+
+    mesh = moeshard.make_mesh("cpu", ep=2, efsdp=2)
+    config = transformers.AutoConfig.from_pretrained(float_dir)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    pl = _placement(10, config.num_local_experts, config.num_hidden_layers)
+    moeshard.parallelize(model, mesh, pl)
+    moeshard.load(model, float_dir, placement=pl)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        if name.endswith("_bias") and ".experts." in name:
+            layer = int(name.split(".")[2])
+            grads[name] = (p.grad.full_tensor(), pl.phy2log[layer].tolist(), pl.log2phy[layer, :, 0].tolist())
+    return float(out.loss), out.logits.detach(), grads
 
 
-def _expected_packed(family: str, want: dict, name: str, phy2log: np.ndarray, experts: list[str]) -> torch.Tensor:
+def kept_worker(fp8: str, out_dir: str, packed: dict, packed_out: str, requant: tuple, gpt_oss: tuple) -> tuple:
+    """Every kept-quantized scenario, the requantizing save and a float gpt-oss at EP x efsdp in
+    one spawn (spawning costs seconds)."""
+    return (
+        fp8_kept_worker(fp8, out_dir),
+        packed_kept_worker(packed, packed_out),
+        requant_worker(*requant),
+        gpt_oss_efsdp_worker(*gpt_oss),
+    )
+
+
+def _expected_packed(want: dict, name: str, phy2log: np.ndarray, layers: dict) -> torch.Tensor:
     """The bytes parameter ``name`` holds under placement ``phy2log``: the checkpoint tensor
-    itself, or for an expert parameter its slots' logical experts' rows (gpt-oss: rows of the
-    fused ``*_blocks`` / ``*_scales``; DeepSeek-V3: each expert's gate and up tensors stacked)."""
+    itself, or for an expert parameter of experts module ``layers[module] = (layer, spec)`` its
+    slots' logical experts' rows, each its checkpoint parts concatenated (gpt-oss: rows of the
+    fused ``*_blocks`` / ``*_scales``; a 0-d part, ModelOpt's ``weight_scale_2``: itself)."""
     module, _, attr = name.rpartition(".")
-    if module not in experts or attr.endswith("_bias"):
+    param = next((p for p in layers[module][1].params if p.name == attr), None) if module in layers else None
+    if param is None:
         return _raw(want[name])
-    rows = torch.as_tensor(phy2log[experts.index(module)])
-    if family == "gpt_oss":
-        return _raw(want[name])[rows]
-    proj, _, tensor = attr.partition("_proj_")
-    parts = ("gate", "up") if proj == "gate_up" else (proj,)
-    return torch.stack([_raw(torch.cat([want[f"{module}.{int(e)}.{q}_proj.{tensor}"] for q in parts])) for e in rows])
+    rows = torch.as_tensor(phy2log[layers[module][0]])
+    if param.fused:
+        return _raw(want[f"{module}.{param.parts[0]}"])[rows]
+
+    def one(e: int) -> torch.Tensor:
+        parts = [want[k] for k in param.keys(module, e)]
+        return parts[0] if parts[0].dim() == 0 else torch.cat(parts)
+
+    return _raw(torch.stack([one(int(e)) for e in rows]))
 
 
 def _saved(path: str) -> dict:
@@ -610,6 +657,9 @@ def kept_runs(ckpts, tmp_path_factory):
     fx = quant_fixtures.WRITERS["int4"](str(root / "int4"))
     float_dir = quant_fixtures.write_reference(fx, str(root / "int4-float"), torch.float32)
     requant = (fx.path, float_dir, str(root / "requantized"))
+    oss = quant_fixtures.WRITERS["mxfp4"](str(root / "gpt_oss"))
+    ids = torch.randint(0, oss.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    gpt_oss = (quant_fixtures.write_reference(oss, str(root / "gpt_oss-float"), torch.float32), ids)
     results = run_ranks(
         kept_worker,
         fp8,
@@ -617,15 +667,16 @@ def kept_runs(ckpts, tmp_path_factory):
         packed,
         str(root / "packed_saved"),
         requant,
+        gpt_oss,
         world=4,
         local_world=2,
         timeout=300,
     )
-    return root, packed, results, fx
+    return root, packed, results, fx, gpt_oss
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3", *STORED])
 def test_packed_experts_kept_moved_and_saved_byte_identical(kept_runs, family):
     """A model that keeps its experts packed (gpt-oss: MXFP4 ``*_blocks`` uint8 + E8M0
     ``*_scales``; DeepSeek-V3: compressed-tensors INT4 ``weight_packed`` int32 + ``weight_scale``
@@ -634,11 +685,13 @@ def test_packed_experts_kept_moved_and_saved_byte_identical(kept_runs, family):
     (scales and shapes move with their experts) and after one back read from disk; saved after the
     relocation, every tensor of the checkpoint (scales and shapes included) is written, with its
     dtype and bytes unchanged."""
-    root, packed, results, _ = kept_runs
+    from moeshard.models.describe import expert_layers
+
+    root, packed, results, _, _ = kept_runs
     ckpt = packed[family]
     want = _saved(ckpt)
-    model = _packed_model(family)
-    experts = [name for name, _ in model.named_modules() if name.endswith("mlp.experts")]
+    model = _packed_model(family, ckpt)
+    layers = {e.name: (e.layer, e.spec) for e in expert_layers(model)}
     names = {name for name, _ in model.named_parameters()}
     sent = 0
     for rank, res in enumerate(results):
@@ -649,7 +702,7 @@ def test_packed_experts_kept_moved_and_saved_byte_identical(kept_runs, family):
             assert unused == ()  # every tensor read into a parameter
             assert set(state) == names
             for name, (got, offset, shape) in state.items():
-                full = _expected_packed(family, want, name, phy2log, experts)
+                full = _expected_packed(want, name, phy2log, layers)
                 assert tuple(full.shape) == shape, name
                 box = tuple(slice(o, o + n) for o, n in zip(offset, got.shape))
                 assert got.dtype == full.dtype and torch.equal(got, full[box]), f"rank {rank} {name}"
@@ -657,9 +710,10 @@ def test_packed_experts_kept_moved_and_saved_byte_identical(kept_runs, family):
     saved = _saved(str(root / "packed_saved" / family))
     assert set(saved) == set(want)
     with open(os.path.join(ckpt, "config.json")) as f, open(root / "packed_saved" / family / "config.json") as g:
-        assert json.load(g)["quantization_config"] == json.load(f)["quantization_config"]
+        assert json.load(g).get("quantization_config") == json.load(f).get("quantization_config")
     for key, t in want.items():
-        assert saved[key].dtype == t.dtype and torch.equal(_raw(saved[key]), _raw(t)), key
+        assert saved[key].dtype == t.dtype and saved[key].shape == t.shape, key
+        assert torch.equal(_raw(saved[key].reshape(-1)), _raw(t.reshape(-1))), key
 
 
 @pytest.mark.dist
@@ -673,7 +727,7 @@ def test_requantized_save_from_ep_ranks_with_redundant_experts(kept_runs):
     from moeshard.io import codecs
     from moeshard.io.quant import read_quant_configs, recognize
 
-    root, _, results, fx = kept_runs
+    root, _, results, fx, _ = kept_runs
     src, saved = _saved(fx.path), _saved(str(root / "requantized"))
     assert set(saved) == set(src)
     packed = recognize(*read_quant_configs(fx.path), moeshard.CheckpointIndex.open(fx.path).tensors)
@@ -689,3 +743,28 @@ def test_requantized_save_from_ep_ranks_with_redundant_experts(kept_runs):
     num = {r[2][0] for r in results}
     assert num == {len(packed)}  # job-wide, the same on every rank
     assert len({f for r in results for f in r[2][2]}) > 1  # several ranks wrote
+
+
+@pytest.mark.dist
+def test_gpt_oss_trains_with_expert_biases_at_ep_and_efsdp(kept_runs):
+    """A float gpt-oss, whose experts have trainable biases (``gate_up_proj_bias`` [E, 2I],
+    ``down_proj_bias`` [E, H]: expert parameters that move with their experts), runs the EP
+    forward on EP=2 x expert-FSDP=2 ranks with a redundant placement: the loss and logits equal
+    one process's, and each bias's gradient is the one-process gradient in the first copy of
+    each expert, zero in the other copies."""
+    import transformers
+
+    _, _, results, _, (float_dir, ids) = kept_runs
+    model = transformers.AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32)
+    want = model(input_ids=ids, labels=ids)
+    want.loss.backward()
+    params = dict(model.named_parameters())
+    for rank, (_, _, _, (loss, logits, grads)) in enumerate(results):
+        assert abs(loss - float(want.loss)) < 1e-5, rank
+        torch.testing.assert_close(logits, want.logits.detach(), rtol=1e-5, atol=1e-5)
+        assert len(grads) == 2 * model.config.num_hidden_layers, sorted(grads)
+        for name, (g, phy2log, first) in grads.items():
+            expected = params[name].grad[torch.as_tensor(phy2log)].clone()
+            expected[torch.as_tensor([first[e] != s for s, e in enumerate(phy2log)])] = 0
+            assert expected.abs().sum() > 0, name
+            torch.testing.assert_close(g, expected, rtol=1e-4, atol=1e-7, msg=f"rank {rank} {name}")

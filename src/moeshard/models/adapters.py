@@ -43,7 +43,9 @@ __all__ = [
     "JETMOE_EXPERTS",
     "DBRX_EXPERTS",
     "DOGE_EXPERTS",
+    "GPT_OSS_EXPERTS",
     "MXFP4_EXPERTS",
+    "MODELOPT_EXPERTS",
     "COMPRESSED_EXPERTS",
     "PACKED_SPECS",
     "packed_tensor_names",
@@ -176,6 +178,15 @@ DOGE_EXPERTS = ExpertsSpec(
     classes=frozenset({"Embedding"}),
     routed_by_parent=True,  # ``mlp.router_gate`` picks the ids both tables are looked up by
 )
+# gpt-oss's experts: ``gate_up_proj`` ``[E, H, 2I]``, ``down_proj`` ``[E, I, H]`` and their biases
+# ``gate_up_proj_bias`` ``[E, 2I]`` and ``down_proj_bias`` ``[E, H]``, each fused on disk under its
+# own name; the biases are expert parameters like the weights (a row per expert, which moves with
+# its expert and is trained on its expert's tokens).
+GPT_OSS_EXPERTS = ExpertsSpec(
+    module=r"(^|\.)experts$",
+    params=tuple(ExpertParam(n, (n,)) for n in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")),
+    classes=frozenset({"GptOssExperts"}),
+)
 # gpt-oss experts kept in MXFP4 as its checkpoints store them (a serving model, a frozen
 # quantized base): ``gate_up_proj_blocks`` uint8 ``[E, 2I, H/32, 16]`` (two E2M1 values per byte)
 # and ``gate_up_proj_scales`` uint8 ``[E, 2I, H/32]`` (E8M0), ``down_proj_blocks`` ``[E, H, I/32,
@@ -209,6 +220,28 @@ def _compressed_experts(tensors: tuple[str, ...]) -> ExpertsSpec:
     )
 
 
+def _per_projection(tensors: tuple[str, ...]) -> tuple[ExpertParam, ...]:
+    """One expert parameter ``<proj>_<t>`` ``[E]`` per projection (``gate_proj``, ``up_proj``,
+    ``down_proj``) and scalar tensor ``<t>`` of ``tensors`` stored per expert as a 0-d tensor
+    (``experts.{e}.<proj>.<t>``, ModelOpt's ``weight_scale_2`` and ``input_scale``)."""
+    return tuple(
+        ExpertParam(f"{proj}_{t}", (f"{{e}}.{proj}.{t}",))
+        for t in tensors
+        for proj in ("gate_proj", "up_proj", "down_proj")
+    )
+
+
+# HF-style experts kept in ModelOpt NVFP4 as its checkpoints store each expert's linear layers:
+# ``gate_up_proj_weight`` uint8 ``[E, 2I, H/2]`` (two E2M1 values per byte; gate then up rows),
+# ``gate_up_proj_weight_scale`` float8_e4m3fn ``[E, 2I, H/16]``, ``down_proj_*`` likewise, and the
+# per-expert scalars ``<proj>_weight_scale_2`` / ``<proj>_input_scale`` float32 ``[E]`` for each
+# of ``gate_proj``, ``up_proj`` and ``down_proj`` (0-d on disk).
+MODELOPT_EXPERTS = ExpertsSpec(
+    module=r"(^|\.)experts$",
+    params=_compressed_experts(("weight", "weight_scale")).params + _per_projection(("weight_scale_2", "input_scale")),
+)
+
+
 # Experts kept compressed (a serving model, a frozen quantized base under LoRA), one spec per
 # set of tensors compressed-tensors writes, the largest first (a module matches the first spec
 # whose parameters it has all of): NVFP4 (``nvfp4-pack-quantized``), INT4 with a zero point and
@@ -223,8 +256,9 @@ COMPRESSED_EXPERTS: tuple[ExpertsSpec, ...] = tuple(
 )
 # The specs of experts kept packed: transformers reads their tensors through its quantizer
 # (mxfp4, compressed-tensors), not through the family's converters.
-PACKED_SPECS: tuple[ExpertsSpec, ...] = (MXFP4_EXPERTS, *COMPRESSED_EXPERTS)
+PACKED_SPECS: tuple[ExpertsSpec, ...] = (MXFP4_EXPERTS, MODELOPT_EXPERTS, *COMPRESSED_EXPERTS)
 DEFAULT_SPECS: tuple[ExpertsSpec, ...] = (
+    GPT_OSS_EXPERTS,  # before HF_EXPERTS, whose parameters a GptOssExperts has too
     HF_EXPERTS,
     MIXTRAL_EXPERTS,
     HF_UNGATED_EXPERTS,
@@ -320,11 +354,12 @@ def with_scales(spec: ExpertsSpec, param_names: set[str]) -> ExpertsSpec:
     (its ``HfQuantizer.update_weight_conversions``: the companion's suffix is the serialized name
     minus ``weight``). So the scale ``<param><suffix>`` reads parts ``<part><suffix>`` along the
     same dim; the parts' sizes (block rows) come from the checkpoint, as for any part."""
+    own = {p.name for p in spec.params}
     extra = tuple(
         ExpertParam(p.name + suffix, tuple(part + suffix for part in p.parts), p.dim)
         for p in spec.params
         for suffix in SCALE_SUFFIXES
-        if p.name + suffix in param_names
+        if p.name + suffix in param_names and p.name + suffix not in own
     )
     return dataclasses.replace(spec, params=spec.params + extra) if extra else spec
 
@@ -475,6 +510,9 @@ def read_expert_box(reader, param: ExpertParam, module: str, expert: int, box: B
         return out
     if param.fused:  # row ``expert`` of the one tensor holding every expert
         read(keys[0], ((expert, 1),) + tuple(box), out.unsqueeze(0))
+        return out
+    if len(keys) == 1:  # the part is the slice (a 0-d one too: ModelOpt's weight_scale_2)
+        read(keys[0], tuple(box), out)
         return out
     sizes = tuple(reader.index.info(k).shape[param.dim] for k in keys)
     base = tuple(o for o, _ in box)

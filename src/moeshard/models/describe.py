@@ -341,7 +341,7 @@ def _fused_spec(
     every expert (``[num_logical, *slice_shape]``, as gpt-oss and Llama 4 ship them and as
     transformers keeps them in memory): each parameter of ``spec`` stored under checkpoint key
     ``key_of(<module>.<param>)`` becomes a one-part fused :class:`ExpertParam`. None when one
-    has no key. The module's other parameters (gpt-oss's expert biases) stay whole tensors, as
+    has no key. The module's other parameters (a packed gpt-oss's biases) stay whole tensors, as
     :func:`moeshard.parallelize` leaves them. Shapes are checked with the needs
     (:func:`moeshard.models.layout.need_table`)."""
     params, prefixes = [], {}

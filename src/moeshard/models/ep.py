@@ -146,8 +146,8 @@ class EPLayer:
         ep_group: the EP process group (this rank's row of the mesh).
         grad_scale: factor applied to the local expert weights' gradient (1/EP, see module doc).
         param_names: the module's per-slot parameters (its spec's, EP-sharded ``[S, ...]``); its
-            other parameters hold one row per logical expert, whole (``[E, ...]``: gpt-oss's
-            biases, which the spec leaves to FSDP). Empty: every parameter is per slot.
+            other parameters hold one row per logical expert, whole (``[E, ...]``: a packed
+            gpt-oss's frozen biases). Empty: every parameter is per slot.
         compute_dtype: the mixed-precision policy's ``param_dtype`` (None: compute in the
             parameters' own dtype). The forward casts the local expert weights to it, with
             autograd (module doc, "Mixed precision").

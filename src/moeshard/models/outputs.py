@@ -265,6 +265,17 @@ def _expert_outputs(
     ref = d.expert
     dim = ref.param.dim
     slice_shape = d.shape[1:]
+    if not slice_shape:  # one 0-d tensor per expert (ModelOpt's weight_scale_2 [E]): no part dim
+        assert len(ref.param.parts) == 1, ref.param
+        base = len(heads)
+        dtype = DTYPE_NAMES[d.dtype]
+        heads.extend(
+            (ref.param.keys(ref.module, e)[0], (), dtype, False, e >= num_logical) for e in range(num_logical + zeros)
+        )
+        q, local, e = _slots(phy2log, off, ln)
+        rest_off, rest_len = off[q, 1:], ln[q, 1:]
+        rows.add(base + e, ranks[q], i, local, rest_off.copy(), rest_len.copy(), -rest_off)
+        return
     part_sizes = _part_sizes(d, slice_shape, reference)
     los = [sum(part_sizes[:j]) for j in range(len(part_sizes))]
     dtype = DTYPE_NAMES[d.dtype]

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..placement import Placement
 from .adapters import DEFAULT_SPECS, ExpertsSpec, expert_shape, identity_rows
@@ -153,6 +153,7 @@ def parallelize(
     opaque |= {id(w) for e in layers for w in expert_lora_wrappers(model, e.name, e.spec)}
     units = [(unit, _other_dtype_modules(unit, opaque - {id(unit)})) for unit in (*blocks, model)]
     expert_params: set[nn.Parameter] = set()
+    slot_whole: set[nn.Parameter] = set()  # expert parameters expert FSDP leaves whole per slot
     names = {id(m): n for n, m in model.named_modules()}
     for module_name, module, spec, layer in layers:
         # peft LoRA on expert params (ParamWrappers around the module): per-slot local factors.
@@ -173,10 +174,14 @@ def parallelize(
                     f"{module_name}.{p.name} has {shape[0]} experts, the placement {placement.num_logical}{also}"
                 )
             local = torch.empty((spr, *shape[1:]), dtype=old.dtype, device=old.device)
+            # A frozen expert parameter FSDP2 cannot shard on dim 1 (per-expert scalars of a
+            # packed model: ModelOpt's weight_scale_2 [S], compressed-tensors' global scales
+            # [S, 1]) stays whole per slot, replicated over "efsdp" (expert FSDP leaves it out).
+            whole_slot = efsdp > 1 and not old.requires_grad and (len(shape) < 2 or shape[1] % efsdp != 0)
             dt = DTensor.from_local(
                 local,
-                ep_mesh,
-                [Shard(0)],
+                _experts_mesh(mesh) if whole_slot else ep_mesh,
+                [Replicate(), Shard(0)] if whole_slot else [Shard(0)],
                 run_check=False,
                 shape=torch.Size((placement.num_physical, *shape[1:])),
                 stride=_contiguous_stride((placement.num_physical, *shape[1:])),
@@ -184,6 +189,8 @@ def parallelize(
             new = nn.Parameter(dt, requires_grad=old.requires_grad)
             setattr(module, p.name, new)
             expert_params.add(new)
+            if whole_slot:
+                slot_whole.add(new)
         # The module now holds this rank's slots only; record the layout for forward code.
         module.num_local_experts = spr
         host = ep_host(model, module_name, module)  # whose forward runs the experts (DBRX: the parent)
@@ -224,10 +231,11 @@ def parallelize(
             # LoRA B [out, r*S] shards its rows instead (its columns are EP's). On the module
             # whose forward is called, so that FSDP gathers the parameters before it runs.
             # The module's other parameters (frozen: _check_whole_params), e.g. a packed
-            # gpt-oss's expert biases, stay whole on every rank: sharded on "efsdp", each EP
+            # gpt-oss's frozen expert biases, stay whole on every rank: sharded on "efsdp", each EP
             # group would hold its own copy on a mesh of its own, a tensor no description of
             # the model names alike on every rank.
             whole = {t for n, t in module.named_parameters(recurse=False) if n not in {p.name for p in spec.params}}
+            whole |= {t for t in (getattr(module, p.name) for p in spec.params) if t in slot_whole}
             fully_shard(
                 wrappers[-1] if wrappers else host,
                 mesh=mesh["efsdp"],
@@ -247,7 +255,7 @@ def parallelize(
     if dense is None and replicate > 1:
         dense = dense_mesh(mesh, replicate)
     dp = dense if dense is not None else _dp_mesh(mesh)
-    ignored = expert_params if efsdp == 1 else None
+    ignored = expert_params if efsdp == 1 else slot_whole or None
     for unit, islands in units:
         for island in islands:
             fully_shard(island, mesh=dp, ignored_params=ignored, mp_policy=mp_policy)
@@ -273,6 +281,8 @@ def _check_efsdp_dims(model: nn.Module, layers, efsdp: int, world: int) -> None:
             shape = shapes.get(id(p), tuple(p.shape))
             if id(p) in lora_b or len(shape) < 2 or shape[1] % efsdp == 0:
                 continue
+            if id(p) in shapes and not p.requires_grad:  # kept whole per slot (_whole_per_slot)
+                continue
             n = shape[1]
             fits = [d for d in range(1, world + 1) if world % d == 0 and n % d == 0]
             raise ValueError(
@@ -283,9 +293,14 @@ def _check_efsdp_dims(model: nn.Module, layers, efsdp: int, world: int) -> None:
             )
 
 
+def _experts_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ``("efsdp", "ep")`` mesh of the expert parameters."""
+    return mesh if tuple(mesh.mesh_dim_names or ()) == ("efsdp", "ep") else mesh["efsdp", "ep"]
+
+
 def _check_whole_params(layers) -> None:
     """With efsdp > 1, every trainable parameter of an experts module is an expert parameter of
-    its spec. Any other one (one row per logical expert, gpt-oss's biases) is whole on every EP
+    its spec. Any other one (one row per logical expert) is whole on every EP
     rank, and the EP forward gathers its rows at the local slots' experts, so each EP rank
     computes its gradient from different tokens, which the expert FSDP (on "efsdp" only) would
     not reduce over "ep". A frozen one (a packed model's biases) stays whole on every rank."""
