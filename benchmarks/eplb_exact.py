@@ -165,6 +165,42 @@ def row_bound(w: np.ndarray, num_slots: int, num_ranks: int) -> np.ndarray:
     return np.maximum(w.sum(1) / num_ranks, count_bound(w, num_slots))
 
 
+def _count_vectors(hot: int, extra: int) -> np.ndarray:
+    """``int[M, hot]``: every copy-count vector ``c >= 1`` with ``sum(c) <= hot + extra``."""
+    grids = np.meshgrid(*[np.arange(1, extra + 2)] * hot, indexing="ij")
+    c = np.stack([g.ravel() for g in grids], 1)
+    return c[c.sum(1) <= hot + extra]
+
+
+def hot_bound(w: np.ndarray, num_slots: int, num_ranks: int, hot: int = 4) -> np.ndarray:
+    """``float[B]``: per row of ``w`` ``float[B, E]``, a lower bound from the ``hot`` heaviest
+    experts' copies alone: over every count vector ``c`` of them (each ``>= 1``, together at
+    most ``hot + num_slots - E`` copies, since every other expert needs a slot), the smallest of
+    the largest of (a) ``ceil(c[e] / num_ranks) * w[e] / c[e]`` (some rank holds that many
+    copies of ``e``) and (b) the sum of the ``ceil(sum(c) / num_ranks)`` lightest of those
+    copies (some rank holds that many hot copies). Both hold whatever else shares the rank,
+    and every rank holding exactly ``num_slots / num_ranks`` copies is what caps ``sum(c)``."""
+    num_b, num_e = w.shape
+    hot = min(hot, num_e)
+    extra = num_slots - num_e
+    a = -np.sort(-w, axis=1)[:, :hot]  # [B, h] heaviest first
+    c = _count_vectors(hot, extra)  # [M, h]
+    copy = a[:, None, :] / c[None]  # [B, M, h]
+    stack = (np.ceil(c / num_ranks)[None] * copy).max(2)
+    q = np.ceil(c.sum(1) / num_ranks)[None, :, None]  # [1, M, 1]
+    order = np.argsort(copy, axis=2)  # lightest copies first
+    cs = np.take_along_axis(np.broadcast_to(c, copy.shape), order, 2)
+    cp = np.take_along_axis(copy, order, 2)
+    before = np.cumsum(cs, 2) - cs
+    lightest = (np.clip(q - before, 0, cs) * cp).sum(2)
+    return np.maximum(stack, lightest).min(1)
+
+
+def node_bound(w: np.ndarray, num_slots: int, num_ranks: int) -> np.ndarray:
+    """``float[B]``: the largest of :func:`row_bound` and :func:`hot_bound`."""
+    return np.maximum(row_bound(w, num_slots, num_ranks), hot_bound(w, num_slots, num_ranks))
+
+
 def _partitions(num_groups: int, num_nodes: int):
     """Every way to split ``range(num_groups)`` into ``num_nodes`` unordered parts of equal size."""
     size = num_groups // num_nodes
@@ -201,10 +237,62 @@ def lower_bound(
     gsize = num_e // num_groups
     wg = w.reshape(num_layers, num_groups, gsize)
     best = np.full(num_layers, np.inf)
+    per_node = {}  # a node's bound depends only on its groups
     for p in parts:
         worst = np.zeros(num_layers)
         for node in p:
-            wn = wg[:, list(node)].reshape(num_layers, -1)
-            worst = np.maximum(worst, row_bound(wn, num_physical // num_nodes, num_ranks // num_nodes))
+            if node not in per_node:
+                wn = wg[:, list(node)].reshape(num_layers, -1)
+                per_node[node] = node_bound(wn, num_physical // num_nodes, num_ranks // num_nodes)
+            worst = np.maximum(worst, per_node[node])
         best = np.minimum(best, worst)
     return np.maximum(best, glob)
+
+
+def _pack(w: np.ndarray, counts: np.ndarray, num_ranks: int, slots_per_rank: int) -> float:
+    """The heaviest rank of a greedy packing: copies heaviest first, each onto the lightest
+    rank with a free slot that does not hold its expert yet (any free rank when none)."""
+    copies = np.repeat(np.arange(len(w)), counts)
+    order = np.argsort(-(w / counts)[copies], kind="stable")
+    load = np.zeros(num_ranks)
+    free = np.full(num_ranks, slots_per_rank)
+    holds = np.zeros((num_ranks, len(w)), dtype=bool)
+    for e in copies[order]:
+        ok = (free > 0) & ~holds[:, e]
+        if not ok.any():
+            ok = free > 0
+        r = int(np.flatnonzero(ok)[np.argmin(load[ok])])
+        load[r] += w[e] / counts[e]
+        free[r] -= 1
+        holds[r, e] = True
+    return float(load.max())
+
+
+def node_upper(w: np.ndarray, num_ranks: int, slots_per_rank: int, hot: int = 4, below: float = np.inf) -> float:
+    """A feasible heaviest rank for one node's experts ``w`` ``float[E]`` (every rank full,
+    moeshard's rule kept where the greedy can): over the count vectors of the ``hot``
+    heaviest experts in the order of :func:`hot_bound`'s value for them, the rest's extra
+    copies by largest per-copy load, then :func:`_pack`; stops where that bound reaches the
+    best found. ``below``: a known feasible value (returned when nothing beats it)."""
+    num_e = len(w)
+    hot = min(hot, num_e)
+    extra = num_ranks * slots_per_rank - num_e
+    idx = np.argsort(-w, kind="stable")
+    a = w[idx[:hot]]
+    c = _count_vectors(hot, extra)
+    copy = a[None] / c
+    bound = np.maximum((np.ceil(c / num_ranks) * copy).max(1), w.sum() / num_ranks)
+    best = below
+    for j in np.argsort(bound, kind="stable"):
+        if bound[j] >= best * (1 - 1e-12):
+            break
+        counts = np.ones(num_e, dtype=np.int64)
+        counts[idx[:hot]] = c[j]
+        rest, spare = idx[hot:], extra - int(c[j].sum()) + hot
+        if spare and not len(rest):
+            continue  # every expert is hot: only full count vectors fill the ranks
+        for _ in range(spare):
+            e = rest[np.argmax(w[rest] / counts[rest])]
+            counts[e] += 1
+        best = min(best, _pack(w, counts, num_ranks, slots_per_rank))
+    return best

@@ -51,3 +51,17 @@ def test_small_instances_at_the_exact_optimum():
         # only to the reference's own duplicates, which can be lighter still), within the
         # solver's tolerance
         assert got <= exact.value * (1 + 1e-6), (w, ranks, slots, pl.logcnt, exact.counts)
+
+
+def test_yardstick_bounds_bracket_the_exact_optimum():
+    # the per-node bounds of the hierarchical rows: node_bound at most the unconstrained
+    # optimum (any copies on any rank), node_upper a placement no lighter than it
+    pytest.importorskip("highspy")
+    from benchmarks.eplb_exact import node_bound, node_upper, solve_exact
+
+    for w, ranks, slots in _instances(12, seed=7):
+        exact = solve_exact(w, ranks, slots, rule=False)
+        assert exact.status == "optimal"
+        lo = node_bound(w[None], ranks * slots, ranks)[0]
+        hi = node_upper(w, ranks, slots)
+        assert lo <= exact.value * (1 + 1e-9) and hi >= exact.value * (1 - 1e-9), (w, ranks, slots)
