@@ -168,7 +168,6 @@ def _colocated(family: str, ckpt: str) -> dict:
 
 def _failures(model, pl, lay, dst, full, rank) -> dict:
     """A rank failing in the third install group, then a corrupted delivery under verify."""
-    import torch.distributed as dist
 
     import moeshard
     import moeshard.ops.refit as refit_mod
@@ -177,23 +176,30 @@ def _failures(model, pl, lay, dst, full, rank) -> dict:
     old = {k: v.clone() for k, v in dst.items()}
     _train(model, tiny_hf.data(WORLD)[rank : rank + 1], None)
     new_full = _full(model, pl)
-    real = refit_mod.execute_schedule
+    real = refit_mod.TensorSink
     calls = [0]
 
-    def failing(*a, **k):
-        calls[0] += 1
-        if rank == 3 and calls[0] == 3:
-            raise RuntimeError("disk on fire")
-        return real(*a, **k)
+    class Failing(real):
+        """Rank 3's deliveries fail in the third install group (staged: no receive in place)."""
 
-    refit_mod.execute_schedule = failing
+        def __init__(self, s, tensors, r, receive_in_place=False):
+            super().__init__(s, tensors, r, receive_in_place=False)
+            calls[0] += 1
+            self.fails = rank == 3 and calls[0] == 3
+
+        def put(self, items):
+            if self.fails:
+                raise RuntimeError("disk on fire")
+            super().put(items)
+
+    refit_mod.TensorSink = Failing
     try:
         moeshard.refit(model, dst, lay)
         out["fail"] = None
     except moeshard.DistributedError as e:
         out["fail"] = str(e)
     finally:
-        refit_mod.execute_schedule = real
+        refit_mod.TensorSink = real
     groups = sorted({t.group for t in lay.tensors})
     done = set(groups[:2])
     wrong = []
@@ -230,8 +236,7 @@ def _failures(model, pl, lay, dst, full, rank) -> dict:
     except refit_mod.RefitVerifyError as e:
         out["verify"] = str(e)
     finally:
-        refit_mod.TensorSink = Corrupt.__mro__[1]
-    dist.barrier()
+        refit_mod.TensorSink = real
     return out
 
 
