@@ -240,15 +240,12 @@ def _failures(model, pl, lay, dst, full, rank) -> dict:
     return out
 
 
-def _disjoint(family: str, ckpt: str) -> dict:
+def _disjoint(family: str, ckpt: str, trainer_group, mesh) -> dict:
     import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
 
     import moeshard
 
     rank = dist.get_rank()
-    trainer_group = dist.new_group([0, 1])
-    mesh = DeviceMesh("cpu", torch.tensor([[0, 1]]), mesh_dim_names=("efsdp", "ep"))
     model = full = None
     pl = moeshard.Placement.contiguous(num_layers=tiny_hf.NUM_LAYERS, num_logical=NUM_EXPERTS, num_ranks=2)
     if rank < 2:
@@ -280,7 +277,17 @@ def _disjoint(family: str, ckpt: str) -> dict:
 
 
 def _worker(ckpts: dict) -> dict:
-    return {f: dict(colocated=_colocated(f, ckpts[f]), disjoint=_disjoint(f, ckpts[f])) for f in tiny_hf.MATRIX}
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    out = {f: dict(colocated=_colocated(f, ckpts[f])) for f in tiny_hf.MATRIX}
+    # The trainer's ranks 0-1 (made once, last: a mesh of some ranks creates its process groups
+    # on those ranks only, so no group is created on every rank after it).
+    trainer_group = dist.new_group([0, 1])
+    mesh = DeviceMesh("cpu", torch.tensor([[0, 1]]), mesh_dim_names=("efsdp", "ep"))
+    for f in tiny_hf.MATRIX:
+        out[f]["disjoint"] = _disjoint(f, ckpts[f], trainer_group, mesh)
+    return out
 
 
 @pytest.fixture(scope="module")
