@@ -244,6 +244,36 @@ def refit(
     plan = collectives.agree(make_plan, "moeshard.refit: planning", fingerprint=lambda p: p.fingerprint)
     t_plan = phases.end("plan") - t0
     wire = [getattr(torch, d) for d in plan.wire_dtypes]
+    sent, received, peak, installed = _install(plan, layout, ready, rank, wire, device)
+    phases.end("install")
+    checked = 0
+    if verify:
+        checked = _verify(plan, layout, ready, rank, wire)
+        phases.end("verify")
+    return RefitReport(
+        rank=rank,
+        world_size=world,
+        wall_seconds=time.perf_counter() - t0,
+        plan_seconds=t_plan,
+        fingerprint=plan.fingerprint,
+        plan={"peer_bytes": plan.peer_bytes, "copy_bytes": plan.copy_bytes, "groups": len(plan.groups)},
+        bytes_sent_rank=sent,
+        bytes_received_rank=received,
+        peak_staging_bytes_rank=peak,
+        phase_seconds=phases.seconds,
+        phase_cpu_seconds=phases.cpu_seconds,
+        peer_bytes=plan.peer_bytes,
+        copy_bytes=plan.copy_bytes,
+        groups=len(plan.groups),
+        engine_tensors_rank=installed,
+        verified_boxes_rank=checked,
+    )
+
+
+def _install(plan: RefitPlan, layout: EngineLayout, ready: _Ready, rank: int, wire, device):
+    """Collective: per install group, run its schedule into staging tensors, agree, and copy
+    them into the engine's tensors. Returns this rank's bytes sent, received, peak staging
+    bytes and engine tensors installed."""
     dev = device
     if dev is None:
         ref = ready.dst[0] if ready.dst else (ready.shards[0] if ready.shards else None)
@@ -276,29 +306,7 @@ def refit(
         sent += stats.bytes_sent
         received += stats.bytes_received
         peak = max(peak, stats.peak_staging_bytes)
-    phases.end("install")
-    checked = 0
-    if verify:
-        checked = _verify(plan, layout, ready, rank, wire)
-        phases.end("verify")
-    return RefitReport(
-        rank=rank,
-        world_size=world,
-        wall_seconds=time.perf_counter() - t0,
-        plan_seconds=t_plan,
-        fingerprint=plan.fingerprint,
-        plan={"peer_bytes": plan.peer_bytes, "copy_bytes": plan.copy_bytes, "groups": len(plan.groups)},
-        bytes_sent_rank=sent,
-        bytes_received_rank=received,
-        peak_staging_bytes_rank=peak,
-        phase_seconds=phases.seconds,
-        phase_cpu_seconds=phases.cpu_seconds,
-        peer_bytes=plan.peer_bytes,
-        copy_bytes=plan.copy_bytes,
-        groups=len(plan.groups),
-        engine_tensors_rank=installed,
-        verified_boxes_rank=checked,
-    )
+    return sent, received, peak, installed
 
 
 # -- verify --------------------------------------------------------------------------------
