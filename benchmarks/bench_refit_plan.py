@@ -1,6 +1,6 @@
 """Planning a refit of full-size DeepSeek-V3 (61 layers, 256 routed experts, 3 dense layers)
 from a trainer of T ranks (EP=T for the experts, FSDP over T for the rest) into a vLLM engine of
-E ranks (TP=8 x DP=E/8 for the dense tensors, EP=E for the experts, 32 redundant slots): the
+E ranks (TP=8 x DP=E/8 for the dense tensors, EP=E for the experts, a redundant slot per engine rank): the
 seconds one rank spends in the pure planner (every rank runs the same).
 
     python -m benchmarks.bench_refit_plan --trainer 256 --engine 256
@@ -67,14 +67,17 @@ def main(argv=None) -> None:
     ap.add_argument("--engine", type=int, default=256)
     ap.add_argument("--layers", type=int, default=61)
     ap.add_argument("--tp", type=int, default=8)
-    ap.add_argument("--redundant", type=int, default=32)
+    ap.add_argument("--redundant", type=int, default=None, help="redundant slots (default: one per engine rank)")
     a = ap.parse_args(argv)
     world = a.trainer + a.engine
     shared = _trainer(a.layers, 3, a.trainer, world)
     rng = np.random.default_rng(0)
     n_moe = a.layers - 3
     p2l = np.stack(
-        [rng.permutation(np.concatenate([np.arange(E), rng.integers(0, E, a.redundant)])) for _ in range(n_moe)]
+        [
+            rng.permutation(np.concatenate([np.arange(E), rng.integers(0, E, a.redundant or a.engine)]))
+            for _ in range(n_moe)
+        ]
     )
     engine = list(range(a.trainer, world))
     layout = vllm_deepseek_v3(a.layers, engine, tp=a.tp, ep=a.engine, phy2log=p2l, first_k_dense=3, dtype="bfloat16")
