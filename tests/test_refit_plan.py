@@ -12,7 +12,7 @@ from moeshard.plan.engines import vllm_qwen3_moe
 from moeshard.plan.refit import EngineLayout, EngineTensor, Segment, UnitInfo, engine_needs
 
 INFO = UnitInfo(
-    shapes={"q": (8, 4), "k": (4, 4), "v": (4, 4), "o": (4, 8), "emb": (100, 4), "gu": (6, 4), "down": (4, 3)},
+    shapes={"q": (8, 4), "k": (4, 4), "v": (4, 4), "o": (6, 8), "emb": (100, 4), "gu": (6, 4), "down": (4, 3)},
     dtypes={n: "float32" for n in ("q", "k", "v", "o", "emb", "gu", "down")},
     experts=frozenset({"gu", "down"}),
     num_logical=3,
@@ -58,8 +58,8 @@ def test_fused_tp_split_padded_and_expert_rows():
     ]
     assert needs.local_shapes[0] == (8, 4)
     # o: row-parallel, columns 4:8 on TP rank 1.
-    assert _rows(needs, 6, 1) == [("o", -1, [0, 4], [4, 4], [0, 0])]
-    assert needs.local_shapes[1] == (4, 4)
+    assert _rows(needs, 6, 1) == [("o", -1, [0, 4], [6, 4], [0, 0])]
+    assert needs.local_shapes[1] == (6, 4)
     # emb: 100 rows padded to 128, 64 per rank: rank 1 holds rows 64:100 (the rest padding).
     assert _rows(needs, 6, 2) == [("emb", -1, [64, 0], [36, 4], [0, 0])]
     assert needs.local_shapes[2] == (64, 4)
