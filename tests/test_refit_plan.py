@@ -128,3 +128,43 @@ def test_vllm_qwen3_moe_names():
         "lm_head.weight",
     } <= names
     assert {t.group for t in lay.tensors} == {-1, 0, 1}
+
+
+def _o_plan(monkeypatch=None, widen: int = 0):
+    """The refit plan of a row-parallel ``o`` (6 x 8, FSDP rows over 2 trainer ranks) into TP=2
+    engine ranks; ``widen``: rows this process's planner adds to o's engine local shape (as a
+    rank running other code would)."""
+    from moeshard.ops.refit import plan_for
+    from moeshard.ops.reshard import ShardLayout, TensorLayout
+    from moeshard.plan import refit as planner
+    from moeshard.topology import Topology
+
+    if widen:
+        real = planner.engine_needs
+
+        def skewed(layout, info, width):
+            n = real(layout, info, width)
+            shapes = tuple((s[0] + widen, *s[1:]) for s in n.local_shapes)
+            return planner.EngineNeeds(n.rows, n.keys, shapes, n.dtypes)
+
+        monkeypatch.setattr(planner, "engine_needs", skewed)
+    shared = ShardLayout((TensorLayout("o", (6, 8), "float32", np.arange(2), (0,)),), None, 0, 2, -1)
+    lay = EngineLayout((EngineTensor("o", (Segment("o"),), shard_dim=1, dtype="bfloat16"),), ranks=(0, 1), tp=2)
+    return plan_for(shared, [0, 1], lay, Topology(world_size=2, local_world_size=2))
+
+
+def test_fingerprint_covers_the_engine_local_shapes(monkeypatch):
+    """Ranks whose planners give an engine tensor another local shape (each checks its engine
+    tensors against its own plan, and its deliveries address them) must disagree at planning,
+    not fail mid-transfer on a view outside the tensor."""
+    base = _o_plan()
+    assert base.needs.local_shapes == ((6, 4),)
+    wide = _o_plan(monkeypatch, widen=2)
+    assert wide.needs.local_shapes == ((8, 4),)
+    assert [p.fingerprint for p in wide.plans] == [p.fingerprint for p in base.plans]  # same transfers
+    assert wide.fingerprint != base.fingerprint
+
+
+def test_need_rows_outside_the_local_shape_are_an_invariant_error(monkeypatch):
+    with pytest.raises(AssertionError, match="engine tensor o: a need row outside its shape"):
+        _o_plan(monkeypatch, widen=-2)

@@ -341,6 +341,19 @@ class RefitPlan:
 __all__ += ["RefitPlan"]
 
 
+def _check_inside(layout: EngineLayout, needs: EngineNeeds) -> None:
+    """Invariant of :func:`engine_needs`: every need row's box lies inside its engine tensor's
+    local shape (its slot's, for an expert tensor)."""
+    rows = needs.rows
+    width = rows.off.shape[1]
+    inner = np.full((len(needs.local_shapes), width), np.iinfo(np.int64).max, np.int64)
+    for j, shape in enumerate(needs.local_shapes):
+        sub = shape[1:] if layout.tensors[j].moe_layer >= 0 else shape
+        inner[j, : len(sub)] = sub
+    bad = (rows.local < 0).any(axis=1) | (rows.local + rows.len > inner[rows.param]).any(axis=1)
+    assert not bad.any(), f"engine tensor {layout.tensors[int(rows.param[bad][0])].name}: a need row outside its shape"
+
+
 def plan_refit(
     layout: EngineLayout,
     info: UnitInfo,
@@ -395,9 +408,13 @@ def plan_refit(
     wire_units = Units(units.keys, units.ndim, np.asarray([itemsize[d] for d in wire], np.int64), units.dense)
     group_of = np.asarray([t.group for t in layout.tensors], np.int64)
     groups = tuple(sorted(set(group_of.tolist())))
+    _check_inside(layout, needs)
     plans = []
+    # Everything the ranks act on: the schedules, the wire dtypes, and the engine tensors' local
+    # shapes and dtypes (each rank checks its engine tensors against its own plan's, and its
+    # deliveries address them: ranks that disagree on a shape must fail here, not mid-transfer).
     h = hashlib.sha256(layout.digest().encode())
-    h.update(repr(wire).encode())
+    h.update(repr((wire, needs.local_shapes, needs.dtypes)).encode())
     peer = copy = 0
     for g in groups:
         sel = group_of[rows.param] == g
