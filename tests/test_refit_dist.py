@@ -19,6 +19,8 @@ full logical weights; bytes sent equal the plan's and the least any plan sends.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -237,6 +239,37 @@ def _failures(model, pl, lay, dst, full, rank) -> dict:
         out["verify"] = str(e)
     finally:
         refit_mod.TensorSink = real
+
+    # Rank 2's views of its trainer shards fail in the second install group (it sends from
+    # them): every rank raises within seconds (not at the backend's timeout), only the first
+    # group installed.
+    _train(model, tiny_hf.data(WORLD)[rank : rank + 1], None)
+    before = {k: v.clone() for k, v in dst.items()}
+    shards = refit_mod._TrainerShards
+    made = [0]
+
+    class BadView(shards):
+        def __init__(self, *a):
+            super().__init__(*a)
+            made[0] += 1
+            self.fails = rank == 2 and made[0] == 2
+
+        def view(self, v, pid):
+            if self.fails:
+                raise RuntimeError("view on fire")
+            return super().view(v, pid)
+
+    refit_mod._TrainerShards = BadView
+    t0 = time.monotonic()
+    try:
+        moeshard.refit(model, dst, lay)
+        out["bad_view"] = None
+    except moeshard.DistributedError as e:
+        out["bad_view"] = str(e)
+    finally:
+        refit_mod._TrainerShards = shards
+    out["bad_view_s"] = time.monotonic() - t0
+    out["bad_view_changed"] = sorted({t.group for t in lay.tensors if not torch.equal(dst[t.name], before[t.name])})
     return out
 
 
@@ -332,6 +365,13 @@ def test_failure_mid_refit_leaves_each_layer_all_old_or_all_new(runs):
     assert all(o["fail"] is not None and "disk on fire" in o["fail"] for o in outs)
     assert [o["after_fail"] for o in outs] == [[]] * WORLD
     assert all(o["changed_groups"] == [-1, 0] for o in outs)
+
+
+def test_a_failing_send_view_raises_on_every_rank_within_seconds(runs):
+    outs = [r["qwen3_moe"]["colocated"] for r in runs]
+    assert all(o["bad_view"] is not None and "view on fire" in o["bad_view"] for o in outs)
+    assert all(o["bad_view_s"] < 60 for o in outs)  # the process group's timeout is 120 s
+    assert all(o["bad_view_changed"] == [-1] for o in outs)
 
 
 def test_verify_names_the_corrupted_box(runs):
