@@ -60,6 +60,12 @@ _EXPORTS = {
     "StaleStateError": (".ops.reshard", "StaleStateError"),
     "describe_shards": (".ops.reshard", "describe_shards"),
     "reshard": (".ops.reshard", "reshard"),
+    "RefitReport": (".ops.refit", "RefitReport"),
+    "RefitVerifyError": (".ops.refit", "RefitVerifyError"),
+    "refit": (".ops.refit", "refit"),
+    "EngineLayout": (".plan.refit", "EngineLayout"),
+    "EngineTensor": (".plan.refit", "EngineTensor"),
+    "Segment": (".plan.refit", "Segment"),
 }
 
 __all__ = [
@@ -111,6 +117,12 @@ __all__ = [
     "StaleStateError",
     "describe_shards",
     "reshard",
+    "RefitReport",
+    "RefitVerifyError",
+    "refit",
+    "EngineLayout",
+    "EngineTensor",
+    "Segment",
 ]
 __version__ = "0.1.0"
 
@@ -157,6 +169,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the names as eager imports woul
     from .models.parallel import make_mesh, parallelize
     from .models.slot_guard import allow_slot_order, guard_optimizer
     from .ops.load import LoadReport, load, materialize
+    from .ops.refit import RefitReport, RefitVerifyError, refit
     from .ops.relocate import RelocationReport, RelocationStep, relocate, relocate_chunks
     from .ops.reshard import ReshardReport, ShardLayout, StaleStateError, describe_shards, reshard
     from .ops.save import SaveError, SaveReport, save
@@ -164,5 +177,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the names as eager imports woul
     from .placement import Placement
     from .plan import Schedule, plan_transfers
     from .plan.chunks import relocation_chunks
+    from .plan.refit import EngineLayout, EngineTensor, Segment
     from .plan.relocation import RelocationPlan, plan_relocation
     from .topology import Topology

@@ -767,6 +767,18 @@ class Runner:
         self.stats.bytes_read += self.nbytes(pid)
         return buf.to(self.device, non_blocking=True) if buf.device != self.device else buf
 
+    def view(self, v: int, pid: int) -> torch.Tensor:
+        """The source's view row ``v`` holding piece ``pid`` (zeros of the piece's shape if it
+        failed or has another shape: peers still expect the piece)."""
+        try:
+            data = self.source.view(v, pid)
+            if tuple(data.shape) != self.shape(pid):
+                raise ValueError(f"rank {self.rank}: view {v} of piece {pid} is {list(data.shape)}, not the piece's")
+            return data
+        except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
+            self.stats.failures.append(e)
+            return torch.zeros(self.shape(pid), dtype=self.source.dtype(pid), device=self.device)
+
     # -- the steps -------------------------------------------------------------------------
 
     def deliver(self, items: list[tuple[int, torch.Tensor]], nbytes: int) -> None:
@@ -875,7 +887,7 @@ class Runner:
             if items and nbytes + self.nbytes(pid) > s.staging_bytes // 2:
                 self.deliver(items, nbytes)
                 items, nbytes = [], 0
-            data = self.source.view(int(s.copies.view[c]), pid)
+            data = self.view(int(s.copies.view[c]), pid)
             items.extend((r, data) for r in self.local_rows.get(pid, []))
             nbytes += self.nbytes(pid)
         if items:
@@ -903,7 +915,7 @@ class Runner:
         for c in self.copies_at.get(t, ()):
             pid = int(s.copies.piece[c])
             if pid not in self.bufs:  # a second copy of the same piece (another slot) is the same data
-                self.bufs[pid] = self.source.view(int(s.copies.view[c]), pid).clone()
+                self.bufs[pid] = self.view(int(s.copies.view[c]), pid).clone()
                 self.staged += self.nbytes(pid)
         for pid in self.reads_at.get(t, ()):
             done = self.ahead.pop(pid, None)
@@ -927,7 +939,7 @@ class Runner:
             pid = int(s.sends.piece[row])
             if s.sends.src[row] == self.rank:
                 v = int(s.sends.view[row])
-                data = self.bufs[pid] if v < 0 else self.source.view(v, pid)
+                data = self.bufs[pid] if v < 0 else self.view(v, pid)
                 ops.append(
                     collectives.p2p(
                         dist.isend,

@@ -263,7 +263,7 @@ class ReshardReport(OpReport):
 # -- describe: layouts -> box rows ---------------------------------------------------------
 
 
-class _UnitIndex:
+class UnitIndex:
     """Unit names -> ids, in order of first appearance, with their dims, dtype and kind."""
 
     def __init__(self):
@@ -295,12 +295,12 @@ def unit_key(name: str, expert: int | None) -> str:
     return name if expert is None else f"{name}[{expert}]"
 
 
-def _box_rows(
+def box_rows(
     layouts: Sequence[TensorLayout],
     phy2log: np.ndarray | None,
     world: int,
     rank_map: np.ndarray,
-    units: _UnitIndex,
+    units: UnitIndex,
     width: int,
 ) -> BoxRows:
     """Every rank's boxes of every unit of ``layouts`` (ranks of the layout's group mapped by
@@ -809,10 +809,10 @@ def _plan(model, members: _Members, optimizer, specs, staging_bytes, max_ops) ->
     rank_map = np.full(shared.world_size, -1, np.int64)
     rank_map[old_ranks[survivors]] = survivors
     width = max([len(t.shape) for t in (*shared.tensors, *new_layouts)] + [1])
-    units = _UnitIndex()
-    holds = _box_rows(shared.tensors, shared.phy2log, shared.world_size, rank_map, units, width)
+    units = UnitIndex()
+    holds = box_rows(shared.tensors, shared.phy2log, shared.world_size, rank_map, units, width)
     new_p2l = np.asarray(placement.phy2log) if placement is not None else None
-    needs = _box_rows(new_layouts, new_p2l, world, np.arange(world, dtype=np.int64), units, width)
+    needs = box_rows(new_layouts, new_p2l, world, np.arange(world, dtype=np.int64), units, width)
     table = units.units()
     plan = plan_reshard(table, holds, needs, topo, staging_bytes, max_ops)
     use = _storage_use(plan, table)

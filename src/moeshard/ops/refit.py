@@ -1,0 +1,395 @@
+"""``moeshard.refit``: the trainer's live shards into a serving engine's tensors, P2P.
+
+Reinforcement learning moves the weights after every training step from the trainer's layout
+(EP x FSDP2 DTensors, float32 or bf16 masters) into the engine's (fused ``qkv_proj`` and
+``w13_weight``, TP shards, expert slots in the engine's own placement). A refit is a reshard
+whose destination is an :class:`~moeshard.plan.refit.EngineLayout`: every box of an engine
+tensor comes from one live holder (a copy where the engine rank holds it itself, else one
+send), so the bytes sent are the least any plan sends; nothing is gathered whole anywhere.
+
+Steps (collective, every rank of ``group``: trainer ranks, engine ranks, or both):
+check each rank's arguments and exchange who holds the trainer (one exchange) -> the first
+trainer rank's layout to every rank -> plan (pure: :func:`moeshard.plan.refit.plan_refit`) ->
+agree -> per install group (a decoder layer's engine tensors): run the group's schedule into
+staging tensors, agree, install -> optional verify -> report. A failure on any rank (a bad
+argument, a lost peer) raises on every rank; every engine layer is then all old or all new.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from .. import collectives
+from ..execute import LocalTensors, Source, TensorSink, execute_schedule
+from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
+from ..models.describe import local_tensor
+from ..plan import DEFAULT_MAX_OPS, DEFAULT_STAGING_BYTES
+from ..plan.refit import EngineLayout, RefitPlan, UnitInfo, plan_refit
+from ..plan.reshard import ReshardPlan
+from ..topology import Topology
+from .report import OpReport, Phases
+from .reshard import ShardLayout, UnitIndex, box_rows, describe_shards
+from .skeleton import group_topology, named_tensors
+
+__all__ = ["RefitReport", "RefitVerifyError", "refit", "plan_for"]
+
+
+class RefitVerifyError(collectives.DistributedError):
+    """Raised on every rank by :func:`refit` with ``verify=True`` when an engine box differs
+    from the trainer's (its digest); the message names the engine tensor, slot and box."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RefitReport(OpReport):
+    """What a refit did (``*_rank``: this rank's; the others job-wide).
+
+    Args:
+        peer_bytes, copy_bytes: bytes sent between ranks and copied within a rank (planned, in
+            the wire dtype: the engine's where it is narrower than the trainer's).
+        groups: install groups run (each installed whole).
+        engine_tensors_rank: engine tensors this rank installed.
+        verified_boxes_rank: boxes this rank checked by digest (0 without ``verify``).
+    """
+
+    peer_bytes: int = 0
+    copy_bytes: int = 0
+    groups: int = 0
+    engine_tensors_rank: int = 0
+    verified_boxes_rank: int = 0
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _itemsizes(names) -> dict[str, int]:
+    return {n: torch.empty(0, dtype=getattr(torch, n)).element_size() for n in set(names)}
+
+
+def _unit_info(shared: ShardLayout) -> UnitInfo:
+    shapes, dtypes, experts = {}, {}, set()
+    for t in shared.tensors:
+        if t.layer >= 0:
+            shapes[t.name], dtypes[t.name] = tuple(t.shape[1:]), t.dtype
+            experts.add(t.name)
+        else:
+            shapes[t.name], dtypes[t.name] = tuple(t.shape), t.dtype
+    return UnitInfo(shapes, dtypes, frozenset(experts), shared.num_logical)
+
+
+def plan_for(
+    shared: ShardLayout,
+    trainers: Sequence[int],
+    layout: EngineLayout,
+    topology: Topology,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+    max_ops: int = DEFAULT_MAX_OPS,
+) -> RefitPlan:
+    """Local and pure (torch only for dtype sizes): the refit plan from a trainer layout
+    (:func:`~moeshard.ops.reshard.describe_shards`, any rank's) held by refit-group ranks
+    ``trainers`` (the trainer's ranks are the refit group's) to ``layout``."""
+    world = topology.world_size
+    if shared.world_size != world:
+        raise ValueError(f"the trainer's layout is of {shared.world_size} ranks, the refit group has {world}")
+    if max(layout.ranks) >= world or min(layout.ranks) < 0:
+        raise ValueError(f"engine ranks {list(layout.ranks)} outside the refit group's {world} ranks")
+    rank_map = np.full(world, -1, np.int64)
+    rank_map[np.asarray(trainers, np.int64)] = np.asarray(trainers, np.int64)
+    info = _unit_info(shared)
+    width = max([len(t.shape) for t in shared.tensors] + [1])
+    units = UnitIndex()
+    holds = box_rows(shared.tensors, shared.phy2log, world, rank_map, units, width)
+    table = units.units()
+    sizes = _itemsizes([*units.dtype, *(t.dtype for t in layout.tensors if t.dtype)])
+    return plan_refit(layout, info, holds, table, list(units.dtype), sizes, topology, staging_bytes, max_ops)
+
+
+# The last plan, by what it is a function of (the trainer's and engine's layouts, the ranks, the
+# topology and budgets): planning is pure, so a repeated refit reuses it (still agreed by
+# fingerprint on every rank).
+_PLANS: dict = {}
+
+
+class _TrainerShards(Source):
+    """Boxes of this trainer rank's local shards, cast to the wire dtype of their unit."""
+
+    def __init__(self, plan: ReshardPlan, tensors: Sequence[torch.Tensor], rank: int, wire: Sequence[torch.dtype]):
+        self.s = plan.schedule
+        self.local = LocalTensors(plan.schedule, tensors, rank)
+        self.wire = wire
+
+    def view(self, v: int, pid: int) -> torch.Tensor:
+        t = self.local.view(v, pid)
+        want = self.dtype(pid)
+        return t if t.dtype == want else t.to(want)
+
+    def dtype(self, pid: int) -> torch.dtype:
+        return self.wire[int(self.s.pieces.key[pid])]
+
+
+@dataclass(frozen=True)
+class _Ready:
+    """This rank's checked inputs: trainer layout and local shards (None / [] on an engine-only
+    rank), the engine tensors in layout order (None where this rank is not an engine rank)."""
+
+    layout: ShardLayout | None
+    shards: list
+    dst: list | None
+
+
+def _prepare(model, dst_tensors, layout: EngineLayout, specs, rank: int) -> _Ready:
+    is_engine = rank in layout.ranks
+    if is_engine and dst_tensors is None:
+        raise ValueError(f"rank {rank} is an engine rank of the layout but passed no dst_tensors")
+    if not is_engine and dst_tensors:
+        raise ValueError(f"rank {rank} passed dst_tensors but is not among the layout's engine ranks")
+    dst = None
+    if is_engine:
+        missing = [t.name for t in layout.tensors if t.name not in dst_tensors]
+        if missing:
+            raise ValueError(f"dst_tensors lacks engine tensor {missing[0]} ({len(missing)} missing)")
+        dst = [dst_tensors[t.name] for t in layout.tensors]
+    if model is None:
+        return _Ready(None, [], dst)
+    shared = describe_shards(model, specs=specs)
+    params = named_tensors(model)
+    shards = [local_tensor(params[t.name]) for t in shared.tensors]
+    return _Ready(shared, shards, dst)
+
+
+def _check_dst(plan: RefitPlan, layout: EngineLayout, dst: list) -> None:
+    for t, shape, dtype, x in zip(layout.tensors, plan.needs.local_shapes, plan.needs.dtypes, dst):
+        if tuple(x.shape) != shape or _dtype_name(x.dtype) != dtype:
+            raise ValueError(
+                f"engine tensor {t.name}: {list(x.shape)} {_dtype_name(x.dtype)} here, the layout says {list(shape)} "
+                f"{dtype}"
+            )
+        if not x.is_contiguous():
+            raise ValueError(f"engine tensor {t.name} is not contiguous")
+
+
+@collectives.runs_on_group
+def refit(
+    model: nn.Module | None,
+    dst_tensors: Mapping[str, torch.Tensor] | None,
+    layout: EngineLayout,
+    *,
+    verify: bool = False,
+    topology: Topology | None = None,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+    max_ops: int = DEFAULT_MAX_OPS,
+    specs: Sequence[ExpertsSpec] = DEFAULT_SPECS,
+    device: torch.device | None = None,
+    group=None,
+) -> RefitReport:
+    """Collective (every rank of ``group``: trainer ranks and engine ranks, colocated or
+    disjoint): write the trainer's current weights into the engine's tensors.
+
+    Args:
+        model: the trainer model (:func:`moeshard.parallelize`, on a mesh of ``group``'s ranks)
+            on a trainer rank; None on an engine-only rank. Only read.
+        dst_tensors: on an engine rank, ``{engine tensor name: local tensor}`` for every tensor
+            of ``layout`` (its local shape and dtype: an expert tensor ``[num_local_slots,
+            *slice]``); None elsewhere. Written in place, one install group at a time.
+        layout: the engine's tensors, ranks and placement (the same on every rank; the
+            placement is the engine's current one, e.g. after an EPLB rebalance).
+        verify: after the writes, compare a digest of every delivered box with the digest of
+            its source box (cast alike); a difference raises :class:`RefitVerifyError` naming it.
+        topology, staging_bytes, max_ops, specs: as :func:`moeshard.reshard`'s.
+        device: where staging buffers live (default: the first engine tensor's device, else
+            the trainer's).
+        group: the refit group (default: the default group).
+
+    Returns a :class:`RefitReport`.
+
+    Raises:
+        DistributedError: on every rank, for any rank's bad input (a missing or misshapen engine
+            tensor, layouts that differ between ranks, a box no trainer rank holds); nothing
+            written.
+        PeerLostError: a rank died during the refit: the install groups done before are new,
+            the others old (each engine layer all old or all new).
+    """
+    t0 = time.perf_counter()
+    phases = Phases(t0)
+    rank, world = collectives.rank_and_world()
+    gathered = collectives.agree_and_gather(
+        lambda: _prepare(model, dst_tensors, layout, specs, rank),
+        "moeshard.refit: checking the arguments",
+        share=lambda r: (r.layout is not None, layout.digest(), None if r.layout is None else r.layout.digest()),
+    )
+    ready, everyone = gathered.result, gathered.shares
+    trainers = [r for r, e in enumerate(everyone) if e[0]]
+
+    def _same():
+        if not trainers:
+            raise ValueError("no rank passed a trainer model")
+        if len({e[1] for e in everyone}) != 1:
+            raise ValueError("the engine layout differs between ranks")
+        if len({e[2] for e in everyone if e[0]}) != 1:
+            raise ValueError("the trainer's layout differs between trainer ranks")
+
+    collectives.unanimous(_same, "moeshard.refit: comparing the layouts")
+    shared = collectives.broadcast_object(
+        None if ready.layout is None else ready.layout.shared(), src=trainers[0], what="moeshard.refit: trainer layout"
+    )
+    phases.end("exchange")
+
+    def make_plan():
+        topo = group_topology(topology, group)
+        key = (shared.digest(), tuple(trainers), layout.digest(), topo.with_rank(0), staging_bytes, max_ops)
+        plan = _PLANS.get(key)
+        if plan is None:
+            plan = plan_for(shared, trainers, layout, topo, staging_bytes, max_ops)
+            _PLANS.clear()  # one plan kept: an RL loop refits the same layouts step after step
+            _PLANS[key] = plan
+        if ready.dst is not None:
+            _check_dst(plan, layout, ready.dst)
+        return plan
+
+    plan = collectives.agree(make_plan, "moeshard.refit: planning", fingerprint=lambda p: p.fingerprint)
+    t_plan = phases.end("plan") - t0
+    wire = [getattr(torch, d) for d in plan.wire_dtypes]
+    sent, received, peak, installed = _install(plan, layout, ready, rank, wire, device)
+    phases.end("install")
+    checked = 0
+    if verify:
+        checked = _verify(plan, layout, ready, rank, wire)
+        phases.end("verify")
+    return RefitReport(
+        rank=rank,
+        world_size=world,
+        wall_seconds=time.perf_counter() - t0,
+        plan_seconds=t_plan,
+        fingerprint=plan.fingerprint,
+        plan={"peer_bytes": plan.peer_bytes, "copy_bytes": plan.copy_bytes, "groups": len(plan.groups)},
+        bytes_sent_rank=sent,
+        bytes_received_rank=received,
+        peak_staging_bytes_rank=peak,
+        phase_seconds=phases.seconds,
+        phase_cpu_seconds=phases.cpu_seconds,
+        peer_bytes=plan.peer_bytes,
+        copy_bytes=plan.copy_bytes,
+        groups=len(plan.groups),
+        engine_tensors_rank=installed,
+        verified_boxes_rank=checked,
+    )
+
+
+def _install(plan: RefitPlan, layout: EngineLayout, ready: _Ready, rank: int, wire, device):
+    """Collective: per install group, run its schedule into staging tensors, agree, and copy
+    them into the engine's tensors. Returns this rank's bytes sent, received, peak staging
+    bytes and engine tensors installed."""
+    dev = device
+    if dev is None:
+        ref = ready.dst[0] if ready.dst else (ready.shards[0] if ready.shards else None)
+        dev = ref.device if ref is not None else torch.device("cpu")
+    group_of = [t.group for t in layout.tensors]
+    sent = received = peak = 0
+    installed = 0
+    for g, p in zip(plan.groups, plan.plans):
+        what = f"moeshard.refit: install group {g}"
+        stage: list = [None] * len(layout.tensors)
+        if ready.dst is not None:
+            for j, t in enumerate(layout.tensors):
+                if group_of[j] == g:
+                    # Rows the engine pads (vocabulary) are never written: keep the engine's.
+                    x = ready.dst[j]
+                    stage[j] = x.clone() if t.pad_to > 1 else torch.empty_like(x)
+        source = _TrainerShards(p, ready.shards, rank, wire)
+
+        def run(p=p, stage=stage, source=source):
+            return execute_schedule(
+                p.schedule, rank, source, TensorSink(p.schedule, stage, rank, receive_in_place=True), dev, what=what
+            ).check()
+
+        with torch.no_grad():
+            stats = collectives.agree(run, what)
+            for j, x in enumerate(stage):
+                if x is not None:
+                    ready.dst[j].copy_(x)
+                    installed += 1
+        sent += stats.bytes_sent
+        received += stats.bytes_received
+        peak = max(peak, stats.peak_staging_bytes)
+    return sent, received, peak, installed
+
+
+# -- verify --------------------------------------------------------------------------------
+
+_MIX = 0x9E3779B97F4A7C15 - 2**64  # as a signed int64
+
+
+def digest(t: torch.Tensor) -> int:
+    """A position-sensitive digest of ``t``'s bits (any shape, any dtype): the sum over its
+    elements of their bits times a weight from their flat index, wrapping in int64."""
+    flat = t.detach().contiguous().reshape(-1)
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+    x = flat.view(bits).to(torch.int64)
+    idx = torch.arange(x.numel(), dtype=torch.int64, device=x.device)
+    w = (idx * _MIX) ^ (idx >> 7) | 1
+    return int((x * w).sum())
+
+
+def _verify(plan: RefitPlan, layout: EngineLayout, ready: _Ready, rank: int, wire) -> int:
+    """Collective: every delivery's digest at its source (the trainer's box, cast to the
+    engine tensor's dtype) against the engine's installed box; :class:`RefitVerifyError` on
+    every rank naming the first box that differs. Returns the boxes this rank checked."""
+    eng_dtypes = [getattr(torch, d) for d in plan.needs.dtypes]
+    mine: dict[tuple[int, int, int], int] = {}  # (plan, receiver, piece) -> digest at the source
+    for gi, p in enumerate(plan.plans):
+        s = p.schedule
+        if not ready.shards:
+            break
+        local = LocalTensors(s, ready.shards, rank)
+        dl = s.deliveries
+        first_param = {}
+        for pid, r, j in zip(dl.piece.tolist(), dl.rank.tolist(), dl.param.tolist()):
+            first_param.setdefault((pid, r), j)
+        for row in np.flatnonzero(s.sends.src == rank).tolist():
+            pid, dst, v = int(s.sends.piece[row]), int(s.sends.dst[row]), int(s.sends.view[row])
+            dt = eng_dtypes[first_param[(pid, dst)]]
+            mine[(gi, dst, pid)] = digest(local.view(v, pid).to(dt))
+        for c in np.flatnonzero(s.views.rank[s.copies.view] == rank).tolist():
+            pid, v = int(s.copies.piece[c]), int(s.copies.view[c])
+            dt = eng_dtypes[first_param[(pid, rank)]]
+            mine[(gi, rank, pid)] = digest(local.view(v, pid).to(dt))
+    every = collectives.all_gather_object(mine, what="moeshard.refit: verify digests")
+    source = {}
+    for d in every:
+        source.update(d)
+    checked = 0
+
+    def check():
+        nonlocal checked
+        if ready.dst is None:
+            return
+        for gi, p in enumerate(plan.plans):
+            s = p.schedule
+            sink = TensorSink(s, ready.dst, rank)
+            for row in np.flatnonzero(s.deliveries.rank == rank).tolist():
+                pid = int(s.deliveries.piece[row])
+                got = digest(sink.target(row))
+                checked += 1
+                want = source.get((gi, rank, pid))
+                if want != got:
+                    j = int(s.deliveries.param[row])
+                    unit = s.keys[int(s.pieces.key[pid])]
+                    nd = int(s.key_ndim[s.pieces.key[pid]])
+                    box = list(zip(s.pieces.off[pid, :nd].tolist(), s.pieces.len[pid, :nd].tolist()))
+                    slot = int(s.deliveries.slot[row])
+                    where = f" slot {slot}" if slot >= 0 else ""
+                    raise RefitVerifyError(
+                        f"rank {rank}: engine tensor {layout.tensors[j].name}{where} at "
+                        f"{s.deliveries.off[row, :nd].tolist()} differs from box {box} of {unit} (digest "
+                        f"{got:#x}, the trainer's {want if want is None else hex(want)})"
+                    )
+
+    with collectives.errors_as(RefitVerifyError):
+        collectives.agree(check, "moeshard.refit: verify")
+    return checked

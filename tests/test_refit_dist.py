@@ -1,0 +1,379 @@
+"""Tier 3: ``moeshard.refit`` on 4 gloo ranks (2 nodes x 2), the tiny float32 Qwen3-MoE and
+DeepSeek-V3 (MLA, a dense first layer, a shared expert, ``e_score_correction_bias`` buffers)
+trained one AdamW step, into vLLM-shaped engine tensors (:mod:`moeshard.plan.engines`).
+
+One spawned group runs, per family:
+
+1. colocated: the trainer on all 4 ranks (EP=2 x expert-FSDP=2, a redundant placement), the
+   engine on the same 4 ranks: TP=2 x DP=2 with experts TP-split (bf16: cast on the way), and
+   TP=2 with EP=4 and a redundant placement of its own (fp32, ``verify=True``);
+2. disjoint 2+2: the trainer on ranks 0-1 (EP=2), the engine on ranks 2-3 (TP=2, EP=2, a
+   redundant placement); a second training step, the engine's placement changed, refit again;
+3. (Qwen3-MoE) a failure on one rank during the third install group: every rank raises, the
+   groups before are new, the others old; a corrupted delivery: ``verify`` names its box.
+
+Every engine tensor is compared bit for bit with the same fusion and sharding built in one
+process (:func:`_expected`, written from vLLM's rules, not from the planner) from the trainer's
+full logical weights; bytes sent equal the plan's and the least any plan sends.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import tiny_hf
+from mp import run_ranks
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.hf
+
+WORLD, LWS, NUM_EXPERTS, PAD = 4, 2, 8, 64
+FIRST_MOE = {"qwen3_moe": 0, "deepseek_v3": 1}
+
+
+def _engine_placement(seed: int, ep: int):
+    """``int64[NUM_LAYERS, P]``: every expert once plus redundant copies, shuffled (EPLB-like)."""
+    return np.asarray(tiny_hf.shuffled_redundant(NUM_EXPERTS, ep, seed).phy2log, np.int64)
+
+
+def _layout(family: str, ranks, tp: int, ep: int, p2l, dtype=None):
+    from moeshard.plan.engines import vllm_deepseek_v3, vllm_qwen3_moe
+
+    if family == "qwen3_moe":
+        return vllm_qwen3_moe(tiny_hf.NUM_LAYERS, ranks, tp=tp, ep=ep, phy2log=p2l, dtype=dtype)
+    return vllm_deepseek_v3(tiny_hf.NUM_LAYERS + 1, ranks, tp=tp, ep=ep, phy2log=p2l, first_k_dense=1, dtype=dtype)
+
+
+# -- the reference: vLLM's fusion and sharding in one process --------------------------------
+
+
+def _tp(w: torch.Tensor, tp: int, r: int, dim: int) -> torch.Tensor:
+    return w.chunk(tp, dim)[r]
+
+
+def _expected(family: str, name: str, full: dict, tp: int, ep: int, p2l, erank: int, dtype):
+    """Engine rank ``erank``'s tensor ``name`` (engine ranks 0..n-1; TP rank ``erank % tp``) from
+    the trainer's logical weights ``full``; for the vocabulary, only its first rows (the rest is
+    the engine's padding)."""
+    r = erank % tp
+    trainer = name.replace("block_sparse_moe", "mlp")
+    if name.endswith("qkv_proj.weight"):
+        p = name.rsplit(".", 2)[0]
+        w = torch.cat([_tp(full[f"{p}.{x}_proj.weight"], tp, r, 0) for x in "qkv"])
+    elif name.endswith("fused_qkv_a_proj.weight"):
+        p = name.rsplit(".", 2)[0]
+        w = torch.cat([full[f"{p}.q_a_proj.weight"], full[f"{p}.kv_a_proj_with_mqa.weight"]])
+    elif name.endswith(("o_proj.weight", "mlp.down_proj.weight", "shared_experts.down_proj.weight")):
+        w = _tp(full[trainer], tp, r, 1)
+    elif name.endswith(("q_b_proj.weight", "kv_b_proj.weight")):
+        w = _tp(full[trainer], tp, r, 0)
+    elif name.endswith("gate_up_proj.weight"):
+        p = name.rsplit(".", 2)[0]
+        w = torch.cat([_tp(full[f"{p}.gate_proj.weight"], tp, r, 0), _tp(full[f"{p}.up_proj.weight"], tp, r, 0)])
+    elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        v = full[trainer]
+        per = -(-v.shape[0] // PAD) * PAD // tp
+        w = v[r * per : (r + 1) * per]
+    elif name.endswith(("w13_weight", "w2_weight")):
+        layer = int(name.split(".")[2]) - FIRST_MOE[family]
+        row = np.asarray(p2l)[layer]
+        spr = len(row) // ep
+        slots = row if ep == 1 else row[erank * spr : (erank + 1) * spr]
+        p = name.rsplit(".", 1)[0]
+        out = []
+        for e in slots.tolist():
+            if name.endswith("w13_weight"):
+                gate, up = full[f"{p}.gate_up_proj"][e].chunk(2)
+                out.append(torch.cat([gate, up]) if ep > 1 else torch.cat([_tp(gate, tp, r, 0), _tp(up, tp, r, 0)]))
+            else:
+                d = full[f"{p}.down_proj"][e]
+                out.append(d if ep > 1 else _tp(d, tp, r, 1))
+        w = torch.stack(out)
+    else:
+        w = full[trainer]
+    if name.endswith("e_score_correction_bias"):
+        return w.clone()
+    return w.to(dtype) if dtype is not None else w.clone()
+
+
+def _engine_tensors(family, layout, full, erank, dtype):
+    """Fresh engine tensors of the layout's shapes (from the reference), filled with a marker
+    so that a write anywhere shows."""
+    out = {}
+    for t in layout.tensors:
+        ref = _expected(family, t.name, full, layout.tp, layout.ep, layout.phy2log, erank, dtype)
+        shape = list(ref.shape)
+        if t.pad_to > 1:
+            shape[0] = -(-full[t.segments[0].source].shape[0] // PAD) * PAD // layout.tp
+        out[t.name] = torch.full(shape, -7.0, dtype=ref.dtype)
+    return out
+
+
+def _mismatches(family, layout, dst, full, erank, dtype) -> list[str]:
+    bad = []
+    for t in layout.tensors:
+        ref = _expected(family, t.name, full, layout.tp, layout.ep, layout.phy2log, erank, dtype)
+        got = dst[t.name]
+        n = ref.shape[0]
+        if got.dtype != ref.dtype or not torch.equal(got[:n], ref):
+            bad.append(t.name)
+        if t.pad_to > 1 and not bool((got[n:] == -7.0).all()):
+            bad.append(f"{t.name} padding written")
+    return bad
+
+
+def _full(model, pl) -> dict:
+    full = tiny_hf.full_params(model, pl)
+    full.update(tiny_hf.persistent_buffers(model))
+    return full
+
+
+def _train(model, ids, group):
+    """One AdamW step on this trainer rank's ``ids`` (collective over the trainer's ranks)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _colocated(family: str, ckpt: str) -> dict:
+    import torch.distributed as dist
+
+    import moeshard
+
+    rank = dist.get_rank()
+    pl = tiny_hf.shuffled_redundant(NUM_EXPERTS, 2, 3)
+    model = tiny_hf.meta_model(family, 2, pl, efsdp=2)
+    moeshard.load(model, ckpt, placement=pl)
+    _train(model, tiny_hf.data(WORLD)[rank : rank + 1], None)
+    full = _full(model, pl)
+    out = {}
+    # TP=2 x DP=2, experts TP-split, bf16 engine (fp32 trainer: cast before sending).
+    lay = _layout(family, range(4), 2, 1, _engine_placement(5, 1), dtype="bfloat16")
+    dst = _engine_tensors(family, lay, full, rank, torch.bfloat16)
+    rep = moeshard.refit(model, dst, lay)
+    out["tp_bf16"] = dict(bad=_mismatches(family, lay, dst, full, rank, torch.bfloat16), rep=rep)
+    # TP=2 with EP=4 and the engine's redundant placement, fp32, verified.
+    lay = _layout(family, range(4), 2, 4, _engine_placement(7, 4))
+    dst = _engine_tensors(family, lay, full, rank, None)
+    rep = moeshard.refit(model, dst, lay, verify=True)
+    out["ep4"] = dict(bad=_mismatches(family, lay, dst, full, rank, None), rep=rep)
+    if family == "qwen3_moe":
+        out.update(_failures(model, pl, lay, dst, full, rank))
+    return out
+
+
+def _failures(model, pl, lay, dst, full, rank) -> dict:
+    """A rank failing in the third install group, then a corrupted delivery under verify."""
+
+    import moeshard
+    import moeshard.ops.refit as refit_mod
+
+    out = {}
+    old = {k: v.clone() for k, v in dst.items()}
+    _train(model, tiny_hf.data(WORLD)[rank : rank + 1], None)
+    new_full = _full(model, pl)
+    real = refit_mod.TensorSink
+    calls = [0]
+
+    class Failing(real):
+        """Rank 3's deliveries fail in the third install group (staged: no receive in place)."""
+
+        def __init__(self, s, tensors, r, receive_in_place=False):
+            super().__init__(s, tensors, r, receive_in_place=False)
+            calls[0] += 1
+            self.fails = rank == 3 and calls[0] == 3
+
+        def put(self, items):
+            if self.fails:
+                raise RuntimeError("disk on fire")
+            super().put(items)
+
+    refit_mod.TensorSink = Failing
+    try:
+        moeshard.refit(model, dst, lay)
+        out["fail"] = None
+    except moeshard.DistributedError as e:
+        out["fail"] = str(e)
+    finally:
+        refit_mod.TensorSink = real
+    groups = sorted({t.group for t in lay.tensors})
+    done = set(groups[:2])
+    wrong = []
+    for t in lay.tensors:
+        want_new = t.group in done
+        if want_new:
+            ref = _expected("qwen3_moe", t.name, new_full, lay.tp, lay.ep, lay.phy2log, rank, None)
+            ok = torch.equal(dst[t.name][: ref.shape[0]], ref)
+        else:
+            ok = torch.equal(dst[t.name], old[t.name])
+        if not ok:
+            wrong.append((t.name, "new" if want_new else "old"))
+    out["after_fail"] = wrong
+    out["changed_groups"] = sorted({t.group for t in lay.tensors if not torch.equal(dst[t.name], old[t.name])})
+
+    # A delivery corrupted on engine rank 1 (one element of layer 1's o_proj): verify names it.
+    class Corrupt(refit_mod.TensorSink):
+        def __init__(self, s, tensors, r, receive_in_place=False):
+            super().__init__(s, tensors, r, receive_in_place=False)
+
+        def put(self, items):
+            super().put(items)
+            if rank != 1:
+                return
+            for row, _ in items:
+                j = int(self.s.deliveries.param[row])
+                if lay.tensors[j].name == "model.layers.1.self_attn.o_proj.weight":
+                    self.target(row).view(-1)[0] += 1.0
+
+    refit_mod.TensorSink = Corrupt
+    try:
+        moeshard.refit(model, dst, lay, verify=True)
+        out["verify"] = None
+    except refit_mod.RefitVerifyError as e:
+        out["verify"] = str(e)
+    finally:
+        refit_mod.TensorSink = real
+
+    # Rank 2's views of its trainer shards fail in the second install group (it sends from
+    # them): every rank raises within seconds (not at the backend's timeout), only the first
+    # group installed.
+    _train(model, tiny_hf.data(WORLD)[rank : rank + 1], None)
+    before = {k: v.clone() for k, v in dst.items()}
+    shards = refit_mod._TrainerShards
+    made = [0]
+
+    class BadView(shards):
+        def __init__(self, *a):
+            super().__init__(*a)
+            made[0] += 1
+            self.fails = rank == 2 and made[0] == 2
+
+        def view(self, v, pid):
+            if self.fails:
+                raise RuntimeError("view on fire")
+            return super().view(v, pid)
+
+    refit_mod._TrainerShards = BadView
+    t0 = time.monotonic()
+    try:
+        moeshard.refit(model, dst, lay)
+        out["bad_view"] = None
+    except moeshard.DistributedError as e:
+        out["bad_view"] = str(e)
+    finally:
+        refit_mod._TrainerShards = shards
+    out["bad_view_s"] = time.monotonic() - t0
+    out["bad_view_changed"] = sorted({t.group for t in lay.tensors if not torch.equal(dst[t.name], before[t.name])})
+    return out
+
+
+def _disjoint(family: str, ckpt: str, trainer_group, mesh) -> dict:
+    import torch.distributed as dist
+
+    import moeshard
+
+    rank = dist.get_rank()
+    model = full = None
+    pl = moeshard.Placement.contiguous(num_layers=tiny_hf.NUM_LAYERS, num_logical=NUM_EXPERTS, num_ranks=2)
+    if rank < 2:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(tiny_hf.config(family))
+        moeshard.parallelize(model, mesh, pl)
+        moeshard.load(model, ckpt, placement=pl, group=trainer_group)
+        _train(model, tiny_hf.data(WORLD)[rank : rank + 1], trainer_group)
+        full = _full(model, pl)
+    full = moeshard.collectives.broadcast_object(full, src=0)
+    out = {"rounds": []}
+    p2l = _engine_placement(11, 2)
+    lay = _layout(family, (2, 3), 2, 2, p2l)
+    dst = _engine_tensors(family, lay, full, rank - 2, None) if rank >= 2 else None
+    for step in range(2):
+        rep = moeshard.refit(model, dst, lay, verify=True)
+        bad = _mismatches(family, lay, dst, full, rank - 2, None) if rank >= 2 else []
+        out["rounds"].append(dict(bad=bad, rep=rep))
+        if step == 0:
+            if rank < 2:
+                _train(model, tiny_hf.data(WORLD)[rank : rank + 1], trainer_group)
+                full = _full(model, pl)
+            full = moeshard.collectives.broadcast_object(full, src=0)
+            # The engine rebalanced: the same slots, other experts in them.
+            new = _engine_placement(12, 2)
+            assert not np.array_equal(new, p2l)
+            lay = lay.with_placement(new)
+    return out
+
+
+def _worker(ckpts: dict) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    out = {f: dict(colocated=_colocated(f, ckpts[f])) for f in tiny_hf.MATRIX}
+    # The trainer's ranks 0-1 (made once, last: a mesh of some ranks creates its process groups
+    # on those ranks only, so no group is created on every rank after it).
+    trainer_group = dist.new_group([0, 1])
+    mesh = DeviceMesh("cpu", torch.tensor([[0, 1]]), mesh_dim_names=("efsdp", "ep"))
+    for f in tiny_hf.MATRIX:
+        out[f]["disjoint"] = _disjoint(f, ckpts[f], trainer_group, mesh)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("refit")
+    ckpts = {}
+    for family in tiny_hf.MATRIX:
+        ckpts[family] = str(root / family)
+        tiny_hf.save_checkpoint(family, ckpts[family])
+    return run_ranks(_worker, ckpts, world=WORLD, local_world=LWS, timeout=400)
+
+
+@pytest.mark.parametrize("family", tiny_hf.MATRIX)
+def test_colocated_refit_equals_one_process_fusion(runs, family):
+    for case in ("tp_bf16", "ep4"):
+        reps = [r[family]["colocated"][case]["rep"] for r in runs]
+        assert [r[family]["colocated"][case]["bad"] for r in runs] == [[]] * WORLD, case
+        # Bytes sent are the plan's (each cell once per receiving rank that lacks it).
+        assert sum(r.bytes_sent_rank for r in reps) == reps[0].peer_bytes > 0
+        assert sum(r.bytes_received_rank for r in reps) == reps[0].peer_bytes
+        assert all(
+            r.engine_tensors_rank == len(_layout(family, range(4), 2, 1, _engine_placement(5, 1)).tensors) for r in reps
+        )
+    assert sum(r[family]["colocated"]["ep4"]["rep"].verified_boxes_rank for r in runs) > 0
+
+
+@pytest.mark.parametrize("family", tiny_hf.MATRIX)
+def test_disjoint_refit_follows_the_engines_placement(runs, family):
+    for step in range(2):
+        rounds = [r[family]["disjoint"]["rounds"][step] for r in runs]
+        assert [x["bad"] for x in rounds] == [[]] * WORLD, step
+        reps = [x["rep"] for x in rounds]
+        # Disjoint: nothing is copied within a rank; the trainer ranks send, the engine receives.
+        assert reps[0].copy_bytes == 0
+        assert sum(r.bytes_sent_rank for r in reps[:2]) == reps[0].peer_bytes > 0
+        assert sum(r.bytes_received_rank for r in reps[2:]) == reps[0].peer_bytes
+        assert all(r.bytes_sent_rank == 0 for r in reps[2:])
+
+
+def test_failure_mid_refit_leaves_each_layer_all_old_or_all_new(runs):
+    outs = [r["qwen3_moe"]["colocated"] for r in runs]
+    assert all(o["fail"] is not None and "disk on fire" in o["fail"] for o in outs)
+    assert [o["after_fail"] for o in outs] == [[]] * WORLD
+    assert all(o["changed_groups"] == [-1, 0] for o in outs)
+
+
+def test_a_failing_send_view_raises_on_every_rank_within_seconds(runs):
+    outs = [r["qwen3_moe"]["colocated"] for r in runs]
+    assert all(o["bad_view"] is not None and "view on fire" in o["bad_view"] for o in outs)
+    assert all(o["bad_view_s"] < 60 for o in outs)  # the process group's timeout is 120 s
+    assert all(o["bad_view_changed"] == [-1] for o in outs)
+
+
+def test_verify_names_the_corrupted_box(runs):
+    outs = [r["qwen3_moe"]["colocated"]["verify"] for r in runs]
+    assert all(o is not None and "model.layers.1.self_attn.o_proj.weight" in o and "rank 1" in o for o in outs)
