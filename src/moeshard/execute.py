@@ -346,7 +346,10 @@ class TensorSink(Sink):
         pw = self.packed.get(self.s.piece_name(pid))
         if pw is None:
             return False
-        out.copy_(decode_blob(pw, self.s.piece_box(pid), data, self.infos).view(out.shape))
+        decoded = decode_blob(pw, self.s.piece_box(pid), data, self.infos)
+        # Cast in memory order first (the one rounding), then copy: a transposed weight
+        # (gpt-oss) is a strided copy, and moving the narrower dtype through it is cheaper.
+        out.copy_(decoded.to(out.dtype).view(out.shape))
         return True
 
     def flat_targets(self, rows: np.ndarray) -> FlatTargets:
