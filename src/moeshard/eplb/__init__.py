@@ -10,8 +10,10 @@ deepseek-ai/EPLB (``eplb.py``): **hierarchical** (``num_groups`` given, ``num_gr
 num_nodes == 0`` and every node has the same number of live ranks: expert groups onto nodes,
 then replicas and their copies onto each node's live ranks) or **global** otherwise (one
 group, one node), and improves it: per layer, the most balanced of the reference's steps,
-the same with *spread* replica counts (at most one copy per live rank of a node until every
-expert has that many) and the reference's answer itself, each refined by a swap local search
+the same with, per node, the lighter packing of *spread* replica counts (at most one copy per
+live rank of a node until every expert has that many) and *hot-spread* counts (besides, a
+node's few heaviest experts get at most one copy per live rank together) and the reference's
+answer itself, each refined by a swap local search
 that never raises the heaviest rank. So per layer it is never less balanced (max/mean rank
 load) than the reference, by construction. One rule is added: a rank never holds two copies
 of one expert when it can be avoided, unless keeping the rule would be less balanced than

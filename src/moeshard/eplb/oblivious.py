@@ -26,10 +26,14 @@ each refined by a swap local search within each node that never raises the heavi
 * the reference's steps with moeshard's rule: a rank never holds two copies of one expert
   when it can be avoided (the greedy skips ranks that hold the expert, and a swap repair fixes
   the rare dead end);
-* the same with *spread* replica counts (:func:`replicate_experts`): an expert gets at most one copy
-  per live rank of its node before any expert gets more. The reference can give a hot expert
-  ``K + 1`` copies on ``K`` ranks, so that one rank carries two of them (on DeepSeek-V3's
-  hierarchical shape, Zipf loads, the reference's heaviest rank is up to 1.7x this one's);
+* the same with, per node, the lightest packing of *spread* and *hot-spread* replica counts
+  (:func:`replicate_experts`): with spread counts an expert gets at most one copy per live rank
+  of its node before any expert gets more (the reference can give a hot expert ``K + 1``
+  copies on ``K`` ranks, so that one rank carries two of them; on DeepSeek-V3's hierarchical
+  shape, Zipf loads, the reference's heaviest rank is up to 1.7x this one's); with hot-spread
+  counts the node's ``h`` heaviest experts (``h`` in 1..4) get at most ``K`` copies together,
+  so that no rank carries two heavy copies (per-copy greed gives a node's two hottest experts
+  more copies than it has ranks, and two of its ranks carry two heavy copies each);
 * the reference's answer itself.
 
 The first two keep moeshard's rule; the third is taken where it is the most balanced and keeps
@@ -55,7 +59,9 @@ from .refine import lower_peak
 # -- the reference's building blocks, vectorized over rows ---------------------------------------
 
 
-def replicate_experts(w: np.ndarray, num_phy: int, num_ranks: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def replicate_experts(
+    w: np.ndarray, num_phy: int, num_ranks: int | None = None, hot: int | np.ndarray = 0
+) -> tuple[np.ndarray, np.ndarray]:
     """EPLB ``replicate_experts``: ``w`` ``float[B, n]`` -> ``phy2item`` ``int[B, num_phy]``
     (slot i < n holds item i; each further slot the item with the highest load per copy, first
     on ties) and ``cnt`` ``int[B, n]``.
@@ -65,7 +71,13 @@ def replicate_experts(w: np.ndarray, num_phy: int, num_ranks: int | None = None)
     that many: the highest load per copy). ``c`` copies on ``K`` ranks put ``ceil(c / K)`` of
     them on some rank, ``ceil(c / K) * w / c >= w / K``: a copy beyond one per rank lowers no
     rank's share of the item (and ``K + 1`` copies raise it to ``2w / (K + 1)``), while the
-    slot lowers another item's."""
+    slot lowers another item's.
+
+    ``hot`` (with ``num_ranks``; moeshard's *hot-spread* counts; an int or ``int[B]`` per row):
+    besides, the ``hot`` heaviest items of a row (first on ties) get at most ``num_ranks``
+    copies together, so that no rank needs two of their copies: when the heaviest items'
+    copies outnumber the ranks, some rank carries two heavy copies, and fewer heavy copies
+    one per rank are often lighter."""
     num_rows, n = w.shape
     assert num_phy >= n
     phy = np.empty((num_rows, num_phy), dtype=np.int64)
@@ -73,11 +85,19 @@ def replicate_experts(w: np.ndarray, num_phy: int, num_ranks: int | None = None)
     cnt = np.ones((num_rows, n), dtype=np.int64)
     per_copy = w.copy()
     rows = np.arange(num_rows)
+    hot = np.broadcast_to(np.asarray(hot, dtype=np.int64), (num_rows,))
+    is_hot = np.zeros((num_rows, n), dtype=bool)
+    if hot.any():
+        order = np.argsort(-w, axis=1, kind="stable")
+        np.put_along_axis(is_hot, order, np.arange(n) < hot[:, None], axis=1)
     for i in range(n, num_phy):
         if num_ranks is None:
             j = per_copy.argmax(axis=1)
         else:
-            open_ = np.where(cnt < num_ranks, per_copy, -np.inf)
+            limit = cnt < num_ranks
+            if hot.any():
+                limit &= ~is_hot | ((cnt * is_hot).sum(1) < num_ranks)[:, None]
+            open_ = np.where(limit, per_copy, -np.inf)
             j = open_.argmax(axis=1)
             full = np.isneginf(open_[rows, j])
             j[full] = per_copy[full].argmax(axis=1)
@@ -314,6 +334,14 @@ def _keeps_rule(o: ObliviousAnswer, sh: Shape) -> np.ndarray:
     return (per_rank <= cap[:, None, :]).all((1, 2))
 
 
+# Hot-spread counts (:func:`replicate_experts`) are tried for this many of a node's heaviest experts
+# (0: spread counts).
+_HOT = (0, 1, 2, 3, 4)
+# ... on the nodes whose spread counts' packing is this far (relative) over the node's mean rank
+# load: closer, no count can gain more.
+_GAIN = 1e-3
+
+
 def _with_layers(base: ObliviousAnswer, layers: np.ndarray, sub: ObliviousAnswer) -> ObliviousAnswer:
     """``base`` with its ``layers`` ``int[M]`` replaced by ``sub``'s (``M`` layers)."""
     fields = []
@@ -324,14 +352,52 @@ def _with_layers(base: ObliviousAnswer, layers: np.ndarray, sub: ObliviousAnswer
     return ObliviousAnswer(*fields)
 
 
-def _spread(w: np.ndarray, sh: Shape, group_node: np.ndarray, plain: ObliviousAnswer) -> ObliviousAnswer:
-    """The candidate with spread replica counts (:func:`replicate_experts`), refined, with moeshard's
-    rule; ``plain`` (the candidate with the reference's counts) where the counts are the same."""
-    layers = np.flatnonzero((replicate_nodes(w, group_node, sh, spread=True)[3] != plain.cnt).any(1))
+def _hot_spread(w: np.ndarray, sh: Shape, group_node: np.ndarray, plain: ObliviousAnswer) -> ObliviousAnswer:
+    """The candidate with hot-spread replica counts, refined, with moeshard's rule: per node, the
+    counts of :func:`replicate_experts` with ``hot`` in ``_HOT`` whose balanced packing has the
+    lightest heaviest rank (nodes are independent once their groups are fixed; a variant whose
+    counts are those of ``hot=0`` is not packed again); ``plain`` (the candidate with the
+    reference's counts) on the layers where the counts are the same."""
+    num_layers, num_e = w.shape
+    n, live, s = sh.num_nodes, sh.live_per_node, sh.slots_per_rank
+    rows = num_layers * n
+    mlog2log = _node_experts(group_node, group_loads(w, sh), n, num_e // sh.num_groups).reshape(rows, -1)
+    w_m = np.take_along_axis(np.repeat(w, n, axis=0), mlog2log, axis=1)  # [L*N, E/N]
+    num_v = len(_HOT)
+    phy2m, mcnt = replicate_experts(np.tile(w_m, (num_v, 1)), live * s, live, np.repeat(_HOT, rows))
+    # variant v of node row r is row v * rows + r: variant 0 first, then the variants that differ
+    # from it on the rows where variant 0's heaviest rank is over the node's mean by _GAIN
+    peak_full = np.full(num_v * rows, np.inf)
+    packs_full = np.zeros((num_v * rows, live, s), dtype=np.int64)
+
+    def pack(idx):
+        w_phy = np.take_along_axis(np.tile(w_m, (num_v, 1))[idx] / mcnt[idx], phy2m[idx], axis=1)
+        slots = balanced_pack(w_phy, phy2m[idx], mlog2log.shape[1], live, s).reshape(len(idx), -1)
+        packs_full[idx] = np.take_along_axis(phy2m[idx], slots, axis=1).reshape(len(idx), live, s)
+        peak_full[idx] = np.take_along_axis(w_phy, slots, axis=1).reshape(len(idx), live, s).sum(-1).max(-1)
+
+    pack(np.arange(rows))
+    over = peak_full[:rows] > w_m.sum(1) / live * (1 + _GAIN)
+    differ = (mcnt[rows:] != np.tile(mcnt[:rows], (num_v - 1, 1))).any(1) & np.tile(over, num_v - 1)
+    if differ.any():
+        pack(rows + np.flatnonzero(differ))
+    # per node row, the variant of the lightest peak (the first on ties)
+    cand = peak_full.reshape(num_v, rows)
+    v = np.zeros(rows, dtype=np.int64)
+    best = cand[0].copy()
+    for k in range(1, num_v):
+        better = cand[k] < best * (1 - _TIE)
+        v[better], best[better] = k, cand[k][better]
+    sel = v * rows + np.arange(rows)
+    packs = np.take_along_axis(mlog2log, packs_full[sel].reshape(rows, -1), axis=1).reshape(rows, live, s)
+    cnt = np.zeros((num_layers, num_e), dtype=np.int64)
+    chosen = mcnt[sel]
+    np.put_along_axis(cnt, mlog2log.reshape(num_layers, -1), chosen.reshape(num_layers, -1), axis=1)
+    layers = np.flatnonzero((cnt != plain.cnt).any(1))
     if not len(layers):
         return plain
-    packs, cnt = node_packs(w[layers], group_node[layers], sh, no_duplicates=True, spread=True)
-    return _with_layers(plain, layers, _refined(w[layers], sh, packs, group_node[layers], cnt, no_duplicates=True))
+    packs = packs.reshape(num_layers, n, live, s)[layers].reshape(-1, live, s)
+    return _with_layers(plain, layers, _refined(w[layers], sh, packs, group_node[layers], cnt[layers], True))
 
 
 # A candidate replaces an earlier one only if its heaviest rank is lighter by this relative
@@ -373,10 +439,10 @@ def group_packs(w: np.ndarray, sh: Shape, group_node: np.ndarray) -> np.ndarray:
 def oblivious_policy(w: np.ndarray, sh: Shape, ref: ObliviousAnswer | None = None) -> ObliviousAnswer:
     """moeshard's oblivious policy (module docstring). Per layer, the most balanced answer
     that keeps moeshard's rule among: deepseek-ai/EPLB's steps with the rule, the same with
-    spread replica counts (both in float64), and the reference's answer ``ref`` (computed
-    when None), each refined (:func:`_refined`); where none of them is at least as balanced as
-    the reference, the refined reference (its duplicates, if any, kept): never less balanced
-    than the reference, by construction."""
+    per node the lightest of spread and hot-spread replica counts (both in float64), and the
+    reference's answer ``ref`` (computed when None), each refined (:func:`_refined`); where
+    none of them is at least as balanced as the reference, the refined reference (its
+    duplicates, if any, kept): never less balanced than the reference, by construction."""
     ref = reference_answer(w, sh) if ref is None else ref
     group_node = _groups_to_nodes(w, sh)
     packs, cnt = node_packs(w, group_node, sh, no_duplicates=True)
@@ -384,7 +450,7 @@ def oblivious_policy(w: np.ndarray, sh: Shape, ref: ObliviousAnswer | None = Non
     num_layers = w.shape[0]
     ref_packs = ref.packs.reshape(num_layers * sh.num_nodes, sh.live_per_node, -1)
     ref_refined = _refined(w, sh, ref_packs, ref.group_node, ref.cnt, no_duplicates=False)
-    cands = [plain, _spread(w, sh, group_node, plain), ref_refined]
+    cands = [plain, _hot_spread(w, sh, group_node, plain), ref_refined]
     allowed = np.ones((len(cands), num_layers), dtype=bool)
     allowed[2] = _keeps_rule(ref_refined, sh)
     pick = _most_balanced(cands, allowed)
