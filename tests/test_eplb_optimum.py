@@ -65,3 +65,27 @@ def test_yardstick_bounds_bracket_the_exact_optimum():
         lo = node_bound(w[None], ranks * slots, ranks)[0]
         hi = node_upper(w, ranks, slots)
         assert lo <= exact.value * (1 + 1e-9) and hi >= exact.value * (1 - 1e-9), (w, ranks, slots)
+
+
+def test_hierarchical_hot_expert_near_the_bound():
+    # DeepSeek-V3's node shape (8 ranks of 9 slots: 64 experts and 8 spare slots per node) on 2
+    # nodes, a layer's two hottest experts (8 and 3.3 times the mean rank load) in one group:
+    # per-copy greed gives them more copies than the node has ranks, so two ranks carry two
+    # heavy copies each; the policy must be within 2 % of the lower bound or of a feasible
+    # repack of its own groups (eplb_exact.node_upper per node)
+    from benchmarks.eplb_exact import lower_bound, node_upper
+
+    rng = np.random.default_rng(45)
+    cfg = dict(num_physical=144, num_ranks=16, num_nodes=2, num_groups=8)
+    w = rng.lognormal(0, 0.5, size=(4, 128)) * (np.arange(1, 129) ** -0.6)[rng.permutation(128)]
+    for layer in range(4):
+        hot = 16 * rng.integers(8) + rng.choice(16, size=2, replace=False)
+        w[layer, hot] = w[layer].sum() / 16 * np.array([8.0, 3.3])
+    pl = eplb.rebalance(w, **cfg, migration_aware=False)
+    got = eplb.rank_loads(w, pl, 16).max(1)
+    lb = lower_bound(w, 144, 16, 2, 8)
+    p2l = pl.phy2log.reshape(4, 2, 72)
+    for layer in range(4):
+        feasible = max(node_upper(w[layer, np.unique(p2l[layer, n])], 8, 9) for n in range(2))
+        assert got[layer] <= min(lb[layer], feasible) * 1.02, (layer, got[layer], lb[layer], feasible)
+    assert (got <= eplb.rank_loads(w, eplb.reference(w, **cfg), 16).max(1) * (1 + 1e-12)).all()
