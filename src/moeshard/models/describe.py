@@ -48,6 +48,7 @@ __all__ = [
     "ParamDesc",
     "describe_model",
     "expert_layers",
+    "keeps_packed",
     "layer_names",
     "tensor_names",
     "local_tensor",
@@ -245,6 +246,19 @@ def expert_layers(model: nn.Module, specs: Sequence[ExpertsSpec] = DEFAULT_SPECS
                 out.append(ExpertsModule(name, mod, with_scales(spec, names), layer))
                 break
     return out
+
+
+def keeps_packed(model: nn.Module, specs: Sequence[ExpertsSpec] = DEFAULT_SPECS) -> bool:
+    """Whether ``model`` keeps its experts as a checkpoint stores them quantized: an experts
+    module with an integer or one-byte parameter (packed codes, FP8 values, E8M0 scales). Such a
+    model reads a quantized checkpoint's stored tensors
+    (:meth:`~moeshard.io.index.CheckpointIndex.without_packed`), not their dequantized view,
+    whose logical keys can be the stored ones (ModelOpt's and FP8's ``weight``)."""
+    return any(
+        not p.is_floating_point() or p.element_size() == 1
+        for e in expert_layers(model, specs)
+        for p in e.module.parameters(recurse=False)
+    )
 
 
 def layer_names(layers: Sequence[ExpertsModule]) -> list[str]:

@@ -28,7 +28,7 @@ from ..io.reader import CheckpointReader
 from ..io.readpool import default_read_threads
 from ..io.sources import Storage, reader_root, resolve_sources, sources_share
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
-from ..models.describe import ParamDesc, describe_model, local_tensor
+from ..models.describe import ParamDesc, describe_model, keeps_packed, local_tensor
 from ..models.layout import need_table
 from ..models.routing import resolve_placement
 from ..models.unused import ignored_patterns, unused_keys
@@ -352,7 +352,7 @@ def load(
     meter.end("materialize")
     placement, topo, read_threads, path = opened.placement, opened.topology, opened.read_threads, opened.path
     mode, readers, scope, index = resolve_sources(path, storage, topo, opened.sees_checkpoint, everyone=everyone)
-    if not dequantize:  # packed weights under their stored keys only (a model keeping them packed)
+    if not dequantize or keeps_packed(model, specs):  # packed weights under their stored keys only
         index = index.without_packed()
     meter.end("headers")
     opening: list[CheckpointReader] = []  # this rank's reader, opened in the planning step

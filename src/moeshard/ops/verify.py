@@ -42,7 +42,7 @@ from ..io.index import CheckpointIndex
 from ..io.reader import CheckpointReader
 from ..io.sources import Storage, reader_root, resolve_sources, sources_share
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
-from ..models.describe import ParamDesc
+from ..models.describe import ParamDesc, keeps_packed
 from ..models.layout import Need
 from ..models.routing import resolve_placement
 from ..placement import Placement
@@ -276,6 +276,8 @@ def verify(
     )
     rank, world_size = topo.rank, topo.world_size
     _, readers, _, index = resolve_sources(path, storage, topo, sees, everyone=everyone)
+    if keeps_packed(model, specs):  # compare the stored packed bytes, not their decoded view
+        index = index.without_packed()
 
     def make_plan():
         # Every rank's needs only where FP8 scales may be consumed (the unused-key check counts
