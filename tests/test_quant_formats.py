@@ -23,11 +23,11 @@ import quant_fixtures
 from moeshard.io.codecs import decode
 from moeshard.io.errors import CheckpointError
 from moeshard.io.header import TensorInfo
+from moeshard.io.packed import misaligned, scale_box
 from moeshard.io.quant import (
     check_weight_shape,
     describe,
     recognize,
-    storage_boxes,
     value_box,
 )
 
@@ -304,12 +304,14 @@ def test_decode_of_a_group_aligned_box_is_that_box_of_the_whole():
             (1, 2, 0, 1, 0, step),
         ):
             vbox = ((e0, ne), (r0, nr), (c0, nc))
-            vb, sb = storage_boxes(pw, vbox, values.shape, scale.shape)
-            sv = values[tuple(slice(o, o + n) for o, n in vb)]
-            ss = scale[tuple(slice(o, o + n) for o, n in sb)]
+            box = value_box(pw, vbox)  # the logical box (value_box swaps back a transposed weight's)
+            assert misaligned(pw, box) is None
+            bits = pw.scheme.bits  # the values' bytes, row-major [..., R, C * bits // 8]
+            as_bytes = values.contiguous().view(torch.uint8).reshape(*pw.value_shape[:-1], cols * bits // 8)
+            sv = as_bytes[e0 : e0 + ne, r0 : r0 + nr, c0 * bits // 8 : (c0 + nc) * bits // 8]
+            ss = scale[tuple(slice(o, o + n) for o, n in scale_box(pw, box, tuple(scale.shape)))]
             _same(decode(pw.scheme, sv, ss, gs), whole[e0 : e0 + ne, r0 : r0 + nr, c0 : c0 + nc])
-        with pytest.raises(ValueError, match=f"groups of {step}"):
-            storage_boxes(pw, ((0, 1), (0, 1), (1, step)), values.shape, scale.shape)
+        assert f"splits a group of {step} values" in misaligned(pw, value_box(pw, ((0, 1), (0, 1), (1, step))))
     # gpt-oss's logical box is transposed
     assert value_box(cases[0][0], ((0, 1), (0, 128), (2, 3))) == ((0, 1), (2, 3), (0, 128))
 

@@ -44,7 +44,6 @@ __all__ = [
     "quant_method",
     "recognize",
     "value_box",
-    "storage_boxes",
     "check_weight_shape",
     "describe",
     "consumed_keys",
@@ -646,36 +645,6 @@ def value_box(pw: PackedWeight, box: Box) -> Box:
     if pw.transposed:
         return (*box[:-2], box[-1], box[-2])
     return tuple(box)
-
-
-def storage_boxes(
-    pw: PackedWeight, vbox: Box, values_shape: Sequence[int], scale_shape: Sequence[int]
-) -> tuple[Box, Box]:
-    """``(box of the values tensor, box of the scale tensor)`` in their STORED shapes holding box
-    ``vbox`` of the value-oriented tensor. ``vbox``'s last dim must start and end on
-    :attr:`PackedWeight.step` (or the dim's end); raises ValueError naming the key and the group
-    otherwise."""
-    (c0, n), lead = vbox[-1], tuple(vbox[:-1])
-    step, cols = pw.step, pw.value_shape[-1]
-    if c0 % step or (n % step and c0 + n != cols):
-        raise ValueError(
-            f"{pw.key}: columns {c0}..{c0 + n} of {pw.scheme.name} values do not align to groups of {step} "
-            "(a box must start and end on a group)"
-        )
-    per = len(values_shape) - len(lead)  # stored dims spanning the last value dim
-    unit = cols // math.prod(values_shape[len(lead) :])  # values per stored element
-    if per == 1:
-        vb = (*lead, (c0 // unit, -(-n // unit)))
-    else:  # MXFP4 [..., G, 16]: whole blocks of 32
-        vb = (*lead, (c0 // 32, -(-n // 32)), (0, values_shape[-1]))
-    g = pw.scheme.group
-    if g == 0:
-        sb = tuple((0, d) for d in scale_shape)
-    elif g >= cols:
-        sb = (*lead, (0, 1))
-    else:
-        sb = (*lead, (c0 // g, -(-n // g)))
-    return vb, sb
 
 
 def describe(pw: PackedWeight) -> str:
