@@ -295,8 +295,6 @@ def fp8_kept_worker(fp8: str, out_dir: str) -> list:
     verify, relocate P2P to another placement (no checkpoint: the scales must travel with their
     experts), verify again, save, relocate back reading from disk; return each parameter's local
     bytes and global offset (torch's own rule) after each step, with its placement's phy2log."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     import moeshard
 
@@ -305,33 +303,23 @@ def fp8_kept_worker(fp8: str, out_dir: str) -> list:
     n = model.config.n_routed_experts
     layers = sum(1 for name, _ in model.named_modules() if name.endswith(".experts"))
 
-    def local_state():
-        state = {}
-        for name, p in model.named_parameters():
-            if isinstance(p, DTensor):
-                _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-                state[name] = (_raw(p.to_local()).clone(), tuple(offset), tuple(p.shape))
-            else:
-                state[name] = (_raw(p.detach()).clone(), (0,) * p.dim(), tuple(p.shape))
-        return state
-
     old, new = _placement(5, n, layers), _placement(6, n, layers)
     moeshard.parallelize(model, mesh, old, ep_forward=False)
     rep = moeshard.load(model, fp8, placement=old)
     assert moeshard.verify(model, fp8, placement=old).num_boxes_checked > 0
-    loaded = local_state()
+    loaded = _local_state(model)
     # ep_forward=False: the experts keep their own forward, which moeshard does not re-point
     # (this test never runs it), so the caller says it routes the tokens.
     moved = moeshard.relocate(model, old, new, routing="caller")
     assert moeshard.verify(model, fp8, placement=new).num_boxes_checked > 0
     moeshard.save(model, out_dir, new, max_shard_bytes=8_000)
-    relocated = local_state()
+    relocated = _local_state(model)
     # And back, every changed slot re-read from disk: FP8 bytes and their scales as stored.
     moeshard.relocate(model, new, old, checkpoint=fp8, from_checkpoint=True, routing="caller")
     return [
         (rep.dequantized_keys, rep.unused_keys, moved.bytes_sent_rank, old.phy2log, loaded),
         (0, (), 0, new.phy2log, relocated),
-        (0, (), 0, old.phy2log, local_state()),
+        (0, (), 0, old.phy2log, _local_state(model)),
     ]
 
 
