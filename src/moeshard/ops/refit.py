@@ -33,6 +33,7 @@ from ..plan import DEFAULT_MAX_OPS, DEFAULT_STAGING_BYTES
 from ..plan.refit import EngineLayout, RefitPlan, UnitInfo, plan_refit
 from ..plan.reshard import ReshardPlan
 from ..topology import Topology
+from . import engine_quant
 from .report import OpReport, Phases
 from .reshard import ShardLayout, UnitIndex, box_rows, describe_shards
 from .skeleton import group_topology, named_tensors
@@ -136,11 +137,13 @@ class _TrainerShards(Source):
 @dataclass(frozen=True)
 class _Ready:
     """This rank's checked inputs: trainer layout and local shards (None / [] on an engine-only
-    rank), the engine tensors in layout order (None where this rank is not an engine rank)."""
+    rank), the engine tensors in layout order and their scale tensors (None for an unquantized
+    one; both None where this rank is not an engine rank)."""
 
     layout: ShardLayout | None
     shards: list
     dst: list | None
+    scales: list | None = None
 
 
 def _prepare(model, dst_tensors, layout: EngineLayout, specs, rank: int) -> _Ready:
@@ -149,22 +152,27 @@ def _prepare(model, dst_tensors, layout: EngineLayout, specs, rank: int) -> _Rea
         raise ValueError(f"rank {rank} is an engine rank of the layout but passed no dst_tensors")
     if not is_engine and dst_tensors:
         raise ValueError(f"rank {rank} passed dst_tensors but is not among the layout's engine ranks")
-    dst = None
+    dst = scales = None
     if is_engine:
-        missing = [t.name for t in layout.tensors if t.name not in dst_tensors]
+        names = [n for t in layout.tensors for n in (t.name, t.scale_name) if n]
+        missing = [n for n in names if n not in dst_tensors]
         if missing:
             raise ValueError(f"dst_tensors lacks engine tensor {missing[0]} ({len(missing)} missing)")
         dst = [dst_tensors[t.name] for t in layout.tensors]
+        scales = [dst_tensors[t.scale_name] if t.quant else None for t in layout.tensors]
     if model is None:
-        return _Ready(None, [], dst)
+        return _Ready(None, [], dst, scales)
     shared = describe_shards(model, specs=specs)
     params = named_tensors(model)
     shards = [local_tensor(params[t.name]) for t in shared.tensors]
-    return _Ready(shared, shards, dst)
+    return _Ready(shared, shards, dst, scales)
 
 
-def _check_dst(plan: RefitPlan, layout: EngineLayout, dst: list) -> None:
-    for t, shape, dtype, x in zip(layout.tensors, plan.needs.local_shapes, plan.needs.dtypes, dst):
+def _check_dst(plan: RefitPlan, layout: EngineLayout, dst: list, scales: list) -> None:
+    for t, shape, dtype, x, scale in zip(layout.tensors, plan.needs.local_shapes, plan.needs.dtypes, dst, scales):
+        if t.quant is not None:
+            engine_quant.check_engine_tensor(t, x, scale, shape)
+            continue
         if tuple(x.shape) != shape or _dtype_name(x.dtype) != dtype:
             raise ValueError(
                 f"engine tensor {t.name}: {list(x.shape)} {_dtype_name(x.dtype)} here, the layout says {list(shape)} "
@@ -249,7 +257,7 @@ def refit(
             _PLANS.clear()  # one plan kept: an RL loop refits the same layouts step after step
             _PLANS[key] = plan
         if ready.dst is not None:
-            _check_dst(plan, layout, ready.dst)
+            _check_dst(plan, layout, ready.dst, ready.scales)
         return plan
 
     plan = collectives.agree(make_plan, "moeshard.refit: planning", fingerprint=lambda p: p.fingerprint)
@@ -301,18 +309,22 @@ def _install(plan: RefitPlan, layout: EngineLayout, ready: _Ready, rank: int, wi
                     # Rows the engine pads (vocabulary) are never written: keep the engine's.
                     x = ready.dst[j]
                     stage[j] = x.clone() if t.pad_to > 1 else torch.empty_like(x)
+                    if t.quant is not None:  # staged in float, quantized whole once it arrived
+                        stage[j] = engine_quant.staging(x, getattr(torch, plan.needs.dtypes[j]))
         source = _TrainerShards(p, ready.shards, rank, wire)
 
         def run(p=p, stage=stage, source=source):
-            return execute_schedule(
+            stats = execute_schedule(
                 p.schedule, rank, source, TensorSink(p.schedule, stage, rank, receive_in_place=True), dev, what=what
             ).check()
+            engine_quant.quantize_staged(layout.tensors, stage)
+            return stats
 
         with torch.no_grad():
             stats = collectives.agree(run, what)
             for j, x in enumerate(stage):
                 if x is not None:
-                    ready.dst[j].copy_(x)
+                    engine_quant.install(ready.dst[j], ready.scales[j], x)
                     installed += 1
         sent += stats.bytes_sent
         received += stats.bytes_received
@@ -373,6 +385,8 @@ def _verify(plan: RefitPlan, layout: EngineLayout, ready: _Ready, rank: int, wir
             s = p.schedule
             sink = TensorSink(s, ready.dst, rank)
             for row in np.flatnonzero(s.deliveries.rank == rank).tolist():
+                if layout.tensors[int(s.deliveries.param[row])].quant is not None:
+                    continue  # its boxes were quantized with their blocks: no box digest to compare
                 pid = int(s.deliveries.piece[row])
                 got = digest(sink.target(row))
                 checked += 1

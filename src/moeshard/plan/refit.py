@@ -32,7 +32,20 @@ import numpy as np
 from ..topology import Topology
 from .reshard import BoxRows, ReshardPlan, Units, plan_reshard
 
-__all__ = ["Segment", "EngineTensor", "EngineLayout", "UnitInfo", "EngineNeeds", "engine_needs", "plan_refit"]
+__all__ = [
+    "QUANTS",
+    "Segment",
+    "EngineTensor",
+    "EngineLayout",
+    "UnitInfo",
+    "EngineNeeds",
+    "check_blocks",
+    "engine_needs",
+    "plan_refit",
+]
+
+# The quantizations an engine tensor may declare (None: none).
+QUANTS = (None, "fp8_block")
 
 
 @dataclass(frozen=True)
@@ -71,7 +84,20 @@ class EngineTensor:
             written.
         group: install group: the engine tensors of a group change together (every tensor of a
             decoder layer: one group); -1 for tensors outside the layers.
-        dtype: the engine's dtype name (``"bfloat16"``); None: the source's.
+        dtype: the engine's dtype name (``"bfloat16"``); None: the source's. For a quantized
+            tensor, the dtype its boxes travel and are staged in before quantization.
+        quant: None, or ``"fp8_block"``: block FP8 as vLLM's and sglang's ``Fp8LinearMethod`` /
+            ``Fp8MoEMethod`` with ``weight_block_size`` hold it (DeepSeek-V3's checkpoint
+            format): the engine tensor is ``float8_e4m3fn`` of the local shape, and the tensor
+            ``scale_name`` float32 ``[ceil(R / block[0]), ceil(C / block[1])]`` (an expert
+            tensor: ``[num_local_slots, ...]`` of those) holds each block's dequantization
+            multiplier (``weight = fp8 * scale``). The float tensor is assembled whole on the
+            engine rank, then quantized per block (``amax / 448``, :mod:`moeshard.ops.engine_quant`).
+            Its slice must be 2-D ``[R, C]`` and each segment's TP part must cover whole blocks
+            (:func:`check_blocks`).
+        block: the quantization block ``(rows, cols)``.
+        scale_name: the engine's name of the scale tensor (default: ``name + "_scale_inv"``,
+            vLLM's and sglang's load-time names: ``...weight_scale_inv``, ``w13_weight_scale_inv``).
     """
 
     name: str
@@ -82,6 +108,9 @@ class EngineTensor:
     pad_to: int = 1
     group: int = -1
     dtype: str | None = None
+    quant: str | None = None
+    block: tuple[int, int] = (128, 128)
+    scale_name: str = ""
 
     def __post_init__(self) -> None:
         if not self.segments:
@@ -90,6 +119,18 @@ class EngineTensor:
             raise ValueError(f"engine tensor {self.name}: pad_to must be >= 1, got {self.pad_to}")
         if self.pad_to > 1 and len(self.segments) != 1:
             raise ValueError(f"engine tensor {self.name}: pad_to applies to a tensor of one segment")
+        if self.quant not in QUANTS:
+            raise ValueError(
+                f"engine tensor {self.name}: quant {self.quant!r} is not one of {sorted(QUANTS[1:])} or None"
+            )
+        if self.quant is None:
+            return
+        if len(self.block) != 2 or min(self.block) < 1:
+            raise ValueError(f"engine tensor {self.name}: block {self.block} is not (rows, cols) >= 1")
+        if self.pad_to > 1:
+            raise ValueError(f"engine tensor {self.name}: a padded (vocabulary) tensor is not quantized")
+        if not self.scale_name:
+            object.__setattr__(self, "scale_name", self.name + "_scale_inv")
 
 
 @dataclass(frozen=True, eq=False)
@@ -191,6 +232,34 @@ def _seg_shape(t: EngineTensor, s: Segment, info: UnitInfo) -> tuple[int, ...]:
     out = list(shape)
     out[s.part_dim] //= n
     return tuple(out)
+
+
+def check_blocks(layout: EngineLayout, info: UnitInfo) -> None:
+    """Raise ValueError naming the tensor for a block-quantized engine tensor whose blocks would
+    straddle two segments or two TP ranks: its slice must be 2-D, every segment but the last must
+    cover whole blocks along ``cat_dim``, and where a dim is split over TP (``tp > 1``) every
+    segment's part on a rank must cover whole blocks along it (vLLM's
+    ``validate_fp8_block_shape`` and ``Fp8MoEMethod``: a TP shard of a column- or row-parallel
+    weight, and each part of a merged one, is a whole number of blocks). Pure."""
+    for t in layout.tensors:
+        if t.quant is None:
+            continue
+        split = t.shard_dim is not None and (t.moe_layer < 0 or layout.ep == 1) and layout.tp > 1
+        segs = [_seg_shape(t, s, info) for s in t.segments]
+        if len(segs[0]) != 2:
+            raise ValueError(f"engine tensor {t.name}: block quantization needs a 2-D slice, got {list(segs[0])}")
+        for d, b in enumerate(t.block):
+            for i, (s, sh) in enumerate(zip(t.segments, segs)):
+                n = sh[d] // layout.tp if split and d == t.shard_dim else sh[d]
+                last_of_cat = d == t.cat_dim and i == len(segs) - 1
+                needs_whole = (split and d == t.shard_dim) or (d == t.cat_dim and not last_of_cat)
+                if needs_whole and n % b:
+                    where = f"its part on each of tp={layout.tp} ranks" if split and d == t.shard_dim else "it"
+                    raise ValueError(
+                        f"engine tensor {t.name}: segment {s.source} has {n} along dim {d} ({where}), not whole "
+                        f"blocks of {b}: a quantization block would straddle two "
+                        f"{'TP ranks' if split and d == t.shard_dim else 'segments'}"
+                    )
 
 
 def engine_needs(layout: EngineLayout, info: UnitInfo, width: int) -> EngineNeeds:
@@ -311,6 +380,7 @@ def engine_needs(layout: EngineLayout, info: UnitInfo, width: int) -> EngineNeed
         return np.concatenate([c[i] for c in cols]).astype(i64) if cols else np.zeros(0, i64)
 
     rows = BoxRows(col(0), col(1), col(2), col(3), off, ln, dst)
+    check_blocks(layout, info)
     return EngineNeeds(rows, tuple(ids), tuple(shapes), tuple(dtypes))
 
 

@@ -1,0 +1,113 @@
+"""Block-FP8 quantization of an engine's tensors during a refit.
+
+An engine tensor declared ``quant="fp8_block"`` (:class:`~moeshard.plan.refit.EngineTensor`) is
+held by the engine as ``float8_e4m3fn`` values plus a float32 scale per ``block`` (128 x 128 in
+DeepSeek-V3's checkpoint and vLLM's / sglang's ``weight_block_size``), the scale being the
+dequantization multiplier (``weight = fp8 * scale``, named ``weight_scale_inv`` after
+DeepSeek's checkpoint). A block's scale needs the whole block, so the refit delivers the float
+boxes into a staging tensor of the engine tensor's local shape (in the layout's ``dtype``), and
+each engine rank quantizes it once every box has arrived, before installing values and scale.
+
+The math is vLLM's ``per_block_cast_to_fp8`` (from DeepGEMM): per block ``amax = max |w|``
+computed in float32 and floored at ``1e-4``, ``scale = amax / 448`` (float32), values
+``fp8(w * (1 / scale))`` (round to nearest even; ``|w| * (1 / scale)`` never exceeds 448 by
+more than float32 rounding, which rounds back to 448). Quantizing a block's rows or columns
+past the tensor's end: they count as zeros (vLLM pads with zeros).
+
+Local (any rank); runs on the tensors' device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from ..plan.refit import EngineTensor
+
+__all__ = ["FP8_MAX", "AMAX_FLOOR", "block_fp8", "scale_shape", "Quantized", "staging", "quantize_staged", "install"]
+__all__ += ["check_engine_tensor"]
+
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+AMAX_FLOOR = 1e-4  # vLLM's clamp of a block's amax (an all-zero block gets scale 1e-4 / 448)
+
+
+def scale_shape(shape: Sequence[int], block: Sequence[int]) -> tuple[int, ...]:
+    """The scale's shape of a tensor ``[..., R, C]`` quantized per ``block``: ``[...,
+    ceil(R / block[0]), ceil(C / block[1])]``."""
+    *lead, r, c = shape
+    return (*lead, -(-r // block[0]), -(-c // block[1]))
+
+
+def block_fp8(w: torch.Tensor, block: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize float ``w`` ``[..., R, C]`` per ``block`` ``(bR, bC)`` of its last two dims.
+
+    Returns ``(values, scale)``: ``float8_e4m3fn`` ``[..., R, C]`` and float32 ``[...,
+    ceil(R / bR), ceil(C / bC)]`` with ``w ~= values * scale`` (block-wise), bit for bit vLLM's
+    ``per_block_cast_to_fp8`` of every ``[R, C]`` matrix of ``w``."""
+    if w.dim() < 2 or not w.is_floating_point():
+        raise ValueError(f"block_fp8: expected a float tensor [..., R, C], got {w.dtype} {list(w.shape)}")
+    *lead, r, c = w.shape
+    br, bc = int(block[0]), int(block[1])
+    nr, nc = -(-r // br), -(-c // bc)
+    padded = w.new_zeros((*lead, nr * br, nc * bc))
+    padded[..., :r, :c] = w
+    blocks = padded.view(*lead, nr, br, nc, bc)
+    amax = blocks.abs().float().amax(dim=(-3, -1), keepdim=True).clamp(min=AMAX_FLOOR)
+    scale = amax / FP8_MAX
+    values = (blocks * (1.0 / scale)).to(torch.float8_e4m3fn)
+    return values.view(*lead, nr * br, nc * bc)[..., :r, :c].contiguous(), scale.view(*lead, nr, nc)
+
+
+class Quantized(NamedTuple):
+    """A staged engine tensor after quantization: ``values`` ``float8_e4m3fn`` (the engine
+    tensor's shape) and ``scale`` float32 (:func:`scale_shape`)."""
+
+    values: torch.Tensor
+    scale: torch.Tensor
+
+
+def check_engine_tensor(t: EngineTensor, x: torch.Tensor, scale: torch.Tensor | None, shape: Sequence[int]) -> None:
+    """Raise ValueError unless the engine's tensors of quantized ``t`` are what the layout
+    says: ``x`` ``float8_e4m3fn`` of the local ``shape`` and ``scale`` float32 of
+    :func:`scale_shape`, both contiguous."""
+    want = scale_shape(shape, t.block)
+    for name, got, dtype, size in (
+        (t.name, x, torch.float8_e4m3fn, tuple(shape)),
+        (t.scale_name, scale, torch.float32, want),
+    ):
+        if got is None:
+            raise ValueError(f"engine tensor {name} (the scale of {t.name}) is missing")
+        if tuple(got.shape) != size or got.dtype != dtype:
+            raise ValueError(
+                f"engine tensor {name}: {list(got.shape)} {got.dtype} here, the layout says {list(size)} {dtype} "
+                f"(block FP8 of {list(t.block)})"
+            )
+        if not got.is_contiguous():
+            raise ValueError(f"engine tensor {name} is not contiguous")
+
+
+def staging(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The float staging tensor of quantized engine tensor ``x`` (its shape and device, the
+    layout's ``dtype``)."""
+    return torch.empty(x.shape, dtype=dtype, device=x.device)
+
+
+def quantize_staged(tensors: Sequence[EngineTensor], stage: list) -> None:
+    """Replace, in ``stage`` (per engine tensor of the layout: its staged tensor or None), every
+    quantized tensor's staged float values by their :class:`Quantized` form. Call once every
+    box of the install group has arrived, before anything is installed."""
+    for j, t in enumerate(tensors):
+        if t.quant is not None and stage[j] is not None:
+            stage[j] = Quantized(*block_fp8(stage[j], t.block))
+
+
+def install(dst: torch.Tensor, scale: torch.Tensor | None, staged) -> None:
+    """Copy a staged engine tensor into the engine's: a plain tensor into ``dst``, a
+    :class:`Quantized` one's values into ``dst`` and its scale into ``scale``."""
+    if isinstance(staged, Quantized):
+        dst.copy_(staged.values)
+        scale.copy_(staged.scale)
+    else:
+        dst.copy_(staged)
