@@ -165,6 +165,7 @@ def _colocated(family: str, ckpt: str) -> dict:
     out["ep4"] = dict(bad=_mismatches(family, lay, dst, full, rank, None), rep=rep)
     if family == "qwen3_moe":
         out.update(_failures(model, pl, lay, dst, full, rank))
+    out["sglang_fp8"] = _sglang_fp8(family, model, pl, rank)
     return out
 
 
@@ -273,6 +274,81 @@ def _failures(model, pl, lay, dst, full, rank) -> dict:
     return out
 
 
+# -- sglang's layout with block FP8 ------------------------------------------------------------
+
+FP8_BLOCK = (8, 8)  # the tiny models' TP parts are whole blocks of 8 (128 in a real model)
+
+
+def _sglang_layout(family: str, ranks, tp: int, ep: int, p2l):
+    from moeshard.plan.engines import sglang_deepseek_v3, sglang_qwen3_moe
+
+    kw = dict(tp=tp, ep=ep, phy2log=p2l, dtype="bfloat16", quant="fp8", block=FP8_BLOCK)
+    if family == "qwen3_moe":
+        return sglang_qwen3_moe(tiny_hf.NUM_LAYERS, ranks, **kw)
+    return sglang_deepseek_v3(tiny_hf.NUM_LAYERS + 1, ranks, first_k_dense=1, **kw)
+
+
+def _expected_sglang(family, t, full, lay, erank):
+    """Engine rank ``erank``'s tensor ``t`` of an sglang layout from the trainer's logical
+    weights: the same fusion and sharding as vLLM's (:func:`_expected`; sglang's DeepSeek-V3
+    calls the fused projection ``fused_qkv_a_proj_with_mqa``), in bf16, then for a quantized
+    tensor moeshard's block quantizer (checked against vLLM's formula in test_engine_quant)
+    computed here in one process: ``(values, scale)``. Also the float32 assembly."""
+    from moeshard.ops.engine_quant import block_fp8
+
+    name = t.name.replace("fused_qkv_a_proj_with_mqa", "fused_qkv_a_proj")
+    x32 = _expected(family, name, full, lay.tp, lay.ep, lay.phy2log, erank, None)
+    if name.endswith("e_score_correction_bias"):
+        return x32, None, x32
+    ref = _expected(family, name, full, lay.tp, lay.ep, lay.phy2log, erank, torch.bfloat16)
+    if t.quant is None:
+        return ref, None, x32
+    q, scale = block_fp8(ref, t.block)
+    return q, scale, x32
+
+
+def _sglang_fp8(family: str, model, pl, rank: int) -> dict:
+    """sglang's layout, block FP8 (8 x 8) on TP=2 x DP=2 with experts TP-split, boxes staged in
+    bf16: every quantized tensor bit for bit the one-process assembly + quantization, within the
+    quantizer's bound of the float32 weights; every other tensor bit for bit."""
+    import moeshard
+
+    full = _full(model, pl)
+    lay = _sglang_layout(family, range(4), 2, 1, _engine_placement(5, 1))
+    dst, want = {}, {}
+    for t in lay.tensors:
+        ref, scale, x32 = _expected_sglang(family, t, full, lay, rank)
+        shape = list(ref.shape)
+        if t.pad_to > 1:
+            shape[0] = -(-full[t.segments[0].source].shape[0] // PAD) * PAD // lay.tp
+        dst[t.name] = torch.full(shape, -7.0).to(ref.dtype)
+        if scale is not None:
+            dst[t.scale_name] = torch.full(scale.shape, -7.0)
+        want[t.name] = (ref, scale, x32)
+    rep = moeshard.refit(model, dst, lay, verify=True)
+    bad, loose = [], []
+    for t in lay.tensors:
+        ref, scale, x32 = want[t.name]
+        got = dst[t.name]
+        n = ref.shape[0]
+        if scale is None:
+            if got.dtype != ref.dtype or not torch.equal(got[:n], ref) or not bool((got[n:] == -7.0).all()):
+                bad.append(t.name)
+            continue
+        if got.dtype != torch.float8_e4m3fn or not torch.equal(got.view(torch.uint8), ref.view(torch.uint8)):
+            bad.append(t.name)
+        if not torch.equal(dst[t.scale_name], scale):
+            bad.append(t.scale_name)
+        # Dequantized, within bf16's rounding (2^-9) plus E4M3's (2^-4 of a normal value, 2^-10 of
+        # the block's scale for a subnormal one) of the trainer's float32 weights.
+        s = dst[t.scale_name].repeat_interleave(t.block[0], -2).repeat_interleave(t.block[1], -1)
+        s = s[..., : got.shape[-2], : got.shape[-1]]
+        err = (got.float() * s - x32).abs()
+        if not bool((err <= (x32.abs() * (2.0**-4 + 2.0**-8) + s * 2.0**-10)).all()) or not err.max() > 0:
+            loose.append(t.name)
+    return dict(bad=bad, loose=loose, rep=rep, quantized=sum(t.quant is not None for t in lay.tensors))
+
+
 def _disjoint(family: str, ckpt: str, trainer_group, mesh) -> dict:
     import torch.distributed as dist
 
@@ -377,3 +453,15 @@ def test_a_failing_send_view_raises_on_every_rank_within_seconds(runs):
 def test_verify_names_the_corrupted_box(runs):
     outs = [r["qwen3_moe"]["colocated"]["verify"] for r in runs]
     assert all(o is not None and "model.layers.1.self_attn.o_proj.weight" in o and "rank 1" in o for o in outs)
+
+
+@pytest.mark.parametrize("family", tiny_hf.MATRIX)
+def test_sglang_block_fp8_refit_equals_one_process_quantization(runs, family):
+    outs = [r[family]["colocated"]["sglang_fp8"] for r in runs]
+    assert [o["bad"] for o in outs] == [[]] * WORLD
+    assert [o["loose"] for o in outs] == [[]] * WORLD
+    assert outs[0]["quantized"] > 0
+    reps = [o["rep"] for o in outs]
+    # Boxes travel in bf16 (the staging dtype, narrower than the float32 trainer's).
+    assert sum(r.bytes_sent_rank for r in reps) == reps[0].peer_bytes > 0
+    assert sum(r.verified_boxes_rank for r in reps) > 0  # the unquantized tensors' boxes

@@ -168,3 +168,179 @@ def test_fingerprint_covers_the_engine_local_shapes(monkeypatch):
 def test_need_rows_outside_the_local_shape_are_an_invariant_error(monkeypatch):
     with pytest.raises(AssertionError, match="engine tensor o: a need row outside its shape"):
         _o_plan(monkeypatch, widen=-2)
+
+
+# -- sglang's layouts and block-FP8 declarations ------------------------------------------------
+
+# DeepSeek-V3-like logical tensors: H=32, q_lora=24, kv_lora=16, rope=4, 4 heads of nope 4 + v 8
+# (q_b 4 x (4 + 4) = 32 rows, kv_b 4 x (4 + 8) = 48 rows), a dense layer 0 (I=64), MoE layer 1
+# (moe I=16, one shared expert).
+DSV3 = {
+    **{
+        f"model.layers.{i}.self_attn.{n}": s
+        for i in (0, 1)
+        for n, s in {
+            "q_a_proj.weight": (24, 32),
+            "q_a_layernorm.weight": (24,),
+            "q_b_proj.weight": (32, 24),
+            "kv_a_proj_with_mqa.weight": (20, 32),
+            "kv_a_layernorm.weight": (16,),
+            "kv_b_proj.weight": (48, 16),
+            "o_proj.weight": (32, 32),
+        }.items()
+    },
+    **{f"model.layers.{i}.{n}.weight": (32,) for i in (0, 1) for n in ("input_layernorm", "post_attention_layernorm")},
+    "model.layers.0.mlp.gate_proj.weight": (64, 32),
+    "model.layers.0.mlp.up_proj.weight": (64, 32),
+    "model.layers.0.mlp.down_proj.weight": (32, 64),
+    "model.layers.1.mlp.gate.weight": (8, 32),
+    "model.layers.1.mlp.gate.e_score_correction_bias": (8,),
+    "model.layers.1.mlp.experts.gate_up_proj": (32, 32),
+    "model.layers.1.mlp.experts.down_proj": (32, 16),
+    "model.layers.1.mlp.shared_experts.gate_proj.weight": (16, 32),
+    "model.layers.1.mlp.shared_experts.up_proj.weight": (16, 32),
+    "model.layers.1.mlp.shared_experts.down_proj.weight": (32, 16),
+    "model.embed_tokens.weight": (128, 32),
+    "model.norm.weight": (32,),
+    "lm_head.weight": (128, 32),
+}
+DSV3_INFO = UnitInfo(
+    shapes=DSV3,
+    dtypes={n: "float32" for n in DSV3},
+    experts=frozenset({"model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"}),
+    num_logical=8,
+)
+
+
+def _sgl_dsv3(**kw):
+    from moeshard.plan.engines import sglang_deepseek_v3
+
+    return sglang_deepseek_v3(2, range(2), tp=2, first_k_dense=1, phy2log=np.arange(8)[None] % 8, **kw)
+
+
+def test_sglang_deepseek_v3_names_shapes_and_segments():
+    """sglang's DeepseekV2AttentionMLA: ``fused_qkv_a_proj_with_mqa`` (ReplicatedLinear of
+    q_lora + kv_lora + rope rows: q_a_proj then kv_a_proj_with_mqa), ``q_b_proj`` /
+    ``kv_b_proj`` ColumnParallelLinear, ``o_proj`` RowParallelLinear; no ``w_kc`` / ``w_vc``
+    (derived by post_load_weights); MoEGate's float32 ``e_score_correction_bias``; the unfused
+    shared expert; FusedMoE's ``w13_weight`` / ``w2_weight``."""
+    lay = _sgl_dsv3(dtype="bfloat16")
+    needs = engine_needs(lay, DSV3_INFO, 2)
+    shape = {t.name: s for t, s in zip(lay.tensors, needs.local_shapes)}
+    dtype = {t.name: d for t, d in zip(lay.tensors, needs.dtypes)}
+    a = "model.layers.1.self_attn"
+    assert shape[f"{a}.fused_qkv_a_proj_with_mqa.weight"] == (44, 32)
+    assert shape[f"{a}.q_b_proj.weight"] == (16, 24)
+    assert shape[f"{a}.kv_b_proj.weight"] == (24, 16)
+    assert shape[f"{a}.o_proj.weight"] == (32, 16)
+    assert shape["model.layers.1.mlp.experts.w13_weight"] == (8, 16, 32)  # ep=1: every slot, I split
+    assert shape["model.layers.1.mlp.experts.w2_weight"] == (8, 32, 8)
+    assert shape["model.layers.1.mlp.shared_experts.gate_up_proj.weight"] == (16, 32)
+    assert shape["model.layers.0.mlp.gate_up_proj.weight"] == (64, 32)
+    assert dtype["model.layers.1.mlp.gate.e_score_correction_bias"] == "float32"
+    assert dtype["model.layers.1.mlp.gate.weight"] == "bfloat16"
+    names = set(shape)
+    assert not any("w_kc" in n or "w_vc" in n or n.endswith("fused_qkv_a_proj.weight") for n in names)
+    j = [t.name for t in lay.tensors].index(f"{a}.fused_qkv_a_proj_with_mqa.weight")
+    assert _rows(needs, 1, j) == [
+        (f"{a}.kv_a_proj_with_mqa.weight", -1, [0, 0], [20, 32], [24, 0]),
+        (f"{a}.q_a_proj.weight", -1, [0, 0], [24, 32], [0, 0]),
+    ]
+    j = [t.name for t in lay.tensors].index(f"{a}.kv_b_proj.weight")
+    assert _rows(needs, 1, j) == [(f"{a}.kv_b_proj.weight", -1, [24, 0], [24, 16], [0, 0])]
+
+
+def test_sglang_qwen3_moe_and_mixtral_have_vllms_tensors():
+    from moeshard.plan.engines import sglang_mixtral, sglang_qwen3_moe, vllm_mixtral, vllm_qwen3_moe
+
+    p2l = np.zeros((2, 8), np.int64)
+    for sgl, vllm in ((sglang_qwen3_moe, vllm_qwen3_moe), (sglang_mixtral, vllm_mixtral)):
+        a = sgl(2, range(4), tp=2, ep=4, phy2log=p2l, dtype="bfloat16", quant="fp8")
+        b = vllm(2, range(4), tp=2, ep=4, phy2log=p2l, dtype="bfloat16", quant="fp8")
+        assert a.tensors == b.tensors
+    names = {t.name for t in sglang_mixtral(1, range(2), tp=2, phy2log=p2l).tensors}
+    assert {
+        "model.layers.0.block_sparse_moe.gate.weight",
+        "model.layers.0.block_sparse_moe.experts.w13_weight",
+        "model.layers.0.self_attn.qkv_proj.weight",
+    } <= names
+
+
+def test_fp8_layouts_quantize_linear_layers_and_experts_only():
+    """vLLM's and sglang's Fp8Config quantize LinearBase layers and FusedMoE; the routers are
+    built with quant_config=None, embeddings / lm_head are not LinearBase, norms and the
+    router's bias are not weights of a linear layer."""
+    from moeshard.plan.engines import vllm_deepseek_v3, vllm_qwen3_moe
+
+    lay = vllm_deepseek_v3(2, range(2), tp=2, first_k_dense=1, phy2log=np.zeros((1, 8), np.int64), quant="fp8")
+    quant = {t.name.split(".", 3)[-1] if t.group >= 0 else t.name for t in lay.tensors if t.quant}
+    assert quant == {
+        "self_attn.fused_qkv_a_proj.weight",
+        "self_attn.q_b_proj.weight",
+        "self_attn.kv_b_proj.weight",
+        "self_attn.o_proj.weight",
+        "mlp.gate_up_proj.weight",
+        "mlp.down_proj.weight",
+        "mlp.experts.w13_weight",
+        "mlp.experts.w2_weight",
+        "mlp.shared_experts.gate_up_proj.weight",
+        "mlp.shared_experts.down_proj.weight",
+    }
+    assert all(t.quant == "fp8_block" and t.block == (128, 128) for t in lay.tensors if t.quant)
+    w13 = next(t for t in lay.tensors if t.name.endswith("w13_weight"))
+    assert w13.scale_name == "model.layers.1.mlp.experts.w13_weight_scale_inv"
+    lay = vllm_qwen3_moe(1, range(2), tp=2, phy2log=np.zeros((1, 8), np.int64), quant="fp8", scale_suffix="_scale")
+    assert {t.name.split(".", 3)[-1] for t in lay.tensors if t.quant} == {
+        "self_attn.qkv_proj.weight",
+        "self_attn.o_proj.weight",
+        "mlp.experts.w13_weight",
+        "mlp.experts.w2_weight",
+    }
+    assert next(t for t in lay.tensors if t.quant).scale_name.endswith(".weight_scale")
+    with pytest.raises(ValueError, match="quant='int8'"):
+        vllm_qwen3_moe(1, range(2), tp=2, phy2log=np.zeros((1, 8), np.int64), quant="int8")
+
+
+@pytest.mark.parametrize(
+    "block, tp, ep, match",
+    [
+        ((8, 8), 2, 1, None),  # every TP part and every fused part whole blocks of 8
+        ((8, 8), 2, 2, None),
+        # q_a_proj's 24 rows are not whole blocks of 16: fused_qkv_a's blocks straddle q_a / kv_a
+        ((16, 8), 1, 1, r"fused_qkv_a_proj_with_mqa.weight: segment .*q_a_proj.weight has 24 along dim 0 \(it\)"),
+        # q_b_proj column-parallel: 16 rows per rank, not whole blocks of 24
+        ((24, 8), 2, 2, r"q_b_proj.weight: segment .* has 16 along dim 0 \(its part on each of tp=2 ranks\)"),
+        # o_proj row-parallel: 16 columns per rank, not whole blocks of 32
+        ((8, 32), 2, 2, r"o_proj.weight: segment .* has 16 along dim 1 \(its part on each of tp=2 ranks\)"),
+        # experts TP-split (ep=1): down_proj's I=16 -> 8 columns per rank, not whole blocks of 16
+        ((8, 16), 2, 1, r"experts.w2_weight: segment .* has 8 along dim 1"),
+    ],
+)
+def test_block_fp8_refuses_blocks_that_straddle_tp_ranks_or_segments(block, tp, ep, match):
+    from moeshard.plan.engines import sglang_deepseek_v3
+
+    lay = sglang_deepseek_v3(
+        2, range(2), tp=tp, ep=ep, first_k_dense=1, phy2log=np.zeros((1, 8), np.int64), quant="fp8", block=block
+    )
+    if match is None:
+        engine_needs(lay, DSV3_INFO, 2)
+        return
+    with pytest.raises(ValueError, match=match):
+        engine_needs(lay, DSV3_INFO, 2)
+
+
+def test_block_fp8_allows_a_partial_last_part_of_a_replicated_fusion():
+    """fused_qkv_a is not TP-split: its last part (kv_a, 20 rows) may end in a partial block
+    (DeepSeek-V3's 576 rows in 128-blocks); the same rows split over TP must be whole blocks."""
+    t = EngineTensor("f", (Segment("q"), Segment("k")), quant="fp8_block", block=(8, 4))
+    engine_needs(EngineLayout((t,), ranks=(0, 1), tp=2), INFO, 2)  # q 8 rows, k 4: k is last
+    t = EngineTensor("f", (Segment("q"), Segment("k")), shard_dim=0, quant="fp8_block", block=(4, 4))
+    with pytest.raises(ValueError, match="segment k has 2 along dim 0"):
+        engine_needs(EngineLayout((t,), ranks=(0, 1), tp=2), INFO, 2)
+    t = EngineTensor("f", (Segment("gu"),), moe_layer=0, quant="fp8_block", block=(4, 4))
+    with pytest.raises(ValueError, match="2-D"):
+        engine_needs(
+            EngineLayout((t,), ranks=(0,), phy2log=np.array([[0]])),
+            UnitInfo(shapes={"gu": (6, 4, 2)}, dtypes={"gu": "float32"}, experts=frozenset({"gu"}), num_logical=1),
+            3,
+        )
