@@ -462,6 +462,8 @@ def test_sglang_block_fp8_refit_equals_one_process_quantization(runs, family):
     assert [o["loose"] for o in outs] == [[]] * WORLD
     assert outs[0]["quantized"] > 0
     reps = [o["rep"] for o in outs]
-    # Boxes travel in bf16 (the staging dtype, narrower than the float32 trainer's).
     assert sum(r.bytes_sent_rank for r in reps) == reps[0].peer_bytes > 0
+    # Boxes travel in bf16, the staging dtype: the same bytes as the bf16 refit of the same boxes
+    # (vLLM's names, the same TP, DP and placement), half the float32 trainer's.
+    assert reps[0].peer_bytes == runs[0][family]["colocated"]["tp_bf16"]["rep"].peer_bytes
     assert sum(r.verified_boxes_rank for r in reps) > 0  # the unquantized tensors' boxes

@@ -308,9 +308,10 @@ def _install(plan: RefitPlan, layout: EngineLayout, ready: _Ready, rank: int, wi
                 if group_of[j] == g:
                     # Rows the engine pads (vocabulary) are never written: keep the engine's.
                     x = ready.dst[j]
-                    stage[j] = x.clone() if t.pad_to > 1 else torch.empty_like(x)
                     if t.quant is not None:  # staged in float, quantized whole once it arrived
                         stage[j] = engine_quant.staging(x, getattr(torch, plan.needs.dtypes[j]))
+                    else:
+                        stage[j] = x.clone() if t.pad_to > 1 else torch.empty_like(x)
         source = _TrainerShards(p, ready.shards, rank, wire)
 
         def run(p=p, stage=stage, source=source):
