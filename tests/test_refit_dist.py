@@ -346,7 +346,29 @@ def _sglang_fp8(family: str, model, pl, rank: int) -> dict:
         err = (got.float() * s - x32).abs()
         if not bool((err <= (x32.abs() * (2.0**-4 + 2.0**-8) + s * 2.0**-10)).all()) or not err.max() > 0:
             loose.append(t.name)
-    return dict(bad=bad, loose=loose, rep=rep, quantized=sum(t.quant is not None for t in lay.tensors))
+    # Bad engine tensors on one rank raise on every rank before anything is written: a missing
+    # scale on rank 2, a bf16 tensor where the layout says block FP8 on rank 1.
+    errors = {}
+    before = {k: v.clone() for k, v in dst.items()}
+    o = "model.layers.1.self_attn.o_proj.weight"
+    for case, bad_rank, broken in (
+        ("no_scale", 2, {k: v for k, v in dst.items() if k != o + "_scale_inv"}),
+        ("bf16", 1, {**dst, o: dst[o].to(torch.bfloat16)}),
+    ):
+        try:
+            moeshard.refit(model, broken if rank == bad_rank else dst, lay)
+            errors[case] = None
+        except moeshard.DistributedError as e:
+            errors[case] = str(e)
+    unchanged = all(torch.equal(v.view(torch.uint8), before[k].view(torch.uint8)) for k, v in dst.items())
+    return dict(
+        bad=bad,
+        loose=loose,
+        rep=rep,
+        quantized=sum(t.quant is not None for t in lay.tensors),
+        errors=errors,
+        unchanged=unchanged,
+    )
 
 
 def _disjoint(family: str, ckpt: str, trainer_group, mesh) -> dict:
@@ -467,3 +489,12 @@ def test_sglang_block_fp8_refit_equals_one_process_quantization(runs, family):
     # (vLLM's names, the same TP, DP and placement), half the float32 trainer's.
     assert reps[0].peer_bytes == runs[0][family]["colocated"]["tp_bf16"]["rep"].peer_bytes
     assert sum(r.verified_boxes_rank for r in reps) > 0  # the unquantized tensors' boxes
+
+
+@pytest.mark.parametrize("family", tiny_hf.MATRIX)
+def test_bad_block_fp8_engine_tensors_raise_on_every_rank(runs, family):
+    outs = [r[family]["colocated"]["sglang_fp8"] for r in runs]
+    o = "model.layers.1.self_attn.o_proj.weight"
+    assert all(f"lacks engine tensor {o}_scale_inv" in x["errors"]["no_scale"] for x in outs)
+    assert all(f"{o}: [32, 16] torch.bfloat16 here" in x["errors"]["bf16"] for x in outs)
+    assert all(x["unchanged"] for x in outs)

@@ -204,7 +204,8 @@ def refit(
             on a trainer rank; None on an engine-only rank. Only read.
         dst_tensors: on an engine rank, ``{engine tensor name: local tensor}`` for every tensor
             of ``layout`` (its local shape and dtype: an expert tensor ``[num_local_slots,
-            *slice]``); None elsewhere. Written in place, one install group at a time.
+            *slice]``; a block-FP8 one ``float8_e4m3fn`` and its float32 scale under its
+            ``scale_name``); None elsewhere. Written in place, one install group at a time.
         layout: the engine's tensors, ranks and placement (the same on every rank; the
             placement is the engine's current one, e.g. after an EPLB rebalance).
         verify: after the writes, compare a digest of every delivered box with the digest of
