@@ -42,10 +42,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
+@pytest.mark.parametrize("shape", [(37, 50), (32, 64)])  # partial edge blocks, whole blocks
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block", [(16, 16), (8, 32), (128, 128)])
-def test_block_fp8_equals_vllms_formula(dtype, block):
-    w = _weights(dtype)
+def test_block_fp8_equals_vllms_formula(shape, dtype, block):
+    w = _weights(dtype, shape)
     q, s = engine_quant.block_fp8(w, block)
     rq, rs = _reference(w, block)
     assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32

@@ -45,19 +45,32 @@ def block_fp8(w: torch.Tensor, block: Sequence[int]) -> tuple[torch.Tensor, torc
 
     Returns ``(values, scale)``: ``float8_e4m3fn`` ``[..., R, C]`` and float32 ``[...,
     ceil(R / bR), ceil(C / bC)]`` with ``w ~= values * scale`` (block-wise), bit for bit vLLM's
-    ``per_block_cast_to_fp8`` of every ``[R, C]`` matrix of ``w``."""
+    ``per_block_cast_to_fp8`` of every ``[R, C]`` matrix of ``w``. Temporaries: one matrix at a
+    time (float32, padded to whole blocks)."""
     if w.dim() < 2 or not w.is_floating_point():
         raise ValueError(f"block_fp8: expected a float tensor [..., R, C], got {w.dtype} {list(w.shape)}")
-    *lead, r, c = w.shape
-    br, bc = int(block[0]), int(block[1])
+    values = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+    scale = torch.empty(scale_shape(w.shape, block), dtype=torch.float32, device=w.device)
+    flat_w, flat_v, flat_s = (x.reshape(-1, *x.shape[-2:]) for x in (w, values, scale))
+    for i in range(flat_w.shape[0]):
+        flat_v[i], flat_s[i] = _matrix(flat_w[i], int(block[0]), int(block[1]))
+    return values, scale
+
+
+def _matrix(w: torch.Tensor, br: int, bc: int) -> tuple[torch.Tensor, torch.Tensor]:
+    r, c = w.shape
     nr, nc = -(-r // br), -(-c // bc)
-    padded = w.new_zeros((*lead, nr * br, nc * bc))
-    padded[..., :r, :c] = w
-    blocks = padded.view(*lead, nr, br, nc, bc)
-    amax = blocks.abs().float().amax(dim=(-3, -1), keepdim=True).clamp(min=AMAX_FLOOR)
+    if r % br or c % bc:
+        padded = w.new_zeros((nr * br, nc * bc))  # zeros leave every block's amax as it is
+        padded[:r, :c] = w
+    else:
+        padded = w.contiguous()
+    blocks = padded.view(nr, br, nc, bc)
+    # |x| and max are exact in any float dtype: the amax of the float32 values, as vLLM's.
+    amax = blocks.abs().amax(dim=(1, 3), keepdim=True).float().clamp(min=AMAX_FLOOR)
     scale = amax / FP8_MAX
     values = (blocks * (1.0 / scale)).to(torch.float8_e4m3fn)
-    return values.view(*lead, nr * br, nc * bc)[..., :r, :c].contiguous(), scale.view(*lead, nr, nc)
+    return values.view(nr * br, nc * bc)[:r, :c], scale.view(nr, nc)
 
 
 class Quantized(NamedTuple):
