@@ -29,12 +29,13 @@ from .. import collectives
 from ..execute import LocalTensors, Source, TensorSink, execute_schedule
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
 from ..models.describe import local_tensor
+from ..models.shards import shard_boxes
 from ..plan import DEFAULT_MAX_OPS, DEFAULT_STAGING_BYTES
 from ..plan.refit import EngineLayout, RefitPlan, UnitInfo, plan_refit
-from ..plan.reshard import ReshardPlan
+from ..plan.reshard import BoxRows, ReshardPlan
 from ..topology import Topology
 from .report import OpReport, Phases
-from .reshard import ShardLayout, UnitIndex, box_rows, describe_shards
+from .reshard import ShardLayout, describe_shards
 from .skeleton import group_topology, named_tensors
 
 __all__ = ["RefitReport", "RefitVerifyError", "refit", "plan_for"]
@@ -83,6 +84,54 @@ def _unit_info(shared: ShardLayout) -> UnitInfo:
     return UnitInfo(shapes, dtypes, frozenset(experts), shared.num_logical)
 
 
+def _holdings(shared: ShardLayout, trainers: Sequence[int], info: UnitInfo, width: int) -> BoxRows:
+    """The trainer ranks' boxes of every unit (ids: ``info.unit_base()``), from the layout's
+    arithmetic (each tensor's shard boxes, on the ranks of ``trainers``)."""
+    i64 = np.int64
+    base = info.unit_base()
+    is_trainer = np.zeros(shared.world_size, bool)
+    is_trainer[np.asarray(trainers, i64)] = True
+    parts = []
+    for j, t in enumerate(shared.tensors):
+        nd = len(t.shape)
+        if t.mesh is None:
+            ranks = np.arange(shared.world_size, dtype=i64)
+            boxes = np.broadcast_to(np.stack([np.zeros(nd, i64), np.asarray(t.shape, i64)], -1), (len(ranks), nd, 2))
+        else:
+            ranks = np.asarray(t.mesh, i64).reshape(-1)
+            boxes = shard_boxes(t.shape, t.mesh.shape, t.placements)
+        keep = is_trainer[ranks] & (boxes[:, :, 1] > 0).all(axis=1)
+        r, box = ranks[keep], boxes[keep]
+        if t.layer < 0:
+            parts.append(
+                (
+                    np.full(len(r), base[t.name], i64),
+                    r,
+                    np.full(len(r), j, i64),
+                    np.full(len(r), -1, i64),
+                    box[:, :, 0],
+                    box[:, :, 1],
+                )
+            )
+            continue
+        n = box[:, 0, 1]  # local slots of each rank's box, in rank then slot order
+        row = np.repeat(np.arange(len(r)), n)
+        k = np.arange(len(row), dtype=i64) - np.repeat(np.cumsum(n) - n, n)
+        e = shared.phy2log[t.layer, box[row, 0, 0] + k].astype(i64)
+        on = e >= 0
+        row, k, e = row[on], k[on], e[on]
+        parts.append((base[t.name] + e, r[row], np.full(len(row), j, i64), k, box[row, 1:, 0], box[row, 1:, 1]))
+    n = sum(len(p[0]) for p in parts)
+    off, ln = np.zeros((n, width), i64), np.ones((n, width), i64)
+    at = 0
+    for p in parts:
+        m, nd = len(p[0]), p[4].shape[1]
+        off[at : at + m, :nd], ln[at : at + m, :nd] = p[4], p[5]
+        at += m
+    cols = [np.concatenate([p[c] for p in parts]).astype(i64) if parts else np.zeros(0, i64) for c in range(4)]
+    return BoxRows(*cols, off, ln, np.zeros((n, width), i64))
+
+
 def plan_for(
     shared: ShardLayout,
     trainers: Sequence[int],
@@ -90,24 +139,23 @@ def plan_for(
     topology: Topology,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     max_ops: int = DEFAULT_MAX_OPS,
+    rank: int | None = None,
 ) -> RefitPlan:
-    """Local and pure (torch only for dtype sizes): the refit plan from a trainer layout
-    (:func:`~moeshard.ops.reshard.describe_shards`, any rank's) held by refit-group ranks
-    ``trainers`` (the trainer's ranks are the refit group's) to ``layout``."""
+    """Local and pure (torch only for dtype sizes): rank ``rank``'s refit plan (default:
+    ``topology.rank``) from a trainer layout (:func:`~moeshard.ops.reshard.describe_shards`,
+    any rank's) held by refit-group ranks ``trainers`` (the trainer's ranks are the refit
+    group's) to ``layout``."""
     world = topology.world_size
     if shared.world_size != world:
         raise ValueError(f"the trainer's layout is of {shared.world_size} ranks, the refit group has {world}")
     if max(layout.ranks) >= world or min(layout.ranks) < 0:
         raise ValueError(f"engine ranks {list(layout.ranks)} outside the refit group's {world} ranks")
-    rank_map = np.full(world, -1, np.int64)
-    rank_map[np.asarray(trainers, np.int64)] = np.asarray(trainers, np.int64)
     info = _unit_info(shared)
     width = max([len(t.shape) for t in shared.tensors] + [1])
-    units = UnitIndex()
-    holds = box_rows(shared.tensors, shared.phy2log, world, rank_map, units, width)
-    table = units.units()
-    sizes = _itemsizes([*units.dtype, *(t.dtype for t in layout.tensors if t.dtype)])
-    return plan_refit(layout, info, holds, table, list(units.dtype), sizes, topology, staging_bytes, max_ops)
+    holds = _holdings(shared, trainers, info, width)
+    sizes = _itemsizes([*info.dtypes.values(), *(t.dtype for t in layout.tensors if t.dtype)])
+    me = topology.rank if rank is None else rank
+    return plan_refit(layout, info, holds, sizes, topology, staging_bytes, max_ops, me)
 
 
 # The last plan, by what it is a function of (the trainer's and engine's layouts, the ranks, the
@@ -131,6 +179,20 @@ class _TrainerShards(Source):
 
     def dtype(self, pid: int) -> torch.dtype:
         return self.wire[int(self.s.pieces.key[pid])]
+
+
+def _check_pairs(shares: Sequence[tuple]) -> None:
+    """Every rank's ``(fingerprint, check, ...)``: ValueError unless the fingerprints are
+    equal and the checks sum to 0 mod 2**64."""
+    fps = [s[0] for s in shares]
+    if len(set(fps)) != 1:
+        by = ", ".join(f"rank {r}: {f}" for r, f in enumerate(fps))
+        raise ValueError(f"ranks planned from different inputs (fingerprints {by})")
+    if sum(s[1] for s in shares) % 2**64:
+        raise ValueError(
+            "the senders' and receivers' plans of some transfers differ (the pair check does not sum to 0): "
+            "every rank must run the same moeshard and describe the layouts alike"
+        )
 
 
 @dataclass(frozen=True)
@@ -242,17 +304,28 @@ def refit(
 
     def make_plan():
         topo = group_topology(topology, group)
-        key = (shared.digest(), tuple(trainers), layout.digest(), topo.with_rank(0), staging_bytes, max_ops)
+        key = (shared.digest(), tuple(trainers), layout.digest(), topo, staging_bytes, max_ops)
         plan = _PLANS.get(key)
         if plan is None:
-            plan = plan_for(shared, trainers, layout, topo, staging_bytes, max_ops)
+            plan = plan_for(shared, trainers, layout, topo, staging_bytes, max_ops, rank)
             _PLANS.clear()  # one plan kept: an RL loop refits the same layouts step after step
             _PLANS[key] = plan
         if ready.dst is not None:
             _check_dst(plan, layout, ready.dst)
         return plan
 
-    plan = collectives.agree(make_plan, "moeshard.refit: planning", fingerprint=lambda p: p.fingerprint)
+    # Each rank plans its own transfers: the ranks agree that they planned from the same inputs
+    # (the fingerprint) and that the two ends of every transfer planned it alike (the pair
+    # check's terms sum to 0), in one exchange, before any data moves.
+    gathered = collectives.agree_and_gather(
+        make_plan,
+        "moeshard.refit: planning",
+        share=lambda p: (p.fingerprint, p.check, p.sent_bytes, p.copy_bytes),
+    )
+    plan, shares = gathered.result, gathered.shares
+    collectives.unanimous(lambda: _check_pairs(shares), "moeshard.refit: planning")
+    peer_bytes = sum(s[2] for s in shares)
+    copy_bytes = sum(s[3] for s in shares)
     t_plan = phases.end("plan") - t0
     wire = [getattr(torch, d) for d in plan.wire_dtypes]
     sent, received, peak, installed = _install(plan, layout, ready, rank, wire, device)
@@ -267,14 +340,14 @@ def refit(
         wall_seconds=time.perf_counter() - t0,
         plan_seconds=t_plan,
         fingerprint=plan.fingerprint,
-        plan={"peer_bytes": plan.peer_bytes, "copy_bytes": plan.copy_bytes, "groups": len(plan.groups)},
+        plan={"peer_bytes": peer_bytes, "copy_bytes": copy_bytes, "groups": len(plan.groups)},
         bytes_sent_rank=sent,
         bytes_received_rank=received,
         peak_staging_bytes_rank=peak,
         phase_seconds=phases.seconds,
         phase_cpu_seconds=phases.cpu_seconds,
-        peer_bytes=plan.peer_bytes,
-        copy_bytes=plan.copy_bytes,
+        peer_bytes=peer_bytes,
+        copy_bytes=copy_bytes,
         groups=len(plan.groups),
         engine_tensors_rank=installed,
         verified_boxes_rank=checked,
@@ -336,12 +409,18 @@ def digest(t: torch.Tensor) -> int:
     return int((x * w).sum())
 
 
+def _box_key(s, pid: int) -> tuple:
+    """A piece as both ends of its transfer name it: its unit and box (piece numbers are each
+    rank's own)."""
+    return (int(s.pieces.key[pid]), s.piece_box(pid))
+
+
 def _verify(plan: RefitPlan, layout: EngineLayout, ready: _Ready, rank: int, wire) -> int:
     """Collective: every delivery's digest at its source (the trainer's box, cast to the
     engine tensor's dtype) against the engine's installed box; :class:`RefitVerifyError` on
     every rank naming the first box that differs. Returns the boxes this rank checked."""
     eng_dtypes = [getattr(torch, d) for d in plan.needs.dtypes]
-    mine: dict[tuple[int, int, int], int] = {}  # (plan, receiver, piece) -> digest at the source
+    mine: dict[tuple, int] = {}  # (plan, receiver, unit and box) -> digest at the source
     for gi, p in enumerate(plan.plans):
         s = p.schedule
         if not ready.shards:
@@ -349,16 +428,16 @@ def _verify(plan: RefitPlan, layout: EngineLayout, ready: _Ready, rank: int, wir
         local = LocalTensors(s, ready.shards, rank)
         dl = s.deliveries
         first_param = {}
-        for pid, r, j in zip(dl.piece.tolist(), dl.rank.tolist(), dl.param.tolist()):
-            first_param.setdefault((pid, r), j)
+        for pid, j in zip(dl.piece.tolist(), dl.param.tolist()):
+            first_param.setdefault(pid, j)
         for row in np.flatnonzero(s.sends.src == rank).tolist():
             pid, dst, v = int(s.sends.piece[row]), int(s.sends.dst[row]), int(s.sends.view[row])
-            dt = eng_dtypes[first_param[(pid, dst)]]
-            mine[(gi, dst, pid)] = digest(local.view(v, pid).to(dt))
+            dt = eng_dtypes[int(plan.send_params[gi][row])]
+            mine[(gi, dst, _box_key(s, pid))] = digest(local.view(v, pid).to(dt))
         for c in np.flatnonzero(s.views.rank[s.copies.view] == rank).tolist():
             pid, v = int(s.copies.piece[c]), int(s.copies.view[c])
-            dt = eng_dtypes[first_param[(pid, rank)]]
-            mine[(gi, rank, pid)] = digest(local.view(v, pid).to(dt))
+            dt = eng_dtypes[first_param[pid]]
+            mine[(gi, rank, _box_key(s, pid))] = digest(local.view(v, pid).to(dt))
     every = collectives.all_gather_object(mine, what="moeshard.refit: verify digests")
     source = {}
     for d in every:
@@ -376,7 +455,7 @@ def _verify(plan: RefitPlan, layout: EngineLayout, ready: _Ready, rank: int, wir
                 pid = int(s.deliveries.piece[row])
                 got = digest(sink.target(row))
                 checked += 1
-                want = source.get((gi, rank, pid))
+                want = source.get((gi, rank, _box_key(s, pid)))
                 if want != got:
                     j = int(s.deliveries.param[row])
                     unit = s.keys[int(s.pieces.key[pid])]

@@ -24,13 +24,14 @@ Pure and torch-free.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..topology import Topology
-from .reshard import BoxRows, ReshardPlan, Units, plan_reshard
+from .pairs import pair_rounds, plan_transfers_of, rank_schedule
+from .reshard import BoxRows, ReshardPlan, StorageCells
 
 __all__ = ["Segment", "EngineTensor", "EngineLayout", "UnitInfo", "EngineNeeds", "engine_needs", "plan_refit"]
 
@@ -162,12 +163,42 @@ class UnitInfo:
     experts: frozenset[str]
     num_logical: int
 
+    def unit_base(self) -> dict[str, int]:
+        """``{name: id}`` of the units in their one numbering (every rank's alike): the
+        tensors in ``shapes`` order, a dense one one unit, an expert parameter
+        ``num_logical`` units (expert ``e``: ``id + e``)."""
+        out, at = {}, 0
+        for name in self.shapes:
+            out[name] = at
+            at += self.num_logical if name in self.experts else 1
+        return out
+
+    def unit_keys(self) -> tuple[str, ...]:
+        """The units' keys in id order (``"<parameter>[<expert>]"`` for an expert's)."""
+        keys: list[str] = []
+        for name in self.shapes:
+            if name in self.experts:
+                keys.extend(f"{name}[{e}]" for e in range(self.num_logical))
+            else:
+                keys.append(name)
+        return tuple(keys)
+
+    def unit_columns(self) -> tuple[np.ndarray, list[str]]:
+        """``(ndim int64[U], dtype name of each unit)`` in id order."""
+        ndim, dtypes = [], []
+        for name, shape in self.shapes.items():
+            n = self.num_logical if name in self.experts else 1
+            ndim += [len(shape)] * n
+            dtypes += [self.dtypes[name]] * n
+        return np.asarray(ndim, np.int64), dtypes
+
 
 @dataclass(frozen=True)
 class EngineNeeds:
     """The need rows of an engine layout (``N`` rows, ``D`` padded dims; :class:`BoxRows` over
-    unit ids, ``param`` = the engine tensor's index in ``layout.tensors``, ``slot`` its local
-    slot or -1), the unit keys in id order, and every engine tensor's local shape and dtype."""
+    unit ids (:meth:`UnitInfo.unit_base`), ``param`` = the engine tensor's index in
+    ``layout.tensors``, ``slot`` its local slot or -1), the unit keys in id order, and every
+    engine tensor's local shape and dtype."""
 
     rows: BoxRows
     keys: tuple[str, ...]
@@ -199,8 +230,7 @@ def engine_needs(layout: EngineLayout, info: UnitInfo, width: int) -> EngineNeed
     dims (at least every unit's). Raises ValueError naming the tensor for a segment the trainer
     lacks, shapes that do not concatenate, or a split that is not even."""
     i64 = np.int64
-    ids: dict[str, int] = {}
-    ndims: list[int] = []
+    ids = info.unit_base()
     n_eng = len(layout.ranks)
     eng_ranks = np.asarray(layout.ranks, i64)
     tp_rank = np.arange(n_eng, dtype=i64) % layout.tp
@@ -208,13 +238,6 @@ def engine_needs(layout: EngineLayout, info: UnitInfo, width: int) -> EngineNeed
     spr = layout.slots_per_rank
     cols: list[tuple[np.ndarray, ...]] = []
     shapes, dtypes = [], []
-
-    def uid(key: str, nd: int) -> int:
-        u = ids.get(key)
-        if u is None:
-            u = ids[key] = len(ndims)
-            ndims.append(nd)
-        return u
 
     for j, t in enumerate(layout.tensors):
         segs = [_seg_shape(t, s, info) for s in t.segments]
@@ -260,7 +283,7 @@ def engine_needs(layout: EngineLayout, info: UnitInfo, width: int) -> EngineNeed
             cat_at += seg_len
             if t.moe_layer < 0:
                 keep = (base_len > 0).all(axis=1)
-                u = uid(s.source, nd)
+                u = ids[s.source]
                 m = int(keep.sum())
                 cols.append(
                     (
@@ -293,8 +316,9 @@ def engine_needs(layout: EngineLayout, info: UnitInfo, width: int) -> EngineNeed
                 )
             keep = (base_len[er] > 0).all(axis=1)
             er, slot, e = er[keep], slot[keep], e[keep]
-            uids = np.asarray([uid(f"{s.source}[{x}]", nd) for x in range(info.num_logical)], i64)
-            cols.append((uids[e], eng_ranks[er], np.full(len(er), j, i64), slot, base_off[er], base_len[er], dst[er]))
+            cols.append(
+                (ids[s.source] + e, eng_ranks[er], np.full(len(er), j, i64), slot, base_off[er], base_len[er], dst[er])
+            )
         local[t.cat_dim] = cat_at
         lead = [(len(p2l[t.moe_layer]) if layout.ep == 1 else spr)] if t.moe_layer >= 0 else []
         shapes.append(tuple(lead + local))
@@ -311,30 +335,42 @@ def engine_needs(layout: EngineLayout, info: UnitInfo, width: int) -> EngineNeed
         return np.concatenate([c[i] for c in cols]).astype(i64) if cols else np.zeros(0, i64)
 
     rows = BoxRows(col(0), col(1), col(2), col(3), off, ln, dst)
-    return EngineNeeds(rows, tuple(ids), tuple(shapes), tuple(dtypes))
+    return EngineNeeds(rows, info.unit_keys(), tuple(shapes), tuple(dtypes))
 
 
 @dataclass(frozen=True, eq=False)
 class RefitPlan:
-    """A refit's plan per install group (the same on every rank).
+    """One rank's refit plan, per install group (:func:`plan_refit`).
 
     Args:
         groups: the install groups in order (-1 first, then ascending).
-        plans: a :class:`~moeshard.plan.reshard.ReshardPlan` per group (units: the holdings'),
-            run one after another.
-        needs: the layout's :class:`EngineNeeds` (unit ids: the holdings').
+        plans: a :class:`~moeshard.plan.reshard.ReshardPlan` per group, run one after another:
+            its ``schedule`` holds only the rows this rank takes part in.
+        needs: the layout's :class:`EngineNeeds` (the engine tensors' local shapes and dtypes;
+            ``rows``: the need rows this rank planned from).
         wire_dtypes: per unit, the dtype name its pieces travel in: the engine tensor's where it
             is no wider than the trainer's (a cast before sending), else the trainer's.
-        peer_bytes, copy_bytes: job-wide bytes sent between ranks and copied within a rank (in
-            the wire dtypes).
+        rank: the rank planned for.
+        sent_bytes, copy_bytes: bytes this rank sends to other ranks and copies within itself
+            (in the wire dtypes; summed over the ranks: the job's).
+        check: this rank's term of the pair check (:class:`~moeshard.plan.pairs.RankPart`):
+            the ranks' terms sum to 0 mod 2**64 when the two ends of every transfer planned it
+            alike.
+        send_params: per group, ``int64[S]`` the receiver's engine tensor of each send row of
+            its schedule (-1: a row this rank receives).
+        fingerprint: a digest of the inputs every rank plans from alike (the layouts, the
+            trainer's holdings, the topology and budgets, the engine tensors' local shapes).
     """
 
     groups: tuple[int, ...]
     plans: tuple[ReshardPlan, ...]
     needs: EngineNeeds
     wire_dtypes: tuple[str, ...]
-    peer_bytes: int
+    rank: int
+    sent_bytes: int
     copy_bytes: int
+    check: int
+    send_params: tuple[np.ndarray, ...] = ()
     fingerprint: str = field(default="")
 
 
@@ -354,88 +390,111 @@ def _check_inside(layout: EngineLayout, needs: EngineNeeds) -> None:
     assert not bad.any(), f"engine tensor {layout.tensors[int(rows.param[bad][0])].name}: a need row outside its shape"
 
 
+def _wire_dtypes(layout: EngineLayout, info: UnitInfo, itemsize: Mapping[str, int]) -> list[str]:
+    """Per unit (id order), the dtype it travels in: the one engine dtype its tensors take where
+    it is no wider than the trainer's, else the trainer's."""
+    base = info.unit_base()
+    want: dict[str, set[str]] = {}
+    for t in layout.tensors:
+        for sg in t.segments:
+            want.setdefault(sg.source, set()).add(t.dtype or info.dtypes[sg.source])
+    out: list[str] = []
+    for name in base:
+        have = info.dtypes[name]
+        w = want.get(name, set())
+        d = next(iter(w)) if len(w) == 1 and itemsize[next(iter(w))] <= itemsize[have] else have
+        out += [d] * (info.num_logical if name in info.experts else 1)
+    return out
+
+
 def plan_refit(
     layout: EngineLayout,
     info: UnitInfo,
     holds: BoxRows,
-    units: Units,
-    hold_dtypes: Sequence[str],
     itemsize: Mapping[str, int],
     topology: Topology,
     staging_bytes: int,
     max_ops: int,
+    rank: int,
 ) -> RefitPlan:
-    """Plan a refit (pure, deterministic; every rank of the refit group computes the same).
+    """Plan rank ``rank``'s part of a refit (pure, deterministic; :mod:`moeshard.plan.pairs`):
+    the transfers it sends, receives or copies, per install group, from its own need rows,
+    the holdings of the units it needs, and the other engine ranks' needs of the units it
+    holds. Every rank calls it with the same arguments but ``rank``.
 
     Args:
         layout: the engine's tensors (its ranks are ``topology``'s).
         info: the trainer's logical tensors.
-        holds: the trainer ranks' live holdings over ``units`` (``param`` indexes each trainer
-            rank's local tensors).
-        units: the holdings' units (``U``); ``hold_dtypes`` their dtype names in the trainer.
+        holds: the trainer ranks' live holdings over the units of ``info`` (ids:
+            :meth:`UnitInfo.unit_base`; ``param`` indexes each trainer rank's local tensors);
+            rows of units this rank neither needs nor holds are not read.
         itemsize: bytes per element of every dtype name involved.
-        topology, staging_bytes, max_ops: as :func:`~moeshard.plan.reshard.plan_reshard`'s.
+        topology: the refit group's ranks and nodes.
+        staging_bytes, max_ops: as :func:`~moeshard.plan.reshard.plan_reshard`'s.
+        rank: the rank to plan for.
 
-    Raises ValueError for a layout the trainer's tensors do not fit, or a box no trainer rank
-    holds."""
+    Raises ValueError for a layout the trainer's tensors do not fit, for a box of this rank's
+    needs no trainer rank holds, or for budgets below 1 byte or 2 ops."""
+    if staging_bytes < 1 or max_ops < 2:
+        raise ValueError(f"staging_bytes must be >= 1 and max_ops >= 2, got {staging_bytes}, {max_ops}")
     width = holds.off.shape[1]
     needs = engine_needs(layout, info, width)
-    # Re-key the needs onto the holdings' unit ids.
-    at = {k: i for i, k in enumerate(units.keys)}
-    missing = [k for k in needs.keys if k not in at]
-    if missing:
-        raise ValueError(f"no trainer rank holds {missing[0]} (needed by the engine layout)")
-    remap = np.asarray([at[k] for k in needs.keys], np.int64)
+    _check_inside(layout, needs)
     rows = needs.rows
-    unit = remap[rows.unit] if len(rows.unit) else rows.unit
-    needs = EngineNeeds(
-        BoxRows(unit, rows.rank, rows.param, rows.slot, rows.off, rows.len, rows.local),
-        tuple(units.keys),
-        needs.local_shapes,
-        needs.dtypes,
-    )
-    rows = needs.rows
-    # The wire dtype of each unit: the engine's where it is no wider (one cast, at the sender).
-    wire = list(hold_dtypes)
-    seen: dict[int, str] = {}
-    for u, j in zip(rows.unit.tolist(), rows.param.tolist()):
-        d = needs.dtypes[j]
-        if seen.setdefault(u, d) != d:
-            wire[u] = hold_dtypes[u]  # needed in two dtypes: sent as the trainer holds it
-            seen[u] = ""
-        elif seen[u] and itemsize[d] <= itemsize[hold_dtypes[u]]:
-            wire[u] = d
-    wire_units = Units(units.keys, units.ndim, np.asarray([itemsize[d] for d in wire], np.int64), units.dense)
+    wire = _wire_dtypes(layout, info, itemsize)
+    ndim, _ = info.unit_columns()
+    wire_size = np.asarray([itemsize[d] for d in wire], np.int64)
+    world = topology.world_size
+    node = np.asarray([topology.node_of(r) for r in range(world)], np.int64)
+    rule = pair_rounds(world, staging_bytes, max_ops)
+    tr = plan_transfers_of(rank, holds, rows, wire_size, node, rule)
+    for bad, what in ((tr.uncovered, "no trainer rank holds all of"), (tr.over, "the trainer's holdings overlap in")):
+        if len(bad):
+            i = int(bad[0])
+            nd = int(ndim[rows.unit[i]])
+            raise ValueError(
+                f"{what} box {rows.off[i, :nd].tolist()} + {rows.len[i, :nd].tolist()} of "
+                f"{needs.keys[int(rows.unit[i])]} (needed by engine tensor {layout.tensors[int(rows.param[i])].name} "
+                f"on rank {rank})"
+            )
+    # What every rank plans from alike: the engine layout, the holdings, the wire dtypes, the
+    # engine tensors' local shapes and dtypes (each rank checks its engine tensors against
+    # them, and its deliveries address them), the topology and the budgets.
+    h = hashlib.sha256(layout.digest().encode())
+    h.update(repr((sorted(info.shapes.items()), sorted(info.dtypes.items()), sorted(info.experts))).encode())
+    h.update(repr((wire, needs.local_shapes, needs.dtypes, staging_bytes, max_ops)).encode())
+    h.update(repr((world, topology.local_world_size, topology.nodes)).encode())
+    for a in (holds.unit, holds.rank, holds.param, holds.slot, holds.off, holds.len, holds.local):
+        h.update(np.ascontiguousarray(a, np.int64).tobytes())
     group_of = np.asarray([t.group for t in layout.tensors], np.int64)
     groups = tuple(sorted(set(group_of.tolist())))
-    _check_inside(layout, needs)
-    plans = []
-    # Everything the ranks act on: the schedules, the wire dtypes, and the engine tensors' local
-    # shapes and dtypes (each rank checks its engine tensors against its own plan's, and its
-    # deliveries address them: ranks that disagree on a shape must fail here, not mid-transfer).
-    h = hashlib.sha256(layout.digest().encode())
-    h.update(repr((wire, needs.local_shapes, needs.dtypes)).encode())
-    peer = copy = 0
-    for g in groups:
-        sel = group_of[rows.param] == g
-        need_g = BoxRows(
-            *(a[sel] for a in (rows.unit, rows.rank, rows.param, rows.slot, rows.off, rows.len, rows.local))
+    t_group = group_of[rows.param[tr.need]]
+    plans, send_params = [], []
+    sent = copied = 0
+    check = 0
+    for gi, g in enumerate(groups):
+        part = rank_schedule(
+            tr,
+            t_group == g,
+            rank,
+            holds,
+            rows,
+            needs.keys,
+            ndim,
+            wire_size,
+            topology,
+            node,
+            rule,
+            staging_bytes,
+            max_ops,
+            gi,
         )
-        used = np.zeros(len(units.keys), bool)
-        used[need_g.unit] = True
-        hs = used[holds.unit]
-        hold_g = BoxRows(
-            *(a[hs] for a in (holds.unit, holds.rank, holds.param, holds.slot, holds.off, holds.len, holds.local))
-        )
-        p = plan_reshard(wire_units, hold_g, need_g, topology, staging_bytes, max_ops)
-        if len(p.storage):
-            i = int(p.storage.unit[0])
-            raise ValueError(
-                f"no trainer rank holds box {p.storage.off[0].tolist()} + {p.storage.len[0].tolist()} of "
-                f"{units.keys[i]} (needed by engine tensor {layout.tensors[int(p.storage.param[0])].name})"
-            )
-        plans.append(p)
-        peer += p.peer_bytes
-        copy += p.copy_bytes
-        h.update(p.fingerprint.encode())
-    return RefitPlan(groups, tuple(plans), needs, tuple(wire), peer, copy, h.hexdigest()[:16])
+        empty = StorageCells(*(np.zeros(0, np.int64),) * 4, *(np.zeros((0, width), np.int64),) * 3)
+        plans.append(ReshardPlan(part.schedule, empty, (), (), part.sent_bytes, part.copy_bytes, 0))
+        send_params.append(part.send_param)
+        sent += part.sent_bytes
+        copied += part.copy_bytes
+        check = (check + part.check) % 2**64
+    return RefitPlan(
+        groups, tuple(plans), needs, tuple(wire), rank, sent, copied, check, tuple(send_params), h.hexdigest()[:16]
+    )
