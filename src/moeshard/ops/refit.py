@@ -91,45 +91,50 @@ def _holdings(shared: ShardLayout, trainers: Sequence[int], info: UnitInfo, widt
     base = info.unit_base()
     is_trainer = np.zeros(shared.world_size, bool)
     is_trainer[np.asarray(trainers, i64)] = True
+    made: dict[tuple, tuple[np.ndarray, ...]] = {}  # tensors sharded alike share their rows
+
+    def rows_of(t) -> tuple[np.ndarray, ...]:
+        key = (t.shape, t.placements, None if t.mesh is None else (t.mesh.shape, t.mesh.tobytes()))
+        got = made.get(key)
+        if got is None:
+            nd = len(t.shape)
+            if t.mesh is None:
+                ranks = np.arange(shared.world_size, dtype=i64)
+                boxes = np.broadcast_to(
+                    np.stack([np.zeros(nd, i64), np.asarray(t.shape, i64)], -1), (len(ranks), nd, 2)
+                )
+            else:
+                ranks = np.asarray(t.mesh, i64).reshape(-1)
+                boxes = shard_boxes(t.shape, t.mesh.shape, t.placements)
+            keep = is_trainer[ranks] & (boxes[:, :, 1] > 0).all(axis=1)
+            r, box = ranks[keep], boxes[keep]
+            off, ln = np.zeros((len(r), width), i64), np.ones((len(r), width), i64)
+            off[:, :nd], ln[:, :nd] = box[:, :, 0], box[:, :, 1]
+            got = made[key] = (r, off, ln)
+        return got
+
     parts = []
     for j, t in enumerate(shared.tensors):
-        nd = len(t.shape)
-        if t.mesh is None:
-            ranks = np.arange(shared.world_size, dtype=i64)
-            boxes = np.broadcast_to(np.stack([np.zeros(nd, i64), np.asarray(t.shape, i64)], -1), (len(ranks), nd, 2))
-        else:
-            ranks = np.asarray(t.mesh, i64).reshape(-1)
-            boxes = shard_boxes(t.shape, t.mesh.shape, t.placements)
-        keep = is_trainer[ranks] & (boxes[:, :, 1] > 0).all(axis=1)
-        r, box = ranks[keep], boxes[keep]
+        r, off, ln = rows_of(t)
         if t.layer < 0:
             parts.append(
-                (
-                    np.full(len(r), base[t.name], i64),
-                    r,
-                    np.full(len(r), j, i64),
-                    np.full(len(r), -1, i64),
-                    box[:, :, 0],
-                    box[:, :, 1],
-                )
+                (np.full(len(r), base[t.name], i64), r, np.full(len(r), j, i64), np.full(len(r), -1, i64), off, ln)
             )
             continue
-        n = box[:, 0, 1]  # local slots of each rank's box, in rank then slot order
+        n = ln[:, 0]  # local slots of each rank's box, in rank then slot order
         row = np.repeat(np.arange(len(r)), n)
         k = np.arange(len(row), dtype=i64) - np.repeat(np.cumsum(n) - n, n)
-        e = shared.phy2log[t.layer, box[row, 0, 0] + k].astype(i64)
+        e = shared.phy2log[t.layer, off[row, 0] + k].astype(i64)
         on = e >= 0
         row, k, e = row[on], k[on], e[on]
-        parts.append((base[t.name] + e, r[row], np.full(len(row), j, i64), k, box[row, 1:, 0], box[row, 1:, 1]))
-    n = sum(len(p[0]) for p in parts)
-    off, ln = np.zeros((n, width), i64), np.ones((n, width), i64)
-    at = 0
-    for p in parts:
-        m, nd = len(p[0]), p[4].shape[1]
-        off[at : at + m, :nd], ln[at : at + m, :nd] = p[4], p[5]
-        at += m
-    cols = [np.concatenate([p[c] for p in parts]).astype(i64) if parts else np.zeros(0, i64) for c in range(4)]
-    return BoxRows(*cols, off, ln, np.zeros((n, width), i64))
+        # An expert's slice: the box past the slot dim.
+        sub_off, sub_len = np.zeros((len(row), width), i64), np.ones((len(row), width), i64)
+        sub_off[:, : width - 1], sub_len[:, : width - 1] = off[row, 1:], ln[row, 1:]
+        parts.append((base[t.name] + e, r[row], np.full(len(row), j, i64), k, sub_off, sub_len))
+    if not parts:
+        return BoxRows.empty(width)
+    cols = [np.concatenate([p[c] for p in parts]) for c in range(6)]
+    return BoxRows(*cols, np.zeros((len(cols[0]), width), i64))
 
 
 def plan_for(
@@ -155,7 +160,8 @@ def plan_for(
     holds = _holdings(shared, trainers, info, width)
     sizes = _itemsizes([*info.dtypes.values(), *(t.dtype for t in layout.tensors if t.dtype)])
     me = topology.rank if rank is None else rank
-    return plan_refit(layout, info, holds, sizes, topology, staging_bytes, max_ops, me)
+    described = f"{shared.digest()} {list(trainers)}"
+    return plan_refit(layout, info, holds, sizes, topology, staging_bytes, max_ops, me, described)
 
 
 # The last plan, by what it is a function of (the trainer's and engine's layouts, the ranks, the

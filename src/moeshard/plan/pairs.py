@@ -69,7 +69,9 @@ def pair_rounds(world: int, staging_bytes: int, max_ops: int) -> PairRounds:
 class Transfers:
     """One rank's transfers (``M`` rows, ``D`` padded dims): box ``(off, len)`` of unit ``unit``
     goes from rank ``src`` to rank ``dst`` (``src == dst``: a copy within the rank) for need row
-    ``need``, out of holding row ``hold`` (the source's; indices into the tables planned from).
+    ``need``, out of holding row ``hold`` (the source's; indices into the tables planned from);
+    ``piece``: its box's number among the distinct (unit, box) of the rows, in an order every
+    rank derives alike from the boxes.
     ``uncovered``: this rank's need rows whose boxes its unit's holdings do not cover exactly
     (``over``: covered more than once: holdings that overlap without being equal)."""
 
@@ -80,6 +82,7 @@ class Transfers:
     hold: np.ndarray
     off: np.ndarray
     len: np.ndarray
+    piece: np.ndarray
     uncovered: np.ndarray
     over: np.ndarray
 
@@ -92,6 +95,7 @@ def plan_transfers_of(
     rank: int,
     holds: BoxRows,
     needs: BoxRows,
+    shape: np.ndarray,
     itemsize: np.ndarray,
     node: np.ndarray,
     rule: PairRounds,
@@ -103,6 +107,7 @@ def plan_transfers_of(
             rows are ignored).
         needs: the rank's own need rows and the other receivers' need rows of the units it
             holds (more rows are ignored).
+        shape: ``int64[U, D]`` each unit's shape (1 past its dims).
         itemsize: ``int64[U]`` bytes per element of each unit as it travels.
         node: ``int64[world]`` the node of each rank.
         rule: the round rule (its ``piece_bytes`` cuts the transfers between ranks).
@@ -117,8 +122,10 @@ def plan_transfers_of(
     hs = np.flatnonzero(need_u[holds.unit] | hold_u[holds.unit])
     h_unit, h_rank = holds.unit[hs], holds.rank[hs]
     h_off, h_len = holds.off[hs], holds.len[hs]
-    # Classes: distinct (unit, box), numbered in that order; holders by (class, node, rank).
-    cls, num_c = dense_rank(h_unit, *h_off.T, *h_len.T)
+    # Classes: distinct (unit, box), numbered in that order (one key per box start: the unit's
+    # first element in the whole model plus the start's flat index in the unit, unless two
+    # boxes start alike and differ).
+    cls, num_c = _classes(h_unit, h_off, h_len, shape)
     h_node = node[h_rank]
     # Holders in (class, node, rank) order, then by their tensor and slot: which row of a rank
     # holding a box twice is read does not depend on the rows' order.
@@ -182,7 +189,44 @@ def plan_transfers_of(
     src, recv, pn_a, hold_row, unit, lo, ln = _cut(
         move, rule.piece_bytes, itemsize, src, recv, pn_a, hold_row, unit, lo, ln
     )
-    return Transfers(src, recv, unit, pn_a, hold_row, lo, ln, uncovered, over)
+    piece = _box_ids(unit, lo, ln, shape)
+    return Transfers(src, recv, unit, pn_a, hold_row, lo, ln, piece, uncovered, over)
+
+
+def _classes(unit: np.ndarray, off: np.ndarray, ln: np.ndarray, shape: np.ndarray) -> tuple[np.ndarray, int]:
+    """``(class of each row int64[n], number of classes)``: the distinct (unit, box) of the rows,
+    numbered in (unit, box) order."""
+    numel = row_prod(shape)
+    if int(numel.sum()) >= 2**62:
+        return dense_rank(unit, *off.T, *ln.T)
+    stride = np.ones_like(shape)
+    for d in range(shape.shape[1] - 2, -1, -1):
+        stride[:, d] = stride[:, d + 1] * shape[:, d + 1]
+    start = np.cumsum(numel) - numel
+    key = start[unit] + (off * stride[unit]).sum(axis=1)
+    uniq, cls = np.unique(key, return_inverse=True)
+    cls = cls.reshape(-1).astype(_I64)
+    first = np.zeros(len(uniq), _I64)
+    first[cls[::-1]] = np.arange(len(cls) - 1, -1, -1)
+    if not (ln == ln[first[cls]]).all():  # boxes that start alike but differ: by every column
+        return dense_rank(unit, *off.T, *ln.T)
+    return cls, len(uniq)
+
+
+def _box_ids(unit: np.ndarray, off: np.ndarray, ln: np.ndarray, shape: np.ndarray) -> np.ndarray:
+    """``int64[n]``: each row's number among the distinct (unit, box) of the rows, ordered by
+    (the box's first element in the whole model, its extent)."""
+    numel = row_prod(shape)
+    if not len(unit):
+        return np.zeros(0, _I64)
+    if int(numel.sum()) >= 2**62:
+        return dense_rank(unit, *off.T, *ln.T)[0]
+    stride = np.ones_like(shape)
+    for d in range(shape.shape[1] - 2, -1, -1):
+        stride[:, d] = stride[:, d + 1] * shape[:, d + 1]
+    start = np.cumsum(numel) - numel
+    st = stride[unit]
+    return dense_rank(start[unit] + (off * st).sum(axis=1), (ln * st).sum(axis=1))[0]
 
 
 def _cut(move, piece_bytes, itemsize, src, dst, need, hold, unit, off, ln):
@@ -273,10 +317,9 @@ def rank_schedule(
     off, ln = tr.off[i], tr.len[i]
     width = off.shape[1]
     num_r = len(i)
-    if num_r:
-        pid, num_p = dense_rank(unit, *off.T, *ln.T)
-    else:
-        pid, num_p = np.zeros(0, _I64), 0
+    uniq, pid = np.unique(tr.piece[i], return_inverse=True)
+    pid = pid.reshape(-1).astype(_I64)
+    num_p = len(uniq)
     rep = np.zeros(num_p, _I64)
     rep[pid] = np.arange(num_r)
     p_unit = unit[rep]

@@ -224,6 +224,80 @@ def _seg_shape(t: EngineTensor, s: Segment, info: UnitInfo) -> tuple[int, ...]:
     return tuple(out)
 
 
+@dataclass(frozen=True)
+class _Template:
+    """The need rows of one engine tensor up to its units (``m`` rows): the segment of each,
+    the engine index (position in ``layout.ranks``), the local slot and physical slot (-1: a
+    dense tensor), the box in the unit and where it lands (``int64[m, width]``, padded), and
+    the tensor's local shape. Engine tensors alike but for their sources share one."""
+
+    seg: np.ndarray
+    eng: np.ndarray
+    slot: np.ndarray
+    phys: np.ndarray
+    off: np.ndarray
+    len: np.ndarray
+    local: np.ndarray
+    shape: tuple[int, ...]
+
+
+def _template(t: EngineTensor, segs: list, layout: EngineLayout, num_slots: int, width: int) -> _Template:
+    """The :class:`_Template` of engine tensor ``t`` (segment shapes ``segs``; ``num_slots``:
+    the slots of its placement row). Raises ValueError naming ``t`` for a split that is not even."""
+    i64 = np.int64
+    nd = len(segs[0])
+    n_eng = len(layout.ranks)
+    tp_rank = np.arange(n_eng, dtype=i64) % layout.tp
+    spr = layout.slots_per_rank
+    split = t.shard_dim is not None and (t.moe_layer < 0 or layout.ep == 1)
+    tp = layout.tp if split else 1
+    local = list(segs[0])
+    local[t.cat_dim] = 0
+    cat_at = 0
+    if t.moe_layer < 0:
+        er = np.arange(n_eng, dtype=i64)
+        slot = phys = np.full(n_eng, -1, i64)
+    elif layout.ep == 1:  # every slot, on every rank
+        er = np.repeat(np.arange(n_eng, dtype=i64), num_slots)
+        slot = phys = np.tile(np.arange(num_slots, dtype=i64), n_eng)
+    else:  # its own slots
+        er = np.repeat(np.arange(n_eng, dtype=i64), spr)
+        slot = np.tile(np.arange(spr, dtype=i64), n_eng)
+        phys = er * spr + slot
+    parts = []
+    for k, (s, sh) in enumerate(zip(t.segments, segs)):
+        # The box of the segment in its unit (one row per TP rank), and its length here.
+        n = sh[t.shard_dim] if split else 0
+        padded = -(-n // t.pad_to) * t.pad_to
+        per = -(-padded // tp) if split else 0
+        if split and t.pad_to == 1 and n % tp:
+            raise ValueError(
+                f"engine tensor {t.name}: segment {s.source} dim {t.shard_dim} ({n}) splits unevenly over tp={tp}"
+            )
+        base_off = np.zeros((n_eng, width), i64)
+        base_len = np.ones((n_eng, width), i64)
+        base_len[:, :nd] = sh
+        base_off[:, s.part_dim] = s.part[0] * sh[s.part_dim]
+        if split:
+            d = t.shard_dim
+            lo = np.minimum(tp_rank * per, n)
+            base_off[:, d] += lo
+            base_len[:, d] = np.minimum(lo + per, n) - lo
+        seg_len = per if split and t.shard_dim == t.cat_dim else sh[t.cat_dim]
+        if split and t.shard_dim != t.cat_dim:
+            local[t.shard_dim] = per
+        dst = np.zeros((n_eng, width), i64)
+        dst[:, t.cat_dim] = cat_at
+        cat_at += seg_len
+        keep = (base_len[er] > 0).all(axis=1)
+        e = er[keep]
+        parts.append((np.full(len(e), k, i64), e, slot[keep], phys[keep], base_off[e], base_len[e], dst[e]))
+    local[t.cat_dim] = cat_at
+    lead = [num_slots if layout.ep == 1 else spr] if t.moe_layer >= 0 else []
+    cols = [np.concatenate([p[c] for p in parts]) for c in range(7)]
+    return _Template(*cols, tuple(lead + local))
+
+
 def engine_needs(layout: EngineLayout, info: UnitInfo, width: int) -> EngineNeeds:
     """Every engine rank's need rows (pure): per engine tensor, rank, local slot and segment, the
     box of the logical unit it holds and where it lands in the local tensor. ``width``: padded
@@ -231,14 +305,12 @@ def engine_needs(layout: EngineLayout, info: UnitInfo, width: int) -> EngineNeed
     lacks, shapes that do not concatenate, or a split that is not even."""
     i64 = np.int64
     ids = info.unit_base()
-    n_eng = len(layout.ranks)
     eng_ranks = np.asarray(layout.ranks, i64)
-    tp_rank = np.arange(n_eng, dtype=i64) % layout.tp
     p2l = None if layout.phy2log is None else np.asarray(layout.phy2log, i64)
-    spr = layout.slots_per_rank
+    num_slots = 0 if p2l is None else p2l.shape[1]
+    made: dict[tuple, _Template] = {}
     cols: list[tuple[np.ndarray, ...]] = []
     shapes, dtypes = [], []
-
     for j, t in enumerate(layout.tensors):
         segs = [_seg_shape(t, s, info) for s in t.segments]
         nd = len(segs[0])
@@ -252,89 +324,35 @@ def engine_needs(layout: EngineLayout, info: UnitInfo, width: int) -> EngineNeed
                     f"engine tensor {t.name}: segment {s.source} {list(sh)} does not concatenate with "
                     f"{list(segs[0])} along dim {t.cat_dim}"
                 )
-        dtype = t.dtype or info.dtypes[t.segments[0].source]
-        split = t.shard_dim is not None and (t.moe_layer < 0 or layout.ep == 1)
-        tp = layout.tp if split else 1
-        local = list(segs[0])
-        local[t.cat_dim] = 0
-        cat_at = 0
-        for s, sh in zip(t.segments, segs):
-            # The box of the segment in its unit (one row per TP rank), and its length here.
-            n = sh[t.shard_dim] if split else 0
-            padded = -(-n // t.pad_to) * t.pad_to
-            per = -(-padded // tp) if split else 0
-            if split and t.pad_to == 1 and n % tp:
-                raise ValueError(
-                    f"engine tensor {t.name}: segment {s.source} dim {t.shard_dim} ({n}) splits unevenly over tp={tp}"
-                )
-            base_off = np.zeros((n_eng, nd), i64)
-            base_len = np.broadcast_to(np.asarray(sh, i64), (n_eng, nd)).copy()
-            base_off[:, s.part_dim] = s.part[0] * sh[s.part_dim]
-            if split:
-                d = t.shard_dim
-                lo = np.minimum(tp_rank * per, n)
-                base_off[:, d] += lo
-                base_len[:, d] = np.minimum(lo + per, n) - lo
-            seg_len = per if split and t.shard_dim == t.cat_dim else sh[t.cat_dim]
-            if split and t.shard_dim != t.cat_dim:
-                local[t.shard_dim] = per
-            dst = np.zeros((n_eng, nd), i64)
-            dst[:, t.cat_dim] = cat_at
-            cat_at += seg_len
-            if t.moe_layer < 0:
-                keep = (base_len > 0).all(axis=1)
-                u = ids[s.source]
-                m = int(keep.sum())
-                cols.append(
-                    (
-                        np.full(m, u, i64),
-                        eng_ranks[keep],
-                        np.full(m, j, i64),
-                        np.full(m, -1, i64),
-                        base_off[keep],
-                        base_len[keep],
-                        dst[keep],
-                    )
-                )
-                continue
-            # Expert tensor: every local slot of every engine rank (EP: its own slots; no EP:
-            # every slot, on every rank).
-            row = p2l[t.moe_layer]
-            if layout.ep == 1:
-                er = np.repeat(np.arange(n_eng, dtype=i64), len(row))
-                slot = np.tile(np.arange(len(row), dtype=i64), n_eng)
-                phys = slot
-            else:
-                er = np.repeat(np.arange(n_eng, dtype=i64), spr)
-                slot = np.tile(np.arange(spr, dtype=i64), n_eng)
-                phys = er * spr + slot
-            e = row[phys]
+        dtypes.append(t.dtype or info.dtypes[t.segments[0].source])
+        key = (
+            tuple(segs),
+            tuple((s.part, s.part_dim) for s in t.segments),
+            t.cat_dim,
+            t.shard_dim,
+            t.pad_to,
+            t.moe_layer >= 0,
+        )
+        tm = made.get(key)
+        if tm is None:
+            tm = made[key] = _template(t, segs, layout, num_slots, width)
+        shapes.append(tm.shape)
+        base = np.asarray([ids[s.source] for s in t.segments], i64)[tm.seg]
+        if t.moe_layer >= 0:
+            e = p2l[t.moe_layer][tm.phys]
             if (e < 0).any() or (e >= info.num_logical).any():
                 raise ValueError(
                     f"engine tensor {t.name}: its placement row {t.moe_layer} names experts outside "
                     f"0..{info.num_logical - 1}"
                 )
-            keep = (base_len[er] > 0).all(axis=1)
-            er, slot, e = er[keep], slot[keep], e[keep]
-            cols.append(
-                (ids[s.source] + e, eng_ranks[er], np.full(len(er), j, i64), slot, base_off[er], base_len[er], dst[er])
-            )
-        local[t.cat_dim] = cat_at
-        lead = [(len(p2l[t.moe_layer]) if layout.ep == 1 else spr)] if t.moe_layer >= 0 else []
-        shapes.append(tuple(lead + local))
-        dtypes.append(dtype)
-    n = sum(len(c[0]) for c in cols)
-    off, ln, dst = np.zeros((n, width), i64), np.ones((n, width), i64), np.zeros((n, width), i64)
-    at = 0
-    for c in cols:
-        m, nd = len(c[0]), c[4].shape[1]
-        off[at : at + m, :nd], ln[at : at + m, :nd], dst[at : at + m, :nd] = c[4], c[5], c[6]
-        at += m
+            base = base + e
+        cols.append((base, tm.eng, np.full(len(base), j, i64), tm.slot, tm.off, tm.len, tm.local))
 
-    def col(i: int) -> np.ndarray:
-        return np.concatenate([c[i] for c in cols]).astype(i64) if cols else np.zeros(0, i64)
+    def col(i: int, empty) -> np.ndarray:
+        return np.concatenate([c[i] for c in cols]) if cols else empty
 
-    rows = BoxRows(col(0), col(1), col(2), col(3), off, ln, dst)
+    z, zz = np.zeros(0, i64), np.zeros((0, width), i64)
+    rows = BoxRows(col(0, z), eng_ranks[col(1, z)], col(2, z), col(3, z), col(4, zz), col(5, zz), col(6, zz))
     return EngineNeeds(rows, info.unit_keys(), tuple(shapes), tuple(dtypes))
 
 
@@ -377,10 +395,24 @@ class RefitPlan:
 __all__ += ["RefitPlan"]
 
 
-def _check_inside(layout: EngineLayout, needs: EngineNeeds) -> None:
-    """Invariant of :func:`engine_needs`: every need row's box lies inside its engine tensor's
-    local shape (its slot's, for an expert tensor)."""
-    rows = needs.rows
+def _check_inside(layout: EngineLayout, needs: EngineNeeds, rank: int) -> None:
+    """Invariant of :func:`engine_needs`: every need row of ``rank`` lies inside its engine
+    tensor's local shape (its slot's, for an expert tensor)."""
+    mine = np.flatnonzero(needs.rows.rank == rank)
+    rows = BoxRows(
+        *(
+            a[mine]
+            for a in (
+                needs.rows.unit,
+                needs.rows.rank,
+                needs.rows.param,
+                needs.rows.slot,
+                needs.rows.off,
+                needs.rows.len,
+                needs.rows.local,
+            )
+        )
+    )
     width = rows.off.shape[1]
     inner = np.full((len(needs.local_shapes), width), np.iinfo(np.int64).max, np.int64)
     for j, shape in enumerate(needs.local_shapes):
@@ -416,6 +448,7 @@ def plan_refit(
     staging_bytes: int,
     max_ops: int,
     rank: int,
+    holds_digest: str | None = None,
 ) -> RefitPlan:
     """Plan rank ``rank``'s part of a refit (pure, deterministic; :mod:`moeshard.plan.pairs`):
     the transfers it sends, receives or copies, per install group, from its own need rows,
@@ -432,6 +465,8 @@ def plan_refit(
         topology: the refit group's ranks and nodes.
         staging_bytes, max_ops: as :func:`~moeshard.plan.reshard.plan_reshard`'s.
         rank: the rank to plan for.
+        holds_digest: a digest of what ``holds`` was computed from (the trainer's layout and
+            ranks), for the fingerprint; None: the fingerprint hashes ``holds`` itself.
 
     Raises ValueError for a layout the trainer's tensors do not fit, for a box of this rank's
     needs no trainer rank holds, or for budgets below 1 byte or 2 ops."""
@@ -439,7 +474,7 @@ def plan_refit(
         raise ValueError(f"staging_bytes must be >= 1 and max_ops >= 2, got {staging_bytes}, {max_ops}")
     width = holds.off.shape[1]
     needs = engine_needs(layout, info, width)
-    _check_inside(layout, needs)
+    _check_inside(layout, needs, rank)
     rows = needs.rows
     wire = _wire_dtypes(layout, info, itemsize)
     ndim, _ = info.unit_columns()
@@ -447,7 +482,11 @@ def plan_refit(
     world = topology.world_size
     node = np.asarray([topology.node_of(r) for r in range(world)], np.int64)
     rule = pair_rounds(world, staging_bytes, max_ops)
-    tr = plan_transfers_of(rank, holds, rows, wire_size, node, rule)
+    shape = np.ones((len(ndim), width), np.int64)
+    for name, u in info.unit_base().items():
+        n = info.num_logical if name in info.experts else 1
+        shape[u : u + n, : len(info.shapes[name])] = info.shapes[name]
+    tr = plan_transfers_of(rank, holds, rows, shape, wire_size, node, rule)
     for bad, what in ((tr.uncovered, "no trainer rank holds all of"), (tr.over, "the trainer's holdings overlap in")):
         if len(bad):
             i = int(bad[0])
@@ -464,8 +503,11 @@ def plan_refit(
     h.update(repr((sorted(info.shapes.items()), sorted(info.dtypes.items()), sorted(info.experts))).encode())
     h.update(repr((wire, needs.local_shapes, needs.dtypes, staging_bytes, max_ops)).encode())
     h.update(repr((world, topology.local_world_size, topology.nodes)).encode())
-    for a in (holds.unit, holds.rank, holds.param, holds.slot, holds.off, holds.len, holds.local):
-        h.update(np.ascontiguousarray(a, np.int64).tobytes())
+    if holds_digest is not None:
+        h.update(holds_digest.encode())
+    else:
+        for a in (holds.unit, holds.rank, holds.param, holds.slot, holds.off, holds.len, holds.local):
+            h.update(np.ascontiguousarray(a, np.int64).tobytes())
     group_of = np.asarray([t.group for t in layout.tensors], np.int64)
     groups = tuple(sorted(set(group_of.tolist())))
     t_group = group_of[rows.param[tr.need]]
