@@ -106,19 +106,17 @@ def main(argv=None) -> None:
 
 def _job_wide(shared, trainers, layout, topo) -> None:
     """The job-wide reshard planner on every rank's need rows and holdings, per install group."""
-    from moeshard.ops.refit import _holdings, _itemsizes, _unit_info
+    from moeshard.ops.refit import refit_inputs
     from moeshard.plan import DEFAULT_MAX_OPS, DEFAULT_STAGING_BYTES
-    from moeshard.plan.refit import _wire_dtypes, engine_needs
+    from moeshard.plan.refit import engine_needs, wire_dtypes
     from moeshard.plan.reshard import BoxRows, Units, plan_reshard
 
     t0, c0 = time.perf_counter(), time.process_time()
-    info = _unit_info(shared)
-    width = max(len(t.shape) for t in shared.tensors)
-    holds = _holdings(shared, trainers, info, width)
-    sizes = _itemsizes([*info.dtypes.values(), "bfloat16"])
+    info, holds, sizes, _ = refit_inputs(shared, trainers, layout)
+    width = holds.off.shape[1]
     keys = info.unit_keys()
     ndim, _ = info.unit_columns()
-    wire = np.asarray([sizes[d] for d in _wire_dtypes(layout, info, sizes)], np.int64)
+    wire = np.asarray([sizes[d] for d in wire_dtypes(layout, info, sizes)], np.int64)
     units = Units(keys, ndim, wire, np.zeros(len(keys), bool))
     rows = engine_needs(layout, info, width).rows
     group_of = np.asarray([t.group for t in layout.tensors])

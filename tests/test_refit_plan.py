@@ -265,18 +265,16 @@ CASES = [
 
 
 def _setup(case, seed):
-    from moeshard.ops.refit import _holdings, _itemsizes, _unit_info
+    from moeshard.ops.refit import refit_inputs
     from moeshard.topology import Topology
 
     family, world, trainers, t_ep, engine, tp, ep = case
     rng = np.random.default_rng(seed)
     shared, layers = _trainer_layout(family, trainers, world, t_ep, rng)
     layout = _engine_layout(family, layers, engine, tp, ep, rng)
-    info = _unit_info(shared)
-    holds = _holdings(shared, trainers, info, 3)
-    sizes = _itemsizes([*info.dtypes.values(), "bfloat16"])
+    got = refit_inputs(shared, trainers, layout)
     topo = Topology(world_size=world, local_world_size=2 if world % 2 == 0 else 1)
-    return shared, layout, info, holds, sizes, topo
+    return shared, layout, got.info, got.holds, got.itemsize, topo
 
 
 def _values(info):
@@ -446,18 +444,17 @@ def test_ends_that_plan_a_pair_differently_fail_the_pair_check(monkeypatch):
     """Two ranks whose round rules differ (as ranks running other code would) plan from the same
     inputs (same fingerprint) but the pair check's terms no longer sum to 0: refit raises on
     every rank before any data moves."""
-    from moeshard.ops.refit import _check_pairs
     from moeshard.plan import pairs
-    from moeshard.plan.refit import plan_refit
+    from moeshard.plan.refit import check_pairs, plan_refit
 
     shared, layout, info, holds, sizes, topo = _setup(CASES[3], 0)
     plans = [plan_refit(layout, info, holds, sizes, topo, 96, 6, r) for r in range(topo.world_size)]
     shares = [(p.fingerprint, p.check, p.sent_bytes, p.copy_bytes) for p in plans]
-    _check_pairs(shares)
+    check_pairs(shares)
     monkeypatch.setattr(pairs.PairRounds, "rounds", lambda self, src, dst, k: k)  # another round rule
     skewed = plan_refit(layout, info, holds, sizes, topo, 96, 6, 0)
     assert skewed.fingerprint == plans[0].fingerprint
     with pytest.raises(ValueError, match="pair check"):
-        _check_pairs([(skewed.fingerprint, skewed.check, 0, 0)] + shares[1:])
+        check_pairs([(skewed.fingerprint, skewed.check, 0, 0)] + shares[1:])
     with pytest.raises(ValueError, match="different inputs"):
-        _check_pairs([("x", 0, 0, 0)] + shares[1:])
+        check_pairs([("x", 0, 0, 0)] + shares[1:])

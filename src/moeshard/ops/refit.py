@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -31,14 +32,14 @@ from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
 from ..models.describe import local_tensor
 from ..models.shards import shard_boxes
 from ..plan import DEFAULT_MAX_OPS, DEFAULT_STAGING_BYTES
-from ..plan.refit import EngineLayout, RefitPlan, UnitInfo, plan_refit
+from ..plan.refit import EngineLayout, RefitPlan, UnitInfo, check_pairs, plan_refit
 from ..plan.reshard import BoxRows, ReshardPlan
 from ..topology import Topology
 from .report import OpReport, Phases
 from .reshard import ShardLayout, describe_shards
 from .skeleton import group_topology, named_tensors
 
-__all__ = ["RefitReport", "RefitVerifyError", "refit", "plan_for"]
+__all__ = ["RefitReport", "RefitVerifyError", "RefitInputs", "refit", "plan_for", "refit_inputs"]
 
 
 class RefitVerifyError(collectives.DistributedError):
@@ -137,6 +138,28 @@ def _holdings(shared: ShardLayout, trainers: Sequence[int], info: UnitInfo, widt
     return BoxRows(*cols, np.zeros((len(cols[0]), width), i64))
 
 
+class RefitInputs(NamedTuple):
+    """What every rank plans a refit from (:func:`refit_inputs`): the trainer's logical
+    tensors, its ranks' holdings (unit ids: ``info.unit_base()``), bytes per element of every
+    dtype name involved, and a description of where the holdings came from (for the plan's
+    fingerprint)."""
+
+    info: UnitInfo
+    holds: BoxRows
+    itemsize: dict[str, int]
+    described: str
+
+
+def refit_inputs(shared: ShardLayout, trainers: Sequence[int], layout: EngineLayout) -> RefitInputs:
+    """Local and pure: the :class:`RefitInputs` of a trainer layout held by refit-group ranks
+    ``trainers``, refit into ``layout``."""
+    info = _unit_info(shared)
+    width = max([len(t.shape) for t in shared.tensors] + [1])
+    holds = _holdings(shared, trainers, info, width)
+    sizes = _itemsizes([*info.dtypes.values(), *(t.dtype for t in layout.tensors if t.dtype)])
+    return RefitInputs(info, holds, sizes, f"{shared.digest()} {list(trainers)}")
+
+
 def plan_for(
     shared: ShardLayout,
     trainers: Sequence[int],
@@ -155,13 +178,9 @@ def plan_for(
         raise ValueError(f"the trainer's layout is of {shared.world_size} ranks, the refit group has {world}")
     if max(layout.ranks) >= world or min(layout.ranks) < 0:
         raise ValueError(f"engine ranks {list(layout.ranks)} outside the refit group's {world} ranks")
-    info = _unit_info(shared)
-    width = max([len(t.shape) for t in shared.tensors] + [1])
-    holds = _holdings(shared, trainers, info, width)
-    sizes = _itemsizes([*info.dtypes.values(), *(t.dtype for t in layout.tensors if t.dtype)])
+    got = refit_inputs(shared, trainers, layout)
     me = topology.rank if rank is None else rank
-    described = f"{shared.digest()} {list(trainers)}"
-    return plan_refit(layout, info, holds, sizes, topology, staging_bytes, max_ops, me, described)
+    return plan_refit(layout, got.info, got.holds, got.itemsize, topology, staging_bytes, max_ops, me, got.described)
 
 
 # The last plan, by what it is a function of (the trainer's and engine's layouts, the ranks, the
@@ -185,20 +204,6 @@ class _TrainerShards(Source):
 
     def dtype(self, pid: int) -> torch.dtype:
         return self.wire[int(self.s.pieces.key[pid])]
-
-
-def _check_pairs(shares: Sequence[tuple]) -> None:
-    """Every rank's ``(fingerprint, check, ...)``: ValueError unless the fingerprints are
-    equal and the checks sum to 0 mod 2**64."""
-    fps = [s[0] for s in shares]
-    if len(set(fps)) != 1:
-        by = ", ".join(f"rank {r}: {f}" for r, f in enumerate(fps))
-        raise ValueError(f"ranks planned from different inputs (fingerprints {by})")
-    if sum(s[1] for s in shares) % 2**64:
-        raise ValueError(
-            "the senders' and receivers' plans of some transfers differ (the pair check does not sum to 0): "
-            "every rank must run the same moeshard and describe the layouts alike"
-        )
 
 
 @dataclass(frozen=True)
@@ -329,7 +334,7 @@ def refit(
         share=lambda p: (p.fingerprint, p.check, p.sent_bytes, p.copy_bytes),
     )
     plan, shares = gathered.result, gathered.shares
-    collectives.unanimous(lambda: _check_pairs(shares), "moeshard.refit: planning")
+    collectives.unanimous(lambda: check_pairs(shares), "moeshard.refit: planning")
     peer_bytes = sum(s[2] for s in shares)
     copy_bytes = sum(s[3] for s in shares)
     t_plan = phases.end("plan") - t0

@@ -347,43 +347,13 @@ def rank_schedule(
     cp = np.flatnonzero((src == rank) & (dst == rank))
     cp = cp[np.argsort(pid[cp], kind="stable")]
     cp = cp[run_starts(pid[cp])] if len(cp) else cp  # a copy per piece
-    # P2P: the distinct (sender, receiver, piece), ordered within each pair by (unit, box)
-    # (piece numbers follow that order on both ends).
-    pp = np.flatnonzero(src != dst)
-    o = lex_order(src[pp], dst[pp], pid[pp])
-    pp = pp[o]
-    if len(pp):
-        pp = pp[run_starts(src[pp], dst[pp], pid[pp])]
-    pair_start = run_starts(src[pp], dst[pp]) if len(pp) else np.zeros(0, bool)
-    first = np.flatnonzero(pair_start)
-    k = np.arange(len(pp), dtype=_I64) - np.repeat(first, np.diff(np.append(first, len(pp))))
-    rnd = rule.rounds(src[pp], dst[pp], k)
-    o = lex_order(rnd, src[pp], dst[pp], k)
-    pp, k, rnd = pp[o], k[o], rnd[o]
+    pp, k, rnd = _pair_order(src, dst, pid, rule)
     s_src, s_dst, s_pid = src[pp], dst[pp], pid[pp]
     outgoing = s_src == rank
     h = _hash([np.full(len(pp), tag, _I64), s_src, s_dst, rnd, k, unit[pp], *off[pp].T, *ln[pp].T])
     with np.errstate(over="ignore"):
         check = int(h[outgoing].sum(dtype=np.uint64) - h[~outgoing].sum(dtype=np.uint64))
-    sb = p_bytes[s_pid]
-    sent_b, recv_b = np.zeros(world, _I64), np.zeros(world, _I64)
-    sent_b[rank] = int(sb[outgoing].sum())
-    recv_b[rank] = int(sb[~outgoing].sum())
-    num_rounds = int(rnd.max()) + 1 if len(rnd) else 0
-    peak = np.zeros(world, _I64)
-    if (~outgoing).any():
-        peak[rank] = int(np.bincount(rnd[~outgoing], weights=sb[~outgoing]).max())
-    cross = int(sb[outgoing & (node[s_dst] != node[rank])].sum())
-    cost = PlanCost(
-        read_bytes=np.zeros(world, _I64),
-        sent_bytes=sent_b,
-        recv_bytes=recv_b,
-        peak_staging_bytes=peak,
-        cross_node_bytes=cross,
-        num_p2p_ops=len(pp),
-        num_batches=len(np.unique(rnd)),
-        num_broadcasts=0,
-    )
+    cost = _rank_cost(rank, world, node, s_dst, rnd, outgoing, p_bytes[s_pid])
     i32 = np.int32
     sched = Schedule(
         topology=topology,
@@ -407,7 +377,7 @@ def rank_schedule(
             slot=needs.slot[need[dl]].astype(_I64),
             off=d_off.astype(_I64),
         ),
-        num_rounds=num_rounds,
+        num_rounds=int(rnd.max()) + 1 if len(rnd) else 0,
         cost=cost,
         views=ViewTable(
             rank=np.full(num_v, rank, i32),
@@ -420,4 +390,43 @@ def rank_schedule(
     )
     copied = int(p_bytes[pid[cp]].sum())
     send_param = np.where(outgoing, needs.param[need[pp]], -1)
-    return RankPart(sched, sent_b[rank].item(), copied, check % 2**64, send_param)
+    return RankPart(sched, int(cost.sent_bytes[rank]), copied, check % 2**64, send_param)
+
+
+def _pair_order(
+    src: np.ndarray, dst: np.ndarray, pid: np.ndarray, rule: PairRounds
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The P2P rows (``src != dst``) of distinct (sender, receiver, piece), as ``(rows, place in
+    their pair, round)``, ``int64[S]`` each, in the schedule's order (round, sender, receiver,
+    place): within a pair by piece number, which follows (unit, box) on both ends."""
+    pp = np.flatnonzero(src != dst)
+    pp = pp[lex_order(src[pp], dst[pp], pid[pp])]
+    if len(pp):
+        pp = pp[run_starts(src[pp], dst[pp], pid[pp])]
+    first = np.flatnonzero(run_starts(src[pp], dst[pp])) if len(pp) else np.zeros(0, _I64)
+    k = np.arange(len(pp), dtype=_I64) - np.repeat(first, np.diff(np.append(first, len(pp))))
+    rnd = rule.rounds(src[pp], dst[pp], k)
+    o = lex_order(rnd, src[pp], dst[pp], k)
+    return pp[o], k[o], rnd[o]
+
+
+def _rank_cost(
+    rank: int, world: int, node: np.ndarray, dst: np.ndarray, rnd: np.ndarray, outgoing: np.ndarray, nbytes: np.ndarray
+) -> PlanCost:
+    """This rank's :class:`PlanCost` (the other ranks' entries 0) of its P2P rows (receiver
+    ``dst``, round ``rnd``, whether it sends them, bytes)."""
+    sent_b, recv_b, peak = np.zeros(world, _I64), np.zeros(world, _I64), np.zeros(world, _I64)
+    sent_b[rank] = int(nbytes[outgoing].sum())
+    recv_b[rank] = int(nbytes[~outgoing].sum())
+    if (~outgoing).any():
+        peak[rank] = int(np.bincount(rnd[~outgoing], weights=nbytes[~outgoing]).max())
+    return PlanCost(
+        read_bytes=np.zeros(world, _I64),
+        sent_bytes=sent_b,
+        recv_bytes=recv_b,
+        peak_staging_bytes=peak,
+        cross_node_bytes=int(nbytes[outgoing & (node[dst] != node[rank])].sum()),
+        num_p2p_ops=len(dst),
+        num_batches=len(np.unique(rnd)),
+        num_broadcasts=0,
+    )

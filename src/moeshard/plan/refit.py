@@ -33,7 +33,17 @@ from ..topology import Topology
 from .pairs import pair_rounds, plan_transfers_of, rank_schedule
 from .reshard import BoxRows, ReshardPlan, StorageCells
 
-__all__ = ["Segment", "EngineTensor", "EngineLayout", "UnitInfo", "EngineNeeds", "engine_needs", "plan_refit"]
+__all__ = [
+    "Segment",
+    "EngineTensor",
+    "EngineLayout",
+    "UnitInfo",
+    "EngineNeeds",
+    "engine_needs",
+    "wire_dtypes",
+    "plan_refit",
+    "check_pairs",
+]
 
 
 @dataclass(frozen=True)
@@ -422,7 +432,7 @@ def _check_inside(layout: EngineLayout, needs: EngineNeeds, rank: int) -> None:
     assert not bad.any(), f"engine tensor {layout.tensors[int(rows.param[bad][0])].name}: a need row outside its shape"
 
 
-def _wire_dtypes(layout: EngineLayout, info: UnitInfo, itemsize: Mapping[str, int]) -> list[str]:
+def wire_dtypes(layout: EngineLayout, info: UnitInfo, itemsize: Mapping[str, int]) -> list[str]:
     """Per unit (id order), the dtype it travels in: the one engine dtype its tensors take where
     it is no wider than the trainer's, else the trainer's."""
     base = info.unit_base()
@@ -476,7 +486,7 @@ def plan_refit(
     needs = engine_needs(layout, info, width)
     _check_inside(layout, needs, rank)
     rows = needs.rows
-    wire = _wire_dtypes(layout, info, itemsize)
+    wire = wire_dtypes(layout, info, itemsize)
     ndim, _ = info.unit_columns()
     wire_size = np.asarray([itemsize[d] for d in wire], np.int64)
     world = topology.world_size
@@ -540,3 +550,18 @@ def plan_refit(
     return RefitPlan(
         groups, tuple(plans), needs, tuple(wire), rank, sent, copied, check, tuple(send_params), h.hexdigest()[:16]
     )
+
+
+def check_pairs(shares) -> None:
+    """Every rank's ``(fingerprint, check, ...)`` of its :class:`RefitPlan` (by rank; pure):
+    ValueError unless the fingerprints are equal and the checks sum to 0 mod 2**64 (the two
+    ends of every transfer planned it alike)."""
+    fps = [s[0] for s in shares]
+    if len(set(fps)) != 1:
+        by = ", ".join(f"rank {r}: {f}" for r, f in enumerate(fps))
+        raise ValueError(f"ranks planned from different inputs (fingerprints {by})")
+    if sum(s[1] for s in shares) % 2**64:
+        raise ValueError(
+            "the senders' and receivers' plans of some transfers differ (the pair check does not sum to 0): "
+            "every rank must run the same moeshard and describe the layouts alike"
+        )
