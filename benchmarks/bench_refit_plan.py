@@ -133,7 +133,7 @@ def _job_wide(shared, trainers, layout, topo) -> None:
         peer += plan_reshard(units, h_g, n_g, topo, DEFAULT_STAGING_BYTES, DEFAULT_MAX_OPS).peer_bytes
     print(
         f"job-wide planner: {time.process_time() - c0:.2f} s CPU, {time.perf_counter() - t0:.2f} s wall, "
-        f"peer bytes {peer / 2**30:.2f} GiB"
+        f"peer bytes {peer} ({peer / 2**30:.2f} GiB)"
     )
 
 

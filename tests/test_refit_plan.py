@@ -458,3 +458,27 @@ def test_ends_that_plan_a_pair_differently_fail_the_pair_check(monkeypatch):
         check_pairs([(skewed.fingerprint, skewed.check, 0, 0)] + shares[1:])
     with pytest.raises(ValueError, match="different inputs"):
         check_pairs([("x", 0, 0, 0)] + shares[1:])
+
+
+def test_a_box_no_trainer_rank_holds_or_holdings_that_overlap_raise_naming_it():
+    """A hole in the trainer's holdings (a shard dropped) raises on the rank that needs it,
+    naming the box, the unit and the engine tensor; holdings that overlap without being equal
+    (two shards of one tensor sharing rows) raise too: no box is sent twice or not at all."""
+    from moeshard.plan.refit import plan_refit
+    from moeshard.plan.reshard import BoxRows
+
+    shared, layout, info, holds, sizes, topo = _setup(CASES[3], 0)  # disjoint: ranks 0-1 train
+    keys = info.unit_keys()
+    o = keys.index("model.layers.1.self_attn.o_proj.weight")
+    rows = np.flatnonzero(holds.unit == o)
+    assert len(rows) >= 2
+    cols = (holds.unit, holds.rank, holds.param, holds.slot, holds.off, holds.len, holds.local)
+    hole = np.setdiff1d(np.arange(len(holds.unit)), rows[:1])
+    holey = BoxRows(*(a[hole] for a in cols))
+    with pytest.raises(ValueError, match=r"no trainer rank holds all of box .* of model.layers.1.self_attn.o_proj"):
+        plan_refit(layout, info, holey, sizes, topo, 96, 6, 2)
+    wide = [a.copy() for a in cols]
+    r = rows[0]
+    wide[5][r, 0] += 1  # the first shard one row longer: it overlaps the next one
+    with pytest.raises(ValueError, match="overlap in box"):
+        plan_refit(layout, info, BoxRows(*wide), sizes, topo, 96, 6, 2)

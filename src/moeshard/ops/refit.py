@@ -9,8 +9,9 @@ send), so the bytes sent are the least any plan sends; nothing is gathered whole
 
 Steps (collective, every rank of ``group``: trainer ranks, engine ranks, or both):
 check each rank's arguments and exchange who holds the trainer (one exchange) -> the first
-trainer rank's layout to every rank -> plan (pure: :func:`moeshard.plan.refit.plan_refit`) ->
-agree -> per install group (a decoder layer's engine tensors): run the group's schedule into
+trainer rank's layout to every rank -> plan this rank's transfers (pure:
+:func:`moeshard.plan.refit.plan_refit`) -> agree on the inputs' fingerprint and the pair check
+(one exchange) -> per install group (a decoder layer's engine tensors): run the group's schedule into
 staging tensors, agree, install -> optional verify -> report. A failure on any rank (a bad
 argument, a lost peer) raises on every rank; every engine layer is then all old or all new.
 """

@@ -15,8 +15,9 @@ TP and EP sizes and its placement (``phy2log``, taken from the engine).
 Logical tensors are the trainer model's own (a dense parameter or persistent buffer by name; an
 expert parameter's slice of one logical expert as ``"<parameter>[<expert>]"``, the *units* of
 :mod:`moeshard.plan.reshard`). :func:`engine_needs` turns a layout into need rows over those
-units; :func:`plan_refit` plans the transfers from the trainer's live shards (the same planner
-as a reshard: a cell an engine rank holds itself is copied, else sent once by one holder).
+units; :func:`plan_refit` plans one rank's transfers from the trainer's live shards
+(:mod:`moeshard.plan.pairs`: a box an engine rank holds itself is copied, else sent once by one
+holder), and :func:`check_pairs` checks that the ranks' plans fit together.
 
 Pure and torch-free.
 """
