@@ -344,3 +344,317 @@ def test_block_fp8_allows_a_partial_last_part_of_a_replicated_fusion():
             UnitInfo(shapes={"gu": (6, 4, 2)}, dtypes={"gu": "float32"}, experts=frozenset({"gu"}), num_logical=1),
             3,
         )
+
+
+# -- the per-rank planner against the job-wide one, and run on paper ---------------------------
+
+
+def _trainer_layout(family: str, trainers, world: int, ep: int, rng):
+    """A tiny trainer of ``family``'s shapes on refit-group ranks ``trainers``: dense tensors
+    FSDP over them (some replicated twice, HSDP; some whole on every trainer rank), experts
+    EP=``ep`` x expert-FSDP over them with a redundant placement of the trainer's own."""
+    from moeshard.ops.reshard import ShardLayout, TensorLayout
+
+    h, v, e = 8, 70, 4
+    tr = np.asarray(trainers, np.int64)
+    f = len(tr) // ep
+    t = []
+
+    def dense(name, shape, dtype="float32"):
+        kind = rng.integers(0, 3) if len(tr) % 2 == 0 else rng.integers(0, 2) * 2
+        if kind == 0:  # HSDP: two replicas, each sharded
+            mesh, pl = tr.reshape(2, -1), (None, 0)
+        elif kind == 1:
+            mesh, pl = None, ()
+        else:
+            mesh, pl = tr, (0,)
+        t.append(TensorLayout(name, shape, dtype, mesh, pl))
+
+    dense("model.embed_tokens.weight", (v, h))
+    dense("model.norm.weight", (h,))
+    dense("lm_head.weight", (v, h))
+    first = 0 if family == "qwen3_moe" else 1
+    layers = 2 if family == "qwen3_moe" else 3
+    slots = e + ep  # one redundant slot per EP rank
+    for i in range(layers):
+        a = f"model.layers.{i}.self_attn"
+        if family == "qwen3_moe":
+            for n, s in (("q_proj", (8, h)), ("k_proj", (4, h)), ("v_proj", (4, h)), ("o_proj", (h, 8))):
+                dense(f"{a}.{n}.weight", s)
+            dense(f"{a}.q_norm.weight", (2,))
+            dense(f"{a}.k_norm.weight", (2,))
+        else:
+            for n, s in (
+                ("q_a_proj", (6, h)),
+                ("q_a_layernorm", (6,)),
+                ("q_b_proj", (6, 6)),
+                ("kv_a_proj_with_mqa", (5, h)),
+                ("kv_a_layernorm", (4,)),
+                ("kv_b_proj", (8, 4)),
+                ("o_proj", (h, 4)),
+            ):
+                dense(f"{a}.{n}.weight", s)
+        dense(f"model.layers.{i}.input_layernorm.weight", (h,))
+        dense(f"model.layers.{i}.post_attention_layernorm.weight", (h,))
+        p = f"model.layers.{i}.mlp"
+        if i < first:
+            for n, s in (("gate_proj", (8, h)), ("up_proj", (8, h)), ("down_proj", (h, 8))):
+                dense(f"{p}.{n}.weight", s)
+            continue
+        dense(f"{p}.gate.weight", (e, h))
+        mesh = tr.reshape(ep, f)
+        t.append(TensorLayout(f"{p}.experts.gate_up_proj", (slots, 8, h), "float32", mesh, (0, 1), i - first))
+        t.append(TensorLayout(f"{p}.experts.down_proj", (slots, h, 4), "float32", mesh, (0, 1), i - first))
+        if family == "deepseek_v3":
+            t.append(TensorLayout(f"{p}.gate.e_score_correction_bias", (e,), "float32", None, ()))
+            for n, s in (("gate_proj", (4, h)), ("up_proj", (4, h)), ("down_proj", (h, 4))):
+                dense(f"{p}.shared_experts.{n}.weight", s)
+    p2l = np.stack(
+        [rng.permutation(np.concatenate([np.arange(e), rng.integers(0, e, ep)])) for _ in range(layers - first)]
+    )
+    return ShardLayout(tuple(t), p2l, e, world, -1), layers
+
+
+def _engine_layout(family: str, layers: int, engine, tp: int, ep: int, rng):
+    from moeshard.plan.engines import vllm_deepseek_v3
+
+    n_moe = layers - (0 if family == "qwen3_moe" else 1)
+    slots = len(engine) * (2 if len(engine) > 2 else 3) if ep > 1 else 6
+    p2l = np.stack(
+        [rng.permutation(np.concatenate([np.arange(4), rng.integers(0, 4, slots - 4)])) for _ in range(n_moe)]
+    )
+    if family == "qwen3_moe":
+        return vllm_qwen3_moe(layers, engine, tp=tp, ep=ep, phy2log=p2l, dtype="bfloat16")
+    return vllm_deepseek_v3(layers, engine, tp=tp, ep=ep, phy2log=p2l, first_k_dense=1)
+
+
+# (family, world, trainer ranks, trainer EP, engine ranks, engine TP, engine EP)
+CASES = [
+    ("qwen3_moe", 4, (0, 1, 2, 3), 2, (0, 1, 2, 3), 2, 1),
+    ("qwen3_moe", 4, (0, 1, 2, 3), 2, (0, 1, 2, 3), 2, 4),
+    ("deepseek_v3", 4, (0, 1, 2, 3), 4, (0, 1, 2, 3), 1, 4),
+    ("qwen3_moe", 5, (0, 1), 2, (2, 3, 4), 1, 3),  # disjoint, odd world
+    ("deepseek_v3", 7, (1, 2, 3, 4), 2, (5, 6), 2, 1),  # rank 0 neither (dead)
+    ("deepseek_v3", 6, (0, 1, 2, 3), 2, (2, 3, 4, 5), 2, 4),  # half colocated
+    ("qwen3_moe", 8, (0, 1, 2, 3, 4, 5), 3, (2, 3, 4, 5, 6, 7), 2, 1),
+]
+
+
+def _setup(case, seed):
+    from moeshard.ops.refit import refit_inputs
+    from moeshard.topology import Topology
+
+    family, world, trainers, t_ep, engine, tp, ep = case
+    rng = np.random.default_rng(seed)
+    shared, layers = _trainer_layout(family, trainers, world, t_ep, rng)
+    layout = _engine_layout(family, layers, engine, tp, ep, rng)
+    got = refit_inputs(shared, trainers, layout)
+    topo = Topology(world_size=world, local_world_size=2 if world % 2 == 0 else 1)
+    return shared, layout, got.info, got.holds, got.itemsize, topo
+
+
+def _values(info):
+    """Every unit's values: distinct integers (exact in float64)."""
+    out = {}
+    for k, name in enumerate(info.shapes):
+        shape = info.shapes[name]
+        n = int(np.prod(shape))
+        if name in info.experts:
+            for e in range(info.num_logical):
+                out[f"{name}[{e}]"] = (np.arange(n) + 1000 * (100 * k + e)).reshape(shape).astype(np.float64)
+        else:
+            out[name] = (np.arange(n) + 100000 * (k + 1)).reshape(shape).astype(np.float64)
+    return out
+
+
+def _run_on_paper(plans, holds, needs, keys, values, world):
+    """Every rank's schedules run as the executor pairs them: in each round, the sends of a
+    pair in the sender's row order against the receives in the receiver's. Returns the engine
+    tensors ``{(rank, param): array}`` and a count of writes per element."""
+    # The trainer ranks' local tensors, from their holdings.
+    local = {}
+    for i in range(len(holds.unit)):
+        r, j, slot = int(holds.rank[i]), int(holds.param[i]), int(holds.slot[i])
+        key = keys[int(holds.unit[i])]
+        nd = values[key].ndim
+        box = tuple(slice(o, o + n) for o, n in zip(holds.off[i, :nd], holds.len[i, :nd]))
+        local[(r, j, slot)] = values[key][box]
+    out, hits = {}, {}
+    for j, shape in enumerate(needs.local_shapes):
+        for r in set(needs.rows.rank[needs.rows.param == j].tolist()):
+            out[(r, j)] = np.full(shape, np.nan)
+            hits[(r, j)] = np.zeros(shape, np.int64)
+    for g in range(len(plans[0].groups)):
+        wire = {}  # (round, src, dst) -> [(unit, box, data)] in the sender's order
+        for r in range(world):
+            s = plans[r].plans[g].schedule
+            for row in np.flatnonzero(s.sends.src == r):
+                v, pid = int(s.sends.view[row]), int(s.sends.piece[row])
+                nd = int(s.key_ndim[s.pieces.key[pid]])
+                at = tuple(slice(o, o + n) for o, n in zip(s.views.off[v, :nd], s.pieces.len[pid, :nd]))
+                data = local[(r, int(s.views.param[v]), int(s.views.slot[v]))][at]
+                key = (int(s.sends.round[row]), r, int(s.sends.dst[row]))
+                wire.setdefault(key, []).append((int(s.pieces.key[pid]), s.piece_box(pid), data))
+        for r in range(world):
+            s = plans[r].plans[g].schedule
+            got = {}
+            seen = {}
+            for row in np.flatnonzero(s.sends.dst == r):
+                pid = int(s.sends.piece[row])
+                key = (int(s.sends.round[row]), int(s.sends.src[row]), r)
+                k = seen[key] = seen.get(key, -1) + 1
+                unit, box, data = wire[key][k]
+                assert (unit, box) == (int(s.pieces.key[pid]), s.piece_box(pid)), "the ends of a pair disagree"
+                got[pid] = data
+            for key, n in seen.items():
+                assert len(wire[key]) == n + 1, "a send without its receive"
+            for c in range(len(s.copies.piece)):
+                v, pid = int(s.copies.view[c]), int(s.copies.piece[c])
+                nd = int(s.key_ndim[s.pieces.key[pid]])
+                at = tuple(slice(o, o + n) for o, n in zip(s.views.off[v, :nd], s.pieces.len[pid, :nd]))
+                got[pid] = local[(r, int(s.views.param[v]), int(s.views.slot[v]))][at]
+            dl = s.deliveries
+            for row in range(len(dl.piece)):
+                pid, j, slot = int(dl.piece[row]), int(dl.param[row]), int(dl.slot[row])
+                nd = int(s.key_ndim[s.pieces.key[pid]])
+                at = tuple(slice(o, o + n) for o, n in zip(dl.off[row, :nd], s.pieces.len[pid, :nd]))
+                at = ((slot,) if slot >= 0 else ()) + at
+                out[(r, j)][at] = got[pid]
+                hits[(r, j)][at] += 1
+    return out, hits
+
+
+def _expected(needs, keys, values):
+    out = {}
+    rows = needs.rows
+    for i in range(len(rows.unit)):
+        r, j, slot = int(rows.rank[i]), int(rows.param[i]), int(rows.slot[i])
+        x = out.setdefault((r, j), np.full(needs.local_shapes[j], np.nan))
+        key = keys[int(rows.unit[i])]
+        nd = values[key].ndim
+        src = tuple(slice(o, o + n) for o, n in zip(rows.off[i, :nd], rows.len[i, :nd]))
+        at = ((slot,) if slot >= 0 else ()) + tuple(
+            slice(o, o + n) for o, n in zip(rows.local[i, :nd], rows.len[i, :nd])
+        )
+        x[at] = values[key][src]
+    return out
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_per_rank_plans_deliver_every_need_once_and_match_the_job_wide_plan(case, seed):
+    """Each rank plans alone; run together (sends paired with receives in the order each end
+    planned them), every engine tensor gets exactly the trainer's values, every need element
+    once; bytes sent and copied equal the job-wide planner's (each box once to each rank that
+    needs it); the pair check sums to 0."""
+    from moeshard.plan.refit import plan_refit
+    from moeshard.plan.reshard import BoxRows, Units, plan_reshard
+
+    shared, layout, info, holds, sizes, topo = _setup(case, seed)
+    world = topo.world_size
+    staging, ops = 96, 6  # small budgets: pieces cut, rounds spread
+    plans = [plan_refit(layout, info, holds, sizes, topo, staging, ops, r) for r in range(world)]
+    assert len({p.fingerprint for p in plans}) == 1
+    assert sum(p.check for p in plans) % 2**64 == 0
+    needs = plans[0].needs
+    keys = needs.keys
+    values = _values(info)
+    got, hits = _run_on_paper(plans, holds, needs, keys, values, world)
+    want = _expected(needs, keys, values)
+    assert set(got) == set(want)
+    for k in want:
+        filled = ~np.isnan(want[k])
+        np.testing.assert_array_equal(got[k][filled], want[k][filled])
+        assert (hits[k][filled] == 1).all() and (hits[k][~filled] == 0).all()
+    # The job-wide planner on the same tables, group by group.
+    ndim, _ = info.unit_columns()
+    wire = np.asarray([sizes[d] for d in plans[0].wire_dtypes], np.int64)
+    units = Units(keys, ndim, wire, np.zeros(len(keys), bool))
+    rows = needs.rows
+    group_of = np.asarray([t.group for t in layout.tensors])
+    peer = copy = 0
+    for g in plans[0].groups:
+        sel = group_of[rows.param] == g
+        n_g = BoxRows(*(a[sel] for a in (rows.unit, rows.rank, rows.param, rows.slot, rows.off, rows.len, rows.local)))
+        old = plan_reshard(units, holds, n_g, topo, staging, ops)
+        peer += old.peer_bytes
+        copy += old.copy_bytes
+    assert sum(p.sent_bytes for p in plans) == peer > 0
+    assert sum(p.copy_bytes for p in plans) == copy
+    # Budgets: per rank and round at most max_ops P2P ops and staging_bytes received (a piece
+    # is cut to fit: no index here is larger).
+    for p in plans:
+        for rp in p.plans:
+            s = rp.schedule
+            mine = (s.sends.src == p.rank) | (s.sends.dst == p.rank)
+            assert np.bincount(s.sends.round[mine]).max(initial=0) <= ops
+            into = s.sends.dst == p.rank
+            if into.any():
+                assert np.bincount(s.sends.round[into], weights=s.pieces.bytes[s.sends.piece[into]]).max() <= staging
+
+
+def test_a_rank_plans_from_its_own_rows_only():
+    """A rank's plan reads only the holdings of the units it needs or holds: the other units'
+    holdings dropped and the rows shuffled, its schedules are the same."""
+    from moeshard.plan.refit import plan_refit
+    from moeshard.plan.reshard import BoxRows
+
+    shared, layout, info, holds, sizes, topo = _setup(CASES[5], 3)
+    for rank in (0, 2, 5):
+        base = plan_refit(layout, info, holds, sizes, topo, 96, 6, rank)
+        needs = base.needs.rows
+        rel = np.zeros(len(info.unit_keys()), bool)
+        rel[needs.unit[needs.rank == rank]] = True
+        rel[holds.unit[holds.rank == rank]] = True
+        keep = np.flatnonzero(rel[holds.unit])[::-1]
+        other = BoxRows(
+            *(a[keep] for a in (holds.unit, holds.rank, holds.param, holds.slot, holds.off, holds.len, holds.local))
+        )
+        assert len(other.unit) < len(holds.unit)
+        alone = plan_refit(layout, info, other, sizes, topo, 96, 6, rank)
+        assert [p.schedule.fingerprint for p in alone.plans] == [p.schedule.fingerprint for p in base.plans]
+        assert (alone.sent_bytes, alone.copy_bytes, alone.check) == (base.sent_bytes, base.copy_bytes, base.check)
+
+
+def test_ends_that_plan_a_pair_differently_fail_the_pair_check(monkeypatch):
+    """Two ranks whose round rules differ (as ranks running other code would) plan from the same
+    inputs (same fingerprint) but the pair check's terms no longer sum to 0: refit raises on
+    every rank before any data moves."""
+    from moeshard.plan import pairs
+    from moeshard.plan.refit import check_pairs, plan_refit
+
+    shared, layout, info, holds, sizes, topo = _setup(CASES[3], 0)
+    plans = [plan_refit(layout, info, holds, sizes, topo, 96, 6, r) for r in range(topo.world_size)]
+    shares = [(p.fingerprint, p.check, p.sent_bytes, p.copy_bytes) for p in plans]
+    check_pairs(shares)
+    monkeypatch.setattr(pairs.PairRounds, "rounds", lambda self, src, dst, k: k)  # another round rule
+    skewed = plan_refit(layout, info, holds, sizes, topo, 96, 6, 0)
+    assert skewed.fingerprint == plans[0].fingerprint
+    with pytest.raises(ValueError, match="pair check"):
+        check_pairs([(skewed.fingerprint, skewed.check, 0, 0)] + shares[1:])
+    with pytest.raises(ValueError, match="different inputs"):
+        check_pairs([("x", 0, 0, 0)] + shares[1:])
+
+
+def test_a_box_no_trainer_rank_holds_or_holdings_that_overlap_raise_naming_it():
+    """A hole in the trainer's holdings (a shard dropped) raises on the rank that needs it,
+    naming the box, the unit and the engine tensor; holdings that overlap without being equal
+    (two shards of one tensor sharing rows) raise too: no box is sent twice or not at all."""
+    from moeshard.plan.refit import plan_refit
+    from moeshard.plan.reshard import BoxRows
+
+    shared, layout, info, holds, sizes, topo = _setup(CASES[3], 0)  # disjoint: ranks 0-1 train
+    keys = info.unit_keys()
+    o = keys.index("model.layers.1.self_attn.o_proj.weight")
+    rows = np.flatnonzero(holds.unit == o)
+    assert len(rows) >= 2
+    cols = (holds.unit, holds.rank, holds.param, holds.slot, holds.off, holds.len, holds.local)
+    hole = np.setdiff1d(np.arange(len(holds.unit)), rows[:1])
+    holey = BoxRows(*(a[hole] for a in cols))
+    with pytest.raises(ValueError, match=r"no trainer rank holds all of box .* of model.layers.1.self_attn.o_proj"):
+        plan_refit(layout, info, holey, sizes, topo, 96, 6, 2)
+    wide = [a.copy() for a in cols]
+    r = rows[0]
+    wide[5][r, 0] += 1  # the first shard one row longer: it overlaps the next one
+    with pytest.raises(ValueError, match="overlap in box"):
+        plan_refit(layout, info, BoxRows(*wide), sizes, topo, 96, 6, 2)

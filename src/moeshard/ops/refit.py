@@ -9,8 +9,9 @@ send), so the bytes sent are the least any plan sends; nothing is gathered whole
 
 Steps (collective, every rank of ``group``: trainer ranks, engine ranks, or both):
 check each rank's arguments and exchange who holds the trainer (one exchange) -> the first
-trainer rank's layout to every rank -> plan (pure: :func:`moeshard.plan.refit.plan_refit`) ->
-agree -> per install group (a decoder layer's engine tensors): run the group's schedule into
+trainer rank's layout to every rank -> plan this rank's transfers (pure:
+:func:`moeshard.plan.refit.plan_refit`) -> agree on the inputs' fingerprint and the pair check
+(one exchange) -> per install group (a decoder layer's engine tensors): run the group's schedule into
 staging tensors, agree, install -> optional verify -> report. A failure on any rank (a bad
 argument, a lost peer) raises on every rank; every engine layer is then all old or all new.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -29,16 +31,17 @@ from .. import collectives
 from ..execute import LocalTensors, Source, TensorSink, execute_schedule
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
 from ..models.describe import local_tensor
+from ..models.shards import shard_boxes
 from ..plan import DEFAULT_MAX_OPS, DEFAULT_STAGING_BYTES
-from ..plan.refit import EngineLayout, RefitPlan, UnitInfo, plan_refit
-from ..plan.reshard import ReshardPlan
+from ..plan.refit import EngineLayout, RefitPlan, UnitInfo, check_pairs, plan_refit
+from ..plan.reshard import BoxRows, ReshardPlan
 from ..topology import Topology
 from . import engine_quant
 from .report import OpReport, Phases
-from .reshard import ShardLayout, UnitIndex, box_rows, describe_shards
+from .reshard import ShardLayout, describe_shards
 from .skeleton import group_topology, named_tensors
 
-__all__ = ["RefitReport", "RefitVerifyError", "refit", "plan_for"]
+__all__ = ["RefitReport", "RefitVerifyError", "RefitInputs", "refit", "plan_for", "refit_inputs"]
 
 
 class RefitVerifyError(collectives.DistributedError):
@@ -84,6 +87,81 @@ def _unit_info(shared: ShardLayout) -> UnitInfo:
     return UnitInfo(shapes, dtypes, frozenset(experts), shared.num_logical)
 
 
+def _holdings(shared: ShardLayout, trainers: Sequence[int], info: UnitInfo, width: int) -> BoxRows:
+    """The trainer ranks' boxes of every unit (ids: ``info.unit_base()``), from the layout's
+    arithmetic (each tensor's shard boxes, on the ranks of ``trainers``)."""
+    i64 = np.int64
+    base = info.unit_base()
+    is_trainer = np.zeros(shared.world_size, bool)
+    is_trainer[np.asarray(trainers, i64)] = True
+    made: dict[tuple, tuple[np.ndarray, ...]] = {}  # tensors sharded alike share their rows
+
+    def rows_of(t) -> tuple[np.ndarray, ...]:
+        key = (t.shape, t.placements, None if t.mesh is None else (t.mesh.shape, t.mesh.tobytes()))
+        got = made.get(key)
+        if got is None:
+            nd = len(t.shape)
+            if t.mesh is None:
+                ranks = np.arange(shared.world_size, dtype=i64)
+                boxes = np.broadcast_to(
+                    np.stack([np.zeros(nd, i64), np.asarray(t.shape, i64)], -1), (len(ranks), nd, 2)
+                )
+            else:
+                ranks = np.asarray(t.mesh, i64).reshape(-1)
+                boxes = shard_boxes(t.shape, t.mesh.shape, t.placements)
+            keep = is_trainer[ranks] & (boxes[:, :, 1] > 0).all(axis=1)
+            r, box = ranks[keep], boxes[keep]
+            off, ln = np.zeros((len(r), width), i64), np.ones((len(r), width), i64)
+            off[:, :nd], ln[:, :nd] = box[:, :, 0], box[:, :, 1]
+            got = made[key] = (r, off, ln)
+        return got
+
+    parts = []
+    for j, t in enumerate(shared.tensors):
+        r, off, ln = rows_of(t)
+        if t.layer < 0:
+            parts.append(
+                (np.full(len(r), base[t.name], i64), r, np.full(len(r), j, i64), np.full(len(r), -1, i64), off, ln)
+            )
+            continue
+        n = ln[:, 0]  # local slots of each rank's box, in rank then slot order
+        row = np.repeat(np.arange(len(r)), n)
+        k = np.arange(len(row), dtype=i64) - np.repeat(np.cumsum(n) - n, n)
+        e = shared.phy2log[t.layer, off[row, 0] + k].astype(i64)
+        on = e >= 0
+        row, k, e = row[on], k[on], e[on]
+        # An expert's slice: the box past the slot dim.
+        sub_off, sub_len = np.zeros((len(row), width), i64), np.ones((len(row), width), i64)
+        sub_off[:, : width - 1], sub_len[:, : width - 1] = off[row, 1:], ln[row, 1:]
+        parts.append((base[t.name] + e, r[row], np.full(len(row), j, i64), k, sub_off, sub_len))
+    if not parts:
+        return BoxRows.empty(width)
+    cols = [np.concatenate([p[c] for p in parts]) for c in range(6)]
+    return BoxRows(*cols, np.zeros((len(cols[0]), width), i64))
+
+
+class RefitInputs(NamedTuple):
+    """What every rank plans a refit from (:func:`refit_inputs`): the trainer's logical
+    tensors, its ranks' holdings (unit ids: ``info.unit_base()``), bytes per element of every
+    dtype name involved, and a description of where the holdings came from (for the plan's
+    fingerprint)."""
+
+    info: UnitInfo
+    holds: BoxRows
+    itemsize: dict[str, int]
+    described: str
+
+
+def refit_inputs(shared: ShardLayout, trainers: Sequence[int], layout: EngineLayout) -> RefitInputs:
+    """Local and pure: the :class:`RefitInputs` of a trainer layout held by refit-group ranks
+    ``trainers``, refit into ``layout``."""
+    info = _unit_info(shared)
+    width = max([len(t.shape) for t in shared.tensors] + [1])
+    holds = _holdings(shared, trainers, info, width)
+    sizes = _itemsizes([*info.dtypes.values(), *(t.dtype for t in layout.tensors if t.dtype)])
+    return RefitInputs(info, holds, sizes, f"{shared.digest()} {list(trainers)}")
+
+
 def plan_for(
     shared: ShardLayout,
     trainers: Sequence[int],
@@ -91,24 +169,20 @@ def plan_for(
     topology: Topology,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     max_ops: int = DEFAULT_MAX_OPS,
+    rank: int | None = None,
 ) -> RefitPlan:
-    """Local and pure (torch only for dtype sizes): the refit plan from a trainer layout
-    (:func:`~moeshard.ops.reshard.describe_shards`, any rank's) held by refit-group ranks
-    ``trainers`` (the trainer's ranks are the refit group's) to ``layout``."""
+    """Local and pure (torch only for dtype sizes): rank ``rank``'s refit plan (default:
+    ``topology.rank``) from a trainer layout (:func:`~moeshard.ops.reshard.describe_shards`,
+    any rank's) held by refit-group ranks ``trainers`` (the trainer's ranks are the refit
+    group's) to ``layout``."""
     world = topology.world_size
     if shared.world_size != world:
         raise ValueError(f"the trainer's layout is of {shared.world_size} ranks, the refit group has {world}")
     if max(layout.ranks) >= world or min(layout.ranks) < 0:
         raise ValueError(f"engine ranks {list(layout.ranks)} outside the refit group's {world} ranks")
-    rank_map = np.full(world, -1, np.int64)
-    rank_map[np.asarray(trainers, np.int64)] = np.asarray(trainers, np.int64)
-    info = _unit_info(shared)
-    width = max([len(t.shape) for t in shared.tensors] + [1])
-    units = UnitIndex()
-    holds = box_rows(shared.tensors, shared.phy2log, world, rank_map, units, width)
-    table = units.units()
-    sizes = _itemsizes([*units.dtype, *(t.dtype for t in layout.tensors if t.dtype)])
-    return plan_refit(layout, info, holds, table, list(units.dtype), sizes, topology, staging_bytes, max_ops)
+    got = refit_inputs(shared, trainers, layout)
+    me = topology.rank if rank is None else rank
+    return plan_refit(layout, got.info, got.holds, got.itemsize, topology, staging_bytes, max_ops, me, got.described)
 
 
 # The last plan, by what it is a function of (the trainer's and engine's layouts, the ranks, the
@@ -251,17 +325,28 @@ def refit(
 
     def make_plan():
         topo = group_topology(topology, group)
-        key = (shared.digest(), tuple(trainers), layout.digest(), topo.with_rank(0), staging_bytes, max_ops)
+        key = (shared.digest(), tuple(trainers), layout.digest(), topo, staging_bytes, max_ops)
         plan = _PLANS.get(key)
         if plan is None:
-            plan = plan_for(shared, trainers, layout, topo, staging_bytes, max_ops)
+            plan = plan_for(shared, trainers, layout, topo, staging_bytes, max_ops, rank)
             _PLANS.clear()  # one plan kept: an RL loop refits the same layouts step after step
             _PLANS[key] = plan
         if ready.dst is not None:
             _check_dst(plan, layout, ready.dst, ready.scales)
         return plan
 
-    plan = collectives.agree(make_plan, "moeshard.refit: planning", fingerprint=lambda p: p.fingerprint)
+    # Each rank plans its own transfers: the ranks agree that they planned from the same inputs
+    # (the fingerprint) and that the two ends of every transfer planned it alike (the pair
+    # check's terms sum to 0), in one exchange, before any data moves.
+    gathered = collectives.agree_and_gather(
+        make_plan,
+        "moeshard.refit: planning",
+        share=lambda p: (p.fingerprint, p.check, p.sent_bytes, p.copy_bytes),
+    )
+    plan, shares = gathered.result, gathered.shares
+    collectives.unanimous(lambda: check_pairs(shares), "moeshard.refit: planning")
+    peer_bytes = sum(s[2] for s in shares)
+    copy_bytes = sum(s[3] for s in shares)
     t_plan = phases.end("plan") - t0
     wire = [getattr(torch, d) for d in plan.wire_dtypes]
     sent, received, peak, installed = _install(plan, layout, ready, rank, wire, device)
@@ -276,14 +361,14 @@ def refit(
         wall_seconds=time.perf_counter() - t0,
         plan_seconds=t_plan,
         fingerprint=plan.fingerprint,
-        plan={"peer_bytes": plan.peer_bytes, "copy_bytes": plan.copy_bytes, "groups": len(plan.groups)},
+        plan={"peer_bytes": peer_bytes, "copy_bytes": copy_bytes, "groups": len(plan.groups)},
         bytes_sent_rank=sent,
         bytes_received_rank=received,
         peak_staging_bytes_rank=peak,
         phase_seconds=phases.seconds,
         phase_cpu_seconds=phases.cpu_seconds,
-        peer_bytes=plan.peer_bytes,
-        copy_bytes=plan.copy_bytes,
+        peer_bytes=peer_bytes,
+        copy_bytes=copy_bytes,
         groups=len(plan.groups),
         engine_tensors_rank=installed,
         verified_boxes_rank=checked,
@@ -350,12 +435,18 @@ def digest(t: torch.Tensor) -> int:
     return int((x * w).sum())
 
 
+def _box_key(s, pid: int) -> tuple:
+    """A piece as both ends of its transfer name it: its unit and box (piece numbers are each
+    rank's own)."""
+    return (int(s.pieces.key[pid]), s.piece_box(pid))
+
+
 def _verify(plan: RefitPlan, layout: EngineLayout, ready: _Ready, rank: int, wire) -> int:
     """Collective: every delivery's digest at its source (the trainer's box, cast to the
     engine tensor's dtype) against the engine's installed box; :class:`RefitVerifyError` on
     every rank naming the first box that differs. Returns the boxes this rank checked."""
     eng_dtypes = [getattr(torch, d) for d in plan.needs.dtypes]
-    mine: dict[tuple[int, int, int], int] = {}  # (plan, receiver, piece) -> digest at the source
+    mine: dict[tuple, int] = {}  # (plan, receiver, unit and box) -> digest at the source
     for gi, p in enumerate(plan.plans):
         s = p.schedule
         if not ready.shards:
@@ -363,16 +454,16 @@ def _verify(plan: RefitPlan, layout: EngineLayout, ready: _Ready, rank: int, wir
         local = LocalTensors(s, ready.shards, rank)
         dl = s.deliveries
         first_param = {}
-        for pid, r, j in zip(dl.piece.tolist(), dl.rank.tolist(), dl.param.tolist()):
-            first_param.setdefault((pid, r), j)
+        for pid, j in zip(dl.piece.tolist(), dl.param.tolist()):
+            first_param.setdefault(pid, j)
         for row in np.flatnonzero(s.sends.src == rank).tolist():
             pid, dst, v = int(s.sends.piece[row]), int(s.sends.dst[row]), int(s.sends.view[row])
-            dt = eng_dtypes[first_param[(pid, dst)]]
-            mine[(gi, dst, pid)] = digest(local.view(v, pid).to(dt))
+            dt = eng_dtypes[int(plan.send_params[gi][row])]
+            mine[(gi, dst, _box_key(s, pid))] = digest(local.view(v, pid).to(dt))
         for c in np.flatnonzero(s.views.rank[s.copies.view] == rank).tolist():
             pid, v = int(s.copies.piece[c]), int(s.copies.view[c])
-            dt = eng_dtypes[first_param[(pid, rank)]]
-            mine[(gi, rank, pid)] = digest(local.view(v, pid).to(dt))
+            dt = eng_dtypes[first_param[pid]]
+            mine[(gi, rank, _box_key(s, pid))] = digest(local.view(v, pid).to(dt))
     every = collectives.all_gather_object(mine, what="moeshard.refit: verify digests")
     source = {}
     for d in every:
@@ -392,7 +483,7 @@ def _verify(plan: RefitPlan, layout: EngineLayout, ready: _Ready, rank: int, wir
                 pid = int(s.deliveries.piece[row])
                 got = digest(sink.target(row))
                 checked += 1
-                want = source.get((gi, rank, pid))
+                want = source.get((gi, rank, _box_key(s, pid)))
                 if want != got:
                     j = int(s.deliveries.param[row])
                     unit = s.keys[int(s.pieces.key[pid])]

@@ -15,8 +15,9 @@ TP and EP sizes and its placement (``phy2log``, taken from the engine).
 Logical tensors are the trainer model's own (a dense parameter or persistent buffer by name; an
 expert parameter's slice of one logical expert as ``"<parameter>[<expert>]"``, the *units* of
 :mod:`moeshard.plan.reshard`). :func:`engine_needs` turns a layout into need rows over those
-units; :func:`plan_refit` plans the transfers from the trainer's live shards (the same planner
-as a reshard: a cell an engine rank holds itself is copied, else sent once by one holder).
+units; :func:`plan_refit` plans one rank's transfers from the trainer's live shards
+(:mod:`moeshard.plan.pairs`: a box an engine rank holds itself is copied, else sent once by one
+holder), and :func:`check_pairs` checks that the ranks' plans fit together.
 
 Pure and torch-free.
 """
@@ -24,13 +25,14 @@ Pure and torch-free.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..topology import Topology
-from .reshard import BoxRows, ReshardPlan, Units, plan_reshard
+from .pairs import pair_rounds, plan_transfers_of, rank_schedule
+from .reshard import BoxRows, ReshardPlan, StorageCells
 
 __all__ = [
     "QUANTS",
@@ -41,7 +43,9 @@ __all__ = [
     "EngineNeeds",
     "check_blocks",
     "engine_needs",
+    "wire_dtypes",
     "plan_refit",
+    "check_pairs",
 ]
 
 # The quantizations an engine tensor may declare (None: none).
@@ -203,12 +207,42 @@ class UnitInfo:
     experts: frozenset[str]
     num_logical: int
 
+    def unit_base(self) -> dict[str, int]:
+        """``{name: id}`` of the units in their one numbering (every rank's alike): the
+        tensors in ``shapes`` order, a dense one one unit, an expert parameter
+        ``num_logical`` units (expert ``e``: ``id + e``)."""
+        out, at = {}, 0
+        for name in self.shapes:
+            out[name] = at
+            at += self.num_logical if name in self.experts else 1
+        return out
+
+    def unit_keys(self) -> tuple[str, ...]:
+        """The units' keys in id order (``"<parameter>[<expert>]"`` for an expert's)."""
+        keys: list[str] = []
+        for name in self.shapes:
+            if name in self.experts:
+                keys.extend(f"{name}[{e}]" for e in range(self.num_logical))
+            else:
+                keys.append(name)
+        return tuple(keys)
+
+    def unit_columns(self) -> tuple[np.ndarray, list[str]]:
+        """``(ndim int64[U], dtype name of each unit)`` in id order."""
+        ndim, dtypes = [], []
+        for name, shape in self.shapes.items():
+            n = self.num_logical if name in self.experts else 1
+            ndim += [len(shape)] * n
+            dtypes += [self.dtypes[name]] * n
+        return np.asarray(ndim, np.int64), dtypes
+
 
 @dataclass(frozen=True)
 class EngineNeeds:
     """The need rows of an engine layout (``N`` rows, ``D`` padded dims; :class:`BoxRows` over
-    unit ids, ``param`` = the engine tensor's index in ``layout.tensors``, ``slot`` its local
-    slot or -1), the unit keys in id order, and every engine tensor's local shape and dtype."""
+    unit ids (:meth:`UnitInfo.unit_base`), ``param`` = the engine tensor's index in
+    ``layout.tensors``, ``slot`` its local slot or -1), the unit keys in id order, and every
+    engine tensor's local shape and dtype."""
 
     rows: BoxRows
     keys: tuple[str, ...]
@@ -262,29 +296,93 @@ def check_blocks(layout: EngineLayout, info: UnitInfo) -> None:
                     )
 
 
+@dataclass(frozen=True)
+class _Template:
+    """The need rows of one engine tensor up to its units (``m`` rows): the segment of each,
+    the engine index (position in ``layout.ranks``), the local slot and physical slot (-1: a
+    dense tensor), the box in the unit and where it lands (``int64[m, width]``, padded), and
+    the tensor's local shape. Engine tensors alike but for their sources share one."""
+
+    seg: np.ndarray
+    eng: np.ndarray
+    slot: np.ndarray
+    phys: np.ndarray
+    off: np.ndarray
+    len: np.ndarray
+    local: np.ndarray
+    shape: tuple[int, ...]
+
+
+def _template(t: EngineTensor, segs: list, layout: EngineLayout, num_slots: int, width: int) -> _Template:
+    """The :class:`_Template` of engine tensor ``t`` (segment shapes ``segs``; ``num_slots``:
+    the slots of its placement row). Raises ValueError naming ``t`` for a split that is not even."""
+    i64 = np.int64
+    nd = len(segs[0])
+    n_eng = len(layout.ranks)
+    tp_rank = np.arange(n_eng, dtype=i64) % layout.tp
+    spr = layout.slots_per_rank
+    split = t.shard_dim is not None and (t.moe_layer < 0 or layout.ep == 1)
+    tp = layout.tp if split else 1
+    local = list(segs[0])
+    local[t.cat_dim] = 0
+    cat_at = 0
+    if t.moe_layer < 0:
+        er = np.arange(n_eng, dtype=i64)
+        slot = phys = np.full(n_eng, -1, i64)
+    elif layout.ep == 1:  # every slot, on every rank
+        er = np.repeat(np.arange(n_eng, dtype=i64), num_slots)
+        slot = phys = np.tile(np.arange(num_slots, dtype=i64), n_eng)
+    else:  # its own slots
+        er = np.repeat(np.arange(n_eng, dtype=i64), spr)
+        slot = np.tile(np.arange(spr, dtype=i64), n_eng)
+        phys = er * spr + slot
+    parts = []
+    for k, (s, sh) in enumerate(zip(t.segments, segs)):
+        # The box of the segment in its unit (one row per TP rank), and its length here.
+        n = sh[t.shard_dim] if split else 0
+        padded = -(-n // t.pad_to) * t.pad_to
+        per = -(-padded // tp) if split else 0
+        if split and t.pad_to == 1 and n % tp:
+            raise ValueError(
+                f"engine tensor {t.name}: segment {s.source} dim {t.shard_dim} ({n}) splits unevenly over tp={tp}"
+            )
+        base_off = np.zeros((n_eng, width), i64)
+        base_len = np.ones((n_eng, width), i64)
+        base_len[:, :nd] = sh
+        base_off[:, s.part_dim] = s.part[0] * sh[s.part_dim]
+        if split:
+            d = t.shard_dim
+            lo = np.minimum(tp_rank * per, n)
+            base_off[:, d] += lo
+            base_len[:, d] = np.minimum(lo + per, n) - lo
+        seg_len = per if split and t.shard_dim == t.cat_dim else sh[t.cat_dim]
+        if split and t.shard_dim != t.cat_dim:
+            local[t.shard_dim] = per
+        dst = np.zeros((n_eng, width), i64)
+        dst[:, t.cat_dim] = cat_at
+        cat_at += seg_len
+        keep = (base_len[er] > 0).all(axis=1)
+        e = er[keep]
+        parts.append((np.full(len(e), k, i64), e, slot[keep], phys[keep], base_off[e], base_len[e], dst[e]))
+    local[t.cat_dim] = cat_at
+    lead = [num_slots if layout.ep == 1 else spr] if t.moe_layer >= 0 else []
+    cols = [np.concatenate([p[c] for p in parts]) for c in range(7)]
+    return _Template(*cols, tuple(lead + local))
+
+
 def engine_needs(layout: EngineLayout, info: UnitInfo, width: int) -> EngineNeeds:
     """Every engine rank's need rows (pure): per engine tensor, rank, local slot and segment, the
     box of the logical unit it holds and where it lands in the local tensor. ``width``: padded
     dims (at least every unit's). Raises ValueError naming the tensor for a segment the trainer
     lacks, shapes that do not concatenate, or a split that is not even."""
     i64 = np.int64
-    ids: dict[str, int] = {}
-    ndims: list[int] = []
-    n_eng = len(layout.ranks)
+    ids = info.unit_base()
     eng_ranks = np.asarray(layout.ranks, i64)
-    tp_rank = np.arange(n_eng, dtype=i64) % layout.tp
     p2l = None if layout.phy2log is None else np.asarray(layout.phy2log, i64)
-    spr = layout.slots_per_rank
+    num_slots = 0 if p2l is None else p2l.shape[1]
+    made: dict[tuple, _Template] = {}
     cols: list[tuple[np.ndarray, ...]] = []
     shapes, dtypes = [], []
-
-    def uid(key: str, nd: int) -> int:
-        u = ids.get(key)
-        if u is None:
-            u = ids[key] = len(ndims)
-            ndims.append(nd)
-        return u
-
     for j, t in enumerate(layout.tensors):
         segs = [_seg_shape(t, s, info) for s in t.segments]
         nd = len(segs[0])
@@ -298,123 +396,96 @@ def engine_needs(layout: EngineLayout, info: UnitInfo, width: int) -> EngineNeed
                     f"engine tensor {t.name}: segment {s.source} {list(sh)} does not concatenate with "
                     f"{list(segs[0])} along dim {t.cat_dim}"
                 )
-        dtype = t.dtype or info.dtypes[t.segments[0].source]
-        split = t.shard_dim is not None and (t.moe_layer < 0 or layout.ep == 1)
-        tp = layout.tp if split else 1
-        local = list(segs[0])
-        local[t.cat_dim] = 0
-        cat_at = 0
-        for s, sh in zip(t.segments, segs):
-            # The box of the segment in its unit (one row per TP rank), and its length here.
-            n = sh[t.shard_dim] if split else 0
-            padded = -(-n // t.pad_to) * t.pad_to
-            per = -(-padded // tp) if split else 0
-            if split and t.pad_to == 1 and n % tp:
-                raise ValueError(
-                    f"engine tensor {t.name}: segment {s.source} dim {t.shard_dim} ({n}) splits unevenly over tp={tp}"
-                )
-            base_off = np.zeros((n_eng, nd), i64)
-            base_len = np.broadcast_to(np.asarray(sh, i64), (n_eng, nd)).copy()
-            base_off[:, s.part_dim] = s.part[0] * sh[s.part_dim]
-            if split:
-                d = t.shard_dim
-                lo = np.minimum(tp_rank * per, n)
-                base_off[:, d] += lo
-                base_len[:, d] = np.minimum(lo + per, n) - lo
-            seg_len = per if split and t.shard_dim == t.cat_dim else sh[t.cat_dim]
-            if split and t.shard_dim != t.cat_dim:
-                local[t.shard_dim] = per
-            dst = np.zeros((n_eng, nd), i64)
-            dst[:, t.cat_dim] = cat_at
-            cat_at += seg_len
-            if t.moe_layer < 0:
-                keep = (base_len > 0).all(axis=1)
-                u = uid(s.source, nd)
-                m = int(keep.sum())
-                cols.append(
-                    (
-                        np.full(m, u, i64),
-                        eng_ranks[keep],
-                        np.full(m, j, i64),
-                        np.full(m, -1, i64),
-                        base_off[keep],
-                        base_len[keep],
-                        dst[keep],
-                    )
-                )
-                continue
-            # Expert tensor: every local slot of every engine rank (EP: its own slots; no EP:
-            # every slot, on every rank).
-            row = p2l[t.moe_layer]
-            if layout.ep == 1:
-                er = np.repeat(np.arange(n_eng, dtype=i64), len(row))
-                slot = np.tile(np.arange(len(row), dtype=i64), n_eng)
-                phys = slot
-            else:
-                er = np.repeat(np.arange(n_eng, dtype=i64), spr)
-                slot = np.tile(np.arange(spr, dtype=i64), n_eng)
-                phys = er * spr + slot
-            e = row[phys]
+        dtypes.append(t.dtype or info.dtypes[t.segments[0].source])
+        key = (
+            tuple(segs),
+            tuple((s.part, s.part_dim) for s in t.segments),
+            t.cat_dim,
+            t.shard_dim,
+            t.pad_to,
+            t.moe_layer >= 0,
+        )
+        tm = made.get(key)
+        if tm is None:
+            tm = made[key] = _template(t, segs, layout, num_slots, width)
+        shapes.append(tm.shape)
+        base = np.asarray([ids[s.source] for s in t.segments], i64)[tm.seg]
+        if t.moe_layer >= 0:
+            e = p2l[t.moe_layer][tm.phys]
             if (e < 0).any() or (e >= info.num_logical).any():
                 raise ValueError(
                     f"engine tensor {t.name}: its placement row {t.moe_layer} names experts outside "
                     f"0..{info.num_logical - 1}"
                 )
-            keep = (base_len[er] > 0).all(axis=1)
-            er, slot, e = er[keep], slot[keep], e[keep]
-            uids = np.asarray([uid(f"{s.source}[{x}]", nd) for x in range(info.num_logical)], i64)
-            cols.append((uids[e], eng_ranks[er], np.full(len(er), j, i64), slot, base_off[er], base_len[er], dst[er]))
-        local[t.cat_dim] = cat_at
-        lead = [(len(p2l[t.moe_layer]) if layout.ep == 1 else spr)] if t.moe_layer >= 0 else []
-        shapes.append(tuple(lead + local))
-        dtypes.append(dtype)
-    n = sum(len(c[0]) for c in cols)
-    off, ln, dst = np.zeros((n, width), i64), np.ones((n, width), i64), np.zeros((n, width), i64)
-    at = 0
-    for c in cols:
-        m, nd = len(c[0]), c[4].shape[1]
-        off[at : at + m, :nd], ln[at : at + m, :nd], dst[at : at + m, :nd] = c[4], c[5], c[6]
-        at += m
+            base = base + e
+        cols.append((base, tm.eng, np.full(len(base), j, i64), tm.slot, tm.off, tm.len, tm.local))
 
-    def col(i: int) -> np.ndarray:
-        return np.concatenate([c[i] for c in cols]).astype(i64) if cols else np.zeros(0, i64)
+    def col(i: int, empty) -> np.ndarray:
+        return np.concatenate([c[i] for c in cols]) if cols else empty
 
-    rows = BoxRows(col(0), col(1), col(2), col(3), off, ln, dst)
+    z, zz = np.zeros(0, i64), np.zeros((0, width), i64)
+    rows = BoxRows(col(0, z), eng_ranks[col(1, z)], col(2, z), col(3, z), col(4, zz), col(5, zz), col(6, zz))
     check_blocks(layout, info)
-    return EngineNeeds(rows, tuple(ids), tuple(shapes), tuple(dtypes))
+    return EngineNeeds(rows, info.unit_keys(), tuple(shapes), tuple(dtypes))
 
 
 @dataclass(frozen=True, eq=False)
 class RefitPlan:
-    """A refit's plan per install group (the same on every rank).
+    """One rank's refit plan, per install group (:func:`plan_refit`).
 
     Args:
         groups: the install groups in order (-1 first, then ascending).
-        plans: a :class:`~moeshard.plan.reshard.ReshardPlan` per group (units: the holdings'),
-            run one after another.
-        needs: the layout's :class:`EngineNeeds` (unit ids: the holdings').
+        plans: a :class:`~moeshard.plan.reshard.ReshardPlan` per group, run one after another:
+            its ``schedule`` holds only the rows this rank takes part in.
+        needs: the layout's :class:`EngineNeeds` (the engine tensors' local shapes and dtypes;
+            ``rows``: the need rows this rank planned from).
         wire_dtypes: per unit, the dtype name its pieces travel in: the engine tensor's where it
             is no wider than the trainer's (a cast before sending), else the trainer's.
-        peer_bytes, copy_bytes: job-wide bytes sent between ranks and copied within a rank (in
-            the wire dtypes).
+        rank: the rank planned for.
+        sent_bytes, copy_bytes: bytes this rank sends to other ranks and copies within itself
+            (in the wire dtypes; summed over the ranks: the job's).
+        check: this rank's term of the pair check (:class:`~moeshard.plan.pairs.RankPart`):
+            the ranks' terms sum to 0 mod 2**64 when the two ends of every transfer planned it
+            alike.
+        send_params: per group, ``int64[S]`` the receiver's engine tensor of each send row of
+            its schedule (-1: a row this rank receives).
+        fingerprint: a digest of the inputs every rank plans from alike (the layouts, the
+            trainer's holdings, the topology and budgets, the engine tensors' local shapes).
     """
 
     groups: tuple[int, ...]
     plans: tuple[ReshardPlan, ...]
     needs: EngineNeeds
     wire_dtypes: tuple[str, ...]
-    peer_bytes: int
+    rank: int
+    sent_bytes: int
     copy_bytes: int
+    check: int
+    send_params: tuple[np.ndarray, ...] = ()
     fingerprint: str = field(default="")
 
 
 __all__ += ["RefitPlan"]
 
 
-def _check_inside(layout: EngineLayout, needs: EngineNeeds) -> None:
-    """Invariant of :func:`engine_needs`: every need row's box lies inside its engine tensor's
-    local shape (its slot's, for an expert tensor)."""
-    rows = needs.rows
+def _check_inside(layout: EngineLayout, needs: EngineNeeds, rank: int) -> None:
+    """Invariant of :func:`engine_needs`: every need row of ``rank`` lies inside its engine
+    tensor's local shape (its slot's, for an expert tensor)."""
+    mine = np.flatnonzero(needs.rows.rank == rank)
+    rows = BoxRows(
+        *(
+            a[mine]
+            for a in (
+                needs.rows.unit,
+                needs.rows.rank,
+                needs.rows.param,
+                needs.rows.slot,
+                needs.rows.off,
+                needs.rows.len,
+                needs.rows.local,
+            )
+        )
+    )
     width = rows.off.shape[1]
     inner = np.full((len(needs.local_shapes), width), np.iinfo(np.int64).max, np.int64)
     for j, shape in enumerate(needs.local_shapes):
@@ -424,88 +495,136 @@ def _check_inside(layout: EngineLayout, needs: EngineNeeds) -> None:
     assert not bad.any(), f"engine tensor {layout.tensors[int(rows.param[bad][0])].name}: a need row outside its shape"
 
 
+def wire_dtypes(layout: EngineLayout, info: UnitInfo, itemsize: Mapping[str, int]) -> list[str]:
+    """Per unit (id order), the dtype it travels in: the one engine dtype its tensors take where
+    it is no wider than the trainer's, else the trainer's."""
+    base = info.unit_base()
+    want: dict[str, set[str]] = {}
+    for t in layout.tensors:
+        for sg in t.segments:
+            want.setdefault(sg.source, set()).add(t.dtype or info.dtypes[sg.source])
+    out: list[str] = []
+    for name in base:
+        have = info.dtypes[name]
+        w = want.get(name, set())
+        d = next(iter(w)) if len(w) == 1 and itemsize[next(iter(w))] <= itemsize[have] else have
+        out += [d] * (info.num_logical if name in info.experts else 1)
+    return out
+
+
 def plan_refit(
     layout: EngineLayout,
     info: UnitInfo,
     holds: BoxRows,
-    units: Units,
-    hold_dtypes: Sequence[str],
     itemsize: Mapping[str, int],
     topology: Topology,
     staging_bytes: int,
     max_ops: int,
+    rank: int,
+    holds_digest: str | None = None,
 ) -> RefitPlan:
-    """Plan a refit (pure, deterministic; every rank of the refit group computes the same).
+    """Plan rank ``rank``'s part of a refit (pure, deterministic; :mod:`moeshard.plan.pairs`):
+    the transfers it sends, receives or copies, per install group, from its own need rows,
+    the holdings of the units it needs, and the other engine ranks' needs of the units it
+    holds. Every rank calls it with the same arguments but ``rank``.
 
     Args:
         layout: the engine's tensors (its ranks are ``topology``'s).
         info: the trainer's logical tensors.
-        holds: the trainer ranks' live holdings over ``units`` (``param`` indexes each trainer
-            rank's local tensors).
-        units: the holdings' units (``U``); ``hold_dtypes`` their dtype names in the trainer.
+        holds: the trainer ranks' live holdings over the units of ``info`` (ids:
+            :meth:`UnitInfo.unit_base`; ``param`` indexes each trainer rank's local tensors);
+            rows of units this rank neither needs nor holds are not read.
         itemsize: bytes per element of every dtype name involved.
-        topology, staging_bytes, max_ops: as :func:`~moeshard.plan.reshard.plan_reshard`'s.
+        topology: the refit group's ranks and nodes.
+        staging_bytes, max_ops: as :func:`~moeshard.plan.reshard.plan_reshard`'s.
+        rank: the rank to plan for.
+        holds_digest: a digest of what ``holds`` was computed from (the trainer's layout and
+            ranks), for the fingerprint; None: the fingerprint hashes ``holds`` itself.
 
-    Raises ValueError for a layout the trainer's tensors do not fit, or a box no trainer rank
-    holds."""
+    Raises ValueError for a layout the trainer's tensors do not fit, for a box of this rank's
+    needs no trainer rank holds, or for budgets below 1 byte or 2 ops."""
+    if staging_bytes < 1 or max_ops < 2:
+        raise ValueError(f"staging_bytes must be >= 1 and max_ops >= 2, got {staging_bytes}, {max_ops}")
     width = holds.off.shape[1]
     needs = engine_needs(layout, info, width)
-    # Re-key the needs onto the holdings' unit ids.
-    at = {k: i for i, k in enumerate(units.keys)}
-    missing = [k for k in needs.keys if k not in at]
-    if missing:
-        raise ValueError(f"no trainer rank holds {missing[0]} (needed by the engine layout)")
-    remap = np.asarray([at[k] for k in needs.keys], np.int64)
+    _check_inside(layout, needs, rank)
     rows = needs.rows
-    unit = remap[rows.unit] if len(rows.unit) else rows.unit
-    needs = EngineNeeds(
-        BoxRows(unit, rows.rank, rows.param, rows.slot, rows.off, rows.len, rows.local),
-        tuple(units.keys),
-        needs.local_shapes,
-        needs.dtypes,
-    )
-    rows = needs.rows
-    # The wire dtype of each unit: the engine's where it is no wider (one cast, at the sender).
-    wire = list(hold_dtypes)
-    seen: dict[int, str] = {}
-    for u, j in zip(rows.unit.tolist(), rows.param.tolist()):
-        d = needs.dtypes[j]
-        if seen.setdefault(u, d) != d:
-            wire[u] = hold_dtypes[u]  # needed in two dtypes: sent as the trainer holds it
-            seen[u] = ""
-        elif seen[u] and itemsize[d] <= itemsize[hold_dtypes[u]]:
-            wire[u] = d
-    wire_units = Units(units.keys, units.ndim, np.asarray([itemsize[d] for d in wire], np.int64), units.dense)
+    wire = wire_dtypes(layout, info, itemsize)
+    ndim, _ = info.unit_columns()
+    wire_size = np.asarray([itemsize[d] for d in wire], np.int64)
+    world = topology.world_size
+    node = np.asarray([topology.node_of(r) for r in range(world)], np.int64)
+    rule = pair_rounds(world, staging_bytes, max_ops)
+    shape = np.ones((len(ndim), width), np.int64)
+    for name, u in info.unit_base().items():
+        n = info.num_logical if name in info.experts else 1
+        shape[u : u + n, : len(info.shapes[name])] = info.shapes[name]
+    tr = plan_transfers_of(rank, holds, rows, shape, wire_size, node, rule)
+    for bad, what in ((tr.uncovered, "no trainer rank holds all of"), (tr.over, "the trainer's holdings overlap in")):
+        if len(bad):
+            i = int(bad[0])
+            nd = int(ndim[rows.unit[i]])
+            raise ValueError(
+                f"{what} box {rows.off[i, :nd].tolist()} + {rows.len[i, :nd].tolist()} of "
+                f"{needs.keys[int(rows.unit[i])]} (needed by engine tensor {layout.tensors[int(rows.param[i])].name} "
+                f"on rank {rank})"
+            )
+    # What every rank plans from alike: the engine layout, the holdings, the wire dtypes, the
+    # engine tensors' local shapes and dtypes (each rank checks its engine tensors against
+    # them, and its deliveries address them), the topology and the budgets.
+    h = hashlib.sha256(layout.digest().encode())
+    h.update(repr((sorted(info.shapes.items()), sorted(info.dtypes.items()), sorted(info.experts))).encode())
+    h.update(repr((wire, needs.local_shapes, needs.dtypes, staging_bytes, max_ops)).encode())
+    h.update(repr((world, topology.local_world_size, topology.nodes)).encode())
+    if holds_digest is not None:
+        h.update(holds_digest.encode())
+    else:
+        for a in (holds.unit, holds.rank, holds.param, holds.slot, holds.off, holds.len, holds.local):
+            h.update(np.ascontiguousarray(a, np.int64).tobytes())
     group_of = np.asarray([t.group for t in layout.tensors], np.int64)
     groups = tuple(sorted(set(group_of.tolist())))
-    _check_inside(layout, needs)
-    plans = []
-    # Everything the ranks act on: the schedules, the wire dtypes, and the engine tensors' local
-    # shapes and dtypes (each rank checks its engine tensors against its own plan's, and its
-    # deliveries address them: ranks that disagree on a shape must fail here, not mid-transfer).
-    h = hashlib.sha256(layout.digest().encode())
-    h.update(repr((wire, needs.local_shapes, needs.dtypes)).encode())
-    peer = copy = 0
-    for g in groups:
-        sel = group_of[rows.param] == g
-        need_g = BoxRows(
-            *(a[sel] for a in (rows.unit, rows.rank, rows.param, rows.slot, rows.off, rows.len, rows.local))
+    t_group = group_of[rows.param[tr.need]]
+    plans, send_params = [], []
+    sent = copied = 0
+    check = 0
+    for gi, g in enumerate(groups):
+        part = rank_schedule(
+            tr,
+            t_group == g,
+            rank,
+            holds,
+            rows,
+            needs.keys,
+            ndim,
+            wire_size,
+            topology,
+            node,
+            rule,
+            staging_bytes,
+            max_ops,
+            gi,
         )
-        used = np.zeros(len(units.keys), bool)
-        used[need_g.unit] = True
-        hs = used[holds.unit]
-        hold_g = BoxRows(
-            *(a[hs] for a in (holds.unit, holds.rank, holds.param, holds.slot, holds.off, holds.len, holds.local))
+        empty = StorageCells(*(np.zeros(0, np.int64),) * 4, *(np.zeros((0, width), np.int64),) * 3)
+        plans.append(ReshardPlan(part.schedule, empty, (), (), part.sent_bytes, part.copy_bytes, 0))
+        send_params.append(part.send_param)
+        sent += part.sent_bytes
+        copied += part.copy_bytes
+        check = (check + part.check) % 2**64
+    return RefitPlan(
+        groups, tuple(plans), needs, tuple(wire), rank, sent, copied, check, tuple(send_params), h.hexdigest()[:16]
+    )
+
+
+def check_pairs(shares) -> None:
+    """Every rank's ``(fingerprint, check, ...)`` of its :class:`RefitPlan` (by rank; pure):
+    ValueError unless the fingerprints are equal and the checks sum to 0 mod 2**64 (the two
+    ends of every transfer planned it alike)."""
+    fps = [s[0] for s in shares]
+    if len(set(fps)) != 1:
+        by = ", ".join(f"rank {r}: {f}" for r, f in enumerate(fps))
+        raise ValueError(f"ranks planned from different inputs (fingerprints {by})")
+    if sum(s[1] for s in shares) % 2**64:
+        raise ValueError(
+            "the senders' and receivers' plans of some transfers differ (the pair check does not sum to 0): "
+            "every rank must run the same moeshard and describe the layouts alike"
         )
-        p = plan_reshard(wire_units, hold_g, need_g, topology, staging_bytes, max_ops)
-        if len(p.storage):
-            i = int(p.storage.unit[0])
-            raise ValueError(
-                f"no trainer rank holds box {p.storage.off[0].tolist()} + {p.storage.len[0].tolist()} of "
-                f"{units.keys[i]} (needed by engine tensor {layout.tensors[int(p.storage.param[0])].name})"
-            )
-        plans.append(p)
-        peer += p.peer_bytes
-        copy += p.copy_bytes
-        h.update(p.fingerprint.encode())
-    return RefitPlan(groups, tuple(plans), needs, tuple(wire), peer, copy, h.hexdigest()[:16])
