@@ -20,7 +20,7 @@ def _case(cfg, seed, num_layers=12, num_logical=32, active=None, aware=True):
     return tr[1], old
 
 
-def _valid(pl: Placement, cfg, active) -> None:
+def check_valid(pl: Placement, cfg, active) -> None:
     """Every answer: each expert has a copy, dead ranks hold nothing, hierarchical: each group
     on one node, as many groups per node."""
     r, n, g = cfg["num_ranks"], cfg["num_nodes"], cfg["num_groups"]
@@ -70,7 +70,7 @@ def test_every_cap_respected_on_random_instances(cfg):
                 if caps is CAPS[-2]:  # rebalance answers the report's placement
                     again = eplb.rebalance(load, old, **cfg, active_ranks=active, partial=partial, **caps)
                     np.testing.assert_array_equal(new.phy2log, again.phy2log)
-                _valid(new, cfg, active)
+                check_valid(new, cfg, active)
                 pairs = eplb.move_pairs(old, new, r, cfg["num_nodes"], active_ranks=active).sum(0)
                 moved = eplb.copies_moved(old, new, r)
                 assert moved <= caps.get("max_moves", moved)
@@ -155,7 +155,7 @@ def test_dead_rank_forces_its_layers_beyond_the_caps():
     alive = np.ones(8, dtype=bool)
     alive[[3, 7]] = False  # one per node: still hierarchical
     rep = eplb.rebalance_with_report(load, old, **HIER, active_ranks=alive, max_moves=0, max_moves_per_pair=0)
-    _valid(rep.placement, HIER, alive)
+    check_valid(rep.placement, HIER, alive)
     status = np.array(rep.status)
     assert (status == "forced").any() and set(status) <= {"forced", "left"}
     assert rep.copies_moved > 0

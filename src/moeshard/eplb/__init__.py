@@ -74,7 +74,7 @@ from .joint import joint_improve
 from .metrics import balance, copies_moved, rank_loads
 from .moves import move_pairs
 from .oblivious import oblivious_policy, reference_answer
-from .replicas import budget_policy, split_budget
+from .replicas import replica_policy
 from .report import RebalanceReport, build_report
 
 __all__ = [
@@ -297,32 +297,49 @@ def reference(
 def rebalance_replicas(
     load,
     total_copies: int,
+    placement: Placement | None = None,
     *,
     num_physical: int,
     num_ranks: int,
     num_nodes: int = 1,
+    num_groups: int | None = None,
     active_ranks=None,
+    hysteresis: float = 0.0,
+    max_moves: int | None = None,
+    max_moves_per_pair: int | None = None,
+    max_moves_per_rank: int | None = None,
+    partial: bool = False,
 ) -> Placement:
     """Per-layer replica budgets: ``total_copies`` expert copies for all layers, skewed layers
-    getting more (each copy beyond one per expert to the layer whose heaviest copy over its
-    mean rank load is highest), each layer placed by the oblivious policy (global: any expert
-    on any live rank), the live slots it does not use empty (``-1``). Pure.
+    getting more (each copy beyond one per expert to the layer and expert whose copy carries
+    the most load over its layer's mean rank load), the live slots a layer does not use empty
+    (``-1``). Global (``num_groups`` None, or a shape the hierarchical policy does not take, as
+    in :func:`rebalance`): each layer placed by the oblivious policy, any expert on any live
+    rank. Hierarchical: expert groups onto nodes as the reference does, each node's share of
+    the copies (at most its live slots) placed on its live ranks. Pure.
+
+    With the current ``placement``, layers are taken from it as in :func:`rebalance`
+    (``hysteresis``, the move caps and ``partial``; partial moves keep a layer's number of
+    copies), so ``total_copies`` is exact where every layer is taken or the current
+    placement has the same copies per layer, and layers left keep theirs.
 
     Args:
         load: ``float[num_layers, num_logical]`` tokens routed to each logical expert.
         total_copies: copies in all layers together, from ``num_layers * num_logical`` (one
             per expert) to ``num_layers`` x the live slots of a layer.
-        num_physical, num_ranks, num_nodes, active_ranks: as :func:`rebalance`.
+        placement: the current placement, or None.
+        num_physical, num_ranks, num_nodes, num_groups, active_ranks, hysteresis, max_moves,
+            max_moves_per_pair, max_moves_per_rank, partial: as :func:`rebalance`.
 
     Returns:
-        ``Placement`` with ``phy2log`` ``int[num_layers, num_physical]``; ``logcnt.sum(1)``
-        is each layer's share of ``total_copies``.
+        ``Placement`` with ``phy2log`` ``int[num_layers, num_physical]``; without
+        ``placement``, ``logcnt.sum(1)`` is each layer's share of ``total_copies``.
 
     Raises:
         ValueError: as :func:`rebalance`, and a ``total_copies`` out of that range.
     """
     w = check_load(load)
-    sh = check_shape(w, num_physical, num_ranks, num_nodes, None, active_ranks)
+    sh = check_shape(w, num_physical, num_ranks, num_nodes, num_groups, active_ranks)
     live_slots = int(sh.active.sum()) * sh.slots_per_rank
     lo, hi = sh.num_layers * sh.num_logical, sh.num_layers * live_slots
     if (
@@ -334,6 +351,13 @@ def rebalance_replicas(
             f"total_copies must be an integer in [{lo}, {hi}] (one copy per expert to every live slot), "
             f"got {total_copies!r}"
         )
-    per = split_budget(w, int(total_copies), live_slots, int(sh.active.sum()))
-    new = budget_policy(w, sh, per, int(num_nodes), sh.active)
+    if not isinstance(partial, (bool, np.bool_)):
+        raise ValueError(f"partial must be a bool, got {partial!r}")
+    budget = check_budget(max_moves, max_moves_per_pair, max_moves_per_rank, hysteresis, placement is not None)
+    if placement is not None:
+        check_placement(placement, sh)
+    new = replica_policy(w, sh, int(total_copies), int(num_nodes))
+    if placement is not None:
+        old3 = np.where(sh.active[None, :, None], placement.phy2log.reshape(new.shape), -1)
+        new = within_budget(w, old3, new, sh, int(num_nodes), budget, bool(partial)).phy2log
     return Placement(new.reshape(sh.num_layers, -1), num_logical=sh.num_logical, num_ranks=sh.num_ranks)
