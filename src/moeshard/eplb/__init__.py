@@ -42,7 +42,13 @@ reference, it may put two copies of an expert on one rank. Details:
 In every candidate an expert that stays on a rank keeps its slot index; newcomers fill the
 freed slots in order.
 
-Metrics: :func:`rank_loads`, :func:`balance`, :func:`copies_moved`, :func:`slots_changed`.
+*Move caps* (a current placement): copies moved in all, per rank pair and received per rank,
+and hysteresis (:mod:`moeshard.eplb.budget`); whole layers taken or left, or with ``partial``
+single copies moved within the caps (:mod:`moeshard.eplb.partial`). :func:`rebalance_with_report`
+says what moved and what the caps cost in balance (:class:`RebalanceReport`).
+
+Metrics: :func:`rank_loads`, :func:`balance`, :func:`copies_moved`, :func:`move_pairs`,
+:func:`slots_changed`.
 :func:`balance` counts two copies of an expert on one rank as two loads (``load / logcnt``
 each), as the reference's packing weighs them.
 
@@ -55,8 +61,11 @@ Modules, each built on those above it:
   and moeshard's improvement of it (spread counts, refinement, the most balanced per layer);
 * ``sticky``: sticky packing of copies onto ranks, the swap repair, the restoring local search;
 * ``joint``: the joint search over replica counts and packing (small nodes);
-* ``budget``: move budgets and hysteresis (which layers of a new placement to take);
-* ``replicas``: replica budgets per layer (:func:`rebalance_replicas`);
+* ``moves``: the source rank of a moved copy, copies per rank pair (:func:`move_pairs`);
+* ``partial``: the greedy search of single copy moves within the caps;
+* ``budget``: move caps and hysteresis (how much of a new placement to take);
+* ``replicas``: replica budgets per layer (:func:`rebalance_replicas`), global and hierarchical;
+* ``report``: :class:`RebalanceReport`;
 * ``aware``: the migration-aware policy (per node and layer, the candidate that moves fewest
   copies);
 * here: :func:`rebalance`, the entry point, and :func:`reference`.

@@ -13,17 +13,19 @@ per layer, the current placement, the new one, or the current one with a few cop
 * **caps**: copies moved in the call (``max_moves``), per ordered rank pair (source, receiver;
   :mod:`.moves` says which rank a copy comes from) and received per rank. Whole layers are
   taken in order of balance gained per copy moved (gain = drop of the heaviest rank over the
-  layer's mean rank load) while their copies fit (a layer that moves no copy costs nothing);
-  where a layer does not fit, the greedy search of :mod:`.partial` moves single copies within
-  the caps left. Two answers are built: whole layers first then the search on the others, and
-  the search on every layer first then whole layers where one fits in place of its partial
-  answer and is lighter; the one with the lower sum of per-layer balance (max / mean) is kept,
-  the first on a tie. A partial layer is kept only where it passes the hysteresis test,
-  else left as it is.
+  layer's mean rank load) while their copies fit (a layer that moves no copy costs nothing;
+  one that does not fit is skipped, a later smaller one may fit).
+* **partial** answers (``partial``): the greedy search of :mod:`.partial` moves single copies
+  within the caps, on every layer, from the current placement; then a layer whose whole new
+  placement is lighter than its partial answer and fits in its place is taken whole. Where
+  that is not lighter in all layers (sum of per-layer max / mean) than whole layers alone,
+  whole layers first and the search on the others with the caps left, the lighter of the two
+  kept. A partial layer that fails the hysteresis test is left as it is.
 
-So per layer the answer is never less balanced than the current placement, and in all layers
-together never less balanced than taking whole layers alone under the same caps. With no
-caps it is the new placement on every layer that passes the hysteresis test.
+So per layer the answer is never less balanced than the current placement, and with
+``partial`` in all layers together never less balanced than whole layers alone under the
+same caps. With no caps it is the new placement on every layer that passes the hysteresis
+test.
 """
 
 from __future__ import annotations

@@ -125,7 +125,7 @@ class _Layer:
         xv = xs[sx]
         elig = self.allowed[:, xv].T & (hT[xv] == 0)  # [nx, R]
         light = np.argsort(np.where(elig, L, np.inf), axis=1, kind="stable")[:, :_K_LIGHT]
-        okb = np.take_along_axis(elig, light, 1)[:, :, None]
+        okb = elig[np.arange(len(xv))[:, None], light][:, :, None]
         qb = q[light]  # [nx, K, S]
         differ = qb != xv[:, None, None]
         # replace on a light rank b: a removable x' -> one of p's experts
@@ -169,22 +169,25 @@ class _Layer:
             ]
         )
         ok = better & (cost <= caps.total)
-        n_ok = int(np.count_nonzero(ok))
-        if not n_ok:
+        if caps.per_rank and ok.any():
+            # each copy added must fit in its pair's and its receiver's caps
+            dst = np.concatenate([rb, wb, np.full(n_b, p)])
+            exp = np.concatenate([re, wx, np.minimum(wy, num_e - 1)])
+            add = np.concatenate([~self.orig[rb, re], ~self.orig[wb, wx], ~self.orig[p, wy]])
+            has = self.orig[:, exp].T
+            src = np.where(has, self.key[dst], _BIG).argmin(1)
+            room = ~add | ~has.any(1) | ((caps.pair[src, dst] >= 1) & (caps.recv[dst] >= 1))
+            ok &= np.concatenate([room[:n_a], room[n_a : n_a + n_b] & room[n_a + n_b :]])
+        if not ok.any():
             return None
         gain = (peak - top) / self.mean + 1e-9 * (n_peak - n_top)
-        score = np.where(ok, gain / np.maximum(cost, 0.25), -np.inf)
-        per_rank = caps.per_rank
-        for i in np.argsort(-score, kind="stable")[:n_ok].tolist():
-            if i < n_a:
-                writes = ((int(rb[i]), int(rs[i]), int(re[i])),)
-            else:
-                j = i - n_a
-                writes = ((p, int(sx[j_x[j]]), int(wy[j])), (int(wb[j]), int(j_s[j]), int(wx[j])))
-            m = _Move(float(score[i]), int(cost[i]), writes)
-            if not per_rank or self.fits(m, caps):
-                return m
-        return None
+        i = int(np.where(ok, gain / np.maximum(cost, 0.25), -np.inf).argmax())
+        if i < n_a:
+            writes = ((int(rb[i]), int(rs[i]), int(re[i])),)
+        else:
+            j = i - n_a
+            writes = ((p, int(sx[j_x[j]]), int(wy[j])), (int(wb[j]), int(j_s[j]), int(wx[j])))
+        return _Move(float(gain[i] / max(cost[i], 0.25)), int(cost[i]), writes)
 
     def fits(self, move: _Move, caps: Caps) -> bool:
         if move.cost > caps.total:
