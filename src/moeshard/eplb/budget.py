@@ -193,12 +193,11 @@ def within_budget(
     # the search on every layer first, then whole layers where lighter and fitting
     second = greedy_moves(w, old3, held, allowed, cands, caps, key, fill_empty)
     part_max = _peaks(w, second)
+    part_moves, part_pairs = moves3(held, second), pair_moves3(held, second, key)
     for layer in order:
         if new_max[layer] >= part_max[layer] * (1 - 1e-12):
             continue
-        part = second[layer : layer + 1]
-        p_moves = int(moves3(held[layer : layer + 1], part)[0])
-        p_pairs = pair_moves3(held[layer : layer + 1], part, key)[0]
+        p_moves, p_pairs = int(part_moves[layer]), part_pairs[layer]
         _pay(caps, p_moves, p_pairs, -1)
         if _fits(caps, int(moves[layer]), pairs[layer]):
             _pay(caps, int(moves[layer]), pairs[layer])
