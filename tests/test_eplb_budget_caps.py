@@ -236,3 +236,16 @@ def test_caps_need_a_placement():
         eplb.move_pairs(old, old, 8, num_nodes=3)
     with pytest.raises(ValueError, match="differ in shape"):
         eplb.move_pairs(old, _layer(old, 0), 8)
+
+
+def test_no_caps_no_hysteresis_takes_every_layer():
+    """Without caps and hysteresis the answer is the policy's on every layer, even where it is
+    not lighter than the current placement (here: the same copies, slots reordered)."""
+    load, _ = _case(HIER, 4, num_layers=4)
+    free = eplb.rebalance(load, **HIER, migration_aware=False)
+    p = free.phy2log.copy()
+    p[:, [0, 1]] = p[:, [1, 0]]  # two slots of rank 0 swapped: the same loads
+    cur = Placement(p, num_logical=free.num_logical, num_ranks=free.num_ranks)
+    np.testing.assert_array_equal(eplb.rebalance(load, cur, **HIER, migration_aware=False).phy2log, free.phy2log)
+    rep = eplb.rebalance_with_report(load, cur, **HIER, migration_aware=False)
+    assert set(rep.status) == {"taken"} and rep.copies_moved == 0

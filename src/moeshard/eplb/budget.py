@@ -25,7 +25,8 @@ per layer, the current placement, the new one, or the current one with a few cop
 So per layer the answer is never less balanced than the current placement, and with
 ``partial`` in all layers together never less balanced than whole layers alone under the
 same caps. With no caps it is the new placement on every layer that passes the hysteresis
-test.
+test (every layer without hysteresis). With caps and no hysteresis, a layer is rebalanced
+only where the new placement is lighter.
 """
 
 from __future__ import annotations
@@ -152,8 +153,11 @@ def within_budget(
     new_max = _peaks(w, new3)
     must = ~still_valid(old3, sh)
     worth = ~must & (old_max > new_max * (1 + budget.hysteresis) * (1 + 1e-12))
+    if budget.hysteresis == 0 and not budget.capped:  # every layer new, as without a placement
+        return BudgetAnswer(new3, np.where(must, FORCED, TAKEN).astype(np.int8), new3)
     status = np.where(must, FORCED, np.where(worth, TAKEN, LEFT)).astype(np.int8)
-    free = np.where((must | worth)[:, None, None], new3, old3)
+    # the answer without caps: every layer new unless hysteresis leaves it
+    free = np.where((must | worth)[:, None, None], new3, old3) if budget.hysteresis > 0 else new3
     if not budget.capped:
         return BudgetAnswer(free, status, free)
     key = source_key(rank_nodes(sh.num_ranks, num_nodes))
