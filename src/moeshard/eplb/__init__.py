@@ -42,7 +42,13 @@ reference, it may put two copies of an expert on one rank. Details:
 In every candidate an expert that stays on a rank keeps its slot index; newcomers fill the
 freed slots in order.
 
-Metrics: :func:`rank_loads`, :func:`balance`, :func:`copies_moved`, :func:`slots_changed`.
+*Move caps* (a current placement): copies moved in all, per rank pair and received per rank,
+and hysteresis (:mod:`moeshard.eplb.budget`); whole layers taken or left, or with ``partial``
+single copies moved within the caps (:mod:`moeshard.eplb.partial`). :func:`rebalance_with_report`
+says what moved and what the caps cost in balance (:class:`RebalanceReport`).
+
+Metrics: :func:`rank_loads`, :func:`balance`, :func:`copies_moved`, :func:`move_pairs`,
+:func:`slots_changed`.
 :func:`balance` counts two copies of an expert on one rank as two loads (``load / logcnt``
 each), as the reference's packing weighs them.
 
@@ -55,8 +61,11 @@ Modules, each built on those above it:
   and moeshard's improvement of it (spread counts, refinement, the most balanced per layer);
 * ``sticky``: sticky packing of copies onto ranks, the swap repair, the restoring local search;
 * ``joint``: the joint search over replica counts and packing (small nodes);
-* ``budget``: move budgets and hysteresis (which layers of a new placement to take);
-* ``replicas``: replica budgets per layer (:func:`rebalance_replicas`);
+* ``moves``: the source rank of a moved copy, copies per rank pair (:func:`move_pairs`);
+* ``partial``: the greedy search of single copy moves within the caps;
+* ``budget``: move caps and hysteresis (how much of a new placement to take);
+* ``replicas``: replica budgets per layer (:func:`rebalance_replicas`), global and hierarchical;
+* ``report``: :class:`RebalanceReport`;
 * ``aware``: the migration-aware policy (per node and layer, the candidate that moves fewest
   copies);
 * here: :func:`rebalance`, the entry point, and :func:`reference`.
@@ -68,14 +77,67 @@ import numpy as np
 
 from ..placement import Placement, slots_changed
 from .aware import aware_policy
-from .budget import within_budget
+from .budget import check_budget, within_budget
 from .inputs import check_load, check_placement, check_shape
 from .joint import joint_improve
 from .metrics import balance, copies_moved, rank_loads
+from .moves import move_pairs
 from .oblivious import oblivious_policy, reference_answer
-from .replicas import budget_policy, split_budget
+from .replicas import replica_policy
+from .report import RebalanceReport, build_report
 
-__all__ = ["rebalance", "rebalance_replicas", "reference", "rank_loads", "balance", "copies_moved", "slots_changed"]
+__all__ = [
+    "rebalance",
+    "rebalance_with_report",
+    "RebalanceReport",
+    "rebalance_replicas",
+    "reference",
+    "rank_loads",
+    "balance",
+    "copies_moved",
+    "move_pairs",
+    "slots_changed",
+]
+
+
+def _solve(
+    load,
+    placement,
+    num_physical,
+    num_ranks,
+    num_nodes,
+    num_groups,
+    active_ranks,
+    migration_aware,
+    tolerance,
+    relative_to,
+    budget_args,
+    partial,
+):
+    """The validated call and its answer: ``(w, sh, old3 or None, BudgetAnswer or None, new3)``."""
+    w = check_load(load)
+    sh = check_shape(w, num_physical, num_ranks, num_nodes, num_groups, active_ranks)
+    if not tolerance >= 0:
+        raise ValueError(f"tolerance must be >= 0, got {tolerance}")
+    if relative_to not in ("reference", "oblivious"):
+        raise ValueError(f"relative_to must be 'reference' or 'oblivious', got {relative_to!r}")
+    if not isinstance(partial, (bool, np.bool_)):
+        raise ValueError(f"partial must be a bool, got {partial!r}")
+    budget = check_budget(*budget_args, has_placement=placement is not None)
+    if placement is not None:
+        check_placement(placement, sh)
+    ref = reference_answer(w, sh)
+    obl = joint_improve(w, sh, oblivious_policy(w, sh, ref))
+    if not migration_aware or placement is None:
+        new = obl.phy2log
+    else:
+        limit = obl.max_load * (1 + tolerance) if relative_to == "oblivious" else None
+        new = aware_policy(w, placement, obl, ref, sh, float(tolerance), limit)
+    if placement is None:
+        return w, sh, None, None, new
+    old3 = np.where(sh.active[None, :, None], placement.phy2log.reshape(new.shape), -1)
+    ans = within_budget(w, old3, new, sh, int(num_nodes), budget, bool(partial))
+    return w, sh, old3, ans, ans.phy2log
 
 
 def rebalance(
@@ -92,6 +154,9 @@ def rebalance(
     relative_to: str = "reference",
     hysteresis: float = 0.0,
     max_moves: int | None = None,
+    max_moves_per_pair: int | None = None,
+    max_moves_per_rank: int | None = None,
+    partial: bool = False,
 ) -> Placement:
     """A balanced placement of every MoE layer's experts for ``load``.
 
@@ -120,42 +185,91 @@ def rebalance(
         max_moves: with a current placement, at most this many copies moved in all (copies
             whose rank did not hold the expert, :func:`copies_moved`); layers in order of
             balance gained per copy moved, each either rebalanced or left as it is (``0``:
-            nothing moves). Only layers that a dead rank leaves without a live copy of an
-            expert (or, hierarchical, split a group) are rebalanced beyond it. None: no budget.
+            nothing moves), or, with ``partial``, the best balance the greedy search of
+            single copy moves finds within the caps. Only layers that a dead rank leaves
+            without a live copy of an expert (or, hierarchical, split a group) are
+            rebalanced beyond it. None: no cap.
+        max_moves_per_pair: at most this many copies fetched from one rank onto another
+            (ordered pair; the source of a copy is :func:`move_pairs`'s: a live holder on
+            the receiver's node first). None: no cap.
+        max_moves_per_rank: at most this many copies received by one rank. None: no cap.
+        partial: with a cap, a layer whose whole new placement does not fit may move only
+            some copies (:mod:`moeshard.eplb.budget`): never less balanced than the current
+            placement per layer, nor in all layers than whole layers alone.
 
     Returns:
         ``Placement`` with ``phy2log`` ``int[num_layers, num_physical]``.
 
     Raises:
         ValueError: malformed ``load``, shapes that do not divide, fewer live slots than
-            experts, bad ``active_ranks``, a ``placement`` of another shape.
+            experts, bad ``active_ranks``, a ``placement`` of another shape, a cap that is not
+            a non-negative integer or is given without ``placement``.
     """
-    w = check_load(load)
-    sh = check_shape(w, num_physical, num_ranks, num_nodes, num_groups, active_ranks)
-    if not tolerance >= 0:
-        raise ValueError(f"tolerance must be >= 0, got {tolerance}")
-    if not hysteresis >= 0:
-        raise ValueError(f"hysteresis must be >= 0, got {hysteresis}")
-    if relative_to not in ("reference", "oblivious"):
-        raise ValueError(f"relative_to must be 'reference' or 'oblivious', got {relative_to!r}")
-    if max_moves is not None:
-        if isinstance(max_moves, bool) or not isinstance(max_moves, (int, np.integer)) or max_moves < 0:
-            raise ValueError(f"max_moves must be a non-negative integer or None, got {max_moves!r}")
-        if placement is None:
-            raise ValueError("max_moves needs the current placement (moves are counted from it)")
-    if placement is not None:
-        check_placement(placement, sh)
-    ref = reference_answer(w, sh)
-    obl = joint_improve(w, sh, oblivious_policy(w, sh, ref))
-    if not migration_aware or placement is None:
-        new = obl.phy2log
-    else:
-        limit = obl.max_load * (1 + tolerance) if relative_to == "oblivious" else None
-        new = aware_policy(w, placement, obl, ref, sh, float(tolerance), limit)
-    if placement is not None and (max_moves is not None or hysteresis > 0):
-        old3 = np.where(sh.active[None, :, None], placement.phy2log.reshape(new.shape), -1)
-        new = within_budget(w, old3, new, sh, max_moves, float(hysteresis))
+    w, sh, _, _, new = _solve(
+        load,
+        placement,
+        num_physical,
+        num_ranks,
+        num_nodes,
+        num_groups,
+        active_ranks,
+        migration_aware,
+        tolerance,
+        relative_to,
+        (max_moves, max_moves_per_pair, max_moves_per_rank, hysteresis),
+        partial,
+    )
     return Placement(new.reshape(sh.num_layers, -1), num_logical=sh.num_logical, num_ranks=sh.num_ranks)
+
+
+def rebalance_with_report(
+    load,
+    placement: Placement,
+    *,
+    num_physical: int,
+    num_ranks: int,
+    num_nodes: int = 1,
+    num_groups: int | None = None,
+    active_ranks=None,
+    migration_aware: bool = True,
+    tolerance: float = 0.0,
+    relative_to: str = "reference",
+    hysteresis: float = 0.0,
+    max_moves: int | None = None,
+    max_moves_per_pair: int | None = None,
+    max_moves_per_rank: int | None = None,
+    partial: bool = True,
+) -> RebalanceReport:
+    """:func:`rebalance` from the current ``placement`` (required), with what it moved and what
+    the caps cost in balance. Arguments as :func:`rebalance`; ``partial`` defaults to True
+    here (the best balance within the caps); ``report.placement`` is what :func:`rebalance`
+    returns with the same arguments.
+
+    Returns:
+        :class:`RebalanceReport`: the placement; per layer copies moved, copies per rank
+        pair, balance of the answer, of the answer without caps and of the current
+        placement, and whether the layer was taken, partly moved, left or forced.
+
+    Raises:
+        ValueError: as :func:`rebalance`, and a ``placement`` of None.
+    """
+    if placement is None:
+        raise ValueError("placement: rebalance_with_report needs the current placement (moves are counted from it)")
+    w, sh, old3, ans, _ = _solve(
+        load,
+        placement,
+        num_physical,
+        num_ranks,
+        num_nodes,
+        num_groups,
+        active_ranks,
+        migration_aware,
+        tolerance,
+        relative_to,
+        (max_moves, max_moves_per_pair, max_moves_per_rank, hysteresis),
+        partial,
+    )
+    return build_report(w, sh, old3, ans, int(num_nodes))
 
 
 def reference(
@@ -192,32 +306,49 @@ def reference(
 def rebalance_replicas(
     load,
     total_copies: int,
+    placement: Placement | None = None,
     *,
     num_physical: int,
     num_ranks: int,
     num_nodes: int = 1,
+    num_groups: int | None = None,
     active_ranks=None,
+    hysteresis: float = 0.0,
+    max_moves: int | None = None,
+    max_moves_per_pair: int | None = None,
+    max_moves_per_rank: int | None = None,
+    partial: bool = False,
 ) -> Placement:
     """Per-layer replica budgets: ``total_copies`` expert copies for all layers, skewed layers
-    getting more (each copy beyond one per expert to the layer whose heaviest copy over its
-    mean rank load is highest), each layer placed by the oblivious policy (global: any expert
-    on any live rank), the live slots it does not use empty (``-1``). Pure.
+    getting more (each copy beyond one per expert to the layer and expert whose copy carries
+    the most load over its layer's mean rank load), the live slots a layer does not use empty
+    (``-1``). Global (``num_groups`` None, or a shape the hierarchical policy does not take, as
+    in :func:`rebalance`): each layer placed by the oblivious policy, any expert on any live
+    rank. Hierarchical: expert groups onto nodes as the reference does, each node's share of
+    the copies (at most its live slots) placed on its live ranks. Pure.
+
+    With the current ``placement``, layers are taken from it as in :func:`rebalance`
+    (``hysteresis``, the move caps and ``partial``; partial moves keep a layer's number of
+    copies), so ``total_copies`` is exact where every layer is taken or the current
+    placement has the same copies per layer, and layers left keep theirs.
 
     Args:
         load: ``float[num_layers, num_logical]`` tokens routed to each logical expert.
         total_copies: copies in all layers together, from ``num_layers * num_logical`` (one
             per expert) to ``num_layers`` x the live slots of a layer.
-        num_physical, num_ranks, num_nodes, active_ranks: as :func:`rebalance`.
+        placement: the current placement, or None.
+        num_physical, num_ranks, num_nodes, num_groups, active_ranks, hysteresis, max_moves,
+            max_moves_per_pair, max_moves_per_rank, partial: as :func:`rebalance`.
 
     Returns:
-        ``Placement`` with ``phy2log`` ``int[num_layers, num_physical]``; ``logcnt.sum(1)``
-        is each layer's share of ``total_copies``.
+        ``Placement`` with ``phy2log`` ``int[num_layers, num_physical]``; without
+        ``placement``, ``logcnt.sum(1)`` is each layer's share of ``total_copies``.
 
     Raises:
         ValueError: as :func:`rebalance`, and a ``total_copies`` out of that range.
     """
     w = check_load(load)
-    sh = check_shape(w, num_physical, num_ranks, num_nodes, None, active_ranks)
+    sh = check_shape(w, num_physical, num_ranks, num_nodes, num_groups, active_ranks)
     live_slots = int(sh.active.sum()) * sh.slots_per_rank
     lo, hi = sh.num_layers * sh.num_logical, sh.num_layers * live_slots
     if (
@@ -229,6 +360,13 @@ def rebalance_replicas(
             f"total_copies must be an integer in [{lo}, {hi}] (one copy per expert to every live slot), "
             f"got {total_copies!r}"
         )
-    per = split_budget(w, int(total_copies), live_slots, int(sh.active.sum()))
-    new = budget_policy(w, sh, per, int(num_nodes), sh.active)
+    if not isinstance(partial, (bool, np.bool_)):
+        raise ValueError(f"partial must be a bool, got {partial!r}")
+    budget = check_budget(max_moves, max_moves_per_pair, max_moves_per_rank, hysteresis, placement is not None)
+    if placement is not None:
+        check_placement(placement, sh)
+    new = replica_policy(w, sh, int(total_copies), int(num_nodes))
+    if placement is not None:
+        old3 = np.where(sh.active[None, :, None], placement.phy2log.reshape(new.shape), -1)
+        new = within_budget(w, old3, new, sh, int(num_nodes), budget, bool(partial)).phy2log
     return Placement(new.reshape(sh.num_layers, -1), num_logical=sh.num_logical, num_ranks=sh.num_ranks)
