@@ -18,6 +18,12 @@ import numpy as np
 # A swap must lower the pair's peak below the heaviest rank by this relative margin: sums of
 # the same copies in another order differ by a few ulps, and such "gains" could cycle.
 _MARGIN = 1e-12
+# Relative widening (of the heaviest load) of the window of copy loads a round looks at:
+# covers the rounding of ``d`` and of the loads' sums, so no swap that lowers the peak is
+# outside it.
+_WINDOW_SLACK = 1e-11
+# Rounds with at most this many candidate pairs (rows x S x K x S) look at every pair.
+_DENSE_PAIRS = 50000
 
 
 def lower_peak(
@@ -96,6 +102,119 @@ def lower_peak(
 
 def _best_swaps(packs: np.ndarray, wslot: np.ndarray, loads: np.ndarray, h: np.ndarray, caps):
     """One round of :func:`lower_peak` on ``n`` rows, each its heaviest rank's node:
+    ``packs``/``wslot`` ``[n, K, S]``, ``loads`` ``float[n, K]``, ``h`` ``int[n]`` the heaviest
+    rank, ``caps`` None or (``counts`` ``int[B, N, K, E + 1]``, ``cap`` ``int[B, E]``, the rows
+    ``int[n]`` and nodes ``int[n]`` in them). Returns ``found`` ``bool[n]`` and, per row, the
+    partner rank ``k`` and the two slots ``sa`` (on ``h``), ``sb`` (on ``k``), ``int[n]``: the
+    swap of lowest peak, the first in ``(sa, k, sb)`` order on ties. Both ways of finding it
+    give the same swap; the windowed one is cheaper when there are many pairs."""
+    n, num_k, num_s = packs.shape
+    find = _best_swaps_window if n * num_k * num_s * num_s > _DENSE_PAIRS else _best_swaps_dense
+    return find(packs, wslot, loads, h, caps)
+
+
+def _best_swaps_window(packs: np.ndarray, wslot: np.ndarray, loads: np.ndarray, h: np.ndarray, caps):
+    """:func:`_best_swaps` over the pairs of copies in a window (for many candidates):
+    ``packs``/``wslot`` ``[n, K, S]``, ``loads`` ``float[n, K]``, ``h`` ``int[n]`` the heaviest
+    rank, ``caps`` None or (``counts`` ``int[B, N, K, E + 1]``, ``cap`` ``int[B, E]``, the rows
+    ``int[n]`` and nodes ``int[n]`` in them). Returns ``found`` ``bool[n]`` and, per row, the
+    partner rank ``k`` and the two slots ``sa`` (on ``h``), ``sb`` (on ``k``), ``int[n]``.
+
+    The swap of copy ``a`` (rank ``h``) with copy ``b`` (rank ``k``) moves ``d = w_a - w_b``
+    from ``h`` to ``k``; it lowers the peak below ``h``'s load only if ``0 < d < load_h -
+    load_k <= load_h - min load``. So per copy ``a`` only the copies ``b`` whose load lies in
+    that window are looked at (the copies of the row sorted by load once): near the end of
+    the search, when the ranks are within a small gap of each other, a few per copy instead of
+    every copy of the node. Among those, the lowest peak, ties to the first in ``(a, k, b)``
+    order: the same swap as a search over every pair."""
+    n, num_k, num_s = packs.shape
+    ks = num_k * num_s
+    rows = np.arange(n)
+    lh = loads[rows, h]
+    ea = packs[rows, h]  # [n, S]
+    # A swap that is not allowed gets a NaN or infinite peak: swapping an empty slot (NaN), a
+    # copy that rank h may not take (NaN) and a copy rank k may not take (its load +inf). A
+    # swap with h itself or of two copies of one expert never lowers the peak.
+    wa = np.where(ea >= 0, wslot[rows, h], np.nan)
+    wb = np.where(packs >= 0, wslot, np.nan).reshape(n, ks)
+    # An upper bound P on the round's best peak: the best swap with the lightest rank (inf if
+    # none). A swap of peak <= P has load_h - d <= P and load_k + d <= P, so w_b lies in
+    # [w_a - (P - min load), w_a - (load_h - P)], widened by what rounding of d and of the
+    # loads' sums may add; the whole [w_a - (load_h - min load), w_a) where P is inf.
+    light = loads.argmin(1)
+    lmin = loads[rows, light]
+    p_light = _pair_peaks(
+        wa, wb.reshape(n, num_k, num_s)[rows, light], lh, lmin, caps, packs[rows, light], ea, h, light
+    )
+    p_eff = np.minimum(p_light.min(1), lh)
+    slack = _WINDOW_SLACK * np.abs(lh)
+    ok_a = ~np.isnan(wa)
+    q_lo = np.where(ok_a, wa - (p_eff - lmin + slack)[:, None], -np.inf)
+    q_hi = np.where(ok_a, wa - (lh - p_eff - slack)[:, None], -np.inf)
+    # counts of copies b with w_b < q (per row, one sort of queries and copies together; a
+    # query sorts before an equal copy)
+    keys = np.concatenate([q_lo, q_hi, np.where(np.isnan(wb), np.inf, wb)], axis=1)
+    order = np.argsort(keys, axis=1, kind="stable")
+    is_b = order >= 2 * num_s
+    before = np.cumsum(is_b, axis=1)  # copies up to each sorted position
+    pos = np.empty_like(order)
+    np.put_along_axis(pos, order, np.arange(keys.shape[1])[None, :], axis=1)
+    lo = np.take_along_axis(before, pos[:, :num_s], axis=1)  # [n, S]
+    hi = np.take_along_axis(before, pos[:, num_s : 2 * num_s], axis=1)
+    b_sorted = order[is_b].reshape(n, ks) - 2 * num_s  # copies by load (flat k * S + sb)
+    # the candidates, one per (row, a, b in a's window), flat
+    per = (hi - lo).ravel()
+    ra = np.repeat(np.arange(n * num_s), per)  # row * S + sa
+    at = np.repeat(lo.ravel() - (np.cumsum(per) - per), per) + np.arange(len(ra))
+    row, sa = np.divmod(ra, num_s)
+    bc = b_sorted[row, at]  # flat copy index k * S + sb
+    k = bc // num_s
+    wbc = wb[row, bc]
+    load_k = loads[row, k]
+    wac = wa[row, sa]
+    if caps is not None:
+        counts, cap, brow, node = caps
+        g, nd = brow[row], node[row]
+        pb = np.maximum(packs.reshape(n, ks)[row, bc], 0)
+        ae = np.maximum(ea[row, sa], 0)
+        wbc = np.where(counts[g, nd, h[row], pb] < cap[g, pb], wbc, np.nan)  # h may take b
+        load_k = np.where(counts[g, nd, k, ae] < cap[g, ae], load_k, np.inf)  # k may take a
+    d = wac - wbc  # load leaving h for k
+    peak = np.maximum(lh[row] - d, load_k + d)
+    # below h's load by the margin (d > 0 follows); NaN compares false
+    ok = peak < lh[row] * (1 - _MARGIN)
+    row, peak, flat = row[ok], peak[ok], (sa * ks + bc)[ok]  # flat: index in (a, k, b) order
+    # per row the lowest peak, then the first in (a, k, b) order
+    order = np.lexsort((flat, peak, row))
+    first = order[np.r_[True, row[order][1:] != row[order][:-1]]] if len(order) else order
+    found = np.zeros(n, dtype=bool)
+    found[row[first]] = True
+    j = np.zeros(n, dtype=np.int64)
+    j[row[first]] = flat[first]
+    sa, kb = np.divmod(j, ks)
+    k, sb = np.divmod(kb, num_s)
+    return found, k, sa, sb
+
+
+def _pair_peaks(wa, wb, lh, lk, caps, pb, ea, h, k) -> np.ndarray:
+    """``float[n, S * S]``: the peak of each swap of a copy of rank ``h`` (loads ``wa``
+    ``[n, S]``, NaN for none) with a copy of one partner rank ``k`` ``int[n]`` (loads ``wb``
+    ``[n, S]``, ids ``pb``, load ``lk`` ``float[n]``), ``inf`` where not allowed or not below
+    ``h``'s load by the margin (as :func:`_best_swaps`)."""
+    load_k = np.broadcast_to(lk[:, None], wa.shape)
+    if caps is not None:
+        counts, cap, brow, node = caps
+        g = brow[:, None]
+        be, ae = np.maximum(pb, 0), np.maximum(ea, 0)
+        wb = np.where(counts[g, node[:, None], h[:, None], be] < cap[g, be], wb, np.nan)
+        load_k = np.where(counts[g, node[:, None], k[:, None], ae] < cap[g, ae], load_k, np.inf)
+    d = wa[:, :, None] - wb[:, None, :]
+    peak = np.maximum(lh[:, None, None] - d, load_k[:, :, None] + d)
+    return np.where(peak < (lh * (1 - _MARGIN))[:, None, None], peak, np.inf).reshape(len(lh), -1)
+
+
+def _best_swaps_dense(packs: np.ndarray, wslot: np.ndarray, loads: np.ndarray, h: np.ndarray, caps):
+    """:func:`_best_swaps` over every pair of copies (for few candidates: fewer passes):
     ``packs``/``wslot`` ``[n, K, S]``, ``loads`` ``float[n, K]``, ``h`` ``int[n]`` the heaviest
     rank, ``caps`` None or (``counts`` ``int[B, N, K, E + 1]``, ``cap`` ``int[B, E]``, the rows
     ``int[n]`` and nodes ``int[n]`` in them). Returns ``found`` ``bool[n]`` and, per row, the
