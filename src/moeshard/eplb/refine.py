@@ -70,6 +70,16 @@ def lower_peak(
             ),
             1,
         )
+    # Each node's copies by load (empty slots last) and where each slot is in that order, for
+    # the windowed search of large rounds: a swap exchanges two slots' copies, so the sorted
+    # loads of a node never change, only which slot holds them.
+    by_load = where = None
+    if num_b * num_k * num_s * num_s > _DENSE_PAIRS:
+        key = np.where(packs >= 0, wslot, np.inf).reshape(num_b, num_n, -1)
+        by_load = np.argsort(key, axis=-1, kind="stable")
+        sorted_w = np.take_along_axis(key, by_load, axis=-1)
+        where = np.empty_like(by_load)
+        np.put_along_axis(where, by_load, np.arange(num_k * num_s), axis=-1)
     active = np.arange(num_b)
     for _ in range(num_n * num_k * num_s if max_rounds is None else max_rounds):
         if not len(active):
@@ -82,8 +92,14 @@ def lower_peak(
             loads[active, node],
             h,
             None if cap is None else (counts, cap, active, node),
+            None if by_load is None else (sorted_w[active, node], by_load[active, node]),
         )
         active, node, h, k, sa, sb = active[found], node[found], h[found], k[found], sa[found], sb[found]
+        if by_load is not None:
+            p, q = h * num_s + sa, k * num_s + sb
+            wp, wq = where[active, node, p], where[active, node, q]
+            by_load[active, node, wp], by_load[active, node, wq] = q, p
+            where[active, node, p], where[active, node, q] = wq, wp
         ea, eb = packs[active, node, h, sa], packs[active, node, k, sb]
         wa, wb = wslot[active, node, h, sa], wslot[active, node, k, sb]
         packs[active, node, h, sa], packs[active, node, k, sb] = eb, ea
@@ -100,20 +116,23 @@ def lower_peak(
     return swaps
 
 
-def _best_swaps(packs: np.ndarray, wslot: np.ndarray, loads: np.ndarray, h: np.ndarray, caps):
+def _best_swaps(packs: np.ndarray, wslot: np.ndarray, loads: np.ndarray, h: np.ndarray, caps, by_load=None):
     """One round of :func:`lower_peak` on ``n`` rows, each its heaviest rank's node:
     ``packs``/``wslot`` ``[n, K, S]``, ``loads`` ``float[n, K]``, ``h`` ``int[n]`` the heaviest
     rank, ``caps`` None or (``counts`` ``int[B, N, K, E + 1]``, ``cap`` ``int[B, E]``, the rows
     ``int[n]`` and nodes ``int[n]`` in them). Returns ``found`` ``bool[n]`` and, per row, the
     partner rank ``k`` and the two slots ``sa`` (on ``h``), ``sb`` (on ``k``), ``int[n]``: the
     swap of lowest peak, the first in ``(sa, k, sb)`` order on ties. Both ways of finding it
-    give the same swap; the windowed one is cheaper when there are many pairs."""
+    give the same swap; the windowed one (which needs ``by_load``: the node's copy loads sorted,
+    empty slots ``inf``, ``float[n, K*S]``, and their flat slots ``int[n, K*S]``) is cheaper
+    when there are many pairs."""
     n, num_k, num_s = packs.shape
-    find = _best_swaps_window if n * num_k * num_s * num_s > _DENSE_PAIRS else _best_swaps_dense
-    return find(packs, wslot, loads, h, caps)
+    if by_load is not None and n * num_k * num_s * num_s > _DENSE_PAIRS:
+        return _best_swaps_window(packs, wslot, loads, h, caps, by_load)
+    return _best_swaps_dense(packs, wslot, loads, h, caps)
 
 
-def _best_swaps_window(packs: np.ndarray, wslot: np.ndarray, loads: np.ndarray, h: np.ndarray, caps):
+def _best_swaps_window(packs: np.ndarray, wslot: np.ndarray, loads: np.ndarray, h: np.ndarray, caps, by_load):
     """:func:`_best_swaps` over the pairs of copies in a window (for many candidates):
     ``packs``/``wslot`` ``[n, K, S]``, ``loads`` ``float[n, K]``, ``h`` ``int[n]`` the heaviest
     rank, ``caps`` None or (``counts`` ``int[B, N, K, E + 1]``, ``cap`` ``int[B, E]``, the rows
@@ -151,17 +170,10 @@ def _best_swaps_window(packs: np.ndarray, wslot: np.ndarray, loads: np.ndarray, 
     ok_a = ~np.isnan(wa)
     q_lo = np.where(ok_a, wa - (p_eff - lmin + slack)[:, None], -np.inf)
     q_hi = np.where(ok_a, wa - (lh - p_eff - slack)[:, None], -np.inf)
-    # counts of copies b with w_b < q (per row, one sort of queries and copies together; a
-    # query sorts before an equal copy)
-    keys = np.concatenate([q_lo, q_hi, np.where(np.isnan(wb), np.inf, wb)], axis=1)
-    order = np.argsort(keys, axis=1, kind="stable")
-    is_b = order >= 2 * num_s
-    before = np.cumsum(is_b, axis=1)  # copies up to each sorted position
-    pos = np.empty_like(order)
-    np.put_along_axis(pos, order, np.arange(keys.shape[1])[None, :], axis=1)
-    lo = np.take_along_axis(before, pos[:, :num_s], axis=1)  # [n, S]
-    hi = np.take_along_axis(before, pos[:, num_s : 2 * num_s], axis=1)
-    b_sorted = order[is_b].reshape(n, ks) - 2 * num_s  # copies by load (flat k * S + sb)
+    # counts of copies b with w_b < q (a query sorts before an equal copy)
+    sorted_w, b_sorted = by_load
+    lo = (sorted_w[:, None, :] < q_lo[:, :, None]).sum(-1)  # [n, S]
+    hi = (sorted_w[:, None, :] < q_hi[:, :, None]).sum(-1)
     # the candidates, one per (row, a, b in a's window), flat
     per = (hi - lo).ravel()
     ra = np.repeat(np.arange(n * num_s), per)  # row * S + sa
@@ -185,12 +197,13 @@ def _best_swaps_window(packs: np.ndarray, wslot: np.ndarray, loads: np.ndarray, 
     ok = peak < lh[row] * (1 - _MARGIN)
     row, peak, flat = row[ok], peak[ok], (sa * ks + bc)[ok]  # flat: index in (a, k, b) order
     # per row the lowest peak, then the first in (a, k, b) order
-    order = np.lexsort((flat, peak, row))
-    first = order[np.r_[True, row[order][1:] != row[order][:-1]]] if len(order) else order
-    found = np.zeros(n, dtype=bool)
-    found[row[first]] = True
-    j = np.zeros(n, dtype=np.int64)
-    j[row[first]] = flat[first]
+    best = np.full(n, np.inf)
+    np.minimum.at(best, row, peak)
+    tie = peak == best[row]
+    j = np.full(n, np.iinfo(np.int64).max)
+    np.minimum.at(j, row[tie], flat[tie])
+    found = np.isfinite(best)
+    j = np.where(found, j, 0)
     sa, kb = np.divmod(j, ks)
     k, sb = np.divmod(kb, num_s)
     return found, k, sa, sb
