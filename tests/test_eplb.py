@@ -348,6 +348,39 @@ def test_lower_peak():
                 assert np.bincount(new[b, n, k], minlength=num_e).max() <= 2
 
 
+def test_lower_peak_window_is_exact(monkeypatch):
+    """The windowed swap search (copies whose load can lower the peak below the best swap with
+    the lightest rank) finds the very swap of the search over every pair, ties included: the
+    same packs after the whole search, with and without a cap, on loads with many equal copies
+    (integer loads, experts with several copies) and empty slots."""
+    from moeshard.eplb import refine
+
+    rng = np.random.default_rng(7)
+    num_b, num_n, num_k, num_s, num_e = 24, 2, 8, 3, 20
+    for trial in range(6):
+        wc = rng.integers(1, 12 if trial % 2 else 400, size=(num_b, num_e)).astype(float)
+        packs = rng.integers(num_e, size=(num_b, num_n, num_k, num_s))
+        packs[rng.random(packs.shape) < 0.05] = -1
+        cap = None
+        if trial >= 3:  # within a cap of 2 copies of an expert per rank
+            packs = np.stack(
+                [
+                    rng.permutation(np.r_[np.arange(num_e), np.arange(num_e)])[: num_k * num_s]
+                    for _ in range(num_b * num_n)
+                ]
+            )
+            packs = packs.reshape(num_b, num_n, num_k, num_s)
+            cap = np.full((num_b, num_e), 2)
+        out = {}
+        for name, pairs in (("window", 0), ("dense", 10**12)):
+            monkeypatch.setattr(refine, "_DENSE_PAIRS", pairs)
+            new = packs.copy()
+            out[name] = (new, refine.lower_peak(new, wc, cap))
+        assert out["window"][1].sum() > 0
+        np.testing.assert_array_equal(out["window"][1], out["dense"][1])
+        np.testing.assert_array_equal(out["window"][0], out["dense"][0])
+
+
 def test_zero_load_layer():
     cfg = dict(num_physical=24, num_ranks=4)
     load = np.zeros((2, 16))
