@@ -471,10 +471,11 @@ def group_packs(w: np.ndarray, sh: Shape, group_node: np.ndarray) -> np.ndarray:
     reference's steps 2 and 3 with its counts and with spread counts, each refined without
     moeshard's rule (the migration-aware policy's fallback packing). Returns packs
     ``int[L, N, live_per_node, S]``."""
-    cands = []
+    items = []
     for spread in (False, True):
         packs, cnt = node_packs(w, group_node, sh, no_duplicates=False, spread=spread)
-        cands.append(_refined(w, sh, packs, group_node, cnt, no_duplicates=False))
+        items.append((w, packs, group_node, cnt, False))
+    cands = _refined_many(sh, items)
     return _select(cands, _most_balanced(cands, np.ones((2, w.shape[0]), dtype=bool))).packs
 
 

@@ -59,17 +59,13 @@ def lower_peak(
     loads = wslot.sum(-1)  # [B, N, K]
     counts = None
     if cap is not None:
-        counts = np.zeros((num_b, num_n, num_k, num_e + 1), dtype=np.int32)
-        np.add.at(
-            counts,
-            (
-                bi,
-                np.arange(num_n)[None, :, None, None],
-                np.arange(num_k)[None, None, :, None],
-                np.where(packs < 0, num_e, packs),
-            ),
-            1,
+        # copies of each expert per rank (empty slots in the last column)
+        flat = (
+            np.where(packs < 0, num_e, packs).reshape(-1, num_s)
+            + (np.arange(num_b * num_n * num_k) * (num_e + 1))[:, None]
         )
+        counts = np.bincount(flat.ravel(), minlength=num_b * num_n * num_k * (num_e + 1))
+        counts = counts.astype(np.int32).reshape(num_b, num_n, num_k, num_e + 1)
     # Each node's copies by load (empty slots last) and where each slot is in that order, for
     # the windowed search of large rounds: a swap exchanges two slots' copies, so the sorted
     # loads of a node never change, only which slot holds them.
