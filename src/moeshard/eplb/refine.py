@@ -65,7 +65,7 @@ def lower_peak(
             + (np.arange(num_b * num_n * num_k) * (num_e + 1))[:, None]
         )
         counts = np.bincount(flat.ravel(), minlength=num_b * num_n * num_k * (num_e + 1))
-        counts = counts.astype(np.int32).reshape(num_b, num_n, num_k, num_e + 1)
+        counts = counts.reshape(num_b, num_n, num_k, num_e + 1)
     # Each node's copies by load (empty slots last) and where each slot is in that order, for
     # the windowed search of large rounds: a swap exchanges two slots' copies, so the sorted
     # loads of a node never change, only which slot holds them.
