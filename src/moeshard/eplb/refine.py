@@ -166,10 +166,21 @@ def _best_swaps_window(packs: np.ndarray, wslot: np.ndarray, loads: np.ndarray, 
     ok_a = ~np.isnan(wa)
     q_lo = np.where(ok_a, wa - (p_eff - lmin + slack)[:, None], -np.inf)
     q_hi = np.where(ok_a, wa - (lh - p_eff - slack)[:, None], -np.inf)
-    # counts of copies b with w_b < q (a query sorts before an equal copy)
+    # counts of copies b with w_b < q (widened)
     sorted_w, b_sorted = by_load
-    lo = (sorted_w[:, None, :] < q_lo[:, :, None]).sum(-1)  # [n, S]
-    hi = (sorted_w[:, None, :] < q_hi[:, :, None]).sum(-1)
+    # One search over all rows: row r's loads (in [0, top]) shifted by r * span, its empty
+    # slots at 0.7 span and its queries clamped to [-0.2, 0.45] span: bands that never mix.
+    # The shift may round loads and queries by up to ``err``: the window is widened by that
+    # (a wider window only adds candidates that the exact check below rejects).
+    top = float(np.max(lh, initial=0.0))
+    span = 4 * top + 1.0
+    shift = np.arange(n)[:, None] * span
+    err = 4 * np.spacing(n * span)
+    keys = (np.minimum(sorted_w, 0.7 * span) + shift).ravel()
+    lo = np.searchsorted(keys, (np.clip(q_lo, -0.2 * span, 0.45 * span) + shift).ravel() - err)
+    hi = np.searchsorted(keys, (np.clip(q_hi, -0.2 * span, 0.45 * span) + shift).ravel() + err)
+    lo = lo.reshape(n, num_s) - np.arange(n)[:, None] * ks
+    hi = np.maximum(hi.reshape(n, num_s) - np.arange(n)[:, None] * ks, lo)
     # the candidates, one per (row, a, b in a's window), flat
     per = (hi - lo).ravel()
     ra = np.repeat(np.arange(n * num_s), per)  # row * S + sa
