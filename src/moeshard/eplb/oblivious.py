@@ -118,26 +118,30 @@ def balanced_pack(w: np.ndarray, key: np.ndarray | None, num_keys: int, num_pack
         return np.broadcast_to(np.arange(n).reshape(1, n, 1), (num_rows, n, 1)).copy()
     order = np.argsort(-w, axis=1, kind="stable")
     rows = np.arange(num_rows)
-    pack_w = np.zeros((num_rows, num_packs), dtype=w.dtype)  # float32 sums for the exact reference
+    w_sorted = np.take_along_axis(w, order, axis=1)
+    # a pack's load (float32 sums for the exact reference), inf once it is full: the cost of
+    # putting the next item there
+    cost = np.zeros((num_rows, num_packs), dtype=w.dtype)
     pack_n = np.zeros((num_rows, num_packs), dtype=np.int64)
     slots = np.full((num_rows, num_packs, cap), -1, dtype=np.int64)
-    holds = np.zeros((num_rows, num_packs, num_keys), dtype=bool) if key is not None else None
+    if key is not None:
+        keys = np.take_along_axis(key, order, axis=1)
+        holds = np.zeros((num_rows, num_keys, num_packs), dtype=bool)
     for t in range(n):
-        i = order[:, t]
-        cost = np.where(pack_n >= cap, np.inf, pack_w)
-        if holds is not None:
-            e = key[rows, i]
-            strict = np.where(holds[rows, :, e], np.inf, cost)
+        if key is not None:
+            e = keys[:, t]
+            strict = np.where(holds[rows, e], np.inf, cost)
             k = strict.argmin(axis=1)
             stuck = np.isinf(strict[rows, k])
             if stuck.any():  # every pack with room holds it: the repair deals with it
                 k[stuck] = cost[stuck].argmin(axis=1)
-            holds[rows, k, e] = True
+            holds[rows, e, k] = True
         else:
             k = cost.argmin(axis=1)
-        slots[rows, k, pack_n[rows, k]] = i
-        pack_n[rows, k] += 1
-        pack_w[rows, k] += w[rows, i]
+        at = pack_n[rows, k]
+        slots[rows, k, at] = order[:, t]
+        pack_n[rows, k] = at + 1
+        cost[rows, k] = np.where(at + 1 >= cap, np.inf, cost[rows, k] + w_sorted[:, t])
     return slots
 
 
