@@ -22,8 +22,12 @@ Per layer:
   Replica counts: the node's old counts (light nodes: nothing moves), and on nodes loaded
   over half of ``T x live ranks`` also ``replicate_experts``' counts and, where the old counts
   leave a copy much heavier than ``replicate_experts``' heaviest (a drifted hot expert), the
-  old counts with fewest changes that bring it down (:func:`capped_counts`); the node takes
-  the one within ``T`` that moves fewest copies;
+  old counts with fewest changes that bring it down (:func:`capped_counts`), and the
+  oblivious answer's own counts where they fill the node's slots (spread and hot-spread
+  counts: a ``T`` relative to the oblivious answer may be below what ``replicate_experts``'
+  counts allow); a packing over ``T`` is first refined by the swap search
+  (:func:`moeshard.eplb.refine.lower_peak`); the node takes the one within ``T`` that moves
+  fewest copies;
 * a node where sticky packing misses ``T``: the oblivious answer's packing of the node's
   copies where it has the same groups (the global policy: always), else the more balanced
   refined packing of the groups with the reference's or spread replica counts
