@@ -348,6 +348,32 @@ def test_lower_peak():
                 assert np.bincount(new[b, n, k], minlength=num_e).max() <= 2
 
 
+def test_lower_peak_stops_at_a_target():
+    """``stop_at``: a row stops at the first round its heaviest rank is at most the target (the
+    same swaps as the full search up to there, fewer in all), or where the full search stops."""
+    from moeshard.eplb.refine import lower_peak
+
+    rng = np.random.default_rng(5)
+    num_b, num_k, num_s, num_e = 30, 8, 4, 40
+    wc = rng.random((num_b, num_e)) * 100
+    packs = np.stack([rng.permutation(num_e)[: num_k * num_s] for _ in range(num_b)]).reshape(num_b, 1, num_k, num_s)
+    bi = np.arange(num_b)[:, None, None, None]
+
+    def peak(p):
+        return np.where(p >= 0, wc[bi, np.maximum(p, 0)], 0.0).sum(-1).reshape(num_b, -1).max(1)
+
+    full = packs.copy()
+    swaps_full = lower_peak(full, wc)
+    target = (peak(packs) + peak(full)) / 2  # between the start and the full search's end
+    part = packs.copy()
+    swaps_part = lower_peak(part, wc, stop_at=target)
+    assert (peak(part) <= target).all()
+    assert (swaps_part <= swaps_full).all() and swaps_part.sum() < swaps_full.sum()
+    again = packs.copy()
+    lower_peak(again, wc, max_rounds=None, stop_at=np.full(num_b, -1.0))  # never reached: the full search
+    np.testing.assert_array_equal(again, full)
+
+
 def test_lower_peak_window_is_exact(monkeypatch):
     """The windowed swap search (copies whose load can lower the peak below the best swap with
     the lightest rank) finds the very swap of the search over every pair, ties included: the

@@ -402,7 +402,7 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None) -> tupl
                 per_rank_cap(cnt_rows[over], np.full(len(over), sh.live_per_node)),
                 count_last(sub[:, 0], num_logical)[..., :num_logical].max(1),
             )
-            lower_peak(sub, wc_rows[over], cap)
+            lower_peak(sub, wc_rows[over], cap, stop_at=thr_rows[rows][over])
             packed[over] = sub[:, 0]
         a, b, c = len(todo), len(todo) + len(tight), len(todo) + len(tight) + len(capped)
         keep[todo] = packed[:a]

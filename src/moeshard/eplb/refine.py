@@ -27,7 +27,11 @@ _DENSE_PAIRS = 50000
 
 
 def lower_peak(
-    packs: np.ndarray, wc: np.ndarray, cap: np.ndarray | None = None, max_rounds: int | None = None
+    packs: np.ndarray,
+    wc: np.ndarray,
+    cap: np.ndarray | None = None,
+    max_rounds: int | None = None,
+    stop_at: np.ndarray | None = None,
 ) -> np.ndarray:
     """Swap local search, in place, on ``packs`` ``int[B, N, K, S]`` (expert ids; ``-1``, an
     empty slot, never takes part): per round and row, the heaviest rank ``h`` of the row (first
@@ -45,6 +49,8 @@ def lower_peak(
             A swap never breaks it; a rank already over it stays so.
         max_rounds: bound on the rounds (default ``N * K * S``: each round moves a copy per
             row, and in practice a row stops long before).
+        stop_at: ``float[B]``: a row stops as soon as its heaviest rank is at most this (None:
+            only when no swap lowers it; fewer swaps where a target is all that is needed).
 
     Returns:
         ``int[B]``: swaps made per row.
@@ -78,6 +84,8 @@ def lower_peak(
         np.put_along_axis(where, by_load, np.arange(num_k * num_s), axis=-1)
     active = np.arange(num_b)
     for _ in range(num_n * num_k * num_s if max_rounds is None else max_rounds):
+        if stop_at is not None and len(active):
+            active = active[loads[active].reshape(len(active), -1).max(1) > stop_at[active]]
         if not len(active):
             break
         peak = loads[active].reshape(len(active), -1).argmax(1)
