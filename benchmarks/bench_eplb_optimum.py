@@ -15,6 +15,12 @@ Sections (all on the same seeded loads per section):
    is strictly lighter than FlashLB and the reference (or equal to the lower bound); ms per call.
 4. Migration-aware steps on DeepSeek-V3's drifting trace: tolerance 1 % over the oblivious
    answer, copies moved against the reference's.
+5. With ``--compare SRC`` (another source tree's ``src``, e.g. an older checkout): the time of
+   one ``eplb.rebalance`` call of sections 3 and 4 with this tree's package and with that one,
+   alternated in one process (the host's load hits both alike), and their ratio.
+
+"ms per call" is the time of one ``eplb.rebalance`` call on a whole trace (all ``--layers``
+layers at once, as a serving engine rebalances every MoE layer in one call), wall clock.
 
 Run from the repository root::
 
@@ -51,12 +57,19 @@ def _peak(load, pl, ranks) -> np.ndarray:
     return eplb.rank_loads(load, pl, ranks).max(1)
 
 
+CPU_SECS: list[float] = []  # process CPU time of the last _timed call's runs
+
+
 def _timed(fn, repeat=3):
+    """``fn()``'s answer and the median wall time of ``repeat`` runs (their CPU times, less
+    sensitive to other jobs on a shared host, in ``CPU_SECS``)."""
     out, secs = None, []
+    CPU_SECS.clear()
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = fn()
         secs.append(time.perf_counter() - t0)
+        CPU_SECS.append(time.process_time() - c0)
     return out, float(np.median(secs))
 
 
@@ -152,6 +165,7 @@ def shapes(layers: int, flash_layers: int, seed: int, only=None) -> dict:
             lb = lower_bound(w, s["physical"], s["ranks"], s["nodes"], s["groups"])
             mean = w.sum(1) / s["ranks"]
             obl, ms = _timed(lambda: eplb.rebalance(w, **cfg, migration_aware=False))
+            cpu_ms = 1e3 * float(np.median(CPU_SECS))
             ref, ms_ref = _timed(lambda: eplb.reference(w, **cfg))
             pm, pr = _peak(w, obl, s["ranks"]), _peak(w, ref, s["ranks"])
             fl_rows = slice(0, flash_layers)
@@ -187,6 +201,7 @@ def shapes(layers: int, flash_layers: int, seed: int, only=None) -> dict:
                 **hier,
                 "ms": {
                     "moeshard": 1e3 * ms,
+                    "moeshard_cpu": cpu_ms,
                     "reference": 1e3 * ms_ref,
                     "flashlb_per_layer": 1e3 * ms_fl / flash_layers,
                 },
@@ -219,6 +234,7 @@ def migration(layers: int, steps: int, seed: int) -> dict:
             row[n]["balance"] = float(eplb.balance(w, new[n], s["ranks"]).mean())
         row["aware_over_oblivious_max"] = float((eplb.balance(w, new["aware"], s["ranks"]) / b_obl).max())
         row["aware_ms"] = 1e3 * ms
+        row["aware_cpu_ms"] = 1e3 * CPU_SECS[0]
         rows.append(row)
         cur = new
     tot = {n: sum(r[n]["moved"] for r in rows) for n in ("reference", "oblivious", "aware")}
@@ -228,7 +244,65 @@ def migration(layers: int, steps: int, seed: int) -> dict:
         "aware_over_reference_moves": tot["aware"] / max(1, tot["reference"]),
         "aware_over_oblivious_balance_max": max(r["aware_over_oblivious_max"] for r in rows),
         "aware_ms_median": float(np.median([r["aware_ms"] for r in rows])),
+        "aware_cpu_ms_median": float(np.median([r["aware_cpu_ms"] for r in rows])),
     }
+
+
+def _package(src: str):
+    """``moeshard.eplb`` imported from the source tree ``src`` (modules of another tree dropped)."""
+    for m in [m for m in sys.modules if m == "moeshard" or m.startswith("moeshard.")]:
+        del sys.modules[m]
+    sys.path.insert(0, src)
+    try:
+        import moeshard.eplb as mod
+    finally:
+        sys.path.remove(src)
+    assert Path(mod.__file__).resolve().is_relative_to(Path(src).resolve()), mod.__file__
+    return mod
+
+
+def compare(other_src: str, layers: int, seed: int, repeat: int = 5) -> dict:
+    """Per shape and trace (and one migration-aware step of DeepSeek-V3's drifting trace), the
+    time of one ``rebalance`` call with this tree's package and with ``other_src``'s,
+    alternated (``repeat`` times each); medians of wall clock and of process CPU time."""
+    this_src = str(Path(eplb.__file__).resolve().parents[2])
+    cases = {}
+    for name, s in SHAPES.items():
+        cfg = dict(num_physical=s["physical"], num_ranks=s["ranks"], num_nodes=s["nodes"], num_groups=s["groups"])
+        for trace in ("zipf", "bursty"):
+            w = (
+                zipf_trace(layers, s["logical"], 1, seed=seed, alpha=1.2)[0]
+                if trace == "zipf"
+                else bursty_trace(layers, s["logical"], seed)
+            )
+            cases[f"{name}/{trace}"] = (w, cfg, None)
+    s = SHAPES["deepseek_v3"]
+    cfg = dict(num_physical=s["physical"], num_ranks=s["ranks"], num_nodes=s["nodes"], num_groups=s["groups"])
+    tr = zipf_trace(layers, s["logical"], 2, seed=seed, alpha=1.2, drift=0.1)
+    cases["deepseek_v3/aware_step"] = (tr[1], cfg, tr[0])
+    trees = {"this": this_src, "other": other_src}
+    wall = {k: {t: [] for t in trees} for k in cases}
+    cpu = {k: {t: [] for t in trees} for k in cases}
+    for r in range(repeat):
+        for tree in ("this", "other") if r % 2 == 0 else ("other", "this"):
+            mod = _package(trees[tree])
+            for k, (w, cfg, prev) in cases.items():
+                cur = None if prev is None else mod.rebalance(prev, **cfg, migration_aware=False)
+                kw = dict(migration_aware=False) if prev is None else dict(tolerance=0.01, relative_to="oblivious")
+                t0, c0 = time.perf_counter(), time.process_time()
+                mod.rebalance(w, cur, **cfg, **kw)
+                wall[k][tree].append(time.perf_counter() - t0)
+                cpu[k][tree].append(time.process_time() - c0)
+    _package(this_src)
+    out = {"other_src": other_src, "repeat": repeat}
+    for k in cases:
+        row = {f"{tree}_ms": 1e3 * float(np.median(wall[k][tree])) for tree in trees}
+        row.update({f"{tree}_cpu_ms": 1e3 * float(np.median(cpu[k][tree])) for tree in trees})
+        row["other_over_this"] = row["other_ms"] / row["this_ms"]
+        row["other_over_this_cpu"] = row["other_cpu_ms"] / row["this_cpu_ms"]
+        out[k] = row
+        print(f"compare {k}: {json.dumps(row)}", flush=True)
+    return out
 
 
 def main(argv=None) -> int:
@@ -240,7 +314,16 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench_out/bench_eplb_optimum.json")
     ap.add_argument("--only-shapes", nargs="+", choices=sorted(SHAPES), help="run only these model shapes' rows")
+    ap.add_argument("--compare", metavar="SRC", help="also time rebalance against this source tree's package")
+    ap.add_argument("--compare-only", action="store_true", help="with --compare: only that section")
     args = ap.parse_args(argv)
+    if args.compare_only:
+        if not args.compare:
+            ap.error("--compare-only needs --compare")
+        res = {"compare": compare(args.compare, args.layers, args.seed)}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=1))
+        return 0
     if args.only_shapes:
         res = {"shapes": shapes(args.layers, args.flashlb_layers, args.seed, args.only_shapes)}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -253,6 +336,8 @@ def main(argv=None) -> int:
     res["shapes"] = shapes(args.layers, args.flashlb_layers, args.seed)
     res["migration"] = migration(args.layers, args.steps, args.seed)
     print("migration:", json.dumps({k: v for k, v in res["migration"].items() if k != "steps"}), flush=True)
+    if args.compare:
+        res["compare"] = compare(args.compare, args.layers, args.seed)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))

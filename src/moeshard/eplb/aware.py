@@ -22,8 +22,12 @@ Per layer:
   Replica counts: the node's old counts (light nodes: nothing moves), and on nodes loaded
   over half of ``T x live ranks`` also ``replicate_experts``' counts and, where the old counts
   leave a copy much heavier than ``replicate_experts``' heaviest (a drifted hot expert), the
-  old counts with fewest changes that bring it down (:func:`capped_counts`); the node takes
-  the one within ``T`` that moves fewest copies;
+  old counts with fewest changes that bring it down (:func:`capped_counts`), and the
+  oblivious answer's own counts where they fill the node's slots (spread and hot-spread
+  counts: a ``T`` relative to the oblivious answer may be below what ``replicate_experts``'
+  counts allow); a packing over ``T`` is first refined by the swap search
+  (:func:`moeshard.eplb.refine.lower_peak`); the node takes the one within ``T`` that moves
+  fewest copies;
 * a node where sticky packing misses ``T``: the oblivious answer's packing of the node's
   copies where it has the same groups (the global policy: always), else the more balanced
   refined packing of the groups with the reference's or spread replica counts
@@ -56,6 +60,7 @@ from .oblivious import (
     replicate_nodes,
     scatter_packs,
 )
+from .refine import lower_peak
 from .sticky import EPS, restore, sticky_pack
 
 
@@ -317,13 +322,16 @@ def _group_nodes(w: np.ndarray, held_old: np.ndarray, node_cap: np.ndarray, sh: 
     return gn
 
 
-def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape) -> tuple[np.ndarray, np.ndarray]:
+def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None) -> tuple[np.ndarray, np.ndarray]:
     """For the groups ``gn`` ``int[L, G]``, node by node the sticky packing of fewest moves
     within ``limit`` ``float[L]``: with the old replica counts (:func:`_old_counts`: nothing
     moves on the many nodes far under the limit) or, on nodes loaded over ``_LOOSE`` of
     what their ranks may carry, with ``replicate_experts``' counts, and where the old counts
     leave a copy over ``_CAP_OVER_REPLICATE`` x ``replicate_experts``' heaviest copy, with the
-    old counts capped there (:func:`capped_counts`). One batch of rows (the cost is in the
+    old counts capped there (:func:`capped_counts`), and with the oblivious answer's counts
+    ``obl_cnt`` ``int[L, E]`` where they fill the node's slots (its spread and hot-spread
+    counts: after the oblivious answer got lighter than ``replicate_experts``' counts allow,
+    the only ones within a limit relative to it). One batch of rows (the cost is in the
     rounds of the loops, not in the rows). Returns ``int[L, R, S]`` and the nodes over the
     limit ``bool[L, N]``."""
     num_layers, num_logical = w.shape
@@ -356,27 +364,57 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape) -> tuple[np.ndarray, 
     cnt_c = capped_counts(wr[capped], cnt_k[capped], cap[capped])
     # per-copy loads: the node's own experts from its capped counts (one node per expert)
     wc_c = load_per_copy(wr[capped], cnt_c)
-    rows = np.concatenate([todo, tight, capped])
+    # the oblivious answer's counts on the tight nodes where they fill the node's slots
+    if obl_cnt is None:
+        own = np.zeros(0, dtype=np.int64)
+        cnt_o = wc_o = np.zeros((0, num_logical))
+    else:
+        cnt_all = np.where(mine.reshape(num_layers * n, -1), np.repeat(obl_cnt, n, axis=0), 0)
+        fills = cnt_all.sum(1) == sh.live_per_node * sh.slots_per_rank
+        own = tight[fills[tight] & (cnt_all[tight] != cnt_r[tight]).any(1)]
+        cnt_o = cnt_all[own]
+        wc_o = load_per_copy(wr[own], cnt_o)
+    rows = np.concatenate([todo, tight, capped, own])
     keep = old_rows.copy()
     repl = old_rows.copy()
     capd = old_rows.copy()
+    oblc = old_rows.copy()
     if len(rows):
         # two copies of an expert on a rank are allowed, as in the reference
         packed = sticky_pack(
             old_rows[rows],
             alive_rows[rows],
-            np.concatenate([cnt_k[todo], cnt_r[tight], cnt_c]),
-            np.concatenate([wc_k[todo], wc_r[tight], wc_c]),
+            np.concatenate([cnt_k[todo], cnt_r[tight], cnt_c, cnt_o]).astype(np.int64),
+            np.concatenate([wc_k[todo], wc_r[tight], wc_c, wc_o]),
             thr_rows[rows],
             no_duplicates=False,
         )
-        keep[todo] = packed[: len(todo)]
+        # rows over the limit: the swap search lowers their heaviest rank (a few more moves
+        # where the alternative is the fallback's repacking of the node)
+        cnt_rows = np.concatenate([cnt_k[todo], cnt_r[tight], cnt_c, cnt_o]).astype(np.int64)
+        wc_rows = np.concatenate([wc_k[todo], wc_r[tight], wc_c, wc_o])
+        ri = np.arange(len(rows))[:, None, None]
+        peak = np.where(packed >= 0, wc_rows[ri, np.maximum(packed, 0)], 0.0).sum(-1).max(-1)
+        over = np.flatnonzero(peak > thr_rows[rows] * (1 + _SLACK))
+        if len(over):
+            sub = packed[over][:, None]
+            cap = np.maximum(
+                per_rank_cap(cnt_rows[over], np.full(len(over), sh.live_per_node)),
+                count_last(sub[:, 0], num_logical)[..., :num_logical].max(1),
+            )
+            lower_peak(sub, wc_rows[over], cap, stop_at=thr_rows[rows][over])
+            packed[over] = sub[:, 0]
+        a, b, c = len(todo), len(todo) + len(tight), len(todo) + len(tight) + len(capped)
+        keep[todo] = packed[:a]
         repl[todo] = keep[todo]
-        repl[tight] = packed[len(todo) : len(todo) + len(tight)]
+        repl[tight] = packed[a:b]
         capd[todo] = keep[todo]
-        capd[capped] = packed[len(todo) + len(tight) :]
+        capd[capped] = packed[b:c]
+        oblc[todo] = keep[todo]
+        oblc[own] = packed[c:]
     shape = (num_layers, sh.num_ranks, -1)
-    comp, ok = _compose(w, held_old, [keep.reshape(shape), repl.reshape(shape), capd.reshape(shape)], limit, sh)
+    cands = [keep.reshape(shape), repl.reshape(shape), capd.reshape(shape), oblc.reshape(shape)]
+    comp, ok = _compose(w, held_old, cands, limit, sh)
     return comp, ~ok
 
 
@@ -456,7 +494,7 @@ def aware_policy(
         gn = _group_nodes(w, held_old, np.maximum(cap, limit * sh.live_per_node * _NODE_FILL), sh)
     else:
         gn = ref.group_node
-    cand, bad = _sticky_nodes(w, old3, held_old, gn, limit, sh)
+    cand, bad = _sticky_nodes(w, old3, held_old, gn, limit, sh, obl.cnt)
     lay, gn_all = everywhere, gn
     miss = np.flatnonzero(bad.any(1))
     if sh.hierarchical and len(miss):
@@ -464,7 +502,7 @@ def aware_policy(
         other = miss[(gn2 != gn[miss]).any(1)]
         gn2 = gn2[(gn2 != gn[miss]).any(1)]
         if len(other):
-            cand2, bad2 = _sticky_nodes(w[other], old3[other], held_old[other], gn2, limit[other], sh)
+            cand2, bad2 = _sticky_nodes(w[other], old3[other], held_old[other], gn2, limit[other], sh, obl.cnt[other])
             lay, gn_all = np.concatenate([lay, other]), np.concatenate([gn, gn2])
             cand, bad = np.concatenate([cand, cand2]), np.concatenate([bad, bad2])
     # Where sticky packing misses the limit: the reference's LPT packing of those nodes, restored.

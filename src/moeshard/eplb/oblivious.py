@@ -118,26 +118,30 @@ def balanced_pack(w: np.ndarray, key: np.ndarray | None, num_keys: int, num_pack
         return np.broadcast_to(np.arange(n).reshape(1, n, 1), (num_rows, n, 1)).copy()
     order = np.argsort(-w, axis=1, kind="stable")
     rows = np.arange(num_rows)
-    pack_w = np.zeros((num_rows, num_packs), dtype=w.dtype)  # float32 sums for the exact reference
+    w_sorted = np.take_along_axis(w, order, axis=1)
+    # a pack's load (float32 sums for the exact reference), inf once it is full: the cost of
+    # putting the next item there
+    cost = np.zeros((num_rows, num_packs), dtype=w.dtype)
     pack_n = np.zeros((num_rows, num_packs), dtype=np.int64)
     slots = np.full((num_rows, num_packs, cap), -1, dtype=np.int64)
-    holds = np.zeros((num_rows, num_packs, num_keys), dtype=bool) if key is not None else None
+    if key is not None:
+        keys = np.take_along_axis(key, order, axis=1)
+        holds = np.zeros((num_rows, num_keys, num_packs), dtype=bool)
     for t in range(n):
-        i = order[:, t]
-        cost = np.where(pack_n >= cap, np.inf, pack_w)
-        if holds is not None:
-            e = key[rows, i]
-            strict = np.where(holds[rows, :, e], np.inf, cost)
+        if key is not None:
+            e = keys[:, t]
+            strict = np.where(holds[rows, e], np.inf, cost)
             k = strict.argmin(axis=1)
             stuck = np.isinf(strict[rows, k])
             if stuck.any():  # every pack with room holds it: the repair deals with it
                 k[stuck] = cost[stuck].argmin(axis=1)
-            holds[rows, k, e] = True
+            holds[rows, e, k] = True
         else:
             k = cost.argmin(axis=1)
-        slots[rows, k, pack_n[rows, k]] = i
-        pack_n[rows, k] += 1
-        pack_w[rows, k] += w[rows, i]
+        at = pack_n[rows, k]
+        slots[rows, k, at] = order[:, t]
+        pack_n[rows, k] = at + 1
+        cost[rows, k] = np.where(at + 1 >= cap, np.inf, cost[rows, k] + w_sorted[:, t])
     return slots
 
 
@@ -256,14 +260,24 @@ def node_packs(
     (``spread``: moeshard's spread counts), then balanced packing of the copies onto the node's
     live ranks (``no_duplicates``: with moeshard's rule, before the repair). Returns packs
     ``int[L*N, live_per_node, S]`` and ``cnt`` ``int[L, E]``."""
+    packs, cnt, _, _ = _node_packs_parts(w, group_node, sh, no_duplicates, spread)
+    return packs, cnt
+
+
+def _node_packs_parts(w: np.ndarray, group_node: np.ndarray, sh: Shape, no_duplicates: bool, spread: bool = False):
+    """:func:`node_packs`, and besides the copies ``phy2m`` ``int[L*N, P_node]`` (node-local
+    expert per copy, :func:`replicate_nodes`) and the packing ``int[L*N, live * S]`` (copy
+    indices), so that a packing of the same copies need not be made again."""
     num_layers = w.shape[0]
     n, s, live = sh.num_nodes, sh.slots_per_rank, sh.live_per_node
     mlog2log, phy2m, mcnt, cnt = replicate_nodes(w, group_node, sh, spread)
     w_m = np.take_along_axis(np.repeat(w, n, axis=0), mlog2log, axis=1)
     w_phy = np.take_along_axis((w_m / mcnt).astype(w.dtype), phy2m, axis=1)
     slots = balanced_pack(w_phy, phy2m if no_duplicates else None, mlog2log.shape[1], live, s)
-    packs_m = np.take_along_axis(phy2m, slots.reshape(num_layers * n, -1), axis=1)
-    return np.take_along_axis(mlog2log, packs_m, axis=1).reshape(num_layers * n, live, s), cnt
+    slots = slots.reshape(num_layers * n, -1)
+    packs_m = np.take_along_axis(phy2m, slots, axis=1)
+    packs = np.take_along_axis(mlog2log, packs_m, axis=1).reshape(num_layers * n, live, s)
+    return packs, cnt, phy2m, slots
 
 
 def _groups_to_nodes(w: np.ndarray, sh: Shape) -> np.ndarray:
@@ -311,18 +325,48 @@ def _refined(
     ``no_duplicates``: moeshard's rule (:func:`per_rank_cap`), the swap repair first and no
     swap that breaks it; else no rank takes more copies of an expert than the rule and
     ``packs``' fullest rank for that expert allow (the search adds no duplicate of its own)."""
-    num_layers = w.shape[0]
-    n, live = sh.num_nodes, sh.live_per_node
-    packs = packs.copy()
-    wc = load_per_copy(w, cnt)
-    cap = per_rank_cap(cnt, np.full(num_layers, live))
-    if no_duplicates:
-        repair_duplicates(packs, np.repeat(wc, n, axis=0), np.repeat(cap, n, axis=0))
-    else:
-        per_rank = count_last(packs.reshape(num_layers, n * live, -1), cnt.shape[1])[..., :-1]
-        cap = np.maximum(cap, per_rank.max(1))
-    lower_peak(packs.reshape(num_layers, n, live, -1), wc, cap)
-    return _answer(w, sh, packs, group_node, cnt)
+    return _refined_many(sh, [(w, packs, group_node, cnt, no_duplicates)])[0]
+
+
+def _refined_many(sh: Shape, items: list) -> list[ObliviousAnswer]:
+    """:func:`_refined` of each ``(w, packs, group_node, cnt, no_duplicates)`` of ``items``, in
+    one search (rows are independent: the same answers, fewer rounds of the search's loop)."""
+    prepared = []
+    for w, packs, _, cnt, no_duplicates in items:
+        num_layers = w.shape[0]
+        n, live = sh.num_nodes, sh.live_per_node
+        packs = packs.copy()
+        wc = load_per_copy(w, cnt)
+        cap = per_rank_cap(cnt, np.full(num_layers, live))
+        if no_duplicates:
+            repair_duplicates(packs, np.repeat(wc, n, axis=0), np.repeat(cap, n, axis=0))
+        else:
+            per_rank = count_last(packs.reshape(num_layers, n * live, -1), cnt.shape[1])[..., :-1]
+            cap = np.maximum(cap, per_rank.max(1))
+        prepared.append((packs.reshape(num_layers, n, live, sh.slots_per_rank), wc, cap))
+    packs = np.concatenate([p for p, _, _ in prepared])
+    wc = np.concatenate([c for _, c, _ in prepared])
+    cap = np.concatenate([c for _, _, c in prepared])
+    # a row that starts as the first item's row of the same index (often a layer's plain
+    # candidate and the reference's answer) ends as it: searched once
+    n0 = len(prepared[0][0])
+    twin = np.full(len(packs), -1)
+    at = n0
+    for p, c, k in prepared[1:]:
+        m = min(len(p), n0)
+        same = (p[:m] == packs[:m]).all((1, 2, 3)) & (c[:m] == wc[:m]).all(1) & (k[:m] == cap[:m]).all(1)
+        twin[at : at + m][same] = np.flatnonzero(same)
+        at += len(p)
+    own = np.flatnonzero(twin < 0)
+    sub = packs[own]
+    lower_peak(sub, wc[own], cap[own])
+    packs[own] = sub
+    packs[twin >= 0] = packs[twin[twin >= 0]]
+    out, at = [], 0
+    for w, _, group_node, cnt, _ in items:
+        out.append(_answer(w, sh, packs[at : at + len(w)].reshape(-1, *packs.shape[2:]), group_node, cnt))
+        at += len(w)
+    return out
 
 
 def _keeps_rule(o: ObliviousAnswer, sh: Shape) -> np.ndarray:
@@ -352,12 +396,18 @@ def _with_layers(base: ObliviousAnswer, layers: np.ndarray, sub: ObliviousAnswer
     return ObliviousAnswer(*fields)
 
 
-def _hot_spread(w: np.ndarray, sh: Shape, group_node: np.ndarray, plain: ObliviousAnswer) -> ObliviousAnswer:
-    """The candidate with hot-spread replica counts, refined, with moeshard's rule: per node, the
-    counts of :func:`replicate_experts` with ``hot`` in ``_HOT`` whose balanced packing has the
-    lightest heaviest rank (nodes are independent once their groups are fixed; a variant whose
-    counts are those of ``hot=0`` is not packed again); ``plain`` (the candidate with the
-    reference's counts) on the layers where the counts are the same."""
+def _hot_spread(
+    w: np.ndarray, sh: Shape, group_node: np.ndarray, plain_cnt: np.ndarray, plain_parts: tuple | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The candidate with hot-spread replica counts, before refinement, with moeshard's rule:
+    per node, the counts of :func:`replicate_experts` with ``hot`` in ``_HOT`` whose balanced
+    packing has the lightest heaviest rank (nodes are independent once their groups are fixed;
+    a variant whose counts are those of ``hot=0`` is not packed again). ``plain_parts``: the
+    copies ``phy2m`` and packing ``slots`` of the candidate with the reference's counts
+    (:func:`_node_packs_parts`); a node whose ``hot=0`` copies are those is not packed again
+    either (the same copies pack the same). Returns the layers ``int[M]`` whose counts differ
+    from ``plain_cnt`` ``int[L, E]`` and, for them, packs ``int[M*N, live_per_node, S]`` and
+    counts ``int[M, E]``."""
     num_layers, num_e = w.shape
     n, live, s = sh.num_nodes, sh.live_per_node, sh.slots_per_rank
     rows = num_layers * n
@@ -370,13 +420,27 @@ def _hot_spread(w: np.ndarray, sh: Shape, group_node: np.ndarray, plain: Oblivio
     peak_full = np.full(num_v * rows, np.inf)
     packs_full = np.zeros((num_v * rows, live, s), dtype=np.int64)
 
-    def pack(idx):
-        w_phy = np.take_along_axis(np.tile(w_m, (num_v, 1))[idx] / mcnt[idx], phy2m[idx], axis=1)
-        slots = balanced_pack(w_phy, phy2m[idx], mlog2log.shape[1], live, s).reshape(len(idx), -1)
+    def peaks(idx, w_phy, slots):
         packs_full[idx] = np.take_along_axis(phy2m[idx], slots, axis=1).reshape(len(idx), live, s)
         peak_full[idx] = np.take_along_axis(w_phy, slots, axis=1).reshape(len(idx), live, s).sum(-1).max(-1)
 
-    pack(np.arange(rows))
+    def w_phy_of(idx):
+        return np.take_along_axis(np.tile(w_m, (num_v, 1))[idx] / mcnt[idx], phy2m[idx], axis=1)
+
+    def pack(idx):
+        w_phy = w_phy_of(idx)
+        peaks(idx, w_phy, balanced_pack(w_phy, phy2m[idx], mlog2log.shape[1], live, s).reshape(len(idx), -1))
+
+    first = np.arange(rows)
+    if plain_parts is not None:
+        plain_phy2m, plain_slots = plain_parts
+        same = (phy2m[:rows] == plain_phy2m).all(1)
+        if same.any():
+            idx = first[same]
+            peaks(idx, w_phy_of(idx), plain_slots[same])
+        first = first[~same]
+    if len(first):
+        pack(first)
     over = peak_full[:rows] > w_m.sum(1) / live * (1 + _GAIN)
     differ = (mcnt[rows:] != np.tile(mcnt[:rows], (num_v - 1, 1))).any(1) & np.tile(over, num_v - 1)
     if differ.any():
@@ -393,11 +457,9 @@ def _hot_spread(w: np.ndarray, sh: Shape, group_node: np.ndarray, plain: Oblivio
     cnt = np.zeros((num_layers, num_e), dtype=np.int64)
     chosen = mcnt[sel]
     np.put_along_axis(cnt, mlog2log.reshape(num_layers, -1), chosen.reshape(num_layers, -1), axis=1)
-    layers = np.flatnonzero((cnt != plain.cnt).any(1))
-    if not len(layers):
-        return plain
+    layers = np.flatnonzero((cnt != plain_cnt).any(1))
     packs = packs.reshape(num_layers, n, live, s)[layers].reshape(-1, live, s)
-    return _with_layers(plain, layers, _refined(w[layers], sh, packs, group_node[layers], cnt[layers], True))
+    return layers, packs, cnt[layers]
 
 
 # A candidate replaces an earlier one only if its heaviest rank is lighter by this relative
@@ -429,10 +491,11 @@ def group_packs(w: np.ndarray, sh: Shape, group_node: np.ndarray) -> np.ndarray:
     reference's steps 2 and 3 with its counts and with spread counts, each refined without
     moeshard's rule (the migration-aware policy's fallback packing). Returns packs
     ``int[L, N, live_per_node, S]``."""
-    cands = []
+    items = []
     for spread in (False, True):
         packs, cnt = node_packs(w, group_node, sh, no_duplicates=False, spread=spread)
-        cands.append(_refined(w, sh, packs, group_node, cnt, no_duplicates=False))
+        items.append((w, packs, group_node, cnt, False))
+    cands = _refined_many(sh, items)
     return _select(cands, _most_balanced(cands, np.ones((2, w.shape[0]), dtype=bool))).packs
 
 
@@ -445,12 +508,16 @@ def oblivious_policy(w: np.ndarray, sh: Shape, ref: ObliviousAnswer | None = Non
     duplicates, if any, kept): never less balanced than the reference, by construction."""
     ref = reference_answer(w, sh) if ref is None else ref
     group_node = _groups_to_nodes(w, sh)
-    packs, cnt = node_packs(w, group_node, sh, no_duplicates=True)
-    plain = _refined(w, sh, packs, group_node, cnt, no_duplicates=True)
+    packs, cnt, phy2m, slots = _node_packs_parts(w, group_node, sh, no_duplicates=True)
     num_layers = w.shape[0]
+    hot_layers, hot_packs, hot_cnt = _hot_spread(w, sh, group_node, cnt, (phy2m, slots))
     ref_packs = ref.packs.reshape(num_layers * sh.num_nodes, sh.live_per_node, -1)
-    ref_refined = _refined(w, sh, ref_packs, ref.group_node, ref.cnt, no_duplicates=False)
-    cands = [plain, _hot_spread(w, sh, group_node, plain), ref_refined]
+    items = [(w, packs, group_node, cnt, True), (w, ref_packs, ref.group_node, ref.cnt, False)]
+    if len(hot_layers):
+        items.append((w[hot_layers], hot_packs, group_node[hot_layers], hot_cnt, True))
+    plain, ref_refined, *hot = _refined_many(sh, items)
+    hot = _with_layers(plain, hot_layers, hot[0]) if len(hot_layers) else plain
+    cands = [plain, hot, ref_refined]
     allowed = np.ones((len(cands), num_layers), dtype=bool)
     allowed[2] = _keeps_rule(ref_refined, sh)
     pick = _most_balanced(cands, allowed)
