@@ -36,6 +36,7 @@ import json
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 import tiny_hf
@@ -412,3 +413,20 @@ def write_reference(fixture: Fixture, path: str, dtype: torch.dtype = torch.floa
     ref = {k: (v if k.endswith("e_score_correction_bias") else v.to(dtype)) for k, v in fixture.reference.items()}
     _save(path, fixture.config, ref, None)
     return path
+
+
+def corrupt_weight_shape(path: str) -> str:
+    """Overwrite, in place, the ``weight_shape`` value of the first INT4 weight of checkpoint
+    ``path`` (compressed-tensors ``pack-quantized``) with a shape its packed values do not hold;
+    returns that weight's logical key and the value written, as an error prints it."""
+    from moeshard.io.index import CheckpointIndex
+
+    index = CheckpointIndex.open(path)
+    pw = next(p for _, p in sorted(index.packed.items()) if p.shape_key)
+    info = index.tensors[pw.shape_key]
+    rows, cols = pw.value_shape[-2:]
+    value = np.asarray([rows, cols - 8], dtype="<i4" if info.dtype == "I32" else "<i8")
+    with open(os.path.join(path, info.file), "r+b") as f:
+        f.seek(info.offset)
+        f.write(value.tobytes())
+    return pw.key, str(value.tolist())

@@ -523,7 +523,8 @@ def _local_state(model) -> dict:
 def packed_kept_worker(packed: dict, out_dir: str) -> dict:
     """Per family: load the packed checkpoint into a model that keeps its experts packed
     (EP=2 x efsdp=2, a redundant placement), verify, relocate P2P (the scales and shapes travel
-    with their experts), verify, save, relocate back from disk; each step's local bytes."""
+    with their experts), verify, save, relocate back from disk, reshard into a fresh model from
+    ranks 0-1 and the checkpoint; each step's local bytes."""
     import moeshard
 
     mesh = moeshard.make_mesh("cpu", ep=2, efsdp=2)
@@ -545,7 +546,22 @@ def packed_kept_worker(packed: dict, out_dir: str) -> dict:
         steps.append(((), new.phy2log, _local_state(model)))
         moeshard.relocate(model, new, old, checkpoint=ckpt, from_checkpoint=True, routing="caller")
         steps.append(((), old.phy2log, _local_state(model)))
-        out[family] = (steps, moved.bytes_sent_rank, checked)
+        out[family] = (steps, moved.bytes_sent_rank, checked, None)
+        if family == "gpt_oss":  # experts fused on disk: reshard refuses to read them from storage
+            continue
+        # A reshard into a fresh model at placement ``new`` where ranks 2-3 lost their state (they
+        # join with nothing): what only they held is read from disk, as stored (ModelOpt's and
+        # FP8's stored key is the logical one: not their dequantized view).
+        fresh = _packed_model(family, ckpt)
+        fresh.config.quantization_config = model.config.quantization_config
+        moeshard.parallelize(fresh, mesh, new, ep_forward=False)
+        survivor = torch.distributed.get_rank() < 2
+        shards = moeshard.describe_shards(model)
+        resharded = moeshard.reshard(
+            fresh, shards if survivor else None, model if survivor else None, ckpt, dense_from_storage="allow"
+        )
+        steps.append(((), new.phy2log, _local_state(fresh)))
+        out[family] = (steps, moved.bytes_sent_rank, checked, resharded.bytes_read_rank)
     return out
 
 
@@ -670,9 +686,10 @@ def test_packed_experts_kept_moved_and_saved_byte_identical(kept_runs, family):
     ``*_scales``; DeepSeek-V3: compressed-tensors INT4 ``weight_packed`` int32 + ``weight_scale``
     + ``weight_shape``, Kimi-K2-Thinking's layout) loads on EP=2 x expert-FSDP=2 ranks with a
     redundant placement, every local byte the checkpoint's: after load, after a P2P relocation
-    (scales and shapes move with their experts) and after one back read from disk; saved after the
-    relocation, every tensor of the checkpoint (scales and shapes included) is written, with its
-    dtype and bytes unchanged."""
+    (scales and shapes move with their experts), after one back read from disk and (experts not
+    fused on disk) after a reshard into a fresh model whose ranks 2-3 held nothing (their boxes
+    read from disk as stored); saved after the relocation, every tensor of the checkpoint (scales
+    and shapes included) is written, with its dtype and bytes unchanged."""
     from moeshard.models.describe import expert_layers
 
     root, packed, results, _, _ = kept_runs
@@ -681,11 +698,12 @@ def test_packed_experts_kept_moved_and_saved_byte_identical(kept_runs, family):
     model = _packed_model(family, ckpt)
     layers = {e.name: (e.layer, e.spec) for e in expert_layers(model)}
     names = {name for name, _ in model.named_parameters()}
-    sent = 0
+    sent = disk = 0
     for rank, res in enumerate(results):
-        steps, moved, checked = res[1][family]
+        steps, moved, checked, read = res[1][family]
         assert checked > 0
         sent += moved
+        disk += read or 0
         for unused, phy2log, state in steps:
             assert unused == ()  # every tensor read into a parameter
             assert set(state) == names
@@ -694,7 +712,7 @@ def test_packed_experts_kept_moved_and_saved_byte_identical(kept_runs, family):
                 assert tuple(full.shape) == shape, name
                 box = tuple(slice(o, o + n) for o, n in zip(offset, got.shape))
                 assert got.dtype == full.dtype and torch.equal(got, full[box]), f"rank {rank} {name}"
-    assert sent > 0
+    assert sent > 0 and (disk > 0 or family == "gpt_oss")  # the reshard read what only the lost ranks held
     saved = _saved(str(root / "packed_saved" / family))
     assert set(saved) == set(want)
     with open(os.path.join(ckpt, "config.json")) as f, open(root / "packed_saved" / family / "config.json") as g:

@@ -6,6 +6,7 @@ decompression for its formats, and ModelOpt NVFP4's stated math computed here in
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -949,3 +950,25 @@ def test_dense_nvfp4_fixture_and_a_group_without_its_own_format(tmp_path):
         with safe_open(f"{fx.path}/{index.tensors[pw.global_scale].file}", "pt") as f:
             gs = f.get_tensor(pw.global_scale)
         _same(decode(pw.scheme, values, scale, gs), fx.reference[key])
+
+
+def test_weight_shape_is_checked_by_the_plan_that_reads_it_not_at_index_open(fixtures, tmp_path):
+    """Opening an index reads no ``weight_shape`` value (one read per packed weight: ~70,000 on
+    a Kimi-K2-sized checkpoint); a load whose plan reads a weight whose ``weight_shape``
+    disagrees with its packed values still refuses it, naming the key, before data moves."""
+    import shutil
+
+    import transformers
+
+    import moeshard
+    from moeshard.io.index import CheckpointIndex
+
+    path = str(tmp_path / "int4")
+    shutil.copytree(fixtures["int4"].path, path)
+    key, bad = quant_fixtures.corrupt_weight_shape(path)
+    index = CheckpointIndex.open(path)  # no error: the value is not read
+    assert key in index.packed
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(fixtures["int4"].config, dtype=torch.bfloat16)
+    with pytest.raises(CheckpointError, match=rf"{re.escape(key)}_shape: weight_shape {re.escape(bad)} disagrees"):
+        moeshard.load(model, path)

@@ -1,13 +1,14 @@
 """Packed quantized checkpoints (gpt-oss MXFP4) loaded dequantized into a float model on EP x
 expert-FSDP ranks with redundant experts, verified and relocated from the checkpoint; every
 value compared with an independent dequantization (numpy E2M1 table times 2^(scale - 127) in
-float32, cast once), and the refusals (a shard that splits a group, a missing scale) raised on
-every rank."""
+float32, cast once), and the refusals (a shard that splits a group, a missing scale, a float
+model loading a quantized checkpoint with dequantize=False: named format) raised on every rank."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -172,7 +173,7 @@ def _kept_packed(path: str) -> dict:
     return {"slots": slots, "dequantized": rep.dequantized_keys, "unused": rep.unused_keys}
 
 
-def formats_worker(cases: list, missing: str) -> dict:
+def formats_worker(cases: list, missing: str, bad_shape: tuple) -> dict:
     """Per format: the quantized checkpoint loaded dequantized (shared, and single storage with
     a small staging budget: packed pieces sent between ranks), verified, a wrong value found,
     relocated from the checkpoint; the reference float checkpoint loaded the same way."""
@@ -206,6 +207,10 @@ def formats_worker(cases: list, missing: str) -> dict:
             reference = _build(config, pl, efsdp)
             moeshard.load(reference, ref_path, placement=pl)
             res["reference"] = _state(reference, pl)
+            # A float model told not to dequantize: refused, naming the format and the way out.
+            with pytest.raises(moeshard.DistributedError) as as_stored:
+                moeshard.load(_build(config, pl, efsdp), path, placement=pl, dequantize=False)
+            res["as_stored"] = str(as_stored.value)
         out[fmt] = res
     out["kept"] = _kept_packed(cases[0][1])
     fmt, path, ref_path, config, num_experts, efsdp = cases[0]
@@ -214,7 +219,25 @@ def formats_worker(cases: list, missing: str) -> dict:
     with pytest.raises(moeshard.DistributedError) as refused:
         moeshard.load(model, missing, placement=pl)
     out["missing"] = str(refused.value)
+    # An INT4 weight whose weight_shape disagrees with its packed values, checked by the ranks
+    # that read it (not at index open): refused on every rank.
+    path, config, num_experts = bad_shape
+    pl = _placement(5, num_experts, config.num_hidden_layers - config.first_k_dense_replace, 2)
+    with pytest.raises(moeshard.DistributedError) as refused:
+        moeshard.load(_build(config, pl, 2), path, placement=pl)
+    out["bad_shape"] = str(refused.value)
     return out
+
+
+# How a refusal names each fixture's format (io.quant.describe) when a float model loads it with
+# dequantize=False.
+AS_STORED = {
+    "mxfp4": "mxfp4 (mxfp4, group 32, E8M0 scale)",
+    "int4": "int4 (compressed-tensors/pack-quantized, group 32, ",
+    "nvfp4": "nvfp4 (compressed-tensors/nvfp4-pack-quantized, group 16, F8_E4M3 scale, global scale)",
+    "modelopt-nvfp4": "nvfp4 (modelopt/NVFP4, group 16, F8_E4M3 scale, global scale)",
+    "fp8": "fp8 (compressed-tensors/float-quantized, per channel, ",
+}
 
 
 @pytest.mark.dist
@@ -223,7 +246,7 @@ def test_packed_formats_load_dequantized_verify_relocate_and_refuse(tmp_path):
     ModelOpt) and FP8 per channel (EP 2 x expert-FSDP 2), redundant experts: every value equal
     to the independent dequantizer's (through a float load of its reference checkpoint, and for
     gpt-oss also to this file's own numpy decode), bytes read as the plan counts them."""
-    from quant_fixtures import WRITERS, write_reference
+    from quant_fixtures import WRITERS, corrupt_weight_shape, write_reference
 
     own = str(tmp_path / "own-mxfp4")
     own_ref = write_mxfp4(own)
@@ -237,7 +260,11 @@ def test_packed_formats_load_dequantized_verify_relocate_and_refuse(tmp_path):
         n = n or fx.config.num_experts
         cases.append((fmt, fx.path, ref_path, fx.config, n, 1 if fmt == "mxfp4" else 2))
     cases.insert(0, ("own-mxfp4", own, None, gptoss_config(), 4, 1))
-    results = run_ranks(formats_worker, cases, missing, world=4, local_world=2, timeout=600)
+    bad = str(tmp_path / "bad-shape")
+    shutil.copytree(cases[2][1], bad)  # the INT4 DeepSeek-V3
+    bad_key, bad_value = corrupt_weight_shape(bad)
+    bad_shape = (bad, cases[2][3], cases[2][4])
+    results = run_ranks(formats_worker, cases, missing, bad_shape, world=4, local_world=2, timeout=600)
     own_want = {k: v.to(torch.bfloat16) for k, v in own_ref.items()}
     from safetensors import safe_open
 
@@ -248,6 +275,7 @@ def test_packed_formats_load_dequantized_verify_relocate_and_refuse(tmp_path):
                 stored.update({k: f.get_tensor(k) for k in f.keys()})
     for rank, res in enumerate(results):
         assert "down_proj_scales" in res["missing"], res["missing"]
+        assert f"{bad_key}_shape: weight_shape {bad_value} disagrees" in res["bad_shape"], res["bad_shape"]
         kept = res["kept"]
         assert kept["unused"] == () and len(kept["slots"]) == 2 * 4 * 2  # 2 layers x 4 tensors x 2 slots
         for (layer, name, _), (expert, got) in kept["slots"].items():  # the stored bytes, unchanged
@@ -264,6 +292,10 @@ def test_packed_formats_load_dequantized_verify_relocate_and_refuse(tmp_path):
             for name, got in r["relocated"][1].items():
                 assert torch.equal(got, want[name]), f"{fmt} rank {rank} relocated {name}"
             assert "down_proj" in r["wrong_value"], (fmt, r["wrong_value"])
+            if fmt in AS_STORED:  # every rank's line names the format and says to dequantize
+                text = r["as_stored"]
+                assert text.count(f" is stored quantized as {AS_STORED[fmt]}") == 4, (fmt, text)
+                assert text.count("pass dequantize=True") == 4, (fmt, text)
     for fmt, *_ in cases:
         for i, storage in enumerate(("shared", "single")):
             read = sum(res[fmt]["loads"][i][1] for res in results)

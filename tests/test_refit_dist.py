@@ -15,6 +15,9 @@ One spawned group runs, per family:
 Every engine tensor is compared bit for bit with the same fusion and sharding built in one
 process (:func:`_expected`, written from vLLM's rules, not from the planner) from the trainer's
 full logical weights; bytes sent equal the plan's and the least any plan sends.
+
+A real process killed mid-refit (a trainer rank, then an engine rank) runs in 4-rank groups of
+its own (a dead rank breaks its group): see "a rank lost during a refit" below.
 """
 
 from __future__ import annotations
@@ -498,3 +501,196 @@ def test_bad_block_fp8_engine_tensors_raise_on_every_rank(runs, family):
     assert all(f"lacks engine tensor {o}_scale_inv" in x["errors"]["no_scale"] for x in outs)
     assert all(f"{o}: [32, 16] torch.bfloat16 here" in x["errors"]["bf16"] for x in outs)
     assert all(x["unchanged"] for x in outs)
+
+
+# -- a rank lost during a refit ------------------------------------------------------------------
+#
+# A real process dies mid-refit (SIGKILL from a hook in its own refit), once a trainer rank and
+# once an engine rank, the trainer and the engine on 2 + 2 disjoint ranks (engine TP=2 x EP=2):
+# every survivor raises PeerLostError within seconds, and every surviving engine rank holds, per
+# install group, either the old weights or the new, never a mix (each compared with the fusion
+# built in one process, :func:`_expected`). One 4-rank group per scenario, since a dead rank
+# breaks its group; the ranks are forked from a forkserver that has imported torch, transformers
+# and moeshard. As a crashing job does, survivors record what they raised and exit at once,
+# which is also what unblocks survivors waiting on them: gloo tells only a dead rank's direct
+# peers (as in test_lost_rank.py).
+
+LOST_VICTIM = 3
+LOST_BACKSTOP_S = 60  # the process group's timeout: a backstop the survivors must fail well before
+LOST_WITHIN_S = 20
+# scenario -> (trainer ranks, engine ranks, the install agreement the victim dies at, and when:
+# "agreed" as it returns, before any of the next group's transfers; "staged" after its part of
+# that group's transfers, the group's staging filled, before the agreement), and the install
+# groups every surviving engine rank must then hold new (the plan's first ones; the rest old).
+LOST = {
+    "trainer": ((2, 3), (0, 1), 1, "agreed", 1),
+    "engine": ((0, 1), (2, 3), 3, "staged", 2),
+}
+
+
+def _die_in_refit(at: int, when: str) -> None:
+    """Make this process SIGKILL itself at its ``at``-th refit install agreement (``when``: see
+    :data:`LOST`)."""
+    import os
+    import signal
+
+    from moeshard import collectives
+
+    real = collectives.agree
+    seen = [0]
+
+    def die():
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def agree(step, what, *args, **kwargs):
+        if not what.startswith("moeshard.refit: install"):
+            return real(step, what, *args, **kwargs)
+        seen[0] += 1
+        if seen[0] == at and when == "staged":
+            run = step
+
+            def step():
+                run()
+                die()
+
+        out = real(step, what, *args, **kwargs)
+        if seen[0] == at and when == "agreed":
+            die()
+        return out
+
+    collectives.agree = agree
+
+
+def _lost_scenario(scenario: str, rank: int, ckpt: str) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    import moeshard
+    from moeshard.models.describe import local_tensor
+
+    trainers, engines, at, when, _ = LOST[scenario]
+    family = "qwen3_moe"
+    trainer_group = dist.new_group(list(trainers))
+    mesh = DeviceMesh("cpu", torch.tensor([list(trainers)]), mesh_dim_names=("efsdp", "ep"))
+    pl = moeshard.Placement.contiguous(num_layers=tiny_hf.NUM_LAYERS, num_logical=NUM_EXPERTS, num_ranks=2)
+    model = full = None
+    if rank in trainers:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(tiny_hf.config(family))
+        moeshard.parallelize(model, mesh, pl)
+        moeshard.load(model, ckpt, placement=pl, group=trainer_group)
+        full = _full(model, pl)
+    old = moeshard.collectives.broadcast_object(full, src=trainers[0])
+    lay = _layout(family, engines, 2, 2, _engine_placement(11, 2))
+    erank = engines.index(rank) if rank in engines else None
+    dst = _engine_tensors(family, lay, old, erank, None) if erank is not None else None
+    out = {"first": []}
+    moeshard.refit(model, dst, lay)
+    if dst is not None:
+        out["first"] = _mismatches(family, lay, dst, old, erank, None)
+    if model is not None:  # a training step's worth of change: every parameter moves
+        with torch.no_grad():
+            for p in model.parameters():
+                local_tensor(p).add_(0.5)
+        full = _full(model, pl)
+    new = moeshard.collectives.broadcast_object(full, src=trainers[0])
+    if rank == LOST_VICTIM:
+        _die_in_refit(at, when)
+    t0 = time.monotonic()
+    try:
+        moeshard.refit(model, dst, lay)
+        out["raised"] = None
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out["raised"] = (type(e).__name__, str(e))
+    out["seconds"] = time.monotonic() - t0
+    if dst is not None:
+        # Per install group (in the plan's order), what its engine tensors on this rank hold.
+        held: dict[int, set] = {}
+        for t in lay.tensors:
+            got = dst[t.name]
+            was = _expected(family, t.name, old, lay.tp, lay.ep, lay.phy2log, erank, None)
+            now = _expected(family, t.name, new, lay.tp, lay.ep, lay.phy2log, erank, None)
+            n = was.shape[0]
+            state = "new" if torch.equal(got[:n], now) else "old" if torch.equal(got[:n], was) else f"{t.name}: a mix"
+            if t.pad_to > 1 and not bool((got[n:] == -7.0).all()):
+                state = f"{t.name}: padding written"
+            held.setdefault(t.group, set()).add(state)
+        out["groups"] = [(g, sorted(held[g])) for g in sorted(held)]
+    return out
+
+
+def _lost_main(scenario: str, rank: int, port: int, ckpt: str, out_dir: str) -> None:
+    import datetime
+    import os
+    import pickle
+
+    from mp import set_rank_env
+
+    set_rank_env(rank, WORLD, LWS, port)
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group(
+        "gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=LOST_BACKSTOP_S)
+    )
+    try:
+        result = ("ok", _lost_scenario(scenario, rank, ckpt))
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        import traceback
+
+        result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+    with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+    os._exit(0)  # at once, as a crashing job does: no teardown beside a dead peer
+
+
+@pytest.fixture(scope="module")
+def lost_refits(tmp_path_factory):
+    import pickle
+    import signal
+
+    from moeshard._launch import free_port
+    from mp import forkserver, start_and_join
+
+    root = tmp_path_factory.mktemp("refit_lost")
+    ckpt = str(root / "ckpt")
+    tiny_hf.save_checkpoint("qwen3_moe", ckpt)
+    ctx = forkserver(__name__)
+    results = {}
+    for scenario in LOST:
+        out_dir = root / scenario
+        out_dir.mkdir()
+        port = free_port()
+        procs = [
+            ctx.Process(target=_lost_main, args=(scenario, r, port, ckpt, str(out_dir)), daemon=True)
+            for r in range(WORLD)
+        ]
+        alive = start_and_join(procs, 3 * LOST_BACKSTOP_S)
+        assert not alive, f"{scenario}: ranks {alive} still running (a hang)"
+        assert procs[LOST_VICTIM].exitcode == -signal.SIGKILL, (
+            f"{scenario}: the victim exited {procs[LOST_VICTIM].exitcode}"
+        )
+        results[scenario] = {}
+        for r in range(WORLD):
+            if r == LOST_VICTIM:
+                continue
+            with open(out_dir / f"{r}.pkl", "rb") as f:
+                kind, value = pickle.load(f)
+            assert kind == "ok", f"{scenario}: rank {r} failed outside the refit:\n{value}"
+            results[scenario][r] = value
+    return results
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("scenario", list(LOST))
+def test_a_rank_lost_mid_refit_raises_everywhere_and_leaves_each_layer_old_or_new(lost_refits, scenario):
+    trainers, engines, _, _, num_new = LOST[scenario]
+    for rank, got in lost_refits[scenario].items():
+        assert got["first"] == [], f"rank {rank}: the first refit wrote {got['first']}"
+        assert got["raised"] is not None, f"{scenario}: rank {rank} did not raise"
+        kind, text = got["raised"]
+        assert kind == "PeerLostError", f"{scenario}: rank {rank} raised {kind}: {text}"
+        assert text.startswith("moeshard.refit: install group"), text
+        assert got["seconds"] < LOST_WITHIN_S, f"{scenario}: rank {rank} raised after {got['seconds']:.1f}s"
+        if rank in engines:
+            groups = [g for g, _ in got["groups"]]
+            want = [(g, ["new"] if i < num_new else ["old"]) for i, g in enumerate(groups)]
+            assert got["groups"] == want, f"{scenario}: engine rank {rank}"

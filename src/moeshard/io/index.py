@@ -44,6 +44,10 @@ class CheckpointIndex:
     # key, as ModelOpt's ``weight``, the logical one), read decoded (:mod:`moeshard.io.packed`).
     # ``without_packed()``: the stored tensors only (a model that keeps them packed).
     packed: dict = field(default_factory=dict)
+    # After ``without_packed(because)``: the packed weights now read as stored and why, kept only
+    # so that a refusal of one of their keys names its format (:meth:`read_as_stored`).
+    stored_packed: dict = field(default_factory=dict)
+    stored_because: str = ""
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> CheckpointIndex:
@@ -81,10 +85,24 @@ class CheckpointIndex:
                 tensors[key] = info
         return cls(str(root), tensors, sizes, _recognized(root, tensors))
 
-    def without_packed(self) -> CheckpointIndex:
+    def without_packed(self, because: str = "") -> CheckpointIndex:
         """This index with its stored tensors only: packed weights under their stored keys (a
-        model whose parameters are the packed tensors)."""
-        return replace(self, packed={}) if self.packed else self
+        model whose parameters are the packed tensors, or a load asked not to dequantize);
+        ``because`` says why, in a refusal of a packed weight's key (:meth:`read_as_stored`)."""
+        return replace(self, packed={}, stored_packed=self.packed, stored_because=because) if self.packed else self
+
+    def read_as_stored(self, key: str) -> str:
+        """What a refusal of checkpoint key ``key`` (missing, or of a dtype that cannot be cast)
+        adds after :meth:`without_packed` when ``key`` is a quantized weight's (its logical key,
+        packed values or scale): "; <key> is stored quantized as <format>: <its keys>, read as
+        stored (<because>)"; "" for any other key."""
+        pw = next((p for p in self.stored_packed.values() if key in (p.key, p.values, p.scale, p.global_scale)), None)
+        if pw is None:
+            return ""
+        from .quant import explain
+
+        why = f" ({self.stored_because})" if self.stored_because else ""
+        return f"; {explain(self.stored_packed, pw.scheme.method, key)}, read as stored{why}"
 
     @property
     def total_bytes(self) -> int:
@@ -170,14 +188,17 @@ class CheckpointIndex:
             [t.dtype for t in infos],
             [t.shape for t in infos],
         )
-        return _index_from_columns, (self.root, columns, self.file_sizes, self.packed)
+        stored = (self.stored_packed, self.stored_because)
+        return _index_from_columns, (self.root, columns, self.file_sizes, self.packed, stored)
 
 
-def _index_from_columns(root: str, columns: tuple, file_sizes: dict[str, int], packed=None) -> CheckpointIndex:
+def _index_from_columns(
+    root: str, columns: tuple, file_sizes: dict[str, int], packed=None, stored=({}, "")
+) -> CheckpointIndex:
     """The :class:`CheckpointIndex` that :meth:`CheckpointIndex.__reduce__` pickled."""
     keys, files, file_of, offsets, dtypes, shapes = columns
     tensors = {k: TensorInfo(files[f], o, d, s) for k, f, o, d, s in zip(keys, file_of, offsets, dtypes, shapes)}
-    return CheckpointIndex(root, tensors, file_sizes, packed or {})
+    return CheckpointIndex(root, tensors, file_sizes, packed or {}, *stored)
 
 
 def _logical_info(pw, tensors: dict[str, TensorInfo]) -> TensorInfo:
@@ -189,29 +210,16 @@ def _logical_info(pw, tensors: dict[str, TensorInfo]) -> TensorInfo:
 
 def _recognized(root: Path, tensors: dict[str, TensorInfo]) -> dict:
     """The packed weights of a checkpoint (:func:`moeshard.io.quant.recognize` of its JSON
-    configs and headers); CheckpointError naming the key and the reason for one it refuses."""
-    from .quant import check_weight_shape, read_quant_configs, recognize
+    configs and headers); CheckpointError naming the key and the reason for one it refuses.
+    Headers only: the values of compressed-tensors' ``weight_shape`` tensors (one per packed
+    weight, ~70,000 in a Kimi-K2-sized checkpoint) are checked by the reader of a plan that reads
+    their weight (:meth:`~moeshard.io.reader.CheckpointReader.check_keys`)."""
+    from .quant import read_quant_configs, recognize
 
     try:
-        packed = recognize(*read_quant_configs(root), tensors)
-        for pw in packed.values():
-            if pw.shape_key:  # compressed-tensors' weight_shape: its value, read now (a few bytes)
-                check_weight_shape(pw, _small_ints(root, tensors[pw.shape_key]).tolist())
+        return recognize(*read_quant_configs(root), tensors)
     except ValueError as e:  # CheckpointError included: named with the checkpoint
         raise CheckpointError(f"checkpoint {root}: {e}") from None
-    return packed
-
-
-def _small_ints(root: Path, info: TensorInfo) -> np.ndarray:
-    """The values of a small integer tensor (``weight_shape``: two I32 / I64), read directly."""
-    if info.dtype not in ("I32", "I64") or info.nbytes > 64:
-        raise CheckpointError(f"{info.file}: a weight_shape of dtype {info.dtype} and {info.nbytes} bytes")
-    with open(root / info.file, "rb") as f:
-        f.seek(info.offset)
-        data = f.read(info.nbytes)
-    if len(data) != info.nbytes:
-        raise CheckpointError(f"{root / info.file}: unexpected end of file at byte {info.offset + len(data)}")
-    return np.frombuffer(data, dtype="<i4" if info.dtype == "I32" else "<i8")
 
 
 def read_index(root: Path, require_files: bool = True) -> dict[str, list[str]]:

@@ -89,6 +89,7 @@ class CheckpointReader:
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
         self._bounce = threading.local()
+        self._shapes_checked: set[str] = set()  # packed weights whose weight_shape was checked
 
     def _fd(self, name: str) -> int:
         fd = self._fds.get(name)
@@ -120,6 +121,42 @@ class CheckpointReader:
         """Open (and size-check) these files now, so errors surface before data moves."""
         for name in sorted(set(names)):
             self._fd(name)
+
+    def check_keys(self, keys: Iterable[str]) -> None:
+        """Before data moves (in a plan's agreed step, on each rank that will read ``keys``): open
+        and size-check their files, and check the ``weight_shape`` value of each packed weight
+        among them (compressed-tensors: a few bytes each, once per reader). CheckpointError
+        naming the key."""
+        keys = sorted(set(keys))
+        self.check_files({self.index.info(k).file for k in keys})
+        for k in keys:
+            pw = self.index.packed.get(k)
+            if pw is not None and pw.shape_key:
+                self._check_weight_shape(pw)
+
+    def _check_weight_shape(self, pw) -> None:
+        """:func:`~moeshard.io.quant.check_weight_shape` of packed weight ``pw`` (it has a
+        ``shape_key``), read now (not counted in ``bytes_read``: no plan reads it), once."""
+        if pw.key in self._shapes_checked:
+            return
+        from .quant import check_weight_shape
+
+        info = self.index.tensors[pw.shape_key]
+        if info.dtype not in ("I32", "I64") or info.nbytes > 64:
+            raise CheckpointError(f"{info.file}: a weight_shape of dtype {info.dtype} and {info.nbytes} bytes")
+        path = self.root / info.file
+        with open(path, "rb") as f:  # not the reader's descriptor, which may be O_DIRECT
+            f.seek(info.offset)
+            data = f.read(info.nbytes)
+        if len(data) != info.nbytes:
+            raise CheckpointError(f"{path}: unexpected end of file at byte {info.offset + len(data)}")
+        width = 4 if info.dtype == "I32" else 8
+        value = [int.from_bytes(data[i : i + width], "little", signed=True) for i in range(0, len(data), width)]
+        try:
+            check_weight_shape(pw, value)
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint {self.index.root}: {e}") from None
+        self._shapes_checked.add(pw.key)
 
     def _pread(self, fd: int, buf, offset: int, name: str) -> None:
         """Fill ``buf`` from file byte ``offset`` on: a tensor (its bytes), or a list of
@@ -179,6 +216,8 @@ class CheckpointReader:
             why = misaligned(pw, box)
             if why is not None:
                 raise ValueError(why)
+            if pw.shape_key:
+                self._check_weight_shape(pw)
             data = decode_blob(pw, box, read_blob(self, pw, box), self.index.tensors)
             return data if out is None else out.copy_(data)
         return self.read_info(key, info, box, out)

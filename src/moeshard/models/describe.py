@@ -48,6 +48,7 @@ __all__ = [
     "ParamDesc",
     "describe_model",
     "expert_layers",
+    "KEEPS_PACKED",
     "keeps_packed",
     "layer_names",
     "tensor_names",
@@ -246,6 +247,11 @@ def expert_layers(model: nn.Module, specs: Sequence[ExpertsSpec] = DEFAULT_SPECS
                 out.append(ExpertsModule(name, mod, with_scales(spec, names), layer))
                 break
     return out
+
+
+# Why a model that keeps its experts packed reads a quantized checkpoint's stored tensors only
+# (CheckpointIndex.without_packed), said in a refusal of one of them.
+KEEPS_PACKED = "the model keeps its experts packed: every quantized weight is read as stored"
 
 
 def keeps_packed(model: nn.Module, specs: Sequence[ExpertsSpec] = DEFAULT_SPECS) -> bool:

@@ -342,6 +342,7 @@ def find_key(d: ParamDesc, index: CheckpointIndex) -> str:
             f", nor all the tensors transformers concatenates into it along dim {d.part_dim} ({list(d.parts)}: "
             f"{missing} missing)"
         )
+    also += next((note for k in d.keys if (note := index.read_as_stored(k))), "")
     raise ValueError(f"parameter {d.name}: checkpoint {index.root} has no tensor {d.keys[0]!r}{also}")
 
 
@@ -363,7 +364,7 @@ def check_cast(
     problem = _cast_problem(what, key, index, dtype, dequantize)
     if problem is not None:
         whose = f"logical expert {expert}'s tensor, " if expert is not None else ""
-        raise ValueError(f"{problem} ({whose}in file {index.info(key).file})")
+        raise ValueError(f"{problem} ({whose}in file {index.info(key).file}){index.read_as_stored(key)}")
 
 
 def _cast_problem(
@@ -725,7 +726,9 @@ def _fused_tensor(d: ParamDesc, index: CheckpointIndex, dequantize: bool) -> tup
     assert d.expert is not None
     (key,) = d.expert.param.keys(d.expert.module, 0)
     if key not in index:
-        raise ValueError(f"parameter {d.name}: checkpoint {index.root} has no tensor {key!r}")
+        raise ValueError(
+            f"parameter {d.name}: checkpoint {index.root} has no tensor {key!r}{index.read_as_stored(key)}"
+        )
     check_cast(f"parameter {d.name}", key, index, d.dtype, dequantize)
     return key, list(index.info(key).shape)
 
@@ -839,6 +842,7 @@ def expert_part_sizes(
         if key not in index:
             raise ValueError(
                 f"parameter {d.name}: checkpoint {index.root} has no tensor {key!r} (logical expert {expert})"
+                f"{index.read_as_stored(key)}"
             )
         info = index.info(key)
         check_cast(f"parameter {d.name}", key, index, d.dtype, dequantize, expert)

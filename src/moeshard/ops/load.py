@@ -28,7 +28,7 @@ from ..io.reader import CheckpointReader
 from ..io.readpool import default_read_threads
 from ..io.sources import Storage, reader_root, resolve_sources, sources_share
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
-from ..models.describe import ParamDesc, describe_model, keeps_packed, local_tensor
+from ..models.describe import KEEPS_PACKED, ParamDesc, describe_model, keeps_packed, local_tensor
 from ..models.layout import need_table
 from ..models.routing import resolve_placement
 from ..models.unused import ignored_patterns, unused_keys
@@ -352,8 +352,10 @@ def load(
     meter.end("materialize")
     placement, topo, read_threads, path = opened.placement, opened.topology, opened.read_threads, opened.path
     mode, readers, scope, index = resolve_sources(path, storage, topo, opened.sees_checkpoint, everyone=everyone)
-    if not dequantize or keeps_packed(model, specs):  # packed weights under their stored keys only
-        index = index.without_packed()
+    if keeps_packed(model, specs):  # packed weights under their stored keys only
+        index = index.without_packed(KEEPS_PACKED)
+    elif not dequantize:
+        index = index.without_packed("dequantize=False: pass dequantize=True, the default, to load it dequantized")
     meter.end("headers")
     opening: list[CheckpointReader] = []  # this rank's reader, opened in the planning step
     try:
@@ -546,10 +548,10 @@ def _plan(
     for p in (plan, scale_plan):
         if p is not None:
             keys = np.unique(p.pieces.key[p.reads.piece[p.reads.rank == rank]])
-            mine |= {index.info(p.keys[k]).file for k in keys.tolist()}
+            mine |= {p.keys[k] for k in keys.tolist()}
     if mine:
         assert reader is not None
-        reader.check_files(mine)
+        reader.check_keys(mine)
     return _LoadPlan(descs, needs, plan, unused, scales, scale_plan)
 
 

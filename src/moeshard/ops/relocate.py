@@ -29,7 +29,15 @@ from ..io.index import CheckpointIndex
 from ..io.reader import CheckpointReader
 from ..io.sources import Storage, reader_root, resolve_sources, sources_share
 from ..models.adapters import DEFAULT_SPECS, ExpertParam, ExpertsSpec, read_expert_box
-from ..models.describe import ExpertRef, ParamDesc, describe_model, expert_layers, keeps_packed, local_tensor
+from ..models.describe import (
+    KEEPS_PACKED,
+    ExpertRef,
+    ParamDesc,
+    describe_model,
+    expert_layers,
+    keeps_packed,
+    local_tensor,
+)
 from ..models.ep import model_placement, set_placement
 from ..models.layout import expert_part_sizes
 from ..models.routing import ROUTING_MODES, check_routing, resolve_placement, take_over
@@ -625,7 +633,7 @@ def _plan_checkpoint_reads(
     rank = topo.rank
     _, readers, _, index = resolve_sources(path, storage, topo, can_read, active=planned.active, everyone=everyone)
     if isinstance(target, torch.nn.Module) and keeps_packed(target, specs):  # read the stored packed bytes
-        index = index.without_packed()
+        index = index.without_packed(KEEPS_PACKED)
 
     def replan() -> _CheckpointReads:
         sources = planned.sources
@@ -643,7 +651,7 @@ def _plan_checkpoint_reads(
         _check_disk_keys(p, index, sources)
         if p.moves and any(m.read == rank for m in p.moves):
             r = CheckpointReader(index, reader_root(path))
-            r.check_files({index.info(k).file for k in _disk_keys(p, rank, sources)})
+            r.check_keys(_disk_keys(p, rank, sources))
             return _CheckpointReads(p, sources, r)
         return _CheckpointReads(p, sources, None)
 

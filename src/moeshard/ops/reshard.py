@@ -49,7 +49,7 @@ from ..io.extents import plan_extent_arrays
 from ..io.reader import CheckpointReader
 from ..io.sources import Storage, reader_root, resolve_sources, sources_share
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
-from ..models.describe import ParamDesc, describe_model, local_tensor
+from ..models.describe import KEEPS_PACKED, ParamDesc, describe_model, keeps_packed, local_tensor
 from ..models.ep import slot_placement
 from ..models.layout import need_table
 from ..models.routing import resolve_placement
@@ -766,6 +766,7 @@ class _Planned:
     use: _StorageUse
     states: dict
     group_map: tuple[int, ...]
+    packed: bool  # the model keeps its experts packed: it reads a quantized checkpoint as stored
 
 
 def _plan(model, members: _Members, optimizer, specs, staging_bytes, max_ops) -> _Planned:
@@ -775,7 +776,9 @@ def _plan(model, members: _Members, optimizer, specs, staging_bytes, max_ops) ->
     shared, old_ranks, survivors = members.shared, members.old_ranks, members.survivors
     topo, path = members.topology, members.path
     _, world = collectives.rank_and_world()
-    placement = resolve_placement(model, None, "moeshard.reshard", specs)
+    # The slots' placement (read from the routing tables, as describe_shards reads the old one):
+    # an experts module with its own forward (kept packed, a serving engine's) has no EP forward's.
+    placement = resolve_placement(model, slot_placement(model), "moeshard.reshard", specs)
     descs = describe_model(model, None, specs)
     new_layouts = _tensor_layouts(descs)
     states: dict[str, tuple[str, str]] = {}
@@ -820,7 +823,8 @@ def _plan(model, members: _Members, optimizer, specs, staging_bytes, max_ops) ->
         raise ValueError(
             f"{len(use.boxes)} boxes have no live holder (e.g. {use.boxes[0][0]}) and no checkpoint= was given"
         )
-    return _Planned(descs, placement, plan, [getattr(torch, d) for d in units.dtype], use, states, group_map)
+    dtypes = [getattr(torch, d) for d in units.dtype]
+    return _Planned(descs, placement, plan, dtypes, use, states, group_map, keeps_packed(model, specs))
 
 
 def _storage_use(plan: ReshardPlan, units: Units) -> _StorageUse:
@@ -949,6 +953,7 @@ def _fill(model, members: _Members, planned: _Planned, storage, staging_bytes, d
             members.everyone,
             staging_bytes,
             closing,
+            planned.packed,
         )
         dev, dests, fresh = collectives.agree(
             lambda: _targets(model, descs, planned.states, device), "moeshard.reshard: materializing the model"
@@ -1001,24 +1006,29 @@ def _plan_storage(
     everyone,
     staging_bytes: int,
     closing: contextlib.ExitStack,
+    packed: bool,
 ) -> _StorageReads | None:
     """Collective: plan the reads of the storage ``cells`` with the load planner (its needs
     clipped to the cells), open this rank's reader and hint the kernel about its reads
     (``posix_fadvise(WILLNEED)``) so that storage reads them while the peers' transfers run;
     a rank's failure is every rank's. None without storage cells; the reader is closed with
-    ``closing``."""
+    ``closing``. ``packed``: the model keeps its experts packed (it reads the stored tensors, as
+    :func:`moeshard.load` does for it)."""
     if not len(cells):
         return None
     rank = topo.rank
     can = bool(everyone[rank][2])
     shares = [sources_share(bool(e[2]), storage, topo) for e in everyone]
     mode, readers, scope, index = resolve_sources(path, storage, topo, can, everyone=shares)
+    if packed:
+        index = index.without_packed(KEEPS_PACKED)
 
     def make():
         table = _clip_storage(cells, need_table(descs, index, placement, topo.world_size))
         sched = plan_transfers(table, index, topo, readers, scope=scope, staging_bytes=staging_bytes)
         reader = closing.enter_context(CheckpointReader(index, reader_root(path))) if readers[rank] else None
         if reader is not None:
+            reader.check_keys(sched.piece_name(pid) for pid in sched.reads.piece[sched.for_rank(rank).reads].tolist())
             _hint_reads(sched, reader, rank)
         return sched, reader
 

@@ -42,7 +42,7 @@ from ..io.index import CheckpointIndex
 from ..io.reader import CheckpointReader
 from ..io.sources import Storage, reader_root, resolve_sources, sources_share
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
-from ..models.describe import ParamDesc, keeps_packed
+from ..models.describe import KEEPS_PACKED, ParamDesc, keeps_packed
 from ..models.layout import Need
 from ..models.routing import resolve_placement
 from ..placement import Placement
@@ -194,6 +194,7 @@ class _PieceChecks:
     def read_all(self, path: str) -> None:
         try:
             with CheckpointReader(self.index, reader_root(path)) as reader:
+                reader.check_keys(self.plan.piece_name(pid) for pid, _, _ in self.routes.reads)
                 for pid, mine, others in self.routes.reads:
                     self.read_and_check(reader, pid, mine, others)
         except Exception as e:  # noqa: BLE001 - e.g. a file that cannot be opened; reported below
@@ -277,7 +278,7 @@ def verify(
     rank, world_size = topo.rank, topo.world_size
     _, readers, _, index = resolve_sources(path, storage, topo, sees, everyone=everyone)
     if keeps_packed(model, specs):  # compare the stored packed bytes, not their decoded view
-        index = index.without_packed()
+        index = index.without_packed(KEEPS_PACKED)
 
     def make_plan():
         # Every rank's needs only where FP8 scales may be consumed (the unused-key check counts
