@@ -320,8 +320,11 @@ class RefitPlan:
 
     Args:
         groups: the install groups in order (-1 first, then ascending).
-        plans: a :class:`~moeshard.plan.reshard.ReshardPlan` per group (units: the holdings'),
-            run one after another.
+        plans: a :class:`~moeshard.plan.reshard.ReshardPlan` per install batch (units: the
+            holdings'), run one after another.
+        batches: per plan, the install groups it fills (consecutive in ``groups``; as many as
+            fit together in the staging budget: :func:`install_batches`). A batch is
+            installed whole, after every rank has all of it.
         needs: the layout's :class:`EngineNeeds` (unit ids: the holdings').
         wire_dtypes: per unit, the dtype name its pieces travel in: the engine tensor's where it
             is no wider than the trainer's (a cast before sending), else the trainer's.
@@ -336,9 +339,41 @@ class RefitPlan:
     peer_bytes: int
     copy_bytes: int
     fingerprint: str = field(default="")
+    batches: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def num_rounds(self) -> int:
+        """P2P rounds of a refit, job-wide (each a batch of P2P ops on the ranks in it): the sum
+        over the batches' schedules."""
+        return sum(p.schedule.num_rounds for p in self.plans)
 
 
-__all__ += ["RefitPlan"]
+__all__ += ["RefitPlan", "install_batches"]
+
+
+def install_batches(group_of: np.ndarray, nbytes: np.ndarray, staging_bytes: int) -> tuple[tuple[int, ...], ...]:
+    """The install batches (pure): consecutive install groups (``-1`` first, then ascending)
+    whose engine tensors every engine rank can stage at once within ``staging_bytes`` (a
+    group larger than the budget alone). A batch costs one schedule and one agreement,
+    however many groups it holds.
+
+    Args:
+        group_of: ``int64[T]`` each engine tensor's install group.
+        nbytes: ``int64[T]`` an engine rank's bytes of each tensor (its local shape; every
+            engine rank holds a shard of every tensor, of the same shape).
+    """
+    groups = sorted(set(np.asarray(group_of).tolist()))
+    per = {g: int(np.asarray(nbytes)[np.asarray(group_of) == g].sum()) for g in groups}
+    out: list[list[int]] = []
+    held = 0
+    for g in groups:
+        if out and held + per[g] <= staging_bytes:
+            out[-1].append(g)
+            held += per[g]
+        else:
+            out.append([g])
+            held = per[g]
+    return tuple(tuple(b) for b in out)
 
 
 def _check_inside(layout: EngineLayout, needs: EngineNeeds) -> None:
@@ -416,8 +451,13 @@ def plan_refit(
     h = hashlib.sha256(layout.digest().encode())
     h.update(repr((wire, needs.local_shapes, needs.dtypes)).encode())
     peer = copy = 0
-    for g in groups:
-        sel = group_of[rows.param] == g
+    # Engine tensors are staged whole on every engine rank (each holds every tensor's shard).
+    elems = np.asarray([int(np.prod(sh)) for sh in needs.local_shapes], np.int64)
+    tbytes = elems * np.asarray([itemsize[d] for d in needs.dtypes], np.int64)
+    batches = install_batches(group_of, tbytes, staging_bytes)
+    h.update(repr(batches).encode())
+    for batch in batches:
+        sel = np.isin(group_of[rows.param], batch)
         need_g = BoxRows(
             *(a[sel] for a in (rows.unit, rows.rank, rows.param, rows.slot, rows.off, rows.len, rows.local))
         )
@@ -438,4 +478,4 @@ def plan_refit(
         peer += p.peer_bytes
         copy += p.copy_bytes
         h.update(p.fingerprint.encode())
-    return RefitPlan(groups, tuple(plans), needs, tuple(wire), peer, copy, h.hexdigest()[:16])
+    return RefitPlan(groups, tuple(plans), needs, tuple(wire), peer, copy, h.hexdigest()[:16], batches)
