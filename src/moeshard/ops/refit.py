@@ -133,6 +133,9 @@ def _digest(x: EngineLayout | ShardLayout) -> str:
     return hit[1]
 
 
+# refit's default max_ops: pieces per rank and round (most travel packed: COALESCE_BYTES).
+MAX_OPS = 1024
+
 # The trainer layout of the last refit on this rank (every rank's alike): a refit whose trainer
 # layout has the same digest on every rank skips sending it.
 _SHARED: list = []
@@ -250,7 +253,7 @@ def refit(
     verify: bool = False,
     topology: Topology | None = None,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
-    max_ops: int = DEFAULT_MAX_OPS,
+    max_ops: int = MAX_OPS,
     specs: Sequence[ExpertsSpec] = DEFAULT_SPECS,
     device: torch.device | None = None,
     group=None,
@@ -271,7 +274,11 @@ def refit(
         staging_bytes: per-rank budget for staging: pieces received in one round, and the
             engine tensors of one install batch (consecutive install groups staged together,
             one schedule and one agreement per batch; a group larger than the budget alone).
-        topology, max_ops, specs: as :func:`moeshard.reshard`'s.
+        max_ops: at most this many pieces a rank sends and receives in one round. The small
+            ones (up to 1 MiB) between two ranks travel as one message, so a round posts at
+            most two messages per peer plus its large pieces, whose number the staging budget
+            bounds: the default (1024) lets a refit of small pieces run in few rounds.
+        topology, specs: as :func:`moeshard.reshard`'s.
         device: where staging buffers live (default: the first engine tensor's device, else
             the trainer's).
         group: the refit group (default: the default group).
