@@ -51,7 +51,6 @@ def test_schedules_agreements_and_rounds_do_not_grow_with_the_layers(layers):
     assert plan.batches == (tuple(range(layers)),)
     assert len(plan.plans) == 1  # one schedule, one agreement
     assert plan.num_rounds == 1
-    assert plan.peer_bytes == layers * 2 * 24  # each rank sends the other half of its rows, bf16
 
 
 def test_a_budget_of_two_layers_makes_batches_of_two():
