@@ -1,44 +1,47 @@
 """Refit against what RL frameworks do today, on the same trainer and engine, alternated rounds.
 
-The trainer: a Qwen3-MoE (transformers, float32, hidden 256, 16 experts, 4 layers) on all W
-ranks (EP=W, FSDP over W). The engine: the same W ranks (colocated), vLLM's layout
-(:func:`moeshard.plan.engines.vllm_qwen3_moe`), TP=2 x DP=W/2 for the dense tensors, EP=W for
-the experts with a redundant slot per rank, bf16. Strategies, each ending with every engine
-tensor filled (checked equal across strategies):
+The trainer: a Qwen3-MoE (transformers, float32, hidden 256, 16 experts, 4 layers: 58 MiB;
+``--hidden`` and ``--layers`` scale it) on all W ranks (EP=W, FSDP over W). The engine: the
+same W ranks (colocated), vLLM's layout (:func:`moeshard.plan.engines.vllm_qwen3_moe`), TP=2 x
+DP=W/2 for the dense tensors, EP=W for the experts with a redundant slot per rank, bf16.
+Strategies, each ending with every engine tensor filled (checked equal across strategies):
 
 * ``refit``: ``moeshard.refit`` (P2P from the live shards; cast to bf16 at the sender);
 * ``gather_bcast``: per trainer tensor, gather the shards on rank 0, broadcast the whole tensor
   to every rank, each rank slices and fuses its engine tensors;
 * ``allgather``: per trainer tensor, an all-gather of the shards on every rank, then the same.
 
-Bytes: what each rank sends (sums over ranks). Run from the repository root::
+Bytes: what each rank sends (sums over ranks); wall: the slowest rank per round, after a first
+round of warm-up (planning) that is not counted. Run from the repository root::
 
-    python -m benchmarks.bench_refit --world 4 --rounds 3
+    python -m benchmarks.bench_refit --world 8 --rounds 7
+    python -m benchmarks.bench_refit --world 8 --rounds 5 --hidden 512 --layers 8  # 0.45 GiB
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import numpy as np
 import torch
 
 
-def _config():
+def _config(hidden: int = 256, layers: int = 4):
     import transformers
 
     return transformers.Qwen3MoeConfig(
         vocab_size=4096,
-        hidden_size=256,
-        intermediate_size=512,
-        moe_intermediate_size=256,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        moe_intermediate_size=hidden,
         num_experts=16,
         num_experts_per_tok=2,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 32,
+        num_key_value_heads=hidden // 64,
         head_dim=32,
         tie_word_embeddings=False,
     )
@@ -104,7 +107,7 @@ def _baseline(kind: str, shared, shards, plan, rank: int, world: int, dst: list)
     return sent
 
 
-def _worker(world: int, rounds: int) -> dict:
+def _worker(world: int, rounds: int, hidden: int = 256, layers: int = 4) -> dict:
     import torch.distributed as dist
     import transformers
 
@@ -115,7 +118,7 @@ def _worker(world: int, rounds: int) -> dict:
     from moeshard.topology import Topology
 
     rank = dist.get_rank()
-    cfg = _config()
+    cfg = _config(hidden, layers)
     torch.manual_seed(0)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
@@ -145,7 +148,8 @@ def _worker(world: int, rounds: int) -> dict:
         for k in ("refit", "gather_bcast", "allgather")
     }
     out = {k: {"wall": [], "sent": 0} for k in dsts}
-    for r in range(rounds):
+    out["refit"]["phases"] = []
+    for r in range(rounds + 1):  # round 0: warm-up (the refit plans), not counted
         order = ["refit", "gather_bcast", "allgather"]
         order = order[r % 3 :] + order[: r % 3]  # alternated
         for k in order:
@@ -157,8 +161,13 @@ def _worker(world: int, rounds: int) -> dict:
             else:
                 sent = _baseline(k, shared, shards, plan, rank, world, dsts[k])
             dist.barrier()
-            out[k]["wall"].append(time.perf_counter() - t0)
+            if r:
+                out[k]["wall"].append(time.perf_counter() - t0)
+                if k == "refit":
+                    out[k]["phases"].append(dict(rep.phase_seconds))
             out[k]["sent"] = sent
+    out["refit"]["batches"] = rep.batches
+    out["model_bytes"] = sum(x.numel() * x.element_size() for x in shards)
     same = all(torch.equal(a, b) for a, b in zip(dsts["refit"], dsts["allgather"])) and all(
         torch.equal(a, b) for a, b in zip(dsts["refit"], dsts["gather_bcast"])
     )
@@ -173,10 +182,23 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--hidden", type=int, default=256, help="hidden size (a multiple of 64)")
+    ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--json", default=None, help="write the results here")
     a = ap.parse_args(argv)
-    res = run_local_ranks(_worker, a.world, a.rounds, world=a.world, timeout=1200)
-    summary = {"world": a.world, "rounds": a.rounds, "same": all(r["same"] for r in res)}
+    load0 = os.getloadavg()
+    res = run_local_ranks(_worker, a.world, a.rounds, a.hidden, a.layers, world=a.world, timeout=1800)
+    summary = {
+        "world": a.world,
+        "rounds": a.rounds,
+        "hidden": a.hidden,
+        "layers": a.layers,
+        "model_bytes": int(sum(r["model_bytes"] for r in res)),
+        "load_avg_before_after": [round(load0[0], 2), round(os.getloadavg()[0], 2)],
+        "refit_batches": res[0]["refit"]["batches"],
+        "same": all(r["same"] for r in res),
+    }
+    print(f"trainer model {summary['model_bytes'] / 2**20:.0f} MiB (float32); load average {load0[0]:.1f}")
     for k in ("refit", "gather_bcast", "allgather"):
         walls = np.max([r[k]["wall"] for r in res], axis=0)  # the slowest rank per round
         summary[k] = {
@@ -188,6 +210,16 @@ def main(argv=None) -> None:
             f"{k:13s} W={a.world}: median {summary[k]['median_wall_s']:.3f} s, "
             f"sent {summary[k]['bytes_sent'] / 2**20:.1f} MiB (rounds {summary[k]['walls_s']})"
         )
+    phases = [p for r in res for p in r["refit"]["phases"]]
+    summary["refit"]["phase_seconds_mean"] = {k: round(float(np.mean([p[k] for p in phases])), 4) for k in phases[0]}
+    for k in ("gather_bcast", "allgather"):
+        summary[f"{k}_over_refit"] = round(summary[k]["median_wall_s"] / summary["refit"]["median_wall_s"], 2)
+    print(
+        f"refit is {summary['gather_bcast_over_refit']}x faster than gather + broadcast, "
+        f"{summary['allgather_over_refit']}x than all-gather (median walls); load average now "
+        f"{os.getloadavg()[0]:.1f}; refit phases (mean over ranks and rounds, s): "
+        f"{summary['refit']['phase_seconds_mean']}"
+    )
     print(f"engine tensors equal across strategies: {summary['same']}")
     if a.json:
         with open(a.json, "w") as f:

@@ -168,6 +168,7 @@ def _colocated(family: str, ckpt: str) -> dict:
     out["ep4"] = dict(bad=_mismatches(family, lay, dst, full, rank, None), rep=rep)
     if family == "qwen3_moe":
         out.update(_failures(model, pl, lay, dst, full, rank))
+        out.update(_batches(model, pl, lay, dst, rank))
     out["sglang_fp8"] = _sglang_fp8(family, model, pl, rank)
     return out
 
@@ -179,6 +180,8 @@ def _failures(model, pl, lay, dst, full, rank) -> dict:
     import moeshard.ops.refit as refit_mod
 
     out = {}
+    # A staging budget of the smallest install group's engine bytes: one group per batch.
+    one = min(_group_bytes(lay, dst).values())
     old = {k: v.clone() for k, v in dst.items()}
     _train(model, tiny_hf.data(WORLD)[rank : rank + 1], None)
     new_full = _full(model, pl)
@@ -200,7 +203,7 @@ def _failures(model, pl, lay, dst, full, rank) -> dict:
 
     refit_mod.TensorSink = Failing
     try:
-        moeshard.refit(model, dst, lay)
+        moeshard.refit(model, dst, lay, staging_bytes=one)
         out["fail"] = None
     except moeshard.DistributedError as e:
         out["fail"] = str(e)
@@ -266,7 +269,7 @@ def _failures(model, pl, lay, dst, full, rank) -> dict:
     refit_mod._TrainerShards = BadView
     t0 = time.monotonic()
     try:
-        moeshard.refit(model, dst, lay)
+        moeshard.refit(model, dst, lay, staging_bytes=one)
         out["bad_view"] = None
     except moeshard.DistributedError as e:
         out["bad_view"] = str(e)
@@ -585,7 +588,12 @@ def _lost_scenario(scenario: str, rank: int, ckpt: str) -> dict:
     erank = engines.index(rank) if rank in engines else None
     dst = _engine_tensors(family, lay, old, erank, None) if erank is not None else None
     out = {"first": []}
-    moeshard.refit(model, dst, lay)
+    # One install group per batch (as the staging budget of a larger model gives), so that the
+    # victim dies between the install agreements of one refit.
+    one = moeshard.collectives.broadcast_object(
+        min(_group_bytes(lay, dst).values()) if dst is not None else None, src=engines[0]
+    )
+    moeshard.refit(model, dst, lay, staging_bytes=one)
     if dst is not None:
         out["first"] = _mismatches(family, lay, dst, old, erank, None)
     if model is not None:  # a training step's worth of change: every parameter moves
@@ -598,7 +606,7 @@ def _lost_scenario(scenario: str, rank: int, ckpt: str) -> dict:
         _die_in_refit(at, when)
     t0 = time.monotonic()
     try:
-        moeshard.refit(model, dst, lay)
+        moeshard.refit(model, dst, lay, staging_bytes=one)
         out["raised"] = None
     except Exception as e:  # noqa: BLE001 - reported to the test
         out["raised"] = (type(e).__name__, str(e))
@@ -694,3 +702,100 @@ def test_a_rank_lost_mid_refit_raises_everywhere_and_leaves_each_layer_old_or_ne
             groups = [g for g, _ in got["groups"]]
             want = [(g, ["new"] if i < num_new else ["old"]) for i, g in enumerate(groups)]
             assert got["groups"] == want, f"{scenario}: engine rank {rank}"
+
+
+# -- install batches and packed messages (several install groups per schedule) -------------
+
+
+def _group_bytes(lay, dst) -> dict:
+    """One engine rank's staged bytes per install group (every engine rank's alike)."""
+    out: dict = {}
+    for t in lay.tensors:
+        x = dst[t.name]
+        out[t.group] = out.get(t.group, 0) + x.numel() * x.element_size()
+    return out
+
+
+def _batches(model, pl, lay, dst, rank) -> dict:
+    """(Qwen3-MoE, EP=4 engine) The tensors outside the layers and layer 0 in one install
+    batch, layer 1 in the next; rank 3's deliveries into layer 0's tensors fail: every tensor of
+    the batch stays old (those outside the layers too, which arrived whole), and the next batch
+    never runs. Then a refit with the default budget: one batch, and the small
+    pieces between two ranks in a round go as one message."""
+    import moeshard
+    import moeshard.ops.refit as refit_mod
+    from moeshard.plan.refit import install_batches
+
+    out = {}
+    per = _group_bytes(lay, dst)
+    budget = per[-1] + per[0]
+    group_of = np.asarray([t.group for t in lay.tensors])
+    nbytes = np.asarray([dst[t.name].numel() * dst[t.name].element_size() for t in lay.tensors])
+    out["batches"] = install_batches(group_of, nbytes, budget)
+    _train(model, tiny_hf.data(WORLD)[rank : rank + 1], None)
+    new_full = _full(model, pl)
+    before = {k: v.clone() for k, v in dst.items()}
+    real = refit_mod.TensorSink
+
+    class FailsInLayer0(real):
+        def put(self, items):
+            if rank == 3 and any(lay.tensors[int(self.s.deliveries.param[r])].group == 0 for r, _ in items):
+                raise RuntimeError("layer 0 on fire")
+            super().put(items)
+
+        def receive_target(self, row):
+            return None  # staged, so that every delivery goes through put()
+
+    refit_mod.TensorSink = FailsInLayer0
+    try:
+        moeshard.refit(model, dst, lay, staging_bytes=budget)
+        out["batch_fail"] = None
+    except moeshard.DistributedError as e:
+        out["batch_fail"] = str(e)
+    finally:
+        refit_mod.TensorSink = real
+    out["batch_changed"] = sorted({t.group for t in lay.tensors if not torch.equal(dst[t.name], before[t.name])})
+
+    # The default budget: one batch; count the P2P messages this rank posts.
+    posted = [0]
+    p2p = moeshard.collectives.p2p
+
+    def counting(*a, **k):
+        posted[0] += 1
+        return p2p(*a, **k)
+
+    moeshard.collectives.p2p = counting
+    try:
+        rep = moeshard.refit(model, dst, lay)
+    finally:
+        moeshard.collectives.p2p = p2p
+    plan = next(iter(refit_mod._PLANS.values()))
+    s = plan.plans[0].schedule
+    out["one_batch"] = dict(
+        rep=rep,
+        messages=posted[0],
+        piece_ops=int(((s.sends.src == rank) | (s.sends.dst == rank)).sum()),
+        rounds=plan.num_rounds,
+        bad=_mismatches("qwen3_moe", lay, dst, new_full, rank, None),
+    )
+    return out
+
+
+def test_a_failure_in_a_batch_leaves_every_layer_of_the_batch_old(runs):
+    outs = [r["qwen3_moe"]["colocated"] for r in runs]
+    assert outs[0]["batches"] == ((-1, 0), (1,))
+    assert all(o["batch_fail"] is not None and "layer 0 on fire" in o["batch_fail"] for o in outs)
+    # The tensors outside the layers arrived whole on every rank, but their batch failed: they
+    # stay old with layer 0 (and layer 1, whose batch never ran), on every rank.
+    assert all(o["batch_changed"] == [] for o in outs)
+
+
+def test_one_batch_packs_the_pieces_of_a_pair_into_one_message(runs):
+    outs = [r["qwen3_moe"]["colocated"]["one_batch"] for r in runs]
+    assert [o["bad"] for o in outs] == [[]] * WORLD
+    reps = [o["rep"] for o in outs]
+    assert all(r.batches == 1 and r.groups == 3 for r in reps)
+    assert sum(r.bytes_sent_rank for r in reps) == reps[0].peer_bytes > 0
+    # Every piece is small: at most one message per peer and direction in each round.
+    for o in outs:
+        assert o["messages"] <= 2 * (WORLD - 1) * o["rounds"] < o["piece_ops"]

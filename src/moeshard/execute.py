@@ -35,6 +35,7 @@ raises one DistributedError naming the failing rank.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -66,6 +67,7 @@ __all__ = [
     "Backup",
     "DequantSink",
     "execute_schedule",
+    "piece_lists",
     "exchange",
     "node_groups",
 ]
@@ -270,28 +272,83 @@ class FlatTargets:
     start: np.ndarray
 
 
+class PieceLists:
+    """A schedule's per-piece columns as Python lists (``bytes``, ``key``, ``ndim``, ``shape``:
+    the box's lengths), and the index tuples of its view and delivery rows as they are first
+    used: what a runner looks up per piece, without a numpy scalar access each time. One per
+    schedule (:func:`piece_lists`), kept while the schedule lives: a schedule run again (a
+    cached plan) reuses them."""
+
+    def __init__(self, s: Schedule):
+        self.bytes: list[int] = s.pieces.bytes.tolist()
+        self.key: list[int] = s.pieces.key.tolist()
+        key_ndim = s.key_ndim.tolist()
+        self.ndim: list[int] = [key_ndim[k] for k in self.key]
+        self._s = weakref.ref(s)
+        self._shape: dict[int, tuple[int, ...]] = {}
+        self._at: dict[tuple[str, int, int], tuple[int, int, tuple[slice, ...]]] = {}
+
+    def shape(self, pid: int) -> tuple[int, ...]:
+        """The box lengths of piece ``pid`` (its shape)."""
+        out = self._shape.get(pid)
+        if out is None:
+            s = self._s()
+            out = self._shape[pid] = tuple(s.pieces.len[pid, : self.ndim[pid]].tolist())
+        return out
+
+    def index(self, table: str, row: int, pid: int) -> tuple[int, int, tuple[slice, ...]]:
+        """``(param, slot, slices)`` of row ``row`` of ``table`` ("views" or "deliveries")
+        holding piece ``pid``."""
+        k = (table, row, pid)
+        out = self._at.get(k)
+        if out is None:
+            t = getattr(self._s(), table)
+            off = t.off[row, : self.ndim[pid]].tolist()
+            idx = tuple(slice(o, o + n) for o, n in zip(off, self.shape(pid)))
+            out = self._at[k] = (int(t.param[row]), int(t.slot[row]), idx)
+        return out
+
+
+_PIECE_LISTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def piece_lists(schedule: Schedule) -> PieceLists:
+    """The :class:`PieceLists` of ``schedule`` (made on first use)."""
+    out = _PIECE_LISTS.get(schedule)
+    if out is None:
+        out = _PIECE_LISTS[schedule] = PieceLists(schedule)
+    return out
+
+
 class LocalTensors:
     """Views ``tensors[param][slot][box]`` of one rank's local tensors, addressed by a
     schedule's ``(param, slot, off)`` rows and the piece's lengths (slot -1: no slot)."""
 
     def __init__(self, schedule: Schedule, tensors: Sequence[torch.Tensor | None], rank: int):
         self.s, self.tensors, self.rank = schedule, tensors, rank
+        self.lists = piece_lists(schedule)
 
     def at(self, param: int, slot: int, off: np.ndarray, pid: int) -> torch.Tensor:
-        s = self.s
-        nd = int(s.key_ndim[s.pieces.key[pid]])
+        nd = self.lists.ndim[pid]
+        ln = self.lists.shape(pid)
+        return self.index(param, slot, tuple(slice(o, o + n) for o, n in zip(off[:nd].tolist(), ln)))
+
+    def index(self, param: int, slot: int, idx: tuple[slice, ...]) -> torch.Tensor:
         t = self.tensors[param]
         assert t is not None, f"rank {self.rank} has no tensor for parameter {param}"
         if slot >= 0:
             t = t[slot]
-        ln = s.pieces.len[pid, :nd].tolist()
-        return t[tuple(slice(o, o + n) for o, n in zip(off[:nd].tolist(), ln))]
+        return t[idx]
+
+    def row(self, table: str, row: int, pid: int) -> torch.Tensor:
+        """Row ``row`` of the schedule's ``table`` ("views" or "deliveries"), holding piece ``pid``."""
+        return self.index(*self.lists.index(table, row, pid))
 
     def view(self, v: int, pid: int) -> torch.Tensor:
         """View row ``v`` of the schedule, holding piece ``pid``."""
         s = self.s
         assert s.views.rank[v] == self.rank, f"view {v} is rank {s.views.rank[v]}'s, not rank {self.rank}'s"
-        return self.at(int(s.views.param[v]), int(s.views.slot[v]), s.views.off[v], pid)
+        return self.row("views", v, pid)
 
 
 class TensorSink(Sink):
@@ -323,13 +380,7 @@ class TensorSink(Sink):
         return out if out.is_contiguous() else None
 
     def target(self, row: int) -> torch.Tensor:
-        s = self.s
-        return self.local.at(
-            int(s.deliveries.param[row]),
-            int(s.deliveries.slot[row]),
-            s.deliveries.off[row],
-            int(s.deliveries.piece[row]),
-        )
+        return self.local.row("deliveries", row, int(self.s.deliveries.piece[row]))
 
     def put(self, items: list[tuple[int, torch.Tensor]]) -> None:
         for row, data in items:
@@ -646,6 +697,7 @@ def execute_schedule(
     node_group=None,
     progress: Callable[[int], None] | None = None,
     what: str = "moeshard: running the schedule",
+    coalesce_bytes: int = 0,
 ) -> ExecStats:
     """Collective (every rank of the current group, :func:`moeshard.collectives.scope`): run
     ``schedule`` on this rank (a :class:`Runner`).
@@ -660,6 +712,10 @@ def execute_schedule(
         progress: called with the bytes of each piece this rank delivers (once per piece,
             however many places it goes to).
         what: the operation, for error messages (e.g. "moeshard.load: executing the plan").
+        coalesce_bytes: pieces of at most this many bytes that one rank sends another in the
+            same round travel as one message (packed on the sender, unpacked on the receiver:
+            a copy each side, where a message per piece costs a round trip of latency each);
+            0 (the default): a message per piece. Every rank must pass the same value.
 
     Returns this rank's :class:`ExecStats`; failed reads and deliveries are in its
     ``failures`` (:meth:`ExecStats.check` raises the first).
@@ -672,7 +728,7 @@ def execute_schedule(
     # collector's passes over them (and over the whole heap of a large model) cost more than
     # the setup itself. Reference counting still frees everything.
     with paused_gc():
-        return Runner(schedule, rank, source, sink, device, node_group, progress, what).run()
+        return Runner(schedule, rank, source, sink, device, node_group, progress, what, coalesce_bytes).run()
 
 
 class Runner:
@@ -696,11 +752,14 @@ class Runner:
         node_group=None,
         progress: Callable[[int], None] | None = None,
         what: str = "moeshard: running the schedule",
+        coalesce_bytes: int = 0,
     ):
         s = self.s = schedule
         self.rank, self.source, self.sink, self.device = rank, source, sink, device
         self.node_group, self.progress, self.what = node_group, progress, what
+        self.coalesce_bytes = coalesce_bytes
         mine = self.mine = s.for_rank(rank)
+        self.lists = piece_lists(s)
         self.stats = ExecStats()
         if len(mine.bcasts) and node_group is None:
             raise ValueError("the schedule has node broadcasts but no node group was given")
@@ -715,6 +774,17 @@ class Runner:
         self.reads_at = _by_round(s.reads.round[mine.reads], s.reads.piece[mine.reads])
         self.copies_at = _by_round(s.copies.round[mine.copies], mine.copies)
         self.sends_at = _by_round(s.sends.round[mine.sends], mine.sends)
+        # {send row: (piece, src, dst, view)} of this rank's sends and receives.
+        self.send_rows = {
+            row: (pid, src, dst, v)
+            for row, pid, src, dst, v in zip(
+                mine.sends.tolist(),
+                s.sends.piece[mine.sends].tolist(),
+                s.sends.src[mine.sends].tolist(),
+                s.sends.dst[mine.sends].tolist(),
+                s.sends.view[mine.sends].tolist(),
+            )
+        }
         order = np.lexsort((s.bcasts.piece[mine.bcasts], s.bcasts.round[mine.bcasts]))
         self.bcasts_at = _by_round(s.bcasts.round[mine.bcasts][order], mine.bcasts[order])
         # The last round each buffer of this rank is used in (it is freed after it).
@@ -741,14 +811,13 @@ class Runner:
     # -- helpers ---------------------------------------------------------------------------
 
     def shape(self, pid: int) -> tuple[int, ...]:
-        s = self.s
         blob = self.source.buffer_shape(pid)
         if blob is not None:
             return blob
-        return tuple(s.pieces.len[pid, : int(s.key_ndim[s.pieces.key[pid]])].tolist())
+        return self.lists.shape(pid)
 
     def nbytes(self, pid: int) -> int:
-        return int(self.s.pieces.bytes[pid])
+        return self.lists.bytes[pid]
 
     def empty(self, pid: int) -> torch.Tensor:
         return torch.empty(self.shape(pid), dtype=self.source.dtype(pid), device=self.device)
@@ -934,22 +1003,74 @@ class Runner:
                 self.stats.bytes_read += self.nbytes(pid)
             self.staged += self.nbytes(pid)
 
+    def packed(self, rows: Sequence[int]) -> tuple[dict[tuple[int, bool], list[int]], list[int]]:
+        """Round rows split into messages: ``{(peer, outgoing): rows}`` of the pieces that
+        travel packed (at most ``coalesce_bytes`` each, two or more between the same ranks
+        in the same direction), and the other rows (a message each). Both ranks of a pair
+        derive the same split from the schedule."""
+        if not self.coalesce_bytes:
+            return {}, list(rows)
+        rank, limit, nbytes = self.rank, self.coalesce_bytes, self.lists.bytes
+        groups: dict[tuple[int, bool], list[int]] = {}
+        for row in rows:
+            pid, src, dst, _ = self.send_rows[row]
+            if nbytes[pid] <= limit and self.source.buffer_shape(pid) is None:
+                out = src == rank
+                groups.setdefault((dst if out else src, out), []).append(row)
+        groups = {k: v for k, v in sorted(groups.items()) if len(v) > 1}
+        inside = {row for v in groups.values() for row in v}
+        return groups, [row for row in rows if row not in inside]
+
+    def pack(self, rows: list[int]) -> torch.Tensor:
+        """One message of the pieces sent from this rank by ``rows``: their bytes, each at an
+        offset aligned to 16 (:meth:`unpack`'s layout)."""
+        info = [self.send_rows[r] for r in rows]
+        at = _packed_offsets([self.nbytes(x[0]) for x in info])
+        out = torch.empty(at[-1], dtype=torch.uint8, device=self.device)
+        for (pid, _, _, v), a in zip(info, at):
+            data = self.bufs[pid] if v < 0 else self.view(v, pid)
+            n = self.nbytes(pid)
+            if data.numel() * data.element_size() != n:  # not the piece's bytes: zeros, reported
+                self.stats.failures.append(
+                    ValueError(f"rank {self.rank}: piece {pid} is {data.numel() * data.element_size()} bytes, not {n}")
+                )
+                out[a : a + n].zero_()
+            else:
+                out[a : a + n].view(data.dtype).view(data.shape).copy_(data)
+            self.stats.bytes_sent += n
+        return out
+
+    def unpack(self, rows: list[int]) -> torch.Tensor:
+        """The buffer of one packed message received by ``rows``; each piece becomes a view of
+        it in ``self.bufs`` (delivered in its round like any received piece)."""
+        pids = [self.send_rows[r][0] for r in rows]
+        at = _packed_offsets([self.nbytes(pid) for pid in pids])
+        buf = torch.empty(at[-1], dtype=torch.uint8, device=self.device)
+        for pid, a in zip(pids, at):
+            n = self.nbytes(pid)
+            self.bufs[pid] = buf[a : a + n].view(self.source.dtype(pid)).view(self.shape(pid))
+            self.staged += n
+            self.stats.bytes_received += n
+        return buf
+
     def post(self, t: int) -> Callable[[], None]:
-        """Post round ``t``'s P2P ops as one batch; returns the wait."""
-        s, stats = self.s, self.stats
+        """Post round ``t``'s P2P ops as one batch (pieces packed per peer and direction where
+        they are small: :meth:`packed`); returns the wait."""
+        stats = self.stats
         ops = []
-        for row in self.sends_at.get(t, ()):
-            pid = int(s.sends.piece[row])
-            if s.sends.src[row] == self.rank:
-                v = int(s.sends.view[row])
+        groups, rows = self.packed(self.sends_at.get(t, ()))
+        out_bytes = 0
+        for (peer, out), grp in groups.items():
+            buf = self.pack(grp) if out else self.unpack(grp)
+            out_bytes += buf.numel() if out else 0
+            ops.append(collectives.p2p(dist.isend if out else dist.irecv, buf, peer, self.members))
+        stats.peak_staging_bytes = max(stats.peak_staging_bytes, self.staged + out_bytes)
+        for row in rows:
+            pid, src, dst, v = self.send_rows[row]
+            if src == self.rank:
                 data = self.bufs[pid] if v < 0 else self.view(v, pid)
                 ops.append(
-                    collectives.p2p(
-                        dist.isend,
-                        data if data.is_contiguous() else data.contiguous(),
-                        int(s.sends.dst[row]),
-                        self.members,
-                    )
+                    collectives.p2p(dist.isend, data if data.is_contiguous() else data.contiguous(), dst, self.members)
                 )
                 stats.bytes_sent += self.nbytes(pid)
             else:
@@ -957,7 +1078,7 @@ class Runner:
                 if into is None:
                     into = self.bufs[pid] = self.empty(pid)
                     self.staged += self.nbytes(pid)
-                ops.append(collectives.p2p(dist.irecv, into, int(s.sends.src[row]), self.members))
+                ops.append(collectives.p2p(dist.irecv, into, src, self.members))
                 stats.bytes_received += self.nbytes(pid)
         stats.peak_staging_bytes = max(stats.peak_staging_bytes, self.staged)
         return collectives.start_p2p(ops, self.what) if ops else (lambda: None)
@@ -1060,6 +1181,15 @@ def exchange(outbox: dict[int, torch.Tensor], inbox: dict[int, torch.Tensor], wh
     ops = [collectives.p2p(dist.isend, outbox[r], r, members) for r in sorted(outbox)]
     ops += [collectives.p2p(dist.irecv, inbox[r], r, members) for r in sorted(inbox)]
     return collectives.start_p2p(ops, what) if ops else (lambda: None)
+
+
+def _packed_offsets(sizes: Sequence[int]) -> list[int]:
+    """Byte offsets of pieces of ``sizes`` bytes in one packed message, each aligned to 16
+    (any dtype's view of it lands aligned), and the message's size last."""
+    at = [0]
+    for n in sizes:
+        at.append(at[-1] + -(-n // 16) * 16)
+    return at
 
 
 def _by_round(rounds: np.ndarray, values: np.ndarray) -> dict[int, list[int]]:

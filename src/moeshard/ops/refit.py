@@ -11,8 +11,10 @@ Steps (collective, every rank of ``group``: trainer ranks, engine ranks, or both
 check each rank's arguments and exchange who holds the trainer (one exchange) -> the first
 trainer rank's layout to every rank -> plan this rank's transfers (pure:
 :func:`moeshard.plan.refit.plan_refit`) -> agree on the inputs' fingerprint and the pair check
-(one exchange) -> per install group (a decoder layer's engine tensors): run the group's schedule into
-staging tensors, agree, install -> optional verify -> report. A failure on any rank (a bad
+(one exchange) -> per install batch (consecutive install groups, a decoder layer's engine tensors
+each, as many as the staging budget holds): run the batch's schedule into staging tensors (small
+pieces between two ranks in a round travel as one message), agree, install -> optional verify ->
+report. A failure on any rank (a bad
 argument, a lost peer) raises on every rank; every engine layer is then all old or all new.
 """
 
@@ -31,6 +33,7 @@ from .. import collectives
 from ..execute import LocalTensors, Source, TensorSink, execute_schedule
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
 from ..models.describe import local_tensor
+from ..models.ep import slot_placement
 from ..models.shards import shard_boxes
 from ..plan import DEFAULT_MAX_OPS, DEFAULT_STAGING_BYTES
 from ..plan.refit import EngineLayout, RefitPlan, UnitInfo, check_pairs, plan_refit
@@ -57,6 +60,8 @@ class RefitReport(OpReport):
         peer_bytes, copy_bytes: bytes sent between ranks and copied within a rank (planned, in
             the wire dtype: the engine's where it is narrower than the trainer's).
         groups: install groups run (each installed whole).
+        batches: install batches run (groups that fit the staging budget together: one
+            schedule and one agreement each, installed whole).
         engine_tensors_rank: engine tensors this rank installed.
         verified_boxes_rank: boxes this rank checked by digest (0 without ``verify``).
     """
@@ -64,6 +69,7 @@ class RefitReport(OpReport):
     peer_bytes: int = 0
     copy_bytes: int = 0
     groups: int = 0
+    batches: int = 0
     engine_tensors_rank: int = 0
     verified_boxes_rank: int = 0
 
@@ -185,6 +191,30 @@ def plan_for(
     return plan_refit(layout, got.info, got.holds, got.itemsize, topology, staging_bytes, max_ops, me, got.described)
 
 
+_DIGESTS: dict = {}
+
+
+def _digest(x: EngineLayout | ShardLayout) -> str:
+    """``x.digest()``, kept for the same object with the same placement array contents (a
+    refit digests the same layouts step after step; the placement is an array a caller may
+    change in place)."""
+    p2l = x.phy2log
+    key = (id(x), None if p2l is None else np.ascontiguousarray(p2l, np.int64).tobytes())
+    hit = _DIGESTS.get(key)
+    if hit is None or hit[0] is not x:
+        if len(_DIGESTS) > 8:
+            _DIGESTS.clear()
+        hit = _DIGESTS[key] = (x, x.digest())
+    return hit[1]
+
+
+# refit's default max_ops: pieces per rank and round (most travel packed: COALESCE_BYTES).
+MAX_OPS = 1024
+
+# The trainer layout of the last refit on this rank (every rank's alike): a refit whose trainer
+# layout has the same digest on every rank skips sending it.
+_SHARED: list = []
+
 # The last plan, by what it is a function of (the trainer's and engine's layouts, the ranks, the
 # topology and budgets): planning is pure, so a repeated refit reuses it (still agreed by
 # fingerprint on every rank).
@@ -197,6 +227,7 @@ class _TrainerShards(Source):
     def __init__(self, plan: ReshardPlan, tensors: Sequence[torch.Tensor], rank: int, wire: Sequence[torch.dtype]):
         self.s = plan.schedule
         self.local = LocalTensors(plan.schedule, tensors, rank)
+        self.key = self.local.lists.key
         self.wire = wire
 
     def view(self, v: int, pid: int) -> torch.Tensor:
@@ -205,7 +236,7 @@ class _TrainerShards(Source):
         return t if t.dtype == want else t.to(want)
 
     def dtype(self, pid: int) -> torch.dtype:
-        return self.wire[int(self.s.pieces.key[pid])]
+        return self.wire[self.key[pid]]
 
 
 @dataclass(frozen=True)
@@ -236,10 +267,49 @@ def _prepare(model, dst_tensors, layout: EngineLayout, specs, rank: int) -> _Rea
         scales = [dst_tensors[t.scale_name] if t.quant else None for t in layout.tensors]
     if model is None:
         return _Ready(None, [], dst, scales)
-    shared = describe_shards(model, specs=specs)
     params = named_tensors(model)
+    key = _model_key(model, params, specs)
+    shared = _LAYOUTS.get(key)
+    if shared is None:
+        shared = describe_shards(model, specs=specs)
+        _LAYOUTS.clear()  # one kept: an RL loop refits the same model step after step
+        _LAYOUTS[key] = shared
     shards = [local_tensor(params[t.name]) for t in shared.tensors]
     return _Ready(shared, shards, dst, scales)
+
+
+# The last trainer layout (describe_shards), by what it is a function of (_model_key): the
+# model's tensors (names, objects, local storage, shapes, dtypes, DTensor meshes and placements)
+# and the placement its routing tables hold (a relocation changes it), and the specs. The key
+# names objects by id: the cached layout keeps nothing alive, so the model (which holds its
+# tensors and meshes) is in the key by id too, and a new model misses.
+_LAYOUTS: dict = {}
+
+
+def _model_key(model: nn.Module, params: Mapping[str, torch.Tensor], specs) -> tuple:
+    cells = []
+    for name, t in params.items():
+        loc = local_tensor(t)
+        mesh = getattr(t, "device_mesh", None)
+        cells.append(
+            (
+                name,
+                id(t),
+                loc.data_ptr(),
+                tuple(loc.shape),
+                loc.dtype,
+                tuple(t.shape),
+                repr(getattr(t, "placements", ())),
+                id(mesh),
+            )
+        )
+    pl = slot_placement(model)
+    return (
+        id(model),
+        tuple(id(x) for x in specs),
+        tuple(cells),
+        None if pl is None else np.asarray(pl.phy2log, np.int64).tobytes(),
+    )
 
 
 def _check_dst(plan: RefitPlan, layout: EngineLayout, dst: list, scales: list) -> None:
@@ -265,7 +335,7 @@ def refit(
     verify: bool = False,
     topology: Topology | None = None,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
-    max_ops: int = DEFAULT_MAX_OPS,
+    max_ops: int = MAX_OPS,
     specs: Sequence[ExpertsSpec] = DEFAULT_SPECS,
     device: torch.device | None = None,
     group=None,
@@ -284,7 +354,14 @@ def refit(
             placement is the engine's current one, e.g. after an EPLB rebalance).
         verify: after the writes, compare a digest of every delivered box with the digest of
             its source box (cast alike); a difference raises :class:`RefitVerifyError` naming it.
-        topology, staging_bytes, max_ops, specs: as :func:`moeshard.reshard`'s.
+        staging_bytes: per-rank budget for staging: pieces received in one round, and the
+            engine tensors of one install batch (consecutive install groups staged together,
+            one schedule and one agreement per batch; a group larger than the budget alone).
+        max_ops: at most this many pieces a rank sends and receives in one round. The small
+            ones (up to 1 MiB) between two ranks travel as one message, so a round posts at
+            most two messages per peer plus its large pieces, whose number the staging budget
+            bounds: the default (1024) lets a refit of small pieces run in few rounds.
+        topology, specs: as :func:`moeshard.reshard`'s.
         device: where staging buffers live (default: the first engine tensor's device, else
             the trainer's).
         group: the refit group (default: the default group).
@@ -295,7 +372,7 @@ def refit(
         DistributedError: on every rank, for any rank's bad input (a missing or misshapen engine
             tensor, layouts that differ between ranks, a box no trainer rank holds); nothing
             written.
-        PeerLostError: a rank died during the refit: the install groups done before are new,
+        PeerLostError: a rank died during the refit: the install batches done before are new,
             the others old (each engine layer all old or all new).
     """
     t0 = time.perf_counter()
@@ -304,7 +381,12 @@ def refit(
     gathered = collectives.agree_and_gather(
         lambda: _prepare(model, dst_tensors, layout, specs, rank),
         "moeshard.refit: checking the arguments",
-        share=lambda r: (r.layout is not None, layout.digest(), None if r.layout is None else r.layout.digest()),
+        share=lambda r: (
+            r.layout is not None,
+            _digest(layout),
+            None if r.layout is None else _digest(r.layout),
+            _digest(_SHARED[0]) if _SHARED else None,
+        ),
     )
     ready, everyone = gathered.result, gathered.shares
     trainers = [r for r, e in enumerate(everyone) if e[0]]
@@ -318,14 +400,20 @@ def refit(
             raise ValueError("the trainer's layout differs between trainer ranks")
 
     collectives.unanimous(_same, "moeshard.refit: comparing the layouts")
-    shared = collectives.broadcast_object(
-        None if ready.layout is None else ready.layout.shared(), src=trainers[0], what="moeshard.refit: trainer layout"
-    )
+    if all(e[3] is not None and e[3] == everyone[trainers[0]][2] for e in everyone):
+        shared = _SHARED[0]  # every rank holds the trainer's layout already (the last refit's)
+    else:
+        shared = collectives.broadcast_object(
+            None if ready.layout is None else ready.layout.shared(),
+            src=trainers[0],
+            what="moeshard.refit: trainer layout",
+        )
+        _SHARED[:] = [shared]
     phases.end("exchange")
 
     def make_plan():
         topo = group_topology(topology, group)
-        key = (shared.digest(), tuple(trainers), layout.digest(), topo, staging_bytes, max_ops)
+        key = (_digest(shared), tuple(trainers), _digest(layout), topo, staging_bytes, max_ops)
         plan = _PLANS.get(key)
         if plan is None:
             plan = plan_for(shared, trainers, layout, topo, staging_bytes, max_ops, rank)
@@ -370,44 +458,64 @@ def refit(
         peer_bytes=peer_bytes,
         copy_bytes=copy_bytes,
         groups=len(plan.groups),
+        batches=len(plan.plans),
         engine_tensors_rank=installed,
         verified_boxes_rank=checked,
     )
 
 
+# Pieces up to this size that one rank sends another in the same round travel as one message
+# (execute_schedule's coalesce_bytes): below it a message's latency costs more than the copies
+# into and out of the packed buffer.
+COALESCE_BYTES = 2**20
+
+
 def _install(plan: RefitPlan, layout: EngineLayout, ready: _Ready, rank: int, wire, device):
-    """Collective: per install group, run its schedule into staging tensors, agree, and copy
-    them into the engine's tensors. Returns this rank's bytes sent, received, peak staging
-    bytes and engine tensors installed."""
+    """Collective: per install batch (``plan.batches``: install groups that fit the staging
+    budget together), run its schedule into staging tensors, agree that every rank has all of
+    them, and copy them into the engine's tensors. Returns this rank's bytes sent, received,
+    peak staging bytes and engine tensors installed."""
     dev = device
     if dev is None:
         ref = ready.dst[0] if ready.dst else (ready.shards[0] if ready.shards else None)
         dev = ref.device if ref is not None else torch.device("cpu")
     group_of = [t.group for t in layout.tensors]
+    batches = plan.batches or tuple((g,) for g in plan.groups)
     sent = received = peak = 0
     installed = 0
-    for g, p in zip(plan.groups, plan.plans):
-        what = f"moeshard.refit: install group {g}"
+    for batch, p in zip(batches, plan.plans):
+        what = f"moeshard.refit: install group{'s' if len(batch) > 1 else ''} {', '.join(map(str, batch))}"
+        members = set(batch)
         stage: list = [None] * len(layout.tensors)
+        staged = 0
         if ready.dst is not None:
             for j, t in enumerate(layout.tensors):
-                if group_of[j] == g:
+                if group_of[j] in members:
                     # Rows the engine pads (vocabulary) are never written: keep the engine's.
                     x = ready.dst[j]
                     if t.quant is not None:  # staged in float, quantized whole once it arrived
                         stage[j] = engine_quant.staging(x, getattr(torch, plan.needs.dtypes[j]))
                     else:
                         stage[j] = x.clone() if t.pad_to > 1 else torch.empty_like(x)
+                    staged += stage[j].numel() * stage[j].element_size()
         source = _TrainerShards(p, ready.shards, rank, wire)
 
-        def run(p=p, stage=stage, source=source):
+        def run(p=p, stage=stage, source=source, what=what):
             stats = execute_schedule(
-                p.schedule, rank, source, TensorSink(p.schedule, stage, rank, receive_in_place=True), dev, what=what
+                p.schedule,
+                rank,
+                source,
+                TensorSink(p.schedule, stage, rank, receive_in_place=True),
+                dev,
+                what=what,
+                coalesce_bytes=COALESCE_BYTES,
             ).check()
             engine_quant.quantize_staged(layout.tensors, stage)
             return stats
 
         with torch.no_grad():
+            # Installed only once every rank has every piece of the batch: each engine layer
+            # is all old or all new, whichever rank or group failed.
             stats = collectives.agree(run, what)
             for j, x in enumerate(stage):
                 if x is not None:
@@ -415,7 +523,7 @@ def _install(plan: RefitPlan, layout: EngineLayout, ready: _Ready, rank: int, wi
                     installed += 1
         sent += stats.bytes_sent
         received += stats.bytes_received
-        peak = max(peak, stats.peak_staging_bytes)
+        peak = max(peak, stats.peak_staging_bytes + staged)
     return sent, received, peak, installed
 
 

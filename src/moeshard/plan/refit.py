@@ -435,8 +435,11 @@ class RefitPlan:
 
     Args:
         groups: the install groups in order (-1 first, then ascending).
-        plans: a :class:`~moeshard.plan.reshard.ReshardPlan` per group, run one after another:
-            its ``schedule`` holds only the rows this rank takes part in.
+        plans: a :class:`~moeshard.plan.reshard.ReshardPlan` per install batch, run one after
+            another: its ``schedule`` holds only the rows this rank takes part in.
+        batches: per plan, the install groups it fills (consecutive in ``groups``; as many as
+            fit together in the staging budget: :func:`install_batches`). A batch is
+            installed whole, after every rank has all of it.
         needs: the layout's :class:`EngineNeeds` (the engine tensors' local shapes and dtypes;
             ``rows``: the need rows this rank planned from).
         wire_dtypes: per unit, the dtype name its pieces travel in: the engine tensor's where it
@@ -447,7 +450,7 @@ class RefitPlan:
         check: this rank's term of the pair check (:class:`~moeshard.plan.pairs.RankPart`):
             the ranks' terms sum to 0 mod 2**64 when the two ends of every transfer planned it
             alike.
-        send_params: per group, ``int64[S]`` the receiver's engine tensor of each send row of
+        send_params: per batch, ``int64[S]`` the receiver's engine tensor of each send row of
             its schedule (-1: a row this rank receives).
         fingerprint: a digest of the inputs every rank plans from alike (the layouts, the
             trainer's holdings, the topology and budgets, the engine tensors' local shapes).
@@ -463,9 +466,41 @@ class RefitPlan:
     check: int
     send_params: tuple[np.ndarray, ...] = ()
     fingerprint: str = field(default="")
+    batches: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def num_rounds(self) -> int:
+        """P2P rounds of a refit, job-wide (each a batch of P2P ops on the ranks in it): the sum
+        over the batches' schedules."""
+        return sum(p.schedule.num_rounds for p in self.plans)
 
 
-__all__ += ["RefitPlan"]
+__all__ += ["RefitPlan", "install_batches"]
+
+
+def install_batches(group_of: np.ndarray, nbytes: np.ndarray, staging_bytes: int) -> tuple[tuple[int, ...], ...]:
+    """The install batches (pure): consecutive install groups (``-1`` first, then ascending)
+    whose engine tensors every engine rank can stage at once within ``staging_bytes`` (a
+    group larger than the budget alone). A batch costs one schedule and one agreement,
+    however many groups it holds.
+
+    Args:
+        group_of: ``int64[T]`` each engine tensor's install group.
+        nbytes: ``int64[T]`` an engine rank's bytes of each tensor (its local shape; every
+            engine rank holds a shard of every tensor, of the same shape).
+    """
+    groups = sorted(set(np.asarray(group_of).tolist()))
+    per = {g: int(np.asarray(nbytes)[np.asarray(group_of) == g].sum()) for g in groups}
+    out: list[list[int]] = []
+    held = 0
+    for g in groups:
+        if out and held + per[g] <= staging_bytes:
+            out[-1].append(g)
+            held += per[g]
+        else:
+            out.append([g])
+            held = per[g]
+    return tuple(tuple(b) for b in out)
 
 
 def _check_inside(layout: EngineLayout, needs: EngineNeeds, rank: int) -> None:
@@ -584,13 +619,18 @@ def plan_refit(
     group_of = np.asarray([t.group for t in layout.tensors], np.int64)
     groups = tuple(sorted(set(group_of.tolist())))
     t_group = group_of[rows.param[tr.need]]
+    # Engine tensors are staged whole on every engine rank (each holds every tensor's shard).
+    elems = np.asarray([int(np.prod(sh)) for sh in needs.local_shapes], np.int64)
+    tbytes = elems * np.asarray([itemsize[d] for d in needs.dtypes], np.int64)
+    batches = install_batches(group_of, tbytes, staging_bytes)
+    h.update(repr(batches).encode())
     plans, send_params = [], []
     sent = copied = 0
     check = 0
-    for gi, g in enumerate(groups):
+    for gi, batch in enumerate(batches):
         part = rank_schedule(
             tr,
-            t_group == g,
+            np.isin(t_group, batch),
             rank,
             holds,
             rows,
@@ -611,7 +651,17 @@ def plan_refit(
         copied += part.copy_bytes
         check = (check + part.check) % 2**64
     return RefitPlan(
-        groups, tuple(plans), needs, tuple(wire), rank, sent, copied, check, tuple(send_params), h.hexdigest()[:16]
+        groups,
+        tuple(plans),
+        needs,
+        tuple(wire),
+        rank,
+        sent,
+        copied,
+        check,
+        tuple(send_params),
+        h.hexdigest()[:16],
+        batches,
     )
 
 
