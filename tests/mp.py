@@ -1,6 +1,8 @@
-"""Run a function on N local gloo ranks (spawned processes) and collect results per rank.
+"""Run a function on N local gloo ranks (processes forked from a forkserver) and collect results
+per rank.
 
-Spawning costs seconds (torch import), so tests run many scenarios per spawned group.
+Starting a group still costs a rendezvous and each rank's set-up, so tests run many scenarios
+per group.
 The launcher itself is the package's (:mod:`moeshard._launch`); this keeps the tests' name.
 """
 
@@ -12,30 +14,57 @@ import time
 
 from moeshard._launch import run_local_ranks
 
-# What every forkserver test's ranks import. multiprocessing starts one forkserver per pytest
-# process, with the preload list of the first test that forks from it, and keeps it: a test
-# asking for transformers after a tiny_moe test started the server would have each rank import
-# transformers itself (test_reshard_elastic8_dist on 2 cores: 45 s instead of 18 s). So every
-# test asks for all of it.
+# What every forked rank would otherwise import itself: torch and transformers with the MoE
+# modeling modules (several CPU-seconds per rank), moeshard's modules the workers use, the
+# test helpers. multiprocessing starts one forkserver per pytest process, with the preload list
+# of the first test that forks from it, and keeps it: a module missing here is imported by each
+# rank of every later group (test_reshard_elastic8_dist on 2 cores: 45 s instead of 18 s when
+# transformers was missing). So every test asks for all of it. A module that fails to import
+# (an optional dependency) is skipped. Not datasets (with trl, only the trainer test's ranks use
+# it): importing it starts a thread, and a process that forks should have none of its own.
 PRELOAD = (
     "torch",
     "torch.distributed",
+    "torch.distributed.tensor",
+    "torch.distributed.fsdp",
+    "numpy",
+    "pytest",
+    "safetensors.torch",
     "transformers",
     "transformers.models.qwen3_moe.modeling_qwen3_moe",
+    "transformers.models.deepseek_v3.modeling_deepseek_v3",
+    "peft",
+    "accelerate",
     "moeshard",
     "moeshard.ops.reshard",
+    "moeshard.ops.save",
+    "moeshard.ops.verify",
+    "moeshard.ops.relocate",
+    "moeshard.io.checkpoint",
+    "moeshard.io.writer",
+    "moeshard.io.quant",
+    "moeshard.lora",
     "moeshard.models.parallel",
+    "moeshard.plan.relocation",
+    "moeshard.integrations.transformers",
+    "moeshard.integrations.pretrained",
     "tiny_moe",
     "tiny_hf",
+    "training",
 )
 
 
 def run_ranks(fn, *args, world: int = 4, local_world: int | None = None, timeout: float = 240):
     """Run ``fn(*args)`` on ``world`` gloo ranks; return the per-rank results.
 
+    The ranks are forked from the forkserver (:func:`forkserver`), which imported
+    :data:`PRELOAD` once, and ``fn``'s module: a spawned rank would import torch and
+    transformers itself, seconds per rank for every group the suite starts.
+
     Raises RuntimeError with every failing rank's traceback, TimeoutError on a hang.
     """
-    return run_local_ranks(fn, *args, world=world, local_world=local_world, timeout=timeout)
+    forkserver(fn.__module__)
+    return run_local_ranks(fn, *args, world=world, local_world=local_world, timeout=timeout, start_method="forkserver")
 
 
 def forkserver(*modules: str):

@@ -267,7 +267,7 @@ def _rank_main(rank: int, port: int, root: str, names, timeout: float, out_dir: 
 def run_group(root: Path, names: list[str] | None = None, timeout: float = TIMEOUT_S) -> list[dict]:
     """Run the scenarios (or ``names``) on WORLD forked ranks whose process group times out
     after ``timeout`` seconds; every rank's results."""
-    ctx = forkserver(__name__, "peft", "transformers.models.deepseek_v3.modeling_deepseek_v3")
+    ctx = forkserver(__name__)
     out_dir = root / f"results-{time.monotonic_ns()}"
     out_dir.mkdir()
     port = free_port()

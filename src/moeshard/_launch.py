@@ -101,8 +101,16 @@ def run_local_ranks(
     local_world: int | None = None,
     backend: str = "gloo",
     timeout: float = 600,
+    start_method: str = "spawn",
 ) -> list[Any]:
     """Run ``fn(*args)`` (a top-level, importable function) on ``world`` local ranks.
+
+    ``start_method``: how the ranks start (a multiprocessing start method). ``"spawn"``: each
+    rank starts a fresh interpreter and imports torch itself (seconds per rank);
+    ``"forkserver"``: each rank is forked from multiprocessing's fork server, which imports its
+    preload list (``set_forkserver_preload``) once, so a caller that starts many groups (a test
+    suite) pays the imports once. Either way a rank sees the environment of the process that
+    started it (spawn: the caller now; forkserver: the caller when the server started).
 
     Returns the per-rank results. Raises RuntimeError with every failing rank's traceback,
     TimeoutError if the ranks do not finish within ``timeout`` seconds.
@@ -116,7 +124,7 @@ def run_local_ranks(
             args=(world, local_world, free_port(), backend, fn, args, out_dir),
             nprocs=world,
             join=False,
-            start_method="spawn",
+            start_method=start_method,
         )
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
