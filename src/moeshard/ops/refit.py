@@ -327,6 +327,49 @@ def _check_dst(plan: RefitPlan, layout: EngineLayout, dst: list, scales: list) -
 
 
 @collectives.runs_on_group
+class _Exchanged(NamedTuple):
+    ready: _Ready
+    trainers: list[int]
+    shared: ShardLayout
+
+
+def _exchange(model, dst_tensors, layout: EngineLayout, specs, rank: int) -> _Exchanged:
+    """Collective: check every rank's arguments, find the trainer ranks, compare the layouts,
+    and give every rank the trainer's layout (sent only when some rank lacks the last one)."""
+    gathered = collectives.agree_and_gather(
+        lambda: _prepare(model, dst_tensors, layout, specs, rank),
+        "moeshard.refit: checking the arguments",
+        share=lambda r: (
+            r.layout is not None,
+            _digest(layout),
+            None if r.layout is None else _digest(r.layout),
+            _digest(_SHARED[0]) if _SHARED else None,
+        ),
+    )
+    ready, everyone = gathered.result, gathered.shares
+    trainers = [r for r, e in enumerate(everyone) if e[0]]
+
+    def _same():
+        if not trainers:
+            raise ValueError("no rank passed a trainer model")
+        if len({e[1] for e in everyone}) != 1:
+            raise ValueError("the engine layout differs between ranks")
+        if len({e[2] for e in everyone if e[0]}) != 1:
+            raise ValueError("the trainer's layout differs between trainer ranks")
+
+    collectives.unanimous(_same, "moeshard.refit: comparing the layouts")
+    if all(e[3] is not None and e[3] == everyone[trainers[0]][2] for e in everyone):
+        shared = _SHARED[0]  # every rank holds the trainer's layout already (the last refit's)
+    else:
+        shared = collectives.broadcast_object(
+            None if ready.layout is None else ready.layout.shared(),
+            src=trainers[0],
+            what="moeshard.refit: trainer layout",
+        )
+        _SHARED[:] = [shared]
+    return _Exchanged(ready, trainers, shared)
+
+
 def refit(
     model: nn.Module | None,
     dst_tensors: Mapping[str, torch.Tensor] | None,
@@ -378,37 +421,7 @@ def refit(
     t0 = time.perf_counter()
     phases = Phases(t0)
     rank, world = collectives.rank_and_world()
-    gathered = collectives.agree_and_gather(
-        lambda: _prepare(model, dst_tensors, layout, specs, rank),
-        "moeshard.refit: checking the arguments",
-        share=lambda r: (
-            r.layout is not None,
-            _digest(layout),
-            None if r.layout is None else _digest(r.layout),
-            _digest(_SHARED[0]) if _SHARED else None,
-        ),
-    )
-    ready, everyone = gathered.result, gathered.shares
-    trainers = [r for r, e in enumerate(everyone) if e[0]]
-
-    def _same():
-        if not trainers:
-            raise ValueError("no rank passed a trainer model")
-        if len({e[1] for e in everyone}) != 1:
-            raise ValueError("the engine layout differs between ranks")
-        if len({e[2] for e in everyone if e[0]}) != 1:
-            raise ValueError("the trainer's layout differs between trainer ranks")
-
-    collectives.unanimous(_same, "moeshard.refit: comparing the layouts")
-    if all(e[3] is not None and e[3] == everyone[trainers[0]][2] for e in everyone):
-        shared = _SHARED[0]  # every rank holds the trainer's layout already (the last refit's)
-    else:
-        shared = collectives.broadcast_object(
-            None if ready.layout is None else ready.layout.shared(),
-            src=trainers[0],
-            what="moeshard.refit: trainer layout",
-        )
-        _SHARED[:] = [shared]
+    ready, trainers, shared = _exchange(model, dst_tensors, layout, specs, rank)
     phases.end("exchange")
 
     def make_plan():
