@@ -227,10 +227,22 @@ def _mx_tile(scheme: Scheme, raw: torch.Tensor, scale: torch.Tensor, glob, out: 
         raise ValueError(f"mxfp4: {2 * raw.shape[-1]} columns of values do not split into {ngroups} scale groups")
     idx = raw.view(raw.shape[0], ngroups, -1).to(torch.int32)
     idx |= (scale.view(torch.uint8).to(torch.int32) << 8).unsqueeze(-1)
-    if out.is_contiguous():
-        torch.index_select(lut, 0, idx.view(-1), out=out.view(lut.dtype).view(-1))
+    pairs = _pairs_of(out, lut.dtype)
+    if pairs is not None:
+        torch.index_select(lut, 0, idx.view(-1), out=pairs)
     else:
         out.copy_(torch.index_select(lut, 0, idx.view(-1)).view(out.dtype).view(out.shape))
+
+
+def _pairs_of(out: torch.Tensor, pair_dtype) -> torch.Tensor | None:
+    """``out``'s memory as 1-D ``pair_dtype`` (two values each), or None (not contiguous, or not
+    aligned to a pair)."""
+    if not out.is_contiguous():
+        return None
+    flat = out.view(-1)
+    if flat.storage_offset() % 2 or flat.numel() % 2:
+        return None
+    return flat.view(pair_dtype)
 
 
 def _codes_tile(scheme: Scheme, raw: torch.Tensor, scale: torch.Tensor, glob, out: torch.Tensor) -> None:
