@@ -166,9 +166,10 @@ def decode(
     return out
 
 
-# Rows of float32 per tile of :func:`decode_into`: ~1 MiB, so a tile's temporaries stay in cache
-# and its transposed write covers a few cache lines per column.
-_TILE_BYTES = 1 << 20
+# A tile of decode_into: 4 MiB of float32 (2 MiB of bf16): a gpt-oss expert of hidden 576 in one
+# tile, 364 rows of hidden 2880, so a tile's transposed write stays within the caches and TLB
+# (measured by benchmarks/bench_decode.py; much smaller tiles cost more per call than they save).
+_TILE_BYTES = 1 << 22
 
 
 def decode_into(
