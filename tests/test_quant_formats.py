@@ -972,3 +972,60 @@ def test_weight_shape_is_checked_by_the_plan_that_reads_it_not_at_index_open(fix
         model = transformers.AutoModelForCausalLM.from_config(fixtures["int4"].config, dtype=torch.bfloat16)
     with pytest.raises(CheckpointError, match=rf"{re.escape(key)}_shape: weight_shape {re.escape(bad)} disagrees"):
         moeshard.load(model, path)
+
+
+# -- decode_into: tiles written straight into the destination ------------------------------------
+
+
+@pytest.mark.parametrize("tile_rows", [1, 3, 1000])
+def test_decode_into_equals_the_plain_decode_cast_tile_by_tile(tile_rows, monkeypatch):
+    """Every scheme, odd shapes (7 rows: partial tiles; one expert and three; groups ending on a
+    tile's edge), destinations bf16 / fp16 / fp32 / fp64, contiguous and transposed (gpt-oss's
+    ``[E, H, 2I]`` parameter written through its transpose): each equals ``decode(...).to(dtype)``
+    bit for bit, and nothing outside the destination is written."""
+    from moeshard.io import codecs
+    from moeshard.io.quant import Scheme
+
+    gen = torch.Generator().manual_seed(11)
+    cases = []
+    pw, blocks, scales = _mxfp4_weight(E=3, R=7, C=64, seed=1)  # E8M0 extremes (0, 254, 255) included
+    cases += [(pw.scheme, blocks, scales, None), (pw.scheme, blocks[1:2], scales[1:2], None)]
+    i4 = Scheme("int4", "compressed-tensors/pack-quantized", "int4", 4, 32, "BF16", "")
+    for sdt in (torch.bfloat16, torch.float16, torch.float32):  # same dtype as the destination or not
+        _, packed, scale = _int4_weight(R=7, C=96, scale_dtype=sdt, seed=3)
+        cases.append((i4, packed.view(1, 7, 12), scale.view(1, 7, 3), None))
+    _, packed, scale = _int4_weight(R=7, C=96, group=96, seed=4)  # per channel: [R, 1]
+    cases.append((Scheme("int4", "compressed-tensors/pack-quantized", "int4", 4, 96, "BF16", ""), packed, scale, None))
+    packed, scale = _nvfp4_weight(R=7, C=64, seed=5)
+    nv = Scheme("nvfp4", "compressed-tensors/nvfp4-pack-quantized", "e2m1", 4, 16, "F8_E4M3", "divide")
+    cases.append((nv, packed.view(1, 7, 32), scale.view(1, 7, 4), torch.tensor([3.0])))
+    mo = Scheme("nvfp4", "modelopt/NVFP4", "e2m1", 4, 16, "F8_E4M3", "multiply")
+    cases.append((mo, packed, scale, torch.tensor(0.01)))
+    fp8 = Scheme("fp8", "compressed-tensors/float-quantized", "f8_e4m3", 8, 0, "BF16", "")
+    cases.append((fp8, _fp8((2, 7, 24), gen).view(torch.uint8), torch.tensor([0.5]).bfloat16(), None))
+    monkeypatch.setattr(codecs, "_TILE_BYTES", 4 * tile_rows * 96)
+    for scheme, values, scale, gs in cases:
+        plain = decode(scheme, values, scale, gs)
+        for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+            want = plain.to(dtype)
+            for transposed in (False, True):
+                shape = list(plain.shape)
+                if transposed:
+                    shape[-1], shape[-2] = shape[-2], shape[-1]
+                param = torch.full([*shape[:-1], shape[-1] + 1], 7.0, dtype=dtype)  # a column beyond
+                dest = param[..., :-1].transpose(-1, -2) if transposed else param[..., :-1]
+                assert codecs.decode_into(scheme, values, scale, gs, dest) is dest
+                _same_any(dest.contiguous(), want)
+                assert (param[..., -1] == 7).all()
+                if not transposed:  # a contiguous destination (a gather or multiply straight into it)
+                    whole = torch.zeros(plain.shape, dtype=dtype)
+                    codecs.decode_into(scheme, values, scale, gs, whole)
+                    _same_any(whole, want)
+
+
+def _same_any(a: torch.Tensor, b: torch.Tensor) -> None:
+    """:func:`_same` for float64 too."""
+    if a.element_size() == 8:
+        assert a.shape == b.shape and torch.equal(a.view(torch.int64), b.view(torch.int64))
+    else:
+        _same(a, b)

@@ -49,7 +49,7 @@ from .box import box_shape, box_slices
 from .io.extents import ExtentReads, contiguous_boxes
 from .io.fp8 import dequantize, scale_box
 from .io.index import CheckpointIndex
-from .io.packed import decode_blob, read_blob
+from .io.packed import decode_blob_into, read_blob
 from .io.reader import CheckpointReader
 from .io.readpool import ReadPool
 from .plan.schedule import Schedule
@@ -397,10 +397,10 @@ class TensorSink(Sink):
         pw = self.packed.get(self.s.piece_name(pid))
         if pw is None:
             return False
-        decoded = decode_blob(pw, self.s.piece_box(pid), data, self.infos)
-        # Cast in memory order first (the one rounding), then copy: a transposed weight
-        # (gpt-oss) is a strided copy, and moving the narrower dtype through it is cheaper.
-        out.copy_(decoded.to(out.dtype).view(out.shape))
+        box = self.s.piece_box(pid)
+        # Decoded tile by tile straight into the destination (a gpt-oss weight through its
+        # transposed view), one rounding to its dtype, no full-size float32 temporary.
+        decode_blob_into(pw, box, data, self.infos, out.view(tuple(n for _, n in box)))
         return True
 
     def flat_targets(self, rows: np.ndarray) -> FlatTargets:

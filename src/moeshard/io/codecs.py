@@ -24,7 +24,7 @@ from .quant import Scheme
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["E2M1_VALUES", "decode", "Encoded", "encode"]
+__all__ = ["E2M1_VALUES", "decode", "decode_into", "Encoded", "encode"]
 
 # The 16 FP4 E2M1 codes: sign bit 3, exponent bits 2..1, mantissa bit 0.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -61,6 +61,36 @@ def _mx_lut(device) -> torch.Tensor:
         exp = (torch.arange(256, dtype=torch.int32) - 127).view(256, 1, 1)
         table = torch.ldexp(pairs.expand(256, 256, 2), exp).contiguous()
         lut = _PAIR_LUTS[("mx", device)] = table.view(torch.int64).reshape(-1).to(device)
+    return lut
+
+
+_PAIR_INT = {2: "int32", 4: "int64"}  # the integer holding two values of an itemsize
+
+
+def _mx_lut_as(dtype, device) -> torch.Tensor | None:
+    """:func:`_mx_lut` cast element by element to ``dtype`` (bf16, fp16, fp32), each pair of
+    values one integer (int32 for 2-byte dtypes): a gather from it equals decoding in float32
+    and casting, value by value. None for a dtype of another size."""
+    import torch
+
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return None
+    lut = _PAIR_LUTS.get(("mx", dtype, device))
+    if lut is None:
+        f32 = _mx_lut("cpu").view(torch.float32)
+        pair = getattr(torch, _PAIR_INT[torch.empty((), dtype=dtype).element_size()])
+        lut = _PAIR_LUTS[("mx", dtype, device)] = f32.to(dtype).view(pair).to(device)
+    return lut
+
+
+def _int4_lut_as(dtype, device) -> torch.Tensor:
+    """:func:`_pair_lut` ("int4", values -8..7, exact in any float dtype) in 2-byte ``dtype``."""
+    import torch
+
+    lut = _PAIR_LUTS.get(("int4", dtype, device))
+    if lut is None:
+        f32 = _pair_lut("int4", "cpu").view(torch.float32)
+        lut = _PAIR_LUTS[("int4", dtype, device)] = f32.to(dtype).view(torch.int32).to(device)
     return lut
 
 
@@ -134,6 +164,111 @@ def decode(
     if scheme.global_scale == "multiply":
         out.mul_(g)
     return out
+
+
+# A tile of decode_into: 4 MiB of float32 (2 MiB of bf16): a gpt-oss expert of hidden 576 in one
+# tile, 364 rows of hidden 2880, so a tile's transposed write stays within the caches and TLB
+# (measured by benchmarks/bench_decode.py; much smaller tiles cost more per call than they save).
+_TILE_BYTES = 1 << 22
+
+
+def decode_into(
+    scheme: Scheme,
+    values: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor | None,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`decode` written into ``out`` (``[..., R, C]``, any float dtype, any strides: e.g.
+    the transposed view of a gpt-oss ``[E, H, 2I]`` parameter), equal bit for bit to
+    ``out.copy_(decode(...))`` (float32 math, one rounding to ``out.dtype``), without a full-size
+    float32 temporary: rows are decoded a tile at a time straight into ``out`` (MXFP4: one gather
+    per byte from a ``scale x byte`` table already in ``out.dtype``; INT4 with a scale in
+    ``out.dtype``: codes times scale in that dtype, exact since the float32 product is). Returns
+    ``out``. Arguments as :func:`decode`'s, all on ``out``'s device. Any rank may call it (local)."""
+    import torch
+
+    if values.dtype == torch.int32 and values.device.type == "cpu" and sys.byteorder != "little":
+        raise ValueError("INT4 values packed in int32 are read on little-endian hosts only")
+    if scheme.group == 0:
+        lead = tuple(values.shape[:-1])
+    else:
+        lead = tuple(scale.shape[:-1])
+    if len(lead) == 0 or not out.is_floating_point() or out.dim() != len(lead) + 1 or tuple(out.shape[:-1]) != lead:
+        return out.copy_(decode(scheme, values, scale, global_scale).view(out.shape))
+    rows, cols = lead[-1], out.shape[-1]
+    try:
+        o3 = out.view(-1, rows, cols)
+    except RuntimeError:  # lead dims that do not flatten: one whole decode
+        return out.copy_(decode(scheme, values, scale, global_scale).view(out.shape))
+    nb = values.numel() * values.element_size()
+    if rows == 0 or cols == 0 or nb == 0:
+        return out.copy_(decode(scheme, values, scale, global_scale).view(out.shape))
+    v3 = values.contiguous().view(torch.uint8).reshape(o3.shape[0], rows, -1)
+    s3 = scale.contiguous().reshape(o3.shape[0], rows, -1) if scheme.group else scale
+    step = max(1, _TILE_BYTES // (4 * cols))
+    tile = _mx_tile if scheme.scale_dtype == "U8" else _codes_tile
+    for e in range(o3.shape[0]):
+        for r in range(0, rows, step):
+            t = slice(r, min(r + step, rows))
+            tile(scheme, v3[e, t], s3[e, t] if scheme.group else s3, global_scale, o3[e, t])
+    return out
+
+
+def _mx_tile(scheme: Scheme, raw: torch.Tensor, scale: torch.Tensor, glob, out: torch.Tensor) -> None:
+    """MXFP4 rows ``raw`` (uint8 ``[T, C/2]``) with E8M0 ``scale`` ``[T, C/32]`` into ``out``."""
+    import torch
+
+    lut = _mx_lut_as(out.dtype, out.device)
+    if lut is None:
+        out.copy_(_decode_mx(raw, scale, (raw.shape[0],)))
+        return
+    ngroups = scale.shape[-1]
+    if ngroups == 0 or raw.shape[-1] % ngroups or 2 * raw.shape[-1] != out.shape[-1]:
+        raise ValueError(f"mxfp4: {2 * raw.shape[-1]} columns of values do not split into {ngroups} scale groups")
+    idx = raw.view(raw.shape[0], ngroups, -1).to(torch.int32)
+    idx |= (scale.view(torch.uint8).to(torch.int32) << 8).unsqueeze(-1)
+    pairs = _pairs_of(out, lut.dtype)
+    if pairs is not None:
+        torch.index_select(lut, 0, idx.view(-1), out=pairs)
+    else:
+        out.copy_(torch.index_select(lut, 0, idx.view(-1)).view(out.dtype).view(out.shape))
+
+
+def _pairs_of(out: torch.Tensor, pair_dtype) -> torch.Tensor | None:
+    """``out``'s memory as 1-D ``pair_dtype`` (two values each), or None (not contiguous, or not
+    aligned to a pair)."""
+    if not out.is_contiguous():
+        return None
+    flat = out.view(-1)
+    if flat.storage_offset() % 2 or flat.numel() % 2:
+        return None
+    return flat.view(pair_dtype)
+
+
+def _codes_tile(scheme: Scheme, raw: torch.Tensor, scale: torch.Tensor, glob, out: torch.Tensor) -> None:
+    """Rows ``raw`` (the values' bytes ``[T, C * bits / 8]``) of any other scheme into ``out``."""
+    import torch
+
+    if (
+        scheme.code == "int4"
+        and not scheme.global_scale
+        and scheme.group
+        and out.dtype in (torch.bfloat16, torch.float16)
+        and scale.dtype == out.dtype
+        and out.is_contiguous()
+    ):
+        # code (-8..7) x scale is exact in float32, so one product rounded to out.dtype (what a
+        # 2-byte float multiply does) equals the float32 product cast.
+        ngroups = scale.shape[-1]
+        cols = out.shape[-1]
+        if ngroups == 0 or cols % ngroups or 2 * raw.shape[-1] != cols:
+            raise ValueError(f"{scheme.name}: {cols} columns of values do not split into {ngroups} scale groups")
+        q = torch.index_select(_int4_lut_as(out.dtype, out.device), 0, raw.reshape(-1).to(torch.int32))
+        grouped = q.view(out.dtype).view(raw.shape[0], ngroups, cols // ngroups)
+        torch.mul(grouped, scale.unsqueeze(-1), out=out.view(raw.shape[0], ngroups, cols // ngroups))
+        return
+    out.copy_(decode(scheme, raw, scale, glob).view(out.shape))
 
 
 class Encoded(NamedTuple):

@@ -42,6 +42,7 @@ __all__ = [
     "blob_nbytes",
     "read_blob",
     "decode_blob",
+    "decode_blob_into",
 ]
 
 
@@ -155,13 +156,11 @@ def box_shape_of(box: Box) -> tuple[int, ...]:
     return tuple(n for _, n in box)
 
 
-def decode_blob(pw: PackedWeight, box: Box, blob: torch.Tensor, tensors: Mapping[str, TensorInfo]) -> torch.Tensor:
-    """float32 logical ``box`` of ``pw`` from its blob (:func:`read_blob`, any device)."""
-    from .codecs import decode
+def _blob_tensors(pw: PackedWeight, box: Box, blob: torch.Tensor, tensors: Mapping[str, TensorInfo]):
+    """``(values, scale, global scale or None)`` of a blob, views of it as :func:`decode` takes them."""
     from .header import DTYPES
-    from .quant import value_box
 
-    nv, ns, ng = blob_parts(pw, box, tensors)
+    nv, ns, _ = blob_parts(pw, box, tensors)
     blob = blob.reshape(-1)
     vbox, _ = _value_bytes_box(pw, box)
     values = blob[:nv].view(box_shape_of(vbox))
@@ -172,7 +171,31 @@ def decode_blob(pw: PackedWeight, box: Box, blob: torch.Tensor, tensors: Mapping
     if pw.global_scale:
         gi = tensors[pw.global_scale]
         glob = blob[nv + ns :].clone().view(DTYPES[gi.dtype]).view(gi.shape)
-    out = decode(pw.scheme, values, scale, glob)
-    v = value_box(pw, box)
-    out = out.reshape(box_shape_of(v))
+    return values, scale, glob
+
+
+def decode_blob(pw: PackedWeight, box: Box, blob: torch.Tensor, tensors: Mapping[str, TensorInfo]) -> torch.Tensor:
+    """float32 logical ``box`` of ``pw`` from its blob (:func:`read_blob`, any device)."""
+    from .codecs import decode
+    from .quant import value_box
+
+    out = decode(pw.scheme, *_blob_tensors(pw, box, blob, tensors))
+    out = out.reshape(box_shape_of(value_box(pw, box)))
     return out.transpose(-1, -2) if pw.transposed else out
+
+
+def decode_blob_into(
+    pw: PackedWeight, box: Box, blob: torch.Tensor, tensors: Mapping[str, TensorInfo], out: torch.Tensor
+) -> torch.Tensor:
+    """Logical ``box`` of ``pw`` from its blob decoded straight into ``out`` (the box's shape,
+    any float dtype and strides, on the blob's device), tile by tile: equal bit for bit to
+    ``out.copy_(decode_blob(...))`` without its full-size float32 temporary. Returns ``out``.
+    Local (any rank)."""
+    from .codecs import decode_into
+
+    shape = box_shape_of(box)
+    if tuple(out.shape) != shape:
+        raise ValueError(f"{pw.key}: destination of shape {list(out.shape)} for a box of shape {list(shape)}")
+    dest = out.transpose(-1, -2) if pw.transposed else out
+    decode_into(pw.scheme, *_blob_tensors(pw, box, blob, tensors), dest)
+    return out
