@@ -326,7 +326,6 @@ def _check_dst(plan: RefitPlan, layout: EngineLayout, dst: list, scales: list) -
             raise ValueError(f"engine tensor {t.name} is not contiguous")
 
 
-@collectives.runs_on_group
 class _Exchanged(NamedTuple):
     ready: _Ready
     trainers: list[int]
@@ -370,6 +369,7 @@ def _exchange(model, dst_tensors, layout: EngineLayout, specs, rank: int) -> _Ex
     return _Exchanged(ready, trainers, shared)
 
 
+@collectives.runs_on_group
 def refit(
     model: nn.Module | None,
     dst_tensors: Mapping[str, torch.Tensor] | None,
