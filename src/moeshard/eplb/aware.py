@@ -197,6 +197,19 @@ def _node_counts(w, old3, group_node, sh: Shape, keep_counts: bool) -> tuple[np.
     return cnt_rows, np.repeat(load_per_copy(w, cnt_rows.reshape(num_layers, n, -1).sum(1)), n, axis=0)
 
 
+def _node_match(group_node: np.ndarray, held_old: np.ndarray, sh: Shape) -> np.ndarray:
+    """``int[L, N]``: node ``a`` of the group assignment ``group_node`` ``int[L, G]`` goes onto
+    physical node ``out[l, a]``, matched to the old placement by overlap (greedy)."""
+    num_layers, _, num_logical = held_old.shape
+    n = sh.num_nodes
+    if n == 1:
+        return np.zeros((num_layers, 1), dtype=np.int64)
+    node_of_expert = np.repeat(group_node, num_logical // sh.num_groups, axis=1)  # [L, E]
+    pres_new = (node_of_expert[:, None, :] == np.arange(n)[None, :, None]).astype(np.float32)
+    pres_old = held_old.reshape(num_layers, n, sh.ranks_per_node, -1).any(2).astype(np.float32)
+    return _greedy_match(pres_new @ pres_old.transpose(0, 2, 1), np.ones((num_layers, n), dtype=bool))
+
+
 def _matched_oblivious(
     obl: ObliviousAnswer, held_old: np.ndarray, sh: Shape, node_perm: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -206,15 +219,8 @@ def _matched_oblivious(
     num_layers, num_ranks, num_logical = held_old.shape
     n, rpn = sh.num_nodes, sh.ranks_per_node
     li = np.arange(num_layers)[:, None]
-    if node_perm is not None:
-        pass
-    elif n > 1:
-        node_of_expert = np.repeat(obl.group_node, num_logical // sh.num_groups, axis=1)  # [L, E]
-        pres_new = (node_of_expert[:, None, :] == np.arange(n)[None, :, None]).astype(np.float32)
-        pres_old = held_old.reshape(num_layers, n, rpn, -1).any(2).astype(np.float32)
-        node_perm = _greedy_match(pres_new @ pres_old.transpose(0, 2, 1), np.ones((num_layers, n), dtype=bool))
-    else:
-        node_perm = np.zeros((num_layers, 1), dtype=np.int64)
+    if node_perm is None:
+        node_perm = _node_match(obl.group_node, held_old, sh)
     # Pack j of obl node a is placed on physical node node_perm[l, a].
     live = sh.live_per_node
     packs = np.empty_like(obl.packs)
@@ -496,7 +502,27 @@ def aware_policy(
         gn = ref.group_node
     cand, bad = _sticky_nodes(w, old3, held_old, gn, limit, sh, obl.cnt)
     lay, gn_all = everywhere, gn
-    miss = np.flatnonzero(bad.any(1))
+    if sh.hierarchical:
+        # groups stay wherever their node's load fits its ranks under the limit at all (the
+        # packing may still reach it, and a group moved costs all its copies)
+        gn1 = _group_nodes(w, held_old, limit * sh.live_per_node * (1 + _SLACK), sh)
+        diff = np.flatnonzero((gn1 != gn).any(1))
+        if len(diff):
+            cand1, bad1 = _sticky_nodes(w[diff], old3[diff], held_old[diff], gn1[diff], limit[diff], sh, obl.cnt[diff])
+            lay, gn_all = np.concatenate([lay, diff]), np.concatenate([gn_all, gn1[diff]])
+            cand, bad = np.concatenate([cand, cand1]), np.concatenate([bad, bad1])
+    if sh.hierarchical:
+        # the oblivious answer's groups, nodes matched to the old ones: node by node sticky
+        # packing, else the oblivious answer's packing of the node (within the limit), so
+        # nodes that keep their groups need not take the oblivious packing too
+        perm = _node_match(obl.group_node, held_old, sh)
+        gn_m = np.take_along_axis(perm, obl.group_node, axis=1)
+        diff = np.flatnonzero((gn_m != gn).any(1))
+        if len(diff):
+            cand1, bad1 = _sticky_nodes(w[diff], old3[diff], held_old[diff], gn_m[diff], limit[diff], sh, obl.cnt[diff])
+            lay, gn_all = np.concatenate([lay, diff]), np.concatenate([gn_all, gn_m[diff]])
+            cand, bad = np.concatenate([cand, cand1]), np.concatenate([bad, bad1])
+    miss = np.flatnonzero(bad[:num_layers].any(1))
     if sh.hierarchical and len(miss):
         gn2 = _group_nodes(w[miss], held_old[miss], cap[miss], sh)
         other = miss[(gn2 != gn[miss]).any(1)]
@@ -513,6 +539,14 @@ def aware_policy(
         # policy): they are within the limit. Else the best refined packing of the groups.
         same = (gn_all[rows] == obl.group_node[lay[rows]]).all(1)
         packs = obl.packs[lay[rows]].copy()
+        if sh.hierarchical:
+            # the matched assignment: node a's packs on node perm[l, a]
+            perm_r = perm[lay[rows]]
+            permuted = np.empty_like(packs)
+            permuted[np.arange(len(rows))[:, None], perm_r] = packs
+            matched = ~same & (gn_all[rows] == gn_m[lay[rows]]).all(1)
+            packs[matched] = permuted[matched]
+            same |= matched
         if not same.all():
             packs[~same] = group_packs(wl[~same], sh, gn_all[rows][~same])
         cand[rows] = _lpt_nodes(wl, ol, hl, gn_all[rows], ll, sh, cand[rows], bad[rows], packs)
