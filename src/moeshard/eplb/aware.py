@@ -409,6 +409,9 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None) -> tupl
                 count_last(sub[:, 0], num_logical)[..., :num_logical].max(1),
             )
             lower_peak(sub, wc_rows[over], cap, stop_at=thr_rows[rows][over])
+            # the swap search lowers the peak whatever copies it moves: swap copies back to
+            # ranks that held them where both ranks stay within the limit
+            restore(sub[:, 0], old_rows[rows][over], alive_rows[rows][over], wc_rows[over], cap, thr_rows[rows][over])
             packed[over] = sub[:, 0]
         a, b, c = len(todo), len(todo) + len(tight), len(todo) + len(tight) + len(capped)
         keep[todo] = packed[:a]
