@@ -506,10 +506,14 @@ def aware_policy(
     cand, bad = _sticky_nodes(w, old3, held_old, gn, limit, sh, obl.cnt)
     lay, gn_all = everywhere, gn
     if sh.hierarchical:
-        # groups stay wherever their node's load fits its ranks under the limit at all (the
-        # packing may still reach it, and a group moved costs all its copies)
+        # Layers whose groups all stay and whose nodes are within the limit move only a few
+        # copies; elsewhere (a group moved costs all its copies) more assignments are tried.
+        # Groups stay wherever their node's load fits its ranks under the limit at all (the
+        # packing may still reach it).
+        gn_old = _group_nodes(w, held_old, np.full(num_layers, np.inf), sh)
+        more = (gn != gn_old).any(1) | bad.any(1)
         gn1 = _group_nodes(w, held_old, limit * sh.live_per_node * (1 + _SLACK), sh)
-        diff = np.flatnonzero((gn1 != gn).any(1))
+        diff = np.flatnonzero((gn1 != gn).any(1) & more)
         if len(diff):
             cand1, bad1 = _sticky_nodes(w[diff], old3[diff], held_old[diff], gn1[diff], limit[diff], sh, obl.cnt[diff])
             lay, gn_all = np.concatenate([lay, diff]), np.concatenate([gn_all, gn1[diff]])
@@ -520,7 +524,7 @@ def aware_policy(
         # nodes that keep their groups need not take the oblivious packing too
         perm = _node_match(obl.group_node, held_old, sh)
         gn_m = np.take_along_axis(perm, obl.group_node, axis=1)
-        diff = np.flatnonzero((gn_m != gn).any(1))
+        diff = np.flatnonzero((gn_m != gn).any(1) & more)
         if len(diff):
             cand1, bad1 = _sticky_nodes(w[diff], old3[diff], held_old[diff], gn_m[diff], limit[diff], sh, obl.cnt[diff])
             lay, gn_all = np.concatenate([lay, diff]), np.concatenate([gn_all, gn_m[diff]])
