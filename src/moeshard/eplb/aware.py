@@ -46,6 +46,10 @@ freed slots in order.
 
 from __future__ import annotations
 
+import functools
+import itertools
+import math
+
 import numpy as np
 
 from ..placement import Placement
@@ -252,6 +256,10 @@ _MAX_COUNT_CHANGES = 8
 # cold experts' counts too. 1.3 moved fewest copies on the global DeepSeek-V3 trace (1.0:
 # +30 %, 2.0: +17 %).
 _CAP_OVER_REPLICATE = 1.3
+# Group assignments enumerated at most (8 groups on 4 nodes: 2,520).
+_MAX_ASSIGNMENTS = 5000
+# Node fills (of live ranks x limit) under which the cheapest group assignments are tried.
+_FILLS = (0.98, 1.0)
 
 
 def _restored(
@@ -326,6 +334,50 @@ def _group_nodes(w: np.ndarray, held_old: np.ndarray, node_cap: np.ndarray, sh: 
     gn = np.zeros((num_layers, sh.num_groups), dtype=np.int64)
     np.put_along_axis(gn, g_slots.reshape(num_layers, -1), np.repeat(np.arange(n), sh.num_groups // n)[None, :], axis=1)
     return gn
+
+
+@functools.lru_cache(maxsize=8)
+def _assignments(num_groups: int, num_nodes: int) -> np.ndarray:
+    """``int[A, G]``: every assignment of ``G`` groups to ``N`` nodes, ``G / N`` per node (empty
+    where there are more than ``_MAX_ASSIGNMENTS``)."""
+    per = num_groups // num_nodes
+    count = math.factorial(num_groups) // math.factorial(per) ** num_nodes
+    if count > _MAX_ASSIGNMENTS:
+        return np.zeros((0, num_groups), dtype=np.int64)
+    out = []
+    for perm in itertools.permutations(range(num_groups)):
+        # canonical: within each node the groups in increasing order
+        if all(perm[i] < perm[i + 1] for i in range(num_groups - 1) if (i + 1) % per):
+            a = np.empty(num_groups, dtype=np.int64)
+            a[list(perm)] = np.repeat(np.arange(num_nodes), per)
+            out.append(a)
+    return np.array(out, dtype=np.int64)
+
+
+def _cheapest_groups(
+    gl: np.ndarray, gn_old: np.ndarray, copies: np.ndarray, node_caps: np.ndarray, sh: Shape
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per cap, the assignment of groups to nodes that moves fewest copies (``copies``
+    ``int[L, G]`` a group's copies, all moved when its node changes; ties: the lighter heaviest
+    node) with every node's load (``gl`` ``float[L, G]``) at most the cap (``node_caps``
+    ``float[C, L]``). Returns ``int[C, L, G]`` (the old assignment ``gn_old`` where none) and
+    ``bool[C, L]`` whether there is one."""
+    a = _assignments(sh.num_groups, sh.num_nodes)
+    num_c, num_layers = node_caps.shape
+    if not len(a):
+        return np.broadcast_to(gn_old, (num_c, *gn_old.shape)), np.zeros((num_c, num_layers), dtype=bool)
+    # groups of each node per assignment: [A, N, G/N]
+    members = np.argsort(a, axis=1, kind="stable").reshape(len(a), sh.num_nodes, -1)
+    node_load = gl[:, members].sum(-1).max(-1)  # [L, A]
+    cost = (copies[:, None, :] * (a[None] != gn_old[:, None, :])).sum(-1)  # [L, A]
+    # fewest copies, then the lightest heaviest node: one sort key per layer
+    order = np.lexsort((node_load, cost), axis=-1)
+    sorted_load = np.take_along_axis(node_load, order, axis=1)
+    ok = sorted_load[None] <= node_caps[:, :, None]  # [C, L, A]
+    first = ok.argmax(-1)
+    found = ok.any(-1)
+    best = a[np.take_along_axis(np.broadcast_to(order, (num_c, *order.shape)), first[..., None], -1)[..., 0]]
+    return np.where(found[..., None], best, gn_old[None]), found
 
 
 def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None) -> tuple[np.ndarray, np.ndarray]:
@@ -518,6 +570,20 @@ def aware_policy(
             cand1, bad1 = _sticky_nodes(w[diff], old3[diff], held_old[diff], gn1[diff], limit[diff], sh, obl.cnt[diff])
             lay, gn_all = np.concatenate([lay, diff]), np.concatenate([gn_all, gn1[diff]])
             cand, bad = np.concatenate([cand, cand1]), np.concatenate([bad, bad1])
+    if sh.hierarchical and more.any():
+        # the group assignments that move fewest copies under a few node fills
+        ml = np.flatnonzero(more)
+        copies = copy_counts(obl.phy2log[ml], num_logical).reshape(len(ml), sh.num_groups, -1).sum(-1)
+        gl_m = group_loads(w[ml], sh)
+        caps = np.array(_FILLS)[:, None] * limit[ml] * sh.live_per_node
+        gncs, founds = _cheapest_groups(gl_m, gn_old[ml], copies, caps, sh)
+        for gnc, found in zip(gncs, founds):
+            sel = found & (gnc != gn[ml]).any(1)
+            d = ml[sel]
+            if len(d):
+                cand1, bad1 = _sticky_nodes(w[d], old3[d], held_old[d], gnc[sel], limit[d], sh, obl.cnt[d])
+                lay, gn_all = np.concatenate([lay, d]), np.concatenate([gn_all, gnc[sel]])
+                cand, bad = np.concatenate([cand, cand1]), np.concatenate([bad, bad1])
     if sh.hierarchical:
         # the oblivious answer's groups, nodes matched to the old ones: node by node sticky
         # packing, else the oblivious answer's packing of the node (within the limit), so
