@@ -559,24 +559,19 @@ def aware_policy(
     lay, gn_all = everywhere, gn
     if sh.hierarchical:
         # Layers whose groups all stay and whose nodes are within the limit move only a few
-        # copies; elsewhere (a group moved costs all its copies) more assignments are tried.
-        # Groups stay wherever their node's load fits its ranks under the limit at all (the
-        # packing may still reach it).
+        # copies; elsewhere (a group moved costs all its copies) more assignments are tried:
+        # those that move fewest copies with every node's load under a few fills of what its
+        # ranks carry at the limit (every assignment looked at where they are few; else the
+        # groups kept wherever their node fits at all, the packing may still reach it).
         gn_old = _group_nodes(w, held_old, np.full(num_layers, np.inf), sh)
-        more = (gn != gn_old).any(1) | bad.any(1)
-        gn1 = _group_nodes(w, held_old, limit * sh.live_per_node * (1 + _SLACK), sh)
-        diff = np.flatnonzero((gn1 != gn).any(1) & more)
-        if len(diff):
-            cand1, bad1 = _sticky_nodes(w[diff], old3[diff], held_old[diff], gn1[diff], limit[diff], sh, obl.cnt[diff])
-            lay, gn_all = np.concatenate([lay, diff]), np.concatenate([gn_all, gn1[diff]])
-            cand, bad = np.concatenate([cand, cand1]), np.concatenate([bad, bad1])
-    if sh.hierarchical and more.any():
-        # the group assignments that move fewest copies under a few node fills
-        ml = np.flatnonzero(more)
-        copies = copy_counts(obl.phy2log[ml], num_logical).reshape(len(ml), sh.num_groups, -1).sum(-1)
-        gl_m = group_loads(w[ml], sh)
-        caps = np.array(_FILLS)[:, None] * limit[ml] * sh.live_per_node
-        gncs, founds = _cheapest_groups(gl_m, gn_old[ml], copies, caps, sh)
+        ml = np.flatnonzero((gn != gn_old).any(1) | bad.any(1))
+        if len(_assignments(sh.num_groups, sh.num_nodes)):
+            copies = copy_counts(obl.phy2log[ml], num_logical).reshape(len(ml), sh.num_groups, -1).sum(-1)
+            caps = np.array(_FILLS)[:, None] * limit[ml] * sh.live_per_node
+            gncs, founds = _cheapest_groups(group_loads(w[ml], sh), gn_old[ml], copies, caps, sh)
+        else:
+            gncs = _group_nodes(w[ml], held_old[ml], limit[ml] * sh.live_per_node * (1 + _SLACK), sh)[None]
+            founds = np.ones((1, len(ml)), dtype=bool)
         for gnc, found in zip(gncs, founds):
             sel = found & (gnc != gn[ml]).any(1)
             d = ml[sel]
@@ -590,7 +585,7 @@ def aware_policy(
         # nodes that keep their groups need not take the oblivious packing too
         perm = _node_match(obl.group_node, held_old, sh)
         gn_m = np.take_along_axis(perm, obl.group_node, axis=1)
-        diff = np.flatnonzero((gn_m != gn).any(1) & more)
+        diff = ml[(gn_m[ml] != gn[ml]).any(1)]
         if len(diff):
             cand1, bad1 = _sticky_nodes(w[diff], old3[diff], held_old[diff], gn_m[diff], limit[diff], sh, obl.cnt[diff])
             lay, gn_all = np.concatenate([lay, diff]), np.concatenate([gn_all, gn_m[diff]])
