@@ -565,7 +565,9 @@ def aware_policy(
         # groups kept wherever their node fits at all, the packing may still reach it).
         gn_old = _group_nodes(w, held_old, np.full(num_layers, np.inf), sh)
         ml = np.flatnonzero((gn != gn_old).any(1) | bad.any(1))
-        if len(_assignments(sh.num_groups, sh.num_nodes)):
+        if not len(ml):
+            gncs, founds = np.zeros((0, 0, sh.num_groups), dtype=np.int64), np.zeros((0, 0), dtype=bool)
+        elif len(_assignments(sh.num_groups, sh.num_nodes)):
             copies = copy_counts(obl.phy2log[ml], num_logical).reshape(len(ml), sh.num_groups, -1).sum(-1)
             caps = np.array(_FILLS)[:, None] * limit[ml] * sh.live_per_node
             gncs, founds = _cheapest_groups(group_loads(w[ml], sh), gn_old[ml], copies, caps, sh)
@@ -597,7 +599,7 @@ def aware_policy(
         gn2 = gn2[(gn2 != gn[miss]).any(1)]
         if len(other):
             cand2, bad2 = _sticky_nodes(w[other], old3[other], held_old[other], gn2, limit[other], sh, obl.cnt[other])
-            lay, gn_all = np.concatenate([lay, other]), np.concatenate([gn, gn2])
+            lay, gn_all = np.concatenate([lay, other]), np.concatenate([gn_all, gn2])
             cand, bad = np.concatenate([cand, cand2]), np.concatenate([bad, bad2])
     # Where sticky packing misses the limit: the reference's LPT packing of those nodes, restored.
     rows = np.flatnonzero(bad.any(1))
