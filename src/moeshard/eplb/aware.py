@@ -13,7 +13,13 @@ Per layer:
 * the old placement itself, where it is still valid and within ``T`` (nothing moves);
 * hierarchical: a group stays on the node that holds most of its copies unless that node's
   load would exceed ``0.95 x T x live ranks`` (and the reference's heaviest node); where
-  the packing below misses ``T``, again with the reference's heaviest node as the cap;
+  the packing below misses ``T``, again with the reference's heaviest node as the cap; on
+  layers where groups move or the packing misses ``T``, also the assignments of groups to
+  nodes that move fewest copies (a moved group moves all its copies) with every node's load
+  at most ``0.98`` and ``1.0 x T x live ranks`` (every assignment looked at where there are
+  at most a few thousand; else groups kept wherever their node fits under ``T``), and the
+  oblivious answer's groups with its nodes matched to the old ones (its packing of a node is
+  the fallback below, so nodes that keep their groups need not take it);
 * node by node, *sticky packing* (:mod:`moeshard.eplb.sticky`) against ``T``: a node that
   holds exactly its experts and is within ``T`` stays as it is; else keep each old copy on
   its live rank (up to the new replica count), evict from ranks over ``T`` (the lightest
@@ -26,8 +32,8 @@ Per layer:
   oblivious answer's own counts where they fill the node's slots (spread and hot-spread
   counts: a ``T`` relative to the oblivious answer may be below what ``replicate_experts``'
   counts allow); a packing over ``T`` is first refined by the swap search
-  (:func:`moeshard.eplb.refine.lower_peak`); the node takes the one within ``T`` that moves
-  fewest copies;
+  (:func:`moeshard.eplb.refine.lower_peak`) and copies are swapped back to ranks that held
+  them (:func:`restore`); the node takes the one within ``T`` that moves fewest copies;
 * a node where sticky packing misses ``T``: the oblivious answer's packing of the node's
   copies where it has the same groups (the global policy: always), else the more balanced
   refined packing of the groups with the reference's or spread replica counts
