@@ -580,33 +580,34 @@ def aware_policy(
         else:
             gncs = _group_nodes(w[ml], held_old[ml], limit[ml] * sh.live_per_node * (1 + _SLACK), sh)[None]
             founds = np.ones((1, len(ml)), dtype=bool)
-        for gnc, found in zip(gncs, founds):
-            sel = found & (gnc != gn[ml]).any(1)
-            d = ml[sel]
-            if len(d):
-                cand1, bad1 = _sticky_nodes(w[d], old3[d], held_old[d], gnc[sel], limit[d], sh, obl.cnt[d])
-                lay, gn_all = np.concatenate([lay, d]), np.concatenate([gn_all, gnc[sel]])
-                cand, bad = np.concatenate([cand, cand1]), np.concatenate([bad, bad1])
-    if sh.hierarchical:
+        extra = [
+            (ml[found & (gnc != gn[ml]).any(1)], gnc[found & (gnc != gn[ml]).any(1)])
+            for gnc, found in zip(gncs, founds)
+        ]
         # the oblivious answer's groups, nodes matched to the old ones: node by node sticky
         # packing, else the oblivious answer's packing of the node (within the limit), so
         # nodes that keep their groups need not take the oblivious packing too
         perm = _node_match(obl.group_node, held_old, sh)
         gn_m = np.take_along_axis(perm, obl.group_node, axis=1)
         diff = ml[(gn_m[ml] != gn[ml]).any(1)]
-        if len(diff):
-            cand1, bad1 = _sticky_nodes(w[diff], old3[diff], held_old[diff], gn_m[diff], limit[diff], sh, obl.cnt[diff])
-            lay, gn_all = np.concatenate([lay, diff]), np.concatenate([gn_all, gn_m[diff]])
+        extra.append((diff, gn_m[diff]))
+        # where sticky packing misses the limit, groups under the reference's heaviest node
+        miss = np.flatnonzero(bad.any(1))
+        if len(miss):
+            gn2 = _group_nodes(w[miss], held_old[miss], cap[miss], sh)
+            moved2 = (gn2 != gn[miss]).any(1)
+            extra.append((miss[moved2], gn2[moved2]))
+        # one batch for all of them (the cost is in the rounds of the packing, not the rows),
+        # each (layer, assignment) once
+        d = np.concatenate([e[0] for e in extra])
+        gd = np.concatenate([e[1] for e in extra])
+        _, first = np.unique(np.column_stack([d, gd]), axis=0, return_index=True)
+        first = np.sort(first)
+        d, gd = d[first], gd[first]
+        if len(d):
+            cand1, bad1 = _sticky_nodes(w[d], old3[d], held_old[d], gd, limit[d], sh, obl.cnt[d])
+            lay, gn_all = np.concatenate([lay, d]), np.concatenate([gn_all, gd])
             cand, bad = np.concatenate([cand, cand1]), np.concatenate([bad, bad1])
-    miss = np.flatnonzero(bad[:num_layers].any(1))
-    if sh.hierarchical and len(miss):
-        gn2 = _group_nodes(w[miss], held_old[miss], cap[miss], sh)
-        other = miss[(gn2 != gn[miss]).any(1)]
-        gn2 = gn2[(gn2 != gn[miss]).any(1)]
-        if len(other):
-            cand2, bad2 = _sticky_nodes(w[other], old3[other], held_old[other], gn2, limit[other], sh, obl.cnt[other])
-            lay, gn_all = np.concatenate([lay, other]), np.concatenate([gn_all, gn2])
-            cand, bad = np.concatenate([cand, cand2]), np.concatenate([bad, bad2])
     # Where sticky packing misses the limit: the reference's LPT packing of those nodes, restored.
     rows = np.flatnonzero(bad.any(1))
     if len(rows):
