@@ -16,10 +16,10 @@ Per layer:
   the packing below misses ``T``, again with the reference's heaviest node as the cap; on
   layers where groups move or the packing misses ``T``, also the assignments of groups to
   nodes that move fewest copies (a moved group moves all its copies) with every node's load
-  at most ``0.98`` and ``1.0 x T x live ranks`` (every assignment looked at where there are
-  at most a few thousand; else groups kept wherever their node fits under ``T``), and the
-  oblivious answer's groups with its nodes matched to the old ones (its packing of a node is
-  the fallback below, so nodes that keep their groups need not take it);
+  at most ``f x T x live ranks``, ``f`` in 0.96, 0.97, ... 1.0 (every assignment looked at
+  where there are at most a few thousand; else groups kept wherever their node fits under
+  ``T``), and the oblivious answer's groups with its nodes matched to the old ones (its
+  packing of a node is the fallback below, so nodes that keep their groups need not take it);
 * node by node, *sticky packing* (:mod:`moeshard.eplb.sticky`) against ``T``: a node that
   holds exactly its experts and is within ``T`` stays as it is; else keep each old copy on
   its live rank (up to the new replica count), evict from ranks over ``T`` (the lightest
@@ -265,7 +265,7 @@ _CAP_OVER_REPLICATE = 1.3
 # Group assignments enumerated at most (8 groups on 4 nodes: 2,520).
 _MAX_ASSIGNMENTS = 5000
 # Node fills (of live ranks x limit) under which the cheapest group assignments are tried.
-_FILLS = (0.98, 1.0)
+_FILLS = (0.96, 0.97, 0.98, 0.99, 1.0)
 
 
 def _restored(
