@@ -410,8 +410,10 @@ def test_lower_peak_window_is_exact(monkeypatch):
 def test_aware_within_one_percent_of_the_oblivious_answer_moves_few_copies():
     """Held within 1 % of the oblivious answer (hot-spread counts make it much lighter than the
     reference's on hierarchical shapes), the migration-aware policy packs with the oblivious
-    answer's counts and refines its sticky packings rather than repacking the nodes: under 15 %
-    of the reference's moves on a drifting hierarchical trace (17 % with only
+    answer's counts, refines its sticky packings rather than repacking the nodes and also tries
+    the groups kept wherever their node fits and the oblivious answer's groups matched to the
+    old nodes (node by node): under 11.6 % of the reference's moves on a drifting hierarchical
+    trace (11.9 % with only the groups of the node fill cap, 17 % with only
     ``replicate_experts``' and the old counts), each layer within the limit."""
     from moeshard.cli.bench.traces import zipf_trace
 
@@ -428,7 +430,7 @@ def test_aware_within_one_percent_of_the_oblivious_answer_moves_few_copies():
         moved += eplb.copies_moved(cur, new, 16)
         ref_moved += eplb.copies_moved(ref, new_ref, 16)
         cur, ref = new, new_ref
-    assert moved < 0.15 * ref_moved, (moved, ref_moved)
+    assert moved < 0.116 * ref_moved, (moved, ref_moved)
 
 
 def test_zero_load_layer():

@@ -31,8 +31,9 @@ float32 arithmetic), to compare against without the reference installed.
 ignores where experts already are, so a rebalance after a small drift of the load can move
 almost every copy. This policy is, per layer, never less balanced (max/mean rank load) than
 the reference's answer, times ``(1 + tolerance)`` (default 0), while moving few copies: per
-node it keeps copies on their ranks as far as that balance allows ("sticky packing"), else
-takes the oblivious answer's packing of the node with copies swapped back to their old ranks,
+node it keeps copies on their ranks as far as that balance allows ("sticky packing"; where
+groups must change node, also with the assignments of groups to nodes that move fewest
+copies), else takes the oblivious answer's packing of the node with copies swapped back to their old ranks,
 and per layer the candidate within the limit with the fewest moved copies (the oblivious and
 the reference's answers always are ones). It is not held to the oblivious answer's balance
 (often better than the reference's): that would move 2-3.5x as many copies. Like the

@@ -13,7 +13,13 @@ Per layer:
 * the old placement itself, where it is still valid and within ``T`` (nothing moves);
 * hierarchical: a group stays on the node that holds most of its copies unless that node's
   load would exceed ``0.95 x T x live ranks`` (and the reference's heaviest node); where
-  the packing below misses ``T``, again with the reference's heaviest node as the cap;
+  the packing below misses ``T``, again with the reference's heaviest node as the cap; on
+  layers where groups move or the packing misses ``T``, also the assignments of groups to
+  nodes that move fewest copies (a moved group moves all its copies) with every node's load
+  at most ``f x T x live ranks``, ``f`` in 0.96, 0.97, ... 1.0 (every assignment looked at
+  where there are at most a few thousand; else groups kept wherever their node fits under
+  ``T``), and the oblivious answer's groups with its nodes matched to the old ones (its
+  packing of a node is the fallback below, so nodes that keep their groups need not take it);
 * node by node, *sticky packing* (:mod:`moeshard.eplb.sticky`) against ``T``: a node that
   holds exactly its experts and is within ``T`` stays as it is; else keep each old copy on
   its live rank (up to the new replica count), evict from ranks over ``T`` (the lightest
@@ -26,8 +32,8 @@ Per layer:
   oblivious answer's own counts where they fill the node's slots (spread and hot-spread
   counts: a ``T`` relative to the oblivious answer may be below what ``replicate_experts``'
   counts allow); a packing over ``T`` is first refined by the swap search
-  (:func:`moeshard.eplb.refine.lower_peak`); the node takes the one within ``T`` that moves
-  fewest copies;
+  (:func:`moeshard.eplb.refine.lower_peak`) and copies are swapped back to ranks that held
+  them (:func:`restore`); the node takes the one within ``T`` that moves fewest copies;
 * a node where sticky packing misses ``T``: the oblivious answer's packing of the node's
   copies where it has the same groups (the global policy: always), else the more balanced
   refined packing of the groups with the reference's or spread replica counts
@@ -45,6 +51,10 @@ freed slots in order.
 """
 
 from __future__ import annotations
+
+import functools
+import itertools
+import math
 
 import numpy as np
 
@@ -197,6 +207,19 @@ def _node_counts(w, old3, group_node, sh: Shape, keep_counts: bool) -> tuple[np.
     return cnt_rows, np.repeat(load_per_copy(w, cnt_rows.reshape(num_layers, n, -1).sum(1)), n, axis=0)
 
 
+def _node_match(group_node: np.ndarray, held_old: np.ndarray, sh: Shape) -> np.ndarray:
+    """``int[L, N]``: node ``a`` of the group assignment ``group_node`` ``int[L, G]`` goes onto
+    physical node ``out[l, a]``, matched to the old placement by overlap (greedy)."""
+    num_layers, _, num_logical = held_old.shape
+    n = sh.num_nodes
+    if n == 1:
+        return np.zeros((num_layers, 1), dtype=np.int64)
+    node_of_expert = np.repeat(group_node, num_logical // sh.num_groups, axis=1)  # [L, E]
+    pres_new = (node_of_expert[:, None, :] == np.arange(n)[None, :, None]).astype(np.float32)
+    pres_old = held_old.reshape(num_layers, n, sh.ranks_per_node, -1).any(2).astype(np.float32)
+    return _greedy_match(pres_new @ pres_old.transpose(0, 2, 1), np.ones((num_layers, n), dtype=bool))
+
+
 def _matched_oblivious(
     obl: ObliviousAnswer, held_old: np.ndarray, sh: Shape, node_perm: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -206,15 +229,8 @@ def _matched_oblivious(
     num_layers, num_ranks, num_logical = held_old.shape
     n, rpn = sh.num_nodes, sh.ranks_per_node
     li = np.arange(num_layers)[:, None]
-    if node_perm is not None:
-        pass
-    elif n > 1:
-        node_of_expert = np.repeat(obl.group_node, num_logical // sh.num_groups, axis=1)  # [L, E]
-        pres_new = (node_of_expert[:, None, :] == np.arange(n)[None, :, None]).astype(np.float32)
-        pres_old = held_old.reshape(num_layers, n, rpn, -1).any(2).astype(np.float32)
-        node_perm = _greedy_match(pres_new @ pres_old.transpose(0, 2, 1), np.ones((num_layers, n), dtype=bool))
-    else:
-        node_perm = np.zeros((num_layers, 1), dtype=np.int64)
+    if node_perm is None:
+        node_perm = _node_match(obl.group_node, held_old, sh)
     # Pack j of obl node a is placed on physical node node_perm[l, a].
     live = sh.live_per_node
     packs = np.empty_like(obl.packs)
@@ -246,6 +262,10 @@ _MAX_COUNT_CHANGES = 8
 # cold experts' counts too. 1.3 moved fewest copies on the global DeepSeek-V3 trace (1.0:
 # +30 %, 2.0: +17 %).
 _CAP_OVER_REPLICATE = 1.3
+# Group assignments enumerated at most (8 groups on 4 nodes: 2,520).
+_MAX_ASSIGNMENTS = 5000
+# Node fills (of live ranks x limit) under which the cheapest group assignments are tried.
+_FILLS = (0.96, 0.97, 0.98, 0.99, 1.0)
 
 
 def _restored(
@@ -320,6 +340,50 @@ def _group_nodes(w: np.ndarray, held_old: np.ndarray, node_cap: np.ndarray, sh: 
     gn = np.zeros((num_layers, sh.num_groups), dtype=np.int64)
     np.put_along_axis(gn, g_slots.reshape(num_layers, -1), np.repeat(np.arange(n), sh.num_groups // n)[None, :], axis=1)
     return gn
+
+
+@functools.lru_cache(maxsize=8)
+def _assignments(num_groups: int, num_nodes: int) -> np.ndarray:
+    """``int[A, G]``: every assignment of ``G`` groups to ``N`` nodes, ``G / N`` per node (empty
+    where there are more than ``_MAX_ASSIGNMENTS``)."""
+    per = num_groups // num_nodes
+    count = math.factorial(num_groups) // math.factorial(per) ** num_nodes
+    if count > _MAX_ASSIGNMENTS:
+        return np.zeros((0, num_groups), dtype=np.int64)
+    out = []
+    for perm in itertools.permutations(range(num_groups)):
+        # canonical: within each node the groups in increasing order
+        if all(perm[i] < perm[i + 1] for i in range(num_groups - 1) if (i + 1) % per):
+            a = np.empty(num_groups, dtype=np.int64)
+            a[list(perm)] = np.repeat(np.arange(num_nodes), per)
+            out.append(a)
+    return np.array(out, dtype=np.int64)
+
+
+def _cheapest_groups(
+    gl: np.ndarray, gn_old: np.ndarray, copies: np.ndarray, node_caps: np.ndarray, sh: Shape
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per cap, the assignment of groups to nodes that moves fewest copies (``copies``
+    ``int[L, G]`` a group's copies, all moved when its node changes; ties: the lighter heaviest
+    node) with every node's load (``gl`` ``float[L, G]``) at most the cap (``node_caps``
+    ``float[C, L]``). Returns ``int[C, L, G]`` (the old assignment ``gn_old`` where none) and
+    ``bool[C, L]`` whether there is one."""
+    a = _assignments(sh.num_groups, sh.num_nodes)
+    num_c, num_layers = node_caps.shape
+    if not len(a):
+        return np.broadcast_to(gn_old, (num_c, *gn_old.shape)), np.zeros((num_c, num_layers), dtype=bool)
+    # groups of each node per assignment: [A, N, G/N]
+    members = np.argsort(a, axis=1, kind="stable").reshape(len(a), sh.num_nodes, -1)
+    node_load = gl[:, members].sum(-1).max(-1)  # [L, A]
+    cost = (copies[:, None, :] * (a[None] != gn_old[:, None, :])).sum(-1)  # [L, A]
+    # fewest copies, then the lightest heaviest node: one sort key per layer
+    order = np.lexsort((node_load, cost), axis=-1)
+    sorted_load = np.take_along_axis(node_load, order, axis=1)
+    ok = sorted_load[None] <= node_caps[:, :, None]  # [C, L, A]
+    first = ok.argmax(-1)
+    found = ok.any(-1)
+    best = a[np.take_along_axis(np.broadcast_to(order, (num_c, *order.shape)), first[..., None], -1)[..., 0]]
+    return np.where(found[..., None], best, gn_old[None]), found
 
 
 def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None) -> tuple[np.ndarray, np.ndarray]:
@@ -403,6 +467,9 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None) -> tupl
                 count_last(sub[:, 0], num_logical)[..., :num_logical].max(1),
             )
             lower_peak(sub, wc_rows[over], cap, stop_at=thr_rows[rows][over])
+            # the swap search lowers the peak whatever copies it moves: swap copies back to
+            # ranks that held them where both ranks stay within the limit
+            restore(sub[:, 0], old_rows[rows][over], alive_rows[rows][over], wc_rows[over], cap, thr_rows[rows][over])
             packed[over] = sub[:, 0]
         a, b, c = len(todo), len(todo) + len(tight), len(todo) + len(tight) + len(capped)
         keep[todo] = packed[:a]
@@ -496,15 +563,51 @@ def aware_policy(
         gn = ref.group_node
     cand, bad = _sticky_nodes(w, old3, held_old, gn, limit, sh, obl.cnt)
     lay, gn_all = everywhere, gn
-    miss = np.flatnonzero(bad.any(1))
-    if sh.hierarchical and len(miss):
-        gn2 = _group_nodes(w[miss], held_old[miss], cap[miss], sh)
-        other = miss[(gn2 != gn[miss]).any(1)]
-        gn2 = gn2[(gn2 != gn[miss]).any(1)]
-        if len(other):
-            cand2, bad2 = _sticky_nodes(w[other], old3[other], held_old[other], gn2, limit[other], sh, obl.cnt[other])
-            lay, gn_all = np.concatenate([lay, other]), np.concatenate([gn, gn2])
-            cand, bad = np.concatenate([cand, cand2]), np.concatenate([bad, bad2])
+    if sh.hierarchical:
+        # Layers whose groups all stay and whose nodes are within the limit move only a few
+        # copies; elsewhere (a group moved costs all its copies) more assignments are tried:
+        # those that move fewest copies with every node's load under a few fills of what its
+        # ranks carry at the limit (every assignment looked at where they are few; else the
+        # groups kept wherever their node fits at all, the packing may still reach it).
+        gn_old = _group_nodes(w, held_old, np.full(num_layers, np.inf), sh)
+        ml = np.flatnonzero((gn != gn_old).any(1) | bad.any(1))
+        if not len(ml):
+            gncs, founds = np.zeros((0, 0, sh.num_groups), dtype=np.int64), np.zeros((0, 0), dtype=bool)
+        elif len(_assignments(sh.num_groups, sh.num_nodes)):
+            copies = copy_counts(obl.phy2log[ml], num_logical).reshape(len(ml), sh.num_groups, -1).sum(-1)
+            caps = np.array(_FILLS)[:, None] * limit[ml] * sh.live_per_node
+            gncs, founds = _cheapest_groups(group_loads(w[ml], sh), gn_old[ml], copies, caps, sh)
+        else:
+            gncs = _group_nodes(w[ml], held_old[ml], limit[ml] * sh.live_per_node * (1 + _SLACK), sh)[None]
+            founds = np.ones((1, len(ml)), dtype=bool)
+        extra = [
+            (ml[found & (gnc != gn[ml]).any(1)], gnc[found & (gnc != gn[ml]).any(1)])
+            for gnc, found in zip(gncs, founds)
+        ]
+        # the oblivious answer's groups, nodes matched to the old ones: node by node sticky
+        # packing, else the oblivious answer's packing of the node (within the limit), so
+        # nodes that keep their groups need not take the oblivious packing too
+        perm = _node_match(obl.group_node, held_old, sh)
+        gn_m = np.take_along_axis(perm, obl.group_node, axis=1)
+        diff = ml[(gn_m[ml] != gn[ml]).any(1)]
+        extra.append((diff, gn_m[diff]))
+        # where sticky packing misses the limit, groups under the reference's heaviest node
+        miss = np.flatnonzero(bad.any(1))
+        if len(miss):
+            gn2 = _group_nodes(w[miss], held_old[miss], cap[miss], sh)
+            moved2 = (gn2 != gn[miss]).any(1)
+            extra.append((miss[moved2], gn2[moved2]))
+        # one batch for all of them (the cost is in the rounds of the packing, not the rows),
+        # each (layer, assignment) once
+        d = np.concatenate([e[0] for e in extra])
+        gd = np.concatenate([e[1] for e in extra])
+        _, first = np.unique(np.column_stack([d, gd]), axis=0, return_index=True)
+        first = np.sort(first)
+        d, gd = d[first], gd[first]
+        if len(d):
+            cand1, bad1 = _sticky_nodes(w[d], old3[d], held_old[d], gd, limit[d], sh, obl.cnt[d])
+            lay, gn_all = np.concatenate([lay, d]), np.concatenate([gn_all, gd])
+            cand, bad = np.concatenate([cand, cand1]), np.concatenate([bad, bad1])
     # Where sticky packing misses the limit: the reference's LPT packing of those nodes, restored.
     rows = np.flatnonzero(bad.any(1))
     if len(rows):
@@ -513,6 +616,14 @@ def aware_policy(
         # policy): they are within the limit. Else the best refined packing of the groups.
         same = (gn_all[rows] == obl.group_node[lay[rows]]).all(1)
         packs = obl.packs[lay[rows]].copy()
+        if sh.hierarchical:
+            # the matched assignment: node a's packs on node perm[l, a]
+            perm_r = perm[lay[rows]]
+            permuted = np.empty_like(packs)
+            permuted[np.arange(len(rows))[:, None], perm_r] = packs
+            matched = ~same & (gn_all[rows] == gn_m[lay[rows]]).all(1)
+            packs[matched] = permuted[matched]
+            same |= matched
         if not same.all():
             packs[~same] = group_packs(wl[~same], sh, gn_all[rows][~same])
         cand[rows] = _lpt_nodes(wl, ol, hl, gn_all[rows], ll, sh, cand[rows], bad[rows], packs)
