@@ -280,8 +280,9 @@ def _node_packs_parts(w: np.ndarray, group_node: np.ndarray, sh: Shape, no_dupli
     return packs, cnt, phy2m, slots
 
 
-def _groups_to_nodes(w: np.ndarray, sh: Shape) -> np.ndarray:
-    """Step 1, ``int[L, G]`` node of each group: ``balanced_packing`` of the group loads."""
+def groups_to_nodes(w: np.ndarray, sh: Shape) -> np.ndarray:
+    """Step 1, ``int[L, G]`` node of each expert group: the reference's ``balanced_packing`` of
+    the group loads onto the nodes, ``G / N`` groups each."""
     num_layers = w.shape[0]
     n = sh.num_nodes
     group_node = np.zeros((num_layers, sh.num_groups), dtype=np.int64)
@@ -312,7 +313,7 @@ def reference_answer(w: np.ndarray, sh: Shape) -> ObliviousAnswer:
     # eplb.py decides in float32 (``weight.float()``); float64 results of one division or
     # addition rounded to float32 are the float32 results, so keeping the arrays float32 suffices.
     wd = w.astype(np.float32)
-    group_node = _groups_to_nodes(wd, sh)
+    group_node = groups_to_nodes(wd, sh)
     packs, cnt = node_packs(wd, group_node, sh, no_duplicates=False)
     return _answer(w, sh, packs, group_node, cnt)
 
@@ -507,7 +508,7 @@ def oblivious_policy(w: np.ndarray, sh: Shape, ref: ObliviousAnswer | None = Non
     none of them is at least as balanced as the reference, the refined reference (its
     duplicates, if any, kept): never less balanced than the reference, by construction."""
     ref = reference_answer(w, sh) if ref is None else ref
-    group_node = _groups_to_nodes(w, sh)
+    group_node = groups_to_nodes(w, sh)
     packs, cnt, phy2m, slots = _node_packs_parts(w, group_node, sh, no_duplicates=True)
     num_layers = w.shape[0]
     hot_layers, hot_packs, hot_cnt = _hot_spread(w, sh, group_node, cnt, (phy2m, slots))

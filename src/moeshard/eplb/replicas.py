@@ -20,7 +20,7 @@ import numpy as np
 from .inputs import Shape, check_shape
 from .joint import joint_improve
 from .metrics import copy_counts, max_rank_load
-from .oblivious import balanced_pack, group_loads, oblivious_policy, reference_answer
+from .oblivious import groups_to_nodes, oblivious_policy, reference_answer
 
 
 def split_budget(w: np.ndarray, total: int, cap: np.ndarray, num_ranks: int, bin_of: np.ndarray | None = None):
@@ -67,19 +67,6 @@ def budget_policy(w: np.ndarray, sh: Shape, per: np.ndarray, num_nodes: int, act
         assert (copy_counts(p2l, wa.shape[1])[:, num_e:] == 1).all()
         out[layers] = np.where(p2l >= num_e, -1, p2l)
     return out
-
-
-def groups_to_nodes(w: np.ndarray, sh: Shape) -> np.ndarray:
-    """``int[L, G]`` node of each expert group: the reference's ``balanced_packing`` of the
-    group loads onto the nodes, ``G / N`` groups each."""
-    num_layers, n = w.shape[0], sh.num_nodes
-    group_node = np.zeros((num_layers, sh.num_groups), dtype=np.int64)
-    if n > 1:
-        gslots = balanced_pack(group_loads(w, sh), None, 0, n, sh.num_groups // n)
-        np.put_along_axis(
-            group_node, gslots.reshape(num_layers, -1), np.repeat(np.arange(n), sh.num_groups // n)[None, :], axis=1
-        )
-    return group_node
 
 
 def hierarchical_policy(w: np.ndarray, sh: Shape, total: int, per: np.ndarray | None = None) -> np.ndarray:
