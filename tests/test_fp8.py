@@ -546,12 +546,10 @@ def packed_kept_worker(packed: dict, out_dir: str) -> dict:
         steps.append(((), new.phy2log, _local_state(model)))
         moeshard.relocate(model, new, old, checkpoint=ckpt, from_checkpoint=True, routing="caller")
         steps.append(((), old.phy2log, _local_state(model)))
-        out[family] = (steps, moved.bytes_sent_rank, checked, None)
-        if family == "gpt_oss":  # experts fused on disk: reshard refuses to read them from storage
-            continue
         # A reshard into a fresh model at placement ``new`` where ranks 2-3 lost their state (they
         # join with nothing): what only they held is read from disk, as stored (ModelOpt's and
-        # FP8's stored key is the logical one: not their dequantized view).
+        # FP8's stored key is the logical one: not their dequantized view; gpt-oss's experts are
+        # fused on disk, one tensor per layer whose rows the new slots read).
         fresh = _packed_model(family, ckpt)
         fresh.config.quantization_config = model.config.quantization_config
         moeshard.parallelize(fresh, mesh, new, ep_forward=False)
@@ -561,7 +559,8 @@ def packed_kept_worker(packed: dict, out_dir: str) -> dict:
             fresh, shards if survivor else None, model if survivor else None, ckpt, dense_from_storage="allow"
         )
         steps.append(((), new.phy2log, _local_state(fresh)))
-        out[family] = (steps, moved.bytes_sent_rank, checked, resharded.bytes_read_rank)
+        read = (resharded.bytes_read_rank, resharded.storage_bytes)
+        out[family] = (steps, moved.bytes_sent_rank, checked, read)
     return out
 
 
@@ -587,7 +586,10 @@ def gpt_oss_efsdp_worker(float_dir: str, ids: torch.Tensor) -> tuple:
     """A float gpt-oss (trainable expert biases) on EP=2 x efsdp=2 ranks with a redundant
     placement and the EP forward: loss and logits of ``ids`` (every rank the same batch, so the
     data-parallel mean is the one-process gradient), then backward; each expert bias's gradient
-    ``[num_physical, ...]`` (gathered) with its layer's ``(phy2log, first copy of each expert)``."""
+    ``[num_physical, ...]`` (gathered) with its layer's ``(phy2log, first copy of each expert)``;
+    then a reshard into a fresh model at another placement whose ranks 2-3 held nothing (its
+    experts fused on disk: what only they held is read from the checkpoint): the new placement,
+    the fresh model's local bytes (:func:`_local_state`), this rank's bytes read and the plan's."""
     import transformers
 
     import moeshard
@@ -606,7 +608,16 @@ def gpt_oss_efsdp_worker(float_dir: str, ids: torch.Tensor) -> tuple:
         if name.endswith("_bias") and ".experts." in name:
             layer = int(name.split(".")[2])
             grads[name] = (p.grad.full_tensor(), pl.phy2log[layer].tolist(), pl.log2phy[layer, :, 0].tolist())
-    return float(out.loss), out.logits.detach(), grads
+    new = _placement(11, config.num_local_experts, config.num_hidden_layers)
+    fresh = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    moeshard.parallelize(fresh, mesh, new)
+    survivor = torch.distributed.get_rank() < 2
+    shards = moeshard.describe_shards(model)
+    rep = moeshard.reshard(
+        fresh, shards if survivor else None, model if survivor else None, float_dir, dense_from_storage="allow"
+    )
+    moved = (new.phy2log, _local_state(fresh), rep.bytes_read_rank, rep.storage_bytes)
+    return float(out.loss), out.logits.detach(), grads, moved
 
 
 def kept_worker(fp8: str, out_dir: str, packed: dict, packed_out: str, requant: tuple, gpt_oss: tuple) -> tuple:
@@ -686,10 +697,11 @@ def test_packed_experts_kept_moved_and_saved_byte_identical(kept_runs, family):
     ``*_scales``; DeepSeek-V3: compressed-tensors INT4 ``weight_packed`` int32 + ``weight_scale``
     + ``weight_shape``, Kimi-K2-Thinking's layout) loads on EP=2 x expert-FSDP=2 ranks with a
     redundant placement, every local byte the checkpoint's: after load, after a P2P relocation
-    (scales and shapes move with their experts), after one back read from disk and (experts not
-    fused on disk) after a reshard into a fresh model whose ranks 2-3 held nothing (their boxes
-    read from disk as stored); saved after the relocation, every tensor of the checkpoint (scales
-    and shapes included) is written, with its dtype and bytes unchanged."""
+    (scales and shapes move with their experts), after one back read from disk and after a
+    reshard into a fresh model whose ranks 2-3 held nothing (their boxes read from disk as
+    stored, gpt-oss's from its experts fused on disk, the bytes read the plan's); saved after
+    the relocation, every tensor of the checkpoint (scales and shapes included) is written, with
+    its dtype and bytes unchanged."""
     from moeshard.models.describe import expert_layers
 
     root, packed, results, _, _ = kept_runs
@@ -700,10 +712,10 @@ def test_packed_experts_kept_moved_and_saved_byte_identical(kept_runs, family):
     names = {name for name, _ in model.named_parameters()}
     sent = disk = 0
     for rank, res in enumerate(results):
-        steps, moved, checked, read = res[1][family]
+        steps, moved, checked, (read, planned) = res[1][family]
         assert checked > 0
         sent += moved
-        disk += read or 0
+        disk += read
         for unused, phy2log, state in steps:
             assert unused == ()  # every tensor read into a parameter
             assert set(state) == names
@@ -712,7 +724,8 @@ def test_packed_experts_kept_moved_and_saved_byte_identical(kept_runs, family):
                 assert tuple(full.shape) == shape, name
                 box = tuple(slice(o, o + n) for o, n in zip(offset, got.shape))
                 assert got.dtype == full.dtype and torch.equal(got, full[box]), f"rank {rank} {name}"
-    assert sent > 0 and (disk > 0 or family == "gpt_oss")  # the reshard read what only the lost ranks held
+    assert sent > 0 and disk > 0  # the reshard read what only the lost ranks held
+    assert disk == planned  # exactly the boxes its plan reads from storage
     saved = _saved(str(root / "packed_saved" / family))
     assert set(saved) == set(want)
     with open(os.path.join(ckpt, "config.json")) as f, open(root / "packed_saved" / family / "config.json") as g:
@@ -765,7 +778,7 @@ def test_gpt_oss_trains_with_expert_biases_at_ep_and_efsdp(kept_runs):
     want = model(input_ids=ids, labels=ids)
     want.loss.backward()
     params = dict(model.named_parameters())
-    for rank, (_, _, _, (loss, logits, grads)) in enumerate(results):
+    for rank, (_, _, _, (loss, logits, grads, _)) in enumerate(results):
         assert abs(loss - float(want.loss)) < 1e-5, rank
         torch.testing.assert_close(logits, want.logits.detach(), rtol=1e-5, atol=1e-5)
         assert len(grads) == 2 * model.config.num_hidden_layers, sorted(grads)
@@ -774,3 +787,26 @@ def test_gpt_oss_trains_with_expert_biases_at_ep_and_efsdp(kept_runs):
             expected[torch.as_tensor([first[e] != s for s, e in enumerate(phy2log)])] = 0
             assert expected.abs().sum() > 0, name
             torch.testing.assert_close(g, expected, rtol=1e-4, atol=1e-7, msg=f"rank {rank} {name}")
+
+
+@pytest.mark.dist
+def test_gpt_oss_float_reshard_reads_experts_fused_on_disk(kept_runs):
+    """A float gpt-oss (every expert parameter one ``[E, ...]`` tensor per layer on disk) on
+    EP=2 x expert-FSDP=2 ranks reshards into a fresh model at another placement whose ranks 2-3
+    held nothing: every local tensor equals the checkpoint's box (an expert parameter's, its
+    slots' logical experts' rows), what only the lost ranks held is read from the fused tensors,
+    and the bytes read are the plan's."""
+    _, _, results, _, (float_dir, _) = kept_runs
+    want = _saved(float_dir)
+    read = planned = 0
+    for rank, (_, _, _, (_, _, _, (phy2log, state, nread, nplanned))) in enumerate(results):
+        read, planned = read + nread, nplanned
+        assert set(state) <= set(want) and any(".experts." in n for n in state)
+        for name, (got, offset, shape) in state.items():
+            full = want[name]
+            if ".experts." in name:
+                full = full[torch.as_tensor(phy2log[int(name.split(".")[2])])]
+            assert tuple(full.shape) == shape, name
+            box = tuple(slice(o, o + n) for o, n in zip(offset, got.shape))
+            assert got.dtype == full.dtype and torch.equal(got, full[box]), f"rank {rank} {name}"
+    assert read > 0 and read == planned

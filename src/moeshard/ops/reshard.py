@@ -400,13 +400,19 @@ def _clip_storage(cells: StorageCells, table: NeedTable) -> NeedTable:
     ``D``): for each cell (a box of a new local tensor), the parts of the need rows of its rank,
     parameter and slot that fall inside it (their checkpoint boxes shifted alike); rows in cell
     order, then in the table's order. Pure; numpy over (cell, row) pairs of the same rank,
-    parameter and slot. Raises ValueError where the rows do not cover a cell."""
+    parameter and slot. Raises ValueError where the rows do not cover a cell.
+
+    An expert parameter fused on disk has rows of slot -1 into the whole local tensor
+    ``[local_slots, *slice]`` (dim 0: a run of local slots): its cells (slot ``s``, a box of the
+    slice) are matched as boxes ``[(s, 1), *box]`` of the whole local tensor, and the clipped
+    rows keep that form."""
     i64 = np.int64
     width = table.src_off.shape[1]
     m = len(cells)
+    whole = _whole_tensor_cells(cells, table)
     keys = np.concatenate(
         [
-            np.stack([cells.rank, cells.param, cells.slot], 1).astype(i64),
+            np.stack([whole.rank, whole.param, whole.slot], 1).astype(i64),
             np.stack([table.rank, table.param, table.slot], 1).astype(i64),
         ]
     )
@@ -418,10 +424,10 @@ def _clip_storage(cells: StorageCells, table: NeedTable) -> NeedTable:
     pc = np.repeat(np.arange(m), count)  # pairs (cell, row) of the same rank, param, slot
     pr = order[np.repeat(starts[g_cell] - (np.cumsum(count) - count), count) + np.arange(int(count.sum()))]
     # The cells in the table's width (a cell's padding dims are beyond every key's ndim).
-    k = min(width, cells.dst.shape[1])
+    k = min(width, whole.dst.shape[1])
     lo_c, hi_c = np.zeros((m, width), i64), np.ones((m, width), i64)
-    lo_c[:, :k] = cells.dst[:, :k]
-    hi_c[:, :k] = cells.dst[:, :k] + np.maximum(cells.len[:, :k], 1)
+    lo_c[:, :k] = whole.dst[:, :k]
+    hi_c[:, :k] = whole.dst[:, :k] + np.maximum(whole.len[:, :k], 1)
     d0, ln = table.dst_off[pr].astype(i64), table.src_len[pr].astype(i64)
     lo = np.maximum(d0, lo_c[pc])
     hi = np.minimum(d0 + ln, hi_c[pc])
@@ -453,6 +459,26 @@ def _clip_storage(cells: StorageCells, table: NeedTable) -> NeedTable:
         src_len=size,
         dst_off=dst,
     )
+
+
+def _whole_tensor_cells(cells: StorageCells, table: NeedTable) -> StorageCells:
+    """``cells`` with those of a parameter whose need rows for that rank have slot -1 but the
+    cell a slot (an expert parameter fused on disk) moved into the whole local tensor's
+    coordinates: slot -1, box ``[(slot, 1), *box]`` (the slice's dims shifted right by one; the
+    cells' width has room, a local tensor having one dim more than its slice)."""
+    if not len(cells) or not (table.slot < 0).any():
+        return cells
+    # (rank, param) pairs as one code: a cell moves where slot -1 rows have its pair.
+    base = int(max(cells.param.max(), table.param.max())) + 1
+    fused = np.unique(table.rank[table.slot < 0].astype(np.int64) * base + table.param[table.slot < 0])
+    move = (cells.slot >= 0) & np.isin(cells.rank.astype(np.int64) * base + cells.param, fused)
+    if not move.any():
+        return cells
+    assert np.all(cells.dst[move, -1] == 0) and np.all(cells.len[move, -1] <= 1), "no room for the slot dim"
+    dst, ln, slot = cells.dst.copy(), cells.len.copy(), cells.slot.copy()
+    dst[move, 1:], ln[move, 1:] = cells.dst[move, :-1], cells.len[move, :-1]
+    dst[move, 0], ln[move, 0], slot[move] = cells.slot[move], 1, -1
+    return StorageCells(cells.unit, cells.rank, cells.param, slot, cells.off, ln, dst)
 
 
 def _old_locals(layout: ShardLayout, tensors, old_optimizer) -> list[torch.Tensor | None]:
