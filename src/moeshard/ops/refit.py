@@ -222,18 +222,35 @@ _PLANS: dict = {}
 
 
 class _TrainerShards(Source):
-    """Boxes of this trainer rank's local shards, cast to the wire dtype of their unit."""
+    """Boxes of this trainer rank's local shards, cast to the wire dtype of their unit.
+
+    Where the wire dtype differs, a local tensor (or expert slot) is cast whole on its first
+    view and its pieces are views of that copy: one cast per tensor and install batch instead
+    of one per piece (the per-call cost dominates for small pieces). The copies live as long
+    as this object (one install batch): at most the wire-dtype size of the shards it reads."""
 
     def __init__(self, plan: ReshardPlan, tensors: Sequence[torch.Tensor], rank: int, wire: Sequence[torch.dtype]):
         self.s = plan.schedule
+        self.tensors = tensors
+        self.rank = rank
         self.local = LocalTensors(plan.schedule, tensors, rank)
-        self.key = self.local.lists.key
+        self.lists = self.local.lists
+        self.key = self.lists.key
         self.wire = wire
+        self.cast: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
 
     def view(self, v: int, pid: int) -> torch.Tensor:
-        t = self.local.view(v, pid)
         want = self.dtype(pid)
-        return t if t.dtype == want else t.to(want)
+        param, slot, idx = self.lists.index("views", v, pid)
+        t = self.tensors[param]
+        if t is None or t.dtype == want:
+            return self.local.view(v, pid)
+        assert self.s.views.rank[v] == self.rank, f"view {v} is rank {self.s.views.rank[v]}'s, not rank {self.rank}'s"
+        k = (param, slot, want)
+        whole = self.cast.get(k)
+        if whole is None:
+            whole = self.cast[k] = (t[slot] if slot >= 0 else t).to(want)
+        return whole[idx]
 
     def dtype(self, pid: int) -> torch.dtype:
         return self.wire[self.key[pid]]
