@@ -42,6 +42,13 @@ def max_rank_load(w, p2l, cnt) -> np.ndarray:
     return rank_loads3(w, p2l, cnt).max(1)
 
 
+def max_over_mean(loads: np.ndarray) -> np.ndarray:
+    """``float[L]``: max / mean of ``loads`` ``float[L, R]`` per layer (a layer with no load:
+    1.0)."""
+    mean = loads.mean(1)
+    return np.where(mean > 0, loads.max(1) / np.where(mean > 0, mean, 1.0), 1.0)
+
+
 def held_by_rank(p2l: np.ndarray, num_logical: int) -> np.ndarray:
     """``bool[L, R, E]``: rank holds a copy of the expert (``p2l`` ``int[L, R, S]``)."""
     num_layers, num_ranks, _ = p2l.shape
@@ -51,11 +58,17 @@ def held_by_rank(p2l: np.ndarray, num_logical: int) -> np.ndarray:
     return h[..., :num_logical]
 
 
-def moves3(held_old: np.ndarray, new: np.ndarray) -> np.ndarray:
-    """``int[L]``: copies of ``new`` ``int[L, R, S]`` whose rank did not hold the expert."""
+def moved3(held_old: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """``bool[L, R, S]``: slots of ``new`` ``int[L, R, S]`` holding a copy whose rank did not
+    hold the expert (``held_old``: :func:`held_by_rank` of the old placement)."""
     li = np.arange(new.shape[0])[:, None, None]
     ri = np.arange(new.shape[1])[None, :, None]
-    return ((new >= 0) & ~held_old[li, ri, np.maximum(new, 0)]).sum((1, 2))
+    return (new >= 0) & ~held_old[li, ri, np.maximum(new, 0)]
+
+
+def moves3(held_old: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """``int[L]``: copies of ``new`` ``int[L, R, S]`` whose rank did not hold the expert."""
+    return moved3(held_old, new).sum((1, 2))
 
 
 # -- public API ----------------------------------------------------------------------------------
@@ -77,9 +90,7 @@ def rank_loads(load, placement: Placement, num_ranks: int) -> np.ndarray:
 def balance(load, placement: Placement, num_ranks: int, active_ranks=None) -> np.ndarray:
     """``float[num_layers]``: max / mean rank load over the live ranks (1.0 is perfect; a
     layer with no load counts as 1.0)."""
-    loads = rank_loads(load, placement, num_ranks)[:, check_active(active_ranks, num_ranks)]
-    mean = loads.mean(1)
-    return np.where(mean > 0, loads.max(1) / np.where(mean > 0, mean, 1.0), 1.0)
+    return max_over_mean(rank_loads(load, placement, num_ranks)[:, check_active(active_ranks, num_ranks)])
 
 
 def _check_pair(old: Placement, new: Placement) -> None:

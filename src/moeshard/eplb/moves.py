@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from .inputs import check_active
-from .metrics import held_by_rank
+from .metrics import held_by_rank, moved3
 
 
 def rank_nodes(num_ranks: int, num_nodes: int) -> np.ndarray:
@@ -51,10 +51,7 @@ def sources(held_old: np.ndarray, layer: np.ndarray, dst: np.ndarray, expert: np
 def move_list(held_old: np.ndarray, new3: np.ndarray):
     """The moves of ``new3`` ``int[L, R, S]`` from the holders ``held_old`` ``bool[L, R, E]``:
     ``(layer, dst, expert)``, each ``int[M]``, in slot order."""
-    li = np.arange(new3.shape[0])[:, None, None]
-    ri = np.arange(new3.shape[1])[None, :, None]
-    moved = (new3 >= 0) & ~held_old[li, ri, np.maximum(new3, 0)]
-    layer, dst, slot = np.nonzero(moved)
+    layer, dst, slot = np.nonzero(moved3(held_old, new3))
     return layer, dst, new3[layer, dst, slot]
 
 

@@ -10,7 +10,7 @@ import numpy as np
 from ..placement import Placement
 from .budget import FORCED, LEFT, PARTIAL, TAKEN, BudgetAnswer
 from .inputs import Shape
-from .metrics import copy_counts, held_by_rank, moves3, rank_loads3
+from .metrics import copy_counts, held_by_rank, max_over_mean, moves3, rank_loads3
 from .moves import pair_moves3, rank_nodes, source_key
 
 STATUS = {LEFT: "left", TAKEN: "taken", PARTIAL: "partial", FORCED: "forced"}
@@ -73,9 +73,7 @@ class RebalanceReport:
 
 
 def _balance(w: np.ndarray, p2l: np.ndarray, active: np.ndarray) -> np.ndarray:
-    loads = rank_loads3(w, p2l, copy_counts(p2l, w.shape[1]))[:, active]
-    mean = loads.mean(1)
-    return np.where(mean > 0, loads.max(1) / np.where(mean > 0, mean, 1.0), 1.0)
+    return max_over_mean(rank_loads3(w, p2l, copy_counts(p2l, w.shape[1]))[:, active])
 
 
 def build_report(w: np.ndarray, sh: Shape, old3: np.ndarray, ans: BudgetAnswer, num_nodes: int) -> RebalanceReport:
