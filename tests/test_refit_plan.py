@@ -658,3 +658,92 @@ def test_a_box_no_trainer_rank_holds_or_holdings_that_overlap_raise_naming_it():
     wide[5][r, 0] += 1  # the first shard one row longer: it overlaps the next one
     with pytest.raises(ValueError, match="overlap in box"):
         plan_refit(layout, info, BoxRows(*wide), sizes, topo, 96, 6, 2)
+
+
+# -- sglang's fused shared expert; UE8M0 scales ---------------------------------------------------
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_sglang_fused_shared_expert_is_the_last_slot_on_every_engine_rank(ep):
+    """sglang with shared-experts fusion (``num_fused_shared_experts = 1``) loads
+    ``mlp.shared_experts.*`` as expert ``n_routed_experts`` of ``FusedMoE``, which maps it on
+    every EP rank to the local slot after its routed ones (``_num_local_routed``); gate then up
+    in ``w13_weight``, whole under EP, TP-split like the routed slots without."""
+    from moeshard.plan.engines import sglang_deepseek_v3
+
+    p2l = np.array([[3, 1, 4, 1, 5, 0, 2, 6]])  # 8 slots, expert 1 twice
+    lay = sglang_deepseek_v3(2, range(2), tp=2, ep=ep, first_k_dense=1, phy2log=p2l, fuse_shared_experts=True)
+    names = [t.name for t in lay.tensors]
+    assert not any("shared_experts" in n for n in names)
+    needs = engine_needs(lay, DSV3_INFO, 2)
+    e, sh = "model.layers.1.mlp.experts", "model.layers.1.mlp.shared_experts"
+    j13, j2 = names.index(f"{e}.w13_weight"), names.index(f"{e}.w2_weight")
+    last = 8 if ep == 1 else 4
+    if ep == 1:  # engine rank 1 = TP rank 1: rows 8:16 of gate and of up, columns 8:16 of down
+        assert needs.local_shapes[j13] == (9, 16, 32) and needs.local_shapes[j2] == (9, 32, 8)
+        want13 = [
+            (f"{sh}.gate_proj.weight", 8, [8, 0], [8, 32], [0, 0]),
+            (f"{sh}.up_proj.weight", 8, [8, 0], [8, 32], [8, 0]),
+        ]
+        want2 = [(f"{sh}.down_proj.weight", 8, [0, 8], [32, 8], [0, 0])]
+    else:
+        assert needs.local_shapes[j13] == (5, 32, 32) and needs.local_shapes[j2] == (5, 32, 16)
+        want13 = [
+            (f"{sh}.gate_proj.weight", 4, [0, 0], [16, 32], [0, 0]),
+            (f"{sh}.up_proj.weight", 4, [0, 0], [16, 32], [16, 0]),
+        ]
+        want2 = [(f"{sh}.down_proj.weight", 4, [0, 0], [32, 16], [0, 0])]
+    for rank in (0, 1):
+        rows13 = _rows(needs, rank, j13)
+        assert [r for r in rows13 if r[1] == last] == (
+            want13 if rank == 1 or ep == 2 else [(n, s, [0, 0], ln, loc) for n, s, _, ln, loc in want13]
+        )
+        # The routed slots still follow the placement: slot 0 holds physical slot 0 (ep=1) or
+        # the rank's first (ep=2: rank 1's slot 0 is physical 4, expert 5).
+        first = 3 if ep == 1 or rank == 0 else 5
+        assert {r[0] for r in rows13 if r[1] == 0} == {f"{e}.gate_up_proj[{first}]"}
+    assert [r for r in _rows(needs, 1, j2) if r[1] == last] == want2
+    # The trainer's shared expert goes nowhere else.
+    units = {needs.keys[u] for u in needs.rows.unit.tolist()}
+    assert {f"{sh}.{n}_proj.weight" for n in ("gate", "up", "down")} <= units
+
+
+def test_a_fused_shared_expert_must_fit_an_expert_slot():
+    gu, down = (Segment("gu", (0, 2)), Segment("gu", (1, 2))), (Segment("down"),)
+    with pytest.raises(ValueError, match="one segment per segment"):
+        EngineTensor("w13", gu, moe_layer=0, shared=(Segment("q"),))
+    with pytest.raises(ValueError, match="for an expert tensor"):
+        EngineTensor("o", (Segment("o"),), shared=(Segment("o"),))
+    p2l = np.array([[0, 1]])
+    bad = {
+        "is an expert parameter": EngineTensor("w2", down, moe_layer=0, shared=(Segment("down"),)),
+        r"shared expert segment o \[6, 8\] is not the shape of an expert's \[4, 3\]": EngineTensor(
+            "w2", down, moe_layer=0, shared=(Segment("o"),)
+        ),
+    }
+    for match, t in bad.items():
+        with pytest.raises(ValueError, match=match):
+            engine_needs(EngineLayout((t,), ranks=(0,), phy2log=p2l), INFO, 2)
+    # An expert-shaped dense tensor fits: [3 slots of the placement + 1, 4, 3].
+    info = UnitInfo({**INFO.shapes, "sd": (4, 3)}, {**INFO.dtypes, "sd": "float32"}, INFO.experts, 3)
+    t = EngineTensor("w2", down, moe_layer=0, shared=(Segment("sd"),))
+    assert engine_needs(EngineLayout((t,), ranks=(0,), phy2log=p2l), info, 2).local_shapes == ((3, 4, 3),)
+
+
+def test_ue8m0_scales_are_declared_on_every_quantized_tensor():
+    from moeshard.plan.engines import vllm_qwen3_moe
+
+    lay = _sgl_dsv3(quant="fp8", scale_fmt="ue8m0", scale_dtype="float8_e8m0fnu")
+    quant = [t for t in lay.tensors if t.quant]
+    assert quant and all(t.scale_fmt == "ue8m0" and t.scale_dtype == "float8_e8m0fnu" for t in quant)
+    assert all(t.scale_fmt is None and t.scale_dtype == "float32" for t in _sgl_dsv3(quant="fp8").tensors)
+    # Layouts that differ only in the scales' format differ for the refit's agreement.
+    assert _sgl_dsv3(quant="fp8").digest() != _sgl_dsv3(quant="fp8", scale_fmt="ue8m0").digest()
+    with pytest.raises(ValueError, match="for quant='fp8' only"):
+        vllm_qwen3_moe(1, range(2), tp=2, phy2log=np.zeros((1, 8), np.int64), scale_fmt="ue8m0")
+    with pytest.raises(ValueError, match="scale_fmt 'e4m3'"):
+        EngineTensor("o", (Segment("o"),), quant="fp8_block", scale_fmt="e4m3")
+    with pytest.raises(ValueError, match="scale_dtype 'float8_e8m0fnu'"):
+        EngineTensor("o", (Segment("o"),), quant="fp8_block", scale_dtype="float8_e8m0fnu")
+    with pytest.raises(ValueError, match="a scale format without quant"):
+        EngineTensor("o", (Segment("o"),), scale_fmt="ue8m0")

@@ -21,9 +21,9 @@ vLLM's layers, as the descriptions follow them:
 
 sglang's layers are the same (its linear, embedding and ``FusedMoE`` layers derive from vLLM's,
 with the same padding of 64 and the same ``w13_weight`` / ``w2_weight``); its DeepSeek-V3 names
-the fused projection ``fused_qkv_a_proj_with_mqa`` and describes only the unfused shared expert
-(``--disable-shared-experts-fusion``: with fusion, sglang stores the shared expert as an extra
-slot of ``w13_weight``).
+the fused projection ``fused_qkv_a_proj_with_mqa`` and holds the shared expert unfused
+(``--disable-shared-experts-fusion``) or, with ``fuse_shared_experts``, as the last local slot of
+``w13_weight`` / ``w2_weight`` on every engine rank.
 
 MLA's absorbed weights are not described: vLLM (``W_UK_T`` / ``W_UV`` of its MLA attention) and
 sglang (``w_kc`` / ``w_vc``) derive them from ``kv_b_proj`` after loading (a split and a
@@ -38,7 +38,9 @@ norms, routers and ``e_score_correction_bias`` stay unquantized. ``dtype`` is th
 quantized tensors' boxes travel and are staged in (``"bfloat16"``: half the bytes of a float32
 trainer's) and the other tensors' dtype. ``scale_suffix`` names the scales (``"_scale_inv"``,
 the load-time names; an engine version that renames a scale after loading, e.g. vLLM's linear
-``weight_scale``, takes ``"_scale"``).
+``weight_scale``, takes ``"_scale"``). ``scale_fmt="ue8m0"``: power-of-two scales
+(DeepSeek-V3.1's ``"scale_fmt": "ue8m0"``, DeepGEMM's on Blackwell), held in float32 or, with
+``scale_dtype="float8_e8m0fnu"``, one exponent byte per block.
 
 Key/value heads must split evenly over TP (vLLM replicates them when TP exceeds their count: not
 described here). Pure and torch-free.
@@ -77,6 +79,8 @@ class _Kind:
     quant: str | None = None
     block: tuple[int, int] = FP8_BLOCK
     scale_suffix: str = "_scale_inv"
+    scale_fmt: str | None = None
+    scale_dtype: str = "float32"
 
     def plain(self, name: str, segments, **kw) -> EngineTensor:
         """A tensor that stays unquantized (norms, routers, embeddings)."""
@@ -93,14 +97,19 @@ class _Kind:
             quant="fp8_block",
             block=self.block,
             scale_name=name + self.scale_suffix,
+            scale_fmt=self.scale_fmt,
+            scale_dtype=self.scale_dtype,
             **kw,
         )
 
 
-def _kind(dtype, quant, block, scale_suffix) -> _Kind:
+def _kind(dtype, quant, block, scale_suffix, scale_fmt=None, scale_dtype="float32") -> _Kind:
     if quant not in (None, "fp8"):
         raise ValueError(f"quant={quant!r}: None or 'fp8' (block FP8)")
-    return _Kind(dtype, None if quant is None else "fp8_block", tuple(block), scale_suffix)
+    if quant is None and (scale_fmt is not None or scale_dtype != "float32"):
+        raise ValueError(f"scale_fmt={scale_fmt!r}, scale_dtype={scale_dtype!r}: for quant='fp8' only")
+    q = None if quant is None else "fp8_block"
+    return _Kind(dtype, q, tuple(block), scale_suffix, scale_fmt, scale_dtype)
 
 
 def _halves(source: str) -> tuple[Segment, Segment]:
@@ -134,10 +143,18 @@ def _gqa(i: int, k: _Kind, qk_norm: bool) -> list[EngineTensor]:
     return out
 
 
-def _experts(i: int, row: int, trainer: str, engine: str, k: _Kind) -> list[EngineTensor]:
+def _experts(i: int, row: int, trainer: str, engine: str, k: _Kind, shared: str | None = None) -> list[EngineTensor]:
+    """A MoE layer's ``w13_weight`` / ``w2_weight``; ``shared``: the trainer's shared expert
+    (``...mlp.shared_experts``) held as the last local slot of both (sglang's fusion)."""
+    w13, w2 = {}, {}
+    if shared is not None:
+        w13 = dict(shared=(Segment(f"{shared}.gate_proj.weight"), Segment(f"{shared}.up_proj.weight")))
+        w2 = dict(shared=(Segment(f"{shared}.down_proj.weight"),))
     return [
-        k.linear(f"{engine}.w13_weight", _halves(f"{trainer}.gate_up_proj"), shard_dim=0, moe_layer=row, group=i),
-        k.linear(f"{engine}.w2_weight", [Segment(f"{trainer}.down_proj")], shard_dim=1, moe_layer=row, group=i),
+        k.linear(
+            f"{engine}.w13_weight", _halves(f"{trainer}.gate_up_proj"), shard_dim=0, moe_layer=row, group=i, **w13
+        ),
+        k.linear(f"{engine}.w2_weight", [Segment(f"{trainer}.down_proj")], shard_dim=1, moe_layer=row, group=i, **w2),
     ]
 
 
@@ -178,7 +195,9 @@ def _mixtral(num_layers: int, k: _Kind) -> list[EngineTensor]:
     return t
 
 
-def _deepseek_v3(num_layers: int, k: _Kind, first_k_dense: int, shared_experts: bool, fused_a: str):
+def _deepseek_v3(
+    num_layers: int, k: _Kind, first_k_dense: int, shared_experts: bool, fused_a: str, fuse_shared: bool = False
+):
     t = _ends(k)
     for i in range(num_layers):
         a = f"model.layers.{i}.self_attn"
@@ -209,8 +228,9 @@ def _deepseek_v3(num_layers: int, k: _Kind, first_k_dense: int, shared_experts: 
                 dtype="float32",
             ),
         ]
-        t += _experts(i, i - first_k_dense, f"{p}.experts", f"{p}.experts", k)
-        if shared_experts:
+        fused = f"{p}.shared_experts" if shared_experts and fuse_shared else None
+        t += _experts(i, i - first_k_dense, f"{p}.experts", f"{p}.experts", k, fused)
+        if shared_experts and not fuse_shared:
             t += _mlp(i, f"{p}.shared_experts", f"{p}.shared_experts", k)
     return t
 
@@ -226,12 +246,15 @@ def vllm_qwen3_moe(
     quant: str | None = None,
     block: tuple[int, int] = FP8_BLOCK,
     scale_suffix: str = "_scale_inv",
+    scale_fmt: str | None = None,
+    scale_dtype: str = "float32",
 ) -> EngineLayout:
     """vLLM's Qwen3-MoE (``Qwen3MoeForCausalLM``, every decoder layer MoE) on engine ``ranks``
     (refit group ranks), TP ``tp``, EP ``ep`` (1 or ``len(ranks)``), the engine's placement
     ``phy2log`` ``int64[num_layers, num_physical]``, engine dtype name ``dtype`` (None: the
-    trainer's); ``quant="fp8"``: block FP8 (``block``, ``scale_suffix``: see the module)."""
-    k = _kind(dtype, quant, block, scale_suffix)
+    trainer's); ``quant="fp8"``: block FP8 (``block``, ``scale_suffix``, ``scale_fmt``,
+    ``scale_dtype``: see the module)."""
+    k = _kind(dtype, quant, block, scale_suffix, scale_fmt, scale_dtype)
     return _layout(_qwen3_moe(num_layers, k), ranks, tp, ep, phy2log)
 
 
@@ -246,10 +269,12 @@ def vllm_mixtral(
     quant: str | None = None,
     block: tuple[int, int] = FP8_BLOCK,
     scale_suffix: str = "_scale_inv",
+    scale_fmt: str | None = None,
+    scale_dtype: str = "float32",
 ) -> EngineLayout:
     """vLLM's Mixtral (``MixtralForCausalLM``: ``block_sparse_moe.gate`` and
     ``block_sparse_moe.experts``); arguments as :func:`vllm_qwen3_moe`'s."""
-    k = _kind(dtype, quant, block, scale_suffix)
+    k = _kind(dtype, quant, block, scale_suffix, scale_fmt, scale_dtype)
     return _layout(_mixtral(num_layers, k), ranks, tp, ep, phy2log)
 
 
@@ -266,13 +291,15 @@ def vllm_deepseek_v3(
     quant: str | None = None,
     block: tuple[int, int] = FP8_BLOCK,
     scale_suffix: str = "_scale_inv",
+    scale_fmt: str | None = None,
+    scale_dtype: str = "float32",
 ) -> EngineLayout:
     """vLLM's DeepSeek-V3 (``DeepseekV3ForCausalLM``, MLA with ``q_lora_rank``): layers before
     ``first_k_dense`` dense MLPs, the others MoE (row ``i - first_k_dense`` of ``phy2log``)
     with a shared expert; ``e_score_correction_bias`` (float32) with the router. Other arguments
     as :func:`vllm_qwen3_moe`'s. Run vLLM's post-load step after a refit (MLA's ``W_UK_T`` /
     ``W_UV`` come from ``kv_b_proj``)."""
-    k = _kind(dtype, quant, block, scale_suffix)
+    k = _kind(dtype, quant, block, scale_suffix, scale_fmt, scale_dtype)
     t = _deepseek_v3(num_layers, k, first_k_dense, shared_experts, "fused_qkv_a_proj")
     return _layout(t, ranks, tp, ep, phy2log)
 
@@ -288,13 +315,15 @@ def sglang_qwen3_moe(
     quant: str | None = None,
     block: tuple[int, int] = FP8_BLOCK,
     scale_suffix: str = "_scale_inv",
+    scale_fmt: str | None = None,
+    scale_dtype: str = "float32",
 ) -> EngineLayout:
     """sglang's Qwen3-MoE (``Qwen3MoeForCausalLM``: ``qkv_proj``, ``q_norm`` / ``k_norm``, the
     router ``mlp.gate`` unquantized, ``mlp.experts.w13_weight`` / ``w2_weight``): the same
     tensors as vLLM's; ``ep``: sglang's ``--ep-size`` equal to its TP size (``moe_tp_size`` 1),
     or 1; ``phy2log``: its expert location (EPLB's redundant slots included). Other arguments
     as :func:`vllm_qwen3_moe`'s."""
-    k = _kind(dtype, quant, block, scale_suffix)
+    k = _kind(dtype, quant, block, scale_suffix, scale_fmt, scale_dtype)
     return _layout(_qwen3_moe(num_layers, k), ranks, tp, ep, phy2log)
 
 
@@ -309,10 +338,12 @@ def sglang_mixtral(
     quant: str | None = None,
     block: tuple[int, int] = FP8_BLOCK,
     scale_suffix: str = "_scale_inv",
+    scale_fmt: str | None = None,
+    scale_dtype: str = "float32",
 ) -> EngineLayout:
     """sglang's Mixtral (``block_sparse_moe.gate``, ``block_sparse_moe.experts.w13_weight`` /
     ``w2_weight``): the same tensors as vLLM's; arguments as :func:`sglang_qwen3_moe`'s."""
-    k = _kind(dtype, quant, block, scale_suffix)
+    k = _kind(dtype, quant, block, scale_suffix, scale_fmt, scale_dtype)
     return _layout(_mixtral(num_layers, k), ranks, tp, ep, phy2log)
 
 
@@ -325,17 +356,28 @@ def sglang_deepseek_v3(
     phy2log=None,
     first_k_dense: int = 3,
     shared_experts: bool = True,
+    fuse_shared_experts: bool = False,
     dtype: str | None = None,
     quant: str | None = None,
     block: tuple[int, int] = FP8_BLOCK,
     scale_suffix: str = "_scale_inv",
+    scale_fmt: str | None = None,
+    scale_dtype: str = "float32",
 ) -> EngineLayout:
     """sglang's DeepSeek-V3 (``DeepseekV3ForCausalLM``, MLA with ``q_lora_rank``): vLLM's
     tensors but the fused projection ``fused_qkv_a_proj_with_mqa`` (``q_a_proj`` then
-    ``kv_a_proj_with_mqa``, replicated), the shared expert unfused
-    (``--disable-shared-experts-fusion``) and attention TP = ``tp`` (no DP attention). sglang
+    ``kv_a_proj_with_mqa``, replicated) and attention TP = ``tp`` (no DP attention). sglang
     derives ``w_kc`` / ``w_vc`` from ``kv_b_proj`` after loading: call
-    ``model.post_load_weights()`` after a refit. Arguments as :func:`vllm_deepseek_v3`'s."""
-    k = _kind(dtype, quant, block, scale_suffix)
-    t = _deepseek_v3(num_layers, k, first_k_dense, shared_experts, "fused_qkv_a_proj_with_mqa")
+    ``model.post_load_weights()`` after a refit.
+
+    The shared expert is ``mlp.shared_experts.gate_up_proj`` / ``down_proj``
+    (``--disable-shared-experts-fusion``), or with ``fuse_shared_experts`` (sglang's fusion,
+    ``num_fused_shared_experts = n_shared_experts = 1``) one more slot of ``mlp.experts``:
+    ``w13_weight [local_slots + 1, 2I, H]`` / ``w2_weight [local_slots + 1, H, I]``, the shared
+    expert (loaded by sglang as expert ``n_routed_experts``) after the engine rank's slots of
+    ``phy2log`` on every rank, whole under EP, TP-split like the other slots without. Its
+    intermediate size must be the experts' (``n_shared_experts = 1``). Other arguments as
+    :func:`vllm_deepseek_v3`'s."""
+    k = _kind(dtype, quant, block, scale_suffix, scale_fmt, scale_dtype)
+    t = _deepseek_v3(num_layers, k, first_k_dense, shared_experts, "fused_qkv_a_proj_with_mqa", fuse_shared_experts)
     return _layout(t, ranks, tp, ep, phy2log)

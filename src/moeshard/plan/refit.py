@@ -36,6 +36,8 @@ from .reshard import BoxRows, ReshardPlan, StorageCells
 
 __all__ = [
     "QUANTS",
+    "SCALE_FMTS",
+    "SCALE_DTYPES",
     "Segment",
     "EngineTensor",
     "EngineLayout",
@@ -50,6 +52,12 @@ __all__ = [
 
 # The quantizations an engine tensor may declare (None: none).
 QUANTS = (None, "fp8_block")
+# A block-FP8 tensor's scale: None, each block's amax / 448; "ue8m0", that rounded up to a
+# power of two (DeepSeek-V3.1's ``"scale_fmt": "ue8m0"``, DeepGEMM on Blackwell).
+SCALE_FMTS = (None, "ue8m0")
+# The dtype names a block-FP8 tensor's scale may be held in ("float8_e8m0fnu": UE8M0 scales as
+# exponent bytes).
+SCALE_DTYPES = ("float32", "float8_e8m0fnu")
 
 
 @dataclass(frozen=True)
@@ -102,6 +110,17 @@ class EngineTensor:
         block: the quantization block ``(rows, cols)``.
         scale_name: the engine's name of the scale tensor (default: ``name + "_scale_inv"``,
             vLLM's and sglang's load-time names: ``...weight_scale_inv``, ``w13_weight_scale_inv``).
+        scale_fmt: None (each block's scale ``amax / 448``) or ``"ue8m0"``: that rounded up to a
+            power of two (``2 ** ceil(log2(amax / 448))``, vLLM's and sglang's
+            ``per_block_cast_to_fp8`` with ``use_ue8m0``: DeepSeek-V3.1's ``"scale_fmt":
+            "ue8m0"``, DeepGEMM's scales on Blackwell).
+        scale_dtype: the scale tensor's dtype name: ``"float32"``, or ``"float8_e8m0fnu"`` (one
+            exponent byte per block; ``scale_fmt="ue8m0"`` only).
+        shared: for an expert tensor, the segments of a dense expert held as one more local
+            slot after the placement's (sglang's fused shared expert: DeepSeek-V3's
+            ``shared_experts`` as the last slot of ``w13_weight`` / ``w2_weight`` on every engine
+            rank); each the shape of the matching expert segment, split over TP as the expert
+            slots are. Empty: none.
     """
 
     name: str
@@ -115,10 +134,18 @@ class EngineTensor:
     quant: str | None = None
     block: tuple[int, int] = (128, 128)
     scale_name: str = ""
+    scale_fmt: str | None = None
+    scale_dtype: str = "float32"
+    shared: tuple[Segment, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.segments:
             raise ValueError(f"engine tensor {self.name} has no segments")
+        if self.shared and (self.moe_layer < 0 or len(self.shared) != len(self.segments)):
+            raise ValueError(
+                f"engine tensor {self.name}: a shared expert slot is for an expert tensor, one segment per segment "
+                f"({len(self.segments)})"
+            )
         if self.pad_to < 1:
             raise ValueError(f"engine tensor {self.name}: pad_to must be >= 1, got {self.pad_to}")
         if self.pad_to > 1 and len(self.segments) != 1:
@@ -128,7 +155,16 @@ class EngineTensor:
                 f"engine tensor {self.name}: quant {self.quant!r} is not one of {sorted(QUANTS[1:])} or None"
             )
         if self.quant is None:
+            if self.scale_fmt is not None or self.scale_dtype != "float32":
+                raise ValueError(f"engine tensor {self.name}: a scale format without quant")
             return
+        if self.scale_fmt not in SCALE_FMTS:
+            raise ValueError(f"engine tensor {self.name}: scale_fmt {self.scale_fmt!r} is not None or 'ue8m0'")
+        if self.scale_dtype not in SCALE_DTYPES or (self.scale_dtype != "float32" and self.scale_fmt != "ue8m0"):
+            raise ValueError(
+                f"engine tensor {self.name}: scale_dtype {self.scale_dtype!r} is not one of {list(SCALE_DTYPES)} "
+                "('float8_e8m0fnu' holds UE8M0 scales: scale_fmt='ue8m0')"
+            )
         if len(self.block) != 2 or min(self.block) < 1:
             raise ValueError(f"engine tensor {self.name}: block {self.block} is not (rows, cols) >= 1")
         if self.pad_to > 1:
@@ -250,11 +286,14 @@ class EngineNeeds:
     dtypes: tuple[str, ...]
 
 
-def _seg_shape(t: EngineTensor, s: Segment, info: UnitInfo) -> tuple[int, ...]:
+def _seg_shape(t: EngineTensor, s: Segment, info: UnitInfo, shared: bool = False) -> tuple[int, ...]:
+    """A segment's shape in its unit (``shared``: a segment of ``t.shared``, of a dense tensor)."""
     shape = info.shapes.get(s.source)
     if shape is None:
         raise ValueError(f"engine tensor {t.name}: the trainer has no tensor {s.source}")
-    if (t.moe_layer >= 0) != (s.source in info.experts):
+    if shared and s.source in info.experts:
+        raise ValueError(f"engine tensor {t.name}: its shared expert segment {s.source} is an expert parameter")
+    if not shared and (t.moe_layer >= 0) != (s.source in info.experts):
         kind = "an expert tensor" if t.moe_layer >= 0 else "a dense tensor"
         raise ValueError(f"engine tensor {t.name} is {kind} but its segment {s.source} is not")
     k, n = s.part
@@ -298,10 +337,11 @@ def check_blocks(layout: EngineLayout, info: UnitInfo) -> None:
 
 @dataclass(frozen=True)
 class _Template:
-    """The need rows of one engine tensor up to its units (``m`` rows): the segment of each,
-    the engine index (position in ``layout.ranks``), the local slot and physical slot (-1: a
-    dense tensor), the box in the unit and where it lands (``int64[m, width]``, padded), and
-    the tensor's local shape. Engine tensors alike but for their sources share one."""
+    """The need rows of one engine tensor up to its units (``m`` rows): the segment of each
+    (``t.segments`` then ``t.shared``), the engine index (position in ``layout.ranks``), the
+    local slot and physical slot (-1: a dense tensor, or the shared expert's slot), the box in
+    the unit and where it lands (``int64[m, width]``, padded), and the tensor's local shape.
+    Engine tensors alike but for their sources share one."""
 
     seg: np.ndarray
     eng: np.ndarray
@@ -314,8 +354,9 @@ class _Template:
 
 
 def _template(t: EngineTensor, segs: list, layout: EngineLayout, num_slots: int, width: int) -> _Template:
-    """The :class:`_Template` of engine tensor ``t`` (segment shapes ``segs``; ``num_slots``:
-    the slots of its placement row). Raises ValueError naming ``t`` for a split that is not even."""
+    """The :class:`_Template` of engine tensor ``t`` (segment shapes ``segs``, those of
+    ``t.shared`` alike; ``num_slots``: the slots of its placement row). Raises ValueError naming
+    ``t`` for a split that is not even."""
     i64 = np.int64
     nd = len(segs[0])
     n_eng = len(layout.ranks)
@@ -336,8 +377,18 @@ def _template(t: EngineTensor, segs: list, layout: EngineLayout, num_slots: int,
         er = np.repeat(np.arange(n_eng, dtype=i64), spr)
         slot = np.tile(np.arange(spr, dtype=i64), n_eng)
         phys = er * spr + slot
+    lead = [num_slots if layout.ep == 1 else spr] if t.moe_layer >= 0 else []
+    # Each segment on the engine ranks and slots of the placement, then each shared expert
+    # segment in the slot after them on every engine rank (its offsets in the slot restart).
+    todo = [(k, s, sh, er, slot, phys) for k, (s, sh) in enumerate(zip(t.segments, segs))]
+    if t.shared:
+        every = np.arange(n_eng, dtype=i64)
+        last, none = np.full(n_eng, lead[0], i64), np.full(n_eng, -1, i64)
+        todo += [(len(segs) + k, s, segs[k], every, last, none) for k, s in enumerate(t.shared)]
     parts = []
-    for k, (s, sh) in enumerate(zip(t.segments, segs)):
+    for k, s, sh, er, slot, phys in todo:
+        if k == len(segs):
+            cat_at = 0
         # The box of the segment in its unit (one row per TP rank), and its length here.
         n = sh[t.shard_dim] if split else 0
         padded = -(-n // t.pad_to) * t.pad_to
@@ -361,11 +412,13 @@ def _template(t: EngineTensor, segs: list, layout: EngineLayout, num_slots: int,
         dst = np.zeros((n_eng, width), i64)
         dst[:, t.cat_dim] = cat_at
         cat_at += seg_len
+        if k < len(segs):
+            local[t.cat_dim] = cat_at
         keep = (base_len[er] > 0).all(axis=1)
         e = er[keep]
         parts.append((np.full(len(e), k, i64), e, slot[keep], phys[keep], base_off[e], base_len[e], dst[e]))
-    local[t.cat_dim] = cat_at
-    lead = [num_slots if layout.ep == 1 else spr] if t.moe_layer >= 0 else []
+    if t.shared:
+        lead[0] += 1
     cols = [np.concatenate([p[c] for p in parts]) for c in range(7)]
     return _Template(*cols, tuple(lead + local))
 
@@ -396,6 +449,12 @@ def engine_needs(layout: EngineLayout, info: UnitInfo, width: int) -> EngineNeed
                     f"engine tensor {t.name}: segment {s.source} {list(sh)} does not concatenate with "
                     f"{list(segs[0])} along dim {t.cat_dim}"
                 )
+        for s, sh in zip(t.shared, segs):
+            if _seg_shape(t, s, info, shared=True) != sh:
+                raise ValueError(
+                    f"engine tensor {t.name}: shared expert segment {s.source} "
+                    f"{list(_seg_shape(t, s, info, shared=True))} is not the shape of an expert's {list(sh)}"
+                )
         dtypes.append(t.dtype or info.dtypes[t.segments[0].source])
         key = (
             tuple(segs),
@@ -404,20 +463,22 @@ def engine_needs(layout: EngineLayout, info: UnitInfo, width: int) -> EngineNeed
             t.shard_dim,
             t.pad_to,
             t.moe_layer >= 0,
+            tuple((s.part, s.part_dim) for s in t.shared),
         )
         tm = made.get(key)
         if tm is None:
             tm = made[key] = _template(t, segs, layout, num_slots, width)
         shapes.append(tm.shape)
-        base = np.asarray([ids[s.source] for s in t.segments], i64)[tm.seg]
+        base = np.asarray([ids[s.source] for s in t.segments + t.shared], i64)[tm.seg]
         if t.moe_layer >= 0:
-            e = p2l[t.moe_layer][tm.phys]
+            routed = tm.phys >= 0  # the shared expert's slot follows no placement
+            e = p2l[t.moe_layer][tm.phys[routed]]
             if (e < 0).any() or (e >= info.num_logical).any():
                 raise ValueError(
                     f"engine tensor {t.name}: its placement row {t.moe_layer} names experts outside "
                     f"0..{info.num_logical - 1}"
                 )
-            base = base + e
+            base[routed] += e
         cols.append((base, tm.eng, np.full(len(base), j, i64), tm.slot, tm.off, tm.len, tm.local))
 
     def col(i: int, empty) -> np.ndarray:
@@ -536,7 +597,7 @@ def wire_dtypes(layout: EngineLayout, info: UnitInfo, itemsize: Mapping[str, int
     base = info.unit_base()
     want: dict[str, set[str]] = {}
     for t in layout.tensors:
-        for sg in t.segments:
+        for sg in t.segments + t.shared:
             want.setdefault(sg.source, set()).add(t.dtype or info.dtypes[sg.source])
     out: list[str] = []
     for name in base:
