@@ -10,7 +10,10 @@ One spawned group runs, per family:
 2. disjoint 2+2: the trainer on ranks 0-1 (EP=2), the engine on ranks 2-3 (TP=2, EP=2, a
    redundant placement); a second training step, the engine's placement changed, refit again;
 3. (Qwen3-MoE) a failure on one rank during the third install group: every rank raises, the
-   groups before are new, the others old; a corrupted delivery: ``verify`` names its box.
+   groups before are new, the others old; a corrupted delivery: ``verify`` names its box;
+4. sglang's layout in block FP8 (float32 scales; UE8M0 scales as e8m0 bytes, DeepSeek-V3's
+   shared expert fused as the last expert slot), and faults in block-FP8 tensors that
+   ``verify`` names on every rank.
 
 Every engine tensor is compared bit for bit with the same fusion and sharding built in one
 process (:func:`_expected`, written from vLLM's rules, not from the planner) from the trainer's
@@ -170,6 +173,7 @@ def _colocated(family: str, ckpt: str) -> dict:
         out.update(_failures(model, pl, lay, dst, full, rank))
         out.update(_batches(model, pl, lay, dst, rank))
     out["sglang_fp8"] = _sglang_fp8(family, model, pl, rank)
+    out["ue8m0"] = _ue8m0_fused_and_verified(family, model, pl, rank)
     return out
 
 
@@ -799,3 +803,188 @@ def test_one_batch_packs_the_pieces_of_a_pair_into_one_message(runs):
     # Every piece is small: at most one message per peer and direction in each round.
     for o in outs:
         assert o["messages"] <= 2 * (WORLD - 1) * o["rounds"] < o["piece_ops"]
+
+
+# -- UE8M0 scales, sglang's fused shared expert, verify of block-FP8 tensors -------------------
+#
+# In the colocated group, per family: sglang's layout with power-of-two block scales held as
+# e8m0 bytes (EP=4 with a redundant placement, TP=2; DeepSeek-V3 with its shared expert fused
+# as the last expert slot), verified; for DeepSeek-V3 also the fused shared expert TP-split
+# (EP=1) in bf16; then three faults under verify, each named on every rank: a wrong piece into
+# a quantized tensor's staging, a scale and an FP8 value changed as they are installed.
+
+
+def _sglang_fused_layout(family: str, ranks, tp: int, ep: int, p2l, **kw):
+    from moeshard.plan.engines import sglang_deepseek_v3, sglang_qwen3_moe
+
+    if family == "qwen3_moe":
+        return sglang_qwen3_moe(tiny_hf.NUM_LAYERS, ranks, tp=tp, ep=ep, phy2log=p2l, **kw)
+    return sglang_deepseek_v3(
+        tiny_hf.NUM_LAYERS + 1, ranks, tp=tp, ep=ep, phy2log=p2l, first_k_dense=1, fuse_shared_experts=True, **kw
+    )
+
+
+def _expected_fused(family: str, t, full: dict, lay, erank: int, dtype):
+    """Engine rank ``erank``'s tensor ``t`` of :func:`_sglang_fused_layout` in ``dtype``:
+    :func:`_expected`'s fusion and sharding, and for ``w13_weight`` / ``w2_weight`` with a fused
+    shared expert one more slot, the trainer's ``shared_experts`` (gate then up; whole under EP,
+    TP-split like the other slots without), as sglang loads it."""
+    name = t.name.replace("fused_qkv_a_proj_with_mqa", "fused_qkv_a_proj")
+    w = _expected(family, name, full, lay.tp, lay.ep, lay.phy2log, erank, dtype)
+    if not t.shared:
+        return w
+    r, sh = erank % lay.tp, name.rsplit(".", 2)[0] + ".shared_experts"
+    if name.endswith("w13_weight"):
+        parts = [full[f"{sh}.{n}_proj.weight"] for n in ("gate", "up")]
+        extra = torch.cat(parts if lay.ep > 1 else [_tp(x, lay.tp, r, 0) for x in parts])
+    else:
+        down = full[f"{sh}.down_proj.weight"]
+        extra = down if lay.ep > 1 else _tp(down, lay.tp, r, 1)
+    return torch.cat([w, (extra if dtype is None else extra.to(dtype))[None]])
+
+
+def _fused_tensors(family, lay, full, rank, dtype):
+    """Fresh engine tensors (marker-filled, e8m0 scales too) and per tensor ``(values, scale or
+    None, float32 assembly)`` expected on engine rank ``rank``: quantized ones by
+    :func:`moeshard.ops.engine_quant.quantize` of the one-process assembly in ``dtype``."""
+    from moeshard.ops import engine_quant
+
+    dst, want = {}, {}
+    for t in lay.tensors:
+        x32 = _expected_fused(family, t, full, lay, rank, None)
+        ref = x32 if t.name.endswith("e_score_correction_bias") else _expected_fused(family, t, full, lay, rank, dtype)
+        scale = None
+        if t.quant is not None:
+            ref, scale = engine_quant.quantize(t, ref)
+            dst[t.scale_name] = torch.full(scale.shape, 7, dtype=torch.uint8).view(scale.dtype)
+        shape = list(ref.shape)
+        if t.pad_to > 1:
+            shape[0] = -(-full[t.segments[0].source].shape[0] // PAD) * PAD // lay.tp
+        dst[t.name] = torch.full(shape, -7.0).to(ref.dtype)
+        want[t.name] = (ref, scale, x32)
+    return dst, want
+
+
+def _fused_mismatches(lay, dst, want) -> tuple[list, list]:
+    """Engine tensors (or scales) not bit for bit the expected ones; quantized tensors whose
+    dequantized values are not within bf16's and E4M3's rounding of the float32 weights."""
+    bad, loose = [], []
+    for t in lay.tensors:
+        ref, scale, x32 = want[t.name]
+        got, n = dst[t.name], ref.shape[0]
+        if got.dtype != ref.dtype or not torch.equal(got[:n].view(torch.uint8), ref.view(torch.uint8)):
+            bad.append(t.name)
+        if t.pad_to > 1 and not bool((got[n:] == -7.0).all()):
+            bad.append(f"{t.name} padding written")
+        if scale is None:
+            continue
+        if not torch.equal(dst[t.scale_name].view(torch.uint8), scale.view(torch.uint8)):
+            bad.append(t.scale_name)
+        s = dst[t.scale_name].float().repeat_interleave(t.block[0], -2).repeat_interleave(t.block[1], -1)
+        s = s[..., : got.shape[-2], : got.shape[-1]]
+        err = (got.float() * s - x32).abs()
+        if not bool((err <= (x32.abs() * (2.0**-4 + 2.0**-8) + s * 2.0**-10)).all()) or not err.max() > 0:
+            loose.append(t.name)
+    return bad, loose
+
+
+def _ue8m0_fused_and_verified(family: str, model, pl, rank: int) -> dict:
+    import moeshard
+    import moeshard.ops.refit as refit_mod
+    from moeshard.ops import engine_quant
+
+    full = _full(model, pl)
+    out = {}
+    kw = dict(dtype="bfloat16", quant="fp8", block=FP8_BLOCK, scale_fmt="ue8m0", scale_dtype="float8_e8m0fnu")
+    lay = _sglang_fused_layout(family, range(4), 2, 4, _engine_placement(7, 4), **kw)
+    dst, want = _fused_tensors(family, lay, full, rank, torch.bfloat16)
+    rep = moeshard.refit(model, dst, lay, verify=True)
+    bad, loose = _fused_mismatches(lay, dst, want)
+    out["ep4"] = dict(bad=bad, loose=loose, rep=rep, shapes={t.name: tuple(dst[t.name].shape) for t in lay.tensors})
+    if family != "deepseek_v3":
+        return out
+    # The shared expert TP-split with the other slots (EP=1), bf16, no quantization.
+    lay1 = _sglang_fused_layout(family, range(4), 2, 1, _engine_placement(5, 1), dtype="bfloat16")
+    dst1, want1 = _fused_tensors(family, lay1, full, rank, torch.bfloat16)
+    moeshard.refit(model, dst1, lay1)
+    out["tp"] = dict(
+        bad=_fused_mismatches(lay1, dst1, want1)[0], shapes={t.name: tuple(dst1[t.name].shape) for t in lay1.tensors}
+    )
+
+    # Faults under verify (the EP=4 UE8M0 layout): every rank must name the box.
+    o, w13, w2 = (
+        f"model.layers.1.{n}" for n in ("self_attn.o_proj.weight", "mlp.experts.w13_weight", "mlp.experts.w2_weight")
+    )
+    real_sink, real_install = refit_mod.TensorSink, engine_quant.install
+
+    class WrongPiece(real_sink):
+        """Rank 1's deliveries into layer 1's o_proj (quantized) staged one element off."""
+
+        def __init__(self, s, tensors, r, receive_in_place=False):
+            super().__init__(s, tensors, r, receive_in_place=False)
+
+        def put(self, items):
+            super().put(items)
+            for row, _ in items:
+                if rank == 1 and lay.tensors[int(self.s.deliveries.param[row])].name == o:
+                    self.target(row).view(-1)[0] += 1.0
+
+    def bad_scale(x, scale, staged):  # rank 2: the last slot's first scale doubled as installed
+        real_install(x, scale, staged)
+        if rank == 2 and x is dst[w13]:
+            scale[-1].view(torch.uint8).view(-1)[0] += 1
+
+    def bad_value(x, scale, staged):  # rank 3: one FP8 value of slot 0 changed as installed
+        real_install(x, scale, staged)
+        if rank == 3 and x is dst[w2]:
+            x[0].view(torch.uint8).view(-1)[5] ^= 1
+
+    for case, sink, install in (
+        ("piece", WrongPiece, real_install),
+        ("scale", real_sink, bad_scale),
+        ("value", real_sink, bad_value),
+    ):
+        refit_mod.TensorSink, engine_quant.install = sink, install
+        try:
+            moeshard.refit(model, dst, lay, verify=True)
+            out[case] = None
+        except refit_mod.RefitVerifyError as e:
+            out[case] = str(e)
+        finally:
+            refit_mod.TensorSink, engine_quant.install = real_sink, real_install
+    return out
+
+
+@pytest.mark.parametrize("family", tiny_hf.MATRIX)
+def test_ue8m0_e8m0_refit_equals_one_process_quantization(runs, family):
+    outs = [r[family]["colocated"]["ue8m0"]["ep4"] for r in runs]
+    assert [o["bad"] for o in outs] == [[]] * WORLD
+    assert [o["loose"] for o in outs] == [[]] * WORLD
+    reps = [o["rep"] for o in outs]
+    assert sum(r.bytes_sent_rank for r in reps) == reps[0].peer_bytes > 0
+    # Every delivered box checked, the quantized tensors' too (the EP=4 experts are all quantized).
+    assert all(r.verified_boxes_rank > 0 for r in reps)
+
+
+def test_sglang_fused_shared_expert_equals_one_process_fusion(runs):
+    w13 = "model.layers.1.mlp.experts.w13_weight"
+    for case, slots in (("ep4", _engine_placement(7, 4).shape[1] // 4), ("tp", _engine_placement(5, 1).shape[1])):
+        outs = [r["deepseek_v3"]["colocated"]["ue8m0"][case] for r in runs]
+        assert [o["bad"] for o in outs] == [[]] * WORLD, case
+        assert all(o["shapes"][w13][0] == slots + 1 for o in outs), case  # the placement's slots + the shared one
+        assert not any("shared_experts" in n for n in outs[0]["shapes"])
+
+
+def test_verify_names_a_wrong_block_fp8_box_on_every_rank(runs):
+    outs = [r["deepseek_v3"]["colocated"]["ue8m0"] for r in runs]
+    e = "model.layers.1.mlp.experts"
+    shared = _engine_placement(7, 4).shape[1] // 4  # the shared expert's slot
+    for o in outs:
+        assert (
+            o["piece"] is not None and "rank 1: engine tensor model.layers.1.self_attn.o_proj.weight at" in o["piece"]
+        )
+        assert "as staged before quantization (bfloat16), differs from box" in o["piece"]
+        assert o["scale"] is not None and f"rank 2: engine tensor {e}.w13_weight slot {shared}: its scale" in o["scale"]
+        assert f"{e}.w13_weight_scale_inv blocks [[0, " in o["scale"]
+        assert o["value"] is not None and f"rank 3: engine tensor {e}.w2_weight slot 0 at" in o["value"]
+        assert "its installed FP8 values differ from the quantization of what arrived" in o["value"]

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from .. import collectives
-from ..execute import LocalTensors, Source, TensorSink, execute_schedule
+from ..execute import LocalTensors, Source, TensorSink, execute_schedule, piece_lists
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
 from ..models.describe import local_tensor
 from ..models.ep import slot_placement
@@ -413,7 +413,9 @@ def refit(
         layout: the engine's tensors, ranks and placement (the same on every rank; the
             placement is the engine's current one, e.g. after an EPLB rebalance).
         verify: after the writes, compare a digest of every delivered box with the digest of
-            its source box (cast alike); a difference raises :class:`RefitVerifyError` naming it.
+            its source box (cast alike; a block-FP8 tensor's box as staged, before quantization,
+            and its installed values and scale blocks with those its quantization made); a
+            difference raises :class:`RefitVerifyError` on every rank naming it.
         staging_bytes: per-rank budget for staging: pieces received in one round, and the
             engine tensors of one install batch (consecutive install groups staged together,
             one schedule and one agreement per batch; a group larger than the budget alone).
@@ -467,11 +469,12 @@ def refit(
     copy_bytes = sum(s[3] for s in shares)
     t_plan = phases.end("plan") - t0
     wire = [getattr(torch, d) for d in plan.wire_dtypes]
-    sent, received, peak, installed = _install(plan, layout, ready, rank, wire, device)
+    record = _QuantRecord() if verify else None
+    sent, received, peak, installed = _install(plan, layout, ready, rank, wire, device, record)
     phases.end("install")
     checked = 0
     if verify:
-        checked = _verify(plan, layout, ready, rank, wire)
+        checked = _verify(plan, layout, ready, rank, record)
         phases.end("verify")
     return RefitReport(
         rank=rank,
@@ -500,11 +503,12 @@ def refit(
 COALESCE_BYTES = 2**20
 
 
-def _install(plan: RefitPlan, layout: EngineLayout, ready: _Ready, rank: int, wire, device):
+def _install(plan: RefitPlan, layout: EngineLayout, ready: _Ready, rank: int, wire, device, record=None):
     """Collective: per install batch (``plan.batches``: install groups that fit the staging
     budget together), run its schedule into staging tensors, agree that every rank has all of
-    them, and copy them into the engine's tensors. Returns this rank's bytes sent, received,
-    peak staging bytes and engine tensors installed."""
+    them, and copy them into the engine's tensors (``record``: verify's :class:`_QuantRecord`,
+    filled as quantized tensors are quantized). Returns this rank's bytes sent, received, peak
+    staging bytes and engine tensors installed."""
     dev = device
     if dev is None:
         ref = ready.dst[0] if ready.dst else (ready.shards[0] if ready.shards else None)
@@ -540,7 +544,7 @@ def _install(plan: RefitPlan, layout: EngineLayout, ready: _Ready, rank: int, wi
                 what=what,
                 coalesce_bytes=COALESCE_BYTES,
             ).check()
-            engine_quant.quantize_staged(layout.tensors, stage)
+            _quantize(layout, stage, p.schedule, rank, record)
             return stats
 
         with torch.no_grad():
@@ -579,10 +583,55 @@ def _box_key(s, pid: int) -> tuple:
     return (int(s.pieces.key[pid]), s.piece_box(pid))
 
 
-def _verify(plan: RefitPlan, layout: EngineLayout, ready: _Ready, rank: int, wire) -> int:
+def _scale_blocks(t, idx: tuple[slice, ...]) -> tuple[slice, ...]:
+    """The blocks of quantized engine tensor ``t``'s scale that cover box ``idx`` of its (slot's)
+    ``[R, C]`` values."""
+    return tuple(slice(i.start // b, -(-i.stop // b)) for i, b in zip(idx, t.block))
+
+
+class _QuantRecord:
+    """Verify's record of this engine rank's quantized deliveries, by ``(schedule id, delivery
+    row)``: the digest of the box as staged (the staging dtype, before quantization), and of
+    the FP8 values and the scale blocks its install group's quantization made of it."""
+
+    def __init__(self) -> None:
+        self.staged: dict[tuple[int, int], int] = {}
+        self.values: dict[tuple[int, int], int] = {}
+        self.scales: dict[tuple[int, int], int] = {}
+
+    def quantize(self, layout: EngineLayout, stage: list, s, rank: int) -> None:
+        lists = piece_lists(s)
+        rows = [
+            (row, *lists.index("deliveries", row, int(s.deliveries.piece[row])))
+            for row in np.flatnonzero(s.deliveries.rank == rank).tolist()
+            if layout.tensors[int(s.deliveries.param[row])].quant is not None
+        ]
+        for row, j, slot, idx in rows:
+            x = stage[j] if slot < 0 else stage[j][slot]
+            self.staged[(id(s), row)] = digest(x[idx])
+        engine_quant.quantize_staged(layout.tensors, stage)
+        for row, j, slot, idx in rows:
+            q = stage[j]
+            values, scale = (q.values, q.scale) if slot < 0 else (q.values[slot], q.scale[slot])
+            self.values[(id(s), row)] = digest(values[idx])
+            self.scales[(id(s), row)] = digest(scale[_scale_blocks(layout.tensors[j], idx)])
+
+
+def _quantize(layout: EngineLayout, stage: list, s, rank: int, record: _QuantRecord | None) -> None:
+    """Quantize the staged quantized tensors of an install batch (schedule ``s``), recording
+    their digests for verify when ``record`` is given."""
+    if record is None:
+        engine_quant.quantize_staged(layout.tensors, stage)
+    else:
+        record.quantize(layout, stage, s, rank)
+
+
+def _verify(plan: RefitPlan, layout: EngineLayout, ready: _Ready, rank: int, record: _QuantRecord) -> int:
     """Collective: every delivery's digest at its source (the trainer's box, cast to the
-    engine tensor's dtype) against the engine's installed box; :class:`RefitVerifyError` on
-    every rank naming the first box that differs. Returns the boxes this rank checked."""
+    engine tensor's dtype) against the engine's installed box, or for a quantized tensor its
+    box as staged before quantization, and the installed FP8 values and scale blocks of the box
+    against those its quantization made; :class:`RefitVerifyError` on every rank naming the
+    first box that differs. Returns the boxes this rank checked."""
     eng_dtypes = [getattr(torch, d) for d in plan.needs.dtypes]
     mine: dict[tuple, int] = {}  # (plan, receiver, unit and box) -> digest at the source
     for gi, p in enumerate(plan.plans):
@@ -614,25 +663,46 @@ def _verify(plan: RefitPlan, layout: EngineLayout, ready: _Ready, rank: int, wir
             return
         for gi, p in enumerate(plan.plans):
             s = p.schedule
-            sink = TensorSink(s, ready.dst, rank)
+            lists = piece_lists(s)
             for row in np.flatnonzero(s.deliveries.rank == rank).tolist():
-                if layout.tensors[int(s.deliveries.param[row])].quant is not None:
-                    continue  # its boxes were quantized with their blocks: no box digest to compare
                 pid = int(s.deliveries.piece[row])
-                got = digest(sink.target(row))
-                checked += 1
+                j, slot, idx = lists.index("deliveries", row, pid)
+                t = layout.tensors[j]
                 want = source.get((gi, rank, _box_key(s, pid)))
+                unit = s.keys[int(s.pieces.key[pid])]
+                nd = int(s.key_ndim[s.pieces.key[pid]])
+                box = list(zip(s.pieces.off[pid, :nd].tolist(), s.pieces.len[pid, :nd].tolist()))
+                where = f"rank {rank}: engine tensor {t.name}{f' slot {slot}' if slot >= 0 else ''}"
+                at = s.deliveries.off[row, :nd].tolist()
+                checked += 1
+                if t.quant is None:
+                    got = digest(ready.dst[j][slot][idx] if slot >= 0 else ready.dst[j][idx])
+                    if want != got:
+                        raise RefitVerifyError(
+                            f"{where} at {at} differs from box {box} of {unit} (digest {got:#x}, the trainer's "
+                            f"{want if want is None else hex(want)})"
+                        )
+                    continue
+                key = (id(s), row)
+                got = record.staged[key]
                 if want != got:
-                    j = int(s.deliveries.param[row])
-                    unit = s.keys[int(s.pieces.key[pid])]
-                    nd = int(s.key_ndim[s.pieces.key[pid]])
-                    box = list(zip(s.pieces.off[pid, :nd].tolist(), s.pieces.len[pid, :nd].tolist()))
-                    slot = int(s.deliveries.slot[row])
-                    where = f" slot {slot}" if slot >= 0 else ""
                     raise RefitVerifyError(
-                        f"rank {rank}: engine tensor {layout.tensors[j].name}{where} at "
-                        f"{s.deliveries.off[row, :nd].tolist()} differs from box {box} of {unit} (digest "
-                        f"{got:#x}, the trainer's {want if want is None else hex(want)})"
+                        f"{where} at {at}, as staged before quantization ({plan.needs.dtypes[j]}), differs from box "
+                        f"{box} of {unit} (digest {got:#x}, the trainer's {want if want is None else hex(want)})"
+                    )
+                values = ready.dst[j] if slot < 0 else ready.dst[j][slot]
+                if digest(values[idx]) != record.values[key]:
+                    raise RefitVerifyError(
+                        f"{where} at {at} (box {box} of {unit}): its installed FP8 values differ from the "
+                        "quantization of what arrived"
+                    )
+                scale = ready.scales[j] if slot < 0 else ready.scales[j][slot]
+                blocks = _scale_blocks(t, idx)
+                if digest(scale[blocks]) != record.scales[key]:
+                    span = [[b.start, b.stop] for b in blocks]
+                    raise RefitVerifyError(
+                        f"{where}: its scale {t.scale_name} blocks {span} (of box {box} of {unit} at {at}) differ "
+                        "from the quantization of what arrived"
                     )
 
     with collectives.errors_as(RefitVerifyError):
