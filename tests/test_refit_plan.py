@@ -679,33 +679,26 @@ def test_sglang_fused_shared_expert_is_the_last_slot_on_every_engine_rank(ep):
     e, sh = "model.layers.1.mlp.experts", "model.layers.1.mlp.shared_experts"
     j13, j2 = names.index(f"{e}.w13_weight"), names.index(f"{e}.w2_weight")
     last = 8 if ep == 1 else 4
-    if ep == 1:  # engine rank 1 = TP rank 1: rows 8:16 of gate and of up, columns 8:16 of down
+    if ep == 1:  # TP rank r: rows 8r:8r+8 of gate and of up, columns 8r:8r+8 of down
         assert needs.local_shapes[j13] == (9, 16, 32) and needs.local_shapes[j2] == (9, 32, 8)
-        want13 = [
-            (f"{sh}.gate_proj.weight", 8, [8, 0], [8, 32], [0, 0]),
-            (f"{sh}.up_proj.weight", 8, [8, 0], [8, 32], [8, 0]),
-        ]
-        want2 = [(f"{sh}.down_proj.weight", 8, [0, 8], [32, 8], [0, 0])]
     else:
         assert needs.local_shapes[j13] == (5, 32, 32) and needs.local_shapes[j2] == (5, 32, 16)
-        want13 = [
-            (f"{sh}.gate_proj.weight", 4, [0, 0], [16, 32], [0, 0]),
-            (f"{sh}.up_proj.weight", 4, [0, 0], [16, 32], [16, 0]),
-        ]
-        want2 = [(f"{sh}.down_proj.weight", 4, [0, 0], [32, 16], [0, 0])]
     for rank in (0, 1):
-        rows13 = _rows(needs, rank, j13)
-        assert [r for r in rows13 if r[1] == last] == (
-            want13 if rank == 1 or ep == 2 else [(n, s, [0, 0], ln, loc) for n, s, _, ln, loc in want13]
-        )
+        at, n = (8 * rank, 8) if ep == 1 else (0, 16)
+        rows13, rows2 = _rows(needs, rank, j13), _rows(needs, rank, j2)
+        assert [r for r in rows13 if r[1] == last] == [
+            (f"{sh}.gate_proj.weight", last, [at, 0], [n, 32], [0, 0]),
+            (f"{sh}.up_proj.weight", last, [at, 0], [n, 32], [n, 0]),
+        ]
+        assert [r for r in rows2 if r[1] == last] == [(f"{sh}.down_proj.weight", last, [0, at], [32, n], [0, 0])]
         # The routed slots still follow the placement: slot 0 holds physical slot 0 (ep=1) or
         # the rank's first (ep=2: rank 1's slot 0 is physical 4, expert 5).
         first = 3 if ep == 1 or rank == 0 else 5
         assert {r[0] for r in rows13 if r[1] == 0} == {f"{e}.gate_up_proj[{first}]"}
-    assert [r for r in _rows(needs, 1, j2) if r[1] == last] == want2
-    # The trainer's shared expert goes nowhere else.
-    units = {needs.keys[u] for u in needs.rows.unit.tolist()}
-    assert {f"{sh}.{n}_proj.weight" for n in ("gate", "up", "down")} <= units
+    # The trainer's shared expert goes into that slot of w13 / w2 only.
+    rows = needs.rows
+    on = np.isin(rows.unit, [u for u, k in enumerate(needs.keys) if k.startswith(sh)])
+    assert set(rows.param[on].tolist()) == {j13, j2} and set(rows.slot[on].tolist()) == {last}
 
 
 def test_a_fused_shared_expert_must_fit_an_expert_slot():
