@@ -856,7 +856,7 @@ def _fused_tensors(family, lay, full, rank, dtype):
         scale = None
         if t.quant is not None:
             ref, scale = engine_quant.quantize(t, ref)
-            dst[t.scale_name] = torch.full(scale.shape, 7, dtype=torch.uint8).view(scale.dtype)
+            dst[t.scale_name] = torch.full_like(scale.view(torch.uint8), 7).view(scale.dtype)
         shape = list(ref.shape)
         if t.pad_to > 1:
             shape[0] = -(-full[t.segments[0].source].shape[0] // PAD) * PAD // lay.tp
