@@ -671,7 +671,7 @@ def test_sglang_fused_shared_expert_is_the_last_slot_on_every_engine_rank(ep):
     in ``w13_weight``, whole under EP, TP-split like the routed slots without."""
     from moeshard.plan.engines import sglang_deepseek_v3
 
-    p2l = np.array([[3, 1, 4, 1, 5, 0, 2, 6]])  # 8 slots, expert 1 twice
+    p2l = np.array([[3, 1, 4, 7, 5, 0, 2, 6]])  # an EPLB permutation (no redundant slot: sglang's rule)
     lay = sglang_deepseek_v3(2, range(2), tp=2, ep=ep, first_k_dense=1, phy2log=p2l, fuse_shared_experts=True)
     names = [t.name for t in lay.tensors]
     assert not any("shared_experts" in n for n in names)
@@ -707,7 +707,7 @@ def test_a_fused_shared_expert_must_fit_an_expert_slot():
         EngineTensor("w13", gu, moe_layer=0, shared=(Segment("q"),))
     with pytest.raises(ValueError, match="for an expert tensor"):
         EngineTensor("o", (Segment("o"),), shared=(Segment("o"),))
-    p2l = np.array([[0, 1]])
+    p2l = np.array([[0, 2, 1]])
     bad = {
         "is an expert parameter": EngineTensor("w2", down, moe_layer=0, shared=(Segment("down"),)),
         r"shared expert segment o \[6, 8\] is not the shape of an expert's \[4, 3\]": EngineTensor(
@@ -720,7 +720,97 @@ def test_a_fused_shared_expert_must_fit_an_expert_slot():
     # An expert-shaped dense tensor fits: [3 slots of the placement + 1, 4, 3].
     info = UnitInfo({**INFO.shapes, "sd": (4, 3)}, {**INFO.dtypes, "sd": "float32"}, INFO.experts, 3)
     t = EngineTensor("w2", down, moe_layer=0, shared=(Segment("sd"),))
-    assert engine_needs(EngineLayout((t,), ranks=(0,), phy2log=p2l), info, 2).local_shapes == ((3, 4, 3),)
+    assert engine_needs(EngineLayout((t,), ranks=(0,), phy2log=p2l), info, 2).local_shapes == ((4, 4, 3),)
+
+
+def _sglang_load_fused_experts(values, p2l_row, num_logical, ep, tp, erank):
+    """Engine rank ``erank``'s ``w13_weight`` / ``w2_weight`` of MoE layer 1 as sglang loads
+    them with the shared expert fused, in one process, following sglang's code (python/sglang/
+    srt/): ``DeepseekV2WeightLoaderMixin.do_load_weights`` (models/deepseek_common/
+    deepseek_weight_loader.py) loads ``mlp.shared_experts`` as expert ``n_routed_experts``;
+    ``DeepseekV2MoE`` builds ``FusedMoE(num_experts=n_routed + 1 + ep_num_redundant_experts)``
+    (layers/moe/fused_moe_triton/layer.py): ``_num_global_routed`` = the physical slots,
+    ``_num_local_routed`` = those // ep, ``num_local_experts`` = that + 1; ``weight_loader``
+    takes an id ``>= _num_global_routed`` for the shared expert, any other through
+    ``ExpertLocationMetadata.logical_to_all_physical`` (eplb/expert_location.py: a map over the
+    ``n_routed`` logical experts); ``_map_global_expert_id_to_local_expert_id`` puts a physical
+    slot of this rank at its offset and the shared expert after the routed slots, on every rank;
+    ``_load_w13`` / ``_load_w2`` split I over moe TP (``tp`` without EP, 1 with)."""
+    e, sh = "model.layers.1.mlp.experts", "model.layers.1.mlp.shared_experts"
+    global_routed = len(p2l_row)
+    local_routed = global_routed // ep
+    ep_rank = erank if ep > 1 else 0
+    moe_tp, tp_rank = (tp, erank % tp) if ep == 1 else (1, 0)
+    logical_to_all = [np.flatnonzero(p2l_row == x).tolist() for x in range(num_logical)]
+    size = values[f"{sh}.gate_proj.weight"].shape[0] // moe_tp  # I per moe TP rank
+    part = slice(size * tp_rank, size * (tp_rank + 1))
+    h = values[f"{sh}.gate_proj.weight"].shape[1]
+    w13 = np.full((local_routed + 1, 2 * size, h), np.nan)
+    w2 = np.full((local_routed + 1, h, size), np.nan)
+    for x in range(num_logical + 1):  # the checkpoint's experts, then the renamed shared expert
+        if x == num_logical:
+            gate, up, down = (values[f"{sh}.{n}_proj.weight"] for n in ("gate", "up", "down"))
+        else:
+            gu = values[f"{e}.gate_up_proj[{x}]"]
+            gate, up, down = gu[: len(gu) // 2], gu[len(gu) // 2 :], values[f"{e}.down_proj[{x}]"]
+        physical = [x] if x >= global_routed else logical_to_all[x]  # IndexError: x is no logical expert
+        for p in physical:
+            if ep_rank * local_routed <= p < (ep_rank + 1) * local_routed:
+                slot = p - ep_rank * local_routed
+            elif p >= global_routed:
+                slot = p - global_routed + local_routed
+            else:
+                continue
+            w13[slot, :size], w13[slot, size:], w2[slot] = gate[part], up[part], down[:, part]
+    return w13, w2
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_sglang_fused_shared_expert_is_what_sglangs_loader_builds(ep):
+    """Every engine rank's ``w13_weight`` / ``w2_weight`` assembled in one process from moeshard's
+    need rows equals the one sglang's own loading rule builds from the same (distinct) values:
+    the placement's slots, then the shared expert; every element written."""
+    from moeshard.plan.engines import sglang_deepseek_v3
+
+    p2l = np.array([[3, 1, 4, 7, 5, 0, 2, 6]])
+    lay = sglang_deepseek_v3(2, range(2), tp=2, ep=ep, first_k_dense=1, phy2log=p2l, fuse_shared_experts=True)
+    needs = engine_needs(lay, DSV3_INFO, 2)
+    values = _values(DSV3_INFO)
+    got = _expected(needs, needs.keys, values)
+    names = [t.name for t in lay.tensors]
+    j13, j2 = names.index("model.layers.1.mlp.experts.w13_weight"), names.index("model.layers.1.mlp.experts.w2_weight")
+    for rank in (0, 1):
+        w13, w2 = _sglang_load_fused_experts(values, p2l[0], DSV3_INFO.num_logical, ep, 2, rank)
+        assert not np.isnan(w13).any() and not np.isnan(w2).any()
+        np.testing.assert_array_equal(got[(rank, j13)], w13)
+        np.testing.assert_array_equal(got[(rank, j2)], w2)
+
+
+def test_a_fused_shared_expert_with_redundant_expert_slots_is_refused():
+    """sglang takes an id for its fused shared expert only from ``_num_global_routed`` = the
+    physical slots up; the shared expert is loaded as ``n_routed_experts``, so with EPLB's
+    redundant slots (``--ep-num-redundant-experts``) its loader looks it up as a routed expert
+    and fails (its rule, run here, raises IndexError): no slot of such an engine holds the
+    shared expert. moeshard refuses the layout, at construction and on a new placement, rather
+    than write a slot sglang never reads; the planner refuses a placement of another number
+    of slots than the trainer's experts."""
+    from moeshard.plan.engines import sglang_deepseek_v3
+
+    dup = np.array([[3, 1, 4, 7, 5, 0, 2, 6, 1, 3]])  # 10 slots: experts 1 and 3 twice
+    with pytest.raises(IndexError):
+        _sglang_load_fused_experts(_values(DSV3_INFO), dup[0], DSV3_INFO.num_logical, 2, 2, 0)
+    kw = dict(tp=2, ep=2, first_k_dense=1, fuse_shared_experts=True)
+    redundant = r"phy2log row 0 places expert 1 more than once.*--ep-num-redundant-experts"
+    with pytest.raises(ValueError, match=redundant):
+        sglang_deepseek_v3(2, range(2), phy2log=dup, **kw)
+    lay = sglang_deepseek_v3(2, range(2), phy2log=dup[:, :8], **kw)
+    with pytest.raises(ValueError, match=redundant):
+        lay.with_placement(dup)
+    short = sglang_deepseek_v3(2, range(2), phy2log=np.array([[3, 1, 4, 0, 5, 2]]), **kw)
+    with pytest.raises(ValueError, match=r"w13_weight: a fused shared expert needs a placement of the 8 experts"):
+        engine_needs(short, DSV3_INFO, 2)
+    # Unfused, the shared expert is a dense tensor and redundant slots are the placement's.
+    assert engine_needs(sglang_deepseek_v3(2, range(2), tp=2, ep=2, first_k_dense=1, phy2log=dup), DSV3_INFO, 2)
 
 
 def test_ue8m0_scales_are_declared_on_every_quantized_tensor():

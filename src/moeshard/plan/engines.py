@@ -23,7 +23,8 @@ sglang's layers are the same (its linear, embedding and ``FusedMoE`` layers deri
 with the same padding of 64 and the same ``w13_weight`` / ``w2_weight``); its DeepSeek-V3 names
 the fused projection ``fused_qkv_a_proj_with_mqa`` and holds the shared expert unfused
 (``--disable-shared-experts-fusion``) or, with ``fuse_shared_experts``, as the last local slot of
-``w13_weight`` / ``w2_weight`` on every engine rank.
+``w13_weight`` / ``w2_weight`` on every engine rank (a placement without redundant slots only:
+see :func:`sglang_deepseek_v3`).
 
 MLA's absorbed weights are not described: vLLM (``W_UK_T`` / ``W_UV`` of its MLA attention) and
 sglang (``w_kc`` / ``w_vc``) derive them from ``kv_b_proj`` after loading (a split and a
@@ -376,7 +377,15 @@ def sglang_deepseek_v3(
     ``w13_weight [local_slots + 1, 2I, H]`` / ``w2_weight [local_slots + 1, H, I]``, the shared
     expert (loaded by sglang as expert ``n_routed_experts``) after the engine rank's slots of
     ``phy2log`` on every rank, whole under EP, TP-split like the other slots without. Its
-    intermediate size must be the experts' (``n_shared_experts = 1``). Other arguments as
+    intermediate size must be the experts' (``n_shared_experts = 1``).
+
+    sglang fuses by default (``DeepseekV2ForCausalLM.determine_num_fused_shared_experts``) for
+    DeepSeek-V3 (256 routed experts, one shared) on CUDA without expert parallelism, DeepEP or
+    batch overlap, under EP only on ROCm gfx942+; ``--enforce-shared-experts-fusion`` fuses in
+    every case (DeepEP's per-rank shared slots hold the same weights). A fused shared expert with redundant slots
+    (``--ep-num-redundant-experts``: a ``phy2log`` row placing an expert twice) raises
+    ValueError: sglang's ``FusedMoE.weight_loader`` takes the shared expert, loaded as expert
+    ``n_routed_experts``, for a routed one then, so no slot holds it. Other arguments as
     :func:`vllm_deepseek_v3`'s."""
     k = _kind(dtype, quant, block, scale_suffix, scale_fmt, scale_dtype)
     t = _deepseek_v3(num_layers, k, first_k_dense, shared_experts, "fused_qkv_a_proj_with_mqa", fuse_shared_experts)

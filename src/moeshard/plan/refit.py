@@ -120,7 +120,9 @@ class EngineTensor:
             slot after the placement's (sglang's fused shared expert: DeepSeek-V3's
             ``shared_experts`` as the last slot of ``w13_weight`` / ``w2_weight`` on every engine
             rank); each the shape of the matching expert segment, split over TP as the expert
-            slots are. Empty: none.
+            slots are. Empty: none. The placement must then hold each of the trainer's experts
+            once (sglang finds the fused slot only without redundant slots); another raises
+            ValueError.
     """
 
     name: str
@@ -186,7 +188,9 @@ class EngineLayout:
             ``len(ranks)`` (vLLM's expert parallelism: slot ``p`` of a MoE layer on engine rank
             ``p // slots_per_rank``, experts not TP-split).
         phy2log: ``int64[num_moe_layers, num_physical]`` the engine's placement (redundant copies
-            allowed), taken from the engine; None without expert tensors.
+            allowed, but not with a fused shared expert, :attr:`EngineTensor.shared`: sglang
+            loads that only without redundant slots), taken from the engine; None without
+            expert tensors.
     """
 
     tensors: tuple[EngineTensor, ...]
@@ -215,6 +219,9 @@ class EngineLayout:
             bad = [t.name for t in self.tensors if t.moe_layer >= len(p2l)]
             if bad:
                 raise ValueError(f"expert tensor {bad[0]}: no row for its MoE layer in phy2log {list(p2l.shape)}")
+            fused = [t.name for t in self.tensors if t.shared]
+            if fused:
+                _check_no_redundant_slots(fused[0], p2l)
 
     @property
     def slots_per_rank(self) -> int:
@@ -230,6 +237,37 @@ class EngineLayout:
         if self.phy2log is not None:
             h.update(np.ascontiguousarray(self.phy2log, np.int64).tobytes())
         return h.hexdigest()[:16]
+
+
+# Why a fused shared expert admits no redundant slot, in sglang's code: DeepseekV2WeightLoaderMixin.
+# do_load_weights (python/sglang/srt/models/deepseek_common/deepseek_weight_loader.py) loads
+# mlp.shared_experts as expert n_routed_experts; FusedMoE.weight_loader and
+# _map_global_expert_id_to_local_expert_id (python/sglang/srt/layers/moe/fused_moe_triton/layer.py)
+# take an id for the shared expert, and put it in the slot after the rank's routed ones, only from
+# _num_global_routed = n_routed_experts + ep_num_redundant_experts up. Below that the id is looked
+# up as a routed expert (ExpertLocationMetadata.logical_to_all_physical, over n_routed_experts
+# logical experts: python/sglang/srt/eplb/expert_location.py), so with redundant slots no slot
+# holds the shared expert, and sglang's fusion decision
+# (DeepseekV2ForCausalLM.determine_num_fused_shared_experts) does not look at redundant slots.
+_SGLANG_FUSED_RULE = (
+    "sglang's fused shared expert is loaded as expert n_routed_experts, which FusedMoE.weight_loader "
+    "takes for the shared expert only without redundant slots (from _num_global_routed = n_routed_experts "
+    "+ ep_num_redundant_experts up): run sglang without --ep-num-redundant-experts, or with "
+    "--disable-shared-experts-fusion (fuse_shared_experts=False)"
+)
+
+
+def _check_no_redundant_slots(name: str, p2l: np.ndarray) -> None:
+    """Raise ValueError (naming engine tensor ``name``) if a row of ``p2l`` places an expert
+    twice: a placement that covers every expert has redundant slots exactly then."""
+    s = np.sort(p2l, axis=1)
+    twice = np.argwhere(s[:, 1:] == s[:, :-1])
+    if len(twice):
+        row, col = (int(v) for v in twice[0])
+        raise ValueError(
+            f"engine tensor {name} holds a fused shared expert but phy2log row {row} places expert "
+            f"{int(s[row, col])} more than once (a redundant slot): {_SGLANG_FUSED_RULE}"
+        )
 
 
 @dataclass(frozen=True)
@@ -455,6 +493,11 @@ def engine_needs(layout: EngineLayout, info: UnitInfo, width: int) -> EngineNeed
                     f"engine tensor {t.name}: shared expert segment {s.source} "
                     f"{list(_seg_shape(t, s, info, shared=True))} is not the shape of an expert's {list(sh)}"
                 )
+        if t.shared and num_slots != info.num_logical:
+            raise ValueError(
+                f"engine tensor {t.name}: a fused shared expert needs a placement of the {info.num_logical} "
+                f"experts, one slot each; phy2log has {num_slots} slots: {_SGLANG_FUSED_RULE}"
+            )
         dtypes.append(t.dtype or info.dtypes[t.segments[0].source])
         key = (
             tuple(segs),
