@@ -12,7 +12,8 @@ One spawned group runs, per family:
 3. (Qwen3-MoE) a failure on one rank during the third install group: every rank raises, the
    groups before are new, the others old; a corrupted delivery: ``verify`` names its box;
 4. sglang's layout in block FP8 (float32 scales; UE8M0 scales as e8m0 bytes, DeepSeek-V3's
-   shared expert fused as the last expert slot), and faults in block-FP8 tensors that
+   shared expert fused as the last expert slot, on a placement without redundant slots as sglang
+   requires), and faults in block-FP8 tensors that
    ``verify`` names on every rank.
 
 Every engine tensor is compared bit for bit with the same fusion and sharding built in one
@@ -45,6 +46,13 @@ FIRST_MOE = {"qwen3_moe": 0, "deepseek_v3": 1}
 def _engine_placement(seed: int, ep: int):
     """``int64[NUM_LAYERS, P]``: every expert once plus redundant copies, shuffled (EPLB-like)."""
     return np.asarray(tiny_hf.shuffled_redundant(NUM_EXPERTS, ep, seed).phy2log, np.int64)
+
+
+def _permuted_placement(seed: int):
+    """``int64[NUM_LAYERS, NUM_EXPERTS]``: every expert once, shuffled (EPLB without redundant
+    slots, the only placement sglang loads a fused shared expert into)."""
+    rng = np.random.default_rng(seed)
+    return np.stack([rng.permutation(NUM_EXPERTS) for _ in range(tiny_hf.NUM_LAYERS)]).astype(np.int64)
 
 
 def _layout(family: str, ranks, tp: int, ep: int, p2l, dtype=None):
@@ -808,8 +816,9 @@ def test_one_batch_packs_the_pieces_of_a_pair_into_one_message(runs):
 # -- UE8M0 scales, sglang's fused shared expert, verify of block-FP8 tensors -------------------
 #
 # In the colocated group, per family: sglang's layout with power-of-two block scales held as
-# e8m0 bytes (EP=4 with a redundant placement, TP=2; DeepSeek-V3 with its shared expert fused
-# as the last expert slot), verified; for DeepSeek-V3 also the fused shared expert TP-split
+# e8m0 bytes (EP=4, TP=2; Qwen3-MoE on a redundant placement, DeepSeek-V3 with its shared expert
+# fused as the last expert slot on a placement without redundant slots, as sglang requires),
+# verified; for DeepSeek-V3 also the fused shared expert TP-split
 # (EP=1) in bf16; then three faults under verify, each named on every rank: a wrong piece into
 # a quantized tensor's staging, a scale and an FP8 value changed as they are installed.
 
@@ -896,7 +905,8 @@ def _ue8m0_fused_and_verified(family: str, model, pl, rank: int) -> dict:
     full = _full(model, pl)
     out = {}
     kw = dict(dtype="bfloat16", quant="fp8", block=FP8_BLOCK, scale_fmt="ue8m0", scale_dtype="float8_e8m0fnu")
-    lay = _sglang_fused_layout(family, range(4), 2, 4, _engine_placement(7, 4), **kw)
+    p2l = _engine_placement(7, 4) if family == "qwen3_moe" else _permuted_placement(7)
+    lay = _sglang_fused_layout(family, range(4), 2, 4, p2l, **kw)
     dst, want = _fused_tensors(family, lay, full, rank, torch.bfloat16)
     rep = moeshard.refit(model, dst, lay, verify=True)
     bad, loose = _fused_mismatches(lay, dst, want)
@@ -904,7 +914,7 @@ def _ue8m0_fused_and_verified(family: str, model, pl, rank: int) -> dict:
     if family != "deepseek_v3":
         return out
     # The shared expert TP-split with the other slots (EP=1), bf16, no quantization.
-    lay1 = _sglang_fused_layout(family, range(4), 2, 1, _engine_placement(5, 1), dtype="bfloat16")
+    lay1 = _sglang_fused_layout(family, range(4), 2, 1, _permuted_placement(5), dtype="bfloat16")
     dst1, want1 = _fused_tensors(family, lay1, full, rank, torch.bfloat16)
     moeshard.refit(model, dst1, lay1)
     out["tp"] = dict(
@@ -968,7 +978,7 @@ def test_ue8m0_e8m0_refit_equals_one_process_quantization(runs, family):
 
 def test_sglang_fused_shared_expert_equals_one_process_fusion(runs):
     w13 = "model.layers.1.mlp.experts.w13_weight"
-    for case, slots in (("ep4", _engine_placement(7, 4).shape[1] // 4), ("tp", _engine_placement(5, 1).shape[1])):
+    for case, slots in (("ep4", NUM_EXPERTS // 4), ("tp", NUM_EXPERTS)):
         outs = [r["deepseek_v3"]["colocated"]["ue8m0"][case] for r in runs]
         assert [o["bad"] for o in outs] == [[]] * WORLD, case
         assert all(o["shapes"][w13][0] == slots + 1 for o in outs), case  # the placement's slots + the shared one
@@ -978,7 +988,7 @@ def test_sglang_fused_shared_expert_equals_one_process_fusion(runs):
 def test_verify_names_a_wrong_block_fp8_box_on_every_rank(runs):
     outs = [r["deepseek_v3"]["colocated"]["ue8m0"] for r in runs]
     e = "model.layers.1.mlp.experts"
-    shared = _engine_placement(7, 4).shape[1] // 4  # the shared expert's slot
+    shared = NUM_EXPERTS // 4  # the shared expert's slot
     for o in outs:
         assert (
             o["piece"] is not None and "rank 1: engine tensor model.layers.1.self_attn.o_proj.weight at" in o["piece"]

@@ -382,11 +382,11 @@ def sglang_deepseek_v3(
     sglang fuses by default (``DeepseekV2ForCausalLM.determine_num_fused_shared_experts``) for
     DeepSeek-V3 (256 routed experts, one shared) on CUDA without expert parallelism, DeepEP or
     batch overlap, under EP only on ROCm gfx942+; ``--enforce-shared-experts-fusion`` fuses in
-    every case (DeepEP's per-rank shared slots hold the same weights). A fused shared expert with redundant slots
-    (``--ep-num-redundant-experts``: a ``phy2log`` row placing an expert twice) raises
-    ValueError: sglang's ``FusedMoE.weight_loader`` takes the shared expert, loaded as expert
-    ``n_routed_experts``, for a routed one then, so no slot holds it. Other arguments as
-    :func:`vllm_deepseek_v3`'s."""
+    every case (DeepEP's per-rank shared slots hold the same weights). A fused shared expert
+    with redundant slots (``--ep-num-redundant-experts``: a ``phy2log`` row placing an expert
+    twice) raises ValueError: sglang's ``FusedMoE.weight_loader`` takes the shared expert,
+    loaded as expert ``n_routed_experts``, for a routed one then, so no slot holds it. Other
+    arguments as :func:`vllm_deepseek_v3`'s."""
     k = _kind(dtype, quant, block, scale_suffix, scale_fmt, scale_dtype)
     t = _deepseek_v3(num_layers, k, first_k_dense, shared_experts, "fused_qkv_a_proj_with_mqa", fuse_shared_experts)
     return _layout(t, ranks, tp, ep, phy2log)
