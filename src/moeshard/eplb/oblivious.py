@@ -85,25 +85,40 @@ def replicate_experts(
     cnt = np.ones((num_rows, n), dtype=np.int64)
     per_copy = w.copy()
     rows = np.arange(num_rows)
+    if num_ranks is None:
+        for i in range(n, num_phy):
+            j = per_copy.argmax(axis=1)
+            phy[:, i] = j
+            c = cnt[rows, j] + 1
+            cnt[rows, j] = c
+            per_copy[rows, j] = w[rows, j] / c  # rounded to w's dtype (float32: eplb.py's)
+        return phy, cnt
     hot = np.broadcast_to(np.asarray(hot, dtype=np.int64), (num_rows,))
     is_hot = np.zeros((num_rows, n), dtype=bool)
     if hot.any():
         order = np.argsort(-w, axis=1, kind="stable")
         np.put_along_axis(is_hot, order, np.arange(n) < hot[:, None], axis=1)
+    # An item is open while it has fewer than num_ranks copies and, if hot, the row's hot
+    # items have fewer than num_ranks together; ``open_`` is its load per copy, -inf once
+    # closed (kept up to date item by item: an item closes for good).
+    hot_total = is_hot.sum(1)
+    open_ = np.where((cnt < num_ranks) & (~is_hot | (hot_total < num_ranks)[:, None]), per_copy, -np.inf)
     for i in range(n, num_phy):
-        if num_ranks is None:
-            j = per_copy.argmax(axis=1)
-        else:
-            limit = cnt < num_ranks
-            if hot.any():
-                limit &= ~is_hot | ((cnt * is_hot).sum(1) < num_ranks)[:, None]
-            open_ = np.where(limit, per_copy, -np.inf)
-            j = open_.argmax(axis=1)
-            full = np.isneginf(open_[rows, j])
+        j = open_.argmax(axis=1)
+        full = np.isneginf(open_[rows, j])
+        if full.any():
             j[full] = per_copy[full].argmax(axis=1)
         phy[:, i] = j
-        cnt[rows, j] += 1
-        per_copy[rows, j] = w[rows, j] / cnt[rows, j]  # rounded to w's dtype (float32: eplb.py's)
+        c = cnt[rows, j] + 1
+        cnt[rows, j] = c
+        v = w[rows, j] / c  # rounded to w's dtype
+        per_copy[rows, j] = v
+        hj = is_hot[rows, j]
+        hot_total += hj
+        open_[rows, j] = np.where((c < num_ranks) & (~hj | (hot_total < num_ranks)), v, -np.inf)
+        shut = hj & (hot_total == num_ranks)  # the row's hot items close together
+        if shut.any():
+            open_[shut] = np.where(is_hot[shut], -np.inf, open_[shut])
     return phy, cnt
 
 
@@ -117,32 +132,38 @@ def balanced_pack(w: np.ndarray, key: np.ndarray | None, num_keys: int, num_pack
     if cap == 1:  # the reference's shortcut: item i is pack i
         return np.broadcast_to(np.arange(n).reshape(1, n, 1), (num_rows, n, 1)).copy()
     order = np.argsort(-w, axis=1, kind="stable")
-    rows = np.arange(num_rows)
-    w_sorted = np.take_along_axis(w, order, axis=1)
+    # per step t, every row's item (rows of the transposed arrays are contiguous)
+    w_t = np.ascontiguousarray(np.take_along_axis(w, order, axis=1).T)
     # a pack's load (float32 sums for the exact reference), inf once it is full: the cost of
-    # putting the next item there
-    cost = np.zeros((num_rows, num_packs), dtype=w.dtype)
-    pack_n = np.zeros((num_rows, num_packs), dtype=np.int64)
-    slots = np.full((num_rows, num_packs, cap), -1, dtype=np.int64)
+    # putting the next item there; flat [B * num_packs] so that a step reads it with one index
+    cost = np.zeros(num_rows * num_packs, dtype=w.dtype)
+    filled = np.zeros(num_rows * num_packs, dtype=np.int64)
+    base = np.arange(num_rows) * num_packs
+    dest = np.empty((n, num_rows), dtype=np.int64)  # pack of each step's item
     if key is not None:
-        keys = np.take_along_axis(key, order, axis=1)
-        holds = np.zeros((num_rows, num_keys, num_packs), dtype=bool)
+        key_t = np.ascontiguousarray(np.take_along_axis(key, order, axis=1).T) + (np.arange(num_rows) * num_keys)
+        holds = np.zeros((num_rows * num_keys, num_packs), dtype=bool)
+        holds_f = holds.reshape(-1)
+    cost2 = cost.reshape(num_rows, num_packs)
     for t in range(n):
         if key is not None:
-            e = keys[:, t]
-            strict = np.where(holds[rows, e], np.inf, cost)
+            e = key_t[t]
+            strict = np.where(holds[e], np.inf, cost2)
             k = strict.argmin(axis=1)
-            stuck = np.isinf(strict[rows, k])
+            stuck = np.isinf(strict.reshape(-1)[base + k])
             if stuck.any():  # every pack with room holds it: the repair deals with it
-                k[stuck] = cost[stuck].argmin(axis=1)
-            holds[rows, e, k] = True
+                k[stuck] = cost2[stuck].argmin(axis=1)
+            holds_f[e * num_packs + k] = True
         else:
-            k = cost.argmin(axis=1)
-        at = pack_n[rows, k]
-        slots[rows, k, at] = order[:, t]
-        pack_n[rows, k] = at + 1
-        cost[rows, k] = np.where(at + 1 >= cap, np.inf, cost[rows, k] + w_sorted[:, t])
-    return slots
+            k = cost2.argmin(axis=1)
+        dest[t] = k
+        kf = base + k
+        at = filled[kf] + 1
+        filled[kf] = at
+        cost[kf] = np.where(at >= cap, np.inf, cost[kf] + w_t[t])
+    # each pack's items in packing order: the steps sorted by pack (stable)
+    by_pack = np.argsort(dest.T, axis=1, kind="stable")
+    return np.take_along_axis(order, by_pack, axis=1).reshape(num_rows, num_packs, cap)
 
 
 def per_rank_cap(cnt: np.ndarray, num_live: np.ndarray) -> np.ndarray:
