@@ -205,7 +205,9 @@ def _window_round(st: _State, active: np.ndarray, rk_h: np.ndarray, band: np.nda
     slack = _WINDOW_SLACK * np.abs(lh)
     ok_a = ~np.isnan(wa)
     q_lo = np.where(ok_a, wa - (p_eff - lmin + slack)[:, None], -np.inf)
-    q_hi = np.where(ok_a, wa - (lh - p_eff - slack)[:, None], -np.inf)
+    # and below w_a: a swap lowers the peak by the margin only if d > (margin - rounding) * load_h
+    # (so neither a itself nor a copy of the same expert is looked at)
+    q_hi = np.where(ok_a, np.minimum(wa - (lh - p_eff - slack)[:, None], wa - (0.5 * _MARGIN * lh)[:, None]), -np.inf)
     # queries clamped to [-0.2, 0.45] span within the band: they never reach another band's keys
     span, err = st.span, st.err
     shift = band[:, None] * span
