@@ -221,30 +221,34 @@ def _window_round(st: _State, active: np.ndarray, rk_h: np.ndarray, band: np.nda
     at = np.repeat(lo - (np.cumsum(per) - per), per) + np.arange(len(ra))
     qb = st.by[at]  # slot of b
     rkb = qb // s
+    lhc = lh[ra // s]
+    d = wa.reshape(-1)[ra] - st.wn[qb]  # load leaving h for k
+    peak = np.maximum(lhc - d, st.lf[rkb] + d)
+    # below h's load by the margin (d > 0 follows); NaN (an empty slot) compares false. Only
+    # these candidates are kept: the cap's checks below only take some of them away.
+    keep = np.flatnonzero(peak < lhc * (1 - _MARGIN))
+    ra, qb, rkb, peak = ra[keep], qb[keep], rkb[keep], peak[keep]
     row = ra // s
-    wbc = st.wn[qb]
-    load_k = st.lf[rkb]
-    lhc = lh[row]
     if st.cf is not None:
         coff_c = (active * st.num_e)[row]
         pb = np.maximum(st.pk[qb], 0)
-        wbc = np.where(cf[rk_h[row] * e1 + pb] < capf[coff_c + pb], wbc, np.nan)  # h may take b
         ae = np.maximum(ea.reshape(-1)[ra], 0)
-        load_k = np.where(cf[rkb * e1 + ae] < capf[coff_c + ae], load_k, np.inf)  # k may take a
-    d = wa.reshape(-1)[ra] - wbc  # load leaving h for k
-    peak = np.maximum(lhc - d, load_k + d)
-    # below h's load by the margin (d > 0 follows); NaN compares false
-    peak = np.where(peak < lhc * (1 - _MARGIN), peak, np.inf)
+        take = (cf[rk_h[row] * e1 + pb] < capf[coff_c + pb]) & (
+            cf[rkb * e1 + ae] < capf[coff_c + ae]
+        )  # h may take b, k a
+        peak = np.where(take, peak, np.inf)
     # per row the lowest peak, then the first in (a, k, b) order
-    per_row = per.reshape(n, s).sum(1)
+    per_row = np.bincount(row, minlength=n)
     has = per_row > 0
     starts = (np.cumsum(per_row) - per_row)[has]
     best = np.full(n, np.inf)
-    best[has] = np.minimum.reduceat(peak, starts)
+    if len(row):
+        best[has] = np.minimum.reduceat(peak, starts)
     flat = (ra - row * s) * ks + (qb - band[row] * ks)  # index in (a, k, b) order
     big = np.iinfo(np.int64).max
     first = np.zeros(n, dtype=np.int64)
-    first[has] = np.minimum.reduceat(np.where(peak == best[row], flat, big), starts)
+    if len(row):
+        first[has] = np.minimum.reduceat(np.where(peak == best[row], flat, big), starts)
     found = np.isfinite(best)
     first = np.where(found, first, 0)
     sa, kb = np.divmod(first, ks)
