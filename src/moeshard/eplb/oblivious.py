@@ -418,6 +418,26 @@ def _with_layers(base: ObliviousAnswer, layers: np.ndarray, sub: ObliviousAnswer
     return ObliviousAnswer(*fields)
 
 
+def _hot_variants(w: np.ndarray, num_phy: int, num_ranks: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`replicate_experts` of ``w`` ``float[B, n]`` with spread counts and each ``hot`` in
+    ``_HOT``: ``phy2item`` ``int[V*B, num_phy]`` and ``cnt`` ``int[V*B, n]``, variant ``v`` of
+    row ``r`` in row ``v * B + r``. A variant whose ``hot`` heaviest items end with at most
+    ``num_ranks`` copies together with ``hot=0`` is ``hot=0``'s: the limit never closed them to
+    a slot they would take (it closes them only once they have that many), so every slot goes
+    where it goes without it."""
+    num_b, n = w.shape
+    phy0, cnt0 = replicate_experts(w, num_phy, num_ranks)
+    hot = np.repeat(_HOT, num_b)
+    row = np.tile(np.arange(num_b), len(_HOT))
+    order = np.argsort(-w, axis=1, kind="stable")
+    top = np.cumsum(np.take_along_axis(cnt0, order, axis=1), axis=1)  # copies of the h heaviest
+    differ = np.flatnonzero((hot > 0) & (top[row, np.clip(hot, 1, n) - 1] > num_ranks))
+    phy, cnt = np.tile(phy0, (len(_HOT), 1)), np.tile(cnt0, (len(_HOT), 1))
+    if len(differ):
+        phy[differ], cnt[differ] = replicate_experts(w[row[differ]], num_phy, num_ranks, hot[differ])
+    return phy, cnt
+
+
 def _hot_spread(
     w: np.ndarray, sh: Shape, group_node: np.ndarray, plain_cnt: np.ndarray, plain_parts: tuple | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -436,7 +456,7 @@ def _hot_spread(
     mlog2log = _node_experts(group_node, group_loads(w, sh), n, num_e // sh.num_groups).reshape(rows, -1)
     w_m = np.take_along_axis(np.repeat(w, n, axis=0), mlog2log, axis=1)  # [L*N, E/N]
     num_v = len(_HOT)
-    phy2m, mcnt = replicate_experts(np.tile(w_m, (num_v, 1)), live * s, live, np.repeat(_HOT, rows))
+    phy2m, mcnt = _hot_variants(w_m, live * s, live)
     # variant v of node row r is row v * rows + r: variant 0 first, then the variants that differ
     # from it on the rows where variant 0's heaviest rank is over the node's mean by _GAIN
     peak_full = np.full(num_v * rows, np.inf)
