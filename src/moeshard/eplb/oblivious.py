@@ -145,7 +145,17 @@ def balanced_pack(w: np.ndarray, key: np.ndarray | None, num_keys: int, num_pack
         holds = np.zeros((num_rows * num_keys, num_packs), dtype=bool)
         holds_f = holds.reshape(-1)
     cost2 = cost.reshape(num_rows, num_packs)
-    for t in range(n):
+    start = 0
+    if (w_t[: num_packs - 1] > 0).all():
+        # item t < num_packs goes to pack t: the packs with an item are heavier than the empty
+        # ones, and an empty pack holds no key (no pack is full yet: cap >= 2)
+        start = num_packs
+        dest[:start] = np.arange(start)[:, None]
+        cost2[:] = w_t[:start].T
+        filled[:] = 1
+        if key is not None:
+            holds_f[key_t[:start] * num_packs + np.arange(start)[:, None]] = True
+    for t in range(start, n):
         if key is not None:
             e = key_t[t]
             strict = np.where(holds[e], np.inf, cost2)
