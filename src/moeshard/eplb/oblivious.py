@@ -142,8 +142,13 @@ def balanced_pack(w: np.ndarray, key: np.ndarray | None, num_keys: int, num_pack
     dest = np.empty((n, num_rows), dtype=np.int64)  # pack of each step's item
     if key is not None:
         key_t = np.ascontiguousarray(np.take_along_axis(key, order, axis=1).T) + (np.arange(num_rows) * num_keys)
-        holds = np.zeros((num_rows * num_keys, num_packs), dtype=bool)
-        holds_f = holds.reshape(-1)
+        # inf where the pack holds an item of the key, else 0: added to the costs (cheaper than
+        # a masked choice)
+        held = np.zeros((num_rows * num_keys, num_packs), dtype=w.dtype)
+        held_f = held.reshape(-1)
+    # added to a pack's cost as it takes its i-th item: inf once full
+    full = np.zeros(cap + 1, dtype=w.dtype)
+    full[cap:] = np.inf
     cost2 = cost.reshape(num_rows, num_packs)
     start = 0
     if (w_t[: num_packs - 1] > 0).all():
@@ -154,23 +159,23 @@ def balanced_pack(w: np.ndarray, key: np.ndarray | None, num_keys: int, num_pack
         cost2[:] = w_t[:start].T
         filled[:] = 1
         if key is not None:
-            holds_f[key_t[:start] * num_packs + np.arange(start)[:, None]] = True
+            held_f[key_t[:start] * num_packs + np.arange(start)[:, None]] = np.inf
     for t in range(start, n):
         if key is not None:
             e = key_t[t]
-            strict = np.where(holds[e], np.inf, cost2)
+            strict = held[e] + cost2
             k = strict.argmin(axis=1)
             stuck = np.isinf(strict.reshape(-1)[base + k])
             if stuck.any():  # every pack with room holds it: the repair deals with it
                 k[stuck] = cost2[stuck].argmin(axis=1)
-            holds_f[e * num_packs + k] = True
+            held_f[e * num_packs + k] = np.inf
         else:
             k = cost2.argmin(axis=1)
         dest[t] = k
         kf = base + k
         at = filled[kf] + 1
         filled[kf] = at
-        cost[kf] = np.where(at >= cap, np.inf, cost[kf] + w_t[t])
+        cost[kf] = cost[kf] + w_t[t] + full[at]
     # each pack's items in packing order: the steps sorted by pack (stable)
     by_pack = np.argsort(dest.T, axis=1, kind="stable")
     return np.take_along_axis(order, by_pack, axis=1).reshape(num_rows, num_packs, cap)
