@@ -24,6 +24,9 @@ _MARGIN = 1e-12
 _WINDOW_SLACK = 1e-11
 # Rounds with at most this many candidate pairs (rows x S x K x S) look at every pair.
 _DENSE_PAIRS = 50000
+# The windowed search's sorted copies are built where the first round has this many times
+# _DENSE_PAIRS pairs or more: fewer, and the few windowed rounds do not repay them.
+_WINDOW_FROM = 4
 
 
 def lower_peak(
@@ -59,7 +62,7 @@ def lower_peak(
     swaps = np.zeros(num_b, dtype=np.int64)
     if num_b == 0 or num_k < 2:
         return swaps
-    st = _State(packs, wc, cap, window=num_b * num_k * num_s * num_s > _DENSE_PAIRS)
+    st = _State(packs, wc, cap, window=num_b * num_k * num_s * num_s > _WINDOW_FROM * _DENSE_PAIRS)
     nk = num_n * num_k
     ar_s = np.arange(num_s)
     active = np.arange(num_b)
