@@ -75,9 +75,9 @@ class Placement:
                 f"num_ranks={self.num_ranks}"
             )
         # Empty slots are counted in an extra column, then dropped.
-        logcnt = np.zeros((num_layers, num_logical + 1), dtype=np.int64)
-        np.add.at(logcnt, (np.arange(num_layers)[:, None], np.where(p2l < 0, num_logical, p2l)), 1)
-        logcnt = np.ascontiguousarray(logcnt[:, :num_logical])
+        ids = np.where(p2l < 0, num_logical, p2l) + (np.arange(num_layers) * (num_logical + 1))[:, None]
+        logcnt = np.bincount(ids.ravel(), minlength=num_layers * (num_logical + 1))
+        logcnt = np.ascontiguousarray(logcnt.reshape(num_layers, num_logical + 1)[:, :num_logical])
         missing = np.argwhere(logcnt == 0)
         if len(missing):
             layer, expert = missing[0]
