@@ -407,6 +407,21 @@ def test_lower_peak_window_is_exact(monkeypatch):
         np.testing.assert_array_equal(out["window"][0], out["dense"][0])
 
 
+def test_desc_order_is_the_stable_sort():
+    """The heaviest-first order of the packing (integer sort of the floats' bits) is the stable
+    argsort of ``-w``: ties first by index, zeros and ``-0.0`` alike, float32 and float64, and
+    negative loads (the plain sort)."""
+    from moeshard.eplb.oblivious import desc_order
+
+    rng = np.random.default_rng(9)
+    for dtype in (np.float64, np.float32):
+        w = rng.integers(0, 6, size=(40, 30)).astype(dtype) * rng.choice([1.0, 0.1, 1e-30], size=(40, 1)).astype(dtype)
+        w[0, :5] = -0.0
+        w[1] = np.inf
+        for x in (w, w - 2):
+            np.testing.assert_array_equal(desc_order(x), np.argsort(-x, axis=-1, kind="stable"))
+
+
 def test_lower_peak_batched_equals_one_row_at_a_time(monkeypatch):
     """The swap search on many rows at once (flat arrays; the windowed rounds while many rows
     are left, and the node's sorted copies kept across rounds) makes, on every row, the very

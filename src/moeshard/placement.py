@@ -89,7 +89,8 @@ class Placement:
         log2phy = np.full((num_layers, num_logical, max_copies), -1, dtype=np.int64)
         # Copies of an expert in slot order: a stable sort groups slots by logical expert
         # (empty slots sort first and are skipped).
-        order = np.argsort(p2l, axis=1, kind="stable")
+        small = p2l.astype(np.int16) if num_logical < 2**15 else p2l  # a radix sort
+        order = np.argsort(small, axis=1, kind="stable")
         sorted_log = np.take_along_axis(p2l, order, axis=1)
         num_empty = (p2l < 0).sum(axis=1, keepdims=True)
         starts = np.cumsum(logcnt, axis=1) - logcnt + num_empty

@@ -59,6 +59,16 @@ from .refine import lower_peak
 # -- the reference's building blocks, vectorized over rows ---------------------------------------
 
 
+def desc_order(w: np.ndarray) -> np.ndarray:
+    """``np.argsort(-w, axis=-1, kind="stable")``: heaviest first, the first on ties. Floats
+    that are all >= 0 are in the order of their bit patterns as integers, whose stable sort is
+    faster (``-0.0`` made ``+0.0`` first)."""
+    if w.dtype.kind == "f" and w.dtype.itemsize in (4, 8) and (w >= 0).all():
+        bits = np.ascontiguousarray(w + w.dtype.type(0)).view(np.int64 if w.dtype.itemsize == 8 else np.int32)
+        return np.argsort(-bits, axis=-1, kind="stable")
+    return np.argsort(-w, axis=-1, kind="stable")
+
+
 def replicate_experts(
     w: np.ndarray, num_phy: int, num_ranks: int | None = None, hot: int | np.ndarray = 0
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -96,7 +106,7 @@ def replicate_experts(
     hot = np.broadcast_to(np.asarray(hot, dtype=np.int64), (num_rows,))
     is_hot = np.zeros((num_rows, n), dtype=bool)
     if hot.any():
-        order = np.argsort(-w, axis=1, kind="stable")
+        order = desc_order(w)
         np.put_along_axis(is_hot, order, np.arange(n) < hot[:, None], axis=1)
     # An item is open while it has fewer than num_ranks copies and, if hot, the row's hot
     # items have fewer than num_ranks together; ``open_`` is its load per copy, -inf once
@@ -131,7 +141,7 @@ def balanced_pack(w: np.ndarray, key: np.ndarray | None, num_keys: int, num_pack
     assert n == num_packs * cap
     if cap == 1:  # the reference's shortcut: item i is pack i
         return np.broadcast_to(np.arange(n).reshape(1, n, 1), (num_rows, n, 1)).copy()
-    order = np.argsort(-w, axis=1, kind="stable")
+    order = desc_order(w)
     # per step t, every row's item (rows of the transposed arrays are contiguous)
     w_t = np.ascontiguousarray(np.take_along_axis(w, order, axis=1).T)
     # a pack's load (float32 sums for the exact reference), inf once it is full: the cost of
@@ -139,7 +149,8 @@ def balanced_pack(w: np.ndarray, key: np.ndarray | None, num_keys: int, num_pack
     cost = np.zeros(num_rows * num_packs, dtype=w.dtype)
     filled = np.zeros(num_rows * num_packs, dtype=np.int64)
     base = np.arange(num_rows) * num_packs
-    dest = np.empty((n, num_rows), dtype=np.int64)  # pack of each step's item
+    # pack of each step's item (small ints: the stable sort by pack at the end is a radix sort)
+    dest = np.empty((n, num_rows), dtype=np.int16 if num_packs < 2**15 else np.int64)
     if key is not None:
         key_t = np.ascontiguousarray(np.take_along_axis(key, order, axis=1).T) + (np.arange(num_rows) * num_keys)
         # inf where the pack holds an item of the key, else 0: added to the costs (cheaper than
@@ -444,7 +455,7 @@ def _hot_variants(w: np.ndarray, num_phy: int, num_ranks: int) -> tuple[np.ndarr
     phy0, cnt0 = replicate_experts(w, num_phy, num_ranks)
     hot = np.repeat(_HOT, num_b)
     row = np.tile(np.arange(num_b), len(_HOT))
-    order = np.argsort(-w, axis=1, kind="stable")
+    order = desc_order(w)
     top = np.cumsum(np.take_along_axis(cnt0, order, axis=1), axis=1)  # copies of the h heaviest
     differ = np.flatnonzero((hot > 0) & (top[row, np.clip(hot, 1, n) - 1] > num_ranks))
     phy, cnt = np.tile(phy0, (len(_HOT), 1)), np.tile(cnt0, (len(_HOT), 1))
