@@ -208,16 +208,21 @@ def _window_round(st: _State, active: np.ndarray, rk_h: np.ndarray, band: np.nda
     p_light = np.where(peak < (lh * (1 - _MARGIN))[:, None, None], peak, np.inf).reshape(n, -1).min(1)
     p_eff = np.minimum(p_light, lh)
     slack = _WINDOW_SLACK * np.abs(lh)
-    ok_a = ~np.isnan(wa)
-    q_lo = np.where(ok_a, wa - (p_eff - lmin + slack)[:, None], -np.inf)
     # and below w_a: a swap lowers the peak by the margin only if d > (margin - rounding) * load_h
-    # (so neither a itself nor a copy of the same expert is looked at)
-    q_hi = np.where(ok_a, np.minimum(wa - (lh - p_eff - slack)[:, None], wa - (0.5 * _MARGIN * lh)[:, None]), -np.inf)
+    # (so neither a itself nor a copy of the same expert is looked at). An empty slot a (NaN)
+    # has an empty window.
+    q = np.stack(
+        (
+            wa - (p_eff - lmin + slack)[:, None],
+            np.minimum(wa - (lh - p_eff - slack)[:, None], wa - (0.5 * _MARGIN * lh)[:, None]),
+        )
+    )
     # queries clamped to [-0.2, 0.45] span within the band: they never reach another band's keys
     span, err = st.span, st.err
-    shift = band[:, None] * span
-    lo = np.searchsorted(st.keys, (np.clip(q_lo, -0.2 * span, 0.45 * span) + shift).ravel() - err)
-    hi = np.searchsorted(st.keys, (np.clip(q_hi, -0.2 * span, 0.45 * span) + shift).ravel() + err)
+    q = np.clip(q, -0.2 * span, 0.45 * span) + band[:, None] * span
+    q[0] -= err
+    q[1] += err
+    lo, hi = np.searchsorted(st.keys, q.reshape(2, -1))
     per = np.maximum(hi - lo, 0)
     # the candidates, one per (row, a, b in a's window), flat, grouped by row
     ra = np.repeat(np.arange(n * s), per)  # row * S + sa
