@@ -109,12 +109,12 @@ class _State:
                 np.where(packs < 0, num_e, packs).reshape(-1, num_s)
                 + (np.arange(num_b * num_n * num_k) * (num_e + 1))[:, None]
             )
-            # small counts (at most S per rank): a small array for the rounds' random reads;
+            # small counts (at most S per rank; a cap over S is S + 1): small arrays for the rounds' random reads;
             # a slot's count is how many slots of its rank hold the same expert
-            self.cf = np.zeros(num_b * num_n * num_k * (num_e + 1), dtype=np.int16 if num_s < 2**15 else np.int64)
+            self.cf = np.zeros(num_b * num_n * num_k * (num_e + 1), dtype=np.int8 if num_s < 2**7 - 1 else np.int64)
             self.cf[flat] = (flat[:, :, None] == flat[:, None, :]).sum(-1)
             self.counts = self.cf.reshape(num_b, num_n, num_k, num_e + 1)
-            self.capf = np.ascontiguousarray(cap).reshape(-1)
+            self.capf = np.minimum(cap, num_s + 1).astype(self.cf.dtype).reshape(-1)  # a cap over S never binds
             self.num_e = num_e
         self.wn = np.where(self.pk >= 0, self.ws, np.nan)
         self.window = window
@@ -136,6 +136,9 @@ class _State:
             top = float(np.max(self.loads, initial=0.0))
             self.span = 4 * top + 1.0
             self.keys = (np.minimum(sorted_w, 0.7 * self.span) + np.arange(bands)[:, None] * self.span).reshape(-1)
+            # the load at each position (that of the slot ``by`` names there: a swap moves the
+            # two slots' positions with their loads), read in order by a round's windows
+            self.sorted_w = sorted_w.reshape(-1)
             self.err = 4 * np.spacing(bands * self.span)
 
     def swap(self, qa, qb, ar_s):
@@ -232,7 +235,7 @@ def _window_round(st: _State, active: np.ndarray, rk_h: np.ndarray, band: np.nda
     qb = st.by[at]  # slot of b
     rkb = qb // s
     lhc = lh[ra // s]
-    d = wa.reshape(-1)[ra] - st.wn[qb]  # load leaving h for k
+    d = wa.reshape(-1)[ra] - st.sorted_w[at]  # load leaving h for k (b's load: that of its position)
     peak = np.maximum(lhc - d, st.lf[rkb] + d)
     # below h's load by the margin (d > 0 follows); NaN (an empty slot) compares false. Only
     # these candidates are kept: the cap's checks below only take some of them away.
