@@ -182,14 +182,12 @@ def _window_round(st: _State, active: np.ndarray, rk_h: np.ndarray, band: np.nda
     every copy of the node."""
     n = len(active)
     s, ks, num_k = st.num_s, st.ks, st.ks // st.num_s
-    ar_s = np.arange(s)
     rows = np.arange(n)
     lh = st.lf[rk_h]
-    hs = rk_h[:, None] * s + ar_s  # [n, S] slots of h
     # A swap that is not allowed gets a NaN or infinite peak: swapping an empty slot (NaN), a
     # copy that rank h may not take (NaN) and a copy rank k may not take (its load +inf). A
     # swap with h itself or of two copies of one expert never lowers the peak.
-    wa, ea = st.wn[hs], st.pk[hs]
+    wa, ea = st.wn.reshape(-1, s)[rk_h], st.pk.reshape(-1, s)[rk_h]  # [n, S]: h's copies
     # An upper bound P on the round's best peak: the best swap with the lightest rank (inf if
     # none). A swap of peak <= P has load_h - d <= P and load_k + d <= P, so w_b lies in
     # [w_a - (P - min load), w_a - (load_h - P)], widened by what rounding of d and of the
@@ -197,15 +195,15 @@ def _window_round(st: _State, active: np.ndarray, rk_h: np.ndarray, band: np.nda
     lrow = st.lf.reshape(-1, num_k)[band]
     light = lrow.argmin(1)
     lmin = lrow[rows, light]
-    ls = (band * num_k + light)[:, None] * s + ar_s
-    wbl = st.wn[ls]
+    rk_l = band * num_k + light
+    wbl = st.wn.reshape(-1, s)[rk_l]
     lk = lmin[:, None]
     if st.cf is not None:
         cf, capf, e1 = st.cf, st.capf, st.e1
         coff = (active * st.num_e)[:, None]
-        pbl, ae = np.maximum(st.pk[ls], 0), np.maximum(ea, 0)
+        pbl, ae = np.maximum(st.pk.reshape(-1, s)[rk_l], 0), np.maximum(ea, 0)
         wbl = np.where(cf[rk_h[:, None] * e1 + pbl] < capf[coff + pbl], wbl, np.nan)  # h may take b
-        lk = np.where(cf[(ls[:, :1] // s) * e1 + ae] < capf[coff + ae], lk, np.inf)  # light may take a
+        lk = np.where(cf[rk_l[:, None] * e1 + ae] < capf[coff + ae], lk, np.inf)  # light may take a
     d = wa[:, :, None] - wbl[:, None, :]
     peak = np.maximum(lh[:, None, None] - d, lk[:, :, None] + d)
     p_light = np.where(peak < (lh * (1 - _MARGIN))[:, None, None], peak, np.inf).reshape(n, -1).min(1)
@@ -230,7 +228,7 @@ def _window_round(st: _State, active: np.ndarray, rk_h: np.ndarray, band: np.nda
     # the candidates, one per (row, a, b in a's window), flat, grouped by row
     ra = np.repeat(np.arange(n * s), per)  # row * S + sa
     if not len(ra):
-        return np.zeros(n, dtype=bool), hs[:, 0], hs[:, 0]
+        return np.zeros(n, dtype=bool), rk_h * s, rk_h * s
     at = np.repeat(lo - (np.cumsum(per) - per), per) + np.arange(len(ra))
     qb = st.by[at]  # slot of b
     rkb = qb // s
@@ -279,19 +277,17 @@ def _dense_round(st: _State, active: np.ndarray, rk_h: np.ndarray, band: np.ndar
     num_k = ks // s
     rows = np.arange(n)
     lh = st.lf[rk_h]
-    hs = rk_h[:, None] * s + np.arange(s)  # [n, S] slots of h
-    qs = band[:, None] * ks + np.arange(ks)  # [n, K*S] slots of the node
     # A swap that is not allowed gets a NaN or infinite peak, folded into the small operands:
     # the [n, S, K, S] candidates cost a handful of passes. Swapping an empty slot (NaN), a
     # copy that rank h may not take (NaN) and a copy rank k may not take (its load +inf) are
     # not allowed. A swap with h itself or of two copies of one expert never lowers the peak.
-    wa = st.wn[hs]
-    wb = st.wn[qs]
+    wa = st.wn.reshape(-1, s)[rk_h]  # [n, S]: h's copies
+    wb = st.wn.reshape(-1, ks)[band]  # [n, K*S]: the node's
     load_k = st.lf.reshape(-1, num_k)[band][:, None, :]  # [n, 1, K]
     if st.cf is not None:
         cf, capf, e1 = st.cf, st.capf, st.e1
         coff = (active * st.num_e)[:, None]
-        ae, be = np.maximum(st.pk[hs], 0), np.maximum(st.pk[qs], 0)
+        ae, be = np.maximum(st.pk.reshape(-1, s)[rk_h], 0), np.maximum(st.pk.reshape(-1, ks)[band], 0)
         wb = np.where(cf[rk_h[:, None] * e1 + be] < capf[coff + be], wb, np.nan)  # h may take b
         ranks = (band * num_k)[:, None, None] + np.arange(num_k)  # [n, 1, K]
         take_a = cf[ranks * e1 + ae[:, :, None]] < capf[coff[:, :, None] + ae[:, :, None]]  # [n, S, K]
