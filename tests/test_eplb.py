@@ -407,6 +407,65 @@ def test_lower_peak_window_is_exact(monkeypatch):
         np.testing.assert_array_equal(out["window"][0], out["dense"][0])
 
 
+def test_desc_order_is_the_stable_sort():
+    """The heaviest-first order of the packing (integer sort of the floats' bits) is the stable
+    argsort of ``-w``: ties first by index, zeros and ``-0.0`` alike, float32 and float64, and
+    negative loads (the plain sort)."""
+    from moeshard.eplb.oblivious import desc_order
+
+    rng = np.random.default_rng(9)
+    for dtype in (np.float64, np.float32):
+        w = rng.integers(0, 6, size=(40, 30)).astype(dtype) * rng.choice([1.0, 0.1, 1e-30], size=(40, 1)).astype(dtype)
+        w[0, :5] = -0.0
+        w[1] = np.inf
+        for x in (w, w - 2):
+            np.testing.assert_array_equal(desc_order(x), np.argsort(-x, axis=-1, kind="stable"))
+
+
+def test_lower_peak_batched_equals_one_row_at_a_time(monkeypatch):
+    """The swap search on many rows at once (flat arrays; the windowed rounds while many rows
+    are left, and the node's sorted copies kept across rounds) makes, on every row, the very
+    swaps of the search on that row alone over every pair: seeded Zipf traces replicated and
+    packed as the oblivious policy does (a node-grouped shape and a global one of DeepSeek-V3's
+    ranks and slots), with and without moeshard's cap, an empty slot, and a stop target."""
+    from moeshard.eplb import refine
+    from moeshard.eplb.oblivious import balanced_pack, per_rank_cap, replicate_experts
+
+    def packed(num_rows, num_n, num_k, num_s, num_e, seed):
+        w = zipf_trace(num_rows * num_n, num_e, 1, seed=seed, alpha=1.2)[0]
+        phy, cnt = replicate_experts(w, num_k * num_s)
+        wc = w / cnt
+        slots = balanced_pack(np.take_along_axis(wc, phy, 1), phy, num_e, num_k, num_s)
+        packs = np.take_along_axis(phy, slots.reshape(len(w), -1), 1).reshape(num_rows, num_n, num_k, num_s)
+        # one row of experts per node here: node n of row r packs its own experts (ids shifted)
+        wc_rows = wc.reshape(num_rows, num_n * num_e)
+        packs = packs + (np.arange(num_n) * num_e)[None, :, None, None]
+        cap = per_rank_cap(cnt, np.full(len(w), num_k)).reshape(num_rows, -1)
+        return packs, wc_rows, cap
+
+    cases = [(24, 4, 8, 9, 64, 1), (22, 1, 32, 9, 256, 2)]  # DeepSeek-V3: per node of 8 ranks; global
+    for num_rows, num_n, num_k, num_s, num_e, seed in cases:
+        packs, wc, cap = packed(num_rows, num_n, num_k, num_s, num_e, seed)
+        packs[0, 0, 1, 2] = -1  # an empty slot never takes part
+        stop = np.where(np.arange(num_rows) % 3 == 0, wc.sum(1) / (num_n * num_k) * 1.02, -1.0)
+        for c, stop_at in ((None, None), (cap, None), (cap, stop)):
+            monkeypatch.setattr(refine, "_DENSE_PAIRS", 0)  # every round of the batch windowed
+            batch = packs.copy()
+            swaps = refine.lower_peak(batch, wc, c, stop_at=stop_at)
+            monkeypatch.setattr(refine, "_DENSE_PAIRS", 10**12)  # one row: every pair
+            for r in range(num_rows):
+                alone = packs[r : r + 1].copy()
+                one = refine.lower_peak(
+                    alone,
+                    wc[r : r + 1],
+                    None if c is None else c[r : r + 1],
+                    stop_at=None if stop_at is None else stop_at[r : r + 1],
+                )
+                assert one[0] == swaps[r], (num_n, r)
+                np.testing.assert_array_equal(alone[0], batch[r])
+            assert swaps.sum() > num_rows
+
+
 def test_aware_within_one_percent_of_the_oblivious_answer_moves_few_copies():
     """Held within 1 % of the oblivious answer (hot-spread counts make it much lighter than the
     reference's on hierarchical shapes), the migration-aware policy packs with the oblivious

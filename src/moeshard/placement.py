@@ -75,9 +75,9 @@ class Placement:
                 f"num_ranks={self.num_ranks}"
             )
         # Empty slots are counted in an extra column, then dropped.
-        logcnt = np.zeros((num_layers, num_logical + 1), dtype=np.int64)
-        np.add.at(logcnt, (np.arange(num_layers)[:, None], np.where(p2l < 0, num_logical, p2l)), 1)
-        logcnt = np.ascontiguousarray(logcnt[:, :num_logical])
+        ids = np.where(p2l < 0, num_logical, p2l) + (np.arange(num_layers) * (num_logical + 1))[:, None]
+        logcnt = np.bincount(ids.ravel(), minlength=num_layers * (num_logical + 1))
+        logcnt = np.ascontiguousarray(logcnt.reshape(num_layers, num_logical + 1)[:, :num_logical])
         missing = np.argwhere(logcnt == 0)
         if len(missing):
             layer, expert = missing[0]
@@ -89,7 +89,8 @@ class Placement:
         log2phy = np.full((num_layers, num_logical, max_copies), -1, dtype=np.int64)
         # Copies of an expert in slot order: a stable sort groups slots by logical expert
         # (empty slots sort first and are skipped).
-        order = np.argsort(p2l, axis=1, kind="stable")
+        small = p2l.astype(np.int16) if num_logical < 2**15 else p2l  # a radix sort
+        order = np.argsort(small, axis=1, kind="stable")
         sorted_log = np.take_along_axis(p2l, order, axis=1)
         num_empty = (p2l < 0).sum(axis=1, keepdims=True)
         starts = np.cumsum(logcnt, axis=1) - logcnt + num_empty

@@ -59,6 +59,16 @@ from .refine import lower_peak
 # -- the reference's building blocks, vectorized over rows ---------------------------------------
 
 
+def desc_order(w: np.ndarray) -> np.ndarray:
+    """``np.argsort(-w, axis=-1, kind="stable")``: heaviest first, the first on ties. Floats
+    that are all >= 0 are in the order of their bit patterns as integers, whose stable sort is
+    faster (``-0.0`` made ``+0.0`` first)."""
+    if w.dtype.kind == "f" and w.dtype.itemsize in (4, 8) and (w >= 0).all():
+        bits = np.ascontiguousarray(w + w.dtype.type(0)).view(np.int64 if w.dtype.itemsize == 8 else np.int32)
+        return np.argsort(-bits, axis=-1, kind="stable")
+    return np.argsort(-w, axis=-1, kind="stable")
+
+
 def replicate_experts(
     w: np.ndarray, num_phy: int, num_ranks: int | None = None, hot: int | np.ndarray = 0
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -85,25 +95,40 @@ def replicate_experts(
     cnt = np.ones((num_rows, n), dtype=np.int64)
     per_copy = w.copy()
     rows = np.arange(num_rows)
+    if num_ranks is None:
+        for i in range(n, num_phy):
+            j = per_copy.argmax(axis=1)
+            phy[:, i] = j
+            c = cnt[rows, j] + 1
+            cnt[rows, j] = c
+            per_copy[rows, j] = w[rows, j] / c  # rounded to w's dtype (float32: eplb.py's)
+        return phy, cnt
     hot = np.broadcast_to(np.asarray(hot, dtype=np.int64), (num_rows,))
     is_hot = np.zeros((num_rows, n), dtype=bool)
     if hot.any():
-        order = np.argsort(-w, axis=1, kind="stable")
+        order = desc_order(w)
         np.put_along_axis(is_hot, order, np.arange(n) < hot[:, None], axis=1)
+    # An item is open while it has fewer than num_ranks copies and, if hot, the row's hot
+    # items have fewer than num_ranks together; ``open_`` is its load per copy, -inf once
+    # closed (kept up to date item by item: an item closes for good).
+    hot_total = is_hot.sum(1)
+    open_ = np.where((cnt < num_ranks) & (~is_hot | (hot_total < num_ranks)[:, None]), per_copy, -np.inf)
     for i in range(n, num_phy):
-        if num_ranks is None:
-            j = per_copy.argmax(axis=1)
-        else:
-            limit = cnt < num_ranks
-            if hot.any():
-                limit &= ~is_hot | ((cnt * is_hot).sum(1) < num_ranks)[:, None]
-            open_ = np.where(limit, per_copy, -np.inf)
-            j = open_.argmax(axis=1)
-            full = np.isneginf(open_[rows, j])
+        j = open_.argmax(axis=1)
+        full = np.isneginf(open_[rows, j])
+        if full.any():
             j[full] = per_copy[full].argmax(axis=1)
         phy[:, i] = j
-        cnt[rows, j] += 1
-        per_copy[rows, j] = w[rows, j] / cnt[rows, j]  # rounded to w's dtype (float32: eplb.py's)
+        c = cnt[rows, j] + 1
+        cnt[rows, j] = c
+        v = w[rows, j] / c  # rounded to w's dtype
+        per_copy[rows, j] = v
+        hj = is_hot[rows, j]
+        hot_total += hj
+        open_[rows, j] = np.where((c < num_ranks) & (~hj | (hot_total < num_ranks)), v, -np.inf)
+        shut = hj & (hot_total == num_ranks)  # the row's hot items close together
+        if shut.any():
+            open_[shut] = np.where(is_hot[shut], -np.inf, open_[shut])
     return phy, cnt
 
 
@@ -116,33 +141,55 @@ def balanced_pack(w: np.ndarray, key: np.ndarray | None, num_keys: int, num_pack
     assert n == num_packs * cap
     if cap == 1:  # the reference's shortcut: item i is pack i
         return np.broadcast_to(np.arange(n).reshape(1, n, 1), (num_rows, n, 1)).copy()
-    order = np.argsort(-w, axis=1, kind="stable")
-    rows = np.arange(num_rows)
-    w_sorted = np.take_along_axis(w, order, axis=1)
+    order = desc_order(w)
+    # per step t, every row's item (rows of the transposed arrays are contiguous)
+    w_t = np.ascontiguousarray(np.take_along_axis(w, order, axis=1).T)
     # a pack's load (float32 sums for the exact reference), inf once it is full: the cost of
-    # putting the next item there
-    cost = np.zeros((num_rows, num_packs), dtype=w.dtype)
-    pack_n = np.zeros((num_rows, num_packs), dtype=np.int64)
-    slots = np.full((num_rows, num_packs, cap), -1, dtype=np.int64)
+    # putting the next item there; flat [B * num_packs] so that a step reads it with one index
+    cost = np.zeros(num_rows * num_packs, dtype=w.dtype)
+    filled = np.zeros(num_rows * num_packs, dtype=np.int64)
+    base = np.arange(num_rows) * num_packs
+    # pack of each step's item (small ints: the stable sort by pack at the end is a radix sort)
+    dest = np.empty((n, num_rows), dtype=np.int16 if num_packs < 2**15 else np.int64)
     if key is not None:
-        keys = np.take_along_axis(key, order, axis=1)
-        holds = np.zeros((num_rows, num_keys, num_packs), dtype=bool)
-    for t in range(n):
+        key_t = np.ascontiguousarray(np.take_along_axis(key, order, axis=1).T) + (np.arange(num_rows) * num_keys)
+        # inf where the pack holds an item of the key, else 0: added to the costs (cheaper than
+        # a masked choice)
+        held = np.zeros((num_rows * num_keys, num_packs), dtype=w.dtype)
+        held_f = held.reshape(-1)
+    # added to a pack's cost as it takes its i-th item: inf once full
+    full = np.zeros(cap + 1, dtype=w.dtype)
+    full[cap:] = np.inf
+    cost2 = cost.reshape(num_rows, num_packs)
+    start = 0
+    if (w_t[: num_packs - 1] > 0).all():
+        # item t < num_packs goes to pack t: the packs with an item are heavier than the empty
+        # ones, and an empty pack holds no key (no pack is full yet: cap >= 2)
+        start = num_packs
+        dest[:start] = np.arange(start)[:, None]
+        cost2[:] = w_t[:start].T
+        filled[:] = 1
         if key is not None:
-            e = keys[:, t]
-            strict = np.where(holds[rows, e], np.inf, cost)
+            held_f[key_t[:start] * num_packs + np.arange(start)[:, None]] = np.inf
+    for t in range(start, n):
+        if key is not None:
+            e = key_t[t]
+            strict = held[e] + cost2
             k = strict.argmin(axis=1)
-            stuck = np.isinf(strict[rows, k])
+            stuck = np.isinf(strict.reshape(-1)[base + k])
             if stuck.any():  # every pack with room holds it: the repair deals with it
-                k[stuck] = cost[stuck].argmin(axis=1)
-            holds[rows, e, k] = True
+                k[stuck] = cost2[stuck].argmin(axis=1)
+            held_f[e * num_packs + k] = np.inf
         else:
-            k = cost.argmin(axis=1)
-        at = pack_n[rows, k]
-        slots[rows, k, at] = order[:, t]
-        pack_n[rows, k] = at + 1
-        cost[rows, k] = np.where(at + 1 >= cap, np.inf, cost[rows, k] + w_sorted[:, t])
-    return slots
+            k = cost2.argmin(axis=1)
+        dest[t] = k
+        kf = base + k
+        at = filled[kf] + 1
+        filled[kf] = at
+        cost[kf] = cost[kf] + w_t[t] + full[at]
+    # each pack's items in packing order: the steps sorted by pack (stable)
+    by_pack = np.argsort(dest.T, axis=1, kind="stable")
+    return np.take_along_axis(order, by_pack, axis=1).reshape(num_rows, num_packs, cap)
 
 
 def per_rank_cap(cnt: np.ndarray, num_live: np.ndarray) -> np.ndarray:
@@ -397,6 +444,26 @@ def _with_layers(base: ObliviousAnswer, layers: np.ndarray, sub: ObliviousAnswer
     return ObliviousAnswer(*fields)
 
 
+def _hot_variants(w: np.ndarray, num_phy: int, num_ranks: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`replicate_experts` of ``w`` ``float[B, n]`` with spread counts and each ``hot`` in
+    ``_HOT``: ``phy2item`` ``int[V*B, num_phy]`` and ``cnt`` ``int[V*B, n]``, variant ``v`` of
+    row ``r`` in row ``v * B + r``. A variant whose ``hot`` heaviest items end with at most
+    ``num_ranks`` copies together with ``hot=0`` is ``hot=0``'s: the limit never closed them to
+    a slot they would take (it closes them only once they have that many), so every slot goes
+    where it goes without it."""
+    num_b, n = w.shape
+    phy0, cnt0 = replicate_experts(w, num_phy, num_ranks)
+    hot = np.repeat(_HOT, num_b)
+    row = np.tile(np.arange(num_b), len(_HOT))
+    order = desc_order(w)
+    top = np.cumsum(np.take_along_axis(cnt0, order, axis=1), axis=1)  # copies of the h heaviest
+    differ = np.flatnonzero((hot > 0) & (top[row, np.clip(hot, 1, n) - 1] > num_ranks))
+    phy, cnt = np.tile(phy0, (len(_HOT), 1)), np.tile(cnt0, (len(_HOT), 1))
+    if len(differ):
+        phy[differ], cnt[differ] = replicate_experts(w[row[differ]], num_phy, num_ranks, hot[differ])
+    return phy, cnt
+
+
 def _hot_spread(
     w: np.ndarray, sh: Shape, group_node: np.ndarray, plain_cnt: np.ndarray, plain_parts: tuple | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -415,7 +482,7 @@ def _hot_spread(
     mlog2log = _node_experts(group_node, group_loads(w, sh), n, num_e // sh.num_groups).reshape(rows, -1)
     w_m = np.take_along_axis(np.repeat(w, n, axis=0), mlog2log, axis=1)  # [L*N, E/N]
     num_v = len(_HOT)
-    phy2m, mcnt = replicate_experts(np.tile(w_m, (num_v, 1)), live * s, live, np.repeat(_HOT, rows))
+    phy2m, mcnt = _hot_variants(w_m, live * s, live)
     # variant v of node row r is row v * rows + r: variant 0 first, then the variants that differ
     # from it on the rows where variant 0's heaviest rank is over the node's mean by _GAIN
     peak_full = np.full(num_v * rows, np.inf)

@@ -24,6 +24,9 @@ _MARGIN = 1e-12
 _WINDOW_SLACK = 1e-11
 # Rounds with at most this many candidate pairs (rows x S x K x S) look at every pair.
 _DENSE_PAIRS = 50000
+# The windowed search's sorted copies are built where the first round has this many times
+# _DENSE_PAIRS pairs or more: fewer, and the few windowed rounds do not repay them.
+_WINDOW_FROM = 4
 
 
 def lower_peak(
@@ -56,222 +59,244 @@ def lower_peak(
         ``int[B]``: swaps made per row.
     """
     num_b, num_n, num_k, num_s = packs.shape
-    num_e = wc.shape[1]
     swaps = np.zeros(num_b, dtype=np.int64)
     if num_b == 0 or num_k < 2:
         return swaps
-    bi = np.arange(num_b)[:, None, None, None]
-    wslot = np.where(packs >= 0, wc[bi, np.maximum(packs, 0)], 0.0)
-    loads = wslot.sum(-1)  # [B, N, K]
-    counts = None
-    if cap is not None:
-        # copies of each expert per rank (empty slots in the last column)
-        flat = (
-            np.where(packs < 0, num_e, packs).reshape(-1, num_s)
-            + (np.arange(num_b * num_n * num_k) * (num_e + 1))[:, None]
-        )
-        counts = np.bincount(flat.ravel(), minlength=num_b * num_n * num_k * (num_e + 1))
-        counts = counts.reshape(num_b, num_n, num_k, num_e + 1)
-    # Each node's copies by load (empty slots last) and where each slot is in that order, for
-    # the windowed search of large rounds: a swap exchanges two slots' copies, so the sorted
-    # loads of a node never change, only which slot holds them.
-    by_load = where = None
-    if num_b * num_k * num_s * num_s > _DENSE_PAIRS:
-        key = np.where(packs >= 0, wslot, np.inf).reshape(num_b, num_n, -1)
-        by_load = np.argsort(key, axis=-1, kind="stable")
-        sorted_w = np.take_along_axis(key, by_load, axis=-1)
-        where = np.empty_like(by_load)
-        np.put_along_axis(where, by_load, np.arange(num_k * num_s), axis=-1)
+    st = _State(packs, wc, cap, window=num_b * num_k * num_s * num_s > _WINDOW_FROM * _DENSE_PAIRS)
+    nk = num_n * num_k
+    ar_s = np.arange(num_s)
     active = np.arange(num_b)
     for _ in range(num_n * num_k * num_s if max_rounds is None else max_rounds):
+        lmat = st.loads.reshape(num_b, nk)[active]
         if stop_at is not None and len(active):
-            active = active[loads[active].reshape(len(active), -1).max(1) > stop_at[active]]
+            keep = lmat.max(1) > stop_at[active]
+            active, lmat = active[keep], lmat[keep]
         if not len(active):
             break
-        peak = loads[active].reshape(len(active), -1).argmax(1)
-        node, h = np.divmod(peak, num_k)
-        found, k, sa, sb = _best_swaps(
-            packs[active, node],
-            wslot[active, node],
-            loads[active, node],
-            h,
-            None if cap is None else (counts, cap, active, node),
-            None if by_load is None else (sorted_w[active, node], by_load[active, node]),
-        )
-        active, node, h, k, sa, sb = active[found], node[found], h[found], k[found], sa[found], sb[found]
-        if by_load is not None:
-            p, q = h * num_s + sa, k * num_s + sb
-            wp, wq = where[active, node, p], where[active, node, q]
-            by_load[active, node, wp], by_load[active, node, wq] = q, p
-            where[active, node, p], where[active, node, q] = wq, wp
-        ea, eb = packs[active, node, h, sa], packs[active, node, k, sb]
-        wa, wb = wslot[active, node, h, sa], wslot[active, node, k, sb]
-        packs[active, node, h, sa], packs[active, node, k, sb] = eb, ea
-        wslot[active, node, h, sa], wslot[active, node, k, sb] = wb, wa
-        # the two ranks' loads summed again (not updated by +-d): no drift over rounds
-        loads[active, node, h] = wslot[active, node, h].sum(-1)
-        loads[active, node, k] = wslot[active, node, k].sum(-1)
-        if counts is not None:  # one swap per row: no repeated index within an update
-            counts[active, node, h, ea] -= 1
-            counts[active, node, h, eb] += 1
-            counts[active, node, k, eb] -= 1
-            counts[active, node, k, ea] += 1
+        rk_h = active * nk + lmat.argmax(1)  # the heaviest rank, flat (band * K + rank)
+        band = rk_h // num_k  # row * N + node
+        if st.window and len(active) * num_k * num_s * num_s > _DENSE_PAIRS:
+            found, qa, qb = _window_round(st, active, rk_h, band)
+        else:
+            found, qa, qb = _dense_round(st, active, rk_h, band)
+        active, qa, qb = active[found], qa[found], qb[found]
+        st.swap(qa, qb, ar_s)
         swaps[active] += 1
+    st.finish()
     return swaps
 
 
-def _best_swaps(packs: np.ndarray, wslot: np.ndarray, loads: np.ndarray, h: np.ndarray, caps, by_load=None):
-    """One round of :func:`lower_peak` on ``n`` rows, each its heaviest rank's node:
-    ``packs``/``wslot`` ``[n, K, S]``, ``loads`` ``float[n, K]``, ``h`` ``int[n]`` the heaviest
-    rank, ``caps`` None or (``counts`` ``int[B, N, K, E + 1]``, ``cap`` ``int[B, E]``, the rows
-    ``int[n]`` and nodes ``int[n]`` in them). Returns ``found`` ``bool[n]`` and, per row, the
-    partner rank ``k`` and the two slots ``sa`` (on ``h``), ``sb`` (on ``k``), ``int[n]``: the
-    swap of lowest peak, the first in ``(sa, k, sb)`` order on ties. Both ways of finding it
-    give the same swap; the windowed one (which needs ``by_load``: the node's copy loads sorted,
-    empty slots ``inf``, ``float[n, K*S]``, and their flat slots ``int[n, K*S]``) is cheaper
-    when there are many pairs."""
-    n, num_k, num_s = packs.shape
-    if by_load is not None and n * num_k * num_s * num_s > _DENSE_PAIRS:
-        return _best_swaps_window(packs, wslot, loads, h, caps, by_load)
-    return _best_swaps_dense(packs, wslot, loads, h, caps)
+class _State:
+    """The search's arrays, flat so that a round indexes them with one index each: slot
+    ``q = (row * N + node) * K * S + rank * S + slot``, rank ``q // S``."""
+
+    def __init__(self, packs, wc, cap, window):
+        num_b, num_n, num_k, num_s = packs.shape
+        num_e = wc.shape[1]
+        self.out = packs
+        self.packs = np.ascontiguousarray(packs)
+        self.pk = self.packs.reshape(-1)
+        self.num_s, self.ks, self.e1 = num_s, num_k * num_s, num_e + 1
+        bi = np.arange(num_b)[:, None, None, None]
+        self.wslot = np.where(packs >= 0, wc[bi, np.maximum(packs, 0)], 0.0)
+        self.ws = self.wslot.reshape(-1)
+        self.loads = self.wslot.sum(-1)  # [B, N, K]
+        self.lf = self.loads.reshape(-1)
+        self.counts = self.cf = self.capf = None
+        if cap is not None:
+            # copies of each expert per rank (empty slots in the last column)
+            flat = (
+                np.where(packs < 0, num_e, packs).reshape(-1, num_s)
+                + (np.arange(num_b * num_n * num_k) * (num_e + 1))[:, None]
+            )
+            # small counts (at most S per rank; a cap over S is S + 1): small arrays for the rounds' random reads;
+            # a slot's count is how many slots of its rank hold the same expert
+            self.cf = np.zeros(num_b * num_n * num_k * (num_e + 1), dtype=np.int8 if num_s < 2**7 - 1 else np.int64)
+            self.cf[flat] = (flat[:, :, None] == flat[:, None, :]).sum(-1)
+            self.counts = self.cf.reshape(num_b, num_n, num_k, num_e + 1)
+            self.capf = np.minimum(cap, num_s + 1).astype(self.cf.dtype).reshape(-1)  # a cap over S never binds
+            self.num_e = num_e
+        self.wn = np.where(self.pk >= 0, self.ws, np.nan)
+        self.window = window
+        if window:
+            # Each node's copies by load (empty slots last) and where each slot is in that
+            # order: a swap exchanges two slots' copies, so the sorted loads of a node never
+            # change, only which slot holds them. One sorted key array for all rows: node band
+            # i's loads (in [0, top], empty slots at 0.7 span) shifted by i * span, so that one
+            # search finds every row's windows.
+            bands = num_b * num_n
+            key = np.where(packs >= 0, self.wslot, np.inf).reshape(bands, -1)
+            # loads >= 0 (inf included) sort as their bit patterns, as integers (a faster sort)
+            bits = (key + 0.0).view(np.int64) if (key >= 0).all() else key
+            order = np.argsort(bits, axis=-1, kind="stable")
+            sorted_w = np.take_along_axis(key, order, axis=-1)
+            self.by = (order + np.arange(bands)[:, None] * self.ks).reshape(-1)  # slot at each position
+            self.where = np.empty_like(self.by)
+            self.where[self.by] = np.arange(len(self.by))
+            top = float(np.max(self.loads, initial=0.0))
+            self.span = 4 * top + 1.0
+            self.keys = (np.minimum(sorted_w, 0.7 * self.span) + np.arange(bands)[:, None] * self.span).reshape(-1)
+            # the load at each position (that of the slot ``by`` names there: a swap moves the
+            # two slots' positions with their loads), read in order by a round's windows
+            self.sorted_w = sorted_w.reshape(-1)
+            self.err = 4 * np.spacing(bands * self.span)
+
+    def swap(self, qa, qb, ar_s):
+        """Swap the copies of slots ``qa`` and ``qb`` ``int[n]`` (distinct ranks within a
+        call); the two ranks' loads summed again (not updated by +-d): no drift over rounds."""
+        pk, ws = self.pk, self.ws
+        ea, eb = pk[qa], pk[qb]
+        wa, wb = ws[qa], ws[qb]
+        pk[qa], pk[qb] = eb, ea
+        ws[qa], ws[qb] = wb, wa
+        self.wn[qa], self.wn[qb] = self.wn[qb], self.wn[qa]
+        if self.window:
+            pa, pb = self.where[qa], self.where[qb]
+            self.by[pa], self.by[pb] = qb, qa
+            self.where[qa], self.where[qb] = pb, pa
+        s = self.num_s
+        r = np.concatenate((qa, qb)) // s  # distinct ranks: no repeated index within an update
+        self.lf[r] = ws[r[:, None] * s + ar_s].sum(-1)
+        if self.cf is not None:
+            e1, e_out, e_in = self.e1, np.concatenate((ea, eb)), np.concatenate((eb, ea))
+            self.cf[r * e1 + e_out] -= 1
+            self.cf[r * e1 + e_in] += 1
+
+    def finish(self):
+        if self.out is not self.packs:
+            self.out[...] = self.packs
 
 
-def _best_swaps_window(packs: np.ndarray, wslot: np.ndarray, loads: np.ndarray, h: np.ndarray, caps, by_load):
-    """:func:`_best_swaps` over the pairs of copies in a window (for many candidates):
-    ``packs``/``wslot`` ``[n, K, S]``, ``loads`` ``float[n, K]``, ``h`` ``int[n]`` the heaviest
-    rank, ``caps`` None or (``counts`` ``int[B, N, K, E + 1]``, ``cap`` ``int[B, E]``, the rows
-    ``int[n]`` and nodes ``int[n]`` in them). Returns ``found`` ``bool[n]`` and, per row, the
-    partner rank ``k`` and the two slots ``sa`` (on ``h``), ``sb`` (on ``k``), ``int[n]``.
+def _window_round(st: _State, active: np.ndarray, rk_h: np.ndarray, band: np.ndarray):
+    """One round of :func:`lower_peak` over the pairs of copies in a window (for many
+    candidates): rows ``active`` ``int[n]``, their heaviest ranks ``rk_h`` and node bands
+    ``band`` (flat, :class:`_State`). Returns ``found`` ``bool[n]`` and the slots ``qa`` (on
+    the heaviest rank) and ``qb`` ``int[n]`` to swap: the swap of lowest peak, the first in
+    ``(a, k, b)`` order on ties, the same swap as :func:`_dense_round`.
 
     The swap of copy ``a`` (rank ``h``) with copy ``b`` (rank ``k``) moves ``d = w_a - w_b``
     from ``h`` to ``k``; it lowers the peak below ``h``'s load only if ``0 < d < load_h -
     load_k <= load_h - min load``. So per copy ``a`` only the copies ``b`` whose load lies in
-    that window are looked at (the copies of the row sorted by load once): near the end of
+    that window are looked at (the copies of the node sorted by load once): near the end of
     the search, when the ranks are within a small gap of each other, a few per copy instead of
-    every copy of the node. Among those, the lowest peak, ties to the first in ``(a, k, b)``
-    order: the same swap as a search over every pair."""
-    n, num_k, num_s = packs.shape
-    ks = num_k * num_s
+    every copy of the node."""
+    n = len(active)
+    s, ks, num_k = st.num_s, st.ks, st.ks // st.num_s
     rows = np.arange(n)
-    lh = loads[rows, h]
-    ea = packs[rows, h]  # [n, S]
+    lh = st.lf[rk_h]
     # A swap that is not allowed gets a NaN or infinite peak: swapping an empty slot (NaN), a
     # copy that rank h may not take (NaN) and a copy rank k may not take (its load +inf). A
     # swap with h itself or of two copies of one expert never lowers the peak.
-    wa = np.where(ea >= 0, wslot[rows, h], np.nan)
-    wb = np.where(packs >= 0, wslot, np.nan).reshape(n, ks)
+    wa, ea = st.wn.reshape(-1, s)[rk_h], st.pk.reshape(-1, s)[rk_h]  # [n, S]: h's copies
     # An upper bound P on the round's best peak: the best swap with the lightest rank (inf if
     # none). A swap of peak <= P has load_h - d <= P and load_k + d <= P, so w_b lies in
     # [w_a - (P - min load), w_a - (load_h - P)], widened by what rounding of d and of the
     # loads' sums may add; the whole [w_a - (load_h - min load), w_a) where P is inf.
-    light = loads.argmin(1)
-    lmin = loads[rows, light]
-    p_light = _pair_peaks(
-        wa, wb.reshape(n, num_k, num_s)[rows, light], lh, lmin, caps, packs[rows, light], ea, h, light
-    )
-    p_eff = np.minimum(p_light.min(1), lh)
+    lrow = st.lf.reshape(-1, num_k)[band]
+    light = lrow.argmin(1)
+    lmin = lrow[rows, light]
+    rk_l = band * num_k + light
+    wbl = st.wn.reshape(-1, s)[rk_l]
+    lk = lmin[:, None]
+    if st.cf is not None:
+        cf, capf, e1 = st.cf, st.capf, st.e1
+        coff = (active * st.num_e)[:, None]
+        pbl, ae = np.maximum(st.pk.reshape(-1, s)[rk_l], 0), np.maximum(ea, 0)
+        wbl = np.where(cf[rk_h[:, None] * e1 + pbl] < capf[coff + pbl], wbl, np.nan)  # h may take b
+        lk = np.where(cf[rk_l[:, None] * e1 + ae] < capf[coff + ae], lk, np.inf)  # light may take a
+    d = wa[:, :, None] - wbl[:, None, :]
+    peak = np.maximum(lh[:, None, None] - d, lk[:, :, None] + d)
+    p_light = np.where(peak < (lh * (1 - _MARGIN))[:, None, None], peak, np.inf).reshape(n, -1).min(1)
+    p_eff = np.minimum(p_light, lh)
     slack = _WINDOW_SLACK * np.abs(lh)
-    ok_a = ~np.isnan(wa)
-    q_lo = np.where(ok_a, wa - (p_eff - lmin + slack)[:, None], -np.inf)
-    q_hi = np.where(ok_a, wa - (lh - p_eff - slack)[:, None], -np.inf)
-    # counts of copies b with w_b < q (widened)
-    sorted_w, b_sorted = by_load
-    # One search over all rows: row r's loads (in [0, top]) shifted by r * span, its empty
-    # slots at 0.7 span and its queries clamped to [-0.2, 0.45] span: bands that never mix.
-    # The shift may round loads and queries by up to ``err``: the window is widened by that
-    # (a wider window only adds candidates that the exact check below rejects).
-    top = float(np.max(lh, initial=0.0))
-    span = 4 * top + 1.0
-    shift = np.arange(n)[:, None] * span
-    err = 4 * np.spacing(n * span)
-    keys = (np.minimum(sorted_w, 0.7 * span) + shift).ravel()
-    lo = np.searchsorted(keys, (np.clip(q_lo, -0.2 * span, 0.45 * span) + shift).ravel() - err)
-    hi = np.searchsorted(keys, (np.clip(q_hi, -0.2 * span, 0.45 * span) + shift).ravel() + err)
-    lo = lo.reshape(n, num_s) - np.arange(n)[:, None] * ks
-    hi = np.maximum(hi.reshape(n, num_s) - np.arange(n)[:, None] * ks, lo)
-    # the candidates, one per (row, a, b in a's window), flat
-    per = (hi - lo).ravel()
-    ra = np.repeat(np.arange(n * num_s), per)  # row * S + sa
-    at = np.repeat(lo.ravel() - (np.cumsum(per) - per), per) + np.arange(len(ra))
-    row, sa = np.divmod(ra, num_s)
-    bc = b_sorted[row, at]  # flat copy index k * S + sb
-    k = bc // num_s
-    wbc = wb[row, bc]
-    load_k = loads[row, k]
-    wac = wa[row, sa]
-    if caps is not None:
-        counts, cap, brow, node = caps
-        g, nd = brow[row], node[row]
-        pb = np.maximum(packs.reshape(n, ks)[row, bc], 0)
-        ae = np.maximum(ea[row, sa], 0)
-        wbc = np.where(counts[g, nd, h[row], pb] < cap[g, pb], wbc, np.nan)  # h may take b
-        load_k = np.where(counts[g, nd, k, ae] < cap[g, ae], load_k, np.inf)  # k may take a
-    d = wac - wbc  # load leaving h for k
-    peak = np.maximum(lh[row] - d, load_k + d)
-    # below h's load by the margin (d > 0 follows); NaN compares false
-    ok = peak < lh[row] * (1 - _MARGIN)
-    row, peak, flat = row[ok], peak[ok], (sa * ks + bc)[ok]  # flat: index in (a, k, b) order
+    # and below w_a: a swap lowers the peak by the margin only if d > (margin - rounding) * load_h
+    # (so neither a itself nor a copy of the same expert is looked at). An empty slot a (NaN)
+    # has an empty window.
+    q = np.stack(
+        (
+            wa - (p_eff - lmin + slack)[:, None],
+            np.minimum(wa - (lh - p_eff - slack)[:, None], wa - (0.5 * _MARGIN * lh)[:, None]),
+        )
+    )
+    # queries clamped to [-0.2, 0.45] span within the band: they never reach another band's keys
+    span, err = st.span, st.err
+    q = np.clip(q, -0.2 * span, 0.45 * span) + band[:, None] * span
+    q[0] -= err
+    q[1] += err
+    lo, hi = np.searchsorted(st.keys, q.reshape(2, -1))
+    per = np.maximum(hi - lo, 0)
+    # the candidates, one per (row, a, b in a's window), flat, grouped by row
+    ra = np.repeat(np.arange(n * s), per)  # row * S + sa
+    if not len(ra):
+        return np.zeros(n, dtype=bool), rk_h * s, rk_h * s
+    at = np.repeat(lo - (np.cumsum(per) - per), per) + np.arange(len(ra))
+    qb = st.by[at]  # slot of b
+    rkb = qb // s
+    lhc = lh[ra // s]
+    d = wa.reshape(-1)[ra] - st.sorted_w[at]  # load leaving h for k (b's load: that of its position)
+    peak = np.maximum(lhc - d, st.lf[rkb] + d)
+    # below h's load by the margin (d > 0 follows); NaN (an empty slot) compares false. Only
+    # these candidates are kept: the cap's checks below only take some of them away.
+    keep = np.flatnonzero(peak < lhc * (1 - _MARGIN))
+    ra, qb, rkb, peak = ra[keep], qb[keep], rkb[keep], peak[keep]
+    row = ra // s
+    if st.cf is not None:
+        coff_c = (active * st.num_e)[row]
+        pb = np.maximum(st.pk[qb], 0)
+        ae = np.maximum(ea.reshape(-1)[ra], 0)
+        take = (cf[rk_h[row] * e1 + pb] < capf[coff_c + pb]) & (
+            cf[rkb * e1 + ae] < capf[coff_c + ae]
+        )  # h may take b, k a
+        peak = np.where(take, peak, np.inf)
     # per row the lowest peak, then the first in (a, k, b) order
+    per_row = np.bincount(row, minlength=n)
+    has = per_row > 0
+    starts = (np.cumsum(per_row) - per_row)[has]
     best = np.full(n, np.inf)
-    np.minimum.at(best, row, peak)
-    tie = peak == best[row]
-    j = np.full(n, np.iinfo(np.int64).max)
-    np.minimum.at(j, row[tie], flat[tie])
+    if len(row):
+        best[has] = np.minimum.reduceat(peak, starts)
+    flat = (ra - row * s) * ks + (qb - band[row] * ks)  # index in (a, k, b) order
+    big = np.iinfo(np.int64).max
+    first = np.zeros(n, dtype=np.int64)
+    if len(row):
+        first[has] = np.minimum.reduceat(np.where(peak == best[row], flat, big), starts)
     found = np.isfinite(best)
-    j = np.where(found, j, 0)
-    sa, kb = np.divmod(j, ks)
-    k, sb = np.divmod(kb, num_s)
-    return found, k, sa, sb
+    first = np.where(found, first, 0)
+    sa, kb = np.divmod(first, ks)
+    return found, rk_h * s + sa, band * ks + kb
 
 
-def _pair_peaks(wa, wb, lh, lk, caps, pb, ea, h, k) -> np.ndarray:
-    """``float[n, S * S]``: the peak of each swap of a copy of rank ``h`` (loads ``wa``
-    ``[n, S]``, NaN for none) with a copy of one partner rank ``k`` ``int[n]`` (loads ``wb``
-    ``[n, S]``, ids ``pb``, load ``lk`` ``float[n]``), ``inf`` where not allowed or not below
-    ``h``'s load by the margin (as :func:`_best_swaps`)."""
-    load_k = np.broadcast_to(lk[:, None], wa.shape)
-    if caps is not None:
-        counts, cap, brow, node = caps
-        g = brow[:, None]
-        be, ae = np.maximum(pb, 0), np.maximum(ea, 0)
-        wb = np.where(counts[g, node[:, None], h[:, None], be] < cap[g, be], wb, np.nan)
-        load_k = np.where(counts[g, node[:, None], k[:, None], ae] < cap[g, ae], load_k, np.inf)
-    d = wa[:, :, None] - wb[:, None, :]
-    peak = np.maximum(lh[:, None, None] - d, load_k[:, :, None] + d)
-    return np.where(peak < (lh * (1 - _MARGIN))[:, None, None], peak, np.inf).reshape(len(lh), -1)
-
-
-def _best_swaps_dense(packs: np.ndarray, wslot: np.ndarray, loads: np.ndarray, h: np.ndarray, caps):
-    """:func:`_best_swaps` over every pair of copies (for few candidates: fewer passes):
-    ``packs``/``wslot`` ``[n, K, S]``, ``loads`` ``float[n, K]``, ``h`` ``int[n]`` the heaviest
-    rank, ``caps`` None or (``counts`` ``int[B, N, K, E + 1]``, ``cap`` ``int[B, E]``, the rows
-    ``int[n]`` and nodes ``int[n]`` in them). Returns ``found`` ``bool[n]`` and, per row, the
-    partner rank ``k`` and the two slots ``sa`` (on ``h``), ``sb`` (on ``k``), ``int[n]``."""
-    n, num_k, num_s = packs.shape
+def _dense_round(st: _State, active: np.ndarray, rk_h: np.ndarray, band: np.ndarray):
+    """One round of :func:`lower_peak` over every pair of copies (for few candidates: fewer
+    passes): rows ``active`` ``int[n]``, their heaviest ranks ``rk_h`` and node bands ``band``
+    (flat, :class:`_State`). Returns ``found`` ``bool[n]`` and the slots ``qa`` (on the
+    heaviest rank) and ``qb`` ``int[n]`` to swap: the swap of lowest peak, the first in
+    ``(a, k, b)`` order on ties."""
+    n = len(active)
+    s, ks = st.num_s, st.ks
+    num_k = ks // s
     rows = np.arange(n)
-    lh = loads[rows, h]
-    ea = packs[rows, h]  # [n, S]
+    lh = st.lf[rk_h]
     # A swap that is not allowed gets a NaN or infinite peak, folded into the small operands:
     # the [n, S, K, S] candidates cost a handful of passes. Swapping an empty slot (NaN), a
     # copy that rank h may not take (NaN) and a copy rank k may not take (its load +inf) are
     # not allowed. A swap with h itself or of two copies of one expert never lowers the peak.
-    wa = np.where(ea >= 0, wslot[rows, h], np.nan)
-    wb = np.where(packs >= 0, wslot, np.nan)
-    load_k = np.broadcast_to(loads[:, None, :], (n, num_s, num_k))
-    if caps is not None:
-        counts, cap, brow, node = caps
-        r1 = brow[:, None, None]
-        ae, be = np.maximum(ea, 0), np.maximum(packs, 0)
-        take_b = counts[r1, node[:, None, None], h[:, None, None], be] < cap[r1, be]  # [n, K, S]
-        wb = np.where(take_b, wb, np.nan)
-        ranks = np.arange(num_k)[None, None, :]
-        take_a = counts[r1, node[:, None, None], ranks, ae[:, :, None]] < cap[r1, ae[:, :, None]]  # [n, S, K]
+    wa = st.wn.reshape(-1, s)[rk_h]  # [n, S]: h's copies
+    wb = st.wn.reshape(-1, ks)[band]  # [n, K*S]: the node's
+    load_k = st.lf.reshape(-1, num_k)[band][:, None, :]  # [n, 1, K]
+    if st.cf is not None:
+        cf, capf, e1 = st.cf, st.capf, st.e1
+        coff = (active * st.num_e)[:, None]
+        ae, be = np.maximum(st.pk.reshape(-1, s)[rk_h], 0), np.maximum(st.pk.reshape(-1, ks)[band], 0)
+        wb = np.where(cf[rk_h[:, None] * e1 + be] < capf[coff + be], wb, np.nan)  # h may take b
+        ranks = (band * num_k)[:, None, None] + np.arange(num_k)  # [n, 1, K]
+        take_a = cf[ranks * e1 + ae[:, :, None]] < capf[coff[:, :, None] + ae[:, :, None]]  # [n, S, K]
         load_k = np.where(take_a, load_k, np.inf)  # [n, S(a), K]
-    d = wa[:, :, None, None] - wb[:, None]  # [n, S(a), K, S(b)]: load leaving h for k
+    d = wa[:, :, None, None] - wb.reshape(n, 1, num_k, s)  # [n, S(a), K, S(b)]: load leaving h for k
     peak = np.maximum(lh[:, None, None, None] - d, load_k[..., None] + d)
     # below h's load by the margin (d > 0 follows); NaN compares false
     score = np.where(peak < (lh * (1 - _MARGIN))[:, None, None, None], peak, np.inf).reshape(n, -1)
     j = score.argmin(1)
     found = np.isfinite(score[rows, j])
-    sa, k, sb = np.unravel_index(j, (num_s, num_k, num_s))
-    return found, k, sa, sb
+    sa, kb = np.divmod(j, ks)
+    return found, rk_h * s + sa, band * ks + kb
