@@ -60,7 +60,16 @@ import numpy as np
 
 from ..placement import Placement
 from .inputs import Shape
-from .metrics import copy_counts, count_last, held_by_rank, load_per_copy, max_rank_load, moves3, rank_loads3
+from .metrics import (
+    copy_counts,
+    count_last,
+    held_by_rank,
+    load_per_copy,
+    max_over_mean,
+    max_rank_load,
+    moves3,
+    rank_loads3,
+)
 from .oblivious import (
     ObliviousAnswer,
     group_loads,
@@ -533,9 +542,107 @@ def aware_policy(
     ``ref`` the reference's; per layer the heaviest rank stays within ``limit`` ``float[L]``
     (default: the reference's, times ``1 + tol``; never below the oblivious answer's);
     returns ``int[L, R, S]``."""
+    return _aware(w, _old_slots(placement, sh), obl, ref, sh, np.full(w.shape[0], float(tol)), limit)
+
+
+def _old_slots(placement: Placement, sh: Shape) -> np.ndarray:
+    """``int[L, R, S]``: the placement's slots, dead ranks' -1."""
+    shape = (placement.num_layers, sh.num_ranks, sh.slots_per_rank)
+    return np.where(sh.active[None, :, None], placement.phy2log.reshape(shape), -1)
+
+
+# Multiples of the tolerance at which the step scope tries each layer's limit; the largest
+# bounds how far one layer may go over its base (1 + 8 x tolerance). On the DeepSeek-V3
+# drifting trace most layers take 0.25-0.75 (the copies a group move or a repack costs are
+# saved where they buy least balance).
+_STEP_MULTS = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 8.0)
+
+
+def _tiled(ans: ObliviousAnswer, k: int) -> ObliviousAnswer:
+    """``ans`` with its layers repeated ``k`` times (layer ``i * L + l`` is layer ``l``)."""
+    tile = lambda x: None if x is None else np.tile(x, (k,) + (1,) * (x.ndim - 1))  # noqa: E731
+    return ObliviousAnswer(*[tile(getattr(ans, f)) for f in ObliviousAnswer.__dataclass_fields__])
+
+
+def cheapest_within_mean(moves: np.ndarray, bal: np.ndarray, budget: float) -> np.ndarray:
+    """``int[L]``: per layer one option of ``moves`` / ``bal`` ``float[L, K]`` (copies moved,
+    balance) with ``sum(bal) <= budget`` and few moves in all: the options a Lagrangian price
+    of balance picks (bisected to the lowest price within ``budget``), then, while the slack
+    allows, the switch that saves most copies. Option 0 of every layer must fit the budget."""
+    num_layers, k = moves.shape
+    rows = np.arange(num_layers)
+    tie = 1e-9 * np.arange(k)  # lowest option on ties
+
+    def pick(price: float) -> np.ndarray:
+        return np.argmin(moves + price * bal + tie, axis=1)
+
+    scale = max(1.0, float(moves.max(initial=0.0)))
+    lo, hi = 0.0, scale * 1e6 / max(float(np.abs(bal).max(initial=1.0)), 1e-300) + 1e6
+    best = pick(hi)
+    if bal[rows, best].sum() > budget:
+        best = np.zeros(num_layers, dtype=np.int64)
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        p = pick(mid)
+        if bal[rows, p].sum() <= budget:
+            hi, best = mid, p
+        else:
+            lo = mid
+    assert bal[rows, best].sum() <= budget
+    for _ in range(num_layers * k):
+        slack = budget - bal[rows, best].sum()
+        gain = moves[rows, best][:, None] - moves
+        ok = (gain > 0) & (bal - bal[rows, best][:, None] <= slack)
+        if not ok.any():
+            break
+        layer, opt = np.unravel_index(np.where(ok, gain, -1).argmax(), moves.shape)
+        best[layer] = opt
+    return best
+
+
+def step_policy(
+    w: np.ndarray, placement: Placement, obl: ObliviousAnswer, ref: ObliviousAnswer, sh: Shape, tol: float, base: str
+) -> np.ndarray:
+    """The migration-aware policy with the tolerance on the step's mean balance
+    (``tolerance_scope="step"``): the mean over layers of max/mean rank load is at most
+    ``(1 + tol)`` x the mean of the ``base`` answer's (``"oblivious"`` or ``"reference"``),
+    each layer at most ``1 + 8 x tol`` x its own. Each layer's aware answer (:func:`_aware`)
+    under limits of ``1 + m x tol`` x the base's heaviest rank, ``m`` in ``_STEP_MULTS`` (one
+    batch); per layer the one :func:`cheapest_within_mean` picks, unless the per-layer answer
+    (``m = 1``) moves fewer copies in all. Returns ``int[L, R, S]``."""
+    num_layers, num_logical = w.shape
+    old3 = _old_slots(placement, sh)
+    k = len(_STEP_MULTS)
+    mult = np.repeat(np.array(_STEP_MULTS), num_layers)
+    base_ans = obl if base == "oblivious" else ref
+    limit = np.tile(base_ans.max_load, k) * (1 + mult * tol)
+    wt = np.tile(w, (k, 1))
+    cand = _aware(wt, np.tile(old3, (k, 1, 1)), _tiled(obl, k), _tiled(ref, k), sh, mult * tol, limit)
+    moves = moves3(np.tile(held_by_rank(old3, num_logical), (k, 1, 1)), cand).reshape(k, num_layers).T
+    bal = max_over_mean(rank_loads3(wt, cand, copy_counts(cand, num_logical))[:, sh.active]).reshape(k, num_layers).T
+    base_p2l = base_ans.phy2log
+    base_bal = max_over_mean(rank_loads3(w, base_p2l, copy_counts(base_p2l, num_logical))[:, sh.active])
+    pick = cheapest_within_mean(moves.astype(np.float64), bal, (1 + tol) * base_bal.sum())
+    rows = np.arange(num_layers)
+    per_layer = _STEP_MULTS.index(1.0)
+    if moves[rows, pick].sum() > moves[:, per_layer].sum():
+        pick = np.full(num_layers, per_layer)
+    return cand.reshape(k, num_layers, *cand.shape[1:])[pick, rows]
+
+
+def _aware(
+    w: np.ndarray,
+    old3: np.ndarray,
+    obl: ObliviousAnswer,
+    ref: ObliviousAnswer,
+    sh: Shape,
+    tol: np.ndarray,
+    limit: np.ndarray | None,
+) -> np.ndarray:
+    """:func:`aware_policy` from the old slots ``old3`` ``int[L, R, S]`` (dead ranks -1), with
+    a tolerance per layer ``tol`` ``float[L]``."""
     num_layers, num_logical = w.shape
     s = sh.slots_per_rank
-    old3 = np.where(sh.active[None, :, None], placement.phy2log.reshape(num_layers, sh.num_ranks, s), -1)
     held_old = held_by_rank(old3, num_logical)
     limit = ref.max_load * (1 + tol) if limit is None else np.maximum(limit, obl.max_load)
     # The oblivious answer is within the limit (never less balanced than the reference's);
