@@ -741,4 +741,12 @@ def _aware(
     first = order[np.r_[True, lay[order][1:] != lay[order][:-1]]]
     better = mv[first] < best_moves[lay[first]]
     best[lay[first][better]] = cand[first][better]
+    # Copies swapped back to ranks that held them where both ranks stay within the limit (the
+    # candidates' own searches stop at the limit, not at fewest moves), on nodes that move any.
+    moved_nodes = _node_stats(w, best, held_old, sh)[1] > 0
+    back = _restored(w, best, old3, limit, sh, moved_nodes)
+    take = (moves3(held_old, back) < moves3(held_old, best)) & (
+        max_rank_load(w, back, copy_counts(back, num_logical)) <= limit * (1 + _SLACK)
+    )
+    best[take] = back[take]
     return _arrange(best.reshape(-1, s), old3.reshape(-1, s)).reshape(best.shape)
