@@ -37,8 +37,9 @@ copies), else takes the oblivious answer's packing of the node with copies swapp
 and per layer the candidate within the limit with the fewest moved copies (the oblivious and
 the reference's answers always are ones). It is not held to the oblivious answer's balance
 (often better than the reference's): that would move 2-3.5x as many copies. Like the
-reference, it may put two copies of an expert on one rank. Details:
-:mod:`moeshard.eplb.aware`.
+reference, it may put two copies of an expert on one rank. With ``tolerance_scope="step"`` the
+tolerance holds on the call's mean balance over layers instead (each layer solved under a few
+limits, the slack spent where it saves most copies). Details: :mod:`moeshard.eplb.aware`.
 
 In every candidate an expert that stays on a rank keeps its slot index; newcomers fill the
 freed slots in order.

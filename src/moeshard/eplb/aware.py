@@ -46,8 +46,17 @@ Per layer:
   are candidates (the balance is guaranteed). A rank may hold two copies of an expert where
   the reference would.
 
+* on the chosen answer's nodes that move copies, copies are swapped back to ranks that held
+  them while both ranks stay within ``T`` (:func:`restore`; the candidates' own searches
+  stop at ``T``, not at fewest moves), taken where it moves fewer copies within ``T``.
+
 In every candidate an expert that stays on a rank keeps its slot index; newcomers fill the
 freed slots in order.
+
+With the tolerance on the step (:func:`step_policy`, ``tolerance_scope="step"``), each layer
+is solved as above under several limits and one per layer is picked so that the mean
+balance over layers stays within the tolerance while few copies move in all
+(:func:`cheapest_within_mean`).
 """
 
 from __future__ import annotations
