@@ -430,8 +430,10 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None) -> tupl
     full = ((old_rows >= 0) | ~alive_rows[:, :, None]).all((1, 2))
     as_is = ((oc > 0) == mine).all(-1).ravel() & full & (peak <= np.repeat(limit, n) * (1 + _SLACK))
     node_load = (group_loads(w, sh)[:, :, None] * (gn[:, :, None] == np.arange(n))).sum(1)
-    todo = np.flatnonzero(~as_is)
-    tight = np.flatnonzero(~as_is & (node_load > limit[:, None] * sh.live_per_node * _LOOSE).ravel())
+    # a node whose load is over what its ranks carry at the limit is over it in any packing
+    hopeless = _hopeless(node_load, limit, sh).ravel()
+    todo = np.flatnonzero(~as_is & ~hopeless)
+    tight = np.flatnonzero(~as_is & ~hopeless & (node_load > limit[:, None] * sh.live_per_node * _LOOSE).ravel())
 
     cnt_k, wc_k = _node_counts(w, old3, gn, sh, keep_counts=True)
     cnt_r, wc_r = _node_counts(w, old3, gn, sh, keep_counts=False)
@@ -441,7 +443,10 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None) -> tupl
     heaviest = lambda cnt: np.where(cnt > 0, wr / np.maximum(cnt, 1), 0.0).max(1)  # noqa: E731
     cap = heaviest(cnt_r) * _CAP_OVER_REPLICATE
     capped = np.flatnonzero(
-        ~as_is & (heaviest(cnt_k) > cap * (1 + EPS)) & (node_load > limit[:, None] * sh.live_per_node * _LOOSE).ravel()
+        ~as_is
+        & ~hopeless
+        & (heaviest(cnt_k) > cap * (1 + EPS))
+        & (node_load > limit[:, None] * sh.live_per_node * _LOOSE).ravel()
     )
     cnt_c = capped_counts(wr[capped], cnt_k[capped], cap[capped])
     # per-copy loads: the node's own experts from its capped counts (one node per expert)
@@ -500,7 +505,13 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None) -> tupl
     shape = (num_layers, sh.num_ranks, -1)
     cands = [keep.reshape(shape), repl.reshape(shape), capd.reshape(shape), oblc.reshape(shape)]
     comp, ok = _compose(w, held_old, cands, limit, sh)
-    return comp, ~ok
+    return comp, ~ok | hopeless.reshape(num_layers, n)
+
+
+def _hopeless(node_load: np.ndarray, limit: np.ndarray, sh: Shape) -> np.ndarray:
+    """``bool[L, N]``: nodes whose load ``float[L, N]`` exceeds what their live ranks carry at
+    ``limit`` ``float[L]`` (beyond any rounding): no packing of them is within the limit."""
+    return node_load > limit[:, None] * sh.live_per_node * (1 + EPS)
 
 
 def _lpt_nodes(
@@ -725,8 +736,13 @@ def _aware(
             cand1, bad1 = _sticky_nodes(w[d], old3[d], held_old[d], gd, limit[d], sh, obl.cnt[d])
             lay, gn_all = np.concatenate([lay, d]), np.concatenate([gn_all, gd])
             cand, bad = np.concatenate([cand, cand1]), np.concatenate([bad, bad1])
-    # Where sticky packing misses the limit: the reference's LPT packing of those nodes, restored.
-    rows = np.flatnonzero(bad.any(1))
+    # Where sticky packing misses the limit: the reference's LPT packing of those nodes, restored
+    # (not on layers with a node over what its ranks carry at the limit: never within it).
+    gl_lay = group_loads(w[lay], sh)
+    hopeless = _hopeless(
+        (gl_lay[:, :, None] * (gn_all[:, :, None] == np.arange(sh.num_nodes))).sum(1), limit[lay], sh
+    ).any(1)
+    rows = np.flatnonzero(bad.any(1) & ~hopeless)
     if len(rows):
         wl, ol, hl, ll = w[lay[rows]], old3[lay[rows]], held_old[lay[rows]], limit[lay[rows]]
         # The oblivious answer's packs where it has the same groups (always in the global
@@ -744,7 +760,7 @@ def _aware(
         if not same.all():
             packs[~same] = group_packs(wl[~same], sh, gn_all[rows][~same])
         cand[rows] = _lpt_nodes(wl, ol, hl, gn_all[rows], ll, sh, cand[rows], bad[rows], packs)
-    ok = max_rank_load(w[lay], cand, copy_counts(cand, num_logical)) <= limit[lay] * (1 + _SLACK)
+    ok = ~hopeless & (max_rank_load(w[lay], cand, copy_counts(cand, num_logical)) <= limit[lay] * (1 + _SLACK))
     mv = np.where(ok, moves3(held_old[lay], cand), np.iinfo(np.int64).max)
     # per layer, the variant that moves fewest copies (first on ties)
     order = np.lexsort((np.arange(len(lay)), mv, lay))
