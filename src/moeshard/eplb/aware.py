@@ -585,6 +585,13 @@ def _tiled(ans: ObliviousAnswer, k: int) -> ObliviousAnswer:
     return ObliviousAnswer(*[tile(getattr(ans, f)) for f in ObliviousAnswer.__dataclass_fields__])
 
 
+def _rows(ans: ObliviousAnswer, idx: np.ndarray) -> ObliviousAnswer:
+    """``ans`` on the layers ``idx`` ``int[K]`` only."""
+    return ObliviousAnswer(
+        *[None if (x := getattr(ans, f)) is None else x[idx] for f in ObliviousAnswer.__dataclass_fields__]
+    )
+
+
 def cheapest_within_mean(moves: np.ndarray, bal: np.ndarray, budget: float) -> np.ndarray:
     """``int[L]``: per layer one option of ``moves`` / ``bal`` ``float[L, K]`` (copies moved,
     balance) with ``sum(bal) <= budget`` and few moves in all: the options a Lagrangian price
@@ -666,6 +673,15 @@ def _aware(
     s = sh.slots_per_rank
     held_old = held_by_rank(old3, num_logical)
     limit = ref.max_load * (1 + tol) if limit is None else np.maximum(limit, obl.max_load)
+    # The old placement itself where it still is a valid answer within the limit: nothing
+    # moves, and nothing else need be looked at (layers are independent).
+    stay = still_valid(old3, sh) & (max_rank_load(w, old3, copy_counts(old3, num_logical)) <= limit * (1 + _SLACK))
+    if stay.any():
+        out = old3.copy()
+        rest = np.flatnonzero(~stay)
+        if len(rest):
+            out[rest] = _aware(w[rest], old3[rest], _rows(obl, rest), _rows(ref, rest), sh, tol[rest], limit[rest])
+        return out
     # The oblivious answer is within the limit (never less balanced than the reference's);
     # it, the reference's and both matched to the old placement (greedily) are the baseline
     # to beat where within the limit: the one of them that moves fewest copies, so the aware
@@ -676,9 +692,6 @@ def _aware(
         mv = moves3(held_old, o)
         take = (mv < best_moves) & (max_rank_load(w, o, copy_counts(o, num_logical)) <= limit * (1 + _SLACK))
         best[take], best_moves[take] = o[take], mv[take]
-    # The old placement itself where it still is a valid answer within the limit: nothing moves.
-    stay = still_valid(old3, sh) & (max_rank_load(w, old3, copy_counts(old3, num_logical)) <= limit * (1 + _SLACK))
-    best[stay], best_moves[stay] = old3[stay], 0
     # Group assignments to try (hierarchical): groups stay on their node unless its load
     # would exceed what its ranks may well carry under the limit (most nodes are far under
     # it, so few groups move); where sticky packing misses the limit with those, also the
