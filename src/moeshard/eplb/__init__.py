@@ -37,8 +37,9 @@ copies), else takes the oblivious answer's packing of the node with copies swapp
 and per layer the candidate within the limit with the fewest moved copies (the oblivious and
 the reference's answers always are ones). It is not held to the oblivious answer's balance
 (often better than the reference's): that would move 2-3.5x as many copies. Like the
-reference, it may put two copies of an expert on one rank. Details:
-:mod:`moeshard.eplb.aware`.
+reference, it may put two copies of an expert on one rank. With ``tolerance_scope="step"`` the
+tolerance holds on the call's mean balance over layers instead (each layer solved under a few
+limits, the slack spent where it saves most copies). Details: :mod:`moeshard.eplb.aware`.
 
 In every candidate an expert that stays on a rank keeps its slot index; newcomers fill the
 freed slots in order.
@@ -77,7 +78,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..placement import Placement, slots_changed
-from .aware import aware_policy
+from .aware import aware_policy, step_policy
 from .budget import check_budget, within_budget
 from .inputs import check_load, check_placement, check_shape
 from .joint import joint_improve
@@ -114,6 +115,7 @@ def _solve(
     relative_to,
     budget_args,
     partial,
+    tolerance_scope="layer",
 ):
     """The validated call and its answer: ``(w, sh, old3 or None, BudgetAnswer or None, new3)``."""
     w = check_load(load)
@@ -124,6 +126,8 @@ def _solve(
         raise ValueError(f"relative_to must be 'reference' or 'oblivious', got {relative_to!r}")
     if not isinstance(partial, (bool, np.bool_)):
         raise ValueError(f"partial must be a bool, got {partial!r}")
+    if tolerance_scope not in ("layer", "step"):
+        raise ValueError(f"tolerance_scope must be 'layer' or 'step', got {tolerance_scope!r}")
     budget = check_budget(*budget_args, has_placement=placement is not None)
     if placement is not None:
         check_placement(placement, sh)
@@ -131,6 +135,8 @@ def _solve(
     obl = joint_improve(w, sh, oblivious_policy(w, sh, ref))
     if not migration_aware or placement is None:
         new = obl.phy2log
+    elif tolerance_scope == "step" and tolerance > 0:
+        new = step_policy(w, placement, obl, ref, sh, float(tolerance), relative_to)
     else:
         limit = obl.max_load * (1 + tolerance) if relative_to == "oblivious" else None
         new = aware_policy(w, placement, obl, ref, sh, float(tolerance), limit)
@@ -153,6 +159,7 @@ def rebalance(
     migration_aware: bool = True,
     tolerance: float = 0.0,
     relative_to: str = "reference",
+    tolerance_scope: str = "layer",
     hysteresis: float = 0.0,
     max_moves: int | None = None,
     max_moves_per_pair: int | None = None,
@@ -180,6 +187,11 @@ def rebalance(
             balanced than the reference), or the oblivious policy's (``relative_to``).
         relative_to: ``"reference"`` (default) or ``"oblivious"``: the answer whose balance
             ``tolerance`` is relative to (the oblivious answer is at least as balanced).
+        tolerance_scope: ``"layer"`` (default): ``tolerance`` holds on every layer;
+            ``"step"``: on the mean over layers of max/mean rank load (the call's mean is at
+            most ``(1 + tolerance)`` x that of the ``relative_to`` answer), each layer at most
+            ``1 + 8 x tolerance`` x its own, the slack spent on the layers where it saves most
+            copies (fewer copies moved than ``"layer"``, never more; a few times its time).
         hysteresis: with a current placement, a layer is rebalanced only where the new
             heaviest rank is lighter than the current one's by more than ``1 + hysteresis``
             (0: any gain); layers whose current placement is invalid (dead ranks) always are.
@@ -219,6 +231,7 @@ def rebalance(
         relative_to,
         (max_moves, max_moves_per_pair, max_moves_per_rank, hysteresis),
         partial,
+        tolerance_scope,
     )
     return Placement(new.reshape(sh.num_layers, -1), num_logical=sh.num_logical, num_ranks=sh.num_ranks)
 
@@ -235,6 +248,7 @@ def rebalance_with_report(
     migration_aware: bool = True,
     tolerance: float = 0.0,
     relative_to: str = "reference",
+    tolerance_scope: str = "layer",
     hysteresis: float = 0.0,
     max_moves: int | None = None,
     max_moves_per_pair: int | None = None,
@@ -269,6 +283,7 @@ def rebalance_with_report(
         relative_to,
         (max_moves, max_moves_per_pair, max_moves_per_rank, hysteresis),
         partial,
+        tolerance_scope,
     )
     return build_report(w, sh, old3, ans, int(num_nodes))
 

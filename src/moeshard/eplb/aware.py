@@ -46,8 +46,17 @@ Per layer:
   are candidates (the balance is guaranteed). A rank may hold two copies of an expert where
   the reference would.
 
+* on the chosen answer's nodes that move copies, copies are swapped back to ranks that held
+  them while both ranks stay within ``T`` (:func:`restore`; the candidates' own searches
+  stop at ``T``, not at fewest moves), taken where it moves fewer copies within ``T``.
+
 In every candidate an expert that stays on a rank keeps its slot index; newcomers fill the
 freed slots in order.
+
+With the tolerance on the step (:func:`step_policy`, ``tolerance_scope="step"``), each layer
+is solved as above under several limits and one per layer is picked so that the mean
+balance over layers stays within the tolerance while few copies move in all
+(:func:`cheapest_within_mean`).
 """
 
 from __future__ import annotations
@@ -60,7 +69,16 @@ import numpy as np
 
 from ..placement import Placement
 from .inputs import Shape
-from .metrics import copy_counts, count_last, held_by_rank, load_per_copy, max_rank_load, moves3, rank_loads3
+from .metrics import (
+    copy_counts,
+    count_last,
+    held_by_rank,
+    load_per_copy,
+    max_over_mean,
+    max_rank_load,
+    moves3,
+    rank_loads3,
+)
 from .oblivious import (
     ObliviousAnswer,
     group_loads,
@@ -412,8 +430,10 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None) -> tupl
     full = ((old_rows >= 0) | ~alive_rows[:, :, None]).all((1, 2))
     as_is = ((oc > 0) == mine).all(-1).ravel() & full & (peak <= np.repeat(limit, n) * (1 + _SLACK))
     node_load = (group_loads(w, sh)[:, :, None] * (gn[:, :, None] == np.arange(n))).sum(1)
-    todo = np.flatnonzero(~as_is)
-    tight = np.flatnonzero(~as_is & (node_load > limit[:, None] * sh.live_per_node * _LOOSE).ravel())
+    # a node whose load is over what its ranks carry at the limit is over it in any packing
+    hopeless = _hopeless(node_load, limit, sh).ravel()
+    todo = np.flatnonzero(~as_is & ~hopeless)
+    tight = np.flatnonzero(~as_is & ~hopeless & (node_load > limit[:, None] * sh.live_per_node * _LOOSE).ravel())
 
     cnt_k, wc_k = _node_counts(w, old3, gn, sh, keep_counts=True)
     cnt_r, wc_r = _node_counts(w, old3, gn, sh, keep_counts=False)
@@ -423,7 +443,10 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None) -> tupl
     heaviest = lambda cnt: np.where(cnt > 0, wr / np.maximum(cnt, 1), 0.0).max(1)  # noqa: E731
     cap = heaviest(cnt_r) * _CAP_OVER_REPLICATE
     capped = np.flatnonzero(
-        ~as_is & (heaviest(cnt_k) > cap * (1 + EPS)) & (node_load > limit[:, None] * sh.live_per_node * _LOOSE).ravel()
+        ~as_is
+        & ~hopeless
+        & (heaviest(cnt_k) > cap * (1 + EPS))
+        & (node_load > limit[:, None] * sh.live_per_node * _LOOSE).ravel()
     )
     cnt_c = capped_counts(wr[capped], cnt_k[capped], cap[capped])
     # per-copy loads: the node's own experts from its capped counts (one node per expert)
@@ -482,7 +505,13 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None) -> tupl
     shape = (num_layers, sh.num_ranks, -1)
     cands = [keep.reshape(shape), repl.reshape(shape), capd.reshape(shape), oblc.reshape(shape)]
     comp, ok = _compose(w, held_old, cands, limit, sh)
-    return comp, ~ok
+    return comp, ~ok | hopeless.reshape(num_layers, n)
+
+
+def _hopeless(node_load: np.ndarray, limit: np.ndarray, sh: Shape) -> np.ndarray:
+    """``bool[L, N]``: nodes whose load ``float[L, N]`` exceeds what their live ranks carry at
+    ``limit`` ``float[L]`` (beyond any rounding): no packing of them is within the limit."""
+    return node_load > limit[:, None] * sh.live_per_node * (1 + EPS)
 
 
 def _lpt_nodes(
@@ -533,11 +562,126 @@ def aware_policy(
     ``ref`` the reference's; per layer the heaviest rank stays within ``limit`` ``float[L]``
     (default: the reference's, times ``1 + tol``; never below the oblivious answer's);
     returns ``int[L, R, S]``."""
+    return _aware(w, _old_slots(placement, sh), obl, ref, sh, np.full(w.shape[0], float(tol)), limit)
+
+
+def _old_slots(placement: Placement, sh: Shape) -> np.ndarray:
+    """``int[L, R, S]``: the placement's slots, dead ranks' -1."""
+    shape = (placement.num_layers, sh.num_ranks, sh.slots_per_rank)
+    return np.where(sh.active[None, :, None], placement.phy2log.reshape(shape), -1)
+
+
+# Multiples of the tolerance at which the step scope tries each layer's limit; the largest
+# bounds how far one layer may go over its base (1 + 8 x tolerance). On the DeepSeek-V3
+# drifting trace most layers take 0.25-0.75 (the copies a group move or a repack costs are
+# saved where they buy least balance); these 8 moved fewer copies there than 10 (1.5, 3 and
+# 5 instead of 2 and 4), at 4/5 of the time.
+_STEP_MULTS = (0.0, 0.25, 0.5, 0.75, 1.0, 2.0, 4.0, 8.0)
+
+
+def _tiled(ans: ObliviousAnswer, k: int) -> ObliviousAnswer:
+    """``ans`` with its layers repeated ``k`` times (layer ``i * L + l`` is layer ``l``)."""
+    tile = lambda x: None if x is None else np.tile(x, (k,) + (1,) * (x.ndim - 1))  # noqa: E731
+    return ObliviousAnswer(*[tile(getattr(ans, f)) for f in ObliviousAnswer.__dataclass_fields__])
+
+
+def _rows(ans: ObliviousAnswer, idx: np.ndarray) -> ObliviousAnswer:
+    """``ans`` on the layers ``idx`` ``int[K]`` only."""
+    return ObliviousAnswer(
+        *[None if (x := getattr(ans, f)) is None else x[idx] for f in ObliviousAnswer.__dataclass_fields__]
+    )
+
+
+def cheapest_within_mean(moves: np.ndarray, bal: np.ndarray, budget: float) -> np.ndarray:
+    """``int[L]``: per layer one option of ``moves`` / ``bal`` ``float[L, K]`` (copies moved,
+    balance) with ``sum(bal) <= budget`` and few moves in all: the options a Lagrangian price
+    of balance picks (bisected to the lowest price within ``budget``), then, while the slack
+    allows, the switch that saves most copies. Option 0 of every layer must fit the budget."""
+    num_layers, k = moves.shape
+    rows = np.arange(num_layers)
+    tie = 1e-9 * np.arange(k)  # lowest option on ties
+
+    def pick(price: float) -> np.ndarray:
+        return np.argmin(moves + price * bal + tie, axis=1)
+
+    scale = max(1.0, float(moves.max(initial=0.0)))
+    lo, hi = 0.0, scale * 1e6 / max(float(np.abs(bal).max(initial=1.0)), 1e-300) + 1e6
+    best = pick(hi)
+    if bal[rows, best].sum() > budget:
+        best = np.zeros(num_layers, dtype=np.int64)
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        p = pick(mid)
+        if bal[rows, p].sum() <= budget:
+            hi, best = mid, p
+        else:
+            lo = mid
+    assert bal[rows, best].sum() <= budget
+    for _ in range(num_layers * k):
+        slack = budget - bal[rows, best].sum()
+        gain = moves[rows, best][:, None] - moves
+        ok = (gain > 0) & (bal - bal[rows, best][:, None] <= slack)
+        if not ok.any():
+            break
+        layer, opt = np.unravel_index(np.where(ok, gain, -1).argmax(), moves.shape)
+        best[layer] = opt
+    return best
+
+
+def step_policy(
+    w: np.ndarray, placement: Placement, obl: ObliviousAnswer, ref: ObliviousAnswer, sh: Shape, tol: float, base: str
+) -> np.ndarray:
+    """The migration-aware policy with the tolerance on the step's mean balance
+    (``tolerance_scope="step"``): the mean over layers of max/mean rank load is at most
+    ``(1 + tol)`` x the mean of the ``base`` answer's (``"oblivious"`` or ``"reference"``),
+    each layer at most ``1 + 8 x tol`` x its own. Each layer's aware answer (:func:`_aware`)
+    under limits of ``1 + m x tol`` x the base's heaviest rank, ``m`` in ``_STEP_MULTS`` (one
+    batch); per layer the one :func:`cheapest_within_mean` picks, unless the per-layer answer
+    (``m = 1``) moves fewer copies in all. Returns ``int[L, R, S]``."""
+    num_layers, num_logical = w.shape
+    old3 = _old_slots(placement, sh)
+    k = len(_STEP_MULTS)
+    mult = np.repeat(np.array(_STEP_MULTS), num_layers)
+    base_ans = obl if base == "oblivious" else ref
+    limit = np.tile(base_ans.max_load, k) * (1 + mult * tol)
+    wt = np.tile(w, (k, 1))
+    cand = _aware(wt, np.tile(old3, (k, 1, 1)), _tiled(obl, k), _tiled(ref, k), sh, mult * tol, limit)
+    moves = moves3(np.tile(held_by_rank(old3, num_logical), (k, 1, 1)), cand).reshape(k, num_layers).T
+    bal = max_over_mean(rank_loads3(wt, cand, copy_counts(cand, num_logical))[:, sh.active]).reshape(k, num_layers).T
+    base_p2l = base_ans.phy2log
+    base_bal = max_over_mean(rank_loads3(w, base_p2l, copy_counts(base_p2l, num_logical))[:, sh.active])
+    pick = cheapest_within_mean(moves.astype(np.float64), bal, (1 + tol) * base_bal.sum())
+    rows = np.arange(num_layers)
+    per_layer = _STEP_MULTS.index(1.0)
+    if moves[rows, pick].sum() > moves[:, per_layer].sum():
+        pick = np.full(num_layers, per_layer)
+    return cand.reshape(k, num_layers, *cand.shape[1:])[pick, rows]
+
+
+def _aware(
+    w: np.ndarray,
+    old3: np.ndarray,
+    obl: ObliviousAnswer,
+    ref: ObliviousAnswer,
+    sh: Shape,
+    tol: np.ndarray,
+    limit: np.ndarray | None,
+) -> np.ndarray:
+    """:func:`aware_policy` from the old slots ``old3`` ``int[L, R, S]`` (dead ranks -1), with
+    a tolerance per layer ``tol`` ``float[L]``."""
     num_layers, num_logical = w.shape
     s = sh.slots_per_rank
-    old3 = np.where(sh.active[None, :, None], placement.phy2log.reshape(num_layers, sh.num_ranks, s), -1)
     held_old = held_by_rank(old3, num_logical)
     limit = ref.max_load * (1 + tol) if limit is None else np.maximum(limit, obl.max_load)
+    # The old placement itself where it still is a valid answer within the limit: nothing
+    # moves, and nothing else need be looked at (layers are independent).
+    stay = still_valid(old3, sh) & (max_rank_load(w, old3, copy_counts(old3, num_logical)) <= limit * (1 + _SLACK))
+    if stay.any():
+        out = old3.copy()
+        rest = np.flatnonzero(~stay)
+        if len(rest):
+            out[rest] = _aware(w[rest], old3[rest], _rows(obl, rest), _rows(ref, rest), sh, tol[rest], limit[rest])
+        return out
     # The oblivious answer is within the limit (never less balanced than the reference's);
     # it, the reference's and both matched to the old placement (greedily) are the baseline
     # to beat where within the limit: the one of them that moves fewest copies, so the aware
@@ -548,9 +692,6 @@ def aware_policy(
         mv = moves3(held_old, o)
         take = (mv < best_moves) & (max_rank_load(w, o, copy_counts(o, num_logical)) <= limit * (1 + _SLACK))
         best[take], best_moves[take] = o[take], mv[take]
-    # The old placement itself where it still is a valid answer within the limit: nothing moves.
-    stay = still_valid(old3, sh) & (max_rank_load(w, old3, copy_counts(old3, num_logical)) <= limit * (1 + _SLACK))
-    best[stay], best_moves[stay] = old3[stay], 0
     # Group assignments to try (hierarchical): groups stay on their node unless its load
     # would exceed what its ranks may well carry under the limit (most nodes are far under
     # it, so few groups move); where sticky packing misses the limit with those, also the
@@ -608,8 +749,13 @@ def aware_policy(
             cand1, bad1 = _sticky_nodes(w[d], old3[d], held_old[d], gd, limit[d], sh, obl.cnt[d])
             lay, gn_all = np.concatenate([lay, d]), np.concatenate([gn_all, gd])
             cand, bad = np.concatenate([cand, cand1]), np.concatenate([bad, bad1])
-    # Where sticky packing misses the limit: the reference's LPT packing of those nodes, restored.
-    rows = np.flatnonzero(bad.any(1))
+    # Where sticky packing misses the limit: the reference's LPT packing of those nodes, restored
+    # (not on layers with a node over what its ranks carry at the limit: never within it).
+    gl_lay = group_loads(w[lay], sh)
+    hopeless = _hopeless(
+        (gl_lay[:, :, None] * (gn_all[:, :, None] == np.arange(sh.num_nodes))).sum(1), limit[lay], sh
+    ).any(1)
+    rows = np.flatnonzero(bad.any(1) & ~hopeless)
     if len(rows):
         wl, ol, hl, ll = w[lay[rows]], old3[lay[rows]], held_old[lay[rows]], limit[lay[rows]]
         # The oblivious answer's packs where it has the same groups (always in the global
@@ -627,11 +773,19 @@ def aware_policy(
         if not same.all():
             packs[~same] = group_packs(wl[~same], sh, gn_all[rows][~same])
         cand[rows] = _lpt_nodes(wl, ol, hl, gn_all[rows], ll, sh, cand[rows], bad[rows], packs)
-    ok = max_rank_load(w[lay], cand, copy_counts(cand, num_logical)) <= limit[lay] * (1 + _SLACK)
+    ok = ~hopeless & (max_rank_load(w[lay], cand, copy_counts(cand, num_logical)) <= limit[lay] * (1 + _SLACK))
     mv = np.where(ok, moves3(held_old[lay], cand), np.iinfo(np.int64).max)
     # per layer, the variant that moves fewest copies (first on ties)
     order = np.lexsort((np.arange(len(lay)), mv, lay))
     first = order[np.r_[True, lay[order][1:] != lay[order][:-1]]]
     better = mv[first] < best_moves[lay[first]]
     best[lay[first][better]] = cand[first][better]
+    # Copies swapped back to ranks that held them where both ranks stay within the limit (the
+    # candidates' own searches stop at the limit, not at fewest moves), on nodes that move any.
+    moved_nodes = _node_stats(w, best, held_old, sh)[1] > 0
+    back = _restored(w, best, old3, limit, sh, moved_nodes)
+    take = (moves3(held_old, back) < moves3(held_old, best)) & (
+        max_rank_load(w, back, copy_counts(back, num_logical)) <= limit * (1 + _SLACK)
+    )
+    best[take] = back[take]
     return _arrange(best.reshape(-1, s), old3.reshape(-1, s)).reshape(best.shape)
