@@ -185,30 +185,30 @@ def _failures(model, pl, lay, dst, full, rank) -> dict:
     old = {k: v.clone() for k, v in dst.items()}
     _train(model, tiny_hf.data(WORLD)[rank : rank + 1], None)
     new_full = _full(model, pl)
-    real = refit_mod.TensorSink
+    real = refit_mod.ViewExchange
     calls = [0]
 
     class Failing(real):
-        """Rank 3's deliveries fail in the third install group (staged: no receive in place)."""
+        """Rank 3's deliveries fail in the third install group."""
 
-        def __init__(self, s, tensors, r, receive_in_place=False):
-            super().__init__(s, tensors, r, receive_in_place=False)
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
             calls[0] += 1
             self.fails = rank == 3 and calls[0] == 3
 
-        def put(self, items):
+        def target(self, row, pid):
             if self.fails:
                 raise RuntimeError("disk on fire")
-            super().put(items)
+            return super().target(row, pid)
 
-    refit_mod.TensorSink = Failing
+    refit_mod.ViewExchange = Failing
     try:
         moeshard.refit(model, dst, lay, staging_bytes=one)
         out["fail"] = None
     except moeshard.DistributedError as e:
         out["fail"] = str(e)
     finally:
-        refit_mod.TensorSink = real
+        refit_mod.ViewExchange = real
     groups = sorted({t.group for t in lay.tensors})
     done = set(groups[:2])
     wrong = []
@@ -225,48 +225,42 @@ def _failures(model, pl, lay, dst, full, rank) -> dict:
     out["changed_groups"] = sorted({t.group for t in lay.tensors if not torch.equal(dst[t.name], old[t.name])})
 
     # A delivery corrupted on engine rank 1 (one element of layer 1's o_proj): verify names it.
-    class Corrupt(refit_mod.TensorSink):
-        def __init__(self, s, tensors, r, receive_in_place=False):
-            super().__init__(s, tensors, r, receive_in_place=False)
+    o_proj = next(j for j, t in enumerate(lay.tensors) if t.name == "model.layers.1.self_attn.o_proj.weight")
 
-        def put(self, items):
-            super().put(items)
-            if rank != 1:
-                return
-            for row, _ in items:
-                j = int(self.s.deliveries.param[row])
-                if lay.tensors[j].name == "model.layers.1.self_attn.o_proj.weight":
-                    self.target(row).view(-1)[0] += 1.0
+    class Corrupt(real):
+        def install(self):
+            super().install()
+            if rank == 1 and self.held[o_proj]:
+                self.targets[o_proj].view(-1)[0] += 1.0
 
-    refit_mod.TensorSink = Corrupt
+    refit_mod.ViewExchange = Corrupt
     try:
         moeshard.refit(model, dst, lay, verify=True)
         out["verify"] = None
     except refit_mod.RefitVerifyError as e:
         out["verify"] = str(e)
     finally:
-        refit_mod.TensorSink = real
+        refit_mod.ViewExchange = real
 
     # Rank 2's views of its trainer shards fail in the second install group (it sends from
     # them): every rank raises within seconds (not at the backend's timeout), only the first
     # group installed.
     _train(model, tiny_hf.data(WORLD)[rank : rank + 1], None)
     before = {k: v.clone() for k, v in dst.items()}
-    shards = refit_mod._TrainerShards
     made = [0]
 
-    class BadView(shards):
-        def __init__(self, *a):
-            super().__init__(*a)
+    class BadView(real):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
             made[0] += 1
             self.fails = rank == 2 and made[0] == 2
 
-        def view(self, v, pid):
-            if self.fails:
+        def box(self, tensors, at):
+            if self.fails and tensors is self.sources:
                 raise RuntimeError("view on fire")
-            return super().view(v, pid)
+            return super().box(tensors, at)
 
-    refit_mod._TrainerShards = BadView
+    refit_mod.ViewExchange = BadView
     t0 = time.monotonic()
     try:
         moeshard.refit(model, dst, lay, staging_bytes=one)
@@ -274,7 +268,7 @@ def _failures(model, pl, lay, dst, full, rank) -> dict:
     except moeshard.DistributedError as e:
         out["bad_view"] = str(e)
     finally:
-        refit_mod._TrainerShards = shards
+        refit_mod.ViewExchange = real
     out["bad_view_s"] = time.monotonic() - t0
     out["bad_view_changed"] = sorted({t.group for t in lay.tensors if not torch.equal(dst[t.name], before[t.name])})
     return out
@@ -735,25 +729,22 @@ def _batches(model, pl, lay, dst, rank) -> dict:
     _train(model, tiny_hf.data(WORLD)[rank : rank + 1], None)
     new_full = _full(model, pl)
     before = {k: v.clone() for k, v in dst.items()}
-    real = refit_mod.TensorSink
+    real = refit_mod.ViewExchange
 
     class FailsInLayer0(real):
-        def put(self, items):
-            if rank == 3 and any(lay.tensors[int(self.s.deliveries.param[r])].group == 0 for r, _ in items):
+        def target(self, row, pid):
+            if rank == 3 and lay.tensors[self.prog.dlv_at[row][0]].group == 0:
                 raise RuntimeError("layer 0 on fire")
-            super().put(items)
+            return super().target(row, pid)
 
-        def receive_target(self, row):
-            return None  # staged, so that every delivery goes through put()
-
-    refit_mod.TensorSink = FailsInLayer0
+    refit_mod.ViewExchange = FailsInLayer0
     try:
         moeshard.refit(model, dst, lay, staging_bytes=budget)
         out["batch_fail"] = None
     except moeshard.DistributedError as e:
         out["batch_fail"] = str(e)
     finally:
-        refit_mod.TensorSink = real
+        refit_mod.ViewExchange = real
     out["batch_changed"] = sorted({t.group for t in lay.tensors if not torch.equal(dst[t.name], before[t.name])})
 
     # The default budget: one batch; count the P2P messages this rank posts.

@@ -38,6 +38,7 @@ import math
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -52,7 +53,7 @@ from .io.index import CheckpointIndex
 from .io.packed import decode_blob_into, read_blob
 from .io.reader import CheckpointReader
 from .io.readpool import ReadPool
-from .plan.schedule import Schedule
+from .plan.schedule import Schedule, ViewTable
 from .topology import Topology
 
 __all__ = [
@@ -61,6 +62,7 @@ __all__ = [
     "Sink",
     "FlatTargets",
     "Runner",
+    "ViewExchange",
     "LocalTensors",
     "ReaderSource",
     "TensorSink",
@@ -697,7 +699,6 @@ def execute_schedule(
     node_group=None,
     progress: Callable[[int], None] | None = None,
     what: str = "moeshard: running the schedule",
-    coalesce_bytes: int = 0,
 ) -> ExecStats:
     """Collective (every rank of the current group, :func:`moeshard.collectives.scope`): run
     ``schedule`` on this rank (a :class:`Runner`).
@@ -712,10 +713,6 @@ def execute_schedule(
         progress: called with the bytes of each piece this rank delivers (once per piece,
             however many places it goes to).
         what: the operation, for error messages (e.g. "moeshard.load: executing the plan").
-        coalesce_bytes: pieces of at most this many bytes that one rank sends another in the
-            same round travel as one message (packed on the sender, unpacked on the receiver:
-            a copy each side, where a message per piece costs a round trip of latency each);
-            0 (the default): a message per piece. Every rank must pass the same value.
 
     Returns this rank's :class:`ExecStats`; failed reads and deliveries are in its
     ``failures`` (:meth:`ExecStats.check` raises the first).
@@ -728,7 +725,7 @@ def execute_schedule(
     # collector's passes over them (and over the whole heap of a large model) cost more than
     # the setup itself. Reference counting still frees everything.
     with paused_gc():
-        return Runner(schedule, rank, source, sink, device, node_group, progress, what, coalesce_bytes).run()
+        return Runner(schedule, rank, source, sink, device, node_group, progress, what).run()
 
 
 class Runner:
@@ -752,12 +749,10 @@ class Runner:
         node_group=None,
         progress: Callable[[int], None] | None = None,
         what: str = "moeshard: running the schedule",
-        coalesce_bytes: int = 0,
     ):
         s = self.s = schedule
         self.rank, self.source, self.sink, self.device = rank, source, sink, device
         self.node_group, self.progress, self.what = node_group, progress, what
-        self.coalesce_bytes = coalesce_bytes
         mine = self.mine = s.for_rank(rank)
         self.lists = piece_lists(s)
         self.stats = ExecStats()
@@ -1003,69 +998,11 @@ class Runner:
                 self.stats.bytes_read += self.nbytes(pid)
             self.staged += self.nbytes(pid)
 
-    def packed(self, rows: Sequence[int]) -> tuple[dict[tuple[int, bool], list[int]], list[int]]:
-        """Round rows split into messages: ``{(peer, outgoing): rows}`` of the pieces that
-        travel packed (at most ``coalesce_bytes`` each, two or more between the same ranks
-        in the same direction), and the other rows (a message each). Both ranks of a pair
-        derive the same split from the schedule."""
-        if not self.coalesce_bytes:
-            return {}, list(rows)
-        rank, limit, nbytes = self.rank, self.coalesce_bytes, self.lists.bytes
-        groups: dict[tuple[int, bool], list[int]] = {}
-        for row in rows:
-            pid, src, dst, _ = self.send_rows[row]
-            if nbytes[pid] <= limit and self.source.buffer_shape(pid) is None:
-                out = src == rank
-                groups.setdefault((dst if out else src, out), []).append(row)
-        groups = {k: v for k, v in sorted(groups.items()) if len(v) > 1}
-        inside = {row for v in groups.values() for row in v}
-        return groups, [row for row in rows if row not in inside]
-
-    def pack(self, rows: list[int]) -> torch.Tensor:
-        """One message of the pieces sent from this rank by ``rows``: their bytes, each at an
-        offset aligned to 16 (:meth:`unpack`'s layout)."""
-        info = [self.send_rows[r] for r in rows]
-        at = _packed_offsets([self.nbytes(x[0]) for x in info])
-        out = torch.empty(at[-1], dtype=torch.uint8, device=self.device)
-        for (pid, _, _, v), a in zip(info, at):
-            data = self.bufs[pid] if v < 0 else self.view(v, pid)
-            n = self.nbytes(pid)
-            if data.numel() * data.element_size() != n:  # not the piece's bytes: zeros, reported
-                self.stats.failures.append(
-                    ValueError(f"rank {self.rank}: piece {pid} is {data.numel() * data.element_size()} bytes, not {n}")
-                )
-                out[a : a + n].zero_()
-            else:
-                out[a : a + n].view(data.dtype).view(data.shape).copy_(data)
-            self.stats.bytes_sent += n
-        return out
-
-    def unpack(self, rows: list[int]) -> torch.Tensor:
-        """The buffer of one packed message received by ``rows``; each piece becomes a view of
-        it in ``self.bufs`` (delivered in its round like any received piece)."""
-        pids = [self.send_rows[r][0] for r in rows]
-        at = _packed_offsets([self.nbytes(pid) for pid in pids])
-        buf = torch.empty(at[-1], dtype=torch.uint8, device=self.device)
-        for pid, a in zip(pids, at):
-            n = self.nbytes(pid)
-            self.bufs[pid] = buf[a : a + n].view(self.source.dtype(pid)).view(self.shape(pid))
-            self.staged += n
-            self.stats.bytes_received += n
-        return buf
-
     def post(self, t: int) -> Callable[[], None]:
-        """Post round ``t``'s P2P ops as one batch (pieces packed per peer and direction where
-        they are small: :meth:`packed`); returns the wait."""
+        """Post round ``t``'s P2P ops as one batch; returns the wait."""
         stats = self.stats
         ops = []
-        groups, rows = self.packed(self.sends_at.get(t, ()))
-        out_bytes = 0
-        for (peer, out), grp in groups.items():
-            buf = self.pack(grp) if out else self.unpack(grp)
-            out_bytes += buf.numel() if out else 0
-            ops.append(collectives.p2p(dist.isend if out else dist.irecv, buf, peer, self.members))
-        stats.peak_staging_bytes = max(stats.peak_staging_bytes, self.staged + out_bytes)
-        for row in rows:
+        for row in self.sends_at.get(t, ()):
             pid, src, dst, v = self.send_rows[row]
             if src == self.rank:
                 data = self.bufs[pid] if v < 0 else self.view(v, pid)
@@ -1172,6 +1109,301 @@ class Runner:
         return stats
 
 
+class _Message(NamedTuple):
+    """One P2P message of a view exchange: pieces ``pids`` (``views``: the view rows they are
+    sent from; empty for a message received) at byte offsets ``offs`` of a buffer of ``size``
+    bytes, to or from ``peer``; ``alone``: one piece larger than the packing limit, in a
+    buffer of its own shape and dtype (sent from its view as it is where it can be)."""
+
+    peer: int
+    size: int
+    pids: tuple[int, ...]
+    views: tuple[int, ...]
+    offs: tuple[int, ...]
+    alone: bool
+
+
+class _ViewProgram:
+    """What one rank does in a schedule of views (:class:`ViewExchange`), derived once per
+    schedule, rank and packing limit, and kept with the schedule: per round its messages out
+    and in (both ends of a pair derive the same messages, in the same order, from the pair's
+    rows, which are ordered by unit and box on both), its copies, the delivery rows of each
+    piece, and the index of every view and delivery row in its local tensor."""
+
+    def __init__(self, s: Schedule, rank: int, pack_bytes: int):
+        mine = s.for_rank(rank)
+        if len(mine.reads) or len(mine.bcasts) or (s.copies.round[mine.copies] >= 0).any():
+            raise ValueError("a view exchange runs schedules of views only: no reads, broadcasts or stashed copies")
+        lists = self.lists = piece_lists(s)
+        rows = mine.sends
+        groups: dict[int, dict[tuple[int, bool], tuple[list, list]]] = {}
+        for t, src, dst, pid, v in zip(
+            s.sends.round[rows].tolist(),
+            s.sends.src[rows].tolist(),
+            s.sends.dst[rows].tolist(),
+            s.sends.piece[rows].tolist(),
+            s.sends.view[rows].tolist(),
+        ):
+            out = src == rank
+            small, big = groups.setdefault(t, {}).setdefault((dst if out else src, out), ([], []))
+            (small if lists.bytes[pid] <= pack_bytes else big).append((pid, v))
+        self.rounds: list[tuple[list[_Message], list[_Message]]] = []
+        for t in sorted(groups):
+            outs: list[_Message] = []
+            ins: list[_Message] = []
+            for (peer, out), (small, big) in sorted(groups[t].items()):
+                into = outs if out else ins
+                if small:
+                    at = _packed_offsets([lists.bytes[pid] for pid, _ in small])
+                    pids, views = zip(*small)
+                    into.append(_Message(peer, at[-1], pids, views if out else (), tuple(at[:-1]), False))
+                for pid, v in big:
+                    into.append(_Message(peer, lists.bytes[pid], (pid,), (v,) if out else (), (0,), True))
+            self.rounds.append((outs, ins))
+        self.copies: list[tuple[int, int]] = list(
+            zip(s.copies.view[mine.copies].tolist(), s.copies.piece[mine.copies].tolist())
+        )
+        self.dlv: dict[int, list[int]] = {}
+        for row, pid in zip(mine.deliveries.tolist(), s.deliveries.piece[mine.deliveries].tolist()):
+            self.dlv.setdefault(pid, []).append(row)
+        # (param, index) of every view and delivery row of this rank: the slot (if any) and
+        # the box's slices, one indexing of the local tensor.
+        self.view_at = {
+            v: _row_index(s.views, v, pid, lists)
+            for outs, _ in self.rounds
+            for m in outs
+            for pid, v in zip(m.pids, m.views)
+        }
+        self.view_at.update({v: _row_index(s.views, v, pid, lists) for v, pid in self.copies})
+        self.dlv_at = {row: _row_index(s.deliveries, row, pid, lists) for pid, rs in self.dlv.items() for row in rs}
+        # The contiguous strides of each packed piece's shape (its place in its message).
+        self.strides: dict[int, tuple[int, ...]] = {}
+        for outs, ins in self.rounds:
+            for m in outs + ins:
+                for pid in m.pids:
+                    self.strides[pid] = _contiguous_strides(lists.shape(pid))
+
+
+def _row_index(table, row: int, pid: int, lists: PieceLists) -> tuple[int, tuple]:
+    """``(param, index)`` of row ``row`` of a view or delivery table holding piece ``pid``."""
+    param, slot, idx = lists.index("views" if isinstance(table, ViewTable) else "deliveries", row, pid)
+    return param, ((slot, *idx) if slot >= 0 else idx)
+
+
+_VIEW_PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class ViewExchange:
+    """One rank's run of a schedule whose pieces all come from views of local tensors (sends
+    from views, copies of round -1; no reads, broadcasts or stashes) and go into local
+    tensors, the deliveries into *held* tensors made only by :meth:`install`: a refit writes
+    the engine's tensors once every rank agreed that every piece arrived (each install batch
+    all old or all new), without staging them.
+
+    Per round, the pieces one rank sends another travel as one message where they are at most
+    ``pack_bytes`` each (at 16-byte aligned offsets; one copy per piece from its view into the
+    message, cast to the piece's dtype on the way), larger ones as a message each (sent from
+    the view itself where it is contiguous and of the piece's dtype). A piece received stays
+    in its message until it is delivered; a copy is delivered from its view. What the
+    schedule alone determines (messages, offsets, the index of every view and delivery) is
+    kept with the schedule for the next run: a run is a few tensor calls per piece.
+
+    Failed views and deliveries go to the stats' ``failures`` (zeros travel in place of a
+    piece that could not be read) and the run goes on, as :class:`Runner`'s. :meth:`run` is
+    collective (every rank of the current group, each with the same ``pack_bytes``); one run
+    and one install per object.
+
+    Args:
+        schedule, rank, device, what: as :func:`execute_schedule`'s.
+        sources: this rank's local tensors that its views address (by the schedule's
+            ``param``; None where it holds none).
+        dtypes: per key of the schedule, the dtype its pieces travel in (a view of another
+            dtype is cast on its copy).
+        targets: the local tensors that its deliveries address (by ``param``).
+        held: per target, whether its deliveries wait for :meth:`install` (missing: False,
+            delivered during :meth:`run`).
+        pack_bytes: the largest piece that travels packed.
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        rank: int,
+        sources: Sequence[torch.Tensor | None],
+        dtypes: Sequence[torch.dtype],
+        targets: Sequence[torch.Tensor | None],
+        device: torch.device,
+        held: Sequence[bool] = (),
+        what: str = "moeshard: running the schedule",
+        pack_bytes: int = 2**20,
+    ):
+        progs = _VIEW_PROGRAMS.setdefault(schedule, {})
+        prog = progs.get((rank, pack_bytes))
+        if prog is None:
+            prog = progs[(rank, pack_bytes)] = _ViewProgram(schedule, rank, pack_bytes)
+        self.prog, self.rank, self.device, self.what = prog, rank, device, what
+        self.sources, self.targets, self.held = sources, targets, held
+        key = prog.lists.key
+        self.dtype = lambda pid: dtypes[key[pid]]
+        self.members = collectives.group_ranks()
+        self.stats = ExecStats()
+        self.now: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # (places, data)
+        self.later: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        self.kept = 0  # bytes of received messages held for their deliveries
+
+    def run(self) -> ExecStats:
+        """Collective: every round's messages, the deliveries into tensors not held, and the
+        places of the held ones; returns this rank's stats (``failures``: raise with
+        :meth:`ExecStats.check`, agreed by the caller, before :meth:`install`)."""
+        stats, p2p = self.stats, collectives.p2p
+        with paused_gc():
+            local = True
+            for outs, ins in self.prog.rounds:
+                ops, got = [], []
+                out_bytes = 0
+                for m in outs:
+                    ops.append(p2p(dist.isend, self.pack(m), m.peer, self.members))
+                    out_bytes += m.size
+                for m in ins:
+                    buf = self.empty(m)
+                    self.kept += m.size
+                    got.append((m, buf))
+                    ops.append(p2p(dist.irecv, buf, m.peer, self.members))
+                stats.peak_staging_bytes = max(stats.peak_staging_bytes, self.kept + out_bytes)
+                wait = collectives.start_p2p(ops, self.what)
+                if local:  # this rank's own copies while the first batch is in flight
+                    self.copies()
+                    local = False
+                wait()
+                for m, buf in got:
+                    self.arrived(m, buf)
+            if local:
+                self.copies()
+            self.deliver(self.now)
+        return stats
+
+    def install(self) -> None:
+        """Local: the deliveries into held tensors (after every rank agreed on :meth:`run`)."""
+        with torch.no_grad():
+            self.deliver(self.later)
+
+    # -- the steps -------------------------------------------------------------------------
+
+    def view(self, v: int, pid: int) -> torch.Tensor | None:
+        """View row ``v`` of piece ``pid``; None (recorded) where it failed or has another
+        shape."""
+        try:
+            data = self.box(self.sources, self.prog.view_at[v])
+            if data.shape != self.prog.lists.shape(pid):
+                raise ValueError(f"rank {self.rank}: view {v} of piece {pid} is {list(data.shape)}, not the piece's")
+            return data
+        except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
+            self.stats.failures.append(e)
+            return None
+
+    def target(self, row: int, pid: int) -> torch.Tensor:
+        """The place of delivery ``row`` (piece ``pid``'s shape, else ValueError)."""
+        out = self.box(self.targets, self.prog.dlv_at[row])
+        if out.shape != self.prog.lists.shape(pid):
+            raise ValueError(f"rank {self.rank}: delivery {row} of piece {pid} is {list(out.shape)}, not the piece's")
+        return out
+
+    def box(self, tensors: Sequence[torch.Tensor | None], at: tuple[int, tuple]) -> torch.Tensor:
+        """The view ``at`` (``(param, index)``) of ``tensors`` (:attr:`sources` or :attr:`targets`)."""
+        param, idx = at
+        return tensors[param][idx]
+
+    def piece(self, buf: torch.Tensor, typed: dict, pid: int, off: int) -> torch.Tensor:
+        """Piece ``pid``'s place at byte ``off`` of packed message ``buf`` (``typed``: the
+        buffer's views by dtype, made as needed)."""
+        dtype = self.dtype(pid)
+        alias = typed.get(dtype)
+        if alias is None:
+            alias = typed[dtype] = buf.view(dtype)
+        return alias.as_strided(self.prog.lists.shape(pid), self.prog.strides[pid], off // dtype.itemsize)
+
+    def pack(self, m: _Message) -> torch.Tensor:
+        """The buffer of message ``m`` out: its pieces' views copied (and cast) into it."""
+        nbytes = self.prog.lists.bytes
+        if m.alone:
+            pid = m.pids[0]
+            data = self.view(m.views[0], pid)
+            self.stats.bytes_sent += nbytes[pid]
+            dtype = self.dtype(pid)
+            if data is not None and data.dtype == dtype and data.is_contiguous():
+                return data
+            out = torch.empty(self.prog.lists.shape(pid), dtype=dtype, device=self.device)
+            if data is None:
+                return out.zero_()
+            self.deliver(([out], [data]))
+            return out
+        buf = torch.empty(m.size, dtype=torch.uint8, device=self.device)
+        typed: dict = {}
+        places, data = [], []
+        for pid, v, off in zip(m.pids, m.views, m.offs):
+            x = self.view(v, pid)
+            place = self.piece(buf, typed, pid, off)
+            self.stats.bytes_sent += nbytes[pid]
+            if x is None:
+                place.zero_()
+            else:
+                places.append(place)
+                data.append(x)
+        self.deliver((places, data))
+        return buf
+
+    def empty(self, m: _Message) -> torch.Tensor:
+        if m.alone:
+            pid = m.pids[0]
+            return torch.empty(self.prog.lists.shape(pid), dtype=self.dtype(pid), device=self.device)
+        return torch.empty(m.size, dtype=torch.uint8, device=self.device)
+
+    def arrived(self, m: _Message, buf: torch.Tensor) -> None:
+        """Message ``m`` has landed in ``buf``: its pieces' deliveries."""
+        typed: dict = {}
+        for pid, off in zip(m.pids, m.offs):
+            self.stats.bytes_received += self.prog.lists.bytes[pid]
+            self.place(pid, buf if m.alone else self.piece(buf, typed, pid, off))
+
+    def copies(self) -> None:
+        """This rank's copies: deliveries straight from its views."""
+        for v, pid in self.prog.copies:
+            data = self.view(v, pid)
+            if data is not None:
+                self.place(pid, data)
+
+    def place(self, pid: int, data: torch.Tensor) -> None:
+        """Queue piece ``pid``'s deliveries of ``data``: now, or at :meth:`install`."""
+        held, dlv_at = self.held, self.prog.dlv_at
+        for row in self.prog.dlv.get(pid, ()):
+            try:
+                out = self.target(row, pid)
+            except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
+                self.stats.failures.append(e)
+                continue
+            param = dlv_at[row][0]
+            places, data_of = self.later if param < len(held) and held[param] else self.now
+            places.append(out)
+            data_of.append(data)
+
+    def deliver(self, pairs: tuple[list[torch.Tensor], list[torch.Tensor]]) -> None:
+        """Copy ``pairs`` (places, data; cast to the places' dtypes) in one call where none
+        fails, then forget them."""
+        places, data = pairs
+        if not places:
+            return
+        try:
+            torch._foreach_copy_(places, data)
+        except Exception:  # noqa: BLE001 - one by one, to record which failed
+            for out, x in zip(places, data):
+                try:
+                    out.copy_(x)
+                except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
+                    self.stats.failures.append(e)
+        places.clear()
+        data.clear()
+
+
 def exchange(outbox: dict[int, torch.Tensor], inbox: dict[int, torch.Tensor], what: str) -> Callable[[], None]:
     """Collective among the peers named: send ``outbox[r]`` to rank ``r`` and receive
     ``inbox[r]`` from rank ``r`` in one P2P batch (every peer posts the matching op, e.g.
@@ -1181,6 +1413,14 @@ def exchange(outbox: dict[int, torch.Tensor], inbox: dict[int, torch.Tensor], wh
     ops = [collectives.p2p(dist.isend, outbox[r], r, members) for r in sorted(outbox)]
     ops += [collectives.p2p(dist.irecv, inbox[r], r, members) for r in sorted(inbox)]
     return collectives.start_p2p(ops, what) if ops else (lambda: None)
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
 
 
 def _packed_offsets(sizes: Sequence[int]) -> list[int]:

@@ -30,14 +30,14 @@ import torch
 from torch import nn
 
 from .. import collectives
-from ..execute import LocalTensors, Source, TensorSink, execute_schedule
+from ..execute import LocalTensors, TensorSink, ViewExchange
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
 from ..models.describe import local_tensor
 from ..models.ep import slot_placement
 from ..models.shards import shard_boxes
 from ..plan import DEFAULT_MAX_OPS, DEFAULT_STAGING_BYTES
 from ..plan.refit import EngineLayout, RefitPlan, UnitInfo, check_pairs, plan_refit
-from ..plan.reshard import BoxRows, ReshardPlan
+from ..plan.reshard import BoxRows
 from ..topology import Topology
 from . import engine_quant
 from .report import OpReport, Phases
@@ -208,7 +208,7 @@ def _digest(x: EngineLayout | ShardLayout) -> str:
     return hit[1]
 
 
-# refit's default max_ops: pieces per rank and round (most travel packed: COALESCE_BYTES).
+# refit's default max_ops: pieces per rank and round (most travel packed: PACK_BYTES).
 MAX_OPS = 1024
 
 # The trainer layout of the last refit on this rank (every rank's alike): a refit whose trainer
@@ -219,41 +219,6 @@ _SHARED: list = []
 # topology and budgets): planning is pure, so a repeated refit reuses it (still agreed by
 # fingerprint on every rank).
 _PLANS: dict = {}
-
-
-class _TrainerShards(Source):
-    """Boxes of this trainer rank's local shards, cast to the wire dtype of their unit.
-
-    Where the wire dtype differs, a local tensor (or expert slot) is cast whole on its first
-    view and its pieces are views of that copy: one cast per tensor and install batch instead
-    of one per piece (the per-call cost dominates for small pieces). The copies live as long
-    as this object (one install batch): at most the wire-dtype size of the shards it reads."""
-
-    def __init__(self, plan: ReshardPlan, tensors: Sequence[torch.Tensor], rank: int, wire: Sequence[torch.dtype]):
-        self.s = plan.schedule
-        self.tensors = tensors
-        self.rank = rank
-        self.local = LocalTensors(plan.schedule, tensors, rank)
-        self.lists = self.local.lists
-        self.key = self.lists.key
-        self.wire = wire
-        self.cast: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
-
-    def view(self, v: int, pid: int) -> torch.Tensor:
-        want = self.dtype(pid)
-        param, slot, idx = self.lists.index("views", v, pid)
-        t = self.tensors[param]
-        if t is None or t.dtype == want:
-            return self.local.view(v, pid)
-        assert self.s.views.rank[v] == self.rank, f"view {v} is rank {self.s.views.rank[v]}'s, not rank {self.rank}'s"
-        k = (param, slot, want)
-        whole = self.cast.get(k)
-        if whole is None:
-            whole = self.cast[k] = (t[slot] if slot >= 0 else t).to(want)
-        return whole[idx]
-
-    def dtype(self, pid: int) -> torch.dtype:
-        return self.wire[self.key[pid]]
 
 
 @dataclass(frozen=True)
@@ -495,16 +460,17 @@ def refit(
 
 
 # Pieces up to this size that one rank sends another in the same round travel as one message
-# (execute_schedule's coalesce_bytes): below it a message's latency costs more than the copies
-# into and out of the packed buffer.
-COALESCE_BYTES = 2**20
+# (ViewExchange's pack_bytes): below it a message's latency costs more than the copy into the
+# packed buffer (a cast the piece takes anyway where the wire dtype is narrower).
+PACK_BYTES = 2**20
 
 
 def _install(plan: RefitPlan, layout: EngineLayout, ready: _Ready, rank: int, wire, device):
     """Collective: per install batch (``plan.batches``: install groups that fit the staging
-    budget together), run its schedule into staging tensors, agree that every rank has all of
-    them, and copy them into the engine's tensors. Returns this rank's bytes sent, received,
-    peak staging bytes and engine tensors installed."""
+    budget together), run its schedule (received pieces kept in their messages; a quantized
+    engine tensor staged whole and quantized), agree that every rank has all of it, then
+    copy it into the engine's tensors. Returns this rank's bytes sent, received, peak staging
+    bytes and engine tensors installed."""
     dev = device
     if dev is None:
         ref = ready.dst[0] if ready.dst else (ready.shards[0] if ready.shards else None)
@@ -517,29 +483,23 @@ def _install(plan: RefitPlan, layout: EngineLayout, ready: _Ready, rank: int, wi
         what = f"moeshard.refit: install group{'s' if len(batch) > 1 else ''} {', '.join(map(str, batch))}"
         members = set(batch)
         stage: list = [None] * len(layout.tensors)
+        into: list = [None] * len(layout.tensors)
+        held = [False] * len(layout.tensors)
         staged = 0
         if ready.dst is not None:
             for j, t in enumerate(layout.tensors):
-                if group_of[j] in members:
-                    # Rows the engine pads (vocabulary) are never written: keep the engine's.
-                    x = ready.dst[j]
-                    if t.quant is not None:  # staged in float, quantized whole once it arrived
-                        stage[j] = engine_quant.staging(x, getattr(torch, plan.needs.dtypes[j]))
-                    else:
-                        stage[j] = x.clone() if t.pad_to > 1 else torch.empty_like(x)
+                if group_of[j] not in members:
+                    continue
+                if t.quant is not None:  # staged in float, quantized whole once it arrived
+                    into[j] = stage[j] = engine_quant.staging(ready.dst[j], getattr(torch, plan.needs.dtypes[j]))
                     staged += stage[j].numel() * stage[j].element_size()
-        source = _TrainerShards(p, ready.shards, rank, wire)
+                else:  # written by install(), after the agreement (rows the engine pads never)
+                    into[j], held[j] = ready.dst[j], True
+                    installed += 1
+        ex = ViewExchange(p.schedule, rank, ready.shards, wire, into, dev, held, what, PACK_BYTES)
 
-        def run(p=p, stage=stage, source=source, what=what):
-            stats = execute_schedule(
-                p.schedule,
-                rank,
-                source,
-                TensorSink(p.schedule, stage, rank, receive_in_place=True),
-                dev,
-                what=what,
-                coalesce_bytes=COALESCE_BYTES,
-            ).check()
+        def run(ex=ex, stage=stage):
+            stats = ex.run().check()
             engine_quant.quantize_staged(layout.tensors, stage)
             return stats
 
@@ -547,6 +507,7 @@ def _install(plan: RefitPlan, layout: EngineLayout, ready: _Ready, rank: int, wi
             # Installed only once every rank has every piece of the batch: each engine layer
             # is all old or all new, whichever rank or group failed.
             stats = collectives.agree(run, what)
+            ex.install()
             for j, x in enumerate(stage):
                 if x is not None:
                     engine_quant.install(ready.dst[j], ready.scales[j], x)
