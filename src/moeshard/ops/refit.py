@@ -20,6 +20,7 @@ argument, a lost peer) raises on every rank; every engine layer is then all old 
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -309,25 +310,72 @@ def _check_dst(plan: RefitPlan, layout: EngineLayout, dst: list, scales: list) -
 
 
 class _Exchanged(NamedTuple):
+    """What the first exchange gives: this rank's checked inputs, the trainer ranks, the
+    trainer's layout, the refit group's topology, and where every rank kept the last refit's plan for these inputs and
+    the plans agree (the same fingerprint, a pair check summing to 0), that plan and every
+    rank's ``(fingerprint, check, sent bytes, copied bytes)`` (else None, None: plan and agree)."""
+
     ready: _Ready
     trainers: list[int]
     shared: ShardLayout
+    topo: Topology
+    plan: RefitPlan | None
+    shares: list | None
 
 
-def _exchange(model, dst_tensors, layout: EngineLayout, specs, rank: int) -> _Exchanged:
+def _plan_key(shared_digest: str, trainers: Sequence[int], layout: EngineLayout, topo, staging_bytes, max_ops):
+    return (shared_digest, tuple(trainers), _digest(layout), topo, staging_bytes, max_ops)
+
+
+def _kept_plan(ready: _Ready, layout: EngineLayout, topo, staging_bytes: int, max_ops: int):
+    """The plan kept from the last refit if this rank's own inputs match its key (the engine
+    layout, topology and budgets; the trainer's layout and ranks are matched once every
+    rank's are known) and this rank's engine tensors fit it: ``(plan, share)``, the share
+    naming the plan's trainer layout and ranks; else None."""
+    if len(_PLANS) != 1:
+        return None
+    ((key, plan),) = _PLANS.items()
+    if key[2:] != _plan_key("", (), layout, topo, staging_bytes, max_ops)[2:]:
+        return None
+    if ready.layout is not None and _digest(ready.layout) != key[0]:
+        return None
+    if ready.dst is not None:
+        try:
+            _check_dst(plan, layout, ready.dst, ready.scales)
+        except ValueError:
+            return None  # planned and checked again, where the error is raised on every rank
+    return plan, (key[0], _ranks_digest(key[1]), plan.fingerprint, plan.check, plan.sent_bytes, plan.copy_bytes)
+
+
+def _ranks_digest(ranks: Sequence[int]) -> str:
+    return hashlib.blake2b(repr(tuple(ranks)).encode(), digest_size=8).hexdigest()
+
+
+def _exchange(
+    model, dst_tensors, layout: EngineLayout, specs, rank: int, topology, group, staging_bytes, max_ops
+) -> _Exchanged:
     """Collective: check every rank's arguments, find the trainer ranks, compare the layouts,
-    and give every rank the trainer's layout (sent only when some rank lacks the last one)."""
+    give every rank the trainer's layout (sent only when some rank lacks the last one), and
+    agree on the last refit's plans where every rank kept one for these inputs (one exchange
+    for all of it)."""
+
+    def step():
+        ready = _prepare(model, dst_tensors, layout, specs, rank)
+        topo = group_topology(topology, group)
+        return ready, topo, _kept_plan(ready, layout, topo, staging_bytes, max_ops)
+
     gathered = collectives.agree_and_gather(
-        lambda: _prepare(model, dst_tensors, layout, specs, rank),
+        step,
         "moeshard.refit: checking the arguments",
         share=lambda r: (
-            r.layout is not None,
+            r[0].layout is not None,
             _digest(layout),
-            None if r.layout is None else _digest(r.layout),
+            None if r[0].layout is None else _digest(r[0].layout),
             _digest(_SHARED[0]) if _SHARED else None,
+            None if r[2] is None else r[2][1],
         ),
     )
-    ready, everyone = gathered.result, gathered.shares
+    (ready, topo, kept), everyone = gathered.result, gathered.shares
     trainers = [r for r, e in enumerate(everyone) if e[0]]
 
     def _same():
@@ -339,7 +387,8 @@ def _exchange(model, dst_tensors, layout: EngineLayout, specs, rank: int) -> _Ex
             raise ValueError("the trainer's layout differs between trainer ranks")
 
     collectives.unanimous(_same, "moeshard.refit: comparing the layouts")
-    if all(e[3] is not None and e[3] == everyone[trainers[0]][2] for e in everyone):
+    held = everyone[trainers[0]][2]
+    if all(e[3] is not None and e[3] == held for e in everyone):
         shared = _SHARED[0]  # every rank holds the trainer's layout already (the last refit's)
     else:
         shared = collectives.broadcast_object(
@@ -348,7 +397,19 @@ def _exchange(model, dst_tensors, layout: EngineLayout, specs, rank: int) -> _Ex
             what="moeshard.refit: trainer layout",
         )
         _SHARED[:] = [shared]
-    return _Exchanged(ready, trainers, shared)
+    # Every rank decides alike, from the gathered shares, whether the kept plans stand.
+    kept_shares = [e[4] for e in everyone]
+    if all(k is not None and k[0] == held and k[1] == _ranks_digest(trainers) for k in kept_shares) and all(
+        e[3] == held for e in everyone
+    ):
+        shares = [k[2:] for k in kept_shares]
+        try:
+            check_pairs(shares)
+        except ValueError:
+            pass  # planned and agreed again, where a real mismatch raises on every rank
+        else:
+            return _Exchanged(ready, trainers, shared, topo, kept[0], shares)
+    return _Exchanged(ready, trainers, shared, topo, None, None)
 
 
 @collectives.runs_on_group
@@ -403,12 +464,13 @@ def refit(
     t0 = time.perf_counter()
     phases = Phases(t0)
     rank, world = collectives.rank_and_world()
-    ready, trainers, shared = _exchange(model, dst_tensors, layout, specs, rank)
+    ready, trainers, shared, topo, plan, shares = _exchange(
+        model, dst_tensors, layout, specs, rank, topology, group, staging_bytes, max_ops
+    )
     phases.end("exchange")
 
     def make_plan():
-        topo = group_topology(topology, group)
-        key = (_digest(shared), tuple(trainers), _digest(layout), topo, staging_bytes, max_ops)
+        key = _plan_key(_digest(shared), trainers, layout, topo, staging_bytes, max_ops)
         plan = _PLANS.get(key)
         if plan is None:
             plan = plan_for(shared, trainers, layout, topo, staging_bytes, max_ops, rank)
@@ -420,14 +482,16 @@ def refit(
 
     # Each rank plans its own transfers: the ranks agree that they planned from the same inputs
     # (the fingerprint) and that the two ends of every transfer planned it alike (the pair
-    # check's terms sum to 0), in one exchange, before any data moves.
-    gathered = collectives.agree_and_gather(
-        make_plan,
-        "moeshard.refit: planning",
-        share=lambda p: (p.fingerprint, p.check, p.sent_bytes, p.copy_bytes),
-    )
-    plan, shares = gathered.result, gathered.shares
-    collectives.unanimous(lambda: check_pairs(shares), "moeshard.refit: planning")
+    # check's terms sum to 0), in one exchange before any data moves; a repeated refit does it
+    # in the first exchange (_exchange).
+    if plan is None:
+        gathered = collectives.agree_and_gather(
+            make_plan,
+            "moeshard.refit: planning",
+            share=lambda p: (p.fingerprint, p.check, p.sent_bytes, p.copy_bytes),
+        )
+        plan, shares = gathered.result, gathered.shares
+        collectives.unanimous(lambda: check_pairs(shares), "moeshard.refit: planning")
     peer_bytes = sum(s[2] for s in shares)
     copy_bytes = sum(s[3] for s in shares)
     t_plan = phases.end("plan") - t0
