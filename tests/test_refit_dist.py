@@ -173,6 +173,16 @@ def _colocated(family: str, ckpt: str) -> dict:
     return out
 
 
+class _OnFire:
+    """A local tensor whose every view raises: a failure injected into a refit's exchange."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+    def __getitem__(self, index):
+        raise RuntimeError(self.message)
+
+
 def _failures(model, pl, lay, dst, full, rank) -> dict:
     """A rank failing in the third install group, then a corrupted delivery under verify."""
 
@@ -194,12 +204,8 @@ def _failures(model, pl, lay, dst, full, rank) -> dict:
         def __init__(self, *a, **k):
             super().__init__(*a, **k)
             calls[0] += 1
-            self.fails = rank == 3 and calls[0] == 3
-
-        def target(self, row, pid):
-            if self.fails:
-                raise RuntimeError("disk on fire")
-            return super().target(row, pid)
+            if rank == 3 and calls[0] == 3:
+                self.targets = [_OnFire("disk on fire")] * len(self.targets)
 
     refit_mod.ViewExchange = Failing
     try:
@@ -253,12 +259,8 @@ def _failures(model, pl, lay, dst, full, rank) -> dict:
         def __init__(self, *a, **k):
             super().__init__(*a, **k)
             made[0] += 1
-            self.fails = rank == 2 and made[0] == 2
-
-        def box(self, tensors, at):
-            if self.fails and tensors is self.sources:
-                raise RuntimeError("view on fire")
-            return super().box(tensors, at)
+            if rank == 2 and made[0] == 2:
+                self.sources = [_OnFire("view on fire")] * len(self.sources)
 
     refit_mod.ViewExchange = BadView
     t0 = time.monotonic()
@@ -732,10 +734,11 @@ def _batches(model, pl, lay, dst, rank) -> dict:
     real = refit_mod.ViewExchange
 
     class FailsInLayer0(real):
-        def target(self, row, pid):
-            if rank == 3 and lay.tensors[self.prog.dlv_at[row][0]].group == 0:
-                raise RuntimeError("layer 0 on fire")
-            return super().target(row, pid)
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            if rank == 3:
+                fire = _OnFire("layer 0 on fire")
+                self.targets = [fire if t.group == 0 else x for t, x in zip(lay.tensors, self.targets)]
 
     refit_mod.ViewExchange = FailsInLayer0
     try:

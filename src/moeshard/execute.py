@@ -53,7 +53,7 @@ from .io.index import CheckpointIndex
 from .io.packed import decode_blob_into, read_blob
 from .io.reader import CheckpointReader
 from .io.readpool import ReadPool
-from .plan.schedule import Schedule, ViewTable
+from .plan.schedule import Schedule
 from .topology import Topology
 
 __all__ = [
@@ -1109,34 +1109,71 @@ class Runner:
         return stats
 
 
+class _Piece(NamedTuple):
+    """A piece of a view exchange as one rank runs it: its key (the dtype it travels in), bytes,
+    shape, contiguous strides and byte offset in its message, the ``(param, index)`` of the
+    view it is sent or copied from (None: received), and of the places it is delivered to."""
+
+    key: int
+    nbytes: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    off: int
+    src: _At | None
+    dst: tuple[_At, ...]
+
+
+class _At(NamedTuple):
+    """Where a view or a delivery is in its local tensor: ``tensors[param][slot][box]`` (slot
+    -1: none), the box at ``off`` (the piece's shape), ``index`` the same as one indexing."""
+
+    param: int
+    slot: int
+    off: tuple[int, ...]
+    index: tuple
+
+
 class _Message(NamedTuple):
-    """One P2P message of a view exchange: pieces ``pids`` (``views``: the view rows they are
-    sent from; empty for a message received) at byte offsets ``offs`` of a buffer of ``size``
-    bytes, to or from ``peer``; ``alone``: one piece larger than the packing limit, in a
+    """One P2P message of a view exchange, to or from ``peer``: ``pieces`` at their offsets in
+    a buffer of ``size`` bytes; ``alone``: one piece larger than the packing limit, in a
     buffer of its own shape and dtype (sent from its view as it is where it can be)."""
 
     peer: int
     size: int
-    pids: tuple[int, ...]
-    views: tuple[int, ...]
-    offs: tuple[int, ...]
     alone: bool
+    pieces: tuple[_Piece, ...]
 
 
 class _ViewProgram:
     """What one rank does in a schedule of views (:class:`ViewExchange`), derived once per
     schedule, rank and packing limit, and kept with the schedule: per round its messages out
     and in (both ends of a pair derive the same messages, in the same order, from the pair's
-    rows, which are ordered by unit and box on both), its copies, the delivery rows of each
-    piece, and the index of every view and delivery row in its local tensor."""
+    rows, which are ordered by unit and box on both), then its copies; each piece with the
+    index of its view and of its deliveries in their local tensors."""
 
     def __init__(self, s: Schedule, rank: int, pack_bytes: int):
         mine = s.for_rank(rank)
         if len(mine.reads) or len(mine.bcasts) or (s.copies.round[mine.copies] >= 0).any():
             raise ValueError("a view exchange runs schedules of views only: no reads, broadcasts or stashed copies")
-        lists = self.lists = piece_lists(s)
-        rows = mine.sends
+        lists = piece_lists(s)
+        dlv: dict[int, list[int]] = {}
+        for row, pid in zip(mine.deliveries.tolist(), s.deliveries.piece[mine.deliveries].tolist()):
+            dlv.setdefault(pid, []).append(row)
+
+        def piece(pid: int, off: int, view: int | None, deliver: bool) -> _Piece:
+            shape = lists.shape(pid)
+            return _Piece(
+                lists.key[pid],
+                lists.bytes[pid],
+                shape,
+                _contiguous_strides(shape),
+                off,
+                None if view is None else _row_index(lists, "views", view, pid),
+                tuple(_row_index(lists, "deliveries", row, pid) for row in dlv.get(pid, ())) if deliver else (),
+            )
+
         groups: dict[int, dict[tuple[int, bool], tuple[list, list]]] = {}
+        rows = mine.sends
         for t, src, dst, pid, v in zip(
             s.sends.round[rows].tolist(),
             s.sends.src[rows].tolist(),
@@ -1146,7 +1183,7 @@ class _ViewProgram:
         ):
             out = src == rank
             small, big = groups.setdefault(t, {}).setdefault((dst if out else src, out), ([], []))
-            (small if lists.bytes[pid] <= pack_bytes else big).append((pid, v))
+            (small if lists.bytes[pid] <= pack_bytes else big).append((pid, v if out else None))
         self.rounds: list[tuple[list[_Message], list[_Message]]] = []
         for t in sorted(groups):
             outs: list[_Message] = []
@@ -1155,39 +1192,74 @@ class _ViewProgram:
                 into = outs if out else ins
                 if small:
                     at = _packed_offsets([lists.bytes[pid] for pid, _ in small])
-                    pids, views = zip(*small)
-                    into.append(_Message(peer, at[-1], pids, views if out else (), tuple(at[:-1]), False))
-                for pid, v in big:
-                    into.append(_Message(peer, lists.bytes[pid], (pid,), (v,) if out else (), (0,), True))
+                    pieces = tuple(piece(p, a, v, not out) for (p, v), a in zip(small, at))
+                    into.append(_Message(peer, at[-1], False, pieces))
+                for p, v in big:
+                    into.append(_Message(peer, lists.bytes[p], True, (piece(p, 0, v, not out),)))
             self.rounds.append((outs, ins))
-        self.copies: list[tuple[int, int]] = list(
-            zip(s.copies.view[mine.copies].tolist(), s.copies.piece[mine.copies].tolist())
-        )
-        self.dlv: dict[int, list[int]] = {}
-        for row, pid in zip(mine.deliveries.tolist(), s.deliveries.piece[mine.deliveries].tolist()):
-            self.dlv.setdefault(pid, []).append(row)
-        # (param, index) of every view and delivery row of this rank: the slot (if any) and
-        # the box's slices, one indexing of the local tensor.
-        self.view_at = {
-            v: _row_index(s.views, v, pid, lists)
-            for outs, _ in self.rounds
-            for m in outs
-            for pid, v in zip(m.pids, m.views)
-        }
-        self.view_at.update({v: _row_index(s.views, v, pid, lists) for v, pid in self.copies})
-        self.dlv_at = {row: _row_index(s.deliveries, row, pid, lists) for pid, rs in self.dlv.items() for row in rs}
-        # The contiguous strides of each packed piece's shape (its place in its message).
-        self.strides: dict[int, tuple[int, ...]] = {}
-        for outs, ins in self.rounds:
-            for m in outs + ins:
-                for pid in m.pids:
-                    self.strides[pid] = _contiguous_strides(lists.shape(pid))
+        copies = zip(s.copies.view[mine.copies].tolist(), s.copies.piece[mine.copies].tolist())
+        self.copies: tuple[_Piece, ...] = tuple(piece(pid, 0, v, True) for v, pid in copies)
+        # Per local tensor, the extent its views (deliveries) reach: [slots, *box ends] or
+        # [*box ends] (None where rows of one tensor differ in rank): a tensor that holds them
+        # all is viewed by strides, without indexing.
+        every = [x for outs, ins in self.rounds for m in outs + ins for x in m.pieces] + list(self.copies)
+        self.src_reach = _reach(x.src for x in every if x.src is not None)
+        self.dst_reach = _reach(a for x in every for a in x.dst)
 
 
-def _row_index(table, row: int, pid: int, lists: PieceLists) -> tuple[int, tuple]:
-    """``(param, index)`` of row ``row`` of a view or delivery table holding piece ``pid``."""
-    param, slot, idx = lists.index("views" if isinstance(table, ViewTable) else "deliveries", row, pid)
-    return param, ((slot, *idx) if slot >= 0 else idx)
+def _row_index(lists: PieceLists, table: str, row: int, pid: int) -> _At:
+    """Where row ``row`` of ``table`` ("views" or "deliveries"), holding piece ``pid``, is."""
+    param, slot, idx = lists.index(table, row, pid)
+    return _At(param, slot, tuple(x.start for x in idx), (slot, *idx) if slot >= 0 else idx)
+
+
+def _reach(ats) -> dict[int, tuple[int, ...] | None]:
+    """``{param: extent}`` of views ``ats`` (:class:`_At`; their boxes' lengths from their
+    index): per dim the largest end, the slot dim first where they have one; None where the
+    rows of a tensor differ in rank."""
+    out: dict[int, tuple[int, ...] | None] = {}
+    for a in ats:
+        ends = ((a.slot + 1,) if a.slot >= 0 else ()) + tuple(x.stop for x in a.index[1 if a.slot >= 0 else 0 :])
+        if a.param in out:
+            have = out[a.param]
+            if have is not None:
+                out[a.param] = tuple(map(max, have, ends)) if len(have) == len(ends) else None
+        else:
+            out[a.param] = ends
+    return out
+
+
+def _geometry(tensors: Sequence[torch.Tensor | None], reach: dict) -> dict[int, tuple]:
+    """``{param: (tensor, slot stride, box strides, storage offset)}`` of the tensors whose
+    views are taken by strides: every dim as far as ``reach`` says (so every view of the
+    schedule lies inside the tensor, as indexing would check)."""
+    out = {}
+    for param, ends in reach.items():
+        t = tensors[param] if param < len(tensors) else None
+        if ends is None or not isinstance(t, torch.Tensor) or t.dim() != len(ends):
+            continue
+        if all(n >= e for n, e in zip(t.shape, ends)):
+            st = t.stride()
+            out[param] = (t, st[0], st, st[1:], t.storage_offset())
+    return out
+
+
+def _view(geo: dict, tensors: Sequence[torch.Tensor | None], a: _At, p: _Piece) -> torch.Tensor:
+    """The view ``a`` of piece ``p`` in ``tensors``: by strides where ``geo`` (:func:`_geometry`)
+    has its tensor, else by indexing (ValueError unless of the piece's shape)."""
+    g = geo.get(a.param)
+    if g is None:
+        x = tensors[a.param][a.index]
+        if x.shape != p.shape:
+            raise ValueError(f"a view of {list(x.shape)} where the piece is {list(p.shape)}")
+        return x
+    t, st0, st, sub, at = g
+    if a.slot >= 0:
+        at += a.slot * st0
+        st = sub
+    for o, k in zip(a.off, st):
+        at += o * k
+    return t.as_strided(p.shape, st, at)
 
 
 _VIEW_PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -1205,13 +1277,14 @@ class ViewExchange:
     message, cast to the piece's dtype on the way), larger ones as a message each (sent from
     the view itself where it is contiguous and of the piece's dtype). A piece received stays
     in its message until it is delivered; a copy is delivered from its view. What the
-    schedule alone determines (messages, offsets, the index of every view and delivery) is
-    kept with the schedule for the next run: a run is a few tensor calls per piece.
+    schedule alone determines (messages, offsets, the index of every view and delivery in
+    its tensor) is kept with the schedule for the next run: a run costs two views and a copy
+    per piece and place, in a loop over prepared tuples.
 
-    Failed views and deliveries go to the stats' ``failures`` (zeros travel in place of a
-    piece that could not be read) and the run goes on, as :class:`Runner`'s. :meth:`run` is
-    collective (every rank of the current group, each with the same ``pack_bytes``); one run
-    and one install per object.
+    A view or a place that fails (a missing tensor, a box of another shape) goes to the
+    stats' ``failures`` (zeros travel in place of a piece that could not be read) and the run
+    goes on, as :class:`Runner`'s. :meth:`run` is collective (every rank of the current
+    group, each with the same ``pack_bytes``); one run and one install per object.
 
     Args:
         schedule, rank, device, what: as :func:`execute_schedule`'s.
@@ -1242,20 +1315,21 @@ class ViewExchange:
         if prog is None:
             prog = progs[(rank, pack_bytes)] = _ViewProgram(schedule, rank, pack_bytes)
         self.prog, self.rank, self.device, self.what = prog, rank, device, what
-        self.sources, self.targets, self.held = sources, targets, held
-        key = prog.lists.key
-        self.dtype = lambda pid: dtypes[key[pid]]
+        self.sources, self.dtypes, self.targets = sources, dtypes, targets
+        self.held = [bool(h) for h in held] + [False] * (len(targets) - len(held))
         self.members = collectives.group_ranks()
         self.stats = ExecStats()
         self.now: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # (places, data)
         self.later: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-        self.kept = 0  # bytes of received messages held for their deliveries
 
     def run(self) -> ExecStats:
         """Collective: every round's messages, the deliveries into tensors not held, and the
         places of the held ones; returns this rank's stats (``failures``: raise with
         :meth:`ExecStats.check`, agreed by the caller, before :meth:`install`)."""
         stats, p2p = self.stats, collectives.p2p
+        self.src_geo = _geometry(self.sources, self.prog.src_reach)
+        self.dst_geo = _geometry(self.targets, self.prog.dst_reach)
+        kept = 0  # bytes of received messages held for their deliveries
         with paused_gc():
             local = True
             for outs, ins in self.prog.rounds:
@@ -1266,10 +1340,10 @@ class ViewExchange:
                     out_bytes += m.size
                 for m in ins:
                     buf = self.empty(m)
-                    self.kept += m.size
+                    kept += m.size
                     got.append((m, buf))
                     ops.append(p2p(dist.irecv, buf, m.peer, self.members))
-                stats.peak_staging_bytes = max(stats.peak_staging_bytes, self.kept + out_bytes)
+                stats.peak_staging_bytes = max(stats.peak_staging_bytes, kept + out_bytes)
                 wait = collectives.start_p2p(ops, self.what)
                 if local:  # this rank's own copies while the first batch is in flight
                     self.copies()
@@ -1289,102 +1363,90 @@ class ViewExchange:
 
     # -- the steps -------------------------------------------------------------------------
 
-    def view(self, v: int, pid: int) -> torch.Tensor | None:
-        """View row ``v`` of piece ``pid``; None (recorded) where it failed or has another
-        shape."""
-        try:
-            data = self.box(self.sources, self.prog.view_at[v])
-            if data.shape != self.prog.lists.shape(pid):
-                raise ValueError(f"rank {self.rank}: view {v} of piece {pid} is {list(data.shape)}, not the piece's")
-            return data
-        except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
-            self.stats.failures.append(e)
-            return None
-
-    def target(self, row: int, pid: int) -> torch.Tensor:
-        """The place of delivery ``row`` (piece ``pid``'s shape, else ValueError)."""
-        out = self.box(self.targets, self.prog.dlv_at[row])
-        if out.shape != self.prog.lists.shape(pid):
-            raise ValueError(f"rank {self.rank}: delivery {row} of piece {pid} is {list(out.shape)}, not the piece's")
-        return out
-
-    def box(self, tensors: Sequence[torch.Tensor | None], at: tuple[int, tuple]) -> torch.Tensor:
-        """The view ``at`` (``(param, index)``) of ``tensors`` (:attr:`sources` or :attr:`targets`)."""
-        param, idx = at
-        return tensors[param][idx]
-
-    def piece(self, buf: torch.Tensor, typed: dict, pid: int, off: int) -> torch.Tensor:
-        """Piece ``pid``'s place at byte ``off`` of packed message ``buf`` (``typed``: the
-        buffer's views by dtype, made as needed)."""
-        dtype = self.dtype(pid)
-        alias = typed.get(dtype)
-        if alias is None:
-            alias = typed[dtype] = buf.view(dtype)
-        return alias.as_strided(self.prog.lists.shape(pid), self.prog.strides[pid], off // dtype.itemsize)
-
     def pack(self, m: _Message) -> torch.Tensor:
         """The buffer of message ``m`` out: its pieces' views copied (and cast) into it."""
-        nbytes = self.prog.lists.bytes
+        sources, dtypes, failures, geo = self.sources, self.dtypes, self.stats.failures, self.src_geo
         if m.alone:
-            pid = m.pids[0]
-            data = self.view(m.views[0], pid)
-            self.stats.bytes_sent += nbytes[pid]
-            dtype = self.dtype(pid)
-            if data is not None and data.dtype == dtype and data.is_contiguous():
+            (p,) = m.pieces
+            dtype = dtypes[p.key]
+            self.stats.bytes_sent += p.nbytes
+            try:
+                data = _view(self.src_geo, sources, p.src, p)
+            except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
+                failures.append(self.failed(e))
+                return torch.zeros(p.shape, dtype=dtype, device=self.device)
+            if data.dtype == dtype and data.is_contiguous():
                 return data
-            out = torch.empty(self.prog.lists.shape(pid), dtype=dtype, device=self.device)
-            if data is None:
-                return out.zero_()
+            out = torch.empty(p.shape, dtype=dtype, device=self.device)
             self.deliver(([out], [data]))
             return out
         buf = torch.empty(m.size, dtype=torch.uint8, device=self.device)
         typed: dict = {}
         places, data = [], []
-        for pid, v, off in zip(m.pids, m.views, m.offs):
-            x = self.view(v, pid)
-            place = self.piece(buf, typed, pid, off)
-            self.stats.bytes_sent += nbytes[pid]
-            if x is None:
+        for p in m.pieces:
+            dtype = dtypes[p.key]
+            alias = typed.get(dtype)
+            if alias is None:
+                alias = typed[dtype] = buf.view(dtype)
+            place = alias.as_strided(p.shape, p.strides, p.off // dtype.itemsize)
+            self.stats.bytes_sent += p.nbytes
+            try:
+                x = _view(geo, sources, p.src, p)
+            except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
+                failures.append(self.failed(e))
                 place.zero_()
-            else:
-                places.append(place)
-                data.append(x)
+                continue
+            places.append(place)
+            data.append(x)
         self.deliver((places, data))
         return buf
 
     def empty(self, m: _Message) -> torch.Tensor:
         if m.alone:
-            pid = m.pids[0]
-            return torch.empty(self.prog.lists.shape(pid), dtype=self.dtype(pid), device=self.device)
+            return torch.empty(m.pieces[0].shape, dtype=self.dtypes[m.pieces[0].key], device=self.device)
         return torch.empty(m.size, dtype=torch.uint8, device=self.device)
 
     def arrived(self, m: _Message, buf: torch.Tensor) -> None:
         """Message ``m`` has landed in ``buf``: its pieces' deliveries."""
+        if m.alone:
+            self.stats.bytes_received += m.pieces[0].nbytes
+            self.place(m.pieces[0], buf)
+            return
         typed: dict = {}
-        for pid, off in zip(m.pids, m.offs):
-            self.stats.bytes_received += self.prog.lists.bytes[pid]
-            self.place(pid, buf if m.alone else self.piece(buf, typed, pid, off))
+        for p in m.pieces:
+            dtype = self.dtypes[p.key]
+            alias = typed.get(dtype)
+            if alias is None:
+                alias = typed[dtype] = buf.view(dtype)
+            self.stats.bytes_received += p.nbytes
+            self.place(p, alias.as_strided(p.shape, p.strides, p.off // dtype.itemsize))
 
     def copies(self) -> None:
         """This rank's copies: deliveries straight from its views."""
-        for v, pid in self.prog.copies:
-            data = self.view(v, pid)
-            if data is not None:
-                self.place(pid, data)
-
-    def place(self, pid: int, data: torch.Tensor) -> None:
-        """Queue piece ``pid``'s deliveries of ``data``: now, or at :meth:`install`."""
-        held, dlv_at = self.held, self.prog.dlv_at
-        for row in self.prog.dlv.get(pid, ()):
+        for p in self.prog.copies:
             try:
-                out = self.target(row, pid)
+                data = _view(self.src_geo, self.sources, p.src, p)
             except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
-                self.stats.failures.append(e)
+                self.stats.failures.append(self.failed(e))
                 continue
-            param = dlv_at[row][0]
-            places, data_of = self.later if param < len(held) and held[param] else self.now
+            self.place(p, data)
+
+    def place(self, p: _Piece, data: torch.Tensor) -> None:
+        """Queue the deliveries of piece ``p`` (``data``): now, or at :meth:`install`."""
+        targets, held, geo = self.targets, self.held, self.dst_geo
+        for a in p.dst:
+            try:
+                out = _view(geo, targets, a, p)
+            except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
+                self.stats.failures.append(self.failed(e))
+                continue
+            places, data_of = self.later if held[a.param] else self.now
             places.append(out)
             data_of.append(data)
+
+    def failed(self, e: Exception) -> Exception:
+        """``e``, a view's or a place's error, naming this rank where it is a shape's."""
+        return ValueError(f"rank {self.rank}: {e}") if type(e) is ValueError else e
 
     def deliver(self, pairs: tuple[list[torch.Tensor], list[torch.Tensor]]) -> None:
         """Copy ``pairs`` (places, data; cast to the places' dtypes) in one call where none
