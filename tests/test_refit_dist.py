@@ -772,6 +772,46 @@ def _batches(model, pl, lay, dst, rank) -> dict:
         rounds=plan.num_rounds,
         bad=_mismatches("qwen3_moe", lay, dst, new_full, rank, None),
     )
+
+    # A repeated refit agrees on the kept plans inside the argument exchange: one all-gather and
+    # the install's all-reduce. A kept plan whose pair check differs on one rank is not taken:
+    # planned and agreed again, it raises on every rank, and nothing is written.
+    import dataclasses
+
+    import torch.distributed as dist
+
+    counts = {"all_gather": 0, "all_reduce": 0, "broadcast": 0}
+    real_calls = {k: getattr(dist, k) for k in counts}
+
+    def counting(name):
+        def call(*a, **k):
+            counts[name] += 1
+            return real_calls[name](*a, **k)
+
+        return call
+
+    for k in counts:
+        setattr(dist, k, counting(k))
+    try:
+        moeshard.refit(model, dst, lay)
+    finally:
+        for k, f in real_calls.items():
+            setattr(dist, k, f)
+    out["repeat_collectives"] = dict(counts)
+    ((key, kept),) = refit_mod._PLANS.items()
+    if rank == 1:
+        refit_mod._PLANS[key] = dataclasses.replace(kept, check=(kept.check + 1) % 2**64)
+    _train(model, tiny_hf.data(WORLD)[rank : rank + 1], None)
+    before = {k: v.clone() for k, v in dst.items()}
+    try:
+        moeshard.refit(model, dst, lay)
+        out["tampered"] = None
+    except moeshard.DistributedError as e:
+        out["tampered"] = str(e)
+    finally:
+        refit_mod._PLANS.clear()
+        refit_mod._PLANS[key] = kept
+    out["tampered_changed"] = [k for k, v in dst.items() if not torch.equal(v, before[k])]
     return out
 
 
@@ -793,3 +833,10 @@ def test_one_batch_packs_the_pieces_of_a_pair_into_one_message(runs):
     # Every piece is small: at most one message per peer and direction in each round.
     for o in outs:
         assert o["messages"] <= 2 * (WORLD - 1) * o["rounds"] < o["piece_ops"]
+
+
+def test_a_repeated_refit_agrees_in_one_exchange_and_a_kept_plan_mismatch_raises_everywhere(runs):
+    outs = [r["qwen3_moe"]["colocated"] for r in runs]
+    assert [o["repeat_collectives"] for o in outs] == [{"all_gather": 1, "all_reduce": 1, "broadcast": 0}] * WORLD
+    assert all(o["tampered"] is not None and "pair check does not sum to 0" in o["tampered"] for o in outs)
+    assert [o["tampered_changed"] for o in outs] == [[]] * WORLD

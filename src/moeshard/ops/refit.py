@@ -34,7 +34,7 @@ from .. import collectives
 from ..execute import LocalTensors, TensorSink, ViewExchange
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
 from ..models.describe import local_tensor
-from ..models.ep import slot_placement
+from ..models.ep import routing_tables
 from ..models.shards import shard_boxes
 from ..plan import DEFAULT_MAX_OPS, DEFAULT_STAGING_BYTES
 from ..plan.refit import EngineLayout, RefitPlan, UnitInfo, check_pairs, plan_refit
@@ -286,13 +286,9 @@ def _model_key(model: nn.Module, params: Mapping[str, torch.Tensor], specs) -> t
                 id(mesh),
             )
         )
-    pl = slot_placement(model)
-    return (
-        id(model),
-        tuple(id(x) for x in specs),
-        tuple(cells),
-        None if pl is None else np.asarray(pl.phy2log, np.int64).tobytes(),
-    )
+    # The placement the routing tables hold (slot_placement's rows, without building it).
+    tables = tuple((ep.layer, np.asarray(ep.phy2log, np.int64).tobytes()) for _, ep in routing_tables(model))
+    return (id(model), tuple(id(x) for x in specs), tuple(cells), tables)
 
 
 def _check_dst(plan: RefitPlan, layout: EngineLayout, dst: list, scales: list) -> None:
