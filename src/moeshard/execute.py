@@ -2,7 +2,10 @@
 
 Load, LoRA load, relocation, save and LoRA save all run here; they differ only in their
 *source* (where pieces come from: a checkpoint reader, or views of local tensors) and their
-*sink* (where pieces go: views of local tensors, or a shard writer).
+*sink* (where pieces go: views of local tensors, or a shard writer). A refit's schedules, whose
+pieces all come from views of local tensors and go into local tensors, run by a
+:class:`ViewExchange` instead: small pieces packed per peer, the deliveries into the engine's
+tensors held until the caller's agreement.
 
 Every rank runs the rounds it takes part in, in the schedule's order, and posts only its own
 rows, so P2P ops pair up without any loop over ranks and without deadlock (round t's

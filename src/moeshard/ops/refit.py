@@ -9,13 +9,15 @@ send), so the bytes sent are the least any plan sends; nothing is gathered whole
 
 Steps (collective, every rank of ``group``: trainer ranks, engine ranks, or both):
 check each rank's arguments and exchange who holds the trainer (one exchange) -> the first
-trainer rank's layout to every rank -> plan this rank's transfers (pure:
-:func:`moeshard.plan.refit.plan_refit`) -> agree on the inputs' fingerprint and the pair check
-(one exchange) -> per install batch (consecutive install groups, a decoder layer's engine tensors
-each, as many as the staging budget holds): run the batch's schedule into staging tensors (small
-pieces between two ranks in a round travel as one message), agree, install -> optional verify ->
-report. A failure on any rank (a bad
-argument, a lost peer) raises on every rank; every engine layer is then all old or all new.
+trainer rank's layout to every rank (unless every rank kept it) -> plan this rank's transfers
+(pure: :func:`moeshard.plan.refit.plan_refit`) -> agree on the inputs' fingerprint and the pair
+check (one exchange; a repeated refit whose every rank kept its plan agrees on them in the first
+exchange) -> per install batch (consecutive install groups, a decoder layer's engine tensors
+each, as many as the staging budget holds): run the batch's schedule
+(:class:`~moeshard.execute.ViewExchange`: small pieces between two ranks in a round travel as
+one message; received pieces kept in it), agree, copy into the engine's tensors -> optional
+verify -> report. A failure on any rank (a bad argument, a lost peer) raises on every rank;
+every engine layer is then all old or all new.
 """
 
 from __future__ import annotations
@@ -436,9 +438,10 @@ def refit(
             placement is the engine's current one, e.g. after an EPLB rebalance).
         verify: after the writes, compare a digest of every delivered box with the digest of
             its source box (cast alike); a difference raises :class:`RefitVerifyError` naming it.
-        staging_bytes: per-rank budget for staging: pieces received in one round, and the
-            engine tensors of one install batch (consecutive install groups staged together,
-            one schedule and one agreement per batch; a group larger than the budget alone).
+        staging_bytes: per-rank budget for staging: the engine tensors of one install batch
+            (consecutive install groups whose engine tensors fit it together, one schedule and
+            one agreement per batch; a group larger than the budget alone) bound the pieces a
+            rank receives and keeps until the batch is installed.
         max_ops: at most this many pieces a rank sends and receives in one round. The small
             ones (up to 1 MiB) between two ranks travel as one message, so a round posts at
             most two messages per peer plus its large pieces, whose number the staging budget
