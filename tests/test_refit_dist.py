@@ -185,6 +185,16 @@ def _colocated(family: str, ckpt: str) -> dict:
     return out
 
 
+class _OnFire:
+    """A local tensor whose every view raises: a failure injected into a refit's exchange."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+    def __getitem__(self, index):
+        raise RuntimeError(self.message)
+
+
 def _failures(model, pl, lay, dst, full, rank) -> dict:
     """A rank failing in the third install group, then a corrupted delivery under verify."""
 
@@ -197,30 +207,26 @@ def _failures(model, pl, lay, dst, full, rank) -> dict:
     old = {k: v.clone() for k, v in dst.items()}
     _train(model, tiny_hf.data(WORLD)[rank : rank + 1], None)
     new_full = _full(model, pl)
-    real = refit_mod.TensorSink
+    real = refit_mod.ViewExchange
     calls = [0]
 
     class Failing(real):
-        """Rank 3's deliveries fail in the third install group (staged: no receive in place)."""
+        """Rank 3's deliveries fail in the third install group."""
 
-        def __init__(self, s, tensors, r, receive_in_place=False):
-            super().__init__(s, tensors, r, receive_in_place=False)
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
             calls[0] += 1
-            self.fails = rank == 3 and calls[0] == 3
+            if rank == 3 and calls[0] == 3:
+                self.targets = [_OnFire("disk on fire")] * len(self.targets)
 
-        def put(self, items):
-            if self.fails:
-                raise RuntimeError("disk on fire")
-            super().put(items)
-
-    refit_mod.TensorSink = Failing
+    refit_mod.ViewExchange = Failing
     try:
         moeshard.refit(model, dst, lay, staging_bytes=one)
         out["fail"] = None
     except moeshard.DistributedError as e:
         out["fail"] = str(e)
     finally:
-        refit_mod.TensorSink = real
+        refit_mod.ViewExchange = real
     groups = sorted({t.group for t in lay.tensors})
     done = set(groups[:2])
     wrong = []
@@ -237,48 +243,38 @@ def _failures(model, pl, lay, dst, full, rank) -> dict:
     out["changed_groups"] = sorted({t.group for t in lay.tensors if not torch.equal(dst[t.name], old[t.name])})
 
     # A delivery corrupted on engine rank 1 (one element of layer 1's o_proj): verify names it.
-    class Corrupt(refit_mod.TensorSink):
-        def __init__(self, s, tensors, r, receive_in_place=False):
-            super().__init__(s, tensors, r, receive_in_place=False)
+    o_proj = next(j for j, t in enumerate(lay.tensors) if t.name == "model.layers.1.self_attn.o_proj.weight")
 
-        def put(self, items):
-            super().put(items)
-            if rank != 1:
-                return
-            for row, _ in items:
-                j = int(self.s.deliveries.param[row])
-                if lay.tensors[j].name == "model.layers.1.self_attn.o_proj.weight":
-                    self.target(row).view(-1)[0] += 1.0
+    class Corrupt(real):
+        def install(self):
+            super().install()
+            if rank == 1 and self.held[o_proj]:
+                self.targets[o_proj].view(-1)[0] += 1.0
 
-    refit_mod.TensorSink = Corrupt
+    refit_mod.ViewExchange = Corrupt
     try:
         moeshard.refit(model, dst, lay, verify=True)
         out["verify"] = None
     except refit_mod.RefitVerifyError as e:
         out["verify"] = str(e)
     finally:
-        refit_mod.TensorSink = real
+        refit_mod.ViewExchange = real
 
     # Rank 2's views of its trainer shards fail in the second install group (it sends from
     # them): every rank raises within seconds (not at the backend's timeout), only the first
     # group installed.
     _train(model, tiny_hf.data(WORLD)[rank : rank + 1], None)
     before = {k: v.clone() for k, v in dst.items()}
-    shards = refit_mod._TrainerShards
     made = [0]
 
-    class BadView(shards):
-        def __init__(self, *a):
-            super().__init__(*a)
+    class BadView(real):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
             made[0] += 1
-            self.fails = rank == 2 and made[0] == 2
+            if rank == 2 and made[0] == 2:
+                self.sources = [_OnFire("view on fire")] * len(self.sources)
 
-        def view(self, v, pid):
-            if self.fails:
-                raise RuntimeError("view on fire")
-            return super().view(v, pid)
-
-    refit_mod._TrainerShards = BadView
+    refit_mod.ViewExchange = BadView
     t0 = time.monotonic()
     try:
         moeshard.refit(model, dst, lay, staging_bytes=one)
@@ -286,7 +282,7 @@ def _failures(model, pl, lay, dst, full, rank) -> dict:
     except moeshard.DistributedError as e:
         out["bad_view"] = str(e)
     finally:
-        refit_mod._TrainerShards = shards
+        refit_mod.ViewExchange = real
     out["bad_view_s"] = time.monotonic() - t0
     out["bad_view_changed"] = sorted({t.group for t in lay.tensors if not torch.equal(dst[t.name], before[t.name])})
     return out
@@ -747,25 +743,23 @@ def _batches(model, pl, lay, dst, rank) -> dict:
     _train(model, tiny_hf.data(WORLD)[rank : rank + 1], None)
     new_full = _full(model, pl)
     before = {k: v.clone() for k, v in dst.items()}
-    real = refit_mod.TensorSink
+    real = refit_mod.ViewExchange
 
     class FailsInLayer0(real):
-        def put(self, items):
-            if rank == 3 and any(lay.tensors[int(self.s.deliveries.param[r])].group == 0 for r, _ in items):
-                raise RuntimeError("layer 0 on fire")
-            super().put(items)
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            if rank == 3:
+                fire = _OnFire("layer 0 on fire")
+                self.targets = [fire if t.group == 0 else x for t, x in zip(lay.tensors, self.targets)]
 
-        def receive_target(self, row):
-            return None  # staged, so that every delivery goes through put()
-
-    refit_mod.TensorSink = FailsInLayer0
+    refit_mod.ViewExchange = FailsInLayer0
     try:
         moeshard.refit(model, dst, lay, staging_bytes=budget)
         out["batch_fail"] = None
     except moeshard.DistributedError as e:
         out["batch_fail"] = str(e)
     finally:
-        refit_mod.TensorSink = real
+        refit_mod.ViewExchange = real
     out["batch_changed"] = sorted({t.group for t in lay.tensors if not torch.equal(dst[t.name], before[t.name])})
 
     # The default budget: one batch; count the P2P messages this rank posts.
@@ -790,6 +784,46 @@ def _batches(model, pl, lay, dst, rank) -> dict:
         rounds=plan.num_rounds,
         bad=_mismatches("qwen3_moe", lay, dst, new_full, rank, None),
     )
+
+    # A repeated refit agrees on the kept plans inside the argument exchange: one all-gather and
+    # the install's all-reduce. A kept plan whose pair check differs on one rank is not taken:
+    # planned and agreed again, it raises on every rank, and nothing is written.
+    import dataclasses
+
+    import torch.distributed as dist
+
+    counts = {"all_gather": 0, "all_reduce": 0, "broadcast": 0}
+    real_calls = {k: getattr(dist, k) for k in counts}
+
+    def counting(name):
+        def call(*a, **k):
+            counts[name] += 1
+            return real_calls[name](*a, **k)
+
+        return call
+
+    for k in counts:
+        setattr(dist, k, counting(k))
+    try:
+        moeshard.refit(model, dst, lay)
+    finally:
+        for k, f in real_calls.items():
+            setattr(dist, k, f)
+    out["repeat_collectives"] = dict(counts)
+    ((key, kept),) = refit_mod._PLANS.items()
+    if rank == 1:
+        refit_mod._PLANS[key] = dataclasses.replace(kept, check=(kept.check + 1) % 2**64)
+    _train(model, tiny_hf.data(WORLD)[rank : rank + 1], None)
+    before = {k: v.clone() for k, v in dst.items()}
+    try:
+        moeshard.refit(model, dst, lay)
+        out["tampered"] = None
+    except moeshard.DistributedError as e:
+        out["tampered"] = str(e)
+    finally:
+        refit_mod._PLANS.clear()
+        refit_mod._PLANS[key] = kept
+    out["tampered_changed"] = [k for k, v in dst.items() if not torch.equal(v, before[k])]
     return out
 
 
@@ -925,19 +959,17 @@ def _ue8m0_fused_and_verified(family: str, model, pl, rank: int) -> dict:
     o, w13, w2 = (
         f"model.layers.1.{n}" for n in ("self_attn.o_proj.weight", "mlp.experts.w13_weight", "mlp.experts.w2_weight")
     )
-    real_sink, real_install = refit_mod.TensorSink, engine_quant.install
+    real_ex, real_install = refit_mod.ViewExchange, engine_quant.install
+    o_idx = next(j for j, t in enumerate(lay.tensors) if t.name == o)
 
-    class WrongPiece(real_sink):
-        """Rank 1's deliveries into layer 1's o_proj (quantized) staged one element off."""
+    class WrongPiece(real_ex):
+        """Rank 1's layer-1 o_proj (quantized) staged one element off once its pieces arrived."""
 
-        def __init__(self, s, tensors, r, receive_in_place=False):
-            super().__init__(s, tensors, r, receive_in_place=False)
-
-        def put(self, items):
-            super().put(items)
-            for row, _ in items:
-                if rank == 1 and lay.tensors[int(self.s.deliveries.param[row])].name == o:
-                    self.target(row).view(-1)[0] += 1.0
+        def run(self):
+            stats = super().run()
+            if rank == 1 and self.targets[o_idx] is not None:
+                self.targets[o_idx].view(-1)[0] += 1.0
+            return stats
 
     def bad_scale(x, scale, staged):  # rank 2: the last slot's first scale doubled as installed
         real_install(x, scale, staged)
@@ -949,19 +981,19 @@ def _ue8m0_fused_and_verified(family: str, model, pl, rank: int) -> dict:
         if rank == 3 and x is dst[w2]:
             x[0].view(torch.uint8).view(-1)[5] ^= 1
 
-    for case, sink, install in (
+    for case, ex, install in (
         ("piece", WrongPiece, real_install),
-        ("scale", real_sink, bad_scale),
-        ("value", real_sink, bad_value),
+        ("scale", real_ex, bad_scale),
+        ("value", real_ex, bad_value),
     ):
-        refit_mod.TensorSink, engine_quant.install = sink, install
+        refit_mod.ViewExchange, engine_quant.install = ex, install
         try:
             moeshard.refit(model, dst, lay, verify=True)
             out[case] = None
         except refit_mod.RefitVerifyError as e:
             out[case] = str(e)
         finally:
-            refit_mod.TensorSink, engine_quant.install = real_sink, real_install
+            refit_mod.ViewExchange, engine_quant.install = real_ex, real_install
     return out
 
 
@@ -998,3 +1030,10 @@ def test_verify_names_a_wrong_block_fp8_box_on_every_rank(runs):
         assert f"{e}.w13_weight_scale_inv blocks [[0, " in o["scale"]
         assert o["value"] is not None and f"rank 3: engine tensor {e}.w2_weight slot 0 at" in o["value"]
         assert "its installed FP8 values differ from the quantization of what arrived" in o["value"]
+
+
+def test_a_repeated_refit_agrees_in_one_exchange_and_a_kept_plan_mismatch_raises_everywhere(runs):
+    outs = [r["qwen3_moe"]["colocated"] for r in runs]
+    assert [o["repeat_collectives"] for o in outs] == [{"all_gather": 1, "all_reduce": 1, "broadcast": 0}] * WORLD
+    assert all(o["tampered"] is not None and "pair check does not sum to 0" in o["tampered"] for o in outs)
+    assert [o["tampered_changed"] for o in outs] == [[]] * WORLD

@@ -2,7 +2,10 @@
 
 Load, LoRA load, relocation, save and LoRA save all run here; they differ only in their
 *source* (where pieces come from: a checkpoint reader, or views of local tensors) and their
-*sink* (where pieces go: views of local tensors, or a shard writer).
+*sink* (where pieces go: views of local tensors, or a shard writer). A refit's schedules, whose
+pieces all come from views of local tensors and go into local tensors, run by a
+:class:`ViewExchange` instead: small pieces packed per peer, the deliveries into the engine's
+tensors held until the caller's agreement.
 
 Every rank runs the rounds it takes part in, in the schedule's order, and posts only its own
 rows, so P2P ops pair up without any loop over ranks and without deadlock (round t's
@@ -38,6 +41,7 @@ import math
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -61,6 +65,7 @@ __all__ = [
     "Sink",
     "FlatTargets",
     "Runner",
+    "ViewExchange",
     "LocalTensors",
     "ReaderSource",
     "TensorSink",
@@ -697,7 +702,6 @@ def execute_schedule(
     node_group=None,
     progress: Callable[[int], None] | None = None,
     what: str = "moeshard: running the schedule",
-    coalesce_bytes: int = 0,
 ) -> ExecStats:
     """Collective (every rank of the current group, :func:`moeshard.collectives.scope`): run
     ``schedule`` on this rank (a :class:`Runner`).
@@ -712,10 +716,6 @@ def execute_schedule(
         progress: called with the bytes of each piece this rank delivers (once per piece,
             however many places it goes to).
         what: the operation, for error messages (e.g. "moeshard.load: executing the plan").
-        coalesce_bytes: pieces of at most this many bytes that one rank sends another in the
-            same round travel as one message (packed on the sender, unpacked on the receiver:
-            a copy each side, where a message per piece costs a round trip of latency each);
-            0 (the default): a message per piece. Every rank must pass the same value.
 
     Returns this rank's :class:`ExecStats`; failed reads and deliveries are in its
     ``failures`` (:meth:`ExecStats.check` raises the first).
@@ -728,7 +728,7 @@ def execute_schedule(
     # collector's passes over them (and over the whole heap of a large model) cost more than
     # the setup itself. Reference counting still frees everything.
     with paused_gc():
-        return Runner(schedule, rank, source, sink, device, node_group, progress, what, coalesce_bytes).run()
+        return Runner(schedule, rank, source, sink, device, node_group, progress, what).run()
 
 
 class Runner:
@@ -752,12 +752,10 @@ class Runner:
         node_group=None,
         progress: Callable[[int], None] | None = None,
         what: str = "moeshard: running the schedule",
-        coalesce_bytes: int = 0,
     ):
         s = self.s = schedule
         self.rank, self.source, self.sink, self.device = rank, source, sink, device
         self.node_group, self.progress, self.what = node_group, progress, what
-        self.coalesce_bytes = coalesce_bytes
         mine = self.mine = s.for_rank(rank)
         self.lists = piece_lists(s)
         self.stats = ExecStats()
@@ -1003,69 +1001,11 @@ class Runner:
                 self.stats.bytes_read += self.nbytes(pid)
             self.staged += self.nbytes(pid)
 
-    def packed(self, rows: Sequence[int]) -> tuple[dict[tuple[int, bool], list[int]], list[int]]:
-        """Round rows split into messages: ``{(peer, outgoing): rows}`` of the pieces that
-        travel packed (at most ``coalesce_bytes`` each, two or more between the same ranks
-        in the same direction), and the other rows (a message each). Both ranks of a pair
-        derive the same split from the schedule."""
-        if not self.coalesce_bytes:
-            return {}, list(rows)
-        rank, limit, nbytes = self.rank, self.coalesce_bytes, self.lists.bytes
-        groups: dict[tuple[int, bool], list[int]] = {}
-        for row in rows:
-            pid, src, dst, _ = self.send_rows[row]
-            if nbytes[pid] <= limit and self.source.buffer_shape(pid) is None:
-                out = src == rank
-                groups.setdefault((dst if out else src, out), []).append(row)
-        groups = {k: v for k, v in sorted(groups.items()) if len(v) > 1}
-        inside = {row for v in groups.values() for row in v}
-        return groups, [row for row in rows if row not in inside]
-
-    def pack(self, rows: list[int]) -> torch.Tensor:
-        """One message of the pieces sent from this rank by ``rows``: their bytes, each at an
-        offset aligned to 16 (:meth:`unpack`'s layout)."""
-        info = [self.send_rows[r] for r in rows]
-        at = _packed_offsets([self.nbytes(x[0]) for x in info])
-        out = torch.empty(at[-1], dtype=torch.uint8, device=self.device)
-        for (pid, _, _, v), a in zip(info, at):
-            data = self.bufs[pid] if v < 0 else self.view(v, pid)
-            n = self.nbytes(pid)
-            if data.numel() * data.element_size() != n:  # not the piece's bytes: zeros, reported
-                self.stats.failures.append(
-                    ValueError(f"rank {self.rank}: piece {pid} is {data.numel() * data.element_size()} bytes, not {n}")
-                )
-                out[a : a + n].zero_()
-            else:
-                out[a : a + n].view(data.dtype).view(data.shape).copy_(data)
-            self.stats.bytes_sent += n
-        return out
-
-    def unpack(self, rows: list[int]) -> torch.Tensor:
-        """The buffer of one packed message received by ``rows``; each piece becomes a view of
-        it in ``self.bufs`` (delivered in its round like any received piece)."""
-        pids = [self.send_rows[r][0] for r in rows]
-        at = _packed_offsets([self.nbytes(pid) for pid in pids])
-        buf = torch.empty(at[-1], dtype=torch.uint8, device=self.device)
-        for pid, a in zip(pids, at):
-            n = self.nbytes(pid)
-            self.bufs[pid] = buf[a : a + n].view(self.source.dtype(pid)).view(self.shape(pid))
-            self.staged += n
-            self.stats.bytes_received += n
-        return buf
-
     def post(self, t: int) -> Callable[[], None]:
-        """Post round ``t``'s P2P ops as one batch (pieces packed per peer and direction where
-        they are small: :meth:`packed`); returns the wait."""
+        """Post round ``t``'s P2P ops as one batch; returns the wait."""
         stats = self.stats
         ops = []
-        groups, rows = self.packed(self.sends_at.get(t, ()))
-        out_bytes = 0
-        for (peer, out), grp in groups.items():
-            buf = self.pack(grp) if out else self.unpack(grp)
-            out_bytes += buf.numel() if out else 0
-            ops.append(collectives.p2p(dist.isend if out else dist.irecv, buf, peer, self.members))
-        stats.peak_staging_bytes = max(stats.peak_staging_bytes, self.staged + out_bytes)
-        for row in rows:
+        for row in self.sends_at.get(t, ()):
             pid, src, dst, v = self.send_rows[row]
             if src == self.rank:
                 data = self.bufs[pid] if v < 0 else self.view(v, pid)
@@ -1172,6 +1112,363 @@ class Runner:
         return stats
 
 
+class _Piece(NamedTuple):
+    """A piece of a view exchange as one rank runs it: its key (the dtype it travels in), bytes,
+    shape, contiguous strides and byte offset in its message, the ``(param, index)`` of the
+    view it is sent or copied from (None: received), and of the places it is delivered to."""
+
+    key: int
+    nbytes: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    off: int
+    src: _At | None
+    dst: tuple[_At, ...]
+
+
+class _At(NamedTuple):
+    """Where a view or a delivery is in its local tensor: ``tensors[param][slot][box]`` (slot
+    -1: none), the box at ``off`` (the piece's shape), ``index`` the same as one indexing."""
+
+    param: int
+    slot: int
+    off: tuple[int, ...]
+    index: tuple
+
+
+class _Message(NamedTuple):
+    """One P2P message of a view exchange, to or from ``peer``: ``pieces`` at their offsets in
+    a buffer of ``size`` bytes; ``alone``: one piece larger than the packing limit, in a
+    buffer of its own shape and dtype (sent from its view as it is where it can be)."""
+
+    peer: int
+    size: int
+    alone: bool
+    pieces: tuple[_Piece, ...]
+
+
+class _ViewProgram:
+    """What one rank does in a schedule of views (:class:`ViewExchange`), derived once per
+    schedule, rank and packing limit, and kept with the schedule: per round its messages out
+    and in (both ends of a pair derive the same messages, in the same order, from the pair's
+    rows, which are ordered by unit and box on both), then its copies; each piece with the
+    index of its view and of its deliveries in their local tensors."""
+
+    def __init__(self, s: Schedule, rank: int, pack_bytes: int):
+        mine = s.for_rank(rank)
+        if len(mine.reads) or len(mine.bcasts) or (s.copies.round[mine.copies] >= 0).any():
+            raise ValueError("a view exchange runs schedules of views only: no reads, broadcasts or stashed copies")
+        lists = piece_lists(s)
+        dlv: dict[int, list[int]] = {}
+        for row, pid in zip(mine.deliveries.tolist(), s.deliveries.piece[mine.deliveries].tolist()):
+            dlv.setdefault(pid, []).append(row)
+
+        def piece(pid: int, off: int, view: int | None, deliver: bool) -> _Piece:
+            shape = lists.shape(pid)
+            return _Piece(
+                lists.key[pid],
+                lists.bytes[pid],
+                shape,
+                _contiguous_strides(shape),
+                off,
+                None if view is None else _row_index(lists, "views", view, pid),
+                tuple(_row_index(lists, "deliveries", row, pid) for row in dlv.get(pid, ())) if deliver else (),
+            )
+
+        groups: dict[int, dict[tuple[int, bool], tuple[list, list]]] = {}
+        rows = mine.sends
+        for t, src, dst, pid, v in zip(
+            s.sends.round[rows].tolist(),
+            s.sends.src[rows].tolist(),
+            s.sends.dst[rows].tolist(),
+            s.sends.piece[rows].tolist(),
+            s.sends.view[rows].tolist(),
+        ):
+            out = src == rank
+            small, big = groups.setdefault(t, {}).setdefault((dst if out else src, out), ([], []))
+            (small if lists.bytes[pid] <= pack_bytes else big).append((pid, v if out else None))
+        self.rounds: list[tuple[list[_Message], list[_Message]]] = []
+        for t in sorted(groups):
+            outs: list[_Message] = []
+            ins: list[_Message] = []
+            for (peer, out), (small, big) in sorted(groups[t].items()):
+                into = outs if out else ins
+                if small:
+                    at = _packed_offsets([lists.bytes[pid] for pid, _ in small])
+                    pieces = tuple(piece(p, a, v, not out) for (p, v), a in zip(small, at))
+                    into.append(_Message(peer, at[-1], False, pieces))
+                for p, v in big:
+                    into.append(_Message(peer, lists.bytes[p], True, (piece(p, 0, v, not out),)))
+            self.rounds.append((outs, ins))
+        copies = zip(s.copies.view[mine.copies].tolist(), s.copies.piece[mine.copies].tolist())
+        self.copies: tuple[_Piece, ...] = tuple(piece(pid, 0, v, True) for v, pid in copies)
+        # Per local tensor, the extent its views (deliveries) reach: [slots, *box ends] or
+        # [*box ends] (None where rows of one tensor differ in rank): a tensor that holds them
+        # all is viewed by strides, without indexing.
+        every = [x for outs, ins in self.rounds for m in outs + ins for x in m.pieces] + list(self.copies)
+        self.src_reach = _reach(x.src for x in every if x.src is not None)
+        self.dst_reach = _reach(a for x in every for a in x.dst)
+
+
+def _row_index(lists: PieceLists, table: str, row: int, pid: int) -> _At:
+    """Where row ``row`` of ``table`` ("views" or "deliveries"), holding piece ``pid``, is."""
+    param, slot, idx = lists.index(table, row, pid)
+    return _At(param, slot, tuple(x.start for x in idx), (slot, *idx) if slot >= 0 else idx)
+
+
+def _reach(ats) -> dict[int, tuple[int, ...] | None]:
+    """``{param: extent}`` of views ``ats`` (:class:`_At`; their boxes' lengths from their
+    index): per dim the largest end, the slot dim first where they have one; None where the
+    rows of a tensor differ in rank."""
+    out: dict[int, tuple[int, ...] | None] = {}
+    for a in ats:
+        ends = ((a.slot + 1,) if a.slot >= 0 else ()) + tuple(x.stop for x in a.index[1 if a.slot >= 0 else 0 :])
+        if a.param in out:
+            have = out[a.param]
+            if have is not None:
+                out[a.param] = tuple(map(max, have, ends)) if len(have) == len(ends) else None
+        else:
+            out[a.param] = ends
+    return out
+
+
+def _geometry(tensors: Sequence[torch.Tensor | None], reach: dict) -> dict[int, tuple]:
+    """``{param: (tensor, slot stride, box strides, storage offset)}`` of the tensors whose
+    views are taken by strides: every dim as far as ``reach`` says (so every view of the
+    schedule lies inside the tensor, as indexing would check)."""
+    out = {}
+    for param, ends in reach.items():
+        t = tensors[param] if param < len(tensors) else None
+        if ends is None or not isinstance(t, torch.Tensor) or t.dim() != len(ends):
+            continue
+        if all(n >= e for n, e in zip(t.shape, ends)):
+            st = t.stride()
+            out[param] = (t, st[0], st, st[1:], t.storage_offset())
+    return out
+
+
+def _view(geo: dict, tensors: Sequence[torch.Tensor | None], a: _At, p: _Piece) -> torch.Tensor:
+    """The view ``a`` of piece ``p`` in ``tensors``: by strides where ``geo`` (:func:`_geometry`)
+    has its tensor, else by indexing (ValueError unless of the piece's shape)."""
+    g = geo.get(a.param)
+    if g is None:
+        x = tensors[a.param][a.index]
+        if x.shape != p.shape:
+            raise ValueError(f"a view of {list(x.shape)} where the piece is {list(p.shape)}")
+        return x
+    t, st0, st, sub, at = g
+    if a.slot >= 0:
+        at += a.slot * st0
+        st = sub
+    for o, k in zip(a.off, st):
+        at += o * k
+    return t.as_strided(p.shape, st, at)
+
+
+_VIEW_PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class ViewExchange:
+    """One rank's run of a schedule whose pieces all come from views of local tensors (sends
+    from views, copies of round -1; no reads, broadcasts or stashes) and go into local
+    tensors, the deliveries into *held* tensors made only by :meth:`install`: a refit writes
+    the engine's tensors once every rank agreed that every piece arrived (each install batch
+    all old or all new), without staging them.
+
+    Per round, the pieces one rank sends another travel as one message where they are at most
+    ``pack_bytes`` each (at 16-byte aligned offsets; one copy per piece from its view into the
+    message, cast to the piece's dtype on the way), larger ones as a message each (sent from
+    the view itself where it is contiguous and of the piece's dtype). A piece received stays
+    in its message until it is delivered; a copy is delivered from its view. What the
+    schedule alone determines (messages, offsets, the index of every view and delivery in
+    its tensor) is kept with the schedule for the next run: a run costs two views and a copy
+    per piece and place, in a loop over prepared tuples.
+
+    A view or a place that fails (a missing tensor, a box of another shape) goes to the
+    stats' ``failures`` (zeros travel in place of a piece that could not be read) and the run
+    goes on, as :class:`Runner`'s. :meth:`run` is collective (every rank of the current
+    group, each with the same ``pack_bytes``); one run and one install per object.
+
+    Args:
+        schedule, rank, device, what: as :func:`execute_schedule`'s.
+        sources: this rank's local tensors that its views address (by the schedule's
+            ``param``; None where it holds none).
+        dtypes: per key of the schedule, the dtype its pieces travel in (a view of another
+            dtype is cast on its copy).
+        targets: the local tensors that its deliveries address (by ``param``).
+        held: per target, whether its deliveries wait for :meth:`install` (missing: False,
+            delivered during :meth:`run`).
+        pack_bytes: the largest piece that travels packed.
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        rank: int,
+        sources: Sequence[torch.Tensor | None],
+        dtypes: Sequence[torch.dtype],
+        targets: Sequence[torch.Tensor | None],
+        device: torch.device,
+        held: Sequence[bool] = (),
+        what: str = "moeshard: running the schedule",
+        pack_bytes: int = 2**20,
+    ):
+        progs = _VIEW_PROGRAMS.setdefault(schedule, {})
+        prog = progs.get((rank, pack_bytes))
+        if prog is None:
+            prog = progs[(rank, pack_bytes)] = _ViewProgram(schedule, rank, pack_bytes)
+        self.prog, self.rank, self.device, self.what = prog, rank, device, what
+        self.sources, self.dtypes, self.targets = sources, dtypes, targets
+        self.held = [bool(h) for h in held] + [False] * (len(targets) - len(held))
+        self.members = collectives.group_ranks()
+        self.stats = ExecStats()
+        self.now: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # (places, data)
+        self.later: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+
+    def run(self) -> ExecStats:
+        """Collective: every round's messages, the deliveries into tensors not held, and the
+        places of the held ones; returns this rank's stats (``failures``: raise with
+        :meth:`ExecStats.check`, agreed by the caller, before :meth:`install`)."""
+        stats, p2p = self.stats, collectives.p2p
+        self.src_geo = _geometry(self.sources, self.prog.src_reach)
+        self.dst_geo = _geometry(self.targets, self.prog.dst_reach)
+        kept = 0  # bytes of received messages held for their deliveries
+        with paused_gc():
+            local = True
+            for outs, ins in self.prog.rounds:
+                ops, got = [], []
+                out_bytes = 0
+                for m in outs:
+                    ops.append(p2p(dist.isend, self.pack(m), m.peer, self.members))
+                    out_bytes += m.size
+                for m in ins:
+                    buf = self.empty(m)
+                    kept += m.size
+                    got.append((m, buf))
+                    ops.append(p2p(dist.irecv, buf, m.peer, self.members))
+                stats.peak_staging_bytes = max(stats.peak_staging_bytes, kept + out_bytes)
+                wait = collectives.start_p2p(ops, self.what)
+                if local:  # this rank's own copies while the first batch is in flight
+                    self.copies()
+                    local = False
+                wait()
+                for m, buf in got:
+                    self.arrived(m, buf)
+            if local:
+                self.copies()
+            self.deliver(self.now)
+        return stats
+
+    def install(self) -> None:
+        """Local: the deliveries into held tensors (after every rank agreed on :meth:`run`)."""
+        with torch.no_grad():
+            self.deliver(self.later)
+
+    # -- the steps -------------------------------------------------------------------------
+
+    def pack(self, m: _Message) -> torch.Tensor:
+        """The buffer of message ``m`` out: its pieces' views copied (and cast) into it."""
+        sources, dtypes, failures, geo = self.sources, self.dtypes, self.stats.failures, self.src_geo
+        if m.alone:
+            (p,) = m.pieces
+            dtype = dtypes[p.key]
+            self.stats.bytes_sent += p.nbytes
+            try:
+                data = _view(self.src_geo, sources, p.src, p)
+            except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
+                failures.append(self.failed(e))
+                return torch.zeros(p.shape, dtype=dtype, device=self.device)
+            if data.dtype == dtype and data.is_contiguous():
+                return data
+            out = torch.empty(p.shape, dtype=dtype, device=self.device)
+            self.deliver(([out], [data]))
+            return out
+        buf = torch.empty(m.size, dtype=torch.uint8, device=self.device)
+        typed: dict = {}
+        places, data = [], []
+        for p in m.pieces:
+            dtype = dtypes[p.key]
+            alias = typed.get(dtype)
+            if alias is None:
+                alias = typed[dtype] = buf.view(dtype)
+            place = alias.as_strided(p.shape, p.strides, p.off // dtype.itemsize)
+            self.stats.bytes_sent += p.nbytes
+            try:
+                x = _view(geo, sources, p.src, p)
+            except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
+                failures.append(self.failed(e))
+                place.zero_()
+                continue
+            places.append(place)
+            data.append(x)
+        self.deliver((places, data))
+        return buf
+
+    def empty(self, m: _Message) -> torch.Tensor:
+        if m.alone:
+            return torch.empty(m.pieces[0].shape, dtype=self.dtypes[m.pieces[0].key], device=self.device)
+        return torch.empty(m.size, dtype=torch.uint8, device=self.device)
+
+    def arrived(self, m: _Message, buf: torch.Tensor) -> None:
+        """Message ``m`` has landed in ``buf``: its pieces' deliveries."""
+        if m.alone:
+            self.stats.bytes_received += m.pieces[0].nbytes
+            self.place(m.pieces[0], buf)
+            return
+        typed: dict = {}
+        for p in m.pieces:
+            dtype = self.dtypes[p.key]
+            alias = typed.get(dtype)
+            if alias is None:
+                alias = typed[dtype] = buf.view(dtype)
+            self.stats.bytes_received += p.nbytes
+            self.place(p, alias.as_strided(p.shape, p.strides, p.off // dtype.itemsize))
+
+    def copies(self) -> None:
+        """This rank's copies: deliveries straight from its views."""
+        for p in self.prog.copies:
+            try:
+                data = _view(self.src_geo, self.sources, p.src, p)
+            except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
+                self.stats.failures.append(self.failed(e))
+                continue
+            self.place(p, data)
+
+    def place(self, p: _Piece, data: torch.Tensor) -> None:
+        """Queue the deliveries of piece ``p`` (``data``): now, or at :meth:`install`."""
+        targets, held, geo = self.targets, self.held, self.dst_geo
+        for a in p.dst:
+            try:
+                out = _view(geo, targets, a, p)
+            except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
+                self.stats.failures.append(self.failed(e))
+                continue
+            places, data_of = self.later if held[a.param] else self.now
+            places.append(out)
+            data_of.append(data)
+
+    def failed(self, e: Exception) -> Exception:
+        """``e``, a view's or a place's error, naming this rank where it is a shape's."""
+        return ValueError(f"rank {self.rank}: {e}") if type(e) is ValueError else e
+
+    def deliver(self, pairs: tuple[list[torch.Tensor], list[torch.Tensor]]) -> None:
+        """Copy ``pairs`` (places, data; cast to the places' dtypes) in one call where none
+        fails, then forget them."""
+        places, data = pairs
+        if not places:
+            return
+        try:
+            torch._foreach_copy_(places, data)
+        except Exception:  # noqa: BLE001 - one by one, to record which failed
+            for out, x in zip(places, data):
+                try:
+                    out.copy_(x)
+                except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
+                    self.stats.failures.append(e)
+        places.clear()
+        data.clear()
+
+
 def exchange(outbox: dict[int, torch.Tensor], inbox: dict[int, torch.Tensor], what: str) -> Callable[[], None]:
     """Collective among the peers named: send ``outbox[r]`` to rank ``r`` and receive
     ``inbox[r]`` from rank ``r`` in one P2P batch (every peer posts the matching op, e.g.
@@ -1181,6 +1478,14 @@ def exchange(outbox: dict[int, torch.Tensor], inbox: dict[int, torch.Tensor], wh
     ops = [collectives.p2p(dist.isend, outbox[r], r, members) for r in sorted(outbox)]
     ops += [collectives.p2p(dist.irecv, inbox[r], r, members) for r in sorted(inbox)]
     return collectives.start_p2p(ops, what) if ops else (lambda: None)
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
 
 
 def _packed_offsets(sizes: Sequence[int]) -> list[int]:

@@ -9,17 +9,20 @@ send), so the bytes sent are the least any plan sends; nothing is gathered whole
 
 Steps (collective, every rank of ``group``: trainer ranks, engine ranks, or both):
 check each rank's arguments and exchange who holds the trainer (one exchange) -> the first
-trainer rank's layout to every rank -> plan this rank's transfers (pure:
-:func:`moeshard.plan.refit.plan_refit`) -> agree on the inputs' fingerprint and the pair check
-(one exchange) -> per install batch (consecutive install groups, a decoder layer's engine tensors
-each, as many as the staging budget holds): run the batch's schedule into staging tensors (small
-pieces between two ranks in a round travel as one message), agree, install -> optional verify ->
-report. A failure on any rank (a bad
-argument, a lost peer) raises on every rank; every engine layer is then all old or all new.
+trainer rank's layout to every rank (unless every rank kept it) -> plan this rank's transfers
+(pure: :func:`moeshard.plan.refit.plan_refit`) -> agree on the inputs' fingerprint and the pair
+check (one exchange; a repeated refit whose every rank kept its plan agrees on them in the first
+exchange) -> per install batch (consecutive install groups, a decoder layer's engine tensors
+each, as many as the staging budget holds): run the batch's schedule
+(:class:`~moeshard.execute.ViewExchange`: small pieces between two ranks in a round travel as
+one message; received pieces kept in it), agree, copy into the engine's tensors -> optional
+verify -> report. A failure on any rank (a bad argument, a lost peer) raises on every rank;
+every engine layer is then all old or all new.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -30,14 +33,14 @@ import torch
 from torch import nn
 
 from .. import collectives
-from ..execute import LocalTensors, Source, TensorSink, execute_schedule, piece_lists
+from ..execute import LocalTensors, ViewExchange, piece_lists
 from ..models.adapters import DEFAULT_SPECS, ExpertsSpec
 from ..models.describe import local_tensor
-from ..models.ep import slot_placement
+from ..models.ep import routing_tables
 from ..models.shards import shard_boxes
 from ..plan import DEFAULT_MAX_OPS, DEFAULT_STAGING_BYTES
 from ..plan.refit import EngineLayout, RefitPlan, UnitInfo, check_pairs, plan_refit
-from ..plan.reshard import BoxRows, ReshardPlan
+from ..plan.reshard import BoxRows
 from ..topology import Topology
 from . import engine_quant
 from .report import OpReport, Phases
@@ -208,7 +211,7 @@ def _digest(x: EngineLayout | ShardLayout) -> str:
     return hit[1]
 
 
-# refit's default max_ops: pieces per rank and round (most travel packed: COALESCE_BYTES).
+# refit's default max_ops: pieces per rank and round (most travel packed: PACK_BYTES).
 MAX_OPS = 1024
 
 # The trainer layout of the last refit on this rank (every rank's alike): a refit whose trainer
@@ -219,41 +222,6 @@ _SHARED: list = []
 # topology and budgets): planning is pure, so a repeated refit reuses it (still agreed by
 # fingerprint on every rank).
 _PLANS: dict = {}
-
-
-class _TrainerShards(Source):
-    """Boxes of this trainer rank's local shards, cast to the wire dtype of their unit.
-
-    Where the wire dtype differs, a local tensor (or expert slot) is cast whole on its first
-    view and its pieces are views of that copy: one cast per tensor and install batch instead
-    of one per piece (the per-call cost dominates for small pieces). The copies live as long
-    as this object (one install batch): at most the wire-dtype size of the shards it reads."""
-
-    def __init__(self, plan: ReshardPlan, tensors: Sequence[torch.Tensor], rank: int, wire: Sequence[torch.dtype]):
-        self.s = plan.schedule
-        self.tensors = tensors
-        self.rank = rank
-        self.local = LocalTensors(plan.schedule, tensors, rank)
-        self.lists = self.local.lists
-        self.key = self.lists.key
-        self.wire = wire
-        self.cast: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
-
-    def view(self, v: int, pid: int) -> torch.Tensor:
-        want = self.dtype(pid)
-        param, slot, idx = self.lists.index("views", v, pid)
-        t = self.tensors[param]
-        if t is None or t.dtype == want:
-            return self.local.view(v, pid)
-        assert self.s.views.rank[v] == self.rank, f"view {v} is rank {self.s.views.rank[v]}'s, not rank {self.rank}'s"
-        k = (param, slot, want)
-        whole = self.cast.get(k)
-        if whole is None:
-            whole = self.cast[k] = (t[slot] if slot >= 0 else t).to(want)
-        return whole[idx]
-
-    def dtype(self, pid: int) -> torch.dtype:
-        return self.wire[self.key[pid]]
 
 
 @dataclass(frozen=True)
@@ -320,13 +288,9 @@ def _model_key(model: nn.Module, params: Mapping[str, torch.Tensor], specs) -> t
                 id(mesh),
             )
         )
-    pl = slot_placement(model)
-    return (
-        id(model),
-        tuple(id(x) for x in specs),
-        tuple(cells),
-        None if pl is None else np.asarray(pl.phy2log, np.int64).tobytes(),
-    )
+    # The placement the routing tables hold (slot_placement's rows, without building it).
+    tables = tuple((ep.layer, np.asarray(ep.phy2log, np.int64).tobytes()) for _, ep in routing_tables(model))
+    return (id(model), tuple(id(x) for x in specs), tuple(cells), tables)
 
 
 def _check_dst(plan: RefitPlan, layout: EngineLayout, dst: list, scales: list) -> None:
@@ -344,25 +308,72 @@ def _check_dst(plan: RefitPlan, layout: EngineLayout, dst: list, scales: list) -
 
 
 class _Exchanged(NamedTuple):
+    """What the first exchange gives: this rank's checked inputs, the trainer ranks, the
+    trainer's layout, the refit group's topology, and where every rank kept the last refit's plan for these inputs and
+    the plans agree (the same fingerprint, a pair check summing to 0), that plan and every
+    rank's ``(fingerprint, check, sent bytes, copied bytes)`` (else None, None: plan and agree)."""
+
     ready: _Ready
     trainers: list[int]
     shared: ShardLayout
+    topo: Topology
+    plan: RefitPlan | None
+    shares: list | None
 
 
-def _exchange(model, dst_tensors, layout: EngineLayout, specs, rank: int) -> _Exchanged:
+def _plan_key(shared_digest: str, trainers: Sequence[int], layout: EngineLayout, topo, staging_bytes, max_ops):
+    return (shared_digest, tuple(trainers), _digest(layout), topo, staging_bytes, max_ops)
+
+
+def _kept_plan(ready: _Ready, layout: EngineLayout, topo, staging_bytes: int, max_ops: int):
+    """The plan kept from the last refit if this rank's own inputs match its key (the engine
+    layout, topology and budgets; the trainer's layout and ranks are matched once every
+    rank's are known) and this rank's engine tensors fit it: ``(plan, share)``, the share
+    naming the plan's trainer layout and ranks; else None."""
+    if len(_PLANS) != 1:
+        return None
+    ((key, plan),) = _PLANS.items()
+    if key[2:] != _plan_key("", (), layout, topo, staging_bytes, max_ops)[2:]:
+        return None
+    if ready.layout is not None and _digest(ready.layout) != key[0]:
+        return None
+    if ready.dst is not None:
+        try:
+            _check_dst(plan, layout, ready.dst, ready.scales)
+        except ValueError:
+            return None  # planned and checked again, where the error is raised on every rank
+    return plan, (key[0], _ranks_digest(key[1]), plan.fingerprint, plan.check, plan.sent_bytes, plan.copy_bytes)
+
+
+def _ranks_digest(ranks: Sequence[int]) -> str:
+    return hashlib.blake2b(repr(tuple(ranks)).encode(), digest_size=8).hexdigest()
+
+
+def _exchange(
+    model, dst_tensors, layout: EngineLayout, specs, rank: int, topology, group, staging_bytes, max_ops
+) -> _Exchanged:
     """Collective: check every rank's arguments, find the trainer ranks, compare the layouts,
-    and give every rank the trainer's layout (sent only when some rank lacks the last one)."""
+    give every rank the trainer's layout (sent only when some rank lacks the last one), and
+    agree on the last refit's plans where every rank kept one for these inputs (one exchange
+    for all of it)."""
+
+    def step():
+        ready = _prepare(model, dst_tensors, layout, specs, rank)
+        topo = group_topology(topology, group)
+        return ready, topo, _kept_plan(ready, layout, topo, staging_bytes, max_ops)
+
     gathered = collectives.agree_and_gather(
-        lambda: _prepare(model, dst_tensors, layout, specs, rank),
+        step,
         "moeshard.refit: checking the arguments",
         share=lambda r: (
-            r.layout is not None,
+            r[0].layout is not None,
             _digest(layout),
-            None if r.layout is None else _digest(r.layout),
+            None if r[0].layout is None else _digest(r[0].layout),
             _digest(_SHARED[0]) if _SHARED else None,
+            None if r[2] is None else r[2][1],
         ),
     )
-    ready, everyone = gathered.result, gathered.shares
+    (ready, topo, kept), everyone = gathered.result, gathered.shares
     trainers = [r for r, e in enumerate(everyone) if e[0]]
 
     def _same():
@@ -374,7 +385,8 @@ def _exchange(model, dst_tensors, layout: EngineLayout, specs, rank: int) -> _Ex
             raise ValueError("the trainer's layout differs between trainer ranks")
 
     collectives.unanimous(_same, "moeshard.refit: comparing the layouts")
-    if all(e[3] is not None and e[3] == everyone[trainers[0]][2] for e in everyone):
+    held = everyone[trainers[0]][2]
+    if all(e[3] is not None and e[3] == held for e in everyone):
         shared = _SHARED[0]  # every rank holds the trainer's layout already (the last refit's)
     else:
         shared = collectives.broadcast_object(
@@ -383,7 +395,19 @@ def _exchange(model, dst_tensors, layout: EngineLayout, specs, rank: int) -> _Ex
             what="moeshard.refit: trainer layout",
         )
         _SHARED[:] = [shared]
-    return _Exchanged(ready, trainers, shared)
+    # Every rank decides alike, from the gathered shares, whether the kept plans stand.
+    kept_shares = [e[4] for e in everyone]
+    if all(k is not None and k[0] == held and k[1] == _ranks_digest(trainers) for k in kept_shares) and all(
+        e[3] == held for e in everyone
+    ):
+        shares = [k[2:] for k in kept_shares]
+        try:
+            check_pairs(shares)
+        except ValueError:
+            pass  # planned and agreed again, where a real mismatch raises on every rank
+        else:
+            return _Exchanged(ready, trainers, shared, topo, kept[0], shares)
+    return _Exchanged(ready, trainers, shared, topo, None, None)
 
 
 @collectives.runs_on_group
@@ -416,9 +440,10 @@ def refit(
             its source box (cast alike; a block-FP8 tensor's box as staged, before quantization,
             and its installed values and scale blocks with those its quantization made); a
             difference raises :class:`RefitVerifyError` on every rank naming it.
-        staging_bytes: per-rank budget for staging: pieces received in one round, and the
-            engine tensors of one install batch (consecutive install groups staged together,
-            one schedule and one agreement per batch; a group larger than the budget alone).
+        staging_bytes: per-rank budget for staging: the engine tensors of one install batch
+            (consecutive install groups whose engine tensors fit it together, one schedule and
+            one agreement per batch; a group larger than the budget alone) bound the pieces a
+            rank receives and keeps until the batch is installed.
         max_ops: at most this many pieces a rank sends and receives in one round. The small
             ones (up to 1 MiB) between two ranks travel as one message, so a round posts at
             most two messages per peer plus its large pieces, whose number the staging budget
@@ -440,12 +465,13 @@ def refit(
     t0 = time.perf_counter()
     phases = Phases(t0)
     rank, world = collectives.rank_and_world()
-    ready, trainers, shared = _exchange(model, dst_tensors, layout, specs, rank)
+    ready, trainers, shared, topo, plan, shares = _exchange(
+        model, dst_tensors, layout, specs, rank, topology, group, staging_bytes, max_ops
+    )
     phases.end("exchange")
 
     def make_plan():
-        topo = group_topology(topology, group)
-        key = (_digest(shared), tuple(trainers), _digest(layout), topo, staging_bytes, max_ops)
+        key = _plan_key(_digest(shared), trainers, layout, topo, staging_bytes, max_ops)
         plan = _PLANS.get(key)
         if plan is None:
             plan = plan_for(shared, trainers, layout, topo, staging_bytes, max_ops, rank)
@@ -457,14 +483,16 @@ def refit(
 
     # Each rank plans its own transfers: the ranks agree that they planned from the same inputs
     # (the fingerprint) and that the two ends of every transfer planned it alike (the pair
-    # check's terms sum to 0), in one exchange, before any data moves.
-    gathered = collectives.agree_and_gather(
-        make_plan,
-        "moeshard.refit: planning",
-        share=lambda p: (p.fingerprint, p.check, p.sent_bytes, p.copy_bytes),
-    )
-    plan, shares = gathered.result, gathered.shares
-    collectives.unanimous(lambda: check_pairs(shares), "moeshard.refit: planning")
+    # check's terms sum to 0), in one exchange before any data moves; a repeated refit does it
+    # in the first exchange (_exchange).
+    if plan is None:
+        gathered = collectives.agree_and_gather(
+            make_plan,
+            "moeshard.refit: planning",
+            share=lambda p: (p.fingerprint, p.check, p.sent_bytes, p.copy_bytes),
+        )
+        plan, shares = gathered.result, gathered.shares
+        collectives.unanimous(lambda: check_pairs(shares), "moeshard.refit: planning")
     peer_bytes = sum(s[2] for s in shares)
     copy_bytes = sum(s[3] for s in shares)
     t_plan = phases.end("plan") - t0
@@ -498,17 +526,18 @@ def refit(
 
 
 # Pieces up to this size that one rank sends another in the same round travel as one message
-# (execute_schedule's coalesce_bytes): below it a message's latency costs more than the copies
-# into and out of the packed buffer.
-COALESCE_BYTES = 2**20
+# (ViewExchange's pack_bytes): below it a message's latency costs more than the copy into the
+# packed buffer (a cast the piece takes anyway where the wire dtype is narrower).
+PACK_BYTES = 2**20
 
 
 def _install(plan: RefitPlan, layout: EngineLayout, ready: _Ready, rank: int, wire, device, record=None):
     """Collective: per install batch (``plan.batches``: install groups that fit the staging
-    budget together), run its schedule into staging tensors, agree that every rank has all of
-    them, and copy them into the engine's tensors (``record``: verify's :class:`_QuantRecord`,
-    filled as quantized tensors are quantized). Returns this rank's bytes sent, received, peak
-    staging bytes and engine tensors installed."""
+    budget together), run its schedule (received pieces kept in their messages; a quantized
+    engine tensor staged whole and quantized), agree that every rank has all of it, then
+    copy it into the engine's tensors (``record``: verify's :class:`_QuantRecord`, filled as
+    quantized tensors are quantized). Returns this rank's bytes sent, received, peak staging
+    bytes and engine tensors installed."""
     dev = device
     if dev is None:
         ref = ready.dst[0] if ready.dst else (ready.shards[0] if ready.shards else None)
@@ -521,29 +550,23 @@ def _install(plan: RefitPlan, layout: EngineLayout, ready: _Ready, rank: int, wi
         what = f"moeshard.refit: install group{'s' if len(batch) > 1 else ''} {', '.join(map(str, batch))}"
         members = set(batch)
         stage: list = [None] * len(layout.tensors)
+        into: list = [None] * len(layout.tensors)
+        held = [False] * len(layout.tensors)
         staged = 0
         if ready.dst is not None:
             for j, t in enumerate(layout.tensors):
-                if group_of[j] in members:
-                    # Rows the engine pads (vocabulary) are never written: keep the engine's.
-                    x = ready.dst[j]
-                    if t.quant is not None:  # staged in float, quantized whole once it arrived
-                        stage[j] = engine_quant.staging(x, getattr(torch, plan.needs.dtypes[j]))
-                    else:
-                        stage[j] = x.clone() if t.pad_to > 1 else torch.empty_like(x)
+                if group_of[j] not in members:
+                    continue
+                if t.quant is not None:  # staged in float, quantized whole once it arrived
+                    into[j] = stage[j] = engine_quant.staging(ready.dst[j], getattr(torch, plan.needs.dtypes[j]))
                     staged += stage[j].numel() * stage[j].element_size()
-        source = _TrainerShards(p, ready.shards, rank, wire)
+                else:  # written by install(), after the agreement (rows the engine pads never)
+                    into[j], held[j] = ready.dst[j], True
+                    installed += 1
+        ex = ViewExchange(p.schedule, rank, ready.shards, wire, into, dev, held, what, PACK_BYTES)
 
-        def run(p=p, stage=stage, source=source, what=what):
-            stats = execute_schedule(
-                p.schedule,
-                rank,
-                source,
-                TensorSink(p.schedule, stage, rank, receive_in_place=True),
-                dev,
-                what=what,
-                coalesce_bytes=COALESCE_BYTES,
-            ).check()
+        def run(ex=ex, stage=stage, p=p):
+            stats = ex.run().check()
             _quantize(layout, stage, p.schedule, rank, record)
             return stats
 
@@ -551,6 +574,7 @@ def _install(plan: RefitPlan, layout: EngineLayout, ready: _Ready, rank: int, wi
             # Installed only once every rank has every piece of the batch: each engine layer
             # is all old or all new, whichever rank or group failed.
             stats = collectives.agree(run, what)
+            ex.install()
             for j, x in enumerate(stage):
                 if x is not None:
                     engine_quant.install(ready.dst[j], ready.scales[j], x)
