@@ -8,6 +8,7 @@ The launcher itself is the package's (:mod:`moeshard._launch`); this keeps the t
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import time
@@ -64,7 +65,21 @@ def run_ranks(fn, *args, world: int = 4, local_world: int | None = None, timeout
     Raises RuntimeError with every failing rank's traceback, TimeoutError on a hang.
     """
     forkserver(fn.__module__)
-    return run_local_ranks(fn, *args, world=world, local_world=local_world, timeout=timeout, start_method="forkserver")
+    return run_local_ranks(
+        call_gc_frozen, fn, *args, world=world, local_world=local_world, timeout=timeout, start_method="forkserver"
+    )
+
+
+def call_gc_frozen(fn, *args):
+    """``fn(*args)`` in a forked rank, the objects it inherited (torch, transformers, ... from
+    :data:`PRELOAD`: some 400,000) out of the garbage collector's reach (``gc.freeze``).
+
+    Every full collection would walk them: accelerate's ``free_memory`` calls ``gc.collect()``
+    after each Trainer run, about a second each on a loaded 2-core host (a fifth of the trainer
+    group's time), and walking them writes their pages, copying them from the forkserver.
+    """
+    gc.freeze()
+    return fn(*args)
 
 
 def forkserver(*modules: str):
