@@ -8,6 +8,7 @@ The launcher itself is the package's (:mod:`moeshard._launch`); this keeps the t
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import time
@@ -20,8 +21,10 @@ from moeshard._launch import run_local_ranks
 # of the first test that forks from it, and keeps it: a module missing here is imported by each
 # rank of every later group (test_reshard_elastic8_dist on 2 cores: 45 s instead of 18 s when
 # transformers was missing). So every test asks for all of it. A module that fails to import
-# (an optional dependency) is skipped. Not datasets (with trl, only the trainer test's ranks use
-# it): importing it starts a thread, and a process that forks should have none of its own.
+# (an optional dependency) is skipped. transformers.trainer (it imports datasets) and trl: each
+# rank of the Trainer tests' groups spent 5-9 s importing them. datasets imports pyarrow, whose
+# jemalloc starts a background thread, and a process that forks should have none of its own:
+# :func:`forkserver` turns that thread off (ARROW_JEMALLOC_CONF below).
 PRELOAD = (
     "torch",
     "torch.distributed",
@@ -35,6 +38,8 @@ PRELOAD = (
     "transformers.models.deepseek_v3.modeling_deepseek_v3",
     "peft",
     "accelerate",
+    "transformers.trainer",
+    "trl",
     "moeshard",
     "moeshard.ops.reshard",
     "moeshard.ops.save",
@@ -53,6 +58,8 @@ PRELOAD = (
     "training",
 )
 
+ARROW_JEMALLOC_CONF = ("JE_ARROW_MALLOC_CONF", "background_thread:false")
+
 
 def run_ranks(fn, *args, world: int = 4, local_world: int | None = None, timeout: float = 240):
     """Run ``fn(*args)`` on ``world`` gloo ranks; return the per-rank results.
@@ -64,13 +71,30 @@ def run_ranks(fn, *args, world: int = 4, local_world: int | None = None, timeout
     Raises RuntimeError with every failing rank's traceback, TimeoutError on a hang.
     """
     forkserver(fn.__module__)
-    return run_local_ranks(fn, *args, world=world, local_world=local_world, timeout=timeout, start_method="forkserver")
+    return run_local_ranks(
+        call_gc_frozen, fn, *args, world=world, local_world=local_world, timeout=timeout, start_method="forkserver"
+    )
+
+
+def call_gc_frozen(fn, *args):
+    """``fn(*args)`` in a forked rank, the objects it inherited (torch, transformers, ... from
+    :data:`PRELOAD`: some 400,000) out of the garbage collector's reach (``gc.freeze``).
+
+    Every full collection would walk them: accelerate's ``free_memory`` calls ``gc.collect()``
+    after each Trainer run, about a second each on a loaded 2-core host (a fifth of the trainer
+    group's time), and walking them writes their pages, copying them from the forkserver.
+    """
+    gc.freeze()
+    return fn(*args)
 
 
 def forkserver(*modules: str):
     """The forkserver context, its server (if this call starts it) having imported
     :data:`PRELOAD` and ``modules`` (the caller's module, whose function the ranks run); a
     module that fails to import is skipped."""
+    # Read when pyarrow loads (the server's import of datasets): no jemalloc background thread in
+    # the process the ranks fork from. Set before the server starts, which inherits it.
+    os.environ.setdefault(*ARROW_JEMALLOC_CONF)
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload([*PRELOAD, *modules])
     return ctx

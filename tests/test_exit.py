@@ -25,17 +25,36 @@ pytestmark = pytest.mark.dist
 RUNS = 3
 
 
-def _torchrun(args: list[str], nproc: int = 2, timeout: float = 180) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={nproc}",
-        f"--master-port={free_port()}",
-        *args,
-    ]
+def _torchrun(*runs: list[str], nproc: int = 2, timeout: float = 180) -> list[subprocess.CompletedProcess]:
+    """Each of ``runs`` (a script or ``-m module`` and its arguments) under torchrun with ``nproc``
+    ranks, all at once (each job's interpreters import torch for seconds; at once the imports
+    overlap the others' waits); their results in order."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    ports = set()
+    while len(ports) < len(runs):
+        ports.add(free_port())
+    procs = []
+    for args, port in zip(runs, sorted(ports)):
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={nproc}",
+            f"--master-port={port}",
+            *args,
+        ]
+        procs.append((cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)))
+    out = []
+    try:
+        for cmd, p in procs:
+            stdout, stderr = p.communicate(timeout=timeout)
+            out.append(subprocess.CompletedProcess(cmd, p.returncode, stdout, stderr))
+    finally:
+        for _, p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return out
 
 
 # Rank 1 joins a collective 3 s late; rank 0 leaves while a thread still waits in it, and its
@@ -76,13 +95,12 @@ HAZARD = textwrap.dedent("""
 def test_exit_process_ends_where_a_plain_exit_aborts(tmp_path):
     script = tmp_path / "hazard.py"
     script.write_text(HAZARD)
-    plain = _torchrun([str(script), "plain"])
+    plain, ours = _torchrun([str(script), "plain"], [str(script), "exit_process"])
     # The hazard is real (torch 2.13, Python 3.11): without exit_process the rank aborts.
     assert plain.returncode != 0 and "terminate called without an active exception" in plain.stderr, (
         "a plain exit no longer aborts here: torch or Python changed; the exit_process teardown may be unneeded\n"
         + plain.stderr[-2000:]
     )
-    ours = _torchrun([str(script), "exit_process"])
     assert ours.returncode == 0, ours.stderr[-3000:]
     assert "rank 0 done" in ours.stdout and "terminate called" not in ours.stderr
 
@@ -93,12 +111,12 @@ def test_verify_under_torchrun_exits_zero_every_time(tmp_path):
 
     ckpt = str(tmp_path / "tiny")
     write_tiny(ckpt)
-    for run in range(RUNS):
-        res = _torchrun(["-m", "moeshard.cli", "verify", ckpt, "--ep", "2"])
+    verify = ["-m", "moeshard.cli", "verify", ckpt, "--ep", "2"]
+    # Bad input: every rank exits 2 (torchrun reports 1), the one error line printed before the exit.
+    *good, bad = _torchrun(*[verify] * RUNS, [*verify, "--redundant", "-5"])
+    for run, res in enumerate(good):
         assert res.returncode == 0, f"run {run}: exit {res.returncode}\n{res.stderr[-3000:]}"
         assert "2 ranks (EP=2 x efsdp=1)" in res.stdout and "verified against the checkpoint: OK" in res.stdout
         assert "terminate called" not in res.stderr
-    # Bad input: every rank exits 2 (torchrun reports 1), the one error line printed before the exit.
-    bad = _torchrun(["-m", "moeshard.cli", "verify", ckpt, "--ep", "2", "--redundant", "-5"])
     assert bad.returncode != 0 and "moeshard verify: error:" in bad.stderr, bad.stderr[-3000:]
     assert "exitcode  : 2" in bad.stderr and "terminate called" not in bad.stderr
