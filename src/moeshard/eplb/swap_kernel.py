@@ -1,0 +1,135 @@
+"""The swap search of :func:`moeshard.eplb.refine.lower_peak` compiled with numba: one row
+(layer) at a time, its rounds in a loop over every pair of copies, the very swaps of the numpy
+search (the same loads to the last bit, the same ties, caps and stops).
+
+Imported only when numba is installed (the ``fast`` extra); the first call in a process
+compiles the loop or loads it from numba's on-disk cache.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+
+@numba.njit(cache=True, nogil=True)
+def _pairwise_sum(a, lo, n):
+    """``a[lo:lo + n].sum()`` as numpy sums the last axis of a float64 array (pairwise, eight
+    accumulators): a rank's load to the bit of the numpy search's."""
+    if n < 8:
+        res = -0.0
+        for i in range(lo, lo + n):
+            res += a[i]
+        return res
+    if n <= 128:
+        r0, r1, r2, r3 = a[lo], a[lo + 1], a[lo + 2], a[lo + 3]
+        r4, r5, r6, r7 = a[lo + 4], a[lo + 5], a[lo + 6], a[lo + 7]
+        i = 8
+        while i < n - (n % 8):
+            r0 += a[lo + i]
+            r1 += a[lo + i + 1]
+            r2 += a[lo + i + 2]
+            r3 += a[lo + i + 3]
+            r4 += a[lo + i + 4]
+            r5 += a[lo + i + 5]
+            r6 += a[lo + i + 6]
+            r7 += a[lo + i + 7]
+            i += 8
+        res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+        while i < n:
+            res += a[lo + i]
+            i += 1
+        return res
+    n2 = n // 2
+    n2 -= n2 % 8
+    return _pairwise_sum(a, lo, n2) + _pairwise_sum(a, lo + n2, n - n2)
+
+
+def rank_loads(ws, num_s):
+    """``float64[M]``: the load of each rank of ``ws`` ``float64[M * S]`` (slot loads, rank
+    by rank), summed as :func:`_pairwise_sum` does (for tests)."""
+    return _rank_loads(np.ascontiguousarray(ws, dtype=np.float64), num_s)
+
+
+@numba.njit(cache=True, nogil=True)
+def _rank_loads(ws, num_s):
+    m = len(ws) // num_s
+    out = np.empty(m)
+    for r in range(m):
+        out[r] = 0.0 + _pairwise_sum(ws, r * num_s, num_s)
+    return out
+
+
+@numba.njit(cache=True, nogil=True)
+def swap_search(pk, ws, loads, cnt, cap, has_cap, stop_at, has_stop, num_n, num_k, num_s, max_rounds, margin, swaps):
+    """The swap search of ``lower_peak``, in place, row by row (one caller, any rank).
+
+    Args:
+        pk: ``int64[B, N*K*S]`` expert ids (``-1`` empty), rank by rank.
+        ws: ``float64[B, N*K*S]`` load of the copy in each slot (0 for an empty slot).
+        loads: ``float64[B, N*K]`` each rank's load, numpy's sum of its slots' loads.
+        cnt: ``int64[B, N*K, E + 1]`` copies of each expert per rank (empty slots in ``E``).
+        cap: ``int64[B, E]`` most copies of an expert per rank (read where ``has_cap``).
+        stop_at: ``float64[B]`` a row's target (read where ``has_stop``).
+        max_rounds: most swaps per row.
+        margin: a swap's peak is below ``(1 - margin)`` times the heaviest load.
+        swaps: ``int64[B]`` out: swaps made per row.
+    """
+    num_b = pk.shape[0]
+    nk = num_n * num_k
+    keep = 1.0 - margin
+    for row in range(num_b):
+        p, w, ld, c, cp = pk[row], ws[row], loads[row], cnt[row], cap[row]
+        done = 0
+        while done < max_rounds:
+            h = 0
+            lh = ld[0]
+            for r in range(1, nk):
+                if ld[r] > lh:
+                    h, lh = r, ld[r]
+            if has_stop and not lh > stop_at[row]:
+                break
+            thr = lh * keep
+            first = (h // num_k) * num_k
+            best = np.inf
+            qa = qb = -1
+            for sa in range(num_s):
+                ia = h * num_s + sa
+                ea = p[ia]
+                if ea < 0:
+                    continue
+                wa = w[ia]
+                for k in range(first, first + num_k):
+                    if k == h:  # max(lh - d, lh + d) >= lh: never lowers the peak
+                        continue
+                    if has_cap and c[k, ea] >= cp[ea]:  # k may not take a
+                        continue
+                    lk = ld[k]
+                    for sb in range(num_s):
+                        ib = k * num_s + sb
+                        eb = p[ib]
+                        if eb < 0:
+                            continue
+                        if has_cap and c[h, eb] >= cp[eb]:  # h may not take b
+                            continue
+                        d = wa - w[ib]
+                        x = lh - d
+                        y = lk + d
+                        peak = x if x >= y else y
+                        if peak < thr and peak < best:
+                            best, qa, qb = peak, ia, ib
+            if qa < 0:
+                break
+            ea, eb = p[qa], p[qb]
+            p[qa], p[qb] = eb, ea
+            w[qa], w[qb] = w[qb], w[qa]
+            k = qb // num_s
+            # the two ranks' loads summed again, as numpy sums them (0 + the pairwise sum)
+            ld[h] = 0.0 + _pairwise_sum(w, h * num_s, num_s)
+            ld[k] = 0.0 + _pairwise_sum(w, k * num_s, num_s)
+            c[h, ea] -= 1
+            c[h, eb] += 1
+            c[k, eb] -= 1
+            c[k, ea] += 1
+            done += 1
+        swaps[row] = done
