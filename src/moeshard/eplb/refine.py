@@ -129,9 +129,6 @@ def _compiled(kernel, packs, wc, cap, max_rounds, stop_at):
     wslot = np.where(packs >= 0, wc[bi, np.maximum(packs, 0)], 0.0)
     loads = wslot.sum(-1).reshape(num_b, -1)
     pk = packs.reshape(num_b, -1).astype(np.int64)
-    ranks = num_n * num_k
-    flat = np.where(pk < 0, num_e, pk).reshape(num_b * ranks, num_s) + (np.arange(num_b * ranks) * (num_e + 1))[:, None]
-    cnt = np.bincount(flat.reshape(-1), minlength=num_b * ranks * (num_e + 1)).reshape(num_b, ranks, num_e + 1)
     has_cap = cap is not None
     cap_a = np.minimum(cap, num_s + 1).astype(np.int64) if has_cap else np.zeros((num_b, 1), dtype=np.int64)
     has_stop = stop_at is not None
@@ -140,7 +137,21 @@ def _compiled(kernel, packs, wc, cap, max_rounds, stop_at):
     swaps = np.zeros(num_b, dtype=np.int64)
     ws = wslot.reshape(num_b, -1)
     kernel.swap_search(
-        pk, ws, loads, cnt, cap_a, has_cap, stop_a, has_stop, num_n, num_k, num_s, rounds, _MARGIN, swaps
+        pk,
+        ws,
+        loads,
+        num_e,
+        cap_a,
+        has_cap,
+        stop_a,
+        has_stop,
+        bool((ws >= 0).all()),
+        num_n,
+        num_k,
+        num_s,
+        rounds,
+        _MARGIN,
+        swaps,
     )
     packs[...] = pk.reshape(packs.shape)
     return swaps

@@ -61,16 +61,53 @@ def _rank_loads(ws, num_s):
 
 
 @numba.njit(cache=True, nogil=True)
-def swap_search(pk, ws, loads, cnt, cap, has_cap, stop_at, has_stop, num_n, num_k, num_s, max_rounds, margin, swaps):
+def _scan(p, wn, ld, c, cp, has_cap, nonneg, num_s, h, lh, k_lo, k_hi, bar):
+    """The first swap, in ``(a, k, b)`` order, of the heaviest rank ``h``'s copies with those
+    of ranks ``k_lo .. k_hi - 1`` whose peak ``max(lh - d, lk + d)`` is the lowest below
+    ``bar``: ``(peak, slot a, slot b)``, slots ``-1`` where none is."""
+    qa = qb = -1
+    for sa in range(num_s):
+        ia = h * num_s + sa
+        ea = p[ia]
+        wa = wn[ia]
+        # loads >= 0: d = w_a - w_b <= w_a, so the peak is at least lh - w_a (rounded the same
+        # way, rounding is monotone); an empty slot's NaN compares false
+        if ea < 0 or (nonneg and lh - wa >= bar):
+            continue
+        for k in range(k_lo, k_hi):
+            lk = ld[k]
+            # a peak below bar <= lh needs d > 0, so it is at least lk + d >= lk; and
+            # max(lh - d, lh + d) >= lh: a swap with h itself never lowers the peak
+            if k == h or (nonneg and lk >= bar):
+                continue
+            if has_cap and c[k, ea] >= cp[ea]:  # k may not take a
+                continue
+            for ib in range(k * num_s, k * num_s + num_s):
+                d = wa - wn[ib]
+                x = lh - d
+                y = lk + d
+                peak = x if x >= y else y
+                # strictly below: the first of equal peaks; h may take b
+                if peak < bar and not (has_cap and c[h, p[ib]] >= cp[p[ib]]):
+                    bar, qa, qb = peak, ia, ib
+    return bar, qa, qb
+
+
+@numba.njit(cache=True, nogil=True)
+def swap_search(
+    pk, ws, loads, num_e, cap, has_cap, stop_at, has_stop, nonneg, num_n, num_k, num_s, max_rounds, margin, swaps
+):
     """The swap search of ``lower_peak``, in place, row by row (one caller, any rank).
 
     Args:
         pk: ``int64[B, N*K*S]`` expert ids (``-1`` empty), rank by rank.
         ws: ``float64[B, N*K*S]`` load of the copy in each slot (0 for an empty slot).
         loads: ``float64[B, N*K]`` each rank's load, numpy's sum of its slots' loads.
-        cnt: ``int64[B, N*K, E + 1]`` copies of each expert per rank (empty slots in ``E``).
+        num_e: experts (ids ``0 .. E - 1``).
         cap: ``int64[B, E]`` most copies of an expert per rank (read where ``has_cap``).
         stop_at: ``float64[B]`` a row's target (read where ``has_stop``).
+        nonneg: every load is >= 0 (then ranks and copies that cannot beat the best swap so
+            far are passed over: the same swaps, fewer pairs looked at).
         max_rounds: most swaps per row.
         margin: a swap's peak is below ``(1 - margin)`` times the heaviest load.
         swaps: ``int64[B]`` out: swaps made per row.
@@ -78,8 +115,15 @@ def swap_search(pk, ws, loads, cnt, cap, has_cap, stop_at, has_stop, num_n, num_
     num_b = pk.shape[0]
     nk = num_n * num_k
     keep = 1.0 - margin
+    # copies of each expert per rank of the row at hand (empty slots in the last column):
+    # built per row from its slots and cleared after it
+    c = np.zeros((nk, num_e + 1), dtype=np.int16)
     for row in range(num_b):
-        p, w, ld, c, cp = pk[row], ws[row], loads[row], cnt[row], cap[row]
+        p, w, ld, cp = pk[row], ws[row], loads[row], cap[row]
+        wn = np.where(p >= 0, w, np.nan)  # an empty slot's NaN load: its every peak NaN, never below
+        if has_cap:
+            for i in range(nk * num_s):
+                c[i // num_s, p[i] if p[i] >= 0 else num_e] += 1
         done = 0
         while done < max_rounds:
             h = 0
@@ -91,45 +135,36 @@ def swap_search(pk, ws, loads, cnt, cap, has_cap, stop_at, has_stop, num_n, num_
                 break
             thr = lh * keep
             first = (h // num_k) * num_k
-            best = np.inf
-            qa = qb = -1
-            for sa in range(num_s):
-                ia = h * num_s + sa
-                ea = p[ia]
-                if ea < 0:
-                    continue
-                wa = w[ia]
-                for k in range(first, first + num_k):
-                    if k == h:  # max(lh - d, lh + d) >= lh: never lowers the peak
-                        continue
-                    if has_cap and c[k, ea] >= cp[ea]:  # k may not take a
-                        continue
-                    lk = ld[k]
-                    for sb in range(num_s):
-                        ib = k * num_s + sb
-                        eb = p[ib]
-                        if eb < 0:
-                            continue
-                        if has_cap and c[h, eb] >= cp[eb]:  # h may not take b
-                            continue
-                        d = wa - w[ib]
-                        x = lh - d
-                        y = lk + d
-                        peak = x if x >= y else y
-                        if peak < thr and peak < best:
-                            best, qa, qb = peak, ia, ib
+            # An upper bound first: the best swap with the node's lightest rank. The full scan
+            # then keeps only peaks up to it (bar just above it), so it passes over most ranks
+            # and copies and still meets the first swap of the lowest peak.
+            light = first
+            for r in range(first + 1, first + num_k):
+                if ld[r] < ld[light]:
+                    light = r
+            bar = thr
+            if nonneg:
+                bar, qa, qb = _scan(p, wn, ld, c, cp, has_cap, nonneg, num_s, h, lh, light, light + 1, bar)
+                if qa >= 0:
+                    bar = np.nextafter(bar, np.inf)
+            bar, qa, qb = _scan(p, wn, ld, c, cp, has_cap, nonneg, num_s, h, lh, first, first + num_k, bar)
             if qa < 0:
                 break
             ea, eb = p[qa], p[qb]
             p[qa], p[qb] = eb, ea
             w[qa], w[qb] = w[qb], w[qa]
+            wn[qa], wn[qb] = wn[qb], wn[qa]
             k = qb // num_s
             # the two ranks' loads summed again, as numpy sums them (0 + the pairwise sum)
             ld[h] = 0.0 + _pairwise_sum(w, h * num_s, num_s)
             ld[k] = 0.0 + _pairwise_sum(w, k * num_s, num_s)
-            c[h, ea] -= 1
-            c[h, eb] += 1
-            c[k, eb] -= 1
-            c[k, ea] += 1
+            if has_cap:
+                c[h, ea] -= 1
+                c[h, eb] += 1
+                c[k, eb] -= 1
+                c[k, ea] += 1
             done += 1
         swaps[row] = done
+        if has_cap:
+            for i in range(nk * num_s):
+                c[i // num_s, p[i] if p[i] >= 0 else num_e] = 0
