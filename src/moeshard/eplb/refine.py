@@ -75,7 +75,12 @@ def lower_peak(
     kernel = _kernel(jit)
     if num_b == 0 or num_k < 2:
         return swaps
-    if kernel is not None and wc.dtype == np.float64 and (stop_at is None or stop_at.dtype == np.float64):
+    if (
+        kernel is not None
+        and num_s <= kernel.MAX_SLOTS
+        and wc.dtype == np.float64
+        and (stop_at is None or stop_at.dtype == np.float64)
+    ):
         return _compiled(kernel, packs, wc, cap, max_rounds, stop_at)
     st = _State(packs, wc, cap, window=num_b * num_k * num_s * num_s > _WINDOW_FROM * _DENSE_PAIRS)
     nk = num_n * num_k

@@ -11,43 +11,43 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+# slots per rank up to which :func:`_pairwise_sum` is numpy's sum (numpy splits longer ones in
+# halves; the search takes them the numpy way)
+MAX_SLOTS = 128
+
 
 @numba.njit(cache=True, nogil=True)
 def _pairwise_sum(a, lo, n):
-    """``a[lo:lo + n].sum()`` as numpy sums the last axis of a float64 array (pairwise, eight
-    accumulators): a rank's load to the bit of the numpy search's."""
+    """``a[lo:lo + n].sum()`` as numpy sums the last axis of a float64 array of ``n <= 128``
+    (eight accumulators): a rank's load to the bit of the numpy search's."""
     if n < 8:
         res = -0.0
         for i in range(lo, lo + n):
             res += a[i]
         return res
-    if n <= 128:
-        r0, r1, r2, r3 = a[lo], a[lo + 1], a[lo + 2], a[lo + 3]
-        r4, r5, r6, r7 = a[lo + 4], a[lo + 5], a[lo + 6], a[lo + 7]
-        i = 8
-        while i < n - (n % 8):
-            r0 += a[lo + i]
-            r1 += a[lo + i + 1]
-            r2 += a[lo + i + 2]
-            r3 += a[lo + i + 3]
-            r4 += a[lo + i + 4]
-            r5 += a[lo + i + 5]
-            r6 += a[lo + i + 6]
-            r7 += a[lo + i + 7]
-            i += 8
-        res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
-        while i < n:
-            res += a[lo + i]
-            i += 1
-        return res
-    n2 = n // 2
-    n2 -= n2 % 8
-    return _pairwise_sum(a, lo, n2) + _pairwise_sum(a, lo + n2, n - n2)
+    r0, r1, r2, r3 = a[lo], a[lo + 1], a[lo + 2], a[lo + 3]
+    r4, r5, r6, r7 = a[lo + 4], a[lo + 5], a[lo + 6], a[lo + 7]
+    i = 8
+    while i < n - (n % 8):
+        r0 += a[lo + i]
+        r1 += a[lo + i + 1]
+        r2 += a[lo + i + 2]
+        r3 += a[lo + i + 3]
+        r4 += a[lo + i + 4]
+        r5 += a[lo + i + 5]
+        r6 += a[lo + i + 6]
+        r7 += a[lo + i + 7]
+        i += 8
+    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    while i < n:
+        res += a[lo + i]
+        i += 1
+    return res
 
 
 def rank_loads(ws, num_s):
     """``float64[M]``: the load of each rank of ``ws`` ``float64[M * S]`` (slot loads, rank
-    by rank), summed as :func:`_pairwise_sum` does (for tests)."""
+    by rank, ``S <= MAX_SLOTS``), summed as :func:`_pairwise_sum` does (for tests)."""
     return _rank_loads(np.ascontiguousarray(ws, dtype=np.float64), num_s)
 
 
@@ -61,24 +61,27 @@ def _rank_loads(ws, num_s):
 
 
 @numba.njit(cache=True, nogil=True)
-def _scan(p, wn, ld, c, cp, has_cap, nonneg, num_s, h, lh, k_lo, k_hi, bar):
+def _scan(p, wn, ld, c, cp, has_cap, nonneg, num_s, h, lh, k_lo, k_hi, bar, lim):
     """The first swap, in ``(a, k, b)`` order, of the heaviest rank ``h``'s copies with those
     of ranks ``k_lo .. k_hi - 1`` whose peak ``max(lh - d, lk + d)`` is the lowest below
-    ``bar``: ``(peak, slot a, slot b)``, slots ``-1`` where none is."""
+    ``bar``: ``(peak, slot a, slot b)`` (``(inf, -1, -1)`` where none is). Where loads are
+    ``nonneg``, ranks and copies whose every peak is over ``lim`` (a peak some swap reaches)
+    or at least the best so far are passed over."""
     qa = qb = -1
+    best = np.inf
     for sa in range(num_s):
         ia = h * num_s + sa
         ea = p[ia]
         wa = wn[ia]
         # loads >= 0: d = w_a - w_b <= w_a, so the peak is at least lh - w_a (rounded the same
         # way, rounding is monotone); an empty slot's NaN compares false
-        if ea < 0 or (nonneg and lh - wa >= bar):
+        if ea < 0 or (nonneg and (lh - wa >= bar or lh - wa > lim)):
             continue
         for k in range(k_lo, k_hi):
             lk = ld[k]
             # a peak below bar <= lh needs d > 0, so it is at least lk + d >= lk; and
             # max(lh - d, lh + d) >= lh: a swap with h itself never lowers the peak
-            if k == h or (nonneg and lk >= bar):
+            if k == h or (nonneg and (lk >= bar or lk > lim)):
                 continue
             if has_cap and c[k, ea] >= cp[ea]:  # k may not take a
                 continue
@@ -89,8 +92,9 @@ def _scan(p, wn, ld, c, cp, has_cap, nonneg, num_s, h, lh, k_lo, k_hi, bar):
                 peak = x if x >= y else y
                 # strictly below: the first of equal peaks; h may take b
                 if peak < bar and not (has_cap and c[h, p[ib]] >= cp[p[ib]]):
-                    bar, qa, qb = peak, ia, ib
-    return bar, qa, qb
+                    bar = best = peak
+                    qa, qb = ia, ib
+    return best, qa, qb
 
 
 @numba.njit(cache=True, nogil=True)
@@ -118,9 +122,11 @@ def swap_search(
     # copies of each expert per rank of the row at hand (empty slots in the last column):
     # built per row from its slots and cleared after it
     c = np.zeros((nk, num_e + 1), dtype=np.int16)
+    wn = np.empty(nk * num_s)
     for row in range(num_b):
         p, w, ld, cp = pk[row], ws[row], loads[row], cap[row]
-        wn = np.where(p >= 0, w, np.nan)  # an empty slot's NaN load: its every peak NaN, never below
+        for i in range(nk * num_s):  # an empty slot's NaN load: its every peak NaN, never below
+            wn[i] = w[i] if p[i] >= 0 else np.nan
         if has_cap:
             for i in range(nk * num_s):
                 c[i // num_s, p[i] if p[i] >= 0 else num_e] += 1
@@ -135,19 +141,17 @@ def swap_search(
                 break
             thr = lh * keep
             first = (h // num_k) * num_k
-            # An upper bound first: the best swap with the node's lightest rank. The full scan
-            # then keeps only peaks up to it (bar just above it), so it passes over most ranks
-            # and copies and still meets the first swap of the lowest peak.
+            # A bound first: the peak of the best swap with the node's lightest rank. The full
+            # scan passes over the ranks and copies whose every peak is over it (most of them)
+            # and still meets the first swap of the lowest peak.
             light = first
             for r in range(first + 1, first + num_k):
                 if ld[r] < ld[light]:
                     light = r
-            bar = thr
+            lim = np.inf
             if nonneg:
-                bar, qa, qb = _scan(p, wn, ld, c, cp, has_cap, nonneg, num_s, h, lh, light, light + 1, bar)
-                if qa >= 0:
-                    bar = np.nextafter(bar, np.inf)
-            bar, qa, qb = _scan(p, wn, ld, c, cp, has_cap, nonneg, num_s, h, lh, first, first + num_k, bar)
+                lim, qa, qb = _scan(p, wn, ld, c, cp, has_cap, nonneg, num_s, h, lh, light, light + 1, thr, lim)
+            bar, qa, qb = _scan(p, wn, ld, c, cp, has_cap, nonneg, num_s, h, lh, first, first + num_k, thr, lim)
             if qa < 0:
                 break
             ea, eb = p[qa], p[qb]
