@@ -446,6 +446,23 @@ def test_desc_order_is_the_stable_sort():
             np.testing.assert_array_equal(desc_order(x), np.argsort(-x, axis=-1, kind="stable"))
 
 
+def test_lower_peak_without_numba(monkeypatch):
+    """Without numba the swap search is numpy's (the same swaps as ``jit=False``), and asking
+    for the compiled one (``jit=True``) is a ValueError that says how to install it."""
+    from moeshard.eplb import refine
+
+    monkeypatch.setattr(refine, "_KERNEL", [None])  # numba's import failed
+    rng = np.random.default_rng(13)
+    wc = rng.random((6, 30)) * 10
+    packs = np.stack([rng.permutation(30)[:12] for _ in range(12)]).reshape(6, 2, 4, 3)
+    a, b = packs.copy(), packs.copy()
+    np.testing.assert_array_equal(refine.lower_peak(a, wc), refine.lower_peak(b, wc, jit=False))
+    np.testing.assert_array_equal(a, b)
+    assert (a != packs).any()
+    with pytest.raises(ValueError, match="fast"):
+        refine.lower_peak(packs.copy(), wc, jit=True)
+
+
 @pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
 def test_compiled_rank_loads_are_numpys_sums():
     """The compiled search sums a rank's slot loads as numpy sums the last axis (pairwise,
