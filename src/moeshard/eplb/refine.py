@@ -11,7 +11,7 @@ per rank). Only the heaviest rank of a row matters (the balance is max / mean an
 does not change), so each round works on that rank alone and its node's ranks.
 
 Where numba is installed (``pip install moeshard[fast]``), the search runs compiled, row by
-row (:mod:`moeshard.eplb.swap_kernel`): the same swaps, a few times faster; the first call in
+row (the ``swap_kernel`` module): the same swaps, a few times faster; the first call in
 a process compiles it (or loads it from numba's cache). ``MOESHARD_EPLB_JIT=0`` in the
 environment, or ``jit=False``, keeps the numpy search.
 """
@@ -110,7 +110,7 @@ _KERNEL: list = []  # the compiled search's module once imported, or None withou
 
 
 def _kernel(jit: bool | None):
-    """The compiled search's module (:mod:`moeshard.eplb.swap_kernel`) or None (numpy's)."""
+    """The compiled search's module (``swap_kernel``, numba) or None (numpy's)."""
     if jit is False or (jit is None and os.environ.get("MOESHARD_EPLB_JIT", "1").strip() == "0"):
         return None
     if not _KERNEL:
