@@ -454,6 +454,7 @@ def test_lower_peak_without_numba(monkeypatch):
     from moeshard.eplb import refine
 
     monkeypatch.setattr(refine, "_KERNEL", [None])  # numba's import failed
+    monkeypatch.setattr(refine, "_JIT_FROM", 0)  # compiled wherever numba is there
     rng = np.random.default_rng(13)
     wc = rng.random((6, 30)) * 10
     packs = np.stack([rng.permutation(30)[:12] for _ in range(12)]).reshape(6, 2, 4, 3)
@@ -468,7 +469,7 @@ def test_lower_peak_without_numba(monkeypatch):
 @pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
 def test_compiled_rank_loads_are_numpys_sums():
     """The compiled search sums a rank's slot loads as numpy sums the last axis (pairwise,
-    eight accumulators, halves past 128), so the two searches compare the same loads to the
+    eight accumulators), so the two searches compare the same loads to the
     bit: 1 to 128 slots per rank (more take the numpy search), loads of many magnitudes, zeros."""
     from moeshard.eplb import swap_kernel
 
@@ -537,8 +538,8 @@ def test_rebalance_same_with_and_without_the_compiled_swap_search(monkeypatch):
     (``MOESHARD_EPLB_JIT=0``): DeepSeek-V3's shape hierarchical and global (one rank dead), a
     migration-aware step and one with a move budget, Kimi-K2's shape, FlashLB's example and
     small random instances (two or three slots per rank on 3-8 ranks); the compiled search
-    runs in the first and not in the second."""
-    from moeshard.eplb import swap_kernel
+    runs in the first and not in the second. By default a toy's search is not compiled."""
+    from moeshard.eplb import refine, swap_kernel
 
     calls = []
     real = swap_kernel.swap_search
@@ -548,8 +549,15 @@ def test_rebalance_same_with_and_without_the_compiled_swap_search(monkeypatch):
         return real(*args)
 
     monkeypatch.setattr(swap_kernel, "swap_search", counted)
+    monkeypatch.delenv("MOESHARD_EPLB_JIT", raising=False)
     dsv3 = dict(num_physical=288, num_ranks=32, num_nodes=4)
     tr = zipf_trace(6, 256, 2, seed=3, alpha=1.2, drift=0.1)
+    # by default only searches of a model's size are compiled: a toy's stays numpy's
+    eplb.rebalance(README_WEIGHT, num_physical=16, num_ranks=8, num_nodes=2, num_groups=4)
+    assert not calls
+    eplb.rebalance(tr[0], **dsv3, migration_aware=False)
+    assert calls
+    monkeypatch.setattr(refine, "_JIT_FROM", 0)  # the small instances' searches compiled too
     alive = np.ones(32, dtype=bool)
     alive[5] = False
     cases = [

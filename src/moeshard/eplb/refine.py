@@ -10,10 +10,11 @@ are batched over rows (layers): ``[B, N, K, S]`` (rows, nodes, live ranks of a n
 per rank). Only the heaviest rank of a row matters (the balance is max / mean and the mean
 does not change), so each round works on that rank alone and its node's ranks.
 
-Where numba is installed (``pip install moeshard[fast]``), the search runs compiled, row by
-row (the ``swap_kernel`` module): the same swaps, a few times faster; the first call in
-a process compiles it (or loads it from numba's cache). ``MOESHARD_EPLB_JIT=0`` in the
-environment, or ``jit=False``, keeps the numpy search.
+Where numba is installed (``pip install moeshard[fast]``), large searches run compiled, row
+by row (the ``swap_kernel`` module): the same swaps, a few times faster; the first such call
+in a process imports numba and loads the compiled code from numba's cache (compiles it, the
+first time). ``MOESHARD_EPLB_JIT=0`` in the environment, or ``jit=False``, keeps the numpy
+search.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ _DENSE_PAIRS = 50000
 # The windowed search's sorted copies are built where the first round has this many times
 # _DENSE_PAIRS pairs or more: fewer, and the few windowed rounds do not repay them.
 _WINDOW_FROM = 4
+# The compiled search (jit=None) is used where the first round has this many candidate pairs
+# or more (rows x N x K x S x S): smaller calls take a few ms in numpy, less than importing
+# numba and loading the compiled code costs a process (~0.75 s of CPU).
+_JIT_FROM = 20000
 
 
 def lower_peak(
@@ -64,7 +69,8 @@ def lower_peak(
         stop_at: ``float[B]``: a row stops as soon as its heaviest rank is at most this (None:
             only when no swap lowers it; fewer swaps where a target is all that is needed).
         jit: the compiled search (numba) or the numpy one: the same swaps. None: compiled
-            where numba is installed and ``MOESHARD_EPLB_JIT`` is not ``0``; True: compiled
+            where numba is installed, ``MOESHARD_EPLB_JIT`` is not ``0`` and the call is large
+            enough to repay numba's start (a model's shape, not a toy's); True: compiled
             (ValueError without numba); False: numpy.
 
     Returns:
@@ -72,9 +78,10 @@ def lower_peak(
     """
     num_b, num_n, num_k, num_s = packs.shape
     swaps = np.zeros(num_b, dtype=np.int64)
-    kernel = _kernel(jit)
     if num_b == 0 or num_k < 2:
+        _kernel(jit)  # jit=True without numba raises all the same
         return swaps
+    kernel = _kernel(False if jit is None and num_b * num_n * num_k * num_s * num_s < _JIT_FROM else jit)
     if (
         kernel is not None
         and num_s <= kernel.MAX_SLOTS
