@@ -9,6 +9,17 @@ import pytest
 from moeshard import Placement, eplb
 from moeshard.cli.bench.traces import zipf_trace
 
+try:
+    import numba  # noqa: F401  (the fast extra: the compiled swap search)
+
+    HAVE_NUMBA = True
+except ImportError:
+    HAVE_NUMBA = False
+# the swap search's two paths: numpy's, and the compiled one (numba, the fast extra)
+SWAP_PATHS = pytest.mark.parametrize(
+    "jit", [False, pytest.param(True, marks=pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed"))]
+)
+
 README_WEIGHT = np.array(
     [
         [90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
@@ -377,14 +388,18 @@ def test_lower_peak_stops_at_a_target():
 def test_lower_peak_window_is_exact(monkeypatch):
     """The windowed swap search (copies whose load can lower the peak below the best swap with
     the lightest rank) finds the very swap of the search over every pair, ties included: the
-    same packs after the whole search, with and without a cap, on loads with many equal copies
-    (integer loads, experts with several copies) and empty slots."""
+    same packs after the whole search, with and without a cap (two copies of an expert per
+    rank, or one: copies of an expert on several ranks that swaps must keep apart), on loads
+    with many equal copies (integer loads, zeros, experts with several copies) and empty
+    slots; and
+    so does the compiled search where numba is installed."""
     from moeshard.eplb import refine
 
     rng = np.random.default_rng(7)
     num_b, num_n, num_k, num_s, num_e = 24, 2, 8, 3, 20
-    for trial in range(6):
+    for trial in range(9):
         wc = rng.integers(1, 12 if trial % 2 else 400, size=(num_b, num_e)).astype(float)
+        wc[rng.random(wc.shape) < 0.1] = 0.0  # experts no token reached
         packs = rng.integers(num_e, size=(num_b, num_n, num_k, num_s))
         packs[rng.random(packs.shape) < 0.05] = -1
         cap = None
@@ -397,14 +412,25 @@ def test_lower_peak_window_is_exact(monkeypatch):
             )
             packs = packs.reshape(num_b, num_n, num_k, num_s)
             cap = np.full((num_b, num_e), 2)
+        if trial >= 6:  # one copy of an expert per rank: each rank's own draw of distinct experts
+            packs = np.stack([rng.permutation(num_e)[:num_s] for _ in range(num_b * num_n * num_k)])
+            packs = packs.reshape(num_b, num_n, num_k, num_s)
+            cap = np.ones((num_b, num_e), dtype=np.int64)
         out = {}
         for name, pairs in (("window", 0), ("dense", 10**12)):
             monkeypatch.setattr(refine, "_DENSE_PAIRS", pairs)
             new = packs.copy()
-            out[name] = (new, refine.lower_peak(new, wc, cap))
+            out[name] = (new, refine.lower_peak(new, wc, cap, jit=False))
+        if HAVE_NUMBA:  # and the compiled search (one row at a time, every pair)
+            new = packs.copy()
+            out["jit"] = (new, refine.lower_peak(new, wc, cap, jit=True))
         assert out["window"][1].sum() > 0
-        np.testing.assert_array_equal(out["window"][1], out["dense"][1])
-        np.testing.assert_array_equal(out["window"][0], out["dense"][0])
+        for name in out:
+            np.testing.assert_array_equal(out[name][1], out["dense"][1])
+            np.testing.assert_array_equal(out[name][0], out["dense"][0])
+        if trial >= 6:
+            flat = out["dense"][0].reshape(-1, num_s)
+            assert (np.sort(flat, 1)[:, 1:] != np.sort(flat, 1)[:, :-1]).all()  # the cap held
 
 
 def test_desc_order_is_the_stable_sort():
@@ -422,12 +448,50 @@ def test_desc_order_is_the_stable_sort():
             np.testing.assert_array_equal(desc_order(x), np.argsort(-x, axis=-1, kind="stable"))
 
 
-def test_lower_peak_batched_equals_one_row_at_a_time(monkeypatch):
-    """The swap search on many rows at once (flat arrays; the windowed rounds while many rows
-    are left, and the node's sorted copies kept across rounds) makes, on every row, the very
-    swaps of the search on that row alone over every pair: seeded Zipf traces replicated and
-    packed as the oblivious policy does (a node-grouped shape and a global one of DeepSeek-V3's
-    ranks and slots), with and without moeshard's cap, an empty slot, and a stop target."""
+def test_lower_peak_without_numba(monkeypatch):
+    """Without numba the swap search is numpy's (the same swaps as ``jit=False``), and asking
+    for the compiled one (``jit=True``) is a ValueError that says how to install it."""
+    from moeshard.eplb import refine
+
+    monkeypatch.setattr(refine, "_KERNEL", [None])  # numba's import failed
+    monkeypatch.setattr(refine, "_JIT_FROM", 0)  # compiled wherever numba is there
+    rng = np.random.default_rng(13)
+    wc = rng.random((6, 30)) * 10
+    packs = np.stack([rng.permutation(30)[:12] for _ in range(12)]).reshape(6, 2, 4, 3)
+    a, b = packs.copy(), packs.copy()
+    np.testing.assert_array_equal(refine.lower_peak(a, wc), refine.lower_peak(b, wc, jit=False))
+    np.testing.assert_array_equal(a, b)
+    assert (a != packs).any()
+    with pytest.raises(ValueError, match="fast"):
+        refine.lower_peak(packs.copy(), wc, jit=True)
+
+
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+def test_compiled_rank_loads_are_numpys_sums():
+    """The compiled search sums a rank's slot loads as numpy sums the last axis (pairwise,
+    eight accumulators), so the two searches compare the same loads to the
+    bit: 1 to 128 slots per rank (more take the numpy search), loads of many magnitudes, zeros."""
+    from moeshard.eplb import swap_kernel
+
+    rng = np.random.default_rng(12)
+    for num_s in range(1, swap_kernel.MAX_SLOTS + 1):
+        w = rng.random((5, num_s)) ** 3 * rng.choice([1e-3, 1.0, 1e6], size=(5, 1))
+        w[rng.random(w.shape) < 0.2] = 0.0
+        w[0] = 0.0
+        np.testing.assert_array_equal(
+            swap_kernel.rank_loads(w.reshape(-1), num_s), w.reshape(5, 1, num_s).sum(-1)[:, 0]
+        )
+
+
+@SWAP_PATHS
+def test_lower_peak_batched_equals_one_row_at_a_time(monkeypatch, jit):
+    """The swap search on many rows at once (numpy: flat arrays, the windowed rounds while
+    many rows are left, and the node's sorted copies kept across rounds; or the compiled
+    search, ``jit``) makes, on every row, the very swaps of numpy's search on that row alone
+    over every pair: seeded Zipf traces replicated and packed as the oblivious policy does (a
+    node-grouped shape and a global one of DeepSeek-V3's ranks and slots, and Kimi-K2's 13
+    slots per rank: rank loads summed over 8 and more slots), with and without moeshard's
+    cap, an empty slot, and a stop target."""
     from moeshard.eplb import refine
     from moeshard.eplb.oblivious import balanced_pack, per_rank_cap, replicate_experts
 
@@ -443,7 +507,8 @@ def test_lower_peak_batched_equals_one_row_at_a_time(monkeypatch):
         cap = per_rank_cap(cnt, np.full(len(w), num_k)).reshape(num_rows, -1)
         return packs, wc_rows, cap
 
-    cases = [(24, 4, 8, 9, 64, 1), (22, 1, 32, 9, 256, 2)]  # DeepSeek-V3: per node of 8 ranks; global
+    # DeepSeek-V3: per node of 8 ranks; global; Kimi-K2 global
+    cases = [(24, 4, 8, 9, 64, 1), (22, 1, 32, 9, 256, 2), (6, 1, 32, 13, 384, 3)]
     for num_rows, num_n, num_k, num_s, num_e, seed in cases:
         packs, wc, cap = packed(num_rows, num_n, num_k, num_s, num_e, seed)
         packs[0, 0, 1, 2] = -1  # an empty slot never takes part
@@ -451,7 +516,7 @@ def test_lower_peak_batched_equals_one_row_at_a_time(monkeypatch):
         for c, stop_at in ((None, None), (cap, None), (cap, stop)):
             monkeypatch.setattr(refine, "_DENSE_PAIRS", 0)  # every round of the batch windowed
             batch = packs.copy()
-            swaps = refine.lower_peak(batch, wc, c, stop_at=stop_at)
+            swaps = refine.lower_peak(batch, wc, c, stop_at=stop_at, jit=jit)
             monkeypatch.setattr(refine, "_DENSE_PAIRS", 10**12)  # one row: every pair
             for r in range(num_rows):
                 alone = packs[r : r + 1].copy()
@@ -460,10 +525,68 @@ def test_lower_peak_batched_equals_one_row_at_a_time(monkeypatch):
                     wc[r : r + 1],
                     None if c is None else c[r : r + 1],
                     stop_at=None if stop_at is None else stop_at[r : r + 1],
+                    jit=False,
                 )
                 assert one[0] == swaps[r], (num_n, r)
                 np.testing.assert_array_equal(alone[0], batch[r])
             assert swaps.sum() > num_rows
+
+
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+def test_rebalance_same_with_and_without_the_compiled_swap_search(monkeypatch):
+    """``rebalance`` answers the same placement with the compiled swap search as with numpy's
+    (``MOESHARD_EPLB_JIT=0``): DeepSeek-V3's shape hierarchical and global (one rank dead), a
+    migration-aware step and one with a move budget, Kimi-K2's shape, FlashLB's example and
+    small random instances (two or three slots per rank on 3-8 ranks); the compiled search
+    runs in the first and not in the second. By default a toy's search is not compiled."""
+    from moeshard.eplb import refine, swap_kernel
+
+    calls = []
+    real = swap_kernel.swap_search
+
+    def counted(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(swap_kernel, "swap_search", counted)
+    monkeypatch.delenv("MOESHARD_EPLB_JIT", raising=False)
+    dsv3 = dict(num_physical=288, num_ranks=32, num_nodes=4)
+    tr = zipf_trace(6, 256, 2, seed=3, alpha=1.2, drift=0.1)
+    # by default only searches of a model's size are compiled: a toy's stays numpy's
+    eplb.rebalance(README_WEIGHT, num_physical=16, num_ranks=8, num_nodes=2, num_groups=4)
+    assert not calls
+    eplb.rebalance(tr[0], **dsv3, migration_aware=False)
+    assert calls
+    monkeypatch.setattr(refine, "_JIT_FROM", 0)  # the small instances' searches compiled too
+    alive = np.ones(32, dtype=bool)
+    alive[5] = False
+    cases = [
+        (tr[0], None, dict(dsv3, num_groups=8, migration_aware=False)),
+        (tr[0], None, dict(dsv3, migration_aware=False, active_ranks=alive)),
+        (zipf_trace(3, 384, 1, seed=4, alpha=1.2)[0], None, dict(num_physical=416, num_ranks=32, num_nodes=4)),
+        (np.array([[600, 560, 120, 120, 20, 10, 10, 10]]), None, dict(num_physical=16, num_ranks=8)),
+    ]
+    start = eplb.rebalance(tr[0], num_groups=8, migration_aware=False, **dsv3)
+    cases.append((tr[1], start, dict(dsv3, num_groups=8, tolerance=0.01, relative_to="oblivious")))
+    cases.append((tr[1], start, dict(dsv3, num_groups=8, max_moves=20)))
+    rng = np.random.default_rng(8)
+    for i in range(12):
+        ranks, slots = (3, 3) if i % 3 == 0 else (int(rng.integers(3, 9)), 2)
+        experts = int(rng.integers(3, min(10, ranks * slots) + 1))
+        w = (np.arange(1, experts + 1) ** -rng.uniform(0.5, 1.5)) * 1000 * rng.lognormal(0, 0.2, experts)
+        cases.append((w[rng.permutation(experts)][None], None, dict(num_physical=ranks * slots, num_ranks=ranks)))
+    used = 0
+    for load, cur, cfg in cases:
+        monkeypatch.delenv("MOESHARD_EPLB_JIT", raising=False)
+        n0 = len(calls)
+        fast = eplb.rebalance(load, cur, **cfg)
+        n1 = len(calls)
+        used += n1 > n0
+        monkeypatch.setenv("MOESHARD_EPLB_JIT", "0")
+        slow = eplb.rebalance(load, cur, **cfg)
+        assert len(calls) == n1  # not under MOESHARD_EPLB_JIT=0
+        np.testing.assert_array_equal(fast.phy2log, slow.phy2log)
+    assert used >= len(cases) - 2, used
 
 
 def test_aware_within_one_percent_of_the_oblivious_answer_moves_few_copies():

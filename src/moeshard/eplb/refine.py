@@ -9,9 +9,17 @@ answer among them, so that its answer is never less balanced than the reference'
 are batched over rows (layers): ``[B, N, K, S]`` (rows, nodes, live ranks of a node, slots
 per rank). Only the heaviest rank of a row matters (the balance is max / mean and the mean
 does not change), so each round works on that rank alone and its node's ranks.
+
+Where numba is installed (``pip install moeshard[fast]``), large searches run compiled, row
+by row (the ``swap_kernel`` module): the same swaps, a few times faster; the first such call
+in a process imports numba and loads the compiled code from numba's cache (compiles it, the
+first time). ``MOESHARD_EPLB_JIT=0`` in the environment, or ``jit=False``, keeps the numpy
+search.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -27,6 +35,10 @@ _DENSE_PAIRS = 50000
 # The windowed search's sorted copies are built where the first round has this many times
 # _DENSE_PAIRS pairs or more: fewer, and the few windowed rounds do not repay them.
 _WINDOW_FROM = 4
+# The compiled search (jit=None) is used where the first round has this many candidate pairs
+# or more (rows x N x K x S x S): smaller calls take a few ms in numpy, less than importing
+# numba and loading the compiled code costs a process (~0.75 s of CPU).
+_JIT_FROM = 20000
 
 
 def lower_peak(
@@ -35,6 +47,8 @@ def lower_peak(
     cap: np.ndarray | None = None,
     max_rounds: int | None = None,
     stop_at: np.ndarray | None = None,
+    *,
+    jit: bool | None = None,
 ) -> np.ndarray:
     """Swap local search, in place, on ``packs`` ``int[B, N, K, S]`` (expert ids; ``-1``, an
     empty slot, never takes part): per round and row, the heaviest rank ``h`` of the row (first
@@ -54,6 +68,10 @@ def lower_peak(
             row, and in practice a row stops long before).
         stop_at: ``float[B]``: a row stops as soon as its heaviest rank is at most this (None:
             only when no swap lowers it; fewer swaps where a target is all that is needed).
+        jit: the compiled search (numba) or the numpy one: the same swaps. None: compiled
+            where numba is installed, ``MOESHARD_EPLB_JIT`` is not ``0`` and the call is large
+            enough to repay numba's start (a model's shape, not a toy's); True: compiled
+            (ValueError without numba); False: numpy.
 
     Returns:
         ``int[B]``: swaps made per row.
@@ -61,7 +79,16 @@ def lower_peak(
     num_b, num_n, num_k, num_s = packs.shape
     swaps = np.zeros(num_b, dtype=np.int64)
     if num_b == 0 or num_k < 2:
+        _kernel(jit)  # jit=True without numba raises all the same
         return swaps
+    kernel = _kernel(False if jit is None and num_b * num_n * num_k * num_s * num_s < _JIT_FROM else jit)
+    if (
+        kernel is not None
+        and num_s <= kernel.MAX_SLOTS
+        and wc.dtype == np.float64
+        and (stop_at is None or stop_at.dtype == np.float64)
+    ):
+        return _compiled(kernel, packs, wc, cap, max_rounds, stop_at)
     st = _State(packs, wc, cap, window=num_b * num_k * num_s * num_s > _WINDOW_FROM * _DENSE_PAIRS)
     nk = num_n * num_k
     ar_s = np.arange(num_s)
@@ -83,6 +110,62 @@ def lower_peak(
         st.swap(qa, qb, ar_s)
         swaps[active] += 1
     st.finish()
+    return swaps
+
+
+_KERNEL: list = []  # the compiled search's module once imported, or None without numba
+
+
+def _kernel(jit: bool | None):
+    """The compiled search's module (``swap_kernel``, numba) or None (numpy's)."""
+    if jit is False or (jit is None and os.environ.get("MOESHARD_EPLB_JIT", "1").strip() == "0"):
+        return None
+    if not _KERNEL:
+        try:
+            from . import swap_kernel
+        except ImportError:
+            swap_kernel = None
+        _KERNEL.append(swap_kernel)
+    if jit and _KERNEL[0] is None:
+        raise ValueError("lower_peak(jit=True) needs numba: pip install 'moeshard[fast]'")
+    return _KERNEL[0]
+
+
+def _compiled(kernel, packs, wc, cap, max_rounds, stop_at):
+    """:func:`lower_peak` through the compiled search (float64 loads: the numpy search's
+    arithmetic to the bit)."""
+    num_b, num_n, num_k, num_s = packs.shape
+    num_e = wc.shape[1]
+    bi = np.arange(num_b)[:, None, None, None]
+    # the slot loads and rank loads exactly as the numpy search builds them
+    wslot = np.where(packs >= 0, wc[bi, np.maximum(packs, 0)], 0.0)
+    loads = wslot.sum(-1).reshape(num_b, -1)
+    pk = packs.reshape(num_b, -1).astype(np.int64)
+    has_cap = cap is not None
+    cap_a = np.minimum(cap, num_s + 1).astype(np.int64) if has_cap else np.zeros((num_b, 1), dtype=np.int64)
+    has_stop = stop_at is not None
+    stop_a = np.ascontiguousarray(stop_at, dtype=np.float64) if has_stop else np.zeros(num_b)
+    rounds = num_n * num_k * num_s if max_rounds is None else max_rounds
+    swaps = np.zeros(num_b, dtype=np.int64)
+    ws = wslot.reshape(num_b, -1)
+    kernel.swap_search(
+        pk,
+        ws,
+        loads,
+        num_e,
+        cap_a,
+        has_cap,
+        stop_a,
+        has_stop,
+        bool((ws >= 0).all()),
+        num_n,
+        num_k,
+        num_s,
+        rounds,
+        _MARGIN,
+        swaps,
+    )
+    packs[...] = pk.reshape(packs.shape)
     return swaps
 
 
