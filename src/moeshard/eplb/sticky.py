@@ -186,30 +186,55 @@ def _swap_repair(
         l2 = np.take_along_axis(lr, k2, 1)
         v2 = np.isfinite(l2) & (l2 <= limit[r][:, None])
         rr = r[:, None, None]
-        a, wa = new[rr, k1[:, :, None], np.arange(num_s)], wslot[rr, k1[:, :, None], np.arange(num_s)]  # [n, m1, S]
-        b, wb = new[rr, k2[:, :, None], np.arange(num_s)], wslot[rr, k2[:, :, None], np.arange(num_s)]  # [n, m2, S]
-        d = wa[:, :, :, None, None] - wb[:, None, None, :, :]  # [n, m1, S, m2, S]: load k1 -> k2
-        peak = np.maximum(l1[:, :, None, None, None] - d, l2[:, None, None, :, None] + d)
+        sl = np.arange(num_s)
+        a, wa = new[rr, k1[:, :, None], sl], wslot[rr, k1[:, :, None], sl]  # [n, m1, S]
+        b, wb = new[rr, k2[:, :, None], sl], wslot[rr, k2[:, :, None], sl]  # [n, m2, S]
         ae, be = np.maximum(a, 0), np.maximum(b, 0)
-        r4 = r[:, None, None, None]
-        ok = (d > 0) & (peak < l1[:, :, None, None, None] * (1 - EPS))
-        ok &= (v1[:, :, None] & (a >= 0))[:, :, :, None, None] & (v2[:, :, None] & (b >= 0))[:, None, None]
-        ok &= a[:, :, :, None, None] != b[:, None, None]
+        r3 = r[:, None, None]
+        # What does not depend on the pair of slots is built on the small shapes
+        # [n, m1, S, m2] (a's side) and [n, m1, m2, S] (b's side), then broadcast once.
+        k2a, k1b = k2[:, None, None, :], k1[:, :, None, None]
         # the per-rank cap: k2 may take a, k1 may take b
-        ok &= (counts[r4, k2[:, None, None, :], ae[..., None]] < cap[r[:, None, None], ae][..., None])[..., None]
-        ok &= (counts[r4, k1[:, :, None, None], be[:, None]] < cap[r[:, None, None], be][:, None])[:, :, None]
+        side_a = (counts[r3[..., None], k2a, ae[..., None]] < cap[r3, ae][..., None]) & (v1[:, :, None] & (a >= 0))[
+            ..., None
+        ]
+        side_b = (counts[r3[..., None], k1b, be[:, None]] < cap[r3, be][:, None]) & (v2[:, :, None] & (b >= 0))[:, None]
         gone = lambda h: (~h).astype(np.int64)  # noqa: E731 - a copy not held there before moves
-        dmoves = (
-            gone(held[r4, k2[:, None, None, :], ae[..., None]])[..., None]
-            + gone(held[r4, k1[:, :, None, None], be[:, None]])[:, :, None]
-            - gone(held[rr, k1[:, :, None], ae])[..., None, None]
-            - gone(held[rr, k2[:, :, None], be])[:, None, None]
-        )
-        rel = peak / np.maximum(thr[r], 1e-300)[:, None, None, None, None]
-        good = ok & (peak <= limit[r][:, None, None, None, None])
-        score = np.where(good, dmoves * 4.0 + rel, np.where(ok, 100.0 + rel, np.inf)).reshape(n, m1, -1)
-        best = score.argmin(2)
-        fine = np.isfinite(np.take_along_axis(score, best[..., None], 2)[..., 0])  # [n, m1]
+        # moves added by the swap: a copy not held there before arrives, minus one that leaves
+        mv_a = gone(held[r3[..., None], k2a, ae[..., None]]) - gone(held[rr, k1[:, :, None], ae])[..., None]
+        mv_b = gone(held[r3[..., None], k1b, be[:, None]]) - gone(held[rr, k2[:, :, None], be])[:, None]
+        # Few pairs pass the masks (5-25 %): the peak and the score only on those.
+        d = wa[:, :, :, None, None] - wb[:, None, None, :, :]  # [n, m1, S, m2, S]: load k1 -> k2
+        ok = side_a[..., None] & side_b[:, :, None]
+        ok &= a[:, :, :, None, None] != b[:, None, None]
+        ok &= d > 0
+        idx = np.flatnonzero(ok)
+        # idx = (((row * m1 + heavy) * S + slot_a) * m2 + light) * S + slot_b
+        q = idx // num_s  # into [n, m1, S, m2]
+        grp = q // (num_s * m2)  # row * m1 + heavy
+        c2 = (q - grp * (num_s * m2)) % m2
+        t = c2 * num_s + (idx - q * num_s)  # light * S + slot_b
+        ci = grp // m1
+        dc = d.ravel()[idx]
+        l1c = l1.ravel()[grp]
+        peak = np.maximum(l1c - dc, l2.ravel()[ci * m2 + c2] + dc)
+        keep = np.flatnonzero(peak < l1c * (1 - EPS))
+        idx, q, grp, t, ci, peak = idx[keep], q[keep], grp[keep], t[keep], ci[keep], peak[keep]
+        rc = r[ci]
+        base = np.where(peak <= limit[rc], (mv_a.ravel()[q] + mv_b.ravel()[grp * (m2 * num_s) + t]) * 4.0, 100.0)
+        score = base + peak / np.maximum(thr[rc], 1e-300)
+        # per (row, heavy rank): the lowest score, the first in (slot, light rank, slot) order on ties
+        best = np.zeros(n * m1, dtype=np.int64)
+        fine = np.zeros(n * m1, dtype=bool)
+        if len(idx):
+            starts = np.flatnonzero(np.r_[True, grp[1:] != grp[:-1]])
+            low = np.minimum.reduceat(score, starts)
+            at = np.flatnonzero(score == np.repeat(low, np.diff(np.r_[starts, len(score)])))
+            ga = grp[at]
+            first = at[np.r_[True, ga[1:] != ga[:-1]]]
+            best[grp[first]] = idx[first] - grp[first] * (num_s * m2 * num_s)
+            fine[grp[first]] = True
+        best, fine = best.reshape(n, m1), fine.reshape(n, m1)
         sa, j2, sb = np.unravel_index(best, (num_s, m2, num_s))
         # one swap per partner rank and round: the heaviest overloaded rank wins
         same = (j2[:, :, None] == j2[:, None, :]) & fine[:, None, :] & np.tri(m1, k=-1, dtype=bool)[None]
