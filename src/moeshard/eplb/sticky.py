@@ -185,24 +185,28 @@ def _swap_repair(
         k2 = np.argsort(np.nan_to_num(loads[r], nan=np.inf), axis=1, kind="stable")[:, :m2]
         l2 = np.take_along_axis(lr, k2, 1)
         v2 = np.isfinite(l2) & (l2 <= limit[r][:, None])
-        rr = r[:, None, None]
+        # flat indices (one index array per gather): slots of ranks, and (rank, expert) cells of
+        # counts / held ([B, K, E + 1] both)
+        rk1, rk2 = r[:, None] * num_k + k1, r[:, None] * num_k + k2  # [n, m1], [n, m2]
         sl = np.arange(num_s)
-        a, wa = new[rr, k1[:, :, None], sl], wslot[rr, k1[:, :, None], sl]  # [n, m1, S]
-        b, wb = new[rr, k2[:, :, None], sl], wslot[rr, k2[:, :, None], sl]  # [n, m2, S]
+        f1, f2 = (rk1 * num_s)[..., None] + sl, (rk2 * num_s)[..., None] + sl
+        newf, wsf = new.reshape(-1), wslot.reshape(-1)
+        a, wa = newf[f1], wsf[f1]  # [n, m1, S]
+        b, wb = newf[f2], wsf[f2]  # [n, m2, S]
         ae, be = np.maximum(a, 0), np.maximum(b, 0)
-        r3 = r[:, None, None]
+        e1 = num_e + 1
+        cf, hf, capf = counts.reshape(-1), held.reshape(-1), cap.reshape(-1)
         # What does not depend on the pair of slots is built on the small shapes
         # [n, m1, S, m2] (a's side) and [n, m1, m2, S] (b's side), then broadcast once.
-        k2a, k1b = k2[:, None, None, :], k1[:, :, None, None]
+        at_k2 = (rk2 * e1)[:, None, None, :] + ae[..., None]  # a on k2: [n, m1, S, m2]
+        at_k1 = (rk1 * e1)[:, :, None, None] + be[:, None]  # b on k1: [n, m1, m2, S]
         # the per-rank cap: k2 may take a, k1 may take b
-        side_a = (counts[r3[..., None], k2a, ae[..., None]] < cap[r3, ae][..., None]) & (v1[:, :, None] & (a >= 0))[
-            ..., None
-        ]
-        side_b = (counts[r3[..., None], k1b, be[:, None]] < cap[r3, be][:, None]) & (v2[:, :, None] & (b >= 0))[:, None]
+        side_a = (cf[at_k2] < capf[r[:, None, None] * num_e + ae][..., None]) & (v1[:, :, None] & (a >= 0))[..., None]
+        side_b = (cf[at_k1] < capf[r[:, None, None] * num_e + be][:, None]) & (v2[:, :, None] & (b >= 0))[:, None]
         gone = lambda h: (~h).astype(np.int64)  # noqa: E731 - a copy not held there before moves
         # moves added by the swap: a copy not held there before arrives, minus one that leaves
-        mv_a = gone(held[r3[..., None], k2a, ae[..., None]]) - gone(held[rr, k1[:, :, None], ae])[..., None]
-        mv_b = gone(held[r3[..., None], k1b, be[:, None]]) - gone(held[rr, k2[:, :, None], be])[:, None]
+        mv_a = gone(hf[at_k2]) - gone(hf[(rk1 * e1)[..., None] + ae])[..., None]
+        mv_b = gone(hf[at_k1]) - gone(hf[(rk2 * e1)[..., None] + be])[:, None]
         # Few pairs pass the masks (5-25 %): the peak and the score only on those.
         d = wa[:, :, :, None, None] - wb[:, None, None, :, :]  # [n, m1, S, m2, S]: load k1 -> k2
         ok = side_a[..., None] & side_b[:, :, None]
