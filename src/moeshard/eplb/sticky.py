@@ -289,8 +289,13 @@ def restore(
     held[..., num_e] = False
     nh = min(num_holders, num_k)
     # holders[b, e, h]: the h-th rank that held expert e (-1: none)
-    order = np.argsort(~held[..., :num_e], axis=1, kind="stable")[:, :nh, :]  # [B, H, E]
-    holders = np.where(np.take_along_axis(held[..., :num_e], order, 1), order, -1).transpose(0, 2, 1)
+    if nh == 1:
+        # the first holder: argmax of a bool is its first True (a stable sort's first, cheaper)
+        first = held[..., :num_e].argmax(1)  # [B, E]
+        holders = np.where(held[..., :num_e].any(1), first, -1)[..., None]
+    else:
+        order = np.argsort(~held[..., :num_e], axis=1, kind="stable")[:, :nh, :]  # [B, H, E]
+        holders = np.where(np.take_along_axis(held[..., :num_e], order, 1), order, -1).transpose(0, 2, 1)
     x = new.reshape(num_b, -1).copy()
     ks = num_k * num_s
     rank_of = np.repeat(np.arange(num_k), num_s)
@@ -338,37 +343,37 @@ def restore(
         lim = limit[b][:, None, None, None]
         lf = loads.ravel()
         valid &= (gain > 0) & (lf[b4 * num_k + rp] - d <= lim) & (lf[b4 * num_k + rq0] + d <= lim)
+        # Few swaps pass (a few %): the rest of the checks, the scores and the picks on those.
+        at = np.flatnonzero(valid)
+        row_c = at // valid[0].size  # into b
+        g_c = b[row_c]
+        rq_c, rp_c, xpe_c, xqe_c = rq0.ravel()[at], rp.ravel()[at], xpe.ravel()[at], xqe.ravel()[at]
         # the per-rank cap: rank(q) may take x[p], rank(p) may take x[q]
         cf, capf = counts.ravel(), cap.ravel()
-        valid &= cf[(b4 * num_k + rq0) * e1 + xpe] < capf[g4 * num_e + np.minimum(xpe, num_e - 1)]
-        valid &= cf[(b4 * num_k + rp) * e1 + xqe] < capf[g4 * num_e + np.minimum(xqe, num_e - 1)]
-        score = np.where(valid, gain - np.abs(d) * scale[b][:, None, None, None], -np.inf).reshape(nb, -1)
-        any_ok = np.isfinite(score.max(1))
-        if not any_ok.any():
+        ok = cf[(row_c * num_k + rq_c) * e1 + xpe_c] < capf[g_c * num_e + np.minimum(xpe_c, num_e - 1)]
+        ok &= cf[(row_c * num_k + rp_c) * e1 + xqe_c] < capf[g_c * num_e + np.minimum(xqe_c, num_e - 1)]
+        at, row_c, rq_c, rp_c = at[ok], row_c[ok], rq_c[ok], rp_c[ok]
+        if not len(at):
             break
+        score = gain.ravel()[at] - np.abs(d.ravel()[at]) * scale[b][row_c]
+        p_c, q_c = p.ravel()[at], q.ravel()[at]
+        any_ok = np.zeros(nb, dtype=bool)
+        any_ok[row_c] = True
         active = active[any_ok]
-        sel = np.nonzero(any_ok)[0]
-        score = score[sel]
-        rp_f, rq_f = rp.reshape(nb, -1)[sel], rq.reshape(nb, -1)[sel]
-        p_f, q_f = p.reshape(nb, -1)[sel], q.reshape(nb, -1)[sel]
-        touched = np.zeros((len(sel), num_k), dtype=bool)
-        ar = np.arange(len(sel))
-        rp_k, rq_k = ar[:, None] * num_k + rp_f, ar[:, None] * num_k + np.maximum(rq_f, 0)  # into touched
-        # several swaps per round on distinct ranks, best first
+        touched = np.zeros((nb, num_k), dtype=bool).ravel()
+        # several swaps per round on distinct ranks, best first (the first on ties)
         for _ in range(max(1, num_k // 2)):
-            j = score.argmax(1)
-            good = np.isfinite(score[ar, j])
-            if not good.any():
+            if not len(score):
                 break
-            g = ar[good]
-            jj = j[good]
-            rows = b[sel[g]]
-            pp, qq = p_f[g, jj], q_f[g, jj]
+            starts = np.flatnonzero(np.r_[True, row_c[1:] != row_c[:-1]])
+            top = np.maximum.reduceat(score, starts)
+            hit = np.flatnonzero(score == np.repeat(top, np.diff(np.r_[starts, len(score)])))
+            j = hit[np.r_[True, row_c[hit][1:] != row_c[hit][:-1]]]
+            rows = b[row_c[j]]
+            pp, qq = p_c[j], q_c[j]
             x[rows, pp], x[rows, qq] = x[rows, qq], x[rows, pp]
-            touched[g, rp_f[g, jj]] = True
-            touched[g, rq_f[g, jj]] = True
-            t = touched.ravel()
-            sg = score[g]
-            sg[t[rp_k[g]] | t[rq_k[g]]] = -np.inf
-            score[g] = sg
+            touched[row_c[j] * num_k + rp_c[j]] = True
+            touched[row_c[j] * num_k + rq_c[j]] = True
+            left = ~(touched[row_c * num_k + rp_c] | touched[row_c * num_k + rq_c])
+            score, row_c, rp_c, rq_c, p_c, q_c = (v[left] for v in (score, row_c, rp_c, rq_c, p_c, q_c))
     new[...] = x.reshape(new.shape)
