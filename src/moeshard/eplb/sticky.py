@@ -209,8 +209,8 @@ def _swap_repair(
         mv_b = gone(hf[at_k1]) - gone(hf[(rk2 * e1)[..., None] + be])[:, None]
         # Few pairs pass the masks (5-25 %): the peak and the score only on those.
         d = wa[:, :, :, None, None] - wb[:, None, None, :, :]  # [n, m1, S, m2, S]: load k1 -> k2
+        # (two copies of one expert weigh the same: d > 0 also says a != b)
         ok = side_a[..., None] & side_b[:, :, None]
-        ok &= a[:, :, :, None, None] != b[:, None, None]
         ok &= d > 0
         idx = np.flatnonzero(ok)
         # idx = (((row * m1 + heavy) * S + slot_a) * m2 + light) * S + slot_b
