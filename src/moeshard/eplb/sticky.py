@@ -94,15 +94,14 @@ def sticky_pack(
     pool_e = np.full((num_b, m), -1, dtype=np.int64)
     pool_e[ib, ipos] = ie
     pool_w = np.where(pool_e >= 0, wc[rows[:, None], np.maximum(pool_e, 0)], -np.inf)
+    # heaviest first, the first in the pool on ties: each row's pool sorted once
+    order = np.argsort(-pool_w, axis=1, kind="stable")
+    pool_e, pool_w = np.take_along_axis(pool_e, order, 1), np.take_along_axis(pool_w, order, 1)
     counts = count_last(new, num_e)
-    while True:
-        r = np.nonzero(np.isfinite(pool_w).any(1))[0]
-        if not len(r):
-            break
+    for i in range(m):
+        r = np.flatnonzero(per_row > i)
         ar = np.arange(len(r))
-        q = pool_w[r].argmax(1)
-        e, w = pool_e[r, q], pool_w[r, q]
-        pool_w[r, q] = -np.inf
+        e, w = pool_e[r, i], pool_w[r, i]
         load = kl[r]
         blocked = counts[r, :, e] >= cap[r, e][:, None]
         free = nfree[r] > 0
