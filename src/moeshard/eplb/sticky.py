@@ -57,20 +57,22 @@ def sticky_pack(
     wslot = np.where(keep, wc[bi, xe], 0.0)
     kl = wslot.sum(-1)
     w_min = np.where(cnt > 0, wc, np.inf).min(1)
-    reserve = lambda: (num_s - keep.sum(-1)) * w_min[:, None]  # noqa: E731
+    n_kept = keep.sum(-1)  # [B, K], kept up to date below
     limit = thr[:, None] * (1 + EPS)
     for _ in range(num_s):
-        ob, ok = np.nonzero((kl + reserve() > limit) & alive & keep.any(-1))
+        reserve = (num_s - n_kept) * w_min[:, None]
+        ob, ok = np.nonzero((kl + reserve > limit) & alive & (n_kept > 0))
         if not len(ob):
             break
         ar = np.arange(len(ob))
         ws, ks = wslot[ob, ok], keep[ob, ok]
-        excess = kl[ob, ok] + reserve()[ob, ok] - thr[ob] + w_min[ob]  # evicting c saves w_c - w_min
+        excess = kl[ob, ok] + reserve[ob, ok] - thr[ob] + w_min[ob]  # evicting c saves w_c - w_min
         c1 = np.where(ks & (ws >= excess[:, None]), ws, np.inf)
         s1 = c1.argmin(1)
         s2 = np.where(ks, ws, -np.inf).argmax(1)
         s = np.where(np.isfinite(c1[ar, s1]), s1, s2)
         keep[ob, ok, s] = False
+        n_kept[ob, ok] -= 1
         kl[ob, ok] -= wslot[ob, ok, s]
         wslot[ob, ok, s] = 0.0
 
