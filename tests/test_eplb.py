@@ -687,3 +687,137 @@ def test_bad_inputs(kwargs, match):
     placement = args.pop("placement")
     with pytest.raises(ValueError, match=match):
         eplb.rebalance(load, placement, **args)
+
+
+def _sticky_rows(seed: int, num_b: int = 80, num_k: int = 4, num_s: int = 3, num_e: int = 6):
+    """Small random rows for the sticky searches: ``new``/``old`` ``int[B, K, S]`` (a few empty
+    slots), per-copy loads ``float[B, E]`` of a few integer values (ties), caps and thresholds
+    near the mean rank load (some ranks over)."""
+    from moeshard.eplb.oblivious import per_rank_cap
+
+    rng = np.random.default_rng(seed)
+    slots = num_k * num_s
+
+    def fill():
+        out = np.empty((num_b, slots), dtype=np.int64)
+        for b in range(num_b):
+            ids = np.r_[np.arange(num_e), rng.integers(0, num_e, slots - num_e)]
+            out[b] = rng.permutation(ids)
+        return out
+
+    new, old = fill(), fill()
+    new[rng.random(new.shape) < 0.05] = -1
+    old[rng.random(old.shape) < 0.05] = -1
+    cnt = np.stack([np.bincount(np.maximum(r, 0), minlength=num_e) for r in new])
+    wc = rng.integers(1, 5, (num_b, num_e)).astype(np.float64)
+    mean = np.where(new >= 0, np.take_along_axis(wc, np.maximum(new, 0), 1), 0.0).sum(1) / num_k
+    thr = mean * rng.choice([1.0, 1.1, 1.25], num_b)
+    cap = per_rank_cap(cnt, np.full(num_b, num_k))
+    return new.reshape(num_b, num_k, num_s), old.reshape(num_b, num_k, num_s), wc, cap, thr
+
+
+def _swap_repair_one_row(x, old, wc, cap, thr):
+    """The swap repair of one row (all ranks live), pair by pair in plain loops."""
+    from moeshard.eplb.sticky import EPS
+
+    num_k, num_s = x.shape
+    held = {(k, int(e)) for k in range(num_k) for e in old[k] if e >= 0}
+    loads = [float(np.where(x[k] >= 0, wc[np.maximum(x[k], 0)], 0.0).sum()) for k in range(num_k)]
+    count = lambda k, e: int((x[k] == e).sum())  # noqa: E731
+    gone = lambda k, e: int((k, int(e)) not in held)  # noqa: E731
+    limit = thr * (1 + EPS)
+    for _ in range(num_k):
+        if max(loads) <= limit:
+            return
+        k1 = int(np.argmax(loads))
+        l1 = loads[k1]
+        best = None
+        for sa in range(num_s):
+            for k2 in np.argsort(loads, kind="stable"):
+                for sb in range(num_s):
+                    a, b, l2 = x[k1, sa], x[k2, sb], loads[k2]
+                    if a < 0 or b < 0 or l2 > limit or a == b:
+                        continue
+                    d = wc[a] - wc[b]
+                    peak = max(l1 - d, l2 + d)
+                    if not (d > 0 and peak < l1 * (1 - EPS)):
+                        continue
+                    if count(k2, a) >= cap[a] or count(k1, b) >= cap[b]:
+                        continue
+                    moves = gone(k2, a) + gone(k1, b) - gone(k1, a) - gone(k2, b)
+                    score = (moves * 4.0 if peak <= limit else 100.0) + peak / max(thr, 1e-300)
+                    if best is None or score < best[0]:
+                        best = (score, sa, k2, sb, d)
+        if best is None:
+            return
+        _, sa, k2, sb, d = best
+        x[k1, sa], x[k2, sb] = x[k2, sb], x[k1, sa]
+        loads[k1] -= d
+        loads[k2] += d
+
+
+def _restore_one_row(x, old, wc, cap, thr, max_rounds=8):
+    """:func:`moeshard.eplb.sticky.restore` on one row (first holders only), in plain loops."""
+    from moeshard.eplb.sticky import EPS
+
+    num_k, num_s = x.shape
+    held = np.zeros((num_k, len(wc)), dtype=bool)
+    for k in range(num_k):
+        held[k, old[k][old[k] >= 0]] = True
+    holder = np.where(held.any(0), held.argmax(0), -1)
+    limit, scale = thr * (1 + EPS), 0.5 / max(thr, 1e-300)
+    flat = x.reshape(-1)
+    for _ in range(max_rounds):
+        wx = np.where(flat >= 0, wc[np.maximum(flat, 0)], 0.0)
+        loads = wx.reshape(num_k, num_s).sum(-1)
+        cands = []
+        for p in range(num_k * num_s):
+            rp, xp = p // num_s, flat[p]
+            if xp < 0 or held[rp, xp] or holder[xp] < 0 or holder[xp] == rp:
+                continue
+            rq = holder[xp]
+            for q in range(rq * num_s, (rq + 1) * num_s):
+                xq = flat[q]
+                if xq < 0 or xq == xp:
+                    continue
+                gain = 1 + int(held[rp, xq]) - int(held[rq, xq])
+                d = wx[p] - wx[q]
+                if gain <= 0 or loads[rp] - d > limit or loads[rq] + d > limit:
+                    continue
+                if (x[rq] == xp).sum() >= cap[xp] or (x[rp] == xq).sum() >= cap[xq]:
+                    continue
+                cands.append((gain - abs(d) * scale, rp, rq, p, q))
+        if not cands:
+            return
+        touched = set()
+        for _ in range(max(1, num_k // 2)):
+            left = [c for c in cands if c[1] not in touched and c[2] not in touched]
+            if not left:
+                break
+            score, rp, rq, p, q = max(left, key=lambda c: c[0])  # the first on ties
+            flat[p], flat[q] = flat[q], flat[p]
+            touched |= {rp, rq}
+
+
+def test_sticky_searches_equal_plain_loops():
+    """The sticky packing's swap repair and the swap-back search (:mod:`moeshard.eplb.sticky`)
+    score only the pairs that pass their masks, over many rows at once; on every row they make
+    the very swaps, ties included, of the same search in plain loops over every pair."""
+    from moeshard.eplb import sticky
+
+    for seed in range(3):
+        new, old, wc, cap, thr = _sticky_rows(seed)
+        alive = np.ones(new.shape[:2], dtype=bool)
+        batch = new.copy()
+        sticky._swap_repair(batch, alive, wc, cap, old, thr)
+        assert (batch != new).any()  # the case swaps
+        back = new.copy()
+        sticky.restore(back, old, alive, wc, cap, thr)
+        assert (back != new).any()
+        for b in range(len(new)):
+            one = new[b].copy()
+            _swap_repair_one_row(one, old[b], wc[b], cap[b], thr[b])
+            np.testing.assert_array_equal(one, batch[b], err_msg=f"swap repair, seed {seed}, row {b}")
+            one = new[b].copy()
+            _restore_one_row(one, old[b], wc[b], cap[b], thr[b])
+            np.testing.assert_array_equal(one, back[b], err_msg=f"restore, seed {seed}, row {b}")

@@ -57,20 +57,22 @@ def sticky_pack(
     wslot = np.where(keep, wc[bi, xe], 0.0)
     kl = wslot.sum(-1)
     w_min = np.where(cnt > 0, wc, np.inf).min(1)
-    reserve = lambda: (num_s - keep.sum(-1)) * w_min[:, None]  # noqa: E731
+    n_kept = keep.sum(-1)  # [B, K], kept up to date below
     limit = thr[:, None] * (1 + EPS)
     for _ in range(num_s):
-        ob, ok = np.nonzero((kl + reserve() > limit) & alive & keep.any(-1))
+        reserve = (num_s - n_kept) * w_min[:, None]
+        ob, ok = np.nonzero((kl + reserve > limit) & alive & (n_kept > 0))
         if not len(ob):
             break
         ar = np.arange(len(ob))
         ws, ks = wslot[ob, ok], keep[ob, ok]
-        excess = kl[ob, ok] + reserve()[ob, ok] - thr[ob] + w_min[ob]  # evicting c saves w_c - w_min
+        excess = kl[ob, ok] + reserve[ob, ok] - thr[ob] + w_min[ob]  # evicting c saves w_c - w_min
         c1 = np.where(ks & (ws >= excess[:, None]), ws, np.inf)
         s1 = c1.argmin(1)
         s2 = np.where(ks, ws, -np.inf).argmax(1)
         s = np.where(np.isfinite(c1[ar, s1]), s1, s2)
         keep[ob, ok, s] = False
+        n_kept[ob, ok] -= 1
         kl[ob, ok] -= wslot[ob, ok, s]
         wslot[ob, ok, s] = 0.0
 
@@ -94,15 +96,14 @@ def sticky_pack(
     pool_e = np.full((num_b, m), -1, dtype=np.int64)
     pool_e[ib, ipos] = ie
     pool_w = np.where(pool_e >= 0, wc[rows[:, None], np.maximum(pool_e, 0)], -np.inf)
+    # heaviest first, the first in the pool on ties: each row's pool sorted once
+    order = np.argsort(-pool_w, axis=1, kind="stable")
+    pool_e, pool_w = np.take_along_axis(pool_e, order, 1), np.take_along_axis(pool_w, order, 1)
     counts = count_last(new, num_e)
-    while True:
-        r = np.nonzero(np.isfinite(pool_w).any(1))[0]
-        if not len(r):
-            break
+    for i in range(m):
+        r = np.flatnonzero(per_row > i)
         ar = np.arange(len(r))
-        q = pool_w[r].argmax(1)
-        e, w = pool_e[r, q], pool_w[r, q]
-        pool_w[r, q] = -np.inf
+        e, w = pool_e[r, i], pool_w[r, i]
         load = kl[r]
         blocked = counts[r, :, e] >= cap[r, e][:, None]
         free = nfree[r] > 0
@@ -185,31 +186,60 @@ def _swap_repair(
         k2 = np.argsort(np.nan_to_num(loads[r], nan=np.inf), axis=1, kind="stable")[:, :m2]
         l2 = np.take_along_axis(lr, k2, 1)
         v2 = np.isfinite(l2) & (l2 <= limit[r][:, None])
-        rr = r[:, None, None]
-        a, wa = new[rr, k1[:, :, None], np.arange(num_s)], wslot[rr, k1[:, :, None], np.arange(num_s)]  # [n, m1, S]
-        b, wb = new[rr, k2[:, :, None], np.arange(num_s)], wslot[rr, k2[:, :, None], np.arange(num_s)]  # [n, m2, S]
-        d = wa[:, :, :, None, None] - wb[:, None, None, :, :]  # [n, m1, S, m2, S]: load k1 -> k2
-        peak = np.maximum(l1[:, :, None, None, None] - d, l2[:, None, None, :, None] + d)
+        # flat indices (one index array per gather): slots of ranks, and (rank, expert) cells of
+        # counts / held ([B, K, E + 1] both)
+        rk1, rk2 = r[:, None] * num_k + k1, r[:, None] * num_k + k2  # [n, m1], [n, m2]
+        sl = np.arange(num_s)
+        f1, f2 = (rk1 * num_s)[..., None] + sl, (rk2 * num_s)[..., None] + sl
+        newf, wsf = new.reshape(-1), wslot.reshape(-1)
+        a, wa = newf[f1], wsf[f1]  # [n, m1, S]
+        b, wb = newf[f2], wsf[f2]  # [n, m2, S]
         ae, be = np.maximum(a, 0), np.maximum(b, 0)
-        r4 = r[:, None, None, None]
-        ok = (d > 0) & (peak < l1[:, :, None, None, None] * (1 - EPS))
-        ok &= (v1[:, :, None] & (a >= 0))[:, :, :, None, None] & (v2[:, :, None] & (b >= 0))[:, None, None]
-        ok &= a[:, :, :, None, None] != b[:, None, None]
+        e1 = num_e + 1
+        cf, hf, capf = counts.reshape(-1), held.reshape(-1), cap.reshape(-1)
+        # What does not depend on the pair of slots is built on the small shapes
+        # [n, m1, S, m2] (a's side) and [n, m1, m2, S] (b's side), then broadcast once.
+        at_k2 = (rk2 * e1)[:, None, None, :] + ae[..., None]  # a on k2: [n, m1, S, m2]
+        at_k1 = (rk1 * e1)[:, :, None, None] + be[:, None]  # b on k1: [n, m1, m2, S]
         # the per-rank cap: k2 may take a, k1 may take b
-        ok &= (counts[r4, k2[:, None, None, :], ae[..., None]] < cap[r[:, None, None], ae][..., None])[..., None]
-        ok &= (counts[r4, k1[:, :, None, None], be[:, None]] < cap[r[:, None, None], be][:, None])[:, :, None]
+        side_a = (cf[at_k2] < capf[r[:, None, None] * num_e + ae][..., None]) & (v1[:, :, None] & (a >= 0))[..., None]
+        side_b = (cf[at_k1] < capf[r[:, None, None] * num_e + be][:, None]) & (v2[:, :, None] & (b >= 0))[:, None]
         gone = lambda h: (~h).astype(np.int64)  # noqa: E731 - a copy not held there before moves
-        dmoves = (
-            gone(held[r4, k2[:, None, None, :], ae[..., None]])[..., None]
-            + gone(held[r4, k1[:, :, None, None], be[:, None]])[:, :, None]
-            - gone(held[rr, k1[:, :, None], ae])[..., None, None]
-            - gone(held[rr, k2[:, :, None], be])[:, None, None]
-        )
-        rel = peak / np.maximum(thr[r], 1e-300)[:, None, None, None, None]
-        good = ok & (peak <= limit[r][:, None, None, None, None])
-        score = np.where(good, dmoves * 4.0 + rel, np.where(ok, 100.0 + rel, np.inf)).reshape(n, m1, -1)
-        best = score.argmin(2)
-        fine = np.isfinite(np.take_along_axis(score, best[..., None], 2)[..., 0])  # [n, m1]
+        # moves added by the swap: a copy not held there before arrives, minus one that leaves
+        mv_a = gone(hf[at_k2]) - gone(hf[(rk1 * e1)[..., None] + ae])[..., None]
+        mv_b = gone(hf[at_k1]) - gone(hf[(rk2 * e1)[..., None] + be])[:, None]
+        # Few pairs pass the masks (5-25 %): the peak and the score only on those.
+        d = wa[:, :, :, None, None] - wb[:, None, None, :, :]  # [n, m1, S, m2, S]: load k1 -> k2
+        # (two copies of one expert weigh the same: d > 0 also says a != b)
+        ok = side_a[..., None] & side_b[:, :, None]
+        ok &= d > 0
+        idx = np.flatnonzero(ok)
+        # idx = (((row * m1 + heavy) * S + slot_a) * m2 + light) * S + slot_b
+        q = idx // num_s  # into [n, m1, S, m2]
+        grp = q // (num_s * m2)  # row * m1 + heavy
+        c2 = (q - grp * (num_s * m2)) % m2
+        t = c2 * num_s + (idx - q * num_s)  # light * S + slot_b
+        ci = grp // m1
+        dc = d.ravel()[idx]
+        l1c = l1.ravel()[grp]
+        peak = np.maximum(l1c - dc, l2.ravel()[ci * m2 + c2] + dc)
+        keep = np.flatnonzero(peak < l1c * (1 - EPS))
+        idx, q, grp, t, ci, peak = idx[keep], q[keep], grp[keep], t[keep], ci[keep], peak[keep]
+        rc = r[ci]
+        base = np.where(peak <= limit[rc], (mv_a.ravel()[q] + mv_b.ravel()[grp * (m2 * num_s) + t]) * 4.0, 100.0)
+        score = base + peak / np.maximum(thr[rc], 1e-300)
+        # per (row, heavy rank): the lowest score, the first in (slot, light rank, slot) order on ties
+        best = np.zeros(n * m1, dtype=np.int64)
+        fine = np.zeros(n * m1, dtype=bool)
+        if len(idx):
+            starts = np.flatnonzero(np.r_[True, grp[1:] != grp[:-1]])
+            low = np.minimum.reduceat(score, starts)
+            at = np.flatnonzero(score == np.repeat(low, np.diff(np.r_[starts, len(score)])))
+            ga = grp[at]
+            first = at[np.r_[True, ga[1:] != ga[:-1]]]
+            best[grp[first]] = idx[first] - grp[first] * (num_s * m2 * num_s)
+            fine[grp[first]] = True
+        best, fine = best.reshape(n, m1), fine.reshape(n, m1)
         sa, j2, sb = np.unravel_index(best, (num_s, m2, num_s))
         # one swap per partner rank and round: the heaviest overloaded rank wins
         same = (j2[:, :, None] == j2[:, None, :]) & fine[:, None, :] & np.tri(m1, k=-1, dtype=bool)[None]
@@ -260,8 +290,13 @@ def restore(
     held[..., num_e] = False
     nh = min(num_holders, num_k)
     # holders[b, e, h]: the h-th rank that held expert e (-1: none)
-    order = np.argsort(~held[..., :num_e], axis=1, kind="stable")[:, :nh, :]  # [B, H, E]
-    holders = np.where(np.take_along_axis(held[..., :num_e], order, 1), order, -1).transpose(0, 2, 1)
+    if nh == 1:
+        # the first holder: argmax of a bool is its first True (a stable sort's first, cheaper)
+        first = held[..., :num_e].argmax(1)  # [B, E]
+        holders = np.where(held[..., :num_e].any(1), first, -1)[..., None]
+    else:
+        order = np.argsort(~held[..., :num_e], axis=1, kind="stable")[:, :nh, :]  # [B, H, E]
+        holders = np.where(np.take_along_axis(held[..., :num_e], order, 1), order, -1).transpose(0, 2, 1)
     x = new.reshape(num_b, -1).copy()
     ks = num_k * num_s
     rank_of = np.repeat(np.arange(num_k), num_s)
@@ -309,37 +344,37 @@ def restore(
         lim = limit[b][:, None, None, None]
         lf = loads.ravel()
         valid &= (gain > 0) & (lf[b4 * num_k + rp] - d <= lim) & (lf[b4 * num_k + rq0] + d <= lim)
+        # Few swaps pass (a few %): the rest of the checks, the scores and the picks on those.
+        at = np.flatnonzero(valid)
+        row_c = at // valid[0].size  # into b
+        g_c = b[row_c]
+        rq_c, rp_c, xpe_c, xqe_c = rq0.ravel()[at], rp.ravel()[at], xpe.ravel()[at], xqe.ravel()[at]
         # the per-rank cap: rank(q) may take x[p], rank(p) may take x[q]
         cf, capf = counts.ravel(), cap.ravel()
-        valid &= cf[(b4 * num_k + rq0) * e1 + xpe] < capf[g4 * num_e + np.minimum(xpe, num_e - 1)]
-        valid &= cf[(b4 * num_k + rp) * e1 + xqe] < capf[g4 * num_e + np.minimum(xqe, num_e - 1)]
-        score = np.where(valid, gain - np.abs(d) * scale[b][:, None, None, None], -np.inf).reshape(nb, -1)
-        any_ok = np.isfinite(score.max(1))
-        if not any_ok.any():
+        ok = cf[(row_c * num_k + rq_c) * e1 + xpe_c] < capf[g_c * num_e + np.minimum(xpe_c, num_e - 1)]
+        ok &= cf[(row_c * num_k + rp_c) * e1 + xqe_c] < capf[g_c * num_e + np.minimum(xqe_c, num_e - 1)]
+        at, row_c, rq_c, rp_c = at[ok], row_c[ok], rq_c[ok], rp_c[ok]
+        if not len(at):
             break
+        score = gain.ravel()[at] - np.abs(d.ravel()[at]) * scale[b][row_c]
+        p_c, q_c = p.ravel()[at], q.ravel()[at]
+        any_ok = np.zeros(nb, dtype=bool)
+        any_ok[row_c] = True
         active = active[any_ok]
-        sel = np.nonzero(any_ok)[0]
-        score = score[sel]
-        rp_f, rq_f = rp.reshape(nb, -1)[sel], rq.reshape(nb, -1)[sel]
-        p_f, q_f = p.reshape(nb, -1)[sel], q.reshape(nb, -1)[sel]
-        touched = np.zeros((len(sel), num_k), dtype=bool)
-        ar = np.arange(len(sel))
-        rp_k, rq_k = ar[:, None] * num_k + rp_f, ar[:, None] * num_k + np.maximum(rq_f, 0)  # into touched
-        # several swaps per round on distinct ranks, best first
+        touched = np.zeros((nb, num_k), dtype=bool).ravel()
+        # several swaps per round on distinct ranks, best first (the first on ties)
         for _ in range(max(1, num_k // 2)):
-            j = score.argmax(1)
-            good = np.isfinite(score[ar, j])
-            if not good.any():
+            if not len(score):
                 break
-            g = ar[good]
-            jj = j[good]
-            rows = b[sel[g]]
-            pp, qq = p_f[g, jj], q_f[g, jj]
+            starts = np.flatnonzero(np.r_[True, row_c[1:] != row_c[:-1]])
+            top = np.maximum.reduceat(score, starts)
+            hit = np.flatnonzero(score == np.repeat(top, np.diff(np.r_[starts, len(score)])))
+            j = hit[np.r_[True, row_c[hit][1:] != row_c[hit][:-1]]]
+            rows = b[row_c[j]]
+            pp, qq = p_c[j], q_c[j]
             x[rows, pp], x[rows, qq] = x[rows, qq], x[rows, pp]
-            touched[g, rp_f[g, jj]] = True
-            touched[g, rq_f[g, jj]] = True
-            t = touched.ravel()
-            sg = score[g]
-            sg[t[rp_k[g]] | t[rq_k[g]]] = -np.inf
-            score[g] = sg
+            touched[row_c[j] * num_k + rp_c[j]] = True
+            touched[row_c[j] * num_k + rq_c[j]] = True
+            left = ~(touched[row_c * num_k + rp_c] | touched[row_c * num_k + rq_c])
+            score, row_c, rp_c, rq_c, p_c, q_c = (v[left] for v in (score, row_c, rp_c, rq_c, p_c, q_c))
     new[...] = x.reshape(new.shape)
