@@ -13,9 +13,10 @@ from moeshard.ops import engine_quant
 from moeshard.plan.refit import EngineTensor, Segment
 
 
-def _reference(x: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's formula, one block at a time: amax in float32 floored at 1e-4, scale = amax / 448,
-    values = fp8(x * (1 / scale))."""
+def _reference(x: torch.Tensor, block, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's formula, one block at a time: amax in float32 floored at 1e-4, scale = amax / 448
+    (with ``ue8m0``, vLLM's and sglang's ``per_block_cast_to_fp8`` with ``use_ue8m0``: rounded
+    up to ``2 ** ceil(log2(scale))``, their ``ceil_to_ue8m0``), values = fp8(x * (1 / scale))."""
     m, n = x.shape
     bm, bn = block
     q = torch.empty(m, n, dtype=torch.float8_e4m3fn)
@@ -24,6 +25,8 @@ def _reference(x: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
         for j in range(s.shape[1]):
             blk = x[i * bm : (i + 1) * bm, j * bn : (j + 1) * bn].float()
             scale = torch.clamp(blk.abs().max(), min=1e-4) / 448.0
+            if ue8m0:
+                scale = torch.pow(2.0, torch.ceil(torch.log2(scale)))
             s[i, j] = scale
             q[i * bm : (i + 1) * bm, j * bn : (j + 1) * bn] = (blk * (1.0 / scale)).to(torch.float8_e4m3fn)
     return q, s
@@ -116,24 +119,6 @@ def test_staged_tensors_are_quantized_and_installed_with_their_scale():
 # -- UE8M0 scales ---------------------------------------------------------------------------------
 
 
-def _reference_ue8m0(x: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's and sglang's ``per_block_cast_to_fp8`` with ``use_ue8m0``, one block at a time:
-    ``sf = 2 ** ceil(log2(clamp(amax, 1e-4) / 448))`` (their ``ceil_to_ue8m0``), values
-    ``fp8(x * (1 / sf))``."""
-    m, n = x.shape
-    bm, bn = block
-    q = torch.empty(m, n, dtype=torch.float8_e4m3fn)
-    s = torch.empty(-(-m // bm), -(-n // bn), dtype=torch.float32)
-    for i in range(s.shape[0]):
-        for j in range(s.shape[1]):
-            blk = x[i * bm : (i + 1) * bm, j * bn : (j + 1) * bn]
-            sf = torch.clamp(blk.abs().float().max(), min=1e-4) / 448.0
-            sf = torch.pow(2.0, torch.ceil(torch.log2(sf.abs())))
-            s[i, j] = sf
-            q[i * bm : (i + 1) * bm, j * bn : (j + 1) * bn] = (blk * (1.0 / sf)).to(torch.float8_e4m3fn)
-    return q, s
-
-
 def _ue8m0_weights(dtype) -> torch.Tensor:
     w = _weights(dtype, (37, 50))
     # Blocks whose amax / 448 is exactly a power of two (its own scale, not the next one up) and
@@ -150,7 +135,7 @@ def _ue8m0_weights(dtype) -> torch.Tensor:
 def test_ue8m0_block_fp8_equals_the_engines_formula(dtype, block):
     w = _ue8m0_weights(dtype)
     q, s = engine_quant.block_fp8(w, block, "ue8m0")
-    rq, rs = _reference_ue8m0(w, block)
+    rq, rs = _reference(w, block, ue8m0=True)
     assert torch.equal(_bits(q), _bits(rq)) and torch.equal(s, rs)
     assert not torch.isnan(q.float()).any()
     # Powers of two, the smallest at or above amax / 448 up to log2's float32 rounding.
@@ -184,7 +169,7 @@ def test_ue8m0_scales_as_e8m0_bytes():
     )
     w = _ue8m0_weights(torch.bfloat16)
     got = engine_quant.quantize(t, w)
-    rq, rs = _reference_ue8m0(w, (8, 8))
+    rq, rs = _reference(w, (8, 8), ue8m0=True)
     assert got.scale.dtype == torch.float8_e8m0fnu and torch.equal(_bits(got.values), _bits(rq))
     # The exponent byte: 2 ** (byte - 127), the same value as the float32 scale.
     byte = got.scale.view(torch.uint8).to(torch.int32)
