@@ -1387,11 +1387,7 @@ class ViewExchange:
         typed: dict = {}
         places, data = [], []
         for p in m.pieces:
-            dtype = dtypes[p.key]
-            alias = typed.get(dtype)
-            if alias is None:
-                alias = typed[dtype] = buf.view(dtype)
-            place = alias.as_strided(p.shape, p.strides, p.off // dtype.itemsize)
+            place = _in_message(buf, typed, p, dtypes[p.key])
             self.stats.bytes_sent += p.nbytes
             try:
                 x = _view(geo, sources, p.src, p)
@@ -1417,12 +1413,8 @@ class ViewExchange:
             return
         typed: dict = {}
         for p in m.pieces:
-            dtype = self.dtypes[p.key]
-            alias = typed.get(dtype)
-            if alias is None:
-                alias = typed[dtype] = buf.view(dtype)
             self.stats.bytes_received += p.nbytes
-            self.place(p, alias.as_strided(p.shape, p.strides, p.off // dtype.itemsize))
+            self.place(p, _in_message(buf, typed, p, self.dtypes[p.key]))
 
     def copies(self) -> None:
         """This rank's copies: deliveries straight from its views."""
@@ -1478,6 +1470,15 @@ def exchange(outbox: dict[int, torch.Tensor], inbox: dict[int, torch.Tensor], wh
     ops = [collectives.p2p(dist.isend, outbox[r], r, members) for r in sorted(outbox)]
     ops += [collectives.p2p(dist.irecv, inbox[r], r, members) for r in sorted(inbox)]
     return collectives.start_p2p(ops, what) if ops else (lambda: None)
+
+
+def _in_message(buf: torch.Tensor, typed: dict, p: _Piece, dtype: torch.dtype) -> torch.Tensor:
+    """Piece ``p``'s place in packed message ``buf`` (bytes), as ``dtype``; ``typed`` keeps one
+    view of ``buf`` per dtype for the message's pieces."""
+    alias = typed.get(dtype)
+    if alias is None:
+        alias = typed[dtype] = buf.view(dtype)
+    return alias.as_strided(p.shape, p.strides, p.off // dtype.itemsize)
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
