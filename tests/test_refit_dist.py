@@ -27,6 +27,7 @@ its own (a dead rank breaks its group): see "a rank lost during a refit" below.
 from __future__ import annotations
 
 import time
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -41,6 +42,15 @@ pytestmark = pytest.mark.hf
 
 WORLD, LWS, NUM_EXPERTS, PAD = 4, 2, 8, 64
 FIRST_MOE = {"qwen3_moe": 0, "deepseek_v3": 1}
+
+
+def _error_of(call, errors) -> str | None:
+    """The message of the error of type ``errors`` that ``call()`` raised, or None."""
+    try:
+        call()
+    except errors as e:
+        return str(e)
+    return None
 
 
 def _engine_placement(seed: int, ep: int):
@@ -219,14 +229,8 @@ def _failures(model, pl, lay, dst, full, rank) -> dict:
             if rank == 3 and calls[0] == 3:
                 self.targets = [_OnFire("disk on fire")] * len(self.targets)
 
-    refit_mod.ViewExchange = Failing
-    try:
-        moeshard.refit(model, dst, lay, staging_bytes=one)
-        out["fail"] = None
-    except moeshard.DistributedError as e:
-        out["fail"] = str(e)
-    finally:
-        refit_mod.ViewExchange = real
+    with mock.patch.object(refit_mod, "ViewExchange", Failing):
+        out["fail"] = _error_of(lambda: moeshard.refit(model, dst, lay, staging_bytes=one), moeshard.DistributedError)
     groups = sorted({t.group for t in lay.tensors})
     done = set(groups[:2])
     wrong = []
@@ -251,14 +255,8 @@ def _failures(model, pl, lay, dst, full, rank) -> dict:
             if rank == 1 and self.held[o_proj]:
                 self.targets[o_proj].view(-1)[0] += 1.0
 
-    refit_mod.ViewExchange = Corrupt
-    try:
-        moeshard.refit(model, dst, lay, verify=True)
-        out["verify"] = None
-    except refit_mod.RefitVerifyError as e:
-        out["verify"] = str(e)
-    finally:
-        refit_mod.ViewExchange = real
+    with mock.patch.object(refit_mod, "ViewExchange", Corrupt):
+        out["verify"] = _error_of(lambda: moeshard.refit(model, dst, lay, verify=True), refit_mod.RefitVerifyError)
 
     # Rank 2's views of its trainer shards fail in the second install group (it sends from
     # them): every rank raises within seconds (not at the backend's timeout), only the first
@@ -274,15 +272,11 @@ def _failures(model, pl, lay, dst, full, rank) -> dict:
             if rank == 2 and made[0] == 2:
                 self.sources = [_OnFire("view on fire")] * len(self.sources)
 
-    refit_mod.ViewExchange = BadView
     t0 = time.monotonic()
-    try:
-        moeshard.refit(model, dst, lay, staging_bytes=one)
-        out["bad_view"] = None
-    except moeshard.DistributedError as e:
-        out["bad_view"] = str(e)
-    finally:
-        refit_mod.ViewExchange = real
+    with mock.patch.object(refit_mod, "ViewExchange", BadView):
+        out["bad_view"] = _error_of(
+            lambda: moeshard.refit(model, dst, lay, staging_bytes=one), moeshard.DistributedError
+        )
     out["bad_view_s"] = time.monotonic() - t0
     out["bad_view_changed"] = sorted({t.group for t in lay.tensors if not torch.equal(dst[t.name], before[t.name])})
     return out
@@ -752,14 +746,10 @@ def _batches(model, pl, lay, dst, rank) -> dict:
                 fire = _OnFire("layer 0 on fire")
                 self.targets = [fire if t.group == 0 else x for t, x in zip(lay.tensors, self.targets)]
 
-    refit_mod.ViewExchange = FailsInLayer0
-    try:
-        moeshard.refit(model, dst, lay, staging_bytes=budget)
-        out["batch_fail"] = None
-    except moeshard.DistributedError as e:
-        out["batch_fail"] = str(e)
-    finally:
-        refit_mod.ViewExchange = real
+    with mock.patch.object(refit_mod, "ViewExchange", FailsInLayer0):
+        out["batch_fail"] = _error_of(
+            lambda: moeshard.refit(model, dst, lay, staging_bytes=budget), moeshard.DistributedError
+        )
     out["batch_changed"] = sorted({t.group for t in lay.tensors if not torch.equal(dst[t.name], before[t.name])})
 
     # The default budget: one batch; count the P2P messages this rank posts.
@@ -986,14 +976,8 @@ def _ue8m0_fused_and_verified(family: str, model, pl, rank: int) -> dict:
         ("scale", real_ex, bad_scale),
         ("value", real_ex, bad_value),
     ):
-        refit_mod.ViewExchange, engine_quant.install = ex, install
-        try:
-            moeshard.refit(model, dst, lay, verify=True)
-            out[case] = None
-        except refit_mod.RefitVerifyError as e:
-            out[case] = str(e)
-        finally:
-            refit_mod.ViewExchange, engine_quant.install = real_ex, real_install
+        with mock.patch.object(refit_mod, "ViewExchange", ex), mock.patch.object(engine_quant, "install", install):
+            out[case] = _error_of(lambda: moeshard.refit(model, dst, lay, verify=True), refit_mod.RefitVerifyError)
     return out
 
 
