@@ -83,6 +83,7 @@ from .oblivious import (
     ObliviousAnswer,
     group_loads,
     group_packs,
+    node_loads,
     node_packs,
     per_rank_cap,
     replicate_nodes,
@@ -429,7 +430,7 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None) -> tupl
     peak = np.where(old_rows >= 0, wc_node[ri, np.maximum(old_rows, 0)], 0.0).sum(-1).max(-1)
     full = ((old_rows >= 0) | ~alive_rows[:, :, None]).all((1, 2))
     as_is = ((oc > 0) == mine).all(-1).ravel() & full & (peak <= np.repeat(limit, n) * (1 + _SLACK))
-    node_load = (group_loads(w, sh)[:, :, None] * (gn[:, :, None] == np.arange(n))).sum(1)
+    node_load = node_loads(w, sh, gn)
     # a node whose load is over what its ranks carry at the limit is over it in any packing
     hopeless = _hopeless(node_load, limit, sh).ravel()
     todo = np.flatnonzero(~as_is & ~hopeless)
@@ -751,10 +752,7 @@ def _aware(
             cand, bad = np.concatenate([cand, cand1]), np.concatenate([bad, bad1])
     # Where sticky packing misses the limit: the reference's LPT packing of those nodes, restored
     # (not on layers with a node over what its ranks carry at the limit: never within it).
-    gl_lay = group_loads(w[lay], sh)
-    hopeless = _hopeless(
-        (gl_lay[:, :, None] * (gn_all[:, :, None] == np.arange(sh.num_nodes))).sum(1), limit[lay], sh
-    ).any(1)
+    hopeless = _hopeless(node_loads(w[lay], sh, gn_all), limit[lay], sh).any(1)
     rows = np.flatnonzero(bad.any(1) & ~hopeless)
     if len(rows):
         wl, ol, hl, ll = w[lay[rows]], old3[lay[rows]], held_old[lay[rows]], limit[lay[rows]]

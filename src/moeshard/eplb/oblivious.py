@@ -348,9 +348,15 @@ def _answer(w: np.ndarray, sh: Shape, packs: np.ndarray, group_node: np.ndarray,
     n = sh.num_nodes
     packs = packs.reshape(num_layers, n, sh.live_per_node, sh.slots_per_rank)
     p2l = scatter_packs(packs, sh)
-    gl = group_loads(w, sh)
-    node_max = (gl[:, :, None] * (group_node[:, :, None] == np.arange(n))).sum(1).max(1)
+    node_max = node_loads(w, sh, group_node).max(1)
     return ObliviousAnswer(packs, group_node, cnt, p2l, max_rank_load(w, p2l, cnt), node_max)
+
+
+def node_loads(w: np.ndarray, sh: Shape, group_node: np.ndarray) -> np.ndarray:
+    """``float[L, N]``: each node's load, the loads ``w`` ``float[L, E]`` of the groups
+    ``group_node`` ``int[L, G]`` puts on it."""
+    gl = group_loads(w, sh)
+    return (gl[:, :, None] * (group_node[:, :, None] == np.arange(sh.num_nodes))).sum(1)
 
 
 def reference_answer(w: np.ndarray, sh: Shape) -> ObliviousAnswer:
