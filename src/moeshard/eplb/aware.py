@@ -509,6 +509,12 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None) -> tupl
     return comp, ~ok | hopeless.reshape(num_layers, n)
 
 
+def _within(w: np.ndarray, p2l: np.ndarray, limit: np.ndarray) -> np.ndarray:
+    """``bool[L]``: layers whose heaviest rank under ``p2l`` ``int[L, R, S]`` (loads ``w``
+    ``float[L, E]``) is within ``limit`` ``float[L]``, up to rounding (``_SLACK``)."""
+    return max_rank_load(w, p2l, copy_counts(p2l, w.shape[1])) <= limit * (1 + _SLACK)
+
+
 def _hopeless(node_load: np.ndarray, limit: np.ndarray, sh: Shape) -> np.ndarray:
     """``bool[L, N]``: nodes whose load ``float[L, N]`` exceeds what their live ranks carry at
     ``limit`` ``float[L]`` (beyond any rounding): no packing of them is within the limit."""
@@ -676,7 +682,7 @@ def _aware(
     limit = ref.max_load * (1 + tol) if limit is None else np.maximum(limit, obl.max_load)
     # The old placement itself where it still is a valid answer within the limit: nothing
     # moves, and nothing else need be looked at (layers are independent).
-    stay = still_valid(old3, sh) & (max_rank_load(w, old3, copy_counts(old3, num_logical)) <= limit * (1 + _SLACK))
+    stay = still_valid(old3, sh) & _within(w, old3, limit)
     if stay.any():
         out = old3.copy()
         rest = np.flatnonzero(~stay)
@@ -691,7 +697,7 @@ def _aware(
     best_moves = moves3(held_old, best)
     for o in (ref.phy2log, _matched_oblivious(obl, held_old, sh)[0], _matched_oblivious(ref, held_old, sh)[0]):
         mv = moves3(held_old, o)
-        take = (mv < best_moves) & (max_rank_load(w, o, copy_counts(o, num_logical)) <= limit * (1 + _SLACK))
+        take = (mv < best_moves) & _within(w, o, limit)
         best[take], best_moves[take] = o[take], mv[take]
     # Group assignments to try (hierarchical): groups stay on their node unless its load
     # would exceed what its ranks may well carry under the limit (most nodes are far under
@@ -771,7 +777,7 @@ def _aware(
         if not same.all():
             packs[~same] = group_packs(wl[~same], sh, gn_all[rows][~same])
         cand[rows] = _lpt_nodes(wl, ol, hl, gn_all[rows], ll, sh, cand[rows], bad[rows], packs)
-    ok = ~hopeless & (max_rank_load(w[lay], cand, copy_counts(cand, num_logical)) <= limit[lay] * (1 + _SLACK))
+    ok = ~hopeless & _within(w[lay], cand, limit[lay])
     mv = np.where(ok, moves3(held_old[lay], cand), np.iinfo(np.int64).max)
     # per layer, the variant that moves fewest copies (first on ties)
     order = np.lexsort((np.arange(len(lay)), mv, lay))
@@ -782,8 +788,6 @@ def _aware(
     # candidates' own searches stop at the limit, not at fewest moves), on nodes that move any.
     moved_nodes = _node_stats(w, best, held_old, sh)[1] > 0
     back = _restored(w, best, old3, limit, sh, moved_nodes)
-    take = (moves3(held_old, back) < moves3(held_old, best)) & (
-        max_rank_load(w, back, copy_counts(back, num_logical)) <= limit * (1 + _SLACK)
-    )
+    take = (moves3(held_old, back) < moves3(held_old, best)) & _within(w, back, limit)
     best[take] = back[take]
     return _arrange(best.reshape(-1, s), old3.reshape(-1, s)).reshape(best.shape)
