@@ -799,6 +799,48 @@ def _restore_one_row(x, old, wc, cap, thr, max_rounds=8):
             touched |= {rp, rq}
 
 
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+def test_sticky_loops_compiled_equal_numpy(monkeypatch):
+    """The sticky packing's loops and the swap-back search compiled (``sticky_kernel``: the
+    evictions, the placement of the remaining copies, the swap repair, ``restore``) make the
+    very choices of numpy's on every row, ties, caps and dead ranks included: the same arrays
+    with and without ``MOESHARD_EPLB_JIT=0``, and each compiled loop ran (only in the first)."""
+    from moeshard.eplb import sticky, sticky_kernel
+    from moeshard.eplb.oblivious import per_rank_cap
+
+    calls = {}
+    for name in ("evict", "place", "swap_repair", "restore"):
+        real = getattr(sticky_kernel, name)
+        monkeypatch.setattr(sticky_kernel, name, lambda *a, _f=real, _n=name: (calls.update({_n: 1}), _f(*a))[1])
+    monkeypatch.setattr(sticky, "_JIT_FROM", 0)
+    for seed in range(4):
+        rng = np.random.default_rng(seed)
+        num_b, num_k, num_s, num_e = 150, 6, 4, 10
+        _, old, _, _, _ = _sticky_rows(seed, num_b, num_k, num_s, num_e)
+        alive = np.ones((num_b, num_k), dtype=bool)
+        alive[np.arange(num_b), rng.integers(0, num_k, num_b)] = rng.random(num_b) > 0.3  # a dead rank in some rows
+        live = alive.sum(1) * num_s
+        cnt = np.stack(
+            [np.bincount(np.r_[np.arange(num_e), rng.integers(0, num_e, n - num_e)], minlength=num_e) for n in live]
+        )
+        w = rng.integers(1, 30, (num_b, num_e)).astype(np.float64)
+        wc = w / cnt
+        thr = w.sum(1) / alive.sum(1) * rng.choice([0.9, 1.0, 1.05, 1.2], num_b)
+        got = {}
+        for mode in ("compiled", "numpy"):
+            calls.clear()
+            monkeypatch.setenv("MOESHARD_EPLB_JIT", "1" if mode == "compiled" else "0")
+            packed = [sticky.sticky_pack(old, alive, cnt, wc, thr, no_duplicates=nd) for nd in (False, True)]
+            back = packed[0].copy()
+            sticky.restore(back, old, alive, wc, per_rank_cap(cnt, alive.sum(1)), thr)
+            got[mode] = (*packed, back)
+            assert len(calls) == (4 if mode == "compiled" else 0), calls
+        for a, b in zip(got["compiled"], got["numpy"]):
+            np.testing.assert_array_equal(a, b, err_msg=f"seed {seed}")
+        assert (got["numpy"][2] != got["numpy"][0]).any()  # swaps back happened
+        assert (np.where(alive[:, :, None], old, -1) != got["numpy"][0]).any(axis=(1, 2)).mean() > 0.5
+
+
 def test_sticky_searches_equal_plain_loops():
     """The sticky packing's swap repair and the swap-back search (:mod:`moeshard.eplb.sticky`)
     score only the pairs that pass their masks, over many rows at once; on every row they make

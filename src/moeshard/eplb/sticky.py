@@ -5,9 +5,16 @@ search that swaps copies between ranks over the threshold and light ranks
 (:func:`_swap_repair`); and the one that, from a balanced packing (the reference's), swaps
 copies back to ranks that held them while every rank stays within the threshold
 (:func:`restore`). Arrays are batched over rows: ``[B, K, S]`` (rows, ranks, slots).
+
+Where numba is installed (``pip install moeshard[fast]``), the sequential loops of large
+packings (the evictions, the placement, the swap repair, the swap-back search) run compiled,
+row by row (the ``sticky_kernel`` module): the same choices to the last bit, ties included.
+``MOESHARD_EPLB_JIT=0`` in the environment keeps numpy's loops.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -16,6 +23,31 @@ from .oblivious import occurrence, per_rank_cap, repair_duplicates
 
 # Relative slack of float comparisons against a load threshold.
 EPS = 1e-9
+# Sticky packings of at least this many slots (rows x ranks x slots) run their loops compiled
+# where numba is installed (``sticky_kernel``; ``MOESHARD_EPLB_JIT=0`` keeps numpy's): a
+# model's shape (DeepSeek-V3: ~20,000), not a toy's, whose few ms in numpy are less than
+# importing numba costs a process. Once a process has it, smaller ones run compiled too.
+_JIT_FROM = 4096
+
+_KERNEL: list = []  # the compiled loops' module once imported, or None without numba
+
+
+def _kernel(size: int, wc: np.ndarray, thr: np.ndarray):
+    """The compiled loops' module (``sticky_kernel``) for a packing of ``size`` slots, or None
+    (numpy's loops: small, ``MOESHARD_EPLB_JIT=0``, no numba, or not float64 loads)."""
+    if os.environ.get("MOESHARD_EPLB_JIT", "1").strip() == "0":
+        return None
+    if size < _JIT_FROM and not (_KERNEL and _KERNEL[0] is not None):  # numba not imported yet
+        return None
+    if wc.dtype != np.float64 or thr.dtype != np.float64 or not (wc.flags.c_contiguous and thr.flags.c_contiguous):
+        return None
+    if not _KERNEL:
+        try:
+            from . import sticky_kernel
+        except ImportError:
+            sticky_kernel = None
+        _KERNEL.append(sticky_kernel)
+    return _KERNEL[0]
 
 
 def sticky_pack(
@@ -59,7 +91,13 @@ def sticky_pack(
     w_min = np.where(cnt > 0, wc, np.inf).min(1)
     n_kept = keep.sum(-1)  # [B, K], kept up to date below
     limit = thr[:, None] * (1 + EPS)
-    for _ in range(num_s):
+    kernel = _kernel(num_b * num_k * num_s, wc, thr)
+    if kernel is not None:
+        keep, wslot, kl = np.ascontiguousarray(keep), np.ascontiguousarray(wslot), np.ascontiguousarray(kl)
+        kernel.evict(
+            keep, wslot, kl, n_kept, np.ascontiguousarray(alive), w_min, thr, np.ascontiguousarray(limit[:, 0])
+        )
+    for _ in range(0 if kernel is not None else num_s):
         reserve = (num_s - n_kept) * w_min[:, None]
         ob, ok = np.nonzero((kl + reserve > limit) & alive & (n_kept > 0))
         if not len(ob):
@@ -99,7 +137,12 @@ def sticky_pack(
     # heaviest first, the first in the pool on ties: each row's pool sorted once
     order = np.argsort(-pool_w, axis=1, kind="stable")
     pool_e, pool_w = np.take_along_axis(pool_e, order, 1), np.take_along_axis(pool_w, order, 1)
-    counts = count_last(new, num_e)
+    if kernel is not None:
+        new = np.ascontiguousarray(new, dtype=np.int64)
+        kernel.place(new, kl, nfree, cap, pool_e, np.ascontiguousarray(pool_w), per_row, w_min, limit[:, 0], num_e)
+        m = 0
+    else:
+        counts = count_last(new, num_e)
     for i in range(m):
         r = np.flatnonzero(per_row > i)
         ar = np.arange(len(r))
@@ -127,7 +170,10 @@ def sticky_pack(
         counts[r, ka, e] += 1
     if no_duplicates:
         repair_duplicates(new, wc, cap)
-    _swap_repair(new, alive, wc, cap, x, thr)
+    if kernel is not None:
+        kernel.swap_repair(new, alive, wc, cap, np.ascontiguousarray(x, dtype=np.int64), thr, limit[:, 0], 1 - EPS, 8)
+    else:
+        _swap_repair(new, alive, wc, cap, x, thr)
     return new
 
 
@@ -283,6 +329,14 @@ def restore(
     num_b, num_k, num_s = new.shape
     num_e = wc.shape[1]
     if num_b == 0:
+        return
+    kernel = _kernel(new.size, wc, thr) if num_holders == 1 else None
+    if kernel is not None:
+        x = np.ascontiguousarray(new, dtype=np.int64)
+        old = np.ascontiguousarray(old, dtype=np.int64)
+        lim, scale = thr * (1 + EPS), 0.5 / np.maximum(thr, 1e-300)
+        kernel.restore(x, old, wc, np.ascontiguousarray(cap, dtype=np.int64), lim, scale, max_rounds)
+        new[...] = x
         return
     bk = np.arange(num_b)[:, None, None]
     held = np.zeros((num_b, num_k, num_e + 1), dtype=bool)
