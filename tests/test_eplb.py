@@ -801,15 +801,15 @@ def _restore_one_row(x, old, wc, cap, thr, max_rounds=8):
 
 @pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
 def test_sticky_loops_compiled_equal_numpy(monkeypatch):
-    """The sticky packing's loops and the swap-back search compiled (``sticky_kernel``: the
-    evictions, the placement of the remaining copies, the swap repair, ``restore``) make the
+    """The sticky packing and the swap-back search compiled (``sticky_kernel``: the copies
+    kept, the evictions, the placement of the rest, the swap repair, ``restore``) make the
     very choices of numpy's on every row, ties, caps and dead ranks included: the same arrays
     with and without ``MOESHARD_EPLB_JIT=0``, and each compiled loop ran (only in the first)."""
     from moeshard.eplb import sticky, sticky_kernel
     from moeshard.eplb.oblivious import per_rank_cap
 
     calls = {}
-    for name in ("evict", "place", "swap_repair", "restore"):
+    for name in ("pack", "swap_repair", "restore"):
         real = getattr(sticky_kernel, name)
         monkeypatch.setattr(sticky_kernel, name, lambda *a, _f=real, _n=name: (calls.update({_n: 1}), _f(*a))[1])
     monkeypatch.setattr(sticky, "_JIT_FROM", 0)
@@ -834,7 +834,7 @@ def test_sticky_loops_compiled_equal_numpy(monkeypatch):
             back = packed[0].copy()
             sticky.restore(back, old, alive, wc, per_rank_cap(cnt, alive.sum(1)), thr)
             got[mode] = (*packed, back)
-            assert len(calls) == (4 if mode == "compiled" else 0), calls
+            assert len(calls) == (3 if mode == "compiled" else 0), calls
         for a, b in zip(got["compiled"], got["numpy"]):
             np.testing.assert_array_equal(a, b, err_msg=f"seed {seed}")
         assert (got["numpy"][2] != got["numpy"][0]).any()  # swaps back happened

@@ -29,6 +29,9 @@ EPS = 1e-9
 # importing numba costs a process. Once a process has it, smaller ones run compiled too.
 _JIT_FROM = 4096
 
+# Light ranks the swap repair pairs an overloaded rank with.
+_NUM_LIGHT = 8
+
 _KERNEL: list = []  # the compiled loops' module once imported, or None without numba
 
 
@@ -66,9 +69,19 @@ def sticky_pack(
     num_e = cnt.shape[1]
     rows = np.arange(num_b)
     bi = rows[:, None, None]
+    x = np.where(alive[:, :, None], old, -1)
+    kernel = _kernel(num_b * num_k * num_s, wc, thr)
+    if kernel is not None:
+        x, alive = np.ascontiguousarray(x, dtype=np.int64), np.ascontiguousarray(alive)
+        w_min, lim = np.where(cnt > 0, wc, np.inf).min(1), thr * (1 + EPS)
+        args = (wc, w_min, thr, lim, 1 - EPS, _NUM_LIGHT)
+        new, cap = kernel.pack(x, alive, np.ascontiguousarray(cnt, dtype=np.int64), *args, not no_duplicates)
+        if no_duplicates:
+            repair_duplicates(new, wc, cap)
+            kernel.swap_repair(new, alive, wc, cap, x, thr, lim, 1 - EPS, _NUM_LIGHT)
+        return new
     n_live = alive.sum(1)
     cap = per_rank_cap(cnt, n_live)
-    x = np.where(alive[:, :, None], old, -1)
     xe = np.maximum(x, 0)
     keep = (x >= 0) & (cnt[bi, xe] > 0)
     keep &= occurrence(np.where(keep, x, -1)) < cap[bi, xe]
@@ -91,13 +104,7 @@ def sticky_pack(
     w_min = np.where(cnt > 0, wc, np.inf).min(1)
     n_kept = keep.sum(-1)  # [B, K], kept up to date below
     limit = thr[:, None] * (1 + EPS)
-    kernel = _kernel(num_b * num_k * num_s, wc, thr)
-    if kernel is not None:
-        keep, wslot, kl = np.ascontiguousarray(keep), np.ascontiguousarray(wslot), np.ascontiguousarray(kl)
-        kernel.evict(
-            keep, wslot, kl, n_kept, np.ascontiguousarray(alive), w_min, thr, np.ascontiguousarray(limit[:, 0])
-        )
-    for _ in range(0 if kernel is not None else num_s):
+    for _ in range(num_s):
         reserve = (num_s - n_kept) * w_min[:, None]
         ob, ok = np.nonzero((kl + reserve > limit) & alive & (n_kept > 0))
         if not len(ob):
@@ -137,12 +144,7 @@ def sticky_pack(
     # heaviest first, the first in the pool on ties: each row's pool sorted once
     order = np.argsort(-pool_w, axis=1, kind="stable")
     pool_e, pool_w = np.take_along_axis(pool_e, order, 1), np.take_along_axis(pool_w, order, 1)
-    if kernel is not None:
-        new = np.ascontiguousarray(new, dtype=np.int64)
-        kernel.place(new, kl, nfree, cap, pool_e, np.ascontiguousarray(pool_w), per_row, w_min, limit[:, 0], num_e)
-        m = 0
-    else:
-        counts = count_last(new, num_e)
+    counts = count_last(new, num_e)
     for i in range(m):
         r = np.flatnonzero(per_row > i)
         ar = np.arange(len(r))
@@ -170,10 +172,7 @@ def sticky_pack(
         counts[r, ka, e] += 1
     if no_duplicates:
         repair_duplicates(new, wc, cap)
-    if kernel is not None:
-        kernel.swap_repair(new, alive, wc, cap, np.ascontiguousarray(x, dtype=np.int64), thr, limit[:, 0], 1 - EPS, 8)
-    else:
-        _swap_repair(new, alive, wc, cap, x, thr)
+    _swap_repair(new, alive, wc, cap, x, thr)
     return new
 
 
@@ -185,7 +184,7 @@ def _swap_repair(
     old: np.ndarray,
     thr: np.ndarray,
     num_heavy: int = 1,
-    num_light: int = 8,
+    num_light: int = _NUM_LIGHT,
 ) -> None:
     """Local search, in place, for ranks over ``thr``: swap one of an overloaded rank's copies
     with a lighter copy on one of the row's ``num_light`` least loaded ranks, so that both end
