@@ -615,6 +615,62 @@ def test_aware_within_one_percent_of_the_oblivious_answer_moves_few_copies():
     assert moved < 0.116 * ref_moved, (moved, ref_moved)
 
 
+def test_aware_skips_only_candidates_that_cannot_be_taken(monkeypatch):
+    """The migration-aware policy packs no (layer, group assignment) whose fewest possible
+    moves (``_fewest_moves``: an expert's copy on a node that held none of it is moved) are no
+    fewer than a candidate's already within the limit: the bound is never above the moves of
+    a placement with those groups (the aware, the oblivious and the reference's answers, dead
+    ranks included), candidates are skipped, and the answers are those of packing every
+    one (a bound of 0) on a drifting DeepSeek-V3-like trace, per layer and per step."""
+    from moeshard.eplb import aware
+    from moeshard.eplb.inputs import check_shape
+    from moeshard.eplb.metrics import held_by_rank, moves3
+
+    cfg = dict(num_physical=192, num_ranks=16, num_nodes=4, num_groups=8)
+    alive = np.ones(16, dtype=bool)
+    alive[[3, 6, 9, 12]] = False  # one per node: still the hierarchical policy
+    trace = zipf_trace(10, 128, 3, seed=4, alpha=1.2, drift=0.1)
+    real, sticky_nodes = aware._fewest_moves, aware._sticky_nodes
+    packed = {"real": 0, "zero": 0}  # (layer, assignment)s packed with each bound
+    mode = ["real"]
+
+    def counted(w, *args, **kwargs):
+        packed[mode[0]] += len(w)
+        return sticky_nodes(w, *args, **kwargs)
+
+    monkeypatch.setattr(aware, "_sticky_nodes", counted)
+
+    for extra in (dict(), dict(active_ranks=alive)):
+        sh = check_shape(trace[0], 192, 16, 4, 8, extra.get("active_ranks"))
+        cur = eplb.rebalance(trace[0], **cfg, migration_aware=False)
+        for load in trace[1:]:
+            answers = {}
+            for bound in ("real", "zero"):
+                monkeypatch.setattr(
+                    aware, "_fewest_moves", real if bound == "real" else lambda h, g, s: 0 * real(h, g, s)
+                )
+                mode[0] = bound
+                for scope in ("layer", "step"):
+                    kw = dict(tolerance=0.01, relative_to="oblivious", tolerance_scope=scope)
+                    answers[bound, scope] = eplb.rebalance(load, cur, **cfg, **extra, **kw).phy2log
+            for scope in ("layer", "step"):
+                np.testing.assert_array_equal(answers["real", scope], answers["zero", scope])
+            old3 = np.where(sh.active[None, :, None], cur.phy2log.reshape(len(load), 16, -1), -1)
+            held = held_by_rank(old3, 128)
+            assert sh.hierarchical
+            for p in (
+                answers["real", "layer"],  # moves few copies: the bound is tight on many layers
+                eplb.rebalance(load, **cfg, **extra, migration_aware=False).phy2log,
+                eplb.reference(load, **cfg, **extra).phy2log,
+            ):
+                p3 = p.reshape(len(load), 16, -1)
+                gn = (p3.reshape(len(load), 4, -1) // 16)[..., None] == np.arange(8)
+                group_node = gn.any(2).argmax(1)  # [L, G]: the node holding each group
+                assert (real(held, group_node, sh) <= moves3(held, p3)).all()
+            cur = eplb.Placement(answers["real", "layer"], num_logical=128, num_ranks=16)
+    assert packed["real"] < packed["zero"], packed
+
+
 def test_zero_load_layer():
     cfg = dict(num_physical=24, num_ranks=4)
     load = np.zeros((2, 16))
@@ -839,6 +895,41 @@ def test_sticky_loops_compiled_equal_numpy(monkeypatch):
             np.testing.assert_array_equal(a, b, err_msg=f"seed {seed}")
         assert (got["numpy"][2] != got["numpy"][0]).any()  # swaps back happened
         assert (np.where(alive[:, :, None], old, -1) != got["numpy"][0]).any(axis=(1, 2)).mean() > 0.5
+
+
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+def test_balanced_pack_compiled_equals_numpy(monkeypatch):
+    """The reference's greedy packing compiled (``pack_kernel``) gives numpy's packs: float32
+    loads (the reference's sums) and float64, with and without keys (moeshard's no-duplicate
+    rule, dead ends where every pack with room holds the key included), ties (integer loads),
+    rows of zeros (no first fill); the compiled loop ran (not under ``MOESHARD_EPLB_JIT=0``)."""
+    from moeshard.eplb import jit, oblivious
+
+    monkeypatch.setattr(oblivious, "_JIT_FROM", 0)
+    compiled = jit.kernel("pack_kernel", 1, 0)
+    calls = []
+    real = compiled.greedy_pack
+    monkeypatch.setattr(compiled, "greedy_pack", lambda *a: (calls.append(1), real(*a))[1])
+    rng = np.random.default_rng(5)
+    cases = [
+        (40, 8, 9, 64, np.float64, False),
+        (30, 8, 9, 64, np.float32, False),
+        (20, 4, 2, 0, np.float64, False),
+        (25, 5, 3, 4, np.float64, False),
+        (15, 8, 9, 64, np.float64, True),
+    ]
+    for num_rows, num_packs, cap, num_keys, dtype, sparse in cases:
+        n = num_packs * cap
+        w = rng.integers(0, 2 if sparse else 6, (num_rows, n)).astype(dtype)  # ties
+        w[1::3] = rng.random((len(w[1::3]), n)).astype(dtype)
+        w[0] = 0
+        key = rng.integers(0, num_keys, (num_rows, n)) if num_keys else None
+        got = {}
+        for mode in ("compiled", "numpy"):
+            monkeypatch.setenv("MOESHARD_EPLB_JIT", "1" if mode == "compiled" else "0")
+            got[mode] = oblivious.balanced_pack(w, key, num_keys, num_packs, cap)
+        np.testing.assert_array_equal(got["compiled"], got["numpy"], err_msg=str((num_packs, cap, num_keys)))
+    assert len(calls) == len(cases)
 
 
 def test_sticky_searches_equal_plain_loops():

@@ -52,9 +52,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import jit
 from .inputs import Shape
 from .metrics import count_last, load_per_copy, max_rank_load
 from .refine import lower_peak
+
+# Packings of at least this many items (rows x items) run compiled where numba is installed
+# (``pack_kernel``, :mod:`moeshard.eplb.jit`): a model's shape (DeepSeek-V3: a few thousand).
+_JIT_FROM = 2048
 
 # -- the reference's building blocks, vectorized over rows ---------------------------------------
 
@@ -146,6 +151,22 @@ def balanced_pack(w: np.ndarray, key: np.ndarray | None, num_keys: int, num_pack
     w_t = np.ascontiguousarray(np.take_along_axis(w, order, axis=1).T)
     # a pack's load (float32 sums for the exact reference), inf once it is full: the cost of
     # putting the next item there; flat [B * num_packs] so that a step reads it with one index
+    compiled = jit.kernel("pack_kernel", num_rows * n, _JIT_FROM) if w.dtype in (np.float32, np.float64) else None
+    if compiled is not None:
+        key_t = np.zeros((1, 1), dtype=np.int64) if key is None else np.take_along_axis(key, order, axis=1).T
+        steps = np.empty((num_rows, num_packs, cap), dtype=np.int64)
+        first_fill = bool((w_t[: num_packs - 1] > 0).all())
+        compiled.greedy_pack(
+            w_t,
+            np.ascontiguousarray(key_t, dtype=np.int64),
+            key is not None,
+            num_keys,
+            num_packs,
+            cap,
+            first_fill,
+            steps,
+        )
+        return np.take_along_axis(order, steps.reshape(num_rows, -1), axis=1).reshape(num_rows, num_packs, cap)
     cost = np.zeros(num_rows * num_packs, dtype=w.dtype)
     filled = np.zeros(num_rows * num_packs, dtype=np.int64)
     base = np.arange(num_rows) * num_packs

@@ -14,10 +14,9 @@ row by row (the ``sticky_kernel`` module): the same choices to the last bit, tie
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
+from . import jit
 from .metrics import count_last
 from .oblivious import occurrence, per_rank_cap, repair_duplicates
 
@@ -32,25 +31,13 @@ _JIT_FROM = 4096
 # Light ranks the swap repair pairs an overloaded rank with.
 _NUM_LIGHT = 8
 
-_KERNEL: list = []  # the compiled loops' module once imported, or None without numba
-
 
 def _kernel(size: int, wc: np.ndarray, thr: np.ndarray):
     """The compiled loops' module (``sticky_kernel``) for a packing of ``size`` slots, or None
-    (numpy's loops: small, ``MOESHARD_EPLB_JIT=0``, no numba, or not float64 loads)."""
-    if os.environ.get("MOESHARD_EPLB_JIT", "1").strip() == "0":
-        return None
-    if size < _JIT_FROM and not (_KERNEL and _KERNEL[0] is not None):  # numba not imported yet
-        return None
+    (numpy's loops: see :func:`moeshard.eplb.jit.kernel`, or not float64 loads)."""
     if wc.dtype != np.float64 or thr.dtype != np.float64 or not (wc.flags.c_contiguous and thr.flags.c_contiguous):
         return None
-    if not _KERNEL:
-        try:
-            from . import sticky_kernel
-        except ImportError:
-            sticky_kernel = None
-        _KERNEL.append(sticky_kernel)
-    return _KERNEL[0]
+    return jit.kernel("sticky_kernel", size, _JIT_FROM)
 
 
 def sticky_pack(
