@@ -903,13 +903,12 @@ def test_balanced_pack_compiled_equals_numpy(monkeypatch):
     loads (the reference's sums) and float64, with and without keys (moeshard's no-duplicate
     rule, dead ends where every pack with room holds the key included), ties (integer loads),
     rows of zeros (no first fill); the compiled loop ran (not under ``MOESHARD_EPLB_JIT=0``)."""
-    from moeshard.eplb import jit, oblivious
+    from moeshard.eplb import oblivious, pack_kernel
 
     monkeypatch.setattr(oblivious, "_JIT_FROM", 0)
-    compiled = jit.kernel("pack_kernel", 1, 0)
     calls = []
-    real = compiled.greedy_pack
-    monkeypatch.setattr(compiled, "greedy_pack", lambda *a: (calls.append(1), real(*a))[1])
+    real = pack_kernel.greedy_pack
+    monkeypatch.setattr(pack_kernel, "greedy_pack", lambda *a: (calls.append(1), real(*a))[1])
     rng = np.random.default_rng(5)
     cases = [
         (40, 8, 9, 64, np.float64, False),
@@ -930,6 +929,35 @@ def test_balanced_pack_compiled_equals_numpy(monkeypatch):
             got[mode] = oblivious.balanced_pack(w, key, num_keys, num_packs, cap)
         np.testing.assert_array_equal(got["compiled"], got["numpy"], err_msg=str((num_packs, cap, num_keys)))
     assert len(calls) == len(cases)
+
+
+def test_small_calls_load_no_kernel_and_none_is_needed(monkeypatch):
+    """A toy's call (oblivious and migration-aware) loads no compiled loop (``eplb.jit``: the
+    import of numba costs more than the call), a model's shape does where numba is installed,
+    and without numba (the kernels' import failed) every call gives the placement of the
+    numpy loops (``MOESHARD_EPLB_JIT=0``)."""
+    from moeshard.eplb import jit
+
+    monkeypatch.delenv("MOESHARD_EPLB_JIT", raising=False)
+    monkeypatch.setattr(jit, "_LOADED", {})
+    cfg = dict(num_physical=16, num_ranks=8, num_nodes=2, num_groups=4)
+    old = eplb.rebalance(README_WEIGHT, **cfg, migration_aware=False)
+    eplb.rebalance(README_WEIGHT[::-1], old, **cfg, tolerance=0.01, relative_to="oblivious")
+    assert not jit._LOADED
+    dsv3 = dict(num_physical=288, num_ranks=32, num_nodes=4, num_groups=8)
+    tr = zipf_trace(20, 256, 2, seed=2, alpha=1.2, drift=0.1)
+    start = eplb.rebalance(tr[0], **dsv3, migration_aware=False)
+    calls = [(tr[1], start, dict(dsv3, tolerance=0.01, relative_to="oblivious")), (tr[1], None, dsv3)]
+    fast = [eplb.rebalance(w, cur, **kw).phy2log for w, cur, kw in calls]
+    if HAVE_NUMBA:
+        assert jit._LOADED["sticky_kernel"] is not None and jit._LOADED["pack_kernel"] is not None
+    monkeypatch.setattr(jit, "_LOADED", {"sticky_kernel": None, "pack_kernel": None})  # numba missing
+    none = [eplb.rebalance(w, cur, **kw).phy2log for w, cur, kw in calls]
+    monkeypatch.setenv("MOESHARD_EPLB_JIT", "0")
+    slow = [eplb.rebalance(w, cur, **kw).phy2log for w, cur, kw in calls]
+    for a, b, c in zip(fast, none, slow):
+        np.testing.assert_array_equal(a, c)
+        np.testing.assert_array_equal(b, c)
 
 
 def test_sticky_searches_equal_plain_loops():
