@@ -960,6 +960,53 @@ def test_small_calls_load_no_kernel_and_none_is_needed(monkeypatch):
         np.testing.assert_array_equal(b, c)
 
 
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+def test_aware_loops_compiled_equal_numpy(monkeypatch):
+    """The migration-aware policy's compiled loops (``aware_kernel``) answer as numpy's: the
+    cheapest group assignments per cap (fewest copies, then the lightest heaviest node, then
+    the first; integer loads for ties, two to four groups per node, caps no assignment meets)
+    and the slot order of a new placement (kept experts in their old slots, duplicates and
+    empty slots); each compiled loop ran (not under ``MOESHARD_EPLB_JIT=0``)."""
+    from moeshard.eplb import aware, aware_kernel
+
+    monkeypatch.setattr(aware, "_JIT_FROM", 0)
+    calls = {}
+    for name in ("cheapest_groups", "arrange"):
+        real = getattr(aware_kernel, name)
+        monkeypatch.setattr(aware_kernel, name, lambda *a, _f=real, _n=name: (calls.update({_n: 1}), _f(*a))[1])
+    rng = np.random.default_rng(11)
+    for num_groups, num_nodes in ((8, 4), (6, 3), (4, 2), (8, 2)):
+        sh = type("Sh", (), dict(num_groups=num_groups, num_nodes=num_nodes))
+        num_layers = 30
+        gl = rng.integers(0, 5, (num_layers, num_groups)).astype(np.float64)
+        gl[::2] = rng.random((len(gl[::2]), num_groups)) * 10
+        gn_old = np.stack([rng.permutation(np.repeat(np.arange(num_nodes), num_groups // num_nodes)) for _ in gl])
+        copies = rng.integers(1, 4, (num_layers, num_groups))
+        mean = gl.sum(1) / num_nodes
+        caps = np.array([0.96, 1.0, 1.1, 1.3])[:, None] * mean * rng.uniform(0.8, 1.3, num_layers)
+        # and a cap exactly at the old assignment's heaviest node (summed as numpy sums it)
+        at_old = [max(gl[i][gn_old[i] == k].sum() for k in range(num_nodes)) for i in range(num_layers)]
+        caps = np.vstack([caps, at_old])
+        got = {}
+        for mode in ("compiled", "numpy"):
+            monkeypatch.setenv("MOESHARD_EPLB_JIT", "1" if mode == "compiled" else "0")
+            got[mode] = aware._cheapest_groups(gl, gn_old, copies, caps, sh)
+        for a, b in zip(got["compiled"], got["numpy"]):
+            np.testing.assert_array_equal(a, b)
+        assert 0 < got["numpy"][1].sum() < got["numpy"][1].size  # some caps met, some not
+    num_x, num_s = 500, 6
+    old = rng.integers(-1, 8, (num_x, num_s))
+    new = np.where(
+        rng.random((num_x, num_s)) < 0.5, old[:, rng.permutation(num_s)], rng.integers(-1, 8, (num_x, num_s))
+    )
+    got = {}
+    for mode in ("compiled", "numpy"):
+        monkeypatch.setenv("MOESHARD_EPLB_JIT", "1" if mode == "compiled" else "0")
+        got[mode] = aware._arrange(new, old)
+    np.testing.assert_array_equal(got["compiled"], got["numpy"])
+    assert len(calls) == 2
+
+
 def test_sticky_searches_equal_plain_loops():
     """The sticky packing's swap repair and the swap-back search (:mod:`moeshard.eplb.sticky`)
     score only the pairs that pass their masks, over many rows at once; on every row they make

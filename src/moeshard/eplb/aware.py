@@ -68,6 +68,7 @@ import math
 import numpy as np
 
 from ..placement import Placement
+from . import jit
 from .inputs import Shape
 from .metrics import (
     copy_counts,
@@ -98,6 +99,11 @@ def _arrange(new: np.ndarray, old: np.ndarray) -> np.ndarray:
     slot holding it); newcomers fill the remaining slots in order. ``new``, ``old``:
     ``int[X, S]`` -> ``int[X, S]``."""
     x, s = new.shape
+    compiled = jit.kernel("aware_kernel", new.size, _JIT_FROM)
+    if compiled is not None:
+        out = np.empty((x, s), dtype=np.int64)
+        compiled.arrange(np.ascontiguousarray(new, dtype=np.int64), np.ascontiguousarray(old, dtype=np.int64), out)
+        return out.astype(new.dtype, copy=False)
     out = np.full_like(new, -1)
     placed = np.zeros((x, s), dtype=bool)
     rows = np.arange(x)
@@ -264,6 +270,9 @@ def _matched_oblivious(
     return scatter_packs(packs, sh, rank_of_pack), group_node
 
 
+# Calls of at least this many items (slots, or layers x group assignments) run their loops
+# compiled where numba is installed (``aware_kernel``, :mod:`moeshard.eplb.jit`).
+_JIT_FROM = 4096
 # Relative slack of the checks that a candidate is within the limit: only what two sums of the
 # same copies in another order may differ by (a few ulps), so that the answer is never less
 # balanced than the reference beyond that (the sticky packing's thresholds use a looser one).
@@ -399,6 +408,14 @@ def _cheapest_groups(
         return np.broadcast_to(gn_old, (num_c, *gn_old.shape)), np.zeros((num_c, num_layers), dtype=bool)
     # groups of each node per assignment: [A, N, G/N]
     members = np.argsort(a, axis=1, kind="stable").reshape(len(a), sh.num_nodes, -1)
+    compiled = jit.kernel("aware_kernel", num_layers * len(a), _JIT_FROM) if gl.dtype == np.float64 else None
+    if compiled is not None:
+        best = np.empty((num_c, num_layers), dtype=np.int64)
+        found = np.empty((num_c, num_layers), dtype=bool)
+        args = (np.ascontiguousarray(gl), members, a, np.ascontiguousarray(gn_old, dtype=np.int64))
+        caps = np.ascontiguousarray(node_caps, dtype=np.float64)
+        compiled.cheapest_groups(*args, np.ascontiguousarray(copies, dtype=np.int64), caps, best, found)
+        return np.where(found[..., None], a[best], gn_old[None]), found
     if members.shape[-1] == 2:  # a sum of two: one rounding (numpy's), without the [L, A, N, 2] gather
         node_load = (gl[:, members[..., 0]] + gl[:, members[..., 1]]).max(-1)  # [L, A]
     else:
@@ -719,9 +736,11 @@ def _aware(
     # policy never moves more copies than the oblivious policy.
     best = obl.phy2log.copy()
     best_moves = moves3(held_old, best)
-    for o in (ref.phy2log, _matched_oblivious(obl, held_old, sh)[0], _matched_oblivious(ref, held_old, sh)[0]):
+    perm = _node_match(obl.group_node, held_old, sh)  # the oblivious answer's nodes on the old ones
+    for o in (ref.phy2log, _matched_oblivious(obl, held_old, sh, perm)[0], _matched_oblivious(ref, held_old, sh)[0]):
         mv = moves3(held_old, o)
-        take = (mv < best_moves) & _within(w, o, limit)
+        fewer = np.flatnonzero(mv < best_moves)
+        take = fewer[_within(w[fewer], o[fewer], limit[fewer])]
         best[take], best_moves[take] = o[take], mv[take]
     # Group assignments to try (hierarchical): groups stay on their node unless its load
     # would exceed what its ranks may well carry under the limit (most nodes are far under
@@ -759,7 +778,6 @@ def _aware(
         # the oblivious answer's groups, nodes matched to the old ones: node by node sticky
         # packing, else the oblivious answer's packing of the node (within the limit), so
         # nodes that keep their groups need not take the oblivious packing too
-        perm = _node_match(obl.group_node, held_old, sh)
         gn_m = np.take_along_axis(perm, obl.group_node, axis=1)
         diff = ml[(gn_m[ml] != gn[ml]).any(1)]
         extra.append((diff, gn_m[diff]))
