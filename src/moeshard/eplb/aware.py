@@ -543,6 +543,8 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None) -> tupl
 def _within(w: np.ndarray, p2l: np.ndarray, limit: np.ndarray) -> np.ndarray:
     """``bool[L]``: layers whose heaviest rank under ``p2l`` ``int[L, R, S]`` (loads ``w``
     ``float[L, E]``) is within ``limit`` ``float[L]``, up to rounding (``_SLACK``)."""
+    if not len(p2l):
+        return np.zeros(0, dtype=bool)
     return max_rank_load(w, p2l, copy_counts(p2l, w.shape[1])) <= limit * (1 + _SLACK)
 
 
@@ -737,7 +739,13 @@ def _aware(
     best = obl.phy2log.copy()
     best_moves = moves3(held_old, best)
     perm = _node_match(obl.group_node, held_old, sh)  # the oblivious answer's nodes on the old ones
-    for o in (ref.phy2log, _matched_oblivious(obl, held_old, sh, perm)[0], _matched_oblivious(ref, held_old, sh)[0]):
+    # the reference's matched where it is within the limit (matching moves its packs, whose
+    # loads stay those of its own ranks: elsewhere it is not within the limit either)
+    ref_ok = np.flatnonzero(_within(w, ref.phy2log, limit))
+    ref_matched = ref.phy2log.copy()
+    if len(ref_ok):
+        ref_matched[ref_ok] = _matched_oblivious(_rows(ref, ref_ok), held_old[ref_ok], sh)[0]
+    for o in (ref.phy2log, _matched_oblivious(obl, held_old, sh, perm)[0], ref_matched):
         mv = moves3(held_old, o)
         fewer = np.flatnonzero(mv < best_moves)
         take = fewer[_within(w[fewer], o[fewer], limit[fewer])]
