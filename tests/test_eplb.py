@@ -931,6 +931,39 @@ def test_balanced_pack_compiled_equals_numpy(monkeypatch):
     assert len(calls) == len(cases)
 
 
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+def test_replicate_experts_compiled_equals_numpy(monkeypatch):
+    """The reference's replication compiled (``pack_kernel.replicate``) gives numpy's copies and
+    counts: float32 loads (a copy's load rounded as the reference's) and float64, the
+    reference's counts, spread counts and hot-spread counts (several ``hot`` per row, a hot
+    group that closes), ties (integer loads); the compiled loop ran."""
+    from moeshard.eplb import oblivious, pack_kernel
+
+    monkeypatch.setattr(oblivious, "_JIT_FROM", 0)
+    calls = []
+    real = pack_kernel.replicate
+    monkeypatch.setattr(pack_kernel, "replicate", lambda *a: (calls.append(1), real(*a))[1])
+    rng = np.random.default_rng(7)
+    cases = [
+        (np.float64, None, 0),
+        (np.float32, None, 0),
+        (np.float64, 4, 0),
+        (np.float64, 4, "rows"),
+        (np.float32, 3, 2),
+    ]
+    for dtype, num_ranks, hot in cases:
+        w = rng.integers(0, 9, (60, 12)).astype(dtype)  # ties
+        w[1::2] = (rng.random((30, 12)) * 1000) ** 2
+        hot_arg = rng.integers(0, 5, 60) if hot == "rows" else hot
+        got = {}
+        for mode in ("compiled", "numpy"):
+            monkeypatch.setenv("MOESHARD_EPLB_JIT", "1" if mode == "compiled" else "0")
+            got[mode] = oblivious.replicate_experts(w, 40, num_ranks, hot_arg)
+        for a, b in zip(got["compiled"], got["numpy"]):
+            np.testing.assert_array_equal(a, b, err_msg=str((dtype, num_ranks, hot)))
+    assert len(calls) == len(cases)
+
+
 def test_small_calls_load_no_kernel_and_none_is_needed(monkeypatch):
     """A toy's call (oblivious and migration-aware) loads no compiled loop (``eplb.jit``: the
     import of numba costs more than the call), a model's shape does where numba is installed,

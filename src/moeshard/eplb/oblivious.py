@@ -96,6 +96,11 @@ def replicate_experts(
     num_rows, n = w.shape
     assert num_phy >= n
     phy = np.empty((num_rows, num_phy), dtype=np.int64)
+    compiled = jit.kernel("pack_kernel", num_rows * num_phy, _JIT_FROM) if w.dtype in (np.float32, np.float64) else None
+    if compiled is not None:
+        cnt = np.empty((num_rows, n), dtype=np.int64)
+        compiled.replicate(np.ascontiguousarray(w), num_ranks or 0, _hot_items(w, num_ranks, hot), phy, cnt)
+        return phy, cnt
     phy[:, :n] = np.arange(n)
     cnt = np.ones((num_rows, n), dtype=np.int64)
     per_copy = w.copy()
@@ -108,11 +113,7 @@ def replicate_experts(
             cnt[rows, j] = c
             per_copy[rows, j] = w[rows, j] / c  # rounded to w's dtype (float32: eplb.py's)
         return phy, cnt
-    hot = np.broadcast_to(np.asarray(hot, dtype=np.int64), (num_rows,))
-    is_hot = np.zeros((num_rows, n), dtype=bool)
-    if hot.any():
-        order = desc_order(w)
-        np.put_along_axis(is_hot, order, np.arange(n) < hot[:, None], axis=1)
+    is_hot = _hot_items(w, num_ranks, hot)
     # An item is open while it has fewer than num_ranks copies and, if hot, the row's hot
     # items have fewer than num_ranks together; ``open_`` is its load per copy, -inf once
     # closed (kept up to date item by item: an item closes for good).
@@ -135,6 +136,17 @@ def replicate_experts(
         if shut.any():
             open_[shut] = np.where(is_hot[shut], -np.inf, open_[shut])
     return phy, cnt
+
+
+def _hot_items(w: np.ndarray, num_ranks: int | None, hot: int | np.ndarray) -> np.ndarray:
+    """``bool[B, n]``: each row's ``hot`` heaviest items of ``w`` ``float[B, n]`` (the first on
+    ties; none without ``num_ranks``)."""
+    num_rows, n = w.shape
+    is_hot = np.zeros((num_rows, n), dtype=bool)
+    hot = np.broadcast_to(np.asarray(hot, dtype=np.int64), (num_rows,))
+    if num_ranks is not None and hot.any():
+        np.put_along_axis(is_hot, desc_order(w), np.arange(n) < hot[:, None], axis=1)
+    return is_hot
 
 
 def balanced_pack(w: np.ndarray, key: np.ndarray | None, num_keys: int, num_packs: int, cap: int) -> np.ndarray:

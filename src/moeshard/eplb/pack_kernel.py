@@ -1,6 +1,7 @@
-"""The reference's greedy packing (:func:`moeshard.eplb.oblivious.balanced_pack`) compiled with
-numba, one row at a time: the very packs of the numpy loop (its dtype's sums, float32 for the
-reference's, the same ties).
+"""The reference's replication and greedy packing (:func:`moeshard.eplb.oblivious.replicate_experts`,
+:func:`moeshard.eplb.oblivious.balanced_pack`) compiled with numba, one row at a time: the very
+copies and packs of the numpy loops (their dtype's arithmetic, float32 for the reference's, the
+same ties).
 
 Imported only when numba is installed (the ``fast`` extra); the first call in a process
 compiles the loop or loads it from numba's on-disk cache.
@@ -11,7 +12,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["greedy_pack"]
+__all__ = ["greedy_pack", "replicate"]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -68,3 +69,64 @@ def greedy_pack(w_t, key_t, has_key, num_keys, num_packs, cap, first_fill, out):
         if has_key:
             for t in range(n):
                 held[key_t[t, b], :] = False
+
+
+@numba.njit(cache=True, nogil=True)
+def replicate(w, num_ranks, is_hot, phy, cnt):
+    """``replicate_experts``, in place, row by row: slot ``i < n`` holds item ``i``; each further
+    slot goes to the item of the highest load per copy (first on ties), with ``num_ranks > 0``
+    (spread counts) among the open items: fewer than ``num_ranks`` copies and, if hot, the
+    row's hot items fewer than ``num_ranks`` together (all closed: the highest load per copy).
+
+    Args:
+        w: ``float[B, n]`` loads (a copy's load is rounded to this dtype).
+        num_ranks: ``> 0`` for spread counts, else the reference's counts.
+        is_hot: ``bool[B, n]`` the hot items (read where ``num_ranks > 0``).
+        phy: ``int64[B, P]`` out: item of each slot; ``cnt``: ``int64[B, n]`` out: copies.
+    """
+    num_b, n = w.shape
+    num_phy = phy.shape[1]
+    per_copy = np.empty(n, dtype=w.dtype)
+    open_ = np.empty(n, dtype=w.dtype)
+    ninf = w.dtype.type(-np.inf)
+    for b in range(num_b):
+        hot_total = 0
+        for e in range(n):
+            phy[b, e] = e
+            cnt[b, e] = 1
+            per_copy[e] = w[b, e]
+            if num_ranks > 0 and is_hot[b, e]:
+                hot_total += 1
+        if num_ranks > 0:
+            for e in range(n):
+                ok = 1 < num_ranks and (not is_hot[b, e] or hot_total < num_ranks)
+                open_[e] = per_copy[e] if ok else ninf
+        for i in range(n, num_phy):
+            j = 0
+            if num_ranks > 0:
+                for e in range(1, n):
+                    if open_[e] > open_[j]:
+                        j = e
+                if open_[j] == ninf:
+                    j = 0
+                    for e in range(1, n):
+                        if per_copy[e] > per_copy[j]:
+                            j = e
+            else:
+                for e in range(1, n):
+                    if per_copy[e] > per_copy[j]:
+                        j = e
+            phy[b, i] = j
+            c = cnt[b, j] + 1
+            cnt[b, j] = c
+            v = w[b, j] / c  # float64, rounded to w's dtype where stored
+            per_copy[j] = v
+            if num_ranks > 0:
+                hj = is_hot[b, j]
+                if hj:
+                    hot_total += 1
+                open_[j] = v if c < num_ranks and (not hj or hot_total < num_ranks) else ninf
+                if hj and hot_total == num_ranks:  # the row's hot items close together
+                    for e in range(n):
+                        if is_hot[b, e]:
+                            open_[e] = ninf
