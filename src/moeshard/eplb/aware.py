@@ -44,7 +44,8 @@ Per layer:
   sums of the same copies in another order differ), the one with the fewest moved copies;
   the oblivious answer and the reference's, as they are or matched to the old ranks, always
   are candidates (the balance is guaranteed). A rank may hold two copies of an expert where
-  the reference would.
+  the reference would. A group assignment (or its fallback packing) is not packed where its
+  fewest possible moves (:func:`_fewest_moves`) already cannot beat a candidate within ``T``.
 
 * on the chosen answer's nodes that move copies, copies are swapped back to ranks that held
   them while both ranks stay within ``T`` (:func:`restore`; the candidates' own searches
