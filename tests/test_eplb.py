@@ -615,6 +615,62 @@ def test_aware_within_one_percent_of_the_oblivious_answer_moves_few_copies():
     assert moved < 0.116 * ref_moved, (moved, ref_moved)
 
 
+def test_aware_skips_only_candidates_that_cannot_be_taken(monkeypatch):
+    """The migration-aware policy packs no (layer, group assignment) whose fewest possible
+    moves (``_fewest_moves``: an expert's copy on a node that held none of it is moved) are no
+    fewer than a candidate's already within the limit: the bound is never above the moves of
+    a placement with those groups (the aware, the oblivious and the reference's answers, dead
+    ranks included), candidates are skipped, and the answers are those of packing every
+    one (a bound of 0) on a drifting DeepSeek-V3-like trace, per layer and per step."""
+    from moeshard.eplb import aware
+    from moeshard.eplb.inputs import check_shape
+    from moeshard.eplb.metrics import held_by_rank, moves3
+
+    cfg = dict(num_physical=192, num_ranks=16, num_nodes=4, num_groups=8)
+    alive = np.ones(16, dtype=bool)
+    alive[[3, 6, 9, 12]] = False  # one per node: still the hierarchical policy
+    trace = zipf_trace(10, 128, 3, seed=4, alpha=1.2, drift=0.1)
+    real, sticky_nodes = aware._fewest_moves, aware._sticky_nodes
+    packed = {"real": 0, "zero": 0}  # (layer, assignment)s packed with each bound
+    mode = ["real"]
+
+    def counted(w, *args, **kwargs):
+        packed[mode[0]] += len(w)
+        return sticky_nodes(w, *args, **kwargs)
+
+    monkeypatch.setattr(aware, "_sticky_nodes", counted)
+
+    for extra in (dict(), dict(active_ranks=alive)):
+        sh = check_shape(trace[0], 192, 16, 4, 8, extra.get("active_ranks"))
+        cur = eplb.rebalance(trace[0], **cfg, migration_aware=False)
+        for load in trace[1:]:
+            answers = {}
+            for bound in ("real", "zero"):
+                monkeypatch.setattr(
+                    aware, "_fewest_moves", real if bound == "real" else lambda h, g, s: 0 * real(h, g, s)
+                )
+                mode[0] = bound
+                for scope in ("layer", "step"):
+                    kw = dict(tolerance=0.01, relative_to="oblivious", tolerance_scope=scope)
+                    answers[bound, scope] = eplb.rebalance(load, cur, **cfg, **extra, **kw).phy2log
+            for scope in ("layer", "step"):
+                np.testing.assert_array_equal(answers["real", scope], answers["zero", scope])
+            old3 = np.where(sh.active[None, :, None], cur.phy2log.reshape(len(load), 16, -1), -1)
+            held = held_by_rank(old3, 128)
+            assert sh.hierarchical
+            for p in (
+                answers["real", "layer"],  # moves few copies: the bound is tight on many layers
+                eplb.rebalance(load, **cfg, **extra, migration_aware=False).phy2log,
+                eplb.reference(load, **cfg, **extra).phy2log,
+            ):
+                p3 = p.reshape(len(load), 16, -1)
+                gn = (p3.reshape(len(load), 4, -1) // 16)[..., None] == np.arange(8)
+                group_node = gn.any(2).argmax(1)  # [L, G]: the node holding each group
+                assert (real(held, group_node, sh) <= moves3(held, p3)).all()
+            cur = eplb.Placement(answers["real", "layer"], num_logical=128, num_ranks=16)
+    assert packed["real"] < packed["zero"], packed
+
+
 def test_zero_load_layer():
     cfg = dict(num_physical=24, num_ranks=4)
     load = np.zeros((2, 16))
@@ -797,6 +853,191 @@ def _restore_one_row(x, old, wc, cap, thr, max_rounds=8):
             score, rp, rq, p, q = max(left, key=lambda c: c[0])  # the first on ties
             flat[p], flat[q] = flat[q], flat[p]
             touched |= {rp, rq}
+
+
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+def test_sticky_loops_compiled_equal_numpy(monkeypatch):
+    """The sticky packing and the swap-back search compiled (``sticky_kernel``: the copies
+    kept, the evictions, the placement of the rest, the swap repair, ``restore``) make the
+    very choices of numpy's on every row, ties, caps and dead ranks included: the same arrays
+    with and without ``MOESHARD_EPLB_JIT=0``, and each compiled loop ran (only in the first)."""
+    from moeshard.eplb import sticky, sticky_kernel
+    from moeshard.eplb.oblivious import per_rank_cap
+
+    calls = {}
+    for name in ("pack", "swap_repair", "restore"):
+        real = getattr(sticky_kernel, name)
+        monkeypatch.setattr(sticky_kernel, name, lambda *a, _f=real, _n=name: (calls.update({_n: 1}), _f(*a))[1])
+    monkeypatch.setattr(sticky, "_JIT_FROM", 0)
+    for seed in range(4):
+        rng = np.random.default_rng(seed)
+        num_b, num_k, num_s, num_e = 150, 6, 4, 10
+        _, old, _, _, _ = _sticky_rows(seed, num_b, num_k, num_s, num_e)
+        alive = np.ones((num_b, num_k), dtype=bool)
+        alive[np.arange(num_b), rng.integers(0, num_k, num_b)] = rng.random(num_b) > 0.3  # a dead rank in some rows
+        live = alive.sum(1) * num_s
+        cnt = np.stack(
+            [np.bincount(np.r_[np.arange(num_e), rng.integers(0, num_e, n - num_e)], minlength=num_e) for n in live]
+        )
+        w = rng.integers(1, 30, (num_b, num_e)).astype(np.float64)
+        wc = w / cnt
+        thr = w.sum(1) / alive.sum(1) * rng.choice([0.9, 1.0, 1.05, 1.2], num_b)
+        got = {}
+        for mode in ("compiled", "numpy"):
+            calls.clear()
+            monkeypatch.setenv("MOESHARD_EPLB_JIT", "1" if mode == "compiled" else "0")
+            packed = [sticky.sticky_pack(old, alive, cnt, wc, thr, no_duplicates=nd) for nd in (False, True)]
+            back = packed[0].copy()
+            sticky.restore(back, old, alive, wc, per_rank_cap(cnt, alive.sum(1)), thr)
+            got[mode] = (*packed, back)
+            assert len(calls) == (3 if mode == "compiled" else 0), calls
+        for a, b in zip(got["compiled"], got["numpy"]):
+            np.testing.assert_array_equal(a, b, err_msg=f"seed {seed}")
+        assert (got["numpy"][2] != got["numpy"][0]).any()  # swaps back happened
+        assert (np.where(alive[:, :, None], old, -1) != got["numpy"][0]).any(axis=(1, 2)).mean() > 0.5
+
+
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+def test_balanced_pack_compiled_equals_numpy(monkeypatch):
+    """The reference's greedy packing compiled (``pack_kernel``) gives numpy's packs: float32
+    loads (the reference's sums) and float64, with and without keys (moeshard's no-duplicate
+    rule, dead ends where every pack with room holds the key included), ties (integer loads),
+    rows of zeros (no first fill); the compiled loop ran (not under ``MOESHARD_EPLB_JIT=0``)."""
+    from moeshard.eplb import oblivious, pack_kernel
+
+    monkeypatch.setattr(oblivious, "_JIT_FROM", 0)
+    calls = []
+    real = pack_kernel.greedy_pack
+    monkeypatch.setattr(pack_kernel, "greedy_pack", lambda *a: (calls.append(1), real(*a))[1])
+    rng = np.random.default_rng(5)
+    cases = [
+        (40, 8, 9, 64, np.float64, False),
+        (30, 8, 9, 64, np.float32, False),
+        (20, 4, 2, 0, np.float64, False),
+        (25, 5, 3, 4, np.float64, False),
+        (15, 8, 9, 64, np.float64, True),
+    ]
+    for num_rows, num_packs, cap, num_keys, dtype, sparse in cases:
+        n = num_packs * cap
+        w = rng.integers(0, 2 if sparse else 6, (num_rows, n)).astype(dtype)  # ties
+        w[1::3] = rng.random((len(w[1::3]), n)).astype(dtype)
+        w[0] = 0
+        key = rng.integers(0, num_keys, (num_rows, n)) if num_keys else None
+        got = {}
+        for mode in ("compiled", "numpy"):
+            monkeypatch.setenv("MOESHARD_EPLB_JIT", "1" if mode == "compiled" else "0")
+            got[mode] = oblivious.balanced_pack(w, key, num_keys, num_packs, cap)
+        np.testing.assert_array_equal(got["compiled"], got["numpy"], err_msg=str((num_packs, cap, num_keys)))
+    assert len(calls) == len(cases)
+
+
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+def test_replicate_experts_compiled_equals_numpy(monkeypatch):
+    """The reference's replication compiled (``pack_kernel.replicate``) gives numpy's copies and
+    counts: float32 loads (a copy's load rounded as the reference's) and float64, the
+    reference's counts, spread counts and hot-spread counts (several ``hot`` per row, a hot
+    group that closes), ties (integer loads); the compiled loop ran."""
+    from moeshard.eplb import oblivious, pack_kernel
+
+    monkeypatch.setattr(oblivious, "_JIT_FROM", 0)
+    calls = []
+    real = pack_kernel.replicate
+    monkeypatch.setattr(pack_kernel, "replicate", lambda *a: (calls.append(1), real(*a))[1])
+    rng = np.random.default_rng(7)
+    cases = [
+        (np.float64, None, 0),
+        (np.float32, None, 0),
+        (np.float64, 4, 0),
+        (np.float64, 4, "rows"),
+        (np.float32, 3, 2),
+    ]
+    for dtype, num_ranks, hot in cases:
+        w = rng.integers(0, 9, (60, 12)).astype(dtype)  # ties
+        w[1::2] = (rng.random((30, 12)) * 1000) ** 2
+        hot_arg = rng.integers(0, 5, 60) if hot == "rows" else hot
+        got = {}
+        for mode in ("compiled", "numpy"):
+            monkeypatch.setenv("MOESHARD_EPLB_JIT", "1" if mode == "compiled" else "0")
+            got[mode] = oblivious.replicate_experts(w, 40, num_ranks, hot_arg)
+        for a, b in zip(got["compiled"], got["numpy"]):
+            np.testing.assert_array_equal(a, b, err_msg=str((dtype, num_ranks, hot)))
+    assert len(calls) == len(cases)
+
+
+def test_small_calls_load_no_kernel_and_none_is_needed(monkeypatch):
+    """A toy's call (oblivious and migration-aware) loads no compiled loop (``eplb.jit``: the
+    import of numba costs more than the call), a model's shape does where numba is installed,
+    and without numba (the kernels' import failed) every call gives the placement of the
+    numpy loops (``MOESHARD_EPLB_JIT=0``)."""
+    from moeshard.eplb import jit
+
+    monkeypatch.delenv("MOESHARD_EPLB_JIT", raising=False)
+    monkeypatch.setattr(jit, "_LOADED", {})
+    cfg = dict(num_physical=16, num_ranks=8, num_nodes=2, num_groups=4)
+    old = eplb.rebalance(README_WEIGHT, **cfg, migration_aware=False)
+    eplb.rebalance(README_WEIGHT[::-1], old, **cfg, tolerance=0.01, relative_to="oblivious")
+    assert not jit._LOADED
+    dsv3 = dict(num_physical=288, num_ranks=32, num_nodes=4, num_groups=8)
+    tr = zipf_trace(20, 256, 2, seed=2, alpha=1.2, drift=0.1)
+    start = eplb.rebalance(tr[0], **dsv3, migration_aware=False)
+    calls = [(tr[1], start, dict(dsv3, tolerance=0.01, relative_to="oblivious")), (tr[1], None, dsv3)]
+    fast = [eplb.rebalance(w, cur, **kw).phy2log for w, cur, kw in calls]
+    if HAVE_NUMBA:
+        assert jit._LOADED["sticky_kernel"] is not None and jit._LOADED["pack_kernel"] is not None
+    monkeypatch.setattr(jit, "_LOADED", {"sticky_kernel": None, "pack_kernel": None})  # numba missing
+    none = [eplb.rebalance(w, cur, **kw).phy2log for w, cur, kw in calls]
+    monkeypatch.setenv("MOESHARD_EPLB_JIT", "0")
+    slow = [eplb.rebalance(w, cur, **kw).phy2log for w, cur, kw in calls]
+    for a, b, c in zip(fast, none, slow):
+        np.testing.assert_array_equal(a, c)
+        np.testing.assert_array_equal(b, c)
+
+
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+def test_aware_loops_compiled_equal_numpy(monkeypatch):
+    """The migration-aware policy's compiled loops (``aware_kernel``) answer as numpy's: the
+    cheapest group assignments per cap (fewest copies, then the lightest heaviest node, then
+    the first; integer loads for ties, two to four groups per node, caps no assignment meets)
+    and the slot order of a new placement (kept experts in their old slots, duplicates and
+    empty slots); each compiled loop ran (not under ``MOESHARD_EPLB_JIT=0``)."""
+    from moeshard.eplb import aware, aware_kernel
+
+    monkeypatch.setattr(aware, "_JIT_FROM", 0)
+    calls = {}
+    for name in ("cheapest_groups", "arrange"):
+        real = getattr(aware_kernel, name)
+        monkeypatch.setattr(aware_kernel, name, lambda *a, _f=real, _n=name: (calls.update({_n: 1}), _f(*a))[1])
+    rng = np.random.default_rng(11)
+    for num_groups, num_nodes in ((8, 4), (6, 3), (4, 2), (8, 2)):
+        sh = type("Sh", (), dict(num_groups=num_groups, num_nodes=num_nodes))
+        num_layers = 30
+        gl = rng.integers(0, 5, (num_layers, num_groups)).astype(np.float64)
+        gl[::2] = rng.random((len(gl[::2]), num_groups)) * 10
+        gn_old = np.stack([rng.permutation(np.repeat(np.arange(num_nodes), num_groups // num_nodes)) for _ in gl])
+        copies = rng.integers(1, 4, (num_layers, num_groups))
+        mean = gl.sum(1) / num_nodes
+        caps = np.array([0.96, 1.0, 1.1, 1.3])[:, None] * mean * rng.uniform(0.8, 1.3, num_layers)
+        # and a cap exactly at the old assignment's heaviest node (summed as numpy sums it)
+        at_old = [max(gl[i][gn_old[i] == k].sum() for k in range(num_nodes)) for i in range(num_layers)]
+        caps = np.vstack([caps, at_old])
+        got = {}
+        for mode in ("compiled", "numpy"):
+            monkeypatch.setenv("MOESHARD_EPLB_JIT", "1" if mode == "compiled" else "0")
+            got[mode] = aware._cheapest_groups(gl, gn_old, copies, caps, sh)
+        for a, b in zip(got["compiled"], got["numpy"]):
+            np.testing.assert_array_equal(a, b)
+        assert 0 < got["numpy"][1].sum() < got["numpy"][1].size  # some caps met, some not
+    num_x, num_s = 500, 6
+    old = rng.integers(-1, 8, (num_x, num_s))
+    new = np.where(
+        rng.random((num_x, num_s)) < 0.5, old[:, rng.permutation(num_s)], rng.integers(-1, 8, (num_x, num_s))
+    )
+    got = {}
+    for mode in ("compiled", "numpy"):
+        monkeypatch.setenv("MOESHARD_EPLB_JIT", "1" if mode == "compiled" else "0")
+        got[mode] = aware._arrange(new, old)
+    np.testing.assert_array_equal(got["compiled"], got["numpy"])
+    assert len(calls) == 2
 
 
 def test_sticky_searches_equal_plain_loops():

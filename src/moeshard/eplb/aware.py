@@ -44,7 +44,8 @@ Per layer:
   sums of the same copies in another order differ), the one with the fewest moved copies;
   the oblivious answer and the reference's, as they are or matched to the old ranks, always
   are candidates (the balance is guaranteed). A rank may hold two copies of an expert where
-  the reference would.
+  the reference would. A group assignment (or its fallback packing) is not packed where its
+  fewest possible moves (:func:`_fewest_moves`) already cannot beat a candidate within ``T``.
 
 * on the chosen answer's nodes that move copies, copies are swapped back to ranks that held
   them while both ranks stay within ``T`` (:func:`restore`; the candidates' own searches
@@ -68,6 +69,7 @@ import math
 import numpy as np
 
 from ..placement import Placement
+from . import jit
 from .inputs import Shape
 from .metrics import (
     copy_counts,
@@ -98,6 +100,11 @@ def _arrange(new: np.ndarray, old: np.ndarray) -> np.ndarray:
     slot holding it); newcomers fill the remaining slots in order. ``new``, ``old``:
     ``int[X, S]`` -> ``int[X, S]``."""
     x, s = new.shape
+    compiled = jit.kernel("aware_kernel", new.size, _JIT_FROM)
+    if compiled is not None:
+        out = np.empty((x, s), dtype=np.int64)
+        compiled.arrange(np.ascontiguousarray(new, dtype=np.int64), np.ascontiguousarray(old, dtype=np.int64), out)
+        return out.astype(new.dtype, copy=False)
     out = np.full_like(new, -1)
     placed = np.zeros((x, s), dtype=bool)
     rows = np.arange(x)
@@ -213,17 +220,17 @@ def capped_counts(wr: np.ndarray, cnt: np.ndarray, cap: np.ndarray) -> np.ndarra
     return c
 
 
-def _node_counts(w, old3, group_node, sh: Shape, keep_counts: bool) -> tuple[np.ndarray, np.ndarray]:
+def _node_counts(w, old3, group_node, sh: Shape) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
     """Replica counts per node row (``l * N + k``) ``int[L*N, E]`` and the per-copy loads
-    ``float[L*N, E]`` they give: ``replicate_experts`` per node, or :func:`_old_counts`."""
+    ``float[L*N, E]`` they give: :func:`_old_counts`, and ``replicate_experts`` per node."""
     num_layers, num_logical = w.shape
     n = sh.num_nodes
     mlog2log, _, mcnt, _ = replicate_nodes(w, group_node, sh)
-    cnt_rows = np.zeros((num_layers * n, num_logical), dtype=np.int64)
-    np.put_along_axis(cnt_rows, mlog2log, mcnt, axis=1)
-    if keep_counts:
-        cnt_rows = _old_counts(w, old3, group_node, sh, cnt_rows)
-    return cnt_rows, np.repeat(load_per_copy(w, cnt_rows.reshape(num_layers, n, -1).sum(1)), n, axis=0)
+    cnt_r = np.zeros((num_layers * n, num_logical), dtype=np.int64)
+    np.put_along_axis(cnt_r, mlog2log, mcnt, axis=1)
+    cnt_k = _old_counts(w, old3, group_node, sh, cnt_r)
+    per_copy = lambda c: np.repeat(load_per_copy(w, c.reshape(num_layers, n, -1).sum(1)), n, axis=0)  # noqa: E731
+    return (cnt_k, per_copy(cnt_k)), (cnt_r, per_copy(cnt_r))
 
 
 def _node_match(group_node: np.ndarray, held_old: np.ndarray, sh: Shape) -> np.ndarray:
@@ -254,15 +261,19 @@ def _matched_oblivious(
     live = sh.live_per_node
     packs = np.empty_like(obl.packs)
     packs[li, node_perm] = obl.packs
-    cnt_new = count_last(packs, num_logical).astype(np.float32)
-    old_nodes = held_old.reshape(num_layers, n, rpn, -1).astype(np.float32)
-    overlap = cnt_new[..., :num_logical] @ old_nodes.transpose(0, 1, 3, 2)  # [L, N, live, rpn]
+    # overlap[l, k, j, r]: copies of pack j that rank r of node k held (each copy counts)
+    old_nodes = held_old.reshape(num_layers, n, rpn, -1).transpose(0, 1, 3, 2)  # [L, N, E, rpn]
+    held = old_nodes[li[:, :, None, None], np.arange(n)[None, :, None, None], np.maximum(packs, 0)]
+    overlap = (held & (packs >= 0)[..., None]).sum(3)  # [L, N, live, rpn]
     col_ok = np.broadcast_to(sh.active.reshape(1, n, rpn), (num_layers, n, rpn)).reshape(-1, rpn)
     rank_of_pack = _greedy_match(overlap.reshape(num_layers * n, live, rpn), col_ok).reshape(num_layers, n, live)
     group_node = np.take_along_axis(node_perm, obl.group_node, axis=1)
     return scatter_packs(packs, sh, rank_of_pack), group_node
 
 
+# Calls of at least this many items (slots, or layers x group assignments) run their loops
+# compiled where numba is installed (``aware_kernel``, :mod:`moeshard.eplb.jit`).
+_JIT_FROM = 4096
 # Relative slack of the checks that a candidate is within the limit: only what two sums of the
 # same copies in another order may differ by (a few ulps), so that the answer is never less
 # balanced than the reference beyond that (the sticky packing's thresholds use a looser one).
@@ -313,12 +324,17 @@ def _restored(
     return out.reshape(cand.shape)
 
 
-def _node_stats(w: np.ndarray, cand: np.ndarray, held_old: np.ndarray, sh: Shape) -> tuple[np.ndarray, np.ndarray]:
+def _node_stats(
+    w: np.ndarray, cand: np.ndarray, held_old: np.ndarray, sh: Shape, layers: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Per layer and node of ``cand`` ``int[L, R, S]``: heaviest rank ``float[L, N]`` and moved
-    copies ``int[L, N]`` (against ``held_old`` ``bool[L, R, E]``)."""
+    copies ``int[L, N]`` (against ``held_old`` ``bool[L, R, E]``). With ``layers`` ``int[K]``,
+    ``cand`` is ``int[K, R, S]``, row ``k`` a placement of layer ``layers[k]``."""
     num_layers, num_ranks, _ = cand.shape
-    loads = rank_loads3(w, cand, copy_counts(cand, w.shape[1]))
-    li = np.arange(num_layers)[:, None, None]
+    if layers is None:
+        layers = np.arange(num_layers)
+    loads = rank_loads3(w[layers], cand, copy_counts(cand, w.shape[1]))
+    li = layers[:, None, None]
     ri = np.arange(num_ranks)[None, :, None]
     moved = ((cand >= 0) & ~held_old[li, ri, np.maximum(cand, 0)]).sum(-1)
     shape = (num_layers, sh.num_nodes, sh.ranks_per_node)
@@ -332,13 +348,13 @@ def _compose(w: np.ndarray, held_old: np.ndarray, cands: list, limit: np.ndarray
     ``bool[L, N]``: the node is within ``limit``."""
     num_layers = w.shape[0]
     n, rpn = sh.num_nodes, sh.ranks_per_node
-    scores = []
-    for cand in cands:
-        peak, moved = _node_stats(w, cand, held_old, sh)
-        scores.append(np.where(peak <= limit[:, None] * (1 + _SLACK), moved, np.inf))
-    score = np.stack(scores)  # [C, L, N]
-    pick = score.argmin(0)
     stacked = np.stack([c.reshape(num_layers, n, rpn, -1) for c in cands])
+    # every candidate's layers in one batch
+    layers = np.tile(np.arange(num_layers), len(cands))
+    peak, moved = _node_stats(w, stacked.reshape(len(layers), sh.num_ranks, -1), held_old, sh, layers)
+    score = np.where(peak <= np.tile(limit, len(cands))[:, None] * (1 + _SLACK), moved, np.inf)
+    score = score.reshape(len(cands), num_layers, n)  # [C, L, N]
+    pick = score.argmin(0)
     out = stacked[pick, np.arange(num_layers)[:, None], np.arange(n)[None, :]]
     return out.reshape(num_layers, sh.num_ranks, -1), np.isfinite(score.min(0))
 
@@ -393,16 +409,33 @@ def _cheapest_groups(
         return np.broadcast_to(gn_old, (num_c, *gn_old.shape)), np.zeros((num_c, num_layers), dtype=bool)
     # groups of each node per assignment: [A, N, G/N]
     members = np.argsort(a, axis=1, kind="stable").reshape(len(a), sh.num_nodes, -1)
-    node_load = gl[:, members].sum(-1).max(-1)  # [L, A]
-    cost = (copies[:, None, :] * (a[None] != gn_old[:, None, :])).sum(-1)  # [L, A]
-    # fewest copies, then the lightest heaviest node: one sort key per layer
-    order = np.lexsort((node_load, cost), axis=-1)
-    sorted_load = np.take_along_axis(node_load, order, axis=1)
-    ok = sorted_load[None] <= node_caps[:, :, None]  # [C, L, A]
-    first = ok.argmax(-1)
-    found = ok.any(-1)
-    best = a[np.take_along_axis(np.broadcast_to(order, (num_c, *order.shape)), first[..., None], -1)[..., 0]]
-    return np.where(found[..., None], best, gn_old[None]), found
+    compiled = jit.kernel("aware_kernel", num_layers * len(a), _JIT_FROM) if gl.dtype == np.float64 else None
+    if compiled is not None:
+        best = np.empty((num_c, num_layers), dtype=np.int64)
+        found = np.empty((num_c, num_layers), dtype=bool)
+        args = (np.ascontiguousarray(gl), members, a, np.ascontiguousarray(gn_old, dtype=np.int64))
+        caps = np.ascontiguousarray(node_caps, dtype=np.float64)
+        compiled.cheapest_groups(*args, np.ascontiguousarray(copies, dtype=np.int64), caps, best, found)
+        return np.where(found[..., None], a[best], gn_old[None]), found
+    if members.shape[-1] == 2:  # a sum of two: one rounding (numpy's), without the [L, A, N, 2] gather
+        node_load = (gl[:, members[..., 0]] + gl[:, members[..., 1]]).max(-1)  # [L, A]
+    else:
+        node_load = gl[:, members].sum(-1).max(-1)
+    cost = np.zeros(node_load.shape, dtype=np.int64)  # [L, A], group by group (no [L, A, G])
+    for g in range(sh.num_groups):
+        cost += copies[:, g, None] * (a[None, :, g] != gn_old[:, g, None])
+    # per cap, among the assignments within it: fewest copies, then the lightest heaviest
+    # node, then the first (three masked minima, not a sort of every assignment)
+    best = np.zeros((num_c, num_layers), dtype=np.int64)
+    found = np.zeros((num_c, num_layers), dtype=bool)
+    big = np.iinfo(np.int64).max
+    for c in range(num_c):
+        within = node_load <= node_caps[c][:, None]
+        c_min = np.where(within, cost, big).min(1)
+        cheapest = within & (cost == c_min[:, None])
+        lightest = cheapest & (node_load == np.where(cheapest, node_load, np.inf).min(1)[:, None])
+        best[c], found[c] = lightest.argmax(1), c_min < big
+    return np.where(found[..., None], a[best], gn_old[None]), found
 
 
 def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None) -> tuple[np.ndarray, np.ndarray]:
@@ -436,8 +469,7 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None) -> tupl
     todo = np.flatnonzero(~as_is & ~hopeless)
     tight = np.flatnonzero(~as_is & ~hopeless & (node_load > limit[:, None] * sh.live_per_node * _LOOSE).ravel())
 
-    cnt_k, wc_k = _node_counts(w, old3, gn, sh, keep_counts=True)
-    cnt_r, wc_r = _node_counts(w, old3, gn, sh, keep_counts=False)
+    (cnt_k, wc_k), (cnt_r, wc_r) = _node_counts(w, old3, gn, sh)
     thr_rows = np.repeat(limit, n)
     # capped old counts where the old counts leave a copy much heavier than needed
     wr = np.repeat(w, n, axis=0)
@@ -512,7 +544,19 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None) -> tupl
 def _within(w: np.ndarray, p2l: np.ndarray, limit: np.ndarray) -> np.ndarray:
     """``bool[L]``: layers whose heaviest rank under ``p2l`` ``int[L, R, S]`` (loads ``w``
     ``float[L, E]``) is within ``limit`` ``float[L]``, up to rounding (``_SLACK``)."""
+    if not len(p2l):
+        return np.zeros(0, dtype=bool)
     return max_rank_load(w, p2l, copy_counts(p2l, w.shape[1])) <= limit * (1 + _SLACK)
+
+
+def _fewest_moves(held_old: np.ndarray, group_node: np.ndarray, sh: Shape) -> np.ndarray:
+    """``int[K]``: a lower bound on the copies any answer with the groups on the nodes
+    ``group_node`` ``int[K, G]`` moves (``held_old`` ``bool[K, R, E]``): every expert has a
+    copy on its group's node, moved where no rank of that node held the expert."""
+    num_rows, _, num_logical = held_old.shape
+    node_held = held_old.reshape(num_rows, sh.num_nodes, sh.ranks_per_node, num_logical).any(2)  # [K, N, E]
+    node_of = np.repeat(group_node, num_logical // sh.num_groups, axis=1)  # [K, E]
+    return (~np.take_along_axis(node_held, node_of[:, None, :], axis=1)[:, 0]).sum(1)
 
 
 def _hopeless(node_load: np.ndarray, limit: np.ndarray, sh: Shape) -> np.ndarray:
@@ -695,9 +739,17 @@ def _aware(
     # policy never moves more copies than the oblivious policy.
     best = obl.phy2log.copy()
     best_moves = moves3(held_old, best)
-    for o in (ref.phy2log, _matched_oblivious(obl, held_old, sh)[0], _matched_oblivious(ref, held_old, sh)[0]):
+    perm = _node_match(obl.group_node, held_old, sh)  # the oblivious answer's nodes on the old ones
+    # the reference's matched where it is within the limit (matching moves its packs, whose
+    # loads stay those of its own ranks: elsewhere it is not within the limit either)
+    ref_ok = np.flatnonzero(_within(w, ref.phy2log, limit))
+    ref_matched = ref.phy2log.copy()
+    if len(ref_ok):
+        ref_matched[ref_ok] = _matched_oblivious(_rows(ref, ref_ok), held_old[ref_ok], sh)[0]
+    for o in (ref.phy2log, _matched_oblivious(obl, held_old, sh, perm)[0], ref_matched):
         mv = moves3(held_old, o)
-        take = (mv < best_moves) & _within(w, o, limit)
+        fewer = np.flatnonzero(mv < best_moves)
+        take = fewer[_within(w[fewer], o[fewer], limit[fewer])]
         best[take], best_moves[take] = o[take], mv[take]
     # Group assignments to try (hierarchical): groups stay on their node unless its load
     # would exceed what its ranks may well carry under the limit (most nodes are far under
@@ -735,7 +787,6 @@ def _aware(
         # the oblivious answer's groups, nodes matched to the old ones: node by node sticky
         # packing, else the oblivious answer's packing of the node (within the limit), so
         # nodes that keep their groups need not take the oblivious packing too
-        perm = _node_match(obl.group_node, held_old, sh)
         gn_m = np.take_along_axis(perm, obl.group_node, axis=1)
         diff = ml[(gn_m[ml] != gn[ml]).any(1)]
         extra.append((diff, gn_m[diff]))
@@ -752,6 +803,11 @@ def _aware(
         _, first = np.unique(np.column_stack([d, gd]), axis=0, return_index=True)
         first = np.sort(first)
         d, gd = d[first], gd[first]
+        # those whose fewest possible moves are no fewer than the baseline's or than the first
+        # assignment's packing within the limit cannot be taken (ties go to those): not packed
+        bar = np.minimum(best_moves, np.where(bad.any(1), np.iinfo(np.int64).max, moves3(held_old, cand)))
+        fewer = _fewest_moves(held_old[d], gd, sh) < bar[d]
+        d, gd = d[fewer], gd[fewer]
         if len(d):
             cand1, bad1 = _sticky_nodes(w[d], old3[d], held_old[d], gd, limit[d], sh, obl.cnt[d])
             lay, gn_all = np.concatenate([lay, d]), np.concatenate([gn_all, gd])
@@ -760,6 +816,14 @@ def _aware(
     # (not on layers with a node over what its ranks carry at the limit: never within it).
     hopeless = _hopeless(node_loads(w[lay], sh, gn_all), limit[lay], sh).any(1)
     rows = np.flatnonzero(bad.any(1) & ~hopeless)
+    if len(rows):
+        # none for a row that cannot be taken: its fewest possible moves no fewer than the
+        # baseline's, or more than those of a packing of its layer within the limit
+        big = np.iinfo(np.int64).max
+        low = np.full(num_layers, big)
+        np.minimum.at(low, lay, np.where(bad.any(1), big, moves3(held_old[lay], cand)))
+        fewest = _fewest_moves(held_old[lay[rows]], gn_all[rows], sh)
+        rows = rows[(fewest < best_moves[lay[rows]]) & (fewest <= low[lay[rows]])]
     if len(rows):
         wl, ol, hl, ll = w[lay[rows]], old3[lay[rows]], held_old[lay[rows]], limit[lay[rows]]
         # The oblivious answer's packs where it has the same groups (always in the global

@@ -52,9 +52,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import jit
 from .inputs import Shape
 from .metrics import count_last, load_per_copy, max_rank_load
 from .refine import lower_peak
+
+# Packings of at least this many items (rows x items) run compiled where numba is installed
+# (``pack_kernel``, :mod:`moeshard.eplb.jit`): a model's shape (DeepSeek-V3: a few thousand).
+_JIT_FROM = 2048
 
 # -- the reference's building blocks, vectorized over rows ---------------------------------------
 
@@ -91,6 +96,11 @@ def replicate_experts(
     num_rows, n = w.shape
     assert num_phy >= n
     phy = np.empty((num_rows, num_phy), dtype=np.int64)
+    compiled = jit.kernel("pack_kernel", num_rows * num_phy, _JIT_FROM) if w.dtype in (np.float32, np.float64) else None
+    if compiled is not None:
+        cnt = np.empty((num_rows, n), dtype=np.int64)
+        compiled.replicate(np.ascontiguousarray(w), num_ranks or 0, _hot_items(w, num_ranks, hot), phy, cnt)
+        return phy, cnt
     phy[:, :n] = np.arange(n)
     cnt = np.ones((num_rows, n), dtype=np.int64)
     per_copy = w.copy()
@@ -103,11 +113,7 @@ def replicate_experts(
             cnt[rows, j] = c
             per_copy[rows, j] = w[rows, j] / c  # rounded to w's dtype (float32: eplb.py's)
         return phy, cnt
-    hot = np.broadcast_to(np.asarray(hot, dtype=np.int64), (num_rows,))
-    is_hot = np.zeros((num_rows, n), dtype=bool)
-    if hot.any():
-        order = desc_order(w)
-        np.put_along_axis(is_hot, order, np.arange(n) < hot[:, None], axis=1)
+    is_hot = _hot_items(w, num_ranks, hot)
     # An item is open while it has fewer than num_ranks copies and, if hot, the row's hot
     # items have fewer than num_ranks together; ``open_`` is its load per copy, -inf once
     # closed (kept up to date item by item: an item closes for good).
@@ -132,6 +138,17 @@ def replicate_experts(
     return phy, cnt
 
 
+def _hot_items(w: np.ndarray, num_ranks: int | None, hot: int | np.ndarray) -> np.ndarray:
+    """``bool[B, n]``: each row's ``hot`` heaviest items of ``w`` ``float[B, n]`` (the first on
+    ties; none without ``num_ranks``)."""
+    num_rows, n = w.shape
+    is_hot = np.zeros((num_rows, n), dtype=bool)
+    hot = np.broadcast_to(np.asarray(hot, dtype=np.int64), (num_rows,))
+    if num_ranks is not None and hot.any():
+        np.put_along_axis(is_hot, desc_order(w), np.arange(n) < hot[:, None], axis=1)
+    return is_hot
+
+
 def balanced_pack(w: np.ndarray, key: np.ndarray | None, num_keys: int, num_packs: int, cap: int) -> np.ndarray:
     """EPLB ``balanced_packing`` with the no-duplicate rule: items ``float[B, n]``
     (``n == num_packs * cap``), heaviest first (stable), each to the lightest pack with room
@@ -146,6 +163,22 @@ def balanced_pack(w: np.ndarray, key: np.ndarray | None, num_keys: int, num_pack
     w_t = np.ascontiguousarray(np.take_along_axis(w, order, axis=1).T)
     # a pack's load (float32 sums for the exact reference), inf once it is full: the cost of
     # putting the next item there; flat [B * num_packs] so that a step reads it with one index
+    compiled = jit.kernel("pack_kernel", num_rows * n, _JIT_FROM) if w.dtype in (np.float32, np.float64) else None
+    if compiled is not None:
+        key_t = np.zeros((1, 1), dtype=np.int64) if key is None else np.take_along_axis(key, order, axis=1).T
+        steps = np.empty((num_rows, num_packs, cap), dtype=np.int64)
+        first_fill = bool((w_t[: num_packs - 1] > 0).all())
+        compiled.greedy_pack(
+            w_t,
+            np.ascontiguousarray(key_t, dtype=np.int64),
+            key is not None,
+            num_keys,
+            num_packs,
+            cap,
+            first_fill,
+            steps,
+        )
+        return np.take_along_axis(order, steps.reshape(num_rows, -1), axis=1).reshape(num_rows, num_packs, cap)
     cost = np.zeros(num_rows * num_packs, dtype=w.dtype)
     filled = np.zeros(num_rows * num_packs, dtype=np.int64)
     base = np.arange(num_rows) * num_packs

@@ -5,17 +5,39 @@ search that swaps copies between ranks over the threshold and light ranks
 (:func:`_swap_repair`); and the one that, from a balanced packing (the reference's), swaps
 copies back to ranks that held them while every rank stays within the threshold
 (:func:`restore`). Arrays are batched over rows: ``[B, K, S]`` (rows, ranks, slots).
+
+Where numba is installed (``pip install moeshard[fast]``), the sequential loops of large
+packings (the evictions, the placement, the swap repair, the swap-back search) run compiled,
+row by row (the ``sticky_kernel`` module): the same choices to the last bit, ties included.
+``MOESHARD_EPLB_JIT=0`` in the environment keeps numpy's loops.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from . import jit
 from .metrics import count_last
 from .oblivious import occurrence, per_rank_cap, repair_duplicates
 
 # Relative slack of float comparisons against a load threshold.
 EPS = 1e-9
+# Sticky packings of at least this many slots (rows x ranks x slots) run their loops compiled
+# where numba is installed (``sticky_kernel``; ``MOESHARD_EPLB_JIT=0`` keeps numpy's): a
+# model's shape (DeepSeek-V3: ~20,000), not a toy's, whose few ms in numpy are less than
+# importing numba costs a process. Once a process has it, smaller ones run compiled too.
+_JIT_FROM = 4096
+
+# Light ranks the swap repair pairs an overloaded rank with.
+_NUM_LIGHT = 8
+
+
+def _kernel(size: int, wc: np.ndarray, thr: np.ndarray):
+    """The compiled loops' module (``sticky_kernel``) for a packing of ``size`` slots, or None
+    (numpy's loops: see :func:`moeshard.eplb.jit.kernel`, or not float64 loads)."""
+    if wc.dtype != np.float64 or thr.dtype != np.float64 or not (wc.flags.c_contiguous and thr.flags.c_contiguous):
+        return None
+    return jit.kernel("sticky_kernel", size, _JIT_FROM)
 
 
 def sticky_pack(
@@ -34,9 +56,19 @@ def sticky_pack(
     num_e = cnt.shape[1]
     rows = np.arange(num_b)
     bi = rows[:, None, None]
+    x = np.where(alive[:, :, None], old, -1)
+    kernel = _kernel(num_b * num_k * num_s, wc, thr)
+    if kernel is not None:
+        x, alive = np.ascontiguousarray(x, dtype=np.int64), np.ascontiguousarray(alive)
+        w_min, lim = np.where(cnt > 0, wc, np.inf).min(1), thr * (1 + EPS)
+        args = (wc, w_min, thr, lim, 1 - EPS, _NUM_LIGHT)
+        new, cap = kernel.pack(x, alive, np.ascontiguousarray(cnt, dtype=np.int64), *args, not no_duplicates)
+        if no_duplicates:
+            repair_duplicates(new, wc, cap)
+            kernel.swap_repair(new, alive, wc, cap, x, thr, lim, 1 - EPS, _NUM_LIGHT)
+        return new
     n_live = alive.sum(1)
     cap = per_rank_cap(cnt, n_live)
-    x = np.where(alive[:, :, None], old, -1)
     xe = np.maximum(x, 0)
     keep = (x >= 0) & (cnt[bi, xe] > 0)
     keep &= occurrence(np.where(keep, x, -1)) < cap[bi, xe]
@@ -139,7 +171,7 @@ def _swap_repair(
     old: np.ndarray,
     thr: np.ndarray,
     num_heavy: int = 1,
-    num_light: int = 8,
+    num_light: int = _NUM_LIGHT,
 ) -> None:
     """Local search, in place, for ranks over ``thr``: swap one of an overloaded rank's copies
     with a lighter copy on one of the row's ``num_light`` least loaded ranks, so that both end
@@ -283,6 +315,14 @@ def restore(
     num_b, num_k, num_s = new.shape
     num_e = wc.shape[1]
     if num_b == 0:
+        return
+    kernel = _kernel(new.size, wc, thr) if num_holders == 1 else None
+    if kernel is not None:
+        x = np.ascontiguousarray(new, dtype=np.int64)
+        old = np.ascontiguousarray(old, dtype=np.int64)
+        lim, scale = thr * (1 + EPS), 0.5 / np.maximum(thr, 1e-300)
+        kernel.restore(x, old, wc, np.ascontiguousarray(cap, dtype=np.int64), lim, scale, max_rounds)
+        new[...] = x
         return
     bk = np.arange(num_b)[:, None, None]
     held = np.zeros((num_b, num_k, num_e + 1), dtype=bool)

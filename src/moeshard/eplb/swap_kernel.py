@@ -11,13 +11,13 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-# slots per rank up to which :func:`_pairwise_sum` is numpy's sum (numpy splits longer ones in
+# slots per rank up to which :func:`pairwise_sum` is numpy's sum (numpy splits longer ones in
 # halves; the search takes them the numpy way)
 MAX_SLOTS = 128
 
 
 @numba.njit(cache=True, nogil=True)
-def _pairwise_sum(a, lo, n):
+def pairwise_sum(a, lo, n):
     """``a[lo:lo + n].sum()`` as numpy sums the last axis of a float64 array of ``n <= 128``
     (eight accumulators): a rank's load to the bit of the numpy search's."""
     if n < 8:
@@ -47,7 +47,7 @@ def _pairwise_sum(a, lo, n):
 
 def rank_loads(ws, num_s):
     """``float64[M]``: the load of each rank of ``ws`` ``float64[M * S]`` (slot loads, rank
-    by rank, ``S <= MAX_SLOTS``), summed as :func:`_pairwise_sum` does (for tests)."""
+    by rank, ``S <= MAX_SLOTS``), summed as :func:`pairwise_sum` does (for tests)."""
     return _rank_loads(np.ascontiguousarray(ws, dtype=np.float64), num_s)
 
 
@@ -56,7 +56,7 @@ def _rank_loads(ws, num_s):
     m = len(ws) // num_s
     out = np.empty(m)
     for r in range(m):
-        out[r] = 0.0 + _pairwise_sum(ws, r * num_s, num_s)
+        out[r] = 0.0 + pairwise_sum(ws, r * num_s, num_s)
     return out
 
 
@@ -160,8 +160,8 @@ def swap_search(
             wn[qa], wn[qb] = wn[qb], wn[qa]
             k = qb // num_s
             # the two ranks' loads summed again, as numpy sums them (0 + the pairwise sum)
-            ld[h] = 0.0 + _pairwise_sum(w, h * num_s, num_s)
-            ld[k] = 0.0 + _pairwise_sum(w, k * num_s, num_s)
+            ld[h] = 0.0 + pairwise_sum(w, h * num_s, num_s)
+            ld[k] = 0.0 + pairwise_sum(w, k * num_s, num_s)
             if has_cap:
                 c[h, ea] -= 1
                 c[h, eb] += 1

@@ -1,0 +1,89 @@
+"""Loops of the migration-aware policy (:mod:`moeshard.eplb.aware`) compiled with numba: the
+cheapest assignments of groups to nodes and the slot order of a new placement, with the very
+answers of the numpy code (the same sums to the last bit, the same ties).
+
+Imported only when numba is installed (the ``fast`` extra); the first call in a process
+compiles the loops or loads them from numba's on-disk cache.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from .swap_kernel import pairwise_sum
+
+__all__ = ["arrange", "cheapest_groups"]
+
+
+@numba.njit(cache=True, nogil=True)
+def cheapest_groups(gl, members, assignments, gn_old, copies, node_caps, best, found):
+    """:func:`moeshard.eplb.aware._cheapest_groups`, in place: per cap and layer, among the
+    assignments whose heaviest node is within the cap, the one that moves fewest copies, then
+    of the lightest heaviest node, then the first.
+
+    Args:
+        gl: ``float64[L, G]`` group loads; ``members``: ``int64[A, N, G/N]`` each node's groups
+            (a node's load summed over them as numpy sums them).
+        assignments: ``int64[A, G]``; ``gn_old``, ``copies``: ``int64[L, G]``.
+        node_caps: ``float64[C, L]``.
+        best, found: ``int64[C, L]`` / ``bool[C, L]`` out: index of the assignment, whether any.
+    """
+    num_c, num_layers = node_caps.shape
+    num_a, num_n, per = members.shape
+    num_g = gl.shape[1]
+    buf = np.empty(per)
+    b_cost = np.empty(num_c, dtype=np.int64)
+    b_load = np.empty(num_c)
+    for lay in range(num_layers):
+        for c in range(num_c):
+            best[c, lay] = -1
+        for a in range(num_a):
+            load = -np.inf
+            for k in range(num_n):
+                for j in range(per):
+                    buf[j] = gl[lay, members[a, k, j]]
+                v = 0.0 + pairwise_sum(buf, 0, per)
+                if v > load:
+                    load = v
+            cost = 0
+            for g in range(num_g):
+                if assignments[a, g] != gn_old[lay, g]:
+                    cost += copies[lay, g]
+            for c in range(num_c):
+                if load <= node_caps[c, lay] and (
+                    best[c, lay] < 0 or cost < b_cost[c] or (cost == b_cost[c] and load < b_load[c])
+                ):
+                    best[c, lay], b_cost[c], b_load[c] = a, cost, load
+        for c in range(num_c):
+            found[c, lay] = best[c, lay] >= 0
+            if best[c, lay] < 0:
+                best[c, lay] = 0
+
+
+@numba.njit(cache=True, nogil=True)
+def arrange(new, old, out):
+    """:func:`moeshard.eplb.aware._arrange`, row by row: an expert the row held keeps its old
+    slot (the first old slot holding it takes the first new copy), newcomers fill the free
+    slots in order. ``new``, ``old``, ``out``: ``int64[X, S]``."""
+    num_x, num_s = new.shape
+    placed = np.zeros(num_s, dtype=np.bool_)
+    for x in range(num_x):
+        for i in range(num_s):
+            placed[i] = False
+            out[x, i] = -1
+        for j in range(num_s):
+            e = old[x, j]
+            if e < 0:
+                continue
+            for i in range(num_s):
+                if not placed[i] and new[x, i] == e:
+                    out[x, j] = e
+                    placed[i] = True
+                    break
+        j = 0
+        for i in range(num_s):
+            if new[x, i] >= 0 and not placed[i]:
+                while out[x, j] >= 0:
+                    j += 1
+                out[x, j] = new[x, i]
