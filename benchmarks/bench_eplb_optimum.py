@@ -26,6 +26,9 @@ layers at once, as a serving engine rebalances every MoE layer in one call), wal
 Run from the repository root::
 
     python -m benchmarks.bench_eplb_optimum --out bench_out/bench_eplb_optimum.json
+
+``--only migration`` (or any of ``flashlb small shapes migration compare``) runs only those
+sections; ``--only-shapes NAME...`` runs only those shapes' rows of section 3.
 """
 
 from __future__ import annotations
@@ -326,6 +329,10 @@ def compare(other_src: str, layers: int, seed: int, repeat: int = 5) -> dict:
     return out
 
 
+# Sections by name for --only (the module docstring's 1-5).
+SECTIONS = ("flashlb", "small", "shapes", "migration", "compare")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--instances", type=int, default=200)
@@ -337,27 +344,38 @@ def main(argv=None) -> int:
     ap.add_argument("--only-shapes", nargs="+", choices=sorted(SHAPES), help="run only these model shapes' rows")
     ap.add_argument("--compare", metavar="SRC", help="also time rebalance against this source tree's package")
     ap.add_argument("--compare-only", action="store_true", help="with --compare: only that section")
+    ap.add_argument(
+        "--only",
+        nargs="+",
+        choices=SECTIONS,
+        help="run only these sections (compare needs --compare; without --only, --only-shapes runs only shapes)",
+    )
     args = ap.parse_args(argv)
     if args.compare_only:
         if not args.compare:
             ap.error("--compare-only needs --compare")
-        res = {"compare": compare(args.compare, args.layers, args.seed)}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=1))
-        return 0
-    if args.only_shapes:
-        res = {"shapes": shapes(args.layers, args.flashlb_layers, args.seed, args.only_shapes)}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=1))
-        return 0
-    res = {"flashlb_example": flashlb_example()}
-    print("FlashLB example:", json.dumps(res["flashlb_example"]), flush=True)
-    res["small_instances"] = small_instances(args.instances, args.seed)
-    print("small instances:", json.dumps(res["small_instances"]), flush=True)
-    res["shapes"] = shapes(args.layers, args.flashlb_layers, args.seed)
-    res["migration"] = migration(args.layers, args.steps, args.seed)
-    print("migration:", json.dumps({k: v for k, v in res["migration"].items() if k != "steps"}), flush=True)
-    if args.compare:
+        only = {"compare"}
+    elif args.only:
+        only = set(args.only)
+    elif args.only_shapes:
+        only = {"shapes"}
+    else:
+        only = set(SECTIONS) - (set() if args.compare else {"compare"})
+    if "compare" in only and not args.compare:
+        ap.error("--only compare needs --compare")
+    res = {}
+    if "flashlb" in only:
+        res["flashlb_example"] = flashlb_example()
+        print("FlashLB example:", json.dumps(res["flashlb_example"]), flush=True)
+    if "small" in only:
+        res["small_instances"] = small_instances(args.instances, args.seed)
+        print("small instances:", json.dumps(res["small_instances"]), flush=True)
+    if "shapes" in only:
+        res["shapes"] = shapes(args.layers, args.flashlb_layers, args.seed, args.only_shapes)
+    if "migration" in only:
+        res["migration"] = migration(args.layers, args.steps, args.seed)
+        print("migration:", json.dumps({k: v for k, v in res["migration"].items() if k != "steps"}), flush=True)
+    if "compare" in only:
         res["compare"] = compare(args.compare, args.layers, args.seed)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
