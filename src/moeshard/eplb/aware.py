@@ -68,6 +68,7 @@ import math
 import numpy as np
 
 from ..placement import Placement
+from .fill import fill_held
 from .inputs import Shape
 from .metrics import (
     copy_counts,
@@ -790,4 +791,7 @@ def _aware(
     back = _restored(w, best, old3, limit, sh, moved_nodes)
     take = (moves3(held_old, back) < moves3(held_old, best)) & _within(w, back, limit)
     best[take] = back[take]
+    # Moved copies replaced by copies of experts their rank held, where the limit allows.
+    node_of_rank = np.arange(sh.num_ranks) // sh.ranks_per_node if sh.hierarchical else np.zeros(sh.num_ranks, int)
+    best = fill_held(w, best, old3, held_old, limit * (1 + _SLACK), node_of_rank)
     return _arrange(best.reshape(-1, s), old3.reshape(-1, s)).reshape(best.shape)
