@@ -9,8 +9,8 @@ copies carries ``load[e] / (count[e] - 1)``), ``f`` one more (a finer split of i
 may already be on the rank: then the rank holds two copies of it, as the reference's answers
 may). One copy fewer moves; the replacement is taken only where the layer's heaviest rank
 stays within its limit, checked on every rank's exact load after the change. Greedy, per
-layer one replacement per round (the one that leaves the lightest heaviest rank), all layers
-in one batch, until none fits.
+layer and node one replacement per round (the one that leaves the lightest heaviest rank), all
+layers in one batch, until none fits.
 
 Constraints kept: ``f`` is placed only on a node that already holds a copy of it (so in the
 hierarchical policy an expert's copies stay on its group's node), every expert keeps at least
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .metrics import count_last, load_per_copy
+from .metrics import copy_counts, count_last, load_per_copy, max_rank_load
 
 
 def fill_held(
@@ -41,6 +41,12 @@ def fill_held(
     active = np.arange(num_layers)
     while len(active):
         active = _one_round(w, out, old3, held_old, thr, node_of_rank, num_nodes, num_logical, active)
+    # a layer whose experts span nodes (not the policies' answers) might add up over the
+    # limit, or lose an expert's last copy, from replacements checked one by one: it keeps
+    # its copies
+    cnt = copy_counts(out, num_logical)
+    bad = (max_rank_load(w, out, cnt) > thr) | ((cnt == 0) & (copy_counts(p2l, num_logical) > 0)).any(1)
+    out[bad] = p2l[bad]
     return out
 
 
@@ -49,14 +55,17 @@ def _one_round(w, out, old3, held_old, thr, node_of_rank, num_nodes, num_logical
     ``int[A]`` that has one within ``thr``, in place on ``out``; returns those layers."""
     p = out[active]  # [A, R, S]
     num_a, num_ranks, s = p.shape
-    wa = w[active]
-    per_rank = count_last(p, num_logical)[..., :num_logical]  # [A, R, E]
-    cnt = per_rank.sum(1)  # [A, E]
+    cnt = count_last(p.reshape(num_a, -1), num_logical)[:, :num_logical]  # [A, E]
     ai = np.arange(num_a)[:, None, None]
     ri = np.arange(num_ranks)[None, :, None]
     pe = np.maximum(p, 0)
     # moved copies of experts with another copy
     moved = (p >= 0) & ~held_old[active[:, None, None], ri, pe] & (cnt[ai, pe] >= 2)
+    some = moved.any((1, 2))
+    if not some.all():  # the rest of the work on the layers that have any
+        active, p, pe, cnt, moved = active[some], p[some], pe[some], cnt[some], moved[some]
+        num_a = len(active)
+        ai = ai[:num_a]
     a, r, j = np.nonzero(moved)
     if not len(a):
         return a
@@ -70,13 +79,18 @@ def _one_round(w, out, old3, held_old, thr, node_of_rank, num_nodes, num_logical
     if not len(m):
         return m
     a, r, j, e, f = a[m], r[m], j[m], e[m], f[m, col]
+    wa = w[active]
     wc = load_per_copy(wa, cnt)
-    loads = (per_rank * wc[:, None, :]).sum(-1)  # [A, R]
+    loads = np.where(p >= 0, wc[ai, pe], 0.0).sum(-1)  # [A, R]
+    # copies of e and f per rank, [K, R]
+    per_rank = count_last(p, num_logical)  # [A, R, E + 1]
+    n_e = per_rank[a, :, e]
+    n_f = per_rank[a, :, f]
     we, wf = wa[a, e], wa[a, f]
     ce, cf = cnt[a, e], cnt[a, f]
     d_e = we / (ce - 1) - we / ce  # each copy of e left carries more
     d_f = wf / (cf + 1) - wf / cf  # each copy of f carries less
-    new = loads[a] + per_rank[a, :, e] * d_e[:, None] + per_rank[a, :, f] * d_f[:, None]  # [K, R]
+    new = loads[a] + n_e * d_e[:, None] + n_f * d_f[:, None]  # [K, R]
     k = np.arange(len(a))
     new[k, r] += wf / (cf + 1) - we / (ce - 1)  # the slot itself: e's copy out, f's in
     peak = new.max(1)
@@ -84,8 +98,11 @@ def _one_round(w, out, old3, held_old, thr, node_of_rank, num_nodes, num_logical
     if not fits.any():
         return np.zeros(0, dtype=np.int64)
     k = k[fits]
-    order = np.lexsort((k, peak[k], a[k]))
+    # one replacement per layer and node: those of different nodes touch different ranks and
+    # experts (every copy of e and f is on the node), so each is checked exactly as it is
+    key = a[k] * num_nodes + node_of_rank[r[k]]
+    order = np.lexsort((k, peak[k], key))
     k = k[order]
-    first = k[np.r_[True, a[k][1:] != a[k][:-1]]]
+    first = k[np.r_[True, key[order][1:] != key[order][:-1]]]
     out[active[a[first]], r[first], j[first]] = f[first]
-    return active[a[first]]
+    return np.unique(active[a[first]])
