@@ -15,7 +15,9 @@ Sections (all on the same seeded loads per section):
    is strictly lighter than FlashLB and the reference (or equal to the lower bound); ms per call.
 4. Migration-aware steps on DeepSeek-V3's drifting trace: tolerance 1 % over the oblivious
    answer, per layer and (``tolerance_scope="step"``) on the mean over layers, copies moved
-   against the reference's.
+   against the reference's; and a lower bound of the per-layer policy's moves from its own
+   previous placement: the groups that must change node for every node to fit under the
+   limit (:func:`forced_group_moves`), a group's experts each one copy.
 5. With ``--compare SRC`` (another source tree's ``src``, e.g. an older checkout): the time of
    one ``eplb.rebalance`` call of sections 3 and 4 with this tree's package and with that one,
    alternated in one process (the host's load hits both alike), and their ratio.
@@ -34,6 +36,7 @@ sections; ``--only-shapes NAME...`` runs only those shapes' rows of section 3.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -215,6 +218,35 @@ def shapes(layers: int, flash_layers: int, seed: int, only=None) -> dict:
     return out
 
 
+def forced_group_moves(w, old, s, limit) -> np.ndarray:
+    """``int[L]``: the fewest expert groups that must change node from the placement ``old``
+    (hierarchical shape ``s``) so that no node carries more than its ranks may at ``limit``
+    ``float[L]`` (the heaviest rank allowed): a node's load is its groups' whatever the
+    copies, so every answer within the limit moves at least that many groups, each all its
+    experts' copies (at least one per expert). Every assignment of groups to nodes (``G / N``
+    per node) is looked at."""
+    n, g, r = s["nodes"], s["groups"], s["ranks"]
+    num_layers, num_logical = w.shape
+    gsize = num_logical // g
+    p3 = np.asarray(old.phy2log).reshape(num_layers, n, -1)
+    # the node holding each group's copies (one per group in a hierarchical placement)
+    old_node = np.zeros((num_layers, g), dtype=np.int64)
+    for k in range(n):
+        has = np.zeros((num_layers, g + 1), dtype=bool)
+        has[np.arange(num_layers)[:, None], np.where(p3[:, k] >= 0, p3[:, k] // gsize, g)] = True
+        old_node[has[:, :g]] = k
+    per = g // n
+    assign = np.array(
+        sorted({tuple(np.repeat(np.arange(n), per)[list(q)]) for q in itertools.permutations(range(g))}),
+        dtype=np.int64,
+    )  # [A, G]: node of each group
+    gl = w.reshape(num_layers, g, gsize).sum(-1)
+    node_load = np.stack([(gl[:, None, :] * (assign[None] == k)).sum(-1) for k in range(n)], -1)  # [L, A, N]
+    fits = node_load.max(-1) <= (limit * (r // n) * (1 + 1e-9))[:, None]
+    changed = (assign[None] != old_node[:, None, :]).sum(-1)
+    return np.where(fits, changed, g).min(1)
+
+
 def migration(layers: int, steps: int, seed: int) -> dict:
     s = SHAPES["deepseek_v3"]
     cfg = dict(num_physical=s["physical"], num_ranks=s["ranks"], num_nodes=s["nodes"], num_groups=s["groups"])
@@ -249,6 +281,10 @@ def migration(layers: int, steps: int, seed: int) -> dict:
         row["step_scope_over_oblivious_mean"] = float(b_step.mean() / b_obl.mean())
         row["step_scope_over_oblivious_max"] = float((b_step / b_obl).max())
         row["step_scope_cpu_ms"] = 1e3 * step_cpu
+        limit = eplb.rank_loads(w, obl_here, s["ranks"]).max(1) * 1.01
+        forced = forced_group_moves(w, cur["aware"], s, limit)
+        row["aware_groups_forced"] = int(forced.sum())
+        row["aware_forced_copies"] = int(forced.sum()) * (s["logical"] // s["groups"])
         row["aware_ms"] = 1e3 * ms
         row["aware_cpu_ms"] = 1e3 * aware_cpu
         rows.append(row)
@@ -260,6 +296,7 @@ def migration(layers: int, steps: int, seed: int) -> dict:
         "aware_over_reference_moves": tot["aware"] / max(1, tot["reference"]),
         "aware_over_oblivious_balance_max": max(r["aware_over_oblivious_max"] for r in rows),
         "aware_ms_median": float(np.median([r["aware_ms"] for r in rows])),
+        "aware_forced_over_reference_moves": sum(r["aware_forced_copies"] for r in rows) / max(1, tot["reference"]),
         "aware_cpu_ms_median": float(np.median([r["aware_cpu_ms"] for r in rows])),
         "step_scope_over_reference_moves": tot["step_scope"] / max(1, tot["reference"]),
         "step_scope_over_oblivious_mean_max": max(r["step_scope_over_oblivious_mean"] for r in rows),
