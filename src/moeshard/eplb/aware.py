@@ -48,7 +48,9 @@ Per layer:
 
 * on the chosen answer's nodes that move copies, copies are swapped back to ranks that held
   them while both ranks stay within ``T`` (:func:`restore`; the candidates' own searches
-  stop at ``T``, not at fewest moves), taken where it moves fewer copies within ``T``.
+  stop at ``T``, not at fewest moves), taken where it moves fewer copies within ``T``;
+* last, moved copies replaced by copies of experts their rank held, while every rank stays
+  within ``T`` (:func:`moeshard.eplb.fill.fill_held`: nothing travels for such a copy).
 
 In every candidate an expert that stays on a rank keeps its slot index; newcomers fill the
 freed slots in order.
