@@ -15,7 +15,9 @@ Sections (all on the same seeded loads per section):
    is strictly lighter than FlashLB and the reference (or equal to the lower bound); ms per call.
 4. Migration-aware steps on DeepSeek-V3's drifting trace: tolerance 1 % over the oblivious
    answer, per layer and (``tolerance_scope="step"``) on the mean over layers, copies moved
-   against the reference's.
+   against the reference's; and a lower bound of the per-layer policy's moves from its own
+   previous placement: the groups that must change node for every node to fit under the
+   limit (:func:`forced_group_moves`), a group's experts each one copy.
 5. With ``--compare SRC`` (another source tree's ``src``, e.g. an older checkout): the time of
    one ``eplb.rebalance`` call of sections 3 and 4 with this tree's package and with that one,
    alternated in one process (the host's load hits both alike), and their ratio.
@@ -26,11 +28,15 @@ layers at once, as a serving engine rebalances every MoE layer in one call), wal
 Run from the repository root::
 
     python -m benchmarks.bench_eplb_optimum --out bench_out/bench_eplb_optimum.json
+
+``--only migration`` (or any of ``flashlb small shapes migration compare``) runs only those
+sections; ``--only-shapes NAME...`` runs only those shapes' rows of section 3.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -212,6 +218,35 @@ def shapes(layers: int, flash_layers: int, seed: int, only=None) -> dict:
     return out
 
 
+def forced_group_moves(w, old, s, limit) -> np.ndarray:
+    """``int[L]``: the fewest expert groups that must change node from the placement ``old``
+    (hierarchical shape ``s``) so that no node carries more than its ranks may at ``limit``
+    ``float[L]`` (the heaviest rank allowed): a node's load is its groups' whatever the
+    copies, so every answer within the limit moves at least that many groups, each all its
+    experts' copies (at least one per expert). Every assignment of groups to nodes (``G / N``
+    per node) is looked at."""
+    n, g, r = s["nodes"], s["groups"], s["ranks"]
+    num_layers, num_logical = w.shape
+    gsize = num_logical // g
+    p3 = np.asarray(old.phy2log).reshape(num_layers, n, -1)
+    # the node holding each group's copies (one per group in a hierarchical placement)
+    old_node = np.zeros((num_layers, g), dtype=np.int64)
+    for k in range(n):
+        has = np.zeros((num_layers, g + 1), dtype=bool)
+        has[np.arange(num_layers)[:, None], np.where(p3[:, k] >= 0, p3[:, k] // gsize, g)] = True
+        old_node[has[:, :g]] = k
+    per = g // n
+    assign = np.array(
+        sorted({tuple(np.repeat(np.arange(n), per)[list(q)]) for q in itertools.permutations(range(g))}),
+        dtype=np.int64,
+    )  # [A, G]: node of each group
+    gl = w.reshape(num_layers, g, gsize).sum(-1)
+    node_load = np.stack([(gl[:, None, :] * (assign[None] == k)).sum(-1) for k in range(n)], -1)  # [L, A, N]
+    fits = node_load.max(-1) <= (limit * (r // n) * (1 + 1e-9))[:, None]
+    changed = (assign[None] != old_node[:, None, :]).sum(-1)
+    return np.where(fits, changed, g).min(1)
+
+
 def migration(layers: int, steps: int, seed: int) -> dict:
     s = SHAPES["deepseek_v3"]
     cfg = dict(num_physical=s["physical"], num_ranks=s["ranks"], num_nodes=s["nodes"], num_groups=s["groups"])
@@ -246,6 +281,10 @@ def migration(layers: int, steps: int, seed: int) -> dict:
         row["step_scope_over_oblivious_mean"] = float(b_step.mean() / b_obl.mean())
         row["step_scope_over_oblivious_max"] = float((b_step / b_obl).max())
         row["step_scope_cpu_ms"] = 1e3 * step_cpu
+        limit = eplb.rank_loads(w, obl_here, s["ranks"]).max(1) * 1.01
+        forced = forced_group_moves(w, cur["aware"], s, limit)
+        row["aware_groups_forced"] = int(forced.sum())
+        row["aware_forced_copies"] = int(forced.sum()) * (s["logical"] // s["groups"])
         row["aware_ms"] = 1e3 * ms
         row["aware_cpu_ms"] = 1e3 * aware_cpu
         rows.append(row)
@@ -257,6 +296,7 @@ def migration(layers: int, steps: int, seed: int) -> dict:
         "aware_over_reference_moves": tot["aware"] / max(1, tot["reference"]),
         "aware_over_oblivious_balance_max": max(r["aware_over_oblivious_max"] for r in rows),
         "aware_ms_median": float(np.median([r["aware_ms"] for r in rows])),
+        "aware_forced_over_reference_moves": sum(r["aware_forced_copies"] for r in rows) / max(1, tot["reference"]),
         "aware_cpu_ms_median": float(np.median([r["aware_cpu_ms"] for r in rows])),
         "step_scope_over_reference_moves": tot["step_scope"] / max(1, tot["reference"]),
         "step_scope_over_oblivious_mean_max": max(r["step_scope_over_oblivious_mean"] for r in rows),
@@ -331,6 +371,10 @@ def compare(other_src: str, layers: int, seed: int, repeat: int = 5) -> dict:
     return out
 
 
+# Sections by name for --only (the module docstring's 1-5).
+SECTIONS = ("flashlb", "small", "shapes", "migration", "compare")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--instances", type=int, default=200)
@@ -342,27 +386,38 @@ def main(argv=None) -> int:
     ap.add_argument("--only-shapes", nargs="+", choices=sorted(SHAPES), help="run only these model shapes' rows")
     ap.add_argument("--compare", metavar="SRC", help="also time rebalance against this source tree's package")
     ap.add_argument("--compare-only", action="store_true", help="with --compare: only that section")
+    ap.add_argument(
+        "--only",
+        nargs="+",
+        choices=SECTIONS,
+        help="run only these sections (compare needs --compare; without --only, --only-shapes runs only shapes)",
+    )
     args = ap.parse_args(argv)
     if args.compare_only:
         if not args.compare:
             ap.error("--compare-only needs --compare")
-        res = {"compare": compare(args.compare, args.layers, args.seed)}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=1))
-        return 0
-    if args.only_shapes:
-        res = {"shapes": shapes(args.layers, args.flashlb_layers, args.seed, args.only_shapes)}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=1))
-        return 0
-    res = {"flashlb_example": flashlb_example()}
-    print("FlashLB example:", json.dumps(res["flashlb_example"]), flush=True)
-    res["small_instances"] = small_instances(args.instances, args.seed)
-    print("small instances:", json.dumps(res["small_instances"]), flush=True)
-    res["shapes"] = shapes(args.layers, args.flashlb_layers, args.seed)
-    res["migration"] = migration(args.layers, args.steps, args.seed)
-    print("migration:", json.dumps({k: v for k, v in res["migration"].items() if k != "steps"}), flush=True)
-    if args.compare:
+        only = {"compare"}
+    elif args.only:
+        only = set(args.only)
+    elif args.only_shapes:
+        only = {"shapes"}
+    else:
+        only = set(SECTIONS) - (set() if args.compare else {"compare"})
+    if "compare" in only and not args.compare:
+        ap.error("--only compare needs --compare")
+    res = {}
+    if "flashlb" in only:
+        res["flashlb_example"] = flashlb_example()
+        print("FlashLB example:", json.dumps(res["flashlb_example"]), flush=True)
+    if "small" in only:
+        res["small_instances"] = small_instances(args.instances, args.seed)
+        print("small instances:", json.dumps(res["small_instances"]), flush=True)
+    if "shapes" in only:
+        res["shapes"] = shapes(args.layers, args.flashlb_layers, args.seed, args.only_shapes)
+    if "migration" in only:
+        res["migration"] = migration(args.layers, args.steps, args.seed)
+        print("migration:", json.dumps({k: v for k, v in res["migration"].items() if k != "steps"}), flush=True)
+    if "compare" in only:
         res["compare"] = compare(args.compare, args.layers, args.seed)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,9 @@ integer ``n[p]`` (ranks holding the multiset ``p`` of copies), ``sum_k z[e, k] =
 of ``(e, k)`` over all patterns ``= k z[e, k]``, ``sum_p n[p] = num_ranks``, ``T >= load(p)``
 for every used pattern; minimize ``T``.
 
+Fewest moves (:func:`min_moves`): the fewest copies moved from a placement so that no rank
+is over a limit, for one node or one small layer (the migration-aware policy's yardstick).
+
 Lower bound (:func:`lower_bound`, pure numpy, any shape): the largest of the mean rank load
 and the smallest ``T`` with ``sum_e max(1, ceil(w[e] / T)) <= slots`` (no copy can exceed the
 heaviest rank); hierarchical (expert groups onto nodes, ``num_groups / num_nodes`` per node):
@@ -136,6 +139,80 @@ def solve_exact(
     if status == highspy.HighsModelStatus.kInfeasible:
         return Exact("infeasible", np.inf, np.inf, counts, ranks, float(h.getRunTime()))
     return Exact("optimal" if ok else "time_limit", value, bound, counts, ranks, float(h.getRunTime()))
+
+
+@dataclass(frozen=True)
+class MinMoves:
+    """Fewest moved copies within a limit: ``status`` "optimal", "time_limit" or "infeasible";
+    ``value`` the best found (``inf`` where none); ``bound`` the solver's lower bound (``==
+    value`` when optimal); ``copies`` ``int[R, E]`` copies per rank of the best found."""
+
+    status: str
+    value: float
+    bound: float
+    copies: np.ndarray
+    seconds: float
+
+
+def min_moves(w, held, slots_per_rank: int, limit: float, time_limit: float = 20.0) -> MinMoves:
+    """The fewest copies moved (a copy on a rank that did not hold its expert, as
+    :func:`moeshard.eplb.copies_moved` counts) to place experts of load ``w`` ``float[E]`` on
+    ranks that held ``held`` ``bool[R, E]``, ``slots_per_rank`` slots each, every slot filled,
+    every expert at least one copy, with no rank's load above ``limit`` (two copies of an
+    expert on a rank allowed, each carrying ``w[e] / count[e]``). One layer's node of the
+    hierarchical policy (its groups fixed) or a whole global layer. Needs ``highspy``.
+
+    Integer program: binary ``z[e, k]`` (expert ``e`` has ``k`` copies), integer ``y[r, e, k]``
+    (copies of ``e`` on rank ``r`` when it has ``k``), ``sum_k z[e, k] = 1``, ``sum_r y[r, e,
+    k] = k z[e, k]``, ``sum_{e,k} y[r, e, k] = slots_per_rank``, ``sum_{e,k} y[r, e, k] w[e] /
+    k <= limit``; minimize ``sum y`` over the pairs ``(r, e)`` not held."""
+    import highspy
+
+    w = np.asarray(w, dtype=np.float64)
+    held = np.asarray(held, dtype=bool)
+    num_r, num_e = held.shape
+    total = num_r * slots_per_rank
+    lim = limit * (1 + 1e-12)
+    kmin = np.maximum(1, np.ceil(w / lim - 1e-12)).astype(np.int64)
+    if kmin.sum() > total:
+        return MinMoves("infeasible", np.inf, np.inf, np.zeros((num_r, num_e), dtype=np.int64), 0.0)
+    kmax = total - (kmin.sum() - kmin)
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("time_limit", float(time_limit))
+    h.setOptionValue("mip_rel_gap", 0.0)
+    h.setOptionValue("threads", 1)
+    integer = highspy.HighsVarType.kInteger
+    z, y = {}, {}
+    for e in range(num_e):
+        for k in range(int(kmin[e]), int(kmax[e]) + 1):
+            z[e, k] = h.addVariable(lb=0, ub=1, type=integer)
+            for r in range(num_r):
+                cost = 0.0 if held[r, e] else 1.0
+                y[r, e, k] = h.addVariable(lb=0, ub=min(k, slots_per_rank), type=integer, obj=cost)
+    for e in range(num_e):
+        ks = range(int(kmin[e]), int(kmax[e]) + 1)
+        h.addConstr(sum(z[e, k] for k in ks) == 1)
+        for k in ks:
+            h.addConstr(sum(y[r, e, k] for r in range(num_r)) - k * z[e, k] == 0)
+    for r in range(num_r):
+        mine = [(e, k, v) for (q, e, k), v in y.items() if q == r]
+        h.addConstr(sum(v for _, _, v in mine) == slots_per_rank)
+        h.addConstr(sum(v * (w[e] / k) for e, k, v in mine) <= lim)
+    h.run()
+    status = h.getModelStatus()
+    seconds = float(h.getRunTime())
+    if status == highspy.HighsModelStatus.kInfeasible:
+        return MinMoves("infeasible", np.inf, np.inf, np.zeros((num_r, num_e), dtype=np.int64), seconds)
+    sol = np.asarray(h.getSolution().col_value)
+    copies = np.zeros((num_r, num_e), dtype=np.int64)
+    for (r, e, _), v in y.items():
+        copies[r, e] += int(round(sol[v.index]))
+    info = h.getInfo()
+    ok = status == highspy.HighsModelStatus.kOptimal
+    value = float(info.objective_function_value) if copies.sum() == total else np.inf
+    bound = value if ok else float(info.mip_dual_bound)
+    return MinMoves("optimal" if ok else "time_limit", value, bound, copies, seconds)
 
 
 def count_bound(w: np.ndarray, num_slots: int) -> np.ndarray:

@@ -594,9 +594,10 @@ def test_aware_within_one_percent_of_the_oblivious_answer_moves_few_copies():
     reference's on hierarchical shapes), the migration-aware policy packs with the oblivious
     answer's counts, refines its sticky packings rather than repacking the nodes and also tries
     the groups kept wherever their node fits and the oblivious answer's groups matched to the
-    old nodes (node by node): under 11.6 % of the reference's moves on a drifting hierarchical
-    trace (11.9 % with only the groups of the node fill cap, 17 % with only
-    ``replicate_experts``' and the old counts), each layer within the limit."""
+    old nodes (node by node), and refills moved copies from the rank's own experts: under 11.2 %
+    of the reference's moves on a drifting hierarchical trace (11.3 % without the refills, 11.9 %
+    with only the groups of the node fill cap, 17 % with only ``replicate_experts``' and the old
+    counts), each layer within the limit."""
     from moeshard.cli.bench.traces import zipf_trace
 
     cfg = dict(num_physical=144, num_ranks=16, num_nodes=4, num_groups=8)
@@ -612,7 +613,7 @@ def test_aware_within_one_percent_of_the_oblivious_answer_moves_few_copies():
         moved += eplb.copies_moved(cur, new, 16)
         ref_moved += eplb.copies_moved(ref, new_ref, 16)
         cur, ref = new, new_ref
-    assert moved < 0.116 * ref_moved, (moved, ref_moved)
+    assert moved < 0.112 * ref_moved, (moved, ref_moved)
 
 
 def test_aware_skips_only_candidates_that_cannot_be_taken(monkeypatch):

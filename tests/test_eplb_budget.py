@@ -101,8 +101,9 @@ def test_step_scope_spends_the_tolerance_on_the_mean_and_moves_fewer_copies():
         capped = eplb.rebalance(load, cur, **cfg, tolerance=0.01, tolerance_scope="step", max_moves=5)
         assert eplb.copies_moved(cur, capped, 16) <= 5
         cur = new["step"]
-    # 222 against 297 (2026-11-29)
-    assert moved["step"] < 0.85 * moved["layer"], moved
+    # 227 against 253 (2026-11-29; the per-layer scope's last pass, fill_held, saves more
+    # copies there than in the step scope)
+    assert moved["step"] < 0.95 * moved["layer"], moved
 
 
 def test_cheapest_within_mean_against_every_choice():

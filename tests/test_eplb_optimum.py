@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moeshard import eplb
+from moeshard import Placement, eplb
 
 FLASHLB = np.array([[600, 560, 120, 120, 20, 10, 10, 10]], dtype=float)
 
@@ -89,3 +89,74 @@ def test_hierarchical_hot_expert_near_the_bound():
         feasible = max(node_upper(w[layer, np.unique(p2l[layer, n])], 8, 9) for n in range(2))
         assert got[layer] <= min(lb[layer], feasible) * 1.02, (layer, got[layer], lb[layer], feasible)
     assert (got <= eplb.rank_loads(w, eplb.reference(w, **cfg), 16).max(1) * (1 + 1e-12)).all()
+
+
+def test_min_moves_is_the_fewest_of_every_placement():
+    """The fewest-moves integer program (benchmarks/eplb_exact.py) against every placement of
+    small instances (two ranks of three slots, four experts, any multiset per rank): the same
+    fewest moved copies within the limit, or infeasible where none fits; its copies are one
+    such placement."""
+    import itertools
+
+    from benchmarks.eplb_exact import min_moves
+
+    rng = np.random.default_rng(3)
+    multisets = list(itertools.combinations_with_replacement(range(4), 3))
+    fewest_seen = set()
+    for _ in range(12):
+        w = rng.integers(1, 9, 4).astype(float)
+        held = rng.random((2, 4)) < 0.5
+        limit = float(w.sum() / 2 * rng.uniform(1.0, 1.6))
+        best = np.inf
+        for a, b in itertools.product(multisets, multisets):
+            n = np.zeros((2, 4), dtype=np.int64)
+            np.add.at(n[0], list(a), 1)
+            np.add.at(n[1], list(b), 1)
+            c = n.sum(0)
+            if (c == 0).any() or ((n * (w / np.maximum(c, 1))).sum(1) > limit * (1 + 1e-12)).any():
+                continue
+            best = min(best, int((n * ~held).sum()))
+        got = min_moves(w, held, 3, limit, time_limit=10.0)
+        assert got.value == best, (w, held, limit, got, best)
+        if np.isfinite(best):
+            assert got.status == "optimal"
+            c = got.copies.sum(0)
+            assert (c >= 1).all() and (got.copies.sum(1) == 3).all()
+            assert ((got.copies * (w / c)).sum(1) <= limit * (1 + 1e-9)).all()
+            assert int((got.copies * ~held).sum()) == best
+            fewest_seen.add(best)
+    assert len(fewest_seen) >= 2  # instances of different difficulty
+
+
+def test_forced_group_moves_bounds_every_answer():
+    """bench_eplb_optimum's lower bound of the migration-aware moves: the groups that must
+    change node for every node to fit under the limit. From a placement whose node 0 holds the
+    two groups that became hot, at least one group must leave it (a swap: two), and every
+    answer within the limit (the aware policy's, the oblivious one's) moves at least as many
+    groups as the bound says, each group at least one copy per expert."""
+    from benchmarks.bench_eplb_optimum import forced_group_moves
+
+    s = dict(logical=16, physical=24, ranks=4, nodes=2, groups=4)
+    cfg = dict(num_physical=24, num_ranks=4, num_nodes=2, num_groups=4)
+    # node 0 (ranks 0, 1) holds groups 0 and 1, node 1 groups 2 and 3
+    old = Placement(
+        np.r_[np.arange(8), np.arange(4), np.arange(8, 16), np.arange(8, 12)][None], num_logical=16, num_ranks=4
+    )
+    w1 = np.array([[8.0] * 8 + [1.0] * 8])  # groups 0 and 1 hot
+    limit = eplb.rank_loads(w1, eplb.rebalance(w1, **cfg, migration_aware=False), 4).max(1) * 1.01
+    forced = forced_group_moves(w1, old, s, limit)
+    assert forced[0] == 2
+    # none where the old nodes fit
+    assert forced_group_moves(w1, old, s, limit * 10)[0] == 0
+
+    def groups_moved(a, b):
+        node = lambda p: [set(np.flatnonzero((p.phy2log.reshape(2, -1) // 4 == g).any(1))) for g in range(4)]  # noqa: E731
+        return sum(x != y for x, y in zip(node(a), node(b)))
+
+    for new in (
+        eplb.rebalance(w1, old, **cfg, tolerance=0.01, relative_to="oblivious"),
+        eplb.rebalance(w1, **cfg, migration_aware=False),
+    ):
+        assert eplb.rank_loads(w1, new, 4).max() <= limit[0] * (1 + 1e-12)
+        assert groups_moved(old, new) >= forced[0]
+        assert eplb.copies_moved(old, new, 4) >= 4 * forced[0]

@@ -49,7 +49,9 @@ Per layer:
 
 * on the chosen answer's nodes that move copies, copies are swapped back to ranks that held
   them while both ranks stay within ``T`` (:func:`restore`; the candidates' own searches
-  stop at ``T``, not at fewest moves), taken where it moves fewer copies within ``T``.
+  stop at ``T``, not at fewest moves), taken where it moves fewer copies within ``T``;
+* last, moved copies replaced by copies of experts their rank held, while every rank stays
+  within ``T`` (:func:`moeshard.eplb.fill.fill_held`: nothing travels for such a copy).
 
 In every candidate an expert that stays on a rank keeps its slot index; newcomers fill the
 freed slots in order.
@@ -70,6 +72,7 @@ import numpy as np
 
 from ..placement import Placement
 from . import jit
+from .fill import fill_held
 from .inputs import Shape
 from .metrics import (
     copy_counts,
@@ -854,4 +857,7 @@ def _aware(
     back = _restored(w, best, old3, limit, sh, moved_nodes)
     take = (moves3(held_old, back) < moves3(held_old, best)) & _within(w, back, limit)
     best[take] = back[take]
+    # Moved copies replaced by copies of experts their rank held, where the limit allows.
+    node_of_rank = np.arange(sh.num_ranks) // sh.ranks_per_node if sh.hierarchical else np.zeros(sh.num_ranks, int)
+    best = fill_held(w, best, old3, held_old, limit * (1 + _SLACK), node_of_rank)
     return _arrange(best.reshape(-1, s), old3.reshape(-1, s)).reshape(best.shape)

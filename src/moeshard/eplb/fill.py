@@ -1,0 +1,108 @@
+"""Moved copies given back to experts their rank already held (the last pass of the
+migration-aware policy, :mod:`moeshard.eplb.aware`).
+
+A copy *moves* when its rank did not hold the expert (:func:`moeshard.eplb.metrics.moves3`);
+a copy of an expert the rank already holds is made from the local weights, nothing travels.
+So a moved copy of an expert ``e`` with at least two copies can often be replaced by one more
+copy of an expert ``f`` that its rank held before: ``e`` keeps one copy fewer (each of its
+copies carries ``load[e] / (count[e] - 1)``), ``f`` one more (a finer split of its load; ``f``
+may already be on the rank: then the rank holds two copies of it, as the reference's answers
+may). One copy fewer moves; the replacement is taken only where the layer's heaviest rank
+stays within its limit, checked on every rank's exact load after the change. Greedy, per
+layer and node one replacement per round (the one that leaves the lightest heaviest rank), all
+layers in one batch, until none fits.
+
+Constraints kept: ``f`` is placed only on a node that already holds a copy of it (so in the
+hierarchical policy an expert's copies stay on its group's node), every expert keeps at least
+one copy, empty and dead slots stay empty, and only moved copies change (a copy that stays on
+its rank stays).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .metrics import copy_counts, count_last, load_per_copy, max_rank_load
+
+
+def fill_held(
+    w: np.ndarray, p2l: np.ndarray, old3: np.ndarray, held_old: np.ndarray, thr: np.ndarray, node_of_rank: np.ndarray
+) -> np.ndarray:
+    """``p2l`` ``int[L, R, S]`` (every layer within ``thr``) with moved copies replaced by
+    copies of experts their rank held, while each layer's heaviest rank stays within ``thr``
+    ``float[L]`` (the caller's limit, rounding slack included). ``w`` ``float[L, E]`` loads,
+    ``old3`` ``int[L, R, S]`` the old slots (dead ranks -1), ``held_old`` ``bool[L, R, E]``
+    which ranks held which experts, ``node_of_rank`` ``int[R]`` (all 0 where any expert may be
+    on any rank). Returns a new ``int[L, R, S]``; pure."""
+    out = p2l.copy()
+    num_layers, num_ranks, s = p2l.shape
+    num_logical = w.shape[1]
+    num_nodes = int(node_of_rank.max(initial=0)) + 1
+    active = np.arange(num_layers)
+    while len(active):
+        active = _one_round(w, out, old3, held_old, thr, node_of_rank, num_nodes, num_logical, active)
+    # a layer whose experts span nodes (not the policies' answers) might add up over the
+    # limit, or lose an expert's last copy, from replacements checked one by one: it keeps
+    # its copies
+    cnt = copy_counts(out, num_logical)
+    bad = (max_rank_load(w, out, cnt) > thr) | ((cnt == 0) & (copy_counts(p2l, num_logical) > 0)).any(1)
+    out[bad] = p2l[bad]
+    return out
+
+
+def _one_round(w, out, old3, held_old, thr, node_of_rank, num_nodes, num_logical, active) -> np.ndarray:
+    """One replacement (the lightest heaviest rank after it) on each layer of ``active``
+    ``int[A]`` that has one within ``thr``, in place on ``out``; returns those layers."""
+    p = out[active]  # [A, R, S]
+    num_a, num_ranks, s = p.shape
+    cnt = count_last(p.reshape(num_a, -1), num_logical)[:, :num_logical]  # [A, E]
+    ai = np.arange(num_a)[:, None, None]
+    ri = np.arange(num_ranks)[None, :, None]
+    pe = np.maximum(p, 0)
+    # moved copies of experts with another copy
+    moved = (p >= 0) & ~held_old[active[:, None, None], ri, pe] & (cnt[ai, pe] >= 2)
+    some = moved.any((1, 2))
+    if not some.all():  # the rest of the work on the layers that have any
+        active, p, pe, cnt, moved = active[some], p[some], pe[some], cnt[some], moved[some]
+        num_a = len(active)
+        ai = ai[:num_a]
+    a, r, j = np.nonzero(moved)
+    if not len(a):
+        return a
+    # candidates: the experts the rank held (its old slots), already on the rank's node
+    f = old3[active[a], r]  # [M, S]
+    on_node = np.zeros((num_a, num_nodes, num_logical + 1), dtype=bool)
+    on_node[ai, node_of_rank[None, :, None], np.where(p >= 0, p, num_logical)] = True
+    e = p[a, r, j]
+    ok = (f >= 0) & (f != e[:, None]) & on_node[a[:, None], node_of_rank[r][:, None], np.maximum(f, 0)]
+    m, col = np.nonzero(ok)
+    if not len(m):
+        return m
+    a, r, j, e, f = a[m], r[m], j[m], e[m], f[m, col]
+    wa = w[active]
+    wc = load_per_copy(wa, cnt)
+    loads = np.where(p >= 0, wc[ai, pe], 0.0).sum(-1)  # [A, R]
+    # copies of e and f per rank, [K, R]
+    per_rank = count_last(p, num_logical)  # [A, R, E + 1]
+    n_e = per_rank[a, :, e]
+    n_f = per_rank[a, :, f]
+    we, wf = wa[a, e], wa[a, f]
+    ce, cf = cnt[a, e], cnt[a, f]
+    d_e = we / (ce - 1) - we / ce  # each copy of e left carries more
+    d_f = wf / (cf + 1) - wf / cf  # each copy of f carries less
+    new = loads[a] + n_e * d_e[:, None] + n_f * d_f[:, None]  # [K, R]
+    k = np.arange(len(a))
+    new[k, r] += wf / (cf + 1) - we / (ce - 1)  # the slot itself: e's copy out, f's in
+    peak = new.max(1)
+    fits = peak <= thr[active[a]]
+    if not fits.any():
+        return np.zeros(0, dtype=np.int64)
+    k = k[fits]
+    # one replacement per layer and node: those of different nodes touch different ranks and
+    # experts (every copy of e and f is on the node), so each is checked exactly as it is
+    key = a[k] * num_nodes + node_of_rank[r[k]]
+    order = np.lexsort((k, peak[k], key))
+    k = k[order]
+    first = k[np.r_[True, key[order][1:] != key[order][:-1]]]
+    out[active[a[first]], r[first], j[first]] = f[first]
+    return np.unique(active[a[first]])
