@@ -5,3 +5,21 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
+
+
+def pytest_collection_finish(session):
+    """Start, beside the first tests, what later tests will need (tests/background.py): the
+    jobs of the selected tests marked ``background``, and, where a selected test's module
+    starts ranks (tests/mp.py), the forkserver they fork from (its imports take seconds of one
+    core, which the first such test would otherwise wait for)."""
+    import background
+    import mp
+
+    background.start(job for item in session.items for m in item.iter_markers("background") for job in m.args)
+    starters = {id(mp), id(mp.run_ranks), id(mp.forkserver)}
+    modules = {getattr(item, "module", None) for item in session.items} - {None}
+    if any(id(v) in starters for m in modules for v in vars(m).values()):
+        from multiprocessing import forkserver as server
+
+        mp.forkserver()
+        server.ensure_running()
