@@ -15,6 +15,8 @@ def pytest_collection_finish(session):
     import background
     import mp
 
+    if session.config.option.collectonly:
+        return
     background.start(job for item in session.items for m in item.iter_markers("background") for job in m.args)
     starters = {id(mp), id(mp.run_ranks), id(mp.forkserver)}
     modules = {getattr(item, "module", None) for item in session.items} - {None}
@@ -22,4 +24,14 @@ def pytest_collection_finish(session):
         from multiprocessing import forkserver as server
 
         mp.forkserver()
-        server.ensure_running()
+        # The server, and so every rank, writes to the stdout and stderr it starts with: pytest's
+        # capture (suspended while collection ends), as when a test started it, so that a rank's
+        # output (warnings, a traceback) shows with the test that ran it, not on the terminal.
+        capman = session.config.pluginmanager.getplugin("capturemanager")
+        if capman is not None:
+            capman.resume_global_capture()
+        try:
+            server.ensure_running()
+        finally:
+            if capman is not None:
+                capman.suspend_global_capture()
