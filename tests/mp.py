@@ -11,9 +11,7 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
-import threading
 import time
-from concurrent.futures import Future
 
 from moeshard._launch import run_local_ranks
 
@@ -76,27 +74,6 @@ def run_ranks(fn, *args, world: int = 4, local_world: int | None = None, timeout
     return run_local_ranks(
         call_gc_frozen, fn, *args, world=world, local_world=local_world, timeout=timeout, start_method="forkserver"
     )
-
-
-def start_ranks(fn, *args, **kwargs) -> Future:
-    """:func:`run_ranks` in a thread: returns at once, its ``result()`` the per-rank results (or
-    run_ranks' error).
-
-    For a module's independent groups, and for the references a test computes in this process:
-    a group's ranks spend much of their time waiting on each other (the slowest rank, the next
-    collective), and on a 2-core host another group or this process fills the cores meanwhile
-    (test_load_dist's two groups: 64 s one after the other, 53 s at once).
-    """
-    future: Future = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(run_ranks(fn, *args, **kwargs))
-        except BaseException as e:  # noqa: BLE001 - handed to the caller of result()
-            future.set_exception(e)
-
-    threading.Thread(target=run, name=f"ranks-{fn.__name__}", daemon=True).start()
-    return future
 
 
 def call_gc_frozen(fn, *args):

@@ -17,7 +17,7 @@ import shutil
 import pytest
 
 import tiny_moe
-from mp import run_ranks, start_ranks
+from mp import run_ranks
 
 pytestmark = pytest.mark.dist
 
@@ -336,25 +336,18 @@ def _make_root(tmp_path_factory, num_nodes: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def groups(tmp_path_factory):
-    """The 4-rank and the 8-rank group's results, the two groups run at once (mp.start_ranks)."""
-    root4, root8 = _make_root(tmp_path_factory, 2), _make_root(tmp_path_factory, 2)
-    # Shuffled only (it is redundant too): 8 ranks on CI's 2 cores are the suite's slowest group.
-    results8 = start_ranks(load_worker, root8, [(8, 1), (4, 2), (2, 4)], ("shuffled",), world=8, local_world=4)
-    results4 = run_ranks(
-        load_worker, root4, [(4, 1), (2, 2)], ("contiguous", "redundant", "shuffled"), world=4, local_world=2
+def results4(tmp_path_factory):
+    root = _make_root(tmp_path_factory, 2)
+    return run_ranks(
+        load_worker, root, [(4, 1), (2, 2)], ("contiguous", "redundant", "shuffled"), world=4, local_world=2
     )
-    return results4, results8.result()
 
 
 @pytest.fixture(scope="module")
-def results4(groups):
-    return groups[0]
-
-
-@pytest.fixture(scope="module")
-def results8(groups):
-    return groups[1]
+def results8(tmp_path_factory):
+    root = _make_root(tmp_path_factory, 2)
+    # Shuffled only (it is redundant too): 8 ranks on CI's 2 cores are the suite's slowest group.
+    return run_ranks(load_worker, root, [(8, 1), (4, 2), (2, 4)], ("shuffled",), world=8, local_world=4)
 
 
 def _check_loads(results, world):

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import tiny_hf
-from mp import start_ranks
+from mp import run_ranks
 from training import one_process_steps
 
 transformers = pytest.importorskip("transformers")
@@ -224,12 +224,9 @@ def lora_results(tmp_path_factory):
         tensors = load_file(f"{paths['bad_keys']}/adapter_model.safetensors")
         tensors.pop("base_model.model.model.layers.1.mlp.experts.lora_B.weight")
         save_file(tensors, f"{paths['bad_keys']}/adapter_model.safetensors", metadata={"format": "pt"})
-        all_paths[family] = paths
-    # The one-process references are computed while the ranks run (mp.start_ranks).
-    results = start_ranks(lora_worker, all_paths, SCENARIOS, world=WORLD, local_world=2, timeout=400)
-    for family, paths in all_paths.items():
-        refs[family] = _reference(paths)
-    return all_paths, refs, results.result()
+        all_paths[family], refs[family] = paths, _reference(paths)
+    results = run_ranks(lora_worker, all_paths, SCENARIOS, world=WORLD, local_world=2, timeout=400)
+    return all_paths, refs, results
 
 
 def test_adapter_targets_experts_and_attention(lora_results):

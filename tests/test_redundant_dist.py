@@ -41,14 +41,12 @@ or zero (other copies), and nothing may hang.
 
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import pytest
 import torch
 
 import tiny_hf
-from mp import start_ranks
+from mp import run_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -241,29 +239,13 @@ def ckpt(ckpts):
 
 
 @pytest.fixture(scope="module")
-def groups(ckpts, tmp_path_factory):
-    """The module's three groups, started at once (mp.start_ranks); the fixtures below compute
-    their one-process references meanwhile, then take their group's results."""
-    ckpt = ckpts["qwen3_moe"]
-    out = dict(
-        stock=start_ranks(stock_worker, ckpts, SCENARIOS, world=WORLD, local_world=2, timeout=360),
-        per_slot=start_ranks(experts_worker, ckpt, EXPERT_SCENARIOS, world=WORLD, local_world=2, timeout=200),
-    )
-    if importlib.util.find_spec("accelerate") is not None:  # else trainer_runs skips
-        out_dir = str(tmp_path_factory.mktemp("trainer"))
-        out["trainer"] = start_ranks(
-            trainer_worker, ckpt, TRAINER_SCENARIOS, out_dir, world=WORLD, local_world=2, timeout=280
-        )
-    return out
-
-
-@pytest.fixture(scope="module")
-def stock(ckpts, groups):
+def stock(ckpts):
     refs = {
         (family, acc): _reference(ckpts[family], acc, family=family)
         for family, acc in sorted({(s[1], s[4]) for s in SCENARIOS})
     }
-    return refs, groups["stock"].result()
+    results = run_ranks(stock_worker, ckpts, SCENARIOS, world=WORLD, local_world=2, timeout=360)
+    return refs, results
 
 
 @pytest.mark.parametrize("i", range(len(SCENARIOS)), ids=[s[0] for s in SCENARIOS])
@@ -383,8 +365,8 @@ def experts_worker(ckpt: str, scenarios: list) -> list:
 
 
 @pytest.fixture(scope="module")
-def per_slot(groups):
-    return groups["per_slot"].result()
+def per_slot(ckpt):
+    return run_ranks(experts_worker, ckpt, EXPERT_SCENARIOS, world=WORLD, local_world=2, timeout=200)
 
 
 @pytest.mark.parametrize("i", range(len(EXPERT_SCENARIOS)), ids=[f"ep{e}-efsdp{d}" for e, d in EXPERT_SCENARIOS])
@@ -471,10 +453,11 @@ def trainer_worker(ckpt: str, scenarios: list, out_dir: str) -> list:
 
 
 @pytest.fixture(scope="module")
-def trainer_runs(ckpt, groups):
+def trainer_runs(ckpt, tmp_path_factory):
     pytest.importorskip("accelerate")
+    out_dir = str(tmp_path_factory.mktemp("trainer"))
     ref = _reference(ckpt, ACC, weight_decay=0.0)
-    return ref, groups["trainer"].result()
+    return ref, run_ranks(trainer_worker, ckpt, TRAINER_SCENARIOS, out_dir, world=WORLD, local_world=2, timeout=280)
 
 
 @pytest.mark.parametrize(

@@ -35,7 +35,7 @@ import pytest
 import torch
 
 import tiny_hf
-from mp import start_ranks
+from mp import run_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -354,12 +354,9 @@ def runs(tmp_path_factory):
     for family in tiny_hf.MATRIX:
         ckpts[family] = str(root / family)
         tiny_hf.save_checkpoint(family, ckpts[family])
-    # The one-process references are read while the ranks run (mp.start_ranks).
-    results = start_ranks(_worker, ckpts, world=WORLD, local_world=LWS, timeout=280)
-    for family in tiny_hf.MATRIX:
         model = transformers.AutoModelForCausalLM.from_pretrained(ckpts[family], dtype=torch.float32)
         references[family] = {k: v.detach().clone().numpy() for k, v in model.named_parameters()}
-    return references, results.result()
+    return references, run_ranks(_worker, ckpts, world=WORLD, local_world=LWS, timeout=280)
 
 
 def _only_on(pl, ranks: set[int]) -> list[tuple[int, int]]:

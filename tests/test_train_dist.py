@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from mp import start_ranks
+from mp import run_ranks
 from training import one_process_steps
 
 transformers = pytest.importorskip("transformers")
@@ -198,11 +198,9 @@ def trained(tmp_path_factory):
                 p.add_(torch.randn_like(p) * 0.1)
         ckpts[family] = str(root / family)
         model.save_pretrained(ckpts[family], max_shard_size="50KB")
-    # The one-process references are computed while the ranks run (mp.start_ranks).
-    results = start_ranks(train_worker, ckpts, SCENARIOS, world=WORLD, local_world=2, timeout=280)
-    for family in NUM_LAYERS:
         refs[family] = _reference(ckpts[family])
-    return refs, results.result()
+    results = run_ranks(train_worker, ckpts, SCENARIOS, world=WORLD, local_world=2, timeout=280)
+    return refs, results
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import tiny_hf
-from mp import start_ranks
+from mp import run_ranks
 from training import accelerate_fsdp_on_cpu
 
 transformers = pytest.importorskip("transformers")
@@ -163,11 +163,9 @@ def runs(tmp_path_factory):
     for name, fmt in SCENARIOS:
         family = write_scenario(fmt, str(root / name), str(root / f"{name}-reference"))
         ckpts[name] = (str(root / name), family)
-    # The one-process references are computed while the ranks run (mp.start_ranks).
-    results = start_ranks(train_worker, ckpts, str(root / "runs"), world=WORLD, timeout=500)
-    for name, _ in SCENARIOS:
         refs[name] = _reference(str(root / f"{name}-reference"), str(root / f"{name}-reference-run"))
-    return refs, results.result()
+    results = run_ranks(train_worker, ckpts, str(root / "runs"), world=WORLD, timeout=500)
+    return refs, results
 
 
 @pytest.mark.parametrize("name", [s[0] for s in SCENARIOS])

@@ -53,7 +53,7 @@ import pytest
 import torch
 
 import tiny_hf
-from mp import start_ranks
+from mp import run_ranks
 from training import accelerate_fsdp_on_cpu
 
 transformers = pytest.importorskip("transformers")
@@ -502,13 +502,11 @@ def runs(tmp_path_factory):
     for family in tiny_hf.MATRIX:
         ckpts[family] = str(root / f"tiny-{family}")
         write_tiny(family, ckpts[family])
-    # The one-process references are computed while the ranks run (mp.start_ranks).
-    results = start_ranks(trainer_worker, ckpts, str(root), world=WORLD, timeout=600)
-    for family in tiny_hf.MATRIX:
         refs[f"{family}/trainer"] = _reference(ckpts[family], str(root / f"reference-{family}"))
     if _has_trl():
         refs["qwen3_moe/sft"] = _reference(ckpts["qwen3_moe"], str(root / "reference-sft"), sft=True)
-    return root, refs, results.result()
+    results = run_ranks(trainer_worker, ckpts, str(root), world=WORLD, timeout=600)
+    return root, refs, results
 
 
 def _check_log(got, want, steps, rtol=RTOL):
