@@ -6,7 +6,8 @@ release takes the GIL while Python finalizes, and Python ends it with ``pthread_
 C++ frames that may not unwind (see :mod:`moeshard._launch`). ``moeshard`` commands and the local
 launcher end with :func:`moeshard._launch.exit_process` instead. Here: a deterministic form of the
 hazard aborts a plain exit and not ``exit_process``; ``moeshard verify`` under torchrun exits 0
-on every run and 2 on bad input, its output complete.
+on every run and 2 on bad input, its output complete. The torchrun jobs run in the background
+(tests/background.py): fresh interpreters importing torch, beside the tests collected before.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
+import background
 from moeshard._launch import free_port
 
 pytestmark = pytest.mark.dist
@@ -92,10 +95,16 @@ HAZARD = textwrap.dedent("""
 """)
 
 
-def test_exit_process_ends_where_a_plain_exit_aborts(tmp_path):
-    script = tmp_path / "hazard.py"
+@background.job
+def hazard_runs(tmp: Path) -> list[subprocess.CompletedProcess]:
+    script = tmp / "hazard.py"
     script.write_text(HAZARD)
-    plain, ours = _torchrun([str(script), "plain"], [str(script), "exit_process"])
+    return _torchrun([str(script), "plain"], [str(script), "exit_process"])
+
+
+@pytest.mark.background(hazard_runs)
+def test_exit_process_ends_where_a_plain_exit_aborts():
+    plain, ours = hazard_runs.result()
     # The hazard is real (torch 2.13, Python 3.11): without exit_process the rank aborts.
     assert plain.returncode != 0 and "terminate called without an active exception" in plain.stderr, (
         "a plain exit no longer aborts here: torch or Python changed; the exit_process teardown may be unneeded\n"
@@ -105,15 +114,21 @@ def test_exit_process_ends_where_a_plain_exit_aborts(tmp_path):
     assert "rank 0 done" in ours.stdout and "terminate called" not in ours.stderr
 
 
-def test_verify_under_torchrun_exits_zero_every_time(tmp_path):
-    pytest.importorskip("transformers")
-    from test_cli import write_tiny
-
-    ckpt = str(tmp_path / "tiny")
-    write_tiny(ckpt)
+@background.job
+def verify_runs(tmp: Path) -> list[subprocess.CompletedProcess]:
+    ckpt = str(tmp / "tiny")
+    # In a child, as every step of a job: an import in this thread would race the tests' own.
+    write = "import sys\nfrom test_cli import write_tiny\nwrite_tiny(sys.argv[1])\n"
+    subprocess.run([sys.executable, "-c", write, ckpt], cwd=os.path.dirname(__file__), check=True, capture_output=True)
     verify = ["-m", "moeshard.cli", "verify", ckpt, "--ep", "2"]
     # Bad input: every rank exits 2 (torchrun reports 1), the one error line printed before the exit.
-    *good, bad = _torchrun(*[verify] * RUNS, [*verify, "--redundant", "-5"])
+    return _torchrun(*[verify] * RUNS, [*verify, "--redundant", "-5"])
+
+
+@pytest.mark.background(verify_runs)
+def test_verify_under_torchrun_exits_zero_every_time():
+    pytest.importorskip("transformers")
+    *good, bad = verify_runs.result()
     for run, res in enumerate(good):
         assert res.returncode == 0, f"run {run}: exit {res.returncode}\n{res.stderr[-3000:]}"
         assert "2 ranks (EP=2 x efsdp=1)" in res.stdout and "verified against the checkpoint: OK" in res.stdout

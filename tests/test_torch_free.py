@@ -9,9 +9,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
+
+import background
 
 CONFIG = {
     "model_type": "deepseek_v3",
@@ -103,8 +106,11 @@ def test_public_names_resolve_on_first_use(name):
         moeshard.nothing_here  # noqa: B018
 
 
-def test_every_public_name_resolves_and_subpackages_bind_their_api():
-    out = subprocess.run(
+@background.job
+def every_public_name(tmp: Path) -> subprocess.CompletedProcess:
+    """A fresh interpreter resolves every public name (seconds of imports: run beside the
+    tests before, tests/background.py)."""
+    return subprocess.run(
         [
             sys.executable,
             "-c",
@@ -122,4 +128,9 @@ print("OK")
         text=True,
         timeout=300,
     )
+
+
+@pytest.mark.background(every_public_name)
+def test_every_public_name_resolves_and_subpackages_bind_their_api():
+    out = every_public_name.result()
     assert "OK" in out.stdout, out.stderr[-3000:]
