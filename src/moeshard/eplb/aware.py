@@ -216,6 +216,45 @@ def capped_counts(wr: np.ndarray, cnt: np.ndarray, cap: np.ndarray) -> np.ndarra
     return c
 
 
+def hot_counts(wr: np.ndarray, cnt: np.ndarray, thr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Count variants for nodes near what their ranks carry at the limit, where the packing's
+    granularity decides: ``cnt`` ``int[B, E]`` a node's counts (experts with count 0 are not
+    the node's), ``wr`` ``float[B, E]`` loads, ``thr`` ``float[B]`` the limit. Each of the
+    node's ``_HOT_EXPERTS`` heaviest experts with ``d`` in ``_HOT_STEPS`` copies more or fewer
+    (never a copy over ``thr``): the slots one fewer frees go one each to the node's lightest
+    experts (second copies, which the packing puts on the ranks that hold them: nothing
+    travels), the slot one more takes from the expert whose per-copy load stays lowest.
+    Returns ``int[V]`` (the row of each variant) and ``int[V, E]`` its counts, the changed
+    ones only."""
+    num_b = len(cnt)
+    rows = np.arange(num_b)
+    mine = cnt > 0
+    by_load = np.argsort(np.where(mine, -wr, np.inf), axis=1, kind="stable")  # heaviest first
+    light = np.argsort(np.where(mine, wr, np.inf), axis=1, kind="stable")  # lightest first
+    out_r, out_c = [np.zeros(0, dtype=np.int64)], [cnt[:0]]
+    for j in range(min(_HOT_EXPERTS, cnt.shape[1])):
+        hot = by_load[:, j]
+        ok0 = mine[rows, hot]
+        least = np.maximum(1, np.ceil(wr[rows, hot] / np.maximum(thr, 1e-300) * (1 - 1e-12))).astype(np.int64)
+        for d in _HOT_STEPS:
+            c = cnt.copy()
+            c[rows, hot] += d
+            ok = ok0 & (c[rows, hot] >= least)
+            if d < 0:
+                for i in range(-d):
+                    c[rows, light[:, i]] += 1
+            for _ in range(max(d, 0)):
+                others = mine & (c > 1)
+                others[rows, hot] = False
+                lo = np.where(others, wr / np.maximum(c - 1, 1), np.inf).argmin(1)
+                ok &= others[rows, lo]
+                c[rows, lo] -= others[rows, lo]
+            ok &= (c != cnt).any(1)
+            out_r.append(rows[ok])
+            out_c.append(c[ok])
+    return np.concatenate(out_r), np.concatenate(out_c)
+
+
 def _node_counts(w, old3, group_node, sh: Shape, keep_counts: bool) -> tuple[np.ndarray, np.ndarray]:
     """Replica counts per node row (``l * N + k``) ``int[L*N, E]`` and the per-copy loads
     ``float[L*N, E]`` they give: ``replicate_experts`` per node, or :func:`_old_counts`."""
@@ -284,6 +323,14 @@ _MAX_COUNT_CHANGES = 8
 # cold experts' counts too. 1.3 moved fewest copies on the global DeepSeek-V3 trace (1.0:
 # +30 %, 2.0: +17 %).
 _CAP_OVER_REPLICATE = 1.3
+# Count variants of nodes loaded over _HOT_FILL of what their ranks carry at the limit
+# (hot_counts): each of the node's _HOT_EXPERTS heaviest experts with _HOT_STEPS copies more
+# or fewer. On the DeepSeek-V3 drifting trace (benchmarks/bench_eplb_optimum.py) the hottest
+# 4 heaviest saved 548 copies of 7,571, the 8 heaviest 587 at 1.3x the variants' rows; the
+# freed slots to the heaviest per copy instead of the lightest experts saved less.
+_HOT_STEPS = (-3, -2, -1, 1)
+_HOT_EXPERTS = 4
+_HOT_FILL = 0.8
 # Group assignments enumerated at most (8 groups on 4 nodes: 2,520).
 _MAX_ASSIGNMENTS = 5000
 # Node fills (of live ranks x limit) under which the cheapest group assignments are tried.
@@ -465,7 +512,12 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None) -> tupl
         own = tight[fills[tight] & (cnt_all[tight] != cnt_r[tight]).any(1)]
         cnt_o = cnt_all[own]
         wc_o = load_per_copy(wr[own], cnt_o)
-    rows = np.concatenate([todo, tight, capped, own])
+    # near-full nodes: the old counts with the hottest expert's count changed (hot_counts)
+    near = np.flatnonzero(~as_is & ~hopeless & (node_load > limit[:, None] * sh.live_per_node * _HOT_FILL).ravel())
+    hv_r, cnt_h = hot_counts(wr[near], cnt_k[near], thr_rows[near])
+    hot_rows = near[hv_r]
+    wc_h = load_per_copy(wr[hot_rows], cnt_h)
+    rows = np.concatenate([todo, tight, capped, own, hot_rows])
     keep = old_rows.copy()
     repl = old_rows.copy()
     capd = old_rows.copy()
@@ -475,15 +527,16 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None) -> tupl
         packed = sticky_pack(
             old_rows[rows],
             alive_rows[rows],
-            np.concatenate([cnt_k[todo], cnt_r[tight], cnt_c, cnt_o]).astype(np.int64),
-            np.concatenate([wc_k[todo], wc_r[tight], wc_c, wc_o]),
+            np.concatenate([cnt_k[todo], cnt_r[tight], cnt_c, cnt_o, cnt_h]).astype(np.int64),
+            np.concatenate([wc_k[todo], wc_r[tight], wc_c, wc_o, wc_h]),
             thr_rows[rows],
             no_duplicates=False,
+            dup_held=np.arange(len(rows)) >= len(rows) - len(hot_rows),
         )
         # rows over the limit: the swap search lowers their heaviest rank (a few more moves
         # where the alternative is the fallback's repacking of the node)
-        cnt_rows = np.concatenate([cnt_k[todo], cnt_r[tight], cnt_c, cnt_o]).astype(np.int64)
-        wc_rows = np.concatenate([wc_k[todo], wc_r[tight], wc_c, wc_o])
+        cnt_rows = np.concatenate([cnt_k[todo], cnt_r[tight], cnt_c, cnt_o, cnt_h]).astype(np.int64)
+        wc_rows = np.concatenate([wc_k[todo], wc_r[tight], wc_c, wc_o, wc_h])
         ri = np.arange(len(rows))[:, None, None]
         peak = np.where(packed >= 0, wc_rows[ri, np.maximum(packed, 0)], 0.0).sum(-1).max(-1)
         over = np.flatnonzero(peak > thr_rows[rows] * (1 + _SLACK))
@@ -505,9 +558,22 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None) -> tupl
         capd[todo] = keep[todo]
         capd[capped] = packed[b:c]
         oblc[todo] = keep[todo]
-        oblc[own] = packed[c:]
+        oblc[own] = packed[c : c + len(own)]
     shape = (num_layers, sh.num_ranks, -1)
     cands = [keep.reshape(shape), repl.reshape(shape), capd.reshape(shape), oblc.reshape(shape)]
+    # the hot count variants: candidate v takes each node's v-th variant (nodes with fewer
+    # keep their old-count packing there)
+    if len(hot_rows):
+        hp = packed[len(rows) - len(hot_rows) :]
+        order = np.argsort(hot_rows, kind="stable")
+        hs = hot_rows[order]
+        first = np.r_[True, hs[1:] != hs[:-1]]
+        rank_in = np.arange(len(hs)) - np.maximum.accumulate(np.where(first, np.arange(len(hs)), 0))
+        for v in range(int(rank_in.max()) + 1):
+            sel = order[rank_in == v]
+            hv = keep.copy()
+            hv[hot_rows[sel]] = hp[sel]
+            cands.append(hv.reshape(shape))
     comp, ok = _compose(w, held_old, cands, limit, sh)
     return comp, ~ok | hopeless.reshape(num_layers, n)
 
