@@ -221,11 +221,11 @@ def hot_counts(wr: np.ndarray, cnt: np.ndarray, thr: np.ndarray) -> tuple[np.nda
     granularity decides: ``cnt`` ``int[B, E]`` a node's counts (experts with count 0 are not
     the node's), ``wr`` ``float[B, E]`` loads, ``thr`` ``float[B]`` the limit. Each of the
     node's ``_HOT_EXPERTS`` heaviest experts with ``d`` in ``_HOT_STEPS`` copies more or fewer
-    (never a copy over ``thr``): the slots one fewer frees go one each to the node's lightest
+    (no copy of the node over ``thr``): the slots one fewer frees go one each to the node's lightest
     experts (second copies, which the packing puts on the ranks that hold them: nothing
     travels), the slot one more takes from the expert whose per-copy load stays lowest.
-    Returns ``int[V]`` (the row of each variant) and ``int[V, E]`` its counts, the changed
-    ones only."""
+    Returns ``int[V]`` (the row of each variant) and ``int[V, E]`` its counts, each variant
+    once, none equal to ``cnt``."""
     num_b = len(cnt)
     rows = np.arange(num_b)
     mine = cnt > 0
@@ -249,10 +249,13 @@ def hot_counts(wr: np.ndarray, cnt: np.ndarray, thr: np.ndarray) -> tuple[np.nda
                 lo = np.where(others, wr / np.maximum(c - 1, 1), np.inf).argmin(1)
                 ok &= others[rows, lo]
                 c[rows, lo] -= others[rows, lo]
-            ok &= (c != cnt).any(1)
+            ok &= (c != cnt).any(1) & (np.where(mine, wr / np.maximum(c, 1), 0.0) <= thr[:, None] * (1 + EPS)).all(1)
             out_r.append(rows[ok])
             out_c.append(c[ok])
-    return np.concatenate(out_r), np.concatenate(out_c)
+    # each variant once (the first, in the order made)
+    vr, vc = np.concatenate(out_r), np.concatenate(out_c)
+    first = np.sort(np.unique(np.column_stack([vr, vc]), axis=0, return_index=True)[1])
+    return vr[first], vc[first]
 
 
 def _node_counts(w, old3, group_node, sh: Shape, keep_counts: bool) -> tuple[np.ndarray, np.ndarray]:
