@@ -31,7 +31,10 @@ Per layer:
   old counts with fewest changes that bring it down (:func:`capped_counts`), and the
   oblivious answer's own counts where they fill the node's slots (spread and hot-spread
   counts: a ``T`` relative to the oblivious answer may be below what ``replicate_experts``'
-  counts allow); a packing over ``T`` is first refined by the swap search
+  counts allow), and on nodes loaded over ``_HOT_FILL`` of ``T x live ranks`` the old counts
+  with one of the heaviest experts a few copies fewer (the slots to second copies of the
+  lightest experts, packed onto the ranks that hold them) or one more (:func:`hot_counts`:
+  near the limit the packing's granularity decides); a packing over ``T`` is first refined by the swap search
   (:func:`moeshard.eplb.refine.lower_peak`) and copies are swapped back to ranks that held
   them (:func:`restore`); the node takes the one within ``T`` that moves fewest copies;
 * a node where sticky packing misses ``T``: the oblivious answer's packing of the node's
@@ -467,7 +470,9 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None) -> tupl
     old counts capped there (:func:`capped_counts`), and with the oblivious answer's counts
     ``obl_cnt`` ``int[L, E]`` where they fill the node's slots (its spread and hot-spread
     counts: after the oblivious answer got lighter than ``replicate_experts``' counts allow,
-    the only ones within a limit relative to it). One batch of rows (the cost is in the
+    the only ones within a limit relative to it), and on nodes loaded over ``_HOT_FILL`` of
+    what their ranks carry, the old counts' variants of :func:`hot_counts` (packed with second
+    copies on the ranks that held the expert). One batch of rows (the cost is in the
     rounds of the loops, not in the rows). Returns ``int[L, R, S]`` and the nodes over the
     limit ``bool[L, N]``."""
     num_layers, num_logical = w.shape
