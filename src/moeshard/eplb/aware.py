@@ -257,7 +257,9 @@ def hot_counts(wr: np.ndarray, cnt: np.ndarray, thr: np.ndarray) -> tuple[np.nda
             out_c.append(c[ok])
     # each variant once (the first, in the order made)
     vr, vc = np.concatenate(out_r), np.concatenate(out_c)
-    first = np.sort(np.unique(np.column_stack([vr, vc]), axis=0, return_index=True)[1])
+    # a variant's key: its row and a hash of its counts (a collision only drops a variant)
+    key = vr * 1_000_003 + (vc * np.arange(1, 2 * vc.shape[1], 2)).sum(1) % 1_000_003
+    first = np.sort(np.unique(key, return_index=True)[1])
     return vr[first], vc[first]
 
 
@@ -331,10 +333,11 @@ _MAX_COUNT_CHANGES = 8
 _CAP_OVER_REPLICATE = 1.3
 # Count variants of nodes loaded over _HOT_FILL of what their ranks carry at the limit
 # (hot_counts): each of the node's _HOT_EXPERTS heaviest experts with _HOT_STEPS copies more
-# or fewer. On the DeepSeek-V3 drifting trace (benchmarks/bench_eplb_optimum.py) the hottest
-# 4 heaviest saved 548 copies of 7,571, the 8 heaviest 587 at 1.3x the variants' rows; the
-# freed slots to the heaviest per copy instead of the lightest experts saved less.
-_HOT_STEPS = (-3, -2, -1, 1)
+# or fewer. On the DeepSeek-V3 drifting trace (benchmarks/bench_eplb_optimum.py, 7,571 copies
+# without them) these moved 7,024; 3 experts 7,260, 6 experts 6,993 (more rows, more CPU);
+# steps (-1, 1) 7,182, (-3, -2, -1, 1) 7,023; fill 0.9 7,041; the freed slots to the heaviest
+# per copy as well as to the lightest experts about the same, at twice the rows.
+_HOT_STEPS = (-2, -1, 1)
 _HOT_EXPERTS = 4
 _HOT_FILL = 0.8
 # Group assignments enumerated at most (8 groups on 4 nodes: 2,520).
@@ -569,19 +572,24 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None) -> tupl
         oblc[own] = packed[c : c + len(own)]
     shape = (num_layers, sh.num_ranks, -1)
     cands = [keep.reshape(shape), repl.reshape(shape), capd.reshape(shape), oblc.reshape(shape)]
-    # the hot count variants: candidate v takes each node's v-th variant (nodes with fewer
-    # keep their old-count packing there)
+    # the hot count variants: per node the one within the limit that moves fewest copies (the
+    # first on ties), one candidate more (nodes without one keep their old-count packing)
     if len(hot_rows):
         hp = packed[len(rows) - len(hot_rows) :]
-        order = np.argsort(hot_rows, kind="stable")
-        hs = hot_rows[order]
-        first = np.r_[True, hs[1:] != hs[:-1]]
-        rank_in = np.arange(len(hs)) - np.maximum.accumulate(np.where(first, np.arange(len(hs)), 0))
-        for v in range(int(rank_in.max()) + 1):
-            sel = order[rank_in == v]
-            hv = keep.copy()
-            hv[hot_rows[sel]] = hp[sel]
-            cands.append(hv.reshape(shape))
+        hi = np.arange(len(hot_rows))[:, None, None]
+        peak_h = np.where(hp >= 0, wc_h[hi, np.maximum(hp, 0)], 0.0).sum(-1).max(-1)
+        held_h = np.zeros((len(hot_rows), rpn, num_logical + 1), dtype=bool)
+        held_h[
+            hi, np.arange(rpn)[None, :, None], np.where(old_rows[hot_rows] >= 0, old_rows[hot_rows], num_logical)
+        ] = True
+        moved_h = ((hp >= 0) & ~held_h[hi, np.arange(rpn)[None, :, None], np.maximum(hp, 0)]).sum((1, 2))
+        score = np.where(peak_h <= thr_rows[hot_rows] * (1 + _SLACK), moved_h, np.iinfo(np.int64).max)
+        order = np.lexsort((np.arange(len(hot_rows)), score, hot_rows))
+        first = order[np.r_[True, hot_rows[order][1:] != hot_rows[order][:-1]]]
+        first = first[score[first] < np.iinfo(np.int64).max]
+        hv = keep.copy()
+        hv[hot_rows[first]] = hp[first]
+        cands.append(hv.reshape(shape))
     comp, ok = _compose(w, held_old, cands, limit, sh)
     return comp, ~ok | hopeless.reshape(num_layers, n)
 
