@@ -594,8 +594,9 @@ def test_aware_within_one_percent_of_the_oblivious_answer_moves_few_copies():
     reference's on hierarchical shapes), the migration-aware policy packs with the oblivious
     answer's counts, refines its sticky packings rather than repacking the nodes and also tries
     the groups kept wherever their node fits and the oblivious answer's groups matched to the
-    old nodes (node by node), and refills moved copies from the rank's own experts: under 11.2 %
-    of the reference's moves on a drifting hierarchical trace (11.3 % without the refills, 11.9 %
+    old nodes (node by node), refills moved copies from the rank's own experts and tries count
+    variants of near-full nodes: under 10.7 % of the reference's moves on a drifting
+    hierarchical trace (11.06 % without the count variants, 11.3 % without the refills, 11.9 %
     with only the groups of the node fill cap, 17 % with only ``replicate_experts``' and the old
     counts), each layer within the limit."""
     from moeshard.cli.bench.traces import zipf_trace
@@ -613,7 +614,7 @@ def test_aware_within_one_percent_of_the_oblivious_answer_moves_few_copies():
         moved += eplb.copies_moved(cur, new, 16)
         ref_moved += eplb.copies_moved(ref, new_ref, 16)
         cur, ref = new, new_ref
-    assert moved < 0.112 * ref_moved, (moved, ref_moved)
+    assert moved < 0.107 * ref_moved, (moved, ref_moved)
 
 
 def test_aware_skips_only_candidates_that_cannot_be_taken(monkeypatch):

@@ -31,7 +31,10 @@ Per layer:
   old counts with fewest changes that bring it down (:func:`capped_counts`), and the
   oblivious answer's own counts where they fill the node's slots (spread and hot-spread
   counts: a ``T`` relative to the oblivious answer may be below what ``replicate_experts``'
-  counts allow); a packing over ``T`` is first refined by the swap search
+  counts allow), and on nodes loaded over ``_HOT_FILL`` of ``T x live ranks`` the old counts
+  with one of the heaviest experts a few copies fewer (the slots to second copies of the
+  lightest experts, packed onto the ranks that hold them) or one more (:func:`hot_counts`:
+  near the limit the packing's granularity decides); a packing over ``T`` is first refined by the swap search
   (:func:`moeshard.eplb.refine.lower_peak`) and copies are swapped back to ranks that held
   them (:func:`restore`); the node takes the one within ``T`` that moves fewest copies;
 * a node where sticky packing misses ``T``: the oblivious answer's packing of the node's
@@ -223,6 +226,50 @@ def capped_counts(wr: np.ndarray, cnt: np.ndarray, cap: np.ndarray) -> np.ndarra
     return c
 
 
+def hot_counts(wr: np.ndarray, cnt: np.ndarray, thr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Count variants for nodes near what their ranks carry at the limit, where the packing's
+    granularity decides: ``cnt`` ``int[B, E]`` a node's counts (experts with count 0 are not
+    the node's), ``wr`` ``float[B, E]`` loads, ``thr`` ``float[B]`` the limit. Each of the
+    node's ``_HOT_EXPERTS`` heaviest experts with ``d`` in ``_HOT_STEPS`` copies more or fewer
+    (no copy of the node over ``thr``): the slots one fewer frees go one each to the node's lightest
+    experts (second copies, which the packing puts on the ranks that hold them: nothing
+    travels), the slot one more takes from the expert whose per-copy load stays lowest.
+    Returns ``int[V]`` (the row of each variant) and ``int[V, E]`` its counts, each variant
+    once, none equal to ``cnt``."""
+    num_b = len(cnt)
+    rows = np.arange(num_b)
+    mine = cnt > 0
+    by_load = np.argsort(np.where(mine, -wr, np.inf), axis=1, kind="stable")  # heaviest first
+    light = np.argsort(np.where(mine, wr, np.inf), axis=1, kind="stable")  # lightest first
+    out_r, out_c = [np.zeros(0, dtype=np.int64)], [cnt[:0]]
+    for j in range(min(_HOT_EXPERTS, cnt.shape[1])):
+        hot = by_load[:, j]
+        ok0 = mine[rows, hot]
+        least = np.maximum(1, np.ceil(wr[rows, hot] / np.maximum(thr, 1e-300) * (1 - 1e-12))).astype(np.int64)
+        for d in _HOT_STEPS:
+            c = cnt.copy()
+            c[rows, hot] += d
+            ok = ok0 & (c[rows, hot] >= least)
+            if d < 0:
+                for i in range(-d):
+                    c[rows, light[:, i]] += 1
+            for _ in range(max(d, 0)):
+                others = mine & (c > 1)
+                others[rows, hot] = False
+                lo = np.where(others, wr / np.maximum(c - 1, 1), np.inf).argmin(1)
+                ok &= others[rows, lo]
+                c[rows, lo] -= others[rows, lo]
+            ok &= (c != cnt).any(1) & (np.where(mine, wr / np.maximum(c, 1), 0.0) <= thr[:, None] * (1 + EPS)).all(1)
+            out_r.append(rows[ok])
+            out_c.append(c[ok])
+    # each variant once (the first, in the order made)
+    vr, vc = np.concatenate(out_r), np.concatenate(out_c)
+    # a variant's key: its row and a hash of its counts (a collision only drops a variant)
+    key = vr * 1_000_003 + (vc * np.arange(1, 2 * vc.shape[1], 2)).sum(1) % 1_000_003
+    first = np.sort(np.unique(key, return_index=True)[1])
+    return vr[first], vc[first]
+
+
 def _node_counts(w, old3, group_node, sh: Shape) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
     """Replica counts per node row (``l * N + k``) ``int[L*N, E]`` and the per-copy loads
     ``float[L*N, E]`` they give: :func:`_old_counts`, and ``replicate_experts`` per node."""
@@ -295,6 +342,15 @@ _MAX_COUNT_CHANGES = 8
 # cold experts' counts too. 1.3 moved fewest copies on the global DeepSeek-V3 trace (1.0:
 # +30 %, 2.0: +17 %).
 _CAP_OVER_REPLICATE = 1.3
+# Count variants of nodes loaded over _HOT_FILL of what their ranks carry at the limit
+# (hot_counts): each of the node's _HOT_EXPERTS heaviest experts with _HOT_STEPS copies more
+# or fewer. On the DeepSeek-V3 drifting trace (benchmarks/bench_eplb_optimum.py, 7,571 copies
+# without them) these moved 7,024; 3 experts 7,260, 6 experts 6,993 (more rows, more CPU);
+# steps (-1, 1) 7,182, (-3, -2, -1, 1) 7,023; fill 0.9 7,041; the freed slots to the heaviest
+# per copy as well as to the lightest experts about the same, at twice the rows.
+_HOT_STEPS = (-2, -1, 1)
+_HOT_EXPERTS = 4
+_HOT_FILL = 0.8
 # Group assignments enumerated at most (8 groups on 4 nodes: 2,520).
 _MAX_ASSIGNMENTS = 5000
 # Node fills (of live ranks x limit) under which the cheapest group assignments are tried.
@@ -450,7 +506,9 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None) -> tupl
     old counts capped there (:func:`capped_counts`), and with the oblivious answer's counts
     ``obl_cnt`` ``int[L, E]`` where they fill the node's slots (its spread and hot-spread
     counts: after the oblivious answer got lighter than ``replicate_experts``' counts allow,
-    the only ones within a limit relative to it). One batch of rows (the cost is in the
+    the only ones within a limit relative to it), and on nodes loaded over ``_HOT_FILL`` of
+    what their ranks carry, the old counts' variants of :func:`hot_counts` (packed with second
+    copies on the ranks that held the expert). One batch of rows (the cost is in the
     rounds of the loops, not in the rows). Returns ``int[L, R, S]`` and the nodes over the
     limit ``bool[L, N]``."""
     num_layers, num_logical = w.shape
@@ -497,7 +555,12 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None) -> tupl
         own = tight[fills[tight] & (cnt_all[tight] != cnt_r[tight]).any(1)]
         cnt_o = cnt_all[own]
         wc_o = load_per_copy(wr[own], cnt_o)
-    rows = np.concatenate([todo, tight, capped, own])
+    # near-full nodes: the old counts with the hottest expert's count changed (hot_counts)
+    near = np.flatnonzero(~as_is & ~hopeless & (node_load > limit[:, None] * sh.live_per_node * _HOT_FILL).ravel())
+    hv_r, cnt_h = hot_counts(wr[near], cnt_k[near], thr_rows[near])
+    hot_rows = near[hv_r]
+    wc_h = load_per_copy(wr[hot_rows], cnt_h)
+    rows = np.concatenate([todo, tight, capped, own, hot_rows])
     keep = old_rows.copy()
     repl = old_rows.copy()
     capd = old_rows.copy()
@@ -507,15 +570,16 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None) -> tupl
         packed = sticky_pack(
             old_rows[rows],
             alive_rows[rows],
-            np.concatenate([cnt_k[todo], cnt_r[tight], cnt_c, cnt_o]).astype(np.int64),
-            np.concatenate([wc_k[todo], wc_r[tight], wc_c, wc_o]),
+            np.concatenate([cnt_k[todo], cnt_r[tight], cnt_c, cnt_o, cnt_h]).astype(np.int64),
+            np.concatenate([wc_k[todo], wc_r[tight], wc_c, wc_o, wc_h]),
             thr_rows[rows],
             no_duplicates=False,
+            dup_held=np.arange(len(rows)) >= len(rows) - len(hot_rows),
         )
         # rows over the limit: the swap search lowers their heaviest rank (a few more moves
         # where the alternative is the fallback's repacking of the node)
-        cnt_rows = np.concatenate([cnt_k[todo], cnt_r[tight], cnt_c, cnt_o]).astype(np.int64)
-        wc_rows = np.concatenate([wc_k[todo], wc_r[tight], wc_c, wc_o])
+        cnt_rows = np.concatenate([cnt_k[todo], cnt_r[tight], cnt_c, cnt_o, cnt_h]).astype(np.int64)
+        wc_rows = np.concatenate([wc_k[todo], wc_r[tight], wc_c, wc_o, wc_h])
         ri = np.arange(len(rows))[:, None, None]
         peak = np.where(packed >= 0, wc_rows[ri, np.maximum(packed, 0)], 0.0).sum(-1).max(-1)
         over = np.flatnonzero(peak > thr_rows[rows] * (1 + _SLACK))
@@ -537,9 +601,27 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None) -> tupl
         capd[todo] = keep[todo]
         capd[capped] = packed[b:c]
         oblc[todo] = keep[todo]
-        oblc[own] = packed[c:]
+        oblc[own] = packed[c : c + len(own)]
     shape = (num_layers, sh.num_ranks, -1)
     cands = [keep.reshape(shape), repl.reshape(shape), capd.reshape(shape), oblc.reshape(shape)]
+    # the hot count variants: per node the one within the limit that moves fewest copies (the
+    # first on ties), one candidate more (nodes without one keep their old-count packing)
+    if len(hot_rows):
+        hp = packed[len(rows) - len(hot_rows) :]
+        hi = np.arange(len(hot_rows))[:, None, None]
+        peak_h = np.where(hp >= 0, wc_h[hi, np.maximum(hp, 0)], 0.0).sum(-1).max(-1)
+        held_h = np.zeros((len(hot_rows), rpn, num_logical + 1), dtype=bool)
+        held_h[
+            hi, np.arange(rpn)[None, :, None], np.where(old_rows[hot_rows] >= 0, old_rows[hot_rows], num_logical)
+        ] = True
+        moved_h = ((hp >= 0) & ~held_h[hi, np.arange(rpn)[None, :, None], np.maximum(hp, 0)]).sum((1, 2))
+        score = np.where(peak_h <= thr_rows[hot_rows] * (1 + _SLACK), moved_h, np.iinfo(np.int64).max)
+        order = np.lexsort((np.arange(len(hot_rows)), score, hot_rows))
+        first = order[np.r_[True, hot_rows[order][1:] != hot_rows[order][:-1]]]
+        first = first[score[first] < np.iinfo(np.int64).max]
+        hv = keep.copy()
+        hv[hot_rows[first]] = hp[first]
+        cands.append(hv.reshape(shape))
     comp, ok = _compose(w, held_old, cands, limit, sh)
     return comp, ~ok | hopeless.reshape(num_layers, n)
 
