@@ -70,7 +70,8 @@ def sticky_pack(
         x, alive = np.ascontiguousarray(x, dtype=np.int64), np.ascontiguousarray(alive)
         w_min, lim = np.where(cnt > 0, wc, np.inf).min(1), thr * (1 + EPS)
         args = (wc, w_min, thr, lim, 1 - EPS, _NUM_LIGHT)
-        new, cap = kernel.pack(x, alive, np.ascontiguousarray(cnt, dtype=np.int64), *args, not no_duplicates)
+        dup = np.zeros(num_b, dtype=bool) if dup_held is None else np.ascontiguousarray(dup_held, dtype=bool)
+        new, cap = kernel.pack(x, alive, np.ascontiguousarray(cnt, dtype=np.int64), *args, not no_duplicates, dup)
         if no_duplicates:
             repair_duplicates(new, wc, cap)
             kernel.swap_repair(new, alive, wc, cap, x, thr, lim, 1 - EPS, _NUM_LIGHT)
