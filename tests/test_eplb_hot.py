@@ -5,6 +5,7 @@ held the expert (``sticky_pack(dup_held=)``)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from moeshard import eplb
 from moeshard.cli.bench.traces import zipf_trace
@@ -80,3 +81,33 @@ def test_aware_hot_count_variants_save_copies(monkeypatch):
     monkeypatch.setattr(aware, "_HOT_EXPERTS", 0)
     without = run()
     assert with_variants < without, (with_variants, without)
+
+
+def test_hot_counts_compiled_equals_numpy(monkeypatch):
+    """``hot_counts`` compiled (``aware_kernel.hot_counts``) gives numpy's variants in numpy's
+    order (by expert and step, then by row; each once): rows with few experts (fewer than
+    ``_HOT_EXPERTS``), integer loads (ties in the heaviest and the lightest), limits under and
+    over the heaviest copy; the compiled loop ran (not under ``MOESHARD_EPLB_JIT=0``)."""
+    pytest.importorskip("numba")
+    from moeshard.eplb import aware_kernel
+
+    monkeypatch.setattr(aware, "_JIT_FROM", 0)
+    calls = []
+    real = aware_kernel.hot_counts
+    monkeypatch.setattr(aware_kernel, "hot_counts", lambda *a: (calls.append(1), real(*a))[1])
+    rng = np.random.default_rng(3)
+    total = 0
+    for trial in range(24):
+        num_b, num_e = int(rng.integers(1, 60)), int(rng.choice([3, 5, 16, 64]))
+        cnt = rng.integers(0, 5, (num_b, num_e))
+        cnt[:, 0] = np.maximum(cnt[:, 0], 1)
+        wr = rng.integers(1, 12, (num_b, num_e)).astype(np.float64) if trial % 2 else rng.random((num_b, num_e)) * 10
+        thr = (wr / np.maximum(cnt, 1)).max(1) * rng.choice([0.8, 1.0, 1.3, 2.0], num_b)
+        got = {}
+        for mode in ("compiled", "numpy"):
+            monkeypatch.setenv("MOESHARD_EPLB_JIT", "1" if mode == "compiled" else "0")
+            got[mode] = aware.hot_counts(wr, cnt, thr)
+        for a, b in zip(got["compiled"], got["numpy"]):
+            np.testing.assert_array_equal(a, b, err_msg=f"trial {trial}")
+        total += len(got["numpy"][0])
+    assert len(calls) == 24 and total > 300

@@ -237,6 +237,14 @@ def hot_counts(wr: np.ndarray, cnt: np.ndarray, thr: np.ndarray) -> tuple[np.nda
     Returns ``int[V]`` (the row of each variant) and ``int[V, E]`` its counts, each variant
     once, none equal to ``cnt``."""
     num_b = len(cnt)
+    compiled = jit.kernel("aware_kernel", cnt.size, _JIT_FROM) if wr.dtype == thr.dtype == np.float64 else None
+    if compiled is not None:
+        steps = np.array(_HOT_STEPS, dtype=np.int64)
+        args = (np.ascontiguousarray(wr), np.ascontiguousarray(cnt, dtype=np.int64), np.ascontiguousarray(thr))
+        vr, vi, vc = compiled.hot_counts(*args, _HOT_EXPERTS, steps, EPS)
+        # in the order made: by (expert, step), then by row
+        order = np.argsort(vi * max(num_b, 1) + vr, kind="stable")
+        return vr[order], vc[order].astype(cnt.dtype, copy=False)
     rows = np.arange(num_b)
     mine = cnt > 0
     by_load = np.argsort(np.where(mine, -wr, np.inf), axis=1, kind="stable")  # heaviest first
@@ -403,8 +411,9 @@ def _node_stats(
 def _compose(w: np.ndarray, held_old: np.ndarray, cands: list, limit: np.ndarray, sh: Shape):
     """Node by node, the candidate within ``limit`` that moves fewest copies. ``cands``:
     ``int[L, R, S]`` placements that put the same groups on each node (so a node's copies,
-    replica counts and loads do not depend on the other nodes). Returns ``int[L, R, S]`` and
-    ``bool[L, N]``: the node is within ``limit``."""
+    replica counts and loads do not depend on the other nodes; the first on ties). Returns
+    ``int[L, R, S]`` and ``float[L, N]`` the chosen node's moved copies (``inf``: no candidate
+    within ``limit``)."""
     num_layers = w.shape[0]
     n, rpn = sh.num_nodes, sh.ranks_per_node
     stacked = np.stack([c.reshape(num_layers, n, rpn, -1) for c in cands])
@@ -415,7 +424,7 @@ def _compose(w: np.ndarray, held_old: np.ndarray, cands: list, limit: np.ndarray
     score = score.reshape(len(cands), num_layers, n)  # [C, L, N]
     pick = score.argmin(0)
     out = stacked[pick, np.arange(num_layers)[:, None], np.arange(n)[None, :]]
-    return out.reshape(num_layers, sh.num_ranks, -1), np.isfinite(score.min(0))
+    return out.reshape(num_layers, sh.num_ranks, -1), score.min(0)
 
 
 def _group_nodes(w: np.ndarray, held_old: np.ndarray, node_cap: np.ndarray, sh: Shape) -> np.ndarray:
@@ -508,8 +517,9 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None) -> tupl
     counts: after the oblivious answer got lighter than ``replicate_experts``' counts allow,
     the only ones within a limit relative to it), and on nodes loaded over ``_HOT_FILL`` of
     what their ranks carry, the old counts' variants of :func:`hot_counts` (packed with second
-    copies on the ranks that held the expert). One batch of rows (the cost is in the
-    rounds of the loops, not in the rows). Returns ``int[L, R, S]`` and the nodes over the
+    copies on the ranks that held the expert) where they may move fewer copies than the
+    node's choice among the others. Two batches of rows (the cost is in the rounds of the
+    loops, not in the rows). Returns ``int[L, R, S]`` and the nodes over the
     limit ``bool[L, N]``."""
     num_layers, num_logical = w.shape
     n, rpn = sh.num_nodes, sh.ranks_per_node
@@ -555,45 +565,15 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None) -> tupl
         own = tight[fills[tight] & (cnt_all[tight] != cnt_r[tight]).any(1)]
         cnt_o = cnt_all[own]
         wc_o = load_per_copy(wr[own], cnt_o)
-    # near-full nodes: the old counts with the hottest expert's count changed (hot_counts)
-    near = np.flatnonzero(~as_is & ~hopeless & (node_load > limit[:, None] * sh.live_per_node * _HOT_FILL).ravel())
-    hv_r, cnt_h = hot_counts(wr[near], cnt_k[near], thr_rows[near])
-    hot_rows = near[hv_r]
-    wc_h = load_per_copy(wr[hot_rows], cnt_h)
-    rows = np.concatenate([todo, tight, capped, own, hot_rows])
+    rows = np.concatenate([todo, tight, capped, own])
     keep = old_rows.copy()
     repl = old_rows.copy()
     capd = old_rows.copy()
     oblc = old_rows.copy()
     if len(rows):
-        # two copies of an expert on a rank are allowed, as in the reference
-        packed = sticky_pack(
-            old_rows[rows],
-            alive_rows[rows],
-            np.concatenate([cnt_k[todo], cnt_r[tight], cnt_c, cnt_o, cnt_h]).astype(np.int64),
-            np.concatenate([wc_k[todo], wc_r[tight], wc_c, wc_o, wc_h]),
-            thr_rows[rows],
-            no_duplicates=False,
-            dup_held=np.arange(len(rows)) >= len(rows) - len(hot_rows),
-        )
-        # rows over the limit: the swap search lowers their heaviest rank (a few more moves
-        # where the alternative is the fallback's repacking of the node)
-        cnt_rows = np.concatenate([cnt_k[todo], cnt_r[tight], cnt_c, cnt_o, cnt_h]).astype(np.int64)
-        wc_rows = np.concatenate([wc_k[todo], wc_r[tight], wc_c, wc_o, wc_h])
-        ri = np.arange(len(rows))[:, None, None]
-        peak = np.where(packed >= 0, wc_rows[ri, np.maximum(packed, 0)], 0.0).sum(-1).max(-1)
-        over = np.flatnonzero(peak > thr_rows[rows] * (1 + _SLACK))
-        if len(over):
-            sub = packed[over][:, None]
-            cap = np.maximum(
-                per_rank_cap(cnt_rows[over], np.full(len(over), sh.live_per_node)),
-                count_last(sub[:, 0], num_logical)[..., :num_logical].max(1),
-            )
-            lower_peak(sub, wc_rows[over], cap, stop_at=thr_rows[rows][over])
-            # the swap search lowers the peak whatever copies it moves: swap copies back to
-            # ranks that held them where both ranks stay within the limit
-            restore(sub[:, 0], old_rows[rows][over], alive_rows[rows][over], wc_rows[over], cap, thr_rows[rows][over])
-            packed[over] = sub[:, 0]
+        cnt_rows = np.concatenate([cnt_k[todo], cnt_r[tight], cnt_c, cnt_o]).astype(np.int64)
+        wc_rows = np.concatenate([wc_k[todo], wc_r[tight], wc_c, wc_o])
+        packed = _pack_rows(old_rows[rows], alive_rows[rows], cnt_rows, wc_rows, thr_rows[rows], sh, False)
         a, b, c = len(todo), len(todo) + len(tight), len(todo) + len(tight) + len(capped)
         keep[todo] = packed[:a]
         repl[todo] = keep[todo]
@@ -601,13 +581,26 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None) -> tupl
         capd[todo] = keep[todo]
         capd[capped] = packed[b:c]
         oblc[todo] = keep[todo]
-        oblc[own] = packed[c : c + len(own)]
+        oblc[own] = packed[c:]
     shape = (num_layers, sh.num_ranks, -1)
     cands = [keep.reshape(shape), repl.reshape(shape), capd.reshape(shape), oblc.reshape(shape)]
-    # the hot count variants: per node the one within the limit that moves fewest copies (the
-    # first on ties), one candidate more (nodes without one keep their old-count packing)
+    comp, best = _compose(w, held_old, cands, limit, sh)
+    # Near-full nodes: the old counts' variants (hot_counts), packed with second copies on the
+    # ranks that held the expert. Per node the variant within the limit that moves fewest
+    # copies replaces the choice above where it moves fewer. Each variant keeps the node's
+    # experts, so it moves at least its copies of experts no rank of the node held: variants
+    # (and nodes) whose bound is no fewer than the choice's moves are not packed.
+    node_held = held_old.reshape(num_layers * n, rpn, num_logical).any(1)
+    best = best.ravel()
+    near = ~as_is & ~hopeless & (node_load > limit[:, None] * sh.live_per_node * _HOT_FILL).ravel()
+    near = np.flatnonzero(near & (((cnt_k > 0) & ~node_held).sum(1) < best))
+    hv_r, cnt_h = hot_counts(wr[near], cnt_k[near], thr_rows[near])
+    hot_rows = near[hv_r]
+    fewer = (cnt_h * ~node_held[hot_rows]).sum(1) < best[hot_rows]
+    hot_rows, cnt_h = hot_rows[fewer], cnt_h[fewer]
     if len(hot_rows):
-        hp = packed[len(rows) - len(hot_rows) :]
+        wc_h = load_per_copy(wr[hot_rows], cnt_h)
+        hp = _pack_rows(old_rows[hot_rows], alive_rows[hot_rows], cnt_h, wc_h, thr_rows[hot_rows], sh, True)
         hi = np.arange(len(hot_rows))[:, None, None]
         peak_h = np.where(hp >= 0, wc_h[hi, np.maximum(hp, 0)], 0.0).sum(-1).max(-1)
         held_h = np.zeros((len(hot_rows), rpn, num_logical + 1), dtype=bool)
@@ -619,11 +612,46 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None) -> tupl
         order = np.lexsort((np.arange(len(hot_rows)), score, hot_rows))
         first = order[np.r_[True, hot_rows[order][1:] != hot_rows[order][:-1]]]
         first = first[score[first] < np.iinfo(np.int64).max]
-        hv = keep.copy()
-        hv[hot_rows[first]] = hp[first]
-        cands.append(hv.reshape(shape))
-    comp, ok = _compose(w, held_old, cands, limit, sh)
-    return comp, ~ok | hopeless.reshape(num_layers, n)
+        if len(first):
+            # the layers with a variant: the choice above against their variants (ties to it)
+            lv = np.unique(hot_rows[first] // n)
+            hv = comp.reshape(num_layers * n, rpn, -1).copy()
+            hv[hot_rows[first]] = hp[first]
+            sub, best_v = _compose(w[lv], held_old[lv], [comp[lv], hv.reshape(shape)[lv]], limit[lv], sh)
+            comp[lv] = sub
+            best = best.reshape(num_layers, n)
+            best[lv] = best_v
+    return comp, ~np.isfinite(best).reshape(num_layers, n) | hopeless.reshape(num_layers, n)
+
+
+def _pack_rows(old_rows, alive_rows, cnt_rows, wc_rows, thr_rows, sh: Shape, dup_held: bool) -> np.ndarray:
+    """Sticky packing of node rows (``int[B, K, S]`` old copies, ``bool[B, K]`` live ranks,
+    ``int[B, E]`` counts, ``float[B, E]`` per-copy loads, ``float[B]`` limits; ``dup_held``:
+    second copies on ranks that held the expert); rows over the limit then refined by the
+    swap search and the swap-back search. Returns ``int[B, K, S]``."""
+    num_logical = cnt_rows.shape[1]
+    # two copies of an expert on a rank are allowed, as in the reference
+    dup = np.ones(len(cnt_rows), dtype=bool) if dup_held else None
+    packed = sticky_pack(old_rows, alive_rows, cnt_rows, wc_rows, thr_rows, no_duplicates=False, dup_held=dup)
+    # rows over the limit: the swap search lowers their heaviest rank (a few more moves
+    # where the alternative is the fallback's repacking of the node)
+    ri = np.arange(len(cnt_rows))[:, None, None]
+    peak = np.where(packed >= 0, wc_rows[ri, np.maximum(packed, 0)], 0.0).sum(-1).max(-1)
+    over = np.flatnonzero(peak > thr_rows * (1 + _SLACK))
+    if len(over):
+        sub = packed[over][:, None]
+        cap = np.maximum(
+            per_rank_cap(cnt_rows[over], np.full(len(over), sh.live_per_node)),
+            count_last(sub[:, 0], num_logical)[..., :num_logical].max(1),
+        )
+        # compiled where the batch is a model's (its few rows over the limit alone may not be)
+        fast = jit.kernel("swap_kernel", old_rows.size, _JIT_FROM) is not None or None
+        lower_peak(sub, wc_rows[over], cap, stop_at=thr_rows[over], jit=fast)
+        # the swap search lowers the peak whatever copies it moves: swap copies back to
+        # ranks that held them where both ranks stay within the limit
+        restore(sub[:, 0], old_rows[over], alive_rows[over], wc_rows[over], cap, thr_rows[over])
+        packed[over] = sub[:, 0]
+    return packed
 
 
 def _within(w: np.ndarray, p2l: np.ndarray, limit: np.ndarray) -> np.ndarray:
