@@ -506,7 +506,7 @@ def _cheapest_groups(
     return np.where(found[..., None], a[best], gn_old[None]), found
 
 
-def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None) -> tuple[np.ndarray, np.ndarray]:
+def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None, known=None) -> tuple[np.ndarray, np.ndarray]:
     """For the groups ``gn`` ``int[L, G]``, node by node the sticky packing of fewest moves
     within ``limit`` ``float[L]``: with the old replica counts (:func:`_old_counts`: nothing
     moves on the many nodes far under the limit) or, on nodes loaded over ``_LOOSE`` of
@@ -519,8 +519,10 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None) -> tupl
     what their ranks carry, the old counts' variants of :func:`hot_counts` (packed with second
     copies on the ranks that held the expert) where they may move fewer copies than the
     node's choice among the others. Two batches of rows (the cost is in the rounds of the
-    loops, not in the rows). Returns ``int[L, R, S]`` and the nodes over the
-    limit ``bool[L, N]``."""
+    loops, not in the rows). ``known``: ``(same, cand, bad)``, ``bool[L, N]`` nodes whose
+    answer is already known (a node's answer depends only on its layer, its groups and the
+    limit), given by ``cand`` ``int[L, R, S]`` and ``bad`` ``bool[L, N]``: not packed again.
+    Returns ``int[L, R, S]`` and the nodes over the limit ``bool[L, N]``."""
     num_layers, num_logical = w.shape
     n, rpn = sh.num_nodes, sh.ranks_per_node
     old_rows = old3.reshape(num_layers * n, rpn, -1)
@@ -534,6 +536,8 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None) -> tupl
     peak = np.where(old_rows >= 0, wc_node[ri, np.maximum(old_rows, 0)], 0.0).sum(-1).max(-1)
     full = ((old_rows >= 0) | ~alive_rows[:, :, None]).all((1, 2))
     as_is = ((oc > 0) == mine).all(-1).ravel() & full & (peak <= np.repeat(limit, n) * (1 + _SLACK))
+    if known is not None:
+        as_is |= known[0].ravel()  # not packed: their answer is set below
     node_load = node_loads(w, sh, gn)
     # a node whose load is over what its ranks carry at the limit is over it in any packing
     hopeless = _hopeless(node_load, limit, sh).ravel()
@@ -621,7 +625,12 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None) -> tupl
             comp[lv] = sub
             best = best.reshape(num_layers, n)
             best[lv] = best_v
-    return comp, ~np.isfinite(best).reshape(num_layers, n) | hopeless.reshape(num_layers, n)
+    bad = ~np.isfinite(best).reshape(num_layers, n) | hopeless.reshape(num_layers, n)
+    if known is not None:
+        same, cand_k, bad_k = known
+        comp4, cand4 = comp.reshape(num_layers, n, rpn, -1), cand_k.reshape(num_layers, n, rpn, -1)
+        comp4[same], bad[same] = cand4[same], bad_k[same]
+    return comp, bad
 
 
 def _pack_rows(old_rows, alive_rows, cnt_rows, wc_rows, thr_rows, sh: Shape, dup_held: bool) -> np.ndarray:
@@ -922,7 +931,11 @@ def _aware(
         fewer = _fewest_moves(held_old[d], gd, sh) < bar[d]
         d, gd = d[fewer], gd[fewer]
         if len(d):
-            cand1, bad1 = _sticky_nodes(w[d], old3[d], held_old[d], gd, limit[d], sh, obl.cnt[d])
+            # a node with the groups it has in the first answer: that answer's node
+            nodes = np.arange(sh.num_nodes)
+            same = ((gd[:, :, None] == nodes) == (gn[d][:, :, None] == nodes)).all(1)
+            known = (same, cand[d], bad[d])
+            cand1, bad1 = _sticky_nodes(w[d], old3[d], held_old[d], gd, limit[d], sh, obl.cnt[d], known)
             lay, gn_all = np.concatenate([lay, d]), np.concatenate([gn_all, gd])
             cand, bad = np.concatenate([cand, cand1]), np.concatenate([bad, bad1])
     # Where sticky packing misses the limit: the reference's LPT packing of those nodes, restored
