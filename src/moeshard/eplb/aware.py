@@ -31,7 +31,10 @@ Per layer:
   old counts with fewest changes that bring it down (:func:`capped_counts`), and the
   oblivious answer's own counts where they fill the node's slots (spread and hot-spread
   counts: a ``T`` relative to the oblivious answer may be below what ``replicate_experts``'
-  counts allow); a packing over ``T`` is first refined by the swap search
+  counts allow), and on nodes loaded over ``_HOT_FILL`` of ``T x live ranks`` the old counts
+  with one of the heaviest experts a few copies fewer (the slots to second copies of the
+  lightest experts, packed onto the ranks that hold them) or one more (:func:`hot_counts`:
+  near the limit the packing's granularity decides); a packing over ``T`` is first refined by the swap search
   (:func:`moeshard.eplb.refine.lower_peak`) and copies are swapped back to ranks that held
   them (:func:`restore`); the node takes the one within ``T`` that moves fewest copies;
 * a node where sticky packing misses ``T``: the oblivious answer's packing of the node's
@@ -223,6 +226,58 @@ def capped_counts(wr: np.ndarray, cnt: np.ndarray, cap: np.ndarray) -> np.ndarra
     return c
 
 
+def hot_counts(wr: np.ndarray, cnt: np.ndarray, thr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Count variants for nodes near what their ranks carry at the limit, where the packing's
+    granularity decides: ``cnt`` ``int[B, E]`` a node's counts (experts with count 0 are not
+    the node's), ``wr`` ``float[B, E]`` loads, ``thr`` ``float[B]`` the limit. Each of the
+    node's ``_HOT_EXPERTS`` heaviest experts with ``d`` in ``_HOT_STEPS`` copies more or fewer
+    (no copy of the node over ``thr``): the slots one fewer frees go one each to the node's lightest
+    experts (second copies, which the packing puts on the ranks that hold them: nothing
+    travels), the slot one more takes from the expert whose per-copy load stays lowest.
+    Returns ``int[V]`` (the row of each variant) and ``int[V, E]`` its counts, each variant
+    once, none equal to ``cnt``."""
+    num_b = len(cnt)
+    compiled = jit.kernel("aware_kernel", cnt.size, _JIT_FROM) if wr.dtype == thr.dtype == np.float64 else None
+    if compiled is not None:
+        steps = np.array(_HOT_STEPS, dtype=np.int64)
+        args = (np.ascontiguousarray(wr), np.ascontiguousarray(cnt, dtype=np.int64), np.ascontiguousarray(thr))
+        vr, vi, vc = compiled.hot_counts(*args, _HOT_EXPERTS, steps, EPS)
+        # in the order made: by (expert, step), then by row
+        order = np.argsort(vi * max(num_b, 1) + vr, kind="stable")
+        return vr[order], vc[order].astype(cnt.dtype, copy=False)
+    rows = np.arange(num_b)
+    mine = cnt > 0
+    by_load = np.argsort(np.where(mine, -wr, np.inf), axis=1, kind="stable")  # heaviest first
+    light = np.argsort(np.where(mine, wr, np.inf), axis=1, kind="stable")  # lightest first
+    out_r, out_c = [np.zeros(0, dtype=np.int64)], [cnt[:0]]
+    for j in range(min(_HOT_EXPERTS, cnt.shape[1])):
+        hot = by_load[:, j]
+        ok0 = mine[rows, hot]
+        least = np.maximum(1, np.ceil(wr[rows, hot] / np.maximum(thr, 1e-300) * (1 - 1e-12))).astype(np.int64)
+        for d in _HOT_STEPS:
+            c = cnt.copy()
+            c[rows, hot] += d
+            ok = ok0 & (c[rows, hot] >= least)
+            if d < 0:
+                for i in range(-d):
+                    c[rows, light[:, i]] += 1
+            for _ in range(max(d, 0)):
+                others = mine & (c > 1)
+                others[rows, hot] = False
+                lo = np.where(others, wr / np.maximum(c - 1, 1), np.inf).argmin(1)
+                ok &= others[rows, lo]
+                c[rows, lo] -= others[rows, lo]
+            ok &= (c != cnt).any(1) & (np.where(mine, wr / np.maximum(c, 1), 0.0) <= thr[:, None] * (1 + EPS)).all(1)
+            out_r.append(rows[ok])
+            out_c.append(c[ok])
+    # each variant once (the first, in the order made)
+    vr, vc = np.concatenate(out_r), np.concatenate(out_c)
+    # a variant's key: its row and a hash of its counts (a collision only drops a variant)
+    key = vr * 1_000_003 + (vc * np.arange(1, 2 * vc.shape[1], 2)).sum(1) % 1_000_003
+    first = np.sort(np.unique(key, return_index=True)[1])
+    return vr[first], vc[first]
+
+
 def _node_counts(w, old3, group_node, sh: Shape) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
     """Replica counts per node row (``l * N + k``) ``int[L*N, E]`` and the per-copy loads
     ``float[L*N, E]`` they give: :func:`_old_counts`, and ``replicate_experts`` per node."""
@@ -295,6 +350,15 @@ _MAX_COUNT_CHANGES = 8
 # cold experts' counts too. 1.3 moved fewest copies on the global DeepSeek-V3 trace (1.0:
 # +30 %, 2.0: +17 %).
 _CAP_OVER_REPLICATE = 1.3
+# Count variants of nodes loaded over _HOT_FILL of what their ranks carry at the limit
+# (hot_counts): each of the node's _HOT_EXPERTS heaviest experts with _HOT_STEPS copies more
+# or fewer. On the DeepSeek-V3 drifting trace (benchmarks/bench_eplb_optimum.py, 7,571 copies
+# without them) these moved 7,024; 3 experts 7,260, 6 experts 6,993 (more rows, more CPU);
+# steps (-1, 1) 7,182, (-3, -2, -1, 1) 7,023; fill 0.9 7,041; the freed slots to the heaviest
+# per copy as well as to the lightest experts about the same, at twice the rows.
+_HOT_STEPS = (-2, -1, 1)
+_HOT_EXPERTS = 4
+_HOT_FILL = 0.8
 # Group assignments enumerated at most (8 groups on 4 nodes: 2,520).
 _MAX_ASSIGNMENTS = 5000
 # Node fills (of live ranks x limit) under which the cheapest group assignments are tried.
@@ -347,8 +411,9 @@ def _node_stats(
 def _compose(w: np.ndarray, held_old: np.ndarray, cands: list, limit: np.ndarray, sh: Shape):
     """Node by node, the candidate within ``limit`` that moves fewest copies. ``cands``:
     ``int[L, R, S]`` placements that put the same groups on each node (so a node's copies,
-    replica counts and loads do not depend on the other nodes). Returns ``int[L, R, S]`` and
-    ``bool[L, N]``: the node is within ``limit``."""
+    replica counts and loads do not depend on the other nodes; the first on ties). Returns
+    ``int[L, R, S]`` and ``float[L, N]`` the chosen node's moved copies (``inf``: no candidate
+    within ``limit``)."""
     num_layers = w.shape[0]
     n, rpn = sh.num_nodes, sh.ranks_per_node
     stacked = np.stack([c.reshape(num_layers, n, rpn, -1) for c in cands])
@@ -359,7 +424,7 @@ def _compose(w: np.ndarray, held_old: np.ndarray, cands: list, limit: np.ndarray
     score = score.reshape(len(cands), num_layers, n)  # [C, L, N]
     pick = score.argmin(0)
     out = stacked[pick, np.arange(num_layers)[:, None], np.arange(n)[None, :]]
-    return out.reshape(num_layers, sh.num_ranks, -1), np.isfinite(score.min(0))
+    return out.reshape(num_layers, sh.num_ranks, -1), score.min(0)
 
 
 def _group_nodes(w: np.ndarray, held_old: np.ndarray, node_cap: np.ndarray, sh: Shape) -> np.ndarray:
@@ -441,7 +506,7 @@ def _cheapest_groups(
     return np.where(found[..., None], a[best], gn_old[None]), found
 
 
-def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None) -> tuple[np.ndarray, np.ndarray]:
+def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None, known=None) -> tuple[np.ndarray, np.ndarray]:
     """For the groups ``gn`` ``int[L, G]``, node by node the sticky packing of fewest moves
     within ``limit`` ``float[L]``: with the old replica counts (:func:`_old_counts`: nothing
     moves on the many nodes far under the limit) or, on nodes loaded over ``_LOOSE`` of
@@ -450,9 +515,14 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None) -> tupl
     old counts capped there (:func:`capped_counts`), and with the oblivious answer's counts
     ``obl_cnt`` ``int[L, E]`` where they fill the node's slots (its spread and hot-spread
     counts: after the oblivious answer got lighter than ``replicate_experts``' counts allow,
-    the only ones within a limit relative to it). One batch of rows (the cost is in the
-    rounds of the loops, not in the rows). Returns ``int[L, R, S]`` and the nodes over the
-    limit ``bool[L, N]``."""
+    the only ones within a limit relative to it), and on nodes loaded over ``_HOT_FILL`` of
+    what their ranks carry, the old counts' variants of :func:`hot_counts` (packed with second
+    copies on the ranks that held the expert) where they may move fewer copies than the
+    node's choice among the others. Two batches of rows (the cost is in the rounds of the
+    loops, not in the rows). ``known``: ``(same, cand, bad)``, ``bool[L, N]`` nodes whose
+    answer is already known (a node's answer depends only on its layer, its groups and the
+    limit), given by ``cand`` ``int[L, R, S]`` and ``bad`` ``bool[L, N]``: not packed again.
+    Returns ``int[L, R, S]`` and the nodes over the limit ``bool[L, N]``."""
     num_layers, num_logical = w.shape
     n, rpn = sh.num_nodes, sh.ranks_per_node
     old_rows = old3.reshape(num_layers * n, rpn, -1)
@@ -466,6 +536,8 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None) -> tupl
     peak = np.where(old_rows >= 0, wc_node[ri, np.maximum(old_rows, 0)], 0.0).sum(-1).max(-1)
     full = ((old_rows >= 0) | ~alive_rows[:, :, None]).all((1, 2))
     as_is = ((oc > 0) == mine).all(-1).ravel() & full & (peak <= np.repeat(limit, n) * (1 + _SLACK))
+    if known is not None:
+        as_is |= known[0].ravel()  # not packed: their answer is set below
     node_load = node_loads(w, sh, gn)
     # a node whose load is over what its ranks carry at the limit is over it in any packing
     hopeless = _hopeless(node_load, limit, sh).ravel()
@@ -503,33 +575,9 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None) -> tupl
     capd = old_rows.copy()
     oblc = old_rows.copy()
     if len(rows):
-        # two copies of an expert on a rank are allowed, as in the reference
-        packed = sticky_pack(
-            old_rows[rows],
-            alive_rows[rows],
-            np.concatenate([cnt_k[todo], cnt_r[tight], cnt_c, cnt_o]).astype(np.int64),
-            np.concatenate([wc_k[todo], wc_r[tight], wc_c, wc_o]),
-            thr_rows[rows],
-            no_duplicates=False,
-        )
-        # rows over the limit: the swap search lowers their heaviest rank (a few more moves
-        # where the alternative is the fallback's repacking of the node)
         cnt_rows = np.concatenate([cnt_k[todo], cnt_r[tight], cnt_c, cnt_o]).astype(np.int64)
         wc_rows = np.concatenate([wc_k[todo], wc_r[tight], wc_c, wc_o])
-        ri = np.arange(len(rows))[:, None, None]
-        peak = np.where(packed >= 0, wc_rows[ri, np.maximum(packed, 0)], 0.0).sum(-1).max(-1)
-        over = np.flatnonzero(peak > thr_rows[rows] * (1 + _SLACK))
-        if len(over):
-            sub = packed[over][:, None]
-            cap = np.maximum(
-                per_rank_cap(cnt_rows[over], np.full(len(over), sh.live_per_node)),
-                count_last(sub[:, 0], num_logical)[..., :num_logical].max(1),
-            )
-            lower_peak(sub, wc_rows[over], cap, stop_at=thr_rows[rows][over])
-            # the swap search lowers the peak whatever copies it moves: swap copies back to
-            # ranks that held them where both ranks stay within the limit
-            restore(sub[:, 0], old_rows[rows][over], alive_rows[rows][over], wc_rows[over], cap, thr_rows[rows][over])
-            packed[over] = sub[:, 0]
+        packed = _pack_rows(old_rows[rows], alive_rows[rows], cnt_rows, wc_rows, thr_rows[rows], sh, False)
         a, b, c = len(todo), len(todo) + len(tight), len(todo) + len(tight) + len(capped)
         keep[todo] = packed[:a]
         repl[todo] = keep[todo]
@@ -540,8 +588,79 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None) -> tupl
         oblc[own] = packed[c:]
     shape = (num_layers, sh.num_ranks, -1)
     cands = [keep.reshape(shape), repl.reshape(shape), capd.reshape(shape), oblc.reshape(shape)]
-    comp, ok = _compose(w, held_old, cands, limit, sh)
-    return comp, ~ok | hopeless.reshape(num_layers, n)
+    comp, best = _compose(w, held_old, cands, limit, sh)
+    # Near-full nodes: the old counts' variants (hot_counts), packed with second copies on the
+    # ranks that held the expert. Per node the variant within the limit that moves fewest
+    # copies replaces the choice above where it moves fewer. Each variant keeps the node's
+    # experts, so it moves at least its copies of experts no rank of the node held: variants
+    # (and nodes) whose bound is no fewer than the choice's moves are not packed.
+    node_held = held_old.reshape(num_layers * n, rpn, num_logical).any(1)
+    best = best.ravel()
+    near = ~as_is & ~hopeless & (node_load > limit[:, None] * sh.live_per_node * _HOT_FILL).ravel()
+    near = np.flatnonzero(near & (((cnt_k > 0) & ~node_held).sum(1) < best))
+    hv_r, cnt_h = hot_counts(wr[near], cnt_k[near], thr_rows[near])
+    hot_rows = near[hv_r]
+    fewer = (cnt_h * ~node_held[hot_rows]).sum(1) < best[hot_rows]
+    hot_rows, cnt_h = hot_rows[fewer], cnt_h[fewer]
+    if len(hot_rows):
+        wc_h = load_per_copy(wr[hot_rows], cnt_h)
+        hp = _pack_rows(old_rows[hot_rows], alive_rows[hot_rows], cnt_h, wc_h, thr_rows[hot_rows], sh, True)
+        hi = np.arange(len(hot_rows))[:, None, None]
+        peak_h = np.where(hp >= 0, wc_h[hi, np.maximum(hp, 0)], 0.0).sum(-1).max(-1)
+        held_h = np.zeros((len(hot_rows), rpn, num_logical + 1), dtype=bool)
+        held_h[
+            hi, np.arange(rpn)[None, :, None], np.where(old_rows[hot_rows] >= 0, old_rows[hot_rows], num_logical)
+        ] = True
+        moved_h = ((hp >= 0) & ~held_h[hi, np.arange(rpn)[None, :, None], np.maximum(hp, 0)]).sum((1, 2))
+        score = np.where(peak_h <= thr_rows[hot_rows] * (1 + _SLACK), moved_h, np.iinfo(np.int64).max)
+        order = np.lexsort((np.arange(len(hot_rows)), score, hot_rows))
+        first = order[np.r_[True, hot_rows[order][1:] != hot_rows[order][:-1]]]
+        first = first[score[first] < np.iinfo(np.int64).max]
+        if len(first):
+            # the layers with a variant: the choice above against their variants (ties to it)
+            lv = np.unique(hot_rows[first] // n)
+            hv = comp.reshape(num_layers * n, rpn, -1).copy()
+            hv[hot_rows[first]] = hp[first]
+            sub, best_v = _compose(w[lv], held_old[lv], [comp[lv], hv.reshape(shape)[lv]], limit[lv], sh)
+            comp[lv] = sub
+            best = best.reshape(num_layers, n)
+            best[lv] = best_v
+    bad = ~np.isfinite(best).reshape(num_layers, n) | hopeless.reshape(num_layers, n)
+    if known is not None:
+        same, cand_k, bad_k = known
+        comp4, cand4 = comp.reshape(num_layers, n, rpn, -1), cand_k.reshape(num_layers, n, rpn, -1)
+        comp4[same], bad[same] = cand4[same], bad_k[same]
+    return comp, bad
+
+
+def _pack_rows(old_rows, alive_rows, cnt_rows, wc_rows, thr_rows, sh: Shape, dup_held: bool) -> np.ndarray:
+    """Sticky packing of node rows (``int[B, K, S]`` old copies, ``bool[B, K]`` live ranks,
+    ``int[B, E]`` counts, ``float[B, E]`` per-copy loads, ``float[B]`` limits; ``dup_held``:
+    second copies on ranks that held the expert); rows over the limit then refined by the
+    swap search and the swap-back search. Returns ``int[B, K, S]``."""
+    num_logical = cnt_rows.shape[1]
+    # two copies of an expert on a rank are allowed, as in the reference
+    dup = np.ones(len(cnt_rows), dtype=bool) if dup_held else None
+    packed = sticky_pack(old_rows, alive_rows, cnt_rows, wc_rows, thr_rows, no_duplicates=False, dup_held=dup)
+    # rows over the limit: the swap search lowers their heaviest rank (a few more moves
+    # where the alternative is the fallback's repacking of the node)
+    ri = np.arange(len(cnt_rows))[:, None, None]
+    peak = np.where(packed >= 0, wc_rows[ri, np.maximum(packed, 0)], 0.0).sum(-1).max(-1)
+    over = np.flatnonzero(peak > thr_rows * (1 + _SLACK))
+    if len(over):
+        sub = packed[over][:, None]
+        cap = np.maximum(
+            per_rank_cap(cnt_rows[over], np.full(len(over), sh.live_per_node)),
+            count_last(sub[:, 0], num_logical)[..., :num_logical].max(1),
+        )
+        # compiled where the batch is a model's (its few rows over the limit alone may not be)
+        fast = jit.kernel("swap_kernel", old_rows.size, _JIT_FROM) is not None or None
+        lower_peak(sub, wc_rows[over], cap, stop_at=thr_rows[over], jit=fast)
+        # the swap search lowers the peak whatever copies it moves: swap copies back to
+        # ranks that held them where both ranks stay within the limit
+        restore(sub[:, 0], old_rows[over], alive_rows[over], wc_rows[over], cap, thr_rows[over])
+        packed[over] = sub[:, 0]
+    return packed
 
 
 def _within(w: np.ndarray, p2l: np.ndarray, limit: np.ndarray) -> np.ndarray:
@@ -812,7 +931,11 @@ def _aware(
         fewer = _fewest_moves(held_old[d], gd, sh) < bar[d]
         d, gd = d[fewer], gd[fewer]
         if len(d):
-            cand1, bad1 = _sticky_nodes(w[d], old3[d], held_old[d], gd, limit[d], sh, obl.cnt[d])
+            # a node with the groups it has in the first answer: that answer's node
+            nodes = np.arange(sh.num_nodes)
+            same = ((gd[:, :, None] == nodes) == (gn[d][:, :, None] == nodes)).all(1)
+            known = (same, cand[d], bad[d])
+            cand1, bad1 = _sticky_nodes(w[d], old3[d], held_old[d], gd, limit[d], sh, obl.cnt[d], known)
             lay, gn_all = np.concatenate([lay, d]), np.concatenate([gn_all, gd])
             cand, bad = np.concatenate([cand, cand1]), np.concatenate([bad, bad1])
     # Where sticky packing misses the limit: the reference's LPT packing of those nodes, restored

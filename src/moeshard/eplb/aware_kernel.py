@@ -13,7 +13,7 @@ import numpy as np
 
 from .swap_kernel import pairwise_sum
 
-__all__ = ["arrange", "cheapest_groups"]
+__all__ = ["arrange", "cheapest_groups", "hot_counts"]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -87,3 +87,93 @@ def arrange(new, old, out):
                 while out[x, j] >= 0:
                     j += 1
                 out[x, j] = new[x, i]
+
+
+@numba.njit(cache=True, nogil=True)
+def hot_counts(wr, cnt, thr, num_hot, steps, eps):
+    """:func:`moeshard.eplb.aware.hot_counts` row by row: the variants of each row in the order
+    (expert ``j``, step) made, each once (the first with its key, a hash of its counts).
+
+    Args:
+        wr: ``float64[B, E]`` loads; ``cnt``: ``int64[B, E]`` counts; ``thr``: ``float64[B]``.
+        num_hot: experts varied (``_HOT_EXPERTS``); ``steps``: ``int64[D]`` (``_HOT_STEPS``);
+            ``eps``: the slack of the limit.
+
+    Returns:
+        ``int64[V]`` rows, ``int64[V]`` index ``j * D + step`` of each variant, ``int64[V, E]``
+        counts (rows in increasing order).
+    """
+    num_b, num_e = cnt.shape
+    num_d = len(steps)
+    num_j = min(num_hot, num_e)
+    out_r = np.empty(num_b * num_j * num_d, dtype=np.int64)
+    out_i = np.empty(num_b * num_j * num_d, dtype=np.int64)
+    out_c = np.empty((num_b * num_j * num_d, num_e), dtype=np.int64)
+    keys = np.empty(num_j * num_d, dtype=np.int64)
+    key_h = np.empty(num_e)
+    key_l = np.empty(num_e)
+    c = np.empty(num_e, dtype=np.int64)
+    nv = 0
+    for b in range(num_b):
+        for e in range(num_e):
+            key_h[e] = -wr[b, e] if cnt[b, e] > 0 else np.inf
+            key_l[e] = wr[b, e] if cnt[b, e] > 0 else np.inf
+        by_load = np.argsort(key_h, kind="mergesort")
+        light = np.argsort(key_l, kind="mergesort")
+        lim = thr[b] * (1 + eps)
+        n_row = 0
+        for j in range(num_j):
+            hot = by_load[j]
+            least = max(1, np.int64(np.ceil(wr[b, hot] / max(thr[b], 1e-300) * (1 - 1e-12))))
+            for di in range(num_d):
+                d = steps[di]
+                for e in range(num_e):
+                    c[e] = cnt[b, e]
+                c[hot] += d
+                ok = cnt[b, hot] > 0 and c[hot] >= least
+                if d < 0:
+                    for i in range(-d):
+                        c[light[i]] += 1
+                for _ in range(max(d, 0)):
+                    lo = 0
+                    lo_v = np.inf
+                    for e in range(num_e):
+                        if e != hot and cnt[b, e] > 0 and c[e] > 1:
+                            v = wr[b, e] / max(c[e] - 1, 1)
+                            if v < lo_v:
+                                lo_v, lo = v, e
+                    others = lo != hot and cnt[b, lo] > 0 and c[lo] > 1
+                    ok = ok and others
+                    if others:
+                        c[lo] -= 1
+                if not ok:
+                    continue
+                changed = False
+                for e in range(num_e):
+                    if c[e] != cnt[b, e]:
+                        changed = True
+                    v = wr[b, e] / max(c[e], 1) if cnt[b, e] > 0 else 0.0
+                    if not v <= lim:
+                        ok = False
+                        break
+                if not (ok and changed):
+                    continue
+                h = np.int64(0)
+                for e in range(num_e):
+                    h += c[e] * (2 * e + 1)
+                key = b * 1_000_003 + h % 1_000_003
+                seen = False
+                for i in range(n_row):
+                    if keys[i] == key:
+                        seen = True
+                        break
+                if seen:
+                    continue
+                keys[n_row] = key
+                n_row += 1
+                out_r[nv] = b
+                out_i[nv] = j * num_d + di
+                for e in range(num_e):
+                    out_c[nv, e] = c[e]
+                nv += 1
+    return out_r[:nv], out_i[:nv], out_c[:nv]

@@ -41,7 +41,13 @@ def _kernel(size: int, wc: np.ndarray, thr: np.ndarray):
 
 
 def sticky_pack(
-    old: np.ndarray, alive: np.ndarray, cnt: np.ndarray, wc: np.ndarray, thr: np.ndarray, no_duplicates: bool = True
+    old: np.ndarray,
+    alive: np.ndarray,
+    cnt: np.ndarray,
+    wc: np.ndarray,
+    thr: np.ndarray,
+    no_duplicates: bool = True,
+    dup_held: np.ndarray | None = None,
 ) -> np.ndarray:
     """Sticky packing of ``cnt`` copies into live packs, keeping old copies where the load
     allows. ``old`` ``int[B, K, S]`` old expert ids (-1 empty), ``alive`` ``bool[B, K]``, ``cnt``
@@ -50,7 +56,9 @@ def sticky_pack(
     of a full rank: against the reference's own balance that costs moves the LPT fallback of
     :mod:`moeshard.eplb.aware` does not need. ``no_duplicates``: the swap repair of moeshard's
     rule (a rank holds no two copies of an expert when avoidable) afterwards; the reference has
-    no such rule.
+    no such rule. ``dup_held`` ``bool[B]`` (rows, default none): a copy left to place goes
+    preferably to a rank that held its expert, where it fits, even as a second copy there (made
+    from the rank's own weights: nothing travels).
     Returns ``int[B, K, S]`` (kept copies in their old slot; dead packs -1)."""
     num_b, num_k, num_s = old.shape
     num_e = cnt.shape[1]
@@ -62,7 +70,8 @@ def sticky_pack(
         x, alive = np.ascontiguousarray(x, dtype=np.int64), np.ascontiguousarray(alive)
         w_min, lim = np.where(cnt > 0, wc, np.inf).min(1), thr * (1 + EPS)
         args = (wc, w_min, thr, lim, 1 - EPS, _NUM_LIGHT)
-        new, cap = kernel.pack(x, alive, np.ascontiguousarray(cnt, dtype=np.int64), *args, not no_duplicates)
+        dup = np.zeros(num_b, dtype=bool) if dup_held is None else np.ascontiguousarray(dup_held, dtype=bool)
+        new, cap = kernel.pack(x, alive, np.ascontiguousarray(cnt, dtype=np.int64), *args, not no_duplicates, dup)
         if no_duplicates:
             repair_duplicates(new, wc, cap)
             kernel.swap_repair(new, alive, wc, cap, x, thr, lim, 1 - EPS, _NUM_LIGHT)
@@ -132,12 +141,19 @@ def sticky_pack(
     order = np.argsort(-pool_w, axis=1, kind="stable")
     pool_e, pool_w = np.take_along_axis(pool_e, order, 1), np.take_along_axis(pool_w, order, 1)
     counts = count_last(new, num_e)
+    if dup_held is not None:
+        held_x = np.zeros((num_b, num_k, num_e + 1), dtype=bool)
+        held_x[bi, np.arange(num_k)[None, :, None], np.where(x >= 0, x, num_e)] = True
     for i in range(m):
         r = np.flatnonzero(per_row > i)
         ar = np.arange(len(r))
         e, w = pool_e[r, i], pool_w[r, i]
         load = kl[r]
-        blocked = counts[r, :, e] >= cap[r, e][:, None]
+        if dup_held is None:
+            blocked = counts[r, :, e] >= cap[r, e][:, None]
+        else:
+            h = held_x[r, :, e] & dup_held[r][:, None]
+            blocked = counts[r, :, e] >= cap[r, e][:, None] + h
         free = nfree[r] > 0
         after_a = np.where(free & ~blocked, load + w[:, None], np.inf)
         ka = after_a.argmin(1)
@@ -146,6 +162,10 @@ def sticky_pack(
         fit = np.where(free & ~blocked, load + w[:, None] + (nfree[r] - 1) * w_min[r][:, None], np.inf)
         fit = np.where(fit <= thr[r][:, None] * (1 + EPS), after_a, np.inf)
         kf = fit.argmin(1)
+        if dup_held is not None:
+            fh = np.where(h, fit, np.inf)
+            kh = fh.argmin(1)
+            kf = np.where(np.isfinite(fh[ar, kh]), kh, kf)
         ok_a = np.isfinite(fit[ar, kf])
         ka = np.where(ok_a, kf, ka)
         forced = ~ok_a & ~np.isfinite(fa)  # every free rank holds the expert: allow a duplicate

@@ -18,7 +18,7 @@ __all__ = ["MAX_SLOTS", "pack", "restore", "swap_repair"]
 
 
 @numba.njit(cache=True, nogil=True)
-def pack(x, alive, cnt, wc, w_min, thr, lim, keep_frac, num_light, repair):
+def pack(x, alive, cnt, wc, w_min, thr, lim, keep_frac, num_light, repair, dup_held):
     """:func:`moeshard.eplb.sticky.sticky_pack`, row by row: the copies kept (each old copy of
     an expert of the row on its live rank, at most ``cap`` per rank and ``cnt`` in all, the
     first in slot order), the evictions, the placement of the rest and (``repair``) the swap
@@ -30,6 +30,8 @@ def pack(x, alive, cnt, wc, w_min, thr, lim, keep_frac, num_light, repair):
             ``float64[B, E]`` per-copy loads.
         w_min, thr, lim: ``float64[B]`` the row's lightest copy, threshold, threshold with
             its slack; ``keep_frac``: ``1 - EPS``; ``num_light``: the repair's light ranks.
+        dup_held: ``bool[B]`` rows whose copies left to place go first to a rank that held
+            their expert (:func:`_place_row`).
 
     Returns:
         ``int64[B, K, S]`` the packing and ``int64[B, E]`` the caps (most copies of an
@@ -113,7 +115,7 @@ def pack(x, alive, cnt, wc, w_min, thr, lim, keep_frac, num_light, repair):
                 i += 1
         for e in range(num_e):
             ce[e] = 0
-        _place_row(new[b], kl, nfree, cap[b], pool_e, m, wc[b], w_min[b], lim[b], cr)
+        _place_row(new[b], kl, nfree, cap[b], pool_e, m, wc[b], w_min[b], lim[b], cr, x[b], dup_held[b])
         for k in range(num_k):
             cr[k, :] = 0
         if repair:
@@ -158,12 +160,14 @@ def _evict_row(keep, wslot, kl, n_kept, alive, w_min, thr, lim):
 
 
 @numba.njit(cache=True, nogil=True)
-def _place_row(new, kl, nfree, cap, pool_e, m, wc, w_min, lim, c):
+def _place_row(new, kl, nfree, cap, pool_e, m, wc, w_min, lim, c, old, dup):
     """The placement of one row's pool ``pool_e[:m]`` (heaviest first), in place: each copy
     onto the least loaded live rank with a free slot that may take the expert, if it stays
     under ``lim`` with the reserve of its further free slots; else the least loaded one that
     may take it; else (every free rank holds it) the least loaded free rank. ``c``: a zeroed
-    ``int64[K, E + 1]`` scratch."""
+    ``int64[K, E + 1]`` scratch. ``dup``: a rank that held the expert in ``old``
+    ``int64[K, S]`` may take one copy over the cap, and the least loaded such rank where the
+    copy fits goes first."""
     num_k, num_s = new.shape
     num_e = len(wc)
     for k in range(num_k):
@@ -177,14 +181,27 @@ def _place_row(new, kl, nfree, cap, pool_e, m, wc, w_min, lim, c):
         fa = np.inf
         kf = -1
         ff = np.inf
+        kh = -1
+        fh = np.inf
         for k in range(num_k):
-            if nfree[k] > 0 and c[k, e] < cap[e]:
+            h = 0
+            if dup:
+                for s in range(num_s):
+                    if old[k, s] == e:
+                        h = 1
+                        break
+            if nfree[k] > 0 and c[k, e] < cap[e] + h:
                 a = kl[k] + w
                 if a < fa or ka < 0:
                     fa, ka = a, k
-                if a + (nfree[k] - 1) * w_min <= lim and (a < ff or kf < 0):
-                    ff, kf = a, k
-        if kf >= 0:
+                if a + (nfree[k] - 1) * w_min <= lim:
+                    if a < ff or kf < 0:
+                        ff, kf = a, k
+                    if h and (a < fh or kh < 0):
+                        fh, kh = a, k
+        if kh >= 0:
+            ka = kh
+        elif kf >= 0:
             ka = kf
         elif ka < 0:
             lo = np.inf

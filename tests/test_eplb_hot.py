@@ -1,0 +1,113 @@
+"""Tier 1: the migration-aware policy's count variants of near-full nodes
+(:func:`moeshard.eplb.aware.hot_counts`) and the sticky packing's second copies on ranks that
+held the expert (``sticky_pack(dup_held=)``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moeshard import eplb
+from moeshard.cli.bench.traces import zipf_trace
+from moeshard.eplb import aware
+from moeshard.eplb.sticky import sticky_pack
+
+
+def _moved(old, new):
+    """Copies of ``new`` ``int[K, S]`` on a rank that did not hold their expert in ``old``."""
+    return sum(int(e not in set(o)) for o, n in zip(old, new) for e in n if e >= 0)
+
+
+def test_sticky_pack_puts_a_second_copy_on_a_rank_that_held_it():
+    """Two ranks of three slots: rank 0 held 0, 1, 2, rank 1 held 3, 4, 5. New counts: experts
+    2 and 5 gone, 0 and 3 two copies each (one free slot per rank). Plain sticky packing (at
+    most one copy of an expert per rank) must put 0's second copy on rank 1 and 3's on rank 0:
+    two moved copies. With ``dup_held`` each goes onto the rank that holds it: nothing moves."""
+    old = np.array([[[0, 1, 2], [3, 4, 5]]])
+    alive = np.ones((1, 2), dtype=bool)
+    cnt = np.array([[2, 1, 0, 2, 1, 0]])
+    wc = np.array([[1.0, 1.0, 0.0, 1.0, 1.0, 0.0]])
+    thr = np.array([10.0])
+    plain = sticky_pack(old, alive, cnt, wc, thr, no_duplicates=False)
+    dup = sticky_pack(old, alive, cnt, wc, thr, no_duplicates=False, dup_held=np.array([True]))
+    assert _moved(old[0], plain[0]) == 2
+    assert _moved(old[0], dup[0]) == 0
+    assert sorted(dup[0, 0]) == [0, 0, 1] and sorted(dup[0, 1]) == [3, 3, 4]
+    # the counts are the ones asked for
+    np.testing.assert_array_equal(np.bincount(dup.ravel(), minlength=6), cnt[0])
+    # rows without the flag pack as before
+    np.testing.assert_array_equal(
+        sticky_pack(old, alive, cnt, wc, thr, no_duplicates=False, dup_held=np.array([False])), plain
+    )
+
+
+def test_hot_counts_variants():
+    """One node: experts 0-3 of loads 40, 10, 2, 1 (expert 4 not the node's), counts 4, 2, 1, 1,
+    limit 12 (expert 0 needs 4 copies: 40 / 12 > 3). The variants: expert 0 one more (the slot
+    from expert 1, whose per-copy load stays lowest); expert 1 one fewer (the slot to a second
+    copy of the lightest, 3), which is also expert 3 one more; expert 2 one more (from expert
+    1). Not expert 0 fewer or expert 1 more (a copy of expert 0 over 12), each variant once."""
+    wr = np.array([[40.0, 10.0, 2.0, 1.0, 5.0]])
+    cnt = np.array([[4, 2, 1, 1, 0]])
+    rows, var = aware.hot_counts(wr, cnt, np.array([12.0]))
+    assert (rows == 0).all()
+    assert {tuple(v) for v in var} == {(5, 1, 1, 1, 0), (4, 1, 1, 2, 0), (4, 1, 2, 1, 0)}
+    assert len(var) == 3
+    # limit 9.5: every variant leaves a copy over it (expert 1 at one copy: 10, or expert 0 at
+    # four: 10): none
+    rows, var = aware.hot_counts(wr, cnt, np.array([9.5]))
+    assert rows.shape == (0,) and var.shape == (0, 5)
+
+
+def test_aware_hot_count_variants_save_copies(monkeypatch):
+    """On a drifting hierarchical trace (16 ranks on 4 nodes, 8 groups) the count variants of
+    near-full nodes move fewer copies than the policy without them (255 against 265 over three
+    steps), every layer within 1 % of the oblivious answer."""
+    cfg = dict(num_physical=144, num_ranks=16, num_nodes=4, num_groups=8)
+    trace = zipf_trace(8, 128, 4, seed=1, alpha=1.2, drift=0.1)
+
+    def run():
+        cur = eplb.rebalance(trace[0], **cfg, migration_aware=False)
+        moved = 0
+        for load in trace[1:]:
+            new = eplb.rebalance(load, cur, **cfg, tolerance=0.01, relative_to="oblivious")
+            obl = eplb.rebalance(load, **cfg, migration_aware=False)
+            assert (eplb.balance(load, new, 16) <= eplb.balance(load, obl, 16) * 1.01 * (1 + 1e-12)).all()
+            moved += eplb.copies_moved(cur, new, 16)
+            cur = new
+        return moved
+
+    with_variants = run()
+    monkeypatch.setattr(aware, "_HOT_EXPERTS", 0)
+    without = run()
+    assert with_variants < without, (with_variants, without)
+
+
+def test_hot_counts_compiled_equals_numpy(monkeypatch):
+    """``hot_counts`` compiled (``aware_kernel.hot_counts``) gives numpy's variants in numpy's
+    order (by expert and step, then by row; each once): rows with few experts (fewer than
+    ``_HOT_EXPERTS``), integer loads (ties in the heaviest and the lightest), limits under and
+    over the heaviest copy; the compiled loop ran (not under ``MOESHARD_EPLB_JIT=0``)."""
+    pytest.importorskip("numba")
+    from moeshard.eplb import aware_kernel
+
+    monkeypatch.setattr(aware, "_JIT_FROM", 0)
+    calls = []
+    real = aware_kernel.hot_counts
+    monkeypatch.setattr(aware_kernel, "hot_counts", lambda *a: (calls.append(1), real(*a))[1])
+    rng = np.random.default_rng(3)
+    total = 0
+    for trial in range(24):
+        num_b, num_e = int(rng.integers(1, 60)), int(rng.choice([3, 5, 16, 64]))
+        cnt = rng.integers(0, 5, (num_b, num_e))
+        cnt[:, 0] = np.maximum(cnt[:, 0], 1)
+        wr = rng.integers(1, 12, (num_b, num_e)).astype(np.float64) if trial % 2 else rng.random((num_b, num_e)) * 10
+        thr = (wr / np.maximum(cnt, 1)).max(1) * rng.choice([0.8, 1.0, 1.3, 2.0], num_b)
+        got = {}
+        for mode in ("compiled", "numpy"):
+            monkeypatch.setenv("MOESHARD_EPLB_JIT", "1" if mode == "compiled" else "0")
+            got[mode] = aware.hot_counts(wr, cnt, thr)
+        for a, b in zip(got["compiled"], got["numpy"]):
+            np.testing.assert_array_equal(a, b, err_msg=f"trial {trial}")
+        total += len(got["numpy"][0])
+    assert len(calls) == 24 and total > 300
