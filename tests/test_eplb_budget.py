@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from eplb_steps import aware_moves
 from moeshard import eplb
 from moeshard.cli.bench.traces import zipf_trace
 
@@ -137,16 +138,7 @@ def test_aware_swaps_copies_back_within_the_limit():
     """The per-layer answer after copies are swapped back to ranks that held them where both
     ranks stay within the limit: fewer copies moved on a seeded drifting trace (328; 330 before
     the swap-back pass), every layer within 1 % of the oblivious answer."""
-    cfg = dict(num_physical=144, num_ranks=16, num_nodes=4, num_groups=8)
-    trace = zipf_trace(8, 128, 4, seed=2, alpha=1.2, drift=0.1)
-    cur = eplb.rebalance(trace[0], **cfg, migration_aware=False)
-    moved = 0
-    for load in trace[1:]:
-        new = eplb.rebalance(load, cur, **cfg, tolerance=0.01, relative_to="oblivious")
-        obl = eplb.rebalance(load, **cfg, migration_aware=False)
-        assert (eplb.balance(load, new, 16) <= eplb.balance(load, obl, 16) * 1.01 * (1 + 1e-12)).all()
-        moved += eplb.copies_moved(cur, new, 16)
-        cur = new
+    moved = aware_moves(zipf_trace(8, 128, 4, seed=2, alpha=1.2, drift=0.1))
     assert moved < 330, moved
 
 

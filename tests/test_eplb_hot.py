@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moeshard import eplb
+from eplb_steps import aware_moves
 from moeshard.cli.bench.traces import zipf_trace
 from moeshard.eplb import aware
 from moeshard.eplb.sticky import sticky_pack
@@ -63,23 +63,11 @@ def test_aware_hot_count_variants_save_copies(monkeypatch):
     """On a drifting hierarchical trace (16 ranks on 4 nodes, 8 groups) the count variants of
     near-full nodes move fewer copies than the policy without them (255 against 265 over three
     steps), every layer within 1 % of the oblivious answer."""
-    cfg = dict(num_physical=144, num_ranks=16, num_nodes=4, num_groups=8)
     trace = zipf_trace(8, 128, 4, seed=1, alpha=1.2, drift=0.1)
 
-    def run():
-        cur = eplb.rebalance(trace[0], **cfg, migration_aware=False)
-        moved = 0
-        for load in trace[1:]:
-            new = eplb.rebalance(load, cur, **cfg, tolerance=0.01, relative_to="oblivious")
-            obl = eplb.rebalance(load, **cfg, migration_aware=False)
-            assert (eplb.balance(load, new, 16) <= eplb.balance(load, obl, 16) * 1.01 * (1 + 1e-12)).all()
-            moved += eplb.copies_moved(cur, new, 16)
-            cur = new
-        return moved
-
-    with_variants = run()
+    with_variants = aware_moves(trace)
     monkeypatch.setattr(aware, "_HOT_EXPERTS", 0)
-    without = run()
+    without = aware_moves(trace)
     assert with_variants < without, (with_variants, without)
 
 

@@ -1,0 +1,29 @@
+"""The migration-aware policy chained over a drifting trace, each step checked against the
+oblivious answer's balance."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moeshard import eplb
+
+# 16 ranks on 4 nodes, 8 groups, 144 slots: small enough for a test, hierarchical as
+# DeepSeek-V3's shape
+HIER16 = dict(num_physical=144, num_ranks=16, num_nodes=4, num_groups=8)
+
+
+def aware_moves(trace: np.ndarray, cfg: dict = HIER16, tolerance: float = 0.01) -> int:
+    """Copies moved in all by ``eplb.rebalance`` (1 + ``tolerance``) over the oblivious answer,
+    chained from the oblivious placement of ``trace[0]`` over ``trace[1:]`` (``float[T, L, E]``);
+    asserts every layer of every step within that limit."""
+    ranks = cfg["num_ranks"]
+    cur = eplb.rebalance(trace[0], **cfg, migration_aware=False)
+    moved = 0
+    for load in trace[1:]:
+        new = eplb.rebalance(load, cur, **cfg, tolerance=tolerance, relative_to="oblivious")
+        obl = eplb.rebalance(load, **cfg, migration_aware=False)
+        limit = eplb.balance(load, obl, ranks) * (1 + tolerance) * (1 + 1e-12)
+        assert (eplb.balance(load, new, ranks) <= limit).all()
+        moved += eplb.copies_moved(cur, new, ranks)
+        cur = new
+    return moved
