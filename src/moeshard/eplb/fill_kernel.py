@@ -31,14 +31,15 @@ def fill_rounds(w, out, old3, held_old, thr, node_of_rank, num_nodes):
     """
     num_layers, num_ranks, num_s = out.shape
     num_e = w.shape[1]
-    cnt = np.empty(num_e, dtype=np.int64)
-    per_rank = np.empty((num_ranks, num_e), dtype=np.int64)
-    on_node = np.empty((num_nodes, num_e), dtype=np.bool_)
+    cnt = np.zeros(num_e, dtype=np.int64)
+    nh = np.zeros(num_e, dtype=np.int64)
+    per_rank = np.zeros((num_ranks, num_e), dtype=np.int64)
+    on_node = np.zeros((num_nodes, num_e), dtype=np.bool_)
     wc = np.empty(num_e)
     buf = np.empty(num_s)
     loads = np.empty(num_ranks)
     # ranks holding each expert (each rank once), as lists in ``hold`` from ``start``
-    start = np.empty(num_e + 1, dtype=np.int64)
+    start = np.zeros(num_e + 1, dtype=np.int64)
     fill = np.empty(num_e, dtype=np.int64)
     hold = np.empty(num_ranks * num_s, dtype=np.int64)
     best_pk = np.empty(num_nodes)
@@ -48,36 +49,29 @@ def fill_rounds(w, out, old3, held_old, thr, node_of_rank, num_nodes):
     for lay in range(num_layers):
         lim = thr[lay]
         while True:
-            cnt[:] = 0
-            per_rank[:] = 0
-            on_node[:] = False
+            # counts, the rank loads and each expert's ranks (from the slots: a rank's
+            # copies of an expert counted at its first)
             for r in range(num_ranks):
                 for s in range(num_s):
                     e = out[lay, r, s]
                     if e >= 0:
                         cnt[e] += 1
+                        if per_rank[r, e] == 0:
+                            nh[e] += 1
                         per_rank[r, e] += 1
                         on_node[node_of_rank[r], e] = True
             for e in range(num_e):
                 wc[e] = w[lay, e] / cnt[e] if cnt[e] > 0 else 0.0
+                start[e + 1] = start[e] + nh[e]
+                fill[e] = start[e]
             for r in range(num_ranks):
                 for s in range(num_s):
                     e = out[lay, r, s]
                     buf[s] = wc[e] if e >= 0 else 0.0
-                loads[r] = 0.0 + pairwise_sum(buf, 0, num_s)
-            start[0] = 0
-            for e in range(num_e):
-                n = 0
-                for r in range(num_ranks):
-                    if per_rank[r, e] > 0:
-                        n += 1
-                start[e + 1] = start[e] + n
-                fill[e] = start[e]
-            for r in range(num_ranks):
-                for e in range(num_e):
-                    if per_rank[r, e] > 0:
+                    if e >= 0 and (fill[e] == start[e] or hold[fill[e] - 1] != r):
                         hold[fill[e]] = r
                         fill[e] += 1
+                loads[r] = 0.0 + pairwise_sum(buf, 0, num_s)
             by_load = np.argsort(-loads)  # the heaviest untouched rank: any of equal loads
             for n in range(num_nodes):
                 best_r[n] = -1
@@ -118,6 +112,14 @@ def fill_rounds(w, out, old3, held_old, thr, node_of_rank, num_nodes):
                             best_r[node] = r
                             best_j[node] = j
                             best_f[node] = f
+            for r in range(num_ranks):  # back to zero for the next round
+                for s in range(num_s):
+                    e = out[lay, r, s]
+                    if e >= 0:
+                        cnt[e] = 0
+                        nh[e] = 0
+                        per_rank[r, e] = 0
+                        on_node[node_of_rank[r], e] = False
             taken = False
             for n in range(num_nodes):
                 if best_r[n] >= 0:
