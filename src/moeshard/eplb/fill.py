@@ -22,7 +22,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import jit
 from .metrics import copy_counts, count_last, load_per_copy, max_rank_load
+
+# placements of at least this many slots (layers x ranks x slots) take the compiled rounds
+# where numba is installed (``fill_kernel``; ``MOESHARD_EPLB_JIT=0`` keeps numpy's)
+_JIT_FROM = 4096
 
 
 def fill_held(
@@ -38,9 +43,18 @@ def fill_held(
     num_layers, num_ranks, s = p2l.shape
     num_logical = w.shape[1]
     num_nodes = int(node_of_rank.max(initial=0)) + 1
-    active = np.arange(num_layers)
-    while len(active):
-        active = _one_round(w, out, old3, held_old, thr, node_of_rank, num_nodes, num_logical, active)
+    compiled = jit.kernel("fill_kernel", p2l.size, _JIT_FROM) if w.dtype == thr.dtype == np.float64 else None
+    if compiled is not None and s <= compiled.MAX_SLOTS:
+        fast = np.ascontiguousarray(out, dtype=np.int64)
+        args = (np.ascontiguousarray(old3, dtype=np.int64), np.ascontiguousarray(held_old, dtype=bool))
+        compiled.fill_rounds(
+            np.ascontiguousarray(w), fast, *args, np.ascontiguousarray(thr), node_of_rank.astype(np.int64), num_nodes
+        )
+        out = fast.astype(p2l.dtype, copy=False)
+    else:
+        active = np.arange(num_layers)
+        while len(active):
+            active = _one_round(w, out, old3, held_old, thr, node_of_rank, num_nodes, num_logical, active)
     # a layer whose experts span nodes (not the policies' answers) might add up over the
     # limit, or lose an expert's last copy, from replacements checked one by one: it keeps
     # its copies

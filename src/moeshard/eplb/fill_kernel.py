@@ -1,0 +1,129 @@
+"""The rounds of :func:`moeshard.eplb.fill.fill_held` compiled with numba: one layer at a time,
+its rounds in a loop, the very replacements of the numpy rounds (the same rank loads to the
+last bit, the same peaks, the same ties).
+
+Imported only when numba is installed (the ``fast`` extra); the first call in a process
+compiles the loop or loads it from numba's on-disk cache.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from .swap_kernel import MAX_SLOTS, pairwise_sum
+
+__all__ = ["MAX_SLOTS", "fill_rounds"]
+
+
+@numba.njit(cache=True, nogil=True)
+def fill_rounds(w, out, old3, held_old, thr, node_of_rank, num_nodes):
+    """The rounds of :func:`moeshard.eplb.fill.fill_held`, in place on ``out``: per layer and
+    round, on each node the replacement that leaves the lightest heaviest rank within the
+    layer's limit (the first on ties, in the order slot, then old slot of the candidate), all
+    of a round's taken at once, until a round takes none.
+
+    Args:
+        w: ``float64[L, E]`` loads; ``thr``: ``float64[L]`` limits.
+        out: ``int64[L, R, S]`` the placement (``S <= MAX_SLOTS``), changed in place.
+        old3: ``int64[L, R, S]`` old slots; ``held_old``: ``bool[L, R, E]``.
+        node_of_rank: ``int64[R]``; ``num_nodes``: ``node_of_rank.max() + 1``.
+    """
+    num_layers, num_ranks, num_s = out.shape
+    num_e = w.shape[1]
+    cnt = np.zeros(num_e, dtype=np.int64)
+    nh = np.zeros(num_e, dtype=np.int64)
+    per_rank = np.zeros((num_ranks, num_e), dtype=np.int64)
+    on_node = np.zeros((num_nodes, num_e), dtype=np.bool_)
+    wc = np.empty(num_e)
+    buf = np.empty(num_s)
+    loads = np.empty(num_ranks)
+    # ranks holding each expert (each rank once), as lists in ``hold`` from ``start``
+    start = np.zeros(num_e + 1, dtype=np.int64)
+    fill = np.empty(num_e, dtype=np.int64)
+    hold = np.empty(num_ranks * num_s, dtype=np.int64)
+    best_pk = np.empty(num_nodes)
+    best_r = np.empty(num_nodes, dtype=np.int64)
+    best_j = np.empty(num_nodes, dtype=np.int64)
+    best_f = np.empty(num_nodes, dtype=np.int64)
+    for lay in range(num_layers):
+        lim = thr[lay]
+        while True:
+            # counts, the rank loads and each expert's ranks (from the slots: a rank's
+            # copies of an expert counted at its first)
+            for r in range(num_ranks):
+                for s in range(num_s):
+                    e = out[lay, r, s]
+                    if e >= 0:
+                        cnt[e] += 1
+                        if per_rank[r, e] == 0:
+                            nh[e] += 1
+                        per_rank[r, e] += 1
+                        on_node[node_of_rank[r], e] = True
+            for e in range(num_e):
+                wc[e] = w[lay, e] / cnt[e] if cnt[e] > 0 else 0.0
+                start[e + 1] = start[e] + nh[e]
+                fill[e] = start[e]
+            for r in range(num_ranks):
+                for s in range(num_s):
+                    e = out[lay, r, s]
+                    buf[s] = wc[e] if e >= 0 else 0.0
+                    if e >= 0 and (fill[e] == start[e] or hold[fill[e] - 1] != r):
+                        hold[fill[e]] = r
+                        fill[e] += 1
+                loads[r] = 0.0 + pairwise_sum(buf, 0, num_s)
+            by_load = np.argsort(-loads)  # the heaviest untouched rank: any of equal loads
+            for n in range(num_nodes):
+                best_r[n] = -1
+            for r in range(num_ranks):
+                node = node_of_rank[r]
+                for j in range(num_s):
+                    e = out[lay, r, j]
+                    if e < 0 or held_old[lay, r, e] or cnt[e] < 2:
+                        continue
+                    we = w[lay, e]
+                    ce = cnt[e]
+                    d_e = we / (ce - 1) - we / ce
+                    for col in range(num_s):
+                        f = old3[lay, r, col]
+                        if f < 0 or f == e or not on_node[node, f]:
+                            continue
+                        wf = w[lay, f]
+                        cf = cnt[f]
+                        d_f = wf / (cf + 1) - wf / cf
+                        own = wf / (cf + 1) - we / (ce - 1)
+                        # ranks without e or f (nor the slot's) keep their load
+                        peak = -np.inf
+                        for i in range(num_ranks):
+                            q = by_load[i]
+                            if q != r and per_rank[q, e] == 0 and per_rank[q, f] == 0:
+                                peak = loads[q]
+                                break
+                        for x in (e, f):
+                            for h in range(start[x], start[x + 1]):
+                                q = hold[h]
+                                v = loads[q] + per_rank[q, e] * d_e + per_rank[q, f] * d_f
+                                if q == r:
+                                    v += own
+                                if v > peak:
+                                    peak = v
+                        if peak <= lim and (best_r[node] < 0 or peak < best_pk[node]):
+                            best_pk[node] = peak
+                            best_r[node] = r
+                            best_j[node] = j
+                            best_f[node] = f
+            for r in range(num_ranks):  # back to zero for the next round
+                for s in range(num_s):
+                    e = out[lay, r, s]
+                    if e >= 0:
+                        cnt[e] = 0
+                        nh[e] = 0
+                        per_rank[r, e] = 0
+                        on_node[node_of_rank[r], e] = False
+            taken = False
+            for n in range(num_nodes):
+                if best_r[n] >= 0:
+                    out[lay, best_r[n], best_j[n]] = best_f[n]
+                    taken = True
+            if not taken:
+                break
