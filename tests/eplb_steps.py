@@ -27,3 +27,17 @@ def aware_moves(trace: np.ndarray, cfg: dict = HIER16, tolerance: float = 0.01) 
         moved += eplb.copies_moved(cur, new, ranks)
         cur = new
     return moved
+
+
+def count_calls(monkeypatch, module, name: str) -> list:
+    """``module.name`` wrapped (for the test) so that each call appends to the returned list:
+    proof that a compiled loop ran."""
+    calls = []
+    real = getattr(module, name)
+
+    def counted(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from eplb_steps import count_calls
 from moeshard import Placement, eplb
 from moeshard.cli.bench.traces import zipf_trace
 
@@ -543,14 +544,7 @@ def test_rebalance_same_with_and_without_the_compiled_swap_search(monkeypatch):
     second. By default a toy's search is not compiled."""
     from moeshard.eplb import refine, sticky, sticky_kernel, swap_kernel
 
-    calls = []
-    real = swap_kernel.swap_search
-
-    def counted(*args):
-        calls.append(1)
-        return real(*args)
-
-    monkeypatch.setattr(swap_kernel, "swap_search", counted)
+    calls = count_calls(monkeypatch, swap_kernel, "swap_search")
     dup_rows = []
     real_pack = sticky_kernel.pack
     monkeypatch.setattr(sticky_kernel, "pack", lambda *a: (dup_rows.append(int(a[-1].sum())), real_pack(*a))[1])
@@ -930,9 +924,7 @@ def test_balanced_pack_compiled_equals_numpy(monkeypatch):
     from moeshard.eplb import oblivious, pack_kernel
 
     monkeypatch.setattr(oblivious, "_JIT_FROM", 0)
-    calls = []
-    real = pack_kernel.greedy_pack
-    monkeypatch.setattr(pack_kernel, "greedy_pack", lambda *a: (calls.append(1), real(*a))[1])
+    calls = count_calls(monkeypatch, pack_kernel, "greedy_pack")
     rng = np.random.default_rng(5)
     cases = [
         (40, 8, 9, 64, np.float64, False),
@@ -964,9 +956,7 @@ def test_replicate_experts_compiled_equals_numpy(monkeypatch):
     from moeshard.eplb import oblivious, pack_kernel
 
     monkeypatch.setattr(oblivious, "_JIT_FROM", 0)
-    calls = []
-    real = pack_kernel.replicate
-    monkeypatch.setattr(pack_kernel, "replicate", lambda *a: (calls.append(1), real(*a))[1])
+    calls = count_calls(monkeypatch, pack_kernel, "replicate")
     rng = np.random.default_rng(7)
     cases = [
         (np.float64, None, 0),

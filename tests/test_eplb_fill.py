@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from eplb_steps import count_calls
 from moeshard import Placement, eplb
 from moeshard.cli.bench.traces import zipf_trace
 from moeshard.eplb.fill import fill_held
@@ -191,9 +192,7 @@ def test_fill_compiled_equals_numpy(monkeypatch):
     from moeshard.eplb import fill, fill_kernel
 
     monkeypatch.setattr(fill, "_JIT_FROM", 0)
-    calls = []
-    real = fill_kernel.fill_rounds
-    monkeypatch.setattr(fill_kernel, "fill_rounds", lambda *a: (calls.append(1), real(*a))[1])
+    calls = count_calls(monkeypatch, fill_kernel, "fill_rounds")
     rng = np.random.default_rng(5)
     changed = 0
     for trial in range(60):

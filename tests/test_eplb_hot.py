@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eplb_steps import aware_moves
+from eplb_steps import aware_moves, count_calls
 from moeshard.cli.bench.traces import zipf_trace
 from moeshard.eplb import aware
 from moeshard.eplb.sticky import sticky_pack
@@ -80,9 +80,7 @@ def test_hot_counts_compiled_equals_numpy(monkeypatch):
     from moeshard.eplb import aware_kernel
 
     monkeypatch.setattr(aware, "_JIT_FROM", 0)
-    calls = []
-    real = aware_kernel.hot_counts
-    monkeypatch.setattr(aware_kernel, "hot_counts", lambda *a: (calls.append(1), real(*a))[1])
+    calls = count_calls(monkeypatch, aware_kernel, "hot_counts")
     rng = np.random.default_rng(3)
     total = 0
     for trial in range(24):
