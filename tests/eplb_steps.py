@@ -41,3 +41,13 @@ def count_calls(monkeypatch, module, name: str) -> list:
 
     monkeypatch.setattr(module, name, counted)
     return calls
+
+
+def compiled_and_numpy(monkeypatch, fn) -> dict:
+    """``{"compiled": fn(), "numpy": fn()}``: ``fn`` called with the compiled loops allowed,
+    then under ``MOESHARD_EPLB_JIT=0`` (numpy's loops)."""
+    got = {}
+    for mode, flag in (("compiled", "1"), ("numpy", "0")):
+        monkeypatch.setenv("MOESHARD_EPLB_JIT", flag)
+        got[mode] = fn()
+    return got

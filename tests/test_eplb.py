@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eplb_steps import count_calls
+from eplb_steps import compiled_and_numpy, count_calls
 from moeshard import Placement, eplb
 from moeshard.cli.bench.traces import zipf_trace
 
@@ -939,10 +939,7 @@ def test_balanced_pack_compiled_equals_numpy(monkeypatch):
         w[1::3] = rng.random((len(w[1::3]), n)).astype(dtype)
         w[0] = 0
         key = rng.integers(0, num_keys, (num_rows, n)) if num_keys else None
-        got = {}
-        for mode in ("compiled", "numpy"):
-            monkeypatch.setenv("MOESHARD_EPLB_JIT", "1" if mode == "compiled" else "0")
-            got[mode] = oblivious.balanced_pack(w, key, num_keys, num_packs, cap)
+        got = compiled_and_numpy(monkeypatch, lambda: oblivious.balanced_pack(w, key, num_keys, num_packs, cap))
         np.testing.assert_array_equal(got["compiled"], got["numpy"], err_msg=str((num_packs, cap, num_keys)))
     assert len(calls) == len(cases)
 
@@ -969,10 +966,7 @@ def test_replicate_experts_compiled_equals_numpy(monkeypatch):
         w = rng.integers(0, 9, (60, 12)).astype(dtype)  # ties
         w[1::2] = (rng.random((30, 12)) * 1000) ** 2
         hot_arg = rng.integers(0, 5, 60) if hot == "rows" else hot
-        got = {}
-        for mode in ("compiled", "numpy"):
-            monkeypatch.setenv("MOESHARD_EPLB_JIT", "1" if mode == "compiled" else "0")
-            got[mode] = oblivious.replicate_experts(w, 40, num_ranks, hot_arg)
+        got = compiled_and_numpy(monkeypatch, lambda: oblivious.replicate_experts(w, 40, num_ranks, hot_arg))
         for a, b in zip(got["compiled"], got["numpy"]):
             np.testing.assert_array_equal(a, b, err_msg=str((dtype, num_ranks, hot)))
     assert len(calls) == len(cases)
@@ -1034,10 +1028,7 @@ def test_aware_loops_compiled_equal_numpy(monkeypatch):
         # and a cap exactly at the old assignment's heaviest node (summed as numpy sums it)
         at_old = [max(gl[i][gn_old[i] == k].sum() for k in range(num_nodes)) for i in range(num_layers)]
         caps = np.vstack([caps, at_old])
-        got = {}
-        for mode in ("compiled", "numpy"):
-            monkeypatch.setenv("MOESHARD_EPLB_JIT", "1" if mode == "compiled" else "0")
-            got[mode] = aware._cheapest_groups(gl, gn_old, copies, caps, sh)
+        got = compiled_and_numpy(monkeypatch, lambda: aware._cheapest_groups(gl, gn_old, copies, caps, sh))
         for a, b in zip(got["compiled"], got["numpy"]):
             np.testing.assert_array_equal(a, b)
         assert 0 < got["numpy"][1].sum() < got["numpy"][1].size  # some caps met, some not
@@ -1046,10 +1037,7 @@ def test_aware_loops_compiled_equal_numpy(monkeypatch):
     new = np.where(
         rng.random((num_x, num_s)) < 0.5, old[:, rng.permutation(num_s)], rng.integers(-1, 8, (num_x, num_s))
     )
-    got = {}
-    for mode in ("compiled", "numpy"):
-        monkeypatch.setenv("MOESHARD_EPLB_JIT", "1" if mode == "compiled" else "0")
-        got[mode] = aware._arrange(new, old)
+    got = compiled_and_numpy(monkeypatch, lambda: aware._arrange(new, old))
     np.testing.assert_array_equal(got["compiled"], got["numpy"])
     assert len(calls) == 2
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eplb_steps import count_calls
+from eplb_steps import compiled_and_numpy, count_calls
 from moeshard import Placement, eplb
 from moeshard.cli.bench.traces import zipf_trace
 from moeshard.eplb.fill import fill_held
@@ -201,10 +201,9 @@ def test_fill_compiled_equals_numpy(monkeypatch):
         num_e = w.shape[1]
         peak = _peak(w, new)
         thr = peak if trial % 4 == 0 else peak * rng.uniform(1.0, 1.2, len(peak))
-        got = {}
-        for mode in ("compiled", "numpy"):
-            monkeypatch.setenv("MOESHARD_EPLB_JIT", "1" if mode == "compiled" else "0")
-            got[mode] = fill_held(w, new, old, held_by_rank(old, num_e), thr, node_of_rank)
+        got = compiled_and_numpy(
+            monkeypatch, lambda: fill_held(w, new, old, held_by_rank(old, num_e), thr, node_of_rank)
+        )
         np.testing.assert_array_equal(got["compiled"], got["numpy"])
         changed += int((got["numpy"] != new).sum())
     assert len(calls) == 60 and changed > 200, (len(calls), changed)

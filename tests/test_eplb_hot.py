@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eplb_steps import aware_moves, count_calls
+from eplb_steps import aware_moves, compiled_and_numpy, count_calls
 from moeshard.cli.bench.traces import zipf_trace
 from moeshard.eplb import aware
 from moeshard.eplb.sticky import sticky_pack
@@ -89,10 +89,7 @@ def test_hot_counts_compiled_equals_numpy(monkeypatch):
         cnt[:, 0] = np.maximum(cnt[:, 0], 1)
         wr = rng.integers(1, 12, (num_b, num_e)).astype(np.float64) if trial % 2 else rng.random((num_b, num_e)) * 10
         thr = (wr / np.maximum(cnt, 1)).max(1) * rng.choice([0.8, 1.0, 1.3, 2.0], num_b)
-        got = {}
-        for mode in ("compiled", "numpy"):
-            monkeypatch.setenv("MOESHARD_EPLB_JIT", "1" if mode == "compiled" else "0")
-            got[mode] = aware.hot_counts(wr, cnt, thr)
+        got = compiled_and_numpy(monkeypatch, lambda: aware.hot_counts(wr, cnt, thr))
         for a, b in zip(got["compiled"], got["numpy"]):
             np.testing.assert_array_equal(a, b, err_msg=f"trial {trial}")
         total += len(got["numpy"][0])
