@@ -278,6 +278,13 @@ def _repair_row(new, alive, wc, cap, old, thr, lim, keep_frac, num_light, c, hel
             y = old[k, s]
             held[k, y if y >= 0 else num_e] = True
     den = max(thr, 1e-300)
+    # loads >= 0: a swap's d = w_a - w_b <= w_a, so its peak is at least max(lh - w_a, l2)
+    # (rounding is monotone) and its moves at least those of a, less one: copies and ranks
+    # whose every swap misses the bar or cannot score below the best so far are passed over
+    nonneg = True
+    for i in range(num_k * num_s):
+        if not ws[i] >= 0.0:
+            nonneg = False
     for _ in range(num_k):
         h = 0
         for k in range(1, num_k):
@@ -302,15 +309,22 @@ def _repair_row(new, alive, wc, cap, old, thr, lim, keep_frac, num_light, c, hel
             if a < 0:
                 continue
             wa = ws[h * num_s + sa]
+            xa = lh - wa
+            if nonneg and not xa < bar:
+                continue
             for j in range(m2):
                 k = light[j]
                 l2 = lr[k]
                 if not (np.isfinite(l2) and l2 <= lim) or c[k, a] >= cap[a]:
                     continue
                 mv_a = (0 if held[k, a] else 1) - (0 if held[h, a] else 1)
+                if nonneg:
+                    lb = xa if xa >= l2 else l2
+                    if not ((mv_a - 1) * 4.0 if lb <= lim else 100.0) + lb / den < best:
+                        continue
                 for sb in range(num_s):
                     e = new[k, sb]
-                    if e < 0 or c[h, e] >= cap[e]:
+                    if e < 0:
                         continue
                     d = wa - ws[k * num_s + sb]
                     if not d > 0:
@@ -318,7 +332,8 @@ def _repair_row(new, alive, wc, cap, old, thr, lim, keep_frac, num_light, c, hel
                     x = lh - d
                     y = l2 + d
                     peak = x if x >= y else y
-                    if not peak < bar:
+                    # the cap's lookups after the cheap tests (the same swaps pass)
+                    if not peak < bar or c[h, e] >= cap[e]:
                         continue
                     mv = mv_a + (0 if held[h, e] else 1) - (0 if held[k, e] else 1)
                     score = (mv * 4.0 if peak <= lim else 100.0) + peak / den
