@@ -78,6 +78,7 @@ from . import jit
 from .fill import fill_held
 from .inputs import Shape
 from .metrics import (
+    as_float,
     copy_counts,
     count_last,
     held_by_rank,
@@ -193,9 +194,9 @@ def _old_counts(w: np.ndarray, old3: np.ndarray, group_node: np.ndarray, sh: Sha
     ar = np.arange(len(rows))
     while (d != 0).any():
         add, rem = d > 0, d < 0
-        j = np.where(m, wrr / np.maximum(c, 1), -np.inf).argmax(1)
+        j = np.where(m, wrr / as_float(np.maximum(c, 1)), -np.inf).argmax(1)
         c[ar[add], j[add]] += 1
-        j = np.where(m & (c > 1), wrr / np.maximum(c - 1, 1), np.inf).argmin(1)
+        j = np.where(m & (c > 1), wrr / as_float(np.maximum(c - 1, 1)), np.inf).argmin(1)
         c[ar[rem], j[rem]] -= 1
         d = d - add + rem
     cnt[rows] = c
@@ -215,12 +216,12 @@ def capped_counts(wr: np.ndarray, cnt: np.ndarray, cap: np.ndarray) -> np.ndarra
     lim = cap * (1 + EPS)
     rows = np.arange(len(c))
     for _ in range(int(c.sum(1).max(initial=0))):
-        pc = np.where(mine, wr / np.maximum(c, 1), -np.inf)
+        pc = np.where(mine, wr / as_float(np.maximum(c, 1)), -np.inf)
         hi = pc.argmax(1)
         r = np.flatnonzero(pc[rows, hi] > lim)
         if not len(r):
             break
-        lo = np.where(mine[r] & (c[r] > 1), wr[r] / np.maximum(c[r] - 1, 1), np.inf).argmin(1)
+        lo = np.where(mine[r] & (c[r] > 1), wr[r] / as_float(np.maximum(c[r] - 1, 1)), np.inf).argmin(1)
         c[r, hi[r]] += 1
         c[r, lo] -= 1
     return c
@@ -264,10 +265,11 @@ def hot_counts(wr: np.ndarray, cnt: np.ndarray, thr: np.ndarray) -> tuple[np.nda
             for _ in range(max(d, 0)):
                 others = mine & (c > 1)
                 others[rows, hot] = False
-                lo = np.where(others, wr / np.maximum(c - 1, 1), np.inf).argmin(1)
+                lo = np.where(others, wr / as_float(np.maximum(c - 1, 1)), np.inf).argmin(1)
                 ok &= others[rows, lo]
                 c[rows, lo] -= others[rows, lo]
-            ok &= (c != cnt).any(1) & (np.where(mine, wr / np.maximum(c, 1), 0.0) <= thr[:, None] * (1 + EPS)).all(1)
+            per_copy = np.where(mine, wr / as_float(np.maximum(c, 1)), 0.0)
+            ok &= (c != cnt).any(1) & (per_copy <= thr[:, None] * (1 + EPS)).all(1)
             out_r.append(rows[ok])
             out_c.append(c[ok])
     # each variant once (the first, in the order made)
@@ -531,7 +533,7 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None, known=N
     # limit at the old counts: sticky packing would keep them as they are (most nodes).
     oc = count_last(old3.reshape(num_layers, n, -1), num_logical)[..., :num_logical]  # [L, N, E]
     mine = np.repeat(gn, num_logical // sh.num_groups, axis=1)[:, None, :] == np.arange(n)[None, :, None]
-    wc_node = np.where(oc > 0, w[:, None, :] / np.maximum(oc, 1), 0.0).reshape(num_layers * n, -1)
+    wc_node = np.where(oc > 0, w[:, None, :] / as_float(np.maximum(oc, 1)), 0.0).reshape(num_layers * n, -1)
     ri = np.arange(num_layers * n)[:, None, None]
     peak = np.where(old_rows >= 0, wc_node[ri, np.maximum(old_rows, 0)], 0.0).sum(-1).max(-1)
     full = ((old_rows >= 0) | ~alive_rows[:, :, None]).all((1, 2))
@@ -548,7 +550,7 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None, known=N
     thr_rows = np.repeat(limit, n)
     # capped old counts where the old counts leave a copy much heavier than needed
     wr = np.repeat(w, n, axis=0)
-    heaviest = lambda cnt: np.where(cnt > 0, wr / np.maximum(cnt, 1), 0.0).max(1)  # noqa: E731
+    heaviest = lambda cnt: np.where(cnt > 0, wr / as_float(np.maximum(cnt, 1)), 0.0).max(1)  # noqa: E731
     cap = heaviest(cnt_r) * _CAP_OVER_REPLICATE
     capped = np.flatnonzero(
         ~as_is
@@ -638,7 +640,6 @@ def _pack_rows(old_rows, alive_rows, cnt_rows, wc_rows, thr_rows, sh: Shape, dup
     ``int[B, E]`` counts, ``float[B, E]`` per-copy loads, ``float[B]`` limits; ``dup_held``:
     second copies on ranks that held the expert); rows over the limit then refined by the
     swap search and the swap-back search. Returns ``int[B, K, S]``."""
-    num_logical = cnt_rows.shape[1]
     # two copies of an expert on a rank are allowed, as in the reference
     dup = np.ones(len(cnt_rows), dtype=bool) if dup_held else None
     packed = sticky_pack(old_rows, alive_rows, cnt_rows, wc_rows, thr_rows, no_duplicates=False, dup_held=dup)
@@ -649,10 +650,8 @@ def _pack_rows(old_rows, alive_rows, cnt_rows, wc_rows, thr_rows, sh: Shape, dup
     over = np.flatnonzero(peak > thr_rows * (1 + _SLACK))
     if len(over):
         sub = packed[over][:, None]
-        cap = np.maximum(
-            per_rank_cap(cnt_rows[over], np.full(len(over), sh.live_per_node)),
-            count_last(sub[:, 0], num_logical)[..., :num_logical].max(1),
-        )
+        cap = per_rank_cap(cnt_rows[over], np.full(len(over), sh.live_per_node))
+        _at_least_held(cap, sub[:, 0])
         # compiled where the batch is a model's (its few rows over the limit alone may not be)
         fast = jit.kernel("swap_kernel", old_rows.size, _JIT_FROM) is not None or None
         lower_peak(sub, wc_rows[over], cap, stop_at=thr_rows[over], jit=fast)
@@ -661,6 +660,18 @@ def _pack_rows(old_rows, alive_rows, cnt_rows, wc_rows, thr_rows, sh: Shape, dup
         restore(sub[:, 0], old_rows[over], alive_rows[over], wc_rows[over], cap, thr_rows[over])
         packed[over] = sub[:, 0]
     return packed
+
+
+def _at_least_held(cap: np.ndarray, p: np.ndarray) -> None:
+    """Raise ``cap`` ``int[B, E]`` (each >= 1), in place, to the most copies of an expert one
+    rank of ``p`` ``int[B, K, S]`` holds (only repeats matter: slots sorted per rank)."""
+    srt = np.sort(p, axis=-1)
+    run = np.ones(srt.shape, dtype=np.int64)  # position in its run of equal ids
+    for j in range(1, srt.shape[-1]):
+        run[..., j] += (srt[..., j] == srt[..., j - 1]) * run[..., j - 1]
+    again = (run > 1) & (srt >= 0)
+    if again.any():
+        np.maximum.at(cap, (np.nonzero(again)[0], srt[again]), run[again])
 
 
 def _within(w: np.ndarray, p2l: np.ndarray, limit: np.ndarray) -> np.ndarray:

@@ -22,7 +22,13 @@ def count_last(ids: np.ndarray, num: int) -> np.ndarray:
 
 
 def load_per_copy(w: np.ndarray, cnt: np.ndarray) -> np.ndarray:
-    return np.where(cnt > 0, w / np.maximum(cnt, 1), 0.0)
+    return np.where(cnt > 0, w / as_float(np.maximum(cnt, 1)), 0.0)
+
+
+def as_float(cnt: np.ndarray) -> np.ndarray:
+    """``cnt`` (counts) as float64: numpy divides a float by an int the same way (the int
+    cast first), but its mixed-type loop costs ~10x a division of two float arrays."""
+    return cnt.astype(np.float64, copy=False)
 
 
 def copy_counts(p2l: np.ndarray, num_logical: int) -> np.ndarray:

@@ -228,7 +228,11 @@ def balanced_pack(w: np.ndarray, key: np.ndarray | None, num_keys: int, num_pack
 def per_rank_cap(cnt: np.ndarray, num_live: np.ndarray) -> np.ndarray:
     """``int[B, E]``: most copies of an expert one rank may hold (1 unless it has more copies
     than there are live ranks)."""
-    return np.maximum(1, -(-cnt // num_live[:, None]))
+    live = np.broadcast_to(num_live[:, None], cnt.shape)
+    out = np.ones(cnt.shape, dtype=np.result_type(cnt, num_live))
+    more = cnt > live  # few: an integer division of the rest is slow and gives 1
+    out[more] = -(-cnt[more] // live[more])
+    return out
 
 
 def occurrence(x: np.ndarray) -> np.ndarray:
