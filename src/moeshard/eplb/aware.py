@@ -87,6 +87,7 @@ from .metrics import (
     max_rank_load,
     moves3,
     rank_loads3,
+    slot_sums,
 )
 from .oblivious import (
     ObliviousAnswer,
@@ -534,8 +535,7 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None, known=N
     oc = count_last(old3.reshape(num_layers, n, -1), num_logical)[..., :num_logical]  # [L, N, E]
     mine = np.repeat(gn, num_logical // sh.num_groups, axis=1)[:, None, :] == np.arange(n)[None, :, None]
     wc_node = np.where(oc > 0, w[:, None, :] / as_float(np.maximum(oc, 1)), 0.0).reshape(num_layers * n, -1)
-    ri = np.arange(num_layers * n)[:, None, None]
-    peak = np.where(old_rows >= 0, wc_node[ri, np.maximum(old_rows, 0)], 0.0).sum(-1).max(-1)
+    peak = slot_sums(wc_node, old_rows).max(-1)
     full = ((old_rows >= 0) | ~alive_rows[:, :, None]).all((1, 2))
     as_is = ((oc > 0) == mine).all(-1).ravel() & full & (peak <= np.repeat(limit, n) * (1 + _SLACK))
     if known is not None:
@@ -608,7 +608,7 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None, known=N
         wc_h = load_per_copy(wr[hot_rows], cnt_h)
         hp = _pack_rows(old_rows[hot_rows], alive_rows[hot_rows], cnt_h, wc_h, thr_rows[hot_rows], sh, True)
         hi = np.arange(len(hot_rows))[:, None, None]
-        peak_h = np.where(hp >= 0, wc_h[hi, np.maximum(hp, 0)], 0.0).sum(-1).max(-1)
+        peak_h = slot_sums(wc_h, hp).max(-1)
         held_h = np.zeros((len(hot_rows), rpn, num_logical + 1), dtype=bool)
         held_h[
             hi, np.arange(rpn)[None, :, None], np.where(old_rows[hot_rows] >= 0, old_rows[hot_rows], num_logical)
@@ -645,8 +645,7 @@ def _pack_rows(old_rows, alive_rows, cnt_rows, wc_rows, thr_rows, sh: Shape, dup
     packed = sticky_pack(old_rows, alive_rows, cnt_rows, wc_rows, thr_rows, no_duplicates=False, dup_held=dup)
     # rows over the limit: the swap search lowers their heaviest rank (a few more moves
     # where the alternative is the fallback's repacking of the node)
-    ri = np.arange(len(cnt_rows))[:, None, None]
-    peak = np.where(packed >= 0, wc_rows[ri, np.maximum(packed, 0)], 0.0).sum(-1).max(-1)
+    peak = slot_sums(wc_rows, packed).max(-1)
     over = np.flatnonzero(peak > thr_rows * (1 + _SLACK))
     if len(over):
         sub = packed[over][:, None]

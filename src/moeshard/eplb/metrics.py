@@ -7,7 +7,13 @@ from __future__ import annotations
 import numpy as np
 
 from ..placement import Placement
+from . import jit
 from .inputs import check_active, check_load
+
+# Placements of at least this many slots (layers x slots) count copies and sum rank loads
+# compiled where numba is installed (``load_kernel``, :mod:`moeshard.eplb.jit`): the balancer
+# calls these on every candidate, and numpy's short sums of a rank's few slots cost most.
+_JIT_FROM = 4096
 
 # -- metrics (internal forms) --------------------------------------------------------------------
 
@@ -34,14 +40,47 @@ def as_float(cnt: np.ndarray) -> np.ndarray:
 def copy_counts(p2l: np.ndarray, num_logical: int) -> np.ndarray:
     """``int[L, E]`` copies per expert of ``p2l`` ``int[L, ...]``."""
     flat = p2l.reshape(p2l.shape[0], -1)
+    compiled = jit.kernel("load_kernel", flat.size, _JIT_FROM)
+    if compiled is not None and flat.size and flat.max() < num_logical:  # ids in range: counted
+        out = np.zeros((flat.shape[0], num_logical), dtype=np.int64)
+        compiled.copy_counts(np.ascontiguousarray(flat, dtype=np.int64), out)
+        return out
     return count_last(flat, num_logical)[:, :num_logical]
 
 
 def rank_loads3(w: np.ndarray, p2l: np.ndarray, cnt: np.ndarray) -> np.ndarray:
     """``p2l`` ``int[L, R, S]`` -> ``float[L, R]``."""
+    compiled = _loads_kernel(w, p2l)
+    if compiled is not None and np.issubdtype(cnt.dtype, np.integer):
+        out = np.empty(p2l.shape[:2])
+        args = (np.ascontiguousarray(p2l, dtype=np.int64), np.ascontiguousarray(cnt, dtype=np.int64))
+        compiled.rank_loads(np.ascontiguousarray(w), *args, out)
+        return out
     wc = load_per_copy(w, cnt)
     li = np.arange(w.shape[0])[:, None, None]
     return np.where(p2l >= 0, wc[li, np.maximum(p2l, 0)], 0.0).sum(-1)
+
+
+def slot_sums(wc: np.ndarray, p2l: np.ndarray) -> np.ndarray:
+    """``float[B, R]``: per rank of ``p2l`` ``int[B, R, S]`` the sum of its copies' loads
+    ``wc`` ``float[B, E]`` (empty slots 0)."""
+    compiled = _loads_kernel(wc, p2l)
+    if compiled is not None:
+        out = np.empty(p2l.shape[:2])
+        compiled.slot_sums(np.ascontiguousarray(wc), np.ascontiguousarray(p2l, dtype=np.int64), out)
+        return out
+    bi = np.arange(p2l.shape[0])[:, None, None]
+    return np.where(p2l >= 0, wc[bi, np.maximum(p2l, 0)], 0.0).sum(-1)
+
+
+def _loads_kernel(w: np.ndarray, p2l: np.ndarray):
+    """``load_kernel`` for sums of ``w`` ``float[B, E]`` over the slots of ``p2l``
+    ``int[B, R, S]``, or None (numpy's: see :func:`moeshard.eplb.jit.kernel`; not float64
+    loads, too many slots per rank, or an id out of range, which numpy's indexing reports)."""
+    compiled = jit.kernel("load_kernel", p2l.size, _JIT_FROM)
+    if compiled is None or not p2l.size or w.dtype != np.float64 or p2l.shape[-1] > compiled.MAX_SLOTS:
+        return None
+    return compiled if p2l.max() < w.shape[1] and len(w) == len(p2l) else None
 
 
 def max_rank_load(w, p2l, cnt) -> np.ndarray:

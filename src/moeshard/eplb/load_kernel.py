@@ -1,0 +1,58 @@
+"""Copy counts and rank loads of a placement (:mod:`moeshard.eplb.metrics`) compiled with
+numba, one layer at a time: the same integers, and the same per-copy loads summed as numpy
+sums the last axis (:func:`moeshard.eplb.swap_kernel.pairwise_sum`), to the last bit.
+
+Imported only when numba is installed (the ``fast`` extra); the first call in a process
+compiles the loops or loads them from numba's on-disk cache.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from .swap_kernel import MAX_SLOTS, pairwise_sum
+
+__all__ = ["MAX_SLOTS", "copy_counts", "rank_loads", "slot_sums"]
+
+
+@numba.njit(cache=True, nogil=True)
+def copy_counts(p2l, out):
+    """``out`` ``int64[L, E]`` (zeroed) += copies of each expert in ``p2l`` ``int64[L, M]``
+    (ids < 0: empty slots, not counted)."""
+    num_l, num_m = p2l.shape
+    for lay in range(num_l):
+        for j in range(num_m):
+            e = p2l[lay, j]
+            if e >= 0:
+                out[lay, e] += 1
+
+
+@numba.njit(cache=True, nogil=True)
+def rank_loads(w, p2l, cnt, out):
+    """``out`` ``float64[L, R]``: per rank of ``p2l`` ``int64[L, R, S]`` (``S <= MAX_SLOTS``)
+    the sum of its copies' loads ``w[l, e] / cnt[l, e]`` (``w`` ``float64[L, E]``, ``cnt``
+    ``int64[L, E]``; 0 for an empty slot or a count of 0), in numpy's order."""
+    num_l, num_r, num_s = p2l.shape
+    ws = np.empty(num_s)
+    for lay in range(num_l):
+        for r in range(num_r):
+            for s in range(num_s):
+                e = p2l[lay, r, s]
+                ws[s] = w[lay, e] / cnt[lay, e] if e >= 0 and cnt[lay, e] > 0 else 0.0
+            out[lay, r] = 0.0 + pairwise_sum(ws, 0, num_s)
+
+
+@numba.njit(cache=True, nogil=True)
+def slot_sums(wc, p2l, out):
+    """``out`` ``float64[B, R]``: per rank of ``p2l`` ``int64[B, R, S]`` (``S <= MAX_SLOTS``)
+    the sum of its copies' loads ``wc[b, e]`` (``float64[B, E]``; 0 for an empty slot), in
+    numpy's order."""
+    num_b, num_r, num_s = p2l.shape
+    ws = np.empty(num_s)
+    for b in range(num_b):
+        for r in range(num_r):
+            for s in range(num_s):
+                e = p2l[b, r, s]
+                ws[s] = wc[b, e] if e >= 0 else 0.0
+            out[b, r] = 0.0 + pairwise_sum(ws, 0, num_s)
