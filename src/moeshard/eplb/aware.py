@@ -85,6 +85,7 @@ from .metrics import (
     load_per_copy,
     max_over_mean,
     max_rank_load,
+    moved_per_rank,
     moves3,
     rank_loads3,
     slot_sums,
@@ -404,9 +405,7 @@ def _node_stats(
     if layers is None:
         layers = np.arange(num_layers)
     loads = rank_loads3(w[layers], cand, copy_counts(cand, w.shape[1]))
-    li = layers[:, None, None]
-    ri = np.arange(num_ranks)[None, :, None]
-    moved = ((cand >= 0) & ~held_old[li, ri, np.maximum(cand, 0)]).sum(-1)
+    moved = moved_per_rank(held_old, cand, layers)
     shape = (num_layers, sh.num_nodes, sh.ranks_per_node)
     return loads.reshape(shape).max(-1), moved.reshape(shape).sum(-1)
 

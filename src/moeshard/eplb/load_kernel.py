@@ -13,7 +13,7 @@ import numpy as np
 
 from .swap_kernel import MAX_SLOTS, pairwise_sum
 
-__all__ = ["MAX_SLOTS", "copy_counts", "rank_loads", "slot_sums"]
+__all__ = ["MAX_SLOTS", "copy_counts", "moved_per_rank", "rank_loads", "slot_sums"]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -56,3 +56,20 @@ def slot_sums(wc, p2l, out):
                 e = p2l[b, r, s]
                 ws[s] = wc[b, e] if e >= 0 else 0.0
             out[b, r] = 0.0 + pairwise_sum(ws, 0, num_s)
+
+
+@numba.njit(cache=True, nogil=True)
+def moved_per_rank(held, layers, new, out):
+    """``out`` ``int64[K, R]``: per rank of ``new`` ``int64[K, R, S]`` (row ``k`` a placement
+    of layer ``layers[k]``) its copies whose rank held no copy of the expert (``held``
+    ``bool[L, R, E]``)."""
+    num_k, num_r, num_s = new.shape
+    for k in range(num_k):
+        lay = layers[k]
+        for r in range(num_r):
+            m = 0
+            for s in range(num_s):
+                e = new[k, r, s]
+                if e >= 0 and not held[lay, r, e]:
+                    m += 1
+            out[k, r] = m

@@ -100,7 +100,7 @@ def held_by_rank(p2l: np.ndarray, num_logical: int) -> np.ndarray:
     h = np.zeros((num_layers, num_ranks, num_logical + 1), dtype=bool)
     experts = np.where(p2l < 0, num_logical, p2l)
     h[np.arange(num_layers)[:, None, None], np.arange(num_ranks)[None, :, None], experts] = True
-    return h[..., :num_logical]
+    return np.ascontiguousarray(h[..., :num_logical])  # contiguous: the compiled counts take it as it is
 
 
 def moved3(held_old: np.ndarray, new: np.ndarray) -> np.ndarray:
@@ -113,7 +113,24 @@ def moved3(held_old: np.ndarray, new: np.ndarray) -> np.ndarray:
 
 def moves3(held_old: np.ndarray, new: np.ndarray) -> np.ndarray:
     """``int[L]``: copies of ``new`` ``int[L, R, S]`` whose rank did not hold the expert."""
-    return moved3(held_old, new).sum((1, 2))
+    return moved_per_rank(held_old, new).sum(1)
+
+
+def moved_per_rank(held_old: np.ndarray, new: np.ndarray, layers: np.ndarray | None = None) -> np.ndarray:
+    """``int[K, R]``: per rank of ``new`` ``int[K, R, S]`` (row ``k`` a placement of layer
+    ``layers[k]``, default ``k``) its copies whose rank did not hold the expert (``held_old``
+    ``bool[L, R, E]``)."""
+    if layers is None:
+        layers = np.arange(len(new))
+    compiled = jit.kernel("load_kernel", new.size, _JIT_FROM)
+    if compiled is not None and new.size and new.max() < held_old.shape[2] and held_old.shape[1] == new.shape[1]:
+        out = np.empty(new.shape[:2], dtype=np.int64)
+        args = (np.ascontiguousarray(layers, dtype=np.int64), np.ascontiguousarray(new, dtype=np.int64))
+        compiled.moved_per_rank(np.ascontiguousarray(held_old, dtype=bool), *args, out)
+        return out
+    li = layers[:, None, None]
+    ri = np.arange(new.shape[1])[None, :, None]
+    return ((new >= 0) & ~held_old[li, ri, np.maximum(new, 0)]).sum(-1)
 
 
 # -- public API ----------------------------------------------------------------------------------
