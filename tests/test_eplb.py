@@ -917,14 +917,14 @@ def test_sticky_loops_compiled_equal_numpy(monkeypatch):
 
 @pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
 def test_load_loops_compiled_equal_numpy(monkeypatch):
-    """Copy counts, rank loads (per-copy loads summed over a rank's slots), slot sums and
-    moved copies compiled (``load_kernel``) give numpy's arrays to the bit: empty slots,
+    """Copy counts, id counts, rank loads (per-copy loads summed over a rank's slots), slot
+    sums and moved copies compiled (``load_kernel``) give numpy's arrays to the bit: empty slots,
     counts of 0, loads of many magnitudes and zeros, 1 to 12 slots per rank, rows of other
     layers; and each compiled loop ran (only with the compiled loops allowed)."""
     from moeshard.eplb import load_kernel, metrics
 
     monkeypatch.setattr(metrics, "_JIT_FROM", 0)
-    names = ("copy_counts", "rank_loads", "slot_sums", "moved_per_rank")
+    names = ("copy_counts", "count_last", "rank_loads", "slot_sums", "moved_per_rank")
     calls = {n: count_calls(monkeypatch, load_kernel, n) for n in names}
     for seed in range(12):
         rng = np.random.default_rng(seed)
@@ -943,6 +943,7 @@ def test_load_loops_compiled_equal_numpy(monkeypatch):
         def run(p2l=p2l, w=w, cnt=cnt, held=held, layers=layers):
             return (
                 metrics.copy_counts(p2l, num_e),
+                metrics.count_last(p2l, num_e),
                 metrics.rank_loads3(w, p2l, cnt),
                 metrics.slot_sums(w / 3.0, p2l),
                 metrics.moves3(held, p2l),
@@ -951,11 +952,40 @@ def test_load_loops_compiled_equal_numpy(monkeypatch):
 
         got = compiled_and_numpy(monkeypatch, run)
         # moves3 and moved_per_rank: two calls of its loop
-        assert {n: len(c) for n, c in calls.items()} == dict(zip(names, (1, 1, 1, 2))), calls
+        assert {n: len(c) for n, c in calls.items()} == dict(zip(names, (1, 1, 1, 1, 2))), calls
         for a, b in zip(got["compiled"], got["numpy"]):
             assert a.dtype == b.dtype
             np.testing.assert_array_equal(a, b, err_msg=f"seed {seed}")
-        assert (got["numpy"][3] > 0).any() and (got["numpy"][1] > 0).any()
+        assert (got["numpy"][4] > 0).any() and (got["numpy"][2] > 0).any() and (got["numpy"][1][..., -1] > 0).any()
+
+
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+def test_repair_duplicates_compiled_equals_numpy(monkeypatch):
+    """The swap repair of duplicate copies compiled (``pack_kernel``) makes numpy's swaps on
+    every row: ranks with two or three copies of an expert, caps of 1 and 2, empty slots,
+    equal loads (ties), rows where a duplicate is unavoidable; and the compiled loop ran."""
+    from moeshard.eplb import oblivious, pack_kernel
+
+    monkeypatch.setattr(oblivious, "_JIT_FROM", 0)
+    calls = count_calls(monkeypatch, pack_kernel, "repair_duplicates")
+    for seed in range(6):
+        rng = np.random.default_rng(seed)
+        num_b, num_k, num_s, num_e = 60, 4, 3, 6
+        slots = rng.integers(-1, num_e, (num_b, num_k, num_s))
+        slots[: num_b // 4] = rng.integers(0, 2, (num_b // 4, num_k, num_s))  # 2 experts: unavoidable
+        wc = rng.integers(1, 5, (num_b, num_e)).astype(np.float64)
+        cap = rng.integers(1, 3, (num_b, num_e))
+        calls.clear()
+
+        def run(slots=slots, wc=wc, cap=cap):
+            out = slots.copy()
+            oblivious.repair_duplicates(out, wc, cap)
+            return out
+
+        got = compiled_and_numpy(monkeypatch, run)
+        assert len(calls) == 1
+        np.testing.assert_array_equal(got["compiled"], got["numpy"], err_msg=f"seed {seed}")
+        assert (got["numpy"] != slots).any(axis=(1, 2)).sum() >= 10  # rows were repaired
 
 
 @pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")

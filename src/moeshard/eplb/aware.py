@@ -80,7 +80,6 @@ from .inputs import Shape
 from .metrics import (
     as_float,
     copy_counts,
-    count_last,
     held_by_rank,
     load_per_copy,
     max_over_mean,
@@ -180,7 +179,7 @@ def _old_counts(w: np.ndarray, old3: np.ndarray, group_node: np.ndarray, sh: Sha
     load stays lowest. On a node far under the limit any counts do, and these move nothing."""
     num_layers, num_logical = w.shape
     n = sh.num_nodes
-    oc = count_last(old3.reshape(num_layers, n, -1), num_logical)[..., :num_logical]  # [L, N, E]
+    oc = copy_counts(old3.reshape(num_layers * n, -1), num_logical).reshape(num_layers, n, -1)  # [L, N, E]
     node_of = np.repeat(group_node, num_logical // sh.num_groups, axis=1)  # [L, E]
     mine = (node_of[:, None, :] == np.arange(n)[None, :, None]).reshape(num_layers * n, -1)
     cnt = np.where(mine, np.maximum(oc.reshape(num_layers * n, -1), 1), 0)
@@ -531,7 +530,7 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None, known=N
     alive_rows = np.tile(sh.active.reshape(n, rpn), (num_layers, 1))
     # Nodes that hold exactly their experts, every live slot filled, every rank within the
     # limit at the old counts: sticky packing would keep them as they are (most nodes).
-    oc = count_last(old3.reshape(num_layers, n, -1), num_logical)[..., :num_logical]  # [L, N, E]
+    oc = copy_counts(old3.reshape(num_layers * n, -1), num_logical).reshape(num_layers, n, -1)  # [L, N, E]
     mine = np.repeat(gn, num_logical // sh.num_groups, axis=1)[:, None, :] == np.arange(n)[None, :, None]
     wc_node = np.where(oc > 0, w[:, None, :] / as_float(np.maximum(oc, 1)), 0.0).reshape(num_layers * n, -1)
     peak = slot_sums(wc_node, old_rows).max(-1)

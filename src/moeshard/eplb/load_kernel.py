@@ -13,7 +13,7 @@ import numpy as np
 
 from .swap_kernel import MAX_SLOTS, pairwise_sum
 
-__all__ = ["MAX_SLOTS", "copy_counts", "moved_per_rank", "rank_loads", "slot_sums"]
+__all__ = ["MAX_SLOTS", "copy_counts", "count_last", "moved_per_rank", "rank_loads", "slot_sums"]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -26,6 +26,18 @@ def copy_counts(p2l, out):
             e = p2l[lay, j]
             if e >= 0:
                 out[lay, e] += 1
+
+
+@numba.njit(cache=True, nogil=True)
+def count_last(ids, out):
+    """``out`` ``int64[M, num + 1]`` (zeroed) += occurrences of each id in the rows of
+    ``ids`` ``int64[M, n]`` (ids < 0 in the last column)."""
+    num_m, num_n = ids.shape
+    num = out.shape[1] - 1
+    for i in range(num_m):
+        for j in range(num_n):
+            e = ids[i, j]
+            out[i, e if e >= 0 else num] += 1
 
 
 @numba.njit(cache=True, nogil=True)

@@ -23,6 +23,11 @@ def count_last(ids: np.ndarray, num: int) -> np.ndarray:
     (``int[..., n]``); ids < 0 count in the last column."""
     lead = ids.shape[:-1]
     rows = int(np.prod(lead)) if lead else 1
+    compiled = jit.kernel("load_kernel", ids.size, _JIT_FROM)
+    if compiled is not None and ids.size and ids.max() < num:  # ids in range: counted
+        out = np.zeros((rows, num + 1), dtype=np.int64)
+        compiled.count_last(np.ascontiguousarray(ids, dtype=np.int64).reshape(rows, -1), out)
+        return out.reshape(*lead, num + 1)
     flat = np.where(ids < 0, num, ids).reshape(rows, -1) + (np.arange(rows) * (num + 1))[:, None]
     return np.bincount(flat.ravel(), minlength=rows * (num + 1)).reshape(*lead, num + 1)
 

@@ -246,6 +246,17 @@ def repair_duplicates(slots: np.ndarray, wc: np.ndarray, cap: np.ndarray) -> Non
     """Swap repair, in place: while a rank holds more than ``cap`` copies of an expert, swap
     one copy with the copy of closest per-copy load on another rank, when the swap breaks no
     cap. ``slots`` ``int[B, K, S]`` expert ids (-1 empty), ``wc``/``cap`` ``[B, E]``."""
+    compiled = jit.kernel("pack_kernel", slots.size, _JIT_FROM)
+    if (
+        compiled is not None
+        and slots.dtype == np.int64
+        and slots.flags.c_contiguous
+        and wc.dtype == np.float64
+        and slots.size
+        and slots.max() < wc.shape[1]
+    ):
+        compiled.repair_duplicates(slots, np.ascontiguousarray(wc), np.ascontiguousarray(cap, dtype=np.int64))
+        return
     num_experts = wc.shape[1]
     x = np.maximum(slots, 0)
     b_idx = np.arange(slots.shape[0])[:, None, None]
