@@ -57,7 +57,9 @@ def pack(x, alive, cnt, wc, w_min, thr, lim, keep_frac, num_light, repair, dup_h
         for k in range(num_k):
             n_live += 1 if alive[b, k] else 0
         for e in range(num_e):
-            cap[b, e] = max(1, (cnt[b, e] + n_live - 1) // n_live) if n_live > 0 else 1
+            # 1 unless more copies than live ranks (no division for the many others)
+            ce_ = cnt[b, e]
+            cap[b, e] = max(1, (ce_ + n_live - 1) // n_live) if n_live > 0 and ce_ > n_live else 1
         # kept: the rank's first cap copies of an expert, the row's first cnt (slot order)
         for k in range(num_k):
             n_kept[k] = 0
@@ -116,8 +118,7 @@ def pack(x, alive, cnt, wc, w_min, thr, lim, keep_frac, num_light, repair, dup_h
         for e in range(num_e):
             ce[e] = 0
         _place_row(new[b], kl, nfree, cap[b], pool_e, m, wc[b], w_min[b], lim[b], cr, x[b], dup_held[b])
-        for k in range(num_k):
-            cr[k, :] = 0
+        _zero_at(cr, new[b])
         if repair:
             _repair_row(
                 new[b], alive[b], wc[b], cap[b], x[b], thr[b], lim[b], keep_frac, num_light, c, held, ws, lr, light
@@ -351,9 +352,9 @@ def _repair_row(new, alive, wc, cap, old, thr, lim, keep_frac, num_light, c, hel
         c[qk, ea] += 1
         lr[h] -= wa - wb
         lr[qk] += wa - wb
-    for k in range(num_k):
-        c[k, :] = 0
-        held[k, :] = False
+    # swaps keep a row's ids: the nonzero counts are the final row's
+    _zero_at(c, new)
+    _unset_at(held, old)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -426,8 +427,7 @@ def restore(new, old, wc, cap, lim, scale, max_rounds):
                     c_p[n] = p
                     c_q[n] = q
                     n += 1
-            for k in range(num_k):
-                c[k, :] = 0
+            _zero_at(c, new[b])
             if n == 0:
                 break
             for k in range(num_k):
@@ -445,8 +445,7 @@ def restore(new, old, wc, cap, lim, scale, max_rounds):
                 x[p], x[q] = x[q], x[p]
                 touched[p // num_s] = True
                 touched[q // num_s] = True
-        for k in range(num_k):
-            held[k, :] = False
+        _unset_at(held, old[b])
 
 
 @numba.njit(cache=True, nogil=True)
@@ -455,3 +454,27 @@ def _after(lr, i, j):
     li = lr[i] if np.isfinite(lr[i]) or lr[i] > 0 else np.inf
     lj = lr[j] if np.isfinite(lr[j]) or lr[j] > 0 else np.inf
     return li > lj or (li == lj and i > j)
+
+
+@numba.njit(cache=True, nogil=True)
+def _zero_at(c, row):
+    """``c[k, e] = 0`` (``int64[K, E + 1]``) for each id ``e`` of ``row`` ``int64[K, S]`` (-1:
+    the last column): a count table back to zeros where the row's ids are its only nonzeros,
+    without clearing every expert of every rank."""
+    num_k, num_s = row.shape
+    num_e = c.shape[1] - 1
+    for k in range(num_k):
+        for s in range(num_s):
+            e = row[k, s]
+            c[k, e if e >= 0 else num_e] = 0
+
+
+@numba.njit(cache=True, nogil=True)
+def _unset_at(held, row):
+    """:func:`_zero_at` of a ``bool[K, E + 1]`` table."""
+    num_k, num_s = row.shape
+    num_e = held.shape[1] - 1
+    for k in range(num_k):
+        for s in range(num_s):
+            e = row[k, s]
+            held[k, e if e >= 0 else num_e] = False
