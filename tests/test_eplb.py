@@ -957,6 +957,17 @@ def test_load_loops_compiled_equal_numpy(monkeypatch):
             assert a.dtype == b.dtype
             np.testing.assert_array_equal(a, b, err_msg=f"seed {seed}")
         assert (got["numpy"][4] > 0).any() and (got["numpy"][2] > 0).any() and (got["numpy"][1][..., -1] > 0).any()
+    # an id beyond the experts: numpy's indexing reports it, compiled or not
+    p2l[0, 0, 0] = num_e
+    for flag in ("1", "0"):
+        monkeypatch.setenv("MOESHARD_EPLB_JIT", flag)
+        for fn in (
+            lambda: metrics.rank_loads3(w, p2l, cnt),
+            lambda: metrics.slot_sums(w, p2l),
+            lambda: metrics.moves3(held, p2l),
+        ):
+            with pytest.raises(IndexError):
+                fn()
 
 
 @pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")

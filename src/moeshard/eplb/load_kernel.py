@@ -1,6 +1,8 @@
-"""Copy counts and rank loads of a placement (:mod:`moeshard.eplb.metrics`) compiled with
-numba, one layer at a time: the same integers, and the same per-copy loads summed as numpy
-sums the last axis (:func:`moeshard.eplb.swap_kernel.pairwise_sum`), to the last bit.
+"""Copy counts, rank loads and moved copies of a placement (:mod:`moeshard.eplb.metrics`)
+compiled with numba, one layer at a time: the same integers, and the same per-copy loads summed
+as numpy sums the last axis (:func:`moeshard.eplb.swap_kernel.pairwise_sum`), to the last bit.
+Each loop returns False, leaving its output unfinished, at an id beyond the experts (the caller
+then takes numpy's way, whose indexing reports it).
 
 Imported only when numba is installed (the ``fast`` extra); the first call in a process
 compiles the loops or loads them from numba's on-disk cache.
@@ -21,11 +23,15 @@ def copy_counts(p2l, out):
     """``out`` ``int64[L, E]`` (zeroed) += copies of each expert in ``p2l`` ``int64[L, M]``
     (ids < 0: empty slots, not counted)."""
     num_l, num_m = p2l.shape
+    num_e = out.shape[1]
     for lay in range(num_l):
         for j in range(num_m):
             e = p2l[lay, j]
+            if e >= num_e:
+                return False
             if e >= 0:
                 out[lay, e] += 1
+    return True
 
 
 @numba.njit(cache=True, nogil=True)
@@ -37,7 +43,10 @@ def count_last(ids, out):
     for i in range(num_m):
         for j in range(num_n):
             e = ids[i, j]
+            if e >= num:
+                return False
             out[i, e if e >= 0 else num] += 1
+    return True
 
 
 @numba.njit(cache=True, nogil=True)
@@ -46,13 +55,17 @@ def rank_loads(w, p2l, cnt, out):
     the sum of its copies' loads ``w[l, e] / cnt[l, e]`` (``w`` ``float64[L, E]``, ``cnt``
     ``int64[L, E]``; 0 for an empty slot or a count of 0), in numpy's order."""
     num_l, num_r, num_s = p2l.shape
+    num_e = w.shape[1]
     ws = np.empty(num_s)
     for lay in range(num_l):
         for r in range(num_r):
             for s in range(num_s):
                 e = p2l[lay, r, s]
+                if e >= num_e:
+                    return False
                 ws[s] = w[lay, e] / cnt[lay, e] if e >= 0 and cnt[lay, e] > 0 else 0.0
             out[lay, r] = 0.0 + pairwise_sum(ws, 0, num_s)
+    return True
 
 
 @numba.njit(cache=True, nogil=True)
@@ -61,13 +74,17 @@ def slot_sums(wc, p2l, out):
     the sum of its copies' loads ``wc[b, e]`` (``float64[B, E]``; 0 for an empty slot), in
     numpy's order."""
     num_b, num_r, num_s = p2l.shape
+    num_e = wc.shape[1]
     ws = np.empty(num_s)
     for b in range(num_b):
         for r in range(num_r):
             for s in range(num_s):
                 e = p2l[b, r, s]
+                if e >= num_e:
+                    return False
                 ws[s] = wc[b, e] if e >= 0 else 0.0
             out[b, r] = 0.0 + pairwise_sum(ws, 0, num_s)
+    return True
 
 
 @numba.njit(cache=True, nogil=True)
@@ -76,12 +93,16 @@ def moved_per_rank(held, layers, new, out):
     of layer ``layers[k]``) its copies whose rank held no copy of the expert (``held``
     ``bool[L, R, E]``)."""
     num_k, num_r, num_s = new.shape
+    num_e = held.shape[2]
     for k in range(num_k):
         lay = layers[k]
         for r in range(num_r):
             m = 0
             for s in range(num_s):
                 e = new[k, r, s]
+                if e >= num_e:
+                    return False
                 if e >= 0 and not held[lay, r, e]:
                     m += 1
             out[k, r] = m
+    return True

@@ -24,10 +24,10 @@ def count_last(ids: np.ndarray, num: int) -> np.ndarray:
     lead = ids.shape[:-1]
     rows = int(np.prod(lead)) if lead else 1
     compiled = jit.kernel("load_kernel", ids.size, _JIT_FROM)
-    if compiled is not None and ids.size and ids.max() < num:  # ids in range: counted
+    if compiled is not None and ids.size:
         out = np.zeros((rows, num + 1), dtype=np.int64)
-        compiled.count_last(np.ascontiguousarray(ids, dtype=np.int64).reshape(rows, -1), out)
-        return out.reshape(*lead, num + 1)
+        if compiled.count_last(np.ascontiguousarray(ids, dtype=np.int64).reshape(rows, -1), out):
+            return out.reshape(*lead, num + 1)
     flat = np.where(ids < 0, num, ids).reshape(rows, -1) + (np.arange(rows) * (num + 1))[:, None]
     return np.bincount(flat.ravel(), minlength=rows * (num + 1)).reshape(*lead, num + 1)
 
@@ -46,10 +46,10 @@ def copy_counts(p2l: np.ndarray, num_logical: int) -> np.ndarray:
     """``int[L, E]`` copies per expert of ``p2l`` ``int[L, ...]``."""
     flat = p2l.reshape(p2l.shape[0], -1)
     compiled = jit.kernel("load_kernel", flat.size, _JIT_FROM)
-    if compiled is not None and flat.size and flat.max() < num_logical:  # ids in range: counted
+    if compiled is not None and flat.size:
         out = np.zeros((flat.shape[0], num_logical), dtype=np.int64)
-        compiled.copy_counts(np.ascontiguousarray(flat, dtype=np.int64), out)
-        return out
+        if compiled.copy_counts(np.ascontiguousarray(flat, dtype=np.int64), out):
+            return out
     return count_last(flat, num_logical)[:, :num_logical]
 
 
@@ -59,8 +59,8 @@ def rank_loads3(w: np.ndarray, p2l: np.ndarray, cnt: np.ndarray) -> np.ndarray:
     if compiled is not None and np.issubdtype(cnt.dtype, np.integer):
         out = np.empty(p2l.shape[:2])
         args = (np.ascontiguousarray(p2l, dtype=np.int64), np.ascontiguousarray(cnt, dtype=np.int64))
-        compiled.rank_loads(np.ascontiguousarray(w), *args, out)
-        return out
+        if compiled.rank_loads(np.ascontiguousarray(w), *args, out):
+            return out
     wc = load_per_copy(w, cnt)
     li = np.arange(w.shape[0])[:, None, None]
     return np.where(p2l >= 0, wc[li, np.maximum(p2l, 0)], 0.0).sum(-1)
@@ -72,8 +72,8 @@ def slot_sums(wc: np.ndarray, p2l: np.ndarray) -> np.ndarray:
     compiled = _loads_kernel(wc, p2l)
     if compiled is not None:
         out = np.empty(p2l.shape[:2])
-        compiled.slot_sums(np.ascontiguousarray(wc), np.ascontiguousarray(p2l, dtype=np.int64), out)
-        return out
+        if compiled.slot_sums(np.ascontiguousarray(wc), np.ascontiguousarray(p2l, dtype=np.int64), out):
+            return out
     bi = np.arange(p2l.shape[0])[:, None, None]
     return np.where(p2l >= 0, wc[bi, np.maximum(p2l, 0)], 0.0).sum(-1)
 
@@ -81,11 +81,11 @@ def slot_sums(wc: np.ndarray, p2l: np.ndarray) -> np.ndarray:
 def _loads_kernel(w: np.ndarray, p2l: np.ndarray):
     """``load_kernel`` for sums of ``w`` ``float[B, E]`` over the slots of ``p2l``
     ``int[B, R, S]``, or None (numpy's: see :func:`moeshard.eplb.jit.kernel`; not float64
-    loads, too many slots per rank, or an id out of range, which numpy's indexing reports)."""
+    loads, too many slots per rank)."""
     compiled = jit.kernel("load_kernel", p2l.size, _JIT_FROM)
     if compiled is None or not p2l.size or w.dtype != np.float64 or p2l.shape[-1] > compiled.MAX_SLOTS:
         return None
-    return compiled if p2l.max() < w.shape[1] and len(w) == len(p2l) else None
+    return compiled if len(w) == len(p2l) else None
 
 
 def max_rank_load(w, p2l, cnt) -> np.ndarray:
@@ -128,11 +128,11 @@ def moved_per_rank(held_old: np.ndarray, new: np.ndarray, layers: np.ndarray | N
     if layers is None:
         layers = np.arange(len(new))
     compiled = jit.kernel("load_kernel", new.size, _JIT_FROM)
-    if compiled is not None and new.size and new.max() < held_old.shape[2] and held_old.shape[1] == new.shape[1]:
+    if compiled is not None and new.size and held_old.shape[1] == new.shape[1]:
         out = np.empty(new.shape[:2], dtype=np.int64)
         args = (np.ascontiguousarray(layers, dtype=np.int64), np.ascontiguousarray(new, dtype=np.int64))
-        compiled.moved_per_rank(np.ascontiguousarray(held_old, dtype=bool), *args, out)
-        return out
+        if compiled.moved_per_rank(np.ascontiguousarray(held_old, dtype=bool), *args, out):
+            return out
     li = layers[:, None, None]
     ri = np.arange(new.shape[1])[None, :, None]
     return ((new >= 0) & ~held_old[li, ri, np.maximum(new, 0)]).sum(-1)

@@ -253,9 +253,8 @@ def repair_duplicates(slots: np.ndarray, wc: np.ndarray, cap: np.ndarray) -> Non
         and slots.flags.c_contiguous
         and wc.dtype == np.float64
         and slots.size
-        and slots.max() < wc.shape[1]
+        and compiled.repair_duplicates(slots, np.ascontiguousarray(wc), np.ascontiguousarray(cap, dtype=np.int64))
     ):
-        compiled.repair_duplicates(slots, np.ascontiguousarray(wc), np.ascontiguousarray(cap, dtype=np.int64))
         return
     num_experts = wc.shape[1]
     x = np.maximum(slots, 0)

@@ -143,9 +143,17 @@ def repair_duplicates(slots, wc, cap):
     Args:
         slots: ``int64[B, K, S]`` expert ids (-1 empty); ``wc``: ``float[B, E]``;
             ``cap``: ``int64[B, E]``.
+
+    Returns:
+        False, having changed nothing, where an id is beyond the experts.
     """
     num_b, num_k, num_s = slots.shape
     num_e = wc.shape[1]
+    for b in range(num_b):
+        for k in range(num_k):
+            for s in range(num_s):
+                if slots[b, k, s] >= num_e:
+                    return False
     counts = np.zeros((num_k, num_e + 1), dtype=np.int64)
     viol = np.empty(num_k * num_s, dtype=np.int64)
     for b in range(num_b):
@@ -186,3 +194,4 @@ def repair_duplicates(slots, wc, cap):
             if pk < 0:  # none, or unavoidable
                 break
             row[pk, ps], row[qk, qs] = row[qk, qs], row[pk, ps]
+    return True
