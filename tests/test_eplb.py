@@ -918,13 +918,14 @@ def test_sticky_loops_compiled_equal_numpy(monkeypatch):
 @pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
 def test_load_loops_compiled_equal_numpy(monkeypatch):
     """Copy counts, id counts, rank loads (per-copy loads summed over a rank's slots), slot
-    sums and moved copies compiled (``load_kernel``) give numpy's arrays to the bit: empty slots,
-    counts of 0, loads of many magnitudes and zeros, 1 to 12 slots per rank, rows of other
-    layers; and each compiled loop ran (only with the compiled loops allowed)."""
-    from moeshard.eplb import load_kernel, metrics
+    sums, moved copies and the most copies of an expert on one rank compiled (``load_kernel``)
+    give numpy's arrays to the bit: empty slots, counts of 0, loads of many magnitudes and
+    zeros, 1 to 12 slots per rank, rows of other layers; and each compiled loop ran (only with
+    the compiled loops allowed)."""
+    from moeshard.eplb import aware, load_kernel, metrics
 
     monkeypatch.setattr(metrics, "_JIT_FROM", 0)
-    names = ("copy_counts", "count_last", "rank_loads", "slot_sums", "moved_per_rank")
+    names = ("copy_counts", "count_last", "rank_loads", "slot_sums", "moved_per_rank", "at_least_held")
     calls = {n: count_calls(monkeypatch, load_kernel, n) for n in names}
     for seed in range(12):
         rng = np.random.default_rng(seed)
@@ -941,7 +942,10 @@ def test_load_loops_compiled_equal_numpy(monkeypatch):
             calls[n].clear()
 
         def run(p2l=p2l, w=w, cnt=cnt, held=held, layers=layers):
+            cap = np.ones((num_l, num_e), dtype=np.int64)
+            aware._at_least_held(cap, p2l)  # most copies of an expert on one rank
             return (
+                cap,
                 metrics.copy_counts(p2l, num_e),
                 metrics.count_last(p2l, num_e),
                 metrics.rank_loads3(w, p2l, cnt),
@@ -952,11 +956,12 @@ def test_load_loops_compiled_equal_numpy(monkeypatch):
 
         got = compiled_and_numpy(monkeypatch, run)
         # moves3 and moved_per_rank: two calls of its loop
-        assert {n: len(c) for n, c in calls.items()} == dict(zip(names, (1, 1, 1, 1, 2))), calls
+        assert {n: len(c) for n, c in calls.items()} == dict(zip(names, (1, 1, 1, 1, 2, 1))), calls
         for a, b in zip(got["compiled"], got["numpy"]):
             assert a.dtype == b.dtype
             np.testing.assert_array_equal(a, b, err_msg=f"seed {seed}")
-        assert (got["numpy"][4] > 0).any() and (got["numpy"][2] > 0).any() and (got["numpy"][1][..., -1] > 0).any()
+        assert (got["numpy"][5] > 0).any() and (got["numpy"][3] > 0).any() and (got["numpy"][2][..., -1] > 0).any()
+        assert (got["numpy"][0] > 1).any() or num_s < 3  # repeats on a rank
     # an id beyond the experts: numpy's indexing reports it, compiled or not
     p2l[0, 0, 0] = num_e
     for flag in ("1", "0"):

@@ -662,6 +662,11 @@ def _pack_rows(old_rows, alive_rows, cnt_rows, wc_rows, thr_rows, sh: Shape, dup
 def _at_least_held(cap: np.ndarray, p: np.ndarray) -> None:
     """Raise ``cap`` ``int[B, E]`` (each >= 1), in place, to the most copies of an expert one
     rank of ``p`` ``int[B, K, S]`` holds (only repeats matter: slots sorted per rank)."""
+    compiled = (
+        jit.kernel("load_kernel", p.size, _JIT_FROM) if cap.dtype == np.int64 and cap.flags.c_contiguous else None
+    )
+    if compiled is not None and compiled.at_least_held(cap, np.ascontiguousarray(p, dtype=np.int64)):
+        return
     srt = np.sort(p, axis=-1)
     run = np.ones(srt.shape, dtype=np.int64)  # position in its run of equal ids
     for j in range(1, srt.shape[-1]):

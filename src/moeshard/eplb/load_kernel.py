@@ -15,7 +15,7 @@ import numpy as np
 
 from .swap_kernel import MAX_SLOTS, pairwise_sum
 
-__all__ = ["MAX_SLOTS", "copy_counts", "count_last", "moved_per_rank", "rank_loads", "slot_sums"]
+__all__ = ["MAX_SLOTS", "at_least_held", "copy_counts", "count_last", "moved_per_rank", "rank_loads", "slot_sums"]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -105,4 +105,30 @@ def moved_per_rank(held, layers, new, out):
                 if e >= 0 and not held[lay, r, e]:
                     m += 1
             out[k, r] = m
+    return True
+
+
+@numba.njit(cache=True, nogil=True)
+def at_least_held(cap, p):
+    """``cap`` ``int64[B, E]`` raised, in place, to the most copies of an expert one rank of
+    ``p`` ``int64[B, K, S]`` holds."""
+    num_b, num_k, num_s = p.shape
+    num_e = cap.shape[1]
+    for b in range(num_b):
+        for k in range(num_k):
+            for s in range(num_s):
+                e = p[b, k, s]
+                if e >= num_e:
+                    return False
+    for b in range(num_b):
+        for k in range(num_k):
+            for s in range(num_s):
+                e = p[b, k, s]
+                if e < 0:
+                    continue
+                m = 0
+                for t in range(num_s):
+                    m += 1 if p[b, k, t] == e else 0
+                if m > cap[b, e]:
+                    cap[b, e] = m
     return True
