@@ -605,13 +605,9 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None, known=N
     if len(hot_rows):
         wc_h = load_per_copy(wr[hot_rows], cnt_h)
         hp = _pack_rows(old_rows[hot_rows], alive_rows[hot_rows], cnt_h, wc_h, thr_rows[hot_rows], sh, True)
-        hi = np.arange(len(hot_rows))[:, None, None]
         peak_h = slot_sums(wc_h, hp).max(-1)
-        held_h = np.zeros((len(hot_rows), rpn, num_logical + 1), dtype=bool)
-        held_h[
-            hi, np.arange(rpn)[None, :, None], np.where(old_rows[hot_rows] >= 0, old_rows[hot_rows], num_logical)
-        ] = True
-        moved_h = ((hp >= 0) & ~held_h[hi, np.arange(rpn)[None, :, None], np.maximum(hp, 0)]).sum((1, 2))
+        # held_old's node rows are those of old_rows (both from old3)
+        moved_h = moved_per_rank(held_old.reshape(num_layers * n, rpn, -1), hp, hot_rows).sum(1)
         score = np.where(peak_h <= thr_rows[hot_rows] * (1 + _SLACK), moved_h, np.iinfo(np.int64).max)
         order = np.lexsort((np.arange(len(hot_rows)), score, hot_rows))
         first = order[np.r_[True, hot_rows[order][1:] != hot_rows[order][:-1]]]
