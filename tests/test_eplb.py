@@ -1096,12 +1096,13 @@ def test_aware_loops_compiled_equal_numpy(monkeypatch):
     cheapest group assignments per cap (fewest copies, then the lightest heaviest node, then
     the first; integer loads for ties, two to four groups per node, caps no assignment meets)
     and the slot order of a new placement (kept experts in their old slots, duplicates and
-    empty slots); each compiled loop ran (not under ``MOESHARD_EPLB_JIT=0``)."""
+    empty slots), the old counts' fill and trim and the capped counts' steps; each compiled
+    loop ran (not under ``MOESHARD_EPLB_JIT=0``)."""
     from moeshard.eplb import aware, aware_kernel
 
     monkeypatch.setattr(aware, "_JIT_FROM", 0)
     calls = {}
-    for name in ("cheapest_groups", "arrange"):
+    for name in ("cheapest_groups", "arrange", "count_steps", "cap_steps"):
         real = getattr(aware_kernel, name)
         monkeypatch.setattr(aware_kernel, name, lambda *a, _f=real, _n=name: (calls.update({_n: 1}), _f(*a))[1])
     rng = np.random.default_rng(11)
@@ -1128,7 +1129,31 @@ def test_aware_loops_compiled_equal_numpy(monkeypatch):
     )
     got = compiled_and_numpy(monkeypatch, lambda: aware._arrange(new, old))
     np.testing.assert_array_equal(got["compiled"], got["numpy"])
-    assert len(calls) == 2
+    # the count rules' steps: old counts filled or trimmed to a node's slots (groups moved to
+    # other nodes, a dead rank), and old counts capped (experts of other nodes: count 0)
+    from moeshard.eplb.inputs import check_shape
+    from moeshard.eplb.oblivious import replicate_experts
+
+    trace = zipf_trace(12, 128, 2, seed=4, alpha=1.2, drift=0.1)
+    alive = np.ones(16, dtype=bool)
+    alive[[3, 6, 9, 12]] = False  # one per node: still the hierarchical policy
+    sh = check_shape(trace[1], 192, 16, 4, 8, alive)
+    assert sh.hierarchical
+    cur = eplb.rebalance(trace[0], num_physical=192, num_ranks=16, num_nodes=4, num_groups=8, migration_aware=False)
+    old3 = aware._old_slots(cur, sh)
+    gn = np.stack([rng.permutation(np.repeat(np.arange(4), 2)) for _ in range(12)])
+    repl = rng.integers(1, 3, (12 * 4, 128))
+    got = compiled_and_numpy(monkeypatch, lambda: aware._old_counts(trace[1], old3, gn, sh, repl))
+    np.testing.assert_array_equal(got["compiled"], got["numpy"])
+    w = zipf_trace(6, 32, 1, seed=2, alpha=1.2)[0] * rng.lognormal(0, 0.5, size=(6, 32))
+    old_c = 1 + rng.multinomial(8, np.ones(32) / 32, size=6)
+    old_c[:, :4] = 0  # not the node's
+    cap = (w / replicate_experts(w, 40)[1]).max(1)
+    for factor in (0.8, 1.0, 1.3):
+        got = compiled_and_numpy(monkeypatch, lambda: aware.capped_counts(w, old_c, cap * factor))
+        np.testing.assert_array_equal(got["compiled"], got["numpy"])
+        assert (got["numpy"] != old_c).any()
+    assert len(calls) == 4
 
 
 def test_sticky_searches_equal_plain_loops():

@@ -193,6 +193,11 @@ def _old_counts(w: np.ndarray, old3: np.ndarray, group_node: np.ndarray, sh: Sha
     rows = np.flatnonzero(diff != 0)  # few rows: work on those only
     c, m, wrr, d = cnt[rows], mine[rows], wr[rows], diff[rows]
     ar = np.arange(len(rows))
+    compiled = jit.kernel("aware_kernel", cnt.size, _JIT_FROM) if wrr.dtype == np.float64 else None
+    if compiled is not None:
+        c = np.ascontiguousarray(c, dtype=np.int64)
+        compiled.count_steps(c, np.ascontiguousarray(m), np.ascontiguousarray(wrr), d.astype(np.int64))
+        d = np.zeros_like(d)  # done
     while (d != 0).any():
         add, rem = d > 0, d < 0
         j = np.where(m, wrr / as_float(np.maximum(c, 1)), -np.inf).argmax(1)
@@ -216,7 +221,12 @@ def capped_counts(wr: np.ndarray, cnt: np.ndarray, cap: np.ndarray) -> np.ndarra
     mine = c > 0
     lim = cap * (1 + EPS)
     rows = np.arange(len(c))
-    for _ in range(int(c.sum(1).max(initial=0))):
+    rounds = int(c.sum(1).max(initial=0))
+    compiled = jit.kernel("aware_kernel", c.size, _JIT_FROM) if wr.dtype == lim.dtype == np.float64 else None
+    if compiled is not None and c.dtype == np.int64:
+        compiled.cap_steps(c, mine, np.ascontiguousarray(wr), np.ascontiguousarray(lim), rounds)
+        return c
+    for _ in range(rounds):
         pc = np.where(mine, wr / as_float(np.maximum(c, 1)), -np.inf)
         hi = pc.argmax(1)
         r = np.flatnonzero(pc[rows, hi] > lim)
