@@ -916,6 +916,95 @@ def test_sticky_loops_compiled_equal_numpy(monkeypatch):
 
 
 @pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+def test_load_loops_compiled_equal_numpy(monkeypatch):
+    """Copy counts, id counts, rank loads (per-copy loads summed over a rank's slots), slot
+    sums, moved copies and the most copies of an expert on one rank compiled (``load_kernel``)
+    give numpy's arrays to the bit: empty slots, counts of 0, loads of many magnitudes and
+    zeros, 1 to 12 slots per rank, rows of other layers; and each compiled loop ran (only with
+    the compiled loops allowed)."""
+    from moeshard.eplb import aware, load_kernel, metrics
+
+    monkeypatch.setattr(metrics, "_JIT_FROM", 0)
+    names = ("copy_counts", "count_last", "rank_loads", "slot_sums", "moved_per_rank", "at_least_held")
+    calls = {n: count_calls(monkeypatch, load_kernel, n) for n in names}
+    for seed in range(12):
+        rng = np.random.default_rng(seed)
+        num_l, num_r, num_s, num_e = 7, 5, seed + 1, 11
+        p2l = rng.integers(-1, num_e, (num_l, num_r, num_s))
+        p2l[rng.random(p2l.shape) < 0.2] = -1
+        w = rng.random((num_l, num_e)) ** 3 * rng.choice([1e-3, 1.0, 1e6], size=(num_l, 1))
+        w[rng.random(w.shape) < 0.2] = 0.0
+        cnt = metrics.copy_counts(p2l, num_e)
+        cnt[rng.random(cnt.shape) < 0.1] = 0  # a count of 0: its copies carry nothing
+        held = metrics.held_by_rank(rng.integers(-1, num_e, (num_l, num_r, num_s)), num_e)
+        layers = rng.integers(0, num_l, num_l)
+        for n in names:
+            calls[n].clear()
+
+        def run(p2l=p2l, w=w, cnt=cnt, held=held, layers=layers):
+            cap = np.ones((num_l, num_e), dtype=np.int64)
+            aware._at_least_held(cap, p2l)  # most copies of an expert on one rank
+            return (
+                cap,
+                metrics.copy_counts(p2l, num_e),
+                metrics.count_last(p2l, num_e),
+                metrics.rank_loads3(w, p2l, cnt),
+                metrics.slot_sums(w / 3.0, p2l),
+                metrics.moves3(held, p2l),
+                metrics.moved_per_rank(held, p2l, layers),
+            )
+
+        got = compiled_and_numpy(monkeypatch, run)
+        # moves3 and moved_per_rank: two calls of its loop
+        assert {n: len(c) for n, c in calls.items()} == dict(zip(names, (1, 1, 1, 1, 2, 1))), calls
+        for a, b in zip(got["compiled"], got["numpy"]):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(a, b, err_msg=f"seed {seed}")
+        assert (got["numpy"][5] > 0).any() and (got["numpy"][3] > 0).any() and (got["numpy"][2][..., -1] > 0).any()
+        assert (got["numpy"][0] > 1).any() or num_s < 3  # repeats on a rank
+    # an id beyond the experts: numpy's indexing reports it, compiled or not
+    p2l[0, 0, 0] = num_e
+    for flag in ("1", "0"):
+        monkeypatch.setenv("MOESHARD_EPLB_JIT", flag)
+        for fn in (
+            lambda: metrics.rank_loads3(w, p2l, cnt),
+            lambda: metrics.slot_sums(w, p2l),
+            lambda: metrics.moves3(held, p2l),
+        ):
+            with pytest.raises(IndexError):
+                fn()
+
+
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+def test_repair_duplicates_compiled_equals_numpy(monkeypatch):
+    """The swap repair of duplicate copies compiled (``pack_kernel``) makes numpy's swaps on
+    every row: ranks with two or three copies of an expert, caps of 1 and 2, empty slots,
+    equal loads (ties), rows where a duplicate is unavoidable; and the compiled loop ran."""
+    from moeshard.eplb import oblivious, pack_kernel
+
+    monkeypatch.setattr(oblivious, "_JIT_FROM", 0)
+    calls = count_calls(monkeypatch, pack_kernel, "repair_duplicates")
+    for seed in range(6):
+        rng = np.random.default_rng(seed)
+        num_b, num_k, num_s, num_e = 60, 4, 3, 6
+        slots = rng.integers(-1, num_e, (num_b, num_k, num_s))
+        slots[: num_b // 4] = rng.integers(0, 2, (num_b // 4, num_k, num_s))  # 2 experts: unavoidable
+        wc = rng.integers(1, 5, (num_b, num_e)).astype(np.float64)
+        cap = rng.integers(1, 3, (num_b, num_e))
+        calls.clear()
+
+        def run(slots=slots, wc=wc, cap=cap):
+            out = slots.copy()
+            oblivious.repair_duplicates(out, wc, cap)
+            return out
+
+        got = compiled_and_numpy(monkeypatch, run)
+        assert len(calls) == 1
+        np.testing.assert_array_equal(got["compiled"], got["numpy"], err_msg=f"seed {seed}")
+        assert (got["numpy"] != slots).any(axis=(1, 2)).sum() >= 10  # rows were repaired
+
+
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
 def test_balanced_pack_compiled_equals_numpy(monkeypatch):
     """The reference's greedy packing compiled (``pack_kernel``) gives numpy's packs: float32
     loads (the reference's sums) and float64, with and without keys (moeshard's no-duplicate
@@ -992,7 +1081,7 @@ def test_small_calls_load_no_kernel_and_none_is_needed(monkeypatch):
     fast = [eplb.rebalance(w, cur, **kw).phy2log for w, cur, kw in calls]
     if HAVE_NUMBA:
         assert jit._LOADED["sticky_kernel"] is not None and jit._LOADED["pack_kernel"] is not None
-    monkeypatch.setattr(jit, "_LOADED", {"sticky_kernel": None, "pack_kernel": None})  # numba missing
+    monkeypatch.setattr(jit, "_LOADED", dict.fromkeys(jit._LOADED))  # numba missing
     none = [eplb.rebalance(w, cur, **kw).phy2log for w, cur, kw in calls]
     monkeypatch.setenv("MOESHARD_EPLB_JIT", "0")
     slow = [eplb.rebalance(w, cur, **kw).phy2log for w, cur, kw in calls]
@@ -1007,12 +1096,13 @@ def test_aware_loops_compiled_equal_numpy(monkeypatch):
     cheapest group assignments per cap (fewest copies, then the lightest heaviest node, then
     the first; integer loads for ties, two to four groups per node, caps no assignment meets)
     and the slot order of a new placement (kept experts in their old slots, duplicates and
-    empty slots); each compiled loop ran (not under ``MOESHARD_EPLB_JIT=0``)."""
+    empty slots), the old counts' fill and trim and the capped counts' steps; each compiled
+    loop ran (not under ``MOESHARD_EPLB_JIT=0``)."""
     from moeshard.eplb import aware, aware_kernel
 
     monkeypatch.setattr(aware, "_JIT_FROM", 0)
     calls = {}
-    for name in ("cheapest_groups", "arrange"):
+    for name in ("cheapest_groups", "arrange", "count_steps", "cap_steps"):
         real = getattr(aware_kernel, name)
         monkeypatch.setattr(aware_kernel, name, lambda *a, _f=real, _n=name: (calls.update({_n: 1}), _f(*a))[1])
     rng = np.random.default_rng(11)
@@ -1039,7 +1129,31 @@ def test_aware_loops_compiled_equal_numpy(monkeypatch):
     )
     got = compiled_and_numpy(monkeypatch, lambda: aware._arrange(new, old))
     np.testing.assert_array_equal(got["compiled"], got["numpy"])
-    assert len(calls) == 2
+    # the count rules' steps: old counts filled or trimmed to a node's slots (groups moved to
+    # other nodes, a dead rank), and old counts capped (experts of other nodes: count 0)
+    from moeshard.eplb.inputs import check_shape
+    from moeshard.eplb.oblivious import replicate_experts
+
+    trace = zipf_trace(12, 128, 2, seed=4, alpha=1.2, drift=0.1)
+    alive = np.ones(16, dtype=bool)
+    alive[[3, 6, 9, 12]] = False  # one per node: still the hierarchical policy
+    sh = check_shape(trace[1], 192, 16, 4, 8, alive)
+    assert sh.hierarchical
+    cur = eplb.rebalance(trace[0], num_physical=192, num_ranks=16, num_nodes=4, num_groups=8, migration_aware=False)
+    old3 = aware._old_slots(cur, sh)
+    gn = np.stack([rng.permutation(np.repeat(np.arange(4), 2)) for _ in range(12)])
+    repl = rng.integers(1, 3, (12 * 4, 128))
+    got = compiled_and_numpy(monkeypatch, lambda: aware._old_counts(trace[1], old3, gn, sh, repl))
+    np.testing.assert_array_equal(got["compiled"], got["numpy"])
+    w = zipf_trace(6, 32, 1, seed=2, alpha=1.2)[0] * rng.lognormal(0, 0.5, size=(6, 32))
+    old_c = 1 + rng.multinomial(8, np.ones(32) / 32, size=6)
+    old_c[:, :4] = 0  # not the node's
+    cap = (w / replicate_experts(w, 40)[1]).max(1)
+    for factor in (0.8, 1.0, 1.3):
+        got = compiled_and_numpy(monkeypatch, lambda: aware.capped_counts(w, old_c, cap * factor))
+        np.testing.assert_array_equal(got["compiled"], got["numpy"])
+        assert (got["numpy"] != old_c).any()
+    assert len(calls) == 4
 
 
 def test_sticky_searches_equal_plain_loops():

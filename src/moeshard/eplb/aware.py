@@ -78,14 +78,16 @@ from . import jit
 from .fill import fill_held
 from .inputs import Shape
 from .metrics import (
+    as_float,
     copy_counts,
-    count_last,
     held_by_rank,
     load_per_copy,
     max_over_mean,
     max_rank_load,
+    moved_per_rank,
     moves3,
     rank_loads3,
+    slot_sums,
 )
 from .oblivious import (
     ObliviousAnswer,
@@ -177,7 +179,7 @@ def _old_counts(w: np.ndarray, old3: np.ndarray, group_node: np.ndarray, sh: Sha
     load stays lowest. On a node far under the limit any counts do, and these move nothing."""
     num_layers, num_logical = w.shape
     n = sh.num_nodes
-    oc = count_last(old3.reshape(num_layers, n, -1), num_logical)[..., :num_logical]  # [L, N, E]
+    oc = copy_counts(old3.reshape(num_layers * n, -1), num_logical).reshape(num_layers, n, -1)  # [L, N, E]
     node_of = np.repeat(group_node, num_logical // sh.num_groups, axis=1)  # [L, E]
     mine = (node_of[:, None, :] == np.arange(n)[None, :, None]).reshape(num_layers * n, -1)
     cnt = np.where(mine, np.maximum(oc.reshape(num_layers * n, -1), 1), 0)
@@ -191,11 +193,16 @@ def _old_counts(w: np.ndarray, old3: np.ndarray, group_node: np.ndarray, sh: Sha
     rows = np.flatnonzero(diff != 0)  # few rows: work on those only
     c, m, wrr, d = cnt[rows], mine[rows], wr[rows], diff[rows]
     ar = np.arange(len(rows))
+    compiled = jit.kernel("aware_kernel", cnt.size, _JIT_FROM) if wrr.dtype == np.float64 else None
+    if compiled is not None:
+        c = np.ascontiguousarray(c, dtype=np.int64)
+        compiled.count_steps(c, np.ascontiguousarray(m), np.ascontiguousarray(wrr), d.astype(np.int64))
+        d = np.zeros_like(d)  # done
     while (d != 0).any():
         add, rem = d > 0, d < 0
-        j = np.where(m, wrr / np.maximum(c, 1), -np.inf).argmax(1)
+        j = np.where(m, wrr / as_float(np.maximum(c, 1)), -np.inf).argmax(1)
         c[ar[add], j[add]] += 1
-        j = np.where(m & (c > 1), wrr / np.maximum(c - 1, 1), np.inf).argmin(1)
+        j = np.where(m & (c > 1), wrr / as_float(np.maximum(c - 1, 1)), np.inf).argmin(1)
         c[ar[rem], j[rem]] -= 1
         d = d - add + rem
     cnt[rows] = c
@@ -214,13 +221,18 @@ def capped_counts(wr: np.ndarray, cnt: np.ndarray, cap: np.ndarray) -> np.ndarra
     mine = c > 0
     lim = cap * (1 + EPS)
     rows = np.arange(len(c))
-    for _ in range(int(c.sum(1).max(initial=0))):
-        pc = np.where(mine, wr / np.maximum(c, 1), -np.inf)
+    rounds = int(c.sum(1).max(initial=0))
+    compiled = jit.kernel("aware_kernel", c.size, _JIT_FROM) if wr.dtype == lim.dtype == np.float64 else None
+    if compiled is not None and c.dtype == np.int64:
+        compiled.cap_steps(c, mine, np.ascontiguousarray(wr), np.ascontiguousarray(lim), rounds)
+        return c
+    for _ in range(rounds):
+        pc = np.where(mine, wr / as_float(np.maximum(c, 1)), -np.inf)
         hi = pc.argmax(1)
         r = np.flatnonzero(pc[rows, hi] > lim)
         if not len(r):
             break
-        lo = np.where(mine[r] & (c[r] > 1), wr[r] / np.maximum(c[r] - 1, 1), np.inf).argmin(1)
+        lo = np.where(mine[r] & (c[r] > 1), wr[r] / as_float(np.maximum(c[r] - 1, 1)), np.inf).argmin(1)
         c[r, hi[r]] += 1
         c[r, lo] -= 1
     return c
@@ -264,10 +276,11 @@ def hot_counts(wr: np.ndarray, cnt: np.ndarray, thr: np.ndarray) -> tuple[np.nda
             for _ in range(max(d, 0)):
                 others = mine & (c > 1)
                 others[rows, hot] = False
-                lo = np.where(others, wr / np.maximum(c - 1, 1), np.inf).argmin(1)
+                lo = np.where(others, wr / as_float(np.maximum(c - 1, 1)), np.inf).argmin(1)
                 ok &= others[rows, lo]
                 c[rows, lo] -= others[rows, lo]
-            ok &= (c != cnt).any(1) & (np.where(mine, wr / np.maximum(c, 1), 0.0) <= thr[:, None] * (1 + EPS)).all(1)
+            per_copy = np.where(mine, wr / as_float(np.maximum(c, 1)), 0.0)
+            ok &= (c != cnt).any(1) & (per_copy <= thr[:, None] * (1 + EPS)).all(1)
             out_r.append(rows[ok])
             out_c.append(c[ok])
     # each variant once (the first, in the order made)
@@ -401,9 +414,7 @@ def _node_stats(
     if layers is None:
         layers = np.arange(num_layers)
     loads = rank_loads3(w[layers], cand, copy_counts(cand, w.shape[1]))
-    li = layers[:, None, None]
-    ri = np.arange(num_ranks)[None, :, None]
-    moved = ((cand >= 0) & ~held_old[li, ri, np.maximum(cand, 0)]).sum(-1)
+    moved = moved_per_rank(held_old, cand, layers)
     shape = (num_layers, sh.num_nodes, sh.ranks_per_node)
     return loads.reshape(shape).max(-1), moved.reshape(shape).sum(-1)
 
@@ -529,11 +540,10 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None, known=N
     alive_rows = np.tile(sh.active.reshape(n, rpn), (num_layers, 1))
     # Nodes that hold exactly their experts, every live slot filled, every rank within the
     # limit at the old counts: sticky packing would keep them as they are (most nodes).
-    oc = count_last(old3.reshape(num_layers, n, -1), num_logical)[..., :num_logical]  # [L, N, E]
+    oc = copy_counts(old3.reshape(num_layers * n, -1), num_logical).reshape(num_layers, n, -1)  # [L, N, E]
     mine = np.repeat(gn, num_logical // sh.num_groups, axis=1)[:, None, :] == np.arange(n)[None, :, None]
-    wc_node = np.where(oc > 0, w[:, None, :] / np.maximum(oc, 1), 0.0).reshape(num_layers * n, -1)
-    ri = np.arange(num_layers * n)[:, None, None]
-    peak = np.where(old_rows >= 0, wc_node[ri, np.maximum(old_rows, 0)], 0.0).sum(-1).max(-1)
+    wc_node = np.where(oc > 0, w[:, None, :] / as_float(np.maximum(oc, 1)), 0.0).reshape(num_layers * n, -1)
+    peak = slot_sums(wc_node, old_rows).max(-1)
     full = ((old_rows >= 0) | ~alive_rows[:, :, None]).all((1, 2))
     as_is = ((oc > 0) == mine).all(-1).ravel() & full & (peak <= np.repeat(limit, n) * (1 + _SLACK))
     if known is not None:
@@ -548,7 +558,7 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None, known=N
     thr_rows = np.repeat(limit, n)
     # capped old counts where the old counts leave a copy much heavier than needed
     wr = np.repeat(w, n, axis=0)
-    heaviest = lambda cnt: np.where(cnt > 0, wr / np.maximum(cnt, 1), 0.0).max(1)  # noqa: E731
+    heaviest = lambda cnt: np.where(cnt > 0, wr / as_float(np.maximum(cnt, 1)), 0.0).max(1)  # noqa: E731
     cap = heaviest(cnt_r) * _CAP_OVER_REPLICATE
     capped = np.flatnonzero(
         ~as_is
@@ -605,13 +615,9 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None, known=N
     if len(hot_rows):
         wc_h = load_per_copy(wr[hot_rows], cnt_h)
         hp = _pack_rows(old_rows[hot_rows], alive_rows[hot_rows], cnt_h, wc_h, thr_rows[hot_rows], sh, True)
-        hi = np.arange(len(hot_rows))[:, None, None]
-        peak_h = np.where(hp >= 0, wc_h[hi, np.maximum(hp, 0)], 0.0).sum(-1).max(-1)
-        held_h = np.zeros((len(hot_rows), rpn, num_logical + 1), dtype=bool)
-        held_h[
-            hi, np.arange(rpn)[None, :, None], np.where(old_rows[hot_rows] >= 0, old_rows[hot_rows], num_logical)
-        ] = True
-        moved_h = ((hp >= 0) & ~held_h[hi, np.arange(rpn)[None, :, None], np.maximum(hp, 0)]).sum((1, 2))
+        peak_h = slot_sums(wc_h, hp).max(-1)
+        # held_old's node rows are those of old_rows (both from old3)
+        moved_h = moved_per_rank(held_old.reshape(num_layers * n, rpn, -1), hp, hot_rows).sum(1)
         score = np.where(peak_h <= thr_rows[hot_rows] * (1 + _SLACK), moved_h, np.iinfo(np.int64).max)
         order = np.lexsort((np.arange(len(hot_rows)), score, hot_rows))
         first = order[np.r_[True, hot_rows[order][1:] != hot_rows[order][:-1]]]
@@ -638,21 +644,17 @@ def _pack_rows(old_rows, alive_rows, cnt_rows, wc_rows, thr_rows, sh: Shape, dup
     ``int[B, E]`` counts, ``float[B, E]`` per-copy loads, ``float[B]`` limits; ``dup_held``:
     second copies on ranks that held the expert); rows over the limit then refined by the
     swap search and the swap-back search. Returns ``int[B, K, S]``."""
-    num_logical = cnt_rows.shape[1]
     # two copies of an expert on a rank are allowed, as in the reference
     dup = np.ones(len(cnt_rows), dtype=bool) if dup_held else None
     packed = sticky_pack(old_rows, alive_rows, cnt_rows, wc_rows, thr_rows, no_duplicates=False, dup_held=dup)
     # rows over the limit: the swap search lowers their heaviest rank (a few more moves
     # where the alternative is the fallback's repacking of the node)
-    ri = np.arange(len(cnt_rows))[:, None, None]
-    peak = np.where(packed >= 0, wc_rows[ri, np.maximum(packed, 0)], 0.0).sum(-1).max(-1)
+    peak = slot_sums(wc_rows, packed).max(-1)
     over = np.flatnonzero(peak > thr_rows * (1 + _SLACK))
     if len(over):
         sub = packed[over][:, None]
-        cap = np.maximum(
-            per_rank_cap(cnt_rows[over], np.full(len(over), sh.live_per_node)),
-            count_last(sub[:, 0], num_logical)[..., :num_logical].max(1),
-        )
+        cap = per_rank_cap(cnt_rows[over], np.full(len(over), sh.live_per_node))
+        _at_least_held(cap, sub[:, 0])
         # compiled where the batch is a model's (its few rows over the limit alone may not be)
         fast = jit.kernel("swap_kernel", old_rows.size, _JIT_FROM) is not None or None
         lower_peak(sub, wc_rows[over], cap, stop_at=thr_rows[over], jit=fast)
@@ -661,6 +663,23 @@ def _pack_rows(old_rows, alive_rows, cnt_rows, wc_rows, thr_rows, sh: Shape, dup
         restore(sub[:, 0], old_rows[over], alive_rows[over], wc_rows[over], cap, thr_rows[over])
         packed[over] = sub[:, 0]
     return packed
+
+
+def _at_least_held(cap: np.ndarray, p: np.ndarray) -> None:
+    """Raise ``cap`` ``int[B, E]`` (each >= 1), in place, to the most copies of an expert one
+    rank of ``p`` ``int[B, K, S]`` holds (only repeats matter: slots sorted per rank)."""
+    compiled = (
+        jit.kernel("load_kernel", p.size, _JIT_FROM) if cap.dtype == np.int64 and cap.flags.c_contiguous else None
+    )
+    if compiled is not None and compiled.at_least_held(cap, np.ascontiguousarray(p, dtype=np.int64)):
+        return
+    srt = np.sort(p, axis=-1)
+    run = np.ones(srt.shape, dtype=np.int64)  # position in its run of equal ids
+    for j in range(1, srt.shape[-1]):
+        run[..., j] += (srt[..., j] == srt[..., j - 1]) * run[..., j - 1]
+    again = (run > 1) & (srt >= 0)
+    if again.any():
+        np.maximum.at(cap, (np.nonzero(again)[0], srt[again]), run[again])
 
 
 def _within(w: np.ndarray, p2l: np.ndarray, limit: np.ndarray) -> np.ndarray:

@@ -1,5 +1,6 @@
 """Loops of the migration-aware policy (:mod:`moeshard.eplb.aware`) compiled with numba: the
-cheapest assignments of groups to nodes and the slot order of a new placement, with the very
+cheapest assignments of groups to nodes, the slot order of a new placement and the steps of
+the count rules (old counts filled or trimmed, capped counts), with the very
 answers of the numpy code (the same sums to the last bit, the same ties).
 
 Imported only when numba is installed (the ``fast`` extra); the first call in a process
@@ -13,7 +14,7 @@ import numpy as np
 
 from .swap_kernel import pairwise_sum
 
-__all__ = ["arrange", "cheapest_groups", "hot_counts"]
+__all__ = ["arrange", "cap_steps", "cheapest_groups", "count_steps", "hot_counts"]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -177,3 +178,71 @@ def hot_counts(wr, cnt, thr, num_hot, steps, eps):
                     out_c[nv, e] = c[e]
                 nv += 1
     return out_r[:nv], out_i[:nv], out_c[:nv]
+
+
+@numba.njit(cache=True, nogil=True)
+def _most_per_copy(c, m, wr, r):
+    """The first expert of row ``r`` of the highest ``wr / max(c, 1)`` among ``m`` (0 where
+    none: numpy's argmax of all ``-inf``) and that load per copy."""
+    j = 0
+    best = wr[r, 0] / max(c[r, 0], 1) if m[r, 0] else -np.inf
+    for e in range(1, c.shape[1]):
+        v = wr[r, e] / max(c[r, e], 1) if m[r, e] else -np.inf
+        if v > best:
+            best, j = v, e
+    return j, best
+
+
+@numba.njit(cache=True, nogil=True)
+def _least_without_one(c, m, wr, r):
+    """The first expert of row ``r`` of the lowest ``wr / max(c - 1, 1)`` among ``m`` with
+    more than one copy (0 where none: numpy's argmin of all ``inf``)."""
+    j = 0
+    best = wr[r, 0] / max(c[r, 0] - 1, 1) if m[r, 0] and c[r, 0] > 1 else np.inf
+    for e in range(1, c.shape[1]):
+        v = wr[r, e] / max(c[r, e] - 1, 1) if m[r, e] and c[r, e] > 1 else np.inf
+        if v < best:
+            best, j = v, e
+    return j
+
+
+@numba.njit(cache=True, nogil=True)
+def count_steps(c, m, wr, d):
+    """:func:`moeshard.eplb.aware._old_counts`' rounds, in place, row by row: while ``d[r] > 0``
+    a copy more for the expert of the highest load per copy, while ``d[r] < 0`` a copy less
+    for the expert whose load per copy stays lowest (among ``m``, the first on ties).
+
+    Args:
+        c: ``int64[B, E]`` counts; ``m``: ``bool[B, E]``; ``wr``: ``float64[B, E]``;
+            ``d``: ``int64[B]`` copies to add (< 0: to take).
+    """
+    for r in range(c.shape[0]):
+        dr = d[r]
+        while dr > 0:
+            j, _ = _most_per_copy(c, m, wr, r)
+            c[r, j] += 1
+            dr -= 1
+        while dr < 0:
+            j = _least_without_one(c, m, wr, r)
+            c[r, j] -= 1
+            dr += 1
+
+
+@numba.njit(cache=True, nogil=True)
+def cap_steps(c, m, wr, lim, rounds):
+    """:func:`moeshard.eplb.aware.capped_counts`' rounds, in place, row by row (at most
+    ``rounds``): while the highest load per copy is over ``lim[r]``, that expert takes a copy
+    from the expert whose load per copy stays lowest without it.
+
+    Args:
+        c: ``int64[B, E]`` counts; ``m``: ``bool[B, E]`` the row's experts; ``wr``:
+            ``float64[B, E]``; ``lim``: ``float64[B]``.
+    """
+    for r in range(c.shape[0]):
+        for _ in range(rounds):
+            hi, top = _most_per_copy(c, m, wr, r)
+            if not top > lim[r]:
+                break
+            lo = _least_without_one(c, m, wr, r)
+            c[r, hi] += 1
+            c[r, lo] -= 1

@@ -7,7 +7,13 @@ from __future__ import annotations
 import numpy as np
 
 from ..placement import Placement
+from . import jit
 from .inputs import check_active, check_load
+
+# Placements of at least this many slots (layers x slots) count copies and sum rank loads
+# compiled where numba is installed (``load_kernel``, :mod:`moeshard.eplb.jit`): the balancer
+# calls these on every candidate, and numpy's short sums of a rank's few slots cost most.
+_JIT_FROM = 4096
 
 # -- metrics (internal forms) --------------------------------------------------------------------
 
@@ -17,25 +23,69 @@ def count_last(ids: np.ndarray, num: int) -> np.ndarray:
     (``int[..., n]``); ids < 0 count in the last column."""
     lead = ids.shape[:-1]
     rows = int(np.prod(lead)) if lead else 1
+    compiled = jit.kernel("load_kernel", ids.size, _JIT_FROM)
+    if compiled is not None and ids.size:
+        out = np.zeros((rows, num + 1), dtype=np.int64)
+        if compiled.count_last(np.ascontiguousarray(ids, dtype=np.int64).reshape(rows, -1), out):
+            return out.reshape(*lead, num + 1)
     flat = np.where(ids < 0, num, ids).reshape(rows, -1) + (np.arange(rows) * (num + 1))[:, None]
     return np.bincount(flat.ravel(), minlength=rows * (num + 1)).reshape(*lead, num + 1)
 
 
 def load_per_copy(w: np.ndarray, cnt: np.ndarray) -> np.ndarray:
-    return np.where(cnt > 0, w / np.maximum(cnt, 1), 0.0)
+    return np.where(cnt > 0, w / as_float(np.maximum(cnt, 1)), 0.0)
+
+
+def as_float(cnt: np.ndarray) -> np.ndarray:
+    """``cnt`` (counts) as float64: numpy divides a float by an int the same way (the int
+    cast first), but its mixed-type loop costs ~10x a division of two float arrays."""
+    return cnt.astype(np.float64, copy=False)
 
 
 def copy_counts(p2l: np.ndarray, num_logical: int) -> np.ndarray:
     """``int[L, E]`` copies per expert of ``p2l`` ``int[L, ...]``."""
     flat = p2l.reshape(p2l.shape[0], -1)
+    compiled = jit.kernel("load_kernel", flat.size, _JIT_FROM)
+    if compiled is not None and flat.size:
+        out = np.zeros((flat.shape[0], num_logical), dtype=np.int64)
+        if compiled.copy_counts(np.ascontiguousarray(flat, dtype=np.int64), out):
+            return out
     return count_last(flat, num_logical)[:, :num_logical]
 
 
 def rank_loads3(w: np.ndarray, p2l: np.ndarray, cnt: np.ndarray) -> np.ndarray:
     """``p2l`` ``int[L, R, S]`` -> ``float[L, R]``."""
+    compiled = _loads_kernel(w, p2l)
+    if compiled is not None and np.issubdtype(cnt.dtype, np.integer):
+        out = np.empty(p2l.shape[:2])
+        args = (np.ascontiguousarray(p2l, dtype=np.int64), np.ascontiguousarray(cnt, dtype=np.int64))
+        if compiled.rank_loads(np.ascontiguousarray(w), *args, out):
+            return out
     wc = load_per_copy(w, cnt)
     li = np.arange(w.shape[0])[:, None, None]
     return np.where(p2l >= 0, wc[li, np.maximum(p2l, 0)], 0.0).sum(-1)
+
+
+def slot_sums(wc: np.ndarray, p2l: np.ndarray) -> np.ndarray:
+    """``float[B, R]``: per rank of ``p2l`` ``int[B, R, S]`` the sum of its copies' loads
+    ``wc`` ``float[B, E]`` (empty slots 0)."""
+    compiled = _loads_kernel(wc, p2l)
+    if compiled is not None:
+        out = np.empty(p2l.shape[:2])
+        if compiled.slot_sums(np.ascontiguousarray(wc), np.ascontiguousarray(p2l, dtype=np.int64), out):
+            return out
+    bi = np.arange(p2l.shape[0])[:, None, None]
+    return np.where(p2l >= 0, wc[bi, np.maximum(p2l, 0)], 0.0).sum(-1)
+
+
+def _loads_kernel(w: np.ndarray, p2l: np.ndarray):
+    """``load_kernel`` for sums of ``w`` ``float[B, E]`` over the slots of ``p2l``
+    ``int[B, R, S]``, or None (numpy's: see :func:`moeshard.eplb.jit.kernel`; not float64
+    loads, too many slots per rank)."""
+    compiled = jit.kernel("load_kernel", p2l.size, _JIT_FROM)
+    if compiled is None or not p2l.size or w.dtype != np.float64 or p2l.shape[-1] > compiled.MAX_SLOTS:
+        return None
+    return compiled if len(w) == len(p2l) else None
 
 
 def max_rank_load(w, p2l, cnt) -> np.ndarray:
@@ -55,7 +105,7 @@ def held_by_rank(p2l: np.ndarray, num_logical: int) -> np.ndarray:
     h = np.zeros((num_layers, num_ranks, num_logical + 1), dtype=bool)
     experts = np.where(p2l < 0, num_logical, p2l)
     h[np.arange(num_layers)[:, None, None], np.arange(num_ranks)[None, :, None], experts] = True
-    return h[..., :num_logical]
+    return np.ascontiguousarray(h[..., :num_logical])  # contiguous: the compiled counts take it as it is
 
 
 def moved3(held_old: np.ndarray, new: np.ndarray) -> np.ndarray:
@@ -68,7 +118,24 @@ def moved3(held_old: np.ndarray, new: np.ndarray) -> np.ndarray:
 
 def moves3(held_old: np.ndarray, new: np.ndarray) -> np.ndarray:
     """``int[L]``: copies of ``new`` ``int[L, R, S]`` whose rank did not hold the expert."""
-    return moved3(held_old, new).sum((1, 2))
+    return moved_per_rank(held_old, new).sum(1)
+
+
+def moved_per_rank(held_old: np.ndarray, new: np.ndarray, layers: np.ndarray | None = None) -> np.ndarray:
+    """``int[K, R]``: per rank of ``new`` ``int[K, R, S]`` (row ``k`` a placement of layer
+    ``layers[k]``, default ``k``) its copies whose rank did not hold the expert (``held_old``
+    ``bool[L, R, E]``)."""
+    if layers is None:
+        layers = np.arange(len(new))
+    compiled = jit.kernel("load_kernel", new.size, _JIT_FROM)
+    if compiled is not None and new.size and held_old.shape[1] == new.shape[1]:
+        out = np.empty(new.shape[:2], dtype=np.int64)
+        args = (np.ascontiguousarray(layers, dtype=np.int64), np.ascontiguousarray(new, dtype=np.int64))
+        if compiled.moved_per_rank(np.ascontiguousarray(held_old, dtype=bool), *args, out):
+            return out
+    li = layers[:, None, None]
+    ri = np.arange(new.shape[1])[None, :, None]
+    return ((new >= 0) & ~held_old[li, ri, np.maximum(new, 0)]).sum(-1)
 
 
 # -- public API ----------------------------------------------------------------------------------

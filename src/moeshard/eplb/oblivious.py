@@ -228,7 +228,11 @@ def balanced_pack(w: np.ndarray, key: np.ndarray | None, num_keys: int, num_pack
 def per_rank_cap(cnt: np.ndarray, num_live: np.ndarray) -> np.ndarray:
     """``int[B, E]``: most copies of an expert one rank may hold (1 unless it has more copies
     than there are live ranks)."""
-    return np.maximum(1, -(-cnt // num_live[:, None]))
+    live = np.broadcast_to(num_live[:, None], cnt.shape)
+    out = np.ones(cnt.shape, dtype=np.result_type(cnt, num_live))
+    more = cnt > live  # few: an integer division of the rest is slow and gives 1
+    out[more] = -(-cnt[more] // live[more])
+    return out
 
 
 def occurrence(x: np.ndarray) -> np.ndarray:
@@ -242,6 +246,16 @@ def repair_duplicates(slots: np.ndarray, wc: np.ndarray, cap: np.ndarray) -> Non
     """Swap repair, in place: while a rank holds more than ``cap`` copies of an expert, swap
     one copy with the copy of closest per-copy load on another rank, when the swap breaks no
     cap. ``slots`` ``int[B, K, S]`` expert ids (-1 empty), ``wc``/``cap`` ``[B, E]``."""
+    compiled = jit.kernel("pack_kernel", slots.size, _JIT_FROM)
+    if (
+        compiled is not None
+        and slots.dtype == np.int64
+        and slots.flags.c_contiguous
+        and wc.dtype == np.float64
+        and slots.size
+        and compiled.repair_duplicates(slots, np.ascontiguousarray(wc), np.ascontiguousarray(cap, dtype=np.int64))
+    ):
+        return
     num_experts = wc.shape[1]
     x = np.maximum(slots, 0)
     b_idx = np.arange(slots.shape[0])[:, None, None]

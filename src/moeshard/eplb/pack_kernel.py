@@ -1,7 +1,8 @@
 """The reference's replication and greedy packing (:func:`moeshard.eplb.oblivious.replicate_experts`,
-:func:`moeshard.eplb.oblivious.balanced_pack`) compiled with numba, one row at a time: the very
-copies and packs of the numpy loops (their dtype's arithmetic, float32 for the reference's, the
-same ties).
+:func:`moeshard.eplb.oblivious.balanced_pack`) and moeshard's repair of duplicate copies
+(:func:`moeshard.eplb.oblivious.repair_duplicates`) compiled with numba, one row at a time: the
+very copies, packs and swaps of the numpy loops (their dtype's arithmetic, float32 for the
+reference's, the same ties).
 
 Imported only when numba is installed (the ``fast`` extra); the first call in a process
 compiles the loop or loads it from numba's on-disk cache.
@@ -12,7 +13,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["greedy_pack", "replicate"]
+__all__ = ["greedy_pack", "repair_duplicates", "replicate"]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -130,3 +131,67 @@ def replicate(w, num_ranks, is_hot, phy, cnt):
                     for e in range(n):
                         if is_hot[b, e]:
                             open_[e] = ninf
+
+
+@numba.njit(cache=True, nogil=True)
+def repair_duplicates(slots, wc, cap):
+    """:func:`moeshard.eplb.oblivious.repair_duplicates`, in place, row by row: while a rank
+    holds more than ``cap`` copies of an expert (the violations in (rank, slot) order), the
+    first violation with a swap that breaks no cap swaps with the copy of closest per-copy
+    load on another rank (first in (rank, slot) order on ties); a row stops where none has one.
+
+    Args:
+        slots: ``int64[B, K, S]`` expert ids (-1 empty); ``wc``: ``float[B, E]``;
+            ``cap``: ``int64[B, E]``.
+
+    Returns:
+        False, having changed nothing, where an id is beyond the experts.
+    """
+    num_b, num_k, num_s = slots.shape
+    num_e = wc.shape[1]
+    for b in range(num_b):
+        for k in range(num_k):
+            for s in range(num_s):
+                if slots[b, k, s] >= num_e:
+                    return False
+    counts = np.zeros((num_k, num_e + 1), dtype=np.int64)
+    viol = np.empty(num_k * num_s, dtype=np.int64)
+    for b in range(num_b):
+        row = slots[b]
+        for _ in range(num_k * num_s):
+            # copies per rank, and the slots holding more than cap copies before them
+            n_viol = 0
+            for k in range(num_k):
+                for s in range(num_s):
+                    e = row[k, s]
+                    c = counts[k, e if e >= 0 else num_e]
+                    counts[k, e if e >= 0 else num_e] = c + 1
+                    if e >= 0 and c >= cap[b, e]:
+                        viol[n_viol] = k * num_s + s
+                        n_viol += 1
+            pk = ps = qk = qs = -1
+            for i in range(n_viol):
+                k, s = viol[i] // num_s, viol[i] % num_s
+                e = row[k, s]
+                best = np.inf
+                for k2 in range(num_k):
+                    if k2 == k or counts[k2, e] >= cap[b, e]:
+                        continue
+                    for s2 in range(num_s):
+                        f = row[k2, s2]
+                        if f < 0 or f == e or counts[k, f] >= cap[b, f]:
+                            continue
+                        d = abs(wc[b, f] - wc[b, e])
+                        if qk < 0 or d < best:
+                            best, qk, qs = d, k2, s2
+                if qk >= 0:
+                    pk, ps = k, s
+                    break
+            for k in range(num_k):
+                for s in range(num_s):
+                    e = row[k, s]
+                    counts[k, e if e >= 0 else num_e] = 0
+            if pk < 0:  # none, or unavoidable
+                break
+            row[pk, ps], row[qk, qs] = row[qk, qs], row[pk, ps]
+    return True

@@ -57,7 +57,9 @@ def pack(x, alive, cnt, wc, w_min, thr, lim, keep_frac, num_light, repair, dup_h
         for k in range(num_k):
             n_live += 1 if alive[b, k] else 0
         for e in range(num_e):
-            cap[b, e] = max(1, (cnt[b, e] + n_live - 1) // n_live) if n_live > 0 else 1
+            # 1 unless more copies than live ranks (no division for the many others)
+            ce_ = cnt[b, e]
+            cap[b, e] = max(1, (ce_ + n_live - 1) // n_live) if n_live > 0 and ce_ > n_live else 1
         # kept: the rank's first cap copies of an expert, the row's first cnt (slot order)
         for k in range(num_k):
             n_kept[k] = 0
@@ -116,8 +118,7 @@ def pack(x, alive, cnt, wc, w_min, thr, lim, keep_frac, num_light, repair, dup_h
         for e in range(num_e):
             ce[e] = 0
         _place_row(new[b], kl, nfree, cap[b], pool_e, m, wc[b], w_min[b], lim[b], cr, x[b], dup_held[b])
-        for k in range(num_k):
-            cr[k, :] = 0
+        _zero_at(cr, new[b])
         if repair:
             _repair_row(
                 new[b], alive[b], wc[b], cap[b], x[b], thr[b], lim[b], keep_frac, num_light, c, held, ws, lr, light
@@ -278,6 +279,13 @@ def _repair_row(new, alive, wc, cap, old, thr, lim, keep_frac, num_light, c, hel
             y = old[k, s]
             held[k, y if y >= 0 else num_e] = True
     den = max(thr, 1e-300)
+    # loads >= 0: a swap's d = w_a - w_b <= w_a, so its peak is at least max(lh - w_a, l2)
+    # (rounding is monotone) and its moves at least those of a, less one: copies and ranks
+    # whose every swap misses the bar or cannot score below the best so far are passed over
+    nonneg = True
+    for i in range(num_k * num_s):
+        if not ws[i] >= 0.0:
+            nonneg = False
     for _ in range(num_k):
         h = 0
         for k in range(1, num_k):
@@ -302,15 +310,22 @@ def _repair_row(new, alive, wc, cap, old, thr, lim, keep_frac, num_light, c, hel
             if a < 0:
                 continue
             wa = ws[h * num_s + sa]
+            xa = lh - wa
+            if nonneg and not xa < bar:
+                continue
             for j in range(m2):
                 k = light[j]
                 l2 = lr[k]
                 if not (np.isfinite(l2) and l2 <= lim) or c[k, a] >= cap[a]:
                     continue
                 mv_a = (0 if held[k, a] else 1) - (0 if held[h, a] else 1)
+                if nonneg:
+                    lb = xa if xa >= l2 else l2
+                    if not ((mv_a - 1) * 4.0 if lb <= lim else 100.0) + lb / den < best:
+                        continue
                 for sb in range(num_s):
                     e = new[k, sb]
-                    if e < 0 or c[h, e] >= cap[e]:
+                    if e < 0:
                         continue
                     d = wa - ws[k * num_s + sb]
                     if not d > 0:
@@ -318,7 +333,8 @@ def _repair_row(new, alive, wc, cap, old, thr, lim, keep_frac, num_light, c, hel
                     x = lh - d
                     y = l2 + d
                     peak = x if x >= y else y
-                    if not peak < bar:
+                    # the cap's lookups after the cheap tests (the same swaps pass)
+                    if not peak < bar or c[h, e] >= cap[e]:
                         continue
                     mv = mv_a + (0 if held[h, e] else 1) - (0 if held[k, e] else 1)
                     score = (mv * 4.0 if peak <= lim else 100.0) + peak / den
@@ -336,9 +352,9 @@ def _repair_row(new, alive, wc, cap, old, thr, lim, keep_frac, num_light, c, hel
         c[qk, ea] += 1
         lr[h] -= wa - wb
         lr[qk] += wa - wb
-    for k in range(num_k):
-        c[k, :] = 0
-        held[k, :] = False
+    # swaps keep a row's ids: the nonzero counts are the final row's
+    _zero_at(c, new)
+    _unset_at(held, old)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -411,8 +427,7 @@ def restore(new, old, wc, cap, lim, scale, max_rounds):
                     c_p[n] = p
                     c_q[n] = q
                     n += 1
-            for k in range(num_k):
-                c[k, :] = 0
+            _zero_at(c, new[b])
             if n == 0:
                 break
             for k in range(num_k):
@@ -430,8 +445,7 @@ def restore(new, old, wc, cap, lim, scale, max_rounds):
                 x[p], x[q] = x[q], x[p]
                 touched[p // num_s] = True
                 touched[q // num_s] = True
-        for k in range(num_k):
-            held[k, :] = False
+        _unset_at(held, old[b])
 
 
 @numba.njit(cache=True, nogil=True)
@@ -440,3 +454,27 @@ def _after(lr, i, j):
     li = lr[i] if np.isfinite(lr[i]) or lr[i] > 0 else np.inf
     lj = lr[j] if np.isfinite(lr[j]) or lr[j] > 0 else np.inf
     return li > lj or (li == lj and i > j)
+
+
+@numba.njit(cache=True, nogil=True)
+def _zero_at(c, row):
+    """``c[k, e] = 0`` (``int64[K, E + 1]``) for each id ``e`` of ``row`` ``int64[K, S]`` (-1:
+    the last column): a count table back to zeros where the row's ids are its only nonzeros,
+    without clearing every expert of every rank."""
+    num_k, num_s = row.shape
+    num_e = c.shape[1] - 1
+    for k in range(num_k):
+        for s in range(num_s):
+            e = row[k, s]
+            c[k, e if e >= 0 else num_e] = 0
+
+
+@numba.njit(cache=True, nogil=True)
+def _unset_at(held, row):
+    """:func:`_zero_at` of a ``bool[K, E + 1]`` table."""
+    num_k, num_s = row.shape
+    num_e = held.shape[1] - 1
+    for k in range(num_k):
+        for s in range(num_s):
+            e = row[k, s]
+            held[k, e if e >= 0 else num_e] = False
