@@ -577,7 +577,7 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None, known=N
     if len(rows):
         cnt_rows = np.concatenate([cnt_k[todo], cnt_r[tight], cnt_c, cnt_o]).astype(np.int64)
         wc_rows = np.concatenate([wc_k[todo], wc_r[tight], wc_c, wc_o])
-        packed = _pack_rows(old_rows[rows], alive_rows[rows], cnt_rows, wc_rows, thr_rows[rows], sh, False)
+        packed = _pack_rows(old_rows[rows], alive_rows[rows], cnt_rows, wc_rows, thr_rows[rows], sh, True)
         a, b, c = len(todo), len(todo) + len(tight), len(todo) + len(tight) + len(capped)
         keep[todo] = packed[:a]
         repl[todo] = keep[todo]
