@@ -98,6 +98,7 @@ from .oblivious import (
     scatter_packs,
 )
 from .refine import lower_peak
+from .shift import shift_held
 from .sticky import EPS, restore, sticky_pack
 
 
@@ -983,4 +984,6 @@ def _aware(
     # Moved copies replaced by copies of experts their rank held, where the limit allows.
     node_of_rank = np.arange(sh.num_ranks) // sh.ranks_per_node if sh.hierarchical else np.zeros(sh.num_ranks, int)
     best = fill_held(w, best, old3, held_old, limit * (1 + _SLACK), node_of_rank)
+    # Moved copies shifted to ranks of their node that held them, where the limit allows.
+    best = shift_held(w, best, old3, held_old, limit * (1 + _SLACK), node_of_rank)
     return _arrange(best.reshape(-1, s), old3.reshape(-1, s)).reshape(best.shape)
