@@ -360,6 +360,11 @@ _CAP_OVER_REPLICATE = 1.3
 _HOT_STEPS = (-2, -1, 1)
 _HOT_EXPERTS = 4
 _HOT_FILL = 0.8
+# Sticky packing of every candidate puts a copy beyond a rank's old ones first on a rank that
+# held the expert, as a second copy (nothing travels); False: only the count variants' (on the
+# DeepSeek-V3 drifting trace of benchmarks/bench_eplb_optimum.py 22 copies more over the 5
+# steps, 25 with seed 1).
+_DUP_HELD = True
 # Group assignments enumerated at most (8 groups on 4 nodes: 2,520).
 _MAX_ASSIGNMENTS = 5000
 # Node fills (of live ranks x limit) under which the cheapest group assignments are tried.
@@ -578,7 +583,7 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None, known=N
     if len(rows):
         cnt_rows = np.concatenate([cnt_k[todo], cnt_r[tight], cnt_c, cnt_o]).astype(np.int64)
         wc_rows = np.concatenate([wc_k[todo], wc_r[tight], wc_c, wc_o])
-        packed = _pack_rows(old_rows[rows], alive_rows[rows], cnt_rows, wc_rows, thr_rows[rows], sh, True)
+        packed = _pack_rows(old_rows[rows], alive_rows[rows], cnt_rows, wc_rows, thr_rows[rows], sh, _DUP_HELD)
         a, b, c = len(todo), len(todo) + len(tight), len(todo) + len(tight) + len(capped)
         keep[todo] = packed[:a]
         repl[todo] = keep[todo]
