@@ -24,7 +24,9 @@ Per layer:
   holds exactly its experts and is within ``T`` stays as it is; else keep each old copy on
   its live rank (up to the new replica count), evict from ranks over ``T`` (the lightest
   copy that suffices, else the heaviest), place the rest heaviest first on the least loaded
-  rank with room under ``T``, then swap copies between ranks over ``T`` and light ranks.
+  rank with room under ``T`` (a copy beyond a rank's old ones first as a second copy on a
+  rank that held the expert: nothing travels), then swap copies between ranks over ``T`` and
+  light ranks.
   Replica counts: the node's old counts (light nodes: nothing moves), and on nodes loaded
   over half of ``T x live ranks`` also ``replicate_experts``' counts and, where the old counts
   leave a copy much heavier than ``replicate_experts``' heaviest (a drifted hot expert), the
@@ -39,8 +41,8 @@ Per layer:
   them (:func:`restore`); the node takes the one within ``T`` that moves fewest copies;
 * a node where sticky packing misses ``T``: the oblivious answer's packing of the node's
   copies where it has the same groups (the global policy: always), else the more balanced
-  refined packing of the groups with the reference's or spread replica counts
-  (:func:`moeshard.eplb.oblivious.group_packs`), matched to the old ranks, then a local
+  refined packing of the groups with, per node, the reference's, spread or hot-spread
+  replica counts (:func:`moeshard.eplb.oblivious.group_packs`), matched to the old ranks, then a local
   search that swaps copies back to ranks that held them while both ranks stay within ``T``
   (:func:`restore`);
 * each layer takes, among the candidates within ``T`` (checked up to the few ulps by which
@@ -54,7 +56,10 @@ Per layer:
   them while both ranks stay within ``T`` (:func:`restore`; the candidates' own searches
   stop at ``T``, not at fewest moves), taken where it moves fewer copies within ``T``;
 * last, moved copies replaced by copies of experts their rank held, while every rank stays
-  within ``T`` (:func:`moeshard.eplb.fill.fill_held`: nothing travels for such a copy).
+  within ``T`` (:func:`moeshard.eplb.fill.fill_held`: nothing travels for such a copy), then
+  moved copies shifted to ranks of their node that held them, those dropping a copy of an
+  expert with two or more and the freed slot taking a copy of an expert its rank held
+  (:func:`moeshard.eplb.shift.shift_held`).
 
 In every candidate an expert that stays on a rank keeps its slot index; newcomers fill the
 freed slots in order.
