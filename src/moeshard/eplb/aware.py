@@ -984,7 +984,7 @@ def _aware(
             packs[matched] = permuted[matched]
             same |= matched
         if not same.all():
-            packs[~same] = group_packs(wl[~same], sh, gn_all[rows][~same])
+            packs[~same] = group_packs(wl[~same], sh, gn_all[rows][~same], ll[~same])
         cand[rows] = _lpt_nodes(wl, ol, hl, gn_all[rows], ll, sh, cand[rows], bad[rows], packs)
     ok = ~hopeless & _within(w[lay], cand, limit[lay])
     mv = np.where(ok, moves3(held_old[lay], cand), np.iinfo(np.int64).max)
