@@ -51,3 +51,27 @@ def compiled_and_numpy(monkeypatch, fn) -> dict:
         monkeypatch.setenv("MOESHARD_EPLB_JIT", flag)
         got[mode] = fn()
     return got
+
+
+def random_moved_instance(rng, num_ranks, s, num_nodes, dead):
+    """One layer batch of ``num_ranks`` ranks of ``s`` slots: an old placement with every
+    expert, a new one with some copies moved (so some experts lost a copy, some gained), the
+    first ``dead`` ranks dead (empty in both); integer loads (ties) or random ones."""
+    num_layers = 6
+    num_e = num_ranks * s - int(rng.integers(0, num_ranks))
+    rows = [
+        rng.permutation(np.r_[np.arange(num_e), rng.integers(0, num_e, num_ranks * s - num_e)])
+        for _ in range(num_layers)
+    ]
+    old = np.stack(rows).reshape(num_layers, num_ranks, s)
+    new = old.copy()
+    for lay in range(num_layers):
+        for _ in range(int(rng.integers(1, 2 * num_ranks))):
+            new[lay, rng.integers(0, num_ranks), rng.integers(0, s)] = rng.integers(0, num_e)
+    old[:, :dead] = -1
+    new[:, :dead] = -1
+    if rng.random() < 0.5:
+        w = rng.integers(1, 5, (num_layers, num_e)).astype(np.float64)
+    else:
+        w = rng.random((num_layers, num_e)) * 10
+    return w, new, old, np.arange(num_ranks) // (num_ranks // num_nodes)

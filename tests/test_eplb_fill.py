@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eplb_steps import compiled_and_numpy, count_calls
+from eplb_steps import compiled_and_numpy, count_calls, random_moved_instance
 from moeshard import Placement, eplb
 from moeshard.cli.bench.traces import zipf_trace
 from moeshard.eplb.fill import fill_held
@@ -157,30 +157,6 @@ def test_fill_result_loads_as_a_placement():
     np.testing.assert_allclose(eplb.rank_loads([[4.0, 1.0, 1.0, 2.0]], pl, 2), [[4.0, 4.0]])
 
 
-def _random_instance(rng, num_ranks, s, num_nodes, dead):
-    """One layer batch of ``num_ranks`` ranks of ``s`` slots: an old placement with every
-    expert, a new one with some copies moved (so some experts lost a copy, some gained), the
-    first ``dead`` ranks dead (empty in both); integer loads (ties) or random ones."""
-    num_layers = 6
-    num_e = num_ranks * s - int(rng.integers(0, num_ranks))
-    rows = [
-        rng.permutation(np.r_[np.arange(num_e), rng.integers(0, num_e, num_ranks * s - num_e)])
-        for _ in range(num_layers)
-    ]
-    old = np.stack(rows).reshape(num_layers, num_ranks, s)
-    new = old.copy()
-    for lay in range(num_layers):
-        for _ in range(int(rng.integers(1, 2 * num_ranks))):
-            new[lay, rng.integers(0, num_ranks), rng.integers(0, s)] = rng.integers(0, num_e)
-    old[:, :dead] = -1
-    new[:, :dead] = -1
-    if rng.random() < 0.5:
-        w = rng.integers(1, 5, (num_layers, num_e)).astype(np.float64)
-    else:
-        w = rng.random((num_layers, num_e)) * 10
-    return w, new, old, np.arange(num_ranks) // (num_ranks // num_nodes)
-
-
 def test_fill_compiled_equals_numpy(monkeypatch):
     """The compiled rounds (``fill_kernel``) replace exactly the copies numpy's rounds replace,
     on seeded instances: 2 and 9 slots per rank (numpy's sums short and in eight
@@ -197,7 +173,7 @@ def test_fill_compiled_equals_numpy(monkeypatch):
     changed = 0
     for trial in range(60):
         num_ranks, s, num_nodes = [(4, 2, 1), (8, 9, 2), (8, 3, 4)][trial % 3]
-        w, new, old, node_of_rank = _random_instance(rng, num_ranks, s, num_nodes, dead=trial % 2)
+        w, new, old, node_of_rank = random_moved_instance(rng, num_ranks, s, num_nodes, dead=trial % 2)
         num_e = w.shape[1]
         peak = _peak(w, new)
         thr = peak if trial % 4 == 0 else peak * rng.uniform(1.0, 1.2, len(peak))

@@ -94,3 +94,54 @@ def test_hot_counts_compiled_equals_numpy(monkeypatch):
             np.testing.assert_array_equal(a, b, err_msg=f"trial {trial}")
         total += len(got["numpy"][0])
     assert len(calls) == 24 and total > 300
+
+
+def test_aware_second_copies_on_held_ranks_save_copies(monkeypatch):
+    """Every candidate's sticky packing puts copies beyond a rank's old ones on ranks that held
+    the expert (``_DUP_HELD``): over a drifting trace at DeepSeek-V3's shape (12 layers) the
+    policy moves fewer copies than with second copies only in the count variants, every step
+    within the limit (``aware_moves`` checks it)."""
+    cfg = dict(num_physical=288, num_ranks=32, num_nodes=4, num_groups=8)
+    trace = zipf_trace(12, 256, 4, seed=5, alpha=1.2, drift=0.1)
+    with_dup = aware_moves(trace, cfg)
+    monkeypatch.setattr(aware, "_DUP_HELD", False)
+    assert with_dup < aware_moves(trace, cfg), with_dup
+
+
+def test_fallback_packs_a_near_full_node_with_hot_spread_counts():
+    """The aware policy's fallback packing (``oblivious.group_packs``) chooses per node among
+    the reference's, spread and hot-spread counts. DeepSeek-V3's shape, a drifting trace's layer
+    42 with the groups kept where they were: node 0 carries 99.7 % of what its ranks may at the
+    limit (1 % over the oblivious answer); the reference's and spread counts pack it 31 % over
+    the limit, hot-spread counts within it, so the groups need not move (each a group's 32+
+    copies)."""
+    from moeshard import eplb
+    from moeshard.eplb.inputs import check_shape
+    from moeshard.eplb.metrics import copy_counts, rank_loads3
+    from moeshard.eplb.oblivious import group_packs
+
+    cfg = dict(num_physical=288, num_ranks=32, num_nodes=4, num_groups=8)
+    trace = zipf_trace(58, 256, 2, seed=0, alpha=1.2, drift=0.1)
+    old = eplb.rebalance(trace[0], **cfg, migration_aware=False).phy2log.reshape(58, 4, 72)[42]
+    w = trace[1][42:43]
+    gn = np.zeros((1, 8), dtype=np.int64)
+    for node in range(4):
+        gn[0, np.unique(old[node] // 32)] = node
+    limit = eplb.rank_loads(w, eplb.rebalance(w, **cfg, migration_aware=False), 32).max() * 1.01
+    node_load = w[0].reshape(8, 32).sum(1)
+    assert node_load[gn[0] == 0].sum() / (8 * limit) > 0.995
+    packs = group_packs(w, check_shape(w, 288, 32, 4, 8, None), gn).reshape(1, 32, 9)
+    loads = rank_loads3(w, packs, copy_counts(packs, 256))
+    assert loads.max() <= limit, loads.max() / limit
+
+
+def test_aware_counts_capped_under_the_limit_save_copies(monkeypatch):
+    """Where a node's old counts leave a copy over the limit (a drifted hot expert), the
+    candidate of the old counts capped at ``_CAP_OF_LIMIT`` of the limit gives the hot expert
+    about the copies it needs: over a drifting trace at DeepSeek-V3's shape (12 layers) the
+    policy moves fewer copies with it than without, every step within the limit."""
+    cfg = dict(num_physical=288, num_ranks=32, num_nodes=4, num_groups=8)
+    trace = zipf_trace(12, 256, 4, seed=6, alpha=1.2, drift=0.1)
+    with_cap = aware_moves(trace, cfg)
+    monkeypatch.setattr(aware, "_CAP_OF_LIMIT", None)
+    assert with_cap < aware_moves(trace, cfg), with_cap

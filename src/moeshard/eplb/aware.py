@@ -24,11 +24,15 @@ Per layer:
   holds exactly its experts and is within ``T`` stays as it is; else keep each old copy on
   its live rank (up to the new replica count), evict from ranks over ``T`` (the lightest
   copy that suffices, else the heaviest), place the rest heaviest first on the least loaded
-  rank with room under ``T``, then swap copies between ranks over ``T`` and light ranks.
+  rank with room under ``T`` (a copy beyond a rank's old ones first as a second copy on a
+  rank that held the expert: nothing travels), then swap copies between ranks over ``T`` and
+  light ranks.
   Replica counts: the node's old counts (light nodes: nothing moves), and on nodes loaded
   over half of ``T x live ranks`` also ``replicate_experts``' counts and, where the old counts
   leave a copy much heavier than ``replicate_experts``' heaviest (a drifted hot expert), the
-  old counts with fewest changes that bring it down (:func:`capped_counts`), and the
+  old counts with fewest changes that bring it down (:func:`capped_counts`), on any node
+  where the old counts leave a copy over ``T`` those with every copy brought under ``0.8 x T``
+  (the hot expert gets about the copies it needs), and the
   oblivious answer's own counts where they fill the node's slots (spread and hot-spread
   counts: a ``T`` relative to the oblivious answer may be below what ``replicate_experts``'
   counts allow), and on nodes loaded over ``_HOT_FILL`` of ``T x live ranks`` the old counts
@@ -39,8 +43,8 @@ Per layer:
   them (:func:`restore`); the node takes the one within ``T`` that moves fewest copies;
 * a node where sticky packing misses ``T``: the oblivious answer's packing of the node's
   copies where it has the same groups (the global policy: always), else the more balanced
-  refined packing of the groups with the reference's or spread replica counts
-  (:func:`moeshard.eplb.oblivious.group_packs`), matched to the old ranks, then a local
+  refined packing of the groups with, per node, the reference's, spread or hot-spread
+  replica counts (:func:`moeshard.eplb.oblivious.group_packs`), matched to the old ranks, then a local
   search that swaps copies back to ranks that held them while both ranks stay within ``T``
   (:func:`restore`);
 * each layer takes, among the candidates within ``T`` (checked up to the few ulps by which
@@ -54,7 +58,10 @@ Per layer:
   them while both ranks stay within ``T`` (:func:`restore`; the candidates' own searches
   stop at ``T``, not at fewest moves), taken where it moves fewer copies within ``T``;
 * last, moved copies replaced by copies of experts their rank held, while every rank stays
-  within ``T`` (:func:`moeshard.eplb.fill.fill_held`: nothing travels for such a copy).
+  within ``T`` (:func:`moeshard.eplb.fill.fill_held`: nothing travels for such a copy), then
+  moved copies shifted to ranks of their node that held them, those dropping a copy of an
+  expert with two or more and the freed slot taking a copy of an expert its rank held
+  (:func:`moeshard.eplb.shift.shift_held`).
 
 In every candidate an expert that stays on a rank keeps its slot index; newcomers fill the
 freed slots in order.
@@ -100,6 +107,7 @@ from .oblivious import (
     scatter_packs,
 )
 from .refine import lower_peak
+from .shift import shift_held
 from .sticky import EPS, restore, sticky_pack
 
 
@@ -372,6 +380,16 @@ _CAP_OVER_REPLICATE = 1.3
 _HOT_STEPS = (-2, -1, 1)
 _HOT_EXPERTS = 4
 _HOT_FILL = 0.8
+# Sticky packing of every candidate puts a copy beyond a rank's old ones first on a rank that
+# held the expert, as a second copy (nothing travels); False: only the count variants' (on the
+# DeepSeek-V3 drifting trace of benchmarks/bench_eplb_optimum.py 22 copies more over the 5
+# steps, 25 with seed 1).
+_DUP_HELD = True
+# Where the old counts leave a copy over the limit, also the old counts capped at this fraction
+# of the limit (None: not). On the DeepSeek-V3 drifting traces of benchmarks/bench_eplb_optimum
+# (seeds 0-3, 5 steps each) 0.8 moved 28,925 copies, 1.0 29,019, 0.9 28,955, 0.7 28,942, none
+# 29,043.
+_CAP_OF_LIMIT = 0.8
 # Group assignments enumerated at most (8 groups on 4 nodes: 2,520).
 _MAX_ASSIGNMENTS = 5000
 # Node fills (of live ranks x limit) under which the cheapest group assignments are tried.
@@ -523,7 +541,8 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None, known=N
     moves on the many nodes far under the limit) or, on nodes loaded over ``_LOOSE`` of
     what their ranks may carry, with ``replicate_experts``' counts, and where the old counts
     leave a copy over ``_CAP_OVER_REPLICATE`` x ``replicate_experts``' heaviest copy, with the
-    old counts capped there (:func:`capped_counts`), and with the oblivious answer's counts
+    old counts capped there (:func:`capped_counts`), on any node where they leave a copy over
+    the limit, capped at ``_CAP_OF_LIMIT`` of the limit, and with the oblivious answer's counts
     ``obl_cnt`` ``int[L, E]`` where they fill the node's slots (its spread and hot-spread
     counts: after the oblivious answer got lighter than ``replicate_experts``' counts allow,
     the only ones within a limit relative to it), and on nodes loaded over ``_HOT_FILL`` of
@@ -569,6 +588,13 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None, known=N
     cnt_c = capped_counts(wr[capped], cnt_k[capped], cap[capped])
     # per-copy loads: the node's own experts from its capped counts (one node per expert)
     wc_c = load_per_copy(wr[capped], cnt_c)
+    # and, on any node where the old counts leave a copy over the limit itself (a drifted hot
+    # expert), the old counts with fewest changes that bring every copy within a fraction of
+    # it: the hot expert gets about the copies it needs, where the cap above may give it more
+    over_t = heaviest(cnt_k) > thr_rows * (1 + EPS)
+    at_t = np.flatnonzero(~as_is & ~hopeless & over_t) if _CAP_OF_LIMIT else np.zeros(0, dtype=np.int64)
+    cnt_t = capped_counts(wr[at_t], cnt_k[at_t], thr_rows[at_t] * (_CAP_OF_LIMIT or 1.0))
+    wc_t = load_per_copy(wr[at_t], cnt_t)
     # the oblivious answer's counts on the tight nodes where they fill the node's slots
     if obl_cnt is None:
         own = np.zeros(0, dtype=np.int64)
@@ -579,25 +605,18 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None, known=N
         own = tight[fills[tight] & (cnt_all[tight] != cnt_r[tight]).any(1)]
         cnt_o = cnt_all[own]
         wc_o = load_per_copy(wr[own], cnt_o)
-    rows = np.concatenate([todo, tight, capped, own])
-    keep = old_rows.copy()
-    repl = old_rows.copy()
-    capd = old_rows.copy()
-    oblc = old_rows.copy()
+    rows = np.concatenate([todo, tight, capped, own, at_t])
+    cands = [old_rows.copy() for _ in range(5)]
     if len(rows):
-        cnt_rows = np.concatenate([cnt_k[todo], cnt_r[tight], cnt_c, cnt_o]).astype(np.int64)
-        wc_rows = np.concatenate([wc_k[todo], wc_r[tight], wc_c, wc_o])
-        packed = _pack_rows(old_rows[rows], alive_rows[rows], cnt_rows, wc_rows, thr_rows[rows], sh, False)
-        a, b, c = len(todo), len(todo) + len(tight), len(todo) + len(tight) + len(capped)
-        keep[todo] = packed[:a]
-        repl[todo] = keep[todo]
-        repl[tight] = packed[a:b]
-        capd[todo] = keep[todo]
-        capd[capped] = packed[b:c]
-        oblc[todo] = keep[todo]
-        oblc[own] = packed[c:]
+        cnt_rows = np.concatenate([cnt_k[todo], cnt_r[tight], cnt_c, cnt_o, cnt_t]).astype(np.int64)
+        wc_rows = np.concatenate([wc_k[todo], wc_r[tight], wc_c, wc_o, wc_t])
+        packed = _pack_rows(old_rows[rows], alive_rows[rows], cnt_rows, wc_rows, thr_rows[rows], sh, _DUP_HELD)
+        ends = np.cumsum([len(todo), len(tight), len(capped), len(own), len(at_t)])
+        for c, idx, a, b in zip(cands, (todo, tight, capped, own, at_t), np.r_[0, ends[:-1]], ends):
+            c[todo] = packed[: ends[0]]  # every node: the old counts unless the candidate's own
+            c[idx] = packed[a:b]
     shape = (num_layers, sh.num_ranks, -1)
-    cands = [keep.reshape(shape), repl.reshape(shape), capd.reshape(shape), oblc.reshape(shape)]
+    cands = [c.reshape(shape) for c in cands]
     comp, best = _compose(w, held_old, cands, limit, sh)
     # Near-full nodes: the old counts' variants (hot_counts), packed with second copies on the
     # ranks that held the expert. Per node the variant within the limit that moves fewest
@@ -984,7 +1003,7 @@ def _aware(
             packs[matched] = permuted[matched]
             same |= matched
         if not same.all():
-            packs[~same] = group_packs(wl[~same], sh, gn_all[rows][~same])
+            packs[~same] = group_packs(wl[~same], sh, gn_all[rows][~same], ll[~same])
         cand[rows] = _lpt_nodes(wl, ol, hl, gn_all[rows], ll, sh, cand[rows], bad[rows], packs)
     ok = ~hopeless & _within(w[lay], cand, limit[lay])
     mv = np.where(ok, moves3(held_old[lay], cand), np.iinfo(np.int64).max)
@@ -1002,4 +1021,6 @@ def _aware(
     # Moved copies replaced by copies of experts their rank held, where the limit allows.
     node_of_rank = np.arange(sh.num_ranks) // sh.ranks_per_node if sh.hierarchical else np.zeros(sh.num_ranks, int)
     best = fill_held(w, best, old3, held_old, limit * (1 + _SLACK), node_of_rank)
+    # Moved copies shifted to ranks of their node that held them, where the limit allows.
+    best = shift_held(w, best, old3, held_old, limit * (1 + _SLACK), node_of_rank)
     return _arrange(best.reshape(-1, s), old3.reshape(-1, s)).reshape(best.shape)

@@ -1,6 +1,6 @@
-"""The rounds of :func:`moeshard.eplb.fill.fill_held` compiled with numba: one layer at a time,
-its rounds in a loop, the very replacements of the numpy rounds (the same rank loads to the
-last bit, the same peaks, the same ties).
+"""The rounds of :func:`moeshard.eplb.fill.fill_held` and :func:`moeshard.eplb.shift.shift_held`
+compiled with numba: one layer at a time, its rounds in a loop, the very replacements of the
+numpy rounds (the same rank loads to the last bit, the same peaks, the same ties).
 
 Imported only when numba is installed (the ``fast`` extra); the first call in a process
 compiles the loop or loads it from numba's on-disk cache.
@@ -13,7 +13,7 @@ import numpy as np
 
 from .swap_kernel import MAX_SLOTS, pairwise_sum
 
-__all__ = ["MAX_SLOTS", "fill_rounds"]
+__all__ = ["MAX_SLOTS", "fill_rounds", "shift_rounds"]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -124,6 +124,131 @@ def fill_rounds(w, out, old3, held_old, thr, node_of_rank, num_nodes):
             for n in range(num_nodes):
                 if best_r[n] >= 0:
                     out[lay, best_r[n], best_j[n]] = best_f[n]
+                    taken = True
+            if not taken:
+                break
+
+
+@numba.njit(cache=True, nogil=True)
+def shift_rounds(w, out, old3, held_old, thr, node_of_rank, num_nodes):
+    """The rounds of :func:`moeshard.eplb.shift.shift_held`, in place on ``out``: per layer and
+    round, on each node the shift that leaves the lightest heaviest rank within the layer's
+    limit (the first on ties, in the order rank ``a``, its slot, rank ``b``, its slot, ``a``'s
+    old slot), all of a round's taken at once, until a round takes none. Arguments as
+    :func:`fill_rounds`'."""
+    num_layers, num_ranks, num_s = out.shape
+    num_e = w.shape[1]
+    cnt = np.zeros(num_e, dtype=np.int64)
+    nh = np.zeros(num_e, dtype=np.int64)
+    per_rank = np.zeros((num_ranks, num_e), dtype=np.int64)
+    on_node = np.zeros((num_nodes, num_e), dtype=np.bool_)
+    wc = np.empty(num_e)
+    buf = np.empty(num_s)
+    loads = np.empty(num_ranks)
+    start = np.zeros(num_e + 1, dtype=np.int64)
+    fill = np.empty(num_e, dtype=np.int64)
+    hold = np.empty(num_ranks * num_s, dtype=np.int64)
+    best_pk = np.empty(num_nodes)
+    best_a = np.empty(num_nodes, dtype=np.int64)
+    best_i = np.empty(num_nodes, dtype=np.int64)
+    best_b = np.empty(num_nodes, dtype=np.int64)
+    best_j = np.empty(num_nodes, dtype=np.int64)
+    best_z = np.empty(num_nodes, dtype=np.int64)
+    for lay in range(num_layers):
+        lim = thr[lay]
+        while True:
+            for r in range(num_ranks):
+                for s in range(num_s):
+                    e = out[lay, r, s]
+                    if e >= 0:
+                        cnt[e] += 1
+                        if per_rank[r, e] == 0:
+                            nh[e] += 1
+                        per_rank[r, e] += 1
+                        on_node[node_of_rank[r], e] = True
+            for e in range(num_e):
+                wc[e] = w[lay, e] / cnt[e] if cnt[e] > 0 else 0.0
+                start[e + 1] = start[e] + nh[e]
+                fill[e] = start[e]
+            for r in range(num_ranks):
+                for s in range(num_s):
+                    e = out[lay, r, s]
+                    buf[s] = wc[e] if e >= 0 else 0.0
+                    if e >= 0 and (fill[e] == start[e] or hold[fill[e] - 1] != r):
+                        hold[fill[e]] = r
+                        fill[e] += 1
+                loads[r] = 0.0 + pairwise_sum(buf, 0, num_s)
+            by_load = np.argsort(-loads)
+            for n in range(num_nodes):
+                best_a[n] = -1
+            for a in range(num_ranks):
+                node = node_of_rank[a]
+                for i in range(num_s):
+                    x = out[lay, a, i]
+                    if x < 0 or held_old[lay, a, x]:
+                        continue
+                    wx = wc[x]
+                    for b in range(num_ranks):
+                        if b == a or node_of_rank[b] != node or not held_old[lay, b, x]:
+                            continue
+                        for j in range(num_s):
+                            y = out[lay, b, j]
+                            if y < 0 or y == x or cnt[y] < 2:
+                                continue
+                            wy = w[lay, y]
+                            cy = cnt[y]
+                            d_y = wy / (cy - 1) - wy / cy
+                            own_b = wx - wy / (cy - 1)
+                            for col in range(num_s):
+                                z = old3[lay, a, col]
+                                if z < 0 or z == x or z == y or not on_node[node, z]:
+                                    continue
+                                wz = w[lay, z]
+                                cz = cnt[z]
+                                d_z = wz / (cz + 1) - wz / cz
+                                own_a = wz / (cz + 1) - wx
+                                # ranks other than a and b without y or z keep their load
+                                peak = -np.inf
+                                for t in range(num_ranks):
+                                    q = by_load[t]
+                                    if q != a and q != b and per_rank[q, y] == 0 and per_rank[q, z] == 0:
+                                        peak = loads[q]
+                                        break
+                                for u in range(4):
+                                    if u < 2:
+                                        v_e = y if u == 0 else z
+                                        lo, hi = start[v_e], start[v_e + 1]
+                                    else:
+                                        lo, hi = 0, 1
+                                    for h in range(lo, hi):
+                                        q = hold[h] if u < 2 else (a if u == 2 else b)
+                                        v = loads[q] + per_rank[q, y] * d_y + per_rank[q, z] * d_z
+                                        if q == a:
+                                            v += own_a
+                                        if q == b:
+                                            v += own_b
+                                        if v > peak:
+                                            peak = v
+                                if peak <= lim and (best_a[node] < 0 or peak < best_pk[node]):
+                                    best_pk[node] = peak
+                                    best_a[node] = a
+                                    best_i[node] = i
+                                    best_b[node] = b
+                                    best_j[node] = j
+                                    best_z[node] = z
+            for r in range(num_ranks):
+                for s in range(num_s):
+                    e = out[lay, r, s]
+                    if e >= 0:
+                        cnt[e] = 0
+                        nh[e] = 0
+                        per_rank[r, e] = 0
+                        on_node[node_of_rank[r], e] = False
+            taken = False
+            for n in range(num_nodes):
+                if best_a[n] >= 0:
+                    out[lay, best_b[n], best_j[n]] = out[lay, best_a[n], best_i[n]]  # x
+                    out[lay, best_a[n], best_i[n]] = best_z[n]
                     taken = True
             if not taken:
                 break

@@ -607,17 +607,51 @@ def _select(cands: list[ObliviousAnswer], pick: np.ndarray) -> ObliviousAnswer:
     return ObliviousAnswer(*[np.stack([getattr(c, f) for c in cands])[pick, li] for f in fields])
 
 
-def group_packs(w: np.ndarray, sh: Shape, group_node: np.ndarray) -> np.ndarray:
-    """For the groups ``group_node`` ``int[L, G]``, per layer the more balanced of the
-    reference's steps 2 and 3 with its counts and with spread counts, each refined without
-    moeshard's rule (the migration-aware policy's fallback packing). Returns packs
+def group_packs(w: np.ndarray, sh: Shape, group_node: np.ndarray, limit: np.ndarray | None = None) -> np.ndarray:
+    """For the groups ``group_node`` ``int[L, G]``, per node the most balanced of the
+    reference's steps 2 and 3 with its counts, with spread counts and with hot-spread counts
+    (:func:`_hot_spread`: where a drifted hot expert needs more copies than the reference's
+    counts give it, a node near its ranks' capacity fits only with them), each refined
+    without moeshard's rule (the migration-aware policy's fallback packing; nodes are
+    independent once their groups are fixed). With ``limit`` ``float[L]``, hot-spread counts
+    only on the layers where a node's lighter of the first two is over it. Returns packs
     ``int[L, N, live_per_node, S]``."""
+    num_layers, n = w.shape[0], sh.num_nodes
     items = []
     for spread in (False, True):
         packs, cnt = node_packs(w, group_node, sh, no_duplicates=False, spread=spread)
         items.append((w, packs, group_node, cnt, False))
     cands = _refined_many(sh, items)
-    return _select(cands, _most_balanced(cands, np.ones((2, w.shape[0]), dtype=bool))).packs
+    packs = np.stack([c.packs.reshape(num_layers, n, sh.live_per_node, -1) for c in cands])
+    peaks = np.stack([_node_peaks(w, c) for c in cands])  # [C, L, N]
+    rows = np.arange(num_layers)
+    if limit is not None:
+        rows = np.flatnonzero((peaks.min(0) > limit[:, None]).any(1))
+    if len(rows):
+        hot_layers, hot_packs, hot_cnt = _hot_spread(w[rows], sh, group_node[rows], items[1][3][rows])
+        if len(hot_layers):
+            layers = rows[hot_layers]
+            (hot_ans,) = _refined_many(sh, [(w[layers], hot_packs, group_node[layers], hot_cnt, False)])
+            hot = packs[1].copy()
+            hot[layers] = hot_ans.packs.reshape(len(layers), n, sh.live_per_node, -1)
+            hot_peak = np.full((num_layers, n), np.inf)
+            hot_peak[layers] = _node_peaks(w[layers], hot_ans)
+            packs, peaks = np.concatenate([packs, hot[None]]), np.concatenate([peaks, hot_peak[None]])
+    # per node the lightest heaviest rank, the first candidate on ties (up to _TIE)
+    pick = np.zeros((num_layers, n), dtype=np.int64)
+    best = peaks[0].copy()
+    for i in range(1, len(peaks)):
+        better = peaks[i] < best * (1 - _TIE)
+        pick[better], best[better] = i, peaks[i][better]
+    return packs[pick, np.arange(num_layers)[:, None], np.arange(n)[None, :]]
+
+
+def _node_peaks(w: np.ndarray, ans: ObliviousAnswer) -> np.ndarray:
+    """``float[L, N]``: the heaviest rank of each node of ``ans`` under the loads ``w``."""
+    wc = load_per_copy(w, ans.cnt)
+    p = ans.packs  # [L, N, live_per_node, S]
+    li = np.arange(w.shape[0])[:, None, None, None]
+    return np.where(p >= 0, wc[li, np.maximum(p, 0)], 0.0).sum(-1).max(-1)
 
 
 def oblivious_policy(w: np.ndarray, sh: Shape, ref: ObliviousAnswer | None = None) -> ObliviousAnswer:
