@@ -7,24 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eplb_steps import HIER16, compiled_and_numpy, count_calls, random_moved_instance
-from moeshard import eplb
+from eplb_steps import HIER16, moved_passes_agree, on_moved, pass_saves_copies, peak_of
 from moeshard.cli.bench.traces import zipf_trace
-from moeshard.eplb.metrics import held_by_rank, moves3, rank_loads3
+from moeshard.eplb.metrics import held_by_rank, moves3
 from moeshard.eplb.shift import shift_held
-from test_eplb_budget_caps import check_valid
-
-
-def _shift(w, new, old, thr, node_of_rank):
-    w, new, old = np.asarray(w, float), np.asarray(new), np.asarray(old)
-    return shift_held(w, new, old, held_by_rank(old, w.shape[1]), np.asarray(thr, float), np.asarray(node_of_rank))
-
-
-def _peak(w, p2l):
-    w = np.asarray(w, float)
-    cnt = np.stack([np.bincount(p[p >= 0], minlength=w.shape[1]) for p in p2l.reshape(len(w), -1)])
-    return rank_loads3(w, p2l, cnt).max(1)
-
 
 # Two ranks of three slots. Old: rank 0 holds 0, 1, 2; rank 1 holds 0, 3. The answer moved
 # expert 1's only copy onto rank 1 and gave rank 0 a second copy of expert 0.
@@ -37,19 +23,19 @@ def test_shift_takes_a_moved_only_copy_back_to_its_old_rank():
     it can go back to rank 0, which drops one of its copies of expert 0 (three copies), while
     rank 1 takes a second copy of expert 3, which it held: 3.5 and 3.5, nothing moves."""
     w = [[3.0, 1.0, 1.0, 2.0]]
-    out = _shift(w, NEW, OLD, [4.0], [0, 0])
+    out = on_moved(shift_held, w, NEW, OLD, [4.0], [0, 0])
     held = held_by_rank(OLD, 4)
     assert moves3(held, NEW)[0] == 1 and moves3(held, out)[0] == 0
     np.testing.assert_array_equal(out, [[[1, 0, 2], [0, 3, 3]]])
-    np.testing.assert_allclose(_peak(w, out), [3.5])
+    np.testing.assert_allclose(peak_of(w, out), [3.5])
 
 
 def test_shift_keeps_the_answer_where_the_limit_forbids_it():
     """Loads 3, 1, 1, 0.2: the shift would put 3.5 on rank 0 (expert 0 split in two, not three),
     over the limit 3 the answer keeps: nothing changes."""
     w = [[3.0, 1.0, 1.0, 0.2]]
-    np.testing.assert_array_equal(_shift(w, NEW, OLD, [3.0], [0, 0]), NEW)
-    assert _shift(w, NEW, OLD, [3.5], [0, 0])[0, 1, 2] == 3  # at 3.5 it fits
+    np.testing.assert_array_equal(on_moved(shift_held, w, NEW, OLD, [3.0], [0, 0]), NEW)
+    assert on_moved(shift_held, w, NEW, OLD, [3.5], [0, 0])[0, 1, 2] == 3  # at 3.5 it fits
 
 
 def test_shift_stays_on_the_experts_node():
@@ -60,10 +46,10 @@ def test_shift_stays_on_the_experts_node():
     old = np.array([[[0, 1], [0, 2], [3, 4], [3, 5]]])
     new = np.array([[[0, 1], [2, 4], [3, 3], [3, 5]]])
     w = np.ones((1, 6))
-    flat = _shift(w, new, old, [10.0], [0, 0, 0, 0])
+    flat = on_moved(shift_held, w, new, old, [10.0], [0, 0, 0, 0])
     np.testing.assert_array_equal(flat, [[[0, 1], [2, 0], [4, 3], [3, 5]]])
     assert moves3(held_by_rank(old, 6), flat)[0] == 0
-    np.testing.assert_array_equal(_shift(w, new, old, [10.0], [0, 0, 1, 1]), new)
+    np.testing.assert_array_equal(on_moved(shift_held, w, new, old, [10.0], [0, 0, 1, 1]), new)
 
 
 def test_shift_compiled_equals_numpy(monkeypatch):
@@ -71,24 +57,8 @@ def test_shift_compiled_equals_numpy(monkeypatch):
     instances: 2, 3 and 9 slots per rank, one to four nodes, dead ranks, integer loads (ties)
     and limits at the answer's peak or above; the compiled path ran, and shifts happened."""
     pytest.importorskip("numba")
-    from moeshard.eplb import fill_kernel, shift
-
-    monkeypatch.setattr(shift, "_JIT_FROM", 0)
-    calls = count_calls(monkeypatch, fill_kernel, "shift_rounds")
-    rng = np.random.default_rng(7)
-    changed = 0
-    for trial in range(60):
-        num_ranks, s, num_nodes = [(4, 2, 1), (8, 9, 2), (8, 3, 4)][trial % 3]
-        w, new, old, node_of_rank = random_moved_instance(rng, num_ranks, s, num_nodes, dead=trial % 2)
-        num_e = w.shape[1]
-        peak = _peak(w, new)
-        thr = peak if trial % 4 == 0 else peak * rng.uniform(1.0, 1.2, len(peak))
-        got = compiled_and_numpy(
-            monkeypatch, lambda: shift_held(w, new, old, held_by_rank(old, num_e), thr, node_of_rank)
-        )
-        np.testing.assert_array_equal(got["compiled"], got["numpy"])
-        changed += int((got["numpy"] != new).sum())
-    assert len(calls) == 60 and changed > 100, (len(calls), changed)
+    changed = moved_passes_agree(monkeypatch, "shift_rounds", shift_held, seed=7)
+    assert changed > 100, changed
 
 
 @pytest.mark.parametrize("groups, seed", [(8, 1), (None, 3)])
@@ -97,25 +67,5 @@ def test_aware_policy_moves_fewer_copies_with_shift(groups, seed, monkeypatch):
     the pass moves no more copies per layer than without it and fewer in all; every layer
     within the limit, each answer a valid placement (groups on one node each). The global
     policy leaves the pass less to do (all ranks near the limit): a trace where it saves some."""
-    from moeshard.eplb import aware
-
-    cfg = dict(HIER16, num_groups=groups)
     trace = zipf_trace(8, 128, 4, seed=seed, alpha=1.2, drift=0.1)
-    cur = eplb.rebalance(trace[0], **cfg, migration_aware=False)
-    kw = dict(tolerance=0.01, relative_to="oblivious")
-    fewer = 0
-    for load in trace[1:]:
-        new = eplb.rebalance(load, cur, **cfg, **kw)
-        monkeypatch.setattr(aware, "shift_held", lambda w, p2l, *a: p2l)
-        without = eplb.rebalance(load, cur, **cfg, **kw)
-        monkeypatch.undo()
-        check_valid(new, cfg, np.ones(16, dtype=bool))
-        obl = eplb.rebalance(load, **cfg, migration_aware=False)
-        assert (eplb.balance(load, new, 16) <= eplb.balance(load, obl, 16) * 1.01 * (1 + 1e-12)).all()
-        held = held_by_rank(cur.phy2log.reshape(8, 16, 9), 128)
-        m_new = moves3(held, new.phy2log.reshape(8, 16, 9))
-        m_without = moves3(held, without.phy2log.reshape(8, 16, 9))
-        assert (m_new <= m_without).all(), (m_new, m_without)
-        fewer += int(m_without.sum() - m_new.sum())
-        cur = new
-    assert fewer > 0
+    assert pass_saves_copies(monkeypatch, "shift_held", dict(HIER16, num_groups=groups), trace) > 0

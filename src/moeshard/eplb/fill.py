@@ -39,29 +39,45 @@ def fill_held(
     ``old3`` ``int[L, R, S]`` the old slots (dead ranks -1), ``held_old`` ``bool[L, R, E]``
     which ranks held which experts, ``node_of_rank`` ``int[R]`` (all 0 where any expert may be
     on any rank). Returns a new ``int[L, R, S]``; pure."""
+    return rounds_on_layers("fill_rounds", _one_round, w, p2l, old3, held_old, thr, node_of_rank)
+
+
+def rounds_on_layers(compiled_name: str, one_round, w, p2l, old3, held_old, thr, node_of_rank) -> np.ndarray:
+    """Rounds of a greedy pass on the moved copies of ``p2l`` ``int[L, R, S]`` (arguments as
+    :func:`fill_held`'s): the compiled rounds ``fill_kernel.<compiled_name>`` where numba is
+    installed and the placement is a model's, else ``one_round`` (numpy, one change per layer
+    and node and round; returns the layers changed) until no layer changes. A layer whose
+    experts span nodes (not the policies' answers) might add up over the limit, or lose an
+    expert's last copy, from changes checked one by one: it keeps its copies. Pure."""
     out = p2l.copy()
-    num_layers, num_ranks, s = p2l.shape
+    num_layers, _, s = p2l.shape
     num_logical = w.shape[1]
     num_nodes = int(node_of_rank.max(initial=0)) + 1
     compiled = jit.kernel("fill_kernel", p2l.size, _JIT_FROM) if w.dtype == thr.dtype == np.float64 else None
     if compiled is not None and s <= compiled.MAX_SLOTS:
         fast = np.ascontiguousarray(out, dtype=np.int64)
         args = (np.ascontiguousarray(old3, dtype=np.int64), np.ascontiguousarray(held_old, dtype=bool))
-        compiled.fill_rounds(
+        getattr(compiled, compiled_name)(
             np.ascontiguousarray(w), fast, *args, np.ascontiguousarray(thr), node_of_rank.astype(np.int64), num_nodes
         )
         out = fast.astype(p2l.dtype, copy=False)
     else:
         active = np.arange(num_layers)
         while len(active):
-            active = _one_round(w, out, old3, held_old, thr, node_of_rank, num_nodes, num_logical, active)
-    # a layer whose experts span nodes (not the policies' answers) might add up over the
-    # limit, or lose an expert's last copy, from replacements checked one by one: it keeps
-    # its copies
+            active = one_round(w, out, old3, held_old, thr, node_of_rank, num_nodes, num_logical, active)
     cnt = copy_counts(out, num_logical)
     bad = (max_rank_load(w, out, cnt) > thr) | ((cnt == 0) & (copy_counts(p2l, num_logical) > 0)).any(1)
     out[bad] = p2l[bad]
     return out
+
+
+def lightest_per_node(k: np.ndarray, key: np.ndarray, peak: np.ndarray) -> np.ndarray:
+    """``int[M]``: of the candidates ``k`` ``int[K]`` (indices into ``key`` ``int[C]``, a
+    candidate's layer and node, and ``peak`` ``float[C]``), per key the one of the lightest
+    peak, the first in ``k``'s order on ties."""
+    order = np.lexsort((k, peak[k], key[k]))
+    k = k[order]
+    return k[np.r_[True, key[k][1:] != key[k][:-1]]]
 
 
 def _one_round(w, out, old3, held_old, thr, node_of_rank, num_nodes, num_logical, active) -> np.ndarray:
@@ -111,12 +127,8 @@ def _one_round(w, out, old3, held_old, thr, node_of_rank, num_nodes, num_logical
     fits = peak <= thr[active[a]]
     if not fits.any():
         return np.zeros(0, dtype=np.int64)
-    k = k[fits]
     # one replacement per layer and node: those of different nodes touch different ranks and
     # experts (every copy of e and f is on the node), so each is checked exactly as it is
-    key = a[k] * num_nodes + node_of_rank[r[k]]
-    order = np.lexsort((k, peak[k], key))
-    k = k[order]
-    first = k[np.r_[True, key[order][1:] != key[order][:-1]]]
+    first = lightest_per_node(k[fits], a * num_nodes + node_of_rank[r], peak)
     out[active[a[first]], r[first], j[first]] = f[first]
     return np.unique(active[a[first]])

@@ -31,17 +31,8 @@ def fill_rounds(w, out, old3, held_old, thr, node_of_rank, num_nodes):
     """
     num_layers, num_ranks, num_s = out.shape
     num_e = w.shape[1]
-    cnt = np.zeros(num_e, dtype=np.int64)
-    nh = np.zeros(num_e, dtype=np.int64)
-    per_rank = np.zeros((num_ranks, num_e), dtype=np.int64)
-    on_node = np.zeros((num_nodes, num_e), dtype=np.bool_)
-    wc = np.empty(num_e)
-    buf = np.empty(num_s)
-    loads = np.empty(num_ranks)
-    # ranks holding each expert (each rank once), as lists in ``hold`` from ``start``
-    start = np.zeros(num_e + 1, dtype=np.int64)
-    fill = np.empty(num_e, dtype=np.int64)
-    hold = np.empty(num_ranks * num_s, dtype=np.int64)
+    t = _alloc(num_ranks, num_s, num_e, num_nodes)
+    cnt, per_rank, on_node, loads, start, hold = t[0], t[2], t[3], t[6], t[7], t[9]
     best_pk = np.empty(num_nodes)
     best_r = np.empty(num_nodes, dtype=np.int64)
     best_j = np.empty(num_nodes, dtype=np.int64)
@@ -49,29 +40,7 @@ def fill_rounds(w, out, old3, held_old, thr, node_of_rank, num_nodes):
     for lay in range(num_layers):
         lim = thr[lay]
         while True:
-            # counts, the rank loads and each expert's ranks (from the slots: a rank's
-            # copies of an expert counted at its first)
-            for r in range(num_ranks):
-                for s in range(num_s):
-                    e = out[lay, r, s]
-                    if e >= 0:
-                        cnt[e] += 1
-                        if per_rank[r, e] == 0:
-                            nh[e] += 1
-                        per_rank[r, e] += 1
-                        on_node[node_of_rank[r], e] = True
-            for e in range(num_e):
-                wc[e] = w[lay, e] / cnt[e] if cnt[e] > 0 else 0.0
-                start[e + 1] = start[e] + nh[e]
-                fill[e] = start[e]
-            for r in range(num_ranks):
-                for s in range(num_s):
-                    e = out[lay, r, s]
-                    buf[s] = wc[e] if e >= 0 else 0.0
-                    if e >= 0 and (fill[e] == start[e] or hold[fill[e] - 1] != r):
-                        hold[fill[e]] = r
-                        fill[e] += 1
-                loads[r] = 0.0 + pairwise_sum(buf, 0, num_s)
+            _tables(w, out, lay, node_of_rank, t)
             by_load = np.argsort(-loads)  # the heaviest untouched rank: any of equal loads
             for n in range(num_nodes):
                 best_r[n] = -1
@@ -112,14 +81,7 @@ def fill_rounds(w, out, old3, held_old, thr, node_of_rank, num_nodes):
                             best_r[node] = r
                             best_j[node] = j
                             best_f[node] = f
-            for r in range(num_ranks):  # back to zero for the next round
-                for s in range(num_s):
-                    e = out[lay, r, s]
-                    if e >= 0:
-                        cnt[e] = 0
-                        nh[e] = 0
-                        per_rank[r, e] = 0
-                        on_node[node_of_rank[r], e] = False
+            _clear(out, lay, node_of_rank, t)  # back to zero for the next round
             taken = False
             for n in range(num_nodes):
                 if best_r[n] >= 0:
@@ -138,16 +100,8 @@ def shift_rounds(w, out, old3, held_old, thr, node_of_rank, num_nodes):
     :func:`fill_rounds`'."""
     num_layers, num_ranks, num_s = out.shape
     num_e = w.shape[1]
-    cnt = np.zeros(num_e, dtype=np.int64)
-    nh = np.zeros(num_e, dtype=np.int64)
-    per_rank = np.zeros((num_ranks, num_e), dtype=np.int64)
-    on_node = np.zeros((num_nodes, num_e), dtype=np.bool_)
-    wc = np.empty(num_e)
-    buf = np.empty(num_s)
-    loads = np.empty(num_ranks)
-    start = np.zeros(num_e + 1, dtype=np.int64)
-    fill = np.empty(num_e, dtype=np.int64)
-    hold = np.empty(num_ranks * num_s, dtype=np.int64)
+    t = _alloc(num_ranks, num_s, num_e, num_nodes)
+    cnt, per_rank, on_node, wc, loads, start, hold = t[0], t[2], t[3], t[4], t[6], t[7], t[9]
     best_pk = np.empty(num_nodes)
     best_a = np.empty(num_nodes, dtype=np.int64)
     best_i = np.empty(num_nodes, dtype=np.int64)
@@ -157,27 +111,7 @@ def shift_rounds(w, out, old3, held_old, thr, node_of_rank, num_nodes):
     for lay in range(num_layers):
         lim = thr[lay]
         while True:
-            for r in range(num_ranks):
-                for s in range(num_s):
-                    e = out[lay, r, s]
-                    if e >= 0:
-                        cnt[e] += 1
-                        if per_rank[r, e] == 0:
-                            nh[e] += 1
-                        per_rank[r, e] += 1
-                        on_node[node_of_rank[r], e] = True
-            for e in range(num_e):
-                wc[e] = w[lay, e] / cnt[e] if cnt[e] > 0 else 0.0
-                start[e + 1] = start[e] + nh[e]
-                fill[e] = start[e]
-            for r in range(num_ranks):
-                for s in range(num_s):
-                    e = out[lay, r, s]
-                    buf[s] = wc[e] if e >= 0 else 0.0
-                    if e >= 0 and (fill[e] == start[e] or hold[fill[e] - 1] != r):
-                        hold[fill[e]] = r
-                        fill[e] += 1
-                loads[r] = 0.0 + pairwise_sum(buf, 0, num_s)
+            _tables(w, out, lay, node_of_rank, t)
             by_load = np.argsort(-loads)
             for n in range(num_nodes):
                 best_a[n] = -1
@@ -209,8 +143,8 @@ def shift_rounds(w, out, old3, held_old, thr, node_of_rank, num_nodes):
                                 own_a = wz / (cz + 1) - wx
                                 # ranks other than a and b without y or z keep their load
                                 peak = -np.inf
-                                for t in range(num_ranks):
-                                    q = by_load[t]
+                                for k in range(num_ranks):
+                                    q = by_load[k]
                                     if q != a and q != b and per_rank[q, y] == 0 and per_rank[q, z] == 0:
                                         peak = loads[q]
                                         break
@@ -236,14 +170,7 @@ def shift_rounds(w, out, old3, held_old, thr, node_of_rank, num_nodes):
                                     best_b[node] = b
                                     best_j[node] = j
                                     best_z[node] = z
-            for r in range(num_ranks):
-                for s in range(num_s):
-                    e = out[lay, r, s]
-                    if e >= 0:
-                        cnt[e] = 0
-                        nh[e] = 0
-                        per_rank[r, e] = 0
-                        on_node[node_of_rank[r], e] = False
+            _clear(out, lay, node_of_rank, t)
             taken = False
             for n in range(num_nodes):
                 if best_a[n] >= 0:
@@ -252,3 +179,66 @@ def shift_rounds(w, out, old3, held_old, thr, node_of_rank, num_nodes):
                     taken = True
             if not taken:
                 break
+
+
+@numba.njit(cache=True, nogil=True)
+def _alloc(num_ranks, num_s, num_e, num_nodes):
+    """The round's tables (all zero): copy counts ``cnt``, ranks holding each expert ``nh``,
+    copies per rank ``per_rank``, experts on each node ``on_node``, per-copy loads ``wc``, a
+    rank's slot loads ``buf``, rank loads ``loads`` and the ranks holding each expert (each
+    rank once) ``hold[start[e]:start[e + 1]]`` (``fill``: the next free place)."""
+    return (
+        np.zeros(num_e, dtype=np.int64),
+        np.zeros(num_e, dtype=np.int64),
+        np.zeros((num_ranks, num_e), dtype=np.int64),
+        np.zeros((num_nodes, num_e), dtype=np.bool_),
+        np.empty(num_e),
+        np.empty(num_s),
+        np.empty(num_ranks),
+        np.zeros(num_e + 1, dtype=np.int64),
+        np.empty(num_e, dtype=np.int64),
+        np.empty(num_ranks * num_s, dtype=np.int64),
+    )
+
+
+@numba.njit(cache=True, nogil=True)
+def _tables(w, out, lay, node_of_rank, t):
+    """Fill the tables ``t`` (:func:`_alloc`) from layer ``lay`` of ``out``: a rank's copies of an
+    expert counted at its first; rank loads summed as numpy sums them."""
+    cnt, nh, per_rank, on_node, wc, buf, loads, start, fill, hold = t
+    num_ranks, num_s = out.shape[1], out.shape[2]
+    for r in range(num_ranks):
+        for s in range(num_s):
+            e = out[lay, r, s]
+            if e >= 0:
+                cnt[e] += 1
+                if per_rank[r, e] == 0:
+                    nh[e] += 1
+                per_rank[r, e] += 1
+                on_node[node_of_rank[r], e] = True
+    for e in range(len(cnt)):
+        wc[e] = w[lay, e] / cnt[e] if cnt[e] > 0 else 0.0
+        start[e + 1] = start[e] + nh[e]
+        fill[e] = start[e]
+    for r in range(num_ranks):
+        for s in range(num_s):
+            e = out[lay, r, s]
+            buf[s] = wc[e] if e >= 0 else 0.0
+            if e >= 0 and (fill[e] == start[e] or hold[fill[e] - 1] != r):
+                hold[fill[e]] = r
+                fill[e] += 1
+        loads[r] = 0.0 + pairwise_sum(buf, 0, num_s)
+
+
+@numba.njit(cache=True, nogil=True)
+def _clear(out, lay, node_of_rank, t):
+    """The tables ``t`` back to zero where layer ``lay`` of ``out`` set them."""
+    cnt, nh, per_rank, on_node = t[0], t[1], t[2], t[3]
+    for r in range(out.shape[1]):
+        for s in range(out.shape[2]):
+            e = out[lay, r, s]
+            if e >= 0:
+                cnt[e] = 0
+                nh[e] = 0
+                per_rank[r, e] = 0
+                on_node[node_of_rank[r], e] = False

@@ -21,12 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import jit
-from .metrics import copy_counts, count_last, load_per_copy, max_rank_load
-
-# placements of at least this many slots (layers x ranks x slots) take the compiled rounds
-# where numba is installed (``fill_kernel``; ``MOESHARD_EPLB_JIT=0`` keeps numpy's)
-_JIT_FROM = 4096
+from .fill import lightest_per_node, rounds_on_layers
+from .metrics import count_last, load_per_copy
 
 
 def shift_held(
@@ -37,28 +33,7 @@ def shift_held(
     within ``thr`` ``float[L]``. ``w`` ``float[L, E]`` loads, ``old3`` ``int[L, R, S]`` the
     old slots (dead ranks -1), ``held_old`` ``bool[L, R, E]``, ``node_of_rank`` ``int[R]``
     (all 0 where any expert may be on any rank). Returns a new ``int[L, R, S]``; pure."""
-    out = p2l.copy()
-    num_layers, _, s = p2l.shape
-    num_logical = w.shape[1]
-    num_nodes = int(node_of_rank.max(initial=0)) + 1
-    compiled = jit.kernel("fill_kernel", p2l.size, _JIT_FROM) if w.dtype == thr.dtype == np.float64 else None
-    if compiled is not None and s <= compiled.MAX_SLOTS:
-        fast = np.ascontiguousarray(out, dtype=np.int64)
-        args = (np.ascontiguousarray(old3, dtype=np.int64), np.ascontiguousarray(held_old, dtype=bool))
-        compiled.shift_rounds(
-            np.ascontiguousarray(w), fast, *args, np.ascontiguousarray(thr), node_of_rank.astype(np.int64), num_nodes
-        )
-        out = fast.astype(p2l.dtype, copy=False)
-    else:
-        active = np.arange(num_layers)
-        while len(active):
-            active = _one_round(w, out, old3, held_old, thr, node_of_rank, num_nodes, num_logical, active)
-    # a layer whose experts span nodes (not the policies' answers) might add up over the
-    # limit, or lose an expert's last copy, from shifts checked one by one: it keeps its copies
-    cnt = copy_counts(out, num_logical)
-    bad = (max_rank_load(w, out, cnt) > thr) | ((cnt == 0) & (copy_counts(p2l, num_logical) > 0)).any(1)
-    out[bad] = p2l[bad]
-    return out
+    return rounds_on_layers("shift_rounds", _one_round, w, p2l, old3, held_old, thr, node_of_rank)
 
 
 def _one_round(w, out, old3, held_old, thr, node_of_rank, num_nodes, num_logical, active) -> np.ndarray:
@@ -111,12 +86,8 @@ def _one_round(w, out, old3, held_old, thr, node_of_rank, num_nodes, num_logical
     fits = peak <= thr[active[la]]
     if not fits.any():
         return np.zeros(0, dtype=np.int64)
-    k = k[fits]
     # one shift per layer and node: those of different nodes touch different ranks and experts
-    key = la[k] * num_nodes + node_of_rank[ra[k]]
-    order = np.lexsort((k, peak[k], key))
-    k = k[order]
-    first = k[np.r_[True, key[order][1:] != key[order][:-1]]]
+    first = lightest_per_node(k[fits], la * num_nodes + node_of_rank[ra], peak)
     out[active[la[first]], ra[first], ia[first]] = z[first]
     out[active[la[first]], rb[first], jb[first]] = x[first]
     return np.unique(active[la[first]])
