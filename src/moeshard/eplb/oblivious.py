@@ -54,7 +54,7 @@ import numpy as np
 
 from . import jit
 from .inputs import Shape
-from .metrics import count_last, load_per_copy, max_rank_load
+from .metrics import count_last, load_per_copy, max_rank_load, slot_sums
 from .refine import lower_peak
 
 # Packings of at least this many items (rows x items) run compiled where numba is installed
@@ -648,10 +648,9 @@ def group_packs(w: np.ndarray, sh: Shape, group_node: np.ndarray, limit: np.ndar
 
 def _node_peaks(w: np.ndarray, ans: ObliviousAnswer) -> np.ndarray:
     """``float[L, N]``: the heaviest rank of each node of ``ans`` under the loads ``w``."""
-    wc = load_per_copy(w, ans.cnt)
-    p = ans.packs  # [L, N, live_per_node, S]
-    li = np.arange(w.shape[0])[:, None, None, None]
-    return np.where(p >= 0, wc[li, np.maximum(p, 0)], 0.0).sum(-1).max(-1)
+    num_layers, n, live, s = ans.packs.shape
+    loads = slot_sums(load_per_copy(w, ans.cnt), ans.packs.reshape(num_layers, n * live, s))
+    return loads.reshape(num_layers, n, live).max(-1)
 
 
 def oblivious_policy(w: np.ndarray, sh: Shape, ref: ObliviousAnswer | None = None) -> ObliviousAnswer:
