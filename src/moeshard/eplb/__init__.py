@@ -36,7 +36,8 @@ groups must change node, also with the assignments of groups to nodes that move 
 copies), else takes the oblivious answer's packing of the node with copies swapped back to their old ranks,
 and per layer the candidate within the limit with the fewest moved copies (the oblivious and
 the reference's answers always are ones); last, moved copies are replaced by copies of experts
-their rank already holds where the limit allows (nothing travels for those). It is not held
+their rank already holds, or shifted to ranks of their node that held them, where the limit
+allows (nothing travels for those). It is not held
 to the oblivious answer's balance (often better than the reference's): that would move 2-3.5x as many copies. Like the
 reference, it may put two copies of an expert on one rank. With ``tolerance_scope="step"`` the
 tolerance holds on the call's mean balance over layers instead (each layer solved under a few
@@ -70,7 +71,8 @@ Modules, each built on those above it:
 * ``replicas``: replica budgets per layer (:func:`rebalance_replicas`), global and hierarchical;
 * ``report``: :class:`RebalanceReport`;
 * ``fill``: moved copies replaced by copies of experts their rank held (the aware policy's
-  last pass);
+  last passes, and their shared rounds);
+* ``shift``: moved copies shifted to ranks of their node that held them;
 * ``aware``: the migration-aware policy (per node and layer, the candidate that moves fewest
   copies);
 * here: :func:`rebalance`, the entry point, and :func:`reference`.
