@@ -87,6 +87,7 @@ from .inputs import Shape
 from .metrics import (
     as_float,
     copy_counts,
+    first_min_per_key,
     held_by_rank,
     load_per_copy,
     max_over_mean,
@@ -592,8 +593,8 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None, known=N
     # expert), the old counts with fewest changes that bring every copy within a fraction of
     # it: the hot expert gets about the copies it needs, where the cap above may give it more
     over_t = heaviest(cnt_k) > thr_rows * (1 + EPS)
-    at_t = np.flatnonzero(~as_is & ~hopeless & over_t) if _CAP_OF_LIMIT else np.zeros(0, dtype=np.int64)
-    cnt_t = capped_counts(wr[at_t], cnt_k[at_t], thr_rows[at_t] * (_CAP_OF_LIMIT or 1.0))
+    at_t = np.flatnonzero(~as_is & ~hopeless & over_t & (_CAP_OF_LIMIT is not None))
+    cnt_t = capped_counts(wr[at_t], cnt_k[at_t], thr_rows[at_t] * (_CAP_OF_LIMIT or 0.0))
     wc_t = load_per_copy(wr[at_t], cnt_t)
     # the oblivious answer's counts on the tight nodes where they fill the node's slots
     if obl_cnt is None:
@@ -638,8 +639,7 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None, known=N
         # held_old's node rows are those of old_rows (both from old3)
         moved_h = moved_per_rank(held_old.reshape(num_layers * n, rpn, -1), hp, hot_rows).sum(1)
         score = np.where(peak_h <= thr_rows[hot_rows] * (1 + _SLACK), moved_h, np.iinfo(np.int64).max)
-        order = np.lexsort((np.arange(len(hot_rows)), score, hot_rows))
-        first = order[np.r_[True, hot_rows[order][1:] != hot_rows[order][:-1]]]
+        first = first_min_per_key(hot_rows, score)
         first = first[score[first] < np.iinfo(np.int64).max]
         if len(first):
             # the layers with a variant: the choice above against their variants (ties to it)
@@ -1008,8 +1008,7 @@ def _aware(
     ok = ~hopeless & _within(w[lay], cand, limit[lay])
     mv = np.where(ok, moves3(held_old[lay], cand), np.iinfo(np.int64).max)
     # per layer, the variant that moves fewest copies (first on ties)
-    order = np.lexsort((np.arange(len(lay)), mv, lay))
-    first = order[np.r_[True, lay[order][1:] != lay[order][:-1]]]
+    first = first_min_per_key(lay, mv)
     better = mv[first] < best_moves[lay[first]]
     best[lay[first][better]] = cand[first][better]
     # Copies swapped back to ranks that held them where both ranks stay within the limit (the

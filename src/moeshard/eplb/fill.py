@@ -20,10 +20,12 @@ its rank stays).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from . import jit
-from .metrics import copy_counts, count_last, load_per_copy, max_rank_load
+from .metrics import copy_counts, count_last, first_min_per_key, load_per_copy, max_rank_load, slot_sums
 
 # placements of at least this many slots (layers x ranks x slots) take the compiled rounds
 # where numba is installed (``fill_kernel``; ``MOESHARD_EPLB_JIT=0`` keeps numpy's)
@@ -71,64 +73,79 @@ def rounds_on_layers(compiled_name: str, one_round, w, p2l, old3, held_old, thr,
     return out
 
 
-def lightest_per_node(k: np.ndarray, key: np.ndarray, peak: np.ndarray) -> np.ndarray:
-    """``int[M]``: of the candidates ``k`` ``int[K]`` (indices into ``key`` ``int[C]``, a
-    candidate's layer and node, and ``peak`` ``float[C]``), per key the one of the lightest
-    peak, the first in ``k``'s order on ties."""
-    order = np.lexsort((k, peak[k], key[k]))
-    k = k[order]
-    return k[np.r_[True, key[k][1:] != key[k][:-1]]]
+class LayerTables(NamedTuple):
+    """A round's view of layers ``[A, R, S]``: copy counts ``cnt`` ``int[A, E]``, per-copy loads
+    ``wc`` ``float[A, E]``, rank loads ``loads`` ``float[A, R]``, copies per rank ``per_rank``
+    ``int[A, R, E + 1]`` (last column: empty slots) and experts on each node ``on_node``
+    ``bool[A, N, E + 1]``."""
+
+    cnt: np.ndarray
+    wc: np.ndarray
+    loads: np.ndarray
+    per_rank: np.ndarray
+    on_node: np.ndarray
+
+
+def layer_tables(wa: np.ndarray, p: np.ndarray, node_of_rank: np.ndarray, num_nodes: int) -> LayerTables:
+    """:class:`LayerTables` of the layers ``p`` ``int[A, R, S]`` under loads ``wa``
+    ``float[A, E]``."""
+    num_a, num_ranks, _ = p.shape
+    num_logical = wa.shape[1]
+    cnt = count_last(p.reshape(num_a, -1), num_logical)[:, :num_logical]
+    wc = load_per_copy(wa, cnt)
+    on_node = np.zeros((num_a, num_nodes, num_logical + 1), dtype=bool)
+    on_node[np.arange(num_a)[:, None, None], node_of_rank[None, :, None], np.where(p >= 0, p, num_logical)] = True
+    return LayerTables(cnt, wc, slot_sums(wc, p), count_last(p, num_logical), on_node)
+
+
+def loads_after(t: LayerTables, wa: np.ndarray, la: np.ndarray, minus: np.ndarray, plus: np.ndarray):
+    """Rank loads ``float[K, R]`` of layers ``la`` ``int[K]`` once expert ``minus`` ``int[K]``
+    has one copy fewer and ``plus`` one more, every copy where it is (the caller adds the
+    slot's own change), and the new per-copy loads of ``minus`` and ``plus`` ``float[K]``."""
+    wm, wp = wa[la, minus], wa[la, plus]
+    cm, cp = t.cnt[la, minus], t.cnt[la, plus]
+    after_m, after_p = wm / (cm - 1), wp / (cp + 1)
+    d_m = after_m - wm / cm  # each copy of minus left carries more
+    d_p = after_p - wp / cp  # each copy of plus carries less
+    new = t.loads[la] + t.per_rank[la, :, minus] * d_m[:, None] + t.per_rank[la, :, plus] * d_p[:, None]
+    return new, after_m, after_p
 
 
 def _one_round(w, out, old3, held_old, thr, node_of_rank, num_nodes, num_logical, active) -> np.ndarray:
     """One replacement (the lightest heaviest rank after it) on each layer of ``active``
     ``int[A]`` that has one within ``thr``, in place on ``out``; returns those layers."""
     p = out[active]  # [A, R, S]
-    num_a, num_ranks, s = p.shape
-    cnt = count_last(p.reshape(num_a, -1), num_logical)[:, :num_logical]  # [A, E]
-    ai = np.arange(num_a)[:, None, None]
+    num_ranks = p.shape[1]
     ri = np.arange(num_ranks)[None, :, None]
     pe = np.maximum(p, 0)
+    cnt = count_last(p.reshape(len(p), -1), num_logical)[:, :num_logical]  # [A, E]
     # moved copies of experts with another copy
-    moved = (p >= 0) & ~held_old[active[:, None, None], ri, pe] & (cnt[ai, pe] >= 2)
+    moved = (p >= 0) & ~held_old[active[:, None, None], ri, pe] & (cnt[np.arange(len(p))[:, None, None], pe] >= 2)
     some = moved.any((1, 2))
     if not some.all():  # the rest of the work on the layers that have any
-        active, p, pe, cnt, moved = active[some], p[some], pe[some], cnt[some], moved[some]
-        num_a = len(active)
-        ai = ai[:num_a]
+        active, p, moved = active[some], p[some], moved[some]
     a, r, j = np.nonzero(moved)
     if not len(a):
         return a
+    wa = w[active]
+    t = layer_tables(wa, p, node_of_rank, num_nodes)
     # candidates: the experts the rank held (its old slots), already on the rank's node
     f = old3[active[a], r]  # [M, S]
-    on_node = np.zeros((num_a, num_nodes, num_logical + 1), dtype=bool)
-    on_node[ai, node_of_rank[None, :, None], np.where(p >= 0, p, num_logical)] = True
     e = p[a, r, j]
-    ok = (f >= 0) & (f != e[:, None]) & on_node[a[:, None], node_of_rank[r][:, None], np.maximum(f, 0)]
+    ok = (f >= 0) & (f != e[:, None]) & t.on_node[a[:, None], node_of_rank[r][:, None], np.maximum(f, 0)]
     m, col = np.nonzero(ok)
     if not len(m):
         return m
     a, r, j, e, f = a[m], r[m], j[m], e[m], f[m, col]
-    wa = w[active]
-    wc = load_per_copy(wa, cnt)
-    loads = np.where(p >= 0, wc[ai, pe], 0.0).sum(-1)  # [A, R]
-    # copies of e and f per rank, [K, R]
-    per_rank = count_last(p, num_logical)  # [A, R, E + 1]
-    n_e = per_rank[a, :, e]
-    n_f = per_rank[a, :, f]
-    we, wf = wa[a, e], wa[a, f]
-    ce, cf = cnt[a, e], cnt[a, f]
-    d_e = we / (ce - 1) - we / ce  # each copy of e left carries more
-    d_f = wf / (cf + 1) - wf / cf  # each copy of f carries less
-    new = loads[a] + n_e * d_e[:, None] + n_f * d_f[:, None]  # [K, R]
+    new, after_e, after_f = loads_after(t, wa, a, e, f)  # [K, R]
     k = np.arange(len(a))
-    new[k, r] += wf / (cf + 1) - we / (ce - 1)  # the slot itself: e's copy out, f's in
+    new[k, r] += after_f - after_e  # the slot itself: e's copy out, f's in
     peak = new.max(1)
     fits = peak <= thr[active[a]]
     if not fits.any():
         return np.zeros(0, dtype=np.int64)
     # one replacement per layer and node: those of different nodes touch different ranks and
     # experts (every copy of e and f is on the node), so each is checked exactly as it is
-    first = lightest_per_node(k[fits], a * num_nodes + node_of_rank[r], peak)
+    first = first_min_per_key(a * num_nodes + node_of_rank[r], peak, k[fits])
     out[active[a[first]], r[first], j[first]] = f[first]
     return np.unique(active[a[first]])

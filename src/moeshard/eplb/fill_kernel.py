@@ -32,7 +32,7 @@ def fill_rounds(w, out, old3, held_old, thr, node_of_rank, num_nodes):
     num_layers, num_ranks, num_s = out.shape
     num_e = w.shape[1]
     t = _alloc(num_ranks, num_s, num_e, num_nodes)
-    cnt, per_rank, on_node, loads, start, hold = t[0], t[2], t[3], t[6], t[7], t[9]
+    cnt, on_node, loads = t[0], t[3], t[6]
     best_pk = np.empty(num_nodes)
     best_r = np.empty(num_nodes, dtype=np.int64)
     best_j = np.empty(num_nodes, dtype=np.int64)
@@ -61,21 +61,7 @@ def fill_rounds(w, out, old3, held_old, thr, node_of_rank, num_nodes):
                         cf = cnt[f]
                         d_f = wf / (cf + 1) - wf / cf
                         own = wf / (cf + 1) - we / (ce - 1)
-                        # ranks without e or f (nor the slot's) keep their load
-                        peak = -np.inf
-                        for i in range(num_ranks):
-                            q = by_load[i]
-                            if q != r and per_rank[q, e] == 0 and per_rank[q, f] == 0:
-                                peak = loads[q]
-                                break
-                        for x in (e, f):
-                            for h in range(start[x], start[x + 1]):
-                                q = hold[h]
-                                v = loads[q] + per_rank[q, e] * d_e + per_rank[q, f] * d_f
-                                if q == r:
-                                    v += own
-                                if v > peak:
-                                    peak = v
+                        peak = _peak_after(t, by_load, e, f, d_e, d_f, r, own, -1, 0.0)
                         if peak <= lim and (best_r[node] < 0 or peak < best_pk[node]):
                             best_pk[node] = peak
                             best_r[node] = r
@@ -101,7 +87,7 @@ def shift_rounds(w, out, old3, held_old, thr, node_of_rank, num_nodes):
     num_layers, num_ranks, num_s = out.shape
     num_e = w.shape[1]
     t = _alloc(num_ranks, num_s, num_e, num_nodes)
-    cnt, per_rank, on_node, wc, loads, start, hold = t[0], t[2], t[3], t[4], t[6], t[7], t[9]
+    cnt, on_node, wc, loads = t[0], t[3], t[4], t[6]
     best_pk = np.empty(num_nodes)
     best_a = np.empty(num_nodes, dtype=np.int64)
     best_i = np.empty(num_nodes, dtype=np.int64)
@@ -141,28 +127,7 @@ def shift_rounds(w, out, old3, held_old, thr, node_of_rank, num_nodes):
                                 cz = cnt[z]
                                 d_z = wz / (cz + 1) - wz / cz
                                 own_a = wz / (cz + 1) - wx
-                                # ranks other than a and b without y or z keep their load
-                                peak = -np.inf
-                                for k in range(num_ranks):
-                                    q = by_load[k]
-                                    if q != a and q != b and per_rank[q, y] == 0 and per_rank[q, z] == 0:
-                                        peak = loads[q]
-                                        break
-                                for u in range(4):
-                                    if u < 2:
-                                        v_e = y if u == 0 else z
-                                        lo, hi = start[v_e], start[v_e + 1]
-                                    else:
-                                        lo, hi = 0, 1
-                                    for h in range(lo, hi):
-                                        q = hold[h] if u < 2 else (a if u == 2 else b)
-                                        v = loads[q] + per_rank[q, y] * d_y + per_rank[q, z] * d_z
-                                        if q == a:
-                                            v += own_a
-                                        if q == b:
-                                            v += own_b
-                                        if v > peak:
-                                            peak = v
+                                peak = _peak_after(t, by_load, y, z, d_y, d_z, a, own_a, b, own_b)
                                 if peak <= lim and (best_a[node] < 0 or peak < best_pk[node]):
                                     best_pk[node] = peak
                                     best_a[node] = a
@@ -242,3 +207,37 @@ def _clear(out, lay, node_of_rank, t):
                 nh[e] = 0
                 per_rank[r, e] = 0
                 on_node[node_of_rank[r], e] = False
+
+
+@numba.njit(cache=True, nogil=True)
+def _peak_after(t, by_load, m, p, d_m, d_p, ra, own_a, rb, own_b):
+    """The heaviest rank of a layer (its tables ``t``, :func:`_tables`; ``by_load`` its ranks
+    heaviest first) once expert ``m`` has one copy fewer (each left carrying ``d_m`` more) and
+    ``p`` one more (``d_p`` each), rank ``ra`` changing by ``own_a`` more and ``rb`` (-1: none)
+    by ``own_b``: numpy's loads plus the changes, summed in the numpy rounds' order."""
+    per_rank, loads, start, hold = t[2], t[6], t[7], t[9]
+    # ranks other than ra and rb without m or p keep their load
+    peak = -np.inf
+    for k in range(len(by_load)):
+        q = by_load[k]
+        if q != ra and q != rb and per_rank[q, m] == 0 and per_rank[q, p] == 0:
+            peak = loads[q]
+            break
+    # the ranks holding m or p, then ra and rb themselves (they may hold neither)
+    for u in range(4):
+        one = ra if u == 2 else rb  # u >= 2: that rank alone
+        if u < 2:
+            x = m if u == 0 else p
+            lo, hi = start[x], start[x + 1]
+        else:
+            lo, hi = 0, (1 if one >= 0 else 0)
+        for h in range(lo, hi):
+            q = hold[h] if u < 2 else one
+            v = loads[q] + per_rank[q, m] * d_m + per_rank[q, p] * d_p
+            if q == ra:
+                v += own_a
+            if q == rb:
+                v += own_b
+            if v > peak:
+                peak = v
+    return peak

@@ -88,6 +88,15 @@ def _loads_kernel(w: np.ndarray, p2l: np.ndarray):
     return compiled if len(w) == len(p2l) else None
 
 
+def first_min_per_key(key: np.ndarray, score: np.ndarray, among: np.ndarray | None = None) -> np.ndarray:
+    """``int[M]``: indices into ``key`` ``int[C]`` and ``score`` ``[C]`` of, per distinct key
+    among the candidates ``among`` ``int[K]`` (default all, in index order), the one of the
+    lowest score, the first in ``among``'s order on ties; ordered by key."""
+    k = np.arange(len(key)) if among is None else among
+    k = k[np.lexsort((k, score[k], key[k]))]
+    return k[np.r_[True, key[k][1:] != key[k][:-1]]]
+
+
 def max_rank_load(w, p2l, cnt) -> np.ndarray:
     return rank_loads3(w, p2l, cnt).max(1)
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .fill import lightest_per_node, rounds_on_layers
-from .metrics import count_last, load_per_copy
+from .fill import layer_tables, loads_after, rounds_on_layers
+from .metrics import first_min_per_key
 
 
 def shift_held(
@@ -40,12 +40,11 @@ def _one_round(w, out, old3, held_old, thr, node_of_rank, num_nodes, num_logical
     """One shift (the lightest heaviest rank after it) on each layer and node of ``active``
     ``int[A]`` that has one within ``thr``, in place on ``out``; returns the layers shifted."""
     p = out[active]  # [A, R, S]
-    num_a, num_ranks, s = p.shape
-    cnt = count_last(p.reshape(num_a, -1), num_logical)[:, :num_logical]  # [A, E]
-    ai = np.arange(num_a)[:, None, None]
+    num_ranks = p.shape[1]
+    wa = w[active]
+    t = layer_tables(wa, p, node_of_rank, num_nodes)
     ri = np.arange(num_ranks)[None, :, None]
-    pe = np.maximum(p, 0)
-    moved = (p >= 0) & ~held_old[active[:, None, None], ri, pe]
+    moved = (p >= 0) & ~held_old[active[:, None, None], ri, np.maximum(p, 0)]
     # (layer, a, slot i) of each moved copy x, in order; then the ranks b of a's node that held x
     la, ra, ia = np.nonzero(moved)
     x = p[la, ra, ia]
@@ -55,39 +54,28 @@ def _one_round(w, out, old3, held_old, thr, node_of_rank, num_nodes, num_logical
     la, ra, ia, x = la[m], ra[m], ia[m], x[m]
     # b's slot j holding y: a copy of an expert with another copy, not x
     y = p[la, rb]  # [M, S]
-    ok_y = (y >= 0) & (y != x[:, None]) & (cnt[la[:, None], np.maximum(y, 0)] >= 2)
+    ok_y = (y >= 0) & (y != x[:, None]) & (t.cnt[la[:, None], np.maximum(y, 0)] >= 2)
     m, jb = np.nonzero(ok_y)
     la, ra, ia, x, rb, y = la[m], ra[m], ia[m], x[m], rb[m], y[m, jb]
     # a's old slot holding z, an expert a held, on its node now, neither x nor y
-    on_node = np.zeros((num_a, num_nodes, num_logical + 1), dtype=bool)
-    on_node[ai, node_of_rank[None, :, None], np.where(p >= 0, p, num_logical)] = True
     z = old3[active[la], ra]  # [M, S]
-    zc = np.maximum(z, 0)
-    ok_z = (z >= 0) & (z != x[:, None]) & (z != y[:, None]) & on_node[la[:, None], node_of_rank[ra][:, None], zc]
+    on_node = t.on_node[la[:, None], node_of_rank[ra][:, None], np.maximum(z, 0)]
+    ok_z = (z >= 0) & (z != x[:, None]) & (z != y[:, None]) & on_node
     m, col = np.nonzero(ok_z)
     if not len(m):
         return m
     la, ra, ia, x, rb, jb, y, z = la[m], ra[m], ia[m], x[m], rb[m], jb[m], y[m], z[m, col]
-    wa = w[active]
-    wc = load_per_copy(wa, cnt)
-    loads = np.where(p >= 0, wc[ai, pe], 0.0).sum(-1)  # [A, R]
-    per_rank = count_last(p, num_logical)  # [A, R, E + 1]
-    n_y, n_z = per_rank[la, :, y], per_rank[la, :, z]  # [K, R]
-    wy, wz = wa[la, y], wa[la, z]
-    cy, cz = cnt[la, y], cnt[la, z]
-    d_y = wy / (cy - 1) - wy / cy  # each copy of y left carries more
-    d_z = wz / (cz + 1) - wz / cz  # each copy of z carries less
-    new = loads[la] + n_y * d_y[:, None] + n_z * d_z[:, None]  # [K, R]
+    new, after_y, after_z = loads_after(t, wa, la, y, z)  # [K, R]
     k = np.arange(len(la))
-    wx = wc[la, x]
-    new[k, ra] += wz / (cz + 1) - wx  # a: x out, z in
-    new[k, rb] += wx - wy / (cy - 1)  # b: y out, x in
+    wx = t.wc[la, x]
+    new[k, ra] += after_z - wx  # a: x out, z in
+    new[k, rb] += wx - after_y  # b: y out, x in
     peak = new.max(1)
     fits = peak <= thr[active[la]]
     if not fits.any():
         return np.zeros(0, dtype=np.int64)
     # one shift per layer and node: those of different nodes touch different ranks and experts
-    first = lightest_per_node(k[fits], la * num_nodes + node_of_rank[ra], peak)
+    first = first_min_per_key(la * num_nodes + node_of_rank[ra], peak, k[fits])
     out[active[la[first]], ra[first], ia[first]] = z[first]
     out[active[la[first]], rb[first], jb[first]] = x[first]
     return np.unique(active[la[first]])
