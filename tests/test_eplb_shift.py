@@ -61,7 +61,7 @@ def test_shift_compiled_equals_numpy(monkeypatch):
     assert changed > 100, changed
 
 
-@pytest.mark.parametrize("groups, seed", [(8, 1), (None, 3)])
+@pytest.mark.parametrize("groups, seed", [(8, 1), (None, 0)])
 def test_aware_policy_moves_fewer_copies_with_shift(groups, seed, monkeypatch):
     """Over a drifting trace (1 % over the oblivious answer per layer), the aware policy with
     the pass moves no more copies per layer than without it and fewer in all; every layer

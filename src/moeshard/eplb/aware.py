@@ -35,7 +35,9 @@ Per layer:
   (the hot expert gets about the copies it needs), and the
   oblivious answer's own counts where they fill the node's slots (spread and hot-spread
   counts: a ``T`` relative to the oblivious answer may be below what ``replicate_experts``'
-  counts allow), and on nodes loaded over ``_HOT_FILL`` of ``T x live ranks`` the old counts
+  counts allow), and on nodes loaded over ``_HOT_FILL`` of ``T x live ranks`` lean counts
+  (:func:`lean_counts`: each expert the fewest copies that fit beside the lightest ones, the
+  slots left as second copies of the lightest experts) and the old counts
   with one of the heaviest experts a few copies fewer (the slots to second copies of the
   lightest experts, packed onto the ranks that hold them) or one more (:func:`hot_counts`:
   near the limit the packing's granularity decides); a packing over ``T`` is first refined by the swap search
@@ -247,6 +249,39 @@ def capped_counts(wr: np.ndarray, cnt: np.ndarray, cap: np.ndarray) -> np.ndarra
     return c
 
 
+def lean_counts(
+    wr: np.ndarray, cnt: np.ndarray, thr: np.ndarray, slots_per_rank: int, total: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Lean counts for nodes near what their ranks carry at the limit: ``cnt`` ``int[B, E]``
+    a node's counts (experts with count 0 are not the node's), ``wr`` ``float[B, E]`` loads,
+    ``thr`` ``float[B]`` the limit, ``total`` the node's live slots. Each of the node's experts
+    gets the fewest copies (at least one) whose per-copy load fits on a rank beside the
+    node's ``slots_per_rank - 1`` lightest experts under ``thr``; the slots left go one each
+    to the lightest experts (second copies, which the packing puts on the ranks that hold
+    them: nothing travels). Old counts keep copies in place but may leave a hot expert's
+    copies too heavy to pack or take slots from ranks a hot expert needs; these give the
+    hot experts just what they need and free the rest. Returns ``int[B, E]`` and ``bool[B]``
+    the rows where the fewest copies fit in ``total`` (elsewhere the counts are ``cnt``)."""
+    mine = cnt > 0
+    num_e = cnt.shape[1]
+    by_load = np.argsort(np.where(mine, wr, np.inf), axis=1, kind="stable")  # lightest first
+    nmine = mine.sum(1)
+    lightest = np.take_along_axis(wr, by_load[:, : slots_per_rank - 1], axis=1)
+    lightest = np.where(np.arange(lightest.shape[1]) < nmine[:, None], lightest, 0.0)
+    room = thr - lightest.sum(1)
+    ok = room > 0
+    fewest = np.ceil(wr / np.where(ok, room, 1.0)[:, None] * (1 - 1e-12))
+    c = np.where(mine, np.maximum(fewest, 1.0), 0.0).astype(np.int64)
+    left = total - c.sum(1)
+    ok &= left >= 0
+    left = np.where(ok, left, 0)[:, None]
+    pos = np.empty_like(by_load)  # each expert's place, lightest first
+    np.put_along_axis(pos, by_load, np.broadcast_to(np.arange(num_e), by_load.shape), axis=1)
+    per = np.maximum(nmine, 1)[:, None]
+    c += np.where(mine, left // per + (pos < left % per), 0)
+    return np.where(ok[:, None], c, cnt), ok
+
+
 def hot_counts(wr: np.ndarray, cnt: np.ndarray, thr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Count variants for nodes near what their ranks carry at the limit, where the packing's
     granularity decides: ``cnt`` ``int[B, E]`` a node's counts (experts with count 0 are not
@@ -377,10 +412,18 @@ _CAP_OVER_REPLICATE = 1.3
 # or fewer. On the DeepSeek-V3 drifting trace (benchmarks/bench_eplb_optimum.py, 7,571 copies
 # without them) these moved 7,024; 3 experts 7,260, 6 experts 6,993 (more rows, more CPU);
 # steps (-1, 1) 7,182, (-3, -2, -1, 1) 7,023; fill 0.9 7,041; the freed slots to the heaviest
-# per copy as well as to the lightest experts about the same, at twice the rows.
-_HOT_STEPS = (-2, -1, 1)
+# per copy as well as to the lightest experts about the same, at twice the rows. With the
+# lean counts (lean_counts, on the same nodes) the step -2 saves 10 copies over four seeds
+# (28,500 against 28,510) for a ninth of the variants' rows: left out.
+_HOT_STEPS = (-1, 1)
 _HOT_EXPERTS = 4
 _HOT_FILL = 0.8
+# Nodes loaded over _HOT_FILL also try lean counts (lean_counts). On the DeepSeek-V3 drifting
+# trace (benchmarks/bench_eplb_optimum.py, four seeds) 28,510 copies against 29,003 without;
+# on nodes over half of what their ranks carry 28,496 (more rows); the room for the copy at 0.95
+# or 1.02 of what the lightest experts leave: 28,638 and 28,540; the slots left to the experts
+# whose old counts were higher (their copies stay) instead of the lightest: 28,919.
+_LEAN = True
 # Sticky packing of every candidate puts a copy beyond a rank's old ones first on a rank that
 # held the expert, as a second copy (nothing travels); False: only the count variants' (on the
 # DeepSeek-V3 drifting trace of benchmarks/bench_eplb_optimum.py 22 copies more over the 5
@@ -547,7 +590,8 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None, known=N
     ``obl_cnt`` ``int[L, E]`` where they fill the node's slots (its spread and hot-spread
     counts: after the oblivious answer got lighter than ``replicate_experts``' counts allow,
     the only ones within a limit relative to it), and on nodes loaded over ``_HOT_FILL`` of
-    what their ranks carry, the old counts' variants of :func:`hot_counts` (packed with second
+    what their ranks carry, :func:`lean_counts` in the first batch and the old counts'
+    variants of :func:`hot_counts` (packed with second
     copies on the ranks that held the expert) where they may move fewer copies than the
     node's choice among the others. Two batches of rows (the cost is in the rounds of the
     loops, not in the rows). ``known``: ``(same, cand, bad)``, ``bool[L, N]`` nodes whose
@@ -606,14 +650,22 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None, known=N
         own = tight[fills[tight] & (cnt_all[tight] != cnt_r[tight]).any(1)]
         cnt_o = cnt_all[own]
         wc_o = load_per_copy(wr[own], cnt_o)
-    rows = np.concatenate([todo, tight, capped, own, at_t])
-    cands = [old_rows.copy() for _ in range(5)]
+    # lean counts on the near-full nodes
+    near = np.flatnonzero(~as_is & ~hopeless & (node_load > limit[:, None] * sh.live_per_node * _HOT_FILL).ravel())
+    total = sh.live_per_node * sh.slots_per_rank
+    cnt_l, ok_l = lean_counts(wr[near], cnt_k[near], thr_rows[near], sh.slots_per_rank, total)
+    ok_l &= (cnt_l != cnt_k[near]).any(1) & _LEAN
+    lean, cnt_l = near[ok_l], cnt_l[ok_l]
+    wc_l = load_per_copy(wr[lean], cnt_l)
+    sets = (todo, tight, capped, own, at_t, lean)
+    rows = np.concatenate(sets)
+    cands = [old_rows.copy() for _ in sets]
     if len(rows):
-        cnt_rows = np.concatenate([cnt_k[todo], cnt_r[tight], cnt_c, cnt_o, cnt_t]).astype(np.int64)
-        wc_rows = np.concatenate([wc_k[todo], wc_r[tight], wc_c, wc_o, wc_t])
+        cnt_rows = np.concatenate([cnt_k[todo], cnt_r[tight], cnt_c, cnt_o, cnt_t, cnt_l]).astype(np.int64)
+        wc_rows = np.concatenate([wc_k[todo], wc_r[tight], wc_c, wc_o, wc_t, wc_l])
         packed = _pack_rows(old_rows[rows], alive_rows[rows], cnt_rows, wc_rows, thr_rows[rows], sh, _DUP_HELD)
-        ends = np.cumsum([len(todo), len(tight), len(capped), len(own), len(at_t)])
-        for c, idx, a, b in zip(cands, (todo, tight, capped, own, at_t), np.r_[0, ends[:-1]], ends):
+        ends = np.cumsum([len(x) for x in sets])
+        for c, idx, a, b in zip(cands, sets, np.r_[0, ends[:-1]], ends):
             c[todo] = packed[: ends[0]]  # every node: the old counts unless the candidate's own
             c[idx] = packed[a:b]
     shape = (num_layers, sh.num_ranks, -1)
@@ -626,8 +678,7 @@ def _sticky_nodes(w, old3, held_old, gn, limit, sh: Shape, obl_cnt=None, known=N
     # (and nodes) whose bound is no fewer than the choice's moves are not packed.
     node_held = held_old.reshape(num_layers * n, rpn, num_logical).any(1)
     best = best.ravel()
-    near = ~as_is & ~hopeless & (node_load > limit[:, None] * sh.live_per_node * _HOT_FILL).ravel()
-    near = np.flatnonzero(near & (((cnt_k > 0) & ~node_held).sum(1) < best))
+    near = near[((cnt_k[near] > 0) & ~node_held[near]).sum(1) < best[near]]
     hv_r, cnt_h = hot_counts(wr[near], cnt_k[near], thr_rows[near])
     hot_rows = near[hv_r]
     fewer = (cnt_h * ~node_held[hot_rows]).sum(1) < best[hot_rows]
