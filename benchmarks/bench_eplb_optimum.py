@@ -17,7 +17,10 @@ Sections (all on the same seeded loads per section):
    answer, per layer and (``tolerance_scope="step"``) on the mean over layers, copies moved
    against the reference's; and a lower bound of the per-layer policy's moves from its own
    previous placement: the groups that must change node for every node to fit under the
-   limit (:func:`forced_group_moves`), a group's experts each one copy.
+   limit (:func:`forced_group_moves`), a group's experts each one copy; and a floor of any
+   hierarchical answer's moves within the per-layer limit over all the steps, from the start
+   placement, even one that knew the later loads: the cheapest sequence of group assignments
+   (:func:`group_move_floor`, copies moved inside nodes not counted).
 5. With ``--compare SRC`` (another source tree's ``src``, e.g. an older checkout): the time of
    one ``eplb.rebalance`` call of sections 3 and 4 with this tree's package and with that one,
    alternated in one process (the host's load hits both alike), and their ratio.
@@ -247,6 +250,45 @@ def forced_group_moves(w, old, s, limit) -> np.ndarray:
     return np.where(fits, changed, g).min(1)
 
 
+def group_move_floor(trace, start, s, limits) -> np.ndarray:
+    """``int[L]``: per layer, the fewest copies any hierarchical answer (``G / N`` groups per
+    node, each group on one node) moves over the steps ``trace[1:]`` (``float[T + 1, L, E]``)
+    from ``start`` (the placement of step 0) with every node under what its ranks carry at
+    ``limits[t - 1]`` ``float[L]`` (the heaviest rank allowed at step ``t``): a group that
+    changes node moves all its experts' copies, at least ``max(1, ceil(load / limit))`` each,
+    and the copies moved inside nodes are not counted (so it is a floor). Dynamic program over
+    every assignment of groups to nodes, per layer: the cheapest sequence of assignments, each
+    within the step's limit."""
+    n, g, r = s["nodes"], s["groups"], s["ranks"]
+    num_layers, num_logical = trace.shape[1:]
+    gsize = num_logical // g
+    per = g // n
+    assign = np.array(
+        sorted({tuple(np.repeat(np.arange(n), per)[list(q)]) for q in itertools.permutations(range(g))}),
+        dtype=np.int64,
+    )  # [A, G]: node of each group
+    index = {tuple(a): i for i, a in enumerate(assign)}
+    p3 = np.asarray(start.phy2log).reshape(num_layers, n, -1)
+    out = np.zeros(num_layers, dtype=np.int64)
+    for layer in range(num_layers):
+        a0 = np.zeros(g, dtype=np.int64)
+        for k in range(n):
+            a0[np.unique(p3[layer, k][p3[layer, k] >= 0] // gsize)] = k
+        cost = np.full(len(assign), np.inf)
+        cost[index[tuple(a0)]] = 0.0
+        for t in range(1, len(trace)):
+            w, lim = trace[t][layer], float(limits[t - 1][layer])
+            least = np.maximum(1, np.ceil(w / lim - 1e-12)).reshape(g, gsize).sum(1)  # [G]
+            gl = w.reshape(g, gsize).sum(1)
+            node_load = np.stack([(gl * (assign == k)).sum(1) for k in range(n)], 1)  # [A, N]
+            fits = node_load.max(1) <= lim * (r // n) * (1 + 1e-9)
+            rows = np.flatnonzero(np.isfinite(cost))
+            trans = (assign[rows, None, :] != assign[None, :, :]) @ least.astype(np.float64)  # [rows, A]
+            cost = np.where(fits, (cost[rows, None] + trans).min(0), np.inf)
+        out[layer] = int(cost.min())
+    return out
+
+
 def migration(layers: int, steps: int, seed: int) -> dict:
     s = SHAPES["deepseek_v3"]
     cfg = dict(num_physical=s["physical"], num_ranks=s["ranks"], num_nodes=s["nodes"], num_groups=s["groups"])
@@ -254,6 +296,7 @@ def migration(layers: int, steps: int, seed: int) -> dict:
     start = eplb.rebalance(tr[0], **cfg, migration_aware=False)
     cur = {"reference": eplb.reference(tr[0], **cfg), "oblivious": start, "aware": start, "step_scope": start}
     rows = []
+    limits = []
     for t in range(1, steps + 1):
         w = tr[t]
         new = {
@@ -282,6 +325,7 @@ def migration(layers: int, steps: int, seed: int) -> dict:
         row["step_scope_over_oblivious_max"] = float((b_step / b_obl).max())
         row["step_scope_cpu_ms"] = 1e3 * step_cpu
         limit = eplb.rank_loads(w, obl_here, s["ranks"]).max(1) * 1.01
+        limits.append(limit)
         forced = forced_group_moves(w, cur["aware"], s, limit)
         row["aware_groups_forced"] = int(forced.sum())
         row["aware_forced_copies"] = int(forced.sum()) * (s["logical"] // s["groups"])
@@ -290,7 +334,10 @@ def migration(layers: int, steps: int, seed: int) -> dict:
         rows.append(row)
         cur = new
     tot = {n: sum(r[n]["moved"] for r in rows) for n in ("reference", "oblivious", "aware", "step_scope")}
+    floor = int(group_move_floor(tr, start, s, limits).sum())
     return {
+        "group_move_floor": floor,
+        "group_move_floor_over_reference_moves": floor / max(1, tot["reference"]),
         "steps": rows,
         "moved_total": tot,
         "aware_over_reference_moves": tot["aware"] / max(1, tot["reference"]),

@@ -160,3 +160,29 @@ def test_forced_group_moves_bounds_every_answer():
         assert eplb.rank_loads(w1, new, 4).max() <= limit[0] * (1 + 1e-12)
         assert groups_moved(old, new) >= forced[0]
         assert eplb.copies_moved(old, new, 4) >= 4 * forced[0]
+
+
+def test_group_move_floor_bounds_the_chained_policy():
+    """bench_eplb_optimum's floor of a hierarchical policy's moves over steps: from a
+    placement whose node 0 holds the two groups that become hot, one hot group and one cold
+    group must swap nodes (each expert at least one copy: 8 copies), and nothing more at a
+    second step of the same loads; the aware policy chained over both steps moves at least
+    that, and with limits 10x higher the floor is 0."""
+    from benchmarks.bench_eplb_optimum import group_move_floor
+
+    s = dict(logical=16, physical=24, ranks=4, nodes=2, groups=4)
+    cfg = dict(num_physical=24, num_ranks=4, num_nodes=2, num_groups=4)
+    old = Placement(
+        np.r_[np.arange(8), np.arange(4), np.arange(8, 16), np.arange(8, 12)][None], num_logical=16, num_ranks=4
+    )
+    w1 = np.array([[8.0] * 8 + [1.0] * 8])
+    trace = np.stack([w1, w1, w1])
+    limit = eplb.rank_loads(w1, eplb.rebalance(w1, **cfg, migration_aware=False), 4).max(1) * 1.01
+    assert group_move_floor(trace, old, s, [limit, limit]).tolist() == [8]
+    assert group_move_floor(trace, old, s, [limit * 10, limit * 10]).tolist() == [0]
+    cur, moved = old, 0
+    for w in trace[1:]:
+        new = eplb.rebalance(w, cur, **cfg, tolerance=0.01, relative_to="oblivious")
+        moved += eplb.copies_moved(cur, new, 4)
+        cur = new
+    assert moved >= 8
