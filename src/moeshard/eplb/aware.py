@@ -38,8 +38,8 @@ Per layer:
   counts allow), and on nodes loaded over ``_HOT_FILL`` of ``T x live ranks`` lean counts
   (:func:`lean_counts`: each expert the fewest copies that fit beside the lightest ones, the
   slots left as second copies of the lightest experts) and the old counts
-  with one of the heaviest experts a few copies fewer (the slots to second copies of the
-  lightest experts, packed onto the ranks that hold them) or one more (:func:`hot_counts`:
+  with one of the heaviest experts one copy fewer (the slot to a second copy of the
+  lightest expert, packed onto a rank that holds it) or one more (:func:`hot_counts`:
   near the limit the packing's granularity decides); a packing over ``T`` is first refined by the swap search
   (:func:`moeshard.eplb.refine.lower_peak`) and copies are swapped back to ranks that held
   them (:func:`restore`); the node takes the one within ``T`` that moves fewest copies;
