@@ -111,6 +111,15 @@ def loads_after(t: LayerTables, wa: np.ndarray, la: np.ndarray, minus: np.ndarra
     return new, after_m, after_p
 
 
+def lightest_within(new: np.ndarray, lim: np.ndarray, key: np.ndarray) -> np.ndarray:
+    """``int[M]``: per distinct ``key`` ``int[K]`` the candidate (a row of ``new`` ``float[K,
+    R]``, the rank loads after it) whose heaviest rank is lightest among those within ``lim``
+    ``float[K]``, the first on ties; ordered by key, none for a key without one."""
+    peak = new.max(1)
+    fits = np.flatnonzero(peak <= lim)
+    return first_min_per_key(key, peak, fits) if len(fits) else fits
+
+
 def _one_round(w, out, old3, held_old, thr, node_of_rank, num_nodes, num_logical, active) -> np.ndarray:
     """One replacement (the lightest heaviest rank after it) on each layer of ``active``
     ``int[A]`` that has one within ``thr``, in place on ``out``; returns those layers."""
@@ -138,14 +147,9 @@ def _one_round(w, out, old3, held_old, thr, node_of_rank, num_nodes, num_logical
         return m
     a, r, j, e, f = a[m], r[m], j[m], e[m], f[m, col]
     new, after_e, after_f = loads_after(t, wa, a, e, f)  # [K, R]
-    k = np.arange(len(a))
-    new[k, r] += after_f - after_e  # the slot itself: e's copy out, f's in
-    peak = new.max(1)
-    fits = peak <= thr[active[a]]
-    if not fits.any():
-        return np.zeros(0, dtype=np.int64)
+    new[np.arange(len(a)), r] += after_f - after_e  # the slot itself: e's copy out, f's in
     # one replacement per layer and node: those of different nodes touch different ranks and
     # experts (every copy of e and f is on the node), so each is checked exactly as it is
-    first = first_min_per_key(a * num_nodes + node_of_rank[r], peak, k[fits])
+    first = lightest_within(new, thr[active[a]], a * num_nodes + node_of_rank[r])
     out[active[a[first]], r[first], j[first]] = f[first]
     return np.unique(active[a[first]])

@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .fill import layer_tables, loads_after, rounds_on_layers
-from .metrics import first_min_per_key
+from .fill import layer_tables, lightest_within, loads_after, rounds_on_layers
 
 
 def shift_held(
@@ -70,12 +69,8 @@ def _one_round(w, out, old3, held_old, thr, node_of_rank, num_nodes, num_logical
     wx = t.wc[la, x]
     new[k, ra] += after_z - wx  # a: x out, z in
     new[k, rb] += wx - after_y  # b: y out, x in
-    peak = new.max(1)
-    fits = peak <= thr[active[la]]
-    if not fits.any():
-        return np.zeros(0, dtype=np.int64)
     # one shift per layer and node: those of different nodes touch different ranks and experts
-    first = first_min_per_key(la * num_nodes + node_of_rank[ra], peak, k[fits])
+    first = lightest_within(new, thr[active[la]], la * num_nodes + node_of_rank[ra])
     out[active[la[first]], ra[first], ia[first]] = z[first]
     out[active[la[first]], rb[first], jb[first]] = x[first]
     return np.unique(active[la[first]])
