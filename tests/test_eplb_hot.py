@@ -1,6 +1,7 @@
-"""Tier 1: the migration-aware policy's count variants of near-full nodes
-(:func:`moeshard.eplb.aware.hot_counts`) and the sticky packing's second copies on ranks that
-held the expert (``sticky_pack(dup_held=)``)."""
+"""Tier 1: the migration-aware policy's count candidates of near-full nodes
+(:func:`moeshard.eplb.aware.hot_counts`, :func:`moeshard.eplb.aware.lean_counts`, the old
+counts capped under the limit), the fallback's hot-spread counts and the sticky packing's
+second copies on ranks that held the expert (``sticky_pack(dup_held=)``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,19 @@ from eplb_steps import aware_moves, compiled_and_numpy, count_calls
 from moeshard.cli.bench.traces import zipf_trace
 from moeshard.eplb import aware
 from moeshard.eplb.sticky import sticky_pack
+
+# DeepSeek-V3's shape: 32 ranks on 4 nodes, 8 groups, 288 slots
+V3 = dict(num_physical=288, num_ranks=32, num_nodes=4, num_groups=8)
+
+
+def _moves_with_and_without(monkeypatch, switch: str, off, seed: int) -> tuple[int, int]:
+    """Copies the aware policy moves over a drifting trace at DeepSeek-V3's shape (12 layers,
+    3 steps, every step within the limit: ``aware_moves`` checks it) as it is and with
+    ``aware.<switch>`` set to ``off``."""
+    trace = zipf_trace(12, 256, 4, seed=seed, alpha=1.2, drift=0.1)
+    with_it = aware_moves(trace, V3)
+    monkeypatch.setattr(aware, switch, off)
+    return with_it, aware_moves(trace, V3)
 
 
 def _moved(old, new):
@@ -101,11 +115,8 @@ def test_aware_second_copies_on_held_ranks_save_copies(monkeypatch):
     the expert (``_DUP_HELD``): over a drifting trace at DeepSeek-V3's shape (12 layers) the
     policy moves fewer copies than with second copies only in the count variants, every step
     within the limit (``aware_moves`` checks it)."""
-    cfg = dict(num_physical=288, num_ranks=32, num_nodes=4, num_groups=8)
-    trace = zipf_trace(12, 256, 4, seed=5, alpha=1.2, drift=0.1)
-    with_dup = aware_moves(trace, cfg)
-    monkeypatch.setattr(aware, "_DUP_HELD", False)
-    assert with_dup < aware_moves(trace, cfg), with_dup
+    with_dup, without = _moves_with_and_without(monkeypatch, "_DUP_HELD", False, seed=5)
+    assert with_dup < without, (with_dup, without)
 
 
 def test_fallback_packs_a_near_full_node_with_hot_spread_counts():
@@ -120,14 +131,13 @@ def test_fallback_packs_a_near_full_node_with_hot_spread_counts():
     from moeshard.eplb.metrics import copy_counts, rank_loads3
     from moeshard.eplb.oblivious import group_packs
 
-    cfg = dict(num_physical=288, num_ranks=32, num_nodes=4, num_groups=8)
     trace = zipf_trace(58, 256, 2, seed=0, alpha=1.2, drift=0.1)
-    old = eplb.rebalance(trace[0], **cfg, migration_aware=False).phy2log.reshape(58, 4, 72)[42]
+    old = eplb.rebalance(trace[0], **V3, migration_aware=False).phy2log.reshape(58, 4, 72)[42]
     w = trace[1][42:43]
     gn = np.zeros((1, 8), dtype=np.int64)
     for node in range(4):
         gn[0, np.unique(old[node] // 32)] = node
-    limit = eplb.rank_loads(w, eplb.rebalance(w, **cfg, migration_aware=False), 32).max() * 1.01
+    limit = eplb.rank_loads(w, eplb.rebalance(w, **V3, migration_aware=False), 32).max() * 1.01
     node_load = w[0].reshape(8, 32).sum(1)
     assert node_load[gn[0] == 0].sum() / (8 * limit) > 0.995
     packs = group_packs(w, check_shape(w, 288, 32, 4, 8, None), gn).reshape(1, 32, 9)
@@ -140,11 +150,8 @@ def test_aware_counts_capped_under_the_limit_save_copies(monkeypatch):
     candidate of the old counts capped at ``_CAP_OF_LIMIT`` of the limit gives the hot expert
     about the copies it needs: over a drifting trace at DeepSeek-V3's shape (12 layers) the
     policy moves fewer copies with it than without, every step within the limit."""
-    cfg = dict(num_physical=288, num_ranks=32, num_nodes=4, num_groups=8)
-    trace = zipf_trace(12, 256, 4, seed=6, alpha=1.2, drift=0.1)
-    with_cap = aware_moves(trace, cfg)
-    monkeypatch.setattr(aware, "_CAP_OF_LIMIT", None)
-    assert with_cap < aware_moves(trace, cfg), with_cap
+    with_cap, without = _moves_with_and_without(monkeypatch, "_CAP_OF_LIMIT", None, seed=6)
+    assert with_cap < without, (with_cap, without)
 
 
 def test_lean_counts():
@@ -170,8 +177,5 @@ def test_aware_lean_counts_save_copies(monkeypatch):
     they need, the other slots second copies of the lightest experts on the ranks that hold
     them. Over a drifting trace at DeepSeek-V3's shape (12 layers) the policy moves fewer copies
     with them than without (1,049 against 1,116), every step within the limit."""
-    cfg = dict(num_physical=288, num_ranks=32, num_nodes=4, num_groups=8)
-    trace = zipf_trace(12, 256, 4, seed=6, alpha=1.2, drift=0.1)
-    with_lean = aware_moves(trace, cfg)
-    monkeypatch.setattr(aware, "_LEAN", False)
-    assert with_lean < aware_moves(trace, cfg), with_lean
+    with_lean, without = _moves_with_and_without(monkeypatch, "_LEAN", False, seed=6)
+    assert with_lean < without, (with_lean, without)
